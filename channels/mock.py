@@ -1,0 +1,173 @@
+"""In-process channel: memcpy between regions of agents in the same process.
+
+For unit tests of the layers above the channel (sender, receiver, tier),
+never as a stand-in for a channel we claim to have. Copies run on a worker
+thread so handles complete asynchronously like a real channel's, and tests
+can inject faults (delay, stall, corruption, peer death) through ``faults``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgspec
+
+from pdkv.channels.base import Channel, ChannelOptions, Notification, TransferHandle, TransferOp, check_range
+from pdkv.errors import ChannelError
+from pdkv.memory import byte_view
+
+_FABRIC: dict[str, MockChannel] = {}
+_FABRIC_LOCK = threading.Lock()
+
+
+class MockOptions(ChannelOptions):
+    delay_s: float = 0.0
+
+
+@dataclass
+class MockFaults:
+    """Switches a test flips to make the next transfers misbehave."""
+
+    stall: bool = False  # transfers never complete (a hung peer)
+    corrupt_next: int = 0  # flip a byte in the next N transfers after copying
+    fail_next: int = 0  # fail the next N transfers with an error
+
+
+class _Meta(msgspec.Struct):
+    name: str
+    regions: dict[int, int]
+
+
+class MockChannel(Channel):
+    name: ClassVar[str] = "mock"
+    Options = MockOptions
+
+    def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
+        super().__init__(agent_name, options)
+        self.faults = MockFaults()
+        self._views: dict[int, memoryview] = {}
+        self._next_region = 0
+        self._notifs: list[Notification] = []
+        self._notif_lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[TransferHandle, Any] | None] = queue.SimpleQueue()
+        self._pending: set[TransferHandle] = set()
+        self._closed = False
+        with _FABRIC_LOCK:
+            if agent_name in _FABRIC:
+                raise ChannelError(f"mock agent name {agent_name!r} already in use in this process")
+            _FABRIC[agent_name] = self
+        self._worker = threading.Thread(target=self._run, name=f"mock-{agent_name}", daemon=True)
+        self._worker.start()
+
+    def register(self, buf: Any) -> int:
+        view = byte_view(buf)
+        region = self._next_region
+        self._next_region += 1
+        self._views[region] = view
+        self._add_region(region, view.nbytes)
+        return region
+
+    def deregister(self, region: int) -> None:
+        self._views.pop(region, None)
+        self._region_sizes.pop(region, None)
+
+    def metadata(self) -> bytes:
+        return msgspec.msgpack.encode(_Meta(self.agent_name, dict(self._region_sizes)))
+
+    def add_peer(self, metadata: bytes) -> str:
+        try:
+            meta = msgspec.msgpack.decode(metadata, type=_Meta)
+        except msgspec.DecodeError as exc:
+            raise ChannelError(f"mock: malformed peer metadata: {exc}") from None
+        self._peer_region_sizes[meta.name] = dict(meta.regions)
+        return meta.name
+
+    def remove_peer(self, peer: str) -> None:
+        self._peer_region_sizes.pop(peer, None)
+        for h in list(self._pending):
+            if h.peer == peer:
+                h.fail(f"peer {peer!r} removed")
+
+    def write(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None) -> TransferHandle:
+        return self._post(peer, "write", ops, notif)
+
+    def read(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None) -> TransferHandle:
+        return self._post(peer, "read", ops, notif)
+
+    def _post(self, peer: str, op: str, ops: Sequence[TransferOp], notif: bytes | None) -> TransferHandle:
+        if self._closed:
+            raise ChannelError("mock channel is closed")
+        total = self.check_ops(peer, ops)
+        handle = TransferHandle(peer, op, total)
+        self._pending.add(handle)
+        self._queue.put((handle, (list(ops), notif)))
+        return handle
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            handle, (ops, notif) = item
+            try:
+                self._execute(handle, ops, notif)
+            except ChannelError as exc:
+                handle.fail(str(exc))
+            finally:
+                if handle.state.value != "pending" or not self.faults.stall:
+                    self._pending.discard(handle)
+
+    def _execute(self, handle: TransferHandle, ops: list[TransferOp], notif: bytes | None) -> None:
+        opts: MockOptions = self.options  # type: ignore[assignment]
+        if opts.delay_s:
+            time.sleep(opts.delay_s)
+        if self.faults.stall:
+            return
+        if self.faults.fail_next:
+            self.faults.fail_next -= 1
+            raise ChannelError("injected transfer failure")
+        with _FABRIC_LOCK:
+            peer = _FABRIC.get(handle.peer)
+        if peer is None or peer._closed:
+            raise ChannelError(f"peer {handle.peer!r} is gone")
+        for op in ops:
+            remote = peer._views.get(op.remote_region)
+            check_range(peer._region_sizes, op.remote_region, op.remote_offset, op.length, f"peer {handle.peer!r}")
+            local = self._views[op.local_region]
+            src, dst = (local, remote) if handle.op == "write" else (remote, local)
+            s_off, d_off = (op.local_offset, op.remote_offset) if handle.op == "write" else (op.remote_offset, op.local_offset)
+            assert remote is not None
+            dst[d_off : d_off + op.length] = src[s_off : s_off + op.length]
+        if self.faults.corrupt_next:
+            self.faults.corrupt_next -= 1
+            op = ops[0]
+            target = peer._views[op.remote_region] if handle.op == "write" else self._views[op.local_region]
+            at = op.remote_offset if handle.op == "write" else op.local_offset
+            target[at] ^= 0xFF
+        if handle.complete() and notif is not None:
+            peer._deliver(Notification(self.agent_name, notif))
+
+    def _deliver(self, n: Notification) -> None:
+        with self._notif_lock:
+            self._notifs.append(n)
+
+    def get_notifications(self) -> list[Notification]:
+        with self._notif_lock:
+            out, self._notifs = self._notifs, []
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        for h in list(self._pending):
+            h.fail("mock channel closed")
+        self._pending.clear()
+        with _FABRIC_LOCK:
+            if _FABRIC.get(self.agent_name) is self:
+                del _FABRIC[self.agent_name]
+        self._views.clear()
+        self._region_sizes.clear()

@@ -1,0 +1,1 @@
+"""Benchmarks behind `pdkv bench`: each prints JSON with ratios against a same-run baseline."""

@@ -1,0 +1,97 @@
+"""The ``pdkv`` command: every role and every measurement behind one entry point.
+
+Subcommands import their implementation lazily so ``pdkv --help`` is instant
+and a missing optional extra only affects the subcommand that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from pdkv.errors import PdkvError
+
+
+def _sizes(text: str) -> list[int]:
+    """Parse ``4K,256K,4M,32M`` into bytes."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    out = []
+    for part in text.split(","):
+        part = part.strip().upper().removesuffix("B")
+        num, unit = (part[:-1], part[-1]) if part and part[-1] in units else (part, "")
+        try:
+            value = int(num) * units[unit]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"size {part!r}: expected a number with an optional K, M or G suffix") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"size {part!r} must be positive")
+        out.append(value)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdkv", description="Prefill/decode disaggregated KV transfer.")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="move a KV cache between two local processes and verify it")
+    demo.add_argument("--channel", default="tcp", help="transfer channel (tcp, nixl, mock)")
+    demo.add_argument("--model", default="default", help="model: 'default' or a path")
+    demo.add_argument("--prompt", default=None, help="prompt text")
+    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.set_defaults(target="pdkv.demo:run")
+
+    launch = sub.add_parser("launch", help="run one role: prefill, decode or router")
+    launch.add_argument("--role", required=True, choices=["prefill", "decode", "router"])
+    launch.add_argument("--config", default=None, help="YAML config file")
+    launch.add_argument("--host", default=None)
+    launch.add_argument("--port", type=int, default=None)
+    launch.add_argument("--model", default=None)
+    launch.add_argument("--channel", default=None)
+    launch.add_argument("--engine", default=None, choices=["reference", "vllm"])
+    launch.add_argument("--prefill", action="append", default=None, help="router: prefill worker URL (repeatable)")
+    launch.add_argument("--decode", action="append", default=None, help="router: decode worker URL (repeatable)")
+    launch.add_argument("--policy", default=None, choices=["round-robin", "least-loaded", "prefix"])
+    launch.set_defaults(target="pdkv.launch.main:run")
+
+    bench = sub.add_parser("bench", help="measure against same-run baselines (JSON out)")
+    bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    ch = bsub.add_parser("channel", help="channel GB/s against raw sockets / raw NIXL / memcpy")
+    ch.add_argument("--channel", default="tcp", help="mock, tcp, nixl or ucx")
+    ch.add_argument("--sizes", type=_sizes, default=_sizes("4K,256K,4M,32M"))
+    ch.add_argument("--repeats", type=int, default=0, help="repeats per size (0: chosen per size)")
+    ch.add_argument("--json", action="store_true", help="print one JSON object")
+    ch.set_defaults(target="pdkv.bench.channel:run")
+    ga = bsub.add_parser("gather", help="paged gather/scatter GB/s against memcpy")
+    ga.add_argument("--json", action="store_true")
+    ga.set_defaults(target="pdkv.bench.gather:run")
+    tt = bsub.add_parser("ttft", help="time to first token, cold and from each cache tier")
+    tt.add_argument("--json", action="store_true")
+    tt.set_defaults(target="pdkv.bench.ttft:run")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    module_name, func_name = args.target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith("pdkv"):
+            print(f"pdkv: '{args.command}' is not available in this build ({exc.name} missing)", file=sys.stderr)
+            return 2
+        raise
+    try:
+        return int(getattr(module, func_name)(args) or 0)
+    except PdkvError as exc:
+        print(f"pdkv: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

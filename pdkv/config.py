@@ -1,0 +1,121 @@
+"""One validated configuration for every role, from YAML and CLI flags.
+
+msgspec does the type checking; ``load_config`` turns its errors into a
+``ConfigError`` that names the field, the value given and what was expected,
+so a bad config fails at start instead of deep inside a transfer.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+import yaml
+from msgspec import Meta
+
+from pdkv.errors import ConfigError
+from pdkv.keys import DEFAULT_CHUNK_SIZE
+
+Positive = Annotated[int, Meta(ge=1)]
+Seconds = Annotated[float, Meta(gt=0)]
+
+
+class TransferConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Sizes and timeouts of the KV data path; every wait has one."""
+
+    chunk_size: Positive = DEFAULT_CHUNK_SIZE
+    max_inflight_bytes: Positive = 64 << 20
+    staging_slots: Positive = 8
+    slots_per_request: Positive = 2
+    max_reservations: Positive = 4096
+    handshake_timeout_s: Seconds = 10.0
+    reserve_timeout_s: Seconds = 10.0
+    chunk_timeout_s: Seconds = 30.0
+    transfer_timeout_s: Seconds = 120.0
+    lease_s: Seconds = 15.0
+    heartbeat_s: Seconds = 1.0
+    claim_timeout_s: Seconds = 60.0
+    drain_timeout_s: Seconds = 10.0
+
+
+class ChannelConfig(msgspec.Struct, forbid_unknown_fields=True):
+    name: Literal["mock", "tcp", "nixl", "ucx"] = "tcp"
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Everything one pdkv process needs; unknown keys are errors, not silently ignored."""
+
+    role: Literal["prefill", "decode", "router", "demo"] = "demo"
+    host: str = "127.0.0.1"
+    port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    control_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    model: str = "default"
+    engine: Literal["reference", "vllm"] = "reference"
+    num_blocks: Positive = 1024
+    block_size: Positive = 16
+    kv_order: Literal["NHD", "HND"] = "NHD"
+    kv_kind: Literal["per_layer", "cross_layer"] = "per_layer"
+    secret: str = ""
+    channel: ChannelConfig = msgspec.field(default_factory=ChannelConfig)
+    transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
+
+
+_PATH = re.compile(r"at `\$((?:\.\w+|\[\d+\])*)`")
+
+
+def _lookup(raw: Any, path: str) -> Any:
+    """Follow a msgspec error path like ``.transfer.chunk_size`` into the raw mapping."""
+    node = raw
+    for part in re.findall(r"\.(\w+)|\[(\d+)\]", path):
+        key = part[0] if part[0] else int(part[1])
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return "<missing>"
+    return node
+
+
+def convert_config(raw: dict[str, Any], source: str = "config") -> PdkvConfig:
+    """Validate a raw mapping; errors say field, value and expectation."""
+    try:
+        return msgspec.convert(raw, PdkvConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _PATH.search(text)
+        path = match.group(1) if match else ""
+        unknown = re.search(r"unknown field `(\w+)`", text)
+        if unknown:
+            path += "." + unknown.group(1)
+            text = f"unknown field; expected one of the documented fields of '{path.rsplit('.', 1)[0].lstrip('.') or 'the top level'}'"
+        field = path.lstrip(".") or "?"
+        expected = _PATH.sub("", text).rstrip(" -")
+        raise ConfigError(f"{source}: field '{field}' = {_lookup(raw, path)!r}: {expected}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PdkvConfig:
+    """YAML file (optional) with CLI overrides on top; ``None`` overrides are ignored."""
+    raw: dict[str, Any] = {}
+    source = "config"
+    if path is not None:
+        source = str(path)
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level, got {type(loaded).__name__}")
+        raw = loaded or {}
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return convert_config(raw, source)

@@ -1,0 +1,71 @@
+"""pdkv's own exception hierarchy.
+
+Every error a user can see is one of these, so callers can catch ``PdkvError``
+at a boundary (an HTTP handler, the CLI) and everything else is a bug.
+"""
+
+from __future__ import annotations
+
+
+class PdkvError(Exception):
+    """Base of every error pdkv raises on purpose."""
+
+
+class ConfigError(PdkvError, ValueError):
+    """A configuration value is wrong; the message names field, value and what was expected."""
+
+
+class LayoutError(PdkvError, ValueError):
+    """A KV layout or a block/slot index does not fit the buffer it describes."""
+
+
+class ProtocolError(PdkvError):
+    """A control message or frame from a peer is malformed or unexpected."""
+
+
+class HandshakeError(ProtocolError):
+    """Hello was refused: the peers are incompatible or failed authentication."""
+
+
+class ChannelError(PdkvError):
+    """A transfer channel failed: bad descriptor, unknown peer, dead connection."""
+
+
+class ChannelNotInstalledError(ChannelError, ImportError):
+    """The channel needs an optional extra that is not installed."""
+
+
+class TransferError(PdkvError):
+    """A KV transfer for one request failed; the request must fall back to recompute."""
+
+
+class ChecksumError(TransferError):
+    """A chunk landed with bytes that do not match the checksum the sender computed."""
+
+
+class TransferTimeout(TransferError, TimeoutError):
+    """A wait for a peer, a reservation, a chunk or a completion ran past its timeout."""
+
+
+class TransferCancelled(TransferError):
+    """The transfer was cancelled by either side or by the client going away."""
+
+
+class ReservationError(TransferError):
+    """The receiver could not reserve room for the whole request (all or nothing)."""
+
+
+class OutOfBlocksError(ReservationError):
+    """Not enough free KV blocks for the request."""
+
+
+class EngineError(PdkvError):
+    """The engine was driven wrongly (a request used after free, a prefill out of order) or failed a step."""
+
+
+class ModelLoadError(EngineError):
+    """A model could not be found, read or understood; the message says which file and what to do."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A generation request's parameters or tokens are invalid (an HTTP 400, not a server fault)."""

@@ -1,0 +1,69 @@
+"""Prefix-chained chunk keys.
+
+A chunk's key is xxh3-128 over (parent key, model fingerprint, the chunk's
+token ids), so equal prefixes give equal keys in every process, on every
+machine and across restarts. Python's builtin ``hash`` is salted per
+process (PYTHONHASHSEED) and must never be used here: LMCache users lost
+every cross-process cache hit to exactly that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from pdkv.errors import ConfigError
+
+DEFAULT_CHUNK_SIZE = 256
+KEY_BYTES = 16
+
+
+def model_fingerprint(model_id: str, config: Mapping[str, Any] | None = None, dtype: str = "") -> str:
+    """A stable short id for "the same weights and KV semantics".
+
+    P and D refuse each other at Hello when this differs, and the cache tier
+    keys by it, so KV from one model is never served to another.
+    """
+    blob = json.dumps({"model": model_id, "config": dict(config or {}), "dtype": dtype}, sort_keys=True, default=str)
+    return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
+
+
+def _root(fingerprint: str) -> bytes:
+    return xxhash.xxh3_128_digest(b"pdkv/root/" + fingerprint.encode())
+
+
+def chunk_key(parent: bytes, fingerprint: str, tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Key of one chunk given its parent's key (use ``_root`` for the first)."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"chunk tokens must be one-dimensional, got shape {arr.shape}")
+    h = xxhash.xxh3_128()
+    h.update(parent)
+    h.update(fingerprint.encode())
+    h.update(len(arr).to_bytes(4, "little"))
+    h.update(arr.astype("<u4", copy=False).tobytes() if (arr >= 0).all() and (arr < 2**32).all() else arr.astype("<i8").tobytes())
+    return h.digest()
+
+
+def chunk_spans(num_tokens: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterator[tuple[int, int]]:
+    """``(start, length)`` of each chunk of a prompt; the last may be partial."""
+    if chunk_size <= 0:
+        raise ConfigError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    for start in range(0, num_tokens, chunk_size):
+        yield start, min(chunk_size, num_tokens - start)
+
+
+def chunk_keys(tokens: Sequence[int] | np.ndarray, fingerprint: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[bytes]:
+    """Keys of every chunk of ``tokens``, a partial last chunk included."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    keys: list[bytes] = []
+    parent = _root(fingerprint)
+    for start, length in chunk_spans(len(arr), chunk_size):
+        parent = chunk_key(parent, fingerprint, arr[start : start + length])
+        keys.append(parent)
+    return keys

@@ -1,0 +1,232 @@
+"""How a worker's paged KV cache sits in memory, and the canonical wire chunk.
+
+P and D may run different engines or settings (block size, NHD vs HND,
+per-layer vs cross-layer tensors). The wire format is one canonical
+contiguous tensor per chunk, ``[layers, kv, tokens, kv_heads, head_dim]``
+(kv = 2 for K and V, 1 for MLA's single latent tensor with kv_heads = 1), so
+any layout can talk to any other. ``gather``/``scatter`` here are the pure
+torch path: the fallback and the oracle for the native kernels in csrc/.
+When both sides have the same layout, whole blocks move as byte ranges
+(``block_ranges``) with no conversion at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import msgspec
+import torch
+
+from pdkv.errors import LayoutError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+BlockTable = Sequence[int] | torch.Tensor
+
+
+class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Shape of one worker's paged KV buffer; travels in Hello.
+
+    ``kind``: ``per_layer`` keeps one tensor per layer shaped
+    ``[blocks, kv, block_size, heads, head_dim]`` (NHD) or
+    ``[blocks, kv, heads, block_size, head_dim]`` (HND), so one block of one
+    layer is one contiguous range. ``cross_layer`` keeps a single tensor
+    ``[blocks, layers, kv, ...]`` so one block of all layers is one range:
+    fewest descriptors per transfer. ``mla`` drops the kv and heads axes:
+    ``[blocks, block_size, latent_dim]`` (per layer) with ``head_dim`` the
+    latent size.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int = 16
+    dtype: str = "bfloat16"
+    kind: Literal["per_layer", "cross_layer"] = "per_layer"
+    order: Literal["NHD", "HND"] = "NHD"
+    mla: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise LayoutError(f"KVLayout.{name} must be a positive integer, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise LayoutError(f"KVLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.mla and self.num_kv_heads != 1:
+            raise LayoutError(f"KVLayout with mla=True has one latent head; num_kv_heads must be 1, got {self.num_kv_heads}")
+
+    # -- sizes -------------------------------------------------------------
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def kv_factor(self) -> int:
+        return 1 if self.mla else 2
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of KV per token over all layers."""
+        return self.num_layers * self.kv_factor * self.num_kv_heads * self.head_dim * self.element_size
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, self.kv_factor, num_tokens, self.num_kv_heads, self.head_dim)
+
+    def chunk_bytes(self, num_tokens: int) -> int:
+        return num_tokens * self.token_bytes
+
+    @property
+    def num_tensors(self) -> int:
+        return self.num_layers if self.kind == "per_layer" else 1
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in one of the buffer's tensors."""
+        per_layer = self.block_size * self.kv_factor * self.num_kv_heads * self.head_dim * self.element_size
+        return per_layer if self.kind == "per_layer" else per_layer * self.num_layers
+
+    def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
+        inner: tuple[int, ...]
+        if self.mla:
+            inner = (self.block_size, self.head_dim)
+        elif self.order == "NHD":
+            inner = (2, self.block_size, self.num_kv_heads, self.head_dim)
+        else:
+            inner = (2, self.num_kv_heads, self.block_size, self.head_dim)
+        if self.kind == "cross_layer":
+            return (num_blocks, self.num_layers, *inner)
+        return (num_blocks, *inner)
+
+    def allocate(self, num_blocks: int, device: str | torch.device = "cpu") -> list[torch.Tensor]:
+        """Zeroed buffer tensors for ``num_blocks`` blocks, in this layout."""
+        if num_blocks <= 0:
+            raise LayoutError(f"num_blocks must be positive, got {num_blocks}")
+        shape = self.tensor_shape(num_blocks)
+        return [torch.zeros(shape, dtype=self.torch_dtype, device=device) for _ in range(self.num_tensors)]
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- compatibility -----------------------------------------------------
+    def wire_mismatches(self, other: KVLayout) -> list[str]:
+        """Fields that make the two layouts' canonical chunks differ.
+
+        Block size, order and kind may differ between P and D: gather and
+        scatter convert. These may not: they change what a token's KV is.
+        """
+        fields = ("num_layers", "num_kv_heads", "head_dim", "dtype", "mla")
+        return [f"layout.{f} (ours {getattr(self, f)!r}, peer {getattr(other, f)!r})" for f in fields if getattr(self, f) != getattr(other, f)]
+
+    def validate_buffer(self, tensors: Sequence[torch.Tensor]) -> int:
+        """Check ``tensors`` are a buffer in this layout; return its block count."""
+        if len(tensors) != self.num_tensors:
+            raise LayoutError(f"{self.kind} layout needs {self.num_tensors} tensors, got {len(tensors)}")
+        num_blocks = tensors[0].shape[0] if tensors[0].dim() else 0
+        expected = self.tensor_shape(num_blocks)
+        for i, t in enumerate(tensors):
+            if tuple(t.shape) != expected or t.dtype != self.torch_dtype:
+                raise LayoutError(f"buffer tensor {i} is {tuple(t.shape)} {t.dtype}, layout expects {expected} {self.torch_dtype}")
+            if not t.is_contiguous():
+                raise LayoutError(f"buffer tensor {i} is not contiguous")
+        return num_blocks
+
+
+def _positions(layout: KVLayout, num_blocks: int, block_table: BlockTable, start: int, num_tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block index, in-block offset) of each token in ``[start, start+num_tokens)``, bounds checked."""
+    if start < 0 or num_tokens < 0:
+        raise LayoutError(f"token range must be non-negative, got start={start} num_tokens={num_tokens}")
+    table = torch.as_tensor(block_table, dtype=torch.long)
+    end = start + num_tokens
+    needed = layout.blocks_for(end) if end else 0
+    if table.numel() < needed:
+        raise LayoutError(f"block table has {table.numel()} blocks, tokens up to {end} need {needed} (block size {layout.block_size})")
+    used = table[:needed]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+        raise LayoutError(f"block id out of range [0, {num_blocks}) in block table {used.tolist()}")
+    pos = torch.arange(start, end, dtype=torch.long)
+    blk = table[pos // layout.block_size].to(device)
+    off = (pos % layout.block_size).to(device)
+    return blk, off
+
+
+def gather(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: BlockTable, start: int, num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Copy tokens ``[start, start+num_tokens)`` of a request out of the paged buffer into a canonical chunk."""
+    num_blocks = layout.validate_buffer(tensors)
+    blk, off = _positions(layout, num_blocks, block_table, start, num_tokens, tensors[0].device)
+    shape = layout.chunk_shape(num_tokens)
+    if out is None:
+        out = torch.empty(shape, dtype=layout.torch_dtype, device=tensors[0].device)
+    elif tuple(out.shape) != shape or out.dtype != layout.torch_dtype:
+        raise LayoutError(f"gather output is {tuple(out.shape)} {out.dtype}, expected {shape} {layout.torch_dtype}")
+    if layout.kind == "per_layer":
+        for layer, t in enumerate(tensors):
+            out[layer].copy_(_read(layout, t, blk, off).permute(1, 0, 2, 3))
+    else:
+        out.copy_(_read(layout, tensors[0], blk, off).permute(1, 2, 0, 3, 4))
+    return out
+
+
+def scatter(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: BlockTable, start: int, chunk: torch.Tensor) -> None:
+    """Write a canonical chunk into tokens ``[start, start+T)`` of a request's blocks."""
+    num_blocks = layout.validate_buffer(tensors)
+    num_tokens = chunk.shape[2] if chunk.dim() == 5 else -1
+    if tuple(chunk.shape) != layout.chunk_shape(num_tokens) or chunk.dtype != layout.torch_dtype:
+        raise LayoutError(f"chunk is {tuple(chunk.shape)} {chunk.dtype}, layout expects {layout.chunk_shape(max(num_tokens, 0))} {layout.torch_dtype}")
+    blk, off = _positions(layout, num_blocks, block_table, start, num_tokens, tensors[0].device)
+    if layout.kind == "per_layer":
+        for layer, t in enumerate(tensors):
+            _write(layout, t, blk, off, chunk[layer].permute(1, 0, 2, 3))
+    else:
+        _write(layout, tensors[0], blk, off, chunk.permute(2, 0, 1, 3, 4))
+
+
+def _index(layout: KVLayout, blk: torch.Tensor, off: torch.Tensor) -> tuple[object, ...]:
+    """Advanced index selecting (block, offset) per token.
+
+    The index arrays are placed so the token axis comes first in the result:
+    ``[T, kv, heads, dim]`` per layer or ``[T, layers, kv, heads, dim]``.
+    """
+    s = slice(None)
+    lead = (blk,) if layout.kind == "per_layer" else (blk, s)
+    if layout.mla:
+        return (*lead, off)
+    return (*lead, s, off) if layout.order == "NHD" else (*lead, s, s, off)
+
+
+def _read(layout: KVLayout, t: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+    x = t[_index(layout, blk, off)]
+    if layout.mla:  # [T, (L,) D] -> [T, (L,) 1, 1, D]
+        x = x.unsqueeze(-2).unsqueeze(-3)
+    return x
+
+
+def _write(layout: KVLayout, t: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, value: torch.Tensor) -> None:
+    if layout.mla:
+        value = value.squeeze(-2).squeeze(-2)
+    t[_index(layout, blk, off)] = value
+
+
+def block_ranges(layout: KVLayout, block_ids: Sequence[int], num_blocks: int | None = None) -> list[tuple[int, int, int]]:
+    """Byte ranges ``(tensor index, offset, length)`` of whole blocks, in wire order.
+
+    Used when P and D share a layout: the sender lists its own ranges and the
+    receiver's in this same order, pairs them, and both checksum the bytes in
+    this order, so a block moved to the wrong place fails verification.
+    ``num_blocks=None`` skips the bounds check for a peer's blocks, whose
+    ranges the channel checks against the peer's registered region sizes.
+    """
+    for b in block_ids:
+        if num_blocks is not None and not 0 <= b < num_blocks:
+            raise LayoutError(f"block id {b} out of range [0, {num_blocks})")
+    size = layout.block_bytes
+    return [(ti, b * size, size) for ti in range(layout.num_tensors) for b in block_ids]

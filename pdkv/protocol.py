@@ -1,0 +1,158 @@
+"""Control-plane messages: msgspec tagged structs, msgpack over pyzmq ROUTER/DEALER.
+
+The receiver (decode side) binds a ROUTER; each sender (prefill side)
+connects a DEALER. Every message type lives here, in one file, the way
+NIXL's and vLLM's handshakes do, so a protocol change is one diff.
+
+Sender -> receiver: Hello, Reserve, Heartbeat, Cancel, Done.
+Receiver -> sender: Hello (its own, as the reply), Reserved, Refused,
+Landed, Cancel, Error. Chunk payloads never travel here: they go over the
+transfer channel, each followed by a ``ChunkNotice`` notification.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+import msgspec
+from msgspec import Meta
+
+from pdkv import PROTOCOL_VERSION
+from pdkv.errors import HandshakeError, ProtocolError
+from pdkv.layout import KVLayout
+
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_ID_LEN = 256
+
+RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+
+
+class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
+    """Who a peer is and what its KV looks like; refused when incompatible."""
+
+    protocol_version: int
+    agent: Annotated[str, Meta(max_length=MAX_ID_LEN)]
+    model_fingerprint: str
+    layout: KVLayout
+    chunk_size: Annotated[int, Meta(ge=1)]
+    channel: str
+    channel_metadata: bytes
+    kv_regions: list[NonNegInt]
+    staging_region: int = -1
+    nonce: bytes = b""
+    auth: bytes = b""
+
+
+class Reserve(msgspec.Struct, tag="reserve", forbid_unknown_fields=True):
+    """Ask for room for a whole request's KV, all or nothing."""
+
+    request_id: RequestId
+    num_tokens: Annotated[int, Meta(ge=1)]
+
+
+class Reserved(msgspec.Struct, tag="reserved", forbid_unknown_fields=True):
+    """Room granted. ``mode`` says where chunks land.
+
+    ``direct``: chunks are written block by block straight into
+    ``block_ids`` (same layout on both sides). ``staging``: each chunk is
+    written in canonical form into one of ``staging_slots`` (byte offsets in
+    the receiver's staging region) and scattered in by the receiver.
+    """
+
+    request_id: RequestId
+    mode: Literal["direct", "staging"]
+    block_ids: list[NonNegInt]
+    staging_slots: list[NonNegInt]
+    lease_s: float
+
+
+class Refused(msgspec.Struct, tag="refused", forbid_unknown_fields=True):
+    request_id: RequestId
+    reason: str
+
+
+class Landed(msgspec.Struct, tag="landed", forbid_unknown_fields=True):
+    """A chunk arrived and verified; its staging slot (if any) is free again."""
+
+    request_id: RequestId
+    chunk_index: NonNegInt
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):
+    """Renews the leases of the sender's open reservations."""
+
+    request_ids: list[RequestId]
+
+
+class Cancel(msgspec.Struct, tag="cancel", forbid_unknown_fields=True):
+    """Either side abandons a request. From the sender it also means: no more writes."""
+
+    request_id: RequestId
+    reason: str
+
+
+class Done(msgspec.Struct, tag="done", forbid_unknown_fields=True):
+    """Sender: every write for this request has settled; none will follow."""
+
+    request_id: RequestId
+    ok: bool
+
+
+class Error(msgspec.Struct, tag="error", forbid_unknown_fields=True):
+    """A message could not be handled; ``message`` says why."""
+
+    message: str
+
+
+Message = Union[Hello, Reserve, Reserved, Refused, Landed, Heartbeat, Cancel, Done, Error]
+
+
+class ChunkNotice(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """The notification that follows a chunk's bytes over the channel."""
+
+    request_id: RequestId
+    chunk_index: NonNegInt
+    checksum: NonNegInt
+    slot: int  # staging slot index, or -1 for a direct write
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+_notice_decoder = msgspec.msgpack.Decoder(ChunkNotice)
+
+
+def encode(msg: Message | ChunkNotice) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Decode one control message; anything malformed raises ``ProtocolError``."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"control message of {len(data)} bytes exceeds the {MAX_MESSAGE_BYTES} byte limit")
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed control message: {exc}") from None
+
+
+def decode_notice(data: bytes) -> ChunkNotice:
+    try:
+        return _notice_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed chunk notification: {exc}") from None
+
+
+def check_compatible(ours: Hello, theirs: Hello) -> None:
+    """Raise ``HandshakeError`` naming every field that makes the peers incompatible."""
+    diffs = []
+    for field in ("protocol_version", "model_fingerprint", "chunk_size", "channel"):
+        a, b = getattr(ours, field), getattr(theirs, field)
+        if a != b:
+            diffs.append(f"{field} (ours {a!r}, peer {b!r})")
+    diffs.extend(ours.layout.wire_mismatches(theirs.layout))
+    if diffs:
+        raise HandshakeError(f"peer {theirs.agent!r} is incompatible: " + "; ".join(diffs) + " differ")
+
+
+__all__ = ["PROTOCOL_VERSION", "ChunkNotice", "Message", "check_compatible", "decode", "decode_notice", "encode"]

@@ -1,0 +1,513 @@
+"""Prefill side of a KV transfer: handshake, reserve, push chunks, settle.
+
+One ``KVSender`` per prefill worker owns its paged KV buffer's registration
+with the channel, a bounded send-staging area, and one I/O thread that owns
+every ZeroMQ DEALER socket (one per decode receiver), drives channel
+handles to completion and sends heartbeats. The prefill thread calls
+``open`` for a request and ``send_chunk`` as each chunk's KV is computed;
+``send_chunk`` blocks (with a timeout) only when the in-flight byte budget
+or the receiver's staging slots are exhausted: backpressure, never an
+unbounded queue.
+
+Modes (chosen by the receiver): ``direct`` writes whole blocks from our
+buffer into the receiver's blocks when both layouts are identical; ``staging``
+gathers a chunk into canonical form locally and writes it into a staging
+slot the receiver scatters from.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from pdkv import PROTOCOL_VERSION, protocol
+from pdkv.channels.base import Channel, TransferHandle, TransferOp, XferState, merge_ops
+from pdkv.checksum import checksum
+from pdkv.config import TransferConfig
+from pdkv.errors import HandshakeError, ProtocolError, ReservationError, TransferCancelled, TransferError, TransferTimeout
+from pdkv.keys import chunk_spans
+from pdkv.layout import KVLayout, block_ranges, gather
+from pdkv.memory import byte_view
+from pdkv.protocol import Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved
+from pdkv.receiver import HELLO_REQUIRED
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Peer:
+    address: str
+    identity: bytes
+    sock: zmq.Socket | None = None
+    hello: Hello | None = None
+    agent: str = ""
+    hello_future: Future[Hello] = field(default_factory=Future)
+
+
+@dataclass
+class _InFlight:
+    handle: TransferHandle
+    nbytes: int
+    local_slot: int  # -1 in direct mode
+    remote_slot: int
+
+
+class OutgoingTransfer:
+    """One request's push to one receiver. Create with ``KVSender.open``."""
+
+    def __init__(self, sender: KVSender, peer: _Peer, request_id: str, num_tokens: int, block_table: Sequence[int], reserved: Reserved) -> None:
+        self.sender = sender
+        self.peer = peer
+        self.request_id = request_id
+        self.num_tokens = num_tokens
+        self.block_table = list(block_table)
+        self.mode = reserved.mode
+        self.remote_blocks = reserved.block_ids
+        self.remote_slots = reserved.staging_slots
+        self.spans = list(chunk_spans(num_tokens, sender.config.chunk_size))
+        self.free_remote_slots = collections.deque(range(len(reserved.staging_slots)))
+        self.slot_of_chunk: dict[int, int] = {}
+        self.sent: set[int] = set()
+        self.landed: set[int] = set()
+        self.inflight: list[_InFlight] = []
+        self.error: TransferError | None = None
+        self.settled = False  # Done or Cancel sent: no more writes from us
+        self.bytes_sent = 0
+        self.started = time.monotonic()
+        self.finished_at = 0.0
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.spans)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.landed) == self.num_chunks
+
+    def send_chunk(self, index: int, timeout: float | None = None) -> None:
+        """Post chunk ``index`` (its KV must already be in our blocks); waits only for backpressure."""
+        self.sender._send_chunk(self, index, self.sender.config.chunk_timeout_s if timeout is None else timeout)
+
+    def send_all(self) -> None:
+        for i in range(self.num_chunks):
+            if i not in self.sent:
+                self.send_chunk(i)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the receiver verified every chunk, or raise why it did not."""
+        self.sender._wait_transfer(self, self.sender.config.transfer_timeout_s if timeout is None else timeout)
+
+    def cancel(self, reason: str) -> None:
+        """Stop sending; the receiver is told once our in-flight writes settle."""
+        with self.sender._cond:
+            self.sender._fail(self, TransferCancelled(f"cancelled by the prefill side: {reason}"))
+
+
+class KVSender:
+    """Pushes KV chunks to decode receivers; see the module docstring."""
+
+    _ids = itertools.count()
+
+    def __init__(
+        self,
+        channel: Channel,
+        layout: KVLayout,
+        kv_tensors: Sequence[torch.Tensor],
+        fingerprint: str,
+        config: TransferConfig | None = None,
+    ) -> None:
+        self.channel = channel
+        self.layout = layout
+        self.kv = list(kv_tensors)
+        self.num_blocks = layout.validate_buffer(self.kv)
+        self.fingerprint = fingerprint
+        self.config = config or TransferConfig()
+        self._kv_views = [byte_view(t) for t in self.kv]
+        self.kv_regions = [channel.register(t) for t in self.kv]
+        self.slot_bytes = layout.chunk_bytes(self.config.chunk_size)
+        n_slots = max(1, self.config.max_inflight_bytes // self.slot_bytes)
+        self.staging = torch.zeros(n_slots * self.slot_bytes, dtype=torch.uint8)
+        self.staging_region = channel.register(self.staging)
+        self._free_local_slots = list(range(n_slots))
+
+        self._cond = threading.Condition()
+        self._inflight_bytes = 0
+        self._peers: dict[str, _Peer] = {}
+        self._transfers: dict[str, OutgoingTransfer] = {}
+        self._pending_reserve: dict[str, Future[protocol.Message]] = {}
+        self._outbox: queue.SimpleQueue[tuple[_Peer, protocol.Message] | None] = queue.SimpleQueue()
+        self._sock_peer: dict[zmq.Socket, _Peer] = {}
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._ctx = zmq.Context.instance()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pdkv-sender", daemon=True)
+        self._thread.start()
+
+    # -- public API -------------------------------------------------------------
+    def hello(self) -> Hello:
+        return Hello(
+            protocol_version=PROTOCOL_VERSION,
+            agent=self.channel.agent_name,
+            model_fingerprint=self.fingerprint,
+            layout=self.layout,
+            chunk_size=self.config.chunk_size,
+            channel=self.channel.name,
+            channel_metadata=self.channel.metadata(),
+            kv_regions=self.kv_regions,
+            staging_region=self.staging_region,
+        )
+
+    def open(self, request_id: str, address: str, num_tokens: int, block_table: Sequence[int]) -> OutgoingTransfer:
+        """Handshake (once per receiver) and reserve room for the whole request there."""
+        if num_tokens <= 0:
+            raise ReservationError(f"request {request_id!r}: nothing to transfer (num_tokens={num_tokens})")
+        if len(block_table) < self.layout.blocks_for(num_tokens):
+            raise ReservationError(f"request {request_id!r}: block table has {len(block_table)} blocks, {num_tokens} tokens need {self.layout.blocks_for(num_tokens)}")
+        for attempt in range(2):
+            peer = self._connect(address)
+            reply = self._request(peer, request_id, Reserve(request_id, num_tokens))
+            if isinstance(reply, Reserved):
+                break
+            reason = reply.reason if isinstance(reply, Refused) else getattr(reply, "message", repr(reply))
+            if attempt == 0 and reason.startswith(HELLO_REQUIRED):
+                self._drop_peer(address)  # the receiver restarted: handshake again
+                continue
+            self.counters["reservations_refused"] += 1
+            raise ReservationError(f"receiver {address} refused request {request_id!r}: {reason}")
+        self._check_reserved(reply, num_tokens)
+        xfer = OutgoingTransfer(self, peer, request_id, num_tokens, block_table, reply)
+        with self._cond:
+            self._transfers[request_id] = xfer
+        return xfer
+
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            out = dict(self.counters)
+            out["inflight_bytes"] = self._inflight_bytes
+            out["open_transfers"] = len(self._transfers)
+        return out
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        with self._cond:
+            for xfer in list(self._transfers.values()):
+                self._fail(xfer, TransferCancelled("sender closing"))
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        while time.monotonic() < deadline and any(x.inflight for x in list(self._transfers.values())):
+            time.sleep(0.005)
+        self._stop.set()
+        self._outbox.put(None)
+        self._thread.join(timeout=5)
+        for peer in self._peers.values():
+            if peer.sock is not None:
+                peer.sock.close(0)
+
+    # -- handshake and reservation ------------------------------------------------
+    def _connect(self, address: str) -> _Peer:
+        with self._cond:
+            peer = self._peers.get(address)
+            if peer is None:
+                ident = f"{self.channel.agent_name}/{next(self._ids)}".encode()
+                peer = self._peers[address] = _Peer(address, ident)
+                self._outbox.put((peer, self.hello()))
+        timeout = self.config.handshake_timeout_s
+        try:
+            hello = peer.hello_future.result(timeout)
+        except FutureTimeout:
+            self._drop_peer(address)
+            raise TransferTimeout(f"no Hello reply from receiver {address} within handshake_timeout_s={timeout:.3g}s") from None
+        except HandshakeError:
+            self._drop_peer(address)
+            raise
+        if not peer.agent:
+            with self._cond:
+                if not peer.agent:
+                    peer.agent = self.channel.add_peer(hello.channel_metadata)
+        return peer
+
+    def _drop_peer(self, address: str) -> None:
+        with self._cond:
+            peer = self._peers.pop(address, None)
+        if peer is not None:
+            self._outbox.put((peer, protocol.Error("close")))  # the loop closes the socket
+
+    def _request(self, peer: _Peer, request_id: str, msg: Reserve) -> protocol.Message:
+        fut: Future[protocol.Message] = Future()
+        with self._cond:
+            if request_id in self._pending_reserve or request_id in self._transfers:
+                raise ReservationError(f"request {request_id!r} already has a transfer open")
+            self._pending_reserve[request_id] = fut
+        self._outbox.put((peer, msg))
+        timeout = self.config.reserve_timeout_s
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:
+            self._drop_peer(peer.address)
+            self._outbox.put((peer, Cancel(request_id, "reservation timed out at the sender")))
+            raise TransferTimeout(f"receiver {peer.address} did not answer Reserve for {request_id!r} within reserve_timeout_s={timeout:.3g}s") from None
+        finally:
+            with self._cond:
+                self._pending_reserve.pop(request_id, None)
+
+    def _check_reserved(self, reply: Reserved, num_tokens: int) -> None:
+        """A grant from the wire is checked before any write is built from it."""
+        peer_layout_blocks = -(-num_tokens // self.layout.block_size)
+        if reply.mode == "direct" and len(reply.block_ids) < peer_layout_blocks:
+            raise ReservationError(f"receiver granted {len(reply.block_ids)} blocks for {num_tokens} tokens")
+        if reply.mode == "staging" and not reply.staging_slots:
+            raise ReservationError("receiver granted staging mode without staging slots")
+
+    # -- sending ------------------------------------------------------------------
+    def _send_chunk(self, xfer: OutgoingTransfer, index: int, timeout: float) -> None:
+        if not 0 <= index < xfer.num_chunks:
+            raise TransferError(f"chunk {index} out of range: request {xfer.request_id!r} has {xfer.num_chunks} chunks")
+        start, n = xfer.spans[index]
+        nbytes = self.layout.chunk_bytes(n)
+        staging = xfer.mode == "staging"
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if index in xfer.sent:
+                raise TransferError(f"chunk {index} of {xfer.request_id!r} was already sent")
+            while True:
+                if xfer.error is not None:
+                    raise xfer.error
+                room = self._inflight_bytes == 0 or self._inflight_bytes + nbytes <= self.config.max_inflight_bytes
+                if room and (not staging or (self._free_local_slots and xfer.free_remote_slots)):
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    err = TransferTimeout(f"chunk {index} of {xfer.request_id!r}: no send credit within chunk_timeout_s={timeout:.3g}s (receiver slow or gone)")
+                    self._fail(xfer, err)
+                    raise err
+                self._cond.wait(min(remaining, 0.05))
+            self._inflight_bytes += nbytes
+            local_slot = self._free_local_slots.pop() if staging else -1
+            remote_slot = xfer.free_remote_slots.popleft() if staging else -1
+            xfer.sent.add(index)
+            if staging:
+                xfer.slot_of_chunk[index] = remote_slot
+        try:
+            ops, digest = self._direct_ops(xfer, start, n) if not staging else self._staged_ops(xfer, local_slot, remote_slot, start, n)
+            notice = protocol.encode(ChunkNotice(xfer.request_id, index, digest, remote_slot))
+            handle = self.channel.write(xfer.peer.agent, ops, notice)
+        except Exception as exc:
+            with self._cond:
+                self._release_credit(nbytes, local_slot)
+                err = exc if isinstance(exc, TransferError) else TransferError(f"posting chunk {index} of {xfer.request_id!r} failed: {exc}")
+                self._fail(xfer, err)
+            raise err from exc
+        with self._cond:
+            xfer.inflight.append(_InFlight(handle, nbytes, local_slot, remote_slot))
+            xfer.bytes_sent += nbytes
+
+    def _direct_ops(self, xfer: OutgoingTransfer, start: int, n: int) -> tuple[list[TransferOp], int]:
+        bs = self.layout.block_size
+        first, last = start // bs, -(-(start + n) // bs)
+        ours = block_ranges(self.layout, xfer.block_table[first:last], self.num_blocks)
+        theirs = block_ranges(self.layout, xfer.remote_blocks[first:last])
+        assert xfer.peer.hello is not None
+        remote_regions = xfer.peer.hello.kv_regions
+        ops = [
+            TransferOp(self.kv_regions[t], off, remote_regions[rt], roff, ln)
+            for (t, off, ln), (rt, roff, _) in zip(ours, theirs, strict=True)
+        ]
+        digest = checksum(self._kv_views[t][off : off + ln] for t, off, ln in ours)
+        return merge_ops(ops), digest
+
+    def _staged_ops(self, xfer: OutgoingTransfer, local_slot: int, remote_slot: int, start: int, n: int) -> tuple[list[TransferOp], int]:
+        base = local_slot * self.slot_bytes
+        nbytes = self.layout.chunk_bytes(n)
+        out = self.staging[base : base + nbytes].view(self.layout.torch_dtype).view(self.layout.chunk_shape(n))
+        gather(self.layout, self.kv, xfer.block_table, start, n, out=out)
+        digest = checksum([byte_view(self.staging)[base : base + nbytes]])
+        assert xfer.peer.hello is not None
+        op = TransferOp(self.staging_region, base, xfer.peer.hello.staging_region, xfer.remote_slots[remote_slot], nbytes)
+        return [op], digest
+
+    def _release_credit(self, nbytes: int, local_slot: int) -> None:
+        """Give back local send credit (caller holds the lock); remote slots come back with ``Landed``."""
+        self._inflight_bytes -= nbytes
+        if local_slot >= 0:
+            self._free_local_slots.append(local_slot)
+        self._cond.notify_all()
+
+    def _wait_transfer(self, xfer: OutgoingTransfer, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while xfer.error is None and not xfer.complete:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self._fail(xfer, TransferTimeout(f"request {xfer.request_id!r}: receiver did not confirm all {xfer.num_chunks} chunks within {timeout:.3g}s"))
+                    break
+                self._cond.wait(min(remaining, 0.05))
+            if xfer.error is not None:
+                raise xfer.error
+
+    def _fail(self, xfer: OutgoingTransfer, err: TransferError) -> None:
+        """First failure wins (caller holds the lock); the loop tells the receiver once writes settle."""
+        if xfer.error is None and not xfer.complete:
+            xfer.error = err
+            self.counters["transfers_failed"] += 1
+            log.warning("request %s: %s", xfer.request_id, err)
+        self._cond.notify_all()
+
+    # -- I/O loop -----------------------------------------------------------------
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        last_beat = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self._flush_outbox(poller)
+                busy = any(x.inflight for x in list(self._transfers.values()))
+                events = dict(poller.poll(1 if busy else 10))
+                for sock, _ in events.items():
+                    self._drain(sock)
+                self._progress()
+                now = time.monotonic()
+                if now - last_beat >= self.config.heartbeat_s:
+                    last_beat = now
+                    self._heartbeat()
+            except Exception:
+                log.exception("sender loop error")
+
+    def _flush_outbox(self, poller: zmq.Poller) -> None:
+        while True:
+            try:
+                item = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                return
+            peer, msg = item
+            if isinstance(msg, protocol.Error):  # internal: close this peer's socket
+                if peer.sock is not None:
+                    poller.unregister(peer.sock)
+                    self._sock_peer.pop(peer.sock, None)
+                    peer.sock.close(0)
+                    peer.sock = None
+                continue
+            if peer.sock is None:
+                peer.sock = self._ctx.socket(zmq.DEALER)
+                peer.sock.setsockopt(zmq.LINGER, 0)
+                peer.sock.setsockopt(zmq.ROUTING_ID, peer.identity)
+                peer.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+                peer.sock.connect(peer.address)
+                poller.register(peer.sock, zmq.POLLIN)
+                self._sock_peer[peer.sock] = peer
+            try:
+                peer.sock.send(protocol.encode(msg), zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                log.warning("could not send %s to %s: %s", type(msg).__name__, peer.address, exc)
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        peer = self._sock_peer.get(sock)
+        for _ in range(256):
+            try:
+                data = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = protocol.decode(data)
+            except ProtocolError as exc:
+                log.warning("dropping message from %s: %s", peer.address if peer else "?", exc)
+                continue
+            if peer is not None:
+                self._on_message(peer, msg)
+
+    def _on_message(self, peer: _Peer, msg: protocol.Message) -> None:
+        if isinstance(msg, Hello):
+            try:
+                protocol.check_compatible(self.hello(), msg)
+            except HandshakeError as exc:
+                self.counters["handshake_failures"] += 1
+                if not peer.hello_future.done():
+                    peer.hello_future.set_exception(exc)
+                return
+            peer.hello = msg
+            if not peer.hello_future.done():
+                peer.hello_future.set_result(msg)
+        elif isinstance(msg, protocol.Error):
+            err = HandshakeError(f"receiver {peer.address} refused us: {msg.message}")
+            if not peer.hello_future.done():
+                peer.hello_future.set_exception(err)
+            else:
+                log.warning("receiver %s reported: %s", peer.address, msg.message)
+        elif isinstance(msg, (Reserved, Refused)):
+            with self._cond:
+                fut = self._pending_reserve.get(msg.request_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+            elif isinstance(msg, Reserved):  # we gave up waiting: release it at once
+                self._outbox.put((peer, Cancel(msg.request_id, "reservation arrived after the sender gave up")))
+        elif isinstance(msg, Landed):
+            with self._cond:
+                xfer = self._transfers.get(msg.request_id)
+                if xfer is None or xfer.peer is not peer or msg.chunk_index not in xfer.sent:
+                    return
+                if msg.chunk_index not in xfer.landed:
+                    xfer.landed.add(msg.chunk_index)
+                    self.counters["chunks_landed"] += 1
+                    if xfer.mode == "staging":
+                        self._return_remote_slot(xfer, msg.chunk_index)
+                    if xfer.complete:
+                        xfer.finished_at = time.monotonic()
+                self._cond.notify_all()
+        elif isinstance(msg, Cancel):
+            with self._cond:
+                xfer = self._transfers.get(msg.request_id)
+                if xfer is not None and xfer.peer is peer:
+                    self._fail(xfer, TransferCancelled(f"receiver cancelled: {msg.reason}"))
+
+    def _return_remote_slot(self, xfer: OutgoingTransfer, index: int) -> None:
+        slot = xfer.slot_of_chunk.pop(index, None)
+        if slot is not None:
+            xfer.free_remote_slots.append(slot)
+
+    def _progress(self) -> None:
+        """Poll posted handles; release credit; settle transfers that are over."""
+        with self._cond:
+            transfers = list(self._transfers.values())
+        for xfer in transfers:
+            for f in list(xfer.inflight):
+                state = self.channel.poll(f.handle)
+                if state is XferState.PENDING:
+                    continue
+                self.channel.release(f.handle)
+                with self._cond:
+                    xfer.inflight.remove(f)
+                    if state is XferState.ERROR:
+                        self._fail(xfer, TransferError(f"channel write failed: {f.handle.error}"))
+                    self._release_credit(f.nbytes, f.local_slot)
+                    if state is XferState.DONE:
+                        self.counters["chunks_sent"] += 1
+                        self.counters["bytes_sent"] += f.nbytes
+            with self._cond:
+                over = xfer.error is not None or xfer.complete
+                if over and not xfer.inflight and not xfer.settled:
+                    xfer.settled = True
+                    del self._transfers[xfer.request_id]
+                    msg: protocol.Message = Done(xfer.request_id, True) if xfer.error is None else Cancel(xfer.request_id, str(xfer.error))
+                    self._outbox.put((xfer.peer, msg))
+                    self.counters["transfers_ok" if xfer.error is None else "transfers_settled_failed"] += 1
+
+    def _heartbeat(self) -> None:
+        with self._cond:
+            by_peer: dict[str, list[str]] = collections.defaultdict(list)
+            peers = {}
+            for xfer in self._transfers.values():
+                by_peer[xfer.peer.address].append(xfer.request_id)
+                peers[xfer.peer.address] = xfer.peer
+        for address, ids in by_peer.items():
+            self._outbox.put((peers[address], Heartbeat(ids)))
