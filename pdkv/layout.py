@@ -141,8 +141,12 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return num_blocks
 
 
-def _positions(layout: KVLayout, num_blocks: int, block_table: BlockTable, start: int, num_tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block index, in-block offset) of each token in ``[start, start+num_tokens)``, bounds checked."""
+def used_blocks(layout: KVLayout, num_blocks: int, block_table: BlockTable, start: int, num_tokens: int) -> torch.Tensor:
+    """The block table entries that tokens ``[start, start+num_tokens)`` touch, as int64, bounds checked.
+
+    Shared by the torch path and pdkv.native so both refuse the same inputs
+    with the same messages.
+    """
     if start < 0 or num_tokens < 0:
         raise LayoutError(f"token range must be non-negative, got start={start} num_tokens={num_tokens}")
     table = torch.as_tensor(block_table, dtype=torch.long)
@@ -153,7 +157,22 @@ def _positions(layout: KVLayout, num_blocks: int, block_table: BlockTable, start
     used = table[:needed]
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
         raise LayoutError(f"block id out of range [0, {num_blocks}) in block table {used.tolist()}")
-    pos = torch.arange(start, end, dtype=torch.long)
+    return used
+
+
+def check_chunk(layout: KVLayout, chunk: torch.Tensor, what: str, num_tokens: int | None = None) -> int:
+    """Check ``chunk`` is a canonical chunk of this layout (of ``num_tokens`` tokens if given); return its token count."""
+    tokens = chunk.shape[2] if chunk.dim() == 5 else -1
+    shape = layout.chunk_shape(max(tokens, 0) if num_tokens is None else num_tokens)
+    if tuple(chunk.shape) != shape or chunk.dtype != layout.torch_dtype:
+        raise LayoutError(f"{what} is {tuple(chunk.shape)} {chunk.dtype}, layout expects {shape} {layout.torch_dtype}")
+    return shape[2]
+
+
+def _positions(layout: KVLayout, num_blocks: int, block_table: BlockTable, start: int, num_tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block index, in-block offset) of each token in ``[start, start+num_tokens)``, bounds checked."""
+    table = used_blocks(layout, num_blocks, block_table, start, num_tokens)
+    pos = torch.arange(start, start + num_tokens, dtype=torch.long)
     blk = table[pos // layout.block_size].to(device)
     off = (pos % layout.block_size).to(device)
     return blk, off
@@ -166,8 +185,8 @@ def gather(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: Block
     shape = layout.chunk_shape(num_tokens)
     if out is None:
         out = torch.empty(shape, dtype=layout.torch_dtype, device=tensors[0].device)
-    elif tuple(out.shape) != shape or out.dtype != layout.torch_dtype:
-        raise LayoutError(f"gather output is {tuple(out.shape)} {out.dtype}, expected {shape} {layout.torch_dtype}")
+    else:
+        check_chunk(layout, out, "gather output", num_tokens)
     if layout.kind == "per_layer":
         for layer, t in enumerate(tensors):
             out[layer].copy_(_read(layout, t, blk, off).permute(1, 0, 2, 3))
@@ -179,9 +198,7 @@ def gather(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: Block
 def scatter(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: BlockTable, start: int, chunk: torch.Tensor) -> None:
     """Write a canonical chunk into tokens ``[start, start+T)`` of a request's blocks."""
     num_blocks = layout.validate_buffer(tensors)
-    num_tokens = chunk.shape[2] if chunk.dim() == 5 else -1
-    if tuple(chunk.shape) != layout.chunk_shape(num_tokens) or chunk.dtype != layout.torch_dtype:
-        raise LayoutError(f"chunk is {tuple(chunk.shape)} {chunk.dtype}, layout expects {layout.chunk_shape(max(num_tokens, 0))} {layout.torch_dtype}")
+    num_tokens = check_chunk(layout, chunk, "chunk")
     blk, off = _positions(layout, num_blocks, block_table, start, num_tokens, tensors[0].device)
     if layout.kind == "per_layer":
         for layer, t in enumerate(tensors):

@@ -68,8 +68,11 @@ class Reserved(msgspec.Struct, tag="reserved", forbid_unknown_fields=True):
 
 
 class Refused(msgspec.Struct, tag="refused", forbid_unknown_fields=True):
+    """No room. ``retryable``: room may free up (other requests finish); else it never fits."""
+
     request_id: RequestId
     reason: str
+    retryable: bool = False
 
 
 class Landed(msgspec.Struct, tag="landed", forbid_unknown_fields=True):

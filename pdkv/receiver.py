@@ -308,18 +308,19 @@ class KVReceiver:
                 return Refused(req.request_id, f"request id {req.request_id!r} was already used on this receiver")
             if len(self._res) >= cfg.max_reservations:
                 self.counters["refused"] += 1
-                return Refused(req.request_id, f"receiver holds its maximum of {cfg.max_reservations} reservations")
+                return Refused(req.request_id, f"receiver holds its maximum of {cfg.max_reservations} reservations", retryable=True)
             num_chunks = -(-req.num_tokens // cfg.chunk_size)
             direct = peer.layout == self.layout and cfg.chunk_size % self.layout.block_size == 0
             want_slots = 0 if direct else min(cfg.slots_per_request, num_chunks)
             if want_slots > len(self._free_slots):
                 self.counters["refused"] += 1
-                return Refused(req.request_id, f"no staging slots free ({len(self._free_slots)} of {cfg.staging_slots}); retry later")
+                return Refused(req.request_id, f"no staging slots free ({len(self._free_slots)} of {cfg.staging_slots})", retryable=True)
+            needed = self.layout.blocks_for(req.num_tokens)
             try:
-                blocks = self.allocator.allocate(self.layout.blocks_for(req.num_tokens))
+                blocks = self.allocator.allocate(needed)
             except OutOfBlocksError as exc:
                 self.counters["refused"] += 1
-                return Refused(req.request_id, f"cannot hold {req.num_tokens} tokens: {exc}")
+                return Refused(req.request_id, f"cannot hold {req.num_tokens} tokens: {exc}", retryable=needed <= self.num_blocks)
             slots = [self._free_slots.pop() for _ in range(want_slots)]
             now = time.monotonic()
             self._res[req.request_id] = _Reservation(

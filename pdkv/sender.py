@@ -174,14 +174,23 @@ class KVSender:
             raise ReservationError(f"request {request_id!r}: nothing to transfer (num_tokens={num_tokens})")
         if len(block_table) < self.layout.blocks_for(num_tokens):
             raise ReservationError(f"request {request_id!r}: block table has {len(block_table)} blocks, {num_tokens} tokens need {self.layout.blocks_for(num_tokens)}")
-        for attempt in range(2):
+        deadline = time.monotonic() + self.config.reserve_timeout_s
+        rehandshaked = False
+        backoff = 0.005
+        while True:
             peer = self._connect(address)
             reply = self._request(peer, request_id, Reserve(request_id, num_tokens))
             if isinstance(reply, Reserved):
                 break
             reason = reply.reason if isinstance(reply, Refused) else getattr(reply, "message", repr(reply))
-            if attempt == 0 and reason.startswith(HELLO_REQUIRED):
+            if not rehandshaked and reason.startswith(HELLO_REQUIRED):
+                rehandshaked = True
                 self._drop_peer(address)  # the receiver restarted: handshake again
+                continue
+            if isinstance(reply, Refused) and reply.retryable and time.monotonic() + backoff < deadline:
+                self.counters["reservations_retried"] += 1
+                time.sleep(backoff)  # room frees up as other requests finish
+                backoff = min(backoff * 2, 0.1)
                 continue
             self.counters["reservations_refused"] += 1
             raise ReservationError(f"receiver {address} refused request {request_id!r}: {reason}")

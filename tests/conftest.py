@@ -1,0 +1,86 @@
+"""Shared fixtures for the CPU test suite."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from pdkv.blocks import BlockAllocator
+from pdkv.channels.mock import MockChannel
+from pdkv.config import TransferConfig
+from pdkv.layout import KVLayout
+from pdkv.receiver import KVReceiver
+from pdkv.sender import KVSender
+
+_names = itertools.count()
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    """Poll ``pred`` until true; fail the test (never hang) after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.005)
+
+
+@dataclass
+class Pair:
+    """A sender and a receiver over two mock channels, with their buffers."""
+
+    sender: KVSender
+    receiver: KVReceiver
+    p_layout: KVLayout
+    d_layout: KVLayout
+    p_kv: list[torch.Tensor]
+    d_kv: list[torch.Tensor]
+    p_channel: MockChannel
+    d_channel: MockChannel
+    allocator: BlockAllocator
+
+
+@pytest.fixture
+def make_pair() -> Iterator[Callable[..., Pair]]:
+    """Factory of mock-channel pairs; on teardown asserts the receiver leaked nothing."""
+    made: list[Pair] = []
+
+    def make(
+        p_layout: KVLayout | None = None,
+        d_layout: KVLayout | None = None,
+        config: TransferConfig | None = None,
+        p_blocks: int = 64,
+        d_blocks: int = 64,
+        fingerprints: tuple[str, str] = ("model-a", "model-a"),
+    ) -> Pair:
+        p_layout = p_layout or KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
+        d_layout = d_layout or p_layout
+        config = config or TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2)
+        n = next(_names)
+        p_channel, d_channel = MockChannel(f"p{n}"), MockChannel(f"d{n}")
+        p_kv, d_kv = p_layout.allocate(p_blocks), d_layout.allocate(d_blocks)
+        gen = torch.Generator().manual_seed(n)
+        for t in p_kv:
+            t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        allocator = BlockAllocator(d_blocks)
+        receiver = KVReceiver(d_channel, d_layout, d_kv, allocator, fingerprints[1], config)
+        sender = KVSender(p_channel, p_layout, p_kv, fingerprints[0], config)
+        pair = Pair(sender, receiver, p_layout, d_layout, p_kv, d_kv, p_channel, d_channel, allocator)
+        made.append(pair)
+        return pair
+
+    yield make
+    for pair in made:
+        pair.sender.close()
+        wait_until(lambda p=pair: p.receiver.stats()["reservations"] == 0, 10, "the receiver to release every reservation")
+        free = pair.allocator.num_free
+        slots = pair.receiver.stats()["free_staging_slots"]
+        pair.receiver.close()
+        pair.p_channel.close()
+        pair.d_channel.close()
+        assert free == pair.allocator.num_blocks, f"receiver leaked {pair.allocator.num_blocks - free} blocks"
+        assert slots == pair.receiver.config.staging_slots, "receiver leaked staging slots"

@@ -1,0 +1,57 @@
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdkv.errors import ConfigError
+from pdkv.keys import chunk_keys, chunk_spans, model_fingerprint
+
+TOKENS = [(i * 7919) % 50000 for i in range(1000)]
+
+SCRIPT = """
+import sys
+from pdkv.keys import chunk_keys, model_fingerprint
+fp = model_fingerprint("llama", {"hidden": 64}, "bfloat16")
+tokens = [(i * 7919) % 50000 for i in range(1000)]
+print(fp, *[k.hex() for k in chunk_keys(tokens, fp)])
+"""
+
+
+def test_keys_identical_across_processes_with_different_hash_seeds() -> None:
+    outs = []
+    for seed in ("0", "1", "12345", "random"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        outs.append(subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=True).stdout)
+    assert len(set(outs)) == 1
+    fp, *keys = outs[0].split()
+    assert fp == model_fingerprint("llama", {"hidden": 64}, "bfloat16")
+    assert keys == [k.hex() for k in chunk_keys(TOKENS, fp)]
+
+
+def test_chunking_and_partial_last_chunk() -> None:
+    keys = chunk_keys(TOKENS, "fp")
+    assert len(keys) == 4  # 256 + 256 + 256 + 232
+    assert list(chunk_spans(1000, 256))[-1] == (768, 232)
+    assert len(set(keys)) == 4
+    assert all(len(k) == 16 for k in keys)
+
+
+def test_keys_are_prefix_chained() -> None:
+    base = chunk_keys(TOKENS, "fp")
+    same_prefix = chunk_keys(TOKENS[:600] + [1, 2, 3], "fp")
+    assert same_prefix[:2] == base[:2]
+    assert same_prefix[2] != base[2]
+    changed_first = chunk_keys([TOKENS[0] + 1] + TOKENS[1:], "fp")
+    assert all(a != b for a, b in zip(changed_first, base))  # a change in chunk 0 moves every later key
+
+
+def test_fingerprint_separates_models_and_chunk_size_changes_keys() -> None:
+    assert chunk_keys(TOKENS, "a") != chunk_keys(TOKENS, "b")
+    assert chunk_keys(TOKENS, "a", 128)[1] != chunk_keys(TOKENS, "a", 256)[0]
+    assert model_fingerprint("m", {"x": 1}) != model_fingerprint("m", {"x": 2})
+
+
+def test_bad_chunk_size_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="chunk_size"):
+        chunk_keys(TOKENS, "fp", 0)

@@ -1,0 +1,92 @@
+import itertools
+
+import pytest
+import torch
+
+from pdkv.errors import LayoutError
+from pdkv.layout import KVLayout, block_ranges, gather, scatter
+
+KINDS = ["per_layer", "cross_layer"]
+ORDERS = ["NHD", "HND"]
+
+
+def layouts(mla: bool = False, dtype: str = "float32") -> list[KVLayout]:
+    heads = 1 if mla else 2
+    return [
+        KVLayout(num_layers=3, num_kv_heads=heads, head_dim=8, block_size=bs, dtype=dtype, kind=k, order=o, mla=mla)
+        for k, o, bs in itertools.product(KINDS, ORDERS, (16, 32))
+    ]
+
+
+def filled(layout: KVLayout, num_blocks: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    tensors = layout.allocate(num_blocks)
+    for t in tensors:
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+    return tensors
+
+
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_round_trip_between_every_layout_pair(mla: bool, dtype: str) -> None:
+    num_tokens = 100  # not a multiple of any block size: partial last blocks
+    for src, dst in itertools.product(layouts(mla, dtype), repeat=2):
+        p_kv = filled(src, 20, 1)
+        d_kv = dst.allocate(20)
+        p_table = torch.randperm(20)[: src.blocks_for(num_tokens)].tolist()
+        d_table = torch.randperm(20)[: dst.blocks_for(num_tokens)].tolist()
+        for start in range(0, num_tokens, 48):  # chunks not aligned to blocks
+            n = min(48, num_tokens - start)
+            scatter(dst, d_kv, d_table, start, gather(src, p_kv, p_table, start, n))
+        a = gather(src, p_kv, p_table, 0, num_tokens)
+        b = gather(dst, d_kv, d_table, 0, num_tokens)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (src, dst)
+
+
+def test_nhd16_into_hnd32_places_each_token_where_the_layout_says() -> None:
+    p = KVLayout(2, 2, 4, block_size=16, dtype="float32", order="NHD")
+    d = KVLayout(2, 2, 4, block_size=32, dtype="float32", order="HND")
+    p_kv, d_kv = filled(p, 8, 3), d.allocate(4)
+    scatter(d, d_kv, [3, 1], 0, gather(p, p_kv, [5, 2, 7], 0, 40))
+    # token 35 of the request: P block 7 (table[2]) offset 3; D block 1 (table[1]) offset 3
+    for layer in range(2):
+        for kv in range(2):
+            for head in range(2):
+                assert torch.equal(p_kv[layer][7, kv, 3, head], d_kv[layer][1, kv, head, 3])
+
+
+def test_canonical_chunk_shape_and_order() -> None:
+    lay = KVLayout(2, 2, 4, block_size=4, dtype="float32")
+    kv = filled(lay, 4, 0)
+    chunk = gather(lay, kv, [2, 0], 1, 5)
+    assert chunk.shape == (2, 2, 5, 2, 4)
+    assert torch.equal(chunk[1, 0, 0], kv[1][2, 0, 1])  # token 1 -> block 2 offset 1
+    assert torch.equal(chunk[0, 1, 4], kv[0][0, 1, 1])  # token 5 -> table[1] = block 0, offset 1
+
+
+def test_bounds_are_checked() -> None:
+    lay = KVLayout(2, 2, 4, block_size=4, dtype="float32")
+    kv = lay.allocate(4)
+    with pytest.raises(LayoutError, match="out of range"):
+        gather(lay, kv, [0, 4], 0, 8)
+    with pytest.raises(LayoutError, match="out of range"):
+        gather(lay, kv, [-1], 0, 2)
+    with pytest.raises(LayoutError, match="block table has 1 blocks"):
+        gather(lay, kv, [0], 0, 5)
+    with pytest.raises(LayoutError, match="chunk is"):
+        scatter(lay, kv, [0, 1], 0, torch.zeros(2, 2, 5, 2, 3))
+    with pytest.raises(LayoutError, match="out of range"):
+        block_ranges(lay, [4], 4)
+    with pytest.raises(LayoutError, match="num_kv_heads"):
+        KVLayout(2, 4, 8, mla=True)
+    with pytest.raises(LayoutError, match="dtype"):
+        KVLayout(2, 2, 8, dtype="int8")
+
+
+def test_block_ranges_cover_whole_blocks_in_wire_order() -> None:
+    lay = KVLayout(2, 2, 4, block_size=4, dtype="float32")
+    ranges = block_ranges(lay, [3, 1], 4)
+    size = 2 * 4 * 2 * 4 * 4
+    assert ranges == [(0, 3 * size, size), (0, size, size), (1, 3 * size, size), (1, size, size)]
+    cross = KVLayout(2, 2, 4, block_size=4, dtype="float32", kind="cross_layer")
+    assert block_ranges(cross, [3], 4) == [(0, 3 * 2 * size, 2 * size)]

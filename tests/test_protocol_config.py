@@ -1,0 +1,110 @@
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from pdkv import protocol
+from pdkv.blocks import BlockAllocator
+from pdkv.config import TransferConfig, load_config
+from pdkv.errors import ConfigError, HandshakeError, LayoutError, OutOfBlocksError, ProtocolError
+from pdkv.layout import KVLayout
+from pdkv.protocol import ChunkNotice, Hello, Reserve, Reserved
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8)
+
+
+def hello(**kw) -> Hello:
+    base = dict(protocol_version=1, agent="a", model_fingerprint="fp", layout=LAYOUT, chunk_size=256, channel="tcp", channel_metadata=b"m", kv_regions=[0, 1])
+    base.update(kw)
+    return Hello(**base)
+
+
+def test_messages_round_trip() -> None:
+    for msg in [hello(), Reserve("r", 10), Reserved("r", "staging", [1, 2], [0, 4096], 15.0), protocol.Cancel("r", "why"), protocol.Done("r", True)]:
+        assert protocol.decode(protocol.encode(msg)) == msg
+    notice = ChunkNotice("r", 3, 2**63, -1)
+    assert protocol.decode_notice(protocol.encode(notice)) == notice
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\xff\xfe garbage",
+        msgspec.msgpack.encode({"type": "reserve", "request_id": "r", "num_tokens": -5}),
+        msgspec.msgpack.encode({"type": "reserve", "request_id": "", "num_tokens": 5}),
+        msgspec.msgpack.encode({"type": "reserve", "request_id": "x" * 1000, "num_tokens": 5}),
+        msgspec.msgpack.encode({"type": "reserved", "request_id": "r", "mode": "direct", "block_ids": [-1], "staging_slots": [], "lease_s": 1.0}),
+        msgspec.msgpack.encode({"type": "nope"}),
+        b"\x00" * (protocol.MAX_MESSAGE_BYTES + 1),
+    ],
+)
+def test_malformed_messages_raise_protocol_error(data: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        protocol.decode(data)
+
+
+def test_malformed_notice() -> None:
+    with pytest.raises(ProtocolError):
+        protocol.decode_notice(msgspec.msgpack.encode(["r", -1, 0, 0]))
+
+
+def test_hello_compatibility_names_every_differing_field() -> None:
+    protocol.check_compatible(hello(), hello(layout=KVLayout(2, 2, 8, block_size=32, order="HND")))  # convertible
+    with pytest.raises(HandshakeError) as err:
+        protocol.check_compatible(hello(), hello(chunk_size=128, layout=KVLayout(2, 2, 8, dtype="float16"), protocol_version=2))
+    text = str(err.value)
+    assert "chunk_size (ours 256, peer 128)" in text
+    assert "layout.dtype (ours 'bfloat16', peer 'float16')" in text
+    assert "protocol_version" in text
+    assert "model_fingerprint" not in text
+
+
+def test_config_errors_name_field_value_and_expectation(tmp_path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("transfer:\n  chunk_size: 0\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: field 'transfer.chunk_size' = 0: Expected `int` >= 1"):
+        load_config(cfg)
+    cfg.write_text("channel:\n  name: rdma\n")
+    with pytest.raises(ConfigError, match="'channel.name' = 'rdma'"):
+        load_config(cfg)
+    cfg.write_text("transfer:\n  lease: 3\n")
+    with pytest.raises(ConfigError, match="'transfer.lease' = 3: unknown field"):
+        load_config(cfg)
+    cfg.write_text("[1, 2")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(cfg)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_config_yaml_with_cli_overrides(tmp_path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("role: decode\nport: 8100\ntransfer:\n  chunk_size: 128\n")
+    loaded = load_config(cfg, {"port": 9000, "host": None, "transfer.lease_s": 3.5})
+    assert (loaded.role, loaded.port, loaded.host) == ("decode", 9000, "127.0.0.1")
+    assert loaded.transfer == TransferConfig(chunk_size=128, lease_s=3.5)
+
+
+def test_allocator_all_or_nothing_and_exactly_once() -> None:
+    alloc = BlockAllocator(4)
+    got = alloc.allocate(3)
+    with pytest.raises(OutOfBlocksError):
+        alloc.allocate(2)
+    assert alloc.num_free == 1
+    alloc.free(got[:1])
+    with pytest.raises(LayoutError, match="double free"):
+        alloc.free(got[:2])  # got[0] is already free: nothing is freed
+    assert alloc.num_free == 2
+    alloc.free(got[1:])
+    assert alloc.num_free == 4
+
+
+def test_cli_help_lists_subcommands() -> None:
+    out = subprocess.run([sys.executable, "-m", "pdkv.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    for cmd in ("demo", "launch", "bench"):
+        assert cmd in out
+    out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "--help"], capture_output=True, text=True, check=True).stdout
+    for cmd in ("channel", "gather", "ttft"):
+        assert cmd in out

@@ -1,0 +1,199 @@
+"""Sender -> receiver over the mock channel: the data path's guarantees."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from pdkv.config import TransferConfig
+from pdkv.errors import ChecksumError, HandshakeError, ReservationError, TransferCancelled, TransferError, TransferTimeout
+from pdkv.layout import KVLayout, gather
+from tests.conftest import Pair, wait_until
+
+F32 = dict(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32")
+
+
+def push(pair: Pair, request_id: str, num_tokens: int, table: list[int]) -> list[int]:
+    """Send a whole request and return the receiver's blocks (now owned by the test)."""
+    xfer = pair.sender.open(request_id, pair.receiver.address, num_tokens, table)
+    xfer.send_all()
+    xfer.wait(10)
+    return pair.receiver.wait(request_id, 10).blocks
+
+
+def assert_same_kv(pair: Pair, p_table: list[int], d_table: list[int], num_tokens: int) -> None:
+    a = gather(pair.p_layout, pair.p_kv, p_table, 0, num_tokens)
+    b = gather(pair.d_layout, pair.d_kv, d_table, 0, num_tokens)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "d_layout",
+    [
+        KVLayout(**F32, block_size=16),  # same layout: direct block writes
+        KVLayout(**F32, block_size=32, order="HND"),  # the issue's pair: NHD/16 into HND/32
+        KVLayout(**F32, block_size=16, kind="cross_layer"),
+    ],
+    ids=["direct", "nhd16-to-hnd32", "to-cross-layer"],
+)
+def test_single_request_lands_bit_exact(make_pair, d_layout: KVLayout) -> None:
+    pair = make_pair(d_layout=d_layout)
+    table = list(range(40, 47))  # 100 tokens, 7 blocks of 16
+    blocks = push(pair, "r1", 100, table)
+    assert len(blocks) == d_layout.blocks_for(100)
+    assert_same_kv(pair, table, blocks, 100)
+    assert pair.receiver.stats()["chunks_landed"] == 4  # 32-token chunks: 32+32+32+4
+    pair.allocator.free(blocks)
+
+
+def test_many_concurrent_requests(make_pair) -> None:
+    pair = make_pair(
+        d_layout=KVLayout(**F32, block_size=8, order="HND"),
+        config=TransferConfig(chunk_size=32, staging_slots=6, slots_per_request=2, max_inflight_bytes=8192),
+        p_blocks=256,
+        d_blocks=256,
+    )
+    results: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+    tables = {f"req{i}": list(range(i * 6, i * 6 + 6)) for i in range(12)}  # 12 x 90 tokens
+
+    def run(rid: str) -> None:
+        try:
+            results[rid] = push(pair, rid, 90, tables[rid])
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    # 12 requests but only 6 staging slots (2 per request): refused ones are retried until room frees up
+    threads = [threading.Thread(target=run, args=(rid,)) for rid in tables]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert pair.sender.stats().get("reservations_retried", 0) > 0
+    assert sorted(results) == sorted(tables)
+    for rid, blocks in results.items():
+        assert_same_kv(pair, tables[rid], blocks, 90)
+        pair.allocator.free(blocks)
+    all_blocks = [b for blocks in results.values() for b in blocks]
+    assert len(all_blocks) == len(set(all_blocks))  # no two requests share a block
+
+
+def test_corrupted_chunk_fails_the_request_and_frees_its_slots(make_pair) -> None:
+    pair = make_pair(d_layout=KVLayout(**F32, block_size=32, order="HND"))
+    start_free = pair.allocator.num_free
+    xfer = pair.sender.open("bad", pair.receiver.address, 100, list(range(7)))
+    pair.p_channel.faults.corrupt_next = 1
+    with pytest.raises(TransferError) as err:
+        xfer.send_all()
+        xfer.wait(10)
+    assert "checksum" in str(err.value)
+    with pytest.raises(TransferError, match="checksum"):
+        pair.receiver.wait("bad", 10)
+    wait_until(lambda: pair.allocator.num_free == start_free, what="blocks of the failed request to come back")
+    assert pair.receiver.stats()["checksum_failures"] == 1
+    # the pair keeps working for the next request
+    blocks = push(pair, "good", 100, list(range(7, 14)))
+    assert_same_kv(pair, list(range(7, 14)), blocks, 100)
+    pair.allocator.free(blocks)
+
+
+def test_checksum_error_type_on_direct_path(make_pair) -> None:
+    pair = make_pair()
+    xfer = pair.sender.open("bad", pair.receiver.address, 64, list(range(4)))
+    pair.p_channel.faults.corrupt_next = 1
+    xfer.send_chunk(0)
+    with pytest.raises(TransferError) as err:
+        pair.receiver.wait("bad", 10)
+    assert "failed its checksum" in str(err.value)
+    with pytest.raises(TransferCancelled, match="checksum"):
+        xfer.wait(10)
+    assert isinstance(ChecksumError("x"), TransferError)
+
+
+def test_reservation_that_does_not_fit_is_refused_and_nothing_leaks(make_pair) -> None:
+    pair = make_pair(d_blocks=8, config=TransferConfig(chunk_size=32, reserve_timeout_s=0.3))
+    with pytest.raises(ReservationError, match="need 10 KV blocks, only 8"):
+        pair.sender.open("big", pair.receiver.address, 160, list(range(10)))
+    assert pair.allocator.num_free == 8
+    held = pair.sender.open("fits", pair.receiver.address, 96, list(range(6)))  # 6 of 8 blocks
+    with pytest.raises(ReservationError, match="only 2 of 8 free"):
+        pair.sender.open("second", pair.receiver.address, 48, list(range(3)))
+    held.send_all()
+    held.wait(10)
+    pair.allocator.free(pair.receiver.wait("fits", 10).blocks)
+    wait_until(lambda: pair.sender.stats()["open_transfers"] == 0, what="the sender to settle 'fits'")
+    with pytest.raises(ReservationError, match="already used"):
+        pair.sender.open("fits", pair.receiver.address, 16, [0])
+
+
+def test_cancel_from_sender_mid_transfer(make_pair) -> None:
+    pair = make_pair()
+    xfer = pair.sender.open("c1", pair.receiver.address, 128, list(range(8)))
+    xfer.send_chunk(0)
+    xfer.send_chunk(1)
+    xfer.cancel("prefill aborted")
+    with pytest.raises(TransferCancelled):
+        xfer.send_chunk(2)
+    with pytest.raises(TransferError, match="prefill aborted"):
+        pair.receiver.wait("c1", 10)
+
+
+def test_cancel_from_receiver_mid_transfer(make_pair) -> None:
+    pair = make_pair()
+    xfer = pair.sender.open("c2", pair.receiver.address, 128, list(range(8)))
+    xfer.send_chunk(0)
+    pair.receiver.cancel("c2", "client disconnected")
+    with pytest.raises(TransferCancelled, match="client disconnected"):
+        xfer.wait(10)
+    with pytest.raises(TransferError):
+        pair.receiver.wait("c2", 1)
+
+
+def test_stalled_channel_times_out_on_both_sides(make_pair) -> None:
+    cfg = TransferConfig(chunk_size=32, transfer_timeout_s=0.5, lease_s=5, drain_timeout_s=0.5)
+    pair = make_pair(config=cfg)
+    xfer = pair.sender.open("slow", pair.receiver.address, 64, list(range(4)))
+    pair.p_channel.faults.stall = True
+    xfer.send_all()
+    with pytest.raises(TransferTimeout):
+        pair.receiver.wait("slow", 0.3)
+    with pytest.raises(TransferError):
+        xfer.wait(5)
+
+
+def test_receiver_never_claimed_is_reaped(make_pair) -> None:
+    pair = make_pair(config=TransferConfig(chunk_size=32, claim_timeout_s=0.2))
+    xfer = pair.sender.open("orphan", pair.receiver.address, 64, list(range(4)))
+    xfer.send_all()
+    xfer.wait(10)
+    wait_until(lambda: pair.receiver.stats().get("unclaimed", 0) == 1, what="the unclaimed reservation to be reaped")
+    with pytest.raises(TransferError, match="never claimed"):
+        pair.receiver.wait("orphan", 1)
+
+
+def test_dead_sender_lease_expires(make_pair) -> None:
+    pair = make_pair(config=TransferConfig(chunk_size=32, lease_s=0.3, heartbeat_s=0.1, drain_timeout_s=0.2))
+    xfer = pair.sender.open("dead", pair.receiver.address, 64, list(range(4)))
+    xfer.send_chunk(0)
+    pair.sender._stop.set()  # the sender's process "dies": no heartbeats, no more messages
+    with pytest.raises(TransferError, match="lease expired"):
+        pair.receiver.wait("dead", 5)
+    assert pair.receiver.stats()["leases_expired"] == 1
+
+
+def test_hello_mismatch_names_the_field(make_pair) -> None:
+    pair = make_pair(fingerprints=("llama-8b", "qwen-7b"))
+    with pytest.raises(HandshakeError, match="model_fingerprint \\(ours 'qwen-7b', peer 'llama-8b'\\)"):
+        pair.sender.open("x", pair.receiver.address, 16, [0])
+    pair2 = make_pair(d_layout=KVLayout(num_layers=3, num_kv_heads=4, head_dim=8, dtype="float32"))
+    with pytest.raises(HandshakeError, match="layout.num_kv_heads"):
+        pair2.sender.open("y", pair2.receiver.address, 16, [0])
+
+
+def test_unreachable_receiver_times_out(make_pair) -> None:
+    pair = make_pair(config=TransferConfig(chunk_size=32, handshake_timeout_s=0.3))
+    with pytest.raises(TransferTimeout, match="no Hello reply"):
+        pair.sender.open("z", "tcp://127.0.0.1:9", 16, [0])
