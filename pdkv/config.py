@@ -54,6 +54,7 @@ class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
     control_port: Annotated[int, Meta(ge=0, le=65535)] = 0
     model: str = "default"
     engine: Literal["reference", "vllm"] = "reference"
+    dtype: Literal["float32", "bfloat16"] = "float32"
     num_blocks: Positive = 1024
     block_size: Positive = 16
     kv_order: Literal["NHD", "HND"] = "NHD"

@@ -18,6 +18,7 @@ import msgspec
 from msgspec import Meta
 
 from pdkv import PROTOCOL_VERSION
+from pdkv.channels.base import Channel
 from pdkv.errors import HandshakeError, ProtocolError
 from pdkv.layout import KVLayout
 
@@ -144,6 +145,21 @@ def decode_notice(data: bytes) -> ChunkNotice:
         return _notice_decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"malformed chunk notification: {exc}") from None
+
+
+def make_hello(channel: Channel, fingerprint: str, layout: KVLayout, chunk_size: int, kv_regions: list[int], staging_region: int) -> Hello:
+    """Our side's Hello: identical construction for sender and receiver."""
+    return Hello(
+        protocol_version=PROTOCOL_VERSION,
+        agent=channel.agent_name,
+        model_fingerprint=fingerprint,
+        layout=layout,
+        chunk_size=chunk_size,
+        channel=channel.name,
+        channel_metadata=channel.metadata(),
+        kv_regions=kv_regions,
+        staging_region=staging_region,
+    )
 
 
 def check_compatible(ours: Hello, theirs: Hello) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from pdkv import PROTOCOL_VERSION, protocol
+from pdkv import protocol
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.base import Channel, Notification
 from pdkv.checksum import checksum
@@ -141,17 +141,7 @@ class KVReceiver:
 
     # -- public API -----------------------------------------------------------
     def hello(self) -> Hello:
-        return Hello(
-            protocol_version=PROTOCOL_VERSION,
-            agent=self.channel.agent_name,
-            model_fingerprint=self.fingerprint,
-            layout=self.layout,
-            chunk_size=self.config.chunk_size,
-            channel=self.channel.name,
-            channel_metadata=self.channel.metadata(),
-            kv_regions=self.kv_regions,
-            staging_region=self.staging_region,
-        )
+        return protocol.make_hello(self.channel, self.fingerprint, self.layout, self.config.chunk_size, self.kv_regions, self.staging_region)
 
     def wait(self, request_id: str, timeout: float | None = None) -> ReceivedKV:
         """Block until the request's KV has landed and verified, then hand it over.

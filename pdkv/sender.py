@@ -23,7 +23,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
-from pdkv import PROTOCOL_VERSION, protocol
+from pdkv import protocol
 from pdkv.channels.base import Channel, TransferHandle, TransferOp, XferState, merge_ops
 from pdkv.checksum import checksum
 from pdkv.config import TransferConfig
@@ -81,11 +81,13 @@ class OutgoingTransfer:
         self.sent: set[int] = set()
         self.landed: set[int] = set()
         self.inflight: list[_InFlight] = []
+        self.posting = 0  # chunks between taking credit and tracking their handle
         self.error: TransferError | None = None
         self.settled = False  # Done or Cancel sent: no more writes from us
         self.bytes_sent = 0
-        self.started = time.monotonic()
+        self.started = 0.0  # first chunk posted: transfer time excludes the wait for compute before it
         self.finished_at = 0.0
+        self._on_settled: list[Callable[[OutgoingTransfer], None]] = []
 
     @property
     def num_chunks(self) -> int:
@@ -112,6 +114,19 @@ class OutgoingTransfer:
         """Stop sending; the receiver is told once our in-flight writes settle."""
         with self.sender._cond:
             self.sender._fail(self, TransferCancelled(f"cancelled by the prefill side: {reason}"))
+
+    def on_settled(self, fn: Callable[[OutgoingTransfer], None]) -> None:
+        """Call ``fn(self)`` once no write of ours can touch the source blocks any more.
+
+        The prefill worker frees the request's blocks here, not earlier: a
+        block freed while a write still reads from it could ship another
+        request's KV. Runs on the sender's I/O thread (or at once if settled).
+        """
+        with self.sender._cond:
+            if not self.settled:
+                self._on_settled.append(fn)
+                return
+        fn(self)
 
 
 class KVSender:
@@ -156,17 +171,7 @@ class KVSender:
 
     # -- public API -------------------------------------------------------------
     def hello(self) -> Hello:
-        return Hello(
-            protocol_version=PROTOCOL_VERSION,
-            agent=self.channel.agent_name,
-            model_fingerprint=self.fingerprint,
-            layout=self.layout,
-            chunk_size=self.config.chunk_size,
-            channel=self.channel.name,
-            channel_metadata=self.channel.metadata(),
-            kv_regions=self.kv_regions,
-            staging_region=self.staging_region,
-        )
+        return protocol.make_hello(self.channel, self.fingerprint, self.layout, self.config.chunk_size, self.kv_regions, self.staging_region)
 
     def open(self, request_id: str, address: str, num_tokens: int, block_table: Sequence[int]) -> OutgoingTransfer:
         """Handshake (once per receiver) and reserve room for the whole request there."""
@@ -214,7 +219,7 @@ class KVSender:
             for xfer in list(self._transfers.values()):
                 self._fail(xfer, TransferCancelled("sender closing"))
         deadline = time.monotonic() + self.config.drain_timeout_s
-        while time.monotonic() < deadline and any(x.inflight for x in list(self._transfers.values())):
+        while time.monotonic() < deadline and self._transfers:  # settling tells each receiver
             time.sleep(0.005)
         self._stop.set()
         self._outbox.put(None)
@@ -305,6 +310,9 @@ class KVSender:
             local_slot = self._free_local_slots.pop() if staging else -1
             remote_slot = xfer.free_remote_slots.popleft() if staging else -1
             xfer.sent.add(index)
+            xfer.posting += 1  # keeps the transfer from settling before the handle is tracked
+            if not xfer.started:
+                xfer.started = time.monotonic()
             if staging:
                 xfer.slot_of_chunk[index] = remote_slot
         try:
@@ -313,11 +321,13 @@ class KVSender:
             handle = self.channel.write(xfer.peer.agent, ops, notice)
         except Exception as exc:
             with self._cond:
+                xfer.posting -= 1
                 self._release_credit(nbytes, local_slot)
                 err = exc if isinstance(exc, TransferError) else TransferError(f"posting chunk {index} of {xfer.request_id!r} failed: {exc}")
                 self._fail(xfer, err)
             raise err from exc
         with self._cond:
+            xfer.posting -= 1
             xfer.inflight.append(_InFlight(handle, nbytes, local_slot, remote_slot))
             xfer.bytes_sent += nbytes
 
@@ -390,6 +400,7 @@ class KVSender:
                     self._heartbeat()
             except Exception:
                 log.exception("sender loop error")
+        self._flush_outbox(poller)  # the last Cancel/Done messages
 
     def _flush_outbox(self, poller: zmq.Poller) -> None:
         while True:
@@ -504,12 +515,20 @@ class KVSender:
                         self.counters["bytes_sent"] += f.nbytes
             with self._cond:
                 over = xfer.error is not None or xfer.complete
-                if over and not xfer.inflight and not xfer.settled:
+                if over and not xfer.inflight and not xfer.posting and not xfer.settled:
                     xfer.settled = True
                     del self._transfers[xfer.request_id]
                     msg: protocol.Message = Done(xfer.request_id, True) if xfer.error is None else Cancel(xfer.request_id, str(xfer.error))
                     self._outbox.put((xfer.peer, msg))
                     self.counters["transfers_ok" if xfer.error is None else "transfers_settled_failed"] += 1
+                    callbacks, xfer._on_settled = xfer._on_settled, []
+                else:
+                    callbacks = []
+            for fn in callbacks:
+                try:
+                    fn(xfer)
+                except Exception:
+                    log.exception("on_settled callback for %s failed", xfer.request_id)
 
     def _heartbeat(self) -> None:
         with self._cond:

@@ -1,0 +1,82 @@
+"""Start ``pdkv launch`` workers as real processes and wait for their ready line.
+
+The demo, the tests and the benchmarks start workers exactly as a user does,
+through the CLI, so what they exercise is what ships.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdkv.errors import PdkvError
+
+
+@dataclass
+class WorkerProcess:
+    role: str
+    proc: subprocess.Popen[str]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return str(self.info["url"])
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def start_worker(role: str, *args: str, timeout: float = 300.0, env: dict[str, str] | None = None) -> WorkerProcess:
+    """Run ``pdkv launch --role ROLE ARGS...`` and return once it printed its ready line.
+
+    stderr passes through (the worker's logs); a worker that exits or stays
+    silent past ``timeout`` raises with what it said.
+    """
+    cmd = [sys.executable, "-m", "pdkv.cli", "launch", "--role", role, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    lines: list[str] = []
+    try:
+        while time.monotonic() < deadline:
+            if not sel.select(timeout=min(1.0, max(0.0, deadline - time.monotonic()))):
+                if proc.poll() is not None:
+                    break
+                continue
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            try:
+                info = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(info, dict) and info.get("event") == "ready":
+                return WorkerProcess(role, proc, info)
+    finally:
+        sel.close()
+    proc.kill()
+    proc.wait(10)
+    raise PdkvError(f"{role} worker did not become ready within {timeout:.0f}s (exit code {proc.returncode}); it printed: {''.join(lines)[-2000:]}")

@@ -1,0 +1,113 @@
+"""``pdkv demo``: a prefill and a decode worker on this machine, one prompt through both.
+
+Starts both workers as real processes (``pdkv launch``), sends the prompt to
+the prefill worker with ``kv_transfer_params`` naming the decode worker's
+receiver, streams the answer from the decode worker, and checks it against
+the decode worker generating the same prompt on its own. Prints the answer,
+TTFT, the bytes the KV transfer moved and its GB/s, then stops both workers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.request
+from typing import Any
+
+from pdkv.launch.procs import WorkerProcess, start_worker
+
+DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _get(url: str, timeout: float = 30.0) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read()
+
+
+def _stream(url: str, body: dict[str, Any], t0: float, timeout: float = 300.0) -> tuple[str, list[int], float]:
+    """Stream a chat completion; returns (text, token ids, seconds from t0 to the first token)."""
+    req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"})
+    text, ids, first = [], [], 0.0
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            for choice in event.get("choices", []):
+                if not ids:
+                    first = time.perf_counter() - t0
+                    print("answer: ", end="", flush=True)
+                delta = choice.get("delta", {}).get("content", "")
+                print(delta, end="", flush=True)
+                text.append(delta)
+                ids.extend(choice.get("token_ids", []))
+    print(flush=True)
+    return "".join(text), ids, first
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus sample over the series that carry ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        series, _, value = line.rpartition(" ")
+        if series.split("{", 1)[0] == name and all(f'{k}="{v}"' in series for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def run(args: argparse.Namespace) -> int:
+    prompt = args.prompt or DEFAULT_PROMPT
+    common = ["--port", "0", "--model", args.model, "--channel", args.channel]
+    workers: list[WorkerProcess] = []
+    try:
+        print(f"starting decode and prefill workers (model {args.model}, channel {args.channel}) ...", file=sys.stderr, flush=True)
+        decode = start_worker("decode", *common)
+        workers.append(decode)
+        prefill = start_worker("prefill", *common)
+        workers.append(prefill)
+        info = json.loads(_get(decode.url + "/pdkv/info"))
+        messages = [{"role": "user", "content": prompt}]
+        base = {"messages": messages, "temperature": 0, "return_token_ids": True}
+        print(f"prompt: {prompt}", flush=True)
+
+        t0 = time.perf_counter()
+        p = _post(prefill.url + "/v1/chat/completions", {**base, "max_tokens": 1, "kv_transfer_params": {
+            "do_remote_decode": True, "remote_host": info["remote_host"], "remote_port": info["remote_port"], "transfer_id": f"demo-{int(t0 * 1e6)}",
+        }})
+        text, ids, ttft = _stream(decode.url + "/v1/chat/completions", {**base, "max_tokens": args.max_tokens, "kv_transfer_params": p["kv_transfer_params"]}, t0)
+        total = time.perf_counter() - t0
+
+        local = _post(decode.url + "/v1/chat/completions", {**base, "max_tokens": args.max_tokens})
+        p_metrics, d_metrics = _get(prefill.url + "/metrics").decode(), _get(decode.url + "/metrics").decode()
+        moved = metric(p_metrics, "pdkv_transfer_bytes_total")
+        seconds = metric(p_metrics, "pdkv_transfer_seconds_sum")
+        summary = {
+            "model": args.model,
+            "channel": args.channel,
+            "prompt_tokens": p["usage"]["prompt_tokens"],
+            "completion_tokens": len(ids),
+            "ttft_s": round(ttft, 4),
+            "total_s": round(total, 4),
+            "kv_bytes_moved": int(moved),
+            "kv_transfer_s": round(seconds, 4),
+            "kv_gbps": round(moved / seconds / 1e9, 3) if seconds else None,
+            "transferred_prompt_tokens": int(metric(d_metrics, "pdkv_prompt_tokens_total", source="transferred")),
+            "fallbacks": int(metric(d_metrics, "pdkv_fallbacks_total")),
+            "matches_local_generation": local["choices"][0]["token_ids"] == ids,
+        }
+        print(json.dumps(summary, indent=2), flush=True)
+        return 0 if summary["matches_local_generation"] and summary["fallbacks"] == 0 else 1
+    finally:
+        for w in reversed(workers):
+            w.stop()

@@ -1,0 +1,1 @@
+"""Prefill and decode workers: an engine loop, the transfer wiring, and the OpenAI HTTP API."""

@@ -1,0 +1,39 @@
+"""Prometheus metrics of a worker, under one ``pdkv_`` naming shared by every role.
+
+Each worker gets its own registry, so several workers in one process (tests,
+the demo) never collide. Gauges that mirror the transfer layer's state
+(reserved blocks, in-flight bytes) are read from it at scrape time, so what
+/metrics says is what the receiver holds, not a counter that can drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+GBPS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
+
+
+class WorkerMetrics:
+    def __init__(self, role: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.role = role
+        self.requests = Counter("pdkv_requests", "Generation requests by outcome", ["role", "outcome"], registry=r)
+        self.ttft = Histogram("pdkv_ttft_seconds", "Time from request arrival to the first token", ["role"], buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer_seconds = Histogram("pdkv_transfer_seconds", "KV transfer time per request", ["role"], buckets=LATENCY_BUCKETS, registry=r)
+        self.transfer_gbps = Histogram("pdkv_transfer_gbps", "KV transfer throughput per request (GB/s)", ["role"], buckets=GBPS_BUCKETS, registry=r)
+        self.transfer_bytes = Counter("pdkv_transfer_bytes", "KV bytes moved", ["role"], registry=r)
+        self.transfers = Counter("pdkv_transfers", "KV transfers by outcome", ["role", "outcome"], registry=r)
+        self.fallbacks = Counter("pdkv_fallbacks", "Requests whose KV was recomputed locally instead of transferred", ["role", "reason"], registry=r)
+        self.prompt_tokens = Counter("pdkv_prompt_tokens", "Prompt tokens by where their KV came from", ["role", "source"], registry=r)
+        self.generated_tokens = Counter("pdkv_generated_tokens", "Generated tokens", ["role"], registry=r)
+
+    def gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
+        """A gauge read from ``fn`` at scrape time."""
+        Gauge(name, doc, ["role"], registry=self.registry).labels(self.role).set_function(fn)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,390 @@
+"""A prefill or decode worker: the engine loop, the transfer wiring, and its HTTP API.
+
+Both roles serve the same OpenAI API; what differs is what ``kv_transfer_params``
+in a request makes them do, in the shape vLLM's disaggregated proxies use:
+
+* prefill, ``{"do_remote_decode": true, "remote_host", "remote_port",
+  "transfer_id"}``: reserve room on that decode worker's receiver, compute
+  the prompt chunk by chunk while each finished chunk is pushed, return the
+  first token with the ``kv_transfer_params`` the decode worker needs.
+  (vLLM's NixlConnector has D pull from P; pdkv pushes, so P is told where D
+  is: ``remote_host``/``remote_port`` are D's receiver, from D's /pdkv/info.)
+* decode, ``{"do_remote_prefill": true, "transfer_id", "first_token_id",
+  "prompt_hash"}``: wait for the landed KV, adopt its blocks and decode from
+  P's first token. If the transfer failed, timed out or was never started,
+  compute the prompt locally (``pdkv_fallbacks``): a request is never lost to
+  a transfer fault, only slower.
+* no ``kv_transfer_params``: an ordinary local generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from pdkv.channels import create_channel
+from pdkv.config import PdkvConfig
+from pdkv.engine.base import EngineAdapter, Request
+from pdkv.errors import InvalidRequestError, OutOfBlocksError, PdkvError, TransferError
+from pdkv.keys import chunk_keys
+from pdkv.receiver import KVReceiver, ReceivedKV
+from pdkv.sender import KVSender, OutgoingTransfer
+from pdkv.worker import openai_api as api
+from pdkv.worker.metrics import WorkerMetrics
+from pdkv.worker.push import ChunkPusher
+from pdkv.worker.scheduler import EngineLoop, Job
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What the engine will run for one HTTP request, and what to tell the client."""
+
+    job_request: Request
+    first_token: int | None = None
+    decode: bool = True
+    on_chunk: Callable[[Request, int, int], None] | None = None
+    release: Callable[[Request], None] | None = None
+    kv_params: dict[str, Any] | None = None
+
+
+class Worker:
+    """One prefill or decode worker around an engine. ``app()`` is its aiohttp application."""
+
+    def __init__(self, config: PdkvConfig, engine: EngineAdapter) -> None:
+        if config.role not in ("prefill", "decode"):
+            raise PdkvError(f"a worker's role must be prefill or decode, got {config.role!r}")
+        self.config = config
+        self.role = config.role
+        self.engine = engine
+        self.agent = f"{self.role}-{uuid.uuid4().hex[:8]}"
+        self.chunk_size = config.transfer.chunk_size
+        self.metrics = WorkerMetrics(self.role)
+        self.loop = EngineLoop(engine, chunk_size=self.chunk_size)
+        self.channel = create_channel(config.channel.name, self.agent, config.channel.options)
+        self.sender: KVSender | None = None
+        self.receiver: KVReceiver | None = None
+        self.pusher: ChunkPusher | None = None
+        if self.role == "prefill":
+            self.sender = KVSender(self.channel, engine.layout, engine.kv_buffer, engine.fingerprint, config.transfer)
+            self.pusher = ChunkPusher()
+        else:
+            self.receiver = KVReceiver(self.channel, engine.layout, engine.kv_buffer, engine.allocator, engine.fingerprint, config.transfer, host=config.host, port=config.control_port)
+        m = self.metrics
+        m.gauge("pdkv_running_requests", "Requests on the engine", lambda: self.loop.num_running)
+        m.gauge("pdkv_free_blocks", "Free KV blocks", lambda: engine.allocator.num_free)
+        m.gauge("pdkv_reserved_blocks", "KV blocks held by transfer reservations", lambda: self._stat("reserved_blocks"))
+        m.gauge("pdkv_reservations", "Open transfer reservations", lambda: self._stat("reservations"))
+        m.gauge("pdkv_inflight_bytes", "Bytes posted to the channel and not yet landed", lambda: self._stat("inflight_bytes"))
+        m.gauge("pdkv_open_transfers", "Outgoing transfers not yet settled", lambda: self._stat("open_transfers"))
+
+    def _stat(self, name: str) -> float:
+        side = self.receiver or self.sender
+        return float(side.stats().get(name, 0)) if side is not None else 0.0
+
+    # -- HTTP ------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", lambda r: self._generate(r, chat=False))
+        app.router.add_post("/v1/chat/completions", lambda r: self._generate(r, chat=True))
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/pdkv/info", self._info)
+        app.on_cleanup.append(lambda _app: self.close_async())
+        return app
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.engine.model_name, "object": "model", "created": 0, "owned_by": "pdkv"}]})
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "role": self.role})
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def _info(self, _: web.Request) -> web.Response:
+        info: dict[str, Any] = {
+            "role": self.role,
+            "agent": self.agent,
+            "model": self.engine.model_name,
+            "fingerprint": self.engine.fingerprint,
+            "channel": self.channel.name,
+            "chunk_size": self.chunk_size,
+            "layout": msgspec.to_builtins(self.engine.layout),
+        }
+        if self.receiver is not None:
+            host, port = self.receiver.address.removeprefix("tcp://").rsplit(":", 1)
+            info.update(receiver_address=self.receiver.address, remote_host=host, remote_port=int(port))
+        return web.json_response(info)
+
+    async def _generate(self, http: web.Request, chat: bool) -> web.StreamResponse:
+        arrived = time.monotonic()
+        try:
+            body = await http.json()
+        except ValueError:
+            return _error(400, "the request body is not valid JSON")
+        try:
+            req = api.parse_request(body, self.engine.tokenizer, self.engine.model_name, chat)
+            plan = await self._plan(req)
+        except InvalidRequestError as exc:
+            self.metrics.requests.labels(self.role, "invalid").inc()
+            return _error(400, str(exc))
+        except OutOfBlocksError as exc:
+            self.metrics.requests.labels(self.role, "rejected").inc()
+            return _error(503, f"no room for this request right now: {exc}", "server_busy")
+        events = self._run(plan)
+        try:
+            if req.stream:
+                return await self._stream(http, req, plan, events, arrived)
+            return await self._collect(req, plan, events, arrived)
+        except PdkvError as exc:
+            self.metrics.requests.labels(self.role, "error").inc()
+            return _error(500, str(exc), "server_error")
+
+    async def _run(self, plan: _Plan) -> AsyncIterator[tuple[int, str | None]]:
+        """Submit the plan's job and yield (token, finish) as the engine produces them."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue[tuple[int, str | None] | BaseException] = asyncio.Queue()
+        job = Job(
+            request=plan.job_request,
+            on_token=lambda t, f: loop.call_soon_threadsafe(out.put_nowait, (t, f)),
+            on_error=lambda e: loop.call_soon_threadsafe(out.put_nowait, e),
+            decode=plan.decode,
+            first_token=plan.first_token,
+            on_chunk=plan.on_chunk,
+            release=plan.release,
+        )
+        self.loop.submit(job)
+        finished = False
+        try:
+            while not finished:
+                item = await out.get()
+                if isinstance(item, BaseException):
+                    raise item if isinstance(item, PdkvError) else PdkvError(f"generation failed: {item}")
+                finished = item[1] is not None
+                yield item
+        finally:
+            if not finished:  # the client went away or an error: stop and free on the engine thread
+                job.cancelled.set()
+
+    async def _collect(self, req: api.GenerationRequest, plan: _Plan, events: AsyncIterator[tuple[int, str | None]], arrived: float) -> web.Response:
+        tokens: list[int] = []
+        finish = None
+        async for token, finish in events:
+            if not tokens:
+                self._first_token(plan, token, arrived)
+            tokens.append(token)
+        self._done(len(tokens))
+        text = self.engine.tokenizer.decode(tokens)
+        return web.json_response(api.full_response(req, text, tokens, finish, plan.kv_params))
+
+    async def _stream(self, http: web.Request, req: api.GenerationRequest, plan: _Plan, events: AsyncIterator[tuple[int, str | None]], arrived: float) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(http)
+        detok = api.Detokenizer(self.engine.tokenizer)
+        count = 0
+        try:
+            async for token, finish in events:
+                if count == 0:
+                    self._first_token(plan, token, arrived)
+                count += 1
+                await resp.write(api.stream_event(req, detok.push(token), token, finish, first=count == 1))
+        except PdkvError as exc:  # headers are gone: report in-band, as OpenAI does
+            self.metrics.requests.labels(self.role, "error").inc()
+            await resp.write(api.sse(api.error_body(str(exc), "server_error", 500)))
+            await resp.write(api.SSE_DONE)
+            return resp
+        if plan.kv_params is not None:
+            await resp.write(api.sse({"id": req.request_id, "object": "kv_transfer_params", "kv_transfer_params": plan.kv_params}))
+        if req.include_usage:
+            await resp.write(api.usage_event(req, count))
+        await resp.write(api.SSE_DONE)
+        await resp.write_eof()
+        self._done(count)
+        return resp
+
+    def _first_token(self, plan: _Plan, token: int, arrived: float) -> None:
+        self.metrics.ttft.labels(self.role).observe(time.monotonic() - arrived)
+        if plan.kv_params is not None and self.role == "prefill":
+            plan.kv_params["first_token_id"] = token
+
+    def _done(self, generated: int) -> None:
+        self.metrics.requests.labels(self.role, "ok").inc()
+        self.metrics.generated_tokens.labels(self.role).inc(generated)
+
+    # -- planning: what each role does with kv_transfer_params -----------------------------
+    async def _plan(self, req: api.GenerationRequest) -> _Plan:
+        kv = req.kv_transfer_params
+        if self.role == "prefill" and kv.get("do_remote_decode"):
+            return await self._plan_prefill(req)
+        if self.role == "decode" and kv.get("do_remote_prefill"):
+            return await self._plan_decode(req)
+        request = self.engine.new_request(req.prompt_token_ids, req.sampling, req.request_id)
+        self.metrics.prompt_tokens.labels(self.role, "computed").inc(request.num_prompt_tokens)
+        return _Plan(request)
+
+    def _prompt_hash(self, prompt: list[int]) -> str:
+        """The last chunk key: D checks it so KV is never adopted for a different prompt."""
+        return chunk_keys(prompt, self.engine.fingerprint, self.chunk_size)[-1].hex()
+
+    async def _plan_prefill(self, req: api.GenerationRequest) -> _Plan:
+        assert self.sender is not None and self.pusher is not None
+        kv = req.kv_transfer_params
+        request = self.engine.new_request(req.prompt_token_ids, dataclasses.replace(req.sampling, max_tokens=1), req.request_id)
+        n = request.num_prompt_tokens
+        transfer_id = str(kv.get("transfer_id") or req.request_id)
+        host, port = kv.get("remote_host"), kv.get("remote_port")
+        xfer: OutgoingTransfer | None = None
+        error = None
+        if not host or not isinstance(port, int):
+            error = "kv_transfer_params has no remote_host/remote_port of the decode worker's receiver"
+        else:
+            try:
+                xfer = await asyncio.to_thread(self.sender.open, transfer_id, f"tcp://{host}:{port}", n, request.block_table)
+            except PdkvError as exc:
+                error = str(exc)
+        if error is not None:
+            log.warning("request %s: KV will not be transferred: %s", req.request_id, error)
+            self.metrics.transfers.labels(self.role, "not_started").inc()
+        self.metrics.prompt_tokens.labels(self.role, "computed").inc(n)
+        params: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_id": transfer_id,
+            "remote_engine_id": self.agent,
+            "prompt_hash": self._prompt_hash(request.prompt_token_ids),
+            "num_prompt_tokens": n,
+            "transfer_started": xfer is not None,
+        }
+        if error is not None:
+            params["transfer_error"] = error
+        if xfer is None:
+            return _Plan(request, decode=False, kv_params=params)
+        pusher, cs = self.pusher, self.chunk_size
+        queued = [0]
+
+        def on_chunk(_: Request, start: int, end: int) -> None:
+            for index in range(start // cs, -(-end // cs)):
+                pusher.push(xfer, index)
+                queued[0] += 1
+
+        def release(r: Request) -> None:
+            if queued[0] < xfer.num_chunks:  # prefill failed or was cancelled part-way
+                xfer.cancel("prefill ended before every chunk was computed")
+            xfer.on_settled(lambda x: self._settled(x, r))
+
+        return _Plan(request, decode=False, on_chunk=on_chunk, release=release, kv_params=params)
+
+    def _settled(self, xfer: OutgoingTransfer, request: Request) -> None:
+        """Runs when no write of ours can touch the request's blocks: free them and record the transfer."""
+        self.engine.free(request)
+        if xfer.error is None:
+            seconds = max(xfer.finished_at - xfer.started, 1e-9)
+            self.metrics.transfers.labels(self.role, "ok").inc()
+            self.metrics.transfer_bytes.labels(self.role).inc(xfer.bytes_sent)
+            self.metrics.transfer_seconds.labels(self.role).observe(seconds)
+            self.metrics.transfer_gbps.labels(self.role).observe(xfer.bytes_sent / seconds / 1e9)
+        else:
+            self.metrics.transfers.labels(self.role, "failed").inc()
+
+    async def _plan_decode(self, req: api.GenerationRequest) -> _Plan:
+        assert self.receiver is not None
+        kv = req.kv_transfer_params
+        first = kv.get("first_token_id")
+        if first is not None and (not isinstance(first, int) or not 0 <= first < self.engine.vocab_size):
+            raise InvalidRequestError(f"kv_transfer_params.first_token_id must be a token id in [0, {self.engine.vocab_size}), got {first!r}")
+        transfer_id = kv.get("transfer_id")
+        reason = None
+        request = None
+        if not isinstance(transfer_id, str) or not transfer_id:
+            reason = "no_transfer_id"
+        elif not kv.get("transfer_started", True):
+            reason = "not_started"
+        elif kv.get("prompt_hash") != self._prompt_hash(req.prompt_token_ids):
+            reason = "prompt_mismatch"
+            self.receiver.cancel(transfer_id, "the decode request's prompt differs from the prefilled one")
+        else:
+            got, reason = await self._claim(transfer_id)
+            if got is not None:
+                request = self._adopt(req, got)
+                reason = None if request is not None else "adopt_failed"
+        n = len(req.prompt_token_ids)
+        if request is None:
+            log.warning("request %s: computing the prompt locally (%s)", req.request_id, reason)
+            self.metrics.fallbacks.labels(self.role, reason or "unknown").inc()
+            request = self.engine.new_request(req.prompt_token_ids, req.sampling, req.request_id)
+            self.metrics.prompt_tokens.labels(self.role, "computed").inc(n)
+        else:
+            self.metrics.prompt_tokens.labels(self.role, "transferred").inc(n)
+        return _Plan(request, first_token=first)
+
+    async def _claim(self, transfer_id: str) -> tuple[ReceivedKV | None, str | None]:
+        """Wait for the landed KV off the event loop; a cancelled wait leaks no blocks."""
+        assert self.receiver is not None
+        receiver, allocator = self.receiver, self.engine.allocator
+        lock = threading.Lock()
+        state: dict[str, Any] = {"abandoned": False, "got": None}
+
+        def wait() -> ReceivedKV:
+            got = receiver.wait(transfer_id, self.config.transfer.transfer_timeout_s)
+            with lock:
+                if state["abandoned"]:
+                    allocator.free(got.blocks)
+                else:
+                    state["got"] = got
+            return got
+
+        try:
+            got = await asyncio.to_thread(wait)
+        except TransferError as exc:
+            return None, "timeout" if "did not arrive" in str(exc) else "transfer_failed"
+        except asyncio.CancelledError:
+            receiver.cancel(transfer_id, "the decode request was cancelled")
+            with lock:
+                state["abandoned"] = True
+                if state["got"] is not None:
+                    allocator.free(state["got"].blocks)
+            raise
+        return got, None
+
+    def _adopt(self, req: api.GenerationRequest, got: ReceivedKV) -> Request | None:
+        """Turn landed blocks into an engine request whose prompt KV is present."""
+        if got.num_tokens != len(req.prompt_token_ids):
+            self.engine.allocator.free(got.blocks)
+            return None
+        try:
+            request = self.engine.adopt_request(req.prompt_token_ids, req.sampling, got.blocks, req.request_id)
+        except PdkvError:
+            self.engine.allocator.free(got.blocks)
+            raise
+        self.engine.mark_computed(request, got.num_tokens)
+        return request
+
+    # -- shutdown ---------------------------------------------------------------------------
+    async def close_async(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def close(self) -> None:
+        self.loop.close()
+        if self.pusher is not None:
+            self.pusher.close()
+        if self.sender is not None:
+            self.sender.close()
+        if self.receiver is not None:
+            self.receiver.close()
+        self.channel.close()
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
+    return web.json_response(api.error_body(message, kind, status), status=status)
