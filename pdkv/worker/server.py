@@ -32,6 +32,7 @@ import msgspec
 from aiohttp import web
 
 from pdkv.channels import create_channel
+from pdkv.checksum import layer_digests
 from pdkv.config import PdkvConfig
 from pdkv.engine.base import EngineAdapter, Request
 from pdkv.errors import InvalidRequestError, OutOfBlocksError, PdkvError, TransferError
@@ -95,14 +96,20 @@ class Worker:
     # -- HTTP ------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)
-        app.router.add_post("/v1/completions", lambda r: self._generate(r, chat=False))
-        app.router.add_post("/v1/chat/completions", lambda r: self._generate(r, chat=True))
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/pdkv/info", self._info)
-        app.on_cleanup.append(lambda _app: self.close_async())
+        app.on_cleanup.append(self._on_cleanup)
         return app
+
+    async def _completions(self, http: web.Request) -> web.StreamResponse:
+        return await self._generate(http, chat=False)
+
+    async def _chat_completions(self, http: web.Request) -> web.StreamResponse:
+        return await self._generate(http, chat=True)
 
     async def _models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.engine.model_name, "object": "model", "created": 0, "owned_by": "pdkv"}]})
@@ -269,12 +276,15 @@ class Worker:
         }
         if error is not None:
             params["transfer_error"] = error
+        digest = self._digest_hook(kv, params)
         if xfer is None:
-            return _Plan(request, decode=False, kv_params=params)
+            return _Plan(request, decode=False, on_chunk=digest, kv_params=params)
         pusher, cs = self.pusher, self.chunk_size
         queued = [0]
 
-        def on_chunk(_: Request, start: int, end: int) -> None:
+        def on_chunk(r: Request, start: int, end: int) -> None:
+            if digest is not None:
+                digest(r, start, end)
             for index in range(start // cs, -(-end // cs)):
                 pusher.push(xfer, index)
                 queued[0] += 1
@@ -285,6 +295,17 @@ class Worker:
             xfer.on_settled(lambda x: self._settled(x, r))
 
         return _Plan(request, decode=False, on_chunk=on_chunk, release=release, kv_params=params)
+
+    def _digest_hook(self, kv: dict[str, Any], params: dict[str, Any]) -> Callable[[Request, int, int], None] | None:
+        """With ``return_kv_digest``, record per-layer digests of the prompt's KV once it is computed."""
+        if not kv.get("return_kv_digest"):
+            return None
+
+        def on_chunk(r: Request, _start: int, end: int) -> None:
+            if end == r.num_prompt_tokens:
+                params["kv_digest"] = layer_digests(self.engine.layout, self.engine.kv_buffer, r.block_table, end)
+
+        return on_chunk
 
     def _settled(self, xfer: OutgoingTransfer, request: Request) -> None:
         """Runs when no write of ours can touch the request's blocks: free them and record the transfer."""
@@ -319,6 +340,9 @@ class Worker:
             if got is not None:
                 request = self._adopt(req, got)
                 reason = None if request is not None else "adopt_failed"
+        kv_params = None
+        if request is not None and kv.get("return_kv_digest"):
+            kv_params = {"kv_digest": layer_digests(self.engine.layout, self.engine.kv_buffer, request.block_table, request.num_computed)}
         n = len(req.prompt_token_ids)
         if request is None:
             log.warning("request %s: computing the prompt locally (%s)", req.request_id, reason)
@@ -327,7 +351,7 @@ class Worker:
             self.metrics.prompt_tokens.labels(self.role, "computed").inc(n)
         else:
             self.metrics.prompt_tokens.labels(self.role, "transferred").inc(n)
-        return _Plan(request, first_token=first)
+        return _Plan(request, first_token=first, kv_params=kv_params)
 
     async def _claim(self, transfer_id: str) -> tuple[ReceivedKV | None, str | None]:
         """Wait for the landed KV off the event loop; a cancelled wait leaks no blocks."""
@@ -372,7 +396,7 @@ class Worker:
         return request
 
     # -- shutdown ---------------------------------------------------------------------------
-    async def close_async(self) -> None:
+    async def _on_cleanup(self, _app: web.Application) -> None:
         await asyncio.to_thread(self.close)
 
     def close(self) -> None:
