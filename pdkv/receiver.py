@@ -39,6 +39,7 @@ from pdkv.config import TransferConfig
 from pdkv.errors import ChecksumError, OutOfBlocksError, ProtocolError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.layout import KVLayout, block_ranges, scatter
 from pdkv.memory import byte_view
+from pdkv.wakeup import Waker
 from pdkv.protocol import Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ class KVReceiver:
         self._lock = threading.Condition()
         self._outbox: queue.SimpleQueue[tuple[bytes, protocol.Message]] = queue.SimpleQueue()
         self.counters: collections.Counter[str] = collections.Counter()
+        self._waker = Waker()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pdkv-receiver", daemon=True)
         self._thread.start()
@@ -202,7 +204,9 @@ class KVReceiver:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._waker.wake()
         self._thread.join(timeout=5)
+        self._waker.close()
         with self._lock:
             for r in list(self._res.values()):
                 self._free(r)
@@ -214,9 +218,12 @@ class KVReceiver:
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._waker, zmq.POLLIN)
         while not self._stop.is_set():
             busy = any(r.state is State.RECEIVING for r in list(self._res.values()))
             events = dict(poller.poll(1 if busy else 20))
+            if events.pop(self._waker.fileno(), None):
+                self._waker.clear()
             try:
                 if events.get(self._sock):
                     self._drain_socket()
@@ -401,6 +408,7 @@ class KVReceiver:
         log.warning("request %s: %s", r.request_id, exc)
         if notify_sender:
             self._outbox.put((r.identity, Cancel(r.request_id, str(exc))))
+            self._waker.wake()  # _fail also runs on API threads (cancel)
 
     def _free(self, r: _Reservation) -> None:
         self.allocator.free(r.blocks)

@@ -41,6 +41,7 @@ from pdkv.layout import KVLayout, block_ranges, gather
 from pdkv.memory import byte_view
 from pdkv.protocol import Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved
 from pdkv.receiver import HELLO_REQUIRED
+from pdkv.wakeup import Waker
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +164,7 @@ class KVSender:
         self._pending_reserve: dict[str, Future[protocol.Message]] = {}
         self._outbox: queue.SimpleQueue[tuple[_Peer, protocol.Message] | None] = queue.SimpleQueue()
         self._sock_peer: dict[zmq.Socket, _Peer] = {}
+        self._waker = Waker()
         self.counters: collections.Counter[str] = collections.Counter()
         self._ctx = zmq.Context.instance()
         self._stop = threading.Event()
@@ -223,7 +225,9 @@ class KVSender:
             time.sleep(0.005)
         self._stop.set()
         self._outbox.put(None)
+        self._waker.wake()
         self._thread.join(timeout=5)
+        self._waker.close()
         for peer in self._peers.values():
             if peer.sock is not None:
                 peer.sock.close(0)
@@ -235,7 +239,7 @@ class KVSender:
             if peer is None:
                 ident = f"{self.channel.agent_name}/{next(self._ids)}".encode()
                 peer = self._peers[address] = _Peer(address, ident)
-                self._outbox.put((peer, self.hello()))
+                self._post(peer, self.hello())
         timeout = self.config.handshake_timeout_s
         try:
             hello = peer.hello_future.result(timeout)
@@ -255,7 +259,7 @@ class KVSender:
         with self._cond:
             peer = self._peers.pop(address, None)
         if peer is not None:
-            self._outbox.put((peer, protocol.Error("close")))  # the loop closes the socket
+            self._post(peer, protocol.Error("close"))  # the loop closes the socket
 
     def _request(self, peer: _Peer, request_id: str, msg: Reserve) -> protocol.Message:
         fut: Future[protocol.Message] = Future()
@@ -263,13 +267,13 @@ class KVSender:
             if request_id in self._pending_reserve or request_id in self._transfers:
                 raise ReservationError(f"request {request_id!r} already has a transfer open")
             self._pending_reserve[request_id] = fut
-        self._outbox.put((peer, msg))
+        self._post(peer, msg)
         timeout = self.config.reserve_timeout_s
         try:
             return fut.result(timeout)
         except FutureTimeout:
             self._drop_peer(peer.address)
-            self._outbox.put((peer, Cancel(request_id, "reservation timed out at the sender")))
+            self._post(peer, Cancel(request_id, "reservation timed out at the sender"))
             raise TransferTimeout(f"receiver {peer.address} did not answer Reserve for {request_id!r} within reserve_timeout_s={timeout:.3g}s") from None
         finally:
             with self._cond:
@@ -383,15 +387,23 @@ class KVSender:
         self._cond.notify_all()
 
     # -- I/O loop -----------------------------------------------------------------
+    def _post(self, peer: _Peer, msg: protocol.Message) -> None:
+        """Queue a message for the I/O thread, which owns the sockets, and wake it."""
+        self._outbox.put((peer, msg))
+        self._waker.wake()
+
     def _loop(self) -> None:
         poller = zmq.Poller()
+        poller.register(self._waker, zmq.POLLIN)
         last_beat = time.monotonic()
         while not self._stop.is_set():
             try:
                 self._flush_outbox(poller)
                 busy = any(x.inflight for x in list(self._transfers.values()))
-                events = dict(poller.poll(1 if busy else 10))
-                for sock, _ in events.items():
+                events = dict(poller.poll(1 if busy else 50))
+                if events.pop(self._waker.fileno(), None):
+                    self._waker.clear()
+                for sock in events:
                     self._drain(sock)
                 self._progress()
                 now = time.monotonic()
@@ -470,7 +482,7 @@ class KVSender:
             if fut is not None and not fut.done():
                 fut.set_result(msg)
             elif isinstance(msg, Reserved):  # we gave up waiting: release it at once
-                self._outbox.put((peer, Cancel(msg.request_id, "reservation arrived after the sender gave up")))
+                self._post(peer, Cancel(msg.request_id, "reservation arrived after the sender gave up"))
         elif isinstance(msg, Landed):
             with self._cond:
                 xfer = self._transfers.get(msg.request_id)
@@ -519,7 +531,7 @@ class KVSender:
                     xfer.settled = True
                     del self._transfers[xfer.request_id]
                     msg: protocol.Message = Done(xfer.request_id, True) if xfer.error is None else Cancel(xfer.request_id, str(xfer.error))
-                    self._outbox.put((xfer.peer, msg))
+                    self._post(xfer.peer, msg)
                     self.counters["transfers_ok" if xfer.error is None else "transfers_settled_failed"] += 1
                     callbacks, xfer._on_settled = xfer._on_settled, []
                 else:
@@ -538,4 +550,4 @@ class KVSender:
                 by_peer[xfer.peer.address].append(xfer.request_id)
                 peers[xfer.peer.address] = xfer.peer
         for address, ids in by_peer.items():
-            self._outbox.put((peers[address], Heartbeat(ids)))
+            self._post(peers[address], Heartbeat(ids))
