@@ -3,7 +3,8 @@
 ``gather``/``scatter`` here have exactly the signatures of
 :func:`pdkv.layout.gather` / :func:`pdkv.layout.scatter` and produce the same
 bytes; they are faster because each byte is copied once, with memcpy over the
-longest contiguous runs, on all intra-op threads, with the GIL released.
+longest contiguous runs, on up to ``torch.get_num_threads()`` threads, with
+the GIL released.
 
 The extension is compiled on first use with ``torch.utils.cpp_extension`` and
 cached under ``$XDG_CACHE_HOME/pdkv/torch_extensions`` (``~/.cache`` when
@@ -139,15 +140,18 @@ def _state() -> tuple[ModuleType | None, str | None]:
 def _load() -> tuple[ModuleType | None, str | None]:
     sources = _sources_dir()
     if sources is None:
-        return None, "csrc sources not found (neither the installed pdkv.csrc package data nor a source checkout)"
-    try:
-        return _build(sources), None
-    except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path", never a crash
-        detail = str(exc).strip().splitlines()
-        summary = f"{type(exc).__name__}: {' | '.join(detail[-6:])}" if detail else type(exc).__name__
-        log.warning("pdkv native gather/scatter unavailable, using the torch path (same bytes, slower). "
-                    "Build failed: %s. Needs a C++ compiler and ninja (pip install ninja); set %s=0 to skip the build.", summary, ENV_VAR)
-        return None, f"build failed: {summary}"
+        why = "csrc/kvcopy.cpp not found (neither installed as pdkv.csrc package data nor in a source checkout)"
+    else:
+        try:
+            return _build(sources), None
+        except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path", never a crash
+            # The tail of the compiler/ninja output says what broke; the whole of it is at DEBUG.
+            tail = [line.strip()[:200] for line in str(exc).strip().splitlines()[-3:]]
+            log.debug("pdkv native build output:\n%s", exc)
+            why = "build failed: " + " | ".join([type(exc).__name__, *tail])
+    log.warning("pdkv native gather/scatter unavailable, using the torch path (same bytes, slower): %s. "
+                "Needs a C++ compiler and ninja (pip install ninja); set %s=0 to skip the build.", why, ENV_VAR)
+    return None, why
 
 
 def _sources_dir() -> Path | None:
@@ -168,20 +172,17 @@ def _build(sources: Path) -> ModuleType:
     """Compile (or reuse) the extension for this Python/torch/CUDA and these exact sources."""
     from torch.utils import cpp_extension  # slow import: only when building
 
-    with_cuda = torch.cuda.is_available() and torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
+    cuda_version = torch.version.cuda  # None on CPU-only torch builds
+    with_cuda = cuda_version is not None and torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
     names = _CPU_SOURCES + (_CUDA_SOURCES if with_cuda else ())
-    # OpenMP torch builds parallelise at::parallel_for inline in the caller,
-    # so the extension itself must be compiled with -fopenmp (it links the
-    # libgomp torch already loaded); other backends need no flag.
-    openmp = ["-fopenmp"] if torch.backends.openmp.is_available() and sys.platform.startswith("linux") else []
-    cflags = ["-O3", *openmp] + (["-DPDKV_WITH_CUDA"] if with_cuda else [])
+    cflags = ["-O3"] + (["-DPDKV_WITH_CUDA"] if with_cuda else [])
     cuda_cflags = ["-O3", "-DPDKV_WITH_CUDA"] if with_cuda else []
 
     digest = hashlib.sha256()
     for name in _HEADERS + names:
         digest.update(name.encode() + b"\0" + (sources / name).read_bytes() + b"\0")
-    digest.update(repr((cflags, cuda_cflags, openmp)).encode())
-    accel = f"cu{torch.version.cuda.replace('.', '')}" if with_cuda else "cpu"
+    digest.update(repr((cflags, cuda_cflags)).encode())
+    accel = f"cu{cuda_version.replace('.', '')}" if with_cuda and cuda_version else "cpu"
     tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}-{accel}"
     build_dir = _cache_root() / tag / f"kvcopy-{digest.hexdigest()[:16]}"
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -197,7 +198,6 @@ def _build(sources: Path) -> ModuleType:
             sources=[str(sources / n) for n in names],
             extra_cflags=cflags,
             extra_cuda_cflags=cuda_cflags,
-            extra_ldflags=openmp,
             build_directory=str(build_dir),
             with_cuda=with_cuda,
             verbose=False,

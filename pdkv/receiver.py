@@ -37,7 +37,9 @@ from pdkv.channels.base import Channel, Notification
 from pdkv.checksum import checksum
 from pdkv.config import TransferConfig
 from pdkv.errors import ChecksumError, OutOfBlocksError, ProtocolError, TransferCancelled, TransferError, TransferTimeout
-from pdkv.layout import KVLayout, block_ranges, scatter
+from pdkv.layout import KVLayout, block_ranges
+from pdkv import native
+from pdkv.native import scatter
 from pdkv.memory import byte_view
 from pdkv.wakeup import Waker
 from pdkv.protocol import Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved
@@ -116,6 +118,7 @@ class KVReceiver:
         self._staging_view = byte_view(self.staging)
         self._kv_views = [byte_view(t) for t in self.kv]
         self.kv_regions = [channel.register(t) for t in self.kv]
+        native.available()  # build or load csrc/ now, not inside the first transfer
         self.staging_region = channel.register(self.staging)
         self._free_slots = list(range(self.config.staging_slots))
 

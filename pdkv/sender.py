@@ -37,7 +37,9 @@ from pdkv.checksum import checksum
 from pdkv.config import TransferConfig
 from pdkv.errors import HandshakeError, ProtocolError, ReservationError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.keys import chunk_spans
-from pdkv.layout import KVLayout, block_ranges, gather
+from pdkv.layout import KVLayout, block_ranges
+from pdkv import native
+from pdkv.native import gather
 from pdkv.memory import byte_view
 from pdkv.protocol import Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved
 from pdkv.receiver import HELLO_REQUIRED
@@ -151,6 +153,7 @@ class KVSender:
         self.config = config or TransferConfig()
         self._kv_views = [byte_view(t) for t in self.kv]
         self.kv_regions = [channel.register(t) for t in self.kv]
+        native.available()  # build or load csrc/ now, not inside the first transfer
         self.slot_bytes = layout.chunk_bytes(self.config.chunk_size)
         n_slots = max(1, self.config.max_inflight_bytes // self.slot_bytes)
         self.staging = torch.zeros(n_slots * self.slot_bytes, dtype=torch.uint8)
