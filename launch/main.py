@@ -1,8 +1,8 @@
-"""``pdkv launch --role prefill|decode``: load the engine, start the worker, serve HTTP.
+"""``pdkv launch --role prefill|decode|router``: start the role, serve HTTP.
 
-When the worker is up it prints one JSON line ``{"event": "ready", ...}``
+When it is up it prints one JSON line ``{"event": "ready", "url": ...}``
 on stdout (with the real port when ``--port 0`` asked for any free one), so
-scripts, the demo and tests start workers the same way users do.
+scripts, the demo and tests start every role the same way users do.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import signal
-import sys
+from typing import Any
 
 from aiohttp import web
 
@@ -22,9 +22,15 @@ from pdkv.errors import ConfigError
 
 log = logging.getLogger("pdkv.launch")
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
 
 def config_from_args(args: argparse.Namespace) -> PdkvConfig:
-    overrides = {"role": args.role, "host": args.host, "port": args.port, "model": args.model, "channel.name": args.channel, "engine": args.engine}
+    """The config file with flags on top; ``--prefill``/``--decode`` replace the file's lists."""
+    overrides = {
+        "role": args.role, "host": args.host, "port": args.port, "model": args.model, "channel.name": args.channel, "engine": args.engine,
+        "router.prefill": args.prefill, "router.decode": args.decode, "router.policy": args.policy,
+    }
     return load_config(args.config, overrides)
 
 
@@ -48,19 +54,37 @@ def build_worker(config: PdkvConfig):  # noqa: ANN201 - the Worker import is def
 
 async def serve(config: PdkvConfig) -> None:
     worker = await asyncio.to_thread(build_worker, config)
-    if config.host not in ("127.0.0.1", "localhost", "::1") and not config.secret:
+    if config.host not in LOOPBACK and not config.secret:
         log.warning("binding %s without a shared secret: anyone who can reach this address can talk to the worker", config.host)
-    # handler_cancellation: a client (the router) that drops its connection cancels the handler, so the
-    # engine job stops and a decode worker gives back its reservation instead of generating for nobody.
-    runner = web.AppRunner(worker.app(), handle_signals=False, handler_cancellation=True)
+    info = {"agent": worker.agent}
+    if worker.receiver is not None:
+        info["receiver"] = worker.receiver.address
+    await serve_app(worker.app(), config, info)
+
+
+async def serve_router(config: PdkvConfig) -> None:
+    from pdkv.router.app import Router
+
+    if config.host not in LOOPBACK and not config.router.admin_token:
+        log.warning("binding %s without router.admin_token: anyone who can reach this address can register workers", config.host)
+    router = await Router.start(config.router)
+    try:
+        await serve_app(router.app(), config, {"mode": router.mode.name, "policy": router.policy.name})
+    finally:
+        await router.close()
+
+
+async def serve_app(app: web.Application, config: PdkvConfig, info: dict[str, Any]) -> None:
+    """Serve ``app`` on the configured address, print the ready line, run until SIGINT/SIGTERM."""
+    # handler_cancellation: a client that drops its connection cancels its handler. For a worker
+    # that stops the engine job and frees its blocks and reservation instead of generating for
+    # nobody; for the router it closes the upstream hops, which does the same on the workers.
+    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
     port = runner.addresses[0][1]
-    info = {"event": "ready", "role": config.role, "url": f"http://{config.host}:{port}", "agent": worker.agent}
-    if worker.receiver is not None:
-        info["receiver"] = worker.receiver.address
-    print(json.dumps(info), flush=True)
+    print(json.dumps({"event": "ready", "role": config.role, "url": f"http://{config.host}:{port}", **info}), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -71,8 +95,5 @@ async def serve(config: PdkvConfig) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    if config.role == "router":
-        print("pdkv: the router role is not part of this build yet; run prefill and decode workers", file=sys.stderr)
-        return 2
-    asyncio.run(serve(config))
+    asyncio.run(serve_router(config) if config.role == "router" else serve(config))
     return 0

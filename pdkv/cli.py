@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     tt = bsub.add_parser("ttft", help="time to first token, cold and from each cache tier")
     tt.add_argument("--json", action="store_true")
     tt.set_defaults(target="pdkv.bench.ttft:run")
+    ro = bsub.add_parser("router", help="the router's added latency and requests/s against doing its hops directly (trivial backend)")
+    ro.add_argument("--requests", type=int, default=500, help="requests per side and measurement")
+    ro.add_argument("--concurrency", type=int, default=32, help="requests in flight for the requests/s measurement")
+    ro.add_argument("--json", action="store_true")
+    ro.set_defaults(target="pdkv.bench.router:run")
     return parser
 
 

@@ -45,6 +45,44 @@ class ChannelConfig(msgspec.Struct, forbid_unknown_fields=True):
     options: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+WORKER_URL_PATTERN = r"^https?://[^\s/?#]+/?$"
+WorkerURL = Annotated[str, Meta(pattern=WORKER_URL_PATTERN)]
+"""A worker's base URL, scheme, host and port only: ``http://127.0.0.1:8100``."""
+
+
+class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """What ``pdkv launch --role router`` fronts and how (see pdkv/router/__init__.py).
+
+    ``--prefill``/``--decode`` flags replace the lists given here and
+    ``--policy`` the policy. Every hop to a worker has its own timeout, so a
+    stuck worker costs a retry, never a hung request.
+    """
+
+    mode: Literal["pdkv", "vllm"] = "pdkv"
+    policy: Literal["round-robin", "least-loaded", "prefix"] = "round-robin"
+    prefill: list[WorkerURL] = msgspec.field(default_factory=list)
+    decode: list[WorkerURL] = msgspec.field(default_factory=list)
+    # Conditional disaggregation: a prompt of fewer (estimated) tokens goes to a decode worker alone.
+    short_prompt_tokens: Annotated[int, Meta(ge=0)] = 0
+    # The router has no tokenizer: text is counted as len(text) / chars_per_token.
+    chars_per_token: Annotated[float, Meta(gt=0)] = 4.0
+    # How many other workers a failed hop is tried on (per hop: prefill, and decode pairs).
+    max_retries: Annotated[int, Meta(ge=0, le=16)] = 2
+    connect_timeout_s: Seconds = 5.0
+    prefill_timeout_s: Seconds = 120.0
+    decode_timeout_s: Seconds = 900.0
+    # Longest silence inside a streamed answer, the wait for its first event included.
+    read_timeout_s: Seconds = 300.0
+    health_timeout_s: Seconds = 5.0
+    health_interval_s: Seconds = 5.0
+    prefix_chunk_tokens: Positive = 256
+    prefix_cache_entries: Positive = 65536
+    # prefix policy: the prefix's owner is skipped when it runs this many more requests than the least loaded.
+    prefix_max_imbalance: Annotated[int, Meta(ge=0)] = 8
+    # When set, the admin endpoints (/pdkv/workers) want "Authorization: Bearer <admin_token>".
+    admin_token: str = ""
+
+
 class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Everything one pdkv process needs; unknown keys are errors, not silently ignored."""
 
@@ -63,6 +101,7 @@ class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
     secret: str = ""
     channel: ChannelConfig = msgspec.field(default_factory=ChannelConfig)
     transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
 
 
 _PATH = re.compile(r"at `\$((?:\.\w+|\[\d+\])*)`")

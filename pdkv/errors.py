@@ -69,3 +69,26 @@ class ModelLoadError(EngineError):
 
 class InvalidRequestError(EngineError, ValueError):
     """A generation request's parameters or tokens are invalid (an HTTP 400, not a server fault)."""
+
+
+class RouterError(PdkvError):
+    """The router could not serve a request; the message names the workers tried and what each did."""
+
+
+class UpstreamError(RouterError):
+    """One hop to one worker failed (unreachable, timed out, a 5xx, a broken answer): another worker is tried."""
+
+    def __init__(self, message: str, reason: str, worker_down: bool = False) -> None:
+        super().__init__(message)
+        self.reason = reason  # a metric label: connect, timeout, disconnected, http_503, ...
+        self.worker_down = worker_down  # the worker looks dead: stop picking it until a health check passes
+
+
+class UpstreamRejected(RouterError):
+    """A worker refused the request itself (a 4xx): the client's fault, passed back unchanged and never retried."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"a worker answered {status}: {body[:200]!r}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type

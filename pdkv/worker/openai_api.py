@@ -10,7 +10,6 @@ silently dropped.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from typing import Any
 from pdkv.engine.sampling import SamplingParams
 from pdkv.engine.tokenizer import Tokenizer
 from pdkv.errors import InvalidRequestError
+from pdkv.openai_wire import SSE_DONE, error_body, sse  # noqa: F401 - re-exported: the worker's shapes
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -115,10 +115,11 @@ class Detokenizer:
         self._ids: list[int] = []
         self._text = ""
 
-    def push(self, token_id: int) -> str:
+    def push(self, token_id: int, final: bool = False) -> str:
+        """Text added by ``token_id``; ``final`` flushes what an unfinished character held back."""
         self._ids.append(token_id)
         text = self._tokenizer.decode(self._ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+        if text.endswith("\ufffd") and not final:  # an incomplete UTF-8 sequence: wait for the next token
             return ""
         delta, self._text = text[len(self._text) :], text
         return delta
@@ -178,14 +179,3 @@ def usage_event(req: GenerationRequest, completion_tokens: int) -> bytes:
         "choices": [],
         "usage": usage(req, completion_tokens),
     })
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def error_body(message: str, kind: str = "invalid_request_error", code: int = 400) -> dict[str, Any]:
-    return {"error": {"message": message, "type": kind, "code": code}}

@@ -15,6 +15,10 @@ in a request makes them do, in the shape vLLM's disaggregated proxies use:
   compute the prompt locally (``pdkv_fallbacks``): a request is never lost to
   a transfer fault, only slower.
 * no ``kv_transfer_params``: an ordinary local generation.
+
+``DELETE /pdkv/transfers/{transfer_id}`` on a decode worker: the router gave
+up on that transfer before its decode request came; the reservation is freed
+now, and a prefill that comes late can no longer take that id.
 """
 
 from __future__ import annotations
@@ -102,6 +106,7 @@ class Worker:
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/pdkv/info", self._info)
+        app.router.add_delete("/pdkv/transfers/{transfer_id}", self._cancel_transfer)
         app.on_cleanup.append(self._on_cleanup)
         return app
 
@@ -135,6 +140,15 @@ class Worker:
             info.update(receiver_address=self.receiver.address, remote_host=host, remote_port=int(port))
         return web.json_response(info)
 
+    async def _cancel_transfer(self, http: web.Request) -> web.Response:
+        """The router gave up on a transfer before its decode request came (prefill failed, client gone):
+        free its reservation now instead of when its lease runs out."""
+        if self.receiver is None:
+            return _error(404, "only a decode worker holds transfers")
+        transfer_id = http.match_info["transfer_id"]
+        self.receiver.cancel(transfer_id, "cancelled by the router")
+        return web.json_response({"cancelled": transfer_id})
+
     async def _generate(self, http: web.Request, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic()
         try:
@@ -150,17 +164,6 @@ class Worker:
         except OutOfBlocksError as exc:
             self.metrics.requests.labels(self.role, "rejected").inc()
             return _error(503, f"no room for this request right now: {exc}", "server_busy")
-        events = self._run(plan)
-        try:
-            if req.stream:
-                return await self._stream(http, req, plan, events, arrived)
-            return await self._collect(req, plan, events, arrived)
-        except PdkvError as exc:
-            self.metrics.requests.labels(self.role, "error").inc()
-            return _error(500, str(exc), "server_error")
-
-    async def _run(self, plan: _Plan) -> AsyncIterator[tuple[int, str | None]]:
-        """Submit the plan's job and yield (token, finish) as the engine produces them."""
         loop = asyncio.get_running_loop()
         out: asyncio.Queue[tuple[int, str | None] | BaseException] = asyncio.Queue()
         job = Job(
@@ -172,18 +175,19 @@ class Worker:
             on_chunk=plan.on_chunk,
             release=plan.release,
         )
+        # Submitted here, not on the first read of the events: whatever ends this handler early
+        # (the client gone while headers are written, a failed write, a cancel) still reaches the
+        # ``finally``, and the engine thread stops the job and frees its blocks and transfer.
         self.loop.submit(job)
-        finished = False
         try:
-            while not finished:
-                item = await out.get()
-                if isinstance(item, BaseException):
-                    raise item if isinstance(item, PdkvError) else PdkvError(f"generation failed: {item}")
-                finished = item[1] is not None
-                yield item
+            if req.stream:
+                return await self._stream(http, req, plan, _events(out), arrived)
+            return await self._collect(req, plan, _events(out), arrived)
+        except PdkvError as exc:
+            self.metrics.requests.labels(self.role, "error").inc()
+            return _error(500, str(exc), "server_error")
         finally:
-            if not finished:  # the client went away or an error: stop and free on the engine thread
-                job.cancelled.set()
+            job.cancelled.set()  # a no-op once the job finished
 
     async def _collect(self, req: api.GenerationRequest, plan: _Plan, events: AsyncIterator[tuple[int, str | None]], arrived: float) -> web.Response:
         tokens: list[int] = []
@@ -206,7 +210,7 @@ class Worker:
                 if count == 0:
                     self._first_token(plan, token, arrived)
                 count += 1
-                await resp.write(api.stream_event(req, detok.push(token), token, finish, first=count == 1))
+                await resp.write(api.stream_event(req, detok.push(token, final=finish is not None), token, finish, first=count == 1))
         except PdkvError as exc:  # headers are gone: report in-band, as OpenAI does
             self.metrics.requests.labels(self.role, "error").inc()
             await resp.write(api.sse(api.error_body(str(exc), "server_error", 500)))
@@ -257,10 +261,14 @@ class Worker:
         if not host or not isinstance(port, int):
             error = "kv_transfer_params has no remote_host/remote_port of the decode worker's receiver"
         else:
+            opening = asyncio.ensure_future(asyncio.to_thread(self.sender.open, transfer_id, f"tcp://{host}:{port}", n, request.block_table))
             try:
-                xfer = await asyncio.to_thread(self.sender.open, transfer_id, f"tcp://{host}:{port}", n, request.block_table)
+                xfer = await asyncio.shield(opening)
             except PdkvError as exc:
                 error = str(exc)
+            except asyncio.CancelledError:  # the client went away mid-open: undo both once the open returns
+                opening.add_done_callback(lambda f: self._abandon_open(f, request))
+                raise
         if error is not None:
             log.warning("request %s: KV will not be transferred: %s", req.request_id, error)
             self.metrics.transfers.labels(self.role, "not_started").inc()
@@ -295,6 +303,18 @@ class Worker:
             xfer.on_settled(lambda x: self._settled(x, r))
 
         return _Plan(request, decode=False, on_chunk=on_chunk, release=release, kv_params=params)
+
+    def _abandon_open(self, opening: asyncio.Future[OutgoingTransfer], request: Request) -> None:
+        """A prefill request cancelled while its transfer was opening: cancel the transfer, free the blocks.
+
+        The request never reached the engine, so nothing else would free it.
+        """
+        xfer = None if opening.cancelled() or opening.exception() is not None else opening.result()
+        if xfer is None:
+            self.engine.free(request)
+            return
+        xfer.cancel("the prefill request was cancelled")
+        xfer.on_settled(lambda _x: self.engine.free(request))
 
     def _digest_hook(self, kv: dict[str, Any], params: dict[str, Any]) -> Callable[[Request, int, int], None] | None:
         """With ``return_kv_digest``, record per-layer digests of the prompt's KV once it is computed."""
@@ -408,6 +428,17 @@ class Worker:
         if self.receiver is not None:
             self.receiver.close()
         self.channel.close()
+
+
+async def _events(out: asyncio.Queue[tuple[int, str | None] | BaseException]) -> AsyncIterator[tuple[int, str | None]]:
+    """Yield the job's (token, finish) pairs until it finishes; its errors are raised as ``PdkvError``."""
+    finished = False
+    while not finished:
+        item = await out.get()
+        if isinstance(item, BaseException):
+            raise item if isinstance(item, PdkvError) else PdkvError(f"generation failed: {item}")
+        finished = item[1] is not None
+        yield item
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:

@@ -1,0 +1,18 @@
+"""The router: an OpenAI-compatible proxy that pairs prefill and decode workers.
+
+``pdkv launch --role router --prefill URL ... --decode URL ...`` serves
+``/v1/completions`` and ``/v1/chat/completions`` (streamed or not) by
+prefilling on one worker with ``max_tokens=1`` and decoding on another
+with the KV moved between them, and hands the client the decode worker's
+answer as it comes.
+
+* ``app``: the HTTP surface, admin endpoints, startup and shutdown;
+* ``proxy``: one request's flow, retries and failure handling;
+* ``pool``: registered workers, health checks, the router's load on each;
+* ``policy``: which worker (round-robin, least-loaded, prefix-aware);
+* ``modes``: the ``kv_transfer_params`` of each hop, for pdkv workers and
+  for vLLM pairs running vLLM's NixlConnector;
+* ``metrics``: Prometheus.
+
+Nothing here imports torch or an engine: the router needs neither.
+"""

@@ -1,0 +1,162 @@
+"""The router's HTTP surface: the OpenAI API, health, metrics and the admin endpoints.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed or
+not) go through ``Proxy``; ``GET /v1/models`` is a decode worker's.
+``GET /health`` is 200 while at least one decode worker is healthy (a
+router with none cannot answer anything), 503 otherwise.
+
+Admin, for workers that come and go at run time (autoscaling, rolling
+restarts), guarded by ``router.admin_token`` when one is set:
+
+* ``GET /pdkv/workers``: every worker, its health and the router's load on it;
+* ``POST /pdkv/workers`` ``{"role": "prefill"|"decode", "url": ...}``:
+  register (checked at once; 201, or 200 if it was known);
+* ``DELETE /pdkv/workers`` with the same body: deregister (404 if unknown);
+  requests already on it finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from pdkv.config import WORKER_URL_PATTERN, RouterConfig
+from pdkv.router.metrics import RouterMetrics
+from pdkv.router.modes import make_mode
+from pdkv.router.policy import make_policy
+from pdkv.router.pool import ROLES, Role, WorkerPool
+from pdkv.router.proxy import Proxy, error_response
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Router:
+    """The router's state and aiohttp application; build it with ``await Router.start(config)``."""
+
+    def __init__(self, config: RouterConfig, session: aiohttp.ClientSession) -> None:
+        self.config = config
+        self.session = session
+        self.pool = WorkerPool(session, config)
+        self.policy = make_policy(config)
+        self.mode = make_mode(config.mode)
+        self.metrics = RouterMetrics(self.pool)
+        self.proxy = Proxy(config, self.pool, self.policy, self.mode, self.metrics, self._spawn)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @classmethod
+    async def start(cls, config: RouterConfig) -> Router:
+        """Register the configured workers, check them once, start the health loop.
+
+        Workers that do not answer yet are registered as down, not refused:
+        the router may well start before them, and the health loop picks
+        them up when they come.
+        """
+        # No connection cap: each worker admits or refuses (503) work itself, and a
+        # client-side cap would queue requests where no timeout or metric sees them.
+        router = cls(config, aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
+        for role, urls in (("prefill", config.prefill), ("decode", config.decode)):
+            for url in urls:
+                router.pool.add(role, url)
+        await router.pool.check_all()
+        for role in ROLES:
+            for worker in router.pool.workers(role):
+                if not worker.healthy:
+                    log.warning("%s worker %s is not answering yet (%s); the health loop will retry it", role, worker.url, worker.error)
+        if not config.decode:
+            log.warning("no decode worker configured: requests get 503 until one is registered with POST /pdkv/workers")
+        router._spawn(router.pool.health_loop())
+        return router
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.session.close()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` in the background, owned by the router (cancelled at close), never by a request."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- HTTP ---------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20, middlewares=[self._admin_auth])
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/pdkv/workers", self._list_workers)
+        app.router.add_post("/pdkv/workers", self._add_worker)
+        app.router.add_delete("/pdkv/workers", self._remove_worker)
+        return app
+
+    async def _completions(self, http: web.Request) -> web.StreamResponse:
+        return await self.proxy.generate(http, "/v1/completions", chat=False)
+
+    async def _chat_completions(self, http: web.Request) -> web.StreamResponse:
+        return await self.proxy.generate(http, "/v1/chat/completions", chat=True)
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return await self.proxy.models()
+
+    async def _health(self, _: web.Request) -> web.Response:
+        counts = {role: {"healthy": len(self.pool.candidates(role)), "registered": len(self.pool.workers(role))} for role in ROLES}
+        ok = counts["decode"]["healthy"] > 0
+        return web.json_response({"status": "ok" if ok else "no healthy decode worker", "role": "router", **counts}, status=200 if ok else 503)
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    # -- admin ----------------------------------------------------------------------------
+    @web.middleware
+    async def _admin_auth(self, http: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.config.admin_token and http.path.startswith("/pdkv/"):
+            expected = f"Bearer {self.config.admin_token}".encode()
+            if not hmac.compare_digest(http.headers.get("Authorization", "").encode(), expected):
+                return error_response(401, "the admin endpoints want 'Authorization: Bearer <router.admin_token>'", "authentication_error")
+        return await handler(http)
+
+    async def _list_workers(self, _: web.Request) -> web.Response:
+        listing: dict[str, Any] = {role: [w.snapshot() for w in self.pool.workers(role)] for role in ROLES}
+        return web.json_response({"mode": self.mode.name, "policy": self.policy.name, **listing})
+
+    async def _add_worker(self, http: web.Request) -> web.Response:
+        ref = await _worker_ref(http)
+        if isinstance(ref, web.Response):
+            return ref
+        worker, created = self.pool.add(*ref)
+        await self.pool.check(worker)
+        return web.json_response({"worker": worker.snapshot()}, status=201 if created else 200)
+
+    async def _remove_worker(self, http: web.Request) -> web.Response:
+        ref = await _worker_ref(http)
+        if isinstance(ref, web.Response):
+            return ref
+        worker = self.pool.remove(*ref)
+        if worker is None:
+            return error_response(404, f"no {ref[0]} worker {ref[1]} is registered", "invalid_request_error")
+        return web.json_response({"removed": worker.snapshot()})
+
+
+async def _worker_ref(http: web.Request) -> tuple[Role, str] | web.Response:
+    """``(role, url)`` from an admin request's JSON body, or the 400 that says what is wrong."""
+    try:
+        body = await http.json()
+    except ValueError:
+        body = None
+    role = body.get("role") if isinstance(body, dict) else None
+    url = body.get("url") if isinstance(body, dict) else None
+    if role not in ROLES or not isinstance(url, str) or not re.fullmatch(WORKER_URL_PATTERN, url):
+        return error_response(400, f'expected a JSON body {{"role": "prefill"|"decode", "url": "http://HOST:PORT"}}, got {body!r}', "invalid_request_error")
+    return role, url

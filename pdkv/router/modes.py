@@ -1,0 +1,111 @@
+"""How one prefill/decode pair is told about each other: the ``kv_transfer_params`` of each hop.
+
+Both modes shape the prefill hop the way vLLM's disaggregated proxy does
+(``max_tokens`` 1, not streamed, no ``stream_options``, no ``min_tokens``)
+and send the decode hop the client's body unchanged but for
+``kv_transfer_params``, so chat stays chat and ``tools`` or any field the
+router does not know reach the worker untouched. A client's own
+``kv_transfer_params`` never pass: the router owns that field, and a client
+must not be able to point a decode worker at someone else's transfer.
+
+* ``pdkv``: P pushes to D, so P is told D's receiver (``remote_host``,
+  ``remote_port`` from D's ``/pdkv/info``) and a fresh ``transfer_id``; P
+  answers with the params D needs (``do_remote_prefill``, ``transfer_id``,
+  ``first_token_id``, ``prompt_hash``, ...), passed on as they are. A
+  transfer whose decode hop never ran is cancelled on D
+  (``DELETE /pdkv/transfers/{id}``) so its reservation is freed at once,
+  not when its lease runs out.
+* ``vllm``: vLLM's NixlConnector, where D pulls from P. P gets
+  ``{"do_remote_decode": true, "do_remote_prefill": false,
+  "remote_engine_id": null, "remote_block_ids": null, "remote_host": null,
+  "remote_port": null}`` and answers with ``do_remote_prefill``,
+  ``remote_block_ids``, ``remote_engine_id``, ``remote_host``,
+  ``remote_port`` (and, by version, ``remote_request_id``, ``tp_size``,
+  ...), which D gets exactly as P sent them. vLLM has no cancel endpoint:
+  a P whose blocks are never pulled frees them after its own abort timeout.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar
+from urllib.parse import quote
+
+from pdkv.router.pool import WorkerPool, WorkerState
+
+# Fields a prefill hop must not carry: streaming options, and lower bounds vLLM refuses above max_tokens=1.
+_PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The client's body reshaped for a prefill hop: one token, not streamed, with ``params``."""
+    out = {k: v for k, v in body.items() if k not in _PREFILL_DROPS}
+    out.update(max_tokens=1, stream=False, kv_transfer_params=params)
+    if "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def decode_body(body: dict[str, Any], params: dict[str, Any] | None) -> dict[str, Any]:
+    """The client's body for the decode hop: unchanged but for ``kv_transfer_params`` (none: decode alone)."""
+    out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    if params is not None:
+        out["kv_transfer_params"] = params
+    return out
+
+
+class PairMode(abc.ABC):
+    """The ``kv_transfer_params`` protocol between a prefill and a decode worker."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    async def prefill_params(self, pool: WorkerPool, decode: WorkerState, transfer_id: str) -> dict[str, Any]:
+        """What the prefill hop carries; may raise ``UpstreamError`` if the decode worker cannot be reached."""
+
+    def decode_params(self, prefill_answer: Any) -> tuple[dict[str, Any] | None, str | None]:
+        """From the prefill hop's JSON answer: the decode hop's params and, if the KV will not
+        arrive, why (a fallback reason). ``None`` params: the decode worker computes alone."""
+        params = prefill_answer.get("kv_transfer_params") if isinstance(prefill_answer, dict) else None
+        if not isinstance(params, dict) or not params.get("do_remote_prefill"):
+            return None, "no_kv_transfer_params"
+        return params, None
+
+    def cancel_url(self, decode: WorkerState, transfer_id: str) -> str | None:
+        """Where to DELETE a transfer whose decode hop never ran, if the decode worker has such a place."""
+        return None
+
+
+class PdkvMode(PairMode):
+    name = "pdkv"
+
+    async def prefill_params(self, pool: WorkerPool, decode: WorkerState, transfer_id: str) -> dict[str, Any]:
+        info = await pool.decode_info(decode)
+        return {"do_remote_decode": True, "remote_host": info["remote_host"], "remote_port": info["remote_port"], "transfer_id": transfer_id}
+
+    def decode_params(self, prefill_answer: Any) -> tuple[dict[str, Any] | None, str | None]:
+        params, why = super().decode_params(prefill_answer)
+        if params is not None and params.get("transfer_started") is False:
+            return params, "transfer_not_started"  # D still gets P's first token, and recomputes the prompt
+        return params, why
+
+    def cancel_url(self, decode: WorkerState, transfer_id: str) -> str | None:
+        return f"{decode.url}/pdkv/transfers/{quote(transfer_id, safe='')}"
+
+
+class VllmMode(PairMode):
+    name = "vllm"
+
+    async def prefill_params(self, pool: WorkerPool, decode: WorkerState, transfer_id: str) -> dict[str, Any]:
+        return {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        }
+
+
+def make_mode(name: str) -> PairMode:
+    return VllmMode() if name == "vllm" else PdkvMode()

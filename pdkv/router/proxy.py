@@ -1,0 +1,348 @@
+"""One client request through the router: pick a pair, prefill, decode, relay the answer.
+
+Failure handling, hop by hop (every hop has its own timeout, see
+``RouterConfig``):
+
+* prefill fails (unreachable, timed out, 5xx, broken answer): the next
+  prefill worker is tried with a fresh transfer id, up to ``max_retries``
+  more; when none is left the decode worker computes the prompt alone. A
+  prefill worker is never worth failing a request for.
+* decode fails before the client got a byte (unreachable, 5xx, timed out,
+  the stream broke before its first event; for a non-streamed answer, any
+  failure before the whole answer arrived): the whole pair is tried again
+  with another decode worker, up to ``max_retries`` more.
+* decode fails after the client got bytes: the stream ends with an in-band
+  error event and ``[DONE]``, as the workers themselves do.
+* a worker's 4xx is the client's fault: passed back unchanged, no retry.
+* the client goes away: the handler is cancelled, which closes the open
+  upstream connection, which cancels the worker's job (the workers run with
+  handler cancellation): prefill stops and cancels its transfer, decode
+  stops waiting or generating and frees its blocks. A transfer whose pair
+  attempt did not complete is also cancelled on the decode worker directly
+  (pdkv mode), so its reservation is freed now rather than at lease expiry.
+
+A worker found unreachable is marked down at once (passive health); the
+background health loop brings it back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+from aiohttp import web
+
+from pdkv.config import RouterConfig
+from pdkv.errors import UpstreamError, UpstreamRejected
+from pdkv.openai_wire import SSE_DONE, error_body, sse
+from pdkv.router.metrics import ROLE, RouterMetrics
+from pdkv.router.modes import PairMode, decode_body, prefill_body
+from pdkv.router.policy import Policy, Prompt, describe_prompt
+from pdkv.router.pool import Role, WorkerPool, WorkerState, describe
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# 408 and 429 are the worker's state, not the request's fault: another worker may take it.
+_RETRYABLE_4XX = (408, 429)
+
+
+@dataclass
+class _Call:
+    """One client request as it goes through the router."""
+
+    http: web.Request
+    path: str
+    body: dict[str, Any]
+    prompt: Prompt
+    stream: bool
+    request_id: str
+    arrived: float
+    headers: dict[str, str]
+    outcome: str = "cancelled"  # what pdkv_requests_total counts; stays so if the client goes away
+
+
+class Proxy:
+    """The request flow; see the module docstring for what happens when a hop fails."""
+
+    def __init__(self, config: RouterConfig, pool: WorkerPool, policy: Policy, mode: PairMode, metrics: RouterMetrics, spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+        self.config = config
+        self.pool = pool
+        self.policy = policy
+        self.mode = mode
+        self.metrics = metrics
+        self.spawn = spawn  # runs a coroutine that must outlive a cancelled handler
+        self._transfer_ids = itertools.count()
+
+    async def generate(self, http: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        arrived = time.monotonic()
+        try:
+            body = await http.json()
+        except ValueError:
+            return error_response(400, "the request body is not valid JSON", "invalid_request_error")
+        if not isinstance(body, dict):
+            return error_response(400, "the request body must be a JSON object", "invalid_request_error")
+        headers = {"X-Request-Id": uuid.uuid4().hex}
+        if "Authorization" in http.headers:  # workers started with an API key (vLLM's --api-key) want the client's
+            headers["Authorization"] = http.headers["Authorization"]
+        call = _Call(http, path, body, describe_prompt(body, chat, self.config), body.get("stream") is True, headers["X-Request-Id"], arrived, headers)
+        try:
+            return await self._serve(call)
+        finally:
+            self.metrics.requests.labels(ROLE, call.outcome).inc()
+            self.metrics.e2e.labels(ROLE).observe(time.monotonic() - arrived)
+
+    async def models(self) -> web.Response:
+        """/v1/models of the first worker that answers (decode first: it is the one that generates)."""
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        errors = []
+        for worker in [*self.pool.candidates("decode"), *self.pool.candidates("prefill")]:
+            try:
+                resp = await self._guard(worker, "models", self.pool.session.get(worker.url + "/v1/models", timeout=timeout))
+                async with resp:
+                    data = await self._guard(worker, "models", resp.read())
+            except UpstreamError as exc:
+                errors.append(str(exc))
+                continue
+            if resp.status == 200:
+                return web.Response(body=data, content_type="application/json")
+            errors.append(f"{worker.url} answered {resp.status}")
+        return error_response(503, f"no worker answered /v1/models ({'; '.join(errors) or 'no healthy worker registered'})")
+
+    # -- the flow -------------------------------------------------------------------
+    async def _serve(self, call: _Call) -> web.StreamResponse:
+        failures: list[str] = []
+        tried: list[WorkerState] = []
+        last: UpstreamError | None = None
+        try:
+            for _ in range(self.config.max_retries + 1):
+                decode = self._pick("decode", call.prompt, tried)
+                if decode is None:
+                    break
+                if last is not None:
+                    self.metrics.retries.labels("decode", last.reason).inc()
+                tried.append(decode)
+                try:
+                    return await self._pair(call, decode, failures)
+                except UpstreamError as exc:
+                    self._failed(call, decode, exc, failures)
+                    last = exc
+        except UpstreamRejected as exc:
+            call.outcome = "rejected"
+            return web.Response(status=exc.status, body=exc.body, content_type=exc.content_type or "application/json")
+        if not tried:
+            call.outcome = "unavailable"
+            return error_response(503, f"no decode worker is registered or healthy ({len(self.pool.workers('decode'))} registered); register one with POST /pdkv/workers")
+        call.outcome = "failed"
+        return error_response(502, f"every decode attempt failed: {'; '.join(failures)}")
+
+    async def _pair(self, call: _Call, decode: WorkerState, failures: list[str]) -> web.StreamResponse:
+        """One attempt on one decode worker: prefill (unless the prompt is short), then decode."""
+        params: dict[str, Any] | None = None
+        transfer_id: str | None = None
+        done = False
+        decode.inflight_requests += 1  # from the pick on: a burst must not all pick the same idle worker
+        try:
+            if call.prompt.est_tokens < self.config.short_prompt_tokens:
+                self.metrics.decisions.labels(self.policy.name, "prefill", "short_prompt").inc()
+            else:
+                params, transfer_id = await self._prefill(call, decode, failures)
+            response = await self._decode(call, decode, params)
+            done = True
+            return response
+        finally:
+            decode.inflight_requests -= 1
+            if transfer_id is not None and not done:
+                self._abandon(decode, transfer_id)
+
+    async def _prefill(self, call: _Call, decode: WorkerState, failures: list[str]) -> tuple[dict[str, Any] | None, str | None]:
+        """The decode hop's ``kv_transfer_params`` and transfer id; (None, None): decode alone."""
+        tried: list[WorkerState] = []
+        last: UpstreamError | None = None
+        for _ in range(self.config.max_retries + 1):
+            prefill = self._pick("prefill", call.prompt, tried)
+            if prefill is None:
+                break
+            if last is not None:
+                self.metrics.retries.labels("prefill", last.reason).inc()
+            tried.append(prefill)
+            transfer_id = f"{call.request_id}-{next(self._transfer_ids)}"
+            params = await self.mode.prefill_params(self.pool, decode, transfer_id)  # an UpstreamError here is the decode worker's
+            done = False
+            try:
+                answer = await self._prefill_hop(call, prefill, params)
+                done = True
+            except UpstreamError as exc:
+                self._failed(call, prefill, exc, failures)
+                last = exc
+                continue
+            finally:
+                if not done:
+                    self._abandon(decode, transfer_id)
+            kv, why = self.mode.decode_params(answer)
+            if why is not None:
+                self.metrics.fallbacks.labels(why).inc()
+            self.policy.served(prefill, call.prompt)
+            return kv, transfer_id
+        self.metrics.fallbacks.labels("prefill_failed" if tried else "no_prefill").inc()
+        return None, None
+
+    async def _prefill_hop(self, call: _Call, prefill: WorkerState, params: dict[str, Any]) -> Any:
+        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, sock_connect=self.config.connect_timeout_s)
+        started = time.monotonic()
+        prefill.inflight_requests += 1
+        prefill.inflight_tokens += call.prompt.est_tokens
+        try:
+            async with self._post(prefill, "prefill", call, prefill_body(call.body, params), timeout) as resp:
+                data = await self._guard(prefill, "prefill", resp.read())
+                _check_status(prefill, "prefill", resp, data)
+        finally:
+            prefill.inflight_requests -= 1
+            prefill.inflight_tokens -= call.prompt.est_tokens
+        try:
+            answer = json.loads(data)
+        except ValueError:
+            raise UpstreamError(f"prefill worker {prefill.url} answered with invalid JSON: {data[:200]!r}", "bad_answer") from None
+        self.metrics.hop.labels("prefill").observe(time.monotonic() - started)
+        return answer
+
+    async def _decode(self, call: _Call, decode: WorkerState, params: dict[str, Any] | None) -> web.StreamResponse:
+        sock_read = self.config.read_timeout_s if call.stream else None  # a whole answer comes at once: total bounds it
+        timeout = aiohttp.ClientTimeout(total=self.config.decode_timeout_s, sock_connect=self.config.connect_timeout_s, sock_read=sock_read)
+        started = time.monotonic()
+        async with self._post(decode, "decode", call, decode_body(call.body, params), timeout) as resp:
+            if resp.status == 200 and call.stream:
+                response: web.StreamResponse = await self._relay(call, decode, resp)
+            else:
+                data = await self._guard(decode, "decode", resp.read())
+                _check_status(decode, "decode", resp, data)
+                call.outcome = "ok"
+                response = web.Response(body=data, content_type="application/json")
+        self.metrics.hop.labels("decode").observe(time.monotonic() - started)
+        return response
+
+    async def _relay(self, call: _Call, decode: WorkerState, resp: aiohttp.ClientResponse) -> web.StreamResponse:
+        """Stream the decode worker's events to the client; until the first is sent, a failure is retryable."""
+        async with contextlib.aclosing(_sse_events(resp.content)) as events:
+            first = await self._next_event(decode, events)
+            if first is None:
+                raise UpstreamError(f"decode worker {decode.url} ended its stream before the first event", "empty_stream")
+            out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await out.prepare(call.http)
+            await out.write(first)
+            self.metrics.ttft.labels(ROLE).observe(time.monotonic() - call.arrived)
+            try:
+                while (event := await self._next_event(decode, events)) is not None:
+                    await out.write(event)
+                call.outcome = "ok"
+            except UpstreamError as exc:  # the client has bytes already: say it in-band, as the workers do
+                self._failed(call, decode, exc, [])
+                call.outcome = "broken"
+                await out.write(sse(error_body(f"the decode worker failed mid-answer: {exc}", "server_error", 502)))
+                await out.write(SSE_DONE)
+        await out.write_eof()
+        return out
+
+    async def _next_event(self, decode: WorkerState, events: AsyncIterator[bytes]) -> bytes | None:
+        try:
+            return await self._guard(decode, "decode", anext(events))
+        except StopAsyncIteration:
+            return None
+
+    # -- helpers --------------------------------------------------------------------
+    def _pick(self, role: Role, prompt: Prompt, exclude: list[WorkerState]) -> WorkerState | None:
+        """The policy's choice among healthy workers not yet tried for this request.
+
+        With no healthy decode worker left, the ones marked down are tried too:
+        health is a view that may be stale, and refusing costs more than a
+        failed connect. Prefill has decode-alone to fall back on instead.
+        """
+        candidates = self.pool.candidates(role, exclude)
+        if not candidates and role == "decode":
+            candidates = [w for w in self.pool.workers(role) if w not in exclude]
+        if not candidates:
+            return None
+        worker, reason = self.policy.choose(role, candidates, prompt)
+        self.metrics.decisions.labels(self.policy.name, role, reason).inc()
+        return worker
+
+    def _failed(self, call: _Call, worker: WorkerState, exc: UpstreamError, failures: list[str]) -> None:
+        failures.append(str(exc))
+        log.warning("request %s: %s", call.request_id, exc)
+        if exc.worker_down:
+            self.pool.mark_down(worker, str(exc))
+
+    @contextlib.asynccontextmanager
+    async def _post(self, worker: WorkerState, hop: str, call: _Call, body: dict[str, Any], timeout: aiohttp.ClientTimeout) -> AsyncIterator[aiohttp.ClientResponse]:
+        """POST one hop; the response is released (its connection closed if unread) on exit."""
+        self.metrics.picks.labels(hop, worker.url).inc()
+        resp = await self._guard(worker, hop, self.pool.session.post(worker.url + call.path, json=body, headers=call.headers, timeout=timeout))
+        async with resp:
+            yield resp
+
+    @staticmethod
+    async def _guard(worker: WorkerState, hop: str, step: Awaitable[T]) -> T:
+        """Await one upstream step; its failures become ``UpstreamError`` (down: the worker looks dead)."""
+        try:
+            return await step
+        except TimeoutError as exc:
+            raise UpstreamError(f"{hop} worker {worker.url} timed out ({describe(exc)})", "timeout") from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamError(f"{hop} worker {worker.url} is unreachable: {describe(exc)}", "connect", worker_down=True) from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"{hop} worker {worker.url} dropped the connection: {describe(exc)}", "disconnected", worker_down=True) from exc
+
+    def _abandon(self, decode: WorkerState, transfer_id: str) -> None:
+        """Cancel a transfer on the decode worker, in the background: the caller may itself be cancelled."""
+        url = self.mode.cancel_url(decode, transfer_id)
+        if url is not None:
+            self.spawn(self._cancel_transfer(url))
+
+    async def _cancel_transfer(self, url: str) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        try:
+            async with self.pool.session.delete(url, timeout=timeout) as resp:
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:  # best effort: the receiver's lease frees it anyway
+            log.info("could not cancel %s: %s", url, describe(exc))
+
+
+def _check_status(worker: WorkerState, hop: str, resp: aiohttp.ClientResponse, data: bytes) -> None:
+    if resp.status == 200:
+        return
+    if 400 <= resp.status < 500 and resp.status not in _RETRYABLE_4XX:
+        raise UpstreamRejected(resp.status, data, resp.content_type)
+    raise UpstreamError(f"{hop} worker {worker.url} answered {resp.status}: {_message(data)}", f"http_{resp.status}")
+
+
+def _message(data: bytes) -> str:
+    """An error body's message, or its first bytes."""
+    try:
+        return str(json.loads(data)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return repr(data[:200])
+
+
+async def _sse_events(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """Whole server-sent events (``...\\n\\n``), so a failure never leaves half an event at the client."""
+    buf = b""
+    async for chunk in content.iter_any():
+        buf += chunk
+        while (end := buf.find(b"\n\n")) >= 0:
+            yield buf[: end + 2]
+            buf = buf[end + 2 :]
+    if buf:
+        yield buf
+
+
+def error_response(status: int, message: str, kind: str = "server_error") -> web.Response:
+    return web.json_response(error_body(message, kind, status), status=status)

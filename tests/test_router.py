@@ -1,0 +1,273 @@
+"""The router in front of real pdkv workers (tiny model, tcp channel), driven by the official openai client.
+
+One set of worker processes serves the whole module: two prefill and two
+decode workers behind a ``pdkv launch --role router`` process, plus a
+spare prefill worker that a test registers at run time and then kills.
+The oracle is a decode worker answering the same request alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import yaml
+from aiohttp import web
+
+from pdkv.config import convert_config
+from pdkv.demo import metric
+from pdkv.engine.reference import ReferenceEngine
+from pdkv.engine.testing import write_tiny_model
+from pdkv.launch.procs import WorkerProcess, start_worker
+from pdkv.worker.server import Worker
+from tests.conftest import wait_until
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,  # about 3 chunks of 32 tokens
+    "Paris is the capital of France, Berlin of Germany and Rome of Italy. 0123456789",
+    "A key-value cache moves from the prefill worker to the decode worker, chunk by chunk. " * 2,
+    "Prefill computes the prompt; decode generates one token at a time.",
+]
+GREEDY = {"temperature": 0, "max_tokens": 16, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # a tiny model gains nothing from threads; five processes share two cores
+
+
+@dataclass
+class Cluster:
+    router: WorkerProcess
+    prefill: list[WorkerProcess]
+    decode: list[WorkerProcess]
+    spare: WorkerProcess  # a prefill worker the router does not know yet
+    model: Path
+
+    def client(self, url: str | None = None) -> openai.OpenAI:
+        return openai.OpenAI(base_url=(url or self.router.url) + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.router.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return resp.read().decode()
+
+
+def admin(method: str, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method=method)
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return resp.status, json.loads(resp.read())
+
+
+def total(workers: list[WorkerProcess], name: str, **labels: str) -> float:
+    return sum(metric(get(w.url + "/metrics"), name, **labels) for w in workers)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("router")
+    model = write_tiny_model(tmp / "tiny")
+    worker_cfg = tmp / "worker.yaml"
+    worker_cfg.write_text(yaml.safe_dump({
+        "model": str(model), "channel": {"name": "tcp"}, "num_blocks": 512,
+        # short lease and drain: a killed prefill worker's reservations go in seconds
+        "transfer": {"chunk_size": 32, "transfer_timeout_s": 30, "lease_s": 2, "heartbeat_s": 0.5, "drain_timeout_s": 2},
+    }))
+    with ThreadPoolExecutor(5) as pool:
+        futures = [pool.submit(start_worker, role, "--config", str(worker_cfg), "--port", "0", timeout=180, env=ONE_THREAD) for role in ("prefill", "prefill", "prefill", "decode", "decode")]
+        procs = [f.result() for f in futures]
+    p1, p2, spare, d1, d2 = procs
+    router_cfg = tmp / "router.yaml"
+    # No background health checks during the module: a dead worker must be found by the requests themselves.
+    router_cfg.write_text(yaml.safe_dump({"router": {"policy": "round-robin", "health_interval_s": 600, "max_retries": 2, "prefill_timeout_s": 60, "decode_timeout_s": 120}}))
+    router = start_worker("router", "--config", str(router_cfg), "--port", "0", "--prefill", p1.url, "--prefill", p2.url, "--decode", d1.url, "--decode", d2.url, timeout=60)
+    try:
+        yield Cluster(router, [p1, p2], [d1, d2], spare, model)
+    finally:
+        for proc in (router, *procs):
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(cluster: Cluster) -> dict[str, list[int]]:
+    """Each prompt's greedy tokens from a decode worker alone, no router, no transfer."""
+    direct = cluster.client(cluster.decode[0].url)
+    return {p: direct.completions.create(model="tiny", prompt=p, **GREEDY).choices[0].token_ids for p in PROMPTS}
+
+
+def stream_tokens(chunks: Any) -> tuple[list[int], str]:
+    ids, text = [], []
+    for chunk in chunks:
+        for choice in chunk.choices:
+            ids.extend(choice.token_ids)
+            text.append(choice.text)
+    return ids, "".join(text)
+
+
+def test_streamed_and_whole_answers_through_the_router_match_decode_alone(cluster: Cluster, expected: dict[str, list[int]]) -> None:
+    router, direct = cluster.client(), cluster.client(cluster.decode[0].url)
+    before = total(cluster.decode, "pdkv_prompt_tokens_total", source="transferred")
+    for prompt in PROMPTS[:2]:
+        whole = router.completions.create(model="tiny", prompt=prompt, **GREEDY)
+        assert whole.choices[0].token_ids == expected[prompt]
+        assert whole.choices[0].text == direct.completions.create(model="tiny", prompt=prompt, **GREEDY).choices[0].text
+        ids, text = stream_tokens(router.completions.create(model="tiny", prompt=prompt, stream=True, **GREEDY))
+        assert ids == expected[prompt]
+        assert text == stream_tokens(direct.completions.create(model="tiny", prompt=prompt, stream=True, **GREEDY))[1]
+    assert total(cluster.decode, "pdkv_prompt_tokens_total", source="transferred") > before  # the KV really moved
+    assert total(cluster.decode, "pdkv_fallbacks_total") == 0
+    text = get(cluster.router.url + "/metrics")
+    assert metric(text, "pdkv_ttft_seconds_count", role="router") >= 2 and metric(text, "pdkv_router_picks_total", role="prefill") >= 4
+
+
+def test_chat_stays_chat_through_the_router(cluster: Cluster) -> None:
+    router, direct = cluster.client(), cluster.client(cluster.decode[1].url)
+    messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Which city is the capital of France?"}]
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "look a city up", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+    args = {"model": "tiny", "messages": messages, "tools": tools, **GREEDY}
+    via = router.chat.completions.create(**args)
+    alone = direct.chat.completions.create(**args)
+    assert via.object == "chat.completion" and via.choices[0].message.role == "assistant"
+    assert via.choices[0].token_ids == alone.choices[0].token_ids and via.choices[0].message.content == alone.choices[0].message.content
+    chunks = list(router.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    assert [t for c in chunks for ch in c.choices for t in ch.token_ids] == alone.choices[0].token_ids
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+    assert [m.id for m in router.models.list().data] == ["tiny"]
+
+
+def test_32_concurrent_requests_succeed_and_leave_no_reservation(cluster: Cluster, expected: dict[str, list[int]]) -> None:
+    async def one(client: openai.AsyncOpenAI, i: int) -> list[int]:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if i % 2:
+            ids: list[int] = []
+            async for chunk in await client.completions.create(model="tiny", prompt=prompt, stream=True, **GREEDY):
+                ids.extend(t for choice in chunk.choices for t in choice.token_ids)
+            return ids
+        return (await client.completions.create(model="tiny", prompt=prompt, **GREEDY)).choices[0].token_ids
+
+    async def run() -> list[list[int]]:
+        async with cluster.async_client() as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(run())
+    assert results == [expected[PROMPTS[i % len(PROMPTS)]] for i in range(32)]
+    for d in cluster.decode:
+        wait_until(lambda d=d: metric(get(d.url + "/metrics"), "pdkv_reservations") == 0, 30, f"{d.url} to hold no reservation")
+        assert metric(get(d.url + "/metrics"), "pdkv_reserved_blocks") == 0
+    listing = json.loads(get(cluster.router.url + "/pdkv/workers"))
+    assert all(w["inflight_requests"] == 0 and w["healthy"] for role in ("prefill", "decode") for w in listing[role])
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_that_hangs_up_cancels_both_sides(cluster: Cluster, stream: bool) -> None:
+    everyone = [*cluster.decode, *cluster.prefill]
+    ok_before = total(cluster.decode, "pdkv_requests_total", outcome="ok")
+    cancelled_before = metric(get(cluster.router.url + "/metrics"), "pdkv_requests_total", outcome="cancelled")
+
+    async def hang_up() -> None:
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": stream}
+            request = asyncio.ensure_future(s.post(cluster.router.url + "/v1/completions", json=body))
+            if stream:
+                assert (await (await request).content.readline()).startswith(b"data: ")  # the decode worker is generating
+            else:  # nothing comes back before the end: watch the decode workers start instead
+                await asyncio.to_thread(wait_until, lambda: total(cluster.decode, "pdkv_running_requests") > 0, 60, "the decode worker to start")
+            request.cancel()
+            if stream:
+                (await request).close()
+
+    asyncio.run(hang_up())
+    wait_until(lambda: total(everyone, "pdkv_running_requests") == 0, 30, "every worker to stop the request")
+    wait_until(lambda: total(cluster.decode, "pdkv_reservations") == 0 and total(cluster.prefill, "pdkv_open_transfers") == 0, 30, "transfers to settle")
+    assert total(cluster.decode, "pdkv_requests_total", outcome="ok") == ok_before  # cancelled, not generated to the end
+    wait_until(lambda: metric(get(cluster.router.url + "/metrics"), "pdkv_requests_total", outcome="cancelled") == cancelled_before + 1, 10, "the router to count it cancelled")
+
+
+def test_a_prefill_worker_killed_mid_run_costs_no_request(cluster: Cluster, expected: dict[str, list[int]]) -> None:
+    spare = cluster.spare
+    status, added = admin("POST", cluster.router.url + "/pdkv/workers", {"role": "prefill", "url": spare.url})
+    assert status == 201 and added["worker"]["healthy"] is True
+
+    async def run() -> list[list[int]]:
+        async with cluster.async_client() as client:
+            async def one(i: int) -> list[int]:
+                prompt = PROMPTS[i % len(PROMPTS)]
+                return (await client.completions.create(model="tiny", prompt=prompt, **GREEDY)).choices[0].token_ids
+
+            tasks = [asyncio.ensure_future(one(i)) for i in range(12)]
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.to_thread(spare.kill)  # SIGKILL, mid-run: no goodbye to anyone
+            mid = await asyncio.gather(*tasks)
+            later = [await one(i) for i in range(6)]
+            return [*mid, *later]
+
+    results = asyncio.run(run())
+    assert results == [expected[PROMPTS[i % len(PROMPTS)]] for i in [*range(12), *range(6)]]
+    text = get(cluster.router.url + "/metrics")
+    assert metric(text, "pdkv_router_retries_total", hop="prefill") >= 1
+    listing = json.loads(get(cluster.router.url + "/pdkv/workers"))
+    assert {w["url"]: w["healthy"] for w in listing["prefill"]}[spare.url] is False
+    for d in cluster.decode:
+        wait_until(lambda d=d: metric(get(d.url + "/metrics"), "pdkv_reserved_blocks") == 0, 30, f"{d.url} to free the dead worker's reservations")
+    status, _ = admin("DELETE", cluster.router.url + "/pdkv/workers", {"role": "prefill", "url": spare.url})
+    assert status == 200
+    assert spare.url not in [w["url"] for w in json.loads(get(cluster.router.url + "/pdkv/workers"))["prefill"]]
+
+
+def test_a_prefill_cancelled_while_opening_its_transfer_frees_both_sides(cluster: Cluster) -> None:
+    """The router's hop is cancelled while P is still reserving on D: P's blocks and D's reservation both come back.
+
+    In-process workers, so the open can be slowed to make the cancel land inside it.
+    """
+    settings = {"channel": {"name": "tcp"}, "num_blocks": 64, "transfer": {"chunk_size": 32}}
+
+    async def serve(worker: Worker) -> tuple[web.AppRunner, str]:
+        runner = web.AppRunner(worker.app(), handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+    async def scenario(model_dir: str) -> None:
+        p = Worker(convert_config({**settings, "role": "prefill"}), ReferenceEngine.load(model_dir, progress=False))
+        d = Worker(convert_config({**settings, "role": "decode"}), ReferenceEngine.load(model_dir, progress=False))
+        assert p.sender is not None and d.receiver is not None
+        opening, real_open = asyncio.Event(), p.sender.open
+        loop = asyncio.get_running_loop()
+
+        def slow_open(*args: Any) -> Any:
+            loop.call_soon_threadsafe(opening.set)
+            time.sleep(0.5)
+            return real_open(*args)
+
+        p.sender.open = slow_open  # type: ignore[method-assign]
+        free_p, free_d = p.engine.allocator.num_free, d.engine.allocator.num_free
+        (p_runner, p_url), (d_runner, d_url) = await serve(p), await serve(d)
+        try:
+            async with aiohttp.ClientSession() as s:
+                info = await (await s.get(d_url + "/pdkv/info")).json()
+                kv = {"do_remote_decode": True, "remote_host": info["remote_host"], "remote_port": info["remote_port"]}
+                hop = asyncio.ensure_future(s.post(p_url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1, "kv_transfer_params": {**kv, "transfer_id": "t1"}}))
+                await opening.wait()
+                hop.cancel()  # the router gave up on this hop (client gone, hop timeout)
+                await asyncio.to_thread(wait_until, lambda: p.engine.allocator.num_free == free_p and d.engine.allocator.num_free == free_d, 30, "both sides to free the request")
+                assert d.receiver.stats()["reservations"] == 0 and p.sender.stats()["open_transfers"] == 0
+                # DELETE /pdkv/transfers/ID, the router's cancel: a late prefill can no longer reserve that transfer.
+                assert (await s.delete(d_url + "/pdkv/transfers/t2")).status == 200
+                p.sender.open = real_open  # type: ignore[method-assign]
+                late = await (await s.post(p_url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1, "kv_transfer_params": {**kv, "transfer_id": "t2"}})).json()
+                assert late["kv_transfer_params"]["transfer_started"] is False
+        finally:
+            await p_runner.cleanup()
+            await d_runner.cleanup()
+
+    asyncio.run(scenario(str(cluster.model)))
