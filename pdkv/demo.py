@@ -1,10 +1,11 @@
-"""``pdkv demo``: a prefill and a decode worker on this machine, one prompt through both.
+"""``pdkv demo``: a prefill worker, a decode worker and the router on this machine, one prompt through them.
 
-Starts both workers as real processes (``pdkv launch``), sends the prompt to
-the prefill worker with ``kv_transfer_params`` naming the decode worker's
-receiver, streams the answer from the decode worker, and checks it against
-the decode worker generating the same prompt on its own. Prints the answer,
-TTFT, the bytes the KV transfer moved and its GB/s, then stops both workers.
+Starts all three as real processes (``pdkv launch``), streams a chat
+completion from the router (which prefills on one worker, has the KV moved
+to the other, and streams the decode worker's answer), and checks the answer
+against the decode worker generating the same prompt on its own. Prints the
+answer, TTFT, the bytes the KV transfer moved and its GB/s, then stops
+everything.
 """
 
 from __future__ import annotations
@@ -71,31 +72,32 @@ def run(args: argparse.Namespace) -> int:
     common = ["--port", "0", "--model", args.model, "--channel", args.channel]
     workers: list[WorkerProcess] = []
     try:
-        print(f"starting decode and prefill workers (model {args.model}, channel {args.channel}) ...", file=sys.stderr, flush=True)
+        print(f"starting a decode worker, a prefill worker and the router (model {args.model}, channel {args.channel}) ...", file=sys.stderr, flush=True)
         decode = start_worker("decode", *common)
         workers.append(decode)
         prefill = start_worker("prefill", *common)
         workers.append(prefill)
-        info = json.loads(_get(decode.url + "/pdkv/info"))
+        router = start_worker("router", "--port", "0", "--prefill", prefill.url, "--decode", decode.url)
+        workers.append(router)
         messages = [{"role": "user", "content": prompt}]
         base = {"messages": messages, "temperature": 0, "return_token_ids": True}
         print(f"prompt: {prompt}", flush=True)
 
         t0 = time.perf_counter()
-        p = _post(prefill.url + "/v1/chat/completions", {**base, "max_tokens": 1, "kv_transfer_params": {
-            "do_remote_decode": True, "remote_host": info["remote_host"], "remote_port": info["remote_port"], "transfer_id": f"demo-{int(t0 * 1e6)}",
-        }})
-        text, ids, ttft = _stream(decode.url + "/v1/chat/completions", {**base, "max_tokens": args.max_tokens, "kv_transfer_params": p["kv_transfer_params"]}, t0)
+        text, ids, ttft = _stream(router.url + "/v1/chat/completions", {**base, "max_tokens": args.max_tokens}, t0)
         total = time.perf_counter() - t0
 
         local = _post(decode.url + "/v1/chat/completions", {**base, "max_tokens": args.max_tokens})
-        p_metrics, d_metrics = _get(prefill.url + "/metrics").decode(), _get(decode.url + "/metrics").decode()
+        deadline = time.monotonic() + 10  # the transfer settles on P a moment after D answered
+        while metric(p_metrics := _get(prefill.url + "/metrics").decode(), "pdkv_open_transfers") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        d_metrics = _get(decode.url + "/metrics").decode()
         moved = metric(p_metrics, "pdkv_transfer_bytes_total")
         seconds = metric(p_metrics, "pdkv_transfer_seconds_sum")
         summary = {
             "model": args.model,
             "channel": args.channel,
-            "prompt_tokens": p["usage"]["prompt_tokens"],
+            "prompt_tokens": local["usage"]["prompt_tokens"],
             "completion_tokens": len(ids),
             "ttft_s": round(ttft, 4),
             "total_s": round(total, 4),
