@@ -12,6 +12,9 @@ transfer channel, each followed by a ``ChunkNotice`` notification.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 from typing import Annotated, Literal, Union
 
 import msgspec
@@ -41,8 +44,14 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
     channel_metadata: bytes
     kv_regions: list[NonNegInt]
     staging_region: int = -1
-    nonce: bytes = b""
-    auth: bytes = b""
+    nonce: Annotated[bytes, Meta(max_length=64)] = b""
+    auth: Annotated[bytes, Meta(max_length=64)] = b""
+
+
+class Auth(msgspec.Struct, tag="auth", forbid_unknown_fields=True):
+    """The sender's proof of the shared secret, over both nonces (sent after the receiver's Hello)."""
+
+    proof: Annotated[bytes, Meta(max_length=64)]
 
 
 class Reserve(msgspec.Struct, tag="reserve", forbid_unknown_fields=True):
@@ -109,7 +118,7 @@ class Error(msgspec.Struct, tag="error", forbid_unknown_fields=True):
     message: str
 
 
-Message = Union[Hello, Reserve, Reserved, Refused, Landed, Heartbeat, Cancel, Done, Error]
+Message = Union[Hello, Auth, Reserve, Reserved, Refused, Landed, Heartbeat, Cancel, Done, Error]
 
 
 class ChunkNotice(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -147,7 +156,27 @@ def decode_notice(data: bytes) -> ChunkNotice:
         raise ProtocolError(f"malformed chunk notification: {exc}") from None
 
 
-def make_hello(channel: Channel, fingerprint: str, layout: KVLayout, chunk_size: int, kv_regions: list[int], staging_region: int) -> Hello:
+NONCE_BYTES = 16
+
+
+def new_nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def proof(secret: bytes, role: str, first: bytes, second: bytes) -> bytes:
+    """HMAC-SHA256 proving knowledge of ``secret`` for this handshake's two nonces.
+
+    The role is mixed in so a receiver's proof can never be replayed as a
+    sender's; fresh nonces from both sides make every proof single-use.
+    """
+    return hmac.new(secret, b"pdkv/" + role.encode() + b"/" + first + second, hashlib.sha256).digest()
+
+
+def verify(secret: bytes, role: str, first: bytes, second: bytes, given: bytes) -> bool:
+    return len(first) == len(second) == NONCE_BYTES and hmac.compare_digest(proof(secret, role, first, second), given)
+
+
+def make_hello(channel: Channel, fingerprint: str, layout: KVLayout, chunk_size: int, kv_regions: list[int], staging_region: int, nonce: bytes = b"", auth: bytes = b"") -> Hello:
     """Our side's Hello: identical construction for sender and receiver."""
     return Hello(
         protocol_version=PROTOCOL_VERSION,
@@ -159,6 +188,8 @@ def make_hello(channel: Channel, fingerprint: str, layout: KVLayout, chunk_size:
         channel_metadata=channel.metadata(),
         kv_regions=kv_regions,
         staging_region=staging_region,
+        nonce=nonce,
+        auth=auth,
     )
 
 

@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 import zmq
 
@@ -36,13 +37,13 @@ from pdkv.blocks import BlockAllocator
 from pdkv.channels.base import Channel, Notification
 from pdkv.checksum import checksum
 from pdkv.config import TransferConfig
-from pdkv.errors import ChecksumError, OutOfBlocksError, ProtocolError, TransferCancelled, TransferError, TransferTimeout
+from pdkv.errors import ChecksumError, HandshakeError, PdkvError, OutOfBlocksError, ProtocolError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.layout import KVLayout, block_ranges
 from pdkv import native
 from pdkv.native import scatter
 from pdkv.memory import byte_view
 from pdkv.wakeup import Waker
-from pdkv.protocol import Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved
+from pdkv.protocol import Auth, Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class KVReceiver:
         config: TransferConfig | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
+        secret: str | bytes = b"",
     ) -> None:
         self.channel = channel
         self.layout = layout
@@ -113,6 +115,8 @@ class KVReceiver:
         self.allocator = allocator
         self.fingerprint = fingerprint
         self.config = config or TransferConfig()
+        self.secret = secret.encode() if isinstance(secret, str) else secret
+        self._unproven: dict[bytes, tuple[Hello, bytes]] = {}  # identity -> (its Hello, our nonce)
         self.slot_bytes = layout.chunk_bytes(self.config.chunk_size)
         self.staging = torch.zeros(self.config.staging_slots * self.slot_bytes, dtype=torch.uint8)
         self._staging_view = byte_view(self.staging)
@@ -274,6 +278,8 @@ class KVReceiver:
     def _on_message(self, identity: bytes, msg: protocol.Message) -> None:
         if isinstance(msg, Hello):
             self._on_hello(identity, msg)
+        elif isinstance(msg, Auth):
+            self._on_auth(identity, msg)
         elif isinstance(msg, Reserve):
             self._send(identity, self._on_reserve(identity, msg))
         elif isinstance(msg, Heartbeat):
@@ -287,18 +293,54 @@ class KVReceiver:
         ours = self.hello()
         try:
             protocol.check_compatible(ours, hello)
-            agent = self.channel.add_peer(hello.channel_metadata)
-        except Exception as exc:  # HandshakeError, or a channel refusing the metadata
+        except HandshakeError as exc:
             self.counters["handshake_failures"] += 1
             log.warning("refusing peer %r: %s", hello.agent, exc)
             self._send(identity, protocol.Error(str(exc)))
             return
+        if not self.secret:
+            if self._admit(identity, hello):
+                self._send(identity, ours)
+            return
+        # with a secret: prove ours now, admit the peer once it proves its own (Auth)
+        nonce = protocol.new_nonce()
+        if len(self._unproven) >= self.config.max_reservations:
+            self._unproven.pop(next(iter(self._unproven)))
+        self._unproven[identity] = (hello, nonce)
+        self._send(identity, msgspec.structs.replace(ours, nonce=nonce, auth=protocol.proof(self.secret, "receiver", hello.nonce, nonce)))
+
+    def _on_auth(self, identity: bytes, msg: Auth) -> None:
+        pending = self._unproven.pop(identity, None)
+        if pending is None or not self.secret:
+            self._send(identity, protocol.Error("unexpected Auth: send Hello first"))
+            return
+        hello, nonce = pending
+        if not protocol.verify(self.secret, "sender", nonce, hello.nonce, msg.proof):
+            self.counters["auth_failures"] += 1
+            log.warning("peer %r failed authentication (wrong or missing shared secret)", hello.agent)
+            self._unproven[identity] = pending  # its Reserves are refused as unauthenticated
+            self._send(identity, protocol.Error("authentication failed: the shared secret does not match"))
+            return
+        self._admit(identity, hello)
+
+    def _admit(self, identity: bytes, hello: Hello) -> bool:
+        """Make a compatible (and, with a secret, authenticated) peer reachable over the channel."""
+        try:
+            agent = self.channel.add_peer(hello.channel_metadata)
+        except PdkvError as exc:
+            self.counters["handshake_failures"] += 1
+            log.warning("refusing peer %r: %s", hello.agent, exc)
+            self._send(identity, protocol.Error(str(exc)))
+            return False
         with self._lock:
             self._peers[identity] = _Peer(agent, hello.layout)
-        self._send(identity, ours)
+        return True
 
     def _on_reserve(self, identity: bytes, req: Reserve) -> protocol.Message:
         peer = self._peers.get(identity)
+        if peer is None and identity in self._unproven:
+            self.counters["auth_failures"] += 1
+            return Refused(req.request_id, "not authenticated: this receiver requires the shared secret (set the same `secret` on both sides)")
         if peer is None:
             return Refused(req.request_id, f"{HELLO_REQUIRED}: this receiver has no Hello from you (did it restart?)")
         cfg = self.config

@@ -28,6 +28,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 import zmq
 
@@ -41,7 +42,7 @@ from pdkv.layout import KVLayout, block_ranges
 from pdkv import native
 from pdkv.native import gather
 from pdkv.memory import byte_view
-from pdkv.protocol import Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved
+from pdkv.protocol import Auth, Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved
 from pdkv.receiver import HELLO_REQUIRED
 from pdkv.wakeup import Waker
 
@@ -55,6 +56,7 @@ class _Peer:
     sock: zmq.Socket | None = None
     hello: Hello | None = None
     agent: str = ""
+    nonce: bytes = field(default_factory=protocol.new_nonce)
     hello_future: Future[Hello] = field(default_factory=Future)
 
 
@@ -144,8 +146,10 @@ class KVSender:
         kv_tensors: Sequence[torch.Tensor],
         fingerprint: str,
         config: TransferConfig | None = None,
+        secret: str | bytes = b"",
     ) -> None:
         self.channel = channel
+        self.secret = secret.encode() if isinstance(secret, str) else secret
         self.layout = layout
         self.kv = list(kv_tensors)
         self.num_blocks = layout.validate_buffer(self.kv)
@@ -242,7 +246,7 @@ class KVSender:
             if peer is None:
                 ident = f"{self.channel.agent_name}/{next(self._ids)}".encode()
                 peer = self._peers[address] = _Peer(address, ident)
-                self._post(peer, self.hello())
+                self._post(peer, msgspec.structs.replace(self.hello(), nonce=peer.nonce))
         timeout = self.config.handshake_timeout_s
         try:
             hello = peer.hello_future.result(timeout)
@@ -465,11 +469,16 @@ class KVSender:
         if isinstance(msg, Hello):
             try:
                 protocol.check_compatible(self.hello(), msg)
+                if self.secret and not protocol.verify(self.secret, "receiver", peer.nonce, msg.nonce, msg.auth):
+                    self.counters["auth_failures"] += 1
+                    raise HandshakeError(f"receiver {peer.address} did not prove the shared secret (missing or different `secret`)")
             except HandshakeError as exc:
                 self.counters["handshake_failures"] += 1
                 if not peer.hello_future.done():
                     peer.hello_future.set_exception(exc)
                 return
+            if self.secret:  # queued before anyone can queue a Reserve: the receiver sees it first
+                self._post(peer, Auth(protocol.proof(self.secret, "sender", msg.nonce, peer.nonce)))
             peer.hello = msg
             if not peer.hello_future.done():
                 peer.hello_future.set_result(msg)

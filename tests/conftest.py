@@ -56,6 +56,7 @@ def make_pair() -> Iterator[Callable[..., Pair]]:
         p_blocks: int = 64,
         d_blocks: int = 64,
         fingerprints: tuple[str, str] = ("model-a", "model-a"),
+        secrets: tuple[str, str] = ("", ""),
     ) -> Pair:
         p_layout = p_layout or KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
         d_layout = d_layout or p_layout
@@ -67,8 +68,8 @@ def make_pair() -> Iterator[Callable[..., Pair]]:
         for t in p_kv:
             t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
         allocator = BlockAllocator(d_blocks)
-        receiver = KVReceiver(d_channel, d_layout, d_kv, allocator, fingerprints[1], config)
-        sender = KVSender(p_channel, p_layout, p_kv, fingerprints[0], config)
+        receiver = KVReceiver(d_channel, d_layout, d_kv, allocator, fingerprints[1], config, secret=secrets[1])
+        sender = KVSender(p_channel, p_layout, p_kv, fingerprints[0], config, secret=secrets[0])
         pair = Pair(sender, receiver, p_layout, d_layout, p_kv, d_kv, p_channel, d_channel, allocator)
         made.append(pair)
         return pair

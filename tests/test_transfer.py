@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import threading
 
+import msgspec
 import pytest
 import torch
+import zmq
 
+from pdkv import protocol
 from pdkv.config import TransferConfig
 from pdkv.errors import ChecksumError, HandshakeError, ReservationError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.layout import KVLayout, gather
@@ -197,3 +200,50 @@ def test_unreachable_receiver_times_out(make_pair) -> None:
     pair = make_pair(config=TransferConfig(chunk_size=32, handshake_timeout_s=0.3))
     with pytest.raises(TransferTimeout, match="no Hello reply"):
         pair.sender.open("z", "tcp://127.0.0.1:9", 16, [0])
+
+
+def test_shared_secret_authenticates_both_sides(make_pair) -> None:
+    pair = make_pair(secrets=("s3cret", "s3cret"))
+    blocks = push(pair, "authed", 40, list(range(3)))
+    assert_same_kv(pair, list(range(3)), blocks, 40)
+    pair.allocator.free(blocks)
+    assert pair.receiver.stats().get("auth_failures", 0) == 0
+
+
+def test_wrong_secret_is_refused_and_counted(make_pair) -> None:
+    pair = make_pair(secrets=("guess", "s3cret"))
+    with pytest.raises(HandshakeError, match="did not prove the shared secret"):
+        pair.sender.open("x", pair.receiver.address, 16, [0])  # the receiver's proof fails the sender's check
+
+
+def test_sender_without_the_secret_cannot_reserve(make_pair) -> None:
+    pair = make_pair(secrets=("", "s3cret"))
+    with pytest.raises(ReservationError, match="not authenticated"):
+        pair.sender.open("x", pair.receiver.address, 16, [0])
+    assert pair.receiver.stats()["auth_failures"] >= 1
+    assert pair.allocator.num_free == pair.allocator.num_blocks
+
+
+def test_peer_with_a_forged_proof_is_refused(make_pair) -> None:
+    """A raw DEALER speaking the protocol, with a made-up proof, gets no reservation."""
+    pair = make_pair(secrets=("", "s3cret"))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(pair.receiver.address)
+    try:
+        hello = msgspec.structs.replace(pair.sender.hello(), nonce=protocol.new_nonce())
+        sock.send(protocol.encode(hello))
+        assert sock.poll(5000), "no Hello reply"
+        reply = protocol.decode(sock.recv())
+        assert isinstance(reply, protocol.Hello) and protocol.verify(b"s3cret", "receiver", hello.nonce, reply.nonce, reply.auth)
+        sock.send(protocol.encode(protocol.Auth(b"\0" * 32)))
+        sock.send(protocol.encode(protocol.Reserve("forged", 16)))
+        answers = []
+        while len(answers) < 2 and sock.poll(5000):
+            answers.append(protocol.decode(sock.recv()))
+    finally:
+        sock.close(0)
+    assert isinstance(answers[0], protocol.Error) and "authentication failed" in answers[0].message
+    assert isinstance(answers[1], protocol.Refused) and "not authenticated" in answers[1].reason
+    assert pair.receiver.stats()["auth_failures"] >= 2
+    assert pair.allocator.num_free == pair.allocator.num_blocks

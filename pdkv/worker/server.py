@@ -39,6 +39,7 @@ from pdkv.channels import create_channel
 from pdkv.checksum import layer_digests
 from pdkv.config import PdkvConfig
 from pdkv.engine.base import EngineAdapter, Request
+from pdkv.engine.sampling import SamplingParams
 from pdkv.errors import InvalidRequestError, OutOfBlocksError, PdkvError, TransferError
 from pdkv.keys import chunk_keys
 from pdkv.receiver import KVReceiver, ReceivedKV
@@ -47,6 +48,7 @@ from pdkv.worker import openai_api as api
 from pdkv.worker.metrics import WorkerMetrics
 from pdkv.worker.push import ChunkPusher
 from pdkv.worker.scheduler import EngineLoop, Job
+from pdkv.worker.tiering import CachedPrefix, Tiering
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +77,17 @@ class Worker:
         self.agent = f"{self.role}-{uuid.uuid4().hex[:8]}"
         self.chunk_size = config.transfer.chunk_size
         self.metrics = WorkerMetrics(self.role)
+        self.tiering = Tiering.from_config(config.tier, engine, self.chunk_size, self.metrics)
         self.loop = EngineLoop(engine, chunk_size=self.chunk_size)
         self.channel = create_channel(config.channel.name, self.agent, config.channel.options)
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
         self.pusher: ChunkPusher | None = None
         if self.role == "prefill":
-            self.sender = KVSender(self.channel, engine.layout, engine.kv_buffer, engine.fingerprint, config.transfer)
+            self.sender = KVSender(self.channel, engine.layout, engine.kv_buffer, engine.fingerprint, config.transfer, secret=config.secret)
             self.pusher = ChunkPusher()
         else:
-            self.receiver = KVReceiver(self.channel, engine.layout, engine.kv_buffer, engine.allocator, engine.fingerprint, config.transfer, host=config.host, port=config.control_port)
+            self.receiver = KVReceiver(self.channel, engine.layout, engine.kv_buffer, engine.allocator, engine.fingerprint, config.transfer, host=config.host, port=config.control_port, secret=config.secret)
         m = self.metrics
         m.gauge("pdkv_running_requests", "Requests on the engine", lambda: self.loop.num_running)
         m.gauge("pdkv_free_blocks", "Free KV blocks", lambda: engine.allocator.num_free)
@@ -241,9 +244,15 @@ class Worker:
             return await self._plan_prefill(req)
         if self.role == "decode" and kv.get("do_remote_prefill"):
             return await self._plan_decode(req)
-        request = self.engine.new_request(req.prompt_token_ids, req.sampling, req.request_id)
-        self.metrics.prompt_tokens.labels(self.role, "computed").inc(request.num_prompt_tokens)
-        return _Plan(request)
+        request, cached = await self._new_request(req, req.sampling)
+        return _Plan(request, on_chunk=self.tiering.offer(cached, None))
+
+    async def _new_request(self, req: api.GenerationRequest, sampling: SamplingParams) -> tuple[Request, CachedPrefix]:
+        """A request whose prompt is computed here, after its cached prefix was loaded from the tier."""
+        request = self.engine.new_request(req.prompt_token_ids, sampling, req.request_id)
+        cached = await self.tiering.load(request)
+        self.metrics.prompt_tokens.labels(self.role, "computed").inc(request.num_prompt_tokens - cached.tokens)
+        return request, cached
 
     def _prompt_hash(self, prompt: list[int]) -> str:
         """The last chunk key: D checks it so KV is never adopted for a different prompt."""
@@ -252,7 +261,7 @@ class Worker:
     async def _plan_prefill(self, req: api.GenerationRequest) -> _Plan:
         assert self.sender is not None and self.pusher is not None
         kv = req.kv_transfer_params
-        request = self.engine.new_request(req.prompt_token_ids, dataclasses.replace(req.sampling, max_tokens=1), req.request_id)
+        request, cached = await self._new_request(req, dataclasses.replace(req.sampling, max_tokens=1))
         n = request.num_prompt_tokens
         transfer_id = str(kv.get("transfer_id") or req.request_id)
         host, port = kv.get("remote_host"), kv.get("remote_port")
@@ -272,7 +281,6 @@ class Worker:
         if error is not None:
             log.warning("request %s: KV will not be transferred: %s", req.request_id, error)
             self.metrics.transfers.labels(self.role, "not_started").inc()
-        self.metrics.prompt_tokens.labels(self.role, "computed").inc(n)
         params: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -286,7 +294,7 @@ class Worker:
             params["transfer_error"] = error
         digest = self._digest_hook(kv, params)
         if xfer is None:
-            return _Plan(request, decode=False, on_chunk=digest, kv_params=params)
+            return _Plan(request, decode=False, on_chunk=self.tiering.offer(cached, digest), kv_params=params)
         pusher, cs = self.pusher, self.chunk_size
         queued = [0]
 
@@ -302,7 +310,9 @@ class Worker:
                 xfer.cancel("prefill ended before every chunk was computed")
             xfer.on_settled(lambda x: self._settled(x, r))
 
-        return _Plan(request, decode=False, on_chunk=on_chunk, release=release, kv_params=params)
+        if cached.tokens:  # the chunks loaded from the tier go to the decode worker too
+            on_chunk(request, 0, cached.tokens)
+        return _Plan(request, decode=False, on_chunk=self.tiering.offer(cached, on_chunk), release=release, kv_params=params)
 
     def _abandon_open(self, opening: asyncio.Future[OutgoingTransfer], request: Request) -> None:
         """A prefill request cancelled while its transfer was opening: cancel the transfer, free the blocks.
@@ -363,15 +373,15 @@ class Worker:
         kv_params = None
         if request is not None and kv.get("return_kv_digest"):
             kv_params = {"kv_digest": layer_digests(self.engine.layout, self.engine.kv_buffer, request.block_table, request.num_computed)}
-        n = len(req.prompt_token_ids)
+        on_chunk = None
         if request is None:
             log.warning("request %s: computing the prompt locally (%s)", req.request_id, reason)
             self.metrics.fallbacks.labels(self.role, reason or "unknown").inc()
-            request = self.engine.new_request(req.prompt_token_ids, req.sampling, req.request_id)
-            self.metrics.prompt_tokens.labels(self.role, "computed").inc(n)
+            request, cached = await self._new_request(req, req.sampling)
+            on_chunk = self.tiering.offer(cached, None)
         else:
-            self.metrics.prompt_tokens.labels(self.role, "transferred").inc(n)
-        return _Plan(request, first_token=first, kv_params=kv_params)
+            self.metrics.prompt_tokens.labels(self.role, "transferred").inc(len(req.prompt_token_ids))
+        return _Plan(request, first_token=first, on_chunk=on_chunk, kv_params=kv_params)
 
     async def _claim(self, transfer_id: str) -> tuple[ReceivedKV | None, str | None]:
         """Wait for the landed KV off the event loop; a cancelled wait leaks no blocks."""
@@ -428,6 +438,7 @@ class Worker:
         if self.receiver is not None:
             self.receiver.close()
         self.channel.close()
+        self.tiering.close()
 
 
 async def _events(out: asyncio.Queue[tuple[int, str | None] | BaseException]) -> AsyncIterator[tuple[int, str | None]]:
