@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import enum
 import itertools
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, NamedTuple
 
 import msgspec
@@ -160,7 +161,20 @@ class Channel(ABC):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransferTimeout(f"{self.name} {handle.op} of {handle.nbytes} bytes to {handle.peer!r} not done after {timeout:.3g}s")
-            handle._event.wait(min(remaining, 0.0005))
+            pause = self.poll_interval(timeout - remaining)
+            if pause > 0:
+                handle._event.wait(min(remaining, pause))
+            else:
+                time.sleep(0)  # spin, but let other threads of this process run
+
+    def poll_interval(self, waited: float) -> float:
+        """Seconds ``wait`` pauses between polls once it has waited ``waited`` s; 0 spins.
+
+        Channels whose handles complete from their own I/O thread wake the
+        waiter early through the handle's event; channels whose completion is
+        only seen by polling (nixl) override this to spin first.
+        """
+        return 0.0005
 
     def release(self, handle: TransferHandle) -> None:  # noqa: B027 - optional hook
         """Free resources a finished handle holds (NIXL handles must be released)."""
@@ -230,3 +244,22 @@ def merge_ops(ops: Sequence[TransferOp]) -> list[TransferOp]:
                 continue
         merged.append(op)
     return merged
+
+
+# UCX settings every UCX-based channel (nixl, ucx) applies before UCX loads,
+# unless the user already set them; see channels/nixl.py for why each matters.
+UCX_ENV_DEFAULTS: dict[str, str] = {
+    "UCX_MODULES": "^ib",  # the bundled libuct_ib_efa loads a 2nd libnl-route: SIGSEGV at exit
+    "UCX_NET_DEVICES": "lo",  # loopback unless told otherwise, like every pdkv socket
+}
+
+
+def apply_env_defaults(defaults: Mapping[str, str]) -> dict[str, str]:
+    """Set each variable that is not already in the environment; return those set.
+
+    Native libraries (UCX) read their settings from the environment once, when
+    they load, so this runs before the import; a user's own value always wins.
+    """
+    applied = {k: v for k, v in defaults.items() if k not in os.environ}
+    os.environ.update(applied)
+    return applied

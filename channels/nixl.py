@@ -1,0 +1,534 @@
+"""The NIXL channel: the real NIXL agent (``nixl._api.nixl_agent``), UCX backend by default.
+
+Runs without a GPU: the PyPI wheel moves DRAM<->DRAM between processes over
+UCX (cma, i.e. ``process_vm_writev``, for the data and tcp on loopback for
+wire-up and notifications), so this channel is tested on CPU machines and in
+CI. CUDA tensors register as VRAM; that path is written but has not been run
+(no GPU was available when it was written).
+
+How it maps onto the ``Channel`` interface:
+
+* ``register`` registers one region with NIXL (DRAM for CPU memory, VRAM for
+  CUDA tensors) and keeps a reference to the buffer so it cannot be freed
+  while the agent may still write into it.
+* Metadata goes to a peer in the two stages NIXL needs, carried in the one
+  blob ``metadata()`` returns: stage 1 is the NIXL agent metadata (connection
+  info and registration keys), loaded with ``add_remote_agent``; stage 2 is
+  the region table (address, size, device, memory type) that descriptor
+  lists are prepared against. ``add_peer`` does both in order and prepares
+  one list per remote region right away, which makes NIXL check every region
+  against the registrations of stage 1: stale or mismatched metadata fails
+  at Hello, not at the first chunk. Call ``add_peer`` again with fresh
+  metadata after the peer registers more memory.
+* ``write``/``read`` validate every range (``check_ops``), merge adjacent
+  ranges (``merge_ops``) so a chunk is as few descriptors as its layout
+  allows, prepare the local and remote descriptor lists (``prep_xfer_dlist``,
+  kept in a small LRU since KV slots recur), and post through
+  ``make_prepped_xfer``. NIXL sends the notification only after the data.
+* ``poll`` calls ``check_xfer_state``; ERR (or a NIXL exception such as the
+  peer disconnecting) fails the handle with a message saying what happened.
+  ``wait`` busy-polls for ``spin_s`` and then backs off, so a short transfer
+  is seen done microseconds after it is.
+* ``close`` (also run at interpreter exit for channels left open) fails what
+  is pending, releases every NIXL handle and deregisters every region.
+
+Environment, set before NIXL/UCX load unless the user already set them
+(``apply_env_defaults``; a user's own value always wins):
+
+* ``UCX_MODULES=^ib``: the UCX bundled in the wheel loads ``libuct_ib_efa``,
+  which pulls in a second copy of libnl-route; every process that created an
+  agent died with SIGSEGV at exit when this was first tried here (issue 5;
+  not reproduced with nixl 1.5.1 since, kept because it costs cma, tcp and
+  cuda nothing). Set ``UCX_MODULES`` yourself to use InfiniBand/EFA.
+* ``UCX_NET_DEVICES=lo``: loopback only, like every socket pdkv opens unless
+  told otherwise. Set it to your NIC (``mlx5_0:1``, ``eth0``, or ``all``)
+  for prefill and decode on different hosts.
+* ``NIXL_LOG_LEVEL=WARN``: NIXL's Python logger prints INFO lines to stdout,
+  which would corrupt ``pdkv bench ... --json``.
+* ``UCX_TLS``: left alone. The default, ``cma,tcp`` and ``tcp`` work;
+  ``shm``, ``posix`` and ``sysv`` fail when the backend is created (no
+  active-message transport), and the error says so.
+
+Progress: a UCX target must make progress for transfers into it to complete
+(with none they never do, even after wire-up), and the initiator's
+completion waits on the target's progress, so how the target progresses
+sets the latency. NIXL's progress thread arms the UCX worker and sleeps in poll() on
+its event fds, at most ``delay`` between wake-ups; but ``nixl_agent`` fixes
+that delay at 0, a busy spin that took a whole core (66% of a core even
+when idle) and halved throughput on a 2-core machine. ``create_nixl_agent``
+keeps ``progress_delay_us`` instead (1 ms by default: 1.6% of a core idle,
+woken at once by traffic). With ``progress_thread=False`` nothing progresses
+the agent but its caller: poll handles and call ``get_notifications`` often.
+On GPUs, upstream reports the progress thread crashing in ``cuEventQuery``
+when UCX's cuda transports arm the worker without a CUDA context (nixl issue
+2102); ``progress_thread=False`` is the way around it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, ClassVar, Literal
+
+import msgspec
+import numpy as np
+import torch
+
+from pdkv.channels.base import (
+    UCX_ENV_DEFAULTS,
+    Channel,
+    ChannelOptions,
+    Notification,
+    TransferHandle,
+    TransferOp,
+    XferState,
+    apply_env_defaults,
+    merge_ops,
+)
+from pdkv.errors import ChannelError
+from pdkv.memory import byte_view
+
+NIXL_ENV_DEFAULTS: dict[str, str] = {**UCX_ENV_DEFAULTS, "NIXL_LOG_LEVEL": "WARN"}
+apply_env_defaults(NIXL_ENV_DEFAULTS)
+
+# UCX reads the environment set above when it loads, hence these late imports.
+import nixl._bindings as nixl_bindings
+from nixl._api import nixl_agent, nixl_agent_config, nixl_prepped_dlist_handle, nixl_xfer_handle
+
+log = logging.getLogger(__name__)
+
+# The bindings' exceptions share no base class but Exception; catch exactly them.
+NIXL_ERRORS: tuple[type[Exception], ...] = tuple(
+    v for k, v in vars(nixl_bindings).items() if k.startswith("nixl") and k.endswith("Error") and isinstance(v, type)
+)
+METADATA_VERSION = 1
+MemType = Literal["DRAM", "VRAM"]
+Desc = tuple[int, int, int]  # NIXL transfer descriptor: (address, length, device id)
+ListKey = tuple[str, str, tuple[Desc, ...]]  # (agent, "" for local; memory type; descriptors)
+
+
+def describe_nixl_error(exc: BaseException) -> str:
+    """A message a user can act on for a NIXL exception."""
+    if isinstance(exc, nixl_bindings.nixlRemoteDisconnectError):
+        return "the peer disconnected (its process exited or closed its channel)"
+    return f"NIXL {type(exc).__name__}: {exc}"
+
+
+class NixlOptions(ChannelOptions):
+    """Options of the nixl channel (``channel_options`` in config)."""
+
+    backends: Annotated[list[str], msgspec.Meta(min_length=1)] = msgspec.field(default_factory=lambda: ["UCX"])
+    progress_thread: bool = True  # NIXL's progress thread, event-driven (see module docstring)
+    progress_delay_us: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 1000  # its longest sleep between wake-ups
+    spin_s: Annotated[float, msgspec.Meta(ge=0)] = 0.005  # wait() busy-polls this long before backing off
+    max_poll_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.001  # longest pause between polls in wait()
+    prep_cache_size: Annotated[int, msgspec.Meta(ge=1)] = 4096  # prepared descriptor lists kept per side
+    num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # UCX backend worker threads (0: NIXL's default)
+
+
+class _RegionMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    addr: Annotated[int, msgspec.Meta(ge=0)]
+    size: Annotated[int, msgspec.Meta(gt=0)]
+    dev: Annotated[int, msgspec.Meta(ge=0)]
+    mem: MemType
+
+
+class _NixlMeta(msgspec.Struct, forbid_unknown_fields=True):
+    version: int
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    agent: bytes  # stage 1: NIXL agent metadata
+    regions: dict[int, _RegionMeta]  # stage 2: what descriptor lists are prepared against
+
+
+class _Region(msgspec.Struct):
+    meta: _RegionMeta
+    reg: Any  # nixlRegDList, for deregistration
+    buf: Any  # keeps the registered memory alive
+
+
+class NixlTransferHandle(TransferHandle):
+    """A posted NIXL transfer: ``descriptors`` counts them after merging adjacent ranges."""
+
+    def __init__(self, peer: str, op: str, nbytes: int, descriptors: int) -> None:
+        super().__init__(peer, op, nbytes)
+        self.descriptors = descriptors
+        self.xfer: nixl_xfer_handle | None = None
+
+
+class _PrepCache:
+    """LRU of prepared descriptor lists keyed by (agent, memory type, descriptors).
+
+    Releasing a prepared list does not disturb transfers already made from
+    it (NIXL copies what it needs into the request), so eviction is safe at
+    any time.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._lists: OrderedDict[ListKey, nixl_prepped_dlist_handle] = OrderedDict()
+
+    def get(self, key: ListKey, make: Callable[[], nixl_prepped_dlist_handle]) -> nixl_prepped_dlist_handle:
+        handle = self._lists.get(key)
+        if handle is not None:
+            self._lists.move_to_end(key)
+            return handle
+        handle = self._lists[key] = make()
+        while len(self._lists) > self.capacity:
+            self._lists.popitem(last=False)[1].release()
+        return handle
+
+    def drop(self, agent: str | None = None) -> None:
+        """Release the lists prepared for ``agent`` (all of them when None)."""
+        for key in [k for k in self._lists if agent is None or k[0] == agent]:
+            self._lists.pop(key).release()
+
+
+_AGENT_CONFIG_LOCK = threading.Lock()
+
+
+def keep_delay_config(delay_us: int) -> type:
+    """A ``nixlAgentConfig`` subclass whose ``pthrDelay`` stays ``delay_us`` whatever is assigned to it."""
+    base = nixl_bindings.nixlAgentConfig
+
+    class KeepDelay(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:
+            return int(base.pthrDelay.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, _ignored: int) -> None:
+            base.pthrDelay.__set__(self, delay_us)
+
+    return KeepDelay
+
+
+def create_nixl_agent(name: str, options: NixlOptions) -> nixl_agent:
+    """A ``nixl_agent`` configured from ``options``, its progress thread sleeping ``progress_delay_us``.
+
+    ``nixl_agent.__init__`` builds its ``nixlAgentConfig`` and sets
+    ``pthrDelay = 0`` (a busy spin) with no way to pass another value. For
+    the constructor's duration this swaps in ``keep_delay_config``'s class,
+    under a lock. The raw NIXL baseline builds its agents here too, so both
+    sides of the comparison run the same settings.
+    """
+    conf = nixl_agent_config(enable_prog_thread=options.progress_thread, backends=list(options.backends), num_threads=options.num_threads)
+    base = nixl_bindings.nixlAgentConfig
+    if not options.progress_thread or not hasattr(base, "pthrDelay"):
+        if options.progress_thread:
+            log.warning("nixl: no nixlAgentConfig.pthrDelay in this NIXL; its progress thread keeps NIXL's own delay")
+        return nixl_agent(name, conf)
+    with _AGENT_CONFIG_LOCK:
+        nixl_bindings.nixlAgentConfig = keep_delay_config(options.progress_delay_us)
+        try:
+            return nixl_agent(name, conf)
+        finally:
+            nixl_bindings.nixlAgentConfig = base
+
+
+_OPEN: weakref.WeakSet[NixlChannel] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_channels() -> None:
+    """Close channels left open, at exit, while NIXL and UCX are still whole (not in module teardown order)."""
+    for channel in list(_OPEN):
+        channel.close()
+
+
+class NixlChannel(Channel):
+    """Transfers through a NIXL agent; see the module docstring for the design."""
+
+    name: ClassVar[str] = "nixl"
+    Options = NixlOptions
+
+    def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
+        super().__init__(agent_name, options)
+        opts: NixlOptions = self.options  # type: ignore[assignment]
+        self._lock = threading.Lock()  # NIXL's default sync mode leaves agent calls to the caller to serialize
+        try:
+            self._agent = create_nixl_agent(agent_name, opts)
+        except NIXL_ERRORS as exc:
+            raise ChannelError(
+                f"nixl: could not create agent {agent_name!r} with backends {opts.backends}: {describe_nixl_error(exc)}. "
+                "With UCX, UCX_TLS=shm, posix or sysv fail here; leave UCX_TLS unset or use 'cma,tcp' or 'tcp'"
+            ) from exc
+        missing = [b for b in opts.backends if b not in self._agent.backends]
+        if missing:
+            raise ChannelError(f"nixl: backends {missing} are not available; this NIXL build has {self._agent.get_plugin_list()}")
+        self._regions: dict[int, _Region] = {}
+        self._next_region = 0
+        self._peers: dict[str, dict[int, _RegionMeta]] = {}
+        self._inflight: dict[int, NixlTransferHandle] = {}
+        self._local_lists = _PrepCache(opts.prep_cache_size)
+        self._remote_lists = _PrepCache(opts.prep_cache_size)
+        self._closed = False
+        _OPEN.add(self)
+
+    # -- memory ------------------------------------------------------------
+    def register(self, buf: Any) -> int:
+        meta = self._describe_buffer(buf)
+        with self._lock:
+            self._check_open()
+            if meta.mem not in self._supported_mems():
+                raise ChannelError(f"nixl: backends {self.options.backends} cannot register {meta.mem} memory")  # type: ignore[attr-defined]
+            try:
+                reg = self._agent.register_memory([(meta.addr, meta.size, meta.dev, "")], meta.mem)
+            except NIXL_ERRORS as exc:
+                raise ChannelError(f"nixl: registering {meta.size} bytes of {meta.mem} failed: {describe_nixl_error(exc)}") from exc
+            region = self._next_region
+            self._next_region += 1
+            self._regions[region] = _Region(meta, reg, buf)
+            self._add_region(region, meta.size)
+        return region
+
+    @staticmethod
+    def _describe_buffer(buf: Any) -> _RegionMeta:
+        """Address, size, device and NIXL memory type of a buffer, checked."""
+        if isinstance(buf, torch.Tensor) and buf.device.type == "cuda":
+            # VRAM path: written for GPU machines, not run on the CPU-only machine it was written on.
+            if not buf.is_contiguous():
+                raise ChannelError("nixl: register needs a contiguous tensor; call .contiguous() first")
+            size = buf.numel() * buf.element_size()
+            if size == 0:
+                raise ChannelError("nixl: cannot register an empty tensor")
+            return _RegionMeta(buf.data_ptr(), size, buf.device.index or 0, "VRAM")
+        view = byte_view(buf)
+        if view.readonly:
+            raise ChannelError("nixl: register needs writable memory (peers may WRITE into it)")
+        if view.nbytes == 0:
+            raise ChannelError("nixl: cannot register an empty buffer")
+        return _RegionMeta(np.frombuffer(view, dtype=np.uint8).ctypes.data, view.nbytes, 0, "DRAM")
+
+    def _supported_mems(self) -> set[str]:
+        return {m.removesuffix("_SEG") for b in self._agent.backends for m in self._agent.get_backend_mem_types(b)}
+
+    def deregister(self, region: int) -> None:
+        with self._lock:
+            entry = self._regions.pop(region, None)
+            if entry is None or self._closed:
+                return
+            self._region_sizes.pop(region, None)
+            # A prepared list holds the registration it was checked against.
+            self._local_lists.drop()
+            self._deregister(entry)
+
+    def _deregister(self, entry: _Region) -> None:
+        try:
+            self._agent.deregister_memory(entry.reg)
+        except NIXL_ERRORS as exc:
+            log.warning("nixl: deregistering %d bytes failed: %s", entry.meta.size, describe_nixl_error(exc))
+
+    def metadata(self) -> bytes:
+        with self._lock:
+            self._check_open()
+            meta = _NixlMeta(
+                METADATA_VERSION, self.agent_name, self._agent.get_agent_metadata(), {r: e.meta for r, e in self._regions.items()}
+            )
+        return msgspec.msgpack.encode(meta)
+
+    # -- peers -------------------------------------------------------------
+    def add_peer(self, metadata: bytes) -> str:
+        meta = self._decode_metadata(metadata)
+        with self._lock:
+            self._check_open()
+            self._load_agent(meta)  # stage 1
+            self._remote_lists.drop(meta.name)
+            self._peers[meta.name] = dict(meta.regions)
+            self._peer_region_sizes[meta.name] = {r: m.size for r, m in meta.regions.items()}
+            for region in meta.regions.values():  # stage 2: NIXL checks each region against stage 1
+                try:
+                    self._prepared(meta.name, region.mem, ((region.addr, region.size, region.dev),))
+                except NIXL_ERRORS as exc:
+                    self._forget_peer(meta.name)
+                    raise ChannelError(
+                        f"nixl: peer {meta.name!r} region of {region.size} bytes at {region.addr:#x} does not match its "
+                        f"registrations ({describe_nixl_error(exc)}); its metadata is stale or malformed"
+                    ) from exc
+        return meta.name
+
+    def _decode_metadata(self, metadata: bytes) -> _NixlMeta:
+        try:
+            meta = msgspec.msgpack.decode(metadata, type=_NixlMeta)
+        except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
+            raise ChannelError(f"nixl: malformed peer metadata: {exc}") from None
+        if meta.version != METADATA_VERSION:
+            raise ChannelError(f"nixl: peer metadata version {meta.version}, this pdkv speaks {METADATA_VERSION}; upgrade the older side")
+        if meta.name == self.agent_name:
+            raise ChannelError(f"nixl: peer has this agent's own name {meta.name!r}; give every worker a unique agent name")
+        for region, r in meta.regions.items():
+            if r.addr + r.size > 1 << 64:
+                raise ChannelError(f"nixl: peer {meta.name!r} region {region} ({r.addr:#x}+{r.size}) overflows the address space")
+        return meta
+
+    def _load_agent(self, meta: _NixlMeta) -> None:
+        """Stage 1: load the peer's agent metadata; a restarted peer of the same name replaces the old one."""
+        try:
+            loaded = self._agent.add_remote_agent(meta.agent)
+        except nixl_bindings.nixlNotAllowedError:
+            # NIXL refuses a different agent under a known name: the peer restarted.
+            self._forget_peer(meta.name, "the peer restarted (new metadata under the same name)")
+            try:
+                loaded = self._agent.add_remote_agent(meta.agent)
+            except NIXL_ERRORS as exc:
+                raise ChannelError(f"nixl: loading metadata of restarted peer {meta.name!r} failed: {describe_nixl_error(exc)}") from exc
+        except NIXL_ERRORS as exc:
+            raise ChannelError(
+                f"nixl: cannot reach peer {meta.name!r} from its metadata ({describe_nixl_error(exc)}); is it running, "
+                "and do both sides allow the same network (UCX_NET_DEVICES)?"
+            ) from exc
+        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if name != meta.name:
+            self._agent.remove_remote_agent(name)
+            raise ChannelError(f"nixl: peer metadata names {meta.name!r} but its NIXL agent is {name!r}")
+
+    def remove_peer(self, peer: str) -> None:
+        with self._lock:
+            if not self._closed:
+                self._forget_peer(peer, f"peer {peer!r} removed")
+
+    def _forget_peer(self, peer: str, reason: str = "peer removed") -> None:
+        """Fail the peer's pending transfers, release its prepared lists, drop its NIXL metadata. Holds the lock."""
+        for handle in [h for h in self._inflight.values() if h.peer == peer]:
+            handle.fail(reason)
+            self._release_xfer(handle)
+        self._remote_lists.drop(peer)
+        self._peers.pop(peer, None)
+        self._peer_region_sizes.pop(peer, None)
+        try:
+            self._agent.remove_remote_agent(peer)
+        except NIXL_ERRORS as exc:
+            log.debug("nixl: removing peer %r: %s", peer, describe_nixl_error(exc))
+
+    # -- transfers ---------------------------------------------------------
+    def write(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None) -> NixlTransferHandle:
+        return self._post("WRITE", peer, ops, notif)
+
+    def read(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None) -> NixlTransferHandle:
+        return self._post("READ", peer, ops, notif)
+
+    def _post(self, op: str, peer: str, ops: Sequence[TransferOp], notif: bytes | None) -> NixlTransferHandle:
+        with self._lock:
+            self._check_open()
+            total = self.check_ops(peer, ops)
+            merged = merge_ops(ops)
+            remote = self._peers[peer]
+            local_mem = self._one_mem({self._regions[o.local_region].meta.mem for o in merged}, "local")
+            remote_mem = self._one_mem({remote[o.remote_region].mem for o in merged}, f"peer {peer!r}")
+            local_descs = tuple(self._desc(self._regions[o.local_region].meta, o.local_offset, o.length) for o in merged)
+            remote_descs = tuple(self._desc(remote[o.remote_region], o.remote_offset, o.length) for o in merged)
+            handle = NixlTransferHandle(peer, op.lower(), total, len(merged))
+            try:
+                local_list = self._prepared("", local_mem, local_descs)
+                remote_list = self._prepared(peer, remote_mem, remote_descs)
+                indices = np.arange(len(merged), dtype=np.int32)
+                handle.xfer = self._agent.make_prepped_xfer(op, local_list, indices, remote_list, indices, notif or b"")
+                state = self._agent.transfer(handle.xfer)
+            except NIXL_ERRORS as exc:
+                # Failures of a valid request (the peer gone) surface on the handle, like ERR later would.
+                handle.fail(describe_nixl_error(exc))
+                self._release_xfer(handle)
+                return handle
+            self._inflight[handle.id] = handle
+            self._settle(handle, state)
+        return handle
+
+    @staticmethod
+    def _one_mem(mems: set[str], whose: str) -> str:
+        if len(mems) != 1:
+            raise ChannelError(f"nixl: one transfer must use one memory type per side; {whose} ranges mix {sorted(mems)}: split it")
+        return mems.pop()
+
+    @staticmethod
+    def _desc(region: _RegionMeta, offset: int, length: int) -> Desc:
+        return (region.addr + offset, length, region.dev)
+
+    def _prepared(self, agent: str, mem: str, descs: tuple[Desc, ...]) -> nixl_prepped_dlist_handle:
+        """A prepared descriptor list, local (agent "") or for a peer, from the cache or made now. Holds the lock."""
+        cache = self._remote_lists if agent else self._local_lists
+        return cache.get((agent, mem, descs), lambda: self._agent.prep_xfer_dlist(agent, list(descs), mem))
+
+    def _settle(self, handle: NixlTransferHandle, state: str) -> None:
+        """Apply a NIXL state ("DONE", "PROC", "ERR") to the handle. Holds the lock."""
+        if state == "DONE":
+            handle.complete()
+        elif state == "ERR":
+            handle.fail("NIXL reported ERR (the peer went away, or a region was deregistered mid-transfer)")
+        else:
+            return
+        self._release_xfer(handle)
+
+    def _release_xfer(self, handle: NixlTransferHandle) -> None:
+        """Give the NIXL request back (aborting it if still active). Holds the lock."""
+        self._inflight.pop(handle.id, None)
+        xfer, handle.xfer = handle.xfer, None
+        if xfer is None:
+            return
+        try:
+            xfer.release()
+        except NIXL_ERRORS as exc:
+            # NIXL keeps a request it cannot abort and frees it with the agent.
+            log.warning("nixl: releasing %r: %s", handle, describe_nixl_error(exc))
+
+    def poll(self, handle: TransferHandle) -> XferState:
+        if handle.state is not XferState.PENDING:
+            return handle.state
+        with self._lock:
+            if handle.id in self._inflight:
+                assert isinstance(handle, NixlTransferHandle) and handle.xfer is not None
+                try:
+                    state = self._agent.check_xfer_state(handle.xfer)
+                except NIXL_ERRORS as exc:
+                    handle.fail(describe_nixl_error(exc))
+                    self._release_xfer(handle)
+                else:
+                    self._settle(handle, state)
+        return handle.state
+
+    def poll_interval(self, waited: float) -> float:
+        """Spin for ``spin_s`` (polling is what moves the data), then pause 10% of the time waited past it."""
+        opts: NixlOptions = self.options  # type: ignore[assignment]
+        return 0.0 if waited < opts.spin_s else min(opts.max_poll_interval_s, (waited - opts.spin_s) * 0.1)
+
+    def release(self, handle: TransferHandle) -> None:
+        """Free the NIXL request; a still-pending transfer is aborted and its handle failed."""
+        with self._lock:
+            if isinstance(handle, NixlTransferHandle) and handle.xfer is not None:
+                handle.fail("released before it completed")
+                self._release_xfer(handle)
+
+    # -- notifications -----------------------------------------------------
+    def get_notifications(self) -> list[Notification]:
+        with self._lock:
+            if self._closed:
+                return []
+            try:
+                fresh = self._agent.get_new_notifs()
+            except NIXL_ERRORS as exc:
+                raise ChannelError(f"nixl: reading notifications failed: {describe_nixl_error(exc)}") from exc
+        return [Notification(peer, payload) for peer, payloads in fresh.items() for payload in payloads]
+
+    # -- shutdown ------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ChannelError(f"nixl channel {self.agent_name!r} is closed")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for handle in list(self._inflight.values()):
+                handle.fail("nixl channel closed")
+                self._release_xfer(handle)
+            self._local_lists.drop()
+            for peer in list(self._peers):
+                self._forget_peer(peer, "nixl channel closed")
+            for entry in self._regions.values():
+                self._deregister(entry)
+            self._regions.clear()
+            self._region_sizes.clear()
+        _OPEN.discard(self)

@@ -1,0 +1,180 @@
+"""Raw NIXL baseline for ``pdkv bench channel --channel nixl``.
+
+The same sizes moved by ``nixl_agent`` calls directly between two processes,
+with nothing of pdkv in the data path: each transfer is what a careful NIXL
+user writes (descriptor lists prepared once per size, then per transfer
+``make_prepped_xfer`` with a notification, ``transfer``, ``check_xfer_state``
+in a busy loop until DONE, ``release``). The agents are built exactly as the
+nixl channel builds its own (``create_nixl_agent`` with default
+``NixlOptions``: the same UCX environment, the same event-driven progress
+thread), so the ratio measures only what the channel adds.
+
+Buffers are bytearrays, as on the bench's channel side, because allocation
+matters here: numpy arrays (and torch tensors with THP_MEM_ALLOC_ENABLE=1)
+get transparent huge pages through madvise and moved about 2x faster over
+cma on this machine than bytearrays or default torch tensors.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from pdkv.channels.nixl import NixlOptions, create_nixl_agent
+from pdkv.errors import ChannelError, TransferTimeout
+
+TARGET_NAME = "raw-nixl-target"
+INITIATOR_NAME = "raw-nixl-initiator"
+WARMUP = 3
+STARTUP_TIMEOUT_S = 60.0  # spawning a process that imports NIXL takes seconds on a busy machine
+TRANSFER_TIMEOUT_S = 30.0
+POLL_S = 0.0002  # the bench receiver's pause between notification polls
+
+
+def auto_repeats(size: int) -> int:
+    """Repeats for ``size`` when the caller passes 0: about 256 MiB per size, 5 to 200 transfers."""
+    return max(5, min(200, (256 << 20) // size))
+
+
+def _address(buf: bytearray) -> int:
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+def _target(conn: Connection, nbytes: int) -> None:
+    """The receiving side: register a buffer, publish metadata, drain notifications until it has them all.
+
+    It drains them the way the bench's channel receiver does (every
+    ``POLL_S`` when none came), so both sides of the ratio do the same job.
+    """
+    agent = create_nixl_agent(TARGET_NAME, NixlOptions())
+    buf = bytearray(nbytes)  # the peer writes here until the end of this function
+    addr = _address(buf)
+    reg = agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
+    conn.send((agent.get_agent_metadata(), addr))
+    notified, expected, deadline = 0, None, float("inf")
+    while expected is None or (notified < expected and time.monotonic() < deadline):
+        if expected is None and conn.poll():
+            expected, deadline = conn.recv(), time.monotonic() + TRANSFER_TIMEOUT_S  # the sender's count
+        fresh = sum(len(v) for v in agent.get_new_notifs().values())
+        notified += fresh
+        if not fresh:
+            time.sleep(POLL_S)
+    conn.send(notified)
+    agent.deregister_memory(reg)
+
+
+class _RawPair:
+    """This process's NIXL agent and the target process's buffer, for the raw baselines.
+
+    Counts the notifications it asks for and, on leaving, checks the target
+    received exactly that many, so a baseline that lost one cannot pass.
+    """
+
+    def __init__(self, nbytes: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, there = ctx.Pipe()
+        self.proc = ctx.Process(target=_target, args=(there, nbytes), name="raw-nixl-target", daemon=True)
+        self.proc.start()
+        self.notified = 0
+        try:
+            if not self.conn.poll(STARTUP_TIMEOUT_S):
+                raise TransferTimeout(f"raw nixl target did not start within {STARTUP_TIMEOUT_S:.0f}s")
+            agent_md, self.remote_addr = self.conn.recv()
+            self.agent = create_nixl_agent(INITIATOR_NAME, NixlOptions())
+            self.buf = bytearray(b"\x01") * nbytes
+            self.addr = _address(self.buf)
+            self.reg = self.agent.register_memory([(self.addr, nbytes, 0, "")], "DRAM")
+            self.peer = self.agent.add_remote_agent(agent_md)
+        except BaseException:
+            self._reap()
+            raise
+
+    def __enter__(self) -> _RawPair:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        try:
+            if exc_type is None:
+                self.conn.send(self.notified)
+                got = self.conn.recv() if self.conn.poll(2 * TRANSFER_TIMEOUT_S) else None
+                if got != self.notified:
+                    raise ChannelError(f"raw nixl target received {got} notifications for {self.notified} transfers")
+            self.agent.remove_remote_agent(self.peer)
+            self.agent.deregister_memory(self.reg)
+        finally:
+            self._reap()
+
+    def _reap(self) -> None:
+        self.proc.join(timeout=0 if self.proc.exitcode is not None else 10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=10)
+
+    def lists(self, ranges: list[tuple[int, int]]) -> tuple[Any, Any]:
+        """Prepared local and remote descriptor lists of (offset, length) ranges, same offsets both sides."""
+        local = self.agent.prep_xfer_dlist("", [(self.addr + o, n, 0) for o, n in ranges], "DRAM")
+        remote = self.agent.prep_xfer_dlist(self.peer, [(self.remote_addr + o, n, 0) for o, n in ranges], "DRAM")
+        return local, remote
+
+    def post(self, local: Any, remote: Any, index: int, notif: bytes) -> Any:
+        """Post one WRITE of descriptor ``index``; returns its handle."""
+        xfer = self.agent.make_prepped_xfer("WRITE", local, [index], remote, [index], notif)
+        if self.agent.transfer(xfer) == "ERR":
+            raise ChannelError("raw nixl WRITE failed when posted")
+        self.notified += bool(notif)
+        return xfer
+
+    def finish(self, xfer: Any) -> None:
+        """Spin on ``check_xfer_state`` until DONE, then release the handle."""
+        deadline = time.perf_counter() + TRANSFER_TIMEOUT_S
+        state = "PROC"
+        while (state := self.agent.check_xfer_state(xfer)) == "PROC" and time.perf_counter() < deadline:
+            pass
+        if state != "DONE":
+            raise ChannelError(f"raw nixl WRITE ended {state}")
+        xfer.release()
+
+
+def raw_nixl_baseline(sizes: list[int], repeats: int) -> dict[int, float]:
+    """Raw NIXL: nixl_agent prepped WRITE with notification, check_xfer_state until DONE; two processes.
+
+    Returns GB/s per size, the median of ``repeats`` transfers (0: chosen per size).
+    """
+    results: dict[int, float] = {}
+    with _RawPair(max(sizes)) as pair:
+        for size in sizes:
+            local, remote = pair.lists([(0, size)])
+            times = []
+            for i in range(WARMUP + (repeats or auto_repeats(size))):
+                start = time.perf_counter()
+                pair.finish(pair.post(local, remote, 0, b"%d" % i))
+                times.append(time.perf_counter() - start)
+            local.release()
+            remote.release()
+            results[size] = size / statistics.median(times[WARMUP:]) / 1e9
+    return results
+
+
+def raw_nixl_small_baseline(count: int, size: int, repeats: int) -> float:
+    """Raw NIXL: ``count`` prepped WRITEs of ``size`` bytes posted back to back, the last notifying; two processes.
+
+    Returns transfers/s, the median over ``repeats`` rounds; what the bench's
+    small-transfers case asks of a channel.
+    """
+    rates = []
+    with _RawPair(count * size) as pair:
+        local, remote = pair.lists([(i * size, size) for i in range(count)])
+        for _ in range(WARMUP + repeats):
+            start = time.perf_counter()
+            handles = [pair.post(local, remote, i, b"last" if i == count - 1 else b"") for i in range(count)]
+            for xfer in handles:
+                pair.finish(xfer)
+            rates.append(count / (time.perf_counter() - start))
+        local.release()
+        remote.release()
+    return statistics.median(rates[WARMUP:])

@@ -1,0 +1,370 @@
+"""The nixl channel against real NIXL agents: DRAM between two processes (UCX, cma + tcp on lo).
+
+The peer runs in a spawned process driven over a pipe (``Peer``, also used
+by test_channel_ucx.py), so these tests cross a real process boundary the
+way prefill and decode workers do. CI installs the ``nixl`` extra, so they
+run there; elsewhere they skip with the reason.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+
+from pdkv.channels import Channel, TransferOp, XferState, channel_class, create_channel
+from pdkv.errors import ChannelError, ConfigError, TransferTimeout
+
+# Skipped, not import-failed, without nixl: test_channel_ucx.py imports the peer harness from here.
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("nixl") is None, reason="the 'nixl' extra is not installed: pip install 'pdkv[nixl]'"
+)
+
+REGION = 1 << 20
+PIPE_TIMEOUT_S = 60.0  # a spawned process importing torch and NIXL takes seconds on a busy machine
+
+
+# -- the peer process ----------------------------------------------------------------------------
+
+
+def _serve(conn: Connection, channel_name: str, name: str, close_at_exit: bool) -> None:
+    """A peer: one channel with one registered region, driven by (command, *args) messages."""
+    channel = create_channel(channel_name, name)
+    buf = torch.zeros(REGION, dtype=torch.uint8)
+    channel.register(buf)
+    conn.send(channel.metadata())
+    notifs: list[Any] = []
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "add_peer":
+            conn.send(channel.add_peer(args[0]))
+        elif cmd == "fill":  # offset, bytes
+            buf[args[0] : args[0] + len(args[1])] = torch.frombuffer(bytearray(args[1]), dtype=torch.uint8)
+            conn.send(None)
+        elif cmd == "bytes":  # offset, length
+            conn.send(bytes(buf[args[0] : args[0] + args[1]].numpy()))
+        elif cmd == "notifs":  # how many to wait for, timeout
+            deadline = time.monotonic() + args[1]
+            while len(notifs) < args[0] and time.monotonic() < deadline:
+                notifs.extend(channel.get_notifications())
+                time.sleep(0.001)
+            conn.send([(n.peer, n.payload) for n in notifs])
+            notifs.clear()
+        elif cmd == "write":  # peer, local offset, remote region, remote offset, length, notif
+            peer, off, rregion, roff, length, notif = args
+            handle = channel.write(peer, [TransferOp(0, off, rregion, roff, length)], notif)
+            channel.wait(handle, 10.0)
+            conn.send(handle.state.value)
+        elif cmd == "exit":
+            if close_at_exit:
+                channel.close()
+            conn.send(None)
+            return  # without close_at_exit the channel is left open: the atexit hook must cope
+
+
+class Peer:
+    """The parent's end of a ``_serve`` process running a ``channel_name`` channel."""
+
+    def __init__(self, name: str, close_at_exit: bool = True, channel_name: str = "nixl") -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(theirs, channel_name, name, close_at_exit), name=name, daemon=True)
+        self.proc.start()
+        self.metadata: bytes = self._recv()
+
+    def _recv(self) -> Any:
+        if not self.conn.poll(PIPE_TIMEOUT_S):
+            raise TimeoutError(f"peer process {self.proc.name} did not answer within {PIPE_TIMEOUT_S}s")
+        return self.conn.recv()
+
+    def call(self, *msg: Any) -> Any:
+        self.conn.send(msg)
+        return self._recv()
+
+    def exit(self) -> int | None:
+        self.call("exit")
+        self.proc.join(PIPE_TIMEOUT_S)
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(PIPE_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[Peer]:
+    """One long-lived peer process for the round-trip tests; exits cleanly at the end (asserted)."""
+    p = Peer("nixl-test-peer")
+    try:
+        yield p
+    finally:
+        if p.proc.is_alive():
+            code = p.exit()
+            assert code == 0, f"peer process exited with {code} after closing its channel"
+
+
+_made = iter(range(1 << 30))
+
+
+def channel_factory(channel_name: str) -> Iterator[Callable[..., Channel]]:
+    """Yields a maker of ``channel_name`` channels in this process; closes them all afterwards."""
+    made: list[Channel] = []
+
+    def make(**options: Any) -> Channel:
+        channel = create_channel(channel_name, f"{channel_name}-test-{os.getpid()}-{next(_made)}", options)
+        made.append(channel)
+        return channel
+
+    yield make
+    for channel in made:
+        channel.close()
+
+
+@pytest.fixture
+def make_channel() -> Iterator[Callable[..., Channel]]:
+    """Nixl channels in this process; all closed at teardown."""
+    yield from channel_factory("nixl")
+
+
+def pattern(n: int, seed: int) -> torch.Tensor:
+    """``n`` reproducible random bytes."""
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+# -- two processes -------------------------------------------------------------------------------
+
+
+def test_write_then_read_round_trip_with_notifications(peer: Peer, make_channel: Callable[..., Channel]) -> None:
+    local = make_channel()
+    src = pattern(REGION, 1)
+    region = local.register(src)
+    name = local.add_peer(peer.metadata)
+    assert name == "nixl-test-peer"
+
+    handle = local.write(name, [TransferOp(region, 4096, 0, 8192, 64 << 10)], notif=b"chunk-0")
+    local.wait(handle, 10.0)
+    local.release(handle)
+    assert handle.state is XferState.DONE
+    assert peer.call("notifs", 1, 10.0) == [(local.agent_name, b"chunk-0")]
+    assert peer.call("bytes", 8192, 64 << 10) == bytes(src[4096 : 4096 + (64 << 10)].numpy())
+
+    # READ pulls the peer's bytes into a different local spot; its notification reaches the peer.
+    theirs = bytes(pattern(10_000, 2).numpy())
+    peer.call("fill", 300_000, theirs)
+    handle = local.read(name, [TransferOp(region, 700_000, 0, 300_000, len(theirs))], notif=b"pulled")
+    local.wait(handle, 10.0)
+    assert bytes(src[700_000 : 700_000 + len(theirs)].numpy()) == theirs
+    assert peer.call("notifs", 1, 10.0) == [(local.agent_name, b"pulled")]
+
+
+def test_peer_writes_into_us_and_we_get_its_notification(peer: Peer, make_channel: Callable[..., Channel]) -> None:
+    local = make_channel()
+    dst = torch.zeros(REGION, dtype=torch.uint8)
+    local.register(dst)
+    local.add_peer(peer.metadata)
+    peer_name = peer.call("add_peer", local.metadata())
+    assert peer_name == local.agent_name
+    payload = bytes(pattern(5000, 3).numpy())
+    peer.call("fill", 0, payload)
+    assert peer.call("write", local.agent_name, 0, 0, 123, len(payload), b"from-peer") == "done"
+    deadline = time.monotonic() + 10.0
+    got: list[Any] = []
+    while not got and time.monotonic() < deadline:
+        got = local.get_notifications()
+        time.sleep(0.001)
+    assert [(n.peer, n.payload) for n in got] == [("nixl-test-peer", b"from-peer")]
+    assert bytes(dst[123 : 123 + len(payload)].numpy()) == payload
+
+
+def test_many_descriptors_in_one_transfer(peer: Peer, make_channel: Callable[..., Channel]) -> None:
+    local = make_channel()
+    src = pattern(REGION, 4)
+    region = local.register(src)
+    name = local.add_peer(peer.metadata)
+    peer.call("fill", 0, bytes(REGION))
+    # 64 scattered 1000-byte pieces, reversed on the far side, plus 16 adjacent 512-byte blocks.
+    scattered = [TransferOp(region, i * 4096, 0, (63 - i) * 8192 + 1, 1000) for i in range(64)]
+    adjacent = [TransferOp(region, 600_000 + j * 512, 0, 800_000 + j * 512, 512) for j in range(16)]
+    handle = local.write(name, scattered + adjacent, notif=b"many")
+    assert handle.descriptors == 64 + 1, "adjacent blocks must merge into one descriptor"  # type: ignore[attr-defined]
+    local.wait(handle, 10.0)
+    assert peer.call("notifs", 1, 10.0) == [(local.agent_name, b"many")]
+    landed = peer.call("bytes", 0, REGION)
+    for op in scattered + adjacent:
+        assert landed[op.remote_offset : op.remote_offset + op.length] == bytes(src[op.local_offset : op.local_offset + op.length].numpy())
+    assert landed[0] == 0 and landed[8192] == 0, "bytes outside the descriptors must stay untouched"
+
+
+def test_hung_dead_and_restarted_peer(make_channel: Callable[..., Channel]) -> None:
+    doomed = Peer("nixl-test-doomed")
+    try:
+        local = make_channel()
+        region = local.register(pattern(REGION, 5))
+        name = local.add_peer(doomed.metadata)
+        ops = [TransferOp(region, 0, 0, 0, 4096)]
+
+        os.kill(doomed.proc.pid, signal.SIGSTOP)  # hung: never answers the connection
+        handle = local.write(name, ops, notif=b"hung")
+        started = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            local.wait(handle, 1.0)
+        assert time.monotonic() - started < 5.0
+        local.release(handle)
+        assert handle.state is XferState.ERROR
+
+        os.kill(doomed.proc.pid, signal.SIGCONT)
+        doomed.kill()  # dead: the process is gone
+        started = time.monotonic()
+        with pytest.raises(ChannelError, match="disconnected|ERR|failed"):
+            handle = local.write(name, ops, notif=b"dead")
+            local.wait(handle, 10.0)
+        assert time.monotonic() - started < 10.0, "a dead peer must surface as an error, not as the timeout"
+
+        # The worker restarts under the same name: its new metadata replaces the old agent.
+        reborn = Peer("nixl-test-doomed")
+        try:
+            assert local.add_peer(reborn.metadata) == name
+            handle = local.write(name, ops, notif=b"again")
+            local.wait(handle, 10.0)
+            assert reborn.call("notifs", 1, 10.0) == [(local.agent_name, b"again")]
+            local.remove_peer(name)
+            with pytest.raises(ChannelError, match="unknown peer"):
+                local.write(name, ops)
+        finally:
+            reborn.kill()
+    finally:
+        doomed.kill()
+
+
+def test_child_that_leaves_its_channel_open_exits_with_code_0(make_channel: Callable[..., Channel]) -> None:
+    local = make_channel()
+    dst = torch.zeros(REGION, dtype=torch.uint8)
+    local.register(dst)
+    child = Peer("nixl-test-leaver", close_at_exit=False)
+    try:
+        payload = bytes(pattern(2048, 6).numpy())
+        child.call("fill", 0, payload)
+        child.call("add_peer", local.metadata())
+        assert child.call("write", local.agent_name, 0, 0, 0, len(payload), b"bye") == "done"
+        assert bytes(dst[: len(payload)].numpy()) == payload
+        assert child.exit() == 0
+    finally:
+        child.kill()
+
+
+# -- one process -----------------------------------------------------------------------------------
+
+
+def test_bad_ranges_and_unknown_peers_are_refused_before_posting(make_channel: Callable[..., Channel]) -> None:
+    a, b = make_channel(), make_channel()
+    ra = a.register(torch.zeros(4096, dtype=torch.uint8))
+    b.register(torch.zeros(1024, dtype=torch.uint8))
+    with pytest.raises(ChannelError, match="unknown peer"):
+        a.write(b.agent_name, [TransferOp(ra, 0, 0, 0, 10)])
+    name = a.add_peer(b.metadata())
+    for op, what in [
+        (TransferOp(ra, 0, 0, 1000, 100), "fit region 0 of 1024"),  # past the peer's region
+        (TransferOp(ra, 4000, 0, 0, 200), "fit region"),  # past ours
+        (TransferOp(ra, 0, 7, 0, 10), "not registered"),  # no such remote region
+        (TransferOp(ra, 0, 0, 0, 0), "fit region"),  # empty
+        (TransferOp(ra, -1, 0, 0, 10), "fit region"),
+    ]:
+        with pytest.raises(ChannelError, match=what):
+            a.write(name, [op])
+    with pytest.raises(ChannelError, match="empty transfer"):
+        a.read(name, [])
+
+
+def test_metadata_is_checked(make_channel: Callable[..., Channel]) -> None:
+    import msgspec
+
+    a, b = make_channel(), make_channel()
+    b.register(torch.zeros(4096, dtype=torch.uint8))
+    with pytest.raises(ChannelError, match="malformed"):
+        a.add_peer(b"\x93garbage")
+    with pytest.raises(ChannelError, match="own name"):
+        a.add_peer(a.metadata())
+    meta = msgspec.msgpack.decode(b.metadata())
+    with pytest.raises(ChannelError, match="version"):
+        a.add_peer(msgspec.msgpack.encode({**meta, "version": 99}))
+    region = meta["regions"][0]
+    forged = {**meta, "regions": {0: [region[0] + 4096, region[1], region[2], region[3]]}}
+    with pytest.raises(ChannelError, match="does not match its registrations"):
+        a.add_peer(msgspec.msgpack.encode(forged))
+    with pytest.raises(ChannelError, match="unknown peer"):  # a refused peer leaves nothing behind
+        a.write(b.agent_name, [TransferOp(0, 0, 0, 0, 1)])
+    assert a.add_peer(b.metadata()) == b.agent_name
+
+
+def test_options_and_buffers_are_validated(make_channel: Callable[..., Channel]) -> None:
+    nixl_channel = channel_class("nixl")
+    with pytest.raises(ConfigError, match="progress_delay_us"):
+        nixl_channel.parse_options({"progress_delay_us": 0})
+    with pytest.raises(ConfigError, match="no_such_option"):
+        nixl_channel.parse_options({"no_such_option": 1})
+    with pytest.raises(ChannelError, match="not available"):
+        make_channel(backends=["NO_SUCH_BACKEND"])
+    channel = make_channel()
+    with pytest.raises(ChannelError, match="writable"):
+        channel.register(b"read-only bytes")
+    with pytest.raises(ChannelError, match="empty"):
+        channel.register(torch.zeros(0, dtype=torch.uint8))
+    assert nixl_channel.parse_options({"backends": ["UCX"], "progress_thread": False}) == nixl_channel.Options(progress_thread=False)
+
+
+def test_in_process_pair_without_progress_thread_and_close(make_channel: Callable[..., Channel]) -> None:
+    # progress_thread=False: the caller's polls are the only progress, as documented.
+    a, b = make_channel(progress_thread=False), make_channel(progress_thread=False)
+    src, dst = pattern(REGION, 7), torch.zeros(REGION, dtype=torch.uint8)
+    ra, rb = a.register(src), b.register(dst)
+    name = a.add_peer(b.metadata())
+    handle = a.write(name, [TransferOp(ra, 0, rb, 0, REGION)], notif=b"all")
+    deadline = time.monotonic() + 10.0
+    got: list[Any] = []
+    while (a.poll(handle) is XferState.PENDING or not got) and time.monotonic() < deadline:
+        got += b.get_notifications()
+    assert handle.state is XferState.DONE and [n.payload for n in got] == [b"all"]
+    assert torch.equal(src, dst)
+    a.deregister(ra)
+    with pytest.raises(ChannelError, match="not registered"):
+        a.write(name, [TransferOp(ra, 0, rb, 0, 1)])
+    a.close()
+    a.close()  # idempotent
+    with pytest.raises(ChannelError, match="closed"):
+        a.write(name, [TransferOp(ra, 0, rb, 0, 1)])
+    assert b.get_notifications() == []
+
+
+def test_progress_thread_delay_is_kept_and_the_binding_restored(make_channel: Callable[..., Channel]) -> None:
+    import nixl._bindings as bindings
+
+    from pdkv.channels.nixl import keep_delay_config
+
+    original = bindings.nixlAgentConfig
+    config = keep_delay_config(2500)()
+    config.pthrDelay = 0  # what nixl_agent.__init__ assigns
+    assert config.pthrDelay == 2500
+    make_channel(progress_delay_us=2500)
+    assert bindings.nixlAgentConfig is original, "the swapped config class must not outlive the constructor"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the VRAM path is written but was not run here")
+def test_vram_round_trip(make_channel: Callable[..., Channel]) -> None:
+    a, b = make_channel(), make_channel()
+    src = pattern(REGION, 8).cuda()
+    dst = torch.zeros(REGION, dtype=torch.uint8, device="cuda")
+    ra, rb = a.register(src), b.register(dst)
+    name = a.add_peer(b.metadata())
+    handle = a.write(name, [TransferOp(ra, 0, rb, 0, REGION)], notif=b"vram")
+    a.wait(handle, 10.0)
+    torch.cuda.synchronize()
+    assert torch.equal(src.cpu(), dst.cpu())
