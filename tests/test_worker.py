@@ -91,6 +91,8 @@ def test_two_process_pipeline_is_token_and_kv_identical(model_dir: Path, tmp_pat
         assert metric(d_metrics, "pdkv_prompt_tokens_total", source="transferred") == sum(map(len, PROMPTS))
         assert metric(d_metrics, "pdkv_reservations") == 0
         assert metric(d_metrics, "pdkv_reserved_blocks") == 0
+        assert metric(d_metrics, "pdkv_transfer_events_total", event="transfers_ready") == len(PROMPTS)
+        assert metric(d_metrics, "pdkv_transfer_events_total", event="checksum_failures") == 0
         wait_until(lambda: metric(get(prefill.url + "/metrics"), "pdkv_open_transfers") == 0, what="the prefill side to settle its transfers")
         p_metrics = get(prefill.url + "/metrics")
         assert metric(p_metrics, "pdkv_transfers_total", outcome="ok") == len(PROMPTS)

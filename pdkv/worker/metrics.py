@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from collections.abc import Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 GBPS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
@@ -35,5 +38,22 @@ class WorkerMetrics:
         """A gauge read from ``fn`` at scrape time."""
         Gauge(name, doc, ["role"], registry=self.registry).labels(self.role).set_function(fn)
 
+    def events(self, stats: Callable[[], Mapping[str, int]], gauges: frozenset[str]) -> None:
+        """Export the transfer layer's event counters (checksum and auth failures, expired leases, ...)
+        as ``pdkv_transfer_events_total{event=...}``, read at scrape time; ``gauges`` are left out."""
+        self.registry.register(_EventCollector(self.role, stats, gauges))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EventCollector:
+    def __init__(self, role: str, stats: Callable[[], Mapping[str, int]], gauges: frozenset[str]) -> None:
+        self.role, self.stats, self.gauges = role, stats, gauges
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("pdkv_transfer_events", "Sender/receiver events: chunks, refusals, checksum and auth failures, expired leases, ...", labels=["role", "event"])
+        for event, value in sorted(self.stats().items()):
+            if event not in self.gauges:
+                family.add_metric([self.role, event], value)
+        yield family

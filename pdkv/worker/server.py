@@ -4,9 +4,11 @@ Both roles serve the same OpenAI API; what differs is what ``kv_transfer_params`
 in a request makes them do, in the shape vLLM's disaggregated proxies use:
 
 * prefill, ``{"do_remote_decode": true, "remote_host", "remote_port",
-  "transfer_id"}``: reserve room on that decode worker's receiver, compute
-  the prompt chunk by chunk while each finished chunk is pushed, return the
-  first token with the ``kv_transfer_params`` the decode worker needs.
+  "transfer_id"}``: load the prompt's cached prefix from the cache tier
+  (``pdkv.worker.tiering``), reserve room on that decode worker's receiver,
+  compute the rest chunk by chunk while each chunk, loaded or computed, is
+  pushed, return the first token with the ``kv_transfer_params`` the decode
+  worker needs. Every prompt computed here, in any role, is offered to the tier.
   (vLLM's NixlConnector has D pull from P; pdkv pushes, so P is told where D
   is: ``remote_host``/``remote_port`` are D's receiver, from D's /pdkv/info.)
 * decode, ``{"do_remote_prefill": true, "transfer_id", "first_token_id",
@@ -95,6 +97,9 @@ class Worker:
         m.gauge("pdkv_reservations", "Open transfer reservations", lambda: self._stat("reservations"))
         m.gauge("pdkv_inflight_bytes", "Bytes posted to the channel and not yet landed", lambda: self._stat("inflight_bytes"))
         m.gauge("pdkv_open_transfers", "Outgoing transfers not yet settled", lambda: self._stat("open_transfers"))
+        side = self.receiver or self.sender
+        assert side is not None
+        m.events(side.stats, frozenset({"free_blocks", "free_staging_slots", "reservations", "reserved_blocks", "inflight_bytes", "open_transfers"}))
 
     def _stat(self, name: str) -> float:
         side = self.receiver or self.sender
