@@ -83,6 +83,32 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     admin_token: str = ""
 
 
+class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """The shared prefix-keyed KV cache (pdkv/tier/): which levels, their bounds and timeouts.
+
+    Memory (L1) is on by default: a worker that sees a prompt prefix again
+    loads its KV instead of recomputing it. Disk (L2) and Redis/Valkey
+    (shared by every worker pointing at it) are on when their path/URL is
+    set. Reads go memory -> disk -> redis; writes go to memory and are
+    written behind to the rest. Set ``enabled: false`` to compute every prompt.
+    """
+
+    enabled: bool = True
+    memory_bytes: Annotated[int, Meta(ge=0)] = 1 << 30  # 0: no memory level
+    memory_policy: Literal["lru", "s3fifo"] = "lru"
+    disk_path: str = ""  # a directory of its own per worker; "": no disk level
+    disk_bytes: Positive = 16 << 30
+    redis_url: str = ""  # redis://HOST:PORT/DB (or rediss://, unix://); "": no remote level
+    redis_namespace: str = "pdkv:kv:"
+    redis_ttl_s: Annotated[float, Meta(ge=0)] = 0.0  # 0: kept until the server evicts it (maxmemory policy)
+    redis_timeout_s: Seconds = 2.0  # per socket read/write
+    redis_connect_timeout_s: Seconds = 1.0
+    redis_retry_s: Seconds = 10.0  # after a failure, the server is skipped (reads miss) this long
+    write_behind_bytes: Positive = 256 << 20  # queued for the lower levels; beyond it writes are dropped
+    flush_timeout_s: Seconds = 10.0  # at shutdown, how long queued writes may take
+    load_batch_chunks: Positive = 4  # chunks read per batch when loading a prefix (staging memory)
+
+
 class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Everything one pdkv process needs; unknown keys are errors, not silently ignored."""
 
@@ -102,6 +128,7 @@ class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
     channel: ChannelConfig = msgspec.field(default_factory=ChannelConfig)
     transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    tier: TierConfig = msgspec.field(default_factory=TierConfig)
 
 
 _PATH = re.compile(r"at `\$((?:\.\w+|\[\d+\])*)`")

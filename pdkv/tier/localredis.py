@@ -1,0 +1,91 @@
+"""Start a private ``redis-server`` (or ``valkey-server``) for tests and benchmarks.
+
+The remote tier is tested and measured against a real server, never a fake:
+each user starts its own on a free loopback port, with persistence off and a
+working directory of its own, and stops it when done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from pdkv.errors import ConfigError, PdkvError
+
+BINARIES = ("redis-server", "valkey-server")
+INSTALL_HINT = "apt-get install -y redis-server (or valkey-server)"
+
+
+@dataclass
+class LocalRedis:
+    proc: subprocess.Popen[bytes]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+
+
+def server_binary() -> str | None:
+    """Path of an installed redis-server or valkey-server, or None."""
+    return next((path for path in map(shutil.which, BINARIES) if path), None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def local_redis(timeout: float = 10.0, maxmemory: str = "1gb") -> Iterator[LocalRedis]:
+    """A running server on a free port for the ``with`` block; raises ``ConfigError`` when none is installed.
+
+    ``maxmemory`` with ``allkeys-lru``: what a deployment should configure too.
+    """
+    binary = server_binary()
+    if binary is None:
+        raise ConfigError(f"no redis-server or valkey-server on PATH; install one: {INSTALL_HINT}")
+    with tempfile.TemporaryDirectory(prefix="pdkv-redis-") as workdir:
+        server = None
+        for _attempt in range(3):  # another process may take the port between probe and bind
+            port = _free_port()
+            args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir, "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
+            proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + timeout
+            while proc.poll() is None and time.monotonic() < deadline and not _answers(port):
+                time.sleep(0.05)
+            if proc.poll() is None and _answers(port):
+                server = LocalRedis(proc, port)
+                break
+            LocalRedis(proc, port).stop()
+        if server is None:
+            raise PdkvError(f"{binary} did not start on a free loopback port within {timeout:.0f}s (3 attempts)")
+        try:
+            yield server
+        finally:
+            server.stop()

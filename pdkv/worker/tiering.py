@@ -1,0 +1,180 @@
+"""A worker's use of the cache tier: load a prompt's cached prefix, offer what it computes.
+
+Before a prompt reaches the engine, ``load`` asks the tier for the longest
+run of its chunks it holds, scatters them into the request's blocks and
+declares them computed, so the engine computes only the rest. It runs off
+the engine thread (the request is not on the engine yet, so nothing else
+touches its blocks), and a slow disk or network delays only this request.
+
+The chunk holding the last prompt token is always computed, never loaded:
+the engine needs that token's logits for the first output token, and
+computing the same chunk over the same bytes as a cold run keeps the KV and
+the tokens bit-identical with the tier on or off.
+
+As the engine finishes each prefill chunk, the hook from ``offer`` gathers
+its full chunks and puts them in the tier (memory at once, the lower levels
+written behind). Tier keys are chunk keys at the worker's
+``transfer.chunk_size``: workers with another chunk size never share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Iterator
+
+import torch
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pdkv import native
+from pdkv.config import TierConfig
+from pdkv.engine.base import EngineAdapter, Request
+from pdkv.keys import chunk_keys
+from pdkv.tier import CacheTier, TieredCache, build_tier
+from pdkv.worker.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+ChunkHook = Callable[[Request, int, int], None]
+
+
+@dataclasses.dataclass
+class CachedPrefix:
+    """What ``load`` found for one request: the prompt's chunk keys and how many tokens came from the tier."""
+
+    keys: list[bytes]
+    tokens: int = 0
+
+
+class Tiering:
+    """The tier as one worker uses it; with the tier disabled every call is a no-op."""
+
+    def __init__(self, tier: CacheTier | None, engine: EngineAdapter, chunk_size: int, metrics: WorkerMetrics, load_batch_chunks: int = 4) -> None:
+        self.engine = engine
+        self.chunk_size = chunk_size
+        self.batch = load_batch_chunks
+        self.metrics = metrics
+        self.tier = tier
+        if tier is not None:
+            metrics.registry.register(TierCollector(tier, metrics.role))
+
+    @classmethod
+    def from_config(cls, config: TierConfig, engine: EngineAdapter, chunk_size: int, metrics: WorkerMetrics) -> Tiering:
+        """The tier ``config`` asks for, used by a worker around ``engine``."""
+        return cls(build_tier(config, engine.layout), engine, chunk_size, metrics, config.load_batch_chunks)
+
+    async def load(self, request: Request) -> CachedPrefix:
+        """Load the cached prefix of a new request (not yet submitted); see the module docstring.
+
+        If the caller is cancelled meanwhile, the request is freed once the
+        load finishes: it never reached the engine, so nothing else would.
+        """
+        if self.tier is None:
+            return CachedPrefix([])
+        loading = asyncio.ensure_future(asyncio.to_thread(self.load_sync, request))
+        try:
+            return await asyncio.shield(loading)
+        except asyncio.CancelledError:
+            loading.add_done_callback(lambda _f: self.engine.free(request))
+            raise
+
+    def load_sync(self, request: Request) -> CachedPrefix:
+        """``load`` on the calling thread. A failing tier costs a full recompute, never the request."""
+        if self.tier is None:
+            return CachedPrefix([])
+        prefix = CachedPrefix(chunk_keys(request.prompt_token_ids, self.engine.fingerprint, self.chunk_size))
+        try:
+            loaded = self._load_chunks(request, prefix.keys[: (request.num_prompt_tokens - 1) // self.chunk_size])  # full chunks before the last token's
+        except Exception:  # nothing is marked computed yet: the engine overwrites whatever was scattered
+            log.exception("request %s: loading from the cache tier failed; computing the whole prompt", request.request_id)
+            return prefix
+        prefix.tokens = loaded * self.chunk_size
+        if prefix.tokens:
+            self.engine.mark_computed(request, prefix.tokens)
+            self.metrics.prompt_tokens.labels(self.metrics.role, "tier").inc(prefix.tokens)
+        return prefix
+
+    def _load_chunks(self, request: Request, keys: list[bytes]) -> int:
+        """Scatter the longest cached run of ``keys`` into the request's blocks, ``batch`` chunks per read; return its length."""
+        assert self.tier is not None
+        cs, layout = self.chunk_size, self.engine.layout
+        staging = [torch.empty(layout.chunk_shape(cs), dtype=layout.torch_dtype) for _ in range(min(self.batch, len(keys)))]
+        loaded = 0
+        while loaded < len(keys):
+            batch = keys[loaded : loaded + self.batch]
+            got = self.tier.get(batch, staging[: len(batch)])
+            for chunk in staging[:got]:
+                native.scatter(layout, self.engine.kv_buffer, request.block_table, loaded * cs, chunk)
+                loaded += 1
+            if got < len(batch):
+                break
+        return loaded
+
+    def offer(self, prefix: CachedPrefix, then: ChunkHook | None) -> ChunkHook | None:
+        """An engine ``on_chunk`` hook: run ``then`` (pushes to the decode worker come first), then store the full chunks computed."""
+        tier = self.tier
+        if tier is None:
+            return then
+        cs, layout, buffer = self.chunk_size, self.engine.layout, self.engine.kv_buffer
+
+        def on_chunk(request: Request, start: int, end: int) -> None:
+            if then is not None:
+                then(request, start, end)
+            full = range(-(-start // cs), end // cs)
+            try:
+                tier.put([prefix.keys[i] for i in full], [native.gather(layout, buffer, request.block_table, i * cs, cs) for i in full])
+            except Exception:  # the cache is best effort: its failure must not fail the request
+                log.exception("request %s: chunks not offered to the cache tier", request.request_id)
+
+        return on_chunk
+
+    def close(self) -> None:
+        """Finish the tier's queued writes (bounded by ``tier.flush_timeout_s``) and close its levels."""
+        if self.tier is not None:
+            self.tier.close()
+
+
+class TierCollector(Collector):
+    """``pdkv_tier_*`` series, read from the tier at scrape time so /metrics is what the tier counted."""
+
+    COUNTERS = (
+        ("hits", "pdkv_tier_hits", "Chunks served by this cache level"),
+        ("misses", "pdkv_tier_misses", "Chunk lookups this cache level could not serve"),
+        ("hit_tokens", "pdkv_tier_hit_tokens", "Prompt tokens whose KV this cache level served"),
+        ("read_bytes", "pdkv_tier_read_bytes", "KV bytes served by this cache level"),
+        ("written_bytes", "pdkv_tier_written_bytes", "KV bytes stored in this cache level"),
+        ("evictions", "pdkv_tier_evictions", "Chunks this cache level evicted to stay in its bound"),
+        ("errors", "pdkv_tier_errors", "Corrupt or mismatched chunks dropped, and failed reads/writes (served as misses)"),
+    )
+    GAUGES = (
+        ("bytes", "pdkv_tier_bytes", "KV bytes this cache level holds"),
+        ("entries", "pdkv_tier_entries", "Chunks this cache level holds"),
+        ("capacity_bytes", "pdkv_tier_capacity_bytes", "Byte bound of this cache level"),
+    )
+
+    def __init__(self, tier: CacheTier, role: str) -> None:
+        self.tier = tier
+        self.role = role
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self.tier.stats()
+        for attr, name, doc in self.COUNTERS:
+            counter = CounterMetricFamily(name, doc, labels=["role", "tier"])
+            for level, s in stats.items():
+                counter.add_metric([self.role, level], getattr(s, attr))
+            yield counter
+        for attr, name, doc in self.GAUGES:
+            gauge = GaugeMetricFamily(name, doc, labels=["role", "tier"])
+            for level, s in stats.items():
+                if getattr(s, attr) is not None:
+                    gauge.add_metric([self.role, level], getattr(s, attr))
+            yield gauge
+        if isinstance(self.tier, TieredCache):
+            pending = GaugeMetricFamily("pdkv_tier_write_behind_bytes", "Bytes queued for the lower cache levels", labels=["role"])
+            pending.add_metric([self.role], self.tier.pending_bytes)
+            dropped = CounterMetricFamily("pdkv_tier_write_behind_dropped", "Chunks not written to the lower cache levels because the queue was full", labels=["role"])
+            dropped.add_metric([self.role], self.tier.dropped_chunks)
+            yield pending
+            yield dropped
