@@ -1,0 +1,542 @@
+"""The tcp channel between processes: exact bytes, notifications after data, hostile frames, dead peers.
+
+The remote agent runs in a spawned process driven through a pipe (``Peer``),
+so the bytes really cross a socket between two address spaces. Hostile
+frames come from a raw socket, because a well-behaved channel cannot send
+them. No assertion depends on timing; waits are bounded so a bug fails a test
+instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import random
+import signal
+import socket
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import pytest
+from pdkv.channels import TransferOp, XferState, create_channel, tcp
+from pdkv.channels.tcp import (
+    HEADER,
+    LAST,
+    MAGIC,
+    NOTIF_FOLLOWS,
+    VERSION,
+    TcpChannel,
+    TcpOptions,
+)
+
+from pdkv.errors import ChannelError, ConfigError
+
+CALL_TIMEOUT = 30.0
+MiB = 1 << 20
+
+
+def pattern(seed: int, n: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+# -- the remote agent, in its own process -----------------------------------------------------------
+
+
+def _await_notif(channel: TcpChannel, bufs: list[bytearray], region: int, offset: int, length: int, timeout: float) -> tuple[list[Any], int]:
+    """Poll for a notification and checksum the range the moment it shows up: is the data already there?"""
+    deadline = time.monotonic() + timeout
+    while not (notifs := channel.get_notifications()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no notification within {timeout}s")
+        time.sleep(0.0001)
+    crc = zlib.crc32(memoryview(bufs[region])[offset : offset + length])
+    return [(n.peer, n.payload) for n in notifs], crc
+
+
+def _notifs(channel: TcpChannel, bufs: list[bytearray], wait_s: float) -> list[tuple[str, bytes]]:
+    """Notifications that arrive within ``wait_s`` (returns as soon as there is one)."""
+    deadline = time.monotonic() + wait_s
+    while not (notifs := channel.get_notifications()) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return [(n.peer, n.payload) for n in notifs]
+
+
+def _fill(channel: TcpChannel, bufs: list[bytearray], region: int, seed: int) -> None:
+    bufs[region][:] = pattern(seed, len(bufs[region]))
+
+
+_PEER_COMMANDS: dict[str, Callable[..., Any]] = {
+    "add_peer": lambda ch, bufs, meta: ch.add_peer(meta),
+    "deregister": lambda ch, bufs, region: ch.deregister(region),
+    "fill": _fill,
+    "crc": lambda ch, bufs, region, offset, length: zlib.crc32(memoryview(bufs[region])[offset : offset + length]),
+    "bytes": lambda ch, bufs, region, offset, length: bytes(bufs[region][offset : offset + length]),
+    "await_notif": _await_notif,
+    "notifs": _notifs,
+}
+
+
+def _peer_main(conn: Connection, name: str, options: dict[str, Any], sizes: list[int]) -> None:
+    """A tcp agent with one region per size, serving commands from the test until told to exit."""
+    channel = create_channel("tcp", name, options)
+    bufs = [bytearray(n) for n in sizes]
+    regions = [channel.register(b) for b in bufs]
+    conn.send((channel.metadata(), regions))
+    try:
+        while (msg := conn.recv())[0] != "exit":
+            cmd, args = msg
+            try:
+                conn.send(("ok", _PEER_COMMANDS[cmd](channel, bufs, *args)))
+            except Exception as exc:  # noqa: BLE001 - reported to the test, which fails with it
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    except EOFError:
+        pass
+    finally:
+        channel.close()
+
+
+class Peer:
+    """The test's handle on a remote agent process."""
+
+    def __init__(self, name: str, options: dict[str, Any], sizes: list[int]) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_peer_main, args=(child, name, options, sizes), daemon=True)
+        self.proc.start()
+        self.meta, self.regions = self.recv()
+
+    def recv(self) -> Any:
+        if not self.conn.poll(CALL_TIMEOUT):
+            pytest.fail(f"peer process did not answer within {CALL_TIMEOUT}s")
+        return self.conn.recv()
+
+    def send(self, cmd: str, *args: Any) -> None:
+        self.conn.send((cmd, args))
+
+    def result(self) -> Any:
+        status, value = self.recv()
+        assert status == "ok", f"peer command failed: {value}"
+        return value
+
+    def call(self, cmd: str, *args: Any) -> Any:
+        self.send(cmd, *args)
+        return self.result()
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("exit",))
+            except OSError:
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+
+
+# -- two processes: bytes and notifications ----------------------------------------------------------
+
+REMOTE_SIZES = [8 * MiB, 1 * MiB, 4096]  # the last one is deregistered by a test
+
+
+@dataclass
+class Local:
+    channel: TcpChannel
+    src: bytearray
+    dst: bytearray
+    src_region: int
+    dst_region: int
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[Peer]:
+    p = Peer("remote", {"streams": 4, "stream_min_bytes": 256 << 10, "io_timeout": 10}, REMOTE_SIZES)
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def local(peer: Peer) -> Iterator[Local]:
+    channel = TcpChannel("local", TcpOptions(streams=4, stream_min_bytes=256 << 10, io_timeout=10))
+    src, dst = bytearray(pattern(1, 8 * MiB)), bytearray(8 * MiB)
+    loc = Local(channel, src, dst, channel.register(src), channel.register(dst))
+    channel.add_peer(peer.meta)
+    peer.call("add_peer", channel.metadata())
+    yield loc
+    channel.close()
+
+
+def test_write_of_several_ops_lands_exact_bytes_then_notifies(local: Local, peer: Peer) -> None:
+    r0, r1, _ = peer.regions
+    peer.call("fill", r0, 10)
+    peer.call("fill", r1, 11)
+    s = local.src_region
+    ops = [
+        TransferOp(s, 0, r0, 100, 1000),
+        TransferOp(s, 5000, r1, 7, 3000),
+        TransferOp(s, 9000, r0, 70000, 4096),
+        TransferOp(s, 13096, r0, 74096, 500),  # continues the previous op on both sides: merged
+        TransferOp(s, 20000, r1, 1 * MiB - 10, 10),  # up to the very last byte of the region
+    ]
+    handle = local.channel.write("remote", ops, notif=b"w1")
+    local.channel.wait(handle, CALL_TIMEOUT)
+    assert local.channel.poll(handle) is XferState.DONE
+
+    expected = [bytearray(pattern(10, REMOTE_SIZES[0])), bytearray(pattern(11, REMOTE_SIZES[1]))]
+    for op in ops:
+        expected[op.remote_region][op.remote_offset : op.remote_offset + op.length] = local.src[op.local_offset : op.local_offset + op.length]
+    assert peer.call("crc", r0, 0, REMOTE_SIZES[0]) == zlib.crc32(expected[0])
+    assert peer.call("bytes", r1, 0, REMOTE_SIZES[1]) == expected[1]
+    assert peer.call("notifs", 10.0) == [("local", b"w1")]
+
+
+def test_read_of_several_ops_lands_in_local_regions_then_notifies_the_target(local: Local, peer: Peer) -> None:
+    r0, _, _ = peer.regions
+    peer.call("fill", r0, 20)
+    remote = pattern(20, REMOTE_SIZES[0])
+    local.dst[:] = bytes(len(local.dst))
+    d = local.dst_region
+    ops = [TransferOp(d, 0, r0, 123, 4000), TransferOp(d, 10000, r0, 2 * MiB, 6 * MiB)]  # the second spans every stream
+    handle = local.channel.read("remote", ops, notif=b"r1")
+    local.channel.wait(handle, CALL_TIMEOUT)
+
+    assert local.dst[0:4000] == remote[123:4123]
+    assert local.dst[10000 : 10000 + 6 * MiB] == remote[2 * MiB : 8 * MiB]
+    assert local.dst[4000:10000] == bytes(6000) and local.dst[10000 + 6 * MiB :] == bytes(len(local.dst) - 10000 - 6 * MiB)
+    assert peer.call("notifs", 10.0) == [("local", b"r1")]
+
+
+@pytest.mark.parametrize("seed", [30, 31, 32])
+def test_large_write_is_split_across_streams_and_notified_only_after_every_share_landed(local: Local, peer: Peer, seed: int) -> None:
+    r0, _, _ = peer.regions
+    local.src[:] = pattern(seed, len(local.src))
+    before = local.channel.stream_bytes("remote")
+    peer.send("await_notif", r0, 0, 8 * MiB, CALL_TIMEOUT)  # the peer checksums the region as soon as the notification shows
+    handle = local.channel.write("remote", [TransferOp(local.src_region, 0, r0, 0, 8 * MiB)], notif=b"big%d" % seed)
+    local.channel.wait(handle, CALL_TIMEOUT)
+    notifs, crc_at_notification = peer.result()
+
+    assert notifs == [("local", b"big%d" % seed)]
+    assert crc_at_notification == zlib.crc32(local.src), "the notification arrived before all of the data"
+    moved = [a - b for a, b in zip(local.channel.stream_bytes("remote"), before)]
+    assert sum(moved) == 8 * MiB
+    assert sum(1 for m in moved if m) >= 2, f"an 8 MiB write used one stream: {moved}"
+
+
+def test_write_to_a_region_the_peer_dropped_fails_with_its_reason_and_the_next_write_reconnects(local: Local, peer: Peer) -> None:
+    r0, _, r2 = peer.regions
+    peer.call("deregister", r2)  # our copy of its metadata still lists it
+    handle = local.channel.write("remote", [TransferOp(local.src_region, 0, r2, 0, 4096)])
+    with pytest.raises(ChannelError, match="not registered"):
+        local.channel.wait(handle, CALL_TIMEOUT)
+
+    handle = local.channel.write("remote", [TransferOp(local.src_region, 0, r0, 0, 4096)], notif=b"after")
+    local.channel.wait(handle, CALL_TIMEOUT)
+    assert peer.call("crc", r0, 0, 4096) == zlib.crc32(local.src[:4096])
+    assert peer.call("notifs", 10.0) == [("local", b"after")]
+
+
+def test_pipelined_small_writes_all_land_and_complete(local: Local, peer: Peer) -> None:
+    r0, _, _ = peer.regions
+    local.src[:] = pattern(40, len(local.src))
+    size, count = 16 << 10, 256
+    handles = [local.channel.write("remote", [TransferOp(local.src_region, i * size, r0, i * size, size)]) for i in range(count)]
+    for h in handles:
+        local.channel.wait(h, CALL_TIMEOUT)
+    assert peer.call("crc", r0, 0, count * size) == zlib.crc32(local.src[: count * size])
+
+
+# -- a peer that dies, stalls or restarts -----------------------------------------------------------
+
+
+def test_peer_killed_mid_transfer_fails_the_handle_and_its_restart_is_reachable() -> None:
+    channel = TcpChannel("killer", TcpOptions(io_timeout=5))
+    src = bytearray(pattern(5, 64 * MiB))
+    region = channel.register(src)
+    victim = Peer("victim", {}, [64 * MiB])
+    try:
+        channel.add_peer(victim.meta)
+        channel.wait(channel.write("victim", [TransferOp(region, 0, 0, 0, 4096)]), CALL_TIMEOUT)
+        pid = victim.proc.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)  # 64 MiB cannot fit in socket buffers: the write stays in flight
+        handle = channel.write("victim", [TransferOp(region, 0, 0, 0, 64 * MiB)], notif=b"never")
+        time.sleep(0.2)
+        assert channel.poll(handle) is XferState.PENDING
+        os.kill(pid, signal.SIGKILL)
+        victim.proc.join(10)
+        with pytest.raises(ChannelError, match="victim"):
+            channel.wait(handle, CALL_TIMEOUT)
+    finally:
+        victim.stop()
+
+    restarted = Peer("victim", {}, [64 * MiB])
+    try:
+        channel.add_peer(restarted.meta)
+        channel.wait(channel.write("victim", [TransferOp(region, 0, 0, 0, 64 * MiB)], notif=b"again"), CALL_TIMEOUT)
+        assert restarted.call("crc", 0, 0, 64 * MiB) == zlib.crc32(src)
+        assert restarted.call("notifs", 10.0) == [("killer", b"again")]
+    finally:
+        restarted.stop()
+        channel.close()
+
+
+class FakePeer:
+    """Speaks the handshake; then answers the first request with ``reply(its xfer id)``, or nothing: a hung agent."""
+
+    def __init__(self, name: str = "silent", reply: Callable[[int], bytes] | None = None) -> None:
+        self.reply = reply
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.sessions: set[int] = set()
+        self.meta = msgspec.msgpack.encode(
+            {"name": name, "host": "127.0.0.1", "port": self.server.getsockname()[1], "instance": 77, "regions": {0: MiB}, "version": VERSION}
+        )
+        self.name = name
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.server.accept()
+            except OSError:
+                return
+            self.conns.append(sock)
+            threading.Thread(target=self._swallow, args=(sock,), daemon=True).start()
+
+    def _swallow(self, sock: socket.socket) -> None:
+        try:
+            hdr = sock.recv(HEADER.size, socket.MSG_WAITALL)
+            *_, sid, _, length = HEADER.unpack(hdr)
+            sock.recv(length, socket.MSG_WAITALL)
+            self.sessions.add(sid)
+            sock.sendall(tcp._pack(tcp.HELLO_OK, 77, len(self.name)) + self.name.encode())
+            if self.reply is not None and len(hdr := sock.recv(HEADER.size, socket.MSG_WAITALL)) == HEADER.size:
+                sock.sendall(self.reply(HEADER.unpack(hdr)[7]))
+            while sock.recv(1 << 16):
+                pass
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.server.close()
+        for s in self.conns:
+            s.close()
+
+
+def test_hung_peer_fails_the_handle_after_io_timeout_and_the_next_write_reconnects() -> None:
+    silent = FakePeer()
+    channel = TcpChannel("impatient", TcpOptions(io_timeout=1.0, streams=2))
+    try:
+        region = channel.register(bytearray(MiB))
+        channel.add_peer(silent.meta)
+        handle = channel.write(silent.name, [TransferOp(region, 0, 0, 0, 4096)])
+        with pytest.raises(ChannelError, match="no byte moved"):
+            channel.wait(handle, CALL_TIMEOUT)
+        assert len(silent.sessions) == 1
+        channel.write(silent.name, [TransferOp(region, 0, 0, 0, 4096)])
+        assert len(silent.sessions) == 2, "the channel did not reconnect with a new session"
+    finally:
+        channel.close()
+        silent.close()
+
+
+def test_close_fails_pending_handles_and_is_idempotent() -> None:
+    silent = FakePeer()
+    channel = TcpChannel("closer", TcpOptions(io_timeout=30))
+    region = channel.register(bytearray(MiB))
+    channel.add_peer(silent.meta)
+    handle = channel.write(silent.name, [TransferOp(region, 0, 0, 0, 4096)])
+    channel.close()
+    channel.close()
+    silent.close()
+    assert handle.state is XferState.ERROR and "closed" in (handle.error or "")
+    with pytest.raises(ChannelError, match="closed"):
+        channel.write(silent.name, [TransferOp(region, 0, 0, 0, 4096)])
+
+
+LYING_ANSWERS: dict[str, tuple[str, Callable[[int], bytes], str]] = {
+    "ack of a transfer never posted": ("write", lambda x: tcp._pack(tcp.ACK, x + 1000, aux=1), "not pending"),
+    "ack count that lies": ("write", lambda x: tcp._pack(tcp.ACK, x, 8 * 999, aux=1000), "ACK of 1000 ids"),
+    "read data longer than asked": ("read", lambda x: tcp._pack(tcp.READ_DATA, x, 1 << 30) + b"\xee" * 8192, "answered READ"),
+    "read data of another transfer": ("read", lambda x: tcp._pack(tcp.READ_DATA, x + 1, 4096) + b"\xee" * 4096, "answered READ"),
+    "read data for a write": ("write", lambda x: tcp._pack(tcp.READ_DATA, x, 4096) + b"\xee" * 4096, "nobody asked"),
+    "data sent to the initiator": ("write", lambda x: HEADER.pack(MAGIC, VERSION, tcp.DATA, LAST, 1, 0, 0, x, 0, 16) + b"\xee" * 16, "DATA frame"),
+    "garbage": ("read", lambda x: b"\xee" * 64, "bad magic"),
+    "an error frame": ("write", lambda x: tcp._pack(tcp.ERROR, 0, 7) + b"go away", "go away"),
+}
+
+
+@pytest.mark.parametrize("case", list(LYING_ANSWERS))
+def test_lying_answer_fails_the_transfer_and_lands_nothing(case: str) -> None:
+    kind, reply, reason = LYING_ANSWERS[case]
+    liar = FakePeer("liar", reply)
+    channel = TcpChannel("trusting", TcpOptions(io_timeout=5, streams=1))
+    local = bytearray(pattern(3, MiB))
+    try:
+        region = channel.register(local)
+        channel.add_peer(liar.meta)
+        op = [TransferOp(region, 4096, 0, 0, 4096)]
+        handle = channel.write(liar.name, op) if kind == "write" else channel.read(liar.name, op)
+        with pytest.raises(ChannelError, match=reason):
+            channel.wait(handle, CALL_TIMEOUT)
+        assert local == pattern(3, MiB), "a lying answer changed local memory"
+    finally:
+        channel.close()
+        liar.close()
+
+
+# -- hostile frames from a raw socket -----------------------------------------------------------------
+
+REGION = 64 << 10
+
+
+def _hdr(ftype: int, *, flags: int = 0, shares: int = 0, aux: int = 0, notif: int = 0, xfer: int = 0, offset: int = 0, length: int = 0, version: int = VERSION) -> bytes:
+    return HEADER.pack(MAGIC, version, ftype, flags, shares, aux, notif, xfer, offset, length)
+
+
+def _hello(name: bytes = b"evil") -> bytes:
+    return _hdr(tcp.HELLO, xfer=99, length=len(name)) + name
+
+
+def _data(region: int, offset: int, length: int, *, flags: int = LAST, shares: int = 1, notif: int = 0, xfer: int = 1) -> bytes:
+    return _hdr(tcp.DATA, flags=flags, shares=shares, aux=region, notif=notif, xfer=xfer, offset=offset, length=length)
+
+
+# name -> (bytes the attacker sends, range of region 0 its valid prefix may legitimately write)
+HOSTILE: dict[str, tuple[bytes, tuple[int, int]]] = {
+    "garbage": (b"GET / HTTP/1.1\r\nHost: pdkv\r\n\r\n" + b"\xff" * 64, (0, 0)),
+    "bad version": (_hdr(tcp.HELLO, version=99, length=4) + b"evil", (0, 0)),
+    "data before hello": (_data(0, 0, 16) + b"x" * 16, (0, 0)),
+    "huge name": (_hdr(tcp.HELLO, xfer=1, length=1 << 40), (0, 0)),
+    "second hello": (_hello() + _hello(), (0, 0)),
+    "unknown type": (_hello() + _hdr(200), (0, 0)),
+    "unknown region": (_hello() + _data(7, 0, 16) + b"x" * 16, (0, 0)),
+    "offset past end": (_hello() + _data(0, REGION - 8, 16) + b"x" * 16, (0, 0)),
+    "offset overflows": (_hello() + _data(0, (1 << 64) - 8, 16) + b"x" * 16, (0, 0)),
+    "huge length": (_hello() + _data(0, 0, 1 << 62), (0, 0)),
+    "huge notification": (_hello() + _data(0, 0, 16, flags=LAST | NOTIF_FOLLOWS, notif=(1 << 32) - 1) + b"x" * 16, (0, 0)),
+    "unknown flag": (_hello() + _data(0, 0, 16, flags=0x80) + b"x" * 16, (0, 0)),
+    "notification without last": (_hello() + _data(0, 0, 16, flags=NOTIF_FOLLOWS, notif=2) + b"x" * 18, (0, 0)),
+    "zero shares": (_hello() + _data(0, 0, 16, shares=0) + b"x" * 16, (0, 0)),
+    "too many shares": (_hello() + _data(0, 0, 16, shares=1000) + b"x" * 16, (0, 0)),
+    "interleaved transfers": (_hello() + _data(0, 0, 16, flags=0, shares=0, xfer=1) + b"x" * 16 + _data(0, 100, 16, xfer=2) + b"y" * 16, (0, 16)),
+    "ack from initiator": (_hello() + _hdr(tcp.ACK, aux=1, xfer=1), (0, 0)),
+    "truncated header": (_hello() + _data(0, 0, 16)[:20], (0, 0)),
+    "truncated payload": (_hello() + _data(0, 1000, 5000) + b"z" * 100, (1000, 1100)),
+}
+
+
+def _attack(port: int, payload: bytes) -> list[tuple[int, bytes]]:
+    """Send ``payload`` and half-close; return the frames the channel answered with before hanging up."""
+    with socket.create_connection(("127.0.0.1", port), timeout=CALL_TIMEOUT) as sock:
+        data = b""
+        try:  # the channel may hang up (even reset) before the attacker is done: that counts as hanging up
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
+            while chunk := sock.recv(1 << 16):  # a timeout here means the channel never hung up: the test fails
+                data += chunk
+        except OSError as exc:
+            if isinstance(exc, TimeoutError):
+                raise
+    frames = []
+    while len(data) >= HEADER.size:
+        *_, length = HEADER.unpack_from(data)
+        ftype = HEADER.unpack_from(data)[2]
+        frames.append((ftype, data[HEADER.size : HEADER.size + length]))
+        data = data[HEADER.size + length :]
+    return frames
+
+
+@dataclass
+class Victim:
+    channel: TcpChannel
+    regions: list[bytearray]
+    good: TcpChannel
+    good_src: int
+
+
+@pytest.fixture(scope="module")
+def victim() -> Iterator[Victim]:
+    channel = TcpChannel("victim", TcpOptions(io_timeout=5))
+    regions = [bytearray(pattern(i, REGION)) for i in range(3)]  # 0: attacked, 1: bystander, 2: good peer's inbox
+    for buf in regions:
+        channel.register(buf)
+    good = TcpChannel("good", TcpOptions(io_timeout=5))
+    src = good.register(bytearray(pattern(9, REGION)))
+    good.add_peer(channel.metadata())
+    yield Victim(channel, regions, good, src)
+    good.close()
+    channel.close()
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_hostile_frame_is_rejected_without_touching_other_memory(victim: Victim, case: str, caplog: pytest.LogCaptureFixture) -> None:
+    payload, (lo, hi) = HOSTILE[case]
+    pristine = [bytes(b) for b in victim.regions]
+    caplog.set_level(logging.ERROR, logger="pdkv.channels.tcp")
+
+    frames = _attack(victim.channel.port, payload)
+
+    assert any(r.levelno == logging.ERROR and "rejecting" in r.getMessage() for r in caplog.records), "no error was logged"
+    assert all(ftype in (tcp.HELLO_OK, tcp.ERROR) for ftype, _ in frames), frames
+    attacked = victim.regions[0]
+    assert attacked[:lo] == pristine[0][:lo] and attacked[hi:] == pristine[0][hi:], "bytes landed outside the frame's range"
+    assert victim.regions[1] == pristine[1] and victim.regions[2] == pristine[2]
+    attacked[:] = pristine[0]
+    assert victim.channel.get_notifications() == []
+
+    # and the channel still serves a well-behaved peer
+    handle = victim.good.write("victim", [TransferOp(victim.good_src, 0, 2, 0, 4096)], notif=case.encode())
+    victim.good.wait(handle, CALL_TIMEOUT)
+    assert victim.regions[2][:4096] == pattern(9, REGION)[:4096]
+    victim.regions[2][:] = pristine[2]
+    deadline = time.monotonic() + CALL_TIMEOUT
+    while not (notifs := victim.channel.get_notifications()) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert [(n.peer, n.payload) for n in notifs] == [("good", case.encode())]
+
+
+# -- configuration, metadata, splitting ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw", [{"streams": 0}, {"streams": 65}, {"io_timeout": 0}, {"port": 70000}, {"max_frame_bytes": 0}, {"no_such_option": 1}])
+def test_bad_options_are_refused_with_the_field_named(raw: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match=next(iter(raw))):
+        TcpChannel.parse_options(raw)
+
+
+def test_bad_metadata_and_unknown_peer_are_refused() -> None:
+    with TcpChannel("lonely") as channel:
+        region = channel.register(bytearray(4096))
+        with pytest.raises(ChannelError, match="metadata"):
+            channel.add_peer(b"\x93garbage")
+        with pytest.raises(ChannelError, match="unknown peer"):
+            channel.write("nobody", [TransferOp(region, 0, 0, 0, 16)])
+
+
+@pytest.mark.parametrize(
+    ("lengths", "parts", "max_frame"),
+    [([10], 1, 100), ([10], 4, 3), ([100, 7, 1, 50], 3, 40), ([9], 4, 100), ([1 << 20], 4, 1 << 18)],
+)
+def test_split_covers_every_byte_once_in_order_within_frame_limits(lengths: list[int], parts: int, max_frame: int) -> None:
+    ops, at = [], 0
+    for i, n in enumerate(lengths):
+        ops.append(TransferOp(0, at, 1, 1000 * i + at, n))
+        at += n
+    shares = tcp._split(ops, parts, max_frame)
+    pieces = [p for share in shares for p in share]
+
+    assert 1 <= len(shares) <= parts
+    assert all(0 < p.length <= max_frame for p in pieces)
+    flat = [(p.local_offset + k, p.remote_offset + k) for p in pieces for k in range(p.length)]
+    assert flat == [(op.local_offset + k, op.remote_offset + k) for op in ops for k in range(op.length)]
+    sizes = [sum(p.length for p in share) for share in shares]
+    assert max(sizes) - min(sizes) <= max(sizes) // 2 + 1
