@@ -66,9 +66,10 @@ def prefill_side(channel: str, address: str, args: argparse.Namespace) -> dict[s
         scatter(P_LAYOUT, kv, table, 0, expected_kv(i, args.tokens))
     tx = KVSender(ch, P_LAYOUT, kv, FINGERPRINT, TransferConfig())
     t0 = time.perf_counter()
-    xfers = [tx.open(f"req-{i}", address, args.tokens, table) for i, table in enumerate(tables)]
-    for x in xfers:
-        x.send_all()
+    xfers = []
+    for i, table in enumerate(tables):  # an open waits for room when the receiver is full
+        xfers.append(tx.open(f"req-{i}", address, args.tokens, table))
+        xfers[-1].send_all()
     for x in xfers:
         x.wait()
     elapsed = time.perf_counter() - t0
