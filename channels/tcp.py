@@ -81,16 +81,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgspec
-from pdkv.channels.base import (
-    Channel,
-    ChannelOptions,
-    Notification,
-    TransferHandle,
-    TransferOp,
-    XferState,
-    merge_ops,
-)
 
+from pdkv.channels.base import Channel, ChannelOptions, Notification, TransferHandle, TransferOp, XferState, merge_ops
 from pdkv.errors import ChannelError, ConfigError, ProtocolError, TransferTimeout
 from pdkv.memory import byte_view
 

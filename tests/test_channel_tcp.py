@@ -25,17 +25,9 @@ from typing import Any
 
 import msgspec
 import pytest
-from pdkv.channels import TransferOp, XferState, create_channel, tcp
-from pdkv.channels.tcp import (
-    HEADER,
-    LAST,
-    MAGIC,
-    NOTIF_FOLLOWS,
-    VERSION,
-    TcpChannel,
-    TcpOptions,
-)
 
+from pdkv.channels import TransferOp, XferState, create_channel, tcp
+from pdkv.channels.tcp import HEADER, LAST, MAGIC, NOTIF_FOLLOWS, VERSION, TcpChannel, TcpOptions
 from pdkv.errors import ChannelError, ConfigError
 
 CALL_TIMEOUT = 30.0

@@ -57,6 +57,7 @@ BASELINES: dict[str, str] = {
 SMALL_BASELINES: dict[str, str] = {
     "tcp": "pdkv.bench.channel:raw_socket_small_baseline",
     "mock": "pdkv.bench.channel:memcpy_small_baseline",
+    "nixl": "pdkv.bench.nixl_raw:raw_nixl_small_baseline",
 }
 IN_PROCESS = {"mock"}  # channels whose peers must share a process
 
