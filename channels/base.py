@@ -20,7 +20,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import msgspec
 
@@ -137,13 +137,17 @@ class Channel(ABC):
         """Drop a peer; its pending handles fail."""
 
     # -- transfers ---------------------------------------------------------
-    @abstractmethod
     def write(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None) -> TransferHandle:
         """Post a one-sided WRITE of local ranges into the peer's; ``notif`` reaches the peer after the data."""
+        return self._post("write", peer, ops, notif)
 
-    @abstractmethod
     def read(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None) -> TransferHandle:
         """Post a one-sided READ of the peer's ranges into local ones; ``notif`` reaches the peer after."""
+        return self._post("read", peer, ops, notif)
+
+    @abstractmethod
+    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None) -> TransferHandle:
+        """Validate (``check_ops``) and post one WRITE or READ; the one method a channel implements for both."""
 
     def poll(self, handle: TransferHandle) -> XferState:
         """Current state of a handle; channels that need progress calls override this."""

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -93,13 +93,7 @@ class MockChannel(Channel):
             if h.peer == peer:
                 h.fail(f"peer {peer!r} removed")
 
-    def write(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None) -> TransferHandle:
-        return self._post(peer, "write", ops, notif)
-
-    def read(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None) -> TransferHandle:
-        return self._post(peer, "read", ops, notif)
-
-    def _post(self, peer: str, op: str, ops: Sequence[TransferOp], notif: bytes | None) -> TransferHandle:
+    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None) -> TransferHandle:
         if self._closed:
             raise ChannelError("mock channel is closed")
         total = self.check_ops(peer, ops)

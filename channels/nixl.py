@@ -404,13 +404,7 @@ class NixlChannel(Channel):
             log.debug("nixl: removing peer %r: %s", peer, describe_nixl_error(exc))
 
     # -- transfers ---------------------------------------------------------
-    def write(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None) -> NixlTransferHandle:
-        return self._post("WRITE", peer, ops, notif)
-
-    def read(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None) -> NixlTransferHandle:
-        return self._post("READ", peer, ops, notif)
-
-    def _post(self, op: str, peer: str, ops: Sequence[TransferOp], notif: bytes | None) -> NixlTransferHandle:
+    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None) -> NixlTransferHandle:
         with self._lock:
             self._check_open()
             total = self.check_ops(peer, ops)
@@ -420,12 +414,12 @@ class NixlChannel(Channel):
             remote_mem = self._one_mem({remote[o.remote_region].mem for o in merged}, f"peer {peer!r}")
             local_descs = tuple(self._desc(self._regions[o.local_region].meta, o.local_offset, o.length) for o in merged)
             remote_descs = tuple(self._desc(remote[o.remote_region], o.remote_offset, o.length) for o in merged)
-            handle = NixlTransferHandle(peer, op.lower(), total, len(merged))
+            handle = NixlTransferHandle(peer, op, total, len(merged))
             try:
                 local_list = self._prepared("", local_mem, local_descs)
                 remote_list = self._prepared(peer, remote_mem, remote_descs)
                 indices = np.arange(len(merged), dtype=np.int32)
-                handle.xfer = self._agent.make_prepped_xfer(op, local_list, indices, remote_list, indices, notif or b"")
+                handle.xfer = self._agent.make_prepped_xfer(op.upper(), local_list, indices, remote_list, indices, notif or b"")
                 state = self._agent.transfer(handle.xfer)
             except NIXL_ERRORS as exc:
                 # Failures of a valid request (the peer gone) surface on the handle, like ERR later would.

