@@ -91,6 +91,7 @@ class OutgoingTransfer:
         self.settled = False  # Done or Cancel sent: no more writes from us
         self.bytes_sent = 0
         self.started = 0.0  # first chunk posted: transfer time excludes the wait for compute before it
+        self.opened = time.monotonic()  # reservation granted: transfer_timeout_s counts from here, as on the receiver
         self.finished_at = 0.0
         self._on_settled: list[Callable[[OutgoingTransfer], None]] = []
 
@@ -538,6 +539,12 @@ class KVSender:
                         self.counters["chunks_sent"] += 1
                         self.counters["bytes_sent"] += f.nbytes
             with self._cond:
+                # Nobody may be waiting on this transfer (the worker never calls wait): if its receiver died after
+                # our writes completed, neither Landed nor Cancel ever comes, so bound it here or it stays open forever.
+                if xfer.error is None and not xfer.complete and time.monotonic() > xfer.opened + self.config.transfer_timeout_s:
+                    self._fail(xfer, TransferTimeout(
+                        f"request {xfer.request_id!r}: receiver {xfer.peer.address} did not confirm all {xfer.num_chunks} chunks "
+                        f"within transfer_timeout_s={self.config.transfer_timeout_s:.3g}s"))
                 over = xfer.error is not None or xfer.complete
                 if over and not xfer.inflight and not xfer.posting and not xfer.settled:
                     xfer.settled = True

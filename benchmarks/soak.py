@@ -1,0 +1,471 @@
+"""Soak: many requests through the router while faults are injected; nothing may hang or leak.
+
+Starts real processes exactly as a user does (``pdkv launch``): one prefill
+worker, two decode workers and the router, on a tiny random model over the tcp
+channel with short leases and timeouts. It first computes every prompt's
+fault-free answer (greedy, ``ignore_eos``, fixed ``max_tokens``) on a decode
+worker alone, then sends ``--requests`` requests through the router from a
+small thread pool while a fault thread:
+
+* SIGKILLs a decode worker, restarts it and registers the new one through the
+  router's admin API (``DELETE``/``POST /pdkv/workers``);
+* stalls the prefill worker (SIGSTOP, then SIGCONT a couple of seconds later);
+* and some clients drop their connection mid-stream.
+
+Every request ends as one of: ``recovered`` (output identical to the
+fault-free run), ``failed_cleanly`` (an HTTP error or an error event),
+``dropped`` (the client hung up on purpose), ``mismatched`` (a 200 with other
+tokens: must be 0) or ``hung`` (no answer within its timeout: must be 0).
+Afterwards every live worker's reservations, reserved blocks, in-flight bytes
+and open transfers, read from ``/metrics``, must return to zero (``leaked``).
+
+    python benchmarks/soak.py --requests 200 --json
+
+Exits non-zero when anything hung, leaked or mismatched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pdkv.launch.procs import WorkerProcess, start_worker
+
+from pdkv.demo import metric
+
+MAX_TOKENS = 8
+LEAK_GAUGES = (
+    "pdkv_reservations",
+    "pdkv_reserved_blocks",
+    "pdkv_inflight_bytes",
+    "pdkv_open_transfers",
+)
+WORKER_CONFIG: dict[str, Any] = {
+    "channel": {"name": "tcp"},
+    "num_blocks": 256,
+    "dtype": "float32",
+    # short leases and timeouts: a dead peer is noticed within seconds, so the soak is short and nothing waits long
+    "transfer": {"chunk_size": 32, "lease_s": 1, "heartbeat_s": 0.25, "transfer_timeout_s": 5, "handshake_timeout_s": 3,
+                 "reserve_timeout_s": 3, "chunk_timeout_s": 5, "claim_timeout_s": 10, "drain_timeout_s": 2},
+}  # fmt: skip
+ROUTER_CONFIG: dict[str, Any] = {
+    "router": {"connect_timeout_s": 2, "prefill_timeout_s": 15, "decode_timeout_s": 30, "read_timeout_s": 15,
+               "health_timeout_s": 2, "health_interval_s": 1, "max_retries": 2},
+}  # fmt: skip
+
+
+@dataclass
+class Counts:
+    requests: int = 0
+    faults_injected: int = 0
+    recovered: int = 0
+    failed_cleanly: int = 0
+    dropped: int = 0
+    mismatched: int = 0
+    hung: int = 0
+    leaked: int = 0
+    faults: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    leaks: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _http(
+    method: str, url: str, body: Any = None, timeout: float = 30.0
+) -> tuple[int, bytes]:
+    """One HTTP call; an HTTP error status is returned, not raised (it is a clean failure, not a crash)."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data, {"Content-Type": "application/json"}, method=method
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Distinct prompts of 40..120 tokens (several 32-token chunks each), ids inside the tiny vocabulary."""
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(3, 300) for _ in range(rng.randrange(40, 121))] for _ in range(n)
+    ]
+
+
+def body(prompt: list[int], stream: bool = False) -> dict[str, Any]:
+    return {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }
+
+
+class Cluster:
+    """The processes under test; ``decode`` entries are replaced when a worker is restarted."""
+
+    def __init__(self, workdir: Path, model: Path) -> None:
+        self.workdir, self.model = workdir, model
+        self.lock = threading.Lock()
+        self.prefill: WorkerProcess | None = None
+        self.decode: list[WorkerProcess] = []
+        self.router: WorkerProcess | None = None
+        self.dead: list[WorkerProcess] = []
+
+    def _config(self, name: str, cfg: dict[str, Any]) -> str:
+        path = self.workdir / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return str(path)
+
+    def start_worker(self, role: str) -> WorkerProcess:
+        cfg = self._config(role, {**WORKER_CONFIG, "model": str(self.model)})
+        return start_worker(role, "--config", cfg, "--port", "0", timeout=120)
+
+    def start(self) -> None:
+        with ThreadPoolExecutor(3) as pool:  # start-up is mostly imports: overlap them
+            futs = [
+                pool.submit(self.start_worker, r)
+                for r in ("prefill", "decode", "decode")
+            ]
+            self.prefill, *self.decode = [f.result() for f in futs]
+        args = ["--prefill", self.prefill.url] + [
+            a for d in self.decode for a in ("--decode", d.url)
+        ]
+        self.router = start_worker(
+            "router",
+            "--config",
+            self._config("router", ROUTER_CONFIG),
+            "--port",
+            "0",
+            *args,
+            timeout=120,
+        )
+
+    def live_workers(self) -> list[WorkerProcess]:
+        with self.lock:
+            return [
+                w
+                for w in [self.prefill, *self.decode]
+                if w is not None and w.proc.poll() is None
+            ]
+
+    def stop(self) -> None:
+        for w in [self.router, *self.decode, self.prefill, *self.dead]:
+            if w is not None:
+                w.stop(timeout=5)
+
+
+def fault_free(cluster: Cluster, ps: list[list[int]]) -> list[list[int]]:
+    """Each prompt's answer from a decode worker alone, before any fault: the reference."""
+    out = []
+    for p in ps:
+        status, raw = _http(
+            "POST", cluster.decode[0].url + "/v1/completions", body(p), timeout=60
+        )
+        if status != 200:
+            raise RuntimeError(
+                f"fault-free generation failed: HTTP {status}: {raw[:300]!r}"
+            )
+        out.append(json.loads(raw)["choices"][0]["token_ids"])
+    return out
+
+
+def one_request(
+    router: str, prompt: list[int], expected: list[int], drop: bool, timeout: float
+) -> tuple[str, str]:
+    """Send one request through the router; returns (outcome, detail).
+
+    ``drop``: stream it and hang up after the first event, as a client that
+    goes away mid-answer. Every socket operation has ``timeout``, and the
+    whole request a deadline of ``timeout``: past it the request counts as hung.
+    """
+    deadline = time.monotonic() + timeout
+    host, port = router.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(body(prompt, stream=True)),
+            {"Content-Type": "application/json"},
+        )
+        resp = conn.getresponse()
+        if resp.status != 200:
+            return "failed_cleanly", f"HTTP {resp.status}: {resp.read()[:200]!r}"
+        ids: list[int] = []
+        while True:
+            if time.monotonic() > deadline:
+                return "hung", "stream still open past the request timeout"
+            line = resp.readline()
+            if not line:
+                return "failed_cleanly", "stream ended without [DONE]"
+            text = line.decode().strip()
+            if not text.startswith("data: "):
+                continue
+            if text == "data: [DONE]":
+                break
+            event = json.loads(text[6:])
+            if "error" in event:
+                return (
+                    "failed_cleanly",
+                    f"error event: {str(event['error'].get('message'))[:200]}",
+                )
+            for choice in event.get("choices", []):
+                ids.extend(choice.get("token_ids", []))
+            if drop and ids:
+                conn.sock.shutdown(socket.SHUT_RDWR) if conn.sock else None
+                return "dropped", "client hung up mid-stream"
+        if ids == expected:
+            return "recovered", ""
+        return "mismatched", f"got {ids}, fault-free {expected}"
+    except TimeoutError:
+        return "hung", f"no answer within {timeout}s"
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        return "failed_cleanly", f"{type(exc).__name__}: {exc}"
+    finally:
+        conn.close()
+
+
+def kill_and_restart_decode(cluster: Cluster, counts: Counts, cycle: int = 0) -> None:
+    """SIGKILL a decode worker (alternating between the two), start a new one, swap it in through the admin API."""
+    assert cluster.router is not None
+    index = cycle % len(cluster.decode)
+    with cluster.lock:
+        victim = cluster.decode[index]
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(10)
+    counts.faults.append(f"SIGKILL decode {victim.url}")
+    _http(
+        "DELETE",
+        cluster.router.url + "/pdkv/workers",
+        {"role": "decode", "url": victim.url},
+        timeout=10,
+    )
+    fresh = cluster.start_worker("decode")
+    status, raw = _http(
+        "POST",
+        cluster.router.url + "/pdkv/workers",
+        {"role": "decode", "url": fresh.url},
+        timeout=10,
+    )
+    if status not in (200, 201):
+        raise RuntimeError(
+            f"registering the restarted decode worker failed: HTTP {status}: {raw[:300]!r}"
+        )
+    with cluster.lock:
+        cluster.decode[index] = fresh
+        cluster.dead.append(victim)
+    counts.faults.append(f"restarted decode as {fresh.url} and registered it")
+
+
+def stall_prefill(cluster: Cluster, counts: Counts, seconds: float = 2.0) -> None:
+    """A slow peer: the prefill worker freezes (SIGSTOP) mid-traffic, then resumes."""
+    assert cluster.prefill is not None
+    cluster.prefill.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        cluster.prefill.proc.send_signal(signal.SIGCONT)
+    counts.faults.append(f"SIGSTOP prefill for {seconds}s")
+
+
+def read_leaks(cluster: Cluster, wait_s: float) -> dict[str, float]:
+    """Non-zero leak gauges per live worker, polled until all are zero or ``wait_s`` passed (things settle)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        leaks: dict[str, float] = {}
+        for w in cluster.live_workers():
+            try:
+                _, raw = _http("GET", w.url + "/metrics", timeout=5)
+            except OSError as exc:
+                leaks[f"{w.role} {w.url} unreachable: {exc}"] = 1.0
+                continue
+            for gauge in LEAK_GAUGES:
+                value = metric(raw.decode(), gauge)
+                if value:
+                    leaks[f"{w.role} {w.url} {gauge}"] = value
+        if not leaks or time.monotonic() > deadline:
+            return leaks
+        time.sleep(0.2)
+
+
+def soak(
+    n: int,
+    concurrency: int = 4,
+    timeout: float = 60.0,
+    drop_every: int = 8,
+    workdir: Path | None = None,
+) -> Counts:
+    """Run the soak and return its counts; the processes are always stopped."""
+    from pdkv.engine.testing import write_tiny_model
+
+    tmp = tempfile.TemporaryDirectory(prefix="pdkv-soak-") if workdir is None else None
+    root = Path(tmp.name) if tmp else workdir
+    assert root is not None
+    cluster = Cluster(root, write_tiny_model(root / "model"))
+    counts = Counts(requests=n)
+    try:
+        cluster.start()
+        assert cluster.router is not None
+        ps = prompts(min(n, 16))
+        expected = fault_free(cluster, ps)
+        done = 0
+        done_lock = threading.Condition()
+        # Faults cycle every ``block`` requests: a decode worker is killed at 1/4 of the block; the requests of
+        # the block's second half wait (bounded) for its restart, so the restarted worker really serves traffic;
+        # the prefill worker is stalled at 3/4. Triggers count finished requests, not seconds, so a slow machine
+        # sees the same interleaving.
+        block = min(n, 100)
+        cycles = [
+            (b, b + max(1, block // 4), b + block // 2, b + (3 * block) // 4)
+            for b in range(0, n - block + 1, block)
+        ]
+        restarted = [threading.Event() for _ in cycles]
+
+        def wait_done(at: int) -> bool:
+            with done_lock:
+                return done_lock.wait_for(lambda: done >= at, timeout=timeout * 4)
+
+        def faults() -> None:
+            for k, (_, kill_at, _, stall_at) in enumerate(cycles):
+                for at, fault, event in (
+                    (kill_at, kill_and_restart_decode, restarted[k]),
+                    (stall_at, stall_prefill, None),
+                ):
+                    if not wait_done(at):
+                        counts.errors.append(
+                            f"fault {fault.__name__} never triggered: traffic stalled before request {at}"
+                        )
+                        return
+                    try:
+                        fault(
+                            cluster, counts, k
+                        ) if fault is kill_and_restart_decode else fault(
+                            cluster, counts
+                        )
+                    except Exception as exc:  # noqa: BLE001 - a fault that could not be injected is reported, never skipped
+                        counts.errors.append(f"fault {fault.__name__} failed: {exc}")
+                    finally:
+                        if event is not None:
+                            event.set()
+
+        def task(i: int) -> tuple[str, str]:
+            nonlocal done
+            drop = drop_every > 0 and i % drop_every == drop_every - 1
+            for k, (_, _, gate, _) in enumerate(cycles):
+                if gate <= i < gate + block // 2 and not restarted[k].wait(timeout * 4):
+                    counts.errors.append(
+                        f"fault kill_and_restart_decode did not finish before request {i}"
+                    )
+            try:
+                return one_request(
+                    cluster.router.url,
+                    ps[i % len(ps)],
+                    expected[i % len(ps)],
+                    drop,
+                    timeout,
+                )  # type: ignore[union-attr]
+            finally:
+                with done_lock:
+                    done += 1
+                    done_lock.notify_all()
+
+        t0 = time.monotonic()
+        injector = threading.Thread(target=faults, name="soak-faults", daemon=True)
+        injector.start()
+        with ThreadPoolExecutor(concurrency) as pool:
+            results = list(pool.map(task, range(n)))
+        injector.join(timeout * 4)
+        counts.seconds = round(time.monotonic() - t0, 1)
+        for outcome, detail in results:
+            setattr(counts, outcome, getattr(counts, outcome) + 1)
+            if outcome == "dropped":
+                counts.faults.append("client dropped its connection mid-stream")
+            elif detail and len(counts.errors) < 20:
+                counts.errors.append(f"{outcome}: {detail}")
+        counts.faults_injected = len(
+            [f for f in counts.faults if not f.startswith("restarted")]
+        )
+        counts.leaks = read_leaks(cluster, wait_s=15)
+        counts.leaked = int(sum(counts.leaks.values()))
+        return counts
+    finally:
+        cluster.stop()
+        if tmp:
+            tmp.cleanup()
+
+
+def summary(counts: Counts) -> dict[str, Any]:
+    faults = sorted(set(counts.faults), key=counts.faults.index)
+    return {
+        "requests": counts.requests,
+        "faults_injected": counts.faults_injected,
+        "recovered": counts.recovered,
+        "failed_cleanly": counts.failed_cleanly,
+        "dropped_by_client": counts.dropped,
+        "mismatched": counts.mismatched,
+        "hung": counts.hung,
+        "leaked": counts.leaked,
+        "seconds": counts.seconds,
+        "faults": [
+            f"{f} x{counts.faults.count(f)}" if counts.faults.count(f) > 1 else f
+            for f in faults
+        ],
+        "leaks": counts.leaks,
+        "errors": counts.errors,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="per-request timeout in seconds (past it: hung)",
+    )
+    ap.add_argument(
+        "--drop-every",
+        type=int,
+        default=8,
+        help="every Nth request hangs up mid-stream (0: none)",
+    )
+    ap.add_argument("--json", action="store_true", help="print only the JSON summary")
+    args = ap.parse_args(argv)
+    counts = soak(args.requests, args.concurrency, args.timeout, args.drop_every)
+    out = summary(counts)
+    print(json.dumps(out, indent=None if args.json else 2))
+    bad = (
+        counts.hung
+        or counts.leaked
+        or counts.mismatched
+        or counts.errors
+        and any(e.startswith("fault") for e in counts.errors)
+    )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

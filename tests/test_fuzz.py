@@ -1,0 +1,611 @@
+"""Fuzzing the two surfaces a hostile peer can reach: control messages and tcp frames.
+
+A network peer controls every byte of both, so neither may crash a worker,
+allocate past its configured limits or write outside registered memory, and
+the worker must keep serving well-behaved peers afterwards. Examples are
+bounded (``max_examples``) and every wait has a timeout, so the file stays
+fast and can never hang; ``derandomize`` keeps CI runs reproducible.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pdkv.channels import TransferOp, tcp
+from pdkv.channels.tcp import (
+    HEADER,
+    LAST,
+    MAGIC,
+    NOTIF_FOLLOWS,
+    VERSION,
+    TcpChannel,
+    TcpOptions,
+)
+
+from pdkv import protocol
+from pdkv.errors import ProtocolError
+from tests.conftest import Pair, wait_until
+
+FUZZ = settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=list(HealthCheck),
+)
+TIMEOUT = 10.0
+
+# -- control messages -----------------------------------------------------------------------------------
+
+TAGS = [
+    "hello",
+    "auth",
+    "reserve",
+    "reserved",
+    "refused",
+    "landed",
+    "heartbeat",
+    "cancel",
+    "done",
+    "error",
+]
+U64 = st.integers(min_value=0, max_value=(1 << 64) - 1)
+I64 = st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1)
+HOSTILE_INT = st.one_of(
+    I64,
+    U64,
+    st.sampled_from(
+        [0, -1, 1, 1 << 31, 1 << 32, 1 << 62, (1 << 63) - 1, (1 << 64) - 1]
+    ),
+)
+# ids: empty, control characters, just past MAX_ID_LEN, well past it
+HOSTILE_STR = st.one_of(
+    st.text(max_size=40),
+    st.sampled_from(["", "\x00"]),
+    st.sampled_from([protocol.MAX_ID_LEN, protocol.MAX_ID_LEN + 1, 100_000]).map(
+        lambda n: "r" * n
+    ),  # built lazily: short reprs
+)
+HOSTILE_BYTES = st.one_of(
+    st.binary(max_size=80), st.sampled_from([0, 65, 100_000]).map(lambda n: b"m" * n)
+)
+LEAF = st.one_of(
+    st.none(), st.booleans(), HOSTILE_INT, st.floats(), HOSTILE_STR, HOSTILE_BYTES
+)
+ANY_VALUE = st.recursive(
+    LEAF,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=6),
+        st.dictionaries(st.text(max_size=12), inner, max_size=6),
+    ),
+    max_leaves=20,
+)
+
+
+def _layout() -> st.SearchStrategy[dict[str, Any]]:
+    """A layout as the wire carries it (a map): KVLayout itself refuses bad values at construction."""
+    return st.fixed_dictionaries(
+        {
+            "num_layers": HOSTILE_INT,
+            "num_kv_heads": HOSTILE_INT,
+            "head_dim": HOSTILE_INT,
+            "block_size": HOSTILE_INT,
+            "dtype": st.sampled_from(
+                ["float32", "bfloat16", "float16", "int8", "nope", ""]
+            ),
+        },
+        optional={
+            "order": st.sampled_from(["NHD", "HND", "??"]),
+            "kind": st.sampled_from(["cross_layer", "x"]),
+        },
+    )
+
+
+# Well-typed structs with hostile contents: msgspec constructors do not validate, the decoder must.
+STRUCTS = st.one_of(
+    st.builds(protocol.Reserve, request_id=HOSTILE_STR, num_tokens=HOSTILE_INT),
+    st.builds(protocol.Heartbeat, request_ids=st.lists(HOSTILE_STR, max_size=50)),
+    st.builds(protocol.Cancel, request_id=HOSTILE_STR, reason=HOSTILE_STR),
+    st.builds(protocol.Done, request_id=HOSTILE_STR, ok=st.booleans()),
+    st.builds(protocol.Auth, proof=HOSTILE_BYTES),
+    st.builds(protocol.Landed, request_id=HOSTILE_STR, chunk_index=HOSTILE_INT),
+    st.builds(protocol.Error, message=HOSTILE_STR),
+    st.builds(
+        protocol.Refused,
+        request_id=HOSTILE_STR,
+        reason=HOSTILE_STR,
+        retryable=st.booleans(),
+    ),
+    st.builds(
+        protocol.Reserved,
+        request_id=HOSTILE_STR,
+        mode=st.sampled_from(["direct", "staging", "bogus"]),
+        block_ids=st.lists(HOSTILE_INT, max_size=20),
+        staging_slots=st.lists(HOSTILE_INT, max_size=20),
+        lease_s=st.floats(),
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("hello"),
+            "protocol_version": HOSTILE_INT,
+            "agent": HOSTILE_STR,
+            "model_fingerprint": st.sampled_from(["model-a", "other", ""]),
+            "layout": _layout(),
+            "chunk_size": HOSTILE_INT,
+            "channel": st.sampled_from(["mock", "tcp", ""]),
+            "channel_metadata": HOSTILE_BYTES,
+            "kv_regions": st.lists(HOSTILE_INT, max_size=20),
+        },
+        optional={
+            "staging_region": HOSTILE_INT,
+            "nonce": HOSTILE_BYTES,
+            "auth": HOSTILE_BYTES,
+        },
+    ),
+)
+# Maps that look like messages: known and unknown tags, missing, extra and mistyped fields.
+TAGGED_MAPS = st.builds(
+    lambda tag, fields: {"type": tag, **fields},
+    st.one_of(st.sampled_from(TAGS), st.text(max_size=10), HOSTILE_INT, st.none()),
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "request_id",
+                "num_tokens",
+                "request_ids",
+                "reason",
+                "ok",
+                "proof",
+                "layout",
+                "chunk_size",
+                "agent",
+                "extra",
+            ]
+        ),
+        ANY_VALUE,
+        max_size=6,
+    ),
+)
+
+
+def _encode(obj: Any) -> bytes:
+    return msgspec.msgpack.encode(obj)
+
+
+HOSTILE_MESSAGES = st.one_of(
+    st.binary(max_size=512),
+    STRUCTS.map(_encode),
+    TAGGED_MAPS.map(_encode),
+    ANY_VALUE.map(_encode),
+    st.just(2000).map(lambda n: b"\x91" * n),  # deeply nested arrays
+    st.just(b"\xc6\xff\xff\xff\xff"),  # a bin32 header claiming 4 GiB
+)
+
+
+@settings(FUZZ, max_examples=400)
+@given(HOSTILE_MESSAGES)
+def test_decode_raises_only_protocol_error(data: bytes) -> None:
+    try:
+        protocol.decode(data)
+    except ProtocolError:
+        pass
+
+
+def test_decode_refuses_oversized_messages() -> None:
+    with pytest.raises(ProtocolError, match="exceeds"):
+        protocol.decode(b"\x00" * (protocol.MAX_MESSAGE_BYTES + 1))
+
+
+class HostileDealer:
+    """A raw DEALER speaking to a receiver; ``sync`` waits until everything sent so far was handled."""
+
+    def __init__(self, address: str) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.reserved: list[protocol.Reserved] = []
+
+    def send(self, data: bytes) -> None:
+        self.sock.send(data)
+
+    def sync(self) -> None:
+        """A Refused for a fresh id comes back only after every earlier message was processed (one loop, in order)."""
+        token = f"sync-{uuid.uuid4().hex}"
+        self.sock.send(
+            protocol.encode(protocol.Reserve(token, 0))
+        )  # invalid (num_tokens >= 1): always answered with Error
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, "the receiver stopped answering"
+            if not self.sock.poll(int(remaining * 1000)):
+                continue
+            try:
+                msg = protocol.decode(self.sock.recv())
+            except ProtocolError:
+                continue
+            if isinstance(msg, protocol.Reserved):
+                self.reserved.append(msg)
+            if isinstance(msg, protocol.Error) and "num_tokens" in msg.message:
+                return
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+def _push(pair: Pair, request_id: str, num_tokens: int, table: list[int]) -> None:
+    """One well-behaved transfer, checked bit for bit; its blocks go back to the allocator."""
+    from pdkv.layout import gather
+
+    xfer = pair.sender.open(request_id, pair.receiver.address, num_tokens, table)
+    xfer.send_all()
+    xfer.wait(TIMEOUT)
+    got = pair.receiver.wait(request_id, TIMEOUT)
+    a = gather(pair.p_layout, pair.p_kv, table, 0, num_tokens)
+    b = gather(pair.d_layout, pair.d_kv, got.blocks, 0, num_tokens)
+    assert bool((a == b).all()), "the KV that landed differs from the KV sent"
+    pair.allocator.free(got.blocks)
+
+
+@pytest.mark.parametrize(
+    "admitted", [False, True], ids=["stranger", "after-valid-hello"]
+)
+def test_hostile_control_messages_never_break_a_live_receiver(
+    make_pair, admitted: bool
+) -> None:
+    """A hostile DEALER (admitted with a valid Hello, or not) cannot crash, overallocate or leak the receiver."""
+    pair = make_pair()
+    receiver, allocator = pair.receiver, pair.allocator
+    start_free = allocator.num_free
+    dealer = HostileDealer(receiver.address)
+    try:
+        if admitted:  # a compatible Hello makes its Reserves reach the allocator
+            dealer.send(
+                protocol.encode(
+                    protocol.make_hello(
+                        pair.p_channel,
+                        "model-a",
+                        pair.p_layout,
+                        receiver.config.chunk_size,
+                        [],
+                        -1,
+                    )
+                )
+            )
+            dealer.sync()
+
+        @settings(FUZZ, max_examples=60)
+        @given(
+            st.lists(
+                st.one_of(
+                    HOSTILE_MESSAGES,
+                    st.builds(
+                        protocol.Reserve,
+                        request_id=st.text(min_size=1, max_size=8),
+                        num_tokens=HOSTILE_INT,
+                    ).map(protocol.encode),
+                ),
+                min_size=1,
+                max_size=5,
+            )
+        )
+        def attack(messages: list[bytes]) -> None:
+            for data in messages:
+                dealer.send(data)
+            dealer.sync()
+            assert receiver._thread.is_alive(), "the receiver loop died"
+            stats = receiver.stats()
+            assert 0 <= stats["free_blocks"] <= allocator.num_blocks
+            assert (
+                stats["reserved_blocks"] + stats["free_blocks"] <= allocator.num_blocks
+            ), "blocks allocated past the allocator's size"
+            for r in dealer.reserved:
+                assert len(set(r.block_ids)) == len(r.block_ids) and all(
+                    b < allocator.num_blocks for b in r.block_ids
+                ), r
+
+        attack()
+        # give back whatever the fuzzer managed to reserve, as a sender that gives up would
+        for r in dealer.reserved:
+            dealer.send(protocol.encode(protocol.Cancel(r.request_id, "fuzz over")))
+        dealer.sync()
+        wait_until(
+            lambda: receiver.stats()["reservations"] == 0,
+            TIMEOUT,
+            "the fuzzer's reservations to be released",
+        )
+        assert allocator.num_free == start_free
+        if admitted:
+            assert dealer.reserved, (
+                "no hostile Reserve ever reached the allocator: the fuzzer is too weak"
+            )
+        # and the pair still completes a normal transfer
+        _push(pair, "after-fuzz", 100, list(range(40, 47)))
+        assert allocator.num_free == start_free
+    finally:
+        dealer.close()
+
+
+# -- tcp frames ------------------------------------------------------------------------------------------
+
+REGION = 4096
+NREGIONS = 3
+
+
+def _hdr(
+    ftype: int,
+    *,
+    version: int = VERSION,
+    flags: int = 0,
+    shares: int = 0,
+    aux: int = 0,
+    notif: int = 0,
+    xfer: int = 0,
+    offset: int = 0,
+    length: int = 0,
+) -> bytes:
+    return HEADER.pack(
+        MAGIC, version, ftype, flags, shares, aux, notif, xfer, offset, length
+    )
+
+
+def _hello(name: bytes = b"fuzzer", sid: int = 7) -> bytes:
+    return _hdr(tcp.HELLO, xfer=sid, length=len(name)) + name
+
+
+def _pattern(i: int) -> bytes:
+    return bytes((i * 37 + j * 11 + 5) & 0xFF for j in range(REGION))
+
+
+def writable_ranges(
+    stream: bytes, nregions: int = NREGIONS
+) -> list[tuple[int, int, int]]:
+    """(region, start, end) of every DATA frame in ``stream`` that names a range inside a region.
+
+    Follows the framing from the module docstring, as the target does, and
+    stops where the target must: bad magic/version or an unknown frame type.
+    Only these ranges may change; this is a superset of what a correct
+    target writes (it also stops at the first frame that fails a check).
+    """
+    out, pos = [], 0
+    while pos + HEADER.size <= len(stream):
+        magic, version, ftype, flags, _shares, aux, notif, _xfer, offset, length = (
+            HEADER.unpack_from(stream, pos)
+        )
+        pos += HEADER.size
+        if magic != MAGIC or version != VERSION:
+            break
+        if ftype == tcp.DATA:
+            if aux < nregions and 0 < length and offset + length <= REGION:
+                out.append((aux, offset, offset + length))
+            pos += length + (notif if flags & NOTIF_FOLLOWS and flags & LAST else 0)
+        elif ftype in (tcp.HELLO, tcp.NOTIF):
+            pos += length
+        elif ftype != tcp.READ_REQ:
+            break
+    return out
+
+
+@dataclass
+class Target:
+    channel: TcpChannel
+    regions: list[bytearray]
+    good: TcpChannel
+    good_src: int
+    baseline: int = 0  # connections the good peer keeps open
+
+
+@pytest.fixture(scope="module")
+def target() -> Iterator[Target]:
+    opts = TcpOptions(
+        io_timeout=3, connect_timeout=3, max_frame_bytes=1 << 20, max_notif_bytes=256
+    )
+    channel = TcpChannel("target", opts)
+    regions = [bytearray(_pattern(i)) for i in range(NREGIONS)]
+    for buf in regions:
+        channel.register(buf)
+    good = TcpChannel("good", TcpOptions(io_timeout=3, connect_timeout=3))
+    src = good.register(bytearray(b"\xab" * REGION))
+    good.add_peer(channel.metadata())
+    yield Target(channel, regions, good, src)
+    good.close()
+    channel.close()
+
+
+def _send_raw(port: int, stream: bytes) -> None:
+    """Send ``stream`` then half-close and read until the target hangs up (bounded by the socket timeout)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
+        try:  # the target may hang up (even reset) before we are done: that counts as hanging up
+            sock.sendall(stream)
+            sock.shutdown(socket.SHUT_WR)
+            while sock.recv(1 << 16):
+                pass
+        except TimeoutError:
+            raise AssertionError(
+                "the target neither answered nor hung up within the timeout"
+            ) from None
+        except OSError:
+            pass
+
+
+def _wait_served(t: Target) -> None:
+    """Wait until the target's reader of the fuzzer's connection has ended (only the good peer's stay).
+
+    A reader may still be landing the tail of what was sent when the socket
+    closes on our side; checking memory before it ends would miss a write.
+    """
+    wait_until(
+        lambda: len(t.channel._accepted) <= t.baseline,
+        TIMEOUT,
+        "the target to finish serving the fuzzer's connection",
+    )
+
+
+def _check_and_restore(t: Target, stream: bytes) -> None:
+    allowed = writable_ranges(stream)
+    for i, buf in enumerate(t.regions):
+        pristine = _pattern(i)
+        if buf == pristine:
+            continue
+        changed = [j for j in range(REGION) if buf[j] != pristine[j]]
+        stray = [
+            j
+            for j in changed
+            if not any(r == i and lo <= j < hi for r, lo, hi in allowed)
+        ]
+        assert not stray, (
+            f"region {i}: {len(stray)} bytes written outside every range a DATA frame named (first at {stray[0]})"
+        )
+        buf[:] = pristine
+    t.channel.get_notifications()  # a valid frame may notify; drop it
+
+
+def _assert_still_serves(t: Target, tag: bytes) -> None:
+    t.channel.get_notifications()
+    handle = t.good.write(
+        "target", [TransferOp(t.good_src, 0, 2, 0, REGION)], notif=tag
+    )
+    t.good.wait(handle, TIMEOUT)
+    assert t.regions[2] == b"\xab" * REGION
+    wait_until(
+        lambda: any(n.payload == tag for n in t.channel.get_notifications()),
+        TIMEOUT,
+        "the good peer's notification",
+    )
+    t.regions[2][:] = _pattern(2)
+    t.baseline = len(t.channel._accepted)
+
+
+@st.composite
+def data_frames(draw: st.DrawFn) -> bytes:
+    """A HELLO then DATA/READ_REQ/NOTIF frames whose every field is drawn from near-valid and hostile values."""
+    out = _hello(sid=draw(U64))
+    for _ in range(draw(st.integers(1, 3))):
+        ftype = draw(
+            st.sampled_from(
+                [tcp.DATA, tcp.DATA, tcp.DATA, tcp.READ_REQ, tcp.NOTIF, tcp.ACK, 0, 200]
+            )
+        )
+        length = draw(
+            st.one_of(
+                st.integers(0, REGION + 8),
+                st.sampled_from([1 << 20, (1 << 20) + 1, 1 << 62, (1 << 64) - 1]),
+            )
+        )
+        offset = draw(
+            st.one_of(
+                st.integers(0, REGION + 8), st.sampled_from([(1 << 64) - 8, 1 << 63])
+            )
+        )
+        flags = draw(
+            st.sampled_from(
+                [LAST, LAST, 0, LAST | NOTIF_FOLLOWS, NOTIF_FOLLOWS, 0x80, 0xFF]
+            )
+        )
+        notif = draw(st.sampled_from([0, 0, 4, 256, 257, (1 << 32) - 1]))
+        hdr = _hdr(
+            ftype,
+            version=draw(st.sampled_from([VERSION, VERSION, VERSION, 0, 2])),
+            flags=flags,
+            shares=draw(
+                st.sampled_from(
+                    [1, 1, 0, 2, tcp.MAX_STREAMS, tcp.MAX_STREAMS + 1, 0xFFFF]
+                )
+            ),
+            aux=draw(st.sampled_from([0, 1, 2, 3, 99, (1 << 32) - 1])),
+            notif=notif,
+            xfer=draw(U64),
+            offset=offset,
+            length=length,
+        )
+        # a payload that matches the declared length when it is small, or is cut short
+        payload_len = (
+            min(length, REGION + 8) if draw(st.booleans()) else draw(st.integers(0, 64))
+        )
+        out += hdr + b"\x5a" * payload_len + b"n" * min(notif, 300)
+    return out
+
+
+@st.composite
+def mutated_frames(draw: st.DrawFn) -> bytes:
+    """A valid stream (HELLO + DATA with notification) with a few bytes flipped, cut or inserted."""
+    valid = bytearray(
+        _hello()
+        + _hdr(
+            tcp.DATA,
+            flags=LAST | NOTIF_FOLLOWS,
+            shares=1,
+            aux=1,
+            notif=3,
+            xfer=5,
+            offset=100,
+            length=64,
+        )
+        + b"\x5a" * 64
+        + b"abc"
+    )
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "flip", "cut", "insert"]))
+        pos = draw(st.integers(0, len(valid) - 1))
+        if op == "flip":
+            valid[pos] ^= draw(st.integers(1, 255))
+        elif op == "cut":
+            del valid[pos : pos + draw(st.integers(1, 16))]
+        else:
+            valid[pos:pos] = draw(st.binary(min_size=1, max_size=16))
+        if not valid:
+            break
+    return bytes(valid)
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        st.binary(max_size=256),
+        st.binary(max_size=256).map(lambda b: _hello() + b),
+        data_frames(),
+        mutated_frames(),
+    ],
+    ids=["garbage", "hello-then-garbage", "hostile-fields", "mutated-valid"],
+)
+def test_tcp_frames_never_write_outside_named_ranges(
+    target: Target, strategy: st.SearchStrategy[bytes]
+) -> None:
+    _assert_still_serves(target, b"before")
+
+    @FUZZ
+    @given(strategy)
+    def attack(stream: bytes) -> None:
+        _send_raw(target.channel.port, stream)
+        _wait_served(target)
+        _check_and_restore(target, stream)
+
+    attack()
+    _assert_still_serves(target, b"after")
+
+
+def test_random_garbage_changes_nothing(target: Target) -> None:
+    """Random bytes without a valid header name no range: not one byte may change."""
+
+    @FUZZ
+    @given(
+        st.binary(min_size=1, max_size=512).filter(lambda b: not b.startswith(MAGIC))
+    )
+    def attack(stream: bytes) -> None:
+        _send_raw(target.channel.port, stream)
+        _wait_served(target)
+        assert [bytes(b) for b in target.regions] == [
+            _pattern(i) for i in range(NREGIONS)
+        ]
+        assert target.channel.get_notifications() == []
+
+    attack()
