@@ -10,9 +10,12 @@ import torch
 import zmq
 
 from pdkv import protocol
+from pdkv.blocks import BlockAllocator
+from pdkv.channels.mock import MockChannel
 from pdkv.config import TransferConfig
 from pdkv.errors import ChecksumError, HandshakeError, ReservationError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.layout import KVLayout, gather
+from pdkv.receiver import KVReceiver
 from tests.conftest import Pair, wait_until
 
 F32 = dict(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32")
@@ -247,3 +250,30 @@ def test_peer_with_a_forged_proof_is_refused(make_pair) -> None:
     assert isinstance(answers[1], protocol.Refused) and "not authenticated" in answers[1].reason
     assert pair.receiver.stats()["auth_failures"] >= 2
     assert pair.allocator.num_free == pair.allocator.num_blocks
+
+
+def test_receiver_restart_on_the_same_address_is_rehandshaked(make_pair) -> None:
+    """A decode side that restarts (new agent, same control address) is met with a fresh Hello, not an error."""
+    pair = make_pair()
+    blocks = push(pair, "before", 40, list(range(3)))
+    pair.allocator.free(blocks)
+    port = int(pair.receiver.address.rsplit(":", 1)[1])
+    pair.receiver.close()
+    pair.d_channel.close()
+    d_channel = MockChannel(pair.d_channel.agent_name + "-restarted")
+    allocator = BlockAllocator(64)
+    d_kv = pair.d_layout.allocate(64)
+    receiver = KVReceiver(d_channel, pair.d_layout, d_kv, allocator, "model-a", pair.receiver.config, port=port)
+    try:
+        xfer = pair.sender.open("after", receiver.address, 40, list(range(3)))
+        xfer.send_all()
+        xfer.wait(10)
+        got = receiver.wait("after", 10)
+        assert torch.equal(gather(pair.p_layout, pair.p_kv, list(range(3)), 0, 40), gather(pair.d_layout, d_kv, got.blocks, 0, 40))
+        allocator.free(got.blocks)
+        assert pair.sender.stats().get("reservations_refused", 0) == 0
+    finally:
+        pair.sender.close()
+        receiver.close()
+        d_channel.close()
+    assert allocator.num_free == 64
