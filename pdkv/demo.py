@@ -22,15 +22,16 @@ from pdkv.launch.procs import WorkerProcess, start_worker
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
 
-def _post(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+def post_json(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+    """POST a JSON body, return the JSON answer (the demo's and the tests' one HTTP helper)."""
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
-def _get(url: str, timeout: float = 30.0) -> bytes:
+def get_text(url: str, timeout: float = 30.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return resp.read()
+        return resp.read().decode()
 
 
 def _stream(url: str, body: dict[str, Any], t0: float, timeout: float = 300.0) -> tuple[str, list[int], float]:
@@ -87,11 +88,11 @@ def run(args: argparse.Namespace) -> int:
         text, ids, ttft = _stream(router.url + "/v1/chat/completions", {**base, "max_tokens": args.max_tokens}, t0)
         total = time.perf_counter() - t0
 
-        local = _post(decode.url + "/v1/chat/completions", {**base, "max_tokens": args.max_tokens})
+        local = post_json(decode.url + "/v1/chat/completions", {**base, "max_tokens": args.max_tokens})
         deadline = time.monotonic() + 10  # the transfer settles on P a moment after D answered
-        while metric(p_metrics := _get(prefill.url + "/metrics").decode(), "pdkv_open_transfers") and time.monotonic() < deadline:
+        while metric(p_metrics := get_text(prefill.url + "/metrics"), "pdkv_open_transfers") and time.monotonic() < deadline:
             time.sleep(0.05)
-        d_metrics = _get(decode.url + "/metrics").decode()
+        d_metrics = get_text(decode.url + "/metrics")
         moved = metric(p_metrics, "pdkv_transfer_bytes_total")
         seconds = metric(p_metrics, "pdkv_transfer_seconds_sum")
         summary = {

@@ -25,6 +25,7 @@ import yaml
 from aiohttp import web
 
 from pdkv.config import convert_config
+from pdkv.demo import get_text as get
 from pdkv.demo import metric
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.testing import write_tiny_model
@@ -55,11 +56,6 @@ class Cluster:
 
     def async_client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.router.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        return resp.read().decode()
 
 
 def admin(method: str, url: str, body: dict[str, Any]) -> tuple[int, Any]:

@@ -8,8 +8,6 @@ the tier on or off, and on the decode worker that received the KV.
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,7 @@ from aiohttp import web
 from pdkv.launch.procs import start_worker
 
 from pdkv.config import convert_config
-from pdkv.demo import metric
+from pdkv.demo import get_text, metric, post_json
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
 from pdkv.engine.testing import write_tiny_model
@@ -148,17 +146,6 @@ def test_disk_tier_serves_after_a_worker_restart_and_a_dead_redis_only_costs_mis
     assert metric(second, "pdkv_prompt_tokens_total", source="tier") == 96
 
 
-def _post(url: str, payload: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url, json.dumps(payload).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())
-
-
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        return resp.read().decode()
-
-
 def test_redis_shared_by_two_prefill_processes(model_dir: Path, tmp_path: Path, redis_server: LocalRedis, expected: dict[str, list[int]]) -> None:
     """A prefix computed by one `pdkv launch` prefill worker is a Redis hit on another."""
     namespace = f"shared-{tmp_path.name}:"
@@ -171,22 +158,22 @@ def test_redis_shared_by_two_prefill_processes(model_dir: Path, tmp_path: Path, 
             workers.append(start_worker("prefill", "--config", str(path), "--port", "0", timeout=120))
         p1, p2 = workers
         no_decode = {"do_remote_decode": True, "return_kv_digest": True}  # no decode worker named: KV is computed, not sent
-        first = _post(p1.url + "/v1/completions", body(BASE, 1, **no_decode))
+        first = post_json(p1.url + "/v1/completions", body(BASE, 1, **no_decode))
         import redis
 
         client = redis.Redis.from_url(redis_server.url)
         wait_until(lambda: len(client.keys(namespace + "*")) == 3, timeout=30, what="P1's three full chunks to be written behind to Redis")
-        second = _post(p2.url + "/v1/completions", body(BASE, 1, **no_decode))
+        second = post_json(p2.url + "/v1/completions", body(BASE, 1, **no_decode))
         assert second["kv_transfer_params"]["kv_digest"] == first["kv_transfer_params"]["kv_digest"]
         assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"] == expected["base"][:1]
-        m2 = _get(p2.url + "/metrics")
+        m2 = get_text(p2.url + "/metrics")
         assert metric(m2, "pdkv_tier_hits_total", tier="redis") == 3
         assert metric(m2, "pdkv_prompt_tokens_total", source="tier") == 96
-        full = _post(p2.url + "/v1/completions", body(BASE))  # promoted: now a memory hit on P2
+        full = post_json(p2.url + "/v1/completions", body(BASE))  # promoted: now a memory hit on P2
         assert full["choices"][0]["token_ids"] == expected["base"]
-        m2 = _get(p2.url + "/metrics")
+        m2 = get_text(p2.url + "/metrics")
         assert metric(m2, "pdkv_tier_hits_total", tier="memory") == 3
-        wait_until(lambda: metric(_get(p2.url + "/metrics"), "pdkv_tier_entries", tier="disk") == 3, timeout=30, what="P2 to promote the chunks into its disk level")
+        wait_until(lambda: metric(get_text(p2.url + "/metrics"), "pdkv_tier_entries", tier="disk") == 3, timeout=30, what="P2 to promote the chunks into its disk level")
     finally:
         for w in workers:
             assert w.stop() == 0

@@ -19,7 +19,9 @@ import yaml
 from aiohttp import web
 
 from pdkv.config import convert_config
+from pdkv.demo import get_text as get
 from pdkv.demo import metric
+from pdkv.demo import post_json as post
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
 from pdkv.engine.testing import write_tiny_model
@@ -40,17 +42,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def expected(model_dir: Path) -> dict[int, list[int]]:
     engine = ReferenceEngine.load(str(model_dir), progress=False)
     return {i: engine.generate(p, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)).output_token_ids for i, p in enumerate(PROMPTS)}
-
-
-def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())
-
-
-def get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=30) as resp:
-        return resp.read().decode()
 
 
 def launch(role: str, model_dir: Path, tmp_path: Path, **settings: Any) -> WorkerProcess:
