@@ -29,7 +29,7 @@ def config_from_args(args: argparse.Namespace) -> PdkvConfig:
     """The config file with flags on top; ``--prefill``/``--decode`` replace the file's lists."""
     overrides = {
         "role": args.role, "host": args.host, "port": args.port, "model": args.model, "channel.name": args.channel, "engine": args.engine,
-        "router.prefill": args.prefill, "router.decode": args.decode, "router.policy": args.policy,
+        "router.prefill": args.prefill, "router.decode": args.decode, "router.policy": args.policy, "router.mode": args.mode,
     }
     return load_config(args.config, overrides)
 
@@ -95,5 +95,11 @@ async def serve_app(app: web.Application, config: PdkvConfig, info: dict[str, An
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    if config.engine == "vllm" and config.role != "router":
+        from pdkv.launch.vllm import run_vllm
+
+        return run_vllm(config, args.engine_args, args.ready_timeout)
+    if args.engine_args:
+        raise ConfigError(f"arguments after -- go to the engine, and only engine vllm takes any: {args.engine_args}")
     asyncio.run(serve_router(config) if config.role == "router" else serve(config))
     return 0

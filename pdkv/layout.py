@@ -33,9 +33,12 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Shape of one worker's paged KV buffer; travels in Hello.
 
     ``kind``: ``per_layer`` keeps one tensor per layer shaped
-    ``[blocks, kv, block_size, heads, head_dim]`` (NHD) or
-    ``[blocks, kv, heads, block_size, head_dim]`` (HND), so one block of one
-    layer is one contiguous range. ``cross_layer`` keeps a single tensor
+    ``[blocks, kv, block_size, heads, head_dim]`` (NHD),
+    ``[blocks, kv, heads, block_size, head_dim]`` (HND) or
+    ``[blocks, heads, kv, block_size, head_dim]`` (HKND: vLLM's CPU attention
+    backend, whose ``[blocks, heads, block_size, 2 * head_dim]`` cache keeps a
+    head's K rows then its V rows), so one block of one layer is one
+    contiguous range. ``cross_layer`` keeps a single tensor
     ``[blocks, layers, kv, ...]`` so one block of all layers is one range:
     fewest descriptors per transfer. ``mla`` drops the kv and heads axes:
     ``[blocks, block_size, latent_dim]`` (per layer) with ``head_dim`` the
@@ -48,7 +51,7 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: int = 16
     dtype: str = "bfloat16"
     kind: Literal["per_layer", "cross_layer"] = "per_layer"
-    order: Literal["NHD", "HND"] = "NHD"
+    order: Literal["NHD", "HND", "HKND"] = "NHD"
     mla: bool = False
 
     def __post_init__(self) -> None:
@@ -101,6 +104,8 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             inner = (self.block_size, self.head_dim)
         elif self.order == "NHD":
             inner = (2, self.block_size, self.num_kv_heads, self.head_dim)
+        elif self.order == "HKND":
+            inner = (self.num_kv_heads, 2, self.block_size, self.head_dim)
         else:
             inner = (2, self.num_kv_heads, self.block_size, self.head_dim)
         if self.kind == "cross_layer":
@@ -224,12 +229,16 @@ def _read(layout: KVLayout, t: torch.Tensor, blk: torch.Tensor, off: torch.Tenso
     x = t[_index(layout, blk, off)]
     if layout.mla:  # [T, (L,) D] -> [T, (L,) 1, 1, D]
         x = x.unsqueeze(-2).unsqueeze(-3)
+    elif layout.order == "HKND":  # [T, (L,) heads, kv, D] -> [T, (L,) kv, heads, D]
+        x = x.transpose(-3, -2)
     return x
 
 
 def _write(layout: KVLayout, t: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, value: torch.Tensor) -> None:
     if layout.mla:
         value = value.squeeze(-2).squeeze(-2)
+    elif layout.order == "HKND":
+        value = value.transpose(-3, -2)
     t[_index(layout, blk, off)] = value
 
 

@@ -67,7 +67,7 @@ def reason() -> str | None:
 
 def gather(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: BlockTable, start: int, num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Native :func:`pdkv.layout.gather`: tokens ``[start, start+num_tokens)`` of the paged buffer as a canonical chunk."""
-    ext = _extension_for(tensors)
+    ext = _extension_for(layout, tensors)
     if ext is None:
         return torch_gather(layout, tensors, block_table, start, num_tokens, out)
     num_blocks = layout.validate_buffer(tensors)
@@ -89,7 +89,7 @@ def gather(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: Block
 
 def scatter(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: BlockTable, start: int, chunk: torch.Tensor) -> None:
     """Native :func:`pdkv.layout.scatter`: write a canonical chunk into tokens ``[start, start+T)``."""
-    ext = _extension_for(tensors)
+    ext = _extension_for(layout, tensors)
     if ext is None:
         torch_scatter(layout, tensors, block_table, start, chunk)
         return
@@ -107,9 +107,13 @@ def _call(op: Callable[..., None], layout: KVLayout, tensors: Sequence[torch.Ten
         raise LayoutError(str(exc)) from exc
 
 
-def _extension_for(tensors: Sequence[torch.Tensor]) -> ModuleType | None:
-    """The extension if it can copy tensors on this device, else None (torch path)."""
-    if not tensors:
+def _extension_for(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> ModuleType | None:
+    """The extension if it can copy this layout on this device, else None (torch path).
+
+    HKND (vLLM's CPU cache) has no kernel: it moves whole blocks between
+    vLLM workers, so gather/scatter only run when P and D layouts differ.
+    """
+    if not tensors or (layout.order == "HKND" and not layout.mla):
         return None
     device = tensors[0].device
     if device.type not in ("cpu", "cuda"):

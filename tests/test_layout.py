@@ -7,7 +7,7 @@ from pdkv.errors import LayoutError
 from pdkv.layout import KVLayout, block_ranges, gather, scatter
 
 KINDS = ["per_layer", "cross_layer"]
-ORDERS = ["NHD", "HND"]
+ORDERS = ["NHD", "HND", "HKND"]
 
 
 def layouts(mla: bool = False, dtype: str = "float32") -> list[KVLayout]:

@@ -15,14 +15,19 @@ must not be able to point a decode worker at someone else's transfer.
   transfer whose decode hop never ran is cancelled on D
   (``DELETE /pdkv/transfers/{id}``) so its reservation is freed at once,
   not when its lease runs out.
-* ``vllm``: vLLM's NixlConnector, where D pulls from P. P gets
+* ``vllm``: vLLM pairs, with vLLM's shape of params. P gets
   ``{"do_remote_decode": true, "do_remote_prefill": false,
   "remote_engine_id": null, "remote_block_ids": null, "remote_host": null,
-  "remote_port": null}`` and answers with ``do_remote_prefill``,
-  ``remote_block_ids``, ``remote_engine_id``, ``remote_host``,
-  ``remote_port`` (and, by version, ``remote_request_id``, ``tp_size``,
-  ...), which D gets exactly as P sent them. vLLM has no cancel endpoint:
-  a P whose blocks are never pulled frees them after its own abort timeout.
+  "remote_port": null}``: for vLLM's NixlConnector, where D pulls from P.
+  When D serves ``/pdkv/info`` (a vLLM started by ``pdkv launch --engine
+  vllm``, whose pdkv connector has P push to D), ``remote_host`` and
+  ``remote_port`` name D's receiver and a ``transfer_id`` is added. P
+  answers with ``do_remote_prefill`` and what its connector needs (NIXL:
+  ``remote_block_ids``, ``remote_engine_id``, ...; pdkv: ``transfer_id``,
+  ``num_tokens``, ``prompt_key``), which D gets exactly as P sent them.
+  vLLM has no cancel endpoint: a P whose blocks are never pulled frees them
+  after its own abort timeout; a pushed transfer nobody claims is freed by
+  D's receiver after ``claim_timeout_s``.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import abc
 from typing import Any, ClassVar
 from urllib.parse import quote
 
+from pdkv.errors import UpstreamError
 from pdkv.router.pool import WorkerPool, WorkerState
 
 # Fields a prefill hop must not carry: streaming options, and lower bounds vLLM refuses above max_tokens=1.
@@ -97,7 +103,7 @@ class VllmMode(PairMode):
     name = "vllm"
 
     async def prefill_params(self, pool: WorkerPool, decode: WorkerState, transfer_id: str) -> dict[str, Any]:
-        return {
+        params: dict[str, Any] = {
             "do_remote_decode": True,
             "do_remote_prefill": False,
             "remote_engine_id": None,
@@ -105,6 +111,13 @@ class VllmMode(PairMode):
             "remote_host": None,
             "remote_port": None,
         }
+        try:
+            info = await pool.decode_info(decode)
+        except UpstreamError as exc:
+            if exc.worker_down:
+                raise
+            return params  # no /pdkv/info: a vLLM whose connector pulls
+        return {**params, "remote_host": info["remote_host"], "remote_port": info["remote_port"], "transfer_id": transfer_id}
 
 
 def make_mode(name: str) -> PairMode:

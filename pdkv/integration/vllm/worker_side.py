@@ -1,0 +1,251 @@
+"""Worker-side data path of the pdkv vLLM connector: push on P, land and load on D.
+
+Runs inside vLLM's worker process, beside the model. Nothing here may stall
+the forward pass on the network:
+
+* P: after each forward step (``wait_for_save``) the scheduler says how much
+  of each pushing request's prompt is computed; a push thread opens the
+  transfer on D's receiver (handshake + reservation, once per request) and
+  posts each chunk as soon as its tokens are in vLLM's blocks, writing
+  straight from them (pdkv ``KVSender`` over vLLM's own tensors). The
+  request's blocks stay vLLM's until the writes have settled: only then is
+  the request reported in ``finished_sending`` and its blocks freed.
+* D: pushed chunks land in a landing buffer of vLLM's layout (pdkv
+  ``KVReceiver``; P pushes before D's scheduler has even seen the request,
+  so there are no vLLM blocks to land in yet). When the scheduler has
+  allocated the request's blocks, a loader thread waits for the transfer
+  (bounded by ``transfer_timeout_s``), copies whole blocks into vLLM's cache,
+  frees the landing blocks and reports the request in ``finished_recving``;
+  a transfer that failed, timed out or never came is reported in
+  ``failed_recving`` too, so vLLM recomputes the prompt (its ``recompute``
+  load-failure policy), never decodes from blocks that were not filled.
+
+GPU (not run here: no GPU): the push thread waits on a CUDA event recorded
+at the end of the step before posting, and the loader copies host->device
+on the current stream and synchronizes before reporting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from pdkv.blocks import BlockAllocator
+from pdkv.channels import create_channel
+from pdkv.config import PdkvConfig
+from pdkv.errors import PdkvError, TransferError
+from pdkv.integration.vllm.kvcache import copy_blocks
+from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
+from pdkv.layout import KVLayout
+from pdkv.receiver import KVReceiver
+from pdkv.sender import KVSender, OutgoingTransfer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Push:
+    spec: SendSpec
+    transfer: OutgoingTransfer | None = None
+    ready_event: object | None = None  # torch.cuda.Event of the latest step, on GPU
+    failed: str = ""
+    finished: bool = False  # vLLM finished the request: no more compute will come
+    settled: bool = False  # no write of ours reads its blocks any more
+    sent: set[int] = field(default_factory=set)
+
+    @property
+    def releasable(self) -> bool:
+        return self.finished and (self.settled or (self.transfer is None and bool(self.failed)))
+
+
+class WorkerSide:
+    """See the module docstring. ``register`` must run before anything else (vLLM calls it at start)."""
+
+    def __init__(self, config: PdkvConfig, fingerprint: str, is_producer: bool, is_consumer: bool, agent_name: str) -> None:
+        self.config = config
+        self.fingerprint = fingerprint
+        self.is_producer = is_producer
+        self.is_consumer = is_consumer
+        self.agent_name = agent_name
+        self.sender: KVSender | None = None
+        self.receiver: KVReceiver | None = None
+        self.layout: KVLayout | None = None
+        self._vllm_kv: list[torch.Tensor] = []
+        self._landing: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self._pushes: dict[str, _Push] = {}
+        self._push_queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._push_thread: threading.Thread | None = None
+        self._loader: ThreadPoolExecutor | None = None
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
+        self.counters: Counter[str] = Counter()
+
+    # -- setup --------------------------------------------------------------------------
+    def register(self, layout: KVLayout, vllm_kv: list[torch.Tensor]) -> None:
+        """Take vLLM's cache (already viewed in ``layout``) and start the sender and/or receiver."""
+        self.layout, self._vllm_kv = layout, vllm_kv
+        channel = create_channel(self.config.channel.name, self.agent_name, self.config.channel_options())
+        if self.is_producer:
+            self.sender = KVSender(channel, layout, vllm_kv, self.fingerprint, self.config.transfer, secret=self.config.secret)
+            self._push_thread = threading.Thread(target=self._push_loop, name="pdkv-vllm-push", daemon=True)
+            self._push_thread.start()
+        if self.is_consumer:
+            # The landing buffer lives in host memory whatever vLLM's device: it is what the channel writes into.
+            self._landing = layout.allocate(self.config.num_blocks)
+            self.receiver = KVReceiver(
+                channel, layout, self._landing, BlockAllocator(self.config.num_blocks), self.fingerprint, self.config.transfer,
+                host=self.config.host, port=self.config.control_port, secret=self.config.secret,
+            )
+            self._loader = ThreadPoolExecutor(max_workers=16, thread_name_prefix="pdkv-vllm-load")
+            log.info("pdkv receiver for vLLM listening on %s (%d landing blocks of %d tokens)", self.receiver.address, self.config.num_blocks, layout.block_size)
+
+    # -- prefill: push ----------------------------------------------------------------------
+    def push(self, meta: StepMetadata) -> None:
+        """After a forward step: queue this step's newly computed chunks for pushing (never blocks)."""
+        if not meta.sends:
+            return
+        event = None
+        if self._vllm_kv and self._vllm_kv[0].is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        with self._lock:
+            for spec in meta.sends:
+                p = self._pushes.get(spec.req_id)
+                if p is None:
+                    p = self._pushes[spec.req_id] = _Push(spec)
+                p.spec, p.ready_event = spec, event
+        for spec in meta.sends:
+            self._push_queue.put(spec.req_id)
+
+    def _push_loop(self) -> None:
+        while (req_id := self._push_queue.get()) is not None:
+            with self._lock:
+                p = self._pushes.get(req_id)
+            if p is not None:
+                try:
+                    self._advance(p)
+                except Exception:  # noqa: BLE001 - a bug here must not kill the thread that frees every request's blocks
+                    log.exception("request %s: push failed unexpectedly", req_id)
+                    self._give_up(p, "internal error (see the log)")
+
+    def _advance(self, p: _Push) -> None:
+        """Open the transfer once all blocks are known, post every computed chunk, cancel if the request ended early."""
+        assert self.sender is not None and self.layout is not None
+        spec = p.spec
+        if p.failed or p.settled:
+            return
+        if p.ready_event is not None:
+            p.ready_event.synchronize()  # type: ignore[attr-defined]
+        if p.transfer is None:
+            if p.finished and spec.ready_tokens < spec.num_tokens:
+                self._give_up(p, "the request ended before its prompt was computed")
+                return
+            if len(spec.block_ids) < self.layout.blocks_for(spec.num_tokens):
+                return  # chunked prefill: the rest of the prompt's blocks come with a later step
+            try:
+                p.transfer = self.sender.open(spec.transfer_id, spec.address, spec.num_tokens, spec.block_ids)
+            except PdkvError as exc:
+                self._give_up(p, str(exc))
+                return
+            p.transfer.on_settled(lambda _t, p=p: self._settled(p))
+        t = p.transfer
+        try:
+            for i, (start, length) in enumerate(t.spans):
+                if i not in p.sent and start + length <= spec.ready_tokens:
+                    t.send_chunk(i)
+                    p.sent.add(i)
+        except PdkvError as exc:
+            log.warning("request %s: push to %s failed: %s (D recomputes the prompt)", spec.req_id, spec.address, exc)
+            t.cancel(str(exc))
+            return
+        if p.finished and len(p.sent) < t.num_chunks:
+            t.cancel("the request ended before its prompt was computed")
+
+    def _give_up(self, p: _Push, why: str) -> None:
+        log.warning("request %s: not pushing its KV to %s: %s (D recomputes the prompt)", p.spec.req_id, p.spec.address, why)
+        with self._lock:
+            p.failed = why
+            if p.transfer is None:
+                self.counters["push_failed"] += 1
+            else:  # counted when it settles
+                p.transfer.cancel(why)
+
+    def _settled(self, p: _Push) -> None:
+        with self._lock:
+            p.settled = True
+            self.counters["push_ok" if p.transfer is not None and p.transfer.complete else "push_failed"] += 1
+
+    # -- decode: land and load --------------------------------------------------------------
+    def start_loads(self, meta: StepMetadata) -> None:
+        """Hand this step's loads to the loader threads; free landed transfers nobody needs."""
+        assert self.receiver is not None or not (meta.loads or meta.discards)
+        for transfer_id in meta.discards:
+            self.receiver.cancel(transfer_id, "the decode request does not need it")  # type: ignore[union-attr]
+        for spec in meta.loads:
+            self._loader.submit(self._load, spec)  # type: ignore[union-attr]
+
+    def _load(self, spec: LoadSpec) -> None:
+        assert self.receiver is not None and self.layout is not None
+        ok = False
+        try:
+            got = self.receiver.wait(spec.transfer_id, self.config.transfer.transfer_timeout_s)
+            try:
+                n = self.layout.blocks_for(spec.num_tokens)
+                if got.num_tokens != spec.num_tokens or len(got.blocks) < n or len(spec.block_ids) < n:
+                    raise TransferError(f"transfer {spec.transfer_id!r} carries {got.num_tokens} tokens in {len(got.blocks)} blocks; the request needs {spec.num_tokens} in {n}")
+                first = spec.skip_tokens // self.layout.block_size  # blocks vLLM's own prefix cache holds: shared, never written
+                copy_blocks(self._landing, self._vllm_kv, got.blocks[first:n], spec.block_ids[first:n])
+                if self._vllm_kv[0].is_cuda:
+                    torch.cuda.current_stream(self._vllm_kv[0].device).synchronize()
+                ok = True
+            finally:
+                self.receiver.allocator.free(got.blocks)
+        except PdkvError as exc:
+            log.warning("request %s: KV of transfer %s not loaded: %s; vLLM recomputes the prompt", spec.req_id, spec.transfer_id, exc)
+        except Exception:  # noqa: BLE001 - the request must still be reported, or vLLM waits for it forever
+            log.exception("request %s: loading transfer %s failed unexpectedly; vLLM recomputes the prompt", spec.req_id, spec.transfer_id)
+        with self._lock:
+            (self._recv_done if ok else self._recv_failed).add(spec.req_id)
+            self.counters["load_ok" if ok else "load_failed"] += 1
+
+    # -- completions ------------------------------------------------------------------------
+    def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving incl. failed, failed receiving) since the last call."""
+        wake: list[str] = []
+        with self._lock:
+            for req_id in finished_req_ids:
+                p = self._pushes.get(req_id)
+                if p is not None and not p.finished:
+                    p.finished = True
+                    wake.append(req_id)
+            sending = {req_id for req_id, p in self._pushes.items() if p.releasable}
+            for req_id in sending:
+                del self._pushes[req_id]
+            failed, self._recv_failed = self._recv_failed, set()
+            done, self._recv_done = self._recv_done, set()
+        for req_id in wake:
+            self._push_queue.put(req_id)
+        return sending, done | failed, failed
+
+    def close(self) -> None:
+        if self._push_thread is not None:
+            self._push_queue.put(None)
+            self._push_thread.join(timeout=5)
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
+        for side in (self.sender, self.receiver):
+            if side is not None:
+                side.close()
+
+
+def agent_name(role: str) -> str:
+    """A channel agent name unique per process: a restarted worker is a new peer."""
+    return f"vllm-{role}-{os.getpid()}-{os.urandom(3).hex()}"
