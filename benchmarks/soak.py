@@ -2,11 +2,19 @@
 
 Starts real processes exactly as a user does (``pdkv launch``): one prefill
 worker, two decode workers and the router, on a tiny random model over the tcp
-channel with short leases and timeouts. It first computes every prompt's
-fault-free answer (greedy, ``ignore_eos``, fixed ``max_tokens``) on a decode
-worker alone, then sends ``--requests`` requests through the router from a
-small thread pool while a fault thread:
+channel with short leases and timeouts and a shared secret (so every control
+and data connection authenticates, restarts included). The second decode
+worker's channel sits behind a ``CorruptingProxy``: it advertises the proxy's
+port (``advertise_port``), so the prefill worker's chunks reach it through the
+proxy, which forwards every byte unchanged until told to flip one. It first
+computes every prompt's fault-free answer (greedy, ``ignore_eos``, fixed
+``max_tokens``) on a decode worker alone, then sends ``--requests`` requests
+through the router from a small thread pool while a fault thread:
 
+* corrupts a chunk in flight: the proxy flips one byte in the payload of the
+  next DATA frame to the second decode worker, which must fail the chunk's
+  checksum (``checksum_failures`` on its /metrics goes up) and compute the
+  prompt itself (``pdkv_fallbacks_total`` goes up);
 * SIGKILLs a decode worker, restarts it and registers the new one through the
   router's admin API (``DELETE``/``POST /pdkv/workers``);
 * stalls the prefill worker (SIGSTOP, then SIGCONT a couple of seconds later);
@@ -18,6 +26,9 @@ fault-free run), ``failed_cleanly`` (an HTTP error or an error event),
 tokens: must be 0) or ``hung`` (no answer within its timeout: must be 0).
 Afterwards every live worker's reservations, reserved blocks, in-flight bytes
 and open transfers, read from ``/metrics``, must return to zero (``leaked``).
+The report counts faults by kind, and for corrupted chunks how many the decode
+worker detected and recomputed: a corrupted chunk that was not detected is an
+error, as is a fault that could not be injected.
 
     python benchmarks/soak.py --requests 200 --json
 
@@ -27,6 +38,8 @@ Exits non-zero when anything hung, leaked or mismatched.
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import http.client
 import json
 import os
@@ -45,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pdkv.channels.tcp import DATA, HDR_SIZE, HEADER, NOTIF_FOLLOWS, READ_REQ
 from pdkv.launch.procs import WorkerProcess, start_worker
 
 from pdkv.demo import metric
@@ -56,8 +70,10 @@ LEAK_GAUGES = (
     "pdkv_inflight_bytes",
     "pdkv_open_transfers",
 )
+PROXIED = 1  # the decode worker whose channel is reached through the corrupting proxy
 WORKER_CONFIG: dict[str, Any] = {
     "channel": {"name": "tcp"},
+    "secret": "soak-secret",
     "num_blocks": 256,
     "dtype": "float32",
     # short leases and timeouts: a dead peer is noticed within seconds, so the soak is short and nothing waits long
@@ -73,13 +89,17 @@ ROUTER_CONFIG: dict[str, Any] = {
 @dataclass
 class Counts:
     requests: int = 0
-    faults_injected: int = 0
     recovered: int = 0
     failed_cleanly: int = 0
     dropped: int = 0
     mismatched: int = 0
     hung: int = 0
     leaked: int = 0
+    # fault kind -> times injected: corrupt_chunk, decode_sigkill, prefill_stall, client_drop
+    injected: collections.Counter[str] = field(default_factory=collections.Counter)
+    # corrupted chunks: checksum failures their decode worker counted, and prompts it computed itself meanwhile
+    corrupt_detected: int = 0
+    corrupt_recomputed: int = 0
     faults: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     leaks: dict[str, float] = field(default_factory=dict)
@@ -120,8 +140,165 @@ def body(prompt: list[int], stream: bool = False) -> dict[str, Any]:
     }
 
 
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    """``n`` bytes, or None on a clean close before the first of them."""
+    buf = bytearray()
+    while len(buf) < n:
+        data = sock.recv(n - len(buf))
+        if not data:
+            if buf:
+                raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
+            return None
+        buf += data
+    return bytes(buf)
+
+
+class CorruptingProxy:
+    """A TCP forwarder in front of a tcp channel listener that flips a byte of a chunk when armed.
+
+    Bytes towards the listener are read frame by frame (the framing of
+    channels/tcp.py), so that an armed flip lands in the middle of the next
+    DATA payload and never in a header, a handshake or a notification: the
+    channel then sees nothing wrong but a chunk whose bytes changed, exactly
+    what a bad NIC, cable or switch does, and only the receiver's checksum can
+    tell. The other direction is forwarded untouched.
+    """
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream = ("127.0.0.1", upstream_port)
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self.server.getsockname()[1]
+        self.cond = threading.Condition()
+        self.armed = 0  # flips still to make
+        self.flipped = 0  # flips made
+        self.conns: set[socket.socket] = set()
+        threading.Thread(target=self._accept, name="soak-proxy", daemon=True).start()
+
+    def arm(self) -> int:
+        """Flip a byte of the next DATA payload; returns the flip count to wait for (``wait_flipped``)."""
+        with self.cond:
+            self.armed += 1
+            return self.flipped + self.armed
+
+    def wait_flipped(self, count: int, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.flipped >= count, timeout)
+
+    def _take(self) -> bool:
+        with self.cond:
+            if not self.armed:
+                return False
+            self.armed -= 1
+            return True
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(
+                target=self._serve, args=(client,), name="soak-proxy-conn", daemon=True
+            ).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(self.upstream, timeout=5)
+        except OSError:  # the worker is down (being restarted): the channel sees a refused connection
+            client.close()
+            return
+        upstream.settimeout(None)
+        with self.cond:
+            self.conns.update((client, upstream))
+        back = threading.Thread(
+            target=self._pipe_back, args=(upstream, client), daemon=True
+        )
+        back.start()
+        try:
+            self._forward_frames(client, upstream)
+        except OSError:
+            pass  # either side went away: hang up both, as a dead link would
+        finally:
+            for sock in (client, upstream):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            back.join(10)
+            with self.cond:
+                self.conns.difference_update((client, upstream))
+            client.close()
+            upstream.close()
+
+    @staticmethod
+    def _pipe_back(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            try:
+                dst.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _forward_frames(self, src: socket.socket, dst: socket.socket) -> None:
+        while (hdr := _recv_exact(src, HDR_SIZE)) is not None:
+            _, _, ftype, flags, _, _, notif, _, _, length = HEADER.unpack(hdr)
+            dst.sendall(hdr)
+            # a READ_REQ's length is what it asks for, not what follows it
+            payload = 0 if ftype == READ_REQ else length
+            flip_at = payload // 2 if ftype == DATA and self._take() else -1
+            self._copy(src, dst, payload, flip_at)
+            if ftype == DATA and flags & NOTIF_FOLLOWS:
+                self._copy(src, dst, notif, -1)
+
+    def _copy(
+        self, src: socket.socket, dst: socket.socket, n: int, flip_at: int
+    ) -> None:
+        """Forward ``n`` bytes, inverting the one at ``flip_at`` (-1: none) on the way."""
+        pos = 0
+        while pos < n:
+            data = src.recv(min(n - pos, 1 << 20))
+            if not data:
+                raise ConnectionError(
+                    f"closed inside a frame, {pos} of {n} bytes forwarded"
+                )
+            if pos <= flip_at < pos + len(data):
+                flipped = bytearray(data)
+                flipped[flip_at - pos] ^= 0xFF
+                dst.sendall(flipped)
+                with self.cond:
+                    self.flipped += 1
+                    self.cond.notify_all()
+            else:
+                dst.sendall(data)
+            pos += len(data)
+
+    def close(self) -> None:
+        self.server.close()
+        with self.cond:
+            conns = list(self.conns)
+        for sock in conns:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 class Cluster:
-    """The processes under test; ``decode`` entries are replaced when a worker is restarted."""
+    """The processes under test; ``decode`` entries are replaced when a worker is restarted.
+
+    Decode worker ``PROXIED`` listens for chunks on a fixed port (a restart
+    takes it again) behind ``proxy``, and advertises the proxy's port.
+    """
 
     def __init__(self, workdir: Path, model: Path) -> None:
         self.workdir, self.model = workdir, model
@@ -130,21 +307,28 @@ class Cluster:
         self.decode: list[WorkerProcess] = []
         self.router: WorkerProcess | None = None
         self.dead: list[WorkerProcess] = []
+        self.proxied_port = _free_port()
+        self.proxy = CorruptingProxy(self.proxied_port)
 
     def _config(self, name: str, cfg: dict[str, Any]) -> str:
         path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         return str(path)
 
-    def start_worker(self, role: str) -> WorkerProcess:
-        cfg = self._config(role, {**WORKER_CONFIG, "model": str(self.model)})
-        return start_worker(role, "--config", cfg, "--port", "0", timeout=120)
+    def start_worker(self, role: str, index: int = 0) -> WorkerProcess:
+        """The prefill worker, or decode worker ``index`` (``PROXIED`` behind the proxy)."""
+        cfg = {**WORKER_CONFIG, "model": str(self.model)}
+        if role == "decode" and index == PROXIED:
+            options = {"port": self.proxied_port, "advertise_port": self.proxy.port}
+            cfg["channel"] = {**cfg["channel"], "options": options}
+        path = self._config(f"{role}{index}", cfg)
+        return start_worker(role, "--config", path, "--port", "0", timeout=120)
 
     def start(self) -> None:
         with ThreadPoolExecutor(3) as pool:  # start-up is mostly imports: overlap them
             futs = [
-                pool.submit(self.start_worker, r)
-                for r in ("prefill", "decode", "decode")
+                pool.submit(self.start_worker, r, i)
+                for r, i in (("prefill", 0), ("decode", 0), ("decode", PROXIED))
             ]
             self.prefill, *self.decode = [f.result() for f in futs]
         args = ["--prefill", self.prefill.url] + [
@@ -172,6 +356,7 @@ class Cluster:
         for w in [self.router, *self.decode, self.prefill, *self.dead]:
             if w is not None:
                 w.stop(timeout=5)
+        self.proxy.close()
 
 
 def fault_free(cluster: Cluster, ps: list[list[int]]) -> list[list[int]]:
@@ -253,6 +438,7 @@ def kill_and_restart_decode(cluster: Cluster, counts: Counts, cycle: int = 0) ->
         victim = cluster.decode[index]
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait(10)
+    counts.injected["decode_sigkill"] += 1
     counts.faults.append(f"SIGKILL decode {victim.url}")
     _http(
         "DELETE",
@@ -260,7 +446,7 @@ def kill_and_restart_decode(cluster: Cluster, counts: Counts, cycle: int = 0) ->
         {"role": "decode", "url": victim.url},
         timeout=10,
     )
-    fresh = cluster.start_worker("decode")
+    fresh = cluster.start_worker("decode", index)
     status, raw = _http(
         "POST",
         cluster.router.url + "/pdkv/workers",
@@ -285,7 +471,46 @@ def stall_prefill(cluster: Cluster, counts: Counts, seconds: float = 2.0) -> Non
         time.sleep(seconds)
     finally:
         cluster.prefill.proc.send_signal(signal.SIGCONT)
+    counts.injected["prefill_stall"] += 1
     counts.faults.append(f"SIGSTOP prefill for {seconds}s")
+
+
+def _events(worker: WorkerProcess) -> tuple[float, float]:
+    """A decode worker's (checksum failures, fallbacks) so far, from its /metrics."""
+    _, raw = _http("GET", worker.url + "/metrics", timeout=5)
+    text = raw.decode()
+    return metric(
+        text, "pdkv_transfer_events_total", event="checksum_failures"
+    ), metric(text, "pdkv_fallbacks_total")
+
+
+def corrupt_chunk(cluster: Cluster, counts: Counts, wait_s: float = 30.0) -> None:
+    """Flip one byte of the next chunk on its way to the proxied decode worker; it must notice and recompute.
+
+    Noticing is its checksum failure counter going up, and not noticing
+    within ``wait_s`` is an error in the report; recomputing is its fallback
+    counter going up (the request may also fail cleanly: its output is
+    checked like every other's).
+    """
+    with cluster.lock:
+        victim = cluster.decode[PROXIED]
+    checksum_failures, fallbacks = _events(victim)
+    target = cluster.proxy.arm()
+    if not cluster.proxy.wait_flipped(target, wait_s):
+        raise RuntimeError(f"no chunk went to decode {victim.url} within {wait_s}s")
+    counts.injected["corrupt_chunk"] += 1
+    counts.faults.append(f"flipped a byte of a chunk on its way to decode {victim.url}")
+    deadline = time.monotonic() + wait_s
+    while (now := _events(victim))[0] <= checksum_failures or now[1] <= fallbacks:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    counts.corrupt_detected += int(now[0] - checksum_failures)
+    counts.corrupt_recomputed += int(now[1] - fallbacks)
+    if now[0] <= checksum_failures:
+        counts.errors.append(
+            f"fault corrupt_chunk went undetected: decode {victim.url} counted no checksum failure within {wait_s}s"
+        )
 
 
 def read_leaks(cluster: Cluster, wait_s: float) -> dict[str, float]:
@@ -326,44 +551,52 @@ def soak(
     try:
         cluster.start()
         assert cluster.router is not None
+        router_url = cluster.router.url
         ps = prompts(min(n, 16))
         expected = fault_free(cluster, ps)
         done = 0
         done_lock = threading.Condition()
-        # Faults cycle every ``block`` requests: a decode worker is killed at 1/4 of the block; the requests of
-        # the block's second half wait (bounded) for its restart, so the restarted worker really serves traffic;
-        # the prefill worker is stalled at 3/4. Triggers count finished requests, not seconds, so a slow machine
-        # sees the same interleaving.
+        # Faults cycle every ``block`` requests: a chunk is corrupted in flight at 1/8 of the block, a decode
+        # worker is killed at 1/4; the requests of the block's second half wait (bounded) for its restart, so the
+        # restarted worker really serves traffic; the prefill worker is stalled at 3/4. Triggers count finished
+        # requests, not seconds, so a slow machine sees the same interleaving.
         block = min(n, 100)
-        cycles = [
-            (b, b + max(1, block // 4), b + block // 2, b + (3 * block) // 4)
-            for b in range(0, n - block + 1, block)
-        ]
-        restarted = [threading.Event() for _ in cycles]
+        starts = range(0, n - block + 1, block)
+        restarted = [threading.Event() for _ in starts]
 
         def wait_done(at: int) -> bool:
             with done_lock:
                 return done_lock.wait_for(lambda: done >= at, timeout=timeout * 4)
 
         def faults() -> None:
-            for k, (_, kill_at, _, stall_at) in enumerate(cycles):
+            for k, b in enumerate(starts):
                 for at, fault, event in (
-                    (kill_at, kill_and_restart_decode, restarted[k]),
-                    (stall_at, stall_prefill, None),
+                    (
+                        b + block // 8,
+                        functools.partial(corrupt_chunk, cluster, counts),
+                        None,
+                    ),
+                    (
+                        b + max(1, block // 4),
+                        functools.partial(kill_and_restart_decode, cluster, counts, k),
+                        restarted[k],
+                    ),
+                    (
+                        b + (3 * block) // 4,
+                        functools.partial(stall_prefill, cluster, counts),
+                        None,
+                    ),
                 ):
+                    name = fault.func.__name__
                     if not wait_done(at):
                         counts.errors.append(
-                            f"fault {fault.__name__} never triggered: traffic stalled before request {at}"
+                            f"fault {name} never triggered: traffic stalled before request {at}"
                         )
                         return
                     try:
-                        fault(
-                            cluster, counts, k
-                        ) if fault is kill_and_restart_decode else fault(
-                            cluster, counts
-                        )
+                        fault()
                     except Exception as exc:  # noqa: BLE001 - a fault that could not be injected is reported, never skipped
-                        counts.errors.append(f"fault {fault.__name__} failed: {exc}")
+                        counts.errors.append(f"fault {name} failed: {exc}")
                     finally:
                         if event is not None:
                             event.set()
@@ -371,19 +604,16 @@ def soak(
         def task(i: int) -> tuple[str, str]:
             nonlocal done
             drop = drop_every > 0 and i % drop_every == drop_every - 1
-            for k, (_, _, gate, _) in enumerate(cycles):
+            for k, b in enumerate(starts):
+                gate = b + block // 2
                 if gate <= i < gate + block // 2 and not restarted[k].wait(timeout * 4):
                     counts.errors.append(
                         f"fault kill_and_restart_decode did not finish before request {i}"
                     )
             try:
                 return one_request(
-                    cluster.router.url,
-                    ps[i % len(ps)],
-                    expected[i % len(ps)],
-                    drop,
-                    timeout,
-                )  # type: ignore[union-attr]
+                    router_url, ps[i % len(ps)], expected[i % len(ps)], drop, timeout
+                )
             finally:
                 with done_lock:
                     done += 1
@@ -399,12 +629,10 @@ def soak(
         for outcome, detail in results:
             setattr(counts, outcome, getattr(counts, outcome) + 1)
             if outcome == "dropped":
+                counts.injected["client_drop"] += 1
                 counts.faults.append("client dropped its connection mid-stream")
             elif detail and len(counts.errors) < 20:
                 counts.errors.append(f"{outcome}: {detail}")
-        counts.faults_injected = len(
-            [f for f in counts.faults if not f.startswith("restarted")]
-        )
         counts.leaks = read_leaks(cluster, wait_s=15)
         counts.leaked = int(sum(counts.leaks.values()))
         return counts
@@ -418,7 +646,13 @@ def summary(counts: Counts) -> dict[str, Any]:
     faults = sorted(set(counts.faults), key=counts.faults.index)
     return {
         "requests": counts.requests,
-        "faults_injected": counts.faults_injected,
+        "faults_injected": sum(counts.injected.values()),
+        "faults_by_kind": dict(sorted(counts.injected.items())),
+        "corrupt_chunks": {
+            "injected": counts.injected["corrupt_chunk"],
+            "detected": counts.corrupt_detected,
+            "recomputed": counts.corrupt_recomputed,
+        },
         "recovered": counts.recovered,
         "failed_cleanly": counts.failed_cleanly,
         "dropped_by_client": counts.dropped,

@@ -13,8 +13,10 @@ the control plane -> the peer calls ``add_peer(metadata)`` -> ``write``/
 
 from __future__ import annotations
 
+import collections
 import enum
 import itertools
+import logging
 import os
 import threading
 import time
@@ -25,6 +27,8 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import msgspec
 
 from pdkv.errors import ChannelError, ConfigError, TransferTimeout
+
+log = logging.getLogger(__name__)
 
 
 class TransferOp(NamedTuple):
@@ -91,7 +95,20 @@ class TransferHandle:
 
 
 class ChannelOptions(msgspec.Struct, forbid_unknown_fields=True):
-    """Options shared by every channel; each channel subclasses this with its own."""
+    """Options shared by every channel; each channel subclasses this with its own.
+
+    ``secret`` is the worker's shared secret (the top-level ``secret``, filled
+    in by ``PdkvConfig.channel_options``): one secret guards the control plane
+    and, in a channel that can check it (``authenticates_data``), every data
+    connection too.
+    """
+
+    secret: str = ""
+
+    def __repr__(self) -> str:
+        """Every field, the secret's value left out: options may be logged."""
+        shown = ", ".join(f"{f}={'<secret>' if f == 'secret' and self.secret else repr(getattr(self, f))}" for f in self.__struct_fields__)
+        return f"{type(self).__name__}({shown})"
 
 
 class Channel(ABC):
@@ -99,20 +116,37 @@ class Channel(ABC):
 
     name: ClassVar[str]
     Options: ClassVar[type[ChannelOptions]] = ChannelOptions
+    # Whether data connections must prove ``options.secret`` before anything lands in a region.
+    authenticates_data: ClassVar[bool] = False
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
         self.agent_name = agent_name
         self.options = options if options is not None else self.Options()
+        self.counters: collections.Counter[str] = collections.Counter()
         self._region_sizes: dict[int, int] = {}
         self._peer_region_sizes: dict[str, dict[int, int]] = {}
+        if self.options.secret and not self.authenticates_data:
+            log.warning(
+                "%s channel: the shared secret authenticates the control plane only; this channel's data "
+                "connections are not checked, so keep its network trusted", self.name
+            )
 
     @classmethod
     def parse_options(cls, raw: dict[str, Any] | None) -> ChannelOptions:
-        """Options from a config mapping; errors name the channel, field and expectation."""
+        """Options from a config mapping; errors name the channel, field and expectation (never the secret)."""
         try:
             return msgspec.convert(raw or {}, cls.Options, strict=False)
         except msgspec.ValidationError as exc:
-            raise ConfigError(f"channel {cls.name!r} options {raw!r}: {exc}") from None
+            shown = {k: "<secret>" if k == "secret" else v for k, v in (raw or {}).items()}
+            raise ConfigError(f"channel {cls.name!r} options {shown!r}: {exc}") from None
+
+    def stats(self) -> dict[str, int]:
+        """The channel's own event counters (``auth_failures``).
+
+        Named as the sender's and receiver's are, so a worker exports their
+        sum as one ``pdkv_transfer_events_total`` series per event.
+        """
+        return dict(self.counters)
 
     # -- memory ------------------------------------------------------------
     @abstractmethod

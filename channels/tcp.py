@@ -14,8 +14,10 @@ Wire format: every frame starts with ``HEADER`` (little endian, 40 bytes)::
     | xfer u64 | offset u64 | length u64
 
     type       dir   fields (unlisted ones are zero)                       payload
-    HELLO      I->T  xfer=session id, aux=stream index, length             agent name
-    HELLO_OK   T->I  xfer=instance id, length                              agent name
+    HELLO      I->T  xfer=session id, aux=stream index, length,            [nonce if SECRET] agent name
+                     flags SECRET: the initiator holds a shared secret
+    HELLO_OK   T->I  xfer=instance id, length, flags SECRET as in HELLO    [nonce, proof if SECRET] agent name
+    AUTH       I->T  length                                                the initiator's proof (after a SECRET HELLO_OK)
     DATA       I->T  aux=region, offset, length, flags, shares, notif      bytes for region[offset:+length],
                      flags LAST: this frame ends the stream's share          then ``notif`` bytes of
                      of the transfer, which has ``shares`` shares;           notification if NOTIF
@@ -41,6 +43,19 @@ cost one ACK per batch, not per transfer. READ: the target answers each
 READ_REQ in order on the same stream; the initiator lands the answer where it
 recorded for that request (the target never picks an address), and sends
 NOTIF once the whole transfer landed.
+
+With a shared secret (``options.secret``, the worker's top-level ``secret``)
+every connection proves it before the target reads a single frame of it into
+a region, once per connection and never per frame: each side sends a fresh
+nonce (``pdkv.auth``), the target proves the secret over both in HELLO_OK and
+the initiator answers with its own proof in AUTH. The initiator checks the
+target's proof first, so it never sends KV to an agent without the secret; the
+target reads nothing but AUTH until the proof checks out, and only then adds
+the connection to its session, so a failed one hangs up no other. A HELLO
+without SECRET to a target with a secret (or the reverse), a wrong proof, any
+other frame where AUTH is due, or a peer that leaves before proving it is
+refused with ERROR, logged and counted (``stats()["auth_failures"]``).
+Without a secret the handshake is HELLO and HELLO_OK alone, as before.
 
 Every header field from the wire is checked before use (magic, version, type,
 flags, region, range, lengths against ``max_frame_bytes``/``max_notif_bytes``
@@ -82,8 +97,9 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
+from pdkv.auth import NONCE_BYTES, PROOF_BYTES, new_nonce, proof, verify
 from pdkv.channels.base import Channel, ChannelOptions, Notification, TransferHandle, TransferOp, XferState, merge_ops
-from pdkv.errors import ChannelError, ConfigError, ProtocolError, TransferTimeout
+from pdkv.errors import AuthError, ChannelError, ConfigError, ProtocolError, TransferTimeout
 from pdkv.memory import byte_view
 
 log = logging.getLogger(__name__)
@@ -93,12 +109,15 @@ VERSION = 1
 HEADER = struct.Struct("<2sBBBxHIIQQQ")
 HDR_SIZE = HEADER.size
 
-HELLO, HELLO_OK, DATA, ACK, READ_REQ, READ_DATA, NOTIF, ERROR = range(1, 9)
+HELLO, HELLO_OK, DATA, ACK, READ_REQ, READ_DATA, NOTIF, ERROR, AUTH = range(1, 10)
 FRAME_NAMES = {
     HELLO: "HELLO", HELLO_OK: "HELLO_OK", DATA: "DATA", ACK: "ACK",
-    READ_REQ: "READ_REQ", READ_DATA: "READ_DATA", NOTIF: "NOTIF", ERROR: "ERROR",
+    READ_REQ: "READ_REQ", READ_DATA: "READ_DATA", NOTIF: "NOTIF", ERROR: "ERROR", AUTH: "AUTH",
 }  # fmt: skip
 LAST, NOTIF_FOLLOWS = 1, 2  # DATA flags
+SECRET = 1  # HELLO/HELLO_OK flag: the sender holds a shared secret, and nonce (and proof) lead the payload
+# proof roles: a target's proof is never an initiator's, and neither is ever a control-plane one
+TARGET_ROLE, INITIATOR_ROLE = "tcp-target", "tcp-initiator"
 
 MAX_NAME_BYTES = 255
 MAX_ERROR_BYTES = 1024
@@ -118,6 +137,7 @@ class TcpOptions(ChannelOptions):
     host: str = "127.0.0.1"  # where to listen; 127.0.0.1 unless told otherwise
     port: int = 0  # 0: an ephemeral port, published through metadata()
     advertise_host: str | None = None  # host peers dial, when ``host`` is a wildcard like 0.0.0.0
+    advertise_port: int = 0  # port peers dial, when a port forward, NAT or proxy sits in front of ``port``; 0: ``port``
     streams: int = 4  # connections per peer
     stream_min_bytes: int = 4 << 20  # a transfer is split only into shares at least this big
     inline_max_bytes: int = 1 << 20  # writes up to this size go out on the caller's thread when possible
@@ -133,6 +153,7 @@ class TcpOptions(ChannelOptions):
     def __post_init__(self) -> None:
         checks: list[tuple[str, bool, str]] = [
             ("port", 0 <= self.port <= 65535, "0..65535"),
+            ("advertise_port", 0 <= self.advertise_port <= 65535, "0..65535 (0: the listening port)"),
             ("streams", 1 <= self.streams <= MAX_STREAMS, f"1..{MAX_STREAMS}"),
             ("stream_min_bytes", self.stream_min_bytes >= 1, ">= 1"),
             ("inline_max_bytes", self.inline_max_bytes >= 0, ">= 0"),
@@ -201,9 +222,9 @@ def _deadline(timeout: float, what: str) -> Callable[[], None]:
     return check
 
 
-def _pack(ftype: int, xfer: int = 0, length: int = 0, aux: int = 0) -> bytes:
+def _pack(ftype: int, xfer: int = 0, length: int = 0, aux: int = 0, flags: int = 0) -> bytes:
     """A header for the frame types that use only these fields."""
-    return HEADER.pack(MAGIC, VERSION, ftype, 0, 0, aux, 0, xfer, 0, length)
+    return HEADER.pack(MAGIC, VERSION, ftype, flags, 0, aux, 0, xfer, 0, length)
 
 
 class _Conn:
@@ -298,16 +319,16 @@ class _Conn:
         except BlockingIOError:
             raise TransferTimeout(f"tcp {self.label}: peer accepted no data for {self.io_timeout:.3g}s") from None
 
-    def send_frame(self, ftype: int, xfer: int = 0, payload: bytes = b"", aux: int = 0) -> None:
+    def send_frame(self, ftype: int, xfer: int = 0, payload: bytes = b"", aux: int = 0, flags: int = 0) -> None:
         """Send one control frame (handshake, ERROR) between other threads' batches."""
-        hdr = _pack(ftype, xfer, len(payload), aux)
+        hdr = _pack(ftype, xfer, len(payload), aux, flags)
         with self.send_lock:
             self.send([hdr, payload] if payload else [hdr])
 
 
-def _no_extras(conn: _Conn, ftype: int, flags: int, shares: int, notif: int) -> None:
-    """Fields only DATA may set must be zero in every other frame."""
-    if flags or shares or notif:
+def _no_extras(conn: _Conn, ftype: int, flags: int, shares: int, notif: int, allowed_flags: int = 0) -> None:
+    """Fields only DATA may set must be zero in every other frame (but for the flags the handshake allows)."""
+    if flags & ~allowed_flags or shares or notif:
         raise ProtocolError(f"tcp {conn.label}: {FRAME_NAMES.get(ftype, ftype)} frame sets flags/shares/notif fields")
 
 
@@ -424,7 +445,11 @@ class _Link:
             t.start()
 
     def _connect(self, index: int) -> _Conn:
-        """Open stream ``index`` and check, through the handshake, that it reached the agent the metadata names."""
+        """Open stream ``index`` and check, through the handshake, that it reached the agent the metadata names.
+
+        With a secret, that agent proves it before we prove ours: KV never goes
+        to an agent without the secret, and our proof never to one that lacks it.
+        """
         opts, meta = self.opts, self.meta
         try:
             family, stype, proto, _, addr = socket.getaddrinfo(meta.host, meta.port, type=socket.SOCK_STREAM)[0]
@@ -436,17 +461,29 @@ class _Link:
             sock.settimeout(opts.connect_timeout)
             sock.connect(addr)
             conn = _Conn(sock, opts, f"{self.channel.agent_name}->{self.peer}#{index}")
-            conn.send_frame(HELLO, self.session, self.channel.agent_name.encode(), aux=index)
+            secret = self.channel._secret
+            nonce = new_nonce() if secret else b""
+            conn.send_frame(HELLO, self.session, nonce + self.channel.agent_name.encode(), aux=index, flags=SECRET if secret else 0)
             ftype, flags, shares, _, nlen, instance, _, length = conn.recv_header(
                 _deadline(opts.connect_timeout, f"handshake answer from {self.where}")
             )
-            _no_extras(conn, ftype, flags, shares, nlen)
+            _no_extras(conn, ftype, flags, shares, nlen, SECRET if ftype == HELLO_OK else 0)
             if ftype == ERROR:
                 msg = conn.recv_payload(length, MAX_ERROR_BYTES, "error message").decode(errors="replace")
                 raise ChannelError(f"tcp: {self.where} refused the connection: {msg}")
             if ftype != HELLO_OK:
                 raise ProtocolError(f"tcp: {self.where} answered the handshake with frame type {ftype}")
-            name = conn.recv_payload(length, MAX_NAME_BYTES, "agent name").decode(errors="replace")
+            challenge = NONCE_BYTES + PROOF_BYTES if flags & SECRET else 0
+            payload = conn.recv_payload(length, challenge + MAX_NAME_BYTES, "HELLO_OK")
+            if secret:
+                theirs, given = payload[:NONCE_BYTES], payload[NONCE_BYTES:challenge]
+                if not challenge or not verify(secret, TARGET_ROLE, nonce, theirs, given):
+                    self.channel._count("auth_failures")
+                    raise ChannelError(f"tcp: {self.where} did not prove the shared secret (it has another `secret`, or none); nothing is sent to it")
+                conn.send_frame(AUTH, payload=proof(secret, INITIATOR_ROLE, theirs, nonce))
+            elif challenge:
+                raise ProtocolError(f"tcp: {self.where} proved a shared secret nobody asked for (this agent has none)")
+            name = payload[challenge:].decode(errors="replace")
             if name != self.peer or instance != meta.instance:
                 raise ChannelError(
                     f"tcp: {self.where} is now agent {name!r} (instance {instance:x}), not the one its metadata describes "
@@ -728,6 +765,7 @@ class TcpChannel(Channel):
 
     name: ClassVar[str] = "tcp"
     Options = TcpOptions
+    authenticates_data: ClassVar[bool] = True
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
         super().__init__(agent_name, options)
@@ -737,6 +775,7 @@ class TcpChannel(Channel):
         if len(agent_name.encode()) > MAX_NAME_BYTES:
             raise ConfigError(f"tcp channel agent name {agent_name!r}: expected at most {MAX_NAME_BYTES} UTF-8 bytes")
         self._opts = opts
+        self._secret = opts.secret.encode()
         self._instance = secrets.randbits(63)
         self._views: dict[int, memoryview] = {}
         self._region_ids = itertools.count()
@@ -785,7 +824,8 @@ class TcpChannel(Channel):
 
     def metadata(self) -> bytes:
         host = self._opts.advertise_host or self._opts.host
-        return msgspec.msgpack.encode(_Meta(self.agent_name, host, self.port, self._instance, dict(self._region_sizes)))
+        port = self._opts.advertise_port or self.port
+        return msgspec.msgpack.encode(_Meta(self.agent_name, host, port, self._instance, dict(self._region_sizes)))
 
     # -- peers -------------------------------------------------------------------
     def add_peer(self, metadata: bytes) -> str:
@@ -934,6 +974,10 @@ class TcpChannel(Channel):
         with self._notif_lock:
             self._notifs.append(Notification(peer, payload))
 
+    def _count(self, event: str) -> None:
+        with self._lock:
+            self.counters[event] += 1
+
     # -- target side ---------------------------------------------------------------
     def _accept_loop(self) -> None:
         while not self.closed:
@@ -971,6 +1015,8 @@ class TcpChannel(Channel):
             session = self._handshake(conn)
             self._serve_frames(conn, session)
         except ProtocolError as exc:
+            if isinstance(exc, AuthError):
+                self._count("auth_failures")
             peer = session.peer if session else "?"
             log.error("tcp %s: rejecting connection %s (peer %r): %s", self.agent_name, conn.label, peer, exc)
             self._hang_up(conn, session, str(exc))
@@ -991,11 +1037,31 @@ class TcpChannel(Channel):
                 conn.sock.close()
 
     def _handshake(self, conn: _Conn) -> _Session:
-        ftype, flags, shares, _, nlen, sid, _, length = conn.recv_header(_deadline(self._opts.connect_timeout, f"handshake on {conn.label}"))
+        """HELLO, HELLO_OK and, with a secret, the peer's proof; only then does the connection join its session.
+
+        Until it has joined, a failure hangs up this connection alone, and no
+        frame of it but AUTH has been read.
+        """
+        deadline = _deadline(self._opts.connect_timeout, f"handshake on {conn.label}")
+        ftype, flags, shares, _, nlen, sid, _, length = conn.recv_header(deadline)
         if ftype != HELLO:
             raise ProtocolError(f"tcp {conn.label}: expected HELLO first, got frame type {FRAME_NAMES.get(ftype, ftype)}")
-        _no_extras(conn, ftype, flags, shares, nlen)
-        peer = conn.recv_payload(length, MAX_NAME_BYTES, "agent name").decode(errors="replace")
+        _no_extras(conn, ftype, flags, shares, nlen, SECRET)
+        nonce_len = NONCE_BYTES if flags & SECRET else 0
+        payload = conn.recv_payload(length, nonce_len + MAX_NAME_BYTES, "HELLO")
+        if len(payload) < nonce_len:
+            raise ProtocolError(f"tcp {conn.label}: HELLO of {len(payload)} bytes cannot hold its {nonce_len} byte nonce")
+        theirs, name = payload[:nonce_len], payload[nonce_len:]
+        peer = name.decode(errors="replace")
+        conn.label += f" ({peer!r})"
+        if self._secret and not nonce_len:
+            raise AuthError(f"tcp {conn.label}: this agent requires the shared secret and the peer has none (set the same `secret` on both sides)")
+        if nonce_len and not self._secret:
+            raise AuthError(f"tcp {conn.label}: the peer holds a shared secret and this agent none (set the same `secret` on both sides)")
+        if self._secret:
+            self._check_proof(conn, theirs, deadline)
+        else:
+            conn.send_frame(HELLO_OK, self._instance, self.agent_name.encode())
         with self._lock:
             session = self._sessions.get(sid)
             if session is None:
@@ -1003,9 +1069,23 @@ class TcpChannel(Channel):
             elif session.peer != peer:
                 raise ProtocolError(f"tcp {conn.label}: session {sid:x} belongs to {session.peer!r}, not {peer!r}")
             session.conns.add(conn)
-        conn.label += f" ({peer!r})"
-        conn.send_frame(HELLO_OK, self._instance, self.agent_name.encode())
         return session
+
+    def _check_proof(self, conn: _Conn, theirs: bytes, deadline: Callable[[], None]) -> None:
+        """Prove the secret over both nonces, then read the peer's proof: the one frame read before it checks out."""
+        ours = new_nonce()
+        conn.send_frame(HELLO_OK, self._instance, ours + proof(self._secret, TARGET_ROLE, theirs, ours) + self.agent_name.encode(), flags=SECRET)
+        try:
+            ftype, flags, shares, _, nlen, _, _, length = conn.recv_header(deadline)
+        except (*_IO_ERRORS, ProtocolError) as exc:  # leaving is what a peer with another secret does: it refuses our proof
+            if self.closed:
+                raise  # we hung up, at close: no failure of the peer's
+            raise AuthError(f"tcp {conn.label}: no proof of the shared secret from the peer ({exc})") from None
+        if ftype != AUTH or length != PROOF_BYTES:
+            raise AuthError(f"tcp {conn.label}: {FRAME_NAMES.get(ftype, ftype)} frame of {length} bytes where the proof of the shared secret was due")
+        _no_extras(conn, ftype, flags, shares, nlen)
+        if not verify(self._secret, INITIATOR_ROLE, ours, theirs, conn.recv_payload(length, PROOF_BYTES, "proof")):
+            raise AuthError(f"tcp {conn.label}: the peer failed to prove the shared secret (set the same `secret` on both sides)")
 
     def _region_slice(self, conn: _Conn, region: int, offset: int, length: int) -> memoryview:
         """The view a DATA/READ_REQ frame names, or ProtocolError: nothing outside a region, ever."""

@@ -130,6 +130,10 @@ class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
     tier: TierConfig = msgspec.field(default_factory=TierConfig)
 
+    def channel_options(self) -> dict[str, Any]:
+        """The channel's options with the shared secret added: one ``secret`` authenticates both planes."""
+        return {**self.channel.options, "secret": self.secret}
+
 
 _PATH = re.compile(r"at `\$((?:\.\w+|\[\d+\])*)`")
 
@@ -149,7 +153,7 @@ def _lookup(raw: Any, path: str) -> Any:
 def convert_config(raw: dict[str, Any], source: str = "config") -> PdkvConfig:
     """Validate a raw mapping; errors say field, value and expectation."""
     try:
-        return msgspec.convert(raw, PdkvConfig, strict=False)
+        config = msgspec.convert(raw, PdkvConfig, strict=False)
     except msgspec.ValidationError as exc:
         text = str(exc)
         match = _PATH.search(text)
@@ -161,6 +165,9 @@ def convert_config(raw: dict[str, Any], source: str = "config") -> PdkvConfig:
         field = path.lstrip(".") or "?"
         expected = _PATH.sub("", text).rstrip(" -")
         raise ConfigError(f"{source}: field '{field}' = {_lookup(raw, path)!r}: {expected}") from None
+    if "secret" in config.channel.options:  # one secret for both planes; ``channel_options`` hands it to the channel
+        raise ConfigError(f"{source}: field 'channel.options.secret' is not an option: set the top-level `secret`, which guards the channel too")
+    return config
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PdkvConfig:

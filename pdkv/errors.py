@@ -27,6 +27,10 @@ class HandshakeError(ProtocolError):
     """Hello was refused: the peers are incompatible or failed authentication."""
 
 
+class AuthError(HandshakeError):
+    """A peer did not prove the shared secret: it has another one, none, or sent no proof where one is required."""
+
+
 class ChannelError(PdkvError):
     """A transfer channel failed: bad descriptor, unknown peer, dead connection."""
 

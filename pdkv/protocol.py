@@ -12,15 +12,13 @@ transfer channel, each followed by a ``ChunkNotice`` notification.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
 from typing import Annotated, Literal, Union
 
 import msgspec
 from msgspec import Meta
 
 from pdkv import PROTOCOL_VERSION
+from pdkv.auth import NONCE_BYTES, new_nonce, proof, verify
 from pdkv.channels.base import Channel
 from pdkv.errors import HandshakeError, ProtocolError
 from pdkv.layout import KVLayout
@@ -74,7 +72,7 @@ class Reserved(msgspec.Struct, tag="reserved", forbid_unknown_fields=True):
     mode: Literal["direct", "staging"]
     block_ids: list[NonNegInt]
     staging_slots: list[NonNegInt]
-    lease_s: float
+    lease_s: Annotated[float, Meta(gt=0, le=86400)]  # the sender stops writing once it may have lapsed
 
 
 class Refused(msgspec.Struct, tag="refused", forbid_unknown_fields=True):
@@ -156,26 +154,6 @@ def decode_notice(data: bytes) -> ChunkNotice:
         raise ProtocolError(f"malformed chunk notification: {exc}") from None
 
 
-NONCE_BYTES = 16
-
-
-def new_nonce() -> bytes:
-    return os.urandom(NONCE_BYTES)
-
-
-def proof(secret: bytes, role: str, first: bytes, second: bytes) -> bytes:
-    """HMAC-SHA256 proving knowledge of ``secret`` for this handshake's two nonces.
-
-    The role is mixed in so a receiver's proof can never be replayed as a
-    sender's; fresh nonces from both sides make every proof single-use.
-    """
-    return hmac.new(secret, b"pdkv/" + role.encode() + b"/" + first + second, hashlib.sha256).digest()
-
-
-def verify(secret: bytes, role: str, first: bytes, second: bytes, given: bytes) -> bool:
-    return len(first) == len(second) == NONCE_BYTES and hmac.compare_digest(proof(secret, role, first, second), given)
-
-
 def make_hello(channel: Channel, fingerprint: str, layout: KVLayout, chunk_size: int, kv_regions: list[int], staging_region: int, nonce: bytes = b"", auth: bytes = b"") -> Hello:
     """Our side's Hello: identical construction for sender and receiver."""
     return Hello(
@@ -205,4 +183,7 @@ def check_compatible(ours: Hello, theirs: Hello) -> None:
         raise HandshakeError(f"peer {theirs.agent!r} is incompatible: " + "; ".join(diffs) + " differ")
 
 
-__all__ = ["PROTOCOL_VERSION", "ChunkNotice", "Message", "check_compatible", "decode", "decode_notice", "encode"]
+__all__ = [
+    "NONCE_BYTES", "PROTOCOL_VERSION", "ChunkNotice", "Message", "check_compatible", "decode", "decode_notice", "encode",
+    "new_nonce", "proof", "verify",
+]  # fmt: skip

@@ -473,8 +473,10 @@ class KVReceiver:
             for r in list(self._res.values()):
                 if r.state is State.RECEIVING and now > r.lease_deadline:
                     self.counters["leases_expired"] += 1
-                    self._fail(r, TransferTimeout(f"lease expired: no word from the sender for {cfg.lease_s:.3g}s"), notify_sender=True)
-                    r.sender_done = True  # presumed dead: nothing more will come from it
+                    # Not presumed dead: a stalled sender may still have writes queued. Its blocks stay quarantined
+                    # until it answers the Cancel or drain_timeout_s passes (and the sender itself stops writing once
+                    # it sees its heartbeats lapsed), so no late write lands in blocks handed to another request.
+                    self._fail(r, TransferTimeout(f"lease expired: no word from the sender for {cfg.lease_s:.3g}s (the prefill side died, hung or lost its connection)"), notify_sender=True)
                 elif r.state is State.RECEIVING and now > r.created + cfg.transfer_timeout_s:
                     self.counters["timeouts"] += 1
                     self._fail(r, TransferTimeout(f"not complete after transfer_timeout_s={cfg.transfer_timeout_s:.3g}s"), notify_sender=True)

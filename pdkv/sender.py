@@ -13,6 +13,13 @@ Modes (chosen by the receiver): ``direct`` writes whole blocks from our
 buffer into the receiver's blocks when both layouts are identical; ``staging``
 gathers a chunk into canonical form locally and writes it into a staging
 slot the receiver scatters from.
+
+A receiver that dies or restarts is noticed when its control connection
+drops (a ZeroMQ socket monitor): it is forgotten, everything open with it
+fails at once (no ``Landed`` can come back, so waiting for
+``transfer_timeout_s`` would only hold the prefill side's blocks), and the
+next ``open`` to its address handshakes again. One that hangs with its
+connection up is caught by the timeouts.
 """
 
 from __future__ import annotations
@@ -24,19 +31,21 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pdkv import protocol
 from pdkv.channels.base import Channel, TransferHandle, TransferOp, XferState, merge_ops
 from pdkv.checksum import checksum
 from pdkv.config import TransferConfig
-from pdkv.errors import HandshakeError, ProtocolError, ReservationError, TransferCancelled, TransferError, TransferTimeout
+from pdkv.errors import HandshakeError, PdkvError, ProtocolError, ReservationError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.keys import chunk_spans
 from pdkv.layout import KVLayout, block_ranges
 from pdkv import native
@@ -48,14 +57,22 @@ from pdkv.wakeup import Waker
 
 log = logging.getLogger(__name__)
 
+# How long a closed control socket keeps trying to deliver what was queued on it (the Cancel of a
+# reservation we gave up on, the last Done/Cancel at close) before it is discarded: leases cover the rest.
+_CLOSE_LINGER_MS = 200
+# Queued for the I/O thread: close this peer's sockets (it owns them).
+_CLOSE = protocol.Error("close the peer's sockets")
+
 
 @dataclass
 class _Peer:
     address: str
     identity: bytes
     sock: zmq.Socket | None = None
+    monitor: zmq.Socket | None = None  # ``sock``'s DISCONNECTED events: the receiver died, restarted or the network dropped
     hello: Hello | None = None
     agent: str = ""
+    dropped: str = ""  # why it was forgotten; once set, its sockets are closed for good and messages to it discarded
     nonce: bytes = field(default_factory=protocol.new_nonce)
     hello_future: Future[Hello] = field(default_factory=Future)
 
@@ -92,6 +109,11 @@ class OutgoingTransfer:
         self.bytes_sent = 0
         self.started = 0.0  # first chunk posted: transfer time excludes the wait for compute before it
         self.opened = time.monotonic()  # reservation granted: transfer_timeout_s counts from here, as on the receiver
+        self.renewed = self.opened  # last heartbeat posted for it: the receiver's lease runs from about here
+        # Past this long without a heartbeat the receiver may have reaped the reservation (two beats of slack
+        # for a renewal that was queued but not yet on the wire); its lease_s, not ours, is what counts.
+        self.lease_s = reserved.lease_s
+        self.lease_margin = max(self.lease_s - 2 * sender.config.heartbeat_s, self.lease_s / 2)
         self.finished_at = 0.0
         self._on_settled: list[Callable[[OutgoingTransfer], None]] = []
 
@@ -169,9 +191,10 @@ class KVSender:
         self._inflight_bytes = 0
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[str, OutgoingTransfer] = {}
-        self._pending_reserve: dict[str, Future[protocol.Message]] = {}
+        self._pending_reserve: dict[str, tuple[_Peer, Future[protocol.Message]]] = {}
         self._outbox: queue.SimpleQueue[tuple[_Peer, protocol.Message] | None] = queue.SimpleQueue()
         self._sock_peer: dict[zmq.Socket, _Peer] = {}
+        self._monitor_peer: dict[zmq.Socket, _Peer] = {}
         self._waker = Waker()
         self.counters: collections.Counter[str] = collections.Counter()
         self._ctx = zmq.Context.instance()
@@ -200,8 +223,8 @@ class KVSender:
             reason = reply.reason if isinstance(reply, Refused) else getattr(reply, "message", repr(reply))
             if not rehandshaked and reason.startswith(HELLO_REQUIRED):
                 rehandshaked = True
-                self._drop_peer(address)  # the receiver restarted: handshake again
-                continue
+                self._drop_peer(peer, f"receiver {address} restarted: it no longer knows the requests reserved on its previous run")
+                continue  # handshake with the new run
             if isinstance(reply, Refused) and reply.retryable and time.monotonic() + backoff < deadline:
                 self.counters["reservations_retried"] += 1
                 time.sleep(backoff)  # room frees up as other requests finish
@@ -234,11 +257,8 @@ class KVSender:
         self._stop.set()
         self._outbox.put(None)
         self._waker.wake()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=5)  # the I/O thread closes every socket on its way out
         self._waker.close()
-        for peer in self._peers.values():
-            if peer.sock is not None:
-                peer.sock.close(0)
 
     # -- handshake and reservation ------------------------------------------------
     def _connect(self, address: str) -> _Peer:
@@ -252,37 +272,81 @@ class KVSender:
         try:
             hello = peer.hello_future.result(timeout)
         except FutureTimeout:
-            self._drop_peer(address)
-            raise TransferTimeout(f"no Hello reply from receiver {address} within handshake_timeout_s={timeout:.3g}s") from None
-        except HandshakeError:
-            self._drop_peer(address)
+            reason = f"no Hello reply from receiver {address} within handshake_timeout_s={timeout:.3g}s"
+            self._drop_peer(peer, reason)
+            raise TransferTimeout(reason) from None
+        except PdkvError as exc:  # refused (HandshakeError), or the receiver went away mid-handshake
+            self._drop_peer(peer, str(exc))
             raise
         if not peer.agent:
             with self._cond:
                 if not peer.agent:
+                    self._retire_previous_run(peer, hello)
                     peer.agent = self.channel.add_peer(hello.channel_metadata)
         return peer
 
-    def _drop_peer(self, address: str) -> None:
+    def _retire_previous_run(self, peer: _Peer, hello: Hello) -> None:
+        """Fail transfers reserved on an earlier run of the receiver ``hello`` comes from (caller holds the lock).
+
+        ``add_peer`` of a restarted receiver that kept its agent name points every later write to that
+        name at the new run, where the old reservations' block ids belong to other requests. So the old
+        transfers fail first, and a write of theirs being posted right now (to the old run) is waited for.
+        """
+        stale = [
+            x for x in self._transfers.values()
+            if x.peer is not peer and x.peer.hello is not None and x.peer.hello.agent == hello.agent
+            and x.peer.hello.channel_metadata != hello.channel_metadata
+        ]  # fmt: skip
+        for xfer in stale:
+            self._fail(xfer, TransferError(f"receiver {hello.agent!r} at {xfer.peer.address} restarted: request {xfer.request_id!r} was reserved on its previous run"))
+        deadline = time.monotonic() + self.config.handshake_timeout_s
+        while any(x.posting for x in stale):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransferTimeout(f"a write to the previous run of receiver {hello.agent!r} was still being posted after handshake_timeout_s={self.config.handshake_timeout_s:.3g}s")
+            self._cond.wait(min(remaining, 0.05))
+
+    def _drop_peer(self, peer: _Peer, reason: str) -> None:
+        """Forget a receiver that died, restarted, refused us or stopped answering; fail what is open with it.
+
+        Its open transfers can never complete (no ``Landed`` comes back over a closed socket), so they
+        fail now with ``reason`` instead of at transfer_timeout_s, and the prefill side's blocks are
+        freed as soon as their writes settle. The next ``open`` to that address handshakes again.
+        """
+        err = TransferError(reason)
         with self._cond:
-            peer = self._peers.pop(address, None)
-        if peer is not None:
-            self._post(peer, protocol.Error("close"))  # the loop closes the socket
+            if peer.dropped:
+                return
+            peer.dropped = reason
+            if self._peers.get(peer.address) is peer:
+                del self._peers[peer.address]
+            for xfer in self._transfers.values():
+                if xfer.peer is peer:
+                    self._fail(xfer, err)
+            waiting: list[Future[Any]] = [peer.hello_future, *(fut for owner, fut in self._pending_reserve.values() if owner is peer)]
+            if peer.agent and not any(p.agent == peer.agent for p in self._peers.values()):
+                self.channel.remove_peer(peer.agent)  # its link goes too: a write still in flight to it fails now
+        for fut in waiting:
+            _answer(fut, err)
+        self._post(peer, _CLOSE)
 
     def _request(self, peer: _Peer, request_id: str, msg: Reserve) -> protocol.Message:
         fut: Future[protocol.Message] = Future()
         with self._cond:
             if request_id in self._pending_reserve or request_id in self._transfers:
                 raise ReservationError(f"request {request_id!r} already has a transfer open")
-            self._pending_reserve[request_id] = fut
+            if peer.dropped:  # lost since the handshake: its socket is closed, a Reserve would go nowhere
+                raise TransferError(peer.dropped)
+            self._pending_reserve[request_id] = (peer, fut)
         self._post(peer, msg)
         timeout = self.config.reserve_timeout_s
         try:
             return fut.result(timeout)
         except FutureTimeout:
-            self._drop_peer(peer.address)
-            self._post(peer, Cancel(request_id, "reservation timed out at the sender"))
-            raise TransferTimeout(f"receiver {peer.address} did not answer Reserve for {request_id!r} within reserve_timeout_s={timeout:.3g}s") from None
+            self._post(peer, Cancel(request_id, "reservation timed out at the sender"))  # queued before the drop closes the socket
+            reason = f"receiver {peer.address} did not answer Reserve for {request_id!r} within reserve_timeout_s={timeout:.3g}s"
+            self._drop_peer(peer, reason)
+            raise TransferTimeout(reason) from None
         finally:
             with self._cond:
                 self._pending_reserve.pop(request_id, None)
@@ -307,6 +371,12 @@ class KVSender:
             if index in xfer.sent:
                 raise TransferError(f"chunk {index} of {xfer.request_id!r} was already sent")
             while True:
+                if xfer.error is None and time.monotonic() - xfer.renewed > xfer.lease_margin:
+                    # We were stalled (SIGSTOP, a long GC, a frozen VM) past the point where the receiver may have
+                    # reaped the reservation and handed its blocks to another request: writing now could land in them.
+                    self._fail(xfer, TransferTimeout(
+                        f"request {xfer.request_id!r}: no heartbeat reached receiver {xfer.peer.address} for "
+                        f"{time.monotonic() - xfer.renewed:.3g}s (its lease is {xfer.lease_s:.3g}s); not writing into a reservation that may be gone"))
                 if xfer.error is not None:
                     raise xfer.error
                 room = self._inflight_bytes == 0 or self._inflight_bytes + nbytes <= self.config.max_inflight_bytes
@@ -412,7 +482,10 @@ class KVSender:
                 if events.pop(self._waker.fileno(), None):
                     self._waker.clear()
                 for sock in events:
-                    self._drain(sock)
+                    if sock in self._monitor_peer:
+                        self._on_monitor(sock)
+                    else:
+                        self._drain(sock)
                 self._progress()
                 now = time.monotonic()
                 if now - last_beat >= self.config.heartbeat_s:
@@ -421,6 +494,8 @@ class KVSender:
             except Exception:
                 log.exception("sender loop error")
         self._flush_outbox(poller)  # the last Cancel/Done messages
+        for peer in list(self._sock_peer.values()):
+            self._close_sockets(poller, peer)
 
     def _flush_outbox(self, poller: zmq.Poller) -> None:
         while True:
@@ -431,25 +506,57 @@ class KVSender:
             if item is None:
                 return
             peer, msg = item
-            if isinstance(msg, protocol.Error):  # internal: close this peer's socket
-                if peer.sock is not None:
-                    poller.unregister(peer.sock)
-                    self._sock_peer.pop(peer.sock, None)
-                    peer.sock.close(0)
-                    peer.sock = None
+            if msg is _CLOSE:
+                self._close_sockets(poller, peer)
                 continue
             if peer.sock is None:
+                if peer.dropped:
+                    continue  # forgotten: a socket opened for it now would never be closed
                 peer.sock = self._ctx.socket(zmq.DEALER)
                 peer.sock.setsockopt(zmq.LINGER, 0)
                 peer.sock.setsockopt(zmq.ROUTING_ID, peer.identity)
                 peer.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+                peer.monitor = peer.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 peer.sock.connect(peer.address)
                 poller.register(peer.sock, zmq.POLLIN)
+                poller.register(peer.monitor, zmq.POLLIN)
                 self._sock_peer[peer.sock] = peer
+                self._monitor_peer[peer.monitor] = peer
             try:
                 peer.sock.send(protocol.encode(msg), zmq.NOBLOCK)
             except zmq.ZMQError as exc:
                 log.warning("could not send %s to %s: %s", type(msg).__name__, peer.address, exc)
+
+    def _close_sockets(self, poller: zmq.Poller, peer: _Peer) -> None:
+        """Close a peer's socket and its monitor (on the I/O thread, which owns them)."""
+        if peer.sock is None or peer.monitor is None:
+            return
+        poller.unregister(peer.monitor)
+        poller.unregister(peer.sock)
+        del self._monitor_peer[peer.monitor], self._sock_peer[peer.sock]
+        peer.sock.disable_monitor()
+        peer.monitor.close(0)
+        peer.sock.close(_CLOSE_LINGER_MS)
+        peer.sock = peer.monitor = None
+
+    def _on_monitor(self, monitor: zmq.Socket) -> None:
+        """A receiver's control connection dropped: it died or restarted, or the network failed.
+
+        Replies in flight on that connection are lost, so nothing open with it can finish: fail it
+        now rather than at a timeout. ZeroMQ would reconnect on its own; we drop the peer instead so
+        that a receiver that comes back is met with a fresh Hello.
+        """
+        peer = self._monitor_peer[monitor]
+        lost = False
+        while True:
+            try:
+                lost = recv_monitor_message(monitor, zmq.NOBLOCK)["event"] == zmq.EVENT_DISCONNECTED or lost
+            except zmq.Again:
+                break
+        if lost and not peer.dropped:
+            self.counters["peers_lost"] += 1
+            log.warning("lost the control connection to receiver %s: failing what is open with it; the next request to it handshakes again", peer.address)
+            self._drop_peer(peer, f"lost the control connection to receiver {peer.address} (it died or restarted, or the network dropped)")
 
     def _drain(self, sock: zmq.Socket) -> None:
         peer = self._sock_peer.get(sock)
@@ -481,19 +588,18 @@ class KVSender:
             if self.secret:  # queued before anyone can queue a Reserve: the receiver sees it first
                 self._post(peer, Auth(protocol.proof(self.secret, "sender", msg.nonce, peer.nonce)))
             peer.hello = msg
-            if not peer.hello_future.done():
-                peer.hello_future.set_result(msg)
+            _answer(peer.hello_future, msg)
         elif isinstance(msg, protocol.Error):
             err = HandshakeError(f"receiver {peer.address} refused us: {msg.message}")
             if not peer.hello_future.done():
-                peer.hello_future.set_exception(err)
+                _answer(peer.hello_future, err)
             else:
                 log.warning("receiver %s reported: %s", peer.address, msg.message)
         elif isinstance(msg, (Reserved, Refused)):
             with self._cond:
-                fut = self._pending_reserve.get(msg.request_id)
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
+                owner, fut = self._pending_reserve.get(msg.request_id, (None, None))
+            if owner is peer and fut is not None and not fut.done():
+                _answer(fut, msg)
             elif isinstance(msg, Reserved):  # we gave up waiting: release it at once
                 self._post(peer, Cancel(msg.request_id, "reservation arrived after the sender gave up"))
         elif isinstance(msg, Landed):
@@ -562,11 +668,31 @@ class KVSender:
                     log.exception("on_settled callback for %s failed", xfer.request_id)
 
     def _heartbeat(self) -> None:
+        """Renew each live peer's leases over its own socket.
+
+        Grouped by peer, not address: after a receiver restart the address has a new peer (new
+        identity) while transfers of the dropped one may not have settled yet, and the receiver
+        renews a lease only for the identity that holds it.
+        """
         with self._cond:
-            by_peer: dict[str, list[str]] = collections.defaultdict(list)
-            peers = {}
+            by_peer: dict[bytes, tuple[_Peer, list[str]]] = {}
             for xfer in self._transfers.values():
-                by_peer[xfer.peer.address].append(xfer.request_id)
-                peers[xfer.peer.address] = xfer.peer
-        for address, ids in by_peer.items():
-            self._post(peers[address], Heartbeat(ids))
+                if not xfer.peer.dropped:
+                    by_peer.setdefault(xfer.peer.identity, (xfer.peer, []))[1].append(xfer.request_id)
+            now = time.monotonic()
+            for xfer in self._transfers.values():
+                if not xfer.peer.dropped:
+                    xfer.renewed = now
+        for peer, ids in by_peer.values():
+            self._post(peer, Heartbeat(ids))
+
+
+def _answer(fut: Future[Any], outcome: Any) -> None:
+    """Resolve ``fut`` with a result, or fail it with an exception; the first thread to answer wins."""
+    try:
+        if isinstance(outcome, BaseException):
+            fut.set_exception(outcome)
+        else:
+            fut.set_result(outcome)
+    except InvalidStateError:
+        pass

@@ -26,9 +26,12 @@ from typing import Any
 import msgspec
 import pytest
 
+from pdkv.auth import NONCE_BYTES, proof
 from pdkv.channels import TransferOp, XferState, create_channel, tcp
-from pdkv.channels.tcp import HEADER, LAST, MAGIC, NOTIF_FOLLOWS, VERSION, TcpChannel, TcpOptions
+from pdkv.channels.tcp import HEADER, LAST, MAGIC, NOTIF_FOLLOWS, SECRET, VERSION, TcpChannel, TcpOptions
+from pdkv.config import convert_config
 from pdkv.errors import ChannelError, ConfigError
+from tests.conftest import wait_until
 
 CALL_TIMEOUT = 30.0
 MiB = 1 << 20
@@ -496,10 +499,149 @@ def test_hostile_frame_is_rejected_without_touching_other_memory(victim: Victim,
     assert [(n.peer, n.payload) for n in notifs] == [("good", case.encode())]
 
 
+# -- the shared secret on the data plane ------------------------------------------------------------------
+
+KEY = "s3cret"
+
+
+@dataclass
+class Guarded:
+    channel: TcpChannel
+    regions: list[bytearray]
+
+
+@pytest.fixture(scope="module")
+def guarded() -> Iterator[Guarded]:
+    """An agent whose data connections must prove ``KEY`` before anything of theirs lands."""
+    channel = TcpChannel("guarded", TcpOptions(io_timeout=5, connect_timeout=5, secret=KEY))
+    regions = [bytearray(pattern(50 + i, REGION)) for i in range(2)]
+    for buf in regions:
+        channel.register(buf)
+    yield Guarded(channel, regions)
+    channel.close()
+
+
+def _secret_hello(nonce: bytes = b"n" * NONCE_BYTES, name: bytes = b"evil") -> bytes:
+    return _hdr(tcp.HELLO, flags=SECRET, xfer=99, length=NONCE_BYTES + len(name)) + nonce + name
+
+
+def _proof_frame(given: bytes) -> bytes:
+    return _hdr(tcp.AUTH, length=len(given)) + given
+
+
+# name -> bytes an attacker without the secret sends: well-formed frames, every one in bounds, no valid proof
+UNPROVEN: dict[str, bytes] = {
+    "hello without the secret flag": _hello() + _data(0, 0, 16) + b"x" * 16,
+    "data where the proof is due": _secret_hello() + _data(0, 0, 16) + b"x" * 16,
+    "a wrong proof": _secret_hello() + _proof_frame(b"p" * 32) + _data(0, 0, 16) + b"x" * 16,
+    "a short proof": _secret_hello() + _proof_frame(b"p" * 8) + _data(0, 0, 16) + b"x" * 16,
+    "a notification where the proof is due": _secret_hello() + _hdr(tcp.NOTIF, length=2) + b"hi",
+    "a hello too short for its nonce": _hdr(tcp.HELLO, flags=SECRET, xfer=99, length=4) + b"evil",
+}
+
+
+@pytest.mark.parametrize("case", list(UNPROVEN))
+def test_frames_without_the_proof_land_nothing_and_are_disconnected(guarded: Guarded, case: str, caplog: pytest.LogCaptureFixture) -> None:
+    pristine = [bytes(b) for b in guarded.regions]
+    before = guarded.channel.stats().get("auth_failures", 0)
+    caplog.set_level(logging.ERROR, logger="pdkv.channels.tcp")
+
+    frames = _attack(guarded.channel.port, UNPROVEN[case])  # returns once the agent hung up (an ERROR may be lost to a reset)
+
+    assert [bytes(b) for b in guarded.regions] == pristine, "an unauthenticated connection changed memory"
+    assert guarded.channel.get_notifications() == []
+    assert all(ftype in (tcp.HELLO_OK, tcp.ERROR) for ftype, _ in frames), frames
+    expected = 0 if case == "a hello too short for its nonce" else 1  # malformed, not a failed proof
+    assert guarded.channel.stats().get("auth_failures", 0) == before + expected
+    assert any(r.levelno == logging.ERROR and "rejecting" in r.getMessage() for r in caplog.records), "no error was logged"
+
+
+def test_a_replayed_proof_is_refused(guarded: Guarded) -> None:
+    """A proof is bound to the agent's fresh nonce of that connection: one seen on the wire is worth nothing later."""
+    pristine = bytes(guarded.regions[0])
+    nonce = b"r" * NONCE_BYTES
+    with socket.create_connection(("127.0.0.1", guarded.channel.port), timeout=CALL_TIMEOUT) as sock:
+        sock.sendall(_secret_hello(nonce))
+        *_, length = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
+        first = sock.recv(length, socket.MSG_WAITALL)[:NONCE_BYTES]
+        seen = proof(KEY.encode(), tcp.INITIATOR_ROLE, first, nonce)  # what a legitimate peer sent on that connection
+    before = guarded.channel.stats().get("auth_failures", 0)
+
+    frames = _attack(guarded.channel.port, _secret_hello(nonce) + _proof_frame(seen))  # nothing after it: the ERROR is not lost to a reset
+
+    assert frames[-1][0] == tcp.ERROR and b"failed to prove" in frames[-1][1], frames
+    assert bytes(guarded.regions[0]) == pristine and guarded.channel.get_notifications() == []
+    wait_until(lambda: guarded.channel.stats().get("auth_failures", 0) >= before + 1, CALL_TIMEOUT, "the replay to be counted")
+
+
+def test_peers_with_the_same_secret_transfer_both_ways(guarded: Guarded) -> None:
+    peer = TcpChannel("friend", TcpOptions(io_timeout=5, secret=KEY))
+    try:
+        src = bytearray(pattern(60, REGION))
+        region = peer.register(src)
+        peer.add_peer(guarded.channel.metadata())
+        before = guarded.channel.stats().get("auth_failures", 0)
+        handle = peer.write("guarded", [TransferOp(region, 0, 1, 0, REGION)], notif=b"hi")
+        peer.wait(handle, CALL_TIMEOUT)
+        assert guarded.regions[1] == src
+        read_back = bytearray(REGION)
+        peer.wait(peer.read("guarded", [TransferOp(peer.register(read_back), 0, 0, 0, REGION)]), CALL_TIMEOUT)
+        assert read_back == guarded.regions[0]
+        deadline = time.monotonic() + CALL_TIMEOUT
+        while not (notifs := guarded.channel.get_notifications()) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert [(n.peer, n.payload) for n in notifs] == [("friend", b"hi")]
+        assert guarded.channel.stats().get("auth_failures", 0) == before and not peer.stats()
+    finally:
+        peer.close()
+        guarded.regions[1][:] = pattern(51, REGION)
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "error"),
+    [
+        ("other", KEY, "did not prove the shared secret"),
+        ("", KEY, "requires the shared secret and the peer has none"),
+        (KEY, "", "the peer holds a shared secret and this agent none"),
+    ],
+    ids=["wrong secret", "no secret", "target without one"],
+)
+def test_a_peer_without_the_right_secret_fails_with_a_clear_error_and_lands_nothing(ours: str, theirs: str, error: str) -> None:
+    target = TcpChannel("target", TcpOptions(io_timeout=5, secret=theirs))
+    initiator = TcpChannel("stranger", TcpOptions(io_timeout=5, secret=ours))
+    dst = bytearray(REGION)
+    try:
+        target.register(dst)
+        region = initiator.register(bytearray(pattern(70, REGION)))
+        initiator.add_peer(target.metadata())
+        with pytest.raises(ChannelError, match=error):
+            initiator.write("target", [TransferOp(region, 0, 0, 0, REGION)], notif=b"no")
+        assert dst == bytearray(REGION) and target.get_notifications() == []
+        wait_until(lambda: target.stats().get("auth_failures", 0) == 1, CALL_TIMEOUT, "the target to count the failure")
+        assert initiator.stats().get("auth_failures", 0) == (1 if ours and theirs else 0)  # it checked the target's proof
+    finally:
+        initiator.close()
+        target.close()
+
+
+def test_the_top_level_secret_guards_the_channel_and_is_no_channel_option() -> None:
+    config = convert_config({"secret": KEY, "channel": {"name": "tcp", "options": {"streams": 2}}})
+    options = TcpChannel.parse_options(config.channel_options())
+    assert options.secret == KEY and options.streams == 2 and KEY not in repr(options)
+    with pytest.raises(ConfigError, match="channel.options.secret") as exc:
+        convert_config({"channel": {"name": "tcp", "options": {"secret": "hunter2"}}})
+    assert "hunter2" not in str(exc.value)
+    with pytest.raises(ConfigError, match="streams") as exc:
+        TcpChannel.parse_options({"streams": 0, "secret": "hunter2"})
+    assert "hunter2" not in str(exc.value)
+
+
 # -- configuration, metadata, splitting ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("raw", [{"streams": 0}, {"streams": 65}, {"io_timeout": 0}, {"port": 70000}, {"max_frame_bytes": 0}, {"no_such_option": 1}])
+@pytest.mark.parametrize(
+    "raw", [{"streams": 0}, {"streams": 65}, {"io_timeout": 0}, {"port": 70000}, {"advertise_port": -1}, {"max_frame_bytes": 0}, {"no_such_option": 1}]
+)
 def test_bad_options_are_refused_with_the_field_named(raw: dict[str, Any]) -> None:
     with pytest.raises(ConfigError, match=next(iter(raw))):
         TcpChannel.parse_options(raw)

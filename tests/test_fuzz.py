@@ -27,6 +27,7 @@ from pdkv.channels.tcp import (
     LAST,
     MAGIC,
     NOTIF_FOLLOWS,
+    SECRET,
     VERSION,
     TcpChannel,
     TcpOptions,
@@ -404,21 +405,37 @@ class Target:
     baseline: int = 0  # connections the good peer keeps open
 
 
-@pytest.fixture(scope="module")
-def target() -> Iterator[Target]:
+def _make_target(secret: str = "") -> Iterator[Target]:
     opts = TcpOptions(
-        io_timeout=3, connect_timeout=3, max_frame_bytes=1 << 20, max_notif_bytes=256
+        io_timeout=3,
+        connect_timeout=3,
+        max_frame_bytes=1 << 20,
+        max_notif_bytes=256,
+        secret=secret,
     )
     channel = TcpChannel("target", opts)
     regions = [bytearray(_pattern(i)) for i in range(NREGIONS)]
     for buf in regions:
         channel.register(buf)
-    good = TcpChannel("good", TcpOptions(io_timeout=3, connect_timeout=3))
+    good = TcpChannel(
+        "good", TcpOptions(io_timeout=3, connect_timeout=3, secret=secret)
+    )
     src = good.register(bytearray(b"\xab" * REGION))
     good.add_peer(channel.metadata())
     yield Target(channel, regions, good, src)
     good.close()
     channel.close()
+
+
+@pytest.fixture(scope="module")
+def target() -> Iterator[Target]:
+    yield from _make_target()
+
+
+@pytest.fixture(scope="module")
+def guarded_target() -> Iterator[Target]:
+    """A target with a shared secret, which the fuzzer does not know."""
+    yield from _make_target(secret="fuzz-secret")
 
 
 def _send_raw(port: int, stream: bytes) -> None:
@@ -486,9 +503,11 @@ def _assert_still_serves(t: Target, tag: bytes) -> None:
 
 
 @st.composite
-def data_frames(draw: st.DrawFn) -> bytes:
-    """A HELLO then DATA/READ_REQ/NOTIF frames whose every field is drawn from near-valid and hostile values."""
-    out = _hello(sid=draw(U64))
+def data_frames(
+    draw: st.DrawFn, opening: st.SearchStrategy[bytes] | None = None
+) -> bytes:
+    """A HELLO (or ``opening``) then DATA/READ_REQ/NOTIF frames whose every field is drawn from near-valid and hostile values."""
+    out = draw(opening) if opening is not None else _hello(sid=draw(U64))
     for _ in range(draw(st.integers(1, 3))):
         ftype = draw(
             st.sampled_from(
@@ -591,6 +610,39 @@ def test_tcp_frames_never_write_outside_named_ranges(
 
     attack()
     _assert_still_serves(target, b"after")
+
+
+@st.composite
+def unproven_openings(draw: st.DrawFn) -> bytes:
+    """Handshakes of a peer without the secret: a HELLO with or without SECRET, then maybe a made-up proof."""
+    name = b"fuzzer"
+    if not draw(st.booleans()):
+        return _hello(name, sid=draw(U64))
+    nonce = draw(st.binary(min_size=16, max_size=16))
+    out = _hdr(tcp.HELLO, flags=SECRET, xfer=draw(U64), length=len(nonce + name))
+    out += nonce + name
+    if draw(st.booleans()):
+        given = draw(st.binary(min_size=0, max_size=40))
+        out += _hdr(tcp.AUTH, length=len(given)) + given
+    return out
+
+
+def test_without_the_secret_no_stream_lands_a_byte(guarded_target: Target) -> None:
+    """Against a target with a secret, even in-bounds DATA frames land nothing until a proof checks out."""
+    t = guarded_target
+    _assert_still_serves(t, b"before")
+
+    @FUZZ
+    @given(data_frames(unproven_openings()))
+    def attack(stream: bytes) -> None:
+        _send_raw(t.channel.port, stream)
+        _wait_served(t)
+        assert [bytes(b) for b in t.regions] == [_pattern(i) for i in range(NREGIONS)]
+        assert t.channel.get_notifications() == []
+
+    attack()
+    assert t.channel.stats()["auth_failures"] >= 1
+    _assert_still_serves(t, b"after")
 
 
 def test_random_garbage_changes_nothing(target: Target) -> None:

@@ -40,8 +40,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 class FakeWorker:
     """A stand-in prefill or decode worker: records requests, answers as its ``behavior`` says."""
 
-    def __init__(self, role: str, behavior: Behavior | None = None, kv_params: dict[str, Any] | None = None) -> None:
+    def __init__(self, role: str, behavior: Behavior | None = None, kv_params: dict[str, Any] | None = None, serves_info: bool = True) -> None:
         self.role = role
+        self.serves_info = serves_info  # False: a stock vLLM decode (no pdkv connector), which has no /pdkv/info
         self.behavior = behavior
         self.kv_params = kv_params  # a prefill worker's answer params (default: pdkv's, echoing the transfer id)
         self.requests: list[dict[str, Any]] = []
@@ -58,7 +59,8 @@ class FakeWorker:
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/pdkv/info", self._info)
+        if self.serves_info:
+            app.router.add_get("/pdkv/info", self._info)
         app.router.add_delete("/pdkv/transfers/{tid}", self._cancel)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
@@ -292,7 +294,8 @@ def test_hop_bodies_keep_every_field_but_the_ones_a_hop_must_change() -> None:
 
 def test_vllm_pair_mode_speaks_vllms_kv_transfer_params() -> None:
     async def scenario() -> None:
-        p, d = FakeWorker("prefill", kv_params=VLLM_ANSWER_PARAMS), FakeWorker("decode")
+        # A stock vLLM decode (NixlConnector pulls from P): no /pdkv/info, so P gets vLLM's null params.
+        p, d = FakeWorker("prefill", kv_params=VLLM_ANSWER_PARAMS), FakeWorker("decode", serves_info=False)
         async with cluster([p], [d], mode="vllm") as (url, router):
             body = {"model": "m", "messages": [{"role": "user", "content": "weather in Paris?"}], "tools": TOOLS, "max_tokens": 20, "min_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
             status, text = await post(url + "/v1/chat/completions", body)
@@ -309,6 +312,18 @@ def test_vllm_pair_mode_speaks_vllms_kv_transfer_params() -> None:
             status, _ = await post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 3})
             assert status == 200 and "kv_transfer_params" not in d.requests[-1]
             assert router_metric(router, "pdkv_router_fallbacks_total", reason="no_kv_transfer_params") == 1
+
+        # A vLLM decode with pdkv's connector serves /pdkv/info: P is told where to push, under a fresh transfer id.
+        p, d = FakeWorker("prefill", kv_params=VLLM_ANSWER_PARAMS), FakeWorker("decode")
+        async with cluster([p], [d], mode="vllm") as (url, router):
+            for _ in range(2):
+                status, _ = await post(url + "/v1/completions", {"prompt": "tell me", "max_tokens": 3})
+                assert status == 200
+            first, second = (r["kv_transfer_params"] for r in p.requests)
+            assert {k: v for k, v in first.items() if k != "transfer_id"} == {**VLLM_PREFILL_PARAMS, "remote_host": "127.0.0.1", "remote_port": 5555}
+            assert first["transfer_id"] and second["transfer_id"] and first["transfer_id"] != second["transfer_id"]
+            assert [r["kv_transfer_params"] for r in d.requests] == [VLLM_ANSWER_PARAMS] * 2
+            assert router_metric(router, "pdkv_router_fallbacks_total") == 0
 
     asyncio.run(scenario())
 

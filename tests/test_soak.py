@@ -1,16 +1,20 @@
 """The short soak: real processes, faults injected mid-traffic, nothing hangs, nothing leaks.
 
 The long version is ``python benchmarks/soak.py --requests 200 --json``; this
-one sends 16 requests through the router while one decode worker is SIGKILLed,
-restarted and re-registered through the admin API, the prefill worker is
-stalled with SIGSTOP/SIGCONT and two clients hang up mid-stream. Every request
-must match the fault-free output or fail with a clear error; no request may
-outlive its timeout and every worker's reservations and in-flight gauges must
-return to zero. Outcomes, not timings, are asserted.
+one sends 16 requests through the router while a byte of a chunk is flipped on
+its way to a decode worker (a proxy in front of its tcp channel), one decode
+worker is SIGKILLed, restarted and re-registered through the admin API, the
+prefill worker is stalled with SIGSTOP/SIGCONT and two clients hang up
+mid-stream. Every request must match the fault-free output or fail with a
+clear error; the corrupted chunk must be caught by the decode worker's
+checksum and its prompt recomputed; no request may outlive its timeout and
+every worker's reservations and in-flight gauges must return to zero.
+Outcomes, not timings, are asserted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -19,7 +23,7 @@ from types import ModuleType
 import pytest
 
 from pdkv.config import TransferConfig
-from pdkv.errors import TransferTimeout
+from pdkv.errors import TransferError
 from tests.conftest import wait_until
 
 _SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
@@ -49,9 +53,15 @@ def test_short_soak_nothing_hangs_nothing_leaks(tmp_path: Path) -> None:
     assert (
         counts.recovered + counts.failed_cleanly + counts.dropped == counts.requests
     ), report
-    assert any(f.startswith("SIGKILL decode") for f in counts.faults) and any(
-        f.startswith("SIGSTOP prefill") for f in counts.faults
-    ), report
+    assert counts.injected.keys() >= {
+        "corrupt_chunk",
+        "decode_sigkill",
+        "prefill_stall",
+        "client_drop",
+    }, report
+    # the flipped byte was caught by the checksum on the decode side, which computed that prompt itself
+    assert counts.corrupt_detected == counts.injected["corrupt_chunk"] == 1, report
+    assert counts.corrupt_recomputed >= 1, report
     assert counts.recovered > 0, report
 
 
@@ -61,8 +71,9 @@ def test_sender_settles_a_transfer_whose_receiver_died_after_the_writes(
     """Regression for the soak's one leak: prefill pdkv_open_transfers stuck at 1 after a decode worker was SIGKILLed.
 
     The worker never calls ``wait`` on a transfer, so when the receiver dies
-    after the writes completed (no Landed, no Cancel will ever come) only the
-    sender's own transfer_timeout_s can settle it.
+    after the writes completed (no Landed, no Cancel will ever come) the
+    sender must settle it itself: when it sees the control connection drop,
+    or at the latest after its own transfer_timeout_s.
     """
     cfg = TransferConfig(
         chunk_size=32,
@@ -74,7 +85,10 @@ def test_sender_settles_a_transfer_whose_receiver_died_after_the_writes(
     pair = make_pair(config=cfg)
     xfer = pair.sender.open("r1", pair.receiver.address, 100, list(range(40, 47)))
     pair.receiver.close()  # the decode side dies holding the reservation
-    xfer.send_all()
+    # The writes may post before the sender notices (the case the soak hit) or
+    # fail because it already saw the control connection drop: settled either way.
+    with contextlib.suppress(TransferError):
+        xfer.send_all()
     settled: list[bool] = []
     xfer.on_settled(lambda _x: settled.append(True))
     wait_until(
@@ -83,4 +97,5 @@ def test_sender_settles_a_transfer_whose_receiver_died_after_the_writes(
         "the sender to give up on the dead receiver",
     )
     assert settled == [True]
-    assert isinstance(xfer.error, TransferTimeout)
+    # a TransferTimeout, or the error of the lost control connection
+    assert isinstance(xfer.error, TransferError)

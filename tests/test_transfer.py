@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import msgspec
 import pytest
@@ -188,6 +189,28 @@ def test_dead_sender_lease_expires(make_pair) -> None:
     with pytest.raises(TransferError, match="lease expired"):
         pair.receiver.wait("dead", 5)
     assert pair.receiver.stats()["leases_expired"] == 1
+
+
+def test_sender_stalled_past_its_lease_writes_nothing_into_the_reaped_reservation(make_pair) -> None:
+    """A frozen prefill (SIGSTOP, a stuck VM) that resumes after its lease expired must not write into blocks
+    the receiver may have handed to another request: the receiver holds them until the sender says it is done,
+    and the sender refuses to post once its heartbeats have lapsed."""
+    cfg = TransferConfig(chunk_size=32, lease_s=0.4, heartbeat_s=0.1, drain_timeout_s=30)
+    pair = make_pair(config=cfg)
+    xfer = pair.sender.open("stalled", pair.receiver.address, 64, list(range(4)))
+    xfer.send_chunk(0)
+    wait_until(lambda: pair.receiver.stats().get("chunks_landed") == 1, 5, "chunk 0 to land")
+    with pair.sender._cond:  # the sender freezes: its I/O loop blocks at this lock, no heartbeat leaves it
+        with pytest.raises(TransferError, match="lease expired"):
+            pair.receiver.wait("stalled", 5)
+        time.sleep(cfg.heartbeat_s * 3)  # several reaper passes after the expiry
+        assert pair.receiver.stats()["reserved_blocks"] == 4  # quarantined, not back in the allocator
+        with pytest.raises(TransferTimeout, match="not writing into a reservation that may be gone"):
+            xfer.send_chunk(1)
+    # Resumed: the sender reads the receiver's Cancel, settles and says so; the blocks come back long before drain_timeout_s.
+    wait_until(lambda: pair.receiver.stats()["reservations"] == 0, 5, "the receiver to free the blocks once the sender settled")
+    assert pair.receiver.stats()["chunks_landed"] == 1 and pair.allocator.num_free == pair.allocator.num_blocks
+    assert isinstance(xfer.error, TransferTimeout)
 
 
 def test_hello_mismatch_names_the_field(make_pair) -> None:

@@ -231,25 +231,36 @@ class Proxy:
         return response
 
     async def _relay(self, call: _Call, decode: WorkerState, resp: aiohttp.ClientResponse) -> web.StreamResponse:
-        """Stream the decode worker's events to the client; until the first is sent, a failure is retryable."""
+        """Stream the decode worker's events to the client; until the first is sent, a failure is retryable.
+
+        A client that hangs up makes a write to it raise ``ConnectionResetError`` (upstream failures
+        are ``UpstreamError`` by then, see ``_guard``). That is the client's choice, not a fault:
+        one line is logged, and leaving here closes the upstream stream unread, which stops the
+        decode worker's generation and frees its blocks. Its transfer was claimed before its first
+        event, so nothing is left to cancel on the decode side.
+        """
         async with contextlib.aclosing(_sse_events(resp.content)) as events:
             first = await self._next_event(decode, events)
             if first is None:
                 raise UpstreamError(f"decode worker {decode.url} ended its stream before the first event", "empty_stream")
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await out.prepare(call.http)
-            await out.write(first)
-            self.metrics.ttft.labels(ROLE).observe(time.monotonic() - call.arrived)
             try:
-                while (event := await self._next_event(decode, events)) is not None:
-                    await out.write(event)
-                call.outcome = "ok"
-            except UpstreamError as exc:  # the client has bytes already: say it in-band, as the workers do
-                self._failed(call, decode, exc, [])
-                call.outcome = "broken"
-                await out.write(sse(error_body(f"the decode worker failed mid-answer: {exc}", "server_error", 502)))
-                await out.write(SSE_DONE)
-        await out.write_eof()
+                await out.prepare(call.http)
+                await out.write(first)
+                self.metrics.ttft.labels(ROLE).observe(time.monotonic() - call.arrived)
+                try:
+                    while (event := await self._next_event(decode, events)) is not None:
+                        await out.write(event)
+                    call.outcome = "ok"
+                except UpstreamError as exc:  # the client has bytes already: say it in-band, as the workers do
+                    self._failed(call, decode, exc, [])
+                    call.outcome = "broken"
+                    await out.write(sse(error_body(f"the decode worker failed mid-answer: {exc}", "server_error", 502)))
+                    await out.write(SSE_DONE)
+                await out.write_eof()
+            except ConnectionResetError:
+                call.outcome = "cancelled"
+                log.info("request %s: the client disconnected mid-stream; closing the stream from decode worker %s", call.request_id, decode.url)
         return out
 
     async def _next_event(self, decode: WorkerState, events: AsyncIterator[bytes]) -> bytes | None:

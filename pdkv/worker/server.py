@@ -26,6 +26,7 @@ now, and a prefill that comes late can no longer take that id.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import threading
@@ -81,7 +82,7 @@ class Worker:
         self.metrics = WorkerMetrics(self.role)
         self.tiering = Tiering.from_config(config.tier, engine, self.chunk_size, self.metrics)
         self.loop = EngineLoop(engine, chunk_size=self.chunk_size)
-        self.channel = create_channel(config.channel.name, self.agent, config.channel.options)
+        self.channel = create_channel(config.channel.name, self.agent, config.channel_options())
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
         self.pusher: ChunkPusher | None = None
@@ -99,7 +100,8 @@ class Worker:
         m.gauge("pdkv_open_transfers", "Outgoing transfers not yet settled", lambda: self._stat("open_transfers"))
         side = self.receiver or self.sender
         assert side is not None
-        m.events(side.stats, frozenset({"free_blocks", "free_staging_slots", "reservations", "reserved_blocks", "inflight_bytes", "open_transfers"}))
+        # the channel counts its own events (auth_failures of data connections) under the same names: exported summed
+        m.events(lambda: collections.Counter(side.stats()) + collections.Counter(self.channel.stats()), frozenset({"free_blocks", "free_staging_slots", "reservations", "reserved_blocks", "inflight_bytes", "open_transfers"}))
 
     def _stat(self, name: str) -> float:
         side = self.receiver or self.sender
@@ -209,27 +211,38 @@ class Worker:
         return web.json_response(api.full_response(req, text, tokens, finish, plan.kv_params))
 
     async def _stream(self, http: web.Request, req: api.GenerationRequest, plan: _Plan, events: AsyncIterator[tuple[int, str | None]], arrived: float) -> web.StreamResponse:
+        """Stream the answer as server-sent events.
+
+        A client that hangs up surfaces as ``ConnectionResetError`` from a write whenever the write comes
+        before aiohttp cancels the handler (no ``handler_cancellation``, or a write racing the cancel).
+        Left to aiohttp it is logged as a server error with a traceback, yet it is the client's choice:
+        one line is logged, and the handler's ``finally`` stops the job and frees its blocks.
+        """
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(http)
-        detok = api.Detokenizer(self.engine.tokenizer)
-        count = 0
         try:
-            async for token, finish in events:
-                if count == 0:
-                    self._first_token(plan, token, arrived)
-                count += 1
-                await resp.write(api.stream_event(req, detok.push(token, final=finish is not None), token, finish, first=count == 1))
-        except PdkvError as exc:  # headers are gone: report in-band, as OpenAI does
-            self.metrics.requests.labels(self.role, "error").inc()
-            await resp.write(api.sse(api.error_body(str(exc), "server_error", 500)))
+            await resp.prepare(http)
+            detok = api.Detokenizer(self.engine.tokenizer)
+            count = 0
+            try:
+                async for token, finish in events:
+                    if count == 0:
+                        self._first_token(plan, token, arrived)
+                    count += 1
+                    await resp.write(api.stream_event(req, detok.push(token, final=finish is not None), token, finish, first=count == 1))
+            except PdkvError as exc:  # headers are gone: report in-band, as OpenAI does
+                self.metrics.requests.labels(self.role, "error").inc()
+                await resp.write(api.sse(api.error_body(str(exc), "server_error", 500)))
+                await resp.write(api.SSE_DONE)
+                return resp
+            if plan.kv_params is not None:
+                await resp.write(api.sse({"id": req.request_id, "object": "kv_transfer_params", "kv_transfer_params": plan.kv_params}))
+            if req.include_usage:
+                await resp.write(api.usage_event(req, count))
             await resp.write(api.SSE_DONE)
+            await resp.write_eof()
+        except ConnectionResetError:
+            log.info("request %s: the client disconnected mid-stream; stopping it", req.request_id)
             return resp
-        if plan.kv_params is not None:
-            await resp.write(api.sse({"id": req.request_id, "object": "kv_transfer_params", "kv_transfer_params": plan.kv_params}))
-        if req.include_usage:
-            await resp.write(api.usage_event(req, count))
-        await resp.write(api.SSE_DONE)
-        await resp.write_eof()
         self._done(count)
         return resp
 

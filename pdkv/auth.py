@@ -1,0 +1,35 @@
+"""Shared-secret proofs: the one HMAC construction both planes use.
+
+The control plane (Hello/Auth in ``pdkv.protocol``) and the tcp channel's data
+connections (``pdkv.channels.tcp``) prove the same shared secret the same way,
+each side over a fresh nonce of its own and one of the peer's. Only the role
+string differs, so a proof made for one role or plane is never accepted for
+another; it lives here, below both, so the channels need not import the
+control-plane protocol.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+
+NONCE_BYTES = 16
+PROOF_BYTES = hashlib.sha256().digest_size
+
+
+def new_nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def proof(secret: bytes, role: str, first: bytes, second: bytes) -> bytes:
+    """HMAC-SHA256 proving knowledge of ``secret`` for this handshake's two nonces.
+
+    The role is mixed in so a receiver's proof can never be replayed as a
+    sender's; fresh nonces from both sides make every proof single-use.
+    """
+    return hmac.new(secret, b"pdkv/" + role.encode() + b"/" + first + second, hashlib.sha256).digest()
+
+
+def verify(secret: bytes, role: str, first: bytes, second: bytes, given: bytes) -> bool:
+    return len(first) == len(second) == NONCE_BYTES and hmac.compare_digest(proof(secret, role, first, second), given)
