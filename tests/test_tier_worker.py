@@ -8,7 +8,6 @@ the tier on or off, and on the decode worker that received the KV.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from pdkv.demo import get_text, metric, post_json
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
 from pdkv.engine.testing import write_tiny_model
-from pdkv.tier.localredis import LocalRedis, local_redis, server_binary
+from pdkv.tier.localredis import LocalRedis
 from pdkv.worker.server import Worker
 from tests.conftest import wait_until
 
@@ -43,15 +42,6 @@ def expected(model_dir: Path) -> dict[str, list[int]]:
     engine = ReferenceEngine.load(str(model_dir), progress=False)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     return {name: engine.generate(p, params, chunk_size=CHUNK).output_token_ids for name, p in (("base", BASE), ("shared", SHARED))}
-
-
-@pytest.fixture(scope="module")
-def redis_server() -> Iterator[LocalRedis]:
-    pytest.importorskip("redis", reason="the remote tier needs redis-py: pip install 'pdkv[redis]'")
-    if server_binary() is None:
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server); the remote tier is tested against a real one")
-    with local_redis() as server:
-        yield server
 
 
 def worker(model_dir: Path, role: str, **tier: Any) -> Worker:

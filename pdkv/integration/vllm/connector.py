@@ -14,8 +14,12 @@ per worker (role WORKER); this class only routes vLLM's calls to
 
 On a consumer, ``host``/``control_port`` are where its KV receiver listens
 (the router learns them from the server's ``/pdkv/info``) and ``num_blocks``
-sizes its landing buffer in vLLM blocks. ``pdkv launch --engine vllm``
-writes all of this.
+sizes its landing buffer in vLLM blocks. With ``tier.redis_url`` set, every
+instance (any ``kv_role``) offers the full prompt chunks it computes to that
+shared Redis tier and loads a prefix found there instead of computing it;
+the tier's memory and disk levels are per process, so vLLM, whose scheduler
+and workers are separate processes, uses only the shared one.
+``pdkv launch --engine vllm`` writes all of this.
 """
 
 from __future__ import annotations
@@ -36,11 +40,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdkv.config import convert_config
 from pdkv.errors import ConfigError
+from pdkv.integration.vllm.info import SECRET_ENV
 from pdkv.integration.vllm.kvcache import cpu_cache_layout
 from pdkv.integration.vllm.metadata import StepMetadata
 from pdkv.integration.vllm.scheduler_side import SchedulerSide
 from pdkv.integration.vllm.worker_side import WorkerSide, agent_name
 from pdkv.keys import model_fingerprint
+from pdkv.layout import DTYPES, KVLayout
+from pdkv.tier import CacheTier, RedisTier
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +75,16 @@ def vllm_fingerprint(vllm_config: VllmConfig) -> str:
     return model_fingerprint(name, json.loads(json.dumps(hf, default=str)), f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}")
 
 
+def vllm_layout(vllm_config: VllmConfig) -> KVLayout:
+    """The layout ``cpu_cache_layout`` will find, from the config alone (the scheduler never sees the tensors)."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    dtype = next((name for name, t in DTYPES.items() if t == mc.dtype), "bfloat16")
+    return KVLayout(
+        num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc), head_dim=mc.get_head_size(),
+        block_size=vllm_config.cache_config.block_size, dtype=dtype, kind="per_layer", order="HKND",
+    )
+
+
 class PdkvConnector(KVConnectorBase_V1):
     """Push-mode P/D over pdkv: P pushes chunks as they are computed, D lands and loads them."""
 
@@ -76,7 +93,10 @@ class PdkvConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
-        self.config = convert_config(dict(ktc.kv_connector_extra_config or {}), "kv_transfer_config.kv_connector_extra_config")
+        extra = dict(ktc.kv_connector_extra_config or {})
+        if SECRET_ENV in os.environ and not extra.get("secret"):
+            extra["secret"] = os.environ[SECRET_ENV]  # how pdkv launch hands it over: never on a command line `ps` shows
+        self.config = convert_config(extra, "kv_transfer_config.kv_connector_extra_config")
         pc = vllm_config.parallel_config
         if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
             raise ConfigError(
@@ -88,10 +108,21 @@ class PdkvConnector(KVConnectorBase_V1):
         producer, consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self._tier: CacheTier | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(fingerprint, self.config.transfer.chunk_size, producer, consumer)
+            self._tier = self._shared_tier(vllm_layout(vllm_config))
+            lookup = self._tier.contains if self._tier is not None else None
+            self.scheduler = SchedulerSide(fingerprint, self.config.transfer.chunk_size, producer, consumer, lookup)
         else:
-            self.worker = WorkerSide(self.config, fingerprint, producer, consumer, agent_name("producer" if producer else "consumer"))
+            self.worker = WorkerSide(self.config, fingerprint, producer, consumer, agent_name("producer" if producer else "consumer"), self._shared_tier)
+
+    def _shared_tier(self, layout: KVLayout) -> CacheTier | None:
+        t = self.config.tier
+        if not (t.enabled and t.redis_url):
+            return None
+        tier = RedisTier(layout, t.redis_url, namespace=t.redis_namespace, ttl_s=t.redis_ttl_s, timeout_s=t.redis_timeout_s, connect_timeout_s=t.redis_connect_timeout_s, retry_s=t.redis_retry_s)
+        tier.ping()  # an unreachable server is logged now, then served as misses
+        return tier
 
     # -- scheduler side --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -105,7 +136,7 @@ class PdkvConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         step = self.scheduler.build(scheduler_output)
-        return PdkvConnectorMetadata(sends=step.sends, loads=step.loads, discards=step.discards)
+        return PdkvConnectorMetadata(sends=step.sends, loads=step.loads, saves=step.saves, discards=step.discards)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
@@ -134,6 +165,7 @@ class PdkvConnector(KVConnectorBase_V1):
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             assert isinstance(meta, PdkvConnectorMetadata)
+            self.worker.save(meta)
             self.worker.push(meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
@@ -148,3 +180,5 @@ class PdkvConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
+        if self._tier is not None:
+            self._tier.close()

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 INFO_ENV = "PDKV_VLLM_INFO"
+SECRET_ENV = "PDKV_VLLM_SECRET"  # the launcher passes the shared secret here, not in --kv-transfer-config on argv
 
 
 async def pdkv_info(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:

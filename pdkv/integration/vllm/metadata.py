@@ -23,12 +23,27 @@ class SendSpec:
 
 @dataclass(frozen=True)
 class LoadSpec:
-    """Decode: land transfer ``transfer_id`` (``num_tokens`` tokens) in ``block_ids``, skipping ``skip_tokens`` already cached here."""
+    """Load the first ``num_tokens`` prompt tokens into ``block_ids``, skipping ``skip_tokens`` already cached here.
+
+    From transfer ``transfer_id`` (pushed by P), or, when ``tier_keys`` are
+    given, from those chunks of the shared cache tier.
+    """
 
     req_id: str
     transfer_id: str
     num_tokens: int
     skip_tokens: int
+    block_ids: list[int]
+    tier_keys: list[bytes] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Offer prompt chunks ``first_chunk, first_chunk+1, ...`` (keys ``keys``), computed in ``block_ids``, to the tier."""
+
+    req_id: str
+    first_chunk: int
+    keys: list[bytes]
     block_ids: list[int]
 
 
@@ -36,5 +51,6 @@ class LoadSpec:
 class StepMetadata:
     sends: list[SendSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
     # Transfers that landed for requests that no longer need them (fully cached here, or gone): free them.
     discards: list[str] = field(default_factory=list)

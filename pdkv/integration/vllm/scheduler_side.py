@@ -1,9 +1,16 @@
 """Scheduler-side bookkeeping of the pdkv vLLM connector.
 
 Runs in vLLM's scheduler process and decides, per request, what the worker
-side does: on a prefill instance, which requests push their prompt's KV to
-which decode receiver and how much of it is computed after each step; on a
-decode instance, which requests load a pushed prefix instead of computing it.
+side does:
+
+* push: on a prefill instance, which requests push their prompt's KV to which
+  decode receiver, and how much of it is computed after each step;
+* load: which requests load a prefix instead of computing it, either pushed
+  from P (``kv_transfer_params`` name the transfer) or found in the shared
+  cache tier (Redis: the one level the scheduler and every worker process,
+  on every instance, can all see), keyed by pdkv's chained chunk keys;
+* save: which full prompt chunks the worker offers to that tier once they
+  are computed here, so the next instance that sees the prefix loads it.
 
 Duck-typed against vLLM's ``Request``, ``KVCacheBlocks`` and
 ``SchedulerOutput`` (only the attributes read here), so it is tested without
@@ -13,123 +20,166 @@ vLLM installed.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
+from pdkv.integration.vllm.metadata import LoadSpec, SaveSpec, SendSpec, StepMetadata
 from pdkv.integration.vllm.params import PushTo, Pushed, prompt_key, push_target, pushed
+from pdkv.keys import chunk_keys
 
 log = logging.getLogger(__name__)
 
+TierLookup = Callable[[Sequence[bytes]], int]
+"""How many leading chunk keys the shared tier holds (``CacheTier.contains``)."""
+
 
 @dataclass
-class _Send:
-    target: PushTo
+class _Track:
+    """A scheduled request whose computed KV leaves this instance (pushed, saved, or both)."""
+
     num_tokens: int
-    key: str
+    target: PushTo | None = None
+    key: str = ""
+    save_keys: list[bytes] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
-    emitted: bool = False  # the worker has seen it: it may have written from our blocks
+    emitted: bool = False  # the worker has seen it: it may be writing from our blocks
 
 
 @dataclass
 class _Match:
-    pushed: Pushed
-    local_tokens: int
+    tokens: int  # prompt tokens the load covers, from token 0
+    transfer_id: str = ""  # pushed from P, or...
+    tier_keys: list[bytes] = field(default_factory=list)  # ...these chunks from the tier
+    local_tokens: int = 0
 
 
 class SchedulerSide:
-    """See the module docstring. ``fingerprint``/``chunk_size`` must match the prefill side's (both derive them from the model)."""
+    """See the module docstring. ``fingerprint``/``chunk_size`` must match the other instances' (all derive them from the model)."""
 
-    def __init__(self, fingerprint: str, chunk_size: int, is_producer: bool, is_consumer: bool) -> None:
+    def __init__(self, fingerprint: str, chunk_size: int, is_producer: bool, is_consumer: bool, tier_lookup: TierLookup | None = None) -> None:
         self.fingerprint = fingerprint
         self.chunk_size = chunk_size
         self.is_producer = is_producer
         self.is_consumer = is_consumer
-        self._sends: dict[str, _Send] = {}
-        self._matches: dict[str, _Match] = {}
-        self._attempted: set[str] = set()  # decode requests whose load was planned: never again (a failure recomputes)
+        self.tier_lookup = tier_lookup
+        self._tracks: dict[str, _Track] = {}
+        self._matches: dict[str, _Match | None] = {}
+        self._attempted: set[str] = set()  # requests whose load was planned: never again (a failure recomputes)
         self._loads: list[LoadSpec] = []
         self._discards: list[str] = []
         self.rejected_prompts = 0  # decode requests whose prompt did not hash like the prefilled one
 
-    # -- decode ---------------------------------------------------------------------
+    # -- loads -----------------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens past the local prefix cache that arrive pushed from P (loaded asynchronously)."""
-        if not self.is_consumer or request.request_id in self._attempted:
+        """Tokens past the local prefix cache that can be loaded (asynchronously) instead of computed."""
+        if request.request_id in self._attempted:
             return 0, False
         match = self._match(request)
         if match is None:
             return 0, False
         match.local_tokens = num_computed_tokens
-        return max(0, match.pushed.num_tokens - num_computed_tokens), num_computed_tokens < match.pushed.num_tokens
+        return max(0, match.tokens - num_computed_tokens), num_computed_tokens < match.tokens
 
     def _match(self, request: Any) -> _Match | None:
         req_id = request.request_id
-        if req_id in self._matches:
-            return self._matches[req_id]
-        info = pushed(getattr(request, "kv_transfer_params", None), req_id)
+        if req_id not in self._matches:  # vLLM may ask every step while the request waits: look once
+            self._matches[req_id] = self._pushed_match(request) or self._tier_match(request)
+        return self._matches[req_id]
+
+    def _pushed_match(self, request: Any) -> _Match | None:
+        if not self.is_consumer:
+            return None
+        info = pushed(getattr(request, "kv_transfer_params", None), request.request_id)
         if info is None:
             return None
         prompt = list(request.prompt_token_ids or [])
         if info.num_tokens > len(prompt) or prompt_key(prompt[: info.num_tokens], self.fingerprint, self.chunk_size) != info.prompt_key:
             self.rejected_prompts += 1
-            self._attempted.add(req_id)
             self._discards.append(info.transfer_id)
-            log.warning("request %s: its prompt is not the one prefilled for transfer %s (tokenizer, chat template or model differ between P and D?); recomputing it", req_id, info.transfer_id)
+            log.warning("request %s: its prompt is not the one prefilled for transfer %s (tokenizer, chat template or model differ between P and D?); recomputing it", request.request_id, info.transfer_id)
             return None
-        match = self._matches[req_id] = _Match(info, 0)
-        return match
+        return _Match(info.num_tokens, transfer_id=info.transfer_id)
 
-    # -- both ------------------------------------------------------------------------
+    def _tier_match(self, request: Any) -> _Match | None:
+        if self.tier_lookup is None:
+            return None
+        keys = self._full_chunk_keys(request)
+        try:
+            hits = self.tier_lookup(keys) if keys else 0
+        except Exception as exc:  # noqa: BLE001 - a tier that cannot answer is a miss, never a failed request
+            log.warning("request %s: cache tier lookup failed (%s); computing the prompt", request.request_id, exc)
+            return None
+        return _Match(hits * self.chunk_size, tier_keys=keys[:hits]) if hits else None
+
+    def _full_chunk_keys(self, request: Any) -> list[bytes]:
+        """Keys of the prompt's full chunks (a partial last chunk is never cached: its key would not be reused)."""
+        prompt = list(request.prompt_token_ids or [])
+        full = len(prompt) // self.chunk_size * self.chunk_size
+        return chunk_keys(prompt[:full], self.fingerprint, self.chunk_size) if full else []
+
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         req_id = request.request_id
-        if self.is_producer and req_id not in self._sends:
-            target = push_target(getattr(request, "kv_transfer_params", None), req_id)
-            if target is not None:
-                prompt = list(request.prompt_token_ids or [])
-                self._sends[req_id] = _Send(target, len(prompt), prompt_key(prompt, self.fingerprint, self.chunk_size))
+        if req_id not in self._tracks:
+            self._track(request)
         match = self._matches.get(req_id)
         if match is None or req_id in self._attempted:
             return
         self._attempted.add(req_id)
         if num_external_tokens > 0:
-            self._loads.append(LoadSpec(req_id, match.pushed.transfer_id, match.pushed.num_tokens, match.local_tokens, list(block_ids)))
-        else:  # the local prefix cache covered it: the pushed copy is not needed
-            self._discards.append(match.pushed.transfer_id)
+            self._loads.append(LoadSpec(req_id, match.transfer_id, match.tokens, match.local_tokens, list(block_ids), match.tier_keys))
+        elif match.transfer_id:  # the local prefix cache covered it: the pushed copy is not needed
+            self._discards.append(match.transfer_id)
+
+    # -- pushes and saves ------------------------------------------------------------------
+    def _track(self, request: Any) -> None:
+        prompt = list(request.prompt_token_ids or [])
+        target = push_target(getattr(request, "kv_transfer_params", None), request.request_id) if self.is_producer else None
+        save_keys = self._full_chunk_keys(request) if self.tier_lookup is not None else []
+        if target is not None or save_keys:
+            key = prompt_key(prompt, self.fingerprint, self.chunk_size) if target is not None else ""
+            self._tracks[request.request_id] = _Track(len(prompt), target, key, save_keys)
 
     def build(self, scheduler_output: Any) -> StepMetadata:
         meta = StepMetadata(loads=self._loads, discards=self._discards)
         self._loads, self._discards = [], []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            send = self._sends.get(new.req_id)
-            if send is not None:
-                send.block_ids = list(new.block_ids[0])
-                self._emit(meta, new.req_id, send, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+            track = self._tracks.get(new.req_id)
+            if track is not None:
+                track.block_ids = list(new.block_ids[0])
+                self._emit(meta, new.req_id, track, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            send = self._sends.get(req_id)
-            if send is None:
+            track = self._tracks.get(req_id)
+            if track is None:
                 continue
             added = cached.new_block_ids[i]
             if added is not None:
-                send.block_ids = list(added[0]) if req_id in cached.resumed_req_ids else send.block_ids + list(added[0])
-            self._emit(meta, req_id, send, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+                track.block_ids = list(added[0]) if req_id in cached.resumed_req_ids else track.block_ids + list(added[0])
+            self._emit(meta, req_id, track, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         return meta
 
-    def _emit(self, meta: StepMetadata, req_id: str, send: _Send, computed: int) -> None:
-        send.emitted = True
-        meta.sends.append(SendSpec(req_id, send.target.transfer_id, send.target.address, send.num_tokens, list(send.block_ids), min(computed, send.num_tokens)))
+    def _emit(self, meta: StepMetadata, req_id: str, track: _Track, computed: int) -> None:
+        ready = min(computed, track.num_tokens)
+        if track.target is not None:
+            track.emitted = True
+            meta.sends.append(SendSpec(req_id, track.target.transfer_id, track.target.address, track.num_tokens, list(track.block_ids), ready))
+        match = self._matches.get(req_id)
+        loaded = match.tokens if match is not None and req_id in self._attempted else 0
+        first, end = -(-loaded // self.chunk_size), min(ready // self.chunk_size, len(track.save_keys))
+        if first < end:  # computed here, not loaded: offer them (the worker skips what it already saved)
+            meta.saves.append(SaveSpec(req_id, first, track.save_keys[first:end], list(track.block_ids)))
 
     def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished``: hold a pushing request's blocks until its writes settle; tell D what was pushed."""
         req_id = request.request_id
         self._attempted.discard(req_id)
         self._matches.pop(req_id, None)
-        send = self._sends.pop(req_id, None)
-        if send is None or not send.emitted:
-            return False, None
-        if request.num_computed_tokens < send.num_tokens:  # aborted mid-prefill: the worker cancels the push
+        track = self._tracks.pop(req_id, None)
+        if track is None or track.target is None or not track.emitted:
+            return False, None  # saves are copied out during the step: nothing to hold
+        if request.num_computed_tokens < track.num_tokens:  # aborted mid-prefill: the worker cancels the push
             return True, None
-        out = Pushed(send.target.transfer_id, send.num_tokens, send.key)
-        return True, {**{f: getattr(out, f) for f in out.__struct_fields__}, "remote_host": send.target.remote_host, "remote_port": send.target.remote_port}
+        out = Pushed(track.target.transfer_id, track.num_tokens, track.key)
+        return True, {**{f: getattr(out, f) for f in out.__struct_fields__}, "remote_host": track.target.remote_host, "remote_port": track.target.remote_port}

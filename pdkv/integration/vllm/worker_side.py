@@ -19,6 +19,12 @@ the forward pass on the network:
   a transfer that failed, timed out or never came is reported in
   ``failed_recving`` too, so vLLM recomputes the prompt (its ``recompute``
   load-failure policy), never decodes from blocks that were not filled.
+* Any role, with a shared tier (``tier.redis_url``): full prompt chunks
+  computed here are gathered out of vLLM's blocks during the step (the blocks
+  may be freed right after it) and written to the tier by a background thread
+  (a bounded queue: when Redis is slower than compute, chunks are dropped and
+  counted, never waited for); a load the scheduler planned from the tier
+  reads those chunks and scatters the tokens past vLLM's own prefix cache.
 
 GPU (not run here: no GPU): the push thread waits on a CUDA event recorded
 at the end of the step before posting, and the loader copies host->device
@@ -32,6 +38,7 @@ import os
 import queue
 import threading
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -41,11 +48,13 @@ from pdkv.blocks import BlockAllocator
 from pdkv.channels import create_channel
 from pdkv.config import PdkvConfig
 from pdkv.errors import PdkvError, TransferError
+from pdkv.integration.vllm.affinity import unpin_current_thread, unpinned
 from pdkv.integration.vllm.kvcache import copy_blocks
 from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
-from pdkv.layout import KVLayout
+from pdkv.layout import KVLayout, gather, scatter
 from pdkv.receiver import KVReceiver
 from pdkv.sender import KVSender, OutgoingTransfer
+from pdkv.tier import CacheTier
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +77,7 @@ class _Push:
 class WorkerSide:
     """See the module docstring. ``register`` must run before anything else (vLLM calls it at start)."""
 
-    def __init__(self, config: PdkvConfig, fingerprint: str, is_producer: bool, is_consumer: bool, agent_name: str) -> None:
+    def __init__(self, config: PdkvConfig, fingerprint: str, is_producer: bool, is_consumer: bool, agent_name: str, tier: Callable[[KVLayout], CacheTier | None] | None = None) -> None:
         self.config = config
         self.fingerprint = fingerprint
         self.is_producer = is_producer
@@ -86,12 +95,28 @@ class WorkerSide:
         self._loader: ThreadPoolExecutor | None = None
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
+        self._make_tier = tier
+        self.tier: CacheTier | None = None
+        self._saved: dict[str, set[int]] = {}
+        self._save_queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(maxsize=64)
+        self._save_thread: threading.Thread | None = None
         self.counters: Counter[str] = Counter()
 
     # -- setup --------------------------------------------------------------------------
     def register(self, layout: KVLayout, vllm_kv: list[torch.Tensor]) -> None:
         """Take vLLM's cache (already viewed in ``layout``) and start the sender and/or receiver."""
+        with unpinned():  # every thread started here (and by those threads) runs off vLLM's pinned core
+            self._start(layout, vllm_kv)
+
+    def _start(self, layout: KVLayout, vllm_kv: list[torch.Tensor]) -> None:
         self.layout, self._vllm_kv = layout, vllm_kv
+        if self._make_tier is not None:
+            self.tier = self._make_tier(layout)
+        if self.tier is not None:
+            self._save_thread = threading.Thread(target=self._save_loop, name="pdkv-vllm-save", daemon=True)
+            self._save_thread.start()
+        if not (self.is_producer or self.is_consumer):
+            return
         channel = create_channel(self.config.channel.name, self.agent_name, self.config.channel_options())
         if self.is_producer:
             self.sender = KVSender(channel, layout, vllm_kv, self.fingerprint, self.config.transfer, secret=self.config.secret)
@@ -104,7 +129,6 @@ class WorkerSide:
                 channel, layout, self._landing, BlockAllocator(self.config.num_blocks), self.fingerprint, self.config.transfer,
                 host=self.config.host, port=self.config.control_port, secret=self.config.secret,
             )
-            self._loader = ThreadPoolExecutor(max_workers=16, thread_name_prefix="pdkv-vllm-load")
             log.info("pdkv receiver for vLLM listening on %s (%d landing blocks of %d tokens)", self.receiver.address, self.config.num_blocks, layout.block_size)
 
     # -- prefill: push ----------------------------------------------------------------------
@@ -183,38 +207,90 @@ class WorkerSide:
             p.settled = True
             self.counters["push_ok" if p.transfer is not None and p.transfer.complete else "push_failed"] += 1
 
+    # -- any role: offer computed chunks to the tier -------------------------------------------
+    def save(self, meta: StepMetadata) -> None:
+        """During the step: copy newly computed full chunks out of vLLM's blocks for the tier writer."""
+        if self.tier is None or self.layout is None:
+            return
+        size = self.config.transfer.chunk_size
+        for spec in meta.saves:
+            saved = self._saved.setdefault(spec.req_id, set())
+            for i, key in enumerate(spec.keys, start=spec.first_chunk):
+                if i in saved:
+                    continue
+                saved.add(i)
+                chunk = gather(self.layout, self._vllm_kv, spec.block_ids, i * size, size).cpu()
+                try:
+                    self._save_queue.put_nowait((key, chunk))
+                except queue.Full:
+                    self.counters["save_dropped"] += 1
+
+    def _save_loop(self) -> None:
+        assert self.tier is not None
+        while (item := self._save_queue.get()) is not None:
+            try:
+                self.tier.put([item[0]], [item[1]])
+                self.counters["save_ok"] += 1
+            except Exception as exc:  # noqa: BLE001 - a tier that fails costs a future miss, nothing more
+                self.counters["save_failed"] += 1
+                log.warning("cache tier write failed: %s", exc)
+
+    def _load_from_tier(self, spec: LoadSpec) -> None:
+        """Scatter the tier's chunks of ``spec`` into vLLM's blocks, tokens past ``skip_tokens`` only."""
+        if self.tier is None or self.layout is None:
+            raise TransferError("this instance has no cache tier (tier.redis_url is not set)")
+        size = self.config.transfer.chunk_size
+        outs = [torch.empty(self.layout.chunk_shape(size), dtype=self.layout.torch_dtype) for _ in spec.tier_keys]
+        got = self.tier.get(spec.tier_keys, outs)
+        if got * size < spec.num_tokens:
+            raise TransferError(f"the cache tier served {got} of {len(spec.tier_keys)} chunks (evicted since the lookup?)")
+        device = self._vllm_kv[0].device
+        for i, chunk in enumerate(outs):
+            start = max(i * size, spec.skip_tokens)  # vLLM's own prefix-cache blocks are shared: never written
+            if start < (i + 1) * size:
+                scatter(self.layout, self._vllm_kv, spec.block_ids, start, chunk[:, :, start - i * size :].to(device))
+
     # -- decode: land and load --------------------------------------------------------------
     def start_loads(self, meta: StepMetadata) -> None:
         """Hand this step's loads to the loader threads; free landed transfers nobody needs."""
-        assert self.receiver is not None or not (meta.loads or meta.discards)
-        for transfer_id in meta.discards:
-            self.receiver.cancel(transfer_id, "the decode request does not need it")  # type: ignore[union-attr]
+        if self.receiver is not None:
+            for transfer_id in meta.discards:
+                self.receiver.cancel(transfer_id, "the decode request does not need it")
+        if meta.loads and self._loader is None:
+            self._loader = ThreadPoolExecutor(max_workers=16, thread_name_prefix="pdkv-vllm-load", initializer=unpin_current_thread)
         for spec in meta.loads:
             self._loader.submit(self._load, spec)  # type: ignore[union-attr]
 
     def _load(self, spec: LoadSpec) -> None:
-        assert self.receiver is not None and self.layout is not None
         ok = False
         try:
-            got = self.receiver.wait(spec.transfer_id, self.config.transfer.transfer_timeout_s)
-            try:
-                n = self.layout.blocks_for(spec.num_tokens)
-                if got.num_tokens != spec.num_tokens or len(got.blocks) < n or len(spec.block_ids) < n:
-                    raise TransferError(f"transfer {spec.transfer_id!r} carries {got.num_tokens} tokens in {len(got.blocks)} blocks; the request needs {spec.num_tokens} in {n}")
-                first = spec.skip_tokens // self.layout.block_size  # blocks vLLM's own prefix cache holds: shared, never written
-                copy_blocks(self._landing, self._vllm_kv, got.blocks[first:n], spec.block_ids[first:n])
-                if self._vllm_kv[0].is_cuda:
-                    torch.cuda.current_stream(self._vllm_kv[0].device).synchronize()
-                ok = True
-            finally:
-                self.receiver.allocator.free(got.blocks)
+            if spec.tier_keys:
+                self._load_from_tier(spec)
+            else:
+                self._load_pushed(spec)
+            ok = True
         except PdkvError as exc:
-            log.warning("request %s: KV of transfer %s not loaded: %s; vLLM recomputes the prompt", spec.req_id, spec.transfer_id, exc)
+            log.warning("request %s: KV of %s not loaded: %s; vLLM recomputes the prompt", spec.req_id, "the cache tier" if spec.tier_keys else f"transfer {spec.transfer_id}", exc)
         except Exception:  # noqa: BLE001 - the request must still be reported, or vLLM waits for it forever
-            log.exception("request %s: loading transfer %s failed unexpectedly; vLLM recomputes the prompt", spec.req_id, spec.transfer_id)
+            log.exception("request %s: loading its KV failed unexpectedly; vLLM recomputes the prompt", spec.req_id)
         with self._lock:
             (self._recv_done if ok else self._recv_failed).add(spec.req_id)
-            self.counters["load_ok" if ok else "load_failed"] += 1
+            self.counters[("tier_" if spec.tier_keys else "") + ("load_ok" if ok else "load_failed")] += 1
+
+    def _load_pushed(self, spec: LoadSpec) -> None:
+        if self.receiver is None or self.layout is None:
+            raise TransferError("this instance has no KV receiver (kv_role is not a consumer)")
+        got = self.receiver.wait(spec.transfer_id, self.config.transfer.transfer_timeout_s)
+        try:
+            n = self.layout.blocks_for(spec.num_tokens)
+            if got.num_tokens != spec.num_tokens or len(got.blocks) < n or len(spec.block_ids) < n:
+                raise TransferError(f"transfer {spec.transfer_id!r} carries {got.num_tokens} tokens in {len(got.blocks)} blocks; the request needs {spec.num_tokens} in {n}")
+            first = spec.skip_tokens // self.layout.block_size  # blocks vLLM's own prefix cache holds: shared, never written
+            copy_blocks(self._landing, self._vllm_kv, got.blocks[first:n], spec.block_ids[first:n])
+            if self._vllm_kv[0].is_cuda:
+                torch.cuda.current_stream(self._vllm_kv[0].device).synchronize()
+        finally:
+            self.receiver.allocator.free(got.blocks)
 
     # -- completions ------------------------------------------------------------------------
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
@@ -229,6 +305,8 @@ class WorkerSide:
             sending = {req_id for req_id, p in self._pushes.items() if p.releasable}
             for req_id in sending:
                 del self._pushes[req_id]
+            for req_id in finished_req_ids:
+                self._saved.pop(req_id, None)
             failed, self._recv_failed = self._recv_failed, set()
             done, self._recv_done = self._recv_done, set()
         for req_id in wake:
@@ -239,6 +317,11 @@ class WorkerSide:
         if self._push_thread is not None:
             self._push_queue.put(None)
             self._push_thread.join(timeout=5)
+        if self._save_thread is not None:
+            self._save_queue.put(None)
+            self._save_thread.join(timeout=self.config.tier.flush_timeout_s)
+        if self.tier is not None:
+            self.tier.close()
         if self._loader is not None:
             self._loader.shutdown(wait=False, cancel_futures=True)
         for side in (self.sender, self.receiver):

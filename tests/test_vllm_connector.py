@@ -1,0 +1,419 @@
+"""The vLLM connector's parts, on the CPU and without vLLM: layout mapping, params, scheduler and worker sides.
+
+The worker-side tests move real bytes over the real tcp channel between two
+``WorkerSide`` objects holding tensors shaped like vLLM's CPU KV cache; the
+end-to-end test against a real vLLM is tests/test_vllm_integration.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pdkv.config import convert_config
+from pdkv.errors import ConfigError, LayoutError
+from pdkv.integration.vllm.kvcache import copy_blocks, cpu_cache_layout
+from pdkv.integration.vllm.metadata import StepMetadata
+from pdkv.integration.vllm.params import Pushed, prompt_key, push_target, pushed
+from pdkv.integration.vllm.scheduler_side import SchedulerSide
+from pdkv.integration.vllm.worker_side import WorkerSide
+from pdkv.layout import gather
+from pdkv.tier.base import leading
+
+from conftest import wait_until
+
+FP = "fp-test"
+BS = 32  # vLLM CPU block sizes are multiples of 32
+LAYERS, HEADS, HEAD_DIM = 3, 2, 8
+
+
+def vllm_cpu_cache(num_blocks: int, seed: int | None = None) -> dict[str, torch.Tensor]:
+    """Per-layer tensors shaped like vLLM's CPU backend: [blocks, kv_heads, block_size, 2 * head_dim]."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    make = (lambda s: torch.randn(s, generator=gen)) if seed is not None else torch.zeros
+    return {f"model.layers.{i}.self_attn.attn": make((num_blocks, HEADS, BS, 2 * HEAD_DIM)).to(torch.bfloat16) for i in range(LAYERS)}
+
+
+def test_hknd_layout_reads_k_and_v_where_vllm_cpu_attention_does() -> None:
+    caches = vllm_cpu_cache(4, seed=1)
+    layout, views = cpu_cache_layout(caches, BS)
+    assert (layout.order, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) == ("HKND", LAYERS, HEADS, HEAD_DIM, "bfloat16")
+    chunk = gather(layout, views, [2, 0], 0, 40)  # token 35 = block 0 offset 3
+    for layer, t in enumerate(caches.values()):
+        as_vllm = t.view(4, HEADS, 2 * BS, HEAD_DIM)  # vLLM's own reinterpretation, then .chunk(2, dim=2)
+        key, value = as_vllm[:, :, :BS], as_vllm[:, :, BS:]
+        for head in range(HEADS):
+            assert torch.equal(chunk[layer, 0, 35, head], key[0, head, 3])
+            assert torch.equal(chunk[layer, 1, 35, head], value[0, head, 3])
+            assert torch.equal(chunk[layer, 1, 2, head], value[2, head, 2])
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [((2, 4, BS, HEADS, HEAD_DIM), "pdkv maps only"), ((4, HEADS, 16, 2 * HEAD_DIM), "block_size=32"), ((4, HEADS, BS, 2 * HEAD_DIM + 1), "pdkv maps only")],
+)
+def test_unmapped_vllm_layouts_are_refused_by_name(shape: tuple[int, ...], message: str) -> None:
+    with pytest.raises(LayoutError, match=message):
+        cpu_cache_layout({"layer0": torch.zeros(shape, dtype=torch.bfloat16)}, BS)
+
+
+def test_layers_must_agree() -> None:
+    caches = vllm_cpu_cache(4)
+    caches["model.layers.9.self_attn.attn"] = torch.zeros((5, HEADS, BS, 2 * HEAD_DIM), dtype=torch.bfloat16)
+    with pytest.raises(LayoutError, match="layers.9"):
+        cpu_cache_layout(caches, BS)
+
+
+def test_copy_blocks_moves_exactly_the_named_blocks() -> None:
+    src = list(vllm_cpu_cache(6, seed=2).values())
+    dst = list(vllm_cpu_cache(6).values())
+    copy_blocks(src, dst, [5, 1], [0, 3])
+    for a, b in zip(src, dst):
+        assert torch.equal(b[0], a[5]) and torch.equal(b[3], a[1])
+        assert not b[[1, 2, 4, 5]].any()
+
+
+# -- params -------------------------------------------------------------------------------
+def test_push_target_parses_what_the_router_sends() -> None:
+    t = push_target({"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_host": "127.0.0.1", "remote_port": 5555, "transfer_id": "x"}, "r")
+    assert t is not None and t.address == "tcp://127.0.0.1:5555"
+    assert push_target({"do_remote_decode": True, "remote_host": "::1", "remote_port": 1, "transfer_id": "x"}, "r").address == "tcp://[::1]:1"  # type: ignore[union-attr]
+
+
+def test_vllm_nixl_style_and_absent_params_mean_no_push() -> None:
+    assert push_target({"do_remote_decode": True, "remote_host": None, "remote_port": None}, "r") is None
+    assert push_target(None, "r") is None
+    assert pushed({"do_remote_prefill": False}, "r") is None
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"do_remote_decode": True, "remote_host": "h", "remote_port": 70000, "transfer_id": "x"},
+        {"do_remote_decode": True, "remote_host": "h", "remote_port": "80", "transfer_id": "x"},
+        {"do_remote_decode": True, "remote_host": "h", "remote_port": 80, "transfer_id": ""},
+        {"do_remote_decode": True, "remote_host": "h", "remote_port": 80, "transfer_id": "x" * 300},
+    ],
+)
+def test_malformed_push_params_are_ignored_with_a_warning(params: dict, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert push_target(params, "req-7") is None
+    assert "req-7" in caplog.text and "malformed" in caplog.text
+
+
+def test_malformed_pushed_params_are_ignored() -> None:
+    assert pushed({"do_remote_prefill": True, "transfer_id": "x", "num_tokens": 0, "prompt_key": "k"}, "r") is None
+    assert pushed({"do_remote_prefill": True, "transfer_id": "x", "num_tokens": 5}, "r") is None
+
+
+# -- scheduler side ----------------------------------------------------------------------------
+def request(req_id: str, prompt: list[int], params: dict | None, computed: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt, kv_transfer_params=params, num_computed_tokens=computed)
+
+
+def sched_output(new: list[tuple[str, list[int], int]] = (), cached: list[tuple[str, list[int] | None, int]] = (), scheduled: dict[str, int] | None = None) -> SimpleNamespace:
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, _, _ in cached], new_block_ids=[None if b is None else (b,) for _, b, _ in cached],
+            num_computed_tokens=[c for _, _, c in cached], resumed_req_ids=set(),
+        ),
+        num_scheduled_tokens=scheduled or {},
+    )
+
+
+TARGET = {"do_remote_decode": True, "remote_host": "127.0.0.1", "remote_port": 5555, "transfer_id": "t-1"}
+
+
+def test_prefill_side_tracks_chunked_prefill_and_holds_blocks_until_sent() -> None:
+    s = SchedulerSide(FP, 64, is_producer=True, is_consumer=False)
+    prompt = list(range(100))
+    req = request("r1", prompt, TARGET)
+    s.after_alloc(req, [7, 8], 0)
+    step1 = s.build(sched_output(new=[("r1", [7, 8], 0)], scheduled={"r1": 64}))
+    assert [(x.transfer_id, x.address, x.num_tokens, x.block_ids, x.ready_tokens) for x in step1.sends] == [("t-1", "tcp://127.0.0.1:5555", 100, [7, 8], 64)]
+    step2 = s.build(sched_output(cached=[("r1", [9, 10], 64)], scheduled={"r1": 36}))
+    assert step2.sends[0].block_ids == [7, 8, 9, 10] and step2.sends[0].ready_tokens == 100
+    req.num_computed_tokens = 100
+    hold, params = s.finished(req)
+    assert hold is True and params is not None
+    got = pushed(params, "d")
+    assert got == Pushed("t-1", 100, prompt_key(prompt, FP, 64))
+
+
+def test_prefill_side_ignores_requests_without_a_target_and_never_scheduled_ones() -> None:
+    s = SchedulerSide(FP, 64, is_producer=True, is_consumer=False)
+    plain = request("plain", [1, 2, 3], None)
+    s.after_alloc(plain, [1], 0)
+    assert s.build(sched_output(new=[("plain", [1], 0)], scheduled={"plain": 3})).sends == []
+    assert s.finished(plain) == (False, None)
+    unscheduled = request("u", [1, 2, 3], TARGET)
+    s.after_alloc(unscheduled, [2], 0)
+    assert s.finished(unscheduled) == (False, None)  # the worker never saw it: nothing to wait for
+
+
+def test_prefill_aborted_mid_prompt_holds_blocks_but_tells_d_nothing() -> None:
+    s = SchedulerSide(FP, 64, is_producer=True, is_consumer=False)
+    req = request("r1", list(range(100)), TARGET)
+    s.after_alloc(req, [1, 2], 0)
+    s.build(sched_output(new=[("r1", [1, 2], 0)], scheduled={"r1": 64}))
+    req.num_computed_tokens = 64
+    assert s.finished(req) == (True, None)
+
+
+def pushed_params(prompt: list[int], n: int | None = None, chunk: int = 64) -> dict:
+    n = len(prompt) if n is None else n
+    return {"do_remote_prefill": True, "transfer_id": "t-9", "num_tokens": n, "prompt_key": prompt_key(prompt[:n], FP, chunk)}
+
+
+def test_decode_side_loads_past_the_local_prefix_once() -> None:
+    s = SchedulerSide(FP, 64, is_producer=False, is_consumer=True)
+    prompt = list(range(100))
+    req = request("d1", prompt, pushed_params(prompt))
+    assert s.num_new_matched_tokens(req, 32) == (68, True)
+    s.after_alloc(req, [4, 5, 6, 7], 68)
+    step = s.build(sched_output())
+    assert [(x.req_id, x.transfer_id, x.num_tokens, x.skip_tokens, x.block_ids) for x in step.loads] == [("d1", "t-9", 100, 32, [4, 5, 6, 7])]
+    # vLLM asks again after a failed load (recompute): never a second load
+    assert s.num_new_matched_tokens(req, 0) == (0, False)
+    assert s.build(sched_output()).loads == []
+
+
+def test_decode_side_refuses_kv_of_another_prompt_and_frees_it() -> None:
+    s = SchedulerSide(FP, 64, is_producer=False, is_consumer=True)
+    prompt = list(range(100))
+    other = request("d2", [5] + prompt[1:], pushed_params(prompt))
+    assert s.num_new_matched_tokens(other, 0) == (0, False)
+    assert s.rejected_prompts == 1
+    assert s.build(sched_output()).discards == ["t-9"]
+    longer = request("d3", prompt[:50], pushed_params(prompt))  # claims more tokens than the prompt has
+    assert s.num_new_matched_tokens(longer, 0) == (0, False)
+
+
+def test_decode_side_fully_cached_locally_discards_the_pushed_copy() -> None:
+    s = SchedulerSide(FP, 64, is_producer=False, is_consumer=True)
+    prompt = list(range(64))
+    req = request("d4", prompt, pushed_params(prompt))
+    assert s.num_new_matched_tokens(req, 64) == (0, False)
+    s.after_alloc(req, [1, 2], 0)
+    step = s.build(sched_output())
+    assert step.loads == [] and step.discards == ["t-9"]
+
+
+# -- worker side over the real tcp channel -------------------------------------------------------
+def worker_pair(transfer: dict | None = None) -> tuple[WorkerSide, WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    cfg = convert_config({"num_blocks": 16, "transfer": {"chunk_size": 64, "transfer_timeout_s": 3, "reserve_timeout_s": 2, "handshake_timeout_s": 2, **(transfer or {})}})
+    p_cache, d_cache = vllm_cpu_cache(12, seed=3), vllm_cpu_cache(10)
+    p = WorkerSide(cfg, FP, is_producer=True, is_consumer=False, agent_name="p-test")
+    d = WorkerSide(cfg, FP, is_producer=False, is_consumer=True, agent_name="d-test")
+    p.register(*cpu_cache_layout(p_cache, BS))
+    d.register(*cpu_cache_layout(d_cache, BS))
+    return p, d, p_cache, d_cache
+
+
+def collect(side: WorkerSide, finished: set[str], timeout: float = 10.0) -> tuple[set[str], set[str], set[str]]:
+    """Poll ``results`` like vLLM does each step until something is reported."""
+    out: tuple[set[str], set[str], set[str]] = (set(), set(), set())
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = side.results(finished)
+        finished = set()
+        out = (out[0] | got[0], out[1] | got[1], out[2] | got[2])
+        if any(out):
+            return out
+        time.sleep(0.01)
+    return out
+
+
+def test_prefill_pushes_from_vllm_blocks_and_decode_loads_them_into_its_own() -> None:
+    from pdkv.integration.vllm.metadata import LoadSpec, SendSpec
+
+    p, d, p_cache, d_cache = worker_pair()
+    try:
+        assert d.receiver is not None
+        address = d.receiver.address
+        # 150 tokens over P blocks [9, 2, 5, 11, 0]; pushed in two steps as chunked prefill computes them
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", address, 150, [9, 2, 5, 11, 0], 64)]))
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", address, 150, [9, 2, 5, 11, 0], 150)]))
+        sending, _, _ = collect(p, {"r1"})  # vLLM says the request finished; its blocks are released once the writes settle
+        assert sending == {"r1"}
+        # D: vLLM allocated blocks [3, 7, 1, 8, 6]; block 0 of the prompt is in its local prefix cache (skip 32 tokens)
+        before = {name: t[3].clone() for name, t in d_cache.items()}
+        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 32, [3, 7, 1, 8, 6])]))
+        _, recving, failed = collect(d, set())
+        assert recving == {"r1"} and failed == set()
+        for name in p_cache:
+            src, dst = p_cache[name], d_cache[name]
+            assert torch.equal(dst[3], before[name])  # the locally cached block is vLLM's, shared: never written
+            for p_block, d_block in zip([2, 5, 11, 0], [7, 1, 8, 6]):
+                assert torch.equal(dst[d_block], src[p_block]), (name, p_block, d_block)
+        assert d.receiver.stats()["free_blocks"] == 16 and d.receiver.stats()["reservations"] == 0
+        assert p.counters["push_ok"] == 1 and d.counters["load_ok"] == 1
+    finally:
+        p.close()
+        d.close()
+
+
+def _affinity(tid: int, default: set[int]) -> set[int]:
+    try:
+        return os.sched_getaffinity(tid)
+    except ProcessLookupError:  # exited since it was listed
+        return default
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin a thread to one")
+def test_connector_threads_run_off_the_core_vllm_pins_its_worker_to() -> None:
+    """vLLM's CPU worker pins its main thread to one core before it registers the cache, and threads inherit it:
+    inside vLLM on two cores the receiver then answered handshakes 5-10 s late and transfers timed out."""
+    from pdkv.integration.vllm.metadata import LoadSpec, SendSpec
+
+    every = os.sched_getaffinity(0)
+    core = {min(every)}
+    made: dict[str, object] = {}
+
+    cfg = convert_config({"num_blocks": 16, "transfer": {"chunk_size": 64, "transfer_timeout_s": 3}})
+    p = WorkerSide(cfg, FP, is_producer=True, is_consumer=False, agent_name="p-test")
+    d = WorkerSide(cfg, FP, is_producer=False, is_consumer=True, agent_name="d-test")
+    p_cache, d_cache = vllm_cpu_cache(12, seed=3), vllm_cpu_cache(10)  # vLLM's (its OpenMP threads are its own business)
+
+    def as_vllm_worker() -> None:  # everything vLLM's worker thread would call on us: register, push, load
+        os.sched_setaffinity(0, core)
+        p.register(*cpu_cache_layout(p_cache, BS))
+        d.register(*cpu_cache_layout(d_cache, BS))
+        assert d.receiver is not None
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, [9, 2, 5, 11, 0], 150)]))
+        made["sending"] = collect(p, {"r1"})[0]
+        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 0, [3, 7, 1, 8, 6])]))
+        made["recving"] = collect(d, set())[1]
+        made["own"] = os.sched_getaffinity(0)
+
+    worker = threading.Thread(target=as_vllm_worker)
+    worker.start()
+    worker.join(60)
+    try:
+        assert made["sending"] == {"r1"} and made["recving"] == {"r1"} and made["own"] == core  # vLLM's thread keeps its pinning
+        # Every thread of this process, native ones (zmq I/O, channel sockets) included, may run on any CPU.
+        others = [int(tid) for tid in os.listdir("/proc/self/task") if int(tid) != worker.native_id]  # it may linger a moment after join
+        pinned = {str(tid): mask for tid in others if (mask := _affinity(tid, every)) != every}
+        names = {str(t.native_id): t.name for t in threading.enumerate()}
+        assert pinned == {}, {tid: names.get(tid, Path(f"/proc/self/task/{tid}/comm").read_text().strip()) for tid in pinned}
+        assert d.counters["load_ok"] == 1
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_transfer_that_never_comes_fails_the_load_within_its_timeout() -> None:
+    from pdkv.integration.vllm.metadata import LoadSpec
+
+    p, d, _, _ = worker_pair({"transfer_timeout_s": 1.0})
+    try:
+        t0 = time.monotonic()
+        d.start_loads(StepMetadata(loads=[LoadSpec("r2", "never-pushed", 64, 0, [1, 2])]))
+        _, recving, failed = collect(d, set(), timeout=10)
+        assert recving == {"r2"} and failed == {"r2"}  # reported finished AND failed: vLLM recomputes
+        assert time.monotonic() - t0 < 5
+        assert d.receiver is not None and d.receiver.stats()["free_blocks"] == 16
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_dead_decode_receiver_costs_the_push_not_the_blocks() -> None:
+    from pdkv.integration.vllm.metadata import SendSpec
+
+    p, d, _, _ = worker_pair({"reserve_timeout_s": 0.5, "handshake_timeout_s": 0.5})
+    try:
+        assert d.receiver is not None
+        address = d.receiver.address
+        d.close()  # D is gone before P pushes
+        p.push(StepMetadata(sends=[SendSpec("r3", "t-3", address, 64, [1, 2], 64)]))
+        sending, _, _ = collect(p, {"r3"}, timeout=10)
+        assert sending == {"r3"}  # vLLM may free P's blocks: nothing was written from them
+        wait_until(lambda: p.counters["push_failed"] == 1, 5, "push counted as failed")
+    finally:
+        p.close()
+
+
+# -- the shared cache tier (a real redis-server) ---------------------------------------------------
+def test_scheduler_loads_the_tiers_leading_chunks_and_saves_only_what_it_computes() -> None:
+    held: set[bytes] = set()
+    s = SchedulerSide(FP, 64, is_producer=False, is_consumer=False, tier_lookup=lambda keys: leading([k in held for k in keys]))
+    prompt = list(range(300))  # 4 full chunks of 64, and a partial one that is never cached
+    req = request("t1", prompt, None)
+    held.update(s._full_chunk_keys(req)[:3])
+    assert s.num_new_matched_tokens(req, 64) == (128, True)  # 3 chunks held, 1 cached by vLLM itself
+    s.after_alloc(req, [1, 2, 3, 4, 5], 128)
+    step = s.build(sched_output(new=[("t1", [1, 2, 3, 4, 5], 192)], scheduled={"t1": 108}))
+    [load] = step.loads
+    assert (load.num_tokens, load.skip_tokens, load.tier_keys) == (192, 64, s._full_chunk_keys(req)[:3])
+    [save] = step.saves
+    assert (save.first_chunk, save.keys) == (3, s._full_chunk_keys(req)[3:4])  # chunk 3 was computed here; 0-2 came from the tier
+    fresh = request("t2", [7] * 130, None)  # a miss: both full chunks are offered once computed
+    assert s.num_new_matched_tokens(fresh, 0) == (0, False)
+    s.after_alloc(fresh, [9, 10], 0)
+    assert s.build(sched_output(new=[("t2", [9, 10], 0)], scheduled={"t2": 64})).saves[0].keys == s._full_chunk_keys(fresh)[:1]
+
+
+def test_a_prefix_saved_by_one_instance_is_loaded_by_another(redis_server) -> None:  # noqa: ANN001 - fixture
+    from pdkv.integration.vllm.metadata import LoadSpec, SaveSpec
+    from pdkv.tier import RedisTier
+
+    cfg = convert_config({"transfer": {"chunk_size": 64}, "tier": {"redis_url": redis_server.url, "redis_namespace": f"vllm-test-{time.monotonic_ns()}:"}})
+    tier = lambda layout: RedisTier(layout, cfg.tier.redis_url, namespace=cfg.tier.redis_namespace)  # noqa: E731
+    a_cache, b_cache = vllm_cpu_cache(8, seed=5), vllm_cpu_cache(8)
+    a = WorkerSide(cfg, FP, is_producer=False, is_consumer=False, agent_name="a", tier=tier)
+    b = WorkerSide(cfg, FP, is_producer=False, is_consumer=False, agent_name="b", tier=tier)
+    a.register(*cpu_cache_layout(a_cache, BS))
+    b.register(*cpu_cache_layout(b_cache, BS))
+    try:
+        keys = [bytes([i]) * 16 for i in range(3)]  # 3 chunks of 64 tokens over A's blocks [6, 1, 4, 0, 7, 2]
+        a.save(StepMetadata(saves=[SaveSpec("r", 0, keys[:2], [6, 1, 4, 0])]))
+        a.save(StepMetadata(saves=[SaveSpec("r", 0, keys, [6, 1, 4, 0, 7, 2])]))  # chunks 0-1 again: skipped
+        wait_until(lambda: a.counters["save_ok"] == 3, 10, "three chunks written to redis")
+        assert a.tier is not None and a.tier.contains(keys) == 3
+        before = {n: t[5].clone() for n, t in b_cache.items()}
+        b.start_loads(StepMetadata(loads=[LoadSpec("r", "", 192, 32, [5, 3, 2, 1, 0, 4], keys)]))  # B's prefix cache holds tokens < 32
+        _, recving, failed = collect(b, set())
+        assert recving == {"r"} and failed == set()
+        a_layout, a_views = cpu_cache_layout(a_cache, BS)
+        b_layout, b_views = cpu_cache_layout(b_cache, BS)
+        want = gather(a_layout, a_views, [6, 1, 4, 0, 7, 2], 32, 160)
+        assert torch.equal(gather(b_layout, b_views, [5, 3, 2, 1, 0, 4], 32, 160), want)
+        assert all(torch.equal(t[5][:, :, :32], before[n][:, :, :32]) for n, t in b_cache.items())  # block 5, tokens < 32: untouched
+        # a chunk gone from the tier (evicted since the lookup): the load fails and vLLM recomputes
+        b.start_loads(StepMetadata(loads=[LoadSpec("r2", "", 256, 0, [0, 1, 2, 3, 4, 5, 6, 7], [*keys, b"\xff" * 16])]))
+        _, recving, failed = collect(b, set())
+        assert failed == {"r2"}
+    finally:
+        a.close()
+        b.close()
+
+
+# -- pdkv launch --engine vllm ----------------------------------------------------------------------
+def test_launcher_hands_the_connector_its_whole_config_but_never_the_secret_on_argv() -> None:
+    from pdkv.launch.vllm import CONNECTOR_FIELDS, vllm_command
+
+    cfg = convert_config({
+        "role": "decode", "secret": "s3cret-value", "num_blocks": 96, "control_port": 7123,
+        "tier": {"redis_url": "redis://127.0.0.1:6399/0", "redis_namespace": "team-a:"},
+        "transfer": {"transfer_timeout_s": 8}, "channel": {"name": "tcp", "options": {"streams": 2}},
+    })
+    cmd, info = vllm_command(cfg, "/models/m", ["--enforce-eager"], python="py")
+    assert not any("s3cret-value" in arg for arg in cmd)  # argv is world-readable through ps
+    ktc = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert ktc["kv_role"] == "kv_consumer" and ktc["kv_load_failure_policy"] == "recompute"
+    seen = convert_config(ktc["kv_connector_extra_config"])  # what the connector parses
+    assert all(getattr(seen, f) == getattr(cfg, f) for f in CONNECTOR_FIELDS)
+    assert seen.tier.redis_url == "redis://127.0.0.1:6399/0" and seen.tier.redis_namespace == "team-a:"
+    assert info["remote_port"] == 7123 and cmd[-1] == "--enforce-eager"
+    with pytest.raises(ConfigError, match="--port"):
+        vllm_command(cfg, "/models/m", ["--port", "9"])
