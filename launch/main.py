@@ -52,10 +52,15 @@ def build_worker(config: PdkvConfig):  # noqa: ANN201 - the Worker import is def
     return Worker(config, engine)
 
 
+def warn_if_exposed(config: PdkvConfig) -> None:
+    """A worker (its HTTP, receiver and channel) bound beyond loopback without a secret is open to anyone who reaches it."""
+    if config.host not in LOOPBACK and not config.secret:
+        log.warning("binding %s without a shared secret: anyone who can reach this address can talk to the worker and its KV receiver (set `secret`)", config.host)
+
+
 async def serve(config: PdkvConfig) -> None:
     worker = await asyncio.to_thread(build_worker, config)
-    if config.host not in LOOPBACK and not config.secret:
-        log.warning("binding %s without a shared secret: anyone who can reach this address can talk to the worker", config.host)
+    warn_if_exposed(config)
     info = {"agent": worker.agent}
     if worker.receiver is not None:
         info["receiver"] = worker.receiver.address
@@ -98,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     if config.engine == "vllm" and config.role != "router":
         from pdkv.launch.vllm import run_vllm
 
+        warn_if_exposed(config)
         return run_vllm(config, args.engine_args, args.ready_timeout)
     if args.engine_args:
         raise ConfigError(f"arguments after -- go to the engine, and only engine vllm takes any: {args.engine_args}")

@@ -1,3 +1,4 @@
+import logging
 import subprocess
 import sys
 
@@ -6,7 +7,7 @@ import pytest
 
 from pdkv import protocol
 from pdkv.blocks import BlockAllocator
-from pdkv.config import TransferConfig, load_config
+from pdkv.config import TransferConfig, convert_config, load_config
 from pdkv.errors import ConfigError, HandshakeError, LayoutError, OutOfBlocksError, ProtocolError
 from pdkv.layout import KVLayout
 from pdkv.protocol import ChunkNotice, Hello, Reserve, Reserved
@@ -108,3 +109,14 @@ def test_cli_help_lists_subcommands() -> None:
     out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "--help"], capture_output=True, text=True, check=True).stdout
     for cmd in ("channel", "gather", "ttft"):
         assert cmd in out
+
+
+@pytest.mark.parametrize(("host", "secret", "warned"), [("0.0.0.0", "", True), ("10.1.2.3", "s", False), ("127.0.0.1", "", False), ("::1", "", False)])
+def test_a_worker_bound_beyond_loopback_without_a_secret_is_warned_about(host: str, secret: str, warned: bool, caplog: pytest.LogCaptureFixture) -> None:
+    from pdkv.launch.main import warn_if_exposed
+
+    for role, engine in (("decode", "reference"), ("prefill", "vllm")):  # pdkv's own workers and vLLM ones alike
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="pdkv.launch.main"):
+            warn_if_exposed(convert_config({"role": role, "engine": engine, "host": host, "secret": secret}))
+        assert any("without a shared secret" in r.getMessage() and host in r.getMessage() for r in caplog.records) is warned
