@@ -18,7 +18,6 @@ import msgspec
 from msgspec import Meta
 
 from pdkv import PROTOCOL_VERSION
-from pdkv.auth import NONCE_BYTES, new_nonce, proof, verify
 from pdkv.channels.base import Channel
 from pdkv.errors import HandshakeError, ProtocolError
 from pdkv.layout import KVLayout
@@ -183,7 +182,4 @@ def check_compatible(ours: Hello, theirs: Hello) -> None:
         raise HandshakeError(f"peer {theirs.agent!r} is incompatible: " + "; ".join(diffs) + " differ")
 
 
-__all__ = [
-    "NONCE_BYTES", "PROTOCOL_VERSION", "ChunkNotice", "Message", "check_compatible", "decode", "decode_notice", "encode",
-    "new_nonce", "proof", "verify",
-]  # fmt: skip
+__all__ = ["PROTOCOL_VERSION", "ChunkNotice", "Message", "check_compatible", "decode", "decode_notice", "encode"]

@@ -33,6 +33,7 @@ import torch
 import zmq
 
 from pdkv import protocol
+from pdkv.auth import new_nonce, proof, verify
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.base import Channel, Notification
 from pdkv.checksum import checksum
@@ -303,11 +304,11 @@ class KVReceiver:
                 self._send(identity, ours)
             return
         # with a secret: prove ours now, admit the peer once it proves its own (Auth)
-        nonce = protocol.new_nonce()
+        nonce = new_nonce()
         if len(self._unproven) >= self.config.max_reservations:
             self._unproven.pop(next(iter(self._unproven)))
         self._unproven[identity] = (hello, nonce)
-        self._send(identity, msgspec.structs.replace(ours, nonce=nonce, auth=protocol.proof(self.secret, "receiver", hello.nonce, nonce)))
+        self._send(identity, msgspec.structs.replace(ours, nonce=nonce, auth=proof(self.secret, "receiver", hello.nonce, nonce)))
 
     def _on_auth(self, identity: bytes, msg: Auth) -> None:
         pending = self._unproven.pop(identity, None)
@@ -315,7 +316,7 @@ class KVReceiver:
             self._send(identity, protocol.Error("unexpected Auth: send Hello first"))
             return
         hello, nonce = pending
-        if not protocol.verify(self.secret, "sender", nonce, hello.nonce, msg.proof):
+        if not verify(self.secret, "sender", nonce, hello.nonce, msg.proof):
             self.counters["auth_failures"] += 1
             log.warning("peer %r failed authentication (wrong or missing shared secret)", hello.agent)
             self._unproven[identity] = pending  # its Reserves are refused as unauthenticated

@@ -25,6 +25,7 @@ connection up is caught by the timeouts.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import queue
@@ -42,6 +43,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from pdkv import protocol
+from pdkv.auth import new_nonce, proof, verify
 from pdkv.channels.base import Channel, TransferHandle, TransferOp, XferState, merge_ops
 from pdkv.checksum import checksum
 from pdkv.config import TransferConfig
@@ -73,7 +75,7 @@ class _Peer:
     hello: Hello | None = None
     agent: str = ""
     dropped: str = ""  # why it was forgotten; once set, its sockets are closed for good and messages to it discarded
-    nonce: bytes = field(default_factory=protocol.new_nonce)
+    nonce: bytes = field(default_factory=new_nonce)
     hello_future: Future[Hello] = field(default_factory=Future)
 
 
@@ -577,7 +579,7 @@ class KVSender:
         if isinstance(msg, Hello):
             try:
                 protocol.check_compatible(self.hello(), msg)
-                if self.secret and not protocol.verify(self.secret, "receiver", peer.nonce, msg.nonce, msg.auth):
+                if self.secret and not verify(self.secret, "receiver", peer.nonce, msg.nonce, msg.auth):
                     self.counters["auth_failures"] += 1
                     raise HandshakeError(f"receiver {peer.address} did not prove the shared secret (missing or different `secret`)")
             except HandshakeError as exc:
@@ -586,7 +588,7 @@ class KVSender:
                     peer.hello_future.set_exception(exc)
                 return
             if self.secret:  # queued before anyone can queue a Reserve: the receiver sees it first
-                self._post(peer, Auth(protocol.proof(self.secret, "sender", msg.nonce, peer.nonce)))
+                self._post(peer, Auth(proof(self.secret, "sender", msg.nonce, peer.nonce)))
             peer.hello = msg
             _answer(peer.hello_future, msg)
         elif isinstance(msg, protocol.Error):
@@ -676,12 +678,10 @@ class KVSender:
         """
         with self._cond:
             by_peer: dict[bytes, tuple[_Peer, list[str]]] = {}
-            for xfer in self._transfers.values():
-                if not xfer.peer.dropped:
-                    by_peer.setdefault(xfer.peer.identity, (xfer.peer, []))[1].append(xfer.request_id)
             now = time.monotonic()
             for xfer in self._transfers.values():
                 if not xfer.peer.dropped:
+                    by_peer.setdefault(xfer.peer.identity, (xfer.peer, []))[1].append(xfer.request_id)
                     xfer.renewed = now
         for peer, ids in by_peer.values():
             self._post(peer, Heartbeat(ids))
@@ -689,10 +689,8 @@ class KVSender:
 
 def _answer(fut: Future[Any], outcome: Any) -> None:
     """Resolve ``fut`` with a result, or fail it with an exception; the first thread to answer wins."""
-    try:
+    with contextlib.suppress(InvalidStateError):
         if isinstance(outcome, BaseException):
             fut.set_exception(outcome)
         else:
             fut.set_result(outcome)
-    except InvalidStateError:
-        pass

@@ -11,6 +11,7 @@ import torch
 import zmq
 
 from pdkv import protocol
+from pdkv.auth import new_nonce, verify
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.mock import MockChannel
 from pdkv.config import TransferConfig
@@ -257,11 +258,11 @@ def test_peer_with_a_forged_proof_is_refused(make_pair) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(pair.receiver.address)
     try:
-        hello = msgspec.structs.replace(pair.sender.hello(), nonce=protocol.new_nonce())
+        hello = msgspec.structs.replace(pair.sender.hello(), nonce=new_nonce())
         sock.send(protocol.encode(hello))
         assert sock.poll(5000), "no Hello reply"
         reply = protocol.decode(sock.recv())
-        assert isinstance(reply, protocol.Hello) and protocol.verify(b"s3cret", "receiver", hello.nonce, reply.nonce, reply.auth)
+        assert isinstance(reply, protocol.Hello) and verify(b"s3cret", "receiver", hello.nonce, reply.nonce, reply.auth)
         sock.send(protocol.encode(protocol.Auth(b"\0" * 32)))
         sock.send(protocol.encode(protocol.Reserve("forged", 16)))
         answers = []

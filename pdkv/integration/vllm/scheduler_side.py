@@ -65,6 +65,7 @@ class SchedulerSide:
         self.tier_lookup = tier_lookup
         self._tracks: dict[str, _Track] = {}
         self._matches: dict[str, _Match | None] = {}
+        self._keys: dict[str, list[bytes]] = {}
         self._attempted: set[str] = set()  # requests whose load was planned: never again (a failure recomputes)
         self._loads: list[LoadSpec] = []
         self._discards: list[str] = []
@@ -112,11 +113,17 @@ class SchedulerSide:
             return None
         return _Match(hits * self.chunk_size, tier_keys=keys[:hits]) if hits else None
 
+    def _prompt_keys(self, request: Any) -> list[bytes]:
+        """Chained keys of every chunk of the prompt, a partial last one included: hashed once per request
+        (the tier lookup, the saves and the push's ``prompt_key`` all read them)."""
+        keys = self._keys.get(request.request_id)
+        if keys is None:
+            keys = self._keys[request.request_id] = chunk_keys(list(request.prompt_token_ids or []), self.fingerprint, self.chunk_size)
+        return keys
+
     def _full_chunk_keys(self, request: Any) -> list[bytes]:
         """Keys of the prompt's full chunks (a partial last chunk is never cached: its key would not be reused)."""
-        prompt = list(request.prompt_token_ids or [])
-        full = len(prompt) // self.chunk_size * self.chunk_size
-        return chunk_keys(prompt[:full], self.fingerprint, self.chunk_size) if full else []
+        return self._prompt_keys(request)[: len(request.prompt_token_ids or []) // self.chunk_size]
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -133,12 +140,11 @@ class SchedulerSide:
 
     # -- pushes and saves ------------------------------------------------------------------
     def _track(self, request: Any) -> None:
-        prompt = list(request.prompt_token_ids or [])
         target = push_target(getattr(request, "kv_transfer_params", None), request.request_id) if self.is_producer else None
         save_keys = self._full_chunk_keys(request) if self.tier_lookup is not None else []
         if target is not None or save_keys:
-            key = prompt_key(prompt, self.fingerprint, self.chunk_size) if target is not None else ""
-            self._tracks[request.request_id] = _Track(len(prompt), target, key, save_keys)
+            key = self._prompt_keys(request)[-1].hex() if target is not None else ""  # prompt_key(prompt)
+            self._tracks[request.request_id] = _Track(len(request.prompt_token_ids or []), target, key, save_keys)
 
     def build(self, scheduler_output: Any) -> StepMetadata:
         meta = StepMetadata(loads=self._loads, discards=self._discards)
@@ -176,6 +182,7 @@ class SchedulerSide:
         req_id = request.request_id
         self._attempted.discard(req_id)
         self._matches.pop(req_id, None)
+        self._keys.pop(req_id, None)
         track = self._tracks.pop(req_id, None)
         if track is None or track.target is None or not track.emitted:
             return False, None  # saves are copied out during the step: nothing to hold

@@ -33,6 +33,7 @@ on the current stream and synchronizes before reporting.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -249,6 +250,12 @@ class WorkerSide:
             start = max(i * size, spec.skip_tokens)  # vLLM's own prefix-cache blocks are shared: never written
             if start < (i + 1) * size:
                 scatter(self.layout, self._vllm_kv, spec.block_ids, start, chunk[:, :, start - i * size :].to(device))
+        self._landed_in_vllm()
+
+    def _landed_in_vllm(self) -> None:
+        """On GPU, the copies into vLLM's blocks are queued on a stream: done before the load is reported."""
+        if self._vllm_kv[0].is_cuda:
+            torch.cuda.current_stream(self._vllm_kv[0].device).synchronize()
 
     # -- decode: land and load --------------------------------------------------------------
     def start_loads(self, meta: StepMetadata) -> None:
@@ -287,8 +294,7 @@ class WorkerSide:
                 raise TransferError(f"transfer {spec.transfer_id!r} carries {got.num_tokens} tokens in {len(got.blocks)} blocks; the request needs {spec.num_tokens} in {n}")
             first = spec.skip_tokens // self.layout.block_size  # blocks vLLM's own prefix cache holds: shared, never written
             copy_blocks(self._landing, self._vllm_kv, got.blocks[first:n], spec.block_ids[first:n])
-            if self._vllm_kv[0].is_cuda:
-                torch.cuda.current_stream(self._vllm_kv[0].device).synchronize()
+            self._landed_in_vllm()
         finally:
             self.receiver.allocator.free(got.blocks)
 
@@ -318,8 +324,10 @@ class WorkerSide:
             self._push_queue.put(None)
             self._push_thread.join(timeout=5)
         if self._save_thread is not None:
-            self._save_queue.put(None)
-            self._save_thread.join(timeout=self.config.tier.flush_timeout_s)
+            flush = self.config.tier.flush_timeout_s
+            with contextlib.suppress(queue.Full):  # a writer stuck on Redis with a full queue is left behind (daemon)
+                self._save_queue.put(None, timeout=flush)
+            self._save_thread.join(timeout=flush)
         if self.tier is not None:
             self.tier.close()
         if self._loader is not None:
