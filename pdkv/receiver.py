@@ -106,6 +106,7 @@ class KVReceiver:
         host: str = "127.0.0.1",
         port: int = 0,
         secret: str | bytes = b"",
+        advertise_host: str = "",
     ) -> None:
         self.channel = channel
         self.layout = layout
@@ -136,7 +137,7 @@ class KVReceiver:
             self._sock.bind(f"tcp://{host}:{port}")
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+        self.address = f"tcp://{advertise_host or host}:{port}"  # what senders dial: not a wildcard bind address
 
         self._peers: dict[bytes, _Peer] = {}
         self._res: dict[str, _Reservation] = {}
