@@ -356,8 +356,19 @@ UCX_ENV_DEFAULTS: dict[str, str] = {
 }
 
 
-# The variables ``apply_env_defaults`` set (a user's own value is never in here), with the value set.
-_DEFAULTED: dict[str, str] = {}
+# Which variables pdkv set, and to what, as NAME=VALUE;...: in the environment, so a process started from this
+# one (a benchmark's receiver) still tells pdkv's defaults from a user's own values.
+DEFAULTS_VAR = "PDKV_ENV_DEFAULTS"
+
+
+def _defaulted() -> dict[str, str]:
+    entries = (item.partition("=") for item in os.environ.get(DEFAULTS_VAR, "").split(";") if item)
+    return {name: value for name, _, value in entries}
+
+
+def _record_default(name: str, value: str) -> None:
+    record = {**_defaulted(), name: value}
+    os.environ[DEFAULTS_VAR] = ";".join(f"{k}={v}" for k, v in record.items())
 
 
 def apply_env_defaults(defaults: Mapping[str, str]) -> dict[str, str]:
@@ -369,7 +380,8 @@ def apply_env_defaults(defaults: Mapping[str, str]) -> dict[str, str]:
     """
     applied = {k: v for k, v in defaults.items() if k not in os.environ}
     os.environ.update(applied)
-    _DEFAULTED.update(applied)
+    for name, value in applied.items():
+        _record_default(name, value)
     return applied
 
 
@@ -383,7 +395,7 @@ def ucx_follow_host(host: str) -> None:
     context, which is when UCX reads the variable; it is process-wide.
     """
     var = "UCX_NET_DEVICES"
-    if var not in _DEFAULTED or os.environ.get(var) != _DEFAULTED[var] or is_loopback(host):
+    if os.environ.get(var) != _defaulted().get(var) or is_loopback(host):
         return  # the user's choice, or loopback as by default
     device = "all" if is_wildcard(host) else interface_of(host)
     if device is None:
@@ -394,4 +406,5 @@ def ucx_follow_host(host: str) -> None:
         return
     if device != os.environ[var]:
         log.info("UCX: %s=%s (the interface that holds host %s; set %s yourself to choose another)", var, device, host, var)
-    os.environ[var] = _DEFAULTED[var] = device
+    os.environ[var] = device
+    _record_default(var, device)

@@ -215,12 +215,16 @@ def keep_delay_config(delay_us: int) -> type:
 def create_nixl_agent(name: str, options: NixlOptions) -> nixl_agent:
     """A ``nixl_agent`` configured from ``options``, its progress thread sleeping ``progress_delay_us``.
 
+    UCX uses the interface of ``options.host`` unless the user chose
+    (``ucx_follow_host``).
+
     ``nixl_agent.__init__`` builds its ``nixlAgentConfig`` and sets
     ``pthrDelay = 0`` (a busy spin) with no way to pass another value. For
     the constructor's duration this swaps in ``keep_delay_config``'s class,
     under a lock. The raw NIXL baseline builds its agents here too, so both
     sides of the comparison run the same settings.
     """
+    ucx_follow_host(options.host)  # before the agent creates its UCX context, which reads it
     conf = nixl_agent_config(enable_prog_thread=options.progress_thread, backends=list(options.backends), num_threads=options.num_threads)
     base = nixl_bindings.nixlAgentConfig
     if not options.progress_thread or not hasattr(base, "pthrDelay"):
@@ -255,7 +259,6 @@ class NixlChannel(Channel):
         super().__init__(agent_name, options)
         opts: NixlOptions = self.options  # type: ignore[assignment]
         self._lock = threading.Lock()  # NIXL's default sync mode leaves agent calls to the caller to serialize
-        ucx_follow_host(opts.host)  # before the agent creates its UCX context, which reads it
         try:
             self._agent = create_nixl_agent(agent_name, opts)
         except NIXL_ERRORS as exc:

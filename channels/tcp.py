@@ -151,6 +151,10 @@ class TcpOptions(ChannelOptions):
     max_inflight: int = 1024  # transfers in flight per peer (initiator waits, target refuses beyond)
     max_connections: int = 256  # accepted connections, all peers together
 
+    def streams_for(self, nbytes: int) -> int:
+        """How many streams a transfer of ``nbytes`` is split over: shares of at least ``stream_min_bytes``."""
+        return min(self.streams, max(1, nbytes // self.stream_min_bytes))
+
     def __post_init__(self) -> None:
         checks: list[tuple[str, bool, str]] = [
             ("port", 0 <= self.port <= 65535, "0..65535"),
@@ -904,7 +908,7 @@ class TcpChannel(Channel):
             raise ChannelError(f"tcp: notification of {len(notif)} bytes exceeds max_notif_bytes={self._opts.max_notif_bytes}")
         link = self._link(peer)
         nstreams = len(link.streams)
-        parts = min(nstreams, max(1, total // self._opts.stream_min_bytes))
+        parts = min(nstreams, self._opts.streams_for(total))
         if parts == 1 and len(ops) == 1 and total <= self._opts.max_frame_bytes:
             shares = [list(ops)]  # the common small case: nothing to merge or cut
         else:

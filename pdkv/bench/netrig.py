@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import multiprocessing
 import os
 import re
 import secrets
@@ -38,9 +39,10 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Any
 
 from pdkv.errors import ConfigError, PdkvError
@@ -89,11 +91,43 @@ def _run(argv: Sequence[str], check: bool = True, timeout: float = _CMD_TIMEOUT_
     return done
 
 
-def _setns(fd: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, _CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise RigError(f"setns: {os.strerror(err)}")
+_CLONE_NEWNS = 0x00020000
+_MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 0x80000, 2
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise RigError(f"{what}: {os.strerror(ctypes.get_errno())}")
+
+
+def _setns(fd: int, kind: int = _CLONE_NEWNET) -> None:
+    _check(_libc().setns(fd, kind), "setns")
+
+
+def _move_process(netns: str) -> None:
+    """Move this (fresh) process onto the host of ``netns`` for good, as ``ip netns exec`` does.
+
+    The network namespace, and a mount namespace of its own whose ``/sys``
+    shows that network namespace's devices: UCX looks for them in
+    ``/sys/class/net``. Done on the main thread before any other work;
+    threads started afterwards inherit both. Such a process must not create
+    or delete namespaces (``ip netns add`` from a private mount namespace is
+    not seen outside it).
+    """
+    libc = _libc()
+    fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
+    try:
+        _check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+        _check(libc.mount(None, b"/", None, _MS_REC | _MS_SLAVE, None), "mount --make-rslave /")
+        _setns(fd)
+        _check(libc.umount2(b"/sys", _MNT_DETACH), "umount /sys")
+        _check(libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None), "mount sysfs")
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -130,7 +164,9 @@ class Host:
 
         A network namespace is per thread, and a thread starts in its
         creator's, so an HTTP client used inside the block talks from this
-        host; the thread is back in its own namespace afterwards, whatever happened.
+        host; the thread is back in its own namespace afterwards, whatever
+        happened. Only the network moves: ``/sys`` still shows the caller's
+        devices, which UCX needs to see (run UCX with ``call_on``).
         """
         own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
         try:
@@ -170,10 +206,11 @@ def stop(hosts: Sequence[Host], timeout: float = 10.0) -> None:
         host.procs.clear()
         left = _run(["ip", "netns", "pids", host.netns], check=False)
         for pid in left.stdout.split():
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ProcessLookupError, ValueError):
-                pass
+            if pid.isdigit() and int(pid) != os.getpid():  # never this process (its thread may be on the host)
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 def _kill_group(pid: int, sig: int) -> None:
@@ -310,14 +347,17 @@ class NetRig:
 class Placement:
     """Where the two processes of a two-sided benchmark run, and the addresses each listens on.
 
-    ``LOOPBACK`` by default; inside ``bench_link`` the sender is this
-    process's thread on the hub and the receiver a process on host ``b``,
-    across a link shaped to ``rate``. Benchmarks start their receiver with
-    ``spawn_receiver`` and give each side's channel its ``*_addr`` as ``host``.
+    ``LOOPBACK`` by default; inside ``bench_link`` the sender runs on the
+    hub and the receiver on host ``b``, across a link shaped to ``rate``. A
+    benchmark runs its sender side with ``call_on(placement.sender_netns,
+    ...)``, starts its receiver with ``run_in_netns(placement.receiver_netns,
+    ...)`` as a spawned process's target, and gives each side's channel its
+    ``*_addr`` as ``host``.
     """
 
     sender_addr: str = "127.0.0.1"
     receiver_addr: str = "127.0.0.1"
+    sender_netns: str | None = None
     receiver_netns: str | None = None
     link: Link | None = None
 
@@ -335,19 +375,54 @@ LOOPBACK = Placement()
 
 
 def run_in_netns(netns: str | None, target: Any, *args: Any) -> None:
-    """Enter ``netns`` (None: stay), then run ``target(*args)``: the entry point of a process spawned onto a host."""
+    """Move onto the host of ``netns`` (None: stay), then run ``target(*args)``: the entry point of a process spawned onto a host."""
     if netns is not None:
-        fd = os.open(f"/run/netns/{netns}", os.O_RDONLY)
-        try:
-            _setns(fd)
-        finally:
-            os.close(fd)
+        _move_process(netns)
     target(*args)
+
+
+def _answer(conn: Connection, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    try:
+        conn.send(("ok", fn(*args)))
+    except BaseException as exc:  # noqa: BLE001 - handed to the caller of ``call_on``, which raises it
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def call_on(netns: str | None, fn: Callable[..., Any], *args: Any, timeout: float = 3600.0) -> Any:
+    """``fn(*args)`` on the host of ``netns`` (a spawned process), its result returned; None: called here.
+
+    ``fn`` and its arguments and result must pickle. The process may start
+    processes of its own (a benchmark's receiver); it is killed if it is
+    still there after ``timeout`` or once it answered and did not exit.
+    """
+    if netns is None:
+        return fn(*args)
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=run_in_netns, args=(netns, _answer, theirs, fn, args), name=f"on-{netns}")
+    proc.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while not ours.poll(1.0):
+            if not proc.is_alive():
+                raise RigError(f"the process on {netns} exited ({proc.exitcode}) without an answer")
+            if time.monotonic() > deadline:
+                raise RigError(f"the process on {netns} gave no answer within {timeout:.0f}s")
+        status, value = ours.recv()
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+        ours.close()
+    if status != "ok":
+        raise RigError(f"on {netns}: {value}")
+    return value
 
 
 @contextmanager
 def bench_link(rate: str | None) -> Iterator[Placement]:
-    """``LOOPBACK`` for None; else a fresh two-host rig whose link runs at ``rate``, entered by the calling thread.
+    """``LOOPBACK`` for None; else a fresh two-host rig whose link runs at ``rate``.
 
     UCX-based channels get ``UCX_ENV`` (unless the user set it) for as long
     as the link lives, so their data crosses the shaped link.
@@ -361,8 +436,7 @@ def bench_link(rate: str | None) -> Iterator[Placement]:
         added = {k: v for k, v in UCX_ENV.items() if k not in os.environ}
         os.environ.update(added)
         try:
-            with rig.hub.entered():
-                yield Placement(link.hub_addr, link.addr, link.host.netns, link)
+            yield Placement(link.hub_addr, link.addr, rig.hub.netns, link.host.netns, link)
         finally:
             for k in added:
                 os.environ.pop(k, None)
