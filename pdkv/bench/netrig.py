@@ -48,9 +48,9 @@ from typing import Any
 from pdkv.errors import ConfigError, PdkvError
 from pdkv.launch.procs import WorkerProcess, start_worker
 
-_CLONE_NEWNET = 0x40000000
+_CLONE_NEWNET, _CLONE_NEWNS = 0x40000000, 0x00020000  # setns/unshare flags
+_MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 0x80000, 2  # mount/umount2 flags
 _CMD_TIMEOUT_S = 30.0
-RATES = {"unshaped": None, "1mbit": 1e6, "100mbit": 1e8, "1gbit": 1e9, "10gbit": 1e10}
 UCX_ENV = {"UCX_TLS": "tcp"}  # UCX across namespaces of one machine: the network, not cma (see the module docstring)
 
 
@@ -89,10 +89,6 @@ def _run(argv: Sequence[str], check: bool = True, timeout: float = _CMD_TIMEOUT_
     if check and done.returncode != 0:
         raise RigError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip() or done.stdout.strip()}")
     return done
-
-
-_CLONE_NEWNS = 0x00020000
-_MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 0x80000, 2
 
 
 def _libc() -> ctypes.CDLL:

@@ -28,7 +28,6 @@ import os
 import statistics
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -37,7 +36,7 @@ from typing import Any
 import yaml
 
 from pdkv.bench.netrig import Host, Placement, bench_link
-from pdkv.demo import get_text, metric
+from pdkv.demo import get_text, metric, stream_events
 from pdkv.errors import PdkvError
 from pdkv.launch.procs import WorkerProcess, start_worker
 
@@ -55,20 +54,12 @@ def _config(model: str, tokens: int, path: Path) -> Path:
 
 def ttft(url: str, prompt: list[int]) -> float:
     """Seconds from sending a streamed completion to its first token."""
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     start = time.perf_counter()
     first = None
-    with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise PdkvError(f"bench pd: {url} answered an error: {event['error'].get('message')}")
-            if first is None and event.get("choices"):
-                first = time.perf_counter() - start
+    for event in stream_events(url + "/v1/completions", body, TIMEOUT_S):
+        if first is None and event.get("choices"):
+            first = time.perf_counter() - start
     if first is None:
         raise PdkvError(f"bench pd: {url} streamed no token")
     return first
