@@ -13,7 +13,8 @@ On top of the loop sit the two socket shapes of the protocol:
   sender's identity.
 * ``DealerSockets`` (sender): one DEALER per receiver address, created on
   first use, each with a socket monitor so a receiver that dies or restarts is
-  noticed when its connection drops rather than at a timeout.
+  noticed when its connection drops, and an address where nothing listens
+  when its first connect is refused, rather than at a timeout.
 
 Both decode what arrives (``protocol.decode``: malformed input is counted and
 dropped, never raised into the loop) and hand it to their owner's handler on
@@ -181,15 +182,17 @@ class DealerSockets:
     """The sender's DEALERs, one per receiver, keyed by an object of the owner's (its peer record, hashable by identity).
 
     Sockets are made, used and closed on the loop thread only; ``send`` and
-    ``close_peer`` hand themselves over. ``on_lost(key)`` runs when a peer's
-    connection drops (its receiver died or restarted, or the network failed).
+    ``close_peer`` hand themselves over. ``on_lost(key, why)`` runs when a
+    peer's connection drops (its receiver died or restarted, or the network
+    failed), or when its very first connect is refused (ZeroMQ would retry
+    forever; nothing listens there, so the caller hears it at once).
     """
 
     def __init__(
         self,
         loop: ControlLoop,
         on_message: Callable[[Any, protocol.Message], None],
-        on_lost: Callable[[Any], None],
+        on_lost: Callable[[Any, str], None],
         counters: Any,
     ) -> None:
         self._loop = loop
@@ -198,6 +201,7 @@ class DealerSockets:
         self._counters = counters
         self._ctx = zmq.Context.instance()
         self._socks: dict[Any, tuple[zmq.Socket, zmq.Socket]] = {}  # key -> (DEALER, its monitor)
+        self._connected: weakref.WeakSet[Any] = weakref.WeakSet()  # keys whose connection came up at least once
         self._closed: weakref.WeakSet[Any] = weakref.WeakSet()  # keys closed for good: a late send must not reopen them
 
     def send(self, key: Any, address: str, identity: bytes, msg: protocol.Message) -> None:
@@ -224,11 +228,11 @@ class DealerSockets:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTING_ID, identity)
             sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED)
             sock.connect(address)
             pair = self._socks[key] = (sock, monitor)
             self._loop.watch(sock, lambda: self._drain(key, sock, address))
-            self._loop.watch(monitor, lambda: self._on_monitor(key, monitor))
+            self._loop.watch(monitor, lambda: self._on_monitor(key, monitor, address))
         try:
             pair[0].send(protocol.encode(msg), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -256,12 +260,18 @@ class DealerSockets:
             if not isinstance(msg, ProtocolError):
                 self._on_message(key, msg)
 
-    def _on_monitor(self, key: Any, monitor: zmq.Socket) -> None:
-        lost = False
+    def _on_monitor(self, key: Any, monitor: zmq.Socket, address: str) -> None:
+        why = ""
         while True:
             try:
-                lost = recv_monitor_message(monitor, zmq.NOBLOCK)["event"] == zmq.EVENT_DISCONNECTED or lost
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
                 break
-        if lost:
-            self._on_lost(key)
+            if event == zmq.EVENT_CONNECTED:
+                self._connected.add(key)
+            elif event == zmq.EVENT_DISCONNECTED:
+                why = f"lost the control connection to receiver {address} (it died or restarted, or the network dropped)"
+            elif event == zmq.EVENT_CONNECT_RETRIED and key not in self._connected:
+                why = f"cannot connect to receiver {address}: connection refused (is it running, and is this its address and control port?)"
+        if why:
+            self._on_lost(key, why)

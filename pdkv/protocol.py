@@ -56,10 +56,25 @@ class Auth(msgspec.Struct, tag="auth", forbid_unknown_fields=True):
 
 
 class Reserve(msgspec.Struct, tag="reserve", forbid_unknown_fields=True):
-    """Ask for room for a whole request's KV, all or nothing."""
+    """Ask for room for a whole request's KV, all or nothing.
+
+    ``prompt_key`` is the chained key (``pdkv.keys``) of the prompt whose KV
+    the sender will write: the receiver hands it over with the KV, and the
+    decode side adopts the KV only for a prompt with the same key, so KV is
+    bound to the prompt it was computed from, not to what a client claims.
+    With a shared secret, ``proof`` binds it (and the request) to the peer that
+    proved the secret at Hello (``pdkv.auth.bound_proof`` over both nonces).
+    """
 
     request_id: RequestId
-    num_tokens: Annotated[int, Meta(ge=1)]
+    num_tokens: Annotated[int, Meta(ge=1, le=1 << 40)]
+    prompt_key: Annotated[bytes, Meta(max_length=64)] = b""
+    proof: Annotated[bytes, Meta(max_length=64)] = b""
+
+
+def reserve_fields(msg: Reserve) -> tuple[bytes, bytes, bytes]:
+    """What a Reserve's ``proof`` covers, in order."""
+    return msg.request_id.encode(), msg.num_tokens.to_bytes(8, "little"), msg.prompt_key
 
 
 class Reserved(msgspec.Struct, tag="reserved", forbid_unknown_fields=True):

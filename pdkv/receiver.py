@@ -39,17 +39,17 @@ import msgspec
 import torch
 
 from pdkv import native, protocol
-from pdkv.auth import new_nonce, proof, verify
+from pdkv.auth import new_nonce, proof, verify, verify_bound
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.base import Channel, Notification
 from pdkv.checksum import checksum
 from pdkv.config import TransferConfig
 from pdkv.control import ControlLoop, RouterSocket
-from pdkv.errors import ChecksumError, HandshakeError, OutOfBlocksError, PdkvError, ProtocolError, TransferCancelled, TransferError, TransferTimeout
+from pdkv.errors import ChecksumError, HandshakeError, NotAnnouncedError, OutOfBlocksError, PdkvError, PromptMismatchError, ProtocolError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.layout import KVLayout, block_ranges
 from pdkv.memory import byte_view
 from pdkv.native import scatter
-from pdkv.protocol import HELLO_REQUIRED, Auth, Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved
+from pdkv.protocol import HELLO_REQUIRED, Auth, Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved, reserve_fields
 
 log = logging.getLogger(__name__)
 
@@ -64,17 +64,22 @@ class State(enum.Enum):
 
 @dataclass(frozen=True)
 class ReceivedKV:
-    """A request's landed KV: ``blocks`` now belong to the caller, who frees them."""
+    """A request's landed KV: ``blocks`` now belong to the caller, who frees them.
+
+    ``prompt_key`` is the key of the prompt the sender computed this KV from (its Reserve).
+    """
 
     request_id: str
     blocks: list[int]
     num_tokens: int
+    prompt_key: bytes = b""
 
 
 @dataclass
 class _Peer:
     agent: str
     layout: KVLayout
+    session: bytes = b""  # both handshake nonces (with a secret): what its Reserves' proofs are bound to
 
 
 @dataclass
@@ -105,6 +110,7 @@ class IncomingTransfer:
     num_chunks: int
     created: float
     lease_deadline: float
+    prompt_key: bytes = b""
     state: State = State.RECEIVING
     landed: set[int] = field(default_factory=set)
     error: str = ""
@@ -193,34 +199,55 @@ class KVReceiver:
             self.channel.agent_name, self.channel.name, self.channel.metadata(), self.fingerprint, self.layout, self.config.chunk_size, self.kv_regions, self.staging_region
         )
 
-    def wait(self, request_id: str, timeout: float | None = None) -> ReceivedKV:
+    def wait(self, request_id: str, timeout: float | None = None, prompt_key: bytes | None = None) -> ReceivedKV:
         """Block until the request's KV has landed and verified, then hand it over.
+
+        ``prompt_key``: the key of the prompt the caller will decode. When given,
+        the KV is handed over only if the sender computed it for that prompt (the
+        key in its Reserve); otherwise its blocks are freed and
+        ``PromptMismatchError`` raised: a mismatch is a recompute, never a decode.
 
         Raises ``TransferError`` if it failed (its memory is already on its way
         back to the pool) and ``TransferTimeout`` after ``timeout`` seconds
-        (default ``transfer_timeout_s``), cancelling the reservation so nothing
-        leaks: the caller falls back to computing the prefix itself.
+        (default ``transfer_timeout_s``), or after ``announce_timeout_s`` if no
+        sender ever reserved it, cancelling the reservation so nothing leaks:
+        the caller falls back to computing the prefix itself.
         """
         timeout = self.config.transfer_timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + timeout
+        now = time.monotonic()
+        deadline, unannounced = now + timeout, now + self.config.announce_timeout_s
+        why, error = f"KV for request {request_id!r} did not arrive within {timeout:.3g}s", TransferTimeout
         with self._lock:
             while True:
                 r = self._res.get(request_id)
                 if r is not None and r.state is State.READY:
                     del self._res[request_id]
+                    if prompt_key is not None and r.prompt_key != prompt_key:
+                        self._free(r)
+                        self._remember_gone(request_id, "its KV was computed for another prompt")
+                        self.counters["prompt_mismatches"] += 1
+                        raise PromptMismatchError(
+                            f"KV transfer {request_id!r} carries the KV of another prompt than the one to decode "
+                            "(the prompt differs from the one prefilled); computing it instead"
+                        )
                     self._remember_gone(request_id, "claimed")
                     self.counters["claimed"] += 1
-                    return ReceivedKV(request_id, r.blocks, r.num_tokens)
+                    return ReceivedKV(request_id, r.blocks, r.num_tokens, r.prompt_key)
                 if r is not None and r.state is State.FAILED:
                     raise TransferError(f"KV transfer for request {request_id!r} failed: {r.error}")
                 if r is None and request_id in self._gone:
                     raise TransferError(f"KV transfer for request {request_id!r} is over: {self._gone[request_id]}")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                now = time.monotonic()
+                if r is None and now >= unannounced:
+                    self.counters["unannounced"] += 1
+                    why = f"no sender announced a transfer for request {request_id!r} within announce_timeout_s={self.config.announce_timeout_s:.3g}s"
+                    error = NotAnnouncedError
                     break
-                self._lock.wait(remaining)
-        self.cancel(request_id, f"decode side stopped waiting after {timeout:.3g}s")
-        raise TransferTimeout(f"KV for request {request_id!r} did not arrive within {timeout:.3g}s")
+                if now >= deadline:
+                    break
+                self._lock.wait(min(deadline, unannounced if r is None else deadline) - now)
+        self.cancel(request_id, f"decode side stopped waiting: {why}")
+        raise error(why)
 
     def cancel(self, request_id: str, reason: str) -> None:
         """Abandon a request from the decode side (client gone, timeout); frees what it holds."""
@@ -288,7 +315,7 @@ class KVReceiver:
             self._reply(identity, protocol.Error(str(exc)))
             return
         if not self.secret:
-            if self._admit(identity, hello):
+            if self._admit(identity, hello, b""):
                 self._reply(identity, ours)
             return
         # with a secret: prove ours now, admit the peer once it proves its own (Auth)
@@ -310,9 +337,9 @@ class KVReceiver:
             self._unproven[identity] = pending  # its Reserves are refused as unauthenticated
             self._reply(identity, protocol.Error("authentication failed: the shared secret does not match"))
             return
-        self._admit(identity, hello)
+        self._admit(identity, hello, nonce + hello.nonce)
 
-    def _admit(self, identity: bytes, hello: Hello) -> bool:
+    def _admit(self, identity: bytes, hello: Hello, session: bytes) -> bool:
         """Make a compatible (and, with a secret, authenticated) peer reachable over the channel."""
         try:
             agent = self.channel.add_peer(hello.channel_metadata)
@@ -322,7 +349,7 @@ class KVReceiver:
             self._reply(identity, protocol.Error(str(exc)))
             return False
         with self._lock:
-            self._peers[identity] = _Peer(agent, hello.layout)
+            self._peers[identity] = _Peer(agent, hello.layout, session)
         return True
 
     def _on_reserve(self, identity: bytes, req: Reserve) -> protocol.Message:
@@ -332,6 +359,9 @@ class KVReceiver:
             return Refused(req.request_id, "not authenticated: this receiver requires the shared secret (set the same `secret` on both sides)")
         if peer is None:
             return Refused(req.request_id, f"{HELLO_REQUIRED}: this receiver has no Hello from you (did it restart?)")
+        if self.secret and not verify_bound(self.secret, "reserve", peer.session, req.proof, *reserve_fields(req)):
+            self.counters["auth_failures"] += 1
+            return Refused(req.request_id, "the Reserve's proof does not check out: it was not made by the peer that proved the shared secret")
         cfg = self.config
         with self._lock:
             if req.request_id in self._res or req.request_id in self._gone:
@@ -340,6 +370,19 @@ class KVReceiver:
             if len(self._res) >= cfg.max_reservations:
                 self.counters["refused"] += 1
                 return Refused(req.request_id, f"receiver holds its maximum of {cfg.max_reservations} reservations", retryable=True)
+            held = [r for r in self._res.values() if r.identity == identity]
+            if len(held) >= cfg.max_reservations_per_peer:
+                self.counters["refused"] += 1
+                return Refused(req.request_id, f"you hold this receiver's per-peer maximum of {cfg.max_reservations_per_peer} reservations (max_reservations_per_peer)", retryable=True)
+            peer_cap = int(cfg.max_peer_blocks_share * self.target.num_blocks)
+            if cfg.max_peer_blocks_share < 1 and self.layout.blocks_for(req.num_tokens) + sum(len(r.blocks) for r in held) > peer_cap:
+                self.counters["refused"] += 1
+                return Refused(
+                    req.request_id,
+                    f"{req.num_tokens} tokens would take you past your share of this receiver's blocks "
+                    f"({peer_cap} of {self.target.num_blocks}: max_peer_blocks_share={cfg.max_peer_blocks_share:g})",
+                    retryable=self.layout.blocks_for(req.num_tokens) <= peer_cap,
+                )
             num_chunks = -(-req.num_tokens // cfg.chunk_size)
             direct = peer.layout == self.layout and cfg.chunk_size % self.layout.block_size == 0
             want_slots = 0 if direct else min(cfg.slots_per_request, num_chunks)
@@ -356,7 +399,7 @@ class KVReceiver:
             now = time.monotonic()
             self._res[req.request_id] = IncomingTransfer(
                 req.request_id, identity, peer.agent, req.num_tokens, blocks, slots,
-                "direct" if direct else "staging", num_chunks, now, now + cfg.lease_s,
+                "direct" if direct else "staging", num_chunks, now, now + cfg.lease_s, req.prompt_key,
             )  # fmt: skip
             self.counters["reserved"] += 1
             self._lock.notify_all()

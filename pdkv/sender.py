@@ -52,7 +52,7 @@ import msgspec
 import torch
 
 from pdkv import native, protocol
-from pdkv.auth import new_nonce, proof, verify
+from pdkv.auth import bound_proof, new_nonce, proof, verify
 from pdkv.channels.base import Channel, TransferHandle, TransferOp, XferState, merge_ops
 from pdkv.checksum import checksum
 from pdkv.config import TransferConfig
@@ -62,7 +62,7 @@ from pdkv.keys import chunk_spans
 from pdkv.layout import KVLayout, block_ranges
 from pdkv.memory import byte_view
 from pdkv.native import gather
-from pdkv.protocol import HELLO_REQUIRED, Auth, Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved
+from pdkv.protocol import HELLO_REQUIRED, Auth, Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved, reserve_fields
 
 log = logging.getLogger(__name__)
 
@@ -405,8 +405,12 @@ class KVSender:
             self.channel.agent_name, self.channel.name, self.channel.metadata(), self.fingerprint, src.layout, self.config.chunk_size, src.kv_regions, src.staging_region
         )
 
-    def open(self, request_id: str, address: str, num_tokens: int, block_table: Sequence[int]) -> OutgoingTransfer:
-        """Handshake (once per receiver) and reserve room for the whole request there."""
+    def open(self, request_id: str, address: str, num_tokens: int, block_table: Sequence[int], prompt_key: bytes = b"") -> OutgoingTransfer:
+        """Handshake (once per receiver) and reserve room for the whole request there.
+
+        ``prompt_key``: the chained key of the prompt whose KV this is (``pdkv.keys.chunk_keys(...)[-1]``);
+        it travels in the Reserve, so the decode side adopts this KV only for that prompt.
+        """
         if num_tokens <= 0:
             raise ReservationError(f"request {request_id!r}: nothing to transfer (num_tokens={num_tokens})")
         if len(block_table) < self.layout.blocks_for(num_tokens):
@@ -416,7 +420,7 @@ class KVSender:
         backoff = 0.005
         while True:
             peer = self._connect(address)
-            reply = self._reserve(peer, request_id, num_tokens)
+            reply = self._reserve(peer, request_id, num_tokens, prompt_key)
             if isinstance(reply, Reserved):
                 break
             reason = reply.reason if isinstance(reply, Refused) else getattr(reply, "message", repr(reply))
@@ -527,7 +531,7 @@ class KVSender:
             _answer(fut, err)
         self._dealers.close_peer(peer)
 
-    def _reserve(self, peer: _Peer, request_id: str, num_tokens: int) -> protocol.Message:
+    def _reserve(self, peer: _Peer, request_id: str, num_tokens: int, prompt_key: bytes) -> protocol.Message:
         fut: Future[protocol.Message] = Future()
         with self._cond:
             if request_id in self._pending_reserve or request_id in self._transfers:
@@ -535,7 +539,10 @@ class KVSender:
             if peer.dropped:  # lost since the handshake: its socket is closed, a Reserve would go nowhere
                 raise TransferError(peer.dropped)
             self._pending_reserve[request_id] = (peer, fut)
-        self._send(peer, Reserve(request_id, num_tokens))
+        msg = Reserve(request_id, num_tokens, prompt_key)
+        if self.secret and peer.hello is not None:
+            msg.proof = bound_proof(self.secret, "reserve", peer.hello.nonce + peer.nonce, *reserve_fields(msg))
+        self._send(peer, msg)
         timeout = self.config.reserve_timeout_s
         try:
             return fut.result(timeout)
@@ -570,8 +577,8 @@ class KVSender:
     def _send(self, peer: _Peer, msg: protocol.Message) -> None:
         self._dealers.send(peer, peer.address, peer.identity, msg)
 
-    def _on_lost(self, peer: _Peer) -> None:
-        """A receiver's control connection dropped: it died or restarted, or the network failed.
+    def _on_lost(self, peer: _Peer, why: str) -> None:
+        """A receiver's control connection dropped (it died or restarted, or the network failed), or never came up.
 
         Replies in flight on that connection are lost, so nothing open with it can finish: fail it
         now rather than at a timeout. ZeroMQ would reconnect on its own; we drop the peer instead so
@@ -579,8 +586,8 @@ class KVSender:
         """
         if not peer.dropped:
             self.counters["peers_lost"] += 1
-            log.warning("lost the control connection to receiver %s: failing what is open with it; the next request to it handshakes again", peer.address)
-            self._drop_peer(peer, f"lost the control connection to receiver {peer.address} (it died or restarted, or the network dropped)")
+            log.warning("%s: failing what is open with it; the next request to it handshakes again", why)
+            self._drop_peer(peer, why)
 
     def _on_message(self, peer: _Peer, msg: protocol.Message) -> None:
         if isinstance(msg, Hello):

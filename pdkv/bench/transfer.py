@@ -25,11 +25,14 @@ costs; a ratio near 1 means the pipeline is not what limits a transfer.
 
 Every repetition's KV is checked bit for bit on the decode side (a digest of
 each request's canonical KV compared with the sender's), outside the timed part.
+``TransferRig`` is that harness; the tests use it too, to prove the data path
+over real channels with concurrent requests.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import threading
@@ -85,20 +88,23 @@ def _receiver_side(conn: Connection, channel_name: str, layout: KVLayout, num_bl
         channel = create_channel(channel_name, f"bench-decode-{uuid.uuid4().hex[:6]}")
         kv = layout.allocate(num_blocks)
         allocator = BlockAllocator(num_blocks)
-        receiver = KVReceiver(channel, layout, kv, allocator, FINGERPRINT, config)
+        # it waits for requests it was told of before the sender opens them (handshake included): no announce window
+        receiver = KVReceiver(channel, layout, kv, allocator, FINGERPRINT, msgspec.structs.replace(config, announce_timeout_s=TIMEOUT_S))
     except Exception as exc:  # noqa: BLE001 - reported to the sender, which raises it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     try:
         conn.send(("address", receiver.address))
         while (msg := _recv(conn, "a command"))[0] != "close":
-            _, ids, tokens = msg
+            if msg[0] == "stats":
+                conn.send(("stats", receiver.stats()))
+                continue
             digests = []
-            for rid in ids:
+            for rid, tokens in msg[1]:
                 got = receiver.wait(rid, TIMEOUT_S)
                 digests.append(_digest(layout, kv, got.blocks, tokens))
                 allocator.free(got.blocks)
-            conn.send(("digests", digests, receiver.stats()))
+            conn.send(("digests", digests))
     except Exception as exc:  # noqa: BLE001 - reported to the sender, which raises it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
     finally:
@@ -106,33 +112,47 @@ def _receiver_side(conn: Connection, channel_name: str, layout: KVLayout, num_bl
         channel.close()
 
 
-class _SenderSide:
-    """The prefill side, in this process: a KVSender over a buffer of random KV."""
+class TransferRig:
+    """A ``KVSender`` here over a buffer of seeded random KV, and a ``KVReceiver`` in another process.
 
-    def __init__(self, channel_name: str, conn: Connection, num_blocks: int, config: TransferConfig) -> None:
+    ``push`` moves requests the way a prefill worker does and checks that the
+    decode side holds exactly the KV that was sent. Used by this bench and by
+    the tests that prove the data path over real channels.
+    """
+
+    def __init__(self, channel: str, receiver_layout: KVLayout, sender_blocks: int, receiver_blocks: int, config: TransferConfig, sender_layout: KVLayout = SENDER_LAYOUT) -> None:
         from pdkv.sender import KVSender
 
-        self.conn = conn
-        self.channel = create_channel(channel_name, f"bench-prefill-{uuid.uuid4().hex[:6]}")
-        gen = torch.Generator().manual_seed(0)
-        self.kv = [torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in SENDER_LAYOUT.allocate(num_blocks)]
-        self.allocator = BlockAllocator(num_blocks)
-        self.sender = KVSender(self.channel, SENDER_LAYOUT, self.kv, FINGERPRINT, config)
-        _, self.address = _recv(conn, "the receiver's address")
-        self._reps = 0
+        self.layout = sender_layout
+        self._peer = _peer(_receiver_side, (channel, receiver_layout, receiver_blocks, config), in_process=channel in IN_PROCESS)
+        self.conn = self._peer.__enter__()
+        try:
+            self.channel = create_channel(channel, f"bench-prefill-{uuid.uuid4().hex[:6]}")
+            gen = torch.Generator().manual_seed(0)
+            self.kv = [torch.randn(t.shape, generator=gen).to(t.dtype) for t in sender_layout.allocate(sender_blocks)]
+            self.allocator = BlockAllocator(sender_blocks)
+            self.sender = KVSender(self.channel, sender_layout, self.kv, FINGERPRINT, config)
+            _, self.address = _recv(self.conn, "the receiver's address")
+        except BaseException:
+            self._peer.__exit__(None, None, None)
+            raise
 
-    def repetition(self, tokens: int, requests: int) -> tuple[float, list[float]]:
-        """Move ``requests`` requests of ``tokens`` tokens at once; (seconds for all, seconds per request)."""
-        self._reps += 1
-        ids = [f"rep{self._reps}-{i}" for i in range(requests)]
-        tables = [self.allocator.allocate(SENDER_LAYOUT.blocks_for(tokens)) for _ in ids]
-        self.conn.send(("expect", ids, tokens))
-        ends = [0.0] * requests
+    def push(self, requests: list[tuple[str, int]], tables: list[list[int]] | None = None) -> tuple[float, list[float]]:
+        """Move every (request id, tokens) at once, one thread each; (seconds for all, seconds per request).
+
+        ``tables``: the sender's block table per request (default: fresh blocks from its allocator).
+        Raises ``TransferError`` if the decode side ends up with KV other than what was sent.
+        """
+        own = tables is None
+        tables = [self.allocator.allocate(self.layout.blocks_for(tokens)) for _, tokens in requests] if tables is None else tables
+        self.conn.send(("expect", requests))
+        ends = [0.0] * len(requests)
         errors: list[BaseException] = []
 
         def one(i: int) -> None:
+            rid, tokens = requests[i]
             try:
-                xfer = self.sender.open(ids[i], self.address, tokens, tables[i])
+                xfer = self.sender.open(rid, self.address, tokens, tables[i])
                 xfer.send_all()
                 xfer.wait(TIMEOUT_S)
                 ends[i] = time.perf_counter()
@@ -140,27 +160,43 @@ class _SenderSide:
                 errors.append(exc)
 
         t0 = time.perf_counter()
-        if requests == 1:
+        if len(requests) == 1:
             one(0)
         else:
-            threads = [threading.Thread(target=one, args=(i,), name=f"bench-request-{i}") for i in range(requests)]
+            threads = [threading.Thread(target=one, args=(i,), name=f"bench-request-{i}") for i in range(len(requests))]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join(TIMEOUT_S)
         if errors:
             raise errors[0]
-        _, digests, _stats = _recv(self.conn, "the receiver's digests")
-        want = [_digest(SENDER_LAYOUT, self.kv, table, tokens) for table in tables]
-        for table in tables:
-            self.allocator.free(table)
-        if digests != want:
-            raise TransferError(f"bench transfer: the decode side holds different KV than was sent ({sum(a != b for a, b in zip(digests, want))} of {requests} requests differ)")
+        _, digests = _recv(self.conn, "the receiver's digests")
+        want = [_digest(self.layout, self.kv, table, tokens) for table, (_, tokens) in zip(tables, requests)]
+        if own:
+            for table in tables:
+                self.allocator.free(table)
+        bad = [rid for (rid, _), a, b in zip(requests, digests, want) if a != b]
+        if bad:
+            raise TransferError(f"the decode side holds different KV than was sent for {len(bad)} of {len(requests)} requests: {bad[:5]}")
         return max(ends) - t0, [e - t0 for e in ends]
 
+    def receiver_stats(self) -> dict[str, int]:
+        self.conn.send(("stats",))
+        _, stats = _recv(self.conn, "the receiver's stats")
+        return stats  # type: ignore[no-any-return]
+
     def close(self) -> None:
-        self.sender.close()
-        self.channel.close()
+        try:
+            self.sender.close()
+            self.channel.close()
+        finally:
+            self._peer.__exit__(None, None, None)
+
+    def __enter__(self) -> TransferRig:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -170,34 +206,31 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _measure_mode(channel: str, mode: str, scenarios: list[Scenario], repeats: int, baseline: Callable[..., dict[int, float]]) -> list[dict[str, Any]]:
     """Every scenario of one mode against one receiver process, pdkv and baseline rounds alternating."""
-    config = TransferConfig()
     layout = SENDER_LAYOUT if mode == "direct" else STAGING_LAYOUT
     theirs, ours = (max(lay.blocks_for(s.tokens) * s.requests for s in scenarios) for lay in (layout, SENDER_LAYOUT))
+    reps = itertools.count()
     rows = []
-    with _peer(_receiver_side, (channel, layout, theirs, config), in_process=channel in IN_PROCESS) as conn:
-        side = _SenderSide(channel, conn, ours, config)
-        try:
-            side.repetition(scenarios[0].tokens, 1)  # handshake, first connections, native build: not timed
-            for sc in scenarios:
-                times: list[float] = []
-                latencies: list[float] = []
-                base: list[float] = []
-                for _ in range(ROUNDS):
-                    base.append(baseline([sc.nbytes], repeats)[sc.nbytes])
-                    for _ in range(repeats):
-                        total, each = side.repetition(sc.tokens, sc.requests)
-                        times.append(total)
-                        latencies.extend(each)
-                gbps = sc.nbytes / statistics.median(times) / 1e9
-                base_gbps = statistics.median(base)
-                rows.append({
-                    "mode": mode, "tokens": sc.tokens, "requests": sc.requests, "size_bytes": sc.nbytes,
-                    "gbps": gbps, "baseline_gbps": base_gbps, "ratio": gbps / base_gbps,
-                    "p50_ms": 1e3 * _percentile(latencies, 0.5), "p99_ms": 1e3 * _percentile(latencies, 0.99),
-                    "baseline_ms": 1e3 * sc.nbytes / base_gbps / 1e9,
-                })  # fmt: skip
-        finally:
-            side.close()
+    with TransferRig(channel, layout, ours, theirs, TransferConfig()) as rig:
+        rig.push([("warmup", scenarios[0].tokens)])  # handshake, first connections, native build: not timed
+        for sc in scenarios:
+            times: list[float] = []
+            latencies: list[float] = []
+            base: list[float] = []
+            for _ in range(ROUNDS):
+                base.append(baseline([sc.nbytes], repeats)[sc.nbytes])
+                for _ in range(repeats):
+                    rep = next(reps)
+                    total, each = rig.push([(f"rep{rep}-{i}", sc.tokens) for i in range(sc.requests)])
+                    times.append(total)
+                    latencies.extend(each)
+            gbps = sc.nbytes / statistics.median(times) / 1e9
+            base_gbps = statistics.median(base)
+            rows.append({
+                "mode": mode, "tokens": sc.tokens, "requests": sc.requests, "size_bytes": sc.nbytes,
+                "gbps": gbps, "baseline_gbps": base_gbps, "ratio": gbps / base_gbps,
+                "p50_ms": 1e3 * _percentile(latencies, 0.5), "p99_ms": 1e3 * _percentile(latencies, 0.99),
+                "baseline_ms": 1e3 * sc.nbytes / base_gbps / 1e9,
+            })  # fmt: skip
     return rows
 
 
