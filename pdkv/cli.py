@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--modes", default="direct,staging", help="direct and/or staging, comma-separated (default both)")
     tr.add_argument("--scenarios", type=_scenarios, default=None, help="TOKENSxREQUESTS,... (default 40x1,256x1,2048x1,256x16,2048x4)")
     tr.add_argument("--repeats", type=int, default=3, help="repetitions of each scenario per round, 5 rounds (default 3)")
+    tr.add_argument("--link", default=None, metavar="RATE", help="run across two hosts (network namespaces, root) joined by a veth shaped to RATE: unshaped, 100mbit, 1gbit, 10gbit, ...")
     tr.add_argument("--json", action="store_true", help="print one JSON object")
     tr.set_defaults(target="pdkv.bench.transfer:run")
     ga = bsub.add_parser("gather", help="paged gather/scatter GB/s against memcpy")

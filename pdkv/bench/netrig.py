@@ -38,6 +38,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -405,6 +406,9 @@ def call_on(netns: str | None, fn: Callable[..., Any], *args: Any, timeout: floa
             if time.monotonic() > deadline:
                 raise RigError(f"the process on {netns} gave no answer within {timeout:.0f}s")
         status, value = ours.recv()
+    except BaseException:  # interrupted, or it died: what it started on the hosts goes with the rig
+        proc.kill()
+        raise
     finally:
         proc.join(30)
         if proc.is_alive():
@@ -427,7 +431,7 @@ def bench_link(rate: str | None) -> Iterator[Placement]:
         yield LOOPBACK
         return
     parse_rate(rate)  # a bad rate fails before anything is made
-    with NetRig() as rig:
+    with _terminate_cleanly(), NetRig() as rig:
         link = rig.add_host("b", rate)
         added = {k: v for k, v in UCX_ENV.items() if k not in os.environ}
         os.environ.update(added)
@@ -436,6 +440,23 @@ def bench_link(rate: str | None) -> Iterator[Placement]:
         finally:
             for k in added:
                 os.environ.pop(k, None)
+
+
+@contextmanager
+def _terminate_cleanly() -> Iterator[None]:
+    """SIGTERM unwinds like Ctrl-C while a benchmark's rig lives, so the rig is taken down, not left behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop_here(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop_here)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def iperf3_gbps(link: Link, streams: int = 1, seconds: float = 2.0, port: int = 5201) -> float | None:
