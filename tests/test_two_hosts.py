@@ -397,7 +397,7 @@ def test_host_is_where_the_channel_listens_unless_the_channel_says_otherwise() -
     with pytest.raises(ConfigError, match="advertise_host"):
         TcpChannel("wild", TcpChannel.parse_options({"host": "0.0.0.0"}))
     with TcpChannel("t", TcpChannel.parse_options({})) as channel, pytest.raises(ChannelError, match="no address to dial"):
-        channel.add_peer(msgspec.msgpack.encode({"name": "p", "host": "0.0.0.0", "port": 1, "instance": 1, "regions": {}, "version": 1}))
+        channel.add_peer(msgspec.msgpack.encode({**msgspec.msgpack.decode(channel.metadata()), "name": "p", "host": "0.0.0.0"}))
 
 
 def test_connect_fails_loudly_then_fast_and_tries_a_new_address_at_once(caplog: pytest.LogCaptureFixture) -> None:
