@@ -328,7 +328,7 @@ def test_decode_host_disappearing_mid_transfer_ends_the_request_and_frees_the_pr
 ) -> None:
     """Host c loses power mid-transfer (cable first, then its processes, then its namespace): P frees everything."""
     link = netrig.add_host("c", SLOW_RATE)
-    cfg = write_config(tmp_path / "c.yaml", model, router={**ROUTER, "decode_timeout_s": 8, "read_timeout_s": 8, "connect_timeout_s": 2})
+    cfg = write_config(tmp_path / "c.yaml", model, router={**ROUTER, "decode_timeout_s": 4, "read_timeout_s": 4, "connect_timeout_s": 2})
     decode = link.host.start_worker("decode", "--config", str(cfg), "--host", link.addr, "--port", "0", timeout=240, env=ENV)
     # on the hub's address towards b, where P is too: the hub's end towards c goes with c
     router = hub.start_worker("router", "--config", str(cfg), "--host", tcp_pd.link.hub_addr, "--port", "0", "--prefill", tcp_pd.prefill.url, "--decode", decode.url, timeout=60)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -36,6 +37,7 @@ from typing import Any
 import yaml
 
 from pdkv.bench.netrig import Host, Placement, bench_link
+from pdkv.config import PdkvConfig
 from pdkv.demo import get_text, metric, stream_events
 from pdkv.errors import PdkvError
 from pdkv.launch.procs import WorkerProcess, start_worker
@@ -47,7 +49,9 @@ MAX_TOKENS = 4
 
 
 def _config(model: str, tokens: int, path: Path) -> Path:
-    blocks = -(-(tokens + 64) // 16) + 8
+    """Room for one request (one sender may hold only ``max_peer_blocks_share`` of a receiver's blocks), tier off."""
+    defaults = PdkvConfig()
+    blocks = math.ceil(-(-(tokens + 64) // defaults.block_size) / defaults.transfer.max_peer_blocks_share) + 8
     path.write_text(yaml.safe_dump({"model": model, "secret": SECRET, "num_blocks": blocks, "tier": {"enabled": False}}))
     return path
 
