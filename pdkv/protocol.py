@@ -18,12 +18,16 @@ import msgspec
 from msgspec import Meta
 
 from pdkv import PROTOCOL_VERSION
-from pdkv.channels.base import Channel
 from pdkv.errors import HandshakeError, ProtocolError
 from pdkv.layout import KVLayout
 
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_ID_LEN = 256
+MAX_CHUNKS = 1 << 20  # chunks of one request (a request of 256-token chunks up to 268M tokens)
+
+# The reason a receiver gives for refusing a Reserve from a peer it has no Hello from (it restarted):
+# a sender that sees it handshakes again once, instead of failing the request.
+HELLO_REQUIRED = "hello-required"
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -83,10 +87,14 @@ class Refused(msgspec.Struct, tag="refused", forbid_unknown_fields=True):
 
 
 class Landed(msgspec.Struct, tag="landed", forbid_unknown_fields=True):
-    """A chunk arrived and verified; its staging slot (if any) is free again."""
+    """Chunks arrived and verified; their staging slots (if any) are free again.
+
+    The receiver acknowledges every chunk it verified in one pass at once, so
+    a request whose chunks land together costs one message, not one per chunk.
+    """
 
     request_id: RequestId
-    chunk_index: NonNegInt
+    chunk_indices: Annotated[list[NonNegInt], Meta(min_length=1, max_length=MAX_CHUNKS)]
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):
@@ -153,20 +161,18 @@ def decode_notice(data: bytes) -> ChunkNotice:
         raise ProtocolError(f"malformed chunk notification: {exc}") from None
 
 
-def make_hello(channel: Channel, fingerprint: str, layout: KVLayout, chunk_size: int, kv_regions: list[int], staging_region: int, nonce: bytes = b"", auth: bytes = b"") -> Hello:
-    """Our side's Hello: identical construction for sender and receiver."""
+def make_hello(agent: str, channel: str, channel_metadata: bytes, fingerprint: str, layout: KVLayout, chunk_size: int, kv_regions: list[int], staging_region: int) -> Hello:
+    """Our side's Hello: identical construction for sender and receiver (nonce and proof are added per peer)."""
     return Hello(
         protocol_version=PROTOCOL_VERSION,
-        agent=channel.agent_name,
+        agent=agent,
         model_fingerprint=fingerprint,
         layout=layout,
         chunk_size=chunk_size,
-        channel=channel.name,
-        channel_metadata=channel.metadata(),
+        channel=channel,
+        channel_metadata=channel_metadata,
         kv_regions=kv_regions,
         staging_region=staging_region,
-        nonce=nonce,
-        auth=auth,
     )
 
 
@@ -182,4 +188,4 @@ def check_compatible(ours: Hello, theirs: Hello) -> None:
         raise HandshakeError(f"peer {theirs.agent!r} is incompatible: " + "; ".join(diffs) + " differ")
 
 
-__all__ = ["PROTOCOL_VERSION", "ChunkNotice", "Message", "check_compatible", "decode", "decode_notice", "encode"]
+__all__ = ["HELLO_REQUIRED", "PROTOCOL_VERSION", "ChunkNotice", "Message", "check_compatible", "decode", "decode_notice", "encode"]

@@ -186,7 +186,7 @@ def test_dead_sender_lease_expires(make_pair) -> None:
     pair = make_pair(config=TransferConfig(chunk_size=32, lease_s=0.3, heartbeat_s=0.1, drain_timeout_s=0.2))
     xfer = pair.sender.open("dead", pair.receiver.address, 64, list(range(4)))
     xfer.send_chunk(0)
-    pair.sender._stop.set()  # the sender's process "dies": no heartbeats, no more messages
+    pair.sender.loop.stop()  # the sender's process "dies": no heartbeats, no more messages
     with pytest.raises(TransferError, match="lease expired"):
         pair.receiver.wait("dead", 5)
     assert pair.receiver.stats()["leases_expired"] == 1

@@ -144,7 +144,7 @@ def test_transfer_killed_halfway_falls_back_to_the_same_tokens(model_dir: Path, 
             if len(pushed) <= 2:
                 real_push(xfer, index)
             elif len(pushed) == 3:  # the prefill side's transfer machinery dies without a word
-                p_worker.sender._stop.set()
+                p_worker.sender.loop.stop()
 
         p_worker.pusher.push = dying_push  # type: ignore[method-assign]
         p_runner, p_url = await _serve(p_worker)
