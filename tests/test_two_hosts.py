@@ -4,9 +4,9 @@ Hosts are network namespaces joined by veth pairs: ``a`` (the hub: the
 prefill worker and the router) and ``b`` (decode), plus ``c``, a decode
 host that disappears. Every role is a ``pdkv launch`` process started on its
 host with nothing but ``--host`` (and the shared secret a worker bound beyond
-loopback needs): the channel must follow. The test itself talks from host
-``a``. The oracle is the reference engine generating the whole request in
-this process.
+loopback needs): the channel must follow, tcp, nixl (UCX's tcp transport) and
+ucx alike. The test itself talks from host ``a``. The oracle is the reference
+engine generating the whole request in this process.
 """
 
 from __future__ import annotations
@@ -98,11 +98,11 @@ def write_config(path: Path, model: Path, channel: str = "tcp", options: dict[st
     return path
 
 
-def deploy(hub: Host, link: Link, config: Path, env: dict[str, str] | None = None, decode_config: Path | None = None) -> Deployment:
+def deploy(hub: Host, link: Link, config: Path, env: dict[str, str] | None = None) -> Deployment:
     """P on the hub and D on ``link``'s host, each given only its own address as ``--host``; then the router on the hub."""
     env = {**ENV, **(env or {})}
     with ThreadPoolExecutor(2) as pool:
-        d = pool.submit(link.host.start_worker, "decode", "--config", str(decode_config or config), "--host", link.addr, "--port", "0", timeout=240, env=env)
+        d = pool.submit(link.host.start_worker, "decode", "--config", str(config), "--host", link.addr, "--port", "0", timeout=240, env=env)
         p = pool.submit(hub.start_worker, "prefill", "--config", str(config), "--host", link.hub_addr, "--port", "0", timeout=240, env=env)
         decode, prefill = d.result(), p.result()
     router = hub.start_worker("router", "--config", str(config), "--host", link.hub_addr, "--port", "0", "--prefill", prefill.url, "--decode", decode.url, timeout=60)
