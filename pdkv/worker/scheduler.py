@@ -140,6 +140,7 @@ class EngineLoop:
         start = req.num_computed
         end = min(start + self.chunk_size, req.num_prompt_tokens)
         logits = self.engine.prefill(req, start, end)
+        self._progress_at = time.monotonic()
         if job.on_chunk is not None:
             job.on_chunk(req, start, end)
         if logits is not None:
@@ -155,6 +156,7 @@ class EngineLoop:
     def _decode_step(self, jobs: list[Job]) -> None:
         try:
             logits = self.engine.decode_step([j.request for j in jobs])
+            self._progress_at = time.monotonic()
         except Exception as exc:
             log.exception("decode step failed")
             for job in jobs:
