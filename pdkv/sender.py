@@ -40,6 +40,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -75,6 +76,7 @@ class _Peer:
     agent: str = ""
     dropped: str = ""  # why it was forgotten; once set, its socket is closed for good and messages to it discarded
     nonce: bytes = field(default_factory=new_nonce)
+    token: bytes = field(default_factory=lambda: os.urandom(16))  # our data connections' capability at this receiver
     hello_future: Future[Hello] = field(default_factory=Future)
 
 
@@ -180,7 +182,7 @@ class OutgoingTransfer:
         try:
             ops, digest = self._staged_ops(local_slot, remote_slot, start, n) if staging else self._direct_ops(start, n)
             notice = protocol.encode(ChunkNotice(self.request_id, index, digest, remote_slot))
-            handle = sender.channel.write(self.peer.agent, ops, notice)
+            handle = sender.channel.write(self.peer.agent, ops, notice, token=self.peer.token)
         except Exception as exc:
             err = exc if isinstance(exc, TransferError) else TransferError(f"posting chunk {index} of {self.request_id!r} failed: {exc}")
             with self._cond:
@@ -420,7 +422,13 @@ class KVSender:
         backoff = 0.005
         while True:
             peer = self._connect(address)
-            reply = self._reserve(peer, request_id, num_tokens, prompt_key)
+            try:
+                reply = self._reserve(peer, request_id, num_tokens, prompt_key)
+            except TransferError as exc:
+                if rehandshaked or not peer.dropped or isinstance(exc, TransferTimeout):
+                    raise
+                rehandshaked = True  # its connection dropped while we asked: a restart looks like this, so ask its new run
+                continue
             if isinstance(reply, Reserved):
                 break
             reason = reply.reason if isinstance(reply, Refused) else getattr(reply, "message", repr(reply))
@@ -467,7 +475,7 @@ class KVSender:
             if peer is None:
                 ident = f"{self.channel.agent_name}/{next(self._ids)}".encode()
                 peer = self._peers[address] = _Peer(address, ident)
-                self._send(peer, msgspec.structs.replace(self.hello(), nonce=peer.nonce))
+                self._send(peer, msgspec.structs.replace(self.hello(), nonce=peer.nonce, data_token=peer.token))
         timeout = self.config.handshake_timeout_s
         try:
             hello = peer.hello_future.result(timeout)
