@@ -71,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--decode", action="append", default=None, help="router: decode worker URL (repeatable)")
     launch.add_argument("--policy", default=None, choices=["round-robin", "least-loaded", "prefix"])
     launch.add_argument("--mode", default=None, choices=["pdkv", "vllm"], help="router: how P and D are paired (vllm: vLLM servers)")
+    launch.add_argument("--insecure", action="store_true", help="serve beyond loopback with no secret (workers) or admin token (router): a trusted network only")
     launch.add_argument("--ready-timeout", type=float, default=600.0, help="engine vllm: seconds to wait for vLLM to come up (default 600)")
     launch.add_argument("engine_args", nargs="*", metavar="-- VLLM_ARGS", help="engine vllm: flags after -- go to the vLLM server unchanged")
     launch.set_defaults(target="pdkv.launch.main:run")
