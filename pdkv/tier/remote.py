@@ -96,7 +96,9 @@ class RedisTier(LeafTier):
                 return i
         return len(values)
 
-    def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor]) -> None:
+    def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Sequence[bytes | None]) -> None:
+        """``parents`` are not used: the server evicts by its own ``maxmemory-policy`` (see the module docstring)."""
+
         def store() -> int:
             values = [ChunkHeader.of(self.layout, key, chunk).encode() + byte_view(chunk) for key, chunk in zip(keys, chunks, strict=True)]
             pipe = self._client.pipeline(transaction=False)

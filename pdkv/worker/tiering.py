@@ -124,7 +124,11 @@ class Tiering:
                 then(request, start, end)
             full = range(-(-start // cs), end // cs)
             try:
-                tier.put([prefix.keys[i] for i in full], [native.gather(layout, buffer, request.block_table, i * cs, cs) for i in full])
+                tier.put(
+                    [prefix.keys[i] for i in full],
+                    [native.gather(layout, buffer, request.block_table, i * cs, cs) for i in full],
+                    [prefix.keys[i - 1] if i else None for i in full],  # what a prefix-aware eviction policy builds its tree from
+                )
             except Exception:  # the cache is best effort: its failure must not fail the request
                 log.exception("request %s: chunks not offered to the cache tier", request.request_id)
 
