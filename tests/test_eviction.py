@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdkv.bench.eviction import _serve, infinite_hit_rate, optimum, policy_replay, reuse_oracle_lru
-from pdkv.bench.ttft import TraceRequest, simulated_hit_rate, trace_keys
+from pdkv.bench.eviction import infinite_hit_rate, optimum, policy_replay, reuse_oracle_lru, serve
+from pdkv.bench.ttft import TraceRequest, simulated_hit_rate, trace_hit_rates, trace_keys
 from pdkv.config import TierConfig, convert_config
 from pdkv.errors import ConfigError, LayoutError
 from pdkv.keys import chunk_keys
@@ -165,9 +165,9 @@ def test_prefix_policy_learns_a_stretch_that_keeps_reused_prefixes_through_a_sca
         hits = 0
         for i in range(3000):
             if i % 20 == 0:
-                full = _serve(p, shared) == len(shared)
+                full = serve(p, shared) == len(shared)
                 hits += full and i >= 1500  # the stretch is learned from the first 1024 reuse gaps: count after that
-            _serve(p, chain(rng.randint(3, 8), salt=i + 1))
+            serve(p, chain(rng.randint(3, 8), salt=i + 1))
         kept[name] = hits
     assert isinstance(p, PrefixAware) and p.stretch > 0
     assert kept["lru"] == 0 and kept["prefix"] >= 70, kept  # 75 reads of the shared prefix counted, each after ~126 one-off chunks
@@ -306,3 +306,23 @@ def test_tier_put_refuses_malformed_parents_and_config_takes_the_policy(tmp_path
         convert_config({"tier": {"disk_policy": "lfu"}})
     with pytest.raises(ConfigError, match="unknown eviction policy 'lfu'"):
         MemoryTier(LAYOUT, CHUNK_BYTES, "lfu")
+
+
+def test_bench_part2_reports_every_policy_against_the_optimum() -> None:
+    """`pdkv bench ttft --parts 2` on a small synthetic conversation trace: every row's ratio is to the optimum at its size."""
+    rng = random.Random(3)
+    conversations = [[0, *range(100 * c + 1, 100 * c + 1 + rng.randint(1, 6))] for c in range(60)]
+    requests = []
+    for _ in range(300):
+        c = rng.randrange(60)
+        conversations[c].append(conversations[c][-1] + 1)  # the next turn extends the previous prompt
+        requests.append(TraceRequest(0, list(conversations[c]), 1))
+    report = trace_hit_rates(requests, "synthetic")
+    assert [o["l1_blocks"] for o in report["optimum"]] == [4096, 16384, 65536, report["unique_blocks"]]
+    assert all(o["hit_rate"] == o["relaxed_min_hit_rate"] >= o["min_parents_first_hit_rate"] for o in report["optimum"])
+    assert {(r["policy"], r["l1_blocks"]) for r in report["rows"]} == {(p, o["l1_blocks"]) for p in POLICIES for o in report["optimum"]}
+    assert all(0 < r["ratio"] <= 1 and r["optimum_hit_rate"] >= r["hit_rate"] for r in report["rows"])
+    assert [c["policy"] for c in report["policy_cost"]] == list(POLICIES) and report["policy_cost"][0]["ratio"] == 1.0
+    assert isinstance(report["targets"]["prefix_beats_lru_and_s3fifo_at_every_size"], bool)
+    redis_rows = report["redis"].get("rows", [])
+    assert "skipped" in report["redis"] or [r["policy"] for r in redis_rows] == ["redis allkeys-lru", "redis allkeys-lfu", *(f"pdkv {p}" for p in POLICIES)]

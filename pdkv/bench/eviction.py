@@ -164,7 +164,7 @@ def policy_replay(requests: Requests, capacity_blocks: int, policy: str, samples
     shares: list[float] = []
     hits = total = 0
     for t, keys in enumerate(requests):
-        got = _serve(p, keys, resident)
+        got = serve(p, keys, resident)
         hits += got
         total += len(keys)
         for i, k in enumerate(keys):
@@ -174,7 +174,7 @@ def policy_replay(requests: Requests, capacity_blocks: int, policy: str, samples
     return Replay(policy, capacity_blocks, hits / total, sum(shares) / len(shares) if shares else 0.0)
 
 
-def _serve(p: EvictionPolicy, keys: Sequence[bytes], resident: set[bytes] | None = None) -> int:
+def serve(p: EvictionPolicy, keys: Sequence[bytes], resident: set[bytes] | None = None) -> int:
     """One request through a policy of unit chunks; returns the leading run it was credited."""
     got = 0
     for k in keys:
@@ -218,14 +218,20 @@ def _unreachable(resident: set[bytes], parent: dict[bytes, bytes | None]) -> int
     return sum(not walk(k) for k in resident)
 
 
-def policy_cost_us(requests: Requests, policy: str, capacity_blocks: int = 100_000, repeats: int = 3) -> dict[str, float]:
-    """Microseconds a policy spends per request and per chunk (lookup run, touches, admissions and evictions), best of ``repeats`` replays."""
+def policy_costs(requests: Requests, policies: Sequence[str], capacity_blocks: int = 100_000, repeats: int = 3) -> list[dict[str, float | str]]:
+    """Microseconds each policy spends per request and per chunk (lookup run, touches, admissions, evictions), best of
+    ``repeats`` replays taken in turns, with the ratio to the first policy's (the baseline) from the same run."""
     chunks = sum(map(len, requests))
-    best = float("inf")
+    best = dict.fromkeys(policies, float("inf"))
     for _ in range(repeats):
-        p = make_policy(policy, capacity_blocks)
-        start = time.perf_counter()
-        for keys in requests:
-            _serve(p, keys)
-        best = min(best, time.perf_counter() - start)
-    return {"us_per_request": round(best / len(requests) * 1e6, 2), "us_per_chunk": round(best / chunks * 1e6, 3)}
+        for policy in policies:
+            p = make_policy(policy, capacity_blocks)
+            start = time.perf_counter()
+            for keys in requests:
+                serve(p, keys)
+            best[policy] = min(best[policy], time.perf_counter() - start)
+    base = best[policies[0]]
+    return [
+        {"policy": policy, "capacity_blocks": capacity_blocks, "us_per_request": round(s / len(requests) * 1e6, 2), "us_per_chunk": round(s / chunks * 1e6, 3), "ratio": round(s / base, 3)}
+        for policy, s in best.items()
+    ]

@@ -26,7 +26,6 @@ prompt, None for a first chunk or when unknown); only ``prefix`` uses it.
 from __future__ import annotations
 
 import abc
-import dataclasses
 import heapq
 import math
 from collections import OrderedDict
@@ -183,17 +182,19 @@ class S3FIFO(EvictionPolicy):
             return key
 
 
-@dataclasses.dataclass(eq=False, slots=True)
 class _Node:
     """One key in the prefix tree. ``children`` counts the cached (or detached) nodes that name it as parent."""
 
-    key: bytes
-    parent: _Node | None
-    nbytes: int = 0
-    children: int = 0
-    uses: int = 0
-    last: int = 0
-    priority: float = 0.0
+    __slots__ = ("children", "key", "last", "nbytes", "parent", "priority", "uses")
+
+    def __init__(self, key: bytes, parent: _Node | None) -> None:
+        self.key = key
+        self.parent = parent
+        self.nbytes = 0
+        self.children = 0
+        self.uses = 0
+        self.last = 0
+        self.priority = 0.0
 
 
 class PrefixAware(EvictionPolicy):
@@ -233,7 +234,7 @@ class PrefixAware(EvictionPolicy):
 
     GHOST_FACTOR = 4
     STRETCH_QUANTILE = 0.75
-    _REFRESH = 1024  # gap samples between two computations of the stretch
+    _REFRESH = 1024  # gap samples between two computations of the stretch, once warmed up (first at 64, 128, 256, 512)
     _LOG2 = [0.0, *(math.log2(n) for n in range(1, 64))]  # log2 of small use counts, looked up
 
     def __init__(self, capacity_bytes: int) -> None:
@@ -245,6 +246,7 @@ class PrefixAware(EvictionPolicy):
         self._clock = 0
         self._gaps = [0.0] * 256  # gap histogram: 4 buckets per doubling, [2^o * (1 + q/4), 2^o * (1 + (q+1)/4)) - 1
         self._samples = 0
+        self._next_refresh = 64
         self._since_decay = 0
         self.stretch = 0.0
 
@@ -331,10 +333,12 @@ class PrefixAware(EvictionPolicy):
         """Count one reuse gap; now and then recompute the stretch, and halve the history once it covers the cache."""
         g = gap + 1
         octave = g.bit_length() - 1
-        self._gaps[min(4 * octave + (((g << 2) >> octave) & 3), 255)] += 1
+        bucket = 4 * octave + (((g << 2) >> octave) & 3)
+        self._gaps[bucket if bucket < 256 else 255] += 1
         self._samples += 1
         self._since_decay += 1
-        if self._samples % self._REFRESH == 0:
+        if self._samples == self._next_refresh:
+            self._next_refresh += min(self._samples, self._REFRESH)
             target, seen = self.STRETCH_QUANTILE * sum(self._gaps), 0.0
             for bucket, count in enumerate(self._gaps):
                 seen += count
