@@ -19,6 +19,10 @@ class LayoutError(PdkvError, ValueError):
     """A KV layout or a block/slot index does not fit the buffer it describes."""
 
 
+class CacheRequestError(PdkvError, ValueError):
+    """A ``KVCacheEngine`` call's tokens, keys or mask break its contract (pdkv/cache_engine.py); the message says which and how."""
+
+
 class ProtocolError(PdkvError):
     """A control message or frame from a peer is malformed or unexpected."""
 
@@ -49,6 +53,14 @@ class ChecksumError(TransferError):
 
 class TransferTimeout(TransferError, TimeoutError):
     """A wait for a peer, a reservation, a chunk or a completion ran past its timeout."""
+
+
+class PromptMismatchError(TransferError):
+    """The KV that landed was computed for another prompt than the one the decode side was asked to decode."""
+
+
+class NotAnnouncedError(TransferTimeout):
+    """No sender reserved the transfer within ``announce_timeout_s``: it will not come, compute instead."""
 
 
 class TransferCancelled(TransferError):

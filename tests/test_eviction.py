@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdkv.cache_engine import KVCacheEngine
 from pdkv.bench.eviction import infinite_hit_rate, optimum, policy_replay, reuse_oracle_lru, serve
 from pdkv.bench.ttft import TraceRequest, simulated_hit_rate, trace_hit_rates, trace_keys
 from pdkv.config import TierConfig, convert_config
@@ -326,3 +327,27 @@ def test_bench_part2_reports_every_policy_against_the_optimum() -> None:
     assert isinstance(report["targets"]["prefix_beats_lru_and_s3fifo_at_every_size"], bool)
     redis_rows = report["redis"].get("rows", [])
     assert "skipped" in report["redis"] or [r["policy"] for r in redis_rows] == ["redis allkeys-lru", "redis allkeys-lfu", *(f"pdkv {p}" for p in POLICIES)]
+
+
+def test_cache_engine_links_stored_and_batch_promoted_chunks_under_their_parents(tmp_path: Path) -> None:
+    """KVCacheEngine stores with parents, and a retrieve in batches of two promotes from disk into memory with
+    each batch linked under the chunk before it. Then the prompt's root is read again and one unrelated chunk
+    stored: the prefix policy evicts the prompt's tail (a leaf); had a batch boundary broken the chain, the chunk
+    before it would have been a leaf too, older, and gone first."""
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, block_size=4, dtype="float32")
+    cs = 4
+    memory = MemoryTier(layout, 6 * layout.chunk_bytes(cs), "prefix")
+    disk = DiskTier(layout, tmp_path, 1 << 20)
+    cache = KVCacheEngine(layout, TieredCache([memory, disk]), cs, fingerprint="fp", load_batch_chunks=2)
+    buffer = [t.normal_() for t in layout.allocate(16)]
+    tokens = list(range(1, 6 * cs + 1))
+    block_table = list(range(layout.blocks_for(len(tokens))))
+    assert cache.store(tokens, buffer, block_table) == len(tokens) and cache.flush(10)
+    ks = cache.keys(tokens).keys
+    assert memory.remove(list(ks)) == 6  # memory lost them; disk has them
+    assert bool(cache.retrieve(tokens, [t.clone().zero_() for t in buffer], block_table).all())  # three batches, promoted
+    assert memory.contains(ks) == 6
+    assert memory.get(ks[:1], [torch.empty(layout.chunk_shape(cs))]) == 1
+    memory.put([b"u" * 16], [torch.zeros(layout.chunk_shape(cs))])
+    assert memory.contains(ks) == 5
+    cache.close()

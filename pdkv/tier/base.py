@@ -127,17 +127,36 @@ class CacheTier(abc.ABC):
     without a copy): the caller must not write to them afterwards.
     """
 
+    remote: bool = False
+    """Whether ``has`` costs a round trip to another process (a shared server): then ``has_local`` skips it."""
+
     @abc.abstractmethod
     def has(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is stored (no data is read, no counter moves)."""
+
+    def has_local(self, keys: Sequence[bytes]) -> list[bool]:
+        """``has`` as far as it can be answered without a round trip; a remote level answers False.
+
+        What a writer asks before gathering a chunk during a forward step: a
+        chunk a remote level may hold is written anyway, behind, and the
+        level drops the duplicate itself.
+        """
+        return [False] * len(keys) if self.remote else self.has(keys)
 
     def contains(self, keys: Sequence[bytes]) -> int:
         """How many leading chunks of ``keys`` are cached."""
         return leading(self.has(keys))
 
     @abc.abstractmethod
-    def get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
-        """Fill ``outs[i]`` (canonical chunks, shaped for the tokens expected) for the longest leading run of keys; return its length."""
+    def get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], parent: bytes | None = None) -> int:
+        """Fill ``outs[i]`` (canonical chunks, shaped for the tokens expected) for the longest leading run of keys; return its length.
+
+        ``keys`` are consecutive chunks of one prompt; ``parent``, when given,
+        is the key of the chunk before ``keys[0]`` (a caller reading a prompt
+        in batches knows it): a cache that copies what a slower level served
+        into a faster one (``TieredCache``) stores the copies under it, as
+        ``put``'s ``parents`` do. One level alone does not use it.
+        """
 
     @abc.abstractmethod
     def put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Parents = None) -> None:
@@ -171,7 +190,7 @@ class LeafTier(CacheTier):
         self._stats = TierStats(name, capacity_bytes=capacity_bytes)
         self._stats_lock = threading.Lock()
 
-    def get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
+    def get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], parent: bytes | None = None) -> int:
         self._check(keys, outs, "get buffer")
         if not keys:
             return 0

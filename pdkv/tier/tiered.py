@@ -66,7 +66,13 @@ class TieredCache(CacheTier):
                 held[i] = h
         return held
 
-    def get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
+    def has_local(self, keys: Sequence[bytes]) -> list[bool]:
+        held = [False] * len(keys)
+        for level in self.levels:
+            held = [a or b for a, b in zip(held, level.has_local(keys), strict=True)]
+        return held
+
+    def get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], parent: bytes | None = None) -> int:
         pos, skip = 0, -1  # ``skip`` already missed at ``pos``: its miss is counted, do not ask it again
         while pos < len(keys):
             for index, level in enumerate(self.levels):
@@ -76,7 +82,7 @@ class TieredCache(CacheTier):
                 stop = pos + 1 + leading([not h for h in self._held_above(index, keys[pos + 1 :])])
                 got = level.get(keys[pos:stop], outs[pos:stop])
                 if got:
-                    self._promote(index, keys, pos, outs[pos : pos + got])
+                    self._promote(index, keys, pos, outs[pos : pos + got], parent)
                     pos, skip = pos + got, (index if got < stop - pos else -1)
                     break
             else:
@@ -128,18 +134,14 @@ class TieredCache(CacheTier):
             held = [a or b for a, b in zip(held, level.has(keys), strict=True)]
         return held
 
-    def _promote(self, served_by: int, keys: Sequence[bytes], pos: int, outs: Sequence[torch.Tensor]) -> None:
-        """Copy the chunks a lower level served for ``keys[pos:]`` into the levels above it (the caller keeps ``outs``).
-
-        Each chunk's parent is the key before it in ``keys``; the first
-        call's first key has none known (a caller reading a prompt in
-        batches starts each batch mid-prompt).
-        """
+    def _promote(self, served_by: int, keys: Sequence[bytes], pos: int, outs: Sequence[torch.Tensor], parent: bytes | None) -> None:
+        """Copy the chunks a lower level served for ``keys[pos:]`` into the levels above it (the caller keeps ``outs``),
+        each under the key before it (``parent`` before ``keys[0]``)."""
         if served_by == 0:
             return
         copies = [o.clone() for o in outs]
         served = list(keys[pos : pos + len(outs)])
-        parents = [keys[pos - 1] if pos else None, *served[:-1]]
+        parents = [keys[pos - 1] if pos else parent, *served[:-1]]
         above = self.levels[:served_by]
         if above[0] is self._sync:
             self._sync.put(served, copies, parents)
