@@ -4,16 +4,20 @@ A trace here is a list of requests, each the chained chunk keys of its
 prompt (``pdkv.keys``), all chunks the same size. A request is served the
 way a worker is: it looks its keys up and is credited the *leading run* of
 cached ones (a lookup stops at the first miss), then stores the ones it
-computed; between two requests a cache of C chunks holds at most C. The
-block hit rate is credited chunks over all chunks.
+computed. The block hit rate is credited chunks over all chunks.
 
-The optimum (``optimum``) is exact, not a heuristic bound. Relax the credit
-to "every cached chunk of the request counts", whether or not the chunks
-before it are cached: that can only raise any schedule's score, and the
-relaxed problem is plain caching with optional admission, whose optimum is
+What the optimum (``optimum``) maximizes: that credit summed over the
+requests, over every schedule in which the cache holds at most C chunks
+between two requests and a chunk enters only when a request that contains
+it is served (then its KV exists). It is exact, not a heuristic bound.
+Relax the credit to "every cached chunk of the request counts", whether or
+not the chunks before it are cached: that can only raise any schedule's
+score, and the relaxed problem is plain caching with optional admission of
+unit-size items (each request a batch of distinct keys), whose optimum is
 Belady's MIN (keep the C chunks whose next use is soonest, among the cached
-ones and the request's own; drop chunks never used again; ties do not
-change the relaxed score). On chained keys a parent is in every request its
+ones and the request's own; drop chunks never used again; the usual
+exchange argument holds for batches, and ties do not change the relaxed
+score). On chained keys a parent is in every request its
 child is in, so its next use is never later than its child's; breaking ties
 children-first therefore keeps the cache closed under parents, and in such
 a cache a request's cached chunks are exactly a leading run. That schedule

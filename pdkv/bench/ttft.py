@@ -313,6 +313,11 @@ def simulated_hit_rate(keys: Sequence[Sequence[bytes]], capacity_blocks: int, po
     return hits / total
 
 
+def _ratio(rate: float, best: float) -> float:
+    """``rate / best`` rounded; 1.0 when nothing could be hit at all."""
+    return round(rate / best, 4) if best else 1.0
+
+
 def redis_hit_rates(keys: Sequence[Sequence[bytes]]) -> Report:
     """The first ``REDIS_REQUESTS`` requests through a ``RedisTier`` on a real redis-server bounded to about 9% of their
     distinct blocks, under each of the server's own policies, beside pdkv's policies and the optimum on the same requests.
@@ -355,13 +360,13 @@ def redis_hit_rates(keys: Sequence[Sequence[bytes]]) -> Report:
                     total += len(ks)
                 if tier.stats()["redis"].errors:
                     raise PdkvError(f"redis-server answered errors during the {policy} replay")
-                rows.append({"policy": f"redis {policy}", "values_held_at_end": int(client.dbsize()), "hit_rate": round(hits / total, 4), "ratio": round(hits / total / best, 4)})
+                rows.append({"policy": f"redis {policy}", "values_held_at_end": int(client.dbsize()), "hit_rate": round(hits / total, 4), "ratio": _ratio(hits / total, best)})
                 tier.close()
         finally:
             client.close()
     for policy in POLICIES:
         rate = simulated_hit_rate(keys, blocks, policy)
-        rows.append({"policy": f"pdkv {policy}", "values_held_at_end": blocks, "hit_rate": round(rate, 4), "ratio": round(rate / best, 4)})
+        rows.append({"policy": f"pdkv {policy}", "values_held_at_end": blocks, "hit_rate": round(rate, 4), "ratio": _ratio(rate, best)})
     return {"requests": len(keys), "capacity_blocks": blocks, "optimum_hit_rate": round(best, 4), "rows": rows}
 
 
@@ -372,6 +377,7 @@ def trace_hit_rates(requests: Sequence[TraceRequest], path: str) -> Report:
     unique = len({k for ks in keys for k in ks})
     nexts = next_uses(keys)
     optima, rows = [], []
+    rates: dict[tuple[str, int], float] = {}
     for blocks in (*SIM_SIZES, unique):
         best = optimum(keys, blocks, nexts)
         optima.append({
@@ -383,7 +389,7 @@ def trace_hit_rates(requests: Sequence[TraceRequest], path: str) -> Report:
             "lru_with_reuse_oracle_hit_rate": round(reuse_oracle_lru(keys, blocks, nexts), 4),
         })
         for policy in POLICIES:
-            rate = simulated_hit_rate(keys, blocks, policy)
+            rate = rates[policy, blocks] = simulated_hit_rate(keys, blocks, policy)
             check = policy_replay(keys, blocks, policy)
             if abs(check.hit_rate - rate) > 1e-12:
                 raise PdkvError(f"{policy} at {blocks} blocks: the policy-only replay ({check.hit_rate}) disagrees with the MemoryTier replay ({rate})")
@@ -393,13 +399,11 @@ def trace_hit_rates(requests: Sequence[TraceRequest], path: str) -> Report:
                 "l1_share_of_unique_blocks": round(blocks / unique, 4),
                 "hit_rate": round(rate, 4),
                 "optimum_hit_rate": round(best.hit_rate, 4),
-                "ratio": round(rate / best.hit_rate, 4),
-                "ratio_to_infinite": round(rate / bound, 4),
+                "ratio": _ratio(rate, best.hit_rate),
+                "ratio_to_infinite": _ratio(rate, bound),
                 "unreachable_share": round(check.unreachable_share, 4),
             })
-    at = {(r["policy"], r["l1_blocks"]): r["hit_rate"] for r in rows}
-    nine = SIM_SIZES[1]
-    new_ratio = next(r["ratio"] for r in rows if r["policy"] == "prefix" and r["l1_blocks"] == nine)
+    new_ratio = next(r["ratio"] for r in rows if r["policy"] == "prefix" and r["l1_blocks"] == SIM_SIZES[1])
     return {
         "file": path,
         "requests": len(requests),
@@ -417,7 +421,7 @@ def trace_hit_rates(requests: Sequence[TraceRequest], path: str) -> Report:
             "prefix_ratio_at_9pct_min": TARGET_OPTIMUM_RATIO,
             "prefix_ratio_at_9pct": new_ratio,
             "prefix_ratio_met": new_ratio >= TARGET_OPTIMUM_RATIO,
-            "prefix_beats_lru_and_s3fifo_at_every_size": all(at["prefix", b] > max(at["lru", b], at["s3fifo", b]) for b in SIM_SIZES),
+            "prefix_beats_lru_and_s3fifo_at_every_size": all(rates["prefix", b] > max(rates["lru", b], rates["s3fifo", b]) for b in SIM_SIZES),
         },
     }
 
