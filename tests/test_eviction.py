@@ -72,6 +72,8 @@ def test_prefix_policy_never_keeps_a_child_without_its_parent_and_respects_bytes
         orphans = [k for k in held if parent_of[k] is not None and parent_of[k] not in held]
         assert not orphans, f"step {step}: a child is cached without its parent"
     assert p.admit(b"x" * 16, 2001) is None and b"x" * 16 not in p
+    # nothing kept for keys that left: the per-key state is exactly the cached keys'
+    assert set(p._uses) == set(p._last) == set(p._priority) == set(held) and set(p._parent) <= set(held) and set(p._children) <= set(held)
 
 
 def _run_request(p: PrefixAware, ks: Sequence[bytes], held: dict[bytes, int], parent_of: dict[bytes, bytes | None], rng: random.Random) -> int:
@@ -154,6 +156,7 @@ def test_prefix_policy_forced_removal_detaches_and_the_stored_again_parent_takes
     orphaned.discard(ks[2])  # the detached ks[1] loses its last child: forgotten, ks[0] is a leaf again
     orphaned.touch(ks[0])
     assert orphaned.admit(b"a" * 16, 1) == [] and orphaned.admit(b"b" * 16, 1) == [] and orphaned.admit(b"c" * 16, 1) == [ks[0]]
+    assert not orphaned._detached and set(orphaned._uses) == {b"a" * 16, b"b" * 16, b"c" * 16}  # the detached key was forgotten
 
 
 def test_prefix_policy_learns_a_stretch_that_keeps_reused_prefixes_through_a_scan() -> None:

@@ -182,21 +182,6 @@ class S3FIFO(EvictionPolicy):
             return key
 
 
-class _Node:
-    """One key in the prefix tree. ``children`` counts the cached (or detached) nodes that name it as parent."""
-
-    __slots__ = ("children", "key", "last", "nbytes", "parent", "priority", "uses")
-
-    def __init__(self, key: bytes, parent: _Node | None) -> None:
-        self.key = key
-        self.parent = parent
-        self.nbytes = 0
-        self.children = 0
-        self.uses = 0
-        self.last = 0
-        self.priority = 0.0
-
-
 class PrefixAware(EvictionPolicy):
     """Evict the leaf of the prefix tree with the lowest ``last access + stretch * log2(uses)``.
 
@@ -204,11 +189,14 @@ class PrefixAware(EvictionPolicy):
     stop at the first miss), so evicting a parent before its children wastes
     the children's bytes too. The tree is built from the parents given to
     ``admit``; a key admitted without one (the first chunk of a prompt, or a
-    caller that does not know) is a root. Each leaf is in a heap keyed by its
-    priority, so ``touch`` and ``admit`` are O(log n), and an eviction is
-    O(log n) too: the evicted leaf's parent, when it became a leaf, enters the
-    heap in the same step. Nothing walks the tree, so a request of c chunks
-    costs O(c log n) whatever the depth of its prompt.
+    caller that does not know), or whose parent is no longer cached, is a
+    root. Each leaf is in a heap keyed by its priority: a read of a chunk
+    with cached children is O(1), of a leaf O(log n); an admission or an
+    eviction is O(log n), the evicted leaf's parent entering the heap in the
+    same step when it became a leaf. Nothing walks the tree, so a request of
+    c chunks costs O(c log n) whatever the depth of its prompt. The state is
+    flat dicts of bytes and numbers, which Python's garbage collector never
+    scans: a cache of millions of chunks adds nothing to a worker's GC pauses.
 
     Why the stretch: on a prefix workload a chunk's reads are a prompt's
     reads, so ``uses`` (stores plus reads) counts how many prompts ran
@@ -226,10 +214,10 @@ class PrefixAware(EvictionPolicy):
     leaves-first LRU.
 
     Forced removals (``discard``: ``remove`` on the tier, a damaged disk
-    file) are the one way a parent leaves before its children: the node is
+    file) are the one way a parent leaves before its children: the key is
     detached, its children stay cached and linked to it (unreachable by
     lookups), and when the key is stored again it takes them back; a
-    detached node is forgotten with its last child.
+    detached key is forgotten with its last child.
     """
 
     GHOST_FACTOR = 4
@@ -239,8 +227,13 @@ class PrefixAware(EvictionPolicy):
 
     def __init__(self, capacity_bytes: int) -> None:
         super().__init__(capacity_bytes)
-        self._nodes: dict[bytes, _Node] = {}
-        self._detached: dict[bytes, _Node] = {}  # removed by the tier with children still cached
+        self._size: dict[bytes, int] = {}  # the cached keys
+        self._parent: dict[bytes, bytes] = {}  # cached or detached key -> the key it is linked under
+        self._children: dict[bytes, int] = {}  # cached or detached key -> how many keys are linked under it (absent: none)
+        self._uses: dict[bytes, int] = {}  # cached or detached key -> stores and reads
+        self._last: dict[bytes, int] = {}  # cached or detached key -> clock of its last store or read
+        self._priority: dict[bytes, float] = {}  # cached key -> its rank: the lowest leaf goes first
+        self._detached: set[bytes] = set()  # removed by the tier with children still cached
         self._leaves: list[tuple[float, bytes]] = []  # heap with stale entries, skipped when popped
         self._ghost: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # evicted key -> (uses, last access)
         self._clock = 0
@@ -251,83 +244,85 @@ class PrefixAware(EvictionPolicy):
         self.stretch = 0.0
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._nodes
+        return key in self._size
 
     def __len__(self) -> int:
-        return len(self._nodes)
+        return len(self._size)
 
     def touch(self, key: bytes) -> None:
-        node = self._nodes[key]
         self._clock += 1
-        self._sample(self._clock - node.last)
-        node.uses += 1
-        node.last = self._clock
-        self._rank(node)
+        self._sample(self._clock - self._last[key])
+        self._uses[key] += 1
+        self._last[key] = self._clock
+        self._rank(key)
 
     def discard(self, key: bytes) -> None:
-        node = self._nodes.pop(key, None)
-        if node is None:
+        nbytes = self._size.pop(key, None)
+        if nbytes is None:
             return
-        self.used -= node.nbytes
-        if node.children:
-            self._detached[key] = node
+        self.used -= nbytes
+        del self._priority[key]
+        if key in self._children:
+            self._detached.add(key)
         else:
-            self._unlink(node)
+            self._forget(key)
 
     def _insert(self, key: bytes, nbytes: int, parent: bytes | None) -> None:
         self._clock += 1
-        node = self._detached.pop(key, None)
-        if node is None:
-            above = None if parent is None else self._nodes.get(parent) or self._detached.get(parent)
-            node = _Node(key, above)
-            if above is not None:
-                above.children += 1
-        ghost = self._ghost.pop(key, None)
-        if ghost is not None:
-            node.uses, seen = ghost
-            self._sample(self._clock - seen)
-        node.uses += 1
-        node.nbytes = nbytes
-        node.last = self._clock
-        self._nodes[key] = node
-        self._rank(node)
+        if key in self._detached:  # stored again: it keeps its place in the tree and its count
+            self._detached.remove(key)
+            self._uses[key] += 1
+        else:
+            if parent is not None and (parent in self._size or parent in self._detached):
+                self._parent[key] = parent
+                self._children[parent] = self._children.get(parent, 0) + 1
+            uses, seen = self._ghost.pop(key, (0, 0))
+            if seen:
+                self._sample(self._clock - seen)
+            self._uses[key] = uses + 1
+        self._size[key] = nbytes
+        self._last[key] = self._clock
+        self._rank(key)
 
     def _evict(self) -> bytes:
         while True:  # ends: a non-empty forest has a leaf, and every leaf has a current heap entry
             priority, key = heapq.heappop(self._leaves)
-            node = self._nodes.get(key)
-            if node is not None and not node.children and node.priority == priority:
+            if key in self._size and key not in self._children and self._priority[key] == priority:
                 break
-        del self._nodes[key]
-        self.used -= node.nbytes
-        self._ghost[key] = (node.uses, node.last)
-        while len(self._ghost) > self.GHOST_FACTOR * max(len(self._nodes), 1):
+        self.used -= self._size.pop(key)
+        del self._priority[key]
+        self._ghost[key] = (self._uses[key], self._last[key])
+        while len(self._ghost) > self.GHOST_FACTOR * max(len(self._size), 1):
             self._ghost.popitem(last=False)
-        self._unlink(node)
+        self._forget(key)
         return key
 
-    def _rank(self, node: _Node) -> None:
-        """Set ``node``'s priority; a leaf enters the heap with it (its older entries go stale)."""
-        uses = node.uses
-        node.priority = node.last + self.stretch * (self._LOG2[uses] if uses < 64 else math.log2(uses))
-        if not node.children:
-            heapq.heappush(self._leaves, (node.priority, node.key))
-            if len(self._leaves) > 2 * len(self._nodes) + 64:  # drop stale entries; amortized O(1)
-                self._leaves = [(n.priority, k) for k, n in self._nodes.items() if not n.children]
+    def _rank(self, key: bytes) -> None:
+        """Set ``key``'s priority; a leaf enters the heap with it (its older entries go stale)."""
+        uses = self._uses[key]
+        priority = self._priority[key] = self._last[key] + self.stretch * (self._LOG2[uses] if uses < 64 else math.log2(uses))
+        if key not in self._children:
+            heapq.heappush(self._leaves, (priority, key))
+            if len(self._leaves) > 2 * len(self._size) + 64:  # drop stale entries; amortized O(1)
+                self._leaves = [(self._priority[k], k) for k in self._size if k not in self._children]
                 heapq.heapify(self._leaves)
 
-    def _unlink(self, node: _Node) -> None:
-        """``node`` left the cache childless: its parent may become a leaf, a detached one is forgotten."""
-        above = node.parent
-        while above is not None:
-            above.children -= 1
-            if above.children:
+    def _forget(self, key: bytes) -> None:
+        """``key`` left the tree childless: its parent may become a leaf; a detached parent left childless goes too."""
+        del self._uses[key], self._last[key]
+        parent = self._parent.pop(key, None)
+        while parent is not None:
+            left = self._children[parent] - 1
+            if left:
+                self._children[parent] = left
                 return
-            if self._nodes.get(above.key) is above:
-                heapq.heappush(self._leaves, (above.priority, above.key))
+            del self._children[parent]
+            if parent in self._size:
+                heapq.heappush(self._leaves, (self._priority[parent], parent))
                 return
-            del self._detached[above.key]
-            above = above.parent
+            self._detached.remove(parent)
+            del self._uses[parent], self._last[parent]
+            parent = self._parent.pop(parent, None)
 
     def _sample(self, gap: int) -> None:
         """Count one reuse gap; now and then recompute the stretch, and halve the history once it covers the cache."""
@@ -345,7 +340,7 @@ class PrefixAware(EvictionPolicy):
                 if seen >= target:
                     self.stretch = (1 << (bucket >> 2)) * (1 + (bucket & 3) / 4) - 1
                     break
-        if self._since_decay >= max(len(self._nodes), self._REFRESH):
+        if self._since_decay >= max(len(self._size), self._REFRESH):
             self._gaps = [count / 2 for count in self._gaps]
             self._since_decay = 0
 
