@@ -2,8 +2,10 @@
 
 The Mooncake-trace numbers are `pdkv bench ttft` part 2's job; these tests
 check the policy's invariants, that the optimum is exact (against brute
-force), hand-computed hit rates of every policy on a six-request trace, and
-that the policy plugs into the memory and disk levels with parents given.
+force), hand-computed hit rates of every policy on a six-request trace, that
+the policy plugs into the memory and disk levels with parents given (by
+``TieredCache``, its promotions and ``KVCacheEngine``), and that part 2's
+report holds together on a small synthetic trace.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdkv.cache_engine import KVCacheEngine
 from pdkv.bench.eviction import infinite_hit_rate, optimum, policy_replay, reuse_oracle_lru, serve
 from pdkv.bench.ttft import TraceRequest, simulated_hit_rate, trace_hit_rates, trace_keys
-from pdkv.config import TierConfig, convert_config
+from pdkv.cache_engine import KVCacheEngine
+from pdkv.config import convert_config
 from pdkv.errors import ConfigError, LayoutError
 from pdkv.keys import chunk_keys
 from pdkv.layout import KVLayout
