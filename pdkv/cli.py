@@ -14,6 +14,17 @@ import sys
 from pdkv.errors import PdkvError
 
 
+def _parts(text: str) -> tuple[int, ...]:
+    """Parse ``2,3`` into the parts of ``pdkv bench ttft`` to run."""
+    try:
+        parts = tuple(sorted({int(p) for p in text.split(",")}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"parts {text!r}: expected a comma-separated list of 1, 2 and 3") from None
+    if not parts or not set(parts) <= {1, 2, 3}:
+        raise argparse.ArgumentTypeError(f"parts {text!r}: expected a comma-separated list of 1, 2 and 3")
+    return parts
+
+
 def _sizes(text: str) -> list[int]:
     """Parse ``4K,256K,4M,32M`` into bytes."""
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -97,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     ga.add_argument("--json", action="store_true")
     ga.set_defaults(target="pdkv.bench.gather:run")
     tt = bsub.add_parser("ttft", help="time to first token, cold and from each cache tier")
+    tt.add_argument("--parts", type=_parts, default=(1, 2, 3), help="which parts: 1 one prompt from each level, 2 trace hit rates against the optimum, 3 replay through workers (default 1,2,3)")
     tt.add_argument("--json", action="store_true")
     tt.set_defaults(target="pdkv.bench.ttft:run")
     pd = bsub.add_parser("pd", help="TTFT of a long prompt, prefill and decode on two hosts (--link), against one worker doing it all")

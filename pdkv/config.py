@@ -116,9 +116,11 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     enabled: bool = True
     memory_bytes: Annotated[int, Meta(ge=0)] = 1 << 30  # 0: no memory level
-    memory_policy: Literal["lru", "s3fifo"] = "lru"
+    # which chunks leave a full level (pdkv/tier/policy.py): lru, s3fifo, or prefix (leaves of the prompt tree first, reuse-weighted)
+    memory_policy: Literal["lru", "s3fifo", "prefix"] = "lru"
     disk_path: str = ""  # a directory of its own per worker; "": no disk level
     disk_bytes: Positive = 16 << 30
+    disk_policy: Literal["lru", "s3fifo", "prefix"] = "lru"
     redis_url: str = ""  # redis://HOST:PORT/DB (or rediss://, unix://); "": no remote level
     redis_namespace: str = "pdkv:kv:"
     redis_ttl_s: Annotated[float, Meta(ge=0)] = 0.0  # 0: kept until the server evicts it (maxmemory policy)
