@@ -47,7 +47,7 @@ import pytest
 from pdkv.demo import get_text, metric, post_json
 from pdkv.launch.procs import WorkerProcess, start_worker
 from pdkv.launch.vllm import free_port
-from pdkv.tier.localredis import local_redis, server_binary
+from pdkv.tier.localredis import local_redis
 
 from vllm_env import Unavailable, vllm_python
 
@@ -94,7 +94,7 @@ class Cluster:
     prefill: WorkerProcess
     decode: WorkerProcess
     router: WorkerProcess
-    redis_url: str  # "" when no redis-server is installed: the shared-tier test skips
+    redis_url: str  # a real redis-server the fixture started (pdkv.tier.localredis)
     redis_namespace: str
 
 
@@ -125,9 +125,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     model = str(ensure_default_model())
     tmp = tmp_path_factory.mktemp("vllm")
     with contextlib.ExitStack() as stack:
-        redis_url = stack.enter_context(local_redis()).url if server_binary() else ""
+        redis_url = stack.enter_context(local_redis()).url
         namespace = f"vllm-{uuid.uuid4().hex}:"
-        tier = f"tier:\n  redis_url: {redis_url}\n  redis_namespace: '{namespace}'\n" if redis_url else ""
+        tier = f"tier:\n  redis_url: {redis_url}\n  redis_namespace: '{namespace}'\n"
         secret = f"secret: {uuid.uuid4().hex}\n"  # P and D authenticate each other, as a deployment beyond loopback must
         (tmp / "prefill.yaml").write_text(secret + tier)
         (tmp / "decode.yaml").write_text(f"{secret}transfer:\n  transfer_timeout_s: {D_TRANSFER_TIMEOUT_S}\n  claim_timeout_s: 30\nnum_blocks: 64\n{tier}")
@@ -280,8 +280,6 @@ def test_a_prefix_computed_on_one_vllm_is_loaded_from_redis_by_another(cluster: 
     """No kv_transfer_params at all: P computes SHARED and offers its full chunks to Redis; D, asked the
     same prompt later, loads those chunks instead of computing them."""
     c = cluster
-    if not c.redis_url:
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server): the shared tier is tested against a real one")
     import redis
 
     server = redis.Redis.from_url(c.redis_url)

@@ -23,8 +23,10 @@ Three measurements, one run, one JSON object:
    the router sees: the prefill request (its KV pushed to the decode worker)
    plus the decode worker's first streamed token.
 
-The trace is looked for beside the repository (``../shared/data/mooncake-traces``)
-or at ``$PDKV_MOONCAKE_TRACE``; without it parts 2 and 3 report why they were skipped.
+The trace ships with pdkv (``pdkv/bench/data/mooncake``, Apache-2.0, the
+Mooncake project's; its README says where from); ``$PDKV_MOONCAKE_TRACE``
+names another file (JSON lines, plain or ``.xz``). Without one, parts 2 and 3
+report why they were skipped.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import contextlib
 import dataclasses
 import http.client
 import json
+import lzma
 import os
 import platform
 import statistics
@@ -71,7 +74,7 @@ CACHED_REPEATS = 3
 TARGET_RATIO = 0.2
 
 TRACE_ENV = "PDKV_MOONCAKE_TRACE"
-TRACE_FILE = "conversation_trace.jsonl"
+TRACE_FILE = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace.jsonl.xz"
 TRACE_BLOCK_TOKENS = 512
 TRACE_BOUND = 0.366  # the issue's figure; the run recomputes it from the file
 SIM_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")  # 8 bytes/token: the hit rate needs keys, not KV
@@ -97,7 +100,7 @@ def measure() -> Report:
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
         **prompt_ttft(),
     }
-    skipped = f"the Mooncake trace was not found (looked beside the repo for ../shared/data/mooncake-traces/{TRACE_FILE}, and at ${TRACE_ENV})"
+    skipped = f"the Mooncake trace was not found (looked at ${TRACE_ENV} and {TRACE_FILE})"
     report["trace"] = trace_hit_rates(requests, str(trace)) if requests is not None else {"skipped": skipped}
     report["replay"] = replay(requests) if requests is not None else {"skipped": skipped}
     return report
@@ -227,16 +230,16 @@ class TraceRequest:
 
 
 def trace_path() -> Path | None:
-    """The trace file beside the repository checkout (or named by $PDKV_MOONCAKE_TRACE), or None."""
+    """The trace named by $PDKV_MOONCAKE_TRACE, else the one shipped with pdkv; None if neither is there."""
     named = os.environ.get(TRACE_ENV)
     candidates = [Path(named)] if named else []
-    candidates.append(Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake-traces" / TRACE_FILE)
+    candidates.append(TRACE_FILE)
     return next((p for p in candidates if p.is_file()), None)
 
 
 def load_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
     out: list[TraceRequest] = []
-    with open(path) as f:
+    with (lzma.open(path, "rt") if path.suffix == ".xz" else open(path)) as f:
         for line in f:
             if limit is not None and len(out) >= limit:
                 break
