@@ -68,9 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--json", action="store_true", help="print one JSON object")
     ch.set_defaults(target="pdkv.bench.channel:run")
     ga = bsub.add_parser("gather", help="paged gather/scatter GB/s against memcpy")
+    ga.add_argument("--tokens", type=int, default=256, help="tokens per chunk (Llama-3-8B shaped: 128 KiB each)")
+    ga.add_argument("--repeats", type=int, default=0, help="timed repeats per row (0: 15 native, 5 torch)")
     ga.add_argument("--json", action="store_true")
     ga.set_defaults(target="pdkv.bench.gather:run")
     tt = bsub.add_parser("ttft", help="time to first token, cold and from each cache tier")
+    tt.add_argument("--model", default="default", help="'default' or a model directory")
+    tt.add_argument("--prompt-tokens", type=int, default=2048, help="part 1: prompt length")
+    tt.add_argument("--repeats", type=int, default=3, help="part 1: rounds (every case once per round)")
+    tt.add_argument("--trace-requests", type=int, default=0, help="parts 2-3: the trace's first N requests (0: all)")
+    tt.add_argument("--replay-conversations", type=int, default=8, help="part 3: conversations replayed through real workers")
     tt.add_argument("--json", action="store_true")
     tt.set_defaults(target="pdkv.bench.ttft:run")
     ro = bsub.add_parser("router", help="the router's added latency and requests/s against doing its hops directly (trivial backend)")
@@ -78,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--concurrency", type=int, default=32, help="requests in flight for the requests/s measurement")
     ro.add_argument("--json", action="store_true")
     ro.set_defaults(target="pdkv.bench.router:run")
+    for each in bsub.choices.values():
+        each.add_argument("--plot", metavar="FILE.png", default=None, help="also draw the result into this file (needs pdkv[plot])")
     return parser
 
 

@@ -43,6 +43,7 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pdkv.bench import plot
 from pdkv.channels import TransferOp, create_channel
 from pdkv.errors import ChannelError, ConfigError, TransferTimeout
 
@@ -387,9 +388,21 @@ def _table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def draw(out: dict[str, Any], path: str) -> None:
+    """``--plot``: GB/s against size, the channel and its same-run baseline."""
+    sizes = [r["size_bytes"] for r in out["results"]]
+    plot.lines(path, f"pdkv bench channel --channel {out['channel']}", "transfer size (bytes)", "GB/s", {
+        out["channel"]: (sizes, [r["gbps"] for r in out["results"]]),
+        "baseline: " + out["baseline"][:60]: (sizes, [r["baseline_gbps"] for r in out["results"]]),
+    })
+
+
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 0:
         raise ConfigError(f"bench channel --repeats {args.repeats}: expected >= 0 (0: chosen per size)")
+    plot.check(getattr(args, "plot", None))
     out = measure(args.channel, args.sizes, args.repeats)
     print(json.dumps(out) if args.json else _table(out))
+    if getattr(args, "plot", None):
+        draw(out, args.plot)
     return 0

@@ -3,14 +3,17 @@
 Three measurements, one run, one JSON object:
 
 1. ``results``: a 2048-token prompt on the default model (SmolLM2-135M,
-   float32, chunks of 256). The baseline is its first sight (every chunk
-   computed, and offered to the tier as a worker does); then the same prompt
-   served from memory, from disk (a fresh memory level, the disk files
+   float32, chunks of 256). The baseline is the plain prefill with no tier at
+   all (``cold, tier off``); then its first sight with the tier on (every
+   chunk computed, and offered to the tier as a worker does), and the same
+   prompt served from memory, from disk (a fresh memory level, the disk files
    evicted from the page cache first) and from a real redis-server on
-   loopback (fresh memory and disk). Each row's ratio is its TTFT over the
-   cold one; each cached run must give the cold run's first token and
-   bit-identical KV. The chunk holding the last token is always computed
-   (``pdkv.worker.tiering``), so at best 7 of 8 chunks are loaded.
+   loopback (fresh memory and disk). The cases run in rounds, every case once
+   per round, ``--repeats`` rounds; each row is the median of its repeats and
+   its ratio is over the baseline's median. Each cached run must give the
+   baseline's first token and bit-identical KV. The chunk holding the last
+   token is always computed (``pdkv.worker.tiering``), so at best 7 of 8
+   chunks are loaded.
 2. ``trace``: the Mooncake conversation trace (12,031 requests, prefix-chained
    512-token blocks) replayed through a ``MemoryTier`` (real keys, tiny
    values) at a few sizes and both policies: the block hit rate against the
@@ -40,6 +43,7 @@ import json
 import lzma
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -53,16 +57,17 @@ import numpy as np
 import torch
 import yaml
 
+from pdkv.bench import plot
 from pdkv.checksum import layer_digests
 from pdkv.demo import metric
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
-from pdkv.errors import PdkvError
+from pdkv.errors import ConfigError, PdkvError
 from pdkv.keys import chunk_key, chunk_keys
 from pdkv.launch.procs import WorkerProcess, start_worker
 from pdkv.layout import KVLayout
 from pdkv.tier import CacheTier, DiskTier, MemoryTier, RedisTier, TieredCache
-from pdkv.tier.localredis import local_redis, server_binary
+from pdkv.tier.localredis import INSTALL_HINT, local_redis, server_binary
 from pdkv.worker.metrics import WorkerMetrics
 from pdkv.worker.tiering import Tiering
 
@@ -70,7 +75,7 @@ Report = dict[str, Any]
 
 PROMPT_TOKENS = 2048
 CHUNK = 256
-CACHED_REPEATS = 3
+REPEATS = 3
 TARGET_RATIO = 0.2
 
 TRACE_ENV = "PDKV_MOONCAKE_TRACE"
@@ -87,22 +92,32 @@ REPLAY_CHUNK = 32
 
 
 def run(args: argparse.Namespace) -> int:
-    report = measure()
+    sizes = {"--prompt-tokens": args.prompt_tokens, "--repeats": args.repeats, "--replay-conversations": args.replay_conversations}
+    for flag, value in sizes.items():
+        if value < 1:
+            raise ConfigError(f"bench ttft {flag} {value}: expected >= 1")
+    if args.trace_requests < 0:
+        raise ConfigError(f"bench ttft --trace-requests {args.trace_requests}: expected >= 0 (0: the whole trace)")
+    plot.check(args.plot)
+    report = measure(args.model, args.prompt_tokens, args.repeats, args.trace_requests, args.replay_conversations)
     print(json.dumps(report) if args.json else format_report(report))
+    if args.plot:
+        draw(report, args.plot)
     return 0
 
 
-def measure() -> Report:
+def measure(model: str = "default", prompt_tokens: int = PROMPT_TOKENS, repeats: int = REPEATS, trace_requests: int = 0, replay_conversations: int = REPLAY_CONVERSATIONS) -> Report:
     trace = trace_path()
-    requests = load_trace(trace) if trace is not None else None
+    requests = load_trace(trace, trace_requests or None) if trace is not None else None
+    engine = ReferenceEngine.load(model, progress=False)
     report: Report = {
         "bench": "ttft",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
-        **prompt_ttft(),
+        **prompt_ttft(engine, model, prompt_tokens, repeats),
     }
     skipped = f"the Mooncake trace was not found (looked at ${TRACE_ENV} and {TRACE_FILE})"
     report["trace"] = trace_hit_rates(requests, str(trace)) if requests is not None else {"skipped": skipped}
-    report["replay"] = replay(requests) if requests is not None else {"skipped": skipped}
+    report["replay"] = replay(requests, replay_conversations, model, engine.vocab_size) if requests is not None else {"skipped": skipped}
     return report
 
 
@@ -156,69 +171,89 @@ def _stack(engine: ReferenceEngine, levels: Sequence[CacheTier]) -> Iterator[tup
         cache.close()
 
 
-def prompt_ttft() -> Report:
-    engine = ReferenceEngine.load("default", progress=False)
+CASES = {
+    "cold, tier off": "no tier at all: the plain prefill (the baseline)",
+    "cold": "first sight, tier on: every chunk computed, gathered and stored",
+    "memory": "L1 hit (same process)",
+    "disk": "L2 hit: fresh memory level, files dropped from the page cache (posix_fadvise) before the read",
+    "redis": "remote hit: fresh memory and disk levels, redis-server on loopback TCP",
+}
+
+
+def prompt_ttft(engine: ReferenceEngine, model: str, prompt_tokens: int = PROMPT_TOKENS, repeats: int = REPEATS) -> Report:
+    """Part 1. ``repeats`` rounds; each round runs every case once, in ``CASES`` order, against a tier of its own
+    (fresh memory, disk directory and Redis namespace), so a burst of load on a shared machine hits every case
+    alike and every median is over the same count."""
     rng = np.random.default_rng(2048)
-    prompt = [int(t) for t in rng.integers(100, engine.vocab_size, PROMPT_TOKENS)]
-    memory_bytes = 2 * engine.layout.chunk_bytes(PROMPT_TOKENS)
-    rows: list[Report] = []
+    prompt = [int(t) for t in rng.integers(100, engine.vocab_size, prompt_tokens)]
+    memory_bytes = 2 * engine.layout.chunk_bytes(prompt_tokens)
+    samples: dict[str, list[Sample]] = {case: [] for case in CASES}
     with tempfile.TemporaryDirectory(prefix="pdkv-bench-ttft-") as tmp, contextlib.ExitStack() as stack:
-        disk_dir = Path(tmp) / "disk"
         redis_url = stack.enter_context(local_redis()).url if server_binary() else None
-        remote = (lambda: RedisTier(engine.layout, redis_url, namespace="bench:ttft:")) if redis_url else None
 
-        off = _ttft(engine, Tiering(None, engine, CHUNK, WorkerMetrics("prefill")), prompt)
-        first_levels: list[CacheTier] = [MemoryTier(engine.layout, memory_bytes), DiskTier(engine.layout, disk_dir, 4 * memory_bytes)]
-        with _stack(engine, first_levels + ([remote()] if remote else [])) as (tiering, cache):
-            cold = _ttft(engine, tiering, prompt)  # computes every chunk, stores each as a worker does
-            if not cache.flush(120):
-                raise PdkvError("the cold run's chunks were not written to disk and redis within 120s")
-            memory = [_ttft(engine, tiering, prompt) for _ in range(CACHED_REPEATS)]
+        def levels(disk_dir: Path, namespace: str | None) -> list[CacheTier]:
+            out: list[CacheTier] = [MemoryTier(engine.layout, memory_bytes), DiskTier(engine.layout, disk_dir, 4 * memory_bytes)]
+            if namespace is not None and redis_url is not None:
+                out.append(RedisTier(engine.layout, redis_url, namespace=namespace))
+            return out
 
-        def from_disk() -> Sample:
+        for r in range(repeats):
+            disk_dir, namespace = Path(tmp) / f"disk-{r}", f"bench:ttft:{os.getpid()}:{r}:"
+            samples["cold, tier off"].append(_ttft(engine, Tiering(None, engine, CHUNK, WorkerMetrics("prefill")), prompt))
+            with _stack(engine, levels(disk_dir, namespace)) as (tiering, cache):
+                samples["cold"].append(_ttft(engine, tiering, prompt))  # computes every chunk, stores each as a worker does
+                if not cache.flush(120):
+                    raise PdkvError("the cold run's chunks were not written to disk and redis within 120s")
+                samples["memory"].append(_ttft(engine, tiering, prompt))
             _drop_page_cache(disk_dir)
-            with _stack(engine, [MemoryTier(engine.layout, memory_bytes), DiskTier(engine.layout, disk_dir, 4 * memory_bytes)]) as (t, _):
-                return _ttft(engine, t, prompt)
-
-        def from_redis() -> Sample:
-            assert remote is not None
-            with tempfile.TemporaryDirectory(dir=tmp) as fresh, _stack(engine, [MemoryTier(engine.layout, memory_bytes), DiskTier(engine.layout, fresh, 4 * memory_bytes), remote()]) as (t, _):
-                return _ttft(engine, t, prompt)
-
-        cases: list[tuple[str, str, list[Sample]]] = [
-            ("cold", "first sight, tier on: every chunk computed, gathered and stored", [cold]),
-            ("cold, tier off", "no tier at all: the plain prefill", [off]),
-            ("memory", "L1 hit (same process)", memory),
-            ("disk", "L2 hit: fresh memory level, files dropped from the page cache (posix_fadvise) before the read", [from_disk() for _ in range(CACHED_REPEATS)]),
-        ]
-        if remote is not None:
-            cases.append(("redis", "remote hit: fresh memory and disk levels, redis-server on loopback TCP", [from_redis() for _ in range(CACHED_REPEATS)]))
-    for name, what, samples in cases:
-        seconds = statistics.median(s.seconds for s in samples)
+            with _stack(engine, levels(disk_dir, None)) as (tiering, _):
+                samples["disk"].append(_ttft(engine, tiering, prompt))
+            if redis_url is not None:
+                with tempfile.TemporaryDirectory(dir=tmp) as fresh, _stack(engine, levels(Path(fresh), namespace)) as (tiering, _):
+                    samples["redis"].append(_ttft(engine, tiering, prompt))
+            shutil.rmtree(disk_dir)
+    off = samples["cold, tier off"]
+    base = statistics.median(s.seconds for s in off)
+    rows: list[Report] = []
+    for case, what in CASES.items():
+        got = samples[case]
+        if not got:
+            continue
+        seconds = statistics.median(s.seconds for s in got)
         rows.append({
-            "case": name,
+            "case": case,
             "what": what,
             "ttft_s": round(seconds, 4),
-            "samples_s": [round(s.seconds, 4) for s in samples],
-            "loaded_tokens": samples[0].loaded_tokens,
-            "computed_tokens": PROMPT_TOKENS - samples[0].loaded_tokens,
-            "identical": all(s.first_token == cold.first_token and s.digests == cold.digests for s in samples),
-            "ratio": round(seconds / cold.seconds, 4),
+            "samples_s": [round(s.seconds, 4) for s in got],
+            "loaded_tokens": got[0].loaded_tokens,
+            "computed_tokens": prompt_tokens - got[0].loaded_tokens,
+            "identical": all(s.first_token == off[0].first_token and s.digests == off[0].digests for s in got),
+            "ratio": round(seconds / base, 4),
         })
     cached = [r["ratio"] for r in rows if r["loaded_tokens"]]
     report: Report = {
-        "model": f"{engine.model_name} (--model default), {engine.layout.dtype}",
-        "prompt_tokens": PROMPT_TOKENS,
+        "model": f"{engine.model_name} (--model {model}), {engine.layout.dtype}",
+        "prompt_tokens": prompt_tokens,
         "chunk_tokens": CHUNK,
         "chunk_bytes": engine.layout.chunk_bytes(CHUNK),
-        "baseline": "cold: first sight of the prompt with the tier on (every chunk computed and stored)",
-        "cold_ttft_s": round(cold.seconds, 4),
+        "repeats": repeats,
+        "baseline": "cold, tier off: the plain prefill, no tier; every case's median over the same repeats, the cases interleaved round by round",
+        "cold_ttft_s": round(base, 4),
         "results": rows,
         "target": {"cached_ratio_max": TARGET_RATIO, "met": bool(cached) and max(cached) <= TARGET_RATIO},
     }
-    if remote is None:
-        report["redis_skipped"] = "no redis-server or valkey-server on PATH"
+    if redis_url is None:
+        report["redis_skipped"] = f"no redis-server found: {INSTALL_HINT}"
     return report
+
+
+def draw(report: Report, path: str) -> None:
+    """``--plot``: part 1, the median TTFT of each case beside the baseline's (cold, tier off)."""
+    rows = report["results"]
+    base = next(r["ttft_s"] for r in rows if r["case"] == "cold, tier off")
+    plot.bars(path, f"pdkv bench ttft: {report['prompt_tokens']}-token prompt, {report['model']}", "time to first token (s)",
+              [r["case"] for r in rows], {"this case (median)": [r["ttft_s"] for r in rows], "baseline: cold, tier off": [base] * len(rows)},
+              note=f"median of {report['repeats']} interleaved repeats; ratios: " + ", ".join(f"{r['case']} {r['ratio']:.3f}" for r in rows))
 
 
 # -- 2. the Mooncake trace through a memory level ------------------------------------------
@@ -354,26 +389,26 @@ def _post(url: str, body: dict[str, Any], timeout: float = 600) -> tuple[float, 
         conn.close()
 
 
-def _launch(role: str, tmp: Path, name: str, **settings: Any) -> WorkerProcess:
-    cfg = {"model": "default", "num_blocks": 128, "transfer": {"chunk_size": REPLAY_CHUNK}, **settings}
+def _launch(role: str, tmp: Path, name: str, model: str, **settings: Any) -> WorkerProcess:
+    cfg = {"model": model, "num_blocks": 128, "transfer": {"chunk_size": REPLAY_CHUNK}, **settings}
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return start_worker(role, "--config", str(path), "--port", "0", timeout=600)
 
 
-def replay(requests: Sequence[TraceRequest]) -> Report:
-    sample = [dataclasses.replace(r, hash_ids=r.hash_ids[:REPLAY_MAX_BLOCKS]) for r in replay_sample(requests)]
-    prompts = [np.concatenate([block_tokens(h, REPLAY_BLOCK_TOKENS) for h in r.hash_ids]).tolist() for r in sample]
+def replay(requests: Sequence[TraceRequest], conversations: int = REPLAY_CONVERSATIONS, model: str = "default", vocab: int = 49152) -> Report:
+    sample = [dataclasses.replace(r, hash_ids=r.hash_ids[:REPLAY_MAX_BLOCKS]) for r in replay_sample(requests, conversations)]
+    prompts = [np.concatenate([block_tokens(h, REPLAY_BLOCK_TOKENS, vocab) for h in r.hash_ids]).tolist() for r in sample]
     workers: list[WorkerProcess] = []
     ttft: dict[str, list[float]] = {"off": [], "on": []}
     mismatches = 0
     with tempfile.TemporaryDirectory(prefix="pdkv-bench-replay-") as tmp:
         try:
-            decode = _launch("decode", Path(tmp), "decode", num_threads=1, tier={"enabled": False})
+            decode = _launch("decode", Path(tmp), "decode", model, num_threads=1, tier={"enabled": False})
             workers.append(decode)
             prefill = {
-                "off": _launch("prefill", Path(tmp), "p-off", num_threads=2, tier={"enabled": False}),
-                "on": _launch("prefill", Path(tmp), "p-on", num_threads=2),
+                "off": _launch("prefill", Path(tmp), "p-off", model, num_threads=2, tier={"enabled": False}),
+                "on": _launch("prefill", Path(tmp), "p-on", model, num_threads=2),
             }
             workers.extend(prefill.values())
             d_info = json.loads(_get(decode.url + "/pdkv/info"))
@@ -397,7 +432,7 @@ def replay(requests: Sequence[TraceRequest]) -> Report:
     mean_off, mean_on = statistics.mean(ttft["off"]), statistics.mean(ttft["on"])
     return {
         "requests": len(prompts),
-        "conversations": REPLAY_CONVERSATIONS,
+        "conversations": conversations,
         "scale": f"each 512-token trace block -> {REPLAY_BLOCK_TOKENS} tokens, prompts capped at {REPLAY_MAX_BLOCKS} blocks; chunk {REPLAY_CHUNK} tokens",
         "prompt_tokens": total_tokens,
         "sample_infinite_cache_hit_rate": round(infinite_hit_rate(trace_keys(sample, "replay", REPLAY_BLOCK_TOKENS)), 4),
@@ -423,7 +458,7 @@ def _get(url: str) -> str:
 
 
 def format_report(report: Report) -> str:
-    lines = [f"TTFT of a {report['prompt_tokens']}-token prompt on {report['model']} (cold {report['cold_ttft_s']:.2f}s)"]
+    lines = [f"TTFT of a {report['prompt_tokens']}-token prompt on {report['model']} (baseline, cold with the tier off: {report['cold_ttft_s']:.2f}s)"]
     lines += [f"  {r['case']:<16} {r['ttft_s']:8.3f}s  ratio {r['ratio']:.3f}  loaded {r['loaded_tokens']:>5}  identical {r['identical']}" for r in report["results"]]
     trace = report["trace"]
     if "skipped" in trace:
