@@ -262,6 +262,27 @@ def test_prefill_pushes_from_vllm_blocks_and_decode_loads_them_into_its_own() ->
         d.close()
 
 
+def test_decode_loads_pushed_kv_only_for_the_prompt_p_computed_it_from() -> None:
+    """P's Reserve carries its prompt's key; D's load names its own: another prompt's KV is never written into vLLM's blocks."""
+    from pdkv.integration.vllm.metadata import LoadSpec, SendSpec
+
+    p, d, _, d_cache = worker_pair()
+    try:
+        assert d.receiver is not None
+        before = {name: t.clone() for name, t in d_cache.items()}
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 64, [1, 2], 64, b"A" * 16)]))
+        assert collect(p, {"r1"})[0] == {"r1"}
+        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 64, 0, [3, 4], prompt_key=b"B" * 16)]))
+        _, recving, failed = collect(d, set())
+        assert recving == failed == {"r1"}  # vLLM recomputes the prompt
+        assert all(torch.equal(d_cache[name], before[name]) for name in d_cache)
+        assert d.receiver.stats()["prompt_mismatches"] == 1
+        assert d.receiver.stats()["free_blocks"] == 16 and d.receiver.stats()["reservations"] == 0
+    finally:
+        p.close()
+        d.close()
+
+
 def _affinity(tid: int, default: set[int]) -> set[int]:
     try:
         return os.sched_getaffinity(tid)
