@@ -28,6 +28,7 @@ BENCHES: dict[str, list[str]] = {
     "gather": ["--tokens", "16", "--repeats", "2"],
     "ttft": ["--model", TINY_MODEL, "--prompt-tokens", "300", "--repeats", "1", "--trace-requests", "300", "--replay-conversations", "1"],
     "router": ["--requests", "20", "--concurrency", "4"],
+    "transfer": ["--channel", "tcp", "--scenarios", "40x1,64x2", "--repeats", "1"],
 }
 PNG = b"\x89PNG\r\n\x1a\n"
 

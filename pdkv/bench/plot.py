@@ -42,21 +42,23 @@ def check(path: str | None) -> None:
         raise ConfigError(f"--plot {path}: the directory {target.resolve().parent} does not exist")
 
 
-def lines(path: str, title: str, xlabel: str, ylabel: str, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], log_x: bool = True, note: str = "") -> None:
-    """One line per series (label -> (xs, ys)); sizes usually span decades, so x is logarithmic by default."""
+def lines(path: str, title: str, xlabel: str, ylabel: str, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], note: str = "") -> None:
+    """One line per series (label -> (xs, ys)) against a size in bytes: x is logarithmic, ticks read "4 KiB"."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for label, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o", label=label)
-    if log_x:
-        ax.set_xscale("log", base=2)
+    ax.set_xscale("log", base=2)
+    ticks = sorted({x for xs, _ in series.values() for x in xs})
+    ax.set_xticks(ticks, [size_label(int(x)) for x in ticks], rotation=30 if len(ticks) > 6 else 0)
+    ax.minorticks_off()
     _finish(plt, fig, ax, path, title, xlabel, ylabel, note)
 
 
 def bars(path: str, title: str, ylabel: str, categories: Sequence[str], series: Mapping[str, Sequence[float]], note: str = "") -> None:
     """Grouped bars: one group per category, one bar per series (label -> one value per category)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(categories) * max(1, len(series)) + 2), 4.2))
+    fig, ax = plt.subplots(figsize=(min(14.0, max(6.0, 0.45 * len(categories) * max(1, len(series)) + 2)), 4.6))
     width = 0.8 / max(1, len(series))
     for i, (label, values) in enumerate(series.items()):
         xs = [c + (i - (len(series) - 1) / 2) * width for c in range(len(categories))]
@@ -81,5 +83,5 @@ def _finish(plt: Any, fig: Any, ax: Any, path: str, title: str, xlabel: str, yla
 def size_label(n: int) -> str:
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if n >= 1 << shift:
-            return f"{n / (1 << shift):g} {unit}"
+            return f"{n / (1 << shift):.3g} {unit}"
     return f"{n} B"
