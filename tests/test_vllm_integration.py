@@ -141,8 +141,9 @@ def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str)
         with ThreadPoolExecutor(2) as pool:
             d_future = pool.submit(start_worker, "decode", "--engine", "vllm", "--model", model, "--port", "0", "--config", str(tmp / "decode.yaml"), *ENGINE_ARGS, *PROBED, timeout=900, env={**bind("decode"), **PROBE_ENV}, python=python)
             p_future = pool.submit(start_worker, "prefill", "--engine", "vllm", "--model", model, "--port", "0", "--config", str(tmp / "prefill.yaml"), *ENGINE_ARGS, timeout=900, env=bind("prefill"), python=python)
-            decode, prefill = d_future.result(), p_future.result()
-        started += [decode, prefill]
+        # Both have finished starting (the pool waited): keep whichever came up, so one that failed never leaves the other running.
+        started += [f.result() for f in (d_future, p_future) if f.exception() is None]
+        decode, prefill = d_future.result(), p_future.result()
         router = start_worker("router", "--mode", "vllm", "--port", "0", "--prefill", prefill.url, "--decode", decode.url)
         started.append(router)
         deadline = time.monotonic() + 900
