@@ -24,11 +24,11 @@ from pdkv.engine.testing import write_tiny_model
 
 TINY_MODEL = "{tiny_model}"  # replaced by a random tiny model's directory
 BENCHES: dict[str, list[str]] = {
-    "channel": ["--channel", "tcp", "--sizes", "4K,64K", "--repeats", "3"],
+    "channel": ["--channel", "tcp", "--sizes", "4K,64K", "--repeats", "2"],
     "gather": ["--tokens", "16", "--repeats", "2"],
     "ttft": ["--model", TINY_MODEL, "--prompt-tokens", "300", "--repeats", "1", "--trace-requests", "300", "--replay-conversations", "1"],
     "router": ["--requests", "20", "--concurrency", "4"],
-    "transfer": ["--channel", "tcp", "--scenarios", "40x1,64x2", "--repeats", "1"],
+    "transfer": ["--channel", "tcp", "--scenarios", "40x2", "--repeats", "1"],
 }
 PNG = b"\x89PNG\r\n\x1a\n"
 
