@@ -35,6 +35,8 @@ T = TypeVar("T")
 
 
 class RedisTier(LeafTier):
+    remote = True
+
     def __init__(
         self,
         layout: KVLayout,
