@@ -118,8 +118,8 @@ def _measure(threads: int, baseline: Memcpy, tokens: int, repeats: int) -> Repor
             }
             for op, fn in ops.items():
                 gbps, base_gbps = _compare(fn, baseline, scratch, repeats or REPEATS[impl], nbytes)
-                rows.append({"op": op, "impl": impl, "layout": f"{layout.kind} {layout.order}", "bytes": nbytes,
-                             "gbps": round(gbps, 3), "baseline_gbps": round(base_gbps, 3), "ratio": round(gbps / base_gbps, 3)})
+                rows.append({"op": op, "impl": impl, "layout": f"{layout.kind} {layout.order}", "bytes": nbytes,  # 4 significant digits: a slow row is not 0
+                             "gbps": float(f"{gbps:.4g}"), "baseline_gbps": float(f"{base_gbps:.4g}"), "ratio": float(f"{gbps / base_gbps:.4g}")})
     return {
         "bench": "gather",
         "baseline": "memcpy",
