@@ -56,7 +56,7 @@ from pdkv.checksum import checksum
 from pdkv.config import TransferConfig
 from pdkv.control import ControlLoop, RouterSocket
 from pdkv.errors import ChecksumError, HandshakeError, NotAnnouncedError, OutOfBlocksError, PdkvError, PromptMismatchError, ProtocolError, TransferCancelled, TransferError, TransferTimeout
-from pdkv.layout import KVLayout, block_ranges
+from pdkv.layout import KVLayout, block_runs
 from pdkv.memory import byte_view
 from pdkv.native import scatter
 from pdkv.protocol import HELLO_REQUIRED, Auth, Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved, reserve_fields
@@ -110,7 +110,11 @@ class _Target:
     staging_region: int
 
     def block_ranges(self, blocks: list[int]) -> list[Range]:
-        return [(self.kv_regions[t], off, ln) for t, off, ln in block_ranges(self.layout, blocks, self.num_blocks)]
+        """Byte ranges of ``blocks`` in every buffer tensor, in wire order, adjacent blocks as one range."""
+        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
+            raise TransferError(f"block ids {blocks} outside the buffer's {self.num_blocks} blocks")
+        size = self.layout.block_bytes
+        return [(self.kv_regions[t], a * size, k * size) for t in range(self.layout.num_tensors) for a, _, k in block_runs(blocks)]
 
     def slot_ranges(self, slots: list[int]) -> list[Range]:
         return [(self.staging_region, s * self.slot_bytes, self.slot_bytes) for s in slots]
@@ -150,8 +154,9 @@ class IncomingTransfer:
         nbytes = target.layout.chunk_bytes(n)
         if self.mode == "direct":
             bs = target.layout.block_size
-            ranges = block_ranges(target.layout, self.blocks[start // bs : -(-(start + n) // bs)], target.num_blocks)
-            got = checksum(target.kv_views[t][off : off + ln] for t, off, ln in ranges)
+            ranges = target.block_ranges(self.blocks[start // bs : -(-(start + n) // bs)])
+            views = dict(zip(target.kv_regions, target.kv_views))
+            got = checksum(views[region][off : off + ln] for region, off, ln in ranges)
         else:
             if not 0 <= notice.slot < len(self.slots):
                 raise TransferError(f"chunk {idx} names staging slot {notice.slot}, request has {len(self.slots)}")
