@@ -71,6 +71,7 @@ from typing import Any
 
 import yaml
 from pdkv.channels.tcp import DATA, HDR_SIZE, HEADER, NOTIF_FOLLOWS, READ_REQ
+from pdkv.auth import control_token
 from pdkv.launch.procs import WorkerProcess, start_worker
 
 from pdkv.demo import metric
@@ -96,6 +97,7 @@ WORKER_CONFIG: dict[str, Any] = {
 SETTLE_S = WORKER_CONFIG["transfer"]["transfer_timeout_s"] + WORKER_CONFIG["transfer"]["lease_s"] + 1.0
 """How long a fault's effects may outlast it: a transfer it stalled times out, or its lease expires, by then."""
 ROUTER_CONFIG: dict[str, Any] = {
+    "secret": WORKER_CONFIG["secret"],  # the router cancels transfers on the decode workers: their control token
     "router": {"connect_timeout_s": 2, "prefill_timeout_s": 15, "decode_timeout_s": 30, "read_timeout_s": 15,
                "health_timeout_s": 2, "health_interval_s": 1, "max_retries": 2},
 }  # fmt: skip
@@ -148,13 +150,17 @@ class Counts:
             window[2] = time.monotonic()
 
 
+# The router's admin endpoints, with the secret and no admin_token, want the secret's control token.
+ADMIN = {"Authorization": f"Bearer {control_token(WORKER_CONFIG['secret'])}"}
+
+
 def _http(
-    method: str, url: str, body: Any = None, timeout: float = 30.0
+    method: str, url: str, body: Any = None, timeout: float = 30.0, headers: dict[str, str] | None = None
 ) -> tuple[int, bytes]:
     """One HTTP call; an HTTP error status is returned, not raised (it is a clean failure, not a crash)."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
-        url, data, {"Content-Type": "application/json"}, method=method
+        url, data, {"Content-Type": "application/json", **(headers or {})}, method=method
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -493,6 +499,7 @@ def _kill_and_restart_decode(cluster: Cluster, counts: Counts, monitor: KVMonito
         cluster.router.url + "/pdkv/workers",
         {"role": "decode", "url": victim.url},
         timeout=10,
+        headers=ADMIN,
     )
     fresh = cluster.start_worker("decode", index)
     status, raw = _http(
@@ -500,6 +507,7 @@ def _kill_and_restart_decode(cluster: Cluster, counts: Counts, monitor: KVMonito
         cluster.router.url + "/pdkv/workers",
         {"role": "decode", "url": fresh.url},
         timeout=10,
+        headers=ADMIN,
     )
     if status not in (200, 201):
         raise RuntimeError(

@@ -29,6 +29,7 @@ BENCHES: dict[str, list[str]] = {
     "ttft": ["--model", TINY_MODEL, "--prompt-tokens", "300", "--repeats", "1", "--trace-requests", "300", "--replay-conversations", "1"],
     "router": ["--requests", "20", "--concurrency", "4"],
     "transfer": ["--channel", "tcp", "--scenarios", "40x2", "--repeats", "1"],
+    "pd": ["--model", TINY_MODEL, "--tokens", "64", "--repeats", "1"],
 }
 PNG = b"\x89PNG\r\n\x1a\n"
 
