@@ -105,10 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--json", action="store_true", help="print one JSON object")
     tr.set_defaults(target="pdkv.bench.transfer:run")
     ga = bsub.add_parser("gather", help="paged gather/scatter GB/s against memcpy")
+    ga.add_argument("--tokens", type=int, default=256, help="tokens per chunk (Llama-3-8B shaped: 128 KiB each)")
+    ga.add_argument("--repeats", type=int, default=0, help="timed repeats per row (0: 15 native, 5 torch)")
     ga.add_argument("--json", action="store_true")
     ga.set_defaults(target="pdkv.bench.gather:run")
     tt = bsub.add_parser("ttft", help="time to first token, cold and from each cache tier")
     tt.add_argument("--parts", type=_parts, default=(1, 2, 3), help="which parts: 1 one prompt from each level, 2 trace hit rates against the optimum, 3 replay through workers (default 1,2,3)")
+    tt.add_argument("--model", default="default", help="'default' or a model directory")
+    tt.add_argument("--prompt-tokens", type=int, default=2048, help="part 1: prompt length")
+    tt.add_argument("--repeats", type=int, default=3, help="part 1: rounds (every case once per round)")
+    tt.add_argument("--trace-requests", type=int, default=0, help="parts 2-3: the trace's first N requests (0: all)")
+    tt.add_argument("--replay-conversations", type=int, default=16, help="part 3: conversations replayed through real workers (default 16)")
     tt.add_argument("--json", action="store_true")
     tt.set_defaults(target="pdkv.bench.ttft:run")
     pd = bsub.add_parser("pd", help="TTFT of a long prompt, prefill and decode on two hosts (--link), against one worker doing it all")
@@ -123,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--concurrency", type=int, default=32, help="requests in flight for the requests/s measurement")
     ro.add_argument("--json", action="store_true")
     ro.set_defaults(target="pdkv.bench.router:run")
+    for each in bsub.choices.values():
+        each.add_argument("--plot", metavar="FILE.png", default=None, help="also draw the result into this file (needs pdkv[plot])")
     return parser
 
 

@@ -3,14 +3,17 @@
 Three measurements, one run, one JSON object:
 
 1. ``results``: a 2048-token prompt on the default model (SmolLM2-135M,
-   float32, chunks of 256). The baseline is its first sight (every chunk
-   computed, and offered to the tier as a worker does); then the same prompt
-   served from memory, from disk (a fresh memory level, the disk files
+   float32, chunks of 256). The baseline is the plain prefill with no tier at
+   all (``cold, tier off``); then its first sight with the tier on (every
+   chunk computed, and offered to the tier as a worker does), and the same
+   prompt served from memory, from disk (a fresh memory level, the disk files
    evicted from the page cache first) and from a real redis-server on
-   loopback (fresh memory and disk). Each row's ratio is its TTFT over the
-   cold one; each cached run must give the cold run's first token and
-   bit-identical KV. The chunk holding the last token is always computed
-   (``pdkv.worker.tiering``), so at best 7 of 8 chunks are loaded.
+   loopback (fresh memory and disk). The cases run in rounds, every case once
+   per round, ``--repeats`` rounds; each row is the median of its repeats and
+   its ratio is over the baseline's median. Each cached run must give the
+   baseline's first token and bit-identical KV. The chunk holding the last
+   token is always computed (``pdkv.worker.tiering``), so at best 7 of 8
+   chunks are loaded.
 2. ``trace``: the Mooncake conversation trace (12,031 requests, prefix-chained
    512-token blocks) replayed through a ``MemoryTier`` (real keys, tiny
    values) at 2%, 9% and 36% of its distinct blocks and under every eviction
@@ -34,8 +37,10 @@ Three measurements, one run, one JSON object:
 ``--parts`` runs some of them (``--parts 2`` needs neither the model nor a
 redis-server).
 
-The trace is looked for beside the repository (``../shared/data/mooncake-traces``)
-or at ``$PDKV_MOONCAKE_TRACE``; without it parts 2 and 3 report why they were skipped.
+The trace ships with pdkv (``pdkv/bench/data/mooncake``, Apache-2.0, the
+Mooncake project's; its README says where from); ``$PDKV_MOONCAKE_TRACE``
+names another file (JSON lines, plain or ``.xz``). Without one, parts 2 and 3
+report why they were skipped.
 """
 
 from __future__ import annotations
@@ -46,8 +51,10 @@ import contextlib
 import dataclasses
 import http.client
 import json
+import lzma
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -62,17 +69,18 @@ import numpy as np
 import torch
 import yaml
 
+from pdkv.bench import plot
 from pdkv.bench.eviction import infinite_hit_rate, next_uses, optimum, policy_costs, policy_replay, reuse_oracle_lru
 from pdkv.checksum import layer_digests
 from pdkv.demo import metric
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
-from pdkv.errors import PdkvError
+from pdkv.errors import ConfigError, PdkvError
 from pdkv.keys import chunk_key, chunk_keys
 from pdkv.launch.procs import WorkerProcess, start_worker
 from pdkv.layout import KVLayout
 from pdkv.tier import CacheTier, DiskTier, MemoryTier, RedisTier, TieredCache
-from pdkv.tier.localredis import local_redis, server_binary
+from pdkv.tier.localredis import INSTALL_HINT, local_redis, server_binary
 from pdkv.tier.policy import POLICIES
 from pdkv.worker.metrics import WorkerMetrics
 from pdkv.worker.tiering import Tiering
@@ -81,11 +89,11 @@ Report = dict[str, Any]
 
 PROMPT_TOKENS = 2048
 CHUNK = 256
-CACHED_REPEATS = 3
+REPEATS = 3
 TARGET_RATIO = 0.2
 
 TRACE_ENV = "PDKV_MOONCAKE_TRACE"
-TRACE_FILE = "conversation_trace.jsonl"
+TRACE_FILE = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace.jsonl.xz"
 TRACE_BLOCK_TOKENS = 512
 TRACE_BOUND = 0.366  # the issue's figure; the run recomputes it from the file
 SIM_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")  # 8 bytes/token: the hit rate needs keys, not KV
@@ -108,21 +116,40 @@ PARTS = (1, 2, 3)
 
 
 def run(args: argparse.Namespace) -> int:
-    report = measure(args.parts)
+    sizes = {"--prompt-tokens": args.prompt_tokens, "--repeats": args.repeats, "--replay-conversations": args.replay_conversations}
+    for flag, value in sizes.items():
+        if value < 1:
+            raise ConfigError(f"bench ttft {flag} {value}: expected >= 1")
+    if args.trace_requests < 0:
+        raise ConfigError(f"bench ttft --trace-requests {args.trace_requests}: expected >= 0 (0: the whole trace)")
+    plot.check(args.plot)
+    report = measure(args.parts, args.model, args.prompt_tokens, args.repeats, args.trace_requests, args.replay_conversations)
     print(json.dumps(report) if args.json else format_report(report))
+    if args.plot:
+        draw(report, args.plot)
     return 0
 
 
-def measure(parts: Sequence[int] = PARTS) -> Report:
+def measure(
+    parts: Sequence[int] = PARTS,
+    model: str = "default",
+    prompt_tokens: int = PROMPT_TOKENS,
+    repeats: int = REPEATS,
+    trace_requests: int = 0,
+    replay_conversations: int = REPLAY_CONVERSATIONS,
+) -> Report:
     trace = trace_path() if {2, 3} & set(parts) else None
-    requests = load_trace(trace) if trace is not None else None
+    requests = load_trace(trace, trace_requests or None) if trace is not None else None
+    engine = ReferenceEngine.load(model, progress=False) if {1, 3} & set(parts) else None
     report: Report = {
         "bench": "ttft",
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg()},
-        **(prompt_ttft() if 1 in parts else {}),
+        **(prompt_ttft(engine, model, prompt_tokens, repeats) if engine is not None and 1 in parts else {}),
     }
-    skipped = f"the Mooncake trace was not found (looked beside the repo for ../shared/data/mooncake-traces/{TRACE_FILE}, and at ${TRACE_ENV})"
-    for part, key, measure_part in ((2, "trace", lambda r: trace_hit_rates(r, str(trace))), (3, "replay", replay)):
+    skipped = f"the Mooncake trace was not found (looked at ${TRACE_ENV} and {TRACE_FILE})"
+    vocab = engine.vocab_size if engine is not None else 0
+    parts_to_run = ((2, "trace", lambda r: trace_hit_rates(r, str(trace))), (3, "replay", lambda r: replay(r, replay_conversations, model, vocab)))
+    for part, key, measure_part in parts_to_run:
         if part not in parts:
             report[key] = {"skipped": "not asked for (--parts)"}
         else:
@@ -180,69 +207,91 @@ def _stack(engine: ReferenceEngine, levels: Sequence[CacheTier]) -> Iterator[tup
         cache.close()
 
 
-def prompt_ttft() -> Report:
-    engine = ReferenceEngine.load("default", progress=False)
+CASES = {
+    "cold, tier off": "no tier at all: the plain prefill (the baseline)",
+    "cold": "first sight, tier on: every chunk computed, gathered and stored",
+    "memory": "L1 hit (same process)",
+    "disk": "L2 hit: fresh memory level, files dropped from the page cache (posix_fadvise) before the read",
+    "redis": "remote hit: fresh memory and disk levels, redis-server on loopback TCP",
+}
+
+
+def prompt_ttft(engine: ReferenceEngine, model: str, prompt_tokens: int = PROMPT_TOKENS, repeats: int = REPEATS) -> Report:
+    """Part 1. ``repeats`` rounds; each round runs every case once, in ``CASES`` order, against a tier of its own
+    (fresh memory, disk directory and Redis namespace), so a burst of load on a shared machine hits every case
+    alike and every median is over the same count."""
     rng = np.random.default_rng(2048)
-    prompt = [int(t) for t in rng.integers(100, engine.vocab_size, PROMPT_TOKENS)]
-    memory_bytes = 2 * engine.layout.chunk_bytes(PROMPT_TOKENS)
-    rows: list[Report] = []
+    prompt = [int(t) for t in rng.integers(100, engine.vocab_size, prompt_tokens)]
+    memory_bytes = 2 * engine.layout.chunk_bytes(prompt_tokens)
+    samples: dict[str, list[Sample]] = {case: [] for case in CASES}
     with tempfile.TemporaryDirectory(prefix="pdkv-bench-ttft-") as tmp, contextlib.ExitStack() as stack:
-        disk_dir = Path(tmp) / "disk"
         redis_url = stack.enter_context(local_redis()).url if server_binary() else None
-        remote = (lambda: RedisTier(engine.layout, redis_url, namespace="bench:ttft:")) if redis_url else None
 
-        off = _ttft(engine, Tiering(None, engine, CHUNK, WorkerMetrics("prefill")), prompt)
-        first_levels: list[CacheTier] = [MemoryTier(engine.layout, memory_bytes), DiskTier(engine.layout, disk_dir, 4 * memory_bytes)]
-        with _stack(engine, first_levels + ([remote()] if remote else [])) as (tiering, cache):
-            cold = _ttft(engine, tiering, prompt)  # computes every chunk, stores each as a worker does
-            if not cache.flush(120):
-                raise PdkvError("the cold run's chunks were not written to disk and redis within 120s")
-            memory = [_ttft(engine, tiering, prompt) for _ in range(CACHED_REPEATS)]
+        def levels(disk_dir: Path, namespace: str | None) -> list[CacheTier]:
+            out: list[CacheTier] = [MemoryTier(engine.layout, memory_bytes), DiskTier(engine.layout, disk_dir, 4 * memory_bytes)]
+            if namespace is not None and redis_url is not None:
+                out.append(RedisTier(engine.layout, redis_url, namespace=namespace))
+            return out
 
-        def from_disk() -> Sample:
+        for r in range(repeats):
+            disk_dir, namespace = Path(tmp) / f"disk-{r}", f"bench:ttft:{os.getpid()}:{r}:"
+            samples["cold, tier off"].append(_ttft(engine, Tiering(None, engine, CHUNK, WorkerMetrics("prefill")), prompt))
+            with _stack(engine, levels(disk_dir, namespace)) as (tiering, cache):
+                samples["cold"].append(_ttft(engine, tiering, prompt))  # computes every chunk, stores each as a worker does
+                if not cache.flush(120):
+                    raise PdkvError("the cold run's chunks were not written to disk and redis within 120s")
+                samples["memory"].append(_ttft(engine, tiering, prompt))
             _drop_page_cache(disk_dir)
-            with _stack(engine, [MemoryTier(engine.layout, memory_bytes), DiskTier(engine.layout, disk_dir, 4 * memory_bytes)]) as (t, _):
-                return _ttft(engine, t, prompt)
-
-        def from_redis() -> Sample:
-            assert remote is not None
-            with tempfile.TemporaryDirectory(dir=tmp) as fresh, _stack(engine, [MemoryTier(engine.layout, memory_bytes), DiskTier(engine.layout, fresh, 4 * memory_bytes), remote()]) as (t, _):
-                return _ttft(engine, t, prompt)
-
-        cases: list[tuple[str, str, list[Sample]]] = [
-            ("cold", "first sight, tier on: every chunk computed, gathered and stored", [cold]),
-            ("cold, tier off", "no tier at all: the plain prefill", [off]),
-            ("memory", "L1 hit (same process)", memory),
-            ("disk", "L2 hit: fresh memory level, files dropped from the page cache (posix_fadvise) before the read", [from_disk() for _ in range(CACHED_REPEATS)]),
-        ]
-        if remote is not None:
-            cases.append(("redis", "remote hit: fresh memory and disk levels, redis-server on loopback TCP", [from_redis() for _ in range(CACHED_REPEATS)]))
-    for name, what, samples in cases:
-        seconds = statistics.median(s.seconds for s in samples)
+            with _stack(engine, levels(disk_dir, None)) as (tiering, _):
+                samples["disk"].append(_ttft(engine, tiering, prompt))
+            if redis_url is not None:
+                with tempfile.TemporaryDirectory(dir=tmp) as fresh, _stack(engine, levels(Path(fresh), namespace)) as (tiering, _):
+                    samples["redis"].append(_ttft(engine, tiering, prompt))
+            shutil.rmtree(disk_dir)
+    off = samples["cold, tier off"]
+    base = statistics.median(s.seconds for s in off)
+    rows: list[Report] = []
+    for case, what in CASES.items():
+        got = samples[case]
+        if not got:
+            continue
+        seconds = statistics.median(s.seconds for s in got)
         rows.append({
-            "case": name,
+            "case": case,
             "what": what,
             "ttft_s": round(seconds, 4),
-            "samples_s": [round(s.seconds, 4) for s in samples],
-            "loaded_tokens": samples[0].loaded_tokens,
-            "computed_tokens": PROMPT_TOKENS - samples[0].loaded_tokens,
-            "identical": all(s.first_token == cold.first_token and s.digests == cold.digests for s in samples),
-            "ratio": round(seconds / cold.seconds, 4),
+            "samples_s": [round(s.seconds, 4) for s in got],
+            "loaded_tokens": got[0].loaded_tokens,
+            "computed_tokens": prompt_tokens - got[0].loaded_tokens,
+            "identical": all(s.first_token == off[0].first_token and s.digests == off[0].digests for s in got),
+            "ratio": round(seconds / base, 4),
         })
     cached = [r["ratio"] for r in rows if r["loaded_tokens"]]
     report: Report = {
-        "model": f"{engine.model_name} (--model default), {engine.layout.dtype}",
-        "prompt_tokens": PROMPT_TOKENS,
+        "model": f"{engine.model_name} (--model {model}), {engine.layout.dtype}",
+        "prompt_tokens": prompt_tokens,
         "chunk_tokens": CHUNK,
         "chunk_bytes": engine.layout.chunk_bytes(CHUNK),
-        "baseline": "cold: first sight of the prompt with the tier on (every chunk computed and stored)",
-        "cold_ttft_s": round(cold.seconds, 4),
+        "repeats": repeats,
+        "baseline": "cold, tier off: the plain prefill, no tier; every case's median over the same repeats, the cases interleaved round by round",
+        "cold_ttft_s": round(base, 4),
         "results": rows,
         "target": {"cached_ratio_max": TARGET_RATIO, "met": bool(cached) and max(cached) <= TARGET_RATIO},
     }
-    if remote is None:
-        report["redis_skipped"] = "no redis-server or valkey-server on PATH"
+    if redis_url is None:
+        report["redis_skipped"] = f"no redis-server found: {INSTALL_HINT}"
     return report
+
+
+def draw(report: Report, path: str) -> None:
+    """``--plot``: part 1, the median TTFT of each case beside the baseline's (cold, tier off)."""
+    if "results" not in report:
+        raise ConfigError("bench ttft --plot draws part 1: run it with --parts including 1")
+    rows = report["results"]
+    base = next(r["ttft_s"] for r in rows if r["case"] == "cold, tier off")
+    plot.bars(path, f"pdkv bench ttft: {report['prompt_tokens']}-token prompt, {report['model']}", "time to first token (s)",
+              [r["case"] for r in rows], {"this case (median)": [r["ttft_s"] for r in rows], "baseline: cold, tier off": [base] * len(rows)},
+              note=f"median of {report['repeats']} interleaved repeats; ratios: " + ", ".join(f"{r['case']} {r['ratio']:.3f}" for r in rows))
 
 
 # -- 2. the Mooncake trace through a memory level ------------------------------------------
@@ -254,16 +303,16 @@ class TraceRequest:
 
 
 def trace_path() -> Path | None:
-    """The trace file beside the repository checkout (or named by $PDKV_MOONCAKE_TRACE), or None."""
+    """The trace named by $PDKV_MOONCAKE_TRACE, else the one shipped with pdkv; None if neither is there."""
     named = os.environ.get(TRACE_ENV)
     candidates = [Path(named)] if named else []
-    candidates.append(Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake-traces" / TRACE_FILE)
+    candidates.append(TRACE_FILE)
     return next((p for p in candidates if p.is_file()), None)
 
 
 def load_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
     out: list[TraceRequest] = []
-    with open(path) as f:
+    with (lzma.open(path, "rt") if path.suffix == ".xz" else open(path)) as f:
         for line in f:
             if limit is not None and len(out) >= limit:
                 break
@@ -459,8 +508,8 @@ def _post(url: str, body: dict[str, Any], timeout: float = 600) -> tuple[float, 
         conn.close()
 
 
-def _launch(role: str, tmp: Path, name: str, **settings: Any) -> WorkerProcess:
-    cfg = {"model": "default", "num_blocks": 128, "transfer": {"chunk_size": REPLAY_CHUNK}, **settings}
+def _launch(role: str, tmp: Path, name: str, model: str, **settings: Any) -> WorkerProcess:
+    cfg = {"model": model, "num_blocks": 128, "transfer": {"chunk_size": REPLAY_CHUNK}, **settings}
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return start_worker(role, "--config", str(path), "--port", "0", timeout=600)
@@ -483,10 +532,10 @@ def replay_hit_share(prompts: Sequence[Sequence[int]], capacity_chunks: int, pol
     return loaded / total
 
 
-def replay(requests: Sequence[TraceRequest]) -> Report:
+def replay(requests: Sequence[TraceRequest], conversations: int = REPLAY_CONVERSATIONS, model: str = "default", vocab: int = 49152) -> Report:
     """Part 3: the sample through real prefill workers, tier off and bounded under each eviction policy."""
-    sample = [dataclasses.replace(r, hash_ids=r.hash_ids[:REPLAY_MAX_BLOCKS]) for r in replay_sample(requests)]
-    prompts = [np.concatenate([block_tokens(h, REPLAY_BLOCK_TOKENS) for h in r.hash_ids]).tolist() for r in sample]
+    sample = [dataclasses.replace(r, hash_ids=r.hash_ids[:REPLAY_MAX_BLOCKS]) for r in replay_sample(requests, conversations)]
+    prompts = [np.concatenate([block_tokens(h, REPLAY_BLOCK_TOKENS, vocab) for h in r.hash_ids]).tolist() for r in sample]
     distinct = len({k for prompt in prompts for k in chunk_keys(prompt, "replay", REPLAY_CHUNK)})
     capacity = max(1, round(REPLAY_CACHE_SHARE * distinct))
     workers: list[WorkerProcess] = []
@@ -495,7 +544,7 @@ def replay(requests: Sequence[TraceRequest]) -> Report:
     mismatches = 0
     with tempfile.TemporaryDirectory(prefix="pdkv-bench-replay-") as tmp:
         try:
-            decode = _launch("decode", Path(tmp), "decode", num_threads=1, tier={"enabled": False})
+            decode = _launch("decode", Path(tmp), "decode", model, num_threads=1, tier={"enabled": False})
             workers.append(decode)
             d_info = json.loads(_get(decode.url + "/pdkv/info"))
             chunk_bytes = msgspec.convert(d_info["layout"], KVLayout).chunk_bytes(REPLAY_CHUNK)
@@ -503,7 +552,7 @@ def replay(requests: Sequence[TraceRequest]) -> Report:
                 "off": {"enabled": False},
                 **{policy: {"memory_bytes": capacity * chunk_bytes, "memory_policy": policy} for policy in POLICIES},
             }
-            prefill = {mode: _launch("prefill", Path(tmp), f"p-{mode}", num_threads=2, tier=tiers[mode]) for mode in modes}
+            prefill = {mode: _launch("prefill", Path(tmp), f"p-{mode}", model, num_threads=2, tier=tiers[mode]) for mode in modes}
             workers.extend(prefill.values())
             for i, prompt in enumerate(prompts):
                 first: dict[str, int] = {}
@@ -537,7 +586,7 @@ def replay(requests: Sequence[TraceRequest]) -> Report:
         })
     return {
         "requests": len(prompts),
-        "conversations": REPLAY_CONVERSATIONS,
+        "conversations": conversations,
         "scale": f"each 512-token trace block -> {REPLAY_BLOCK_TOKENS} tokens, prompts capped at {REPLAY_MAX_BLOCKS} blocks; chunk {REPLAY_CHUNK} tokens",
         "prompt_tokens": total_tokens,
         "distinct_chunks": distinct,
@@ -565,7 +614,7 @@ def _get(url: str) -> str:
 def format_report(report: Report) -> str:
     lines = []
     if "results" in report:
-        lines.append(f"TTFT of a {report['prompt_tokens']}-token prompt on {report['model']} (cold {report['cold_ttft_s']:.2f}s)")
+        lines.append(f"TTFT of a {report['prompt_tokens']}-token prompt on {report['model']} (baseline, cold with the tier off: {report['cold_ttft_s']:.2f}s)")
         lines += [f"  {r['case']:<16} {r['ttft_s']:8.3f}s  ratio {r['ratio']:.3f}  loaded {r['loaded_tokens']:>5}  identical {r['identical']}" for r in report["results"]]
     trace = report["trace"]
     if "skipped" in trace:
