@@ -67,7 +67,10 @@ from pdkv.channels.base import (
 from pdkv.errors import ChannelError
 from pdkv.memory import byte_view
 
-UCX_CHANNEL_ENV_DEFAULTS: dict[str, str] = {**UCX_ENV_DEFAULTS, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+# UCX_RNDV_THRESH=inf: tag messages go eagerly, never by rendezvous. UCX 1.21 crashes the process when it aborts
+# a rendezvous send whose peer died (ucp_proto_rndv_rts_abort -> ucp_memh_invalidate on a context without a
+# registration cache: SIGSEGV, seen in CI); an eager send to a dead peer fails its request like any other.
+UCX_CHANNEL_ENV_DEFAULTS: dict[str, str] = {**UCX_ENV_DEFAULTS, "UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_RNDV_THRESH": "inf"}
 apply_env_defaults(UCX_CHANNEL_ENV_DEFAULTS)
 
 # UCX reads the environment set above when it loads, hence these late imports.
@@ -196,7 +199,10 @@ class UcxChannel(Channel):
         ucx_follow_host(opts.host)  # before the UCX context is created, which reads it
         try:
             self._context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
-            self._worker = ucx_api.UCXWorker(self._context)
+            # Delayed submission: a send or receive posted here is handed to ucxx's progress thread, which also runs
+            # UCX's endpoint-error handling; posting straight from this thread raced that handling when a peer
+            # died and crashed the process (ucxx's own async API turns it on with a progress thread, too).
+            self._worker = ucx_api.UCXWorker(self._context, enable_delayed_submission=True)
             self._worker.start_progress_thread(polling_mode=False)
         except UCX_ERRORS as exc:
             raise ChannelError(f"ucx: could not start a UCX worker ({exc}); check UCX_TLS and UCX_NET_DEVICES") from exc
@@ -209,6 +215,7 @@ class UcxChannel(Channel):
         self._outgoing: dict[int, _Outgoing] = {}  # by handle id
         self._incoming: list[_Incoming] = []
         self._acks: list[tuple[Any, np.ndarray]] = []  # ACK sends in flight, with the bytes UCX reads from
+        self._drains: list[Any] = []  # receives discarding a stranger's DATA; kept so they get posted (delayed submission)
         self._broken: list[str] = []  # peers whose endpoint failed, appended from UCX's thread
         self._gone: dict[str, str] = {}  # failed peers -> why, until added again
         self._header_buf = np.zeros(opts.max_header_bytes, dtype=np.uint8)
@@ -329,7 +336,7 @@ class UcxChannel(Channel):
                 ack = self._worker.tag_recv(Array(ack_buf), tag(ACK, self._agent_id, seq))
                 if op == "read":  # receives first, so the target's DATA always finds them
                     requests = [self._worker.tag_recv(Array(v), data_tag) for v in views]
-                    entry.ep.tag_send(Array(header), tag(HEADER, self._agent_id, seq))
+                    requests.append(entry.ep.tag_send(Array(header), tag(HEADER, self._agent_id, seq)))  # held: ucxx posts it later
                 else:
                     requests = [entry.ep.tag_send(Array(header), tag(HEADER, self._agent_id, seq))]
                     requests += [entry.ep.tag_send(Array(v), data_tag) for v in views]
@@ -376,6 +383,7 @@ class UcxChannel(Channel):
                 log.warning("ucx: dropped a header: %s", error)
             busy = True
         self._acks = [(r, b) for r, b in self._acks if not r.completed]
+        self._drains = [r for r in self._drains if not r.completed]
         for inc in [i for i in self._incoming if _all_done(i.requests)]:
             self._incoming.remove(inc)
             self._finish_incoming(inc)
@@ -404,8 +412,7 @@ class UcxChannel(Channel):
             # Nothing can be sent back to a stranger; drain what it wrote so UCX does not keep it.
             log.warning("ucx: refused a %s from %r, which is not a peer of %r", header.op, header.src, self.agent_name)
             if header.op == "write":
-                for _ in header.ranges:
-                    self._worker.tag_recv(Array(self._drain_buf), data_tag)
+                self._drains += [self._worker.tag_recv(Array(self._drain_buf), data_tag) for _ in header.ranges]
             return
         error = None
         tickets: list[int | None] = []
