@@ -65,6 +65,10 @@ from pdkv.memory import byte_view
 SENDER_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 STAGING_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=32, dtype="float32", order="HND")
 FINGERPRINT = "bench-transfer-smollm2-135m-fp32"
+# One torch thread on each side. The untimed bit-for-bit check after each repetition (a gather and a hash)
+# otherwise leaves OpenMP's worker threads spinning into the next timed one, taking a core from the transfer:
+# a 40-token request measured 4.6 ms that way, 1.7 ms without. (Staging's gather and scatter run on one thread too.)
+ONE_THREAD = 1
 # (tokens per request, concurrent requests): a short chat turn, one chunk, a long prompt, and two loads
 SCENARIOS: list[tuple[int, int]] = [(40, 1), (256, 1), (2048, 1), (256, 16), (2048, 4)]
 ROUNDS = 5
@@ -91,6 +95,7 @@ def _receiver_side(conn: Connection, channel_name: str, layout: KVLayout, num_bl
     """The decode side on ``host``: a KVReceiver that claims each announced request, digests its KV and frees its blocks."""
     from pdkv.receiver import KVReceiver
 
+    torch.set_num_threads(ONE_THREAD)
     try:
         channel = create_channel(channel_name, f"bench-decode-{uuid.uuid4().hex[:6]}", channel_options(channel_name, host))
         kv = layout.allocate(num_blocks)
@@ -256,6 +261,7 @@ def _measure_mode(channel: str, mode: str, scenarios: list[Scenario], repeats: i
 
 def measure(channel: str, modes: list[str], scenarios: list[tuple[int, int]], repeats: int, placement: Placement = LOOPBACK) -> dict[str, Any]:
     """The result object of ``pdkv bench transfer --json``."""
+    torch.set_num_threads(ONE_THREAD)
     if channel not in BASELINES:
         raise ConfigError(f"bench transfer: no baseline for channel {channel!r}; expected one of {sorted(BASELINES)}")
     for mode in modes:
