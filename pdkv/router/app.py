@@ -22,17 +22,22 @@ import hmac
 import logging
 import re
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 
 from pdkv.config import WORKER_URL_PATTERN, RouterConfig
+from pdkv.errors import ConfigError
+from pdkv.router.kv_aware import KVAwareness, KVCollector, load_tokenizer
 from pdkv.router.metrics import RouterMetrics
 from pdkv.router.modes import make_mode
 from pdkv.router.policy import make_policy
 from pdkv.router.pool import ROLES, Role, WorkerPool
 from pdkv.router.proxy import Proxy, error_response
+
+if TYPE_CHECKING:
+    from pdkv.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +51,9 @@ class Router:
         self.config = config
         self.session = session
         self.pool = WorkerPool(session, config)
-        self.policy = make_policy(config)
+        self.kv = KVAwareness(config, self.pool) if config.policy == "prefix" and (config.kv_events or config.kv_events_discover) else None
+        self.tokenizer: Tokenizer | None = None
+        self.policy = make_policy(config, self.kv)
         self.mode = make_mode(config.mode)
         self.metrics = RouterMetrics(self.pool)
         self.proxy = Proxy(config, self.pool, self.policy, self.mode, self.metrics, self._spawn)
@@ -62,7 +69,11 @@ class Router:
         """
         # No connection cap: each worker admits or refuses (503) work itself, and a
         # client-side cap would queue requests where no timeout or metric sees them.
+        if config.kv_events and not config.tokenizer:
+            raise ConfigError("router.kv_events names event streams but router.tokenizer is not set: the KV-aware prefix policy matches token ids; set it to 'default' or the model's Hugging Face directory")
+        tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer)
         router = cls(config, aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
+        router.tokenizer = router.proxy.tokenizer = tokenizer
         for role, urls in (("prefill", config.prefill), ("decode", config.decode)):
             for url in urls:
                 router.pool.add(role, url)
@@ -74,6 +85,9 @@ class Router:
         if not config.decode:
             log.warning("no decode worker configured: requests get 503 until one is registered with POST /pdkv/workers")
         router._spawn(router.pool.health_loop())
+        if router.kv is not None:
+            router.metrics.registry.register(KVCollector(router.kv))
+            router._spawn(router.kv.run())
         return router
 
     async def close(self) -> None:
@@ -99,6 +113,7 @@ class Router:
         app.router.add_get("/pdkv/workers", self._list_workers)
         app.router.add_post("/pdkv/workers", self._add_worker)
         app.router.add_delete("/pdkv/workers", self._remove_worker)
+        app.router.add_get("/pdkv/kv-index", self._kv_index)
         return app
 
     async def _completions(self, http: web.Request) -> web.StreamResponse:
@@ -130,6 +145,12 @@ class Router:
     async def _list_workers(self, _: web.Request) -> web.Response:
         listing: dict[str, Any] = {role: [w.snapshot() for w in self.pool.workers(role)] for role in ROLES}
         return web.json_response({"mode": self.mode.name, "policy": self.policy.name, **listing})
+
+    async def _kv_index(self, _: web.Request) -> web.Response:
+        """What the KV-aware prefix policy knows: blocks per worker, each event stream's state, the shared tier."""
+        if self.kv is None:
+            return error_response(404, "no KV event index: it is kept with policy 'prefix' (and router.kv_events or kv_events_discover)", "invalid_request_error")
+        return web.json_response(self.kv.summary())
 
     async def _add_worker(self, http: web.Request) -> web.Response:
         ref = await _worker_ref(http)

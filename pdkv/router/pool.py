@@ -40,6 +40,7 @@ class WorkerState:
     error: str = "not checked yet"
     inflight_requests: int = 0
     inflight_tokens: int = 0
+    ups: int = 0  # times a health check found it up after it was down (or unchecked): it may have restarted
     # A decode worker's /pdkv/info (where its KV receiver listens), dropped whenever a check
     # fails: a restarted worker may listen on a new port.
     info: dict[str, Any] | None = field(default=None, repr=False)
@@ -109,6 +110,7 @@ class WorkerPool:
         elif not worker.healthy:
             log.info("%s worker %s is up", worker.role, worker.url)
             worker.healthy, worker.error = True, ""
+            worker.ups += 1
         return ok
 
     async def check_all(self) -> None:

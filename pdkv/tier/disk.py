@@ -155,12 +155,14 @@ class DiskTier(LeafTier):
             victims = self._lru.admit(key, nbytes) or []
             for victim in victims:
                 self._unlink(victim)
+            self._changed(stored=(key,), removed=victims)
         self._count(evictions=len(victims))
 
     def _drop(self, key: bytes) -> None:
         """Forget and delete ``key`` (lock held)."""
         self._lru.discard(key)
         self._unlink(key)
+        self._changed(removed=(key,))
 
     def _unlink(self, key: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -87,6 +87,7 @@ class RedisTier(LeafTier):
         values: list[bytes | None] = self._call("get", fetch, [])
         for i, (key, out, value) in enumerate(zip(keys, outs, values, strict=False)):
             if value is None:
+                self._changed(removed=(key,))  # not on the server (evicted, expired, never stored): say so
                 return i
             reason = read_value(self.layout, key, value, out)
             if reason is not None:
@@ -102,7 +103,9 @@ class RedisTier(LeafTier):
             pipe = self._client.pipeline(transaction=False)
             for key, value in zip(keys, values, strict=True):
                 pipe.set(self._name(key), value, nx=True, px=self._ttl_ms)
-            return sum(len(v) for v, stored in zip(values, pipe.execute(), strict=True) if stored)
+            written = sum(len(v) for v, stored in zip(values, pipe.execute(), strict=True) if stored)
+            self._changed(stored=keys)  # stored now, or already there (NX): held either way
+            return written
 
         self._count(written_bytes=self._call("set", store, 0))
 

@@ -57,6 +57,8 @@ class Tiering:
         self.batch = load_batch_chunks
         self.metrics = metrics
         self.tier = tier
+        # Told each prompt's chunk keys and token ids before its chunks are loaded or stored (pdkv.worker.kv_events).
+        self.on_prompt: Callable[[list[bytes], list[int]], None] | None = None
         if tier is not None:
             metrics.registry.register(TierCollector(tier, metrics.role))
 
@@ -85,6 +87,8 @@ class Tiering:
         if self.tier is None:
             return CachedPrefix([])
         prefix = CachedPrefix(chunk_keys(request.prompt_token_ids, self.engine.fingerprint, self.chunk_size))
+        if self.on_prompt is not None:
+            self.on_prompt(prefix.keys, request.prompt_token_ids)
         try:
             loaded = self._load_chunks(request, prefix.keys[: (request.num_prompt_tokens - 1) // self.chunk_size])  # full chunks before the last token's
         except Exception:  # nothing is marked computed yet: the engine overwrites whatever was scattered
