@@ -96,3 +96,15 @@ def redis_server() -> Iterator[LocalRedis]:
         pytest.skip("redis-server is not installed (apt-get install -y redis-server); the remote tier is tested against a real one")
     with local_redis() as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def vllm_env_python() -> str:
+    """The vLLM environment's Python with this checkout installed (tests/vllm_env.py), built or refreshed once per
+    session; the tests that need it skip, saying why, where it cannot be had."""
+    from vllm_env import Unavailable, vllm_python
+
+    try:
+        return vllm_python()
+    except Unavailable as exc:
+        pytest.skip(f"vLLM integration not run: {exc}")
