@@ -141,7 +141,9 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     memory_policy: Literal["lru", "s3fifo"] = "lru"
     disk_path: str = ""  # a directory of its own per worker; "": no disk level
     disk_bytes: Positive = 16 << 30
-    redis_url: str = ""  # redis://HOST:PORT/DB (or rediss://, unix://); "": no remote level
+    # redis://HOST:PORT/DB (or rediss://, unix://), or a cluster: redis+cluster://HOST:PORT[,HOST:PORT...]
+    # (rediss+cluster:// for TLS; pdkv.tier.redis_backend); "": no remote level
+    redis_url: str = ""
     redis_namespace: str = "pdkv:kv:"
     redis_ttl_s: Annotated[float, Meta(ge=0)] = 0.0  # 0: kept until the server evicts it (maxmemory policy)
     redis_timeout_s: Seconds = 2.0  # per socket read/write

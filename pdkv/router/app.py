@@ -32,7 +32,7 @@ from pdkv.errors import ConfigError
 from pdkv.router.kv_aware import KVAwareness, KVCollector, load_tokenizer
 from pdkv.router.metrics import RouterMetrics
 from pdkv.router.modes import make_mode
-from pdkv.router.policy import make_policy
+from pdkv.router.policy import describe_prompt, make_policy
 from pdkv.router.pool import ROLES, Role, WorkerPool
 from pdkv.router.proxy import Proxy, error_response
 
@@ -114,6 +114,7 @@ class Router:
         app.router.add_post("/pdkv/workers", self._add_worker)
         app.router.add_delete("/pdkv/workers", self._remove_worker)
         app.router.add_get("/pdkv/kv-index", self._kv_index)
+        app.router.add_post("/pdkv/kv-index", self._kv_match)
         return app
 
     async def _completions(self, http: web.Request) -> web.StreamResponse:
@@ -151,6 +152,23 @@ class Router:
         if self.kv is None:
             return error_response(404, "no KV event index: it is kept with policy 'prefix' (and router.kv_events or kv_events_discover)", "invalid_request_error")
         return web.json_response(self.kv.summary())
+
+    async def _kv_match(self, http: web.Request) -> web.Response:
+        """How many leading tokens of a prompt (a completions or chat body) each prefill worker caches, as the
+        prefix policy would see it: which worker holds what, without sending the request."""
+        if self.kv is None:
+            return error_response(404, "no KV event index: it is kept with policy 'prefix' (and router.kv_events or kv_events_discover)", "invalid_request_error")
+        try:
+            body = await http.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or not ("prompt" in body or "messages" in body):
+            return error_response(400, 'expected a JSON body with a "prompt" (text or token ids) or "messages"', "invalid_request_error")
+        prompt = await asyncio.to_thread(describe_prompt, body, "messages" in body, self.config, self.tokenizer)
+        if prompt.kind != "ids":
+            return error_response(400, "the prompt is text and router.tokenizer is not set: send token ids, or configure the tokenizer", "invalid_request_error")
+        cached = self.kv.cached_tokens(prompt.units, self.pool.workers("prefill"))
+        return web.json_response({"prompt_tokens": prompt.est_tokens, "cached_tokens": cached})
 
     async def _add_worker(self, http: web.Request) -> web.Response:
         ref = await _worker_ref(http)
