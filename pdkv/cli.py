@@ -78,6 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--concurrency", type=int, default=32, help="requests in flight for the requests/s measurement")
     ro.add_argument("--json", action="store_true")
     ro.set_defaults(target="pdkv.bench.router:run")
+    kr = bsub.add_parser("kv-routing", help="KV-aware routing on the Mooncake trace through real workers, and the prefix index's lookup cost")
+    kr.add_argument("--trace", default=None, help="the Mooncake conversation_trace.jsonl (default: $PDKV_MOONCAKE_TRACE or beside the repository)")
+    kr.add_argument("--prefill-workers", type=int, default=2, help="prefill workers (0: the lookup cost only)")
+    kr.add_argument("--conversations", type=int, default=12, help="whole conversations replayed from the trace")
+    kr.add_argument("--block-tokens", type=int, default=32, help="tokens per 512-token trace block (and the workers' chunk size)")
+    kr.add_argument("--max-blocks", type=int, default=40, help="prompts capped at this many trace blocks")
+    kr.add_argument("--memory-mib", type=int, default=256, help="each prefill worker's memory tier")
+    kr.add_argument("--model", default="default")
+    kr.add_argument("--blocks", type=int, default=100_000, help="blocks in the index for the lookup cost")
+    kr.add_argument("--json", action="store_true")
+    kr.set_defaults(target="pdkv.bench.kv_routing:run")
     return parser
 
 

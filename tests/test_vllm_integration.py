@@ -66,6 +66,7 @@ class Cluster:
     router: WorkerProcess
     redis_url: str  # "" when no redis-server is installed: the shared-tier test skips
     redis_namespace: str
+    mono_events: str  # where the monolithic vLLM publishes its KV events (--kv-events-config)
 
 
 def _healthy(url: str) -> bool:
@@ -76,10 +77,11 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _start_mono(python: str, model: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """Plain vLLM, no connector: what P/D must reproduce."""
+def _start_mono(python: str, model: str, log: Path, events: str) -> tuple[subprocess.Popen[bytes], str]:
+    """Plain vLLM, no connector: what P/D must reproduce. It publishes KV events at ``events`` (and its replay socket)."""
     port = free_port("127.0.0.1")
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS[1:]]
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events, "replay_endpoint": events + "-replay"}
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port", str(port), "--kv-events-config", json.dumps(kv_events), *ENGINE_ARGS[1:]]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, **bind("mono")}, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -99,13 +101,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         namespace = f"vllm-{uuid.uuid4().hex}:"
         tier = f"tier:\n  redis_url: {redis_url}\n  redis_namespace: '{namespace}'\n" if redis_url else ""
         secret = f"secret: {uuid.uuid4().hex}\n"  # P and D authenticate each other, as a deployment beyond loopback must
-        (tmp / "prefill.yaml").write_text(secret + tier)
+        kv_events = f"kv_events: {{enable_kv_cache_events: true, endpoint: 'ipc://{tmp}/p-events', replay_endpoint: 'ipc://{tmp}/p-replay'}}\n"
+        (tmp / "prefill.yaml").write_text(secret + tier + kv_events)
         (tmp / "decode.yaml").write_text(f"{secret}transfer:\n  transfer_timeout_s: {D_TRANSFER_TIMEOUT_S}\n  claim_timeout_s: 30\nnum_blocks: 64\n{tier}")
         yield from _cluster(python, model, tmp, redis_url, namespace)
 
 
 def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str) -> Iterator[Cluster]:
-    mono, mono_url = _start_mono(python, model, tmp / "mono.log")
+    mono_events = f"ipc://{tmp}/mono-events"
+    mono, mono_url = _start_mono(python, model, tmp / "mono.log", mono_events)
     started: list[WorkerProcess] = []
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -113,13 +117,15 @@ def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str)
             p_future = pool.submit(start_worker, "prefill", "--engine", "vllm", "--model", model, "--port", "0", "--config", str(tmp / "prefill.yaml"), *ENGINE_ARGS, timeout=900, env=bind("prefill"), python=python)
             decode, prefill = d_future.result(), p_future.result()
         started += [decode, prefill]
-        router = start_worker("router", "--mode", "vllm", "--port", "0", "--prefill", prefill.url, "--decode", decode.url)
+        # KV-aware: the router follows P's KV events (named in P's /pdkv/info) with the model's tokenizer
+        (tmp / "router.yaml").write_text(f"router: {{policy: prefix, tokenizer: '{model}', kv_events_check_s: 1}}\n")
+        router = start_worker("router", "--mode", "vllm", "--config", str(tmp / "router.yaml"), "--port", "0", "--prefill", prefill.url, "--decode", decode.url)
         started.append(router)
         deadline = time.monotonic() + 900
         while not _healthy(mono_url):
             assert mono.poll() is None and time.monotonic() < deadline, f"monolithic vLLM did not start: {(tmp / 'mono.log').read_text()[-2000:]}"
             time.sleep(0.5)
-        yield Cluster(model, mono_url, prefill, decode, router, redis_url, namespace)
+        yield Cluster(model, mono_url, prefill, decode, router, redis_url, namespace, mono_events)
     finally:
         for w in reversed(started):
             w.stop(timeout=30)
@@ -202,6 +208,39 @@ def test_a_prefix_computed_on_one_vllm_is_loaded_from_redis_by_another(cluster: 
     assert got["choices"][0]["text"] == want
     assert loaded == 512  # two full 256-token chunks from the tier; the partial last chunk is computed
     assert sources(c)["local_compute"] - before["local_compute"] == got["usage"]["prompt_tokens"] - 512
+
+
+def _cached(router_url: str, prompt: str) -> dict[str, int]:
+    return post_json(router_url + "/pdkv/kv-index", {"prompt": prompt})["cached_tokens"]
+
+
+def test_the_router_indexes_real_vllm_kv_events_discovered_and_configured(cluster: Cluster, tmp_path: Path) -> None:
+    """P (launched by pdkv with kv_events) names its stream in /pdkv/info and the router follows it; the monolithic
+    vLLM, started with plain --kv-events-config, is named in router.kv_events. Either way the router's index, keyed
+    by its own hash of the events' token ids, matches the prompt the router tokenized itself."""
+    c = cluster
+    info = json.loads(get_text(c.prefill.url + "/pdkv/info"))
+    assert info["kv_events"]["endpoint"].startswith("ipc://")
+    n = complete(c.router.url, c.model, LONG)["usage"]["prompt_tokens"]
+    deadline = time.monotonic() + 60
+    while _cached(c.router.url, LONG).get(c.prefill.url, 0) < (n // 16) * 16:  # vLLM caches whole 16-token blocks
+        assert time.monotonic() < deadline, f"the router's index of P: {get_text(c.router.url + '/pdkv/kv-index')}"
+        time.sleep(0.5)
+    p_view = json.loads(get_text(c.router.url + "/pdkv/kv-index"))["workers"][c.prefill.url]
+    assert p_view["block_sizes"] == [16] and p_view["stream"].get("lost", 0) == 0 and p_view["stream"].get("malformed", 0) == 0
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text(json.dumps({"router": {"mode": "vllm", "policy": "prefix", "tokenizer": c.model, "kv_events_check_s": 1,
+                                          "kv_events": [{"worker": c.mono_url, "endpoint": c.mono_events, "replay_endpoint": c.mono_events + "-replay"}]}}))
+    watcher = start_worker("router", "--config", str(cfg), "--port", "0", "--prefill", c.mono_url, "--decode", c.decode.url, timeout=120)
+    try:
+        n = complete(c.mono_url, c.model, SHARED)["usage"]["prompt_tokens"]
+        deadline = time.monotonic() + 60
+        while _cached(watcher.url, SHARED).get(c.mono_url, 0) < (n // 16) * 16:
+            assert time.monotonic() < deadline, f"the router's index of the monolithic vLLM: {get_text(watcher.url + '/pdkv/kv-index')}"
+            time.sleep(0.5)
+        assert _cached(watcher.url, "Something else entirely")[c.mono_url] == 0
+    finally:
+        watcher.stop()
 
 
 def test_a_killed_prefill_does_not_hang_the_decode(cluster: Cluster) -> None:

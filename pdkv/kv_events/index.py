@@ -235,27 +235,47 @@ class PrefixIndex:
 
     def match(self, tokens: Sequence[int] | np.ndarray, workers: Iterable[str]) -> dict[str, int]:
         """For each known worker of ``workers``: how many leading tokens of the prompt its cache holds
-        (its own blocks, or the shared tier's when it reads that tier)."""
-        hashes: dict[int, list[int]] = {}
+        (its own blocks, or the shared tier's when it reads that tier).
 
-        def walk(held: dict[int, int], size: int) -> int:
-            if size not in hashes:
-                hashes[size] = chain_hashes(tokens, size)
-            n = 0
-            for h in hashes[size]:
-                if h not in held:
-                    break
-                n += 1
-            return n * size
-
-        shared = max((walk(self._shared_held, size) for size in self._shared_sizes), default=0) if self._shared_held else 0
-        out: dict[str, int] = {}
-        for url in workers:
-            w = self.workers.get(url)
-            if w is None:
-                continue
-            best = max((walk(w.held, size) for size in w.block_sizes), default=0)
-            out[url] = max(best, shared) if w.reads_shared else best
+        The prompt is hashed block by block only as far as some worker still matches: a lookup costs the
+        longest cached prefix among the workers, not the prompt's length.
+        """
+        known = [(url, w) for url in workers if (w := self.workers.get(url)) is not None]
+        out = dict.fromkeys((url for url, _ in known), 0)
+        walks: dict[int, list[tuple[str, dict[int, int]]]] = {}
+        for url, w in known:
+            for size in w.block_sizes:
+                walks.setdefault(size, []).append((url, w.held))
+        if self._shared_held and any(w.reads_shared for _, w in known):
+            for size in self._shared_sizes:
+                walks.setdefault(size, []).append(("", self._shared_held))
+        if not walks:
+            return out
+        data = _token_bytes(tokens)
+        shared = 0
+        for size, alive in walks.items():
+            step, h, depth = size * 8, root_hash(size), 0
+            while alive and (depth + 1) * step <= len(data):
+                h = xxhash.xxh3_64_intdigest(data[depth * step : (depth + 1) * step], seed=h)
+                depth += 1
+                still = []
+                for url, held in alive:
+                    if h in held:
+                        still.append((url, held))
+                    elif url:
+                        out[url] = max(out[url], (depth - 1) * size)
+                    else:
+                        shared = max(shared, (depth - 1) * size)
+                alive = still
+            for url, _ in alive:  # matched to the prompt's last full block
+                if url:
+                    out[url] = max(out[url], depth * size)
+                else:
+                    shared = max(shared, depth * size)
+        if shared:
+            for url, w in known:
+                if w.reads_shared:
+                    out[url] = max(out[url], shared)
         return out
 
     def summary(self) -> dict[str, object]:

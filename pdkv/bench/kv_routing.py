@@ -1,0 +1,265 @@
+"""`pdkv bench kv-routing`: what KV-aware routing buys on the Mooncake conversation trace, and what a lookup costs.
+
+Two measurements, one run, one JSON object:
+
+1. ``lookup``: the router's prefix index (pdkv.kv_events.index) holding
+   10^5 blocks over four workers, asked for a prompt's cached prefix on
+   every worker; for vLLM's 16-token blocks and pdkv's 256-token chunks.
+   The baseline is the least any hash-based lookup does: one xxh3 pass over
+   the prompt's token bytes. Also shown: encoding the same prompt as text
+   with the default model's tokenizer, which the router does first when
+   prompts arrive as text.
+2. ``trace``: whole conversations of the Mooncake trace (each 512-token
+   block shrunk to ``--block-tokens`` tokens, one tier chunk per block)
+   replayed through real ``pdkv launch`` workers: ``--prefill-workers``
+   prefill workers (memory tier of ``--memory-mib`` each, KV events on) and
+   one decode worker, behind one router per policy: round-robin,
+   least-loaded, prefix with the router's own guess (the policy as it was
+   before KV events), and prefix following the workers' KV events. Each
+   policy's prompts start with a token of their own, so no policy hits
+   another's chunks; requests go one at a time, each policy over the whole
+   sample in turn, in two passes (the second in reverse order) so a drift
+   in the machine's load hits every policy alike. Block hit rate: prompt
+   chunks loaded from a worker's tier over all full chunks; TTFT: what a
+   client of the router sees (the first streamed event). The bound is one
+   infinite cache seeing every request (the chunk with the last token is
+   always computed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+import xxhash
+import yaml
+
+from pdkv.bench.ttft import TRACE_ENV, TraceRequest, block_tokens, load_trace, replay_sample, trace_path
+from pdkv.demo import get_text, metric
+from pdkv.errors import PdkvError
+from pdkv.kv_events.index import PrefixIndex
+from pdkv.kv_events.wire import BlockStored, KVEventBatch
+from pdkv.launch.procs import WorkerProcess, start_worker
+
+Report = dict[str, Any]
+
+POLICIES: dict[str, dict[str, Any]] = {
+    "round-robin": {"policy": "round-robin"},
+    "least-loaded": {"policy": "least-loaded"},
+    "prefix (router's guess)": {"policy": "prefix", "kv_events_discover": False},
+    "prefix (KV events)": {"policy": "prefix", "kv_events_discover": True, "kv_events_check_s": 1.0},
+}
+VOCAB = 49152
+
+
+def run(args: argparse.Namespace) -> int:
+    report: Report = {"bench": "kv-routing", "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": os.getloadavg()}}
+    report["lookup"] = lookup_cost(args.blocks)
+    trace = Path(args.trace) if args.trace else trace_path()
+    if trace is None or not trace.is_file():
+        report["trace"] = {"skipped": f"the Mooncake trace was not found (give --trace PATH or set ${TRACE_ENV})"}
+    elif args.prefill_workers:
+        report["trace"] = replay(load_trace(trace), args)
+    report["machine"]["load_after"] = os.getloadavg()
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0
+
+
+# -- 1. lookup cost --------------------------------------------------------------------------------
+def _chain_event(tokens: np.ndarray, block_size: int, salt: int) -> BlockStored:
+    n = len(tokens) // block_size
+    return BlockStored(
+        block_hashes=[salt * 1_000_000 + i for i in range(n)], parent_block_hash=None, token_ids=tokens[: n * block_size].tolist(),
+        block_size=block_size, lora_id=None, medium="GPU", lora_name=None,
+    )
+
+
+def lookup_cost(total_blocks: int = 100_000, workers: int = 4, prompt_tokens: int = 8192, lookups: int = 200) -> Report:
+    rng = np.random.default_rng(0)
+    rows = []
+    for block_size in (16, 256):
+        index = PrefixIndex()
+        names = [f"w{i}" for i in range(workers)]
+        chain_blocks = prompt_tokens // block_size
+        chains: list[np.ndarray] = []
+        for c in range(total_blocks // chain_blocks):  # whole prompts' worth of blocks, spread over the workers
+            tokens = rng.integers(100, VOCAB, prompt_tokens)
+            chains.append(tokens)
+            index.apply(names[c % workers], KVEventBatch(ts=0.0, events=[_chain_event(tokens, block_size, c)]))
+        held = sum(len(w) for w in index.workers.values())
+        prompts = []
+        for i in range(lookups):  # a cached prefix of random length, then new tokens
+            base = chains[int(rng.integers(len(chains)))]
+            keep = int(rng.integers(0, prompt_tokens))
+            prompts.append(np.concatenate([base[:keep], rng.integers(100, VOCAB, prompt_tokens - keep)]))
+        lookup_wall, lookup_cpu = _timed(lambda: [index.match(p, names) for p in prompts], lookups)
+        hash_wall, hash_cpu = _timed(lambda: [xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(p, dtype="<i8")).cast("B")) for p in prompts], lookups)
+        rows.append({
+            "block_size": block_size, "indexed_blocks": held, "workers": workers, "prompt_tokens": prompt_tokens,
+            "lookup_cpu_us": lookup_cpu, "lookup_wall_us": lookup_wall, "baseline_hash_cpu_us": hash_cpu, "ratio": round(lookup_cpu / hash_cpu, 2),
+        })
+    tok_wall, tok_cpu = _tokenize_cost(prompt_tokens)
+    return {
+        "baseline": "one xxh3 pass over the prompt's token bytes (CPU time; wall time is shown too, it includes waiting for a core)",
+        "results": rows, "tokenize_text_cpu_us": tok_cpu, "tokenize_text_wall_us": tok_wall,
+    }
+
+
+def _timed(fn: Any, count: int) -> tuple[float, float]:
+    """(wall, CPU) microseconds per item of one call of ``fn`` doing ``count`` items."""
+    wall, cpu = time.perf_counter(), time.thread_time()
+    fn()
+    return round((time.perf_counter() - wall) / count * 1e6, 1), round((time.thread_time() - cpu) / count * 1e6, 1)
+
+
+def _tokenize_cost(prompt_tokens: int) -> tuple[float | None, float | None]:
+    """(wall, CPU) microseconds to encode a text prompt of about ``prompt_tokens`` tokens with the default model's tokenizer."""
+    try:
+        from pdkv.router.kv_aware import load_tokenizer
+
+        tok = load_tokenizer("default")
+    except PdkvError:
+        return None, None
+    text = " ".join(f"word{i % 997} is number {i}." for i in range(prompt_tokens // 6))
+    tok.encode(text)
+    return _timed(lambda: [tok.encode(text) for _ in range(10)], 10)
+
+
+# -- 2. the trace through real workers --------------------------------------------------------------
+def _prompts(sample: Sequence[TraceRequest], block: int, salt: int) -> list[list[int]]:
+    return [[salt, *np.concatenate([block_tokens(h, block) for h in r.hash_ids]).tolist()] for r in sample]
+
+
+def _bound(sample: Sequence[TraceRequest]) -> float:
+    """Chunk hit rate of one infinite cache: leading chunks seen before, never the last-token chunk."""
+    seen: set[tuple[int, ...]] = set()
+    hits = total = 0
+    for r in sample:
+        keys = [tuple(r.hash_ids[: i + 1]) for i in range(len(r.hash_ids))]
+        loadable = keys[:-1]  # with the salt in front, the last chunk holds the last prompt token
+        run = next((i for i, k in enumerate(loadable) if k not in seen), len(loadable))
+        hits += run
+        total += len(keys)
+        seen.update(keys)
+    return hits / total
+
+
+def _stream_ttft(url: str, prompt: list[int], timeout: float = 600) -> float:
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.netloc, timeout=timeout)
+    try:
+        start = time.perf_counter()
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise PdkvError(f"{url} answered {resp.status}: {resp.read()[:300]!r}")
+        while not (line := resp.readline()).startswith(b"data: "):
+            if not line:
+                raise PdkvError(f"{url} closed its stream before the first event")
+        ttft = time.perf_counter() - start
+        resp.read()
+        return ttft
+    finally:
+        conn.close()
+
+
+def _totals(workers: Sequence[WorkerProcess]) -> dict[str, float]:
+    out = {"tier_tokens": 0.0, "tier_chunks": 0.0, "prompt_tokens": 0.0}
+    for w in workers:
+        text = get_text(w.url + "/metrics")
+        out["tier_tokens"] += metric(text, "pdkv_prompt_tokens_total", source="tier")
+        out["tier_chunks"] += sum(metric(text, "pdkv_tier_hits_total", tier=t) for t in ("memory", "disk", "redis"))
+        out["prompt_tokens"] += metric(text, "pdkv_prompt_tokens_total", source="computed") + metric(text, "pdkv_prompt_tokens_total", source="tier")
+    return out
+
+
+def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report:
+    sample = [TraceRequest(r.timestamp_ms, r.hash_ids[: args.max_blocks], r.output_length) for r in replay_sample(requests, args.conversations)]
+    block = args.block_tokens
+    workers: list[WorkerProcess] = []
+    routers: dict[str, WorkerProcess] = {}
+    runs: dict[str, list[Report]] = {name: [] for name in POLICIES}
+    with tempfile.TemporaryDirectory(prefix="pdkv-bench-kv-routing-") as tmp:
+        try:
+            base = {"model": args.model, "num_threads": 1, "num_blocks": 512, "transfer": {"chunk_size": block}}
+            decode_cfg = Path(tmp) / "decode.yaml"
+            decode_cfg.write_text(yaml.safe_dump({**base, "tier": {"enabled": False}}))
+            prefill_cfg = Path(tmp) / "prefill.yaml"
+            prefill_cfg.write_text(yaml.safe_dump({**base, "tier": {"memory_bytes": args.memory_mib << 20},
+                                                   "kv_events": {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}}))
+            decode = start_worker("decode", "--config", str(decode_cfg), "--port", "0", timeout=900)
+            workers.append(decode)
+            prefills = [start_worker("prefill", "--config", str(prefill_cfg), "--port", "0", timeout=900) for _ in range(args.prefill_workers)]
+            workers += prefills
+            for name, settings in POLICIES.items():
+                cfg = Path(tmp) / f"router-{len(routers)}.yaml"
+                cfg.write_text(yaml.safe_dump({"router": {**settings, "prefix_chunk_tokens": block}}))
+                flags = [a for p in prefills for a in ("--prefill", p.url)]
+                routers[name] = start_worker("router", "--config", str(cfg), "--port", "0", *flags, "--decode", decode.url, timeout=300)
+            time.sleep(3)  # the KV-aware router subscribes to every stream (it checks each second)
+            order = list(POLICIES)
+            salt = 1
+            for pass_no, names in enumerate((order, order[::-1])):
+                for name in names:
+                    prompts = _prompts(sample, block, salt)
+                    salt += 1
+                    before = _totals(prefills)
+                    ttfts = [_stream_ttft(routers[name].url, p) for p in prompts]
+                    after = _totals(prefills)
+                    full_chunks = sum(len(p) // block for p in prompts)
+                    runs[name].append({
+                        "pass": pass_no, "mean_ttft_s": statistics.mean(ttfts), "p50_ttft_s": statistics.median(ttfts),
+                        "chunk_hit_rate": (after["tier_chunks"] - before["tier_chunks"]) / full_chunks,
+                        "token_hit_rate": (after["tier_tokens"] - before["tier_tokens"]) / (after["prompt_tokens"] - before["prompt_tokens"]),
+                    })
+            d_metrics = get_text(decode.url + "/metrics")
+            router_metrics = {name: get_text(r.url + "/metrics") for name, r in routers.items()}
+        finally:
+            for proc in [*routers.values(), *workers]:
+                proc.stop()
+    baseline = statistics.mean(r["mean_ttft_s"] for r in runs["round-robin"])
+    results = []
+    for name, rs in runs.items():
+        mean_ttft = statistics.mean(r["mean_ttft_s"] for r in rs)
+        results.append({
+            "policy": name, "chunk_hit_rate": round(statistics.mean(r["chunk_hit_rate"] for r in rs), 4),
+            "token_hit_rate": round(statistics.mean(r["token_hit_rate"] for r in rs), 4),
+            "mean_ttft_s": round(mean_ttft, 4), "ratio": round(mean_ttft / baseline, 4),
+            "passes": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rs],
+        })
+    kv = router_metrics["prefix (KV events)"]
+    return {
+        "requests": len(sample), "conversations": args.conversations, "prefill_workers": args.prefill_workers, "memory_mib_per_worker": args.memory_mib,
+        "scale": f"each 512-token trace block -> {block} tokens (one tier chunk), prompts capped at {args.max_blocks} blocks, plus one salt token",
+        "prompt_tokens_per_pass": sum(len(p) for p in _prompts(sample, block, 0)),
+        "infinite_cache_chunk_hit_rate": round(_bound(sample), 4),
+        "decode_fallbacks": metric(d_metrics, "pdkv_fallbacks_total"),
+        "kv_router_streams_lost": metric(kv, "pdkv_router_kv_stream_events_total", event="lost"),
+        "baseline": "round-robin, same workers, same requests, same passes (ratio = mean TTFT / round-robin's)",
+        "results": results,
+    }
+
+
+def format_report(report: Report) -> str:
+    lk = report["lookup"]
+    lines = [f"Prefix index lookup, baseline {lk['baseline']}; encoding the prompt as text: {lk['tokenize_text_cpu_us']} us CPU:"]
+    lines += [f"  block {r['block_size']:>4}: {r['indexed_blocks']} blocks, {r['prompt_tokens']}-token prompt: {r['lookup_cpu_us']} us CPU ({r['lookup_wall_us']} wall), hash {r['baseline_hash_cpu_us']} us, ratio {r['ratio']}" for r in lk["results"]]
+    tr = report.get("trace", {})
+    if "skipped" in tr:
+        lines.append(f"trace: skipped: {tr['skipped']}")
+    elif tr:
+        lines.append(f"Mooncake trace: {tr['requests']} requests, {tr['prefill_workers']} prefill workers, bound {tr['infinite_cache_chunk_hit_rate']}")
+        lines += [f"  {r['policy']:<24} hit {r['chunk_hit_rate']:.3f}  mean TTFT {r['mean_ttft_s']:.3f}s  ratio {r['ratio']:.3f}" for r in tr["results"]]
+    lines.append(f"load {report['machine']['load_before']} -> {report['machine']['load_after']}")
+    return "\n".join(lines)
