@@ -314,3 +314,21 @@ def test_the_shared_redis_level_is_announced_as_remote_storage(model_dir: Path, 
             await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_the_vllm_launcher_passes_kv_events_as_vllms_flag_and_names_the_stream() -> None:
+    import json
+
+    from pdkv.launch.vllm import vllm_command
+
+    cfg = convert_config({"role": "prefill", "engine": "vllm", "kv_events": {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0", "topic": "t"}})
+    cmd, info = vllm_command(cfg, "/models/m", [], python="py")
+    events = json.loads(cmd[cmd.index("--kv-events-config") + 1])
+    port = int(events["endpoint"].rsplit(":", 1)[1])
+    assert port > 0 and events["endpoint"] == f"tcp://*:{port}"  # vLLM binds a wildcard endpoint; port 0 would be its node IP
+    assert events["replay_endpoint"].startswith("tcp://127.0.0.1:") and events["publisher"] == "zmq" and events["enable_kv_cache_events"] is True
+    assert info["kv_events"] == {"endpoint": f"tcp://127.0.0.1:{port}", "replay_endpoint": events["replay_endpoint"], "topic": "t"}
+    with pytest.raises(ConfigError, match="--kv-events-config"):
+        vllm_command(cfg, "/models/m", ["--kv-events-config", "{}"], python="py")
+    plain, plain_info = vllm_command(convert_config({"role": "prefill", "engine": "vllm"}), "/models/m", [], python="py")
+    assert "--kv-events-config" not in plain and "kv_events" not in plain_info

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from pdkv.config import KVEventsConfig
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.keys import chunk_keys
 from pdkv.kv_events.index import PrefixIndex
@@ -64,7 +65,9 @@ def test_vllm_decodes_what_a_pdkv_worker_publishes_and_pdkv_follows_vllms_publis
             ipc = f"ipc://{tmp_path}/vllm"
             proc = subprocess.Popen([vllm_env_python, str(PEER), info["endpoint"], info["replay_endpoint"], info["topic"], ipc + "-pub", ipc + "-replay"],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            seen = (await asyncio.to_thread(line, proc))["pdkv"]
+            first = await asyncio.to_thread(line, proc)
+            seen = first["pdkv"]
+            assert first["config_fields"] == list(KVEventsConfig.__struct_fields__)  # pdkv's kv_events: is vLLM's --kv-events-config
             # what vLLM's classes read: the start-up AllBlocksCleared, then each full chunk in memory (CPU, LOCAL)
             # with pdkv's chunk key as its hash, chained to its parent, its 32 token ids, block_size 32
             events = [e for b in seen for e in b["events"]]

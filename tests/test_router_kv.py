@@ -9,7 +9,9 @@ tested at the end with a stand-in for the event index.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,11 +23,13 @@ import numpy as np
 import pytest
 import yaml
 
-from pdkv.config import RouterConfig
+from pdkv.config import KVEventSource, RouterConfig, convert_config
 from pdkv.demo import get_text as get
 from pdkv.demo import metric, post_json
 from pdkv.engine.testing import write_tiny_model
+from pdkv.errors import ConfigError
 from pdkv.launch.procs import WorkerProcess, start_worker
+from pdkv.router.app import Router
 from pdkv.router.policy import PrefixAware, Prompt
 from pdkv.router.pool import WorkerState
 from tests.conftest import wait_until
@@ -145,3 +149,13 @@ def test_prefill_cost_is_uncached_tokens_plus_weighted_load() -> None:
     # no candidate with a stream, or a prompt that is text: the router's own guess decides, as before
     policy.kv = _Index({})  # type: ignore[assignment]
     assert policy.choose("prefill", [a, b, c], prompt) == (c, "prefix_hit")
+
+
+def test_kv_routing_config_errors_fail_at_start(tmp_path: Path) -> None:
+    streams = [KVEventSource(worker="http://10.0.0.1:8000", endpoint="tcp://10.0.0.1:5557")]
+    with pytest.raises(ConfigError, match="router.tokenizer is not set"):
+        asyncio.run(Router.start(RouterConfig(policy="prefix", kv_events=streams)))
+    with pytest.raises(ConfigError, match="router.tokenizer .* tokenizer.json"):
+        asyncio.run(Router.start(RouterConfig(policy="prefix", tokenizer=str(tmp_path))))
+    with pytest.raises(ConfigError, match="router.kv_events\\[0\\].endpoint"):
+        convert_config({"router": {"kv_events": [{"worker": "http://10.0.0.1:8000", "endpoint": "10.0.0.1:5557"}]}})

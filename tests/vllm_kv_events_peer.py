@@ -7,13 +7,15 @@ Protocol, one JSON object per line:
 
     argv: PDKV_ENDPOINT PDKV_REPLAY_ENDPOINT TOPIC VLLM_ENDPOINT VLLM_REPLAY_ENDPOINT
     1. subscribe to pdkv's stream, ask its replay socket for everything from 0 (vLLM's protocol), decode
-       each batch with vLLM's KVEventBatch: print {"pdkv": [batches as seen by vLLM]}
+       each batch with vLLM's KVEventBatch: print {"pdkv": [batches as seen by vLLM], "config_fields": [the
+       fields of vLLM's KVEventsConfig]}
     2. start vLLM's publisher, print {"vllm": "ready"}, then for each line read from stdin (a JSON list of
        events in the shape below) publish one vLLM batch, print {"published": seq}; "quit" ends.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -67,7 +69,8 @@ def make_event(spec: dict[str, object]) -> object:
 
 def main() -> None:
     endpoint, replay_endpoint, topic, vllm_endpoint, vllm_replay = sys.argv[1:6]
-    print(json.dumps({"pdkv": read_pdkv(endpoint, replay_endpoint, topic)}), flush=True)
+    fields = [f.name for f in dataclasses.fields(KVEventsConfig)]
+    print(json.dumps({"pdkv": read_pdkv(endpoint, replay_endpoint, topic), "config_fields": fields}), flush=True)
     config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=vllm_endpoint, replay_endpoint=vllm_replay, topic=topic)
     publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=config.endpoint, replay_endpoint=config.replay_endpoint, topic=config.topic)
     print(json.dumps({"vllm": "ready"}), flush=True)

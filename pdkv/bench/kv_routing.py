@@ -142,13 +142,13 @@ def _prompts(sample: Sequence[TraceRequest], block: int, salt: int) -> list[list
 
 
 def _bound(sample: Sequence[TraceRequest]) -> float:
-    """Chunk hit rate of one infinite cache: leading chunks seen before, never the last-token chunk."""
+    """Chunk hit rate of one infinite cache: the leading chunks seen before. (With the salt token in front,
+    the prompt's last token is alone in a partial chunk, so every full chunk can be loaded.)"""
     seen: set[tuple[int, ...]] = set()
     hits = total = 0
     for r in sample:
         keys = [tuple(r.hash_ids[: i + 1]) for i in range(len(r.hash_ids))]
-        loadable = keys[:-1]  # with the salt in front, the last chunk holds the last prompt token
-        run = next((i for i, k in enumerate(loadable) if k not in seen), len(loadable))
+        run = next((i for i, k in enumerate(keys) if k not in seen), len(keys))
         hits += run
         total += len(keys)
         seen.update(keys)
@@ -192,7 +192,9 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
     runs: dict[str, list[Report]] = {name: [] for name in POLICIES}
     with tempfile.TemporaryDirectory(prefix="pdkv-bench-kv-routing-") as tmp:
         try:
-            base = {"model": args.model, "num_threads": 1, "num_blocks": 512, "transfer": {"chunk_size": block}}
+            # generous transfer timeouts: on a loaded shared machine a timed-out transfer is a recompute that
+            # would be charged to whichever policy happened to run then
+            base = {"model": args.model, "num_threads": 1, "num_blocks": 512, "transfer": {"chunk_size": block, "transfer_timeout_s": 900, "chunk_timeout_s": 600, "lease_s": 120}}
             decode_cfg = Path(tmp) / "decode.yaml"
             decode_cfg.write_text(yaml.safe_dump({**base, "tier": {"enabled": False}}))
             prefill_cfg = Path(tmp) / "prefill.yaml"
