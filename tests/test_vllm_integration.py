@@ -29,7 +29,6 @@ from pdkv.launch.procs import WorkerProcess, start_worker
 from pdkv.launch.vllm import free_port
 from pdkv.tier.localredis import local_redis, server_binary
 
-from vllm_env import Unavailable, vllm_python
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -87,11 +86,8 @@ def _start_mono(python: str, model: str, log: Path, events: str) -> tuple[subpro
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    try:
-        python = vllm_python()
-    except Unavailable as exc:
-        pytest.skip(f"vLLM integration not run: {exc}")
+def cluster(tmp_path_factory: pytest.TempPathFactory, vllm_env_python: str) -> Iterator[Cluster]:
+    python = vllm_env_python  # built or refreshed once per session (tests/conftest.py)
     from pdkv.engine.default_model import ensure_default_model
 
     model = str(ensure_default_model())
@@ -115,8 +111,9 @@ def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str)
         with ThreadPoolExecutor(2) as pool:
             d_future = pool.submit(start_worker, "decode", "--engine", "vllm", "--model", model, "--port", "0", "--config", str(tmp / "decode.yaml"), *ENGINE_ARGS, timeout=900, env=bind("decode"), python=python)
             p_future = pool.submit(start_worker, "prefill", "--engine", "vllm", "--model", model, "--port", "0", "--config", str(tmp / "prefill.yaml"), *ENGINE_ARGS, timeout=900, env=bind("prefill"), python=python)
-            decode, prefill = d_future.result(), p_future.result()
-        started += [decode, prefill]
+        # both started (or failed) by now: keep whichever started, so a failed one never leaks the other
+        started += [f.result() for f in (d_future, p_future) if f.exception() is None]
+        decode, prefill = d_future.result(), p_future.result()
         # KV-aware: the router follows P's KV events (named in P's /pdkv/info) with the model's tokenizer
         (tmp / "router.yaml").write_text(f"router: {{policy: prefix, tokenizer: '{model}', kv_events_check_s: 1}}\n")
         router = start_worker("router", "--mode", "vllm", "--config", str(tmp / "router.yaml"), "--port", "0", "--prefill", prefill.url, "--decode", decode.url)
