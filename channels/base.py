@@ -7,13 +7,21 @@ tier) speaks only this interface, so mock, tcp, nixl and ucx are swappable.
 
 Life cycle: ``register`` buffers -> ``metadata()`` bytes go to the peer over
 the control plane -> the peer calls ``add_peer(metadata)`` -> ``write``/
-``read`` lists of ``TransferOp`` -> ``poll``/``wait`` the handle ->
-``get_notifications`` on the other side -> ``close``.
+``read`` lists of ``TransferOp`` -> ``poll``/``wait`` the handle (or be told:
+``add_done_callback``) -> ``get_notifications`` on the other side, woken by
+``notification_fd`` -> ``close``.
+
+Nothing above a channel polls on a timer: a handle calls back the moment it
+finishes and the notification fd turns readable the moment a notification is
+delivered, so the sender and receiver sleep in ``poll`` until there is work.
+A channel whose library can only be polled (NIXL) polls on its own thread and
+turns what it finds into the same events.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import itertools
 import logging
@@ -21,12 +29,13 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal, NamedTuple
 
 import msgspec
 
 from pdkv.errors import ChannelError, ConfigError, TransferTimeout
+from pdkv.wakeup import Waker
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +82,19 @@ class TransferHandle:
         self.posted_at = time.monotonic()
         self._event = threading.Event()
         self._lock = threading.Lock()
+        self._callbacks: list[Callable[[TransferHandle], None]] = []
+
+    def add_done_callback(self, fn: Callable[[TransferHandle], None]) -> None:
+        """Call ``fn(self)`` once the handle finishes, on the thread that finishes it (now, if it has).
+
+        ``fn`` must be quick and must not call back into the channel: it may
+        run on the channel's I/O thread, or under the channel's lock.
+        """
+        with self._lock:
+            if self.state is XferState.PENDING:
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def complete(self) -> bool:
         """Mark done; returns False if the handle had already finished (first outcome wins)."""
@@ -87,11 +109,48 @@ class TransferHandle:
             if self.state is not XferState.PENDING:
                 return False
             self.state, self.error = state, error
+            callbacks, self._callbacks = self._callbacks, []
         self._event.set()
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:  # a caller's bug must not kill the channel's I/O thread
+                log.exception("done callback of %r failed", self)
         return True
 
     def __repr__(self) -> str:
         return f"TransferHandle(id={self.id}, {self.op} {self.nbytes}B to {self.peer!r}, {self.state.value})"
+
+
+class NotificationInbox:
+    """Notifications that landed here and wait to be drained, with an fd that is readable while any wait.
+
+    One per channel, shared by every implementation: whichever thread
+    delivers (a tcp reader, NIXL's poller) wakes whoever sleeps in ``poll`` on
+    ``fileno()`` (the receiver's I/O thread) at once.
+    """
+
+    def __init__(self) -> None:
+        self._items: list[Notification] = []
+        self._lock = threading.Lock()
+        self._waker = Waker()
+
+    def fileno(self) -> int:
+        return self._waker.fileno()
+
+    def deliver(self, peer: str, payload: bytes) -> None:
+        with self._lock:
+            self._items.append(Notification(peer, payload))
+        self._waker.wake()
+
+    def drain(self) -> list[Notification]:
+        self._waker.clear()  # before taking the items: a delivery racing with us leaves the fd readable
+        with self._lock:
+            out, self._items = self._items, []
+        return out
+
+    def close(self) -> None:
+        self._waker.close()
 
 
 class ChannelOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -125,6 +184,7 @@ class Channel(ABC):
         self.counters: collections.Counter[str] = collections.Counter()
         self._region_sizes: dict[int, int] = {}
         self._peer_region_sizes: dict[str, dict[int, int]] = {}
+        self._inbox = NotificationInbox()
         if self.options.secret and not self.authenticates_data:
             log.warning(
                 "%s channel: the shared secret authenticates the control plane only; this channel's data "
@@ -217,13 +277,26 @@ class Channel(ABC):
     def release(self, handle: TransferHandle) -> None:  # noqa: B027 - optional hook
         """Free resources a finished handle holds (NIXL handles must be released)."""
 
-    @abstractmethod
     def get_notifications(self) -> list[Notification]:
         """Drain notifications whose transfers have fully landed here."""
+        return self._inbox.drain()
+
+    def notification_fd(self) -> int:
+        """A file descriptor that polls readable while notifications wait in ``get_notifications``."""
+        return self._inbox.fileno()
+
+    def _deliver(self, peer: str, payload: bytes) -> None:
+        """Hand a landed transfer's notification to ``get_notifications`` (from any thread)."""
+        self._inbox.deliver(peer, payload)
 
     @abstractmethod
     def close(self) -> None:
-        """Fail pending handles, drop peers, deregister everything. Idempotent."""
+        """Fail pending handles, drop peers, deregister everything. Idempotent.
+
+        Implementations end with ``super().close()``, which releases the notification fd.
+        """
+        with contextlib.suppress(OSError):
+            self._inbox.close()
 
     def __enter__(self) -> Channel:
         return self

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from pdkv.channels.base import Channel, ChannelOptions, Notification, TransferHandle, TransferOp, check_range
+from pdkv.channels.base import Channel, ChannelOptions, TransferHandle, TransferOp, XferState, check_range
 from pdkv.errors import ChannelError
 from pdkv.memory import byte_view
 
@@ -52,8 +52,6 @@ class MockChannel(Channel):
         self.faults = MockFaults()
         self._views: dict[int, memoryview] = {}
         self._next_region = 0
-        self._notifs: list[Notification] = []
-        self._notif_lock = threading.Lock()
         self._queue: queue.SimpleQueue[tuple[TransferHandle, Any] | None] = queue.SimpleQueue()
         self._pending: set[TransferHandle] = set()
         self._closed = False
@@ -110,7 +108,7 @@ class MockChannel(Channel):
             except ChannelError as exc:
                 handle.fail(str(exc))
             finally:
-                if handle.state.value != "pending" or not self.faults.stall:
+                if handle.state is not XferState.PENDING or not self.faults.stall:
                     self._pending.discard(handle)
 
     def _execute(self, handle: TransferHandle, ops: list[TransferOp], notif: bytes | None) -> None:
@@ -140,17 +138,9 @@ class MockChannel(Channel):
             target = peer._views[op.remote_region] if handle.op == "write" else self._views[op.local_region]
             at = op.remote_offset if handle.op == "write" else op.local_offset
             target[at] ^= 0xFF
-        if handle.complete() and notif is not None:
-            peer._deliver(Notification(self.agent_name, notif))
-
-    def _deliver(self, n: Notification) -> None:
-        with self._notif_lock:
-            self._notifs.append(n)
-
-    def get_notifications(self) -> list[Notification]:
-        with self._notif_lock:
-            out, self._notifs = self._notifs, []
-        return out
+        if notif is not None and handle.state is XferState.PENDING:  # the target hears of it before the initiator does
+            peer._deliver(self.agent_name, notif)
+        handle.complete()
 
     def close(self) -> None:
         if self._closed:
@@ -165,3 +155,4 @@ class MockChannel(Channel):
                 del _FABRIC[self.agent_name]
         self._views.clear()
         self._region_sizes.clear()
+        super().close()

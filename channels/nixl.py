@@ -29,6 +29,14 @@ How it maps onto the ``Channel`` interface:
   peer disconnecting) fails the handle with a message saying what happened.
   ``wait`` busy-polls for ``spin_s`` and then backs off, so a short transfer
   is seen done microseconds after it is.
+* NIXL tells nobody when a transfer finishes or a notification arrives: both
+  are found by asking. So that the layers above can sleep until something
+  happens, like over every other channel, a *watcher* thread asks for them:
+  every ``watch_min_s`` while anything moved recently, backing off to
+  ``max_poll_interval_s`` when nothing did. It completes handles (their done
+  callbacks fire) and moves notifications into the inbox whose fd wakes the
+  receiver; a post wakes it at once. ``get_notifications`` also asks NIXL
+  itself, so a caller that polls sees a notification without the watcher's delay.
 * ``close`` (also run at interpreter exit for channels left open) fails what
   is pending, releases every NIXL handle and deregisters every region.
 
@@ -125,7 +133,8 @@ class NixlOptions(ChannelOptions):
     progress_thread: bool = True  # NIXL's progress thread, event-driven (see module docstring)
     progress_delay_us: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 1000  # its longest sleep between wake-ups
     spin_s: Annotated[float, msgspec.Meta(ge=0)] = 0.005  # wait() busy-polls this long before backing off
-    max_poll_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.001  # longest pause between polls in wait()
+    max_poll_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.001  # longest pause between polls in wait() and the watcher
+    watch_min_s: Annotated[float, msgspec.Meta(gt=0)] = 0.00005  # the watcher's pause right after activity (see the module docstring)
     prep_cache_size: Annotated[int, msgspec.Meta(ge=1)] = 4096  # prepared descriptor lists kept per side
     num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # UCX backend worker threads (0: NIXL's default)
 
@@ -266,6 +275,9 @@ class NixlChannel(Channel):
         self._local_lists = _PrepCache(opts.prep_cache_size)
         self._remote_lists = _PrepCache(opts.prep_cache_size)
         self._closed = False
+        self._activity = threading.Event()  # set by a post: the watcher polls at its fastest again
+        self._watcher = threading.Thread(target=self._watch, name=f"nixl-{agent_name}-watch", daemon=True)
+        self._watcher.start()
         _OPEN.add(self)
 
     # -- memory ------------------------------------------------------------
@@ -428,6 +440,7 @@ class NixlChannel(Channel):
                 return handle
             self._inflight[handle.id] = handle
             self._settle(handle, state)
+        self._activity.set()
         return handle
 
     @staticmethod
@@ -494,16 +507,45 @@ class NixlChannel(Channel):
                 handle.fail("released before it completed")
                 self._release_xfer(handle)
 
-    # -- notifications -----------------------------------------------------
+    # -- notifications and the watcher ---------------------------------------
     def get_notifications(self) -> list[Notification]:
+        self._fetch_notifications()
+        return super().get_notifications()
+
+    def _fetch_notifications(self) -> int:
+        """Move NIXL's new notifications into the inbox; how many there were."""
         with self._lock:
             if self._closed:
-                return []
+                return 0
             try:
                 fresh = self._agent.get_new_notifs()
             except NIXL_ERRORS as exc:
                 raise ChannelError(f"nixl: reading notifications failed: {describe_nixl_error(exc)}") from exc
-        return [Notification(peer, payload) for peer, payloads in fresh.items() for payload in payloads]
+        count = 0
+        for peer, payloads in fresh.items():
+            for payload in payloads:
+                self._deliver(peer.decode() if isinstance(peer, bytes) else peer, payload)
+                count += 1
+        return count
+
+    def _watch(self) -> None:
+        """Find finished transfers and new notifications for those who sleep until they happen (module docstring)."""
+        opts: NixlOptions = self.options  # type: ignore[assignment]
+        pause = opts.watch_min_s
+        while not self._closed:
+            self._activity.wait(pause)
+            self._activity.clear()
+            try:
+                with self._lock:
+                    pending = [h for h in self._inflight.values()]
+                moved = sum(self.poll(h) is not XferState.PENDING for h in pending) + self._fetch_notifications()
+            except ChannelError as exc:
+                if not self._closed:
+                    log.warning("nixl: watcher: %s", exc)
+                moved = 0
+            with self._lock:
+                busy = bool(self._inflight)
+            pause = opts.watch_min_s if moved or busy else min(2 * pause, opts.max_poll_interval_s)
 
     # -- shutdown ------------------------------------------------------------
     def _check_open(self) -> None:
@@ -525,4 +567,8 @@ class NixlChannel(Channel):
                 self._deregister(entry)
             self._regions.clear()
             self._region_sizes.clear()
+        self._activity.set()
+        if self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=5.0)
         _OPEN.discard(self)
+        super().close()

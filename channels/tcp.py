@@ -68,11 +68,12 @@ Threads. Target side: an acceptor and one reader per accepted connection
 (lands DATA, answers READ_REQ, sends ACKs). Initiator side, per link: one
 sender per stream for large batches (small ones go out on the caller's thread
 when its stream is free: a thread hand-off costs more than sending 256 KiB on
-loopback), and no reader threads: answers are read by the thread that waits
-for them (``wait``), by ``poll`` and by the posting thread when they are
-already there, and otherwise by a watchdog that also fails a link whose peer
-went silent. A reader thread would have to wake the waiter; reading on the
-waiting thread saves that context switch on every transfer. Sockets are
+loopback), and a watcher: answers are read by the thread that waits for them
+(``wait``: reading on the waiting thread saves waking it from another, one
+context switch per transfer), by ``poll`` and by the posting thread when they
+are already there, and otherwise by the watcher, which sleeps in ``poll`` on
+the streams, reads an answer the moment it arrives (so done callbacks fire
+without delay), and fails a link whose peer went silent. Sockets are
 blocking with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO) so a receive is one
 syscall, yet no wait is unbounded: ``io_timeout`` without progress fails the link.
 """
@@ -98,7 +99,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 
 from pdkv.auth import NONCE_BYTES, PROOF_BYTES, new_nonce, proof, verify
-from pdkv.channels.base import Channel, ChannelOptions, Notification, TransferHandle, TransferOp, XferState, merge_ops
+from pdkv.channels.base import Channel, ChannelOptions, TransferHandle, TransferOp, XferState, merge_ops
 from pdkv.errors import AuthError, ChannelError, ConfigError, ProtocolError, TransferTimeout
 from pdkv.memory import byte_view
 
@@ -126,8 +127,7 @@ MAX_ACK_BATCH = 256  # ids per ACK frame; a full batch is sent even if more fram
 _ACK_FLUSH_BYTES = 64 << 10  # send pending ACKs before landing a payload this big, not after
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _SHUTDOWN_JOIN_S = 2.0
-_BUSY_TICK = 0.001  # how often the watchdog drains answers while transfers are pending and nobody waits
-_IDLE_TICK = 0.05  # how often it looks at a link with nothing pending (hang-ups, the first posted transfer)
+_IDLE_TICK = 0.05  # how often the watcher wakes with nothing to read (to look for a link whose peer went silent)
 _FOLLOW_S = 0.002  # how often a waiter re-checks its handle while another thread reads the link
 
 
@@ -400,8 +400,8 @@ class _Link:
     thread in ``wait`` (so the answer wakes the waiter itself, not a reader
     thread that then wakes it: one context switch less per transfer), a
     ``poll`` call, the posting thread (what is already there), or the
-    watchdog, which drains them every ``_BUSY_TICK`` while transfers are
-    pending and nobody waits, and notices stalls and hang-ups.
+    watcher, which reads them as they arrive while nobody waits, and notices
+    stalls and hang-ups.
 
     A link lives until its first failure; the next transfer opens a new one
     (new session id), so the target never mixes state of the two.
@@ -437,6 +437,9 @@ class _Link:
             self._poller.register(st.conn.sock, select.POLLIN)
             self._by_fd[st.conn.sock.fileno()] = st
         self._poller.register(self._wake_r, select.POLLIN)
+        self._watch_poller = select.poll()  # the watcher's own: one poll object must never be polled by two threads
+        for st in self.streams:
+            self._watch_poller.register(st.conn.sock, select.POLLIN)
         self._stopped = threading.Event()
         name = f"tcp-{channel.agent_name}->{peer}"
         self.senders = [threading.Thread(target=self._send_loop, args=(st,), name=f"{name}-tx{i}", daemon=True) for i, st in enumerate(self.streams)]
@@ -688,8 +691,13 @@ class _Link:
             raise ProtocolError(f"tcp: unexpected {FRAME_NAMES.get(ftype, ftype)} frame from {self.where}")
 
     def _watch(self) -> None:
-        """Drain answers nobody waits for, fail a link whose peer went silent, and release the sockets at the end."""
-        while not self._stopped.wait(_BUSY_TICK if self.pending else _IDLE_TICK):
+        """Read answers nobody waits for as they arrive, fail a link whose peer went silent, release the sockets at the end.
+
+        It sleeps in ``poll`` on the streams, so an ACK completes its handle (and
+        fires its done callbacks) the moment it arrives. While a waiter reads the
+        link on its own thread (``drive``) the watcher leaves the reading to it.
+        """
+        while not self._stopped.is_set():
             latest = max(self.last_post, *(st.conn.last_progress for st in self.streams))
             if self.pending and time.monotonic() - latest > self.opts.io_timeout:
                 self.fail(
@@ -697,12 +705,23 @@ class _Link:
                     "(peer hung or unreachable?)"
                 )
                 break
-            if not self.waiters and self.rx_lock.acquire(blocking=False):
+            if self.waiters:
+                self._stopped.wait(_FOLLOW_S)
+                continue
+            try:
+                ready = self._watch_poller.poll(_IDLE_TICK * 1000)
+            except OSError:
+                ready = []
+            if not ready:
+                continue
+            if self.rx_lock.acquire(blocking=False):
                 try:
                     while self.progress(0):
                         pass
                 finally:
                     self.rx_lock.release()
+            else:  # another thread is reading: let it, instead of spinning on what it is about to read
+                self._stopped.wait(_FOLLOW_S)
         for t in self.senders:
             t.join(_SHUTDOWN_JOIN_S)
         # close only once nobody can be polling or sending on the sockets: a reused fd number must never be read
@@ -788,8 +807,6 @@ class TcpChannel(Channel):
         self._sessions: dict[int, _Session] = {}
         self._accepted: dict[_Conn, threading.Thread] = {}
         self._lock = threading.Lock()
-        self._notifs: list[Notification] = []
-        self._notif_lock = threading.Lock()
         self.closed = False
         try:
             family, stype, proto, _, addr = socket.getaddrinfo(opts.host, opts.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
@@ -960,19 +977,10 @@ class TcpChannel(Channel):
                 )
         super().wait(handle, timeout)  # finished: returns, or raises the handle's error
 
-    def get_notifications(self) -> list[Notification]:
-        with self._notif_lock:
-            out, self._notifs = self._notifs, []
-        return out
-
     def stream_bytes(self, peer: str) -> list[int]:
         """Bytes written to ``peer`` per stream of the current link (for metrics, and to see the split)."""
         link = self._links.get(peer)
         return link.bytes_per_stream() if link is not None else []
-
-    def _deliver(self, peer: str, payload: bytes) -> None:
-        with self._notif_lock:
-            self._notifs.append(Notification(peer, payload))
 
     def _count(self, event: str) -> None:
         with self._lock:
@@ -1204,3 +1212,4 @@ class TcpChannel(Channel):
         self._region_sizes.clear()
         self._peer_region_sizes.clear()
         self._peers.clear()
+        super().close()

@@ -56,7 +56,6 @@ from pdkv.channels.base import (
     UCX_ENV_DEFAULTS,
     Channel,
     ChannelOptions,
-    Notification,
     TransferHandle,
     TransferOp,
     apply_env_defaults,
@@ -204,7 +203,6 @@ class UcxChannel(Channel):
         self._seq = 0
         self._outgoing: dict[int, _Outgoing] = {}  # by handle id
         self._incoming: list[_Incoming] = []
-        self._notifs: list[Notification] = []
         self._acks: list[tuple[Any, np.ndarray]] = []  # ACK sends in flight, with the bytes UCX reads from
         self._broken: list[str] = []  # peers whose endpoint failed, appended from UCX's thread
         self._gone: dict[str, str] = {}  # failed peers -> why, until added again
@@ -413,7 +411,7 @@ class UcxChannel(Channel):
         """The target's side is over: notify (on success) and ACK the initiator. Holds the lock."""
         error = inc.error or _first_error(inc.requests)  # drained receives fail with truncation: not the error
         if error is None and inc.header.notif is not None:
-            self._notifs.append(Notification(inc.peer, inc.header.notif))
+            self._deliver(inc.peer, inc.header.notif)
         peer = self._peers.get(inc.peer)
         if peer is not None:
             ack = _framed(_Ack(inc.header.seq, error[:ACK_ERROR_CHARS] if error else None))
@@ -440,12 +438,7 @@ class UcxChannel(Channel):
             if self._outgoing.pop(handle.id, None) is not None:
                 handle.fail("released before it completed")
 
-    # -- notifications and shutdown ------------------------------------------------------
-    def get_notifications(self) -> list[Notification]:
-        with self._lock:
-            out, self._notifs = self._notifs, []
-        return out
-
+    # -- shutdown ------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise ChannelError(f"ucx channel {self.agent_name!r} is closed")
@@ -469,3 +462,4 @@ class UcxChannel(Channel):
             self._region_sizes.clear()
         self._worker.stop_progress_thread()
         _OPEN.discard(self)
+        super().close()

@@ -1,4 +1,4 @@
 """pdkv: prefill/decode disaggregated KV transfer."""
 
 __version__ = "0.1.0"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2

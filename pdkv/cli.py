@@ -31,6 +31,21 @@ def _sizes(text: str) -> list[int]:
     return out
 
 
+def _scenarios(text: str) -> list[tuple[int, int]]:
+    """Parse ``40x1,2048x4`` (tokens x concurrent requests)."""
+    out = []
+    for part in text.split(","):
+        tokens, _, requests = part.strip().lower().partition("x")
+        try:
+            pair = (int(tokens), int(requests or 1))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"scenario {part!r}: expected TOKENSxREQUESTS, e.g. 2048x4") from None
+        if min(pair) <= 0:
+            raise argparse.ArgumentTypeError(f"scenario {part!r}: tokens and requests must be positive")
+        out.append(pair)
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdkv", description="Prefill/decode disaggregated KV transfer.")
     parser.add_argument("--log-level", default="WARNING", help="logging level (default WARNING)")
@@ -67,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--repeats", type=int, default=0, help="repeats per size (0: chosen per size)")
     ch.add_argument("--json", action="store_true", help="print one JSON object")
     ch.set_defaults(target="pdkv.bench.channel:run")
+    tr = bsub.add_parser("transfer", help="a request's KV, sender -> receiver, against the raw channel moving the same bytes")
+    tr.add_argument("--channel", default="tcp", help="mock, tcp, nixl or ucx")
+    tr.add_argument("--modes", default="direct,staging", help="direct and/or staging, comma-separated (default both)")
+    tr.add_argument("--scenarios", type=_scenarios, default=None, help="TOKENSxREQUESTS,... (default 40x1,256x1,2048x1,256x16,2048x4)")
+    tr.add_argument("--repeats", type=int, default=3, help="repetitions of each scenario per round, 5 rounds (default 3)")
+    tr.add_argument("--json", action="store_true", help="print one JSON object")
+    tr.set_defaults(target="pdkv.bench.transfer:run")
     ga = bsub.add_parser("gather", help="paged gather/scatter GB/s against memcpy")
     ga.add_argument("--json", action="store_true")
     ga.set_defaults(target="pdkv.bench.gather:run")

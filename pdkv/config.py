@@ -30,10 +30,17 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True):
     staging_slots: Positive = 8
     slots_per_request: Positive = 2
     max_reservations: Positive = 4096
+    # Per sender (control-plane peer): open reservations, and the share of the decode buffer's blocks it may
+    # hold at once, so no one peer (a runaway prefill, or anyone who reaches an unauthenticated port) can take all.
+    max_reservations_per_peer: Positive = 512
+    max_peer_blocks_share: Annotated[float, Meta(gt=0, le=1)] = 0.75
     handshake_timeout_s: Seconds = 10.0
     reserve_timeout_s: Seconds = 10.0
     chunk_timeout_s: Seconds = 30.0
     transfer_timeout_s: Seconds = 120.0
+    # The decode side stops waiting for a transfer that no sender announced (no Reserve) after this long:
+    # P reserves before it starts computing, so a transfer not reserved by the time D asks will not come.
+    announce_timeout_s: Seconds = 3.0
     lease_s: Seconds = 15.0
     heartbeat_s: Seconds = 1.0
     claim_timeout_s: Seconds = 60.0

@@ -51,6 +51,14 @@ class TransferTimeout(TransferError, TimeoutError):
     """A wait for a peer, a reservation, a chunk or a completion ran past its timeout."""
 
 
+class PromptMismatchError(TransferError):
+    """The KV that landed was computed for another prompt than the one the decode side was asked to decode."""
+
+
+class NotAnnouncedError(TransferTimeout):
+    """No sender reserved the transfer within ``announce_timeout_s``: it will not come, compute instead."""
+
+
 class TransferCancelled(TransferError):
     """The transfer was cancelled by either side or by the client going away."""
 

@@ -112,10 +112,10 @@ def _receiver_child(conn: multiprocessing.connection.Connection, step: str) -> N
     elif step == "mid_chunk":
         on_notice = receiver._on_notice
 
-        def stop_at_chunk_1(notif: Any) -> None:
+        def stop_at_chunk_1(notif: Any) -> Any:
             if decode_notice(notif.payload).chunk_index == 1:
                 _stop_here(conn, step)
-            on_notice(notif)
+            return on_notice(notif)
 
         receiver._on_notice = stop_at_chunk_1  # type: ignore[method-assign]
     elif step == "done":
@@ -139,12 +139,12 @@ def _sender_child(conn: multiprocessing.connection.Connection, step: str, addres
 
     def script() -> None:
         if step == "hello":
-            sender._on_message = lambda peer, msg: _stop_here(conn, step) if isinstance(msg, Hello) else None  # type: ignore[method-assign]
+            sender._on_hello = lambda peer, msg: _stop_here(conn, step)  # type: ignore[method-assign]
             sender.open("r", address, TOKENS, TABLE)
             return
         if step == "done":
-            post = sender._post
-            sender._post = lambda peer, msg: _stop_here(conn, step) if isinstance(msg, Done) else post(peer, msg)  # type: ignore[method-assign]
+            send = sender._send
+            sender._send = lambda peer, msg: _stop_here(conn, step) if isinstance(msg, Done) else send(peer, msg)  # type: ignore[method-assign]
         xfer = sender.open("r", address, TOKENS, TABLE)
         if step == "reserved":
             _stop_here(conn, step)
@@ -276,7 +276,7 @@ def assert_sender_holds_nothing(sender: KVSender) -> None:
     wait_until(lambda: sender.stats()["open_transfers"] == 0, CFG.transfer_timeout_s + SLACK_S, "the sender to settle the dead receiver's transfer")
     assert sender.stats()["inflight_bytes"] == 0
     # private state, read on purpose: a dropped receiver's control socket must be closed, never reopened
-    wait_until(lambda: len(sender._sock_peer) == len(sender._peers), SLACK_S, "no control socket to outlive its receiver")
+    wait_until(lambda: sender._dealers.count() == len(sender._peers), SLACK_S, "no control socket to outlive its receiver")
 
 
 def push_fresh(sender: KVSender, decode: Decode, request_id: str) -> None:

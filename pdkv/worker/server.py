@@ -11,11 +11,14 @@ in a request makes them do, in the shape vLLM's disaggregated proxies use:
   worker needs. Every prompt computed here, in any role, is offered to the tier.
   (vLLM's NixlConnector has D pull from P; pdkv pushes, so P is told where D
   is: ``remote_host``/``remote_port`` are D's receiver, from D's /pdkv/info.)
-* decode, ``{"do_remote_prefill": true, "transfer_id", "first_token_id",
-  "prompt_hash"}``: wait for the landed KV, adopt its blocks and decode from
-  P's first token. If the transfer failed, timed out or was never started,
-  compute the prompt locally (``pdkv_fallbacks``): a request is never lost to
-  a transfer fault, only slower.
+* decode, ``{"do_remote_prefill": true, "transfer_id", "first_token_id"}``:
+  wait for the landed KV, adopt its blocks and decode from P's first token.
+  The KV is adopted only if P computed it for this very prompt: P's Reserve
+  carries the prompt's chained key and D compares it with the key of the
+  prompt it was asked to decode (nothing the client sends decides it). If the
+  transfer failed, timed out, was never started or was computed for another
+  prompt, compute the prompt locally (``pdkv_fallbacks``): a request is never
+  lost to a transfer fault, only slower.
 * no ``kv_transfer_params``: an ordinary local generation.
 
 ``DELETE /pdkv/transfers/{transfer_id}`` on a decode worker: the router gave
@@ -43,7 +46,7 @@ from pdkv.checksum import layer_digests
 from pdkv.config import PdkvConfig
 from pdkv.engine.base import EngineAdapter, Request
 from pdkv.engine.sampling import SamplingParams
-from pdkv.errors import InvalidRequestError, OutOfBlocksError, PdkvError, TransferError
+from pdkv.errors import InvalidRequestError, NotAnnouncedError, OutOfBlocksError, PdkvError, PromptMismatchError, TransferError, TransferTimeout
 from pdkv.keys import chunk_keys
 from pdkv.receiver import KVReceiver, ReceivedKV
 from pdkv.sender import KVSender, OutgoingTransfer
@@ -288,9 +291,9 @@ class Worker:
         self.metrics.prompt_tokens.labels(self.role, "computed").inc(request.num_prompt_tokens - cached.tokens)
         return request, cached
 
-    def _prompt_hash(self, prompt: list[int]) -> str:
-        """The last chunk key: D checks it so KV is never adopted for a different prompt."""
-        return chunk_keys(prompt, self.engine.fingerprint, self.chunk_size)[-1].hex()
+    def _prompt_key(self, prompt: list[int]) -> bytes:
+        """The prompt's last chained chunk key: P reserves with it, D adopts KV only under the same key."""
+        return chunk_keys(prompt, self.engine.fingerprint, self.chunk_size)[-1]
 
     async def _plan_prefill(self, req: api.GenerationRequest) -> _Plan:
         assert self.sender is not None and self.pusher is not None
@@ -304,7 +307,8 @@ class Worker:
         if not host or not isinstance(port, int):
             error = "kv_transfer_params has no remote_host/remote_port of the decode worker's receiver"
         else:
-            opening = asyncio.ensure_future(asyncio.to_thread(self.sender.open, transfer_id, f"tcp://{host}:{port}", n, request.block_table))
+            key = self._prompt_key(request.prompt_token_ids)
+            opening = asyncio.ensure_future(asyncio.to_thread(self.sender.open, transfer_id, f"tcp://{host}:{port}", n, request.block_table, key))
             try:
                 xfer = await asyncio.shield(opening)
             except PdkvError as exc:
@@ -320,7 +324,6 @@ class Worker:
             "do_remote_decode": False,
             "transfer_id": transfer_id,
             "remote_engine_id": self.agent,
-            "prompt_hash": self._prompt_hash(request.prompt_token_ids),
             "num_prompt_tokens": n,
             "transfer_started": xfer is not None,
         }
@@ -396,11 +399,8 @@ class Worker:
             reason = "no_transfer_id"
         elif not kv.get("transfer_started", True):
             reason = "not_started"
-        elif kv.get("prompt_hash") != self._prompt_hash(req.prompt_token_ids):
-            reason = "prompt_mismatch"
-            self.receiver.cancel(transfer_id, "the decode request's prompt differs from the prefilled one")
         else:
-            got, reason = await self._claim(transfer_id)
+            got, reason = await self._claim(transfer_id, self._prompt_key(req.prompt_token_ids))
             if got is not None:
                 request = self._adopt(req, got)
                 reason = None if request is not None else "adopt_failed"
@@ -413,19 +413,21 @@ class Worker:
             self.metrics.fallbacks.labels(self.role, reason or "unknown").inc()
             request, cached = await self._new_request(req, req.sampling)
             on_chunk = self.tiering.offer(cached, None)
+            if reason == "prompt_mismatch":
+                first = None  # P's first token belongs to the prompt it prefilled, not to this one
         else:
             self.metrics.prompt_tokens.labels(self.role, "transferred").inc(len(req.prompt_token_ids))
         return _Plan(request, first_token=first, on_chunk=on_chunk, kv_params=kv_params)
 
-    async def _claim(self, transfer_id: str) -> tuple[ReceivedKV | None, str | None]:
-        """Wait for the landed KV off the event loop; a cancelled wait leaks no blocks."""
+    async def _claim(self, transfer_id: str, prompt_key: bytes) -> tuple[ReceivedKV | None, str | None]:
+        """Wait for the landed KV of this prompt off the event loop; a cancelled wait leaks no blocks."""
         assert self.receiver is not None
         receiver, allocator = self.receiver, self.engine.allocator
         lock = threading.Lock()
         state: dict[str, Any] = {"abandoned": False, "got": None}
 
         def wait() -> ReceivedKV:
-            got = receiver.wait(transfer_id, self.config.transfer.transfer_timeout_s)
+            got = receiver.wait(transfer_id, self.config.transfer.transfer_timeout_s, prompt_key)
             with lock:
                 if state["abandoned"]:
                     allocator.free(got.blocks)
@@ -435,8 +437,14 @@ class Worker:
 
         try:
             got = await asyncio.to_thread(wait)
-        except TransferError as exc:
-            return None, "timeout" if "did not arrive" in str(exc) else "transfer_failed"
+        except PromptMismatchError:
+            return None, "prompt_mismatch"
+        except NotAnnouncedError:
+            return None, "not_announced"
+        except TransferTimeout:
+            return None, "timeout"
+        except TransferError:
+            return None, "transfer_failed"
         except asyncio.CancelledError:
             receiver.cancel(transfer_id, "the decode request was cancelled")
             with lock:

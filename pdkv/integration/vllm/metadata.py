@@ -19,6 +19,7 @@ class SendSpec:
     num_tokens: int
     block_ids: list[int]
     ready_tokens: int
+    prompt_key: bytes = b""  # chained key of the prompt, sent in the Reserve: D adopts the KV only for this prompt
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class LoadSpec:
     skip_tokens: int
     block_ids: list[int]
     tier_keys: list[bytes] = field(default_factory=list)
+    prompt_key: bytes = b""  # pushed: our own key of the prompt; the KV is loaded only if P reserved under it
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ class _Track:
 
     num_tokens: int
     target: PushTo | None = None
-    key: str = ""
+    key: bytes = b""  # the prompt's chained key: the push's Reserve carries it, D adopts the KV only under it
     save_keys: list[bytes] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     emitted: bool = False  # the worker has seen it: it may be writing from our blocks
@@ -52,6 +52,7 @@ class _Match:
     transfer_id: str = ""  # pushed from P, or...
     tier_keys: list[bytes] = field(default_factory=list)  # ...these chunks from the tier
     local_tokens: int = 0
+    prompt_key: bytes = b""  # pushed: our own key of the prompt, which P's Reserve must carry
 
 
 class SchedulerSide:
@@ -95,12 +96,13 @@ class SchedulerSide:
         if info is None:
             return None
         prompt = list(request.prompt_token_ids or [])
-        if info.num_tokens > len(prompt) or prompt_key(prompt[: info.num_tokens], self.fingerprint, self.chunk_size) != info.prompt_key:
+        own = prompt_key(prompt[: info.num_tokens], self.fingerprint, self.chunk_size) if info.num_tokens <= len(prompt) else ""
+        if own != info.prompt_key:  # early out; the binding that counts is P's Reserve, checked when the KV is claimed
             self.rejected_prompts += 1
             self._discards.append(info.transfer_id)
             log.warning("request %s: its prompt is not the one prefilled for transfer %s (tokenizer, chat template or model differ between P and D?); recomputing it", request.request_id, info.transfer_id)
             return None
-        return _Match(info.num_tokens, transfer_id=info.transfer_id)
+        return _Match(info.num_tokens, transfer_id=info.transfer_id, prompt_key=bytes.fromhex(own))
 
     def _tier_match(self, request: Any) -> _Match | None:
         if self.tier_lookup is None:
@@ -134,7 +136,7 @@ class SchedulerSide:
             return
         self._attempted.add(req_id)
         if num_external_tokens > 0:
-            self._loads.append(LoadSpec(req_id, match.transfer_id, match.tokens, match.local_tokens, list(block_ids), match.tier_keys))
+            self._loads.append(LoadSpec(req_id, match.transfer_id, match.tokens, match.local_tokens, list(block_ids), match.tier_keys, match.prompt_key))
         elif match.transfer_id:  # the local prefix cache covered it: the pushed copy is not needed
             self._discards.append(match.transfer_id)
 
@@ -143,7 +145,7 @@ class SchedulerSide:
         target = push_target(getattr(request, "kv_transfer_params", None), request.request_id) if self.is_producer else None
         save_keys = self._full_chunk_keys(request) if self.tier_lookup is not None else []
         if target is not None or save_keys:
-            key = self._prompt_keys(request)[-1].hex() if target is not None else ""  # prompt_key(prompt)
+            key = self._prompt_keys(request)[-1] if target is not None else b""  # prompt_key(prompt)
             self._tracks[request.request_id] = _Track(len(request.prompt_token_ids or []), target, key, save_keys)
 
     def build(self, scheduler_output: Any) -> StepMetadata:
@@ -170,7 +172,7 @@ class SchedulerSide:
         ready = min(computed, track.num_tokens)
         if track.target is not None:
             track.emitted = True
-            meta.sends.append(SendSpec(req_id, track.target.transfer_id, track.target.address, track.num_tokens, list(track.block_ids), ready))
+            meta.sends.append(SendSpec(req_id, track.target.transfer_id, track.target.address, track.num_tokens, list(track.block_ids), ready, track.key))
         match = self._matches.get(req_id)
         loaded = match.tokens if match is not None and req_id in self._attempted else 0
         first, end = -(-loaded // self.chunk_size), min(ready // self.chunk_size, len(track.save_keys))
@@ -188,5 +190,5 @@ class SchedulerSide:
             return False, None  # saves are copied out during the step: nothing to hold
         if request.num_computed_tokens < track.num_tokens:  # aborted mid-prefill: the worker cancels the push
             return True, None
-        out = Pushed(track.target.transfer_id, track.num_tokens, track.key)
+        out = Pushed(track.target.transfer_id, track.num_tokens, track.key.hex())
         return True, {**{f: getattr(out, f) for f in out.__struct_fields__}, "remote_host": track.target.remote_host, "remote_port": track.target.remote_port}

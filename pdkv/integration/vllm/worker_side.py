@@ -176,7 +176,7 @@ class WorkerSide:
             if len(spec.block_ids) < self.layout.blocks_for(spec.num_tokens):
                 return  # chunked prefill: the rest of the prompt's blocks come with a later step
             try:
-                p.transfer = self.sender.open(spec.transfer_id, spec.address, spec.num_tokens, spec.block_ids)
+                p.transfer = self.sender.open(spec.transfer_id, spec.address, spec.num_tokens, spec.block_ids, spec.prompt_key)
             except PdkvError as exc:
                 self._give_up(p, str(exc))
                 return
@@ -287,7 +287,7 @@ class WorkerSide:
     def _load_pushed(self, spec: LoadSpec) -> None:
         if self.receiver is None or self.layout is None:
             raise TransferError("this instance has no KV receiver (kv_role is not a consumer)")
-        got = self.receiver.wait(spec.transfer_id, self.config.transfer.transfer_timeout_s)
+        got = self.receiver.wait(spec.transfer_id, self.config.transfer.transfer_timeout_s, spec.prompt_key)
         try:
             n = self.layout.blocks_for(spec.num_tokens)
             if got.num_tokens != spec.num_tokens or len(got.blocks) < n or len(spec.block_ids) < n:
