@@ -66,8 +66,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     try:
         yield Cluster(router, [p1, p2], d)
     finally:
-        for proc in (router, *procs):
-            proc.stop()
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(WorkerProcess.stop, (router, *procs)))
 
 
 def cached(c: Cluster, prompt: str) -> dict[str, int]:

@@ -13,7 +13,8 @@ Two measurements, one run, one JSON object:
    block shrunk to ``--block-tokens`` tokens, one tier chunk per block)
    replayed through real ``pdkv launch`` workers: ``--prefill-workers``
    prefill workers (memory tier of ``--memory-mib`` each, KV events on) and
-   one decode worker, behind one router per policy: round-robin,
+   one decode worker, behind ``--routers`` router replicas per policy
+   (requests alternate between them, as behind a load balancer): round-robin,
    least-loaded, prefix with the router's own guess (the policy as it was
    before KV events), and prefix following the workers' KV events. Each
    policy's prompts start with a token of their own, so no policy hits
@@ -34,6 +35,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -188,7 +190,7 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
     sample = [TraceRequest(r.timestamp_ms, r.hash_ids[: args.max_blocks], r.output_length) for r in replay_sample(requests, args.conversations)]
     block = args.block_tokens
     workers: list[WorkerProcess] = []
-    routers: dict[str, WorkerProcess] = {}
+    routers: dict[str, list[WorkerProcess]] = {}
     runs: dict[str, list[Report]] = {name: [] for name in POLICIES}
     with tempfile.TemporaryDirectory(prefix="pdkv-bench-kv-routing-") as tmp:
         try:
@@ -208,16 +210,17 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
                 cfg = Path(tmp) / f"router-{len(routers)}.yaml"
                 cfg.write_text(yaml.safe_dump({"router": {**settings, "prefix_chunk_tokens": block}}))
                 flags = [a for p in prefills for a in ("--prefill", p.url)]
-                routers[name] = start_worker("router", "--config", str(cfg), "--port", "0", *flags, "--decode", decode.url, timeout=300)
+                routers[name] = [start_worker("router", "--config", str(cfg), "--port", "0", *flags, "--decode", decode.url, timeout=300) for _ in range(args.routers)]
             time.sleep(3)  # the KV-aware router subscribes to every stream (it checks each second)
             order = list(POLICIES)
             salt = 1
             for pass_no, names in enumerate((order, order[::-1])):
                 for name in names:
+                    print(f"kv-routing: pass {pass_no}, {name}", file=sys.stderr, flush=True)
                     prompts = _prompts(sample, block, salt)
                     salt += 1
                     before = _totals(prefills)
-                    ttfts = [_stream_ttft(routers[name].url, p) for p in prompts]
+                    ttfts = [_stream_ttft(routers[name][i % args.routers].url, p) for i, p in enumerate(prompts)]
                     after = _totals(prefills)
                     full_chunks = sum(len(p) // block for p in prompts)
                     runs[name].append({
@@ -226,9 +229,9 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
                         "token_hit_rate": (after["tier_tokens"] - before["tier_tokens"]) / (after["prompt_tokens"] - before["prompt_tokens"]),
                     })
             d_metrics = get_text(decode.url + "/metrics")
-            router_metrics = {name: get_text(r.url + "/metrics") for name, r in routers.items()}
+            kv_lost = sum(metric(get_text(r.url + "/metrics"), "pdkv_router_kv_stream_events_total", event="lost") for r in routers["prefix (KV events)"])
         finally:
-            for proc in [*routers.values(), *workers]:
+            for proc in [*(r for replicas in routers.values() for r in replicas), *workers]:
                 proc.stop()
     baseline = statistics.mean(r["mean_ttft_s"] for r in runs["round-robin"])
     results = []
@@ -240,14 +243,14 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
             "mean_ttft_s": round(mean_ttft, 4), "ratio": round(mean_ttft / baseline, 4),
             "passes": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rs],
         })
-    kv = router_metrics["prefix (KV events)"]
     return {
         "requests": len(sample), "conversations": args.conversations, "prefill_workers": args.prefill_workers, "memory_mib_per_worker": args.memory_mib,
+        "routers_per_policy": args.routers,
         "scale": f"each 512-token trace block -> {block} tokens (one tier chunk), prompts capped at {args.max_blocks} blocks, plus one salt token",
         "prompt_tokens_per_pass": sum(len(p) for p in _prompts(sample, block, 0)),
         "infinite_cache_chunk_hit_rate": round(_bound(sample), 4),
         "decode_fallbacks": metric(d_metrics, "pdkv_fallbacks_total"),
-        "kv_router_streams_lost": metric(kv, "pdkv_router_kv_stream_events_total", event="lost"),
+        "kv_router_streams_lost": kv_lost,
         "baseline": "round-robin, same workers, same requests, same passes (ratio = mean TTFT / round-robin's)",
         "results": results,
     }

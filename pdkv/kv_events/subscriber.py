@@ -106,7 +106,8 @@ class EventStream:
                     await self._rebuild("the worker restarted")
                     continue
                 try:
-                    frames = await asyncio.wait_for(self._sub.recv_multipart(), self.check_s)
+                    async with asyncio.timeout(self.check_s):  # not wait_for: on 3.11 it can swallow a cancel
+                        frames = await self._sub.recv_multipart()
                 except TimeoutError:
                     if await self._catch_up():
                         await self._ask_resync()
@@ -218,9 +219,11 @@ class EventStream:
             self._dealer.connect(self.replay_endpoint)
         out: list[tuple[int, KVEventBatch]] = []
         try:
-            await self._dealer.send_multipart((b"", encode_seq(start)))
+            async with asyncio.timeout(self.timeout_s):  # a DEALER's send waits until it is connected
+                await self._dealer.send_multipart((b"", encode_seq(start)))
             while True:
-                frames = await asyncio.wait_for(self._dealer.recv_multipart(), self.timeout_s)
+                async with asyncio.timeout(self.timeout_s):
+                    frames = await self._dealer.recv_multipart()
                 if len(frames) != 4 or frames[0] != b"":
                     raise ProtocolError(f"a replay message has 4 frames ('', topic, seq, payload), got {len(frames)}")
                 seq = decode_seq(frames[2])
