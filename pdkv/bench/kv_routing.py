@@ -229,7 +229,9 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
                         "token_hit_rate": (after["tier_tokens"] - before["tier_tokens"]) / (after["prompt_tokens"] - before["prompt_tokens"]),
                     })
             d_metrics = get_text(decode.url + "/metrics")
-            kv_lost = sum(metric(get_text(r.url + "/metrics"), "pdkv_router_kv_stream_events_total", event="lost") for r in routers["prefix (KV events)"])
+            kv_metrics = [get_text(r.url + "/metrics") for r in routers["prefix (KV events)"]]
+            kv_lost = sum(metric(m, "pdkv_router_kv_stream_events_total", event="lost") for m in kv_metrics)
+            kv_decisions = {why: sum(metric(m, "pdkv_router_decisions_total", role="prefill", reason=why) for m in kv_metrics) for why in ("kv_hit", "kv_miss", "kv_load_balanced", "prefix_hit", "prefix_miss")}
         finally:
             for proc in [*(r for replicas in routers.values() for r in replicas), *workers]:
                 proc.stop()
@@ -251,6 +253,7 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
         "infinite_cache_chunk_hit_rate": round(_bound(sample), 4),
         "decode_fallbacks": metric(d_metrics, "pdkv_fallbacks_total"),
         "kv_router_streams_lost": kv_lost,
+        "kv_router_decisions": kv_decisions,  # kv_*: made from the events; prefix_*: no stream yet (the router's guess)
         "baseline": "round-robin, same workers, same requests, same passes (ratio = mean TTFT / round-robin's)",
         "results": results,
     }
