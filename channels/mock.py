@@ -91,27 +91,27 @@ class MockChannel(Channel):
             if h.peer == peer:
                 h.fail(f"peer {peer!r} removed")
 
-    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None) -> TransferHandle:
+    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> TransferHandle:
         if self._closed:
             raise ChannelError("mock channel is closed")
         total = self.check_ops(peer, ops)
         handle = TransferHandle(peer, op, total)
         self._pending.add(handle)
-        self._queue.put((handle, (list(ops), notif)))
+        self._queue.put((handle, (list(ops), notif, token)))
         return handle
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            handle, (ops, notif) = item
+            handle, (ops, notif, token) = item
             try:
-                self._execute(handle, ops, notif)
+                self._execute(handle, ops, notif, token)
             except ChannelError as exc:
                 handle.fail(str(exc))
             finally:
                 if handle.state is not XferState.PENDING or not self.faults.stall:
                     self._pending.discard(handle)
 
-    def _execute(self, handle: TransferHandle, ops: list[TransferOp], notif: bytes | None) -> None:
+    def _execute(self, handle: TransferHandle, ops: list[TransferOp], notif: bytes | None, token: bytes) -> None:
         opts: MockOptions = self.options  # type: ignore[assignment]
         if opts.delay_s:
             time.sleep(opts.delay_s)
@@ -124,14 +124,21 @@ class MockChannel(Channel):
             peer = _FABRIC.get(handle.peer)
         if peer is None or peer._closed:
             raise ChannelError(f"peer {handle.peer!r} is gone")
-        for op in ops:
-            remote = peer._views.get(op.remote_region)
-            check_range(peer._region_sizes, op.remote_region, op.remote_offset, op.length, f"peer {handle.peer!r}")
-            local = self._views[op.local_region]
-            src, dst = (local, remote) if handle.op == "write" else (remote, local)
-            s_off, d_off = (op.local_offset, op.remote_offset) if handle.op == "write" else (op.remote_offset, op.local_offset)
-            assert remote is not None
-            dst[d_off : d_off + op.length] = src[s_off : s_off + op.length]
+        access = "write" if handle.op == "write" else "read"
+        tickets: list[int | None] = []
+        try:
+            for op in ops:  # every range is admitted by the target's grants before a byte moves
+                check_range(peer._region_sizes, op.remote_region, op.remote_offset, op.length, f"peer {handle.peer!r}")
+                tickets.append(peer.grants.begin(token, access, op.remote_region, op.remote_offset, op.length))
+            for op in ops:
+                remote = peer._views[op.remote_region]
+                local = self._views[op.local_region]
+                src, dst = (local, remote) if handle.op == "write" else (remote, local)
+                s_off, d_off = (op.local_offset, op.remote_offset) if handle.op == "write" else (op.remote_offset, op.local_offset)
+                dst[d_off : d_off + op.length] = src[s_off : s_off + op.length]
+        finally:
+            for ticket in tickets:
+                peer.grants.end(ticket)
         if self.faults.corrupt_next:
             self.faults.corrupt_next -= 1
             op = ops[0]

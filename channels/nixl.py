@@ -253,6 +253,7 @@ class NixlChannel(Channel):
 
     name: ClassVar[str] = "nixl"
     Options = NixlOptions
+    enforces_grants: ClassVar[bool] = False  # RDMA/cma writes never pass through the target's code
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
         super().__init__(agent_name, options)
@@ -397,6 +398,13 @@ class NixlChannel(Channel):
             self._agent.remove_remote_agent(name)
             raise ChannelError(f"nixl: peer metadata names {meta.name!r} but its NIXL agent is {name!r}")
 
+    def fence(self, peer: str, token: bytes) -> None:
+        """NIXL writes are one-sided: the target cannot stop a peer holding its registration keys. The sender's
+        own lease check (it stops writing once its heartbeats may have lapsed) is the defence here; forget its
+        metadata so a restarted peer starts clean."""
+        log.warning("nixl: cannot fence peer %r: its one-sided writes never pass through this agent", peer)
+        self.remove_peer(peer)
+
     def remove_peer(self, peer: str) -> None:
         with self._lock:
             if not self._closed:
@@ -416,7 +424,7 @@ class NixlChannel(Channel):
             log.debug("nixl: removing peer %r: %s", peer, describe_nixl_error(exc))
 
     # -- transfers ---------------------------------------------------------
-    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None) -> NixlTransferHandle:
+    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> NixlTransferHandle:
         with self._lock:
             self._check_open()
             total = self.check_ops(peer, ops)

@@ -112,6 +112,7 @@ class _Header(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     agent_id: Annotated[int, msgspec.Meta(ge=0, lt=1 << 24)]  # the initiator's, for the DATA tag
     ranges: list[tuple[int, int, int]]  # (region, offset, length) on the target
     notif: bytes | None
+    token: Annotated[bytes, msgspec.Meta(max_length=64)] = b""  # the capability its guarded regions check (``Grants``)
 
 
 class _Ack(msgspec.Struct, array_like=True):
@@ -167,6 +168,7 @@ class _Incoming(msgspec.Struct):
     header: _Header
     requests: list[Any]
     error: str | None
+    tickets: list[int | None] = []  # its ranges, marked landing (``Grants``) until it is over
 
 
 _OPEN: weakref.WeakSet[UcxChannel] = weakref.WeakSet()
@@ -289,8 +291,14 @@ class UcxChannel(Channel):
                 entry.ep.remove_close_callback()
                 entry.ep.close()
 
+    def fence(self, peer: str, token: bytes) -> None:
+        """Forget the peer's endpoint: what it sends next is refused until it is added again (after a new Hello)."""
+        with self._lock:
+            if not self._closed and peer in self._peers:
+                self._forget_peer(peer, f"peer {peer!r} fenced: it went silent mid-transfer")
+
     # -- transfers (initiator) -----------------------------------------------
-    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None) -> TransferHandle:
+    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> TransferHandle:
         with self._lock:
             self._check_open()
             if peer in self._gone:  # fails like a transfer the peer dropped, not like a caller's mistake
@@ -301,7 +309,8 @@ class UcxChannel(Channel):
             merged = merge_ops(ops)
             entry = self._peers[peer]
             seq, self._seq = self._seq, (self._seq + 1) & 0xFFFFFFFF
-            header = _framed(_Header(op, seq, self.agent_name, self._agent_id, [(o.remote_region, o.remote_offset, o.length) for o in merged], notif))
+            ranges = [(o.remote_region, o.remote_offset, o.length) for o in merged]
+            header = _framed(_Header(op, seq, self.agent_name, self._agent_id, ranges, notif, token))
             if header.nbytes > self.options.max_header_bytes:  # type: ignore[attr-defined]
                 raise ChannelError(f"ucx: {len(merged)} ranges do not fit one header of {self.options.max_header_bytes} bytes; split the transfer or raise max_header_bytes")  # type: ignore[attr-defined]
             handle = TransferHandle(peer, op, total)
@@ -391,11 +400,17 @@ class UcxChannel(Channel):
                     self._worker.tag_recv(Array(self._drain_buf), data_tag)
             return
         error = None
+        tickets: list[int | None] = []
         try:
             for region, offset, length in header.ranges:
                 check_range(self._region_sizes, region, offset, length, "local")
+            for region, offset, length in header.ranges:
+                tickets.append(self.grants.begin(header.token, header.op, region, offset, length))
         except ChannelError as exc:
             error = str(exc)
+            for ticket in tickets:
+                self.grants.end(ticket)
+            tickets = []
         if header.op == "write":
             if error is None:
                 requests = [self._worker.tag_recv(Array(self._views[r][o : o + n]), data_tag) for r, o, n in header.ranges]
@@ -405,10 +420,12 @@ class UcxChannel(Channel):
             empty = self._drain_buf[:0]
             views = [self._views[r][o : o + n] for r, o, n in header.ranges] if error is None else [empty] * len(header.ranges)
             requests = [peer.ep.tag_send(Array(v), data_tag) for v in views]
-        self._incoming.append(_Incoming(header.src, header, requests, error))
+        self._incoming.append(_Incoming(header.src, header, requests, error, tickets))
 
     def _finish_incoming(self, inc: _Incoming) -> None:
         """The target's side is over: notify (on success) and ACK the initiator. Holds the lock."""
+        for ticket in inc.tickets:
+            self.grants.end(ticket)
         error = inc.error or _first_error(inc.requests)  # drained receives fail with truncation: not the error
         if error is None and inc.header.notif is not None:
             self._deliver(inc.peer, inc.header.notif)

@@ -19,6 +19,10 @@ class LayoutError(PdkvError, ValueError):
     """A KV layout or a block/slot index does not fit the buffer it describes."""
 
 
+class CacheRequestError(PdkvError, ValueError):
+    """A ``KVCacheEngine`` call's tokens, keys or mask break its contract (pdkv/cache_engine.py); the message says which and how."""
+
+
 class ProtocolError(PdkvError):
     """A control message or frame from a peer is malformed or unexpected."""
 

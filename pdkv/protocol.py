@@ -47,6 +47,9 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
     staging_region: int = -1
     nonce: Annotated[bytes, Meta(max_length=64)] = b""
     auth: Annotated[bytes, Meta(max_length=64)] = b""
+    # The sender's capability token for this receiver: its data connections present it, and the receiver
+    # grants each of its reservations' blocks to that token alone (``pdkv.channels.base.Grants``).
+    data_token: Annotated[bytes, Meta(max_length=64)] = b""
 
 
 class Auth(msgspec.Struct, tag="auth", forbid_unknown_fields=True):

@@ -23,6 +23,16 @@ Blocks and staging slots are freed exactly once, on whichever of success
 failed request's memory is not reused until the sender has said it will
 write no more (``Done``/``Cancel``) or ``drain_timeout_s`` passed: a late
 one-sided write must never land in blocks that now belong to someone else.
+
+The data plane is capability-based whatever the secret: the KV buffer and
+the staging area are *guarded* regions of the channel, and a reservation
+grants its blocks (or slots) to the sender's capability token (sent in its
+Hello, presented on its data connections) for exactly as long as it lasts. A
+frame outside a sender's grants lands nothing. Taking a grant back waits out
+any frame still landing in it; when a sender went silent instead of saying it
+stopped, the receiver also *fences* it: the channel cuts its data connections
+(bytes it queued before cannot arrive later) and the peer must handshake
+again, before its blocks go to anyone else.
 """
 
 from __future__ import annotations
@@ -41,12 +51,12 @@ import torch
 from pdkv import native, protocol
 from pdkv.auth import new_nonce, proof, verify, verify_bound
 from pdkv.blocks import BlockAllocator
-from pdkv.channels.base import Channel, Notification
+from pdkv.channels.base import Channel, Notification, Range
 from pdkv.checksum import checksum
 from pdkv.config import TransferConfig
 from pdkv.control import ControlLoop, RouterSocket
 from pdkv.errors import ChecksumError, HandshakeError, NotAnnouncedError, OutOfBlocksError, PdkvError, PromptMismatchError, ProtocolError, TransferCancelled, TransferError, TransferTimeout
-from pdkv.layout import KVLayout, block_ranges
+from pdkv.layout import KVLayout, block_runs
 from pdkv.memory import byte_view
 from pdkv.native import scatter
 from pdkv.protocol import HELLO_REQUIRED, Auth, Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved, reserve_fields
@@ -54,6 +64,7 @@ from pdkv.protocol import HELLO_REQUIRED, Auth, Cancel, ChunkNotice, Done, Heart
 log = logging.getLogger(__name__)
 
 _REAP_TICK_S = 0.05  # how often leases, timeouts and quarantines are checked
+MIN_TOKEN_BYTES = 16  # a sender's data_token: unguessable
 
 
 class State(enum.Enum):
@@ -79,12 +90,13 @@ class ReceivedKV:
 class _Peer:
     agent: str
     layout: KVLayout
+    token: bytes  # its data connections' capability: its reservations are granted to it
     session: bytes = b""  # both handshake nonces (with a secret): what its Reserves' proofs are bound to
 
 
 @dataclass
 class _Target:
-    """Our side's memory as every transfer lands in it."""
+    """Our side's memory as every transfer lands in it, and its regions in the channel."""
 
     layout: KVLayout
     kv: list[torch.Tensor]
@@ -94,6 +106,18 @@ class _Target:
     staging_view: memoryview
     slot_bytes: int
     chunk_size: int
+    kv_regions: list[int]
+    staging_region: int
+
+    def block_ranges(self, blocks: list[int]) -> list[Range]:
+        """Byte ranges of ``blocks`` in every buffer tensor, in wire order, adjacent blocks as one range."""
+        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
+            raise TransferError(f"block ids {blocks} outside the buffer's {self.num_blocks} blocks")
+        size = self.layout.block_bytes
+        return [(self.kv_regions[t], a * size, k * size) for t in range(self.layout.num_tensors) for a, _, k in block_runs(blocks)]
+
+    def slot_ranges(self, slots: list[int]) -> list[Range]:
+        return [(self.staging_region, s * self.slot_bytes, self.slot_bytes) for s in slots]
 
 
 @dataclass
@@ -110,7 +134,9 @@ class IncomingTransfer:
     num_chunks: int
     created: float
     lease_deadline: float
+    token: bytes  # the sender's capability: what its blocks and slots are granted to
     prompt_key: bytes = b""
+    revoked: bool = False  # its grants were taken back: the sender can no longer write into it
     state: State = State.RECEIVING
     landed: set[int] = field(default_factory=set)
     error: str = ""
@@ -128,8 +154,9 @@ class IncomingTransfer:
         nbytes = target.layout.chunk_bytes(n)
         if self.mode == "direct":
             bs = target.layout.block_size
-            ranges = block_ranges(target.layout, self.blocks[start // bs : -(-(start + n) // bs)], target.num_blocks)
-            got = checksum(target.kv_views[t][off : off + ln] for t, off, ln in ranges)
+            ranges = target.block_ranges(self.blocks[start // bs : -(-(start + n) // bs)])
+            views = dict(zip(target.kv_regions, target.kv_views))
+            got = checksum(views[region][off : off + ln] for region, off, ln in ranges)
         else:
             if not 0 <= notice.slot < len(self.slots):
                 raise TransferError(f"chunk {idx} names staging slot {notice.slot}, request has {len(self.slots)}")
@@ -176,10 +203,19 @@ class KVReceiver:
         self._unproven: dict[bytes, tuple[Hello, bytes]] = {}  # identity -> (its Hello, our nonce)
         slot_bytes = layout.chunk_bytes(self.config.chunk_size)
         staging = torch.zeros(self.config.staging_slots * slot_bytes, dtype=torch.uint8)
-        self.target = _Target(layout, kv, [byte_view(t) for t in kv], num_blocks, staging, byte_view(staging), slot_bytes, self.config.chunk_size)
         self.kv_regions = [channel.register(t) for t in kv]
-        native.available()  # build or load csrc/ now, not inside the first transfer
         self.staging_region = channel.register(staging)
+        for region in (*self.kv_regions, self.staging_region):
+            channel.guard(region)  # peers write only into what a reservation of theirs granted them
+        if not channel.enforces_grants:
+            log.warning(
+                "%s channel: one-sided writes never pass through this receiver, so it cannot check them against "
+                "its reservations; with peers you do not trust, use the tcp channel or a shared secret", channel.name
+            )
+        self.target = _Target(
+            layout, kv, [byte_view(t) for t in kv], num_blocks, staging, byte_view(staging), slot_bytes, self.config.chunk_size, self.kv_regions, self.staging_region
+        )
+        native.available()  # build or load csrc/ now, not inside the first transfer
         self._free_slots = list(range(self.config.staging_slots))
 
         self._peers: dict[bytes, _Peer] = {}
@@ -222,6 +258,7 @@ class KVReceiver:
                 r = self._res.get(request_id)
                 if r is not None and r.state is State.READY:
                     del self._res[request_id]
+                    self._revoke(r)  # from now on its blocks are the caller's: the sender may not touch them
                     if prompt_key is not None and r.prompt_key != prompt_key:
                         self._free(r)
                         self._remember_gone(request_id, "its KV was computed for another prompt")
@@ -342,6 +379,8 @@ class KVReceiver:
     def _admit(self, identity: bytes, hello: Hello, session: bytes) -> bool:
         """Make a compatible (and, with a secret, authenticated) peer reachable over the channel."""
         try:
+            if len(hello.data_token) < MIN_TOKEN_BYTES:
+                raise HandshakeError(f"peer {hello.agent!r} sent no data_token of at least {MIN_TOKEN_BYTES} bytes: it cannot be granted any blocks (an older pdkv?)")
             agent = self.channel.add_peer(hello.channel_metadata)
         except PdkvError as exc:
             self.counters["handshake_failures"] += 1
@@ -349,7 +388,7 @@ class KVReceiver:
             self._reply(identity, protocol.Error(str(exc)))
             return False
         with self._lock:
-            self._peers[identity] = _Peer(agent, hello.layout, session)
+            self._peers[identity] = _Peer(agent, hello.layout, hello.data_token, session)
         return True
 
     def _on_reserve(self, identity: bytes, req: Reserve) -> protocol.Message:
@@ -397,10 +436,11 @@ class KVReceiver:
                 return Refused(req.request_id, f"cannot hold {req.num_tokens} tokens: {exc}", retryable=needed <= self.target.num_blocks)
             slots = [self._free_slots.pop() for _ in range(want_slots)]
             now = time.monotonic()
-            self._res[req.request_id] = IncomingTransfer(
+            r = self._res[req.request_id] = IncomingTransfer(
                 req.request_id, identity, peer.agent, req.num_tokens, blocks, slots,
-                "direct" if direct else "staging", num_chunks, now, now + cfg.lease_s, req.prompt_key,
+                "direct" if direct else "staging", num_chunks, now, now + cfg.lease_s, peer.token, req.prompt_key,
             )  # fmt: skip
+            self.channel.grant(peer.token, "write", self._granted(r))
             self.counters["reserved"] += 1
             self._lock.notify_all()
         return Reserved(req.request_id, "direct" if direct else "staging", blocks, [s * self.target.slot_bytes for s in slots], cfg.lease_s)
@@ -461,8 +501,9 @@ class KVReceiver:
             self.counters["bytes_landed"] += nbytes
             if r.all_landed:
                 r.state, r.ready_at = State.READY, time.monotonic()
-                self._free_slots.extend(r.slots)
-                r.slots = []
+                if r.slots and self.channel.revoke(r.token, "write", self.target.slot_ranges(r.slots), 0):  # nothing left to land
+                    self._free_slots.extend(r.slots)
+                    r.slots = []
                 self.counters["transfers_ready"] += 1
             self._lock.notify_all()
         return r, notice.chunk_index
@@ -478,10 +519,42 @@ class KVReceiver:
             identity, msg = r.identity, Cancel(r.request_id, str(exc))
             self.loop.call_soon(lambda: self._reply(identity, msg))  # _fail also runs on API threads (cancel)
 
+    def _granted(self, r: IncomingTransfer) -> list[Range]:
+        return self.target.slot_ranges(r.slots) if r.mode == "staging" else self.target.block_ranges(r.blocks)
+
+    def _revoke(self, r: IncomingTransfer) -> None:
+        """Take back what ``r`` granted, once (caller holds the lock); a frame still landing there is waited out, or its peer fenced."""
+        if r.revoked:
+            return
+        r.revoked = True
+        ranges = self._granted(r)
+        if ranges and not self.channel.revoke(r.token, "write", ranges, self.config.drain_timeout_s):
+            self.counters["fences"] += 1
+            log.error("request %s: a write was still landing in its memory after drain_timeout_s; cutting its sender's data connections", r.request_id)
+            self._fence(r.identity)
+
     def _free(self, r: IncomingTransfer) -> None:
+        """Give ``r``'s blocks and slots back, exactly once (caller holds the lock)."""
+        self._revoke(r)
         self.allocator.free(r.blocks)
         self._free_slots.extend(r.slots)
         r.blocks, r.slots = [], []
+
+    def _fence(self, identity: bytes) -> None:
+        """Cut a sender that went silent off the data plane before its memory is reused (caller holds the lock).
+
+        The channel drops its data connections, so nothing it queued before can
+        land later (a frozen process's writes die with its sockets); its other
+        reservations fail (their data path is gone), and it must send Hello
+        again: its next Reserve is refused with ``hello-required``.
+        """
+        peer = self._peers.pop(identity, None)
+        if peer is None:
+            return
+        self.channel.fence(peer.agent, peer.token)
+        for other in self._res.values():
+            if other.identity == identity and other.state is State.RECEIVING:
+                self._fail(other, TransferError("the sender was cut off the data plane after it went silent"), notify_sender=True)
 
     def _remember_gone(self, request_id: str, why: str) -> None:
         self._gone[request_id] = why
@@ -504,6 +577,9 @@ class KVReceiver:
                     self.counters["timeouts"] += 1
                     self._fail(r, TransferTimeout(f"not complete after transfer_timeout_s={cfg.transfer_timeout_s:.3g}s"), notify_sender=True)
                 if r.state is State.FAILED and (r.sender_done or now > r.free_deadline):
+                    if not r.sender_done:  # it never said it stopped writing: it may be frozen with writes queued
+                        self.counters["fences"] += 1
+                        self._fence(r.identity)
                     del self._res[r.request_id]
                     self._free(r)
                     self._remember_gone(r.request_id, f"failed: {r.error}")

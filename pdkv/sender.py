@@ -40,6 +40,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,13 +54,13 @@ import torch
 
 from pdkv import native, protocol
 from pdkv.auth import bound_proof, new_nonce, proof, verify
-from pdkv.channels.base import Channel, TransferHandle, TransferOp, XferState, merge_ops
+from pdkv.channels.base import Channel, TransferHandle, TransferOp, XferState
 from pdkv.checksum import checksum
 from pdkv.config import TransferConfig
 from pdkv.control import ControlLoop, DealerSockets
 from pdkv.errors import HandshakeError, PdkvError, ReservationError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.keys import chunk_spans
-from pdkv.layout import KVLayout, block_ranges
+from pdkv.layout import KVLayout, block_runs
 from pdkv.memory import byte_view
 from pdkv.native import gather
 from pdkv.protocol import HELLO_REQUIRED, Auth, Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved, reserve_fields
@@ -75,6 +76,7 @@ class _Peer:
     agent: str = ""
     dropped: str = ""  # why it was forgotten; once set, its socket is closed for good and messages to it discarded
     nonce: bytes = field(default_factory=new_nonce)
+    token: bytes = field(default_factory=lambda: os.urandom(16))  # our data connections' capability at this receiver
     hello_future: Future[Hello] = field(default_factory=Future)
 
 
@@ -180,7 +182,7 @@ class OutgoingTransfer:
         try:
             ops, digest = self._staged_ops(local_slot, remote_slot, start, n) if staging else self._direct_ops(start, n)
             notice = protocol.encode(ChunkNotice(self.request_id, index, digest, remote_slot))
-            handle = sender.channel.write(self.peer.agent, ops, notice)
+            handle = sender.channel.write(self.peer.agent, ops, notice, token=self.peer.token)
         except Exception as exc:
             err = exc if isinstance(exc, TransferError) else TransferError(f"posting chunk {index} of {self.request_id!r} failed: {exc}")
             with self._cond:
@@ -266,19 +268,20 @@ class OutgoingTransfer:
         return local_slot, remote_slot
 
     def _direct_ops(self, start: int, n: int) -> tuple[list[TransferOp], int]:
+        """One op per buffer tensor per run of blocks adjacent on both sides; the checksum over the same bytes in wire order."""
         src = self._sender.source
-        bs = src.layout.block_size
+        layout = src.layout
+        bs, size = layout.block_size, layout.block_bytes
         first, last = start // bs, -(-(start + n) // bs)
-        ours = block_ranges(src.layout, self.block_table[first:last], src.num_blocks)
-        theirs = block_ranges(src.layout, self.remote_blocks[first:last])
+        ours = self.block_table[first:last]
+        if min(ours) < 0 or max(ours) >= src.num_blocks:
+            raise TransferError(f"request {self.request_id!r}: block table {ours} outside our {src.num_blocks} blocks")
+        runs = block_runs(ours, self.remote_blocks[first:last])
         assert self.peer.hello is not None
         remote_regions = self.peer.hello.kv_regions
-        ops = [
-            TransferOp(src.kv_regions[t], off, remote_regions[rt], roff, ln)
-            for (t, off, ln), (rt, roff, _) in zip(ours, theirs, strict=True)
-        ]
-        digest = checksum(src.kv_views[t][off : off + ln] for t, off, ln in ours)
-        return merge_ops(ops), digest
+        ops = [TransferOp(src.kv_regions[t], a * size, remote_regions[t], b * size, k * size) for t in range(layout.num_tensors) for a, b, k in runs]
+        digest = checksum(src.kv_views[t][a * size : (a + k) * size] for t in range(layout.num_tensors) for a, _, k in runs)
+        return ops, digest
 
     def _staged_ops(self, local_slot: int, remote_slot: int, start: int, n: int) -> tuple[list[TransferOp], int]:
         src = self._sender.source
@@ -420,7 +423,13 @@ class KVSender:
         backoff = 0.005
         while True:
             peer = self._connect(address)
-            reply = self._reserve(peer, request_id, num_tokens, prompt_key)
+            try:
+                reply = self._reserve(peer, request_id, num_tokens, prompt_key)
+            except TransferError as exc:
+                if rehandshaked or not peer.dropped or isinstance(exc, TransferTimeout):
+                    raise
+                rehandshaked = True  # its connection dropped while we asked: a restart looks like this, so ask its new run
+                continue
             if isinstance(reply, Reserved):
                 break
             reason = reply.reason if isinstance(reply, Refused) else getattr(reply, "message", repr(reply))
@@ -467,7 +476,7 @@ class KVSender:
             if peer is None:
                 ident = f"{self.channel.agent_name}/{next(self._ids)}".encode()
                 peer = self._peers[address] = _Peer(address, ident)
-                self._send(peer, msgspec.structs.replace(self.hello(), nonce=peer.nonce))
+                self._send(peer, msgspec.structs.replace(self.hello(), nonce=peer.nonce, data_token=peer.token))
         timeout = self.config.handshake_timeout_s
         try:
             hello = peer.hello_future.result(timeout)

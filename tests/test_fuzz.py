@@ -272,15 +272,18 @@ def test_hostile_control_messages_never_break_a_live_receiver(
         if admitted:  # a compatible Hello makes its Reserves reach the allocator
             dealer.send(
                 protocol.encode(
-                    protocol.make_hello(
-                        pair.p_channel.agent_name,
-                        pair.p_channel.name,
-                        pair.p_channel.metadata(),
-                        "model-a",
-                        pair.p_layout,
-                        receiver.config.chunk_size,
-                        [],
-                        -1,
+                    msgspec.structs.replace(
+                        protocol.make_hello(
+                            pair.p_channel.agent_name,
+                            pair.p_channel.name,
+                            pair.p_channel.metadata(),
+                            "model-a",
+                            pair.p_layout,
+                            receiver.config.chunk_size,
+                            [],
+                            -1,
+                        ),
+                        data_token=b"T" * 16,
                     )
                 )
             )

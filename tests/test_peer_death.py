@@ -300,7 +300,8 @@ def test_receiver_dies_before_answering(spawn, prefill: KVSender, start_decode, 
         opening = pool.submit(prefill.open, "r", child.address, TOKENS, TABLE)
         child.expect("at", step)
         died = child.kill()
-        with pytest.raises(TransferError, match=LOST + child.address):
+        # lost mid-Reserve, the sender asks the address once more (a restart looks the same) and finds nothing there
+        with pytest.raises(TransferError, match=f"({LOST}|cannot connect to receiver ){child.address}"):
             opening.result(timeout_s + SLACK_S)
     assert time.monotonic() - died < timeout_s + SLACK_S
     assert_sender_holds_nothing(prefill)
@@ -375,11 +376,11 @@ def test_receiver_back_under_its_old_name_never_gets_a_write_meant_for_its_previ
     posting, release = threading.Event(), threading.Event()
     write = prefill.channel.write
 
-    def paused_write(peer: str, ops: Any, notif: bytes | None = None) -> Any:
+    def paused_write(peer: str, ops: Any, notif: bytes | None = None, token: bytes = b"") -> Any:
         if notif is not None and decode_notice(notif).request_id == "old":
             posting.set()
             release.wait(STEP_S)
-        return write(peer, ops, notif)
+        return write(peer, ops, notif, token=token)
 
     prefill.channel.write = paused_write  # type: ignore[method-assign]
     with ThreadPoolExecutor(2) as pool:

@@ -324,7 +324,7 @@ def test_peer_with_a_forged_proof_is_refused(make_pair) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(pair.receiver.address)
     try:
-        hello = msgspec.structs.replace(pair.sender.hello(), nonce=new_nonce())
+        hello = msgspec.structs.replace(pair.sender.hello(), nonce=new_nonce(), data_token=b"T" * 16)
         sock.send(protocol.encode(hello))
         assert sock.poll(5000), "no Hello reply"
         reply = protocol.decode(sock.recv())
@@ -349,7 +349,7 @@ def test_reserve_proof_binds_the_prompt_key_to_the_authenticated_peer(make_pair)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(pair.receiver.address)
     try:
-        hello = msgspec.structs.replace(pair.sender.hello(), nonce=new_nonce())
+        hello = msgspec.structs.replace(pair.sender.hello(), nonce=new_nonce(), data_token=b"T" * 16)
         sock.send(protocol.encode(hello))
         assert sock.poll(5000), "no Hello reply"
         reply = protocol.decode(sock.recv())

@@ -26,7 +26,7 @@ SENDER = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtyp
 STAGING = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_size=32, dtype="bfloat16", order="HND")
 # a single token, a partial chunk, exactly a chunk, a chunk and one, and longer prompts; 64-token chunks
 TOKENS = [1, 40, 64, 65, 200, 333, 500, 17, 129, 256]
-CONFIG = TransferConfig(chunk_size=64, staging_slots=6, slots_per_request=2, max_inflight_bytes=64 << 10, lease_s=10, drain_timeout_s=2)
+CONFIG = TransferConfig(chunk_size=64, staging_slots=6, slots_per_request=2, max_inflight_bytes=64 << 10, lease_s=10, drain_timeout_s=2, max_peer_blocks_share=1.0)
 SENDER_BLOCKS = 256
 
 CHANNELS = [

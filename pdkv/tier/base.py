@@ -128,9 +128,21 @@ class CacheTier(abc.ABC):
     without a copy): the caller must not write to them afterwards.
     """
 
+    remote: bool = False
+    """Whether ``has`` costs a round trip to another process (a shared server): then ``has_local`` skips it."""
+
     @abc.abstractmethod
     def has(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is stored (no data is read, no counter moves)."""
+
+    def has_local(self, keys: Sequence[bytes]) -> list[bool]:
+        """``has`` as far as it can be answered without a round trip; a remote level answers False.
+
+        What a writer asks before gathering a chunk during a forward step: a
+        chunk a remote level may hold is written anyway, behind, and the
+        level drops the duplicate itself.
+        """
+        return [False] * len(keys) if self.remote else self.has(keys)
 
     def contains(self, keys: Sequence[bytes]) -> int:
         """How many leading chunks of ``keys`` are cached."""

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 
 class RedisTier(LeafTier):
+    remote = True
+
     def __init__(
         self,
         layout: KVLayout,

@@ -65,6 +65,12 @@ class TieredCache(CacheTier):
                 held[i] = h
         return held
 
+    def has_local(self, keys: Sequence[bytes]) -> list[bool]:
+        held = [False] * len(keys)
+        for level in self.levels:
+            held = [a or b for a, b in zip(held, level.has_local(keys), strict=True)]
+        return held
+
     def get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
         pos, skip = 0, -1  # ``skip`` already missed at ``pos``: its miss is counted, do not ask it again
         while pos < len(keys):

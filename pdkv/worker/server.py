@@ -54,7 +54,6 @@ from pdkv.worker import openai_api as api
 from pdkv.worker.metrics import WorkerMetrics
 from pdkv.worker.push import ChunkPusher
 from pdkv.worker.scheduler import EngineLoop, Job
-from pdkv.tier import TieredCache
 from pdkv.worker.kv_events import TierEvents
 from pdkv.worker.tiering import CachedPrefix, Tiering
 
@@ -86,7 +85,7 @@ class Worker:
         self.chunk_size = config.transfer.chunk_size
         self.metrics = WorkerMetrics(self.role)
         self.tiering = Tiering.from_config(config.tier, engine, self.chunk_size, self.metrics)
-        self.kv_events = TierEvents.start(config.kv_events, self.tiering.tier if isinstance(self.tiering.tier, TieredCache) else None, self.chunk_size, config.host)
+        self.kv_events = TierEvents.start(config.kv_events, self.tiering.tier, self.chunk_size, config.host)
         if self.kv_events is not None:
             self.tiering.on_prompt = self.kv_events.note
         self.loop = EngineLoop(engine, chunk_size=self.chunk_size)

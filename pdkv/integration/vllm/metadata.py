@@ -41,7 +41,11 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Offer prompt chunks ``first_chunk, first_chunk+1, ...`` (keys ``keys``), computed in ``block_ids``, to the tier."""
+    """Offer prompt chunks ``first_chunk .. len(keys) - 1``, computed in ``block_ids``, to the tier.
+
+    ``keys`` are the prompt's chunk keys from chunk 0 (a ``PromptKeys`` prefix: the worker stores
+    them with a mask that selects the chunks from ``first_chunk`` on).
+    """
 
     req_id: str
     first_chunk: int

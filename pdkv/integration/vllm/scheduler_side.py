@@ -20,18 +20,18 @@ vLLM installed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdkv.integration.vllm.metadata import LoadSpec, SaveSpec, SendSpec, StepMetadata
 from pdkv.integration.vllm.params import PushTo, Pushed, prompt_key, push_target, pushed
-from pdkv.keys import chunk_keys
+from pdkv.keys import PromptKeys
 
 log = logging.getLogger(__name__)
 
-TierLookup = Callable[[Sequence[bytes]], int]
-"""How many leading chunk keys the shared tier holds (``CacheTier.contains``)."""
+TierLookup = Callable[[PromptKeys], int]
+"""How many leading tokens of a keyed prompt the shared tier holds (``KVCacheEngine.lookup``)."""
 
 
 @dataclass
@@ -42,6 +42,7 @@ class _Track:
     target: PushTo | None = None
     key: bytes = b""  # the prompt's chained key: the push's Reserve carries it, D adopts the KV only under it
     save_keys: list[bytes] = field(default_factory=list)
+    saved: int = 0  # chunks before this one were handed to the worker to save (each chunk is saved once)
     block_ids: list[int] = field(default_factory=list)
     emitted: bool = False  # the worker has seen it: it may be writing from our blocks
 
@@ -66,7 +67,7 @@ class SchedulerSide:
         self.tier_lookup = tier_lookup
         self._tracks: dict[str, _Track] = {}
         self._matches: dict[str, _Match | None] = {}
-        self._keys: dict[str, list[bytes]] = {}
+        self._keys: dict[str, PromptKeys] = {}
         self._attempted: set[str] = set()  # requests whose load was planned: never again (a failure recomputes)
         self._loads: list[LoadSpec] = []
         self._discards: list[str] = []
@@ -109,23 +110,23 @@ class SchedulerSide:
             return None
         keys = self._full_chunk_keys(request)
         try:
-            hits = self.tier_lookup(keys) if keys else 0
+            cached = self.tier_lookup(keys) if keys.num_tokens else 0
         except Exception as exc:  # noqa: BLE001 - a tier that cannot answer is a miss, never a failed request
             log.warning("request %s: cache tier lookup failed (%s); computing the prompt", request.request_id, exc)
             return None
-        return _Match(hits * self.chunk_size, tier_keys=keys[:hits]) if hits else None
+        return _Match(cached, tier_keys=list(keys.prefix(cached).keys)) if cached else None
 
-    def _prompt_keys(self, request: Any) -> list[bytes]:
+    def _prompt_keys(self, request: Any) -> PromptKeys:
         """Chained keys of every chunk of the prompt, a partial last one included: hashed once per request
         (the tier lookup, the saves and the push's ``prompt_key`` all read them)."""
         keys = self._keys.get(request.request_id)
         if keys is None:
-            keys = self._keys[request.request_id] = chunk_keys(list(request.prompt_token_ids or []), self.fingerprint, self.chunk_size)
+            keys = self._keys[request.request_id] = PromptKeys.of(list(request.prompt_token_ids or []), self.fingerprint, self.chunk_size)
         return keys
 
-    def _full_chunk_keys(self, request: Any) -> list[bytes]:
-        """Keys of the prompt's full chunks (a partial last chunk is never cached: its key would not be reused)."""
-        return self._prompt_keys(request)[: len(request.prompt_token_ids or []) // self.chunk_size]
+    def _full_chunk_keys(self, request: Any) -> PromptKeys:
+        """The prompt's full chunks (a partial last chunk is never cached: its key would not be reused)."""
+        return self._prompt_keys(request).prefix(len(request.prompt_token_ids or []) // self.chunk_size * self.chunk_size)
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -143,9 +144,9 @@ class SchedulerSide:
     # -- pushes and saves ------------------------------------------------------------------
     def _track(self, request: Any) -> None:
         target = push_target(getattr(request, "kv_transfer_params", None), request.request_id) if self.is_producer else None
-        save_keys = self._full_chunk_keys(request) if self.tier_lookup is not None else []
+        save_keys = list(self._full_chunk_keys(request).keys) if self.tier_lookup is not None else []
         if target is not None or save_keys:
-            key = self._prompt_keys(request)[-1] if target is not None else b""  # prompt_key(prompt)
+            key = self._prompt_keys(request).keys[-1] if target is not None else b""  # prompt_key(prompt)
             self._tracks[request.request_id] = _Track(len(request.prompt_token_ids or []), target, key, save_keys)
 
     def build(self, scheduler_output: Any) -> StepMetadata:
@@ -175,9 +176,10 @@ class SchedulerSide:
             meta.sends.append(SendSpec(req_id, track.target.transfer_id, track.target.address, track.num_tokens, list(track.block_ids), ready, track.key))
         match = self._matches.get(req_id)
         loaded = match.tokens if match is not None and req_id in self._attempted else 0
-        first, end = -(-loaded // self.chunk_size), min(ready // self.chunk_size, len(track.save_keys))
-        if first < end:  # computed here, not loaded: offer them (the worker skips what it already saved)
-            meta.saves.append(SaveSpec(req_id, first, track.save_keys[first:end], list(track.block_ids)))
+        first, end = max(-(-loaded // self.chunk_size), track.saved), min(ready // self.chunk_size, len(track.save_keys))
+        if first < end:  # computed here, not loaded, not offered before: offer them
+            meta.saves.append(SaveSpec(req_id, first, track.save_keys[:end], list(track.block_ids)))
+            track.saved = end
 
     def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished``: hold a pushing request's blocks until its writes settle; tell D what was pushed."""
