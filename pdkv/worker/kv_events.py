@@ -95,7 +95,10 @@ class TierEvents:
             return None
         if tier is None:
             log.warning("kv_events: enabled, but the cache tier is off (tier.enabled: false): there are no blocks to announce")
-        return cls(KVEventPublisher(config, bind_host=host), tier, chunk_size)
+        publisher = KVEventPublisher(config, bind_host=host)
+        if any(e.startswith("tcp://") and not e.startswith(("tcp://127.", "tcp://[::1]", "tcp://localhost")) for e in (publisher.endpoint, publisher.replay_endpoint or "")):
+            log.warning("kv_events: publishing on %s (replay %s) with no authentication (vLLM's protocol has none), and the events carry prompt token ids: keep it on a private network", publisher.endpoint, publisher.replay_endpoint)
+        return cls(publisher, tier, chunk_size)
 
     def note(self, keys: Sequence[bytes], tokens: Sequence[int]) -> None:
         """A prompt's chunk keys and token ids, before its chunks are loaded or stored: what a store event needs."""
