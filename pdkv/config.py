@@ -79,13 +79,16 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
         return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
 
 
+ZmqEndpoint = Annotated[str, Meta(pattern=r"^(tcp://([^\s/:\[\]]+|\[[0-9a-fA-F:.]+\]):\d{1,5}|(ipc|inproc)://\S+)$")]
+
+
 class KVEventSource(msgspec.Struct, forbid_unknown_fields=True):
     """Where the router reads one worker's KV events: a vLLM server started with ``--kv-events-config``,
     or any worker that does not name its stream in ``/pdkv/info``."""
 
     worker: WorkerURL
-    endpoint: Annotated[str, Meta(pattern=r"^(tcp|ipc|inproc)://\S+$")]  # what the router connects to: tcp://HOST:PORT
-    replay_endpoint: Annotated[str, Meta(pattern=r"^(tcp|ipc|inproc)://\S+$")] | None = None
+    endpoint: ZmqEndpoint  # what the router connects to: tcp://HOST:PORT (or ipc://PATH)
+    replay_endpoint: ZmqEndpoint | None = None
     topic: str = ""
 
 
