@@ -2,9 +2,11 @@
 
 Two prefill workers (tiny model, memory tier, KV events on) and one decode
 worker behind a ``pdkv launch --role router --policy prefix`` process with
-the model's tokenizer; the router finds each prefill worker's stream in its
-``/pdkv/info``. The cost rule itself (cached tokens against load) is unit
-tested at the end with a stand-in for the event index.
+the model's tokenizer; the router finds the first prefill worker's stream in
+its ``/pdkv/info`` and is told the second's in ``router.kv_events`` (as for
+a vLLM server started with ``--kv-events-config``). The cost rule itself
+(cached tokens against load) is unit tested at the end with a stand-in for
+the event index.
 """
 
 from __future__ import annotations
@@ -60,8 +62,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         futures = [pool.submit(start_worker, role, "--config", str(worker_cfg), "--port", "0", timeout=180, env=ONE_THREAD) for role in ("prefill", "prefill", "decode")]
         procs = [f.result() for f in futures]
     p1, p2, d = procs
+    # p1's stream is found in its /pdkv/info; p2's is named in the config, as for a vLLM started by hand
+    p2_events = json.loads(get(p2.url + "/pdkv/info"))["kv_events"]
+    named = [{"worker": p2.url, "endpoint": p2_events["endpoint"], "replay_endpoint": p2_events["replay_endpoint"]}]
     router_cfg = tmp / "router.yaml"
-    router_cfg.write_text(yaml.safe_dump({"router": {"policy": "prefix", "tokenizer": str(model), "prefix_chunk_tokens": CHUNK, "kv_events_check_s": 0.5}}))
+    router_cfg.write_text(yaml.safe_dump({"router": {"policy": "prefix", "tokenizer": str(model), "prefix_chunk_tokens": CHUNK, "kv_events_check_s": 0.5, "kv_events": named}}))
     router = start_worker("router", "--config", str(router_cfg), "--port", "0", "--prefill", p1.url, "--prefill", p2.url, "--decode", d.url, timeout=120)
     try:
         yield Cluster(router, [p1, p2], d)
@@ -86,6 +91,8 @@ def picks(c: Cluster) -> dict[str, float]:
 def test_the_router_sends_a_prompt_to_the_worker_whose_events_say_it_caches_the_prefix(cluster: Cluster) -> None:
     c = cluster
     wait_until(lambda: set(json.loads(get(c.router.url + "/pdkv/kv-index"))["workers"]) == {p.url for p in c.prefill}, 30, "the router to follow both prefill streams")
+    streams = {url: w["stream"]["endpoint"] for url, w in json.loads(get(c.router.url + "/pdkv/kv-index"))["workers"].items()}
+    assert streams == {p.url: json.loads(get(p.url + "/pdkv/info"))["kv_events"]["endpoint"] for p in c.prefill}
     transferred = metric(get(c.decode.url + "/metrics"), "pdkv_prompt_tokens_total", source="transferred")
     prompt_tokens = 0
     # OTHER is computed on the second worker directly, behind the router's back: only its events can tell the router
