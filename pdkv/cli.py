@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     kr.add_argument("--max-blocks", type=int, default=40, help="prompts capped at this many trace blocks")
     kr.add_argument("--memory-mib", type=int, default=256, help="each prefill worker's memory tier")
     kr.add_argument("--routers", type=int, default=1, help="router replicas per policy; requests alternate between them")
+    kr.add_argument("--concurrency", type=int, default=1, help="requests in flight (in trace order)")
     kr.add_argument("--model", default="default")
     kr.add_argument("--blocks", type=int, default=100_000, help="blocks in the index for the lookup cost")
     kr.add_argument("--json", action="store_true")

@@ -18,7 +18,8 @@ Two measurements, one run, one JSON object:
    least-loaded, prefix with the router's own guess (the policy as it was
    before KV events), and prefix following the workers' KV events. Each
    policy's prompts start with a token of their own, so no policy hits
-   another's chunks; requests go one at a time, each policy over the whole
+   another's chunks; requests go in trace order, at most ``--concurrency``
+   in flight (default 1), each policy over the whole
    sample in turn, in two passes (the second in reverse order) so a drift
    in the machine's load hits every policy alike. Block hit rate: prompt
    chunks loaded from a worker's tier over all full chunks; TTFT: what a
@@ -39,6 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -176,10 +178,11 @@ def _stream_ttft(url: str, prompt: list[int], timeout: float = 600) -> float:
         conn.close()
 
 
-def _totals(workers: Sequence[WorkerProcess]) -> dict[str, float]:
-    out = {"tier_tokens": 0.0, "tier_chunks": 0.0, "prompt_tokens": 0.0}
+def _totals(workers: Sequence[WorkerProcess]) -> dict[str, Any]:
+    out: dict[str, Any] = {"tier_tokens": 0.0, "tier_chunks": 0.0, "prompt_tokens": 0.0, "requests": []}
     for w in workers:
         text = get_text(w.url + "/metrics")
+        out["requests"].append(metric(text, "pdkv_requests_total", outcome="ok"))
         out["tier_tokens"] += metric(text, "pdkv_prompt_tokens_total", source="tier")
         out["tier_chunks"] += sum(metric(text, "pdkv_tier_hits_total", tier=t) for t in ("memory", "disk", "redis"))
         out["prompt_tokens"] += metric(text, "pdkv_prompt_tokens_total", source="computed") + metric(text, "pdkv_prompt_tokens_total", source="tier")
@@ -220,13 +223,15 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
                     prompts = _prompts(sample, block, salt)
                     salt += 1
                     before = _totals(prefills)
-                    ttfts = [_stream_ttft(routers[name][i % args.routers].url, p) for i, p in enumerate(prompts)]
+                    with ThreadPoolExecutor(args.concurrency) as pool:  # in trace order, at most --concurrency in flight
+                        ttfts = list(pool.map(lambda ip: _stream_ttft(routers[name][ip[0] % args.routers].url, ip[1]), enumerate(prompts)))
                     after = _totals(prefills)
                     full_chunks = sum(len(p) // block for p in prompts)
                     runs[name].append({
                         "pass": pass_no, "mean_ttft_s": statistics.mean(ttfts), "p50_ttft_s": statistics.median(ttfts),
                         "chunk_hit_rate": (after["tier_chunks"] - before["tier_chunks"]) / full_chunks,
                         "token_hit_rate": (after["tier_tokens"] - before["tier_tokens"]) / (after["prompt_tokens"] - before["prompt_tokens"]),
+                        "requests_per_prefill_worker": [a - b for a, b in zip(after["requests"], before["requests"], strict=True)],
                     })
             d_metrics = get_text(decode.url + "/metrics")
             kv_metrics = [get_text(r.url + "/metrics") for r in routers["prefix (KV events)"]]
@@ -244,10 +249,11 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
             "token_hit_rate": round(statistics.mean(r["token_hit_rate"] for r in rs), 4),
             "mean_ttft_s": round(mean_ttft, 4), "ratio": round(mean_ttft / baseline, 4),
             "passes": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rs],
+            "requests_per_prefill_worker": [sum(col) for col in zip(*(r["requests_per_prefill_worker"] for r in rs), strict=True)],
         })
     return {
         "requests": len(sample), "conversations": args.conversations, "prefill_workers": args.prefill_workers, "memory_mib_per_worker": args.memory_mib,
-        "routers_per_policy": args.routers,
+        "routers_per_policy": args.routers, "concurrency": args.concurrency,
         "scale": f"each 512-token trace block -> {block} tokens (one tier chunk), prompts capped at {args.max_blocks} blocks, plus one salt token",
         "prompt_tokens_per_pass": sum(len(p) for p in _prompts(sample, block, 0)),
         "infinite_cache_chunk_hit_rate": round(_bound(sample), 4),
