@@ -31,11 +31,12 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, ClassVar, Literal, NamedTuple
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 import msgspec
 
-from pdkv.errors import ChannelError, ConfigError, TransferTimeout
+from pdkv.errors import ChannelError, ConfigError, PeerUnreachableError, TransferTimeout
+from pdkv.netaddr import interface_of, is_loopback, is_wildcard
 from pdkv.wakeup import Waker
 
 log = logging.getLogger(__name__)
@@ -285,9 +286,17 @@ class ChannelOptions(msgspec.Struct, forbid_unknown_fields=True):
     in by ``PdkvConfig.channel_options``): one secret guards the control plane
     and, in a channel that can check it (``authenticates_data``), every data
     connection too.
+
+    ``host`` is where the channel's data plane lives, which is the worker's
+    ``host`` unless the channel's options say otherwise: the tcp channel
+    listens there, and the UCX-based channels (nixl, ucx) use the network
+    interface that holds it (``UCX_NET_DEVICES``, unless the user set it).
     """
 
     secret: str = ""
+    host: str = "127.0.0.1"
+    # After a peer was found unreachable, ``connect`` fails at once for this long before trying again.
+    unreachable_retry_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
 
     def __repr__(self) -> str:
         """Every field, the secret's value left out: options may be logged."""
@@ -314,6 +323,8 @@ class Channel(ABC):
         self._peer_region_sizes: dict[str, dict[int, int]] = {}
         self._inbox = NotificationInbox()
         self.grants = Grants()
+        self._unreachable_until: dict[str, tuple[float, str]] = {}  # peer -> (retry after, why)
+        self._unreachable_lock = threading.Lock()
         if self.options.secret and not self.authenticates_data:
             log.warning(
                 "%s channel: the shared secret authenticates the control plane only; this channel's data "
@@ -379,6 +390,61 @@ class Channel(ABC):
     @abstractmethod
     def remove_peer(self, peer: str) -> None:
         """Drop a peer; its pending handles fail."""
+
+    # -- reachability --------------------------------------------------------
+    def connect(self, peer: str, timeout: float, token: bytes = b"") -> None:
+        """Open the data path to ``peer`` now and prove it works, rather than at its first transfer.
+
+        ``token``: the capability the transfers to it will present (``write``), so the path opened is theirs.
+
+        ``add_peer`` may only read metadata, so an address the peer advertises
+        that this host cannot reach (a ``host`` left at loopback, a NAT
+        without ``advertise_host``, a firewall, ``UCX_NET_DEVICES`` naming
+        another network) would otherwise surface as a failed chunk and a
+        silent recompute of every request. Raises ``PeerUnreachableError``
+        with what failed and what to set, after a warning and a
+        ``peer_unreachable`` count; for ``unreachable_retry_s`` afterwards the
+        same peer fails at once, so requests do not each wait out a connect
+        timeout. Cheap when the path is already up. Waits at most
+        ``timeout`` s (the tcp channel also stops at its ``connect_timeout``).
+        """
+        self.check_reachable(peer)
+        try:
+            self._probe(peer, timeout, token)
+        except PeerUnreachableError:
+            raise
+        except (ChannelError, TransferTimeout) as exc:
+            raise self.unreachable(peer, str(exc)) from None
+        self.forget_unreachable(peer)
+
+    def _probe(self, peer: str, timeout: float, token: bytes) -> None:  # noqa: B027 - optional hook
+        """``connect``'s work: open and check the path to ``peer``, raising ``ChannelError``; nothing to open by default."""
+
+    def check_reachable(self, peer: str) -> None:
+        """Raise ``PeerUnreachableError`` if ``peer`` was found unreachable less than ``unreachable_retry_s`` ago."""
+        with self._unreachable_lock:
+            verdict = self._unreachable_until.get(peer)
+        if verdict is not None:
+            retry_at, why = verdict
+            left = retry_at - time.monotonic()
+            if left > 0:
+                raise PeerUnreachableError(f"{self.name}: peer {peer!r} is unreachable (tried again in {left:.1f}s): {why}")
+
+    def forget_unreachable(self, peer: str) -> None:
+        """Drop a verdict on ``peer``: it has new metadata (another address), so ``connect`` tries it at once."""
+        with self._unreachable_lock:
+            self._unreachable_until.pop(peer, None)
+
+    def unreachable(self, peer: str, why: str) -> PeerUnreachableError:
+        """Record, log and count that ``peer`` cannot be reached over this channel; returns the error to raise."""
+        with self._unreachable_lock:
+            self._unreachable_until[peer] = (time.monotonic() + self.options.unreachable_retry_s, why)
+            self.counters["peer_unreachable"] += 1
+        log.warning(
+            "%s channel of %r: peer %r is unreachable, so no KV can move to it (every request will be recomputed): %s",
+            self.name, self.agent_name, peer, why,
+        )
+        return PeerUnreachableError(f"{self.name}: peer {peer!r} is unreachable: {why}")
 
     # -- transfers ---------------------------------------------------------
     def write(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None, token: bytes = b"") -> TransferHandle:
@@ -521,12 +587,55 @@ UCX_ENV_DEFAULTS: dict[str, str] = {
 }
 
 
+# Which variables pdkv set, and to what, as NAME=VALUE;...: in the environment, so a process started from this
+# one (a benchmark's receiver) still tells pdkv's defaults from a user's own values.
+DEFAULTS_VAR = "PDKV_ENV_DEFAULTS"
+
+
+def _defaulted() -> dict[str, str]:
+    entries = (item.partition("=") for item in os.environ.get(DEFAULTS_VAR, "").split(";") if item)
+    return {name: value for name, _, value in entries}
+
+
+def _record_default(name: str, value: str) -> None:
+    record = {**_defaulted(), name: value}
+    os.environ[DEFAULTS_VAR] = ";".join(f"{k}={v}" for k, v in record.items())
+
+
 def apply_env_defaults(defaults: Mapping[str, str]) -> dict[str, str]:
     """Set each variable that is not already in the environment; return those set.
 
-    Native libraries (UCX) read their settings from the environment once, when
-    they load, so this runs before the import; a user's own value always wins.
+    Native libraries (UCX) read their settings from the environment when they
+    load or create a context, so this runs before the import; a user's own
+    value always wins.
     """
     applied = {k: v for k, v in defaults.items() if k not in os.environ}
     os.environ.update(applied)
+    for name, value in applied.items():
+        _record_default(name, value)
     return applied
+
+
+def ucx_follow_host(host: str) -> None:
+    """Point UCX at the network interface that holds ``host``, unless the user set ``UCX_NET_DEVICES``.
+
+    pdkv's default, loopback, suits a worker on 127.0.0.1; a worker told to
+    listen on another address has peers on other hosts, which loopback
+    cannot reach (and UCX wants interface names, not addresses). A wildcard
+    host means every interface. Runs before the channel creates its UCX
+    context, which is when UCX reads the variable; it is process-wide.
+    """
+    var = "UCX_NET_DEVICES"
+    if os.environ.get(var) != _defaulted().get(var) or is_loopback(host):
+        return  # the user's choice, or loopback as by default
+    device = "all" if is_wildcard(host) else interface_of(host)
+    if device is None:
+        log.warning(
+            "UCX: no network interface holds %s, so UCX stays on %s=%s and cannot reach other hosts; "
+            "set %s to the interface peers reach this host through (e.g. eth0)", host, var, os.environ[var], var,
+        )
+        return
+    if device != os.environ[var]:
+        log.info("UCX: %s=%s (the interface that holds host %s; set %s yourself to choose another)", var, device, host, var)
+    os.environ[var] = device
+    _record_default(var, device)

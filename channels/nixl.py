@@ -49,8 +49,12 @@ Environment, set before NIXL/UCX load unless the user already set them
   not reproduced with nixl 1.5.1 since, kept because it costs cma, tcp and
   cuda nothing). Set ``UCX_MODULES`` yourself to use InfiniBand/EFA.
 * ``UCX_NET_DEVICES=lo``: loopback only, like every socket pdkv opens unless
-  told otherwise. Set it to your NIC (``mlx5_0:1``, ``eth0``, or ``all``)
-  for prefill and decode on different hosts.
+  told otherwise. A channel whose ``host`` (the worker's ``--host``) is
+  another address switches it to the interface that holds that address
+  (``ucx_follow_host``); set it yourself to your NIC (``mlx5_0:1``,
+  ``eth0``, or ``all``) to choose. Two "hosts" that are network namespaces
+  of one machine also need ``UCX_TLS=tcp``: UCX sees one machine and would
+  otherwise move the data through cma, around the network.
 * ``NIXL_LOG_LEVEL=WARN``: NIXL's Python logger prints INFO lines to stdout,
   which would corrupt ``pdkv bench ... --json``.
 * ``UCX_TLS``: left alone. The default, ``cma,tcp`` and ``tcp`` work;
@@ -76,6 +80,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -96,6 +101,7 @@ from pdkv.channels.base import (
     XferState,
     apply_env_defaults,
     merge_ops,
+    ucx_follow_host,
 )
 from pdkv.errors import ChannelError
 from pdkv.memory import byte_view
@@ -218,12 +224,16 @@ def keep_delay_config(delay_us: int) -> type:
 def create_nixl_agent(name: str, options: NixlOptions) -> nixl_agent:
     """A ``nixl_agent`` configured from ``options``, its progress thread sleeping ``progress_delay_us``.
 
+    UCX uses the interface of ``options.host`` unless the user chose
+    (``ucx_follow_host``).
+
     ``nixl_agent.__init__`` builds its ``nixlAgentConfig`` and sets
     ``pthrDelay = 0`` (a busy spin) with no way to pass another value. For
     the constructor's duration this swaps in ``keep_delay_config``'s class,
     under a lock. The raw NIXL baseline builds its agents here too, so both
     sides of the comparison run the same settings.
     """
+    ucx_follow_host(options.host)  # before the agent creates its UCX context, which reads it
     conf = nixl_agent_config(enable_prog_thread=options.progress_thread, backends=list(options.backends), num_threads=options.num_threads)
     base = nixl_bindings.nixlAgentConfig
     if not options.progress_thread or not hasattr(base, "pthrDelay"):
@@ -346,6 +356,7 @@ class NixlChannel(Channel):
     # -- peers -------------------------------------------------------------
     def add_peer(self, metadata: bytes) -> str:
         meta = self._decode_metadata(metadata)
+        self.check_reachable(meta.name)  # UCX connects here: a known-unreachable peer fails without waiting again
         with self._lock:
             self._check_open()
             self._load_agent(meta)  # stage 1
@@ -389,9 +400,10 @@ class NixlChannel(Channel):
             except NIXL_ERRORS as exc:
                 raise ChannelError(f"nixl: loading metadata of restarted peer {meta.name!r} failed: {describe_nixl_error(exc)}") from exc
         except NIXL_ERRORS as exc:
-            raise ChannelError(
-                f"nixl: cannot reach peer {meta.name!r} from its metadata ({describe_nixl_error(exc)}); is it running, "
-                "and do both sides allow the same network (UCX_NET_DEVICES)?"
+            raise self.unreachable(
+                meta.name,
+                f"nixl: cannot reach peer {meta.name!r} from its metadata ({describe_nixl_error(exc)}); is it running, and do "
+                f"both sides use a network they share (UCX_NET_DEVICES is {os.environ.get('UCX_NET_DEVICES', 'unset')!r} here)?",
             ) from exc
         name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if name != meta.name:
@@ -409,6 +421,17 @@ class NixlChannel(Channel):
         with self._lock:
             if not self._closed:
                 self._forget_peer(peer, f"peer {peer!r} removed")
+
+    def _probe(self, peer: str, timeout: float, token: bytes) -> None:
+        """Have NIXL open its connections to ``peer`` now (UCX created the endpoint, and connected, in ``add_peer``)."""
+        with self._lock:
+            self._check_open()
+            if peer not in self._peers:
+                raise ChannelError(f"nixl: unknown peer {peer!r}; call add_peer with its metadata first")
+            try:
+                self._agent.make_connection(peer)
+            except NIXL_ERRORS as exc:
+                raise ChannelError(f"nixl: cannot connect to peer {peer!r}: {describe_nixl_error(exc)}") from exc
 
     def _forget_peer(self, peer: str, reason: str = "peer removed") -> None:
         """Fail the peer's pending transfers, release its prepared lists, drop its NIXL metadata. Holds the lock."""

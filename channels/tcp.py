@@ -116,6 +116,7 @@ from pdkv.auth import NONCE_BYTES, PROOF_BYTES, new_nonce, proof, verify
 from pdkv.channels.base import Channel, ChannelOptions, TransferHandle, TransferOp, XferState, merge_ops
 from pdkv.errors import AuthError, ChannelError, ConfigError, ProtocolError, TransferTimeout
 from pdkv.memory import byte_view
+from pdkv.netaddr import is_wildcard
 
 log = logging.getLogger(__name__)
 
@@ -150,9 +151,9 @@ _FOLLOW_S = 0.002  # how often a waiter re-checks its handle while another threa
 class TcpOptions(ChannelOptions):
     """Options of the tcp channel; both peers should use the same limits."""
 
-    host: str = "127.0.0.1"  # where to listen; 127.0.0.1 unless told otherwise
+    # host (ChannelOptions): where to listen; the worker's host unless set here
     port: int = 0  # 0: an ephemeral port, published through metadata()
-    advertise_host: str | None = None  # host peers dial, when ``host`` is a wildcard like 0.0.0.0
+    advertise_host: str | None = None  # host peers dial: needed when ``host`` is a wildcard like 0.0.0.0, or behind a NAT
     advertise_port: int = 0  # port peers dial, when a port forward, NAT or proxy sits in front of ``port``; 0: ``port``
     streams: int = 4  # connections per peer
     stream_min_bytes: int = 4 << 20  # a transfer is split only into shares at least this big
@@ -166,10 +167,15 @@ class TcpOptions(ChannelOptions):
     max_inflight: int = 1024  # transfers in flight per peer (initiator waits, target refuses beyond)
     max_connections: int = 256  # accepted connections, all peers together
 
+    def streams_for(self, nbytes: int) -> int:
+        """How many streams a transfer of ``nbytes`` is split over: shares of at least ``stream_min_bytes``."""
+        return min(self.streams, max(1, nbytes // self.stream_min_bytes))
+
     def __post_init__(self) -> None:
         checks: list[tuple[str, bool, str]] = [
             ("port", 0 <= self.port <= 65535, "0..65535"),
             ("advertise_port", 0 <= self.advertise_port <= 65535, "0..65535 (0: the listening port)"),
+            ("advertise_host", not is_wildcard(self.advertise_host or self.host), f"an address peers can dial when host is {self.host!r}, which listens everywhere"),
             ("streams", 1 <= self.streams <= MAX_STREAMS, f"1..{MAX_STREAMS}"),
             ("stream_min_bytes", self.stream_min_bytes >= 1, ">= 1"),
             ("inline_max_bytes", self.inline_max_bytes >= 0, ">= 0"),
@@ -897,11 +903,15 @@ class TcpChannel(Channel):
             raise ChannelError(f"tcp: malformed peer metadata ({exc}); pass the bytes of the peer's metadata() unchanged") from None
         if meta.version != VERSION:
             raise ChannelError(f"tcp: peer {meta.name!r} speaks protocol {meta.version}, this agent {VERSION}; upgrade both")
+        if is_wildcard(meta.host):
+            raise ChannelError(f"tcp: peer {meta.name!r} advertises {meta.host!r}, which is no address to dial; it must set advertise_host")
         with self._lock:
             old = self._peers.get(meta.name)
             self._peers[meta.name] = meta
             self._peer_region_sizes[meta.name] = dict(meta.regions)
             links = self._pop_links(meta.name) if old != meta else []
+        if old != meta:
+            self.forget_unreachable(meta.name)  # new address: worth trying at once
         for link in links:
             link.fail(f"peer {meta.name!r} re-added with new metadata")
         return meta.name
@@ -913,6 +923,22 @@ class TcpChannel(Channel):
             links = self._pop_links(peer)
         for link in links:
             link.fail(f"peer {peer!r} removed")
+
+    def _probe(self, peer: str, timeout: float, token: bytes) -> None:
+        """Open the link that transfers presenting ``token`` will use, if it is not up: every stream connected and,
+        with a secret, both sides proven.
+
+        Bounded by ``connect_timeout`` per stream (``timeout`` is not used).
+        """
+        try:
+            self._link(peer, token)
+        except ChannelError as exc:
+            meta = self._peers.get(peer)
+            where = f"{meta.host}:{meta.port}" if meta is not None else "the address in its metadata"
+            raise ChannelError(
+                f"{exc}. The peer advertises {where}: on another host it must advertise an address this host can reach "
+                "(its host / --host, or advertise_host and advertise_port behind a NAT or proxy)"
+            ) from None
 
     def _pop_links(self, peer: str) -> list[_Link]:
         """Forget every link to ``peer``, whatever its token (caller holds the lock)."""
@@ -953,7 +979,7 @@ class TcpChannel(Channel):
             raise ChannelError(f"tcp: notification of {len(notif)} bytes exceeds max_notif_bytes={self._opts.max_notif_bytes}")
         link = self._link(peer, token)
         nstreams = len(link.streams)
-        parts = min(nstreams, max(1, total // self._opts.stream_min_bytes))
+        parts = min(nstreams, self._opts.streams_for(total))
         if parts == 1 and len(ops) == 1 and total <= self._opts.max_frame_bytes:
             shares = [list(ops)]  # the common small case: nothing to merge or cut
         else:

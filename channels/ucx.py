@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import secrets
 import struct
 import threading
@@ -61,6 +62,7 @@ from pdkv.channels.base import (
     apply_env_defaults,
     check_range,
     merge_ops,
+    ucx_follow_host,
 )
 from pdkv.errors import ChannelError
 from pdkv.memory import byte_view
@@ -191,6 +193,7 @@ class UcxChannel(Channel):
         super().__init__(agent_name, options)
         opts: UcxOptions = self.options  # type: ignore[assignment]
         self._agent_id = secrets.randbits(24)
+        ucx_follow_host(opts.host)  # before the UCX context is created, which reads it
         try:
             self._context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
             self._worker = ucx_api.UCXWorker(self._context)
@@ -253,6 +256,7 @@ class UcxChannel(Channel):
             raise ChannelError(f"ucx: peer metadata version {meta.version}, this pdkv speaks {METADATA_VERSION}; upgrade the older side")
         if meta.name == self.agent_name:
             raise ChannelError(f"ucx: peer has this agent's own name {meta.name!r}; give every worker a unique agent name")
+        self.check_reachable(meta.name)  # UCX connects here: a known-unreachable peer fails without waiting again
         with self._lock:
             self._check_open()
             owner = self._by_id.get(meta.agent_id)
@@ -265,7 +269,11 @@ class UcxChannel(Channel):
                     ucx_api.UCXAddress.create_from_buffer(meta.address), self.options.error_handling  # type: ignore[attr-defined]
                 )
             except UCX_ERRORS as exc:
-                raise ChannelError(f"ucx: cannot reach peer {meta.name!r} ({exc}); is it running, and is UCX_NET_DEVICES the same?") from exc
+                raise self.unreachable(
+                    meta.name,
+                    f"ucx: cannot reach peer {meta.name!r} ({exc}); is it running, and do both sides use a network they share "
+                    f"(UCX_NET_DEVICES is {os.environ.get('UCX_NET_DEVICES', 'unset')!r} here)?",
+                ) from exc
             ep.set_close_callback(self._broken.append, cb_args=(meta.name,))
             self._gone.pop(meta.name, None)
             self._peers[meta.name] = _Peer(meta.name, meta.agent_id, ep)

@@ -28,7 +28,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def config_from_args(args: argparse.Namespace) -> PdkvConfig:
     """The config file with flags on top; ``--prefill``/``--decode`` replace the file's lists."""
     overrides = {
-        "role": args.role, "host": args.host, "port": args.port, "model": args.model, "channel.name": args.channel, "engine": args.engine,
+        "role": args.role, "host": args.host, "advertise_host": args.advertise_host, "port": args.port, "model": args.model, "channel.name": args.channel, "engine": args.engine,
         "router.prefill": args.prefill, "router.decode": args.decode, "router.policy": args.policy, "router.mode": args.mode,
     }
     return load_config(args.config, overrides)
@@ -89,7 +89,7 @@ async def serve_app(app: web.Application, config: PdkvConfig, info: dict[str, An
     site = web.TCPSite(runner, config.host, config.port)
     await site.start()
     port = runner.addresses[0][1]
-    print(json.dumps({"event": "ready", "role": config.role, "url": f"http://{config.host}:{port}", **info}), flush=True)
+    print(json.dumps({"event": "ready", "role": config.role, "url": f"http://{config.advertise_host or config.host}:{port}", **info}), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -15,8 +15,10 @@ import msgspec
 import yaml
 from msgspec import Meta
 
+from pdkv.channels import channel_class
 from pdkv.errors import ConfigError
 from pdkv.keys import DEFAULT_CHUNK_SIZE
+from pdkv.netaddr import is_wildcard
 
 Positive = Annotated[int, Meta(ge=1)]
 Seconds = Annotated[float, Meta(gt=0)]
@@ -168,7 +170,11 @@ class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Everything one pdkv process needs; unknown keys are errors, not silently ignored."""
 
     role: Literal["prefill", "decode", "router", "demo"] = "demo"
+    # Where every plane of this process listens (HTTP, the KV receiver's control plane, the channel's data plane).
     host: str = "127.0.0.1"
+    # The address peers and the router dial to reach it, when that is not ``host``: ``host`` is a wildcard
+    # (0.0.0.0, ::) or a NAT/proxy sits in front. Advertised in /pdkv/info and in the channel's metadata.
+    advertise_host: str = ""
     port: Annotated[int, Meta(ge=0, le=65535)] = 0
     control_port: Annotated[int, Meta(ge=0, le=65535)] = 0
     model: str = "default"
@@ -187,8 +193,30 @@ class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
     kv_events: KVEventsConfig = msgspec.field(default_factory=KVEventsConfig)
 
     def channel_options(self) -> dict[str, Any]:
-        """The channel's options with the shared secret added: one ``secret`` authenticates both planes."""
-        return {**self.channel.options, "secret": self.secret}
+        """The channel's options with what the worker knows filled in.
+
+        The shared secret (one ``secret`` authenticates both planes), and where
+        the data plane lives: ``host`` and, for a channel that advertises an
+        address (tcp), ``advertise_host`` follow the worker's unless
+        ``channel.options`` sets them. So ``--host`` alone moves every plane:
+        a channel left on 127.0.0.1 would make every transfer to another host fail.
+        """
+        options = {**self.channel.options, "secret": self.secret}
+        options.setdefault("host", self.host)
+        if self.advertise_host and "advertise_host" in channel_class(self.channel.name).Options.__struct_fields__:
+            options.setdefault("advertise_host", self.advertise_host)
+        return options
+
+    def advertised_host(self) -> str:
+        """The address peers dial to reach this process: ``advertise_host``, else ``host`` if that is one address."""
+        if self.advertise_host:
+            return self.advertise_host
+        if is_wildcard(self.host):
+            raise ConfigError(
+                f"field 'host' = {self.host!r} listens on every address, which is no address peers can dial: "
+                "set 'advertise_host' (--advertise-host) to the one the other workers and the router reach this host at"
+            )
+        return self.host
 
 
 _PATH = re.compile(r"at `\$((?:\.\w+|\[\d+\])*)`")

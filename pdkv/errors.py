@@ -39,6 +39,10 @@ class ChannelError(PdkvError):
     """A transfer channel failed: bad descriptor, unknown peer, dead connection."""
 
 
+class PeerUnreachableError(ChannelError):
+    """A peer's data path cannot be opened from here (the address it advertises is unreachable): no transfer to it can work."""
+
+
 class ChannelNotInstalledError(ChannelError, ImportError):
     """The channel needs an optional extra that is not installed."""
 

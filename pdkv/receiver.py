@@ -189,6 +189,7 @@ class KVReceiver:
         host: str = "127.0.0.1",
         port: int = 0,
         secret: str | bytes = b"",
+        advertise_host: str = "",
     ) -> None:
         self.channel = channel
         self.layout = layout
@@ -226,6 +227,8 @@ class KVReceiver:
         self.loop = ControlLoop("pdkv-receiver", min(_REAP_TICK_S, self.config.lease_s / 4), self._reap)
         self._router = RouterSocket(self.loop, host, port, self._on_message, self.counters)
         self.address = self._router.address
+        if advertise_host:  # what senders dial: not a wildcard bind address
+            self.address = f"tcp://{advertise_host}:{self.address.rsplit(':', 1)[1]}"
         self.loop.watch(channel.notification_fd(), self._on_notifications)
         self.loop.start()
 

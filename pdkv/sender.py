@@ -492,6 +492,7 @@ class KVSender:
                 if not peer.agent:
                     self._retire_previous_run(peer, hello)
                     peer.agent = self.channel.add_peer(hello.channel_metadata)
+        self.channel.connect(peer.agent, self.config.handshake_timeout_s, peer.token)  # the data path too: an unreachable one fails here, loudly
         return peer
 
     def _retire_previous_run(self, peer: _Peer, hello: Hello) -> None:

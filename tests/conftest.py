@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from pdkv.bench.netrig import NetRig, unavailable
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.mock import MockChannel
 from pdkv.config import TransferConfig
@@ -108,3 +109,17 @@ def vllm_env_python() -> str:
         return vllm_python()
     except Unavailable as exc:
         pytest.skip(f"vLLM integration not run: {exc}")
+
+
+@pytest.fixture(scope="module")
+def netrig() -> Iterator[NetRig]:
+    """A network rig with its hub host ``a``: tests add hosts and start pdkv roles on them (``Host.start_worker``).
+
+    Every process started through it is stopped and every namespace (with its
+    interfaces) deleted at the end of the module, whatever happened.
+    """
+    why = unavailable()
+    if why is not None:
+        pytest.skip(f"two-host tests: {why}")
+    with NetRig() as rig:
+        yield rig

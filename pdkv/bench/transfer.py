@@ -27,6 +27,10 @@ Every repetition's KV is checked bit for bit on the decode side (a digest of
 each request's canonical KV compared with the sender's), outside the timed part.
 ``TransferRig`` is that harness; the tests use it too, to prove the data path
 over real channels with concurrent requests.
+
+``--link RATE`` puts the receiver on a second host of ``pdkv.bench.netrig``
+across a veth pair shaped to RATE (its control plane and channel on that
+host's address), the sender and the baseline's sender on the first.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import statistics
 import threading
 import time
@@ -47,7 +52,8 @@ import msgspec
 import torch
 import xxhash
 
-from pdkv.bench.channel import BASELINES, IN_PROCESS, _describe, _load, _peer, _recv
+from pdkv.bench.channel import BASELINES, IN_PROCESS, _describe, _load, _peer, _recv, channel_options
+from pdkv.bench.netrig import LOOPBACK, Placement, bench_link, call_on
 from pdkv.blocks import BlockAllocator
 from pdkv.channels import create_channel
 from pdkv.config import TransferConfig
@@ -80,16 +86,16 @@ def _digest(layout: KVLayout, kv: list[torch.Tensor], blocks: list[int], tokens:
     return xxhash.xxh3_64_intdigest(byte_view(gather(layout, kv, blocks, 0, tokens)))
 
 
-def _receiver_side(conn: Connection, channel_name: str, layout: KVLayout, num_blocks: int, config: TransferConfig) -> None:
-    """The decode side: a KVReceiver that claims each announced request, digests its KV and frees its blocks."""
+def _receiver_side(conn: Connection, channel_name: str, layout: KVLayout, num_blocks: int, config: TransferConfig, host: str) -> None:
+    """The decode side on ``host``: a KVReceiver that claims each announced request, digests its KV and frees its blocks."""
     from pdkv.receiver import KVReceiver
 
     try:
-        channel = create_channel(channel_name, f"bench-decode-{uuid.uuid4().hex[:6]}")
+        channel = create_channel(channel_name, f"bench-decode-{uuid.uuid4().hex[:6]}", channel_options(channel_name, host))
         kv = layout.allocate(num_blocks)
         allocator = BlockAllocator(num_blocks)
         # it waits for requests it was told of before the sender opens them (handshake included): no announce window
-        receiver = KVReceiver(channel, layout, kv, allocator, FINGERPRINT, msgspec.structs.replace(config, announce_timeout_s=TIMEOUT_S))
+        receiver = KVReceiver(channel, layout, kv, allocator, FINGERPRINT, msgspec.structs.replace(config, announce_timeout_s=TIMEOUT_S), host=host)
     except Exception as exc:  # noqa: BLE001 - reported to the sender, which raises it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
@@ -120,14 +126,24 @@ class TransferRig:
     the tests that prove the data path over real channels.
     """
 
-    def __init__(self, channel: str, receiver_layout: KVLayout, sender_blocks: int, receiver_blocks: int, config: TransferConfig, sender_layout: KVLayout = SENDER_LAYOUT) -> None:
+    def __init__(
+        self,
+        channel: str,
+        receiver_layout: KVLayout,
+        sender_blocks: int,
+        receiver_blocks: int,
+        config: TransferConfig,
+        sender_layout: KVLayout = SENDER_LAYOUT,
+        placement: Placement = LOOPBACK,
+    ) -> None:
         from pdkv.sender import KVSender
 
         self.layout = sender_layout
-        self._peer = _peer(_receiver_side, (channel, receiver_layout, receiver_blocks, config), in_process=channel in IN_PROCESS)
+        args = (channel, receiver_layout, receiver_blocks, config, placement.receiver_addr)
+        self._peer = _peer(_receiver_side, args, in_process=channel in IN_PROCESS, netns=placement.receiver_netns)
         self.conn = self._peer.__enter__()
         try:
-            self.channel = create_channel(channel, f"bench-prefill-{uuid.uuid4().hex[:6]}")
+            self.channel = create_channel(channel, f"bench-prefill-{uuid.uuid4().hex[:6]}", channel_options(channel, placement.sender_addr))
             gen = torch.Generator().manual_seed(0)
             self.kv = [torch.randn(t.shape, generator=gen).to(t.dtype) for t in sender_layout.allocate(sender_blocks)]
             self.allocator = BlockAllocator(sender_blocks)
@@ -204,20 +220,23 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _measure_mode(channel: str, mode: str, scenarios: list[Scenario], repeats: int, baseline: Callable[..., dict[int, float]]) -> list[dict[str, Any]]:
+def _measure_mode(channel: str, mode: str, scenarios: list[Scenario], repeats: int, baseline_class: Callable[..., Any], placement: Placement) -> list[dict[str, Any]]:
     """Every scenario of one mode against one receiver process, pdkv and baseline rounds alternating."""
     layout = SENDER_LAYOUT if mode == "direct" else STAGING_LAYOUT
     theirs, ours = (max(lay.blocks_for(s.tokens) * s.requests for s in scenarios) for lay in (layout, SENDER_LAYOUT))
+    config = TransferConfig()
+    theirs = math.ceil(theirs / config.max_peer_blocks_share)  # one sender may hold only that share of the receiver
     reps = itertools.count()
     rows = []
-    with TransferRig(channel, layout, ours, theirs, TransferConfig()) as rig:
+    rig = TransferRig(channel, layout, ours, theirs, config, placement=placement)
+    with rig, baseline_class(max(s.nbytes for s in scenarios), placement) as baseline:
         rig.push([("warmup", scenarios[0].tokens)])  # handshake, first connections, native build: not timed
         for sc in scenarios:
             times: list[float] = []
             latencies: list[float] = []
             base: list[float] = []
             for _ in range(ROUNDS):
-                base.append(baseline([sc.nbytes], repeats)[sc.nbytes])
+                base.append(baseline.gbps(sc.nbytes, repeats))
                 for _ in range(repeats):
                     rep = next(reps)
                     total, each = rig.push([(f"rep{rep}-{i}", sc.tokens) for i in range(sc.requests)])
@@ -234,19 +253,22 @@ def _measure_mode(channel: str, mode: str, scenarios: list[Scenario], repeats: i
     return rows
 
 
-def measure(channel: str, modes: list[str], scenarios: list[tuple[int, int]], repeats: int) -> dict[str, Any]:
+def measure(channel: str, modes: list[str], scenarios: list[tuple[int, int]], repeats: int, placement: Placement = LOOPBACK) -> dict[str, Any]:
     """The result object of ``pdkv bench transfer --json``."""
     if channel not in BASELINES:
         raise ConfigError(f"bench transfer: no baseline for channel {channel!r}; expected one of {sorted(BASELINES)}")
     for mode in modes:
         if mode not in ("direct", "staging"):
             raise ConfigError(f"bench transfer --modes: {mode!r} is not a mode; expected direct and/or staging")
+    if channel in IN_PROCESS and placement.link is not None:
+        raise ConfigError(f"bench transfer: the {channel} channel cannot span hosts; --link needs tcp, nixl or ucx")
     baseline = _load(BASELINES[channel])
     rows = []
     for mode in modes:
-        rows.extend(_measure_mode(channel, mode, [Scenario(mode, t, r) for t, r in scenarios], repeats, baseline))
+        rows.extend(_measure_mode(channel, mode, [Scenario(mode, t, r) for t, r in scenarios], repeats, baseline, placement))
     return {
         "channel": channel,
+        "link": placement.label,
         "baseline": _describe(baseline, BASELINES[channel]) + ", moving the same bytes in one transfer",
         "layout": {"sender": msgspec.to_builtins(SENDER_LAYOUT), "staging_receiver": msgspec.to_builtins(STAGING_LAYOUT)},
         "results": rows,
@@ -255,7 +277,7 @@ def measure(channel: str, modes: list[str], scenarios: list[tuple[int, int]], re
 
 def _table(out: dict[str, Any]) -> str:
     lines = [
-        f"channel {out['channel']}: request-level transfer vs {out['baseline']}",
+        f"channel {out['channel']} over {out['link']}: request-level transfer vs {out['baseline']}",
         f"{'mode':>8} {'tokens':>6} {'reqs':>4} {'MB':>8} {'GB/s':>7} {'base':>7} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8} {'base ms':>8}",
     ]
     for r in out["results"]:
@@ -269,6 +291,8 @@ def _table(out: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ConfigError(f"bench transfer --repeats {args.repeats}: expected >= 1")
-    out = measure(args.channel, [m.strip() for m in args.modes.split(",") if m.strip()], args.scenarios or SCENARIOS, args.repeats)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    with bench_link(args.link) as placement:
+        out = call_on(placement.sender_netns, measure, args.channel, modes, args.scenarios or SCENARIOS, args.repeats, placement)
     print(json.dumps(out) if args.json else _table(out))
     return 0

@@ -46,8 +46,18 @@ from pdkv.checksum import layer_digests
 from pdkv.config import PdkvConfig
 from pdkv.engine.base import EngineAdapter, Request
 from pdkv.engine.sampling import SamplingParams
-from pdkv.errors import InvalidRequestError, NotAnnouncedError, OutOfBlocksError, PdkvError, PromptMismatchError, TransferError, TransferTimeout
+from pdkv.errors import (
+    InvalidRequestError,
+    NotAnnouncedError,
+    OutOfBlocksError,
+    PdkvError,
+    PeerUnreachableError,
+    PromptMismatchError,
+    TransferError,
+    TransferTimeout,
+)
 from pdkv.keys import chunk_keys
+from pdkv.netaddr import is_loopback
 from pdkv.receiver import KVReceiver, ReceivedKV
 from pdkv.sender import KVSender, OutgoingTransfer
 from pdkv.worker import openai_api as api
@@ -89,7 +99,10 @@ class Worker:
         if self.kv_events is not None:
             self.tiering.on_prompt = self.kv_events.note
         self.loop = EngineLoop(engine, chunk_size=self.chunk_size)
-        self.channel = create_channel(config.channel.name, self.agent, config.channel_options())
+        advertised = config.advertised_host()  # a wildcard host without advertise_host fails here, at start
+        channel_options = config.channel_options()
+        warn_if_data_plane_local(config.host, channel_options["host"])
+        self.channel = create_channel(config.channel.name, self.agent, channel_options)
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
         self.pusher: ChunkPusher | None = None
@@ -97,7 +110,7 @@ class Worker:
             self.sender = KVSender(self.channel, engine.layout, engine.kv_buffer, engine.fingerprint, config.transfer, secret=config.secret)
             self.pusher = ChunkPusher()
         else:
-            self.receiver = KVReceiver(self.channel, engine.layout, engine.kv_buffer, engine.allocator, engine.fingerprint, config.transfer, host=config.host, port=config.control_port, secret=config.secret)
+            self.receiver = KVReceiver(self.channel, engine.layout, engine.kv_buffer, engine.allocator, engine.fingerprint, config.transfer, host=config.host, port=config.control_port, secret=config.secret, advertise_host=advertised)
         m = self.metrics
         m.gauge("pdkv_running_requests", "Requests on the engine", lambda: self.loop.num_running)
         m.gauge("pdkv_free_blocks", "Free KV blocks", lambda: engine.allocator.num_free)
@@ -302,7 +315,7 @@ class Worker:
         transfer_id = str(kv.get("transfer_id") or req.request_id)
         host, port = kv.get("remote_host"), kv.get("remote_port")
         xfer: OutgoingTransfer | None = None
-        error = None
+        error, outcome = None, "not_started"
         if not host or not isinstance(port, int):
             error = "kv_transfer_params has no remote_host/remote_port of the decode worker's receiver"
         else:
@@ -310,6 +323,8 @@ class Worker:
             opening = asyncio.ensure_future(asyncio.to_thread(self.sender.open, transfer_id, f"tcp://{host}:{port}", n, request.block_table, key))
             try:
                 xfer = await asyncio.shield(opening)
+            except PeerUnreachableError as exc:  # the channel warned and counted it at the handshake
+                error, outcome = str(exc), "unreachable"
             except PdkvError as exc:
                 error = str(exc)
             except asyncio.CancelledError:  # the client went away mid-open: undo both once the open returns
@@ -317,7 +332,7 @@ class Worker:
                 raise
         if error is not None:
             log.warning("request %s: KV will not be transferred: %s", req.request_id, error)
-            self.metrics.transfers.labels(self.role, "not_started").inc()
+            self.metrics.transfers.labels(self.role, outcome).inc()
         params: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -482,6 +497,16 @@ class Worker:
         self.tiering.close()
         if self.kv_events is not None:  # after the tier: its last writes behind are announced too
             self.kv_events.close()
+
+
+def warn_if_data_plane_local(host: str, channel_host: str) -> None:
+    """A worker serving another host whose channel stays on loopback cannot move KV to or from any other host: say so at start."""
+    if is_loopback(channel_host) and not is_loopback(host):
+        log.warning(
+            "channel.options.host is %s while the worker serves %s: peers on other hosts cannot reach this worker's "
+            "data plane, and every transfer with them will fail (drop channel.options.host to follow --host)",
+            channel_host, host,
+        )
 
 
 async def _events(out: asyncio.Queue[tuple[int, str | None] | BaseException]) -> AsyncIterator[tuple[int, str | None]]:

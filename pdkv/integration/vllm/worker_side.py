@@ -123,7 +123,7 @@ class WorkerSide:
             self._landing = layout.allocate(self.config.num_blocks)
             self.receiver = KVReceiver(
                 channel, layout, self._landing, BlockAllocator(self.config.num_blocks), self.fingerprint, self.config.transfer,
-                host=self.config.host, port=self.config.control_port, secret=self.config.secret,
+                host=self.config.host, port=self.config.control_port, secret=self.config.secret, advertise_host=self.config.advertise_host,
             )
             log.info("pdkv receiver for vLLM listening on %s (%d landing blocks of %d tokens)", self.receiver.address, self.config.num_blocks, layout.block_size)
 
