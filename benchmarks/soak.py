@@ -30,6 +30,16 @@ The report counts faults by kind, and for corrupted chunks how many the decode
 worker detected and recomputed: a corrupted chunk that was not detected is an
 error, as is a fault that could not be injected.
 
+A decode worker that recomputes a prompt answers with the same tokens, so
+output equality cannot tell a transfer from a silent recompute. The soak
+therefore samples every decode worker's counters while it runs and reports
+where the prompts' KV came from: tokens transferred, tokens recomputed, and
+each fallback (by reason) sorted into "after a fault" (it happened while a
+fault was in effect: from its injection to ``SETTLE_S`` after it ended) or
+"without a fault", which must be none. A request may fail cleanly only while a
+fault is in effect, and at most ``concurrency`` per decode kill or prefill
+stall (the requests in flight then).
+
     python benchmarks/soak.py --requests 200 --json
 
 Exits non-zero when anything hung, leaked or mismatched.
@@ -39,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import http.client
 import json
@@ -52,6 +63,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,11 +71,13 @@ from typing import Any
 
 import yaml
 from pdkv.channels.tcp import DATA, HDR_SIZE, HEADER, NOTIF_FOLLOWS, READ_REQ
+from pdkv.auth import control_token
 from pdkv.launch.procs import WorkerProcess, start_worker
 
 from pdkv.demo import metric
 
 MAX_TOKENS = 8
+SAMPLE_S = 0.2  # how often the decode workers' KV counters are read
 LEAK_GAUGES = (
     "pdkv_reservations",
     "pdkv_reserved_blocks",
@@ -80,7 +94,10 @@ WORKER_CONFIG: dict[str, Any] = {
     "transfer": {"chunk_size": 32, "lease_s": 1, "heartbeat_s": 0.25, "transfer_timeout_s": 5, "handshake_timeout_s": 3,
                  "reserve_timeout_s": 3, "chunk_timeout_s": 5, "claim_timeout_s": 10, "drain_timeout_s": 2},
 }  # fmt: skip
+SETTLE_S = WORKER_CONFIG["transfer"]["transfer_timeout_s"] + WORKER_CONFIG["transfer"]["lease_s"] + 1.0
+"""How long a fault's effects may outlast it: a transfer it stalled times out, or its lease expires, by then."""
 ROUTER_CONFIG: dict[str, Any] = {
+    "secret": WORKER_CONFIG["secret"],  # the router cancels transfers on the decode workers: their control token
     "router": {"connect_timeout_s": 2, "prefill_timeout_s": 15, "decode_timeout_s": 30, "read_timeout_s": 15,
                "health_timeout_s": 2, "health_interval_s": 1, "max_retries": 2},
 }  # fmt: skip
@@ -89,6 +106,7 @@ ROUTER_CONFIG: dict[str, Any] = {
 @dataclass
 class Counts:
     requests: int = 0
+    concurrency: int = 4
     recovered: int = 0
     failed_cleanly: int = 0
     dropped: int = 0
@@ -104,15 +122,45 @@ class Counts:
     errors: list[str] = field(default_factory=list)
     leaks: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    # where the decode workers' prompt KV came from, counted from the first request through the router
+    transferred_tokens: int = 0
+    recomputed_tokens: int = 0
+    fallbacks_after_fault: collections.Counter[str] = field(default_factory=collections.Counter)  # by reason
+    fallbacks_without_fault: collections.Counter[str] = field(default_factory=collections.Counter)  # must stay empty
+    failed_without_fault: int = 0  # requests that failed cleanly while no fault was in effect: must be 0
+    windows: list[list[Any]] = field(default_factory=list)  # [fault kind, start, end] in monotonic s; end inf while in effect
+
+    @property
+    def failed_cleanly_bound(self) -> int:
+        """The requests that may fail: those in flight when a decode worker dies or the prefill worker stalls."""
+        return self.concurrency * (self.injected["decode_sigkill"] + self.injected["prefill_stall"])
+
+    def during_fault(self, start: float, end: float) -> bool:
+        """Whether [start, end] overlaps a fault's window, stretched by ``SETTLE_S``."""
+        return any(start <= w_end + SETTLE_S and end >= w_start for _, w_start, w_end in self.windows)
+
+    @contextlib.contextmanager
+    def fault_window(self, kind: str) -> Iterator[None]:
+        """Marks the time a fault is in effect (open-ended until the block exits)."""
+        window = [kind, time.monotonic(), float("inf")]
+        self.windows.append(window)
+        try:
+            yield
+        finally:
+            window[2] = time.monotonic()
+
+
+# The router's admin endpoints, with the secret and no admin_token, want the secret's control token.
+ADMIN = {"Authorization": f"Bearer {control_token(WORKER_CONFIG['secret'])}"}
 
 
 def _http(
-    method: str, url: str, body: Any = None, timeout: float = 30.0
+    method: str, url: str, body: Any = None, timeout: float = 30.0, headers: dict[str, str] | None = None
 ) -> tuple[int, bytes]:
     """One HTTP call; an HTTP error status is returned, not raised (it is a clean failure, not a crash)."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
-        url, data, {"Content-Type": "application/json"}, method=method
+        url, data, {"Content-Type": "application/json", **(headers or {})}, method=method
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -430,12 +478,18 @@ def one_request(
         conn.close()
 
 
-def kill_and_restart_decode(cluster: Cluster, counts: Counts, cycle: int = 0) -> None:
+def kill_and_restart_decode(cluster: Cluster, counts: Counts, monitor: KVMonitor, cycle: int = 0) -> None:
     """SIGKILL a decode worker (alternating between the two), start a new one, swap it in through the admin API."""
+    with counts.fault_window("decode_sigkill"):
+        _kill_and_restart_decode(cluster, counts, monitor, cycle)
+
+
+def _kill_and_restart_decode(cluster: Cluster, counts: Counts, monitor: KVMonitor, cycle: int) -> None:
     assert cluster.router is not None
     index = cycle % len(cluster.decode)
     with cluster.lock:
         victim = cluster.decode[index]
+    monitor.sample(victim)  # its counts so far, before they die with it
     victim.proc.send_signal(signal.SIGKILL)
     victim.proc.wait(10)
     counts.injected["decode_sigkill"] += 1
@@ -445,6 +499,7 @@ def kill_and_restart_decode(cluster: Cluster, counts: Counts, cycle: int = 0) ->
         cluster.router.url + "/pdkv/workers",
         {"role": "decode", "url": victim.url},
         timeout=10,
+        headers=ADMIN,
     )
     fresh = cluster.start_worker("decode", index)
     status, raw = _http(
@@ -452,6 +507,7 @@ def kill_and_restart_decode(cluster: Cluster, counts: Counts, cycle: int = 0) ->
         cluster.router.url + "/pdkv/workers",
         {"role": "decode", "url": fresh.url},
         timeout=10,
+        headers=ADMIN,
     )
     if status not in (200, 201):
         raise RuntimeError(
@@ -466,11 +522,12 @@ def kill_and_restart_decode(cluster: Cluster, counts: Counts, cycle: int = 0) ->
 def stall_prefill(cluster: Cluster, counts: Counts, seconds: float = 2.0) -> None:
     """A slow peer: the prefill worker freezes (SIGSTOP) mid-traffic, then resumes."""
     assert cluster.prefill is not None
-    cluster.prefill.proc.send_signal(signal.SIGSTOP)
-    try:
-        time.sleep(seconds)
-    finally:
-        cluster.prefill.proc.send_signal(signal.SIGCONT)
+    with counts.fault_window("prefill_stall"):
+        cluster.prefill.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            cluster.prefill.proc.send_signal(signal.SIGCONT)
     counts.injected["prefill_stall"] += 1
     counts.faults.append(f"SIGSTOP prefill for {seconds}s")
 
@@ -492,6 +549,11 @@ def corrupt_chunk(cluster: Cluster, counts: Counts, wait_s: float = 30.0) -> Non
     counter going up (the request may also fail cleanly: its output is
     checked like every other's).
     """
+    with counts.fault_window("corrupt_chunk"):
+        _corrupt_chunk(cluster, counts, wait_s)
+
+
+def _corrupt_chunk(cluster: Cluster, counts: Counts, wait_s: float) -> None:
     with cluster.lock:
         victim = cluster.decode[PROXIED]
     checksum_failures, fallbacks = _events(victim)
@@ -511,6 +573,86 @@ def corrupt_chunk(cluster: Cluster, counts: Counts, wait_s: float = 30.0) -> Non
         counts.errors.append(
             f"fault corrupt_chunk went undetected: decode {victim.url} counted no checksum failure within {wait_s}s"
         )
+
+
+def _fallbacks_by_reason(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("pdkv_fallbacks_total{"):
+            series, _, value = line.rpartition(" ")
+            reason = series.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = out.get(reason, 0.0) + float(value)
+    return out
+
+
+class KVMonitor:
+    """Samples every decode worker's prompt-KV counters while the soak runs, so that a fallback is seen with the
+    time it happened in (and the counts of a decode worker survive its SIGKILL: it is sampled just before).
+
+    Each sample adds what changed since the worker's previous one to ``counts``: transferred tokens, recomputed
+    tokens (computed or from its own cache tier) and fallbacks, each sorted by ``Counts.during_fault`` over the
+    interval since the previous sample. Decode workers only recompute a prompt as a fallback.
+    """
+
+    def __init__(self, cluster: Cluster, counts: Counts) -> None:
+        self.cluster, self.counts = cluster, counts
+        self.lock = threading.Lock()
+        self.last: dict[str, tuple[float, float, float, dict[str, float]]] = {}
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="soak-kv-monitor", daemon=True)
+
+    @staticmethod
+    def _read(worker: WorkerProcess) -> tuple[float, float, dict[str, float]] | None:
+        try:
+            _, raw = _http("GET", worker.url + "/metrics", timeout=5)
+        except OSError:
+            return None  # dead, or being replaced: what it did since its last sample is lost with it
+        text = raw.decode()
+        computed = metric(text, "pdkv_prompt_tokens_total", source="computed") + metric(text, "pdkv_prompt_tokens_total", source="tier")
+        return metric(text, "pdkv_prompt_tokens_total", source="transferred"), computed, _fallbacks_by_reason(text)
+
+    def baseline(self) -> None:
+        """Start counting from now (the fault-free reference answers are computed on a decode worker before)."""
+        with self.lock:
+            for w in self.cluster.decode:
+                now = self._read(w)
+                if now is not None:
+                    self.last[w.url] = (time.monotonic(), *now)
+
+    def sample(self, worker: WorkerProcess) -> None:
+        t = time.monotonic()
+        now = self._read(worker)
+        if now is None:
+            return
+        with self.lock:
+            prev_t, transferred, computed, fallbacks = self.last.get(worker.url, (t, 0.0, 0.0, {}))
+            self.last[worker.url] = (t, *now)
+            self.counts.transferred_tokens += int(now[0] - transferred)
+            self.counts.recomputed_tokens += int(now[1] - computed)
+            for reason, value in now[2].items():
+                n = int(value - fallbacks.get(reason, 0.0))
+                if n:
+                    kind = self.counts.fallbacks_after_fault if self.counts.during_fault(prev_t, t) else self.counts.fallbacks_without_fault
+                    kind[reason] += n
+
+    def _run(self) -> None:
+        while not self.stopped.wait(SAMPLE_S):
+            with self.cluster.lock:
+                workers = list(self.cluster.decode)
+            for w in workers:
+                self.sample(w)
+
+    def start(self) -> None:
+        self.baseline()
+        self.thread.start()
+
+    def stop(self) -> None:
+        """A last sample of every live decode worker, after the windows of the last faults are known."""
+        self.stopped.set()
+        self.thread.join(10)
+        for w in self.cluster.live_workers():
+            if w.role == "decode":
+                self.sample(w)
 
 
 def read_leaks(cluster: Cluster, wait_s: float) -> dict[str, float]:
@@ -547,7 +689,8 @@ def soak(
     root = Path(tmp.name) if tmp else workdir
     assert root is not None
     cluster = Cluster(root, write_tiny_model(root / "model"))
-    counts = Counts(requests=n)
+    counts = Counts(requests=n, concurrency=concurrency)
+    monitor = KVMonitor(cluster, counts)
     try:
         cluster.start()
         assert cluster.router is not None
@@ -578,7 +721,7 @@ def soak(
                     ),
                     (
                         b + max(1, block // 4),
-                        functools.partial(kill_and_restart_decode, cluster, counts, k),
+                        functools.partial(kill_and_restart_decode, cluster, counts, monitor, k),
                         restarted[k],
                     ),
                     (
@@ -601,7 +744,7 @@ def soak(
                         if event is not None:
                             event.set()
 
-        def task(i: int) -> tuple[str, str]:
+        def task(i: int) -> tuple[str, str, float, float]:
             nonlocal done
             drop = drop_every > 0 and i % drop_every == drop_every - 1
             for k, b in enumerate(starts):
@@ -610,24 +753,29 @@ def soak(
                     counts.errors.append(
                         f"fault kill_and_restart_decode did not finish before request {i}"
                     )
+            start = time.monotonic()
             try:
-                return one_request(
+                outcome, detail = one_request(
                     router_url, ps[i % len(ps)], expected[i % len(ps)], drop, timeout
                 )
+                return outcome, detail, start, time.monotonic()
             finally:
                 with done_lock:
                     done += 1
                     done_lock.notify_all()
 
         t0 = time.monotonic()
+        monitor.start()
         injector = threading.Thread(target=faults, name="soak-faults", daemon=True)
         injector.start()
         with ThreadPoolExecutor(concurrency) as pool:
             results = list(pool.map(task, range(n)))
         injector.join(timeout * 4)
         counts.seconds = round(time.monotonic() - t0, 1)
-        for outcome, detail in results:
+        for outcome, detail, start, end in results:
             setattr(counts, outcome, getattr(counts, outcome) + 1)
+            if outcome == "failed_cleanly" and not counts.during_fault(start, end):
+                counts.failed_without_fault += 1
             if outcome == "dropped":
                 counts.injected["client_drop"] += 1
                 counts.faults.append("client dropped its connection mid-stream")
@@ -635,11 +783,27 @@ def soak(
                 counts.errors.append(f"{outcome}: {detail}")
         counts.leaks = read_leaks(cluster, wait_s=15)
         counts.leaked = int(sum(counts.leaks.values()))
+        monitor.stop()
         return counts
     finally:
         cluster.stop()
         if tmp:
             tmp.cleanup()
+
+
+def problems(counts: Counts) -> list[str]:
+    """What makes a soak fail; empty when it passed."""
+    out = [f"{what}: {n}" for what, n in (("hung", counts.hung), ("leaked", counts.leaked), ("mismatched", counts.mismatched)) if n]
+    out += [e for e in counts.errors if e.startswith("fault")]
+    if counts.fallbacks_without_fault:
+        out.append(f"prompts recomputed while no fault was in effect: {dict(counts.fallbacks_without_fault)}")
+    if counts.failed_without_fault:
+        out.append(f"requests failed while no fault was in effect: {counts.failed_without_fault}")
+    if counts.failed_cleanly > counts.failed_cleanly_bound:
+        out.append(f"failed cleanly: {counts.failed_cleanly}, more than the {counts.failed_cleanly_bound} in flight at the faults that can fail one")
+    if not counts.transferred_tokens:
+        out.append("no prompt's KV was transferred")
+    return out
 
 
 def summary(counts: Counts) -> dict[str, Any]:
@@ -655,6 +819,14 @@ def summary(counts: Counts) -> dict[str, Any]:
         },
         "recovered": counts.recovered,
         "failed_cleanly": counts.failed_cleanly,
+        "failed_cleanly_bound": counts.failed_cleanly_bound,
+        "failed_without_fault": counts.failed_without_fault,
+        "kv": {
+            "transferred_prompt_tokens": counts.transferred_tokens,
+            "recomputed_prompt_tokens": counts.recomputed_tokens,
+            "fallbacks_after_fault": dict(sorted(counts.fallbacks_after_fault.items())),
+            "fallbacks_without_fault": dict(sorted(counts.fallbacks_without_fault.items())),
+        },
         "dropped_by_client": counts.dropped,
         "mismatched": counts.mismatched,
         "hung": counts.hung,
@@ -666,6 +838,7 @@ def summary(counts: Counts) -> dict[str, Any]:
         ],
         "leaks": counts.leaks,
         "errors": counts.errors,
+        "problems": problems(counts),
     }
 
 
@@ -690,14 +863,7 @@ def main(argv: list[str] | None = None) -> int:
     counts = soak(args.requests, args.concurrency, args.timeout, args.drop_every)
     out = summary(counts)
     print(json.dumps(out, indent=None if args.json else 2))
-    bad = (
-        counts.hung
-        or counts.leaked
-        or counts.mismatched
-        or counts.errors
-        and any(e.startswith("fault") for e in counts.errors)
-    )
-    return 1 if bad else 0
+    return 1 if problems(counts) else 0
 
 
 if __name__ == "__main__":

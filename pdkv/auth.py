@@ -35,6 +35,16 @@ def verify(secret: bytes, role: str, first: bytes, second: bytes, given: bytes) 
     return len(first) == len(second) == NONCE_BYTES and hmac.compare_digest(proof(secret, role, first, second), given)
 
 
+def control_token(secret: str) -> str:
+    """The bearer token of the HTTP control endpoints of workers that share ``secret``.
+
+    Derived, not the secret itself: HTTP carries it in clear, and whoever reads it off the wire
+    may cancel a transfer, never prove the secret on the data plane. Computed by hand it is
+    ``printf pdkv/http-control | openssl dgst -sha256 -hmac "$SECRET"``.
+    """
+    return hmac.new(secret.encode(), b"pdkv/http-control", hashlib.sha256).hexdigest()
+
+
 def bound_proof(secret: bytes, role: str, session: bytes, *fields: bytes) -> bytes:
     """HMAC-SHA256 over a handshake's ``session`` (both nonces) and ``fields``, each length-prefixed.
 

@@ -191,7 +191,7 @@ class KVCacheEngine:
         if not todo:
             return 0
         chunks = [native.gather(self.layout, kv_buffer, block_table, *spans[i]).cpu() for i in todo]
-        self.tier.put([keyed.keys[i] for i in todo], chunks)
+        self.tier.put([keyed.keys[i] for i in todo], chunks, [keyed.keys[i - 1] if i else None for i in todo])  # parents: for tier.memory_policy prefix
         return sum(spans[i][1] for i in todo)
 
     def retrieve(self, tokens: Tokens, kv_buffer: Sequence[torch.Tensor], block_table: BlockTable, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -203,14 +203,15 @@ class KVCacheEngine:
         loaded = torch.zeros(keyed.num_tokens, dtype=torch.bool)
         if start == keyed.num_tokens:
             return loaded
-        spans = keyed.spans()[start // self.chunk_size :]
-        keys = keyed.keys[start // self.chunk_size :]
+        first = start // self.chunk_size
+        spans = keyed.spans()[first:]
+        keys = keyed.keys[first:]
         staging = [torch.empty(self.layout.chunk_shape(self.chunk_size), dtype=self.layout.torch_dtype) for _ in range(min(self.load_batch_chunks, len(keys)))]
         end = start
         for batch in range(0, len(keys), self.load_batch_chunks):
             batch_spans = spans[batch : batch + self.load_batch_chunks]
             outs = [staging[j] if length == self.chunk_size else torch.empty(self.layout.chunk_shape(length), dtype=self.layout.torch_dtype) for j, (_, length) in enumerate(batch_spans)]
-            got = self.tier.get(keys[batch : batch + len(batch_spans)], outs)
+            got = self.tier.get(keys[batch : batch + len(batch_spans)], outs, keyed.keys[first + batch - 1] if first + batch else None)
             for (chunk_start, length), chunk in zip(batch_spans[:got], outs, strict=False):
                 skip = max(start - chunk_start, 0)  # tokens of the first chunk the caller already has
                 native.scatter(self.layout, kv_buffer, block_table, chunk_start + skip, chunk[:, :, skip:] if skip else chunk)

@@ -14,6 +14,17 @@ import sys
 from pdkv.errors import PdkvError
 
 
+def _parts(text: str) -> tuple[int, ...]:
+    """Parse ``2,3`` into the parts of ``pdkv bench ttft`` to run."""
+    try:
+        parts = tuple(sorted({int(p) for p in text.split(",")}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"parts {text!r}: expected a comma-separated list of 1, 2 and 3") from None
+    if not parts or not set(parts) <= {1, 2, 3}:
+        raise argparse.ArgumentTypeError(f"parts {text!r}: expected a comma-separated list of 1, 2 and 3")
+    return parts
+
+
 def _sizes(text: str) -> list[int]:
     """Parse ``4K,256K,4M,32M`` into bytes."""
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -71,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--decode", action="append", default=None, help="router: decode worker URL (repeatable)")
     launch.add_argument("--policy", default=None, choices=["round-robin", "least-loaded", "prefix"])
     launch.add_argument("--mode", default=None, choices=["pdkv", "vllm"], help="router: how P and D are paired (vllm: vLLM servers)")
+    launch.add_argument("--insecure", action="store_true", help="serve beyond loopback with no secret (workers) or admin token (router): a trusted network only")
     launch.add_argument("--ready-timeout", type=float, default=600.0, help="engine vllm: seconds to wait for vLLM to come up (default 600)")
     launch.add_argument("engine_args", nargs="*", metavar="-- VLLM_ARGS", help="engine vllm: flags after -- go to the vLLM server unchanged")
     launch.set_defaults(target="pdkv.launch.main:run")
@@ -93,9 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--json", action="store_true", help="print one JSON object")
     tr.set_defaults(target="pdkv.bench.transfer:run")
     ga = bsub.add_parser("gather", help="paged gather/scatter GB/s against memcpy")
+    ga.add_argument("--tokens", type=int, default=256, help="tokens per chunk (Llama-3-8B shaped: 128 KiB each)")
+    ga.add_argument("--repeats", type=int, default=0, help="timed repeats per row (0: 15 native, 5 torch)")
     ga.add_argument("--json", action="store_true")
     ga.set_defaults(target="pdkv.bench.gather:run")
     tt = bsub.add_parser("ttft", help="time to first token, cold and from each cache tier")
+    tt.add_argument("--parts", type=_parts, default=(1, 2, 3), help="which parts: 1 one prompt from each level, 2 trace hit rates against the optimum, 3 replay through workers (default 1,2,3)")
+    tt.add_argument("--model", default="default", help="'default' or a model directory")
+    tt.add_argument("--prompt-tokens", type=int, default=2048, help="part 1: prompt length")
+    tt.add_argument("--repeats", type=int, default=3, help="part 1: rounds (every case once per round)")
+    tt.add_argument("--trace-requests", type=int, default=0, help="parts 2-3: the trace's first N requests (0: all)")
+    tt.add_argument("--replay-conversations", type=int, default=16, help="part 3: conversations replayed through real workers (default 16)")
     tt.add_argument("--json", action="store_true")
     tt.set_defaults(target="pdkv.bench.ttft:run")
     pd = bsub.add_parser("pd", help="TTFT of a long prompt, prefill and decode on two hosts (--link), against one worker doing it all")
@@ -110,8 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--concurrency", type=int, default=32, help="requests in flight for the requests/s measurement")
     ro.add_argument("--json", action="store_true")
     ro.set_defaults(target="pdkv.bench.router:run")
+    for each in bsub.choices.values():
+        each.add_argument("--plot", metavar="FILE.png", default=None, help="also draw the result into this file (needs pdkv[plot])")
     kr = bsub.add_parser("kv-routing", help="KV-aware routing on the Mooncake trace through real workers, and the prefix index's lookup cost")
-    kr.add_argument("--trace", default=None, help="the Mooncake conversation_trace.jsonl (default: $PDKV_MOONCAKE_TRACE or beside the repository)")
+    kr.add_argument("--trace", default=None, help="the Mooncake conversation trace (default: $PDKV_MOONCAKE_TRACE, else the copy shipped with pdkv)")
     kr.add_argument("--prefill-workers", type=int, default=2, help="prefill workers (0: the lookup cost only)")
     kr.add_argument("--conversations", type=int, default=12, help="whole conversations replayed from the trace")
     kr.add_argument("--block-tokens", type=int, default=32, help="tokens per 512-token trace block (and the workers' chunk size)")

@@ -113,17 +113,29 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     # How many other workers a failed hop is tried on (per hop: prefill, and decode pairs).
     max_retries: Annotated[int, Meta(ge=0, le=16)] = 2
     connect_timeout_s: Seconds = 5.0
+    # Backstops for a hop whose worker keeps answering its health checks: a worker that stops
+    # answering them is routed around, and its hops retried elsewhere, within seconds (below).
     prefill_timeout_s: Seconds = 120.0
     decode_timeout_s: Seconds = 900.0
     # Longest silence inside a streamed answer, the wait for its first event included.
     read_timeout_s: Seconds = 300.0
-    health_timeout_s: Seconds = 5.0
+    # Health: GET /health on every worker each health_interval_s, and each busy_health_interval_s on a
+    # worker the router has requests on. health_failures probes in a row that fail (timed out, not
+    # 200) mark it down; a refused connection marks it down at once. A worker marked down is skipped
+    # until a probe passes, and the hops waiting on it whose client has no byte yet are failed and
+    # retried elsewhere (a decode hop only if another decode worker is healthy): a frozen worker
+    # (SIGSTOP, a hung engine) costs its requests about busy_health_interval_s + health_failures *
+    # health_timeout_s, not prefill_timeout_s.
+    health_timeout_s: Seconds = 2.0
     health_interval_s: Seconds = 5.0
+    busy_health_interval_s: Seconds = 1.0
+    health_failures: Annotated[int, Meta(ge=1, le=100)] = 2
     prefix_chunk_tokens: Positive = 256
     prefix_cache_entries: Positive = 65536
     # prefix policy: the prefix's owner is skipped when it runs this many more requests than the least loaded.
     prefix_max_imbalance: Annotated[int, Meta(ge=0)] = 8
-    # When set, the admin endpoints (/pdkv/workers) want "Authorization: Bearer <admin_token>".
+    # When set, the admin endpoints (/pdkv/workers) want "Authorization: Bearer <admin_token>"; unset,
+    # with a top-level `secret`, they want the secret's control token (pdkv.auth.control_token).
     admin_token: str = ""
     # KV-aware prefix policy (pdkv/router/kv_aware.py): the model's tokenizer ("default", or a Hugging Face
     # directory) turns prompts into the token ids the workers' KV events carry; "": no tokenizer.
@@ -150,9 +162,11 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     enabled: bool = True
     memory_bytes: Annotated[int, Meta(ge=0)] = 1 << 30  # 0: no memory level
-    memory_policy: Literal["lru", "s3fifo"] = "lru"
+    # which chunks leave a full level (pdkv/tier/policy.py): lru, s3fifo, or prefix (leaves of the prompt tree first, reuse-weighted)
+    memory_policy: Literal["lru", "s3fifo", "prefix"] = "lru"
     disk_path: str = ""  # a directory of its own per worker; "": no disk level
     disk_bytes: Positive = 16 << 30
+    disk_policy: Literal["lru", "s3fifo", "prefix"] = "lru"
     # redis://HOST:PORT/DB (or rediss://, unix://), or a cluster: redis+cluster://HOST:PORT[,HOST:PORT...]
     # (rediss+cluster:// for TLS; pdkv.tier.redis_backend); "": no remote level
     redis_url: str = ""
@@ -164,6 +178,24 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     write_behind_bytes: Positive = 256 << 20  # queued for the lower levels; beyond it writes are dropped
     flush_timeout_s: Seconds = 10.0  # at shutdown, how long queued writes may take
     load_batch_chunks: Positive = 4  # chunks read per batch when loading a prefix (staging memory)
+
+
+class HttpConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Limits of every HTTP server pdkv runs (workers and router): what a client can make it hold.
+
+    A body larger than ``max_body_bytes`` is answered 413 without being read; one that does not
+    arrive whole within ``body_timeout_s`` of its headers is answered 408 and its connection closed;
+    a connection with no complete request for ``idle_timeout_s`` (idle keep-alive, or headers that
+    never finish) is closed. Keep ``idle_timeout_s`` above the router's 15 s client keep-alive, so
+    the router never reuses a connection a worker is closing. After an answer given before the
+    body was read (408, 413, 401), what is left of the body is read and dropped for at most
+    ``linger_s`` (so the client reads the answer, not a reset), then the connection is closed.
+    """
+
+    max_body_bytes: Positive = 16 << 20
+    body_timeout_s: Seconds = 30.0
+    idle_timeout_s: Seconds = 75.0
+    linger_s: Annotated[float, Meta(ge=0)] = 1.0
 
 
 class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -186,6 +218,12 @@ class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
     kv_order: Literal["NHD", "HND"] = "NHD"
     kv_kind: Literal["per_layer", "cross_layer"] = "per_layer"
     secret: str = ""
+    # Serve beyond loopback without a secret (workers) or an admin token/secret (router): only on a
+    # network where everyone who can reach the ports is trusted. Refused at start otherwise.
+    insecure: bool = False
+    # A worker whose engine has work but finished no step for this long answers /health with 503.
+    stall_timeout_s: Seconds = 60.0
+    http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     channel: ChannelConfig = msgspec.field(default_factory=ChannelConfig)
     transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)

@@ -87,7 +87,19 @@ class ModelLoadError(EngineError):
     """A model could not be found, read or understood; the message says which file and what to do."""
 
 
-class InvalidRequestError(EngineError, ValueError):
+class RequestError(PdkvError):
+    """An HTTP request that cannot be served as sent: the client's fault, answered with ``status`` (4xx).
+
+    ``param`` names the request field at fault, when one is (vLLM's error body carries it).
+    """
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+class InvalidRequestError(RequestError, EngineError, ValueError):
     """A generation request's parameters or tokens are invalid (an HTTP 400, not a server fault)."""
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -17,9 +18,58 @@ from pdkv.config import TransferConfig
 from pdkv.layout import KVLayout
 from pdkv.receiver import KVReceiver
 from pdkv.sender import KVSender
-from pdkv.tier.localredis import LocalRedis, local_redis, server_binary
+from pdkv.tier.localredis import INSTALL_HINT, LocalRedis, local_redis, server_binary
 
 _names = itertools.count()
+
+# -- in CI, a skip is a failure unless the test needs a GPU -----------------------------------
+GPU_SKIPS = ("no GPU", "no CUDA")  # the only skip reasons CI accepts: how a GPU-only test must word its reason
+_ci_skips: list[str] = []
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _disallowed_skip(report: pytest.TestReport | pytest.CollectReport) -> str | None:
+    """The reason of a skip CI must not accept, or None."""
+    if not (_in_ci() and report.skipped) or hasattr(report, "wasxfail"):
+        return None
+    longrepr = report.longrepr
+    reason = str(longrepr[2] if isinstance(longrepr, tuple) else longrepr).removeprefix("Skipped: ")
+    return None if reason.startswith(GPU_SKIPS) else reason
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, None, None]:
+    """With CI set, a test that skips for any reason but a missing GPU fails: CI must run the whole suite."""
+    outcome = yield
+    report = outcome.get_result()
+    reason = _disallowed_skip(report)
+    if reason is not None:
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI ({reason}): with CI set, only tests that need a GPU may skip (a reason starting {' or '.join(map(repr, GPU_SKIPS))})"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, None, None]:
+    """The same for a whole module skipped at collection: noted here, failed in ``pytest_sessionfinish``."""
+    outcome = yield
+    reason = _disallowed_skip(outcome.get_result())
+    if reason is not None:
+        _ci_skips.append(f"{collector.nodeid}: {reason}")
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _ci_skips:
+        terminalreporter.section("skipped in CI (only tests that need a GPU may skip)", red=True)
+        for line in _ci_skips:
+            terminalreporter.line(line)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _ci_skips and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
@@ -94,7 +144,7 @@ def redis_server() -> Iterator[LocalRedis]:
     """A real redis-server on a free port (the remote tier is tested against a real one, never a fake)."""
     pytest.importorskip("redis", reason="the remote tier needs redis-py: pip install 'pdkv[redis]'")
     if server_binary() is None:
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server); the remote tier is tested against a real one")
+        pytest.skip(f"no redis-server found (the remote tier is tested against a real one): {INSTALL_HINT}")
     with local_redis() as server:
         yield server
 

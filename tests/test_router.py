@@ -2,14 +2,17 @@
 
 One set of worker processes serves the whole module: two prefill and two
 decode workers behind a ``pdkv launch --role router`` process, plus a
-spare prefill worker that a test registers at run time and then kills.
-The oracle is a decode worker answering the same request alone.
+spare prefill worker that a test registers at run time and then kills, and
+one that a test registers and then freezes (SIGSTOP). The oracle is a
+decode worker answering the same request alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -49,6 +52,7 @@ class Cluster:
     prefill: list[WorkerProcess]
     decode: list[WorkerProcess]
     spare: WorkerProcess  # a prefill worker the router does not know yet
+    frozen: WorkerProcess  # another one, for the test that SIGSTOPs it
     model: Path
 
     def client(self, url: str | None = None) -> openai.OpenAI:
@@ -78,16 +82,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         # short lease and drain: a killed prefill worker's reservations go in seconds
         "transfer": {"chunk_size": 32, "transfer_timeout_s": 30, "lease_s": 2, "heartbeat_s": 0.5, "drain_timeout_s": 2},
     }))
-    with ThreadPoolExecutor(5) as pool:
-        futures = [pool.submit(start_worker, role, "--config", str(worker_cfg), "--port", "0", timeout=180, env=ONE_THREAD) for role in ("prefill", "prefill", "prefill", "decode", "decode")]
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(start_worker, role, "--config", str(worker_cfg), "--port", "0", timeout=180, env=ONE_THREAD) for role in ("prefill", "prefill", "prefill", "prefill", "decode", "decode")]
         procs = [f.result() for f in futures]
-    p1, p2, spare, d1, d2 = procs
+    p1, p2, spare, frozen, d1, d2 = procs
     router_cfg = tmp / "router.yaml"
     # No background health checks during the module: a dead worker must be found by the requests themselves.
     router_cfg.write_text(yaml.safe_dump({"router": {"policy": "round-robin", "health_interval_s": 600, "max_retries": 2, "prefill_timeout_s": 60, "decode_timeout_s": 120}}))
     router = start_worker("router", "--config", str(router_cfg), "--port", "0", "--prefill", p1.url, "--prefill", p2.url, "--decode", d1.url, "--decode", d2.url, timeout=60)
     try:
-        yield Cluster(router, [p1, p2], [d1, d2], spare, model)
+        yield Cluster(router, [p1, p2], [d1, d2], spare, frozen, model)
     finally:
         for proc in (router, *procs):
             proc.stop()
@@ -100,6 +104,39 @@ def expected(cluster: Cluster) -> dict[str, list[int]]:
     return {p: direct.completions.create(model="tiny", prompt=p, **GREEDY).choices[0].token_ids for p in PROMPTS}
 
 
+@pytest.fixture(scope="module")
+def prompt_tokens(cluster: Cluster) -> dict[str, int]:
+    """Each prompt's length in tokens."""
+    direct = cluster.client(cluster.decode[0].url)
+    return {p: direct.completions.create(model="tiny", prompt=p, max_tokens=1).usage.prompt_tokens for p in PROMPTS}
+
+
+class KVSources:
+    """Where the decode workers' prompt KV came from, counted between ``__init__`` and ``assert_all_transferred``.
+
+    Token equality alone cannot tell a transfer from a decode worker that
+    silently recomputed the prompt (the same tokens, only slower).
+    """
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.decode = cluster.decode
+        self.before = self.read()
+
+    def read(self) -> dict[str, float]:
+        return {
+            "transferred": total(self.decode, "pdkv_prompt_tokens_total", source="transferred"),
+            "recomputed": total(self.decode, "pdkv_prompt_tokens_total", source="computed") + total(self.decode, "pdkv_prompt_tokens_total", source="tier"),
+            "fallbacks": total(self.decode, "pdkv_fallbacks_total"),
+        }
+
+    def delta(self) -> dict[str, float]:
+        now = self.read()
+        return {k: now[k] - self.before[k] for k in now}
+
+    def assert_all_transferred(self, prompt_tokens: int) -> None:
+        assert self.delta() == {"transferred": prompt_tokens, "recomputed": 0, "fallbacks": 0}
+
+
 def stream_tokens(chunks: Any) -> tuple[list[int], str]:
     ids, text = [], []
     for chunk in chunks:
@@ -109,18 +146,19 @@ def stream_tokens(chunks: Any) -> tuple[list[int], str]:
     return ids, "".join(text)
 
 
-def test_streamed_and_whole_answers_through_the_router_match_decode_alone(cluster: Cluster, expected: dict[str, list[int]]) -> None:
+def test_streamed_and_whole_answers_through_the_router_match_decode_alone(cluster: Cluster, expected: dict[str, list[int]], prompt_tokens: dict[str, int]) -> None:
     router, direct = cluster.client(), cluster.client(cluster.decode[0].url)
-    before = total(cluster.decode, "pdkv_prompt_tokens_total", source="transferred")
+    texts = {p: direct.completions.create(model="tiny", prompt=p, **GREEDY).choices[0].text for p in PROMPTS[:2]}
+    streamed_texts = {p: stream_tokens(direct.completions.create(model="tiny", prompt=p, stream=True, **GREEDY))[1] for p in PROMPTS[:2]}
+    sources = KVSources(cluster)
     for prompt in PROMPTS[:2]:
         whole = router.completions.create(model="tiny", prompt=prompt, **GREEDY)
         assert whole.choices[0].token_ids == expected[prompt]
-        assert whole.choices[0].text == direct.completions.create(model="tiny", prompt=prompt, **GREEDY).choices[0].text
+        assert whole.choices[0].text == texts[prompt]
         ids, text = stream_tokens(router.completions.create(model="tiny", prompt=prompt, stream=True, **GREEDY))
         assert ids == expected[prompt]
-        assert text == stream_tokens(direct.completions.create(model="tiny", prompt=prompt, stream=True, **GREEDY))[1]
-    assert total(cluster.decode, "pdkv_prompt_tokens_total", source="transferred") > before  # the KV really moved
-    assert total(cluster.decode, "pdkv_fallbacks_total") == 0
+        assert text == streamed_texts[prompt]
+    sources.assert_all_transferred(2 * sum(prompt_tokens[p] for p in PROMPTS[:2]))  # the KV really moved, every time
     text = get(cluster.router.url + "/metrics")
     assert metric(text, "pdkv_ttft_seconds_count", role="router") >= 2 and metric(text, "pdkv_router_picks_total", role="prefill") >= 4
 
@@ -130,18 +168,21 @@ def test_chat_stays_chat_through_the_router(cluster: Cluster) -> None:
     messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Which city is the capital of France?"}]
     tools = [{"type": "function", "function": {"name": "lookup", "description": "look a city up", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
     args = {"model": "tiny", "messages": messages, "tools": tools, **GREEDY}
-    via = router.chat.completions.create(**args)
     alone = direct.chat.completions.create(**args)
+    sources = KVSources(cluster)
+    via = router.chat.completions.create(**args)
     assert via.object == "chat.completion" and via.choices[0].message.role == "assistant"
     assert via.choices[0].token_ids == alone.choices[0].token_ids and via.choices[0].message.content == alone.choices[0].message.content
     chunks = list(router.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args))
     assert {c.object for c in chunks} == {"chat.completion.chunk"}
     assert [t for c in chunks for ch in c.choices for t in ch.token_ids] == alone.choices[0].token_ids
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+    assert via.usage is not None and via.usage.prompt_tokens == alone.usage.prompt_tokens
+    sources.assert_all_transferred(2 * via.usage.prompt_tokens)
     assert [m.id for m in router.models.list().data] == ["tiny"]
 
 
-def test_32_concurrent_requests_succeed_and_leave_no_reservation(cluster: Cluster, expected: dict[str, list[int]]) -> None:
+def test_32_concurrent_requests_succeed_and_leave_no_reservation(cluster: Cluster, expected: dict[str, list[int]], prompt_tokens: dict[str, int]) -> None:
     async def one(client: openai.AsyncOpenAI, i: int) -> list[int]:
         prompt = PROMPTS[i % len(PROMPTS)]
         if i % 2:
@@ -155,8 +196,10 @@ def test_32_concurrent_requests_succeed_and_leave_no_reservation(cluster: Cluste
         async with cluster.async_client() as client:
             return await asyncio.gather(*(one(client, i) for i in range(32)))
 
+    sources = KVSources(cluster)
     results = asyncio.run(run())
     assert results == [expected[PROMPTS[i % len(PROMPTS)]] for i in range(32)]
+    sources.assert_all_transferred(sum(prompt_tokens[PROMPTS[i % len(PROMPTS)]] for i in range(32)))
     for d in cluster.decode:
         wait_until(lambda d=d: metric(get(d.url + "/metrics"), "pdkv_reservations") == 0, 30, f"{d.url} to hold no reservation")
         assert metric(get(d.url + "/metrics"), "pdkv_reserved_blocks") == 0
@@ -189,26 +232,36 @@ def test_a_client_that_hangs_up_cancels_both_sides(cluster: Cluster, stream: boo
     wait_until(lambda: metric(get(cluster.router.url + "/metrics"), "pdkv_requests_total", outcome="cancelled") == cancelled_before + 1, 10, "the router to count it cancelled")
 
 
-def test_a_prefill_worker_killed_mid_run_costs_no_request(cluster: Cluster, expected: dict[str, list[int]]) -> None:
+def test_a_prefill_worker_killed_mid_run_costs_no_request(cluster: Cluster, expected: dict[str, list[int]], prompt_tokens: dict[str, int]) -> None:
     spare = cluster.spare
     status, added = admin("POST", cluster.router.url + "/pdkv/workers", {"role": "prefill", "url": spare.url})
     assert status == 201 and added["worker"]["healthy"] is True
 
-    async def run() -> list[list[int]]:
-        async with cluster.async_client() as client:
-            async def one(i: int) -> list[int]:
-                prompt = PROMPTS[i % len(PROMPTS)]
-                return (await client.completions.create(model="tiny", prompt=prompt, **GREEDY)).choices[0].token_ids
+    async def one(client: openai.AsyncOpenAI, i: int) -> list[int]:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        return (await client.completions.create(model="tiny", prompt=prompt, **GREEDY)).choices[0].token_ids
 
-            tasks = [asyncio.ensure_future(one(i)) for i in range(12)]
+    async def killed_mid_run() -> list[list[int]]:
+        async with cluster.async_client() as client:
+            tasks = [asyncio.ensure_future(one(client, i)) for i in range(12)]
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             await asyncio.to_thread(spare.kill)  # SIGKILL, mid-run: no goodbye to anyone
-            mid = await asyncio.gather(*tasks)
-            later = [await one(i) for i in range(6)]
-            return [*mid, *later]
+            return await asyncio.gather(*tasks)
 
-    results = asyncio.run(run())
-    assert results == [expected[PROMPTS[i % len(PROMPTS)]] for i in [*range(12), *range(6)]]
+    async def afterwards() -> list[list[int]]:
+        async with cluster.async_client() as client:
+            return [await one(client, i) for i in range(6)]
+
+    sources = KVSources(cluster)
+    assert asyncio.run(killed_mid_run()) == [expected[PROMPTS[i % len(PROMPTS)]] for i in range(12)]
+    # A request whose KV the dead worker was still pushing is recomputed on D (a counted fallback); every other
+    # one's KV came over the channel: no prompt is lost, none is counted twice.
+    moved, lengths = sources.delta(), [prompt_tokens[PROMPTS[i % len(PROMPTS)]] for i in range(12)]
+    assert moved["transferred"] + moved["recomputed"] == sum(lengths)
+    assert moved["fallbacks"] * min(lengths) <= moved["recomputed"] <= moved["fallbacks"] * max(lengths)
+    sources = KVSources(cluster)
+    assert asyncio.run(afterwards()) == [expected[PROMPTS[i % len(PROMPTS)]] for i in range(6)]
+    sources.assert_all_transferred(sum(prompt_tokens[PROMPTS[i % len(PROMPTS)]] for i in range(6)))  # the router no longer picks the dead one
     text = get(cluster.router.url + "/metrics")
     assert metric(text, "pdkv_router_retries_total", hop="prefill") >= 1
     listing = json.loads(get(cluster.router.url + "/pdkv/workers"))
@@ -218,6 +271,44 @@ def test_a_prefill_worker_killed_mid_run_costs_no_request(cluster: Cluster, expe
     status, _ = admin("DELETE", cluster.router.url + "/pdkv/workers", {"role": "prefill", "url": spare.url})
     assert status == 200
     assert spare.url not in [w["url"] for w in json.loads(get(cluster.router.url + "/pdkv/workers"))["prefill"]]
+
+
+def test_a_frozen_prefill_worker_is_routed_around_within_seconds(cluster: Cluster, expected: dict[str, list[int]]) -> None:
+    """A prefill worker SIGSTOPped with requests on it: they are retried elsewhere within seconds, not after
+    prefill_timeout_s (60 s here), new requests skip it, and the KV of every answer still moved."""
+    frozen = cluster.frozen
+    status, added = admin("POST", cluster.router.url + "/pdkv/workers", {"role": "prefill", "url": frozen.url})
+    assert status == 201 and added["worker"]["healthy"] is True
+    transferred, fallbacks = total(cluster.decode, "pdkv_prompt_tokens_total", source="transferred"), total(cluster.decode, "pdkv_fallbacks_total")
+    os.kill(frozen.proc.pid, signal.SIGSTOP)
+    try:
+        async def timed(client: openai.AsyncOpenAI, i: int) -> tuple[list[int], int, float]:
+            started = time.monotonic()
+            answer = await client.completions.create(model="tiny", prompt=PROMPTS[i % len(PROMPTS)], **GREEDY)
+            return answer.choices[0].token_ids, answer.usage.prompt_tokens, time.monotonic() - started
+
+        async def run(n: int) -> list[tuple[list[int], int, float]]:
+            async with cluster.async_client() as client:
+                return await asyncio.gather(*(timed(client, i) for i in range(n)))
+
+        first = asyncio.run(run(6))  # round robin over three prefill workers: two of these wait on the frozen one
+        text = get(cluster.router.url + "/metrics")
+        assert metric(text, "pdkv_router_retries_total", hop="prefill", reason="unhealthy") >= 1
+        picks = metric(text, "pdkv_router_picks_total", role="prefill", worker=frozen.url)
+        listing = json.loads(get(cluster.router.url + "/pdkv/workers"))
+        assert {w["url"]: w["healthy"] for w in listing["prefill"]}[frozen.url] is False
+        later = asyncio.run(run(3))
+        assert metric(get(cluster.router.url + "/metrics"), "pdkv_router_picks_total", role="prefill", worker=frozen.url) == picks  # skipped
+    finally:
+        os.kill(frozen.proc.pid, signal.SIGCONT)
+    assert [ids for ids, _, _ in first + later] == [expected[PROMPTS[i % len(PROMPTS)]] for i in [*range(6), *range(3)]]
+    assert max(seconds for _, _, seconds in first + later) < 30  # a request that waited for the frozen worker's hop timeout took 60 s
+    assert total(cluster.decode, "pdkv_prompt_tokens_total", source="transferred") == transferred + sum(n for _, n, _ in first + later)
+    assert total(cluster.decode, "pdkv_fallbacks_total") == fallbacks
+    for d in cluster.decode:  # the transfers the frozen worker had opened were cancelled, and it woke up to find them gone
+        wait_until(lambda d=d: metric(get(d.url + "/metrics"), "pdkv_reserved_blocks") == 0, 30, f"{d.url} to hold no reservation")
+    wait_until(lambda: metric(get(frozen.url + "/metrics"), "pdkv_running_requests") == 0, 30, "the thawed worker to drop the abandoned requests")
+    assert admin("DELETE", cluster.router.url + "/pdkv/workers", {"role": "prefill", "url": frozen.url})[0] == 200
 
 
 def test_a_prefill_cancelled_while_opening_its_transfer_frees_both_sides(cluster: Cluster) -> None:

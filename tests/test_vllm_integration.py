@@ -6,6 +6,26 @@ its vLLM mode. Skipped, with the reason, where a vLLM environment cannot be
 built (see tests/vllm_env.py). Startup costs about a minute and a half of
 the suite on two cores; the first run on a machine also builds the
 environment (a few minutes).
+
+What P/D must reproduce, and how it is checked:
+
+* KV, bit for bit. The monolithic vLLM and D run with a probe
+  (tests/vllm_kvprobe.py) that digests every prompt position's K and V in
+  every layer: what D holds after the load must equal what the monolithic
+  vLLM computed, at every position the connector moved. The last prompt
+  position is not moved: vLLM recomputes it on D, in a one-token step, to
+  sample the next token from.
+* Tokens, up to the first near-tie. That one-token step runs other kernels
+  than a whole-prompt prefill, so its K/V and logits differ in the last bf16
+  bits (measured below). Greedy decoding amplifies that only where the
+  model's top two candidates are within rounding of each other; there P/D
+  may pick the other one and go its own way from then on, correctly. So
+  tokens must be equal until the first step where they differ, and there
+  both sides must call it a near-tie: the token the other side chose is
+  within ``NEAR_TIE`` of their own in logprob. The prompts below have no
+  near-tie on their greedy path here, so every token is compared.
+* Where D's prompt tokens came from: vLLM's own counters on D
+  (``vllm:prompt_tokens_by_source_total``).
 """
 
 from __future__ import annotations
@@ -27,13 +47,16 @@ import pytest
 from pdkv.demo import get_text, metric, post_json
 from pdkv.launch.procs import WorkerProcess, start_worker
 from pdkv.launch.vllm import free_port
-from pdkv.tier.localredis import local_redis, server_binary
+from pdkv.tier.localredis import local_redis
 
 
 pytestmark = pytest.mark.timeout(1800)
 
 ENGINE_ARGS = ["--", "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "8"]
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+TESTS = Path(__file__).resolve().parent
+PROBED = ["--worker-extension-cls", "vllm_kvprobe.KVProbe"]  # with PROBE_ENV: the KV probe, on the monolithic vLLM and on D
+PROBE_ENV = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
 
 
 def bind(role: str) -> dict[str, str]:
@@ -47,12 +70,19 @@ def bind(role: str) -> dict[str, str]:
 D_TRANSFER_TIMEOUT_S = 8.0
 LONG = " ".join(f"Item {i} of the inventory is a box of {i * 7 % 13} red apples." for i in range(30))  # ~480 tokens: several blocks and chunks
 SHARED = " ".join(f"Rule {i}: a ship of class {i % 5} must carry {i * 3 % 11} lifeboats." for i in range(40))  # ~600 tokens: 2 full 256-token chunks
-PROMPTS = [
-    "The history of the Roman empire is long. It began when",
-    "Tell me about the sea. The sea is",
-    LONG + " The total number of red apples is",
-]
-CHAT = [{"role": "user", "content": "Name three colours of the rainbow."}]
+# Greedy paths with no near-tie in 16 tokens on the monolithic vLLM here (smallest top-2 margins 1.9, 1.3, 0.63,
+# 0.63), chosen from 55 candidates; "Name three colours of the rainbow." was the chat prompt before: an exact tie at
+# its 6th token, " and" vs " sight" both at -1.0953, which P/D resolved the other way.
+PROMPTS = ["1, 2, 3, 4, 5, 6,", LONG + " Item 30 of the inventory is a box of"]
+CHATS = [[{"role": "user", "content": "What is the capital of Germany?"}], [{"role": "user", "content": "Name the days of the week."}]]
+NEAR_TIE = 0.5
+"""Top-2 logprob gap under which a greedy step is decided by arithmetic, not by the model. Measured here with
+55 prompts (4-487 tokens, completions and chat), 32 tokens each, through P/D and the monolithic vLLM: the KV
+moved was bit-identical in all 55; P/D's first token logprobs differed by up to 0.15; where both were still on
+the same path (1,473 steps), the gap between the two top candidates moved by at most 0.25 wherever it was
+below 1.6 (0.625 at most anywhere); and all 7 divergences came at gaps of 0, 0.0625 or 0.125: exact ties
+and one or two bf16 steps of logits near 20. 0.5 is twice the largest move of a small gap and four times the
+largest gap a divergence came at."""
 SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
@@ -63,7 +93,7 @@ class Cluster:
     prefill: WorkerProcess
     decode: WorkerProcess
     router: WorkerProcess
-    redis_url: str  # "" when no redis-server is installed: the shared-tier test skips
+    redis_url: str  # a real redis-server the fixture started (pdkv.tier.localredis)
     redis_namespace: str
 
 
@@ -78,8 +108,8 @@ def _healthy(url: str) -> bool:
 def _start_mono(python: str, model: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     """Plain vLLM, no connector: what P/D must reproduce."""
     port = free_port("127.0.0.1")
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS[1:]]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, **bind("mono")}, start_new_session=True)
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS[1:], *PROBED]
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, **bind("mono"), **PROBE_ENV}, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -91,9 +121,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, vllm_env_python: str) -> I
     model = str(ensure_default_model())
     tmp = tmp_path_factory.mktemp("vllm")
     with contextlib.ExitStack() as stack:
-        redis_url = stack.enter_context(local_redis()).url if server_binary() else ""
+        redis_url = stack.enter_context(local_redis()).url
         namespace = f"vllm-{uuid.uuid4().hex}:"
-        tier = f"tier:\n  redis_url: {redis_url}\n  redis_namespace: '{namespace}'\n" if redis_url else ""
+        tier = f"tier:\n  redis_url: {redis_url}\n  redis_namespace: '{namespace}'\n"
         secret = f"secret: {uuid.uuid4().hex}\n"  # P and D authenticate each other, as a deployment beyond loopback must
         kv_events = f"kv_events: {{enable_kv_cache_events: true, endpoint: 'ipc://{tmp}/p-events', replay_endpoint: 'ipc://{tmp}/p-replay'}}\n"
         (tmp / "prefill.yaml").write_text(secret + tier + kv_events)
@@ -106,9 +136,9 @@ def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str)
     started: list[WorkerProcess] = []
     try:
         with ThreadPoolExecutor(2) as pool:
-            d_future = pool.submit(start_worker, "decode", "--engine", "vllm", "--model", model, "--port", "0", "--config", str(tmp / "decode.yaml"), *ENGINE_ARGS, timeout=900, env=bind("decode"), python=python)
+            d_future = pool.submit(start_worker, "decode", "--engine", "vllm", "--model", model, "--port", "0", "--config", str(tmp / "decode.yaml"), *ENGINE_ARGS, *PROBED, timeout=900, env={**bind("decode"), **PROBE_ENV}, python=python)
             p_future = pool.submit(start_worker, "prefill", "--engine", "vllm", "--model", model, "--port", "0", "--config", str(tmp / "prefill.yaml"), *ENGINE_ARGS, timeout=900, env=bind("prefill"), python=python)
-        # both started (or failed) by now: keep whichever started, so a failed one never leaks the other
+        # Both have finished starting (the pool waited): keep whichever came up, so one that failed never leaves the other running.
         started += [f.result() for f in (d_future, p_future) if f.exception() is None]
         decode, prefill = d_future.result(), p_future.result()
         # KV-aware: the router follows P's KV events (named in P's /pdkv/info) with the model's tokenizer
@@ -119,6 +149,8 @@ def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str)
         while not _healthy(mono_url):
             assert mono.poll() is None and time.monotonic() < deadline, f"monolithic vLLM did not start: {(tmp / 'mono.log').read_text()[-2000:]}"
             time.sleep(0.5)
+        for url in (mono_url, decode.url):
+            post_json(url + "/collective_rpc", {"method": "pdkv_probe_start"})
         yield Cluster(model, mono_url, prefill, decode, router, redis_url, namespace)
     finally:
         for w in reversed(started):
@@ -132,6 +164,70 @@ def complete(url: str, model: str, prompt: str, timeout: float = 300.0, **extra:
     return post_json(url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, **extra}, timeout)
 
 
+@dataclass
+class Step:
+    token: int
+    top: dict[int, float]  # the 5 likeliest tokens' logprobs, the chosen one included
+
+
+@dataclass
+class Answer:
+    prompt_ids: list[int]
+    steps: list[Step]
+    eos: bool  # the model ended it (rather than max_tokens)
+
+
+def _token_id(token: str) -> int:
+    return int(token.rsplit(":", 1)[1])  # "token_id:1234" (return_tokens_as_token_ids)
+
+
+def ask(url: str, model: str, prompt: str | list[dict[str, str]], max_tokens: int = 16) -> Answer:
+    """A greedy completion (chat when ``prompt`` is messages) with its prompt's token ids and each step's top logprobs."""
+    body: dict = {"model": model, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    if isinstance(prompt, str):
+        choice = post_json(url + "/v1/completions", {**body, "prompt": prompt, "logprobs": 5})
+        lp = choice["choices"][0]["logprobs"]
+        steps = [Step(_token_id(t), {_token_id(k): v for k, v in top.items()}) for t, top in zip(lp["tokens"], lp["top_logprobs"])]
+    else:
+        choice = post_json(url + "/v1/chat/completions", {**body, "messages": prompt, "logprobs": True, "top_logprobs": 5})
+        content = choice["choices"][0]["logprobs"]["content"]
+        steps = [Step(_token_id(e["token"]), {_token_id(t["token"]): t["logprob"] for t in e["top_logprobs"]}) for e in content]
+    prompt_ids = choice.get("prompt_token_ids") or choice["choices"][0]["prompt_token_ids"]  # chat: top level; completions: per choice
+    return Answer(prompt_ids, steps, choice["choices"][0]["finish_reason"] == "stop")
+
+
+def assert_same_greedy_path(want: Answer, got: Answer, eos_id: int, what: str) -> None:
+    """Equal tokens until the first step where they differ; there, a near-tie on both sides (see ``NEAR_TIE``)."""
+    for i in range(max(len(want.steps), len(got.steps))):
+        w = want.steps[i].token if i < len(want.steps) else eos_id if want.eos else None
+        g = got.steps[i].token if i < len(got.steps) else eos_id if got.eos else None
+        if w == g:
+            continue
+        assert w is not None and g is not None, f"{what}: one answer stopped at max_tokens after {i} tokens, the other did not"
+        for side, mine, other in (("monolithic", want, g), ("P/D", got, w)):
+            if i < len(mine.steps):  # a side that stopped on EOS has no logprobs for that step
+                top = mine.steps[i].top
+                gap = top[mine.steps[i].token] - top.get(other, float("-inf"))
+                assert gap < NEAR_TIE, f"{what}: token {i}: {side} chose {mine.steps[i].token} over {other} by {gap:.4f} in logprob, not a near-tie (< {NEAR_TIE}); top: {top}"
+        return
+
+
+def kv_digests(url: str, prompt_ids: list[int]) -> list[str]:
+    """Per-position digests of the KV the instance at ``url`` held for this prompt (see tests/vllm_kvprobe.py)."""
+    got = post_json(url + "/collective_rpc", {"method": "pdkv_probe_take", "args": [json.dumps(prompt_ids)]})["results"][0]
+    assert got is not None, f"{url} recorded no KV for this prompt"
+    return got
+
+
+def assert_same_kv(got: list[str], want: list[str], what: str) -> None:
+    differ = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+    assert not differ, f"{what}: the KV of {len(differ)} of {len(want)} prompt positions differs from monolithic vLLM's (first: {differ[:8]})"
+
+
+def eos_token_id(model: str) -> int:
+    return int(json.loads((Path(model) / "config.json").read_text())["eos_token_id"])
+
+
 def sources(c: Cluster) -> dict[str, float]:
     text = get_text(c.decode.url + "/metrics")
     return {s: metric(text, SOURCE, source=s) for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
@@ -139,19 +235,20 @@ def sources(c: Cluster) -> dict[str, float]:
 
 def test_router_pd_output_equals_monolithic_and_the_prefix_came_over_the_connector(cluster: Cluster) -> None:
     c = cluster
+    eos = eos_token_id(c.model)
     before = sources(c)
     router_fallbacks = metric(get_text(c.router.url + "/metrics"), "pdkv_router_fallbacks_total")
     prompt_tokens = 0
-    for prompt in PROMPTS:
-        want = complete(c.mono_url, c.model, prompt)
-        got = complete(c.router.url, c.model, prompt)
-        assert got["choices"][0]["text"] == want["choices"][0]["text"], prompt[:40]
-        prompt_tokens += got["usage"]["prompt_tokens"]
-    chat_body = {"model": c.model, "messages": CHAT, "max_tokens": 16, "temperature": 0}
-    want_chat = post_json(c.mono_url + "/v1/chat/completions", chat_body)
-    got_chat = post_json(c.router.url + "/v1/chat/completions", chat_body)
-    assert got_chat["choices"][0]["message"]["content"] == want_chat["choices"][0]["message"]["content"]
-    prompt_tokens += got_chat["usage"]["prompt_tokens"]
+    for prompt in [*PROMPTS, *CHATS]:
+        what = str(prompt)[-60:]
+        want = ask(c.mono_url, c.model, prompt)
+        want_kv = kv_digests(c.mono_url, want.prompt_ids)
+        got = ask(c.router.url, c.model, prompt)
+        assert got.prompt_ids == want.prompt_ids, what
+        # Every position the connector moved holds monolithic vLLM's KV, bit for bit; the last one D recomputes.
+        assert_same_kv(kv_digests(c.decode.url, got.prompt_ids)[:-1], want_kv[:-1], what)
+        assert_same_greedy_path(want, got, eos, what)
+        prompt_tokens += len(got.prompt_ids)
     after = sources(c)
     # vLLM's own counters on D: every prompt token arrived over the connector, none was computed there
     assert after["external_kv_transfer"] - before["external_kv_transfer"] == prompt_tokens
@@ -183,25 +280,26 @@ def test_a_prefix_computed_on_one_vllm_is_loaded_from_redis_by_another(cluster: 
     """No kv_transfer_params at all: P computes SHARED and offers its full chunks to Redis; D, asked the
     same prompt later, loads those chunks instead of computing them."""
     c = cluster
-    if not c.redis_url:
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server): the shared tier is tested against a real one")
     import redis
 
     server = redis.Redis.from_url(c.redis_url)
     stored = lambda: len(server.keys(c.redis_namespace + "*"))  # noqa: E731
     held = stored()
-    want = complete(c.mono_url, c.model, SHARED)["choices"][0]["text"]
-    assert complete(c.prefill.url, c.model, SHARED)["choices"][0]["text"] == want  # computed on P, saved behind its answer
+    want = ask(c.mono_url, c.model, SHARED)
+    want_kv = kv_digests(c.mono_url, want.prompt_ids)
+    on_p = ask(c.prefill.url, c.model, SHARED)  # computed on P as on the monolithic vLLM, saved behind its answer
+    assert [s.token for s in on_p.steps] == [s.token for s in want.steps]
     deadline = time.monotonic() + 60
     while stored() < held + 2:  # ask D only once both chunks are in Redis (else D computes and caches them itself)
         assert time.monotonic() < deadline, f"P wrote {stored() - held} of 2 chunks to Redis in 60s"
         time.sleep(0.2)
     before = sources(c)
-    got = complete(c.decode.url, c.model, SHARED)
+    got = ask(c.decode.url, c.model, SHARED)
     loaded = sources(c)["external_kv_transfer"] - before["external_kv_transfer"]
-    assert got["choices"][0]["text"] == want
     assert loaded == 512  # two full 256-token chunks from the tier; the partial last chunk is computed
-    assert sources(c)["local_compute"] - before["local_compute"] == got["usage"]["prompt_tokens"] - 512
+    assert sources(c)["local_compute"] - before["local_compute"] == len(got.prompt_ids) - 512
+    assert_same_kv(kv_digests(c.decode.url, got.prompt_ids)[:512], want_kv[:512], "SHARED from Redis")
+    assert_same_greedy_path(want, got, eos_token_id(c.model), "SHARED")  # D computed the rest over the loaded 512: other kernels
 
 
 def _cached(router_url: str, prompt: str) -> dict[str, int]:
@@ -242,6 +340,5 @@ def test_a_killed_prefill_does_not_hang_the_decode(cluster: Cluster) -> None:
     assert time.monotonic() - t0 < 60
     assert metric(get_text(c.router.url + "/metrics"), "pdkv_router_fallbacks_total", reason="prefill_failed") >= 1
     assert _healthy(c.decode.url)
-    again = complete(c.decode.url, c.model, PROMPTS[0])  # D keeps serving
-    assert again["choices"][0]["text"] == complete(c.mono_url, c.model, PROMPTS[0])["choices"][0]["text"]
-
+    again = ask(c.decode.url, c.model, PROMPTS[0])  # D keeps serving (its prefix cache may hold this prompt: near-ties may go either way)
+    assert_same_greedy_path(ask(c.mono_url, c.model, PROMPTS[0]), again, eos_token_id(c.model), "D after P died")

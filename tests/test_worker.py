@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,40 @@ def test_transfer_killed_halfway_falls_back_to_the_same_tokens(model_dir: Path, 
         finally:
             await p_runner.cleanup()
             await d_runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_health_reports_an_engine_that_stopped_making_progress(model_dir: Path) -> None:
+    """/health is 503 while the engine has work and finished no step for stall_timeout_s (a hung kernel, a
+    wedged device): the router's probes then route around the worker. Idle is not stalled."""
+
+    async def scenario() -> None:
+        w = Worker(convert_config({"role": "decode", "stall_timeout_s": 0.3, "num_blocks": 64}), ReferenceEngine.load(str(model_dir), progress=False))
+        hung, release, real_prefill = threading.Event(), threading.Event(), w.engine.prefill
+
+        def hung_prefill(*args: Any) -> Any:
+            hung.set()
+            release.wait(30)  # the step hangs until the test lets it go
+            return real_prefill(*args)
+
+        w.engine.prefill = hung_prefill  # type: ignore[method-assign]
+        runner, url = await _serve(w)
+        try:
+            async with aiohttp.ClientSession() as s:
+                await asyncio.sleep(0.5)
+                assert (await s.get(url + "/health")).status == 200  # idle for longer than stall_timeout_s: fine
+                generation = asyncio.ensure_future(s.post(url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2}))
+                await asyncio.to_thread(hung.wait, 30)
+                await asyncio.sleep(0.5)
+                stalled = await s.get(url + "/health")
+                assert stalled.status == 503 and "engine stalled" in (await stalled.json())["status"]
+                release.set()
+                assert (await generation).status == 200
+                assert (await s.get(url + "/health")).status == 200
+        finally:
+            release.set()
+            await runner.cleanup()
 
     asyncio.run(scenario())
 

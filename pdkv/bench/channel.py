@@ -55,6 +55,7 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pdkv.bench import plot
 from pdkv.bench.netrig import LOOPBACK, Placement, bench_link, call_on, iperf3_gbps, run_in_netns
 from pdkv.channels import TransferOp, create_channel
 from pdkv.channels.tcp import TcpOptions
@@ -550,10 +551,22 @@ def _table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def draw(out: dict[str, Any], path: str) -> None:
+    """``--plot``: GB/s against size, the channel and its same-run baseline."""
+    sizes = [r["size_bytes"] for r in out["results"]]
+    plot.lines(path, f"pdkv bench channel --channel {out['channel']}", "transfer size (bytes)", "GB/s", {
+        out["channel"]: (sizes, [r["gbps"] for r in out["results"]]),
+        "baseline: " + out["baseline"][:60]: (sizes, [r["baseline_gbps"] for r in out["results"]]),
+    })
+
+
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 0:
         raise ConfigError(f"bench channel --repeats {args.repeats}: expected >= 0 (0: chosen per size)")
+    plot.check(getattr(args, "plot", None))
     with bench_link(args.link) as placement:
         out = call_on(placement.sender_netns, measure, args.channel, args.sizes, args.repeats, placement)
     print(json.dumps(out) if args.json else _table(out))
+    if getattr(args, "plot", None):
+        draw(out, args.plot)
     return 0

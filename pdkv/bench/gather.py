@@ -35,6 +35,8 @@ import torch
 
 from pdkv import layout as torch_path
 from pdkv import native
+from pdkv.bench import plot
+from pdkv.errors import ConfigError
 from pdkv.layout import KVLayout
 
 LLAMA3_8B = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
@@ -75,19 +77,25 @@ class Memcpy:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = measure()
+    tokens, repeats = getattr(args, "tokens", TOKENS), getattr(args, "repeats", 0)
+    if tokens < 1 or repeats < 0:
+        raise ConfigError(f"bench gather: --tokens {tokens} must be >= 1 and --repeats {repeats} >= 0 (0: 15 native, 5 torch)")
+    plot.check(getattr(args, "plot", None))
+    report = measure(tokens, repeats)
     print(json.dumps(report) if args.json else format_table(report))
+    if getattr(args, "plot", None):
+        draw(report, args.plot)
     return 0
 
 
-def measure() -> Report:
-    """Time every (op, impl, layout) row against the same-run memcpy baseline."""
+def measure(tokens: int = TOKENS, repeats: int = 0) -> Report:
+    """Time every (op, impl, layout) row against the same-run memcpy baseline (``repeats`` 0: ``REPEATS``)."""
     threads = torch.get_num_threads()
     with ThreadPoolExecutor(threads) as pool:
-        return _measure(threads, Memcpy(LLAMA3_8B.chunk_bytes(TOKENS), threads, pool))
+        return _measure(threads, Memcpy(LLAMA3_8B.chunk_bytes(tokens), threads, pool), tokens, repeats)
 
 
-def _measure(threads: int, baseline: Memcpy) -> Report:
+def _measure(threads: int, baseline: Memcpy, tokens: int, repeats: int) -> Report:
     rng = torch.Generator().manual_seed(0)
     scratch = torch.zeros(FLUSH_BYTES, dtype=torch.uint8)
     impls: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., None]]] = {}
@@ -97,25 +105,25 @@ def _measure(threads: int, baseline: Memcpy) -> Report:
     rows: list[dict[str, object]] = []
     for layout in LAYOUTS:
         tensors = [torch.empty(layout.tensor_shape(NUM_BLOCKS), dtype=layout.torch_dtype) for _ in range(layout.num_tensors)]
-        table = torch.randperm(NUM_BLOCKS, generator=rng)[: layout.blocks_for(TOKENS)]
+        table = torch.randperm(NUM_BLOCKS, generator=rng)[: layout.blocks_for(tokens)]
         for t in tensors:
             t[table] = torch.randn(t[table].shape, generator=rng).to(layout.torch_dtype)
-        chunk = torch_path.gather(layout, tensors, table, 0, TOKENS)
-        nbytes = layout.chunk_bytes(TOKENS)
+        chunk = torch_path.gather(layout, tensors, table, 0, tokens)
+        nbytes = layout.chunk_bytes(tokens)
         out = torch.empty_like(chunk)
         for impl, (gather, scatter) in impls.items():
             ops: dict[str, Callable[[], object]] = {
-                "gather": functools.partial(gather, layout, tensors, table, 0, TOKENS, out),
+                "gather": functools.partial(gather, layout, tensors, table, 0, tokens, out),
                 "scatter": functools.partial(scatter, layout, tensors, table, 0, chunk),
             }
             for op, fn in ops.items():
-                gbps, base_gbps = _compare(fn, baseline, scratch, REPEATS[impl], nbytes)
-                rows.append({"op": op, "impl": impl, "layout": f"{layout.kind} {layout.order}", "bytes": nbytes,
-                             "gbps": round(gbps, 3), "baseline_gbps": round(base_gbps, 3), "ratio": round(gbps / base_gbps, 3)})
+                gbps, base_gbps = _compare(fn, baseline, scratch, repeats or REPEATS[impl], nbytes)
+                rows.append({"op": op, "impl": impl, "layout": f"{layout.kind} {layout.order}", "bytes": nbytes,  # 4 significant digits: a slow row is not 0
+                             "gbps": float(f"{gbps:.4g}"), "baseline_gbps": float(f"{base_gbps:.4g}"), "ratio": float(f"{gbps / base_gbps:.4g}")})
     return {
         "bench": "gather",
         "baseline": "memcpy",
-        "config": {**{f: getattr(LLAMA3_8B, f) for f in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")}, "tokens": TOKENS, "num_blocks": NUM_BLOCKS, "threads": threads, "cache": "cold (scratch written before each timed repeat)"},
+        "config": {**{f: getattr(LLAMA3_8B, f) for f in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")}, "tokens": tokens, "num_blocks": NUM_BLOCKS, "threads": threads, "cache": "cold (scratch written before each timed repeat)"},
         "native": {"available": "native" in impls, "reason": native.reason()},
         "results": rows,
     }
@@ -136,8 +144,16 @@ def _compare(fn: Callable[[], object], baseline: Memcpy, scratch: torch.Tensor, 
     return nbytes / op_s / 1e9, nbytes / base_s / 1e9
 
 
+def draw(report: Report, path: str) -> None:
+    """``--plot``: GB/s of each (op, impl, layout) beside memcpy of the same bytes in the same run."""
+    rows = report["results"]
+    plot.bars(path, f"pdkv bench gather: {report['config']['tokens']}-token Llama-3-8B chunk, cold cache, {report['config']['threads']} threads", "GB/s",
+              [f"{r['op']} {r['impl']}\n{r['layout']}" for r in rows],
+              {"gather/scatter": [r["gbps"] for r in rows], "baseline: memcpy": [r["baseline_gbps"] for r in rows]})
+
+
 def format_table(report: Report) -> str:
-    lines = [f"paged gather/scatter vs memcpy, {TOKENS}-token Llama-3-8B chunk, cold cache, {report['config']['threads']} threads"]
+    lines = [f"paged gather/scatter vs memcpy, {report['config']['tokens']}-token Llama-3-8B chunk, cold cache, {report['config']['threads']} threads"]
     if not report["native"]["available"]:
         lines.append(f"native: unavailable ({report['native']['reason']})")
     lines.append(f"{'op':<8} {'impl':<7} {'layout':<16} {'MiB':>6} {'GB/s':>7} {'memcpy GB/s':>12} {'ratio':>6}")

@@ -36,6 +36,7 @@ from typing import Any
 
 import yaml
 
+from pdkv.bench import plot
 from pdkv.bench.netrig import Host, Placement, bench_link
 from pdkv.config import PdkvConfig
 from pdkv.demo import get_text, metric, stream_events
@@ -150,10 +151,20 @@ def _table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def draw(out: dict[str, Any], path: str) -> None:
+    """``--plot``: median TTFT through P/D beside one worker doing it all, per link measured."""
+    rows = out["results"]
+    plot.bars(path, f"pdkv bench pd: {out['tokens']}-token prompt, P/D across a link vs one worker", "time to first token (s)",
+              [r["link"] for r in rows], {"P/D through the router": [r["pd_ttft_s"] for r in rows], "baseline: one worker": [r["baseline_ttft_s"] for r in rows]})
+
+
 def run(args: argparse.Namespace) -> int:
     if args.tokens < 1 or args.repeats < 1:
         raise PdkvError(f"bench pd: --tokens {args.tokens} and --repeats {args.repeats} must be positive")
+    plot.check(getattr(args, "plot", None))
     with bench_link(args.link) as placement:
         out = measure(args.model, args.tokens, args.repeats, placement)
     print(json.dumps(out) if args.json else _table(out))
+    if getattr(args, "plot", None):
+        draw(out, args.plot)
     return 0

@@ -34,6 +34,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pdkv.bench import plot
 from pdkv.launch.procs import start_worker
 
 TIMEOUT_S = 30.0
@@ -150,8 +151,18 @@ def _table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def draw(out: dict[str, Any], path: str) -> None:
+    """``--plot``: latency percentiles of the router, its baseline and a decode call alone; requests/s in the note."""
+    rows = [r for r in out["results"] if "decode_only" in r]
+    rate = next(r for r in out["results"] if r["metric"] == "requests_per_s")
+    plot.bars(path, f"pdkv bench router ({out['requests']} requests per side)", "latency (ms)", [r["metric"] for r in rows],
+              {"router": [r["router"] for r in rows], "baseline: both hops by the client": [r["baseline"] for r in rows], "one decode call alone": [r["decode_only"] for r in rows]},
+              note=f"requests/s at {rate['concurrency']} in flight: router {rate['router']:.0f}, baseline {rate['baseline']:.0f} (ratio {rate['ratio']:.2f})")
+
+
 def run(args: argparse.Namespace) -> int:
     requests, concurrency = getattr(args, "requests", 500), getattr(args, "concurrency", 32)
+    plot.check(getattr(args, "plot", None))
     ctx = multiprocessing.get_context("spawn")
     port_in, port_out = ctx.Pipe(duplex=False)
     backend_proc = ctx.Process(target=_serve_backend, args=(port_out,), daemon=True)
@@ -169,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
         backend_proc.terminate()
         backend_proc.join(TIMEOUT_S)
     print(json.dumps(out) if getattr(args, "json", False) else _table(out))
+    if getattr(args, "plot", None):
+        draw(out, args.plot)
     return 0
 
 

@@ -52,6 +52,7 @@ import msgspec
 import torch
 import xxhash
 
+from pdkv.bench import plot
 from pdkv.bench.channel import BASELINES, IN_PROCESS, _describe, _load, _peer, _recv, channel_options
 from pdkv.bench.netrig import LOOPBACK, Placement, bench_link, call_on
 from pdkv.blocks import BlockAllocator
@@ -288,11 +289,26 @@ def _table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def draw(out: dict[str, Any], path: str) -> None:
+    """``--plot``: GB/s against a scenario's bytes, per mode, beside the raw channel moving the same bytes."""
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for r in sorted(out["results"], key=lambda r: r["size_bytes"]):
+        for label, key in ((f"pdkv {r['mode']}", "gbps"), (f"baseline ({r['mode']} sizes)", "baseline_gbps")):
+            xs, ys = series.setdefault(label, ([], []))
+            xs.append(r["size_bytes"])
+            ys.append(r[key])
+    plot.lines(path, f"pdkv bench transfer --channel {out['channel']}", "bytes per scenario (all its requests)", "GB/s", series,
+               note="baseline: " + out["baseline"][:150])
+
+
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ConfigError(f"bench transfer --repeats {args.repeats}: expected >= 1")
+    plot.check(getattr(args, "plot", None))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     with bench_link(args.link) as placement:
         out = call_on(placement.sender_netns, measure, args.channel, modes, args.scenarios or SCENARIOS, args.repeats, placement)
     print(json.dumps(out) if args.json else _table(out))
+    if getattr(args, "plot", None):
+        draw(out, args.plot)
     return 0

@@ -3,28 +3,44 @@
 Three measurements, one run, one JSON object:
 
 1. ``results``: a 2048-token prompt on the default model (SmolLM2-135M,
-   float32, chunks of 256). The baseline is its first sight (every chunk
-   computed, and offered to the tier as a worker does); then the same prompt
-   served from memory, from disk (a fresh memory level, the disk files
+   float32, chunks of 256). The baseline is the plain prefill with no tier at
+   all (``cold, tier off``); then its first sight with the tier on (every
+   chunk computed, and offered to the tier as a worker does), and the same
+   prompt served from memory, from disk (a fresh memory level, the disk files
    evicted from the page cache first) and from a real redis-server on
-   loopback (fresh memory and disk). Each row's ratio is its TTFT over the
-   cold one; each cached run must give the cold run's first token and
-   bit-identical KV. The chunk holding the last token is always computed
-   (``pdkv.worker.tiering``), so at best 7 of 8 chunks are loaded.
+   loopback (fresh memory and disk). The cases run in rounds, every case once
+   per round, ``--repeats`` rounds; each row is the median of its repeats and
+   its ratio is over the baseline's median. Each cached run must give the
+   baseline's first token and bit-identical KV. The chunk holding the last
+   token is always computed (``pdkv.worker.tiering``), so at best 7 of 8
+   chunks are loaded.
 2. ``trace``: the Mooncake conversation trace (12,031 requests, prefix-chained
    512-token blocks) replayed through a ``MemoryTier`` (real keys, tiny
-   values) at a few sizes and both policies: the block hit rate against the
-   infinite-cache bound of the same trace (0.366).
+   values) at 2%, 9% and 36% of its distinct blocks and under every eviction
+   policy (``lru``, ``s3fifo``, ``prefix``). The baseline of each row is the
+   offline optimum at the same size (``pdkv.bench.eviction``: Belady's MIN
+   with ties broken children-first, exact for the trace's credit of a
+   leading run); also each policy's share of cached blocks no lookup can
+   reach, and its cost per request at 10^5 blocks.
 3. ``replay``: a scaled-down replay through real ``pdkv launch`` workers
-   (one decode, two prefill: tier off and on), whole conversations from the
-   trace, each 512-token block shrunk to ``REPLAY_BLOCK_TOKENS`` tokens;
-   requests go one at a time (this is a 2-core CPU), each to both prefill
-   workers in turn so load drifts hit both alike. TTFT is what a client of
+   (one decode; prefill workers with the tier off, and with a memory level
+   of ``REPLAY_CACHE_SHARE`` of the sample's distinct chunks under each
+   eviction policy), whole conversations from the trace, each 512-token
+   block shrunk to ``REPLAY_BLOCK_TOKENS`` tokens; requests go one at a time
+   (this is a 2-core CPU), each to every prefill worker in turn, the first
+   worker rotating, so load drifts hit all alike. TTFT is what a client of
    the router sees: the prefill request (its KV pushed to the decode worker)
-   plus the decode worker's first streamed token.
+   plus the decode worker's first streamed token. Each worker's share of
+   prompt tokens loaded from its tier is checked against a simulation of the
+   same requests through a ``MemoryTier``.
 
-The trace is looked for beside the repository (``../shared/data/mooncake-traces``)
-or at ``$PDKV_MOONCAKE_TRACE``; without it parts 2 and 3 report why they were skipped.
+``--parts`` runs some of them (``--parts 2`` needs neither the model nor a
+redis-server).
+
+The trace ships with pdkv (``pdkv/bench/data/mooncake``, Apache-2.0, the
+Mooncake project's; its README says where from); ``$PDKV_MOONCAKE_TRACE``
+names another file (JSON lines, plain or ``.xz``). Without one, parts 2 and 3
+report why they were skipped.
 """
 
 from __future__ import annotations
@@ -35,8 +51,10 @@ import contextlib
 import dataclasses
 import http.client
 import json
+import lzma
 import os
 import platform
+import shutil
 import statistics
 import tempfile
 import time
@@ -46,20 +64,24 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import msgspec
 import numpy as np
 import torch
 import yaml
 
+from pdkv.bench import plot
+from pdkv.bench.eviction import infinite_hit_rate, next_uses, optimum, policy_costs, policy_replay, reuse_oracle_lru
 from pdkv.checksum import layer_digests
 from pdkv.demo import metric
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
-from pdkv.errors import PdkvError
+from pdkv.errors import ConfigError, PdkvError
 from pdkv.keys import chunk_key, chunk_keys
 from pdkv.launch.procs import WorkerProcess, start_worker
 from pdkv.layout import KVLayout
 from pdkv.tier import CacheTier, DiskTier, MemoryTier, RedisTier, TieredCache
-from pdkv.tier.localredis import local_redis, server_binary
+from pdkv.tier.localredis import INSTALL_HINT, local_redis, server_binary
+from pdkv.tier.policy import POLICIES
 from pdkv.worker.metrics import WorkerMetrics
 from pdkv.worker.tiering import Tiering
 
@@ -67,39 +89,71 @@ Report = dict[str, Any]
 
 PROMPT_TOKENS = 2048
 CHUNK = 256
-CACHED_REPEATS = 3
+REPEATS = 3
 TARGET_RATIO = 0.2
 
 TRACE_ENV = "PDKV_MOONCAKE_TRACE"
-TRACE_FILE = "conversation_trace.jsonl"
+TRACE_FILE = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace.jsonl.xz"
 TRACE_BLOCK_TOKENS = 512
 TRACE_BOUND = 0.366  # the issue's figure; the run recomputes it from the file
 SIM_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")  # 8 bytes/token: the hit rate needs keys, not KV
-SIM_SIZES = (4096, 16384, 65536)  # L1 capacity in 512-token blocks
+SIM_SIZES = (4096, 16384, 65536)  # L1 capacity in 512-token blocks: 2%, 9% and 36% of the trace's distinct blocks
+TARGET_OPTIMUM_RATIO = 0.9  # the prefix policy's hit rate over the optimum's at 9% (issue 22)
+COST_BLOCKS = 100_000  # capacity at which each policy's per-request cost is timed
+REDIS_POLICIES = ("allkeys-lru", "allkeys-lfu")  # the server's own eviction, replayed on the first REDIS_REQUESTS requests
+REDIS_REQUESTS = 4000
+REDIS_VALUE_TOKENS = 64  # 512 bytes of SIM_LAYOUT KV (+ 64 of header) per value
+REDIS_SLACK = 128 << 10  # maxmemory above the values' own memory: the clients' query and reply buffers
 
-REPLAY_CONVERSATIONS = 8  # whole conversations (same first two blocks) with at least two requests
+REPLAY_CONVERSATIONS = 16  # whole conversations (same first two blocks) with at least two requests
+REPLAY_CACHE_SHARE = 0.09  # the bounded memory levels hold this share of the sample's distinct chunks (the issue's 9% point)
 REPLAY_BLOCK_TOKENS = 8
 REPLAY_MAX_BLOCKS = 48
 REPLAY_CHUNK = 32
 
 
+PARTS = (1, 2, 3)
+
+
 def run(args: argparse.Namespace) -> int:
-    report = measure()
+    sizes = {"--prompt-tokens": args.prompt_tokens, "--repeats": args.repeats, "--replay-conversations": args.replay_conversations}
+    for flag, value in sizes.items():
+        if value < 1:
+            raise ConfigError(f"bench ttft {flag} {value}: expected >= 1")
+    if args.trace_requests < 0:
+        raise ConfigError(f"bench ttft --trace-requests {args.trace_requests}: expected >= 0 (0: the whole trace)")
+    plot.check(args.plot)
+    report = measure(args.parts, args.model, args.prompt_tokens, args.repeats, args.trace_requests, args.replay_conversations)
     print(json.dumps(report) if args.json else format_report(report))
+    if args.plot:
+        draw(report, args.plot)
     return 0
 
 
-def measure() -> Report:
-    trace = trace_path()
-    requests = load_trace(trace) if trace is not None else None
+def measure(
+    parts: Sequence[int] = PARTS,
+    model: str = "default",
+    prompt_tokens: int = PROMPT_TOKENS,
+    repeats: int = REPEATS,
+    trace_requests: int = 0,
+    replay_conversations: int = REPLAY_CONVERSATIONS,
+) -> Report:
+    trace = trace_path() if {2, 3} & set(parts) else None
+    requests = load_trace(trace, trace_requests or None) if trace is not None else None
+    engine = ReferenceEngine.load(model, progress=False) if {1, 3} & set(parts) else None
     report: Report = {
         "bench": "ttft",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
-        **prompt_ttft(),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg()},
+        **(prompt_ttft(engine, model, prompt_tokens, repeats) if engine is not None and 1 in parts else {}),
     }
-    skipped = f"the Mooncake trace was not found (looked beside the repo for ../shared/data/mooncake-traces/{TRACE_FILE}, and at ${TRACE_ENV})"
-    report["trace"] = trace_hit_rates(requests, str(trace)) if requests is not None else {"skipped": skipped}
-    report["replay"] = replay(requests) if requests is not None else {"skipped": skipped}
+    skipped = f"the Mooncake trace was not found (looked at ${TRACE_ENV} and {TRACE_FILE})"
+    vocab = engine.vocab_size if engine is not None else 0
+    parts_to_run = ((2, "trace", lambda r: trace_hit_rates(r, str(trace))), (3, "replay", lambda r: replay(r, replay_conversations, model, vocab)))
+    for part, key, measure_part in parts_to_run:
+        if part not in parts:
+            report[key] = {"skipped": "not asked for (--parts)"}
+        else:
+            report[key] = measure_part(requests) if requests is not None else {"skipped": skipped}
     return report
 
 
@@ -153,69 +207,91 @@ def _stack(engine: ReferenceEngine, levels: Sequence[CacheTier]) -> Iterator[tup
         cache.close()
 
 
-def prompt_ttft() -> Report:
-    engine = ReferenceEngine.load("default", progress=False)
+CASES = {
+    "cold, tier off": "no tier at all: the plain prefill (the baseline)",
+    "cold": "first sight, tier on: every chunk computed, gathered and stored",
+    "memory": "L1 hit (same process)",
+    "disk": "L2 hit: fresh memory level, files dropped from the page cache (posix_fadvise) before the read",
+    "redis": "remote hit: fresh memory and disk levels, redis-server on loopback TCP",
+}
+
+
+def prompt_ttft(engine: ReferenceEngine, model: str, prompt_tokens: int = PROMPT_TOKENS, repeats: int = REPEATS) -> Report:
+    """Part 1. ``repeats`` rounds; each round runs every case once, in ``CASES`` order, against a tier of its own
+    (fresh memory, disk directory and Redis namespace), so a burst of load on a shared machine hits every case
+    alike and every median is over the same count."""
     rng = np.random.default_rng(2048)
-    prompt = [int(t) for t in rng.integers(100, engine.vocab_size, PROMPT_TOKENS)]
-    memory_bytes = 2 * engine.layout.chunk_bytes(PROMPT_TOKENS)
-    rows: list[Report] = []
+    prompt = [int(t) for t in rng.integers(100, engine.vocab_size, prompt_tokens)]
+    memory_bytes = 2 * engine.layout.chunk_bytes(prompt_tokens)
+    samples: dict[str, list[Sample]] = {case: [] for case in CASES}
     with tempfile.TemporaryDirectory(prefix="pdkv-bench-ttft-") as tmp, contextlib.ExitStack() as stack:
-        disk_dir = Path(tmp) / "disk"
         redis_url = stack.enter_context(local_redis()).url if server_binary() else None
-        remote = (lambda: RedisTier(engine.layout, redis_url, namespace="bench:ttft:")) if redis_url else None
 
-        off = _ttft(engine, Tiering(None, engine, CHUNK, WorkerMetrics("prefill")), prompt)
-        first_levels: list[CacheTier] = [MemoryTier(engine.layout, memory_bytes), DiskTier(engine.layout, disk_dir, 4 * memory_bytes)]
-        with _stack(engine, first_levels + ([remote()] if remote else [])) as (tiering, cache):
-            cold = _ttft(engine, tiering, prompt)  # computes every chunk, stores each as a worker does
-            if not cache.flush(120):
-                raise PdkvError("the cold run's chunks were not written to disk and redis within 120s")
-            memory = [_ttft(engine, tiering, prompt) for _ in range(CACHED_REPEATS)]
+        def levels(disk_dir: Path, namespace: str | None) -> list[CacheTier]:
+            out: list[CacheTier] = [MemoryTier(engine.layout, memory_bytes), DiskTier(engine.layout, disk_dir, 4 * memory_bytes)]
+            if namespace is not None and redis_url is not None:
+                out.append(RedisTier(engine.layout, redis_url, namespace=namespace))
+            return out
 
-        def from_disk() -> Sample:
+        for r in range(repeats):
+            disk_dir, namespace = Path(tmp) / f"disk-{r}", f"bench:ttft:{os.getpid()}:{r}:"
+            samples["cold, tier off"].append(_ttft(engine, Tiering(None, engine, CHUNK, WorkerMetrics("prefill")), prompt))
+            with _stack(engine, levels(disk_dir, namespace)) as (tiering, cache):
+                samples["cold"].append(_ttft(engine, tiering, prompt))  # computes every chunk, stores each as a worker does
+                if not cache.flush(120):
+                    raise PdkvError("the cold run's chunks were not written to disk and redis within 120s")
+                samples["memory"].append(_ttft(engine, tiering, prompt))
             _drop_page_cache(disk_dir)
-            with _stack(engine, [MemoryTier(engine.layout, memory_bytes), DiskTier(engine.layout, disk_dir, 4 * memory_bytes)]) as (t, _):
-                return _ttft(engine, t, prompt)
-
-        def from_redis() -> Sample:
-            assert remote is not None
-            with tempfile.TemporaryDirectory(dir=tmp) as fresh, _stack(engine, [MemoryTier(engine.layout, memory_bytes), DiskTier(engine.layout, fresh, 4 * memory_bytes), remote()]) as (t, _):
-                return _ttft(engine, t, prompt)
-
-        cases: list[tuple[str, str, list[Sample]]] = [
-            ("cold", "first sight, tier on: every chunk computed, gathered and stored", [cold]),
-            ("cold, tier off", "no tier at all: the plain prefill", [off]),
-            ("memory", "L1 hit (same process)", memory),
-            ("disk", "L2 hit: fresh memory level, files dropped from the page cache (posix_fadvise) before the read", [from_disk() for _ in range(CACHED_REPEATS)]),
-        ]
-        if remote is not None:
-            cases.append(("redis", "remote hit: fresh memory and disk levels, redis-server on loopback TCP", [from_redis() for _ in range(CACHED_REPEATS)]))
-    for name, what, samples in cases:
-        seconds = statistics.median(s.seconds for s in samples)
+            with _stack(engine, levels(disk_dir, None)) as (tiering, _):
+                samples["disk"].append(_ttft(engine, tiering, prompt))
+            if redis_url is not None:
+                with tempfile.TemporaryDirectory(dir=tmp) as fresh, _stack(engine, levels(Path(fresh), namespace)) as (tiering, _):
+                    samples["redis"].append(_ttft(engine, tiering, prompt))
+            shutil.rmtree(disk_dir)
+    off = samples["cold, tier off"]
+    base = statistics.median(s.seconds for s in off)
+    rows: list[Report] = []
+    for case, what in CASES.items():
+        got = samples[case]
+        if not got:
+            continue
+        seconds = statistics.median(s.seconds for s in got)
         rows.append({
-            "case": name,
+            "case": case,
             "what": what,
             "ttft_s": round(seconds, 4),
-            "samples_s": [round(s.seconds, 4) for s in samples],
-            "loaded_tokens": samples[0].loaded_tokens,
-            "computed_tokens": PROMPT_TOKENS - samples[0].loaded_tokens,
-            "identical": all(s.first_token == cold.first_token and s.digests == cold.digests for s in samples),
-            "ratio": round(seconds / cold.seconds, 4),
+            "samples_s": [round(s.seconds, 4) for s in got],
+            "loaded_tokens": got[0].loaded_tokens,
+            "computed_tokens": prompt_tokens - got[0].loaded_tokens,
+            "identical": all(s.first_token == off[0].first_token and s.digests == off[0].digests for s in got),
+            "ratio": round(seconds / base, 4),
         })
     cached = [r["ratio"] for r in rows if r["loaded_tokens"]]
     report: Report = {
-        "model": f"{engine.model_name} (--model default), {engine.layout.dtype}",
-        "prompt_tokens": PROMPT_TOKENS,
+        "model": f"{engine.model_name} (--model {model}), {engine.layout.dtype}",
+        "prompt_tokens": prompt_tokens,
         "chunk_tokens": CHUNK,
         "chunk_bytes": engine.layout.chunk_bytes(CHUNK),
-        "baseline": "cold: first sight of the prompt with the tier on (every chunk computed and stored)",
-        "cold_ttft_s": round(cold.seconds, 4),
+        "repeats": repeats,
+        "baseline": "cold, tier off: the plain prefill, no tier; every case's median over the same repeats, the cases interleaved round by round",
+        "cold_ttft_s": round(base, 4),
         "results": rows,
         "target": {"cached_ratio_max": TARGET_RATIO, "met": bool(cached) and max(cached) <= TARGET_RATIO},
     }
-    if remote is None:
-        report["redis_skipped"] = "no redis-server or valkey-server on PATH"
+    if redis_url is None:
+        report["redis_skipped"] = f"no redis-server found: {INSTALL_HINT}"
     return report
+
+
+def draw(report: Report, path: str) -> None:
+    """``--plot``: part 1, the median TTFT of each case beside the baseline's (cold, tier off)."""
+    if "results" not in report:
+        raise ConfigError("bench ttft --plot draws part 1: run it with --parts including 1")
+    rows = report["results"]
+    base = next(r["ttft_s"] for r in rows if r["case"] == "cold, tier off")
+    plot.bars(path, f"pdkv bench ttft: {report['prompt_tokens']}-token prompt, {report['model']}", "time to first token (s)",
+              [r["case"] for r in rows], {"this case (median)": [r["ttft_s"] for r in rows], "baseline: cold, tier off": [base] * len(rows)},
+              note=f"median of {report['repeats']} interleaved repeats; ratios: " + ", ".join(f"{r['case']} {r['ratio']:.3f}" for r in rows))
 
 
 # -- 2. the Mooncake trace through a memory level ------------------------------------------
@@ -227,16 +303,16 @@ class TraceRequest:
 
 
 def trace_path() -> Path | None:
-    """The trace file beside the repository checkout (or named by $PDKV_MOONCAKE_TRACE), or None."""
+    """The trace named by $PDKV_MOONCAKE_TRACE, else the one shipped with pdkv; None if neither is there."""
     named = os.environ.get(TRACE_ENV)
     candidates = [Path(named)] if named else []
-    candidates.append(Path(__file__).resolve().parents[2].parent / "shared" / "data" / "mooncake-traces" / TRACE_FILE)
+    candidates.append(TRACE_FILE)
     return next((p for p in candidates if p.is_file()), None)
 
 
 def load_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
     out: list[TraceRequest] = []
-    with open(path) as f:
+    with (lzma.open(path, "rt") if path.suffix == ".xz" else open(path)) as f:
         for line in f:
             if limit is not None and len(out) >= limit:
                 break
@@ -272,40 +348,111 @@ def trace_keys(requests: Sequence[TraceRequest], fingerprint: str, block: int = 
     return out
 
 
-def infinite_hit_rate(keys: Sequence[Sequence[bytes]]) -> float:
-    """Share of all blocks whose key was seen before: what an unbounded cache would hit."""
-    seen: set[bytes] = set()
-    hits = total = 0
-    for ks in keys:
-        total += len(ks)
-        hits += sum(k in seen for k in ks)
-        seen.update(ks)
-    return hits / total
-
-
 def simulated_hit_rate(keys: Sequence[Sequence[bytes]], capacity_blocks: int, policy: str) -> float:
-    """Replay the requests through a ``MemoryTier``: each looks up its prefix, then stores what it computed."""
+    """Replay the requests through a ``MemoryTier``: each looks up its prefix, then stores what it computed (with parents, as a worker does)."""
     tier = MemoryTier(SIM_LAYOUT, capacity_blocks * SIM_LAYOUT.chunk_bytes(TRACE_BLOCK_TOKENS), policy)
     value = torch.zeros(SIM_LAYOUT.chunk_shape(TRACE_BLOCK_TOKENS))  # shared: the tier never writes to what it keeps
     outs = [torch.empty_like(value) for _ in range(max(map(len, keys)))]
     hits = total = 0
     for ks in keys:
         got = tier.get(ks, outs[: len(ks)])
-        tier.put(ks[got:], [value] * (len(ks) - got))
+        tier.put(ks[got:], [value] * (len(ks) - got), [ks[i - 1] if i else None for i in range(got, len(ks))])
         hits += got
         total += len(ks)
     return hits / total
 
 
+def _ratio(rate: float, best: float) -> float:
+    """``rate / best`` rounded; 1.0 when nothing could be hit at all."""
+    return round(rate / best, 4) if best else 1.0
+
+
+def redis_hit_rates(keys: Sequence[Sequence[bytes]]) -> Report:
+    """The first ``REDIS_REQUESTS`` requests through a ``RedisTier`` on a real redis-server bounded to about 9% of their
+    distinct blocks, under each of the server's own policies, beside pdkv's policies and the optimum on the same requests.
+
+    Redis evicts by its ``maxmemory-policy``; nothing of the tree reaches it.
+    ``maxmemory`` is the server's memory with that many values stored (then
+    flushed) plus ``REDIS_SLACK`` for the clients' buffers, so the bound is
+    approximate: each row gives the values held at the end. Values are
+    ``REDIS_VALUE_TOKENS`` tokens of ``SIM_LAYOUT`` (the hit rate needs keys
+    only; the values just have to outweigh the buffers).
+    """
+    try:
+        import redis
+    except ImportError:
+        return {"skipped": "redis-py is not installed: pip install 'pdkv[redis]'"}
+    keys = keys[:REDIS_REQUESTS]
+    blocks = round(0.09 * len({k for ks in keys for k in ks}))
+    value = torch.zeros(SIM_LAYOUT.chunk_shape(REDIS_VALUE_TOKENS))
+    outs = [torch.empty_like(value) for _ in range(max(map(len, keys)))]
+    best = optimum(keys, blocks).hit_rate
+    rows: list[Report] = []
+    with local_redis() as server:
+        client = redis.Redis.from_url(server.url)
+        try:
+            for policy in REDIS_POLICIES:
+                client.config_set("maxmemory", 0)
+                client.flushall()
+                tier = RedisTier(SIM_LAYOUT, server.url, namespace="trace:", timeout_s=30)
+                probe = [i.to_bytes(16, "little") for i in range(blocks)]
+                tier.put(probe, [value] * len(probe))
+                full = int(client.info("memory")["used_memory"])
+                client.flushall()
+                client.config_set("maxmemory-policy", policy)
+                client.config_set("maxmemory", full + REDIS_SLACK)
+                hits = total = 0
+                for ks in keys:
+                    got = tier.get(ks, outs[: len(ks)])
+                    tier.put(ks[got:], [value] * (len(ks) - got))
+                    hits += got
+                    total += len(ks)
+                if tier.stats()["redis"].errors:
+                    raise PdkvError(f"redis-server answered errors during the {policy} replay")
+                rows.append({"policy": f"redis {policy}", "values_held_at_end": int(client.dbsize()), "hit_rate": round(hits / total, 4), "ratio": _ratio(hits / total, best)})
+                tier.close()
+        finally:
+            client.close()
+    for policy in POLICIES:
+        rate = simulated_hit_rate(keys, blocks, policy)
+        rows.append({"policy": f"pdkv {policy}", "values_held_at_end": blocks, "hit_rate": round(rate, 4), "ratio": _ratio(rate, best)})
+    return {"requests": len(keys), "capacity_blocks": blocks, "optimum_hit_rate": round(best, 4), "rows": rows}
+
+
 def trace_hit_rates(requests: Sequence[TraceRequest], path: str) -> Report:
+    """Part 2: each policy's block hit rate at each size, as a ratio to the offline optimum at that size (``pdkv.bench.eviction``)."""
     keys = trace_keys(requests, "mooncake-trace")
     bound = infinite_hit_rate(keys)
     unique = len({k for ks in keys for k in ks})
-    rows = []
+    nexts = next_uses(keys)
+    optima, rows = [], []
+    rates: dict[tuple[str, int], float] = {}
     for blocks in (*SIM_SIZES, unique):
-        for policy in ("lru", "s3fifo"):
-            rate = simulated_hit_rate(keys, blocks, policy)
-            rows.append({"policy": policy, "l1_blocks": blocks, "l1_share_of_unique_blocks": round(blocks / unique, 4), "hit_rate": round(rate, 4), "ratio": round(rate / bound, 4)})
+        best = optimum(keys, blocks, nexts)
+        optima.append({
+            "l1_blocks": blocks,
+            "l1_share_of_unique_blocks": round(blocks / unique, 4),
+            "hit_rate": round(best.hit_rate, 4),
+            "relaxed_min_hit_rate": round(best.relaxed_hit_rate, 4),
+            "min_parents_first_hit_rate": round(best.min_parents_first, 4),
+            "lru_with_reuse_oracle_hit_rate": round(reuse_oracle_lru(keys, blocks, nexts), 4),
+        })
+        for policy in POLICIES:
+            rate = rates[policy, blocks] = simulated_hit_rate(keys, blocks, policy)
+            check = policy_replay(keys, blocks, policy)
+            if abs(check.hit_rate - rate) > 1e-12:
+                raise PdkvError(f"{policy} at {blocks} blocks: the policy-only replay ({check.hit_rate}) disagrees with the MemoryTier replay ({rate})")
+            rows.append({
+                "policy": policy,
+                "l1_blocks": blocks,
+                "l1_share_of_unique_blocks": round(blocks / unique, 4),
+                "hit_rate": round(rate, 4),
+                "optimum_hit_rate": round(best.hit_rate, 4),
+                "ratio": _ratio(rate, best.hit_rate),
+                "ratio_to_infinite": _ratio(rate, bound),
+                "unreachable_share": round(check.unreachable_share, 4),
+            })
+    new_ratio = next(r["ratio"] for r in rows if r["policy"] == "prefix" and r["l1_blocks"] == SIM_SIZES[1])
     return {
         "file": path,
         "requests": len(requests),
@@ -313,8 +460,18 @@ def trace_hit_rates(requests: Sequence[TraceRequest], path: str) -> Report:
         "unique_blocks": unique,
         "infinite_cache_hit_rate": round(bound, 4),
         "expected_bound": TRACE_BOUND,
-        "baseline": "infinite-cache block hit rate of the same trace (ratio = hit_rate / it)",
+        "credit": "a request is credited the leading run of its blocks the cache holds (a lookup stops at the first miss), then stores the rest",
+        "baseline": "the offline optimum at the same size: Belady's MIN with ties broken children-first, exact for this credit (pdkv/bench/eviction.py); ratio = hit_rate / it",
+        "optimum": optima,
         "rows": rows,
+        "policy_cost": policy_costs(keys, POLICIES, COST_BLOCKS),  # ratio: to LRU's cost in the same run
+        "redis": redis_hit_rates(keys) if server_binary() else {"skipped": "no redis-server or valkey-server on PATH"},
+        "targets": {
+            "prefix_ratio_at_9pct_min": TARGET_OPTIMUM_RATIO,
+            "prefix_ratio_at_9pct": new_ratio,
+            "prefix_ratio_met": new_ratio >= TARGET_OPTIMUM_RATIO,
+            "prefix_beats_lru_and_s3fifo_at_every_size": all(rates["prefix", b] > max(rates["lru", b], rates["s3fifo", b]) for b in SIM_SIZES),
+        },
     }
 
 
@@ -351,32 +508,56 @@ def _post(url: str, body: dict[str, Any], timeout: float = 600) -> tuple[float, 
         conn.close()
 
 
-def _launch(role: str, tmp: Path, name: str, **settings: Any) -> WorkerProcess:
-    cfg = {"model": "default", "num_blocks": 128, "transfer": {"chunk_size": REPLAY_CHUNK}, **settings}
+def _launch(role: str, tmp: Path, name: str, model: str, **settings: Any) -> WorkerProcess:
+    cfg = {"model": model, "num_blocks": 128, "transfer": {"chunk_size": REPLAY_CHUNK}, **settings}
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return start_worker(role, "--config", str(path), "--port", "0", timeout=600)
 
 
-def replay(requests: Sequence[TraceRequest]) -> Report:
-    sample = [dataclasses.replace(r, hash_ids=r.hash_ids[:REPLAY_MAX_BLOCKS]) for r in replay_sample(requests)]
-    prompts = [np.concatenate([block_tokens(h, REPLAY_BLOCK_TOKENS) for h in r.hash_ids]).tolist() for r in sample]
+def replay_hit_share(prompts: Sequence[Sequence[int]], capacity_chunks: int, policy: str, chunk: int = REPLAY_CHUNK) -> float:
+    """The share of prompt tokens a prefill worker's memory level of ``capacity_chunks`` chunks would load, replaying ``prompts``
+    as ``pdkv.worker.tiering`` does (full chunks before the last token's are loadable; the full chunks computed are stored)."""
+    tier = MemoryTier(SIM_LAYOUT, capacity_chunks * SIM_LAYOUT.chunk_bytes(chunk), policy)
+    value = torch.zeros(SIM_LAYOUT.chunk_shape(chunk))
+    loaded = total = 0
+    for prompt in prompts:
+        keys = chunk_keys(prompt, "replay", chunk)
+        loadable = keys[: (len(prompt) - 1) // chunk]
+        got = tier.get(loadable, [torch.empty_like(value) for _ in loadable])
+        full = keys[: len(prompt) // chunk]
+        tier.put(full[got:], [value] * (len(full) - got), [full[i - 1] if i else None for i in range(got, len(full))])
+        loaded += got * chunk
+        total += len(prompt)
+    return loaded / total
+
+
+def replay(requests: Sequence[TraceRequest], conversations: int = REPLAY_CONVERSATIONS, model: str = "default", vocab: int = 49152) -> Report:
+    """Part 3: the sample through real prefill workers, tier off and bounded under each eviction policy."""
+    sample = [dataclasses.replace(r, hash_ids=r.hash_ids[:REPLAY_MAX_BLOCKS]) for r in replay_sample(requests, conversations)]
+    prompts = [np.concatenate([block_tokens(h, REPLAY_BLOCK_TOKENS, vocab) for h in r.hash_ids]).tolist() for r in sample]
+    distinct = len({k for prompt in prompts for k in chunk_keys(prompt, "replay", REPLAY_CHUNK)})
+    capacity = max(1, round(REPLAY_CACHE_SHARE * distinct))
     workers: list[WorkerProcess] = []
-    ttft: dict[str, list[float]] = {"off": [], "on": []}
+    modes = ["off", *POLICIES]
+    ttft: dict[str, list[float]] = {mode: [] for mode in modes}
     mismatches = 0
     with tempfile.TemporaryDirectory(prefix="pdkv-bench-replay-") as tmp:
         try:
-            decode = _launch("decode", Path(tmp), "decode", num_threads=1, tier={"enabled": False})
+            decode = _launch("decode", Path(tmp), "decode", model, num_threads=1, tier={"enabled": False})
             workers.append(decode)
-            prefill = {
-                "off": _launch("prefill", Path(tmp), "p-off", num_threads=2, tier={"enabled": False}),
-                "on": _launch("prefill", Path(tmp), "p-on", num_threads=2),
-            }
-            workers.extend(prefill.values())
             d_info = json.loads(_get(decode.url + "/pdkv/info"))
+            chunk_bytes = msgspec.convert(d_info["layout"], KVLayout).chunk_bytes(REPLAY_CHUNK)
+            tiers: dict[str, dict[str, Any]] = {
+                "off": {"enabled": False},
+                **{policy: {"memory_bytes": capacity * chunk_bytes, "memory_policy": policy} for policy in POLICIES},
+            }
+            prefill = {mode: _launch("prefill", Path(tmp), f"p-{mode}", model, num_threads=2, tier=tiers[mode]) for mode in modes}
+            workers.extend(prefill.values())
             for i, prompt in enumerate(prompts):
                 first: dict[str, int] = {}
-                for mode, p in prefill.items():
+                for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:  # every worker in turn, first in turn: drifts hit all alike
+                    p = prefill[mode]
                     base = {"prompt": prompt, "temperature": 0, "ignore_eos": True}
                     kv = {"do_remote_decode": True, "remote_host": d_info["remote_host"], "remote_port": d_info["remote_port"], "transfer_id": f"r{i}-{mode}"}
                     p_seconds, answer = _post(p.url + "/v1/completions", {**base, "max_tokens": 1, "return_token_ids": True, "kv_transfer_params": kv})
@@ -384,28 +565,39 @@ def replay(requests: Sequence[TraceRequest]) -> Report:
                     first[mode] = answer["choices"][0]["token_ids"][0]
                     d_seconds, _ = _post(decode.url + "/v1/completions", {**base, "max_tokens": 2, "stream": True, "kv_transfer_params": answer["kv_transfer_params"]})
                     ttft[mode].append(p_seconds + d_seconds)
-                mismatches += first["off"] != first["on"]
-            on_metrics = _get(prefill["on"].url + "/metrics")
+                mismatches += any(token != first["off"] for token in first.values())
+            loaded = {mode: metric(_get(prefill[mode].url + "/metrics"), "pdkv_prompt_tokens_total", source="tier") for mode in POLICIES}
             d_metrics = _get(decode.url + "/metrics")
         finally:
             for w in workers:
                 w.stop()
     total_tokens = sum(map(len, prompts))
-    mean_off, mean_on = statistics.mean(ttft["off"]), statistics.mean(ttft["on"])
+    mean_off = statistics.mean(ttft["off"])
+    rows: list[Report] = [{"case": "tier off", "mean_ttft_s": round(mean_off, 4), "median_ttft_s": round(statistics.median(ttft["off"]), 4), "ratio": 1.0}]
+    for mode in POLICIES:
+        mean = statistics.mean(ttft[mode])
+        rows.append({
+            "case": f"tier on, {capacity} chunks, {mode}",
+            "mean_ttft_s": round(mean, 4),
+            "median_ttft_s": round(statistics.median(ttft[mode]), 4),
+            "ratio": round(mean / mean_off, 4),
+            "tier_hit_token_share": round(loaded[mode] / total_tokens, 4),
+            "simulated_hit_token_share": round(replay_hit_share(prompts, capacity, mode), 4),
+        })
     return {
         "requests": len(prompts),
-        "conversations": REPLAY_CONVERSATIONS,
+        "conversations": conversations,
         "scale": f"each 512-token trace block -> {REPLAY_BLOCK_TOKENS} tokens, prompts capped at {REPLAY_MAX_BLOCKS} blocks; chunk {REPLAY_CHUNK} tokens",
         "prompt_tokens": total_tokens,
+        "distinct_chunks": distinct,
+        "bounded_memory_chunks": capacity,
+        "bounded_memory_share": REPLAY_CACHE_SHARE,
         "sample_infinite_cache_hit_rate": round(infinite_hit_rate(trace_keys(sample, "replay", REPLAY_BLOCK_TOKENS)), 4),
-        "tier_hit_token_share": round(metric(on_metrics, "pdkv_prompt_tokens_total", source="tier") / total_tokens, 4),
+        "unbounded_hit_token_share": round(replay_hit_share(prompts, distinct, "lru"), 4),
         "decode_fallbacks": metric(d_metrics, "pdkv_fallbacks_total"),
         "first_token_mismatches": mismatches,
         "baseline": "the same requests on a prefill worker with the tier off, interleaved",
-        "results": [
-            {"case": "tier off", "mean_ttft_s": round(mean_off, 4), "ratio": 1.0},
-            {"case": "tier on (memory)", "mean_ttft_s": round(mean_on, 4), "ratio": round(mean_on / mean_off, 4)},
-        ],
+        "results": rows,
     }
 
 
@@ -420,18 +612,24 @@ def _get(url: str) -> str:
 
 
 def format_report(report: Report) -> str:
-    lines = [f"TTFT of a {report['prompt_tokens']}-token prompt on {report['model']} (cold {report['cold_ttft_s']:.2f}s)"]
-    lines += [f"  {r['case']:<16} {r['ttft_s']:8.3f}s  ratio {r['ratio']:.3f}  loaded {r['loaded_tokens']:>5}  identical {r['identical']}" for r in report["results"]]
+    lines = []
+    if "results" in report:
+        lines.append(f"TTFT of a {report['prompt_tokens']}-token prompt on {report['model']} (baseline, cold with the tier off: {report['cold_ttft_s']:.2f}s)")
+        lines += [f"  {r['case']:<16} {r['ttft_s']:8.3f}s  ratio {r['ratio']:.3f}  loaded {r['loaded_tokens']:>5}  identical {r['identical']}" for r in report["results"]]
     trace = report["trace"]
     if "skipped" in trace:
         lines.append(f"trace: skipped: {trace['skipped']}")
     else:
-        lines.append(f"Mooncake trace: {trace['requests']} requests, infinite-cache block hit rate {trace['infinite_cache_hit_rate']}")
-        lines += [f"  {r['policy']:<7} L1 {r['l1_blocks']:>7} blocks  hit rate {r['hit_rate']:.4f}  ratio {r['ratio']:.3f}" for r in trace["rows"]]
+        lines.append(f"Mooncake trace: {trace['requests']} requests, infinite-cache block hit rate {trace['infinite_cache_hit_rate']}; ratio = hit rate / offline optimum")
+        lines += [
+            f"  {r['policy']:<7} L1 {r['l1_blocks']:>7} blocks  hit rate {r['hit_rate']:.4f}  optimum {r['optimum_hit_rate']:.4f}  ratio {r['ratio']:.3f}  unreachable {r['unreachable_share']:.4f}"
+            for r in trace["rows"]
+        ]
+        lines += [f"  {c['policy']:<7} {c['us_per_request']:8.1f} us/request at {c['capacity_blocks']} blocks  ratio to lru {c['ratio']:.2f}" for c in trace["policy_cost"]]
     rep = report["replay"]
     if "skipped" in rep:
         lines.append(f"replay: skipped: {rep['skipped']}")
     else:
-        lines.append(f"replay: {rep['requests']} requests through real workers, tier hit share {rep['tier_hit_token_share']}")
-        lines += [f"  {r['case']:<18} mean TTFT {r['mean_ttft_s']:.3f}s  ratio {r['ratio']:.3f}" for r in rep["results"]]
+        lines.append(f"replay: {rep['requests']} requests through real workers ({rep['distinct_chunks']} distinct chunks)")
+        lines += [f"  {r['case']:<32} mean TTFT {r['mean_ttft_s']:.3f}s  ratio {r['ratio']:.3f}  tier hit share {r.get('tier_hit_token_share', 0.0):.3f}" for r in rep["results"]]
     return "\n".join(lines)

@@ -89,9 +89,10 @@ class _Subscription:
 class KVAwareness:
     """Event streams of the prefill workers and the prefix index they feed; see the module docstring."""
 
-    def __init__(self, config: RouterConfig, pool: WorkerPool) -> None:
+    def __init__(self, config: RouterConfig, pool: WorkerPool, worker_auth: dict[str, str] | None = None) -> None:
         self.config = config
         self.pool = pool
+        self.worker_auth = worker_auth or {}  # the control token a worker's POST /pdkv/ endpoints want when it has a secret
         self.index = PrefixIndex(config.kv_shared_blocks)
         self.sources: dict[str, KVEventSource] = {s.worker.rstrip("/"): s for s in config.kv_events}
         self._subs: dict[str, _Subscription] = {}
@@ -193,7 +194,7 @@ class KVAwareness:
     async def _post_resync(self, url: str) -> bool:
         timeout = aiohttp.ClientTimeout(total=self.config.kv_events_timeout_s)
         try:
-            async with self.pool.session.post(url, timeout=timeout) as resp:
+            async with self.pool.session.post(url, timeout=timeout, headers=self.worker_auth) as resp:
                 await resp.read()
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError) as exc:

@@ -23,13 +23,22 @@ in a request makes them do, in the shape vLLM's disaggregated proxies use:
 
 ``DELETE /pdkv/transfers/{transfer_id}`` on a decode worker: the router gave
 up on that transfer before its decode request came; the reservation is freed
-now, and a prefill that comes late can no longer take that id.
+now, and a prefill that comes late can no longer take that id. With a
+``secret`` set, this and every other ``/pdkv/`` endpoint that changes
+something want ``Authorization: Bearer <pdkv.auth.control_token(secret)>``
+(the router sends it).
+
+Request bodies are read within ``http`` limits (``pdkv.web``) and parsed
+(tokenized) on a thread of their own, so a huge prompt never stalls the
+event loop and the health checks it answers. ``/health`` answers 503 when
+the engine has work but finished no step for ``stall_timeout_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -41,11 +50,12 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from pdkv.auth import control_token
 from pdkv.channels import create_channel
 from pdkv.checksum import layer_digests
 from pdkv.config import PdkvConfig
 from pdkv.engine.base import EngineAdapter, Request
-from pdkv.engine.sampling import SamplingParams
+from pdkv.engine.sampling import MIN_LOGPROB, SamplingParams, TokenLogprobs
 from pdkv.errors import (
     InvalidRequestError,
     NotAnnouncedError,
@@ -53,6 +63,7 @@ from pdkv.errors import (
     PdkvError,
     PeerUnreachableError,
     PromptMismatchError,
+    RequestError,
     TransferError,
     TransferTimeout,
 )
@@ -60,14 +71,19 @@ from pdkv.keys import chunk_keys
 from pdkv.netaddr import is_loopback
 from pdkv.receiver import KVReceiver, ReceivedKV
 from pdkv.sender import KVSender, OutgoingTransfer
+from pdkv.web import application, bearer_middleware, error_response, read_json
 from pdkv.worker import openai_api as api
+from pdkv.worker.kv_events import TierEvents
 from pdkv.worker.metrics import WorkerMetrics
 from pdkv.worker.push import ChunkPusher
 from pdkv.worker.scheduler import EngineLoop, Job
-from pdkv.worker.kv_events import TierEvents
 from pdkv.worker.tiering import CachedPrefix, Tiering
 
 log = logging.getLogger(__name__)
+
+
+Event = tuple[int, "str | None", "TokenLogprobs | None"]
+"""One generated token as the engine thread reports it: (token, finish reason, log-probabilities)."""
 
 
 @dataclasses.dataclass
@@ -76,6 +92,7 @@ class _Plan:
 
     job_request: Request
     first_token: int | None = None
+    first_logprobs: TokenLogprobs | None = None
     decode: bool = True
     on_chunk: Callable[[Request, int, int], None] | None = None
     release: Callable[[Request], None] | None = None
@@ -99,6 +116,11 @@ class Worker:
         if self.kv_events is not None:
             self.tiering.on_prompt = self.kv_events.note
         self.loop = EngineLoop(engine, chunk_size=self.chunk_size)
+        # What a request's "model" may name: the model's own name and what the config called it.
+        self.served_models = frozenset({engine.model_name, config.model})
+        # Parsing tokenizes (the GIL released): two threads of its own, never queued behind the
+        # default executor's threads, which wait for transfers.
+        self._parser = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pdkv-parse")
         advertised = config.advertised_host()  # a wildcard host without advertise_host fails here, at start
         channel_options = config.channel_options()
         warn_if_data_plane_local(config.host, channel_options["host"])
@@ -129,7 +151,12 @@ class Worker:
 
     # -- HTTP ------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        control = bearer_middleware(
+            control_token(self.config.secret) if self.config.secret else "",
+            lambda http: http.path.startswith("/pdkv/") and http.method != "GET",
+            "pdkv.auth.control_token(secret)",
+        )
+        app = application(self.config.http, [control])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
@@ -151,6 +178,10 @@ class Worker:
         return web.json_response({"object": "list", "data": [{"id": self.engine.model_name, "object": "model", "created": 0, "owned_by": "pdkv"}]})
 
     async def _health(self, _: web.Request) -> web.Response:
+        stalled = self.loop.stalled_for()
+        if stalled > self.config.stall_timeout_s:
+            message = f"engine stalled: {self.loop.num_running} requests and no step finished for {stalled:.0f}s (stall_timeout_s {self.config.stall_timeout_s:g})"
+            return web.json_response({"status": message, "role": self.role}, status=503)
         return web.json_response({"status": "ok", "role": self.role})
 
     async def _metrics(self, _: web.Request) -> web.Response:
@@ -177,7 +208,7 @@ class Worker:
     async def _resync_kv_events(self, _: web.Request) -> web.Response:
         """A subscriber lost track of this worker's blocks: publish them all again (pdkv.worker.kv_events)."""
         if self.kv_events is None:
-            return _error(404, "this worker publishes no KV events (kv_events.enable_kv_cache_events is false)")
+            raise RequestError("this worker publishes no KV events (kv_events.enable_kv_cache_events is false)", status=404)
         blocks = await asyncio.to_thread(self.kv_events.resync)
         return web.json_response({"blocks": blocks})
 
@@ -185,36 +216,35 @@ class Worker:
         """The router gave up on a transfer before its decode request came (prefill failed, client gone):
         free its reservation now instead of when its lease runs out."""
         if self.receiver is None:
-            return _error(404, "only a decode worker holds transfers")
+            return error_response(404, "only a decode worker holds transfers")
         transfer_id = http.match_info["transfer_id"]
         self.receiver.cancel(transfer_id, "cancelled by the router")
         return web.json_response({"cancelled": transfer_id})
 
     async def _generate(self, http: web.Request, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic()
+        loop = asyncio.get_running_loop()
         try:
-            body = await http.json()
-        except ValueError:
-            return _error(400, "the request body is not valid JSON")
-        try:
-            req = api.parse_request(body, self.engine.tokenizer, self.engine.model_name, chat)
+            body = await read_json(http, self.config.http)
+            req = await loop.run_in_executor(self._parser, api.parse_request, body, self.engine, chat, self.served_models)
             plan = await self._plan(req)
-        except InvalidRequestError as exc:
+        except RequestError:  # answered by the error middleware
             self.metrics.requests.labels(self.role, "invalid").inc()
-            return _error(400, str(exc))
+            raise
         except OutOfBlocksError as exc:
             self.metrics.requests.labels(self.role, "rejected").inc()
-            return _error(503, f"no room for this request right now: {exc}", "server_busy")
-        loop = asyncio.get_running_loop()
-        out: asyncio.Queue[tuple[int, str | None] | BaseException] = asyncio.Queue()
+            return error_response(503, f"no room for this request right now: {exc}")
+        out: asyncio.Queue[Event | BaseException] = asyncio.Queue()
         job = Job(
             request=plan.job_request,
-            on_token=lambda t, f: loop.call_soon_threadsafe(out.put_nowait, (t, f)),
+            on_token=lambda t, f, lp: loop.call_soon_threadsafe(out.put_nowait, (t, f, lp)),
             on_error=lambda e: loop.call_soon_threadsafe(out.put_nowait, e),
             decode=plan.decode,
             first_token=plan.first_token,
             on_chunk=plan.on_chunk,
             release=plan.release,
+            logprobs=req.logprobs,
+            first_logprobs=plan.first_logprobs,
         )
         # Submitted here, not on the first read of the events: whatever ends this handler early
         # (the client gone while headers are written, a failed write, a cancel) still reaches the
@@ -226,22 +256,28 @@ class Worker:
             return await self._collect(req, plan, _events(out), arrived)
         except PdkvError as exc:
             self.metrics.requests.labels(self.role, "error").inc()
-            return _error(500, str(exc), "server_error")
+            return error_response(500, str(exc))
         finally:
             job.cancelled.set()  # a no-op once the job finished
 
-    async def _collect(self, req: api.GenerationRequest, plan: _Plan, events: AsyncIterator[tuple[int, str | None]], arrived: float) -> web.Response:
+    def _logprobs_format(self, req: api.GenerationRequest) -> api.LogprobsFormat | None:
+        return None if req.logprobs is None else api.LogprobsFormat(self.engine.tokenizer, req.chat)
+
+    async def _collect(self, req: api.GenerationRequest, plan: _Plan, events: AsyncIterator[Event], arrived: float) -> web.Response:
         tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
         finish = None
-        async for token, finish in events:
+        async for token, finish, lp in events:
             if not tokens:
-                self._first_token(plan, token, arrived)
+                self._first_token(plan, token, lp, arrived)
             tokens.append(token)
+            logprobs.append(lp)
         self._done(len(tokens))
         text = self.engine.tokenizer.decode(tokens)
-        return web.json_response(api.full_response(req, text, tokens, finish, plan.kv_params))
+        fmt = self._logprobs_format(req)
+        return web.json_response(api.full_response(req, text, tokens, finish, plan.kv_params, None if fmt is None else fmt.block(tokens, logprobs)))
 
-    async def _stream(self, http: web.Request, req: api.GenerationRequest, plan: _Plan, events: AsyncIterator[tuple[int, str | None]], arrived: float) -> web.StreamResponse:
+    async def _stream(self, http: web.Request, req: api.GenerationRequest, plan: _Plan, events: AsyncIterator[Event], arrived: float) -> web.StreamResponse:
         """Stream the answer as server-sent events.
 
         A client that hangs up surfaces as ``ConnectionResetError`` from a write whenever the write comes
@@ -253,16 +289,18 @@ class Worker:
         try:
             await resp.prepare(http)
             detok = api.Detokenizer(self.engine.tokenizer)
+            fmt = self._logprobs_format(req)
             count = 0
             try:
-                async for token, finish in events:
+                async for token, finish, lp in events:
                     if count == 0:
-                        self._first_token(plan, token, arrived)
+                        self._first_token(plan, token, lp, arrived)
                     count += 1
-                    await resp.write(api.stream_event(req, detok.push(token, final=finish is not None), token, finish, first=count == 1))
+                    block = None if fmt is None else fmt.block([token], [lp])
+                    await resp.write(api.stream_event(req, detok.push(token, final=finish is not None), token, finish, first=count == 1, logprobs=block))
             except PdkvError as exc:  # headers are gone: report in-band, as OpenAI does
                 self.metrics.requests.labels(self.role, "error").inc()
-                await resp.write(api.sse(api.error_body(str(exc), "server_error", 500)))
+                await resp.write(api.sse(api.error_body(str(exc), 500)))
                 await resp.write(api.SSE_DONE)
                 return resp
             if plan.kv_params is not None:
@@ -277,10 +315,12 @@ class Worker:
         self._done(count)
         return resp
 
-    def _first_token(self, plan: _Plan, token: int, arrived: float) -> None:
+    def _first_token(self, plan: _Plan, token: int, logprobs: TokenLogprobs | None, arrived: float) -> None:
         self.metrics.ttft.labels(self.role).observe(time.monotonic() - arrived)
         if plan.kv_params is not None and self.role == "prefill":
             plan.kv_params["first_token_id"] = token
+            if logprobs is not None:  # D decodes on from this token without its logits: it reports these
+                plan.kv_params["first_token_logprobs"] = {"logprob": logprobs.logprob, "top": [list(p) for p in logprobs.top]}
 
     def _done(self, generated: int) -> None:
         self.metrics.requests.labels(self.role, "ok").inc()
@@ -404,8 +444,9 @@ class Worker:
         assert self.receiver is not None
         kv = req.kv_transfer_params
         first = kv.get("first_token_id")
-        if first is not None and (not isinstance(first, int) or not 0 <= first < self.engine.vocab_size):
-            raise InvalidRequestError(f"kv_transfer_params.first_token_id must be a token id in [0, {self.engine.vocab_size}), got {first!r}")
+        if first is not None and (not isinstance(first, int) or isinstance(first, bool) or not 0 <= first < self.engine.vocab_size):
+            raise InvalidRequestError(f"kv_transfer_params.first_token_id must be a token id in [0, {self.engine.vocab_size}), got {first!r}", param="kv_transfer_params")
+        first_logprobs = self._first_logprobs(kv.get("first_token_logprobs"), req.logprobs)
         transfer_id = kv.get("transfer_id")
         reason = None
         request = None
@@ -431,7 +472,24 @@ class Worker:
                 first = None  # P's first token belongs to the prompt it prefilled, not to this one
         else:
             self.metrics.prompt_tokens.labels(self.role, "transferred").inc(len(req.prompt_token_ids))
-        return _Plan(request, first_token=first, on_chunk=on_chunk, kv_params=kv_params)
+        return _Plan(request, first_token=first, first_logprobs=first_logprobs, on_chunk=on_chunk, kv_params=kv_params)
+
+    def _first_logprobs(self, given: Any, wanted: int | None) -> TokenLogprobs | None:
+        """P's log-probabilities of the first token (``kv_transfer_params.first_token_logprobs``), checked."""
+        if wanted is None or given is None:
+            return None
+        vocab = self.engine.vocab_size
+
+        def logprob(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and MIN_LOGPROB <= v <= 0
+
+        top = given.get("top") if isinstance(given, dict) else None
+        if not (
+            isinstance(top, list) and len(top) <= api.MAX_LOGPROBS and logprob(given.get("logprob"))
+            and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and 0 <= p[0] < vocab and logprob(p[1]) for p in top)
+        ):
+            raise InvalidRequestError(f"kv_transfer_params.first_token_logprobs must be {{logprob, top: [[token id, logprob], ...]}}, got {given!r}", param="kv_transfer_params")
+        return TokenLogprobs(float(given["logprob"]), tuple((int(t), float(v)) for t, v in top[:wanted]))
 
     async def _claim(self, transfer_id: str, prompt_key: bytes) -> tuple[ReceivedKV | None, str | None]:
         """Wait for the landed KV of this prompt off the event loop; a cancelled wait leaks no blocks."""
@@ -487,6 +545,7 @@ class Worker:
 
     def close(self) -> None:
         self.loop.close()
+        self._parser.shutdown(wait=False, cancel_futures=True)
         if self.pusher is not None:
             self.pusher.close()
         if self.sender is not None:
@@ -509,8 +568,8 @@ def warn_if_data_plane_local(host: str, channel_host: str) -> None:
         )
 
 
-async def _events(out: asyncio.Queue[tuple[int, str | None] | BaseException]) -> AsyncIterator[tuple[int, str | None]]:
-    """Yield the job's (token, finish) pairs until it finishes; its errors are raised as ``PdkvError``."""
+async def _events(out: asyncio.Queue[Event | BaseException]) -> AsyncIterator[Event]:
+    """Yield the job's (token, finish, logprobs) until it finishes; its errors are raised as ``PdkvError``."""
     finished = False
     while not finished:
         item = await out.get()
@@ -519,6 +578,3 @@ async def _events(out: asyncio.Queue[tuple[int, str | None] | BaseException]) ->
         finished = item[1] is not None
         yield item
 
-
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response(api.error_body(message, kind, status), status=status)

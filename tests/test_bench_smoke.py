@@ -1,0 +1,77 @@
+"""Every `pdkv bench` subcommand, at tiny sizes, as a user runs it: its JSON has the shape the project promises.
+
+The shape (README, "The command-line contract"): one JSON object naming its
+``baseline``, with ``results`` rows that each carry their own ``ratio``
+against that baseline measured in the same run, plus the absolute numbers.
+Each bench also draws its result with ``--plot``. Speed is not asserted here:
+the numbers come from tiny sizes on a shared machine. A new subcommand is one
+line in ``BENCHES``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdkv.cli import build_parser
+from pdkv.engine.testing import write_tiny_model
+
+TINY_MODEL = "{tiny_model}"  # replaced by a random tiny model's directory
+BENCHES: dict[str, list[str]] = {
+    "channel": ["--channel", "tcp", "--sizes", "4K,64K", "--repeats", "2"],
+    "gather": ["--tokens", "16", "--repeats", "2"],
+    "ttft": ["--model", TINY_MODEL, "--prompt-tokens", "300", "--repeats", "1", "--trace-requests", "300", "--replay-conversations", "1"],
+    "router": ["--requests", "20", "--concurrency", "4"],
+    "transfer": ["--channel", "tcp", "--scenarios", "40x2", "--repeats", "1"],
+    "pd": ["--model", TINY_MODEL, "--tokens", "64", "--repeats", "1"],
+}
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices  # noqa: SLF001 - argparse lists them nowhere public
+
+
+def test_every_bench_subcommand_is_smoke_tested() -> None:
+    assert set(_subcommands(_subcommands(build_parser())["bench"])) == set(BENCHES), "add the new `pdkv bench` subcommand to BENCHES"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("bench") / "tiny")
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@pytest.mark.timeout(900)  # on a fresh machine the first user of the native kernels (gather) compiles them
+@pytest.mark.parametrize("name", sorted(BENCHES))
+def test_bench_prints_its_ratio_against_a_same_run_baseline_and_draws_it(name: str, tiny_model: Path, tmp_path: Path) -> None:
+    picture = tmp_path / f"{name}.png"
+    args = [a.replace(TINY_MODEL, str(tiny_model)) for a in BENCHES[name]]
+    out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", name, *args, "--json", "--plot", str(picture)], capture_output=True, text=True, timeout=840)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert isinstance(report.get("baseline"), str) and report["baseline"], report
+    rows = report["results"]
+    assert rows and all(isinstance(r, dict) for r in rows), report
+    for row in rows:
+        assert _finite(row.get("ratio")) and row["ratio"] > 0, row
+        assert any(_finite(v) and v > 0 for k, v in row.items() if k != "ratio"), f"no absolute number beside the ratio: {row}"
+    assert picture.read_bytes()[:8] == PNG
+
+
+def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
+    """The extra's error comes before any measuring, and says what to install."""
+    code = "import sys; sys.modules['matplotlib'] = None; from pdkv.cli import main; sys.exit(main(sys.argv[1:]))"
+    out = subprocess.run([sys.executable, "-c", code, "bench", "router", "--requests", "1", "--plot", str(tmp_path / "g.png")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "pip install 'pdkv[plot]'" in out.stderr
+    assert not (tmp_path / "g.png").exists()
