@@ -130,8 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("--concurrency", type=int, default=32, help="requests in flight for the requests/s measurement")
     ro.add_argument("--json", action="store_true")
     ro.set_defaults(target="pdkv.bench.router:run")
-    for each in bsub.choices.values():
-        each.add_argument("--plot", metavar="FILE.png", default=None, help="also draw the result into this file (needs pdkv[plot])")
     kr = bsub.add_parser("kv-routing", help="KV-aware routing on the Mooncake trace through real workers, and the prefix index's lookup cost")
     kr.add_argument("--trace", default=None, help="the Mooncake conversation trace (default: $PDKV_MOONCAKE_TRACE, else the copy shipped with pdkv)")
     kr.add_argument("--prefill-workers", type=int, default=2, help="prefill workers (0: the lookup cost only)")
@@ -145,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     kr.add_argument("--blocks", type=int, default=100_000, help="blocks in the index for the lookup cost")
     kr.add_argument("--json", action="store_true")
     kr.set_defaults(target="pdkv.bench.kv_routing:run")
+    for each in bsub.choices.values():
+        each.add_argument("--plot", metavar="FILE.png", default=None, help="also draw the result into this file (needs pdkv[plot])")
     return parser
 
 

@@ -2,7 +2,7 @@
 
 Two measurements, one run, one JSON object:
 
-1. ``lookup``: the router's prefix index (pdkv.kv_events.index) holding
+1. ``results`` (with its ``baseline``): the router's prefix index (pdkv.kv_events.index) holding
    10^5 blocks over four workers, asked for a prompt's cached prefix on
    every worker; for vLLM's 16-token blocks and pdkv's 256-token chunks.
    The baseline is the least any hash-based lookup does: one xxh3 pass over
@@ -49,6 +49,7 @@ import numpy as np
 import xxhash
 import yaml
 
+from pdkv.bench import plot
 from pdkv.bench.ttft import TRACE_ENV, TraceRequest, block_tokens, load_trace, replay_sample, trace_path
 from pdkv.demo import get_text, metric
 from pdkv.errors import PdkvError
@@ -68,8 +69,9 @@ VOCAB = 49152
 
 
 def run(args: argparse.Namespace) -> int:
+    plot.check(getattr(args, "plot", None))
     report: Report = {"bench": "kv-routing", "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": os.getloadavg()}}
-    report["lookup"] = lookup_cost(args.blocks)
+    report.update(lookup_cost(args.blocks, tokenizer=args.model))
     trace = Path(args.trace) if args.trace else trace_path()
     if trace is None or not trace.is_file():
         report["trace"] = {"skipped": f"the Mooncake trace was not found (give --trace PATH or set ${TRACE_ENV})"}
@@ -77,7 +79,23 @@ def run(args: argparse.Namespace) -> int:
         report["trace"] = replay(load_trace(trace), args)
     report["machine"]["load_after"] = os.getloadavg()
     print(json.dumps(report) if args.json else format_report(report))
+    if getattr(args, "plot", None):
+        draw(report, args.plot)
     return 0
+
+
+def draw(report: Report, path: str) -> None:
+    """``--plot``: per policy, the trace's chunk hit rate and TTFT against round-robin's; without the trace, the lookup."""
+    tr = report.get("trace", {})
+    if tr.get("results"):
+        rows = tr["results"]
+        plot.bars(path, f"pdkv bench kv-routing: {tr['requests']} trace requests, {tr['prefill_workers']} prefill workers", "share / ratio",
+                  [r["policy"] for r in rows], {"chunk hit rate": [r["chunk_hit_rate"] for r in rows], "mean TTFT / round-robin": [r["ratio"] for r in rows]},
+                  note=f"bound (one infinite cache): hit rate {tr['infinite_cache_chunk_hit_rate']}")
+        return
+    rows = report["results"]
+    plot.bars(path, "pdkv bench kv-routing: prefix index lookup", "CPU us per lookup", [f"block {r['block_size']}" for r in rows],
+              {"lookup": [r["lookup_cpu_us"] for r in rows], report["baseline"]: [r["baseline_hash_cpu_us"] for r in rows]})
 
 
 # -- 1. lookup cost --------------------------------------------------------------------------------
@@ -89,7 +107,7 @@ def _chain_event(tokens: np.ndarray, block_size: int, salt: int) -> BlockStored:
     )
 
 
-def lookup_cost(total_blocks: int = 100_000, workers: int = 4, prompt_tokens: int = 8192, lookups: int = 200) -> Report:
+def lookup_cost(total_blocks: int = 100_000, workers: int = 4, prompt_tokens: int = 8192, lookups: int = 200, tokenizer: str = "default") -> Report:
     rng = np.random.default_rng(0)
     rows = []
     for block_size in (16, 256):
@@ -113,7 +131,7 @@ def lookup_cost(total_blocks: int = 100_000, workers: int = 4, prompt_tokens: in
             "block_size": block_size, "indexed_blocks": held, "workers": workers, "prompt_tokens": prompt_tokens,
             "lookup_cpu_us": lookup_cpu, "lookup_wall_us": lookup_wall, "baseline_hash_cpu_us": hash_cpu, "ratio": round(lookup_cpu / hash_cpu, 2),
         })
-    tok_wall, tok_cpu = _tokenize_cost(prompt_tokens)
+    tok_wall, tok_cpu = _tokenize_cost(prompt_tokens, tokenizer)
     return {
         "baseline": "one xxh3 pass over the prompt's token bytes (CPU time; wall time is shown too, it includes waiting for a core)",
         "results": rows, "tokenize_text_cpu_us": tok_cpu, "tokenize_text_wall_us": tok_wall,
@@ -127,12 +145,12 @@ def _timed(fn: Any, count: int) -> tuple[float, float]:
     return round((time.perf_counter() - wall) / count * 1e6, 1), round((time.thread_time() - cpu) / count * 1e6, 1)
 
 
-def _tokenize_cost(prompt_tokens: int) -> tuple[float | None, float | None]:
-    """(wall, CPU) microseconds to encode a text prompt of about ``prompt_tokens`` tokens with the default model's tokenizer."""
+def _tokenize_cost(prompt_tokens: int, model: str) -> tuple[float | None, float | None]:
+    """(wall, CPU) microseconds to encode a text prompt of about ``prompt_tokens`` tokens with ``model``'s tokenizer."""
     try:
         from pdkv.router.kv_aware import load_tokenizer
 
-        tok = load_tokenizer("default")
+        tok = load_tokenizer(model)
     except PdkvError:
         return None, None
     text = " ".join(f"word{i % 997} is number {i}." for i in range(prompt_tokens // 6))
@@ -266,7 +284,7 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
 
 
 def format_report(report: Report) -> str:
-    lk = report["lookup"]
+    lk = report
     lines = [f"Prefix index lookup, baseline {lk['baseline']}; encoding the prompt as text: {lk['tokenize_text_cpu_us']} us CPU:"]
     lines += [f"  block {r['block_size']:>4}: {r['indexed_blocks']} blocks, {r['prompt_tokens']}-token prompt: {r['lookup_cpu_us']} us CPU ({r['lookup_wall_us']} wall), hash {r['baseline_hash_cpu_us']} us, ratio {r['ratio']}" for r in lk["results"]]
     tr = report.get("trace", {})
