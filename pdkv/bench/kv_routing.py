@@ -52,6 +52,7 @@ import yaml
 from pdkv.bench import plot
 from pdkv.bench.ttft import TRACE_ENV, TraceRequest, block_tokens, load_trace, replay_sample, trace_path
 from pdkv.demo import get_text, metric
+from pdkv.engine.loader import load_checkpoint
 from pdkv.errors import PdkvError
 from pdkv.kv_events.index import PrefixIndex
 from pdkv.kv_events.wire import BlockStored, KVEventBatch
@@ -159,8 +160,8 @@ def _tokenize_cost(prompt_tokens: int, model: str) -> tuple[float | None, float 
 
 
 # -- 2. the trace through real workers --------------------------------------------------------------
-def _prompts(sample: Sequence[TraceRequest], block: int, salt: int) -> list[list[int]]:
-    return [[salt, *np.concatenate([block_tokens(h, block) for h in r.hash_ids]).tolist()] for r in sample]
+def _prompts(sample: Sequence[TraceRequest], block: int, salt: int, vocab: int) -> list[list[int]]:
+    return [[salt, *np.concatenate([block_tokens(h, block, vocab) for h in r.hash_ids]).tolist()] for r in sample]
 
 
 def _bound(sample: Sequence[TraceRequest]) -> float:
@@ -210,6 +211,7 @@ def _totals(workers: Sequence[WorkerProcess]) -> dict[str, Any]:
 def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report:
     sample = [TraceRequest(r.timestamp_ms, r.hash_ids[: args.max_blocks], r.output_length) for r in replay_sample(requests, args.conversations)]
     block = args.block_tokens
+    vocab = load_checkpoint(args.model, progress=False).config.vocab_size  # the trace's token ids must fit the model's vocabulary
     workers: list[WorkerProcess] = []
     routers: dict[str, list[WorkerProcess]] = {}
     runs: dict[str, list[Report]] = {name: [] for name in POLICIES}
@@ -238,7 +240,7 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
             for pass_no, names in enumerate((order, order[::-1])):
                 for name in names:
                     print(f"kv-routing: pass {pass_no}, {name}", file=sys.stderr, flush=True)
-                    prompts = _prompts(sample, block, salt)
+                    prompts = _prompts(sample, block, salt, vocab)
                     salt += 1
                     before = _totals(prefills)
                     with ThreadPoolExecutor(args.concurrency) as pool:  # in trace order, at most --concurrency in flight
@@ -273,7 +275,7 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
         "requests": len(sample), "conversations": args.conversations, "prefill_workers": args.prefill_workers, "memory_mib_per_worker": args.memory_mib,
         "routers_per_policy": args.routers, "concurrency": args.concurrency,
         "scale": f"each 512-token trace block -> {block} tokens (one tier chunk), prompts capped at {args.max_blocks} blocks, plus one salt token",
-        "prompt_tokens_per_pass": sum(len(p) for p in _prompts(sample, block, 0)),
+        "prompt_tokens_per_pass": sum(len(p) for p in _prompts(sample, block, 0, vocab)),
         "infinite_cache_chunk_hit_rate": round(_bound(sample), 4),
         "decode_fallbacks": metric(d_metrics, "pdkv_fallbacks_total"),
         "kv_router_streams_lost": kv_lost,
