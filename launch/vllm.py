@@ -75,7 +75,34 @@ def vllm_command(config: PdkvConfig, model: str, engine_args: Sequence[str], pyt
         "--middleware", INFO_MIDDLEWARE,
         *engine_args,
     ]
+    if config.kv_events.publishing:
+        if any(a == "--kv-events-config" or a.startswith("--kv-events-config=") for a in engine_args):
+            raise ConfigError("pass --kv-events-config as kv_events in pdkv's config, not after --: the launcher sets it for vLLM and names it in /pdkv/info")
+        events, info["kv_events"] = vllm_kv_events(config)
+        cmd += ["--kv-events-config", json.dumps(events)]
     return cmd, info
+
+
+def vllm_kv_events(config: PdkvConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """vLLM's ``--kv-events-config`` for ``config.kv_events``, and what ``/pdkv/info`` tells the router.
+
+    vLLM binds ``tcp://*:PORT`` on every interface and connects to any
+    other tcp address, so a wildcard port 0 becomes a free port here (vLLM
+    would bind its node IP); the replay socket, which vLLM always binds, is
+    bound on ``--host``. ``ipc://`` endpoints are passed as they are.
+    """
+    ev = config.kv_events
+
+    def resolve(endpoint: str, bind_all: bool) -> tuple[str, str]:
+        if not endpoint.startswith("tcp://*:"):
+            return endpoint, endpoint
+        port = int(endpoint.rsplit(":", 1)[1]) or free_port(config.host)
+        return (f"tcp://*:{port}" if bind_all else f"tcp://{config.host}:{port}"), f"tcp://{config.host}:{port}"
+
+    endpoint, advertised = resolve(ev.endpoint, bind_all=True)
+    replay, replay_advertised = resolve(ev.replay_endpoint, bind_all=False) if ev.replay_endpoint else (None, None)
+    events = {**msgspec.to_builtins(ev), "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay}
+    return events, {"endpoint": advertised, "replay_endpoint": replay_advertised, "topic": ev.topic}
 
 
 def _healthy(url: str) -> bool:

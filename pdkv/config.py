@@ -59,6 +59,41 @@ WorkerURL = Annotated[str, Meta(pattern=WORKER_URL_PATTERN)]
 """A worker's base URL, scheme, host and port only: ``http://127.0.0.1:8100``."""
 
 
+class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's ``--kv-events-config``, same fields and defaults (pdkv/kv_events/): what a worker publishes and where.
+
+    ``endpoint`` is bound when its host is ``*`` (pdkv binds the worker's
+    ``host`` then; port 0 takes a free one, shown in ``/pdkv/info``) and
+    connected to otherwise; ``replay_endpoint`` is always bound.
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: Literal["null", "zmq"] | None = None  # None: "zmq" when enabled, else "null" (as vLLM)
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: Positive = 10_000  # batches kept for the replay socket
+    hwm: Positive = 100_000  # the PUB socket's high-water mark
+    max_queue_size: Positive = 100_000  # batches queued for the publishing thread; beyond it a batch is dropped
+    topic: str = ""
+
+    @property
+    def publishing(self) -> bool:
+        return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+
+ZmqEndpoint = Annotated[str, Meta(pattern=r"^(tcp://([^\s/:\[\]]+|\[[0-9a-fA-F:.]+\]):\d{1,5}|(ipc|inproc)://\S+)$")]
+
+
+class KVEventSource(msgspec.Struct, forbid_unknown_fields=True):
+    """Where the router reads one worker's KV events: a vLLM server started with ``--kv-events-config``,
+    or any worker that does not name its stream in ``/pdkv/info``."""
+
+    worker: WorkerURL
+    endpoint: ZmqEndpoint  # what the router connects to: tcp://HOST:PORT (or ipc://PATH)
+    replay_endpoint: ZmqEndpoint | None = None
+    topic: str = ""
+
+
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     """What ``pdkv launch --role router`` fronts and how (see pdkv/router/__init__.py).
 
@@ -102,6 +137,17 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     # When set, the admin endpoints (/pdkv/workers) want "Authorization: Bearer <admin_token>"; unset,
     # with a top-level `secret`, they want the secret's control token (pdkv.auth.control_token).
     admin_token: str = ""
+    # KV-aware prefix policy (pdkv/router/kv_aware.py): the model's tokenizer ("default", or a Hugging Face
+    # directory) turns prompts into the token ids the workers' KV events carry; "": no tokenizer.
+    tokenizer: str = ""
+    # Streams of workers that do not name theirs in /pdkv/info (vLLM servers started with --kv-events-config).
+    kv_events: list[KVEventSource] = msgspec.field(default_factory=list)
+    kv_events_discover: bool = True  # subscribe to what each prefill worker's /pdkv/info names
+    kv_events_check_s: Seconds = 5.0  # how often a stream asks its replay socket for batches it may have missed
+    kv_events_timeout_s: Seconds = 5.0  # a replay or a resync request that takes longer has failed
+    kv_shared_blocks: Positive = 1 << 20  # blocks of the shared tier the index remembers (LRU)
+    # Prefill cost = prompt tokens not cached on the worker + prefix_load_weight * tokens it has in flight.
+    prefix_load_weight: Annotated[float, Meta(ge=0)] = 1.0
 
 
 class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -121,7 +167,9 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     disk_path: str = ""  # a directory of its own per worker; "": no disk level
     disk_bytes: Positive = 16 << 30
     disk_policy: Literal["lru", "s3fifo", "prefix"] = "lru"
-    redis_url: str = ""  # redis://HOST:PORT/DB (or rediss://, unix://); "": no remote level
+    # redis://HOST:PORT/DB (or rediss://, unix://), or a cluster: redis+cluster://HOST:PORT[,HOST:PORT...]
+    # (rediss+cluster:// for TLS; pdkv.tier.redis_backend); "": no remote level
+    redis_url: str = ""
     redis_namespace: str = "pdkv:kv:"
     redis_ttl_s: Annotated[float, Meta(ge=0)] = 0.0  # 0: kept until the server evicts it (maxmemory policy)
     redis_timeout_s: Seconds = 2.0  # per socket read/write
@@ -180,6 +228,7 @@ class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
     transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
     tier: TierConfig = msgspec.field(default_factory=TierConfig)
+    kv_events: KVEventsConfig = msgspec.field(default_factory=KVEventsConfig)
 
     def channel_options(self) -> dict[str, Any]:
         """The channel's options with what the worker knows filled in.

@@ -149,6 +149,18 @@ def redis_server() -> Iterator[LocalRedis]:
         yield server
 
 
+@pytest.fixture(scope="session")
+def vllm_env_python() -> str:
+    """The vLLM environment's Python with this checkout installed (tests/vllm_env.py), built or refreshed once per
+    session; the tests that need it skip, saying why, where it cannot be had."""
+    from vllm_env import Unavailable, vllm_python
+
+    try:
+        return vllm_python()
+    except Unavailable as exc:
+        pytest.skip(f"vLLM integration not run: {exc}")
+
+
 @pytest.fixture(scope="module")
 def netrig() -> Iterator[NetRig]:
     """A network rig with its hub host ``a``: tests add hosts and start pdkv roles on them (``Host.start_worker``).

@@ -49,7 +49,6 @@ from pdkv.launch.procs import WorkerProcess, start_worker
 from pdkv.launch.vllm import free_port
 from pdkv.tier.localredis import local_redis
 
-from vllm_env import Unavailable, vllm_python
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -115,11 +114,8 @@ def _start_mono(python: str, model: str, log: Path) -> tuple[subprocess.Popen[by
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    try:
-        python = vllm_python()
-    except Unavailable as exc:
-        pytest.skip(f"vLLM integration not run: {exc}")
+def cluster(tmp_path_factory: pytest.TempPathFactory, vllm_env_python: str) -> Iterator[Cluster]:
+    python = vllm_env_python  # built or refreshed once per session (tests/conftest.py)
     from pdkv.engine.default_model import ensure_default_model
 
     model = str(ensure_default_model())
@@ -129,7 +125,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         namespace = f"vllm-{uuid.uuid4().hex}:"
         tier = f"tier:\n  redis_url: {redis_url}\n  redis_namespace: '{namespace}'\n"
         secret = f"secret: {uuid.uuid4().hex}\n"  # P and D authenticate each other, as a deployment beyond loopback must
-        (tmp / "prefill.yaml").write_text(secret + tier)
+        kv_events = f"kv_events: {{enable_kv_cache_events: true, endpoint: 'ipc://{tmp}/p-events', replay_endpoint: 'ipc://{tmp}/p-replay'}}\n"
+        (tmp / "prefill.yaml").write_text(secret + tier + kv_events)
         (tmp / "decode.yaml").write_text(f"{secret}transfer:\n  transfer_timeout_s: {D_TRANSFER_TIMEOUT_S}\n  claim_timeout_s: 30\nnum_blocks: 64\n{tier}")
         yield from _cluster(python, model, tmp, redis_url, namespace)
 
@@ -144,7 +141,9 @@ def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str)
         # Both have finished starting (the pool waited): keep whichever came up, so one that failed never leaves the other running.
         started += [f.result() for f in (d_future, p_future) if f.exception() is None]
         decode, prefill = d_future.result(), p_future.result()
-        router = start_worker("router", "--mode", "vllm", "--port", "0", "--prefill", prefill.url, "--decode", decode.url)
+        # KV-aware: the router follows P's KV events (named in P's /pdkv/info) with the model's tokenizer
+        (tmp / "router.yaml").write_text(f"router: {{policy: prefix, tokenizer: '{model}', kv_events_check_s: 1}}\n")
+        router = start_worker("router", "--mode", "vllm", "--config", str(tmp / "router.yaml"), "--port", "0", "--prefill", prefill.url, "--decode", decode.url)
         started.append(router)
         deadline = time.monotonic() + 900
         while not _healthy(mono_url):
@@ -301,6 +300,33 @@ def test_a_prefix_computed_on_one_vllm_is_loaded_from_redis_by_another(cluster: 
     assert sources(c)["local_compute"] - before["local_compute"] == len(got.prompt_ids) - 512
     assert_same_kv(kv_digests(c.decode.url, got.prompt_ids)[:512], want_kv[:512], "SHARED from Redis")
     assert_same_greedy_path(want, got, eos_token_id(c.model), "SHARED")  # D computed the rest over the loaded 512: other kernels
+
+
+def _cached(router_url: str, prompt: str) -> dict[str, int]:
+    return post_json(router_url + "/pdkv/kv-index", {"prompt": prompt})["cached_tokens"]
+
+
+def _block_sizes(router_url: str, worker: str) -> list[int]:
+    """The block sizes of what the router indexed for ``worker`` (vLLM's CPU backend uses 128-token blocks)."""
+    return json.loads(get_text(router_url + "/pdkv/kv-index"))["workers"].get(worker, {}).get("block_sizes", [])
+
+
+def test_the_router_follows_a_real_vllms_kv_events(cluster: Cluster) -> None:
+    """P, a vLLM that pdkv launched with kv_events (vLLM's --kv-events-config), names its stream in /pdkv/info; the
+    router follows it, and its index, keyed by its own hash of the events' token ids, matches the prompt the router
+    tokenized itself, block for block."""
+    c = cluster
+    info = json.loads(get_text(c.prefill.url + "/pdkv/info"))
+    assert info["kv_events"]["endpoint"].startswith("ipc://")
+    n = complete(c.router.url, c.model, LONG)["usage"]["prompt_tokens"]
+    deadline = time.monotonic() + 60
+    while not (sizes := _block_sizes(c.router.url, c.prefill.url)) or _cached(c.router.url, LONG)[c.prefill.url] < (n // sizes[0]) * sizes[0]:
+        assert time.monotonic() < deadline, f"the router's index of P: {get_text(c.router.url + '/pdkv/kv-index')}"  # vLLM caches whole blocks
+        time.sleep(0.5)
+    assert sizes[0] * 2 <= n  # several blocks: the match is not trivially the first one
+    assert _cached(c.router.url, "Something else entirely")[c.prefill.url] == 0
+    p_view = json.loads(get_text(c.router.url + "/pdkv/kv-index"))["workers"][c.prefill.url]
+    assert len(p_view["block_sizes"]) == 1 and p_view["stream"].get("lost", 0) == 0 and p_view["stream"].get("malformed", 0) == 0
 
 
 def test_a_killed_prefill_does_not_hang_the_decode(cluster: Cluster) -> None:

@@ -14,5 +14,10 @@ answer as it comes.
   for vLLM pairs running vLLM's NixlConnector;
 * ``metrics``: Prometheus.
 
-Nothing here imports torch or an engine: the router needs neither.
+* ``kv_aware``: the workers' KV event streams and the prefix index the
+  prefix policy reads.
+
+Nothing here imports torch or an engine: the router needs neither, except
+the model's tokenizer when ``router.tokenizer`` is set (its module lives
+with the engine, which imports torch).
 """

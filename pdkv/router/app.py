@@ -24,20 +24,24 @@ import asyncio
 import logging
 import re
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 
 from pdkv.auth import control_token
 from pdkv.config import WORKER_URL_PATTERN, HttpConfig, RouterConfig
-from pdkv.errors import RequestError
+from pdkv.errors import ConfigError, RequestError
+from pdkv.router.kv_aware import KVAwareness, KVCollector, load_tokenizer
 from pdkv.router.metrics import RouterMetrics
 from pdkv.router.modes import make_mode
-from pdkv.router.policy import make_policy
+from pdkv.router.policy import describe_prompt, make_policy
 from pdkv.router.pool import ROLES, Role, WorkerPool
 from pdkv.router.proxy import Proxy
 from pdkv.web import application, bearer_middleware, error_response, read_json
+
+if TYPE_CHECKING:
+    from pdkv.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +54,15 @@ class Router:
         self.http = http or HttpConfig()
         self.session = session
         self.pool = WorkerPool(session, config)
-        self.policy = make_policy(config)
+        token = control_token(secret) if secret else ""
+        worker_auth = {"Authorization": f"Bearer {token}"} if token else {}  # what the workers' /pdkv/ endpoints want
+        self.kv = KVAwareness(config, self.pool, worker_auth) if config.policy == "prefix" and (config.kv_events or config.kv_events_discover) else None
+        self.tokenizer: Tokenizer | None = None
+        self.policy = make_policy(config, self.kv)
         self.mode = make_mode(config.mode)
         self.metrics = RouterMetrics(self.pool)
-        token = control_token(secret) if secret else ""
         self.admin_token = config.admin_token or token
-        self.proxy = Proxy(config, self.http, self.pool, self.policy, self.mode, self.metrics, self._spawn, {"Authorization": f"Bearer {token}"} if token else {})
+        self.proxy = Proxy(config, self.http, self.pool, self.policy, self.mode, self.metrics, self._spawn, worker_auth)
         self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -68,7 +75,11 @@ class Router:
         """
         # No connection cap: each worker admits or refuses (503) work itself, and a
         # client-side cap would queue requests where no timeout or metric sees them.
+        if config.kv_events and not config.tokenizer:
+            raise ConfigError("router.kv_events names event streams but router.tokenizer is not set: the KV-aware prefix policy matches token ids; set it to 'default' or the model's Hugging Face directory")
+        tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer)
         router = cls(config, aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)), http, secret)
+        router.tokenizer = router.proxy.tokenizer = tokenizer
         for role, urls in (("prefill", config.prefill), ("decode", config.decode)):
             for url in urls:
                 router.pool.add(role, url)
@@ -80,6 +91,9 @@ class Router:
         if not config.decode:
             log.warning("no decode worker configured: requests get 503 until one is registered with POST /pdkv/workers")
         router._spawn(router.pool.health_loop())
+        if router.kv is not None:
+            router.metrics.registry.register(KVCollector(router.kv))
+            router._spawn(router.kv.run())
         return router
 
     async def close(self) -> None:
@@ -106,6 +120,8 @@ class Router:
         app.router.add_get("/pdkv/workers", self._list_workers)
         app.router.add_post("/pdkv/workers", self._add_worker)
         app.router.add_delete("/pdkv/workers", self._remove_worker)
+        app.router.add_get("/pdkv/kv-index", self._kv_index)
+        app.router.add_post("/pdkv/kv-index", self._kv_match)
         return app
 
     async def _completions(self, http: web.Request) -> web.StreamResponse:
@@ -129,6 +145,27 @@ class Router:
     async def _list_workers(self, _: web.Request) -> web.Response:
         listing: dict[str, Any] = {role: [w.snapshot() for w in self.pool.workers(role)] for role in ROLES}
         return web.json_response({"mode": self.mode.name, "policy": self.policy.name, **listing})
+
+    async def _kv_index(self, _: web.Request) -> web.Response:
+        """What the KV-aware prefix policy knows: blocks per worker, each event stream's state, the shared tier."""
+        return web.json_response(self._kv().summary())
+
+    async def _kv_match(self, http: web.Request) -> web.Response:
+        """How many leading tokens of a prompt (a completions or chat body) each prefill worker caches, as the
+        prefix policy would see it: which worker holds what, without sending the request."""
+        kv = self._kv()
+        body = await read_json(http, self.http)
+        if not isinstance(body, dict) or not ("prompt" in body or "messages" in body):
+            raise RequestError(f'expected a JSON body with a "prompt" (text or token ids) or "messages", got {body!r:.200}')
+        prompt = await asyncio.to_thread(describe_prompt, body, "messages" in body, self.config, self.tokenizer)
+        if prompt.kind != "ids":
+            raise RequestError("the prompt is text and router.tokenizer is not set: send token ids, or configure the tokenizer", param="prompt")
+        return web.json_response({"prompt_tokens": prompt.est_tokens, "cached_tokens": kv.cached_tokens(prompt.units, self.pool.workers("prefill"))})
+
+    def _kv(self) -> KVAwareness:
+        if self.kv is None:
+            raise RequestError("no KV event index: the router keeps one with policy 'prefix' (and router.kv_events or kv_events_discover)", status=404)
+        return self.kv
 
     async def _add_worker(self, http: web.Request) -> web.Response:
         ref = await _worker_ref(http, self.http)

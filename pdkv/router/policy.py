@@ -1,9 +1,12 @@
 """Which worker gets a request: round-robin, least-loaded and prefix-aware policies.
 
-The router has no tokenizer (loading one would tie it to a model and cost
-the memory of one), so a prompt is seen as a sequence of integers: the
-client's token ids when it sent ids, else the Unicode code points of its
-text (for chat, the tools and every message's role and content in order).
+Without ``router.tokenizer`` the router has no tokenizer (loading one ties
+it to a model and costs the memory of one), so a prompt is seen as a
+sequence of integers: the client's token ids when it sent ids, else the
+Unicode code points of its text (for chat, the tools and every message's
+role and content in order). With one, prompts are the token ids the
+workers compute (``describe_prompt``), which the KV-aware prefix policy
+needs to match them against the workers' KV events.
 Prefix keys are ``pdkv.keys.chunk_keys`` over that sequence in fixed-size
 chunks, ``prefix_chunk_tokens`` ids or ``prefix_chunk_tokens *
 chars_per_token`` characters: two prompts that share a leading chunk of
@@ -22,13 +25,18 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from pdkv.config import RouterConfig
+from pdkv.errors import PdkvError
 from pdkv.keys import chunk_keys
 from pdkv.router.pool import Role, WorkerState
+
+if TYPE_CHECKING:
+    from pdkv.engine.tokenizer import Tokenizer
+    from pdkv.router.kv_aware import KVAwareness
 
 
 @dataclass
@@ -46,10 +54,12 @@ class Prompt:
         return chunk_keys(self.units, f"pdkv-router/{self.kind}", self.chunk) if len(self.units) else []
 
 
-def describe_prompt(body: dict[str, Any], chat: bool, config: RouterConfig) -> Prompt:
+def describe_prompt(body: dict[str, Any], chat: bool, config: RouterConfig, tokenizer: Tokenizer | None = None) -> Prompt:
     """A request body's prompt as a policy sees it; a body with no usable prompt gives an empty one
     (the worker, not the router, tells the client what is wrong with it)."""
     ids = None if chat else _token_ids(body.get("prompt"))
+    if ids is None and tokenizer is not None:
+        ids = _tokenize(body, chat, tokenizer)
     if ids is not None:
         return Prompt(np.asarray(ids, dtype=np.int64), len(ids), config.prefix_chunk_tokens, "ids")
     text = _chat_text(body) if chat else _prompt_text(body.get("prompt"))
@@ -65,6 +75,21 @@ def _token_ids(prompt: Any) -> list[int] | None:
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 63 for t in prompt):
         return prompt
     return None  # not token ids the router can key (the worker says what is wrong with them)
+
+
+def _tokenize(body: dict[str, Any], chat: bool, tokenizer: Tokenizer) -> list[int] | None:
+    """The token ids a worker computes for this body (as pdkv.worker.openai_api does), or None when it has no
+    prompt the tokenizer takes (the worker will say what is wrong)."""
+    try:
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                return None
+            return tokenizer.encode_chat(messages)
+        text = _prompt_text(body.get("prompt"))
+        return tokenizer.encode(text) if text else None
+    except (PdkvError, TypeError, ValueError):
+        return None
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -144,27 +169,43 @@ def load(role: Role, worker: WorkerState) -> tuple[int, int]:
 
 
 class PrefixAware(LeastLoaded):
-    """Prefill goes where the prompt's longest known prefix was last prefilled; decode is least-loaded.
+    """Prefill goes where the prompt's prefix is cached; decode is least-loaded.
 
-    The owner of each chunk key is remembered in a bounded LRU
-    (``prefix_cache_entries`` keys). The owner is skipped, for the
-    least-loaded worker, when it is not a candidate (down, deregistered) or
-    runs more than ``prefix_max_imbalance`` requests beyond the least-loaded
-    one: a hot prefix must not pile every request onto one worker.
+    Where the prefix is cached comes from two places:
+
+    * the workers' KV events (``kv``, pdkv.router.kv_aware), when the prompt
+      is token ids and at least one candidate publishes them: each candidate
+      costs the prompt tokens it does not cache plus ``load_weight`` times
+      the prompt tokens the router has in flight on it, and the cheapest
+      wins (ties go round-robin). A candidate without a stream is costed by
+      the guess below. This is what the worker really holds, evictions and
+      the shared tier included;
+    * otherwise the router's own guess: the worker that last prefilled each
+      chunk key, in a bounded LRU (``prefix_cache_entries`` keys). That
+      owner is taken unless it is not a candidate (down, deregistered) or
+      runs more than ``prefix_max_imbalance`` requests beyond the
+      least-loaded worker: a hot prefix must not pile every request onto one.
     """
 
     name = "prefix"
 
-    def __init__(self, max_entries: int, max_imbalance: int) -> None:
+    def __init__(self, max_entries: int, max_imbalance: int, kv: KVAwareness | None = None, load_weight: float = 1.0) -> None:
         super().__init__()
         self.max_entries = max_entries
         self.max_imbalance = max_imbalance
+        self.kv = kv
+        self.load_weight = load_weight
         self._owner: collections.OrderedDict[bytes, str] = collections.OrderedDict()
 
     def choose(self, role: Role, candidates: Sequence[WorkerState], prompt: Prompt) -> tuple[WorkerState, str]:
+        start = self._turn[role] % len(candidates)
         least, _ = super().choose(role, candidates, prompt)
         if role != "prefill":
             return least, "least_loaded"
+        if self.kv is not None and prompt.kind == "ids" and len(prompt.units):
+            cached = self.kv.cached_tokens(prompt.units, candidates)
+            if cached:
+                return self._cheapest([*candidates[start:], *candidates[:start]], prompt, cached)
         by_url = {w.url: w for w in candidates}
         for key in reversed(prompt.keys):
             owner = by_url.get(self._owner.get(key, ""))
@@ -174,6 +215,24 @@ class PrefixAware(LeastLoaded):
                 return owner, "prefix_hit"
         return least, "prefix_miss"
 
+    def _cheapest(self, candidates: Sequence[WorkerState], prompt: Prompt, cached: dict[str, int]) -> tuple[WorkerState, str]:
+        """The candidate (in round-robin order, so ties rotate) with the least prefill work: see the class docstring."""
+        guessed = self._guess(prompt)
+        tokens = {w.url: min(prompt.est_tokens, cached.get(w.url, guessed.get(w.url, 0))) for w in candidates}
+        best = min(candidates, key=lambda w: prompt.est_tokens - tokens[w.url] + self.load_weight * w.inflight_tokens)
+        if tokens[best.url] == 0:
+            return best, "kv_miss"
+        return best, "kv_hit" if tokens[best.url] == max(tokens.values()) else "kv_load_balanced"
+
+    def _guess(self, prompt: Prompt) -> dict[str, int]:
+        """Prompt tokens the router's own record says each worker computed last (workers without a stream)."""
+        out: dict[str, int] = {}
+        for i, key in enumerate(prompt.keys):
+            owner = self._owner.get(key)
+            if owner is not None:
+                out[owner] = (i + 1) * prompt.chunk
+        return out
+
     def served(self, worker: WorkerState, prompt: Prompt) -> None:
         for key in prompt.keys:
             self._owner[key] = worker.url
@@ -182,9 +241,9 @@ class PrefixAware(LeastLoaded):
             self._owner.popitem(last=False)
 
 
-def make_policy(config: RouterConfig) -> Policy:
+def make_policy(config: RouterConfig, kv: KVAwareness | None = None) -> Policy:
     if config.policy == "least-loaded":
         return LeastLoaded()
     if config.policy == "prefix":
-        return PrefixAware(config.prefix_cache_entries, config.prefix_max_imbalance)
+        return PrefixAware(config.prefix_cache_entries, config.prefix_max_imbalance, kv, config.prefix_load_weight)
     return RoundRobin()

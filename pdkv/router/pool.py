@@ -47,6 +47,7 @@ class WorkerState:
     inflight_requests: int = 0
     inflight_tokens: int = 0
     failures: int = 0  # failed health probes in a row
+    ups: int = 0  # times it was found up after being down (or unchecked): it may have restarted (pdkv.router.kv_aware)
     probing: bool = field(default=False, repr=False)
     probed_at: float = field(default=0.0, repr=False)  # monotonic start of the last probe
     _down: asyncio.Future[str] | None = field(default=None, repr=False)
@@ -124,6 +125,7 @@ class WorkerPool:
         if not worker.healthy:
             log.info("%s worker %s is up", worker.role, worker.url)
             worker.healthy, worker.error = True, ""
+            worker.ups += 1
 
     async def _probe(self, worker: WorkerState) -> tuple[bool, str, bool]:
         """GET /health once: (ok, why not, whether the failure is final: nothing listens there)."""

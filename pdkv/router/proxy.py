@@ -41,7 +41,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -54,6 +54,9 @@ from pdkv.router.modes import PairMode, decode_body, prefill_body
 from pdkv.router.policy import Policy, Prompt, describe_prompt
 from pdkv.router.pool import Role, WorkerPool, WorkerState, describe
 from pdkv.web import error_response, read_json
+
+if TYPE_CHECKING:
+    from pdkv.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +96,7 @@ class Proxy:
         self.mode = mode
         self.metrics = metrics
         self.spawn = spawn  # runs a coroutine that must outlive a cancelled handler
+        self.tokenizer: Tokenizer | None = None  # router.tokenizer: prompts become the workers' token ids
         self._transfer_ids = itertools.count()
 
     async def generate(self, http: web.Request, path: str, chat: bool) -> web.StreamResponse:
@@ -103,7 +107,11 @@ class Proxy:
         headers = {"X-Request-Id": uuid.uuid4().hex}
         if "Authorization" in http.headers:  # workers started with an API key (vLLM's --api-key) want the client's
             headers["Authorization"] = http.headers["Authorization"]
-        call = _Call(http, path, body, describe_prompt(body, chat, self.config), body.get("stream") is True, headers["X-Request-Id"], arrived, headers)
+        if self.tokenizer is None:
+            prompt = describe_prompt(body, chat, self.config)
+        else:  # a long prompt takes milliseconds to encode: off the event loop
+            prompt = await asyncio.to_thread(describe_prompt, body, chat, self.config, self.tokenizer)
+        call = _Call(http, path, body, prompt, body.get("stream") is True, headers["X-Request-Id"], arrived, headers)
         try:
             return await self._serve(call)
         finally:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import logging
 import struct
 import threading
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -26,6 +28,8 @@ from pdkv.errors import LayoutError
 from pdkv.keys import KEY_BYTES
 from pdkv.layout import KVLayout, check_chunk
 from pdkv.memory import byte_view
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"PDKVKV01"
 _DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
@@ -181,6 +185,12 @@ class CacheTier(abc.ABC):
         """Release files, connections and threads."""
 
 
+class TierListener(Protocol):
+    """Told what a level now holds and no longer holds (``pdkv.worker.kv_events`` publishes it as KV events)."""
+
+    def changed(self, level: LeafTier, stored: Sequence[bytes], removed: Sequence[bytes]) -> None: ...
+
+
 class LeafTier(CacheTier):
     """One storage level: validates arguments and keeps the counters; subclasses move the bytes."""
 
@@ -189,6 +199,19 @@ class LeafTier(CacheTier):
         self.name = name
         self._stats = TierStats(name, capacity_bytes=capacity_bytes)
         self._stats_lock = threading.Lock()
+        self._listeners: list[TierListener] = []
+
+    def add_listener(self, listener: TierListener) -> None:
+        self._listeners.append(listener)
+
+    def _changed(self, stored: Sequence[bytes] = (), removed: Sequence[bytes] = ()) -> None:
+        """Tell the listeners (``removed`` first). A level with a lock calls this under it, so the listeners
+        see its changes in the order they happened; a listener's failure never fails the tier."""
+        for listener in self._listeners:
+            try:
+                listener.changed(self, stored, removed)
+            except Exception:
+                log.exception("%s tier: a listener failed", self.name)
 
     def get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], parent: bytes | None = None) -> int:
         self._check(keys, outs, "get buffer")

@@ -159,12 +159,14 @@ class DiskTier(LeafTier):
             victims = self._policy.admit(key, nbytes, parent) or []
             for victim in victims:
                 self._unlink(victim)
+            self._changed(stored=(key,), removed=victims)
         self._count(evictions=len(victims))
 
     def _drop(self, key: bytes) -> None:
         """Forget and delete ``key`` (lock held)."""
         self._policy.discard(key)
         self._unlink(key)
+        self._changed(removed=(key,))
 
     def _unlink(self, key: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):

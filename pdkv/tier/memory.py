@@ -57,6 +57,7 @@ class MemoryTier(LeafTier):
                 self._chunks[key] = chunk
                 written += nbytes
                 evicted += len(victims)
+                self._changed(stored=(key,), removed=victims)
         self._count(written_bytes=written, evictions=evicted)
 
     def remove(self, keys: Sequence[bytes]) -> int:
@@ -64,6 +65,7 @@ class MemoryTier(LeafTier):
             removed = [k for k in keys if self._chunks.pop(k, None) is not None]
             for key in removed:
                 self._policy.discard(key)
+            self._changed(removed=removed)
         return len(removed)
 
     def _resident(self) -> tuple[int | None, int | None]:

@@ -73,6 +73,7 @@ from pdkv.receiver import KVReceiver, ReceivedKV
 from pdkv.sender import KVSender, OutgoingTransfer
 from pdkv.web import application, bearer_middleware, error_response, read_json
 from pdkv.worker import openai_api as api
+from pdkv.worker.kv_events import TierEvents
 from pdkv.worker.metrics import WorkerMetrics
 from pdkv.worker.push import ChunkPusher
 from pdkv.worker.scheduler import EngineLoop, Job
@@ -111,6 +112,9 @@ class Worker:
         self.chunk_size = config.transfer.chunk_size
         self.metrics = WorkerMetrics(self.role)
         self.tiering = Tiering.from_config(config.tier, engine, self.chunk_size, self.metrics)
+        self.kv_events = TierEvents.start(config.kv_events, self.tiering.tier, self.chunk_size, config.host)
+        if self.kv_events is not None:
+            self.tiering.on_prompt = self.kv_events.note
         self.loop = EngineLoop(engine, chunk_size=self.chunk_size)
         # What a request's "model" may name: the model's own name and what the config called it.
         self.served_models = frozenset({engine.model_name, config.model})
@@ -160,6 +164,7 @@ class Worker:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/pdkv/info", self._info)
         app.router.add_delete("/pdkv/transfers/{transfer_id}", self._cancel_transfer)
+        app.router.add_post("/pdkv/kv-events/resync", self._resync_kv_events)
         app.on_cleanup.append(self._on_cleanup)
         return app
 
@@ -195,7 +200,17 @@ class Worker:
         if self.receiver is not None:
             host, port = self.receiver.address.removeprefix("tcp://").rsplit(":", 1)
             info.update(receiver_address=self.receiver.address, remote_host=host, remote_port=int(port))
+        if self.kv_events is not None:
+            pub = self.kv_events.publisher
+            info["kv_events"] = {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint, "topic": pub.config.topic, "block_size": self.chunk_size, "resync": "/pdkv/kv-events/resync"}
         return web.json_response(info)
+
+    async def _resync_kv_events(self, _: web.Request) -> web.Response:
+        """A subscriber lost track of this worker's blocks: publish them all again (pdkv.worker.kv_events)."""
+        if self.kv_events is None:
+            raise RequestError("this worker publishes no KV events (kv_events.enable_kv_cache_events is false)", status=404)
+        blocks = await asyncio.to_thread(self.kv_events.resync)
+        return web.json_response({"blocks": blocks})
 
     async def _cancel_transfer(self, http: web.Request) -> web.Response:
         """The router gave up on a transfer before its decode request came (prefill failed, client gone):
@@ -539,6 +554,8 @@ class Worker:
             self.receiver.close()
         self.channel.close()
         self.tiering.close()
+        if self.kv_events is not None:  # after the tier: its last writes behind are announced too
+            self.kv_events.close()
 
 
 def warn_if_data_plane_local(host: str, channel_host: str) -> None:

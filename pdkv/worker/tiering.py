@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -56,6 +56,8 @@ class Tiering:
         self.metrics = metrics
         self.cache = None if tier is None else KVCacheEngine(engine.layout, tier, chunk_size, fingerprint=engine.fingerprint, load_batch_chunks=load_batch_chunks)
         self.tier = None if self.cache is None else self.cache.tier
+        # Told each prompt's chunk keys and token ids before its chunks are loaded or stored (pdkv.worker.kv_events).
+        self.on_prompt: Callable[[Sequence[bytes], Sequence[int]], None] | None = None
         if self.tier is not None:
             metrics.registry.register(TierCollector(self.tier, metrics.role))
 
@@ -84,6 +86,8 @@ class Tiering:
         if self.cache is None:
             return CachedPrefix(None)
         keys = self.cache.keys(request.prompt_token_ids)
+        if self.on_prompt is not None:
+            self.on_prompt(keys.keys, request.prompt_token_ids)
         prefix = CachedPrefix(keys)
         loadable = keys.prefix((request.num_prompt_tokens - 1) // self.chunk_size * self.chunk_size)  # full chunks before the last token's
         try:

@@ -1,0 +1,225 @@
+"""How the Redis tier reaches its server: one Redis/Valkey, or a Redis Cluster / Valkey cluster.
+
+Both run a batch of per-key commands (one pipelined round trip per
+server) and answer each key's result, or ``FAILED`` where the server could
+not be asked; neither ever raises a server or network error.
+
+* ``Single`` (``redis://``, ``rediss://``, ``unix://``): a failure makes the
+  whole batch ``FAILED`` and the server is skipped for ``retry_s`` (calls
+  return ``FAILED`` at once instead of each paying a connect timeout).
+* ``Cluster`` (``redis+cluster://HOST:PORT[,HOST:PORT...]`` or
+  ``rediss+cluster://``, with ``USER:PASSWORD@`` before the hosts if the
+  cluster wants it): the seed nodes are where redis-py's cluster client
+  learns the slot map from (any live one will do). Keys spread over the
+  cluster by their slot (no hash tags: a prompt's chunks land on every
+  primary). A batch is split by the primary that owns each key's slot,
+  one pipeline per primary, so a primary that is down costs only the keys
+  it owns: its part of the batch is ``FAILED`` and it is skipped for
+  ``retry_s``. While any is skipped, the slot map is re-read (at most once
+  a second), so the moment a replica takes over, its keys go to it. The
+  client itself is made on first use: a cluster that is unreachable when
+  a worker starts costs misses, not the start.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from pdkv.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+FAILED: Any = object()  # a key's result when its server could not be asked
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+URL_FORMS = "redis://HOST:PORT/DB, rediss://..., unix:///PATH, or redis+cluster://HOST:PORT[,HOST:PORT...] (rediss+cluster:// for TLS)"
+_REFRESH_S = 1.0
+
+Build = Callable[[Any, int], None]  # adds the command for key i to a pipeline
+
+
+def _redis() -> Any:
+    try:
+        import redis
+    except ImportError:
+        raise ConfigError("tier.redis_url is set but redis-py is not installed: pip install 'pdkv[redis]'") from None
+    return redis
+
+
+class _Backoff:
+    """When each target (the server, or a cluster node) may be asked again; logs a failure once per window."""
+
+    def __init__(self, url: str, retry_s: float) -> None:
+        self.url = url
+        self.retry_s = retry_s
+        self._until: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def down(self, target: str) -> bool:
+        with self._lock:
+            until = self._until.get(target)
+            if until is None:
+                return False
+            if time.monotonic() < until:
+                return True
+            del self._until[target]
+            return False
+
+    def any_down(self) -> bool:
+        with self._lock:
+            return bool(self._until)
+
+    def failed(self, target: str, what: str, exc: BaseException) -> None:
+        with self._lock:
+            first = target not in self._until
+            self._until[target] = time.monotonic() + self.retry_s
+        if first:
+            log.warning("redis tier %s: %s on %s failed (%s); serving misses and skipping it for %.0fs", self.url, what, target, exc, self.retry_s)
+
+
+class Single:
+    def __init__(self, url: str, timeout_s: float, connect_timeout_s: float, retry_s: float) -> None:
+        redis = _redis()
+        try:
+            self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s)
+        except ValueError as exc:
+            raise ConfigError(f"tier.redis_url {url!r} is not a Redis URL ({exc}); expected {URL_FORMS}") from None
+        self._errors = (redis.RedisError, OSError)
+        self._backoff = _Backoff(url, retry_s)
+
+    def batch(self, what: str, names: Sequence[bytes], build: Build) -> tuple[list[Any], bool]:
+        """Each key's result (or ``FAILED``) and whether anything failed."""
+        if self._backoff.down("server"):
+            return [FAILED] * len(names), False
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for i in range(len(names)):
+                build(pipe, i)
+            return list(pipe.execute()), False
+        except self._errors as exc:
+            self._backoff.failed("server", what, exc)
+            return [FAILED] * len(names), True
+
+    def ping(self) -> bool:
+        result, _ = self.batch("ping", [b""], lambda pipe, _i: pipe.ping())
+        return result[0] is not FAILED
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def parse_cluster_url(url: str) -> dict[str, Any]:
+    """``redis+cluster://[USER[:PASSWORD]@]HOST:PORT[,HOST:PORT...][/0]`` as RedisCluster keyword arguments."""
+    parts = urlsplit(url)
+    where = parts.netloc.rpartition("@")
+    auth, hosts = where[0], where[2]
+    seeds = []
+    for item in hosts.split(","):
+        host, sep, port = item.strip().rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"tier.redis_url {url!r}: {item!r} is not HOST:PORT; expected {URL_FORMS}")
+        seeds.append((host, int(port)))
+    if parts.path not in ("", "/", "/0") or parts.query:
+        raise ConfigError(f"tier.redis_url {url!r}: a cluster has only database 0 and takes no options; expected {URL_FORMS}")
+    user, _, password = auth.partition(":")
+    return {"seeds": seeds, "username": unquote(user) or None, "password": unquote(password) or None, "ssl": parts.scheme == "rediss+cluster"}
+
+
+class Cluster:
+    def __init__(self, url: str, timeout_s: float, connect_timeout_s: float, retry_s: float) -> None:
+        self._redis = _redis()
+        self._options = parse_cluster_url(url)
+        self._timeouts = (timeout_s, connect_timeout_s)
+        # RedisClusterException (no seed reachable, no slot map) is not a RedisError
+        self._errors = (self._redis.RedisError, self._redis.exceptions.RedisClusterException, OSError)
+        self._backoff = _Backoff(url, retry_s)
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._refreshed = 0.0
+
+    def _connect(self) -> Any:
+        """The cluster client, made (the slot map read from a seed) on first use."""
+        with self._lock:
+            if self._client is None:
+                from redis.backoff import NoBackoff
+                from redis.cluster import ClusterNode, RedisCluster
+                from redis.retry import Retry
+
+                o = self._options
+                self._client = RedisCluster(
+                    startup_nodes=[ClusterNode(h, p) for h, p in o["seeds"]], username=o["username"], password=o["password"], ssl=o["ssl"],
+                    socket_timeout=self._timeouts[0], socket_connect_timeout=self._timeouts[1],
+                    require_full_coverage=False,  # a primary down takes its own slots away, not the cluster's
+                    retry=Retry(NoBackoff(), 0),  # a node that fails is skipped for retry_s: no retries here
+                )
+            return self._client
+
+    def batch(self, what: str, names: Sequence[bytes], build: Build) -> tuple[list[Any], bool]:
+        results: list[Any] = [FAILED] * len(names)
+        if self._backoff.down("cluster"):
+            return results, False
+        try:
+            client = self._connect()
+        except self._errors as exc:
+            self._backoff.failed("cluster", "connect", exc)
+            return results, True
+        self._refresh(client)
+        groups: dict[str, list[int]] = {}
+        failed = False
+        for i, name in enumerate(names):
+            try:
+                node = client.get_node_from_key(name).name
+            except self._errors as exc:  # no live node owns the slot now
+                self._backoff.failed("an uncovered slot", what, exc)
+                failed = True
+                continue
+            groups.setdefault(node, []).append(i)
+        for node, indexes in groups.items():
+            if self._backoff.down(node):
+                continue
+            try:
+                pipe = client.pipeline(transaction=False)
+                for i in indexes:
+                    build(pipe, i)
+                for i, value in zip(indexes, pipe.execute(), strict=True):
+                    results[i] = value
+            except self._errors as exc:
+                self._backoff.failed(node, what, exc)
+                failed = True
+        return results, failed
+
+    def _refresh(self, client: Any) -> None:
+        """While a node is skipped, re-read the slot map now and then: a replica that took over is used at once."""
+        if not self._backoff.any_down() or time.monotonic() - self._refreshed < _REFRESH_S:
+            return
+        self._refreshed = time.monotonic()
+        try:
+            client.nodes_manager.initialize()
+        except self._errors as exc:
+            log.debug("redis tier: slot map refresh failed: %s", exc)
+
+    def ping(self) -> bool:
+        try:
+            self._connect()
+        except self._errors as exc:
+            self._backoff.failed("cluster", "connect", exc)
+            return False
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+
+
+def connect(url: str, timeout_s: float, connect_timeout_s: float, retry_s: float) -> Single | Cluster:
+    """The backend for ``url``: a cluster for ``redis+cluster://``/``rediss+cluster://``, one server otherwise."""
+    scheme = url.partition("://")[0]
+    if scheme in CLUSTER_SCHEMES:
+        return Cluster(url, timeout_s, connect_timeout_s, retry_s)
+    return Single(url, timeout_s, connect_timeout_s, retry_s)

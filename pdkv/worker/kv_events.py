@@ -1,0 +1,179 @@
+"""A pdkv worker's cache as vLLM KV events: what a KV-aware router needs to know to send a prompt here.
+
+What is a "block" for pdkv. The reference engine's paged blocks hold a
+request's KV only while it runs: they are freed when it ends and nothing
+looks them up again, so announcing them would tell a router about KV that
+is gone by the time the next prompt comes. What outlives a request, and
+what the next prompt with the same prefix loads instead of computing, is
+the cache tier. So a pdkv block is a tier chunk: ``transfer.chunk_size``
+tokens (the events' ``block_size``), whole chunks only (the tier never
+stores a partial one), its hash the chunk key (``pdkv.keys``: 16 bytes,
+chained over the parent's key, the model and the tokens), its parent the
+key of the chunk before it (None for a prompt's first chunk).
+
+Each level of the tier says what it holds, with vLLM's ``medium`` and
+``locality`` words (pdkv.kv_events.wire):
+
+=========  =========  ========  ==============================================
+level      medium     locality  announced
+=========  =========  ========  ==============================================
+memory     CPU        LOCAL     stored when put, removed when evicted/dropped
+disk       STORAGE    LOCAL     stored when written, removed when evicted/bad
+redis      STORAGE    REMOTE    stored when written (or found already there);
+                                removed when a read finds it gone (evicted or
+                                expired on the server, which tells no one)
+=========  =========  ========  ==============================================
+
+A worker publishes ``AllBlocksCleared`` when it starts (an earlier
+incarnation's announcements are void) and, when a subscriber asks
+(``POST /pdkv/kv-events/resync``: it lost track), ``AllBlocksCleared``
+followed by every block its memory and disk levels hold, parents first.
+Files a disk level finds at start are not announced (their token ids are
+not stored with them) until they are used again. The events carry no LoRA,
+multimodal or salt keys: the reference engine has none.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from pdkv.config import KVEventsConfig
+from pdkv.kv_events.publisher import KVEventPublisher
+from pdkv.kv_events.wire import LOCAL, MEDIUM_CPU, MEDIUM_STORAGE, REMOTE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdkv.tier import LeafTier, MemoryTier, RedisTier, TieredCache
+
+log = logging.getLogger(__name__)
+
+# How many chunks' token ids are remembered while no local level holds them (a write behind to
+# Redis after the memory level evicted the chunk; a chunk put again after an eviction).
+SPARE_BLOCKS = 4096
+
+
+def medium_of(level: LeafTier) -> tuple[str, str]:
+    """(medium, locality) of a tier level, in vLLM's words."""
+    if isinstance(level, MemoryTier):
+        return MEDIUM_CPU, LOCAL
+    if isinstance(level, RedisTier):
+        return MEDIUM_STORAGE, REMOTE
+    return MEDIUM_STORAGE, LOCAL  # a disk level
+
+
+@dataclasses.dataclass
+class _Block:
+    parent: bytes | None
+    tokens: np.ndarray
+    position: int  # index of the chunk in its prompt: parents sort before children
+    levels: set[str] = dataclasses.field(default_factory=set)  # the local levels holding it
+
+
+class TierEvents:
+    """Listens to every level of a worker's tier and publishes what they hold; see the module docstring."""
+
+    def __init__(self, publisher: KVEventPublisher, tier: TieredCache | None, chunk_size: int) -> None:
+        self.publisher = publisher
+        self.chunk_size = chunk_size
+        levels = tier.levels if tier is not None else []
+        self._levels = {level.name: level for level in levels if isinstance(level, LeafTier)}
+        self._held: dict[bytes, _Block] = {}  # held by at least one local level
+        self._spare: collections.OrderedDict[bytes, _Block] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.unannounced = 0  # stores of chunks whose token ids were not known (files found at start)
+        for level in self._levels.values():
+            level.add_listener(self)
+        publisher.publish([AllBlocksCleared()])
+
+    @classmethod
+    def start(cls, config: KVEventsConfig, tier: TieredCache | None, chunk_size: int, host: str) -> TierEvents | None:
+        """The worker's publisher when ``config`` enables one, else None."""
+        if not config.publishing:
+            return None
+        if tier is None:
+            log.warning("kv_events: enabled, but the cache tier is off (tier.enabled: false): there are no blocks to announce")
+        publisher = KVEventPublisher(config, bind_host=host)
+        if any(e.startswith("tcp://") and not e.startswith(("tcp://127.", "tcp://[::1]", "tcp://localhost")) for e in (publisher.endpoint, publisher.replay_endpoint or "")):
+            log.warning("kv_events: publishing on %s (replay %s) with no authentication (vLLM's protocol has none), and the events carry prompt token ids: keep it on a private network", publisher.endpoint, publisher.replay_endpoint)
+        return cls(publisher, tier, chunk_size)
+
+    def note(self, keys: Sequence[bytes], tokens: Sequence[int]) -> None:
+        """A prompt's chunk keys and token ids, before its chunks are loaded or stored: what a store event needs."""
+        cs = self.chunk_size
+        full = min(len(keys), len(tokens) // cs)
+        if not full:
+            return
+        arr = np.asarray(tokens[: full * cs], dtype=np.int64)
+        with self._lock:
+            for i in range(full):
+                key = keys[i]
+                if key in self._held:
+                    continue
+                if key in self._spare:
+                    self._spare.move_to_end(key)
+                    continue
+                self._spare[key] = _Block(keys[i - 1] if i else None, arr[i * cs : (i + 1) * cs], i)
+            self._trim()
+
+    def changed(self, level: LeafTier, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
+        medium, locality = medium_of(level)
+        local = locality == LOCAL
+        events: list[KVEvent] = []
+        with self._lock:
+            if removed:
+                if local:
+                    for key in removed:
+                        self._release(key, level.name)
+                events.append(BlockRemoved(block_hashes=list(removed), medium=medium, locality=locality))
+            for key in stored:
+                block = self._held.get(key) or self._spare.get(key)
+                if block is None:
+                    self.unannounced += 1
+                    continue
+                if local:
+                    block.levels.add(level.name)
+                    self._held[key] = block
+                    self._spare.pop(key, None)
+                elif key in self._spare:
+                    self._spare.move_to_end(key)
+                events.append(self._stored([key], block, medium, locality))
+            self.publisher.publish(events)  # under the lock: batches go out in the order the levels changed
+
+    def resync(self) -> int:
+        """Publish ``AllBlocksCleared`` and then every block the local levels hold; returns how many."""
+        with self._lock:
+            blocks = sorted(self._held.items(), key=lambda kv: kv[1].position)
+            events: list[KVEvent] = [AllBlocksCleared()]
+            for key, block in blocks:
+                for name in sorted(block.levels):
+                    medium, locality = medium_of(self._levels[name])
+                    events.append(self._stored([key], block, medium, locality))
+            self.publisher.publish(events)
+        return len(blocks)
+
+    def close(self) -> None:
+        self.publisher.close()
+
+    def _stored(self, keys: list[bytes], block: _Block, medium: str, locality: str) -> BlockStored:
+        return BlockStored(
+            block_hashes=list(keys), parent_block_hash=block.parent, token_ids=block.tokens.tolist(), block_size=self.chunk_size,
+            lora_id=None, medium=medium, lora_name=None, locality=locality,
+        )
+
+    def _release(self, key: bytes, level: str) -> None:
+        """``level`` no longer holds ``key`` (lock held); a block no local level holds becomes spare."""
+        block = self._held.get(key)
+        if block is None:
+            return
+        block.levels.discard(level)
+        if not block.levels:
+            del self._held[key]
+            self._spare[key] = block
+            self._trim()
+
+    def _trim(self) -> None:
+        while len(self._spare) > SPARE_BLOCKS:
+            self._spare.popitem(last=False)
