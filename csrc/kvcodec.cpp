@@ -182,6 +182,17 @@ void check_same_rows(const Rows& x, const Rows& y, const char* what) {
 
 int64_t grain_rows(int64_t c) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, c)); }
 
+// Runs fn(n, i, j, value offset, code offset) for every row n = (i, j) of values r and codes rc, shared over threads.
+template <class F>
+void each_row(const Rows& r, const Rows& rc, F fn) {
+  share_work(r.a * r.b, grain_rows(r.c), [=](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t i = n / r.b, j = n % r.b;
+      fn(n, i, j, i * r.stride_a + j * r.c, i * rc.stride_a + j * r.c);
+    }
+  });
+}
+
 // One row each. Raw __restrict pointers and sizes by value: the uint8 stores
 // may otherwise alias everything (char aliasing) and pin every load in the loop.
 
@@ -247,12 +258,7 @@ void fp8_encode(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& 
   int8_t* e = exps.data_ptr<int8_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "pdkv_fp8_encode", [&] {
     const scalar_t* in = x.data_ptr<scalar_t>();
-    share_work(r.a * r.b, grain_rows(r.c), [=](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        const int64_t i = n / r.b, j = n % r.b;
-        e[n] = fp8_encode_row(in + i * r.stride_a + j * r.c, c + i * rc.stride_a + j * r.c, r.c);
-      }
-    });
+    each_row(r, rc, [=](int64_t n, int64_t, int64_t, int64_t at, int64_t code_at) { e[n] = fp8_encode_row(in + at, c + code_at, r.c); });
   });
 }
 
@@ -271,12 +277,8 @@ void fp8_decode(const at::Tensor& codes, const at::Tensor& exps, const at::Tenso
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "pdkv_fp8_decode", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     const float* lut = table;
-    share_work(r.a * r.b, grain_rows(r.c), [=](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        const int64_t i = n / r.b, j = n % r.b;
-        const float scale = pow2(std::min(std::max(static_cast<int>(e[n]), kExpMin), kExpMax));
-        fp8_decode_row(c + i * rc.stride_a + j * r.c, o + i * r.stride_a + j * r.c, r.c, scale, lut);
-      }
+    each_row(r, rc, [=](int64_t n, int64_t, int64_t, int64_t at, int64_t code_at) {
+      fp8_decode_row(c + code_at, o + at, r.c, pow2(std::min(std::max(static_cast<int>(e[n]), kExpMin), kExpMax)), lut);
     });
   });
 }
@@ -357,16 +359,12 @@ void u8_quantize(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& in
   uint8_t* q = codes.data_ptr<uint8_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "pdkv_u8_quantize", [&] {
     const scalar_t* in = x.data_ptr<scalar_t>();
-    share_work(r.a * r.b, grain_rows(r.c), [=](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        const int64_t i = n / r.b, j = n % r.b, g = p.at(i, j, 0);
-        const scalar_t* row = in + i * r.stride_a + j * r.c;
-        uint8_t* out = q + i * rc.stride_a + j * r.c;
-        if (p.pc == 1) {
-          u8_quantize_row<false>(row, out, r.c, l + g, v + g);
-        } else {
-          u8_quantize_row<true>(row, out, r.c, l + g, v + g);
-        }
+    each_row(r, rc, [=](int64_t, int64_t i, int64_t j, int64_t at, int64_t code_at) {
+      const int64_t g = p.at(i, j, 0);
+      if (p.pc == 1) {
+        u8_quantize_row<false>(in + at, q + code_at, r.c, l + g, v + g);
+      } else {
+        u8_quantize_row<true>(in + at, q + code_at, r.c, l + g, v + g);
       }
     });
   });
@@ -384,16 +382,12 @@ void u8_dequantize(const at::Tensor& codes, const at::Tensor& lo, const at::Tens
   const uint8_t* q = codes.data_ptr<uint8_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "pdkv_u8_dequantize", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
-    share_work(r.a * r.b, grain_rows(r.c), [=](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        const int64_t i = n / r.b, j = n % r.b, g = p.at(i, j, 0);
-        const uint8_t* row = q + i * rc.stride_a + j * r.c;
-        scalar_t* dst = o + i * r.stride_a + j * r.c;
-        if (p.pc == 1) {
-          u8_dequantize_row<false>(row, dst, r.c, l + g, s + g);
-        } else {
-          u8_dequantize_row<true>(row, dst, r.c, l + g, s + g);
-        }
+    each_row(r, rc, [=](int64_t, int64_t i, int64_t j, int64_t at, int64_t code_at) {
+      const int64_t g = p.at(i, j, 0);
+      if (p.pc == 1) {
+        u8_dequantize_row<false>(q + code_at, o + at, r.c, l + g, s + g);
+      } else {
+        u8_dequantize_row<true>(q + code_at, o + at, r.c, l + g, s + g);
       }
     });
   });

@@ -39,7 +39,8 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True):
     heartbeat_s: Seconds = 1.0
     claim_timeout_s: Seconds = 60.0
     drain_timeout_s: Seconds = 10.0
-    # How staged chunks are encoded on the wire (pdkv/codec): none, zstd (exact) or a lossy one.
+    # How staged chunks are encoded on the wire (pdkv/codec): none, zstd (exact) or a lossy one. Validated here;
+    # the sender/receiver do not apply it yet (the integration plan is pdkv/codec/__init__.py's docstring).
     codec: Annotated[str, Meta(pattern=CODEC_NAME_PATTERN)] = "none"
 
     def __post_init__(self) -> None:

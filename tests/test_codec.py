@@ -493,5 +493,6 @@ def test_bench_fidelity_harness_on_a_tiny_model(tmp_path: pytest.TempPathFactory
     assert [g["link_gbit"] for g in links] == [0.1, 1.0, 10.0]
     for g in links:  # the slowest of encode, wire (link x bytes ratio) and decode
         fp8 = rows["fp8"]
+        assert g["kv_tokens_per_s"] == pytest.approx(g["effective_gbps"] * 1e9 / (fp8["raw_bytes"] / report["prefill"]["float32"]["tokens"]), rel=1e-3, abs=1)
         assert g["effective_gbps"] == pytest.approx(min(fp8["encode_gbps"], fp8["decode_gbps"], g["link_gbit"] / 8 * fp8["bytes_ratio"]), rel=1e-3, abs=1e-4)
     assert "fp8" in format_table(report)
