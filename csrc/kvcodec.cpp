@@ -27,6 +27,16 @@
 #include "kvcodec.h"
 #include "workshare.h"
 
+// The loops below are compiled for AVX-512, AVX2 and the baseline, picked at
+// load time by the CPU (GCC/Clang function multiversioning): the extension is
+// built without -march, so this is how the wider vectors get used. The
+// arithmetic is the same IEEE float math on every path: identical results.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define PDKV_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define PDKV_VECTOR_CLONES
+#endif
+
 namespace pdkv {
 namespace {
 
@@ -91,7 +101,7 @@ inline float round_even(float v) {
 // unrolls the inner loop for 2- and 4-byte elements.
 
 template <int W>
-void split_range(const uint8_t* src, int64_t width, const int64_t* planes, uint8_t* const* dst, int64_t count,
+PDKV_VECTOR_CLONES void split_range(const uint8_t* src, int64_t width, const int64_t* planes, uint8_t* const* dst, int64_t count,
                  int64_t begin, int64_t end) {
   const int64_t w = W > 0 ? W : width;
   if (W > 0 && count == W) {  // every plane, in order
@@ -129,7 +139,7 @@ void split_planes(const at::Tensor& src, int64_t width, const std::vector<int64_
 }
 
 template <int W>
-void merge_range(const uint8_t* const* src, int64_t width, uint8_t* dst, int64_t begin, int64_t end) {
+PDKV_VECTOR_CLONES void merge_range(const uint8_t* const* src, int64_t width, uint8_t* dst, int64_t begin, int64_t end) {
   const int64_t w = W > 0 ? W : width;
   for (int64_t i = begin; i < end; ++i)
     for (int64_t k = 0; k < w; ++k) dst[i * w + k] = src[k][i];
@@ -197,7 +207,7 @@ void each_row(const Rows& r, const Rows& rc, F fn) {
 // may otherwise alias everything (char aliasing) and pin every load in the loop.
 
 template <class T>
-int8_t fp8_encode_row(const T* __restrict row, uint8_t* __restrict out, int64_t n) {
+PDKV_VECTOR_CLONES int8_t fp8_encode_row(const T* __restrict row, uint8_t* __restrict out, int64_t n) {
   // max |x| over the bits of |x|: ordered like the values for non-negative floats (a NaN
   // wins, as in torch's amax), and an integer max reduction vectorizes where a float one does not
   uint32_t top = 0;
@@ -219,13 +229,13 @@ int8_t fp8_encode_row(const T* __restrict row, uint8_t* __restrict out, int64_t 
 }
 
 template <class T>
-void fp8_decode_row(const uint8_t* __restrict codes, T* __restrict out, int64_t n, float scale, const float* __restrict lut) {
+PDKV_VECTOR_CLONES void fp8_decode_row(const uint8_t* __restrict codes, T* __restrict out, int64_t n, float scale, const float* __restrict lut) {
   for (int64_t k = 0; k < n; ++k) out[k] = static_cast<T>(lut[codes[k]] * scale);
 }
 
 // PerColumn: lo/inv hold one value per element of the row; else one for the whole row.
 template <bool PerColumn, class T>
-void u8_quantize_row(const T* __restrict row, uint8_t* __restrict out, int64_t n, const float* __restrict lo,
+PDKV_VECTOR_CLONES void u8_quantize_row(const T* __restrict row, uint8_t* __restrict out, int64_t n, const float* __restrict lo,
                      const float* __restrict inv) {
   for (int64_t k = 0; k < n; ++k) {
     // clamp, then round: the same as torch's round-then-clamp for every value in [0, 255]
@@ -237,7 +247,7 @@ void u8_quantize_row(const T* __restrict row, uint8_t* __restrict out, int64_t n
 }
 
 template <bool PerColumn, class T>
-void u8_dequantize_row(const uint8_t* __restrict codes, T* __restrict out, int64_t n, const float* __restrict lo,
+PDKV_VECTOR_CLONES void u8_dequantize_row(const uint8_t* __restrict codes, T* __restrict out, int64_t n, const float* __restrict lo,
                        const float* __restrict step) {
   for (int64_t k = 0; k < n; ++k) {
     out[k] = static_cast<T>(static_cast<float>(codes[k]) * step[PerColumn ? k : 0] + lo[PerColumn ? k : 0]);

@@ -369,16 +369,17 @@ def plot(report: Report, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+    short = {"float32": "f32", "bfloat16": "bf16"}
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for dtype, marker in zip(DTYPES, "os", strict=True):
         rows = [r for r in report["results"] if r["dtype"] == dtype]
         for r in rows:
             left.scatter(max(r["mean_kl"], 1e-7), r["bytes_ratio"], marker=marker)
-            left.annotate(f"{r['codec']} ({dtype[:4]})", (max(r["mean_kl"], 1e-7), r["bytes_ratio"]), fontsize=7)
+            left.annotate(f"{r['codec']} ({short[dtype]})", (max(r["mean_kl"], 1e-7), r["bytes_ratio"]), fontsize=7)
     left.set_xscale("log")
     left.set_xlabel("mean KL vs exact KV (nats; exact codecs at 1e-7)")
     left.set_ylabel("bytes ratio")
-    labels = [f"{r['codec']}\n{r['dtype'][:4]}" for r in report["results"]]
+    labels = [f"{r['codec']}\n{short[r['dtype']]}" for r in report["results"]]
     x = torch.arange(len(labels)).tolist()
     right.bar([i - 0.2 for i in x], [r["encode_gbps"] for r in report["results"]], width=0.4, label="encode")
     right.bar([i + 0.2 for i in x], [r["decode_gbps"] for r in report["results"]], width=0.4, label="decode")

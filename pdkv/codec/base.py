@@ -90,6 +90,8 @@ class Codec(abc.ABC):
     """(module, pdkv extra) an optional codec needs; ``make_codec`` names the extra when the module is missing."""
     source_dtypes: ClassVar[tuple[str, ...] | None] = None
     """KV dtypes the codec accepts; None: every dtype a KVLayout allows."""
+    split_kv: ClassVar[bool] = False
+    """Treats keys and values differently, so it needs both (not MLA's single latent)."""
 
     def __init__(self, layout: KVLayout) -> None:
         why = self.unsupported(layout)
@@ -98,9 +100,6 @@ class Codec(abc.ABC):
         self.layout = layout
         self._dtype_code = DTYPE_CODES[layout.torch_dtype]
         self._local = threading.local()
-
-    split_kv: ClassVar[bool] = False
-    """Treats keys and values differently, so it needs both (not MLA's single latent)."""
 
     @classmethod
     def unsupported_dtype(cls, dtype: str) -> str | None:

@@ -12,9 +12,10 @@ So each plane is probed (a 64 KiB sample) and only a plane that compresses is
 compressed; the others are split straight into the frame. zstd runs with the
 "fast" strategy, a tiny hash table and 7-byte minimum matches: on exponent
 planes the gain is all in zstd's entropy stage (repeats are rare), and those
-settings compress them ~5x faster than zstd level 1, to a slightly smaller
-size. lz4 was measured too and left out: it has no entropy stage, so on the
-same planes it gains 1.43x against zstd's 2.6x, no faster to encode.
+settings compress them twice as fast as zstd level 1, slightly smaller
+(SmolLM2's exponent plane, one core: 2.68x at 0.86 GB/s against 2.62x at
+0.39 GB/s). lz4 was measured too and left out: it has no entropy stage, so on
+the same plane it gains 1.43x, at 0.41 GB/s.
 """
 
 from __future__ import annotations
