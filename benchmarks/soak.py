@@ -59,6 +59,7 @@ from typing import Any
 
 import yaml
 from pdkv.channels.tcp import DATA, HDR_SIZE, HEADER, NOTIF_FOLLOWS, READ_REQ
+from pdkv.auth import control_token
 from pdkv.launch.procs import WorkerProcess, start_worker
 
 from pdkv.demo import metric
@@ -81,6 +82,7 @@ WORKER_CONFIG: dict[str, Any] = {
                  "reserve_timeout_s": 3, "chunk_timeout_s": 5, "claim_timeout_s": 10, "drain_timeout_s": 2},
 }  # fmt: skip
 ROUTER_CONFIG: dict[str, Any] = {
+    "secret": WORKER_CONFIG["secret"],  # the router cancels transfers on the decode workers: their control token
     "router": {"connect_timeout_s": 2, "prefill_timeout_s": 15, "decode_timeout_s": 30, "read_timeout_s": 15,
                "health_timeout_s": 2, "health_interval_s": 1, "max_retries": 2},
 }  # fmt: skip
@@ -106,13 +108,17 @@ class Counts:
     seconds: float = 0.0
 
 
+# The router's admin endpoints, with the secret and no admin_token, want the secret's control token.
+ADMIN = {"Authorization": f"Bearer {control_token(WORKER_CONFIG['secret'])}"}
+
+
 def _http(
-    method: str, url: str, body: Any = None, timeout: float = 30.0
+    method: str, url: str, body: Any = None, timeout: float = 30.0, headers: dict[str, str] | None = None
 ) -> tuple[int, bytes]:
     """One HTTP call; an HTTP error status is returned, not raised (it is a clean failure, not a crash)."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(
-        url, data, {"Content-Type": "application/json"}, method=method
+        url, data, {"Content-Type": "application/json", **(headers or {})}, method=method
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
@@ -445,6 +451,7 @@ def kill_and_restart_decode(cluster: Cluster, counts: Counts, cycle: int = 0) ->
         cluster.router.url + "/pdkv/workers",
         {"role": "decode", "url": victim.url},
         timeout=10,
+        headers=ADMIN,
     )
     fresh = cluster.start_worker("decode", index)
     status, raw = _http(
@@ -452,6 +459,7 @@ def kill_and_restart_decode(cluster: Cluster, counts: Counts, cycle: int = 0) ->
         cluster.router.url + "/pdkv/workers",
         {"role": "decode", "url": fresh.url},
         timeout=10,
+        headers=ADMIN,
     )
     if status not in (200, 201):
         raise RuntimeError(

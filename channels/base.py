@@ -7,13 +7,22 @@ tier) speaks only this interface, so mock, tcp, nixl and ucx are swappable.
 
 Life cycle: ``register`` buffers -> ``metadata()`` bytes go to the peer over
 the control plane -> the peer calls ``add_peer(metadata)`` -> ``write``/
-``read`` lists of ``TransferOp`` -> ``poll``/``wait`` the handle ->
-``get_notifications`` on the other side -> ``close``.
+``read`` lists of ``TransferOp`` -> ``poll``/``wait`` the handle (or be told:
+``add_done_callback``) -> ``get_notifications`` on the other side, woken by
+``notification_fd`` -> ``close``.
+
+Nothing above a channel polls on a timer: a handle calls back the moment it
+finishes and the notification fd turns readable the moment a notification is
+delivered, so the sender and receiver sleep in ``poll`` until there is work.
+A channel whose library can only be polled (NIXL) polls on its own thread and
+turns what it finds into the same events.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
+import contextlib
 import enum
 import itertools
 import logging
@@ -21,12 +30,14 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Literal, NamedTuple
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 import msgspec
 
-from pdkv.errors import ChannelError, ConfigError, TransferTimeout
+from pdkv.errors import ChannelError, ConfigError, PeerUnreachableError, TransferTimeout
+from pdkv.netaddr import interface_of, is_loopback, is_wildcard
+from pdkv.wakeup import Waker
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +84,19 @@ class TransferHandle:
         self.posted_at = time.monotonic()
         self._event = threading.Event()
         self._lock = threading.Lock()
+        self._callbacks: list[Callable[[TransferHandle], None]] = []
+
+    def add_done_callback(self, fn: Callable[[TransferHandle], None]) -> None:
+        """Call ``fn(self)`` once the handle finishes, on the thread that finishes it (now, if it has).
+
+        ``fn`` must be quick and must not call back into the channel: it may
+        run on the channel's I/O thread, or under the channel's lock.
+        """
+        with self._lock:
+            if self.state is XferState.PENDING:
+                self._callbacks.append(fn)
+                return
+        fn(self)
 
     def complete(self) -> bool:
         """Mark done; returns False if the handle had already finished (first outcome wins)."""
@@ -87,11 +111,172 @@ class TransferHandle:
             if self.state is not XferState.PENDING:
                 return False
             self.state, self.error = state, error
+            callbacks, self._callbacks = self._callbacks, []
         self._event.set()
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:  # a caller's bug must not kill the channel's I/O thread
+                log.exception("done callback of %r failed", self)
         return True
 
     def __repr__(self) -> str:
         return f"TransferHandle(id={self.id}, {self.op} {self.nbytes}B to {self.peer!r}, {self.state.value})"
+
+
+class NotificationInbox:
+    """Notifications that landed here and wait to be drained, with an fd that is readable while any wait.
+
+    One per channel, shared by every implementation: whichever thread
+    delivers (a tcp reader, NIXL's poller) wakes whoever sleeps in ``poll`` on
+    ``fileno()`` (the receiver's I/O thread) at once.
+    """
+
+    def __init__(self) -> None:
+        self._items: list[Notification] = []
+        self._lock = threading.Lock()
+        self._waker = Waker()
+
+    def fileno(self) -> int:
+        return self._waker.fileno()
+
+    def deliver(self, peer: str, payload: bytes) -> None:
+        with self._lock:
+            self._items.append(Notification(peer, payload))
+        self._waker.wake()
+
+    def drain(self) -> list[Notification]:
+        self._waker.clear()  # before taking the items: a delivery racing with us leaves the fd readable
+        with self._lock:
+            out, self._items = self._items, []
+        return out
+
+    def close(self) -> None:
+        self._waker.close()
+
+
+Access = Literal["write", "read"]
+Range = tuple[int, int, int]  # (region, offset, length)
+
+
+class Grants:
+    """The target side's capability table: which byte ranges of *guarded* regions each peer may write or read.
+
+    A region registered plainly is open to every peer that reaches the
+    channel (tests, benchmarks, the raw channel). A ``guard``ed one is open only
+    through grants: a ``KVReceiver`` guards its KV buffer and staging area and
+    grants a sender exactly the blocks (or staging slots) of a reservation it
+    opened, for as long as that reservation lasts. Peers are named by the
+    capability *token* each transfer presents (``Channel.write(..., token=)``),
+    which the decode side learned from that sender's authenticated Hello; a
+    claimed agent name proves nothing.
+
+    ``use`` checks one frame's range before a byte of it lands and marks it as
+    landing until done; ``revoke`` removes ranges and then waits out any frame
+    still landing in them (the fence), so once it returns true, nothing of that
+    peer touches them again and they may go to another request.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._guarded: set[int] = set()
+        self._ranges: dict[tuple[bytes, str, int], list[tuple[int, int]]] = {}  # (token, access, region) -> sorted [start, end)
+        self._landing: dict[int, tuple[bytes, int, int, int]] = {}  # ticket -> (token, region, start, end)
+        self._tickets = itertools.count()
+
+    def guard(self, region: int) -> None:
+        with self._cond:
+            self._guarded.add(region)
+
+    def unguard(self, region: int) -> None:
+        with self._cond:
+            self._guarded.discard(region)
+
+    def grant(self, token: bytes, access: Access, ranges: Sequence[Range]) -> None:
+        with self._cond:
+            for region, offset, length in _coalesce(ranges):
+                bisect.insort(self._ranges.setdefault((token, access, region), []), (offset, offset + length))
+
+    def revoke(self, token: bytes, access: Access, ranges: Sequence[Range], timeout: float) -> bool:
+        """Remove the ranges, then wait up to ``timeout`` s for frames of ``token`` landing in them; False if one still is."""
+        spans = _coalesce(ranges)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            for region, offset, length in spans:
+                held = self._ranges.get((token, access, region))
+                if held is not None:
+                    self._ranges[(token, access, region)] = _subtract(held, offset, offset + length)
+            while any(
+                t == token and r == region and lo < offset + length and offset < hi
+                for t, r, lo, hi in self._landing.values() for region, offset, length in spans
+            ):  # fmt: skip
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def begin(self, token: bytes, access: Access, region: int, offset: int, length: int) -> int | None:
+        """Admit one frame: a ticket while it lands (end it with ``end``), None for an open region; ChannelError if refused."""
+        with self._cond:
+            if region not in self._guarded:
+                return None
+            if not _covers(self._ranges.get((token, access, region), []), offset, offset + length):
+                raise ChannelError(f"no {access} grant for region {region} bytes [{offset}, {offset + length}): not reserved for this peer")
+            ticket = next(self._tickets)
+            self._landing[ticket] = (token, region, offset, offset + length)
+            return ticket
+
+    def end(self, ticket: int | None) -> None:
+        if ticket is None:
+            return
+        with self._cond:
+            del self._landing[ticket]
+            self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def use(self, token: bytes, access: Access, region: int, offset: int, length: int) -> Iterator[None]:
+        ticket = self.begin(token, access, region, offset, length)
+        try:
+            yield
+        finally:
+            self.end(ticket)
+
+
+def _coalesce(ranges: Sequence[Range]) -> list[Range]:
+    """Merge ranges of one region that touch, so a reservation of adjacent blocks is one interval."""
+    out: list[Range] = []
+    for region, offset, length in sorted(ranges):
+        if out and out[-1][0] == region and out[-1][1] + out[-1][2] >= offset:
+            r, o, n = out[-1]
+            out[-1] = (r, o, max(n, offset + length - o))
+        else:
+            out.append((region, offset, length))
+    return out
+
+
+def _covers(intervals: list[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether sorted, disjoint ``intervals`` cover ``[start, end)`` (through touching neighbours)."""
+    i = bisect.bisect_right(intervals, (start, float("inf"))) - 1
+    while i >= 0 and i < len(intervals) and intervals[i][0] <= start < intervals[i][1]:
+        if intervals[i][1] >= end:
+            return True
+        start = intervals[i][1]
+        i += 1
+    return False
+
+
+def _subtract(intervals: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
+    out = []
+    for lo, hi in intervals:
+        if hi <= start or end <= lo:
+            out.append((lo, hi))
+            continue
+        if lo < start:
+            out.append((lo, start))
+        if end < hi:
+            out.append((end, hi))
+    return out
 
 
 class ChannelOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -101,9 +286,17 @@ class ChannelOptions(msgspec.Struct, forbid_unknown_fields=True):
     in by ``PdkvConfig.channel_options``): one secret guards the control plane
     and, in a channel that can check it (``authenticates_data``), every data
     connection too.
+
+    ``host`` is where the channel's data plane lives, which is the worker's
+    ``host`` unless the channel's options say otherwise: the tcp channel
+    listens there, and the UCX-based channels (nixl, ucx) use the network
+    interface that holds it (``UCX_NET_DEVICES``, unless the user set it).
     """
 
     secret: str = ""
+    host: str = "127.0.0.1"
+    # After a peer was found unreachable, ``connect`` fails at once for this long before trying again.
+    unreachable_retry_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
 
     def __repr__(self) -> str:
         """Every field, the secret's value left out: options may be logged."""
@@ -118,6 +311,9 @@ class Channel(ABC):
     Options: ClassVar[type[ChannelOptions]] = ChannelOptions
     # Whether data connections must prove ``options.secret`` before anything lands in a region.
     authenticates_data: ClassVar[bool] = False
+    # Whether the target checks every incoming write and read against its grants (``guard``). A channel
+    # whose transfers are one-sided in hardware (nixl: RDMA, cma) cannot: the target never sees them.
+    enforces_grants: ClassVar[bool] = True
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
         self.agent_name = agent_name
@@ -125,6 +321,10 @@ class Channel(ABC):
         self.counters: collections.Counter[str] = collections.Counter()
         self._region_sizes: dict[int, int] = {}
         self._peer_region_sizes: dict[str, dict[int, int]] = {}
+        self._inbox = NotificationInbox()
+        self.grants = Grants()
+        self._unreachable_until: dict[str, tuple[float, str]] = {}  # peer -> (retry after, why)
+        self._unreachable_lock = threading.Lock()
         if self.options.secret and not self.authenticates_data:
             log.warning(
                 "%s channel: the shared secret authenticates the control plane only; this channel's data "
@@ -161,6 +361,27 @@ class Channel(ABC):
     def metadata(self) -> bytes:
         """Opaque bytes a peer passes to ``add_peer`` to reach this agent and its regions."""
 
+    def guard(self, region: int) -> None:
+        """Peers may touch ``region`` only through grants from now on (see ``Grants``)."""
+        self.grants.guard(region)
+
+    def grant(self, token: bytes, access: Access, ranges: Sequence[Range]) -> None:
+        """Let the peer presenting ``token`` write (or read) these (region, offset, length) ranges of guarded regions."""
+        self.grants.grant(token, access, ranges)
+
+    def revoke(self, token: bytes, access: Access, ranges: Sequence[Range], timeout: float) -> bool:
+        """Take a grant back and fence it: False if a frame of that peer was still landing there after ``timeout`` s."""
+        return self.grants.revoke(token, access, ranges, timeout)
+
+    def fence(self, peer: str, token: bytes) -> None:  # noqa: B027 - channels with connections override it
+        """Make sure nothing ``peer`` (presenting ``token``) sent so far can still land here, then return.
+
+        Called before the memory of a sender that went silent is reused. Revoking
+        its grants already waits out frames landing now; a channel with
+        connections also cuts them, so that bytes the peer queued before (a
+        frozen process) die with them instead of arriving later.
+        """
+
     # -- peers -------------------------------------------------------------
     @abstractmethod
     def add_peer(self, metadata: bytes) -> str:
@@ -170,17 +391,78 @@ class Channel(ABC):
     def remove_peer(self, peer: str) -> None:
         """Drop a peer; its pending handles fail."""
 
-    # -- transfers ---------------------------------------------------------
-    def write(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None) -> TransferHandle:
-        """Post a one-sided WRITE of local ranges into the peer's; ``notif`` reaches the peer after the data."""
-        return self._post("write", peer, ops, notif)
+    # -- reachability --------------------------------------------------------
+    def connect(self, peer: str, timeout: float, token: bytes = b"") -> None:
+        """Open the data path to ``peer`` now and prove it works, rather than at its first transfer.
 
-    def read(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None) -> TransferHandle:
+        ``token``: the capability the transfers to it will present (``write``), so the path opened is theirs.
+
+        ``add_peer`` may only read metadata, so an address the peer advertises
+        that this host cannot reach (a ``host`` left at loopback, a NAT
+        without ``advertise_host``, a firewall, ``UCX_NET_DEVICES`` naming
+        another network) would otherwise surface as a failed chunk and a
+        silent recompute of every request. Raises ``PeerUnreachableError``
+        with what failed and what to set, after a warning and a
+        ``peer_unreachable`` count; for ``unreachable_retry_s`` afterwards the
+        same peer fails at once, so requests do not each wait out a connect
+        timeout. Cheap when the path is already up. Waits at most
+        ``timeout`` s (the tcp channel also stops at its ``connect_timeout``).
+        """
+        self.check_reachable(peer)
+        try:
+            self._probe(peer, timeout, token)
+        except PeerUnreachableError:
+            raise
+        except (ChannelError, TransferTimeout) as exc:
+            raise self.unreachable(peer, str(exc)) from None
+        self.forget_unreachable(peer)
+
+    def _probe(self, peer: str, timeout: float, token: bytes) -> None:  # noqa: B027 - optional hook
+        """``connect``'s work: open and check the path to ``peer``, raising ``ChannelError``; nothing to open by default."""
+
+    def check_reachable(self, peer: str) -> None:
+        """Raise ``PeerUnreachableError`` if ``peer`` was found unreachable less than ``unreachable_retry_s`` ago."""
+        with self._unreachable_lock:
+            verdict = self._unreachable_until.get(peer)
+        if verdict is not None:
+            retry_at, why = verdict
+            left = retry_at - time.monotonic()
+            if left > 0:
+                raise PeerUnreachableError(f"{self.name}: peer {peer!r} is unreachable (tried again in {left:.1f}s): {why}")
+
+    def forget_unreachable(self, peer: str) -> None:
+        """Drop a verdict on ``peer``: it has new metadata (another address), so ``connect`` tries it at once."""
+        with self._unreachable_lock:
+            self._unreachable_until.pop(peer, None)
+
+    def unreachable(self, peer: str, why: str) -> PeerUnreachableError:
+        """Record, log and count that ``peer`` cannot be reached over this channel; returns the error to raise."""
+        with self._unreachable_lock:
+            self._unreachable_until[peer] = (time.monotonic() + self.options.unreachable_retry_s, why)
+            self.counters["peer_unreachable"] += 1
+        log.warning(
+            "%s channel of %r: peer %r is unreachable, so no KV can move to it (every request will be recomputed): %s",
+            self.name, self.agent_name, peer, why,
+        )
+        return PeerUnreachableError(f"{self.name}: peer {peer!r} is unreachable: {why}")
+
+    # -- transfers ---------------------------------------------------------
+    def write(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None, token: bytes = b"") -> TransferHandle:
+        """Post a one-sided WRITE of local ranges into the peer's; ``notif`` reaches the peer after the data.
+
+        ``token``: the capability the peer's guarded regions check this transfer
+        against (``Grants``); a sender passes the one its receiver granted its
+        reservation to, so a write left over from an earlier session can never
+        borrow a later one's grants.
+        """
+        return self._post("write", peer, ops, notif, token)
+
+    def read(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None, token: bytes = b"") -> TransferHandle:
         """Post a one-sided READ of the peer's ranges into local ones; ``notif`` reaches the peer after."""
-        return self._post("read", peer, ops, notif)
+        return self._post("read", peer, ops, notif, token)
 
     @abstractmethod
-    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None) -> TransferHandle:
+    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> TransferHandle:
         """Validate (``check_ops``) and post one WRITE or READ; the one method a channel implements for both."""
 
     def poll(self, handle: TransferHandle) -> XferState:
@@ -217,13 +499,26 @@ class Channel(ABC):
     def release(self, handle: TransferHandle) -> None:  # noqa: B027 - optional hook
         """Free resources a finished handle holds (NIXL handles must be released)."""
 
-    @abstractmethod
     def get_notifications(self) -> list[Notification]:
         """Drain notifications whose transfers have fully landed here."""
+        return self._inbox.drain()
+
+    def notification_fd(self) -> int:
+        """A file descriptor that polls readable while notifications wait in ``get_notifications``."""
+        return self._inbox.fileno()
+
+    def _deliver(self, peer: str, payload: bytes) -> None:
+        """Hand a landed transfer's notification to ``get_notifications`` (from any thread)."""
+        self._inbox.deliver(peer, payload)
 
     @abstractmethod
     def close(self) -> None:
-        """Fail pending handles, drop peers, deregister everything. Idempotent."""
+        """Fail pending handles, drop peers, deregister everything. Idempotent.
+
+        Implementations end with ``super().close()``, which releases the notification fd.
+        """
+        with contextlib.suppress(OSError):
+            self._inbox.close()
 
     def __enter__(self) -> Channel:
         return self
@@ -292,12 +587,55 @@ UCX_ENV_DEFAULTS: dict[str, str] = {
 }
 
 
+# Which variables pdkv set, and to what, as NAME=VALUE;...: in the environment, so a process started from this
+# one (a benchmark's receiver) still tells pdkv's defaults from a user's own values.
+DEFAULTS_VAR = "PDKV_ENV_DEFAULTS"
+
+
+def _defaulted() -> dict[str, str]:
+    entries = (item.partition("=") for item in os.environ.get(DEFAULTS_VAR, "").split(";") if item)
+    return {name: value for name, _, value in entries}
+
+
+def _record_default(name: str, value: str) -> None:
+    record = {**_defaulted(), name: value}
+    os.environ[DEFAULTS_VAR] = ";".join(f"{k}={v}" for k, v in record.items())
+
+
 def apply_env_defaults(defaults: Mapping[str, str]) -> dict[str, str]:
     """Set each variable that is not already in the environment; return those set.
 
-    Native libraries (UCX) read their settings from the environment once, when
-    they load, so this runs before the import; a user's own value always wins.
+    Native libraries (UCX) read their settings from the environment when they
+    load or create a context, so this runs before the import; a user's own
+    value always wins.
     """
     applied = {k: v for k, v in defaults.items() if k not in os.environ}
     os.environ.update(applied)
+    for name, value in applied.items():
+        _record_default(name, value)
     return applied
+
+
+def ucx_follow_host(host: str) -> None:
+    """Point UCX at the network interface that holds ``host``, unless the user set ``UCX_NET_DEVICES``.
+
+    pdkv's default, loopback, suits a worker on 127.0.0.1; a worker told to
+    listen on another address has peers on other hosts, which loopback
+    cannot reach (and UCX wants interface names, not addresses). A wildcard
+    host means every interface. Runs before the channel creates its UCX
+    context, which is when UCX reads the variable; it is process-wide.
+    """
+    var = "UCX_NET_DEVICES"
+    if os.environ.get(var) != _defaulted().get(var) or is_loopback(host):
+        return  # the user's choice, or loopback as by default
+    device = "all" if is_wildcard(host) else interface_of(host)
+    if device is None:
+        log.warning(
+            "UCX: no network interface holds %s, so UCX stays on %s=%s and cannot reach other hosts; "
+            "set %s to the interface peers reach this host through (e.g. eth0)", host, var, os.environ[var], var,
+        )
+        return
+    if device != os.environ[var]:
+        log.info("UCX: %s=%s (the interface that holds host %s; set %s yourself to choose another)", var, device, host, var)
+    os.environ[var] = device
+    _record_default(var, device)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from pdkv.channels.base import Channel, ChannelOptions, Notification, TransferHandle, TransferOp, check_range
+from pdkv.channels.base import Channel, ChannelOptions, TransferHandle, TransferOp, XferState, check_range
 from pdkv.errors import ChannelError
 from pdkv.memory import byte_view
 
@@ -52,8 +52,6 @@ class MockChannel(Channel):
         self.faults = MockFaults()
         self._views: dict[int, memoryview] = {}
         self._next_region = 0
-        self._notifs: list[Notification] = []
-        self._notif_lock = threading.Lock()
         self._queue: queue.SimpleQueue[tuple[TransferHandle, Any] | None] = queue.SimpleQueue()
         self._pending: set[TransferHandle] = set()
         self._closed = False
@@ -93,27 +91,27 @@ class MockChannel(Channel):
             if h.peer == peer:
                 h.fail(f"peer {peer!r} removed")
 
-    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None) -> TransferHandle:
+    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> TransferHandle:
         if self._closed:
             raise ChannelError("mock channel is closed")
         total = self.check_ops(peer, ops)
         handle = TransferHandle(peer, op, total)
         self._pending.add(handle)
-        self._queue.put((handle, (list(ops), notif)))
+        self._queue.put((handle, (list(ops), notif, token)))
         return handle
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            handle, (ops, notif) = item
+            handle, (ops, notif, token) = item
             try:
-                self._execute(handle, ops, notif)
+                self._execute(handle, ops, notif, token)
             except ChannelError as exc:
                 handle.fail(str(exc))
             finally:
-                if handle.state.value != "pending" or not self.faults.stall:
+                if handle.state is not XferState.PENDING or not self.faults.stall:
                     self._pending.discard(handle)
 
-    def _execute(self, handle: TransferHandle, ops: list[TransferOp], notif: bytes | None) -> None:
+    def _execute(self, handle: TransferHandle, ops: list[TransferOp], notif: bytes | None, token: bytes) -> None:
         opts: MockOptions = self.options  # type: ignore[assignment]
         if opts.delay_s:
             time.sleep(opts.delay_s)
@@ -126,31 +124,30 @@ class MockChannel(Channel):
             peer = _FABRIC.get(handle.peer)
         if peer is None or peer._closed:
             raise ChannelError(f"peer {handle.peer!r} is gone")
-        for op in ops:
-            remote = peer._views.get(op.remote_region)
-            check_range(peer._region_sizes, op.remote_region, op.remote_offset, op.length, f"peer {handle.peer!r}")
-            local = self._views[op.local_region]
-            src, dst = (local, remote) if handle.op == "write" else (remote, local)
-            s_off, d_off = (op.local_offset, op.remote_offset) if handle.op == "write" else (op.remote_offset, op.local_offset)
-            assert remote is not None
-            dst[d_off : d_off + op.length] = src[s_off : s_off + op.length]
+        access = "write" if handle.op == "write" else "read"
+        tickets: list[int | None] = []
+        try:
+            for op in ops:  # every range is admitted by the target's grants before a byte moves
+                check_range(peer._region_sizes, op.remote_region, op.remote_offset, op.length, f"peer {handle.peer!r}")
+                tickets.append(peer.grants.begin(token, access, op.remote_region, op.remote_offset, op.length))
+            for op in ops:
+                remote = peer._views[op.remote_region]
+                local = self._views[op.local_region]
+                src, dst = (local, remote) if handle.op == "write" else (remote, local)
+                s_off, d_off = (op.local_offset, op.remote_offset) if handle.op == "write" else (op.remote_offset, op.local_offset)
+                dst[d_off : d_off + op.length] = src[s_off : s_off + op.length]
+        finally:
+            for ticket in tickets:
+                peer.grants.end(ticket)
         if self.faults.corrupt_next:
             self.faults.corrupt_next -= 1
             op = ops[0]
             target = peer._views[op.remote_region] if handle.op == "write" else self._views[op.local_region]
             at = op.remote_offset if handle.op == "write" else op.local_offset
             target[at] ^= 0xFF
-        if handle.complete() and notif is not None:
-            peer._deliver(Notification(self.agent_name, notif))
-
-    def _deliver(self, n: Notification) -> None:
-        with self._notif_lock:
-            self._notifs.append(n)
-
-    def get_notifications(self) -> list[Notification]:
-        with self._notif_lock:
-            out, self._notifs = self._notifs, []
-        return out
+        if notif is not None and handle.state is XferState.PENDING:  # the target hears of it before the initiator does
+            peer._deliver(self.agent_name, notif)
+        handle.complete()
 
     def close(self) -> None:
         if self._closed:
@@ -165,3 +162,4 @@ class MockChannel(Channel):
                 del _FABRIC[self.agent_name]
         self._views.clear()
         self._region_sizes.clear()
+        super().close()

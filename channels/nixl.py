@@ -29,6 +29,14 @@ How it maps onto the ``Channel`` interface:
   peer disconnecting) fails the handle with a message saying what happened.
   ``wait`` busy-polls for ``spin_s`` and then backs off, so a short transfer
   is seen done microseconds after it is.
+* NIXL tells nobody when a transfer finishes or a notification arrives: both
+  are found by asking. So that the layers above can sleep until something
+  happens, like over every other channel, a *watcher* thread asks for them:
+  every ``watch_min_s`` while anything moved recently, backing off to
+  ``max_poll_interval_s`` when nothing did. It completes handles (their done
+  callbacks fire) and moves notifications into the inbox whose fd wakes the
+  receiver; a post wakes it at once. ``get_notifications`` also asks NIXL
+  itself, so a caller that polls sees a notification without the watcher's delay.
 * ``close`` (also run at interpreter exit for channels left open) fails what
   is pending, releases every NIXL handle and deregisters every region.
 
@@ -41,8 +49,12 @@ Environment, set before NIXL/UCX load unless the user already set them
   not reproduced with nixl 1.5.1 since, kept because it costs cma, tcp and
   cuda nothing). Set ``UCX_MODULES`` yourself to use InfiniBand/EFA.
 * ``UCX_NET_DEVICES=lo``: loopback only, like every socket pdkv opens unless
-  told otherwise. Set it to your NIC (``mlx5_0:1``, ``eth0``, or ``all``)
-  for prefill and decode on different hosts.
+  told otherwise. A channel whose ``host`` (the worker's ``--host``) is
+  another address switches it to the interface that holds that address
+  (``ucx_follow_host``); set it yourself to your NIC (``mlx5_0:1``,
+  ``eth0``, or ``all``) to choose. Two "hosts" that are network namespaces
+  of one machine also need ``UCX_TLS=tcp``: UCX sees one machine and would
+  otherwise move the data through cma, around the network.
 * ``NIXL_LOG_LEVEL=WARN``: NIXL's Python logger prints INFO lines to stdout,
   which would corrupt ``pdkv bench ... --json``.
 * ``UCX_TLS``: left alone. The default, ``cma,tcp`` and ``tcp`` work;
@@ -68,6 +80,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -88,6 +101,7 @@ from pdkv.channels.base import (
     XferState,
     apply_env_defaults,
     merge_ops,
+    ucx_follow_host,
 )
 from pdkv.errors import ChannelError
 from pdkv.memory import byte_view
@@ -125,7 +139,8 @@ class NixlOptions(ChannelOptions):
     progress_thread: bool = True  # NIXL's progress thread, event-driven (see module docstring)
     progress_delay_us: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 1000  # its longest sleep between wake-ups
     spin_s: Annotated[float, msgspec.Meta(ge=0)] = 0.005  # wait() busy-polls this long before backing off
-    max_poll_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.001  # longest pause between polls in wait()
+    max_poll_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.001  # longest pause between polls in wait() and the watcher
+    watch_min_s: Annotated[float, msgspec.Meta(gt=0)] = 0.00005  # the watcher's pause right after activity (see the module docstring)
     prep_cache_size: Annotated[int, msgspec.Meta(ge=1)] = 4096  # prepared descriptor lists kept per side
     num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # UCX backend worker threads (0: NIXL's default)
 
@@ -209,12 +224,16 @@ def keep_delay_config(delay_us: int) -> type:
 def create_nixl_agent(name: str, options: NixlOptions) -> nixl_agent:
     """A ``nixl_agent`` configured from ``options``, its progress thread sleeping ``progress_delay_us``.
 
+    UCX uses the interface of ``options.host`` unless the user chose
+    (``ucx_follow_host``).
+
     ``nixl_agent.__init__`` builds its ``nixlAgentConfig`` and sets
     ``pthrDelay = 0`` (a busy spin) with no way to pass another value. For
     the constructor's duration this swaps in ``keep_delay_config``'s class,
     under a lock. The raw NIXL baseline builds its agents here too, so both
     sides of the comparison run the same settings.
     """
+    ucx_follow_host(options.host)  # before the agent creates its UCX context, which reads it
     conf = nixl_agent_config(enable_prog_thread=options.progress_thread, backends=list(options.backends), num_threads=options.num_threads)
     base = nixl_bindings.nixlAgentConfig
     if not options.progress_thread or not hasattr(base, "pthrDelay"):
@@ -244,6 +263,7 @@ class NixlChannel(Channel):
 
     name: ClassVar[str] = "nixl"
     Options = NixlOptions
+    enforces_grants: ClassVar[bool] = False  # RDMA/cma writes never pass through the target's code
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
         super().__init__(agent_name, options)
@@ -266,6 +286,9 @@ class NixlChannel(Channel):
         self._local_lists = _PrepCache(opts.prep_cache_size)
         self._remote_lists = _PrepCache(opts.prep_cache_size)
         self._closed = False
+        self._activity = threading.Event()  # set by a post: the watcher polls at its fastest again
+        self._watcher = threading.Thread(target=self._watch, name=f"nixl-{agent_name}-watch", daemon=True)
+        self._watcher.start()
         _OPEN.add(self)
 
     # -- memory ------------------------------------------------------------
@@ -333,6 +356,7 @@ class NixlChannel(Channel):
     # -- peers -------------------------------------------------------------
     def add_peer(self, metadata: bytes) -> str:
         meta = self._decode_metadata(metadata)
+        self.check_reachable(meta.name)  # UCX connects here: a known-unreachable peer fails without waiting again
         with self._lock:
             self._check_open()
             self._load_agent(meta)  # stage 1
@@ -376,19 +400,38 @@ class NixlChannel(Channel):
             except NIXL_ERRORS as exc:
                 raise ChannelError(f"nixl: loading metadata of restarted peer {meta.name!r} failed: {describe_nixl_error(exc)}") from exc
         except NIXL_ERRORS as exc:
-            raise ChannelError(
-                f"nixl: cannot reach peer {meta.name!r} from its metadata ({describe_nixl_error(exc)}); is it running, "
-                "and do both sides allow the same network (UCX_NET_DEVICES)?"
+            raise self.unreachable(
+                meta.name,
+                f"nixl: cannot reach peer {meta.name!r} from its metadata ({describe_nixl_error(exc)}); is it running, and do "
+                f"both sides use a network they share (UCX_NET_DEVICES is {os.environ.get('UCX_NET_DEVICES', 'unset')!r} here)?",
             ) from exc
         name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if name != meta.name:
             self._agent.remove_remote_agent(name)
             raise ChannelError(f"nixl: peer metadata names {meta.name!r} but its NIXL agent is {name!r}")
 
+    def fence(self, peer: str, token: bytes) -> None:
+        """NIXL writes are one-sided: the target cannot stop a peer holding its registration keys. The sender's
+        own lease check (it stops writing once its heartbeats may have lapsed) is the defence here; forget its
+        metadata so a restarted peer starts clean."""
+        log.warning("nixl: cannot fence peer %r: its one-sided writes never pass through this agent", peer)
+        self.remove_peer(peer)
+
     def remove_peer(self, peer: str) -> None:
         with self._lock:
             if not self._closed:
                 self._forget_peer(peer, f"peer {peer!r} removed")
+
+    def _probe(self, peer: str, timeout: float, token: bytes) -> None:
+        """Have NIXL open its connections to ``peer`` now (UCX created the endpoint, and connected, in ``add_peer``)."""
+        with self._lock:
+            self._check_open()
+            if peer not in self._peers:
+                raise ChannelError(f"nixl: unknown peer {peer!r}; call add_peer with its metadata first")
+            try:
+                self._agent.make_connection(peer)
+            except NIXL_ERRORS as exc:
+                raise ChannelError(f"nixl: cannot connect to peer {peer!r}: {describe_nixl_error(exc)}") from exc
 
     def _forget_peer(self, peer: str, reason: str = "peer removed") -> None:
         """Fail the peer's pending transfers, release its prepared lists, drop its NIXL metadata. Holds the lock."""
@@ -404,7 +447,7 @@ class NixlChannel(Channel):
             log.debug("nixl: removing peer %r: %s", peer, describe_nixl_error(exc))
 
     # -- transfers ---------------------------------------------------------
-    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None) -> NixlTransferHandle:
+    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> NixlTransferHandle:
         with self._lock:
             self._check_open()
             total = self.check_ops(peer, ops)
@@ -428,6 +471,7 @@ class NixlChannel(Channel):
                 return handle
             self._inflight[handle.id] = handle
             self._settle(handle, state)
+        self._activity.set()
         return handle
 
     @staticmethod
@@ -494,16 +538,45 @@ class NixlChannel(Channel):
                 handle.fail("released before it completed")
                 self._release_xfer(handle)
 
-    # -- notifications -----------------------------------------------------
+    # -- notifications and the watcher ---------------------------------------
     def get_notifications(self) -> list[Notification]:
+        self._fetch_notifications()
+        return super().get_notifications()
+
+    def _fetch_notifications(self) -> int:
+        """Move NIXL's new notifications into the inbox; how many there were."""
         with self._lock:
             if self._closed:
-                return []
+                return 0
             try:
                 fresh = self._agent.get_new_notifs()
             except NIXL_ERRORS as exc:
                 raise ChannelError(f"nixl: reading notifications failed: {describe_nixl_error(exc)}") from exc
-        return [Notification(peer, payload) for peer, payloads in fresh.items() for payload in payloads]
+        count = 0
+        for peer, payloads in fresh.items():
+            for payload in payloads:
+                self._deliver(peer.decode() if isinstance(peer, bytes) else peer, payload)
+                count += 1
+        return count
+
+    def _watch(self) -> None:
+        """Find finished transfers and new notifications for those who sleep until they happen (module docstring)."""
+        opts: NixlOptions = self.options  # type: ignore[assignment]
+        pause = opts.watch_min_s
+        while not self._closed:
+            self._activity.wait(pause)
+            self._activity.clear()
+            try:
+                with self._lock:
+                    pending = [h for h in self._inflight.values()]
+                moved = sum(self.poll(h) is not XferState.PENDING for h in pending) + self._fetch_notifications()
+            except ChannelError as exc:
+                if not self._closed:
+                    log.warning("nixl: watcher: %s", exc)
+                moved = 0
+            with self._lock:
+                busy = bool(self._inflight)
+            pause = opts.watch_min_s if moved or busy else min(2 * pause, opts.max_poll_interval_s)
 
     # -- shutdown ------------------------------------------------------------
     def _check_open(self) -> None:
@@ -525,4 +598,8 @@ class NixlChannel(Channel):
                 self._deregister(entry)
             self._regions.clear()
             self._region_sizes.clear()
+        self._activity.set()
+        if self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=5.0)
         _OPEN.discard(self)
+        super().close()

@@ -14,8 +14,9 @@ Wire format: every frame starts with ``HEADER`` (little endian, 40 bytes)::
     | xfer u64 | offset u64 | length u64
 
     type       dir   fields (unlisted ones are zero)                       payload
-    HELLO      I->T  xfer=session id, aux=stream index, length,            [nonce if SECRET] agent name
-                     flags SECRET: the initiator holds a shared secret
+    HELLO      I->T  xfer=session id, aux=stream index, length,            [nonce if SECRET] token agent name
+                     shares=token length, flags SECRET: the initiator
+                     holds a shared secret
     HELLO_OK   T->I  xfer=instance id, length, flags SECRET as in HELLO    [nonce, proof if SECRET] agent name
     AUTH       I->T  length                                                the initiator's proof (after a SECRET HELLO_OK)
     DATA       I->T  aux=region, offset, length, flags, shares, notif      bytes for region[offset:+length],
@@ -23,6 +24,8 @@ Wire format: every frame starts with ``HEADER`` (little endian, 40 bytes)::
                      of the transfer, which has ``shares`` shares;           notification if NOTIF
                      flags NOTIF (with LAST): a notification follows
     ACK        T->I  aux=count, xfer=first id, length=8*(count-1)          the other ids, u64 each
+    NACK       T->I  xfer, length                                          why: the transfer (or, for a READ,
+                                                                           this READ_REQ) was refused; the link lives
     READ_REQ   I->T  aux=region, offset, length                            -
     READ_DATA  T->I  xfer, length                                          answer to the stream's oldest READ_REQ
     NOTIF      I->T  xfer, length                                          notification of a READ that landed
@@ -43,6 +46,17 @@ cost one ACK per batch, not per transfer. READ: the target answers each
 READ_REQ in order on the same stream; the initiator lands the answer where it
 recorded for that request (the target never picks an address), and sends
 NOTIF once the whole transfer landed.
+
+Capabilities. A region the target ``guard``s takes a frame only within what
+it granted (``Grants``) to the token the initiator presented in HELLO, which
+a ``KVReceiver`` learns from the sender's Hello and grants exactly the blocks
+of that sender's reservations. A DATA frame outside its grants lands nothing:
+the target reads its payload into a scratch buffer and answers the transfer
+with NACK instead of ACK (no notification is delivered); a READ_REQ outside
+them is answered with NACK instead of READ_DATA. Only that transfer fails: the
+link and the peer's other transfers go on. A frame is marked landing while its
+bytes go into the region, so ``revoke`` can wait it out before the blocks are
+reused (the fence against late writes).
 
 With a shared secret (``options.secret``, the worker's top-level ``secret``)
 every connection proves it before the target reads a single frame of it into
@@ -68,11 +82,12 @@ Threads. Target side: an acceptor and one reader per accepted connection
 (lands DATA, answers READ_REQ, sends ACKs). Initiator side, per link: one
 sender per stream for large batches (small ones go out on the caller's thread
 when its stream is free: a thread hand-off costs more than sending 256 KiB on
-loopback), and no reader threads: answers are read by the thread that waits
-for them (``wait``), by ``poll`` and by the posting thread when they are
-already there, and otherwise by a watchdog that also fails a link whose peer
-went silent. A reader thread would have to wake the waiter; reading on the
-waiting thread saves that context switch on every transfer. Sockets are
+loopback), and a watcher: answers are read by the thread that waits for them
+(``wait``: reading on the waiting thread saves waking it from another, one
+context switch per transfer), by ``poll`` and by the posting thread when they
+are already there, and otherwise by the watcher, which sleeps in ``poll`` on
+the streams, reads an answer the moment it arrives (so done callbacks fire
+without delay), and fails a link whose peer went silent. Sockets are
 blocking with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO) so a receive is one
 syscall, yet no wait is unbounded: ``io_timeout`` without progress fails the link.
 """
@@ -98,21 +113,22 @@ from typing import Any, ClassVar, Literal
 import msgspec
 
 from pdkv.auth import NONCE_BYTES, PROOF_BYTES, new_nonce, proof, verify
-from pdkv.channels.base import Channel, ChannelOptions, Notification, TransferHandle, TransferOp, XferState, merge_ops
+from pdkv.channels.base import Channel, ChannelOptions, TransferHandle, TransferOp, XferState, merge_ops
 from pdkv.errors import AuthError, ChannelError, ConfigError, ProtocolError, TransferTimeout
 from pdkv.memory import byte_view
+from pdkv.netaddr import is_wildcard
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"PK"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<2sBBBxHIIQQQ")
 HDR_SIZE = HEADER.size
 
-HELLO, HELLO_OK, DATA, ACK, READ_REQ, READ_DATA, NOTIF, ERROR, AUTH = range(1, 10)
+HELLO, HELLO_OK, DATA, ACK, READ_REQ, READ_DATA, NOTIF, ERROR, AUTH, NACK = range(1, 11)
 FRAME_NAMES = {
     HELLO: "HELLO", HELLO_OK: "HELLO_OK", DATA: "DATA", ACK: "ACK",
-    READ_REQ: "READ_REQ", READ_DATA: "READ_DATA", NOTIF: "NOTIF", ERROR: "ERROR", AUTH: "AUTH",
+    READ_REQ: "READ_REQ", READ_DATA: "READ_DATA", NOTIF: "NOTIF", ERROR: "ERROR", AUTH: "AUTH", NACK: "NACK",
 }  # fmt: skip
 LAST, NOTIF_FOLLOWS = 1, 2  # DATA flags
 SECRET = 1  # HELLO/HELLO_OK flag: the sender holds a shared secret, and nonce (and proof) lead the payload
@@ -120,23 +136,24 @@ SECRET = 1  # HELLO/HELLO_OK flag: the sender holds a shared secret, and nonce (
 TARGET_ROLE, INITIATOR_ROLE = "tcp-target", "tcp-initiator"
 
 MAX_NAME_BYTES = 255
+MAX_TOKEN_BYTES = 64
 MAX_ERROR_BYTES = 1024
+_DRAIN_BYTES = 1 << 20  # a refused frame's payload is read away in pieces this big
 MAX_STREAMS = 64
 MAX_ACK_BATCH = 256  # ids per ACK frame; a full batch is sent even if more frames wait
 _ACK_FLUSH_BYTES = 64 << 10  # send pending ACKs before landing a payload this big, not after
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _SHUTDOWN_JOIN_S = 2.0
-_BUSY_TICK = 0.001  # how often the watchdog drains answers while transfers are pending and nobody waits
-_IDLE_TICK = 0.05  # how often it looks at a link with nothing pending (hang-ups, the first posted transfer)
+_IDLE_TICK = 0.05  # how often the watcher wakes with nothing to read (to look for a link whose peer went silent)
 _FOLLOW_S = 0.002  # how often a waiter re-checks its handle while another thread reads the link
 
 
 class TcpOptions(ChannelOptions):
     """Options of the tcp channel; both peers should use the same limits."""
 
-    host: str = "127.0.0.1"  # where to listen; 127.0.0.1 unless told otherwise
+    # host (ChannelOptions): where to listen; the worker's host unless set here
     port: int = 0  # 0: an ephemeral port, published through metadata()
-    advertise_host: str | None = None  # host peers dial, when ``host`` is a wildcard like 0.0.0.0
+    advertise_host: str | None = None  # host peers dial: needed when ``host`` is a wildcard like 0.0.0.0, or behind a NAT
     advertise_port: int = 0  # port peers dial, when a port forward, NAT or proxy sits in front of ``port``; 0: ``port``
     streams: int = 4  # connections per peer
     stream_min_bytes: int = 4 << 20  # a transfer is split only into shares at least this big
@@ -150,10 +167,15 @@ class TcpOptions(ChannelOptions):
     max_inflight: int = 1024  # transfers in flight per peer (initiator waits, target refuses beyond)
     max_connections: int = 256  # accepted connections, all peers together
 
+    def streams_for(self, nbytes: int) -> int:
+        """How many streams a transfer of ``nbytes`` is split over: shares of at least ``stream_min_bytes``."""
+        return min(self.streams, max(1, nbytes // self.stream_min_bytes))
+
     def __post_init__(self) -> None:
         checks: list[tuple[str, bool, str]] = [
             ("port", 0 <= self.port <= 65535, "0..65535"),
             ("advertise_port", 0 <= self.advertise_port <= 65535, "0..65535 (0: the listening port)"),
+            ("advertise_host", not is_wildcard(self.advertise_host or self.host), f"an address peers can dial when host is {self.host!r}, which listens everywhere"),
             ("streams", 1 <= self.streams <= MAX_STREAMS, f"1..{MAX_STREAMS}"),
             ("stream_min_bytes", self.stream_min_bytes >= 1, ">= 1"),
             ("inline_max_bytes", self.inline_max_bytes >= 0, ">= 0"),
@@ -222,9 +244,9 @@ def _deadline(timeout: float, what: str) -> Callable[[], None]:
     return check
 
 
-def _pack(ftype: int, xfer: int = 0, length: int = 0, aux: int = 0, flags: int = 0) -> bytes:
+def _pack(ftype: int, xfer: int = 0, length: int = 0, aux: int = 0, flags: int = 0, shares: int = 0) -> bytes:
     """A header for the frame types that use only these fields."""
-    return HEADER.pack(MAGIC, VERSION, ftype, flags, 0, aux, 0, xfer, 0, length)
+    return HEADER.pack(MAGIC, VERSION, ftype, flags, shares, aux, 0, xfer, 0, length)
 
 
 class _Conn:
@@ -301,6 +323,14 @@ class _Conn:
             self.recv_exact(memoryview(buf))
         return bytes(buf)
 
+    def drain(self, length: int) -> None:
+        """Read ``length`` payload bytes away (a refused frame's): the stream stays in step, nothing lands."""
+        scratch = memoryview(bytearray(min(length, _DRAIN_BYTES)))
+        while length:
+            n = min(length, scratch.nbytes)
+            self.recv_exact(scratch[:n])
+            length -= n
+
     def send(self, bufs: list[Any]) -> None:
         """Send every buffer in order with ``sendmsg`` (no join, no copy), resuming partial sends."""
         i, n = 0, len(bufs)
@@ -319,9 +349,9 @@ class _Conn:
         except BlockingIOError:
             raise TransferTimeout(f"tcp {self.label}: peer accepted no data for {self.io_timeout:.3g}s") from None
 
-    def send_frame(self, ftype: int, xfer: int = 0, payload: bytes = b"", aux: int = 0, flags: int = 0) -> None:
-        """Send one control frame (handshake, ERROR) between other threads' batches."""
-        hdr = _pack(ftype, xfer, len(payload), aux, flags)
+    def send_frame(self, ftype: int, xfer: int = 0, payload: bytes = b"", aux: int = 0, flags: int = 0, shares: int = 0) -> None:
+        """Send one control frame (handshake, NACK, ERROR) between other threads' batches."""
+        hdr = _pack(ftype, xfer, len(payload), aux, flags, shares)
         with self.send_lock:
             self.send([hdr, payload] if payload else [hdr])
 
@@ -400,21 +430,23 @@ class _Link:
     thread in ``wait`` (so the answer wakes the waiter itself, not a reader
     thread that then wakes it: one context switch less per transfer), a
     ``poll`` call, the posting thread (what is already there), or the
-    watchdog, which drains them every ``_BUSY_TICK`` while transfers are
-    pending and nobody waits, and notices stalls and hang-ups.
+    watcher, which reads them as they arrive while nobody waits, and notices
+    stalls and hang-ups.
 
     A link lives until its first failure; the next transfer opens a new one
     (new session id), so the target never mixes state of the two.
     """
 
-    def __init__(self, channel: TcpChannel, peer: str, meta: _Meta) -> None:
+    def __init__(self, channel: TcpChannel, peer: str, meta: _Meta, token: bytes) -> None:
         self.channel = channel
+        self.token = token  # presented in every stream's HELLO: the target checks our frames against its grants to it
         self.opts: TcpOptions = channel.options  # type: ignore[assignment]
         self.peer = peer
         self.meta = meta
         self.where = f"peer {peer!r} at {meta.host}:{meta.port}"
         self.session = secrets.randbits(64)
         self.pending: dict[int, _Pending] = {}  # its size is the in-flight count
+        self.nacked: collections.deque[int] = collections.deque(maxlen=1024)  # transfers the target refused, latest
         self.lock = threading.Lock()
         self.waiters = 0  # threads in ``drive``
         self.rx_lock = threading.Lock()
@@ -437,6 +469,9 @@ class _Link:
             self._poller.register(st.conn.sock, select.POLLIN)
             self._by_fd[st.conn.sock.fileno()] = st
         self._poller.register(self._wake_r, select.POLLIN)
+        self._watch_poller = select.poll()  # the watcher's own: one poll object must never be polled by two threads
+        for st in self.streams:
+            self._watch_poller.register(st.conn.sock, select.POLLIN)
         self._stopped = threading.Event()
         name = f"tcp-{channel.agent_name}->{peer}"
         self.senders = [threading.Thread(target=self._send_loop, args=(st,), name=f"{name}-tx{i}", daemon=True) for i, st in enumerate(self.streams)]
@@ -463,7 +498,8 @@ class _Link:
             conn = _Conn(sock, opts, f"{self.channel.agent_name}->{self.peer}#{index}")
             secret = self.channel._secret
             nonce = new_nonce() if secret else b""
-            conn.send_frame(HELLO, self.session, nonce + self.channel.agent_name.encode(), aux=index, flags=SECRET if secret else 0)
+            hello = nonce + self.token + self.channel.agent_name.encode()
+            conn.send_frame(HELLO, self.session, hello, aux=index, flags=SECRET if secret else 0, shares=len(self.token))
             ftype, flags, shares, _, nlen, instance, _, length = conn.recv_header(
                 _deadline(opts.connect_timeout, f"handshake answer from {self.where}")
             )
@@ -576,10 +612,20 @@ class _Link:
             except OSError:
                 pass  # the wake socket is full (a wake-up is pending anyway) or the link is gone
 
+    def refused(self, xfer: int, why: str) -> None:
+        """The target refused the transfer (NACK): fail its handle alone; the link goes on."""
+        with self.lock:
+            p = self.pending.pop(xfer, None)
+            self.nacked.append(xfer)  # other answers of a refused READ may follow: they are expected, not an error
+        if p is not None:
+            p.handle.fail(f"tcp: {self.where} refused transfer {xfer}: {why}")
+
     def landed(self, st: _Stream, xfer: int, nbytes: int) -> None:
         """READ bytes landed; once all have, notify the target (if asked) then complete."""
         with self.lock:
             p = self.pending.get(xfer)
+            if p is None and xfer in self.nacked:
+                return  # a READ partly refused: its other answers land in our own buffer, and it failed already
             if p is None:
                 raise ProtocolError(f"tcp: {self.where} sent READ data for transfer {xfer}, which is not pending")
             p.remaining -= nbytes
@@ -681,6 +727,11 @@ class _Link:
                 )
             conn.recv_exact(view)
             self.landed(st, xfer, length)
+        elif ftype == NACK:
+            why = conn.recv_payload(length, MAX_ERROR_BYTES, "refusal").decode(errors="replace")
+            if st.expect and st.expect[0][0] == xfer:  # a READ_REQ answered with a refusal instead of its data
+                st.expect.popleft()
+            self.refused(xfer, why)
         elif ftype == ERROR:
             msg = conn.recv_payload(length, MAX_ERROR_BYTES, "error message").decode(errors="replace")
             raise ChannelError(f"the peer rejected a frame: {msg}")
@@ -688,8 +739,13 @@ class _Link:
             raise ProtocolError(f"tcp: unexpected {FRAME_NAMES.get(ftype, ftype)} frame from {self.where}")
 
     def _watch(self) -> None:
-        """Drain answers nobody waits for, fail a link whose peer went silent, and release the sockets at the end."""
-        while not self._stopped.wait(_BUSY_TICK if self.pending else _IDLE_TICK):
+        """Read answers nobody waits for as they arrive, fail a link whose peer went silent, release the sockets at the end.
+
+        It sleeps in ``poll`` on the streams, so an ACK completes its handle (and
+        fires its done callbacks) the moment it arrives. While a waiter reads the
+        link on its own thread (``drive``) the watcher leaves the reading to it.
+        """
+        while not self._stopped.is_set():
             latest = max(self.last_post, *(st.conn.last_progress for st in self.streams))
             if self.pending and time.monotonic() - latest > self.opts.io_timeout:
                 self.fail(
@@ -697,12 +753,23 @@ class _Link:
                     "(peer hung or unreachable?)"
                 )
                 break
-            if not self.waiters and self.rx_lock.acquire(blocking=False):
+            if self.waiters:
+                self._stopped.wait(_FOLLOW_S)
+                continue
+            try:
+                ready = self._watch_poller.poll(_IDLE_TICK * 1000)
+            except OSError:
+                ready = []
+            if not ready:
+                continue
+            if self.rx_lock.acquire(blocking=False):
                 try:
                     while self.progress(0):
                         pass
                 finally:
                     self.rx_lock.release()
+            else:  # another thread is reading: let it, instead of spinning on what it is about to read
+                self._stopped.wait(_FOLLOW_S)
         for t in self.senders:
             t.join(_SHUTDOWN_JOIN_S)
         # close only once nobody can be polling or sending on the sockets: a reused fd number must never be read
@@ -721,26 +788,28 @@ class _Link:
 class _Ending:
     """Target-side state of one WRITE whose shares have not all arrived yet."""
 
-    __slots__ = ("conns", "notif", "shares")
+    __slots__ = ("conns", "notif", "refused", "shares")
 
     def __init__(self, shares: int) -> None:
         self.conns: set[int] = set()
         self.shares = shares
         self.notif: bytes | None = None
+        self.refused = ""  # why a share of it was refused: the whole transfer is answered with NACK
 
 
 class _Session:
-    """The target side of one initiator link: its connections and its partly arrived transfers."""
+    """The target side of one initiator link: its connections, its capability token, its partly arrived transfers."""
 
-    def __init__(self, sid: int, peer: str) -> None:
+    def __init__(self, sid: int, peer: str, token: bytes) -> None:
         self.sid = sid
         self.peer = peer
+        self.token = token
         self.conns: set[_Conn] = set()
         self.ending: dict[int, _Ending] = {}
         self.lock = threading.Lock()
 
-    def end(self, conn: _Conn, xfer: int, shares: int, notif: bytes | None, max_inflight: int) -> tuple[bool, bytes | None]:
-        """Record that one share of a multi-stream transfer landed; returns (all landed, its notification)."""
+    def end(self, conn: _Conn, xfer: int, shares: int, notif: bytes | None, refused: str, max_inflight: int) -> tuple[bool, bytes | None, str]:
+        """Record that one share of a multi-stream transfer ended; returns (all ended, its notification, why refused)."""
         with self.lock:
             st = self.ending.get(xfer)
             if st is None:
@@ -753,11 +822,12 @@ class _Session:
                 if st.notif is not None:
                     raise ProtocolError(f"tcp {conn.label}: transfer {xfer} carries two notifications")
                 st.notif = notif
+            st.refused = st.refused or refused
             st.conns.add(id(conn))
             if len(st.conns) < shares:
-                return False, None
+                return False, None, ""
             del self.ending[xfer]
-            return True, st.notif
+            return True, st.notif, st.refused
 
 
 class TcpChannel(Channel):
@@ -783,13 +853,11 @@ class TcpChannel(Channel):
         self._rr = itertools.count()
         self._caller = threading.local()
         self._peers: dict[str, _Meta] = {}
-        self._links: dict[str, _Link] = {}
-        self._link_locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
+        self._links: dict[tuple[str, bytes], _Link] = {}  # (peer, token) -> its live link
+        self._link_locks: dict[tuple[str, bytes], threading.Lock] = collections.defaultdict(threading.Lock)
         self._sessions: dict[int, _Session] = {}
         self._accepted: dict[_Conn, threading.Thread] = {}
         self._lock = threading.Lock()
-        self._notifs: list[Notification] = []
-        self._notif_lock = threading.Lock()
         self.closed = False
         try:
             family, stype, proto, _, addr = socket.getaddrinfo(opts.host, opts.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
@@ -835,12 +903,16 @@ class TcpChannel(Channel):
             raise ChannelError(f"tcp: malformed peer metadata ({exc}); pass the bytes of the peer's metadata() unchanged") from None
         if meta.version != VERSION:
             raise ChannelError(f"tcp: peer {meta.name!r} speaks protocol {meta.version}, this agent {VERSION}; upgrade both")
+        if is_wildcard(meta.host):
+            raise ChannelError(f"tcp: peer {meta.name!r} advertises {meta.host!r}, which is no address to dial; it must set advertise_host")
         with self._lock:
             old = self._peers.get(meta.name)
             self._peers[meta.name] = meta
             self._peer_region_sizes[meta.name] = dict(meta.regions)
-            link = self._links.pop(meta.name, None) if old != meta else None
-        if link is not None:
+            links = self._pop_links(meta.name) if old != meta else []
+        if old != meta:
+            self.forget_unreachable(meta.name)  # new address: worth trying at once
+        for link in links:
             link.fail(f"peer {meta.name!r} re-added with new metadata")
         return meta.name
 
@@ -848,42 +920,66 @@ class TcpChannel(Channel):
         with self._lock:
             self._peers.pop(peer, None)
             self._peer_region_sizes.pop(peer, None)
-            link = self._links.pop(peer, None)
-        if link is not None:
+            links = self._pop_links(peer)
+        for link in links:
             link.fail(f"peer {peer!r} removed")
 
-    def _link(self, peer: str) -> _Link:
-        """The live link to ``peer``, connecting (again) if there is none: reconnection is lazy."""
-        link = self._links.get(peer)
+    def _probe(self, peer: str, timeout: float, token: bytes) -> None:
+        """Open the link that transfers presenting ``token`` will use, if it is not up: every stream connected and,
+        with a secret, both sides proven.
+
+        Bounded by ``connect_timeout`` per stream (``timeout`` is not used).
+        """
+        try:
+            self._link(peer, token)
+        except ChannelError as exc:
+            meta = self._peers.get(peer)
+            where = f"{meta.host}:{meta.port}" if meta is not None else "the address in its metadata"
+            raise ChannelError(
+                f"{exc}. The peer advertises {where}: on another host it must advertise an address this host can reach "
+                "(its host / --host, or advertise_host and advertise_port behind a NAT or proxy)"
+            ) from None
+
+    def _pop_links(self, peer: str) -> list[_Link]:
+        """Forget every link to ``peer``, whatever its token (caller holds the lock)."""
+        return [self._links.pop(key) for key in [k for k in self._links if k[0] == peer]]
+
+    def _link(self, peer: str, token: bytes) -> _Link:
+        """The live link to ``peer`` presenting ``token``, connecting (again) if there is none: reconnection is lazy.
+
+        One link per (peer, token): a transfer always travels with the capability it was posted with.
+        """
+        key = (peer, token)
+        link = self._links.get(key)
         if link is not None and link.dead is None:
             return link
-        with self._link_locks[peer]:
-            link = self._links.get(peer)
+        with self._link_locks[key]:
+            link = self._links.get(key)
             if link is not None and link.dead is None:
                 return link
             meta = self._peers.get(peer)
             if meta is None:
                 raise ChannelError(f"tcp: unknown peer {peer!r}; call add_peer with its metadata first")
-            link = _Link(self, peer, meta)
+            link = _Link(self, peer, meta, token)
             with self._lock:
                 current = not self.closed and self._peers.get(peer) is meta
                 if current:
-                    self._links[peer] = link
+                    self._links[key] = link
             if not current:
                 link.fail("the channel closed or the peer was re-added while connecting")
                 raise ChannelError(f"tcp: peer {peer!r} was removed or re-added, or the channel closed, while connecting")
             return link
 
     # -- transfers ---------------------------------------------------------------
-    def _post(self, kind: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None) -> TransferHandle:
+    def _post(self, kind: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> TransferHandle:
         if self.closed:
             raise ChannelError("tcp channel is closed")
         total = self.check_ops(peer, ops)
         if notif is not None and len(notif) > self._opts.max_notif_bytes:
             raise ChannelError(f"tcp: notification of {len(notif)} bytes exceeds max_notif_bytes={self._opts.max_notif_bytes}")
-        link = self._link(peer)
+        link = self._link(peer, token)
         nstreams = len(link.streams)
-        parts = min(nstreams, max(1, total // self._opts.stream_min_bytes))
+        parts = min(nstreams, self._opts.streams_for(total))
         if parts == 1 and len(ops) == 1 and total <= self._opts.max_frame_bytes:
             shares = [list(ops)]  # the common small case: nothing to merge or cut
         else:
@@ -960,19 +1056,10 @@ class TcpChannel(Channel):
                 )
         super().wait(handle, timeout)  # finished: returns, or raises the handle's error
 
-    def get_notifications(self) -> list[Notification]:
-        with self._notif_lock:
-            out, self._notifs = self._notifs, []
-        return out
-
-    def stream_bytes(self, peer: str) -> list[int]:
+    def stream_bytes(self, peer: str, token: bytes = b"") -> list[int]:
         """Bytes written to ``peer`` per stream of the current link (for metrics, and to see the split)."""
-        link = self._links.get(peer)
+        link = self._links.get((peer, token))
         return link.bytes_per_stream() if link is not None else []
-
-    def _deliver(self, peer: str, payload: bytes) -> None:
-        with self._notif_lock:
-            self._notifs.append(Notification(peer, payload))
 
     def _count(self, event: str) -> None:
         with self._lock:
@@ -1046,12 +1133,15 @@ class TcpChannel(Channel):
         ftype, flags, shares, _, nlen, sid, _, length = conn.recv_header(deadline)
         if ftype != HELLO:
             raise ProtocolError(f"tcp {conn.label}: expected HELLO first, got frame type {FRAME_NAMES.get(ftype, ftype)}")
-        _no_extras(conn, ftype, flags, shares, nlen, SECRET)
+        token_len = shares  # HELLO's one use of the field
+        if token_len > MAX_TOKEN_BYTES:
+            raise ProtocolError(f"tcp {conn.label}: HELLO with a {token_len} byte token (at most {MAX_TOKEN_BYTES})")
+        _no_extras(conn, ftype, flags, 0, nlen, SECRET)
         nonce_len = NONCE_BYTES if flags & SECRET else 0
-        payload = conn.recv_payload(length, nonce_len + MAX_NAME_BYTES, "HELLO")
-        if len(payload) < nonce_len:
-            raise ProtocolError(f"tcp {conn.label}: HELLO of {len(payload)} bytes cannot hold its {nonce_len} byte nonce")
-        theirs, name = payload[:nonce_len], payload[nonce_len:]
+        payload = conn.recv_payload(length, nonce_len + token_len + MAX_NAME_BYTES, "HELLO")
+        if len(payload) < nonce_len + token_len:
+            raise ProtocolError(f"tcp {conn.label}: HELLO of {len(payload)} bytes cannot hold its {nonce_len} byte nonce and {token_len} byte token")
+        theirs, token, name = payload[:nonce_len], payload[nonce_len : nonce_len + token_len], payload[nonce_len + token_len :]
         peer = name.decode(errors="replace")
         conn.label += f" ({peer!r})"
         if self._secret and not nonce_len:
@@ -1065,9 +1155,9 @@ class TcpChannel(Channel):
         with self._lock:
             session = self._sessions.get(sid)
             if session is None:
-                session = self._sessions[sid] = _Session(sid, peer)
-            elif session.peer != peer:
-                raise ProtocolError(f"tcp {conn.label}: session {sid:x} belongs to {session.peer!r}, not {peer!r}")
+                session = self._sessions[sid] = _Session(sid, peer, token)
+            elif session.peer != peer or session.token != token:
+                raise ProtocolError(f"tcp {conn.label}: session {sid:x} belongs to {session.peer!r} with another token")
             session.conns.add(conn)
         return session
 
@@ -1109,6 +1199,7 @@ class TcpChannel(Channel):
         """
         opts = self._opts
         cur_xfer = -1  # the transfer whose share this stream is in the middle of
+        refused = ""  # why a frame of that share was refused: it lands nothing, the transfer gets NACK
         acks: list[int] = []
         while True:
             if acks and (len(acks) >= MAX_ACK_BATCH or not conn.readable()):
@@ -1129,13 +1220,17 @@ class TcpChannel(Channel):
                 view = self._region_slice(conn, region, offset, length)
                 if acks and length >= _ACK_FLUSH_BYTES:
                     self._send_acks(conn, acks)
-                conn.recv_exact(view)
+                refused = self._land(conn, session, view, region, offset, length) or refused
                 if flags & LAST:
                     notif = conn.recv_payload(nlen, opts.max_notif_bytes, "notification") if flags & NOTIF_FOLLOWS else None
                     cur_xfer = -1
                     # a one-stream transfer has fully landed now: no shared state to consult
-                    done, notif = (True, notif) if shares == 1 else session.end(conn, xfer, shares, notif, opts.max_inflight)
-                    if done:
+                    done, notif, why = (True, notif, refused) if shares == 1 else session.end(conn, xfer, shares, notif, refused, opts.max_inflight)
+                    refused = ""
+                    if done and why:
+                        self._send_acks(conn, acks)
+                        self._nack(conn, xfer, why)
+                    elif done:
                         if notif is not None:
                             self._deliver(session.peer, notif)
                         acks.append(xfer)
@@ -1147,15 +1242,45 @@ class TcpChannel(Channel):
                 self._send_acks(conn, acks)
             if ftype == READ_REQ:
                 view = self._region_slice(conn, region, offset, length)
-                with conn.send_lock:
-                    conn.send([_pack(READ_DATA, xfer, length), view])
+                try:
+                    ticket = self.grants.begin(session.token, "read", region, offset, length)
+                except ChannelError as exc:
+                    self._count("refused_frames")
+                    self._nack(conn, xfer, str(exc))
+                    continue
+                try:
+                    with conn.send_lock:
+                        conn.send([_pack(READ_DATA, xfer, length), view])
+                finally:
+                    self.grants.end(ticket)
             elif ftype == NOTIF:
                 self._deliver(session.peer, conn.recv_payload(length, opts.max_notif_bytes, "notification"))
             else:
                 raise ProtocolError(f"tcp {conn.label}: unexpected frame type {FRAME_NAMES.get(ftype, ftype)}")
 
+    def _land(self, conn: _Conn, session: _Session, view: memoryview, region: int, offset: int, length: int) -> str:
+        """Receive one DATA payload into ``view`` if the session's grants allow it, else read it away; why refused, or ""."""
+        try:
+            ticket = self.grants.begin(session.token, "write", region, offset, length)
+        except ChannelError as exc:
+            self._count("refused_frames")
+            log.warning("tcp %s: refusing a write from %r: %s", self.agent_name, session.peer, exc)
+            conn.drain(length)
+            return str(exc)
+        try:
+            conn.recv_exact(view)
+        finally:
+            self.grants.end(ticket)
+        return ""
+
+    @staticmethod
+    def _nack(conn: _Conn, xfer: int, why: str) -> None:
+        conn.send_frame(NACK, xfer, why.encode()[:MAX_ERROR_BYTES])
+
     @staticmethod
     def _send_acks(conn: _Conn, acks: list[int]) -> None:
+        if not acks:
+            return
         n = len(acks)
         hdr = _pack(ACK, acks[0], 8 * (n - 1), aux=n)
         with conn.send_lock:
@@ -1179,6 +1304,21 @@ class TcpChannel(Channel):
                     pass
         for c in conns:
             _shutdown(c.sock)
+
+    def fence(self, peer: str, token: bytes) -> None:
+        """Hang up every session that presented ``token`` and wait for their readers: nothing queued behind them lands."""
+        with self._lock:
+            sessions = [sess for sess in self._sessions.values() if sess.token == token]
+            threads = [self._accepted[c] for sess in sessions for c in sess.conns if c in self._accepted]
+        for sess in sessions:
+            conns = list(sess.conns)
+            if conns:
+                self._hang_up(conns[0], sess, f"fenced by {self.agent_name!r}: it went silent mid-transfer; handshake again")
+        deadline = time.monotonic() + self._opts.io_timeout
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+        log.warning("tcp %s: fenced peer %r: cut %d data connection(s)", self.agent_name, peer, len(threads))
 
     # -- shutdown ------------------------------------------------------------------
     def close(self) -> None:
@@ -1204,3 +1344,4 @@ class TcpChannel(Channel):
         self._region_sizes.clear()
         self._peer_region_sizes.clear()
         self._peers.clear()
+        super().close()

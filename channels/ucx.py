@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import secrets
 import struct
 import threading
@@ -56,12 +57,12 @@ from pdkv.channels.base import (
     UCX_ENV_DEFAULTS,
     Channel,
     ChannelOptions,
-    Notification,
     TransferHandle,
     TransferOp,
     apply_env_defaults,
     check_range,
     merge_ops,
+    ucx_follow_host,
 )
 from pdkv.errors import ChannelError
 from pdkv.memory import byte_view
@@ -113,6 +114,7 @@ class _Header(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     agent_id: Annotated[int, msgspec.Meta(ge=0, lt=1 << 24)]  # the initiator's, for the DATA tag
     ranges: list[tuple[int, int, int]]  # (region, offset, length) on the target
     notif: bytes | None
+    token: Annotated[bytes, msgspec.Meta(max_length=64)] = b""  # the capability its guarded regions check (``Grants``)
 
 
 class _Ack(msgspec.Struct, array_like=True):
@@ -168,6 +170,7 @@ class _Incoming(msgspec.Struct):
     header: _Header
     requests: list[Any]
     error: str | None
+    tickets: list[int | None] = []  # its ranges, marked landing (``Grants``) until it is over
 
 
 _OPEN: weakref.WeakSet[UcxChannel] = weakref.WeakSet()
@@ -190,6 +193,7 @@ class UcxChannel(Channel):
         super().__init__(agent_name, options)
         opts: UcxOptions = self.options  # type: ignore[assignment]
         self._agent_id = secrets.randbits(24)
+        ucx_follow_host(opts.host)  # before the UCX context is created, which reads it
         try:
             self._context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
             self._worker = ucx_api.UCXWorker(self._context)
@@ -204,7 +208,6 @@ class UcxChannel(Channel):
         self._seq = 0
         self._outgoing: dict[int, _Outgoing] = {}  # by handle id
         self._incoming: list[_Incoming] = []
-        self._notifs: list[Notification] = []
         self._acks: list[tuple[Any, np.ndarray]] = []  # ACK sends in flight, with the bytes UCX reads from
         self._broken: list[str] = []  # peers whose endpoint failed, appended from UCX's thread
         self._gone: dict[str, str] = {}  # failed peers -> why, until added again
@@ -253,6 +256,7 @@ class UcxChannel(Channel):
             raise ChannelError(f"ucx: peer metadata version {meta.version}, this pdkv speaks {METADATA_VERSION}; upgrade the older side")
         if meta.name == self.agent_name:
             raise ChannelError(f"ucx: peer has this agent's own name {meta.name!r}; give every worker a unique agent name")
+        self.check_reachable(meta.name)  # UCX connects here: a known-unreachable peer fails without waiting again
         with self._lock:
             self._check_open()
             owner = self._by_id.get(meta.agent_id)
@@ -265,7 +269,11 @@ class UcxChannel(Channel):
                     ucx_api.UCXAddress.create_from_buffer(meta.address), self.options.error_handling  # type: ignore[attr-defined]
                 )
             except UCX_ERRORS as exc:
-                raise ChannelError(f"ucx: cannot reach peer {meta.name!r} ({exc}); is it running, and is UCX_NET_DEVICES the same?") from exc
+                raise self.unreachable(
+                    meta.name,
+                    f"ucx: cannot reach peer {meta.name!r} ({exc}); is it running, and do both sides use a network they share "
+                    f"(UCX_NET_DEVICES is {os.environ.get('UCX_NET_DEVICES', 'unset')!r} here)?",
+                ) from exc
             ep.set_close_callback(self._broken.append, cb_args=(meta.name,))
             self._gone.pop(meta.name, None)
             self._peers[meta.name] = _Peer(meta.name, meta.agent_id, ep)
@@ -291,8 +299,14 @@ class UcxChannel(Channel):
                 entry.ep.remove_close_callback()
                 entry.ep.close()
 
+    def fence(self, peer: str, token: bytes) -> None:
+        """Forget the peer's endpoint: what it sends next is refused until it is added again (after a new Hello)."""
+        with self._lock:
+            if not self._closed and peer in self._peers:
+                self._forget_peer(peer, f"peer {peer!r} fenced: it went silent mid-transfer")
+
     # -- transfers (initiator) -----------------------------------------------
-    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None) -> TransferHandle:
+    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> TransferHandle:
         with self._lock:
             self._check_open()
             if peer in self._gone:  # fails like a transfer the peer dropped, not like a caller's mistake
@@ -303,7 +317,8 @@ class UcxChannel(Channel):
             merged = merge_ops(ops)
             entry = self._peers[peer]
             seq, self._seq = self._seq, (self._seq + 1) & 0xFFFFFFFF
-            header = _framed(_Header(op, seq, self.agent_name, self._agent_id, [(o.remote_region, o.remote_offset, o.length) for o in merged], notif))
+            ranges = [(o.remote_region, o.remote_offset, o.length) for o in merged]
+            header = _framed(_Header(op, seq, self.agent_name, self._agent_id, ranges, notif, token))
             if header.nbytes > self.options.max_header_bytes:  # type: ignore[attr-defined]
                 raise ChannelError(f"ucx: {len(merged)} ranges do not fit one header of {self.options.max_header_bytes} bytes; split the transfer or raise max_header_bytes")  # type: ignore[attr-defined]
             handle = TransferHandle(peer, op, total)
@@ -393,11 +408,17 @@ class UcxChannel(Channel):
                     self._worker.tag_recv(Array(self._drain_buf), data_tag)
             return
         error = None
+        tickets: list[int | None] = []
         try:
             for region, offset, length in header.ranges:
                 check_range(self._region_sizes, region, offset, length, "local")
+            for region, offset, length in header.ranges:
+                tickets.append(self.grants.begin(header.token, header.op, region, offset, length))
         except ChannelError as exc:
             error = str(exc)
+            for ticket in tickets:
+                self.grants.end(ticket)
+            tickets = []
         if header.op == "write":
             if error is None:
                 requests = [self._worker.tag_recv(Array(self._views[r][o : o + n]), data_tag) for r, o, n in header.ranges]
@@ -407,13 +428,15 @@ class UcxChannel(Channel):
             empty = self._drain_buf[:0]
             views = [self._views[r][o : o + n] for r, o, n in header.ranges] if error is None else [empty] * len(header.ranges)
             requests = [peer.ep.tag_send(Array(v), data_tag) for v in views]
-        self._incoming.append(_Incoming(header.src, header, requests, error))
+        self._incoming.append(_Incoming(header.src, header, requests, error, tickets))
 
     def _finish_incoming(self, inc: _Incoming) -> None:
         """The target's side is over: notify (on success) and ACK the initiator. Holds the lock."""
+        for ticket in inc.tickets:
+            self.grants.end(ticket)
         error = inc.error or _first_error(inc.requests)  # drained receives fail with truncation: not the error
         if error is None and inc.header.notif is not None:
-            self._notifs.append(Notification(inc.peer, inc.header.notif))
+            self._deliver(inc.peer, inc.header.notif)
         peer = self._peers.get(inc.peer)
         if peer is not None:
             ack = _framed(_Ack(inc.header.seq, error[:ACK_ERROR_CHARS] if error else None))
@@ -440,12 +463,7 @@ class UcxChannel(Channel):
             if self._outgoing.pop(handle.id, None) is not None:
                 handle.fail("released before it completed")
 
-    # -- notifications and shutdown ------------------------------------------------------
-    def get_notifications(self) -> list[Notification]:
-        with self._lock:
-            out, self._notifs = self._notifs, []
-        return out
-
+    # -- shutdown ------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise ChannelError(f"ucx channel {self.agent_name!r} is closed")
@@ -469,3 +487,4 @@ class UcxChannel(Channel):
             self._region_sizes.clear()
         self._worker.stop_progress_thread()
         _OPEN.discard(self)
+        super().close()

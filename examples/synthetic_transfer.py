@@ -42,7 +42,8 @@ def decode_side(channel: str, conn, args: argparse.Namespace) -> None:
     blocks = args.requests * D_LAYOUT.blocks_for(args.tokens) + 8
     kv = D_LAYOUT.allocate(blocks)
     alloc = BlockAllocator(blocks)
-    rx = KVReceiver(ch, D_LAYOUT, kv, alloc, FINGERPRINT, TransferConfig())
+    # waits for each request from the start, before the prefill side has even connected: a long announce window
+    rx = KVReceiver(ch, D_LAYOUT, kv, alloc, FINGERPRINT, TransferConfig(announce_timeout_s=120))
     conn.send(rx.address)
     ok = 0
     for i in range(args.requests):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -19,17 +20,17 @@ from aiohttp import web
 
 from pdkv.config import PdkvConfig, load_config
 from pdkv.errors import ConfigError
+from pdkv.web import runner
 
 log = logging.getLogger("pdkv.launch")
-
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def config_from_args(args: argparse.Namespace) -> PdkvConfig:
     """The config file with flags on top; ``--prefill``/``--decode`` replace the file's lists."""
     overrides = {
-        "role": args.role, "host": args.host, "port": args.port, "model": args.model, "channel.name": args.channel, "engine": args.engine,
+        "role": args.role, "host": args.host, "advertise_host": args.advertise_host, "port": args.port, "model": args.model, "channel.name": args.channel, "engine": args.engine,
         "router.prefill": args.prefill, "router.decode": args.decode, "router.policy": args.policy, "router.mode": args.mode,
+        "insecure": True if args.insecure else None,
     }
     return load_config(args.config, overrides)
 
@@ -52,15 +53,42 @@ def build_worker(config: PdkvConfig):  # noqa: ANN201 - the Worker import is def
     return Worker(config, engine)
 
 
-def warn_if_exposed(config: PdkvConfig) -> None:
-    """A worker (its HTTP, receiver and channel) bound beyond loopback without a secret is open to anyone who reaches it."""
-    if config.host not in LOOPBACK and not config.secret:
-        log.warning("binding %s without a shared secret: anyone who can reach this address can talk to the worker and its KV receiver (set `secret`)", config.host)
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def check_exposure(config: PdkvConfig) -> None:
+    """Refuse to serve beyond loopback with nothing guarding what is served, unless told ``insecure``.
+
+    A worker's HTTP API, KV receiver and channel are open to anyone who reaches them without a
+    ``secret``; a router's worker admin (anyone could register a worker and receive prompts)
+    without ``router.admin_token`` or a ``secret``.
+    """
+    if is_loopback(config.host):
+        return
+    if config.role == "router":
+        exposed, what = not (config.router.admin_token or config.secret), "router.admin_token or secret (the admin endpoints then want its bearer token)"
+        whom = "register workers and be sent every prompt"
+    else:
+        exposed, what = not config.secret, "secret (the same on every worker and on the router)"
+        whom = "talk to the worker, its KV receiver and its channel"
+    if not exposed:
+        return
+    if not config.insecure:
+        raise ConfigError(
+            f"field 'host' = {config.host!r} is beyond loopback and nothing guards this {config.role}: anyone who can reach it could {whom}. "
+            f"Set {what}, or, on a network where everyone who can reach it is trusted, pass --insecure (insecure: true)"
+        )
+    log.warning("serving %s on %s with insecure: true: anyone who can reach it can %s", config.role, config.host, whom)
 
 
 async def serve(config: PdkvConfig) -> None:
     worker = await asyncio.to_thread(build_worker, config)
-    warn_if_exposed(config)
     info = {"agent": worker.agent}
     if worker.receiver is not None:
         info["receiver"] = worker.receiver.address
@@ -70,9 +98,7 @@ async def serve(config: PdkvConfig) -> None:
 async def serve_router(config: PdkvConfig) -> None:
     from pdkv.router.app import Router
 
-    if config.host not in LOOPBACK and not config.router.admin_token:
-        log.warning("binding %s without router.admin_token: anyone who can reach this address can register workers", config.host)
-    router = await Router.start(config.router)
+    router = await Router.start(config.router, config.http, config.secret)
     try:
         await serve_app(router.app(), config, {"mode": router.mode.name, "policy": router.policy.name})
     finally:
@@ -81,29 +107,26 @@ async def serve_router(config: PdkvConfig) -> None:
 
 async def serve_app(app: web.Application, config: PdkvConfig, info: dict[str, Any]) -> None:
     """Serve ``app`` on the configured address, print the ready line, run until SIGINT/SIGTERM."""
-    # handler_cancellation: a client that drops its connection cancels its handler. For a worker
-    # that stops the engine job and frees its blocks and reservation instead of generating for
-    # nobody; for the router it closes the upstream hops, which does the same on the workers.
-    runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    app_runner = runner(app, config.http)
+    await app_runner.setup()
+    site = web.TCPSite(app_runner, config.host, config.port)
     await site.start()
-    port = runner.addresses[0][1]
-    print(json.dumps({"event": "ready", "role": config.role, "url": f"http://{config.host}:{port}", **info}), flush=True)
+    port = app_runner.addresses[0][1]
+    print(json.dumps({"event": "ready", "role": config.role, "url": f"http://{config.advertise_host or config.host}:{port}", **info}), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await runner.cleanup()
+    await app_runner.cleanup()
 
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    check_exposure(config)
     if config.engine == "vllm" and config.role != "router":
         from pdkv.launch.vllm import run_vllm
 
-        warn_if_exposed(config)
         return run_vllm(config, args.engine_args, args.ready_timeout)
     if args.engine_args:
         raise ConfigError(f"arguments after -- go to the engine, and only engine vllm takes any: {args.engine_args}")

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,15 +49,24 @@ class WorkerProcess:
         self.proc.wait(10)
 
 
-def start_worker(role: str, *args: str, timeout: float = 300.0, env: dict[str, str] | None = None, python: str = sys.executable) -> WorkerProcess:
+def start_worker(
+    role: str,
+    *args: str,
+    timeout: float = 300.0,
+    env: dict[str, str] | None = None,
+    python: str = sys.executable,
+    wrap: Sequence[str] = (),
+) -> WorkerProcess:
     """Run ``pdkv launch --role ROLE ARGS...`` and return once it printed its ready line.
 
     stderr passes through (the worker's logs); a worker that exits or stays
     silent past ``timeout`` raises with what it said. ``python`` picks the
-    environment (vLLM workers run in one of their own). Each worker leads its
-    own process group, so ``kill`` takes down whatever it started with it.
+    environment (vLLM workers run in one of their own); ``wrap`` is a command
+    that runs it, which must exec it in place (``ip netns exec NS``: another
+    host of pdkv.bench.netrig). Each worker leads its own process group, so
+    ``kill`` takes down whatever it started with it.
     """
-    cmd = [python, "-m", "pdkv.cli", "launch", "--role", role, *args]
+    cmd = [*wrap, python, "-m", "pdkv.cli", "launch", "--role", role, *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, start_new_session=True)
     assert proc.stdout is not None
     sel = selectors.DefaultSelector()

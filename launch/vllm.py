@@ -38,7 +38,7 @@ CONNECTOR_MODULE = "pdkv.integration.vllm.connector"
 INFO_MIDDLEWARE = "pdkv.integration.vllm.info.pdkv_info"
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # The parts of a pdkv config the connector reads (kv_connector_extra_config).
-CONNECTOR_FIELDS = ("host", "control_port", "num_blocks", "channel", "transfer", "tier")  # the secret goes by environment
+CONNECTOR_FIELDS = ("host", "advertise_host", "control_port", "num_blocks", "channel", "transfer", "tier")  # the secret goes by environment
 
 
 def free_port(host: str) -> int:
@@ -57,10 +57,10 @@ def vllm_command(config: PdkvConfig, model: str, engine_args: Sequence[str], pyt
     host = config.host
     port = config.port or free_port(host)
     extra: dict[str, Any] = {f: getattr(config, f) for f in CONNECTOR_FIELDS}
-    info: dict[str, Any] = {"engine": "vllm", "role": config.role, "url": f"http://{host}:{port}"}
+    info: dict[str, Any] = {"engine": "vllm", "role": config.role, "url": f"http://{config.advertised_host()}:{port}"}
     if config.role == "decode":
         extra["control_port"] = config.control_port or free_port(host)
-        info.update(remote_host=host, remote_port=extra["control_port"])
+        info.update(remote_host=config.advertised_host(), remote_port=extra["control_port"])
     ktc = {
         "kv_connector": "PdkvConnector",
         "kv_connector_module_path": CONNECTOR_MODULE,

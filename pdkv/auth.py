@@ -33,3 +33,30 @@ def proof(secret: bytes, role: str, first: bytes, second: bytes) -> bytes:
 
 def verify(secret: bytes, role: str, first: bytes, second: bytes, given: bytes) -> bool:
     return len(first) == len(second) == NONCE_BYTES and hmac.compare_digest(proof(secret, role, first, second), given)
+
+
+def control_token(secret: str) -> str:
+    """The bearer token of the HTTP control endpoints of workers that share ``secret``.
+
+    Derived, not the secret itself: HTTP carries it in clear, and whoever reads it off the wire
+    may cancel a transfer, never prove the secret on the data plane. Computed by hand it is
+    ``printf pdkv/http-control | openssl dgst -sha256 -hmac "$SECRET"``.
+    """
+    return hmac.new(secret.encode(), b"pdkv/http-control", hashlib.sha256).hexdigest()
+
+
+def bound_proof(secret: bytes, role: str, session: bytes, *fields: bytes) -> bytes:
+    """HMAC-SHA256 over a handshake's ``session`` (both nonces) and ``fields``, each length-prefixed.
+
+    What a message asserts after the handshake (a Reserve's prompt key) is
+    bound to the peer that proved the secret in that handshake: a proof made
+    in one session, or for other fields, never checks out in another.
+    """
+    mac = hmac.new(secret, b"pdkv/" + role.encode() + b"/" + session, hashlib.sha256)
+    for f in fields:
+        mac.update(len(f).to_bytes(8, "little") + f)
+    return mac.digest()
+
+
+def verify_bound(secret: bytes, role: str, session: bytes, given: bytes, *fields: bytes) -> bool:
+    return hmac.compare_digest(bound_proof(secret, role, session, *fields), given)

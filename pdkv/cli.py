@@ -14,6 +14,17 @@ import sys
 from pdkv.errors import PdkvError
 
 
+def _parts(text: str) -> tuple[int, ...]:
+    """Parse ``2,3`` into the parts of ``pdkv bench ttft`` to run."""
+    try:
+        parts = tuple(sorted({int(p) for p in text.split(",")}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"parts {text!r}: expected a comma-separated list of 1, 2 and 3") from None
+    if not parts or not set(parts) <= {1, 2, 3}:
+        raise argparse.ArgumentTypeError(f"parts {text!r}: expected a comma-separated list of 1, 2 and 3")
+    return parts
+
+
 def _sizes(text: str) -> list[int]:
     """Parse ``4K,256K,4M,32M`` into bytes."""
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -28,6 +39,21 @@ def _sizes(text: str) -> list[int]:
         if value <= 0:
             raise argparse.ArgumentTypeError(f"size {part!r} must be positive")
         out.append(value)
+    return out
+
+
+def _scenarios(text: str) -> list[tuple[int, int]]:
+    """Parse ``40x1,2048x4`` (tokens x concurrent requests)."""
+    out = []
+    for part in text.split(","):
+        tokens, _, requests = part.strip().lower().partition("x")
+        try:
+            pair = (int(tokens), int(requests or 1))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"scenario {part!r}: expected TOKENSxREQUESTS, e.g. 2048x4") from None
+        if min(pair) <= 0:
+            raise argparse.ArgumentTypeError(f"scenario {part!r}: tokens and requests must be positive")
+        out.append(pair)
     return out
 
 
@@ -46,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="run one role: prefill, decode or router")
     launch.add_argument("--role", required=True, choices=["prefill", "decode", "router"])
     launch.add_argument("--config", default=None, help="YAML config file")
-    launch.add_argument("--host", default=None)
+    launch.add_argument("--host", default=None, help="where every plane of the role listens (HTTP, KV control, KV data); default 127.0.0.1")
+    launch.add_argument("--advertise-host", default=None, help="the address peers and the router dial, when --host is 0.0.0.0 or behind a NAT")
     launch.add_argument("--port", type=int, default=None)
     launch.add_argument("--model", default=None)
     launch.add_argument("--channel", default=None)
@@ -55,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--decode", action="append", default=None, help="router: decode worker URL (repeatable)")
     launch.add_argument("--policy", default=None, choices=["round-robin", "least-loaded", "prefix"])
     launch.add_argument("--mode", default=None, choices=["pdkv", "vllm"], help="router: how P and D are paired (vllm: vLLM servers)")
+    launch.add_argument("--insecure", action="store_true", help="serve beyond loopback with no secret (workers) or admin token (router): a trusted network only")
     launch.add_argument("--ready-timeout", type=float, default=600.0, help="engine vllm: seconds to wait for vLLM to come up (default 600)")
     launch.add_argument("engine_args", nargs="*", metavar="-- VLLM_ARGS", help="engine vllm: flags after -- go to the vLLM server unchanged")
     launch.set_defaults(target="pdkv.launch.main:run")
@@ -65,14 +93,31 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--channel", default="tcp", help="mock, tcp, nixl or ucx")
     ch.add_argument("--sizes", type=_sizes, default=_sizes("4K,256K,4M,32M"))
     ch.add_argument("--repeats", type=int, default=0, help="repeats per size (0: chosen per size)")
+    ch.add_argument("--link", default=None, metavar="RATE", help="run across two hosts (network namespaces, root) joined by a veth shaped to RATE: unshaped, 100mbit, 1gbit, 10gbit, ...")
     ch.add_argument("--json", action="store_true", help="print one JSON object")
     ch.set_defaults(target="pdkv.bench.channel:run")
+    tr = bsub.add_parser("transfer", help="a request's KV, sender -> receiver, against the raw channel moving the same bytes")
+    tr.add_argument("--channel", default="tcp", help="mock, tcp, nixl or ucx")
+    tr.add_argument("--modes", default="direct,staging", help="direct and/or staging, comma-separated (default both)")
+    tr.add_argument("--scenarios", type=_scenarios, default=None, help="TOKENSxREQUESTS,... (default 40x1,256x1,2048x1,256x16,2048x4)")
+    tr.add_argument("--repeats", type=int, default=3, help="repetitions of each scenario per round, 5 rounds (default 3)")
+    tr.add_argument("--link", default=None, metavar="RATE", help="run across two hosts (network namespaces, root) joined by a veth shaped to RATE: unshaped, 100mbit, 1gbit, 10gbit, ...")
+    tr.add_argument("--json", action="store_true", help="print one JSON object")
+    tr.set_defaults(target="pdkv.bench.transfer:run")
     ga = bsub.add_parser("gather", help="paged gather/scatter GB/s against memcpy")
     ga.add_argument("--json", action="store_true")
     ga.set_defaults(target="pdkv.bench.gather:run")
     tt = bsub.add_parser("ttft", help="time to first token, cold and from each cache tier")
+    tt.add_argument("--parts", type=_parts, default=(1, 2, 3), help="which parts: 1 one prompt from each level, 2 trace hit rates against the optimum, 3 replay through workers (default 1,2,3)")
     tt.add_argument("--json", action="store_true")
     tt.set_defaults(target="pdkv.bench.ttft:run")
+    pd = bsub.add_parser("pd", help="TTFT of a long prompt, prefill and decode on two hosts (--link), against one worker doing it all")
+    pd.add_argument("--link", default=None, metavar="RATE", help="decode on a second host (network namespace, root) across a veth shaped to RATE: unshaped, 100mbit, 1gbit, 10gbit, ...")
+    pd.add_argument("--model", default="default", help="model: 'default' or a path")
+    pd.add_argument("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
+    pd.add_argument("--repeats", type=int, default=3, help="measured requests per side, after one warm-up each")
+    pd.add_argument("--json", action="store_true")
+    pd.set_defaults(target="pdkv.bench.pd:run")
     co = bsub.add_parser("codec", help="KV codecs: bytes ratio, encode/decode GB/s against memcpy, fidelity on the default model")
     co.add_argument("--model", default="default", help="default, a Hugging Face directory or a .gguf file")
     co.add_argument("--dtypes", default="float32,bfloat16", help="KV dtypes to measure (comma-separated)")

@@ -15,9 +15,11 @@ import msgspec
 import yaml
 from msgspec import Meta
 
+from pdkv.channels import channel_class
 from pdkv.codec import CODEC_NAME_PATTERN, codec_class
 from pdkv.errors import ConfigError
 from pdkv.keys import DEFAULT_CHUNK_SIZE
+from pdkv.netaddr import is_wildcard
 
 Positive = Annotated[int, Meta(ge=1)]
 Seconds = Annotated[float, Meta(gt=0)]
@@ -31,10 +33,17 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True):
     staging_slots: Positive = 8
     slots_per_request: Positive = 2
     max_reservations: Positive = 4096
+    # Per sender (control-plane peer): open reservations, and the share of the decode buffer's blocks it may
+    # hold at once, so no one peer (a runaway prefill, or anyone who reaches an unauthenticated port) can take all.
+    max_reservations_per_peer: Positive = 512
+    max_peer_blocks_share: Annotated[float, Meta(gt=0, le=1)] = 0.75
     handshake_timeout_s: Seconds = 10.0
     reserve_timeout_s: Seconds = 10.0
     chunk_timeout_s: Seconds = 30.0
     transfer_timeout_s: Seconds = 120.0
+    # The decode side stops waiting for a transfer that no sender announced (no Reserve) after this long:
+    # P reserves before it starts computing, so a transfer not reserved by the time D asks will not come.
+    announce_timeout_s: Seconds = 3.0
     lease_s: Seconds = 15.0
     heartbeat_s: Seconds = 1.0
     claim_timeout_s: Seconds = 60.0
@@ -76,17 +85,29 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     # How many other workers a failed hop is tried on (per hop: prefill, and decode pairs).
     max_retries: Annotated[int, Meta(ge=0, le=16)] = 2
     connect_timeout_s: Seconds = 5.0
+    # Backstops for a hop whose worker keeps answering its health checks: a worker that stops
+    # answering them is routed around, and its hops retried elsewhere, within seconds (below).
     prefill_timeout_s: Seconds = 120.0
     decode_timeout_s: Seconds = 900.0
     # Longest silence inside a streamed answer, the wait for its first event included.
     read_timeout_s: Seconds = 300.0
-    health_timeout_s: Seconds = 5.0
+    # Health: GET /health on every worker each health_interval_s, and each busy_health_interval_s on a
+    # worker the router has requests on. health_failures probes in a row that fail (timed out, not
+    # 200) mark it down; a refused connection marks it down at once. A worker marked down is skipped
+    # until a probe passes, and the hops waiting on it whose client has no byte yet are failed and
+    # retried elsewhere (a decode hop only if another decode worker is healthy): a frozen worker
+    # (SIGSTOP, a hung engine) costs its requests about busy_health_interval_s + health_failures *
+    # health_timeout_s, not prefill_timeout_s.
+    health_timeout_s: Seconds = 2.0
     health_interval_s: Seconds = 5.0
+    busy_health_interval_s: Seconds = 1.0
+    health_failures: Annotated[int, Meta(ge=1, le=100)] = 2
     prefix_chunk_tokens: Positive = 256
     prefix_cache_entries: Positive = 65536
     # prefix policy: the prefix's owner is skipped when it runs this many more requests than the least loaded.
     prefix_max_imbalance: Annotated[int, Meta(ge=0)] = 8
-    # When set, the admin endpoints (/pdkv/workers) want "Authorization: Bearer <admin_token>".
+    # When set, the admin endpoints (/pdkv/workers) want "Authorization: Bearer <admin_token>"; unset,
+    # with a top-level `secret`, they want the secret's control token (pdkv.auth.control_token).
     admin_token: str = ""
 
 
@@ -102,9 +123,11 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     enabled: bool = True
     memory_bytes: Annotated[int, Meta(ge=0)] = 1 << 30  # 0: no memory level
-    memory_policy: Literal["lru", "s3fifo"] = "lru"
+    # which chunks leave a full level (pdkv/tier/policy.py): lru, s3fifo, or prefix (leaves of the prompt tree first, reuse-weighted)
+    memory_policy: Literal["lru", "s3fifo", "prefix"] = "lru"
     disk_path: str = ""  # a directory of its own per worker; "": no disk level
     disk_bytes: Positive = 16 << 30
+    disk_policy: Literal["lru", "s3fifo", "prefix"] = "lru"
     redis_url: str = ""  # redis://HOST:PORT/DB (or rediss://, unix://); "": no remote level
     redis_namespace: str = "pdkv:kv:"
     redis_ttl_s: Annotated[float, Meta(ge=0)] = 0.0  # 0: kept until the server evicts it (maxmemory policy)
@@ -116,11 +139,33 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     load_batch_chunks: Positive = 4  # chunks read per batch when loading a prefix (staging memory)
 
 
+class HttpConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """Limits of every HTTP server pdkv runs (workers and router): what a client can make it hold.
+
+    A body larger than ``max_body_bytes`` is answered 413 without being read; one that does not
+    arrive whole within ``body_timeout_s`` of its headers is answered 408 and its connection closed;
+    a connection with no complete request for ``idle_timeout_s`` (idle keep-alive, or headers that
+    never finish) is closed. Keep ``idle_timeout_s`` above the router's 15 s client keep-alive, so
+    the router never reuses a connection a worker is closing. After an answer given before the
+    body was read (408, 413, 401), what is left of the body is read and dropped for at most
+    ``linger_s`` (so the client reads the answer, not a reset), then the connection is closed.
+    """
+
+    max_body_bytes: Positive = 16 << 20
+    body_timeout_s: Seconds = 30.0
+    idle_timeout_s: Seconds = 75.0
+    linger_s: Annotated[float, Meta(ge=0)] = 1.0
+
+
 class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Everything one pdkv process needs; unknown keys are errors, not silently ignored."""
 
     role: Literal["prefill", "decode", "router", "demo"] = "demo"
+    # Where every plane of this process listens (HTTP, the KV receiver's control plane, the channel's data plane).
     host: str = "127.0.0.1"
+    # The address peers and the router dial to reach it, when that is not ``host``: ``host`` is a wildcard
+    # (0.0.0.0, ::) or a NAT/proxy sits in front. Advertised in /pdkv/info and in the channel's metadata.
+    advertise_host: str = ""
     port: Annotated[int, Meta(ge=0, le=65535)] = 0
     control_port: Annotated[int, Meta(ge=0, le=65535)] = 0
     model: str = "default"
@@ -132,14 +177,42 @@ class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
     kv_order: Literal["NHD", "HND"] = "NHD"
     kv_kind: Literal["per_layer", "cross_layer"] = "per_layer"
     secret: str = ""
+    # Serve beyond loopback without a secret (workers) or an admin token/secret (router): only on a
+    # network where everyone who can reach the ports is trusted. Refused at start otherwise.
+    insecure: bool = False
+    # A worker whose engine has work but finished no step for this long answers /health with 503.
+    stall_timeout_s: Seconds = 60.0
+    http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     channel: ChannelConfig = msgspec.field(default_factory=ChannelConfig)
     transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
     tier: TierConfig = msgspec.field(default_factory=TierConfig)
 
     def channel_options(self) -> dict[str, Any]:
-        """The channel's options with the shared secret added: one ``secret`` authenticates both planes."""
-        return {**self.channel.options, "secret": self.secret}
+        """The channel's options with what the worker knows filled in.
+
+        The shared secret (one ``secret`` authenticates both planes), and where
+        the data plane lives: ``host`` and, for a channel that advertises an
+        address (tcp), ``advertise_host`` follow the worker's unless
+        ``channel.options`` sets them. So ``--host`` alone moves every plane:
+        a channel left on 127.0.0.1 would make every transfer to another host fail.
+        """
+        options = {**self.channel.options, "secret": self.secret}
+        options.setdefault("host", self.host)
+        if self.advertise_host and "advertise_host" in channel_class(self.channel.name).Options.__struct_fields__:
+            options.setdefault("advertise_host", self.advertise_host)
+        return options
+
+    def advertised_host(self) -> str:
+        """The address peers dial to reach this process: ``advertise_host``, else ``host`` if that is one address."""
+        if self.advertise_host:
+            return self.advertise_host
+        if is_wildcard(self.host):
+            raise ConfigError(
+                f"field 'host' = {self.host!r} listens on every address, which is no address peers can dial: "
+                "set 'advertise_host' (--advertise-host) to the one the other workers and the router reach this host at"
+            )
+        return self.host
 
 
 _PATH = re.compile(r"at `\$((?:\.\w+|\[\d+\])*)`")

@@ -15,8 +15,10 @@ import json
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
+from pdkv.errors import PdkvError
 from pdkv.launch.procs import WorkerProcess, start_worker
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
@@ -34,10 +36,9 @@ def get_text(url: str, timeout: float = 30.0) -> str:
         return resp.read().decode()
 
 
-def _stream(url: str, body: dict[str, Any], t0: float, timeout: float = 300.0) -> tuple[str, list[int], float]:
-    """Stream a chat completion; returns (text, token ids, seconds from t0 to the first token)."""
+def stream_events(url: str, body: dict[str, Any], timeout: float = 300.0) -> Iterator[dict[str, Any]]:
+    """POST ``body`` with ``stream`` on and yield each server-sent event's JSON; an in-band error raises ``PdkvError``."""
     req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"})
-    text, ids, first = [], [], 0.0
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         for raw in resp:
             line = raw.decode().strip()
@@ -45,15 +46,22 @@ def _stream(url: str, body: dict[str, Any], t0: float, timeout: float = 300.0) -
                 continue
             event = json.loads(line[6:])
             if "error" in event:
-                raise RuntimeError(event["error"]["message"])
-            for choice in event.get("choices", []):
-                if not ids:
-                    first = time.perf_counter() - t0
-                    print("answer: ", end="", flush=True)
-                delta = choice.get("delta", {}).get("content", "")
-                print(delta, end="", flush=True)
-                text.append(delta)
-                ids.extend(choice.get("token_ids", []))
+                raise PdkvError(f"{url} answered an error: {event['error'].get('message')}")
+            yield event
+
+
+def _stream(url: str, body: dict[str, Any], t0: float, timeout: float = 300.0) -> tuple[str, list[int], float]:
+    """Stream a chat completion; returns (text, token ids, seconds from t0 to the first token)."""
+    text, ids, first = [], [], 0.0
+    for event in stream_events(url, body, timeout):
+        for choice in event.get("choices", []):
+            if not ids:
+                first = time.perf_counter() - t0
+                print("answer: ", end="", flush=True)
+            delta = choice.get("delta", {}).get("content", "")
+            print(delta, end="", flush=True)
+            text.append(delta)
+            ids.extend(choice.get("token_ids", []))
     print(flush=True)
     return "".join(text), ids, first
 

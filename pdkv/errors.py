@@ -19,6 +19,10 @@ class LayoutError(PdkvError, ValueError):
     """A KV layout or a block/slot index does not fit the buffer it describes."""
 
 
+class CacheRequestError(PdkvError, ValueError):
+    """A ``KVCacheEngine`` call's tokens, keys or mask break its contract (pdkv/cache_engine.py); the message says which and how."""
+
+
 class ProtocolError(PdkvError):
     """A control message or frame from a peer is malformed or unexpected."""
 
@@ -33,6 +37,10 @@ class AuthError(HandshakeError):
 
 class ChannelError(PdkvError):
     """A transfer channel failed: bad descriptor, unknown peer, dead connection."""
+
+
+class PeerUnreachableError(ChannelError):
+    """A peer's data path cannot be opened from here (the address it advertises is unreachable): no transfer to it can work."""
 
 
 class ChannelNotInstalledError(ChannelError, ImportError):
@@ -55,6 +63,14 @@ class TransferTimeout(TransferError, TimeoutError):
     """A wait for a peer, a reservation, a chunk or a completion ran past its timeout."""
 
 
+class PromptMismatchError(TransferError):
+    """The KV that landed was computed for another prompt than the one the decode side was asked to decode."""
+
+
+class NotAnnouncedError(TransferTimeout):
+    """No sender reserved the transfer within ``announce_timeout_s``: it will not come, compute instead."""
+
+
 class TransferCancelled(TransferError):
     """The transfer was cancelled by either side or by the client going away."""
 
@@ -75,7 +91,19 @@ class ModelLoadError(EngineError):
     """A model could not be found, read or understood; the message says which file and what to do."""
 
 
-class InvalidRequestError(EngineError, ValueError):
+class RequestError(PdkvError):
+    """An HTTP request that cannot be served as sent: the client's fault, answered with ``status`` (4xx).
+
+    ``param`` names the request field at fault, when one is (vLLM's error body carries it).
+    """
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+class InvalidRequestError(RequestError, EngineError, ValueError):
     """A generation request's parameters or tokens are invalid (an HTTP 400, not a server fault)."""
 
 

@@ -9,6 +9,7 @@ every cross-process cache hit to exactly that.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator, Mapping, Sequence
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from pdkv.errors import ConfigError
+from pdkv.errors import CacheRequestError, ConfigError
 
 DEFAULT_CHUNK_SIZE = 256
 KEY_BYTES = 16
@@ -67,3 +68,54 @@ def chunk_keys(tokens: Sequence[int] | np.ndarray, fingerprint: str, chunk_size:
         parent = chunk_key(parent, fingerprint, arr[start : start + length])
         keys.append(parent)
     return keys
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptKeys:
+    """A prompt already keyed: its chained chunk keys (a partial last chunk included) and its length.
+
+    ``KVCacheEngine`` calls take one in place of the token ids, so a prompt
+    is hashed once however often it is stored, looked up or retrieved (what
+    LMCache's ``hashes``/``offsets`` arguments are for), and a process that
+    never sees the tokens can still address the cache: vLLM's scheduler keys
+    each prompt and sends its workers the keys (16 bytes a chunk), not the
+    tokens. ``chunk_size`` and ``fingerprint`` travel with the keys so an
+    engine refuses keys made for another model or chunking.
+    """
+
+    keys: tuple[bytes, ...]
+    num_tokens: int
+    chunk_size: int
+    fingerprint: str
+
+    def __post_init__(self) -> None:
+        if self.chunk_size <= 0:
+            raise ConfigError(f"chunk_size must be a positive integer, got {self.chunk_size!r}")
+        if self.num_tokens < 0:
+            raise CacheRequestError(f"PromptKeys.num_tokens must be >= 0, got {self.num_tokens}")
+        expected = -(-self.num_tokens // self.chunk_size)
+        if len(self.keys) != expected:
+            raise CacheRequestError(f"{self.num_tokens} tokens in chunks of {self.chunk_size} have {expected} chunk keys, got {len(self.keys)}")
+        for key in self.keys:
+            if len(key) != KEY_BYTES:
+                raise CacheRequestError(f"a chunk key is {KEY_BYTES} bytes (pdkv.keys.chunk_keys), got {len(key)}")
+
+    @classmethod
+    def of(cls, tokens: Sequence[int] | np.ndarray, fingerprint: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> PromptKeys:
+        """Key ``tokens`` (``chunk_keys``)."""
+        return cls(tuple(chunk_keys(tokens, fingerprint, chunk_size)), len(tokens), chunk_size, fingerprint)
+
+    def prefix(self, num_tokens: int) -> PromptKeys:
+        """The keys of the first ``num_tokens`` tokens: whole chunks, or all of them (a shorter partial
+        chunk would have another key, and the tokens to compute it are not here)."""
+        if num_tokens == self.num_tokens:
+            return self
+        if not 0 <= num_tokens < self.num_tokens or num_tokens % self.chunk_size:
+            raise CacheRequestError(
+                f"a prefix of keyed tokens must be a multiple of chunk_size ({self.chunk_size}) below {self.num_tokens}, or all {self.num_tokens} tokens; got {num_tokens}"
+            )
+        return dataclasses.replace(self, keys=self.keys[: num_tokens // self.chunk_size], num_tokens=num_tokens)
+
+    def spans(self) -> list[tuple[int, int]]:
+        """``(start, length)`` of each chunk, like ``chunk_spans``."""
+        return list(chunk_spans(self.num_tokens, self.chunk_size))

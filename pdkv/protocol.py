@@ -18,12 +18,16 @@ import msgspec
 from msgspec import Meta
 
 from pdkv import PROTOCOL_VERSION
-from pdkv.channels.base import Channel
 from pdkv.errors import HandshakeError, ProtocolError
 from pdkv.layout import KVLayout
 
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_ID_LEN = 256
+MAX_CHUNKS = 1 << 20  # chunks of one request (a request of 256-token chunks up to 268M tokens)
+
+# The reason a receiver gives for refusing a Reserve from a peer it has no Hello from (it restarted):
+# a sender that sees it handshakes again once, instead of failing the request.
+HELLO_REQUIRED = "hello-required"
 
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -43,6 +47,9 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
     staging_region: int = -1
     nonce: Annotated[bytes, Meta(max_length=64)] = b""
     auth: Annotated[bytes, Meta(max_length=64)] = b""
+    # The sender's capability token for this receiver: its data connections present it, and the receiver
+    # grants each of its reservations' blocks to that token alone (``pdkv.channels.base.Grants``).
+    data_token: Annotated[bytes, Meta(max_length=64)] = b""
 
 
 class Auth(msgspec.Struct, tag="auth", forbid_unknown_fields=True):
@@ -52,10 +59,25 @@ class Auth(msgspec.Struct, tag="auth", forbid_unknown_fields=True):
 
 
 class Reserve(msgspec.Struct, tag="reserve", forbid_unknown_fields=True):
-    """Ask for room for a whole request's KV, all or nothing."""
+    """Ask for room for a whole request's KV, all or nothing.
+
+    ``prompt_key`` is the chained key (``pdkv.keys``) of the prompt whose KV
+    the sender will write: the receiver hands it over with the KV, and the
+    decode side adopts the KV only for a prompt with the same key, so KV is
+    bound to the prompt it was computed from, not to what a client claims.
+    With a shared secret, ``proof`` binds it (and the request) to the peer that
+    proved the secret at Hello (``pdkv.auth.bound_proof`` over both nonces).
+    """
 
     request_id: RequestId
-    num_tokens: Annotated[int, Meta(ge=1)]
+    num_tokens: Annotated[int, Meta(ge=1, le=1 << 40)]
+    prompt_key: Annotated[bytes, Meta(max_length=64)] = b""
+    proof: Annotated[bytes, Meta(max_length=64)] = b""
+
+
+def reserve_fields(msg: Reserve) -> tuple[bytes, bytes, bytes]:
+    """What a Reserve's ``proof`` covers, in order."""
+    return msg.request_id.encode(), msg.num_tokens.to_bytes(8, "little"), msg.prompt_key
 
 
 class Reserved(msgspec.Struct, tag="reserved", forbid_unknown_fields=True):
@@ -83,10 +105,14 @@ class Refused(msgspec.Struct, tag="refused", forbid_unknown_fields=True):
 
 
 class Landed(msgspec.Struct, tag="landed", forbid_unknown_fields=True):
-    """A chunk arrived and verified; its staging slot (if any) is free again."""
+    """Chunks arrived and verified; their staging slots (if any) are free again.
+
+    The receiver acknowledges every chunk it verified in one pass at once, so
+    a request whose chunks land together costs one message, not one per chunk.
+    """
 
     request_id: RequestId
-    chunk_index: NonNegInt
+    chunk_indices: Annotated[list[NonNegInt], Meta(min_length=1, max_length=MAX_CHUNKS)]
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):
@@ -153,20 +179,18 @@ def decode_notice(data: bytes) -> ChunkNotice:
         raise ProtocolError(f"malformed chunk notification: {exc}") from None
 
 
-def make_hello(channel: Channel, fingerprint: str, layout: KVLayout, chunk_size: int, kv_regions: list[int], staging_region: int, nonce: bytes = b"", auth: bytes = b"") -> Hello:
-    """Our side's Hello: identical construction for sender and receiver."""
+def make_hello(agent: str, channel: str, channel_metadata: bytes, fingerprint: str, layout: KVLayout, chunk_size: int, kv_regions: list[int], staging_region: int) -> Hello:
+    """Our side's Hello: identical construction for sender and receiver (nonce and proof are added per peer)."""
     return Hello(
         protocol_version=PROTOCOL_VERSION,
-        agent=channel.agent_name,
+        agent=agent,
         model_fingerprint=fingerprint,
         layout=layout,
         chunk_size=chunk_size,
-        channel=channel.name,
-        channel_metadata=channel.metadata(),
+        channel=channel,
+        channel_metadata=channel_metadata,
         kv_regions=kv_regions,
         staging_region=staging_region,
-        nonce=nonce,
-        auth=auth,
     )
 
 
@@ -182,4 +206,4 @@ def check_compatible(ours: Hello, theirs: Hello) -> None:
         raise HandshakeError(f"peer {theirs.agent!r} is incompatible: " + "; ".join(diffs) + " differ")
 
 
-__all__ = ["PROTOCOL_VERSION", "ChunkNotice", "Message", "check_compatible", "decode", "decode_notice", "encode"]
+__all__ = ["HELLO_REQUIRED", "PROTOCOL_VERSION", "ChunkNotice", "Message", "check_compatible", "decode", "decode_notice", "encode"]

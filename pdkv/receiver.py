@@ -1,20 +1,38 @@
 """Decode side of a KV transfer: reserve, land, verify, hand over.
 
-The receiver binds a ZeroMQ ROUTER for the control plane and owns the decode
-worker's paged KV buffer (registered with the channel) plus a staging region.
-A sender asks it to ``Reserve`` room for a whole request; the receiver takes
-every block the request needs or refuses (all or nothing, so two requests can
-never deadlock half-allocated). Chunks then arrive over the channel, each
-followed by a ``ChunkNotice``; the receiver verifies the checksum, scatters
-staged chunks into the blocks, acknowledges with ``Landed`` and, once every
-chunk is in, marks the request ready. ``wait`` hands the blocks to the
-decode engine.
+Two parts, like the sender's:
+
+* ``KVReceiver``, one per decode worker: owns the paged KV buffer (registered
+  with the channel), the block allocator's view of it, a staging region, and
+  the control plane (``pdkv.control``): one I/O thread that sleeps in ``poll``
+  on the bound ROUTER and on the channel's notification fd, so a Reserve is
+  answered and a landed chunk verified the moment it arrives.
+* ``IncomingTransfer``, one per reservation: its blocks and staging slots,
+  which chunks landed, its lease, and its state (receiving, ready, failed).
+
+A sender asks the receiver to ``Reserve`` room for a whole request; the
+receiver takes every block the request needs or refuses (all or nothing, so
+two requests can never deadlock half-allocated). Chunks then arrive over the
+channel, each followed by a ``ChunkNotice``; the receiver verifies the
+checksum, scatters staged chunks into the blocks and acknowledges every chunk
+it verified in one pass with one ``Landed``; once every chunk is in, the
+request is ready and ``wait`` hands the blocks to the decode engine.
 
 Blocks and staging slots are freed exactly once, on whichever of success
 (by the engine, after ``wait``), failure, cancel or timeout comes first. A
 failed request's memory is not reused until the sender has said it will
 write no more (``Done``/``Cancel``) or ``drain_timeout_s`` passed: a late
 one-sided write must never land in blocks that now belong to someone else.
+
+The data plane is capability-based whatever the secret: the KV buffer and
+the staging area are *guarded* regions of the channel, and a reservation
+grants its blocks (or slots) to the sender's capability token (sent in its
+Hello, presented on its data connections) for exactly as long as it lasts. A
+frame outside a sender's grants lands nothing. Taking a grant back waits out
+any frame still landing in it; when a sender went silent instead of saying it
+stopped, the receiver also *fences* it: the channel cuts its data connections
+(bytes it queued before cannot arrive later) and the peer must handshake
+again, before its blocks go to anyone else.
 """
 
 from __future__ import annotations
@@ -22,7 +40,6 @@ from __future__ import annotations
 import collections
 import enum
 import logging
-import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -30,25 +47,24 @@ from dataclasses import dataclass, field
 
 import msgspec
 import torch
-import zmq
 
-from pdkv import protocol
-from pdkv.auth import new_nonce, proof, verify
+from pdkv import native, protocol
+from pdkv.auth import new_nonce, proof, verify, verify_bound
 from pdkv.blocks import BlockAllocator
-from pdkv.channels.base import Channel, Notification
+from pdkv.channels.base import Channel, Notification, Range
 from pdkv.checksum import checksum
 from pdkv.config import TransferConfig
-from pdkv.errors import ChecksumError, HandshakeError, PdkvError, OutOfBlocksError, ProtocolError, TransferCancelled, TransferError, TransferTimeout
-from pdkv.layout import KVLayout, block_ranges
-from pdkv import native
-from pdkv.native import scatter
+from pdkv.control import ControlLoop, RouterSocket
+from pdkv.errors import ChecksumError, HandshakeError, NotAnnouncedError, OutOfBlocksError, PdkvError, PromptMismatchError, ProtocolError, TransferCancelled, TransferError, TransferTimeout
+from pdkv.layout import KVLayout, block_runs
 from pdkv.memory import byte_view
-from pdkv.wakeup import Waker
-from pdkv.protocol import Auth, Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved
+from pdkv.native import scatter
+from pdkv.protocol import HELLO_REQUIRED, Auth, Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved, reserve_fields
 
 log = logging.getLogger(__name__)
 
-HELLO_REQUIRED = "hello-required"
+_REAP_TICK_S = 0.05  # how often leases, timeouts and quarantines are checked
+MIN_TOKEN_BYTES = 16  # a sender's data_token: unguessable
 
 
 class State(enum.Enum):
@@ -59,21 +75,55 @@ class State(enum.Enum):
 
 @dataclass(frozen=True)
 class ReceivedKV:
-    """A request's landed KV: ``blocks`` now belong to the caller, who frees them."""
+    """A request's landed KV: ``blocks`` now belong to the caller, who frees them.
+
+    ``prompt_key`` is the key of the prompt the sender computed this KV from (its Reserve).
+    """
 
     request_id: str
     blocks: list[int]
     num_tokens: int
+    prompt_key: bytes = b""
 
 
 @dataclass
 class _Peer:
     agent: str
     layout: KVLayout
+    token: bytes  # its data connections' capability: its reservations are granted to it
+    session: bytes = b""  # both handshake nonces (with a secret): what its Reserves' proofs are bound to
 
 
 @dataclass
-class _Reservation:
+class _Target:
+    """Our side's memory as every transfer lands in it, and its regions in the channel."""
+
+    layout: KVLayout
+    kv: list[torch.Tensor]
+    kv_views: list[memoryview]
+    num_blocks: int
+    staging: torch.Tensor
+    staging_view: memoryview
+    slot_bytes: int
+    chunk_size: int
+    kv_regions: list[int]
+    staging_region: int
+
+    def block_ranges(self, blocks: list[int]) -> list[Range]:
+        """Byte ranges of ``blocks`` in every buffer tensor, in wire order, adjacent blocks as one range."""
+        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
+            raise TransferError(f"block ids {blocks} outside the buffer's {self.num_blocks} blocks")
+        size = self.layout.block_bytes
+        return [(self.kv_regions[t], a * size, k * size) for t in range(self.layout.num_tensors) for a, _, k in block_runs(blocks)]
+
+    def slot_ranges(self, slots: list[int]) -> list[Range]:
+        return [(self.staging_region, s * self.slot_bytes, self.slot_bytes) for s in slots]
+
+
+@dataclass
+class IncomingTransfer:
+    """One reservation: the memory it holds and how far its chunks got. Changed under the receiver's lock."""
+
     request_id: str
     identity: bytes
     peer_agent: str
@@ -84,12 +134,45 @@ class _Reservation:
     num_chunks: int
     created: float
     lease_deadline: float
+    token: bytes  # the sender's capability: what its blocks and slots are granted to
+    prompt_key: bytes = b""
+    revoked: bool = False  # its grants were taken back: the sender can no longer write into it
     state: State = State.RECEIVING
     landed: set[int] = field(default_factory=set)
     error: str = ""
     sender_done: bool = False
     free_deadline: float = 0.0
     ready_at: float = 0.0
+
+    def land(self, target: _Target, notice: ChunkNotice) -> int:
+        """Verify one chunk that arrived (and scatter it, when staged); returns its bytes. Raises ``TransferError``."""
+        idx = notice.chunk_index
+        if idx >= self.num_chunks or idx in self.landed:
+            raise TransferError(f"chunk {idx} is out of range or duplicated (request has {self.num_chunks} chunks)")
+        cs = target.chunk_size
+        start, n = idx * cs, min(cs, self.num_tokens - idx * cs)
+        nbytes = target.layout.chunk_bytes(n)
+        if self.mode == "direct":
+            bs = target.layout.block_size
+            ranges = target.block_ranges(self.blocks[start // bs : -(-(start + n) // bs)])
+            views = dict(zip(target.kv_regions, target.kv_views))
+            got = checksum(views[region][off : off + ln] for region, off, ln in ranges)
+        else:
+            if not 0 <= notice.slot < len(self.slots):
+                raise TransferError(f"chunk {idx} names staging slot {notice.slot}, request has {len(self.slots)}")
+            base = self.slots[notice.slot] * target.slot_bytes
+            got = checksum([target.staging_view[base : base + nbytes]])
+        if got != notice.checksum:
+            raise ChecksumError(f"chunk {idx} of request {self.request_id!r} failed its checksum (sent {notice.checksum:#x}, landed {got:#x})")
+        if self.mode == "staging":
+            chunk = target.staging[base : base + nbytes].view(target.layout.torch_dtype).view(target.layout.chunk_shape(n))
+            scatter(target.layout, target.kv, self.blocks, start, chunk)
+        self.landed.add(idx)
+        return nbytes
+
+    @property
+    def all_landed(self) -> bool:
+        return len(self.landed) == self.num_chunks
 
 
 class KVReceiver:
@@ -106,81 +189,105 @@ class KVReceiver:
         host: str = "127.0.0.1",
         port: int = 0,
         secret: str | bytes = b"",
+        advertise_host: str = "",
     ) -> None:
         self.channel = channel
         self.layout = layout
-        self.kv = list(kv_tensors)
-        self.num_blocks = layout.validate_buffer(self.kv)
-        if allocator.num_blocks != self.num_blocks:
-            raise TransferError(f"allocator manages {allocator.num_blocks} blocks but the KV buffer has {self.num_blocks}")
+        kv = list(kv_tensors)
+        num_blocks = layout.validate_buffer(kv)
+        if allocator.num_blocks != num_blocks:
+            raise TransferError(f"allocator manages {allocator.num_blocks} blocks but the KV buffer has {num_blocks}")
         self.allocator = allocator
         self.fingerprint = fingerprint
         self.config = config or TransferConfig()
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self._unproven: dict[bytes, tuple[Hello, bytes]] = {}  # identity -> (its Hello, our nonce)
-        self.slot_bytes = layout.chunk_bytes(self.config.chunk_size)
-        self.staging = torch.zeros(self.config.staging_slots * self.slot_bytes, dtype=torch.uint8)
-        self._staging_view = byte_view(self.staging)
-        self._kv_views = [byte_view(t) for t in self.kv]
-        self.kv_regions = [channel.register(t) for t in self.kv]
+        slot_bytes = layout.chunk_bytes(self.config.chunk_size)
+        staging = torch.zeros(self.config.staging_slots * slot_bytes, dtype=torch.uint8)
+        self.kv_regions = [channel.register(t) for t in kv]
+        self.staging_region = channel.register(staging)
+        for region in (*self.kv_regions, self.staging_region):
+            channel.guard(region)  # peers write only into what a reservation of theirs granted them
+        if not channel.enforces_grants:
+            log.warning(
+                "%s channel: one-sided writes never pass through this receiver, so it cannot check them against "
+                "its reservations; with peers you do not trust, use the tcp channel or a shared secret", channel.name
+            )
+        self.target = _Target(
+            layout, kv, [byte_view(t) for t in kv], num_blocks, staging, byte_view(staging), slot_bytes, self.config.chunk_size, self.kv_regions, self.staging_region
+        )
         native.available()  # build or load csrc/ now, not inside the first transfer
-        self.staging_region = channel.register(self.staging)
         self._free_slots = list(range(self.config.staging_slots))
 
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
-        if port:
-            self._sock.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
-
         self._peers: dict[bytes, _Peer] = {}
-        self._res: dict[str, _Reservation] = {}
+        self._res: dict[str, IncomingTransfer] = {}
         self._gone: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._lock = threading.Condition()
-        self._outbox: queue.SimpleQueue[tuple[bytes, protocol.Message]] = queue.SimpleQueue()
         self.counters: collections.Counter[str] = collections.Counter()
-        self._waker = Waker()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="pdkv-receiver", daemon=True)
-        self._thread.start()
+        self.loop = ControlLoop("pdkv-receiver", min(_REAP_TICK_S, self.config.lease_s / 4), self._reap)
+        self._router = RouterSocket(self.loop, host, port, self._on_message, self.counters)
+        self.address = self._router.address
+        if advertise_host:  # what senders dial: not a wildcard bind address
+            self.address = f"tcp://{advertise_host}:{self.address.rsplit(':', 1)[1]}"
+        self.loop.watch(channel.notification_fd(), self._on_notifications)
+        self.loop.start()
 
     # -- public API -----------------------------------------------------------
     def hello(self) -> Hello:
-        return protocol.make_hello(self.channel, self.fingerprint, self.layout, self.config.chunk_size, self.kv_regions, self.staging_region)
+        return protocol.make_hello(
+            self.channel.agent_name, self.channel.name, self.channel.metadata(), self.fingerprint, self.layout, self.config.chunk_size, self.kv_regions, self.staging_region
+        )
 
-    def wait(self, request_id: str, timeout: float | None = None) -> ReceivedKV:
+    def wait(self, request_id: str, timeout: float | None = None, prompt_key: bytes | None = None) -> ReceivedKV:
         """Block until the request's KV has landed and verified, then hand it over.
+
+        ``prompt_key``: the key of the prompt the caller will decode. When given,
+        the KV is handed over only if the sender computed it for that prompt (the
+        key in its Reserve); otherwise its blocks are freed and
+        ``PromptMismatchError`` raised: a mismatch is a recompute, never a decode.
 
         Raises ``TransferError`` if it failed (its memory is already on its way
         back to the pool) and ``TransferTimeout`` after ``timeout`` seconds
-        (default ``transfer_timeout_s``), cancelling the reservation so nothing
-        leaks: the caller falls back to computing the prefix itself.
+        (default ``transfer_timeout_s``), or after ``announce_timeout_s`` if no
+        sender ever reserved it, cancelling the reservation so nothing leaks:
+        the caller falls back to computing the prefix itself.
         """
         timeout = self.config.transfer_timeout_s if timeout is None else timeout
-        deadline = time.monotonic() + timeout
+        now = time.monotonic()
+        deadline, unannounced = now + timeout, now + self.config.announce_timeout_s
+        why, error = f"KV for request {request_id!r} did not arrive within {timeout:.3g}s", TransferTimeout
         with self._lock:
             while True:
                 r = self._res.get(request_id)
                 if r is not None and r.state is State.READY:
                     del self._res[request_id]
+                    self._revoke(r)  # from now on its blocks are the caller's: the sender may not touch them
+                    if prompt_key is not None and r.prompt_key != prompt_key:
+                        self._free(r)
+                        self._remember_gone(request_id, "its KV was computed for another prompt")
+                        self.counters["prompt_mismatches"] += 1
+                        raise PromptMismatchError(
+                            f"KV transfer {request_id!r} carries the KV of another prompt than the one to decode "
+                            "(the prompt differs from the one prefilled); computing it instead"
+                        )
                     self._remember_gone(request_id, "claimed")
                     self.counters["claimed"] += 1
-                    return ReceivedKV(request_id, r.blocks, r.num_tokens)
+                    return ReceivedKV(request_id, r.blocks, r.num_tokens, r.prompt_key)
                 if r is not None and r.state is State.FAILED:
                     raise TransferError(f"KV transfer for request {request_id!r} failed: {r.error}")
                 if r is None and request_id in self._gone:
                     raise TransferError(f"KV transfer for request {request_id!r} is over: {self._gone[request_id]}")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                now = time.monotonic()
+                if r is None and now >= unannounced:
+                    self.counters["unannounced"] += 1
+                    why = f"no sender announced a transfer for request {request_id!r} within announce_timeout_s={self.config.announce_timeout_s:.3g}s"
+                    error = NotAnnouncedError
                     break
-                self._lock.wait(remaining)
-        self.cancel(request_id, f"decode side stopped waiting after {timeout:.3g}s")
-        raise TransferTimeout(f"KV for request {request_id!r} did not arrive within {timeout:.3g}s")
+                if now >= deadline:
+                    break
+                self._lock.wait(min(deadline, unannounced if r is None else deadline) - now)
+        self.cancel(request_id, f"decode side stopped waiting: {why}")
+        raise error(why)
 
     def cancel(self, request_id: str, reason: str) -> None:
         """Abandon a request from the decode side (client gone, timeout); frees what it holds."""
@@ -209,86 +316,34 @@ class KVReceiver:
 
     def close(self) -> None:
         """Stop the loop and free every reservation still held."""
-        if self._stop.is_set():
+        if not self.loop.thread.is_alive():
             return
-        self._stop.set()
-        self._waker.wake()
-        self._thread.join(timeout=5)
-        self._waker.close()
+        self.loop.stop()
         with self._lock:
             for r in list(self._res.values()):
                 self._free(r)
             self._res.clear()
             self._lock.notify_all()
-        self._sock.close(0)
+        self._router.close()
 
-    # -- loop ------------------------------------------------------------------
-    def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._waker, zmq.POLLIN)
-        while not self._stop.is_set():
-            busy = any(r.state is State.RECEIVING for r in list(self._res.values()))
-            events = dict(poller.poll(1 if busy else 20))
-            if events.pop(self._waker.fileno(), None):
-                self._waker.clear()
-            try:
-                if events.get(self._sock):
-                    self._drain_socket()
-                for notif in self.channel.get_notifications():
-                    self._on_notice(notif)
-                self._flush_outbox()
-                self._reap()
-            except Exception:  # the loop must survive anything a peer sends
-                log.exception("receiver loop error")
+    # -- control messages (I/O thread) ------------------------------------------
+    def _reply(self, identity: bytes, msg: protocol.Message) -> None:
+        """Send from the I/O thread; other threads go through ``loop.call_soon``."""
+        self._router.send(identity, msg)
 
-    def _drain_socket(self) -> None:
-        for _ in range(256):
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if len(frames) != 2:
-                self.counters["malformed_messages"] += 1
-                continue
-            identity, data = frames
-            try:
-                msg = protocol.decode(data)
-            except ProtocolError as exc:
-                self.counters["malformed_messages"] += 1
-                log.warning("dropping message from %r: %s", identity, exc)
-                self._send(identity, protocol.Error(str(exc)))
-                continue
-            self._on_message(identity, msg)
-
-    def _send(self, identity: bytes, msg: protocol.Message) -> None:
-        try:
-            self._sock.send_multipart([identity, protocol.encode(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            log.warning("could not send %s to %r: %s", type(msg).__name__, identity, exc)
-
-    def _flush_outbox(self) -> None:
-        while True:
-            try:
-                identity, msg = self._outbox.get_nowait()
-            except queue.Empty:
-                return
-            self._send(identity, msg)
-
-    # -- control messages -------------------------------------------------------
     def _on_message(self, identity: bytes, msg: protocol.Message) -> None:
         if isinstance(msg, Hello):
             self._on_hello(identity, msg)
         elif isinstance(msg, Auth):
             self._on_auth(identity, msg)
         elif isinstance(msg, Reserve):
-            self._send(identity, self._on_reserve(identity, msg))
+            self._reply(identity, self._on_reserve(identity, msg))
         elif isinstance(msg, Heartbeat):
             self._renew(identity, msg.request_ids)
         elif isinstance(msg, (Cancel, Done)):
             self._on_sender_finished(identity, msg)
         else:
-            self._send(identity, protocol.Error(f"unexpected {type(msg).__name__} at the receiver"))
+            self._reply(identity, protocol.Error(f"unexpected {type(msg).__name__} at the receiver"))
 
     def _on_hello(self, identity: bytes, hello: Hello) -> None:
         ours = self.hello()
@@ -297,44 +352,46 @@ class KVReceiver:
         except HandshakeError as exc:
             self.counters["handshake_failures"] += 1
             log.warning("refusing peer %r: %s", hello.agent, exc)
-            self._send(identity, protocol.Error(str(exc)))
+            self._reply(identity, protocol.Error(str(exc)))
             return
         if not self.secret:
-            if self._admit(identity, hello):
-                self._send(identity, ours)
+            if self._admit(identity, hello, b""):
+                self._reply(identity, ours)
             return
         # with a secret: prove ours now, admit the peer once it proves its own (Auth)
         nonce = new_nonce()
         if len(self._unproven) >= self.config.max_reservations:
             self._unproven.pop(next(iter(self._unproven)))
         self._unproven[identity] = (hello, nonce)
-        self._send(identity, msgspec.structs.replace(ours, nonce=nonce, auth=proof(self.secret, "receiver", hello.nonce, nonce)))
+        self._reply(identity, msgspec.structs.replace(ours, nonce=nonce, auth=proof(self.secret, "receiver", hello.nonce, nonce)))
 
     def _on_auth(self, identity: bytes, msg: Auth) -> None:
         pending = self._unproven.pop(identity, None)
         if pending is None or not self.secret:
-            self._send(identity, protocol.Error("unexpected Auth: send Hello first"))
+            self._reply(identity, protocol.Error("unexpected Auth: send Hello first"))
             return
         hello, nonce = pending
         if not verify(self.secret, "sender", nonce, hello.nonce, msg.proof):
             self.counters["auth_failures"] += 1
             log.warning("peer %r failed authentication (wrong or missing shared secret)", hello.agent)
             self._unproven[identity] = pending  # its Reserves are refused as unauthenticated
-            self._send(identity, protocol.Error("authentication failed: the shared secret does not match"))
+            self._reply(identity, protocol.Error("authentication failed: the shared secret does not match"))
             return
-        self._admit(identity, hello)
+        self._admit(identity, hello, nonce + hello.nonce)
 
-    def _admit(self, identity: bytes, hello: Hello) -> bool:
+    def _admit(self, identity: bytes, hello: Hello, session: bytes) -> bool:
         """Make a compatible (and, with a secret, authenticated) peer reachable over the channel."""
         try:
+            if len(hello.data_token) < MIN_TOKEN_BYTES:
+                raise HandshakeError(f"peer {hello.agent!r} sent no data_token of at least {MIN_TOKEN_BYTES} bytes: it cannot be granted any blocks (an older pdkv?)")
             agent = self.channel.add_peer(hello.channel_metadata)
         except PdkvError as exc:
             self.counters["handshake_failures"] += 1
             log.warning("refusing peer %r: %s", hello.agent, exc)
-            self._send(identity, protocol.Error(str(exc)))
+            self._reply(identity, protocol.Error(str(exc)))
             return False
         with self._lock:
-            self._peers[identity] = _Peer(agent, hello.layout)
+            self._peers[identity] = _Peer(agent, hello.layout, hello.data_token, session)
         return True
 
     def _on_reserve(self, identity: bytes, req: Reserve) -> protocol.Message:
@@ -344,6 +401,9 @@ class KVReceiver:
             return Refused(req.request_id, "not authenticated: this receiver requires the shared secret (set the same `secret` on both sides)")
         if peer is None:
             return Refused(req.request_id, f"{HELLO_REQUIRED}: this receiver has no Hello from you (did it restart?)")
+        if self.secret and not verify_bound(self.secret, "reserve", peer.session, req.proof, *reserve_fields(req)):
+            self.counters["auth_failures"] += 1
+            return Refused(req.request_id, "the Reserve's proof does not check out: it was not made by the peer that proved the shared secret")
         cfg = self.config
         with self._lock:
             if req.request_id in self._res or req.request_id in self._gone:
@@ -352,6 +412,19 @@ class KVReceiver:
             if len(self._res) >= cfg.max_reservations:
                 self.counters["refused"] += 1
                 return Refused(req.request_id, f"receiver holds its maximum of {cfg.max_reservations} reservations", retryable=True)
+            held = [r for r in self._res.values() if r.identity == identity]
+            if len(held) >= cfg.max_reservations_per_peer:
+                self.counters["refused"] += 1
+                return Refused(req.request_id, f"you hold this receiver's per-peer maximum of {cfg.max_reservations_per_peer} reservations (max_reservations_per_peer)", retryable=True)
+            peer_cap = int(cfg.max_peer_blocks_share * self.target.num_blocks)
+            if cfg.max_peer_blocks_share < 1 and self.layout.blocks_for(req.num_tokens) + sum(len(r.blocks) for r in held) > peer_cap:
+                self.counters["refused"] += 1
+                return Refused(
+                    req.request_id,
+                    f"{req.num_tokens} tokens would take you past your share of this receiver's blocks "
+                    f"({peer_cap} of {self.target.num_blocks}: max_peer_blocks_share={cfg.max_peer_blocks_share:g})",
+                    retryable=self.layout.blocks_for(req.num_tokens) <= peer_cap,
+                )
             num_chunks = -(-req.num_tokens // cfg.chunk_size)
             direct = peer.layout == self.layout and cfg.chunk_size % self.layout.block_size == 0
             want_slots = 0 if direct else min(cfg.slots_per_request, num_chunks)
@@ -363,16 +436,17 @@ class KVReceiver:
                 blocks = self.allocator.allocate(needed)
             except OutOfBlocksError as exc:
                 self.counters["refused"] += 1
-                return Refused(req.request_id, f"cannot hold {req.num_tokens} tokens: {exc}", retryable=needed <= self.num_blocks)
+                return Refused(req.request_id, f"cannot hold {req.num_tokens} tokens: {exc}", retryable=needed <= self.target.num_blocks)
             slots = [self._free_slots.pop() for _ in range(want_slots)]
             now = time.monotonic()
-            self._res[req.request_id] = _Reservation(
+            r = self._res[req.request_id] = IncomingTransfer(
                 req.request_id, identity, peer.agent, req.num_tokens, blocks, slots,
-                "direct" if direct else "staging", num_chunks, now, now + cfg.lease_s,
-            )
+                "direct" if direct else "staging", num_chunks, now, now + cfg.lease_s, peer.token, req.prompt_key,
+            )  # fmt: skip
+            self.channel.grant(peer.token, "write", self._granted(r))
             self.counters["reserved"] += 1
             self._lock.notify_all()
-        return Reserved(req.request_id, "direct" if direct else "staging", blocks, [s * self.slot_bytes for s in slots], cfg.lease_s)
+        return Reserved(req.request_id, "direct" if direct else "staging", blocks, [s * self.target.slot_bytes for s in slots], cfg.lease_s)
 
     def _renew(self, identity: bytes, request_ids: list[str]) -> None:
         deadline = time.monotonic() + self.config.lease_s
@@ -393,73 +467,97 @@ class KVReceiver:
                 self._fail(r, TransferCancelled(f"sender cancelled: {reason}"), notify_sender=False)
             self._lock.notify_all()
 
-    # -- chunks -----------------------------------------------------------------
-    def _on_notice(self, notif: Notification) -> None:
+    # -- chunks (I/O thread) -------------------------------------------------------
+    def _on_notifications(self) -> None:
+        """Verify every chunk whose notification arrived; acknowledge each request's chunks with one Landed."""
+        landed: dict[str, tuple[bytes, list[int]]] = {}
+        for notif in self.channel.get_notifications():
+            r, index = self._on_notice(notif)
+            if r is not None:
+                landed.setdefault(r.request_id, (r.identity, []))[1].append(index)
+        for rid, (identity, indices) in landed.items():
+            self._reply(identity, Landed(rid, indices))
+
+    def _on_notice(self, notif: Notification) -> tuple[IncomingTransfer | None, int]:
+        """Land one chunk; the reservation and chunk index to acknowledge, or (None, -1)."""
         try:
             notice = protocol.decode_notice(notif.payload)
         except ProtocolError as exc:
             self.counters["malformed_notices"] += 1
             log.warning("dropping notification from %r: %s", notif.peer, exc)
-            return
+            return None, -1
         with self._lock:
             r = self._res.get(notice.request_id)
             if r is None or r.peer_agent != notif.peer or r.state is not State.RECEIVING:
                 self.counters["stray_notices"] += 1
-                return
+                return None, -1
             try:
-                self._land(r, notice)
+                nbytes = r.land(self.target, notice)
             except TransferError as exc:
+                if isinstance(exc, ChecksumError):
+                    self.counters["checksum_failures"] += 1
                 self._fail(r, exc, notify_sender=True)
+                self._lock.notify_all()
+                return None, -1
+            r.lease_deadline = time.monotonic() + self.config.lease_s
+            self.counters["chunks_landed"] += 1
+            self.counters["bytes_landed"] += nbytes
+            if r.all_landed:
+                r.state, r.ready_at = State.READY, time.monotonic()
+                if r.slots and self.channel.revoke(r.token, "write", self.target.slot_ranges(r.slots), 0):  # nothing left to land
+                    self._free_slots.extend(r.slots)
+                    r.slots = []
+                self.counters["transfers_ready"] += 1
             self._lock.notify_all()
+        return r, notice.chunk_index
 
-    def _land(self, r: _Reservation, notice: ChunkNotice) -> None:
-        idx = notice.chunk_index
-        if idx >= r.num_chunks or idx in r.landed:
-            raise TransferError(f"chunk {idx} is out of range or duplicated (request has {r.num_chunks} chunks)")
-        cs = self.config.chunk_size
-        start, n = idx * cs, min(cs, r.num_tokens - idx * cs)
-        if r.mode == "direct":
-            bs = self.layout.block_size
-            ranges = block_ranges(self.layout, r.blocks[start // bs : -(-(start + n) // bs)], self.num_blocks)
-            got = checksum(self._kv_views[t][off : off + ln] for t, off, ln in ranges)
-        else:
-            if not 0 <= notice.slot < len(r.slots):
-                raise TransferError(f"chunk {idx} names staging slot {notice.slot}, request has {len(r.slots)}")
-            base = r.slots[notice.slot] * self.slot_bytes
-            nbytes = self.layout.chunk_bytes(n)
-            got = checksum([self._staging_view[base : base + nbytes]])
-        if got != notice.checksum:
-            self.counters["checksum_failures"] += 1
-            raise ChecksumError(f"chunk {idx} of request {r.request_id!r} failed its checksum (sent {notice.checksum:#x}, landed {got:#x})")
-        if r.mode == "staging":
-            chunk = self.staging[base : base + nbytes].view(self.layout.torch_dtype).view(self.layout.chunk_shape(n))
-            scatter(self.layout, self.kv, r.blocks, start, chunk)
-        r.landed.add(idx)
-        r.lease_deadline = time.monotonic() + self.config.lease_s
-        self.counters["chunks_landed"] += 1
-        self.counters["bytes_landed"] += self.layout.chunk_bytes(n)
-        self._outbox.put((r.identity, Landed(r.request_id, idx)))
-        if len(r.landed) == r.num_chunks:
-            r.state, r.ready_at = State.READY, time.monotonic()
-            self._free_slots.extend(r.slots)
-            r.slots = []
-            self.counters["transfers_ready"] += 1
-
-    # -- failure and release ----------------------------------------------------
-    def _fail(self, r: _Reservation, exc: TransferError, notify_sender: bool) -> None:
-        """Mark failed; memory is freed once the sender can no longer write into it."""
+    # -- failure and release --------------------------------------------------------
+    def _fail(self, r: IncomingTransfer, exc: TransferError, notify_sender: bool) -> None:
+        """Mark failed (caller holds the lock); memory is freed once the sender can no longer write into it."""
         r.state, r.error = State.FAILED, str(exc)
         r.free_deadline = time.monotonic() + self.config.drain_timeout_s
         self.counters["transfers_failed"] += 1
         log.warning("request %s: %s", r.request_id, exc)
         if notify_sender:
-            self._outbox.put((r.identity, Cancel(r.request_id, str(exc))))
-            self._waker.wake()  # _fail also runs on API threads (cancel)
+            identity, msg = r.identity, Cancel(r.request_id, str(exc))
+            self.loop.call_soon(lambda: self._reply(identity, msg))  # _fail also runs on API threads (cancel)
 
-    def _free(self, r: _Reservation) -> None:
+    def _granted(self, r: IncomingTransfer) -> list[Range]:
+        return self.target.slot_ranges(r.slots) if r.mode == "staging" else self.target.block_ranges(r.blocks)
+
+    def _revoke(self, r: IncomingTransfer) -> None:
+        """Take back what ``r`` granted, once (caller holds the lock); a frame still landing there is waited out, or its peer fenced."""
+        if r.revoked:
+            return
+        r.revoked = True
+        ranges = self._granted(r)
+        if ranges and not self.channel.revoke(r.token, "write", ranges, self.config.drain_timeout_s):
+            self.counters["fences"] += 1
+            log.error("request %s: a write was still landing in its memory after drain_timeout_s; cutting its sender's data connections", r.request_id)
+            self._fence(r.identity)
+
+    def _free(self, r: IncomingTransfer) -> None:
+        """Give ``r``'s blocks and slots back, exactly once (caller holds the lock)."""
+        self._revoke(r)
         self.allocator.free(r.blocks)
         self._free_slots.extend(r.slots)
         r.blocks, r.slots = [], []
+
+    def _fence(self, identity: bytes) -> None:
+        """Cut a sender that went silent off the data plane before its memory is reused (caller holds the lock).
+
+        The channel drops its data connections, so nothing it queued before can
+        land later (a frozen process's writes die with its sockets); its other
+        reservations fail (their data path is gone), and it must send Hello
+        again: its next Reserve is refused with ``hello-required``.
+        """
+        peer = self._peers.pop(identity, None)
+        if peer is None:
+            return
+        self.channel.fence(peer.agent, peer.token)
+        for other in self._res.values():
+            if other.identity == identity and other.state is State.RECEIVING:
+                self._fail(other, TransferError("the sender was cut off the data plane after it went silent"), notify_sender=True)
 
     def _remember_gone(self, request_id: str, why: str) -> None:
         self._gone[request_id] = why
@@ -482,6 +580,9 @@ class KVReceiver:
                     self.counters["timeouts"] += 1
                     self._fail(r, TransferTimeout(f"not complete after transfer_timeout_s={cfg.transfer_timeout_s:.3g}s"), notify_sender=True)
                 if r.state is State.FAILED and (r.sender_done or now > r.free_deadline):
+                    if not r.sender_done:  # it never said it stopped writing: it may be frozen with writes queued
+                        self.counters["fences"] += 1
+                        self._fence(r.identity)
                     del self._res[r.request_id]
                     self._free(r)
                     self._remember_gone(r.request_id, f"failed: {r.error}")

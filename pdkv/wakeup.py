@@ -1,15 +1,16 @@
-"""Wake a thread sleeping in ``zmq.Poller.poll`` when another thread queued work for it.
+"""Wake a thread sleeping in ``poll`` when another thread has work for it.
 
-The sender's and receiver's I/O threads own their ZeroMQ sockets (sockets are
-not thread-safe) and sleep in ``poll``; other threads hand them messages
-through a queue. Without a wake-up, a queued ``Reserve`` waited for the poll
-timeout (10 ms) before it left. A pipe's read end is pollable next to the
-sockets.
+The control endpoints' I/O threads own their ZeroMQ sockets (sockets are not
+thread-safe) and sleep in ``poll``; other threads hand them work through a
+queue, and channels deliver notifications into an inbox. A pipe's read end is
+pollable next to the sockets, so the sleeper wakes at once instead of at its
+next timeout.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 
 class Waker:
@@ -17,26 +18,39 @@ class Waker:
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
+        self._closed = False
+        self._lock = threading.Lock()  # a wake-up racing with close must never write to a reused fd number
 
     def fileno(self) -> int:
         return self._r
 
     def wake(self) -> None:
-        try:
-            os.write(self._w, b"\0")
-        except BlockingIOError:  # the pipe is full: the reader is already due to wake
-            pass
+        with self._lock:
+            if self._closed:  # nobody is left to wake
+                return
+            try:
+                os.write(self._w, b"\0")
+            except BlockingIOError:  # the pipe is full: the reader is already due to wake
+                pass
 
     def clear(self) -> None:
-        try:
-            while os.read(self._r, 4096):
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                while os.read(self._r, 4096):
+                    pass
+            except BlockingIOError:
                 pass
-        except BlockingIOError:
-            pass
 
     def close(self) -> None:
-        for fd in (self._r, self._w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        """Idempotent: a second close must never close an fd number reused by someone else."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for fd in (self._r, self._w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from pdkv.bench.netrig import NetRig, unavailable
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.mock import MockChannel
 from pdkv.config import TransferConfig
@@ -96,3 +97,17 @@ def redis_server() -> Iterator[LocalRedis]:
         pytest.skip("redis-server is not installed (apt-get install -y redis-server); the remote tier is tested against a real one")
     with local_redis() as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def netrig() -> Iterator[NetRig]:
+    """A network rig with its hub host ``a``: tests add hosts and start pdkv roles on them (``Host.start_worker``).
+
+    Every process started through it is stopped and every namespace (with its
+    interfaces) deleted at the end of the module, whatever happened.
+    """
+    why = unavailable()
+    if why is not None:
+        pytest.skip(f"two-host tests: {why}")
+    with NetRig() as rig:
+        yield rig

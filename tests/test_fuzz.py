@@ -118,7 +118,7 @@ STRUCTS = st.one_of(
     st.builds(protocol.Cancel, request_id=HOSTILE_STR, reason=HOSTILE_STR),
     st.builds(protocol.Done, request_id=HOSTILE_STR, ok=st.booleans()),
     st.builds(protocol.Auth, proof=HOSTILE_BYTES),
-    st.builds(protocol.Landed, request_id=HOSTILE_STR, chunk_index=HOSTILE_INT),
+    st.builds(protocol.Landed, request_id=HOSTILE_STR, chunk_indices=st.lists(HOSTILE_INT, max_size=20)),
     st.builds(protocol.Error, message=HOSTILE_STR),
     st.builds(
         protocol.Refused,
@@ -272,13 +272,18 @@ def test_hostile_control_messages_never_break_a_live_receiver(
         if admitted:  # a compatible Hello makes its Reserves reach the allocator
             dealer.send(
                 protocol.encode(
-                    protocol.make_hello(
-                        pair.p_channel,
-                        "model-a",
-                        pair.p_layout,
-                        receiver.config.chunk_size,
-                        [],
-                        -1,
+                    msgspec.structs.replace(
+                        protocol.make_hello(
+                            pair.p_channel.agent_name,
+                            pair.p_channel.name,
+                            pair.p_channel.metadata(),
+                            "model-a",
+                            pair.p_layout,
+                            receiver.config.chunk_size,
+                            [],
+                            -1,
+                        ),
+                        data_token=b"T" * 16,
                     )
                 )
             )
@@ -303,7 +308,7 @@ def test_hostile_control_messages_never_break_a_live_receiver(
             for data in messages:
                 dealer.send(data)
             dealer.sync()
-            assert receiver._thread.is_alive(), "the receiver loop died"
+            assert receiver.loop.thread.is_alive(), "the receiver loop died"
             stats = receiver.stats()
             assert 0 <= stats["free_blocks"] <= allocator.num_blocks
             assert (

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pdkv.errors import LayoutError
-from pdkv.layout import KVLayout, block_ranges, gather, scatter
+from pdkv.layout import KVLayout, block_ranges, block_runs, gather, scatter
 
 KINDS = ["per_layer", "cross_layer"]
 ORDERS = ["NHD", "HND", "HKND"]
@@ -90,3 +90,17 @@ def test_block_ranges_cover_whole_blocks_in_wire_order() -> None:
     assert ranges == [(0, 3 * size, size), (0, size, size), (1, 3 * size, size), (1, size, size)]
     cross = KVLayout(2, 2, 4, block_size=4, dtype="float32", kind="cross_layer")
     assert block_ranges(cross, [3], 4) == [(0, 3 * 2 * size, 2 * size)]
+
+
+def test_block_runs_pair_blocks_adjacent_on_both_sides_and_keep_wire_order() -> None:
+    assert block_runs([4, 5, 6, 9, 10, 2], [0, 1, 7, 8, 9, 3]) == [(4, 0, 2), (6, 7, 1), (9, 8, 2), (2, 3, 1)]
+    assert block_runs([3, 4, 5, 1]) == [(3, 3, 3), (1, 1, 1)]
+    assert block_runs([]) == []
+    lay = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
+    size = lay.block_bytes
+    joined = [(t, a * size, k * size) for t in range(2) for a, _, k in block_runs([3, 4, 0])]
+    singles = block_ranges(lay, [3, 4, 0], 8)
+    flat = lambda rs: [(t, o + i) for t, o, n in rs for i in range(n)]  # noqa: E731 - the bytes each list names, in order
+    assert flat(joined) == flat(singles)
+    with pytest.raises(LayoutError, match="different lengths"):
+        block_runs([1, 2], [1])

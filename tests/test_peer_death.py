@@ -112,10 +112,10 @@ def _receiver_child(conn: multiprocessing.connection.Connection, step: str) -> N
     elif step == "mid_chunk":
         on_notice = receiver._on_notice
 
-        def stop_at_chunk_1(notif: Any) -> None:
+        def stop_at_chunk_1(notif: Any) -> Any:
             if decode_notice(notif.payload).chunk_index == 1:
                 _stop_here(conn, step)
-            on_notice(notif)
+            return on_notice(notif)
 
         receiver._on_notice = stop_at_chunk_1  # type: ignore[method-assign]
     elif step == "done":
@@ -139,12 +139,12 @@ def _sender_child(conn: multiprocessing.connection.Connection, step: str, addres
 
     def script() -> None:
         if step == "hello":
-            sender._on_message = lambda peer, msg: _stop_here(conn, step) if isinstance(msg, Hello) else None  # type: ignore[method-assign]
+            sender._on_hello = lambda peer, msg: _stop_here(conn, step)  # type: ignore[method-assign]
             sender.open("r", address, TOKENS, TABLE)
             return
         if step == "done":
-            post = sender._post
-            sender._post = lambda peer, msg: _stop_here(conn, step) if isinstance(msg, Done) else post(peer, msg)  # type: ignore[method-assign]
+            send = sender._send
+            sender._send = lambda peer, msg: _stop_here(conn, step) if isinstance(msg, Done) else send(peer, msg)  # type: ignore[method-assign]
         xfer = sender.open("r", address, TOKENS, TABLE)
         if step == "reserved":
             _stop_here(conn, step)
@@ -276,7 +276,7 @@ def assert_sender_holds_nothing(sender: KVSender) -> None:
     wait_until(lambda: sender.stats()["open_transfers"] == 0, CFG.transfer_timeout_s + SLACK_S, "the sender to settle the dead receiver's transfer")
     assert sender.stats()["inflight_bytes"] == 0
     # private state, read on purpose: a dropped receiver's control socket must be closed, never reopened
-    wait_until(lambda: len(sender._sock_peer) == len(sender._peers), SLACK_S, "no control socket to outlive its receiver")
+    wait_until(lambda: sender._dealers.count() == len(sender._peers), SLACK_S, "no control socket to outlive its receiver")
 
 
 def push_fresh(sender: KVSender, decode: Decode, request_id: str) -> None:
@@ -300,7 +300,8 @@ def test_receiver_dies_before_answering(spawn, prefill: KVSender, start_decode, 
         opening = pool.submit(prefill.open, "r", child.address, TOKENS, TABLE)
         child.expect("at", step)
         died = child.kill()
-        with pytest.raises(TransferError, match=LOST + child.address):
+        # lost mid-Reserve, the sender asks the address once more (a restart looks the same) and finds nothing there
+        with pytest.raises(TransferError, match=f"({LOST}|cannot connect to receiver ){child.address}"):
             opening.result(timeout_s + SLACK_S)
     assert time.monotonic() - died < timeout_s + SLACK_S
     assert_sender_holds_nothing(prefill)
@@ -375,11 +376,11 @@ def test_receiver_back_under_its_old_name_never_gets_a_write_meant_for_its_previ
     posting, release = threading.Event(), threading.Event()
     write = prefill.channel.write
 
-    def paused_write(peer: str, ops: Any, notif: bytes | None = None) -> Any:
+    def paused_write(peer: str, ops: Any, notif: bytes | None = None, token: bytes = b"") -> Any:
         if notif is not None and decode_notice(notif).request_id == "old":
             posting.set()
             release.wait(STEP_S)
-        return write(peer, ops, notif)
+        return write(peer, ops, notif, token=token)
 
     prefill.channel.write = paused_write  # type: ignore[method-assign]
     with ThreadPoolExecutor(2) as pool:

@@ -111,12 +111,46 @@ def test_cli_help_lists_subcommands() -> None:
         assert cmd in out
 
 
-@pytest.mark.parametrize(("host", "secret", "warned"), [("0.0.0.0", "", True), ("10.1.2.3", "s", False), ("127.0.0.1", "", False), ("::1", "", False)])
-def test_a_worker_bound_beyond_loopback_without_a_secret_is_warned_about(host: str, secret: str, warned: bool, caplog: pytest.LogCaptureFixture) -> None:
-    from pdkv.launch.main import warn_if_exposed
+EXPOSURE = [
+    # role, host, settings, refused
+    ("decode", "0.0.0.0", {}, True),
+    ("prefill", "10.1.2.3", {"engine": "vllm"}, True),  # vLLM workers alike
+    ("decode", "10.1.2.3", {"secret": "s"}, False),
+    ("decode", "0.0.0.0", {"insecure": True}, False),
+    ("decode", "127.0.0.5", {}, False),
+    ("prefill", "::1", {}, False),
+    ("decode", "localhost", {}, False),
+    ("router", "0.0.0.0", {}, True),
+    ("router", "0.0.0.0", {"router": {"admin_token": "t"}}, False),
+    ("router", "0.0.0.0", {"secret": "s"}, False),
+    ("router", "0.0.0.0", {"insecure": True}, False),
+]
 
-    for role, engine in (("decode", "reference"), ("prefill", "vllm")):  # pdkv's own workers and vLLM ones alike
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="pdkv.launch.main"):
-            warn_if_exposed(convert_config({"role": role, "engine": engine, "host": host, "secret": secret}))
-        assert any("without a shared secret" in r.getMessage() and host in r.getMessage() for r in caplog.records) is warned
+
+@pytest.mark.parametrize(("role", "host", "settings", "refused"), EXPOSURE)
+def test_serving_beyond_loopback_unguarded_is_refused_unless_insecure(role: str, host: str, settings: dict[str, object], refused: bool, caplog: pytest.LogCaptureFixture) -> None:
+    from pdkv.launch.main import check_exposure
+
+    config = convert_config({"role": role, "host": host, **settings})
+    with caplog.at_level(logging.WARNING, logger="pdkv.launch"):
+        if refused:
+            with pytest.raises(ConfigError) as err:
+                check_exposure(config)
+            assert host in str(err.value) and "--insecure" in str(err.value)  # both ways out are named
+            assert ("secret" if role != "router" else "router.admin_token") in str(err.value)
+        else:
+            check_exposure(config)
+    assert any("insecure" in r.getMessage() for r in caplog.records) is bool(settings.get("insecure"))
+
+
+def test_launch_refuses_an_unguarded_worker_beyond_loopback_before_loading_anything() -> None:
+    """The real command line: no secret on 0.0.0.0 fails at once with the field and both ways out; --insecure reaches the config."""
+    from pdkv.cli import build_parser
+    from pdkv.launch.main import check_exposure, config_from_args
+
+    cmd = ["launch", "--role", "decode", "--host", "0.0.0.0", "--port", "0", "--model", "/nonexistent/model"]
+    refused = subprocess.run([sys.executable, "-m", "pdkv.cli", *cmd], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "field 'host' = '0.0.0.0'" in refused.stderr and "--insecure" in refused.stderr and "secret" in refused.stderr
+    config = config_from_args(build_parser().parse_args([*cmd, "--insecure"]))
+    assert config.insecure is True
+    check_exposure(config)  # accepted: the flag is the explicit way out

@@ -2,14 +2,17 @@
 
 One set of worker processes serves the whole module: two prefill and two
 decode workers behind a ``pdkv launch --role router`` process, plus a
-spare prefill worker that a test registers at run time and then kills.
-The oracle is a decode worker answering the same request alone.
+spare prefill worker that a test registers at run time and then kills, and
+one that a test registers and then freezes (SIGSTOP). The oracle is a
+decode worker answering the same request alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -49,6 +52,7 @@ class Cluster:
     prefill: list[WorkerProcess]
     decode: list[WorkerProcess]
     spare: WorkerProcess  # a prefill worker the router does not know yet
+    frozen: WorkerProcess  # another one, for the test that SIGSTOPs it
     model: Path
 
     def client(self, url: str | None = None) -> openai.OpenAI:
@@ -78,16 +82,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         # short lease and drain: a killed prefill worker's reservations go in seconds
         "transfer": {"chunk_size": 32, "transfer_timeout_s": 30, "lease_s": 2, "heartbeat_s": 0.5, "drain_timeout_s": 2},
     }))
-    with ThreadPoolExecutor(5) as pool:
-        futures = [pool.submit(start_worker, role, "--config", str(worker_cfg), "--port", "0", timeout=180, env=ONE_THREAD) for role in ("prefill", "prefill", "prefill", "decode", "decode")]
+    with ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(start_worker, role, "--config", str(worker_cfg), "--port", "0", timeout=180, env=ONE_THREAD) for role in ("prefill", "prefill", "prefill", "prefill", "decode", "decode")]
         procs = [f.result() for f in futures]
-    p1, p2, spare, d1, d2 = procs
+    p1, p2, spare, frozen, d1, d2 = procs
     router_cfg = tmp / "router.yaml"
     # No background health checks during the module: a dead worker must be found by the requests themselves.
     router_cfg.write_text(yaml.safe_dump({"router": {"policy": "round-robin", "health_interval_s": 600, "max_retries": 2, "prefill_timeout_s": 60, "decode_timeout_s": 120}}))
     router = start_worker("router", "--config", str(router_cfg), "--port", "0", "--prefill", p1.url, "--prefill", p2.url, "--decode", d1.url, "--decode", d2.url, timeout=60)
     try:
-        yield Cluster(router, [p1, p2], [d1, d2], spare, model)
+        yield Cluster(router, [p1, p2], [d1, d2], spare, frozen, model)
     finally:
         for proc in (router, *procs):
             proc.stop()
@@ -218,6 +222,44 @@ def test_a_prefill_worker_killed_mid_run_costs_no_request(cluster: Cluster, expe
     status, _ = admin("DELETE", cluster.router.url + "/pdkv/workers", {"role": "prefill", "url": spare.url})
     assert status == 200
     assert spare.url not in [w["url"] for w in json.loads(get(cluster.router.url + "/pdkv/workers"))["prefill"]]
+
+
+def test_a_frozen_prefill_worker_is_routed_around_within_seconds(cluster: Cluster, expected: dict[str, list[int]]) -> None:
+    """A prefill worker SIGSTOPped with requests on it: they are retried elsewhere within seconds, not after
+    prefill_timeout_s (60 s here), new requests skip it, and the KV of every answer still moved."""
+    frozen = cluster.frozen
+    status, added = admin("POST", cluster.router.url + "/pdkv/workers", {"role": "prefill", "url": frozen.url})
+    assert status == 201 and added["worker"]["healthy"] is True
+    transferred, fallbacks = total(cluster.decode, "pdkv_prompt_tokens_total", source="transferred"), total(cluster.decode, "pdkv_fallbacks_total")
+    os.kill(frozen.proc.pid, signal.SIGSTOP)
+    try:
+        async def timed(client: openai.AsyncOpenAI, i: int) -> tuple[list[int], int, float]:
+            started = time.monotonic()
+            answer = await client.completions.create(model="tiny", prompt=PROMPTS[i % len(PROMPTS)], **GREEDY)
+            return answer.choices[0].token_ids, answer.usage.prompt_tokens, time.monotonic() - started
+
+        async def run(n: int) -> list[tuple[list[int], int, float]]:
+            async with cluster.async_client() as client:
+                return await asyncio.gather(*(timed(client, i) for i in range(n)))
+
+        first = asyncio.run(run(6))  # round robin over three prefill workers: two of these wait on the frozen one
+        text = get(cluster.router.url + "/metrics")
+        assert metric(text, "pdkv_router_retries_total", hop="prefill", reason="unhealthy") >= 1
+        picks = metric(text, "pdkv_router_picks_total", role="prefill", worker=frozen.url)
+        listing = json.loads(get(cluster.router.url + "/pdkv/workers"))
+        assert {w["url"]: w["healthy"] for w in listing["prefill"]}[frozen.url] is False
+        later = asyncio.run(run(3))
+        assert metric(get(cluster.router.url + "/metrics"), "pdkv_router_picks_total", role="prefill", worker=frozen.url) == picks  # skipped
+    finally:
+        os.kill(frozen.proc.pid, signal.SIGCONT)
+    assert [ids for ids, _, _ in first + later] == [expected[PROMPTS[i % len(PROMPTS)]] for i in [*range(6), *range(3)]]
+    assert max(seconds for _, _, seconds in first + later) < 30  # a request that waited for the frozen worker's hop timeout took 60 s
+    assert total(cluster.decode, "pdkv_prompt_tokens_total", source="transferred") == transferred + sum(n for _, n, _ in first + later)
+    assert total(cluster.decode, "pdkv_fallbacks_total") == fallbacks
+    for d in cluster.decode:  # the transfers the frozen worker had opened were cancelled, and it woke up to find them gone
+        wait_until(lambda d=d: metric(get(d.url + "/metrics"), "pdkv_reserved_blocks") == 0, 30, f"{d.url} to hold no reservation")
+    wait_until(lambda: metric(get(frozen.url + "/metrics"), "pdkv_running_requests") == 0, 30, "the thawed worker to drop the abandoned requests")
+    assert admin("DELETE", cluster.router.url + "/pdkv/workers", {"role": "prefill", "url": frozen.url})[0] == 200
 
 
 def test_a_prefill_cancelled_while_opening_its_transfer_frees_both_sides(cluster: Cluster) -> None:

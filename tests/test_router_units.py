@@ -425,6 +425,55 @@ def test_every_hop_has_a_timeout_and_a_timed_out_hop_is_cancelled_upstream() -> 
     asyncio.run(scenario())
 
 
+def test_a_worker_that_stops_answering_health_probes_loses_its_waiting_hops_and_a_slow_one_keeps_them() -> None:
+    """Probes while a hop waits: failing ones (twice in a row) mark the worker down and the hop is retried at
+    once; a worker that is slow but answers its probes keeps its request until it answers."""
+
+    async def hang(w: FakeWorker, http: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        w.healthy = False  # from now on /health answers 503, as a stalled engine's does
+        await asyncio.sleep(30)
+        raise AssertionError("unreachable")
+
+    async def slow(w: FakeWorker, http: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        await asyncio.sleep(1.5)
+        return await prefill_answer(w, http, body)
+
+    async def scenario() -> None:
+        hung, good, d = FakeWorker("prefill", hang), FakeWorker("prefill"), FakeWorker("decode")
+        settings = {"busy_health_interval_s": 0.1, "health_timeout_s": 0.5, "health_failures": 2, "prefill_timeout_s": 30}
+        async with cluster([hung, good], [d], **settings) as (url, router):
+            status, answer = await post(url + "/v1/completions", {"prompt": "x" * 50})
+            assert status == 200 and len(hung.requests) == 1 and len(good.requests) == 1  # retried on the good one
+            assert router_metric(router, "pdkv_router_retries_total", hop="prefill", reason="unhealthy") == 1
+            assert router_metric(router, "pdkv_router_fallbacks_total") == 0
+            hung_state = router.pool.workers("prefill")[0]
+            assert not hung_state.healthy and "2 failed probe(s) in a row" in hung_state.error
+            await wait_for(lambda: hung.handlers_cancelled == 1, "the abandoned hop's handler to be cancelled")
+            await wait_for(lambda: d.cancelled_transfers == [hung.requests[0]["kv_transfer_params"]["transfer_id"]], "its transfer to be cancelled")
+        lagging, d = FakeWorker("prefill", slow), FakeWorker("decode")
+        async with cluster([lagging], [d], **settings) as (url, router):
+            assert (await post(url + "/v1/completions", {"prompt": "x" * 50}))[0] == 200
+            assert len(lagging.requests) == 1 and router_metric(router, "pdkv_router_retries_total") == 0
+            assert router_metric(router, "pdkv_router_fallbacks_total") == 0 and router.pool.workers("prefill")[0].healthy
+        # the only decode worker stops answering its probes, then answers: with nowhere better to go, its hop waits
+        routers: list[Router] = []
+
+        async def thawing(w: FakeWorker, http: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+            w.healthy = False
+            await wait_for(lambda: not routers[0].pool.workers("decode")[0].healthy, "the router to mark the decode worker down")
+            w.healthy = True
+            return await decode_answer(w, http, body)
+
+        p, only = FakeWorker("prefill"), FakeWorker("decode", thawing)
+        async with cluster([p], [only], **settings) as (url, router):
+            routers.append(router)
+            status, answer = await post(url + "/v1/completions", {"prompt": "x" * 50})
+            assert status == 200 and answer["served_by"] == only.url and len(only.requests) == 1
+            assert router_metric(router, "pdkv_router_retries_total") == 0
+
+    asyncio.run(scenario())
+
+
 def test_a_client_that_goes_away_cancels_the_upstream_hop() -> None:
     async def endless(w: FakeWorker, http: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         return await decode_answer(w, http, body, events=500, delay=0.02)

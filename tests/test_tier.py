@@ -332,7 +332,7 @@ class _StuckTier(LeafTier):
     def _get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
         return 0
 
-    def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor]) -> None:
+    def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Sequence[bytes | None]) -> None:
         assert self.release.wait(30)
         self.stored.extend(keys)
 

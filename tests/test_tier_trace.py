@@ -19,6 +19,7 @@ from pdkv.bench.ttft import (
     trace_path,
 )
 from pdkv.keys import chunk_keys
+from pdkv.tier.policy import POLICIES
 
 TRACE = trace_path()
 pytestmark = pytest.mark.skipif(TRACE is None, reason="the Mooncake trace is not beside the repository (../shared/data/mooncake-traces/) and $PDKV_MOONCAKE_TRACE is unset")
@@ -50,7 +51,7 @@ def keys() -> list[list[bytes]]:
     return trace_keys(load_trace(TRACE, limit=1000), "fp")
 
 
-@pytest.mark.parametrize("policy", ["lru", "s3fifo"])
+@pytest.mark.parametrize("policy", POLICIES)
 def test_memory_level_reaches_the_bound_only_when_nothing_is_evicted(keys: list[list[bytes]], policy: str) -> None:
     bound = infinite_hit_rate(keys)
     unique = len({k for ks in keys for k in ks})

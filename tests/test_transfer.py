@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -11,13 +12,14 @@ import torch
 import zmq
 
 from pdkv import protocol
-from pdkv.auth import new_nonce, verify
+from pdkv.auth import bound_proof, new_nonce, proof, verify
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.mock import MockChannel
 from pdkv.config import TransferConfig
-from pdkv.errors import ChecksumError, HandshakeError, ReservationError, TransferCancelled, TransferError, TransferTimeout
+from pdkv.errors import ChecksumError, HandshakeError, NotAnnouncedError, PromptMismatchError, ReservationError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.layout import KVLayout, gather
 from pdkv.receiver import KVReceiver
+from pdkv.sender import KVSender
 from tests.conftest import Pair, wait_until
 
 F32 = dict(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32")
@@ -122,7 +124,7 @@ def test_checksum_error_type_on_direct_path(make_pair) -> None:
 
 
 def test_reservation_that_does_not_fit_is_refused_and_nothing_leaks(make_pair) -> None:
-    pair = make_pair(d_blocks=8, config=TransferConfig(chunk_size=32, reserve_timeout_s=0.3))
+    pair = make_pair(d_blocks=8, config=TransferConfig(chunk_size=32, reserve_timeout_s=0.3, max_peer_blocks_share=1.0))
     with pytest.raises(ReservationError, match="need 10 KV blocks, only 8"):
         pair.sender.open("big", pair.receiver.address, 160, list(range(10)))
     assert pair.allocator.num_free == 8
@@ -186,7 +188,7 @@ def test_dead_sender_lease_expires(make_pair) -> None:
     pair = make_pair(config=TransferConfig(chunk_size=32, lease_s=0.3, heartbeat_s=0.1, drain_timeout_s=0.2))
     xfer = pair.sender.open("dead", pair.receiver.address, 64, list(range(4)))
     xfer.send_chunk(0)
-    pair.sender._stop.set()  # the sender's process "dies": no heartbeats, no more messages
+    pair.sender.loop.stop()  # the sender's process "dies": no heartbeats, no more messages
     with pytest.raises(TransferError, match="lease expired"):
         pair.receiver.wait("dead", 5)
     assert pair.receiver.stats()["leases_expired"] == 1
@@ -223,10 +225,74 @@ def test_hello_mismatch_names_the_field(make_pair) -> None:
         pair2.sender.open("y", pair2.receiver.address, 16, [0])
 
 
-def test_unreachable_receiver_times_out(make_pair) -> None:
+def test_silent_receiver_times_out(make_pair) -> None:
+    """Something listens at the address but never answers Hello: the handshake timeout, configurable, bounds it."""
     pair = make_pair(config=TransferConfig(chunk_size=32, handshake_timeout_s=0.3))
-    with pytest.raises(TransferTimeout, match="no Hello reply"):
-        pair.sender.open("z", "tcp://127.0.0.1:9", 16, [0])
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        with pytest.raises(TransferTimeout, match="no Hello reply"):
+            pair.sender.open("z", f"tcp://127.0.0.1:{silent.getsockname()[1]}", 16, [0])
+
+
+def test_refused_connection_fails_at_once_not_at_the_handshake_timeout(make_pair) -> None:
+    pair = make_pair(config=TransferConfig(chunk_size=32, handshake_timeout_s=30))
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]  # closed again: nothing listens there now
+    started = time.monotonic()
+    with pytest.raises(TransferError, match="connection refused"):
+        pair.sender.open("z", f"tcp://127.0.0.1:{port}", 16, [0])
+    assert time.monotonic() - started < 10, "a refused connection waited for the 30 s handshake timeout"
+
+
+def test_kv_is_handed_over_only_for_the_prompt_it_was_computed_from(make_pair) -> None:
+    """The prompt key travels in the Reserve: a decode side asking with another prompt's key gets no KV, and nothing leaks."""
+    pair = make_pair()
+    xfer = pair.sender.open("bound", pair.receiver.address, 40, list(range(3)), prompt_key=b"K" * 16)
+    xfer.send_all()
+    xfer.wait(10)
+    with pytest.raises(PromptMismatchError, match="another prompt"):
+        pair.receiver.wait("bound", 5, prompt_key=b"Q" * 16)
+    assert pair.allocator.num_free == pair.allocator.num_blocks and pair.receiver.stats()["prompt_mismatches"] == 1
+    xfer = pair.sender.open("bound-2", pair.receiver.address, 40, list(range(3)), prompt_key=b"K" * 16)
+    xfer.send_all()
+    xfer.wait(10)
+    got = pair.receiver.wait("bound-2", 5, prompt_key=b"K" * 16)
+    assert got.prompt_key == b"K" * 16
+    assert_same_kv(pair, list(range(3)), got.blocks, 40)
+    pair.allocator.free(got.blocks)
+
+
+def test_unannounced_transfer_fails_fast(make_pair) -> None:
+    """No sender ever reserved it: the decode side gives up after announce_timeout_s, not transfer_timeout_s."""
+    pair = make_pair(config=TransferConfig(chunk_size=32, announce_timeout_s=0.2, transfer_timeout_s=60))
+    started = time.monotonic()
+    with pytest.raises(NotAnnouncedError, match="announce_timeout_s"):
+        pair.receiver.wait("never-reserved", 60)
+    assert time.monotonic() - started < 5
+    with pytest.raises(ReservationError, match="already used"):  # a Reserve arriving after that is refused
+        pair.sender.open("never-reserved", pair.receiver.address, 16, [0])
+
+
+def test_one_peer_cannot_take_every_block_or_reservation(make_pair) -> None:
+    pair = make_pair(d_blocks=16, config=TransferConfig(chunk_size=32, max_peer_blocks_share=0.5, max_reservations_per_peer=3, reserve_timeout_s=0.3))
+    held = [pair.sender.open("a", pair.receiver.address, 64, list(range(4)))]  # 4 of its 8 blocks
+    with pytest.raises(ReservationError, match="max_peer_blocks_share"):
+        pair.sender.open("too-much", pair.receiver.address, 80, list(range(5)))  # 4 + 5 > 8
+    held += [pair.sender.open(f"small-{i}", pair.receiver.address, 16, [i]) for i in range(2)]
+    with pytest.raises(ReservationError, match="max_reservations_per_peer"):
+        pair.sender.open("one-more", pair.receiver.address, 16, [0])
+    other = KVSender(MockChannel(pair.p_channel.agent_name + "-other"), pair.p_layout, pair.p_kv, "model-a", pair.receiver.config)
+    try:  # another peer still gets room: the caps are per peer
+        xfer = other.open("other", pair.receiver.address, 80, list(range(5)))
+        xfer.send_all()
+        xfer.wait(10)
+        pair.allocator.free(pair.receiver.wait("other", 5).blocks)
+    finally:
+        other.close()
+        other.channel.close()
+    for x in held:
+        x.send_all()
+        x.wait(10)
+        pair.allocator.free(pair.receiver.wait(x.request_id, 5).blocks)
 
 
 def test_shared_secret_authenticates_both_sides(make_pair) -> None:
@@ -258,7 +324,7 @@ def test_peer_with_a_forged_proof_is_refused(make_pair) -> None:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(pair.receiver.address)
     try:
-        hello = msgspec.structs.replace(pair.sender.hello(), nonce=new_nonce())
+        hello = msgspec.structs.replace(pair.sender.hello(), nonce=new_nonce(), data_token=b"T" * 16)
         sock.send(protocol.encode(hello))
         assert sock.poll(5000), "no Hello reply"
         reply = protocol.decode(sock.recv())
@@ -274,6 +340,35 @@ def test_peer_with_a_forged_proof_is_refused(make_pair) -> None:
     assert isinstance(answers[1], protocol.Refused) and "not authenticated" in answers[1].reason
     assert pair.receiver.stats()["auth_failures"] >= 2
     assert pair.allocator.num_free == pair.allocator.num_blocks
+
+
+def test_reserve_proof_binds_the_prompt_key_to_the_authenticated_peer(make_pair) -> None:
+    """With a secret, a Reserve's prompt key is covered by a proof bound to the handshake: altered, it is refused."""
+    pair = make_pair(secrets=("s3cret", "s3cret"))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(pair.receiver.address)
+    try:
+        hello = msgspec.structs.replace(pair.sender.hello(), nonce=new_nonce(), data_token=b"T" * 16)
+        sock.send(protocol.encode(hello))
+        assert sock.poll(5000), "no Hello reply"
+        reply = protocol.decode(sock.recv())
+        assert isinstance(reply, protocol.Hello)
+        sock.send(protocol.encode(protocol.Auth(proof(b"s3cret", "sender", reply.nonce, hello.nonce))))
+        honest = protocol.Reserve("honest", 16, b"A" * 16)
+        honest.proof = bound_proof(b"s3cret", "reserve", reply.nonce + hello.nonce, *protocol.reserve_fields(honest))
+        forged = msgspec.structs.replace(honest, request_id="forged", prompt_key=b"B" * 16)  # the proof of another Reserve
+        sock.send(protocol.encode(forged))
+        sock.send(protocol.encode(honest))
+        answers = []
+        while len(answers) < 2 and sock.poll(5000):
+            answers.append(protocol.decode(sock.recv()))
+        sock.send(protocol.encode(protocol.Cancel("honest", "test over")))
+    finally:
+        sock.close(0)
+    assert isinstance(answers[0], protocol.Refused) and "proof" in answers[0].reason
+    assert isinstance(answers[1], protocol.Reserved) and answers[1].request_id == "honest"
+    assert pair.receiver.stats()["auth_failures"] == 1
 
 
 def test_receiver_restart_on_the_same_address_is_rehandshaked(make_pair) -> None:

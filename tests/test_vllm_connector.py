@@ -25,8 +25,9 @@ from pdkv.integration.vllm.metadata import StepMetadata
 from pdkv.integration.vllm.params import Pushed, prompt_key, push_target, pushed
 from pdkv.integration.vllm.scheduler_side import SchedulerSide
 from pdkv.integration.vllm.worker_side import WorkerSide
+from pdkv.keys import PromptKeys, chunk_keys
 from pdkv.layout import gather
-from pdkv.tier.base import leading
+from pdkv.tier.base import HEADER_BYTES, leading
 
 from conftest import wait_until
 
@@ -262,6 +263,27 @@ def test_prefill_pushes_from_vllm_blocks_and_decode_loads_them_into_its_own() ->
         d.close()
 
 
+def test_decode_loads_pushed_kv_only_for_the_prompt_p_computed_it_from() -> None:
+    """P's Reserve carries its prompt's key; D's load names its own: another prompt's KV is never written into vLLM's blocks."""
+    from pdkv.integration.vllm.metadata import LoadSpec, SendSpec
+
+    p, d, _, d_cache = worker_pair()
+    try:
+        assert d.receiver is not None
+        before = {name: t.clone() for name, t in d_cache.items()}
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 64, [1, 2], 64, b"A" * 16)]))
+        assert collect(p, {"r1"})[0] == {"r1"}
+        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 64, 0, [3, 4], prompt_key=b"B" * 16)]))
+        _, recving, failed = collect(d, set())
+        assert recving == failed == {"r1"}  # vLLM recomputes the prompt
+        assert all(torch.equal(d_cache[name], before[name]) for name in d_cache)
+        assert d.receiver.stats()["prompt_mismatches"] == 1
+        assert d.receiver.stats()["free_blocks"] == 16 and d.receiver.stats()["reservations"] == 0
+    finally:
+        p.close()
+        d.close()
+
+
 def _affinity(tid: int, default: set[int]) -> set[int]:
     try:
         return os.sched_getaffinity(tid)
@@ -346,40 +368,49 @@ def test_a_dead_decode_receiver_costs_the_push_not_the_blocks() -> None:
 # -- the shared cache tier (a real redis-server) ---------------------------------------------------
 def test_scheduler_loads_the_tiers_leading_chunks_and_saves_only_what_it_computes() -> None:
     held: set[bytes] = set()
-    s = SchedulerSide(FP, 64, is_producer=False, is_consumer=False, tier_lookup=lambda keys: leading([k in held for k in keys]))
+    s = SchedulerSide(FP, 64, is_producer=False, is_consumer=False, tier_lookup=lambda pk: leading([k in held for k in pk.keys]) * pk.chunk_size)
     prompt = list(range(300))  # 4 full chunks of 64, and a partial one that is never cached
     req = request("t1", prompt, None)
-    held.update(s._full_chunk_keys(req)[:3])
+    full = list(s._full_chunk_keys(req).keys)
+    assert full == chunk_keys(prompt, FP, 64)[:4]
+    held.update(full[:3])
     assert s.num_new_matched_tokens(req, 64) == (128, True)  # 3 chunks held, 1 cached by vLLM itself
     s.after_alloc(req, [1, 2, 3, 4, 5], 128)
-    step = s.build(sched_output(new=[("t1", [1, 2, 3, 4, 5], 192)], scheduled={"t1": 108}))
+    step = s.build(sched_output(new=[("t1", [1, 2, 3, 4, 5], 192)], scheduled={"t1": 64}))
     [load] = step.loads
-    assert (load.num_tokens, load.skip_tokens, load.tier_keys) == (192, 64, s._full_chunk_keys(req)[:3])
+    assert (load.num_tokens, load.skip_tokens, load.tier_keys) == (192, 64, full[:3])
     [save] = step.saves
-    assert (save.first_chunk, save.keys) == (3, s._full_chunk_keys(req)[3:4])  # chunk 3 was computed here; 0-2 came from the tier
-    fresh = request("t2", [7] * 130, None)  # a miss: both full chunks are offered once computed
+    assert (save.first_chunk, save.keys) == (3, full[:4])  # chunk 3 was computed here; 0-2 came from the tier
+    rest = s.build(sched_output(cached=[("t1", None, 256)], scheduled={"t1": 44}))
+    assert rest.saves == []  # chunk 3 was offered already; the partial chunk never is
+    fresh = request("t2", [7] * 130, None)  # a miss: each full chunk is offered once, in the step that computes it
     assert s.num_new_matched_tokens(fresh, 0) == (0, False)
     s.after_alloc(fresh, [9, 10], 0)
-    assert s.build(sched_output(new=[("t2", [9, 10], 0)], scheduled={"t2": 64})).saves[0].keys == s._full_chunk_keys(fresh)[:1]
+    fresh_keys = list(s._full_chunk_keys(fresh).keys)
+    first = s.build(sched_output(new=[("t2", [9, 10], 0)], scheduled={"t2": 64})).saves
+    second = s.build(sched_output(cached=[("t2", [11], 64)], scheduled={"t2": 66})).saves
+    assert [(x.first_chunk, x.keys, x.block_ids) for x in first + second] == [(0, fresh_keys[:1], [9, 10]), (1, fresh_keys[:2], [9, 10, 11])]
 
 
 def test_a_prefix_saved_by_one_instance_is_loaded_by_another(redis_server) -> None:  # noqa: ANN001 - fixture
+    from pdkv.cache_engine import KVCacheEngine
     from pdkv.integration.vllm.metadata import LoadSpec, SaveSpec
-    from pdkv.tier import RedisTier
 
-    cfg = convert_config({"transfer": {"chunk_size": 64}, "tier": {"redis_url": redis_server.url, "redis_namespace": f"vllm-test-{time.monotonic_ns()}:"}})
-    tier = lambda layout: RedisTier(layout, cfg.tier.redis_url, namespace=cfg.tier.redis_namespace)  # noqa: E731
+    namespace = f"vllm-test-{time.monotonic_ns()}:"
+    cfg = convert_config({"transfer": {"chunk_size": 64}, "tier": {"memory_bytes": 0, "redis_url": redis_server.url, "redis_namespace": namespace}})
+    cache = lambda layout: KVCacheEngine(layout, cfg.tier, 64, fingerprint=FP)  # noqa: E731 - what PdkvConnector builds
     a_cache, b_cache = vllm_cpu_cache(8, seed=5), vllm_cpu_cache(8)
-    a = WorkerSide(cfg, FP, is_producer=False, is_consumer=False, agent_name="a", tier=tier)
-    b = WorkerSide(cfg, FP, is_producer=False, is_consumer=False, agent_name="b", tier=tier)
+    a = WorkerSide(cfg, FP, is_producer=False, is_consumer=False, agent_name="a", cache=cache)
+    b = WorkerSide(cfg, FP, is_producer=False, is_consumer=False, agent_name="b", cache=cache)
     a.register(*cpu_cache_layout(a_cache, BS))
     b.register(*cpu_cache_layout(b_cache, BS))
     try:
-        keys = [bytes([i]) * 16 for i in range(3)]  # 3 chunks of 64 tokens over A's blocks [6, 1, 4, 0, 7, 2]
+        keys = chunk_keys(list(range(192)), FP, 64)  # 3 chunks of 64 tokens over A's blocks [6, 1, 4, 0, 7, 2]
         a.save(StepMetadata(saves=[SaveSpec("r", 0, keys[:2], [6, 1, 4, 0])]))
-        a.save(StepMetadata(saves=[SaveSpec("r", 0, keys, [6, 1, 4, 0, 7, 2])]))  # chunks 0-1 again: skipped
-        wait_until(lambda: a.counters["save_ok"] == 3, 10, "three chunks written to redis")
-        assert a.tier is not None and a.tier.contains(keys) == 3
+        a.save(StepMetadata(saves=[SaveSpec("r", 2, keys, [6, 1, 4, 0, 7, 2])]))  # the next step: chunk 2 only
+        assert a.cache is not None and a.cache.flush(10)
+        assert a.cache.stats()["redis"].written_bytes == 3 * (HEADER_BYTES + a.layout.chunk_bytes(64))  # type: ignore[union-attr]
+        assert b.cache is not None and b.cache.lookup(PromptKeys(tuple(keys), 192, 64, FP)) == 192  # B sees what A wrote
         before = {n: t[5].clone() for n, t in b_cache.items()}
         b.start_loads(StepMetadata(loads=[LoadSpec("r", "", 192, 32, [5, 3, 2, 1, 0, 4], keys)]))  # B's prefix cache holds tokens < 32
         _, recving, failed = collect(b, set())
@@ -390,9 +421,9 @@ def test_a_prefix_saved_by_one_instance_is_loaded_by_another(redis_server) -> No
         assert torch.equal(gather(b_layout, b_views, [5, 3, 2, 1, 0, 4], 32, 160), want)
         assert all(torch.equal(t[5][:, :, :32], before[n][:, :, :32]) for n, t in b_cache.items())  # block 5, tokens < 32: untouched
         # a chunk gone from the tier (evicted since the lookup): the load fails and vLLM recomputes
-        b.start_loads(StepMetadata(loads=[LoadSpec("r2", "", 256, 0, [0, 1, 2, 3, 4, 5, 6, 7], [*keys, b"\xff" * 16])]))
+        b.start_loads(StepMetadata(loads=[LoadSpec("r2", "", 256, 0, [0, 1, 2, 3, 4, 5, 6, 7], chunk_keys(list(range(192)) + [9] * 64, FP, 64))]))
         _, recving, failed = collect(b, set())
-        assert failed == {"r2"}
+        assert failed == {"r2"} and b.counters["tier_load_failed"] == 1
     finally:
         a.close()
         b.close()

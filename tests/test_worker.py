@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -144,7 +145,7 @@ def test_transfer_killed_halfway_falls_back_to_the_same_tokens(model_dir: Path, 
             if len(pushed) <= 2:
                 real_push(xfer, index)
             elif len(pushed) == 3:  # the prefill side's transfer machinery dies without a word
-                p_worker.sender._stop.set()
+                p_worker.sender.loop.stop()
 
         p_worker.pusher.push = dying_push  # type: ignore[method-assign]
         p_runner, p_url = await _serve(p_worker)
@@ -161,6 +162,74 @@ def test_transfer_killed_halfway_falls_back_to_the_same_tokens(model_dir: Path, 
             assert metric(metrics, "pdkv_fallbacks_total", reason="transfer_failed") == 1
             assert metric(metrics, "pdkv_prompt_tokens_total", source="transferred") == 0
             assert d_worker.receiver is not None and d_worker.receiver.stats()["leases_expired"] == 1
+            wait_until(lambda: d_worker.engine.allocator.num_free == start_free, what="every decode block to be free")
+        finally:
+            await p_runner.cleanup()
+            await d_runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_health_reports_an_engine_that_stopped_making_progress(model_dir: Path) -> None:
+    """/health is 503 while the engine has work and finished no step for stall_timeout_s (a hung kernel, a
+    wedged device): the router's probes then route around the worker. Idle is not stalled."""
+
+    async def scenario() -> None:
+        w = Worker(convert_config({"role": "decode", "stall_timeout_s": 0.3, "num_blocks": 64}), ReferenceEngine.load(str(model_dir), progress=False))
+        hung, release, real_prefill = threading.Event(), threading.Event(), w.engine.prefill
+
+        def hung_prefill(*args: Any) -> Any:
+            hung.set()
+            release.wait(30)  # the step hangs until the test lets it go
+            return real_prefill(*args)
+
+        w.engine.prefill = hung_prefill  # type: ignore[method-assign]
+        runner, url = await _serve(w)
+        try:
+            async with aiohttp.ClientSession() as s:
+                await asyncio.sleep(0.5)
+                assert (await s.get(url + "/health")).status == 200  # idle for longer than stall_timeout_s: fine
+                generation = asyncio.ensure_future(s.post(url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 2}))
+                await asyncio.to_thread(hung.wait, 30)
+                await asyncio.sleep(0.5)
+                stalled = await s.get(url + "/health")
+                assert stalled.status == 503 and "engine stalled" in (await stalled.json())["status"]
+                release.set()
+                assert (await generation).status == 200
+                assert (await s.get(url + "/health")).status == 200
+        finally:
+            release.set()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_decode_never_adopts_kv_computed_for_another_prompt(model_dir: Path, expected: dict[int, list[int]]) -> None:
+    """Issue 17's repro: P prefills prompt A (its Reserve carries A's key); a decode request for prompt B of the
+    same length names A's transfer. D must compute B itself, never continue A's KV, and leak nothing."""
+
+    async def scenario() -> None:
+        settings = {"channel": {"name": "tcp"}, "num_blocks": 256, "transfer": {"chunk_size": CHUNK}}
+        p_worker = Worker(convert_config({**settings, "role": "prefill"}), ReferenceEngine.load(str(model_dir), progress=False))
+        d_worker = Worker(convert_config({**settings, "role": "decode"}), ReferenceEngine.load(str(model_dir), progress=False))
+        start_free = d_worker.engine.allocator.num_free
+        p_runner, p_url = await _serve(p_worker)
+        d_runner, d_url = await _serve(d_worker)
+        other = [(t * 7 + 3) % 290 + 5 for t in PROMPTS[0]]  # prompt B: as long as A, other tokens
+        try:
+            async with aiohttp.ClientSession() as s:
+                info = await (await s.get(d_url + "/pdkv/info")).json()
+                base = {"temperature": 0, "ignore_eos": True, "return_token_ids": True, "max_tokens": 16}
+                want = await (await s.post(d_url + "/v1/completions", json={**base, "prompt": other})).json()
+                p = await (await s.post(p_url + "/v1/completions", json={**base, "prompt": PROMPTS[0], "max_tokens": 1, "kv_transfer_params": {
+                    "do_remote_decode": True, "remote_host": info["remote_host"], "remote_port": info["remote_port"], "transfer_id": "a"}})).json()
+                d = await (await s.post(d_url + "/v1/completions", json={**base, "prompt": other, "kv_transfer_params": p["kv_transfer_params"]})).json()
+                metrics = await (await s.get(d_url + "/metrics")).text()
+            assert p["kv_transfer_params"]["transfer_started"] is True
+            assert d["choices"][0]["token_ids"] == want["choices"][0]["token_ids"] != expected[0]
+            assert metric(metrics, "pdkv_fallbacks_total", reason="prompt_mismatch") == 1
+            assert metric(metrics, "pdkv_prompt_tokens_total", source="transferred") == 0
+            assert metric(metrics, "pdkv_transfer_events_total", event="prompt_mismatches") == 1
             wait_until(lambda: d_worker.engine.allocator.num_free == start_free, what="every decode block to be free")
         finally:
             await p_runner.cleanup()

@@ -17,11 +17,22 @@ WRITE with a notification that the receiver waits for), so nixl and ucx run
 unchanged. Channels listed in ``IN_PROCESS`` cannot span processes (mock):
 their receiver runs on a thread.
 
+The tcp channel's baseline is plain sockets with as many streams as the
+channel uses for each size (``TcpOptions.streams_for``): one thread per
+stream ``sendall``s its share, and the receiver's threads ``recv_into`` theirs.
+
 The many-small-transfers case posts ``SMALL_COUNT`` writes of ``SMALL_SIZE``
 bytes without waiting in between, then waits for all, and reports transfers/s
 (``SMALL_REPEATS`` per round whatever ``--repeats`` says: each is 4096 transfers).
 Every wait in here has a timeout (``TIMEOUT_S``), so a broken channel fails the
 bench instead of hanging it.
+
+``--link RATE`` (``unshaped``, ``100mbit``, ``1gbit``, ``10gbit``...) runs the
+receiver on a second host of ``pdkv.bench.netrig``, across a veth pair shaped
+to RATE, the sender on the first: channel, baseline and ``iperf3`` (where
+installed) over the same link in the same run, each row with its ratio to
+iperf3 too. Repeats then shrink so each side of a round moves about
+``LINK_ROUND_S`` seconds of the link's rate, over ``LINK_ROUNDS`` rounds.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import importlib
 import json
 import multiprocessing
 import os
+import queue
 import socket
 import statistics
 import struct
@@ -38,26 +50,24 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pdkv.bench.netrig import LOOPBACK, Placement, bench_link, call_on, iperf3_gbps, run_in_netns
 from pdkv.channels import TransferOp, create_channel
+from pdkv.channels.tcp import TcpOptions
 from pdkv.errors import ChannelError, ConfigError, TransferTimeout
 
-# channel name -> "module:function" with signature (sizes, repeats) -> {size: GB/s}, sender and receiver in two processes
+# channel name -> "module:Class" of its raw baseline: ``Class(nbytes, placement)``, a context manager kept open
+# for the whole run (a receiver process costs seconds to start) with ``gbps(size, repeats)`` and, where it
+# has a baseline for the small-transfers case, ``transfers_per_s(count, size, repeats)``.
 BASELINES: dict[str, str] = {
-    "tcp": "pdkv.bench.channel:raw_socket_baseline",
-    "mock": "pdkv.bench.channel:memcpy_baseline",
-    "nixl": "pdkv.bench.nixl_raw:raw_nixl_baseline",
-    "ucx": "pdkv.bench.ucx_raw:raw_ucx_baseline",
-}
-# channel name -> "module:function" with signature (count, size, repeats) -> transfers/s; absent: no small baseline
-SMALL_BASELINES: dict[str, str] = {
-    "tcp": "pdkv.bench.channel:raw_socket_small_baseline",
-    "mock": "pdkv.bench.channel:memcpy_small_baseline",
-    "nixl": "pdkv.bench.nixl_raw:raw_nixl_small_baseline",
+    "tcp": "pdkv.bench.channel:RawSockets",
+    "mock": "pdkv.bench.channel:Memcpy",
+    "nixl": "pdkv.bench.nixl_raw:RawNixl",
+    "ucx": "pdkv.bench.ucx_raw:RawUcx",
 }
 IN_PROCESS = {"mock"}  # channels whose peers must share a process
 
@@ -67,12 +77,21 @@ SMALL_REPEATS = 2
 ROUNDS = 5
 WARMUP = 2
 TIMEOUT_S = 60.0
+LINK_ROUNDS = 3
+LINK_ROUND_S = 1.5
+IPERF3_S = 2.0
 _POLL_S = 0.005  # the receiver checks notifications this often: coarse, so it does not compete with the transfer for CPU
 
 
-def repeats_for(size: int, requested: int) -> int:
-    """Repeats per round: ``requested`` if set; else enough for a stable median, moving at most ~128 MiB."""
-    return requested if requested > 0 else max(8, min(100, (128 << 20) // size))
+def repeats_for(size: int, requested: int, rate_bps: float | None = None) -> int:
+    """Repeats per round: ``requested`` if set; else enough for a stable median, moving at most ~128 MiB
+    (on a shaped link, at most ``LINK_ROUND_S`` of its rate, and never fewer than 2)."""
+    if requested > 0:
+        return requested
+    repeats = max(8, min(100, (128 << 20) // size))
+    if rate_bps is not None:
+        repeats = min(repeats, max(2, int(rate_bps / 8 * LINK_ROUND_S / size)))
+    return repeats
 
 
 def _load(spec: str) -> Callable[..., Any]:
@@ -99,15 +118,18 @@ def _recv(conn: Connection, what: str) -> Any:
 
 
 @contextmanager
-def _peer(target: Callable[..., None], args: tuple[Any, ...], in_process: bool) -> Iterator[Connection]:
-    """Run ``target(conn, *args)`` in a spawned process (or a thread), yield our end of its pipe, always reap it."""
+def _peer(target: Callable[..., None], args: tuple[Any, ...], in_process: bool, netns: str | None = None) -> Iterator[Connection]:
+    """Run ``target(conn, *args)`` in a spawned process (or a thread), yield our end of its pipe, always reap it.
+
+    The process runs on the rig host whose namespace is ``netns`` (None: this one).
+    """
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
     runner: threading.Thread | multiprocessing.process.BaseProcess
     if in_process:
         runner = threading.Thread(target=target, args=(theirs, *args), name="bench-receiver", daemon=True)
     else:
-        runner = ctx.Process(target=target, args=(theirs, *args), name="bench-receiver", daemon=True)
+        runner = ctx.Process(target=run_in_netns, args=(netns, target, theirs, *args), name="bench-receiver", daemon=True)
     runner.start()
     try:
         yield ours
@@ -126,10 +148,10 @@ def _peer(target: Callable[..., None], args: tuple[Any, ...], in_process: bool) 
 # -- the channel side (generic over Channel) ---------------------------------------------------
 
 
-def _channel_receiver(conn: Connection, name: str, nbytes: int) -> None:
+def _channel_receiver(conn: Connection, name: str, nbytes: int, options: dict[str, Any]) -> None:
     """Receiver role: register a buffer, publish metadata, count notifications per round, report a CRC."""
     try:
-        channel = create_channel(name, "bench-receiver")
+        channel = create_channel(name, "bench-receiver", options)
     except Exception as exc:  # noqa: BLE001 - reported to the sender, which raises it
         conn.send(("error", f"creating channel {name!r}: {exc}"))
         return
@@ -170,9 +192,9 @@ def _await_notifications(channel: Any, expected: int, got: int) -> str | None:
 class _ChannelSender:
     """Sender role, in this process, against a receiver in another."""
 
-    def __init__(self, name: str, conn: Connection, nbytes: int) -> None:
+    def __init__(self, name: str, conn: Connection, nbytes: int, options: dict[str, Any]) -> None:
         self.conn = conn
-        self.channel = create_channel(name, "bench-sender")
+        self.channel = create_channel(name, "bench-sender", options)
         try:
             self.src = bytearray(os.urandom(nbytes))
             self.region = self.channel.register(self.src)
@@ -222,7 +244,7 @@ class _ChannelSender:
 
 # -- raw baselines -----------------------------------------------------------------------------------
 
-_ROUND = struct.Struct("<QQQ")  # message size, messages per ack, acks
+_ROUND = struct.Struct("<QQQQ")  # message size, messages per ack, acks, streams
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -234,70 +256,176 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += r
 
 
-def _raw_socket_receiver(conn: Connection, port: int, nbytes: int) -> None:
-    """Raw receiver: recv_into a preallocated buffer, one byte back per round; the reference cost."""
+def _shares(size: int, streams: int) -> list[tuple[int, int]]:
+    """(offset, length) of each stream's share of a ``size``-byte message: near-equal, the last the smallest."""
+    share = -(-size // streams)
+    return [(offset, min(share, size - offset)) for offset in range(0, size, share)]
+
+
+class _Crew:
+    """One thread per extra stream, kept for the whole run: each message's shares move in parallel.
+
+    ``run`` does the first job on the calling thread and hands the others
+    out, then waits for them all; with one job nothing is handed out.
+    """
+
+    def __init__(self, streams: int) -> None:
+        self._inboxes: list[queue.SimpleQueue[Callable[[], Any] | None]] = [queue.SimpleQueue() for _ in range(streams - 1)]
+        self._done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._loop, args=(box,), name="raw-stream", daemon=True) for box in self._inboxes]
+        for t in self._threads:
+            t.start()
+
+    def _loop(self, inbox: queue.SimpleQueue[Callable[[], Any] | None]) -> None:
+        while (job := inbox.get()) is not None:
+            try:
+                job()
+                self._done.put(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to ``run``, which raises it
+                self._done.put(exc)
+
+    def run(self, jobs: list[Callable[[], Any]]) -> None:
+        for box, job in zip(self._inboxes, jobs[1:]):
+            box.put(job)
+        errors: list[BaseException] = []
+        try:
+            jobs[0]()
+        except BaseException as exc:  # noqa: BLE001 - raised below, once the others are accounted for
+            errors.append(exc)
+        for _ in jobs[1:]:
+            try:
+                outcome = self._done.get(timeout=TIMEOUT_S)
+            except queue.Empty:
+                raise TransferTimeout(f"raw socket baseline: a stream did not finish its share within {TIMEOUT_S:.0f}s") from None
+            if outcome is not None:
+                errors.append(outcome)
+        if errors:
+            raise errors[0]
+
+    def close(self) -> None:
+        for box in self._inboxes:
+            box.put(None)
+        for t in self._threads:
+            t.join(TIMEOUT_S / 4)
+
+
+def _raw_socket_receiver(conn: Connection, host: str, port: int, nbytes: int, streams: int) -> None:
+    """Raw receiver: ``streams`` connections, each ``recv_into`` its share of a preallocated buffer, one byte back per round."""
+    socks: list[socket.socket] = []
+    crew = _Crew(streams)
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:
+        for index in range(streams):
+            sock = socket.create_connection((host, port), timeout=TIMEOUT_S)
+            socks.append(sock)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            buf = memoryview(bytearray(nbytes))
-            head = bytearray(_ROUND.size)
-            while True:
-                try:
-                    _recv_exact(sock, memoryview(head))
-                except ChannelError:
-                    return  # the sender is done
-                size, per_ack, acks = _ROUND.unpack(head)
-                if size * per_ack > nbytes:
-                    raise ChannelError(f"raw socket baseline: {per_ack} x {size} bytes do not fit {nbytes}")
-                for _ in range(acks):
-                    for j in range(per_ack):
-                        _recv_exact(sock, buf[j * size : (j + 1) * size])
-                    sock.sendall(b"\x01")
+            sock.sendall(bytes([index]))
+        buf = memoryview(bytearray(nbytes))
+        head = bytearray(_ROUND.size)
+        while True:
+            try:
+                _recv_exact(socks[0], memoryview(head))
+            except ChannelError:
+                return  # the sender is done
+            size, per_ack, acks, used = _ROUND.unpack(head)
+            if size * per_ack > nbytes or not 1 <= used <= streams:
+                raise ChannelError(f"raw socket baseline: {per_ack} x {size} bytes over {used} streams do not fit {nbytes} bytes, {streams} streams")
+            shares = _shares(size, used)
+            for _ in range(acks):
+                for j in range(per_ack):
+                    base = j * size
+                    crew.run([partial(_recv_exact, socks[i], buf[base + off : base + off + n]) for i, (off, n) in enumerate(shares)])
+                socks[0].sendall(b"\x01")
     except Exception as exc:  # noqa: BLE001 - reported to the sender, which raises it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        crew.close()
+        for sock in socks:
+            sock.close()
 
 
-def _raw_socket_rounds(rounds: list[tuple[int, int, int]]) -> list[list[float]]:
-    """Seconds per ack for each (size, messages per ack, acks) round, sendall against a receiver process."""
-    nbytes = max(size * per_ack for size, per_ack, _ in rounds)
-    src = memoryview(bytearray(os.urandom(nbytes)))
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        server.settimeout(TIMEOUT_S)
-        with _peer(_raw_socket_receiver, (server.getsockname()[1], nbytes), in_process=False) as conn:
+def _accept_streams(server: socket.socket, streams: int, conn: Connection) -> list[socket.socket]:
+    """The receiver's connections, in the order of the index each sends first."""
+    socks: list[socket.socket | None] = [None] * streams
+    try:
+        for _ in range(streams):
             try:
                 sock, _ = server.accept()
             except TimeoutError:
                 _recv(conn, "connecting")  # raises the receiver's error if it sent one
                 raise TransferTimeout(f"raw socket baseline: receiver did not connect within {TIMEOUT_S:.0f}s") from None
-            with sock:
-                sock.settimeout(TIMEOUT_S)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                out = []
-                ack = bytearray(1)
-                for size, per_ack, acks in rounds:
-                    sock.sendall(_ROUND.pack(size, per_ack, acks))
-                    times = []
-                    for _ in range(acks):
-                        t0 = time.perf_counter()
-                        for j in range(per_ack):
-                            sock.sendall(src[j * size : (j + 1) * size])
-                        if sock.recv_into(ack) != 1:
-                            raise ChannelError("raw socket baseline: the receiver hung up")
-                        times.append(time.perf_counter() - t0)
-                    out.append(times[WARMUP:])
-    return out
+            sock.settimeout(TIMEOUT_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            index = bytearray(1)
+            _recv_exact(sock, memoryview(index))
+            if index[0] >= streams or socks[index[0]] is not None:
+                sock.close()
+                raise ChannelError(f"raw socket baseline: a stream announced index {index[0]} of {streams}")
+            socks[index[0]] = sock
+    except BaseException:
+        for s in socks:
+            if s is not None:
+                s.close()
+        raise
+    return [s for s in socks if s is not None]
 
 
-def raw_socket_baseline(sizes: list[int], repeats: int) -> dict[int, float]:
-    """Raw loopback sockets: sendall, recv_into a preallocated buffer, 1-byte ack; two processes."""
-    rounds = _raw_socket_rounds([(size, 1, WARMUP + repeats_for(size, repeats)) for size in sizes])
-    return {size: size / statistics.median(times) / 1e9 for size, times in zip(sizes, rounds)}
+class RawSockets:
+    """Raw sockets, as many streams as the tcp channel uses per size: sendall a share per stream, recv_into a preallocated buffer, 1-byte ack; two processes.
 
+    One receiver process and ``TcpOptions().streams`` connections for the
+    whole run. Each message is cut into one share per stream used, sent in
+    parallel (a thread per stream), then one byte comes back once every
+    share landed.
+    """
 
-def raw_socket_small_baseline(count: int, size: int, repeats: int) -> float:
-    """Raw loopback sockets: ``count`` sendall calls of ``size`` bytes, one ack at the end; two processes."""
-    (times,) = _raw_socket_rounds([(size, count, WARMUP + repeats)])
-    return count / statistics.median(times)
+    def __init__(self, nbytes: int, placement: Placement = LOOPBACK) -> None:
+        self.streams = TcpOptions().streams
+        self.rate_bps = placement.rate_bps
+        self.src = memoryview(bytearray(os.urandom(nbytes)))
+        self._stack = ExitStack()
+        try:
+            server = self._stack.enter_context(socket.create_server((placement.sender_addr, 0), backlog=self.streams))
+            server.settimeout(TIMEOUT_S)
+            args = (placement.sender_addr, server.getsockname()[1], nbytes, self.streams)
+            conn = self._stack.enter_context(_peer(_raw_socket_receiver, args, in_process=False, netns=placement.receiver_netns))
+            self.socks = _accept_streams(server, self.streams, conn)
+            for sock in self.socks:
+                self._stack.callback(sock.close)
+            self.crew = _Crew(self.streams)
+            self._stack.callback(self.crew.close)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _round(self, size: int, per_ack: int, acks: int, used: int) -> list[float]:
+        """Seconds per ack, warm-up excluded."""
+        self.socks[0].sendall(_ROUND.pack(size, per_ack, acks, used))
+        shares = _shares(size, used)
+        times = []
+        ack = bytearray(1)
+        for _ in range(acks):
+            t0 = time.perf_counter()
+            for j in range(per_ack):
+                base = j * size
+                self.crew.run([partial(self.socks[i].sendall, self.src[base + off : base + off + n]) for i, (off, n) in enumerate(shares)])
+            if self.socks[0].recv_into(ack) != 1:
+                raise ChannelError("raw socket baseline: the receiver hung up")
+            times.append(time.perf_counter() - t0)
+        return times[WARMUP:]
+
+    def gbps(self, size: int, repeats: int) -> float:
+        times = self._round(size, 1, WARMUP + repeats_for(size, repeats, self.rate_bps), TcpOptions().streams_for(size))
+        return size / statistics.median(times) / 1e9
+
+    def transfers_per_s(self, count: int, size: int, repeats: int) -> float:
+        """``count`` sendall calls of ``size`` bytes on one stream, one ack at the end."""
+        return count / statistics.median(self._round(size, count, WARMUP + repeats, 1))
+
+    def __enter__(self) -> RawSockets:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
 
 
 def _memcpy_times(count: int, size: int, rounds: int) -> list[float]:
@@ -312,62 +440,92 @@ def _memcpy_times(count: int, size: int, rounds: int) -> list[float]:
     return times[WARMUP:]
 
 
-def memcpy_baseline(sizes: list[int], repeats: int) -> dict[int, float]:
+class Memcpy:
     """memcpy between two buffers of one process (what the mock channel does)."""
-    return {size: size / statistics.median(_memcpy_times(1, size, repeats_for(size, repeats))) / 1e9 for size in sizes}
 
+    def __init__(self, nbytes: int, placement: Placement = LOOPBACK) -> None:
+        pass
 
-def memcpy_small_baseline(count: int, size: int, repeats: int) -> float:
-    """memcpy of ``count`` slices of ``size`` bytes in one process."""
-    return count / statistics.median(_memcpy_times(count, size, repeats))
+    def gbps(self, size: int, repeats: int) -> float:
+        return size / statistics.median(_memcpy_times(1, size, repeats_for(size, repeats))) / 1e9
+
+    def transfers_per_s(self, count: int, size: int, repeats: int) -> float:
+        """memcpy of ``count`` slices of ``size`` bytes."""
+        return count / statistics.median(_memcpy_times(count, size, repeats))
+
+    def __enter__(self) -> Memcpy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
 
 
 # -- entry point -----------------------------------------------------------------------------------------
 
 
-def _alternate(*sides: Callable[[], float]) -> list[float]:
-    """Median of each side over ``ROUNDS`` rounds, each round measuring every side once, in turn."""
+def _alternate(*sides: Callable[[], float], rounds: int = ROUNDS) -> list[float]:
+    """Median of each side over ``rounds`` rounds, each round measuring every side once, in turn."""
     runs: list[list[float]] = [[] for _ in sides]
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for side, out in zip(sides, runs):
             out.append(side())
     return [statistics.median(r) for r in runs]
 
 
-def _at_size(baseline: Callable[[list[int], int], dict[int, float]], size: int, repeats: int) -> float:
-    return baseline([size], repeats)[size]
+def channel_options(name: str, host: str) -> dict[str, Any]:
+    """The bench's options for a channel on ``host``: its defaults, listening (UCX: on the interface) there."""
+    return {} if name in IN_PROCESS else {"host": host}
 
 
-def measure(name: str, sizes: list[int], repeats: int) -> dict[str, Any]:
+def measure(name: str, sizes: list[int], repeats: int, placement: Placement = LOOPBACK) -> dict[str, Any]:
     """The result object of ``pdkv bench channel --json``."""
     if name not in BASELINES:
         raise ConfigError(f"bench channel: no baseline for channel {name!r}; expected one of {sorted(BASELINES)}")
-    baseline = _load(BASELINES[name])
-    small_baseline = _load(SMALL_BASELINES[name]) if name in SMALL_BASELINES else None
-    nbytes = max([*sizes, SMALL_COUNT * SMALL_SIZE])
+    if name in IN_PROCESS and placement.link is not None:
+        raise ConfigError(f"bench channel: the {name} channel cannot span hosts; --link needs tcp, nixl or ucx")
+    baseline_class = _load(BASELINES[name])
+    rate = placement.rate_bps
+    rounds = ROUNDS if placement.link is None else LINK_ROUNDS
+    small_count = SMALL_COUNT if rate is None else max(64, min(SMALL_COUNT, int(rate / 8 * LINK_ROUND_S / 4 / SMALL_SIZE)))
+    nbytes = max([*sizes, small_count * SMALL_SIZE])
+    iperf3_streams = TcpOptions().streams_for(max(sizes))
+    iperf3_runs = []
+    if placement.link is not None and (first := iperf3_gbps(placement.link, iperf3_streams, IPERF3_S)) is not None:
+        iperf3_runs.append(first)
     results = []
-    with _peer(_channel_receiver, (name, nbytes), in_process=name in IN_PROCESS) as conn:
-        sender = _ChannelSender(name, conn, nbytes)
-        try:
-            for size in sizes:
-                reps = repeats_for(size, repeats)
-                base, gbps = _alternate(partial(_at_size, baseline, size, reps), partial(sender.gbps, size, reps))
-                results.append({"size_bytes": size, "gbps": gbps, "baseline_gbps": base, "ratio": gbps / base})
-            many = partial(sender.transfers_per_s, SMALL_COUNT, SMALL_SIZE, SMALL_REPEATS)
-            if small_baseline is None:
-                small_base, (rate,) = None, _alternate(many)
-            else:
-                small_base, rate = _alternate(partial(small_baseline, SMALL_COUNT, SMALL_SIZE, SMALL_REPEATS), many)
-        finally:
-            sender.close()
+    receiver = (name, nbytes, channel_options(name, placement.receiver_addr))
+    with ExitStack() as stack:
+        conn = stack.enter_context(_peer(_channel_receiver, receiver, in_process=name in IN_PROCESS, netns=placement.receiver_netns))
+        sender = _ChannelSender(name, conn, nbytes, channel_options(name, placement.sender_addr))
+        stack.callback(sender.close)
+        baseline = stack.enter_context(baseline_class(nbytes, placement))
+        for size in sizes:
+            reps = repeats_for(size, repeats, rate)
+            base, gbps = _alternate(partial(baseline.gbps, size, reps), partial(sender.gbps, size, reps), rounds=rounds)
+            results.append({"size_bytes": size, "gbps": gbps, "baseline_gbps": base, "ratio": gbps / base})
+        many = partial(sender.transfers_per_s, small_count, SMALL_SIZE, SMALL_REPEATS)
+        if not hasattr(baseline, "transfers_per_s"):
+            small_base, (small_rate,) = None, _alternate(many, rounds=rounds)
+        else:
+            small_base, small_rate = _alternate(partial(baseline.transfers_per_s, small_count, SMALL_SIZE, SMALL_REPEATS), many, rounds=rounds)
+    if iperf3_runs and (last := iperf3_gbps(placement.link, iperf3_streams, IPERF3_S)) is not None:  # type: ignore[arg-type]
+        iperf3_runs.append(last)
+    iperf3 = None
+    if iperf3_runs:
+        iperf3 = {"gbps": statistics.median(iperf3_runs), "runs_gbps": iperf3_runs, "streams": iperf3_streams, "seconds": IPERF3_S}
+        for row in results:
+            row["iperf3_ratio"] = row["gbps"] / iperf3["gbps"]
     small = {
-        "count": SMALL_COUNT,
+        "count": small_count,
         "size_bytes": SMALL_SIZE,
-        "transfers_per_s": rate,
+        "transfers_per_s": small_rate,
         "baseline_transfers_per_s": small_base,
-        "ratio": rate / small_base if small_base else None,
+        "ratio": small_rate / small_base if small_base else None,
     }
-    return {"channel": name, "baseline": _describe(baseline, BASELINES[name]), "results": results, "small_transfers": small}
+    return {
+        "channel": name, "baseline": _describe(baseline_class, BASELINES[name]), "link": placement.label, "iperf3": iperf3,
+        "results": results, "small_transfers": small,
+    }
 
 
 def _human(n: int) -> str:
@@ -378,9 +536,14 @@ def _human(n: int) -> str:
 
 
 def _table(out: dict[str, Any]) -> str:
-    lines = [f"channel {out['channel']} vs {out['baseline']}", f"{'size':>10}  {'GB/s':>8}  {'baseline':>8}  {'ratio':>6}"]
+    iperf3 = out["iperf3"]
+    lines = [f"channel {out['channel']} over {out['link']} vs {out['baseline']}"]
+    if iperf3 is not None:
+        lines.append(f"iperf3 -P {iperf3['streams']} over the same link: {iperf3['gbps']:.3f} GB/s")
+    lines.append(f"{'size':>10}  {'GB/s':>8}  {'baseline':>8}  {'ratio':>6}" + ("  vs iperf3" if iperf3 else ""))
     for row in out["results"]:
-        lines.append(f"{_human(row['size_bytes']):>10}  {row['gbps']:8.3f}  {row['baseline_gbps']:8.3f}  {row['ratio']:6.2f}")
+        tail = f"  {row['iperf3_ratio']:9.2f}" if iperf3 else ""
+        lines.append(f"{_human(row['size_bytes']):>10}  {row['gbps']:8.3f}  {row['baseline_gbps']:8.3f}  {row['ratio']:6.2f}{tail}")
     s = out["small_transfers"]
     base = "no baseline" if s["baseline_transfers_per_s"] is None else f"baseline {s['baseline_transfers_per_s']:,.0f}/s, ratio {s['ratio']:.2f}"
     lines.append(f"small transfers: {s['count']} x {_human(s['size_bytes'])}: {s['transfers_per_s']:,.0f}/s ({base})")
@@ -390,6 +553,7 @@ def _table(out: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.repeats < 0:
         raise ConfigError(f"bench channel --repeats {args.repeats}: expected >= 0 (0: chosen per size)")
-    out = measure(args.channel, args.sizes, args.repeats)
+    with bench_link(args.link) as placement:
+        out = call_on(placement.sender_netns, measure, args.channel, args.sizes, args.repeats, placement)
     print(json.dumps(out) if args.json else _table(out))
     return 0

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from pdkv.bench.netrig import LOOPBACK, Placement, run_in_netns
 from pdkv.channels.nixl import NixlOptions, create_nixl_agent
 from pdkv.errors import ChannelError, TransferTimeout
 
@@ -45,13 +46,13 @@ def _address(buf: bytearray) -> int:
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
-def _target(conn: Connection, nbytes: int) -> None:
+def _target(conn: Connection, nbytes: int, host: str) -> None:
     """The receiving side: register a buffer, publish metadata, drain notifications until it has them all.
 
     It drains them the way the bench's channel receiver does (every
     ``POLL_S`` when none came), so both sides of the ratio do the same job.
     """
-    agent = create_nixl_agent(TARGET_NAME, NixlOptions())
+    agent = create_nixl_agent(TARGET_NAME, NixlOptions(host=host))
     buf = bytearray(nbytes)  # the peer writes here until the end of this function
     addr = _address(buf)
     reg = agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
@@ -75,17 +76,18 @@ class _RawPair:
     received exactly that many, so a baseline that lost one cannot pass.
     """
 
-    def __init__(self, nbytes: int) -> None:
+    def __init__(self, nbytes: int, placement: Placement) -> None:
         ctx = mp.get_context("spawn")
         self.conn, there = ctx.Pipe()
-        self.proc = ctx.Process(target=_target, args=(there, nbytes), name="raw-nixl-target", daemon=True)
+        args = (placement.receiver_netns, _target, there, nbytes, placement.receiver_addr)
+        self.proc = ctx.Process(target=run_in_netns, args=args, name="raw-nixl-target", daemon=True)
         self.proc.start()
         self.notified = 0
         try:
             if not self.conn.poll(STARTUP_TIMEOUT_S):
                 raise TransferTimeout(f"raw nixl target did not start within {STARTUP_TIMEOUT_S:.0f}s")
             agent_md, self.remote_addr = self.conn.recv()
-            self.agent = create_nixl_agent(INITIATOR_NAME, NixlOptions())
+            self.agent = create_nixl_agent(INITIATOR_NAME, NixlOptions(host=placement.sender_addr))
             self.buf = bytearray(b"\x01") * nbytes
             self.addr = _address(self.buf)
             self.reg = self.agent.register_memory([(self.addr, nbytes, 0, "")], "DRAM")
@@ -140,41 +142,47 @@ class _RawPair:
         xfer.release()
 
 
-def raw_nixl_baseline(sizes: list[int], repeats: int) -> dict[int, float]:
+class RawNixl:
     """Raw NIXL: nixl_agent prepped WRITE with notification, check_xfer_state until DONE; two processes.
 
-    Returns GB/s per size, the median of ``repeats`` transfers (0: chosen per size).
+    One target process and one pair of agents for the whole run (a context
+    manager); on leaving, the target must have received every notification.
     """
-    results: dict[int, float] = {}
-    with _RawPair(max(sizes)) as pair:
-        for size in sizes:
-            local, remote = pair.lists([(0, size)])
-            times = []
-            for i in range(WARMUP + (repeats or auto_repeats(size))):
-                start = time.perf_counter()
-                pair.finish(pair.post(local, remote, 0, b"%d" % i))
-                times.append(time.perf_counter() - start)
-            local.release()
-            remote.release()
-            results[size] = size / statistics.median(times[WARMUP:]) / 1e9
-    return results
 
+    def __init__(self, nbytes: int, placement: Placement = LOOPBACK) -> None:
+        self.pair = _RawPair(nbytes, placement)
 
-def raw_nixl_small_baseline(count: int, size: int, repeats: int) -> float:
-    """Raw NIXL: ``count`` prepped WRITEs of ``size`` bytes posted back to back, the last notifying; two processes.
+    def __enter__(self) -> RawNixl:
+        return self
 
-    Returns transfers/s, the median over ``repeats`` rounds; what the bench's
-    small-transfers case asks of a channel.
-    """
-    rates = []
-    with _RawPair(count * size) as pair:
-        local, remote = pair.lists([(i * size, size) for i in range(count)])
+    def __exit__(self, *exc: object) -> None:
+        self.pair.__exit__(*exc)
+
+    def gbps(self, size: int, repeats: int) -> float:
+        """GB/s of one ``size``-byte WRITE, the median of ``repeats`` transfers (0: chosen per size)."""
+        local, remote = self.pair.lists([(0, size)])
+        times = []
+        for i in range(WARMUP + (repeats or auto_repeats(size))):
+            start = time.perf_counter()
+            self.pair.finish(self.pair.post(local, remote, 0, b"%d" % i))
+            times.append(time.perf_counter() - start)
+        local.release()
+        remote.release()
+        return size / statistics.median(times[WARMUP:]) / 1e9
+
+    def transfers_per_s(self, count: int, size: int, repeats: int) -> float:
+        """``count`` prepped WRITEs of ``size`` bytes posted back to back, the last notifying; the median over ``repeats`` rounds.
+
+        What the bench's small-transfers case asks of a channel.
+        """
+        rates = []
+        local, remote = self.pair.lists([(i * size, size) for i in range(count)])
         for _ in range(WARMUP + repeats):
             start = time.perf_counter()
-            handles = [pair.post(local, remote, i, b"last" if i == count - 1 else b"") for i in range(count)]
+            handles = [self.pair.post(local, remote, i, b"last" if i == count - 1 else b"") for i in range(count)]
             for xfer in handles:
-                pair.finish(xfer)
+                self.pair.finish(xfer)
             rates.append(count / (time.perf_counter() - start))
         local.release()
         remote.release()
-    return statistics.median(rates[WARMUP:])
+        return statistics.median(rates[WARMUP:])

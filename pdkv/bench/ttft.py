@@ -13,15 +13,26 @@ Three measurements, one run, one JSON object:
    (``pdkv.worker.tiering``), so at best 7 of 8 chunks are loaded.
 2. ``trace``: the Mooncake conversation trace (12,031 requests, prefix-chained
    512-token blocks) replayed through a ``MemoryTier`` (real keys, tiny
-   values) at a few sizes and both policies: the block hit rate against the
-   infinite-cache bound of the same trace (0.366).
+   values) at 2%, 9% and 36% of its distinct blocks and under every eviction
+   policy (``lru``, ``s3fifo``, ``prefix``). The baseline of each row is the
+   offline optimum at the same size (``pdkv.bench.eviction``: Belady's MIN
+   with ties broken children-first, exact for the trace's credit of a
+   leading run); also each policy's share of cached blocks no lookup can
+   reach, and its cost per request at 10^5 blocks.
 3. ``replay``: a scaled-down replay through real ``pdkv launch`` workers
-   (one decode, two prefill: tier off and on), whole conversations from the
-   trace, each 512-token block shrunk to ``REPLAY_BLOCK_TOKENS`` tokens;
-   requests go one at a time (this is a 2-core CPU), each to both prefill
-   workers in turn so load drifts hit both alike. TTFT is what a client of
+   (one decode; prefill workers with the tier off, and with a memory level
+   of ``REPLAY_CACHE_SHARE`` of the sample's distinct chunks under each
+   eviction policy), whole conversations from the trace, each 512-token
+   block shrunk to ``REPLAY_BLOCK_TOKENS`` tokens; requests go one at a time
+   (this is a 2-core CPU), each to every prefill worker in turn, the first
+   worker rotating, so load drifts hit all alike. TTFT is what a client of
    the router sees: the prefill request (its KV pushed to the decode worker)
-   plus the decode worker's first streamed token.
+   plus the decode worker's first streamed token. Each worker's share of
+   prompt tokens loaded from its tier is checked against a simulation of the
+   same requests through a ``MemoryTier``.
+
+``--parts`` runs some of them (``--parts 2`` needs neither the model nor a
+redis-server).
 
 The trace is looked for beside the repository (``../shared/data/mooncake-traces``)
 or at ``$PDKV_MOONCAKE_TRACE``; without it parts 2 and 3 report why they were skipped.
@@ -46,10 +57,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import msgspec
 import numpy as np
 import torch
 import yaml
 
+from pdkv.bench.eviction import infinite_hit_rate, next_uses, optimum, policy_costs, policy_replay, reuse_oracle_lru
 from pdkv.checksum import layer_digests
 from pdkv.demo import metric
 from pdkv.engine.reference import ReferenceEngine
@@ -60,6 +73,7 @@ from pdkv.launch.procs import WorkerProcess, start_worker
 from pdkv.layout import KVLayout
 from pdkv.tier import CacheTier, DiskTier, MemoryTier, RedisTier, TieredCache
 from pdkv.tier.localredis import local_redis, server_binary
+from pdkv.tier.policy import POLICIES
 from pdkv.worker.metrics import WorkerMetrics
 from pdkv.worker.tiering import Tiering
 
@@ -75,31 +89,44 @@ TRACE_FILE = "conversation_trace.jsonl"
 TRACE_BLOCK_TOKENS = 512
 TRACE_BOUND = 0.366  # the issue's figure; the run recomputes it from the file
 SIM_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")  # 8 bytes/token: the hit rate needs keys, not KV
-SIM_SIZES = (4096, 16384, 65536)  # L1 capacity in 512-token blocks
+SIM_SIZES = (4096, 16384, 65536)  # L1 capacity in 512-token blocks: 2%, 9% and 36% of the trace's distinct blocks
+TARGET_OPTIMUM_RATIO = 0.9  # the prefix policy's hit rate over the optimum's at 9% (issue 22)
+COST_BLOCKS = 100_000  # capacity at which each policy's per-request cost is timed
+REDIS_POLICIES = ("allkeys-lru", "allkeys-lfu")  # the server's own eviction, replayed on the first REDIS_REQUESTS requests
+REDIS_REQUESTS = 4000
+REDIS_VALUE_TOKENS = 64  # 512 bytes of SIM_LAYOUT KV (+ 64 of header) per value
+REDIS_SLACK = 128 << 10  # maxmemory above the values' own memory: the clients' query and reply buffers
 
-REPLAY_CONVERSATIONS = 8  # whole conversations (same first two blocks) with at least two requests
+REPLAY_CONVERSATIONS = 16  # whole conversations (same first two blocks) with at least two requests
+REPLAY_CACHE_SHARE = 0.09  # the bounded memory levels hold this share of the sample's distinct chunks (the issue's 9% point)
 REPLAY_BLOCK_TOKENS = 8
 REPLAY_MAX_BLOCKS = 48
 REPLAY_CHUNK = 32
 
 
+PARTS = (1, 2, 3)
+
+
 def run(args: argparse.Namespace) -> int:
-    report = measure()
+    report = measure(args.parts)
     print(json.dumps(report) if args.json else format_report(report))
     return 0
 
 
-def measure() -> Report:
-    trace = trace_path()
+def measure(parts: Sequence[int] = PARTS) -> Report:
+    trace = trace_path() if {2, 3} & set(parts) else None
     requests = load_trace(trace) if trace is not None else None
     report: Report = {
         "bench": "ttft",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
-        **prompt_ttft(),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg()},
+        **(prompt_ttft() if 1 in parts else {}),
     }
     skipped = f"the Mooncake trace was not found (looked beside the repo for ../shared/data/mooncake-traces/{TRACE_FILE}, and at ${TRACE_ENV})"
-    report["trace"] = trace_hit_rates(requests, str(trace)) if requests is not None else {"skipped": skipped}
-    report["replay"] = replay(requests) if requests is not None else {"skipped": skipped}
+    for part, key, measure_part in ((2, "trace", lambda r: trace_hit_rates(r, str(trace))), (3, "replay", replay)):
+        if part not in parts:
+            report[key] = {"skipped": "not asked for (--parts)"}
+        else:
+            report[key] = measure_part(requests) if requests is not None else {"skipped": skipped}
     return report
 
 
@@ -272,40 +299,111 @@ def trace_keys(requests: Sequence[TraceRequest], fingerprint: str, block: int = 
     return out
 
 
-def infinite_hit_rate(keys: Sequence[Sequence[bytes]]) -> float:
-    """Share of all blocks whose key was seen before: what an unbounded cache would hit."""
-    seen: set[bytes] = set()
-    hits = total = 0
-    for ks in keys:
-        total += len(ks)
-        hits += sum(k in seen for k in ks)
-        seen.update(ks)
-    return hits / total
-
-
 def simulated_hit_rate(keys: Sequence[Sequence[bytes]], capacity_blocks: int, policy: str) -> float:
-    """Replay the requests through a ``MemoryTier``: each looks up its prefix, then stores what it computed."""
+    """Replay the requests through a ``MemoryTier``: each looks up its prefix, then stores what it computed (with parents, as a worker does)."""
     tier = MemoryTier(SIM_LAYOUT, capacity_blocks * SIM_LAYOUT.chunk_bytes(TRACE_BLOCK_TOKENS), policy)
     value = torch.zeros(SIM_LAYOUT.chunk_shape(TRACE_BLOCK_TOKENS))  # shared: the tier never writes to what it keeps
     outs = [torch.empty_like(value) for _ in range(max(map(len, keys)))]
     hits = total = 0
     for ks in keys:
         got = tier.get(ks, outs[: len(ks)])
-        tier.put(ks[got:], [value] * (len(ks) - got))
+        tier.put(ks[got:], [value] * (len(ks) - got), [ks[i - 1] if i else None for i in range(got, len(ks))])
         hits += got
         total += len(ks)
     return hits / total
 
 
+def _ratio(rate: float, best: float) -> float:
+    """``rate / best`` rounded; 1.0 when nothing could be hit at all."""
+    return round(rate / best, 4) if best else 1.0
+
+
+def redis_hit_rates(keys: Sequence[Sequence[bytes]]) -> Report:
+    """The first ``REDIS_REQUESTS`` requests through a ``RedisTier`` on a real redis-server bounded to about 9% of their
+    distinct blocks, under each of the server's own policies, beside pdkv's policies and the optimum on the same requests.
+
+    Redis evicts by its ``maxmemory-policy``; nothing of the tree reaches it.
+    ``maxmemory`` is the server's memory with that many values stored (then
+    flushed) plus ``REDIS_SLACK`` for the clients' buffers, so the bound is
+    approximate: each row gives the values held at the end. Values are
+    ``REDIS_VALUE_TOKENS`` tokens of ``SIM_LAYOUT`` (the hit rate needs keys
+    only; the values just have to outweigh the buffers).
+    """
+    try:
+        import redis
+    except ImportError:
+        return {"skipped": "redis-py is not installed: pip install 'pdkv[redis]'"}
+    keys = keys[:REDIS_REQUESTS]
+    blocks = round(0.09 * len({k for ks in keys for k in ks}))
+    value = torch.zeros(SIM_LAYOUT.chunk_shape(REDIS_VALUE_TOKENS))
+    outs = [torch.empty_like(value) for _ in range(max(map(len, keys)))]
+    best = optimum(keys, blocks).hit_rate
+    rows: list[Report] = []
+    with local_redis() as server:
+        client = redis.Redis.from_url(server.url)
+        try:
+            for policy in REDIS_POLICIES:
+                client.config_set("maxmemory", 0)
+                client.flushall()
+                tier = RedisTier(SIM_LAYOUT, server.url, namespace="trace:", timeout_s=30)
+                probe = [i.to_bytes(16, "little") for i in range(blocks)]
+                tier.put(probe, [value] * len(probe))
+                full = int(client.info("memory")["used_memory"])
+                client.flushall()
+                client.config_set("maxmemory-policy", policy)
+                client.config_set("maxmemory", full + REDIS_SLACK)
+                hits = total = 0
+                for ks in keys:
+                    got = tier.get(ks, outs[: len(ks)])
+                    tier.put(ks[got:], [value] * (len(ks) - got))
+                    hits += got
+                    total += len(ks)
+                if tier.stats()["redis"].errors:
+                    raise PdkvError(f"redis-server answered errors during the {policy} replay")
+                rows.append({"policy": f"redis {policy}", "values_held_at_end": int(client.dbsize()), "hit_rate": round(hits / total, 4), "ratio": _ratio(hits / total, best)})
+                tier.close()
+        finally:
+            client.close()
+    for policy in POLICIES:
+        rate = simulated_hit_rate(keys, blocks, policy)
+        rows.append({"policy": f"pdkv {policy}", "values_held_at_end": blocks, "hit_rate": round(rate, 4), "ratio": _ratio(rate, best)})
+    return {"requests": len(keys), "capacity_blocks": blocks, "optimum_hit_rate": round(best, 4), "rows": rows}
+
+
 def trace_hit_rates(requests: Sequence[TraceRequest], path: str) -> Report:
+    """Part 2: each policy's block hit rate at each size, as a ratio to the offline optimum at that size (``pdkv.bench.eviction``)."""
     keys = trace_keys(requests, "mooncake-trace")
     bound = infinite_hit_rate(keys)
     unique = len({k for ks in keys for k in ks})
-    rows = []
+    nexts = next_uses(keys)
+    optima, rows = [], []
+    rates: dict[tuple[str, int], float] = {}
     for blocks in (*SIM_SIZES, unique):
-        for policy in ("lru", "s3fifo"):
-            rate = simulated_hit_rate(keys, blocks, policy)
-            rows.append({"policy": policy, "l1_blocks": blocks, "l1_share_of_unique_blocks": round(blocks / unique, 4), "hit_rate": round(rate, 4), "ratio": round(rate / bound, 4)})
+        best = optimum(keys, blocks, nexts)
+        optima.append({
+            "l1_blocks": blocks,
+            "l1_share_of_unique_blocks": round(blocks / unique, 4),
+            "hit_rate": round(best.hit_rate, 4),
+            "relaxed_min_hit_rate": round(best.relaxed_hit_rate, 4),
+            "min_parents_first_hit_rate": round(best.min_parents_first, 4),
+            "lru_with_reuse_oracle_hit_rate": round(reuse_oracle_lru(keys, blocks, nexts), 4),
+        })
+        for policy in POLICIES:
+            rate = rates[policy, blocks] = simulated_hit_rate(keys, blocks, policy)
+            check = policy_replay(keys, blocks, policy)
+            if abs(check.hit_rate - rate) > 1e-12:
+                raise PdkvError(f"{policy} at {blocks} blocks: the policy-only replay ({check.hit_rate}) disagrees with the MemoryTier replay ({rate})")
+            rows.append({
+                "policy": policy,
+                "l1_blocks": blocks,
+                "l1_share_of_unique_blocks": round(blocks / unique, 4),
+                "hit_rate": round(rate, 4),
+                "optimum_hit_rate": round(best.hit_rate, 4),
+                "ratio": _ratio(rate, best.hit_rate),
+                "ratio_to_infinite": _ratio(rate, bound),
+                "unreachable_share": round(check.unreachable_share, 4),
+            })
+    new_ratio = next(r["ratio"] for r in rows if r["policy"] == "prefix" and r["l1_blocks"] == SIM_SIZES[1])
     return {
         "file": path,
         "requests": len(requests),
@@ -313,8 +411,18 @@ def trace_hit_rates(requests: Sequence[TraceRequest], path: str) -> Report:
         "unique_blocks": unique,
         "infinite_cache_hit_rate": round(bound, 4),
         "expected_bound": TRACE_BOUND,
-        "baseline": "infinite-cache block hit rate of the same trace (ratio = hit_rate / it)",
+        "credit": "a request is credited the leading run of its blocks the cache holds (a lookup stops at the first miss), then stores the rest",
+        "baseline": "the offline optimum at the same size: Belady's MIN with ties broken children-first, exact for this credit (pdkv/bench/eviction.py); ratio = hit_rate / it",
+        "optimum": optima,
         "rows": rows,
+        "policy_cost": policy_costs(keys, POLICIES, COST_BLOCKS),  # ratio: to LRU's cost in the same run
+        "redis": redis_hit_rates(keys) if server_binary() else {"skipped": "no redis-server or valkey-server on PATH"},
+        "targets": {
+            "prefix_ratio_at_9pct_min": TARGET_OPTIMUM_RATIO,
+            "prefix_ratio_at_9pct": new_ratio,
+            "prefix_ratio_met": new_ratio >= TARGET_OPTIMUM_RATIO,
+            "prefix_beats_lru_and_s3fifo_at_every_size": all(rates["prefix", b] > max(rates["lru", b], rates["s3fifo", b]) for b in SIM_SIZES),
+        },
     }
 
 
@@ -358,25 +466,49 @@ def _launch(role: str, tmp: Path, name: str, **settings: Any) -> WorkerProcess:
     return start_worker(role, "--config", str(path), "--port", "0", timeout=600)
 
 
+def replay_hit_share(prompts: Sequence[Sequence[int]], capacity_chunks: int, policy: str, chunk: int = REPLAY_CHUNK) -> float:
+    """The share of prompt tokens a prefill worker's memory level of ``capacity_chunks`` chunks would load, replaying ``prompts``
+    as ``pdkv.worker.tiering`` does (full chunks before the last token's are loadable; the full chunks computed are stored)."""
+    tier = MemoryTier(SIM_LAYOUT, capacity_chunks * SIM_LAYOUT.chunk_bytes(chunk), policy)
+    value = torch.zeros(SIM_LAYOUT.chunk_shape(chunk))
+    loaded = total = 0
+    for prompt in prompts:
+        keys = chunk_keys(prompt, "replay", chunk)
+        loadable = keys[: (len(prompt) - 1) // chunk]
+        got = tier.get(loadable, [torch.empty_like(value) for _ in loadable])
+        full = keys[: len(prompt) // chunk]
+        tier.put(full[got:], [value] * (len(full) - got), [full[i - 1] if i else None for i in range(got, len(full))])
+        loaded += got * chunk
+        total += len(prompt)
+    return loaded / total
+
+
 def replay(requests: Sequence[TraceRequest]) -> Report:
+    """Part 3: the sample through real prefill workers, tier off and bounded under each eviction policy."""
     sample = [dataclasses.replace(r, hash_ids=r.hash_ids[:REPLAY_MAX_BLOCKS]) for r in replay_sample(requests)]
     prompts = [np.concatenate([block_tokens(h, REPLAY_BLOCK_TOKENS) for h in r.hash_ids]).tolist() for r in sample]
+    distinct = len({k for prompt in prompts for k in chunk_keys(prompt, "replay", REPLAY_CHUNK)})
+    capacity = max(1, round(REPLAY_CACHE_SHARE * distinct))
     workers: list[WorkerProcess] = []
-    ttft: dict[str, list[float]] = {"off": [], "on": []}
+    modes = ["off", *POLICIES]
+    ttft: dict[str, list[float]] = {mode: [] for mode in modes}
     mismatches = 0
     with tempfile.TemporaryDirectory(prefix="pdkv-bench-replay-") as tmp:
         try:
             decode = _launch("decode", Path(tmp), "decode", num_threads=1, tier={"enabled": False})
             workers.append(decode)
-            prefill = {
-                "off": _launch("prefill", Path(tmp), "p-off", num_threads=2, tier={"enabled": False}),
-                "on": _launch("prefill", Path(tmp), "p-on", num_threads=2),
-            }
-            workers.extend(prefill.values())
             d_info = json.loads(_get(decode.url + "/pdkv/info"))
+            chunk_bytes = msgspec.convert(d_info["layout"], KVLayout).chunk_bytes(REPLAY_CHUNK)
+            tiers: dict[str, dict[str, Any]] = {
+                "off": {"enabled": False},
+                **{policy: {"memory_bytes": capacity * chunk_bytes, "memory_policy": policy} for policy in POLICIES},
+            }
+            prefill = {mode: _launch("prefill", Path(tmp), f"p-{mode}", num_threads=2, tier=tiers[mode]) for mode in modes}
+            workers.extend(prefill.values())
             for i, prompt in enumerate(prompts):
                 first: dict[str, int] = {}
-                for mode, p in prefill.items():
+                for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:  # every worker in turn, first in turn: drifts hit all alike
+                    p = prefill[mode]
                     base = {"prompt": prompt, "temperature": 0, "ignore_eos": True}
                     kv = {"do_remote_decode": True, "remote_host": d_info["remote_host"], "remote_port": d_info["remote_port"], "transfer_id": f"r{i}-{mode}"}
                     p_seconds, answer = _post(p.url + "/v1/completions", {**base, "max_tokens": 1, "return_token_ids": True, "kv_transfer_params": kv})
@@ -384,28 +516,39 @@ def replay(requests: Sequence[TraceRequest]) -> Report:
                     first[mode] = answer["choices"][0]["token_ids"][0]
                     d_seconds, _ = _post(decode.url + "/v1/completions", {**base, "max_tokens": 2, "stream": True, "kv_transfer_params": answer["kv_transfer_params"]})
                     ttft[mode].append(p_seconds + d_seconds)
-                mismatches += first["off"] != first["on"]
-            on_metrics = _get(prefill["on"].url + "/metrics")
+                mismatches += any(token != first["off"] for token in first.values())
+            loaded = {mode: metric(_get(prefill[mode].url + "/metrics"), "pdkv_prompt_tokens_total", source="tier") for mode in POLICIES}
             d_metrics = _get(decode.url + "/metrics")
         finally:
             for w in workers:
                 w.stop()
     total_tokens = sum(map(len, prompts))
-    mean_off, mean_on = statistics.mean(ttft["off"]), statistics.mean(ttft["on"])
+    mean_off = statistics.mean(ttft["off"])
+    rows: list[Report] = [{"case": "tier off", "mean_ttft_s": round(mean_off, 4), "median_ttft_s": round(statistics.median(ttft["off"]), 4), "ratio": 1.0}]
+    for mode in POLICIES:
+        mean = statistics.mean(ttft[mode])
+        rows.append({
+            "case": f"tier on, {capacity} chunks, {mode}",
+            "mean_ttft_s": round(mean, 4),
+            "median_ttft_s": round(statistics.median(ttft[mode]), 4),
+            "ratio": round(mean / mean_off, 4),
+            "tier_hit_token_share": round(loaded[mode] / total_tokens, 4),
+            "simulated_hit_token_share": round(replay_hit_share(prompts, capacity, mode), 4),
+        })
     return {
         "requests": len(prompts),
         "conversations": REPLAY_CONVERSATIONS,
         "scale": f"each 512-token trace block -> {REPLAY_BLOCK_TOKENS} tokens, prompts capped at {REPLAY_MAX_BLOCKS} blocks; chunk {REPLAY_CHUNK} tokens",
         "prompt_tokens": total_tokens,
+        "distinct_chunks": distinct,
+        "bounded_memory_chunks": capacity,
+        "bounded_memory_share": REPLAY_CACHE_SHARE,
         "sample_infinite_cache_hit_rate": round(infinite_hit_rate(trace_keys(sample, "replay", REPLAY_BLOCK_TOKENS)), 4),
-        "tier_hit_token_share": round(metric(on_metrics, "pdkv_prompt_tokens_total", source="tier") / total_tokens, 4),
+        "unbounded_hit_token_share": round(replay_hit_share(prompts, distinct, "lru"), 4),
         "decode_fallbacks": metric(d_metrics, "pdkv_fallbacks_total"),
         "first_token_mismatches": mismatches,
         "baseline": "the same requests on a prefill worker with the tier off, interleaved",
-        "results": [
-            {"case": "tier off", "mean_ttft_s": round(mean_off, 4), "ratio": 1.0},
-            {"case": "tier on (memory)", "mean_ttft_s": round(mean_on, 4), "ratio": round(mean_on / mean_off, 4)},
-        ],
+        "results": rows,
     }
 
 
@@ -420,18 +563,24 @@ def _get(url: str) -> str:
 
 
 def format_report(report: Report) -> str:
-    lines = [f"TTFT of a {report['prompt_tokens']}-token prompt on {report['model']} (cold {report['cold_ttft_s']:.2f}s)"]
-    lines += [f"  {r['case']:<16} {r['ttft_s']:8.3f}s  ratio {r['ratio']:.3f}  loaded {r['loaded_tokens']:>5}  identical {r['identical']}" for r in report["results"]]
+    lines = []
+    if "results" in report:
+        lines.append(f"TTFT of a {report['prompt_tokens']}-token prompt on {report['model']} (cold {report['cold_ttft_s']:.2f}s)")
+        lines += [f"  {r['case']:<16} {r['ttft_s']:8.3f}s  ratio {r['ratio']:.3f}  loaded {r['loaded_tokens']:>5}  identical {r['identical']}" for r in report["results"]]
     trace = report["trace"]
     if "skipped" in trace:
         lines.append(f"trace: skipped: {trace['skipped']}")
     else:
-        lines.append(f"Mooncake trace: {trace['requests']} requests, infinite-cache block hit rate {trace['infinite_cache_hit_rate']}")
-        lines += [f"  {r['policy']:<7} L1 {r['l1_blocks']:>7} blocks  hit rate {r['hit_rate']:.4f}  ratio {r['ratio']:.3f}" for r in trace["rows"]]
+        lines.append(f"Mooncake trace: {trace['requests']} requests, infinite-cache block hit rate {trace['infinite_cache_hit_rate']}; ratio = hit rate / offline optimum")
+        lines += [
+            f"  {r['policy']:<7} L1 {r['l1_blocks']:>7} blocks  hit rate {r['hit_rate']:.4f}  optimum {r['optimum_hit_rate']:.4f}  ratio {r['ratio']:.3f}  unreachable {r['unreachable_share']:.4f}"
+            for r in trace["rows"]
+        ]
+        lines += [f"  {c['policy']:<7} {c['us_per_request']:8.1f} us/request at {c['capacity_blocks']} blocks  ratio to lru {c['ratio']:.2f}" for c in trace["policy_cost"]]
     rep = report["replay"]
     if "skipped" in rep:
         lines.append(f"replay: skipped: {rep['skipped']}")
     else:
-        lines.append(f"replay: {rep['requests']} requests through real workers, tier hit share {rep['tier_hit_token_share']}")
-        lines += [f"  {r['case']:<18} mean TTFT {r['mean_ttft_s']:.3f}s  ratio {r['ratio']:.3f}" for r in rep["results"]]
+        lines.append(f"replay: {rep['requests']} requests through real workers ({rep['distinct_chunks']} distinct chunks)")
+        lines += [f"  {r['case']:<32} mean TTFT {r['mean_ttft_s']:.3f}s  ratio {r['ratio']:.3f}  tier hit share {r.get('tier_hit_token_share', 0.0):.3f}" for r in rep["results"]]
     return "\n".join(lines)

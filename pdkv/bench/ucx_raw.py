@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from pdkv.bench.netrig import LOOPBACK, Placement, run_in_netns
+from pdkv.channels.base import ucx_follow_host
 from pdkv.channels.ucx import Array, ucx_api  # imported after the channel set the UCX environment
 from pdkv.errors import ChannelError, TransferTimeout
 
@@ -36,7 +38,8 @@ def auto_repeats(size: int) -> int:
     return max(5, min(200, (256 << 20) // size))
 
 
-def _worker() -> Any:
+def _worker(host: str) -> Any:
+    ucx_follow_host(host)  # as the ucx channel does: UCX on the interface of ``host``
     context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
     worker = ucx_api.UCXWorker(context)
     worker.start_progress_thread(polling_mode=False)
@@ -53,9 +56,9 @@ def _wait(requests: list[Any], what: str) -> None:
         r.check_error()
 
 
-def _receiver(conn: Connection, nbytes: int) -> None:
+def _receiver(conn: Connection, nbytes: int, host: str) -> None:
     """Receive each payload into one preallocated buffer and ACK it, for the rounds the sender announces."""
-    _context, worker = _worker()
+    _context, worker = _worker(host)
     buf = np.frombuffer(bytearray(nbytes), dtype=np.uint8)
     ack = np.ones(8, dtype=np.uint8)
     conn.send(worker.address.tobytes())
@@ -69,41 +72,58 @@ def _receiver(conn: Connection, nbytes: int) -> None:
     worker.stop_progress_thread()
 
 
-def raw_ucx_baseline(sizes: list[int], repeats: int) -> dict[int, float]:
+class RawUcx:
     """Raw ucxx: tag_send into a posted tag_recv, 8-byte ACK back; two processes.
 
-    Returns GB/s per size, the median of ``repeats`` transfers (0: chosen per size).
+    One receiver process and one pair of workers for the whole run (a
+    context manager). No small-transfers baseline.
     """
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    proc = ctx.Process(target=_receiver, args=(there, max(sizes)), name="raw-ucx-receiver", daemon=True)
-    proc.start()
-    try:
-        if not here.poll(STARTUP_TIMEOUT_S):
-            raise TransferTimeout(f"raw ucx receiver did not start within {STARTUP_TIMEOUT_S:.0f}s")
-        _context, worker = _worker()
-        ep = worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(here.recv()), True)
-        here.send(worker.address.tobytes())
-        src = np.frombuffer(bytearray(b"\x01") * max(sizes), dtype=np.uint8)
+
+    def __init__(self, nbytes: int, placement: Placement = LOOPBACK) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, there = ctx.Pipe()
+        args = (placement.receiver_netns, _receiver, there, nbytes, placement.receiver_addr)
+        self.proc = ctx.Process(target=run_in_netns, args=args, name="raw-ucx-receiver", daemon=True)
+        self.proc.start()
+        try:
+            if not self.conn.poll(STARTUP_TIMEOUT_S):
+                raise TransferTimeout(f"raw ucx receiver did not start within {STARTUP_TIMEOUT_S:.0f}s")
+            self._context, self.worker = _worker(placement.sender_addr)
+            self.ep = self.worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(self.conn.recv()), True)
+            self.conn.send(self.worker.address.tobytes())
+            self.src = np.frombuffer(bytearray(b"\x01") * nbytes, dtype=np.uint8)
+        except BaseException:
+            self._reap()
+            raise
+
+    def __enter__(self) -> RawUcx:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.conn.send(("stop",))
+            self.ep.close()
+            self.worker.stop_progress_thread()
+        finally:
+            self._reap()
+
+    def _reap(self) -> None:
+        self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(timeout=10)
+
+    def gbps(self, size: int, repeats: int) -> float:
+        """GB/s of one ``size``-byte transfer, the median of ``repeats`` (0: chosen per size)."""
+        count = WARMUP + (repeats or auto_repeats(size))
+        self.conn.send(("round", size, count))
         ack = np.zeros(8, dtype=np.uint8)
-        results: dict[int, float] = {}
-        for size in sizes:
-            count = WARMUP + (repeats or auto_repeats(size))
-            here.send(("round", size, count))
-            times = []
-            for _ in range(count):
-                start = time.perf_counter()
-                got = worker.tag_recv(Array(ack), ACK)
-                _wait([ep.tag_send(Array(src[:size]), DATA), got], f"a {size}-byte transfer")
-                times.append(time.perf_counter() - start)
-            if ack[0] != 1:
-                raise ChannelError("raw ucx: the receiver's ACK did not arrive intact")
-            results[size] = size / statistics.median(times[WARMUP:]) / 1e9
-        here.send(("stop",))
-        ep.close()
-        worker.stop_progress_thread()
-        return results
-    finally:
-        proc.join(timeout=10)
-        if proc.is_alive():
-            proc.kill()
+        times = []
+        for _ in range(count):
+            start = time.perf_counter()
+            got = self.worker.tag_recv(Array(ack), ACK)
+            _wait([self.ep.tag_send(Array(self.src[:size]), DATA), got], f"a {size}-byte transfer")
+            times.append(time.perf_counter() - start)
+        if ack[0] != 1:
+            raise ChannelError("raw ucx: the receiver's ACK did not arrive intact")
+        return size / statistics.median(times[WARMUP:]) / 1e9

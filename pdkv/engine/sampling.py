@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import secrets
 
 import torch
@@ -35,18 +36,46 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise InvalidRequestError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens")
+        if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf):
+            raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}", param="temperature")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
+        if self.seed is not None and not (_is_int(self.seed) and -(1 << 63) <= self.seed < 1 << 63):
+            raise InvalidRequestError(f"seed must be a 64-bit integer, got {self.seed!r}", param="seed")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """A chosen token's log-probability and the ``top`` most likely tokens' ``(id, logprob)``, best first.
+
+    Taken from the model's raw distribution (log-softmax of the logits, before temperature or
+    top-p), as vLLM reports them by default, so they are the same whatever the sampling settings.
+    """
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+# vLLM's floor for a log-probability in JSON: -inf is not a JSON number.
+MIN_LOGPROB = -9999.0
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """``token``'s log-probability under ``logits`` ``[vocab]`` and the ``top`` best tokens'."""
+    logprobs = torch.log_softmax(logits.detach().float().cpu(), dim=-1)
+    best = torch.topk(logprobs, top) if top else None
+    pairs = () if best is None else tuple((int(i), max(float(v), MIN_LOGPROB)) for v, i in zip(best.values.tolist(), best.indices.tolist(), strict=True))
+    return TokenLogprobs(max(float(logprobs[token]), MIN_LOGPROB), pairs)
 
 
 def new_seed() -> int:

@@ -11,6 +11,7 @@ prompt they would get from transformers.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -72,8 +73,28 @@ class Tokenizer:
         return self.token_id(self.eos_token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor adds (e.g. BOS)."""
-        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of ``text``; ``add_special_tokens`` adds what the tokenizer's post-processor adds (e.g. BOS).
+
+        Through ``encode_batch``, which releases the GIL (``encode`` holds it: a long prompt
+        tokenized on a worker's thread would freeze its event loop, health checks included).
+        """
+        return list(self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """An upper bound of the UTF-8 bytes of text one token covers: a prompt longer than
+        ``n * max_token_bytes`` bytes has more than ``n`` tokens, known without tokenizing it
+        (tokenizing is what costs: about 400 bytes of memory and a microsecond per token).
+
+        Each token's own text, decoded (a byte-level token that ends inside a character decodes
+        to U+FFFD, longer than the byte it stands for: still a bound); a normalizer may shrink
+        text before it is split (NFKC folds some characters into shorter ones), so then the bound
+        is four times as loose.
+        """
+        size = self.backend.get_vocab_size(with_added_tokens=True)
+        texts = self.backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+        longest = max((len(t.encode("utf-8")) for t in texts), default=1)
+        return max(1, longest) * (1 if self.backend.normalizer is None else 4)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -87,18 +108,20 @@ class Tokenizer:
         return tokenizers.decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
 
     # -- chat --------------------------------------------------------------
-    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages`` under the model's chat template."""
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True, tools: Sequence[Message] | None = None) -> str:
+        """The prompt text for ``messages`` (and ``tools``, for templates that render them) under the model's chat template."""
         if self._template is None:
             raise InvalidRequestError("this model has no chat template; send a plain prompt to /v1/completions instead")
         try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except jinja2.TemplateError as exc:
-            raise InvalidRequestError(f"chat template rejected the messages: {exc}") from exc
+            return self._template.render(
+                messages=list(messages), tools=tools, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "", eos_token=self.eos_token or ""
+            )
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as exc:  # the messages' data, as the template reads it
+            raise InvalidRequestError(f"chat template rejected the messages: {exc}", param="messages") from exc
 
-    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True, tools: Sequence[Message] | None = None) -> list[int]:
         """Token ids of a chat; special tokens come from the template itself, never added twice."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
 
 def _raise(message: str) -> None:

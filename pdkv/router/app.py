@@ -6,7 +6,10 @@ not) go through ``Proxy``; ``GET /v1/models`` is a decode worker's.
 router with none cannot answer anything), 503 otherwise.
 
 Admin, for workers that come and go at run time (autoscaling, rolling
-restarts), guarded by ``router.admin_token`` when one is set:
+restarts), guarded by ``Authorization: Bearer <router.admin_token>`` when
+one is set, else, with a ``secret``, by the secret's control token
+(``pdkv.auth.control_token``, the one the workers' control endpoints want;
+the router sends it when it cancels a transfer on a decode worker):
 
 * ``GET /pdkv/workers``: every worker, its health and the router's load on it;
 * ``POST /pdkv/workers`` ``{"role": "prefill"|"decode", "url": ...}``:
@@ -18,42 +21,45 @@ restarts), guarded by ``router.admin_token`` when one is set:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import re
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from pdkv.config import WORKER_URL_PATTERN, RouterConfig
+from pdkv.auth import control_token
+from pdkv.config import WORKER_URL_PATTERN, HttpConfig, RouterConfig
+from pdkv.errors import RequestError
 from pdkv.router.metrics import RouterMetrics
 from pdkv.router.modes import make_mode
 from pdkv.router.policy import make_policy
 from pdkv.router.pool import ROLES, Role, WorkerPool
-from pdkv.router.proxy import Proxy, error_response
+from pdkv.router.proxy import Proxy
+from pdkv.web import application, bearer_middleware, error_response, read_json
 
 log = logging.getLogger(__name__)
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class Router:
     """The router's state and aiohttp application; build it with ``await Router.start(config)``."""
 
-    def __init__(self, config: RouterConfig, session: aiohttp.ClientSession) -> None:
+    def __init__(self, config: RouterConfig, session: aiohttp.ClientSession, http: HttpConfig | None = None, secret: str = "") -> None:
         self.config = config
+        self.http = http or HttpConfig()
         self.session = session
         self.pool = WorkerPool(session, config)
         self.policy = make_policy(config)
         self.mode = make_mode(config.mode)
         self.metrics = RouterMetrics(self.pool)
-        self.proxy = Proxy(config, self.pool, self.policy, self.mode, self.metrics, self._spawn)
+        token = control_token(secret) if secret else ""
+        self.admin_token = config.admin_token or token
+        self.proxy = Proxy(config, self.http, self.pool, self.policy, self.mode, self.metrics, self._spawn, {"Authorization": f"Bearer {token}"} if token else {})
         self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
-    async def start(cls, config: RouterConfig) -> Router:
+    async def start(cls, config: RouterConfig, http: HttpConfig | None = None, secret: str = "") -> Router:
         """Register the configured workers, check them once, start the health loop.
 
         Workers that do not answer yet are registered as down, not refused:
@@ -62,7 +68,7 @@ class Router:
         """
         # No connection cap: each worker admits or refuses (503) work itself, and a
         # client-side cap would queue requests where no timeout or metric sees them.
-        router = cls(config, aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)))
+        router = cls(config, aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)), http, secret)
         for role, urls in (("prefill", config.prefill), ("decode", config.decode)):
             for url in urls:
                 router.pool.add(role, url)
@@ -90,7 +96,8 @@ class Router:
 
     # -- HTTP ---------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20, middlewares=[self._admin_auth])
+        hint = "router.admin_token" if self.config.admin_token else "pdkv.auth.control_token(secret)"
+        app = application(self.http, [bearer_middleware(self.admin_token, lambda http: http.path.startswith("/pdkv/"), hint)])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
@@ -119,44 +126,29 @@ class Router:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     # -- admin ----------------------------------------------------------------------------
-    @web.middleware
-    async def _admin_auth(self, http: web.Request, handler: Handler) -> web.StreamResponse:
-        if self.config.admin_token and http.path.startswith("/pdkv/"):
-            expected = f"Bearer {self.config.admin_token}".encode()
-            if not hmac.compare_digest(http.headers.get("Authorization", "").encode(), expected):
-                return error_response(401, "the admin endpoints want 'Authorization: Bearer <router.admin_token>'", "authentication_error")
-        return await handler(http)
-
     async def _list_workers(self, _: web.Request) -> web.Response:
         listing: dict[str, Any] = {role: [w.snapshot() for w in self.pool.workers(role)] for role in ROLES}
         return web.json_response({"mode": self.mode.name, "policy": self.policy.name, **listing})
 
     async def _add_worker(self, http: web.Request) -> web.Response:
-        ref = await _worker_ref(http)
-        if isinstance(ref, web.Response):
-            return ref
+        ref = await _worker_ref(http, self.http)
         worker, created = self.pool.add(*ref)
         await self.pool.check(worker)
         return web.json_response({"worker": worker.snapshot()}, status=201 if created else 200)
 
     async def _remove_worker(self, http: web.Request) -> web.Response:
-        ref = await _worker_ref(http)
-        if isinstance(ref, web.Response):
-            return ref
+        ref = await _worker_ref(http, self.http)
         worker = self.pool.remove(*ref)
         if worker is None:
-            return error_response(404, f"no {ref[0]} worker {ref[1]} is registered", "invalid_request_error")
+            return error_response(404, f"no {ref[0]} worker {ref[1]} is registered")
         return web.json_response({"removed": worker.snapshot()})
 
 
-async def _worker_ref(http: web.Request) -> tuple[Role, str] | web.Response:
-    """``(role, url)`` from an admin request's JSON body, or the 400 that says what is wrong."""
-    try:
-        body = await http.json()
-    except ValueError:
-        body = None
+async def _worker_ref(http: web.Request, limits: HttpConfig) -> tuple[Role, str]:
+    """``(role, url)`` from an admin request's JSON body; a ``RequestError`` says what is wrong."""
+    body = await read_json(http, limits)
     role = body.get("role") if isinstance(body, dict) else None
     url = body.get("url") if isinstance(body, dict) else None
     if role not in ROLES or not isinstance(url, str) or not re.fullmatch(WORKER_URL_PATTERN, url):
-        return error_response(400, f'expected a JSON body {{"role": "prefill"|"decode", "url": "http://HOST:PORT"}}, got {body!r}', "invalid_request_error")
+        raise RequestError(f'expected a JSON body {{"role": "prefill"|"decode", "url": "http://HOST:PORT"}}, got {body!r:.200}')
     return role, url

@@ -11,7 +11,7 @@ must not be able to point a decode worker at someone else's transfer.
 * ``pdkv``: P pushes to D, so P is told D's receiver (``remote_host``,
   ``remote_port`` from D's ``/pdkv/info``) and a fresh ``transfer_id``; P
   answers with the params D needs (``do_remote_prefill``, ``transfer_id``,
-  ``first_token_id``, ``prompt_hash``, ...), passed on as they are. A
+  ``first_token_id``, ...), passed on as they are. A
   transfer whose decode hop never ran is cancelled on D
   (``DELETE /pdkv/transfers/{id}``) so its reservation is freed at once,
   not when its lease runs out.

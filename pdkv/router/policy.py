@@ -53,7 +53,8 @@ def describe_prompt(body: dict[str, Any], chat: bool, config: RouterConfig) -> P
     if ids is not None:
         return Prompt(np.asarray(ids, dtype=np.int64), len(ids), config.prefix_chunk_tokens, "ids")
     text = _chat_text(body) if chat else _prompt_text(body.get("prompt"))
-    units = np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
+    # surrogatepass: a lone surrogate is the worker's to refuse (a 400), not a reason for the router to fail
+    units = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
     chunk = max(1, round(config.prefix_chunk_tokens * config.chars_per_token))
     return Prompt(units, math.ceil(len(text) / config.chars_per_token), chunk, "text")
 
@@ -61,9 +62,9 @@ def describe_prompt(body: dict[str, Any], chat: bool, config: RouterConfig) -> P
 def _token_ids(prompt: Any) -> list[int] | None:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
         prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 63 for t in prompt):
         return prompt
-    return None
+    return None  # not token ids the router can key (the worker says what is wrong with them)
 
 
 def _prompt_text(prompt: Any) -> str:

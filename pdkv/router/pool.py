@@ -1,10 +1,15 @@
 """The router's workers: who they are, whether they answer, how busy the router keeps them.
 
 Health is known two ways. Actively, a background loop GETs every worker's
-``/health`` each ``health_interval_s``. Passively, a hop that finds a
-worker unreachable marks it down at once, so the next request does not wait
-for the loop to notice. A worker that is down is skipped by the policies
-until a check passes again.
+``/health`` each ``health_interval_s``, and each ``busy_health_interval_s``
+while the router has requests on it; ``health_failures`` failed probes in a
+row (a timeout, an answer other than 200: a frozen process, a stalled
+engine) mark it down, a refused connection at once. Passively, a hop that
+finds a worker unreachable marks it down at once, so the next request does
+not wait for the loop to notice. A worker that is down is skipped by the
+policies until a probe passes again, and every hop still waiting on it is
+told (``down_signal``) so the request is retried elsewhere at once instead
+of waiting out its hop timeout.
 
 Load is what the router itself has in flight on each worker (requests, and
 estimated prompt tokens for prefill): the router sees every request, so this
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -40,6 +46,10 @@ class WorkerState:
     error: str = "not checked yet"
     inflight_requests: int = 0
     inflight_tokens: int = 0
+    failures: int = 0  # failed health probes in a row
+    probing: bool = field(default=False, repr=False)
+    probed_at: float = field(default=0.0, repr=False)  # monotonic start of the last probe
+    _down: asyncio.Future[str] | None = field(default=None, repr=False)
     # A decode worker's /pdkv/info (where its KV receiver listens), dropped whenever a check
     # fails: a restarted worker may listen on a new port.
     info: dict[str, Any] | None = field(default=None, repr=False)
@@ -53,6 +63,18 @@ class WorkerState:
             "inflight_requests": self.inflight_requests,
             "inflight_tokens": self.inflight_tokens,
         }
+
+    def down_signal(self) -> asyncio.Future[str]:
+        """A future that completes, with the reason, the next time this worker is marked down."""
+        if self._down is None or self._down.done():
+            self._down = asyncio.get_running_loop().create_future()
+        return self._down
+
+    def went_down(self, why: str) -> None:
+        """Not healthy any more: forget its receiver (a restart may move it), wake whoever waits on it."""
+        self.healthy, self.error, self.info = False, why, None
+        if self._down is not None and not self._down.done():
+            self._down.set_result(why)
 
 
 def normalize_url(url: str) -> str:
@@ -92,33 +114,76 @@ class WorkerPool:
 
     # -- health -----------------------------------------------------------------------
     def mark_down(self, worker: WorkerState, why: str) -> None:
+        """Stop picking ``worker`` and fail every hop waiting on it (they are retried elsewhere)."""
         if worker.healthy:
             log.warning("%s worker %s is down: %s", worker.role, worker.url, why)
-        worker.healthy, worker.error, worker.info = False, why, None
+        worker.went_down(why)
 
-    async def check(self, worker: WorkerState) -> bool:
-        """GET /health once; updates and returns the worker's health."""
-        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
-        try:
-            async with self.session.get(worker.url + "/health", timeout=timeout) as resp:
-                ok, why = resp.status == 200, f"/health answered {resp.status}"
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            ok, why = False, f"/health failed: {describe(exc)}"
-        if not ok:
-            self.mark_down(worker, why)
-        elif not worker.healthy:
+    def _mark_up(self, worker: WorkerState) -> None:
+        worker.failures = 0
+        if not worker.healthy:
             log.info("%s worker %s is up", worker.role, worker.url)
             worker.healthy, worker.error = True, ""
+
+    async def _probe(self, worker: WorkerState) -> tuple[bool, str, bool]:
+        """GET /health once: (ok, why not, whether the failure is final: nothing listens there)."""
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        worker.probing, worker.probed_at = True, time.monotonic()
+        try:
+            async with self.session.get(worker.url + "/health", timeout=timeout) as resp:
+                return resp.status == 200, f"/health answered {resp.status}", False
+        except aiohttp.ClientConnectorError as exc:
+            return False, f"/health failed: {describe(exc)}", True
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return False, f"/health failed: {describe(exc)} (health_timeout_s {self.config.health_timeout_s:g})", False
+        finally:
+            worker.probing = False
+
+    async def check(self, worker: WorkerState) -> bool:
+        """Probe once and take the answer as it is (a new worker, an admin's check); returns the health."""
+        ok, why, _ = await self._probe(worker)
+        if ok:
+            self._mark_up(worker)
+        else:
+            self.mark_down(worker, why)
         return ok
+
+    async def _watch(self, worker: WorkerState) -> None:
+        """One probe of the health loop: down after ``health_failures`` failures in a row, or one refusal."""
+        ok, why, final = await self._probe(worker)
+        if ok:
+            self._mark_up(worker)
+            return
+        worker.failures += 1
+        if final or worker.failures >= self.config.health_failures:
+            self.mark_down(worker, f"{why}; {worker.failures} failed probe(s) in a row")
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(w) for role in ROLES for w in self.workers(role)))
 
     async def health_loop(self) -> None:
-        """Check every worker each ``health_interval_s``, forever (cancel to stop)."""
-        while True:
-            await asyncio.sleep(self.config.health_interval_s)
-            await self.check_all()
+        """Probe each worker when it is due, forever (cancel to stop).
+
+        Due: ``busy_health_interval_s`` after its last probe while the router has requests on it,
+        ``health_interval_s`` otherwise. Probes run concurrently, so a worker that never answers
+        delays nobody else's.
+        """
+        tick = min(self.config.busy_health_interval_s, self.config.health_interval_s)
+        probes: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                await asyncio.sleep(tick)
+                now = time.monotonic()
+                for worker in [w for role in ROLES for w in self.workers(role)]:
+                    interval = self.config.busy_health_interval_s if worker.inflight_requests else self.config.health_interval_s
+                    if not worker.probing and now - worker.probed_at >= interval:
+                        task = asyncio.get_running_loop().create_task(self._watch(worker))
+                        probes.add(task)
+                        task.add_done_callback(probes.discard)
+        finally:
+            for task in probes:
+                task.cancel()
+            await asyncio.gather(*probes, return_exceptions=True)
 
     async def decode_info(self, worker: WorkerState) -> dict[str, Any]:
         """A decode worker's /pdkv/info (its KV receiver's host and port), fetched once and cached."""

@@ -21,12 +21,18 @@ Failure handling, hop by hop (every hop has its own timeout, see
   attempt did not complete is also cancelled on the decode worker directly
   (pdkv mode), so its reservation is freed now rather than at lease expiry.
 
-A worker found unreachable is marked down at once (passive health); the
+A worker found unreachable is marked down at once (passive health); one
+that stops answering its health probes is marked down within seconds (see
+``pdkv.router.pool``). Either way every hop waiting on it before the client
+got a byte fails at once, as a timeout would, and is retried as above (a
+decode hop only if another decode worker is healthy): a frozen prefill
+worker costs its requests a few seconds, not ``prefill_timeout_s``. The
 background health loop brings it back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -40,13 +46,14 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
-from pdkv.config import RouterConfig
+from pdkv.config import HttpConfig, RouterConfig
 from pdkv.errors import UpstreamError, UpstreamRejected
 from pdkv.openai_wire import SSE_DONE, error_body, sse
 from pdkv.router.metrics import ROLE, RouterMetrics
 from pdkv.router.modes import PairMode, decode_body, prefill_body
 from pdkv.router.policy import Policy, Prompt, describe_prompt
 from pdkv.router.pool import Role, WorkerPool, WorkerState, describe
+from pdkv.web import error_response, read_json
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +81,13 @@ class _Call:
 class Proxy:
     """The request flow; see the module docstring for what happens when a hop fails."""
 
-    def __init__(self, config: RouterConfig, pool: WorkerPool, policy: Policy, mode: PairMode, metrics: RouterMetrics, spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+    def __init__(
+        self, config: RouterConfig, http: HttpConfig, pool: WorkerPool, policy: Policy, mode: PairMode, metrics: RouterMetrics,
+        spawn: Callable[[Coroutine[Any, Any, None]], None], control_headers: dict[str, str],
+    ) -> None:
         self.config = config
+        self.http = http
+        self.control_headers = control_headers  # what a worker's control endpoints want (its secret's token)
         self.pool = pool
         self.policy = policy
         self.mode = mode
@@ -85,12 +97,9 @@ class Proxy:
 
     async def generate(self, http: web.Request, path: str, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic()
-        try:
-            body = await http.json()
-        except ValueError:
-            return error_response(400, "the request body is not valid JSON", "invalid_request_error")
+        body = await read_json(http, self.http)
         if not isinstance(body, dict):
-            return error_response(400, "the request body must be a JSON object", "invalid_request_error")
+            return error_response(400, "the request body must be a JSON object")
         headers = {"X-Request-Id": uuid.uuid4().hex}
         if "Authorization" in http.headers:  # workers started with an API key (vLLM's --api-key) want the client's
             headers["Authorization"] = http.headers["Authorization"]
@@ -240,7 +249,7 @@ class Proxy:
         event, so nothing is left to cancel on the decode side.
         """
         async with contextlib.aclosing(_sse_events(resp.content)) as events:
-            first = await self._next_event(decode, events)
+            first = await self._next_event(decode, events, abandon=True)
             if first is None:
                 raise UpstreamError(f"decode worker {decode.url} ended its stream before the first event", "empty_stream")
             out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -249,13 +258,15 @@ class Proxy:
                 await out.write(first)
                 self.metrics.ttft.labels(ROLE).observe(time.monotonic() - call.arrived)
                 try:
-                    while (event := await self._next_event(decode, events)) is not None:
+                    # the client has bytes: a worker marked down mid-answer is waited for (a frozen one
+                    # may thaw) until read_timeout_s; a retry could only end the answer with an error
+                    while (event := await self._next_event(decode, events, abandon=False)) is not None:
                         await out.write(event)
                     call.outcome = "ok"
                 except UpstreamError as exc:  # the client has bytes already: say it in-band, as the workers do
                     self._failed(call, decode, exc, [])
                     call.outcome = "broken"
-                    await out.write(sse(error_body(f"the decode worker failed mid-answer: {exc}", "server_error", 502)))
+                    await out.write(sse(error_body(f"the decode worker failed mid-answer: {exc}", 502)))
                     await out.write(SSE_DONE)
                 await out.write_eof()
             except ConnectionResetError:
@@ -263,9 +274,9 @@ class Proxy:
                 log.info("request %s: the client disconnected mid-stream; closing the stream from decode worker %s", call.request_id, decode.url)
         return out
 
-    async def _next_event(self, decode: WorkerState, events: AsyncIterator[bytes]) -> bytes | None:
+    async def _next_event(self, decode: WorkerState, events: AsyncIterator[bytes], abandon: bool) -> bytes | None:
         try:
-            return await self._guard(decode, "decode", anext(events))
+            return await self._guard(decode, "decode", anext(events), abandon)
         except StopAsyncIteration:
             return None
 
@@ -300,17 +311,64 @@ class Proxy:
         async with resp:
             yield resp
 
-    @staticmethod
-    async def _guard(worker: WorkerState, hop: str, step: Awaitable[T]) -> T:
-        """Await one upstream step; its failures become ``UpstreamError`` (down: the worker looks dead)."""
+    def _worth_abandoning(self, worker: WorkerState) -> bool:
+        """Whether a hop waiting on ``worker``, just marked down, has somewhere better to go.
+
+        A prefill hop always has (another prefill worker, or the decode worker computing alone); a
+        decode hop only if another decode worker is healthy: retried on the same worker it would
+        start over, for nothing.
+        """
+        return worker.role == "prefill" or bool(self.pool.candidates(worker.role, [worker]))
+
+    async def _guard(self, worker: WorkerState, hop: str, step: Awaitable[T], abandon: bool = True) -> T:
+        """Await one upstream step; its failures become ``UpstreamError`` (down: the worker looks dead).
+
+        With ``abandon`` (every step before the client got a byte), the step is abandoned the moment
+        the worker is marked down (a refused connection elsewhere, failed health probes) if the
+        request has somewhere better to go: a frozen worker never answers, and waiting for the
+        hop's own timeout would hold the request for minutes. Abandoned as ``asyncio.timeout`` does
+        it, by cancelling this task at its await (no task per step: that would delay each step by a
+        loop iteration, and aiohttp drops what a stream had buffered once its connection is lost).
+        """
+        if not abandon:
+            return await _result(worker, hop, step)
+        task = asyncio.current_task()
+        assert task is not None
+        down = worker.down_signal()
+        state = {"waiting": True, "fired": False}
+
+        def abort(_: asyncio.Future[str]) -> None:
+            # the callback may run after the step finished: then it must not cancel
+            if state["waiting"] and self._worth_abandoning(worker):
+                state["fired"] = True
+                task.cancel()
+
+        down.add_done_callback(abort)
         try:
-            return await step
-        except TimeoutError as exc:
-            raise UpstreamError(f"{hop} worker {worker.url} timed out ({describe(exc)})", "timeout") from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamError(f"{hop} worker {worker.url} is unreachable: {describe(exc)}", "connect", worker_down=True) from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamError(f"{hop} worker {worker.url} dropped the connection: {describe(exc)}", "disconnected", worker_down=True) from exc
+            return await _result(worker, hop, step)
+        except asyncio.CancelledError:
+            # Ours: turned into the hop's failure. Someone else's too (the client went away; only
+            # Python >= 3.11 can tell): passed on.
+            uncancel = getattr(task, "uncancel", None)
+            if not state["fired"] or (uncancel is not None and uncancel() > 0):
+                raise
+            raise UpstreamError(f"{hop} worker {worker.url} was marked down while this hop waited on it: {down.result()}", "unhealthy", worker_down=True) from None
+        finally:
+            state["waiting"] = False
+            down.remove_done_callback(abort)
+
+    async def _cancel_transfer(self, url: str) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
+        try:
+            async with self.pool.session.delete(url, timeout=timeout, headers=self.control_headers) as resp:
+                data = await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:  # best effort: the receiver's lease frees it anyway
+            self.metrics.cancels.labels("unanswered").inc()
+            log.info("could not cancel %s: %s", url, describe(exc))
+            return
+        self.metrics.cancels.labels("ok" if resp.status == 200 else "refused").inc()
+        if resp.status != 200:  # 401: the router's secret is not the decode worker's
+            log.warning("cancelling %s: the decode worker answered %s: %s", url, resp.status, _message(data))
 
     def _abandon(self, decode: WorkerState, transfer_id: str) -> None:
         """Cancel a transfer on the decode worker, in the background: the caller may itself be cancelled."""
@@ -318,13 +376,17 @@ class Proxy:
         if url is not None:
             self.spawn(self._cancel_transfer(url))
 
-    async def _cancel_transfer(self, url: str) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.config.health_timeout_s)
-        try:
-            async with self.pool.session.delete(url, timeout=timeout) as resp:
-                await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:  # best effort: the receiver's lease frees it anyway
-            log.info("could not cancel %s: %s", url, describe(exc))
+
+async def _result(worker: WorkerState, hop: str, step: Awaitable[T]) -> T:
+    """A finished upstream step's result; its failures as ``UpstreamError``."""
+    try:
+        return await step
+    except TimeoutError as exc:
+        raise UpstreamError(f"{hop} worker {worker.url} timed out ({describe(exc)})", "timeout") from exc
+    except aiohttp.ClientConnectorError as exc:
+        raise UpstreamError(f"{hop} worker {worker.url} is unreachable: {describe(exc)}", "connect", worker_down=True) from exc
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(f"{hop} worker {worker.url} dropped the connection: {describe(exc)}", "disconnected", worker_down=True) from exc
 
 
 def _check_status(worker: WorkerState, hop: str, resp: aiohttp.ClientResponse, data: bytes) -> None:
@@ -354,6 +416,3 @@ async def _sse_events(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
     if buf:
         yield buf
 
-
-def error_response(status: int, message: str, kind: str = "server_error") -> web.Response:
-    return web.json_response(error_body(message, kind, status), status=status)

@@ -28,7 +28,7 @@ def build_tier(config: TierConfig, layout: KVLayout) -> TieredCache | None:
         if config.memory_bytes:
             levels.append(MemoryTier(layout, config.memory_bytes, config.memory_policy))
         if config.disk_path:
-            levels.append(DiskTier(layout, config.disk_path, config.disk_bytes))
+            levels.append(DiskTier(layout, config.disk_path, config.disk_bytes, config.disk_policy))
         if config.redis_url:
             remote = RedisTier(
                 layout,

@@ -34,6 +34,9 @@ _DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
 _HEADER = struct.Struct("<8s16sIHBHHBQ20x")
 HEADER_BYTES = _HEADER.size
 
+Parents = Sequence[bytes | None] | None
+"""Per key, the key of the chunk before it in its prompt (``CacheTier.put``)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ChunkHeader:
@@ -124,21 +127,47 @@ class CacheTier(abc.ABC):
     without a copy): the caller must not write to them afterwards.
     """
 
+    remote: bool = False
+    """Whether ``has`` costs a round trip to another process (a shared server): then ``has_local`` skips it."""
+
     @abc.abstractmethod
     def has(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key is stored (no data is read, no counter moves)."""
+
+    def has_local(self, keys: Sequence[bytes]) -> list[bool]:
+        """``has`` as far as it can be answered without a round trip; a remote level answers False.
+
+        What a writer asks before gathering a chunk during a forward step: a
+        chunk a remote level may hold is written anyway, behind, and the
+        level drops the duplicate itself.
+        """
+        return [False] * len(keys) if self.remote else self.has(keys)
 
     def contains(self, keys: Sequence[bytes]) -> int:
         """How many leading chunks of ``keys`` are cached."""
         return leading(self.has(keys))
 
     @abc.abstractmethod
-    def get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
-        """Fill ``outs[i]`` (canonical chunks, shaped for the tokens expected) for the longest leading run of keys; return its length."""
+    def get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], parent: bytes | None = None) -> int:
+        """Fill ``outs[i]`` (canonical chunks, shaped for the tokens expected) for the longest leading run of keys; return its length.
+
+        ``keys`` are consecutive chunks of one prompt; ``parent``, when given,
+        is the key of the chunk before ``keys[0]`` (a caller reading a prompt
+        in batches knows it): a cache that copies what a slower level served
+        into a faster one (``TieredCache``) stores the copies under it, as
+        ``put``'s ``parents`` do. One level alone does not use it.
+        """
 
     @abc.abstractmethod
-    def put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor]) -> None:
-        """Store canonical chunks under their keys (a key already stored is left as it is)."""
+    def put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Parents = None) -> None:
+        """Store canonical chunks under their keys (a key already stored is left as it is).
+
+        ``parents[i]``, when given, is the key of the chunk before ``keys[i]``
+        in its prompt (None for a prompt's first chunk, or where unknown):
+        what a prefix-aware eviction policy (``tier.memory_policy: prefix``)
+        builds its tree from. Leaving it out is always correct; that policy
+        then sees every key as a root.
+        """
 
     @abc.abstractmethod
     def remove(self, keys: Sequence[bytes]) -> int:
@@ -161,7 +190,7 @@ class LeafTier(CacheTier):
         self._stats = TierStats(name, capacity_bytes=capacity_bytes)
         self._stats_lock = threading.Lock()
 
-    def get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
+    def get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], parent: bytes | None = None) -> int:
         self._check(keys, outs, "get buffer")
         if not keys:
             return 0
@@ -172,10 +201,14 @@ class LeafTier(CacheTier):
         )
         return got
 
-    def put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor]) -> None:
+    def put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Parents = None) -> None:
         self._check(keys, chunks, "chunk to store")
+        if parents is None:
+            parents = [None] * len(keys)
+        elif isinstance(parents, bytes | str) or len(parents) != len(keys) or any(p is not None and (not isinstance(p, bytes) or len(p) != KEY_BYTES) for p in parents):
+            raise LayoutError(f"{self.name} tier: parents must be one {KEY_BYTES}-byte key (or None) per key stored; got {len(parents)} for {len(keys)} keys")
         if keys:
-            self._put(keys, chunks)
+            self._put(keys, chunks, parents)
 
     def stats(self) -> dict[str, TierStats]:
         with self._stats_lock:
@@ -188,8 +221,8 @@ class LeafTier(CacheTier):
         """``get`` after validation."""
 
     @abc.abstractmethod
-    def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor]) -> None:
-        """``put`` after validation; counts ``written_bytes`` and ``evictions`` itself."""
+    def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Sequence[bytes | None]) -> None:
+        """``put`` after validation (``parents`` has one entry per key); counts ``written_bytes`` and ``evictions`` itself."""
 
     def _resident(self) -> tuple[int | None, int | None]:
         """(entries, bytes) held now; None where unknown."""

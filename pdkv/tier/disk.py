@@ -5,9 +5,13 @@
 renamed into place, so a reader never sees half a file; a file damaged later
 (a crash before the page cache reached the disk, a bad sector, a hand edit)
 fails the header, size or checksum check on read and is then a miss and
-deleted, never an error for the request. At start the directory is scanned
-into an LRU index ordered by modification time (a read refreshes it), and
-trimmed to the configured bound.
+deleted, never an error for the request. Which file goes when the bound is
+reached is the eviction policy's choice (``pdkv.tier.policy``: ``lru``,
+``s3fifo`` or ``prefix``, as for memory). At start the directory is scanned
+into the policy oldest modification time first (a read refreshes it), and
+trimmed to the configured bound; parents are not stored in the files, so
+after a restart the ``prefix`` policy sees the old files as roots until
+new chunks are stored under them.
 
 One directory belongs to one process: it is locked (``flock``) while open,
 because two processes evicting from one directory would each count bytes the
@@ -33,7 +37,7 @@ from pdkv.keys import KEY_BYTES
 from pdkv.layout import KVLayout
 from pdkv.memory import byte_view
 from pdkv.tier.base import HEADER_BYTES, ChunkHeader, LeafTier
-from pdkv.tier.policy import LRU
+from pdkv.tier.policy import EvictionPolicy, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +46,9 @@ _TMP = ".tmp-"
 
 
 class DiskTier(LeafTier):
-    def __init__(self, layout: KVLayout, path: str | os.PathLike[str], capacity_bytes: int, name: str = "disk") -> None:
+    def __init__(self, layout: KVLayout, path: str | os.PathLike[str], capacity_bytes: int, policy: str = "lru", name: str = "disk") -> None:
         super().__init__(layout, name, capacity_bytes)
+        self._policy: EvictionPolicy = make_policy(policy, capacity_bytes)  # first: a bad name fails before the directory is locked
         self.root = Path(path)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -55,30 +60,29 @@ class DiskTier(LeafTier):
         except OSError:
             self._lock_file.close()
             raise ConfigError(f"tier.disk_path {str(path)!r} is in use by another pdkv process; give each worker its own directory") from None
-        self._lru = LRU(capacity_bytes)
         self._lock = threading.Lock()
         self._scan()
 
     # -- CacheTier ------------------------------------------------------------------
     def has(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
-            return [k in self._lru for k in keys]
+            return [k in self._policy for k in keys]
 
     def _get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
         for i, (key, out) in enumerate(zip(keys, outs, strict=True)):
             with self._lock:
-                if key not in self._lru:
+                if key not in self._policy:
                     return i
-                self._lru.touch(key)
+                self._policy.touch(key)
             if not self._read(key, out):
                 return i
         return len(keys)
 
-    def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor]) -> None:
-        for key, chunk in zip(keys, chunks, strict=True):
+    def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Sequence[bytes | None]) -> None:
+        for key, chunk, parent in zip(keys, chunks, parents, strict=True):
             nbytes = HEADER_BYTES + chunk.numel() * chunk.element_size()
             with self._lock:
-                if key in self._lru or nbytes > self._lru.capacity:
+                if key in self._policy or nbytes > self._policy.capacity:
                     continue
             path = self._path(key)
             tmp = path.with_name(f"{_TMP}{uuid.uuid4().hex}")
@@ -95,11 +99,11 @@ class DiskTier(LeafTier):
                     tmp.unlink()
                 continue
             self._count(written_bytes=nbytes)
-            self._admit(key, nbytes)
+            self._admit(key, nbytes, parent)
 
     def remove(self, keys: Sequence[bytes]) -> int:
         with self._lock:
-            present = [k for k in keys if k in self._lru]
+            present = [k for k in keys if k in self._policy]
             for key in present:
                 self._drop(key)
         return len(present)
@@ -111,7 +115,7 @@ class DiskTier(LeafTier):
 
     def _resident(self) -> tuple[int | None, int | None]:
         with self._lock:
-            return len(self._lru), self._lru.used
+            return len(self._policy), self._policy.used
 
     # -- files ----------------------------------------------------------------------
     def _path(self, key: bytes) -> Path:
@@ -145,21 +149,21 @@ class DiskTier(LeafTier):
                 self._drop(key)
             return False
         with contextlib.suppress(OSError):
-            os.utime(self._path(key))  # the LRU order survives a restart
+            os.utime(self._path(key))  # the recency order survives a restart
         return True
 
-    def _admit(self, key: bytes, nbytes: int) -> None:
+    def _admit(self, key: bytes, nbytes: int, parent: bytes | None) -> None:
         with self._lock:
-            if key in self._lru:  # another thread stored it meanwhile
+            if key in self._policy:  # another thread stored it meanwhile
                 return
-            victims = self._lru.admit(key, nbytes) or []
+            victims = self._policy.admit(key, nbytes, parent) or []
             for victim in victims:
                 self._unlink(victim)
         self._count(evictions=len(victims))
 
     def _drop(self, key: bytes) -> None:
         """Forget and delete ``key`` (lock held)."""
-        self._lru.discard(key)
+        self._policy.discard(key)
         self._unlink(key)
 
     def _unlink(self, key: bytes) -> None:
@@ -186,7 +190,7 @@ class DiskTier(LeafTier):
         evicted = 0
         with self._lock:
             for _mtime, key, size in found:
-                victims = self._lru.admit(key, size)
+                victims = self._policy.admit(key, size)
                 for victim in victims if victims is not None else [key]:
                     self._unlink(victim)
                     evicted += 1

@@ -1,4 +1,4 @@
-"""L1: canonical chunks in this process's memory, byte-bounded, LRU or S3-FIFO.
+"""L1: canonical chunks in this process's memory, byte-bounded, LRU, S3-FIFO or prefix-aware (``pdkv.tier.policy``).
 
 The embedded default: a put keeps the caller's tensor (no copy, no header,
 no checksum: the bytes never leave this process), a get is one copy into the
@@ -42,14 +42,14 @@ class MemoryTier(LeafTier):
             out.copy_(chunk)  # an evicted chunk stays alive while we hold it
         return len(found)
 
-    def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor]) -> None:
+    def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Sequence[bytes | None]) -> None:
         written = evicted = 0
         with self._lock:
-            for key, chunk in zip(keys, chunks, strict=True):
+            for key, chunk, parent in zip(keys, chunks, parents, strict=True):
                 if key in self._chunks:
                     continue
                 nbytes = chunk.numel() * chunk.element_size()
-                victims = self._policy.admit(key, nbytes)
+                victims = self._policy.admit(key, nbytes, parent)
                 if victims is None:  # larger than the whole tier
                     continue
                 for victim in victims:

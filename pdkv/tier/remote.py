@@ -6,7 +6,12 @@ the chunk header plus its bytes (``pdkv.tier.base``), stored under
 ``<namespace><key hex>``; each batch is one pipelined round trip. Writes use
 ``SET NX`` (a chunk already there is the same bytes) with an optional TTL;
 bounding memory is the server's job (``maxmemory`` with an ``allkeys-lru``
-policy), and it counts its own evictions (``INFO stats``).
+policy), and it counts its own evictions (``INFO stats``). The prompt tree
+that ``tier.memory_policy: prefix`` keeps cannot reach it: ``SET`` has no
+parent, and the server's policies sample a few keys on a one-second clock
+(on the Mooncake trace ``allkeys-lru`` still beat ``allkeys-lfu``:
+benchmarks/RESULTS.md, "Eviction on the Mooncake trace"). A memory or disk
+level with the prefix policy in front is where eviction knows prefixes.
 
 The cache must never fail a request: a server that is down, slow past the
 socket timeout or answering errors makes every call a miss (reads) or a
@@ -35,6 +40,8 @@ T = TypeVar("T")
 
 
 class RedisTier(LeafTier):
+    remote = True
+
     def __init__(
         self,
         layout: KVLayout,
@@ -96,7 +103,8 @@ class RedisTier(LeafTier):
                 return i
         return len(values)
 
-    def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor]) -> None:
+    def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Sequence[bytes | None]) -> None:
+        """``parents`` are not used: the server evicts by its own ``maxmemory-policy`` (see the module docstring)."""
         def store() -> int:
             values = [ChunkHeader.of(self.layout, key, chunk).encode() + byte_view(chunk) for key, chunk in zip(keys, chunks, strict=True)]
             pipe = self._client.pipeline(transaction=False)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from pdkv.errors import ConfigError
-from pdkv.tier.base import CacheTier, TierStats, leading
+from pdkv.tier.base import CacheTier, Parents, TierStats, leading
 from pdkv.tier.memory import MemoryTier
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,7 @@ class _Write:
     levels: list[CacheTier]
     keys: list[bytes]
     chunks: list[torch.Tensor]
+    parents: list[bytes | None]
     nbytes: int
 
 
@@ -65,7 +66,13 @@ class TieredCache(CacheTier):
                 held[i] = h
         return held
 
-    def get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
+    def has_local(self, keys: Sequence[bytes]) -> list[bool]:
+        held = [False] * len(keys)
+        for level in self.levels:
+            held = [a or b for a, b in zip(held, level.has_local(keys), strict=True)]
+        return held
+
+    def get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], parent: bytes | None = None) -> int:
         pos, skip = 0, -1  # ``skip`` already missed at ``pos``: its miss is counted, do not ask it again
         while pos < len(keys):
             for index, level in enumerate(self.levels):
@@ -75,21 +82,22 @@ class TieredCache(CacheTier):
                 stop = pos + 1 + leading([not h for h in self._held_above(index, keys[pos + 1 :])])
                 got = level.get(keys[pos:stop], outs[pos:stop])
                 if got:
-                    self._promote(index, keys[pos : pos + got], outs[pos : pos + got])
+                    self._promote(index, keys, pos, outs[pos : pos + got], parent)
                     pos, skip = pos + got, (index if got < stop - pos else -1)
                     break
             else:
                 break
         return pos
 
-    def put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor]) -> None:
+    def put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Parents = None) -> None:
         below = self.levels
+        parents = [None] * len(keys) if parents is None else parents
         if self._sync is not None:
             fresh = [i for i, held in enumerate(self._sync.has(keys)) if not held]  # held ones were written behind before
-            keys, chunks = [keys[i] for i in fresh], [chunks[i] for i in fresh]
-            self._sync.put(keys, chunks)
+            keys, chunks, parents = [keys[i] for i in fresh], [chunks[i] for i in fresh], [parents[i] for i in fresh]
+            self._sync.put(keys, chunks, parents)
             below = self.levels[1:]
-        self._enqueue(below, list(keys), list(chunks))
+        self._enqueue(below, list(keys), list(chunks), list(parents))
 
     def remove(self, keys: Sequence[bytes]) -> int:
         """Drop the keys from every level; returns the most any one level held."""
@@ -126,18 +134,21 @@ class TieredCache(CacheTier):
             held = [a or b for a, b in zip(held, level.has(keys), strict=True)]
         return held
 
-    def _promote(self, served_by: int, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> None:
-        """Copy chunks a lower level served into the levels above it (the caller keeps ``outs``)."""
+    def _promote(self, served_by: int, keys: Sequence[bytes], pos: int, outs: Sequence[torch.Tensor], parent: bytes | None) -> None:
+        """Copy the chunks a lower level served for ``keys[pos:]`` into the levels above it (the caller keeps ``outs``),
+        each under the key before it (``parent`` before ``keys[0]``)."""
         if served_by == 0:
             return
         copies = [o.clone() for o in outs]
+        served = list(keys[pos : pos + len(outs)])
+        parents = [keys[pos - 1] if pos else parent, *served[:-1]]
         above = self.levels[:served_by]
         if above[0] is self._sync:
-            self._sync.put(keys, copies)
+            self._sync.put(served, copies, parents)
             above = above[1:]
-        self._enqueue(above, list(keys), copies)
+        self._enqueue(above, served, copies, parents)
 
-    def _enqueue(self, levels: list[CacheTier], keys: list[bytes], chunks: list[torch.Tensor]) -> None:
+    def _enqueue(self, levels: list[CacheTier], keys: list[bytes], chunks: list[torch.Tensor], parents: list[bytes | None]) -> None:
         if not levels or not keys:
             return
         nbytes = sum(c.numel() * c.element_size() for c in chunks)
@@ -145,7 +156,7 @@ class TieredCache(CacheTier):
             if self._closing or self.pending_bytes + nbytes > self.write_behind_bytes:
                 self.dropped_chunks += len(keys)
                 return
-            self._queue.append(_Write(levels, keys, chunks, nbytes))
+            self._queue.append(_Write(levels, keys, chunks, parents, nbytes))
             self.pending_bytes += nbytes
             self._cond.notify_all()
 
@@ -159,7 +170,7 @@ class TieredCache(CacheTier):
                 self._busy = True
             try:
                 for level in write.levels:
-                    level.put(write.keys, write.chunks)
+                    level.put(write.keys, write.chunks, write.parents)
             except Exception:  # a bug in one level must not stop every later write
                 log.exception("tier: a write-behind put failed")
             finally:

@@ -13,16 +13,20 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from pdkv.engine.base import EngineAdapter, Request
+from pdkv.engine.sampling import TokenLogprobs, token_logprobs
 from pdkv.errors import PdkvError
 
 log = logging.getLogger(__name__)
 
-TokenCallback = Callable[[int, "str | None"], None]
+TokenCallback = Callable[[int, "str | None", "TokenLogprobs | None"], None]
 
 
 @dataclass(eq=False)
@@ -34,7 +38,10 @@ class Job:
     generating after the first token (False on a prefill worker).
     ``on_chunk(request, start, end)`` runs after each prefill chunk's KV is
     in the buffer. ``release`` frees the request (default: at once; a
-    prefill worker defers it until its transfer has settled).
+    prefill worker defers it until its transfer has settled). ``logprobs``:
+    report each token's log-probability with that many alternatives (None:
+    none); ``first_logprobs`` is P's for ``first_token`` when D has no logits
+    of its own for it.
     """
 
     request: Request
@@ -44,6 +51,8 @@ class Job:
     first_token: int | None = None
     on_chunk: Callable[[Request, int, int], None] | None = None
     release: Callable[[Request], None] | None = None
+    logprobs: int | None = None
+    first_logprobs: TokenLogprobs | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -58,12 +67,23 @@ class EngineLoop:
         self._prefilling: deque[Job] = deque()
         self._decoding: list[Job] = []
         self._stop = threading.Event()
+        self._progress_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="pdkv-engine", daemon=True)
         self._thread.start()
 
     @property
     def num_running(self) -> int:
         return len(self._prefilling) + len(self._decoding)
+
+    def stalled_for(self) -> float:
+        """Seconds since the loop last finished a step while it has work (0 when idle or moving).
+
+        A hung step (a deadlocked kernel, a wedged device) leaves the HTTP side answering while no
+        request moves; /health reports it so the router routes around the worker.
+        """
+        if not self.num_running and self._inbox.empty():
+            return 0.0
+        return max(0.0, time.monotonic() - self._progress_at)
 
     def submit(self, job: Job) -> None:
         if self._stop.is_set():
@@ -78,6 +98,7 @@ class EngineLoop:
     # -- loop ------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._progress_at = time.monotonic()
             idle = not self._prefilling and not self._decoding
             self._take_new(block=idle)
             self._drop_cancelled()
@@ -119,34 +140,40 @@ class EngineLoop:
         start = req.num_computed
         end = min(start + self.chunk_size, req.num_prompt_tokens)
         logits = self.engine.prefill(req, start, end)
+        self._progress_at = time.monotonic()
         if job.on_chunk is not None:
             job.on_chunk(req, start, end)
         if logits is not None:
             self._prefilling.popleft()
-            self._emit(job, job.first_token if job.first_token is not None else self.engine.sample(req, logits))
+            self._emit(job, job.first_token if job.first_token is not None else self.engine.sample(req, logits), logits)
 
     def _start_prefilled(self, job: Job) -> None:
-        """The whole prompt's KV landed from P: continue from P's first token."""
+        """The whole prompt's KV landed from P: continue from P's first token (and P's log-probabilities of it)."""
         if job.first_token is None:
             raise PdkvError(f"request {job.request.request_id}: prompt KV is present but no first token came with it")
-        self._emit(job, job.first_token)
+        self._emit(job, job.first_token, None)
 
     def _decode_step(self, jobs: list[Job]) -> None:
         try:
             logits = self.engine.decode_step([j.request for j in jobs])
+            self._progress_at = time.monotonic()
         except Exception as exc:
             log.exception("decode step failed")
             for job in jobs:
                 self._finish(job, error=exc)
             return
         for job, row in zip(jobs, logits, strict=True):
-            self._guard(job, lambda j, row=row: self._emit(j, self.engine.sample(j.request, row)))
+            self._guard(job, lambda j, row=row: self._emit(j, self.engine.sample(j.request, row), row))
 
-    def _emit(self, job: Job, token: int) -> None:
+    def _emit(self, job: Job, token: int, logits: torch.Tensor | None) -> None:
+        """Append ``token`` and report it; ``logits`` (None: not computed here) give its log-probabilities."""
         self.engine.append_token(job.request, token)
         finish = job.request.finish_reason
         done = finish is not None or not job.decode
-        job.on_token(token, finish if finish is not None else ("length" if done else None))
+        logprobs = None
+        if job.logprobs is not None:
+            logprobs = token_logprobs(logits, token, job.logprobs) if logits is not None else job.first_logprobs
+        job.on_token(token, finish if finish is not None else ("length" if done else None), logprobs)
         if done:
             self._finish(job, error=None)
         elif job not in self._decoding:

@@ -11,22 +11,34 @@ in a request makes them do, in the shape vLLM's disaggregated proxies use:
   worker needs. Every prompt computed here, in any role, is offered to the tier.
   (vLLM's NixlConnector has D pull from P; pdkv pushes, so P is told where D
   is: ``remote_host``/``remote_port`` are D's receiver, from D's /pdkv/info.)
-* decode, ``{"do_remote_prefill": true, "transfer_id", "first_token_id",
-  "prompt_hash"}``: wait for the landed KV, adopt its blocks and decode from
-  P's first token. If the transfer failed, timed out or was never started,
-  compute the prompt locally (``pdkv_fallbacks``): a request is never lost to
-  a transfer fault, only slower.
+* decode, ``{"do_remote_prefill": true, "transfer_id", "first_token_id"}``:
+  wait for the landed KV, adopt its blocks and decode from P's first token.
+  The KV is adopted only if P computed it for this very prompt: P's Reserve
+  carries the prompt's chained key and D compares it with the key of the
+  prompt it was asked to decode (nothing the client sends decides it). If the
+  transfer failed, timed out, was never started or was computed for another
+  prompt, compute the prompt locally (``pdkv_fallbacks``): a request is never
+  lost to a transfer fault, only slower.
 * no ``kv_transfer_params``: an ordinary local generation.
 
 ``DELETE /pdkv/transfers/{transfer_id}`` on a decode worker: the router gave
 up on that transfer before its decode request came; the reservation is freed
-now, and a prefill that comes late can no longer take that id.
+now, and a prefill that comes late can no longer take that id. With a
+``secret`` set, this and every other ``/pdkv/`` endpoint that changes
+something want ``Authorization: Bearer <pdkv.auth.control_token(secret)>``
+(the router sends it).
+
+Request bodies are read within ``http`` limits (``pdkv.web``) and parsed
+(tokenized) on a thread of their own, so a huge prompt never stalls the
+event loop and the health checks it answers. ``/health`` answers 503 when
+the engine has work but finished no step for ``stall_timeout_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -38,15 +50,28 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from pdkv.auth import control_token
 from pdkv.channels import create_channel
 from pdkv.checksum import layer_digests
 from pdkv.config import PdkvConfig
 from pdkv.engine.base import EngineAdapter, Request
-from pdkv.engine.sampling import SamplingParams
-from pdkv.errors import InvalidRequestError, OutOfBlocksError, PdkvError, TransferError
+from pdkv.engine.sampling import MIN_LOGPROB, SamplingParams, TokenLogprobs
+from pdkv.errors import (
+    InvalidRequestError,
+    NotAnnouncedError,
+    OutOfBlocksError,
+    PdkvError,
+    PeerUnreachableError,
+    PromptMismatchError,
+    RequestError,
+    TransferError,
+    TransferTimeout,
+)
 from pdkv.keys import chunk_keys
+from pdkv.netaddr import is_loopback
 from pdkv.receiver import KVReceiver, ReceivedKV
 from pdkv.sender import KVSender, OutgoingTransfer
+from pdkv.web import application, bearer_middleware, error_response, read_json
 from pdkv.worker import openai_api as api
 from pdkv.worker.metrics import WorkerMetrics
 from pdkv.worker.push import ChunkPusher
@@ -56,12 +81,17 @@ from pdkv.worker.tiering import CachedPrefix, Tiering
 log = logging.getLogger(__name__)
 
 
+Event = tuple[int, "str | None", "TokenLogprobs | None"]
+"""One generated token as the engine thread reports it: (token, finish reason, log-probabilities)."""
+
+
 @dataclasses.dataclass
 class _Plan:
     """What the engine will run for one HTTP request, and what to tell the client."""
 
     job_request: Request
     first_token: int | None = None
+    first_logprobs: TokenLogprobs | None = None
     decode: bool = True
     on_chunk: Callable[[Request, int, int], None] | None = None
     release: Callable[[Request], None] | None = None
@@ -82,7 +112,15 @@ class Worker:
         self.metrics = WorkerMetrics(self.role)
         self.tiering = Tiering.from_config(config.tier, engine, self.chunk_size, self.metrics)
         self.loop = EngineLoop(engine, chunk_size=self.chunk_size)
-        self.channel = create_channel(config.channel.name, self.agent, config.channel_options())
+        # What a request's "model" may name: the model's own name and what the config called it.
+        self.served_models = frozenset({engine.model_name, config.model})
+        # Parsing tokenizes (the GIL released): two threads of its own, never queued behind the
+        # default executor's threads, which wait for transfers.
+        self._parser = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pdkv-parse")
+        advertised = config.advertised_host()  # a wildcard host without advertise_host fails here, at start
+        channel_options = config.channel_options()
+        warn_if_data_plane_local(config.host, channel_options["host"])
+        self.channel = create_channel(config.channel.name, self.agent, channel_options)
         self.sender: KVSender | None = None
         self.receiver: KVReceiver | None = None
         self.pusher: ChunkPusher | None = None
@@ -90,7 +128,7 @@ class Worker:
             self.sender = KVSender(self.channel, engine.layout, engine.kv_buffer, engine.fingerprint, config.transfer, secret=config.secret)
             self.pusher = ChunkPusher()
         else:
-            self.receiver = KVReceiver(self.channel, engine.layout, engine.kv_buffer, engine.allocator, engine.fingerprint, config.transfer, host=config.host, port=config.control_port, secret=config.secret)
+            self.receiver = KVReceiver(self.channel, engine.layout, engine.kv_buffer, engine.allocator, engine.fingerprint, config.transfer, host=config.host, port=config.control_port, secret=config.secret, advertise_host=advertised)
         m = self.metrics
         m.gauge("pdkv_running_requests", "Requests on the engine", lambda: self.loop.num_running)
         m.gauge("pdkv_free_blocks", "Free KV blocks", lambda: engine.allocator.num_free)
@@ -109,7 +147,12 @@ class Worker:
 
     # -- HTTP ------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        control = bearer_middleware(
+            control_token(self.config.secret) if self.config.secret else "",
+            lambda http: http.path.startswith("/pdkv/") and http.method != "GET",
+            "pdkv.auth.control_token(secret)",
+        )
+        app = application(self.config.http, [control])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
@@ -130,6 +173,10 @@ class Worker:
         return web.json_response({"object": "list", "data": [{"id": self.engine.model_name, "object": "model", "created": 0, "owned_by": "pdkv"}]})
 
     async def _health(self, _: web.Request) -> web.Response:
+        stalled = self.loop.stalled_for()
+        if stalled > self.config.stall_timeout_s:
+            message = f"engine stalled: {self.loop.num_running} requests and no step finished for {stalled:.0f}s (stall_timeout_s {self.config.stall_timeout_s:g})"
+            return web.json_response({"status": message, "role": self.role}, status=503)
         return web.json_response({"status": "ok", "role": self.role})
 
     async def _metrics(self, _: web.Request) -> web.Response:
@@ -154,36 +201,35 @@ class Worker:
         """The router gave up on a transfer before its decode request came (prefill failed, client gone):
         free its reservation now instead of when its lease runs out."""
         if self.receiver is None:
-            return _error(404, "only a decode worker holds transfers")
+            return error_response(404, "only a decode worker holds transfers")
         transfer_id = http.match_info["transfer_id"]
         self.receiver.cancel(transfer_id, "cancelled by the router")
         return web.json_response({"cancelled": transfer_id})
 
     async def _generate(self, http: web.Request, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic()
+        loop = asyncio.get_running_loop()
         try:
-            body = await http.json()
-        except ValueError:
-            return _error(400, "the request body is not valid JSON")
-        try:
-            req = api.parse_request(body, self.engine.tokenizer, self.engine.model_name, chat)
+            body = await read_json(http, self.config.http)
+            req = await loop.run_in_executor(self._parser, api.parse_request, body, self.engine, chat, self.served_models)
             plan = await self._plan(req)
-        except InvalidRequestError as exc:
+        except RequestError:  # answered by the error middleware
             self.metrics.requests.labels(self.role, "invalid").inc()
-            return _error(400, str(exc))
+            raise
         except OutOfBlocksError as exc:
             self.metrics.requests.labels(self.role, "rejected").inc()
-            return _error(503, f"no room for this request right now: {exc}", "server_busy")
-        loop = asyncio.get_running_loop()
-        out: asyncio.Queue[tuple[int, str | None] | BaseException] = asyncio.Queue()
+            return error_response(503, f"no room for this request right now: {exc}")
+        out: asyncio.Queue[Event | BaseException] = asyncio.Queue()
         job = Job(
             request=plan.job_request,
-            on_token=lambda t, f: loop.call_soon_threadsafe(out.put_nowait, (t, f)),
+            on_token=lambda t, f, lp: loop.call_soon_threadsafe(out.put_nowait, (t, f, lp)),
             on_error=lambda e: loop.call_soon_threadsafe(out.put_nowait, e),
             decode=plan.decode,
             first_token=plan.first_token,
             on_chunk=plan.on_chunk,
             release=plan.release,
+            logprobs=req.logprobs,
+            first_logprobs=plan.first_logprobs,
         )
         # Submitted here, not on the first read of the events: whatever ends this handler early
         # (the client gone while headers are written, a failed write, a cancel) still reaches the
@@ -195,22 +241,28 @@ class Worker:
             return await self._collect(req, plan, _events(out), arrived)
         except PdkvError as exc:
             self.metrics.requests.labels(self.role, "error").inc()
-            return _error(500, str(exc), "server_error")
+            return error_response(500, str(exc))
         finally:
             job.cancelled.set()  # a no-op once the job finished
 
-    async def _collect(self, req: api.GenerationRequest, plan: _Plan, events: AsyncIterator[tuple[int, str | None]], arrived: float) -> web.Response:
+    def _logprobs_format(self, req: api.GenerationRequest) -> api.LogprobsFormat | None:
+        return None if req.logprobs is None else api.LogprobsFormat(self.engine.tokenizer, req.chat)
+
+    async def _collect(self, req: api.GenerationRequest, plan: _Plan, events: AsyncIterator[Event], arrived: float) -> web.Response:
         tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
         finish = None
-        async for token, finish in events:
+        async for token, finish, lp in events:
             if not tokens:
-                self._first_token(plan, token, arrived)
+                self._first_token(plan, token, lp, arrived)
             tokens.append(token)
+            logprobs.append(lp)
         self._done(len(tokens))
         text = self.engine.tokenizer.decode(tokens)
-        return web.json_response(api.full_response(req, text, tokens, finish, plan.kv_params))
+        fmt = self._logprobs_format(req)
+        return web.json_response(api.full_response(req, text, tokens, finish, plan.kv_params, None if fmt is None else fmt.block(tokens, logprobs)))
 
-    async def _stream(self, http: web.Request, req: api.GenerationRequest, plan: _Plan, events: AsyncIterator[tuple[int, str | None]], arrived: float) -> web.StreamResponse:
+    async def _stream(self, http: web.Request, req: api.GenerationRequest, plan: _Plan, events: AsyncIterator[Event], arrived: float) -> web.StreamResponse:
         """Stream the answer as server-sent events.
 
         A client that hangs up surfaces as ``ConnectionResetError`` from a write whenever the write comes
@@ -222,16 +274,18 @@ class Worker:
         try:
             await resp.prepare(http)
             detok = api.Detokenizer(self.engine.tokenizer)
+            fmt = self._logprobs_format(req)
             count = 0
             try:
-                async for token, finish in events:
+                async for token, finish, lp in events:
                     if count == 0:
-                        self._first_token(plan, token, arrived)
+                        self._first_token(plan, token, lp, arrived)
                     count += 1
-                    await resp.write(api.stream_event(req, detok.push(token, final=finish is not None), token, finish, first=count == 1))
+                    block = None if fmt is None else fmt.block([token], [lp])
+                    await resp.write(api.stream_event(req, detok.push(token, final=finish is not None), token, finish, first=count == 1, logprobs=block))
             except PdkvError as exc:  # headers are gone: report in-band, as OpenAI does
                 self.metrics.requests.labels(self.role, "error").inc()
-                await resp.write(api.sse(api.error_body(str(exc), "server_error", 500)))
+                await resp.write(api.sse(api.error_body(str(exc), 500)))
                 await resp.write(api.SSE_DONE)
                 return resp
             if plan.kv_params is not None:
@@ -246,10 +300,12 @@ class Worker:
         self._done(count)
         return resp
 
-    def _first_token(self, plan: _Plan, token: int, arrived: float) -> None:
+    def _first_token(self, plan: _Plan, token: int, logprobs: TokenLogprobs | None, arrived: float) -> None:
         self.metrics.ttft.labels(self.role).observe(time.monotonic() - arrived)
         if plan.kv_params is not None and self.role == "prefill":
             plan.kv_params["first_token_id"] = token
+            if logprobs is not None:  # D decodes on from this token without its logits: it reports these
+                plan.kv_params["first_token_logprobs"] = {"logprob": logprobs.logprob, "top": [list(p) for p in logprobs.top]}
 
     def _done(self, generated: int) -> None:
         self.metrics.requests.labels(self.role, "ok").inc()
@@ -272,9 +328,9 @@ class Worker:
         self.metrics.prompt_tokens.labels(self.role, "computed").inc(request.num_prompt_tokens - cached.tokens)
         return request, cached
 
-    def _prompt_hash(self, prompt: list[int]) -> str:
-        """The last chunk key: D checks it so KV is never adopted for a different prompt."""
-        return chunk_keys(prompt, self.engine.fingerprint, self.chunk_size)[-1].hex()
+    def _prompt_key(self, prompt: list[int]) -> bytes:
+        """The prompt's last chained chunk key: P reserves with it, D adopts KV only under the same key."""
+        return chunk_keys(prompt, self.engine.fingerprint, self.chunk_size)[-1]
 
     async def _plan_prefill(self, req: api.GenerationRequest) -> _Plan:
         assert self.sender is not None and self.pusher is not None
@@ -284,13 +340,16 @@ class Worker:
         transfer_id = str(kv.get("transfer_id") or req.request_id)
         host, port = kv.get("remote_host"), kv.get("remote_port")
         xfer: OutgoingTransfer | None = None
-        error = None
+        error, outcome = None, "not_started"
         if not host or not isinstance(port, int):
             error = "kv_transfer_params has no remote_host/remote_port of the decode worker's receiver"
         else:
-            opening = asyncio.ensure_future(asyncio.to_thread(self.sender.open, transfer_id, f"tcp://{host}:{port}", n, request.block_table))
+            key = self._prompt_key(request.prompt_token_ids)
+            opening = asyncio.ensure_future(asyncio.to_thread(self.sender.open, transfer_id, f"tcp://{host}:{port}", n, request.block_table, key))
             try:
                 xfer = await asyncio.shield(opening)
+            except PeerUnreachableError as exc:  # the channel warned and counted it at the handshake
+                error, outcome = str(exc), "unreachable"
             except PdkvError as exc:
                 error = str(exc)
             except asyncio.CancelledError:  # the client went away mid-open: undo both once the open returns
@@ -298,13 +357,12 @@ class Worker:
                 raise
         if error is not None:
             log.warning("request %s: KV will not be transferred: %s", req.request_id, error)
-            self.metrics.transfers.labels(self.role, "not_started").inc()
+            self.metrics.transfers.labels(self.role, outcome).inc()
         params: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "transfer_id": transfer_id,
             "remote_engine_id": self.agent,
-            "prompt_hash": self._prompt_hash(request.prompt_token_ids),
             "num_prompt_tokens": n,
             "transfer_started": xfer is not None,
         }
@@ -371,8 +429,9 @@ class Worker:
         assert self.receiver is not None
         kv = req.kv_transfer_params
         first = kv.get("first_token_id")
-        if first is not None and (not isinstance(first, int) or not 0 <= first < self.engine.vocab_size):
-            raise InvalidRequestError(f"kv_transfer_params.first_token_id must be a token id in [0, {self.engine.vocab_size}), got {first!r}")
+        if first is not None and (not isinstance(first, int) or isinstance(first, bool) or not 0 <= first < self.engine.vocab_size):
+            raise InvalidRequestError(f"kv_transfer_params.first_token_id must be a token id in [0, {self.engine.vocab_size}), got {first!r}", param="kv_transfer_params")
+        first_logprobs = self._first_logprobs(kv.get("first_token_logprobs"), req.logprobs)
         transfer_id = kv.get("transfer_id")
         reason = None
         request = None
@@ -380,11 +439,8 @@ class Worker:
             reason = "no_transfer_id"
         elif not kv.get("transfer_started", True):
             reason = "not_started"
-        elif kv.get("prompt_hash") != self._prompt_hash(req.prompt_token_ids):
-            reason = "prompt_mismatch"
-            self.receiver.cancel(transfer_id, "the decode request's prompt differs from the prefilled one")
         else:
-            got, reason = await self._claim(transfer_id)
+            got, reason = await self._claim(transfer_id, self._prompt_key(req.prompt_token_ids))
             if got is not None:
                 request = self._adopt(req, got)
                 reason = None if request is not None else "adopt_failed"
@@ -397,19 +453,38 @@ class Worker:
             self.metrics.fallbacks.labels(self.role, reason or "unknown").inc()
             request, cached = await self._new_request(req, req.sampling)
             on_chunk = self.tiering.offer(cached, None)
+            if reason == "prompt_mismatch":
+                first = None  # P's first token belongs to the prompt it prefilled, not to this one
         else:
             self.metrics.prompt_tokens.labels(self.role, "transferred").inc(len(req.prompt_token_ids))
-        return _Plan(request, first_token=first, on_chunk=on_chunk, kv_params=kv_params)
+        return _Plan(request, first_token=first, first_logprobs=first_logprobs, on_chunk=on_chunk, kv_params=kv_params)
 
-    async def _claim(self, transfer_id: str) -> tuple[ReceivedKV | None, str | None]:
-        """Wait for the landed KV off the event loop; a cancelled wait leaks no blocks."""
+    def _first_logprobs(self, given: Any, wanted: int | None) -> TokenLogprobs | None:
+        """P's log-probabilities of the first token (``kv_transfer_params.first_token_logprobs``), checked."""
+        if wanted is None or given is None:
+            return None
+        vocab = self.engine.vocab_size
+
+        def logprob(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and MIN_LOGPROB <= v <= 0
+
+        top = given.get("top") if isinstance(given, dict) else None
+        if not (
+            isinstance(top, list) and len(top) <= api.MAX_LOGPROBS and logprob(given.get("logprob"))
+            and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and 0 <= p[0] < vocab and logprob(p[1]) for p in top)
+        ):
+            raise InvalidRequestError(f"kv_transfer_params.first_token_logprobs must be {{logprob, top: [[token id, logprob], ...]}}, got {given!r}", param="kv_transfer_params")
+        return TokenLogprobs(float(given["logprob"]), tuple((int(t), float(v)) for t, v in top[:wanted]))
+
+    async def _claim(self, transfer_id: str, prompt_key: bytes) -> tuple[ReceivedKV | None, str | None]:
+        """Wait for the landed KV of this prompt off the event loop; a cancelled wait leaks no blocks."""
         assert self.receiver is not None
         receiver, allocator = self.receiver, self.engine.allocator
         lock = threading.Lock()
         state: dict[str, Any] = {"abandoned": False, "got": None}
 
         def wait() -> ReceivedKV:
-            got = receiver.wait(transfer_id, self.config.transfer.transfer_timeout_s)
+            got = receiver.wait(transfer_id, self.config.transfer.transfer_timeout_s, prompt_key)
             with lock:
                 if state["abandoned"]:
                     allocator.free(got.blocks)
@@ -419,8 +494,14 @@ class Worker:
 
         try:
             got = await asyncio.to_thread(wait)
-        except TransferError as exc:
-            return None, "timeout" if "did not arrive" in str(exc) else "transfer_failed"
+        except PromptMismatchError:
+            return None, "prompt_mismatch"
+        except NotAnnouncedError:
+            return None, "not_announced"
+        except TransferTimeout:
+            return None, "timeout"
+        except TransferError:
+            return None, "transfer_failed"
         except asyncio.CancelledError:
             receiver.cancel(transfer_id, "the decode request was cancelled")
             with lock:
@@ -449,6 +530,7 @@ class Worker:
 
     def close(self) -> None:
         self.loop.close()
+        self._parser.shutdown(wait=False, cancel_futures=True)
         if self.pusher is not None:
             self.pusher.close()
         if self.sender is not None:
@@ -459,8 +541,18 @@ class Worker:
         self.tiering.close()
 
 
-async def _events(out: asyncio.Queue[tuple[int, str | None] | BaseException]) -> AsyncIterator[tuple[int, str | None]]:
-    """Yield the job's (token, finish) pairs until it finishes; its errors are raised as ``PdkvError``."""
+def warn_if_data_plane_local(host: str, channel_host: str) -> None:
+    """A worker serving another host whose channel stays on loopback cannot move KV to or from any other host: say so at start."""
+    if is_loopback(channel_host) and not is_loopback(host):
+        log.warning(
+            "channel.options.host is %s while the worker serves %s: peers on other hosts cannot reach this worker's "
+            "data plane, and every transfer with them will fail (drop channel.options.host to follow --host)",
+            channel_host, host,
+        )
+
+
+async def _events(out: asyncio.Queue[Event | BaseException]) -> AsyncIterator[Event]:
+    """Yield the job's (token, finish, logprobs) until it finishes; its errors are raised as ``PdkvError``."""
     finished = False
     while not finished:
         item = await out.get()
@@ -469,6 +561,3 @@ async def _events(out: asyncio.Queue[tuple[int, str | None] | BaseException]) ->
         finished = item[1] is not None
         yield item
 
-
-def _error(status: int, message: str, kind: str = "invalid_request_error") -> web.Response:
-    return web.json_response(api.error_body(message, kind, status), status=status)

@@ -11,9 +11,9 @@ the engine needs that token's logits for the first output token, and
 computing the same chunk over the same bytes as a cold run keeps the KV and
 the tokens bit-identical with the tier on or off.
 
-As the engine finishes each prefill chunk, the hook from ``offer`` gathers
-its full chunks and puts them in the tier (memory at once, the lower levels
-written behind). Tier keys are chunk keys at the worker's
+As the engine finishes each prefill chunk, the hook from ``offer`` stores
+its full chunks (memory at once, the lower levels written behind). Both
+directions are ``pdkv.KVCacheEngine`` calls, keyed at the worker's
 ``transfer.chunk_size``: workers with another chunk size never share.
 """
 
@@ -24,14 +24,13 @@ import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 
-import torch
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pdkv import native
+from pdkv.cache_engine import KVCacheEngine, suffix_mask
 from pdkv.config import TierConfig
 from pdkv.engine.base import EngineAdapter, Request
-from pdkv.keys import chunk_keys
+from pdkv.keys import PromptKeys
 from pdkv.tier import CacheTier, TieredCache, build_tier
 from pdkv.worker.metrics import WorkerMetrics
 
@@ -42,23 +41,23 @@ ChunkHook = Callable[[Request, int, int], None]
 
 @dataclasses.dataclass
 class CachedPrefix:
-    """What ``load`` found for one request: the prompt's chunk keys and how many tokens came from the tier."""
+    """What ``load`` found for one request: the prompt keyed (None with the tier off) and how many tokens came from the tier."""
 
-    keys: list[bytes]
+    keys: PromptKeys | None
     tokens: int = 0
 
 
 class Tiering:
-    """The tier as one worker uses it; with the tier disabled every call is a no-op."""
+    """The tier as one worker uses it, through a ``KVCacheEngine``; with the tier disabled every call is a no-op."""
 
     def __init__(self, tier: CacheTier | None, engine: EngineAdapter, chunk_size: int, metrics: WorkerMetrics, load_batch_chunks: int = 4) -> None:
         self.engine = engine
         self.chunk_size = chunk_size
-        self.batch = load_batch_chunks
         self.metrics = metrics
-        self.tier = tier
-        if tier is not None:
-            metrics.registry.register(TierCollector(tier, metrics.role))
+        self.cache = None if tier is None else KVCacheEngine(engine.layout, tier, chunk_size, fingerprint=engine.fingerprint, load_batch_chunks=load_batch_chunks)
+        self.tier = None if self.cache is None else self.cache.tier
+        if self.tier is not None:
+            metrics.registry.register(TierCollector(self.tier, metrics.role))
 
     @classmethod
     def from_config(cls, config: TierConfig, engine: EngineAdapter, chunk_size: int, metrics: WorkerMetrics) -> Tiering:
@@ -71,8 +70,8 @@ class Tiering:
         If the caller is cancelled meanwhile, the request is freed once the
         load finishes: it never reached the engine, so nothing else would.
         """
-        if self.tier is None:
-            return CachedPrefix([])
+        if self.cache is None:
+            return CachedPrefix(None)
         loading = asyncio.ensure_future(asyncio.to_thread(self.load_sync, request))
         try:
             return await asyncio.shield(loading)
@@ -82,49 +81,37 @@ class Tiering:
 
     def load_sync(self, request: Request) -> CachedPrefix:
         """``load`` on the calling thread. A failing tier costs a full recompute, never the request."""
-        if self.tier is None:
-            return CachedPrefix([])
-        prefix = CachedPrefix(chunk_keys(request.prompt_token_ids, self.engine.fingerprint, self.chunk_size))
+        if self.cache is None:
+            return CachedPrefix(None)
+        keys = self.cache.keys(request.prompt_token_ids)
+        prefix = CachedPrefix(keys)
+        loadable = keys.prefix((request.num_prompt_tokens - 1) // self.chunk_size * self.chunk_size)  # full chunks before the last token's
         try:
-            loaded = self._load_chunks(request, prefix.keys[: (request.num_prompt_tokens - 1) // self.chunk_size])  # full chunks before the last token's
+            loaded = int(self.cache.retrieve(loadable, self.engine.kv_buffer, request.block_table).sum())
         except Exception:  # nothing is marked computed yet: the engine overwrites whatever was scattered
             log.exception("request %s: loading from the cache tier failed; computing the whole prompt", request.request_id)
             return prefix
-        prefix.tokens = loaded * self.chunk_size
-        if prefix.tokens:
-            self.engine.mark_computed(request, prefix.tokens)
-            self.metrics.prompt_tokens.labels(self.metrics.role, "tier").inc(prefix.tokens)
+        prefix.tokens = loaded
+        if loaded:
+            self.engine.mark_computed(request, loaded)
+            self.metrics.prompt_tokens.labels(self.metrics.role, "tier").inc(loaded)
         return prefix
-
-    def _load_chunks(self, request: Request, keys: list[bytes]) -> int:
-        """Scatter the longest cached run of ``keys`` into the request's blocks, ``batch`` chunks per read; return its length."""
-        assert self.tier is not None
-        cs, layout = self.chunk_size, self.engine.layout
-        staging = [torch.empty(layout.chunk_shape(cs), dtype=layout.torch_dtype) for _ in range(min(self.batch, len(keys)))]
-        loaded = 0
-        while loaded < len(keys):
-            batch = keys[loaded : loaded + self.batch]
-            got = self.tier.get(batch, staging[: len(batch)])
-            for chunk in staging[:got]:
-                native.scatter(layout, self.engine.kv_buffer, request.block_table, loaded * cs, chunk)
-                loaded += 1
-            if got < len(batch):
-                break
-        return loaded
 
     def offer(self, prefix: CachedPrefix, then: ChunkHook | None) -> ChunkHook | None:
         """An engine ``on_chunk`` hook: run ``then`` (pushes to the decode worker come first), then store the full chunks computed."""
-        tier = self.tier
-        if tier is None:
+        cache, keys = self.cache, prefix.keys
+        if cache is None or keys is None:
             return then
-        cs, layout, buffer = self.chunk_size, self.engine.layout, self.engine.kv_buffer
+        cs, buffer = self.chunk_size, self.engine.kv_buffer
 
         def on_chunk(request: Request, start: int, end: int) -> None:
             if then is not None:
                 then(request, start, end)
-            full = range(-(-start // cs), end // cs)
+            first, stop = -(-start // cs) * cs, end // cs * cs  # the full chunks this step completed
+            if first >= stop:
+                return
             try:
-                tier.put([prefix.keys[i] for i in full], [native.gather(layout, buffer, request.block_table, i * cs, cs) for i in full])
+                cache.store(keys.prefix(stop), buffer, request.block_table, suffix_mask(stop, first))
             except Exception:  # the cache is best effort: its failure must not fail the request
                 log.exception("request %s: chunks not offered to the cache tier", request.request_id)
 
@@ -132,8 +119,8 @@ class Tiering:
 
     def close(self) -> None:
         """Finish the tier's queued writes (bounded by ``tier.flush_timeout_s``) and close its levels."""
-        if self.tier is not None:
-            self.tier.close()
+        if self.cache is not None:
+            self.cache.close()
 
 
 class TierCollector(Collector):

@@ -30,6 +30,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -38,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from pdkv.cache_engine import KVCacheEngine
 from pdkv.config import convert_config
 from pdkv.errors import ConfigError
 from pdkv.integration.vllm.info import SECRET_ENV
@@ -47,7 +49,6 @@ from pdkv.integration.vllm.scheduler_side import SchedulerSide
 from pdkv.integration.vllm.worker_side import WorkerSide, agent_name
 from pdkv.keys import model_fingerprint
 from pdkv.layout import DTYPES, KVLayout
-from pdkv.tier import CacheTier, RedisTier
 
 if TYPE_CHECKING:
     import torch
@@ -104,25 +105,24 @@ class PdkvConnector(KVConnectorBase_V1):
                 "one receiver per rank is not implemented"
             )
         self.block_size = vllm_config.cache_config.block_size
-        fingerprint = vllm_fingerprint(vllm_config)
+        self.fingerprint = vllm_fingerprint(vllm_config)
         producer, consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
-        self._tier: CacheTier | None = None
+        self._cache: KVCacheEngine | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._tier = self._shared_tier(vllm_layout(vllm_config))
-            lookup = self._tier.contains if self._tier is not None else None
-            self.scheduler = SchedulerSide(fingerprint, self.config.transfer.chunk_size, producer, consumer, lookup)
+            self._cache = self._shared_cache(vllm_layout(vllm_config))
+            lookup = self._cache.lookup if self._cache is not None else None
+            self.scheduler = SchedulerSide(self.fingerprint, self.config.transfer.chunk_size, producer, consumer, lookup)
         else:
-            self.worker = WorkerSide(self.config, fingerprint, producer, consumer, agent_name("producer" if producer else "consumer"), self._shared_tier)
+            self.worker = WorkerSide(self.config, self.fingerprint, producer, consumer, agent_name("producer" if producer else "consumer"), self._shared_cache)
 
-    def _shared_tier(self, layout: KVLayout) -> CacheTier | None:
+    def _shared_cache(self, layout: KVLayout) -> KVCacheEngine | None:
+        """The config's Redis level alone, or None: memory and disk levels are per process, and vLLM's scheduler and workers are separate processes."""
         t = self.config.tier
         if not (t.enabled and t.redis_url):
             return None
-        tier = RedisTier(layout, t.redis_url, namespace=t.redis_namespace, ttl_s=t.redis_ttl_s, timeout_s=t.redis_timeout_s, connect_timeout_s=t.redis_connect_timeout_s, retry_s=t.redis_retry_s)
-        tier.ping()  # an unreachable server is logged now, then served as misses
-        return tier
+        return KVCacheEngine(layout, msgspec.structs.replace(t, memory_bytes=0, disk_path=""), self.config.transfer.chunk_size, fingerprint=self.fingerprint)
 
     # -- scheduler side --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -180,5 +180,5 @@ class PdkvConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.close()
-        if self._tier is not None:
-            self._tier.close()
+        if self._cache is not None:
+            self._cache.close()

@@ -19,6 +19,7 @@ class SendSpec:
     num_tokens: int
     block_ids: list[int]
     ready_tokens: int
+    prompt_key: bytes = b""  # chained key of the prompt, sent in the Reserve: D adopts the KV only for this prompt
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,16 @@ class LoadSpec:
     skip_tokens: int
     block_ids: list[int]
     tier_keys: list[bytes] = field(default_factory=list)
+    prompt_key: bytes = b""  # pushed: our own key of the prompt; the KV is loaded only if P reserved under it
 
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Offer prompt chunks ``first_chunk, first_chunk+1, ...`` (keys ``keys``), computed in ``block_ids``, to the tier."""
+    """Offer prompt chunks ``first_chunk .. len(keys) - 1``, computed in ``block_ids``, to the tier.
+
+    ``keys`` are the prompt's chunk keys from chunk 0 (a ``PromptKeys`` prefix: the worker stores
+    them with a mask that selects the chunks from ``first_chunk`` on).
+    """
 
     req_id: str
     first_chunk: int

@@ -20,18 +20,18 @@ vLLM installed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdkv.integration.vllm.metadata import LoadSpec, SaveSpec, SendSpec, StepMetadata
 from pdkv.integration.vllm.params import PushTo, Pushed, prompt_key, push_target, pushed
-from pdkv.keys import chunk_keys
+from pdkv.keys import PromptKeys
 
 log = logging.getLogger(__name__)
 
-TierLookup = Callable[[Sequence[bytes]], int]
-"""How many leading chunk keys the shared tier holds (``CacheTier.contains``)."""
+TierLookup = Callable[[PromptKeys], int]
+"""How many leading tokens of a keyed prompt the shared tier holds (``KVCacheEngine.lookup``)."""
 
 
 @dataclass
@@ -40,8 +40,9 @@ class _Track:
 
     num_tokens: int
     target: PushTo | None = None
-    key: str = ""
+    key: bytes = b""  # the prompt's chained key: the push's Reserve carries it, D adopts the KV only under it
     save_keys: list[bytes] = field(default_factory=list)
+    saved: int = 0  # chunks before this one were handed to the worker to save (each chunk is saved once)
     block_ids: list[int] = field(default_factory=list)
     emitted: bool = False  # the worker has seen it: it may be writing from our blocks
 
@@ -52,6 +53,7 @@ class _Match:
     transfer_id: str = ""  # pushed from P, or...
     tier_keys: list[bytes] = field(default_factory=list)  # ...these chunks from the tier
     local_tokens: int = 0
+    prompt_key: bytes = b""  # pushed: our own key of the prompt, which P's Reserve must carry
 
 
 class SchedulerSide:
@@ -65,7 +67,7 @@ class SchedulerSide:
         self.tier_lookup = tier_lookup
         self._tracks: dict[str, _Track] = {}
         self._matches: dict[str, _Match | None] = {}
-        self._keys: dict[str, list[bytes]] = {}
+        self._keys: dict[str, PromptKeys] = {}
         self._attempted: set[str] = set()  # requests whose load was planned: never again (a failure recomputes)
         self._loads: list[LoadSpec] = []
         self._discards: list[str] = []
@@ -95,35 +97,36 @@ class SchedulerSide:
         if info is None:
             return None
         prompt = list(request.prompt_token_ids or [])
-        if info.num_tokens > len(prompt) or prompt_key(prompt[: info.num_tokens], self.fingerprint, self.chunk_size) != info.prompt_key:
+        own = prompt_key(prompt[: info.num_tokens], self.fingerprint, self.chunk_size) if info.num_tokens <= len(prompt) else ""
+        if own != info.prompt_key:  # early out; the binding that counts is P's Reserve, checked when the KV is claimed
             self.rejected_prompts += 1
             self._discards.append(info.transfer_id)
             log.warning("request %s: its prompt is not the one prefilled for transfer %s (tokenizer, chat template or model differ between P and D?); recomputing it", request.request_id, info.transfer_id)
             return None
-        return _Match(info.num_tokens, transfer_id=info.transfer_id)
+        return _Match(info.num_tokens, transfer_id=info.transfer_id, prompt_key=bytes.fromhex(own))
 
     def _tier_match(self, request: Any) -> _Match | None:
         if self.tier_lookup is None:
             return None
         keys = self._full_chunk_keys(request)
         try:
-            hits = self.tier_lookup(keys) if keys else 0
+            cached = self.tier_lookup(keys) if keys.num_tokens else 0
         except Exception as exc:  # noqa: BLE001 - a tier that cannot answer is a miss, never a failed request
             log.warning("request %s: cache tier lookup failed (%s); computing the prompt", request.request_id, exc)
             return None
-        return _Match(hits * self.chunk_size, tier_keys=keys[:hits]) if hits else None
+        return _Match(cached, tier_keys=list(keys.prefix(cached).keys)) if cached else None
 
-    def _prompt_keys(self, request: Any) -> list[bytes]:
+    def _prompt_keys(self, request: Any) -> PromptKeys:
         """Chained keys of every chunk of the prompt, a partial last one included: hashed once per request
         (the tier lookup, the saves and the push's ``prompt_key`` all read them)."""
         keys = self._keys.get(request.request_id)
         if keys is None:
-            keys = self._keys[request.request_id] = chunk_keys(list(request.prompt_token_ids or []), self.fingerprint, self.chunk_size)
+            keys = self._keys[request.request_id] = PromptKeys.of(list(request.prompt_token_ids or []), self.fingerprint, self.chunk_size)
         return keys
 
-    def _full_chunk_keys(self, request: Any) -> list[bytes]:
-        """Keys of the prompt's full chunks (a partial last chunk is never cached: its key would not be reused)."""
-        return self._prompt_keys(request)[: len(request.prompt_token_ids or []) // self.chunk_size]
+    def _full_chunk_keys(self, request: Any) -> PromptKeys:
+        """The prompt's full chunks (a partial last chunk is never cached: its key would not be reused)."""
+        return self._prompt_keys(request).prefix(len(request.prompt_token_ids or []) // self.chunk_size * self.chunk_size)
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -134,16 +137,16 @@ class SchedulerSide:
             return
         self._attempted.add(req_id)
         if num_external_tokens > 0:
-            self._loads.append(LoadSpec(req_id, match.transfer_id, match.tokens, match.local_tokens, list(block_ids), match.tier_keys))
+            self._loads.append(LoadSpec(req_id, match.transfer_id, match.tokens, match.local_tokens, list(block_ids), match.tier_keys, match.prompt_key))
         elif match.transfer_id:  # the local prefix cache covered it: the pushed copy is not needed
             self._discards.append(match.transfer_id)
 
     # -- pushes and saves ------------------------------------------------------------------
     def _track(self, request: Any) -> None:
         target = push_target(getattr(request, "kv_transfer_params", None), request.request_id) if self.is_producer else None
-        save_keys = self._full_chunk_keys(request) if self.tier_lookup is not None else []
+        save_keys = list(self._full_chunk_keys(request).keys) if self.tier_lookup is not None else []
         if target is not None or save_keys:
-            key = self._prompt_keys(request)[-1].hex() if target is not None else ""  # prompt_key(prompt)
+            key = self._prompt_keys(request).keys[-1] if target is not None else b""  # prompt_key(prompt)
             self._tracks[request.request_id] = _Track(len(request.prompt_token_ids or []), target, key, save_keys)
 
     def build(self, scheduler_output: Any) -> StepMetadata:
@@ -170,12 +173,13 @@ class SchedulerSide:
         ready = min(computed, track.num_tokens)
         if track.target is not None:
             track.emitted = True
-            meta.sends.append(SendSpec(req_id, track.target.transfer_id, track.target.address, track.num_tokens, list(track.block_ids), ready))
+            meta.sends.append(SendSpec(req_id, track.target.transfer_id, track.target.address, track.num_tokens, list(track.block_ids), ready, track.key))
         match = self._matches.get(req_id)
         loaded = match.tokens if match is not None and req_id in self._attempted else 0
-        first, end = -(-loaded // self.chunk_size), min(ready // self.chunk_size, len(track.save_keys))
-        if first < end:  # computed here, not loaded: offer them (the worker skips what it already saved)
-            meta.saves.append(SaveSpec(req_id, first, track.save_keys[first:end], list(track.block_ids)))
+        first, end = max(-(-loaded // self.chunk_size), track.saved), min(ready // self.chunk_size, len(track.save_keys))
+        if first < end:  # computed here, not loaded, not offered before: offer them
+            meta.saves.append(SaveSpec(req_id, first, track.save_keys[:end], list(track.block_ids)))
+            track.saved = end
 
     def finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """``request_finished``: hold a pushing request's blocks until its writes settle; tell D what was pushed."""
@@ -188,5 +192,5 @@ class SchedulerSide:
             return False, None  # saves are copied out during the step: nothing to hold
         if request.num_computed_tokens < track.num_tokens:  # aborted mid-prefill: the worker cancels the push
             return True, None
-        out = Pushed(track.target.transfer_id, track.num_tokens, track.key)
+        out = Pushed(track.target.transfer_id, track.num_tokens, track.key.hex())
         return True, {**{f: getattr(out, f) for f in out.__struct_fields__}, "remote_host": track.target.remote_host, "remote_port": track.target.remote_port}

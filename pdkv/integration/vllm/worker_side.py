@@ -19,12 +19,13 @@ the forward pass on the network:
   a transfer that failed, timed out or never came is reported in
   ``failed_recving`` too, so vLLM recomputes the prompt (its ``recompute``
   load-failure policy), never decodes from blocks that were not filled.
-* Any role, with a shared tier (``tier.redis_url``): full prompt chunks
-  computed here are gathered out of vLLM's blocks during the step (the blocks
-  may be freed right after it) and written to the tier by a background thread
-  (a bounded queue: when Redis is slower than compute, chunks are dropped and
-  counted, never waited for); a load the scheduler planned from the tier
-  reads those chunks and scatters the tokens past vLLM's own prefix cache.
+* Any role, with a shared tier (``tier.redis_url``), through a
+  ``pdkv.KVCacheEngine`` over Redis: full prompt chunks computed here are
+  stored during the step (gathered out of vLLM's blocks, which may be freed
+  right after it, and written to Redis behind, through a bounded queue: when
+  Redis is slower than compute, chunks are dropped and counted, never waited
+  for); a load the scheduler planned from the tier retrieves those chunks
+  into the tokens past vLLM's own prefix cache.
 
 GPU (not run here: no GPU): the push thread waits on a CUDA event recorded
 at the end of the step before posting, and the loader copies host->device
@@ -33,7 +34,6 @@ on the current stream and synchronizes before reporting.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -46,16 +46,17 @@ from dataclasses import dataclass, field
 import torch
 
 from pdkv.blocks import BlockAllocator
+from pdkv.cache_engine import KVCacheEngine, suffix_mask
 from pdkv.channels import create_channel
 from pdkv.config import PdkvConfig
 from pdkv.errors import PdkvError, TransferError
 from pdkv.integration.vllm.affinity import unpin_current_thread, unpinned
 from pdkv.integration.vllm.kvcache import copy_blocks
 from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
-from pdkv.layout import KVLayout, gather, scatter
+from pdkv.keys import PromptKeys
+from pdkv.layout import KVLayout
 from pdkv.receiver import KVReceiver
 from pdkv.sender import KVSender, OutgoingTransfer
-from pdkv.tier import CacheTier
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class _Push:
 class WorkerSide:
     """See the module docstring. ``register`` must run before anything else (vLLM calls it at start)."""
 
-    def __init__(self, config: PdkvConfig, fingerprint: str, is_producer: bool, is_consumer: bool, agent_name: str, tier: Callable[[KVLayout], CacheTier | None] | None = None) -> None:
+    def __init__(self, config: PdkvConfig, fingerprint: str, is_producer: bool, is_consumer: bool, agent_name: str, cache: Callable[[KVLayout], KVCacheEngine | None] | None = None) -> None:
         self.config = config
         self.fingerprint = fingerprint
         self.is_producer = is_producer
@@ -96,11 +97,8 @@ class WorkerSide:
         self._loader: ThreadPoolExecutor | None = None
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
-        self._make_tier = tier
-        self.tier: CacheTier | None = None
-        self._saved: dict[str, set[int]] = {}
-        self._save_queue: queue.Queue[tuple[bytes, torch.Tensor] | None] = queue.Queue(maxsize=64)
-        self._save_thread: threading.Thread | None = None
+        self._make_cache = cache
+        self.cache: KVCacheEngine | None = None
         self.counters: Counter[str] = Counter()
 
     # -- setup --------------------------------------------------------------------------
@@ -111,11 +109,8 @@ class WorkerSide:
 
     def _start(self, layout: KVLayout, vllm_kv: list[torch.Tensor]) -> None:
         self.layout, self._vllm_kv = layout, vllm_kv
-        if self._make_tier is not None:
-            self.tier = self._make_tier(layout)
-        if self.tier is not None:
-            self._save_thread = threading.Thread(target=self._save_loop, name="pdkv-vllm-save", daemon=True)
-            self._save_thread.start()
+        if self._make_cache is not None:
+            self.cache = self._make_cache(layout)
         if not (self.is_producer or self.is_consumer):
             return
         channel = create_channel(self.config.channel.name, self.agent_name, self.config.channel_options())
@@ -128,7 +123,7 @@ class WorkerSide:
             self._landing = layout.allocate(self.config.num_blocks)
             self.receiver = KVReceiver(
                 channel, layout, self._landing, BlockAllocator(self.config.num_blocks), self.fingerprint, self.config.transfer,
-                host=self.config.host, port=self.config.control_port, secret=self.config.secret,
+                host=self.config.host, port=self.config.control_port, secret=self.config.secret, advertise_host=self.config.advertise_host,
             )
             log.info("pdkv receiver for vLLM listening on %s (%d landing blocks of %d tokens)", self.receiver.address, self.config.num_blocks, layout.block_size)
 
@@ -176,7 +171,7 @@ class WorkerSide:
             if len(spec.block_ids) < self.layout.blocks_for(spec.num_tokens):
                 return  # chunked prefill: the rest of the prompt's blocks come with a later step
             try:
-                p.transfer = self.sender.open(spec.transfer_id, spec.address, spec.num_tokens, spec.block_ids)
+                p.transfer = self.sender.open(spec.transfer_id, spec.address, spec.num_tokens, spec.block_ids, spec.prompt_key)
             except PdkvError as exc:
                 self._give_up(p, str(exc))
                 return
@@ -210,47 +205,26 @@ class WorkerSide:
 
     # -- any role: offer computed chunks to the tier -------------------------------------------
     def save(self, meta: StepMetadata) -> None:
-        """During the step: copy newly computed full chunks out of vLLM's blocks for the tier writer."""
-        if self.tier is None or self.layout is None:
+        """During the step: store newly computed full chunks (gathered now, written to Redis behind)."""
+        if self.cache is None:
             return
         size = self.config.transfer.chunk_size
         for spec in meta.saves:
-            saved = self._saved.setdefault(spec.req_id, set())
-            for i, key in enumerate(spec.keys, start=spec.first_chunk):
-                if i in saved:
-                    continue
-                saved.add(i)
-                chunk = gather(self.layout, self._vllm_kv, spec.block_ids, i * size, size).cpu()
-                try:
-                    self._save_queue.put_nowait((key, chunk))
-                except queue.Full:
-                    self.counters["save_dropped"] += 1
-
-    def _save_loop(self) -> None:
-        assert self.tier is not None
-        while (item := self._save_queue.get()) is not None:
+            keys = PromptKeys(tuple(spec.keys), len(spec.keys) * size, size, self.fingerprint)
             try:
-                self.tier.put([item[0]], [item[1]])
-                self.counters["save_ok"] += 1
-            except Exception as exc:  # noqa: BLE001 - a tier that fails costs a future miss, nothing more
-                self.counters["save_failed"] += 1
-                log.warning("cache tier write failed: %s", exc)
+                self.cache.store(keys, self._vllm_kv, spec.block_ids, suffix_mask(keys.num_tokens, spec.first_chunk * size))
+            except Exception as exc:  # noqa: BLE001 - a tier that fails costs a future miss, never the step
+                log.warning("request %s: chunks not offered to the cache tier: %s", spec.req_id, exc)
 
     def _load_from_tier(self, spec: LoadSpec) -> None:
-        """Scatter the tier's chunks of ``spec`` into vLLM's blocks, tokens past ``skip_tokens`` only."""
-        if self.tier is None or self.layout is None:
+        """Retrieve the tier's chunks of ``spec`` into vLLM's blocks, tokens past ``skip_tokens`` only."""
+        if self.cache is None:
             raise TransferError("this instance has no cache tier (tier.redis_url is not set)")
-        size = self.config.transfer.chunk_size
-        outs = [torch.empty(self.layout.chunk_shape(size), dtype=self.layout.torch_dtype) for _ in spec.tier_keys]
-        got = self.tier.get(spec.tier_keys, outs)
-        if got * size < spec.num_tokens:
-            raise TransferError(f"the cache tier served {got} of {len(spec.tier_keys)} chunks (evicted since the lookup?)")
-        device = self._vllm_kv[0].device
-        for i, chunk in enumerate(outs):
-            start = max(i * size, spec.skip_tokens)  # vLLM's own prefix-cache blocks are shared: never written
-            if start < (i + 1) * size:
-                scatter(self.layout, self._vllm_kv, spec.block_ids, start, chunk[:, :, start - i * size :].to(device))
-        self._landed_in_vllm()
+        keys = PromptKeys(tuple(spec.tier_keys), spec.num_tokens, self.config.transfer.chunk_size, self.fingerprint)
+        # vLLM's own prefix-cache blocks (tokens < skip_tokens) are shared with other requests: never written
+        loaded = int(self.cache.retrieve(keys, self._vllm_kv, spec.block_ids, suffix_mask(spec.num_tokens, spec.skip_tokens)).sum())
+        if loaded < spec.num_tokens - spec.skip_tokens:
+            raise TransferError(f"the cache tier served {loaded} of the {spec.num_tokens - spec.skip_tokens} tokens planned (evicted since the lookup?)")
 
     def _landed_in_vllm(self) -> None:
         """On GPU, the copies into vLLM's blocks are queued on a stream: done before the load is reported."""
@@ -287,7 +261,7 @@ class WorkerSide:
     def _load_pushed(self, spec: LoadSpec) -> None:
         if self.receiver is None or self.layout is None:
             raise TransferError("this instance has no KV receiver (kv_role is not a consumer)")
-        got = self.receiver.wait(spec.transfer_id, self.config.transfer.transfer_timeout_s)
+        got = self.receiver.wait(spec.transfer_id, self.config.transfer.transfer_timeout_s, spec.prompt_key)
         try:
             n = self.layout.blocks_for(spec.num_tokens)
             if got.num_tokens != spec.num_tokens or len(got.blocks) < n or len(spec.block_ids) < n:
@@ -311,8 +285,6 @@ class WorkerSide:
             sending = {req_id for req_id, p in self._pushes.items() if p.releasable}
             for req_id in sending:
                 del self._pushes[req_id]
-            for req_id in finished_req_ids:
-                self._saved.pop(req_id, None)
             failed, self._recv_failed = self._recv_failed, set()
             done, self._recv_done = self._recv_done, set()
         for req_id in wake:
@@ -323,13 +295,8 @@ class WorkerSide:
         if self._push_thread is not None:
             self._push_queue.put(None)
             self._push_thread.join(timeout=5)
-        if self._save_thread is not None:
-            flush = self.config.tier.flush_timeout_s
-            with contextlib.suppress(queue.Full):  # a writer stuck on Redis with a full queue is left behind (daemon)
-                self._save_queue.put(None, timeout=flush)
-            self._save_thread.join(timeout=flush)
-        if self.tier is not None:
-            self.tier.close()
+        if self.cache is not None:
+            self.cache.close()  # queued writes get tier.flush_timeout_s, then are dropped
         if self._loader is not None:
             self._loader.shutdown(wait=False, cancel_futures=True)
         for side in (self.sender, self.receiver):

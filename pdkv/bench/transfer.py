@@ -1,0 +1,298 @@
+"""``pdkv bench transfer``: a request's KV, sender -> receiver, against the raw channel moving the same bytes.
+
+The channel bench times bytes; this one times what a prefill worker asks of
+pdkv for each request: ``KVSender.open`` (handshake once, reserve room on the
+decode side), ``send_all`` (every chunk gathered or addressed in place,
+checksummed, written with its notification) and ``wait`` (the receiver verified
+every chunk and said so). The receiver is a ``KVReceiver`` in another process
+(a thread for channels that cannot span processes) that claims each request
+with ``wait``, as a decode worker does, and frees its blocks.
+
+The KV is shaped like SmolLM2-135M's in float32 (30 layers, 3 KV heads of 64,
+blocks of 16 tokens: 46,080 bytes a token, 94 MB for 2048 tokens), the model
+pdkv runs by default. ``direct``: both sides have that layout, whole blocks move.
+``staging``: the decode side keeps blocks of 32 tokens in HND order, so each
+chunk is gathered into canonical form, written into a staging slot and
+scattered in.
+
+Baseline, measured in the same run with rounds alternating: the raw channel
+moving the same number of bytes (``pdkv bench channel``'s baseline for that
+channel: plain sockets for tcp, the raw NIXL agent for nixl, raw ucxx for ucx,
+memcpy for mock), one transfer per repetition of all the requests' bytes: no
+reservation, no checksum, no descriptors per block. That is the best a plain
+program does with those bytes, so ``ratio`` is what the whole pdkv pipeline
+costs; a ratio near 1 means the pipeline is not what limits a transfer.
+
+Every repetition's KV is checked bit for bit on the decode side (a digest of
+each request's canonical KV compared with the sender's), outside the timed part.
+``TransferRig`` is that harness; the tests use it too, to prove the data path
+over real channels with concurrent requests.
+
+``--link RATE`` puts the receiver on a second host of ``pdkv.bench.netrig``
+across a veth pair shaped to RATE (its control plane and channel on that
+host's address), the sender and the baseline's sender on the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import torch
+import xxhash
+
+from pdkv.bench.channel import BASELINES, IN_PROCESS, _describe, _load, _peer, _recv, channel_options
+from pdkv.bench.netrig import LOOPBACK, Placement, bench_link, call_on
+from pdkv.blocks import BlockAllocator
+from pdkv.channels import create_channel
+from pdkv.config import TransferConfig
+from pdkv.errors import ConfigError, TransferError
+from pdkv.layout import KVLayout, gather
+from pdkv.memory import byte_view
+
+SENDER_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
+STAGING_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=32, dtype="float32", order="HND")
+FINGERPRINT = "bench-transfer-smollm2-135m-fp32"
+# (tokens per request, concurrent requests): a short chat turn, one chunk, a long prompt, and two loads
+SCENARIOS: list[tuple[int, int]] = [(40, 1), (256, 1), (2048, 1), (256, 16), (2048, 4)]
+ROUNDS = 5
+TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    mode: str  # "direct" or "staging"
+    tokens: int
+    requests: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.requests * SENDER_LAYOUT.chunk_bytes(self.tokens)
+
+
+def _digest(layout: KVLayout, kv: list[torch.Tensor], blocks: list[int], tokens: int) -> int:
+    """A layout-independent digest of a request's KV: xxh3 of its canonical form."""
+    return xxhash.xxh3_64_intdigest(byte_view(gather(layout, kv, blocks, 0, tokens)))
+
+
+def _receiver_side(conn: Connection, channel_name: str, layout: KVLayout, num_blocks: int, config: TransferConfig, host: str) -> None:
+    """The decode side on ``host``: a KVReceiver that claims each announced request, digests its KV and frees its blocks."""
+    from pdkv.receiver import KVReceiver
+
+    try:
+        channel = create_channel(channel_name, f"bench-decode-{uuid.uuid4().hex[:6]}", channel_options(channel_name, host))
+        kv = layout.allocate(num_blocks)
+        allocator = BlockAllocator(num_blocks)
+        # it waits for requests it was told of before the sender opens them (handshake included): no announce window
+        receiver = KVReceiver(channel, layout, kv, allocator, FINGERPRINT, msgspec.structs.replace(config, announce_timeout_s=TIMEOUT_S), host=host)
+    except Exception as exc:  # noqa: BLE001 - reported to the sender, which raises it
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    try:
+        conn.send(("address", receiver.address))
+        while (msg := _recv(conn, "a command"))[0] != "close":
+            if msg[0] == "stats":
+                conn.send(("stats", receiver.stats()))
+                continue
+            digests = []
+            for rid, tokens in msg[1]:
+                got = receiver.wait(rid, TIMEOUT_S)
+                digests.append(_digest(layout, kv, got.blocks, tokens))
+                allocator.free(got.blocks)
+            conn.send(("digests", digests))
+    except Exception as exc:  # noqa: BLE001 - reported to the sender, which raises it
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        receiver.close()
+        channel.close()
+
+
+class TransferRig:
+    """A ``KVSender`` here over a buffer of seeded random KV, and a ``KVReceiver`` in another process.
+
+    ``push`` moves requests the way a prefill worker does and checks that the
+    decode side holds exactly the KV that was sent. Used by this bench and by
+    the tests that prove the data path over real channels.
+    """
+
+    def __init__(
+        self,
+        channel: str,
+        receiver_layout: KVLayout,
+        sender_blocks: int,
+        receiver_blocks: int,
+        config: TransferConfig,
+        sender_layout: KVLayout = SENDER_LAYOUT,
+        placement: Placement = LOOPBACK,
+    ) -> None:
+        from pdkv.sender import KVSender
+
+        self.layout = sender_layout
+        args = (channel, receiver_layout, receiver_blocks, config, placement.receiver_addr)
+        self._peer = _peer(_receiver_side, args, in_process=channel in IN_PROCESS, netns=placement.receiver_netns)
+        self.conn = self._peer.__enter__()
+        try:
+            self.channel = create_channel(channel, f"bench-prefill-{uuid.uuid4().hex[:6]}", channel_options(channel, placement.sender_addr))
+            gen = torch.Generator().manual_seed(0)
+            self.kv = [torch.randn(t.shape, generator=gen).to(t.dtype) for t in sender_layout.allocate(sender_blocks)]
+            self.allocator = BlockAllocator(sender_blocks)
+            self.sender = KVSender(self.channel, sender_layout, self.kv, FINGERPRINT, config)
+            _, self.address = _recv(self.conn, "the receiver's address")
+        except BaseException:
+            self._peer.__exit__(None, None, None)
+            raise
+
+    def push(self, requests: list[tuple[str, int]], tables: list[list[int]] | None = None) -> tuple[float, list[float]]:
+        """Move every (request id, tokens) at once, one thread each; (seconds for all, seconds per request).
+
+        ``tables``: the sender's block table per request (default: fresh blocks from its allocator).
+        Raises ``TransferError`` if the decode side ends up with KV other than what was sent.
+        """
+        own = tables is None
+        tables = [self.allocator.allocate(self.layout.blocks_for(tokens)) for _, tokens in requests] if tables is None else tables
+        self.conn.send(("expect", requests))
+        ends = [0.0] * len(requests)
+        errors: list[BaseException] = []
+
+        def one(i: int) -> None:
+            rid, tokens = requests[i]
+            try:
+                xfer = self.sender.open(rid, self.address, tokens, tables[i])
+                xfer.send_all()
+                xfer.wait(TIMEOUT_S)
+                ends[i] = time.perf_counter()
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
+                errors.append(exc)
+
+        t0 = time.perf_counter()
+        if len(requests) == 1:
+            one(0)
+        else:
+            threads = [threading.Thread(target=one, args=(i,), name=f"bench-request-{i}") for i in range(len(requests))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(TIMEOUT_S)
+        if errors:
+            raise errors[0]
+        _, digests = _recv(self.conn, "the receiver's digests")
+        want = [_digest(self.layout, self.kv, table, tokens) for table, (_, tokens) in zip(tables, requests)]
+        if own:
+            for table in tables:
+                self.allocator.free(table)
+        bad = [rid for (rid, _), a, b in zip(requests, digests, want) if a != b]
+        if bad:
+            raise TransferError(f"the decode side holds different KV than was sent for {len(bad)} of {len(requests)} requests: {bad[:5]}")
+        return max(ends) - t0, [e - t0 for e in ends]
+
+    def receiver_stats(self) -> dict[str, int]:
+        self.conn.send(("stats",))
+        _, stats = _recv(self.conn, "the receiver's stats")
+        return stats  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        try:
+            self.sender.close()
+            self.channel.close()
+        finally:
+            self._peer.__exit__(None, None, None)
+
+    def __enter__(self) -> TransferRig:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def _measure_mode(channel: str, mode: str, scenarios: list[Scenario], repeats: int, baseline_class: Callable[..., Any], placement: Placement) -> list[dict[str, Any]]:
+    """Every scenario of one mode against one receiver process, pdkv and baseline rounds alternating."""
+    layout = SENDER_LAYOUT if mode == "direct" else STAGING_LAYOUT
+    theirs, ours = (max(lay.blocks_for(s.tokens) * s.requests for s in scenarios) for lay in (layout, SENDER_LAYOUT))
+    config = TransferConfig()
+    theirs = math.ceil(theirs / config.max_peer_blocks_share)  # one sender may hold only that share of the receiver
+    reps = itertools.count()
+    rows = []
+    rig = TransferRig(channel, layout, ours, theirs, config, placement=placement)
+    with rig, baseline_class(max(s.nbytes for s in scenarios), placement) as baseline:
+        rig.push([("warmup", scenarios[0].tokens)])  # handshake, first connections, native build: not timed
+        for sc in scenarios:
+            times: list[float] = []
+            latencies: list[float] = []
+            base: list[float] = []
+            for _ in range(ROUNDS):
+                base.append(baseline.gbps(sc.nbytes, repeats))
+                for _ in range(repeats):
+                    rep = next(reps)
+                    total, each = rig.push([(f"rep{rep}-{i}", sc.tokens) for i in range(sc.requests)])
+                    times.append(total)
+                    latencies.extend(each)
+            gbps = sc.nbytes / statistics.median(times) / 1e9
+            base_gbps = statistics.median(base)
+            rows.append({
+                "mode": mode, "tokens": sc.tokens, "requests": sc.requests, "size_bytes": sc.nbytes,
+                "gbps": gbps, "baseline_gbps": base_gbps, "ratio": gbps / base_gbps,
+                "p50_ms": 1e3 * _percentile(latencies, 0.5), "p99_ms": 1e3 * _percentile(latencies, 0.99),
+                "baseline_ms": 1e3 * sc.nbytes / base_gbps / 1e9,
+            })  # fmt: skip
+    return rows
+
+
+def measure(channel: str, modes: list[str], scenarios: list[tuple[int, int]], repeats: int, placement: Placement = LOOPBACK) -> dict[str, Any]:
+    """The result object of ``pdkv bench transfer --json``."""
+    if channel not in BASELINES:
+        raise ConfigError(f"bench transfer: no baseline for channel {channel!r}; expected one of {sorted(BASELINES)}")
+    for mode in modes:
+        if mode not in ("direct", "staging"):
+            raise ConfigError(f"bench transfer --modes: {mode!r} is not a mode; expected direct and/or staging")
+    if channel in IN_PROCESS and placement.link is not None:
+        raise ConfigError(f"bench transfer: the {channel} channel cannot span hosts; --link needs tcp, nixl or ucx")
+    baseline = _load(BASELINES[channel])
+    rows = []
+    for mode in modes:
+        rows.extend(_measure_mode(channel, mode, [Scenario(mode, t, r) for t, r in scenarios], repeats, baseline, placement))
+    return {
+        "channel": channel,
+        "link": placement.label,
+        "baseline": _describe(baseline, BASELINES[channel]) + ", moving the same bytes in one transfer",
+        "layout": {"sender": msgspec.to_builtins(SENDER_LAYOUT), "staging_receiver": msgspec.to_builtins(STAGING_LAYOUT)},
+        "results": rows,
+    }
+
+
+def _table(out: dict[str, Any]) -> str:
+    lines = [
+        f"channel {out['channel']} over {out['link']}: request-level transfer vs {out['baseline']}",
+        f"{'mode':>8} {'tokens':>6} {'reqs':>4} {'MB':>8} {'GB/s':>7} {'base':>7} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8} {'base ms':>8}",
+    ]
+    for r in out["results"]:
+        lines.append(
+            f"{r['mode']:>8} {r['tokens']:>6} {r['requests']:>4} {r['size_bytes'] / 1e6:8.1f} {r['gbps']:7.3f} {r['baseline_gbps']:7.3f} "
+            f"{r['ratio']:6.2f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['baseline_ms']:8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeats < 1:
+        raise ConfigError(f"bench transfer --repeats {args.repeats}: expected >= 1")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    with bench_link(args.link) as placement:
+        out = call_on(placement.sender_netns, measure, args.channel, modes, args.scenarios or SCENARIOS, args.repeats, placement)
+    print(json.dumps(out) if args.json else _table(out))
+    return 0

@@ -1,0 +1,271 @@
+"""``KVCacheEngine``: pdkv's cache tiers as a library, with the store / retrieve / lookup contract of LMCache.
+
+Whoever runs an engine (their own, SGLang, a research harness) hands it token
+ids and a paged KV buffer; it keys the tokens into chunks (``pdkv.keys``:
+chained, so one key names its whole prefix, in every process), moves the
+chunks between the buffer and the tiers (memory, disk, Redis: ``pdkv.tier``)
+and says which tokens it loaded. pdkv's own workers and its vLLM connector
+call it too, so there is one store path and one load path.
+
+The contract, LMCache's where nothing is said (``LMCacheEngine.store``,
+``retrieve``, ``lookup``):
+
+tokens
+    A 1-D sequence of token ids (list, numpy array, or torch tensor on any
+    device), or ``PromptKeys`` (the same tokens already keyed: hash once, call
+    many times; what LMCache's ``hashes``/``offsets`` are for). Chunk ``i`` is
+    tokens ``[i * chunk_size, (i + 1) * chunk_size)``; the last one may be
+    partial. A partial last chunk is stored and retrieved like a full one
+    (LMCache's default ``save_unfull_chunk``), but its key covers exactly its
+    tokens: it serves the same prompt again, never a longer one (whose chunk
+    there holds more tokens, so has another key). Keys depend on
+    ``fingerprint`` (same weights and KV dtype: ``pdkv.keys.model_fingerprint``)
+    and ``chunk_size``: engines that differ in either never share a chunk.
+mask
+    ``None`` (every token) or a 1-D ``torch.bool`` tensor with one entry per
+    token, False for a prefix and True for the rest (``FFF...TTT``): the False
+    tokens are those the caller already has (store: stored before; retrieve:
+    already in its buffer). Any other shape, dtype or pattern raises
+    ``CacheRequestError``. ``store`` needs the Falses to be a multiple of
+    ``chunk_size`` (chunks are stored whole), as LMCache does for both calls.
+    ``retrieve`` takes any count (pdkv only): the chunk holding the first True
+    token is read whole and only its True tokens are written, so the tokens
+    before it (an engine's own prefix-cache blocks, which other requests
+    share) are never written, not even with equal bytes.
+kv_buffer, block_table
+    The paged buffer's tensors as ``layout`` describes them (``layout.allocate``:
+    one per layer, or one for all layers; NHD, HND or HKND; any block size),
+    on CPU or CUDA, and the request's block ids in order (a list or a
+    tensor): token ``t`` is at offset ``t % block_size`` of block
+    ``block_table[t // block_size]``. The table must cover every token of the
+    call. A buffer, table or id that does not fit raises ``LayoutError``
+    before anything is read or written.
+store(tokens, kv_buffer, block_table, mask=None) -> int
+    Skips the chunks the mask leaves out and those a local level (memory,
+    disk) already holds; gathers the rest out of the buffer into CPU chunks
+    and puts them into the tiers. The memory level holds them when ``store``
+    returns; disk and Redis get them from a writer thread through a bounded
+    queue (``write_behind_bytes``: when full, a write is dropped and counted,
+    never waited for), so a forward step never waits on a disk or a network;
+    ``flush()`` waits for the queue. Whether Redis already holds a chunk is
+    not asked (a round trip): it is written again and Redis keeps the first
+    (``SET NX``). Returns the number of tokens put: 0 when all were held.
+    (LMCache's ``store`` returns None.)
+retrieve(tokens, kv_buffer, block_table, mask=None) -> torch.BoolTensor
+    From the chunk holding the first True token, loads the longest run of
+    consecutive chunks the tiers hold (memory, then disk, then Redis; what a
+    lower level serves is promoted up), ``load_batch_chunks`` per read, into
+    the buffer at the block table's slots. Returns a CPU bool tensor, one
+    entry per token, True exactly for the tokens written. A chunk missing in
+    the middle ends the run: the chunks after it are not loaded even if held,
+    since KV past a hole is of no use. The chunks before the first True token
+    need not be held (keys are chained: a chunk's key already names its
+    prefix). On CUDA the copies have completed when it returns.
+lookup(tokens) -> int
+    How many leading tokens (from token 0) ``retrieve`` would load now,
+    without reading KV: every level is asked (with Redis, one pipelined round
+    trip). A chunk can be evicted between a lookup and a retrieve; the
+    retrieve's mask is what counts.
+
+Every method may be called from several threads at once; two calls writing
+the same slots of one buffer at once are the caller's to avoid. ``close()``
+(or leaving a ``with`` block) finishes the queued writes, bounded by
+``flush_timeout_s``, and closes the levels.
+
+CUDA buffers (written, NOT run: no GPU here): gathers run on the buffer's
+device and the chunks are copied to host memory before they are put;
+retrieved chunks are read into host memory, copied to the device and
+scattered there, and the device's current stream is synchronized before
+``retrieve`` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import torch
+
+from pdkv import native
+from pdkv.config import TierConfig, convert_config
+from pdkv.errors import CacheRequestError, ConfigError, PdkvError
+from pdkv.keys import DEFAULT_CHUNK_SIZE, PromptKeys
+from pdkv.layout import BlockTable, KVLayout, used_blocks
+from pdkv.tier import CacheTier, TieredCache, TierStats, build_tier
+
+Tokens = Sequence[int] | np.ndarray | torch.Tensor | PromptKeys
+"""Token ids, or the same already keyed."""
+
+
+def suffix_mask(num_tokens: int, start: int) -> torch.Tensor:
+    """The mask that selects tokens ``[start, num_tokens)``: False before ``start``, True from it."""
+    return torch.arange(num_tokens) >= start
+
+
+class KVCacheEngine:
+    """Store, retrieve and look up a prompt's KV chunks in pdkv's tiers; see the module docstring.
+
+    ``tier_config``: a ``TierConfig`` (or a mapping of its fields) whose
+    levels the engine builds, or levels already built (a ``CacheTier``). The
+    engine owns them either way: ``close()`` closes them.
+    ``load_batch_chunks``: chunks read per batch by ``retrieve`` (the host
+    staging memory it needs); None takes the config's.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        tier_config: TierConfig | Mapping[str, Any] | CacheTier,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        *,
+        fingerprint: str,
+        load_batch_chunks: int | None = None,
+    ) -> None:
+        if not isinstance(chunk_size, int) or chunk_size <= 0:
+            raise ConfigError(f"KVCacheEngine chunk_size must be a positive integer, got {chunk_size!r}")
+        if not isinstance(fingerprint, str) or not fingerprint:
+            raise ConfigError(f"KVCacheEngine fingerprint must be a non-empty string naming the model (pdkv.keys.model_fingerprint), got {fingerprint!r}")
+        if load_batch_chunks is not None and (not isinstance(load_batch_chunks, int) or load_batch_chunks <= 0):
+            raise ConfigError(f"KVCacheEngine load_batch_chunks must be a positive integer or None, got {load_batch_chunks!r}")
+        self.layout = layout
+        self.chunk_size = chunk_size
+        self.fingerprint = fingerprint
+        if isinstance(tier_config, CacheTier):
+            config = TierConfig()
+            levels = tier_config
+        else:
+            config = tier_config if isinstance(tier_config, TierConfig) else convert_config({"tier": dict(tier_config)}, "KVCacheEngine tier_config").tier
+            built = build_tier(config, layout)
+            if built is None:
+                raise ConfigError("KVCacheEngine tier_config enables no cache level: set enabled: true and memory_bytes > 0, a disk_path or a redis_url")
+            levels = built
+        self.tier: TieredCache = levels if isinstance(levels, TieredCache) else TieredCache([levels], config.write_behind_bytes, config.flush_timeout_s)
+        """The levels behind this engine (for their statistics; reading or writing them directly bypasses the contract)."""
+        self.load_batch_chunks = load_batch_chunks or config.load_batch_chunks
+        self._closed = False
+
+    # -- the contract ---------------------------------------------------------------
+    def keys(self, tokens: Tokens) -> PromptKeys:
+        """``tokens`` keyed as this engine keys them (checked against its fingerprint and chunk size when already keyed)."""
+        if isinstance(tokens, PromptKeys):
+            if (tokens.fingerprint, tokens.chunk_size) != (self.fingerprint, self.chunk_size):
+                raise CacheRequestError(
+                    f"keys made for fingerprint {tokens.fingerprint!r} and chunk_size {tokens.chunk_size}; this engine's are {self.fingerprint!r} and {self.chunk_size}"
+                )
+            return tokens
+        if isinstance(tokens, torch.Tensor):
+            ids = tokens.detach().cpu().numpy()
+        else:
+            try:
+                ids = np.asarray(tokens)
+            except (TypeError, ValueError) as exc:
+                raise CacheRequestError(f"tokens must be a 1-D sequence of token ids, got {type(tokens).__name__} ({exc})") from None
+        if ids.ndim != 1 or (ids.size and (ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer))):
+            raise CacheRequestError(f"tokens must be a 1-D sequence of integer token ids, got shape {ids.shape} of {ids.dtype}")
+        return PromptKeys.of(ids.astype(np.int64, copy=False), self.fingerprint, self.chunk_size)
+
+    def lookup(self, tokens: Tokens) -> int:
+        """How many leading tokens are cached (what ``retrieve`` would load), without loading them."""
+        self._check_open()
+        keyed = self.keys(tokens)
+        held = self.tier.contains(keyed.keys)
+        return min(held * self.chunk_size, keyed.num_tokens)
+
+    def store(self, tokens: Tokens, kv_buffer: Sequence[torch.Tensor], block_table: BlockTable, mask: torch.Tensor | None = None) -> int:
+        """Put the chunks the mask selects into the tiers (memory now, the rest behind); return the tokens put."""
+        self._check_open()
+        keyed = self.keys(tokens)
+        start = self._mask_start(mask, keyed.num_tokens, "store")
+        if start % self.chunk_size:
+            raise CacheRequestError(
+                f"store: the mask's False prefix ({start} tokens) must be a multiple of chunk_size ({self.chunk_size}): chunks are stored whole, and the KV of masked tokens is not read"
+            )
+        self._check_buffer(kv_buffer, block_table, keyed.num_tokens)
+        first = start // self.chunk_size
+        spans = keyed.spans()
+        candidates = range(first, len(spans))
+        held = self.tier.has_local([keyed.keys[i] for i in candidates])
+        todo = [i for i, h in zip(candidates, held, strict=True) if not h]
+        if not todo:
+            return 0
+        chunks = [native.gather(self.layout, kv_buffer, block_table, *spans[i]).cpu() for i in todo]
+        self.tier.put([keyed.keys[i] for i in todo], chunks, [keyed.keys[i - 1] if i else None for i in todo])  # parents: for tier.memory_policy prefix
+        return sum(spans[i][1] for i in todo)
+
+    def retrieve(self, tokens: Tokens, kv_buffer: Sequence[torch.Tensor], block_table: BlockTable, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Load the longest cached run of chunks from the first True token into the buffer; return the mask of tokens written."""
+        self._check_open()
+        keyed = self.keys(tokens)
+        start = self._mask_start(mask, keyed.num_tokens, "retrieve")
+        self._check_buffer(kv_buffer, block_table, keyed.num_tokens)
+        loaded = torch.zeros(keyed.num_tokens, dtype=torch.bool)
+        if start == keyed.num_tokens:
+            return loaded
+        first = start // self.chunk_size
+        spans = keyed.spans()[first:]
+        keys = keyed.keys[first:]
+        staging = [torch.empty(self.layout.chunk_shape(self.chunk_size), dtype=self.layout.torch_dtype) for _ in range(min(self.load_batch_chunks, len(keys)))]
+        end = start
+        for batch in range(0, len(keys), self.load_batch_chunks):
+            batch_spans = spans[batch : batch + self.load_batch_chunks]
+            outs = [staging[j] if length == self.chunk_size else torch.empty(self.layout.chunk_shape(length), dtype=self.layout.torch_dtype) for j, (_, length) in enumerate(batch_spans)]
+            got = self.tier.get(keys[batch : batch + len(batch_spans)], outs, keyed.keys[first + batch - 1] if first + batch else None)
+            for (chunk_start, length), chunk in zip(batch_spans[:got], outs, strict=False):
+                skip = max(start - chunk_start, 0)  # tokens of the first chunk the caller already has
+                native.scatter(self.layout, kv_buffer, block_table, chunk_start + skip, chunk[:, :, skip:] if skip else chunk)
+                end = chunk_start + length
+            if got < len(batch_spans):
+                break
+        loaded[start:end] = True
+        if end > start and kv_buffer[0].is_cuda:
+            torch.cuda.current_stream(kv_buffer[0].device).synchronize()
+        return loaded
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every write queued for the slower levels is written; False if ``timeout`` (default ``flush_timeout_s``) ran out first."""
+        return self.tier.flush(timeout)
+
+    def stats(self) -> dict[str, TierStats]:
+        """Each level's counters (hits, misses, bytes, evictions, ...), by level name."""
+        return self.tier.stats()
+
+    def close(self) -> None:
+        """Finish the queued writes (bounded by ``flush_timeout_s``) and close every level. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.tier.close()
+
+    def __enter__(self) -> KVCacheEngine:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    # -- checks ---------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PdkvError("this KVCacheEngine is closed")
+
+    @staticmethod
+    def _mask_start(mask: torch.Tensor | None, num_tokens: int, call: str) -> int:
+        """Index of the mask's first True token (``num_tokens`` when none), after checking it is ``FFF...TTT``."""
+        if mask is None:
+            return 0
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 1 or mask.numel() != num_tokens:
+            got = f"{tuple(mask.shape)} {mask.dtype}" if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise CacheRequestError(f"{call}: mask must be a 1-D torch.bool tensor with one entry per token ({num_tokens}), got {got}")
+        flags = mask.cpu()
+        start = num_tokens - int(flags.sum())
+        if bool(flags[:start].any()):
+            first_true = int(flags.nonzero()[0])
+            false_after = first_true + int((~flags[first_true:]).nonzero()[0])
+            raise CacheRequestError(
+                f"{call}: mask must be False for a prefix of the tokens and True for the rest (FFF...TTT, as in LMCache): token {first_true} is True but token {false_after} after it is False"
+            )
+        return start
+
+    def _check_buffer(self, kv_buffer: Sequence[torch.Tensor], block_table: BlockTable, num_tokens: int) -> None:
+        """The buffer is in this engine's layout and the table covers every token of the call, ids in range."""
+        used_blocks(self.layout, self.layout.validate_buffer(kv_buffer), block_table, 0, num_tokens)

@@ -1,0 +1,277 @@
+"""The control plane's I/O, shared by the sender and the receiver.
+
+Each side of a transfer has one I/O thread (``ControlLoop``) that owns its
+ZeroMQ sockets (they are not thread-safe) and sleeps in ``poll`` until there is
+work: a message on a socket, a notification on the channel's fd, a callable
+another thread handed it (``call_soon``, which also wakes it), or its tick.
+Nothing polls on a short timer, so an idle endpoint costs nothing and a busy
+one reacts at once.
+
+On top of the loop sit the two socket shapes of the protocol:
+
+* ``RouterSocket`` (receiver): one bound ROUTER; every message carries the
+  sender's identity.
+* ``DealerSockets`` (sender): one DEALER per receiver address, created on
+  first use, each with a socket monitor so a receiver that dies or restarts is
+  noticed when its connection drops, and an address where nothing listens
+  when its first connect is refused, rather than at a timeout.
+
+Both decode what arrives (``protocol.decode``: malformed input is counted and
+dropped, never raised into the loop) and hand it to their owner's handler on
+the loop thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from pdkv import protocol
+from pdkv.errors import ProtocolError
+from pdkv.wakeup import Waker
+
+log = logging.getLogger(__name__)
+
+_DRAIN_BATCH = 256  # messages read from one socket per wake-up, so one busy peer cannot starve the rest
+# How long a closed DEALER keeps trying to deliver what was queued on it (the Cancel of a reservation we
+# gave up on, the last Done/Cancel at close) before it is discarded: leases cover the rest.
+_CLOSE_LINGER_MS = 200
+
+
+class ControlLoop:
+    """One I/O thread: poll sockets and fds, run handed-over callables, tick every ``tick_s``."""
+
+    def __init__(self, name: str, tick_s: float, on_tick: Callable[[], None]) -> None:
+        self.name = name
+        self.tick_s = tick_s
+        self._on_tick = on_tick
+        self._poller = zmq.Poller()
+        self._handlers: dict[Any, Callable[[], None]] = {}
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._waker = Waker()
+        self._poller.register(self._waker, zmq.POLLIN)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def watch(self, target: zmq.Socket | int, on_ready: Callable[[], None]) -> None:
+        """Call ``on_ready()`` on the loop whenever ``target`` (a socket or an fd) is readable. Loop thread only."""
+        self._handlers[target] = on_ready
+        self._poller.register(target, zmq.POLLIN)
+
+    def unwatch(self, target: zmq.Socket | int) -> None:
+        if self._handlers.pop(target, None) is not None:
+            self._poller.unregister(target)
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the loop thread, in order with other calls, and wake the loop for it (any thread)."""
+        self._calls.put(fn)
+        self._waker.wake()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Run what is queued, then end the thread; idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._waker.wake()
+        if self._thread is not threading.current_thread() and self._thread.ident is not None:
+            self._thread.join(timeout)
+        self._waker.close()
+
+    def _run(self) -> None:
+        next_tick = time.monotonic() + self.tick_s
+        while not self._stop.is_set():
+            try:
+                timeout_ms = max(0, round((next_tick - time.monotonic()) * 1000))
+                for target, _ in self._poller.poll(timeout_ms):
+                    handler = self._handlers.get(target)
+                    if handler is not None:
+                        handler()
+                self._waker.clear()  # before running the calls: one queued after this wakes the next poll
+                self._run_calls()
+                if time.monotonic() >= next_tick:
+                    next_tick = time.monotonic() + self.tick_s
+                    self._on_tick()
+            except Exception:  # the loop must survive anything a peer sends or a handler does
+                log.exception("%s: I/O loop error", self.name)
+        self._run_calls()  # the last Cancel/Done messages
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fn()
+            except Exception:
+                log.exception("%s: queued call failed", self.name)
+
+
+def _decode(data: bytes, source: str, counters: Any) -> protocol.Message | ProtocolError:
+    """The message, or the error saying what is wrong with it (counted and logged)."""
+    try:
+        return protocol.decode(data)
+    except ProtocolError as exc:
+        counters["malformed_messages"] += 1
+        log.warning("dropping control message from %s: %s", source, exc)
+        return exc
+
+
+class RouterSocket:
+    """The receiver's bound ROUTER: messages in with the sender's identity, replies out by identity."""
+
+    def __init__(self, loop: ControlLoop, host: str, port: int, on_message: Callable[[bytes, protocol.Message], None], counters: Any) -> None:
+        self._loop = loop
+        self._on_message = on_message
+        self._counters = counters
+        self._sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        if port:
+            self._sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        loop.watch(self._sock, self._drain)
+
+    def send(self, identity: bytes, msg: protocol.Message) -> None:
+        """Send on the loop thread (call through ``ControlLoop.call_soon`` from any other)."""
+        try:
+            self._sock.send_multipart([identity, protocol.encode(msg)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("could not send %s to %r: %s", type(msg).__name__, identity, exc)
+
+    def close(self) -> None:
+        """After the loop stopped."""
+        self._sock.close(0)
+
+    def _drain(self) -> None:
+        for _ in range(_DRAIN_BATCH):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self._counters["malformed_messages"] += 1
+                continue
+            identity, data = frames
+            msg = _decode(data, repr(identity), self._counters)
+            if isinstance(msg, ProtocolError):
+                self.send(identity, protocol.Error(str(msg)))  # the sender learns what it got wrong
+                continue
+            self._on_message(identity, msg)
+
+
+class DealerSockets:
+    """The sender's DEALERs, one per receiver, keyed by an object of the owner's (its peer record, hashable by identity).
+
+    Sockets are made, used and closed on the loop thread only; ``send`` and
+    ``close_peer`` hand themselves over. ``on_lost(key, why)`` runs when a
+    peer's connection drops (its receiver died or restarted, or the network
+    failed), or when its very first connect is refused (ZeroMQ would retry
+    forever; nothing listens there, so the caller hears it at once).
+    """
+
+    def __init__(
+        self,
+        loop: ControlLoop,
+        on_message: Callable[[Any, protocol.Message], None],
+        on_lost: Callable[[Any, str], None],
+        counters: Any,
+    ) -> None:
+        self._loop = loop
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._counters = counters
+        self._ctx = zmq.Context.instance()
+        self._socks: dict[Any, tuple[zmq.Socket, zmq.Socket]] = {}  # key -> (DEALER, its monitor)
+        self._connected: weakref.WeakSet[Any] = weakref.WeakSet()  # keys whose connection came up at least once
+        self._closed: weakref.WeakSet[Any] = weakref.WeakSet()  # keys closed for good: a late send must not reopen them
+
+    def send(self, key: Any, address: str, identity: bytes, msg: protocol.Message) -> None:
+        self._loop.call_soon(lambda: self._send(key, address, identity, msg))
+
+    def close_peer(self, key: Any) -> None:
+        """Close ``key``'s socket for good (after what was already queued for it goes out)."""
+        self._loop.call_soon(lambda: self._close(key))
+
+    def count(self) -> int:
+        return len(self._socks)
+
+    def close_all(self) -> None:
+        """On the loop thread, or after it stopped."""
+        for key in list(self._socks):
+            self._close(key)
+
+    def _send(self, key: Any, address: str, identity: bytes, msg: protocol.Message) -> None:
+        if key in self._closed:
+            return  # forgotten: a socket opened for it now would never be closed
+        pair = self._socks.get(key)
+        if pair is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.ROUTING_ID, identity)
+            sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED)
+            sock.connect(address)
+            pair = self._socks[key] = (sock, monitor)
+            self._loop.watch(sock, lambda: self._drain(key, sock, address))
+            self._loop.watch(monitor, lambda: self._on_monitor(key, monitor, address))
+        try:
+            pair[0].send(protocol.encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            log.warning("could not send %s to %s: %s", type(msg).__name__, address, exc)
+
+    def _close(self, key: Any) -> None:
+        self._closed.add(key)
+        pair = self._socks.pop(key, None)
+        if pair is None:
+            return
+        sock, monitor = pair
+        self._loop.unwatch(monitor)
+        self._loop.unwatch(sock)
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(_CLOSE_LINGER_MS)
+
+    def _drain(self, key: Any, sock: zmq.Socket, address: str) -> None:
+        for _ in range(_DRAIN_BATCH):
+            try:
+                data = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = _decode(data, address, self._counters)
+            if not isinstance(msg, ProtocolError):
+                self._on_message(key, msg)
+
+    def _on_monitor(self, key: Any, monitor: zmq.Socket, address: str) -> None:
+        why = ""
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                break
+            if event == zmq.EVENT_CONNECTED:
+                self._connected.add(key)
+            elif event == zmq.EVENT_DISCONNECTED:
+                why = f"lost the control connection to receiver {address} (it died or restarted, or the network dropped)"
+            elif event == zmq.EVENT_CONNECT_RETRIED and key not in self._connected:
+                why = f"cannot connect to receiver {address}: connection refused (is it running, and is this its address and control port?)"
+        if why:
+            self._on_lost(key, why)

@@ -1,0 +1,187 @@
+"""The data plane is capability-based whatever the secret (issue 17).
+
+A decode worker's KV buffer and staging area are *guarded* regions: a peer
+writes only into the blocks of a reservation it opened, under the token its
+Hello carried, and reads nothing it was not offered; a refused frame lands
+nothing and fails only its own transfer. A sender that went silent is fenced
+before its blocks are reused, so a write it had queued while frozen can never
+land in another request's KV, not even in its own next request's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pdkv.blocks import BlockAllocator
+from pdkv.channels import Channel, TransferOp, create_channel
+from pdkv.config import TransferConfig
+from pdkv.errors import ChannelError
+from pdkv.layout import KVLayout, gather
+from pdkv.receiver import KVReceiver
+from pdkv.sender import KVSender
+from tests.conftest import wait_until
+
+TIMEOUT = 10.0
+ENFORCING = [
+    "mock",
+    "tcp",
+    pytest.param("ucx", marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="the 'ucx' extra is not installed: pip install 'pdkv[ucx]'")),
+]
+_names = iter(range(10**6))
+
+
+@pytest.fixture(params=ENFORCING)
+def agents(request: pytest.FixtureRequest) -> Iterator[tuple[Channel, Channel, bytearray, bytearray, int, int]]:
+    """An initiator and a target of one channel kind; the target's region 0 guarded, region 1 open."""
+    n = next(_names)
+    src, dst = bytearray(range(256)) * 64, bytearray(16384)
+    initiator = create_channel(request.param, f"cap-i{n}")
+    target = create_channel(request.param, f"cap-t{n}")
+    try:
+        local = initiator.register(src)
+        guarded = target.register(dst)
+        target.register(bytearray(4096))  # open: the raw channel's semantics
+        target.guard(guarded)
+        initiator.add_peer(target.metadata())
+        target.add_peer(initiator.metadata())
+        yield initiator, target, src, dst, local, guarded
+    finally:
+        initiator.close()
+        target.close()
+
+
+def _write(ch: Channel, peer: str, op: TransferOp, token: bytes) -> None:
+    ch.wait(ch.write(peer, [op], b"n", token=token), TIMEOUT)
+
+
+def test_a_peer_writes_only_what_it_was_granted_and_a_refusal_costs_only_that_transfer(agents) -> None:  # noqa: ANN001
+    initiator, target, src, dst, local, guarded = agents
+    peer = target.agent_name
+    target.grant(b"A" * 16, "write", [(guarded, 4096, 4096)])
+    _write(initiator, peer, TransferOp(local, 0, guarded, 4096, 4096), b"A" * 16)  # inside its grant
+    assert dst[4096:8192] == src[:4096]
+    before = bytes(dst)
+    for op, token in [
+        (TransferOp(local, 0, guarded, 4096 + 64, 4096), b"A" * 16),  # runs past its grant
+        (TransferOp(local, 0, guarded, 64, 128), b"A" * 16),  # somewhere else entirely
+        (TransferOp(local, 0, guarded, 4096, 4096), b"B" * 16),  # the right range, another peer's token
+        (TransferOp(local, 0, guarded, 4096, 4096), b""),  # no token at all
+    ]:
+        with pytest.raises(ChannelError, match="not reserved for this peer|refused"):
+            _write(initiator, peer, op, token)
+    assert bytes(dst) == before, "a refused frame landed bytes"
+    _write(initiator, peer, TransferOp(local, 4096, guarded, 4096, 4096), b"A" * 16)  # the same link goes on
+    assert dst[4096:8192] == src[4096:8192]
+    _write(initiator, peer, TransferOp(local, 0, 1, 0, 4096), b"")  # an unguarded region is open to anyone
+    target.revoke(b"A" * 16, "write", [(guarded, 4096, 4096)], TIMEOUT)
+    with pytest.raises(ChannelError):
+        _write(initiator, peer, TransferOp(local, 0, guarded, 4096, 4096), b"A" * 16)
+    assert target.get_notifications() and all(n.payload == b"n" for n in target.get_notifications() or [])
+
+
+def test_a_peer_reads_only_what_it_was_offered(agents) -> None:  # noqa: ANN001
+    initiator, target, src, dst, local, guarded = agents
+    peer = target.agent_name
+    dst[:] = bytes(reversed(range(256))) * 64
+    mine = bytearray(16384)
+    region = initiator.register(mine)
+    with pytest.raises(ChannelError):
+        initiator.wait(initiator.read(peer, [TransferOp(region, 0, guarded, 0, 4096)], token=b"A" * 16), TIMEOUT)
+    assert not any(mine)
+    target.grant(b"A" * 16, "read", [(guarded, 0, 4096)])
+    initiator.wait(initiator.read(peer, [TransferOp(region, 0, guarded, 0, 4096)], token=b"A" * 16), TIMEOUT)
+    assert mine[:4096] == dst[:4096]
+
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")
+
+
+def test_the_decode_workers_ports_give_a_stranger_nothing() -> None:
+    """Issue 17's probe: metadata copied from a decode worker, no Hello, no reservation: no byte read, none written."""
+    d_channel = create_channel("tcp", "decode-cap")
+    kv = LAYOUT.allocate(8)
+    for t in kv:
+        t.copy_(torch.randn(t.shape))
+    receiver = KVReceiver(d_channel, LAYOUT, kv, BlockAllocator(8), "m", TransferConfig(chunk_size=32))
+    stranger = create_channel("tcp", "stranger")
+    try:
+        buf = bytearray(8192)
+        mine = stranger.register(buf)
+        peer = stranger.add_peer(receiver.hello().channel_metadata)
+        before = [t.clone() for t in kv]
+        with pytest.raises(ChannelError):
+            stranger.wait(stranger.read(peer, [TransferOp(mine, 0, receiver.kv_regions[0], 0, 4096)], token=b"x" * 16), TIMEOUT)
+        with pytest.raises(ChannelError):
+            stranger.wait(stranger.write(peer, [TransferOp(mine, 0, receiver.kv_regions[0], 64, 4096)], b"n", token=b"x" * 16), TIMEOUT)
+        assert not any(buf) and all(torch.equal(a, b) for a, b in zip(before, kv))
+        assert d_channel.stats()["refused_frames"] == 2 and receiver.stats().get("stray_notices", 0) == 0
+    finally:
+        stranger.close()
+        receiver.close()
+        d_channel.close()
+
+
+def test_a_sender_frozen_between_its_lease_check_and_its_write_cannot_touch_the_reused_blocks() -> None:
+    """The late-write fence: P passes its lease check, freezes, and D reaps the reservation, waits drain_timeout_s,
+    fences P and gives the blocks to P's next request. P resumes and posts the old write: nothing of it lands."""
+    cfg = TransferConfig(chunk_size=32, lease_s=0.6, heartbeat_s=0.1, drain_timeout_s=0.4, max_peer_blocks_share=1.0)
+    p_channel, d_channel = create_channel("tcp", "prefill-fence"), create_channel("tcp", "decode-fence")
+    p_kv = LAYOUT.allocate(16)
+    for t in p_kv:
+        t.copy_(torch.randn(t.shape))
+    d_kv = LAYOUT.allocate(4)  # exactly one 64-token request: B must reuse A's blocks
+    allocator = BlockAllocator(4)
+    receiver = KVReceiver(d_channel, LAYOUT, d_kv, allocator, "m", cfg)
+    sender = KVSender(p_channel, LAYOUT, p_kv, "m", cfg)
+    frozen, late = threading.Event(), {}
+    real_write = p_channel.write
+
+    def freezing_write(peer, ops, notif=None, token=b""):  # noqa: ANN001, ANN202
+        if late.get("armed"):
+            late["armed"] = False
+            frozen.wait(TIMEOUT)  # SIGSTOP here: lease checked, bytes not yet on the wire
+            handle = real_write(peer, ops, notif, token=token)
+            try:
+                p_channel.wait(handle, TIMEOUT)
+                late["outcome"] = "landed"
+            except ChannelError as exc:
+                late["outcome"] = str(exc)
+            return handle
+        return real_write(peer, ops, notif, token=token)
+
+    p_channel.write = freezing_write  # type: ignore[method-assign]
+    try:
+        a = sender.open("A", receiver.address, 64, [0, 1, 2, 3])
+        a.send_chunk(0)
+        wait_until(lambda: receiver.stats().get("chunks_landed") == 1, TIMEOUT, "A's chunk 0 to land")
+        late["armed"] = True
+        beat = sender._heartbeat
+        sender._heartbeat = lambda *args: None  # type: ignore[method-assign] # the frozen process sends no heartbeats
+        poster = threading.Thread(target=a.send_chunk, args=(1,), daemon=True)
+        poster.start()
+        wait_until(lambda: receiver.stats().get("fences", 0) >= 1 and receiver.stats()["reservations"] == 0, TIMEOUT, "D to reap, fence and free A")
+        sender._heartbeat = beat  # type: ignore[method-assign]
+        b = sender.open("B", receiver.address, 64, [8, 9, 10, 11])  # D asks for a new Hello: a new token
+        b.send_all()
+        b.wait(TIMEOUT)
+        frozen.set()  # P resumes: its old write goes out now, into what are B's blocks
+        poster.join(TIMEOUT)
+        wait_until(lambda: "outcome" in late, TIMEOUT, "the late write to finish")
+        got = receiver.wait("B", TIMEOUT)
+        assert late["outcome"] != "landed", "the frozen sender's write landed after its blocks were reused"
+        assert torch.equal(gather(LAYOUT, d_kv, got.blocks, 0, 64), gather(LAYOUT, p_kv, [8, 9, 10, 11], 0, 64))
+        assert d_channel.stats()["refused_frames"] >= 1
+        allocator.free(got.blocks)
+    finally:
+        frozen.set()
+        sender.close()
+        receiver.close()
+        p_channel.close()
+        d_channel.close()
+    assert allocator.num_free == 4
