@@ -19,6 +19,7 @@
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -96,21 +97,45 @@ inline float round_even(float v) {
 
 // -- byte planes ----------------------------------------------------------------
 //
-// Element-major loops (every element's bytes handled together) so one side
-// of the copy is always read or written sequentially; a compile-time width
-// unrolls the inner loop for 2- and 4-byte elements.
+// Each plane is its own loop with __restrict pointers and a compile-time
+// element width, so the strided side vectorizes; all planes of 2- and 4-byte
+// elements at once (a chunk's decode, a full split) read or write each
+// element once.
 
 template <int W>
-PDKV_VECTOR_CLONES void split_range(const uint8_t* src, int64_t width, const int64_t* planes, uint8_t* const* dst, int64_t count,
-                 int64_t begin, int64_t end) {
+PDKV_VECTOR_CLONES void split_plane(const uint8_t* __restrict src, int64_t width, uint8_t* __restrict dst, int64_t begin, int64_t end) {
   const int64_t w = W > 0 ? W : width;
-  if (W > 0 && count == W) {  // every plane, in order
-    for (int64_t i = begin; i < end; ++i)
-      for (int64_t j = 0; j < W; ++j) dst[j][i] = src[i * w + planes[j]];
-    return;
+  for (int64_t i = begin; i < end; ++i) dst[i] = src[i * w];
+}
+
+PDKV_VECTOR_CLONES void split4(const uint8_t* __restrict src, uint8_t* __restrict d0, uint8_t* __restrict d1, uint8_t* __restrict d2,
+                               uint8_t* __restrict d3, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    d0[i] = src[4 * i];
+    d1[i] = src[4 * i + 1];
+    d2[i] = src[4 * i + 2];
+    d3[i] = src[4 * i + 3];
   }
-  for (int64_t i = begin; i < end; ++i)
-    for (int64_t j = 0; j < count; ++j) dst[j][i] = src[i * w + planes[j]];
+}
+
+PDKV_VECTOR_CLONES void split2(const uint8_t* __restrict src, uint8_t* __restrict d0, uint8_t* __restrict d1, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    d0[i] = src[2 * i];
+    d1[i] = src[2 * i + 1];
+  }
+}
+
+void split_range(const uint8_t* src, int64_t width, const std::vector<int64_t>& planes, const std::vector<uint8_t*>& dst, int64_t begin, int64_t end) {
+  const bool all = static_cast<int64_t>(planes.size()) == width && std::is_sorted(planes.begin(), planes.end());
+  if (all && width == 4) return split4(src, dst[0], dst[1], dst[2], dst[3], begin, end);
+  if (all && width == 2) return split2(src, dst[0], dst[1], begin, end);
+  for (size_t j = 0; j < planes.size(); ++j) {
+    switch (width) {
+      case 2: split_plane<2>(src + planes[j], width, dst[j], begin, end); break;
+      case 4: split_plane<4>(src + planes[j], width, dst[j], begin, end); break;
+      default: split_plane<0>(src + planes[j], width, dst[j], begin, end);
+    }
+  }
 }
 
 // dsts[j][i] = src[i * width + planes[j]]: the chosen byte planes of `src`, each its own contiguous run.
@@ -122,27 +147,35 @@ void split_planes(const at::Tensor& src, int64_t width, const std::vector<int64_
   std::vector<uint8_t*> out;
   for (size_t j = 0; j < planes.size(); ++j) {
     TORCH_CHECK_VALUE(planes[j] >= 0 && planes[j] < width, "pdkv kvcodec: plane ", planes[j], " out of range [0, ", width, ")");
+    TORCH_CHECK_VALUE(j == 0 || planes[j] > planes[j - 1], "pdkv kvcodec: planes must be given in increasing order");
     check(dsts[j], "split_planes destination", at::kByte);
     TORCH_CHECK_VALUE(dsts[j].numel() == n, "pdkv kvcodec: plane destination holds ", dsts[j].numel(), " bytes, needs ", n);
     out.push_back(dsts[j].data_ptr<uint8_t>());
   }
   if (out.empty()) return;
   const uint8_t* s = src.data_ptr<uint8_t>();
-  const int64_t count = static_cast<int64_t>(out.size());
-  share_work(n, kGrainElements, [&](int64_t begin, int64_t end) {
-    switch (width) {
-      case 2: return split_range<2>(s, width, planes.data(), out.data(), count, begin, end);
-      case 4: return split_range<4>(s, width, planes.data(), out.data(), count, begin, end);
-      default: return split_range<0>(s, width, planes.data(), out.data(), count, begin, end);
-    }
-  });
+  share_work(n, kGrainElements, [&](int64_t begin, int64_t end) { split_range(s, width, planes, out, begin, end); });
 }
 
-template <int W>
-PDKV_VECTOR_CLONES void merge_range(const uint8_t* const* src, int64_t width, uint8_t* dst, int64_t begin, int64_t end) {
-  const int64_t w = W > 0 ? W : width;
-  for (int64_t i = begin; i < end; ++i)
-    for (int64_t k = 0; k < w; ++k) dst[i * w + k] = src[k][i];
+PDKV_VECTOR_CLONES void merge4(const uint8_t* __restrict s0, const uint8_t* __restrict s1, const uint8_t* __restrict s2,
+                               const uint8_t* __restrict s3, uint8_t* __restrict dst, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    dst[4 * i] = s0[i];
+    dst[4 * i + 1] = s1[i];
+    dst[4 * i + 2] = s2[i];
+    dst[4 * i + 3] = s3[i];
+  }
+}
+
+PDKV_VECTOR_CLONES void merge2(const uint8_t* __restrict s0, const uint8_t* __restrict s1, uint8_t* __restrict dst, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    dst[2 * i] = s0[i];
+    dst[2 * i + 1] = s1[i];
+  }
+}
+
+PDKV_VECTOR_CLONES void merge_plane(const uint8_t* __restrict src, int64_t width, uint8_t* __restrict dst, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) dst[i * width] = src[i];
 }
 
 // dst[i * width + k] = srcs[k][i]: byte planes back into elements.
@@ -159,11 +192,9 @@ void merge_planes(const std::vector<at::Tensor>& srcs, const at::Tensor& dst) {
   }
   uint8_t* d = dst.data_ptr<uint8_t>();
   share_work(n, kGrainElements, [&](int64_t begin, int64_t end) {
-    switch (width) {
-      case 2: return merge_range<2>(in.data(), width, d, begin, end);
-      case 4: return merge_range<4>(in.data(), width, d, begin, end);
-      default: return merge_range<0>(in.data(), width, d, begin, end);
-    }
+    if (width == 4) return merge4(in[0], in[1], in[2], in[3], d, begin, end);
+    if (width == 2) return merge2(in[0], in[1], d, begin, end);
+    for (int64_t k = 0; k < width; ++k) merge_plane(in[k], width, d + k, begin, end);
   });
 }
 
