@@ -21,13 +21,13 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <memory>
-#include <thread>
 #include <vector>
 
+#include "kvcodec.h"
 #include "kvcopy.h"
+#include "workshare.h"
 
 #ifdef PDKV_WITH_CUDA
 #include <ATen/ops/empty.h>
@@ -156,17 +156,10 @@ inline void move_bytes(bool to_chunk, char* buf, char* chk, size_t n) {
   }
 }
 
-// One copy on the CPU, shared by the calling thread and its helpers.
-//
-// One task per (layer, kv, run). In NHD (and MLA) a run is one contiguous
-// range on both sides; in HND each (token, head) row of head_dim elements is.
-// Threads claim batches of ~kGrainBytes from a shared counter. The caller
-// works too and waits only for batches actually claimed, never for a helper
-// to show up: on a busy machine a pool thread can be scheduled milliseconds
-// late, and an OpenMP region (at::parallel_for) would wait for it at its
-// barrier with its static share of the copy still to do. A late helper finds
-// nothing left and returns; it holds the Job by shared_ptr, so the caller may
-// already have returned.
+// One copy on the CPU: one task per (layer, kv, run). In NHD (and MLA) a run
+// is one contiguous range on both sides; in HND each (token, head) row of
+// head_dim elements is. Threads share the tasks in batches of ~kGrainBytes
+// (workshare.h).
 struct Job {
   Job(Plan plan_, std::vector<Run> runs_, char* chunk_, bool to_chunk_)
       : plan(std::move(plan_)), runs(std::move(runs_)), chunk(chunk_), to_chunk(to_chunk_) {
@@ -177,14 +170,6 @@ struct Job {
     token_bytes = g.heads * row_bytes;
     runs_contiguous = g.token_stride == g.heads * g.head_dim && (g.heads == 1 || g.head_stride == g.head_dim);
     batch = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, token_bytes * g.block_size));
-  }
-
-  void work() {
-    for (int64_t begin; (begin = next.fetch_add(batch, std::memory_order_relaxed)) < tasks;) {
-      const int64_t end = std::min(begin + batch, tasks);
-      for (int64_t i = begin; i < end; ++i) copy_task(i);
-      done.fetch_add(end - begin, std::memory_order_release);
-    }
   }
 
   void copy_task(int64_t i) const {
@@ -231,21 +216,14 @@ struct Job {
   const bool to_chunk;
   int64_t num_runs, tasks, row_bytes, token_bytes, batch;
   bool runs_contiguous;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
 };
 
-// Helpers run on torch's inter-op pool: its tasks are fire-and-forget, which
-// is what lets the caller finish without them. Thread count follows
-// torch.set_num_threads like any other CPU op.
+// Thread count follows torch.set_num_threads like any other CPU op.
 void copy_cpu(Plan plan, std::vector<Run> runs, char* chunk, bool to_chunk) {
-  auto job = std::make_shared<Job>(std::move(plan), std::move(runs), chunk, to_chunk);
-  const int64_t batches = (job->tasks + job->batch - 1) / job->batch;
-  const int64_t helpers = std::min<int64_t>({static_cast<int64_t>(at::get_num_threads()), batches,
-                                             static_cast<int64_t>(at::get_num_interop_threads()) + 1}) - 1;
-  for (int64_t h = 0; h < helpers; ++h) at::launch([job] { job->work(); });
-  job->work();
-  while (job->done.load(std::memory_order_acquire) < job->tasks) std::this_thread::yield();
+  auto job = std::make_shared<const Job>(std::move(plan), std::move(runs), chunk, to_chunk);
+  share_work(job->tasks, job->batch, [job](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) job->copy_task(i);
+  });
 }
 
 #ifdef PDKV_WITH_CUDA
@@ -326,4 +304,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("buffers"), py::arg("block_table"), py::arg("start"), py::arg("chunk"), py::arg("cross_layer"),
         py::arg("hnd"), py::arg("mla"), py::arg("block_size"), py::call_guard<py::gil_scoped_release>());
   m.def("has_cuda", &pdkv::has_cuda, "Whether this build includes the CUDA kernel.");
+  pdkv::register_codec_ops(m);
 }

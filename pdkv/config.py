@@ -16,6 +16,7 @@ import yaml
 from msgspec import Meta
 
 from pdkv.channels import channel_class
+from pdkv.codec import CODEC_NAME_PATTERN, codec_class
 from pdkv.errors import ConfigError
 from pdkv.keys import DEFAULT_CHUNK_SIZE
 from pdkv.netaddr import is_wildcard
@@ -47,6 +48,12 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True):
     heartbeat_s: Seconds = 1.0
     claim_timeout_s: Seconds = 60.0
     drain_timeout_s: Seconds = 10.0
+    # How staged chunks are encoded on the wire (pdkv/codec): none, zstd (exact) or a lossy one. Validated here;
+    # the sender/receiver do not apply it yet (the integration plan is pdkv/codec/__init__.py's docstring).
+    codec: Annotated[str, Meta(pattern=CODEC_NAME_PATTERN)] = "none"
+
+    def __post_init__(self) -> None:
+        codec_class(self.codec)  # an optional codec whose extra is not installed fails here, naming the extra
 
 
 class ChannelConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -287,6 +294,9 @@ def convert_config(raw: dict[str, Any], source: str = "config") -> PdkvConfig:
         field = path.lstrip(".") or "?"
         expected = _PATH.sub("", text).rstrip(" -")
         raise ConfigError(f"{source}: field '{field}' = {_lookup(raw, path)!r}: {expected}") from None
+    why = codec_class(config.transfer.codec).unsupported_dtype(config.dtype)
+    if why and config.engine == "reference":  # vLLM's KV dtype is vLLM's: checked when the connector builds the codec
+        raise ConfigError(f"{source}: field 'transfer.codec' = {config.transfer.codec!r} does not fit dtype {config.dtype!r}: {why}")
     if "secret" in config.channel.options:  # one secret for both planes; ``channel_options`` hands it to the channel
         raise ConfigError(f"{source}: field 'channel.options.secret' is not an option: set the top-level `secret`, which guards the channel too")
     return config

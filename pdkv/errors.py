@@ -55,6 +55,10 @@ class ChecksumError(TransferError):
     """A chunk landed with bytes that do not match the checksum the sender computed."""
 
 
+class CodecError(TransferError):
+    """An encoded chunk is malformed (bad header, a length that does not fit its shape) or cannot be encoded as asked."""
+
+
 class TransferTimeout(TransferError, TimeoutError):
     """A wait for a peer, a reservation, a chunk or a completion ran past its timeout."""
 

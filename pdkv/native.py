@@ -1,5 +1,8 @@
 """Native paged gather/scatter (csrc/kvcopy.cpp), falling back to the torch path.
 
+The same extension carries the KV codec kernels (csrc/kvcodec.cpp), which
+pdkv.codec.kernels calls through ``extension()`` with the same fallback rule.
+
 ``gather``/``scatter`` here have exactly the signatures of
 :func:`pdkv.layout.gather` / :func:`pdkv.layout.scatter` and produce the same
 bytes; they are faster because each byte is copied once, with memcpy over the
@@ -46,8 +49,8 @@ ENV_VAR = "PDKV_NATIVE"
 """Set to 0 (or false/off/no) to never build or use the extension."""
 
 _MODULE_NAME = "pdkv_kvcopy"
-_HEADERS = ("kvcopy.h",)
-_CPU_SOURCES = ("kvcopy.cpp",)
+_HEADERS = ("kvcopy.h", "kvcodec.h", "workshare.h")
+_CPU_SOURCES = ("kvcopy.cpp", "kvcodec.cpp")
 _CUDA_SOURCES = ("kvcopy_cuda.cu",)
 
 _lock = threading.Lock()
@@ -58,6 +61,11 @@ _loaded: tuple[ModuleType | None, str | None] | None = None
 def available() -> bool:
     """Whether calls use the native extension (builds it on first call)."""
     return _state()[0] is not None
+
+
+def extension() -> ModuleType | None:
+    """The loaded extension module, or None when calls take the torch path (builds it on first call)."""
+    return _state()[0]
 
 
 def reason() -> str | None:
@@ -179,7 +187,9 @@ def _build(sources: Path) -> ModuleType:
     cuda_version = torch.version.cuda  # None on CPU-only torch builds
     with_cuda = cuda_version is not None and torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
     names = _CPU_SOURCES + (_CUDA_SOURCES if with_cuda else ())
-    cflags = ["-O3"] + (["-DPDKV_WITH_CUDA"] if with_cuda else [])
+    # No fused multiply-add: the codec kernels must round exactly like their torch twins; no FP traps
+    # assumed, so their selects vectorize (csrc/kvcodec.cpp). Neither changes any IEEE result.
+    cflags = ["-O3", "-ffp-contract=off", "-fno-trapping-math"] + (["-DPDKV_WITH_CUDA"] if with_cuda else [])
     cuda_cflags = ["-O3", "-DPDKV_WITH_CUDA"] if with_cuda else []
 
     digest = hashlib.sha256()
