@@ -131,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--codecs", default="", help="codecs to measure (comma-separated; default all; none is always the reference)")
     co.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded from each prompt's KV for the fidelity measure")
     co.add_argument("--repeats", type=int, default=5, help="timed repeats of encode, decode and memcpy")
-    co.add_argument("--plot", default=None, metavar="FILE.png", help="also draw bytes ratio vs KL and GB/s (needs matplotlib)")
+    co.add_argument("--prompts", type=int, default=0, help="use only the first N of the fixed prompts (0: all six)")
     co.add_argument("--json", action="store_true")
     co.set_defaults(target="pdkv.bench.codec:run")
     ro = bsub.add_parser("router", help="the router's added latency and requests/s against doing its hops directly (trivial backend)")

@@ -30,6 +30,7 @@ BENCHES: dict[str, list[str]] = {
     "router": ["--requests", "20", "--concurrency", "4"],
     "transfer": ["--channel", "tcp", "--scenarios", "40x2", "--repeats", "1"],
     "pd": ["--model", TINY_MODEL, "--tokens", "64", "--repeats", "1"],
+    "codec": ["--model", TINY_MODEL, "--dtypes", "float32", "--codecs", "fp8,zstd", "--decode-tokens", "4", "--repeats", "1", "--prompts", "1"],
     "kv-routing": ["--model", TINY_MODEL, "--blocks", "2000", "--prefill-workers", "2", "--conversations", "1", "--max-blocks", "4", "--block-tokens", "8"],
 }
 PNG = b"\x89PNG\r\n\x1a\n"

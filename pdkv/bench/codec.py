@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from pdkv.bench import plot
 from pdkv.bench.gather import FLUSH_BYTES
 from pdkv.codec import CODECS, Codec, codec_class, make_codec
 from pdkv.engine.base import EngineAdapter, Request
@@ -111,9 +112,11 @@ class Prompt:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = measure(model=args.model, dtypes=_split(args.dtypes), codecs=_split(args.codecs) or None, decode_tokens=args.decode_tokens, repeats=args.repeats)
+    plot.check(args.plot)
+    prompts = PROMPTS[: args.prompts] if args.prompts > 0 else PROMPTS
+    report = measure(model=args.model, dtypes=_split(args.dtypes), codecs=_split(args.codecs) or None, decode_tokens=args.decode_tokens, repeats=args.repeats, prompts=prompts)
     if args.plot:
-        plot(report, args.plot)
+        draw(report, args.plot)
     print(json.dumps(report) if args.json else format_table(report))
     return 0
 
@@ -360,15 +363,9 @@ def format_table(report: Report) -> str:
     return "\n".join(lines)
 
 
-def plot(report: Report, path: str) -> None:
-    """Bytes ratio against mean KL per codec and dtype, and encode/decode GB/s, as one PNG."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install matplotlib") from None
+def draw(report: Report, path: str) -> None:
+    """Bytes ratio against mean KL per codec and dtype, and encode/decode GB/s, as one picture."""
+    plt = plot.pyplot()
     short = {"float32": "f32", "bfloat16": "bf16"}
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for dtype, marker in zip(DTYPES, "os", strict=True):

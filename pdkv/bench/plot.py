@@ -19,7 +19,7 @@ from pdkv.errors import ConfigError
 EXTRA = "plot"
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     try:
         import matplotlib
     except ModuleNotFoundError:
@@ -34,7 +34,7 @@ def check(path: str | None) -> None:
     """Fail now (not after the benchmark) if ``path`` cannot be drawn to."""
     if path is None:
         return
-    _pyplot()
+    pyplot()
     target = Path(path)
     if target.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise ConfigError(f"--plot {path}: expected a file name ending in .png, .svg or .pdf")
@@ -44,7 +44,7 @@ def check(path: str | None) -> None:
 
 def lines(path: str, title: str, xlabel: str, ylabel: str, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], note: str = "") -> None:
     """One line per series (label -> (xs, ys)) against a size in bytes: x is logarithmic, ticks read "4 KiB"."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for label, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o", label=label)
@@ -57,7 +57,7 @@ def lines(path: str, title: str, xlabel: str, ylabel: str, series: Mapping[str, 
 
 def bars(path: str, title: str, ylabel: str, categories: Sequence[str], series: Mapping[str, Sequence[float]], note: str = "") -> None:
     """Grouped bars: one group per category, one bar per series (label -> one value per category)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(min(14.0, max(6.0, 0.45 * len(categories) * max(1, len(series)) + 2)), 4.6))
     width = 0.8 / max(1, len(series))
     for i, (label, values) in enumerate(series.items()):
