@@ -24,6 +24,7 @@ the loop thread.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -96,7 +97,7 @@ class ControlLoop:
         next_tick = time.monotonic() + self.tick_s
         while not self._stop.is_set():
             try:
-                timeout_ms = max(0, round((next_tick - time.monotonic()) * 1000))
+                timeout_ms = max(0, math.ceil((next_tick - time.monotonic()) * 1000))  # round() spun on 0 ms polls for the last half millisecond
                 for target, _ in self._poller.poll(timeout_ms):
                     handler = self._handlers.get(target)
                     if handler is not None:
