@@ -23,6 +23,7 @@ the loop thread.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import queue
@@ -42,6 +43,7 @@ from pdkv.wakeup import Waker
 log = logging.getLogger(__name__)
 
 _DRAIN_BATCH = 256  # messages read from one socket per wake-up, so one busy peer cannot starve the rest
+_REBIND_WAIT_S = 2.0  # how long a given control port may still be held by a socket closing in this process
 # How long a closed DEALER keeps trying to deliver what was queued on it (the Cancel of a reservation we
 # gave up on, the last Done/Cancel at close) before it is discarded: leases cover the rest.
 _CLOSE_LINGER_MS = 200
@@ -145,11 +147,25 @@ class RouterSocket:
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         if port:
-            self._sock.bind(f"tcp://{host}:{port}")
+            self._bind(f"tcp://{host}:{port}")
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         loop.watch(self._sock, self._drain)
+
+    def _bind(self, address: str) -> None:
+        """Bind a given port, waiting out a socket on it that is still closing (ZeroMQ closes in the background:
+        a receiver restarted on its old address in the same process found the port taken for a moment)."""
+        deadline = time.monotonic() + _REBIND_WAIT_S
+        while True:
+            try:
+                self._sock.bind(address)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                    self._sock.close(0)
+                    raise
+            time.sleep(0.02)
 
     def send(self, identity: bytes, msg: protocol.Message) -> None:
         """Send on the loop thread (call through ``ControlLoop.call_soon`` from any other)."""
