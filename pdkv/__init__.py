@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 if TYPE_CHECKING:
     from pdkv.cache_engine import KVCacheEngine

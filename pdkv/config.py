@@ -48,8 +48,8 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True):
     heartbeat_s: Seconds = 1.0
     claim_timeout_s: Seconds = 60.0
     drain_timeout_s: Seconds = 10.0
-    # How staged chunks are encoded on the wire (pdkv/codec): none, zstd (exact) or a lossy one. Validated here;
-    # the sender/receiver do not apply it yet (the integration plan is pdkv/codec/__init__.py's docstring).
+    # How staged chunks are encoded on the wire (pdkv/codec): none, zstd (exact) or a lossy one. A request with a
+    # codec always goes in staging mode (direct block writes stay raw); the receiver must offer it at Hello.
     codec: Annotated[str, Meta(pattern=CODEC_NAME_PATTERN)] = "none"
 
     def __post_init__(self) -> None:

@@ -50,6 +50,9 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
     # The sender's capability token for this receiver: its data connections present it, and the receiver
     # grants each of its reservations' blocks to that token alone (``pdkv.channels.base.Grants``).
     data_token: Annotated[bytes, Meta(max_length=64)] = b""
+    # The KV codecs this side can run for its layout (``pdkv.codec.available_codecs``): a sender configured
+    # with one the receiver lacks is refused at the handshake, not at its first request.
+    codecs: Annotated[list[Annotated[str, Meta(max_length=32)]], Meta(max_length=64)] = []
 
 
 class Auth(msgspec.Struct, tag="auth", forbid_unknown_fields=True):
@@ -73,11 +76,12 @@ class Reserve(msgspec.Struct, tag="reserve", forbid_unknown_fields=True):
     num_tokens: Annotated[int, Meta(ge=1, le=1 << 40)]
     prompt_key: Annotated[bytes, Meta(max_length=64)] = b""
     proof: Annotated[bytes, Meta(max_length=64)] = b""
+    codec: Annotated[str, Meta(max_length=32)] = "none"  # how this request's chunks are encoded (staging mode only)
 
 
-def reserve_fields(msg: Reserve) -> tuple[bytes, bytes, bytes]:
+def reserve_fields(msg: Reserve) -> tuple[bytes, bytes, bytes, bytes]:
     """What a Reserve's ``proof`` covers, in order."""
-    return msg.request_id.encode(), msg.num_tokens.to_bytes(8, "little"), msg.prompt_key
+    return msg.request_id.encode(), msg.num_tokens.to_bytes(8, "little"), msg.prompt_key, msg.codec.encode()
 
 
 class Reserved(msgspec.Struct, tag="reserved", forbid_unknown_fields=True):
@@ -151,6 +155,7 @@ class ChunkNotice(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     chunk_index: NonNegInt
     checksum: NonNegInt
     slot: int  # staging slot index, or -1 for a direct write
+    nbytes: NonNegInt = 0  # bytes written into the slot (an encoded chunk's frame); 0 for a direct write
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -179,9 +184,13 @@ def decode_notice(data: bytes) -> ChunkNotice:
         raise ProtocolError(f"malformed chunk notification: {exc}") from None
 
 
-def make_hello(agent: str, channel: str, channel_metadata: bytes, fingerprint: str, layout: KVLayout, chunk_size: int, kv_regions: list[int], staging_region: int) -> Hello:
+def make_hello(
+    agent: str, channel: str, channel_metadata: bytes, fingerprint: str, layout: KVLayout, chunk_size: int, kv_regions: list[int], staging_region: int,
+    codecs: tuple[str, ...] | list[str] = ("none",),
+) -> Hello:
     """Our side's Hello: identical construction for sender and receiver (nonce and proof are added per peer)."""
     return Hello(
+        codecs=list(codecs),
         protocol_version=PROTOCOL_VERSION,
         agent=agent,
         model_fingerprint=fingerprint,

@@ -53,6 +53,8 @@ from pdkv.auth import new_nonce, proof, verify, verify_bound
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.base import Channel, Notification, Range
 from pdkv.checksum import checksum
+from pdkv.codec import Codec, available_codecs, make_codec
+from pdkv.codec import slot_bytes as codec_slot_bytes
 from pdkv.config import TransferConfig
 from pdkv.control import ControlLoop, RouterSocket
 from pdkv.errors import ChecksumError, HandshakeError, NotAnnouncedError, OutOfBlocksError, PdkvError, PromptMismatchError, ProtocolError, TransferCancelled, TransferError, TransferTimeout
@@ -108,6 +110,7 @@ class _Target:
     chunk_size: int
     kv_regions: list[int]
     staging_region: int
+    codecs: dict[str, Codec]  # what this side decodes (offered in its Hello)
 
     def block_ranges(self, blocks: list[int]) -> list[Range]:
         """Byte ranges of ``blocks`` in every buffer tensor, in wire order, adjacent blocks as one range."""
@@ -136,6 +139,7 @@ class IncomingTransfer:
     lease_deadline: float
     token: bytes  # the sender's capability: what its blocks and slots are granted to
     prompt_key: bytes = b""
+    codec: str = "none"  # how its staged chunks arrive
     revoked: bool = False  # its grants were taken back: the sender can no longer write into it
     state: State = State.RECEIVING
     landed: set[int] = field(default_factory=set)
@@ -160,12 +164,19 @@ class IncomingTransfer:
         else:
             if not 0 <= notice.slot < len(self.slots):
                 raise TransferError(f"chunk {idx} names staging slot {notice.slot}, request has {len(self.slots)}")
+            codec = target.codecs[self.codec]
+            wire = notice.nbytes
+            if not (wire == nbytes if codec.passthrough else 0 < wire <= target.slot_bytes):  # checked before the slot is read
+                raise TransferError(f"chunk {idx} claims {wire} bytes in its slot ({self.codec!r} chunk of {n} tokens, slots of {target.slot_bytes})")
             base = self.slots[notice.slot] * target.slot_bytes
-            got = checksum([target.staging_view[base : base + nbytes]])
+            got = checksum([target.staging_view[base : base + wire]])
         if got != notice.checksum:
             raise ChecksumError(f"chunk {idx} of request {self.request_id!r} failed its checksum (sent {notice.checksum:#x}, landed {got:#x})")
         if self.mode == "staging":
-            chunk = target.staging[base : base + nbytes].view(target.layout.torch_dtype).view(target.layout.chunk_shape(n))
+            if codec.passthrough:
+                chunk = target.staging[base : base + nbytes].view(target.layout.torch_dtype).view(target.layout.chunk_shape(n))
+            else:  # a frame that does not decode to exactly this chunk raises CodecError (a TransferError)
+                chunk = codec.decode(target.staging[base : base + wire], codec.scratch("raw", target.layout.chunk_shape(n), target.layout.torch_dtype))
             scatter(target.layout, target.kv, self.blocks, start, chunk)
         self.landed.add(idx)
         return nbytes
@@ -202,7 +213,8 @@ class KVReceiver:
         self.config = config or TransferConfig()
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self._unproven: dict[bytes, tuple[Hello, bytes]] = {}  # identity -> (its Hello, our nonce)
-        slot_bytes = layout.chunk_bytes(self.config.chunk_size)
+        codecs = {name: make_codec(name, layout) for name in available_codecs(layout)}
+        slot_bytes = codec_slot_bytes(layout, self.config.chunk_size, list(codecs.values()))  # any offered codec's frame fits
         staging = torch.zeros(self.config.staging_slots * slot_bytes, dtype=torch.uint8)
         self.kv_regions = [channel.register(t) for t in kv]
         self.staging_region = channel.register(staging)
@@ -214,7 +226,7 @@ class KVReceiver:
                 "its reservations; with peers you do not trust, use the tcp channel or a shared secret", channel.name
             )
         self.target = _Target(
-            layout, kv, [byte_view(t) for t in kv], num_blocks, staging, byte_view(staging), slot_bytes, self.config.chunk_size, self.kv_regions, self.staging_region
+            layout, kv, [byte_view(t) for t in kv], num_blocks, staging, byte_view(staging), slot_bytes, self.config.chunk_size, self.kv_regions, self.staging_region, codecs
         )
         native.available()  # build or load csrc/ now, not inside the first transfer
         self._free_slots = list(range(self.config.staging_slots))
@@ -235,7 +247,8 @@ class KVReceiver:
     # -- public API -----------------------------------------------------------
     def hello(self) -> Hello:
         return protocol.make_hello(
-            self.channel.agent_name, self.channel.name, self.channel.metadata(), self.fingerprint, self.layout, self.config.chunk_size, self.kv_regions, self.staging_region
+            self.channel.agent_name, self.channel.name, self.channel.metadata(), self.fingerprint, self.layout, self.config.chunk_size, self.kv_regions, self.staging_region,
+            list(self.target.codecs),
         )
 
     def wait(self, request_id: str, timeout: float | None = None, prompt_key: bytes | None = None) -> ReceivedKV:
@@ -405,6 +418,9 @@ class KVReceiver:
             self.counters["auth_failures"] += 1
             return Refused(req.request_id, "the Reserve's proof does not check out: it was not made by the peer that proved the shared secret")
         cfg = self.config
+        if req.codec not in self.target.codecs:
+            self.counters["refused"] += 1
+            return Refused(req.request_id, f"codec {req.codec!r} is not one this receiver decodes ({', '.join(self.target.codecs)})")
         with self._lock:
             if req.request_id in self._res or req.request_id in self._gone:
                 self.counters["refused"] += 1
@@ -426,7 +442,7 @@ class KVReceiver:
                     retryable=self.layout.blocks_for(req.num_tokens) <= peer_cap,
                 )
             num_chunks = -(-req.num_tokens // cfg.chunk_size)
-            direct = peer.layout == self.layout and cfg.chunk_size % self.layout.block_size == 0
+            direct = peer.layout == self.layout and cfg.chunk_size % self.layout.block_size == 0 and req.codec == "none"
             want_slots = 0 if direct else min(cfg.slots_per_request, num_chunks)
             if want_slots > len(self._free_slots):
                 self.counters["refused"] += 1
@@ -441,7 +457,7 @@ class KVReceiver:
             now = time.monotonic()
             r = self._res[req.request_id] = IncomingTransfer(
                 req.request_id, identity, peer.agent, req.num_tokens, blocks, slots,
-                "direct" if direct else "staging", num_chunks, now, now + cfg.lease_s, peer.token, req.prompt_key,
+                "direct" if direct else "staging", num_chunks, now, now + cfg.lease_s, peer.token, req.prompt_key, req.codec,
             )  # fmt: skip
             self.channel.grant(peer.token, "write", self._granted(r))
             self.counters["reserved"] += 1

@@ -56,6 +56,8 @@ from pdkv import native, protocol
 from pdkv.auth import bound_proof, new_nonce, proof, verify
 from pdkv.channels.base import Channel, TransferHandle, TransferOp, XferState
 from pdkv.checksum import checksum
+from pdkv.codec import Codec, make_codec
+from pdkv.codec import slot_bytes as codec_slot_bytes
 from pdkv.config import TransferConfig
 from pdkv.control import ControlLoop, DealerSockets
 from pdkv.errors import HandshakeError, PdkvError, ReservationError, TransferCancelled, TransferError, TransferTimeout
@@ -130,8 +132,9 @@ class OutgoingTransfer:
     ``on_settled`` callbacks run.
     """
 
-    def __init__(self, sender: KVSender, peer: _Peer, request_id: str, num_tokens: int, block_table: Sequence[int], reserved: Reserved) -> None:
+    def __init__(self, sender: KVSender, peer: _Peer, request_id: str, num_tokens: int, block_table: Sequence[int], reserved: Reserved, codec: Codec) -> None:
         self._sender = sender
+        self.codec = codec  # how staged chunks go on the wire (``none``: as they are)
         self._cond = sender._cond
         self.peer = peer
         self.request_id = request_id
@@ -150,6 +153,7 @@ class OutgoingTransfer:
         self.error: TransferError | None = None
         self.settled = False  # Done or Cancel sent: no more writes from us
         self.bytes_sent = 0
+        self.wire_bytes = 0  # what the channel carried: less than bytes_sent with a compressing codec
         self.started = 0.0  # first chunk posted: transfer time excludes the wait for compute before it
         self.opened = time.monotonic()  # reservation granted: transfer_timeout_s counts from here, as on the receiver
         self.renewed = self.opened  # last heartbeat posted for it: the receiver's lease runs from about here
@@ -181,7 +185,8 @@ class OutgoingTransfer:
         local_slot, remote_slot = self._take_credit(index, nbytes, staging, timeout)
         try:
             ops, digest = self._staged_ops(local_slot, remote_slot, start, n) if staging else self._direct_ops(start, n)
-            notice = protocol.encode(ChunkNotice(self.request_id, index, digest, remote_slot))
+            wire = sum(op.length for op in ops)
+            notice = protocol.encode(ChunkNotice(self.request_id, index, digest, remote_slot, wire if staging else 0))
             handle = sender.channel.write(self.peer.agent, ops, notice, token=self.peer.token)
         except Exception as exc:
             err = exc if isinstance(exc, TransferError) else TransferError(f"posting chunk {index} of {self.request_id!r} failed: {exc}")
@@ -194,6 +199,9 @@ class OutgoingTransfer:
             self.posting -= 1
             self.writes += 1
             self.bytes_sent += nbytes
+            self.wire_bytes += wire
+            sender.counters["bytes_raw"] += nbytes
+            sender.counters["bytes_wire"] += wire
         handle.add_done_callback(lambda h: sender.loop.call_soon(lambda: self._written(h, nbytes, local_slot)))
 
     def send_all(self) -> None:
@@ -284,11 +292,18 @@ class OutgoingTransfer:
         return ops, digest
 
     def _staged_ops(self, local_slot: int, remote_slot: int, start: int, n: int) -> tuple[list[TransferOp], int]:
+        """Gather the chunk into our slot (through the codec, when one encodes it); the checksum covers the wire bytes."""
         src = self._sender.source
+        layout = src.layout
         base = local_slot * src.slot_bytes
-        nbytes = src.layout.chunk_bytes(n)
-        out = src.staging[base : base + nbytes].view(src.layout.torch_dtype).view(src.layout.chunk_shape(n))
-        gather(src.layout, src.kv, self.block_table, start, n, out=out)
+        if self.codec.passthrough:
+            nbytes = layout.chunk_bytes(n)
+            out = src.staging[base : base + nbytes].view(layout.torch_dtype).view(layout.chunk_shape(n))
+            gather(layout, src.kv, self.block_table, start, n, out=out)
+        else:
+            raw = self.codec.scratch("raw", layout.chunk_shape(n), layout.torch_dtype)
+            gather(layout, src.kv, self.block_table, start, n, out=raw)
+            nbytes = self.codec.encode(raw, src.staging[base : base + src.slot_bytes])
         digest = checksum([byte_view(src.staging)[base : base + nbytes]])
         assert self.peer.hello is not None
         op = TransferOp(src.staging_region, base, self.peer.hello.staging_region, self.remote_slots[remote_slot], nbytes)
@@ -380,7 +395,9 @@ class KVSender:
         kv = list(kv_tensors)
         num_blocks = layout.validate_buffer(kv)
         native.available()  # build or load csrc/ now, not inside the first transfer
-        slot_bytes = layout.chunk_bytes(self.config.chunk_size)
+        # ``none`` and the configured codec: a request uses one of the two (``open(codec=...)``)
+        self.codecs: dict[str, Codec] = {name: make_codec(name, layout) for name in dict.fromkeys(("none", self.config.codec))}
+        slot_bytes = codec_slot_bytes(layout, self.config.chunk_size, list(self.codecs.values()))
         n_slots = max(1, self.config.max_inflight_bytes // slot_bytes)
         staging = torch.zeros(n_slots * slot_bytes, dtype=torch.uint8)
         self.source = _Source(
@@ -405,15 +422,23 @@ class KVSender:
     def hello(self) -> Hello:
         src = self.source
         return protocol.make_hello(
-            self.channel.agent_name, self.channel.name, self.channel.metadata(), self.fingerprint, src.layout, self.config.chunk_size, src.kv_regions, src.staging_region
+            self.channel.agent_name, self.channel.name, self.channel.metadata(), self.fingerprint, src.layout, self.config.chunk_size, src.kv_regions, src.staging_region,
+            list(self.codecs),
         )
 
-    def open(self, request_id: str, address: str, num_tokens: int, block_table: Sequence[int], prompt_key: bytes = b"") -> OutgoingTransfer:
+    def open(
+        self, request_id: str, address: str, num_tokens: int, block_table: Sequence[int], prompt_key: bytes = b"", codec: str | None = None
+    ) -> OutgoingTransfer:
         """Handshake (once per receiver) and reserve room for the whole request there.
 
         ``prompt_key``: the chained key of the prompt whose KV this is (``pdkv.keys.chunk_keys(...)[-1]``);
         it travels in the Reserve, so the decode side adopts this KV only for that prompt.
+        ``codec``: ``none`` or the configured ``transfer.codec`` (the default) for this request's chunks;
+        any codec but ``none`` makes the receiver grant staging mode (direct writes stay raw).
         """
+        codec = self.config.codec if codec is None else codec
+        if codec not in self.codecs:
+            raise ReservationError(f"request {request_id!r}: codec {codec!r} is not this sender's; it runs {' or '.join(self.codecs)} (transfer.codec)")
         if num_tokens <= 0:
             raise ReservationError(f"request {request_id!r}: nothing to transfer (num_tokens={num_tokens})")
         if len(block_table) < self.layout.blocks_for(num_tokens):
@@ -424,7 +449,7 @@ class KVSender:
         while True:
             peer = self._connect(address)
             try:
-                reply = self._reserve(peer, request_id, num_tokens, prompt_key)
+                reply = self._reserve(peer, request_id, num_tokens, prompt_key, codec)
             except TransferError as exc:
                 if rehandshaked or not peer.dropped or isinstance(exc, TransferTimeout):
                     raise
@@ -444,8 +469,8 @@ class KVSender:
                 continue
             self.counters["reservations_refused"] += 1
             raise ReservationError(f"receiver {address} refused request {request_id!r}: {reason}")
-        self._check_reserved(reply, num_tokens)
-        xfer = OutgoingTransfer(self, peer, request_id, num_tokens, block_table, reply)
+        self._check_reserved(reply, num_tokens, codec)
+        xfer = OutgoingTransfer(self, peer, request_id, num_tokens, block_table, reply, self.codecs[codec])
         with self._cond:
             self._transfers[request_id] = xfer
         return xfer
@@ -541,7 +566,7 @@ class KVSender:
             _answer(fut, err)
         self._dealers.close_peer(peer)
 
-    def _reserve(self, peer: _Peer, request_id: str, num_tokens: int, prompt_key: bytes) -> protocol.Message:
+    def _reserve(self, peer: _Peer, request_id: str, num_tokens: int, prompt_key: bytes, codec: str) -> protocol.Message:
         fut: Future[protocol.Message] = Future()
         with self._cond:
             if request_id in self._pending_reserve or request_id in self._transfers:
@@ -549,7 +574,7 @@ class KVSender:
             if peer.dropped:  # lost since the handshake: its socket is closed, a Reserve would go nowhere
                 raise TransferError(peer.dropped)
             self._pending_reserve[request_id] = (peer, fut)
-        msg = Reserve(request_id, num_tokens, prompt_key)
+        msg = Reserve(request_id, num_tokens, prompt_key, codec=codec)
         if self.secret and peer.hello is not None:
             msg.proof = bound_proof(self.secret, "reserve", peer.hello.nonce + peer.nonce, *reserve_fields(msg))
         self._send(peer, msg)
@@ -565,8 +590,10 @@ class KVSender:
             with self._cond:
                 self._pending_reserve.pop(request_id, None)
 
-    def _check_reserved(self, reply: Reserved, num_tokens: int) -> None:
+    def _check_reserved(self, reply: Reserved, num_tokens: int, codec: str) -> None:
         """A grant from the wire is checked before any write is built from it."""
+        if codec != "none" and reply.mode != "staging":
+            raise ReservationError(f"receiver granted {reply.mode} mode for a request encoded with {codec!r}: codecs need staging")
         peer_layout_blocks = -(-num_tokens // self.layout.block_size)
         if reply.mode == "direct" and len(reply.block_ids) < peer_layout_blocks:
             raise ReservationError(f"receiver granted {len(reply.block_ids)} blocks for {num_tokens} tokens")
@@ -629,6 +656,11 @@ class KVSender:
     def _on_hello(self, peer: _Peer, msg: Hello) -> None:
         try:
             protocol.check_compatible(self.hello(), msg)
+            if self.config.codec not in msg.codecs:
+                raise HandshakeError(
+                    f"receiver {peer.address} cannot decode transfer.codec {self.config.codec!r}: it offers {', '.join(msg.codecs) or 'none'} "
+                    "(install the codec's extra there, or set the same transfer.codec on both sides)"
+                )
             if self.secret and not verify(self.secret, "receiver", peer.nonce, msg.nonce, msg.auth):
                 self.counters["auth_failures"] += 1
                 raise HandshakeError(f"receiver {peer.address} did not prove the shared secret (missing or different `secret`)")

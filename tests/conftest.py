@@ -13,7 +13,7 @@ import torch
 
 from pdkv.bench.netrig import NetRig, unavailable
 from pdkv.blocks import BlockAllocator
-from pdkv.channels.mock import MockChannel
+from pdkv.channels import Channel, create_channel
 from pdkv.config import TransferConfig
 from pdkv.layout import KVLayout
 from pdkv.receiver import KVReceiver
@@ -91,14 +91,15 @@ class Pair:
     d_layout: KVLayout
     p_kv: list[torch.Tensor]
     d_kv: list[torch.Tensor]
-    p_channel: MockChannel
-    d_channel: MockChannel
+    p_channel: Channel
+    d_channel: Channel
     allocator: BlockAllocator
 
 
 @pytest.fixture
 def make_pair() -> Iterator[Callable[..., Pair]]:
-    """Factory of mock-channel pairs; on teardown asserts the receiver leaked nothing."""
+    """Factory of sender/receiver pairs in this process (mock channel unless told: ``channel="tcp"`` is real
+    sockets); on teardown asserts the receiver leaked nothing."""
     made: list[Pair] = []
 
     def make(
@@ -109,12 +110,13 @@ def make_pair() -> Iterator[Callable[..., Pair]]:
         d_blocks: int = 64,
         fingerprints: tuple[str, str] = ("model-a", "model-a"),
         secrets: tuple[str, str] = ("", ""),
+        channel: str = "mock",
     ) -> Pair:
         p_layout = p_layout or KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
         d_layout = d_layout or p_layout
         config = config or TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2)
         n = next(_names)
-        p_channel, d_channel = MockChannel(f"p{n}"), MockChannel(f"d{n}")
+        p_channel, d_channel = create_channel(channel, f"p{n}"), create_channel(channel, f"d{n}")
         p_kv, d_kv = p_layout.allocate(p_blocks), d_layout.allocate(d_blocks)
         gen = torch.Generator().manual_seed(n)
         for t in p_kv:

@@ -18,8 +18,9 @@ layout)`` builds it for a KV layout or says why it cannot.
 Measured ratios, speeds and fidelity on the default model: ``pdkv bench
 codec`` and benchmarks/RESULTS.md.
 
-Plugging a codec into the transfer path (pdkv/sender.py, receiver.py,
-protocol.py; written here because those files are being rewritten, issue 15):
+How the transfer path uses a codec (pdkv/sender.py, receiver.py, protocol.py),
+as built; where it differs from the plan it was written from, the difference
+is said:
 
 1. Negotiation. ``Hello`` gains ``codecs: list[str]``: the codecs this side can
    run for its layout (``available_codecs(layout)``). The sender's configured
@@ -53,11 +54,15 @@ protocol.py; written here because those files are being rewritten, issue 15):
    that. A ``CodecError`` (a ``TransferError``) fails the request like a
    checksum mismatch: its blocks are freed and D recomputes. Only then is
    ``Landed`` sent and the slot reused. Decode and scatter should run outside
-   the receiver's lock (today ``KVReceiver._on_notice`` calls ``land`` under
-   it): decoding a 256-token float32 chunk of the default model takes ~1 ms
-   on one core.
-6. Metrics: encoded bytes next to raw bytes, and encode/decode seconds, so
-   part 2 can see the achieved ratio and codec rates per peer.
+   the receiver's lock: NOT done yet, ``KVReceiver._on_notice`` still calls
+   ``land`` under it (decoding a 256-token float32 chunk of the default model
+   takes ~1 ms on one core).
+6. Metrics: the sender counts ``bytes_raw`` and ``bytes_wire`` (its
+   ``stats()``), so the achieved ratio is visible; encode/decode seconds are
+   not counted yet.
+7. As built: the sender holds ``none`` and its configured codec and may pick
+   either per request (``KVSender.open(codec=...)``); the receiver offers every
+   codec it can run and sizes its slots for the largest of their frames.
 
 What part 2 (bandwidth-aware disaggregation) needs from here: per codec the
 bytes ratio on this model's KV and the encode and decode rates (raw GB/s):
@@ -70,7 +75,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from pdkv.codec.base import Codec, register_id
+from pdkv.codec.base import Codec, align, register_id
 from pdkv.codec.lossless import NoneCodec, ZstdCodec
 from pdkv.codec.lossy import Bf16Codec, Fp8Codec, Fp16Codec, Int8Codec, Int8KiviCodec, K16V8Codec
 from pdkv.errors import ConfigError
@@ -104,6 +109,11 @@ def make_codec(name: str, layout: KVLayout) -> Codec:
     return codec_class(name)(layout)
 
 
+def slot_bytes(layout: KVLayout, chunk_size: int, codecs: list[Codec]) -> int:
+    """A staging slot's size: a raw chunk, or the largest frame any of ``codecs`` may write for one (a multiple of 16)."""
+    return align(max([layout.chunk_bytes(chunk_size), *(c.max_encoded_bytes(chunk_size) for c in codecs)]))
+
+
 def available_codecs(layout: KVLayout) -> list[str]:
     """Codecs this process can run for ``layout`` (installed, and made for its dtype): what Hello would offer."""
     out = []
@@ -113,4 +123,4 @@ def available_codecs(layout: KVLayout) -> list[str]:
     return out
 
 
-__all__ = ["CODECS", "CODEC_NAME_PATTERN", "Codec", "available_codecs", "codec_class", "codec_names", "make_codec"]
+__all__ = ["CODECS", "CODEC_NAME_PATTERN", "Codec", "available_codecs", "codec_class", "codec_names", "make_codec", "slot_bytes"]
