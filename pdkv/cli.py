@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("--model", default="default", help="model: 'default' or a path")
     pd.add_argument("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
     pd.add_argument("--repeats", type=int, default=3, help="measured requests per side, after one warm-up each")
+    pd.add_argument("--disaggregate", default="always", help="router.disaggregate modes to measure, comma-separated: always, never, auto")
+    pd.add_argument("--codec", default="none", help="the workers' transfer.codec (and the router's disaggregate_codec): none, fp8, zstd, ...")
     pd.add_argument("--json", action="store_true")
     pd.set_defaults(target="pdkv.bench.pd:run")
     co = bsub.add_parser("codec", help="KV codecs: bytes ratio, encode/decode GB/s against memcpy, fidelity on the default model")

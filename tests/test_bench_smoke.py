@@ -29,7 +29,7 @@ BENCHES: dict[str, list[str]] = {
     "ttft": ["--model", TINY_MODEL, "--prompt-tokens", "300", "--repeats", "1", "--trace-requests", "300", "--replay-conversations", "1"],
     "router": ["--requests", "20", "--concurrency", "4"],
     "transfer": ["--channel", "tcp", "--scenarios", "40x2", "--repeats", "1"],
-    "pd": ["--model", TINY_MODEL, "--tokens", "64", "--repeats", "1"],
+    "pd": ["--model", TINY_MODEL, "--tokens", "64", "--repeats", "1", "--disaggregate", "always,never,auto"],
     "codec": ["--model", TINY_MODEL, "--dtypes", "float32", "--codecs", "fp8,zstd", "--decode-tokens", "4", "--repeats", "1", "--prompts", "1"],
     "kv-routing": ["--model", TINY_MODEL, "--blocks", "2000", "--prefill-workers", "2", "--conversations", "1", "--max-blocks", "4", "--block-tokens", "8"],
 }

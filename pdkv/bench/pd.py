@@ -49,11 +49,11 @@ SECRET = "pdkv-bench-pd"
 MAX_TOKENS = 4
 
 
-def _config(model: str, tokens: int, path: Path) -> Path:
+def _config(model: str, tokens: int, path: Path, codec: str = "none") -> Path:
     """Room for one request (one sender may hold only ``max_peer_blocks_share`` of a receiver's blocks), tier off."""
     defaults = PdkvConfig()
     blocks = math.ceil(-(-(tokens + 64) // defaults.block_size) / defaults.transfer.max_peer_blocks_share) + 8
-    path.write_text(yaml.safe_dump({"model": model, "secret": SECRET, "num_blocks": blocks, "tier": {"enabled": False}}))
+    path.write_text(yaml.safe_dump({"model": model, "secret": SECRET, "num_blocks": blocks, "tier": {"enabled": False}, "transfer": {"codec": codec}}))
     return path
 
 
@@ -71,8 +71,8 @@ def ttft(url: str, prompt: list[int]) -> float:
 
 
 @contextmanager
-def _roles(placement: Placement, config: Path) -> Iterator[tuple[WorkerProcess, WorkerProcess, WorkerProcess, WorkerProcess]]:
-    """(router, prefill, decode, single), each started on its host with only its own address as ``--host``."""
+def _roles(placement: Placement, config: Path, modes: list[str], codec: str = "none") -> Iterator[tuple[dict[str, WorkerProcess], WorkerProcess, WorkerProcess, WorkerProcess]]:
+    """(a router per ``router.disaggregate`` mode, prefill, decode, single), each started on its host with only its own address as ``--host``."""
     hub: Host | None = placement.link.hub if placement.link is not None else None
     far: Host | None = placement.link.host if placement.link is not None else None
 
@@ -89,35 +89,62 @@ def _roles(placement: Placement, config: Path) -> Iterator[tuple[WorkerProcess, 
         started.append(prefill)
         single = start(hub, "decode", placement.sender_addr, "--config", str(config))  # a worker alone: any role computes a plain request
         started.append(single)
-        router = start(hub, "router", placement.sender_addr, "--prefill", prefill.url, "--decode", decode.url)
-        started.append(router)
-        yield router, prefill, decode, single
+        routers = {}
+        for mode in modes:
+            rcfg = config.with_name(f"router-{mode}.yaml")
+            rcfg.write_text(yaml.safe_dump({"secret": SECRET, "router": {"disaggregate": mode, "disaggregate_codec": "" if codec == "none" else codec}}))
+            routers[mode] = start(hub, "router", placement.sender_addr, "--config", str(rcfg), "--prefill", prefill.url, "--decode", decode.url)
+            started.append(routers[mode])
+        yield routers, prefill, decode, single
     finally:
         for worker in reversed(started):
             worker.stop()
 
 
-def measure(model: str, tokens: int, repeats: int, placement: Placement) -> dict[str, Any]:
-    """The result object of ``pdkv bench pd --json``; HTTP goes out from the first host."""
+def measure(model: str, tokens: int, repeats: int, placement: Placement, modes: list[str] | None = None, codec: str = "none") -> dict[str, Any]:
+    """The result object of ``pdkv bench pd --json``; HTTP goes out from the first host.
+
+    ``modes``: with more than ``always``, a router per ``router.disaggregate`` mode, each measured in turn
+    (``auto`` first serves a warm-up prompt each way, as it would in production). ``codec``: the workers'
+    ``transfer.codec`` (every transfer through ``always`` is encoded; ``auto`` may use it or not)."""
+    modes = modes or ["always"]
     prompt = [100 + (31 * i + 7) % 200 for i in range(tokens)]  # ids inside every model's vocabulary, the tiny test model's too
     with ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pdkv-bench-pd-")))
-        router, prefill, decode, single = stack.enter_context(_roles(placement, _config(model, tokens, tmp / "worker.yaml")))
+        routers, prefill, decode, single = stack.enter_context(_roles(placement, _config(model, tokens, tmp / "worker.yaml", codec), modes, codec))
         if placement.link is not None:
             stack.enter_context(placement.link.hub.entered())
         ttft(single.url, prompt)  # warm-ups: first requests pay one-off costs (connections, allocations)
-        ttft(router.url, prompt)
+        for mode, router in routers.items():
+            for _ in range((3 if codec != "none" else 2) if mode == "auto" else 1):
+                ttft(router.url, prompt)
         before = get_text(decode.url + "/metrics")
-        pd_times, single_times = [], []
+        times: dict[str, list[float]] = {mode: [] for mode in routers}
+        single_times = []
         for _ in range(repeats):
             single_times.append(ttft(single.url, prompt))
-            pd_times.append(ttft(router.url, prompt))
+            for mode, router in routers.items():
+                times[mode].append(ttft(router.url, prompt))
         after = get_text(decode.url + "/metrics")
         p_metrics = get_text(prefill.url + "/metrics")
+        ways = {mode: {w: metric(get_text(r.url + "/metrics"), "pdkv_router_disaggregation_total", way=w) for w in ("transfer", "transfer_codec", "local")} for mode, r in routers.items()}
     transferred = metric(after, "pdkv_prompt_tokens_total", source="transferred") - metric(before, "pdkv_prompt_tokens_total", source="transferred")
     fallbacks = metric(after, "pdkv_fallbacks_total") - metric(before, "pdkv_fallbacks_total")
     moved = metric(p_metrics, "pdkv_transfer_bytes_total")
-    pd_s, single_s = statistics.median(pd_times), statistics.median(single_times)
+    single_s = statistics.median(single_times)
+    if modes != ["always"] or codec != "none":
+        return {
+            "bench": "pd", "model": model, "tokens": tokens, "link": placement.label, "codec": codec,
+            "baseline": "one worker doing it all: the same prompt streamed straight to it, same run",
+            "results": [{
+                "link": placement.label, "disaggregate": mode, "ttft_s": statistics.median(times[mode]), "baseline_ttft_s": single_s,
+                "ratio": statistics.median(times[mode]) / single_s, "runs_s": times[mode], "ways": ways[mode],
+            } for mode in routers],
+            "baseline_runs_s": single_times, "transferred_tokens": transferred, "fallbacks": fallbacks,
+            "kv_bytes_transferred": moved, "load": os.getloadavg(),
+        }
+    pd_times = times["always"]
+    pd_s = statistics.median(pd_times)
     return {
         "bench": "pd",
         "model": model,
@@ -154,6 +181,10 @@ def _table(out: dict[str, Any]) -> str:
 def draw(out: dict[str, Any], path: str) -> None:
     """``--plot``: median TTFT through P/D beside one worker doing it all, per link measured."""
     rows = out["results"]
+    if "disaggregate" in rows[0]:
+        plot.bars(path, f"pdkv bench pd: {out['tokens']}-token prompt across {out['link']}, per router.disaggregate", "time to first token (s)",
+                  [r["disaggregate"] for r in rows], {"through the router": [r["ttft_s"] for r in rows], "baseline: one worker": [r["baseline_ttft_s"] for r in rows]})
+        return
     plot.bars(path, f"pdkv bench pd: {out['tokens']}-token prompt, P/D across a link vs one worker", "time to first token (s)",
               [r["link"] for r in rows], {"P/D through the router": [r["pd_ttft_s"] for r in rows], "baseline: one worker": [r["baseline_ttft_s"] for r in rows]})
 
@@ -161,10 +192,13 @@ def draw(out: dict[str, Any], path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.tokens < 1 or args.repeats < 1:
         raise PdkvError(f"bench pd: --tokens {args.tokens} and --repeats {args.repeats} must be positive")
+    bad = set(args.disaggregate.split(",")) - {"always", "never", "auto"}
+    if bad:
+        raise PdkvError(f"bench pd: --disaggregate {args.disaggregate!r}: {sorted(bad)} not among always, never, auto")
     plot.check(getattr(args, "plot", None))
     with bench_link(args.link) as placement:
-        out = measure(args.model, args.tokens, args.repeats, placement)
-    print(json.dumps(out) if args.json else _table(out))
+        out = measure(args.model, args.tokens, args.repeats, placement, args.disaggregate.split(","), args.codec)
+    print(json.dumps(out) if args.json or args.disaggregate != "always" else _table(out))
     if getattr(args, "plot", None):
         draw(out, args.plot)
     return 0

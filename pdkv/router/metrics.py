@@ -46,6 +46,9 @@ class RouterMetrics:
         self.hop = Histogram("pdkv_router_hop_seconds", "Time of one successful hop to a worker", ["hop"], buckets=LATENCY_BUCKETS, registry=r)
         self.retries = Counter("pdkv_router_retries", "Hops tried again on another worker, by the failure that caused it", ["hop", "reason"], registry=r)
         self.fallbacks = Counter("pdkv_router_fallbacks", "Requests whose decode worker computes the prompt itself, by why", ["reason"], registry=r)
+        self.disaggregation = Counter(
+            "pdkv_router_disaggregation", "How each prompt was served (router.disaggregate): transfer, transfer_codec or local, and why", ["way", "reason"], registry=r
+        )
         self.decisions = Counter("pdkv_router_decisions", "Worker choices by policy, role and reason", ["policy", "role", "reason"], registry=r)
         self.cancels = Counter("pdkv_router_transfer_cancels", "Abandoned transfers the router cancelled on a decode worker, by outcome (ok, refused, unanswered)", ["outcome"], registry=r)
         self.picks = Counter("pdkv_router_picks", "Hops sent to each worker", ["role", "worker"], registry=r)

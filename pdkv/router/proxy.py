@@ -49,6 +49,7 @@ from aiohttp import web
 from pdkv.config import HttpConfig, RouterConfig
 from pdkv.errors import UpstreamError, UpstreamRejected
 from pdkv.openai_wire import SSE_DONE, error_body, sse
+from pdkv.router.disaggregation import DecodeCosts, WayCost, decide
 from pdkv.router.metrics import ROLE, RouterMetrics
 from pdkv.router.modes import PairMode, decode_body, prefill_body
 from pdkv.router.policy import Policy, Prompt, describe_prompt
@@ -79,6 +80,7 @@ class _Call:
     arrived: float
     headers: dict[str, str]
     outcome: str = "cancelled"  # what pdkv_requests_total counts; stays so if the client goes away
+    way_cost: WayCost | None = None  # the way it was served, to learn from its first token (router.disaggregate)
 
 
 class Proxy:
@@ -98,6 +100,7 @@ class Proxy:
         self.spawn = spawn  # runs a coroutine that must outlive a cancelled handler
         self.tokenizer: Tokenizer | None = None  # router.tokenizer: prompts become the workers' token ids
         self._transfer_ids = itertools.count()
+        self._costs: dict[str, DecodeCosts] = {}  # per decode worker URL: what each way cost (router.disaggregate)
 
     async def generate(self, http: web.Request, path: str, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic()
@@ -169,10 +172,18 @@ class Proxy:
         done = False
         decode.inflight_requests += 1  # from the pick on: a burst must not all pick the same idle worker
         try:
-            if call.prompt.est_tokens < self.config.short_prompt_tokens:
+            cfg = self.config
+            costs = self._costs.setdefault(decode.url, DecodeCosts())
+            decision = decide(cfg.disaggregate, call.prompt.est_tokens, cfg.short_prompt_tokens, costs, bool(cfg.disaggregate_codec), cfg.disaggregate_explore_every)
+            costs.decided += 1
+            self.metrics.disaggregation.labels(decision.way, decision.reason).inc()
+            if decision.reason == "short_prompt":
                 self.metrics.decisions.labels(self.policy.name, "prefill", "short_prompt").inc()
-            else:
-                params, transfer_id = await self._prefill(call, decode, failures)
+            if decision.transfer:
+                codec = cfg.disaggregate_codec if decision.way == "transfer_codec" else None
+                params, transfer_id = await self._prefill(call, decode, failures, codec)
+            if params is not None or not decision.transfer:  # a fallback to local is no sample of either way
+                call.way_cost = costs.cost(decision.way)
             response = await self._decode(call, decode, params)
             done = True
             return response
@@ -181,7 +192,7 @@ class Proxy:
             if transfer_id is not None and not done:
                 self._abandon(decode, transfer_id)
 
-    async def _prefill(self, call: _Call, decode: WorkerState, failures: list[str]) -> tuple[dict[str, Any] | None, str | None]:
+    async def _prefill(self, call: _Call, decode: WorkerState, failures: list[str], codec: str | None = None) -> tuple[dict[str, Any] | None, str | None]:
         """The decode hop's ``kv_transfer_params`` and transfer id; (None, None): decode alone."""
         tried: list[WorkerState] = []
         last: UpstreamError | None = None
@@ -194,6 +205,8 @@ class Proxy:
             tried.append(prefill)
             transfer_id = f"{call.request_id}-{next(self._transfer_ids)}"
             params = await self.mode.prefill_params(self.pool, decode, transfer_id)  # an UpstreamError here is the decode worker's
+            if codec:
+                params["codec"] = codec  # P encodes this request's chunks with it (its transfer.codec)
             done = False
             try:
                 answer = await self._prefill_hop(call, prefill, params)
@@ -264,7 +277,10 @@ class Proxy:
             try:
                 await out.prepare(call.http)
                 await out.write(first)
-                self.metrics.ttft.labels(ROLE).observe(time.monotonic() - call.arrived)
+                ttft = time.monotonic() - call.arrived
+                self.metrics.ttft.labels(ROLE).observe(ttft)
+                if call.way_cost is not None:
+                    call.way_cost.observe(ttft, call.prompt.est_tokens, self.config.disaggregate_weight)
                 try:
                     # the client has bytes: a worker marked down mid-answer is waited for (a frozen one
                     # may thaw) until read_timeout_s; a retry could only end the answer with an error

@@ -4,7 +4,9 @@ Both roles serve the same OpenAI API; what differs is what ``kv_transfer_params`
 in a request makes them do, in the shape vLLM's disaggregated proxies use:
 
 * prefill, ``{"do_remote_decode": true, "remote_host", "remote_port",
-  "transfer_id"}``: load the prompt's cached prefix from the cache tier
+  "transfer_id"}`` (and ``"codec"``: one of this worker's codecs, ``none`` or
+  its ``transfer.codec``, for this request's chunks; the router's
+  ``disaggregate: auto`` sends it): load the prompt's cached prefix from the cache tier
   (``pdkv.worker.tiering``), reserve room on that decode worker's receiver,
   compute the rest chunk by chunk while each chunk, loaded or computed, is
   pushed, return the first token with the ``kv_transfer_params`` the decode
@@ -360,7 +362,8 @@ class Worker:
             error = "kv_transfer_params has no remote_host/remote_port of the decode worker's receiver"
         else:
             key = self._prompt_key(request.prompt_token_ids)
-            opening = asyncio.ensure_future(asyncio.to_thread(self.sender.open, transfer_id, f"tcp://{host}:{port}", n, request.block_table, key))
+            codec = kv.get("codec") if isinstance(kv.get("codec"), str) else None  # the router's per-request choice
+            opening = asyncio.ensure_future(asyncio.to_thread(self.sender.open, transfer_id, f"tcp://{host}:{port}", n, request.block_table, key, codec))
             try:
                 xfer = await asyncio.shield(opening)
             except PeerUnreachableError as exc:  # the channel warned and counted it at the handshake
