@@ -70,11 +70,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pdkv.channels.tcp import DATA, HDR_SIZE, HEADER, NOTIF_FOLLOWS, READ_REQ
-from pdkv.auth import control_token
-from pdkv.launch.procs import WorkerProcess, start_worker
 
+from pdkv.auth import control_token
+from pdkv.channels.tcp import DATA, HDR_SIZE, HEADER, NOTIF_FOLLOWS, READ_REQ
 from pdkv.demo import metric
+from pdkv.launch.procs import WorkerProcess, start_worker
 
 MAX_TOKENS = 8
 SAMPLE_S = 0.2  # how often the decode workers' KV counters are read

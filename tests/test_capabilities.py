@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest

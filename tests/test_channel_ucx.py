@@ -12,10 +12,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from test_channel_nixl import REGION, Peer, channel_factory, pattern  # the shared peer-process harness
 
 from pdkv.channels import Channel, TransferOp, XferState
 from pdkv.errors import ChannelError, TransferTimeout
-from test_channel_nixl import REGION, Peer, channel_factory, pattern  # the shared peer-process harness
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("ucxx") is None, reason="the 'ucx' extra is not installed: pip install 'pdkv[ucx]'"

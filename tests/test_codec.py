@@ -21,7 +21,7 @@ import torch
 
 from pdkv import native
 from pdkv.codec import CODECS, available_codecs, codec_names, make_codec
-from pdkv.codec.base import ALIGN, _HEADER, _SECTION, Codec, align
+from pdkv.codec.base import _HEADER, _SECTION, ALIGN, Codec, align
 from pdkv.config import TransferConfig, load_config
 from pdkv.errors import CodecError, ConfigError
 from pdkv.layout import KVLayout

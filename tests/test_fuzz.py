@@ -21,6 +21,8 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from pdkv import protocol
 from pdkv.channels import TransferOp, tcp
 from pdkv.channels.tcp import (
     HEADER,
@@ -32,8 +34,6 @@ from pdkv.channels.tcp import (
     TcpChannel,
     TcpOptions,
 )
-
-from pdkv import protocol
 from pdkv.errors import ProtocolError
 from tests.conftest import Pair, wait_until
 

@@ -45,7 +45,7 @@ from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.testing import write_tiny_model
 from pdkv.errors import TransferError, TransferTimeout
 from pdkv.layout import KVLayout, gather
-from pdkv.protocol import Done, Hello, decode_notice
+from pdkv.protocol import Done, decode_notice
 from pdkv.receiver import KVReceiver
 from pdkv.router.app import Router
 from pdkv.sender import KVSender

@@ -19,12 +19,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 from multidict import CIMultiDict
-from pdkv.launch.main import config_from_args
 
 from pdkv.cli import build_parser
 from pdkv.config import RouterConfig, convert_config, load_config
 from pdkv.demo import metric
 from pdkv.errors import ConfigError
+from pdkv.launch.main import config_from_args
 from pdkv.router.app import Router
 from pdkv.router.modes import decode_body, prefill_body
 from pdkv.router.policy import LeastLoaded, PrefixAware, RoundRobin, describe_prompt

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from pdkv.errors import ConfigError
-from pdkv.keys import chunk_keys
 from pdkv.layout import KVLayout
 from pdkv.tier import RedisTier
 from pdkv.tier.localcluster import LocalCluster, local_redis_cluster

@@ -15,13 +15,13 @@ import aiohttp
 import pytest
 import yaml
 from aiohttp import web
-from pdkv.launch.procs import start_worker
 
 from pdkv.config import convert_config
 from pdkv.demo import get_text, metric, post_json
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
 from pdkv.engine.testing import write_tiny_model
+from pdkv.launch.procs import start_worker
 from pdkv.tier.localredis import LocalRedis
 from pdkv.worker.server import Worker
 from tests.conftest import wait_until

@@ -49,7 +49,6 @@ from pdkv.launch.procs import WorkerProcess, start_worker
 from pdkv.launch.vllm import free_port
 from pdkv.tier.localredis import local_redis
 
-
 pytestmark = pytest.mark.timeout(1800)
 
 ENGINE_ARGS = ["--", "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "8"]

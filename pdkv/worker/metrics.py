@@ -8,9 +8,7 @@ the demo) never collide. Gauges that mirror the transfer layer's state
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdkv.integration.vllm.metadata import LoadSpec, SaveSpec, SendSpec, StepMetadata
-from pdkv.integration.vllm.params import PushTo, Pushed, prompt_key, push_target, pushed
+from pdkv.integration.vllm.params import Pushed, PushTo, prompt_key, push_target, pushed
 from pdkv.keys import PromptKeys
 
 log = logging.getLogger(__name__)
