@@ -25,7 +25,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pdkv.launch.procs import WorkerProcess, start_worker
+from pdkv.testing.procs import WorkerProcess, start_worker
 
 HALF_SENT = 50
 HOLD_S = 12.0

@@ -21,7 +21,7 @@ import statistics
 import time
 
 from pdkv.bench import plot
-from pdkv.demo import post_json
+from pdkv.testing.http import post_json
 
 PROMPTS = {
     "short": "Tell me about the sea. The sea is",

@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,18 +32,13 @@ import msgspec
 from pdkv.config import PdkvConfig
 from pdkv.errors import ConfigError, PdkvError
 from pdkv.integration.vllm.info import INFO_ENV, SECRET_ENV
+from pdkv.netaddr import free_port
 
 CONNECTOR_MODULE = "pdkv.integration.vllm.connector"
 INFO_MIDDLEWARE = "pdkv.integration.vllm.info.pdkv_info"
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # The parts of a pdkv config the connector reads (kv_connector_extra_config).
 CONNECTOR_FIELDS = ("host", "advertise_host", "control_port", "num_blocks", "channel", "transfer", "tier")  # the secret goes by environment
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def vllm_command(config: PdkvConfig, model: str, engine_args: Sequence[str], python: str = sys.executable) -> tuple[list[str], dict[str, Any]]:

@@ -14,40 +14,12 @@ import argparse
 import json
 import sys
 import time
-import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
-from pdkv.errors import PdkvError
-from pdkv.launch.procs import WorkerProcess, start_worker
+from pdkv.testing.http import get_text, metric, post_json, stream_events
+from pdkv.testing.procs import WorkerProcess, start_worker
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
-
-
-def post_json(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
-    """POST a JSON body, return the JSON answer (the demo's and the tests' one HTTP helper)."""
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def get_text(url: str, timeout: float = 30.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return resp.read().decode()
-
-
-def stream_events(url: str, body: dict[str, Any], timeout: float = 300.0) -> Iterator[dict[str, Any]]:
-    """POST ``body`` with ``stream`` on and yield each server-sent event's JSON; an in-band error raises ``PdkvError``."""
-    req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise PdkvError(f"{url} answered an error: {event['error'].get('message')}")
-            yield event
 
 
 def _stream(url: str, body: dict[str, Any], t0: float, timeout: float = 300.0) -> tuple[str, list[int], float]:
@@ -64,16 +36,6 @@ def _stream(url: str, body: dict[str, Any], t0: float, timeout: float = 300.0) -
             ids.extend(choice.get("token_ids", []))
     print(flush=True)
     return "".join(text), ids, first
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of a Prometheus sample over the series that carry ``labels``."""
-    total = 0.0
-    for line in text.splitlines():
-        series, _, value = line.rpartition(" ")
-        if series.split("{", 1)[0] == name and all(f'{k}="{v}"' in series for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 def run(args: argparse.Namespace) -> int:

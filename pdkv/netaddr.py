@@ -53,3 +53,10 @@ def interface_of(host: str) -> str | None:
             if answer[20:24] == packed:
                 return name
     return None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` right now (the kernel's pick); another process may take it before the caller binds."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

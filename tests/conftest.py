@@ -18,7 +18,7 @@ from pdkv.config import TransferConfig
 from pdkv.layout import KVLayout
 from pdkv.receiver import KVReceiver
 from pdkv.sender import KVSender
-from pdkv.tier.localredis import INSTALL_HINT, LocalRedis, local_redis, server_binary
+from pdkv.testing.redis import INSTALL_HINT, LocalRedis, local_redis, server_binary
 
 _names = itertools.count()
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from pdkv.cli import build_parser
-from pdkv.engine.testing import write_tiny_model
+from pdkv.testing.model import write_tiny_model
 
 TINY_MODEL = "{tiny_model}"  # replaced by a random tiny model's directory
 BENCHES: dict[str, list[str]] = {

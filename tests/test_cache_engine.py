@@ -23,8 +23,8 @@ from pdkv.cache_engine import KVCacheEngine, suffix_mask
 from pdkv.errors import CacheRequestError, ConfigError, LayoutError, PdkvError
 from pdkv.keys import PromptKeys
 from pdkv.layout import KVLayout, gather
+from pdkv.testing.redis import LocalRedis
 from pdkv.tier import MemoryTier
-from pdkv.tier.localredis import LocalRedis
 
 FP = "test-model"
 CS = 16  # chunk size

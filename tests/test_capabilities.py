@@ -24,6 +24,7 @@ from pdkv.errors import ChannelError
 from pdkv.layout import KVLayout, gather
 from pdkv.receiver import KVReceiver
 from pdkv.sender import KVSender
+
 from tests.conftest import wait_until
 
 TIMEOUT = 10.0

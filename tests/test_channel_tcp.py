@@ -31,6 +31,7 @@ from pdkv.channels import TransferOp, XferState, create_channel, tcp
 from pdkv.channels.tcp import HEADER, LAST, MAGIC, NOTIF_FOLLOWS, SECRET, VERSION, TcpChannel, TcpOptions
 from pdkv.config import convert_config
 from pdkv.errors import ChannelError, ConfigError
+
 from tests.conftest import wait_until
 
 CALL_TIMEOUT = 30.0

@@ -477,7 +477,7 @@ def test_codec_ids_are_part_of_the_frame() -> None:
 def test_bench_fidelity_harness_on_a_tiny_model(tmp_path: pytest.TempPathFactory) -> None:
     """The reference row is exact by construction, an exact codec changes nothing, a lossy one measurably does."""
     from pdkv.bench.codec import format_table, measure
-    from pdkv.engine.testing import single_thread, write_tiny_model
+    from pdkv.testing.model import single_thread, write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny")  # type: ignore[operator]
     prompts = ("The quick brown fox jumps over the lazy dog, chunk by chunk.", "Paris is the capital of France. " * 6)

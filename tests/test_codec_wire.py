@@ -21,6 +21,7 @@ from pdkv.config import TransferConfig
 from pdkv.errors import CodecError, HandshakeError, ReservationError, TransferError
 from pdkv.layout import KVLayout, gather
 from pdkv.protocol import ChunkNotice
+
 from tests.conftest import Pair, wait_until
 
 LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")

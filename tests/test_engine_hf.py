@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdkv.engine import ReferenceEngine, SamplingParams
-from pdkv.engine.testing import single_thread, write_tiny_model
+from pdkv.testing.model import single_thread, write_tiny_model
 
 transformers = pytest.importorskip("transformers", reason="transformers is the oracle for these tests (a dev dependency)")
 

@@ -35,6 +35,7 @@ from pdkv.channels.tcp import (
     TcpOptions,
 )
 from pdkv.errors import ProtocolError
+
 from tests.conftest import Pair, wait_until
 
 FUZZ = settings(

@@ -10,7 +10,6 @@ a long context serves the tests that need prompts of megabytes.
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import socket
 import threading
@@ -27,12 +26,13 @@ from aiohttp import web
 
 from pdkv.auth import control_token
 from pdkv.config import convert_config
-from pdkv.demo import metric
 from pdkv.engine.reference import ReferenceEngine
-from pdkv.engine.testing import write_tiny_model
 from pdkv.router.app import Router
+from pdkv.testing.http import metric, request
+from pdkv.testing.model import write_tiny_model
 from pdkv.web import runner
 from pdkv.worker.server import Worker
+
 from tests.conftest import wait_until
 
 T = TypeVar("T")
@@ -108,19 +108,8 @@ def stack(model: Path) -> Iterator[Stack]:
         loop.close()
 
 
-def request(url: str, method: str, body: bytes | None = None, headers: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, bytes]:
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
-    try:
-        conn.request(method, parts.path, body, {"Content-Type": "application/json", **(headers or {})})
-        resp = conn.getresponse()
-        return resp.status, resp.read()
-    finally:
-        conn.close()
-
-
 def post(url: str, body: dict[str, Any] | bytes) -> tuple[int, Any]:
-    status, data = request(url, "POST", body if isinstance(body, bytes) else json.dumps(body).encode())
+    status, data = request("POST", url, body)
     return status, json.loads(data)
 
 
@@ -185,7 +174,7 @@ def sse_events(data: bytes) -> list[dict[str, Any]]:
 def test_logprobs_through_prefill_and_decode_equal_one_process(stack: Stack) -> None:
     """logprobs (completions) and logprobs/top_logprobs (chat), whole and streamed, via P -> D with the KV moved,
     match the decode worker computing the prompt itself: P/D fidelity, measured per token."""
-    d_metrics = lambda: request(stack.urls["decode"] + "/metrics", "GET")[1].decode()  # noqa: E731
+    d_metrics = lambda: request("GET", stack.urls["decode"] + "/metrics")[1].decode()  # noqa: E731
     transferred, fallbacks = metric(d_metrics(), "pdkv_prompt_tokens_total", source="transferred"), metric(d_metrics(), "pdkv_fallbacks_total")
     greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
     cases = [("completions", {"prompt": PROMPT, "logprobs": 3, **greedy}), ("chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "logprobs": True, "top_logprobs": 2, **greedy})]
@@ -195,7 +184,7 @@ def test_logprobs_through_prefill_and_decode_equal_one_process(stack: Stack) -> 
         via = post(f"{stack.urls['router']}/v1/{path}", body)[1]
         prompt_tokens += via["usage"]["prompt_tokens"]
         assert via["choices"][0]["logprobs"] == alone["choices"][0]["logprobs"] and via["choices"][0]["logprobs"] is not None
-        status, streamed = request(f"{stack.urls['router']}/v1/{path}", "POST", json.dumps({**body, "stream": True}).encode())
+        status, streamed = request("POST", f"{stack.urls['router']}/v1/{path}", json.dumps({**body, "stream": True}).encode())
         prompt_tokens += via["usage"]["prompt_tokens"]
         blocks = [e["choices"][0]["logprobs"] for e in sse_events(streamed)]
         lp = alone["choices"][0]["logprobs"]
@@ -247,7 +236,7 @@ def test_a_client_that_hangs_up_mid_body_is_not_an_error(stack: Stack, target: s
         time.sleep(0.2)
     time.sleep(0.3)
     assert [r.getMessage() for r in caplog.records if r.levelno >= 40] == []  # no traceback logged for the client's choice
-    assert request(stack.urls[target] + "/health", "GET")[0] == 200
+    assert request("GET", stack.urls[target] + "/health")[0] == 200
 
 
 def test_half_sent_headers_are_closed_after_idle_timeout(stack: Stack) -> None:
@@ -258,8 +247,8 @@ def test_half_sent_headers_are_closed_after_idle_timeout(stack: Stack) -> None:
 
 def test_worker_control_endpoints_want_the_secrets_token(stack: Stack) -> None:
     """Without the token a DELETE changes nothing (the transfer id still works); with it the transfer is cancelled."""
-    delete = lambda tid, headers=None: request(f"{stack.urls['decode']}/pdkv/transfers/{tid}", "DELETE", headers=headers)  # noqa: E731
-    info = json.loads(request(stack.urls["decode"] + "/pdkv/info", "GET")[1])  # reads stay open: the router needs no token for them
+    delete = lambda tid, headers=None: request("DELETE", f"{stack.urls['decode']}/pdkv/transfers/{tid}", headers=headers)  # noqa: E731
+    info = json.loads(request("GET", stack.urls["decode"] + "/pdkv/info")[1])  # reads stay open: the router needs no token for them
     kv = {"do_remote_decode": True, "remote_host": info["remote_host"], "remote_port": info["remote_port"]}
 
     def prefill(tid: str) -> bool:
@@ -280,15 +269,15 @@ def test_worker_control_endpoints_want_the_secrets_token(stack: Stack) -> None:
 
 def test_the_router_cancels_abandoned_transfers_with_the_token(stack: Stack) -> None:
     """A prefill hop refused (here: a 404) leaves a transfer on D that the router cancels, authorized."""
-    router_metrics = lambda: request(stack.urls["router"] + "/metrics", "GET")[1].decode()  # noqa: E731
+    router_metrics = lambda: request("GET", stack.urls["router"] + "/metrics")[1].decode()  # noqa: E731
     before = metric(router_metrics(), "pdkv_router_transfer_cancels_total", outcome="ok")
     status, _ = post(stack.urls["router"] + "/v1/completions", {"prompt": PROMPT, "model": "not-served"})
     assert status == 404
     wait_until(lambda: metric(router_metrics(), "pdkv_router_transfer_cancels_total", outcome="ok") == before + 1, what="the router's cancel to be accepted")
     assert metric(router_metrics(), "pdkv_router_transfer_cancels_total", outcome="refused") == 0
     # and the admin endpoints, with no admin_token of their own, want the same token
-    assert request(stack.urls["router"] + "/pdkv/workers", "GET")[0] == 401
-    assert request(stack.urls["router"] + "/pdkv/workers", "GET", headers={"Authorization": "Bearer " + control_token(SECRET)})[0] == 200
+    assert request("GET", stack.urls["router"] + "/pdkv/workers")[0] == 401
+    assert request("GET", stack.urls["router"] + "/pdkv/workers", headers={"Authorization": "Bearer " + control_token(SECRET)})[0] == 200
 
 
 @pytest.fixture(scope="module")
@@ -315,7 +304,7 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(long_context: tuple[Loop,
         pings = []
         while not big.done():
             t = time.monotonic()
-            assert request(url + "/health", "GET")[0] == 200
+            assert request("GET", url + "/health")[0] == 200
             pings.append(time.monotonic() - t)
             time.sleep(0.02)
         took = time.monotonic() - started

@@ -22,15 +22,16 @@ import zmq.asyncio
 
 from pdkv.config import KVEventsConfig, convert_config
 from pdkv.engine.reference import ReferenceEngine
-from pdkv.engine.testing import write_tiny_model
 from pdkv.errors import ConfigError
 from pdkv.keys import chunk_keys
 from pdkv.kv_events.index import PrefixIndex, chain_hashes
 from pdkv.kv_events.publisher import KVEventPublisher
 from pdkv.kv_events.subscriber import EventStream, cancel
 from pdkv.kv_events.wire import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch, encode_seq
-from pdkv.tier.localredis import LocalRedis
+from pdkv.testing.model import write_tiny_model
+from pdkv.testing.redis import LocalRedis
 from pdkv.worker.server import Worker
+
 from tests.test_tier_worker import serve
 
 BS = 4

@@ -24,6 +24,7 @@ from pdkv.engine.reference import ReferenceEngine
 from pdkv.keys import chunk_keys
 from pdkv.kv_events.index import PrefixIndex
 from pdkv.kv_events.subscriber import EventStream, cancel
+
 from tests.test_kv_events import CHUNK, PROMPT, completion, events_worker, until
 from tests.test_tier_worker import serve
 
@@ -34,7 +35,7 @@ TOKENS = list(range(1000, 1064))  # 4 blocks of vLLM's 16
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pdkv.engine.testing import write_tiny_model
+    from pdkv.testing.model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 

@@ -40,16 +40,17 @@ from pdkv import native
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.tcp import TcpChannel, TcpOptions
 from pdkv.config import RouterConfig, TransferConfig, convert_config
-from pdkv.demo import metric
 from pdkv.engine.reference import ReferenceEngine
-from pdkv.engine.testing import write_tiny_model
 from pdkv.errors import TransferError, TransferTimeout
 from pdkv.layout import KVLayout, gather
 from pdkv.protocol import Done, decode_notice
 from pdkv.receiver import KVReceiver
 from pdkv.router.app import Router
 from pdkv.sender import KVSender
+from pdkv.testing.http import metric
+from pdkv.testing.model import write_tiny_model
 from pdkv.worker.server import Worker
+
 from tests.conftest import wait_until
 
 FINGERPRINT = "tiny-model"

@@ -28,12 +28,13 @@ import yaml
 from aiohttp import web
 
 from pdkv.config import convert_config
-from pdkv.demo import get_text as get
-from pdkv.demo import metric
 from pdkv.engine.reference import ReferenceEngine
-from pdkv.engine.testing import write_tiny_model
-from pdkv.launch.procs import WorkerProcess, start_worker
+from pdkv.testing.http import get_text as get
+from pdkv.testing.http import metric
+from pdkv.testing.model import write_tiny_model
+from pdkv.testing.procs import WorkerProcess, start_worker
 from pdkv.worker.server import Worker
+
 from tests.conftest import wait_until
 
 PROMPTS = [

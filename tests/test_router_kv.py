@@ -26,14 +26,15 @@ import pytest
 import yaml
 
 from pdkv.config import KVEventSource, RouterConfig, convert_config
-from pdkv.demo import get_text as get
-from pdkv.demo import metric, post_json
-from pdkv.engine.testing import write_tiny_model
 from pdkv.errors import ConfigError
-from pdkv.launch.procs import WorkerProcess, start_worker
 from pdkv.router.app import Router
 from pdkv.router.policy import PrefixAware, Prompt
 from pdkv.router.pool import WorkerState
+from pdkv.testing.http import get_text as get
+from pdkv.testing.http import metric, post_json
+from pdkv.testing.model import write_tiny_model
+from pdkv.testing.procs import WorkerProcess, start_worker
+
 from tests.conftest import wait_until
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}

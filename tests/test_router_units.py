@@ -22,13 +22,13 @@ from multidict import CIMultiDict
 
 from pdkv.cli import build_parser
 from pdkv.config import RouterConfig, convert_config, load_config
-from pdkv.demo import metric
 from pdkv.errors import ConfigError
 from pdkv.launch.main import config_from_args
 from pdkv.router.app import Router
 from pdkv.router.modes import decode_body, prefill_body
 from pdkv.router.policy import LeastLoaded, PrefixAware, RoundRobin, describe_prompt
 from pdkv.router.pool import WorkerState
+from pdkv.testing.http import metric
 
 Behavior = Callable[["FakeWorker", web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
 

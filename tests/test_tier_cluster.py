@@ -1,6 +1,6 @@
 """The shared tier on a real local Redis Cluster: three primaries, a replica each, formed by redis-cli, and a primary killed mid-run.
 
-The cluster is started by ``pdkv.tier.localcluster`` (real redis-server
+The cluster is started by ``pdkv.testing.redis_cluster`` (real redis-server
 processes with ``--cluster-enabled yes``); skipped, saying why, where no
 redis-server is installed, like every other Redis test.
 """
@@ -19,10 +19,11 @@ import torch
 
 from pdkv.errors import ConfigError
 from pdkv.layout import KVLayout
+from pdkv.testing.redis import server_binary
+from pdkv.testing.redis_cluster import LocalCluster, local_redis_cluster
 from pdkv.tier import RedisTier
-from pdkv.tier.localcluster import LocalCluster, local_redis_cluster
-from pdkv.tier.localredis import server_binary
 from pdkv.tier.redis_backend import parse_cluster_url
+
 from tests.test_tier_worker import BASE, body, serve, worker
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
@@ -61,7 +62,7 @@ def test_cluster_urls_name_seed_nodes_and_bad_ones_fail_at_start() -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pdkv.engine.testing import write_tiny_model
+    from pdkv.testing.model import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
@@ -157,6 +158,6 @@ def test_a_cluster_formed_without_redis_cli_serves_the_tier() -> None:
 
 
 def _tier_tokens(metrics: str) -> float:
-    from pdkv.demo import metric
+    from pdkv.testing.http import metric
 
     return metric(metrics, "pdkv_prompt_tokens_total", source="tier")

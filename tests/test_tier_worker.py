@@ -13,17 +13,18 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 from aiohttp import web
 
 from pdkv.config import convert_config
-from pdkv.demo import get_text, metric, post_json
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
-from pdkv.engine.testing import write_tiny_model
-from pdkv.launch.procs import start_worker
-from pdkv.tier.localredis import LocalRedis
+from pdkv.netaddr import free_port
+from pdkv.testing.http import get_text, metric, post_json
+from pdkv.testing.model import write_tiny_model
+from pdkv.testing.procs import start_configured
+from pdkv.testing.redis import LocalRedis
 from pdkv.worker.server import Worker
+
 from tests.conftest import wait_until
 
 CHUNK = 32
@@ -109,11 +110,7 @@ def test_prefill_from_the_tier_is_token_and_kv_identical_and_pushes_the_whole_pr
 
 def test_disk_tier_serves_after_a_worker_restart_and_a_dead_redis_only_costs_misses(model_dir: Path, tmp_path: Path, expected: dict[str, list[int]]) -> None:
     """Memory off, a disk directory, and a Redis URL nobody answers: requests still succeed, token-identical."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        dead = f"redis://127.0.0.1:{sock.getsockname()[1]}/0"
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # nobody listens on it
     tier = {"memory_bytes": 0, "disk_path": str(tmp_path / "l2"), "redis_url": dead, "redis_timeout_s": 0.5, "redis_connect_timeout_s": 0.5}
 
     async def one_life() -> tuple[list[int], str]:
@@ -143,9 +140,7 @@ def test_redis_shared_by_two_prefill_processes(model_dir: Path, tmp_path: Path, 
     try:
         for i, extra in enumerate([{}, {"disk_path": str(tmp_path / "p2-disk")}]):
             cfg = {"model": str(model_dir), "num_blocks": 128, "transfer": {"chunk_size": CHUNK}, "tier": {"redis_url": redis_server.url, "redis_namespace": namespace, **extra}}
-            path = tmp_path / f"p{i}.yaml"
-            path.write_text(yaml.safe_dump(cfg))
-            workers.append(start_worker("prefill", "--config", str(path), "--port", "0", timeout=120))
+            workers.append(start_configured("prefill", cfg, tmp_path / f"p{i}.yaml", timeout=120))
         p1, p2 = workers
         no_decode = {"do_remote_decode": True, "return_kv_digest": True}  # no decode worker named: KV is computed, not sent
         first = post_json(p1.url + "/v1/completions", body(BASE, 1, **no_decode))

@@ -20,6 +20,7 @@ from pdkv.errors import ChecksumError, HandshakeError, NotAnnouncedError, Prompt
 from pdkv.layout import KVLayout, gather
 from pdkv.receiver import KVReceiver
 from pdkv.sender import KVSender
+
 from tests.conftest import Pair, wait_until
 
 F32 = dict(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32")

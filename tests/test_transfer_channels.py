@@ -20,6 +20,7 @@ import pytest
 from pdkv.bench.transfer import TransferRig
 from pdkv.config import TransferConfig
 from pdkv.layout import KVLayout
+
 from tests.conftest import wait_until
 
 SENDER = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype="bfloat16")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import threading
 import time
 import urllib.error
@@ -31,13 +30,15 @@ import yaml
 from pdkv.bench.netrig import UCX_ENV, Host, Link, NetRig
 from pdkv.channels.tcp import TcpChannel
 from pdkv.config import convert_config
-from pdkv.demo import get_text, metric
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
-from pdkv.engine.testing import single_thread, write_tiny_model
 from pdkv.errors import ChannelError, ConfigError, PeerUnreachableError
-from pdkv.launch.procs import WorkerProcess
+from pdkv.netaddr import free_port
+from pdkv.testing.http import get_text, metric
+from pdkv.testing.model import single_thread, write_tiny_model
+from pdkv.testing.procs import WorkerProcess
 from pdkv.worker.server import warn_if_data_plane_local
+
 from tests.conftest import wait_until
 
 SECRET = "two-hosts-test-secret"
@@ -410,7 +411,7 @@ def test_connect_fails_loudly_then_fast_and_tries_a_new_address_at_once(caplog: 
         a.register(bytearray(64))
         b.register(bytearray(64))
         real = msgspec.msgpack.decode(b.metadata())
-        peer = a.add_peer(msgspec.msgpack.encode({**real, "port": closed_port()}))
+        peer = a.add_peer(msgspec.msgpack.encode({**real, "port": free_port()}))
         with caplog.at_level(logging.WARNING, logger="pdkv.channels.base"):
             for _ in range(2):
                 with pytest.raises(PeerUnreachableError, match="refused"):
@@ -419,10 +420,3 @@ def test_connect_fails_loudly_then_fast_and_tries_a_new_address_at_once(caplog: 
         assert peer == a.add_peer(b.metadata())  # the right address: tried at once, not after unreachable_retry_s
         a.connect(peer, 5.0)
         assert a.stats()["peer_unreachable"] == 1
-
-
-def closed_port() -> int:
-    """A local port nothing listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -17,7 +17,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import wait_until
 
 from pdkv.config import convert_config
 from pdkv.errors import ConfigError, LayoutError
@@ -29,6 +28,8 @@ from pdkv.integration.vllm.worker_side import WorkerSide
 from pdkv.keys import PromptKeys, chunk_keys
 from pdkv.layout import gather
 from pdkv.tier.base import HEADER_BYTES, leading
+
+from conftest import wait_until
 
 FP = "fp-test"
 BS = 32  # vLLM CPU block sizes are multiples of 32

@@ -44,10 +44,10 @@ from pathlib import Path
 
 import pytest
 
-from pdkv.demo import get_text, metric, post_json
-from pdkv.launch.procs import WorkerProcess, start_worker
-from pdkv.launch.vllm import free_port
-from pdkv.tier.localredis import local_redis
+from pdkv.netaddr import free_port
+from pdkv.testing.http import get_text, metric, post_json
+from pdkv.testing.procs import WorkerProcess, start_worker
+from pdkv.testing.redis import local_redis
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -92,7 +92,7 @@ class Cluster:
     prefill: WorkerProcess
     decode: WorkerProcess
     router: WorkerProcess
-    redis_url: str  # a real redis-server the fixture started (pdkv.tier.localredis)
+    redis_url: str  # a real redis-server the fixture started (pdkv.testing.redis)
     redis_namespace: str
 
 

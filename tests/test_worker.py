@@ -16,18 +16,18 @@ from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 from aiohttp import web
 
 from pdkv.config import convert_config
-from pdkv.demo import get_text as get
-from pdkv.demo import metric
-from pdkv.demo import post_json as post
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
-from pdkv.engine.testing import write_tiny_model
-from pdkv.launch.procs import WorkerProcess, start_worker
+from pdkv.testing.http import get_text as get
+from pdkv.testing.http import metric
+from pdkv.testing.http import post_json as post
+from pdkv.testing.model import write_tiny_model
+from pdkv.testing.procs import WorkerProcess, start_configured
 from pdkv.worker.server import Worker
+
 from tests.conftest import wait_until
 
 CHUNK = 32
@@ -47,9 +47,7 @@ def expected(model_dir: Path) -> dict[int, list[int]]:
 
 def launch(role: str, model_dir: Path, tmp_path: Path, **settings: Any) -> WorkerProcess:
     cfg = {"model": str(model_dir), "channel": {"name": "tcp"}, "num_blocks": 256, "transfer": {"chunk_size": CHUNK, "transfer_timeout_s": 30}, **settings}
-    path = tmp_path / f"{role}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return start_worker(role, "--config", str(path), "--port", "0", timeout=120)
+    return start_configured(role, cfg, tmp_path / f"{role}.yaml", timeout=120)
 
 
 def disaggregated(p_url: str, d_url: str, prompt: list[int], transfer_id: str, extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -57,10 +57,10 @@ from pdkv.codec import CODECS, Codec, codec_class, make_codec
 from pdkv.engine.base import EngineAdapter, Request
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
-from pdkv.engine.testing import single_thread
 from pdkv.errors import ConfigError
 from pdkv.keys import DEFAULT_CHUNK_SIZE, chunk_spans
 from pdkv.layout import gather, scatter
+from pdkv.testing.model import single_thread
 
 DTYPES = ("float32", "bfloat16")
 LINKS_GBIT = (0.1, 1.0, 10.0)

@@ -51,12 +51,12 @@ import yaml
 
 from pdkv.bench import plot
 from pdkv.bench.ttft import TRACE_ENV, TraceRequest, block_tokens, load_trace, replay_sample, trace_path
-from pdkv.demo import get_text, metric
 from pdkv.engine.loader import load_checkpoint
 from pdkv.errors import PdkvError
 from pdkv.kv_events.index import PrefixIndex
 from pdkv.kv_events.wire import BlockStored, KVEventBatch
-from pdkv.launch.procs import WorkerProcess, start_worker
+from pdkv.testing.http import get_text, metric
+from pdkv.testing.procs import WorkerProcess, start_worker
 
 Report = dict[str, Any]
 

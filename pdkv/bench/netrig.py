@@ -47,7 +47,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from pdkv.errors import ConfigError, PdkvError
-from pdkv.launch.procs import WorkerProcess, start_worker
+from pdkv.testing.procs import WorkerProcess, start_worker
 
 _CLONE_NEWNET, _CLONE_NEWNS = 0x40000000, 0x00020000  # setns/unshare flags
 _MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 0x80000, 2  # mount/umount2 flags

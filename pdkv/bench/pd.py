@@ -39,9 +39,9 @@ import yaml
 from pdkv.bench import plot
 from pdkv.bench.netrig import Host, Placement, bench_link
 from pdkv.config import PdkvConfig
-from pdkv.demo import get_text, metric, stream_events
 from pdkv.errors import PdkvError
-from pdkv.launch.procs import WorkerProcess, start_worker
+from pdkv.testing.http import get_text, metric, stream_events
+from pdkv.testing.procs import WorkerProcess, start_worker
 
 TIMEOUT_S = 600.0  # one request, prefill included: minutes for a long prompt on a busy 2-core CPU
 START_TIMEOUT_S = 600.0

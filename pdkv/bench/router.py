@@ -35,7 +35,7 @@ import aiohttp
 from aiohttp import web
 
 from pdkv.bench import plot
-from pdkv.launch.procs import start_worker
+from pdkv.testing.procs import start_worker
 
 TIMEOUT_S = 30.0
 ROUNDS = 5

@@ -67,20 +67,19 @@ from urllib.parse import urlsplit
 import msgspec
 import numpy as np
 import torch
-import yaml
 
 from pdkv.bench import plot
 from pdkv.bench.eviction import infinite_hit_rate, next_uses, optimum, policy_costs, policy_replay, reuse_oracle_lru
 from pdkv.checksum import layer_digests
-from pdkv.demo import metric
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
 from pdkv.errors import ConfigError, PdkvError
 from pdkv.keys import chunk_key, chunk_keys
-from pdkv.launch.procs import WorkerProcess, start_worker
 from pdkv.layout import KVLayout
+from pdkv.testing.http import metric
+from pdkv.testing.procs import WorkerProcess, start_configured
+from pdkv.testing.redis import INSTALL_HINT, local_redis, server_binary
 from pdkv.tier import CacheTier, DiskTier, MemoryTier, RedisTier, TieredCache
-from pdkv.tier.localredis import INSTALL_HINT, local_redis, server_binary
 from pdkv.tier.policy import POLICIES
 from pdkv.worker.metrics import WorkerMetrics
 from pdkv.worker.tiering import Tiering
@@ -510,9 +509,7 @@ def _post(url: str, body: dict[str, Any], timeout: float = 600) -> tuple[float, 
 
 def _launch(role: str, tmp: Path, name: str, model: str, **settings: Any) -> WorkerProcess:
     cfg = {"model": model, "num_blocks": 128, "transfer": {"chunk_size": REPLAY_CHUNK}, **settings}
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return start_worker(role, "--config", str(path), "--port", "0", timeout=600)
+    return start_configured(role, cfg, tmp / f"{name}.yaml", timeout=600)
 
 
 def replay_hit_share(prompts: Sequence[Sequence[int]], capacity_chunks: int, policy: str, chunk: int = REPLAY_CHUNK) -> float:

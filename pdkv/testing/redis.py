@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdkv.errors import ConfigError, PdkvError
+from pdkv.netaddr import free_port
 
 BINARIES = ("redis-server", "valkey-server")
 SERVER_ENV = "PDKV_REDIS_SERVER"
@@ -70,13 +71,8 @@ def _packaged_server() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _answers(port: int) -> bool:
+def answers(port: int) -> bool:
+    """True once a server on loopback ``port`` answers PING: the readiness check of a server this module or the cluster started."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
             s.sendall(b"PING\r\n")
@@ -97,13 +93,13 @@ def local_redis(timeout: float = 10.0, maxmemory: str = "1gb") -> Iterator[Local
     with tempfile.TemporaryDirectory(prefix="pdkv-redis-") as workdir:
         server = None
         for _attempt in range(3):  # another process may take the port between probe and bind
-            port = _free_port()
+            port = free_port()
             args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir, "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
             proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             deadline = time.monotonic() + timeout
-            while proc.poll() is None and time.monotonic() < deadline and not _answers(port):
+            while proc.poll() is None and time.monotonic() < deadline and not answers(port):
                 time.sleep(0.05)
-            if proc.poll() is None and _answers(port):
+            if proc.poll() is None and answers(port):
                 server = LocalRedis(proc, port)
                 break
             LocalRedis(proc, port).stop()

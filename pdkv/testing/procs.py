@@ -1,7 +1,8 @@
 """Start ``pdkv launch`` workers as real processes and wait for their ready line.
 
 The demo, the tests and the benchmarks start workers exactly as a user does,
-through the CLI, so what they exercise is what ships.
+through the CLI, so what they exercise is what ships. (``pdkv launch`` itself
+never starts a pdkv worker this way: this module serves the callers outside it.)
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from pdkv.errors import PdkvError
 
@@ -93,3 +97,13 @@ def start_worker(
         sel.close()
     WorkerProcess(role, proc).kill()
     raise PdkvError(f"{role} worker did not become ready within {timeout:.0f}s (exit code {proc.returncode}); it printed: {''.join(lines)[-2000:]}")
+
+
+def start_configured(role: str, config: dict[str, Any], path: Path, *args: str, **kwargs: Any) -> WorkerProcess:
+    """``start_worker`` with ``config`` written as YAML to ``path`` and passed as ``--config``, on a free port.
+
+    A test or benchmark describes a worker by the same YAML a user writes; the
+    file stays beside the test's other files for a post-mortem.
+    """
+    path.write_text(yaml.safe_dump(config))
+    return start_worker(role, "--config", str(path), "--port", "0", *args, **kwargs)

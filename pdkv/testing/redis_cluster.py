@@ -1,6 +1,6 @@
 """Start a private Redis (or Valkey) Cluster on loopback for tests and benchmarks: primaries, replicas, real failover.
 
-The servers are the ones ``pdkv.tier.localredis`` finds (``server_binary``),
+The servers are the ones ``pdkv.testing.redis`` finds (``server_binary``),
 each with ``--cluster-enabled yes``, a working directory and a free port of
 its own, persistence off. The cluster is formed as a user would, with
 ``redis-cli --cluster create ... --cluster-replicas N`` (``valkey-cli``
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdkv.errors import ConfigError, PdkvError
-from pdkv.tier.localredis import INSTALL_HINT, LocalRedis, _answers, _free_port, server_binary
+from pdkv.netaddr import free_port
+from pdkv.testing.redis import INSTALL_HINT, LocalRedis, answers, server_binary
 
 SLOTS = 16384
 
@@ -105,7 +106,7 @@ class LocalCluster:
 
 def _start_node(binary: str, workdir: Path, node_timeout_ms: int, timeout: float) -> LocalRedis:
     for _attempt in range(3):  # another process may take the port between probe and bind
-        port = _free_port()
+        port = free_port()
         home = workdir / str(port)
         home.mkdir()
         args = [
@@ -115,9 +116,9 @@ def _start_node(binary: str, workdir: Path, node_timeout_ms: int, timeout: float
         ]
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
-        while proc.poll() is None and time.monotonic() < deadline and not _answers(port):
+        while proc.poll() is None and time.monotonic() < deadline and not answers(port):
             time.sleep(0.05)
-        if proc.poll() is None and _answers(port):
+        if proc.poll() is None and answers(port):
             return LocalRedis(proc, port)
         LocalRedis(proc, port).stop()
     raise PdkvError(f"{binary} --cluster-enabled yes did not start on a free loopback port within {timeout:.0f}s (3 attempts)")
