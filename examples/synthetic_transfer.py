@@ -16,6 +16,7 @@ import json
 import multiprocessing as mp
 import sys
 import time
+from multiprocessing.connection import Connection
 
 import torch
 
@@ -35,7 +36,7 @@ def expected_kv(seed: int, num_tokens: int) -> torch.Tensor:
     return torch.randn(P_LAYOUT.chunk_shape(num_tokens), generator=gen).to(P_LAYOUT.torch_dtype)
 
 
-def decode_side(channel: str, conn, args: argparse.Namespace) -> None:
+def decode_side(channel: str, conn: Connection, args: argparse.Namespace) -> None:
     from pdkv.receiver import KVReceiver
 
     ch = create_channel(channel, "decode-0")

@@ -255,7 +255,7 @@ def block_runs(ours: Sequence[int], theirs: Sequence[int] | None = None) -> list
     if len(theirs) != len(ours):
         raise LayoutError(f"block lists of different lengths: {len(ours)} and {len(theirs)}")
     runs: list[tuple[int, int, int]] = []
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         if runs:
             ra, rb, n = runs[-1]
             if a == ra + n and b == rb + n:

@@ -12,7 +12,7 @@ transfer channel, each followed by a ``ChunkNotice`` notification.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import msgspec
 from msgspec import Meta
@@ -145,7 +145,7 @@ class Error(msgspec.Struct, tag="error", forbid_unknown_fields=True):
     message: str
 
 
-Message = Union[Hello, Auth, Reserve, Reserved, Refused, Landed, Heartbeat, Cancel, Done, Error]
+Message = Hello | Auth | Reserve | Reserved | Refused | Landed | Heartbeat | Cancel | Done | Error
 
 
 class ChunkNotice(msgspec.Struct, array_like=True, forbid_unknown_fields=True):

@@ -159,7 +159,7 @@ class IncomingTransfer:
         if self.mode == "direct":
             bs = target.layout.block_size
             ranges = target.block_ranges(self.blocks[start // bs : -(-(start + n) // bs)])
-            views = dict(zip(target.kv_regions, target.kv_views))
+            views = dict(zip(target.kv_regions, target.kv_views, strict=True))
             got = checksum(views[region][off : off + ln] for region, off, ln in ranges)
         else:
             if not 0 <= notice.slot < len(self.slots):

@@ -135,7 +135,7 @@ class OutgoingTransfer:
     def __init__(self, sender: KVSender, peer: _Peer, request_id: str, num_tokens: int, block_table: Sequence[int], reserved: Reserved, codec: Codec) -> None:
         self._sender = sender
         self.codec = codec  # how staged chunks go on the wire (``none``: as they are)
-        self._cond = sender._cond
+        self.cond = sender.cond
         self.peer = peer
         self.request_id = request_id
         self.num_tokens = num_tokens
@@ -190,12 +190,12 @@ class OutgoingTransfer:
             handle = sender.channel.write(self.peer.agent, ops, notice, token=self.peer.token)
         except Exception as exc:
             err = exc if isinstance(exc, TransferError) else TransferError(f"posting chunk {index} of {self.request_id!r} failed: {exc}")
-            with self._cond:
+            with self.cond:
                 self.posting -= 1
                 sender.credit.give(nbytes, local_slot)
-                self._fail(err)
+                self.fail(err)
             raise err from exc
-        with self._cond:
+        with self.cond:
             self.posting -= 1
             self.writes += 1
             self.bytes_sent += nbytes
@@ -213,20 +213,20 @@ class OutgoingTransfer:
         """Block until the receiver verified every chunk, or raise why it did not."""
         timeout = self._sender.config.transfer_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        with self._cond:
+        with self.cond:
             while self.error is None and not self.complete:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self._fail(TransferTimeout(f"request {self.request_id!r}: receiver did not confirm all {self.num_chunks} chunks within {timeout:.3g}s"))
+                    self.fail(TransferTimeout(f"request {self.request_id!r}: receiver did not confirm all {self.num_chunks} chunks within {timeout:.3g}s"))
                     break
-                self._cond.wait(remaining)
+                self.cond.wait(remaining)
             if self.error is not None:
                 raise self.error
 
     def cancel(self, reason: str) -> None:
         """Stop sending; the receiver is told once our in-flight writes settle."""
-        with self._cond:
-            self._fail(TransferCancelled(f"cancelled by the prefill side: {reason}"))
+        with self.cond:
+            self.fail(TransferCancelled(f"cancelled by the prefill side: {reason}"))
 
     def on_settled(self, fn: Callable[[OutgoingTransfer], None]) -> None:
         """Call ``fn(self)`` once no write of ours can touch the source blocks any more.
@@ -235,7 +235,7 @@ class OutgoingTransfer:
         block freed while a write still reads from it could ship another
         request's KV. Runs on the sender's I/O thread (or at once if settled).
         """
-        with self._cond:
+        with self.cond:
             if not self.settled:
                 self._on_settled.append(fn)
                 return
@@ -245,14 +245,14 @@ class OutgoingTransfer:
     def _take_credit(self, index: int, nbytes: int, staging: bool, timeout: float) -> tuple[int, int]:
         credit = self._sender.credit
         deadline = time.monotonic() + timeout
-        with self._cond:
+        with self.cond:
             if index in self.sent:
                 raise TransferError(f"chunk {index} of {self.request_id!r} was already sent")
             while True:
                 if self.error is None and time.monotonic() - self.renewed > self.lease_margin:
                     # We were stalled (SIGSTOP, a long GC, a frozen VM) past the point where the receiver may have
                     # reaped the reservation and handed its blocks to another request: writing now could land in them.
-                    self._fail(TransferTimeout(
+                    self.fail(TransferTimeout(
                         f"request {self.request_id!r}: no heartbeat reached receiver {self.peer.address} for "
                         f"{time.monotonic() - self.renewed:.3g}s (its lease is {self.lease_s:.3g}s); not writing into a reservation that may be gone"))
                 if self.error is not None:
@@ -262,9 +262,9 @@ class OutgoingTransfer:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     err = TransferTimeout(f"chunk {index} of {self.request_id!r}: no send credit within chunk_timeout_s={timeout:.3g}s (receiver slow or gone)")
-                    self._fail(err)
+                    self.fail(err)
                     raise err
-                self._cond.wait(remaining)
+                self.cond.wait(remaining)
             local_slot = credit.take(nbytes, staging)
             remote_slot = self.free_remote_slots.popleft() if staging else -1
             self.sent.add(index)
@@ -313,19 +313,19 @@ class OutgoingTransfer:
     def _written(self, handle: TransferHandle, nbytes: int, local_slot: int) -> None:
         sender = self._sender
         sender.channel.release(handle)
-        with self._cond:
+        with self.cond:
             self.writes -= 1
             sender.credit.give(nbytes, local_slot)
             if handle.state is XferState.ERROR:
-                self._fail(TransferError(f"channel write failed: {handle.error}"))
+                self.fail(TransferError(f"channel write failed: {handle.error}"))
             else:
                 sender.counters["chunks_sent"] += 1
                 sender.counters["bytes_sent"] += nbytes
-            self._cond.notify_all()
+            self.cond.notify_all()
         self._settle_if_over()
 
-    def _on_landed(self, msg: Landed) -> None:
-        with self._cond:
+    def on_landed(self, msg: Landed) -> None:
+        with self.cond:
             for index in msg.chunk_indices:
                 if index not in self.sent or index in self.landed:
                     continue  # a stray or repeated acknowledgement: nothing of ours to free twice
@@ -336,37 +336,37 @@ class OutgoingTransfer:
                     self.free_remote_slots.append(slot)
             if self.complete and not self.finished_at:
                 self.finished_at = time.monotonic()
-            self._cond.notify_all()
+            self.cond.notify_all()
         self._settle_if_over()
 
-    def _check_timeout(self, now: float) -> None:
+    def check_timeout(self, now: float) -> None:
         """Nobody may be waiting on this transfer (the worker never calls wait): if its receiver died after
         our writes completed, neither Landed nor Cancel ever comes, so bound it here or it stays open forever."""
-        with self._cond:
+        with self.cond:
             if self.error is None and not self.complete and now > self.opened + self._sender.config.transfer_timeout_s:
-                self._fail(TransferTimeout(
+                self.fail(TransferTimeout(
                     f"request {self.request_id!r}: receiver {self.peer.address} did not confirm all {self.num_chunks} chunks "
                     f"within transfer_timeout_s={self._sender.config.transfer_timeout_s:.3g}s"))
         self._settle_if_over()
 
-    def _fail(self, err: TransferError) -> None:
+    def fail(self, err: TransferError) -> None:
         """First failure wins (caller holds the condition); the I/O thread tells the receiver once writes settle."""
         if self.error is None and not self.complete:
             self.error = err
             self._sender.counters["transfers_failed"] += 1
             log.warning("request %s: %s", self.request_id, err)
             self._sender.loop.call_soon(self._settle_if_over)
-        self._cond.notify_all()
+        self.cond.notify_all()
 
     def _settle_if_over(self) -> None:
         """Once failed or complete with no write of ours in flight: tell the receiver, run the callbacks (I/O thread)."""
-        with self._cond:
+        with self.cond:
             over = self.error is not None or self.complete
             if not over or self.writes or self.posting or self.settled:
                 return
             self.settled = True
             callbacks, self._on_settled = self._on_settled, []
-        self._sender._settled(self)
+        self._sender.transfer_settled(self)
         for fn in callbacks:
             try:
                 fn(self)
@@ -405,7 +405,7 @@ class KVSender:
         )
         self.credit = _Credit(self.config.max_inflight_bytes, n_slots)
         self.counters: collections.Counter[str] = collections.Counter()
-        self._cond = threading.Condition()
+        self.cond = threading.Condition()  # guards the sender's state and every transfer's: one lock, no ordering to get wrong
         self._peers: dict[str, _Peer] = {}
         self._transfers: dict[str, OutgoingTransfer] = {}
         self._pending_reserve: dict[str, tuple[_Peer, Future[protocol.Message]]] = {}
@@ -471,12 +471,12 @@ class KVSender:
             raise ReservationError(f"receiver {address} refused request {request_id!r}: {reason}")
         self._check_reserved(reply, num_tokens, codec)
         xfer = OutgoingTransfer(self, peer, request_id, num_tokens, block_table, reply, self.codecs[codec])
-        with self._cond:
+        with self.cond:
             self._transfers[request_id] = xfer
         return xfer
 
     def stats(self) -> dict[str, int]:
-        with self._cond:
+        with self.cond:
             out = dict(self.counters)
             out["inflight_bytes"] = self.credit.inflight
             out["open_transfers"] = len(self._transfers)
@@ -485,18 +485,18 @@ class KVSender:
     def close(self) -> None:
         if not self.loop.thread.is_alive():
             return
-        with self._cond:
+        with self.cond:
             for xfer in list(self._transfers.values()):
-                xfer._fail(TransferCancelled("sender closing"))
+                xfer.fail(TransferCancelled("sender closing"))
             deadline = time.monotonic() + self.config.drain_timeout_s
             while self._transfers and time.monotonic() < deadline:  # settling tells each receiver
-                self._cond.wait(deadline - time.monotonic())
+                self.cond.wait(deadline - time.monotonic())
         self.loop.stop()
         self._dealers.close_all()
 
     # -- handshake and reservation ------------------------------------------------
     def _connect(self, address: str) -> _Peer:
-        with self._cond:
+        with self.cond:
             peer = self._peers.get(address)
             if peer is None:
                 ident = f"{self.channel.agent_name}/{next(self._ids)}".encode()
@@ -513,7 +513,7 @@ class KVSender:
             self._drop_peer(peer, str(exc))
             raise
         if not peer.agent:
-            with self._cond:
+            with self.cond:
                 if not peer.agent:
                     self._retire_previous_run(peer, hello)
                     peer.agent = self.channel.add_peer(hello.channel_metadata)
@@ -533,13 +533,13 @@ class KVSender:
             and x.peer.hello.channel_metadata != hello.channel_metadata
         ]  # fmt: skip
         for xfer in stale:
-            xfer._fail(TransferError(f"receiver {hello.agent!r} at {xfer.peer.address} restarted: request {xfer.request_id!r} was reserved on its previous run"))
+            xfer.fail(TransferError(f"receiver {hello.agent!r} at {xfer.peer.address} restarted: request {xfer.request_id!r} was reserved on its previous run"))
         deadline = time.monotonic() + self.config.handshake_timeout_s
         while any(x.posting for x in stale):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransferTimeout(f"a write to the previous run of receiver {hello.agent!r} was still being posted after handshake_timeout_s={self.config.handshake_timeout_s:.3g}s")
-            self._cond.wait(remaining)
+            self.cond.wait(remaining)
 
     def _drop_peer(self, peer: _Peer, reason: str) -> None:
         """Forget a receiver that died, restarted, refused us or stopped answering; fail what is open with it.
@@ -549,7 +549,7 @@ class KVSender:
         freed as soon as their writes settle. The next ``open`` to that address handshakes again.
         """
         err = TransferError(reason)
-        with self._cond:
+        with self.cond:
             if peer.dropped:
                 return
             peer.dropped = reason
@@ -557,7 +557,7 @@ class KVSender:
                 del self._peers[peer.address]
             for xfer in self._transfers.values():
                 if xfer.peer is peer:
-                    xfer._fail(err)
+                    xfer.fail(err)
             waiting: list[Future[Any]] = [peer.hello_future, *(fut for owner, fut in self._pending_reserve.values() if owner is peer)]
             last_of_agent = peer.agent and not any(p.agent == peer.agent for p in self._peers.values())
         if last_of_agent:
@@ -568,7 +568,7 @@ class KVSender:
 
     def _reserve(self, peer: _Peer, request_id: str, num_tokens: int, prompt_key: bytes, codec: str) -> protocol.Message:
         fut: Future[protocol.Message] = Future()
-        with self._cond:
+        with self.cond:
             if request_id in self._pending_reserve or request_id in self._transfers:
                 raise ReservationError(f"request {request_id!r} already has a transfer open")
             if peer.dropped:  # lost since the handshake: its socket is closed, a Reserve would go nowhere
@@ -587,7 +587,7 @@ class KVSender:
             self._drop_peer(peer, reason)
             raise TransferTimeout(reason) from None
         finally:
-            with self._cond:
+            with self.cond:
                 self._pending_reserve.pop(request_id, None)
 
     def _check_reserved(self, reply: Reserved, num_tokens: int, codec: str) -> None:
@@ -600,15 +600,15 @@ class KVSender:
         if reply.mode == "staging" and not reply.staging_slots:
             raise ReservationError("receiver granted staging mode without staging slots")
 
-    def _settled(self, xfer: OutgoingTransfer) -> None:
+    def transfer_settled(self, xfer: OutgoingTransfer) -> None:
         """A transfer settled (I/O thread): tell its receiver and forget it."""
         msg: protocol.Message = Done(xfer.request_id, True) if xfer.error is None else Cancel(xfer.request_id, str(xfer.error))
         self._send(xfer.peer, msg)
-        with self._cond:
+        with self.cond:
             if self._transfers.get(xfer.request_id) is xfer:
                 del self._transfers[xfer.request_id]
             self.counters["transfers_ok" if xfer.error is None else "transfers_settled_failed"] += 1
-            self._cond.notify_all()
+            self.cond.notify_all()
 
     # -- control plane (I/O thread) ------------------------------------------------
     def _send(self, peer: _Peer, msg: protocol.Message) -> None:
@@ -636,22 +636,22 @@ class KVSender:
             else:
                 log.warning("receiver %s reported: %s", peer.address, msg.message)
         elif isinstance(msg, (Reserved, Refused)):
-            with self._cond:
+            with self.cond:
                 owner, fut = self._pending_reserve.get(msg.request_id, (None, None))
             if owner is peer and fut is not None and not fut.done():
                 _answer(fut, msg)
             elif isinstance(msg, Reserved):  # we gave up waiting: release it at once
                 self._send(peer, Cancel(msg.request_id, "reservation arrived after the sender gave up"))
         elif isinstance(msg, (Landed, Cancel)):
-            with self._cond:
+            with self.cond:
                 xfer = self._transfers.get(msg.request_id)
             if xfer is None or xfer.peer is not peer:
                 return
             if isinstance(msg, Landed):
-                xfer._on_landed(msg)
+                xfer.on_landed(msg)
             else:
-                with self._cond:
-                    xfer._fail(TransferCancelled(f"receiver cancelled: {msg.reason}"))
+                with self.cond:
+                    xfer.fail(TransferCancelled(f"receiver cancelled: {msg.reason}"))
 
     def _on_hello(self, peer: _Peer, msg: Hello) -> None:
         try:
@@ -676,10 +676,10 @@ class KVSender:
     def _tick(self) -> None:
         """Heartbeats every heartbeat_s, and transfers nobody waits for bounded by transfer_timeout_s."""
         now = time.monotonic()
-        with self._cond:
+        with self.cond:
             transfers = list(self._transfers.values())
         for xfer in transfers:
-            xfer._check_timeout(now)
+            xfer.check_timeout(now)
         if now - self._last_beat >= self.config.heartbeat_s:
             self._last_beat = now
             self._heartbeat(transfers, now)
@@ -692,7 +692,7 @@ class KVSender:
         renews a lease only for the identity that holds it.
         """
         by_peer: dict[bytes, tuple[_Peer, list[str]]] = {}
-        with self._cond:
+        with self.cond:
             for xfer in transfers:
                 if not xfer.peer.dropped and not xfer.settled:
                     by_peer.setdefault(xfer.peer.identity, (xfer.peer, []))[1].append(xfer.request_id)

@@ -96,8 +96,12 @@ class Pair:
     allocator: BlockAllocator
 
 
+MakePair = Callable[..., Pair]
+"""What the ``make_pair`` fixture gives a test: ``make_pair(config=..., channel=...)`` -> a connected ``Pair``."""
+
+
 @pytest.fixture
-def make_pair() -> Iterator[Callable[..., Pair]]:
+def make_pair() -> Iterator[MakePair]:
     """Factory of sender/receiver pairs in this process (mock channel unless told: ``channel="tcp"`` is real
     sockets); on teardown asserts the receiver leaked nothing."""
     made: list[Pair] = []

@@ -37,7 +37,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices  # noqa: SLF001 - argparse lists them nowhere public
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices  # argparse lists them nowhere public
 
 
 def test_every_bench_subcommand_is_smoke_tested() -> None:

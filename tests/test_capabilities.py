@@ -119,7 +119,7 @@ def test_the_decode_workers_ports_give_a_stranger_nothing() -> None:
             stranger.wait(stranger.read(peer, [TransferOp(mine, 0, receiver.kv_regions[0], 0, 4096)], token=b"x" * 16), TIMEOUT)
         with pytest.raises(ChannelError):
             stranger.wait(stranger.write(peer, [TransferOp(mine, 0, receiver.kv_regions[0], 64, 4096)], b"n", token=b"x" * 16), TIMEOUT)
-        assert not any(buf) and all(torch.equal(a, b) for a, b in zip(before, kv))
+        assert not any(buf) and all(torch.equal(a, b) for a, b in zip(before, kv, strict=True))
         assert d_channel.stats()["refused_frames"] == 2 and receiver.stats().get("stray_notices", 0) == 0
     finally:
         stranger.close()

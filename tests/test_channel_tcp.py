@@ -221,7 +221,7 @@ def test_large_write_is_split_across_streams_and_notified_only_after_every_share
 
     assert notifs == [("local", b"big%d" % seed)]
     assert crc_at_notification == zlib.crc32(local.src), "the notification arrived before all of the data"
-    moved = [a - b for a, b in zip(local.channel.stream_bytes("remote"), before)]
+    moved = [a - b for a, b in zip(local.channel.stream_bytes("remote"), before, strict=True)]
     assert sum(moved) == 8 * MiB
     assert sum(1 for m in moved if m) >= 2, f"an 8 MiB write used one stream: {moved}"
 

@@ -36,7 +36,7 @@ from pdkv.channels.tcp import (
 )
 from pdkv.errors import ProtocolError
 
-from tests.conftest import Pair, wait_until
+from tests.conftest import MakePair, Pair, wait_until
 
 FUZZ = settings(
     max_examples=40,
@@ -262,7 +262,7 @@ def _push(pair: Pair, request_id: str, num_tokens: int, table: list[int]) -> Non
     "admitted", [False, True], ids=["stranger", "after-valid-hello"]
 )
 def test_hostile_control_messages_never_break_a_live_receiver(
-    make_pair, admitted: bool
+    make_pair: MakePair, admitted: bool
 ) -> None:
     """A hostile DEALER (admitted with a valid Hello, or not) cannot crash, overallocate or leak the receiver."""
     pair = make_pair()

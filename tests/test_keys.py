@@ -43,7 +43,7 @@ def test_keys_are_prefix_chained() -> None:
     assert same_prefix[:2] == base[:2]
     assert same_prefix[2] != base[2]
     changed_first = chunk_keys([TOKENS[0] + 1] + TOKENS[1:], "fp")
-    assert all(a != b for a, b in zip(changed_first, base))  # a change in chunk 0 moves every later key
+    assert all(a != b for a, b in zip(changed_first, base, strict=True))  # a change in chunk 0 moves every later key
 
 
 def test_fingerprint_separates_models_and_chunk_size_changes_keys() -> None:

@@ -48,7 +48,10 @@ def line(proc: subprocess.Popen[str]) -> dict[str, Any]:
 
 
 def vllm_stored(i: int, medium: str = "GPU") -> dict[str, Any]:
-    return {"type": "BlockStored", "block_hashes": [f"{i:064x}"], "parent": f"{i - 1:064x}" if i else None, "token_ids": TOKENS[i * BS : (i + 1) * BS], "block_size": BS, "lora_id": None, "medium": medium}
+    return {
+        "type": "BlockStored", "block_hashes": [f"{i:064x}"], "parent": f"{i - 1:064x}" if i else None,
+        "token_ids": TOKENS[i * BS : (i + 1) * BS], "block_size": BS, "lora_id": None, "medium": medium,
+    }
 
 
 def test_vllm_decodes_what_a_pdkv_worker_publishes_and_pdkv_follows_vllms_publisher(vllm_env_python: str, model_dir: Path, tmp_path: Path) -> None:

@@ -69,7 +69,7 @@ def random_table(layout: KVLayout, start: int, num_tokens: int, gen: torch.Gener
 def same_bytes(a: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | Sequence[torch.Tensor]) -> bool:
     xs = [a] if isinstance(a, torch.Tensor) else list(a)
     ys = [b] if isinstance(b, torch.Tensor) else list(b)
-    return len(xs) == len(ys) and all(x.shape == y.shape and torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)) for x, y in zip(xs, ys))
+    return len(xs) == len(ys) and all(x.shape == y.shape and torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)) for x, y in zip(xs, ys, strict=True))
 
 
 def clone(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -295,7 +295,7 @@ LOST = "lost the control connection to receiver "
 
 
 @pytest.mark.parametrize(("step", "timeout_s"), [("hello", CFG.handshake_timeout_s), ("reserve", CFG.reserve_timeout_s)])
-def test_receiver_dies_before_answering(spawn, prefill: KVSender, start_decode, step: str, timeout_s: float) -> None:
+def test_receiver_dies_before_answering(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode], step: str, timeout_s: float) -> None:
     child = spawn(_receiver_child, step)
     with ThreadPoolExecutor(1) as pool:
         opening = pool.submit(prefill.open, "r", child.address, TOKENS, TABLE)
@@ -309,7 +309,7 @@ def test_receiver_dies_before_answering(spawn, prefill: KVSender, start_decode, 
     push_fresh(prefill, start_decode(port_of(child.address)), "after-" + step)
 
 
-def test_receiver_dies_holding_the_reservation(spawn, prefill: KVSender, start_decode) -> None:
+def test_receiver_dies_holding_the_reservation(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]) -> None:
     child = spawn(_receiver_child, "reserved")
     xfer = prefill.open("r", child.address, TOKENS, TABLE)
     died = child.kill()
@@ -323,7 +323,7 @@ def test_receiver_dies_holding_the_reservation(spawn, prefill: KVSender, start_d
     push_fresh(prefill, start_decode(port_of(child.address)), "after-reserved")
 
 
-def test_receiver_dies_mid_chunk(spawn, prefill: KVSender, start_decode) -> None:
+def test_receiver_dies_mid_chunk(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]) -> None:
     child = spawn(_receiver_child, "mid_chunk")
     xfer = prefill.open("r", child.address, TOKENS, TABLE)
     xfer.send_chunk(0)
@@ -339,7 +339,7 @@ def test_receiver_dies_mid_chunk(spawn, prefill: KVSender, start_decode) -> None
     push_fresh(prefill, start_decode(port_of(child.address)), "after-mid-chunk")
 
 
-def test_receiver_dies_before_done(spawn, prefill: KVSender, start_decode) -> None:
+def test_receiver_dies_before_done(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]) -> None:
     child = spawn(_receiver_child, "done")
     xfer = prefill.open("r", child.address, TOKENS, TABLE)
     xfer.send_all()
@@ -351,7 +351,7 @@ def test_receiver_dies_before_done(spawn, prefill: KVSender, start_decode) -> No
     push_fresh(prefill, start_decode(port_of(child.address)), "after-done")
 
 
-def test_receiver_that_hangs_mid_chunk_times_out(spawn, prefill: KVSender, start_decode) -> None:
+def test_receiver_that_hangs_mid_chunk_times_out(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]) -> None:
     """A frozen receiver (SIGSTOP) keeps its connections open, so no death is seen: the timeouts end it."""
     child = spawn(_receiver_child, "mid_chunk")
     xfer = prefill.open("r", child.address, TOKENS, TABLE)
@@ -368,7 +368,7 @@ def test_receiver_that_hangs_mid_chunk_times_out(spawn, prefill: KVSender, start
     push_fresh(prefill, start_decode(port_of(child.address)), "after-hang")
 
 
-def test_receiver_back_under_its_old_name_never_gets_a_write_meant_for_its_previous_run(spawn, prefill: KVSender, start_decode) -> None:
+def test_receiver_back_under_its_old_name_never_gets_a_write_meant_for_its_previous_run(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]) -> None:
     """A receiver restarted with its agent name (as examples/ name theirs: "decode-0") is a new channel peer under
     the old name. A write for a reservation of the dead run, being posted while the sender handshakes with the
     new run, must never land there: the old run's block ids belong to the new run's requests."""
@@ -404,7 +404,7 @@ def test_receiver_back_under_its_old_name_never_gets_a_write_meant_for_its_previ
 
 
 # -- the sender dies ------------------------------------------------------------------------------------------------
-def test_sender_dies_during_hello(spawn, prefill: KVSender, start_decode) -> None:
+def test_sender_dies_during_hello(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]) -> None:
     decode = start_decode()
     child = spawn(_sender_child, "hello", decode.receiver.address)
     child.expect("at", "hello")
@@ -418,7 +418,7 @@ def test_sender_dies_during_hello(spawn, prefill: KVSender, start_decode) -> Non
 
 @pytest.mark.parametrize("step", ["reserved", "mid_chunk"])
 @pytest.mark.parametrize("layout", [P_LAYOUT, STAGED], ids=["direct", "staging"])
-def test_sender_dies_with_a_reservation_open(spawn, prefill: KVSender, start_decode, step: str, layout: KVLayout) -> None:
+def test_sender_dies_with_a_reservation_open(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode], step: str, layout: KVLayout) -> None:
     decode = start_decode(layout=layout)
     child = spawn(_sender_child, step, decode.receiver.address)
     child.expect("at", step)
@@ -433,7 +433,7 @@ def test_sender_dies_with_a_reservation_open(spawn, prefill: KVSender, start_dec
     push_fresh(prefill, decode, "after-" + step)
 
 
-def test_sender_dies_before_done(spawn, prefill: KVSender, start_decode) -> None:
+def test_sender_dies_before_done(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]) -> None:
     decode = start_decode()
     child = spawn(_sender_child, "done", decode.receiver.address)
     child.expect("at", "done")

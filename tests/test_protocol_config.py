@@ -1,6 +1,8 @@
 import logging
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -15,7 +17,7 @@ from pdkv.protocol import ChunkNotice, Hello, Reserve, Reserved
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8)
 
 
-def hello(**kw) -> Hello:
+def hello(**kw: Any) -> Hello:
     base = dict(protocol_version=1, agent="a", model_fingerprint="fp", layout=LAYOUT, chunk_size=256, channel="tcp", channel_metadata=b"m", kv_regions=[0, 1])
     base.update(kw)
     return Hello(**base)
@@ -62,7 +64,7 @@ def test_hello_compatibility_names_every_differing_field() -> None:
     assert "model_fingerprint" not in text
 
 
-def test_config_errors_name_field_value_and_expectation(tmp_path) -> None:
+def test_config_errors_name_field_value_and_expectation(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("transfer:\n  chunk_size: 0\n")
     with pytest.raises(ConfigError, match=r"c.yaml: field 'transfer.chunk_size' = 0: Expected `int` >= 1"):
@@ -80,7 +82,7 @@ def test_config_errors_name_field_value_and_expectation(tmp_path) -> None:
         load_config(tmp_path / "missing.yaml")
 
 
-def test_config_yaml_with_cli_overrides(tmp_path) -> None:
+def test_config_yaml_with_cli_overrides(tmp_path: Path) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text("role: decode\nport: 8100\ntransfer:\n  chunk_size: 128\n")
     loaded = load_config(cfg, {"port": 9000, "host": None, "transfer.lease_s": 3.5})

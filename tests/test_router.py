@@ -84,7 +84,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         "transfer": {"chunk_size": 32, "transfer_timeout_s": 30, "lease_s": 2, "heartbeat_s": 0.5, "drain_timeout_s": 2},
     }))
     with ThreadPoolExecutor(6) as pool:
-        futures = [pool.submit(start_worker, role, "--config", str(worker_cfg), "--port", "0", timeout=180, env=ONE_THREAD) for role in ("prefill", "prefill", "prefill", "prefill", "decode", "decode")]
+        roles = ("prefill", "prefill", "prefill", "prefill", "decode", "decode")
+        futures = [pool.submit(start_worker, role, "--config", str(worker_cfg), "--port", "0", timeout=180, env=ONE_THREAD) for role in roles]
         procs = [f.result() for f in futures]
     p1, p2, spare, frozen, d1, d2 = procs
     router_cfg = tmp / "router.yaml"

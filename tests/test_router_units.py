@@ -33,7 +33,10 @@ from pdkv.testing.http import metric
 Behavior = Callable[["FakeWorker", web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
 
 VLLM_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None, "remote_host": None, "remote_port": None}
-VLLM_ANSWER_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3, 9, 4], "remote_engine_id": "engine-p0", "remote_host": "10.0.0.7", "remote_port": 5600, "tp_size": 1}
+VLLM_ANSWER_PARAMS = {
+    "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3, 9, 4], "remote_engine_id": "engine-p0",
+    "remote_host": "10.0.0.7", "remote_port": 5600, "tp_size": 1,
+}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
@@ -297,7 +300,10 @@ def test_vllm_pair_mode_speaks_vllms_kv_transfer_params() -> None:
         # A stock vLLM decode (NixlConnector pulls from P): no /pdkv/info, so P gets vLLM's null params.
         p, d = FakeWorker("prefill", kv_params=VLLM_ANSWER_PARAMS), FakeWorker("decode", serves_info=False)
         async with cluster([p], [d], mode="vllm") as (url, router):
-            body = {"model": "m", "messages": [{"role": "user", "content": "weather in Paris?"}], "tools": TOOLS, "max_tokens": 20, "min_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}
+            body = {
+                "model": "m", "messages": [{"role": "user", "content": "weather in Paris?"}], "tools": TOOLS,
+                "max_tokens": 20, "min_tokens": 2, "stream": True, "stream_options": {"include_usage": True},
+            }
             status, text = await post(url + "/v1/chat/completions", body)
             assert status == 200 and sse_data(text)[-1] == "[DONE]"
             [pb], [db] = p.requests, d.requests

@@ -27,7 +27,7 @@ from pdkv.errors import TransferError
 
 from soak.report import summary
 from soak.run import soak
-from tests.conftest import wait_until
+from tests.conftest import MakePair, wait_until
 
 
 @pytest.mark.timeout(240)  # a backstop: every wait inside is bounded already
@@ -62,7 +62,7 @@ def test_short_soak_nothing_hangs_nothing_leaks(tmp_path: Path) -> None:
 
 
 def test_sender_settles_a_transfer_whose_receiver_died_after_the_writes(
-    make_pair,
+    make_pair: MakePair,
 ) -> None:
     """Regression for the soak's one leak: prefill pdkv_open_transfers stuck at 1 after a decode worker was SIGKILLed.
 

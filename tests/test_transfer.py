@@ -21,7 +21,7 @@ from pdkv.layout import KVLayout, gather
 from pdkv.receiver import KVReceiver
 from pdkv.sender import KVSender
 
-from tests.conftest import Pair, wait_until
+from tests.conftest import MakePair, Pair, wait_until
 
 F32 = dict(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32")
 
@@ -49,7 +49,7 @@ def assert_same_kv(pair: Pair, p_table: list[int], d_table: list[int], num_token
     ],
     ids=["direct", "nhd16-to-hnd32", "to-cross-layer"],
 )
-def test_single_request_lands_bit_exact(make_pair, d_layout: KVLayout) -> None:
+def test_single_request_lands_bit_exact(make_pair: MakePair, d_layout: KVLayout) -> None:
     pair = make_pair(d_layout=d_layout)
     table = list(range(40, 47))  # 100 tokens, 7 blocks of 16
     blocks = push(pair, "r1", 100, table)
@@ -59,7 +59,7 @@ def test_single_request_lands_bit_exact(make_pair, d_layout: KVLayout) -> None:
     pair.allocator.free(blocks)
 
 
-def test_many_concurrent_requests(make_pair) -> None:
+def test_many_concurrent_requests(make_pair: MakePair) -> None:
     pair = make_pair(
         d_layout=KVLayout(**F32, block_size=8, order="HND"),
         config=TransferConfig(chunk_size=32, staging_slots=6, slots_per_request=2, max_inflight_bytes=8192),
@@ -73,7 +73,7 @@ def test_many_concurrent_requests(make_pair) -> None:
     def run(rid: str) -> None:
         try:
             results[rid] = push(pair, rid, 90, tables[rid])
-        except BaseException as exc:  # reported below
+        except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
     # 12 requests but only 6 staging slots (2 per request): refused ones are retried until room frees up
@@ -92,7 +92,7 @@ def test_many_concurrent_requests(make_pair) -> None:
     assert len(all_blocks) == len(set(all_blocks))  # no two requests share a block
 
 
-def test_corrupted_chunk_fails_the_request_and_frees_its_slots(make_pair) -> None:
+def test_corrupted_chunk_fails_the_request_and_frees_its_slots(make_pair: MakePair) -> None:
     pair = make_pair(d_layout=KVLayout(**F32, block_size=32, order="HND"))
     start_free = pair.allocator.num_free
     xfer = pair.sender.open("bad", pair.receiver.address, 100, list(range(7)))
@@ -111,7 +111,7 @@ def test_corrupted_chunk_fails_the_request_and_frees_its_slots(make_pair) -> Non
     pair.allocator.free(blocks)
 
 
-def test_checksum_error_type_on_direct_path(make_pair) -> None:
+def test_checksum_error_type_on_direct_path(make_pair: MakePair) -> None:
     pair = make_pair()
     xfer = pair.sender.open("bad", pair.receiver.address, 64, list(range(4)))
     pair.p_channel.faults.corrupt_next = 1
@@ -124,7 +124,7 @@ def test_checksum_error_type_on_direct_path(make_pair) -> None:
     assert isinstance(ChecksumError("x"), TransferError)
 
 
-def test_reservation_that_does_not_fit_is_refused_and_nothing_leaks(make_pair) -> None:
+def test_reservation_that_does_not_fit_is_refused_and_nothing_leaks(make_pair: MakePair) -> None:
     pair = make_pair(d_blocks=8, config=TransferConfig(chunk_size=32, reserve_timeout_s=0.3, max_peer_blocks_share=1.0))
     with pytest.raises(ReservationError, match="need 10 KV blocks, only 8"):
         pair.sender.open("big", pair.receiver.address, 160, list(range(10)))
@@ -140,7 +140,7 @@ def test_reservation_that_does_not_fit_is_refused_and_nothing_leaks(make_pair) -
         pair.sender.open("fits", pair.receiver.address, 16, [0])
 
 
-def test_cancel_from_sender_mid_transfer(make_pair) -> None:
+def test_cancel_from_sender_mid_transfer(make_pair: MakePair) -> None:
     pair = make_pair()
     xfer = pair.sender.open("c1", pair.receiver.address, 128, list(range(8)))
     xfer.send_chunk(0)
@@ -152,7 +152,7 @@ def test_cancel_from_sender_mid_transfer(make_pair) -> None:
         pair.receiver.wait("c1", 10)
 
 
-def test_cancel_from_receiver_mid_transfer(make_pair) -> None:
+def test_cancel_from_receiver_mid_transfer(make_pair: MakePair) -> None:
     pair = make_pair()
     xfer = pair.sender.open("c2", pair.receiver.address, 128, list(range(8)))
     xfer.send_chunk(0)
@@ -163,7 +163,7 @@ def test_cancel_from_receiver_mid_transfer(make_pair) -> None:
         pair.receiver.wait("c2", 1)
 
 
-def test_stalled_channel_times_out_on_both_sides(make_pair) -> None:
+def test_stalled_channel_times_out_on_both_sides(make_pair: MakePair) -> None:
     cfg = TransferConfig(chunk_size=32, transfer_timeout_s=0.5, lease_s=5, drain_timeout_s=0.5)
     pair = make_pair(config=cfg)
     xfer = pair.sender.open("slow", pair.receiver.address, 64, list(range(4)))
@@ -175,7 +175,7 @@ def test_stalled_channel_times_out_on_both_sides(make_pair) -> None:
         xfer.wait(5)
 
 
-def test_receiver_never_claimed_is_reaped(make_pair) -> None:
+def test_receiver_never_claimed_is_reaped(make_pair: MakePair) -> None:
     pair = make_pair(config=TransferConfig(chunk_size=32, claim_timeout_s=0.2))
     xfer = pair.sender.open("orphan", pair.receiver.address, 64, list(range(4)))
     xfer.send_all()
@@ -185,7 +185,7 @@ def test_receiver_never_claimed_is_reaped(make_pair) -> None:
         pair.receiver.wait("orphan", 1)
 
 
-def test_dead_sender_lease_expires(make_pair) -> None:
+def test_dead_sender_lease_expires(make_pair: MakePair) -> None:
     pair = make_pair(config=TransferConfig(chunk_size=32, lease_s=0.3, heartbeat_s=0.1, drain_timeout_s=0.2))
     xfer = pair.sender.open("dead", pair.receiver.address, 64, list(range(4)))
     xfer.send_chunk(0)
@@ -195,7 +195,7 @@ def test_dead_sender_lease_expires(make_pair) -> None:
     assert pair.receiver.stats()["leases_expired"] == 1
 
 
-def test_sender_stalled_past_its_lease_writes_nothing_into_the_reaped_reservation(make_pair) -> None:
+def test_sender_stalled_past_its_lease_writes_nothing_into_the_reaped_reservation(make_pair: MakePair) -> None:
     """A frozen prefill (SIGSTOP, a stuck VM) that resumes after its lease expired must not write into blocks
     the receiver may have handed to another request: the receiver holds them until the sender says it is done,
     and the sender refuses to post once its heartbeats have lapsed."""
@@ -204,7 +204,7 @@ def test_sender_stalled_past_its_lease_writes_nothing_into_the_reaped_reservatio
     xfer = pair.sender.open("stalled", pair.receiver.address, 64, list(range(4)))
     xfer.send_chunk(0)
     wait_until(lambda: pair.receiver.stats().get("chunks_landed") == 1, 5, "chunk 0 to land")
-    with pair.sender._cond:  # the sender freezes: its I/O loop blocks at this lock, no heartbeat leaves it
+    with pair.sender.cond:  # the sender freezes: its I/O loop blocks at this lock, no heartbeat leaves it
         with pytest.raises(TransferError, match="lease expired"):
             pair.receiver.wait("stalled", 5)
         time.sleep(cfg.heartbeat_s * 3)  # several reaper passes after the expiry
@@ -217,7 +217,7 @@ def test_sender_stalled_past_its_lease_writes_nothing_into_the_reaped_reservatio
     assert isinstance(xfer.error, TransferTimeout)
 
 
-def test_hello_mismatch_names_the_field(make_pair) -> None:
+def test_hello_mismatch_names_the_field(make_pair: MakePair) -> None:
     pair = make_pair(fingerprints=("llama-8b", "qwen-7b"))
     with pytest.raises(HandshakeError, match="model_fingerprint \\(ours 'qwen-7b', peer 'llama-8b'\\)"):
         pair.sender.open("x", pair.receiver.address, 16, [0])
@@ -226,7 +226,7 @@ def test_hello_mismatch_names_the_field(make_pair) -> None:
         pair2.sender.open("y", pair2.receiver.address, 16, [0])
 
 
-def test_silent_receiver_times_out(make_pair) -> None:
+def test_silent_receiver_times_out(make_pair: MakePair) -> None:
     """Something listens at the address but never answers Hello: the handshake timeout, configurable, bounds it."""
     pair = make_pair(config=TransferConfig(chunk_size=32, handshake_timeout_s=0.3))
     with socket.create_server(("127.0.0.1", 0)) as silent:
@@ -234,7 +234,7 @@ def test_silent_receiver_times_out(make_pair) -> None:
             pair.sender.open("z", f"tcp://127.0.0.1:{silent.getsockname()[1]}", 16, [0])
 
 
-def test_refused_connection_fails_at_once_not_at_the_handshake_timeout(make_pair) -> None:
+def test_refused_connection_fails_at_once_not_at_the_handshake_timeout(make_pair: MakePair) -> None:
     pair = make_pair(config=TransferConfig(chunk_size=32, handshake_timeout_s=30))
     with socket.create_server(("127.0.0.1", 0)) as probe:
         port = probe.getsockname()[1]  # closed again: nothing listens there now
@@ -244,7 +244,7 @@ def test_refused_connection_fails_at_once_not_at_the_handshake_timeout(make_pair
     assert time.monotonic() - started < 10, "a refused connection waited for the 30 s handshake timeout"
 
 
-def test_kv_is_handed_over_only_for_the_prompt_it_was_computed_from(make_pair) -> None:
+def test_kv_is_handed_over_only_for_the_prompt_it_was_computed_from(make_pair: MakePair) -> None:
     """The prompt key travels in the Reserve: a decode side asking with another prompt's key gets no KV, and nothing leaks."""
     pair = make_pair()
     xfer = pair.sender.open("bound", pair.receiver.address, 40, list(range(3)), prompt_key=b"K" * 16)
@@ -262,7 +262,7 @@ def test_kv_is_handed_over_only_for_the_prompt_it_was_computed_from(make_pair) -
     pair.allocator.free(got.blocks)
 
 
-def test_unannounced_transfer_fails_fast(make_pair) -> None:
+def test_unannounced_transfer_fails_fast(make_pair: MakePair) -> None:
     """No sender ever reserved it: the decode side gives up after announce_timeout_s, not transfer_timeout_s."""
     pair = make_pair(config=TransferConfig(chunk_size=32, announce_timeout_s=0.2, transfer_timeout_s=60))
     started = time.monotonic()
@@ -273,7 +273,7 @@ def test_unannounced_transfer_fails_fast(make_pair) -> None:
         pair.sender.open("never-reserved", pair.receiver.address, 16, [0])
 
 
-def test_one_peer_cannot_take_every_block_or_reservation(make_pair) -> None:
+def test_one_peer_cannot_take_every_block_or_reservation(make_pair: MakePair) -> None:
     pair = make_pair(d_blocks=16, config=TransferConfig(chunk_size=32, max_peer_blocks_share=0.5, max_reservations_per_peer=3, reserve_timeout_s=0.3))
     held = [pair.sender.open("a", pair.receiver.address, 64, list(range(4)))]  # 4 of its 8 blocks
     with pytest.raises(ReservationError, match="max_peer_blocks_share"):
@@ -296,7 +296,7 @@ def test_one_peer_cannot_take_every_block_or_reservation(make_pair) -> None:
         pair.allocator.free(pair.receiver.wait(x.request_id, 5).blocks)
 
 
-def test_shared_secret_authenticates_both_sides(make_pair) -> None:
+def test_shared_secret_authenticates_both_sides(make_pair: MakePair) -> None:
     pair = make_pair(secrets=("s3cret", "s3cret"))
     blocks = push(pair, "authed", 40, list(range(3)))
     assert_same_kv(pair, list(range(3)), blocks, 40)
@@ -304,13 +304,13 @@ def test_shared_secret_authenticates_both_sides(make_pair) -> None:
     assert pair.receiver.stats().get("auth_failures", 0) == 0
 
 
-def test_wrong_secret_is_refused_and_counted(make_pair) -> None:
+def test_wrong_secret_is_refused_and_counted(make_pair: MakePair) -> None:
     pair = make_pair(secrets=("guess", "s3cret"))
     with pytest.raises(HandshakeError, match="did not prove the shared secret"):
         pair.sender.open("x", pair.receiver.address, 16, [0])  # the receiver's proof fails the sender's check
 
 
-def test_sender_without_the_secret_cannot_reserve(make_pair) -> None:
+def test_sender_without_the_secret_cannot_reserve(make_pair: MakePair) -> None:
     pair = make_pair(secrets=("", "s3cret"))
     with pytest.raises(ReservationError, match="not authenticated"):
         pair.sender.open("x", pair.receiver.address, 16, [0])
@@ -318,7 +318,7 @@ def test_sender_without_the_secret_cannot_reserve(make_pair) -> None:
     assert pair.allocator.num_free == pair.allocator.num_blocks
 
 
-def test_peer_with_a_forged_proof_is_refused(make_pair) -> None:
+def test_peer_with_a_forged_proof_is_refused(make_pair: MakePair) -> None:
     """A raw DEALER speaking the protocol, with a made-up proof, gets no reservation."""
     pair = make_pair(secrets=("", "s3cret"))
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -343,7 +343,7 @@ def test_peer_with_a_forged_proof_is_refused(make_pair) -> None:
     assert pair.allocator.num_free == pair.allocator.num_blocks
 
 
-def test_reserve_proof_binds_the_prompt_key_to_the_authenticated_peer(make_pair) -> None:
+def test_reserve_proof_binds_the_prompt_key_to_the_authenticated_peer(make_pair: MakePair) -> None:
     """With a secret, a Reserve's prompt key is covered by a proof bound to the handshake: altered, it is refused."""
     pair = make_pair(secrets=("s3cret", "s3cret"))
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -372,7 +372,7 @@ def test_reserve_proof_binds_the_prompt_key_to_the_authenticated_peer(make_pair)
     assert pair.receiver.stats()["auth_failures"] == 1
 
 
-def test_receiver_restart_on_the_same_address_is_rehandshaked(make_pair) -> None:
+def test_receiver_restart_on_the_same_address_is_rehandshaked(make_pair: MakePair) -> None:
     """A decode side that restarts (new agent, same control address) is met with a fresh Hello, not an error."""
     pair = make_pair()
     blocks = push(pair, "before", 40, list(range(3)))

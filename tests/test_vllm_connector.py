@@ -77,7 +77,7 @@ def test_copy_blocks_moves_exactly_the_named_blocks() -> None:
     src = list(vllm_cpu_cache(6, seed=2).values())
     dst = list(vllm_cpu_cache(6).values())
     copy_blocks(src, dst, [5, 1], [0, 3])
-    for a, b in zip(src, dst):
+    for a, b in zip(src, dst, strict=True):
         assert torch.equal(b[0], a[5]) and torch.equal(b[3], a[1])
         assert not b[[1, 2, 4, 5]].any()
 
@@ -254,7 +254,7 @@ def test_prefill_pushes_from_vllm_blocks_and_decode_loads_them_into_its_own() ->
         for name in p_cache:
             src, dst = p_cache[name], d_cache[name]
             assert torch.equal(dst[3], before[name])  # the locally cached block is vLLM's, shared: never written
-            for p_block, d_block in zip([2, 5, 11, 0], [7, 1, 8, 6]):
+            for p_block, d_block in zip([2, 5, 11, 0], [7, 1, 8, 6], strict=True):
                 assert torch.equal(dst[d_block], src[p_block]), (name, p_block, d_block)
         assert d.receiver.stats()["free_blocks"] == 16 and d.receiver.stats()["reservations"] == 0
         assert p.counters["push_ok"] == 1 and d.counters["load_ok"] == 1

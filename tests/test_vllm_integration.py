@@ -135,8 +135,9 @@ def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str)
     started: list[WorkerProcess] = []
     try:
         with ThreadPoolExecutor(2) as pool:
-            d_future = pool.submit(start_worker, "decode", "--engine", "vllm", "--model", model, "--port", "0", "--config", str(tmp / "decode.yaml"), *ENGINE_ARGS, *PROBED, timeout=900, env={**bind("decode"), **PROBE_ENV}, python=python)
-            p_future = pool.submit(start_worker, "prefill", "--engine", "vllm", "--model", model, "--port", "0", "--config", str(tmp / "prefill.yaml"), *ENGINE_ARGS, timeout=900, env=bind("prefill"), python=python)
+            vllm = ("--engine", "vllm", "--model", model, "--port", "0")
+            d_future = pool.submit(start_worker, "decode", *vllm, "--config", str(tmp / "decode.yaml"), *ENGINE_ARGS, *PROBED, timeout=900, env={**bind("decode"), **PROBE_ENV}, python=python)
+            p_future = pool.submit(start_worker, "prefill", *vllm, "--config", str(tmp / "prefill.yaml"), *ENGINE_ARGS, timeout=900, env=bind("prefill"), python=python)
         # Both have finished starting (the pool waited): keep whichever came up, so one that failed never leaves the other running.
         started += [f.result() for f in (d_future, p_future) if f.exception() is None]
         decode, prefill = d_future.result(), p_future.result()
@@ -186,7 +187,7 @@ def ask(url: str, model: str, prompt: str | list[dict[str, str]], max_tokens: in
     if isinstance(prompt, str):
         choice = post_json(url + "/v1/completions", {**body, "prompt": prompt, "logprobs": 5})
         lp = choice["choices"][0]["logprobs"]
-        steps = [Step(_token_id(t), {_token_id(k): v for k, v in top.items()}) for t, top in zip(lp["tokens"], lp["top_logprobs"])]
+        steps = [Step(_token_id(t), {_token_id(k): v for k, v in top.items()}) for t, top in zip(lp["tokens"], lp["top_logprobs"], strict=True)]
     else:
         choice = post_json(url + "/v1/chat/completions", {**body, "messages": prompt, "logprobs": True, "top_logprobs": 5})
         content = choice["choices"][0]["logprobs"]["content"]

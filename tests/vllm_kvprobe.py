@@ -78,7 +78,7 @@ def _record(runner: Any, scheduler_output: Any) -> None:
     scheduled = scheduler_output.num_scheduled_tokens
     before = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
     cached = scheduler_output.scheduled_cached_reqs
-    before.update(zip(cached.req_ids, cached.num_computed_tokens))
+    before.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
     for req_id, computed in before.items():
         state = runner.requests.get(req_id)
         if state is None or not state.prompt_token_ids:

@@ -286,7 +286,7 @@ class _Crew:
                 self._done.put(exc)
 
     def run(self, jobs: list[Callable[[], Any]]) -> None:
-        for box, job in zip(self._inboxes, jobs[1:]):
+        for box, job in zip(self._inboxes, jobs[1:], strict=False):
             box.put(job)
         errors: list[BaseException] = []
         try:
@@ -468,7 +468,7 @@ def _alternate(*sides: Callable[[], float], rounds: int = ROUNDS) -> list[float]
     """Median of each side over ``rounds`` rounds, each round measuring every side once, in turn."""
     runs: list[list[float]] = [[] for _ in sides]
     for _ in range(rounds):
-        for side, out in zip(sides, runs):
+        for side, out in zip(sides, runs, strict=True):
             out.append(side())
     return [statistics.median(r) for r in runs]
 

@@ -123,7 +123,10 @@ def _measure(threads: int, baseline: Memcpy, tokens: int, repeats: int) -> Repor
     return {
         "bench": "gather",
         "baseline": "memcpy",
-        "config": {**{f: getattr(LLAMA3_8B, f) for f in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")}, "tokens": tokens, "num_blocks": NUM_BLOCKS, "threads": threads, "cache": "cold (scratch written before each timed repeat)"},
+        "config": {
+            **{f: getattr(LLAMA3_8B, f) for f in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")},
+            "tokens": tokens, "num_blocks": NUM_BLOCKS, "threads": threads, "cache": "cold (scratch written before each timed repeat)",
+        },
         "native": {"available": "native" in impls, "reason": native.reason()},
         "results": rows,
     }

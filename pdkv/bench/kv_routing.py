@@ -122,12 +122,12 @@ def lookup_cost(total_blocks: int = 100_000, workers: int = 4, prompt_tokens: in
             index.apply(names[c % workers], KVEventBatch(ts=0.0, events=[_chain_event(tokens, block_size, c)]))
         held = sum(len(w) for w in index.workers.values())
         prompts = []
-        for i in range(lookups):  # a cached prefix of random length, then new tokens
+        for _ in range(lookups):  # a cached prefix of random length, then new tokens
             base = chains[int(rng.integers(len(chains)))]
             keep = int(rng.integers(0, prompt_tokens))
             prompts.append(np.concatenate([base[:keep], rng.integers(100, VOCAB, prompt_tokens - keep)]))
-        lookup_wall, lookup_cpu = _timed(lambda: [index.match(p, names) for p in prompts], lookups)
-        hash_wall, hash_cpu = _timed(lambda: [xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(p, dtype="<i8")).cast("B")) for p in prompts], lookups)
+        lookup_wall, lookup_cpu = _timed(lambda: [index.match(p, names) for p in prompts], lookups)  # noqa: B023 - timed at once, inside this iteration
+        hash_wall, hash_cpu = _timed(lambda: [xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(p, dtype="<i8")).cast("B")) for p in prompts], lookups)  # noqa: B023 - timed at once
         rows.append({
             "block_size": block_size, "indexed_blocks": held, "workers": workers, "prompt_tokens": prompt_tokens,
             "lookup_cpu_us": lookup_cpu, "lookup_wall_us": lookup_wall, "baseline_hash_cpu_us": hash_cpu, "ratio": round(lookup_cpu / hash_cpu, 2),
@@ -244,7 +244,7 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
                     salt += 1
                     before = _totals(prefills)
                     with ThreadPoolExecutor(args.concurrency) as pool:  # in trace order, at most --concurrency in flight
-                        ttfts = list(pool.map(lambda ip: _stream_ttft(routers[name][ip[0] % args.routers].url, ip[1]), enumerate(prompts)))
+                        ttfts = list(pool.map(lambda ip: _stream_ttft(routers[name][ip[0] % args.routers].url, ip[1]), enumerate(prompts)))  # noqa: B023 - the pool is done before the loop moves on
                     after = _totals(prefills)
                     full_chunks = sum(len(p) // block for p in prompts)
                     runs[name].append({
@@ -256,7 +256,8 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
             d_metrics = get_text(decode.url + "/metrics")
             kv_metrics = [get_text(r.url + "/metrics") for r in routers["prefix (KV events)"]]
             kv_lost = sum(metric(m, "pdkv_router_kv_stream_events_total", event="lost") for m in kv_metrics)
-            kv_decisions = {why: sum(metric(m, "pdkv_router_decisions_total", role="prefill", reason=why) for m in kv_metrics) for why in ("kv_hit", "kv_miss", "kv_load_balanced", "prefix_hit", "prefix_miss")}
+            reasons = ("kv_hit", "kv_miss", "kv_load_balanced", "prefix_hit", "prefix_miss")
+            kv_decisions = {why: sum(metric(m, "pdkv_router_decisions_total", role="prefill", reason=why) for m in kv_metrics) for why in reasons}
         finally:
             for proc in [*(r for replicas in routers.values() for r in replicas), *workers]:
                 proc.stop()
@@ -288,7 +289,11 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
 def format_report(report: Report) -> str:
     lk = report
     lines = [f"Prefix index lookup, baseline {lk['baseline']}; encoding the prompt as text: {lk['tokenize_text_cpu_us']} us CPU:"]
-    lines += [f"  block {r['block_size']:>4}: {r['indexed_blocks']} blocks, {r['prompt_tokens']}-token prompt: {r['lookup_cpu_us']} us CPU ({r['lookup_wall_us']} wall), hash {r['baseline_hash_cpu_us']} us, ratio {r['ratio']}" for r in lk["results"]]
+    lines += [
+        f"  block {r['block_size']:>4}: {r['indexed_blocks']} blocks, {r['prompt_tokens']}-token prompt: "
+        f"{r['lookup_cpu_us']} us CPU ({r['lookup_wall_us']} wall), hash {r['baseline_hash_cpu_us']} us, ratio {r['ratio']}"
+        for r in lk["results"]
+    ]
     tr = report.get("trace", {})
     if "skipped" in tr:
         lines.append(f"trace: skipped: {tr['skipped']}")

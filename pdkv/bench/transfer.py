@@ -196,11 +196,11 @@ class TransferRig:
             raise errors[0]
         self.conn.send(("check",))
         _, digests = _recv(self.conn, "the receiver's digests")
-        want = [_digest(self.layout, self.kv, table, tokens) for table, (_, tokens) in zip(tables, requests)]
+        want = [_digest(self.layout, self.kv, table, tokens) for table, (_, tokens) in zip(tables, requests, strict=True)]
         if own:
             for table in tables:
                 self.allocator.free(table)
-        bad = [rid for (rid, _), a, b in zip(requests, digests, want) if a != b]
+        bad = [rid for (rid, _), a, b in zip(requests, digests, want, strict=True) if a != b]
         if bad:
             raise TransferError(f"the decode side holds different KV than was sent for {len(bad)} of {len(requests)} requests: {bad[:5]}")
         return max(ends) - t0, [e - t0 for e in ends]

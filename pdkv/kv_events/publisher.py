@@ -60,7 +60,10 @@ class KVEventPublisher:
 
     def __init__(self, config: KVEventsConfig, bind_host: str = "127.0.0.1", data_parallel_rank: int = 0) -> None:
         if not config.publishing:
-            raise ConfigError(f"kv_events: publisher {config.publisher!r} with enable_kv_cache_events {config.enable_kv_cache_events}: nothing to publish; set enable_kv_cache_events: true and publisher: zmq")
+            raise ConfigError(
+                f"kv_events: publisher {config.publisher!r} with enable_kv_cache_events {config.enable_kv_cache_events}: "
+                "nothing to publish; set enable_kv_cache_events: true and publisher: zmq"
+            )
         self.config = config
         self.topic = config.topic.encode()
         self.data_parallel_rank = data_parallel_rank

@@ -100,7 +100,7 @@ class LocalCluster:
                     return False
                 covered += end - start + 1
             return covered == SLOTS
-        except Exception:  # a node still starting or failing over: not ok yet
+        except Exception:  # noqa: BLE001 - a node still starting or failing over (any client error): not ok yet
             return False
 
 
@@ -147,7 +147,7 @@ def _create_with_commands(cluster: LocalCluster, primaries: int) -> None:
             try:
                 cluster.client(node.port).execute_command("CLUSTER", "REPLICATE", primary)
                 break
-            except Exception:
+            except Exception:  # re-raised past the deadline
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.1)

@@ -101,7 +101,10 @@ class SchedulerSide:
         if own != info.prompt_key:  # early out; the binding that counts is P's Reserve, checked when the KV is claimed
             self.rejected_prompts += 1
             self._discards.append(info.transfer_id)
-            log.warning("request %s: its prompt is not the one prefilled for transfer %s (tokenizer, chat template or model differ between P and D?); recomputing it", request.request_id, info.transfer_id)
+            log.warning(
+                "request %s: its prompt is not the one prefilled for transfer %s (tokenizer, chat template or model differ between P and D?); recomputing it",
+                request.request_id, info.transfer_id,
+            )
             return None
         return _Match(info.num_tokens, transfer_id=info.transfer_id, prompt_key=bytes.fromhex(own))
 

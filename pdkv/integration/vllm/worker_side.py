@@ -152,7 +152,7 @@ class WorkerSide:
             if p is not None:
                 try:
                     self._advance(p)
-                except Exception:  # noqa: BLE001 - a bug here must not kill the thread that frees every request's blocks
+                except Exception:  # a bug here must not kill the thread that frees every request's blocks
                     log.exception("request %s: push failed unexpectedly", req_id)
                     self._give_up(p, "internal error (see the log)")
 
@@ -252,7 +252,7 @@ class WorkerSide:
             ok = True
         except PdkvError as exc:
             log.warning("request %s: KV of %s not loaded: %s; vLLM recomputes the prompt", spec.req_id, "the cache tier" if spec.tier_keys else f"transfer {spec.transfer_id}", exc)
-        except Exception:  # noqa: BLE001 - the request must still be reported, or vLLM waits for it forever
+        except Exception:  # the request must still be reported, or vLLM waits for it forever
             log.exception("request %s: loading its KV failed unexpectedly; vLLM recomputes the prompt", spec.req_id)
         with self._lock:
             (self._recv_done if ok else self._recv_failed).add(spec.req_id)
