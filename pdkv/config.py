@@ -53,7 +53,8 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True):
     codec: Annotated[str, Meta(pattern=CODEC_NAME_PATTERN)] = "none"
 
     def __post_init__(self) -> None:
-        codec_class(self.codec)  # an optional codec whose extra is not installed fails here, naming the extra
+        if self.codec != "none":  # none needs nothing loaded (a router reads this section too, and never loads codecs)
+            codec_class(self.codec)  # an optional codec whose extra is not installed fails here, naming the extra
 
 
 class ChannelConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -303,7 +304,7 @@ def convert_config(raw: dict[str, Any], source: str = "config") -> PdkvConfig:
         field = path.lstrip(".") or "?"
         expected = _PATH.sub("", text).rstrip(" -")
         raise ConfigError(f"{source}: field '{field}' = {_lookup(raw, path)!r}: {expected}") from None
-    why = codec_class(config.transfer.codec).unsupported_dtype(config.dtype)
+    why = codec_class(config.transfer.codec).unsupported_dtype(config.dtype) if config.transfer.codec != "none" else None
     if why and config.engine == "reference":  # vLLM's KV dtype is vLLM's: checked when the connector builds the codec
         raise ConfigError(f"{source}: field 'transfer.codec' = {config.transfer.codec!r} does not fit dtype {config.dtype!r}: {why}")
     if "secret" in config.channel.options:  # one secret for both planes; ``channel_options`` hands it to the channel

@@ -73,31 +73,71 @@ ratio)`` beats both the raw transfer and the recompute. ``pdkv bench codec
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import threading
+from typing import TYPE_CHECKING, Any
 
-from pdkv.codec.base import Codec, align, register_id
-from pdkv.codec.lossless import NoneCodec, ZstdCodec
-from pdkv.codec.lossy import Bf16Codec, Fp8Codec, Fp16Codec, Int8Codec, Int8KiviCodec, K16V8Codec
 from pdkv.errors import ConfigError
-from pdkv.layout import KVLayout
 
-CODECS: dict[str, type[Codec]] = {c.name: c for c in (NoneCodec, ZstdCodec, Bf16Codec, Fp16Codec, Fp8Codec, K16V8Codec, Int8Codec, Int8KiviCodec)}
-for _cls in CODECS.values():
-    register_id(_cls.codec_id, _cls.name)
+if TYPE_CHECKING:
+    from pdkv.codec.base import Codec
+    from pdkv.layout import KVLayout
 
-CODEC_NAME_PATTERN = "^(" + "|".join(CODECS) + ")$"
+# Where each codec lives. The codecs (and torch with them) load on first use, not with this package: a process
+# that only reads a config naming codecs, like the router, never pays for torch.
+_WHERE: dict[str, tuple[str, str]] = {
+    "none": ("pdkv.codec.lossless", "NoneCodec"),
+    "zstd": ("pdkv.codec.lossless", "ZstdCodec"),
+    "bf16": ("pdkv.codec.lossy", "Bf16Codec"),
+    "fp16": ("pdkv.codec.lossy", "Fp16Codec"),
+    "fp8": ("pdkv.codec.lossy", "Fp8Codec"),
+    "k16v8": ("pdkv.codec.lossy", "K16V8Codec"),
+    "int8": ("pdkv.codec.lossy", "Int8Codec"),
+    "int8-kivi": ("pdkv.codec.lossy", "Int8KiviCodec"),
+}
+_loaded: dict[str, type[Codec]] = {}
+_load_lock = threading.Lock()
+
+CODEC_NAME_PATTERN = "^(" + "|".join(_WHERE) + ")$"
 """What ``transfer.codec`` may be (a config pattern, so a bad name fails at load naming the choices)."""
 
 
+def _codecs() -> dict[str, type[Codec]]:
+    """Every codec class by name, imported (and its wire id registered) the first time one is asked for."""
+    with _load_lock:
+        if not _loaded:
+            from pdkv.codec.base import register_id
+
+            for name, (module, cls_name) in _WHERE.items():
+                cls = getattr(importlib.import_module(module), cls_name)
+                if cls.name != name:
+                    raise ConfigError(f"codec table names {module}.{cls_name} {name!r} but the class calls itself {cls.name!r}")
+                register_id(cls.codec_id, name)
+                _loaded[name] = cls
+        return _loaded
+
+
+def __getattr__(name: str) -> Any:
+    """``CODECS`` (name -> class) and ``Codec`` load the codecs on first use (see ``_WHERE``)."""
+    if name == "CODECS":
+        return _codecs()
+    if name == "Codec":
+        from pdkv.codec.base import Codec
+
+        return Codec
+    raise AttributeError(f"module 'pdkv.codec' has no attribute {name!r}")
+
+
 def codec_names() -> list[str]:
-    return list(CODECS)
+    return list(_WHERE)
 
 
 def codec_class(name: str) -> type[Codec]:
     """The codec called ``name``; ConfigError naming the choices, or the extra to install."""
-    cls = CODECS.get(name)
-    if cls is None:
-        raise ConfigError(f"transfer.codec {name!r} is not a codec; expected one of {', '.join(CODECS)}")
+    if name not in _WHERE:
+        raise ConfigError(f"transfer.codec {name!r} is not a codec; expected one of {', '.join(_WHERE)}")
+    cls = _codecs()[name]
     if cls.requires and importlib.util.find_spec(cls.requires[0]) is None:
         module, extra = cls.requires
         raise ConfigError(f"transfer.codec {name!r} needs {module}, which is not installed: pip install 'pdkv[{extra}]'")
@@ -111,13 +151,15 @@ def make_codec(name: str, layout: KVLayout) -> Codec:
 
 def slot_bytes(layout: KVLayout, chunk_size: int, codecs: list[Codec]) -> int:
     """A staging slot's size: a raw chunk, or the largest frame any of ``codecs`` may write for one (a multiple of 16)."""
+    from pdkv.codec.base import align
+
     return align(max([layout.chunk_bytes(chunk_size), *(c.max_encoded_bytes(chunk_size) for c in codecs)]))
 
 
 def available_codecs(layout: KVLayout) -> list[str]:
     """Codecs this process can run for ``layout`` (installed, and made for its dtype): what Hello would offer."""
     out = []
-    for name, cls in CODECS.items():
+    for name, cls in _codecs().items():
         if cls.unsupported(layout) is None and (cls.requires is None or importlib.util.find_spec(cls.requires[0]) is not None):
             out.append(name)
     return out
