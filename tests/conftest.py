@@ -7,6 +7,7 @@ import os
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from pdkv.config import TransferConfig
 from pdkv.layout import KVLayout
 from pdkv.receiver import KVReceiver
 from pdkv.sender import KVSender
+from pdkv.testing.model import write_tiny_model
 from pdkv.testing.redis import INSTALL_HINT, LocalRedis, local_redis, server_binary
 
 _names = itertools.count()
@@ -143,6 +145,12 @@ def make_pair() -> Iterator[MakePair]:
         pair.d_channel.close()
         assert free == pair.allocator.num_blocks, f"receiver leaked {pair.allocator.num_blocks - free} blocks"
         assert slots == pair.receiver.config.staging_slots, "receiver leaked staging slots"
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny random model (pdkv.testing.model, seed 0) every test of real workers loads; written once, never modified."""
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 
 from pdkv.cli import build_parser
-from pdkv.testing.model import write_tiny_model
 
-TINY_MODEL = "{tiny_model}"  # replaced by a random tiny model's directory
+TINY_MODEL = "{model_dir}"  # replaced by a random tiny model's directory
 BENCHES: dict[str, list[str]] = {
     "channel": ["--channel", "tcp", "--sizes", "4K,64K", "--repeats", "2"],
     "gather": ["--tokens", "16", "--repeats", "2"],
@@ -44,20 +43,15 @@ def test_every_bench_subcommand_is_smoke_tested() -> None:
     assert set(_subcommands(_subcommands(build_parser())["bench"])) == set(BENCHES), "add the new `pdkv bench` subcommand to BENCHES"
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("bench") / "tiny")
-
-
 def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @pytest.mark.timeout(900)  # on a fresh machine the first user of the native kernels (gather) compiles them
 @pytest.mark.parametrize("name", sorted(BENCHES))
-def test_bench_prints_its_ratio_against_a_same_run_baseline_and_draws_it(name: str, tiny_model: Path, tmp_path: Path) -> None:
+def test_bench_prints_its_ratio_against_a_same_run_baseline_and_draws_it(name: str, model_dir: Path, tmp_path: Path) -> None:
     picture = tmp_path / f"{name}.png"
-    args = [a.replace(TINY_MODEL, str(tiny_model)) for a in BENCHES[name]]
+    args = [a.replace(TINY_MODEL, str(model_dir)) for a in BENCHES[name]]
     out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", name, *args, "--json", "--plot", str(picture)], capture_output=True, text=True, timeout=840)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)

@@ -28,7 +28,6 @@ from pdkv.kv_events.index import PrefixIndex, chain_hashes
 from pdkv.kv_events.publisher import KVEventPublisher
 from pdkv.kv_events.subscriber import EventStream, cancel
 from pdkv.kv_events.wire import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch, encode_seq
-from pdkv.testing.model import write_tiny_model
 from pdkv.testing.redis import LocalRedis
 from pdkv.worker.server import Worker
 
@@ -215,11 +214,6 @@ def test_publisher_endpoints_follow_vllms_rules_and_bad_ones_fail_at_start() -> 
 CHUNK = 32
 PROMPT = [(i * 37) % 300 + 3 for i in range(100)]  # 3 full chunks + 4 tokens
 OTHER = [(i * 11) % 290 + 5 for i in range(70)]  # 2 full chunks
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 def events_worker(model_dir: Path, **tier: Any) -> Worker:

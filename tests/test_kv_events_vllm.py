@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 
 from pdkv.config import KVEventsConfig
 from pdkv.engine.reference import ReferenceEngine
@@ -31,13 +30,6 @@ from tests.test_tier_worker import serve
 PEER = Path(__file__).with_name("vllm_kv_events_peer.py")
 BS = 16
 TOKENS = list(range(1000, 1064))  # 4 blocks of vLLM's 16
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pdkv.testing.model import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 def line(proc: subprocess.Popen[str]) -> dict[str, Any]:

@@ -48,7 +48,6 @@ from pdkv.receiver import KVReceiver
 from pdkv.router.app import Router
 from pdkv.sender import KVSender
 from pdkv.testing.http import metric
-from pdkv.testing.model import write_tiny_model
 from pdkv.worker.server import Worker
 
 from tests.conftest import wait_until
@@ -450,11 +449,6 @@ IDLE = {  # what every worker must be back to once the request is over: nothing 
 }
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
-
-
 async def _serve(app: web.Application, handler_cancellation: bool) -> tuple[web.AppRunner, str]:
     """``handler_cancellation``: a client that hangs up cancels its handler (as ``pdkv launch`` serves); without
     it (aiohttp's default, e.g. ``web.run_app``) the handler only learns when a write to the client fails."""
@@ -505,11 +499,11 @@ def _assert_no_traceback(caplog: pytest.LogCaptureFixture) -> None:
 
 
 @pytest.mark.parametrize("handler_cancellation", [True, False], ids=["handler-cancellation", "no-handler-cancellation"])
-def test_client_hangs_up_mid_stream_through_the_router(tiny_model: Path, caplog: pytest.LogCaptureFixture, handler_cancellation: bool) -> None:
+def test_client_hangs_up_mid_stream_through_the_router(model_dir: Path, caplog: pytest.LogCaptureFixture, handler_cancellation: bool) -> None:
     """The router stops relaying, which closes the decode stream and stops the decode worker's generation."""
 
     async def scenario() -> None:
-        runners, p_url, d_url = await _workers(tiny_model, handler_cancellation=True)
+        runners, p_url, d_url = await _workers(model_dir, handler_cancellation=True)
         router = await Router.start(RouterConfig(prefill=[p_url], decode=[d_url]))
         r_runner, r_url = await _serve(router.app(), handler_cancellation)
         try:
@@ -535,12 +529,12 @@ def test_client_hangs_up_mid_stream_through_the_router(tiny_model: Path, caplog:
         assert len(gone) == 1 and gone[0].levelno == logging.INFO and gone[0].getMessage().startswith("request ")
 
 
-def test_client_hangs_up_mid_stream_on_a_worker_without_handler_cancellation(tiny_model: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_client_hangs_up_mid_stream_on_a_worker_without_handler_cancellation(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Served the aiohttp default way, a worker learns of the hang-up from a failed write: it must stop the
     request, free what it holds and log one line, not a traceback."""
 
     async def scenario() -> None:
-        runners, p_url, d_url = await _workers(tiny_model, handler_cancellation=False)
+        runners, p_url, d_url = await _workers(model_dir, handler_cancellation=False)
         try:
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
                 free = {url: metric(await _metrics(s, url), "pdkv_free_blocks") for url in (p_url, d_url)}

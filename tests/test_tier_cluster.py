@@ -60,13 +60,6 @@ def test_cluster_urls_name_seed_nodes_and_bad_ones_fail_at_start() -> None:
             tier(bad)
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pdkv.testing.model import write_tiny_model
-
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
-
-
 def test_a_worker_on_the_cluster_tier_never_fails_a_request_while_a_primary_dies(cluster: LocalCluster, model_dir: Path, tmp_path: Path) -> None:
     """Prefill workers with only the cluster level (memory off): a prompt computed by one is loaded by the next; a
     primary killed between requests costs some of those loads (recomputed), never a request or its tokens."""

@@ -20,7 +20,6 @@ from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
 from pdkv.netaddr import free_port
 from pdkv.testing.http import get_text, metric, post_json
-from pdkv.testing.model import write_tiny_model
 from pdkv.testing.procs import start_configured
 from pdkv.testing.redis import LocalRedis
 from pdkv.worker.server import Worker
@@ -31,11 +30,6 @@ CHUNK = 32
 BASE = [(i * 37) % 300 + 3 for i in range(100)]  # 3 full chunks + 4 tokens: 3 chunks (96 tokens) loadable
 SHARED = BASE[:64] + [(i * 13) % 290 + 5 for i in range(40)]  # its first two chunks are BASE's
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -318,34 +320,9 @@ def test_sender_without_the_secret_cannot_reserve(make_pair: MakePair) -> None:
     assert pair.allocator.num_free == pair.allocator.num_blocks
 
 
-def test_peer_with_a_forged_proof_is_refused(make_pair: MakePair) -> None:
-    """A raw DEALER speaking the protocol, with a made-up proof, gets no reservation."""
-    pair = make_pair(secrets=("", "s3cret"))
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(pair.receiver.address)
-    try:
-        hello = msgspec.structs.replace(pair.sender.hello(), nonce=new_nonce(), data_token=b"T" * 16)
-        sock.send(protocol.encode(hello))
-        assert sock.poll(5000), "no Hello reply"
-        reply = protocol.decode(sock.recv())
-        assert isinstance(reply, protocol.Hello) and verify(b"s3cret", "receiver", hello.nonce, reply.nonce, reply.auth)
-        sock.send(protocol.encode(protocol.Auth(b"\0" * 32)))
-        sock.send(protocol.encode(protocol.Reserve("forged", 16)))
-        answers = []
-        while len(answers) < 2 and sock.poll(5000):
-            answers.append(protocol.decode(sock.recv()))
-    finally:
-        sock.close(0)
-    assert isinstance(answers[0], protocol.Error) and "authentication failed" in answers[0].message
-    assert isinstance(answers[1], protocol.Refused) and "not authenticated" in answers[1].reason
-    assert pair.receiver.stats()["auth_failures"] >= 2
-    assert pair.allocator.num_free == pair.allocator.num_blocks
-
-
-def test_reserve_proof_binds_the_prompt_key_to_the_authenticated_peer(make_pair: MakePair) -> None:
-    """With a secret, a Reserve's prompt key is covered by a proof bound to the handshake: altered, it is refused."""
-    pair = make_pair(secrets=("s3cret", "s3cret"))
+@contextlib.contextmanager
+def raw_peer(pair: Pair) -> Iterator[tuple[zmq.Socket, protocol.Hello, protocol.Hello]]:
+    """A raw DEALER that has said Hello to the pair's receiver, as a hostile peer would: (socket, its Hello, the reply)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(pair.receiver.address)
@@ -355,18 +332,45 @@ def test_reserve_proof_binds_the_prompt_key_to_the_authenticated_peer(make_pair:
         assert sock.poll(5000), "no Hello reply"
         reply = protocol.decode(sock.recv())
         assert isinstance(reply, protocol.Hello)
+        yield sock, hello, reply
+    finally:
+        sock.close(0)
+
+
+def answers_to(sock: zmq.Socket, n: int) -> list[protocol.Message]:
+    """Up to ``n`` messages, each within 5 s."""
+    answers = []
+    while len(answers) < n and sock.poll(5000):
+        answers.append(protocol.decode(sock.recv()))
+    return answers
+
+
+def test_peer_with_a_forged_proof_is_refused(make_pair: MakePair) -> None:
+    """A raw DEALER speaking the protocol, with a made-up proof, gets no reservation."""
+    pair = make_pair(secrets=("", "s3cret"))
+    with raw_peer(pair) as (sock, hello, reply):
+        assert verify(b"s3cret", "receiver", hello.nonce, reply.nonce, reply.auth)
+        sock.send(protocol.encode(protocol.Auth(b"\0" * 32)))
+        sock.send(protocol.encode(protocol.Reserve("forged", 16)))
+        answers = answers_to(sock, 2)
+    assert isinstance(answers[0], protocol.Error) and "authentication failed" in answers[0].message
+    assert isinstance(answers[1], protocol.Refused) and "not authenticated" in answers[1].reason
+    assert pair.receiver.stats()["auth_failures"] >= 2
+    assert pair.allocator.num_free == pair.allocator.num_blocks
+
+
+def test_reserve_proof_binds_the_prompt_key_to_the_authenticated_peer(make_pair: MakePair) -> None:
+    """With a secret, a Reserve's prompt key is covered by a proof bound to the handshake: altered, it is refused."""
+    pair = make_pair(secrets=("s3cret", "s3cret"))
+    with raw_peer(pair) as (sock, hello, reply):
         sock.send(protocol.encode(protocol.Auth(proof(b"s3cret", "sender", reply.nonce, hello.nonce))))
         honest = protocol.Reserve("honest", 16, b"A" * 16)
         honest.proof = bound_proof(b"s3cret", "reserve", reply.nonce + hello.nonce, *protocol.reserve_fields(honest))
         forged = msgspec.structs.replace(honest, request_id="forged", prompt_key=b"B" * 16)  # the proof of another Reserve
         sock.send(protocol.encode(forged))
         sock.send(protocol.encode(honest))
-        answers = []
-        while len(answers) < 2 and sock.poll(5000):
-            answers.append(protocol.decode(sock.recv()))
+        answers = answers_to(sock, 2)
         sock.send(protocol.encode(protocol.Cancel("honest", "test over")))
-    finally:
-        sock.close(0)
     assert isinstance(answers[0], protocol.Refused) and "proof" in answers[0].reason
     assert isinstance(answers[1], protocol.Reserved) and answers[1].request_id == "honest"
     assert pair.receiver.stats()["auth_failures"] == 1

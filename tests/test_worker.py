@@ -24,7 +24,6 @@ from pdkv.engine.sampling import SamplingParams
 from pdkv.testing.http import get_text as get
 from pdkv.testing.http import metric
 from pdkv.testing.http import post_json as post
-from pdkv.testing.model import write_tiny_model
 from pdkv.testing.procs import WorkerProcess, start_configured
 from pdkv.worker.server import Worker
 
@@ -32,11 +31,6 @@ from tests.conftest import wait_until
 
 CHUNK = 32
 PROMPTS = [list(range(5, 25)), [(i * 37) % 300 + 3 for i in range(100)], [(i * 11) % 290 + 7 for i in range(64)]]  # 1 partial chunk; 3 chunks + 4; exactly 2
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 @pytest.fixture(scope="module")
