@@ -847,8 +847,6 @@ class TcpChannel(Channel):
         self._opts = opts
         self._secret = opts.secret.encode()
         self._instance = secrets.randbits(63)
-        self._views: dict[int, memoryview] = {}
-        self._region_ids = itertools.count()
         self._xfer_ids = itertools.count(1)
         self._rr = itertools.count()
         self._caller = threading.local()
@@ -881,19 +879,15 @@ class TcpChannel(Channel):
         view = byte_view(buf)
         if view.readonly:
             raise ChannelError("tcp: cannot register read-only memory; transfers land bytes in registered regions")
-        region = next(self._region_ids)
-        self._views[region] = view
-        self._add_region(region, view.nbytes)
-        return region
+        return self.regions.add(view, view.nbytes)
 
     def deregister(self, region: int) -> None:
-        self._views.pop(region, None)
-        self._region_sizes.pop(region, None)
+        self.regions.remove(region)
 
     def metadata(self) -> bytes:
         host = self._opts.advertise_host or self._opts.host
         port = self._opts.advertise_port or self.port
-        return msgspec.msgpack.encode(_Meta(self.agent_name, host, port, self._instance, dict(self._region_sizes)))
+        return msgspec.msgpack.encode(_Meta(self.agent_name, host, port, self._instance, self.regions.sizes()))
 
     # -- peers -------------------------------------------------------------------
     def add_peer(self, metadata: bytes) -> str:
@@ -908,7 +902,7 @@ class TcpChannel(Channel):
         with self._lock:
             old = self._peers.get(meta.name)
             self._peers[meta.name] = meta
-            self._peer_region_sizes[meta.name] = dict(meta.regions)
+            self.regions.add_peer(meta.name, meta.regions)
             links = self._pop_links(meta.name) if old != meta else []
         if old != meta:
             self.forget_unreachable(meta.name)  # new address: worth trying at once
@@ -919,7 +913,7 @@ class TcpChannel(Channel):
     def remove_peer(self, peer: str) -> None:
         with self._lock:
             self._peers.pop(peer, None)
-            self._peer_region_sizes.pop(peer, None)
+            self.regions.remove_peer(peer)
             links = self._pop_links(peer)
         for link in links:
             link.fail(f"peer {peer!r} removed")
@@ -974,7 +968,7 @@ class TcpChannel(Channel):
     def _post(self, kind: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> TransferHandle:
         if self.closed:
             raise ChannelError("tcp channel is closed")
-        total = self.check_ops(peer, ops)
+        total = self.regions.check_ops(peer, ops)
         if notif is not None and len(notif) > self._opts.max_notif_bytes:
             raise ChannelError(f"tcp: notification of {len(notif)} bytes exceeds max_notif_bytes={self._opts.max_notif_bytes}")
         link = self._link(peer, token)
@@ -1020,7 +1014,7 @@ class TcpChannel(Channel):
             at = i * HDR_SIZE
             HEADER.pack_into(hdrs, at, MAGIC, VERSION, DATA, flags, shares, op.remote_region, nlen, xfer, op.remote_offset, op.length)
             bufs.append(hdrs[at : at + HDR_SIZE])
-            bufs.append(self._views[op.local_region][op.local_offset : op.local_offset + op.length])
+            bufs.append(self.regions[op.local_region][op.local_offset : op.local_offset + op.length])
             nbytes += op.length
         if notif:
             bufs.append(notif)
@@ -1032,7 +1026,7 @@ class TcpChannel(Channel):
         expect = []
         for i, op in enumerate(share):
             HEADER.pack_into(hdrs, i * HDR_SIZE, MAGIC, VERSION, READ_REQ, 0, 0, op.remote_region, 0, xfer, op.remote_offset, op.length)
-            expect.append((xfer, self._views[op.local_region][op.local_offset : op.local_offset + op.length]))
+            expect.append((xfer, self.regions[op.local_region][op.local_offset : op.local_offset + op.length]))
         return _Batch([hdrs], 0, expect)
 
     def poll(self, handle: TransferHandle) -> XferState:
@@ -1179,7 +1173,7 @@ class TcpChannel(Channel):
 
     def _region_slice(self, conn: _Conn, region: int, offset: int, length: int) -> memoryview:
         """The view a DATA/READ_REQ frame names, or ProtocolError: nothing outside a region, ever."""
-        view = self._views.get(region)
+        view = self.regions.get(region)
         if view is None:
             raise ProtocolError(f"tcp {conn.label}: frame names region {region}, which is not registered here")
         if length == 0 or length > self._opts.max_frame_bytes or offset + length > view.nbytes:
@@ -1232,7 +1226,7 @@ class TcpChannel(Channel):
                         self._nack(conn, xfer, why)
                     elif done:
                         if notif is not None:
-                            self._deliver(session.peer, notif)
+                            self.inbox.deliver(session.peer, notif)
                         acks.append(xfer)
                 continue
             if cur_xfer != -1:
@@ -1254,7 +1248,7 @@ class TcpChannel(Channel):
                 finally:
                     self.grants.end(ticket)
             elif ftype == NOTIF:
-                self._deliver(session.peer, conn.recv_payload(length, opts.max_notif_bytes, "notification"))
+                self.inbox.deliver(session.peer, conn.recv_payload(length, opts.max_notif_bytes, "notification"))
             else:
                 raise ProtocolError(f"tcp {conn.label}: unexpected frame type {FRAME_NAMES.get(ftype, ftype)}")
 
@@ -1340,8 +1334,7 @@ class TcpChannel(Channel):
         for t in [self._acceptor, *accepted.values(), *(t for link in links for t in link.threads)]:
             if t is not me and t.ident is not None:
                 t.join(max(0.0, deadline - time.monotonic()))
-        self._views.clear()
-        self._region_sizes.clear()
-        self._peer_region_sizes.clear()
+        self.regions.clear()
+        self.regions.clear_peers()
         self._peers.clear()
         super().close()
