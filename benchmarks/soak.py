@@ -72,7 +72,7 @@ from typing import Any
 import yaml
 
 from pdkv.auth import control_token
-from pdkv.channels.tcp import DATA, HDR_SIZE, HEADER, NOTIF_FOLLOWS, READ_REQ
+from pdkv.channels.tcp.wire import DATA, HDR_SIZE, HEADER, NOTIF_FOLLOWS, READ_REQ
 from pdkv.demo import metric
 from pdkv.launch.procs import WorkerProcess, start_worker
 
