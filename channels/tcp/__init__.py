@@ -13,8 +13,7 @@ connection, either side's), ``options``, ``link`` and ``initiator`` (the side
 that calls write/read), ``target`` (the side bytes land in) and ``channel``
 (``TcpChannel``, the ``Channel`` contract tying the two sides together).
 
-I is the initiator (the side calling write/read), T the target. An initiator
-opens a *link* of ``streams`` connections to each peer, all with one random
+The initiator (the side calling write/read) opens a *link* of ``streams`` connections to each peer, all with one random
 session id so the target can group them. A transfer is cut into shares, one
 per stream, each sent as one uninterrupted batch of DATA frames ending in
 LAST. TCP is in order and the stream's reader lands each payload before

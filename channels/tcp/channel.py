@@ -20,7 +20,7 @@ import msgspec
 from pdkv.channels.base import Channel, ChannelOptions, TransferHandle, TransferOp, XferState
 from pdkv.channels.tcp.conn import SHUTDOWN_JOIN_S
 from pdkv.channels.tcp.initiator import Initiator, TcpHandle
-from pdkv.channels.tcp.options import TcpOptions
+from pdkv.channels.tcp.options import Agent, TcpOptions
 from pdkv.channels.tcp.target import Target
 from pdkv.channels.tcp.wire import MAX_NAME_BYTES, Meta, decode_meta
 from pdkv.errors import ChannelError, ConfigError, TransferTimeout
@@ -42,12 +42,12 @@ class TcpChannel(Channel):
         if len(agent_name.encode()) > MAX_NAME_BYTES:
             raise ConfigError(f"tcp channel agent name {agent_name!r}: expected at most {MAX_NAME_BYTES} UTF-8 bytes")
         self._opts = opts
-        secret = opts.secret.encode()
         self._instance = secrets.randbits(63)
         self._lock = threading.Lock()
         self.closed = False
-        self.initiator = Initiator(agent_name, opts, secret, self.regions, self.count)
-        self.target = Target(agent_name, opts, secret, self._instance, self.regions, self.grants, self.inbox, self.count)
+        agent = Agent(agent_name, opts, opts.secret.encode(), self._instance, self.count)
+        self.initiator = Initiator(agent, self.regions)
+        self.target = Target(agent, self.regions, self.grants, self.inbox)
         self.port: int = self.target.port
 
     # -- memory ----------------------------------------------------------------

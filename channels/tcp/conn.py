@@ -23,8 +23,8 @@ from pdkv.channels.tcp.options import TcpOptions
 from pdkv.channels.tcp.wire import HDR_SIZE, Header, pack, unpack_header
 from pdkv.errors import ChannelError, ProtocolError, TransferTimeout
 
-DRAIN_BYTES = 1 << 20  # a refused frame's payload is read away in pieces this big
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_DRAIN_BYTES = 1 << 20  # a refused frame's payload is read away in pieces this big
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 SHUTDOWN_JOIN_S = 2.0  # how long closing waits for each of the channel's threads
 
 
@@ -36,7 +36,7 @@ class PeerClosed(ChannelError):
 IO_ERRORS = (OSError, ChannelError, TransferTimeout)
 
 
-def timeval(seconds: float) -> bytes:
+def _timeval(seconds: float) -> bytes:
     whole = int(seconds)
     return struct.pack("ll", whole, int((seconds - whole) * 1e6))
 
@@ -85,8 +85,8 @@ class Conn:
         self._poller.register(sock, select.POLLIN)
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval(self.tick))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval(opts.io_timeout))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.tick))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(opts.io_timeout))
 
     def readable(self) -> bool:
         """Whether bytes (or EOF) are waiting, without blocking."""
@@ -139,7 +139,7 @@ class Conn:
 
     def drain(self, length: int) -> None:
         """Read ``length`` payload bytes away (a refused frame's): the stream stays in step, nothing lands."""
-        scratch = memoryview(bytearray(min(length, DRAIN_BYTES)))
+        scratch = memoryview(bytearray(min(length, _DRAIN_BYTES)))
         while length:
             n = min(length, scratch.nbytes)
             self.recv_exact(scratch[:n])
@@ -150,7 +150,7 @@ class Conn:
         i, n = 0, len(bufs)
         try:
             while i < n:
-                sent = self.sock.sendmsg(bufs[i : i + IOV_MAX])
+                sent = self.sock.sendmsg(bufs[i : i + _IOV_MAX])
                 self.last_progress = time.monotonic()
                 while sent:
                     size = len(bufs[i])

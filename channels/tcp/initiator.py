@@ -13,13 +13,13 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pdkv.channels.base import TransferHandle, TransferOp, merge_ops
 from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp.link import Batch, Link
-from pdkv.channels.tcp.options import TcpOptions
+from pdkv.channels.tcp.options import Agent
 from pdkv.channels.tcp.wire import DATA, HDR_SIZE, HEADER, LAST, MAGIC, NOTIF_FOLLOWS, READ_REQ, VERSION, Meta
 from pdkv.errors import ChannelError
 
@@ -58,15 +58,11 @@ class TcpHandle(TransferHandle):
 class Initiator:
     """What the channel needs to start transfers: its peers' addresses and the live links to them.
 
-    ``count`` counts an event in the channel's ``stats()``; ``closed`` is set
-    once the channel closes (no link is kept after that).
+    ``closed`` is set once the channel closes (no link is kept after that).
     """
 
-    def __init__(self, agent_name: str, opts: TcpOptions, secret: bytes, regions: RegionTable[memoryview], count: Callable[[str], None]) -> None:
-        self.agent_name = agent_name
-        self.opts = opts
-        self.secret = secret
-        self.count = count
+    def __init__(self, agent: Agent, regions: RegionTable[memoryview]) -> None:
+        self.agent = agent
         self.closed = False
         self._regions = regions
         self._xfer_ids = itertools.count(1)
@@ -134,11 +130,11 @@ class Initiator:
         """Post checked ``ops`` (``total`` bytes) over the link presenting ``token``: split, batched, sent or queued."""
         link = self.link(peer, token)
         nstreams = len(link.streams)
-        parts = min(nstreams, self.opts.streams_for(total))
-        if parts == 1 and len(ops) == 1 and total <= self.opts.max_frame_bytes:
+        parts = min(nstreams, self.agent.opts.streams_for(total))
+        if parts == 1 and len(ops) == 1 and total <= self.agent.opts.max_frame_bytes:
             shares = [list(ops)]  # the common small case: nothing to merge or cut
         else:
-            shares = _split(merge_ops(ops), parts, self.opts.max_frame_bytes)
+            shares = _split(merge_ops(ops), parts, self.agent.opts.max_frame_bytes)
         xfer = next(self._xfer_ids)
         home = self._home_stream()
         if kind == "write":
@@ -146,7 +142,7 @@ class Initiator:
         else:
             batches = [((home + i) % nstreams, self._read_batch(xfer, share)) for i, share in enumerate(shares)]
         handle = TcpHandle(peer, kind, total, link)
-        link.post(handle, xfer, batches, notif if kind == "read" else None, kind == "read" or total <= self.opts.inline_max_bytes)
+        link.post(handle, xfer, batches, notif if kind == "read" else None, kind == "read" or total <= self.agent.opts.inline_max_bytes)
         return handle
 
     def _home_stream(self) -> int:

@@ -58,8 +58,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-IDLE_TICK = 0.05  # how often the watcher wakes with nothing to read (to look for a link whose peer went silent)
-FOLLOW_S = 0.002  # how often a waiter re-checks its handle while another thread reads the link
+_IDLE_TICK = 0.05  # how often the watcher wakes with nothing to read (to look for a link whose peer went silent)
+_FOLLOW_S = 0.002  # how often a waiter re-checks its handle while another thread reads the link
 
 
 @dataclass(slots=True)
@@ -112,7 +112,7 @@ class Link:
     def __init__(self, initiator: Initiator, peer: str, meta: Meta, token: bytes) -> None:
         self.initiator = initiator
         self.token = token  # presented in every stream's HELLO: the target checks our frames against its grants to it
-        self.opts: TcpOptions = initiator.opts
+        self.opts: TcpOptions = initiator.agent.opts
         self.peer = peer
         self.meta = meta
         self.where = f"peer {peer!r} at {meta.host}:{meta.port}"
@@ -145,7 +145,7 @@ class Link:
         for st in self.streams:
             self._watch_poller.register(st.conn.sock, select.POLLIN)
         self._stopped = threading.Event()
-        name = f"tcp-{initiator.agent_name}->{peer}"
+        name = f"tcp-{initiator.agent.name}->{peer}"
         self.senders = [threading.Thread(target=self._send_loop, args=(st,), name=f"{name}-tx{i}", daemon=True) for i, st in enumerate(self.streams)]
         self.threads = [*self.senders, threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True)]
         for t in self.threads:
@@ -167,10 +167,10 @@ class Link:
             set_buffers(sock, opts)
             sock.settimeout(opts.connect_timeout)
             sock.connect(addr)
-            conn = Conn(sock, opts, f"{self.initiator.agent_name}->{self.peer}#{index}")
-            secret = self.initiator.secret
+            conn = Conn(sock, opts, f"{self.initiator.agent.name}->{self.peer}#{index}")
+            secret = self.initiator.agent.secret
             nonce = new_nonce() if secret else b""
-            hello = nonce + self.token + self.initiator.agent_name.encode()
+            hello = nonce + self.token + self.initiator.agent.name.encode()
             conn.send_frame(HELLO, self.session, hello, aux=index, flags=SECRET if secret else 0, shares=len(self.token))
             ftype, flags, shares, _, nlen, instance, _, length = conn.recv_header(
                 idle_deadline(opts.connect_timeout, f"handshake answer from {self.where}")
@@ -186,7 +186,7 @@ class Link:
             if secret:
                 theirs, given = payload[:NONCE_BYTES], payload[NONCE_BYTES:challenge]
                 if not challenge or not verify(secret, TARGET_ROLE, nonce, theirs, given):
-                    self.initiator.count("auth_failures")
+                    self.initiator.agent.count("auth_failures")
                     raise ChannelError(f"tcp: {self.where} did not prove the shared secret (it has another `secret`, or none); nothing is sent to it")
                 conn.send_frame(AUTH, payload=proof(secret, INITIATOR_ROLE, theirs, nonce))
             elif challenge:
@@ -219,9 +219,9 @@ class Link:
                     f"tcp: {limit} transfers in flight to {self.where} and none finished in "
                     f"{self.opts.io_timeout:.3g}s; wait on handles before posting more or raise max_inflight"
                 )
-            if self.rx_lock.acquire(timeout=FOLLOW_S):
+            if self.rx_lock.acquire(timeout=_FOLLOW_S):
                 try:
-                    self.progress(FOLLOW_S)
+                    self.progress(_FOLLOW_S)
                 finally:
                     self.rx_lock.release()
         with self.lock:
@@ -335,8 +335,8 @@ class Link:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return
-                # another thread reading may finish this handle too: check again at least every FOLLOW_S
-                if not self.rx_lock.acquire(timeout=min(remaining, FOLLOW_S)):
+                # another thread reading may finish this handle too: check again at least every _FOLLOW_S
+                if not self.rx_lock.acquire(timeout=min(remaining, _FOLLOW_S)):
                     continue
                 try:
                     while handle.state is XferState.PENDING and self.dead is None:
@@ -375,7 +375,7 @@ class Link:
             if self.dead is None and not self.initiator.closed:
                 # a peer hanging up an idle link is a normal shutdown; losing transfers is not
                 level = logging.INFO if isinstance(exc, PeerClosed) and not self.pending else logging.WARNING
-                log.log(level, "tcp %s: link to %s failed: %s", self.initiator.agent_name, self.where, exc)
+                log.log(level, "tcp %s: link to %s failed: %s", self.initiator.agent.name, self.where, exc)
             self.fail(str(exc))
         return frames
 
@@ -426,10 +426,10 @@ class Link:
                 )
                 break
             if self.waiters:
-                self._stopped.wait(FOLLOW_S)
+                self._stopped.wait(_FOLLOW_S)
                 continue
             try:
-                ready = self._watch_poller.poll(IDLE_TICK * 1000)
+                ready = self._watch_poller.poll(_IDLE_TICK * 1000)
             except OSError:
                 ready = []
             if not ready:
@@ -441,7 +441,7 @@ class Link:
                 finally:
                     self.rx_lock.release()
             else:  # another thread is reading: let it, instead of spinning on what it is about to read
-                self._stopped.wait(FOLLOW_S)
+                self._stopped.wait(_FOLLOW_S)
         for t in self.senders:
             t.join(SHUTDOWN_JOIN_S)
         # close only once nobody can be polling or sending on the sockets: a reused fd number must never be read

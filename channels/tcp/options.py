@@ -1,6 +1,13 @@
-"""The tcp channel's options and their checks, shared by its initiator side, its target side and its connections."""
+"""The tcp channel's options and their checks, and the agent they configure as both sides of the channel see it.
+
+The initiator side, the target side and every connection read them; they
+live apart from ``TcpChannel`` so that none of those imports the channel.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from pdkv.channels.base import ChannelOptions
 from pdkv.channels.tcp.wire import MAX_STREAMS
@@ -51,3 +58,19 @@ class TcpOptions(ChannelOptions):
         for name, ok, expected in checks:
             if not ok:
                 raise ConfigError(f"tcp channel option {name}={getattr(self, name)!r}: expected {expected}")
+
+
+@dataclass(frozen=True)
+class Agent:
+    """This agent as the initiator and target sides see it.
+
+    ``instance`` tells it from a restarted agent of the same name (in HELLO_OK
+    and its metadata); ``count`` counts an event in the channel's ``stats()``,
+    from any thread.
+    """
+
+    name: str
+    opts: TcpOptions
+    secret: bytes
+    instance: int
+    count: Callable[[str], None]

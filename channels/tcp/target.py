@@ -27,7 +27,7 @@ from pdkv.auth import NONCE_BYTES, PROOF_BYTES, new_nonce, proof, verify
 from pdkv.channels.base import Grants, NotificationInbox
 from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp.conn import IO_ERRORS, Conn, PeerClosed, idle_deadline, set_buffers, shutdown
-from pdkv.channels.tcp.options import TcpOptions
+from pdkv.channels.tcp.options import Agent
 from pdkv.channels.tcp.wire import (
     ACK,
     AUTH,
@@ -57,7 +57,7 @@ from pdkv.errors import AuthError, ChannelError, ConfigError, ProtocolError
 
 log = logging.getLogger(__name__)
 
-ACK_FLUSH_BYTES = 64 << 10  # send pending ACKs before landing a payload this big, not after
+_ACK_FLUSH_BYTES = 64 << 10  # send pending ACKs before landing a payload this big, not after
 
 
 class Ending:
@@ -108,26 +108,20 @@ class Session:
 class Target:
     """Accepts the links of initiators and serves them; see the module docstring.
 
-    ``instance`` tells this agent from a restarted one in HELLO_OK; ``count``
-    counts an event in the channel's ``stats()``.
+    The channel's ``regions`` are where frames land, its ``grants`` what
+    guarded regions admit, its ``inbox`` where notifications go.
     """
 
-    def __init__(
-        self, agent_name: str, opts: TcpOptions, secret: bytes, instance: int,
-        regions: RegionTable[memoryview], grants: Grants, inbox: NotificationInbox, count: Callable[[str], None],
-    ) -> None:  # fmt: skip
-        self.agent_name = agent_name
-        self._opts = opts
-        self._secret = secret
-        self._instance = instance
+    def __init__(self, agent: Agent, regions: RegionTable[memoryview], grants: Grants, inbox: NotificationInbox) -> None:
+        self.agent = agent
         self._regions = regions
         self._grants = grants
         self._inbox = inbox
-        self._count = count
         self._sessions: dict[int, Session] = {}
         self._accepted: dict[Conn, threading.Thread] = {}
         self._lock = threading.Lock()
         self.closed = False
+        opts = agent.opts
         try:
             family, stype, proto, _, addr = socket.getaddrinfo(opts.host, opts.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
             self._listener = socket.socket(family, stype, proto)
@@ -142,7 +136,7 @@ class Target:
             self._listener.close()
             raise ConfigError(f"tcp channel cannot listen on {opts.host}:{opts.port}: {exc}") from None
         self.port: int = self._listener.getsockname()[1]
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"tcp-{agent_name}-accept", daemon=True)
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"tcp-{agent.name}-accept", daemon=True)
         self._acceptor.start()
 
     def _accept_loop(self) -> None:
@@ -152,24 +146,24 @@ class Target:
             except OSError as exc:
                 if self.closed:
                     return
-                log.warning("tcp %s: accept failed: %s", self.agent_name, exc)
+                log.warning("tcp %s: accept failed: %s", self.agent.name, exc)
                 time.sleep(0.1)  # e.g. out of file descriptors: do not spin
                 continue
-            label = f"{self.agent_name}<-{addr[0]}:{addr[1]}"
+            label = f"{self.agent.name}<-{addr[0]}:{addr[1]}"
             with self._lock:
-                full = self.closed or len(self._accepted) >= self._opts.max_connections
+                full = self.closed or len(self._accepted) >= self.agent.opts.max_connections
             if full:
                 if not self.closed:
-                    log.warning("tcp %s: refusing %s: max_connections=%d reached", self.agent_name, label, self._opts.max_connections)
+                    log.warning("tcp %s: refusing %s: max_connections=%d reached", self.agent.name, label, self.agent.opts.max_connections)
                 sock.close()
                 continue
             try:
-                conn = Conn(sock, self._opts, label)
+                conn = Conn(sock, self.agent.opts, label)
             except OSError as exc:
-                log.warning("tcp %s: cannot set up connection %s: %s", self.agent_name, label, exc)
+                log.warning("tcp %s: cannot set up connection %s: %s", self.agent.name, label, exc)
                 sock.close()
                 continue
-            t = threading.Thread(target=self._serve, args=(conn,), name=f"tcp-{self.agent_name}-serve", daemon=True)
+            t = threading.Thread(target=self._serve, args=(conn,), name=f"tcp-{self.agent.name}-serve", daemon=True)
             with self._lock:
                 self._accepted[conn] = t
             t.start()
@@ -182,15 +176,15 @@ class Target:
             self._serve_frames(conn, session)
         except ProtocolError as exc:
             if isinstance(exc, AuthError):
-                self._count("auth_failures")
+                self.agent.count("auth_failures")
             peer = session.peer if session else "?"
-            log.error("tcp %s: rejecting connection %s (peer %r): %s", self.agent_name, conn.label, peer, exc)
+            log.error("tcp %s: rejecting connection %s (peer %r): %s", self.agent.name, conn.label, peer, exc)
             self._hang_up(conn, session, str(exc))
         except IO_ERRORS as exc:
             if not self.closed and not isinstance(exc, PeerClosed):
-                log.warning("tcp %s: connection %s failed: %s", self.agent_name, conn.label, exc)
+                log.warning("tcp %s: connection %s failed: %s", self.agent.name, conn.label, exc)
             elif session is not None and session.ending:
-                log.warning("tcp %s: %s closed with %d transfers partly arrived", self.agent_name, conn.label, len(session.ending))
+                log.warning("tcp %s: %s closed with %d transfers partly arrived", self.agent.name, conn.label, len(session.ending))
             self._hang_up(conn, session, None)
         finally:
             with self._lock:
@@ -208,7 +202,7 @@ class Target:
         Until it has joined, a failure hangs up this connection alone, and no
         frame of it but AUTH has been read.
         """
-        deadline = idle_deadline(self._opts.connect_timeout, f"handshake on {conn.label}")
+        deadline = idle_deadline(self.agent.opts.connect_timeout, f"handshake on {conn.label}")
         ftype, flags, shares, _, nlen, sid, _, length = conn.recv_header(deadline)
         if ftype != HELLO:
             raise ProtocolError(f"tcp {conn.label}: expected HELLO first, got frame type {FRAME_NAMES.get(ftype, ftype)}")
@@ -223,14 +217,14 @@ class Target:
         theirs, token, name = payload[:nonce_len], payload[nonce_len : nonce_len + token_len], payload[nonce_len + token_len :]
         peer = name.decode(errors="replace")
         conn.label += f" ({peer!r})"
-        if self._secret and not nonce_len:
+        if self.agent.secret and not nonce_len:
             raise AuthError(f"tcp {conn.label}: this agent requires the shared secret and the peer has none (set the same `secret` on both sides)")
-        if nonce_len and not self._secret:
+        if nonce_len and not self.agent.secret:
             raise AuthError(f"tcp {conn.label}: the peer holds a shared secret and this agent none (set the same `secret` on both sides)")
-        if self._secret:
+        if self.agent.secret:
             self._check_proof(conn, theirs, deadline)
         else:
-            conn.send_frame(HELLO_OK, self._instance, self.agent_name.encode())
+            conn.send_frame(HELLO_OK, self.agent.instance, self.agent.name.encode())
         with self._lock:
             session = self._sessions.get(sid)
             if session is None:
@@ -243,7 +237,7 @@ class Target:
     def _check_proof(self, conn: Conn, theirs: bytes, deadline: Callable[[], None]) -> None:
         """Prove the secret over both nonces, then read the peer's proof: the one frame read before it checks out."""
         ours = new_nonce()
-        conn.send_frame(HELLO_OK, self._instance, ours + proof(self._secret, TARGET_ROLE, theirs, ours) + self.agent_name.encode(), flags=SECRET)
+        conn.send_frame(HELLO_OK, self.agent.instance, ours + proof(self.agent.secret, TARGET_ROLE, theirs, ours) + self.agent.name.encode(), flags=SECRET)
         try:
             ftype, flags, shares, _, nlen, _, _, length = conn.recv_header(deadline)
         except (*IO_ERRORS, ProtocolError) as exc:  # leaving is what a peer with another secret does: it refuses our proof
@@ -253,7 +247,7 @@ class Target:
         if ftype != AUTH or length != PROOF_BYTES:
             raise AuthError(f"tcp {conn.label}: {FRAME_NAMES.get(ftype, ftype)} frame of {length} bytes where the proof of the shared secret was due")
         no_extras(conn.label, ftype, flags, shares, nlen)
-        if not verify(self._secret, INITIATOR_ROLE, ours, theirs, conn.recv_payload(length, PROOF_BYTES, "proof")):
+        if not verify(self.agent.secret, INITIATOR_ROLE, ours, theirs, conn.recv_payload(length, PROOF_BYTES, "proof")):
             raise AuthError(f"tcp {conn.label}: the peer failed to prove the shared secret (set the same `secret` on both sides)")
 
     def _region_slice(self, conn: Conn, region: int, offset: int, length: int) -> memoryview:
@@ -261,10 +255,10 @@ class Target:
         view = self._regions.get(region)
         if view is None:
             raise ProtocolError(f"tcp {conn.label}: frame names region {region}, which is not registered here")
-        if length == 0 or length > self._opts.max_frame_bytes or offset + length > view.nbytes:
+        if length == 0 or length > self.agent.opts.max_frame_bytes or offset + length > view.nbytes:
             raise ProtocolError(
                 f"tcp {conn.label}: frame range offset={offset} length={length} does not fit region {region} "
-                f"of {view.nbytes} bytes (max_frame_bytes={self._opts.max_frame_bytes})"
+                f"of {view.nbytes} bytes (max_frame_bytes={self.agent.opts.max_frame_bytes})"
             )
         return view[offset : offset + length]
 
@@ -276,7 +270,7 @@ class Target:
         or anything else is sent, so holding them never delays a transfer by
         more than the frames that were queued behind it anyway.
         """
-        opts = self._opts
+        opts = self.agent.opts
         cur_xfer = -1  # the transfer whose share this stream is in the middle of
         refused = ""  # why a frame of that share was refused: it lands nothing, the transfer gets NACK
         acks: list[int] = []
@@ -297,7 +291,7 @@ class Target:
                         f"(max {MAX_STREAMS} shares, max_notif_bytes={opts.max_notif_bytes})"
                     )
                 view = self._region_slice(conn, region, offset, length)
-                if acks and length >= ACK_FLUSH_BYTES:
+                if acks and length >= _ACK_FLUSH_BYTES:
                     self._send_acks(conn, acks)
                 refused = self._land(conn, session, view, region, offset, length) or refused
                 if flags & LAST:
@@ -324,7 +318,7 @@ class Target:
                 try:
                     ticket = self._grants.begin(session.token, "read", region, offset, length)
                 except ChannelError as exc:
-                    self._count("refused_frames")
+                    self.agent.count("refused_frames")
                     self._nack(conn, xfer, str(exc))
                     continue
                 try:
@@ -342,8 +336,8 @@ class Target:
         try:
             ticket = self._grants.begin(session.token, "write", region, offset, length)
         except ChannelError as exc:
-            self._count("refused_frames")
-            log.warning("tcp %s: refusing a write from %r: %s", self.agent_name, session.peer, exc)
+            self.agent.count("refused_frames")
+            log.warning("tcp %s: refusing a write from %r: %s", self.agent.name, session.peer, exc)
             conn.drain(length)
             return str(exc)
         try:
@@ -392,12 +386,12 @@ class Target:
         for sess in sessions:
             conns = list(sess.conns)
             if conns:
-                self._hang_up(conns[0], sess, f"fenced by {self.agent_name!r}: it went silent mid-transfer; handshake again")
-        deadline = time.monotonic() + self._opts.io_timeout
+                self._hang_up(conns[0], sess, f"fenced by {self.agent.name!r}: it went silent mid-transfer; handshake again")
+        deadline = time.monotonic() + self.agent.opts.io_timeout
         for t in threads:
             if t is not threading.current_thread():
                 t.join(max(0.0, deadline - time.monotonic()))
-        log.warning("tcp %s: fenced peer %r: cut %d data connection(s)", self.agent_name, peer, len(threads))
+        log.warning("tcp %s: fenced peer %r: cut %d data connection(s)", self.agent.name, peer, len(threads))
 
 
     def close(self) -> list[threading.Thread]:

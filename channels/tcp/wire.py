@@ -25,6 +25,9 @@ Wire format: every frame starts with ``HEADER`` (little endian, 40 bytes)::
     READ_REQ   I->T  aux=region, offset, length                            -
     READ_DATA  T->I  xfer, length                                          answer to the stream's oldest READ_REQ
     NOTIF      I->T  xfer, length                                          notification of a READ that landed
+    ERROR      T->I  length                                                message; the target then hangs up
+
+I is the initiator (the side calling write/read), T the target.
 
 Every header field from the wire is checked before use (magic and version
 here, ``unpack_header``; type, flags, region, range and lengths by the side
@@ -62,7 +65,6 @@ MAX_TOKEN_BYTES = 64
 MAX_ERROR_BYTES = 1024
 MAX_STREAMS = 64
 MAX_ACK_BATCH = 256  # ids per ACK frame; a full batch is sent even if more frames wait
-
 
 Header = tuple[int, int, int, int, int, int, int, int]  # (type, flags, shares, aux, notif, xfer, offset, length)
 
