@@ -44,15 +44,12 @@ def _split(ops: Sequence[TransferOp], parts: int, max_frame: int) -> list[list[T
     return [p for p in out if p]
 
 
-
-
 class TcpHandle(TransferHandle):
     """A handle that knows its link, so ``wait`` can read the link's answers on the waiting thread."""
 
     def __init__(self, peer: str, op: str, nbytes: int, link: Link) -> None:
         super().__init__(peer, op, nbytes)
         self.link = link
-
 
 
 class Initiator:

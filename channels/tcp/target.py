@@ -393,7 +393,6 @@ class Target:
                 t.join(max(0.0, deadline - time.monotonic()))
         log.warning("tcp %s: fenced peer %r: cut %d data connection(s)", self.agent.name, peer, len(threads))
 
-
     def close(self) -> list[threading.Thread]:
         """Stop listening and hang up every accepted connection; returns the threads to join (acceptor, readers)."""
         with self._lock:

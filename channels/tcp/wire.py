@@ -74,7 +74,6 @@ def pack(ftype: int, xfer: int = 0, length: int = 0, aux: int = 0, flags: int = 
     return HEADER.pack(MAGIC, VERSION, ftype, flags, shares, aux, 0, xfer, 0, length)
 
 
-
 def unpack_header(buf: bytearray, label: str) -> Header:
     """A received header as (type, flags, shares, aux, notif, xfer, offset, length); magic and version checked."""
     magic, version, ftype, flags, shares, aux, notif, xfer, offset, length = HEADER.unpack_from(buf)
