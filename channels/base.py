@@ -26,17 +26,16 @@ import contextlib
 import enum
 import itertools
 import logging
-import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 import msgspec
 
+from pdkv.channels.regions import RegionTable
 from pdkv.errors import ChannelError, ConfigError, PeerUnreachableError, TransferTimeout
-from pdkv.netaddr import interface_of, is_loopback, is_wildcard
 from pdkv.wakeup import Waker
 
 log = logging.getLogger(__name__)
@@ -97,6 +96,10 @@ class TransferHandle:
                 self._callbacks.append(fn)
                 return
         fn(self)
+
+    def sleep(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the handle to finish; whether it has."""
+        return self._event.wait(timeout)
 
     def complete(self) -> bool:
         """Mark done; returns False if the handle had already finished (first outcome wins)."""
@@ -319,9 +322,8 @@ class Channel(ABC):
         self.agent_name = agent_name
         self.options = options if options is not None else self.Options()
         self.counters: collections.Counter[str] = collections.Counter()
-        self._region_sizes: dict[int, int] = {}
-        self._peer_region_sizes: dict[str, dict[int, int]] = {}
-        self._inbox = NotificationInbox()
+        self.regions: RegionTable[Any] = RegionTable(self.name)  # what each channel keeps per region: a view, a registration
+        self.inbox = NotificationInbox()
         self.grants = Grants()
         self._unreachable_until: dict[str, tuple[float, str]] = {}  # peer -> (retry after, why)
         self._unreachable_lock = threading.Lock()
@@ -463,7 +465,7 @@ class Channel(ABC):
 
     @abstractmethod
     def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> TransferHandle:
-        """Validate (``check_ops``) and post one WRITE or READ; the one method a channel implements for both."""
+        """Validate (``regions.check_ops``) and post one WRITE or READ; the one method a channel implements for both."""
 
     def poll(self, handle: TransferHandle) -> XferState:
         """Current state of a handle; channels that need progress calls override this."""
@@ -483,7 +485,7 @@ class Channel(ABC):
                 raise TransferTimeout(f"{self.name} {handle.op} of {handle.nbytes} bytes to {handle.peer!r} not done after {timeout:.3g}s")
             pause = self.poll_interval(timeout - remaining)
             if pause > 0:
-                handle._event.wait(min(remaining, pause))
+                handle.sleep(min(remaining, pause))
             else:
                 time.sleep(0)  # spin, but let other threads of this process run
 
@@ -501,15 +503,11 @@ class Channel(ABC):
 
     def get_notifications(self) -> list[Notification]:
         """Drain notifications whose transfers have fully landed here."""
-        return self._inbox.drain()
+        return self.inbox.drain()
 
     def notification_fd(self) -> int:
         """A file descriptor that polls readable while notifications wait in ``get_notifications``."""
-        return self._inbox.fileno()
-
-    def _deliver(self, peer: str, payload: bytes) -> None:
-        """Hand a landed transfer's notification to ``get_notifications`` (from any thread)."""
-        self._inbox.deliver(peer, payload)
+        return self.inbox.fileno()
 
     @abstractmethod
     def close(self) -> None:
@@ -518,44 +516,13 @@ class Channel(ABC):
         Implementations end with ``super().close()``, which releases the notification fd.
         """
         with contextlib.suppress(OSError):
-            self._inbox.close()
+            self.inbox.close()
 
     def __enter__(self) -> Channel:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    # -- helpers shared by implementations -----------------------------------
-    def _add_region(self, region: int, size: int) -> None:
-        self._region_sizes[region] = size
-
-    def check_ops(self, peer: str, ops: Sequence[TransferOp]) -> int:
-        """Validate every op against local and the peer's region sizes; return total bytes.
-
-        Done before anything is posted, so a bad descriptor never moves a byte.
-        """
-        remote = self._peer_region_sizes.get(peer)
-        if remote is None:
-            raise ChannelError(f"{self.name}: unknown peer {peer!r}; call add_peer with its metadata first")
-        if not ops:
-            raise ChannelError(f"{self.name}: empty transfer to {peer!r}")
-        total = 0
-        for op in ops:
-            check_range(self._region_sizes, op.local_region, op.local_offset, op.length, "local")
-            check_range(remote, op.remote_region, op.remote_offset, op.length, f"peer {peer!r}")
-            total += op.length
-        return total
-
-
-def check_range(sizes: dict[int, int], region: int, offset: int, length: int, whose: str) -> None:
-    """Raise ``ChannelError`` unless ``[offset, offset+length)`` lies inside ``region``."""
-    size = sizes.get(region)
-    if size is None:
-        raise ChannelError(f"{whose} region {region} is not registered")
-    if offset < 0 or length <= 0 or offset + length > size:
-        raise ChannelError(f"{whose} range offset={offset} length={length} does not fit region {region} of {size} bytes")
-
 
 def merge_ops(ops: Sequence[TransferOp]) -> list[TransferOp]:
     """Coalesce ops whose local and remote ranges both continue the previous one.
@@ -577,65 +544,3 @@ def merge_ops(ops: Sequence[TransferOp]) -> list[TransferOp]:
                 continue
         merged.append(op)
     return merged
-
-
-# UCX settings every UCX-based channel (nixl, ucx) applies before UCX loads,
-# unless the user already set them; see channels/nixl.py for why each matters.
-UCX_ENV_DEFAULTS: dict[str, str] = {
-    "UCX_MODULES": "^ib",  # the bundled libuct_ib_efa loads a 2nd libnl-route: SIGSEGV at exit
-    "UCX_NET_DEVICES": "lo",  # loopback unless told otherwise, like every pdkv socket
-}
-
-
-# Which variables pdkv set, and to what, as NAME=VALUE;...: in the environment, so a process started from this
-# one (a benchmark's receiver) still tells pdkv's defaults from a user's own values.
-DEFAULTS_VAR = "PDKV_ENV_DEFAULTS"
-
-
-def _defaulted() -> dict[str, str]:
-    entries = (item.partition("=") for item in os.environ.get(DEFAULTS_VAR, "").split(";") if item)
-    return {name: value for name, _, value in entries}
-
-
-def _record_default(name: str, value: str) -> None:
-    record = {**_defaulted(), name: value}
-    os.environ[DEFAULTS_VAR] = ";".join(f"{k}={v}" for k, v in record.items())
-
-
-def apply_env_defaults(defaults: Mapping[str, str]) -> dict[str, str]:
-    """Set each variable that is not already in the environment; return those set.
-
-    Native libraries (UCX) read their settings from the environment when they
-    load or create a context, so this runs before the import; a user's own
-    value always wins.
-    """
-    applied = {k: v for k, v in defaults.items() if k not in os.environ}
-    os.environ.update(applied)
-    for name, value in applied.items():
-        _record_default(name, value)
-    return applied
-
-
-def ucx_follow_host(host: str) -> None:
-    """Point UCX at the network interface that holds ``host``, unless the user set ``UCX_NET_DEVICES``.
-
-    pdkv's default, loopback, suits a worker on 127.0.0.1; a worker told to
-    listen on another address has peers on other hosts, which loopback
-    cannot reach (and UCX wants interface names, not addresses). A wildcard
-    host means every interface. Runs before the channel creates its UCX
-    context, which is when UCX reads the variable; it is process-wide.
-    """
-    var = "UCX_NET_DEVICES"
-    if os.environ.get(var) != _defaulted().get(var) or is_loopback(host):
-        return  # the user's choice, or loopback as by default
-    device = "all" if is_wildcard(host) else interface_of(host)
-    if device is None:
-        log.warning(
-            "UCX: no network interface holds %s, so UCX stays on %s=%s and cannot reach other hosts; "
-            "set %s to the interface peers reach this host through (e.g. eth0)", host, var, os.environ[var], var,
-        )
-        return
-    if device != os.environ[var]:
-        log.info("UCX: %s=%s (the interface that holds host %s; set %s yourself to choose another)", var, device, host, var)
-    os.environ[var] = device
-    _record_default(var, device)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from pdkv.channels.base import Channel, ChannelOptions, TransferHandle, TransferOp, XferState, check_range
+from pdkv.channels.base import Channel, ChannelOptions, TransferHandle, TransferOp, XferState
 from pdkv.errors import ChannelError
 from pdkv.memory import byte_view
 
@@ -50,11 +50,9 @@ class MockChannel(Channel):
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
         super().__init__(agent_name, options)
         self.faults = MockFaults()
-        self._views: dict[int, memoryview] = {}
-        self._next_region = 0
         self._queue: queue.SimpleQueue[tuple[TransferHandle, Any] | None] = queue.SimpleQueue()
         self._pending: set[TransferHandle] = set()
-        self._closed = False
+        self.closed = False
         with _FABRIC_LOCK:
             if agent_name in _FABRIC:
                 raise ChannelError(f"mock agent name {agent_name!r} already in use in this process")
@@ -64,37 +62,32 @@ class MockChannel(Channel):
 
     def register(self, buf: Any) -> int:
         view = byte_view(buf)
-        region = self._next_region
-        self._next_region += 1
-        self._views[region] = view
-        self._add_region(region, view.nbytes)
-        return region
+        return self.regions.add(view, view.nbytes)
 
     def deregister(self, region: int) -> None:
-        self._views.pop(region, None)
-        self._region_sizes.pop(region, None)
+        self.regions.remove(region)
 
     def metadata(self) -> bytes:
-        return msgspec.msgpack.encode(_Meta(self.agent_name, dict(self._region_sizes)))
+        return msgspec.msgpack.encode(_Meta(self.agent_name, self.regions.sizes()))
 
     def add_peer(self, metadata: bytes) -> str:
         try:
             meta = msgspec.msgpack.decode(metadata, type=_Meta)
         except msgspec.DecodeError as exc:
             raise ChannelError(f"mock: malformed peer metadata: {exc}") from None
-        self._peer_region_sizes[meta.name] = dict(meta.regions)
+        self.regions.add_peer(meta.name, meta.regions)
         return meta.name
 
     def remove_peer(self, peer: str) -> None:
-        self._peer_region_sizes.pop(peer, None)
+        self.regions.remove_peer(peer)
         for h in list(self._pending):
             if h.peer == peer:
                 h.fail(f"peer {peer!r} removed")
 
     def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> TransferHandle:
-        if self._closed:
+        if self.closed:
             raise ChannelError("mock channel is closed")
-        total = self.check_ops(peer, ops)
+        total = self.regions.check_ops(peer, ops)
         handle = TransferHandle(peer, op, total)
         self._pending.add(handle)
         self._queue.put((handle, (list(ops), notif, token)))
@@ -122,17 +115,17 @@ class MockChannel(Channel):
             raise ChannelError("injected transfer failure")
         with _FABRIC_LOCK:
             peer = _FABRIC.get(handle.peer)
-        if peer is None or peer._closed:
+        if peer is None or peer.closed:
             raise ChannelError(f"peer {handle.peer!r} is gone")
         access = "write" if handle.op == "write" else "read"
         tickets: list[int | None] = []
         try:
             for op in ops:  # every range is admitted by the target's grants before a byte moves
-                check_range(peer._region_sizes, op.remote_region, op.remote_offset, op.length, f"peer {handle.peer!r}")
+                peer.regions.check(op.remote_region, op.remote_offset, op.length, f"peer {handle.peer!r}")
                 tickets.append(peer.grants.begin(token, access, op.remote_region, op.remote_offset, op.length))
             for op in ops:
-                remote = peer._views[op.remote_region]
-                local = self._views[op.local_region]
+                remote = peer.regions[op.remote_region]
+                local = self.regions[op.local_region]
                 src, dst = (local, remote) if handle.op == "write" else (remote, local)
                 s_off, d_off = (op.local_offset, op.remote_offset) if handle.op == "write" else (op.remote_offset, op.local_offset)
                 dst[d_off : d_off + op.length] = src[s_off : s_off + op.length]
@@ -142,17 +135,17 @@ class MockChannel(Channel):
         if self.faults.corrupt_next:
             self.faults.corrupt_next -= 1
             op = ops[0]
-            target = peer._views[op.remote_region] if handle.op == "write" else self._views[op.local_region]
+            target = peer.regions[op.remote_region] if handle.op == "write" else self.regions[op.local_region]
             at = op.remote_offset if handle.op == "write" else op.local_offset
             target[at] ^= 0xFF
         if notif is not None and handle.state is XferState.PENDING:  # the target hears of it before the initiator does
-            peer._deliver(self.agent_name, notif)
+            peer.inbox.deliver(self.agent_name, notif)
         handle.complete()
 
     def close(self) -> None:
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         self._queue.put(None)
         for h in list(self._pending):
             h.fail("mock channel closed")
@@ -160,6 +153,5 @@ class MockChannel(Channel):
         with _FABRIC_LOCK:
             if _FABRIC.get(self.agent_name) is self:
                 del _FABRIC[self.agent_name]
-        self._views.clear()
-        self._region_sizes.clear()
+        self.regions.clear()
         super().close()

@@ -20,7 +20,7 @@ How it maps onto the ``Channel`` interface:
   against the registrations of stage 1: stale or mismatched metadata fails
   at Hello, not at the first chunk. Call ``add_peer`` again with fresh
   metadata after the peer registers more memory.
-* ``write``/``read`` validate every range (``check_ops``), merge adjacent
+* ``write``/``read`` validate every range (``regions.check_ops``), merge adjacent
   ranges (``merge_ops``) so a chunk is as few descriptors as its layout
   allows, prepare the local and remote descriptor lists (``prep_xfer_dlist``,
   kept in a small LRU since KV slots recur), and post through
@@ -78,11 +78,9 @@ when UCX's cuda transports arm the worker without a CUDA context (nixl issue
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Literal
@@ -91,18 +89,8 @@ import msgspec
 import numpy as np
 import torch
 
-from pdkv.channels.base import (
-    UCX_ENV_DEFAULTS,
-    Channel,
-    ChannelOptions,
-    Notification,
-    TransferHandle,
-    TransferOp,
-    XferState,
-    apply_env_defaults,
-    merge_ops,
-    ucx_follow_host,
-)
+from pdkv.channels.base import Channel, ChannelOptions, Notification, TransferHandle, TransferOp, XferState, merge_ops
+from pdkv.channels.ucx_env import UCX_ENV_DEFAULTS, apply_env_defaults, close_at_exit, forget_at_exit, ucx_follow_host
 from pdkv.errors import ChannelError
 from pdkv.memory import byte_view
 
@@ -110,8 +98,8 @@ NIXL_ENV_DEFAULTS: dict[str, str] = {**UCX_ENV_DEFAULTS, "NIXL_LOG_LEVEL": "WARN
 apply_env_defaults(NIXL_ENV_DEFAULTS)
 
 # UCX reads the environment set above when it loads, hence these late imports.
-import nixl._bindings as nixl_bindings
-from nixl._api import nixl_agent, nixl_agent_config, nixl_prepped_dlist_handle, nixl_xfer_handle
+import nixl._bindings as nixl_bindings  # noqa: E402
+from nixl._api import nixl_agent, nixl_agent_config, nixl_prepped_dlist_handle, nixl_xfer_handle  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -248,16 +236,6 @@ def create_nixl_agent(name: str, options: NixlOptions) -> nixl_agent:
             nixl_bindings.nixlAgentConfig = base
 
 
-_OPEN: weakref.WeakSet[NixlChannel] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_channels() -> None:
-    """Close channels left open, at exit, while NIXL and UCX are still whole (not in module teardown order)."""
-    for channel in list(_OPEN):
-        channel.close()
-
-
 class NixlChannel(Channel):
     """Transfers through a NIXL agent; see the module docstring for the design."""
 
@@ -279,8 +257,6 @@ class NixlChannel(Channel):
         missing = [b for b in opts.backends if b not in self._agent.backends]
         if missing:
             raise ChannelError(f"nixl: backends {missing} are not available; this NIXL build has {self._agent.get_plugin_list()}")
-        self._regions: dict[int, _Region] = {}
-        self._next_region = 0
         self._peers: dict[str, dict[int, _RegionMeta]] = {}
         self._inflight: dict[int, NixlTransferHandle] = {}
         self._local_lists = _PrepCache(opts.prep_cache_size)
@@ -289,7 +265,7 @@ class NixlChannel(Channel):
         self._activity = threading.Event()  # set by a post: the watcher polls at its fastest again
         self._watcher = threading.Thread(target=self._watch, name=f"nixl-{agent_name}-watch", daemon=True)
         self._watcher.start()
-        _OPEN.add(self)
+        close_at_exit(self)
 
     # -- memory ------------------------------------------------------------
     def register(self, buf: Any) -> int:
@@ -302,11 +278,7 @@ class NixlChannel(Channel):
                 reg = self._agent.register_memory([(meta.addr, meta.size, meta.dev, "")], meta.mem)
             except NIXL_ERRORS as exc:
                 raise ChannelError(f"nixl: registering {meta.size} bytes of {meta.mem} failed: {describe_nixl_error(exc)}") from exc
-            region = self._next_region
-            self._next_region += 1
-            self._regions[region] = _Region(meta, reg, buf)
-            self._add_region(region, meta.size)
-        return region
+            return self.regions.add(_Region(meta, reg, buf), meta.size)
 
     @staticmethod
     def _describe_buffer(buf: Any) -> _RegionMeta:
@@ -331,10 +303,9 @@ class NixlChannel(Channel):
 
     def deregister(self, region: int) -> None:
         with self._lock:
-            entry = self._regions.pop(region, None)
+            entry = self.regions.remove(region)
             if entry is None or self._closed:
                 return
-            self._region_sizes.pop(region, None)
             # A prepared list holds the registration it was checked against.
             self._local_lists.drop()
             self._deregister(entry)
@@ -349,7 +320,7 @@ class NixlChannel(Channel):
         with self._lock:
             self._check_open()
             meta = _NixlMeta(
-                METADATA_VERSION, self.agent_name, self._agent.get_agent_metadata(), {r: e.meta for r, e in self._regions.items()}
+                METADATA_VERSION, self.agent_name, self._agent.get_agent_metadata(), {r: e.meta for r, e in self.regions.items()}
             )
         return msgspec.msgpack.encode(meta)
 
@@ -362,7 +333,7 @@ class NixlChannel(Channel):
             self._load_agent(meta)  # stage 1
             self._remote_lists.drop(meta.name)
             self._peers[meta.name] = dict(meta.regions)
-            self._peer_region_sizes[meta.name] = {r: m.size for r, m in meta.regions.items()}
+            self.regions.add_peer(meta.name, {r: m.size for r, m in meta.regions.items()})
             for region in meta.regions.values():  # stage 2: NIXL checks each region against stage 1
                 try:
                     self._prepared(meta.name, region.mem, ((region.addr, region.size, region.dev),))
@@ -440,7 +411,7 @@ class NixlChannel(Channel):
             self._release_xfer(handle)
         self._remote_lists.drop(peer)
         self._peers.pop(peer, None)
-        self._peer_region_sizes.pop(peer, None)
+        self.regions.remove_peer(peer)
         try:
             self._agent.remove_remote_agent(peer)
         except NIXL_ERRORS as exc:
@@ -450,12 +421,12 @@ class NixlChannel(Channel):
     def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> NixlTransferHandle:
         with self._lock:
             self._check_open()
-            total = self.check_ops(peer, ops)
+            total = self.regions.check_ops(peer, ops)
             merged = merge_ops(ops)
             remote = self._peers[peer]
-            local_mem = self._one_mem({self._regions[o.local_region].meta.mem for o in merged}, "local")
+            local_mem = self._one_mem({self.regions[o.local_region].meta.mem for o in merged}, "local")
             remote_mem = self._one_mem({remote[o.remote_region].mem for o in merged}, f"peer {peer!r}")
-            local_descs = tuple(self._desc(self._regions[o.local_region].meta, o.local_offset, o.length) for o in merged)
+            local_descs = tuple(self._desc(self.regions[o.local_region].meta, o.local_offset, o.length) for o in merged)
             remote_descs = tuple(self._desc(remote[o.remote_region], o.remote_offset, o.length) for o in merged)
             handle = NixlTransferHandle(peer, op, total, len(merged))
             try:
@@ -555,7 +526,7 @@ class NixlChannel(Channel):
         count = 0
         for peer, payloads in fresh.items():
             for payload in payloads:
-                self._deliver(peer.decode() if isinstance(peer, bytes) else peer, payload)
+                self.inbox.deliver(peer.decode() if isinstance(peer, bytes) else peer, payload)
                 count += 1
         return count
 
@@ -594,12 +565,11 @@ class NixlChannel(Channel):
             self._local_lists.drop()
             for peer in list(self._peers):
                 self._forget_peer(peer, "nixl channel closed")
-            for entry in self._regions.values():
+            for _, entry in self.regions.items():
                 self._deregister(entry)
-            self._regions.clear()
-            self._region_sizes.clear()
+            self.regions.clear()
         self._activity.set()
         if self._watcher is not threading.current_thread():
             self._watcher.join(timeout=5.0)
-        _OPEN.discard(self)
+        forget_at_exit(self)
         super().close()

@@ -30,7 +30,7 @@ to ``idle_interval_s`` (2 ms) when none are, which is what a first header
 after a quiet spell may wait (2% of a core when idle here; a fixed 0.1 ms
 took 16%).
 
-Environment: the UCX defaults of ``pdkv.channels.base.UCX_ENV_DEFAULTS``
+Environment: the UCX defaults of ``pdkv.channels.ucx_env.UCX_ENV_DEFAULTS``
 (``UCX_MODULES=^ib``, ``UCX_NET_DEVICES=lo``, see channels/nixl.py), plus
 ``UCX_WARN_UNUSED_ENV_VARS=n`` (ucxx sets ``UCX_MEMTYPE_CACHE``, which this
 UCX build does not know and warned about on every start). CUDA memory is not
@@ -39,13 +39,11 @@ supported here: use the nixl channel for VRAM.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import secrets
 import struct
 import threading
-import weakref
 from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -53,17 +51,8 @@ import msgspec
 import numpy as np
 import torch
 
-from pdkv.channels.base import (
-    UCX_ENV_DEFAULTS,
-    Channel,
-    ChannelOptions,
-    TransferHandle,
-    TransferOp,
-    apply_env_defaults,
-    check_range,
-    merge_ops,
-    ucx_follow_host,
-)
+from pdkv.channels.base import Channel, ChannelOptions, TransferHandle, TransferOp, merge_ops
+from pdkv.channels.ucx_env import UCX_ENV_DEFAULTS, apply_env_defaults, close_at_exit, forget_at_exit, ucx_follow_host
 from pdkv.errors import ChannelError
 from pdkv.memory import byte_view
 
@@ -74,8 +63,8 @@ UCX_CHANNEL_ENV_DEFAULTS: dict[str, str] = {**UCX_ENV_DEFAULTS, "UCX_WARN_UNUSED
 apply_env_defaults(UCX_CHANNEL_ENV_DEFAULTS)
 
 # UCX reads the environment set above when it loads, hence these late imports.
-import ucxx._lib.libucxx as ucx_api
-from ucxx._lib.arr import Array
+import ucxx._lib.libucxx as ucx_api  # noqa: E402
+from ucxx._lib.arr import Array  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -176,16 +165,6 @@ class _Incoming(msgspec.Struct):
     tickets: list[int | None] = []  # its ranges, marked landing (``Grants``) until it is over
 
 
-_OPEN: weakref.WeakSet[UcxChannel] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_open_channels() -> None:
-    """Stop service and progress threads of channels left open before the interpreter tears down."""
-    for channel in list(_OPEN):
-        channel.close()
-
-
 class UcxChannel(Channel):
     """Tag-message transfers through a ucxx worker; see the module docstring for the protocol."""
 
@@ -207,8 +186,6 @@ class UcxChannel(Channel):
         except UCX_ERRORS as exc:
             raise ChannelError(f"ucx: could not start a UCX worker ({exc}); check UCX_TLS and UCX_NET_DEVICES") from exc
         self._lock = threading.Lock()
-        self._views: dict[int, np.ndarray] = {}
-        self._next_region = 0
         self._peers: dict[str, _Peer] = {}
         self._by_id: dict[int, str] = {}
         self._seq = 0
@@ -225,7 +202,7 @@ class UcxChannel(Channel):
         self._stop = threading.Event()
         self._service = threading.Thread(target=self._serve, name=f"ucx-{agent_name}", daemon=True)
         self._service.start()
-        _OPEN.add(self)
+        close_at_exit(self)
 
     # -- memory ------------------------------------------------------------
     def register(self, buf: Any) -> int:
@@ -236,21 +213,16 @@ class UcxChannel(Channel):
             raise ChannelError("ucx: register needs a writable, non-empty buffer (peers may WRITE into it)")
         with self._lock:
             self._check_open()
-            region = self._next_region
-            self._next_region += 1
-            self._views[region] = np.frombuffer(view, dtype=np.uint8)
-            self._add_region(region, view.nbytes)
-        return region
+            return self.regions.add(np.frombuffer(view, dtype=np.uint8), view.nbytes)
 
     def deregister(self, region: int) -> None:
         with self._lock:
-            self._views.pop(region, None)
-            self._region_sizes.pop(region, None)
+            self.regions.remove(region)
 
     def metadata(self) -> bytes:
         with self._lock:
             self._check_open()
-            meta = _Meta(METADATA_VERSION, self.agent_name, self._agent_id, self._worker.address.tobytes(), dict(self._region_sizes))
+            meta = _Meta(METADATA_VERSION, self.agent_name, self._agent_id, self._worker.address.tobytes(), self.regions.sizes())
         return msgspec.msgpack.encode(meta)
 
     # -- peers -------------------------------------------------------------
@@ -285,7 +257,7 @@ class UcxChannel(Channel):
             self._gone.pop(meta.name, None)
             self._peers[meta.name] = _Peer(meta.name, meta.agent_id, ep)
             self._by_id[meta.agent_id] = meta.name
-            self._peer_region_sizes[meta.name] = dict(meta.regions)
+            self.regions.add_peer(meta.name, meta.regions)
         return meta.name
 
     def remove_peer(self, peer: str) -> None:
@@ -299,7 +271,7 @@ class UcxChannel(Channel):
             del self._outgoing[out.handle.id]
         self._incoming = [i for i in self._incoming if i.peer != peer]
         entry = self._peers.pop(peer, None)
-        self._peer_region_sizes.pop(peer, None)
+        self.regions.remove_peer(peer)
         if entry is not None:
             self._by_id.pop(entry.agent_id, None)
             if entry.ep.alive:  # UCX already closed a failed endpoint; closing it again crashes
@@ -320,7 +292,7 @@ class UcxChannel(Channel):
                 handle = TransferHandle(peer, op, sum(o.length for o in ops))
                 handle.fail(self._gone[peer])
                 return handle
-            total = self.check_ops(peer, ops)
+            total = self.regions.check_ops(peer, ops)
             merged = merge_ops(ops)
             entry = self._peers[peer]
             seq, self._seq = self._seq, (self._seq + 1) & 0xFFFFFFFF
@@ -329,7 +301,7 @@ class UcxChannel(Channel):
             if header.nbytes > self.options.max_header_bytes:  # type: ignore[attr-defined]
                 raise ChannelError(f"ucx: {len(merged)} ranges do not fit one header of {self.options.max_header_bytes} bytes; split the transfer or raise max_header_bytes")  # type: ignore[attr-defined]
             handle = TransferHandle(peer, op, total)
-            views = [self._views[o.local_region][o.local_offset : o.local_offset + o.length] for o in merged]
+            views = [self.regions[o.local_region][o.local_offset : o.local_offset + o.length] for o in merged]
             data_tag = tag(DATA, self._agent_id, seq)
             ack_buf = np.zeros(ACK_BYTES, dtype=np.uint8)
             try:
@@ -418,7 +390,7 @@ class UcxChannel(Channel):
         tickets: list[int | None] = []
         try:
             for region, offset, length in header.ranges:
-                check_range(self._region_sizes, region, offset, length, "local")
+                self.regions.check(region, offset, length)
             for region, offset, length in header.ranges:
                 tickets.append(self.grants.begin(header.token, header.op, region, offset, length))
         except ChannelError as exc:
@@ -428,12 +400,12 @@ class UcxChannel(Channel):
             tickets = []
         if header.op == "write":
             if error is None:
-                requests = [self._worker.tag_recv(Array(self._views[r][o : o + n]), data_tag) for r, o, n in header.ranges]
+                requests = [self._worker.tag_recv(Array(self.regions[r][o : o + n]), data_tag) for r, o, n in header.ranges]
             else:  # drain: a one-byte buffer truncates and discards each DATA message
                 requests = [self._worker.tag_recv(Array(self._drain_buf), data_tag) for _ in header.ranges]
         else:
             empty = self._drain_buf[:0]
-            views = [self._views[r][o : o + n] for r, o, n in header.ranges] if error is None else [empty] * len(header.ranges)
+            views = [self.regions[r][o : o + n] for r, o, n in header.ranges] if error is None else [empty] * len(header.ranges)
             requests = [peer.ep.tag_send(Array(v), data_tag) for v in views]
         self._incoming.append(_Incoming(header.src, header, requests, error, tickets))
 
@@ -443,7 +415,7 @@ class UcxChannel(Channel):
             self.grants.end(ticket)
         error = inc.error or _first_error(inc.requests)  # drained receives fail with truncation: not the error
         if error is None and inc.header.notif is not None:
-            self._deliver(inc.peer, inc.header.notif)
+            self.inbox.deliver(inc.peer, inc.header.notif)
         peer = self._peers.get(inc.peer)
         if peer is not None:
             ack = _framed(_Ack(inc.header.seq, error[:ACK_ERROR_CHARS] if error else None))
@@ -490,8 +462,7 @@ class UcxChannel(Channel):
             for peer in list(self._peers):
                 self._forget_peer(peer, "ucx channel closed")
             self._incoming.clear()
-            self._views.clear()
-            self._region_sizes.clear()
+            self.regions.clear()
         self._worker.stop_progress_thread()
-        _OPEN.discard(self)
+        forget_at_exit(self)
         super().close()

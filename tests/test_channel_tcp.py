@@ -27,8 +27,10 @@ import msgspec
 import pytest
 
 from pdkv.auth import NONCE_BYTES, proof
-from pdkv.channels import TransferOp, XferState, create_channel, tcp
-from pdkv.channels.tcp import HEADER, LAST, MAGIC, NOTIF_FOLLOWS, SECRET, VERSION, TcpChannel, TcpOptions
+from pdkv.channels import TransferOp, XferState, create_channel
+from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
+from pdkv.channels.tcp.initiator import _split
+from pdkv.channels.tcp.wire import HEADER, LAST, MAGIC, NOTIF_FOLLOWS, SECRET, VERSION
 from pdkv.config import convert_config
 from pdkv.errors import ChannelError, ConfigError
 
@@ -313,7 +315,7 @@ class FakePeer:
             *_, sid, _, length = HEADER.unpack(hdr)
             sock.recv(length, socket.MSG_WAITALL)
             self.sessions.add(sid)
-            sock.sendall(tcp._pack(tcp.HELLO_OK, 77, len(self.name)) + self.name.encode())
+            sock.sendall(wire.pack(wire.HELLO_OK, 77, len(self.name)) + self.name.encode())
             if self.reply is not None and len(hdr := sock.recv(HEADER.size, socket.MSG_WAITALL)) == HEADER.size:
                 sock.sendall(self.reply(HEADER.unpack(hdr)[7]))
             while sock.recv(1 << 16):
@@ -359,14 +361,14 @@ def test_close_fails_pending_handles_and_is_idempotent() -> None:
 
 
 LYING_ANSWERS: dict[str, tuple[str, Callable[[int], bytes], str]] = {
-    "ack of a transfer never posted": ("write", lambda x: tcp._pack(tcp.ACK, x + 1000, aux=1), "not pending"),
-    "ack count that lies": ("write", lambda x: tcp._pack(tcp.ACK, x, 8 * 999, aux=1000), "ACK of 1000 ids"),
-    "read data longer than asked": ("read", lambda x: tcp._pack(tcp.READ_DATA, x, 1 << 30) + b"\xee" * 8192, "answered READ"),
-    "read data of another transfer": ("read", lambda x: tcp._pack(tcp.READ_DATA, x + 1, 4096) + b"\xee" * 4096, "answered READ"),
-    "read data for a write": ("write", lambda x: tcp._pack(tcp.READ_DATA, x, 4096) + b"\xee" * 4096, "nobody asked"),
-    "data sent to the initiator": ("write", lambda x: HEADER.pack(MAGIC, VERSION, tcp.DATA, LAST, 1, 0, 0, x, 0, 16) + b"\xee" * 16, "DATA frame"),
+    "ack of a transfer never posted": ("write", lambda x: wire.pack(wire.ACK, x + 1000, aux=1), "not pending"),
+    "ack count that lies": ("write", lambda x: wire.pack(wire.ACK, x, 8 * 999, aux=1000), "ACK of 1000 ids"),
+    "read data longer than asked": ("read", lambda x: wire.pack(wire.READ_DATA, x, 1 << 30) + b"\xee" * 8192, "answered READ"),
+    "read data of another transfer": ("read", lambda x: wire.pack(wire.READ_DATA, x + 1, 4096) + b"\xee" * 4096, "answered READ"),
+    "read data for a write": ("write", lambda x: wire.pack(wire.READ_DATA, x, 4096) + b"\xee" * 4096, "nobody asked"),
+    "data sent to the initiator": ("write", lambda x: HEADER.pack(MAGIC, VERSION, wire.DATA, LAST, 1, 0, 0, x, 0, 16) + b"\xee" * 16, "DATA frame"),
     "garbage": ("read", lambda x: b"\xee" * 64, "bad magic"),
-    "an error frame": ("write", lambda x: tcp._pack(tcp.ERROR, 0, 7) + b"go away", "go away"),
+    "an error frame": ("write", lambda x: wire.pack(wire.ERROR, 0, 7) + b"go away", "go away"),
 }
 
 
@@ -399,19 +401,19 @@ def _hdr(ftype: int, *, flags: int = 0, shares: int = 0, aux: int = 0, notif: in
 
 
 def _hello(name: bytes = b"evil") -> bytes:
-    return _hdr(tcp.HELLO, xfer=99, length=len(name)) + name
+    return _hdr(wire.HELLO, xfer=99, length=len(name)) + name
 
 
 def _data(region: int, offset: int, length: int, *, flags: int = LAST, shares: int = 1, notif: int = 0, xfer: int = 1) -> bytes:
-    return _hdr(tcp.DATA, flags=flags, shares=shares, aux=region, notif=notif, xfer=xfer, offset=offset, length=length)
+    return _hdr(wire.DATA, flags=flags, shares=shares, aux=region, notif=notif, xfer=xfer, offset=offset, length=length)
 
 
 # name -> (bytes the attacker sends, range of region 0 its valid prefix may legitimately write)
 HOSTILE: dict[str, tuple[bytes, tuple[int, int]]] = {
     "garbage": (b"GET / HTTP/1.1\r\nHost: pdkv\r\n\r\n" + b"\xff" * 64, (0, 0)),
-    "bad version": (_hdr(tcp.HELLO, version=99, length=4) + b"evil", (0, 0)),
+    "bad version": (_hdr(wire.HELLO, version=99, length=4) + b"evil", (0, 0)),
     "data before hello": (_data(0, 0, 16) + b"x" * 16, (0, 0)),
-    "huge name": (_hdr(tcp.HELLO, xfer=1, length=1 << 40), (0, 0)),
+    "huge name": (_hdr(wire.HELLO, xfer=1, length=1 << 40), (0, 0)),
     "second hello": (_hello() + _hello(), (0, 0)),
     "unknown type": (_hello() + _hdr(200), (0, 0)),
     "unknown region": (_hello() + _data(7, 0, 16) + b"x" * 16, (0, 0)),
@@ -424,7 +426,7 @@ HOSTILE: dict[str, tuple[bytes, tuple[int, int]]] = {
     "zero shares": (_hello() + _data(0, 0, 16, shares=0) + b"x" * 16, (0, 0)),
     "too many shares": (_hello() + _data(0, 0, 16, shares=1000) + b"x" * 16, (0, 0)),
     "interleaved transfers": (_hello() + _data(0, 0, 16, flags=0, shares=0, xfer=1) + b"x" * 16 + _data(0, 100, 16, xfer=2) + b"y" * 16, (0, 16)),
-    "ack from initiator": (_hello() + _hdr(tcp.ACK, aux=1, xfer=1), (0, 0)),
+    "ack from initiator": (_hello() + _hdr(wire.ACK, aux=1, xfer=1), (0, 0)),
     "truncated header": (_hello() + _data(0, 0, 16)[:20], (0, 0)),
     "truncated payload": (_hello() + _data(0, 1000, 5000) + b"z" * 100, (1000, 1100)),
 }
@@ -482,7 +484,7 @@ def test_hostile_frame_is_rejected_without_touching_other_memory(victim: Victim,
     frames = _attack(victim.channel.port, payload)
 
     assert any(r.levelno == logging.ERROR and "rejecting" in r.getMessage() for r in caplog.records), "no error was logged"
-    assert all(ftype in (tcp.HELLO_OK, tcp.ERROR) for ftype, _ in frames), frames
+    assert all(ftype in (wire.HELLO_OK, wire.ERROR) for ftype, _ in frames), frames
     attacked = victim.regions[0]
     assert attacked[:lo] == pristine[0][:lo] and attacked[hi:] == pristine[0][hi:], "bytes landed outside the frame's range"
     assert victim.regions[1] == pristine[1] and victim.regions[2] == pristine[2]
@@ -523,11 +525,11 @@ def guarded() -> Iterator[Guarded]:
 
 
 def _secret_hello(nonce: bytes = b"n" * NONCE_BYTES, name: bytes = b"evil") -> bytes:
-    return _hdr(tcp.HELLO, flags=SECRET, xfer=99, length=NONCE_BYTES + len(name)) + nonce + name
+    return _hdr(wire.HELLO, flags=SECRET, xfer=99, length=NONCE_BYTES + len(name)) + nonce + name
 
 
 def _proof_frame(given: bytes) -> bytes:
-    return _hdr(tcp.AUTH, length=len(given)) + given
+    return _hdr(wire.AUTH, length=len(given)) + given
 
 
 # name -> bytes an attacker without the secret sends: well-formed frames, every one in bounds, no valid proof
@@ -536,8 +538,8 @@ UNPROVEN: dict[str, bytes] = {
     "data where the proof is due": _secret_hello() + _data(0, 0, 16) + b"x" * 16,
     "a wrong proof": _secret_hello() + _proof_frame(b"p" * 32) + _data(0, 0, 16) + b"x" * 16,
     "a short proof": _secret_hello() + _proof_frame(b"p" * 8) + _data(0, 0, 16) + b"x" * 16,
-    "a notification where the proof is due": _secret_hello() + _hdr(tcp.NOTIF, length=2) + b"hi",
-    "a hello too short for its nonce": _hdr(tcp.HELLO, flags=SECRET, xfer=99, length=4) + b"evil",
+    "a notification where the proof is due": _secret_hello() + _hdr(wire.NOTIF, length=2) + b"hi",
+    "a hello too short for its nonce": _hdr(wire.HELLO, flags=SECRET, xfer=99, length=4) + b"evil",
 }
 
 
@@ -551,7 +553,7 @@ def test_frames_without_the_proof_land_nothing_and_are_disconnected(guarded: Gua
 
     assert [bytes(b) for b in guarded.regions] == pristine, "an unauthenticated connection changed memory"
     assert guarded.channel.get_notifications() == []
-    assert all(ftype in (tcp.HELLO_OK, tcp.ERROR) for ftype, _ in frames), frames
+    assert all(ftype in (wire.HELLO_OK, wire.ERROR) for ftype, _ in frames), frames
     expected = 0 if case == "a hello too short for its nonce" else 1  # malformed, not a failed proof
     assert guarded.channel.stats().get("auth_failures", 0) == before + expected
     assert any(r.levelno == logging.ERROR and "rejecting" in r.getMessage() for r in caplog.records), "no error was logged"
@@ -565,12 +567,12 @@ def test_a_replayed_proof_is_refused(guarded: Guarded) -> None:
         sock.sendall(_secret_hello(nonce))
         *_, length = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
         first = sock.recv(length, socket.MSG_WAITALL)[:NONCE_BYTES]
-        seen = proof(KEY.encode(), tcp.INITIATOR_ROLE, first, nonce)  # what a legitimate peer sent on that connection
+        seen = proof(KEY.encode(), wire.INITIATOR_ROLE, first, nonce)  # what a legitimate peer sent on that connection
     before = guarded.channel.stats().get("auth_failures", 0)
 
     frames = _attack(guarded.channel.port, _secret_hello(nonce) + _proof_frame(seen))  # nothing after it: the ERROR is not lost to a reset
 
-    assert frames[-1][0] == tcp.ERROR and b"failed to prove" in frames[-1][1], frames
+    assert frames[-1][0] == wire.ERROR and b"failed to prove" in frames[-1][1], frames
     assert bytes(guarded.regions[0]) == pristine and guarded.channel.get_notifications() == []
     wait_until(lambda: guarded.channel.stats().get("auth_failures", 0) >= before + 1, CALL_TIMEOUT, "the replay to be counted")
 
@@ -666,7 +668,7 @@ def test_split_covers_every_byte_once_in_order_within_frame_limits(lengths: list
     for i, n in enumerate(lengths):
         ops.append(TransferOp(0, at, 1, 1000 * i + at, n))
         at += n
-    shares = tcp._split(ops, parts, max_frame)
+    shares = _split(ops, parts, max_frame)
     pieces = [p for share in shares for p in share]
 
     assert 1 <= len(shares) <= parts

@@ -23,17 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdkv import protocol
-from pdkv.channels import TransferOp, tcp
-from pdkv.channels.tcp import (
-    HEADER,
-    LAST,
-    MAGIC,
-    NOTIF_FOLLOWS,
-    SECRET,
-    VERSION,
-    TcpChannel,
-    TcpOptions,
-)
+from pdkv.channels import TransferOp
+from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
+from pdkv.channels.tcp.wire import HEADER, LAST, MAGIC, NOTIF_FOLLOWS, SECRET, VERSION
 from pdkv.errors import ProtocolError
 
 from tests.conftest import MakePair, Pair, wait_until
@@ -366,7 +358,7 @@ def _hdr(
 
 
 def _hello(name: bytes = b"fuzzer", sid: int = 7) -> bytes:
-    return _hdr(tcp.HELLO, xfer=sid, length=len(name)) + name
+    return _hdr(wire.HELLO, xfer=sid, length=len(name)) + name
 
 
 def _pattern(i: int) -> bytes:
@@ -391,13 +383,13 @@ def writable_ranges(
         pos += HEADER.size
         if magic != MAGIC or version != VERSION:
             break
-        if ftype == tcp.DATA:
+        if ftype == wire.DATA:
             if aux < nregions and 0 < length and offset + length <= REGION:
                 out.append((aux, offset, offset + length))
             pos += length + (notif if flags & NOTIF_FOLLOWS and flags & LAST else 0)
-        elif ftype in (tcp.HELLO, tcp.NOTIF):
+        elif ftype in (wire.HELLO, wire.NOTIF):
             pos += length
-        elif ftype != tcp.READ_REQ:
+        elif ftype != wire.READ_REQ:
             break
     return out
 
@@ -467,7 +459,7 @@ def _wait_served(t: Target) -> None:
     closes on our side; checking memory before it ends would miss a write.
     """
     wait_until(
-        lambda: len(t.channel._accepted) <= t.baseline,
+        lambda: len(t.channel.target._accepted) <= t.baseline,
         TIMEOUT,
         "the target to finish serving the fuzzer's connection",
     )
@@ -505,7 +497,7 @@ def _assert_still_serves(t: Target, tag: bytes) -> None:
         "the good peer's notification",
     )
     t.regions[2][:] = _pattern(2)
-    t.baseline = len(t.channel._accepted)
+    t.baseline = len(t.channel.target._accepted)
 
 
 @st.composite
@@ -517,7 +509,7 @@ def data_frames(
     for _ in range(draw(st.integers(1, 3))):
         ftype = draw(
             st.sampled_from(
-                [tcp.DATA, tcp.DATA, tcp.DATA, tcp.READ_REQ, tcp.NOTIF, tcp.ACK, 0, 200]
+                [wire.DATA, wire.DATA, wire.DATA, wire.READ_REQ, wire.NOTIF, wire.ACK, 0, 200]
             )
         )
         length = draw(
@@ -543,7 +535,7 @@ def data_frames(
             flags=flags,
             shares=draw(
                 st.sampled_from(
-                    [1, 1, 0, 2, tcp.MAX_STREAMS, tcp.MAX_STREAMS + 1, 0xFFFF]
+                    [1, 1, 0, 2, wire.MAX_STREAMS, wire.MAX_STREAMS + 1, 0xFFFF]
                 )
             ),
             aux=draw(st.sampled_from([0, 1, 2, 3, 99, (1 << 32) - 1])),
@@ -566,7 +558,7 @@ def mutated_frames(draw: st.DrawFn) -> bytes:
     valid = bytearray(
         _hello()
         + _hdr(
-            tcp.DATA,
+            wire.DATA,
             flags=LAST | NOTIF_FOLLOWS,
             shares=1,
             aux=1,
@@ -625,11 +617,11 @@ def unproven_openings(draw: st.DrawFn) -> bytes:
     if not draw(st.booleans()):
         return _hello(name, sid=draw(U64))
     nonce = draw(st.binary(min_size=16, max_size=16))
-    out = _hdr(tcp.HELLO, flags=SECRET, xfer=draw(U64), length=len(nonce + name))
+    out = _hdr(wire.HELLO, flags=SECRET, xfer=draw(U64), length=len(nonce + name))
     out += nonce + name
     if draw(st.booleans()):
         given = draw(st.binary(min_size=0, max_size=40))
-        out += _hdr(tcp.AUTH, length=len(given)) + given
+        out += _hdr(wire.AUTH, length=len(given)) + given
     return out
 
 

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from pdkv.bench.netrig import LOOPBACK, Placement, run_in_netns
-from pdkv.channels.base import ucx_follow_host
 from pdkv.channels.ucx import Array, ucx_api  # imported after the channel set the UCX environment
+from pdkv.channels.ucx_env import ucx_follow_host
 from pdkv.errors import ChannelError, TransferTimeout
 
 DATA = ucx_api.UCXXTag(1)

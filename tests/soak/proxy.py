@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from pdkv.channels.tcp import DATA, HDR_SIZE, HEADER, NOTIF_FOLLOWS, READ_REQ
+from pdkv.channels.tcp.wire import DATA, HDR_SIZE, HEADER, NOTIF_FOLLOWS, READ_REQ
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -24,7 +24,7 @@ class CorruptingProxy:
     """A TCP forwarder in front of a tcp channel listener that flips a byte of a chunk when armed.
 
     Bytes towards the listener are read frame by frame (the framing of
-    channels/tcp.py), so that an armed flip lands in the middle of the next
+    channels/tcp/wire.py), so that an armed flip lands in the middle of the next
     DATA payload and never in a header, a handshake or a notification: the
     channel then sees nothing wrong but a chunk whose bytes changed, exactly
     what a bad NIC, cable or switch does, and only the receiver's checksum can

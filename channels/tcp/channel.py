@@ -1,0 +1,151 @@
+"""The tcp channel itself: the ``Channel`` contract over an ``Initiator`` (the transfers this agent starts) and a
+``Target`` (the transfers peers start into it), which share its regions, grants, inbox and counters.
+
+The protocol lives in those two and the modules under them; this class
+checks what callers pass, keeps the registered memory and the peers'
+metadata, and opens and closes both sides. See the package docstring for the
+protocol and its guarantees.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar, Literal
+
+import msgspec
+
+from pdkv.channels.base import Channel, ChannelOptions, TransferHandle, TransferOp, XferState
+from pdkv.channels.tcp.conn import SHUTDOWN_JOIN_S
+from pdkv.channels.tcp.initiator import Initiator, TcpHandle
+from pdkv.channels.tcp.options import Agent, TcpOptions
+from pdkv.channels.tcp.target import Target
+from pdkv.channels.tcp.wire import MAX_NAME_BYTES, Meta, decode_meta
+from pdkv.errors import ChannelError, ConfigError, TransferTimeout
+from pdkv.memory import byte_view
+
+
+class TcpChannel(Channel):
+    """The tcp channel; see the package docstring for the protocol and its guarantees."""
+
+    name: ClassVar[str] = "tcp"
+    Options = TcpOptions
+    authenticates_data: ClassVar[bool] = True
+
+    def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
+        super().__init__(agent_name, options)
+        opts = self.options
+        if not isinstance(opts, TcpOptions):
+            raise ConfigError(f"tcp channel needs TcpOptions, got {type(opts).__name__}")
+        if len(agent_name.encode()) > MAX_NAME_BYTES:
+            raise ConfigError(f"tcp channel agent name {agent_name!r}: expected at most {MAX_NAME_BYTES} UTF-8 bytes")
+        self._opts = opts
+        self._instance = secrets.randbits(63)
+        self._lock = threading.Lock()
+        self.closed = False
+        agent = Agent(agent_name, opts, opts.secret.encode(), self._instance, self.count)
+        self.initiator = Initiator(agent, self.regions)
+        self.target = Target(agent, self.regions, self.grants, self.inbox)
+        self.port: int = self.target.port
+
+    # -- memory ----------------------------------------------------------------
+    def register(self, buf: Any) -> int:
+        view = byte_view(buf)
+        if view.readonly:
+            raise ChannelError("tcp: cannot register read-only memory; transfers land bytes in registered regions")
+        return self.regions.add(view, view.nbytes)
+
+    def deregister(self, region: int) -> None:
+        self.regions.remove(region)
+
+    def metadata(self) -> bytes:
+        host = self._opts.advertise_host or self._opts.host
+        port = self._opts.advertise_port or self.port
+        return msgspec.msgpack.encode(Meta(self.agent_name, host, port, self._instance, self.regions.sizes()))
+
+    # -- peers -------------------------------------------------------------------
+    def add_peer(self, metadata: bytes) -> str:
+        meta = decode_meta(metadata)
+        self.regions.add_peer(meta.name, meta.regions)
+        if self.initiator.add_peer(meta):
+            self.forget_unreachable(meta.name)  # new address: worth trying at once
+        return meta.name
+
+    def remove_peer(self, peer: str) -> None:
+        self.regions.remove_peer(peer)
+        self.initiator.remove_peer(peer)
+
+    def _probe(self, peer: str, timeout: float, token: bytes) -> None:
+        """Open the link that transfers presenting ``token`` will use, if it is not up: every stream connected and,
+        with a secret, both sides proven.
+
+        Bounded by ``connect_timeout`` per stream (``timeout`` is not used).
+        """
+        try:
+            self.initiator.link(peer, token)
+        except ChannelError as exc:
+            raise ChannelError(
+                f"{exc}. The peer advertises {self.initiator.address_of(peer)}: on another host it must advertise an address this host can reach "
+                "(its host / --host, or advertise_host and advertise_port behind a NAT or proxy)"
+            ) from None
+
+    # -- transfers ---------------------------------------------------------------
+    def _post(self, kind: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> TransferHandle:
+        if self.closed:
+            raise ChannelError("tcp channel is closed")
+        total = self.regions.check_ops(peer, ops)
+        if notif is not None and len(notif) > self._opts.max_notif_bytes:
+            raise ChannelError(f"tcp: notification of {len(notif)} bytes exceeds max_notif_bytes={self._opts.max_notif_bytes}")
+        return self.initiator.post(kind, peer, ops, total, notif, token)
+
+    def poll(self, handle: TransferHandle) -> XferState:
+        """The handle's state, after landing whatever answers are already there (never blocks)."""
+        if isinstance(handle, TcpHandle) and handle.state is XferState.PENDING and handle.link.rx_lock.acquire(blocking=False):
+            try:
+                while handle.link.progress(0):
+                    pass
+            finally:
+                handle.link.rx_lock.release()
+        return handle.state
+
+    def wait(self, handle: TransferHandle, timeout: float) -> None:
+        """Block until the handle finishes, reading its link's answers on this thread (see ``Link``)."""
+        if isinstance(handle, TcpHandle) and handle.state is XferState.PENDING:
+            handle.link.drive(handle, time.monotonic() + timeout)
+            if handle.state is XferState.PENDING:
+                raise TransferTimeout(
+                    f"tcp {handle.op} of {handle.nbytes} bytes to {handle.peer!r} still pending after {timeout:.3g}s "
+                    "while its link is up (peer slow or overloaded?)"
+                )
+        super().wait(handle, timeout)  # finished: returns, or raises the handle's error
+
+    def stream_bytes(self, peer: str, token: bytes = b"") -> list[int]:
+        """Bytes written to ``peer`` per stream of the current link (for metrics, and to see the split)."""
+        return self.initiator.stream_bytes(peer, token)
+
+    def count(self, event: str) -> None:
+        """Count ``event`` in ``stats()``, from any of the channel's threads."""
+        with self._lock:
+            self.counters[event] += 1
+
+    def fence(self, peer: str, token: bytes) -> None:
+        """Hang up every session that presented ``token`` and wait for their readers: nothing queued behind them lands."""
+        self.target.fence(peer, token)
+
+    # -- shutdown ------------------------------------------------------------------
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        threads = [*self.target.close(), *self.initiator.close()]
+        me = threading.current_thread()
+        deadline = time.monotonic() + SHUTDOWN_JOIN_S
+        for t in threads:
+            if t is not me and t.ident is not None:
+                t.join(max(0.0, deadline - time.monotonic()))
+        self.regions.clear()
+        self.regions.clear_peers()
+        super().close()

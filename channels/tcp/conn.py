@@ -1,0 +1,171 @@
+"""One TCP connection of the tcp channel, either side's: exact receives, vectored zero-copy sends, timeouts.
+
+Sockets are blocking with kernel timeouts (SO_RCVTIMEO/SO_SNDTIMEO) so a
+receive is one syscall, yet no wait is unbounded: ``io_timeout`` without
+progress inside a frame fails the connection, while an idle socket between
+frames is normal and only ticks ``on_idle``. The sender hands header and
+payload views to one ``sendmsg`` (no join, no copy); the receiver
+``recv_into``s a payload straight into the memory it names.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pdkv.channels.tcp.options import TcpOptions
+from pdkv.channels.tcp.wire import HDR_SIZE, Header, pack, unpack_header
+from pdkv.errors import ChannelError, ProtocolError, TransferTimeout
+
+_DRAIN_BYTES = 1 << 20  # a refused frame's payload is read away in pieces this big
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+SHUTDOWN_JOIN_S = 2.0  # how long closing waits for each of the channel's threads
+
+
+class PeerClosed(ChannelError):
+    """The peer closed the connection between frames."""
+
+
+# What a dead or stuck connection raises; each fails the link (or session) it belongs to.
+IO_ERRORS = (OSError, ChannelError, TransferTimeout)
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+
+
+def set_buffers(sock: socket.socket, opts: TcpOptions) -> None:
+    """Socket buffer sizes; set before connect/listen (accepted sockets inherit them) so the window scale fits."""
+    if opts.sndbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, opts.sndbuf)
+    if opts.rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, opts.rcvbuf)
+
+
+def shutdown(sock: socket.socket) -> None:
+    """Wake every thread blocked on ``sock``; its owner closes it once nobody can be using it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def idle_deadline(timeout: float, what: str) -> Callable[[], None]:
+    """An idle callback that raises once ``timeout`` seconds have passed."""
+    end = time.monotonic() + timeout
+
+    def check() -> None:
+        if time.monotonic() > end:
+            raise TransferTimeout(f"tcp: no {what} within {timeout:.3g}s (raise connect_timeout if the network is slow)")
+
+    return check
+
+
+class Conn:
+    """One TCP stream: exact receives that tolerate idle ticks, zero-copy vectored sends."""
+
+    def __init__(self, sock: socket.socket, opts: TcpOptions, label: str) -> None:
+        self.sock = sock
+        self.label = label
+        self.send_lock = threading.Lock()
+        self.io_timeout = opts.io_timeout
+        self.tick = min(0.5, opts.io_timeout / 4)
+        self.max_idle_ticks = max(1, round(opts.io_timeout / self.tick))
+        self.last_progress = time.monotonic()  # last time a send or receive call moved a byte
+        self._hdr = bytearray(HDR_SIZE)
+        self._hdr_view = memoryview(self._hdr)
+        self._poller = select.poll()
+        self._poller.register(sock, select.POLLIN)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.tick))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(opts.io_timeout))
+
+    def readable(self) -> bool:
+        """Whether bytes (or EOF) are waiting, without blocking."""
+        return bool(self._poller.poll(0))
+
+    def recv_exact(self, view: memoryview, on_idle: Callable[[], None] | None = None, boundary: bool = False) -> None:
+        """Fill ``view`` from the socket, in place.
+
+        At a frame boundary an idle socket is normal: ``on_idle`` runs every
+        tick (and may raise). Inside a frame, ``io_timeout`` without a byte is
+        a dead peer, and EOF is a truncated frame.
+        """
+        n = view.nbytes
+        got = idle = 0
+        while got < n:
+            try:
+                r = self.sock.recv_into(view[got:] if got else view, n - got, socket.MSG_WAITALL)
+            except BlockingIOError:
+                if boundary and got == 0:
+                    if on_idle is not None:
+                        on_idle()
+                    continue
+                idle += 1
+                if idle >= self.max_idle_ticks:
+                    raise TransferTimeout(
+                        f"tcp {self.label}: peer sent {got} of {n} bytes of a frame, then nothing for {self.io_timeout:.3g}s"
+                    ) from None
+                continue
+            if r == 0:
+                if boundary and got == 0:
+                    raise PeerClosed(f"tcp {self.label}: connection closed by the peer")
+                raise ProtocolError(f"tcp {self.label}: truncated frame, connection closed after {got} of {n} bytes")
+            got += r
+            idle = 0
+        self.last_progress = time.monotonic()
+
+    def recv_header(self, on_idle: Callable[[], None] | None = None) -> Header:
+        """Next header as (type, flags, shares, aux, notif, xfer, offset, length); magic and version checked."""
+        self.recv_exact(self._hdr_view, on_idle, boundary=True)
+        return unpack_header(self._hdr, self.label)
+
+    def recv_payload(self, length: int, limit: int, what: str) -> bytes:
+        """A small payload (name, notification, message), bounded before anything is allocated."""
+        if length > limit:
+            raise ProtocolError(f"tcp {self.label}: {what} of {length} bytes exceeds the limit of {limit}")
+        buf = bytearray(length)
+        if length:
+            self.recv_exact(memoryview(buf))
+        return bytes(buf)
+
+    def drain(self, length: int) -> None:
+        """Read ``length`` payload bytes away (a refused frame's): the stream stays in step, nothing lands."""
+        scratch = memoryview(bytearray(min(length, _DRAIN_BYTES)))
+        while length:
+            n = min(length, scratch.nbytes)
+            self.recv_exact(scratch[:n])
+            length -= n
+
+    def send(self, bufs: list[Any]) -> None:
+        """Send every buffer in order with ``sendmsg`` (no join, no copy), resuming partial sends."""
+        i, n = 0, len(bufs)
+        try:
+            while i < n:
+                sent = self.sock.sendmsg(bufs[i : i + _IOV_MAX])
+                self.last_progress = time.monotonic()
+                while sent:
+                    size = len(bufs[i])
+                    if sent >= size:
+                        sent -= size
+                        i += 1
+                    else:
+                        bufs[i] = memoryview(bufs[i])[sent:]
+                        sent = 0
+        except BlockingIOError:
+            raise TransferTimeout(f"tcp {self.label}: peer accepted no data for {self.io_timeout:.3g}s") from None
+
+    def send_frame(self, ftype: int, xfer: int = 0, payload: bytes = b"", aux: int = 0, flags: int = 0, shares: int = 0) -> None:
+        """Send one control frame (handshake, NACK, ERROR) between other threads' batches."""
+        hdr = pack(ftype, xfer, len(payload), aux, flags, shares)
+        with self.send_lock:
+            self.send([hdr, payload] if payload else [hdr])
+

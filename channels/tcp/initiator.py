@@ -1,0 +1,200 @@
+"""The initiator side of the tcp channel: the peers it may dial, one link per (peer, token), and cutting a
+transfer into the batches its streams send.
+
+A transfer is cut into shares, one per stream (``streams_for``: shares of at
+least ``stream_min_bytes``), each sent as one uninterrupted batch of DATA
+frames ending in LAST, or of READ_REQ frames whose answers land where this
+side recorded for them (the target never picks an address). Links connect
+lazily, at the first transfer (or ``connect``) after the last one failed.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pdkv.channels.base import TransferHandle, TransferOp, merge_ops
+from pdkv.channels.regions import RegionTable
+from pdkv.channels.tcp.link import Batch, Link
+from pdkv.channels.tcp.options import Agent
+from pdkv.channels.tcp.wire import DATA, HDR_SIZE, HEADER, LAST, MAGIC, NOTIF_FOLLOWS, READ_REQ, VERSION, Meta
+from pdkv.errors import ChannelError
+
+
+def _split(ops: Sequence[TransferOp], parts: int, max_frame: int) -> list[list[TransferOp]]:
+    """Cut the ops' bytes into ``parts`` near-equal shares of frames no bigger than ``max_frame``.
+
+    The shares go to different streams, so one large op still uses them all.
+    """
+    total = sum(op.length for op in ops)
+    share = -(-total // parts)  # the last share is the smallest, so ``room`` never runs out early
+    out: list[list[TransferOp]] = [[] for _ in range(parts)]
+    s, room = 0, share
+    for op in ops:
+        lo, ro, left = op.local_offset, op.remote_offset, op.length
+        while left:
+            n = min(left, room, max_frame)
+            out[s].append(TransferOp(op.local_region, lo, op.remote_region, ro, n))
+            lo, ro, left, room = lo + n, ro + n, left - n, room - n
+            if room == 0 and s < parts - 1:
+                s, room = s + 1, share
+    return [p for p in out if p]
+
+
+class TcpHandle(TransferHandle):
+    """A handle that knows its link, so ``wait`` can read the link's answers on the waiting thread."""
+
+    def __init__(self, peer: str, op: str, nbytes: int, link: Link) -> None:
+        super().__init__(peer, op, nbytes)
+        self.link = link
+
+
+class Initiator:
+    """What the channel needs to start transfers: its peers' addresses and the live links to them.
+
+    ``closed`` is set once the channel closes (no link is kept after that).
+    """
+
+    def __init__(self, agent: Agent, regions: RegionTable[memoryview]) -> None:
+        self.agent = agent
+        self.closed = False
+        self._regions = regions
+        self._xfer_ids = itertools.count(1)
+        self._rr = itertools.count()
+        self._caller = threading.local()
+        self._peers: dict[str, Meta] = {}
+        self._links: dict[tuple[str, bytes], Link] = {}  # (peer, token) -> its live link
+        self._link_locks: dict[tuple[str, bytes], threading.Lock] = collections.defaultdict(threading.Lock)
+        self._lock = threading.Lock()
+
+    # -- peers -------------------------------------------------------------------
+    def add_peer(self, meta: Meta) -> bool:
+        """Know ``meta.name`` by this metadata; True if it is new or changed (its old links are failed)."""
+        with self._lock:
+            old = self._peers.get(meta.name)
+            self._peers[meta.name] = meta
+            links = self._pop_links(meta.name) if old != meta else []
+        for link in links:
+            link.fail(f"peer {meta.name!r} re-added with new metadata")
+        return old != meta
+
+    def remove_peer(self, peer: str) -> None:
+        with self._lock:
+            self._peers.pop(peer, None)
+            links = self._pop_links(peer)
+        for link in links:
+            link.fail(f"peer {peer!r} removed")
+
+    def address_of(self, peer: str) -> str:
+        """Where ``peer`` says it can be reached, for messages."""
+        meta = self._peers.get(peer)
+        return f"{meta.host}:{meta.port}" if meta is not None else "the address in its metadata"
+
+    def _pop_links(self, peer: str) -> list[Link]:
+        """Forget every link to ``peer``, whatever its token (caller holds the lock)."""
+        return [self._links.pop(key) for key in [k for k in self._links if k[0] == peer]]
+
+    def link(self, peer: str, token: bytes) -> Link:
+        """The live link to ``peer`` presenting ``token``, connecting (again) if there is none: reconnection is lazy.
+
+        One link per (peer, token): a transfer always travels with the capability it was posted with.
+        """
+        key = (peer, token)
+        link = self._links.get(key)
+        if link is not None and link.dead is None:
+            return link
+        with self._link_locks[key]:
+            link = self._links.get(key)
+            if link is not None and link.dead is None:
+                return link
+            meta = self._peers.get(peer)
+            if meta is None:
+                raise ChannelError(f"tcp: unknown peer {peer!r}; call add_peer with its metadata first")
+            link = Link(self, peer, meta, token)
+            with self._lock:
+                current = not self.closed and self._peers.get(peer) is meta
+                if current:
+                    self._links[key] = link
+            if not current:
+                link.fail("the channel closed or the peer was re-added while connecting")
+                raise ChannelError(f"tcp: peer {peer!r} was removed or re-added, or the channel closed, while connecting")
+            return link
+
+    def post(self, kind: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], total: int, notif: bytes | None, token: bytes) -> TcpHandle:
+        """Post checked ``ops`` (``total`` bytes) over the link presenting ``token``: split, batched, sent or queued."""
+        link = self.link(peer, token)
+        nstreams = len(link.streams)
+        parts = min(nstreams, self.agent.opts.streams_for(total))
+        if parts == 1 and len(ops) == 1 and total <= self.agent.opts.max_frame_bytes:
+            shares = [list(ops)]  # the common small case: nothing to merge or cut
+        else:
+            shares = _split(merge_ops(ops), parts, self.agent.opts.max_frame_bytes)
+        xfer = next(self._xfer_ids)
+        home = self._home_stream()
+        if kind == "write":
+            batches = [((home + i) % nstreams, self._write_batch(xfer, share, len(shares), notif if i == 0 else None)) for i, share in enumerate(shares)]
+        else:
+            batches = [((home + i) % nstreams, self._read_batch(xfer, share)) for i, share in enumerate(shares)]
+        handle = TcpHandle(peer, kind, total, link)
+        link.post(handle, xfer, batches, notif if kind == "read" else None, kind == "read" or total <= self.agent.opts.inline_max_bytes)
+        return handle
+
+    def _home_stream(self) -> int:
+        """The calling thread's stream: where its unsplit transfers go and its split ones start.
+
+        One busy stream beats several idle ones for small transfers: an idle
+        stream's reader sleeps, and waking it on both sides costs more than
+        sending 16 KiB. Different threads still spread over the streams.
+        """
+        home: int | None = getattr(self._caller, "stream", None)
+        if home is None:
+            home = self._caller.stream = next(self._rr)
+        return home
+
+    def _write_batch(self, xfer: int, share: list[TransferOp], nshares: int, notif: bytes | None) -> Batch:
+        """DATA frames of one share, the last flagged LAST (and NOTIF); headers in one buffer, payloads as views."""
+        hdrs = memoryview(bytearray(HDR_SIZE * len(share)))
+        bufs: list[Any] = []
+        nbytes = 0
+        last = len(share) - 1
+        for i, op in enumerate(share):
+            if i < last:
+                flags = shares = nlen = 0
+            else:
+                flags, shares, nlen = (LAST, nshares, 0) if notif is None else (LAST | NOTIF_FOLLOWS, nshares, len(notif))
+            at = i * HDR_SIZE
+            HEADER.pack_into(hdrs, at, MAGIC, VERSION, DATA, flags, shares, op.remote_region, nlen, xfer, op.remote_offset, op.length)
+            bufs.append(hdrs[at : at + HDR_SIZE])
+            bufs.append(self._regions[op.local_region][op.local_offset : op.local_offset + op.length])
+            nbytes += op.length
+        if notif:
+            bufs.append(notif)
+        return Batch(bufs, nbytes)
+
+    def _read_batch(self, xfer: int, share: list[TransferOp]) -> Batch:
+        """READ_REQ frames; where each answer lands is decided here, never by the target."""
+        hdrs = bytearray(HDR_SIZE * len(share))
+        expect = []
+        for i, op in enumerate(share):
+            HEADER.pack_into(hdrs, i * HDR_SIZE, MAGIC, VERSION, READ_REQ, 0, 0, op.remote_region, 0, xfer, op.remote_offset, op.length)
+            expect.append((xfer, self._regions[op.local_region][op.local_offset : op.local_offset + op.length]))
+        return Batch([hdrs], 0, expect)
+
+    def stream_bytes(self, peer: str, token: bytes = b"") -> list[int]:
+        """Bytes written to ``peer`` per stream of the current link (for metrics, and to see the split)."""
+        link = self._links.get((peer, token))
+        return link.bytes_per_stream() if link is not None else []
+
+    def close(self) -> list[threading.Thread]:
+        """Fail every link (their transfers fail) and keep none after; returns their threads, to join."""
+        with self._lock:
+            self.closed = True
+            links = list(self._links.values())
+            self._links.clear()
+            self._peers.clear()
+        for link in links:
+            link.fail("tcp channel closed")
+        return [t for link in links for t in link.threads]

@@ -1,0 +1,76 @@
+"""The tcp channel's options and their checks, and the agent they configure as both sides of the channel see it.
+
+The initiator side, the target side and every connection read them; they
+live apart from ``TcpChannel`` so that none of those imports the channel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdkv.channels.base import ChannelOptions
+from pdkv.channels.tcp.wire import MAX_STREAMS
+from pdkv.errors import ConfigError
+from pdkv.netaddr import is_wildcard
+
+
+class TcpOptions(ChannelOptions):
+    """Options of the tcp channel; both peers should use the same limits."""
+
+    # host (ChannelOptions): where to listen; the worker's host unless set here
+    port: int = 0  # 0: an ephemeral port, published through metadata()
+    advertise_host: str | None = None  # host peers dial: needed when ``host`` is a wildcard like 0.0.0.0, or behind a NAT
+    advertise_port: int = 0  # port peers dial, when a port forward, NAT or proxy sits in front of ``port``; 0: ``port``
+    streams: int = 4  # connections per peer
+    stream_min_bytes: int = 4 << 20  # a transfer is split only into shares at least this big
+    inline_max_bytes: int = 1 << 20  # writes up to this size go out on the caller's thread when possible
+    sndbuf: int = 0  # SO_SNDBUF in bytes; 0 leaves the kernel's autotuning
+    rcvbuf: int = 0  # SO_RCVBUF in bytes; 0 leaves the kernel's autotuning
+    connect_timeout: float = 5.0  # seconds for connect + handshake
+    io_timeout: float = 10.0  # seconds without progress before a stream (and its link) is failed
+    max_frame_bytes: int = 64 << 20  # largest DATA/READ frame sent or accepted
+    max_notif_bytes: int = 64 << 10  # largest notification sent or accepted
+    max_inflight: int = 1024  # transfers in flight per peer (initiator waits, target refuses beyond)
+    max_connections: int = 256  # accepted connections, all peers together
+
+    def streams_for(self, nbytes: int) -> int:
+        """How many streams a transfer of ``nbytes`` is split over: shares of at least ``stream_min_bytes``."""
+        return min(self.streams, max(1, nbytes // self.stream_min_bytes))
+
+    def __post_init__(self) -> None:
+        checks: list[tuple[str, bool, str]] = [
+            ("port", 0 <= self.port <= 65535, "0..65535"),
+            ("advertise_port", 0 <= self.advertise_port <= 65535, "0..65535 (0: the listening port)"),
+            ("advertise_host", not is_wildcard(self.advertise_host or self.host), f"an address peers can dial when host is {self.host!r}, which listens everywhere"),
+            ("streams", 1 <= self.streams <= MAX_STREAMS, f"1..{MAX_STREAMS}"),
+            ("stream_min_bytes", self.stream_min_bytes >= 1, ">= 1"),
+            ("inline_max_bytes", self.inline_max_bytes >= 0, ">= 0"),
+            ("sndbuf", self.sndbuf >= 0, ">= 0 (0: kernel default)"),
+            ("rcvbuf", self.rcvbuf >= 0, ">= 0 (0: kernel default)"),
+            ("connect_timeout", self.connect_timeout > 0, "> 0 seconds"),
+            ("io_timeout", self.io_timeout > 0, "> 0 seconds"),
+            ("max_frame_bytes", 1 <= self.max_frame_bytes <= 1 << 40, "1..2**40"),
+            ("max_notif_bytes", 0 <= self.max_notif_bytes <= 1 << 24, "0..16 MiB"),
+            ("max_inflight", self.max_inflight >= 1, ">= 1"),
+            ("max_connections", self.max_connections >= 1, ">= 1"),
+        ]
+        for name, ok, expected in checks:
+            if not ok:
+                raise ConfigError(f"tcp channel option {name}={getattr(self, name)!r}: expected {expected}")
+
+
+@dataclass(frozen=True)
+class Agent:
+    """This agent as the initiator and target sides see it.
+
+    ``instance`` tells it from a restarted agent of the same name (in HELLO_OK
+    and its metadata); ``count`` counts an event in the channel's ``stats()``,
+    from any thread.
+    """
+
+    name: str
+    opts: TcpOptions
+    secret: bytes
+    instance: int
+    count: Callable[[str], None]

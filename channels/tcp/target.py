@@ -1,0 +1,405 @@
+"""The target side of the tcp channel: the listening socket, and a reader per accepted connection that
+checks the handshake, lands DATA in registered memory under the grants and answers READ_REQ.
+
+Threads: an acceptor, and one reader per accepted connection (lands DATA,
+answers READ_REQ, sends ACKs). The connections of one initiator link share a
+*session* (its random id in HELLO), since a transfer's shares span them: a
+transfer has landed once the LAST frame of every share has been read, and
+only then is its notification delivered and the transfer acknowledged.
+
+A frame that fails a check makes the target log an error, answer ERROR and
+hang up every connection of that session, so its transfer fails on the
+initiator and nothing lands outside the range the frame named. A frame
+outside the grants (``Grants``) of the token its session presented lands
+nothing and fails only its transfer, with NACK.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+from pdkv.auth import NONCE_BYTES, PROOF_BYTES, new_nonce, proof, verify
+from pdkv.channels.base import Grants, NotificationInbox
+from pdkv.channels.regions import RegionTable
+from pdkv.channels.tcp.conn import IO_ERRORS, Conn, PeerClosed, idle_deadline, set_buffers, shutdown
+from pdkv.channels.tcp.options import Agent
+from pdkv.channels.tcp.wire import (
+    ACK,
+    AUTH,
+    DATA,
+    ERROR,
+    FRAME_NAMES,
+    HELLO,
+    HELLO_OK,
+    INITIATOR_ROLE,
+    LAST,
+    MAX_ACK_BATCH,
+    MAX_ERROR_BYTES,
+    MAX_NAME_BYTES,
+    MAX_STREAMS,
+    MAX_TOKEN_BYTES,
+    NACK,
+    NOTIF,
+    NOTIF_FOLLOWS,
+    READ_DATA,
+    READ_REQ,
+    SECRET,
+    TARGET_ROLE,
+    no_extras,
+    pack,
+)
+from pdkv.errors import AuthError, ChannelError, ConfigError, ProtocolError
+
+log = logging.getLogger(__name__)
+
+_ACK_FLUSH_BYTES = 64 << 10  # send pending ACKs before landing a payload this big, not after
+
+
+class Ending:
+    """Target-side state of one WRITE whose shares have not all arrived yet."""
+
+    __slots__ = ("conns", "notif", "refused", "shares")
+
+    def __init__(self, shares: int) -> None:
+        self.conns: set[int] = set()
+        self.shares = shares
+        self.notif: bytes | None = None
+        self.refused = ""  # why a share of it was refused: the whole transfer is answered with NACK
+
+
+class Session:
+    """The target side of one initiator link: its connections, its capability token, its partly arrived transfers."""
+
+    def __init__(self, sid: int, peer: str, token: bytes) -> None:
+        self.sid = sid
+        self.peer = peer
+        self.token = token
+        self.conns: set[Conn] = set()
+        self.ending: dict[int, Ending] = {}
+        self.lock = threading.Lock()
+
+    def end(self, conn: Conn, xfer: int, shares: int, notif: bytes | None, refused: str, max_inflight: int) -> tuple[bool, bytes | None, str]:
+        """Record that one share of a multi-stream transfer ended; returns (all ended, its notification, why refused)."""
+        with self.lock:
+            st = self.ending.get(xfer)
+            if st is None:
+                if len(self.ending) >= max_inflight:
+                    raise ProtocolError(f"tcp {conn.label}: more than max_inflight={max_inflight} transfers partly arrived")
+                st = self.ending[xfer] = Ending(shares)
+            if st.shares != shares or id(conn) in st.conns:
+                raise ProtocolError(f"tcp {conn.label}: inconsistent shares for transfer {xfer}")
+            if notif is not None:
+                if st.notif is not None:
+                    raise ProtocolError(f"tcp {conn.label}: transfer {xfer} carries two notifications")
+                st.notif = notif
+            st.refused = st.refused or refused
+            st.conns.add(id(conn))
+            if len(st.conns) < shares:
+                return False, None, ""
+            del self.ending[xfer]
+            return True, st.notif, st.refused
+
+
+class Target:
+    """Accepts the links of initiators and serves them; see the module docstring.
+
+    The channel's ``regions`` are where frames land, its ``grants`` what
+    guarded regions admit, its ``inbox`` where notifications go.
+    """
+
+    def __init__(self, agent: Agent, regions: RegionTable[memoryview], grants: Grants, inbox: NotificationInbox) -> None:
+        self.agent = agent
+        self._regions = regions
+        self._grants = grants
+        self._inbox = inbox
+        self._sessions: dict[int, Session] = {}
+        self._accepted: dict[Conn, threading.Thread] = {}
+        self._lock = threading.Lock()
+        self.closed = False
+        opts = agent.opts
+        try:
+            family, stype, proto, _, addr = socket.getaddrinfo(opts.host, opts.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            self._listener = socket.socket(family, stype, proto)
+        except OSError as exc:
+            raise ConfigError(f"tcp channel cannot listen on {opts.host}:{opts.port}: {exc}") from None
+        try:
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            set_buffers(self._listener, opts)
+            self._listener.bind(addr)
+            self._listener.listen(min(socket.SOMAXCONN, opts.max_connections))
+        except OSError as exc:
+            self._listener.close()
+            raise ConfigError(f"tcp channel cannot listen on {opts.host}:{opts.port}: {exc}") from None
+        self.port: int = self._listener.getsockname()[1]
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"tcp-{agent.name}-accept", daemon=True)
+        self._acceptor.start()
+
+    def _accept_loop(self) -> None:
+        while not self.closed:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError as exc:
+                if self.closed:
+                    return
+                log.warning("tcp %s: accept failed: %s", self.agent.name, exc)
+                time.sleep(0.1)  # e.g. out of file descriptors: do not spin
+                continue
+            label = f"{self.agent.name}<-{addr[0]}:{addr[1]}"
+            with self._lock:
+                full = self.closed or len(self._accepted) >= self.agent.opts.max_connections
+            if full:
+                if not self.closed:
+                    log.warning("tcp %s: refusing %s: max_connections=%d reached", self.agent.name, label, self.agent.opts.max_connections)
+                sock.close()
+                continue
+            try:
+                conn = Conn(sock, self.agent.opts, label)
+            except OSError as exc:
+                log.warning("tcp %s: cannot set up connection %s: %s", self.agent.name, label, exc)
+                sock.close()
+                continue
+            t = threading.Thread(target=self._serve, args=(conn,), name=f"tcp-{self.agent.name}-serve", daemon=True)
+            with self._lock:
+                self._accepted[conn] = t
+            t.start()
+
+    def _serve(self, conn: Conn) -> None:
+        """Reader of one accepted connection: handshake, then frames until EOF or a bad frame."""
+        session: Session | None = None
+        try:
+            session = self._handshake(conn)
+            self._serve_frames(conn, session)
+        except ProtocolError as exc:
+            if isinstance(exc, AuthError):
+                self.agent.count("auth_failures")
+            peer = session.peer if session else "?"
+            log.error("tcp %s: rejecting connection %s (peer %r): %s", self.agent.name, conn.label, peer, exc)
+            self._hang_up(conn, session, str(exc))
+        except IO_ERRORS as exc:
+            if not self.closed and not isinstance(exc, PeerClosed):
+                log.warning("tcp %s: connection %s failed: %s", self.agent.name, conn.label, exc)
+            elif session is not None and session.ending:
+                log.warning("tcp %s: %s closed with %d transfers partly arrived", self.agent.name, conn.label, len(session.ending))
+            self._hang_up(conn, session, None)
+        finally:
+            with self._lock:
+                self._accepted.pop(conn, None)
+                if session is not None:
+                    session.conns.discard(conn)
+                    if not session.conns and self._sessions.get(session.sid) is session:
+                        del self._sessions[session.sid]
+            with conn.send_lock:  # another session member may be telling this one why it hangs up
+                conn.sock.close()
+
+    def _handshake(self, conn: Conn) -> Session:
+        """HELLO, HELLO_OK and, with a secret, the peer's proof; only then does the connection join its session.
+
+        Until it has joined, a failure hangs up this connection alone, and no
+        frame of it but AUTH has been read.
+        """
+        deadline = idle_deadline(self.agent.opts.connect_timeout, f"handshake on {conn.label}")
+        ftype, flags, shares, _, nlen, sid, _, length = conn.recv_header(deadline)
+        if ftype != HELLO:
+            raise ProtocolError(f"tcp {conn.label}: expected HELLO first, got frame type {FRAME_NAMES.get(ftype, ftype)}")
+        token_len = shares  # HELLO's one use of the field
+        if token_len > MAX_TOKEN_BYTES:
+            raise ProtocolError(f"tcp {conn.label}: HELLO with a {token_len} byte token (at most {MAX_TOKEN_BYTES})")
+        no_extras(conn.label, ftype, flags, 0, nlen, SECRET)
+        nonce_len = NONCE_BYTES if flags & SECRET else 0
+        payload = conn.recv_payload(length, nonce_len + token_len + MAX_NAME_BYTES, "HELLO")
+        if len(payload) < nonce_len + token_len:
+            raise ProtocolError(f"tcp {conn.label}: HELLO of {len(payload)} bytes cannot hold its {nonce_len} byte nonce and {token_len} byte token")
+        theirs, token, name = payload[:nonce_len], payload[nonce_len : nonce_len + token_len], payload[nonce_len + token_len :]
+        peer = name.decode(errors="replace")
+        conn.label += f" ({peer!r})"
+        if self.agent.secret and not nonce_len:
+            raise AuthError(f"tcp {conn.label}: this agent requires the shared secret and the peer has none (set the same `secret` on both sides)")
+        if nonce_len and not self.agent.secret:
+            raise AuthError(f"tcp {conn.label}: the peer holds a shared secret and this agent none (set the same `secret` on both sides)")
+        if self.agent.secret:
+            self._check_proof(conn, theirs, deadline)
+        else:
+            conn.send_frame(HELLO_OK, self.agent.instance, self.agent.name.encode())
+        with self._lock:
+            session = self._sessions.get(sid)
+            if session is None:
+                session = self._sessions[sid] = Session(sid, peer, token)
+            elif session.peer != peer or session.token != token:
+                raise ProtocolError(f"tcp {conn.label}: session {sid:x} belongs to {session.peer!r} with another token")
+            session.conns.add(conn)
+        return session
+
+    def _check_proof(self, conn: Conn, theirs: bytes, deadline: Callable[[], None]) -> None:
+        """Prove the secret over both nonces, then read the peer's proof: the one frame read before it checks out."""
+        ours = new_nonce()
+        conn.send_frame(HELLO_OK, self.agent.instance, ours + proof(self.agent.secret, TARGET_ROLE, theirs, ours) + self.agent.name.encode(), flags=SECRET)
+        try:
+            ftype, flags, shares, _, nlen, _, _, length = conn.recv_header(deadline)
+        except (*IO_ERRORS, ProtocolError) as exc:  # leaving is what a peer with another secret does: it refuses our proof
+            if self.closed:
+                raise  # we hung up, at close: no failure of the peer's
+            raise AuthError(f"tcp {conn.label}: no proof of the shared secret from the peer ({exc})") from None
+        if ftype != AUTH or length != PROOF_BYTES:
+            raise AuthError(f"tcp {conn.label}: {FRAME_NAMES.get(ftype, ftype)} frame of {length} bytes where the proof of the shared secret was due")
+        no_extras(conn.label, ftype, flags, shares, nlen)
+        if not verify(self.agent.secret, INITIATOR_ROLE, ours, theirs, conn.recv_payload(length, PROOF_BYTES, "proof")):
+            raise AuthError(f"tcp {conn.label}: the peer failed to prove the shared secret (set the same `secret` on both sides)")
+
+    def _region_slice(self, conn: Conn, region: int, offset: int, length: int) -> memoryview:
+        """The view a DATA/READ_REQ frame names, or ProtocolError: nothing outside a region, ever."""
+        view = self._regions.get(region)
+        if view is None:
+            raise ProtocolError(f"tcp {conn.label}: frame names region {region}, which is not registered here")
+        if length == 0 or length > self.agent.opts.max_frame_bytes or offset + length > view.nbytes:
+            raise ProtocolError(
+                f"tcp {conn.label}: frame range offset={offset} length={length} does not fit region {region} "
+                f"of {view.nbytes} bytes (max_frame_bytes={self.agent.opts.max_frame_bytes})"
+            )
+        return view[offset : offset + length]
+
+    def _serve_frames(self, conn: Conn, session: Session) -> None:
+        """The hot loop: land DATA in place; when a transfer has fully landed, notify, then ACK.
+
+        ACKs wait in ``acks`` only while more frames are already readable (or
+        until a batch is full), and go out before any large payload is landed
+        or anything else is sent, so holding them never delays a transfer by
+        more than the frames that were queued behind it anyway.
+        """
+        opts = self.agent.opts
+        cur_xfer = -1  # the transfer whose share this stream is in the middle of
+        refused = ""  # why a frame of that share was refused: it lands nothing, the transfer gets NACK
+        acks: list[int] = []
+        while True:
+            if acks and (len(acks) >= MAX_ACK_BATCH or not conn.readable()):
+                self._send_acks(conn, acks)
+            ftype, flags, shares, region, nlen, xfer, offset, length = conn.recv_header()
+            if ftype == DATA:
+                if xfer != cur_xfer:
+                    if cur_xfer != -1:
+                        raise ProtocolError(f"tcp {conn.label}: DATA of transfer {xfer} inside the share of transfer {cur_xfer}")
+                    cur_xfer = xfer
+                # everything checked before a byte lands: flags, the share count, the notification size
+                bad = flags & ~(LAST | NOTIF_FOLLOWS) or nlen > opts.max_notif_bytes or (nlen and not flags & NOTIF_FOLLOWS)
+                if bad or (not 1 <= shares <= MAX_STREAMS if flags & LAST else flags or shares):
+                    raise ProtocolError(
+                        f"tcp {conn.label}: DATA with flags={flags} shares={shares} notif={nlen} "
+                        f"(max {MAX_STREAMS} shares, max_notif_bytes={opts.max_notif_bytes})"
+                    )
+                view = self._region_slice(conn, region, offset, length)
+                if acks and length >= _ACK_FLUSH_BYTES:
+                    self._send_acks(conn, acks)
+                refused = self._land(conn, session, view, region, offset, length) or refused
+                if flags & LAST:
+                    notif = conn.recv_payload(nlen, opts.max_notif_bytes, "notification") if flags & NOTIF_FOLLOWS else None
+                    cur_xfer = -1
+                    # a one-stream transfer has fully landed now: no shared state to consult
+                    done, notif, why = (True, notif, refused) if shares == 1 else session.end(conn, xfer, shares, notif, refused, opts.max_inflight)
+                    refused = ""
+                    if done and why:
+                        self._send_acks(conn, acks)
+                        self._nack(conn, xfer, why)
+                    elif done:
+                        if notif is not None:
+                            self._inbox.deliver(session.peer, notif)
+                        acks.append(xfer)
+                continue
+            if cur_xfer != -1:
+                raise ProtocolError(f"tcp {conn.label}: {FRAME_NAMES.get(ftype, ftype)} frame inside the share of transfer {cur_xfer}")
+            no_extras(conn.label, ftype, flags, shares, nlen)
+            if acks:
+                self._send_acks(conn, acks)
+            if ftype == READ_REQ:
+                view = self._region_slice(conn, region, offset, length)
+                try:
+                    ticket = self._grants.begin(session.token, "read", region, offset, length)
+                except ChannelError as exc:
+                    self.agent.count("refused_frames")
+                    self._nack(conn, xfer, str(exc))
+                    continue
+                try:
+                    with conn.send_lock:
+                        conn.send([pack(READ_DATA, xfer, length), view])
+                finally:
+                    self._grants.end(ticket)
+            elif ftype == NOTIF:
+                self._inbox.deliver(session.peer, conn.recv_payload(length, opts.max_notif_bytes, "notification"))
+            else:
+                raise ProtocolError(f"tcp {conn.label}: unexpected frame type {FRAME_NAMES.get(ftype, ftype)}")
+
+    def _land(self, conn: Conn, session: Session, view: memoryview, region: int, offset: int, length: int) -> str:
+        """Receive one DATA payload into ``view`` if the session's grants allow it, else read it away; why refused, or ""."""
+        try:
+            ticket = self._grants.begin(session.token, "write", region, offset, length)
+        except ChannelError as exc:
+            self.agent.count("refused_frames")
+            log.warning("tcp %s: refusing a write from %r: %s", self.agent.name, session.peer, exc)
+            conn.drain(length)
+            return str(exc)
+        try:
+            conn.recv_exact(view)
+        finally:
+            self._grants.end(ticket)
+        return ""
+
+    @staticmethod
+    def _nack(conn: Conn, xfer: int, why: str) -> None:
+        conn.send_frame(NACK, xfer, why.encode()[:MAX_ERROR_BYTES])
+
+    @staticmethod
+    def _send_acks(conn: Conn, acks: list[int]) -> None:
+        if not acks:
+            return
+        n = len(acks)
+        hdr = pack(ACK, acks[0], 8 * (n - 1), aux=n)
+        with conn.send_lock:
+            conn.send([hdr, struct.pack(f"<{n - 1}Q", *acks[1:])] if n > 1 else [hdr])
+        acks.clear()
+
+    def _hang_up(self, conn: Conn, session: Session | None, reason: str | None) -> None:
+        """Hang up every connection of the session (its transfers span them all), telling each ``reason`` first.
+
+        Each initiator stream then fails with the reason rather than with a bare
+        EOF. Every ERROR goes out before the first hang-up, since each hang-up
+        makes that connection's own thread hang up the rest of the session.
+        """
+        with self._lock:
+            conns = list(session.conns) if session is not None else [conn]
+        if reason is not None:
+            for c in conns:
+                try:
+                    c.send_frame(ERROR, payload=reason.encode()[:MAX_ERROR_BYTES])
+                except IO_ERRORS:
+                    pass
+        for c in conns:
+            shutdown(c.sock)
+
+    def fence(self, peer: str, token: bytes) -> None:
+        """Hang up every session that presented ``token`` and wait for their readers: nothing queued behind them lands."""
+        with self._lock:
+            sessions = [sess for sess in self._sessions.values() if sess.token == token]
+            threads = [self._accepted[c] for sess in sessions for c in sess.conns if c in self._accepted]
+        for sess in sessions:
+            conns = list(sess.conns)
+            if conns:
+                self._hang_up(conns[0], sess, f"fenced by {self.agent.name!r}: it went silent mid-transfer; handshake again")
+        deadline = time.monotonic() + self.agent.opts.io_timeout
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+        log.warning("tcp %s: fenced peer %r: cut %d data connection(s)", self.agent.name, peer, len(threads))
+
+    def close(self) -> list[threading.Thread]:
+        """Stop listening and hang up every accepted connection; returns the threads to join (acceptor, readers)."""
+        with self._lock:
+            self.closed = True
+            accepted = dict(self._accepted)
+        shutdown(self._listener)
+        self._listener.close()
+        for conn in accepted:
+            shutdown(conn.sock)
+        return [self._acceptor, *accepted.values()]

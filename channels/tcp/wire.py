@@ -1,0 +1,114 @@
+"""The tcp channel's wire format: frame header, frame types and flags, limits, metadata, and the checks on them.
+
+Both sides of a link (``initiator``, ``target``) and the tools that speak
+the protocol from outside (the soak benchmark's corrupting proxy, the fuzz
+tests) build and read frames through these names alone.
+
+Wire format: every frame starts with ``HEADER`` (little endian, 40 bytes)::
+
+    magic "PK" | version u8 | type u8 | flags u8 | pad u8 | shares u16 | aux u32 | notif u32
+    | xfer u64 | offset u64 | length u64
+
+    type       dir   fields (unlisted ones are zero)                       payload
+    HELLO      I->T  xfer=session id, aux=stream index, length,            [nonce if SECRET] token agent name
+                     shares=token length, flags SECRET: the initiator
+                     holds a shared secret
+    HELLO_OK   T->I  xfer=instance id, length, flags SECRET as in HELLO    [nonce, proof if SECRET] agent name
+    AUTH       I->T  length                                                the initiator's proof (after a SECRET HELLO_OK)
+    DATA       I->T  aux=region, offset, length, flags, shares, notif      bytes for region[offset:+length],
+                     flags LAST: this frame ends the stream's share          then ``notif`` bytes of
+                     of the transfer, which has ``shares`` shares;           notification if NOTIF
+                     flags NOTIF (with LAST): a notification follows
+    ACK        T->I  aux=count, xfer=first id, length=8*(count-1)          the other ids, u64 each
+    NACK       T->I  xfer, length                                          why: the transfer (or, for a READ,
+                                                                           this READ_REQ) was refused; the link lives
+    READ_REQ   I->T  aux=region, offset, length                            -
+    READ_DATA  T->I  xfer, length                                          answer to the stream's oldest READ_REQ
+    NOTIF      I->T  xfer, length                                          notification of a READ that landed
+    ERROR      T->I  length                                                message; the target then hangs up
+
+I is the initiator (the side calling write/read), T the target.
+
+Every header field from the wire is checked before use (magic and version
+here, ``unpack_header``; type, flags, region, range and lengths by the side
+that reads the frame), against ``max_frame_bytes``/``max_notif_bytes`` and
+the fixed caps below. Nothing is allocated from a length the peer sent
+before that length is bounded.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+
+from pdkv.errors import ChannelError, ProtocolError
+from pdkv.netaddr import is_wildcard
+
+MAGIC = b"PK"
+VERSION = 2
+HEADER = struct.Struct("<2sBBBxHIIQQQ")
+HDR_SIZE = HEADER.size
+
+HELLO, HELLO_OK, DATA, ACK, READ_REQ, READ_DATA, NOTIF, ERROR, AUTH, NACK = range(1, 11)
+FRAME_NAMES = {
+    HELLO: "HELLO", HELLO_OK: "HELLO_OK", DATA: "DATA", ACK: "ACK",
+    READ_REQ: "READ_REQ", READ_DATA: "READ_DATA", NOTIF: "NOTIF", ERROR: "ERROR", AUTH: "AUTH", NACK: "NACK",
+}  # fmt: skip
+LAST, NOTIF_FOLLOWS = 1, 2  # DATA flags
+SECRET = 1  # HELLO/HELLO_OK flag: the sender holds a shared secret, and nonce (and proof) lead the payload
+# proof roles: a target's proof is never an initiator's, and neither is ever a control-plane one
+TARGET_ROLE, INITIATOR_ROLE = "tcp-target", "tcp-initiator"
+
+MAX_NAME_BYTES = 255
+MAX_TOKEN_BYTES = 64
+MAX_ERROR_BYTES = 1024
+MAX_STREAMS = 64
+MAX_ACK_BATCH = 256  # ids per ACK frame; a full batch is sent even if more frames wait
+
+Header = tuple[int, int, int, int, int, int, int, int]  # (type, flags, shares, aux, notif, xfer, offset, length)
+
+
+def pack(ftype: int, xfer: int = 0, length: int = 0, aux: int = 0, flags: int = 0, shares: int = 0) -> bytes:
+    """A header for the frame types that use only these fields."""
+    return HEADER.pack(MAGIC, VERSION, ftype, flags, shares, aux, 0, xfer, 0, length)
+
+
+def unpack_header(buf: bytearray, label: str) -> Header:
+    """A received header as (type, flags, shares, aux, notif, xfer, offset, length); magic and version checked."""
+    magic, version, ftype, flags, shares, aux, notif, xfer, offset, length = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise ProtocolError(f"tcp {label}: bad magic {bytes(magic)!r}; the peer does not speak pdkv tcp")
+    if version != VERSION:
+        raise ProtocolError(f"tcp {label}: protocol version {version}, this agent speaks {VERSION}; upgrade both")
+    return ftype, flags, shares, aux, notif, xfer, offset, length
+
+
+def no_extras(label: str, ftype: int, flags: int, shares: int, notif: int, allowed_flags: int = 0) -> None:
+    """Fields only DATA may set must be zero in every other frame (but for the flags the handshake allows)."""
+    if flags & ~allowed_flags or shares or notif:
+        raise ProtocolError(f"tcp {label}: {FRAME_NAMES.get(ftype, ftype)} frame sets flags/shares/notif fields")
+
+
+class Meta(msgspec.Struct, forbid_unknown_fields=True):
+    """What a peer needs to reach this agent; ``instance`` tells a restarted agent from the old one."""
+
+    name: str
+    host: str
+    port: int
+    instance: int
+    regions: dict[int, int]
+    version: int = VERSION
+
+
+def decode_meta(metadata: bytes) -> Meta:
+    """A peer's ``metadata()``, checked: this protocol version, and an address that can be dialled."""
+    try:
+        meta = msgspec.msgpack.decode(metadata, type=Meta)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ChannelError(f"tcp: malformed peer metadata ({exc}); pass the bytes of the peer's metadata() unchanged") from None
+    if meta.version != VERSION:
+        raise ChannelError(f"tcp: peer {meta.name!r} speaks protocol {meta.version}, this agent {VERSION}; upgrade both")
+    if is_wildcard(meta.host):
+        raise ChannelError(f"tcp: peer {meta.name!r} advertises {meta.host!r}, which is no address to dial; it must set advertise_host")
+    return meta
