@@ -20,7 +20,6 @@ turns what it finds into the same events.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import contextlib
 import enum
@@ -29,11 +28,12 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Literal, NamedTuple
 
 import msgspec
 
+from pdkv.channels.grants import Access, Grants, Range
 from pdkv.channels.regions import RegionTable
 from pdkv.errors import ChannelError, ConfigError, PeerUnreachableError, TransferTimeout
 from pdkv.wakeup import Waker
@@ -156,130 +156,6 @@ class NotificationInbox:
 
     def close(self) -> None:
         self._waker.close()
-
-
-Access = Literal["write", "read"]
-Range = tuple[int, int, int]  # (region, offset, length)
-
-
-class Grants:
-    """The target side's capability table: which byte ranges of *guarded* regions each peer may write or read.
-
-    A region registered plainly is open to every peer that reaches the
-    channel (tests, benchmarks, the raw channel). A ``guard``ed one is open only
-    through grants: a ``KVReceiver`` guards its KV buffer and staging area and
-    grants a sender exactly the blocks (or staging slots) of a reservation it
-    opened, for as long as that reservation lasts. Peers are named by the
-    capability *token* each transfer presents (``Channel.write(..., token=)``),
-    which the decode side learned from that sender's authenticated Hello; a
-    claimed agent name proves nothing.
-
-    ``use`` checks one frame's range before a byte of it lands and marks it as
-    landing until done; ``revoke`` removes ranges and then waits out any frame
-    still landing in them (the fence), so once it returns true, nothing of that
-    peer touches them again and they may go to another request.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._guarded: set[int] = set()
-        self._ranges: dict[tuple[bytes, str, int], list[tuple[int, int]]] = {}  # (token, access, region) -> sorted [start, end)
-        self._landing: dict[int, tuple[bytes, int, int, int]] = {}  # ticket -> (token, region, start, end)
-        self._tickets = itertools.count()
-
-    def guard(self, region: int) -> None:
-        with self._cond:
-            self._guarded.add(region)
-
-    def unguard(self, region: int) -> None:
-        with self._cond:
-            self._guarded.discard(region)
-
-    def grant(self, token: bytes, access: Access, ranges: Sequence[Range]) -> None:
-        with self._cond:
-            for region, offset, length in _coalesce(ranges):
-                bisect.insort(self._ranges.setdefault((token, access, region), []), (offset, offset + length))
-
-    def revoke(self, token: bytes, access: Access, ranges: Sequence[Range], timeout: float) -> bool:
-        """Remove the ranges, then wait up to ``timeout`` s for frames of ``token`` landing in them; False if one still is."""
-        spans = _coalesce(ranges)
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            for region, offset, length in spans:
-                held = self._ranges.get((token, access, region))
-                if held is not None:
-                    self._ranges[(token, access, region)] = _subtract(held, offset, offset + length)
-            while any(
-                t == token and r == region and lo < offset + length and offset < hi
-                for t, r, lo, hi in self._landing.values() for region, offset, length in spans
-            ):  # fmt: skip
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-        return True
-
-    def begin(self, token: bytes, access: Access, region: int, offset: int, length: int) -> int | None:
-        """Admit one frame: a ticket while it lands (end it with ``end``), None for an open region; ChannelError if refused."""
-        with self._cond:
-            if region not in self._guarded:
-                return None
-            if not _covers(self._ranges.get((token, access, region), []), offset, offset + length):
-                raise ChannelError(f"no {access} grant for region {region} bytes [{offset}, {offset + length}): not reserved for this peer")
-            ticket = next(self._tickets)
-            self._landing[ticket] = (token, region, offset, offset + length)
-            return ticket
-
-    def end(self, ticket: int | None) -> None:
-        if ticket is None:
-            return
-        with self._cond:
-            del self._landing[ticket]
-            self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def use(self, token: bytes, access: Access, region: int, offset: int, length: int) -> Iterator[None]:
-        ticket = self.begin(token, access, region, offset, length)
-        try:
-            yield
-        finally:
-            self.end(ticket)
-
-
-def _coalesce(ranges: Sequence[Range]) -> list[Range]:
-    """Merge ranges of one region that touch, so a reservation of adjacent blocks is one interval."""
-    out: list[Range] = []
-    for region, offset, length in sorted(ranges):
-        if out and out[-1][0] == region and out[-1][1] + out[-1][2] >= offset:
-            r, o, n = out[-1]
-            out[-1] = (r, o, max(n, offset + length - o))
-        else:
-            out.append((region, offset, length))
-    return out
-
-
-def _covers(intervals: list[tuple[int, int]], start: int, end: int) -> bool:
-    """Whether sorted, disjoint ``intervals`` cover ``[start, end)`` (through touching neighbours)."""
-    i = bisect.bisect_right(intervals, (start, float("inf"))) - 1
-    while i >= 0 and i < len(intervals) and intervals[i][0] <= start < intervals[i][1]:
-        if intervals[i][1] >= end:
-            return True
-        start = intervals[i][1]
-        i += 1
-    return False
-
-
-def _subtract(intervals: list[tuple[int, int]], start: int, end: int) -> list[tuple[int, int]]:
-    out = []
-    for lo, hi in intervals:
-        if hi <= start or end <= lo:
-            out.append((lo, hi))
-            continue
-        if lo < start:
-            out.append((lo, start))
-        if end < hi:
-            out.append((end, hi))
-    return out
 
 
 class ChannelOptions(msgspec.Struct, forbid_unknown_fields=True):

@@ -48,7 +48,7 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
     nonce: Annotated[bytes, Meta(max_length=64)] = b""
     auth: Annotated[bytes, Meta(max_length=64)] = b""
     # The sender's capability token for this receiver: its data connections present it, and the receiver
-    # grants each of its reservations' blocks to that token alone (``pdkv.channels.base.Grants``).
+    # grants each of its reservations' blocks to that token alone (``pdkv.channels.grants.Grants``).
     data_token: Annotated[bytes, Meta(max_length=64)] = b""
     # The KV codecs this side can run for its layout (``pdkv.codec.available_codecs``): a sender configured
     # with one the receiver lacks is refused at the handshake, not at its first request.

@@ -51,7 +51,8 @@ import torch
 from pdkv import native, protocol
 from pdkv.auth import new_nonce, proof, verify, verify_bound
 from pdkv.blocks import BlockAllocator
-from pdkv.channels.base import Channel, Notification, Range
+from pdkv.channels.base import Channel, Notification
+from pdkv.channels.grants import Range
 from pdkv.checksum import checksum
 from pdkv.codec import Codec, available_codecs, make_codec
 from pdkv.codec import slot_bytes as codec_slot_bytes
