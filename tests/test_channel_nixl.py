@@ -100,16 +100,20 @@ class Peer:
         self.proc.join(PIPE_TIMEOUT_S)
 
 
-@pytest.fixture(scope="module")
-def peer() -> Iterator[Peer]:
-    """One long-lived peer process for the round-trip tests; exits cleanly at the end (asserted)."""
-    p = Peer("nixl-test-peer")
+def running_peer(name: str, channel_name: str = "nixl") -> Iterator[Peer]:
+    """A long-lived peer process for a module's round-trip tests; it must exit cleanly at the end (asserted)."""
+    p = Peer(name, channel_name=channel_name)
     try:
         yield p
     finally:
         if p.proc.is_alive():
             code = p.exit()
             assert code == 0, f"peer process exited with {code} after closing its channel"
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[Peer]:
+    yield from running_peer("nixl-test-peer")
 
 
 _made = iter(range(1 << 30))

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from test_channel_nixl import REGION, Peer, channel_factory, pattern  # the shared peer-process harness
+from test_channel_nixl import REGION, Peer, channel_factory, pattern, running_peer  # the shared peer-process harness
 
 from pdkv.channels import Channel, TransferOp, XferState
 from pdkv.errors import ChannelError, TransferTimeout
@@ -24,14 +24,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def peer() -> Iterator[Peer]:
-    """One long-lived ucx peer process; exits cleanly at the end (asserted)."""
-    p = Peer("ucx-test-peer", channel_name="ucx")
-    try:
-        yield p
-    finally:
-        if p.proc.is_alive():
-            code = p.exit()
-            assert code == 0, f"peer process exited with {code} after closing its channel"
+    yield from running_peer("ucx-test-peer", channel_name="ucx")
 
 
 @pytest.fixture
