@@ -75,10 +75,10 @@ from pdkv.receiver import KVReceiver, ReceivedKV
 from pdkv.sender import KVSender, OutgoingTransfer
 from pdkv.web import application, bearer_middleware, error_response, read_json
 from pdkv.worker import openai_api as api
+from pdkv.worker.engine_loop import EngineLoop, Job
 from pdkv.worker.kv_events import TierEvents
 from pdkv.worker.metrics import WorkerMetrics
 from pdkv.worker.push import ChunkPusher
-from pdkv.worker.scheduler import EngineLoop, Job
 from pdkv.worker.tiering import CachedPrefix, Tiering
 
 log = logging.getLogger(__name__)
