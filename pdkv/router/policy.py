@@ -35,8 +35,8 @@ from pdkv.keys import chunk_keys
 from pdkv.router.pool import Role, WorkerState
 
 if TYPE_CHECKING:
-    from pdkv.engine.tokenizer import Tokenizer
     from pdkv.router.kv_aware import KVAwareness
+    from pdkv.tokenizer import Tokenizer
 
 
 @dataclass
@@ -78,7 +78,7 @@ def _token_ids(prompt: Any) -> list[int] | None:
 
 
 def _tokenize(body: dict[str, Any], chat: bool, tokenizer: Tokenizer) -> list[int] | None:
-    """The token ids a worker computes for this body (as pdkv.worker.openai_api does), or None when it has no
+    """The token ids a worker computes for this body (as a pdkv worker's OpenAI parsing does), or None when it has no
     prompt the tokenizer takes (the worker will say what is wrong)."""
     try:
         if chat:

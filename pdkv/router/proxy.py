@@ -57,7 +57,7 @@ from pdkv.router.pool import Role, WorkerPool, WorkerState, describe
 from pdkv.web import error_response, read_json
 
 if TYPE_CHECKING:
-    from pdkv.engine.tokenizer import Tokenizer
+    from pdkv.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

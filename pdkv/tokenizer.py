@@ -22,8 +22,8 @@ import jinja2
 import jinja2.sandbox
 import tokenizers
 
-from pdkv.engine.jsonfile import read_json
 from pdkv.errors import InvalidRequestError, ModelLoadError
+from pdkv.jsonfile import read_json
 
 Message = Mapping[str, Any]
 
