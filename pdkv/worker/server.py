@@ -71,6 +71,8 @@ from pdkv.errors import (
 )
 from pdkv.keys import chunk_keys
 from pdkv.netaddr import is_loopback
+from pdkv.openai_http import add_openai_routes, end_with_error, sse_response
+from pdkv.openai_wire import SSE_DONE, sse
 from pdkv.receiver import KVReceiver, ReceivedKV
 from pdkv.sender import KVSender, OutgoingTransfer
 from pdkv.web import application, bearer_middleware, error_response, read_json
@@ -159,35 +161,25 @@ class Worker:
             "pdkv.auth.control_token(secret)",
         )
         app = application(self.config.http, [control])
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat_completions)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
+        add_openai_routes(app, self)
         app.router.add_get("/pdkv/info", self._info)
         app.router.add_delete("/pdkv/transfers/{transfer_id}", self._cancel_transfer)
         app.router.add_post("/pdkv/kv-events/resync", self._resync_kv_events)
         app.on_cleanup.append(self._on_cleanup)
         return app
 
-    async def _completions(self, http: web.Request) -> web.StreamResponse:
-        return await self._generate(http, chat=False)
-
-    async def _chat_completions(self, http: web.Request) -> web.StreamResponse:
-        return await self._generate(http, chat=True)
-
-    async def _models(self, _: web.Request) -> web.Response:
+    async def models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": self.engine.model_name, "object": "model", "created": 0, "owned_by": "pdkv"}]})
 
-    async def _health(self, _: web.Request) -> web.Response:
+    async def health(self, _: web.Request) -> web.Response:
         stalled = self.loop.stalled_for()
         if stalled > self.config.stall_timeout_s:
             message = f"engine stalled: {self.loop.num_running} requests and no step finished for {stalled:.0f}s (stall_timeout_s {self.config.stall_timeout_s:g})"
             return web.json_response({"status": message, "role": self.role}, status=503)
         return web.json_response({"status": "ok", "role": self.role})
 
-    async def _metrics(self, _: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+    def render_metrics(self) -> bytes:
+        return self.metrics.render()
 
     async def _info(self, _: web.Request) -> web.Response:
         info: dict[str, Any] = {
@@ -223,7 +215,8 @@ class Worker:
         self.receiver.cancel(transfer_id, "cancelled by the router")
         return web.json_response({"cancelled": transfer_id})
 
-    async def _generate(self, http: web.Request, chat: bool) -> web.StreamResponse:
+    async def generate(self, http: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        """A completions (``chat`` false) or chat completions request; ``path`` says the same, so it goes unread."""
         arrived = time.monotonic()
         loop = asyncio.get_running_loop()
         try:
@@ -287,7 +280,7 @@ class Worker:
         Left to aiohttp it is logged as a server error with a traceback, yet it is the client's choice:
         one line is logged, and the handler's ``finally`` stops the job and frees its blocks.
         """
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = sse_response()
         try:
             await resp.prepare(http)
             detok = api.Detokenizer(self.engine.tokenizer)
@@ -302,14 +295,13 @@ class Worker:
                     await resp.write(api.stream_event(req, detok.push(token, final=finish is not None), token, finish, first=count == 1, logprobs=block))
             except PdkvError as exc:  # headers are gone: report in-band, as OpenAI does
                 self.metrics.requests.labels(self.role, "error").inc()
-                await resp.write(api.sse(api.error_body(str(exc), 500)))
-                await resp.write(api.SSE_DONE)
+                await end_with_error(resp, str(exc), 500)
                 return resp
             if plan.kv_params is not None:
-                await resp.write(api.sse({"id": req.request_id, "object": "kv_transfer_params", "kv_transfer_params": plan.kv_params}))
+                await resp.write(sse({"id": req.request_id, "object": "kv_transfer_params", "kv_transfer_params": plan.kv_params}))
             if req.include_usage:
                 await resp.write(api.usage_event(req, count))
-            await resp.write(api.SSE_DONE)
+            await resp.write(SSE_DONE)
             await resp.write_eof()
         except ConnectionResetError:
             log.info("request %s: the client disconnected mid-stream; stopping it", req.request_id)
