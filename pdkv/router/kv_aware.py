@@ -4,7 +4,7 @@ Which streams: ``router.kv_events`` names them for workers that do not
 advertise one (vLLM servers started with ``--kv-events-config``: the
 router cannot ask vLLM where it publishes); with ``kv_events_discover``
 (the default) every prefill worker whose ``/pdkv/info`` has a
-``kv_events`` entry (pdkv workers with ``kv_events.enable_kv_cache_events``,
+``kv_events`` entry (pdkv's own workers with ``kv_events.enable_kv_cache_events``,
 vLLM servers launched by ``pdkv launch --engine vllm`` with it) is
 subscribed to as well. An advertised wildcard or loopback host is replaced
 by the host of the worker's URL, so a worker bound to ``0.0.0.0`` is

@@ -78,7 +78,7 @@ def _token_ids(prompt: Any) -> list[int] | None:
 
 
 def _tokenize(body: dict[str, Any], chat: bool, tokenizer: Tokenizer) -> list[int] | None:
-    """The token ids a worker computes for this body (as a pdkv worker's OpenAI parsing does), or None when it has no
+    """The token ids a worker computes for this body (as the workers' OpenAI parsing does), or None when it has no
     prompt the tokenizer takes (the worker will say what is wrong)."""
     try:
         if chat:
