@@ -1,8 +1,7 @@
 """The OpenAI wire shapes every HTTP role shares: SSE framing and the error body.
 
-They live apart from ``pdkv.worker.openai_api`` (which re-exports them)
-because that module needs the engine, and so torch: the router speaks the
-same shapes and starts in half a second with a tenth of the memory.
+They live apart from ``pdkv.worker.openai_api`` because that module needs
+the engine: the router speaks the same shapes and never imports the engine.
 """
 
 from __future__ import annotations

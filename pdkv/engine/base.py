@@ -29,9 +29,9 @@ import torch
 from pdkv.blocks import BlockAllocator
 from pdkv.engine import sampling
 from pdkv.engine.sampling import SamplingParams
-from pdkv.engine.tokenizer import Tokenizer
 from pdkv.errors import EngineError, InvalidRequestError
 from pdkv.layout import KVLayout
+from pdkv.tokenizer import Tokenizer
 
 FinishReason = Literal["stop", "length"]
 _ids = itertools.count()

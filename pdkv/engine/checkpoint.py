@@ -13,7 +13,7 @@ import torch
 import xxhash
 
 from pdkv.engine.config import ModelConfig
-from pdkv.engine.tokenizer import Tokenizer
+from pdkv.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass

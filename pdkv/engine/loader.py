@@ -6,10 +6,11 @@ import os
 from pathlib import Path
 
 from pdkv.engine.checkpoint import Checkpoint
-from pdkv.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from pdkv.engine.default_model import ensure_default_model
 from pdkv.engine.loader_gguf import load_gguf
 from pdkv.engine.loader_hf import load_hf_dir
 from pdkv.errors import ModelLoadError
+from pdkv.model_files import DEFAULT_MODEL_NAME
 
 
 def resolve_model(model: str | os.PathLike[str] = "default", progress: bool = True) -> Path:

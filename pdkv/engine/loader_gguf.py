@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import torch
 from gguf import quants
@@ -23,8 +22,8 @@ from tqdm import tqdm
 
 from pdkv.engine.checkpoint import Checkpoint
 from pdkv.engine.config import ModelConfig
-from pdkv.engine.gguf_tokenizer import tokenizer_from_gguf
 from pdkv.errors import ModelLoadError
+from pdkv.gguf_tokenizer import open_gguf, tokenizer_from_gguf
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 _LAYER_NAMES = {
@@ -44,11 +43,7 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 def load_gguf(path: Path, name: str | None = None, progress: bool = True) -> Checkpoint:
     """Read metadata, tokenizer and dequantized tensors from a GGUF file."""
     path = Path(path)
-    try:
-        reader = gguf.GGUFReader(path)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
-    meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    reader, meta = open_gguf(path)
     tensor_names = {t.name for t in reader.tensors}
     config = config_from_gguf(meta, tensor_names, path)
     tensors: dict[str, torch.Tensor] = {}

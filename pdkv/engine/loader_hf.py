@@ -17,9 +17,9 @@ import torch
 
 from pdkv.engine.checkpoint import Checkpoint
 from pdkv.engine.config import ModelConfig
-from pdkv.engine.jsonfile import read_json
-from pdkv.engine.tokenizer import Tokenizer
 from pdkv.errors import ModelLoadError
+from pdkv.jsonfile import read_json
+from pdkv.tokenizer import Tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
 

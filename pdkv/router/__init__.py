@@ -10,7 +10,7 @@ answer as it comes.
 * ``proxy``: one request's flow, retries and failure handling;
 * ``pool``: registered workers, health checks, the router's load on each;
 * ``policy``: which worker (round-robin, least-loaded, prefix-aware);
-* ``modes``: the ``kv_transfer_params`` of each hop, for pdkv workers and
+* ``modes``: the ``kv_transfer_params`` of each hop, for pdkv's own workers and
   for vLLM pairs running vLLM's NixlConnector;
 * ``metrics``: Prometheus.
 

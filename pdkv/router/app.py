@@ -32,6 +32,7 @@ from aiohttp import web
 from pdkv.auth import control_token
 from pdkv.config import WORKER_URL_PATTERN, HttpConfig, RouterConfig
 from pdkv.errors import ConfigError, RequestError
+from pdkv.openai_http import add_openai_routes
 from pdkv.router.kv_aware import KVAwareness, KVCollector, load_tokenizer
 from pdkv.router.metrics import RouterMetrics
 from pdkv.router.modes import make_mode
@@ -41,7 +42,7 @@ from pdkv.router.proxy import Proxy
 from pdkv.web import application, bearer_middleware, error_response, read_json
 
 if TYPE_CHECKING:
-    from pdkv.engine.tokenizer import Tokenizer
+    from pdkv.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,10 @@ class Router:
         # No connection cap: each worker admits or refuses (503) work itself, and a
         # client-side cap would queue requests where no timeout or metric sees them.
         if config.kv_events and not config.tokenizer:
-            raise ConfigError("router.kv_events names event streams but router.tokenizer is not set: the KV-aware prefix policy matches token ids; set it to 'default' or the model's Hugging Face directory")
+            raise ConfigError(
+                "router.kv_events names event streams but router.tokenizer is not set: the KV-aware prefix policy matches token ids; "
+                "set it to 'default' or the model's Hugging Face directory"
+            )
         tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer)
         router = cls(config, aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)), http, secret)
         router.tokenizer = router.proxy.tokenizer = tokenizer
@@ -112,11 +116,7 @@ class Router:
     def app(self) -> web.Application:
         hint = "router.admin_token" if self.config.admin_token else "pdkv.auth.control_token(secret)"
         app = application(self.http, [bearer_middleware(self.admin_token, lambda http: http.path.startswith("/pdkv/"), hint)])
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat_completions)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/metrics", self._metrics)
+        add_openai_routes(app, self)
         app.router.add_get("/pdkv/workers", self._list_workers)
         app.router.add_post("/pdkv/workers", self._add_worker)
         app.router.add_delete("/pdkv/workers", self._remove_worker)
@@ -124,22 +124,19 @@ class Router:
         app.router.add_post("/pdkv/kv-index", self._kv_match)
         return app
 
-    async def _completions(self, http: web.Request) -> web.StreamResponse:
-        return await self.proxy.generate(http, "/v1/completions", chat=False)
+    async def generate(self, http: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        return await self.proxy.generate(http, path, chat)
 
-    async def _chat_completions(self, http: web.Request) -> web.StreamResponse:
-        return await self.proxy.generate(http, "/v1/chat/completions", chat=True)
-
-    async def _models(self, _: web.Request) -> web.Response:
+    async def models(self, _: web.Request) -> web.Response:
         return await self.proxy.models()
 
-    async def _health(self, _: web.Request) -> web.Response:
+    async def health(self, _: web.Request) -> web.Response:
         counts = {role: {"healthy": len(self.pool.candidates(role)), "registered": len(self.pool.workers(role))} for role in ROLES}
         ok = counts["decode"]["healthy"] > 0
         return web.json_response({"status": "ok" if ok else "no healthy decode worker", "role": "router", **counts}, status=200 if ok else 503)
 
-    async def _metrics(self, _: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+    def render_metrics(self) -> bytes:
+        return self.metrics.render()
 
     # -- admin ----------------------------------------------------------------------------
     async def _list_workers(self, _: web.Request) -> web.Response:

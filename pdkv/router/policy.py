@@ -35,8 +35,8 @@ from pdkv.keys import chunk_keys
 from pdkv.router.pool import Role, WorkerState
 
 if TYPE_CHECKING:
-    from pdkv.engine.tokenizer import Tokenizer
     from pdkv.router.kv_aware import KVAwareness
+    from pdkv.tokenizer import Tokenizer
 
 
 @dataclass
@@ -78,7 +78,7 @@ def _token_ids(prompt: Any) -> list[int] | None:
 
 
 def _tokenize(body: dict[str, Any], chat: bool, tokenizer: Tokenizer) -> list[int] | None:
-    """The token ids a worker computes for this body (as pdkv.worker.openai_api does), or None when it has no
+    """The token ids a worker computes for this body (as the workers' OpenAI parsing does), or None when it has no
     prompt the tokenizer takes (the worker will say what is wrong)."""
     try:
         if chat:
@@ -128,7 +128,7 @@ class Policy(abc.ABC):
     @abc.abstractmethod
     def choose(self, role: Role, candidates: Sequence[WorkerState], prompt: Prompt) -> tuple[WorkerState, str]: ...
 
-    def served(self, worker: WorkerState, prompt: Prompt) -> None:
+    def served(self, worker: WorkerState, prompt: Prompt) -> None:  # noqa: B027 - optional: only policies that learn from a success override it
         """A prefill of ``prompt`` succeeded on ``worker``."""
 
 

@@ -48,7 +48,7 @@ from aiohttp import web
 
 from pdkv.config import HttpConfig, RouterConfig
 from pdkv.errors import UpstreamError, UpstreamRejected
-from pdkv.openai_wire import SSE_DONE, error_body, sse
+from pdkv.openai_http import end_with_error, sse_response
 from pdkv.router.disaggregation import DecodeCosts, WayCost, decide
 from pdkv.router.metrics import ROLE, RouterMetrics
 from pdkv.router.modes import PairMode, decode_body, prefill_body
@@ -57,7 +57,7 @@ from pdkv.router.pool import Role, WorkerPool, WorkerState, describe
 from pdkv.web import error_response, read_json
 
 if TYPE_CHECKING:
-    from pdkv.engine.tokenizer import Tokenizer
+    from pdkv.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -145,12 +145,9 @@ class Proxy:
         last: UpstreamError | None = None
         try:
             for _ in range(self.config.max_retries + 1):
-                decode = self._pick("decode", call.prompt, tried)
+                decode = self._next_try("decode", call.prompt, tried, last)
                 if decode is None:
                     break
-                if last is not None:
-                    self.metrics.retries.labels("decode", last.reason).inc()
-                tried.append(decode)
                 try:
                     return await self._pair(call, decode, failures)
                 except UpstreamError as exc:
@@ -197,12 +194,9 @@ class Proxy:
         tried: list[WorkerState] = []
         last: UpstreamError | None = None
         for _ in range(self.config.max_retries + 1):
-            prefill = self._pick("prefill", call.prompt, tried)
+            prefill = self._next_try("prefill", call.prompt, tried, last)
             if prefill is None:
                 break
-            if last is not None:
-                self.metrics.retries.labels("prefill", last.reason).inc()
-            tried.append(prefill)
             transfer_id = f"{call.request_id}-{next(self._transfer_ids)}"
             params = await self.mode.prefill_params(self.pool, decode, transfer_id)  # an UpstreamError here is the decode worker's
             if codec:
@@ -273,7 +267,7 @@ class Proxy:
             first = await self._next_event(decode, events, abandon=True)
             if first is None:
                 raise UpstreamError(f"decode worker {decode.url} ended its stream before the first event", "empty_stream")
-            out = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            out = sse_response()
             try:
                 await out.prepare(call.http)
                 await out.write(first)
@@ -290,8 +284,7 @@ class Proxy:
                 except UpstreamError as exc:  # the client has bytes already: say it in-band, as the workers do
                     self._failed(call, decode, exc, [])
                     call.outcome = "broken"
-                    await out.write(sse(error_body(f"the decode worker failed mid-answer: {exc}", 502)))
-                    await out.write(SSE_DONE)
+                    await end_with_error(out, f"the decode worker failed mid-answer: {exc}", 502)
                 await out.write_eof()
             except ConnectionResetError:
                 call.outcome = "cancelled"
@@ -319,6 +312,17 @@ class Proxy:
             return None
         worker, reason = self.policy.choose(role, candidates, prompt)
         self.metrics.decisions.labels(self.policy.name, role, reason).inc()
+        return worker
+
+    def _next_try(self, role: Role, prompt: Prompt, tried: list[WorkerState], last: UpstreamError | None) -> WorkerState | None:
+        """The next worker of ``role`` to try for a hop (None: none is left), added to ``tried``; a retry is
+        counted under the failure (``last``) that caused it."""
+        worker = self._pick(role, prompt, tried)
+        if worker is None:
+            return None
+        if last is not None:
+            self.metrics.retries.labels(role, last.reason).inc()
+        tried.append(worker)
         return worker
 
     def _failed(self, call: _Call, worker: WorkerState, exc: UpstreamError, failures: list[str]) -> None:

@@ -97,7 +97,10 @@ class TierEvents:
             log.warning("kv_events: enabled, but the cache tier is off (tier.enabled: false): there are no blocks to announce")
         publisher = KVEventPublisher(config, bind_host=host)
         if any(e.startswith("tcp://") and not e.startswith(("tcp://127.", "tcp://[::1]", "tcp://localhost")) for e in (publisher.endpoint, publisher.replay_endpoint or "")):
-            log.warning("kv_events: publishing on %s (replay %s) with no authentication (vLLM's protocol has none), and the events carry prompt token ids: keep it on a private network", publisher.endpoint, publisher.replay_endpoint)
+            log.warning(
+                "kv_events: publishing on %s (replay %s) with no authentication (vLLM's protocol has none), and the events carry prompt token ids: keep it on a private network",
+                publisher.endpoint, publisher.replay_endpoint,
+            )
         return cls(publisher, tier, chunk_size)
 
     def note(self, keys: Sequence[bytes], tokens: Sequence[int]) -> None:

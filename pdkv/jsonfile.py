@@ -1,4 +1,8 @@
-"""Read the small JSON files that sit next to model weights, with errors that name the file."""
+"""Read the small JSON files that sit next to model weights, with errors that name the file.
+
+Outside the engine: the tokenizer (``pdkv.tokenizer``) reads
+``tokenizer_config.json`` too, and the router loads tokenizers without torch.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,159 @@
+"""The decode role: adopt the KV a prefill worker pushed, or compute the prompt here when it did not come.
+
+``{"do_remote_prefill": true, "transfer_id", "first_token_id"}``: wait for
+the landed KV, adopt its blocks and decode from P's first token. The KV is
+adopted only if P computed it for this very prompt: P's Reserve carries the
+prompt's chained key and D compares it with the key of the prompt it was
+asked to decode (nothing the client sends decides it). If the transfer
+failed, timed out, was never started or was computed for another prompt,
+compute the prompt locally (``pdkv_fallbacks``): a request is never lost to a
+transfer fault, only slower.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from pdkv.channels.base import Channel
+from pdkv.checksum import layer_digests
+from pdkv.config import PdkvConfig
+from pdkv.engine.base import EngineAdapter, Request
+from pdkv.engine.sampling import MIN_LOGPROB, TokenLogprobs
+from pdkv.errors import InvalidRequestError, NotAnnouncedError, PdkvError, PromptMismatchError, TransferError, TransferTimeout
+from pdkv.receiver import KVReceiver, ReceivedKV
+from pdkv.worker.metrics import WorkerMetrics
+from pdkv.worker.openai_api import MAX_LOGPROBS, GenerationRequest
+from pdkv.worker.role import Plan, WorkerRole
+from pdkv.worker.tiering import Tiering
+
+log = logging.getLogger(__name__)
+
+
+class DecodeRole(WorkerRole):
+    """A decode worker's receiver and the planning of requests whose KV a prefill worker sends."""
+
+    name = "decode"
+
+    def __init__(self, config: PdkvConfig, engine: EngineAdapter, channel: Channel, tiering: Tiering, metrics: WorkerMetrics, advertise_host: str) -> None:
+        super().__init__(config, engine, channel, tiering, metrics)
+        self.receiver: KVReceiver = KVReceiver(
+            channel, engine.layout, engine.kv_buffer, engine.allocator, engine.fingerprint, config.transfer,
+            host=config.host, port=config.control_port, secret=config.secret, advertise_host=advertise_host,
+        )
+
+    def wants_transfer(self, kv: dict[str, Any]) -> bool:
+        return bool(kv.get("do_remote_prefill"))
+
+    def stats(self) -> Mapping[str, int]:
+        return self.receiver.stats()
+
+    def info(self) -> dict[str, Any]:
+        host, port = self.receiver.address.removeprefix("tcp://").rsplit(":", 1)
+        return {"receiver_address": self.receiver.address, "remote_host": host, "remote_port": int(port)}
+
+    def cancel_transfer(self, transfer_id: str) -> None:
+        self.receiver.cancel(transfer_id, "cancelled by the router")
+
+    async def plan_transfer(self, req: GenerationRequest) -> Plan:
+        kv = req.kv_transfer_params
+        first = kv.get("first_token_id")
+        if first is not None and (not isinstance(first, int) or isinstance(first, bool) or not 0 <= first < self.engine.vocab_size):
+            raise InvalidRequestError(f"kv_transfer_params.first_token_id must be a token id in [0, {self.engine.vocab_size}), got {first!r}", param="kv_transfer_params")
+        first_logprobs = self._first_logprobs(kv.get("first_token_logprobs"), req.logprobs)
+        transfer_id = kv.get("transfer_id")
+        reason = None
+        request = None
+        if not isinstance(transfer_id, str) or not transfer_id:
+            reason = "no_transfer_id"
+        elif not kv.get("transfer_started", True):
+            reason = "not_started"
+        else:
+            got, reason = await self._claim(transfer_id, self.prompt_key(req.prompt_token_ids))
+            if got is not None:
+                request = self._adopt(req, got)
+                reason = None if request is not None else "adopt_failed"
+        kv_params = None
+        if request is not None and kv.get("return_kv_digest"):
+            kv_params = {"kv_digest": layer_digests(self.engine.layout, self.engine.kv_buffer, request.block_table, request.num_computed)}
+        on_chunk = None
+        if request is None:
+            log.warning("request %s: computing the prompt locally (%s)", req.request_id, reason)
+            self.metrics.fallbacks.labels(self.name, reason or "unknown").inc()
+            request, cached = await self.new_request(req, req.sampling)
+            on_chunk = self.tiering.offer(cached, None)
+            if reason == "prompt_mismatch":
+                first = None  # P's first token belongs to the prompt it prefilled, not to this one
+        else:
+            self.metrics.prompt_tokens.labels(self.name, "transferred").inc(len(req.prompt_token_ids))
+        return Plan(request, first_token=first, first_logprobs=first_logprobs, on_chunk=on_chunk, kv_params=kv_params)
+
+    def _first_logprobs(self, given: Any, wanted: int | None) -> TokenLogprobs | None:
+        """P's log-probabilities of the first token (``kv_transfer_params.first_token_logprobs``), checked."""
+        if wanted is None or given is None:
+            return None
+        vocab = self.engine.vocab_size
+
+        def logprob(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and MIN_LOGPROB <= v <= 0
+
+        top = given.get("top") if isinstance(given, dict) else None
+        if not (
+            isinstance(top, list) and len(top) <= MAX_LOGPROBS and logprob(given.get("logprob"))
+            and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and 0 <= p[0] < vocab and logprob(p[1]) for p in top)
+        ):
+            raise InvalidRequestError(f"kv_transfer_params.first_token_logprobs must be {{logprob, top: [[token id, logprob], ...]}}, got {given!r}", param="kv_transfer_params")
+        return TokenLogprobs(float(given["logprob"]), tuple((int(t), float(v)) for t, v in top[:wanted]))
+
+    async def _claim(self, transfer_id: str, prompt_key: bytes) -> tuple[ReceivedKV | None, str | None]:
+        """Wait for the landed KV of this prompt off the event loop; a cancelled wait leaks no blocks."""
+        receiver, allocator = self.receiver, self.engine.allocator
+        lock = threading.Lock()
+        state: dict[str, Any] = {"abandoned": False, "got": None}
+
+        def wait() -> ReceivedKV:
+            got = receiver.wait(transfer_id, self.config.transfer.transfer_timeout_s, prompt_key)
+            with lock:
+                if state["abandoned"]:
+                    allocator.free(got.blocks)
+                else:
+                    state["got"] = got
+            return got
+
+        try:
+            got = await asyncio.to_thread(wait)
+        except PromptMismatchError:
+            return None, "prompt_mismatch"
+        except NotAnnouncedError:
+            return None, "not_announced"
+        except TransferTimeout:
+            return None, "timeout"
+        except TransferError:
+            return None, "transfer_failed"
+        except asyncio.CancelledError:
+            receiver.cancel(transfer_id, "the decode request was cancelled")
+            with lock:
+                state["abandoned"] = True
+                if state["got"] is not None:
+                    allocator.free(state["got"].blocks)
+            raise
+        return got, None
+
+    def _adopt(self, req: GenerationRequest, got: ReceivedKV) -> Request | None:
+        """Turn landed blocks into an engine request whose prompt KV is present."""
+        if got.num_tokens != len(req.prompt_token_ids):
+            self.engine.allocator.free(got.blocks)
+            return None
+        try:
+            request = self.engine.adopt_request(req.prompt_token_ids, req.sampling, got.blocks, req.request_id)
+        except PdkvError:
+            self.engine.allocator.free(got.blocks)
+            raise
+        self.engine.mark_computed(request, got.num_tokens)
+        return request
+
+    def close(self) -> None:
+        self.receiver.close()
