@@ -41,13 +41,11 @@ class TcpChannel(Channel):
             raise ConfigError(f"tcp channel needs TcpOptions, got {type(opts).__name__}")
         if len(agent_name.encode()) > MAX_NAME_BYTES:
             raise ConfigError(f"tcp channel agent name {agent_name!r}: expected at most {MAX_NAME_BYTES} UTF-8 bytes")
-        self._opts = opts
-        self._instance = secrets.randbits(63)
         self._lock = threading.Lock()
         self.closed = False
-        agent = Agent(agent_name, opts, opts.secret.encode(), self._instance, self.count)
-        self.initiator = Initiator(agent, self.regions)
-        self.target = Target(agent, self.regions, self.grants, self.inbox)
+        self.agent = Agent(agent_name, opts, opts.secret.encode(), secrets.randbits(63), self.count)
+        self.initiator = Initiator(self.agent, self.regions)
+        self.target = Target(self.agent, self.regions, self.grants, self.inbox)
         self.port: int = self.target.port
 
     # -- memory ----------------------------------------------------------------
@@ -61,9 +59,9 @@ class TcpChannel(Channel):
         self.regions.remove(region)
 
     def metadata(self) -> bytes:
-        host = self._opts.advertise_host or self._opts.host
-        port = self._opts.advertise_port or self.port
-        return msgspec.msgpack.encode(Meta(self.agent_name, host, port, self._instance, self.regions.sizes()))
+        host = self.agent.opts.advertise_host or self.agent.opts.host
+        port = self.agent.opts.advertise_port or self.port
+        return msgspec.msgpack.encode(Meta(self.agent_name, host, port, self.agent.instance, self.regions.sizes()))
 
     # -- peers -------------------------------------------------------------------
     def add_peer(self, metadata: bytes) -> str:
@@ -96,8 +94,8 @@ class TcpChannel(Channel):
         if self.closed:
             raise ChannelError("tcp channel is closed")
         total = self.regions.check_ops(peer, ops)
-        if notif is not None and len(notif) > self._opts.max_notif_bytes:
-            raise ChannelError(f"tcp: notification of {len(notif)} bytes exceeds max_notif_bytes={self._opts.max_notif_bytes}")
+        if notif is not None and len(notif) > self.agent.opts.max_notif_bytes:
+            raise ChannelError(f"tcp: notification of {len(notif)} bytes exceeds max_notif_bytes={self.agent.opts.max_notif_bytes}")
         return self.initiator.post(kind, peer, ops, total, notif, token)
 
     def poll(self, handle: TransferHandle) -> XferState:
