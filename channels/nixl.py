@@ -90,7 +90,7 @@ import numpy as np
 import torch
 
 from pdkv.channels.base import Channel, ChannelOptions, Notification, TransferHandle, TransferOp, XferState, merge_ops
-from pdkv.channels.ucx_env import UCX_ENV_DEFAULTS, apply_env_defaults, close_at_exit, forget_at_exit, ucx_follow_host
+from pdkv.channels.ucx_env import UCX_ENV_DEFAULTS, OpenChannels, apply_env_defaults, ucx_follow_host
 from pdkv.errors import ChannelError
 from pdkv.memory import byte_view
 
@@ -100,6 +100,8 @@ apply_env_defaults(NIXL_ENV_DEFAULTS)
 # UCX reads the environment set above when it loads, hence these late imports.
 import nixl._bindings as nixl_bindings  # noqa: E402
 from nixl._api import nixl_agent, nixl_agent_config, nixl_prepped_dlist_handle, nixl_xfer_handle  # noqa: E402
+
+_OPEN = OpenChannels()  # after the library's import: see OpenChannels
 
 log = logging.getLogger(__name__)
 
@@ -265,7 +267,7 @@ class NixlChannel(Channel):
         self._activity = threading.Event()  # set by a post: the watcher polls at its fastest again
         self._watcher = threading.Thread(target=self._watch, name=f"nixl-{agent_name}-watch", daemon=True)
         self._watcher.start()
-        close_at_exit(self)
+        _OPEN.add(self)
 
     # -- memory ------------------------------------------------------------
     def register(self, buf: Any) -> int:
@@ -571,5 +573,5 @@ class NixlChannel(Channel):
         self._activity.set()
         if self._watcher is not threading.current_thread():
             self._watcher.join(timeout=5.0)
-        forget_at_exit(self)
+        _OPEN.discard(self)
         super().close()

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from pdkv.channels.base import Channel, ChannelOptions, TransferHandle, TransferOp, merge_ops
-from pdkv.channels.ucx_env import UCX_ENV_DEFAULTS, apply_env_defaults, close_at_exit, forget_at_exit, ucx_follow_host
+from pdkv.channels.ucx_env import UCX_ENV_DEFAULTS, OpenChannels, apply_env_defaults, ucx_follow_host
 from pdkv.errors import ChannelError
 from pdkv.memory import byte_view
 
@@ -65,6 +65,8 @@ apply_env_defaults(UCX_CHANNEL_ENV_DEFAULTS)
 # UCX reads the environment set above when it loads, hence these late imports.
 import ucxx._lib.libucxx as ucx_api  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
+
+_OPEN = OpenChannels()  # after the library's import: see OpenChannels
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +204,7 @@ class UcxChannel(Channel):
         self._stop = threading.Event()
         self._service = threading.Thread(target=self._serve, name=f"ucx-{agent_name}", daemon=True)
         self._service.start()
-        close_at_exit(self)
+        _OPEN.add(self)
 
     # -- memory ------------------------------------------------------------
     def register(self, buf: Any) -> int:
@@ -464,5 +466,5 @@ class UcxChannel(Channel):
             self._incoming.clear()
             self.regions.clear()
         self._worker.stop_progress_thread()
-        forget_at_exit(self)
+        _OPEN.discard(self)
         super().close()

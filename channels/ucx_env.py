@@ -5,7 +5,7 @@ context, and tears itself down with the interpreter. So both channels set
 pdkv's defaults before they import their library (``apply_env_defaults``; a
 user's own value always wins), point UCX at the interface of their ``host``
 before they create a context (``ucx_follow_host``), and close channels left
-open at exit while UCX is still whole (``close_at_exit``). The raw UCX
+open at exit while UCX is still whole (``OpenChannels``). The raw UCX
 baseline (``pdkv.bench.ucx_raw``) uses the same functions, so both sides of
 that comparison run the same settings.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import threading
 import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -89,31 +88,26 @@ def ucx_follow_host(host: str) -> None:
     _record_default(var, device)
 
 
-_OPEN: weakref.WeakSet[Channel] = weakref.WeakSet()
-_AT_EXIT_LOCK = threading.Lock()
-_at_exit_registered = False
+class OpenChannels:
+    """The channels of one library still open, closed at interpreter exit while that library is still whole.
 
-
-def close_at_exit(channel: Channel) -> None:
-    """Have ``channel`` closed at interpreter exit if it is still open then (``forget_at_exit`` once it closed).
-
-    The exit hook is registered with the first channel, after its library
-    loaded, so it runs before the library's own exit handlers: channels close
-    while UCX (and NIXL) are still whole, not in module teardown order.
+    Make one at module level right after the library is imported: its exit
+    hook is registered then, after the library's own, so it runs before them
+    (``atexit`` runs last-registered first) whichever of nixl and ucx a process
+    loaded first.
     """
-    global _at_exit_registered
-    with _AT_EXIT_LOCK:
-        if not _at_exit_registered:
-            atexit.register(_close_open_channels)
-            _at_exit_registered = True
-        _OPEN.add(channel)
 
+    def __init__(self) -> None:
+        self._open: weakref.WeakSet[Channel] = weakref.WeakSet()
+        atexit.register(self.close_all)
 
-def forget_at_exit(channel: Channel) -> None:
-    _OPEN.discard(channel)
+    def add(self, channel: Channel) -> None:
+        self._open.add(channel)
 
+    def discard(self, channel: Channel) -> None:
+        self._open.discard(channel)
 
-def _close_open_channels() -> None:
-    """Close channels left open, stopping their service and progress threads before the interpreter tears down."""
-    for channel in list(_OPEN):
-        channel.close()
+    def close_all(self) -> None:
+        """Close channels left open, stopping their service and progress threads before the interpreter tears down."""
+        for channel in list(self._open):
+            channel.close()
