@@ -93,7 +93,7 @@ def _digest(layout: KVLayout, kv: list[torch.Tensor], blocks: list[int], tokens:
 
 def _receiver_side(conn: Connection, channel_name: str, layout: KVLayout, num_blocks: int, config: TransferConfig, host: str) -> None:
     """The decode side on ``host``: a KVReceiver that claims each announced request, digests its KV and frees its blocks."""
-    from pdkv.receiver import KVReceiver
+    from pdkv.transfer.receiver import KVReceiver
 
     torch.set_num_threads(ONE_THREAD)
     try:
@@ -144,7 +144,7 @@ class TransferRig:
         sender_layout: KVLayout = SENDER_LAYOUT,
         placement: Placement = LOOPBACK,
     ) -> None:
-        from pdkv.sender import KVSender
+        from pdkv.transfer.sender import KVSender
 
         self.layout = sender_layout
         args = (channel, receiver_layout, receiver_blocks, config, placement.receiver_addr)
