@@ -229,7 +229,7 @@ class KVReceiver:
         self.target = _Target(
             layout, kv, [byte_view(t) for t in kv], num_blocks, staging, byte_view(staging), slot_bytes, self.config.chunk_size, self.kv_regions, self.staging_region, codecs
         )
-        native.available()  # build or load csrc/ now, not inside the first transfer
+        native.available()  # load the kernel library now, not inside the first transfer
         self._free_slots = list(range(self.config.staging_slots))
 
         self._peers: dict[bytes, _Peer] = {}
