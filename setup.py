@@ -61,6 +61,14 @@ class BuildKernels(build_ext):
             self.extensions = [e for e in self.extensions if not isinstance(e, CudaLibrary)]
         self.nvcc = nvcc
 
+    def build_extensions(self) -> None:
+        # Python's own CFLAGS (sysconfig) bring -fwrapv, which defines signed overflow and so keeps GCC from
+        # vectorizing loops over int64 indices, and -g; the kernels want neither.
+        for attr in ("compiler_so", "compiler_so_cxx", "linker_so", "linker_so_cxx"):  # the _cxx ones: setuptools >= 72
+            if hasattr(self.compiler, attr):
+                setattr(self.compiler, attr, [flag for flag in getattr(self.compiler, attr) if flag not in ("-fwrapv", "-g")])
+        super().build_extensions()
+
     def get_ext_filename(self, fullname: str) -> str:
         return os.path.join(*fullname.split(".")) + ".so"
 

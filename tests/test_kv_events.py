@@ -27,7 +27,7 @@ from pdkv.keys import chunk_keys
 from pdkv.kv_events.index import PrefixIndex, chain_hashes
 from pdkv.kv_events.publisher import KVEventPublisher
 from pdkv.kv_events.subscriber import EventStream, cancel
-from pdkv.kv_events.wire import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch, encode_seq
+from pdkv.kv_events.wire import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch, encode_seq, external_hash
 from pdkv.testing.redis import LocalRedis
 from pdkv.worker.server import Worker
 
@@ -216,10 +216,10 @@ PROMPT = [(i * 37) % 300 + 3 for i in range(100)]  # 3 full chunks + 4 tokens
 OTHER = [(i * 11) % 290 + 5 for i in range(70)]  # 2 full chunks
 
 
-def events_worker(model_dir: Path, **tier: Any) -> Worker:
+def events_worker(model_dir: Path, kv_events: dict[str, Any] | None = None, **tier: Any) -> Worker:
     config = convert_config({
         "role": "prefill", "num_blocks": 128, "transfer": {"chunk_size": CHUNK}, "tier": tier,
-        "kv_events": {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0", "topic": "pdkv"},
+        "kv_events": {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0", "topic": "pdkv", **(kv_events or {})},
     })
     return Worker(config, ReferenceEngine.load(str(model_dir), progress=False))
 
@@ -253,12 +253,17 @@ def completion(prompt: list[int]) -> dict[str, Any]:
     return {"prompt": prompt, "max_tokens": 1, "temperature": 0}
 
 
-def test_a_worker_announces_its_tier_chunks_as_blocks_and_their_eviction(model_dir: Path, follow: Callable[..., Any], tmp_path: Path) -> None:
+@pytest.mark.parametrize("use_int", [None, False], ids=["int hashes (default)", "bytes hashes"])
+def test_a_worker_announces_its_tier_chunks_as_blocks_and_their_eviction(model_dir: Path, follow: Callable[..., Any], tmp_path: Path, use_int: bool | None) -> None:
+    """Either hash form (vLLM's default integers, or the keys' bytes) indexes the same: pdkv's index keys blocks by their tokens."""
     engine_fp = ReferenceEngine.load(str(model_dir), progress=False).fingerprint
     chunk_bytes = 2 * 2 * CHUNK * 2 * 16 * 4  # layers, k/v, tokens, kv heads, head dim, float32
 
+    def wire(keys: list[bytes]) -> set[int | bytes]:
+        return {external_hash(k, use_int is not False) for k in keys}
+
     async def scenario() -> None:
-        w = events_worker(model_dir, memory_bytes=4 * chunk_bytes, disk_path=str(tmp_path / "disk"))
+        w = events_worker(model_dir, {"use_int_block_hashes": use_int}, memory_bytes=4 * chunk_bytes, disk_path=str(tmp_path / "disk"))
         runner, url = await serve(w)
         try:
             async with follow(url) as (index, stream, info), aiohttp.ClientSession() as s:
@@ -267,7 +272,8 @@ def test_a_worker_announces_its_tier_chunks_as_blocks_and_their_eviction(model_d
                 # memory (CPU) at once, disk (STORAGE) behind: 3 full chunks, keyed by pdkv's chunk keys
                 await until(lambda: index.match(PROMPT, ["w"])["w"] == 96, "PROMPT's 3 full chunks")
                 held = index.workers["w"].ext
-                assert set(held) == set(chunk_keys(PROMPT, engine_fp, CHUNK)[:3])
+                assert set(held) == wire(chunk_keys(PROMPT, engine_fp, CHUNK)[:3])
+                assert all(isinstance(e, int) and 0 <= e < 2**64 for e in held) if use_int is None else all(isinstance(e, bytes) and len(e) == 16 for e in held)
                 await until(lambda: all(e.media == 3 for e in held.values()), "both levels to hold them")
                 # OTHER's 2 chunks push 1 of PROMPT's out of the 4-chunk memory level: still on disk
                 assert (await s.post(url + "/v1/completions", json=completion(OTHER))).status == 200
