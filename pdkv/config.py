@@ -87,9 +87,9 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
     # pdkv only (vLLM reads its environment): integer block hashes (the low 64 bits, what Dynamo decodes) or
     # the 16-byte chunk keys. None: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES decides, as in vLLM (unset: integers).
     use_int_block_hashes: bool | None = None
-    # pdkv only: the medium announced for the memory level. "CPU" (vLLM's word for host memory); see the README's
-    # kv-events section for what a Dynamo router credits each medium with.
-    memory_medium: Literal["CPU", "CPU_PINNED", "GPU"] = "CPU"
+    # pdkv only: the medium announced for the memory level: "CPU" (vLLM's word for host memory, what it is) or
+    # "GPU", for a router that credits only GPU blocks (Dynamo's flat scores): see the README's kv-events section.
+    memory_medium: Literal["CPU", "GPU"] = "CPU"
 
     @property
     def publishing(self) -> bool:

@@ -333,3 +333,42 @@ def test_the_vllm_launcher_passes_kv_events_as_vllms_flag_and_names_the_stream()
         vllm_command(cfg, "/models/m", ["--kv-events-config", "{}"], python="py")
     plain, plain_info = vllm_command(convert_config({"role": "prefill", "engine": "vllm"}), "/models/m", [], python="py")
     assert "--kv-events-config" not in plain and "kv_events" not in plain_info
+
+
+# -- block hashes on the wire: vLLM's integer default, bytes on request --------------------------------
+def test_external_hash_is_vllms_low_64_bits_and_survives_msgpack_as_uint64() -> None:
+    key = bytes(range(0xF0, 0x100))  # 16 bytes whose low 64 bits have the top bit set: above i64
+    low = external_hash(key, True)
+    assert low == int.from_bytes(key, "big") & (2**64 - 1) == int.from_bytes(key[8:], "big") and low >= 2**63
+    assert external_hash(key, False) == key
+    event = BlockStored(block_hashes=[low], parent_block_hash=external_hash(b"\x00" * 16, True), token_ids=[1] * BS, block_size=BS, lora_id=None, medium="CPU", lora_name=None)
+    payload = encode_batch(batch(event))
+    assert b"\xcf" + low.to_bytes(8, "big") in payload  # msgpack uint64, as Dynamo's u64 decoder wants
+    assert decode_batch(payload).events[0].block_hashes == [low]
+
+
+def test_the_hash_form_follows_the_config_field_then_vllms_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raising=False)
+    assert KVEventsConfig().int_block_hashes()
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    assert not KVEventsConfig().int_block_hashes()
+    assert KVEventsConfig(use_int_block_hashes=True).int_block_hashes()  # the field wins
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "yes")
+    with pytest.raises(ConfigError, match="kv_events.use_int_block_hashes"):
+        KVEventsConfig().int_block_hashes()
+    with pytest.raises(ConfigError, match="memory_medium"):
+        convert_config({"kv_events": {"memory_medium": "NVME"}})
+
+
+def test_a_64_bit_collision_costs_the_index_a_route_never_kv() -> None:
+    """Two different blocks announced under one integer hash (the low 64 bits of two keys agree): the index
+    believes the latest announcement, keyed by its tokens, so it routes one prompt wrongly at worst; it holds no
+    KV and names none (a worker loads by its own 128-bit keys)."""
+    index = PrefixIndex()
+    other = [t + 1000 for t in TOKENS]
+    index.apply("w", batch(stored([7], None, TOKENS[:BS])))  # type: ignore[list-item]
+    assert index.match(TOKENS, ["w"]) == {"w": BS}
+    index.apply("w", batch(stored([7], None, other[:BS])))  # type: ignore[list-item]
+    assert index.match(TOKENS, ["w"]) == {"w": 0} and index.match(other, ["w"]) == {"w": BS}
+    index.apply("w", batch(BlockRemoved(block_hashes=[7], medium="GPU")))
+    assert index.match(other, ["w"]) == {"w": 0}
