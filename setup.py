@@ -69,6 +69,16 @@ class BuildKernels(build_ext):
                 setattr(self.compiler, attr, [flag for flag in getattr(self.compiler, attr) if flag not in ("-fwrapv", "-g")])
         super().build_extensions()
 
+    def copy_file(self, infile: str, outfile: str, *args: object, **kwargs: object) -> tuple[str, bool]:  # type: ignore[override]
+        """Put a library in place by rename (what ``pip install -e`` does with each): a process that has the old
+        one loaded (a test session reinstalling into a second environment) keeps its mapping intact, where
+        rewriting the file in place would corrupt it under that process."""
+        tmp = f"{outfile}.{os.getpid()}.tmp"
+        shutil.copyfile(infile, tmp)
+        shutil.copymode(infile, tmp)
+        os.replace(tmp, outfile)
+        return outfile, True
+
     def get_ext_filename(self, fullname: str) -> str:
         return os.path.join(*fullname.split(".")) + ".so"
 
