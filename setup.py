@@ -8,8 +8,9 @@ compiler, never torch (build isolation installs setuptools alone), and a
 worker never compiles anything when it starts.
 
 - ``pdkv/libpdkv_kernels.so``: paged gather/scatter (kvcopy.cpp) and the
-  codec kernels (kvcodec.cpp), for the CPU. Always built; no C++ compiler
-  fails the install.
+  codec kernels (kvcodec.cpp), for the CPU. Always built; where it cannot be
+  (no C++ compiler) the install warns and goes on, and pdkv runs on the torch
+  path, saying so once (the test suite fails then: it asserts the library).
 - ``pdkv/libpdkv_kernels_cuda.so``: the CUDA gather/scatter
   (kvcopy_cuda.cu), CUDA runtime linked in statically. Built when nvcc is
   found (``$CUDA_HOME/bin/nvcc`` or on ``PATH``) and ``PDKV_BUILD_CUDA`` is
@@ -102,7 +103,7 @@ class BuildKernels(build_ext):
 
 setup(
     ext_modules=[
-        Extension("pdkv.libpdkv_kernels", sources=[str(CSRC / "kvcopy.cpp"), str(CSRC / "kvcodec.cpp")], depends=HEADERS, language="c++", extra_compile_args=CXXFLAGS, extra_link_args=["-pthread"]),
+        Extension("pdkv.libpdkv_kernels", sources=[str(CSRC / "kvcopy.cpp"), str(CSRC / "kvcodec.cpp")], depends=HEADERS, language="c++", extra_compile_args=CXXFLAGS, extra_link_args=["-pthread"], optional=True),
         CudaLibrary("pdkv.libpdkv_kernels_cuda", sources=[str(CSRC / "kvcopy_cuda.cu")], depends=HEADERS),
     ],
     cmdclass={"build_ext": BuildKernels},

@@ -59,10 +59,15 @@ def http(method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int
         return exc.code, exc.read().decode(errors="replace")
 
 
-def wait_for(pred: Callable[[], bool], what: str, timeout: float = TIMEOUT_S) -> None:
+def wait_for(pred: Callable[[], bool], what: str, timeout: float = TIMEOUT_S, nudge: Callable[[], object] | None = None) -> None:
+    """Poll ``pred``; ``nudge`` (if any) runs about once a second while it is false."""
     deadline = time.monotonic() + timeout
+    next_nudge = time.monotonic() + 1.0
     while not pred():
         assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
+        if nudge is not None and time.monotonic() >= next_nudge:
+            nudge()
+            next_nudge = time.monotonic() + 1.0
         time.sleep(0.1)
 
 
@@ -126,6 +131,18 @@ def start_events_worker(model_dir: Path, path: Path, **kv_events: Any) -> Worker
     return start_configured("prefill", config, path, timeout=120)
 
 
+def resync(worker: WorkerProcess) -> None:
+    """Ask the worker to publish everything again (AllBlocksCleared, then each block held)."""
+    assert http("POST", worker.url + "/pdkv/kv-events/resync")[0] == 200
+
+
+def first_seen(indexer: Indexer, worker: WorkerProcess, tokens: list[int], expected: int, model: str, instance_id: int) -> None:
+    """Wait for Dynamo to index ``tokens``, just after registering: a PUB socket drops what it sends before the
+    subscription reaches it, and Dynamo notices a loss only at the next batch (then replays it), so a quiet
+    stream is nudged with resyncs, as a pdkv router's stream would be by its replay probe."""
+    wait_for(lambda: indexer.overlap(tokens, model, instance_id) == expected, f"{expected} tokens indexed by Dynamo", nudge=lambda: resync(worker))
+
+
 def tier_tokens(worker: WorkerProcess) -> int:
     """Prompt tokens the worker loaded from its tier so far."""
     with urllib.request.urlopen(worker.url + "/metrics", timeout=10) as resp:
@@ -162,7 +179,7 @@ def test_dynamos_indexer_predicts_what_a_pdkv_worker_loads(model_dir: Path, inde
             return predicted
 
         assert send(worker, A) == 0
-        wait_for(lambda: indexer.overlap(A, model, wid) == 96, "A's 3 chunks in Dynamo")
+        first_seen(indexer, worker, A, 96, model, wid)
         # a shared prefix: B's first 2 chunks are A's
         assert check(B) == 64
         # the memory level holds 4 chunks (A's 3, B's own): C's 2 evict the 2 least recently used
@@ -173,7 +190,7 @@ def test_dynamos_indexer_predicts_what_a_pdkv_worker_loads(model_dir: Path, inde
         assert check(A) == predictions[0]  # and now A's 3 chunks are the most recently used
         # a resync: AllBlocksCleared, then every block the worker holds, parents first (the marker after it
         # evicts the least recently used chunk, not one of A's)
-        assert http("POST", worker.url + "/pdkv/kv-events/resync")[0] == 200
+        resync(worker)
         settle()
         assert check(A) == 96
         # pdkv announces its memory level as CPU: Dynamo credits it in its tiers, not in the flat (GPU) scores
@@ -190,7 +207,7 @@ def test_memory_medium_gpu_makes_dynamos_scores_count_pdkvs_tier(model_dir: Path
     try:
         indexer.register(wid, worker, model)
         assert send(worker, A) == 0
-        wait_for(lambda: indexer.overlap(A, model, wid) == 96, "A's 3 chunks in Dynamo")
+        first_seen(indexer, worker, A, 96, model, wid)
         answer = indexer.query(A, model)
         assert answer["scores"] == {str(wid): {"0": 96}} and answer["instances"][str(wid)]["gpu"] == 96
     finally:
@@ -205,7 +222,7 @@ def test_with_bytes_hashes_dynamo_drops_every_batch(model_dir: Path, tmp_path: P
     try:
         indexer.register(wid, worker, model)
         assert send(worker, A) == 0
-        wait_for(lambda: "data did not match any variant of untagged enum BlockHashValue" in indexer.log.read_text(), "Dynamo's decode error")
+        wait_for(lambda: "data did not match any variant of untagged enum BlockHashValue" in indexer.log.read_text(), "Dynamo's decode error", nudge=lambda: resync(worker))
         assert indexer.overlap(A, model, wid) == 0
         assert send(worker, A) == 96  # the worker has it all the same
     finally:
