@@ -103,7 +103,10 @@ class BuildKernels(build_ext):
 
 setup(
     ext_modules=[
-        Extension("pdkv.libpdkv_kernels", sources=[str(CSRC / "kvcopy.cpp"), str(CSRC / "kvcodec.cpp")], depends=HEADERS, language="c++", extra_compile_args=CXXFLAGS, extra_link_args=["-pthread"], optional=True),
+        Extension(
+            "pdkv.libpdkv_kernels", sources=[str(CSRC / "kvcopy.cpp"), str(CSRC / "kvcodec.cpp")], depends=HEADERS, language="c++",
+            extra_compile_args=CXXFLAGS, extra_link_args=["-pthread"], optional=True,
+        ),
         CudaLibrary("pdkv.libpdkv_kernels_cuda", sources=[str(CSRC / "kvcopy_cuda.cu")], depends=HEADERS),
     ],
     cmdclass={"build_ext": BuildKernels},

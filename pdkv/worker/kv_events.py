@@ -30,12 +30,15 @@ Each level of the tier says what it holds, with vLLM's ``medium`` and
 =========  =========  ========  ==============================================
 level      medium     locality  announced
 =========  =========  ========  ==============================================
-memory     CPU        LOCAL     stored when put, removed when evicted/dropped
+memory     CPU (*)    LOCAL     stored when put, removed when evicted/dropped
 disk       STORAGE    LOCAL     stored when written, removed when evicted/bad
 redis      STORAGE    REMOTE    stored when written (or found already there);
                                 removed when a read finds it gone (evicted or
                                 expired on the server, which tells no one)
 =========  =========  ========  ==============================================
+
+(*) ``kv_events.memory_medium``: ``GPU`` for a router that credits only GPU
+blocks (Dynamo's flat ``scores``; see the README's kv-events section).
 
 A worker publishes ``AllBlocksCleared`` when it starts (an earlier
 incarnation's announcements are void) and, when a subscriber asks
