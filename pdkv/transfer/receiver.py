@@ -80,7 +80,7 @@ class KVReceiver:
         self.target = ReceiveTarget(
             layout, kv, [byte_view(t) for t in kv], num_blocks, staging, byte_view(staging), slot_bytes, self.config.chunk_size, self.kv_regions, self.staging_region, codecs
         )
-        native.available()  # load csrc/ now, not inside the first transfer
+        native.available()  # load the kernel library now, not inside the first transfer
         self.counters: collections.Counter[str] = collections.Counter()
         lock = threading.Condition()
         self.loop = ControlLoop("pdkv-receiver", min(_REAP_TICK_S, self.config.lease_s / 4), lambda: self.book.reap())
