@@ -36,6 +36,7 @@ import msgspec
 from pdkv.channels.grants import Access, Grants, Range
 from pdkv.channels.regions import RegionTable
 from pdkv.errors import ChannelError, ConfigError, PeerUnreachableError, TransferTimeout
+from pdkv.memory import MemoryKind, memory_kind
 from pdkv.wakeup import Waker
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,10 @@ class Channel(ABC):
     # Whether the target checks every incoming write and read against its grants (``guard``). A channel
     # whose transfers are one-sided in hardware (nixl: RDMA, cma) cannot: the target never sees them.
     enforces_grants: ClassVar[bool] = True
+    # The memory this channel registers and moves by itself (``pdkv.memory.memory_kind``): tcp, ucx and mock
+    # move host memory through host views; nixl also addresses VRAM. A KV buffer in memory the channel does
+    # not reach is staged through pinned host memory by the sender and receiver (``pdkv.staging``).
+    memory: ClassVar[frozenset[MemoryKind]] = frozenset({"host"})
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
         self.agent_name = agent_name
@@ -227,6 +232,10 @@ class Channel(ABC):
         return dict(self.counters)
 
     # -- memory ------------------------------------------------------------
+    def reaches(self, buf: Any) -> bool:
+        """Whether ``register`` can take ``buf`` where it is, so transfers move it with no copy through the host."""
+        return memory_kind(buf) in self.memory
+
     @abstractmethod
     def register(self, buf: Any) -> int:
         """Register a buffer (tensor, array, bytearray) for transfers; returns its region id."""

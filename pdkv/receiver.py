@@ -53,16 +53,17 @@ from pdkv.auth import new_nonce, proof, verify, verify_bound
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.base import Channel, Notification
 from pdkv.channels.grants import Range
-from pdkv.checksum import checksum
+from pdkv.checksum import chunk_checksum, flat_bytes
 from pdkv.codec import Codec, available_codecs, make_codec
 from pdkv.codec import slot_bytes as codec_slot_bytes
 from pdkv.config import TransferConfig
 from pdkv.control import ControlLoop, RouterSocket
 from pdkv.errors import ChecksumError, HandshakeError, NotAnnouncedError, OutOfBlocksError, PdkvError, PromptMismatchError, ProtocolError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.layout import KVLayout, block_runs
-from pdkv.memory import byte_view
+from pdkv.memory import adopt_kv
 from pdkv.native import scatter
 from pdkv.protocol import HELLO_REQUIRED, Auth, Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved, reserve_fields
+from pdkv.staging import DeviceStager, pinned_empty
 
 log = logging.getLogger(__name__)
 
@@ -94,24 +95,30 @@ class _Peer:
     agent: str
     layout: KVLayout
     token: bytes  # its data connections' capability: its reservations are granted to it
-    session: bytes = b""  # both handshake nonces (with a secret): what its Reserves' proofs are bound to
+    session: bytes = b""
+    kv_reached: bool = True  # its channel registered its KV (an empty kv_regions in its Hello: not, so staging only)  # both handshake nonces (with a secret): what its Reserves' proofs are bound to
 
 
 @dataclass
 class _Target:
-    """Our side's memory as every transfer lands in it, and its regions in the channel."""
+    """Our side's memory as every transfer lands in it, and its regions in the channel.
+
+    ``kv_regions`` is empty when the channel cannot reach the KV's memory:
+    every reservation is then staged, and ``stager`` copies each landed chunk
+    from its pinned slot to the KV's device.
+    """
 
     layout: KVLayout
     kv: list[torch.Tensor]
-    kv_views: list[memoryview]
+    kv_bytes: list[torch.Tensor]  # each KV tensor's bytes, flat, on its own device
     num_blocks: int
     staging: torch.Tensor
-    staging_view: memoryview
     slot_bytes: int
     chunk_size: int
     kv_regions: list[int]
     staging_region: int
     codecs: dict[str, Codec]  # what this side decodes (offered in its Hello)
+    stager: DeviceStager | None
 
     def block_ranges(self, blocks: list[int]) -> list[Range]:
         """Byte ranges of ``blocks`` in every buffer tensor, in wire order, adjacent blocks as one range."""
@@ -160,8 +167,8 @@ class IncomingTransfer:
         if self.mode == "direct":
             bs = target.layout.block_size
             ranges = target.block_ranges(self.blocks[start // bs : -(-(start + n) // bs)])
-            views = dict(zip(target.kv_regions, target.kv_views, strict=True))
-            got = checksum(views[region][off : off + ln] for region, off, ln in ranges)
+            views = dict(zip(target.kv_regions, target.kv_bytes, strict=True))
+            got = chunk_checksum((views[region][off : off + ln] for region, off, ln in ranges), unit=target.layout.block_bytes)
         else:
             if not 0 <= notice.slot < len(self.slots):
                 raise TransferError(f"chunk {idx} names staging slot {notice.slot}, request has {len(self.slots)}")
@@ -170,7 +177,7 @@ class IncomingTransfer:
             if not (wire == nbytes if codec.passthrough else 0 < wire <= target.slot_bytes):  # checked before the slot is read
                 raise TransferError(f"chunk {idx} claims {wire} bytes in its slot ({self.codec!r} chunk of {n} tokens, slots of {target.slot_bytes})")
             base = self.slots[notice.slot] * target.slot_bytes
-            got = checksum([target.staging_view[base : base + wire]])
+            got = chunk_checksum([target.staging[base : base + wire]])
         if got != notice.checksum:
             raise ChecksumError(f"chunk {idx} of request {self.request_id!r} failed its checksum (sent {notice.checksum:#x}, landed {got:#x})")
         if self.mode == "staging":
@@ -178,7 +185,10 @@ class IncomingTransfer:
                 chunk = target.staging[base : base + nbytes].view(target.layout.torch_dtype).view(target.layout.chunk_shape(n))
             else:  # a frame that does not decode to exactly this chunk raises CodecError (a TransferError)
                 chunk = codec.decode(target.staging[base : base + wire], codec.scratch("raw", target.layout.chunk_shape(n), target.layout.torch_dtype))
-            scatter(target.layout, target.kv, self.blocks, start, chunk)
+            if target.stager is not None:  # to the KV's device on pdkv's stream; back once the chunk is there
+                target.stager.stage_in(self.blocks, start, chunk)
+            else:
+                scatter(target.layout, target.kv, self.blocks, start, chunk)
         self.landed.add(idx)
         return nbytes
 
@@ -205,7 +215,7 @@ class KVReceiver:
     ) -> None:
         self.channel = channel
         self.layout = layout
-        kv = list(kv_tensors)
+        kv = adopt_kv(list(kv_tensors))
         num_blocks = layout.validate_buffer(kv)
         if allocator.num_blocks != num_blocks:
             raise TransferError(f"allocator manages {allocator.num_blocks} blocks but the KV buffer has {num_blocks}")
@@ -216,8 +226,9 @@ class KVReceiver:
         self._unproven: dict[bytes, tuple[Hello, bytes]] = {}  # identity -> (its Hello, our nonce)
         codecs = {name: make_codec(name, layout) for name in available_codecs(layout)}
         slot_bytes = codec_slot_bytes(layout, self.config.chunk_size, list(codecs.values()))  # any offered codec's frame fits
-        staging = torch.zeros(self.config.staging_slots * slot_bytes, dtype=torch.uint8)
-        self.kv_regions = [channel.register(t) for t in kv]
+        staging = pinned_empty(self.config.staging_slots * slot_bytes)
+        reached = all(channel.reaches(t) for t in kv)
+        self.kv_regions = [channel.register(t) for t in kv] if reached else []
         self.staging_region = channel.register(staging)
         for region in (*self.kv_regions, self.staging_region):
             channel.guard(region)  # peers write only into what a reservation of theirs granted them
@@ -227,7 +238,8 @@ class KVReceiver:
                 "its reservations; with peers you do not trust, use the tcp channel or a shared secret", channel.name
             )
         self.target = _Target(
-            layout, kv, [byte_view(t) for t in kv], num_blocks, staging, byte_view(staging), slot_bytes, self.config.chunk_size, self.kv_regions, self.staging_region, codecs
+            layout, kv, [flat_bytes(t) for t in kv], num_blocks, staging, slot_bytes, self.config.chunk_size, self.kv_regions, self.staging_region, codecs,
+            None if reached else DeviceStager(layout, kv, self.config.chunk_size),
         )
         native.available()  # build or load csrc/ now, not inside the first transfer
         self._free_slots = list(range(self.config.staging_slots))
@@ -405,7 +417,7 @@ class KVReceiver:
             self._reply(identity, protocol.Error(str(exc)))
             return False
         with self._lock:
-            self._peers[identity] = _Peer(agent, hello.layout, hello.data_token, session)
+            self._peers[identity] = _Peer(agent, hello.layout, hello.data_token, session, kv_reached=bool(hello.kv_regions))
         return True
 
     def _on_reserve(self, identity: bytes, req: Reserve) -> protocol.Message:
@@ -443,7 +455,9 @@ class KVReceiver:
                     retryable=self.layout.blocks_for(req.num_tokens) <= peer_cap,
                 )
             num_chunks = -(-req.num_tokens // cfg.chunk_size)
-            direct = peer.layout == self.layout and cfg.chunk_size % self.layout.block_size == 0 and req.codec == "none"
+            direct = (
+                peer.layout == self.layout and cfg.chunk_size % self.layout.block_size == 0 and req.codec == "none" and peer.kv_reached and bool(self.kv_regions)
+            )
             want_slots = 0 if direct else min(cfg.slots_per_request, num_chunks)
             if want_slots > len(self._free_slots):
                 self.counters["refused"] += 1

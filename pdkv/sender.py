@@ -55,7 +55,7 @@ import torch
 from pdkv import native, protocol
 from pdkv.auth import bound_proof, new_nonce, proof, verify
 from pdkv.channels.base import Channel, TransferHandle, TransferOp, XferState
-from pdkv.checksum import checksum
+from pdkv.checksum import chunk_checksum, flat_bytes
 from pdkv.codec import Codec, make_codec
 from pdkv.codec import slot_bytes as codec_slot_bytes
 from pdkv.config import TransferConfig
@@ -63,9 +63,10 @@ from pdkv.control import ControlLoop, DealerSockets
 from pdkv.errors import HandshakeError, PdkvError, ReservationError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.keys import chunk_spans
 from pdkv.layout import KVLayout, block_runs
-from pdkv.memory import byte_view
+from pdkv.memory import adopt_kv, memory_kind
 from pdkv.native import gather
 from pdkv.protocol import HELLO_REQUIRED, Auth, Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved, reserve_fields
+from pdkv.staging import DeviceStager, pinned_empty
 
 log = logging.getLogger(__name__)
 
@@ -110,16 +111,23 @@ class _Credit:
 
 @dataclass
 class _Source:
-    """Our side's memory as every transfer reads it: the KV buffer and the staging area, registered."""
+    """Our side's memory as every transfer reads it: the KV buffer and the staging area, registered.
+
+    ``kv_regions`` is empty when the channel cannot reach the KV's memory (a
+    tcp channel and KV in VRAM): our Hello then says so, receivers grant us
+    staging mode only, and ``stager`` moves each chunk through pinned host
+    memory.
+    """
 
     layout: KVLayout
     kv: list[torch.Tensor]
-    kv_views: list[memoryview]
+    kv_bytes: list[torch.Tensor]  # each KV tensor's bytes, flat, on its own device
     kv_regions: list[int]
     num_blocks: int
     staging: torch.Tensor
     staging_region: int
     slot_bytes: int
+    stager: DeviceStager | None
 
 
 class OutgoingTransfer:
@@ -288,7 +296,7 @@ class OutgoingTransfer:
         assert self.peer.hello is not None
         remote_regions = self.peer.hello.kv_regions
         ops = [TransferOp(src.kv_regions[t], a * size, remote_regions[t], b * size, k * size) for t in range(layout.num_tensors) for a, b, k in runs]
-        digest = checksum(src.kv_views[t][a * size : (a + k) * size] for t in range(layout.num_tensors) for a, _, k in runs)
+        digest = chunk_checksum((src.kv_bytes[t][a * size : (a + k) * size] for t in range(layout.num_tensors) for a, _, k in runs), unit=size)
         return ops, digest
 
     def _staged_ops(self, local_slot: int, remote_slot: int, start: int, n: int) -> tuple[list[TransferOp], int]:
@@ -296,15 +304,23 @@ class OutgoingTransfer:
         src = self._sender.source
         layout = src.layout
         base = local_slot * src.slot_bytes
+        digest: int | None = None
         if self.codec.passthrough:
             nbytes = layout.chunk_bytes(n)
-            out = src.staging[base : base + nbytes].view(layout.torch_dtype).view(layout.chunk_shape(n))
-            gather(layout, src.kv, self.block_table, start, n, out=out)
+            if src.stager is not None:  # KV the channel cannot reach: gathered and hashed on its device, copied into the pinned slot
+                digest = src.stager.stage_out(self.block_table, start, n, src.staging[base : base + nbytes])
+            else:
+                out = src.staging[base : base + nbytes].view(layout.torch_dtype).view(layout.chunk_shape(n))
+                gather(layout, src.kv, self.block_table, start, n, out=out)
         else:
             raw = self.codec.scratch("raw", layout.chunk_shape(n), layout.torch_dtype)
-            gather(layout, src.kv, self.block_table, start, n, out=raw)
+            if src.stager is not None:
+                src.stager.stage_out(self.block_table, start, n, flat_bytes(raw), digest=False)
+            else:
+                gather(layout, src.kv, self.block_table, start, n, out=raw)
             nbytes = self.codec.encode(raw, src.staging[base : base + src.slot_bytes])
-        digest = checksum([byte_view(src.staging)[base : base + nbytes]])
+        if digest is None:
+            digest = chunk_checksum([src.staging[base : base + nbytes]])
         assert self.peer.hello is not None
         op = TransferOp(src.staging_region, base, self.peer.hello.staging_region, self.remote_slots[remote_slot], nbytes)
         return [op], digest
@@ -392,17 +408,20 @@ class KVSender:
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self.fingerprint = fingerprint
         self.config = config or TransferConfig()
-        kv = list(kv_tensors)
+        kv = adopt_kv(list(kv_tensors))
         num_blocks = layout.validate_buffer(kv)
         native.available()  # build or load csrc/ now, not inside the first transfer
         # ``none`` and the configured codec: a request uses one of the two (``open(codec=...)``)
         self.codecs: dict[str, Codec] = {name: make_codec(name, layout) for name in dict.fromkeys(("none", self.config.codec))}
         slot_bytes = codec_slot_bytes(layout, self.config.chunk_size, list(self.codecs.values()))
         n_slots = max(1, self.config.max_inflight_bytes // slot_bytes)
-        staging = torch.zeros(n_slots * slot_bytes, dtype=torch.uint8)
+        staging = pinned_empty(n_slots * slot_bytes)
+        reached = all(channel.reaches(t) for t in kv)
         self.source = _Source(
-            layout, kv, [byte_view(t) for t in kv], [channel.register(t) for t in kv], num_blocks, staging, channel.register(staging), slot_bytes
+            layout, kv, [flat_bytes(t) for t in kv], [channel.register(t) for t in kv] if reached else [], num_blocks, staging, channel.register(staging), slot_bytes,
+            None if reached else DeviceStager(layout, kv, self.config.chunk_size),
         )
+        self.kv_memory = memory_kind(kv[0]) if kv else "host"  # where the KV lives, for benchmarks and logs
         self.credit = _Credit(self.config.max_inflight_bytes, n_slots)
         self.counters: collections.Counter[str] = collections.Counter()
         self.cond = threading.Condition()  # guards the sender's state and every transfer's: one lock, no ordering to get wrong

@@ -138,9 +138,9 @@ def test_a_notice_claiming_more_bytes_than_a_slot_is_refused_before_the_slot_is_
 
 def _zero_digest(n: int) -> int:
     """The checksum of ``n`` zero bytes: what an untouched staging slot holds."""
-    from pdkv.checksum import checksum
+    from pdkv.checksum import chunk_checksum
 
-    return checksum([memoryview(bytes(n))])
+    return chunk_checksum([torch.zeros(n, dtype=torch.uint8)])
 
 
 def test_the_codec_travels_in_the_reserve_and_its_proof() -> None:
