@@ -99,6 +99,8 @@ class DeviceStager:
         scratch = torch.empty(layout.chunk_bytes(chunk_tokens), dtype=torch.uint8, device=self.device)
         self.scratch = emulate_device(scratch) if self.kind == "emulated" else scratch
         self._lock = threading.Lock()
+        self.chunks_out = 0  # chunks staged device -> host (sender) and host -> device (receiver): what benchmarks and tests read
+        self.chunks_in = 0
 
     def _chunk(self, n: int) -> torch.Tensor:
         return self.scratch[: self.layout.chunk_bytes(n)].view(self.layout.torch_dtype).view(self.layout.chunk_shape(n))
@@ -120,6 +122,7 @@ class DeviceStager:
                 event = self.stream.record()
                 value = chunk_checksum([dev_bytes]) if digest else None
             event.synchronize()
+            self.chunks_out += 1
         return value
 
     def stage_in(self, block_table: BlockTable, start: int, chunk: torch.Tensor) -> None:
@@ -131,3 +134,4 @@ class DeviceStager:
                 native.scatter(self.layout, self.kv, block_table, start, dev)
                 event = self.stream.record()
             event.synchronize()
+            self.chunks_in += 1

@@ -25,6 +25,8 @@ from pdkv.sender import KVSender
 
 from tests.conftest import MakePair, Pair, wait_until
 
+pytestmark = pytest.mark.device_emulation  # every pair test also runs with its KV in emulated device memory
+
 F32 = dict(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float32")
 
 
