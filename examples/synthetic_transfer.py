@@ -37,7 +37,7 @@ def expected_kv(seed: int, num_tokens: int) -> torch.Tensor:
 
 
 def decode_side(channel: str, conn: Connection, args: argparse.Namespace) -> None:
-    from pdkv.receiver import KVReceiver
+    from pdkv.transfer.receiver import KVReceiver
 
     ch = create_channel(channel, "decode-0")
     blocks = args.requests * D_LAYOUT.blocks_for(args.tokens) + 8
@@ -58,7 +58,7 @@ def decode_side(channel: str, conn: Connection, args: argparse.Namespace) -> Non
 
 
 def prefill_side(channel: str, address: str, args: argparse.Namespace) -> dict[str, float]:
-    from pdkv.sender import KVSender
+    from pdkv.transfer.sender import KVSender
 
     ch = create_channel(channel, "prefill-0")
     nblk = P_LAYOUT.blocks_for(args.tokens)

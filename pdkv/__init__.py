@@ -11,15 +11,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-PROTOCOL_VERSION = 3
 
 if TYPE_CHECKING:
     from pdkv.cache_engine import KVCacheEngine
     from pdkv.keys import PromptKeys
+    from pdkv.transfer.protocol import PROTOCOL_VERSION
 
 __all__ = ["PROTOCOL_VERSION", "KVCacheEngine", "PromptKeys", "__version__"]
 
-_LAZY = {"KVCacheEngine": "pdkv.cache_engine", "PromptKeys": "pdkv.keys"}
+_LAZY = {"KVCacheEngine": "pdkv.cache_engine", "PromptKeys": "pdkv.keys", "PROTOCOL_VERSION": "pdkv.transfer.protocol"}
 
 
 def __getattr__(name: str) -> Any:

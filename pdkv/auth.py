@@ -1,6 +1,6 @@
 """Shared-secret proofs: the one HMAC construction both planes use.
 
-The control plane (Hello/Auth in ``pdkv.protocol``) and the tcp channel's data
+The control plane (Hello/Auth in ``pdkv.transfer.protocol``) and the tcp channel's data
 connections (``pdkv.channels.tcp``) prove the same shared secret the same way,
 each side over a fresh nonce of its own and one of the peer's. Only the role
 string differs, so a proof made for one role or plane is never accepted for

@@ -18,10 +18,10 @@ from pdkv.channels import Channel, create_channel
 from pdkv.config import TransferConfig
 from pdkv.layout import KVLayout
 from pdkv.memory import emulate_device
-from pdkv.receiver import KVReceiver
-from pdkv.sender import KVSender
 from pdkv.testing.model import write_tiny_model
 from pdkv.testing.redis import INSTALL_HINT, LocalRedis, local_redis, server_binary
+from pdkv.transfer.receiver import KVReceiver
+from pdkv.transfer.sender import KVSender
 
 _names = itertools.count()
 

@@ -22,8 +22,8 @@ from pdkv.channels import Channel, TransferOp, create_channel
 from pdkv.config import TransferConfig
 from pdkv.errors import ChannelError
 from pdkv.layout import KVLayout, gather
-from pdkv.receiver import KVReceiver
-from pdkv.sender import KVSender
+from pdkv.transfer.receiver import KVReceiver
+from pdkv.transfer.sender import KVSender
 
 from tests.conftest import wait_until
 

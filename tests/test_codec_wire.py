@@ -20,7 +20,7 @@ from pdkv.codec import make_codec
 from pdkv.config import TransferConfig
 from pdkv.errors import CodecError, HandshakeError, ReservationError, TransferError
 from pdkv.layout import KVLayout, gather
-from pdkv.protocol import ChunkNotice
+from pdkv.transfer.protocol import ChunkNotice
 
 from tests.conftest import Pair, wait_until
 
@@ -95,9 +95,9 @@ def test_a_request_may_go_raw_when_the_sender_is_configured_with_a_codec(make_pa
 
 
 def test_a_receiver_that_cannot_decode_the_codec_is_refused_at_the_handshake(make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch) -> None:
-    import pdkv.receiver
+    import pdkv.transfer.receiver
 
-    monkeypatch.setattr(pdkv.receiver, "available_codecs", lambda layout: ["none"])  # as if its zstd extra were missing
+    monkeypatch.setattr(pdkv.transfer.receiver, "available_codecs", lambda layout: ["none"])  # as if its zstd extra were missing
     pair = make_pair(p_layout=LAYOUT, config=_config("zstd"), channel="tcp")
     with pytest.raises(HandshakeError, match="zstd"):
         pair.sender.open("h1", pair.receiver.address, TOKENS, TABLE)
@@ -147,7 +147,7 @@ def _zero_digest(n: int) -> int:
 
 def test_the_codec_travels_in_the_reserve_and_its_proof() -> None:
     """With a secret, a Reserve's codec is covered by its proof: a peer in the middle cannot switch it."""
-    from pdkv.protocol import Reserve, reserve_fields
+    from pdkv.transfer.protocol import Reserve, reserve_fields
 
     a = reserve_fields(Reserve("r", 10, b"k", codec="fp8"))
     b = reserve_fields(msgspec.structs.replace(Reserve("r", 10, b"k", codec="fp8"), codec="none"))

@@ -22,11 +22,11 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdkv import protocol
 from pdkv.channels import TransferOp
 from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
 from pdkv.channels.tcp.wire import HEADER, LAST, MAGIC, NOTIF_FOLLOWS, SECRET, VERSION
 from pdkv.errors import ProtocolError
+from pdkv.transfer import protocol
 
 from tests.conftest import MakePair, Pair, wait_until
 
@@ -106,22 +106,22 @@ def _layout() -> st.SearchStrategy[dict[str, Any]]:
 
 # Well-typed structs with hostile contents: msgspec constructors do not validate, the decoder must.
 STRUCTS = st.one_of(
-    st.builds(protocol.Reserve, request_id=HOSTILE_STR, num_tokens=HOSTILE_INT),
-    st.builds(protocol.Heartbeat, request_ids=st.lists(HOSTILE_STR, max_size=50)),
-    st.builds(protocol.Cancel, request_id=HOSTILE_STR, reason=HOSTILE_STR),
-    st.builds(protocol.Done, request_id=HOSTILE_STR, ok=st.booleans()),
+    st.builds(protocol.Reserve, transfer_id=HOSTILE_STR, num_tokens=HOSTILE_INT),
+    st.builds(protocol.Heartbeat, transfer_ids=st.lists(HOSTILE_STR, max_size=50)),
+    st.builds(protocol.Cancel, transfer_id=HOSTILE_STR, reason=HOSTILE_STR),
+    st.builds(protocol.Done, transfer_id=HOSTILE_STR, ok=st.booleans()),
     st.builds(protocol.Auth, proof=HOSTILE_BYTES),
-    st.builds(protocol.Landed, request_id=HOSTILE_STR, chunk_indices=st.lists(HOSTILE_INT, max_size=20)),
+    st.builds(protocol.Landed, transfer_id=HOSTILE_STR, chunk_indices=st.lists(HOSTILE_INT, max_size=20)),
     st.builds(protocol.Error, message=HOSTILE_STR),
     st.builds(
         protocol.Refused,
-        request_id=HOSTILE_STR,
+        transfer_id=HOSTILE_STR,
         reason=HOSTILE_STR,
         retryable=st.booleans(),
     ),
     st.builds(
         protocol.Reserved,
-        request_id=HOSTILE_STR,
+        transfer_id=HOSTILE_STR,
         mode=st.sampled_from(["direct", "staging", "bogus"]),
         block_ids=st.lists(HOSTILE_INT, max_size=20),
         staging_slots=st.lists(HOSTILE_INT, max_size=20),
@@ -289,7 +289,7 @@ def test_hostile_control_messages_never_break_a_live_receiver(
                     HOSTILE_MESSAGES,
                     st.builds(
                         protocol.Reserve,
-                        request_id=st.text(min_size=1, max_size=8),
+                        transfer_id=st.text(min_size=1, max_size=8),
                         num_tokens=HOSTILE_INT,
                     ).map(protocol.encode),
                 ),
@@ -315,7 +315,7 @@ def test_hostile_control_messages_never_break_a_live_receiver(
         attack()
         # give back whatever the fuzzer managed to reserve, as a sender that gives up would
         for r in dealer.reserved:
-            dealer.send(protocol.encode(protocol.Cancel(r.request_id, "fuzz over")))
+            dealer.send(protocol.encode(protocol.Cancel(r.transfer_id, "fuzz over")))
         dealer.sync()
         wait_until(
             lambda: receiver.stats()["reservations"] == 0,

@@ -43,11 +43,11 @@ from pdkv.config import RouterConfig, TransferConfig, convert_config
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.errors import TransferError, TransferTimeout
 from pdkv.layout import KVLayout, gather
-from pdkv.protocol import Done, decode_notice
-from pdkv.receiver import KVReceiver
 from pdkv.router.app import Router
-from pdkv.sender import KVSender
 from pdkv.testing.http import metric
+from pdkv.transfer.protocol import Done, decode_notice
+from pdkv.transfer.receiver import KVReceiver
+from pdkv.transfer.sender import KVSender
 from pdkv.worker.server import Worker
 
 from tests.conftest import wait_until
@@ -70,7 +70,7 @@ STEP_S = 10.0  # longest a child may take to reach its step
 READY_S = 60.0  # longest a child may take to start: generous, a loaded 2-core machine is slow to fork and import
 
 _ctx = multiprocessing.get_context("forkserver")
-_ctx.set_forkserver_preload(["torch", "pdkv.sender", "pdkv.receiver", "pdkv.channels.tcp"])
+_ctx.set_forkserver_preload(["torch", "pdkv.transfer.sender", "pdkv.transfer.receiver", "pdkv.channels.tcp"])
 
 
 def prefill_kv() -> list[torch.Tensor]:
@@ -377,7 +377,7 @@ def test_receiver_back_under_its_old_name_never_gets_a_write_meant_for_its_previ
     write = prefill.channel.write
 
     def paused_write(peer: str, ops: Any, notif: bytes | None = None, token: bytes = b"") -> Any:
-        if notif is not None and decode_notice(notif).request_id == "old":
+        if notif is not None and decode_notice(notif).transfer_id == "old":
             posting.set()
             release.wait(STEP_S)
         return write(peer, ops, notif, token=token)

@@ -7,12 +7,12 @@ from typing import Any
 import msgspec
 import pytest
 
-from pdkv import protocol
 from pdkv.blocks import BlockAllocator
 from pdkv.config import TransferConfig, convert_config, load_config
 from pdkv.errors import ConfigError, HandshakeError, LayoutError, OutOfBlocksError, ProtocolError
 from pdkv.layout import KVLayout
-from pdkv.protocol import ChunkNotice, Hello, Reserve, Reserved
+from pdkv.transfer import protocol
+from pdkv.transfer.protocol import ChunkNotice, Hello, Reserve, Reserved
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8)
 
@@ -35,10 +35,10 @@ def test_messages_round_trip() -> None:
     [
         b"",
         b"\xff\xfe garbage",
-        msgspec.msgpack.encode({"type": "reserve", "request_id": "r", "num_tokens": -5}),
-        msgspec.msgpack.encode({"type": "reserve", "request_id": "", "num_tokens": 5}),
-        msgspec.msgpack.encode({"type": "reserve", "request_id": "x" * 1000, "num_tokens": 5}),
-        msgspec.msgpack.encode({"type": "reserved", "request_id": "r", "mode": "direct", "block_ids": [-1], "staging_slots": [], "lease_s": 1.0}),
+        msgspec.msgpack.encode({"type": "reserve", "transfer_id": "r", "num_tokens": -5}),
+        msgspec.msgpack.encode({"type": "reserve", "transfer_id": "", "num_tokens": 5}),
+        msgspec.msgpack.encode({"type": "reserve", "transfer_id": "x" * 1000, "num_tokens": 5}),
+        msgspec.msgpack.encode({"type": "reserved", "transfer_id": "r", "mode": "direct", "block_ids": [-1], "staging_slots": [], "lease_s": 1.0}),
         msgspec.msgpack.encode({"type": "nope"}),
         b"\x00" * (protocol.MAX_MESSAGE_BYTES + 1),
     ],

@@ -13,15 +13,15 @@ import pytest
 import torch
 import zmq
 
-from pdkv import protocol
 from pdkv.auth import bound_proof, new_nonce, proof, verify
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.mock import MockChannel
 from pdkv.config import TransferConfig
 from pdkv.errors import ChecksumError, HandshakeError, NotAnnouncedError, PromptMismatchError, ReservationError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.layout import KVLayout, gather
-from pdkv.receiver import KVReceiver
-from pdkv.sender import KVSender
+from pdkv.transfer import protocol
+from pdkv.transfer.receiver import KVReceiver
+from pdkv.transfer.sender import KVSender
 
 from tests.conftest import MakePair, Pair, wait_until
 
@@ -297,7 +297,7 @@ def test_one_peer_cannot_take_every_block_or_reservation(make_pair: MakePair) ->
     for x in held:
         x.send_all()
         x.wait(10)
-        pair.allocator.free(pair.receiver.wait(x.request_id, 5).blocks)
+        pair.allocator.free(pair.receiver.wait(x.transfer_id, 5).blocks)
 
 
 def test_shared_secret_authenticates_both_sides(make_pair: MakePair) -> None:
@@ -368,13 +368,13 @@ def test_reserve_proof_binds_the_prompt_key_to_the_authenticated_peer(make_pair:
         sock.send(protocol.encode(protocol.Auth(proof(b"s3cret", "sender", reply.nonce, hello.nonce))))
         honest = protocol.Reserve("honest", 16, b"A" * 16)
         honest.proof = bound_proof(b"s3cret", "reserve", reply.nonce + hello.nonce, *protocol.reserve_fields(honest))
-        forged = msgspec.structs.replace(honest, request_id="forged", prompt_key=b"B" * 16)  # the proof of another Reserve
+        forged = msgspec.structs.replace(honest, transfer_id="forged", prompt_key=b"B" * 16)  # the proof of another Reserve
         sock.send(protocol.encode(forged))
         sock.send(protocol.encode(honest))
         answers = answers_to(sock, 2)
         sock.send(protocol.encode(protocol.Cancel("honest", "test over")))
     assert isinstance(answers[0], protocol.Refused) and "proof" in answers[0].reason
-    assert isinstance(answers[1], protocol.Reserved) and answers[1].request_id == "honest"
+    assert isinstance(answers[1], protocol.Reserved) and answers[1].transfer_id == "honest"
     assert pair.receiver.stats()["auth_failures"] == 1
 
 
@@ -403,3 +403,22 @@ def test_receiver_restart_on_the_same_address_is_rehandshaked(make_pair: MakePai
         receiver.close()
         d_channel.close()
     assert allocator.num_free == 64
+
+
+def test_a_peer_of_the_previous_protocol_is_refused_by_name(make_pair: MakePair) -> None:
+    """Protocol 3 called the transfer ``request_id``: its Hello is refused naming both versions, its Reserve is malformed."""
+    pair = make_pair()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(pair.receiver.address)
+    try:
+        old = msgspec.structs.replace(pair.sender.hello(), protocol_version=3, nonce=new_nonce(), data_token=b"T" * 16)
+        sock.send(protocol.encode(old))
+        sock.send(msgspec.msgpack.encode({"type": "reserve", "request_id": "r", "num_tokens": 16}))  # protocol 3's Reserve
+        answers = answers_to(sock, 1)
+    finally:
+        sock.close(0)
+    assert isinstance(answers[0], protocol.Error)
+    assert f"protocol_version (ours {protocol.PROTOCOL_VERSION}, peer 3" in answers[0].message
+    assert pair.receiver.stats()["malformed_messages"] == 1  # the old Reserve: dropped and counted, nothing reserved
+    assert pair.allocator.num_free == pair.allocator.num_blocks

@@ -113,7 +113,7 @@ def _digest(layout: KVLayout, kv: list[torch.Tensor], blocks: list[int], tokens:
 
 def _receiver_side(conn: Connection, channel_name: str, layout: KVLayout, num_blocks: int, config: TransferConfig, host: str, device: str) -> None:
     """The decode side on ``host``: a KVReceiver that claims each announced request, digests its KV and frees its blocks."""
-    from pdkv.receiver import KVReceiver
+    from pdkv.transfer.receiver import KVReceiver
 
     torch.set_num_threads(ONE_THREAD)
     try:
@@ -165,7 +165,7 @@ class TransferRig:
         placement: Placement = LOOPBACK,
         device: str = "cpu",
     ) -> None:
-        from pdkv.sender import KVSender
+        from pdkv.transfer.sender import KVSender
 
         if device not in DEVICES:
             raise ConfigError(f"bench transfer --device {device!r}: expected one of {', '.join(DEVICES)}")

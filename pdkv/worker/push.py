@@ -14,7 +14,7 @@ import queue
 import threading
 
 from pdkv.errors import PdkvError
-from pdkv.sender import OutgoingTransfer
+from pdkv.transfer.sender import OutgoingTransfer
 
 log = logging.getLogger(__name__)
 
@@ -40,4 +40,4 @@ class ChunkPusher:
             try:
                 xfer.send_chunk(index)
             except PdkvError as exc:
-                log.warning("request %s: chunk %d not sent: %s", xfer.request_id, index, exc)
+                log.warning("transfer %s: chunk %d not sent: %s", xfer.transfer_id, index, exc)

@@ -22,8 +22,8 @@ from pdkv.engine.base import EngineAdapter, Request
 from pdkv.engine.sampling import SamplingParams, TokenLogprobs
 from pdkv.errors import RequestError
 from pdkv.keys import chunk_keys
-from pdkv.receiver import KVReceiver
-from pdkv.sender import KVSender
+from pdkv.transfer.receiver import KVReceiver
+from pdkv.transfer.sender import KVSender
 from pdkv.worker.metrics import WorkerMetrics
 from pdkv.worker.openai_api import GenerationRequest
 from pdkv.worker.push import ChunkPusher

@@ -46,8 +46,8 @@ from pdkv.errors import OutOfBlocksError, PdkvError, RequestError
 from pdkv.netaddr import is_loopback
 from pdkv.openai_http import add_openai_routes, end_with_error, sse_response
 from pdkv.openai_wire import SSE_DONE, sse
-from pdkv.receiver import KVReceiver
-from pdkv.sender import KVSender
+from pdkv.transfer.receiver import KVReceiver
+from pdkv.transfer.sender import KVSender
 from pdkv.web import application, bearer_middleware, error_response, read_json
 from pdkv.worker import openai_api as api
 from pdkv.worker.decode import DecodeRole

@@ -36,8 +36,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from pdkv import protocol
 from pdkv.errors import ProtocolError
+from pdkv.transfer import protocol
 from pdkv.wakeup import Waker
 
 log = logging.getLogger(__name__)

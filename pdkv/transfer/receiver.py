@@ -4,7 +4,7 @@ Two parts, like the sender's:
 
 * ``KVReceiver``, one per decode worker: owns the paged KV buffer (registered
   with the channel), the block allocator's view of it, a staging region, and
-  the control plane (``pdkv.control``): one I/O thread that sleeps in ``poll``
+  the control plane (``pdkv.transfer.control``): one I/O thread that sleeps in ``poll``
   on the bound ROUTER and on the channel's notification fd, so a Reserve is
   answered and a landed chunk verified the moment it arrives.
 * ``IncomingTransfer``, one per reservation: its blocks and staging slots,
@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from pdkv import native, protocol
+from pdkv import native
 from pdkv.auth import new_nonce, proof, verify, verify_bound
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.base import Channel, Notification
@@ -57,13 +57,14 @@ from pdkv.checksum import chunk_checksum, flat_bytes
 from pdkv.codec import Codec, available_codecs, make_codec
 from pdkv.codec import slot_bytes as codec_slot_bytes
 from pdkv.config import TransferConfig
-from pdkv.control import ControlLoop, RouterSocket
 from pdkv.errors import ChecksumError, HandshakeError, NotAnnouncedError, OutOfBlocksError, PdkvError, PromptMismatchError, ProtocolError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.layout import KVLayout, block_runs
 from pdkv.memory import adopt_kv
 from pdkv.native import scatter
-from pdkv.protocol import HELLO_REQUIRED, Auth, Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved, reserve_fields
 from pdkv.staging import DeviceStager, pinned_empty
+from pdkv.transfer import protocol
+from pdkv.transfer.control import ControlLoop, RouterSocket
+from pdkv.transfer.protocol import HELLO_REQUIRED, Auth, Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved, reserve_fields
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class ReceivedKV:
     ``prompt_key`` is the key of the prompt the sender computed this KV from (its Reserve).
     """
 
-    request_id: str
+    transfer_id: str
     blocks: list[int]
     num_tokens: int
     prompt_key: bytes = b""
@@ -135,7 +136,7 @@ class _Target:
 class IncomingTransfer:
     """One reservation: the memory it holds and how far its chunks got. Changed under the receiver's lock."""
 
-    request_id: str
+    transfer_id: str
     identity: bytes
     peer_agent: str
     num_tokens: int
@@ -179,7 +180,7 @@ class IncomingTransfer:
             base = self.slots[notice.slot] * target.slot_bytes
             got = chunk_checksum([target.staging[base : base + wire]])
         if got != notice.checksum:
-            raise ChecksumError(f"chunk {idx} of request {self.request_id!r} failed its checksum (sent {notice.checksum:#x}, landed {got:#x})")
+            raise ChecksumError(f"chunk {idx} of transfer {self.transfer_id!r} failed its checksum (sent {notice.checksum:#x}, landed {got:#x})")
         if self.mode == "staging":
             if codec.passthrough:
                 chunk = target.staging[base : base + nbytes].view(target.layout.torch_dtype).view(target.layout.chunk_shape(n))
@@ -264,7 +265,7 @@ class KVReceiver:
             list(self.target.codecs),
         )
 
-    def wait(self, request_id: str, timeout: float | None = None, prompt_key: bytes | None = None) -> ReceivedKV:
+    def wait(self, transfer_id: str, timeout: float | None = None, prompt_key: bytes | None = None) -> ReceivedKV:
         """Block until the request's KV has landed and verified, then hand it over.
 
         ``prompt_key``: the key of the prompt the caller will decode. When given,
@@ -281,51 +282,51 @@ class KVReceiver:
         timeout = self.config.transfer_timeout_s if timeout is None else timeout
         now = time.monotonic()
         deadline, unannounced = now + timeout, now + self.config.announce_timeout_s
-        why, error = f"KV for request {request_id!r} did not arrive within {timeout:.3g}s", TransferTimeout
+        why, error = f"KV of transfer {transfer_id!r} did not arrive within {timeout:.3g}s", TransferTimeout
         with self._lock:
             while True:
-                r = self._res.get(request_id)
+                r = self._res.get(transfer_id)
                 if r is not None and r.state is State.READY:
-                    del self._res[request_id]
+                    del self._res[transfer_id]
                     self._revoke(r)  # from now on its blocks are the caller's: the sender may not touch them
                     if prompt_key is not None and r.prompt_key != prompt_key:
                         self._free(r)
-                        self._remember_gone(request_id, "its KV was computed for another prompt")
+                        self._remember_gone(transfer_id, "its KV was computed for another prompt")
                         self.counters["prompt_mismatches"] += 1
                         raise PromptMismatchError(
-                            f"KV transfer {request_id!r} carries the KV of another prompt than the one to decode "
+                            f"KV transfer {transfer_id!r} carries the KV of another prompt than the one to decode "
                             "(the prompt differs from the one prefilled); computing it instead"
                         )
-                    self._remember_gone(request_id, "claimed")
+                    self._remember_gone(transfer_id, "claimed")
                     self.counters["claimed"] += 1
-                    return ReceivedKV(request_id, r.blocks, r.num_tokens, r.prompt_key)
+                    return ReceivedKV(transfer_id, r.blocks, r.num_tokens, r.prompt_key)
                 if r is not None and r.state is State.FAILED:
-                    raise TransferError(f"KV transfer for request {request_id!r} failed: {r.error}")
-                if r is None and request_id in self._gone:
-                    raise TransferError(f"KV transfer for request {request_id!r} is over: {self._gone[request_id]}")
+                    raise TransferError(f"KV transfer {transfer_id!r} failed: {r.error}")
+                if r is None and transfer_id in self._gone:
+                    raise TransferError(f"KV transfer {transfer_id!r} is over: {self._gone[transfer_id]}")
                 now = time.monotonic()
                 if r is None and now >= unannounced:
                     self.counters["unannounced"] += 1
-                    why = f"no sender announced a transfer for request {request_id!r} within announce_timeout_s={self.config.announce_timeout_s:.3g}s"
+                    why = f"no sender announced a transfer for transfer {transfer_id!r} within announce_timeout_s={self.config.announce_timeout_s:.3g}s"
                     error = NotAnnouncedError
                     break
                 if now >= deadline:
                     break
                 self._lock.wait(min(deadline, unannounced if r is None else deadline) - now)
-        self.cancel(request_id, f"decode side stopped waiting: {why}")
+        self.cancel(transfer_id, f"decode side stopped waiting: {why}")
         raise error(why)
 
-    def cancel(self, request_id: str, reason: str) -> None:
+    def cancel(self, transfer_id: str, reason: str) -> None:
         """Abandon a request from the decode side (client gone, timeout); frees what it holds."""
         with self._lock:
-            r = self._res.get(request_id)
+            r = self._res.get(transfer_id)
             if r is None:
-                self._remember_gone(request_id, f"cancelled: {reason}")
+                self._remember_gone(transfer_id, f"cancelled: {reason}")
                 return
             if r.state is State.READY:
-                del self._res[request_id]
+                del self._res[transfer_id]
                 self._free(r)
-                self._remember_gone(request_id, f"cancelled: {reason}")
+                self._remember_gone(transfer_id, f"cancelled: {reason}")
             elif r.state is State.RECEIVING:
                 self._fail(r, TransferCancelled(f"cancelled: {reason}"), notify_sender=True)
             self._lock.notify_all()
@@ -365,7 +366,7 @@ class KVReceiver:
         elif isinstance(msg, Reserve):
             self._reply(identity, self._on_reserve(identity, msg))
         elif isinstance(msg, Heartbeat):
-            self._renew(identity, msg.request_ids)
+            self._renew(identity, msg.transfer_ids)
         elif isinstance(msg, (Cancel, Done)):
             self._on_sender_finished(identity, msg)
         else:
@@ -424,32 +425,32 @@ class KVReceiver:
         peer = self._peers.get(identity)
         if peer is None and identity in self._unproven:
             self.counters["auth_failures"] += 1
-            return Refused(req.request_id, "not authenticated: this receiver requires the shared secret (set the same `secret` on both sides)")
+            return Refused(req.transfer_id, "not authenticated: this receiver requires the shared secret (set the same `secret` on both sides)")
         if peer is None:
-            return Refused(req.request_id, f"{HELLO_REQUIRED}: this receiver has no Hello from you (did it restart?)")
+            return Refused(req.transfer_id, f"{HELLO_REQUIRED}: this receiver has no Hello from you (did it restart?)")
         if self.secret and not verify_bound(self.secret, "reserve", peer.session, req.proof, *reserve_fields(req)):
             self.counters["auth_failures"] += 1
-            return Refused(req.request_id, "the Reserve's proof does not check out: it was not made by the peer that proved the shared secret")
+            return Refused(req.transfer_id, "the Reserve's proof does not check out: it was not made by the peer that proved the shared secret")
         cfg = self.config
         if req.codec not in self.target.codecs:
             self.counters["refused"] += 1
-            return Refused(req.request_id, f"codec {req.codec!r} is not one this receiver decodes ({', '.join(self.target.codecs)})")
+            return Refused(req.transfer_id, f"codec {req.codec!r} is not one this receiver decodes ({', '.join(self.target.codecs)})")
         with self._lock:
-            if req.request_id in self._res or req.request_id in self._gone:
+            if req.transfer_id in self._res or req.transfer_id in self._gone:
                 self.counters["refused"] += 1
-                return Refused(req.request_id, f"request id {req.request_id!r} was already used on this receiver")
+                return Refused(req.transfer_id, f"transfer id {req.transfer_id!r} was already used on this receiver")
             if len(self._res) >= cfg.max_reservations:
                 self.counters["refused"] += 1
-                return Refused(req.request_id, f"receiver holds its maximum of {cfg.max_reservations} reservations", retryable=True)
+                return Refused(req.transfer_id, f"receiver holds its maximum of {cfg.max_reservations} reservations", retryable=True)
             held = [r for r in self._res.values() if r.identity == identity]
             if len(held) >= cfg.max_reservations_per_peer:
                 self.counters["refused"] += 1
-                return Refused(req.request_id, f"you hold this receiver's per-peer maximum of {cfg.max_reservations_per_peer} reservations (max_reservations_per_peer)", retryable=True)
+                return Refused(req.transfer_id, f"you hold this receiver's per-peer maximum of {cfg.max_reservations_per_peer} reservations (max_reservations_per_peer)", retryable=True)
             peer_cap = int(cfg.max_peer_blocks_share * self.target.num_blocks)
             if cfg.max_peer_blocks_share < 1 and self.layout.blocks_for(req.num_tokens) + sum(len(r.blocks) for r in held) > peer_cap:
                 self.counters["refused"] += 1
                 return Refused(
-                    req.request_id,
+                    req.transfer_id,
                     f"{req.num_tokens} tokens would take you past your share of this receiver's blocks "
                     f"({peer_cap} of {self.target.num_blocks}: max_peer_blocks_share={cfg.max_peer_blocks_share:g})",
                     retryable=self.layout.blocks_for(req.num_tokens) <= peer_cap,
@@ -461,35 +462,35 @@ class KVReceiver:
             want_slots = 0 if direct else min(cfg.slots_per_request, num_chunks)
             if want_slots > len(self._free_slots):
                 self.counters["refused"] += 1
-                return Refused(req.request_id, f"no staging slots free ({len(self._free_slots)} of {cfg.staging_slots})", retryable=True)
+                return Refused(req.transfer_id, f"no staging slots free ({len(self._free_slots)} of {cfg.staging_slots})", retryable=True)
             needed = self.layout.blocks_for(req.num_tokens)
             try:
                 blocks = self.allocator.allocate(needed)
             except OutOfBlocksError as exc:
                 self.counters["refused"] += 1
-                return Refused(req.request_id, f"cannot hold {req.num_tokens} tokens: {exc}", retryable=needed <= self.target.num_blocks)
+                return Refused(req.transfer_id, f"cannot hold {req.num_tokens} tokens: {exc}", retryable=needed <= self.target.num_blocks)
             slots = [self._free_slots.pop() for _ in range(want_slots)]
             now = time.monotonic()
-            r = self._res[req.request_id] = IncomingTransfer(
-                req.request_id, identity, peer.agent, req.num_tokens, blocks, slots,
+            r = self._res[req.transfer_id] = IncomingTransfer(
+                req.transfer_id, identity, peer.agent, req.num_tokens, blocks, slots,
                 "direct" if direct else "staging", num_chunks, now, now + cfg.lease_s, peer.token, req.prompt_key, req.codec,
             )  # fmt: skip
             self.channel.grant(peer.token, "write", self._granted(r))
             self.counters["reserved"] += 1
             self._lock.notify_all()
-        return Reserved(req.request_id, "direct" if direct else "staging", blocks, [s * self.target.slot_bytes for s in slots], cfg.lease_s)
+        return Reserved(req.transfer_id, "direct" if direct else "staging", blocks, [s * self.target.slot_bytes for s in slots], cfg.lease_s)
 
-    def _renew(self, identity: bytes, request_ids: list[str]) -> None:
+    def _renew(self, identity: bytes, transfer_ids: list[str]) -> None:
         deadline = time.monotonic() + self.config.lease_s
         with self._lock:
-            for rid in request_ids:
+            for rid in transfer_ids:
                 r = self._res.get(rid)
                 if r is not None and r.identity == identity:
                     r.lease_deadline = deadline
 
     def _on_sender_finished(self, identity: bytes, msg: Cancel | Done) -> None:
         with self._lock:
-            r = self._res.get(msg.request_id)
+            r = self._res.get(msg.transfer_id)
             if r is None or r.identity != identity:
                 return
             r.sender_done = True
@@ -505,7 +506,7 @@ class KVReceiver:
         for notif in self.channel.get_notifications():
             r, index = self._on_notice(notif)
             if r is not None:
-                landed.setdefault(r.request_id, (r.identity, []))[1].append(index)
+                landed.setdefault(r.transfer_id, (r.identity, []))[1].append(index)
         for rid, (identity, indices) in landed.items():
             self._reply(identity, Landed(rid, indices))
 
@@ -518,7 +519,7 @@ class KVReceiver:
             log.warning("dropping notification from %r: %s", notif.peer, exc)
             return None, -1
         with self._lock:
-            r = self._res.get(notice.request_id)
+            r = self._res.get(notice.transfer_id)
             if r is None or r.peer_agent != notif.peer or r.state is not State.RECEIVING:
                 self.counters["stray_notices"] += 1
                 return None, -1
@@ -548,9 +549,9 @@ class KVReceiver:
         r.state, r.error = State.FAILED, str(exc)
         r.free_deadline = time.monotonic() + self.config.drain_timeout_s
         self.counters["transfers_failed"] += 1
-        log.warning("request %s: %s", r.request_id, exc)
+        log.warning("transfer %s: %s", r.transfer_id, exc)
         if notify_sender:
-            identity, msg = r.identity, Cancel(r.request_id, str(exc))
+            identity, msg = r.identity, Cancel(r.transfer_id, str(exc))
             self.loop.call_soon(lambda: self._reply(identity, msg))  # _fail also runs on API threads (cancel)
 
     def _granted(self, r: IncomingTransfer) -> list[Range]:
@@ -564,7 +565,7 @@ class KVReceiver:
         ranges = self._granted(r)
         if ranges and not self.channel.revoke(r.token, "write", ranges, self.config.drain_timeout_s):
             self.counters["fences"] += 1
-            log.error("request %s: a write was still landing in its memory after drain_timeout_s; cutting its sender's data connections", r.request_id)
+            log.error("transfer %s: a write was still landing in its memory after drain_timeout_s; cutting its sender's data connections", r.transfer_id)
             self._fence(r.identity)
 
     def _free(self, r: IncomingTransfer) -> None:
@@ -590,8 +591,8 @@ class KVReceiver:
             if other.identity == identity and other.state is State.RECEIVING:
                 self._fail(other, TransferError("the sender was cut off the data plane after it went silent"), notify_sender=True)
 
-    def _remember_gone(self, request_id: str, why: str) -> None:
-        self._gone[request_id] = why
+    def _remember_gone(self, transfer_id: str, why: str) -> None:
+        self._gone[transfer_id] = why
         while len(self._gone) > self.config.max_reservations:
             self._gone.popitem(last=False)
 
@@ -614,12 +615,12 @@ class KVReceiver:
                     if not r.sender_done:  # it never said it stopped writing: it may be frozen with writes queued
                         self.counters["fences"] += 1
                         self._fence(r.identity)
-                    del self._res[r.request_id]
+                    del self._res[r.transfer_id]
                     self._free(r)
-                    self._remember_gone(r.request_id, f"failed: {r.error}")
+                    self._remember_gone(r.transfer_id, f"failed: {r.error}")
                 elif r.state is State.READY and now > r.ready_at + cfg.claim_timeout_s:
-                    del self._res[r.request_id]
+                    del self._res[r.transfer_id]
                     self._free(r)
                     self.counters["unclaimed"] += 1
-                    self._remember_gone(r.request_id, "never claimed by the decode side")
+                    self._remember_gone(r.transfer_id, "never claimed by the decode side")
             self._lock.notify_all()

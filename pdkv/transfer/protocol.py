@@ -17,9 +17,11 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from pdkv import PROTOCOL_VERSION
 from pdkv.errors import HandshakeError, ProtocolError
 from pdkv.layout import KVLayout
+
+# 4: the id of a transfer is ``transfer_id`` on the wire (it was ``request_id``, the HTTP request's name).
+PROTOCOL_VERSION = 4
 
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_ID_LEN = 256
@@ -29,7 +31,7 @@ MAX_CHUNKS = 1 << 20  # chunks of one request (a request of 256-token chunks up 
 # a sender that sees it handshakes again once, instead of failing the request.
 HELLO_REQUIRED = "hello-required"
 
-RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
+TransferId = Annotated[str, Meta(min_length=1, max_length=MAX_ID_LEN)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 
 
@@ -72,7 +74,7 @@ class Reserve(msgspec.Struct, tag="reserve", forbid_unknown_fields=True):
     proved the secret at Hello (``pdkv.auth.bound_proof`` over both nonces).
     """
 
-    request_id: RequestId
+    transfer_id: TransferId
     num_tokens: Annotated[int, Meta(ge=1, le=1 << 40)]
     prompt_key: Annotated[bytes, Meta(max_length=64)] = b""
     proof: Annotated[bytes, Meta(max_length=64)] = b""
@@ -81,7 +83,7 @@ class Reserve(msgspec.Struct, tag="reserve", forbid_unknown_fields=True):
 
 def reserve_fields(msg: Reserve) -> tuple[bytes, bytes, bytes, bytes]:
     """What a Reserve's ``proof`` covers, in order."""
-    return msg.request_id.encode(), msg.num_tokens.to_bytes(8, "little"), msg.prompt_key, msg.codec.encode()
+    return msg.transfer_id.encode(), msg.num_tokens.to_bytes(8, "little"), msg.prompt_key, msg.codec.encode()
 
 
 class Reserved(msgspec.Struct, tag="reserved", forbid_unknown_fields=True):
@@ -93,7 +95,7 @@ class Reserved(msgspec.Struct, tag="reserved", forbid_unknown_fields=True):
     the receiver's staging region) and scattered in by the receiver.
     """
 
-    request_id: RequestId
+    transfer_id: TransferId
     mode: Literal["direct", "staging"]
     block_ids: list[NonNegInt]
     staging_slots: list[NonNegInt]
@@ -103,7 +105,7 @@ class Reserved(msgspec.Struct, tag="reserved", forbid_unknown_fields=True):
 class Refused(msgspec.Struct, tag="refused", forbid_unknown_fields=True):
     """No room. ``retryable``: room may free up (other requests finish); else it never fits."""
 
-    request_id: RequestId
+    transfer_id: TransferId
     reason: str
     retryable: bool = False
 
@@ -115,27 +117,27 @@ class Landed(msgspec.Struct, tag="landed", forbid_unknown_fields=True):
     a request whose chunks land together costs one message, not one per chunk.
     """
 
-    request_id: RequestId
+    transfer_id: TransferId
     chunk_indices: Annotated[list[NonNegInt], Meta(min_length=1, max_length=MAX_CHUNKS)]
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):
     """Renews the leases of the sender's open reservations."""
 
-    request_ids: list[RequestId]
+    transfer_ids: list[TransferId]
 
 
 class Cancel(msgspec.Struct, tag="cancel", forbid_unknown_fields=True):
     """Either side abandons a request. From the sender it also means: no more writes."""
 
-    request_id: RequestId
+    transfer_id: TransferId
     reason: str
 
 
 class Done(msgspec.Struct, tag="done", forbid_unknown_fields=True):
     """Sender: every write for this request has settled; none will follow."""
 
-    request_id: RequestId
+    transfer_id: TransferId
     ok: bool
 
 
@@ -151,7 +153,7 @@ Message = Hello | Auth | Reserve | Reserved | Refused | Landed | Heartbeat | Can
 class ChunkNotice(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     """The notification that follows a chunk's bytes over the channel."""
 
-    request_id: RequestId
+    transfer_id: TransferId
     chunk_index: NonNegInt
     checksum: NonNegInt
     slot: int  # staging slot index, or -1 for a direct write
@@ -206,7 +208,9 @@ def make_hello(
 def check_compatible(ours: Hello, theirs: Hello) -> None:
     """Raise ``HandshakeError`` naming every field that makes the peers incompatible."""
     diffs = []
-    for field in ("protocol_version", "model_fingerprint", "chunk_size", "channel"):
+    if ours.protocol_version != theirs.protocol_version:
+        diffs.append(f"protocol_version (ours {ours.protocol_version}, peer {theirs.protocol_version}: run one pdkv release on prefill and decode)")
+    for field in ("model_fingerprint", "chunk_size", "channel"):
         a, b = getattr(ours, field), getattr(theirs, field)
         if a != b:
             diffs.append(f"{field} (ours {a!r}, peer {b!r})")

@@ -6,7 +6,7 @@ its per-request senders:
 * ``KVSender``, one per prefill worker: registers the paged KV buffer and a
   bounded send-staging area with the channel, owns the send credit every
   transfer draws from (bytes in flight, local staging slots), and runs the
-  control plane (``pdkv.control``): one I/O thread, one DEALER per decode
+  control plane (``pdkv.transfer.control``): one I/O thread, one DEALER per decode
   receiver, the handshake (Hello, and Auth when a secret is set), heartbeats.
 * ``OutgoingTransfer``, one per request: its reservation on the receiver, the
   chunks it sent and the receiver verified, its in-flight writes, and the
@@ -52,21 +52,22 @@ from typing import Any
 import msgspec
 import torch
 
-from pdkv import native, protocol
+from pdkv import native
 from pdkv.auth import bound_proof, new_nonce, proof, verify
 from pdkv.channels.base import Channel, TransferHandle, TransferOp, XferState
 from pdkv.checksum import chunk_checksum, flat_bytes
 from pdkv.codec import Codec, make_codec
 from pdkv.codec import slot_bytes as codec_slot_bytes
 from pdkv.config import TransferConfig
-from pdkv.control import ControlLoop, DealerSockets
 from pdkv.errors import HandshakeError, PdkvError, ReservationError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.keys import chunk_spans
 from pdkv.layout import KVLayout, block_runs
 from pdkv.memory import adopt_kv, memory_kind
 from pdkv.native import gather
-from pdkv.protocol import HELLO_REQUIRED, Auth, Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved, reserve_fields
 from pdkv.staging import DeviceStager, pinned_empty
+from pdkv.transfer import protocol
+from pdkv.transfer.control import ControlLoop, DealerSockets
+from pdkv.transfer.protocol import HELLO_REQUIRED, Auth, Cancel, ChunkNotice, Done, Heartbeat, Hello, Landed, Refused, Reserve, Reserved, reserve_fields
 
 log = logging.getLogger(__name__)
 
@@ -140,12 +141,12 @@ class OutgoingTransfer:
     ``on_settled`` callbacks run.
     """
 
-    def __init__(self, sender: KVSender, peer: _Peer, request_id: str, num_tokens: int, block_table: Sequence[int], reserved: Reserved, codec: Codec) -> None:
+    def __init__(self, sender: KVSender, peer: _Peer, transfer_id: str, num_tokens: int, block_table: Sequence[int], reserved: Reserved, codec: Codec) -> None:
         self._sender = sender
         self.codec = codec  # how staged chunks go on the wire (``none``: as they are)
         self.cond = sender.cond
         self.peer = peer
-        self.request_id = request_id
+        self.transfer_id = transfer_id
         self.num_tokens = num_tokens
         self.block_table = list(block_table)
         self.mode = reserved.mode
@@ -184,7 +185,7 @@ class OutgoingTransfer:
     def send_chunk(self, index: int, timeout: float | None = None) -> None:
         """Post chunk ``index`` (its KV must already be in our blocks); waits only for credit."""
         if not 0 <= index < self.num_chunks:
-            raise TransferError(f"chunk {index} out of range: request {self.request_id!r} has {self.num_chunks} chunks")
+            raise TransferError(f"chunk {index} out of range: transfer {self.transfer_id!r} has {self.num_chunks} chunks")
         sender = self._sender
         timeout = sender.config.chunk_timeout_s if timeout is None else timeout
         start, n = self.spans[index]
@@ -194,10 +195,10 @@ class OutgoingTransfer:
         try:
             ops, digest = self._staged_ops(local_slot, remote_slot, start, n) if staging else self._direct_ops(start, n)
             wire = sum(op.length for op in ops)
-            notice = protocol.encode(ChunkNotice(self.request_id, index, digest, remote_slot, wire if staging else 0))
+            notice = protocol.encode(ChunkNotice(self.transfer_id, index, digest, remote_slot, wire if staging else 0))
             handle = sender.channel.write(self.peer.agent, ops, notice, token=self.peer.token)
         except Exception as exc:
-            err = exc if isinstance(exc, TransferError) else TransferError(f"posting chunk {index} of {self.request_id!r} failed: {exc}")
+            err = exc if isinstance(exc, TransferError) else TransferError(f"posting chunk {index} of {self.transfer_id!r} failed: {exc}")
             with self.cond:
                 self.posting -= 1
                 sender.credit.give(nbytes, local_slot)
@@ -225,7 +226,7 @@ class OutgoingTransfer:
             while self.error is None and not self.complete:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self.fail(TransferTimeout(f"request {self.request_id!r}: receiver did not confirm all {self.num_chunks} chunks within {timeout:.3g}s"))
+                    self.fail(TransferTimeout(f"transfer {self.transfer_id!r}: receiver did not confirm all {self.num_chunks} chunks within {timeout:.3g}s"))
                     break
                 self.cond.wait(remaining)
             if self.error is not None:
@@ -255,13 +256,13 @@ class OutgoingTransfer:
         deadline = time.monotonic() + timeout
         with self.cond:
             if index in self.sent:
-                raise TransferError(f"chunk {index} of {self.request_id!r} was already sent")
+                raise TransferError(f"chunk {index} of {self.transfer_id!r} was already sent")
             while True:
                 if self.error is None and time.monotonic() - self.renewed > self.lease_margin:
                     # We were stalled (SIGSTOP, a long GC, a frozen VM) past the point where the receiver may have
                     # reaped the reservation and handed its blocks to another request: writing now could land in them.
                     self.fail(TransferTimeout(
-                        f"request {self.request_id!r}: no heartbeat reached receiver {self.peer.address} for "
+                        f"transfer {self.transfer_id!r}: no heartbeat reached receiver {self.peer.address} for "
                         f"{time.monotonic() - self.renewed:.3g}s (its lease is {self.lease_s:.3g}s); not writing into a reservation that may be gone"))
                 if self.error is not None:
                     raise self.error
@@ -269,7 +270,7 @@ class OutgoingTransfer:
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    err = TransferTimeout(f"chunk {index} of {self.request_id!r}: no send credit within chunk_timeout_s={timeout:.3g}s (receiver slow or gone)")
+                    err = TransferTimeout(f"chunk {index} of {self.transfer_id!r}: no send credit within chunk_timeout_s={timeout:.3g}s (receiver slow or gone)")
                     self.fail(err)
                     raise err
                 self.cond.wait(remaining)
@@ -291,7 +292,7 @@ class OutgoingTransfer:
         first, last = start // bs, -(-(start + n) // bs)
         ours = self.block_table[first:last]
         if min(ours) < 0 or max(ours) >= src.num_blocks:
-            raise TransferError(f"request {self.request_id!r}: block table {ours} outside our {src.num_blocks} blocks")
+            raise TransferError(f"transfer {self.transfer_id!r}: block table {ours} outside our {src.num_blocks} blocks")
         runs = block_runs(ours, self.remote_blocks[first:last])
         assert self.peer.hello is not None
         remote_regions = self.peer.hello.kv_regions
@@ -361,7 +362,7 @@ class OutgoingTransfer:
         with self.cond:
             if self.error is None and not self.complete and now > self.opened + self._sender.config.transfer_timeout_s:
                 self.fail(TransferTimeout(
-                    f"request {self.request_id!r}: receiver {self.peer.address} did not confirm all {self.num_chunks} chunks "
+                    f"transfer {self.transfer_id!r}: receiver {self.peer.address} did not confirm all {self.num_chunks} chunks "
                     f"within transfer_timeout_s={self._sender.config.transfer_timeout_s:.3g}s"))
         self._settle_if_over()
 
@@ -370,7 +371,7 @@ class OutgoingTransfer:
         if self.error is None and not self.complete:
             self.error = err
             self._sender.counters["transfers_failed"] += 1
-            log.warning("request %s: %s", self.request_id, err)
+            log.warning("transfer %s: %s", self.transfer_id, err)
             self._sender.loop.call_soon(self._settle_if_over)
         self.cond.notify_all()
 
@@ -387,7 +388,7 @@ class OutgoingTransfer:
             try:
                 fn(self)
             except Exception:
-                log.exception("on_settled callback for %s failed", self.request_id)
+                log.exception("on_settled callback for %s failed", self.transfer_id)
 
 
 class KVSender:
@@ -446,7 +447,7 @@ class KVSender:
         )
 
     def open(
-        self, request_id: str, address: str, num_tokens: int, block_table: Sequence[int], prompt_key: bytes = b"", codec: str | None = None
+        self, transfer_id: str, address: str, num_tokens: int, block_table: Sequence[int], prompt_key: bytes = b"", codec: str | None = None
     ) -> OutgoingTransfer:
         """Handshake (once per receiver) and reserve room for the whole request there.
 
@@ -457,18 +458,18 @@ class KVSender:
         """
         codec = self.config.codec if codec is None else codec
         if codec not in self.codecs:
-            raise ReservationError(f"request {request_id!r}: codec {codec!r} is not this sender's; it runs {' or '.join(self.codecs)} (transfer.codec)")
+            raise ReservationError(f"transfer {transfer_id!r}: codec {codec!r} is not this sender's; it runs {' or '.join(self.codecs)} (transfer.codec)")
         if num_tokens <= 0:
-            raise ReservationError(f"request {request_id!r}: nothing to transfer (num_tokens={num_tokens})")
+            raise ReservationError(f"transfer {transfer_id!r}: nothing to transfer (num_tokens={num_tokens})")
         if len(block_table) < self.layout.blocks_for(num_tokens):
-            raise ReservationError(f"request {request_id!r}: block table has {len(block_table)} blocks, {num_tokens} tokens need {self.layout.blocks_for(num_tokens)}")
+            raise ReservationError(f"transfer {transfer_id!r}: block table has {len(block_table)} blocks, {num_tokens} tokens need {self.layout.blocks_for(num_tokens)}")
         deadline = time.monotonic() + self.config.reserve_timeout_s
         rehandshaked = False
         backoff = 0.005
         while True:
             peer = self._connect(address)
             try:
-                reply = self._reserve(peer, request_id, num_tokens, prompt_key, codec)
+                reply = self._reserve(peer, transfer_id, num_tokens, prompt_key, codec)
             except TransferError as exc:
                 if rehandshaked or not peer.dropped or isinstance(exc, TransferTimeout):
                     raise
@@ -487,11 +488,11 @@ class KVSender:
                 backoff = min(backoff * 2, 0.1)
                 continue
             self.counters["reservations_refused"] += 1
-            raise ReservationError(f"receiver {address} refused request {request_id!r}: {reason}")
+            raise ReservationError(f"receiver {address} refused transfer {transfer_id!r}: {reason}")
         self._check_reserved(reply, num_tokens, codec)
-        xfer = OutgoingTransfer(self, peer, request_id, num_tokens, block_table, reply, self.codecs[codec])
+        xfer = OutgoingTransfer(self, peer, transfer_id, num_tokens, block_table, reply, self.codecs[codec])
         with self.cond:
-            self._transfers[request_id] = xfer
+            self._transfers[transfer_id] = xfer
         return xfer
 
     def stats(self) -> dict[str, int]:
@@ -552,7 +553,7 @@ class KVSender:
             and x.peer.hello.channel_metadata != hello.channel_metadata
         ]  # fmt: skip
         for xfer in stale:
-            xfer.fail(TransferError(f"receiver {hello.agent!r} at {xfer.peer.address} restarted: request {xfer.request_id!r} was reserved on its previous run"))
+            xfer.fail(TransferError(f"receiver {hello.agent!r} at {xfer.peer.address} restarted: transfer {xfer.transfer_id!r} was reserved on its previous run"))
         deadline = time.monotonic() + self.config.handshake_timeout_s
         while any(x.posting for x in stale):
             remaining = deadline - time.monotonic()
@@ -585,15 +586,15 @@ class KVSender:
             _answer(fut, err)
         self._dealers.close_peer(peer)
 
-    def _reserve(self, peer: _Peer, request_id: str, num_tokens: int, prompt_key: bytes, codec: str) -> protocol.Message:
+    def _reserve(self, peer: _Peer, transfer_id: str, num_tokens: int, prompt_key: bytes, codec: str) -> protocol.Message:
         fut: Future[protocol.Message] = Future()
         with self.cond:
-            if request_id in self._pending_reserve or request_id in self._transfers:
-                raise ReservationError(f"request {request_id!r} already has a transfer open")
+            if transfer_id in self._pending_reserve or transfer_id in self._transfers:
+                raise ReservationError(f"transfer {transfer_id!r} already has a transfer open")
             if peer.dropped:  # lost since the handshake: its socket is closed, a Reserve would go nowhere
                 raise TransferError(peer.dropped)
-            self._pending_reserve[request_id] = (peer, fut)
-        msg = Reserve(request_id, num_tokens, prompt_key, codec=codec)
+            self._pending_reserve[transfer_id] = (peer, fut)
+        msg = Reserve(transfer_id, num_tokens, prompt_key, codec=codec)
         if self.secret and peer.hello is not None:
             msg.proof = bound_proof(self.secret, "reserve", peer.hello.nonce + peer.nonce, *reserve_fields(msg))
         self._send(peer, msg)
@@ -601,13 +602,13 @@ class KVSender:
         try:
             return fut.result(timeout)
         except FutureTimeout:
-            self._send(peer, Cancel(request_id, "reservation timed out at the sender"))  # queued before the drop closes the socket
-            reason = f"receiver {peer.address} did not answer Reserve for {request_id!r} within reserve_timeout_s={timeout:.3g}s"
+            self._send(peer, Cancel(transfer_id, "reservation timed out at the sender"))  # queued before the drop closes the socket
+            reason = f"receiver {peer.address} did not answer Reserve for {transfer_id!r} within reserve_timeout_s={timeout:.3g}s"
             self._drop_peer(peer, reason)
             raise TransferTimeout(reason) from None
         finally:
             with self.cond:
-                self._pending_reserve.pop(request_id, None)
+                self._pending_reserve.pop(transfer_id, None)
 
     def _check_reserved(self, reply: Reserved, num_tokens: int, codec: str) -> None:
         """A grant from the wire is checked before any write is built from it."""
@@ -621,11 +622,11 @@ class KVSender:
 
     def transfer_settled(self, xfer: OutgoingTransfer) -> None:
         """A transfer settled (I/O thread): tell its receiver and forget it."""
-        msg: protocol.Message = Done(xfer.request_id, True) if xfer.error is None else Cancel(xfer.request_id, str(xfer.error))
+        msg: protocol.Message = Done(xfer.transfer_id, True) if xfer.error is None else Cancel(xfer.transfer_id, str(xfer.error))
         self._send(xfer.peer, msg)
         with self.cond:
-            if self._transfers.get(xfer.request_id) is xfer:
-                del self._transfers[xfer.request_id]
+            if self._transfers.get(xfer.transfer_id) is xfer:
+                del self._transfers[xfer.transfer_id]
             self.counters["transfers_ok" if xfer.error is None else "transfers_settled_failed"] += 1
             self.cond.notify_all()
 
@@ -656,14 +657,14 @@ class KVSender:
                 log.warning("receiver %s reported: %s", peer.address, msg.message)
         elif isinstance(msg, (Reserved, Refused)):
             with self.cond:
-                owner, fut = self._pending_reserve.get(msg.request_id, (None, None))
+                owner, fut = self._pending_reserve.get(msg.transfer_id, (None, None))
             if owner is peer and fut is not None and not fut.done():
                 _answer(fut, msg)
             elif isinstance(msg, Reserved):  # we gave up waiting: release it at once
-                self._send(peer, Cancel(msg.request_id, "reservation arrived after the sender gave up"))
+                self._send(peer, Cancel(msg.transfer_id, "reservation arrived after the sender gave up"))
         elif isinstance(msg, (Landed, Cancel)):
             with self.cond:
-                xfer = self._transfers.get(msg.request_id)
+                xfer = self._transfers.get(msg.transfer_id)
             if xfer is None or xfer.peer is not peer:
                 return
             if isinstance(msg, Landed):
@@ -714,7 +715,7 @@ class KVSender:
         with self.cond:
             for xfer in transfers:
                 if not xfer.peer.dropped and not xfer.settled:
-                    by_peer.setdefault(xfer.peer.identity, (xfer.peer, []))[1].append(xfer.request_id)
+                    by_peer.setdefault(xfer.peer.identity, (xfer.peer, []))[1].append(xfer.transfer_id)
                     xfer.renewed = now
         for peer, ids in by_peer.values():
             self._send(peer, Heartbeat(ids))
