@@ -16,7 +16,8 @@ from pdkv.channels import create_channel
 from pdkv.checksum import checksum, chunk_checksum, flat_bytes
 from pdkv.errors import DeviceMemoryError, LayoutError
 from pdkv.layout import KVLayout, gather
-from pdkv.memory import byte_view, emulate_device, memory_kind
+from pdkv.memory import EMULATE_ENV, adopt_kv, byte_view, emulate_device, memory_kind
+from pdkv.transfer.sender import KVSender
 
 from tests.conftest import MakePair
 
@@ -111,6 +112,26 @@ def test_code_that_takes_a_host_view_of_device_kv_fails_in_the_emulation() -> No
         assert not tcp.reaches(kv[0]) and tcp.reaches(torch.zeros(4))
         with pytest.raises(DeviceMemoryError):
             tcp.register(kv[0])
+
+
+def test_the_environment_switch_makes_every_transfer_kv_buffer_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = [torch.zeros(4, 8), torch.zeros(4, 8)]
+    adopt_kv(kv)
+    assert {memory_kind(t) for t in kv} == {"host"}
+    monkeypatch.setenv(EMULATE_ENV, "1")
+    adopt_kv(kv)
+    assert {memory_kind(t) for t in kv} == {"emulated"}
+
+
+def test_kv_on_the_meta_device_no_longer_fails_at_construction() -> None:
+    """What a new user tried first: the sender takes it (staging only); only hashing its no-bytes fails, naming why."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
+    with create_channel("mock", "meta-p") as channel:
+        sender = KVSender(channel, layout, layout.allocate(4, device="meta"), "m")
+        try:
+            assert sender.hello().kv_regions == [] and sender.kv_memory == "other" and sender.source.stager is not None
+        finally:
+            sender.close()
 
 
 def test_a_host_only_channel_stages_device_kv_through_host_slots_bit_exact(make_pair: MakePair) -> None:
