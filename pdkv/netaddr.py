@@ -60,3 +60,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def zmq_address(host: str, port: int | str) -> str:
+    """A ZeroMQ tcp endpoint; an IPv6 literal goes in brackets (``tcp://[::1]:5555``), as ZeroMQ wants it."""
+    return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"

@@ -129,7 +129,7 @@ def test_a_notice_claiming_more_bytes_than_a_slot_is_refused_before_the_slot_is_
     pair = make_pair(p_layout=LAYOUT, config=_config("fp8"), channel="tcp")
     r = pair.receiver
     xfer = pair.sender.open("forged", r.address, TOKENS, TABLE)
-    incoming = r._res["forged"]  # the reservation the forged notices name
+    incoming = r.book.res["forged"]  # the reservation the forged notices name
     for nbytes in (0, r.target.slot_bytes + 1, 1 << 40):
         with pytest.raises(TransferError, match="claims"):
             incoming.land(r.target, ChunkNotice("forged", 0, 0, 0, nbytes))

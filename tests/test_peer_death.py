@@ -107,27 +107,27 @@ def _receiver_child(conn: multiprocessing.connection.Connection, step: str) -> N
     channel = TcpChannel("decode", TCP)
     receiver = KVReceiver(channel, P_LAYOUT, P_LAYOUT.allocate(NUM_BLOCKS), BlockAllocator(NUM_BLOCKS), FINGERPRINT, CFG)
     if step == "hello":
-        receiver._on_hello = lambda identity, hello: _stop_here(conn, step)  # type: ignore[method-assign]
+        receiver.handshake.on_hello = lambda identity, hello: _stop_here(conn, step)  # type: ignore[method-assign]
     elif step == "reserve":
         receiver._on_reserve = lambda identity, req: _stop_here(conn, step)  # type: ignore[method-assign]
     elif step == "mid_chunk":
-        on_notice = receiver._on_notice
+        on_notice = receiver.book.land
 
         def stop_at_chunk_1(notif: Any) -> Any:
             if decode_notice(notif.payload).chunk_index == 1:
                 _stop_here(conn, step)
             return on_notice(notif)
 
-        receiver._on_notice = stop_at_chunk_1  # type: ignore[method-assign]
+        receiver.book.land = stop_at_chunk_1  # type: ignore[method-assign]
     elif step == "done":
-        on_finished = receiver._on_sender_finished
+        on_finished = receiver.book.sender_finished
 
         def stop_at_done(identity: bytes, msg: Any) -> None:
             if isinstance(msg, Done):
                 _stop_here(conn, step)
             on_finished(identity, msg)
 
-        receiver._on_sender_finished = stop_at_done  # type: ignore[method-assign]
+        receiver.book.sender_finished = stop_at_done  # type: ignore[method-assign]
     conn.send(("ready", receiver.address))
     _until_parent_gone(conn)
 
@@ -140,7 +140,7 @@ def _sender_child(conn: multiprocessing.connection.Connection, step: str, addres
 
     def script() -> None:
         if step == "hello":
-            sender._on_hello = lambda peer, msg: _stop_here(conn, step)  # type: ignore[method-assign]
+            sender.handshake.on_hello = lambda peer, msg: _stop_here(conn, step)  # type: ignore[method-assign]
             sender.open("r", address, TOKENS, TABLE)
             return
         if step == "done":
@@ -285,7 +285,7 @@ def assert_sender_holds_nothing(sender: KVSender) -> None:
     wait_until(lambda: sender.stats()["open_transfers"] == 0, CFG.transfer_timeout_s + SLACK_S, "the sender to settle the dead receiver's transfer")
     assert sender.stats()["inflight_bytes"] == 0
     # private state, read on purpose: a dropped receiver's control socket must be closed, never reopened
-    wait_until(lambda: sender._dealers.count() == len(sender._peers), SLACK_S, "no control socket to outlive its receiver")
+    wait_until(lambda: sender._dealers.count() == len(sender.handshake.peers), SLACK_S, "no control socket to outlive its receiver")
 
 
 def push_fresh(sender: KVSender, decode: Decode, request_id: str) -> None:

@@ -24,7 +24,8 @@ from pdkv.config import PdkvConfig
 from pdkv.engine.base import EngineAdapter, Request
 from pdkv.engine.sampling import MIN_LOGPROB, TokenLogprobs
 from pdkv.errors import InvalidRequestError, NotAnnouncedError, PdkvError, PromptMismatchError, TransferError, TransferTimeout
-from pdkv.transfer.receiver import KVReceiver, ReceivedKV
+from pdkv.transfer.incoming import ReceivedKV
+from pdkv.transfer.receiver import KVReceiver
 from pdkv.worker.metrics import WorkerMetrics
 from pdkv.worker.openai_api import MAX_LOGPROBS, GenerationRequest
 from pdkv.worker.role import Plan, WorkerRole

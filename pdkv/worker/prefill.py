@@ -28,7 +28,8 @@ from pdkv.config import PdkvConfig
 from pdkv.engine.base import EngineAdapter, Request
 from pdkv.engine.sampling import TokenLogprobs
 from pdkv.errors import PdkvError, PeerUnreachableError
-from pdkv.transfer.sender import KVSender, OutgoingTransfer
+from pdkv.transfer.outgoing import OutgoingTransfer
+from pdkv.transfer.sender import KVSender
 from pdkv.worker.metrics import WorkerMetrics
 from pdkv.worker.openai_api import GenerationRequest
 from pdkv.worker.push import ChunkPusher

@@ -14,7 +14,7 @@ import queue
 import threading
 
 from pdkv.errors import PdkvError
-from pdkv.transfer.sender import OutgoingTransfer
+from pdkv.transfer.outgoing import OutgoingTransfer
 
 log = logging.getLogger(__name__)
 

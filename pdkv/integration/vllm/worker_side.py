@@ -55,8 +55,9 @@ from pdkv.integration.vllm.kvcache import copy_blocks
 from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
 from pdkv.keys import PromptKeys
 from pdkv.layout import KVLayout
+from pdkv.transfer.outgoing import OutgoingTransfer
 from pdkv.transfer.receiver import KVReceiver
-from pdkv.transfer.sender import KVSender, OutgoingTransfer
+from pdkv.transfer.sender import KVSender
 
 log = logging.getLogger(__name__)
 

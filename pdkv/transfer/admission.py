@@ -1,0 +1,73 @@
+"""Whether a decode worker takes a Reserve: one pure function of the request and what the receiver holds.
+
+Kept apart from the receiver so every refusal rule is stated once and unit-tested without sockets. The
+blocks themselves are allocated by the receiver afterwards: the allocator is shared with the engine, so
+only the allocation can say whether they are free at that moment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Literal
+
+from pdkv.config import TransferConfig
+from pdkv.layout import KVLayout
+from pdkv.transfer.protocol import Refused, Reserve
+
+
+@dataclass(frozen=True)
+class ReceiverView:
+    """What admission reads of the receiver, taken under its lock."""
+
+    config: TransferConfig
+    layout: KVLayout
+    num_blocks: int
+    codecs: Collection[str]
+    free_slots: int
+    reservations: int  # held by every peer
+    id_used: bool  # the transfer id is open or was used before on this receiver
+    peer_layout: KVLayout
+    peer_blocks: tuple[int, ...]  # blocks held by each of this peer's reservations
+    # Both sides' channels registered their KV (an empty kv_regions in a Hello: the KV is in memory that side's
+    # channel cannot reach, e.g. VRAM and tcp): only then can a block be written in place.
+    kv_in_reach: bool = True
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What to allocate for an admitted transfer."""
+
+    mode: Literal["direct", "staging"]
+    blocks: int
+    slots: int
+    chunks: int
+
+
+def admit(req: Reserve, view: ReceiverView) -> Grant | Refused:
+    """A grant, or the refusal that says why (``retryable`` when room may free up as other transfers finish)."""
+    cfg = view.config
+    tid = req.transfer_id
+    if req.codec not in view.codecs:
+        return Refused(tid, f"codec {req.codec!r} is not one this receiver decodes ({', '.join(view.codecs)})")
+    if view.id_used:
+        return Refused(tid, f"transfer id {tid!r} was already used on this receiver")
+    if view.reservations >= cfg.max_reservations:
+        return Refused(tid, f"receiver holds its maximum of {cfg.max_reservations} reservations", retryable=True)
+    if len(view.peer_blocks) >= cfg.max_reservations_per_peer:
+        return Refused(tid, f"you hold this receiver's per-peer maximum of {cfg.max_reservations_per_peer} reservations (max_reservations_per_peer)", retryable=True)
+    blocks = view.layout.blocks_for(req.num_tokens)
+    peer_cap = int(cfg.max_peer_blocks_share * view.num_blocks)
+    if cfg.max_peer_blocks_share < 1 and blocks + sum(view.peer_blocks) > peer_cap:
+        return Refused(
+            tid,
+            f"{req.num_tokens} tokens would take you past your share of this receiver's blocks "
+            f"({peer_cap} of {view.num_blocks}: max_peer_blocks_share={cfg.max_peer_blocks_share:g})",
+            retryable=blocks <= peer_cap,
+        )
+    chunks = -(-req.num_tokens // cfg.chunk_size)
+    direct = view.kv_in_reach and view.peer_layout == view.layout and cfg.chunk_size % view.layout.block_size == 0 and req.codec == "none"
+    slots = 0 if direct else min(cfg.slots_per_request, chunks)
+    if slots > view.free_slots:
+        return Refused(tid, f"no staging slots free ({view.free_slots} of {cfg.staging_slots})", retryable=True)
+    return Grant("direct" if direct else "staging", blocks, slots, chunks)

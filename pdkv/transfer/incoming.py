@@ -1,0 +1,138 @@
+"""One reservation on the decode side: the memory it holds, how far its chunks got, and landing a chunk.
+
+See README.md, "landed" and "verified": a chunk counts only after its checksum matched, and a staged chunk
+is scattered into the blocks (through its codec) only then.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from pdkv.channels.grants import Range
+from pdkv.checksum import chunk_checksum
+from pdkv.codec import Codec
+from pdkv.errors import ChecksumError, TransferError
+from pdkv.layout import KVLayout, block_runs
+from pdkv.native import scatter
+from pdkv.staging import DeviceStager
+from pdkv.transfer.protocol import ChunkNotice
+
+
+class State(enum.Enum):
+    RECEIVING = "receiving"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class ReceivedKV:
+    """A request's landed KV: ``blocks`` now belong to the caller, who frees them.
+
+    ``prompt_key`` is the key of the prompt the sender computed this KV from (its Reserve).
+    """
+
+    transfer_id: str
+    blocks: list[int]
+    num_tokens: int
+    prompt_key: bytes = b""
+
+
+@dataclass
+class ReceiveTarget:
+    """Our side's memory as every transfer lands in it, and its regions in the channel.
+
+    ``kv_regions`` is empty when the channel cannot reach the KV's memory:
+    every reservation is then staged, and ``stager`` copies each landed chunk
+    from its pinned slot to the KV's device.
+    """
+
+    layout: KVLayout
+    kv: list[torch.Tensor]
+    kv_bytes: list[torch.Tensor]  # each KV tensor's bytes, flat, on its own device
+    num_blocks: int
+    staging: torch.Tensor
+    slot_bytes: int
+    chunk_size: int
+    kv_regions: list[int]
+    staging_region: int
+    codecs: dict[str, Codec]  # what this side decodes (offered in its Hello)
+    stager: DeviceStager | None
+
+    def block_ranges(self, blocks: list[int]) -> list[Range]:
+        """Byte ranges of ``blocks`` in every buffer tensor, in wire order, adjacent blocks as one range."""
+        if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
+            raise TransferError(f"block ids {blocks} outside the buffer's {self.num_blocks} blocks")
+        size = self.layout.block_bytes
+        return [(self.kv_regions[t], a * size, k * size) for t in range(self.layout.num_tensors) for a, _, k in block_runs(blocks)]
+
+    def slot_ranges(self, slots: list[int]) -> list[Range]:
+        return [(self.staging_region, s * self.slot_bytes, self.slot_bytes) for s in slots]
+
+
+@dataclass
+class IncomingTransfer:
+    """One reservation: the memory it holds and how far its chunks got. Changed under the receiver's lock."""
+
+    transfer_id: str
+    identity: bytes
+    peer_agent: str
+    num_tokens: int
+    blocks: list[int]
+    slots: list[int]
+    mode: str
+    num_chunks: int
+    created: float
+    lease_deadline: float
+    token: bytes  # the sender's capability: what its blocks and slots are granted to
+    prompt_key: bytes = b""
+    codec: str = "none"  # how its staged chunks arrive
+    revoked: bool = False  # its grants were taken back: the sender can no longer write into it
+    state: State = State.RECEIVING
+    landed: set[int] = field(default_factory=set)
+    error: str = ""
+    sender_done: bool = False
+    free_deadline: float = 0.0
+    ready_at: float = 0.0
+
+    def land(self, target: ReceiveTarget, notice: ChunkNotice) -> int:
+        """Verify one chunk that arrived (and scatter it, when staged); returns its bytes. Raises ``TransferError``."""
+        idx = notice.chunk_index
+        if idx >= self.num_chunks or idx in self.landed:
+            raise TransferError(f"chunk {idx} is out of range or duplicated (request has {self.num_chunks} chunks)")
+        cs = target.chunk_size
+        start, n = idx * cs, min(cs, self.num_tokens - idx * cs)
+        nbytes = target.layout.chunk_bytes(n)
+        if self.mode == "direct":
+            bs = target.layout.block_size
+            ranges = target.block_ranges(self.blocks[start // bs : -(-(start + n) // bs)])
+            views = dict(zip(target.kv_regions, target.kv_bytes, strict=True))
+            got = chunk_checksum((views[region][off : off + ln] for region, off, ln in ranges), unit=target.layout.block_bytes)
+        else:
+            if not 0 <= notice.slot < len(self.slots):
+                raise TransferError(f"chunk {idx} names staging slot {notice.slot}, request has {len(self.slots)}")
+            codec = target.codecs[self.codec]
+            wire = notice.nbytes
+            if not (wire == nbytes if codec.passthrough else 0 < wire <= target.slot_bytes):  # checked before the slot is read
+                raise TransferError(f"chunk {idx} claims {wire} bytes in its slot ({self.codec!r} chunk of {n} tokens, slots of {target.slot_bytes})")
+            base = self.slots[notice.slot] * target.slot_bytes
+            got = chunk_checksum([target.staging[base : base + wire]])
+        if got != notice.checksum:
+            raise ChecksumError(f"chunk {idx} of transfer {self.transfer_id!r} failed its checksum (sent {notice.checksum:#x}, landed {got:#x})")
+        if self.mode == "staging":
+            if codec.passthrough:
+                chunk = target.staging[base : base + nbytes].view(target.layout.torch_dtype).view(target.layout.chunk_shape(n))
+            else:  # a frame that does not decode to exactly this chunk raises CodecError (a TransferError)
+                chunk = codec.decode(target.staging[base : base + wire], codec.scratch("raw", target.layout.chunk_shape(n), target.layout.torch_dtype))
+            if target.stager is not None:  # to the KV's device on pdkv's stream; back once the chunk is there
+                target.stager.stage_in(self.blocks, start, chunk)
+            else:
+                scatter(target.layout, target.kv, self.blocks, start, chunk)
+        self.landed.add(idx)
+        return nbytes
+
+    @property
+    def all_landed(self) -> bool:
+        return len(self.landed) == self.num_chunks

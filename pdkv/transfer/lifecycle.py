@@ -1,0 +1,223 @@
+"""A decode worker's reservations through their life: land, renew, fail, revoke, free, fence, reap.
+
+The rules (README.md, "freed" and the late-write rule): blocks and slots are freed exactly once; a failed
+reservation's memory waits until its sender said it writes no more (Done/Cancel) or drain_timeout_s passed;
+a sender that went silent is fenced off the data plane before its blocks go to anyone else.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from pdkv.blocks import BlockAllocator
+from pdkv.channels.base import Channel, Notification
+from pdkv.channels.grants import Range
+from pdkv.config import TransferConfig
+from pdkv.errors import ChecksumError, PromptMismatchError, ProtocolError, TransferCancelled, TransferError, TransferTimeout
+from pdkv.transfer import protocol
+from pdkv.transfer.control import ControlLoop
+from pdkv.transfer.handshake import SenderPeer
+from pdkv.transfer.incoming import IncomingTransfer, ReceivedKV, ReceiveTarget, State
+from pdkv.transfer.protocol import Cancel, Done, Landed
+
+log = logging.getLogger(__name__)
+
+
+class IncomingBook:
+    """Every reservation a receiver holds, and the transfer ids it already used; all under one lock."""
+
+    def __init__(
+        self,
+        channel: Channel,
+        target: ReceiveTarget,
+        allocator: BlockAllocator,
+        config: TransferConfig,
+        counters: collections.Counter[str],
+        loop: ControlLoop,
+        lock: threading.Condition,
+        peers: dict[bytes, SenderPeer],
+        reply: Callable[[bytes, protocol.Message], None],
+    ) -> None:
+        self.channel, self.target, self.allocator, self.config, self.counters, self.loop = channel, target, allocator, config, counters, loop
+        self.lock, self.peers, self.reply = lock, peers, reply
+        self.res: dict[str, IncomingTransfer] = {}
+        self.gone: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self.free_slots = list(range(config.staging_slots))
+
+    def claim(self, r: IncomingTransfer, prompt_key: bytes | None) -> ReceivedKV:
+        """Hand a ready reservation's blocks to the caller (caller holds the lock); KV of another prompt is freed instead."""
+        del self.res[r.transfer_id]
+        self.revoke(r)  # from now on its blocks are the caller's: the sender may not touch them
+        if prompt_key is not None and r.prompt_key != prompt_key:
+            self.free(r)
+            self.remember_gone(r.transfer_id, "its KV was computed for another prompt")
+            self.counters["prompt_mismatches"] += 1
+            raise PromptMismatchError(
+                f"KV transfer {r.transfer_id!r} carries the KV of another prompt than the one to decode "
+                "(the prompt differs from the one prefilled); computing it instead"
+            )
+        self.remember_gone(r.transfer_id, "claimed")
+        self.counters["claimed"] += 1
+        return ReceivedKV(r.transfer_id, r.blocks, r.num_tokens, r.prompt_key)
+
+    def cancel(self, transfer_id: str, reason: str) -> None:
+        """Abandon a transfer from the decode side (client gone, timeout); frees what it holds."""
+        with self.lock:
+            r = self.res.get(transfer_id)
+            if r is None:
+                self.remember_gone(transfer_id, f"cancelled: {reason}")
+                return
+            if r.state is State.READY:
+                del self.res[transfer_id]
+                self.free(r)
+                self.remember_gone(transfer_id, f"cancelled: {reason}")
+            elif r.state is State.RECEIVING:
+                self.fail(r, TransferCancelled(f"cancelled: {reason}"), notify_sender=True)
+            self.lock.notify_all()
+
+    def renew(self, identity: bytes, transfer_ids: list[str]) -> None:
+        deadline = time.monotonic() + self.config.lease_s
+        with self.lock:
+            for rid in transfer_ids:
+                r = self.res.get(rid)
+                if r is not None and r.identity == identity:
+                    r.lease_deadline = deadline
+
+    def sender_finished(self, identity: bytes, msg: Cancel | Done) -> None:
+        with self.lock:
+            r = self.res.get(msg.transfer_id)
+            if r is None or r.identity != identity:
+                return
+            r.sender_done = True
+            if r.state is State.RECEIVING and (isinstance(msg, Cancel) or not msg.ok):
+                reason = msg.reason if isinstance(msg, Cancel) else "sender reported failure"
+                self.fail(r, TransferCancelled(f"sender cancelled: {reason}"), notify_sender=False)
+            self.lock.notify_all()
+
+    def on_notifications(self) -> None:
+        """Verify every chunk whose notification arrived; acknowledge each transfer's chunks with one Landed."""
+        landed: dict[str, tuple[bytes, list[int]]] = {}
+        for notif in self.channel.get_notifications():
+            r, index = self.land(notif)
+            if r is not None:
+                landed.setdefault(r.transfer_id, (r.identity, []))[1].append(index)
+        for rid, (identity, indices) in landed.items():
+            self.reply(identity, Landed(rid, indices))
+
+    def land(self, notif: Notification) -> tuple[IncomingTransfer | None, int]:
+        """Land one chunk; the reservation and chunk index to acknowledge, or (None, -1)."""
+        try:
+            notice = protocol.decode_notice(notif.payload)
+        except ProtocolError as exc:
+            self.counters["malformed_notices"] += 1
+            log.warning("dropping notification from %r: %s", notif.peer, exc)
+            return None, -1
+        with self.lock:
+            r = self.res.get(notice.transfer_id)
+            if r is None or r.peer_agent != notif.peer or r.state is not State.RECEIVING:
+                self.counters["stray_notices"] += 1
+                return None, -1
+            try:
+                nbytes = r.land(self.target, notice)
+            except TransferError as exc:
+                if isinstance(exc, ChecksumError):
+                    self.counters["checksum_failures"] += 1
+                self.fail(r, exc, notify_sender=True)
+                self.lock.notify_all()
+                return None, -1
+            r.lease_deadline = time.monotonic() + self.config.lease_s
+            self.counters["chunks_landed"] += 1
+            self.counters["bytes_landed"] += nbytes
+            if r.all_landed:
+                r.state, r.ready_at = State.READY, time.monotonic()
+                if r.slots and self.channel.revoke(r.token, "write", self.target.slot_ranges(r.slots), 0):  # nothing left to land
+                    self.free_slots.extend(r.slots)
+                    r.slots = []
+                self.counters["transfers_ready"] += 1
+            self.lock.notify_all()
+        return r, notice.chunk_index
+
+    def fail(self, r: IncomingTransfer, exc: TransferError, notify_sender: bool) -> None:
+        """Mark failed (caller holds the lock); memory is freed once the sender can no longer write into it."""
+        r.state, r.error = State.FAILED, str(exc)
+        r.free_deadline = time.monotonic() + self.config.drain_timeout_s
+        self.counters["transfers_failed"] += 1
+        log.warning("transfer %s: %s", r.transfer_id, exc)
+        if notify_sender:
+            identity, msg = r.identity, Cancel(r.transfer_id, str(exc))
+            self.loop.call_soon(lambda: self.reply(identity, msg))  # _fail also runs on API threads (cancel)
+
+    def granted(self, r: IncomingTransfer) -> list[Range]:
+        return self.target.slot_ranges(r.slots) if r.mode == "staging" else self.target.block_ranges(r.blocks)
+
+    def revoke(self, r: IncomingTransfer) -> None:
+        """Take back what ``r`` granted, once (caller holds the lock); a frame still landing there is waited out, or its peer fenced."""
+        if r.revoked:
+            return
+        r.revoked = True
+        ranges = self.granted(r)
+        if ranges and not self.channel.revoke(r.token, "write", ranges, self.config.drain_timeout_s):
+            self.counters["fences"] += 1
+            log.error("transfer %s: a write was still landing in its memory after drain_timeout_s; cutting its sender's data connections", r.transfer_id)
+            self.fence(r.identity)
+
+    def free(self, r: IncomingTransfer) -> None:
+        """Give ``r``'s blocks and slots back, exactly once (caller holds the lock)."""
+        self.revoke(r)
+        self.allocator.free(r.blocks)
+        self.free_slots.extend(r.slots)
+        r.blocks, r.slots = [], []
+
+    def fence(self, identity: bytes) -> None:
+        """Cut a sender that went silent off the data plane before its memory is reused (caller holds the lock).
+
+        The channel drops its data connections, so nothing it queued before can
+        land later (a frozen process's writes die with its sockets); its other
+        reservations fail (their data path is gone), and it must send Hello
+        again: its next Reserve is refused with ``hello-required``.
+        """
+        peer = self.peers.pop(identity, None)
+        if peer is None:
+            return
+        self.channel.fence(peer.agent, peer.token)
+        for other in self.res.values():
+            if other.identity == identity and other.state is State.RECEIVING:
+                self.fail(other, TransferError("the sender was cut off the data plane after it went silent"), notify_sender=True)
+
+    def remember_gone(self, transfer_id: str, why: str) -> None:
+        self.gone[transfer_id] = why
+        while len(self.gone) > self.config.max_reservations:
+            self.gone.popitem(last=False)
+
+    def reap(self) -> None:
+        """Scan every reservation (no early exit) for expired leases and timeouts."""
+        now = time.monotonic()
+        cfg = self.config
+        with self.lock:
+            for r in list(self.res.values()):
+                if r.state is State.RECEIVING and now > r.lease_deadline:
+                    self.counters["leases_expired"] += 1
+                    # Not presumed dead: a stalled sender may still have writes queued. Its blocks stay quarantined
+                    # until it answers the Cancel or drain_timeout_s passes (and the sender itself stops writing once
+                    # it sees its heartbeats lapsed), so no late write lands in blocks handed to another request.
+                    self.fail(r, TransferTimeout(f"lease expired: no word from the sender for {cfg.lease_s:.3g}s (the prefill side died, hung or lost its connection)"), notify_sender=True)
+                elif r.state is State.RECEIVING and now > r.created + cfg.transfer_timeout_s:
+                    self.counters["timeouts"] += 1
+                    self.fail(r, TransferTimeout(f"not complete after transfer_timeout_s={cfg.transfer_timeout_s:.3g}s"), notify_sender=True)
+                if r.state is State.FAILED and (r.sender_done or now > r.free_deadline):
+                    if not r.sender_done:  # it never said it stopped writing: it may be frozen with writes queued
+                        self.counters["fences"] += 1
+                        self.fence(r.identity)
+                    del self.res[r.transfer_id]
+                    self.free(r)
+                    self.remember_gone(r.transfer_id, f"failed: {r.error}")
+                elif r.state is State.READY and now > r.ready_at + cfg.claim_timeout_s:
+                    del self.res[r.transfer_id]
+                    self.free(r)
+                    self.counters["unclaimed"] += 1
+                    self.remember_gone(r.transfer_id, "never claimed by the decode side")
+            self.lock.notify_all()

@@ -1,0 +1,357 @@
+"""One request's push on the prefill side: its reservation, chunks, in-flight writes and settling.
+
+``OutgoingTransfer`` is handed a ``SendContext`` (what every transfer of one sender shares) instead of the
+sender itself, so the state machine can be read and tested on its own. See README.md, "sent".
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdkv.channels.base import Channel, TransferHandle, TransferOp, XferState
+from pdkv.checksum import chunk_checksum, flat_bytes
+from pdkv.codec import Codec
+from pdkv.config import TransferConfig
+from pdkv.errors import TransferCancelled, TransferError, TransferTimeout
+from pdkv.keys import chunk_spans
+from pdkv.layout import KVLayout, block_runs
+from pdkv.native import gather
+from pdkv.staging import DeviceStager
+from pdkv.transfer import protocol
+from pdkv.transfer.control import ControlLoop
+from pdkv.transfer.handshake import ReceiverPeer
+from pdkv.transfer.protocol import ChunkNotice, Landed, Reserved
+
+log = logging.getLogger(__name__)
+
+
+class SendCredit:
+    """What every transfer of one sender draws from: bytes in flight and local staging slots.
+
+    Guarded by the sender's condition. One chunk may always go when nothing is
+    in flight, so a chunk bigger than the budget still moves, alone.
+    """
+
+    def __init__(self, max_bytes: int, slots: int) -> None:
+        self.max_bytes = max_bytes
+        self.inflight = 0
+        self.free_slots = list(range(slots))
+
+    def available(self, nbytes: int, need_slot: bool) -> bool:
+        room = self.inflight == 0 or self.inflight + nbytes <= self.max_bytes
+        return room and (not need_slot or bool(self.free_slots))
+
+    def take(self, nbytes: int, need_slot: bool) -> int:
+        self.inflight += nbytes
+        return self.free_slots.pop() if need_slot else -1
+
+    def give(self, nbytes: int, slot: int) -> None:
+        self.inflight -= nbytes
+        if slot >= 0:
+            self.free_slots.append(slot)
+
+
+@dataclass
+class SendSource:
+    """Our side's memory as every transfer reads it: the KV buffer and the staging area, registered.
+
+    ``kv_regions`` is empty when the channel cannot reach the KV's memory (a
+    tcp channel and KV in VRAM): our Hello then says so, receivers grant us
+    staging mode only, and ``stager`` moves each chunk through pinned host
+    memory.
+    """
+
+    layout: KVLayout
+    kv: list[torch.Tensor]
+    kv_bytes: list[torch.Tensor]  # each KV tensor's bytes, flat, on its own device
+    kv_regions: list[int]
+    num_blocks: int
+    staging: torch.Tensor
+    staging_region: int
+    slot_bytes: int
+    stager: DeviceStager | None
+
+
+@dataclass
+class SendContext:
+    """What every transfer of one sender shares; ``settled`` tells the sender a transfer is over (I/O thread)."""
+
+    channel: Channel
+    config: TransferConfig
+    source: SendSource
+    credit: SendCredit
+    cond: threading.Condition  # one lock for the sender and all its transfers: no ordering to get wrong
+    counters: collections.Counter[str]
+    loop: ControlLoop
+    settled: Callable[[OutgoingTransfer], None]
+
+
+class OutgoingTransfer:
+    """One request's push to one receiver. Made by ``KVSender.open``.
+
+    Its state changes under the sender's condition; the I/O thread applies
+    what the channel and the receiver report (writes done, chunks landed,
+    cancel) and settles it: once it failed or completed and no write of ours
+    is in flight, the receiver is told (``Done``/``Cancel``) and the
+    ``on_settled`` callbacks run.
+    """
+
+    def __init__(self, ctx: SendContext, peer: ReceiverPeer, transfer_id: str, num_tokens: int, block_table: Sequence[int], reserved: Reserved, codec: Codec) -> None:
+        self.ctx = ctx
+        self.codec = codec  # how staged chunks go on the wire (``none``: as they are)
+        self.cond = ctx.cond
+        self.peer = peer
+        self.transfer_id = transfer_id
+        self.num_tokens = num_tokens
+        self.block_table = list(block_table)
+        self.mode = reserved.mode
+        self.remote_blocks = reserved.block_ids
+        self.remote_slots = reserved.staging_slots
+        self.spans = list(chunk_spans(num_tokens, ctx.config.chunk_size))
+        self.free_remote_slots = collections.deque(range(len(reserved.staging_slots)))
+        self.slot_of_chunk: dict[int, int] = {}
+        self.sent: set[int] = set()
+        self.landed: set[int] = set()
+        self.writes = 0  # posted writes whose handles have not finished
+        self.posting = 0  # chunks between taking credit and their write being tracked
+        self.error: TransferError | None = None
+        self.settled = False  # Done or Cancel sent: no more writes from us
+        self.bytes_sent = 0
+        self.wire_bytes = 0  # what the channel carried: less than bytes_sent with a compressing codec
+        self.started = 0.0  # first chunk posted: transfer time excludes the wait for compute before it
+        self.opened = time.monotonic()  # reservation granted: transfer_timeout_s counts from here, as on the receiver
+        self.renewed = self.opened  # last heartbeat posted for it: the receiver's lease runs from about here
+        # Past this long without a heartbeat the receiver may have reaped the reservation (two beats of slack
+        # for a renewal that was queued but not yet on the wire); its lease_s, not ours, is what counts.
+        self.lease_s = reserved.lease_s
+        self.lease_margin = max(self.lease_s - 2 * ctx.config.heartbeat_s, self.lease_s / 2)
+        self.finished_at = 0.0
+        self._on_settled: list[Callable[[OutgoingTransfer], None]] = []
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.spans)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.landed) == self.num_chunks
+
+    # -- the caller's side -----------------------------------------------------
+    def send_chunk(self, index: int, timeout: float | None = None) -> None:
+        """Post chunk ``index`` (its KV must already be in our blocks); waits only for credit."""
+        if not 0 <= index < self.num_chunks:
+            raise TransferError(f"chunk {index} out of range: transfer {self.transfer_id!r} has {self.num_chunks} chunks")
+        ctx = self.ctx
+        timeout = ctx.config.chunk_timeout_s if timeout is None else timeout
+        start, n = self.spans[index]
+        nbytes = ctx.source.layout.chunk_bytes(n)
+        staging = self.mode == "staging"
+        local_slot, remote_slot = self._take_credit(index, nbytes, staging, timeout)
+        try:
+            ops, digest = self._staged_ops(local_slot, remote_slot, start, n) if staging else self._direct_ops(start, n)
+            wire = sum(op.length for op in ops)
+            notice = protocol.encode(ChunkNotice(self.transfer_id, index, digest, remote_slot, wire if staging else 0))
+            handle = ctx.channel.write(self.peer.agent, ops, notice, token=self.peer.token)
+        except Exception as exc:
+            err = exc if isinstance(exc, TransferError) else TransferError(f"posting chunk {index} of {self.transfer_id!r} failed: {exc}")
+            with self.cond:
+                self.posting -= 1
+                ctx.credit.give(nbytes, local_slot)
+                self.fail(err)
+            raise err from exc
+        with self.cond:
+            self.posting -= 1
+            self.writes += 1
+            self.bytes_sent += nbytes
+            self.wire_bytes += wire
+            ctx.counters["bytes_raw"] += nbytes
+            ctx.counters["bytes_wire"] += wire
+        handle.add_done_callback(lambda h: ctx.loop.call_soon(lambda: self._written(h, nbytes, local_slot)))
+
+    def send_all(self) -> None:
+        for i in range(self.num_chunks):
+            if i not in self.sent:
+                self.send_chunk(i)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the receiver verified every chunk, or raise why it did not."""
+        timeout = self.ctx.config.transfer_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while self.error is None and not self.complete:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.fail(TransferTimeout(f"transfer {self.transfer_id!r}: receiver did not confirm all {self.num_chunks} chunks within {timeout:.3g}s"))
+                    break
+                self.cond.wait(remaining)
+            if self.error is not None:
+                raise self.error
+
+    def cancel(self, reason: str) -> None:
+        """Stop sending; the receiver is told once our in-flight writes settle."""
+        with self.cond:
+            self.fail(TransferCancelled(f"cancelled by the prefill side: {reason}"))
+
+    def cancel_by_receiver(self, reason: str) -> None:
+        with self.cond:
+            self.fail(TransferCancelled(f"receiver cancelled: {reason}"))
+
+    def on_settled(self, fn: Callable[[OutgoingTransfer], None]) -> None:
+        """Call ``fn(self)`` once no write of ours can touch the source blocks any more.
+
+        The prefill worker frees the request's blocks here, not earlier: a
+        block freed while a write still reads from it could ship another
+        request's KV. Runs on the sender's I/O thread (or at once if settled).
+        """
+        with self.cond:
+            if not self.settled:
+                self._on_settled.append(fn)
+                return
+        fn(self)
+
+    # -- posting ---------------------------------------------------------------
+    def _take_credit(self, index: int, nbytes: int, staging: bool, timeout: float) -> tuple[int, int]:
+        credit = self.ctx.credit
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            if index in self.sent:
+                raise TransferError(f"chunk {index} of {self.transfer_id!r} was already sent")
+            while True:
+                if self.error is None and time.monotonic() - self.renewed > self.lease_margin:
+                    # We were stalled (SIGSTOP, a long GC, a frozen VM) past the point where the receiver may have
+                    # reaped the reservation and handed its blocks to another request: writing now could land in them.
+                    self.fail(TransferTimeout(
+                        f"transfer {self.transfer_id!r}: no heartbeat reached receiver {self.peer.address} for "
+                        f"{time.monotonic() - self.renewed:.3g}s (its lease is {self.lease_s:.3g}s); not writing into a reservation that may be gone"))
+                if self.error is not None:
+                    raise self.error
+                if credit.available(nbytes, staging) and (not staging or self.free_remote_slots):
+                    break
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    err = TransferTimeout(f"chunk {index} of {self.transfer_id!r}: no send credit within chunk_timeout_s={timeout:.3g}s (receiver slow or gone)")
+                    self.fail(err)
+                    raise err
+                self.cond.wait(remaining)
+            local_slot = credit.take(nbytes, staging)
+            remote_slot = self.free_remote_slots.popleft() if staging else -1
+            self.sent.add(index)
+            self.posting += 1  # keeps the transfer from settling before its write is tracked
+            if not self.started:
+                self.started = time.monotonic()
+            if staging:
+                self.slot_of_chunk[index] = remote_slot
+        return local_slot, remote_slot
+
+    def _direct_ops(self, start: int, n: int) -> tuple[list[TransferOp], int]:
+        """One op per buffer tensor per run of blocks adjacent on both sides; the checksum over the same bytes in wire order."""
+        src = self.ctx.source
+        layout = src.layout
+        bs, size = layout.block_size, layout.block_bytes
+        first, last = start // bs, -(-(start + n) // bs)
+        ours = self.block_table[first:last]
+        if min(ours) < 0 or max(ours) >= src.num_blocks:
+            raise TransferError(f"transfer {self.transfer_id!r}: block table {ours} outside our {src.num_blocks} blocks")
+        runs = block_runs(ours, self.remote_blocks[first:last])
+        assert self.peer.hello is not None
+        remote_regions = self.peer.hello.kv_regions
+        ops = [TransferOp(src.kv_regions[t], a * size, remote_regions[t], b * size, k * size) for t in range(layout.num_tensors) for a, b, k in runs]
+        digest = chunk_checksum((src.kv_bytes[t][a * size : (a + k) * size] for t in range(layout.num_tensors) for a, _, k in runs), unit=size)
+        return ops, digest
+
+    def _staged_ops(self, local_slot: int, remote_slot: int, start: int, n: int) -> tuple[list[TransferOp], int]:
+        """Gather the chunk into our slot (through the codec, when one encodes it); the checksum covers the wire bytes."""
+        src = self.ctx.source
+        layout = src.layout
+        base = local_slot * src.slot_bytes
+        digest: int | None = None
+        if self.codec.passthrough:
+            nbytes = layout.chunk_bytes(n)
+            if src.stager is not None:  # KV the channel cannot reach: gathered and hashed on its device, copied into the pinned slot
+                digest = src.stager.stage_out(self.block_table, start, n, src.staging[base : base + nbytes])
+            else:
+                out = src.staging[base : base + nbytes].view(layout.torch_dtype).view(layout.chunk_shape(n))
+                gather(layout, src.kv, self.block_table, start, n, out=out)
+        else:
+            raw = self.codec.scratch("raw", layout.chunk_shape(n), layout.torch_dtype)
+            if src.stager is not None:
+                src.stager.stage_out(self.block_table, start, n, flat_bytes(raw), digest=False)
+            else:
+                gather(layout, src.kv, self.block_table, start, n, out=raw)
+            nbytes = self.codec.encode(raw, src.staging[base : base + src.slot_bytes])
+        if digest is None:
+            digest = chunk_checksum([src.staging[base : base + nbytes]])
+        assert self.peer.hello is not None
+        op = TransferOp(src.staging_region, base, self.peer.hello.staging_region, self.remote_slots[remote_slot], nbytes)
+        return [op], digest
+
+    # -- what the channel and the receiver report (I/O thread) ----------------
+    def _written(self, handle: TransferHandle, nbytes: int, local_slot: int) -> None:
+        ctx = self.ctx
+        ctx.channel.release(handle)
+        with self.cond:
+            self.writes -= 1
+            ctx.credit.give(nbytes, local_slot)
+            if handle.state is XferState.ERROR:
+                self.fail(TransferError(f"channel write failed: {handle.error}"))
+            else:
+                ctx.counters["chunks_sent"] += 1
+                ctx.counters["bytes_sent"] += nbytes
+            self.cond.notify_all()
+        self._settle_if_over()
+
+    def on_landed(self, msg: Landed) -> None:
+        with self.cond:
+            for index in msg.chunk_indices:
+                if index not in self.sent or index in self.landed:
+                    continue  # a stray or repeated acknowledgement: nothing of ours to free twice
+                self.landed.add(index)
+                self.ctx.counters["chunks_landed"] += 1
+                slot = self.slot_of_chunk.pop(index, None)
+                if slot is not None:
+                    self.free_remote_slots.append(slot)
+            if self.complete and not self.finished_at:
+                self.finished_at = time.monotonic()
+            self.cond.notify_all()
+        self._settle_if_over()
+
+    def check_timeout(self, now: float) -> None:
+        """Nobody may be waiting on this transfer (the worker never calls wait): if its receiver died after
+        our writes completed, neither Landed nor Cancel ever comes, so bound it here or it stays open forever."""
+        with self.cond:
+            if self.error is None and not self.complete and now > self.opened + self.ctx.config.transfer_timeout_s:
+                self.fail(TransferTimeout(
+                    f"transfer {self.transfer_id!r}: receiver {self.peer.address} did not confirm all {self.num_chunks} chunks "
+                    f"within transfer_timeout_s={self.ctx.config.transfer_timeout_s:.3g}s"))
+        self._settle_if_over()
+
+    def fail(self, err: TransferError) -> None:
+        """First failure wins (caller holds the condition); the I/O thread tells the receiver once writes settle."""
+        if self.error is None and not self.complete:
+            self.error = err
+            self.ctx.counters["transfers_failed"] += 1
+            log.warning("transfer %s: %s", self.transfer_id, err)
+            self.ctx.loop.call_soon(self._settle_if_over)
+        self.cond.notify_all()
+
+    def _settle_if_over(self) -> None:
+        """Once failed or complete with no write of ours in flight: tell the receiver, run the callbacks (I/O thread)."""
+        with self.cond:
+            over = self.error is not None or self.complete
+            if not over or self.writes or self.posting or self.settled:
+                return
+            self.settled = True
+            callbacks, self._on_settled = self._on_settled, []
+        self.ctx.settled(self)
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:
+                log.exception("on_settled callback for %s failed", self.transfer_id)
