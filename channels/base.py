@@ -36,7 +36,6 @@ import msgspec
 from pdkv.channels.grants import Access, Grants, Range
 from pdkv.channels.regions import RegionTable
 from pdkv.errors import ChannelError, ConfigError, PeerUnreachableError, TransferTimeout
-from pdkv.memory import MemoryKind, memory_kind
 from pdkv.wakeup import Waker
 
 log = logging.getLogger(__name__)
@@ -196,8 +195,9 @@ class Channel(ABC):
     enforces_grants: ClassVar[bool] = True
     # The memory this channel registers and moves by itself (``pdkv.memory.memory_kind``): tcp, ucx and mock
     # move host memory through host views; nixl also addresses VRAM. A KV buffer in memory the channel does
-    # not reach is staged through pinned host memory by the sender and receiver (``pdkv.staging``).
-    memory: ClassVar[frozenset[MemoryKind]] = frozenset({"host"})
+    # not reach is staged through pinned host memory by the sender and receiver (``pdkv.staging``);
+    # ``pdkv.memory.in_reach`` says which (here only the names: this module stays free of torch).
+    memory: ClassVar[frozenset[str]] = frozenset({"host"})
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
         self.agent_name = agent_name
@@ -232,10 +232,6 @@ class Channel(ABC):
         return dict(self.counters)
 
     # -- memory ------------------------------------------------------------
-    def reaches(self, buf: Any) -> bool:
-        """Whether ``register`` can take ``buf`` where it is, so transfers move it with no copy through the host."""
-        return memory_kind(buf) in self.memory
-
     @abstractmethod
     def register(self, buf: Any) -> int:
         """Register a buffer (tensor, array, bytearray) for transfers; returns its region id."""

@@ -91,7 +91,7 @@ import numpy as np
 from pdkv.channels.base import Channel, ChannelOptions, Notification, TransferHandle, TransferOp, XferState, merge_ops
 from pdkv.channels.ucx_env import UCX_ENV_DEFAULTS, OpenChannels, apply_env_defaults, ucx_follow_host
 from pdkv.errors import ChannelError
-from pdkv.memory import MemoryKind, byte_view, memory_kind
+from pdkv.memory import byte_view, memory_kind
 
 NIXL_ENV_DEFAULTS: dict[str, str] = {**UCX_ENV_DEFAULTS, "NIXL_LOG_LEVEL": "WARN"}
 apply_env_defaults(NIXL_ENV_DEFAULTS)
@@ -245,7 +245,7 @@ class NixlChannel(Channel):
     enforces_grants: ClassVar[bool] = False  # RDMA/cma writes never pass through the target's code
     # VRAM by address; emulated device memory (PDKV_EMULATE_DEVICE) by address too, as DRAM: the direct
     # device path on CPU, with no host view taken.
-    memory: ClassVar[frozenset[MemoryKind]] = frozenset({"host", "cuda", "emulated"})
+    memory: ClassVar[frozenset[str]] = frozenset({"host", "cuda", "emulated"})
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
         super().__init__(agent_name, options)

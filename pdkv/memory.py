@@ -5,7 +5,7 @@ mock) needs a writable ``memoryview`` over a tensor's storage, with no copy, so
 that ``recv_into`` and ``memcpy`` land directly in the KV buffer; a channel
 that addresses device memory (nixl) registers VRAM by address instead. What
 kind of memory a buffer is in (``memory_kind``) is what decides between the
-two (``Channel.reaches``), and ``byte_view`` refuses memory that has no host
+two (``in_reach`` of a buffer and a channel's ``memory``), and ``byte_view`` refuses memory that has no host
 view with an error that says what to use instead.
 
 Device emulation: the CPU test suite and ``pdkv bench transfer --device
@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Collection
 from typing import Any, Literal
 
 import torch
@@ -83,6 +84,11 @@ def memory_kind(buf: Any) -> MemoryKind:
         with _lock:
             return "emulated" if buf.untyped_storage().data_ptr() in _emulated else "host"
     return "cuda" if kind == "cuda" else "other"
+
+
+def in_reach(buf: Any, memory: Collection[str]) -> bool:
+    """Whether a channel that addresses ``memory`` (its ``Channel.memory``) can register ``buf`` where it is, with no copy through the host."""
+    return memory_kind(buf) in memory
 
 
 def byte_view(buf: Any) -> memoryview:

@@ -17,7 +17,7 @@ from pdkv.blocks import BlockAllocator
 from pdkv.channels import Channel, create_channel
 from pdkv.config import TransferConfig
 from pdkv.layout import KVLayout
-from pdkv.memory import emulate_device
+from pdkv.memory import emulate_device, in_reach
 from pdkv.testing.model import write_tiny_model
 from pdkv.testing.redis import INSTALL_HINT, LocalRedis, local_redis, server_binary
 from pdkv.transfer.receiver import KVReceiver
@@ -119,7 +119,7 @@ class Pair:
     @property
     def same_layout_mode(self) -> str:
         """The mode a request between identical layouts gets: direct, unless the channel cannot reach the KV (then staging)."""
-        reached = all(self.p_channel.reaches(t) for t in self.p_kv) and all(self.d_channel.reaches(t) for t in self.d_kv)
+        reached = all(in_reach(t, self.p_channel.memory) for t in self.p_kv) and all(in_reach(t, self.d_channel.memory) for t in self.d_kv)
         return "direct" if reached else "staging"
 
 

@@ -16,7 +16,7 @@ from pdkv.channels import create_channel
 from pdkv.checksum import checksum, chunk_checksum, flat_bytes
 from pdkv.errors import DeviceMemoryError, LayoutError
 from pdkv.layout import KVLayout, gather
-from pdkv.memory import EMULATE_ENV, adopt_kv, byte_view, emulate_device, memory_kind
+from pdkv.memory import EMULATE_ENV, adopt_kv, byte_view, emulate_device, in_reach, memory_kind
 from pdkv.transfer.sender import KVSender
 
 from tests.conftest import MakePair
@@ -109,7 +109,7 @@ def test_code_that_takes_a_host_view_of_device_kv_fails_in_the_emulation() -> No
     with pytest.raises(DeviceMemoryError):
         checksum(byte_view(t) for t in kv)  # what sender.py did for every KV tensor at construction
     with create_channel("tcp", "emulated-tcp") as tcp:
-        assert not tcp.reaches(kv[0]) and tcp.reaches(torch.zeros(4))
+        assert not in_reach(kv[0], tcp.memory) and in_reach(torch.zeros(4), tcp.memory)
         with pytest.raises(DeviceMemoryError):
             tcp.register(kv[0])
 

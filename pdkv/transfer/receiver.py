@@ -25,7 +25,7 @@ from pdkv.codec import slot_bytes as codec_slot_bytes
 from pdkv.config import TransferConfig
 from pdkv.errors import NotAnnouncedError, OutOfBlocksError, TransferError, TransferTimeout
 from pdkv.layout import KVLayout
-from pdkv.memory import adopt_kv
+from pdkv.memory import adopt_kv, in_reach
 from pdkv.netaddr import zmq_address
 from pdkv.staging import DeviceStager, pinned_empty
 from pdkv.transfer import protocol
@@ -70,7 +70,7 @@ class KVReceiver:
         codecs = {name: make_codec(name, layout) for name in available_codecs(layout)}
         slot_bytes = codec_slot_bytes(layout, self.config.chunk_size, list(codecs.values()))  # any offered codec's frame fits
         staging = pinned_empty(self.config.staging_slots * slot_bytes)
-        reached = all(channel.reaches(t) for t in kv)
+        reached = all(in_reach(t, channel.memory) for t in kv)
         self.kv_regions = [channel.register(t) for t in kv] if reached else []
         self.staging_region = channel.register(staging)
         for region in (*self.kv_regions, self.staging_region):

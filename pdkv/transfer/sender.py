@@ -25,7 +25,7 @@ from pdkv.codec import slot_bytes as codec_slot_bytes
 from pdkv.config import TransferConfig
 from pdkv.errors import ReservationError, TransferCancelled, TransferError
 from pdkv.layout import KVLayout
-from pdkv.memory import adopt_kv, memory_kind
+from pdkv.memory import adopt_kv, in_reach, memory_kind
 from pdkv.staging import DeviceStager, pinned_empty
 from pdkv.transfer import protocol
 from pdkv.transfer.control import ControlLoop, DealerSockets
@@ -61,7 +61,7 @@ class KVSender:
         slot_bytes = codec_slot_bytes(layout, self.config.chunk_size, list(self.codecs.values()))
         n_slots = max(1, self.config.max_inflight_bytes // slot_bytes)
         staging = pinned_empty(n_slots * slot_bytes)
-        reached = all(channel.reaches(t) for t in kv)
+        reached = all(in_reach(t, channel.memory) for t in kv)
         self.source = SendSource(
             layout, kv, [flat_bytes(t) for t in kv], [channel.register(t) for t in kv] if reached else [], num_blocks, staging, channel.register(staging), slot_bytes,
             None if reached else DeviceStager(layout, kv, self.config.chunk_size),
