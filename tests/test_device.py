@@ -9,6 +9,11 @@ and that a host-only channel carries such KV through staging, bit for bit.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -132,6 +137,15 @@ def test_kv_on_the_meta_device_no_longer_fails_at_construction() -> None:
             assert sender.hello().kv_regions == [] and sender.kv_memory == "other" and sender.source.stager is not None
         finally:
             sender.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: tests/gpu/check.py runs for real, not as this test")
+def test_the_gpu_check_says_no_gpu_in_one_json_line_and_is_not_collected() -> None:
+    """tests/gpu/check.py is a script (pytest never collects it); on CPU it answers at once, in its summary's format."""
+    script = Path(__file__).parent / "gpu" / "check.py"
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2, done.stderr
+    assert json.loads(done.stdout)["error"].startswith("no GPU")
 
 
 def test_a_host_only_channel_stages_device_kv_through_host_slots_bit_exact(make_pair: MakePair) -> None:

@@ -263,6 +263,8 @@ class OutgoingTransfer:
         assert self.peer.hello is not None
         remote_regions = self.peer.hello.kv_regions
         ops = [TransferOp(src.kv_regions[t], a * size, remote_regions[t], b * size, k * size) for t in range(layout.num_tensors) for a, b, k in runs]
+        # On a GPU this runs on the caller's stream and reading its value waits for that stream: the write is
+        # posted only after the forward step that wrote these blocks has finished (that stream, not the device).
         digest = chunk_checksum((src.kv_bytes[t][a * size : (a + k) * size] for t in range(layout.num_tensors) for a, _, k in runs), unit=size)
         return ops, digest
 
