@@ -63,50 +63,75 @@ def _mix64(x: int) -> int:
 
 
 class _Weights:
-    """Per-device, per-salt weight vectors ``(i * golden + salt) | 1``, grown on demand and cached.
+    """Weights of a flat row index ``i`` of units of ``rows`` rows: ``f(i // rows) * g(i % rows)``, grown on demand and cached.
 
-    Built with the same int64 ops on every device, so CPU and CUDA weights are the same bits.
+    ``f`` and ``g`` are ``(j * golden + salt) | 1`` (odd), built with the same int64 ops on every device, so
+    CPU and CUDA weights are the same bits; ``f * g`` is odd too, which is what makes any single changed
+    word change the value.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._cache: dict[tuple[torch.device, int], torch.Tensor] = {}
 
-    def get(self, device: torch.device, salt: int, n: int) -> torch.Tensor:
-        key = (device, salt)
+    def get(self, device: torch.device, rows: int, n: int) -> torch.Tensor:
+        key = (device, rows)
         with self._lock:
             w = self._cache.get(key)
             if w is None or w.numel() < n:
-                size = max(n, 1024, 2 * (w.numel() if w is not None else 0))
-                w = torch.arange(size, dtype=torch.int64, device=device).mul_(_signed(_GOLDEN)).add_(_signed(salt)).bitwise_or_(1)
-                self._cache[key] = w
+                size = -(-max(n, 1024, 2 * (w.numel() if w is not None else 0)) // rows) * rows
+                i = torch.arange(size, dtype=torch.int64, device=device)
+                f = (i // rows).mul_(_signed(_GOLDEN)).add_(_signed(_UNIT_SALT)).bitwise_or_(1)
+                g = (i % rows).mul_(_signed(_GOLDEN)).add_(_signed(_ROW_SALT)).bitwise_or_(1)
+                w = self._cache[key] = f.mul_(g)
         return w[:n]
 
 
 _weights = _Weights()
+_scratch = threading.local()  # per thread and device: where many small pieces are copied together, reused (a fresh allocation faults its pages in)
 
 
-def _word_bytes(unit: int) -> int:
-    for size in (8, 4, 2):
-        if unit % size == 0:
-            return size
-    return 1
+def _joined(pieces: list[torch.Tensor], total: int) -> torch.Tensor:
+    """``pieces`` copied end to end into this thread's scratch buffer on their device."""
+    device = pieces[0].device
+    buffers: dict[torch.device, torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
+    buf = buffers.get(device)
+    if buf is None or buf.numel() < total:
+        buf = buffers[device] = torch.empty(total, dtype=torch.uint8, device=device)
+    return torch.cat(pieces, out=buf[:total])
+# Pieces smaller than this on average (a fragmented block table times per-layer tensors) are hashed as one copy:
+# three torch ops per piece (~10 us) cost more than copying 256 KiB.
+_CONCAT_BELOW = 256 << 10
 
 
-def _unit_values(piece: torch.Tensor, unit: int, word: int) -> torch.Tensor:
-    """``sum_r g(r) * rowsum(u, r)`` for each unit ``u`` of a flat uint8 piece, as int64 on the piece's device."""
+def _cut(unit: int) -> tuple[int, int, int]:
+    """How a unit of ``unit`` bytes is cut: (bytes a word, words, words a row).
+
+    Words of 8 bytes, or the largest of 4, 2, 1 that divides the unit; rows of
+    ``min(512, max(1, words // 16))`` words, a unit's last row shorter when they do not divide.
+    """
+    word = next((size for size in (8, 4, 2) if unit % size == 0), 1)
+    n_words = unit // word
+    return word, n_words, min(_ROW_WORDS, max(1, n_words // 16))
+
+
+def _rows_per_unit(unit: int) -> int:
+    _, n_words, row = _cut(unit)
+    return -(-n_words // row)
+
+
+def _row_sums(piece: torch.Tensor, unit: int) -> torch.Tensor:
+    """Every row's sum of a flat uint8 piece of whole units, in stream order, as int64 on the piece's device."""
+    word, n_words, row = _cut(unit)
     if piece.data_ptr() % word:
         piece = piece.clone()  # a view at an odd offset: a fresh allocation is aligned
-    words = piece.view(_WORD_DTYPES[word]).view(-1, unit // word)
-    n_words = unit // word
-    row = min(_ROW_WORDS, max(1, n_words // 16))
+    words = piece.view(_WORD_DTYPES[word])
+    if n_words % row == 0:
+        return words.view(-1, row).sum(1, dtype=torch.int64)
     full = n_words // row
-    g = _weights.get(piece.device, _ROW_SALT, full + 1)
-    sums = words[:, : full * row].reshape(words.shape[0], full, row).sum(2, dtype=torch.int64)
-    values = sums.mul_(g[:full]).sum(1)
-    if full * row < n_words:  # the unit's last, short row
-        values += words[:, full * row :].sum(1, dtype=torch.int64) * g[full]
-    return values
+    per_unit = words.view(-1, n_words)
+    sums = torch.cat([per_unit[:, : full * row].reshape(-1, full, row).sum(2, dtype=torch.int64), per_unit[:, full * row :].sum(1, dtype=torch.int64, keepdim=True)], 1)
+    return sums.view(-1)
 
 
 def chunk_checksum(pieces: Iterable[torch.Tensor], unit: int | None = None) -> int:
@@ -117,31 +142,36 @@ def chunk_checksum(pieces: Iterable[torch.Tensor], unit: int | None = None) -> i
     ``None``: the pieces are one unit each (a staged frame). Syncs with the
     device once (to read the value), not once per piece.
     """
-    parts: list[torch.Tensor] = []
+    todo: list[torch.Tensor] = []
     total = 0
-    device: torch.device | None = None
     for piece in pieces:
         if piece.dtype != torch.uint8 or piece.dim() != 1:
             raise LayoutError(f"chunk_checksum takes flat uint8 tensors, got {piece.dtype} of shape {tuple(piece.shape)}")
         if piece.device.type == "meta":
             raise LayoutError("chunk_checksum: a meta tensor holds no bytes to hash; the KV must be on cpu or cuda")
-        if device is not None and piece.device != device:
-            raise LayoutError(f"chunk_checksum: pieces on {device} and {piece.device}; hash each device's bytes where they are")
-        device = piece.device
+        if todo and piece.device != todo[0].device:
+            raise LayoutError(f"chunk_checksum: pieces on {todo[0].device} and {piece.device}; hash each device's bytes where they are")
         n = piece.numel()
-        if n == 0:
-            continue
-        u = n if unit is None else unit
-        if n % u:
-            raise LayoutError(f"chunk_checksum: a piece of {n} bytes is not whole units of {u} bytes")
-        parts.append(_unit_values(piece, u, _word_bytes(u)))
-        total += n
-    if not parts:
+        if unit is not None and n % unit:
+            raise LayoutError(f"chunk_checksum: a piece of {n} bytes is not whole units of {unit} bytes")
+        if n:
+            todo.append(piece)
+            total += n
+    if not todo:
         return _mix64(_GOLDEN)
-    assert device is not None
-    values = torch.cat(parts) if len(parts) > 1 else parts[0]
-    combined = int((values * _weights.get(device, _UNIT_SALT, values.numel())).sum().item())
-    return _mix64((combined & _MASK) ^ _mix64(total))
+    device = todo[0].device
+    if unit is None:  # each piece its own unit, of its own rows: weighted piece by piece
+        acc = torch.zeros((), dtype=torch.int64, device=device)
+        for index, piece in enumerate(todo):
+            rows = _rows_per_unit(piece.numel())
+            acc += (_row_sums(piece, piece.numel()) * _weights.get(device, rows, (index + 1) * rows)[index * rows :]).sum()
+    else:
+        if len(todo) > 1 and total < _CONCAT_BELOW * len(todo):
+            todo = [_joined(todo, total)]
+        parts = [_row_sums(piece, unit) for piece in todo]
+        sums = torch.cat(parts) if len(parts) > 1 else parts[0]
+        acc = (sums * _weights.get(device, _rows_per_unit(unit), sums.numel())).sum()
+    return _mix64((int(acc.item()) & _MASK) ^ _mix64(total))
 
 
 def checksum(views: Iterable[memoryview]) -> int:
