@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from pdkv.channels.base import Channel, Notification, TransferHandle, TransferOp, XferState, merge_ops
+from pdkv.channels.base import Channel
+from pdkv.channels.handle import Notification, TransferHandle, TransferOp, XferState, merge_ops
 from pdkv.errors import ChannelNotInstalledError, ConfigError
 
 # name -> (module, class, extra that provides its dependencies or None)

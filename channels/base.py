@@ -22,140 +22,22 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import enum
-import itertools
 import logging
-import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
-from typing import Annotated, Any, ClassVar, Literal, NamedTuple
+from collections.abc import Sequence
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
 from pdkv.channels.grants import Access, Grants, Range
+from pdkv.channels.handle import Notification, TransferHandle, TransferOp, XferState
+from pdkv.channels.inbox import NotificationInbox
+from pdkv.channels.reachability import Reachability
 from pdkv.channels.regions import RegionTable
 from pdkv.errors import ChannelError, ConfigError, PeerUnreachableError, TransferTimeout
-from pdkv.wakeup import Waker
 
 log = logging.getLogger(__name__)
-
-
-class TransferOp(NamedTuple):
-    """One contiguous byte range: ``length`` bytes between a local and a remote region."""
-
-    local_region: int
-    local_offset: int
-    remote_region: int
-    remote_offset: int
-    length: int
-
-
-class Notification(NamedTuple):
-    """A notification delivered after its transfer's payload landed."""
-
-    peer: str
-    payload: bytes
-
-
-class XferState(enum.Enum):
-    PENDING = "pending"
-    DONE = "done"
-    ERROR = "error"
-
-
-class TransferHandle:
-    """The state of one posted WRITE or READ.
-
-    Channels complete or fail it from whatever thread does their I/O;
-    ``Channel.wait`` blocks on it with a timeout.
-    """
-
-    _ids = itertools.count(1)
-
-    def __init__(self, peer: str, op: str, nbytes: int) -> None:
-        self.id = next(self._ids)
-        self.peer = peer
-        self.op = op
-        self.nbytes = nbytes
-        self.state = XferState.PENDING
-        self.error: str | None = None
-        self.posted_at = time.monotonic()
-        self._event = threading.Event()
-        self._lock = threading.Lock()
-        self._callbacks: list[Callable[[TransferHandle], None]] = []
-
-    def add_done_callback(self, fn: Callable[[TransferHandle], None]) -> None:
-        """Call ``fn(self)`` once the handle finishes, on the thread that finishes it (now, if it has).
-
-        ``fn`` must be quick and must not call back into the channel: it may
-        run on the channel's I/O thread, or under the channel's lock.
-        """
-        with self._lock:
-            if self.state is XferState.PENDING:
-                self._callbacks.append(fn)
-                return
-        fn(self)
-
-    def sleep(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for the handle to finish; whether it has."""
-        return self._event.wait(timeout)
-
-    def complete(self) -> bool:
-        """Mark done; returns False if the handle had already finished (first outcome wins)."""
-        return self._finish(XferState.DONE, None)
-
-    def fail(self, error: str) -> bool:
-        """Mark failed with a message a user can act on; first outcome wins."""
-        return self._finish(XferState.ERROR, error)
-
-    def _finish(self, state: XferState, error: str | None) -> bool:
-        with self._lock:
-            if self.state is not XferState.PENDING:
-                return False
-            self.state, self.error = state, error
-            callbacks, self._callbacks = self._callbacks, []
-        self._event.set()
-        for fn in callbacks:
-            try:
-                fn(self)
-            except Exception:  # a caller's bug must not kill the channel's I/O thread
-                log.exception("done callback of %r failed", self)
-        return True
-
-    def __repr__(self) -> str:
-        return f"TransferHandle(id={self.id}, {self.op} {self.nbytes}B to {self.peer!r}, {self.state.value})"
-
-
-class NotificationInbox:
-    """Notifications that landed here and wait to be drained, with an fd that is readable while any wait.
-
-    One per channel, shared by every implementation: whichever thread
-    delivers (a tcp reader, NIXL's poller) wakes whoever sleeps in ``poll`` on
-    ``fileno()`` (the receiver's I/O thread) at once.
-    """
-
-    def __init__(self) -> None:
-        self._items: list[Notification] = []
-        self._lock = threading.Lock()
-        self._waker = Waker()
-
-    def fileno(self) -> int:
-        return self._waker.fileno()
-
-    def deliver(self, peer: str, payload: bytes) -> None:
-        with self._lock:
-            self._items.append(Notification(peer, payload))
-        self._waker.wake()
-
-    def drain(self) -> list[Notification]:
-        self._waker.clear()  # before taking the items: a delivery racing with us leaves the fd readable
-        with self._lock:
-            out, self._items = self._items, []
-        return out
-
-    def close(self) -> None:
-        self._waker.close()
 
 
 class ChannelOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -206,8 +88,7 @@ class Channel(ABC):
         self.regions: RegionTable[Any] = RegionTable(self.name)  # what each channel keeps per region: a view, a registration
         self.inbox = NotificationInbox()
         self.grants = Grants()
-        self._unreachable_until: dict[str, tuple[float, str]] = {}  # peer -> (retry after, why)
-        self._unreachable_lock = threading.Lock()
+        self.reachability = Reachability(self.name, agent_name, self.options.unreachable_retry_s, self.counters)
         if self.options.secret and not self.authenticates_data:
             log.warning(
                 "%s channel: the shared secret authenticates the control plane only; this channel's data "
@@ -291,43 +172,17 @@ class Channel(ABC):
         timeout. Cheap when the path is already up. Waits at most
         ``timeout`` s (the tcp channel also stops at its ``connect_timeout``).
         """
-        self.check_reachable(peer)
+        self.reachability.check(peer)
         try:
             self._probe(peer, timeout, token)
         except PeerUnreachableError:
             raise
         except (ChannelError, TransferTimeout) as exc:
-            raise self.unreachable(peer, str(exc)) from None
-        self.forget_unreachable(peer)
+            raise self.reachability.record(peer, str(exc)) from None
+        self.reachability.forget(peer)
 
     def _probe(self, peer: str, timeout: float, token: bytes) -> None:  # noqa: B027 - optional hook
         """``connect``'s work: open and check the path to ``peer``, raising ``ChannelError``; nothing to open by default."""
-
-    def check_reachable(self, peer: str) -> None:
-        """Raise ``PeerUnreachableError`` if ``peer`` was found unreachable less than ``unreachable_retry_s`` ago."""
-        with self._unreachable_lock:
-            verdict = self._unreachable_until.get(peer)
-        if verdict is not None:
-            retry_at, why = verdict
-            left = retry_at - time.monotonic()
-            if left > 0:
-                raise PeerUnreachableError(f"{self.name}: peer {peer!r} is unreachable (tried again in {left:.1f}s): {why}")
-
-    def forget_unreachable(self, peer: str) -> None:
-        """Drop a verdict on ``peer``: it has new metadata (another address), so ``connect`` tries it at once."""
-        with self._unreachable_lock:
-            self._unreachable_until.pop(peer, None)
-
-    def unreachable(self, peer: str, why: str) -> PeerUnreachableError:
-        """Record, log and count that ``peer`` cannot be reached over this channel; returns the error to raise."""
-        with self._unreachable_lock:
-            self._unreachable_until[peer] = (time.monotonic() + self.options.unreachable_retry_s, why)
-            self.counters["peer_unreachable"] += 1
-        log.warning(
-            "%s channel of %r: peer %r is unreachable, so no KV can move to it (every request will be recomputed): %s",
-            self.name, self.agent_name, peer, why,
-        )
-        return PeerUnreachableError(f"{self.name}: peer {peer!r} is unreachable: {why}")
 
     # -- transfers ---------------------------------------------------------
     def write(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None, token: bytes = b"") -> TransferHandle:
@@ -405,23 +260,3 @@ class Channel(ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-def merge_ops(ops: Sequence[TransferOp]) -> list[TransferOp]:
-    """Coalesce ops whose local and remote ranges both continue the previous one.
-
-    Adjacent blocks on both sides become one descriptor: per-block descriptors
-    cost vLLM's NIXL path twice the TTFT.
-    """
-    merged: list[TransferOp] = []
-    for op in ops:
-        if merged:
-            last = merged[-1]
-            if (
-                op.local_region == last.local_region
-                and op.remote_region == last.remote_region
-                and op.local_offset == last.local_offset + last.length
-                and op.remote_offset == last.remote_offset + last.length
-            ):
-                merged[-1] = last._replace(length=last.length + op.length)
-                continue
-        merged.append(op)
-    return merged

@@ -17,7 +17,8 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from pdkv.channels.base import Channel, ChannelOptions, TransferHandle, TransferOp, XferState
+from pdkv.channels.base import Channel, ChannelOptions
+from pdkv.channels.handle import TransferHandle, TransferOp, XferState
 from pdkv.errors import ChannelError
 from pdkv.memory import byte_view
 

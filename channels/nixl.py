@@ -88,7 +88,8 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 import numpy as np
 
-from pdkv.channels.base import Channel, ChannelOptions, Notification, TransferHandle, TransferOp, XferState, merge_ops
+from pdkv.channels.base import Channel, ChannelOptions
+from pdkv.channels.handle import Notification, TransferHandle, TransferOp, XferState, merge_ops
 from pdkv.channels.ucx_env import UCX_ENV_DEFAULTS, OpenChannels, apply_env_defaults, ucx_follow_host
 from pdkv.errors import ChannelError
 from pdkv.memory import byte_view, memory_kind
@@ -334,7 +335,7 @@ class NixlChannel(Channel):
     # -- peers -------------------------------------------------------------
     def add_peer(self, metadata: bytes) -> str:
         meta = self._decode_metadata(metadata)
-        self.check_reachable(meta.name)  # UCX connects here: a known-unreachable peer fails without waiting again
+        self.reachability.check(meta.name)  # UCX connects here: a known-unreachable peer fails without waiting again
         with self._lock:
             self._check_open()
             self._load_agent(meta)  # stage 1
@@ -378,7 +379,7 @@ class NixlChannel(Channel):
             except NIXL_ERRORS as exc:
                 raise ChannelError(f"nixl: loading metadata of restarted peer {meta.name!r} failed: {describe_nixl_error(exc)}") from exc
         except NIXL_ERRORS as exc:
-            raise self.unreachable(
+            raise self.reachability.record(
                 meta.name,
                 f"nixl: cannot reach peer {meta.name!r} from its metadata ({describe_nixl_error(exc)}); is it running, and do "
                 f"both sides use a network they share (UCX_NET_DEVICES is {os.environ.get('UCX_NET_DEVICES', 'unset')!r} here)?",

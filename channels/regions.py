@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 from pdkv.errors import ChannelError
 
 if TYPE_CHECKING:
-    from pdkv.channels.base import TransferOp
+    from pdkv.channels.handle import TransferOp
 
 E = TypeVar("E")
 

@@ -51,7 +51,8 @@ import msgspec
 import numpy as np
 import torch
 
-from pdkv.channels.base import Channel, ChannelOptions, TransferHandle, TransferOp, merge_ops
+from pdkv.channels.base import Channel, ChannelOptions
+from pdkv.channels.handle import TransferHandle, TransferOp, merge_ops
 from pdkv.channels.ucx_env import UCX_ENV_DEFAULTS, OpenChannels, apply_env_defaults, ucx_follow_host
 from pdkv.errors import ChannelError
 from pdkv.memory import byte_view
@@ -237,7 +238,7 @@ class UcxChannel(Channel):
             raise ChannelError(f"ucx: peer metadata version {meta.version}, this pdkv speaks {METADATA_VERSION}; upgrade the older side")
         if meta.name == self.agent_name:
             raise ChannelError(f"ucx: peer has this agent's own name {meta.name!r}; give every worker a unique agent name")
-        self.check_reachable(meta.name)  # UCX connects here: a known-unreachable peer fails without waiting again
+        self.reachability.check(meta.name)  # UCX connects here: a known-unreachable peer fails without waiting again
         with self._lock:
             self._check_open()
             owner = self._by_id.get(meta.agent_id)
@@ -250,7 +251,7 @@ class UcxChannel(Channel):
                     ucx_api.UCXAddress.create_from_buffer(meta.address), self.options.error_handling  # type: ignore[attr-defined]
                 )
             except UCX_ERRORS as exc:
-                raise self.unreachable(
+                raise self.reachability.record(
                     meta.name,
                     f"ucx: cannot reach peer {meta.name!r} ({exc}); is it running, and do both sides use a network they share "
                     f"(UCX_NET_DEVICES is {os.environ.get('UCX_NET_DEVICES', 'unset')!r} here)?",

@@ -11,21 +11,23 @@
 // so either side of a transfer may run either path; tests/test_codec.py
 // checks both give identical frames and identical decoded values.
 //
-// Safety: pdkv/codec/kernels.py validates shapes before calling in; every
-// argument that decides an address is checked again here.
-#include <ATen/Dispatch.h>
-#include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Half.h>
-
+// Safety: pdkv/codec/kernels.py validates the tensors (dtype, device,
+// contiguity, shapes) and passes pointers, sizes and strides; the sizes that
+// decide an address are checked again here.
+//
+// A plain C ABI (PDKV_API below), no torch headers: the element types are
+// this file's own bfloat16 and float16, converting exactly as c10's (round to
+// nearest even; a NaN becomes the canonical quiet NaN), and the fp8 table
+// comes from torch itself (the caller passes it).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <string>
 #include <vector>
 
-#include "kvcodec.h"
+#include "kvcopy.h"
 #include "workshare.h"
 
 // The loops below are compiled for AVX-512, AVX2 and the baseline, picked at
@@ -46,9 +48,70 @@ constexpr int kExpMin = -126;  // 2^e stays a normal float
 constexpr int kExpMax = 119;   // 448 * 2^e stays finite
 constexpr float kFp8Max = 448.0f;
 
-void check(const at::Tensor& t, const char* what, at::ScalarType dtype) {
-  TORCH_CHECK_VALUE(t.device().is_cpu() && t.is_contiguous(), "pdkv kvcodec: ", what, " must be a contiguous CPU tensor");
-  TORCH_CHECK_VALUE(t.scalar_type() == dtype, "pdkv kvcodec: ", what, " must be ", dtype, ", got ", t.scalar_type());
+inline uint32_t bits_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+inline float float_of(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// bfloat16: the top half of a float32, rounded to nearest even (c10::BFloat16's rule).
+struct BFloat16 {
+  uint16_t x;
+  BFloat16() = default;
+  explicit BFloat16(float f) {
+    const uint32_t u = bits_of(f);
+    const uint16_t rounded = static_cast<uint16_t>((u + ((u >> 16) & 1) + UINT32_C(0x7FFF)) >> 16);
+    x = f != f ? UINT16_C(0x7FC0) : rounded;
+  }
+  operator float() const { return float_of(static_cast<uint32_t>(x) << 16); }
+};
+
+// IEEE float16, converted without branches (the scheme of the FP16 library that c10::Half uses).
+struct Half {
+  uint16_t x;
+  Half() = default;
+  explicit Half(float f) {
+    const float scale_to_inf = float_of(UINT32_C(0x77800000));   // 2^112
+    const float scale_to_zero = float_of(UINT32_C(0x08800000));  // 2^-110
+    float base = (std::fabs(f) * scale_to_inf) * scale_to_zero;
+    const uint32_t w = bits_of(f);
+    const uint32_t shl1_w = w + w;
+    const uint32_t sign = w & UINT32_C(0x80000000);
+    uint32_t bias = shl1_w & UINT32_C(0xFF000000);
+    bias = bias < UINT32_C(0x71000000) ? UINT32_C(0x71000000) : bias;
+    base = float_of((bias >> 1) + UINT32_C(0x07800000)) + base;
+    const uint32_t b = bits_of(base);
+    const uint32_t nonsign = ((b >> 13) & UINT32_C(0x00007C00)) + (b & UINT32_C(0x00000FFF));
+    x = static_cast<uint16_t>((sign >> 16) | (shl1_w > UINT32_C(0xFF000000) ? UINT32_C(0x7E00) : nonsign));
+  }
+  operator float() const {
+    const uint32_t w = static_cast<uint32_t>(x) << 16;
+    const uint32_t sign = w & UINT32_C(0x80000000);
+    const uint32_t two_w = w + w;
+    const float normalized = float_of((two_w >> 4) + (UINT32_C(0xE0) << 23)) * float_of(UINT32_C(0x7800000));  // * 2^-112
+    const float denormalized = float_of((two_w >> 17) | (UINT32_C(126) << 23)) - 0.5f;
+    return float_of(sign | (two_w < (UINT32_C(1) << 27) ? bits_of(denormalized) : bits_of(normalized)));
+  }
+};
+
+// Element types of the values, as pdkv/codec/kernels.py numbers them.
+enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// Runs fn(T{}) with T the element type of `dtype`; false for an unknown code.
+template <class F>
+bool dispatch(int dtype, F fn) {
+  switch (dtype) {
+    case kFloat32: fn(float{}); return true;
+    case kBFloat16: fn(BFloat16{}); return true;
+    case kFloat16: fn(Half{}); return true;
+    default: return false;
+  }
 }
 
 // 2^e as a float, exactly, for e in [kExpMin, kExpMax + 9].
@@ -138,23 +201,22 @@ void split_range(const uint8_t* src, int64_t width, const std::vector<int64_t>& 
   }
 }
 
-// dsts[j][i] = src[i * width + planes[j]]: the chosen byte planes of `src`, each its own contiguous run.
-void split_planes(const at::Tensor& src, int64_t width, const std::vector<int64_t>& planes, const std::vector<at::Tensor>& dsts) {
-  check(src, "split_planes source", at::kByte);
-  TORCH_CHECK_VALUE(width > 0 && src.numel() % width == 0, "pdkv kvcodec: ", src.numel(), " bytes are not whole ", width, "-byte elements");
-  TORCH_CHECK_VALUE(planes.size() == dsts.size(), "pdkv kvcodec: ", planes.size(), " planes but ", dsts.size(), " destinations");
-  const int64_t n = src.numel() / width;
-  std::vector<uint8_t*> out;
-  for (size_t j = 0; j < planes.size(); ++j) {
-    TORCH_CHECK_VALUE(planes[j] >= 0 && planes[j] < width, "pdkv kvcodec: plane ", planes[j], " out of range [0, ", width, ")");
-    TORCH_CHECK_VALUE(j == 0 || planes[j] > planes[j - 1], "pdkv kvcodec: planes must be given in increasing order");
-    check(dsts[j], "split_planes destination", at::kByte);
-    TORCH_CHECK_VALUE(dsts[j].numel() == n, "pdkv kvcodec: plane destination holds ", dsts[j].numel(), " bytes, needs ", n);
-    out.push_back(dsts[j].data_ptr<uint8_t>());
+// An argument error, reported through the C ABI's err buffer.
+struct ArgError {
+  std::string what;
+};
+
+// dsts[j][i] = src[i * width + planes[j]]: the chosen byte planes of `src` (n elements), each its own contiguous run.
+void split_planes(const uint8_t* src, int64_t n, int64_t width, const int64_t* planes, uint8_t* const* dsts, int64_t count, int64_t threads) {
+  if (width <= 0 || n < 0) throw ArgError{"element width must be positive"};
+  std::vector<int64_t> chosen(planes, planes + count);
+  for (int64_t j = 0; j < count; ++j) {
+    if (chosen[j] < 0 || chosen[j] >= width) throw ArgError{"plane " + std::to_string(chosen[j]) + " out of range [0, " + std::to_string(width) + ")"};
+    if (j > 0 && chosen[j] <= chosen[j - 1]) throw ArgError{"planes must be given in increasing order"};
   }
-  if (out.empty()) return;
-  const uint8_t* s = src.data_ptr<uint8_t>();
-  share_work(n, kGrainElements, [&](int64_t begin, int64_t end) { split_range(s, width, planes, out, begin, end); });
+  if (count == 0) return;
+  const std::vector<uint8_t*> out(dsts, dsts + count);
+  share_work(n, kGrainElements, threads, [&](int64_t begin, int64_t end) { split_range(src, width, chosen, out, begin, end); });
 }
 
 PDKV_VECTOR_CLONES void merge4(const uint8_t* __restrict s0, const uint8_t* __restrict s1, const uint8_t* __restrict s2,
@@ -178,20 +240,11 @@ PDKV_VECTOR_CLONES void merge_plane(const uint8_t* __restrict src, int64_t width
   for (int64_t i = begin; i < end; ++i) dst[i * width] = src[i];
 }
 
-// dst[i * width + k] = srcs[k][i]: byte planes back into elements.
-void merge_planes(const std::vector<at::Tensor>& srcs, const at::Tensor& dst) {
-  check(dst, "merge_planes destination", at::kByte);
-  const int64_t width = static_cast<int64_t>(srcs.size());
-  TORCH_CHECK_VALUE(width > 0 && dst.numel() % width == 0, "pdkv kvcodec: ", dst.numel(), " bytes are not whole ", width, "-byte elements");
-  const int64_t n = dst.numel() / width;
-  std::vector<const uint8_t*> in;
-  for (const auto& s : srcs) {
-    check(s, "merge_planes source", at::kByte);
-    TORCH_CHECK_VALUE(s.numel() == n, "pdkv kvcodec: plane holds ", s.numel(), " bytes, needs ", n);
-    in.push_back(s.data_ptr<uint8_t>());
-  }
-  uint8_t* d = dst.data_ptr<uint8_t>();
-  share_work(n, kGrainElements, [&](int64_t begin, int64_t end) {
+// dst[i * width + k] = srcs[k][i]: byte planes back into n elements.
+void merge_planes(const uint8_t* const* srcs, int64_t width, uint8_t* d, int64_t n, int64_t threads) {
+  if (width <= 0 || n < 0) throw ArgError{"element width must be positive"};
+  const std::vector<const uint8_t*> in(srcs, srcs + width);
+  share_work(n, kGrainElements, threads, [&](int64_t begin, int64_t end) {
     if (width == 4) return merge4(in[0], in[1], in[2], in[3], d, begin, end);
     if (width == 2) return merge2(in[0], in[1], d, begin, end);
     for (int64_t k = 0; k < width; ++k) merge_plane(in[k], width, d + k, begin, end);
@@ -200,33 +253,27 @@ void merge_planes(const std::vector<at::Tensor>& srcs, const at::Tensor& dst) {
 
 // Values are [a, b, c] tensors whose [b, c] part is contiguous (any stride over a): a
 // chunk's keys or values alone, chunk[:, 0] or chunk[:, 1], need no copy first.
+// The caller (kernels.py) derives it from the tensor; the layout is mirrored there.
 struct Rows {
   int64_t a, b, c, stride_a;
 };
 
-Rows rows_of(const at::Tensor& t, const char* what) {
-  TORCH_CHECK_VALUE(t.device().is_cpu() && t.dim() == 3, "pdkv kvcodec: ", what, " must be a 3-d CPU tensor");
-  TORCH_CHECK_VALUE(t.stride(2) == 1 && (t.size(1) <= 1 || t.stride(1) == t.size(2)) && t.stride(0) >= 0,
-                    "pdkv kvcodec: ", what, " must be contiguous in its last two dimensions");
-  return Rows{t.size(0), t.size(1), t.size(2), t.size(0) <= 1 ? 0 : t.stride(0)};
-}
-
-void check_values(const at::Tensor& t, const char* what) {
-  const auto s = t.scalar_type();
-  TORCH_CHECK_VALUE(s == at::kFloat || s == at::kBFloat16 || s == at::kHalf, "pdkv kvcodec: ", what,
-                    " must be float32, bfloat16 or float16, got ", s);
+void check_rows(const Rows& r) {
+  if (r.a < 0 || r.b < 0 || r.c < 0 || r.stride_a < 0) throw ArgError{"negative size or stride"};
 }
 
 void check_same_rows(const Rows& x, const Rows& y, const char* what) {
-  TORCH_CHECK_VALUE(x.a == y.a && x.b == y.b && x.c == y.c, "pdkv kvcodec: ", what, " must be shaped like the values");
+  check_rows(x);
+  check_rows(y);
+  if (x.a != y.a || x.b != y.b || x.c != y.c) throw ArgError{std::string(what) + " must be shaped like the values"};
 }
 
 int64_t grain_rows(int64_t c) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(1, c)); }
 
 // Runs fn(n, i, j, value offset, code offset) for every row n = (i, j) of values r and codes rc, shared over threads.
 template <class F>
-void each_row(const Rows& r, const Rows& rc, F fn) {
-  share_work(r.a * r.b, grain_rows(r.c), [=](int64_t begin, int64_t end) {
+void each_row(const Rows& r, const Rows& rc, int64_t threads, F fn) {
+  share_work(r.a * r.b, grain_rows(r.c), threads, [=](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const int64_t i = n / r.b, j = n % r.b;
       fn(n, i, j, i * r.stride_a + j * r.c, i * rc.stride_a + j * r.c);
@@ -288,40 +335,27 @@ PDKV_VECTOR_CLONES void u8_dequantize_row(const uint8_t* __restrict codes, T* __
 // -- fp8 (e4m3fn) with a power-of-two scale per row ---------------------------------------
 
 // Each row x[i, j, :]: e with max|row| / 2^e in (224, 448], codes = e4m3(row * 2^-e); exps [a, b].
-void fp8_encode(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& exps) {
-  check_values(x, "fp8_encode input");
-  TORCH_CHECK_VALUE(codes.scalar_type() == at::kByte, "pdkv kvcodec: fp8_encode codes must be uint8");
-  check(exps, "fp8_encode exponents", at::kChar);
-  const Rows r = rows_of(x, "fp8_encode input"), rc = rows_of(codes, "fp8_encode codes");
+void fp8_encode(int dtype, const void* x, const Rows& r, uint8_t* c, const Rows& rc, int8_t* e, int64_t threads) {
   check_same_rows(r, rc, "fp8_encode codes");
-  TORCH_CHECK_VALUE(exps.numel() == r.a * r.b, "pdkv kvcodec: fp8_encode needs one exponent per row");
-  uint8_t* c = codes.data_ptr<uint8_t>();
-  int8_t* e = exps.data_ptr<int8_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "pdkv_fp8_encode", [&] {
-    const scalar_t* in = x.data_ptr<scalar_t>();
-    each_row(r, rc, [=](int64_t n, int64_t, int64_t, int64_t at, int64_t code_at) { e[n] = fp8_encode_row(in + at, c + code_at, r.c); });
+  const bool known = dispatch(dtype, [&](auto t) {
+    using T = decltype(t);
+    const T* in = static_cast<const T*>(x);
+    each_row(r, rc, threads, [=](int64_t n, int64_t, int64_t, int64_t at, int64_t code_at) { e[n] = fp8_encode_row(in + at, c + code_at, r.c); });
   });
+  if (!known) throw ArgError{"unknown value dtype code " + std::to_string(dtype)};
 }
 
-// out[i, j, :] = e4m3(codes[i, j, :]) * 2^exps[i, j] (the caller checked the exponents' range).
-void fp8_decode(const at::Tensor& codes, const at::Tensor& exps, const at::Tensor& out) {
-  TORCH_CHECK_VALUE(codes.scalar_type() == at::kByte, "pdkv kvcodec: fp8_decode codes must be uint8");
-  check(exps, "fp8_decode exponents", at::kChar);
-  check_values(out, "fp8_decode output");
-  const Rows r = rows_of(out, "fp8_decode output"), rc = rows_of(codes, "fp8_decode codes");
+// out[i, j, :] = e4m3(codes[i, j, :]) * 2^exps[i, j] (the caller checked the exponents' range); lut: the 256 e4m3 values.
+void fp8_decode(const uint8_t* c, const Rows& rc, const int8_t* e, const float* lut, int dtype, void* out, const Rows& r, int64_t threads) {
   check_same_rows(r, rc, "fp8_decode codes");
-  TORCH_CHECK_VALUE(exps.numel() == r.a * r.b, "pdkv kvcodec: fp8_decode needs one exponent per row");
-  float table[256];
-  for (int b = 0; b < 256; ++b) table[b] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(b), c10::Float8_e4m3fn::from_bits()));
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const int8_t* e = exps.data_ptr<int8_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "pdkv_fp8_decode", [&] {
-    scalar_t* o = out.data_ptr<scalar_t>();
-    const float* lut = table;
-    each_row(r, rc, [=](int64_t n, int64_t, int64_t, int64_t at, int64_t code_at) {
+  const bool known = dispatch(dtype, [&](auto t) {
+    using T = decltype(t);
+    T* o = static_cast<T*>(out);
+    each_row(r, rc, threads, [=](int64_t n, int64_t, int64_t, int64_t at, int64_t code_at) {
       fp8_decode_row(c + code_at, o + at, r.c, pow2(std::min(std::max(static_cast<int>(e[n]), kExpMin), kExpMax)), lut);
     });
   });
+  if (!known) throw ArgError{"unknown value dtype code " + std::to_string(dtype)};
 }
 
 // -- uint8 with one (min, step) per group -----------------------------------------------
@@ -332,27 +366,24 @@ struct Params {
   int64_t at(int64_t i, int64_t j, int64_t k) const { return (i * pb + (pb == 1 ? 0 : j)) * pc + (pc == 1 ? 0 : k); }
 };
 
-Params params_of(const Rows& r, const at::Tensor& p1, const at::Tensor& p2, const char* what) {
-  check(p1, what, at::kFloat);
-  check(p2, what, at::kFloat);
-  TORCH_CHECK_VALUE(p1.dim() == 3 && p1.sizes() == p2.sizes() && p1.size(0) == r.a && (p1.size(1) == 1 || p1.size(1) == r.b) &&
-                        (p1.size(2) == 1 || p1.size(2) == r.c),
-                    "pdkv kvcodec: ", what, " ", p1.sizes(), " do not broadcast over [", r.a, ", ", r.b, ", ", r.c, "]");
-  return Params{p1.size(1), p1.size(2)};
+Params params_of(const Rows& r, int64_t pb, int64_t pc) {
+  if (!((pb == 1 || pb == r.b) && (pc == 1 || pc == r.c))) {
+    throw ArgError{"parameters [" + std::to_string(r.a) + ", " + std::to_string(pb) + ", " + std::to_string(pc) + "] do not broadcast over [" +
+                   std::to_string(r.a) + ", " + std::to_string(r.b) + ", " + std::to_string(r.c) + "]"};
+  }
+  return Params{pb, pc};
 }
 
 // lo/hi [a, pb, pc] = min/max of x [a, b, c] over each group: a row (pc == 1) or a column (pb == 1).
-void group_minmax(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& hi) {
-  check_values(x, "group_minmax input");
-  const Rows r = rows_of(x, "group_minmax input");
-  const Params p = params_of(r, lo, hi, "group_minmax outputs");
-  TORCH_CHECK_VALUE(p.pb == 1 || p.pc == 1, "pdkv kvcodec: group_minmax groups are rows or columns");
-  float* l = lo.data_ptr<float>();
-  float* h = hi.data_ptr<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "pdkv_group_minmax", [&] {
-    const scalar_t* in = x.data_ptr<scalar_t>();
+void group_minmax(int dtype, const void* x, const Rows& r, float* l, float* h, int64_t pb, int64_t pc, int64_t threads) {
+  check_rows(r);
+  const Params p = params_of(r, pb, pc);
+  if (!(p.pb == 1 || p.pc == 1)) throw ArgError{"group_minmax groups are rows or columns"};
+  const bool known = dispatch(dtype, [&](auto t) {
+    using scalar_t = decltype(t);
+    const scalar_t* in = static_cast<const scalar_t*>(x);
     if (p.pc == 1) {  // one group per row
-      share_work(r.a * r.b, grain_rows(r.c), [&](int64_t begin, int64_t end) {
+      share_work(r.a * r.b, grain_rows(r.c), threads, [&](int64_t begin, int64_t end) {
         for (int64_t n = begin; n < end; ++n) {
           const scalar_t* row = in + (n / r.b) * r.stride_a + (n % r.b) * r.c;
           float mn = INFINITY, mx = -INFINITY;
@@ -367,7 +398,7 @@ void group_minmax(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& h
       });
       return;
     }
-    share_work(r.a, 1, [&](int64_t begin, int64_t end) {  // one group per column: rows of one i accumulate together
+    share_work(r.a, 1, threads, [&](int64_t begin, int64_t end) {  // one group per column: rows of one i accumulate together
       for (int64_t i = begin; i < end; ++i) {
         float* mn = l + i * r.c;
         float* mx = h + i * r.c;
@@ -386,21 +417,17 @@ void group_minmax(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& h
       }
     });
   });
+  if (!known) throw ArgError{"unknown value dtype code " + std::to_string(dtype)};
 }
 
 // codes = clamp(round_half_even((x - lo) * inv), 0, 255).
-void u8_quantize(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& inv, const at::Tensor& codes) {
-  check_values(x, "u8_quantize input");
-  TORCH_CHECK_VALUE(codes.scalar_type() == at::kByte, "pdkv kvcodec: u8_quantize codes must be uint8");
-  const Rows r = rows_of(x, "u8_quantize input"), rc = rows_of(codes, "u8_quantize codes");
+void u8_quantize(int dtype, const void* x, const Rows& r, const float* l, const float* v, int64_t pb, int64_t pc, uint8_t* q, const Rows& rc, int64_t threads) {
   check_same_rows(r, rc, "u8_quantize codes");
-  const Params p = params_of(r, lo, inv, "u8_quantize parameters");
-  const float* l = lo.data_ptr<float>();
-  const float* v = inv.data_ptr<float>();
-  uint8_t* q = codes.data_ptr<uint8_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "pdkv_u8_quantize", [&] {
-    const scalar_t* in = x.data_ptr<scalar_t>();
-    each_row(r, rc, [=](int64_t, int64_t i, int64_t j, int64_t at, int64_t code_at) {
+  const Params p = params_of(r, pb, pc);
+  const bool known = dispatch(dtype, [&](auto t) {
+    using T = decltype(t);
+    const T* in = static_cast<const T*>(x);
+    each_row(r, rc, threads, [=](int64_t, int64_t i, int64_t j, int64_t at, int64_t code_at) {
       const int64_t g = p.at(i, j, 0);
       if (p.pc == 1) {
         u8_quantize_row<false>(in + at, q + code_at, r.c, l + g, v + g);
@@ -409,21 +436,18 @@ void u8_quantize(const at::Tensor& x, const at::Tensor& lo, const at::Tensor& in
       }
     });
   });
+  if (!known) throw ArgError{"unknown value dtype code " + std::to_string(dtype)};
 }
 
 // out = codes * step + lo.
-void u8_dequantize(const at::Tensor& codes, const at::Tensor& lo, const at::Tensor& step, const at::Tensor& out) {
-  TORCH_CHECK_VALUE(codes.scalar_type() == at::kByte, "pdkv kvcodec: u8_dequantize codes must be uint8");
-  check_values(out, "u8_dequantize output");
-  const Rows r = rows_of(out, "u8_dequantize output"), rc = rows_of(codes, "u8_dequantize codes");
+void u8_dequantize(const uint8_t* q, const Rows& rc, const float* l, const float* s, int64_t pb, int64_t pc, int dtype, void* out, const Rows& r,
+                   int64_t threads) {
   check_same_rows(r, rc, "u8_dequantize codes");
-  const Params p = params_of(r, lo, step, "u8_dequantize parameters");
-  const float* l = lo.data_ptr<float>();
-  const float* s = step.data_ptr<float>();
-  const uint8_t* q = codes.data_ptr<uint8_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "pdkv_u8_dequantize", [&] {
-    scalar_t* o = out.data_ptr<scalar_t>();
-    each_row(r, rc, [=](int64_t, int64_t i, int64_t j, int64_t at, int64_t code_at) {
+  const Params p = params_of(r, pb, pc);
+  const bool known = dispatch(dtype, [&](auto t) {
+    using T = decltype(t);
+    T* o = static_cast<T*>(out);
+    each_row(r, rc, threads, [=](int64_t, int64_t i, int64_t j, int64_t at, int64_t code_at) {
       const int64_t g = p.at(i, j, 0);
       if (p.pc == 1) {
         u8_dequantize_row<false>(q + code_at, o + at, r.c, l + g, s + g);
@@ -432,24 +456,59 @@ void u8_dequantize(const at::Tensor& codes, const at::Tensor& lo, const at::Tens
       }
     });
   });
+  if (!known) throw ArgError{"unknown value dtype code " + std::to_string(dtype)};
+}
+
+// Runs one kernel, turning an argument error into PDKV_EVALUE and its message.
+template <class F>
+int guarded(char* err, size_t err_len, F fn) {
+  try {
+    fn();
+    return PDKV_OK;
+  } catch (const ArgError& e) {
+    if (err && err_len) std::snprintf(err, err_len, "pdkv kvcodec: %s", e.what.c_str());
+  } catch (const std::exception& e) {  // std::bad_alloc: nothing may unwind through the C ABI
+    if (err && err_len) std::snprintf(err, err_len, "pdkv kvcodec: %s", e.what());
+  }
+  return PDKV_EVALUE;
 }
 
 }  // namespace
+}  // namespace pdkv
 
-void register_codec_ops(pybind11::module_& m) {
-  namespace py = pybind11;
-  const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("split_planes", &split_planes, "dsts[j][i] = src[i * width + planes[j]]", py::arg("src"), py::arg("width"),
-        py::arg("planes"), py::arg("dsts"), nogil);
-  m.def("merge_planes", &merge_planes, "dst[i * width + k] = srcs[k][i]", py::arg("srcs"), py::arg("dst"), nogil);
-  m.def("fp8_encode", &fp8_encode, "e4m3 codes and a power-of-two exponent per row", py::arg("x"), py::arg("codes"),
-        py::arg("exps"), nogil);
-  m.def("fp8_decode", &fp8_decode, "e4m3 codes times 2^exponent per row", py::arg("codes"), py::arg("exps"), py::arg("out"), nogil);
-  m.def("group_minmax", &group_minmax, "min and max of each row or column group", py::arg("x"), py::arg("lo"), py::arg("hi"), nogil);
-  m.def("u8_quantize", &u8_quantize, "uint8 codes of (x - lo) * inv", py::arg("x"), py::arg("lo"), py::arg("inv"),
-        py::arg("codes"), nogil);
-  m.def("u8_dequantize", &u8_dequantize, "codes * step + lo", py::arg("codes"), py::arg("lo"), py::arg("step"),
-        py::arg("out"), nogil);
+using pdkv::guarded;
+using pdkv::Rows;
+
+PDKV_API int pdkv_split_planes(const uint8_t* src, int64_t n, int64_t width, const int64_t* planes, uint8_t* const* dsts, int64_t count, int64_t threads,
+                               char* err, size_t err_len) {
+  return guarded(err, err_len, [&] { pdkv::split_planes(src, n, width, planes, dsts, count, threads); });
 }
 
-}  // namespace pdkv
+PDKV_API int pdkv_merge_planes(const uint8_t* const* srcs, int64_t width, uint8_t* dst, int64_t n, int64_t threads, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] { pdkv::merge_planes(srcs, width, dst, n, threads); });
+}
+
+PDKV_API int pdkv_fp8_encode(int dtype, const void* x, const Rows* r, uint8_t* codes, const Rows* rc, int8_t* exps, int64_t threads, char* err,
+                             size_t err_len) {
+  return guarded(err, err_len, [&] { pdkv::fp8_encode(dtype, x, *r, codes, *rc, exps, threads); });
+}
+
+PDKV_API int pdkv_fp8_decode(const uint8_t* codes, const Rows* rc, const int8_t* exps, const float* lut, int dtype, void* out, const Rows* r,
+                             int64_t threads, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] { pdkv::fp8_decode(codes, *rc, exps, lut, dtype, out, *r, threads); });
+}
+
+PDKV_API int pdkv_group_minmax(int dtype, const void* x, const Rows* r, float* lo, float* hi, int64_t pb, int64_t pc, int64_t threads, char* err,
+                               size_t err_len) {
+  return guarded(err, err_len, [&] { pdkv::group_minmax(dtype, x, *r, lo, hi, pb, pc, threads); });
+}
+
+PDKV_API int pdkv_u8_quantize(int dtype, const void* x, const Rows* r, const float* lo, const float* inv, int64_t pb, int64_t pc, uint8_t* codes,
+                              const Rows* rc, int64_t threads, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] { pdkv::u8_quantize(dtype, x, *r, lo, inv, pb, pc, codes, *rc, threads); });
+}
+
+PDKV_API int pdkv_u8_dequantize(const uint8_t* codes, const Rows* rc, const float* lo, const float* step, int64_t pb, int64_t pc, int dtype, void* out,
+                                const Rows* r, int64_t threads, char* err, size_t err_len) {
+  return guarded(err, err_len, [&] { pdkv::u8_dequantize(codes, *rc, lo, step, pb, pc, dtype, out, *r, threads); });
+}

@@ -9,31 +9,24 @@
 // size from the dtype), so every dtype gives bit-identical results to the
 // torch oracle.
 //
-// Safety: pdkv/native.py validates arguments with layout.py's checks before
-// calling in; everything that decides an address is checked again here
-// (shapes, dtypes, contiguity, devices, every block id used) so a bad call
-// raises instead of reading or writing out of bounds.
+// Safety: pdkv/native.py validates tensors with layout.py's checks and
+// derives the geometry from them before calling in; everything here that
+// decides an address is checked again (sizes positive, the geometry's kind,
+// the block table long enough, every block id used in range) so a bad call
+// returns an error instead of reading or writing out of bounds.
 //
-// Headers: only what is used (not <torch/extension.h>, which pulls in all of
-// libtorch's C++ API) to keep the one-time JIT build short.
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <torch/csrc/utils/pybind.h>
-
+// A plain C ABI (kvcopy.h), no torch headers: built at install time by
+// setup.py with the system compiler, loaded with ctypes.
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <memory>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
-#include "kvcodec.h"
 #include "kvcopy.h"
 #include "workshare.h"
-
-#ifdef PDKV_WITH_CUDA
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#endif
 
 namespace pdkv {
 namespace {
@@ -53,99 +46,56 @@ struct Run {
 struct Plan {
   KVGeometry g;
   std::vector<char*> layer_bases;  // base address of each layer's [blocks, ...] view
-  int64_t num_blocks;
 };
 
-// Check every argument that decides an address and derive the strides.
-Plan make_plan(const std::vector<at::Tensor>& buffers, int64_t start, const at::Tensor& chunk, bool cross_layer,
-               bool hnd, bool mla, int64_t block_size) {
-  TORCH_CHECK_VALUE(chunk.dim() == 5 && chunk.is_contiguous(),
-                    "pdkv kvcopy: chunk must be a contiguous [layers, kv, tokens, heads, head_dim] tensor, got shape ",
-                    chunk.sizes());
-  TORCH_CHECK_VALUE(block_size > 0, "pdkv kvcopy: block_size must be positive, got ", block_size);
-  TORCH_CHECK_VALUE(start >= 0, "pdkv kvcopy: start must be non-negative, got ", start);
-  hnd = hnd && !mla;  // MLA has no heads axis: its order is always token-major
-  KVGeometry g{};
-  g.layers = chunk.size(0);
-  g.kv = chunk.size(1);
-  g.tokens = chunk.size(2);
-  g.heads = chunk.size(3);
-  g.head_dim = chunk.size(4);
-  g.block_size = block_size;
-  g.start = start;
-  g.element_size = static_cast<int64_t>(chunk.element_size());
-  TORCH_CHECK_VALUE(g.layers > 0 && g.heads > 0 && g.head_dim > 0, "pdkv kvcopy: chunk shape ", chunk.sizes(),
-                    " has an empty layers, heads or head_dim axis");
-  TORCH_CHECK_VALUE(g.kv == (mla ? 1 : 2) && (!mla || g.heads == 1),
-                    "pdkv kvcopy: chunk shape ", chunk.sizes(), " does not fit ", mla ? "an MLA" : "a K/V",
-                    " layout (kv must be ", mla ? "1 with 1 head" : "2", ")");
+// An argument error: code PDKV_EINDEX or PDKV_EVALUE and its message.
+struct ArgError : std::runtime_error {
+  ArgError(int code_, const std::string& what) : std::runtime_error("pdkv kvcopy: " + what), code(code_) {}
+  int code;
+};
 
-  const int64_t expected_tensors = cross_layer ? 1 : g.layers;
-  TORCH_CHECK_VALUE(static_cast<int64_t>(buffers.size()) == expected_tensors, "pdkv kvcopy: ",
-                    cross_layer ? "cross_layer" : "per_layer", " layout needs ", expected_tensors,
-                    " buffer tensors, got ", buffers.size());
-  TORCH_CHECK_VALUE(buffers[0].dim() > 0, "pdkv kvcopy: buffer tensor 0 is a scalar");
-  const int64_t num_blocks = buffers[0].size(0);
-
-  std::vector<int64_t> shape{num_blocks};
-  if (cross_layer) shape.push_back(g.layers);
-  if (mla) {
-    shape.insert(shape.end(), {block_size, g.head_dim});
-  } else if (hnd) {
-    shape.insert(shape.end(), {2, g.heads, block_size, g.head_dim});
-  } else {
-    shape.insert(shape.end(), {2, block_size, g.heads, g.head_dim});
+void check_geometry(const KVGeometry& g) {
+  if (g.layers <= 0 || g.heads <= 0 || g.head_dim <= 0 || g.tokens < 0) {
+    throw ArgError(PDKV_EVALUE, "the chunk shape has an empty layers, heads or head_dim axis");
   }
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    const at::Tensor& t = buffers[i];
-    TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(shape), "pdkv kvcopy: buffer tensor ", i, " has shape ",
-                      t.sizes(), ", expected ", at::IntArrayRef(shape));
-    TORCH_CHECK_VALUE(t.scalar_type() == chunk.scalar_type(), "pdkv kvcopy: buffer tensor ", i, " is ",
-                      t.scalar_type(), " but the chunk is ", chunk.scalar_type());
-    TORCH_CHECK_VALUE(t.is_contiguous(), "pdkv kvcopy: buffer tensor ", i, " is not contiguous");
-    TORCH_CHECK_VALUE(t.device() == chunk.device(), "pdkv kvcopy: buffer tensor ", i, " is on ", t.device(),
-                      " but the chunk is on ", chunk.device());
+  if (g.kv != 1 && g.kv != 2) throw ArgError(PDKV_EVALUE, "kv must be 1 (MLA) or 2 (K and V), got " + std::to_string(g.kv));
+  if (g.block_size <= 0) throw ArgError(PDKV_EVALUE, "block_size must be positive, got " + std::to_string(g.block_size));
+  if (g.start < 0) throw ArgError(PDKV_EVALUE, "start must be non-negative, got " + std::to_string(g.start));
+  if (g.element_size <= 0 || g.block_stride <= 0 || g.kv_stride <= 0 || g.token_stride <= 0 || g.head_stride <= 0) {
+    throw ArgError(PDKV_EVALUE, "element size and strides must be positive");
   }
-
-  const int64_t per_layer = g.kv * block_size * g.heads * g.head_dim;  // one block of one layer
-  g.kv_stride = block_size * g.heads * g.head_dim;
-  g.token_stride = hnd ? g.head_dim : g.heads * g.head_dim;
-  g.head_stride = hnd ? block_size * g.head_dim : g.head_dim;
-  g.block_stride = cross_layer ? g.layers * per_layer : per_layer;
-
-  std::vector<char*> bases(g.layers);
-  for (int64_t l = 0; l < g.layers; ++l) {
-    bases[l] = cross_layer ? static_cast<char*>(buffers[0].data_ptr()) + l * per_layer * g.element_size
-                           : static_cast<char*>(buffers[l].data_ptr());
-  }
-  return Plan{g, std::move(bases), num_blocks};
 }
 
 // Split the token range into per-block runs, bounds checking every block id
 // the range touches (and only those, like the torch path).
-std::vector<Run> make_runs(const KVGeometry& g, const at::Tensor& block_table, int64_t num_blocks) {
-  TORCH_CHECK_VALUE(block_table.dim() == 1 && block_table.scalar_type() == at::kLong && block_table.device().is_cpu(),
-                    "pdkv kvcopy: block table must be a 1-D int64 CPU tensor, got ", block_table.sizes(), " ",
-                    block_table.scalar_type(), " on ", block_table.device());
-  const at::Tensor table = block_table.contiguous();
-  const int64_t* ids = table.data_ptr<int64_t>();
+std::vector<Run> make_runs(const KVGeometry& g, const int64_t* ids, int64_t table_len, int64_t num_blocks) {
+  check_geometry(g);
   const int64_t end = g.start + g.tokens;
   const int64_t needed = g.tokens ? (end + g.block_size - 1) / g.block_size : 0;
-  TORCH_CHECK_INDEX(table.numel() >= needed, "pdkv kvcopy: block table has ", table.numel(),
-                    " blocks, tokens up to ", end, " need ", needed, " (block size ", g.block_size, ")");
+  if (table_len < needed) {
+    throw ArgError(PDKV_EINDEX, "block table has " + std::to_string(table_len) + " blocks, tokens up to " + std::to_string(end) + " need " +
+                                    std::to_string(needed) + " (block size " + std::to_string(g.block_size) + ")");
+  }
   std::vector<Run> runs;
   runs.reserve(g.tokens / g.block_size + 2);
   for (int64_t pos = g.start; pos < end;) {
     const int64_t index = pos / g.block_size;
     const int64_t off = pos % g.block_size;
     const int64_t block = ids[index];
-    TORCH_CHECK_INDEX(block >= 0 && block < num_blocks, "pdkv kvcopy: block id ", block, " at block table index ",
-                      index, " is out of range [0, ", num_blocks, ")");
+    if (block < 0 || block >= num_blocks) {
+      throw ArgError(PDKV_EINDEX, "block id " + std::to_string(block) + " at block table index " + std::to_string(index) +
+                                      " is out of range [0, " + std::to_string(num_blocks) + ")");
+    }
     const int64_t n = std::min(g.block_size - off, end - pos);
     runs.push_back(Run{pos - g.start, block, off, n});
     pos += n;
   }
   return runs;
+}
+
+int report(const ArgError& e, char* err, size_t err_len) {
+  if (err && err_len) std::snprintf(err, err_len, "%s", e.what());
+  return e.code;
 }
 
 inline void move_bytes(bool to_chunk, char* buf, char* chk, size_t n) {
@@ -218,91 +168,39 @@ struct Job {
   bool runs_contiguous;
 };
 
-// Thread count follows torch.set_num_threads like any other CPU op.
-void copy_cpu(Plan plan, std::vector<Run> runs, char* chunk, bool to_chunk) {
+void copy_cpu(Plan plan, std::vector<Run> runs, char* chunk, bool to_chunk, int64_t threads) {
   auto job = std::make_shared<const Job>(std::move(plan), std::move(runs), chunk, to_chunk);
-  share_work(job->tasks, job->batch, [job](int64_t begin, int64_t end) {
+  share_work(job->tasks, job->batch, threads, [job](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) job->copy_task(i);
   });
-}
-
-#ifdef PDKV_WITH_CUDA
-// Widest vector (<= 16 bytes) that every row start is aligned to.
-int vector_bytes(const Plan& plan, const char* chunk) {
-  uint64_t bits = static_cast<uint64_t>(plan.g.head_dim * plan.g.element_size) | reinterpret_cast<uint64_t>(chunk);
-  for (char* base : plan.layer_bases) bits |= reinterpret_cast<uint64_t>(base);
-  int width = 16;
-  while (width > 1 && (bits % width) != 0) width /= 2;
-  return width;
-}
-
-void copy_cuda(const Plan& plan, const at::Tensor& block_table, const at::Tensor& chunk, bool to_chunk) {
-  const c10::cuda::CUDAGuard guard(chunk.device());
-  at::Tensor bases = at::empty({plan.g.layers}, at::TensorOptions().dtype(at::kLong));
-  int64_t* base_ids = bases.data_ptr<int64_t>();
-  for (int64_t l = 0; l < plan.g.layers; ++l) base_ids[l] = reinterpret_cast<int64_t>(plan.layer_bases[l]);
-  // Both uploads and the launch are ordered on the current stream, so the
-  // temporaries may be freed (back to the caching allocator) on return.
-  const at::Tensor bases_dev = bases.to(chunk.device());
-  const at::Tensor table_dev = block_table.contiguous().to(chunk.device());
-  char* chunk_ptr = static_cast<char*>(chunk.data_ptr());
-  const cudaError_t err =
-      launch_kvcopy_cuda(plan.g, bases_dev.data_ptr<int64_t>(), table_dev.data_ptr<int64_t>(), chunk_ptr, to_chunk,
-                         vector_bytes(plan, chunk_ptr), c10::cuda::getCurrentCUDAStream(chunk.device().index()).stream());
-  TORCH_CHECK(err == cudaSuccess, "pdkv kvcopy: CUDA launch failed: ", cudaGetErrorString(err));
-}
-#endif
-
-void copy(const std::vector<at::Tensor>& buffers, const at::Tensor& block_table, int64_t start, const at::Tensor& chunk,
-          bool cross_layer, bool hnd, bool mla, int64_t block_size, bool to_chunk) {
-  Plan plan = make_plan(buffers, start, chunk, cross_layer, hnd, mla, block_size);
-  std::vector<Run> runs = make_runs(plan.g, block_table, plan.num_blocks);
-  if (runs.empty()) return;
-  if (chunk.device().is_cpu()) {
-    copy_cpu(std::move(plan), std::move(runs), static_cast<char*>(chunk.data_ptr()), to_chunk);
-    return;
-  }
-#ifdef PDKV_WITH_CUDA
-  if (chunk.device().is_cuda()) {
-    copy_cuda(plan, block_table, chunk, to_chunk);
-    return;
-  }
-#endif
-  TORCH_CHECK_VALUE(false, "pdkv kvcopy: this build has no kernel for device ", chunk.device(),
-                    "; use the torch path (pdkv.layout)");
-}
-
-void gather(const std::vector<at::Tensor>& buffers, const at::Tensor& block_table, int64_t start, const at::Tensor& out,
-            bool cross_layer, bool hnd, bool mla, int64_t block_size) {
-  copy(buffers, block_table, start, out, cross_layer, hnd, mla, block_size, /*to_chunk=*/true);
-}
-
-void scatter(const std::vector<at::Tensor>& buffers, const at::Tensor& block_table, int64_t start,
-             const at::Tensor& chunk, bool cross_layer, bool hnd, bool mla, int64_t block_size) {
-  copy(buffers, block_table, start, chunk, cross_layer, hnd, mla, block_size, /*to_chunk=*/false);
-}
-
-bool has_cuda() {
-#ifdef PDKV_WITH_CUDA
-  return true;
-#else
-  return false;
-#endif
 }
 
 }  // namespace
 }  // namespace pdkv
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pdkv native paged KV gather/scatter (see pdkv/native.py)";
-  // The copies release the GIL: sender/receiver threads keep running while a
-  // chunk moves.
-  m.def("gather", &pdkv::gather, "Copy tokens [start, start+T) of the paged buffer into `out` (canonical chunk).",
-        py::arg("buffers"), py::arg("block_table"), py::arg("start"), py::arg("out"), py::arg("cross_layer"),
-        py::arg("hnd"), py::arg("mla"), py::arg("block_size"), py::call_guard<py::gil_scoped_release>());
-  m.def("scatter", &pdkv::scatter, "Copy a canonical chunk into tokens [start, start+T) of the paged buffer.",
-        py::arg("buffers"), py::arg("block_table"), py::arg("start"), py::arg("chunk"), py::arg("cross_layer"),
-        py::arg("hnd"), py::arg("mla"), py::arg("block_size"), py::call_guard<py::gil_scoped_release>());
-  m.def("has_cuda", &pdkv::has_cuda, "Whether this build includes the CUDA kernel.");
-  pdkv::register_codec_ops(m);
+PDKV_API int pdkv_kvcopy_check(const pdkv::KVGeometry* g, const int64_t* block_table, int64_t table_len, int64_t num_blocks, char* err,
+                               size_t err_len) {
+  try {
+    pdkv::make_runs(*g, block_table, table_len, num_blocks);
+    return PDKV_OK;
+  } catch (const pdkv::ArgError& e) {
+    return pdkv::report(e, err, err_len);
+  } catch (const std::exception& e) {  // std::bad_alloc: nothing may unwind through the C ABI
+    return pdkv::report(pdkv::ArgError(PDKV_EVALUE, e.what()), err, err_len);
+  }
+}
+
+PDKV_API int pdkv_kvcopy_cpu(const pdkv::KVGeometry* g, char* const* layer_bases, const int64_t* block_table, int64_t table_len,
+                             int64_t num_blocks, char* chunk, int to_chunk, int64_t threads, char* err, size_t err_len) {
+  try {
+    std::vector<pdkv::Run> runs = pdkv::make_runs(*g, block_table, table_len, num_blocks);
+    if (runs.empty()) return PDKV_OK;
+    pdkv::Plan plan{*g, std::vector<char*>(layer_bases, layer_bases + g->layers)};
+    pdkv::copy_cpu(std::move(plan), std::move(runs), chunk, to_chunk != 0, threads);
+    return PDKV_OK;
+  } catch (const pdkv::ArgError& e) {
+    return pdkv::report(e, err, err_len);
+  } catch (const std::exception& e) {  // std::bad_alloc: nothing may unwind through the C ABI
+    return pdkv::report(pdkv::ArgError(PDKV_EVALUE, e.what()), err, err_len);
+  }
 }

@@ -1,9 +1,15 @@
-// Geometry shared by the CPU copy (kvcopy.cpp) and the CUDA kernel
-// (kvcopy_cuda.cu). Deliberately free of torch headers so the CUDA file can be
-// compiled by nvcc on its own and the struct means the same on both sides.
+// Geometry and C ABI of the paged gather/scatter: the CPU copy (kvcopy.cpp,
+// in libpdkv_kernels.so) and the CUDA kernel (kvcopy_cuda.cu, in
+// libpdkv_kernels_cuda.so). No torch headers: both libraries are plain
+// shared objects built at install time (setup.py) and loaded with ctypes by
+// pdkv/native.py, which passes data pointers, sizes and strides taken from
+// the tensors. The struct is mirrored field by field there (KVGeometry).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+
+#define PDKV_API extern "C" __attribute__((visibility("default")))
 
 namespace pdkv {
 
@@ -29,18 +35,28 @@ struct KVGeometry {
 
 }  // namespace pdkv
 
-#ifdef PDKV_WITH_CUDA
-#include <cuda_runtime_api.h>
+// Return codes of the C ABI; on an error the message is written to `err`.
+#define PDKV_OK 0
+#define PDKV_EINDEX 1  // a block id or the block table's length (Python: IndexError)
+#define PDKV_EVALUE 2  // any other bad argument (Python: ValueError)
 
-namespace pdkv {
+// CPU gather (to_chunk != 0: buffer -> chunk) or scatter. layer_bases[l] is
+// layer l's base address (cross-layer buffers: the one tensor's base plus l
+// layers); block_table holds table_len block ids, each used one is checked
+// against [0, num_blocks). Runs on up to `threads` threads.
+PDKV_API int pdkv_kvcopy_cpu(const pdkv::KVGeometry* g, char* const* layer_bases, const int64_t* block_table, int64_t table_len,
+                             int64_t num_blocks, char* chunk, int to_chunk, int64_t threads, char* err, size_t err_len);
 
-// Launch the gather (to_chunk) or scatter on `stream`. All pointers are device
-// pointers: layer_bases[l] is layer l's base address, block_table holds the
-// request's block ids (already bounds checked on the host). vec_bytes (16, 8,
-// 4, 2 or 1) is the widest load/store every row start is aligned to. Returns
-// the launch status; the copy itself is asynchronous on the stream.
-cudaError_t launch_kvcopy_cuda(const KVGeometry& g, const int64_t* layer_bases, const int64_t* block_table,
-                               char* chunk, bool to_chunk, int vec_bytes, cudaStream_t stream);
+// CUDA: launch the same copy on `stream` (a cudaStream_t). layer_bases and
+// block_table are device arrays (the block ids already checked by
+// pdkv_kvcopy_check on the host); vec_bytes (16, 8, 4, 2 or 1) is the widest
+// load/store every row start is aligned to. Returns the cudaError_t of the
+// launch; the copy itself is asynchronous on the stream.
+PDKV_API int pdkv_kvcopy_cuda(const pdkv::KVGeometry* g, const int64_t* layer_bases, const int64_t* block_table, char* chunk, int to_chunk,
+                              int vec_bytes, void* stream);
+PDKV_API const char* pdkv_cuda_error_string(int code);
+PDKV_API int pdkv_cuda_device_count();  // or -(the cudaError_t) when the runtime cannot start here
 
-}  // namespace pdkv
-#endif
+// The host-side checks of pdkv_kvcopy_cpu without the copy (the CUDA path's guard).
+PDKV_API int pdkv_kvcopy_check(const pdkv::KVGeometry* g, const int64_t* block_table, int64_t table_len, int64_t num_blocks, char* err,
+                               size_t err_len);

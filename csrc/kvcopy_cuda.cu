@@ -1,11 +1,12 @@
 // CUDA paged gather/scatter for pdkv (the device side of kvcopy.cpp).
 //
-// STATUS: written against the same KVGeometry as the CPU path but NOT yet
-// compiled into the extension or run on a GPU: the machine this was written on
-// has no GPU and a CPU-only torch. pdkv/native.py only adds this file to the
-// build when torch reports a usable CUDA device and toolkit. Treat the first
-// GPU run as its first test (tests/test_native.py runs the same bit-identity
-// checks on CUDA tensors when a GPU is present).
+// Built at install time into its own library, libpdkv_kernels_cuda.so, when
+// nvcc is found (setup.py; PDKV_BUILD_CUDA=0 skips it). It is a plain C ABI
+// (kvcopy.h) with the CUDA runtime linked in statically: pdkv/native.py loads
+// it with ctypes, uploads the layer bases and block table with torch, checks
+// the block ids on the host (pdkv_kvcopy_check) and launches on torch's
+// current stream with the tensor's device current. tests/test_native.py runs
+// the same bit-identity checks on CUDA tensors when a GPU is present.
 //
 // One thread block per (layer, kv, token) row of heads * head_dim elements;
 // threads stride over the row in the widest aligned vector, so both the
@@ -66,9 +67,14 @@ cudaError_t launch(const KVGeometry& g, const int64_t* layer_bases, const int64_
 }
 
 }  // namespace
+}  // namespace pdkv
 
-cudaError_t launch_kvcopy_cuda(const KVGeometry& g, const int64_t* layer_bases, const int64_t* block_table,
-                               char* chunk, bool to_chunk, int vec_bytes, cudaStream_t stream) {
+PDKV_API int pdkv_kvcopy_cuda(const pdkv::KVGeometry* g_ptr, const int64_t* layer_bases, const int64_t* block_table, char* chunk, int to_chunk_int,
+                              int vec_bytes, void* stream_ptr) {
+  using namespace pdkv;
+  const KVGeometry& g = *g_ptr;
+  const bool to_chunk = to_chunk_int != 0;
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   if (g.layers * g.kv * g.tokens == 0) return cudaSuccess;
   switch (vec_bytes) {
     case 16:
@@ -84,4 +90,11 @@ cudaError_t launch_kvcopy_cuda(const KVGeometry& g, const int64_t* layer_bases, 
   }
 }
 
-}  // namespace pdkv
+PDKV_API const char* pdkv_cuda_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
+
+// How many CUDA devices the runtime linked in here sees, or -(its error code) when it cannot start (a driver older than its toolkit).
+PDKV_API int pdkv_cuda_device_count() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  return err == cudaSuccess ? count : -static_cast<int>(err);
+}

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from pdkv.config import PdkvConfig, load_config
 from pdkv.errors import ConfigError
-from pdkv.web import runner
+from pdkv.http.web import runner
 
 log = logging.getLogger("pdkv.launch")
 

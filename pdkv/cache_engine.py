@@ -15,10 +15,17 @@ tokens
     device), or ``PromptKeys`` (the same tokens already keyed: hash once, call
     many times; what LMCache's ``hashes``/``offsets`` are for). Chunk ``i`` is
     tokens ``[i * chunk_size, (i + 1) * chunk_size)``; the last one may be
-    partial. A partial last chunk is stored and retrieved like a full one
-    (LMCache's default ``save_unfull_chunk``), but its key covers exactly its
-    tokens: it serves the same prompt again, never a longer one (whose chunk
-    there holds more tokens, so has another key). Keys depend on
+    partial. What happens to a partial last chunk is ``save_unfull_chunk``,
+    with LMCache's meaning: True stores, looks up and retrieves it like a full
+    one; False leaves it out of all three calls, as if the prompt ended at
+    its last full chunk (LMCache 0.5.6's default: 4,000 tokens in chunks of
+    256 look up as 3,840). pdkv defaults to True, because a prefill worker
+    stores a prompt for the decode worker that loads that same prompt, and
+    with False the last ``num_tokens % chunk_size`` tokens (up to a whole
+    chunk) would always be prefilled again on the decode side; the cost is at
+    most one partial chunk per stored prompt. A partial chunk's key covers
+    exactly its tokens: it serves the same prompt again, never a longer one
+    (whose chunk there holds more tokens, so has another key). Keys depend on
     ``fingerprint`` (same weights and KV dtype: ``pdkv.keys.model_fingerprint``)
     and ``chunk_size``: engines that differ in either never share a chunk.
 mask
@@ -67,6 +74,19 @@ lookup(tokens) -> int
     trip). A chunk can be evicted between a lookup and a retrieve; the
     retrieve's mask is what counts.
 
+Parity with LMCache 0.5.6 (``LMCacheEngine``), call by call:
+
+=========================  ======================================  ==========================================
+call                       LMCache                                 pdkv
+=========================  ======================================  ==========================================
+``store``                  returns None; mask prefix whole chunks  returns the tokens put; same mask rule
+``retrieve``               bool mask of tokens loaded; mask        the same; any mask prefix (the first
+                           prefix whole chunks                     chunk's masked tokens are not written)
+``lookup``                 leading tokens held                     the same
+partial last chunk         ``save_unfull_chunk``, default False    ``save_unfull_chunk``, default True (above)
+keys                       chained chunk hashes                    chained 128-bit chunk keys (pdkv.keys)
+=========================  ======================================  ==========================================
+
 Every method may be called from several threads at once; two calls writing
 the same slots of one buffer at once are the caller's to avoid. ``close()``
 (or leaving a ``with`` block) finishes the queued writes, bounded by
@@ -112,6 +132,9 @@ class KVCacheEngine:
     engine owns them either way: ``close()`` closes them.
     ``load_batch_chunks``: chunks read per batch by ``retrieve`` (the host
     staging memory it needs); None takes the config's.
+    ``save_unfull_chunk``: whether a partial last chunk is stored, looked up
+    and retrieved (LMCache's switch; see the module docstring for why pdkv's
+    default is True where LMCache's is False).
     """
 
     def __init__(
@@ -122,6 +145,7 @@ class KVCacheEngine:
         *,
         fingerprint: str,
         load_batch_chunks: int | None = None,
+        save_unfull_chunk: bool = True,
     ) -> None:
         if not isinstance(chunk_size, int) or chunk_size <= 0:
             raise ConfigError(f"KVCacheEngine chunk_size must be a positive integer, got {chunk_size!r}")
@@ -129,8 +153,11 @@ class KVCacheEngine:
             raise ConfigError(f"KVCacheEngine fingerprint must be a non-empty string naming the model (pdkv.keys.model_fingerprint), got {fingerprint!r}")
         if load_batch_chunks is not None and (not isinstance(load_batch_chunks, int) or load_batch_chunks <= 0):
             raise ConfigError(f"KVCacheEngine load_batch_chunks must be a positive integer or None, got {load_batch_chunks!r}")
+        if not isinstance(save_unfull_chunk, bool):
+            raise ConfigError(f"KVCacheEngine save_unfull_chunk must be True or False, got {save_unfull_chunk!r}")
         self.layout = layout
         self.chunk_size = chunk_size
+        self.save_unfull_chunk = save_unfull_chunk
         self.fingerprint = fingerprint
         if isinstance(tier_config, CacheTier):
             config = TierConfig()
@@ -170,7 +197,7 @@ class KVCacheEngine:
         """How many leading tokens are cached (what ``retrieve`` would load), without loading them."""
         self._check_open()
         keyed = self.keys(tokens)
-        held = self.tier.contains(keyed.keys)
+        held = self.tier.contains(keyed.keys[: self._num_chunks(keyed)])
         return min(held * self.chunk_size, keyed.num_tokens)
 
     def store(self, tokens: Tokens, kv_buffer: Sequence[torch.Tensor], block_table: BlockTable, mask: torch.Tensor | None = None) -> int:
@@ -185,7 +212,7 @@ class KVCacheEngine:
         self._check_buffer(kv_buffer, block_table, keyed.num_tokens)
         first = start // self.chunk_size
         spans = keyed.spans()
-        candidates = range(first, len(spans))
+        candidates = range(first, self._num_chunks(keyed))
         held = self.tier.has_local([keyed.keys[i] for i in candidates])
         todo = [i for i, h in zip(candidates, held, strict=True) if not h]
         if not todo:
@@ -204,8 +231,9 @@ class KVCacheEngine:
         if start == keyed.num_tokens:
             return loaded
         first = start // self.chunk_size
-        spans = keyed.spans()[first:]
-        keys = keyed.keys[first:]
+        last = self._num_chunks(keyed)
+        spans = keyed.spans()[first:last]
+        keys = keyed.keys[first:last]
         staging = [torch.empty(self.layout.chunk_shape(self.chunk_size), dtype=self.layout.torch_dtype) for _ in range(min(self.load_batch_chunks, len(keys)))]
         end = start
         for batch in range(0, len(keys), self.load_batch_chunks):
@@ -244,6 +272,10 @@ class KVCacheEngine:
         self.close()
 
     # -- checks ---------------------------------------------------------------------
+    def _num_chunks(self, keyed: PromptKeys) -> int:
+        """How many of the prompt's chunks the calls consider: all, or the full ones only (``save_unfull_chunk`` False)."""
+        return len(keyed.keys) if self.save_unfull_chunk else keyed.num_tokens // self.chunk_size
+
     def _check_open(self) -> None:
         if self._closed:
             raise PdkvError("this KVCacheEngine is closed")

@@ -7,6 +7,7 @@ so a bad config fails at start instead of deep inside a transfer.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -83,10 +84,26 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
     hwm: Positive = 100_000  # the PUB socket's high-water mark
     max_queue_size: Positive = 100_000  # batches queued for the publishing thread; beyond it a batch is dropped
     topic: str = ""
+    # pdkv only (vLLM reads its environment): integer block hashes (the low 64 bits, what Dynamo decodes) or
+    # the 16-byte chunk keys. None: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES decides, as in vLLM (unset: integers).
+    use_int_block_hashes: bool | None = None
+    # pdkv only: the medium announced for the memory level: "CPU" (vLLM's word for host memory, what it is) or
+    # "GPU", for a router that credits only GPU blocks (Dynamo's flat scores): see the README's kv-events section.
+    memory_medium: Literal["CPU", "GPU"] = "CPU"
 
     @property
     def publishing(self) -> bool:
         return self.enable_kv_cache_events and (self.publisher or "zmq") == "zmq"
+
+    def int_block_hashes(self) -> bool:
+        """Whether block hashes go out as integers: ``use_int_block_hashes``, else vLLM's environment switch."""
+        if self.use_int_block_hashes is not None:
+            return self.use_int_block_hashes
+        raw = os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+        try:
+            return bool(int(raw))  # vLLM's own parse: any integer, nonzero is on
+        except ValueError:
+            raise ConfigError(f"kv_events.use_int_block_hashes is unset and VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES={raw!r} is not an integer (1: integer hashes, 0: bytes)") from None
 
 
 ZmqEndpoint = Annotated[str, Meta(pattern=r"^(tcp://([^\s/:\[\]]+|\[[0-9a-fA-F:.]+\]):\d{1,5}|(ipc|inproc)://\S+)$")]

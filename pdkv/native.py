@@ -1,44 +1,44 @@
 """Native paged gather/scatter (csrc/kvcopy.cpp), falling back to the torch path.
 
-The same extension carries the KV codec kernels (csrc/kvcodec.cpp), which
-pdkv.codec.kernels calls through ``extension()`` with the same fallback rule.
+The same library carries the KV codec kernels (csrc/kvcodec.cpp), which
+pdkv.codec.kernels calls through ``library()`` with the same fallback rule.
 
 ``gather``/``scatter`` here have exactly the signatures of
 :func:`pdkv.layout.gather` / :func:`pdkv.layout.scatter` and produce the same
 bytes; they are faster because each byte is copied once, with memcpy over the
 longest contiguous runs, on up to ``torch.get_num_threads()`` threads, with
-the GIL released.
+the GIL released (ctypes drops it for the call).
 
-The extension is compiled on first use with ``torch.utils.cpp_extension`` and
-cached under ``$XDG_CACHE_HOME/pdkv/torch_extensions`` (``~/.cache`` when
-unset), so ``pip install pdkv`` never needs a compiler. The cache directory is
-keyed by Python, torch, CUDA and a hash of the sources, so a changed source,
-a torch upgrade or a second checkout with other sources never loads a stale
-library. A cold build takes tens of seconds; a cached load is a no-op ninja
-run plus a dlopen. Anything that stops the build (no compiler, no ninja, a
-compile error) logs one warning and every call takes the torch path;
-``PDKV_NATIVE=0`` skips the build altogether.
+The kernels are plain shared libraries with a C ABI (no torch headers, no
+Python API), built when the package is installed (setup.py: ``pip install``
+and ``pip install -e`` both leave them inside the package) and loaded here
+with ctypes: a process never compiles anything, never needs a compiler or a
+build cache, and two environments on one machine each load their own
+library. This module derives the geometry (sizes, strides, layer base
+addresses) from the tensors after layout.py's checks; the library checks
+again everything that decides an address (kvcopy.h).
 
-The CUDA kernel (csrc/kvcopy_cuda.cu) is added to the build only when torch
-sees a CUDA device and a toolkit; it has not yet been run on a GPU.
+- ``libpdkv_kernels.so``: the CPU copy and the codec kernels. Missing (an
+  install that could not build it) or unloadable: one warning, and every
+  call takes the torch path. ``PDKV_NATIVE=0`` never loads it.
+- ``libpdkv_kernels_cuda.so``: the CUDA copy, built when nvcc was present
+  at install time. Loaded at the first CUDA call; when it is missing or the
+  CUDA runtime it carries cannot start (a driver older than its toolkit),
+  one warning and CUDA tensors take the torch path.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
+import ctypes
 import logging
 import os
-import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 from pdkv.errors import LayoutError
-from pdkv.filelock import exclusive
 from pdkv.layout import BlockTable, KVLayout, check_chunk, used_blocks
 from pdkv.layout import gather as torch_gather
 from pdkv.layout import scatter as torch_scatter
@@ -46,39 +46,82 @@ from pdkv.layout import scatter as torch_scatter
 log = logging.getLogger(__name__)
 
 ENV_VAR = "PDKV_NATIVE"
-"""Set to 0 (or false/off/no) to never build or use the extension."""
+"""Set to 0 (or false/off/no) to never load the kernels (every call takes the torch path)."""
 
-_MODULE_NAME = "pdkv_kvcopy"
-_HEADERS = ("kvcopy.h", "kvcodec.h", "workshare.h")
-_CPU_SOURCES = ("kvcopy.cpp", "kvcodec.cpp")
-_CUDA_SOURCES = ("kvcopy_cuda.cu",)
+LIBRARY = Path(__file__).with_name("libpdkv_kernels.so")
+CUDA_LIBRARY = Path(__file__).with_name("libpdkv_kernels_cuda.so")
+
+OK, EINDEX = 0, 1
+"""The C ABI's return codes that this module tells apart (kvcopy.h); any other is a bad argument (ValueError)."""
+ERR_LEN = 512
+
+_i64 = ctypes.c_int64
+_p = ctypes.c_void_p
+
+
+class KVGeometry(ctypes.Structure):
+    """csrc/kvcopy.h's KVGeometry, field by field: where each row of head_dim elements lives, in elements."""
+
+    _fields_ = [(name, _i64) for name in ("layers", "kv", "tokens", "heads", "head_dim", "block_size", "start", "element_size", "block_stride", "kv_stride", "token_stride", "head_stride")]
+
+
+# Argument types of each exported function: a wrong count or type is a TypeError here, never a bad call.
+_SIGNATURES: dict[str, list[type]] = {
+    "pdkv_kvcopy_cpu": [ctypes.POINTER(KVGeometry), _p, _p, _i64, _i64, _p, ctypes.c_int, _i64, ctypes.c_char_p, ctypes.c_size_t],
+    "pdkv_kvcopy_check": [ctypes.POINTER(KVGeometry), _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
+    "pdkv_split_planes": [_p, _i64, _i64, _p, _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
+    "pdkv_merge_planes": [_p, _i64, _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
+    "pdkv_fp8_encode": [ctypes.c_int, _p, _p, _p, _p, _p, _i64, ctypes.c_char_p, ctypes.c_size_t],
+    "pdkv_fp8_decode": [_p, _p, _p, _p, ctypes.c_int, _p, _p, _i64, ctypes.c_char_p, ctypes.c_size_t],
+    "pdkv_group_minmax": [ctypes.c_int, _p, _p, _p, _p, _i64, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
+    "pdkv_u8_quantize": [ctypes.c_int, _p, _p, _p, _p, _i64, _i64, _p, _p, _i64, ctypes.c_char_p, ctypes.c_size_t],
+    "pdkv_u8_dequantize": [_p, _p, _p, _p, _i64, _i64, ctypes.c_int, _p, _p, _i64, ctypes.c_char_p, ctypes.c_size_t],
+}
+_CUDA_SIGNATURES: dict[str, list[type]] = {
+    "pdkv_kvcopy_cuda": [ctypes.POINTER(KVGeometry), _p, _p, _p, ctypes.c_int, ctypes.c_int, _p],
+    "pdkv_cuda_error_string": [ctypes.c_int],
+    "pdkv_cuda_device_count": [],
+}
 
 _lock = threading.Lock()
-# (module, reason it is None) once a load was attempted in this process.
-_loaded: tuple[ModuleType | None, str | None] | None = None
+# (library, reason it is None) once a load was attempted in this process; the same for the CUDA library.
+_loaded: tuple[ctypes.CDLL | None, str | None] | None = None
+_cuda_loaded: tuple[ctypes.CDLL | None, str | None] | None = None
 
 
 def available() -> bool:
-    """Whether calls use the native extension (builds it on first call)."""
+    """Whether calls use the native kernels (loads the library on the first call; never compiles)."""
     return _state()[0] is not None
 
 
-def extension() -> ModuleType | None:
-    """The loaded extension module, or None when calls take the torch path (builds it on first call)."""
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library (argument types set), or None when calls take the torch path."""
     return _state()[0]
 
 
 def reason() -> str | None:
-    """Why the native extension is not used, or None when it is (builds it on first call)."""
+    """Why the native kernels are not used, or None when they are."""
     return _state()[1]
+
+
+def cuda_reason() -> str | None:
+    """Why CUDA tensors take the torch path, or None when the CUDA kernels are in use (loads them)."""
+    return _cuda_state()[1]
+
+
+def call(fn: Callable[..., int], *args: object) -> None:
+    """Call a kernel that takes (..., err, err_len) last; its error code becomes IndexError (EINDEX) or ValueError."""
+    err = ctypes.create_string_buffer(ERR_LEN)
+    code = fn(*args, err, ERR_LEN)
+    if code != OK:
+        raise (IndexError if code == EINDEX else ValueError)(err.value.decode(errors="replace"))
 
 
 def gather(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: BlockTable, start: int, num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Native :func:`pdkv.layout.gather`: tokens ``[start, start+num_tokens)`` of the paged buffer as a canonical chunk."""
-    ext = _extension_for(layout, tensors)
-    if ext is None:
+    if not _native_for(layout, tensors):
         return torch_gather(layout, tensors, block_table, start, num_tokens, out)
-    num_blocks = layout.validate_buffer(tensors)
+    num_blocks = _checked_buffer(layout, tensors)
     table = used_blocks(layout, num_blocks, block_table, start, num_tokens)
     device = tensors[0].device
     if out is None:
@@ -89,7 +132,7 @@ def gather(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: Block
     # `out` (a strided view, another device) is filled through one copy.
     direct = out.is_contiguous() and out.device == device
     dst = out if direct else torch.empty(out.shape, dtype=out.dtype, device=device)
-    _call(ext.gather, layout, tensors, table, start, dst)
+    _copy(layout, tensors, table, num_blocks, start, dst, to_chunk=True)
     if not direct:
         out.copy_(dst)
     return out
@@ -97,46 +140,110 @@ def gather(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: Block
 
 def scatter(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: BlockTable, start: int, chunk: torch.Tensor) -> None:
     """Native :func:`pdkv.layout.scatter`: write a canonical chunk into tokens ``[start, start+T)``."""
-    ext = _extension_for(layout, tensors)
-    if ext is None:
+    if not _native_for(layout, tensors):
         torch_scatter(layout, tensors, block_table, start, chunk)
         return
-    num_blocks = layout.validate_buffer(tensors)
+    num_blocks = _checked_buffer(layout, tensors)
     num_tokens = check_chunk(layout, chunk, "chunk")
     table = used_blocks(layout, num_blocks, block_table, start, num_tokens)
-    _call(ext.scatter, layout, tensors, table, start, chunk.to(tensors[0].device).contiguous())
+    _copy(layout, tensors, table, num_blocks, start, chunk.to(tensors[0].device).contiguous(), to_chunk=False)
 
 
-def _call(op: Callable[..., None], layout: KVLayout, tensors: Sequence[torch.Tensor], table: torch.Tensor, start: int, chunk: torch.Tensor) -> None:
-    """Run one extension copy; its own argument checks surface as LayoutError like the torch path's."""
+def geometry(layout: KVLayout, tensors: Sequence[torch.Tensor], chunk: torch.Tensor, start: int) -> tuple[KVGeometry, list[int]]:
+    """The kernel's view of a copy: the geometry and each layer's base address (mirrors csrc/kvcopy.h)."""
+    layers, kv, tokens, heads, head_dim = chunk.shape
+    hnd = layout.order == "HND" and not layout.mla  # MLA has no heads axis: always token-major
+    bs = layout.block_size
+    per_layer = kv * bs * heads * head_dim  # elements of one block of one layer
+    size = chunk.element_size()
+    cross = layout.kind == "cross_layer"
+    geo = KVGeometry(
+        layers=layers, kv=kv, tokens=tokens, heads=heads, head_dim=head_dim, block_size=bs, start=start, element_size=size,
+        block_stride=layers * per_layer if cross else per_layer, kv_stride=bs * heads * head_dim,
+        token_stride=head_dim if hnd else heads * head_dim, head_stride=bs * head_dim if hnd else head_dim,
+    )  # fmt: skip
+    bases = [tensors[0].data_ptr() + layer * per_layer * size for layer in range(layers)] if cross else [t.data_ptr() for t in tensors]
+    return geo, bases
+
+
+def _copy(layout: KVLayout, tensors: Sequence[torch.Tensor], table: torch.Tensor, num_blocks: int, start: int, chunk: torch.Tensor, to_chunk: bool) -> None:
+    """Run one kernel copy; the library's own argument checks surface as LayoutError like the torch path's."""
+    geo, bases = geometry(layout, tensors, chunk, start)
+    table = table.cpu().contiguous()
     try:
-        op(list(tensors), table.cpu(), start, chunk, layout.kind == "cross_layer", layout.order == "HND", layout.mla, layout.block_size)
+        if chunk.device.type == "cuda":
+            _copy_cuda(geo, bases, table, num_blocks, chunk, to_chunk)
+        else:
+            copy_cpu(geo, bases, table, num_blocks, chunk.data_ptr(), to_chunk)
     except (IndexError, ValueError) as exc:
         raise LayoutError(str(exc)) from exc
 
 
-def _extension_for(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> ModuleType | None:
-    """The extension if it can copy this layout on this device, else None (torch path).
+def copy_cpu(geo: KVGeometry, bases: Sequence[int], table: torch.Tensor, num_blocks: int, chunk_ptr: int, to_chunk: bool) -> None:
+    """The C ABI's CPU copy as it is, with no Python check in front (tests call it to reach the library's guard)."""
+    lib = library()
+    if lib is None:
+        raise ValueError(f"pdkv native kernels unavailable: {reason()}")
+    base_array = (_p * len(bases))(*bases)
+    call(lib.pdkv_kvcopy_cpu, ctypes.byref(geo), base_array, table.data_ptr(), table.numel(), num_blocks, chunk_ptr, int(to_chunk), torch.get_num_threads())
+
+
+def _copy_cuda(geo: KVGeometry, bases: Sequence[int], table: torch.Tensor, num_blocks: int, chunk: torch.Tensor, to_chunk: bool) -> None:
+    """The CUDA copy on the current stream of the chunk's device (block ids checked on the host first)."""
+    lib, cuda = library(), _cuda_state()[0]
+    assert lib is not None and cuda is not None  # _native_for checked both
+    call(lib.pdkv_kvcopy_check, ctypes.byref(geo), table.data_ptr(), table.numel(), num_blocks)
+    device = chunk.device
+    # Both uploads and the launch are ordered on the current stream, so the
+    # temporaries may go back to the caching allocator on return.
+    bases_dev = torch.tensor(list(bases), dtype=torch.long).to(device)
+    table_dev = table.to(device)
+    with torch.cuda.device(device):  # the kernel launches on the current device's context
+        stream = torch.cuda.current_stream(device).cuda_stream
+        code = cuda.pdkv_kvcopy_cuda(ctypes.byref(geo), bases_dev.data_ptr(), table_dev.data_ptr(), chunk.data_ptr(), int(to_chunk), _vector_bytes(geo, bases, chunk.data_ptr()), stream)
+    if code != 0:
+        raise ValueError(f"pdkv kvcopy: CUDA launch failed: {cuda.pdkv_cuda_error_string(code).decode()}")
+
+
+def _vector_bytes(geo: KVGeometry, bases: Sequence[int], chunk_ptr: int) -> int:
+    """Widest vector (<= 16 bytes) that every row start is aligned to."""
+    bits = geo.head_dim * geo.element_size | chunk_ptr
+    for base in bases:
+        bits |= base
+    width = 16
+    while width > 1 and bits % width:
+        width //= 2
+    return width
+
+
+def _checked_buffer(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> int:
+    """layout.py's buffer checks, and one device for every tensor (the kernel takes raw addresses)."""
+    num_blocks = layout.validate_buffer(tensors)
+    devices = {t.device for t in tensors}
+    if len(devices) > 1:
+        raise LayoutError(f"buffer tensors are on several devices: {sorted(map(str, devices))}")
+    return num_blocks
+
+
+def _native_for(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether the kernels can copy this layout on this device (else: the torch path).
 
     HKND (vLLM's CPU cache) has no kernel: it moves whole blocks between
     vLLM workers, so gather/scatter only run when P and D layouts differ.
     """
     if not tensors or (layout.order == "HKND" and not layout.mla):
-        return None
+        return False
     device = tensors[0].device
-    if device.type not in ("cpu", "cuda"):
-        return None
-    ext = _state()[0]
-    if ext is None or (device.type == "cuda" and not ext.has_cuda()):
-        return None
-    return ext
+    if device.type == "cpu":
+        return available()
+    return device.type == "cuda" and available() and _cuda_state()[0] is not None
 
 
-def _state() -> tuple[ModuleType | None, str | None]:
-    """(extension, None) or (None, why not); builds once per process unless disabled.
+def _state() -> tuple[ctypes.CDLL | None, str | None]:
+    """(library, None) or (None, why not); loads once per process unless disabled.
 
     The environment is read on every call so ``PDKV_NATIVE=0`` takes effect
-    even after the extension was loaded.
+    even after the library was loaded.
     """
     global _loaded
     setting = os.environ.get(ENV_VAR, "1")
@@ -145,74 +252,38 @@ def _state() -> tuple[ModuleType | None, str | None]:
     if _loaded is None:
         with _lock:
             if _loaded is None:
-                _loaded = _load()
+                _loaded = _load(LIBRARY, _SIGNATURES, "native kernels", "CPU tensors")
     return _loaded
 
 
-def _load() -> tuple[ModuleType | None, str | None]:
-    sources = _sources_dir()
-    if sources is None:
-        why = "csrc/kvcopy.cpp not found (neither installed as pdkv.csrc package data nor in a source checkout)"
+def _cuda_state() -> tuple[ctypes.CDLL | None, str | None]:
+    """Like ``_state`` for the CUDA library, which also needs a CUDA runtime that starts on this driver."""
+    global _cuda_loaded
+    if _state()[0] is None:
+        return None, reason()
+    if _cuda_loaded is None:
+        with _lock:
+            if _cuda_loaded is None:
+                _cuda_loaded = _load(CUDA_LIBRARY, _CUDA_SIGNATURES, "native CUDA kernels", "CUDA tensors")
+    return _cuda_loaded
+
+
+def _load(path: Path, signatures: dict[str, list[type]], what: str, scope: str) -> tuple[ctypes.CDLL | None, str | None]:
+    if not path.is_file():
+        why = f"{path.name} is not in {path.parent}: it is built when pdkv is installed (pip install, with a C++ compiler{', and nvcc' if 'cuda' in path.name else ''})"
     else:
         try:
-            return _build(sources), None
-        except Exception as exc:  # noqa: BLE001 - any build failure means "use the torch path", never a crash
-            # The tail of the compiler/ninja output says what broke; the whole of it is at DEBUG.
-            tail = [line.strip()[:200] for line in str(exc).strip().splitlines()[-3:]]
-            log.debug("pdkv native build output:\n%s", exc)
-            why = "build failed: " + " | ".join([type(exc).__name__, *tail])
-    log.warning("pdkv native gather/scatter unavailable, using the torch path (same bytes, slower): %s. "
-                "Needs a C++ compiler and ninja (pip install ninja); set %s=0 to skip the build.", why, ENV_VAR)
+            lib = ctypes.CDLL(str(path))
+            for name, argtypes in signatures.items():
+                fn = getattr(lib, name)
+                fn.argtypes = argtypes
+                fn.restype = ctypes.c_char_p if name == "pdkv_cuda_error_string" else ctypes.c_int
+            count = lib.pdkv_cuda_device_count() if "pdkv_cuda_device_count" in signatures else 1
+            if count < 0:
+                why = f"its CUDA runtime does not start here: {lib.pdkv_cuda_error_string(-count).decode()}"
+            else:
+                return lib, None
+        except (OSError, AttributeError) as exc:
+            why = f"{path.name} does not load: {exc}"
+    log.warning("pdkv %s unavailable, %s take the torch path (same bytes, slower): %s. Reinstall pdkv to rebuild them; set %s=0 to not use them.", what, scope, why, ENV_VAR)
     return None, why
-
-
-def _sources_dir() -> Path | None:
-    """csrc/ as installed package data (``pdkv.csrc``) or, from a source checkout, the repo's csrc/."""
-    spec = importlib.util.find_spec("pdkv.csrc")
-    candidates = [Path(p) for p in spec.submodule_search_locations or []] if spec else []
-    candidates.append(Path(__file__).resolve().parent.parent / "csrc")
-    return next((c for c in candidates if all((c / f).is_file() for f in _HEADERS + _CPU_SOURCES)), None)
-
-
-def _cache_root() -> Path:
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "pdkv" / "torch_extensions"
-
-
-def _build(sources: Path) -> ModuleType:
-    """Compile (or reuse) the extension for this Python/torch/CUDA and these exact sources."""
-    from torch.utils import cpp_extension  # slow import: only when building
-
-    cuda_version = torch.version.cuda  # None on CPU-only torch builds
-    with_cuda = cuda_version is not None and torch.cuda.is_available() and cpp_extension.CUDA_HOME is not None
-    names = _CPU_SOURCES + (_CUDA_SOURCES if with_cuda else ())
-    # No fused multiply-add: the codec kernels must round exactly like their torch twins; no FP traps
-    # assumed, so their selects vectorize (csrc/kvcodec.cpp). Neither changes any IEEE result.
-    cflags = ["-O3", "-ffp-contract=off", "-fno-trapping-math"] + (["-DPDKV_WITH_CUDA"] if with_cuda else [])
-    cuda_cflags = ["-O3", "-DPDKV_WITH_CUDA"] if with_cuda else []
-
-    digest = hashlib.sha256()
-    for name in _HEADERS + names:
-        digest.update(name.encode() + b"\0" + (sources / name).read_bytes() + b"\0")
-    digest.update(repr((cflags, cuda_cflags)).encode())
-    accel = f"cu{cuda_version.replace('.', '')}" if with_cuda and cuda_version else "cpu"
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}-{accel}"
-    build_dir = _cache_root() / tag / f"kvcopy-{digest.hexdigest()[:16]}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-
-    with exclusive(build_dir / "pdkv-build.flock"):
-        # cpp_extension's own lock is a file created with O_EXCL and removed
-        # when the build ends; a build killed hard leaves it behind and every
-        # later load would wait forever. We hold the flock (dropped by the
-        # kernel when a process dies), so no live pdkv build owns it.
-        (build_dir / "lock").unlink(missing_ok=True)
-        return cpp_extension.load(
-            name=_MODULE_NAME,
-            sources=[str(sources / n) for n in names],
-            extra_cflags=cflags,
-            extra_cuda_cflags=cuda_cflags,
-            build_directory=str(build_dir),
-            with_cuda=with_cuda,
-            verbose=False,
-        )

@@ -47,7 +47,7 @@ def _finite(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-@pytest.mark.timeout(900)  # on a fresh machine the first user of the native kernels (gather) compiles them
+@pytest.mark.timeout(900)  # a bench runs for minutes on a busy 2-core machine
 @pytest.mark.parametrize("name", sorted(BENCHES))
 def test_bench_prints_its_ratio_against_a_same_run_baseline_and_draws_it(name: str, model_dir: Path, tmp_path: Path) -> None:
     picture = tmp_path / f"{name}.png"

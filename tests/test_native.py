@@ -4,17 +4,22 @@ Bit identity is checked on raw bytes (buffers and chunks are filled with
 random bytes, NaN patterns included), over every layout (kind x order x mla),
 every dtype, token ranges with partial first and last blocks and starts that
 are not block aligned, and between layouts with different block sizes. The
-extension is built once per module (a cold build takes 15-75 s on a busy
-2-core machine; later runs load the cached build in well under a second).
+kernels are the library ``pip install`` built into the package: nothing here
+builds anything (test_the_installed_library_loads_without_a_compiler).
 """
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from types import ModuleType
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,13 +41,11 @@ LAYOUT_PARAMS = list(itertools.product(KINDS, ORDERS, (False, True)))
 
 
 @pytest.fixture(scope="module")
-def ext() -> ModuleType:
-    """The built extension; builds it once for the module (skips with the reason if it cannot)."""
-    if not native.available():
-        pytest.skip(f"native extension unavailable: {native.reason()}")
-    module, _ = native._state()
-    assert module is not None
-    return module
+def ext() -> ctypes.CDLL:
+    """The installed kernel library: the install builds it, so its absence is a failure, not a skip."""
+    lib = native.library()
+    assert lib is not None, f"pdkv's native kernels did not load: {native.reason()}"
+    return lib
 
 
 def make_layout(kind: str, order: str, mla: bool, dtype: str = "bfloat16", block_size: int = 4) -> KVLayout:
@@ -79,8 +82,8 @@ def clone(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("kind", "order", "mla"), LAYOUT_PARAMS)
-def test_gather_and_scatter_match_torch(ext: ModuleType, kind: str, order: str, mla: bool, dtype: str, device: str) -> None:
-    if device == "cuda" and not ext.has_cuda():
+def test_gather_and_scatter_match_torch(ext: ctypes.CDLL, kind: str, order: str, mla: bool, dtype: str, device: str) -> None:
+    if device == "cuda" and native.cuda_reason() is not None:
         pytest.skip("no CUDA kernel in the extension (built where nvcc or the CUDA toolkit was missing)")
     layout = make_layout(kind, order, mla, dtype)
     gen = torch.Generator().manual_seed(0)
@@ -102,7 +105,7 @@ def test_gather_and_scatter_match_torch(ext: ModuleType, kind: str, order: str, 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mla", [False, True])
-def test_every_layout_pair_round_trips(ext: ModuleType, mla: bool, dtype: str) -> None:
+def test_every_layout_pair_round_trips(ext: ctypes.CDLL, mla: bool, dtype: str) -> None:
     """P gathers in its layout (block size 4), D scatters into its own (block size 3): same bytes as torch."""
     gen = torch.Generator().manual_seed(7)
     for (src_kind, src_order), (dst_kind, dst_order) in itertools.product(itertools.product(KINDS, ORDERS), repeat=2):
@@ -118,7 +121,7 @@ def test_every_layout_pair_round_trips(ext: ModuleType, mla: bool, dtype: str) -
         assert same_bytes(ours, theirs), (src, dst)
 
 
-def test_non_contiguous_out_and_chunk(ext: ModuleType) -> None:
+def test_non_contiguous_out_and_chunk(ext: ctypes.CDLL) -> None:
     layout = make_layout("per_layer", "HND", False, "float16")
     gen = torch.Generator().manual_seed(3)
     buffer = random_buffer(layout, gen)
@@ -137,7 +140,7 @@ def test_non_contiguous_out_and_chunk(ext: ModuleType) -> None:
 
 @pytest.mark.parametrize(("head_dim", "dtype"), [(128, "bfloat16"), (128, "float32"), (64, "float16")])
 @pytest.mark.parametrize("kind", KINDS)
-def test_hnd_fixed_row_sizes(ext: ModuleType, kind: str, head_dim: int, dtype: str) -> None:
+def test_hnd_fixed_row_sizes(ext: ctypes.CDLL, kind: str, head_dim: int, dtype: str) -> None:
     """HND rows of 256 and 512 bytes take the kernel's compile-time row-size paths."""
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=head_dim, block_size=4, dtype=dtype, kind=kind, order="HND")  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(9)
@@ -151,7 +154,7 @@ def test_hnd_fixed_row_sizes(ext: ModuleType, kind: str, head_dim: int, dtype: s
     assert same_bytes(ours, theirs)
 
 
-def test_concurrent_callers_with_helper_threads(ext: ModuleType) -> None:
+def test_concurrent_callers_with_helper_threads(ext: ctypes.CDLL) -> None:
     """Chunks big enough to be split over threads, from several Python threads at once (the GIL is released)."""
     layout = KVLayout(num_layers=4, num_kv_heads=8, head_dim=64, block_size=16, dtype="float32", order="HND")
     gen = torch.Generator().manual_seed(8)
@@ -165,7 +168,7 @@ def test_concurrent_callers_with_helper_threads(ext: ModuleType) -> None:
 
 @pytest.mark.parametrize("bad", [-1, NUM_BLOCKS, 10**12])
 @pytest.mark.parametrize("kind", KINDS)
-def test_bad_block_ids_raise_layout_error(ext: ModuleType, kind: str, bad: int) -> None:
+def test_bad_block_ids_raise_layout_error(ext: ctypes.CDLL, kind: str, bad: int) -> None:
     layout = make_layout(kind, "NHD", False)
     buffer = random_buffer(layout, torch.Generator().manual_seed(1))
     before = clone(buffer)
@@ -178,34 +181,42 @@ def test_bad_block_ids_raise_layout_error(ext: ModuleType, kind: str, bad: int) 
 
 
 @pytest.mark.parametrize("bad", [-1, NUM_BLOCKS])
-def test_cpp_refuses_bad_block_ids_itself(ext: ModuleType, bad: int) -> None:
-    """The C++ guard, called directly without the Python checks in front of it."""
+def test_cpp_refuses_bad_block_ids_itself(ext: ctypes.CDLL, bad: int) -> None:
+    """The library's guard, called through the C ABI without the Python checks in front of it."""
     layout = make_layout("cross_layer", "HND", False)
     buffer = random_buffer(layout, torch.Generator().manual_seed(2))
     before = clone(buffer)
     chunk = torch.zeros(layout.chunk_shape(6), dtype=layout.torch_dtype)
+    geo, bases = native.geometry(layout, buffer, chunk, 2)
     table = torch.tensor([1, bad], dtype=torch.long)
-    for op in (ext.gather, ext.scatter):
+    for to_chunk in (True, False):
         with pytest.raises(IndexError, match="out of range"):
-            op(buffer, table, 2, chunk, True, True, False, layout.block_size)
+            native.copy_cpu(geo, bases, table, NUM_BLOCKS, chunk.data_ptr(), to_chunk)
     with pytest.raises(IndexError, match="block table has 1 blocks"):
-        ext.gather(buffer, table[:1], 2, chunk, True, True, False, layout.block_size)
+        native.copy_cpu(geo, bases, table[:1], NUM_BLOCKS, chunk.data_ptr(), True)
     assert same_bytes(buffer, before)
 
 
-def test_cpp_refuses_mismatched_buffers(ext: ModuleType) -> None:
+BAD_GEOMETRY = [("heads", 0, "empty layers"), ("kv", 3, "kv must be 1"), ("block_size", 0, "block_size must be positive"), ("start", -1, "start must be non-negative"), ("token_stride", 0, "strides")]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), BAD_GEOMETRY)
+def test_cpp_refuses_a_bad_geometry(ext: ctypes.CDLL, field: str, value: int, message: str) -> None:
     layout = make_layout("per_layer", "NHD", False)
     buffer = random_buffer(layout, torch.Generator().manual_seed(4))
     chunk = torch.zeros(layout.chunk_shape(4), dtype=layout.torch_dtype)
-    table = torch.tensor([0], dtype=torch.long)
-    with pytest.raises(ValueError, match="buffer tensors"):
-        ext.gather(buffer[:2], table, 0, chunk, False, False, False, layout.block_size)
-    with pytest.raises(ValueError, match="expected"):
-        ext.gather(buffer, table, 0, chunk, False, True, False, layout.block_size)  # NHD buffer described as HND
-    with pytest.raises(ValueError, match="is Float but the chunk is BFloat16"):
-        ext.gather([t.float() for t in buffer], table, 0, chunk, False, False, False, layout.block_size)
-    with pytest.raises(ValueError, match="empty layers"):
-        ext.gather([], table, 0, chunk[:0], False, False, False, layout.block_size)
+    geo, bases = native.geometry(layout, buffer, chunk, 0)
+    setattr(geo, field, value)
+    with pytest.raises(ValueError, match=message):
+        native.copy_cpu(geo, bases, torch.tensor([0], dtype=torch.long), NUM_BLOCKS, chunk.data_ptr(), True)
+
+
+def test_buffers_on_several_devices_are_refused_before_the_kernel(ext: ctypes.CDLL) -> None:
+    layout = make_layout("per_layer", "NHD", False)
+    buffer = random_buffer(layout, torch.Generator().manual_seed(4))
+    buffer[1] = buffer[1].to("meta")
+    with pytest.raises(LayoutError, match="several devices"):
+        native.gather(layout, buffer, [0], 0, 4)
 
 
 def test_disabled_by_env_uses_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -224,13 +235,10 @@ def test_disabled_by_env_uses_the_torch_path(monkeypatch: pytest.MonkeyPatch) ->
     assert same_bytes(ours, theirs)
 
 
-def test_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    def broken_build(sources: object) -> ModuleType:
-        raise RuntimeError("Error building extension 'pdkv_kvcopy'\nc++: not found")
-
+def test_a_missing_library_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     monkeypatch.delenv(native.ENV_VAR, raising=False)
     monkeypatch.setattr(native, "_loaded", None)
-    monkeypatch.setattr(native, "_build", broken_build)
+    monkeypatch.setattr(native, "LIBRARY", tmp_path / "libpdkv_kernels.so")
     layout = make_layout("per_layer", "NHD", True)
     buffer = random_buffer(layout, torch.Generator().manual_seed(6))
     with caplog.at_level(logging.WARNING, logger="pdkv.native"):
@@ -238,5 +246,35 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch,
         chunk = native.gather(layout, buffer, [3, 4], 1, 5)
         assert not native.available()
     assert same_bytes(chunk, torch_path.gather(layout, buffer, [3, 4], 1, 5))
-    assert "c++: not found" in (native.reason() or "")
+    assert "built when pdkv is installed" in (native.reason() or "")
     assert len([r for r in caplog.records if r.name == "pdkv.native"]) == 1
+
+
+def test_a_file_that_is_not_a_library_falls_back(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    broken = tmp_path / "libpdkv_kernels.so"
+    broken.write_bytes(b"not an ELF file")
+    monkeypatch.delenv(native.ENV_VAR, raising=False)
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "LIBRARY", broken)
+    assert not native.available()
+    assert "does not load" in (native.reason() or "")
+
+
+def test_the_installed_library_loads_without_a_compiler(tmp_path: Path) -> None:
+    """The install left the kernels in the package: a fresh process with no compiler reachable and an empty
+    home uses them at once, imports nothing that builds, and creates no build cache."""
+    probe = (
+        "import json, sys\n"
+        "from pdkv import native\n"
+        "from pdkv.codec import kernels\n"
+        "print(json.dumps({'available': native.available(), 'reason': native.reason(), 'library': str(native.LIBRARY),\n"
+        "                  'builders': sorted(m for m in sys.modules if m.startswith(('torch.utils.cpp_extension', 'setuptools', 'distutils')))}))\n"
+    )
+    env = {**os.environ, "PATH": str(tmp_path / "empty-path"), "HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": "false", "CXX": "false"}
+    env.pop(native.ENV_VAR, None)
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["available"], report["reason"]
+    assert Path(report["library"]).parent == Path(native.__file__).parent
+    assert report["builders"] == []
+    assert not (tmp_path / "home").exists() and not (tmp_path / "cache").exists()

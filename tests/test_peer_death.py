@@ -89,8 +89,8 @@ def expected_chunk() -> torch.Tensor:
 
 # -- the child side: run to a step, report it, block there -------------------------------------------------------
 def _child_setup() -> None:
-    # A child only has to reach its step and die: the torch path gives the same bytes and spares
-    # it loading the native extension (seconds on a busy machine, a rebuild if the cache is cold).
+    # A child only has to reach its step and die: the torch path gives the same bytes, so the
+    # children run the fallback path that a machine without the kernels would take.
     os.environ[native.ENV_VAR] = "0"
 
 

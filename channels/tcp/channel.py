@@ -17,7 +17,8 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
-from pdkv.channels.base import Channel, ChannelOptions, TransferHandle, TransferOp, XferState
+from pdkv.channels.base import Channel, ChannelOptions
+from pdkv.channels.handle import TransferHandle, TransferOp, XferState
 from pdkv.channels.tcp.conn import SHUTDOWN_JOIN_S
 from pdkv.channels.tcp.initiator import Initiator, TcpHandle
 from pdkv.channels.tcp.options import Agent, TcpOptions
@@ -68,7 +69,7 @@ class TcpChannel(Channel):
         meta = decode_meta(metadata)
         self.regions.add_peer(meta.name, meta.regions)
         if self.initiator.add_peer(meta):
-            self.forget_unreachable(meta.name)  # new address: worth trying at once
+            self.reachability.forget(meta.name)  # new address: worth trying at once
         return meta.name
 
     def remove_peer(self, peer: str) -> None:

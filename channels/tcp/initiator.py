@@ -16,7 +16,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pdkv.channels.base import TransferHandle, TransferOp, merge_ops
+from pdkv.channels.handle import TransferHandle, TransferOp, merge_ops
 from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp.link import Batch, Link
 from pdkv.channels.tcp.options import Agent

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdkv.auth import NONCE_BYTES, PROOF_BYTES, new_nonce, proof, verify
-from pdkv.channels.base import TransferHandle, XferState
+from pdkv.channels.handle import TransferHandle, XferState
 from pdkv.channels.tcp.conn import IO_ERRORS, SHUTDOWN_JOIN_S, Conn, PeerClosed, idle_deadline, set_buffers, shutdown
 from pdkv.channels.tcp.options import TcpOptions
 from pdkv.channels.tcp.wire import (

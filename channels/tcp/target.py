@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 
 from pdkv.auth import NONCE_BYTES, PROOF_BYTES, new_nonce, proof, verify
-from pdkv.channels.base import NotificationInbox
 from pdkv.channels.grants import Grants
+from pdkv.channels.inbox import NotificationInbox
 from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp.conn import IO_ERRORS, Conn, PeerClosed, idle_deadline, set_buffers, shutdown
 from pdkv.channels.tcp.options import Agent

@@ -18,7 +18,7 @@ layout)`` builds it for a KV layout or says why it cannot.
 Measured ratios, speeds and fidelity on the default model: ``pdkv bench
 codec`` and benchmarks/RESULTS.md.
 
-How the transfer path uses a codec (pdkv/sender.py, receiver.py, protocol.py),
+How the transfer path uses a codec (pdkv/transfer/: outgoing.py, incoming.py, protocol.py),
 as built; where it differs from the plan it was written from, the difference
 is said:
 

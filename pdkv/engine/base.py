@@ -31,7 +31,7 @@ from pdkv.engine import sampling
 from pdkv.engine.sampling import SamplingParams
 from pdkv.errors import EngineError, InvalidRequestError
 from pdkv.layout import KVLayout
-from pdkv.tokenizer import Tokenizer
+from pdkv.modelfiles.tokenizer import Tokenizer
 
 FinishReason = Literal["stop", "length"]
 _ids = itertools.count()

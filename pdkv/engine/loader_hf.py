@@ -18,8 +18,8 @@ import torch
 from pdkv.engine.checkpoint import Checkpoint
 from pdkv.engine.config import ModelConfig
 from pdkv.errors import ModelLoadError
-from pdkv.jsonfile import read_json
-from pdkv.tokenizer import Tokenizer
+from pdkv.modelfiles.jsonfile import read_json
+from pdkv.modelfiles.tokenizer import Tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
 

@@ -11,7 +11,13 @@ and to apply a removal). A prompt is matched by hashing its token ids the
 same way, block after block, and walking each worker's set until a block
 is missing: the number of tokens its cache holds from the prompt's start.
 Two workers that cache the same prefix hold the same index hashes, whatever
-their own hashes are.
+their own hashes are, and a publisher's hash may be an integer (vLLM's
+default, pdkv's too: 64 bits) or bytes: it is only a name for an event to
+refer to. The index only routes: nothing loads KV because of it (the worker
+a prompt is sent to looks its chunks up by their full 128-bit keys). A
+publisher that reuses a hash for other tokens (a 64-bit collision included)
+is believed: its block becomes the new tokens, so a collision costs at most
+a routing guess.
 
 Blocks on a shared tier (``locality: REMOTE``, pdkv's Redis level) are
 held once for all workers, in an LRU of ``shared_blocks`` entries (the

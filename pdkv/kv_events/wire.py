@@ -8,6 +8,9 @@ message is three frames ``(topic, seq as 8 bytes big-endian, msgpack
 KVEventBatch)``; a batch is an array ``[ts, events, data_parallel_rank]`` and
 each event a map tagged by its class name (``"type": "BlockStored"``).
 
+Block hashes are integers by default, bytes on request, as in vLLM
+(``external_hash``, ``INT_HASHES_ENV``); decoders take either.
+
 ``medium`` and ``locality`` use vLLM's words: ``GPU`` (an engine's paged KV),
 ``CPU`` (host memory), ``STORAGE`` (disk or a store), with ``locality``
 ``LOCAL`` or ``REMOTE`` relative to the publisher; a shared store every
@@ -31,8 +34,22 @@ REMOTE = "REMOTE"
 # The replay socket's end-of-replay marker, in the seq frame.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
-# bytes (vLLM's default, a sha256 digest) or int (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).
+# int (vLLM's default: the hash's low 64 bits) or bytes (the whole hash, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
 ExternalBlockHash = bytes | int
+
+INT_HASHES_ENV = "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"
+"""vLLM's switch, same name and meaning: 1 (the default) publishes integer block hashes, 0 the hash's bytes."""
+
+
+def external_hash(block_hash: bytes, use_int: bool) -> ExternalBlockHash:
+    """A block hash as vLLM publishes it (``maybe_convert_block_hash``): the low 64 bits as an unsigned integer
+    (``int.from_bytes(h, "big") & (2**64 - 1)``, msgpack uint64 from 2**63 on), or the bytes as they are.
+
+    The integer form is what Dynamo's indexer decodes (it accepts only msgpack integers) and what vLLM
+    sends unless told otherwise. Two blocks whose hashes share their low 64 bits get one name on the wire:
+    see pdkv/worker/kv_events.py for what that costs (a routing guess, never KV).
+    """
+    return int.from_bytes(block_hash, "big") & 0xFFFF_FFFF_FFFF_FFFF if use_int else block_hash
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg]

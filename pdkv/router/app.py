@@ -32,17 +32,17 @@ from aiohttp import web
 from pdkv.auth import control_token
 from pdkv.config import WORKER_URL_PATTERN, HttpConfig, RouterConfig
 from pdkv.errors import ConfigError, RequestError
-from pdkv.openai_http import add_openai_routes
+from pdkv.http.openai_routes import add_openai_routes
+from pdkv.http.web import application, bearer_middleware, error_response, read_json
 from pdkv.router.kv_aware import KVAwareness, KVCollector, load_tokenizer
 from pdkv.router.metrics import RouterMetrics
 from pdkv.router.modes import make_mode
 from pdkv.router.policy import describe_prompt, make_policy
 from pdkv.router.pool import ROLES, Role, WorkerPool
 from pdkv.router.proxy import Proxy
-from pdkv.web import application, bearer_middleware, error_response, read_json
 
 if TYPE_CHECKING:
-    from pdkv.tokenizer import Tokenizer
+    from pdkv.modelfiles.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

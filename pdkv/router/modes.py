@@ -36,8 +36,11 @@ import abc
 from typing import Any, ClassVar
 from urllib.parse import quote
 
+import msgspec
+
 from pdkv.errors import UpstreamError
 from pdkv.router.pool import WorkerPool, WorkerState
+from pdkv.transfer.params import PushTo
 
 # Fields a prefill hop must not carry: streaming options, and lower bounds vLLM refuses above max_tokens=1.
 _PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens")
@@ -87,7 +90,7 @@ class PdkvMode(PairMode):
 
     async def prefill_params(self, pool: WorkerPool, decode: WorkerState, transfer_id: str) -> dict[str, Any]:
         info = await pool.decode_info(decode)
-        return {"do_remote_decode": True, "remote_host": info["remote_host"], "remote_port": info["remote_port"], "transfer_id": transfer_id}
+        return msgspec.to_builtins(PushTo(info["remote_host"], info["remote_port"], transfer_id))
 
     def decode_params(self, prefill_answer: Any) -> tuple[dict[str, Any] | None, str | None]:
         params, why = super().decode_params(prefill_answer)

@@ -35,8 +35,8 @@ from pdkv.keys import chunk_keys
 from pdkv.router.pool import Role, WorkerState
 
 if TYPE_CHECKING:
+    from pdkv.modelfiles.tokenizer import Tokenizer
     from pdkv.router.kv_aware import KVAwareness
-    from pdkv.tokenizer import Tokenizer
 
 
 @dataclass

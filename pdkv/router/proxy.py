@@ -48,16 +48,16 @@ from aiohttp import web
 
 from pdkv.config import HttpConfig, RouterConfig
 from pdkv.errors import UpstreamError, UpstreamRejected
-from pdkv.openai_http import end_with_error, sse_response
+from pdkv.http.openai_routes import end_with_error, sse_response
+from pdkv.http.web import error_response, read_json
 from pdkv.router.disaggregation import DecodeCosts, WayCost, decide
 from pdkv.router.metrics import ROLE, RouterMetrics
 from pdkv.router.modes import PairMode, decode_body, prefill_body
 from pdkv.router.policy import Policy, Prompt, describe_prompt
 from pdkv.router.pool import Role, WorkerPool, WorkerState, describe
-from pdkv.web import error_response, read_json
 
 if TYPE_CHECKING:
-    from pdkv.tokenizer import Tokenizer
+    from pdkv.modelfiles.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from pdkv.engine.checkpoint import Checkpoint
 from pdkv.engine.config import ModelConfig
 from pdkv.engine.loader_hf import save_hf_dir
 from pdkv.engine.model import expected_shapes
-from pdkv.tokenizer import Tokenizer
+from pdkv.modelfiles.tokenizer import Tokenizer
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (

@@ -1,24 +1,8 @@
-"""The control plane's I/O, shared by the sender and the receiver.
+"""The control plane's I/O, shared by the sender and the receiver: one thread per side that owns the ZeroMQ sockets.
 
-Each side of a transfer has one I/O thread (``ControlLoop``) that owns its
-ZeroMQ sockets (they are not thread-safe) and sleeps in ``poll`` until there is
-work: a message on a socket, a notification on the channel's fd, a callable
-another thread handed it (``call_soon``, which also wakes it), or its tick.
-Nothing polls on a short timer, so an idle endpoint costs nothing and a busy
-one reacts at once.
-
-On top of the loop sit the two socket shapes of the protocol:
-
-* ``RouterSocket`` (receiver): one bound ROUTER; every message carries the
-  sender's identity.
-* ``DealerSockets`` (sender): one DEALER per receiver address, created on
-  first use, each with a socket monitor so a receiver that dies or restarts is
-  noticed when its connection drops, and an address where nothing listens
-  when its first connect is refused, rather than at a timeout.
-
-Both decode what arrives (``protocol.decode``: malformed input is counted and
-dropped, never raised into the loop) and hand it to their owner's handler on
-the loop thread.
+``ControlLoop`` sleeps in ``poll`` until a message, a channel notification, a handed-over call or its tick;
+``RouterSocket`` is the receiver's bound ROUTER, ``DealerSockets`` the sender's DEALER per receiver, each with a
+socket monitor so a peer that dies is noticed when its connection drops. Malformed input is counted and dropped.
 """
 
 from __future__ import annotations

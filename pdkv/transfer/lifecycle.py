@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable
 
 from pdkv.blocks import BlockAllocator
-from pdkv.channels.base import Channel, Notification
+from pdkv.channels.base import Channel
 from pdkv.channels.grants import Range
+from pdkv.channels.handle import Notification
 from pdkv.config import TransferConfig
 from pdkv.errors import ChecksumError, PromptMismatchError, ProtocolError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.transfer import protocol

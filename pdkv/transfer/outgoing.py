@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pdkv.channels.base import Channel, TransferHandle, TransferOp, XferState
+from pdkv.channels.base import Channel
+from pdkv.channels.handle import TransferHandle, TransferOp, XferState
 from pdkv.checksum import chunk_checksum, flat_bytes
 from pdkv.codec import Codec
 from pdkv.config import TransferConfig

@@ -1,13 +1,8 @@
-"""Control-plane messages: msgspec tagged structs, msgpack over pyzmq ROUTER/DEALER.
+"""Control-plane messages: msgspec tagged structs, msgpack over pyzmq ROUTER/DEALER, every one in this file.
 
-The receiver (decode side) binds a ROUTER; each sender (prefill side)
-connects a DEALER. Every message type lives here, in one file, the way
-NIXL's and vLLM's handshakes do, so a protocol change is one diff.
-
-Sender -> receiver: Hello, Reserve, Heartbeat, Cancel, Done.
-Receiver -> sender: Hello (its own, as the reply), Reserved, Refused,
-Landed, Cancel, Error. Chunk payloads never travel here: they go over the
-transfer channel, each followed by a ``ChunkNotice`` notification.
+Sender -> receiver: Hello, Auth, Reserve, Heartbeat, Cancel, Done. Receiver -> sender: Hello, Reserved, Refused,
+Landed, Cancel, Error. Chunk payloads never travel here: they go over the channel, each followed by a
+``ChunkNotice``. A change of any message is a ``PROTOCOL_VERSION`` bump (README.md here, "Names").
 """
 
 from __future__ import annotations

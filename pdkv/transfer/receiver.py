@@ -84,7 +84,7 @@ class KVReceiver:
             layout, kv, [flat_bytes(t) for t in kv], num_blocks, staging, slot_bytes, self.config.chunk_size, self.kv_regions, self.staging_region, codecs,
             None if reached else DeviceStager(layout, kv, self.config.chunk_size),
         )
-        native.available()  # load csrc/ now, not inside the first transfer
+        native.available()  # load the kernel library now, not inside the first transfer
         self.counters: collections.Counter[str] = collections.Counter()
         lock = threading.Condition()
         self.loop = ControlLoop("pdkv-receiver", min(_REAP_TICK_S, self.config.lease_s / 4), lambda: self.book.reap())

@@ -55,7 +55,7 @@ class KVSender:
         self.config = config or TransferConfig()
         kv = adopt_kv(list(kv_tensors))
         num_blocks = layout.validate_buffer(kv)
-        native.available()  # load csrc/ now, not inside the first transfer
+        native.available()  # load the kernel library now, not inside the first transfer
         # ``none`` and the configured codec: a transfer uses one of the two (``open(codec=...)``)
         self.codecs: dict[str, Codec] = {name: make_codec(name, layout) for name in dict.fromkeys(("none", self.config.codec))}
         slot_bytes = codec_slot_bytes(layout, self.config.chunk_size, list(self.codecs.values()))

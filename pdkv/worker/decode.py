@@ -25,6 +25,7 @@ from pdkv.engine.base import EngineAdapter, Request
 from pdkv.engine.sampling import MIN_LOGPROB, TokenLogprobs
 from pdkv.errors import InvalidRequestError, NotAnnouncedError, PdkvError, PromptMismatchError, TransferError, TransferTimeout
 from pdkv.transfer.incoming import ReceivedKV
+from pdkv.transfer.params import DecodeHop, FirstTokenLogprobs, parse
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.worker.metrics import WorkerMetrics
 from pdkv.worker.openai_api import MAX_LOGPROBS, GenerationRequest
@@ -54,23 +55,23 @@ class DecodeRole(WorkerRole):
 
     def info(self) -> dict[str, Any]:
         host, port = self.receiver.address.removeprefix("tcp://").rsplit(":", 1)
-        return {"receiver_address": self.receiver.address, "remote_host": host, "remote_port": int(port)}
+        return {"receiver_address": self.receiver.address, "remote_host": host.strip("[]"), "remote_port": int(port)}
 
     def cancel_transfer(self, transfer_id: str) -> None:
         self.receiver.cancel(transfer_id, "cancelled by the router")
 
     async def plan_transfer(self, req: GenerationRequest) -> Plan:
-        kv = req.kv_transfer_params
-        first = kv.get("first_token_id")
-        if first is not None and (not isinstance(first, int) or isinstance(first, bool) or not 0 <= first < self.engine.vocab_size):
+        hop = parse(req.kv_transfer_params, DecodeHop)
+        first = hop.first_token_id
+        if first is not None and first >= self.engine.vocab_size:
             raise InvalidRequestError(f"kv_transfer_params.first_token_id must be a token id in [0, {self.engine.vocab_size}), got {first!r}", param="kv_transfer_params")
-        first_logprobs = self._first_logprobs(kv.get("first_token_logprobs"), req.logprobs)
-        transfer_id = kv.get("transfer_id")
+        first_logprobs = self._first_logprobs(hop.first_token_logprobs, req.logprobs)
+        transfer_id = hop.transfer_id
         reason = None
         request = None
-        if not isinstance(transfer_id, str) or not transfer_id:
+        if transfer_id is None:
             reason = "no_transfer_id"
-        elif not kv.get("transfer_started", True):
+        elif not hop.transfer_started:
             reason = "not_started"
         else:
             got, reason = await self._claim(transfer_id, self.prompt_key(req.prompt_token_ids))
@@ -78,11 +79,11 @@ class DecodeRole(WorkerRole):
                 request = self._adopt(req, got)
                 reason = None if request is not None else "adopt_failed"
         kv_params = None
-        if request is not None and kv.get("return_kv_digest"):
+        if request is not None and hop.return_kv_digest:
             kv_params = {"kv_digest": layer_digests(self.engine.layout, self.engine.kv_buffer, request.block_table, request.num_computed)}
         on_chunk = None
         if request is None:
-            log.warning("request %s: computing the prompt locally (%s)", req.request_id, reason)
+            log.warning("request %s, transfer %s: computing the prompt locally (%s)", req.request_id, transfer_id, reason)
             self.metrics.fallbacks.labels(self.name, reason or "unknown").inc()
             request, cached = await self.new_request(req, req.sampling)
             on_chunk = self.tiering.offer(cached, None)
@@ -92,22 +93,17 @@ class DecodeRole(WorkerRole):
             self.metrics.prompt_tokens.labels(self.name, "transferred").inc(len(req.prompt_token_ids))
         return Plan(request, first_token=first, first_logprobs=first_logprobs, on_chunk=on_chunk, kv_params=kv_params)
 
-    def _first_logprobs(self, given: Any, wanted: int | None) -> TokenLogprobs | None:
-        """P's log-probabilities of the first token (``kv_transfer_params.first_token_logprobs``), checked."""
+    def _first_logprobs(self, given: FirstTokenLogprobs | None, wanted: int | None) -> TokenLogprobs | None:
+        """P's log-probabilities of the first token (``kv_transfer_params.first_token_logprobs``), checked against our vocabulary."""
         if wanted is None or given is None:
             return None
         vocab = self.engine.vocab_size
-
-        def logprob(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and MIN_LOGPROB <= v <= 0
-
-        top = given.get("top") if isinstance(given, dict) else None
-        if not (
-            isinstance(top, list) and len(top) <= MAX_LOGPROBS and logprob(given.get("logprob"))
-            and all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and 0 <= p[0] < vocab and logprob(p[1]) for p in top)
-        ):
-            raise InvalidRequestError(f"kv_transfer_params.first_token_logprobs must be {{logprob, top: [[token id, logprob], ...]}}, got {given!r}", param="kv_transfer_params")
-        return TokenLogprobs(float(given["logprob"]), tuple((int(t), float(v)) for t, v in top[:wanted]))
+        if len(given.top) > MAX_LOGPROBS or not all(t < vocab and v >= MIN_LOGPROB for t, v in given.top) or given.logprob < MIN_LOGPROB:
+            raise InvalidRequestError(
+                f"kv_transfer_params.first_token_logprobs must hold at most {MAX_LOGPROBS} [token id < {vocab}, logprob >= {MIN_LOGPROB}] pairs, got {given!r}",
+                param="kv_transfer_params",
+            )
+        return TokenLogprobs(given.logprob, tuple(given.top[:wanted]))
 
     async def _claim(self, transfer_id: str, prompt_key: bytes) -> tuple[ReceivedKV | None, str | None]:
         """Wait for the landed KV of this prompt off the event loop; a cancelled wait leaks no blocks."""

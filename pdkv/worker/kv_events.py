@@ -11,18 +11,34 @@ stores a partial one), its hash the chunk key (``pdkv.keys``: 16 bytes,
 chained over the parent's key, the model and the tokens), its parent the
 key of the chunk before it (None for a prompt's first chunk).
 
+On the wire a key is, as in vLLM, its low 64 bits as an integer by default
+and its 16 bytes with ``kv_events.use_int_block_hashes: false`` (or
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`` when the field is unset): Dynamo's
+indexer decodes integers only. The event hash only names a block to
+routers; nothing loads KV by it. A worker loads a chunk by its full 128-bit
+key, computed from the prompt it is given, and pdkv's router indexes blocks
+by their token ids (pdkv.kv_events.index), so a collision of two chunks'
+low 64 bits (odds about n^2 / 2^65 for n chunks announced: 1 in 3.7e7 for a
+million) costs at most a routing guess: a router that keys by the event
+hash (Dynamo) may take one block for the other and send a prompt to a
+worker that then finds less of it cached and computes the rest. Never wrong
+KV: the load misses, it does not return the other chunk.
+
 Each level of the tier says what it holds, with vLLM's ``medium`` and
 ``locality`` words (pdkv.kv_events.wire):
 
 =========  =========  ========  ==============================================
 level      medium     locality  announced
 =========  =========  ========  ==============================================
-memory     CPU        LOCAL     stored when put, removed when evicted/dropped
+memory     CPU (*)    LOCAL     stored when put, removed when evicted/dropped
 disk       STORAGE    LOCAL     stored when written, removed when evicted/bad
 redis      STORAGE    REMOTE    stored when written (or found already there);
                                 removed when a read finds it gone (evicted or
                                 expired on the server, which tells no one)
 =========  =========  ========  ==============================================
+
+(*) ``kv_events.memory_medium``: ``GPU`` for a router that credits only GPU
+blocks (Dynamo's flat ``scores``; see the README's kv-events section).
 
 A worker publishes ``AllBlocksCleared`` when it starts (an earlier
 incarnation's announcements are void) and, when a subscriber asks
@@ -45,7 +61,7 @@ import numpy as np
 
 from pdkv.config import KVEventsConfig
 from pdkv.kv_events.publisher import KVEventPublisher
-from pdkv.kv_events.wire import LOCAL, MEDIUM_CPU, MEDIUM_STORAGE, REMOTE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdkv.kv_events.wire import LOCAL, MEDIUM_STORAGE, REMOTE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, external_hash
 from pdkv.tier import LeafTier, MemoryTier, RedisTier, TieredCache
 
 log = logging.getLogger(__name__)
@@ -55,10 +71,10 @@ log = logging.getLogger(__name__)
 SPARE_BLOCKS = 4096
 
 
-def medium_of(level: LeafTier) -> tuple[str, str]:
-    """(medium, locality) of a tier level, in vLLM's words."""
+def medium_of(level: LeafTier, memory_medium: str) -> tuple[str, str]:
+    """(medium, locality) of a tier level, in vLLM's words (the memory level's is ``kv_events.memory_medium``)."""
     if isinstance(level, MemoryTier):
-        return MEDIUM_CPU, LOCAL
+        return memory_medium, LOCAL
     if isinstance(level, RedisTier):
         return MEDIUM_STORAGE, REMOTE
     return MEDIUM_STORAGE, LOCAL  # a disk level
@@ -75,9 +91,11 @@ class _Block:
 class TierEvents:
     """Listens to every level of a worker's tier and publishes what they hold; see the module docstring."""
 
-    def __init__(self, publisher: KVEventPublisher, tier: TieredCache | None, chunk_size: int) -> None:
+    def __init__(self, publisher: KVEventPublisher, tier: TieredCache | None, chunk_size: int, use_int_hashes: bool = True, memory_medium: str = "CPU") -> None:
         self.publisher = publisher
         self.chunk_size = chunk_size
+        self.use_int_hashes = use_int_hashes
+        self.memory_medium = memory_medium
         levels = tier.levels if tier is not None else []
         self._levels = {level.name: level for level in levels if isinstance(level, LeafTier)}
         self._held: dict[bytes, _Block] = {}  # held by at least one local level
@@ -93,6 +111,7 @@ class TierEvents:
         """The worker's publisher when ``config`` enables one, else None."""
         if not config.publishing:
             return None
+        use_int = config.int_block_hashes()  # a bad VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES fails the start, not the first event
         if tier is None:
             log.warning("kv_events: enabled, but the cache tier is off (tier.enabled: false): there are no blocks to announce")
         publisher = KVEventPublisher(config, bind_host=host)
@@ -101,7 +120,7 @@ class TierEvents:
                 "kv_events: publishing on %s (replay %s) with no authentication (vLLM's protocol has none), and the events carry prompt token ids: keep it on a private network",
                 publisher.endpoint, publisher.replay_endpoint,
             )
-        return cls(publisher, tier, chunk_size)
+        return cls(publisher, tier, chunk_size, use_int, config.memory_medium)
 
     def note(self, keys: Sequence[bytes], tokens: Sequence[int]) -> None:
         """A prompt's chunk keys and token ids, before its chunks are loaded or stored: what a store event needs."""
@@ -122,7 +141,7 @@ class TierEvents:
             self._trim()
 
     def changed(self, level: LeafTier, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
-        medium, locality = medium_of(level)
+        medium, locality = medium_of(level, self.memory_medium)
         local = locality == LOCAL
         events: list[KVEvent] = []
         with self._lock:
@@ -130,7 +149,7 @@ class TierEvents:
                 if local:
                     for key in removed:
                         self._release(key, level.name)
-                events.append(BlockRemoved(block_hashes=list(removed), medium=medium, locality=locality))
+                events.append(BlockRemoved(block_hashes=[self._wire(k) for k in removed], medium=medium, locality=locality))
             for key in stored:
                 block = self._held.get(key) or self._spare.get(key)
                 if block is None:
@@ -152,7 +171,7 @@ class TierEvents:
             events: list[KVEvent] = [AllBlocksCleared()]
             for key, block in blocks:
                 for name in sorted(block.levels):
-                    medium, locality = medium_of(self._levels[name])
+                    medium, locality = medium_of(self._levels[name], self.memory_medium)
                     events.append(self._stored([key], block, medium, locality))
             self.publisher.publish(events)
         return len(blocks)
@@ -160,10 +179,13 @@ class TierEvents:
     def close(self) -> None:
         self.publisher.close()
 
+    def _wire(self, key: bytes) -> int | bytes:
+        return external_hash(key, self.use_int_hashes)
+
     def _stored(self, keys: list[bytes], block: _Block, medium: str, locality: str) -> BlockStored:
         return BlockStored(
-            block_hashes=list(keys), parent_block_hash=block.parent, token_ids=block.tokens.tolist(), block_size=self.chunk_size,
-            lora_id=None, medium=medium, lora_name=None, locality=locality,
+            block_hashes=[self._wire(k) for k in keys], parent_block_hash=None if block.parent is None else self._wire(block.parent),
+            token_ids=block.tokens.tolist(), block_size=self.chunk_size, lora_id=None, medium=medium, lora_name=None, locality=locality,
         )
 
     def _release(self, key: bytes, level: str) -> None:

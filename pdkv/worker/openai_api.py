@@ -25,8 +25,8 @@ from typing import Any
 from pdkv.engine.base import EngineAdapter
 from pdkv.engine.sampling import MIN_LOGPROB, SamplingParams, TokenLogprobs
 from pdkv.errors import InvalidRequestError
-from pdkv.openai_wire import sse
-from pdkv.tokenizer import Tokenizer
+from pdkv.http.openai_wire import sse
+from pdkv.modelfiles.tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 16
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs

@@ -27,8 +27,9 @@ from pdkv.checksum import layer_digests
 from pdkv.config import PdkvConfig
 from pdkv.engine.base import EngineAdapter, Request
 from pdkv.engine.sampling import TokenLogprobs
-from pdkv.errors import PdkvError, PeerUnreachableError
+from pdkv.errors import InvalidRequestError, PdkvError, PeerUnreachableError
 from pdkv.transfer.outgoing import OutgoingTransfer
+from pdkv.transfer.params import PushTo, parse
 from pdkv.transfer.sender import KVSender
 from pdkv.worker.metrics import WorkerMetrics
 from pdkv.worker.openai_api import GenerationRequest
@@ -60,16 +61,19 @@ class PrefillRole(WorkerRole):
         kv = req.kv_transfer_params
         request, cached = await self.new_request(req, dataclasses.replace(req.sampling, max_tokens=1))
         n = request.num_prompt_tokens
-        transfer_id = str(kv.get("transfer_id") or req.request_id)
-        host, port = kv.get("remote_host"), kv.get("remote_port")
         xfer: OutgoingTransfer | None = None
         error, outcome = None, "not_started"
-        if not host or not isinstance(port, int):
-            error = "kv_transfer_params has no remote_host/remote_port of the decode worker's receiver"
+        try:
+            target = parse(kv, PushTo)
+        except InvalidRequestError as exc:  # served all the same, without a transfer
+            target, error = PushTo(), str(exc)
+        transfer_id = target.transfer_id or req.request_id
+        address = target.address
+        if address is None:
+            error = error or "kv_transfer_params has no remote_host/remote_port of the decode worker's receiver"
         else:
             key = self.prompt_key(request.prompt_token_ids)
-            codec = kv.get("codec") if isinstance(kv.get("codec"), str) else None  # the router's per-request choice
-            opening = asyncio.ensure_future(asyncio.to_thread(self.sender.open, transfer_id, f"tcp://{host}:{port}", n, request.block_table, key, codec))
+            opening = asyncio.ensure_future(asyncio.to_thread(self.sender.open, transfer_id, address, n, request.block_table, key, target.codec))
             try:
                 xfer = await asyncio.shield(opening)
             except PeerUnreachableError as exc:  # the channel warned and counted it at the handshake
@@ -80,7 +84,7 @@ class PrefillRole(WorkerRole):
                 opening.add_done_callback(lambda f: self._abandon_open(f, request))
                 raise
         if error is not None:
-            log.warning("request %s: KV will not be transferred: %s", req.request_id, error)
+            log.warning("request %s, transfer %s: KV will not be transferred: %s", req.request_id, transfer_id, error)
             self.metrics.transfers.labels(self.name, outcome).inc()
         params: dict[str, Any] = {
             "do_remote_prefill": True,
@@ -92,7 +96,7 @@ class PrefillRole(WorkerRole):
         }
         if error is not None:
             params["transfer_error"] = error
-        digest = self._digest_hook(kv, params)
+        digest = self._digest_hook(target.return_kv_digest, params)
         first_token = functools.partial(_tell_first_token, params)
         if xfer is None:
             return Plan(request, decode=False, on_chunk=self.tiering.offer(cached, digest), kv_params=params, on_first_token=first_token)
@@ -127,9 +131,9 @@ class PrefillRole(WorkerRole):
         xfer.cancel("the prefill request was cancelled")
         xfer.on_settled(lambda _x: self.engine.free(request))
 
-    def _digest_hook(self, kv: dict[str, Any], params: dict[str, Any]) -> Callable[[Request, int, int], None] | None:
+    def _digest_hook(self, wanted: bool, params: dict[str, Any]) -> Callable[[Request, int, int], None] | None:
         """With ``return_kv_digest``, record per-layer digests of the prompt's KV once it is computed."""
-        if not kv.get("return_kv_digest"):
+        if not wanted:
             return None
 
         def on_chunk(r: Request, _start: int, end: int) -> None:

@@ -1,6 +1,6 @@
 """A prefill or decode worker's HTTP API: the routes, request parsing, the engine job and the answer.
 
-Both roles serve the same OpenAI API (``pdkv.openai_http``); what differs is
+Both roles serve the same OpenAI API (``pdkv.http.openai_routes``); what differs is
 what ``kv_transfer_params`` in a request make them do, in the shape vLLM's
 disaggregated proxies use, and that is the role object's, chosen once at
 start: ``pdkv.worker.prefill`` (``do_remote_decode``: compute the prompt and
@@ -17,7 +17,7 @@ now, and a prefill that comes late can no longer take that id. With a
 something want ``Authorization: Bearer <pdkv.auth.control_token(secret)>``
 (the router sends it).
 
-Request bodies are read within ``http`` limits (``pdkv.web``) and parsed
+Request bodies are read within ``http`` limits (``pdkv.http.web``) and parsed
 (tokenized) on a thread of their own, so a huge prompt never stalls the
 event loop and the health checks it answers. ``/health`` answers 503 when
 the engine has work but finished no step for ``stall_timeout_s``.
@@ -43,12 +43,12 @@ from pdkv.config import PdkvConfig
 from pdkv.engine.base import EngineAdapter
 from pdkv.engine.sampling import TokenLogprobs
 from pdkv.errors import OutOfBlocksError, PdkvError, RequestError
+from pdkv.http.openai_routes import add_openai_routes, end_with_error, sse_response
+from pdkv.http.openai_wire import SSE_DONE, sse
+from pdkv.http.web import application, bearer_middleware, error_response, read_json
 from pdkv.netaddr import is_loopback
-from pdkv.openai_http import add_openai_routes, end_with_error, sse_response
-from pdkv.openai_wire import SSE_DONE, sse
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
-from pdkv.web import application, bearer_middleware, error_response, read_json
 from pdkv.worker import openai_api as api
 from pdkv.worker.decode import DecodeRole
 from pdkv.worker.engine_loop import EngineLoop, Job

@@ -55,8 +55,7 @@ def gather_scatter() -> dict[str, Any]:
     from pdkv import native
     from pdkv.bench.gather import LAYOUTS, NUM_BLOCKS, TOKENS
 
-    ext = native.extension()
-    out: dict[str, Any] = {"native": native.available(), "reason": native.reason(), "cuda_kernel": bool(ext is not None and ext.has_cuda()), "rows": []}
+    out: dict[str, Any] = {"native": native.available(), "reason": native.reason(), "cuda_kernel": native.cuda_reason() is None, "cuda_reason": native.cuda_reason(), "rows": []}
     gen = torch.Generator(device="cuda").manual_seed(0)
     for layout in LAYOUTS:
         tensors = [torch.empty(layout.tensor_shape(NUM_BLOCKS), dtype=layout.torch_dtype, device="cuda") for _ in range(layout.num_tensors)]

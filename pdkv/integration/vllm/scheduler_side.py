@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdkv.integration.vllm.metadata import LoadSpec, SaveSpec, SendSpec, StepMetadata
-from pdkv.integration.vllm.params import Pushed, PushTo, prompt_key, push_target, pushed
 from pdkv.keys import PromptKeys
+from pdkv.transfer.params import Pushed, PushTo, prompt_key, push_target, pushed
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Read the small JSON files that sit next to model weights, with errors that name the file.
 
-Outside the engine: the tokenizer (``pdkv.tokenizer``) reads
+Outside the engine: the tokenizer (``pdkv.modelfiles.tokenizer``) reads
 ``tokenizer_config.json`` too, and the router loads tokenizers without torch.
 """
 

@@ -5,7 +5,7 @@ a body too large is a 413 before it is read, a body that trickles in is a
 408, JSON that is not JSON (``NaN``, nesting deeper than ``MAX_JSON_DEPTH``,
 bytes that are not UTF-8) is a 400, and whatever else goes wrong inside a
 handler is logged with its traceback and answered as a 500 that carries no
-traceback. Every answer is vLLM's error shape (``pdkv.openai_wire``).
+traceback. Every answer is vLLM's error shape (``pdkv.http.openai_wire``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from aiohttp import web
 
 from pdkv.config import HttpConfig
 from pdkv.errors import RequestError
-from pdkv.openai_wire import error_body
+from pdkv.http.openai_wire import error_body
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import jinja2.sandbox
 import tokenizers
 
 from pdkv.errors import InvalidRequestError, ModelLoadError
-from pdkv.jsonfile import read_json
+from pdkv.modelfiles.jsonfile import read_json
 
 Message = Mapping[str, Any]
 

@@ -6,7 +6,7 @@ declare the OpenAI routes (``/v1/completions``, ``/v1/chat/completions``,
 table, and stream server-sent events with the same headers and the same
 in-band ending when a stream fails after its headers went out. Each app adds
 its own ``/pdkv/`` routes after these. It needs aiohttp, so it lives apart
-from ``pdkv.openai_wire`` (the bytes of the wire, which need nothing).
+from ``pdkv.http.openai_wire`` (the bytes of the wire, which need nothing).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Protocol
 
 from aiohttp import web
 
-from pdkv.openai_wire import SSE_DONE, error_body, sse
+from pdkv.http.openai_wire import SSE_DONE, error_body, sse
 
 # The generation routes: path, and whether its body is a chat (``messages``) or a plain ``prompt``.
 GENERATION_ROUTES = (("/v1/completions", False), ("/v1/chat/completions", True))

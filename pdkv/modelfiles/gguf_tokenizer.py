@@ -22,7 +22,7 @@ import tokenizers
 from tokenizers import decoders, normalizers, pre_tokenizers, processors
 
 from pdkv.errors import ModelLoadError
-from pdkv.tokenizer import Tokenizer
+from pdkv.modelfiles.tokenizer import Tokenizer
 
 CONTROL, USER_DEFINED = 3, 4  # gguf.TokenType values of tokens matched whole
 

@@ -1,0 +1,39 @@
+"""Notifications that landed and wait to be drained, with an fd the receiver's I/O thread sleeps on."""
+
+from __future__ import annotations
+
+import threading
+
+from pdkv.channels.handle import Notification
+from pdkv.wakeup import Waker
+
+
+class NotificationInbox:
+    """Notifications that landed here and wait to be drained, with an fd that is readable while any wait.
+
+    One per channel, shared by every implementation: whichever thread
+    delivers (a tcp reader, NIXL's poller) wakes whoever sleeps in ``poll`` on
+    ``fileno()`` (the receiver's I/O thread) at once.
+    """
+
+    def __init__(self) -> None:
+        self._items: list[Notification] = []
+        self._lock = threading.Lock()
+        self._waker = Waker()
+
+    def fileno(self) -> int:
+        return self._waker.fileno()
+
+    def deliver(self, peer: str, payload: bytes) -> None:
+        with self._lock:
+            self._items.append(Notification(peer, payload))
+        self._waker.wake()
+
+    def drain(self) -> list[Notification]:
+        self._waker.clear()  # before taking the items: a delivery racing with us leaves the fd readable
+        with self._lock:
+            out, self._items = self._items, []
+        return out
+
+    def close(self) -> None:
+        self._waker.close()

@@ -1,0 +1,128 @@
+"""``kv_transfer_params``, typed once: what the router tells P (``PushTo``) and what P tells D (``DecodeHop``).
+
+They arrive as arbitrary JSON from whoever posted the request (vLLM hands them to its connector
+untouched), so each hop's params are a ``msgspec.Struct`` validated before use. Unknown keys pass: vLLM's
+own proxies add theirs. Torch-free, so the router builds its hops with the same types the workers read.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+from pdkv.errors import InvalidRequestError
+from pdkv.keys import chunk_keys
+from pdkv.netaddr import zmq_address
+
+log = logging.getLogger(__name__)
+
+TransferId = Annotated[str, Meta(min_length=1, max_length=256)]
+Host = Annotated[str, Meta(min_length=1, max_length=255)]
+Port = Annotated[int, Meta(ge=1, le=65535)]
+Logprob = Annotated[float, Meta(ge=-1e30, le=0)]
+
+
+class PushTo(msgspec.Struct):
+    """Prefill hop: push this request's KV to the receiver at ``remote_host:remote_port``.
+
+    ``transfer_id`` names the transfer on the wire; a pdkv worker given none uses the HTTP request's id, the
+    vLLM connector needs one. ``codec``: the router's per-request choice (``router.disaggregate``).
+    """
+
+    remote_host: Host | None = None
+    remote_port: Port | None = None
+    transfer_id: TransferId | None = None
+    do_remote_decode: bool = True
+    codec: Annotated[str, Meta(min_length=1, max_length=32)] | None = None
+    return_kv_digest: bool = False  # tests: P returns per-layer digests of the prompt's KV
+
+    @property
+    def address(self) -> str | None:
+        """The receiver's control address, or None when the params name no receiver."""
+        return None if self.remote_host is None or self.remote_port is None else zmq_address(self.remote_host, self.remote_port)
+
+
+class FirstTokenLogprobs(msgspec.Struct, forbid_unknown_fields=True):
+    """P's log-probabilities of the first token: its own, and the top ``[token id, logprob]`` pairs."""
+
+    logprob: Logprob
+    top: Annotated[list[tuple[Annotated[int, Meta(ge=0)], Logprob]], Meta(max_length=64)]
+
+
+class DecodeHop(msgspec.Struct):
+    """Decode hop between pdkv workers: the transfer to wait for, and P's first token to decode on from."""
+
+    do_remote_prefill: bool = False
+    do_remote_decode: bool = False
+    transfer_id: TransferId | None = None
+    remote_engine_id: str | None = None
+    num_prompt_tokens: Annotated[int, Meta(ge=0)] | None = None
+    transfer_started: bool = True
+    transfer_error: str | None = None
+    first_token_id: Annotated[int, Meta(ge=0)] | None = None
+    first_token_logprobs: FirstTokenLogprobs | None = None
+    kv_digest: list[str] | None = None
+    return_kv_digest: bool = False
+
+
+class Pushed(msgspec.Struct):
+    """Decode hop of the vLLM connector: the KV of the first ``num_tokens`` prompt tokens was pushed as ``transfer_id``.
+
+    ``prompt_key`` is pdkv's chained chunk key of those tokens: D loads the KV only if its own tokens of the
+    prompt hash the same, so a tokenizer or template difference between P and D costs a recompute, not a
+    wrong answer.
+    """
+
+    transfer_id: TransferId
+    num_tokens: Annotated[int, Meta(ge=1)]
+    prompt_key: Annotated[str, Meta(min_length=1, max_length=128)]
+    do_remote_prefill: bool = True
+    do_remote_decode: bool = False
+
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def parse(params: Any, kind: type[S]) -> S:
+    """``params`` as ``kind``, or ``InvalidRequestError`` naming the field (a 400 on a worker's HTTP API)."""
+    try:
+        return msgspec.convert(params if params is not None else {}, kind, strict=True)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequestError(f"kv_transfer_params: {exc}", param="kv_transfer_params") from None
+
+
+def _lenient(params: Any, kind: type[S], flag: str, request_id: str) -> S | None:
+    if not isinstance(params, dict) or not params.get(flag):
+        return None
+    try:
+        return parse(params, kind)
+    except InvalidRequestError as exc:
+        log.warning("request %s: ignoring malformed kv_transfer_params (%s); serving it without a KV transfer", request_id, exc)
+        return None
+
+
+def push_target(params: Any, request_id: str) -> PushTo | None:
+    """The vLLM connector's prefill hop, or None when the request is not to be pushed.
+
+    vLLM's own proxy sends ``remote_host: null`` (its NixlConnector pulls); that is "no push", not an error.
+    """
+    if isinstance(params, dict) and params.get("do_remote_decode") and params.get("remote_host") is None:
+        return None
+    target = _lenient(params, PushTo, "do_remote_decode", request_id)
+    if target is not None and (target.transfer_id is None or target.address is None):
+        log.warning("request %s: kv_transfer_params name no transfer_id or receiver; serving it without a KV transfer", request_id)
+        return None
+    return target
+
+
+def pushed(params: Any, request_id: str) -> Pushed | None:
+    """The vLLM connector's decode hop, or None when the request's KV was not pushed."""
+    return _lenient(params, Pushed, "do_remote_prefill", request_id)
+
+
+def prompt_key(tokens: Any, fingerprint: str, chunk_size: int) -> str:
+    """The chained key of the last chunk of ``tokens``: equal keys mean equal token prefixes (and model)."""
+    return chunk_keys(list(tokens), fingerprint, chunk_size)[-1].hex()
