@@ -46,6 +46,7 @@ host's address), the sender and the baseline's sender on the first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -263,38 +264,46 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _measure_mode(
-    channel: str, mode: str, scenarios: list[Scenario], repeats: int, baseline_class: Callable[..., Any], placement: Placement, device: str
+    channel: str, mode: str, scenarios: list[Scenario], repeats: int, baseline_class: Callable[..., Any], placement: Placement, devices: tuple[str, ...]
 ) -> list[dict[str, Any]]:
-    """Every scenario of one mode against one receiver process, pdkv and baseline rounds alternating."""
+    """Every scenario of one mode, one receiver process per device, the baseline and each device's rounds alternating.
+
+    Alternating the devices within each round (rather than one device's scenarios after the other's) puts
+    them under the same load on a shared machine, so ``vs_host`` compares like with like.
+    """
     layout = SENDER_LAYOUT if mode == "direct" else STAGING_LAYOUT
     theirs, ours = (max(lay.blocks_for(s.tokens) * s.requests for s in scenarios) for lay in (layout, SENDER_LAYOUT))
     config = TransferConfig()
     theirs = math.ceil(theirs / config.max_peer_blocks_share)  # one sender may hold only that share of the receiver
     reps = itertools.count()
     rows = []
-    rig = TransferRig(channel, layout, ours, theirs, config, placement=placement, device=device)
-    with rig, baseline_class(max(s.nbytes for s in scenarios), placement) as baseline:
-        rig.push([("warmup", scenarios[0].tokens)])  # handshake, first connections, native build: not timed
+    with contextlib.ExitStack() as stack:
+        rigs = {device: stack.enter_context(TransferRig(channel, layout, ours, theirs, config, placement=placement, device=device)) for device in devices}
+        baseline = stack.enter_context(baseline_class(max(s.nbytes for s in scenarios), placement))
+        for rig in rigs.values():
+            rig.push([("warmup", scenarios[0].tokens)])  # handshake, first connections: not timed
         for sc in scenarios:
-            times: list[float] = []
-            latencies: list[float] = []
+            times: dict[str, list[float]] = {device: [] for device in devices}
+            latencies: dict[str, list[float]] = {device: [] for device in devices}
             base: list[float] = []
             for _ in range(ROUNDS):
                 base.append(baseline.gbps(sc.nbytes, repeats))
-                for _ in range(repeats):
-                    rep = next(reps)
-                    total, each = rig.push([(f"rep{rep}-{i}", sc.tokens) for i in range(sc.requests)])
-                    times.append(total)
-                    latencies.extend(each)
-            gbps = sc.nbytes / statistics.median(times) / 1e9
+                for device, rig in rigs.items():
+                    for _ in range(repeats):
+                        rep = next(reps)
+                        total, each = rig.push([(f"rep{rep}-{i}", sc.tokens) for i in range(sc.requests)])
+                        times[device].append(total)
+                        latencies[device].extend(each)
             base_gbps = statistics.median(base)
-            rows.append({
-                "device": device, "kv_memory": rig.sender.kv_memory, "granted_mode": "/".join(sorted(rig.modes)), "path": rig.path,
-                "mode": mode, "tokens": sc.tokens, "requests": sc.requests, "size_bytes": sc.nbytes,
-                "gbps": gbps, "baseline_gbps": base_gbps, "ratio": gbps / base_gbps,
-                "p50_ms": 1e3 * _percentile(latencies, 0.5), "p99_ms": 1e3 * _percentile(latencies, 0.99),
-                "baseline_ms": 1e3 * sc.nbytes / base_gbps / 1e9,
-            })  # fmt: skip
+            for device, rig in rigs.items():
+                gbps = sc.nbytes / statistics.median(times[device]) / 1e9
+                rows.append({
+                    "device": device, "kv_memory": rig.sender.kv_memory, "granted_mode": "/".join(sorted(rig.modes)), "path": rig.path,
+                    "mode": mode, "tokens": sc.tokens, "requests": sc.requests, "size_bytes": sc.nbytes,
+                    "gbps": gbps, "baseline_gbps": base_gbps, "ratio": gbps / base_gbps,
+                    "p50_ms": 1e3 * _percentile(latencies[device], 0.5), "p99_ms": 1e3 * _percentile(latencies[device], 0.99),
+                    "baseline_ms": 1e3 * sc.nbytes / base_gbps / 1e9,
+                })  # fmt: skip
     return rows
 
 
@@ -317,9 +326,8 @@ def measure(
             raise ConfigError("bench transfer --device cuda: torch sees no CUDA device here")
     baseline = _load(BASELINES[channel])
     rows = []
-    for device in devices:
-        for mode in modes:
-            rows.extend(_measure_mode(channel, mode, [Scenario(mode, t, r) for t, r in scenarios], repeats, baseline, placement, device))
+    for mode in modes:
+        rows.extend(_measure_mode(channel, mode, [Scenario(mode, t, r) for t, r in scenarios], repeats, baseline, placement, devices))
     host = {(r["mode"], r["tokens"], r["requests"]): r["gbps"] for r in rows if r["device"] == "cpu"}
     for r in rows:
         same = host.get((r["mode"], r["tokens"], r["requests"]))
