@@ -238,11 +238,10 @@ class TransferRig:
 
     @property
     def path(self) -> str:
-        """The way the bytes went: host direct or staging, pinned staging (KV the channel cannot reach), or direct device."""
-        if self.sender.source.stager is not None:
-            return "pinned staging"
-        device = self.sender.kv_memory != "host"
-        return " or ".join(sorted(f"direct device ({self.sender.kv_memory})" if device and m == "direct" else f"host {m}" for m in self.modes))
+        """The way the bytes went: host direct or staging, pinned staging (device KV through host slots), or direct device."""
+        memory = self.sender.kv_memory
+        names = {"direct": "host direct", "staging": "host staging"} if memory == "host" else {"direct": f"direct device ({memory})", "staging": "pinned staging"}
+        return " or ".join(names[m] for m in sorted(self.modes))
 
     def close(self) -> None:
         try:

@@ -45,8 +45,9 @@ class ReceiveTarget:
     """Our side's memory as every transfer lands in it, and its regions in the channel.
 
     ``kv_regions`` is empty when the channel cannot reach the KV's memory:
-    every reservation is then staged, and ``stager`` copies each landed chunk
-    from its pinned slot to the KV's device.
+    every reservation is then staged. ``stager`` (KV in device memory) copies
+    each staged chunk from its pinned slot to the KV's device and scatters it
+    there.
     """
 
     layout: KVLayout

@@ -64,9 +64,10 @@ class SendSource:
     """Our side's memory as every transfer reads it: the KV buffer and the staging area, registered.
 
     ``kv_regions`` is empty when the channel cannot reach the KV's memory (a
-    tcp channel and KV in VRAM): our Hello then says so, receivers grant us
-    staging mode only, and ``stager`` moves each chunk through pinned host
-    memory.
+    tcp channel and KV in VRAM): our Hello then says so and receivers grant us
+    staging mode only. ``stager`` (KV in device memory) gathers each staged
+    chunk on the KV's device and copies it into its pinned slot on pdkv's
+    stream.
     """
 
     layout: KVLayout
@@ -277,7 +278,7 @@ class OutgoingTransfer:
         digest: int | None = None
         if self.codec.passthrough:
             nbytes = layout.chunk_bytes(n)
-            if src.stager is not None:  # KV the channel cannot reach: gathered and hashed on its device, copied into the pinned slot
+            if src.stager is not None:  # device KV: gathered and hashed on its device, copied into the pinned slot
                 digest = src.stager.stage_out(self.block_table, start, n, src.staging[base : base + nbytes])
             else:
                 out = src.staging[base : base + nbytes].view(layout.torch_dtype).view(layout.chunk_shape(n))

@@ -25,7 +25,7 @@ from pdkv.codec import slot_bytes as codec_slot_bytes
 from pdkv.config import TransferConfig
 from pdkv.errors import NotAnnouncedError, OutOfBlocksError, TransferError, TransferTimeout
 from pdkv.layout import KVLayout
-from pdkv.memory import adopt_kv, in_reach
+from pdkv.memory import adopt_kv, in_reach, memory_kind
 from pdkv.netaddr import zmq_address
 from pdkv.staging import DeviceStager, pinned_empty
 from pdkv.transfer import protocol
@@ -82,7 +82,7 @@ class KVReceiver:
             )
         self.target = ReceiveTarget(
             layout, kv, [flat_bytes(t) for t in kv], num_blocks, staging, slot_bytes, self.config.chunk_size, self.kv_regions, self.staging_region, codecs,
-            None if reached else DeviceStager(layout, kv, self.config.chunk_size),
+            DeviceStager(layout, kv, self.config.chunk_size) if kv and memory_kind(kv[0]) != "host" else None,
         )
         native.available()  # load the kernel library now, not inside the first transfer
         self.counters: collections.Counter[str] = collections.Counter()

@@ -64,7 +64,7 @@ class KVSender:
         reached = all(in_reach(t, channel.memory) for t in kv)
         self.source = SendSource(
             layout, kv, [flat_bytes(t) for t in kv], [channel.register(t) for t in kv] if reached else [], num_blocks, staging, channel.register(staging), slot_bytes,
-            None if reached else DeviceStager(layout, kv, self.config.chunk_size),
+            DeviceStager(layout, kv, self.config.chunk_size) if kv and memory_kind(kv[0]) != "host" else None,
         )
         self.kv_memory = memory_kind(kv[0]) if kv else "host"  # where the KV lives, for benchmarks and logs
         self.credit = SendCredit(self.config.max_inflight_bytes, n_slots)
