@@ -83,7 +83,10 @@ class _Weights:
                 i = torch.arange(size, dtype=torch.int64, device=device)
                 f = (i // rows).mul_(_signed(_GOLDEN)).add_(_signed(_UNIT_SALT)).bitwise_or_(1)
                 g = (i % rows).mul_(_signed(_GOLDEN)).add_(_signed(_ROW_SALT)).bitwise_or_(1)
-                w = self._cache[key] = f.mul_(g)
+                w = f.mul_(g)
+                if device.type == "cuda":  # built on this thread's stream; another thread's stream may read it next
+                    torch.cuda.current_stream(device).synchronize()
+                self._cache[key] = w
         return w[:n]
 
 
