@@ -153,6 +153,8 @@ class KVReceiver:
             out["free_staging_slots"] = len(self.book.free_slots)
             out["reservations"] = len(self.book.res)
             out["reserved_blocks"] = sum(len(r.blocks) for r in self.book.res.values())
+        if self.target.stager is not None:  # device KV: staged chunks copied to the device and scattered there
+            out["chunks_staged_to_device"] = self.target.stager.chunks_in
         return out
 
     def close(self) -> None:

@@ -120,6 +120,8 @@ class KVSender:
             out = dict(self.counters)
             out["inflight_bytes"] = self.credit.inflight
             out["open_transfers"] = len(self._transfers)
+        if self.source.stager is not None:  # device KV: chunks gathered on the device and copied into host slots
+            out["chunks_staged_to_host"] = self.source.stager.chunks_out
         return out
 
     def close(self) -> None:
