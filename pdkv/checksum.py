@@ -94,14 +94,18 @@ _weights = _Weights()
 _scratch = threading.local()  # per thread and device: where many small pieces are copied together, reused (a fresh allocation faults its pages in)
 
 
-def _joined(pieces: list[torch.Tensor], total: int) -> torch.Tensor:
-    """``pieces`` copied end to end into this thread's scratch buffer on their device."""
-    device = pieces[0].device
+def _scratch_bytes(device: torch.device, total: int) -> torch.Tensor:
+    """``total`` bytes of this thread's scratch buffer on ``device``, grown on demand."""
     buffers: dict[torch.device, torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
     buf = buffers.get(device)
     if buf is None or buf.numel() < total:
         buf = buffers[device] = torch.empty(total, dtype=torch.uint8, device=device)
-    return torch.cat(pieces, out=buf[:total])
+    return buf[:total]
+
+
+def _joined(pieces: list[torch.Tensor], total: int) -> torch.Tensor:
+    """``pieces`` copied end to end into this thread's scratch buffer on their device."""
+    return torch.cat(pieces, out=_scratch_bytes(pieces[0].device, total))
 # Pieces smaller than this on average (a fragmented block table times per-layer tensors) are hashed as one copy:
 # three torch ops per piece (~10 us) cost more than copying 256 KiB.
 _CONCAT_BELOW = 256 << 10
@@ -175,6 +179,28 @@ def chunk_checksum(pieces: Iterable[torch.Tensor], unit: int | None = None) -> i
         sums = torch.cat(parts) if len(parts) > 1 else parts[0]
         acc = (sums * _weights.get(device, _rows_per_unit(unit), sums.numel())).sum()
     return _mix64((int(acc.item()) & _MASK) ^ _mix64(total))
+
+
+def blocks_checksum(kv_bytes: Sequence[torch.Tensor], blocks: Sequence[int], block_bytes: int) -> int:
+    """``chunk_checksum`` of ``blocks`` of every KV tensor (flat bytes), tensor by tensor: direct mode's wire order.
+
+    Equal to hashing the runs of adjacent blocks each side writes or lands
+    (the stream is the same); computed with one op per tensor, not one per
+    run: blocks that are not one run are first gathered (``index_select``)
+    into this thread's scratch buffer.
+    """
+    ids = list(blocks)
+    if not ids or not kv_bytes:
+        return chunk_checksum([], unit=block_bytes)
+    first, n = ids[0], len(ids)
+    if ids == list(range(first, first + n)):
+        return chunk_checksum([b[first * block_bytes : (first + n) * block_bytes] for b in kv_bytes], unit=block_bytes)
+    device = kv_bytes[0].device
+    index = torch.tensor(ids, dtype=torch.long, device=device)
+    out = _scratch_bytes(device, len(kv_bytes) * n * block_bytes).view(len(kv_bytes), n, block_bytes)
+    for t, b in enumerate(kv_bytes):
+        torch.index_select(b.view(-1, block_bytes), 0, index, out=out[t])
+    return chunk_checksum([out.view(-1)], unit=block_bytes)
 
 
 def checksum(views: Iterable[memoryview]) -> int:

@@ -65,6 +65,23 @@ def test_the_checksum_depends_on_the_byte_stream_not_on_how_it_is_cut() -> None:
     assert chunk_checksum([data[i * unit : (i + 1) * unit] for i in range(16)], unit=unit) == whole
 
 
+def test_a_chunks_blocks_hash_the_same_in_place_and_gathered_whatever_their_ids() -> None:
+    """Direct mode: P's and D's block ids differ, the bytes (tensor by tensor, block by block) do not."""
+    from pdkv.checksum import blocks_checksum
+
+    unit = 256
+    kv = [_bytes(32 * unit, seed=s) for s in range(3)]
+    ids = [7, 8, 9, 2, 30]
+    by_block = chunk_checksum([t[b * unit : (b + 1) * unit] for t in kv for b in ids], unit=unit)
+    assert blocks_checksum(kv, ids, unit) == by_block
+    moved = [torch.zeros(32 * unit, dtype=torch.uint8) for _ in kv]  # the same bytes landed in blocks 0-4 of another buffer
+    for src, dst in zip(kv, moved, strict=True):
+        for i, b in enumerate(ids):
+            dst[i * unit : (i + 1) * unit] = src[b * unit : (b + 1) * unit]
+    assert blocks_checksum(moved, range(5), unit) == by_block
+    assert blocks_checksum(moved, [0, 1, 2, 4, 3], unit) != by_block
+
+
 def test_the_checksum_catches_a_flipped_bit_a_misplaced_block_and_a_truncated_chunk() -> None:
     unit = 1024
     data = _bytes(8 * unit, seed=1)

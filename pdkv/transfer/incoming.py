@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdkv.channels.grants import Range
-from pdkv.checksum import chunk_checksum
+from pdkv.checksum import blocks_checksum, chunk_checksum
 from pdkv.codec import Codec
 from pdkv.errors import ChecksumError, TransferError
 from pdkv.layout import KVLayout, block_runs
@@ -108,9 +108,7 @@ class IncomingTransfer:
         nbytes = target.layout.chunk_bytes(n)
         if self.mode == "direct":
             bs = target.layout.block_size
-            ranges = target.block_ranges(self.blocks[start // bs : -(-(start + n) // bs)])
-            views = dict(zip(target.kv_regions, target.kv_bytes, strict=True))
-            got = chunk_checksum((views[region][off : off + ln] for region, off, ln in ranges), unit=target.layout.block_bytes)
+            got = blocks_checksum(target.kv_bytes, self.blocks[start // bs : -(-(start + n) // bs)], target.layout.block_bytes)
         else:
             if not 0 <= notice.slot < len(self.slots):
                 raise TransferError(f"chunk {idx} names staging slot {notice.slot}, request has {len(self.slots)}")

@@ -17,7 +17,7 @@ import torch
 
 from pdkv.channels.base import Channel
 from pdkv.channels.handle import TransferHandle, TransferOp, XferState
-from pdkv.checksum import chunk_checksum, flat_bytes
+from pdkv.checksum import blocks_checksum, chunk_checksum, flat_bytes
 from pdkv.codec import Codec
 from pdkv.config import TransferConfig
 from pdkv.errors import TransferCancelled, TransferError, TransferTimeout
@@ -267,7 +267,7 @@ class OutgoingTransfer:
         ops = [TransferOp(src.kv_regions[t], a * size, remote_regions[t], b * size, k * size) for t in range(layout.num_tensors) for a, b, k in runs]
         # On a GPU this runs on the caller's stream and reading its value waits for that stream: the write is
         # posted only after the forward step that wrote these blocks has finished (that stream, not the device).
-        digest = chunk_checksum((src.kv_bytes[t][a * size : (a + k) * size] for t in range(layout.num_tensors) for a, _, k in runs), unit=size)
+        digest = blocks_checksum(src.kv_bytes, ours, size)
         return ops, digest
 
     def _staged_ops(self, local_slot: int, remote_slot: int, start: int, n: int) -> tuple[list[TransferOp], int]:
