@@ -27,8 +27,11 @@ within one row do (two words of one 4 KiB row swapped, +d in one word and -d in
 another); between rows two changes cancel only by a 2**-64-sized coincidence
 of the data, not of the error's shape.
 
-Cost: one read of the bytes (a row-sum reduction) plus work on 1/512 of them;
-``pdkv bench checksum`` measures it against ``copy_`` of the same bytes.
+Cost: one read of the bytes (a row-sum reduction) plus work on 1/512 of them,
+and a few torch ops per piece: many small pieces (a fragmented block table
+times per-layer tensors) are first copied together, and ``blocks_checksum``
+gathers a direct-mode chunk's blocks with one op per tensor. ``pdkv bench
+checksum`` measures it against ``copy_`` of the same bytes.
 """
 
 from __future__ import annotations
