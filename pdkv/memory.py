@@ -10,8 +10,8 @@ view with an error that says what to use instead.
 
 Device emulation: the CPU test suite and ``pdkv bench transfer --device
 emulated`` mark CPU KV buffers as device memory (``emulate_device``, or
-``PDKV_EMULATE_DEVICE=1`` for every KV buffer a sender, receiver or cache
-engine takes). Such a buffer is ordinary CPU memory for torch (kernels, copies,
+``PDKV_EMULATE_DEVICE=1`` for every KV buffer a sender or receiver takes,
+in every process that inherits it). Such a buffer is ordinary CPU memory for torch (kernels, copies,
 the device checksum run on it), but ``byte_view`` refuses it as it would a
 CUDA tensor, so code that reaches for a host view of the KV fails on CPU as it
 would on a GPU, and a host-only channel must go through pinned staging.
@@ -30,7 +30,7 @@ import torch
 from pdkv.errors import DeviceMemoryError, LayoutError
 
 EMULATE_ENV = "PDKV_EMULATE_DEVICE"
-"""Set to 1 to treat every CPU KV buffer given to a sender, receiver or cache engine as device memory."""
+"""Set to 1 to treat every CPU KV buffer given to a sender or receiver as device memory."""
 
 MemoryKind = Literal["host", "cuda", "emulated", "other"]
 
