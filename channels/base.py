@@ -75,6 +75,11 @@ class Channel(ABC):
     # Whether the target checks every incoming write and read against its grants (``guard``). A channel
     # whose transfers are one-sided in hardware (nixl: RDMA, cma) cannot: the target never sees them.
     enforces_grants: ClassVar[bool] = True
+    # The memory this channel registers and moves by itself (``pdkv.memory.memory_kind``): tcp, ucx and mock
+    # move host memory through host views; nixl also addresses VRAM. A KV buffer in memory the channel does
+    # not reach is staged through pinned host memory by the sender and receiver (``pdkv.staging``);
+    # ``pdkv.memory.in_reach`` says which (here only the names: this module stays free of torch).
+    memory: ClassVar[frozenset[str]] = frozenset({"host"})
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
         self.agent_name = agent_name

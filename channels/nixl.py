@@ -87,13 +87,12 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 import numpy as np
-import torch
 
 from pdkv.channels.base import Channel, ChannelOptions
 from pdkv.channels.handle import Notification, TransferHandle, TransferOp, XferState, merge_ops
 from pdkv.channels.ucx_env import UCX_ENV_DEFAULTS, OpenChannels, apply_env_defaults, ucx_follow_host
 from pdkv.errors import ChannelError
-from pdkv.memory import byte_view
+from pdkv.memory import byte_view, memory_kind
 
 NIXL_ENV_DEFAULTS: dict[str, str] = {**UCX_ENV_DEFAULTS, "NIXL_LOG_LEVEL": "WARN"}
 apply_env_defaults(NIXL_ENV_DEFAULTS)
@@ -245,6 +244,9 @@ class NixlChannel(Channel):
     name: ClassVar[str] = "nixl"
     Options = NixlOptions
     enforces_grants: ClassVar[bool] = False  # RDMA/cma writes never pass through the target's code
+    # VRAM by address; emulated device memory (PDKV_EMULATE_DEVICE) by address too, as DRAM: the direct
+    # device path on CPU, with no host view taken.
+    memory: ClassVar[frozenset[str]] = frozenset({"host", "cuda", "emulated"})
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
         super().__init__(agent_name, options)
@@ -286,13 +288,16 @@ class NixlChannel(Channel):
     @staticmethod
     def _describe_buffer(buf: Any) -> _RegionMeta:
         """Address, size, device and NIXL memory type of a buffer, checked."""
-        if isinstance(buf, torch.Tensor) and buf.device.type == "cuda":
-            # VRAM path: written for GPU machines, not run on the CPU-only machine it was written on.
+        kind = memory_kind(buf)
+        if kind in ("cuda", "emulated"):
+            # VRAM path: written for GPU machines, run there only by tests/gpu/check.py.
             if not buf.is_contiguous():
                 raise ChannelError("nixl: register needs a contiguous tensor; call .contiguous() first")
             size = buf.numel() * buf.element_size()
             if size == 0:
                 raise ChannelError("nixl: cannot register an empty tensor")
+            if kind == "emulated":
+                return _RegionMeta(buf.data_ptr(), size, 0, "DRAM")
             return _RegionMeta(buf.data_ptr(), size, buf.device.index or 0, "VRAM")
         view = byte_view(buf)
         if view.readonly:

@@ -1,34 +1,234 @@
-"""Chunk checksums: xxh3-64 over the bytes that moved, in wire order.
+"""Chunk checksums computed where the bytes are: torch integer ops on the tensor's own device.
 
-Both sides hash the same byte ranges in the same order, so a chunk that
-landed corrupted, truncated or in the wrong blocks fails verification.
+A chunk's KV may live in VRAM on the prefill side and in host memory on the
+decode side (or the other way round), and copying it to the host only to hash
+it would cost a transfer of its own. ``chunk_checksum`` therefore runs on the
+device holding the bytes and gives the same value for the same bytes on CPU
+and CUDA: it is integer arithmetic modulo 2**64 (sums and products of int64
+words wrap identically on both, and their order does not change the result),
+with nothing taken from floating point or from the order a reduction runs in.
+
+The value: the bytes of a chunk, in wire order, are cut into *units* (a KV
+block in direct mode, the whole frame in staging mode), each unit into words
+(8 bytes, or the largest of 4, 2, 1 that divides the unit) and the words into
+rows of up to 512. ``value = sum_u f(u) * (sum_r g(r) * rowsum(u, r))`` with
+odd, distinct per-position weights ``f`` and ``g``, then the total byte count
+is mixed in. Cut into units, not into the pieces the caller passes, so runs of
+adjacent blocks that differ between the two sides (P's blocks 5, 6 and D's
+blocks 1, 3) hash to the same value: only the byte stream matters.
+
+What it catches: any single changed word (a flipped bit, a byte overwritten:
+the odd weight times a non-zero difference is never 0 mod 2**64); a unit or a
+row in another place (a block landed in the wrong slot, two blocks swapped:
+different weights); a chunk of another length (the length is mixed in) or one
+whose tail never arrived (the stale bytes differ). What it does not: it is no
+MAC (anyone can forge a chunk with the same value), and changes that cancel
+within one row do (two words of one 4 KiB row swapped, +d in one word and -d in
+another); between rows two changes cancel only by a 2**-64-sized coincidence
+of the data, not of the error's shape.
+
+Cost: one read of the bytes (a row-sum reduction) plus work on 1/512 of them,
+and a few torch ops per piece: many small pieces (a fragmented block table
+times per-layer tensors) are first copied together, and ``blocks_checksum``
+gathers a direct-mode chunk's blocks with one op per tensor. ``pdkv bench
+checksum`` measures it against ``copy_`` of the same bytes.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 
 import torch
 import xxhash
 
+from pdkv.errors import LayoutError
 from pdkv.layout import KVLayout, gather
-from pdkv.memory import byte_view
+
+_MASK = (1 << 64) - 1
+_ROW_WORDS = 512  # 4 KiB rows of int64: the row-sum reduction runs at the speed of a plain sum
+_UNIT_SALT, _ROW_SALT = 0x2545F4914F6CDD1D, 0x7F4A7C159E3779B9
+_GOLDEN = 0x9E3779B97F4A7C15
+_WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _signed(x: int) -> int:
+    """The int64 with the same 64 bits as ``x`` (torch has no uint64 arithmetic on every device)."""
+    x &= _MASK
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: spreads every input bit over the output."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+class _Weights:
+    """Weights of a flat row index ``i`` of units of ``rows`` rows: ``f(i // rows) * g(i % rows)``, grown on demand and cached.
+
+    ``f`` and ``g`` are ``(j * golden + salt) | 1`` (odd), built with the same int64 ops on every device, so
+    CPU and CUDA weights are the same bits; ``f * g`` is odd too, which is what makes any single changed
+    word change the value.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cache: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+    def get(self, device: torch.device, rows: int, n: int) -> torch.Tensor:
+        key = (device, rows)
+        with self._lock:
+            w = self._cache.get(key)
+            if w is None or w.numel() < n:
+                size = -(-max(n, 1024, 2 * (w.numel() if w is not None else 0)) // rows) * rows
+                i = torch.arange(size, dtype=torch.int64, device=device)
+                f = (i // rows).mul_(_signed(_GOLDEN)).add_(_signed(_UNIT_SALT)).bitwise_or_(1)
+                g = (i % rows).mul_(_signed(_GOLDEN)).add_(_signed(_ROW_SALT)).bitwise_or_(1)
+                w = f.mul_(g)
+                if device.type == "cuda":  # built on this thread's stream; another thread's stream may read it next
+                    torch.cuda.current_stream(device).synchronize()
+                self._cache[key] = w
+        return w[:n]
+
+
+_weights = _Weights()
+_scratch = threading.local()  # per thread and device: where many small pieces are copied together, reused (a fresh allocation faults its pages in)
+
+
+def _scratch_bytes(device: torch.device, total: int) -> torch.Tensor:
+    """``total`` bytes of this thread's scratch buffer on ``device``, grown on demand."""
+    buffers: dict[torch.device, torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
+    buf = buffers.get(device)
+    if buf is None or buf.numel() < total:
+        buf = buffers[device] = torch.empty(total, dtype=torch.uint8, device=device)
+    return buf[:total]
+
+
+def _joined(pieces: list[torch.Tensor], total: int) -> torch.Tensor:
+    """``pieces`` copied end to end into this thread's scratch buffer on their device."""
+    return torch.cat(pieces, out=_scratch_bytes(pieces[0].device, total))
+# Pieces smaller than this on average (a fragmented block table times per-layer tensors) are hashed as one copy:
+# three torch ops per piece (~10 us) cost more than copying 256 KiB.
+_CONCAT_BELOW = 256 << 10
+
+
+def _cut(unit: int) -> tuple[int, int, int]:
+    """How a unit of ``unit`` bytes is cut: (bytes a word, words, words a row).
+
+    Words of 8 bytes, or the largest of 4, 2, 1 that divides the unit; rows of
+    ``min(512, max(1, words // 16))`` words, a unit's last row shorter when they do not divide.
+    """
+    word = next((size for size in (8, 4, 2) if unit % size == 0), 1)
+    n_words = unit // word
+    return word, n_words, min(_ROW_WORDS, max(1, n_words // 16))
+
+
+def _rows_per_unit(unit: int) -> int:
+    _, n_words, row = _cut(unit)
+    return -(-n_words // row)
+
+
+def _row_sums(piece: torch.Tensor, unit: int) -> torch.Tensor:
+    """Every row's sum of a flat uint8 piece of whole units, in stream order, as int64 on the piece's device."""
+    word, n_words, row = _cut(unit)
+    if piece.data_ptr() % word:
+        piece = piece.clone()  # a view at an odd offset: a fresh allocation is aligned
+    words = piece.view(_WORD_DTYPES[word])
+    if n_words % row == 0:
+        return words.view(-1, row).sum(1, dtype=torch.int64)
+    full = n_words // row
+    per_unit = words.view(-1, n_words)
+    sums = torch.cat([per_unit[:, : full * row].reshape(-1, full, row).sum(2, dtype=torch.int64), per_unit[:, full * row :].sum(1, dtype=torch.int64, keepdim=True)], 1)
+    return sums.view(-1)
+
+
+def chunk_checksum(pieces: Iterable[torch.Tensor], unit: int | None = None) -> int:
+    """The checksum of the bytes of ``pieces`` (flat uint8 tensors, wire order), computed on their device.
+
+    ``unit``: every piece is whole units of this many bytes (a KV block); the
+    value depends on the byte stream only, not on how it is cut into pieces.
+    ``None``: the pieces are one unit each (a staged frame). Syncs with the
+    device once (to read the value), not once per piece.
+    """
+    todo: list[torch.Tensor] = []
+    total = 0
+    for piece in pieces:
+        if piece.dtype != torch.uint8 or piece.dim() != 1:
+            raise LayoutError(f"chunk_checksum takes flat uint8 tensors, got {piece.dtype} of shape {tuple(piece.shape)}")
+        if piece.device.type == "meta":
+            raise LayoutError("chunk_checksum: a meta tensor holds no bytes to hash; the KV must be on cpu or cuda")
+        if todo and piece.device != todo[0].device:
+            raise LayoutError(f"chunk_checksum: pieces on {todo[0].device} and {piece.device}; hash each device's bytes where they are")
+        n = piece.numel()
+        if unit is not None and n % unit:
+            raise LayoutError(f"chunk_checksum: a piece of {n} bytes is not whole units of {unit} bytes")
+        if n:
+            todo.append(piece)
+            total += n
+    if not todo:
+        return _mix64(_GOLDEN)
+    device = todo[0].device
+    if unit is None:  # each piece its own unit, of its own rows: weighted piece by piece
+        acc = torch.zeros((), dtype=torch.int64, device=device)
+        for index, piece in enumerate(todo):
+            rows = _rows_per_unit(piece.numel())
+            acc += (_row_sums(piece, piece.numel()) * _weights.get(device, rows, (index + 1) * rows)[index * rows :]).sum()
+    else:
+        if len(todo) > 1 and total < _CONCAT_BELOW * len(todo):
+            todo = [_joined(todo, total)]
+        parts = [_row_sums(piece, unit) for piece in todo]
+        sums = torch.cat(parts) if len(parts) > 1 else parts[0]
+        acc = (sums * _weights.get(device, _rows_per_unit(unit), sums.numel())).sum()
+    return _mix64((int(acc.item()) & _MASK) ^ _mix64(total))
+
+
+def blocks_checksum(kv_bytes: Sequence[torch.Tensor], blocks: Sequence[int], block_bytes: int) -> int:
+    """``chunk_checksum`` of ``blocks`` of every KV tensor (flat bytes), tensor by tensor: direct mode's wire order.
+
+    Equal to hashing the runs of adjacent blocks each side writes or lands
+    (the stream is the same); computed with one op per tensor, not one per
+    run: blocks that are not one run are first gathered (``index_select``)
+    into this thread's scratch buffer.
+    """
+    ids = list(blocks)
+    if not ids or not kv_bytes:
+        return chunk_checksum([], unit=block_bytes)
+    first, n = ids[0], len(ids)
+    if ids == list(range(first, first + n)):
+        return chunk_checksum([b[first * block_bytes : (first + n) * block_bytes] for b in kv_bytes], unit=block_bytes)
+    device = kv_bytes[0].device
+    index = torch.tensor(ids, dtype=torch.long, device=device)
+    out = _scratch_bytes(device, len(kv_bytes) * n * block_bytes).view(len(kv_bytes), n, block_bytes)
+    for t, b in enumerate(kv_bytes):
+        torch.index_select(b.view(-1, block_bytes), 0, index, out=out[t])
+    return chunk_checksum([out.view(-1)], unit=block_bytes)
 
 
 def checksum(views: Iterable[memoryview]) -> int:
+    """xxh3-64 of host bytes: the tiers' files and values (``pdkv.tier``), whose format keeps it; not the transfer path."""
     h = xxhash.xxh3_64()
     for v in views:
         h.update(v)
     return h.intdigest()
 
 
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 tensor on its own device (a torch view, never a host one)."""
+    if not t.is_contiguous():
+        raise LayoutError("flat_bytes needs a contiguous tensor; call .contiguous() first")
+    flat = t.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
 def layer_digests(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: Sequence[int], num_tokens: int) -> list[str]:
-    """xxh3-64 of each layer's canonical KV for tokens ``[0, num_tokens)``.
+    """The checksum of each layer's canonical KV for tokens ``[0, num_tokens)``, as hex, computed on the KV's device.
 
     Layout-independent, so P and D can compare what was computed with what
-    landed whatever their block sizes and orders; per layer, so a chunk or a
-    layer that landed in the wrong place is caught even when the tokens
-    generated from it happen to agree.
+    landed whatever their block sizes, orders and devices; per layer, so a
+    chunk or a layer that landed in the wrong place is caught even when the
+    tokens generated from it happen to agree.
     """
     chunk = gather(layout, tensors, block_table, 0, num_tokens)
-    return [xxhash.xxh3_64_hexdigest(byte_view(chunk[i].contiguous())) for i in range(layout.num_layers)]
+    return [f"{chunk_checksum([flat_bytes(chunk[i].contiguous())]):016x}" for i in range(layout.num_layers)]

@@ -19,6 +19,10 @@ class LayoutError(PdkvError, ValueError):
     """A KV layout or a block/slot index does not fit the buffer it describes."""
 
 
+class DeviceMemoryError(LayoutError):
+    """A buffer in device memory (CUDA, meta, emulated) was used where only host memory works; the message says what to use instead."""
+
+
 class CacheRequestError(PdkvError, ValueError):
     """A ``KVCacheEngine`` call's tokens, keys or mask break its contract (pdkv/cache_engine.py); the message says which and how."""
 

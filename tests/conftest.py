@@ -17,6 +17,7 @@ from pdkv.blocks import BlockAllocator
 from pdkv.channels import Channel, create_channel
 from pdkv.config import TransferConfig
 from pdkv.layout import KVLayout
+from pdkv.memory import emulate_device, in_reach
 from pdkv.testing.model import write_tiny_model
 from pdkv.testing.redis import INSTALL_HINT, LocalRedis, local_redis, server_binary
 from pdkv.transfer.receiver import KVReceiver
@@ -83,6 +84,23 @@ def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "cond
         time.sleep(0.005)
 
 
+KV_MEMORIES = ("host", "emulated")
+"""Where a ``make_pair`` KV lives in a test marked ``device_emulation``: host memory, and emulated device memory
+(``pdkv.memory.emulate_device``: no host view, so a host-only channel must stage it, as with KV in VRAM)."""
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test marked ``device_emulation`` that makes pairs runs once per ``KV_MEMORIES``."""
+    if "make_pair" in metafunc.fixturenames and metafunc.definition.get_closest_marker("device_emulation"):
+        metafunc.parametrize("kv_memory", KV_MEMORIES)
+
+
+@pytest.fixture
+def kv_memory() -> str:
+    """Host memory, unless the test is marked ``device_emulation`` (then parametrized over ``KV_MEMORIES``)."""
+    return "host"
+
+
 @dataclass
 class Pair:
     """A sender and a receiver over two mock channels, with their buffers."""
@@ -96,6 +114,13 @@ class Pair:
     p_channel: Channel
     d_channel: Channel
     allocator: BlockAllocator
+    kv_memory: str = "host"
+
+    @property
+    def same_layout_mode(self) -> str:
+        """The mode a request between identical layouts gets: direct, unless the channel cannot reach the KV (then staging)."""
+        reached = all(in_reach(t, self.p_channel.memory) for t in self.p_kv) and all(in_reach(t, self.d_channel.memory) for t in self.d_kv)
+        return "direct" if reached else "staging"
 
 
 MakePair = Callable[..., Pair]
@@ -103,9 +128,9 @@ MakePair = Callable[..., Pair]
 
 
 @pytest.fixture
-def make_pair() -> Iterator[MakePair]:
+def make_pair(kv_memory: str) -> Iterator[MakePair]:
     """Factory of sender/receiver pairs in this process (mock channel unless told: ``channel="tcp"`` is real
-    sockets); on teardown asserts the receiver leaked nothing."""
+    sockets), their KV in ``kv_memory``; on teardown asserts the receiver leaked nothing."""
     made: list[Pair] = []
 
     def make(
@@ -117,6 +142,7 @@ def make_pair() -> Iterator[MakePair]:
         fingerprints: tuple[str, str] = ("model-a", "model-a"),
         secrets: tuple[str, str] = ("", ""),
         channel: str = "mock",
+        kv_memory_override: str | None = None,
     ) -> Pair:
         p_layout = p_layout or KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
         d_layout = d_layout or p_layout
@@ -127,10 +153,14 @@ def make_pair() -> Iterator[MakePair]:
         gen = torch.Generator().manual_seed(n)
         for t in p_kv:
             t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        memory = kv_memory_override or kv_memory
+        if memory == "emulated":
+            for t in (*p_kv, *d_kv):
+                emulate_device(t)
         allocator = BlockAllocator(d_blocks)
         receiver = KVReceiver(d_channel, d_layout, d_kv, allocator, fingerprints[1], config, secret=secrets[1])
         sender = KVSender(p_channel, p_layout, p_kv, fingerprints[0], config, secret=secrets[0])
-        pair = Pair(sender, receiver, p_layout, d_layout, p_kv, d_kv, p_channel, d_channel, allocator)
+        pair = Pair(sender, receiver, p_layout, d_layout, p_kv, d_kv, p_channel, d_channel, allocator, memory)
         made.append(pair)
         return pair
 

@@ -22,10 +22,11 @@ from pdkv.channels import Channel, TransferOp, create_channel
 from pdkv.config import TransferConfig
 from pdkv.errors import ChannelError
 from pdkv.layout import KVLayout, gather
+from pdkv.memory import emulate_device
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
 
-from tests.conftest import wait_until
+from tests.conftest import KV_MEMORIES, wait_until
 
 TIMEOUT = 10.0
 ENFORCING = [
@@ -127,15 +128,20 @@ def test_the_decode_workers_ports_give_a_stranger_nothing() -> None:
         d_channel.close()
 
 
-def test_a_sender_frozen_between_its_lease_check_and_its_write_cannot_touch_the_reused_blocks() -> None:
+@pytest.mark.parametrize("kv_memory", KV_MEMORIES)
+def test_a_sender_frozen_between_its_lease_check_and_its_write_cannot_touch_the_reused_blocks(kv_memory: str) -> None:
     """The late-write fence: P passes its lease check, freezes, and D reaps the reservation, waits drain_timeout_s,
-    fences P and gives the blocks to P's next request. P resumes and posts the old write: nothing of it lands."""
+    fences P and gives the blocks to P's next request. P resumes and posts the old write: nothing of it lands.
+    With emulated device KV, tcp stages the chunks: the fence guards the staging slots the same way."""
     cfg = TransferConfig(chunk_size=32, lease_s=0.6, heartbeat_s=0.1, drain_timeout_s=0.4, max_peer_blocks_share=1.0)
     p_channel, d_channel = create_channel("tcp", "prefill-fence"), create_channel("tcp", "decode-fence")
     p_kv = LAYOUT.allocate(16)
     for t in p_kv:
         t.copy_(torch.randn(t.shape))
     d_kv = LAYOUT.allocate(4)  # exactly one 64-token request: B must reuse A's blocks
+    if kv_memory == "emulated":
+        for t in (*p_kv, *d_kv):
+            emulate_device(t)
     allocator = BlockAllocator(4)
     receiver = KVReceiver(d_channel, LAYOUT, d_kv, allocator, "m", cfg)
     sender = KVSender(p_channel, LAYOUT, p_kv, "m", cfg)

@@ -28,6 +28,8 @@ LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=16, dtyp
 TOKENS = 100  # 4 chunks of 32: three full, one of 4 tokens
 TABLE = list(range(10, 17))
 
+pytestmark = pytest.mark.device_emulation  # every pair test also runs with its KV in emulated device memory
+
 
 def _config(codec: str) -> TransferConfig:
     return TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2, codec=codec)
@@ -83,7 +85,7 @@ def test_a_lossy_codec_lands_within_its_error_and_moves_far_fewer_bytes(make_pai
 def test_a_request_may_go_raw_when_the_sender_is_configured_with_a_codec(make_pair: Callable[..., Pair]) -> None:
     pair = make_pair(p_layout=LAYOUT, config=_config("fp8"), channel="tcp")
     blocks, mode = _push(pair, "raw-1", codec="none")
-    assert mode == "direct"  # same layouts and no codec: block writes, byte for byte
+    assert mode == pair.same_layout_mode  # same layouts and no codec: block writes, byte for byte (staged from a device tcp cannot reach)
     assert torch.equal(_sent(pair), _landed(pair, blocks))
     pair.allocator.free(blocks)
     stats = pair.sender.stats()
@@ -138,9 +140,9 @@ def test_a_notice_claiming_more_bytes_than_a_slot_is_refused_before_the_slot_is_
 
 def _zero_digest(n: int) -> int:
     """The checksum of ``n`` zero bytes: what an untouched staging slot holds."""
-    from pdkv.checksum import checksum
+    from pdkv.checksum import chunk_checksum
 
-    return checksum([memoryview(bytes(n))])
+    return chunk_checksum([torch.zeros(n, dtype=torch.uint8)])
 
 
 def test_the_codec_travels_in_the_reserve_and_its_proof() -> None:

@@ -43,6 +43,7 @@ from pdkv.config import RouterConfig, TransferConfig, convert_config
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.errors import TransferError, TransferTimeout
 from pdkv.layout import KVLayout, gather
+from pdkv.memory import EMULATE_ENV
 from pdkv.router.app import Router
 from pdkv.testing.http import metric
 from pdkv.transfer.protocol import Done, decode_notice
@@ -50,7 +51,7 @@ from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
 from pdkv.worker.server import Worker
 
-from tests.conftest import wait_until
+from tests.conftest import KV_MEMORIES, wait_until
 
 FINGERPRINT = "tiny-model"
 P_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
@@ -197,7 +198,15 @@ class Child:
 
 
 @pytest.fixture
-def spawn() -> Iterator[Callable[..., Child]]:
+def emulation(kv_memory: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``kv_memory`` emulated: PDKV_EMULATE_DEVICE=1 here and in every child, so each sender and receiver treats its KV as device memory."""
+    if kv_memory == "emulated":
+        monkeypatch.setenv(EMULATE_ENV, "1")
+    return kv_memory
+
+
+@pytest.fixture
+def spawn(emulation: str) -> Iterator[Callable[..., Child]]:
     children: list[Child] = []
 
     def start(target: Callable[..., None], *args: Any) -> Child:
@@ -242,7 +251,7 @@ class Decode:
 
 
 @pytest.fixture
-def start_decode() -> Iterator[Callable[..., Decode]]:
+def start_decode(emulation: str) -> Iterator[Callable[..., Decode]]:
     made: list[Decode] = []
 
     def start(port: int = 0, layout: KVLayout = P_LAYOUT) -> Decode:
@@ -260,7 +269,7 @@ def start_decode() -> Iterator[Callable[..., Decode]]:
 
 
 @pytest.fixture
-def prefill() -> Iterator[KVSender]:
+def prefill(emulation: str) -> Iterator[KVSender]:
     channel = TcpChannel("prefill", TCP)
     sender = KVSender(channel, P_LAYOUT, prefill_kv(), FINGERPRINT, CFG)
     yield sender
@@ -415,6 +424,7 @@ def test_sender_dies_during_hello(spawn: Callable[..., Child], prefill: KVSender
     push_fresh(prefill, decode, "after-hello")
 
 
+@pytest.mark.parametrize("kv_memory", KV_MEMORIES)
 @pytest.mark.parametrize("step", ["reserved", "mid_chunk"])
 @pytest.mark.parametrize("layout", [P_LAYOUT, STAGED], ids=["direct", "staging"])
 def test_sender_dies_with_a_reservation_open(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode], step: str, layout: KVLayout) -> None:

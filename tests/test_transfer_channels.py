@@ -36,9 +36,11 @@ CHANNELS = [
 ]
 
 
+@pytest.mark.parametrize("device", ["cpu", "emulated"])
 @pytest.mark.parametrize("mode", ["direct", "staging"])
 @pytest.mark.parametrize("channel", CHANNELS)
-def test_concurrent_requests_land_bit_exact_and_nothing_is_held(channel: str, mode: str) -> None:
+def test_concurrent_requests_land_bit_exact_and_nothing_is_held(channel: str, mode: str, device: str) -> None:
+    """``device`` emulated: both sides' KV is device memory; tcp stages it through host slots, nixl writes it in place."""
     receiver_layout = SENDER if mode == "direct" else STAGING
     receiver_blocks = sum(receiver_layout.blocks_for(t) for t in TOKENS) + 4
     order = list(range(SENDER_BLOCKS))
@@ -48,14 +50,22 @@ def test_concurrent_requests_land_bit_exact_and_nothing_is_held(channel: str, mo
         n = SENDER.blocks_for(tokens)
         tables.append(order[at : at + n])
         at += n
-    with TransferRig(channel, receiver_layout, SENDER_BLOCKS, receiver_blocks, CONFIG, sender_layout=SENDER) as rig:
+    with TransferRig(channel, receiver_layout, SENDER_BLOCKS, receiver_blocks, CONFIG, sender_layout=SENDER, device=device) as rig:
         for round_ in range(2):  # the second round reuses what the first freed, on the links the first opened
             requests = [(f"r{round_}-{i}", tokens) for i, tokens in enumerate(TOKENS)]
             rig.push(requests, tables)  # raises unless every request's KV landed bit for bit
         wait_until(lambda: rig.sender.stats()["open_transfers"] == 0, 10, "the sender to settle every transfer")
         sent = rig.sender.stats()
         got = rig.receiver_stats()
+        staged = rig.sender.source.stager
+        granted = rig.modes
     chunks = 2 * sum(-(-t // CONFIG.chunk_size) for t in TOKENS)
+    # tcp cannot reach device memory: every chunk goes through host slots; nixl writes device blocks in place
+    assert granted == ({"staging"} if device == "emulated" and channel == "tcp" else {mode})
+    if device == "emulated":  # staged chunks were gathered on the device and copied out by the stager
+        assert staged is not None and staged.chunks_out == (chunks if granted == {"staging"} else 0)
+    else:
+        assert staged is None
     assert sent["inflight_bytes"] == 0 and sent.get("transfers_failed", 0) == 0
     assert sent["transfers_ok"] == 2 * len(TOKENS) and sent["chunks_landed"] == chunks
     assert got["transfers_ready"] == got["claimed"] == 2 * len(TOKENS) and got["chunks_landed"] == chunks

@@ -11,6 +11,7 @@ engine generating the whole request in this process.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -29,10 +30,11 @@ import yaml
 
 from pdkv.bench.netrig import UCX_ENV, Host, Link, NetRig
 from pdkv.channels.tcp import TcpChannel
-from pdkv.config import convert_config
+from pdkv.config import TransferConfig, convert_config
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
 from pdkv.errors import ChannelError, ConfigError, PeerUnreachableError
+from pdkv.memory import EMULATE_ENV
 from pdkv.netaddr import free_port
 from pdkv.testing.http import get_text, metric
 from pdkv.testing.model import single_thread, write_tiny_model
@@ -84,6 +86,7 @@ class Deployment:
     decode: WorkerProcess
     router: WorkerProcess
     link: Link
+    kv_memory: str = "host"  # emulated: both workers run with PDKV_EMULATE_DEVICE=1
 
     def complete(self, prompt: list[int], timeout: float = 60.0) -> tuple[int, dict[str, Any]]:
         return post(self.router.url + "/v1/completions", greedy(prompt), timeout)
@@ -151,7 +154,14 @@ def ucx_pd(hub: Host, link_b: Link, model: Path, tmp_path_factory: pytest.TempPa
     return deploy(hub, link_b, write_config(tmp_path_factory.mktemp("ucx") / "worker.yaml", model, channel="ucx"), env=UCX_ENV)
 
 
-@pytest.fixture(params=["tcp", "nixl", "ucx"])
+@pytest.fixture(scope="module")
+def emulated_pd(hub: Host, link_b: Link, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Deployment:
+    """tcp with both workers' KV in emulated device memory (PDKV_EMULATE_DEVICE): every chunk through pinned staging."""
+    deployment = deploy(hub, link_b, write_config(tmp_path_factory.mktemp("emulated") / "worker.yaml", model), env={EMULATE_ENV: "1"})
+    return dataclasses.replace(deployment, kv_memory="emulated")
+
+
+@pytest.fixture(params=["tcp", "nixl", "ucx", "emulated"])
 def pd(request: pytest.FixtureRequest) -> Deployment:
     deployment: Deployment = request.getfixturevalue(f"{request.param}_pd")
     return deployment
@@ -196,6 +206,10 @@ def test_router_across_the_link_is_token_identical_and_moves_all_kv(pd: Deployme
     assert status == 200, body
     assert body["choices"][0]["token_ids"] == expected[len(prompt)]
     assert_transferred(pd, before_d, len(prompt))
+    if pd.kv_memory == "emulated":  # the KV went through host slots on both sides, as tcp with KV in VRAM does
+        for worker, event in ((pd.decode, "chunks_staged_to_device"), (pd.prefill, "chunks_staged_to_host")):
+            moved = metric(metrics(worker), "pdkv_transfer_events_total", event=event) - metric(before_d if worker is pd.decode else before_p, "pdkv_transfer_events_total", event=event)
+            assert moved == -(-len(prompt) // TransferConfig(**TRANSFER).chunk_size), (worker.role, event, moved)
     ok = metric(before_p, "pdkv_transfers_total", outcome="ok") + 1  # P records it once its writes settle: maybe after D answered
     wait_until(lambda: metric(metrics(pd.prefill), "pdkv_transfers_total", outcome="ok") == ok, 10, "the prefill side to record the transfer")
 

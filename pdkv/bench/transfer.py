@@ -28,6 +28,16 @@ each request's canonical KV compared with the sender's), outside the timed part.
 ``TransferRig`` is that harness; the tests use it too, to prove the data path
 over real channels with concurrent requests.
 
+``--device cpu|emulated|cuda`` (several, comma-separated, measured in the
+same run) says where both sides' KV lives: host memory; emulated device
+memory (``pdkv.memory.emulate_device``: CPU memory the channel may not take a
+host view of, so tcp stages it through pinned host memory as it would VRAM);
+or a CUDA device (nixl: VRAM to VRAM; tcp: pinned staging). Each row says
+where the KV lived (``kv_memory``), the mode the receiver granted and the path
+the bytes took (``path``: host direct, host staging, pinned staging, direct
+device), and rows of another device than ``cpu`` carry ``vs_host``: their
+GB/s over the same scenario's with the KV in host memory.
+
 ``--link RATE`` puts the receiver on a second host of ``pdkv.bench.netrig``
 across a veth pair shaped to RATE (its control plane and channel on that
 host's address), the sender and the baseline's sender on the first.
@@ -36,6 +46,7 @@ host's address), the sender and the baseline's sender on the first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -50,17 +61,17 @@ from typing import Any
 
 import msgspec
 import torch
-import xxhash
 
 from pdkv.bench import plot
 from pdkv.bench.channel import BASELINES, IN_PROCESS, _describe, _load, _peer, _recv, channel_options
 from pdkv.bench.netrig import LOOPBACK, Placement, bench_link, call_on
 from pdkv.blocks import BlockAllocator
 from pdkv.channels import create_channel
+from pdkv.checksum import chunk_checksum, flat_bytes
 from pdkv.config import TransferConfig
 from pdkv.errors import ConfigError, TransferError
 from pdkv.layout import KVLayout, gather
-from pdkv.memory import byte_view
+from pdkv.memory import emulate_device
 
 SENDER_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 STAGING_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=32, dtype="float32", order="HND")
@@ -73,6 +84,16 @@ ONE_THREAD = 1
 SCENARIOS: list[tuple[int, int]] = [(40, 1), (256, 1), (2048, 1), (256, 16), (2048, 4)]
 ROUNDS = 5
 TIMEOUT_S = 60.0
+DEVICES = ("cpu", "emulated", "cuda")
+
+
+def place_kv(kv: list[torch.Tensor], device: str) -> list[torch.Tensor]:
+    """A KV buffer moved to where ``device`` (one of ``DEVICES``) says it lives."""
+    if device == "cuda":
+        return [t.to("cuda") for t in kv]
+    if device == "emulated":
+        return [emulate_device(t) for t in kv]
+    return kv
 
 
 @dataclass(frozen=True)
@@ -87,18 +108,18 @@ class Scenario:
 
 
 def _digest(layout: KVLayout, kv: list[torch.Tensor], blocks: list[int], tokens: int) -> int:
-    """A layout-independent digest of a request's KV: xxh3 of its canonical form."""
-    return xxhash.xxh3_64_intdigest(byte_view(gather(layout, kv, blocks, 0, tokens)))
+    """A layout-independent digest of a request's KV: the device checksum of its canonical form, where the KV is."""
+    return chunk_checksum([flat_bytes(gather(layout, kv, blocks, 0, tokens))])
 
 
-def _receiver_side(conn: Connection, channel_name: str, layout: KVLayout, num_blocks: int, config: TransferConfig, host: str) -> None:
+def _receiver_side(conn: Connection, channel_name: str, layout: KVLayout, num_blocks: int, config: TransferConfig, host: str, device: str) -> None:
     """The decode side on ``host``: a KVReceiver that claims each announced request, digests its KV and frees its blocks."""
     from pdkv.transfer.receiver import KVReceiver
 
     torch.set_num_threads(ONE_THREAD)
     try:
         channel = create_channel(channel_name, f"bench-decode-{uuid.uuid4().hex[:6]}", channel_options(channel_name, host))
-        kv = layout.allocate(num_blocks)
+        kv = place_kv(layout.allocate(num_blocks), device)
         allocator = BlockAllocator(num_blocks)
         # it waits for requests it was told of before the sender opens them (handshake included): no announce window
         receiver = KVReceiver(channel, layout, kv, allocator, FINGERPRINT, msgspec.structs.replace(config, announce_timeout_s=TIMEOUT_S), host=host)
@@ -143,17 +164,21 @@ class TransferRig:
         config: TransferConfig,
         sender_layout: KVLayout = SENDER_LAYOUT,
         placement: Placement = LOOPBACK,
+        device: str = "cpu",
     ) -> None:
         from pdkv.transfer.sender import KVSender
 
+        if device not in DEVICES:
+            raise ConfigError(f"bench transfer --device {device!r}: expected one of {', '.join(DEVICES)}")
         self.layout = sender_layout
-        args = (channel, receiver_layout, receiver_blocks, config, placement.receiver_addr)
+        self.modes: set[str] = set()  # the modes the receiver granted the requests pushed so far
+        args = (channel, receiver_layout, receiver_blocks, config, placement.receiver_addr, device)
         self._peer = _peer(_receiver_side, args, in_process=channel in IN_PROCESS, netns=placement.receiver_netns)
         self.conn = self._peer.__enter__()
         try:
             self.channel = create_channel(channel, f"bench-prefill-{uuid.uuid4().hex[:6]}", channel_options(channel, placement.sender_addr))
             gen = torch.Generator().manual_seed(0)
-            self.kv = [torch.randn(t.shape, generator=gen).to(t.dtype) for t in sender_layout.allocate(sender_blocks)]
+            self.kv = place_kv([torch.randn(t.shape, generator=gen).to(t.dtype) for t in sender_layout.allocate(sender_blocks)], device)
             self.allocator = BlockAllocator(sender_blocks)
             self.sender = KVSender(self.channel, sender_layout, self.kv, FINGERPRINT, config)
             _, self.address = _recv(self.conn, "the receiver's address")
@@ -180,6 +205,7 @@ class TransferRig:
                 xfer.send_all()
                 xfer.wait(TIMEOUT_S)
                 ends[i] = time.perf_counter()
+                self.modes.add(xfer.mode)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
                 errors.append(exc)
 
@@ -210,6 +236,13 @@ class TransferRig:
         _, stats = _recv(self.conn, "the receiver's stats")
         return stats  # type: ignore[no-any-return]
 
+    @property
+    def path(self) -> str:
+        """The way the bytes went: host direct or staging, pinned staging (device KV through host slots), or direct device."""
+        memory = self.sender.kv_memory
+        names = {"direct": "host direct", "staging": "host staging"} if memory == "host" else {"direct": f"direct device ({memory})", "staging": "pinned staging"}
+        return " or ".join(names[m] for m in sorted(self.modes))
+
     def close(self) -> None:
         try:
             self.sender.close()
@@ -229,40 +262,53 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _measure_mode(channel: str, mode: str, scenarios: list[Scenario], repeats: int, baseline_class: Callable[..., Any], placement: Placement) -> list[dict[str, Any]]:
-    """Every scenario of one mode against one receiver process, pdkv and baseline rounds alternating."""
+def _measure_mode(
+    channel: str, mode: str, scenarios: list[Scenario], repeats: int, baseline_class: Callable[..., Any], placement: Placement, devices: tuple[str, ...]
+) -> list[dict[str, Any]]:
+    """Every scenario of one mode, one receiver process per device, the baseline and each device's rounds alternating.
+
+    Alternating the devices within each round (rather than one device's scenarios after the other's) puts
+    them under the same load on a shared machine, so ``vs_host`` compares like with like.
+    """
     layout = SENDER_LAYOUT if mode == "direct" else STAGING_LAYOUT
     theirs, ours = (max(lay.blocks_for(s.tokens) * s.requests for s in scenarios) for lay in (layout, SENDER_LAYOUT))
     config = TransferConfig()
     theirs = math.ceil(theirs / config.max_peer_blocks_share)  # one sender may hold only that share of the receiver
     reps = itertools.count()
     rows = []
-    rig = TransferRig(channel, layout, ours, theirs, config, placement=placement)
-    with rig, baseline_class(max(s.nbytes for s in scenarios), placement) as baseline:
-        rig.push([("warmup", scenarios[0].tokens)])  # handshake, first connections, native build: not timed
+    with contextlib.ExitStack() as stack:
+        rigs = {device: stack.enter_context(TransferRig(channel, layout, ours, theirs, config, placement=placement, device=device)) for device in devices}
+        baseline = stack.enter_context(baseline_class(max(s.nbytes for s in scenarios), placement))
+        for rig in rigs.values():
+            rig.push([("warmup", scenarios[0].tokens)])  # handshake, first connections: not timed
         for sc in scenarios:
-            times: list[float] = []
-            latencies: list[float] = []
+            times: dict[str, list[float]] = {device: [] for device in devices}
+            latencies: dict[str, list[float]] = {device: [] for device in devices}
             base: list[float] = []
             for _ in range(ROUNDS):
                 base.append(baseline.gbps(sc.nbytes, repeats))
-                for _ in range(repeats):
-                    rep = next(reps)
-                    total, each = rig.push([(f"rep{rep}-{i}", sc.tokens) for i in range(sc.requests)])
-                    times.append(total)
-                    latencies.extend(each)
-            gbps = sc.nbytes / statistics.median(times) / 1e9
+                for device, rig in rigs.items():
+                    for _ in range(repeats):
+                        rep = next(reps)
+                        total, each = rig.push([(f"rep{rep}-{i}", sc.tokens) for i in range(sc.requests)])
+                        times[device].append(total)
+                        latencies[device].extend(each)
             base_gbps = statistics.median(base)
-            rows.append({
-                "mode": mode, "tokens": sc.tokens, "requests": sc.requests, "size_bytes": sc.nbytes,
-                "gbps": gbps, "baseline_gbps": base_gbps, "ratio": gbps / base_gbps,
-                "p50_ms": 1e3 * _percentile(latencies, 0.5), "p99_ms": 1e3 * _percentile(latencies, 0.99),
-                "baseline_ms": 1e3 * sc.nbytes / base_gbps / 1e9,
-            })  # fmt: skip
+            for device, rig in rigs.items():
+                gbps = sc.nbytes / statistics.median(times[device]) / 1e9
+                rows.append({
+                    "device": device, "kv_memory": rig.sender.kv_memory, "granted_mode": "/".join(sorted(rig.modes)), "path": rig.path,
+                    "mode": mode, "tokens": sc.tokens, "requests": sc.requests, "size_bytes": sc.nbytes,
+                    "gbps": gbps, "baseline_gbps": base_gbps, "ratio": gbps / base_gbps,
+                    "p50_ms": 1e3 * _percentile(latencies[device], 0.5), "p99_ms": 1e3 * _percentile(latencies[device], 0.99),
+                    "baseline_ms": 1e3 * sc.nbytes / base_gbps / 1e9,
+                })  # fmt: skip
     return rows
 
 
-def measure(channel: str, modes: list[str], scenarios: list[tuple[int, int]], repeats: int, placement: Placement = LOOPBACK) -> dict[str, Any]:
+def measure(
+    channel: str, modes: list[str], scenarios: list[tuple[int, int]], repeats: int, placement: Placement = LOOPBACK, devices: tuple[str, ...] = ("cpu",)
+) -> dict[str, Any]:
     """The result object of ``pdkv bench transfer --json``."""
     torch.set_num_threads(ONE_THREAD)
     if channel not in BASELINES:
@@ -272,10 +318,20 @@ def measure(channel: str, modes: list[str], scenarios: list[tuple[int, int]], re
             raise ConfigError(f"bench transfer --modes: {mode!r} is not a mode; expected direct and/or staging")
     if channel in IN_PROCESS and placement.link is not None:
         raise ConfigError(f"bench transfer: the {channel} channel cannot span hosts; --link needs tcp, nixl or ucx")
+    for device in devices:
+        if device not in DEVICES:
+            raise ConfigError(f"bench transfer --device {device!r}: expected one of {', '.join(DEVICES)}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("bench transfer --device cuda: torch sees no CUDA device here")
     baseline = _load(BASELINES[channel])
     rows = []
     for mode in modes:
-        rows.extend(_measure_mode(channel, mode, [Scenario(mode, t, r) for t, r in scenarios], repeats, baseline, placement))
+        rows.extend(_measure_mode(channel, mode, [Scenario(mode, t, r) for t, r in scenarios], repeats, baseline, placement, devices))
+    host = {(r["mode"], r["tokens"], r["requests"]): r["gbps"] for r in rows if r["device"] == "cpu"}
+    for r in rows:
+        same = host.get((r["mode"], r["tokens"], r["requests"]))
+        if r["device"] != "cpu" and same:
+            r["vs_host"] = r["gbps"] / same
     return {
         "channel": channel,
         "link": placement.label,
@@ -288,12 +344,13 @@ def measure(channel: str, modes: list[str], scenarios: list[tuple[int, int]], re
 def _table(out: dict[str, Any]) -> str:
     lines = [
         f"channel {out['channel']} over {out['link']}: request-level transfer vs {out['baseline']}",
-        f"{'mode':>8} {'tokens':>6} {'reqs':>4} {'MB':>8} {'GB/s':>7} {'base':>7} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8} {'base ms':>8}",
+        f"{'device':>8} {'mode':>8} {'path':>22} {'tokens':>6} {'reqs':>4} {'MB':>8} {'GB/s':>7} {'base':>7} {'ratio':>6} {'vs host':>7} {'p50 ms':>8} {'p99 ms':>8} {'base ms':>8}",
     ]
     for r in out["results"]:
+        vs_host = f"{r['vs_host']:7.2f}" if "vs_host" in r else f"{'':>7}"
         lines.append(
-            f"{r['mode']:>8} {r['tokens']:>6} {r['requests']:>4} {r['size_bytes'] / 1e6:8.1f} {r['gbps']:7.3f} {r['baseline_gbps']:7.3f} "
-            f"{r['ratio']:6.2f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['baseline_ms']:8.2f}"
+            f"{r['device']:>8} {r['mode']:>8} {r['path'][:22]:>22} {r['tokens']:>6} {r['requests']:>4} {r['size_bytes'] / 1e6:8.1f} {r['gbps']:7.3f} {r['baseline_gbps']:7.3f} "
+            f"{r['ratio']:6.2f} {vs_host} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['baseline_ms']:8.2f}"
         )
     return "\n".join(lines)
 
@@ -302,7 +359,7 @@ def draw(out: dict[str, Any], path: str) -> None:
     """``--plot``: GB/s against a scenario's bytes, per mode, beside the raw channel moving the same bytes."""
     series: dict[str, tuple[list[float], list[float]]] = {}
     for r in sorted(out["results"], key=lambda r: r["size_bytes"]):
-        for label, key in ((f"pdkv {r['mode']}", "gbps"), (f"baseline ({r['mode']} sizes)", "baseline_gbps")):
+        for label, key in ((f"pdkv {r['device']} {r['mode']}", "gbps"), (f"baseline ({r['device']} {r['mode']} sizes)", "baseline_gbps")):
             xs, ys = series.setdefault(label, ([], []))
             xs.append(r["size_bytes"])
             ys.append(r[key])
@@ -315,8 +372,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"bench transfer --repeats {args.repeats}: expected >= 1")
     plot.check(getattr(args, "plot", None))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    devices = tuple(d.strip() for d in args.device.split(",") if d.strip())
     with bench_link(args.link) as placement:
-        out = call_on(placement.sender_netns, measure, args.channel, modes, args.scenarios or SCENARIOS, args.repeats, placement)
+        out = call_on(placement.sender_netns, measure, args.channel, modes, args.scenarios or SCENARIOS, args.repeats, placement, devices)
     print(json.dumps(out) if args.json else _table(out))
     if getattr(args, "plot", None):
         draw(out, args.plot)

@@ -29,6 +29,9 @@ class ReceiverView:
     id_used: bool  # the transfer id is open or was used before on this receiver
     peer_layout: KVLayout
     peer_blocks: tuple[int, ...]  # blocks held by each of this peer's reservations
+    # Both sides' channels registered their KV (an empty kv_regions in a Hello: the KV is in memory that side's
+    # channel cannot reach, e.g. VRAM and tcp): only then can a block be written in place.
+    kv_in_reach: bool = True
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ def admit(req: Reserve, view: ReceiverView) -> Grant | Refused:
             retryable=blocks <= peer_cap,
         )
     chunks = -(-req.num_tokens // cfg.chunk_size)
-    direct = view.peer_layout == view.layout and cfg.chunk_size % view.layout.block_size == 0 and req.codec == "none"
+    direct = view.kv_in_reach and view.peer_layout == view.layout and cfg.chunk_size % view.layout.block_size == 0 and req.codec == "none"
     slots = 0 if direct else min(cfg.slots_per_request, chunks)
     if slots > view.free_slots:
         return Refused(tid, f"no staging slots free ({view.free_slots} of {cfg.staging_slots})", retryable=True)

@@ -61,6 +61,7 @@ class SenderPeer:
     layout: KVLayout
     token: bytes  # its data connections' capability: its reservations are granted to it
     session: bytes = b""  # both handshake nonces (with a secret): what its Reserves' proofs are bound to
+    kv_reached: bool = True  # its channel registered its KV (an empty kv_regions in its Hello: not, so staging only)
 
 
 def answer(fut: Future[Any], outcome: Any) -> None:
@@ -254,5 +255,5 @@ class ReceiverHandshake:
             self._reply(identity, protocol.Error(str(exc)))
             return False
         with self.lock:
-            self.peers[identity] = SenderPeer(agent, hello.layout, hello.data_token, session)
+            self.peers[identity] = SenderPeer(agent, hello.layout, hello.data_token, session, kv_reached=bool(hello.kv_regions))
         return True

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pdkv.channels.grants import Range
-from pdkv.checksum import checksum
+from pdkv.checksum import blocks_checksum, chunk_checksum
 from pdkv.codec import Codec
 from pdkv.errors import ChecksumError, TransferError
 from pdkv.layout import KVLayout, block_runs
 from pdkv.native import scatter
+from pdkv.staging import DeviceStager
 from pdkv.transfer.protocol import ChunkNotice
 
 
@@ -41,19 +42,25 @@ class ReceivedKV:
 
 @dataclass
 class ReceiveTarget:
-    """Our side's memory as every transfer lands in it, and its regions in the channel."""
+    """Our side's memory as every transfer lands in it, and its regions in the channel.
+
+    ``kv_regions`` is empty when the channel cannot reach the KV's memory:
+    every reservation is then staged. ``stager`` (KV in device memory) copies
+    each staged chunk from its pinned slot to the KV's device and scatters it
+    there.
+    """
 
     layout: KVLayout
     kv: list[torch.Tensor]
-    kv_views: list[memoryview]
+    kv_bytes: list[torch.Tensor]  # each KV tensor's bytes, flat, on its own device
     num_blocks: int
     staging: torch.Tensor
-    staging_view: memoryview
     slot_bytes: int
     chunk_size: int
     kv_regions: list[int]
     staging_region: int
     codecs: dict[str, Codec]  # what this side decodes (offered in its Hello)
+    stager: DeviceStager | None
 
     def block_ranges(self, blocks: list[int]) -> list[Range]:
         """Byte ranges of ``blocks`` in every buffer tensor, in wire order, adjacent blocks as one range."""
@@ -101,9 +108,7 @@ class IncomingTransfer:
         nbytes = target.layout.chunk_bytes(n)
         if self.mode == "direct":
             bs = target.layout.block_size
-            ranges = target.block_ranges(self.blocks[start // bs : -(-(start + n) // bs)])
-            views = dict(zip(target.kv_regions, target.kv_views, strict=True))
-            got = checksum(views[region][off : off + ln] for region, off, ln in ranges)
+            got = blocks_checksum(target.kv_bytes, self.blocks[start // bs : -(-(start + n) // bs)], target.layout.block_bytes)
         else:
             if not 0 <= notice.slot < len(self.slots):
                 raise TransferError(f"chunk {idx} names staging slot {notice.slot}, request has {len(self.slots)}")
@@ -112,7 +117,7 @@ class IncomingTransfer:
             if not (wire == nbytes if codec.passthrough else 0 < wire <= target.slot_bytes):  # checked before the slot is read
                 raise TransferError(f"chunk {idx} claims {wire} bytes in its slot ({self.codec!r} chunk of {n} tokens, slots of {target.slot_bytes})")
             base = self.slots[notice.slot] * target.slot_bytes
-            got = checksum([target.staging_view[base : base + wire]])
+            got = chunk_checksum([target.staging[base : base + wire]])
         if got != notice.checksum:
             raise ChecksumError(f"chunk {idx} of transfer {self.transfer_id!r} failed its checksum (sent {notice.checksum:#x}, landed {got:#x})")
         if self.mode == "staging":
@@ -120,7 +125,10 @@ class IncomingTransfer:
                 chunk = target.staging[base : base + nbytes].view(target.layout.torch_dtype).view(target.layout.chunk_shape(n))
             else:  # a frame that does not decode to exactly this chunk raises CodecError (a TransferError)
                 chunk = codec.decode(target.staging[base : base + wire], codec.scratch("raw", target.layout.chunk_shape(n), target.layout.torch_dtype))
-            scatter(target.layout, target.kv, self.blocks, start, chunk)
+            if target.stager is not None:  # to the KV's device on pdkv's stream; back once the chunk is there
+                target.stager.stage_in(self.blocks, start, chunk)
+            else:
+                scatter(target.layout, target.kv, self.blocks, start, chunk)
         self.landed.add(idx)
         return nbytes
 

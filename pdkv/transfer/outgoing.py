@@ -17,14 +17,14 @@ import torch
 
 from pdkv.channels.base import Channel
 from pdkv.channels.handle import TransferHandle, TransferOp, XferState
-from pdkv.checksum import checksum
+from pdkv.checksum import blocks_checksum, chunk_checksum, flat_bytes
 from pdkv.codec import Codec
 from pdkv.config import TransferConfig
 from pdkv.errors import TransferCancelled, TransferError, TransferTimeout
 from pdkv.keys import chunk_spans
 from pdkv.layout import KVLayout, block_runs
-from pdkv.memory import byte_view
 from pdkv.native import gather
+from pdkv.staging import DeviceStager
 from pdkv.transfer import protocol
 from pdkv.transfer.control import ControlLoop
 from pdkv.transfer.handshake import ReceiverPeer
@@ -61,16 +61,24 @@ class SendCredit:
 
 @dataclass
 class SendSource:
-    """Our side's memory as every transfer reads it: the KV buffer and the staging area, registered."""
+    """Our side's memory as every transfer reads it: the KV buffer and the staging area, registered.
+
+    ``kv_regions`` is empty when the channel cannot reach the KV's memory (a
+    tcp channel and KV in VRAM): our Hello then says so and receivers grant us
+    staging mode only. ``stager`` (KV in device memory) gathers each staged
+    chunk on the KV's device and copies it into its pinned slot on pdkv's
+    stream.
+    """
 
     layout: KVLayout
     kv: list[torch.Tensor]
-    kv_views: list[memoryview]
+    kv_bytes: list[torch.Tensor]  # each KV tensor's bytes, flat, on its own device
     kv_regions: list[int]
     num_blocks: int
     staging: torch.Tensor
     staging_region: int
     slot_bytes: int
+    stager: DeviceStager | None
 
 
 @dataclass
@@ -257,7 +265,9 @@ class OutgoingTransfer:
         assert self.peer.hello is not None
         remote_regions = self.peer.hello.kv_regions
         ops = [TransferOp(src.kv_regions[t], a * size, remote_regions[t], b * size, k * size) for t in range(layout.num_tensors) for a, b, k in runs]
-        digest = checksum(src.kv_views[t][a * size : (a + k) * size] for t in range(layout.num_tensors) for a, _, k in runs)
+        # On a GPU this runs on the caller's stream and reading its value waits for that stream: the write is
+        # posted only after the forward step that wrote these blocks has finished (that stream, not the device).
+        digest = blocks_checksum(src.kv_bytes, ours, size)
         return ops, digest
 
     def _staged_ops(self, local_slot: int, remote_slot: int, start: int, n: int) -> tuple[list[TransferOp], int]:
@@ -265,15 +275,23 @@ class OutgoingTransfer:
         src = self.ctx.source
         layout = src.layout
         base = local_slot * src.slot_bytes
+        digest: int | None = None
         if self.codec.passthrough:
             nbytes = layout.chunk_bytes(n)
-            out = src.staging[base : base + nbytes].view(layout.torch_dtype).view(layout.chunk_shape(n))
-            gather(layout, src.kv, self.block_table, start, n, out=out)
+            if src.stager is not None:  # device KV: gathered and hashed on its device, copied into the pinned slot
+                digest = src.stager.stage_out(self.block_table, start, n, src.staging[base : base + nbytes])
+            else:
+                out = src.staging[base : base + nbytes].view(layout.torch_dtype).view(layout.chunk_shape(n))
+                gather(layout, src.kv, self.block_table, start, n, out=out)
         else:
             raw = self.codec.scratch("raw", layout.chunk_shape(n), layout.torch_dtype)
-            gather(layout, src.kv, self.block_table, start, n, out=raw)
+            if src.stager is not None:
+                src.stager.stage_out(self.block_table, start, n, flat_bytes(raw), digest=False)
+            else:
+                gather(layout, src.kv, self.block_table, start, n, out=raw)
             nbytes = self.codec.encode(raw, src.staging[base : base + src.slot_bytes])
-        digest = checksum([byte_view(src.staging)[base : base + nbytes]])
+        if digest is None:
+            digest = chunk_checksum([src.staging[base : base + nbytes]])
         assert self.peer.hello is not None
         op = TransferOp(src.staging_region, base, self.peer.hello.staging_region, self.remote_slots[remote_slot], nbytes)
         return [op], digest

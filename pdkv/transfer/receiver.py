@@ -19,13 +19,15 @@ from pdkv import native
 from pdkv.auth import verify_bound
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.base import Channel
+from pdkv.checksum import flat_bytes
 from pdkv.codec import available_codecs, make_codec
 from pdkv.codec import slot_bytes as codec_slot_bytes
 from pdkv.config import TransferConfig
 from pdkv.errors import NotAnnouncedError, OutOfBlocksError, TransferError, TransferTimeout
 from pdkv.layout import KVLayout
-from pdkv.memory import byte_view
+from pdkv.memory import adopt_kv, in_reach, memory_kind
 from pdkv.netaddr import zmq_address
+from pdkv.staging import DeviceStager, pinned_empty
 from pdkv.transfer import protocol
 from pdkv.transfer.admission import ReceiverView, admit
 from pdkv.transfer.control import ControlLoop, RouterSocket
@@ -57,7 +59,7 @@ class KVReceiver:
     ) -> None:
         self.channel = channel
         self.layout = layout
-        kv = list(kv_tensors)
+        kv = adopt_kv(list(kv_tensors))
         num_blocks = layout.validate_buffer(kv)
         if allocator.num_blocks != num_blocks:
             raise TransferError(f"allocator manages {allocator.num_blocks} blocks but the KV buffer has {num_blocks}")
@@ -67,8 +69,9 @@ class KVReceiver:
         self.secret = secret.encode() if isinstance(secret, str) else secret
         codecs = {name: make_codec(name, layout) for name in available_codecs(layout)}
         slot_bytes = codec_slot_bytes(layout, self.config.chunk_size, list(codecs.values()))  # any offered codec's frame fits
-        staging = torch.zeros(self.config.staging_slots * slot_bytes, dtype=torch.uint8)
-        self.kv_regions = [channel.register(t) for t in kv]
+        staging = pinned_empty(self.config.staging_slots * slot_bytes)
+        reached = all(in_reach(t, channel.memory) for t in kv)
+        self.kv_regions = [channel.register(t) for t in kv] if reached else []
         self.staging_region = channel.register(staging)
         for region in (*self.kv_regions, self.staging_region):
             channel.guard(region)  # peers write only into what a reservation of theirs granted them
@@ -78,7 +81,8 @@ class KVReceiver:
                 "its reservations; with peers you do not trust, use the tcp channel or a shared secret", channel.name
             )
         self.target = ReceiveTarget(
-            layout, kv, [byte_view(t) for t in kv], num_blocks, staging, byte_view(staging), slot_bytes, self.config.chunk_size, self.kv_regions, self.staging_region, codecs
+            layout, kv, [flat_bytes(t) for t in kv], num_blocks, staging, slot_bytes, self.config.chunk_size, self.kv_regions, self.staging_region, codecs,
+            DeviceStager(layout, kv, self.config.chunk_size) if kv and memory_kind(kv[0]) != "host" else None,
         )
         native.available()  # load the kernel library now, not inside the first transfer
         self.counters: collections.Counter[str] = collections.Counter()
@@ -149,6 +153,8 @@ class KVReceiver:
             out["free_staging_slots"] = len(self.book.free_slots)
             out["reservations"] = len(self.book.res)
             out["reserved_blocks"] = sum(len(r.blocks) for r in self.book.res.values())
+        if self.target.stager is not None:  # device KV: staged chunks copied to the device and scattered there
+            out["chunks_staged_to_device"] = self.target.stager.chunks_in
         return out
 
     def close(self) -> None:
@@ -198,7 +204,7 @@ class KVReceiver:
             view = ReceiverView(
                 cfg, self.layout, self.target.num_blocks, self.target.codecs, len(book.free_slots), len(book.res),
                 req.transfer_id in book.res or req.transfer_id in book.gone, peer.layout,
-                tuple(len(r.blocks) for r in book.res.values() if r.identity == identity),
+                tuple(len(r.blocks) for r in book.res.values() if r.identity == identity), peer.kv_reached and bool(self.kv_regions),
             )  # fmt: skip
             grant = admit(req, view)
             if isinstance(grant, Refused):

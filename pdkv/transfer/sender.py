@@ -19,12 +19,14 @@ import torch
 
 from pdkv import native
 from pdkv.channels.base import Channel
+from pdkv.checksum import flat_bytes
 from pdkv.codec import Codec, make_codec
 from pdkv.codec import slot_bytes as codec_slot_bytes
 from pdkv.config import TransferConfig
 from pdkv.errors import ReservationError, TransferCancelled, TransferError
 from pdkv.layout import KVLayout
-from pdkv.memory import byte_view
+from pdkv.memory import adopt_kv, in_reach, memory_kind
+from pdkv.staging import DeviceStager, pinned_empty
 from pdkv.transfer import protocol
 from pdkv.transfer.control import ControlLoop, DealerSockets
 from pdkv.transfer.handshake import ReceiverPeer, SenderHandshake
@@ -51,17 +53,20 @@ class KVSender:
         self.secret = secret.encode() if isinstance(secret, str) else secret
         self.fingerprint = fingerprint
         self.config = config or TransferConfig()
-        kv = list(kv_tensors)
+        kv = adopt_kv(list(kv_tensors))
         num_blocks = layout.validate_buffer(kv)
         native.available()  # load the kernel library now, not inside the first transfer
         # ``none`` and the configured codec: a transfer uses one of the two (``open(codec=...)``)
         self.codecs: dict[str, Codec] = {name: make_codec(name, layout) for name in dict.fromkeys(("none", self.config.codec))}
         slot_bytes = codec_slot_bytes(layout, self.config.chunk_size, list(self.codecs.values()))
         n_slots = max(1, self.config.max_inflight_bytes // slot_bytes)
-        staging = torch.zeros(n_slots * slot_bytes, dtype=torch.uint8)
+        staging = pinned_empty(n_slots * slot_bytes)
+        reached = all(in_reach(t, channel.memory) for t in kv)
         self.source = SendSource(
-            layout, kv, [byte_view(t) for t in kv], [channel.register(t) for t in kv], num_blocks, staging, channel.register(staging), slot_bytes
+            layout, kv, [flat_bytes(t) for t in kv], [channel.register(t) for t in kv] if reached else [], num_blocks, staging, channel.register(staging), slot_bytes,
+            DeviceStager(layout, kv, self.config.chunk_size) if kv and memory_kind(kv[0]) != "host" else None,
         )
+        self.kv_memory = memory_kind(kv[0]) if kv else "host"  # where the KV lives, for benchmarks and logs
         self.credit = SendCredit(self.config.max_inflight_bytes, n_slots)
         self.counters: collections.Counter[str] = collections.Counter()
         self.cond = threading.Condition()  # guards the sender's state and every transfer's: one lock, no ordering to get wrong
@@ -115,6 +120,8 @@ class KVSender:
             out = dict(self.counters)
             out["inflight_bytes"] = self.credit.inflight
             out["open_transfers"] = len(self._transfers)
+        if self.source.stager is not None:  # device KV: chunks gathered on the device and copied into host slots
+            out["chunks_staged_to_host"] = self.source.stager.chunks_out
         return out
 
     def close(self) -> None:

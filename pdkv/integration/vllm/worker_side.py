@@ -28,8 +28,13 @@ the forward pass on the network:
   into the tokens past vLLM's own prefix cache.
 
 GPU (not run here: no GPU): the push thread waits on a CUDA event recorded
-at the end of the step before posting, and the loader copies host->device
-on the current stream and synchronizes before reporting.
+at the end of the step before posting. D's landing buffer is on vLLM's device
+when the channel reaches device memory (nixl: P writes VRAM to VRAM, the
+loader copies device to device), in host memory otherwise (tcp, ucx: chunks
+land in host memory and the loader copies host to device); either way the
+loader's copies are on the current stream and synchronized before reporting.
+Not done yet: landing straight in vLLM's own blocks (the receiver allocates
+its landing blocks before D's scheduler has allocated vLLM's).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from pdkv.integration.vllm.kvcache import copy_blocks
 from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
 from pdkv.keys import PromptKeys
 from pdkv.layout import KVLayout
+from pdkv.memory import in_reach
 from pdkv.transfer.outgoing import OutgoingTransfer
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
@@ -120,8 +126,9 @@ class WorkerSide:
             self._push_thread = threading.Thread(target=self._push_loop, name="pdkv-vllm-push", daemon=True)
             self._push_thread.start()
         if self.is_consumer:
-            # The landing buffer lives in host memory whatever vLLM's device: it is what the channel writes into.
-            self._landing = layout.allocate(self.config.num_blocks)
+            # The landing buffer is what the channel writes into: on vLLM's device where the channel reaches it.
+            device = vllm_kv[0].device if vllm_kv and in_reach(vllm_kv[0], channel.memory) else torch.device("cpu")
+            self._landing = layout.allocate(self.config.num_blocks, device=device)
             self.receiver = KVReceiver(
                 channel, layout, self._landing, BlockAllocator(self.config.num_blocks), self.fingerprint, self.config.transfer,
                 host=self.config.host, port=self.config.control_port, secret=self.config.secret, advertise_host=self.config.advertise_host,

@@ -1,0 +1,172 @@
+"""The GPU check, one command: ``python tests/gpu/check.py`` on a machine with one NVIDIA GPU.
+
+Prints one JSON object (and writes it to ``--out`` when given) with:
+
+* ``gather_scatter``: the CUDA gather/scatter kernels (csrc/kvcopy_cuda.cu) on
+  a Llama-3-8B shaped 256-token chunk in every layout, bit-exact against the
+  torch path, GB/s against a device-to-device ``copy_`` of the same bytes;
+* ``checksum``: ``chunk_checksum`` on the GPU against ``copy_`` of the same
+  bytes (``pdkv bench checksum --device cuda``), and the same value on CPU and
+  CUDA for the same bytes (frames and blocks, aligned and odd lengths);
+* ``transfer_nixl``: a request's KV between two processes on the same GPU over
+  nixl, VRAM to VRAM (``pdkv bench transfer --channel nixl --device cuda``),
+  against the raw NIXL agent moving the same bytes;
+* ``transfer_tcp``: the same over tcp, whose KV goes through pinned staging,
+  against plain sockets moving the same bytes;
+* ``cache_engine``: ``KVCacheEngine`` store from and retrieve into CUDA KV
+  buffers, bit-exact.
+
+Each part runs on its own: one that fails reports its error and the others
+still run. The whole takes a few minutes (budget: under 8). Not a test_*.py
+file, so pytest never collects it; tests/gpu/README.md says how to run it on a
+lent machine, with the wheels to carry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+DEADLINE_S = 7 * 60  # parts not started by then are reported as skipped, so the whole stays under 8 minutes
+
+
+def _timed_gbps(fn: Callable[[], object], nbytes: int, repeats: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def gather_scatter() -> dict[str, Any]:
+    from pdkv import layout as torch_path
+    from pdkv import native
+    from pdkv.bench.gather import LAYOUTS, NUM_BLOCKS, TOKENS
+
+    out: dict[str, Any] = {"native": native.available(), "reason": native.reason(), "cuda_kernel": native.cuda_reason() is None, "cuda_reason": native.cuda_reason(), "rows": []}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for layout in LAYOUTS:
+        tensors = [torch.empty(layout.tensor_shape(NUM_BLOCKS), dtype=layout.torch_dtype, device="cuda") for _ in range(layout.num_tensors)]
+        table = torch.randperm(NUM_BLOCKS, device="cuda", generator=gen)[: layout.blocks_for(TOKENS)].cpu()
+        for t in tensors:
+            t.normal_(generator=gen)
+        nbytes = layout.chunk_bytes(TOKENS)
+        want = torch_path.gather(layout, tensors, table, 0, TOKENS)
+        got = native.gather(layout, tensors, table, 0, TOKENS)
+        other = [torch.zeros_like(t) for t in tensors]
+        native.scatter(layout, other, table, 0, want)
+        back = torch_path.gather(layout, other, table, 0, TOKENS)
+        out_buf = torch.empty_like(want)
+        src, dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        copy = _timed_gbps(lambda src=src, dst=dst: dst.copy_(src), nbytes)
+        row = {
+            "layout": f"{layout.kind} {layout.order}", "bytes": nbytes,
+            "gather_bit_exact": bool(torch.equal(got.view(torch.uint8), want.view(torch.uint8))),
+            "scatter_bit_exact": bool(torch.equal(back.view(torch.uint8), want.view(torch.uint8))),
+            "gather_gbps": _timed_gbps(lambda layout=layout, tensors=tensors, table=table, o=out_buf: native.gather(layout, tensors, table, 0, TOKENS, o), nbytes),
+            "scatter_gbps": _timed_gbps(lambda layout=layout, other=other, table=table, w=want: native.scatter(layout, other, table, 0, w), nbytes),
+            "torch_gather_gbps": _timed_gbps(lambda layout=layout, tensors=tensors, table=table, o=out_buf: torch_path.gather(layout, tensors, table, 0, TOKENS, o), nbytes, 5),
+            "device_copy_gbps": copy,
+        }  # fmt: skip
+        row["gather_vs_copy"] = row["gather_gbps"] / copy
+        row["scatter_vs_copy"] = row["scatter_gbps"] / copy
+        out["rows"].append(row)
+    return out
+
+
+def checksum() -> dict[str, Any]:
+    from pdkv.bench.checksum import measure
+    from pdkv.checksum import chunk_checksum
+
+    same = []
+    for n, unit in ((1 << 20, 32768), (3 * 32768, 32768), (777, None), (8216 * 5, 8216), (4 << 20, None)):
+        host = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        dev = host.cuda()
+        a, b = chunk_checksum([host], unit=unit), chunk_checksum([dev], unit=unit)
+        same.append({"bytes": n, "unit": unit, "cpu": f"{a:016x}", "cuda": f"{b:016x}", "equal": a == b})
+    return {"cpu_equals_cuda": all(s["equal"] for s in same), "values": same, "bench": measure("cuda")}
+
+
+def _transfer(channel: str) -> dict[str, Any]:
+    from pdkv.bench.transfer import measure
+
+    return measure(channel, ["direct", "staging"], [(256, 1), (2048, 1), (256, 16)], 2, devices=("cuda", "cpu"))
+
+
+def cache_engine() -> dict[str, Any]:
+    from pdkv.cache_engine import KVCacheEngine
+    from pdkv.layout import KVLayout, gather
+
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
+    tokens = list(range(1000, 1000 + 300))
+    src = layout.allocate(32, device="cuda")
+    for t in src:
+        t.normal_()
+    dst = layout.allocate(32, device="cuda")
+    table_src, table_dst = list(range(3, 3 + 19)), list(range(31, 12, -1))
+    with KVCacheEngine(layout, {"memory_bytes": 64 << 20}, 64, fingerprint="gpu-check") as cache:
+        stored = cache.store(tokens, src, table_src)
+        loaded = cache.retrieve(tokens, dst, table_dst)
+    n = int(loaded.sum())
+    equal = torch.equal(gather(layout, src, table_src, 0, n), gather(layout, dst, table_dst, 0, n))
+    return {"stored_tokens": stored, "retrieved_tokens": n, "bit_exact": bool(equal)}
+
+
+PARTS: dict[str, Callable[[], dict[str, Any]]] = {
+    "gather_scatter": gather_scatter,
+    "checksum": checksum,
+    "cache_engine": cache_engine,
+    "transfer_tcp": lambda: _transfer("tcp"),
+    "transfer_nixl": lambda: _transfer("nixl"),
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="also write the JSON summary to this file")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {', '.join(PARTS)}")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(json.dumps({"error": "no GPU: torch sees no CUDA device", "torch": torch.__version__}))
+        return 2
+    started = time.monotonic()
+    summary: dict[str, Any] = {
+        "torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
+        "python": sys.version.split()[0], "parts": {},
+    }  # fmt: skip
+    for name in args.parts.split(","):
+        if time.monotonic() - started > DEADLINE_S:
+            summary["parts"][name] = {"skipped": f"not started: past the {DEADLINE_S}s budget"}
+            continue
+        t0 = time.monotonic()
+        try:
+            result = PARTS[name]()
+        except Exception as exc:  # noqa: BLE001 - one part's failure is reported, the others still run
+            result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
+        result["seconds"] = round(time.monotonic() - t0, 1)
+        summary["parts"][name] = result
+        print(f"[gpu check] {name}: {result['seconds']}s{' ERROR ' + result['error'] if 'error' in result else ''}", file=sys.stderr, flush=True)
+    summary["seconds"] = round(time.monotonic() - started, 1)
+    text = json.dumps(summary)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    failed = [n for n, r in summary["parts"].items() if "error" in r]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
