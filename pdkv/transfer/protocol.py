@@ -15,7 +15,8 @@ from msgspec import Meta
 from pdkv.errors import HandshakeError, ProtocolError
 from pdkv.layout import KVLayout
 
-# 4: the id of a transfer is ``transfer_id`` on the wire (it was ``request_id``, the HTTP request's name).
+# 4: the id of a transfer is ``transfer_id`` on the wire (it was ``request_id``, the HTTP request's name), and a
+# chunk's checksum is ``pdkv.checksum.chunk_checksum`` (computed on the device holding the bytes; was xxh3-64).
 PROTOCOL_VERSION = 4
 
 MAX_MESSAGE_BYTES = 1 << 20
