@@ -28,6 +28,7 @@ import msgspec
 
 from pdkv.errors import ConfigError
 
+
 class TlsOptions(msgspec.Struct, forbid_unknown_fields=True):
     """``channel.options.tls``: this agent's certificate and key, and the CA its peers' certificates are checked against (PEM files)."""
 

@@ -28,6 +28,10 @@ each request's canonical KV compared with the sender's), outside the timed part.
 ``TransferRig`` is that harness; the tests use it too, to prove the data path
 over real channels with concurrent requests.
 
+``--tls`` (tcp only) runs a second sender/receiver pair whose channel has
+mutual TLS (certificates of a CA made for the run) in the same rounds: each
+row adds ``tls_gbps``, ``tls_p50_ms`` and ``tls_ratio`` (TLS / clear pdkv).
+
 ``--link RATE`` puts the receiver on a second host of ``pdkv.bench.netrig``
 across a veth pair shaped to RATE (its control plane and channel on that
 host's address), the sender and the baseline's sender on the first.
@@ -44,6 +48,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -53,7 +58,7 @@ import torch
 import xxhash
 
 from pdkv.bench import plot
-from pdkv.bench.channel import BASELINES, IN_PROCESS, _describe, _load, _peer, _recv, channel_options
+from pdkv.bench.channel import BASELINES, IN_PROCESS, _describe, _load, _peer, _recv, channel_options, tls_options
 from pdkv.bench.netrig import LOOPBACK, Placement, bench_link, call_on
 from pdkv.blocks import BlockAllocator
 from pdkv.channels import create_channel
@@ -91,13 +96,13 @@ def _digest(layout: KVLayout, kv: list[torch.Tensor], blocks: list[int], tokens:
     return xxhash.xxh3_64_intdigest(byte_view(gather(layout, kv, blocks, 0, tokens)))
 
 
-def _receiver_side(conn: Connection, channel_name: str, layout: KVLayout, num_blocks: int, config: TransferConfig, host: str) -> None:
+def _receiver_side(conn: Connection, channel_name: str, layout: KVLayout, num_blocks: int, config: TransferConfig, host: str, extra: dict[str, Any]) -> None:
     """The decode side on ``host``: a KVReceiver that claims each announced request, digests its KV and frees its blocks."""
     from pdkv.receiver import KVReceiver
 
     torch.set_num_threads(ONE_THREAD)
     try:
-        channel = create_channel(channel_name, f"bench-decode-{uuid.uuid4().hex[:6]}", channel_options(channel_name, host))
+        channel = create_channel(channel_name, f"bench-decode-{uuid.uuid4().hex[:6]}", channel_options(channel_name, host, extra))
         kv = layout.allocate(num_blocks)
         allocator = BlockAllocator(num_blocks)
         # it waits for requests it was told of before the sender opens them (handshake included): no announce window
@@ -143,15 +148,17 @@ class TransferRig:
         config: TransferConfig,
         sender_layout: KVLayout = SENDER_LAYOUT,
         placement: Placement = LOOPBACK,
+        extra: tuple[dict[str, Any], dict[str, Any]] = ({}, {}),
     ) -> None:
+        """``extra``: the sender's and the receiver's channel options beyond the bench's (``--tls``)."""
         from pdkv.sender import KVSender
 
         self.layout = sender_layout
-        args = (channel, receiver_layout, receiver_blocks, config, placement.receiver_addr)
+        args = (channel, receiver_layout, receiver_blocks, config, placement.receiver_addr, extra[1])
         self._peer = _peer(_receiver_side, args, in_process=channel in IN_PROCESS, netns=placement.receiver_netns)
         self.conn = self._peer.__enter__()
         try:
-            self.channel = create_channel(channel, f"bench-prefill-{uuid.uuid4().hex[:6]}", channel_options(channel, placement.sender_addr))
+            self.channel = create_channel(channel, f"bench-prefill-{uuid.uuid4().hex[:6]}", channel_options(channel, placement.sender_addr, extra[0]))
             gen = torch.Generator().manual_seed(0)
             self.kv = [torch.randn(t.shape, generator=gen).to(t.dtype) for t in sender_layout.allocate(sender_blocks)]
             self.allocator = BlockAllocator(sender_blocks)
@@ -229,40 +236,50 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _measure_mode(channel: str, mode: str, scenarios: list[Scenario], repeats: int, baseline_class: Callable[..., Any], placement: Placement) -> list[dict[str, Any]]:
-    """Every scenario of one mode against one receiver process, pdkv and baseline rounds alternating."""
+def _measure_mode(
+    channel: str, mode: str, scenarios: list[Scenario], repeats: int, baseline_class: Callable[..., Any], placement: Placement, tls: bool = False
+) -> list[dict[str, Any]]:
+    """Every scenario of one mode against one receiver process (two with ``tls``), pdkv and baseline rounds alternating."""
     layout = SENDER_LAYOUT if mode == "direct" else STAGING_LAYOUT
     theirs, ours = (max(lay.blocks_for(s.tokens) * s.requests for s in scenarios) for lay in (layout, SENDER_LAYOUT))
     config = TransferConfig()
     theirs = math.ceil(theirs / config.max_peer_blocks_share)  # one sender may hold only that share of the receiver
     reps = itertools.count()
     rows = []
-    rig = TransferRig(channel, layout, ours, theirs, config, placement=placement)
-    with rig, baseline_class(max(s.nbytes for s in scenarios), placement) as baseline:
-        rig.push([("warmup", scenarios[0].tokens)])  # handshake, first connections, native build: not timed
+    with ExitStack() as stack:
+        rigs = [stack.enter_context(TransferRig(channel, layout, ours, theirs, config, placement=placement))]
+        if tls:
+            rigs.append(stack.enter_context(TransferRig(channel, layout, ours, theirs, config, placement=placement, extra=tls_options(stack, channel))))
+        baseline = stack.enter_context(baseline_class(max(s.nbytes for s in scenarios), placement))
+        for rig in rigs:
+            rig.push([("warmup", scenarios[0].tokens)])  # handshake, first connections, native build: not timed
         for sc in scenarios:
-            times: list[float] = []
-            latencies: list[float] = []
+            times: list[list[float]] = [[] for _ in rigs]
+            latencies: list[list[float]] = [[] for _ in rigs]
             base: list[float] = []
             for _ in range(ROUNDS):
                 base.append(baseline.gbps(sc.nbytes, repeats))
-                for _ in range(repeats):
-                    rep = next(reps)
-                    total, each = rig.push([(f"rep{rep}-{i}", sc.tokens) for i in range(sc.requests)])
-                    times.append(total)
-                    latencies.extend(each)
-            gbps = sc.nbytes / statistics.median(times) / 1e9
+                for rig, rig_times, rig_latencies in zip(rigs, times, latencies, strict=True):
+                    for _ in range(repeats):
+                        rep = next(reps)
+                        total, each = rig.push([(f"rep{rep}-{i}", sc.tokens) for i in range(sc.requests)])
+                        rig_times.append(total)
+                        rig_latencies.extend(each)
+            gbps = [sc.nbytes / statistics.median(t) / 1e9 for t in times]
             base_gbps = statistics.median(base)
-            rows.append({
+            row = {
                 "mode": mode, "tokens": sc.tokens, "requests": sc.requests, "size_bytes": sc.nbytes,
-                "gbps": gbps, "baseline_gbps": base_gbps, "ratio": gbps / base_gbps,
-                "p50_ms": 1e3 * _percentile(latencies, 0.5), "p99_ms": 1e3 * _percentile(latencies, 0.99),
+                "gbps": gbps[0], "baseline_gbps": base_gbps, "ratio": gbps[0] / base_gbps,
+                "p50_ms": 1e3 * _percentile(latencies[0], 0.5), "p99_ms": 1e3 * _percentile(latencies[0], 0.99),
                 "baseline_ms": 1e3 * sc.nbytes / base_gbps / 1e9,
-            })  # fmt: skip
+            }  # fmt: skip
+            if tls:
+                row.update(tls_gbps=gbps[1], tls_ratio=gbps[1] / gbps[0], tls_p50_ms=1e3 * _percentile(latencies[1], 0.5))
+            rows.append(row)
     return rows
 
 
-def measure(channel: str, modes: list[str], scenarios: list[tuple[int, int]], repeats: int, placement: Placement = LOOPBACK) -> dict[str, Any]:
+def measure(channel: str, modes: list[str], scenarios: list[tuple[int, int]], repeats: int, placement: Placement = LOOPBACK, tls: bool = False) -> dict[str, Any]:
     """The result object of ``pdkv bench transfer --json``."""
     torch.set_num_threads(ONE_THREAD)
     if channel not in BASELINES:
@@ -272,28 +289,33 @@ def measure(channel: str, modes: list[str], scenarios: list[tuple[int, int]], re
             raise ConfigError(f"bench transfer --modes: {mode!r} is not a mode; expected direct and/or staging")
     if channel in IN_PROCESS and placement.link is not None:
         raise ConfigError(f"bench transfer: the {channel} channel cannot span hosts; --link needs tcp, nixl or ucx")
+    if tls and channel != "tcp":
+        raise ConfigError(f"bench transfer --tls: only the tcp channel has TLS, not {channel!r}")
     baseline = _load(BASELINES[channel])
     rows = []
     for mode in modes:
-        rows.extend(_measure_mode(channel, mode, [Scenario(mode, t, r) for t, r in scenarios], repeats, baseline, placement))
+        rows.extend(_measure_mode(channel, mode, [Scenario(mode, t, r) for t, r in scenarios], repeats, baseline, placement, tls))
     return {
         "channel": channel,
         "link": placement.label,
         "baseline": _describe(baseline, BASELINES[channel]) + ", moving the same bytes in one transfer",
         "layout": {"sender": msgspec.to_builtins(SENDER_LAYOUT), "staging_receiver": msgspec.to_builtins(STAGING_LAYOUT)},
         "results": rows,
+        "tls": tls,
     }
 
 
 def _table(out: dict[str, Any]) -> str:
     lines = [
         f"channel {out['channel']} over {out['link']}: request-level transfer vs {out['baseline']}",
-        f"{'mode':>8} {'tokens':>6} {'reqs':>4} {'MB':>8} {'GB/s':>7} {'base':>7} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8} {'base ms':>8}",
+        f"{'mode':>8} {'tokens':>6} {'reqs':>4} {'MB':>8} {'GB/s':>7} {'base':>7} {'ratio':>6} {'p50 ms':>8} {'p99 ms':>8} {'base ms':>8}"
+        + (f" {'TLS GB/s':>8} {'TLS p50':>8} TLS/clear" if out["tls"] else ""),
     ]
     for r in out["results"]:
         lines.append(
             f"{r['mode']:>8} {r['tokens']:>6} {r['requests']:>4} {r['size_bytes'] / 1e6:8.1f} {r['gbps']:7.3f} {r['baseline_gbps']:7.3f} "
             f"{r['ratio']:6.2f} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['baseline_ms']:8.2f}"
+            + (f" {r['tls_gbps']:8.3f} {r['tls_p50_ms']:8.2f} {r['tls_ratio']:9.2f}" if out["tls"] else "")
         )
     return "\n".join(lines)
 
@@ -316,7 +338,7 @@ def run(args: argparse.Namespace) -> int:
     plot.check(getattr(args, "plot", None))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     with bench_link(args.link) as placement:
-        out = call_on(placement.sender_netns, measure, args.channel, modes, args.scenarios or SCENARIOS, args.repeats, placement)
+        out = call_on(placement.sender_netns, measure, args.channel, modes, args.scenarios or SCENARIOS, args.repeats, placement, args.tls)
     print(json.dumps(out) if args.json else _table(out))
     if getattr(args, "plot", None):
         draw(out, args.plot)
