@@ -192,6 +192,9 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     redis_timeout_s: Seconds = 2.0  # per socket read/write
     redis_connect_timeout_s: Seconds = 1.0
     redis_retry_s: Seconds = 10.0  # after a failure, the server is skipped (reads miss) this long
+    # Seals every value written to Redis with an HMAC bound to its chunk key, and takes only values sealed with it:
+    # anyone else who can write to the server cannot plant KV (pdkv.tier.remote). "": values carry a checksum only.
+    redis_secret: str = ""
     write_behind_bytes: Positive = 256 << 20  # queued for the lower levels; beyond it writes are dropped
     flush_timeout_s: Seconds = 10.0  # at shutdown, how long queued writes may take
     load_batch_chunks: Positive = 4  # chunks read per batch when loading a prefix (staging memory)
