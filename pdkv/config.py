@@ -83,6 +83,10 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
     hwm: Positive = 100_000  # the PUB socket's high-water mark
     max_queue_size: Positive = 100_000  # batches queued for the publishing thread; beyond it a batch is dropped
     topic: str = ""
+    # pdkv's own, off by default (vLLM's consumers speak no CURVE): encrypt the stream and admit only the
+    # subscribers named (pdkv/kv_events/curve.py). Keys: 40-character Z85 text or ZeroMQ certificate files.
+    curve_secret_key: str = ""  # this publisher's secret key
+    curve_clients: list[str] = msgspec.field(default_factory=list)  # public keys of the subscribers allowed
 
     @property
     def publishing(self) -> bool:
@@ -100,6 +104,7 @@ class KVEventSource(msgspec.Struct, forbid_unknown_fields=True):
     endpoint: ZmqEndpoint  # what the router connects to: tcp://HOST:PORT (or ipc://PATH)
     replay_endpoint: ZmqEndpoint | None = None
     topic: str = ""
+    curve_server_key: str = ""  # the worker's CURVE public key, when it is not router.kv_events_curve_server_key
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -162,6 +167,10 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     kv_events_discover: bool = True  # subscribe to what each prefill worker's /pdkv/info names
     kv_events_check_s: Seconds = 5.0  # how often a stream asks its replay socket for batches it may have missed
     kv_events_timeout_s: Seconds = 5.0  # a replay or a resync request that takes longer has failed
+    # CURVE on the event streams (pdkv/kv_events/curve.py): the router's own secret key, and the workers' public
+    # key (a kv_events source may name its own). Both set, every stream is read with CURVE; neither, in clear.
+    kv_events_curve_secret_key: str = ""
+    kv_events_curve_server_key: str = ""
     kv_shared_blocks: Positive = 1 << 20  # blocks of the shared tier the index remembers (LRU)
     # Prefill cost = prompt tokens not cached on the worker + prefix_load_weight * tokens it has in flight.
     prefix_load_weight: Annotated[float, Meta(ge=0)] = 1.0
