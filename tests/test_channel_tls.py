@@ -108,6 +108,17 @@ def test_a_peer_without_tls_or_with_another_cas_certificate_is_refused_naming_tl
         target.close()
 
 
+def test_under_tls_a_wrong_secret_is_still_refused_as_the_secret(pki: tuple[CertificateAuthority, CertificateAuthority]) -> None:
+    initiator = _channel("stranger", pki[0].issue("stranger"), secret="another")
+    target = _channel("target", pki[0].issue("target"), secret=KEY)
+    try:
+        _refused(initiator, target, "did not prove the shared secret")
+        assert not initiator.stats().get("tls_failures")
+    finally:
+        initiator.close()
+        target.close()
+
+
 def test_the_clear_target_says_the_peer_speaks_tls(pki: tuple[CertificateAuthority, CertificateAuthority], caplog: pytest.LogCaptureFixture) -> None:
     initiator, target = _channel("stranger", pki[0].issue("stranger")), _channel("target", None)
     try:

@@ -55,6 +55,9 @@ def tls_contexts(opts: TlsOptions) -> TlsContexts:
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     client.check_hostname = opts.check_hostname
+    # No session tickets: links are long-lived (nothing to resume), and without them nothing arrives after the
+    # handshake that makes OpenSSL write while reading (a stream's reader and its sender thread share a connection).
+    server.num_tickets = 0
     for ctx in (server, client):
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         ctx.verify_mode = ssl.CERT_REQUIRED
