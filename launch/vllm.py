@@ -86,6 +86,11 @@ def vllm_kv_events(config: PdkvConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     bound on ``--host``. ``ipc://`` endpoints are passed as they are.
     """
     ev = config.kv_events
+    if ev.curve_secret_key or ev.curve_clients:
+        raise ConfigError(
+            "field 'kv_events.curve_secret_key': vLLM's publisher speaks no CURVE (a pdkv worker's does); with --engine vllm "
+            "keep the stream on a private network or an ipc:// endpoint"
+        )
 
     def resolve(endpoint: str, bind_all: bool) -> tuple[str, str]:
         if not endpoint.startswith("tcp://*:"):
@@ -95,7 +100,8 @@ def vllm_kv_events(config: PdkvConfig) -> tuple[dict[str, Any], dict[str, Any]]:
 
     endpoint, advertised = resolve(ev.endpoint, bind_all=True)
     replay, replay_advertised = resolve(ev.replay_endpoint, bind_all=False) if ev.replay_endpoint else (None, None)
-    events = {**msgspec.to_builtins(ev), "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay}
+    vllms = {k: v for k, v in msgspec.to_builtins(ev).items() if not k.startswith("curve_")}  # pdkv's own fields: vLLM refuses them
+    events = {**vllms, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay}
     return events, {"endpoint": advertised, "replay_endpoint": replay_advertised, "topic": ev.topic}
 
 

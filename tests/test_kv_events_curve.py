@@ -151,3 +151,16 @@ def test_the_router_reads_with_curve_only_when_configured_and_names_a_missing_ke
     source = KVEventSource(worker="http://127.0.0.1:9", endpoint="tcp://127.0.0.1:9", curve_server_key="bad")
     with pytest.raises(ConfigError, match=r"router.kv_events\[0\].curve_server_key"):
         KVAwareness(RouterConfig(kv_events=[source], kv_events_discover=False, kv_events_curve_secret_key=keys["router"][1]), pool)
+
+
+def test_the_vllm_launcher_passes_vllm_only_its_own_fields_and_refuses_curve(keys: dict[str, tuple[str, str]]) -> None:
+    import json
+
+    from pdkv.launch.vllm import vllm_command
+
+    events_config = {"enable_kv_cache_events": True, "endpoint": "tcp://*:0"}
+    cmd, _ = vllm_command(convert_config({"role": "prefill", "engine": "vllm", "kv_events": events_config}), "/models/m", [], python="py")
+    assert not [k for k in json.loads(cmd[cmd.index("--kv-events-config") + 1]) if k.startswith("curve_")]  # vLLM refuses unknown fields
+    curved = convert_config({"role": "prefill", "engine": "vllm", "kv_events": {**events_config, "curve_secret_key": keys["worker"][1], "curve_clients": [keys["router"][0]]}})
+    with pytest.raises(ConfigError, match="kv_events.curve_secret_key.*speaks no CURVE"):
+        vllm_command(curved, "/models/m", [], python="py")

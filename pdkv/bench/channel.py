@@ -520,8 +520,9 @@ def measure(name: str, sizes: list[int], repeats: int, placement: Placement = LO
         iperf3_runs.append(first)
     results = []
     with ExitStack() as stack:
+        tls_extra = tls_options(stack, name) if tls else None  # first: a channel without TLS fails before any process starts
         sender = _open_sender(stack, name, nbytes, placement)
-        tls_sender = _open_sender(stack, name, nbytes, placement, tls_options(stack, name)) if tls else None
+        tls_sender = _open_sender(stack, name, nbytes, placement, tls_extra) if tls_extra is not None else None
         baseline = stack.enter_context(baseline_class(nbytes, placement))
         for size in sizes:
             reps = repeats_for(size, repeats, rate)

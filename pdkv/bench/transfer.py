@@ -247,12 +247,12 @@ def _measure_mode(
     reps = itertools.count()
     rows = []
     with ExitStack() as stack:
-        rigs = [stack.enter_context(TransferRig(channel, layout, ours, theirs, config, placement=placement))]
-        if tls:
-            rigs.append(stack.enter_context(TransferRig(channel, layout, ours, theirs, config, placement=placement, extra=tls_options(stack, channel))))
+        extras = [({}, {}), tls_options(stack, channel)] if tls else [({}, {})]
+        rigs: list[TransferRig] = []
+        for extra in reversed(extras):  # the clear rig last: each receiver waits for its next command only so long (TIMEOUT_S)
+            rigs.insert(0, stack.enter_context(TransferRig(channel, layout, ours, theirs, config, placement=placement, extra=extra)))
+            rigs[0].push([("warmup", scenarios[0].tokens)])  # handshake, first connections, native build: not timed
         baseline = stack.enter_context(baseline_class(max(s.nbytes for s in scenarios), placement))
-        for rig in rigs:
-            rig.push([("warmup", scenarios[0].tokens)])  # handshake, first connections, native build: not timed
         for sc in scenarios:
             times: list[list[float]] = [[] for _ in rigs]
             latencies: list[list[float]] = [[] for _ in rigs]
