@@ -100,7 +100,7 @@ def vllm_kv_events(config: PdkvConfig) -> tuple[dict[str, Any], dict[str, Any]]:
 
     endpoint, advertised = resolve(ev.endpoint, bind_all=True)
     replay, replay_advertised = resolve(ev.replay_endpoint, bind_all=False) if ev.replay_endpoint else (None, None)
-    vllms = {k: v for k, v in msgspec.to_builtins(ev).items() if not k.startswith("curve_")}  # pdkv's own fields: vLLM refuses them
+    vllms = {k: v for k, v in msgspec.to_builtins(ev).items() if k not in ev.PDKV_FIELDS}  # vLLM refuses fields it does not know
     events = {**vllms, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay}
     return events, {"endpoint": advertised, "replay_endpoint": replay_advertised, "topic": ev.topic}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 import yaml
@@ -87,6 +87,8 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
     # subscribers named (pdkv/kv_events/curve.py). Keys: 40-character Z85 text or ZeroMQ certificate files.
     curve_secret_key: str = ""  # this publisher's secret key
     curve_clients: list[str] = msgspec.field(default_factory=list)  # public keys of the subscribers allowed
+
+    PDKV_FIELDS: ClassVar[tuple[str, ...]] = ("curve_secret_key", "curve_clients")  # not vLLM's: never handed to it
 
     @property
     def publishing(self) -> bool:
