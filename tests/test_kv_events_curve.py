@@ -164,3 +164,50 @@ def test_the_vllm_launcher_passes_vllm_only_its_own_fields_and_refuses_curve(key
     curved = convert_config({"role": "prefill", "engine": "vllm", "kv_events": {**events_config, "curve_secret_key": keys["worker"][1], "curve_clients": [keys["router"][0]]}})
     with pytest.raises(ConfigError, match="kv_events.curve_secret_key.*speaks no CURVE"):
         vllm_command(curved, "/models/m", [], python="py")
+
+
+def test_a_worker_publishing_with_curve_says_so_and_only_a_router_with_its_keys_indexes_its_blocks(model_dir: Path, keys: dict[str, tuple[str, str]]) -> None:
+    """A real worker (engine, tier, HTTP) with CURVE keys: the KV-aware index fills over CURVE, and stays empty without the keys."""
+    from pdkv.engine.reference import ReferenceEngine
+    from pdkv.kv_events.index import PrefixIndex
+    from pdkv.worker.server import Worker
+
+    from tests.test_kv_events import CHUNK, PROMPT, completion
+    from tests.test_tier_worker import serve
+
+    config = convert_config({
+        "role": "prefill", "num_blocks": 128, "transfer": {"chunk_size": CHUNK},
+        "kv_events": {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0", "topic": "pdkv",
+                      "curve_secret_key": keys["worker"][1], "curve_clients": [keys["router"][0]]},
+    })  # fmt: skip
+
+    async def scenario() -> None:
+        import aiohttp
+
+        runner, url = await serve(Worker(config, ReferenceEngine.load(str(model_dir), progress=False)))
+        try:
+            async with aiohttp.ClientSession() as s:
+                info = (await (await s.get(url + "/pdkv/info")).json())["kv_events"]
+                assert info["curve"] is True
+                indexes = {name: PrefixIndex() for name in ("router", "stranger")}
+                curves = {
+                    "router": CurveClient.load(keys["router"][1], keys["worker"][0], "secret", "server"),
+                    "stranger": CurveClient.load(keys["stranger"][1], keys["worker"][0], "secret", "server"),
+                }
+                streams = []
+                for name, index in indexes.items():
+                    index.track("w")
+                    streams.append(EventStream("w", info["endpoint"], info["replay_endpoint"], "pdkv", index.apply, index.clear, check_s=0.3, timeout_s=1, curve=curves[name]))
+                tasks = [asyncio.get_running_loop().create_task(st.run()) for st in streams]
+                try:
+                    assert (await s.post(url + "/v1/completions", json=completion(PROMPT))).status == 200
+                    await until(lambda: indexes["router"].match(PROMPT, ["w"])["w"] == 3 * CHUNK, "the prompt's chunks over CURVE")
+                    await asyncio.sleep(REFUSED_WAIT_S)
+                    assert indexes["stranger"].match(PROMPT, ["w"])["w"] == 0 and streams[1].stats.get("batches", 0) == 0
+                finally:
+                    for task in tasks:
+                        await cancel(task)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())

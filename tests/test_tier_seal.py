@@ -142,3 +142,22 @@ def test_rejections_are_a_metric_by_reason_and_logged_once_per_key(sealed: Redis
     registry = CollectorRegistry()
     registry.register(TierCollector(sealed, "prefill"))
     assert 'pdkv_tier_rejected_total{reason="mac",role="prefill",tier="redis"} 3.0' in generate_latest(registry).decode()
+
+
+def test_the_config_secret_reaches_the_redis_level_and_seals_what_it_writes(redis_server: LocalRedis, namespace: str, client: redis.Redis) -> None:
+    from pdkv.config import convert_config
+    from pdkv.tier import build_tier
+    from pdkv.tier.base import TAG_BYTES
+
+    config = convert_config({"tier": {"memory_bytes": 0, "redis_url": redis_server.url, "redis_namespace": namespace, "redis_secret": SECRET}}).tier
+    cache = build_tier(config, LAYOUT)
+    assert cache is not None
+    try:
+        ks = keys(1, salt=6)
+        cache.put(ks, [chunk(50)])
+        cache.flush()
+        value = client.get(namespace.encode() + ks[0].hex().encode())
+        assert value is not None and len(value) == HEADER_BYTES + chunk(50).numel() * 4 + TAG_BYTES
+        assert value == encode_value(LAYOUT, ks[0], chunk(50), SECRET.encode())
+    finally:
+        cache.close()
