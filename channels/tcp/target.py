@@ -205,7 +205,7 @@ class Target:
         """TLS before anything else; a peer that starts in clear is told (in clear) that TLS is required."""
         assert self.agent.tls is not None
         timeout = self.agent.opts.connect_timeout
-        deadline = idle_deadline(timeout, f"the first bytes on {conn.label}")
+        deadline = idle_deadline(timeout, f"first bytes on {conn.label}")
         while True:
             try:
                 first = conn.sock.recv(len(MAGIC), socket.MSG_PEEK | socket.MSG_WAITALL)
