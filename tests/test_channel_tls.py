@@ -73,6 +73,26 @@ def test_tls_write_and_read_land_bit_exact_across_streams_with_the_secret_on_top
         local.close()
 
 
+def test_pipelined_small_writes_and_reads_over_tls_all_land(pki: tuple[CertificateAuthority, CertificateAuthority], remote: Peer) -> None:
+    """Many transfers in flight: ACKs are read while the same TLS connections are being written (sender threads, waiters)."""
+    local = _channel("piper", pki[0].issue("piper"), secret=KEY, io_timeout=10)
+    try:
+        src, dst = bytearray(pattern(41, 4 * MiB)), bytearray(4 * MiB)
+        s, d = local.register(src), local.register(dst)
+        local.add_peer(remote.meta)
+        remote.call("add_peer", local.metadata())
+        r0, _ = remote.regions
+        size, count = 16 << 10, 256
+        handles = [local.write("remote", [TransferOp(s, i * size, r0, i * size, size)]) for i in range(count)]
+        handles += [local.read("remote", [TransferOp(d, i * size, r0, i * size, size)]) for i in range(count // 2)]  # behind the writes
+        for handle in handles:
+            local.wait(handle, CALL_TIMEOUT)
+        assert remote.call("bytes", r0, 0, count * size) == bytes(src[: count * size])
+        assert bytes(dst[: count // 2 * size]) == bytes(src[: count // 2 * size])
+    finally:
+        local.close()
+
+
 def _refused(initiator: TcpChannel, target: TcpChannel, error: str) -> None:
     """A write from ``initiator`` fails with ``error``, lands nothing and is counted as a refusal by the target."""
     dst = bytearray(REGION)
