@@ -86,6 +86,11 @@ def vllm_kv_events(config: PdkvConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     bound on ``--host``. ``ipc://`` endpoints are passed as they are.
     """
     ev = config.kv_events
+    if ev.curve_secret_key or ev.curve_clients:
+        raise ConfigError(
+            "field 'kv_events.curve_secret_key': vLLM's publisher speaks no CURVE (a pdkv worker's does); with --engine vllm "
+            "keep the stream on a private network or an ipc:// endpoint"
+        )
 
     def resolve(endpoint: str, bind_all: bool) -> tuple[str, str]:
         if not endpoint.startswith("tcp://*:"):
@@ -95,7 +100,8 @@ def vllm_kv_events(config: PdkvConfig) -> tuple[dict[str, Any], dict[str, Any]]:
 
     endpoint, advertised = resolve(ev.endpoint, bind_all=True)
     replay, replay_advertised = resolve(ev.replay_endpoint, bind_all=False) if ev.replay_endpoint else (None, None)
-    events = {**msgspec.to_builtins(ev), "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay}
+    vllms = {k: v for k, v in msgspec.to_builtins(ev).items() if k not in ev.PDKV_FIELDS}  # vLLM refuses fields it does not know
+    events = {**vllms, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay}
     return events, {"endpoint": advertised, "replay_endpoint": replay_advertised, "topic": ev.topic}
 
 
@@ -119,6 +125,8 @@ def run_vllm(config: PdkvConfig, engine_args: Sequence[str], ready_timeout_s: fl
     cmd, info = vllm_command(config, model, engine_args)
     # vLLM logs to stdout; our stdout carries only the ready line, which scripts read and then stop reading.
     env = {**os.environ, INFO_ENV: json.dumps(info)}
+    if config.kv_events.use_int_block_hashes is not None:  # vLLM reads the hash form from its environment only
+        env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1" if config.kv_events.use_int_block_hashes else "0"
     if config.secret:
         env[SECRET_ENV] = config.secret
     proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 import yaml
@@ -90,6 +90,13 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
     # pdkv only: the medium announced for the memory level: "CPU" (vLLM's word for host memory, what it is) or
     # "GPU", for a router that credits only GPU blocks (Dynamo's flat scores): see the README's kv-events section.
     memory_medium: Literal["CPU", "GPU"] = "CPU"
+    # pdkv's own, off by default (vLLM's consumers speak no CURVE): encrypt the stream and admit only the
+    # subscribers named (pdkv/kv_events/curve.py). Keys: 40-character Z85 text or ZeroMQ certificate files.
+    curve_secret_key: str = ""  # this publisher's secret key
+    curve_clients: list[str] = msgspec.field(default_factory=list)  # public keys of the subscribers allowed
+
+    # not vLLM's: never in its --kv-events-config (the hash form reaches vLLM as its environment switch)
+    PDKV_FIELDS: ClassVar[tuple[str, ...]] = ("use_int_block_hashes", "memory_medium", "curve_secret_key", "curve_clients")
 
     @property
     def publishing(self) -> bool:
@@ -117,6 +124,7 @@ class KVEventSource(msgspec.Struct, forbid_unknown_fields=True):
     endpoint: ZmqEndpoint  # what the router connects to: tcp://HOST:PORT (or ipc://PATH)
     replay_endpoint: ZmqEndpoint | None = None
     topic: str = ""
+    curve_server_key: str = ""  # the worker's CURVE public key, when it is not router.kv_events_curve_server_key
 
 
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -179,6 +187,10 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     kv_events_discover: bool = True  # subscribe to what each prefill worker's /pdkv/info names
     kv_events_check_s: Seconds = 5.0  # how often a stream asks its replay socket for batches it may have missed
     kv_events_timeout_s: Seconds = 5.0  # a replay or a resync request that takes longer has failed
+    # CURVE on the event streams (pdkv/kv_events/curve.py): the router's own secret key, and the workers' public
+    # key (a kv_events source may name its own). Both set, every stream is read with CURVE; neither, in clear.
+    kv_events_curve_secret_key: str = ""
+    kv_events_curve_server_key: str = ""
     kv_shared_blocks: Positive = 1 << 20  # blocks of the shared tier the index remembers (LRU)
     # Prefill cost = prompt tokens not cached on the worker + prefix_load_weight * tokens it has in flight.
     prefix_load_weight: Annotated[float, Meta(ge=0)] = 1.0
@@ -209,6 +221,9 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     redis_timeout_s: Seconds = 2.0  # per socket read/write
     redis_connect_timeout_s: Seconds = 1.0
     redis_retry_s: Seconds = 10.0  # after a failure, the server is skipped (reads miss) this long
+    # Seals every value written to Redis with an HMAC bound to its chunk key, and takes only values sealed with it:
+    # anyone else who can write to the server cannot plant KV (pdkv.tier.remote). "": values carry a checksum only.
+    redis_secret: str = ""
     write_behind_bytes: Positive = 256 << 20  # queued for the lower levels; beyond it writes are dropped
     flush_timeout_s: Seconds = 10.0  # at shutdown, how long queued writes may take
     load_batch_chunks: Positive = 4  # chunks read per batch when loading a prefix (staging memory)

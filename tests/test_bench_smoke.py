@@ -23,11 +23,11 @@ from pdkv.cli import build_parser
 
 TINY_MODEL = "{model_dir}"  # replaced by a random tiny model's directory
 BENCHES: dict[str, list[str]] = {
-    "channel": ["--channel", "tcp", "--sizes", "4K,64K", "--repeats", "2"],
+    "channel": ["--channel", "tcp", "--sizes", "4K,64K", "--repeats", "2", "--tls"],
     "gather": ["--tokens", "16", "--repeats", "2"],
     "ttft": ["--model", TINY_MODEL, "--prompt-tokens", "300", "--repeats", "1", "--trace-requests", "300", "--replay-conversations", "1"],
     "router": ["--requests", "20", "--concurrency", "4"],
-    "transfer": ["--channel", "tcp", "--scenarios", "40x2", "--repeats", "1", "--device", "cpu,emulated"],
+    "transfer": ["--channel", "tcp", "--scenarios", "40x2", "--repeats", "1", "--device", "cpu,emulated", "--tls"],
     "checksum": ["--repeats", "2"],
     "pd": ["--model", TINY_MODEL, "--tokens", "64", "--repeats", "1", "--disaggregate", "always,never,auto"],
     "codec": ["--model", TINY_MODEL, "--dtypes", "float32", "--codecs", "fp8,zstd", "--decode-tokens", "4", "--repeats", "1", "--prompts", "1"],
@@ -62,6 +62,8 @@ def test_bench_prints_its_ratio_against_a_same_run_baseline_and_draws_it(name: s
     for row in rows:
         assert _finite(row.get("ratio")) and row["ratio"] > 0, row
         assert any(_finite(v) and v > 0 for k, v in row.items() if k != "ratio"), f"no absolute number beside the ratio: {row}"
+        if "--tls" in args:  # the TLS row beside the clear one, from the same rounds
+            assert _finite(row.get("tls_ratio")) and row["tls_ratio"] > 0 and _finite(row.get("tls_gbps")), row
     assert picture.read_bytes()[:8] == PNG
 
 

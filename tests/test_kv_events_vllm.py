@@ -63,7 +63,8 @@ def test_vllm_decodes_what_a_pdkv_worker_publishes_and_pdkv_follows_vllms_publis
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             first = await asyncio.to_thread(line, proc)
             seen = first["pdkv"]
-            assert first["config_fields"] == list(KVEventsConfig.__struct_fields__)  # pdkv's kv_events: is vLLM's --kv-events-config
+            # pdkv's kv_events: is vLLM's --kv-events-config, plus pdkv's own CURVE fields
+            assert first["config_fields"] == [f for f in KVEventsConfig.__struct_fields__ if f not in KVEventsConfig.PDKV_FIELDS]
             # what vLLM's classes read: the start-up AllBlocksCleared, then each full chunk in memory (CPU, LOCAL)
             # with pdkv's chunk key as its hash, chained to its parent, its 32 token ids, block_size 32
             events = [e for b in seen for e in b["events"]]

@@ -60,6 +60,24 @@ def test_cluster_urls_name_seed_nodes_and_bad_ones_fail_at_start() -> None:
             tier(bad)
 
 
+def test_on_the_cluster_a_planted_or_swapped_value_is_a_counted_miss_on_whichever_primary_holds_it(cluster: LocalCluster) -> None:
+    ours, theirs = tier(cluster.url, namespace="seal:", secret="s3"), tier(cluster.url, namespace="seal:")
+    keys = [bytes([0x40 + i]) * 16 for i in range(6)]
+    ours.put(keys[:3], [chunk(i) for i in range(3)])
+    theirs.put(keys[3:], [chunk(66) for _ in range(3)])  # well-formed values by a writer without the secret, on every primary
+    client = cluster.client(cluster.primary_of(ours._name(keys[2])).port)
+    swapped = client.get(ours._name(keys[2]))
+    cluster.client(cluster.primary_of(ours._name(keys[0])).port).set(ours._name(keys[0]), swapped)  # another key's sealed value
+    outs = [torch.full(LAYOUT.chunk_shape(TOKENS), float("nan")) for _ in keys]
+    assert ours.get(keys[:1], outs[:1]) == 0 and torch.isnan(outs[0]).all()
+    assert ours.get(keys[1:3], outs[1:3]) == 2 and torch.equal(outs[2], chunk(2))
+    assert sum(ours.get([k], [o]) for k, o in zip(keys[3:], outs[3:], strict=True)) == 0
+    assert all(torch.isnan(o).all() for o in outs[3:])
+    assert ours.stats()["redis"].rejected == {"key": 1, "mac": 3}
+    ours.close()
+    theirs.close()
+
+
 def test_a_worker_on_the_cluster_tier_never_fails_a_request_while_a_primary_dies(cluster: LocalCluster, model_dir: Path, tmp_path: Path) -> None:
     """Prefill workers with only the cluster level (memory off): a prompt computed by one is loaded by the next; a
     primary killed between requests costs some of those loads (recomputed), never a request or its tokens."""

@@ -51,6 +51,14 @@ without SECRET to a target with a secret (or the reverse), a wrong proof, any
 other frame where AUTH is due, or a peer that leaves before proving it is
 refused with ERROR, logged and counted (``stats()["auth_failures"]``).
 Without a secret the handshake is HELLO and HELLO_OK alone, as before.
+
+With ``tls`` options (``tls``: cert, key, CA) every connection is mutual TLS
+1.3 before HELLO (``tls`` module; ``Conn.start_tls``): both sides present a
+certificate the other's CA signed, and everything after, the handshake above
+included, is encrypted. A peer that starts in clear is told in clear that
+TLS is required; one with another CA's certificate fails the TLS handshake;
+both errors name TLS and count as ``auth_failures`` on the target
+(``tls_failures`` on the initiator). Without it nothing changes.
 """
 
 from pdkv.channels.tcp.channel import TcpChannel

@@ -23,6 +23,7 @@ from pdkv.channels.tcp.conn import SHUTDOWN_JOIN_S
 from pdkv.channels.tcp.initiator import Initiator, TcpHandle
 from pdkv.channels.tcp.options import Agent, TcpOptions
 from pdkv.channels.tcp.target import Target
+from pdkv.channels.tcp.tls import tls_contexts
 from pdkv.channels.tcp.wire import MAX_NAME_BYTES, Meta, decode_meta
 from pdkv.errors import ChannelError, ConfigError, TransferTimeout
 from pdkv.memory import byte_view
@@ -44,7 +45,8 @@ class TcpChannel(Channel):
             raise ConfigError(f"tcp channel agent name {agent_name!r}: expected at most {MAX_NAME_BYTES} UTF-8 bytes")
         self._lock = threading.Lock()
         self.closed = False
-        self.agent = Agent(agent_name, opts, opts.secret.encode(), secrets.randbits(63), self.count)
+        tls = tls_contexts(opts.tls) if opts.tls is not None else None
+        self.agent = Agent(agent_name, opts, opts.secret.encode(), secrets.randbits(63), self.count, tls)
         self.initiator = Initiator(self.agent, self.regions)
         self.target = Target(self.agent, self.regions, self.grants, self.inbox)
         self.port: int = self.target.port

@@ -6,6 +6,16 @@ progress inside a frame fails the connection, while an idle socket between
 frames is normal and only ticks ``on_idle``. The sender hands header and
 payload views to one ``sendmsg`` (no join, no copy); the receiver
 ``recv_into``s a payload straight into the memory it names.
+
+With TLS (``start_tls``, the channel's ``tls`` option) the same calls go
+through OpenSSL, which takes neither ``MSG_WAITALL`` nor ``sendmsg``: a
+receive is one record (16 KiB at most) per call, still decrypted straight
+into the region, and small buffers are joined before they are sent (one
+record, not one per 40-byte header). A kernel timeout then surfaces as
+``SSLWantReadError``/``SSLWantWriteError``, handled like the clear path's
+``BlockingIOError``. Bytes OpenSSL already decrypted are invisible to
+``poll``: ``pending`` says whether a connection holds some, and whoever
+polls for readable connections looks at it too. The clear path is unchanged.
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -26,6 +37,9 @@ from pdkv.errors import ChannelError, ProtocolError, TransferTimeout
 _DRAIN_BYTES = 1 << 20  # a refused frame's payload is read away in pieces this big
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 SHUTDOWN_JOIN_S = 2.0  # how long closing waits for each of the channel's threads
+_TLS_JOIN_BYTES = 64 << 10  # with TLS, buffers up to this size are joined into one write (one record instead of several)
+# A kernel timeout (SO_RCVTIMEO/SO_SNDTIMEO) with nothing moved: BlockingIOError in clear, SSLWant*Error through OpenSSL.
+_WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 class PeerClosed(ChannelError):
@@ -81,6 +95,8 @@ class Conn:
         self.last_progress = time.monotonic()  # last time a send or receive call moved a byte
         self._hdr = bytearray(HDR_SIZE)
         self._hdr_view = memoryview(self._hdr)
+        self.tls = False
+        self._recv_flags = socket.MSG_WAITALL  # OpenSSL takes no flags: 0 once TLS is on
         self._poller = select.poll()
         self._poller.register(sock, select.POLLIN)
         sock.settimeout(None)
@@ -88,9 +104,30 @@ class Conn:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.tick))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(opts.io_timeout))
 
+    def start_tls(self, context: ssl.SSLContext, server_side: bool, server_hostname: str | None, timeout: float) -> None:
+        """Wrap the connection in TLS and complete the handshake within ``timeout`` (an ``ssl.SSLError`` if it fails).
+
+        The socket keeps its file descriptor (pollers registered on it stay
+        valid) and its kernel timeouts, which the handshake loop ticks through.
+        """
+        self.sock = context.wrap_socket(self.sock, server_side=server_side, server_hostname=server_hostname, do_handshake_on_connect=False)
+        self.tls = True  # from here on every byte goes through OpenSSL, even an ERROR after a failed handshake
+        self._recv_flags = 0
+        deadline = idle_deadline(timeout, f"TLS handshake on {self.label}")
+        while True:
+            try:
+                self.sock.do_handshake()
+                break
+            except _WOULD_BLOCK:
+                deadline()
+
+    def pending(self) -> bool:
+        """Whether OpenSSL holds decrypted bytes ``poll`` cannot see (never, in clear)."""
+        return self.tls and self.sock.pending() > 0  # type: ignore[attr-defined]
+
     def readable(self) -> bool:
         """Whether bytes (or EOF) are waiting, without blocking."""
-        return bool(self._poller.poll(0))
+        return self.pending() or bool(self._poller.poll(0))
 
     def recv_exact(self, view: memoryview, on_idle: Callable[[], None] | None = None, boundary: bool = False) -> None:
         """Fill ``view`` from the socket, in place.
@@ -103,8 +140,8 @@ class Conn:
         got = idle = 0
         while got < n:
             try:
-                r = self.sock.recv_into(view[got:] if got else view, n - got, socket.MSG_WAITALL)
-            except BlockingIOError:
+                r = self.sock.recv_into(view[got:] if got else view, n - got, self._recv_flags)
+            except _WOULD_BLOCK:
                 if boundary and got == 0:
                     if on_idle is not None:
                         on_idle()
@@ -147,6 +184,9 @@ class Conn:
 
     def send(self, bufs: list[Any]) -> None:
         """Send every buffer in order with ``sendmsg`` (no join, no copy), resuming partial sends."""
+        if self.tls:
+            self._send_tls(bufs)
+            return
         i, n = 0, len(bufs)
         try:
             while i < n:
@@ -161,6 +201,26 @@ class Conn:
                         bufs[i] = memoryview(bufs[i])[sent:]
                         sent = 0
         except BlockingIOError:
+            raise TransferTimeout(f"tcp {self.label}: peer accepted no data for {self.io_timeout:.3g}s") from None
+
+    def _send_tls(self, bufs: list[Any]) -> None:
+        """Send every buffer in order through OpenSSL: small ones joined into one write, large ones as they are."""
+        joined = bytearray()
+        try:
+            for buf in bufs:
+                view = memoryview(buf).cast("B")
+                if view.nbytes <= _TLS_JOIN_BYTES and len(joined) + view.nbytes <= _TLS_JOIN_BYTES:
+                    joined += view
+                    continue
+                if joined:
+                    self.sock.sendall(joined)
+                    joined.clear()
+                self.sock.sendall(view)
+                self.last_progress = time.monotonic()
+            if joined:
+                self.sock.sendall(joined)
+            self.last_progress = time.monotonic()
+        except _WOULD_BLOCK:
             raise TransferTimeout(f"tcp {self.label}: peer accepted no data for {self.io_timeout:.3g}s") from None
 
     def send_frame(self, ftype: int, xfer: int = 0, payload: bytes = b"", aux: int = 0, flags: int = 0, shares: int = 0) -> None:

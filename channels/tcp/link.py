@@ -20,6 +20,7 @@ import queue
 import secrets
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -168,6 +169,9 @@ class Link:
             sock.settimeout(opts.connect_timeout)
             sock.connect(addr)
             conn = Conn(sock, opts, f"{self.initiator.agent.name}->{self.peer}#{index}")
+            tls = self.initiator.agent.tls
+            if tls is not None:
+                conn.start_tls(tls.client, False, meta.host, opts.connect_timeout)
             secret = self.initiator.agent.secret
             nonce = new_nonce() if secret else b""
             hello = nonce + self.token + self.initiator.agent.name.encode()
@@ -198,6 +202,13 @@ class Link:
                     f"(instance {meta.instance:x}); the peer restarted: call add_peer with its current metadata"
                 )
             return conn
+        except ssl.SSLError as exc:  # the handshake, or (TLS 1.3) the target refusing our certificate at the first read
+            sock.close()
+            self.initiator.agent.count("tls_failures")
+            raise ChannelError(
+                f"tcp: TLS with {self.where} failed: {exc.reason or exc}; both agents need `tls` channel options "
+                "with a certificate signed by the CA the other trusts"
+            ) from None
         except (*IO_ERRORS, ProtocolError) as exc:
             sock.close()
             if isinstance(exc, ChannelError):
@@ -359,7 +370,7 @@ class Link:
             return 0
         frames = 0
         try:
-            for fd, _ in self._poller.poll(math.ceil(timeout * 1000)):
+            for fd, _ in self._ready(math.ceil(timeout * 1000)):
                 if self.dead is not None:
                     break
                 st = self._by_fd.get(fd)
@@ -378,6 +389,13 @@ class Link:
                 log.log(level, "tcp %s: link to %s failed: %s", self.initiator.agent.name, self.where, exc)
             self.fail(str(exc))
         return frames
+
+    def _ready(self, timeout_ms: int) -> list[tuple[int, int]]:
+        """``poll`` on the streams and the wake socket, plus (TLS) the streams OpenSSL holds decrypted bytes of."""
+        if not self.initiator.agent.tls:
+            return self._poller.poll(timeout_ms)
+        held = {st.conn.sock.fileno() for st in self.streams if st.conn.pending()}
+        return [*((fd, select.POLLIN) for fd in held), *(r for r in self._poller.poll(0 if held else timeout_ms) if r[0] not in held)]
 
     def _read_frame(self, st: Stream) -> None:
         conn = st.conn
@@ -429,7 +447,7 @@ class Link:
                 self._stopped.wait(_FOLLOW_S)
                 continue
             try:
-                ready = self._watch_poller.poll(_IDLE_TICK * 1000)
+                ready = any(st.conn.pending() for st in self.streams) or self._watch_poller.poll(_IDLE_TICK * 1000)
             except OSError:
                 ready = []
             if not ready:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdkv.channels.base import ChannelOptions
+from pdkv.channels.tcp.tls import TlsContexts, TlsOptions
 from pdkv.channels.tcp.wire import MAX_STREAMS
 from pdkv.errors import ConfigError
 from pdkv.netaddr import is_wildcard
@@ -33,6 +34,7 @@ class TcpOptions(ChannelOptions):
     max_notif_bytes: int = 64 << 10  # largest notification sent or accepted
     max_inflight: int = 1024  # transfers in flight per peer (initiator waits, target refuses beyond)
     max_connections: int = 256  # accepted connections, all peers together
+    tls: TlsOptions | None = None  # mutual TLS on every connection (pdkv.channels.tcp.tls); None: clear, as before
 
     def streams_for(self, nbytes: int) -> int:
         """How many streams a transfer of ``nbytes`` is split over: shares of at least ``stream_min_bytes``."""
@@ -66,7 +68,7 @@ class Agent:
 
     ``instance`` tells it from a restarted agent of the same name (in HELLO_OK
     and its metadata); ``count`` counts an event in the channel's ``stats()``,
-    from any thread.
+    from any thread; ``tls`` holds the contexts built from ``opts.tls``.
     """
 
     name: str
@@ -74,3 +76,4 @@ class Agent:
     secret: bytes
     instance: int
     count: Callable[[str], None]
+    tls: TlsContexts | None = None

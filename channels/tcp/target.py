@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -39,6 +40,7 @@ from pdkv.channels.tcp.wire import (
     HELLO_OK,
     INITIATOR_ROLE,
     LAST,
+    MAGIC,
     MAX_ACK_BATCH,
     MAX_ERROR_BYTES,
     MAX_NAME_BYTES,
@@ -173,6 +175,8 @@ class Target:
         """Reader of one accepted connection: handshake, then frames until EOF or a bad frame."""
         session: Session | None = None
         try:
+            if self.agent.tls is not None:
+                self._accept_tls(conn)
             session = self._handshake(conn)
             self._serve_frames(conn, session)
         except ProtocolError as exc:
@@ -196,6 +200,24 @@ class Target:
                         del self._sessions[session.sid]
             with conn.send_lock:  # another session member may be telling this one why it hangs up
                 conn.sock.close()
+
+    def _accept_tls(self, conn: Conn) -> None:
+        """TLS before anything else; a peer that starts in clear is told (in clear) that TLS is required."""
+        assert self.agent.tls is not None
+        timeout = self.agent.opts.connect_timeout
+        deadline = idle_deadline(timeout, f"first bytes on {conn.label}")
+        while True:
+            try:
+                first = conn.sock.recv(len(MAGIC), socket.MSG_PEEK | socket.MSG_WAITALL)
+                break
+            except BlockingIOError:
+                deadline()
+        if first == MAGIC:
+            raise AuthError(f"tcp {conn.label}: this agent requires TLS (`tls` channel options) and the peer connected without it")
+        try:
+            conn.start_tls(self.agent.tls.server, True, None, timeout)
+        except ssl.SSLError as exc:
+            raise AuthError(f"tcp {conn.label}: TLS handshake failed: {exc.reason or exc} (the peer needs a certificate signed by this agent's `tls.ca`)") from None
 
     def _handshake(self, conn: Conn) -> Session:
         """HELLO, HELLO_OK and, with a secret, the peer's proof; only then does the connection join its session.

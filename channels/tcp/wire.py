@@ -46,6 +46,7 @@ from pdkv.errors import ChannelError, ProtocolError
 from pdkv.netaddr import is_wildcard
 
 MAGIC = b"PK"
+TLS_RECORD_START = b"\x16\x03"  # how a TLS connection starts (a handshake record): told apart from a HELLO
 VERSION = 2
 HEADER = struct.Struct("<2sBBBxHIIQQQ")
 HDR_SIZE = HEADER.size
@@ -78,6 +79,8 @@ def unpack_header(buf: bytearray, label: str) -> Header:
     """A received header as (type, flags, shares, aux, notif, xfer, offset, length); magic and version checked."""
     magic, version, ftype, flags, shares, aux, notif, xfer, offset, length = HEADER.unpack_from(buf)
     if magic != MAGIC:
+        if bytes(magic) == TLS_RECORD_START:
+            raise ProtocolError(f"tcp {label}: the peer speaks TLS and this agent has no `tls` channel options; give both sides the same CA")
         raise ProtocolError(f"tcp {label}: bad magic {bytes(magic)!r}; the peer does not speak pdkv tcp")
     if version != VERSION:
         raise ProtocolError(f"tcp {label}: protocol version {version}, this agent speaks {VERSION}; upgrade both")

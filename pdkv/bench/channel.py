@@ -27,6 +27,11 @@ bytes without waiting in between, then waits for all, and reports transfers/s
 Every wait in here has a timeout (``TIMEOUT_S``), so a broken channel fails the
 bench instead of hanging it.
 
+``--tls`` (tcp only) adds a third side to every round: the tcp channel with
+mutual TLS (``channel.options.tls``, certificates of a throwaway CA made for
+the run), so each row shows what encryption costs beside the clear channel,
+measured in the same rounds: ``tls_gbps`` and ``tls_ratio`` (TLS / clear).
+
 ``--link RATE`` (``unshaped``, ``100mbit``, ``1gbit``, ``10gbit``...) runs the
 receiver on a second host of ``pdkv.bench.netrig``, across a veth pair shaped
 to RATE, the sender on the first: channel, baseline and ``iperf3`` (where
@@ -46,6 +51,7 @@ import queue
 import socket
 import statistics
 import struct
+import tempfile
 import threading
 import time
 import zlib
@@ -53,6 +59,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from functools import partial
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from pdkv.bench import plot
@@ -60,6 +67,7 @@ from pdkv.bench.netrig import LOOPBACK, Placement, bench_link, call_on, iperf3_g
 from pdkv.channels import TransferOp, create_channel
 from pdkv.channels.tcp import TcpOptions
 from pdkv.errors import ChannelError, ConfigError, TransferTimeout
+from pdkv.testing.tls import CertificateAuthority
 
 # channel name -> "module:Class" of its raw baseline: ``Class(nbytes, placement)``, a context manager kept open
 # for the whole run (a receiver process costs seconds to start) with ``gbps(size, repeats)`` and, where it
@@ -473,12 +481,29 @@ def _alternate(*sides: Callable[[], float], rounds: int = ROUNDS) -> list[float]
     return [statistics.median(r) for r in runs]
 
 
-def channel_options(name: str, host: str) -> dict[str, Any]:
-    """The bench's options for a channel on ``host``: its defaults, listening (UCX: on the interface) there."""
-    return {} if name in IN_PROCESS else {"host": host}
+def channel_options(name: str, host: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The bench's options for a channel on ``host``: its defaults, listening (UCX: on the interface) there, plus ``extra``."""
+    return {} if name in IN_PROCESS else {"host": host, **(extra or {})}
 
 
-def measure(name: str, sizes: list[int], repeats: int, placement: Placement = LOOPBACK) -> dict[str, Any]:
+def tls_options(stack: ExitStack, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``--tls``: the sender's and the receiver's extra tcp options, certificates of a CA made for this run (removed with ``stack``)."""
+    if name != "tcp":
+        raise ConfigError(f"bench --tls: only the tcp channel has TLS, not {name!r}")
+    ca = CertificateAuthority(Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pdkv-bench-tls-"))), "bench-ca")
+    return {"tls": ca.issue("sender").options()}, {"tls": ca.issue("receiver").options()}
+
+
+def _open_sender(stack: ExitStack, name: str, nbytes: int, placement: Placement, extra: tuple[dict[str, Any], dict[str, Any]] = ({}, {})) -> _ChannelSender:
+    """A receiver process (or thread) and the sender here, both closed with ``stack``; ``extra``: (sender's, receiver's) options."""
+    receiver = (name, nbytes, channel_options(name, placement.receiver_addr, extra[1]))
+    conn = stack.enter_context(_peer(_channel_receiver, receiver, in_process=name in IN_PROCESS, netns=placement.receiver_netns))
+    sender = _ChannelSender(name, conn, nbytes, channel_options(name, placement.sender_addr, extra[0]))
+    stack.callback(sender.close)
+    return sender
+
+
+def measure(name: str, sizes: list[int], repeats: int, placement: Placement = LOOPBACK, tls: bool = False) -> dict[str, Any]:
     """The result object of ``pdkv bench channel --json``."""
     if name not in BASELINES:
         raise ConfigError(f"bench channel: no baseline for channel {name!r}; expected one of {sorted(BASELINES)}")
@@ -494,21 +519,28 @@ def measure(name: str, sizes: list[int], repeats: int, placement: Placement = LO
     if placement.link is not None and (first := iperf3_gbps(placement.link, iperf3_streams, IPERF3_S)) is not None:
         iperf3_runs.append(first)
     results = []
-    receiver = (name, nbytes, channel_options(name, placement.receiver_addr))
     with ExitStack() as stack:
-        conn = stack.enter_context(_peer(_channel_receiver, receiver, in_process=name in IN_PROCESS, netns=placement.receiver_netns))
-        sender = _ChannelSender(name, conn, nbytes, channel_options(name, placement.sender_addr))
-        stack.callback(sender.close)
+        tls_extra = tls_options(stack, name) if tls else None  # first: a channel without TLS fails before any process starts
+        sender = _open_sender(stack, name, nbytes, placement)
+        tls_sender = _open_sender(stack, name, nbytes, placement, tls_extra) if tls_extra is not None else None
         baseline = stack.enter_context(baseline_class(nbytes, placement))
         for size in sizes:
             reps = repeats_for(size, repeats, rate)
-            base, gbps = _alternate(partial(baseline.gbps, size, reps), partial(sender.gbps, size, reps), rounds=rounds)
-            results.append({"size_bytes": size, "gbps": gbps, "baseline_gbps": base, "ratio": gbps / base})
-        many = partial(sender.transfers_per_s, small_count, SMALL_SIZE, SMALL_REPEATS)
+            sides = [partial(baseline.gbps, size, reps), partial(sender.gbps, size, reps)]
+            if tls_sender is not None:
+                sides.append(partial(tls_sender.gbps, size, reps))
+            base, gbps, *tls_gbps = _alternate(*sides, rounds=rounds)
+            row = {"size_bytes": size, "gbps": gbps, "baseline_gbps": base, "ratio": gbps / base}
+            if tls_gbps:
+                row.update(tls_gbps=tls_gbps[0], tls_ratio=tls_gbps[0] / gbps)
+            results.append(row)
+        many = [partial(sender.transfers_per_s, small_count, SMALL_SIZE, SMALL_REPEATS)]
+        if tls_sender is not None:
+            many.append(partial(tls_sender.transfers_per_s, small_count, SMALL_SIZE, SMALL_REPEATS))
         if not hasattr(baseline, "transfers_per_s"):
-            small_base, (small_rate,) = None, _alternate(many, rounds=rounds)
+            small_base, (small_rate, *tls_rate) = None, _alternate(*many, rounds=rounds)
         else:
-            small_base, small_rate = _alternate(partial(baseline.transfers_per_s, small_count, SMALL_SIZE, SMALL_REPEATS), many, rounds=rounds)
+            small_base, small_rate, *tls_rate = _alternate(partial(baseline.transfers_per_s, small_count, SMALL_SIZE, SMALL_REPEATS), *many, rounds=rounds)
     if iperf3_runs and (last := iperf3_gbps(placement.link, iperf3_streams, IPERF3_S)) is not None:  # type: ignore[arg-type]
         iperf3_runs.append(last)
     iperf3 = None
@@ -523,9 +555,11 @@ def measure(name: str, sizes: list[int], repeats: int, placement: Placement = LO
         "baseline_transfers_per_s": small_base,
         "ratio": small_rate / small_base if small_base else None,
     }
+    if tls_rate:
+        small.update(tls_transfers_per_s=tls_rate[0], tls_ratio=tls_rate[0] / small_rate)
     return {
         "channel": name, "baseline": _describe(baseline_class, BASELINES[name]), "link": placement.label, "iperf3": iperf3,
-        "results": results, "small_transfers": small,
+        "results": results, "small_transfers": small, "tls": tls,
     }
 
 
@@ -541,12 +575,16 @@ def _table(out: dict[str, Any]) -> str:
     lines = [f"channel {out['channel']} over {out['link']} vs {out['baseline']}"]
     if iperf3 is not None:
         lines.append(f"iperf3 -P {iperf3['streams']} over the same link: {iperf3['gbps']:.3f} GB/s")
-    lines.append(f"{'size':>10}  {'GB/s':>8}  {'baseline':>8}  {'ratio':>6}" + ("  vs iperf3" if iperf3 else ""))
+    tls = out["tls"]
+    lines.append(f"{'size':>10}  {'GB/s':>8}  {'baseline':>8}  {'ratio':>6}" + ("  vs iperf3" if iperf3 else "") + (f"  {'TLS GB/s':>8}  TLS/clear" if tls else ""))
     for row in out["results"]:
         tail = f"  {row['iperf3_ratio']:9.2f}" if iperf3 else ""
+        tail += f"  {row['tls_gbps']:8.3f}  {row['tls_ratio']:9.2f}" if tls else ""
         lines.append(f"{_human(row['size_bytes']):>10}  {row['gbps']:8.3f}  {row['baseline_gbps']:8.3f}  {row['ratio']:6.2f}{tail}")
     s = out["small_transfers"]
     base = "no baseline" if s["baseline_transfers_per_s"] is None else f"baseline {s['baseline_transfers_per_s']:,.0f}/s, ratio {s['ratio']:.2f}"
+    if tls:
+        base += f"; TLS {s['tls_transfers_per_s']:,.0f}/s, TLS/clear {s['tls_ratio']:.2f}"
     lines.append(f"small transfers: {s['count']} x {_human(s['size_bytes'])}: {s['transfers_per_s']:,.0f}/s ({base})")
     return "\n".join(lines)
 
@@ -565,7 +603,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"bench channel --repeats {args.repeats}: expected >= 0 (0: chosen per size)")
     plot.check(getattr(args, "plot", None))
     with bench_link(args.link) as placement:
-        out = call_on(placement.sender_netns, measure, args.channel, args.sizes, args.repeats, placement)
+        out = call_on(placement.sender_netns, measure, args.channel, args.sizes, args.repeats, placement, args.tls)
     print(json.dumps(out) if args.json else _table(out))
     if getattr(args, "plot", None):
         draw(out, args.plot)

@@ -38,6 +38,11 @@ the bytes took (``path``: host direct, host staging, pinned staging, direct
 device), and rows of another device than ``cpu`` carry ``vs_host``: their
 GB/s over the same scenario's with the KV in host memory.
 
+``--tls`` (tcp only) runs one more sender/receiver pair (KV in host memory)
+whose channel has mutual TLS (certificates of a CA made for the run) in the
+same rounds: each ``cpu`` row adds ``tls_gbps``, ``tls_p50_ms`` and
+``tls_ratio`` (TLS / clear pdkv).
+
 ``--link RATE`` puts the receiver on a second host of ``pdkv.bench.netrig``
 across a veth pair shaped to RATE (its control plane and channel on that
 host's address), the sender and the baseline's sender on the first.
@@ -63,7 +68,7 @@ import msgspec
 import torch
 
 from pdkv.bench import plot
-from pdkv.bench.channel import BASELINES, IN_PROCESS, _describe, _load, _peer, _recv, channel_options
+from pdkv.bench.channel import BASELINES, IN_PROCESS, _describe, _load, _peer, _recv, channel_options, tls_options
 from pdkv.bench.netrig import LOOPBACK, Placement, bench_link, call_on
 from pdkv.blocks import BlockAllocator
 from pdkv.channels import create_channel
@@ -112,13 +117,15 @@ def _digest(layout: KVLayout, kv: list[torch.Tensor], blocks: list[int], tokens:
     return chunk_checksum([flat_bytes(gather(layout, kv, blocks, 0, tokens))])
 
 
-def _receiver_side(conn: Connection, channel_name: str, layout: KVLayout, num_blocks: int, config: TransferConfig, host: str, device: str) -> None:
+def _receiver_side(
+    conn: Connection, channel_name: str, layout: KVLayout, num_blocks: int, config: TransferConfig, host: str, device: str, extra: dict[str, Any]
+) -> None:
     """The decode side on ``host``: a KVReceiver that claims each announced request, digests its KV and frees its blocks."""
     from pdkv.transfer.receiver import KVReceiver
 
     torch.set_num_threads(ONE_THREAD)
     try:
-        channel = create_channel(channel_name, f"bench-decode-{uuid.uuid4().hex[:6]}", channel_options(channel_name, host))
+        channel = create_channel(channel_name, f"bench-decode-{uuid.uuid4().hex[:6]}", channel_options(channel_name, host, extra))
         kv = place_kv(layout.allocate(num_blocks), device)
         allocator = BlockAllocator(num_blocks)
         # it waits for requests it was told of before the sender opens them (handshake included): no announce window
@@ -165,18 +172,20 @@ class TransferRig:
         sender_layout: KVLayout = SENDER_LAYOUT,
         placement: Placement = LOOPBACK,
         device: str = "cpu",
+        extra: tuple[dict[str, Any], dict[str, Any]] = ({}, {}),
     ) -> None:
+        """``extra``: the sender's and the receiver's channel options beyond the bench's (``--tls``)."""
         from pdkv.transfer.sender import KVSender
 
         if device not in DEVICES:
             raise ConfigError(f"bench transfer --device {device!r}: expected one of {', '.join(DEVICES)}")
         self.layout = sender_layout
         self.modes: set[str] = set()  # the modes the receiver granted the requests pushed so far
-        args = (channel, receiver_layout, receiver_blocks, config, placement.receiver_addr, device)
+        args = (channel, receiver_layout, receiver_blocks, config, placement.receiver_addr, device, extra[1])
         self._peer = _peer(_receiver_side, args, in_process=channel in IN_PROCESS, netns=placement.receiver_netns)
         self.conn = self._peer.__enter__()
         try:
-            self.channel = create_channel(channel, f"bench-prefill-{uuid.uuid4().hex[:6]}", channel_options(channel, placement.sender_addr))
+            self.channel = create_channel(channel, f"bench-prefill-{uuid.uuid4().hex[:6]}", channel_options(channel, placement.sender_addr, extra[0]))
             gen = torch.Generator().manual_seed(0)
             self.kv = place_kv([torch.randn(t.shape, generator=gen).to(t.dtype) for t in sender_layout.allocate(sender_blocks)], device)
             self.allocator = BlockAllocator(sender_blocks)
@@ -263,9 +272,10 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _measure_mode(
-    channel: str, mode: str, scenarios: list[Scenario], repeats: int, baseline_class: Callable[..., Any], placement: Placement, devices: tuple[str, ...]
+    channel: str, mode: str, scenarios: list[Scenario], repeats: int, baseline_class: Callable[..., Any], placement: Placement, devices: tuple[str, ...],
+    tls: bool = False,
 ) -> list[dict[str, Any]]:
-    """Every scenario of one mode, one receiver process per device, the baseline and each device's rounds alternating.
+    """Every scenario of one mode, one receiver process per device (and one over TLS), the baseline and each rig's rounds alternating.
 
     Alternating the devices within each round (rather than one device's scenarios after the other's) puts
     them under the same load on a shared machine, so ``vs_host`` compares like with like.
@@ -277,13 +287,18 @@ def _measure_mode(
     reps = itertools.count()
     rows = []
     with contextlib.ExitStack() as stack:
-        rigs = {device: stack.enter_context(TransferRig(channel, layout, ours, theirs, config, placement=placement, device=device)) for device in devices}
+        # name -> (where the KV lives, extra channel options); made in reverse and warmed at once: each receiver
+        # waits for its next command only so long (TIMEOUT_S), so the first rig measured is the last one made
+        specs = {device: (device, ({}, {})) for device in devices} | ({"tls": ("cpu", tls_options(stack, channel))} if tls else {})
+        rigs: dict[str, TransferRig] = {}
+        for name, (device, extra) in reversed(specs.items()):
+            rigs[name] = stack.enter_context(TransferRig(channel, layout, ours, theirs, config, placement=placement, device=device, extra=extra))
+            rigs[name].push([("warmup", scenarios[0].tokens)])  # handshake, first connections: not timed
+        rigs = {name: rigs[name] for name in specs}
         baseline = stack.enter_context(baseline_class(max(s.nbytes for s in scenarios), placement))
-        for rig in rigs.values():
-            rig.push([("warmup", scenarios[0].tokens)])  # handshake, first connections: not timed
         for sc in scenarios:
-            times: dict[str, list[float]] = {device: [] for device in devices}
-            latencies: dict[str, list[float]] = {device: [] for device in devices}
+            times: dict[str, list[float]] = {name: [] for name in rigs}
+            latencies: dict[str, list[float]] = {name: [] for name in rigs}
             base: list[float] = []
             for _ in range(ROUNDS):
                 base.append(baseline.gbps(sc.nbytes, repeats))
@@ -294,20 +309,26 @@ def _measure_mode(
                         times[device].append(total)
                         latencies[device].extend(each)
             base_gbps = statistics.median(base)
-            for device, rig in rigs.items():
+            for device in devices:
+                rig = rigs[device]
                 gbps = sc.nbytes / statistics.median(times[device]) / 1e9
-                rows.append({
+                row = {
                     "device": device, "kv_memory": rig.sender.kv_memory, "granted_mode": "/".join(sorted(rig.modes)), "path": rig.path,
                     "mode": mode, "tokens": sc.tokens, "requests": sc.requests, "size_bytes": sc.nbytes,
                     "gbps": gbps, "baseline_gbps": base_gbps, "ratio": gbps / base_gbps,
                     "p50_ms": 1e3 * _percentile(latencies[device], 0.5), "p99_ms": 1e3 * _percentile(latencies[device], 0.99),
                     "baseline_ms": 1e3 * sc.nbytes / base_gbps / 1e9,
-                })  # fmt: skip
+                }  # fmt: skip
+                if tls and device == "cpu":
+                    tls_gbps = sc.nbytes / statistics.median(times["tls"]) / 1e9
+                    row.update(tls_gbps=tls_gbps, tls_ratio=tls_gbps / gbps, tls_p50_ms=1e3 * _percentile(latencies["tls"], 0.5))
+                rows.append(row)
     return rows
 
 
 def measure(
-    channel: str, modes: list[str], scenarios: list[tuple[int, int]], repeats: int, placement: Placement = LOOPBACK, devices: tuple[str, ...] = ("cpu",)
+    channel: str, modes: list[str], scenarios: list[tuple[int, int]], repeats: int, placement: Placement = LOOPBACK, devices: tuple[str, ...] = ("cpu",),
+    tls: bool = False,
 ) -> dict[str, Any]:
     """The result object of ``pdkv bench transfer --json``."""
     torch.set_num_threads(ONE_THREAD)
@@ -323,10 +344,12 @@ def measure(
             raise ConfigError(f"bench transfer --device {device!r}: expected one of {', '.join(DEVICES)}")
         if device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("bench transfer --device cuda: torch sees no CUDA device here")
+    if tls and (channel != "tcp" or "cpu" not in devices):
+        raise ConfigError(f"bench transfer --tls: only the tcp channel has TLS, beside a --device cpu row (got {channel!r}, {', '.join(devices)})")
     baseline = _load(BASELINES[channel])
     rows = []
     for mode in modes:
-        rows.extend(_measure_mode(channel, mode, [Scenario(mode, t, r) for t, r in scenarios], repeats, baseline, placement, devices))
+        rows.extend(_measure_mode(channel, mode, [Scenario(mode, t, r) for t, r in scenarios], repeats, baseline, placement, devices, tls))
     host = {(r["mode"], r["tokens"], r["requests"]): r["gbps"] for r in rows if r["device"] == "cpu"}
     for r in rows:
         same = host.get((r["mode"], r["tokens"], r["requests"]))
@@ -337,6 +360,7 @@ def measure(
         "link": placement.label,
         "baseline": _describe(baseline, BASELINES[channel]) + ", moving the same bytes in one transfer",
         "layout": {"sender": msgspec.to_builtins(SENDER_LAYOUT), "staging_receiver": msgspec.to_builtins(STAGING_LAYOUT)},
+        "tls": tls,
         "results": rows,
     }
 
@@ -344,13 +368,15 @@ def measure(
 def _table(out: dict[str, Any]) -> str:
     lines = [
         f"channel {out['channel']} over {out['link']}: request-level transfer vs {out['baseline']}",
-        f"{'device':>8} {'mode':>8} {'path':>22} {'tokens':>6} {'reqs':>4} {'MB':>8} {'GB/s':>7} {'base':>7} {'ratio':>6} {'vs host':>7} {'p50 ms':>8} {'p99 ms':>8} {'base ms':>8}",
+        f"{'device':>8} {'mode':>8} {'path':>22} {'tokens':>6} {'reqs':>4} {'MB':>8} {'GB/s':>7} {'base':>7} {'ratio':>6} {'vs host':>7} {'p50 ms':>8} {'p99 ms':>8} {'base ms':>8}"
+        + (f" {'TLS GB/s':>8} {'TLS p50':>8} TLS/clear" if out["tls"] else ""),
     ]
     for r in out["results"]:
         vs_host = f"{r['vs_host']:7.2f}" if "vs_host" in r else f"{'':>7}"
         lines.append(
             f"{r['device']:>8} {r['mode']:>8} {r['path'][:22]:>22} {r['tokens']:>6} {r['requests']:>4} {r['size_bytes'] / 1e6:8.1f} {r['gbps']:7.3f} {r['baseline_gbps']:7.3f} "
             f"{r['ratio']:6.2f} {vs_host} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['baseline_ms']:8.2f}"
+            + (f" {r['tls_gbps']:8.3f} {r['tls_p50_ms']:8.2f} {r['tls_ratio']:9.2f}" if "tls_gbps" in r else "")
         )
     return "\n".join(lines)
 
@@ -374,7 +400,7 @@ def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     devices = tuple(d.strip() for d in args.device.split(",") if d.strip())
     with bench_link(args.link) as placement:
-        out = call_on(placement.sender_netns, measure, args.channel, modes, args.scenarios or SCENARIOS, args.repeats, placement, devices)
+        out = call_on(placement.sender_netns, measure, args.channel, modes, args.scenarios or SCENARIOS, args.repeats, placement, devices, args.tls)
     print(json.dumps(out) if args.json else _table(out))
     if getattr(args, "plot", None):
         draw(out, args.plot)

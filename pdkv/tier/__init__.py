@@ -38,6 +38,7 @@ def build_tier(config: TierConfig, layout: KVLayout) -> TieredCache | None:
                 timeout_s=config.redis_timeout_s,
                 connect_timeout_s=config.redis_connect_timeout_s,
                 retry_s=config.redis_retry_s,
+                secret=config.redis_secret,
             )
             remote.ping()  # an unreachable server is logged at start, then served as misses
             levels.append(remote)

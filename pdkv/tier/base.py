@@ -9,17 +9,29 @@ the longest leading run it can serve. Keys are universal (any process, any
 machine, any restart), so a value read back is never trusted blindly: what
 leaves memory carries a header (the key, the layout's wire fields, the token
 count, an xxh3-64 of the payload) and a value that does not match is a miss.
+
+A value that reaches a shared server can be written by anyone who reaches
+that server, and the header alone is no defence: it is public, and xxh3 is
+no MAC. With a tier secret (``tier.redis_secret``) a value is *sealed*: a
+32-byte HMAC-SHA256, under that secret, of the header (which holds the chunk
+key) and the payload follows the payload. A reader with the secret takes only
+sealed values whose tag checks out, so a value written by someone without the
+secret, or a valid value copied under another key, is a miss. The format is
+versioned by the magic: a value of another version (``PDKVKV01``, before the
+``sealed`` byte) is a miss, rewritten by the next store.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import hashlib
+import hmac
 import logging
 import struct
 import threading
 from collections.abc import Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -31,12 +43,14 @@ from pdkv.memory import byte_view
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"PDKVKV01"
+MAGIC = b"PDKVKV02"  # the format's version: 02 added the sealed byte
+_MAGIC_FAMILY = MAGIC[:6]
 _DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
-# magic, key, tokens, layers, kv factor, kv heads, head_dim, dtype code, payload xxh3-64; padded to 64
-# bytes so a payload that follows the header in one buffer stays 64-byte aligned.
-_HEADER = struct.Struct("<8s16sIHBHHBQ20x")
+# magic, key, tokens, layers, kv factor, kv heads, head_dim, dtype code, payload xxh3-64, sealed; padded to
+# 64 bytes so a payload that follows the header in one buffer stays 64-byte aligned.
+_HEADER = struct.Struct("<8s16sIHBHHBQB19x")
 HEADER_BYTES = _HEADER.size
+TAG_BYTES = hashlib.sha256().digest_size  # a sealed value's trailer: HMAC-SHA256 of header and payload
 
 Parents = Sequence[bytes | None] | None
 """Per key, the key of the chunk before it in its prompt (``CacheTier.put``)."""
@@ -54,22 +68,28 @@ class ChunkHeader:
     head_dim: int
     dtype_code: int
     checksum: int
+    sealed: bool = False  # a TAG_BYTES tag follows the payload
 
     @classmethod
-    def of(cls, layout: KVLayout, key: bytes, chunk: torch.Tensor) -> ChunkHeader:
+    def of(cls, layout: KVLayout, key: bytes, chunk: torch.Tensor, sealed: bool = False) -> ChunkHeader:
         """The header of ``chunk`` (a canonical chunk of ``layout``) stored under ``key``."""
-        return cls(key, chunk.shape[2], layout.num_layers, layout.kv_factor, layout.num_kv_heads, layout.head_dim, _DTYPE_CODES[layout.dtype], checksum([byte_view(chunk)]))
+        return cls(
+            key, chunk.shape[2], layout.num_layers, layout.kv_factor, layout.num_kv_heads, layout.head_dim, _DTYPE_CODES[layout.dtype],
+            checksum([byte_view(chunk)]), sealed,
+        )  # fmt: skip
 
     def encode(self) -> bytes:
-        return _HEADER.pack(MAGIC, self.key, self.num_tokens, self.num_layers, self.kv_factor, self.num_kv_heads, self.head_dim, self.dtype_code, self.checksum)
+        return _HEADER.pack(
+            MAGIC, self.key, self.num_tokens, self.num_layers, self.kv_factor, self.num_kv_heads, self.head_dim, self.dtype_code, self.checksum, self.sealed
+        )
 
     @classmethod
     def decode(cls, raw: bytes | memoryview) -> ChunkHeader | None:
         """The header at the start of ``raw``, or None when it is too short or not a pdkv chunk."""
         if len(raw) < HEADER_BYTES:
             return None
-        magic, *fields = _HEADER.unpack_from(raw)
-        return cls(*fields) if magic == MAGIC else None
+        magic, *fields, sealed = _HEADER.unpack_from(raw)
+        return cls(*fields, bool(sealed)) if magic == MAGIC and sealed in (0, 1) else None
 
     def mismatch(self, layout: KVLayout, key: bytes, num_tokens: int) -> str | None:
         """Why this value cannot be served for ``key`` as ``num_tokens`` tokens of ``layout``; None when it can."""
@@ -83,20 +103,49 @@ class ChunkHeader:
         return None
 
 
-def read_value(layout: KVLayout, key: bytes, value: bytes | memoryview, out: torch.Tensor) -> str | None:
-    """Copy a stored value (header + payload) into ``out`` after checking both; returns why it was refused, or None."""
+def _tag(secret: bytes, sealed: memoryview) -> bytes:
+    return hmac.new(secret, sealed, hashlib.sha256).digest()
+
+
+def encode_value(layout: KVLayout, key: bytes, chunk: torch.Tensor, secret: bytes = b"") -> bytes:
+    """The stored form of ``chunk`` under ``key``: header and payload, sealed with ``secret`` when one is given."""
+    value = bytearray(ChunkHeader.of(layout, key, chunk, sealed=bool(secret)).encode())
+    value += byte_view(chunk)
+    if secret:
+        value += _tag(secret, memoryview(value))
+    return bytes(value)
+
+
+class Rejection(NamedTuple):
+    """Why a stored value was not served: ``reason`` is the metric's label, ``detail`` the log's words."""
+
+    reason: str  # format, key, shape, size, mac, checksum
+    detail: str
+
+
+def read_value(layout: KVLayout, key: bytes, value: bytes | memoryview, out: torch.Tensor, secret: bytes = b"") -> Rejection | None:
+    """Copy a stored value into ``out`` after checking it (header, size, with ``secret`` its seal, checksum); why it was refused, or None."""
     header = ChunkHeader.decode(value)
     if header is None:
-        return "not a pdkv chunk (bad or missing header)"
+        start = bytes(memoryview(value)[:8])
+        if start.startswith(_MAGIC_FAMILY):
+            return Rejection("format", f"value format {start.decode(errors='replace')}, this pdkv reads {MAGIC.decode()}")
+        return Rejection("format", "not a pdkv chunk (bad or missing header)")
     reason = header.mismatch(layout, key, out.shape[2])
     if reason is not None:
-        return reason
-    payload = memoryview(value)[HEADER_BYTES:]
+        return Rejection("key" if reason.startswith("stored under") else "shape", reason)
+    view = memoryview(value)
     dest = byte_view(out)
-    if len(payload) != len(dest):
-        return f"payload is {len(payload)} bytes, expected {len(dest)}"
+    end = HEADER_BYTES + len(dest)
+    if len(view) != end + (TAG_BYTES if header.sealed else 0):
+        return Rejection("size", f"{len(view)} bytes, expected {end + (TAG_BYTES if header.sealed else 0)} (header, payload{', tag' if header.sealed else ''})")
+    if secret and not header.sealed:
+        return Rejection("mac", "not sealed: written without the tier secret")
+    if secret and not hmac.compare_digest(_tag(secret, view[:end]), view[end:]):
+        return Rejection("mac", "the seal does not check out: written by someone without the tier secret, or under another key")
+    payload = view[HEADER_BYTES:end]
     if checksum([payload]) != header.checksum:
-        return "checksum mismatch"
+        return Rejection("checksum", "checksum mismatch")
     dest[:] = payload
     return None
 
@@ -119,6 +168,7 @@ class TierStats:
     written_bytes: int = 0
     evictions: int = 0
     errors: int = 0
+    rejected: dict[str, int] = dataclasses.field(default_factory=dict)  # values read but refused, by Rejection.reason
     entries: int | None = None
     bytes: int | None = None
     capacity_bytes: int | None = None
@@ -235,7 +285,7 @@ class LeafTier(CacheTier):
 
     def stats(self) -> dict[str, TierStats]:
         with self._stats_lock:
-            snapshot = dataclasses.replace(self._stats)
+            snapshot = dataclasses.replace(self._stats, rejected=dict(self._stats.rejected))
         snapshot.entries, snapshot.bytes = self._resident()
         return {self.name: snapshot}
 
@@ -250,6 +300,10 @@ class LeafTier(CacheTier):
     def _resident(self) -> tuple[int | None, int | None]:
         """(entries, bytes) held now; None where unknown."""
         return None, None
+
+    def _reject(self, reason: str) -> None:
+        with self._stats_lock:
+            self._stats.rejected[reason] = self._stats.rejected.get(reason, 0) + 1
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:

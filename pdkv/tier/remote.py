@@ -15,6 +15,16 @@ policies sample a few keys on a one-second clock (on the Mooncake trace
 "Eviction on the Mooncake trace"). A memory or disk level with the prefix
 policy in front is where eviction knows prefixes.
 
+Every value read is checked before it becomes KV (``pdkv.tier.base.read_value``):
+its header (key, layout, size), its xxh3 checksum and, with ``secret``
+(``tier.redis_secret``), its seal, an HMAC bound to the chunk key, so a value
+written by someone without the secret, a valid value copied under another
+key, a truncated one or one of another format version is a miss. It is
+counted (``stats().rejected`` by reason: ``pdkv_tier_rejected_total``),
+logged once per key, and deleted so that the next store puts a good one
+there (``SET NX`` would keep a bad one forever). Workers sharing a server
+must share its secret (and a namespace), or each deletes the others' values.
+
 The cache must never fail a request: a server (or a cluster node) that is
 down, slow past the socket timeout or answering errors makes its keys
 misses (reads) or no-ops (writes) with one logged warning, and for
@@ -25,6 +35,7 @@ served as usual, and a replica that takes over serves its keys again.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -32,11 +43,12 @@ from typing import Any
 import torch
 
 from pdkv.layout import KVLayout
-from pdkv.memory import byte_view
-from pdkv.tier.base import ChunkHeader, LeafTier, read_value
+from pdkv.tier.base import LeafTier, encode_value, read_value
 from pdkv.tier.redis_backend import FAILED, Build, connect
 
 log = logging.getLogger(__name__)
+
+_LOGGED_KEYS = 4096  # rejected keys remembered so each is logged once (a poisoned key read again and again logs once)
 
 
 class RedisTier(LeafTier):
@@ -52,13 +64,17 @@ class RedisTier(LeafTier):
         timeout_s: float = 2.0,
         connect_timeout_s: float = 1.0,
         retry_s: float = 10.0,
+        secret: str = "",
         name: str = "redis",
     ) -> None:
+        """``secret``: seal every value written and take only values sealed with it (see the module docstring)."""
         super().__init__(layout, name)
         self._backend = connect(url, timeout_s, connect_timeout_s, retry_s)
         self.url = url
         self._namespace = namespace.encode()
         self._ttl_ms = int(ttl_s * 1000) or None
+        self._secret = secret.encode()
+        self._logged: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
     def ping(self) -> bool:
         """Whether the server (a cluster: its slot map) answers now; a failure is logged and starts the retry window."""
@@ -81,18 +97,27 @@ class RedisTier(LeafTier):
             if value is None:
                 self._changed(removed=(key,))  # not on the server (evicted, expired, never stored): say so
                 return i
-            reason = read_value(self.layout, key, value, out)
-            if reason is not None:
-                log.warning("redis tier: chunk %s is unusable (%s); deleted, it will be recomputed", key.hex(), reason)
-                self._count(errors=1)
-                self.remove([key])
+            rejection = read_value(self.layout, key, value, out, self._secret)
+            if rejection is not None:
+                self._rejected(key, rejection.reason, rejection.detail)
                 return i
         return len(keys)
+
+    def _rejected(self, key: bytes, reason: str, detail: str) -> None:
+        """A value that failed its checks: a miss, counted by reason, logged once per key, deleted."""
+        self._count(errors=1)
+        self._reject(reason)
+        if key not in self._logged:
+            self._logged[key] = None
+            if len(self._logged) > _LOGGED_KEYS:
+                self._logged.popitem(last=False)
+            log.warning("redis tier: chunk %s refused (%s: %s); deleted, it will be recomputed", self._name(key).decode(), reason, detail)
+        self.remove([key])
 
     def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Sequence[bytes | None]) -> None:
         """``parents`` are not used: the server evicts by its own ``maxmemory-policy`` (see the module docstring)."""
         names = self._names(keys)
-        values = [ChunkHeader.of(self.layout, key, chunk).encode() + byte_view(chunk) for key, chunk in zip(keys, chunks, strict=True)]
+        values = [encode_value(self.layout, key, chunk, self._secret) for key, chunk in zip(keys, chunks, strict=True)]
         done = self._batch("set", names, lambda pipe, i: pipe.set(names[i], values[i], nx=True, px=self._ttl_ms))
         self._count(written_bytes=sum(len(v) for v, stored in zip(values, done, strict=True) if stored and stored is not FAILED))
         self._changed(stored=[k for k, stored in zip(keys, done, strict=True) if stored is not FAILED])  # stored now, or already there (NX)

@@ -115,9 +115,11 @@ class TierEvents:
         if tier is None:
             log.warning("kv_events: enabled, but the cache tier is off (tier.enabled: false): there are no blocks to announce")
         publisher = KVEventPublisher(config, bind_host=host)
-        if any(e.startswith("tcp://") and not e.startswith(("tcp://127.", "tcp://[::1]", "tcp://localhost")) for e in (publisher.endpoint, publisher.replay_endpoint or "")):
+        exposed = any(e.startswith("tcp://") and not e.startswith(("tcp://127.", "tcp://[::1]", "tcp://localhost")) for e in (publisher.endpoint, publisher.replay_endpoint or ""))
+        if exposed and publisher.curve is None:
             log.warning(
-                "kv_events: publishing on %s (replay %s) with no authentication (vLLM's protocol has none), and the events carry prompt token ids: keep it on a private network",
+                "kv_events: publishing on %s (replay %s) with no authentication (vLLM's protocol has none), and the events carry prompt token ids: "
+                "keep it on a private network, or set kv_events.curve_secret_key and curve_clients (pdkv's subscribers only)",
                 publisher.endpoint, publisher.replay_endpoint,
             )
         return cls(publisher, tier, chunk_size, use_int, config.memory_medium)

@@ -165,7 +165,10 @@ class Worker:
         info.update(self.kv_role.info())
         if self.kv_events is not None:
             pub = self.kv_events.publisher
-            info["kv_events"] = {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint, "topic": pub.config.topic, "block_size": self.chunk_size, "resync": "/pdkv/kv-events/resync"}
+            info["kv_events"] = {
+                "endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint, "topic": pub.config.topic, "block_size": self.chunk_size,
+                "resync": "/pdkv/kv-events/resync", "curve": pub.curve is not None,  # whether a subscriber needs CURVE keys (pdkv.kv_events.curve)
+            }  # fmt: skip
         return web.json_response(info)
 
     async def _resync_kv_events(self, _: web.Request) -> web.Response:

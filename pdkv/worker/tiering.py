@@ -162,6 +162,14 @@ class TierCollector(Collector):
                 if getattr(s, attr) is not None:
                     gauge.add_metric([self.role, level], getattr(s, attr))
             yield gauge
+        rejected = CounterMetricFamily(
+            "pdkv_tier_rejected", "Values read from this cache level and refused (served as misses), by reason: format, key, shape, size, mac, checksum",
+            labels=["role", "tier", "reason"],
+        )
+        for level, s in stats.items():
+            for reason, count in sorted(s.rejected.items()):
+                rejected.add_metric([self.role, level, reason], count)
+        yield rejected
         if isinstance(self.tier, TieredCache):
             pending = GaugeMetricFamily("pdkv_tier_write_behind_bytes", "Bytes queued for the lower cache levels", labels=["role"])
             pending.add_metric([self.role], self.tier.pending_bytes)
