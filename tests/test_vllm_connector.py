@@ -199,6 +199,25 @@ def test_decode_side_refuses_kv_of_another_prompt_and_frees_it() -> None:
     assert s.num_new_matched_tokens(longer, 0) == (0, False)
 
 
+def test_vllm_cache_salt_partitions_the_tier_and_the_pushed_prompt() -> None:
+    """vLLM's ``Request.cache_salt`` keys the request's chunks: the tier is asked under that salt only, and KV
+    pushed for the same tokens under another salt (or none) is not adopted."""
+    asked: list[PromptKeys] = []
+    s = SchedulerSide(FP, 64, is_producer=False, is_consumer=True, tier_lookup=lambda pk: asked.append(pk) or 0)
+    prompt = list(range(130))
+    salted = request("s1", prompt, None)
+    salted.cache_salt = "tenant-a"
+    s.num_new_matched_tokens(salted, 0)
+    assert [pk.keys for pk in asked] == [tuple(chunk_keys(prompt, FP, 64, "tenant-a")[:2])]
+    cross = request("s2", prompt, pushed_params(prompt))  # P prefilled it unsalted
+    cross.cache_salt = "tenant-b"
+    assert s.num_new_matched_tokens(cross, 0) == (0, False)
+    assert s.rejected_prompts == 1
+    same = request("s3", prompt, {**pushed_params(prompt), "prompt_key": prompt_key(prompt, FP, 64, "tenant-b")})
+    same.cache_salt = "tenant-b"
+    assert s.num_new_matched_tokens(same, 0) == (130, True)
+
+
 def test_decode_side_fully_cached_locally_discards_the_pushed_copy() -> None:
     s = SchedulerSide(FP, 64, is_producer=False, is_consumer=True)
     prompt = list(range(64))

@@ -66,7 +66,7 @@ class PrefillRole(WorkerRole):
         if not host or not isinstance(port, int):
             error = "kv_transfer_params has no remote_host/remote_port of the decode worker's receiver"
         else:
-            key = self.prompt_key(request.prompt_token_ids)
+            key = self.prompt_key(request.prompt_token_ids, request.cache_salt)
             codec = kv.get("codec") if isinstance(kv.get("codec"), str) else None  # the router's per-request choice
             opening = asyncio.ensure_future(asyncio.to_thread(self.sender.open, transfer_id, f"tcp://{host}:{port}", n, request.block_table, key, codec))
             try:

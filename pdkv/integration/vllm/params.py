@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from pdkv.keys import chunk_keys
+from pdkv.keys import check_salt, chunk_keys
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,14 @@ def pushed(params: Any, request_id: str) -> Pushed | None:
     return _parse(params, Pushed, "do_remote_prefill", request_id)
 
 
-def prompt_key(tokens: Any, fingerprint: str, chunk_size: int) -> str:
-    """The chained key of the last chunk of ``tokens``: equal keys mean equal token prefixes (and model)."""
-    return chunk_keys(list(tokens), fingerprint, chunk_size)[-1].hex()
+def prompt_key(tokens: Any, fingerprint: str, chunk_size: int, salt: str = "") -> str:
+    """The chained key of the last chunk of ``tokens`` under cache salt ``salt``: equal keys mean equal token
+    prefixes, model and salt."""
+    return chunk_keys(list(tokens), fingerprint, chunk_size, salt)[-1].hex()
+
+
+def cache_salt(request: Any) -> str:
+    """vLLM's ``Request.cache_salt`` ("" when unset): pdkv keys the request's chunks under it, as vLLM's own
+    prefix cache hashes it into the request's first block, so the tier and the pushed KV stay in its partition."""
+    salt = getattr(request, "cache_salt", None)
+    return check_salt(salt) if salt else ""
