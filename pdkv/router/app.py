@@ -174,7 +174,7 @@ class Router:
         prompt = await asyncio.to_thread(describe_prompt, body, "messages" in body, self.config, self.tokenizer, salt)
         if prompt.kind != "ids":
             raise RequestError("the prompt is text and router.tokenizer is not set: send token ids, or configure the tokenizer", param="prompt")
-        return web.json_response({"prompt_tokens": prompt.est_tokens, "cached_tokens": kv.cached_tokens(prompt.units, self.pool.workers("prefill"))})
+        return web.json_response({"prompt_tokens": prompt.est_tokens, "cached_tokens": kv.cached_tokens(prompt.units, self.pool.workers("prefill"), prompt.salt)})
 
     def _kv(self) -> KVAwareness:
         if self.kv is None:

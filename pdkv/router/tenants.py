@@ -48,9 +48,6 @@ from pdkv.web import Handler, error_response
 
 log = logging.getLogger(__name__)
 
-TENANT_KEY = "pdkv_tenant"
-"""Where the middleware leaves a request's ``Tenant`` (``http[TENANT_KEY]``; absent without tenants)."""
-
 _MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
@@ -61,6 +58,11 @@ class Tenant:
     max_concurrent_requests: int = 0
     max_tokens: int = 0
     inflight: int = 0
+
+
+# aiohttp >= 3.12 wants typed request keys (a plain string warns); older ones take the string.
+TENANT_KEY: Any = web.RequestKey("pdkv_tenant", Tenant) if hasattr(web, "RequestKey") else "pdkv_tenant"
+"""Where the middleware leaves a request's ``Tenant`` (``http[TENANT_KEY]``; absent without tenants)."""
 
 
 def tenant_salt(secret: str, name: str) -> str:
