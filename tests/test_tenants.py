@@ -187,6 +187,28 @@ def test_requests_without_a_tenant_are_refused_before_any_worker_sees_them(deplo
     assert urllib.request.urlopen(dep.router.url + "/health", timeout=30).status == 200  # health stays open
 
 
+def test_decode_adopts_pushed_kv_only_under_the_salt_it_was_computed_for(deployment: Deployment) -> None:
+    """Behind the router's back: P prefills under one salt and pushes; a decode request for the same tokens under
+    another salt does not adopt that KV (the Reserve's prompt key is salted) and computes the prompt itself; under
+    the same salt it adopts it."""
+    dep = deployment
+    info = json.loads(get_text(dep.decode.url + "/pdkv/info"))
+    d_before = get_text(dep.decode.url + "/metrics")
+    for tid, d_salt in (("t-other", "salt-b"), ("t-same", "salt-a")):
+        push = {"do_remote_decode": True, "remote_host": info["remote_host"], "remote_port": info["remote_port"], "transfer_id": tid}
+        body = {"prompt": ONLY_A, "max_tokens": 1, "temperature": 0, "cache_salt": "salt-a", "kv_transfer_params": push}
+        answer = post_json(dep.prefill.url + "/v1/completions", body)
+        post_json(dep.decode.url + "/v1/completions", {**body, "max_tokens": 2, "cache_salt": d_salt, "kv_transfer_params": answer["kv_transfer_params"]})
+    d_after = get_text(dep.decode.url + "/metrics")
+
+    def grew(name: str, **labels: str) -> float:
+        return metric(d_after, name, **labels) - metric(d_before, name, **labels)
+
+    assert grew("pdkv_fallbacks_total", reason="prompt_mismatch") == 1
+    assert grew("pdkv_prompt_tokens_total", source="transferred") == len(ONLY_A)  # only the same-salt one
+    assert grew("pdkv_prompt_tokens_total", source="computed") == len(ONLY_A)
+
+
 # -- the admission rules, unit by unit ------------------------------------------------------------------
 def tenants(**router: Any) -> Tenants:
     config = convert_config({"secret": "s3cret", "router": {"tenants": [{"name": "a", "api_key": KEY_A}, {"name": "b", "api_key": KEY_B, "max_concurrent_requests": 1}], **router}})

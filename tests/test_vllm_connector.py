@@ -22,7 +22,7 @@ from pdkv.config import convert_config
 from pdkv.errors import ConfigError, LayoutError
 from pdkv.integration.vllm.kvcache import copy_blocks, cpu_cache_layout
 from pdkv.integration.vllm.metadata import StepMetadata
-from pdkv.integration.vllm.params import Pushed, prompt_key, push_target, pushed
+from pdkv.integration.vllm.params import Pushed, cache_salt, prompt_key, push_target, pushed
 from pdkv.integration.vllm.scheduler_side import SchedulerSide
 from pdkv.integration.vllm.worker_side import WorkerSide
 from pdkv.keys import PromptKeys, chunk_keys
@@ -216,6 +216,9 @@ def test_vllm_cache_salt_partitions_the_tier_and_the_pushed_prompt() -> None:
     same = request("s3", prompt, {**pushed_params(prompt), "prompt_key": prompt_key(prompt, FP, 64, "tenant-b")})
     same.cache_salt = "tenant-b"
     assert s.num_new_matched_tokens(same, 0) == (130, True)
+    long = request("s4", prompt, None)  # vLLM bounds no salt: a long one is keyed by its digest, never dropped
+    long.cache_salt = "x" * 1000
+    assert cache_salt(long).startswith("sha256:") and cache_salt(long) != cache_salt(request("s5", prompt, None)) == ""
 
 
 def test_decode_side_fully_cached_locally_discards_the_pushed_copy() -> None:

@@ -9,13 +9,14 @@ trusted. Unknown keys pass (vLLM's own proxies add theirs).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
-from pdkv.keys import check_salt, chunk_keys
+from pdkv.keys import MAX_SALT_CHARS, check_salt, chunk_keys
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,12 @@ def prompt_key(tokens: Any, fingerprint: str, chunk_size: int, salt: str = "") -
 
 def cache_salt(request: Any) -> str:
     """vLLM's ``Request.cache_salt`` ("" when unset): pdkv keys the request's chunks under it, as vLLM's own
-    prefix cache hashes it into the request's first block, so the tier and the pushed KV stay in its partition."""
+    prefix cache hashes it into the request's first block, so the tier and the pushed KV stay in its partition.
+    vLLM bounds no salt's length; one longer than pdkv's keys take is keyed by its SHA-256 (every instance
+    alike), never dropped."""
     salt = getattr(request, "cache_salt", None)
-    return check_salt(salt) if salt else ""
+    if not salt:
+        return ""
+    if isinstance(salt, str) and len(salt) > MAX_SALT_CHARS:
+        return "sha256:" + hashlib.sha256(salt.encode("utf-8", "surrogatepass")).hexdigest()
+    return check_salt(salt)
