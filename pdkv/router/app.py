@@ -43,7 +43,7 @@ from pdkv.router.modes import make_mode
 from pdkv.router.policy import describe_prompt, make_policy
 from pdkv.router.pool import ROLES, Role, WorkerPool
 from pdkv.router.proxy import Proxy
-from pdkv.router.tenants import Tenants, client_cache_salt
+from pdkv.router.tenants import Tenants, request_salt
 from pdkv.web import application, bearer_middleware, error_response, read_json
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ class Router:
         body = await read_json(http, self.http)
         if not isinstance(body, dict) or not ("prompt" in body or "messages" in body):
             raise RequestError(f'expected a JSON body with a "prompt" (text or token ids) or "messages", got {body!r:.200}')
-        salt = self.tenants.scope(http, body) if self.tenants is not None else client_cache_salt(body)
+        salt = request_salt(self.tenants, http, body)
         prompt = await asyncio.to_thread(describe_prompt, body, "messages" in body, self.config, self.tokenizer, salt)
         if prompt.kind != "ids":
             raise RequestError("the prompt is text and router.tokenizer is not set: send token ids, or configure the tokenizer", param="prompt")

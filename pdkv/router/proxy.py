@@ -54,7 +54,7 @@ from pdkv.router.metrics import ROLE, RouterMetrics
 from pdkv.router.modes import PairMode, decode_body, prefill_body
 from pdkv.router.policy import Policy, Prompt, describe_prompt
 from pdkv.router.pool import Role, WorkerPool, WorkerState, describe
-from pdkv.router.tenants import Tenants, client_cache_salt
+from pdkv.router.tenants import Tenants, request_salt
 from pdkv.web import error_response, read_json
 
 if TYPE_CHECKING:
@@ -110,12 +110,9 @@ class Proxy:
         if not isinstance(body, dict):
             return error_response(400, "the request body must be a JSON object")
         headers = {"X-Request-Id": uuid.uuid4().hex}
-        if self.tenants is not None:  # the salt replaces the client's; a tenant's key never goes to a worker
-            salt = self.tenants.scope(http, body)
-        else:
-            salt = client_cache_salt(body)
-            if "Authorization" in http.headers:  # workers started with an API key (vLLM's --api-key) want the client's
-                headers["Authorization"] = http.headers["Authorization"]
+        salt = request_salt(self.tenants, http, body)  # with tenants, the body's cache_salt is the router's now
+        if self.tenants is None and "Authorization" in http.headers:  # workers started with an API key (vLLM's --api-key)
+            headers["Authorization"] = http.headers["Authorization"]  # want the client's; a tenant's key never goes to a worker
         if self.tokenizer is None:
             prompt = describe_prompt(body, chat, self.config, salt=salt)
         else:  # a long prompt takes milliseconds to encode: off the event loop

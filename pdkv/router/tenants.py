@@ -158,9 +158,12 @@ class Tenants:
         return salt
 
 
-def client_cache_salt(body: dict[str, Any]) -> str:
-    """Without tenants: the client's ``cache_salt`` as the workers will take it ("" when it is none they take:
-    they refuse it, and the router's index must not key by it)."""
+def request_salt(tenants: Tenants | None, http: web.Request, body: dict[str, Any]) -> str:
+    """The cache salt of a generation or KV-index body: its tenant's (``Tenants.scope``, which rewrites the body);
+    without tenants the client's ``cache_salt`` as the workers will take it ("" when it is none they take: they
+    refuse it, and the router's index must not key by it)."""
+    if tenants is not None:
+        return tenants.scope(http, body)
     given = body.get("cache_salt")
     return given if isinstance(given, str) and 0 < len(given) <= MAX_SALT_CHARS else ""
 
