@@ -28,6 +28,14 @@ tokens
     (whose chunk there holds more tokens, so has another key). Keys depend on
     ``fingerprint`` (same weights and KV dtype: ``pdkv.keys.model_fingerprint``)
     and ``chunk_size``: engines that differ in either never share a chunk.
+salt
+    Keyword ``salt=`` on every call (vLLM's ``cache_salt``; a tenant's, see
+    ``pdkv.router.tenants``): the keys chain from a root of that salt, so
+    calls under different salts share no chunk at any level (memory, disk,
+    Redis, Redis Cluster all address chunks by key alone). None or ``""``:
+    unsalted, today's keys. Given ``PromptKeys``, ``salt`` must be theirs
+    (``CacheRequestError`` otherwise: a call is never served from another
+    partition than the one it names); None takes theirs.
 mask
     ``None`` (every token) or a 1-D ``torch.bool`` tensor with one entry per
     token, False for a prefix and True for the rest (``FFF...TTT``): the False
@@ -111,7 +119,7 @@ import torch
 from pdkv import native
 from pdkv.config import TierConfig, convert_config
 from pdkv.errors import CacheRequestError, ConfigError, PdkvError
-from pdkv.keys import DEFAULT_CHUNK_SIZE, PromptKeys
+from pdkv.keys import DEFAULT_CHUNK_SIZE, PromptKeys, check_salt
 from pdkv.layout import BlockTable, KVLayout, used_blocks
 from pdkv.tier import CacheTier, TieredCache, TierStats, build_tier
 
@@ -174,13 +182,18 @@ class KVCacheEngine:
         self._closed = False
 
     # -- the contract ---------------------------------------------------------------
-    def keys(self, tokens: Tokens) -> PromptKeys:
-        """``tokens`` keyed as this engine keys them (checked against its fingerprint and chunk size when already keyed)."""
+    def keys(self, tokens: Tokens, salt: str | None = None) -> PromptKeys:
+        """``tokens`` keyed as this engine keys them, under ``salt`` (None: unsalted, or the keys' own salt);
+        already keyed, checked against the engine's fingerprint and chunk size and against ``salt``."""
+        if salt is not None:
+            check_salt(salt)
         if isinstance(tokens, PromptKeys):
             if (tokens.fingerprint, tokens.chunk_size) != (self.fingerprint, self.chunk_size):
                 raise CacheRequestError(
                     f"keys made for fingerprint {tokens.fingerprint!r} and chunk_size {tokens.chunk_size}; this engine's are {self.fingerprint!r} and {self.chunk_size}"
                 )
+            if salt is not None and salt != tokens.salt:  # never served under another partition than the one asked for
+                raise CacheRequestError(f"keys made under cache salt {tokens.salt!r}; the call names salt {salt!r}")
             return tokens
         if isinstance(tokens, torch.Tensor):
             ids = tokens.detach().cpu().numpy()
@@ -191,19 +204,19 @@ class KVCacheEngine:
                 raise CacheRequestError(f"tokens must be a 1-D sequence of token ids, got {type(tokens).__name__} ({exc})") from None
         if ids.ndim != 1 or (ids.size and (ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer))):
             raise CacheRequestError(f"tokens must be a 1-D sequence of integer token ids, got shape {ids.shape} of {ids.dtype}")
-        return PromptKeys.of(ids.astype(np.int64, copy=False), self.fingerprint, self.chunk_size)
+        return PromptKeys.of(ids.astype(np.int64, copy=False), self.fingerprint, self.chunk_size, salt or "")
 
-    def lookup(self, tokens: Tokens) -> int:
+    def lookup(self, tokens: Tokens, *, salt: str | None = None) -> int:
         """How many leading tokens are cached (what ``retrieve`` would load), without loading them."""
         self._check_open()
-        keyed = self.keys(tokens)
+        keyed = self.keys(tokens, salt)
         held = self.tier.contains(keyed.keys[: self._num_chunks(keyed)])
         return min(held * self.chunk_size, keyed.num_tokens)
 
-    def store(self, tokens: Tokens, kv_buffer: Sequence[torch.Tensor], block_table: BlockTable, mask: torch.Tensor | None = None) -> int:
+    def store(self, tokens: Tokens, kv_buffer: Sequence[torch.Tensor], block_table: BlockTable, mask: torch.Tensor | None = None, *, salt: str | None = None) -> int:
         """Put the chunks the mask selects into the tiers (memory now, the rest behind); return the tokens put."""
         self._check_open()
-        keyed = self.keys(tokens)
+        keyed = self.keys(tokens, salt)
         start = self._mask_start(mask, keyed.num_tokens, "store")
         if start % self.chunk_size:
             raise CacheRequestError(
@@ -221,10 +234,12 @@ class KVCacheEngine:
         self.tier.put([keyed.keys[i] for i in todo], chunks, [keyed.keys[i - 1] if i else None for i in todo])  # parents: for tier.memory_policy prefix
         return sum(spans[i][1] for i in todo)
 
-    def retrieve(self, tokens: Tokens, kv_buffer: Sequence[torch.Tensor], block_table: BlockTable, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def retrieve(
+        self, tokens: Tokens, kv_buffer: Sequence[torch.Tensor], block_table: BlockTable, mask: torch.Tensor | None = None, *, salt: str | None = None
+    ) -> torch.Tensor:
         """Load the longest cached run of chunks from the first True token into the buffer; return the mask of tokens written."""
         self._check_open()
-        keyed = self.keys(tokens)
+        keyed = self.keys(tokens, salt)
         start = self._mask_start(mask, keyed.num_tokens, "retrieve")
         self._check_buffer(kv_buffer, block_table, keyed.num_tokens)
         loaded = torch.zeros(keyed.num_tokens, dtype=torch.bool)

@@ -7,6 +7,8 @@ so a bad config fails at start instead of deep inside a transfer.
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import os
 import re
 from pathlib import Path
@@ -127,6 +129,29 @@ class KVEventSource(msgspec.Struct, forbid_unknown_fields=True):
     curve_server_key: str = ""  # the worker's CURVE public key, when it is not router.kv_events_curve_server_key
 
 
+class TenantConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """One tenant of a shared router (pdkv/router/tenants.py): who it is, how it proves it, what it may hold.
+
+    ``api_key`` (the key itself) or ``api_key_sha256`` (its SHA-256, hex: the config then holds no key); a
+    tenant with neither is reached only through the trusted gateway (``router.tenant_header``).
+    ``max_concurrent_requests``: requests of this tenant in the router at once (beyond: 429); 0: no bound.
+    ``max_tokens``: the most tokens one request may generate (beyond: 400; a request that names none is given
+    this many); 0: no bound.
+    """
+
+    name: Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+    api_key: Annotated[str, Meta(pattern=r"^$|^[\x21-\x7e]{16,256}$")] = ""
+    api_key_sha256: Annotated[str, Meta(pattern=r"^$|^[0-9a-f]{64}$")] = ""
+    max_concurrent_requests: Annotated[int, Meta(ge=0)] = 0
+    max_tokens: Annotated[int, Meta(ge=0)] = 0
+
+    def key_digest(self) -> bytes:
+        """The SHA-256 of this tenant's API key (b"" when it has none): what a presented key is compared with."""
+        if self.api_key_sha256:
+            return bytes.fromhex(self.api_key_sha256)
+        return hashlib.sha256(self.api_key.encode()).digest() if self.api_key else b""
+
+
 class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     """What ``pdkv launch --role router`` fronts and how (see pdkv/router/__init__.py).
 
@@ -194,6 +219,35 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     kv_shared_blocks: Positive = 1 << 20  # blocks of the shared tier the index remembers (LRU)
     # Prefill cost = prompt tokens not cached on the worker + prefix_load_weight * tokens it has in flight.
     prefix_load_weight: Annotated[float, Meta(ge=0)] = 1.0
+    # Tenants (pdkv/router/tenants.py): when set, every /v1/ request names its tenant with
+    # "Authorization: Bearer <api_key>" (401 otherwise), and its KV lives in the tenant's cache partition, a salt
+    # derived from tenant_salt_secret (else the top-level secret) and the tenant's name.
+    tenants: list[TenantConfig] = msgspec.field(default_factory=list)
+    tenant_salt_secret: str = ""
+    # A trusted gateway that authenticates in front of the router names the tenant in this header; it is taken
+    # only from these addresses or networks (CIDR), and a request carrying it from anywhere else is refused (403).
+    tenant_header: Annotated[str, Meta(pattern=r"^$|^[A-Za-z0-9-]{1,64}$")] = ""
+    tenant_header_from: list[str] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"router.tenants names must be unique, got {names}")
+        digests = [t.key_digest() for t in self.tenants if t.api_key or t.api_key_sha256]
+        if len(set(digests)) != len(digests):
+            raise ValueError("two router.tenants have the same API key: a key must name one tenant")
+        for t in self.tenants:
+            if t.api_key and t.api_key_sha256:
+                raise ValueError(f"router.tenants {t.name!r}: set api_key or api_key_sha256, not both")
+            if not (t.api_key or t.api_key_sha256 or self.tenant_header):
+                raise ValueError(f"router.tenants {t.name!r} has no api_key or api_key_sha256, and no tenant_header names tenants: no request could reach it")
+        if self.tenant_header and not (self.tenants and self.tenant_header_from):
+            raise ValueError("router.tenant_header needs router.tenants and router.tenant_header_from (the gateway's addresses)")
+        for net in self.tenant_header_from:
+            try:
+                ipaddress.ip_network(net, strict=False)
+            except ValueError:
+                raise ValueError(f"router.tenant_header_from: {net!r} is not an IP address or network (CIDR)") from None
 
 
 class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -309,16 +363,30 @@ class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
 _PATH = re.compile(r"at `\$((?:\.\w+|\[\d+\])*)`")
 
 
+# Fields whose values an error message never repeats: it goes to logs and terminals.
+_SECRET_FIELDS = frozenset({"secret", "api_key", "admin_token", "tenant_salt_secret"})
+
+
+def _redacted(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: "<redacted>" if k in _SECRET_FIELDS else _redacted(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_redacted(v) for v in node]
+    return node
+
+
 def _lookup(raw: Any, path: str) -> Any:
-    """Follow a msgspec error path like ``.transfer.chunk_size`` into the raw mapping."""
+    """Follow a msgspec error path like ``.transfer.chunk_size`` into the raw mapping (secrets redacted)."""
     node = raw
     for part in re.findall(r"\.(\w+)|\[(\d+)\]", path):
         key = part[0] if part[0] else int(part[1])
+        if key in _SECRET_FIELDS:
+            return "<redacted>"
         try:
             node = node[key]
         except (KeyError, IndexError, TypeError):
             return "<missing>"
-    return node
+    return _redacted(node)
 
 
 def convert_config(raw: dict[str, Any], source: str = "config") -> PdkvConfig:
@@ -339,6 +407,8 @@ def convert_config(raw: dict[str, Any], source: str = "config") -> PdkvConfig:
     why = codec_class(config.transfer.codec).unsupported_dtype(config.dtype) if config.transfer.codec != "none" else None
     if why and config.engine == "reference":  # vLLM's KV dtype is vLLM's: checked when the connector builds the codec
         raise ConfigError(f"{source}: field 'transfer.codec' = {config.transfer.codec!r} does not fit dtype {config.dtype!r}: {why}")
+    if config.router.tenants and not (config.router.tenant_salt_secret or config.secret):
+        raise ConfigError(f"{source}: field 'router.tenants' needs a secret to derive each tenant's cache salt from: set router.tenant_salt_secret or the top-level secret")
     if "secret" in config.channel.options:  # one secret for both planes; ``channel_options`` hands it to the channel
         raise ConfigError(f"{source}: field 'channel.options.secret' is not an option: set the top-level `secret`, which guards the channel too")
     return config

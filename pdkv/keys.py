@@ -5,6 +5,12 @@ token ids), so equal prefixes give equal keys in every process, on every
 machine and across restarts. Python's builtin ``hash`` is salted per
 process (PYTHONHASHSEED) and must never be used here: LMCache users lost
 every cross-process cache hit to exactly that.
+
+A cache salt (vLLM's ``cache_salt``; per tenant, derived by the router:
+``pdkv.router.tenants``) goes into the root the chain starts from, so two
+salts share no key at all, not even a first chunk's: nothing one tenant
+stores can be found, timed or announced under another tenant's prompt. The
+empty salt is today's root, byte for byte, so unsalted keys never moved.
 """
 
 from __future__ import annotations
@@ -34,8 +40,24 @@ def model_fingerprint(model_id: str, config: Mapping[str, Any] | None = None, dt
     return hashlib.blake2b(blob.encode(), digest_size=8).hexdigest()
 
 
-def _root(fingerprint: str) -> bytes:
-    return xxhash.xxh3_128_digest(b"pdkv/root/" + fingerprint.encode())
+MAX_SALT_CHARS = 256
+"""The longest cache salt taken: a tenant's is 64 hex digits; more is a client sending a document."""
+
+
+def check_salt(salt: object) -> str:
+    """``salt`` if it is a cache salt (a string of at most ``MAX_SALT_CHARS``); ``CacheRequestError`` otherwise."""
+    if not isinstance(salt, str) or len(salt) > MAX_SALT_CHARS:
+        raise CacheRequestError(f"a cache salt is a string of at most {MAX_SALT_CHARS} characters, got {salt!r:.80}")
+    return salt
+
+
+def _root(fingerprint: str, salt: str = "") -> bytes:
+    """The parent of a prompt's first chunk: per model and, when salted, per salt (length-prefixed, so
+    no fingerprint/salt pair can spell another)."""
+    if not salt:
+        return xxhash.xxh3_128_digest(b"pdkv/root/" + fingerprint.encode())
+    fp, sb = fingerprint.encode(), check_salt(salt).encode()
+    return xxhash.xxh3_128_digest(b"pdkv/salted-root/" + len(fp).to_bytes(4, "little") + fp + len(sb).to_bytes(4, "little") + sb)
 
 
 def chunk_key(parent: bytes, fingerprint: str, tokens: Sequence[int] | np.ndarray) -> bytes:
@@ -59,11 +81,11 @@ def chunk_spans(num_tokens: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterat
         yield start, min(chunk_size, num_tokens - start)
 
 
-def chunk_keys(tokens: Sequence[int] | np.ndarray, fingerprint: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[bytes]:
-    """Keys of every chunk of ``tokens``, a partial last chunk included."""
+def chunk_keys(tokens: Sequence[int] | np.ndarray, fingerprint: str, chunk_size: int = DEFAULT_CHUNK_SIZE, salt: str = "") -> list[bytes]:
+    """Keys of every chunk of ``tokens``, a partial last chunk included, chained from ``salt``'s root."""
     arr = np.asarray(tokens, dtype=np.int64)
     keys: list[bytes] = []
-    parent = _root(fingerprint)
+    parent = _root(fingerprint, salt)
     for start, length in chunk_spans(len(arr), chunk_size):
         parent = chunk_key(parent, fingerprint, arr[start : start + length])
         keys.append(parent)
@@ -79,14 +101,15 @@ class PromptKeys:
     LMCache's ``hashes``/``offsets`` arguments are for), and a process that
     never sees the tokens can still address the cache: vLLM's scheduler keys
     each prompt and sends its workers the keys (16 bytes a chunk), not the
-    tokens. ``chunk_size`` and ``fingerprint`` travel with the keys so an
-    engine refuses keys made for another model or chunking.
+    tokens. ``chunk_size``, ``fingerprint`` and ``salt`` travel with the keys
+    so an engine refuses keys made for another model, chunking or salt.
     """
 
     keys: tuple[bytes, ...]
     num_tokens: int
     chunk_size: int
     fingerprint: str
+    salt: str = ""
 
     def __post_init__(self) -> None:
         if self.chunk_size <= 0:
@@ -99,11 +122,12 @@ class PromptKeys:
         for key in self.keys:
             if len(key) != KEY_BYTES:
                 raise CacheRequestError(f"a chunk key is {KEY_BYTES} bytes (pdkv.keys.chunk_keys), got {len(key)}")
+        check_salt(self.salt)
 
     @classmethod
-    def of(cls, tokens: Sequence[int] | np.ndarray, fingerprint: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> PromptKeys:
-        """Key ``tokens`` (``chunk_keys``)."""
-        return cls(tuple(chunk_keys(tokens, fingerprint, chunk_size)), len(tokens), chunk_size, fingerprint)
+    def of(cls, tokens: Sequence[int] | np.ndarray, fingerprint: str, chunk_size: int = DEFAULT_CHUNK_SIZE, salt: str = "") -> PromptKeys:
+        """Key ``tokens`` (``chunk_keys``) under ``salt``."""
+        return cls(tuple(chunk_keys(tokens, fingerprint, chunk_size, salt)), len(tokens), chunk_size, fingerprint, salt)
 
     def prefix(self, num_tokens: int) -> PromptKeys:
         """The keys of the first ``num_tokens`` tokens: whole chunks, or all of them (a shorter partial

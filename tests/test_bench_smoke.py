@@ -65,6 +65,10 @@ def test_bench_prints_its_ratio_against_a_same_run_baseline_and_draws_it(name: s
         if "--tls" in args and row.get("device", "cpu") == "cpu":  # the TLS numbers beside the clear host row, same rounds
             assert _finite(row.get("tls_ratio")) and row["tls_ratio"] > 0 and _finite(row.get("tls_gbps")), row
     assert picture.read_bytes()[:8] == PNG
+    if name == "ttft":  # tenant B's run of A's stored prompt loads nothing; A's own again loads all it can
+        by_case = {r["case"]: r for r in rows}
+        assert by_case["other tenant"]["loaded_tokens"] == 0 == report["tenants"]["other_tenant_loaded_tokens"]
+        assert by_case["same tenant"]["loaded_tokens"] == by_case["memory"]["loaded_tokens"] > 0
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:

@@ -258,6 +258,33 @@ def test_each_level_serves_what_another_engine_stored(level: tuple[str, dict[str
     assert torch.equal(kv(LAYOUT, dst, dst_table, 0, 56), kv(LAYOUT, src, src_table, 0, 56))
 
 
+def test_a_salt_partitions_every_level(level: tuple[str, dict[str, Any]], source: tuple[list[torch.Tensor], list[int]]) -> None:
+    """Stored under one salt, a prompt is found under that salt only: not unsalted, not under another salt,
+    whichever level serves it (every level addresses chunks by key alone, and the salt is in every key)."""
+    name, tier = level
+    src, src_table = source
+    tokens = prompt(56)
+    writer = engine(**tier)
+    try:
+        assert writer.store(tokens, src, src_table, salt="tenant-a") == 56
+        assert writer.flush(10)
+    finally:
+        if name != "memory":
+            writer.close()
+    reader = writer if name == "memory" else engine(**tier)
+    with reader:
+        assert reader.lookup(tokens) == 0
+        assert reader.lookup(tokens, salt="tenant-b") == 0
+        dst, dst_table = nan_buffer(LAYOUT), table(LAYOUT, 56, 16)
+        assert not reader.retrieve(tokens, dst, dst_table, salt="tenant-b").any()
+        assert untouched(LAYOUT, dst, dst_table, 0, 56)
+        assert reader.stats()[name].hits == 0
+        assert reader.lookup(tokens, salt="tenant-a") == 56
+        assert reader.retrieve(PromptKeys.of(tokens, FP, CS, "tenant-a"), dst, dst_table).all()
+        assert reader.stats()[name].hits == 4
+    assert torch.equal(kv(LAYOUT, dst, dst_table, 0, 56), kv(LAYOUT, src, src_table, 0, 56))
+
+
 def test_store_does_not_wait_for_a_hung_redis(redis_server: LocalRedis, source: tuple[list[torch.Tensor], list[int]]) -> None:
     """The redis-server is stopped (SIGSTOP) while a prompt is stored: store returns with the chunks in memory
     and queued for Redis; flush cannot finish until the server runs again, then another engine finds them there."""
@@ -294,6 +321,10 @@ def test_keyed_prompts_stand_for_their_tokens_and_must_match_the_engine(source: 
             cache.lookup(PromptKeys.of(tokens, FP, 8))
         with pytest.raises(CacheRequestError, match="3 chunk keys, got 2"):
             PromptKeys(keyed.keys[:2], 40, CS, FP)
+        with pytest.raises(CacheRequestError, match="keys made under cache salt 'a'; the call names salt 'b'"):
+            cache.lookup(PromptKeys.of(tokens, FP, CS, "a"), salt="b")
+        with pytest.raises(CacheRequestError, match="cache salt"):
+            cache.store(tokens, src, src_table, salt=b"bytes")  # type: ignore[arg-type]
 
 
 def test_bad_tokens_buffers_and_tables_are_refused_with_what_is_wrong(source: tuple[list[torch.Tensor], list[int]]) -> None:

@@ -136,6 +136,8 @@ BAD = [
     ("top-logprobs-alone", "chat", chat("hi", top_logprobs=2), 400, "top_logprobs"),
     ("presence-penalty", "completions", {"prompt": "hi", "max_tokens": 2, "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("unknown-model", "completions", {"prompt": "hi", "max_tokens": 2, "model": "gpt-5"}, 404, "model"),
+    ("cache-salt-int", "completions", {"prompt": "hi", "max_tokens": 2, "cache_salt": 7}, 400, "cache_salt"),
+    ("cache-salt-empty", "chat", chat("hi", cache_salt=""), 400, "cache_salt"),
     ("not-json", "completions", b'{"prompt": "hi",', 400, None),
     ("prompt-past-the-context", "completions", {"prompt": "x" * 100_000, "max_tokens": 2}, 400, "prompt"),
     ("body-too-large", "completions", {"prompt": "x" * (300 << 10)}, 413, None),

@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from pdkv.errors import ConfigError
-from pdkv.keys import chunk_keys, chunk_spans, model_fingerprint
+from pdkv.errors import CacheRequestError, ConfigError
+from pdkv.keys import MAX_SALT_CHARS, PromptKeys, chunk_keys, chunk_spans, model_fingerprint
 
 TOKENS = [(i * 7919) % 50000 for i in range(1000)]
 
@@ -55,3 +55,24 @@ def test_fingerprint_separates_models_and_chunk_size_changes_keys() -> None:
 def test_bad_chunk_size_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="chunk_size"):
         chunk_keys(TOKENS, "fp", 0)
+
+
+def test_unsalted_keys_are_todays_bytes() -> None:
+    # Pinned from the keys before salts existed: every cache already written keeps its keys.
+    assert chunk_keys([1, 2, 3, 4, 5], "fp", 2)[-1].hex() == "710021df9680928271988a2fcc8031ce"
+    assert chunk_keys([1, 2, 3, 4, 5], "fp", 2, "") == chunk_keys([1, 2, 3, 4, 5], "fp", 2)
+
+
+def test_salted_keys_share_nothing_with_other_salts() -> None:
+    plain, a, b = (set(chunk_keys(TOKENS, "fp", 256, salt)) for salt in ("", "tenant-a", "tenant-b"))
+    assert not plain & a and not a & b and not plain & b  # not even the first chunk's key
+    assert chunk_keys(TOKENS, "fp", 256, "tenant-a") == chunk_keys(TOKENS, "fp", 256, "tenant-a")
+    # length-prefixed: moving characters between fingerprint and salt gives another root
+    assert chunk_keys([1], "fpx", 4, "y") != chunk_keys([1], "fp", 4, "xy")
+
+
+def test_bad_salt_is_refused() -> None:
+    with pytest.raises(CacheRequestError, match="cache salt"):
+        chunk_keys([1], "fp", 4, "s" * (MAX_SALT_CHARS + 1))
+    with pytest.raises(CacheRequestError, match="cache salt"):
+        PromptKeys.of([1], "fp", 4, 7)  # type: ignore[arg-type]

@@ -69,7 +69,7 @@ def test_index_matches_the_longest_cached_prefix_and_keeps_only_what_a_prompt_ca
     # after them), other KV cache groups, a block whose parent is unknown, an event whose sizes do not add up
     index.apply("p3", batch(
         stored([h("c", 0)], None, TOKENS[:4], lora_id=7),
-        stored([h("c", 1), h("c", 2)], None, TOKENS[:8], extra_keys=[("salt",), None]),
+        stored([h("c", 1), h("c", 2)], None, TOKENS[:8], extra_keys=[("mm-hash", 0), None]),
         stored([h("c", 3)], None, TOKENS[:4], group_idx=1),
         stored([h("c", 4)], h("nope", 0), TOKENS[4:8]),
         stored([h("c", 5), h("c", 6)], None, TOKENS[:7]),
@@ -85,6 +85,24 @@ def test_index_matches_the_longest_cached_prefix_and_keeps_only_what_a_prompt_ca
     index.apply("p1", batch(AllBlocksCleared()))
     assert index.match(TOKENS, ["p1"]) == {"p1": 0}
     assert chain_hashes(TOKENS, BS)[:2] == chain_hashes(TOKENS[:8], BS)
+
+
+def test_index_matches_salted_blocks_only_under_their_salt() -> None:
+    """A prompt's first block announced with extra keys ``(salt,)`` (how vLLM and pdkv's workers announce a
+    cache salt) chains from that salt: a prompt with the same tokens matches it only under the same salt."""
+    index = PrefixIndex()
+    index.track("p1")
+    index.apply("p1", batch(
+        stored([h("a", 0), h("a", 1)], None, TOKENS[:8], extra_keys=[("tenant-a",), None]),
+        stored([h("a", 2)], h("a", 1), TOKENS[8:12]),  # a later event chains on under the salt
+    ))
+    assert index.match(TOKENS, ["p1"], salt="tenant-a") == {"p1": 12}
+    assert index.match(TOKENS, ["p1"]) == {"p1": 0}
+    assert index.match(TOKENS, ["p1"], salt="tenant-b") == {"p1": 0}
+    index.apply("p1", batch(stored([h("u", 0)], None, TOKENS[:4])))  # the same tokens unsalted: a block of its own
+    assert index.match(TOKENS, ["p1"]) == {"p1": 4}
+    assert index.match(TOKENS, ["p1"], salt="tenant-a") == {"p1": 12}
+    assert index.stats.skipped == 0
 
 
 def test_batches_round_trip_and_garbage_is_refused() -> None:

@@ -136,7 +136,7 @@ class _Index:
     def __init__(self, cached: dict[str, int]) -> None:
         self.cached = cached
 
-    def cached_tokens(self, tokens: np.ndarray, candidates: list[WorkerState]) -> dict[str, int]:
+    def cached_tokens(self, tokens: np.ndarray, candidates: list[WorkerState], salt: str = "") -> dict[str, int]:
         return {w.url: self.cached[w.url] for w in candidates if w.url in self.cached}
 
 

@@ -189,7 +189,7 @@ def test_router_config_errors_name_field_value_and_expectation() -> None:
 
 
 def test_shipped_router_configs_are_valid() -> None:
-    for name in ("router.yaml", "xpyd-router.yaml"):
+    for name in ("router.yaml", "xpyd-router.yaml", "tenants-router.yaml"):
         cfg = load_config(Path(__file__).parent.parent / "launch" / "configs" / name, {"role": "router"}).router
         assert cfg.prefill and cfg.decode
 

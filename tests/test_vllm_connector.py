@@ -27,7 +27,7 @@ from pdkv.integration.vllm.worker_side import WorkerSide
 from pdkv.keys import PromptKeys, chunk_keys
 from pdkv.layout import gather
 from pdkv.tier.base import HEADER_BYTES, leading
-from pdkv.transfer.params import Pushed, prompt_key, push_target, pushed
+from pdkv.transfer.params import Pushed, cache_salt, prompt_key, push_target, pushed
 
 from conftest import wait_until
 
@@ -197,6 +197,28 @@ def test_decode_side_refuses_kv_of_another_prompt_and_frees_it() -> None:
     assert s.build(sched_output()).discards == ["t-9"]
     longer = request("d3", prompt[:50], pushed_params(prompt))  # claims more tokens than the prompt has
     assert s.num_new_matched_tokens(longer, 0) == (0, False)
+
+
+def test_vllm_cache_salt_partitions_the_tier_and_the_pushed_prompt() -> None:
+    """vLLM's ``Request.cache_salt`` keys the request's chunks: the tier is asked under that salt only, and KV
+    pushed for the same tokens under another salt (or none) is not adopted."""
+    asked: list[PromptKeys] = []
+    s = SchedulerSide(FP, 64, is_producer=False, is_consumer=True, tier_lookup=lambda pk: asked.append(pk) or 0)
+    prompt = list(range(130))
+    salted = request("s1", prompt, None)
+    salted.cache_salt = "tenant-a"
+    s.num_new_matched_tokens(salted, 0)
+    assert [pk.keys for pk in asked] == [tuple(chunk_keys(prompt, FP, 64, "tenant-a")[:2])]
+    cross = request("s2", prompt, pushed_params(prompt))  # P prefilled it unsalted
+    cross.cache_salt = "tenant-b"
+    assert s.num_new_matched_tokens(cross, 0) == (0, False)
+    assert s.rejected_prompts == 1
+    same = request("s3", prompt, {**pushed_params(prompt), "prompt_key": prompt_key(prompt, FP, 64, "tenant-b")})
+    same.cache_salt = "tenant-b"
+    assert s.num_new_matched_tokens(same, 0) == (130, True)
+    long = request("s4", prompt, None)  # vLLM bounds no salt: a long one is keyed by its digest, never dropped
+    long.cache_salt = "x" * 1000
+    assert cache_salt(long).startswith("sha256:") and cache_salt(long) != cache_salt(request("s5", prompt, None)) == ""
 
 
 def test_decode_side_fully_cached_locally_discards_the_pushed_copy() -> None:

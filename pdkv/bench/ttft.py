@@ -13,7 +13,12 @@ Three measurements, one run, one JSON object:
    its ratio is over the baseline's median. Each cached run must give the
    baseline's first token and bit-identical KV. The chunk holding the last
    token is always computed (``pdkv.worker.tiering``), so at best 7 of 8
-   chunks are loaded.
+   chunks are loaded. Two tenants (salts as ``pdkv.router.tenants`` derives
+   them) then share one more tier per round: tenant A's run stores the
+   prompt, tenant B sends the same prompt (``other tenant``: it must compute
+   every chunk, like ``cold``) and A sends it again (``same tenant``: a
+   memory hit, like ``memory``); ``tenants`` says B's TTFT over cold's and
+   A's over memory's.
 2. ``trace``: the Mooncake conversation trace (12,031 requests, prefix-chained
    512-token blocks) replayed through a ``MemoryTier`` (real keys, tiny
    values) at 2%, 9% and 36% of its distinct blocks and under every eviction
@@ -76,6 +81,7 @@ from pdkv.engine.sampling import SamplingParams
 from pdkv.errors import ConfigError, PdkvError
 from pdkv.keys import chunk_key, chunk_keys
 from pdkv.layout import KVLayout
+from pdkv.router.tenants import tenant_salt
 from pdkv.testing.http import metric
 from pdkv.testing.procs import WorkerProcess, start_configured
 from pdkv.testing.redis import INSTALL_HINT, local_redis, server_binary
@@ -165,10 +171,10 @@ class Sample:
     digests: list[str]
 
 
-def _ttft(engine: ReferenceEngine, tiering: Tiering, prompt: list[int]) -> Sample:
-    """A prefill worker's path for one prompt, timed from admission to the first token."""
+def _ttft(engine: ReferenceEngine, tiering: Tiering, prompt: list[int], salt: str = "") -> Sample:
+    """A prefill worker's path for one prompt under cache salt ``salt``, timed from admission to the first token."""
     start = time.perf_counter()
-    request = engine.new_request(prompt, SamplingParams(max_tokens=1, temperature=0))
+    request = engine.new_request(prompt, SamplingParams(max_tokens=1, temperature=0), cache_salt=salt)
     try:
         cached = tiering.load_sync(request)
         hook = tiering.offer(cached, None)
@@ -212,7 +218,10 @@ CASES = {
     "memory": "L1 hit (same process)",
     "disk": "L2 hit: fresh memory level, files dropped from the page cache (posix_fadvise) before the read",
     "redis": "remote hit: fresh memory and disk levels, redis-server on loopback TCP",
+    "other tenant": "tenant B, the prompt tenant A stored in a shared tier (memory, disk, redis): every chunk computed",
+    "same tenant": "tenant A again, same tier: L1 hit in its own partition",
 }
+TENANT_SALTS = {name: tenant_salt("bench-secret", name) for name in ("a", "b")}
 
 
 def prompt_ttft(engine: ReferenceEngine, model: str, prompt_tokens: int = PROMPT_TOKENS, repeats: int = REPEATS) -> Report:
@@ -246,6 +255,12 @@ def prompt_ttft(engine: ReferenceEngine, model: str, prompt_tokens: int = PROMPT
             if redis_url is not None:
                 with tempfile.TemporaryDirectory(dir=tmp) as fresh, _stack(engine, levels(Path(fresh), namespace)) as (tiering, _):
                     samples["redis"].append(_ttft(engine, tiering, prompt))
+            with tempfile.TemporaryDirectory(dir=tmp) as fresh, _stack(engine, levels(Path(fresh), namespace + "tenants:")) as (tiering, cache):
+                _ttft(engine, tiering, prompt, TENANT_SALTS["a"])  # tenant A's first sight: the "cold" case, salted
+                if not cache.flush(120):
+                    raise PdkvError("tenant A's chunks were not written to disk and redis within 120s")
+                samples["other tenant"].append(_ttft(engine, tiering, prompt, TENANT_SALTS["b"]))
+                samples["same tenant"].append(_ttft(engine, tiering, prompt, TENANT_SALTS["a"]))
             shutil.rmtree(disk_dir)
     off = samples["cold, tier off"]
     base = statistics.median(s.seconds for s in off)
@@ -265,7 +280,8 @@ def prompt_ttft(engine: ReferenceEngine, model: str, prompt_tokens: int = PROMPT
             "identical": all(s.first_token == off[0].first_token and s.digests == off[0].digests for s in got),
             "ratio": round(seconds / base, 4),
         })
-    cached = [r["ratio"] for r in rows if r["loaded_tokens"]]
+    cached = [r["ratio"] for r in rows if r["loaded_tokens"] and r["case"] != "same tenant"]
+    by_case = {r["case"]: r for r in rows}
     report: Report = {
         "model": f"{engine.model_name} (--model {model}), {engine.layout.dtype}",
         "prompt_tokens": prompt_tokens,
@@ -276,6 +292,11 @@ def prompt_ttft(engine: ReferenceEngine, model: str, prompt_tokens: int = PROMPT
         "cold_ttft_s": round(base, 4),
         "results": rows,
         "target": {"cached_ratio_max": TARGET_RATIO, "met": bool(cached) and max(cached) <= TARGET_RATIO},
+        "tenants": {
+            "other_tenant_over_cold": round(by_case["other tenant"]["ttft_s"] / by_case["cold"]["ttft_s"], 4),
+            "same_tenant_over_memory": round(by_case["same tenant"]["ttft_s"] / by_case["memory"]["ttft_s"], 4),
+            "other_tenant_loaded_tokens": by_case["other tenant"]["loaded_tokens"],
+        },
     }
     if redis_url is None:
         report["redis_skipped"] = f"no redis-server found: {INSTALL_HINT}"
@@ -613,6 +634,8 @@ def format_report(report: Report) -> str:
     if "results" in report:
         lines.append(f"TTFT of a {report['prompt_tokens']}-token prompt on {report['model']} (baseline, cold with the tier off: {report['cold_ttft_s']:.2f}s)")
         lines += [f"  {r['case']:<16} {r['ttft_s']:8.3f}s  ratio {r['ratio']:.3f}  loaded {r['loaded_tokens']:>5}  identical {r['identical']}" for r in report["results"]]
+        t = report["tenants"]
+        lines.append(f"  tenants: other tenant / cold {t['other_tenant_over_cold']:.3f} (loaded {t['other_tenant_loaded_tokens']}), same tenant / memory {t['same_tenant_over_memory']:.3f}")
     trace = report["trace"]
     if "skipped" in trace:
         lines.append(f"trace: skipped: {trace['skipped']}")

@@ -56,6 +56,7 @@ class Request:
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: FinishReason | None = None
     freed: bool = False
+    cache_salt: str = ""  # the cache partition its prompt's KV is stored and loaded under (pdkv.keys); "": unsalted
     generator: torch.Generator = dataclasses.field(default_factory=torch.Generator, repr=False)
 
     @property
@@ -104,7 +105,9 @@ class EngineAdapter(abc.ABC):
         self.vocab_size = vocab_size
 
     # -- requests --------------------------------------------------------------
-    def new_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+    def new_request(
+        self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None = None, request_id: str | None = None, cache_salt: str = ""
+    ) -> Request:
         """Validate a prompt and reserve blocks for its whole life (prompt + max_tokens).
 
         All or nothing, so a request admitted never runs out of KV mid-way;
@@ -115,9 +118,11 @@ class EngineAdapter(abc.ABC):
         # the last sampled token is never fed back, so it needs no KV slot
         blocks = self.allocator.allocate(self.layout.blocks_for(total - 1))
         seed = params.seed if params.seed is not None else sampling.new_seed()
-        return Request(request_id or f"req-{next(_ids)}", prompt, params, blocks, seed)
+        return Request(request_id or f"req-{next(_ids)}", prompt, params, blocks, seed, cache_salt=cache_salt)
 
-    def adopt_request(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None, blocks: Sequence[int], request_id: str | None = None) -> Request:
+    def adopt_request(
+        self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None, blocks: Sequence[int], request_id: str | None = None, cache_salt: str = ""
+    ) -> Request:
         """A request whose first blocks are ``blocks`` (already allocated here, e.g. by a transfer's receiver).
 
         The decode worker's receiver reserves blocks for the prompt only; this
@@ -130,7 +135,7 @@ class EngineAdapter(abc.ABC):
             raise EngineError(f"{len(blocks)} blocks cannot hold a {len(prompt)}-token prompt (block size {self.layout.block_size})")
         extra = self.allocator.allocate(max(0, self.layout.blocks_for(total - 1) - len(blocks)))
         seed = params.seed if params.seed is not None else sampling.new_seed()
-        return Request(request_id or f"req-{next(_ids)}", prompt, params, [*blocks, *extra], seed)
+        return Request(request_id or f"req-{next(_ids)}", prompt, params, [*blocks, *extra], seed, cache_salt=cache_salt)
 
     def free(self, request: Request) -> None:
         """Give the request's blocks back. Exactly once: a second free raises instead of corrupting the free list."""

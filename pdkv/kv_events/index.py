@@ -26,9 +26,18 @@ says so with ``BlockRemoved``, and the LRU bounds what is never
 disproved). A worker counts them as its own once it has announced one
 (it is wired to that tier).
 
+Cache salts (vLLM's ``cache_salt``; a tenant's behind pdkv's router): a
+prompt's first block announced with the extra keys ``(salt,)``, as vLLM
+and pdkv's workers announce a salted prompt, chains from a root of that
+salt, and so does every block after it. Such blocks match a prompt only
+when it is matched under the same salt (``match(..., salt=)``): one
+tenant's blocks are never counted for another's prompt, nor for an
+unsalted one.
+
 What is not indexed, because a prompt alone can never match it: blocks of
-a LoRA adapter, blocks with extra keys (multimodal inputs, a cache salt)
-and every block after one of them in the same event, KV cache groups other
+a LoRA adapter, blocks with other extra keys (multimodal inputs, a salt on
+a block that is not a prompt's first) and every block after one of them in
+the same event, KV cache groups other
 than the first (hybrid models' sliding-window groups), and a block whose
 parent the index does not know (an event was lost: ``orphans``).
 Removals are by (medium, locality): a block leaves a worker when no medium
@@ -42,6 +51,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -51,9 +61,15 @@ from pdkv.kv_events.wire import REMOTE, AllBlocksCleared, BlockRemoved, BlockSto
 MAX_BLOCK_SIZE = 1 << 16  # tokens per block; a larger one in an event is malformed
 
 
-def root_hash(block_size: int) -> int:
-    """The parent of a prompt's first block, per block size: blocks of different sizes never collide."""
-    return xxhash.xxh3_64_intdigest(b"pdkv-router-index/" + str(block_size).encode())
+def root_hash(block_size: int, salt: str = "") -> int:
+    """The parent of a prompt's first block, per block size and cache salt: blocks of different sizes or salts never collide."""
+    root = b"pdkv-router-index/" + str(block_size).encode()
+    return xxhash.xxh3_64_intdigest(root + b"/salt/" + salt.encode("utf-8", "surrogatepass") if salt else root)
+
+
+def _salt_of(extra: tuple[Any, ...] | None) -> str | None:
+    """The cache salt a prompt's first block announces in its extra keys (``(salt,)``), else None."""
+    return extra[0] if extra is not None and len(extra) == 1 and isinstance(extra[0], str) and extra[0] else None
 
 
 def _token_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
@@ -157,15 +173,18 @@ class PrefixIndex:
             self.stats.malformed += 1
             return
         shared = ev.locality == REMOTE
+        keys = list(ev.extra_keys or ())
         if ev.parent_block_hash is None:
-            parent: int | None = root_hash(size)
+            salt = _salt_of(keys[0]) if keys else None
+            if salt is not None:
+                keys[0] = None  # the salt is the root's: the block itself has no other key
+            parent: int | None = root_hash(size, salt or "")
         else:
             entry = w.ext.get(ev.parent_block_hash)
             parent = entry.index_hash if entry is not None else self._shared.get(ev.parent_block_hash)
         if parent is None:
             self.stats.orphans += n
             return
-        keys = ev.extra_keys or ()
         usable = next((i for i, k in enumerate(keys) if k is not None), n)
         self.stats.skipped += n - usable
         hashes = chain_hashes(ev.token_ids, size, parent, usable)
@@ -239,9 +258,9 @@ class PrefixIndex:
     def tracks(self, worker: str) -> bool:
         return worker in self.workers
 
-    def match(self, tokens: Sequence[int] | np.ndarray, workers: Iterable[str]) -> dict[str, int]:
+    def match(self, tokens: Sequence[int] | np.ndarray, workers: Iterable[str], salt: str = "") -> dict[str, int]:
         """For each known worker of ``workers``: how many leading tokens of the prompt its cache holds
-        (its own blocks, or the shared tier's when it reads that tier).
+        (its own blocks, or the shared tier's when it reads that tier), under cache salt ``salt``.
 
         The prompt is hashed block by block only as far as some worker still matches: a lookup costs the
         longest cached prefix among the workers, not the prompt's length.
@@ -260,7 +279,7 @@ class PrefixIndex:
         data = _token_bytes(tokens)
         shared = 0
         for size, alive in walks.items():
-            step, h, depth = size * 8, root_hash(size), 0
+            step, h, depth = size * 8, root_hash(size, salt), 0
             while alive and (depth + 1) * step <= len(data):
                 h = xxhash.xxh3_64_intdigest(data[depth * step : (depth + 1) * step], seed=h)
                 depth += 1

@@ -16,6 +16,10 @@ the router sends it when it cancels a transfer on a decode worker):
   register (checked at once; 201, or 200 if it was known);
 * ``DELETE /pdkv/workers`` with the same body: deregister (404 if unknown);
   requests already on it finish.
+
+With ``router.tenants`` (``pdkv.router.tenants``), ``/v1/`` and ``POST
+/pdkv/kv-index`` want a tenant's key instead (or its trusted gateway), and
+every request's KV stays in its tenant's cache partition.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from pdkv.router.modes import make_mode
 from pdkv.router.policy import describe_prompt, make_policy
 from pdkv.router.pool import ROLES, Role, WorkerPool
 from pdkv.router.proxy import Proxy
+from pdkv.router.tenants import Tenants, request_salt
 
 if TYPE_CHECKING:
     from pdkv.modelfiles.tokenizer import Tokenizer
@@ -63,7 +68,8 @@ class Router:
         self.mode = make_mode(config.mode)
         self.metrics = RouterMetrics(self.pool)
         self.admin_token = config.admin_token or token
-        self.proxy = Proxy(config, self.http, self.pool, self.policy, self.mode, self.metrics, self._spawn, worker_auth)
+        self.tenants = Tenants.of(config, secret)
+        self.proxy = Proxy(config, self.http, self.pool, self.policy, self.mode, self.metrics, self._spawn, worker_auth, self.tenants)
         self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -115,7 +121,15 @@ class Router:
     # -- HTTP ---------------------------------------------------------------------------
     def app(self) -> web.Application:
         hint = "router.admin_token" if self.config.admin_token else "pdkv.auth.control_token(secret)"
-        app = application(self.http, [bearer_middleware(self.admin_token, lambda http: http.path.startswith("/pdkv/"), hint)])
+        tenants = self.tenants
+
+        def tenant_path(http: web.Request) -> bool:  # a tenant's own: generation, models, its KV-index matches
+            return tenants is not None and (http.path.startswith("/v1/") or (http.method == "POST" and http.path == "/pdkv/kv-index"))
+
+        middlewares = [bearer_middleware(self.admin_token, lambda http: http.path.startswith("/pdkv/") and not tenant_path(http), hint)]
+        if tenants is not None:
+            middlewares.append(tenants.middleware(tenant_path))
+        app = application(self.http, middlewares)
         add_openai_routes(app, self)
         app.router.add_get("/pdkv/workers", self._list_workers)
         app.router.add_post("/pdkv/workers", self._add_worker)
@@ -149,15 +163,18 @@ class Router:
 
     async def _kv_match(self, http: web.Request) -> web.Response:
         """How many leading tokens of a prompt (a completions or chat body) each prefill worker caches, as the
-        prefix policy would see it: which worker holds what, without sending the request."""
+        prefix policy would see it: which worker holds what, without sending the request. With tenants, a
+        tenant asks with its own key and is answered within its partition only (its ``cache_salt`` folded in
+        as for a generation): another tenant's prompts never count."""
         kv = self._kv()
         body = await read_json(http, self.http)
         if not isinstance(body, dict) or not ("prompt" in body or "messages" in body):
             raise RequestError(f'expected a JSON body with a "prompt" (text or token ids) or "messages", got {body!r:.200}')
-        prompt = await asyncio.to_thread(describe_prompt, body, "messages" in body, self.config, self.tokenizer)
+        salt = request_salt(self.tenants, http, body)
+        prompt = await asyncio.to_thread(describe_prompt, body, "messages" in body, self.config, self.tokenizer, salt)
         if prompt.kind != "ids":
             raise RequestError("the prompt is text and router.tokenizer is not set: send token ids, or configure the tokenizer", param="prompt")
-        return web.json_response({"prompt_tokens": prompt.est_tokens, "cached_tokens": kv.cached_tokens(prompt.units, self.pool.workers("prefill"))})
+        return web.json_response({"prompt_tokens": prompt.est_tokens, "cached_tokens": kv.cached_tokens(prompt.units, self.pool.workers("prefill"), prompt.salt)})
 
     def _kv(self) -> KVAwareness:
         if self.kv is None:

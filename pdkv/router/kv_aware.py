@@ -138,9 +138,9 @@ class KVAwareness:
     def enabled(self) -> bool:
         return bool(self.sources) or self.config.kv_events_discover
 
-    def cached_tokens(self, tokens: np.ndarray, candidates: Sequence[WorkerState]) -> dict[str, int]:
-        """Leading prompt tokens each subscribed candidate caches (others are absent)."""
-        return self.index.match(tokens, [w.url for w in candidates if w.url in self._subs])
+    def cached_tokens(self, tokens: np.ndarray, candidates: Sequence[WorkerState], salt: str = "") -> dict[str, int]:
+        """Leading prompt tokens each subscribed candidate caches under cache salt ``salt`` (others are absent)."""
+        return self.index.match(tokens, [w.url for w in candidates if w.url in self._subs], salt)
 
     def subscriptions(self) -> dict[str, EventStream]:
         return {url: sub.stream for url, sub in self._subs.items()}

@@ -47,26 +47,27 @@ class Prompt:
     est_tokens: int
     chunk: int  # units per prefix chunk
     kind: str  # "ids" or "text": keys of the two never collide
+    salt: str = ""  # the request's cache salt: prefixes match only prompts of the same salt (tenant)
 
     @cached_property
     def keys(self) -> list[bytes]:
         """Chained keys of the prompt's chunks (the partial last one included), computed on first use."""
-        return chunk_keys(self.units, f"pdkv-router/{self.kind}", self.chunk) if len(self.units) else []
+        return chunk_keys(self.units, f"pdkv-router/{self.kind}", self.chunk, self.salt) if len(self.units) else []
 
 
-def describe_prompt(body: dict[str, Any], chat: bool, config: RouterConfig, tokenizer: Tokenizer | None = None) -> Prompt:
-    """A request body's prompt as a policy sees it; a body with no usable prompt gives an empty one
-    (the worker, not the router, tells the client what is wrong with it)."""
+def describe_prompt(body: dict[str, Any], chat: bool, config: RouterConfig, tokenizer: Tokenizer | None = None, salt: str = "") -> Prompt:
+    """A request body's prompt under cache salt ``salt`` as a policy sees it; a body with no usable prompt gives
+    an empty one (the worker, not the router, tells the client what is wrong with it)."""
     ids = None if chat else _token_ids(body.get("prompt"))
     if ids is None and tokenizer is not None:
         ids = _tokenize(body, chat, tokenizer)
     if ids is not None:
-        return Prompt(np.asarray(ids, dtype=np.int64), len(ids), config.prefix_chunk_tokens, "ids")
+        return Prompt(np.asarray(ids, dtype=np.int64), len(ids), config.prefix_chunk_tokens, "ids", salt)
     text = _chat_text(body) if chat else _prompt_text(body.get("prompt"))
     # surrogatepass: a lone surrogate is the worker's to refuse (a 400), not a reason for the router to fail
     units = np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
     chunk = max(1, round(config.prefix_chunk_tokens * config.chars_per_token))
-    return Prompt(units, math.ceil(len(text) / config.chars_per_token), chunk, "text")
+    return Prompt(units, math.ceil(len(text) / config.chars_per_token), chunk, "text", salt)
 
 
 def _token_ids(prompt: Any) -> list[int] | None:
@@ -203,7 +204,7 @@ class PrefixAware(LeastLoaded):
         if role != "prefill":
             return least, "least_loaded"
         if self.kv is not None and prompt.kind == "ids" and len(prompt.units):
-            cached = self.kv.cached_tokens(prompt.units, candidates)
+            cached = self.kv.cached_tokens(prompt.units, candidates, prompt.salt)
             if cached:
                 return self._cheapest([*candidates[start:], *candidates[:start]], prompt, cached)
         by_url = {w.url: w for w in candidates}

@@ -55,6 +55,7 @@ from pdkv.router.metrics import ROLE, RouterMetrics
 from pdkv.router.modes import PairMode, decode_body, prefill_body
 from pdkv.router.policy import Policy, Prompt, describe_prompt
 from pdkv.router.pool import Role, WorkerPool, WorkerState, describe
+from pdkv.router.tenants import Tenants, request_salt
 
 if TYPE_CHECKING:
     from pdkv.modelfiles.tokenizer import Tokenizer
@@ -88,11 +89,12 @@ class Proxy:
 
     def __init__(
         self, config: RouterConfig, http: HttpConfig, pool: WorkerPool, policy: Policy, mode: PairMode, metrics: RouterMetrics,
-        spawn: Callable[[Coroutine[Any, Any, None]], None], control_headers: dict[str, str],
+        spawn: Callable[[Coroutine[Any, Any, None]], None], control_headers: dict[str, str], tenants: Tenants | None = None,
     ) -> None:
         self.config = config
         self.http = http
         self.control_headers = control_headers  # what a worker's control endpoints want (its secret's token)
+        self.tenants = tenants  # router.tenants: each request's cache partition and bounds
         self.pool = pool
         self.policy = policy
         self.mode = mode
@@ -108,12 +110,13 @@ class Proxy:
         if not isinstance(body, dict):
             return error_response(400, "the request body must be a JSON object")
         headers = {"X-Request-Id": uuid.uuid4().hex}
-        if "Authorization" in http.headers:  # workers started with an API key (vLLM's --api-key) want the client's
-            headers["Authorization"] = http.headers["Authorization"]
+        salt = request_salt(self.tenants, http, body)  # with tenants, the body's cache_salt is the router's now
+        if self.tenants is None and "Authorization" in http.headers:  # workers started with an API key (vLLM's --api-key)
+            headers["Authorization"] = http.headers["Authorization"]  # want the client's; a tenant's key never goes to a worker
         if self.tokenizer is None:
-            prompt = describe_prompt(body, chat, self.config)
+            prompt = describe_prompt(body, chat, self.config, salt=salt)
         else:  # a long prompt takes milliseconds to encode: off the event loop
-            prompt = await asyncio.to_thread(describe_prompt, body, chat, self.config, self.tokenizer)
+            prompt = await asyncio.to_thread(describe_prompt, body, chat, self.config, self.tokenizer, salt)
         call = _Call(http, path, body, prompt, body.get("stream") is True, headers["X-Request-Id"], arrived, headers)
         try:
             return await self._serve(call)

@@ -18,9 +18,10 @@ from typing import Any
 from pdkv.errors import PdkvError
 
 
-def post_json(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
-    """POST a JSON body, return the JSON answer; an HTTP error status raises ``urllib.error.HTTPError``."""
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+def post_json(url: str, body: dict[str, Any], timeout: float = 300.0, headers: dict[str, str] | None = None) -> dict[str, Any]:
+    """POST a JSON body (with ``headers`` besides its content type), return the JSON answer; an HTTP error status
+    raises ``urllib.error.HTTPError``."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 

@@ -7,6 +7,7 @@ own proxies add theirs. Torch-free, so the router builds its hops with the same 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Annotated, Any, TypeVar
 
@@ -14,7 +15,7 @@ import msgspec
 from msgspec import Meta
 
 from pdkv.errors import InvalidRequestError
-from pdkv.keys import chunk_keys
+from pdkv.keys import MAX_SALT_CHARS, check_salt, chunk_keys
 from pdkv.netaddr import zmq_address
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,20 @@ def pushed(params: Any, request_id: str) -> Pushed | None:
     return _lenient(params, Pushed, "do_remote_prefill", request_id)
 
 
-def prompt_key(tokens: Any, fingerprint: str, chunk_size: int) -> str:
-    """The chained key of the last chunk of ``tokens``: equal keys mean equal token prefixes (and model)."""
-    return chunk_keys(list(tokens), fingerprint, chunk_size)[-1].hex()
+def prompt_key(tokens: Any, fingerprint: str, chunk_size: int, salt: str = "") -> str:
+    """The chained key of the last chunk of ``tokens`` under cache salt ``salt``: equal keys mean equal token
+    prefixes, model and salt."""
+    return chunk_keys(list(tokens), fingerprint, chunk_size, salt)[-1].hex()
+
+
+def cache_salt(request: Any) -> str:
+    """vLLM's ``Request.cache_salt`` ("" when unset): pdkv keys the request's chunks under it, as vLLM's own
+    prefix cache hashes it into the request's first block, so the tier and the pushed KV stay in its partition.
+    vLLM bounds no salt's length; one longer than pdkv's keys take is keyed by its SHA-256 (every instance
+    alike), never dropped."""
+    salt = getattr(request, "cache_salt", None)
+    if not salt:
+        return ""
+    if isinstance(salt, str) and len(salt) > MAX_SALT_CHARS:
+        return "sha256:" + hashlib.sha256(salt.encode("utf-8", "surrogatepass")).hexdigest()
+    return check_salt(salt)

@@ -74,7 +74,7 @@ class DecodeRole(WorkerRole):
         elif not hop.transfer_started:
             reason = "not_started"
         else:
-            got, reason = await self._claim(transfer_id, self.prompt_key(req.prompt_token_ids))
+            got, reason = await self._claim(transfer_id, self.prompt_key(req.prompt_token_ids, req.cache_salt))
             if got is not None:
                 request = self._adopt(req, got)
                 reason = None if request is not None else "adopt_failed"
@@ -145,7 +145,7 @@ class DecodeRole(WorkerRole):
             self.engine.allocator.free(got.blocks)
             return None
         try:
-            request = self.engine.adopt_request(req.prompt_token_ids, req.sampling, got.blocks, req.request_id)
+            request = self.engine.adopt_request(req.prompt_token_ids, req.sampling, got.blocks, req.request_id, req.cache_salt)
         except PdkvError:
             self.engine.allocator.free(got.blocks)
             raise

@@ -45,8 +45,15 @@ incarnation's announcements are void) and, when a subscriber asks
 (``POST /pdkv/kv-events/resync``: it lost track), ``AllBlocksCleared``
 followed by every block its memory and disk levels hold, parents first.
 Files a disk level finds at start are not announced (their token ids are
-not stored with them) until they are used again. The events carry no LoRA,
-multimodal or salt keys: the reference engine has none.
+not stored with them) until they are used again. The events carry no LoRA
+or multimodal keys (the reference engine has none). A salted prompt's first
+block carries its cache salt the way vLLM announces one, as the block's
+``extra_keys`` entry ``(salt,)``; its hash (the salted chunk key) and every
+later block chain from it. A consumer that reads extra keys (pdkv's router
+index) matches such blocks only under that salt; one that ignores them and
+rehashes token ids (as Dynamo's router does) would match them to any prompt
+with the same tokens, so announce salted blocks only to consumers that
+honour extra keys, or not at all (README, Security).
 """
 
 from __future__ import annotations
@@ -85,6 +92,7 @@ class _Block:
     parent: bytes | None
     tokens: np.ndarray
     position: int  # index of the chunk in its prompt: parents sort before children
+    salt: str = ""  # a salted prompt's first block: its cache salt, announced in extra_keys
     levels: set[str] = dataclasses.field(default_factory=set)  # the local levels holding it
 
 
@@ -124,8 +132,8 @@ class TierEvents:
             )
         return cls(publisher, tier, chunk_size, use_int, config.memory_medium)
 
-    def note(self, keys: Sequence[bytes], tokens: Sequence[int]) -> None:
-        """A prompt's chunk keys and token ids, before its chunks are loaded or stored: what a store event needs."""
+    def note(self, keys: Sequence[bytes], tokens: Sequence[int], salt: str = "") -> None:
+        """A prompt's chunk keys, token ids and cache salt, before its chunks are loaded or stored: what a store event needs."""
         cs = self.chunk_size
         full = min(len(keys), len(tokens) // cs)
         if not full:
@@ -139,7 +147,7 @@ class TierEvents:
                 if key in self._spare:
                     self._spare.move_to_end(key)
                     continue
-                self._spare[key] = _Block(keys[i - 1] if i else None, arr[i * cs : (i + 1) * cs], i)
+                self._spare[key] = _Block(keys[i - 1] if i else None, arr[i * cs : (i + 1) * cs], i, "" if i else salt)
             self._trim()
 
     def changed(self, level: LeafTier, stored: Sequence[bytes], removed: Sequence[bytes]) -> None:
@@ -188,6 +196,7 @@ class TierEvents:
         return BlockStored(
             block_hashes=[self._wire(k) for k in keys], parent_block_hash=None if block.parent is None else self._wire(block.parent),
             token_ids=block.tokens.tolist(), block_size=self.chunk_size, lora_id=None, medium=medium, lora_name=None, locality=locality,
+            extra_keys=[(block.salt,)] if block.salt else None,
         )
 
     def _release(self, key: bytes, level: str) -> None:

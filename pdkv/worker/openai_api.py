@@ -11,6 +11,13 @@ Fields we cannot honour (``n`` > 1, ``stop`` strings, penalties, ``echo``,
 nothing here (``user``, ``metadata``, ...) are ignored, as OpenAI clients
 send many.
 
+``cache_salt`` (vLLM's field) puts the prompt's KV in a cache partition of
+its own: its chunk keys chain from that salt (``pdkv.keys``), so it neither
+loads nor offers KV of another salt. Behind a router with tenants the
+router sets it (``pdkv.router.tenants``); a client reaching a worker
+directly can name any salt, which is why workers' ports are the router's
+alone (README, Security).
+
 Parsing tokenizes, so a worker runs it off its event loop.
 """
 
@@ -26,6 +33,7 @@ from pdkv.engine.base import EngineAdapter
 from pdkv.engine.sampling import MIN_LOGPROB, SamplingParams, TokenLogprobs
 from pdkv.errors import InvalidRequestError
 from pdkv.http.openai_wire import sse
+from pdkv.keys import MAX_SALT_CHARS
 from pdkv.modelfiles.tokenizer import Tokenizer
 
 DEFAULT_MAX_TOKENS = 16
@@ -65,6 +73,7 @@ class GenerationRequest:
     include_usage: bool
     return_token_ids: bool
     kv_transfer_params: dict[str, Any] = field(default_factory=dict)
+    cache_salt: str = ""  # vLLM's field: the cache partition of this prompt's KV (pdkv.keys); "": unsalted
     # None: no log-probabilities; n: each token's, with the n most likely alternatives.
     logprobs: int | None = None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -151,6 +160,9 @@ def parse_request(body: Any, engine: EngineAdapter, chat: bool, served: Collecti
         ignore_eos=_flag(body, "ignore_eos"),
         stop_token_ids=tuple(stop_ids),
     )
+    salt = body.get("cache_salt")
+    if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_SALT_CHARS):  # vLLM refuses "" too
+        raise _bad(f"'cache_salt' must be a non-empty string of at most {MAX_SALT_CHARS} characters if provided, got {salt!r:.80}", "cache_salt")
     rid = body.get("request_id") if isinstance(body.get("request_id"), str) else None
     return GenerationRequest(
         request_id=rid or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -162,6 +174,7 @@ def parse_request(body: Any, engine: EngineAdapter, chat: bool, served: Collecti
         include_usage=_flag(stream_options, "include_usage"),
         return_token_ids=_flag(body, "return_token_ids"),
         kv_transfer_params=kv,
+        cache_salt=salt or "",
         logprobs=logprobs,
     )
 

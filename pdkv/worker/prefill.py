@@ -72,7 +72,7 @@ class PrefillRole(WorkerRole):
         if address is None:
             error = error or "kv_transfer_params has no remote_host/remote_port of the decode worker's receiver"
         else:
-            key = self.prompt_key(request.prompt_token_ids)
+            key = self.prompt_key(request.prompt_token_ids, request.cache_salt)
             opening = asyncio.ensure_future(asyncio.to_thread(self.sender.open, transfer_id, address, n, request.block_table, key, target.codec))
             try:
                 xfer = await asyncio.shield(opening)

@@ -94,11 +94,12 @@ class WorkerRole(abc.ABC):
 
     async def new_request(self, req: GenerationRequest, sampling: SamplingParams) -> tuple[Request, CachedPrefix]:
         """A request whose prompt is computed here, after its cached prefix was loaded from the tier."""
-        request = self.engine.new_request(req.prompt_token_ids, sampling, req.request_id)
+        request = self.engine.new_request(req.prompt_token_ids, sampling, req.request_id, req.cache_salt)
         cached = await self.tiering.load(request)
         self.metrics.prompt_tokens.labels(self.name, "computed").inc(request.num_prompt_tokens - cached.tokens)
         return request, cached
 
-    def prompt_key(self, prompt: list[int]) -> bytes:
-        """The prompt's last chained chunk key: P reserves with it, D adopts KV only under the same key."""
-        return chunk_keys(prompt, self.engine.fingerprint, self.chunk_size)[-1]
+    def prompt_key(self, prompt: list[int], salt: str) -> bytes:
+        """The prompt's last chained chunk key under its cache salt: P reserves with it, D adopts KV only under
+        the same key, so KV computed for a prompt of one tenant is never adopted for another's."""
+        return chunk_keys(prompt, self.engine.fingerprint, self.chunk_size, salt)[-1]

@@ -14,7 +14,8 @@ the tokens bit-identical with the tier on or off.
 As the engine finishes each prefill chunk, the hook from ``offer`` stores
 its full chunks (memory at once, the lower levels written behind). Both
 directions are ``pdkv.KVCacheEngine`` calls, keyed at the worker's
-``transfer.chunk_size``: workers with another chunk size never share.
+``transfer.chunk_size`` under the request's ``cache_salt``: workers with
+another chunk size never share, and neither do requests of two salts.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ class Tiering:
         self.metrics = metrics
         self.cache = None if tier is None else KVCacheEngine(engine.layout, tier, chunk_size, fingerprint=engine.fingerprint, load_batch_chunks=load_batch_chunks)
         self.tier = None if self.cache is None else self.cache.tier
-        # Told each prompt's chunk keys and token ids before its chunks are loaded or stored (pdkv.worker.kv_events).
-        self.on_prompt: Callable[[Sequence[bytes], Sequence[int]], None] | None = None
+        # Told each prompt's chunk keys, token ids and cache salt before its chunks are loaded or stored (pdkv.worker.kv_events).
+        self.on_prompt: Callable[[Sequence[bytes], Sequence[int], str], None] | None = None
         if self.tier is not None:
             metrics.registry.register(TierCollector(self.tier, metrics.role))
 
@@ -85,9 +86,9 @@ class Tiering:
         """``load`` on the calling thread. A failing tier costs a full recompute, never the request."""
         if self.cache is None:
             return CachedPrefix(None)
-        keys = self.cache.keys(request.prompt_token_ids)
+        keys = self.cache.keys(request.prompt_token_ids, request.cache_salt)
         if self.on_prompt is not None:
-            self.on_prompt(keys.keys, request.prompt_token_ids)
+            self.on_prompt(keys.keys, request.prompt_token_ids, request.cache_salt)
         prefix = CachedPrefix(keys)
         loadable = keys.prefix((request.num_prompt_tokens - 1) // self.chunk_size * self.chunk_size)  # full chunks before the last token's
         try:

@@ -8,7 +8,10 @@ side does:
 * load: which requests load a prefix instead of computing it, either pushed
   from P (``kv_transfer_params`` name the transfer) or found in the shared
   cache tier (Redis: the one level the scheduler and every worker process,
-  on every instance, can all see), keyed by pdkv's chained chunk keys;
+  on every instance, can all see), keyed by pdkv's chained chunk keys
+  under the request's own ``cache_salt`` (vLLM's field: a salted request
+  loads and saves only in its salt's partition, and a pushed prefill is
+  adopted only for a prompt of the same salt);
 * save: which full prompt chunks the worker offers to that tier once they
   are computed here, so the next instance that sees the prefix loads it.
 
@@ -26,7 +29,7 @@ from typing import Any
 
 from pdkv.integration.vllm.metadata import LoadSpec, SaveSpec, SendSpec, StepMetadata
 from pdkv.keys import PromptKeys
-from pdkv.transfer.params import Pushed, PushTo, prompt_key, push_target, pushed
+from pdkv.transfer.params import Pushed, PushTo, cache_salt, prompt_key, push_target, pushed
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +100,7 @@ class SchedulerSide:
         if info is None:
             return None
         prompt = list(request.prompt_token_ids or [])
-        own = prompt_key(prompt[: info.num_tokens], self.fingerprint, self.chunk_size) if info.num_tokens <= len(prompt) else ""
+        own = prompt_key(prompt[: info.num_tokens], self.fingerprint, self.chunk_size, cache_salt(request)) if info.num_tokens <= len(prompt) else ""
         if own != info.prompt_key:  # early out; the binding that counts is P's Reserve, checked when the KV is claimed
             self.rejected_prompts += 1
             self._discards.append(info.transfer_id)
@@ -124,7 +127,7 @@ class SchedulerSide:
         (the tier lookup, the saves and the push's ``prompt_key`` all read them)."""
         keys = self._keys.get(request.request_id)
         if keys is None:
-            keys = self._keys[request.request_id] = PromptKeys.of(list(request.prompt_token_ids or []), self.fingerprint, self.chunk_size)
+            keys = self._keys[request.request_id] = PromptKeys.of(list(request.prompt_token_ids or []), self.fingerprint, self.chunk_size, cache_salt(request))
         return keys
 
     def _full_chunk_keys(self, request: Any) -> PromptKeys:
