@@ -1,79 +1,8 @@
 """The NIXL channel: the real NIXL agent (``nixl._api.nixl_agent``), UCX backend by default.
 
-Runs without a GPU: the PyPI wheel moves DRAM<->DRAM between processes over
-UCX (cma, i.e. ``process_vm_writev``, for the data and tcp on loopback for
-wire-up and notifications), so this channel is tested on CPU machines and in
-CI. CUDA tensors register as VRAM; that path is written but has not been run
-(no GPU was available when it was written).
-
-How it maps onto the ``Channel`` interface:
-
-* ``register`` registers one region with NIXL (DRAM for CPU memory, VRAM for
-  CUDA tensors) and keeps a reference to the buffer so it cannot be freed
-  while the agent may still write into it.
-* Metadata goes to a peer in the two stages NIXL needs, carried in the one
-  blob ``metadata()`` returns: stage 1 is the NIXL agent metadata (connection
-  info and registration keys), loaded with ``add_remote_agent``; stage 2 is
-  the region table (address, size, device, memory type) that descriptor
-  lists are prepared against. ``add_peer`` does both in order and prepares
-  one list per remote region right away, which makes NIXL check every region
-  against the registrations of stage 1: stale or mismatched metadata fails
-  at Hello, not at the first chunk. Call ``add_peer`` again with fresh
-  metadata after the peer registers more memory.
-* ``write``/``read`` validate every range (``regions.check_ops``), merge adjacent
-  ranges (``merge_ops``) so a chunk is as few descriptors as its layout
-  allows, prepare the local and remote descriptor lists (``prep_xfer_dlist``,
-  kept in a small LRU since KV slots recur), and post through
-  ``make_prepped_xfer``. NIXL sends the notification only after the data.
-* ``poll`` calls ``check_xfer_state``; ERR (or a NIXL exception such as the
-  peer disconnecting) fails the handle with a message saying what happened.
-  ``wait`` busy-polls for ``spin_s`` and then backs off, so a short transfer
-  is seen done microseconds after it is.
-* NIXL tells nobody when a transfer finishes or a notification arrives: both
-  are found by asking. So that the layers above can sleep until something
-  happens, like over every other channel, a *watcher* thread asks for them:
-  every ``watch_min_s`` while anything moved recently, backing off to
-  ``max_poll_interval_s`` when nothing did. It completes handles (their done
-  callbacks fire) and moves notifications into the inbox whose fd wakes the
-  receiver; a post wakes it at once. ``get_notifications`` also asks NIXL
-  itself, so a caller that polls sees a notification without the watcher's delay.
-* ``close`` (also run at interpreter exit for channels left open) fails what
-  is pending, releases every NIXL handle and deregisters every region.
-
-Environment, set before NIXL/UCX load unless the user already set them
-(``apply_env_defaults``; a user's own value always wins):
-
-* ``UCX_MODULES=^ib``: the UCX bundled in the wheel loads ``libuct_ib_efa``,
-  which pulls in a second copy of libnl-route; every process that created an
-  agent died with SIGSEGV at exit when this was first tried here (issue 5;
-  not reproduced with nixl 1.5.1 since, kept because it costs cma, tcp and
-  cuda nothing). Set ``UCX_MODULES`` yourself to use InfiniBand/EFA.
-* ``UCX_NET_DEVICES=lo``: loopback only, like every socket pdkv opens unless
-  told otherwise. A channel whose ``host`` (the worker's ``--host``) is
-  another address switches it to the interface that holds that address
-  (``ucx_follow_host``); set it yourself to your NIC (``mlx5_0:1``,
-  ``eth0``, or ``all``) to choose. Two "hosts" that are network namespaces
-  of one machine also need ``UCX_TLS=tcp``: UCX sees one machine and would
-  otherwise move the data through cma, around the network.
-* ``NIXL_LOG_LEVEL=WARN``: NIXL's Python logger prints INFO lines to stdout,
-  which would corrupt ``pdkv bench ... --json``.
-* ``UCX_TLS``: left alone. The default, ``cma,tcp`` and ``tcp`` work;
-  ``shm``, ``posix`` and ``sysv`` fail when the backend is created (no
-  active-message transport), and the error says so.
-
-Progress: a UCX target must make progress for transfers into it to complete
-(with none they never do, even after wire-up), and the initiator's
-completion waits on the target's progress, so how the target progresses
-sets the latency. NIXL's progress thread arms the UCX worker and sleeps in poll() on
-its event fds, at most ``delay`` between wake-ups; but ``nixl_agent`` fixes
-that delay at 0, a busy spin that took a whole core (66% of a core even
-when idle) and halved throughput on a 2-core machine. ``create_nixl_agent``
-keeps ``progress_delay_us`` instead (1 ms by default: 1.6% of a core idle,
-woken at once by traffic). With ``progress_thread=False`` nothing progresses
-the agent but its caller: poll handles and call ``get_notifications`` often.
-On GPUs, upstream reports the progress thread crashing in ``cuEventQuery``
-when UCX's cuda transports arm the worker without a CUDA context (nixl issue
-2102); ``progress_thread=False`` is the way around it.
+DRAM<->DRAM between processes runs without a GPU (so CI tests it); CUDA tensors register as VRAM. How it maps onto
+the ``Channel`` interface, the UCX environment it sets and why its progress thread keeps a delay: channels/README.md,
+"nixl".
 """
 
 from __future__ import annotations

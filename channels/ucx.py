@@ -1,40 +1,7 @@
 """The UCX channel: UCX through ucxx (the ``ucx`` extra, ``ucxx-cu12``), host memory.
 
-ucxx's Python API has tag and stream messaging but no RMA (no memory
-mapping, remote keys or put/get), so one-sided WRITE and READ are built on
-tag messages that land directly in the registered regions (UCX receives into
-the region's own memory, no staging copy):
-
-* WRITE: the initiator sends a header (its name, a transfer number, the
-  remote ranges, the notification), then one DATA message per range. The
-  target checks every range against its regions, receives each DATA message
-  straight into its range, then queues the notification and sends an ACK.
-  The initiator's handle is DONE on the ACK, i.e. only once the bytes landed.
-* READ: the initiator posts a receive per local range, then sends the
-  header; the target checks the ranges, sends them, queues its
-  notification once the sends completed, and ACKs.
-* A header that fails the checks, or comes from an agent this channel has
-  not added, moves no byte: its DATA messages are drained into a one-byte
-  buffer (UCX truncates and discards them), and a known initiator gets an
-  ACK carrying the reason. So, as with the control plane's authentication,
-  both sides must ``add_peer`` each other (pdkv's Hello does).
-
-Tags are 64 bits: message kind (8) | the initiator's random agent id (24) |
-transfer number (32). UCX matches tags worker-wide and in order per sender,
-so DATA messages of one transfer share a tag and land in range order.
-
-Progress: ucxx's progress thread (event-driven, polling_mode=False) moves the
-bytes; a pdkv service thread handles headers and completions, every
-``service_interval_s`` (0.1 ms) while transfers are pending and backing off
-to ``idle_interval_s`` (2 ms) when none are, which is what a first header
-after a quiet spell may wait (2% of a core when idle here; a fixed 0.1 ms
-took 16%).
-
-Environment: the UCX defaults of ``pdkv.channels.ucx_env.UCX_ENV_DEFAULTS``
-(``UCX_MODULES=^ib``, ``UCX_NET_DEVICES=lo``, see channels/nixl.py), plus
-``UCX_WARN_UNUSED_ENV_VARS=n`` (ucxx sets ``UCX_MEMTYPE_CACHE``, which this
-UCX build does not know and warned about on every start). CUDA memory is not
-supported here: use the nixl channel for VRAM.
+ucxx has no RMA, so one-sided WRITE and READ are tag messages that land directly in the registered regions; how,
+and how progress is made: channels/README.md, "ucx".
 """
 
 from __future__ import annotations

@@ -1,38 +1,8 @@
 """The tcp channel's wire format: frame header, frame types and flags, limits, metadata, and the checks on them.
 
-Both sides of a link (``initiator``, ``target``) and the tools that speak
-the protocol from outside (the soak benchmark's corrupting proxy, the fuzz
-tests) build and read frames through these names alone.
-
-Wire format: every frame starts with ``HEADER`` (little endian, 40 bytes)::
-
-    magic "PK" | version u8 | type u8 | flags u8 | pad u8 | shares u16 | aux u32 | notif u32
-    | xfer u64 | offset u64 | length u64
-
-    type       dir   fields (unlisted ones are zero)                       payload
-    HELLO      I->T  xfer=session id, aux=stream index, length,            [nonce if SECRET] token agent name
-                     shares=token length, flags SECRET: the initiator
-                     holds a shared secret
-    HELLO_OK   T->I  xfer=instance id, length, flags SECRET as in HELLO    [nonce, proof if SECRET] agent name
-    AUTH       I->T  length                                                the initiator's proof (after a SECRET HELLO_OK)
-    DATA       I->T  aux=region, offset, length, flags, shares, notif      bytes for region[offset:+length],
-                     flags LAST: this frame ends the stream's share          then ``notif`` bytes of
-                     of the transfer, which has ``shares`` shares;           notification if NOTIF
-                     flags NOTIF (with LAST): a notification follows
-    ACK        T->I  aux=count, xfer=first id, length=8*(count-1)          the other ids, u64 each
-    NACK       T->I  xfer, length                                          why: the transfer (or, for a READ,
-                                                                           this READ_REQ) was refused; the link lives
-    READ_REQ   I->T  aux=region, offset, length                            -
-    READ_DATA  T->I  xfer, length                                          answer to the stream's oldest READ_REQ
-    NOTIF      I->T  xfer, length                                          notification of a READ that landed
-    ERROR      T->I  length                                                message; the target then hangs up
-
-I is the initiator (the side calling write/read), T the target.
-
-Every header field from the wire is checked before use (magic and version
-here, ``unpack_header``; type, flags, region, range and lengths by the side
-that reads the frame), against ``max_frame_bytes``/``max_notif_bytes`` and
-the fixed caps below. Nothing is allocated from a length the peer sent
+Both sides of a link and the tools that speak the protocol from outside (the soak's corrupting proxy, the fuzz
+tests) build and read frames through these names alone. The format, frame by frame: channels/README.md, "Wire
+format". Every header field from the wire is checked before use; nothing is allocated from a length the peer sent
 before that length is bounded.
 """
 
