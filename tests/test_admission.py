@@ -1,0 +1,57 @@
+"""D's admission rules as the pure function they are: a Reserve and what the receiver holds -> a grant or a refusal."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pdkv.config import TransferConfig
+from pdkv.layout import KVLayout
+from pdkv.transfer.admission import Grant, ReceiverView, admit
+from pdkv.transfer.protocol import Refused, Reserve
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
+OTHER = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=32, dtype="float32", order="HND")
+CFG = TransferConfig(chunk_size=32, staging_slots=4, slots_per_request=2, max_reservations=8, max_reservations_per_peer=3, max_peer_blocks_share=0.5)
+
+
+def view(**changes: object) -> ReceiverView:
+    base = ReceiverView(CFG, LAYOUT, 100, ("none", "zstd"), free_slots=4, reservations=0, id_used=False, peer_layout=LAYOUT, peer_blocks=())
+    return dataclasses.replace(base, **changes)
+
+
+def test_same_layout_is_granted_direct_with_every_block_and_no_slot() -> None:
+    assert admit(Reserve("t", 100), view()) == Grant("direct", blocks=7, slots=0, chunks=4)
+
+
+@pytest.mark.parametrize(
+    ("why", "reserve", "changes"),
+    [
+        ("another layout", Reserve("t", 100), {"peer_layout": OTHER}),
+        ("a codec", Reserve("t", 100, codec="zstd"), {}),
+        ("a side whose channel cannot reach its KV", Reserve("t", 100), {"kv_in_reach": False}),
+    ],
+)
+def test_staging_when_blocks_cannot_be_written_in_place(why: str, reserve: Reserve, changes: dict[str, object]) -> None:
+    grant = admit(reserve, view(**changes))
+    assert isinstance(grant, Grant) and grant.mode == "staging", why
+    assert grant.slots == CFG.slots_per_request and grant.blocks == 7
+
+
+@pytest.mark.parametrize(
+    ("reserve", "changes", "reason", "retryable"),
+    [
+        (Reserve("t", 16, codec="fp8"), {}, "codec 'fp8' is not one this receiver decodes", False),
+        (Reserve("t", 16), {"id_used": True}, "transfer id 't' was already used", False),
+        (Reserve("t", 16), {"reservations": 8}, "maximum of 8 reservations", True),
+        (Reserve("t", 16), {"peer_blocks": (1, 1, 1)}, "per-peer maximum of 3", True),
+        (Reserve("t", 16 * 45), {"peer_blocks": (10,)}, "past your share of this receiver's blocks (50 of 100", True),
+        (Reserve("t", 16 * 51), {}, "past your share", False),  # more than the share even alone: never fits
+        (Reserve("t", 100), {"peer_layout": OTHER, "free_slots": 1}, "no staging slots free (1 of 4)", True),
+    ],
+)
+def test_each_rule_refuses_with_its_reason(reserve: Reserve, changes: dict[str, object], reason: str, retryable: bool) -> None:
+    got = admit(reserve, view(**changes))
+    assert isinstance(got, Refused) and got.transfer_id == "t"
+    assert reason in got.reason and got.retryable is retryable
