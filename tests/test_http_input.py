@@ -176,7 +176,9 @@ def sse_events(data: bytes) -> list[dict[str, Any]]:
 def test_logprobs_through_prefill_and_decode_equal_one_process(stack: Stack) -> None:
     """logprobs (completions) and logprobs/top_logprobs (chat), whole and streamed, via P -> D with the KV moved,
     match the decode worker computing the prompt itself: P/D fidelity, measured per token."""
-    d_metrics = lambda: request("GET", stack.urls["decode"] + "/metrics")[1].decode()  # noqa: E731
+    def d_metrics() -> str:
+        return request("GET", stack.urls["decode"] + "/metrics")[1].decode()
+
     transferred, fallbacks = metric(d_metrics(), "pdkv_prompt_tokens_total", source="transferred"), metric(d_metrics(), "pdkv_fallbacks_total")
     greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
     cases = [("completions", {"prompt": PROMPT, "logprobs": 3, **greedy}), ("chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "logprobs": True, "top_logprobs": 2, **greedy})]
@@ -249,7 +251,9 @@ def test_half_sent_headers_are_closed_after_idle_timeout(stack: Stack) -> None:
 
 def test_worker_control_endpoints_want_the_secrets_token(stack: Stack) -> None:
     """Without the token a DELETE changes nothing (the transfer id still works); with it the transfer is cancelled."""
-    delete = lambda tid, headers=None: request("DELETE", f"{stack.urls['decode']}/pdkv/transfers/{tid}", headers=headers)  # noqa: E731
+    def delete(tid: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        return request("DELETE", f"{stack.urls['decode']}/pdkv/transfers/{tid}", headers=headers)
+
     info = json.loads(request("GET", stack.urls["decode"] + "/pdkv/info")[1])  # reads stay open: the router needs no token for them
     kv = {"do_remote_decode": True, "remote_host": info["remote_host"], "remote_port": info["remote_port"]}
 
@@ -271,7 +275,9 @@ def test_worker_control_endpoints_want_the_secrets_token(stack: Stack) -> None:
 
 def test_the_router_cancels_abandoned_transfers_with_the_token(stack: Stack) -> None:
     """A prefill hop refused (here: a 404) leaves a transfer on D that the router cancels, authorized."""
-    router_metrics = lambda: request("GET", stack.urls["router"] + "/metrics")[1].decode()  # noqa: E731
+    def router_metrics() -> str:
+        return request("GET", stack.urls["router"] + "/metrics")[1].decode()
+
     before = metric(router_metrics(), "pdkv_router_transfer_cancels_total", outcome="ok")
     status, _ = post(stack.urls["router"] + "/v1/completions", {"prompt": PROMPT, "model": "not-served"})
     assert status == 404

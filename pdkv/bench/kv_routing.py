@@ -126,8 +126,8 @@ def lookup_cost(total_blocks: int = 100_000, workers: int = 4, prompt_tokens: in
             base = chains[int(rng.integers(len(chains)))]
             keep = int(rng.integers(0, prompt_tokens))
             prompts.append(np.concatenate([base[:keep], rng.integers(100, VOCAB, prompt_tokens - keep)]))
-        lookup_wall, lookup_cpu = _timed(lambda: [index.match(p, names) for p in prompts], lookups)  # noqa: B023 - timed at once, inside this iteration
-        hash_wall, hash_cpu = _timed(lambda: [xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(p, dtype="<i8")).cast("B")) for p in prompts], lookups)  # noqa: B023 - timed at once
+        lookup_wall, lookup_cpu = _timed(lambda prompts=prompts, index=index, names=names: [index.match(p, names) for p in prompts], lookups)
+        hash_wall, hash_cpu = _timed(lambda prompts=prompts: [xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(p, dtype="<i8")).cast("B")) for p in prompts], lookups)
         rows.append({
             "block_size": block_size, "indexed_blocks": held, "workers": workers, "prompt_tokens": prompt_tokens,
             "lookup_cpu_us": lookup_cpu, "lookup_wall_us": lookup_wall, "baseline_hash_cpu_us": hash_cpu, "ratio": round(lookup_cpu / hash_cpu, 2),
@@ -244,7 +244,7 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
                     salt += 1
                     before = _totals(prefills)
                     with ThreadPoolExecutor(args.concurrency) as pool:  # in trace order, at most --concurrency in flight
-                        ttfts = list(pool.map(lambda ip: _stream_ttft(routers[name][ip[0] % args.routers].url, ip[1]), enumerate(prompts)))  # noqa: B023 - the pool is done before the loop moves on
+                        ttfts = list(pool.map(lambda ip, name=name: _stream_ttft(routers[name][ip[0] % args.routers].url, ip[1]), enumerate(prompts)))
                     after = _totals(prefills)
                     full_chunks = sum(len(p) // block for p in prompts)
                     runs[name].append({
