@@ -23,6 +23,7 @@ from pdkv.engine.reference import ReferenceEngine
 from pdkv.keys import chunk_keys
 from pdkv.kv_events.index import PrefixIndex
 from pdkv.kv_events.subscriber import EventStream, cancel
+from pdkv.kv_events.wire import external_hash
 
 from tests.test_kv_events import CHUNK, PROMPT, completion, events_worker, until
 from tests.test_tier_worker import serve
@@ -63,14 +64,15 @@ def test_vllm_decodes_what_a_pdkv_worker_publishes_and_pdkv_follows_vllms_publis
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             first = await asyncio.to_thread(line, proc)
             seen = first["pdkv"]
-            # pdkv's kv_events: is vLLM's --kv-events-config, plus pdkv's own CURVE fields
+            # pdkv's kv_events: is vLLM's --kv-events-config, plus pdkv's own fields (hash form, medium, CURVE)
             assert first["config_fields"] == [f for f in KVEventsConfig.__struct_fields__ if f not in KVEventsConfig.PDKV_FIELDS]
             # what vLLM's classes read: the start-up AllBlocksCleared, then each full chunk in memory (CPU, LOCAL)
-            # with pdkv's chunk key as its hash, chained to its parent, its 32 token ids, block_size 32
+            # with pdkv's chunk key as its hash (vLLM's default integer form: the low 64 bits), chained to its parent,
+            # its 32 token ids, block_size 32
             events = [e for b in seen for e in b["events"]]
             assert [b["seq"] for b in seen] == list(range(len(seen))) and all(b["dp_rank"] == 0 for b in seen)
             assert events[0] == {"type": "AllBlocksCleared"}
-            keys = [k.hex() for k in chunk_keys(PROMPT, fingerprint, CHUNK)[:3]]
+            keys = [external_hash(k, use_int=True) for k in chunk_keys(PROMPT, fingerprint, CHUNK)[:3]]
             assert [e for e in events[1:] if e["type"] == "BlockStored"] == [
                 {"type": "BlockStored", "block_hashes": [keys[i]], "parent": keys[i - 1] if i else None, "token_ids": PROMPT[i * CHUNK : (i + 1) * CHUNK],
                  "block_size": CHUNK, "medium": "CPU", "locality": "LOCAL", "lora_id": None}

@@ -26,14 +26,19 @@ from vllm.config.kv_events import KVEventsConfig
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, ZmqEventPublisher
 
 
+def wire(h: object) -> object:
+    """A block hash as JSON: the integer form as it is, the bytes form in hex."""
+    return h.hex() if isinstance(h, bytes) else h
+
+
 def describe(event: object) -> dict[str, object]:
     if isinstance(event, BlockStored):
         return {
-            "type": "BlockStored", "block_hashes": [h.hex() for h in event.block_hashes], "parent": event.parent_block_hash.hex() if event.parent_block_hash else None,
+            "type": "BlockStored", "block_hashes": [wire(h) for h in event.block_hashes], "parent": None if event.parent_block_hash is None else wire(event.parent_block_hash),
             "token_ids": event.token_ids, "block_size": event.block_size, "medium": event.medium, "locality": event.locality, "lora_id": event.lora_id,
         }
     if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": [h.hex() for h in event.block_hashes], "medium": event.medium, "locality": event.locality}
+        return {"type": "BlockRemoved", "block_hashes": [wire(h) for h in event.block_hashes], "medium": event.medium, "locality": event.locality}
     assert isinstance(event, AllBlocksCleared), type(event)
     return {"type": "AllBlocksCleared"}
 
