@@ -67,7 +67,11 @@ class BuildKernels(build_ext):
         # vectorizing loops over int64 indices, and -g; the kernels want neither.
         for attr in ("compiler_so", "compiler_so_cxx", "linker_so", "linker_so_cxx"):  # the _cxx ones: setuptools >= 72
             if hasattr(self.compiler, attr):
-                setattr(self.compiler, attr, [flag for flag in getattr(self.compiler, attr) if flag not in ("-fwrapv", "-g")])
+                setattr(
+                    self.compiler,
+                    attr,
+                    [flag for flag in getattr(self.compiler, attr) if flag not in ("-fwrapv", "-g")],
+                )
         super().build_extensions()
 
     def copy_file(self, infile: str, outfile: str, *args: object, **kwargs: object) -> tuple[str, bool]:  # type: ignore[override]
@@ -89,23 +93,48 @@ class BuildKernels(build_ext):
             return
         target = Path(self.get_ext_fullpath(ext.name))
         target.parent.mkdir(parents=True, exist_ok=True)
-        archs = [a.strip() for a in os.environ.get("PDKV_CUDA_ARCHS", "80;90").replace(",", ";").split(";") if a.strip()]
-        gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs] + [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
-        cmd = [self.nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-cudart", "static", *gencode, "-o", str(target), *ext.sources]
+        archs = [
+            a.strip() for a in os.environ.get("PDKV_CUDA_ARCHS", "80;90").replace(",", ";").split(";") if a.strip()
+        ]
+        gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs] + [
+            f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"
+        ]
+        cmd = [
+            self.nvcc,
+            "-O3",
+            "-std=c++17",
+            "-shared",
+            "-Xcompiler",
+            "-fPIC,-fvisibility=hidden",
+            "-cudart",
+            "static",
+            *gencode,
+            "-o",
+            str(target),
+            *ext.sources,
+        ]
         print(" ".join(cmd))
         try:
             subprocess.run(cmd, check=True)
         except (OSError, subprocess.CalledProcessError) as exc:
             if os.environ.get("PDKV_BUILD_CUDA", "").strip().lower() in ("1", "true", "on", "yes"):
                 raise
-            print(f"WARNING: pdkv's CUDA kernels were not built ({exc}); CUDA tensors take the torch path. Set PDKV_BUILD_CUDA=0 to skip the attempt.")
+            print(
+                f"WARNING: pdkv's CUDA kernels were not built ({exc}); CUDA tensors take the torch path. Set "
+                "PDKV_BUILD_CUDA=0 to skip the attempt."
+            )
 
 
 setup(
     ext_modules=[
         Extension(
-            "pdkv.libpdkv_kernels", sources=[str(CSRC / "kvcopy.cpp"), str(CSRC / "kvcodec.cpp")], depends=HEADERS, language="c++",
-            extra_compile_args=CXXFLAGS, extra_link_args=["-pthread"], optional=True,
+            "pdkv.libpdkv_kernels",
+            sources=[str(CSRC / "kvcopy.cpp"), str(CSRC / "kvcodec.cpp")],
+            depends=HEADERS,
+            language="c++",
+            extra_compile_args=CXXFLAGS,
+            extra_link_args=["-pthread"],
+            optional=True,
         ),
         CudaLibrary("pdkv.libpdkv_kernels_cuda", sources=[str(CSRC / "kvcopy_cuda.cu")], depends=HEADERS),
     ],

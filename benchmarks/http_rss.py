@@ -53,14 +53,20 @@ def ordinary(router: str, n: int, salt: str) -> list[int]:
     codes = set()
     for i in range(n):
         prompt = f"{salt} request {i}: " + " ".join(f"word{j * (i + 3)}" for j in range(150))
-        codes.add(post(router + "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0}).encode())[0])
+        codes.add(
+            post(
+                router + "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+            )[0]
+        )
     return sorted(codes)
 
 
 def half_sent(url: str) -> None:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=60) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n{\"prompt\": \"" + b"x" * 200_000)
+        sock.sendall(
+            b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n{"prompt": "' + b"x" * 200_000
+        )
         sock.settimeout(HOLD_S)
         try:
             sock.recv(100)
@@ -77,7 +83,9 @@ def run(prompt_mb: float) -> dict[str, Any]:
         workers.append(decode)
         prefill = start_worker("prefill", "--port", "0", "--channel", "tcp", timeout=600, env=env)
         workers.append(prefill)
-        router = start_worker("router", "--port", "0", "--prefill", prefill.url, "--decode", decode.url, timeout=120, env=env)
+        router = start_worker(
+            "router", "--port", "0", "--prefill", prefill.url, "--decode", decode.url, timeout=120, env=env
+        )
         workers.append(router)
 
         def phase(name: str, **extra: Any) -> None:
@@ -94,7 +102,10 @@ def run(prompt_mb: float) -> dict[str, Any]:
             b'{"messages": [{"role": 5, "content": "x"}]}',
             b'{"prompt": "hi", "temperature": Infinity}',
         ]
-        codes = {post(decode.url + "/v1/" + ("chat/completions" if b"messages" in b else "completions"), b)[0] for b in bad * 4}
+        codes = {
+            post(decode.url + "/v1/" + ("chat/completions" if b"messages" in b else "completions"), b)[0]
+            for b in bad * 4
+        }
         phase("malformed bodies", answers=sorted(codes))
         with ThreadPoolExecutor(HALF_SENT) as pool:
             list(pool.map(lambda _: half_sent(decode.url), range(HALF_SENT)))

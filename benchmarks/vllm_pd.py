@@ -10,7 +10,8 @@ blocks by every token from the first, so no request, on either side, finds
 any of its blocks cached (the servers keep prefix caching on, as deployed).
 The same prompts go to both, one at a time, alternating.
 
-    python benchmarks/vllm_pd.py --baseline http://127.0.0.1:8100 --router http://127.0.0.1:8000 --model MODEL [--plot FILE.png]
+    python benchmarks/vllm_pd.py --baseline http://127.0.0.1:8100 --router http://127.0.0.1:8000 --model MODEL
+    [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -31,16 +32,25 @@ PROMPTS = {
 
 def timed(url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, int]:
     t0 = time.perf_counter()
-    out = post_json(url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}, 300)
+    out = post_json(
+        url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}, 300
+    )
     return time.perf_counter() - t0, int(out["usage"]["prompt_tokens"])
 
 
 def draw(out: dict, path: str) -> None:
     """``--plot``: median latency of each (prompt, max_tokens), one vLLM beside P/D via the router."""
     rows = out["results"]
-    plot.bars(path, f"vLLM P/D via the pdkv router vs one vLLM (median of {out['repeats']})", "seconds per request",
-              [f"{r['prompt_tokens']} prompt tokens\nmax_tokens {r['max_tokens']}" for r in rows],
-              {"P/D via router": [r["pd_median_s"] for r in rows], "baseline: one vLLM": [r["baseline_median_s"] for r in rows]})
+    plot.bars(
+        path,
+        f"vLLM P/D via the pdkv router vs one vLLM (median of {out['repeats']})",
+        "seconds per request",
+        [f"{r['prompt_tokens']} prompt tokens\nmax_tokens {r['max_tokens']}" for r in rows],
+        {
+            "P/D via router": [r["pd_median_s"] for r in rows],
+            "baseline: one vLLM": [r["baseline_median_s"] for r in rows],
+        },
+    )
 
 
 def main() -> None:
@@ -65,12 +75,23 @@ def main() -> None:
                 mono.append(seconds)
                 pd.append(timed(args.router, args.model, f"Request {n}-{i}b. {base}", n)[0])
             m, p = statistics.median(mono), statistics.median(pd)
-            results.append({
-                "prompt": name, "prompt_tokens": tokens, "max_tokens": n,
-                "baseline_median_s": round(m, 4), "pd_median_s": round(p, 4),
-                "ratio": round(p / m, 3), "pd_overhead_ms": round((p - m) * 1000, 1),
-            })
-    out = {"benchmark": "vllm_pd", "baseline": "one vLLM runs the whole request (the prefill server, no kv_transfer_params)", "repeats": args.repeats, "results": results}
+            results.append(
+                {
+                    "prompt": name,
+                    "prompt_tokens": tokens,
+                    "max_tokens": n,
+                    "baseline_median_s": round(m, 4),
+                    "pd_median_s": round(p, 4),
+                    "ratio": round(p / m, 3),
+                    "pd_overhead_ms": round((p - m) * 1000, 1),
+                }
+            )
+    out = {
+        "benchmark": "vllm_pd",
+        "baseline": "one vLLM runs the whole request (the prefill server, no kv_transfer_params)",
+        "repeats": args.repeats,
+        "results": results,
+    }
     print(json.dumps(out, indent=1))
     if args.plot:
         draw(out, args.plot)

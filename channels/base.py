@@ -61,7 +61,10 @@ class ChannelOptions(msgspec.Struct, forbid_unknown_fields=True):
 
     def __repr__(self) -> str:
         """Every field, the secret's value left out: options may be logged."""
-        shown = ", ".join(f"{f}={'<secret>' if f == 'secret' and self.secret else repr(getattr(self, f))}" for f in self.__struct_fields__)
+        shown = ", ".join(
+            f"{f}={'<secret>' if f == 'secret' and self.secret else repr(getattr(self, f))}"
+            for f in self.__struct_fields__
+        )
         return f"{type(self).__name__}({shown})"
 
 
@@ -85,14 +88,17 @@ class Channel(ABC):
         self.agent_name = agent_name
         self.options = options if options is not None else self.Options()
         self.counters: collections.Counter[str] = collections.Counter()
-        self.regions: RegionTable[Any] = RegionTable(self.name)  # what each channel keeps per region: a view, a registration
+        self.regions: RegionTable[Any] = RegionTable(
+            self.name
+        )  # what each channel keeps per region: a view, a registration
         self.inbox = NotificationInbox()
         self.grants = Grants()
         self.reachability = Reachability(self.name, agent_name, self.options.unreachable_retry_s, self.counters)
         if self.options.secret and not self.authenticates_data:
             log.warning(
                 "%s channel: the shared secret authenticates the control plane only; this channel's data "
-                "connections are not checked, so keep its network trusted", self.name
+                "connections are not checked, so keep its network trusted",
+                self.name,
             )
 
     @classmethod
@@ -130,7 +136,8 @@ class Channel(ABC):
         self.grants.guard(region)
 
     def grant(self, token: bytes, access: Access, ranges: Sequence[Range]) -> None:
-        """Let the peer presenting ``token`` write (or read) these (region, offset, length) ranges of guarded regions."""
+        """Let the peer presenting ``token`` write (or read) these (region, offset, length) ranges of guarded
+        regions."""
         self.grants.grant(token, access, ranges)
 
     def revoke(self, token: bytes, access: Access, ranges: Sequence[Range], timeout: float) -> bool:
@@ -182,10 +189,13 @@ class Channel(ABC):
         self.reachability.forget(peer)
 
     def _probe(self, peer: str, timeout: float, token: bytes) -> None:  # noqa: B027 - optional hook
-        """``connect``'s work: open and check the path to ``peer``, raising ``ChannelError``; nothing to open by default."""
+        """``connect``'s work: open and check the path to ``peer``, raising ``ChannelError``; nothing to open by
+        default."""
 
     # -- transfers ---------------------------------------------------------
-    def write(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None, token: bytes = b"") -> TransferHandle:
+    def write(
+        self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None, token: bytes = b""
+    ) -> TransferHandle:
         """Post a one-sided WRITE of local ranges into the peer's; ``notif`` reaches the peer after the data.
 
         ``token``: the capability the peer's guarded regions check this transfer
@@ -195,12 +205,16 @@ class Channel(ABC):
         """
         return self._post("write", peer, ops, notif, token)
 
-    def read(self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None, token: bytes = b"") -> TransferHandle:
+    def read(
+        self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None, token: bytes = b""
+    ) -> TransferHandle:
         """Post a one-sided READ of the peer's ranges into local ones; ``notif`` reaches the peer after."""
         return self._post("read", peer, ops, notif, token)
 
     @abstractmethod
-    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> TransferHandle:
+    def _post(
+        self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes
+    ) -> TransferHandle:
         """Validate (``regions.check_ops``) and post one WRITE or READ; the one method a channel implements for both."""
 
     def poll(self, handle: TransferHandle) -> XferState:
@@ -208,7 +222,8 @@ class Channel(ABC):
         return handle.state
 
     def wait(self, handle: TransferHandle, timeout: float) -> None:
-        """Block until the handle is done; raise ``ChannelError`` on failure, ``TransferTimeout`` after ``timeout`` s."""
+        """Block until the handle is done; raise ``ChannelError`` on failure, ``TransferTimeout`` after
+        ``timeout`` s."""
         deadline = time.monotonic() + timeout
         while True:
             state = self.poll(handle)
@@ -218,7 +233,9 @@ class Channel(ABC):
                 raise ChannelError(f"{self.name} {handle.op} to {handle.peer!r} failed: {handle.error}")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TransferTimeout(f"{self.name} {handle.op} of {handle.nbytes} bytes to {handle.peer!r} not done after {timeout:.3g}s")
+                raise TransferTimeout(
+                    f"{self.name} {handle.op} of {handle.nbytes} bytes to {handle.peer!r} not done after {timeout:.3g}s"
+                )
             pause = self.poll_interval(timeout - remaining)
             if pause > 0:
                 handle.sleep(min(remaining, pause))
@@ -259,4 +276,3 @@ class Channel(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

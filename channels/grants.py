@@ -43,7 +43,9 @@ class Grants:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._guarded: set[int] = set()
-        self._ranges: dict[tuple[bytes, str, int], list[tuple[int, int]]] = {}  # (token, access, region) -> sorted [start, end)
+        self._ranges: dict[
+            tuple[bytes, str, int], list[tuple[int, int]]
+        ] = {}  # (token, access, region) -> sorted [start, end)
         self._landing: dict[int, tuple[bytes, int, int, int]] = {}  # ticket -> (token, region, start, end)
         self._tickets = itertools.count()
 
@@ -61,7 +63,8 @@ class Grants:
                 bisect.insort(self._ranges.setdefault((token, access, region), []), (offset, offset + length))
 
     def revoke(self, token: bytes, access: Access, ranges: Sequence[Range], timeout: float) -> bool:
-        """Remove the ranges, then wait up to ``timeout`` s for frames of ``token`` landing in them; False if one still is."""
+        """Remove the ranges, then wait up to ``timeout`` s for frames of ``token`` landing in them; False if
+        one still is."""
         spans = _coalesce(ranges)
         deadline = time.monotonic() + timeout
         with self._cond:
@@ -71,8 +74,9 @@ class Grants:
                     self._ranges[(token, access, region)] = _subtract(held, offset, offset + length)
             while any(
                 t == token and r == region and lo < offset + length and offset < hi
-                for t, r, lo, hi in self._landing.values() for region, offset, length in spans
-            ):  # fmt: skip
+                for t, r, lo, hi in self._landing.values()
+                for region, offset, length in spans
+            ):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -80,12 +84,16 @@ class Grants:
         return True
 
     def begin(self, token: bytes, access: Access, region: int, offset: int, length: int) -> int | None:
-        """Admit one frame: a ticket while it lands (end it with ``end``), None for an open region; ChannelError if refused."""
+        """Admit one frame: a ticket while it lands (end it with ``end``), None for an open region; ChannelError
+        if refused."""
         with self._cond:
             if region not in self._guarded:
                 return None
             if not _covers(self._ranges.get((token, access, region), []), offset, offset + length):
-                raise ChannelError(f"no {access} grant for region {region} bytes [{offset}, {offset + length}): not reserved for this peer")
+                raise ChannelError(
+                    f"no {access} grant for region {region} bytes [{offset}, {offset + length}): not reserved for this "
+                    "peer"
+                )
             ticket = next(self._tickets)
             self._landing[ticket] = (token, region, offset, offset + length)
             return ticket

@@ -85,7 +85,9 @@ class MockChannel(Channel):
             if h.peer == peer:
                 h.fail(f"peer {peer!r} removed")
 
-    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> TransferHandle:
+    def _post(
+        self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes
+    ) -> TransferHandle:
         if self.closed:
             raise ChannelError("mock channel is closed")
         total = self.regions.check_ops(peer, ops)
@@ -128,7 +130,9 @@ class MockChannel(Channel):
                 remote = peer.regions[op.remote_region]
                 local = self.regions[op.local_region]
                 src, dst = (local, remote) if handle.op == "write" else (remote, local)
-                s_off, d_off = (op.local_offset, op.remote_offset) if handle.op == "write" else (op.remote_offset, op.local_offset)
+                s_off, d_off = (
+                    (op.local_offset, op.remote_offset) if handle.op == "write" else (op.remote_offset, op.local_offset)
+                )
                 dst[d_off : d_off + op.length] = src[s_off : s_off + op.length]
         finally:
             for ticket in tickets:

@@ -58,8 +58,12 @@ class NixlOptions(ChannelOptions):
     progress_thread: bool = True  # NIXL's progress thread, event-driven (see module docstring)
     progress_delay_us: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 1000  # its longest sleep between wake-ups
     spin_s: Annotated[float, msgspec.Meta(ge=0)] = 0.005  # wait() busy-polls this long before backing off
-    max_poll_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.001  # longest pause between polls in wait() and the watcher
-    watch_min_s: Annotated[float, msgspec.Meta(gt=0)] = 0.00005  # the watcher's pause right after activity (see the module docstring)
+    max_poll_interval_s: Annotated[float, msgspec.Meta(gt=0)] = (
+        0.001  # longest pause between polls in wait() and the watcher
+    )
+    watch_min_s: Annotated[float, msgspec.Meta(gt=0)] = (
+        0.00005  # the watcher's pause right after activity (see the module docstring)
+    )
     prep_cache_size: Annotated[int, msgspec.Meta(ge=1)] = 4096  # prepared descriptor lists kept per side
     num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # UCX backend worker threads (0: NIXL's default)
 
@@ -153,7 +157,9 @@ def create_nixl_agent(name: str, options: NixlOptions) -> nixl_agent:
     sides of the comparison run the same settings.
     """
     ucx_follow_host(options.host)  # before the agent creates its UCX context, which reads it
-    conf = nixl_agent_config(enable_prog_thread=options.progress_thread, backends=list(options.backends), num_threads=options.num_threads)
+    conf = nixl_agent_config(
+        enable_prog_thread=options.progress_thread, backends=list(options.backends), num_threads=options.num_threads
+    )
     base = nixl_bindings.nixlAgentConfig
     if not options.progress_thread or not hasattr(base, "pthrDelay"):
         if options.progress_thread:
@@ -185,12 +191,15 @@ class NixlChannel(Channel):
             self._agent = create_nixl_agent(agent_name, opts)
         except NIXL_ERRORS as exc:
             raise ChannelError(
-                f"nixl: could not create agent {agent_name!r} with backends {opts.backends}: {describe_nixl_error(exc)}. "
+                f"nixl: could not create agent {agent_name!r} with backends {opts.backends}: "
+                f"{describe_nixl_error(exc)}. "
                 "With UCX, UCX_TLS=shm, posix or sysv fail here; leave UCX_TLS unset or use 'cma,tcp' or 'tcp'"
             ) from exc
         missing = [b for b in opts.backends if b not in self._agent.backends]
         if missing:
-            raise ChannelError(f"nixl: backends {missing} are not available; this NIXL build has {self._agent.get_plugin_list()}")
+            raise ChannelError(
+                f"nixl: backends {missing} are not available; this NIXL build has {self._agent.get_plugin_list()}"
+            )
         self._peers: dict[str, dict[int, _RegionMeta]] = {}
         self._inflight: dict[int, NixlTransferHandle] = {}
         self._local_lists = _PrepCache(opts.prep_cache_size)
@@ -211,7 +220,9 @@ class NixlChannel(Channel):
             try:
                 reg = self._agent.register_memory([(meta.addr, meta.size, meta.dev, "")], meta.mem)
             except NIXL_ERRORS as exc:
-                raise ChannelError(f"nixl: registering {meta.size} bytes of {meta.mem} failed: {describe_nixl_error(exc)}") from exc
+                raise ChannelError(
+                    f"nixl: registering {meta.size} bytes of {meta.mem} failed: {describe_nixl_error(exc)}"
+                ) from exc
             return self.regions.add(_Region(meta, reg, buf), meta.size)
 
     @staticmethod
@@ -257,7 +268,10 @@ class NixlChannel(Channel):
         with self._lock:
             self._check_open()
             meta = _NixlMeta(
-                METADATA_VERSION, self.agent_name, self._agent.get_agent_metadata(), {r: e.meta for r, e in self.regions.items()}
+                METADATA_VERSION,
+                self.agent_name,
+                self._agent.get_agent_metadata(),
+                {r: e.meta for r, e in self.regions.items()},
             )
         return msgspec.msgpack.encode(meta)
 
@@ -277,7 +291,8 @@ class NixlChannel(Channel):
                 except NIXL_ERRORS as exc:
                     self._forget_peer(meta.name)
                     raise ChannelError(
-                        f"nixl: peer {meta.name!r} region of {region.size} bytes at {region.addr:#x} does not match its "
+                        f"nixl: peer {meta.name!r} region of {region.size} bytes at {region.addr:#x} does not match "
+                        "its "
                         f"registrations ({describe_nixl_error(exc)}); its metadata is stale or malformed"
                     ) from exc
         return meta.name
@@ -288,12 +303,19 @@ class NixlChannel(Channel):
         except msgspec.DecodeError as exc:  # ValidationError is a DecodeError
             raise ChannelError(f"nixl: malformed peer metadata: {exc}") from None
         if meta.version != METADATA_VERSION:
-            raise ChannelError(f"nixl: peer metadata version {meta.version}, this pdkv speaks {METADATA_VERSION}; upgrade the older side")
+            raise ChannelError(
+                f"nixl: peer metadata version {meta.version}, this pdkv speaks {METADATA_VERSION}; upgrade the older "
+                "side"
+            )
         if meta.name == self.agent_name:
-            raise ChannelError(f"nixl: peer has this agent's own name {meta.name!r}; give every worker a unique agent name")
+            raise ChannelError(
+                f"nixl: peer has this agent's own name {meta.name!r}; give every worker a unique agent name"
+            )
         for region, r in meta.regions.items():
             if r.addr + r.size > 1 << 64:
-                raise ChannelError(f"nixl: peer {meta.name!r} region {region} ({r.addr:#x}+{r.size}) overflows the address space")
+                raise ChannelError(
+                    f"nixl: peer {meta.name!r} region {region} ({r.addr:#x}+{r.size}) overflows the address space"
+                )
         return meta
 
     def _load_agent(self, meta: _NixlMeta) -> None:
@@ -306,12 +328,16 @@ class NixlChannel(Channel):
             try:
                 loaded = self._agent.add_remote_agent(meta.agent)
             except NIXL_ERRORS as exc:
-                raise ChannelError(f"nixl: loading metadata of restarted peer {meta.name!r} failed: {describe_nixl_error(exc)}") from exc
+                raise ChannelError(
+                    f"nixl: loading metadata of restarted peer {meta.name!r} failed: {describe_nixl_error(exc)}"
+                ) from exc
         except NIXL_ERRORS as exc:
             raise self.reachability.record(
                 meta.name,
-                f"nixl: cannot reach peer {meta.name!r} from its metadata ({describe_nixl_error(exc)}); is it running, and do "
-                f"both sides use a network they share (UCX_NET_DEVICES is {os.environ.get('UCX_NET_DEVICES', 'unset')!r} here)?",
+                f"nixl: cannot reach peer {meta.name!r} from its metadata ({describe_nixl_error(exc)}); is it running, "
+                "and do "
+                "both sides use a network they share (UCX_NET_DEVICES is "
+                f"{os.environ.get('UCX_NET_DEVICES', 'unset')!r} here)?",
             ) from exc
         name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
         if name != meta.name:
@@ -355,7 +381,9 @@ class NixlChannel(Channel):
             log.debug("nixl: removing peer %r: %s", peer, describe_nixl_error(exc))
 
     # -- transfers ---------------------------------------------------------
-    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> NixlTransferHandle:
+    def _post(
+        self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes
+    ) -> NixlTransferHandle:
         with self._lock:
             self._check_open()
             total = self.regions.check_ops(peer, ops)
@@ -370,7 +398,9 @@ class NixlChannel(Channel):
                 local_list = self._prepared("", local_mem, local_descs)
                 remote_list = self._prepared(peer, remote_mem, remote_descs)
                 indices = np.arange(len(merged), dtype=np.int32)
-                handle.xfer = self._agent.make_prepped_xfer(op.upper(), local_list, indices, remote_list, indices, notif or b"")
+                handle.xfer = self._agent.make_prepped_xfer(
+                    op.upper(), local_list, indices, remote_list, indices, notif or b""
+                )
                 state = self._agent.transfer(handle.xfer)
             except NIXL_ERRORS as exc:
                 # Failures of a valid request (the peer gone) surface on the handle, like ERR later would.
@@ -385,7 +415,9 @@ class NixlChannel(Channel):
     @staticmethod
     def _one_mem(mems: set[str], whose: str) -> str:
         if len(mems) != 1:
-            raise ChannelError(f"nixl: one transfer must use one memory type per side; {whose} ranges mix {sorted(mems)}: split it")
+            raise ChannelError(
+                f"nixl: one transfer must use one memory type per side; {whose} ranges mix {sorted(mems)}: split it"
+            )
         return mems.pop()
 
     @staticmethod

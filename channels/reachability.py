@@ -33,7 +33,9 @@ class Reachability:
             retry_at, why = verdict
             left = retry_at - time.monotonic()
             if left > 0:
-                raise PeerUnreachableError(f"{self.channel}: peer {peer!r} is unreachable (tried again in {left:.1f}s): {why}")
+                raise PeerUnreachableError(
+                    f"{self.channel}: peer {peer!r} is unreachable (tried again in {left:.1f}s): {why}"
+                )
 
     def forget(self, peer: str) -> None:
         """Drop a verdict on ``peer``: it has new metadata (another address), so the next connect tries it at once."""
@@ -47,6 +49,9 @@ class Reachability:
             self.counters["peer_unreachable"] += 1
         log.warning(
             "%s channel of %r: peer %r is unreachable, so no KV can move to it (every request will be recomputed): %s",
-            self.channel, self.agent, peer, why,
+            self.channel,
+            self.agent,
+            peer,
+            why,
         )
         return PeerUnreachableError(f"{self.channel}: peer {peer!r} is unreachable: {why}")

@@ -105,4 +105,6 @@ def _check_range(sizes: Mapping[int, int], region: int, offset: int, length: int
     if size is None:
         raise ChannelError(f"{whose} region {region} is not registered")
     if offset < 0 or length <= 0 or offset + length > size:
-        raise ChannelError(f"{whose} range offset={offset} length={length} does not fit region {region} of {size} bytes")
+        raise ChannelError(
+            f"{whose} range offset={offset} length={length} does not fit region {region} of {size} bytes"
+        )

@@ -27,7 +27,11 @@ from pdkv.memory import byte_view
 # UCX_RNDV_THRESH=inf: tag messages go eagerly, never by rendezvous. UCX 1.21 crashes the process when it aborts
 # a rendezvous send whose peer died (ucp_proto_rndv_rts_abort -> ucp_memh_invalidate on a context without a
 # registration cache: SIGSEGV, seen in CI); an eager send to a dead peer fails its request like any other.
-UCX_CHANNEL_ENV_DEFAULTS: dict[str, str] = {**UCX_ENV_DEFAULTS, "UCX_WARN_UNUSED_ENV_VARS": "n", "UCX_RNDV_THRESH": "inf"}
+UCX_CHANNEL_ENV_DEFAULTS: dict[str, str] = {
+    **UCX_ENV_DEFAULTS,
+    "UCX_WARN_UNUSED_ENV_VARS": "n",
+    "UCX_RNDV_THRESH": "inf",
+}
 apply_env_defaults(UCX_CHANNEL_ENV_DEFAULTS)
 
 # UCX reads the environment set above when it loads, hence these late imports.
@@ -55,8 +59,12 @@ def tag(kind: int, agent_id: int, seq: int) -> ucx_api.UCXXTag:
 class UcxOptions(ChannelOptions):
     """Options of the ucx channel (``channel_options`` in config)."""
 
-    max_header_bytes: Annotated[int, msgspec.Meta(ge=1024, le=16 << 20)] = 1 << 16  # bounds ranges per transfer; same on both sides
-    service_interval_s: Annotated[float, msgspec.Meta(gt=0, le=0.1)] = 0.0001  # service thread's sleep while transfers are pending
+    max_header_bytes: Annotated[int, msgspec.Meta(ge=1024, le=16 << 20)] = (
+        1 << 16
+    )  # bounds ranges per transfer; same on both sides
+    service_interval_s: Annotated[float, msgspec.Meta(gt=0, le=0.1)] = (
+        0.0001  # service thread's sleep while transfers are pending
+    )
     idle_interval_s: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.002  # its longest sleep when none are
     error_handling: bool = True  # UCX peer-failure handling: a dead peer fails its transfers instead of hanging
 
@@ -162,7 +170,9 @@ class UcxChannel(Channel):
         self._outgoing: dict[int, _Outgoing] = {}  # by handle id
         self._incoming: list[_Incoming] = []
         self._acks: list[tuple[Any, np.ndarray]] = []  # ACK sends in flight, with the bytes UCX reads from
-        self._drains: list[Any] = []  # receives discarding a stranger's DATA; kept so they get posted (delayed submission)
+        self._drains: list[
+            Any
+        ] = []  # receives discarding a stranger's DATA; kept so they get posted (delayed submission)
         self._broken: list[str] = []  # peers whose endpoint failed, appended from UCX's thread
         self._gone: dict[str, str] = {}  # failed peers -> why, until added again
         self._header_buf = np.zeros(opts.max_header_bytes, dtype=np.uint8)
@@ -177,7 +187,9 @@ class UcxChannel(Channel):
     # -- memory ------------------------------------------------------------
     def register(self, buf: Any) -> int:
         if isinstance(buf, torch.Tensor) and buf.device.type != "cpu":
-            raise ChannelError(f"ucx: the ucx channel moves host memory; a tensor on {buf.device} needs the nixl channel")
+            raise ChannelError(
+                f"ucx: the ucx channel moves host memory; a tensor on {buf.device} needs the nixl channel"
+            )
         view = byte_view(buf)
         if view.readonly or view.nbytes == 0:
             raise ChannelError("ucx: register needs a writable, non-empty buffer (peers may WRITE into it)")
@@ -192,7 +204,9 @@ class UcxChannel(Channel):
     def metadata(self) -> bytes:
         with self._lock:
             self._check_open()
-            meta = _Meta(METADATA_VERSION, self.agent_name, self._agent_id, self._worker.address.tobytes(), self.regions.sizes())
+            meta = _Meta(
+                METADATA_VERSION, self.agent_name, self._agent_id, self._worker.address.tobytes(), self.regions.sizes()
+            )
         return msgspec.msgpack.encode(meta)
 
     # -- peers -------------------------------------------------------------
@@ -202,9 +216,14 @@ class UcxChannel(Channel):
         except msgspec.DecodeError as exc:
             raise ChannelError(f"ucx: malformed peer metadata: {exc}") from None
         if meta.version != METADATA_VERSION:
-            raise ChannelError(f"ucx: peer metadata version {meta.version}, this pdkv speaks {METADATA_VERSION}; upgrade the older side")
+            raise ChannelError(
+                f"ucx: peer metadata version {meta.version}, this pdkv speaks {METADATA_VERSION}; upgrade the older "
+                "side"
+            )
         if meta.name == self.agent_name:
-            raise ChannelError(f"ucx: peer has this agent's own name {meta.name!r}; give every worker a unique agent name")
+            raise ChannelError(
+                f"ucx: peer has this agent's own name {meta.name!r}; give every worker a unique agent name"
+            )
         self.reachability.check(meta.name)  # UCX connects here: a known-unreachable peer fails without waiting again
         with self._lock:
             self._check_open()
@@ -215,12 +234,14 @@ class UcxChannel(Channel):
                 self._forget_peer(meta.name, "the peer re-sent its metadata")
             try:
                 ep = self._worker.create_endpoint_from_worker_address(
-                    ucx_api.UCXAddress.create_from_buffer(meta.address), self.options.error_handling  # type: ignore[attr-defined]
+                    ucx_api.UCXAddress.create_from_buffer(meta.address),
+                    self.options.error_handling,  # type: ignore[attr-defined]
                 )
             except UCX_ERRORS as exc:
                 raise self.reachability.record(
                     meta.name,
-                    f"ucx: cannot reach peer {meta.name!r} ({exc}); is it running, and do both sides use a network they share "
+                    f"ucx: cannot reach peer {meta.name!r} ({exc}); is it running, and do both sides use a network "
+                    "they share "
                     f"(UCX_NET_DEVICES is {os.environ.get('UCX_NET_DEVICES', 'unset')!r} here)?",
                 ) from exc
             ep.set_close_callback(self._broken.append, cb_args=(meta.name,))
@@ -255,7 +276,9 @@ class UcxChannel(Channel):
                 self._forget_peer(peer, f"peer {peer!r} fenced: it went silent mid-transfer")
 
     # -- transfers (initiator) -----------------------------------------------
-    def _post(self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> TransferHandle:
+    def _post(
+        self, op: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes
+    ) -> TransferHandle:
         with self._lock:
             self._check_open()
             if peer in self._gone:  # fails like a transfer the peer dropped, not like a caller's mistake
@@ -269,7 +292,10 @@ class UcxChannel(Channel):
             ranges = [(o.remote_region, o.remote_offset, o.length) for o in merged]
             header = _framed(_Header(op, seq, self.agent_name, self._agent_id, ranges, notif, token))
             if header.nbytes > self.options.max_header_bytes:  # type: ignore[attr-defined]
-                raise ChannelError(f"ucx: {len(merged)} ranges do not fit one header of {self.options.max_header_bytes} bytes; split the transfer or raise max_header_bytes")  # type: ignore[attr-defined]
+                raise ChannelError(
+                    f"ucx: {len(merged)} ranges do not fit one header of {self.options.max_header_bytes} bytes; split "
+                    "the transfer or raise max_header_bytes"
+                )  # type: ignore[attr-defined]
             handle = TransferHandle(peer, op, total)
             views = [self.regions[o.local_region][o.local_offset : o.local_offset + o.length] for o in merged]
             data_tag = tag(DATA, self._agent_id, seq)
@@ -278,7 +304,9 @@ class UcxChannel(Channel):
                 ack = self._worker.tag_recv(Array(ack_buf), tag(ACK, self._agent_id, seq))
                 if op == "read":  # receives first, so the target's DATA always finds them
                     requests = [self._worker.tag_recv(Array(v), data_tag) for v in views]
-                    requests.append(entry.ep.tag_send(Array(header), tag(HEADER, self._agent_id, seq)))  # held: ucxx posts it later
+                    requests.append(
+                        entry.ep.tag_send(Array(header), tag(HEADER, self._agent_id, seq))
+                    )  # held: ucxx posts it later
                 else:
                     requests = [entry.ep.tag_send(Array(header), tag(HEADER, self._agent_id, seq))]
                     requests += [entry.ep.tag_send(Array(v), data_tag) for v in views]
@@ -370,12 +398,18 @@ class UcxChannel(Channel):
             tickets = []
         if header.op == "write":
             if error is None:
-                requests = [self._worker.tag_recv(Array(self.regions[r][o : o + n]), data_tag) for r, o, n in header.ranges]
+                requests = [
+                    self._worker.tag_recv(Array(self.regions[r][o : o + n]), data_tag) for r, o, n in header.ranges
+                ]
             else:  # drain: a one-byte buffer truncates and discards each DATA message
                 requests = [self._worker.tag_recv(Array(self._drain_buf), data_tag) for _ in header.ranges]
         else:
             empty = self._drain_buf[:0]
-            views = [self.regions[r][o : o + n] for r, o, n in header.ranges] if error is None else [empty] * len(header.ranges)
+            views = (
+                [self.regions[r][o : o + n] for r, o, n in header.ranges]
+                if error is None
+                else [empty] * len(header.ranges)
+            )
             requests = [peer.ep.tag_send(Array(v), data_tag) for v in views]
         self._incoming.append(_Incoming(header.src, header, requests, error, tickets))
 

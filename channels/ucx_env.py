@@ -79,11 +79,17 @@ def ucx_follow_host(host: str) -> None:
     if device is None:
         log.warning(
             "UCX: no network interface holds %s, so UCX stays on %s=%s and cannot reach other hosts; "
-            "set %s to the interface peers reach this host through (e.g. eth0)", host, var, os.environ[var], var,
+            "set %s to the interface peers reach this host through (e.g. eth0)",
+            host,
+            var,
+            os.environ[var],
+            var,
         )
         return
     if device != os.environ[var]:
-        log.info("UCX: %s=%s (the interface that holds host %s; set %s yourself to choose another)", var, device, host, var)
+        log.info(
+            "UCX: %s=%s (the interface that holds host %s; set %s yourself to choose another)", var, device, host, var
+        )
     os.environ[var] = device
     _record_default(var, device)
 

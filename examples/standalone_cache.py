@@ -96,7 +96,9 @@ def main() -> int:
         with pdkv.KVCacheEngine(layout, tier, args.chunk_size, fingerprint=engine.fingerprint) as restarted:
             looked_up = restarted.lookup(tokens)
             retrieved = restarted.retrieve(tokens, fresh, fresh_table)
-            identical = bool(retrieved.all()) and torch.equal(gather(layout, fresh, fresh_table, 0, len(tokens)), computed)
+            identical = bool(retrieved.all()) and torch.equal(
+                gather(layout, fresh, fresh_table, 0, len(tokens)), computed
+            )
             hits = {name: s.hits for name, s in restarted.stats().items()}
     cold = engine.generate(tokens, params, chunk_size=args.chunk_size).output_token_ids
     report = {

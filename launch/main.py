@@ -28,8 +28,17 @@ log = logging.getLogger("pdkv.launch")
 def config_from_args(args: argparse.Namespace) -> PdkvConfig:
     """The config file with flags on top; ``--prefill``/``--decode`` replace the file's lists."""
     overrides = {
-        "role": args.role, "host": args.host, "advertise_host": args.advertise_host, "port": args.port, "model": args.model, "channel.name": args.channel, "engine": args.engine,
-        "router.prefill": args.prefill, "router.decode": args.decode, "router.policy": args.policy, "router.mode": args.mode,
+        "role": args.role,
+        "host": args.host,
+        "advertise_host": args.advertise_host,
+        "port": args.port,
+        "model": args.model,
+        "channel.name": args.channel,
+        "engine": args.engine,
+        "router.prefill": args.prefill,
+        "router.decode": args.decode,
+        "router.policy": args.policy,
+        "router.mode": args.mode,
         "insecure": True if args.insecure else None,
     }
     return load_config(args.config, overrides)
@@ -72,7 +81,10 @@ def check_exposure(config: PdkvConfig) -> None:
     if is_loopback(config.host):
         return
     if config.role == "router":
-        exposed, what = not (config.router.admin_token or config.secret), "router.admin_token or secret (the admin endpoints then want its bearer token)"
+        exposed, what = (
+            not (config.router.admin_token or config.secret),
+            "router.admin_token or secret (the admin endpoints then want its bearer token)",
+        )
         whom = "register workers and be sent every prompt"
     else:
         exposed, what = not config.secret, "secret (the same on every worker and on the router)"
@@ -81,7 +93,8 @@ def check_exposure(config: PdkvConfig) -> None:
         return
     if not config.insecure:
         raise ConfigError(
-            f"field 'host' = {config.host!r} is beyond loopback and nothing guards this {config.role}: anyone who can reach it could {whom}. "
+            f"field 'host' = {config.host!r} is beyond loopback and nothing guards this {config.role}: anyone who can "
+            f"reach it could {whom}. "
             f"Set {what}, or, on a network where everyone who can reach it is trusted, pass --insecure (insecure: true)"
         )
     log.warning("serving %s on %s with insecure: true: anyone who can reach it can %s", config.role, config.host, whom)
@@ -112,7 +125,17 @@ async def serve_app(app: web.Application, config: PdkvConfig, info: dict[str, An
     site = web.TCPSite(app_runner, config.host, config.port)
     await site.start()
     port = app_runner.addresses[0][1]
-    print(json.dumps({"event": "ready", "role": config.role, "url": f"http://{config.advertise_host or config.host}:{port}", **info}), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "ready",
+                "role": config.role,
+                "url": f"http://{config.advertise_host or config.host}:{port}",
+                **info,
+            }
+        ),
+        flush=True,
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

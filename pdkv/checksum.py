@@ -66,7 +66,8 @@ def _mix64(x: int) -> int:
 
 
 class _Weights:
-    """Weights of a flat row index ``i`` of units of ``rows`` rows: ``f(i // rows) * g(i % rows)``, grown on demand and cached.
+    """Weights of a flat row index ``i`` of units of ``rows`` rows: ``f(i // rows) * g(i % rows)``, grown on demand
+    and cached.
 
     ``f`` and ``g`` are ``(j * golden + salt) | 1`` (odd), built with the same int64 ops on every device, so
     CPU and CUDA weights are the same bits; ``f * g`` is odd too, which is what makes any single changed
@@ -94,7 +95,9 @@ class _Weights:
 
 
 _weights = _Weights()
-_scratch = threading.local()  # per thread and device: where many small pieces are copied together, reused (a fresh allocation faults its pages in)
+_scratch = (
+    threading.local()
+)  # per thread and device: where many small pieces are copied together, reused (a fresh allocation faults its pages in)
 
 
 def _scratch_bytes(device: torch.device, total: int) -> torch.Tensor:
@@ -109,6 +112,8 @@ def _scratch_bytes(device: torch.device, total: int) -> torch.Tensor:
 def _joined(pieces: list[torch.Tensor], total: int) -> torch.Tensor:
     """``pieces`` copied end to end into this thread's scratch buffer on their device."""
     return torch.cat(pieces, out=_scratch_bytes(pieces[0].device, total))
+
+
 # Pieces smaller than this on average (a fragmented block table times per-layer tensors) are hashed as one copy:
 # three torch ops per piece (~10 us) cost more than copying 256 KiB.
 _CONCAT_BELOW = 256 << 10
@@ -140,7 +145,13 @@ def _row_sums(piece: torch.Tensor, unit: int) -> torch.Tensor:
         return words.view(-1, row).sum(1, dtype=torch.int64)
     full = n_words // row
     per_unit = words.view(-1, n_words)
-    sums = torch.cat([per_unit[:, : full * row].reshape(-1, full, row).sum(2, dtype=torch.int64), per_unit[:, full * row :].sum(1, dtype=torch.int64, keepdim=True)], 1)
+    sums = torch.cat(
+        [
+            per_unit[:, : full * row].reshape(-1, full, row).sum(2, dtype=torch.int64),
+            per_unit[:, full * row :].sum(1, dtype=torch.int64, keepdim=True),
+        ],
+        1,
+    )
     return sums.view(-1)
 
 
@@ -156,11 +167,16 @@ def chunk_checksum(pieces: Iterable[torch.Tensor], unit: int | None = None) -> i
     total = 0
     for piece in pieces:
         if piece.dtype != torch.uint8 or piece.dim() != 1:
-            raise LayoutError(f"chunk_checksum takes flat uint8 tensors, got {piece.dtype} of shape {tuple(piece.shape)}")
+            raise LayoutError(
+                f"chunk_checksum takes flat uint8 tensors, got {piece.dtype} of shape {tuple(piece.shape)}"
+            )
         if piece.device.type == "meta":
             raise LayoutError("chunk_checksum: a meta tensor holds no bytes to hash; the KV must be on cpu or cuda")
         if todo and piece.device != todo[0].device:
-            raise LayoutError(f"chunk_checksum: pieces on {todo[0].device} and {piece.device}; hash each device's bytes where they are")
+            raise LayoutError(
+                f"chunk_checksum: pieces on {todo[0].device} and {piece.device}; hash each device's bytes where they "
+                "are"
+            )
         n = piece.numel()
         if unit is not None and n % unit:
             raise LayoutError(f"chunk_checksum: a piece of {n} bytes is not whole units of {unit} bytes")
@@ -174,7 +190,9 @@ def chunk_checksum(pieces: Iterable[torch.Tensor], unit: int | None = None) -> i
         acc = torch.zeros((), dtype=torch.int64, device=device)
         for index, piece in enumerate(todo):
             rows = _rows_per_unit(piece.numel())
-            acc += (_row_sums(piece, piece.numel()) * _weights.get(device, rows, (index + 1) * rows)[index * rows :]).sum()
+            acc += (
+                _row_sums(piece, piece.numel()) * _weights.get(device, rows, (index + 1) * rows)[index * rows :]
+            ).sum()
     else:
         if len(todo) > 1 and total < _CONCAT_BELOW * len(todo):
             todo = [_joined(todo, total)]
@@ -207,7 +225,8 @@ def blocks_checksum(kv_bytes: Sequence[torch.Tensor], blocks: Sequence[int], blo
 
 
 def checksum(views: Iterable[memoryview]) -> int:
-    """xxh3-64 of host bytes: the tiers' files and values (``pdkv.tier``), whose format keeps it; not the transfer path."""
+    """xxh3-64 of host bytes: the tiers' files and values (``pdkv.tier``), whose format keeps it; not the transfer
+    path."""
     h = xxhash.xxh3_64()
     for v in views:
         h.update(v)
@@ -222,7 +241,9 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
-def layer_digests(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: Sequence[int], num_tokens: int) -> list[str]:
+def layer_digests(
+    layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: Sequence[int], num_tokens: int
+) -> list[str]:
     """The checksum of each layer's canonical KV for tokens ``[0, num_tokens)``, as hex, computed on the KV's device.
 
     Layout-independent, so P and D can compare what was computed with what

@@ -35,7 +35,9 @@ def _sizes(text: str) -> list[int]:
         try:
             value = int(num) * units[unit]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"size {part!r}: expected a number with an optional K, M or G suffix") from None
+            raise argparse.ArgumentTypeError(
+                f"size {part!r}: expected a number with an optional K, M or G suffix"
+            ) from None
         if value <= 0:
             raise argparse.ArgumentTypeError(f"size {part!r} must be positive")
         out.append(value)
@@ -72,8 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="run one role: prefill, decode or router")
     launch.add_argument("--role", required=True, choices=["prefill", "decode", "router"])
     launch.add_argument("--config", default=None, help="YAML config file")
-    launch.add_argument("--host", default=None, help="where every plane of the role listens (HTTP, KV control, KV data); default 127.0.0.1")
-    launch.add_argument("--advertise-host", default=None, help="the address peers and the router dial, when --host is 0.0.0.0 or behind a NAT")
+    launch.add_argument(
+        "--host",
+        default=None,
+        help="where every plane of the role listens (HTTP, KV control, KV data); default 127.0.0.1",
+    )
+    launch.add_argument(
+        "--advertise-host",
+        default=None,
+        help="the address peers and the router dial, when --host is 0.0.0.0 or behind a NAT",
+    )
     launch.add_argument("--port", type=int, default=None)
     launch.add_argument("--model", default=None)
     launch.add_argument("--channel", default=None)
@@ -81,10 +91,26 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--prefill", action="append", default=None, help="router: prefill worker URL (repeatable)")
     launch.add_argument("--decode", action="append", default=None, help="router: decode worker URL (repeatable)")
     launch.add_argument("--policy", default=None, choices=["round-robin", "least-loaded", "prefix"])
-    launch.add_argument("--mode", default=None, choices=["pdkv", "vllm"], help="router: how P and D are paired (vllm: vLLM servers)")
-    launch.add_argument("--insecure", action="store_true", help="serve beyond loopback with no secret (workers) or admin token (router): a trusted network only")
-    launch.add_argument("--ready-timeout", type=float, default=600.0, help="engine vllm: seconds to wait for vLLM to come up (default 600)")
-    launch.add_argument("engine_args", nargs="*", metavar="-- VLLM_ARGS", help="engine vllm: flags after -- go to the vLLM server unchanged")
+    launch.add_argument(
+        "--mode", default=None, choices=["pdkv", "vllm"], help="router: how P and D are paired (vllm: vLLM servers)"
+    )
+    launch.add_argument(
+        "--insecure",
+        action="store_true",
+        help="serve beyond loopback with no secret (workers) or admin token (router): a trusted network only",
+    )
+    launch.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=600.0,
+        help="engine vllm: seconds to wait for vLLM to come up (default 600)",
+    )
+    launch.add_argument(
+        "engine_args",
+        nargs="*",
+        metavar="-- VLLM_ARGS",
+        help="engine vllm: flags after -- go to the vLLM server unchanged",
+    )
     launch.set_defaults(target="pdkv.launch.main:run")
 
     bench = sub.add_parser("bench", help="measure against same-run baselines (JSON out)")
@@ -93,21 +119,57 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--channel", default="tcp", help="mock, tcp, nixl or ucx")
     ch.add_argument("--sizes", type=_sizes, default=_sizes("4K,256K,4M,32M"))
     ch.add_argument("--repeats", type=int, default=0, help="repeats per size (0: chosen per size)")
-    ch.add_argument("--link", default=None, metavar="RATE", help="run across two hosts (network namespaces, root) joined by a veth shaped to RATE: unshaped, 100mbit, 1gbit, 10gbit, ...")
-    ch.add_argument("--tls", action="store_true", help="tcp: also the channel with mutual TLS, in the same rounds (TLS/clear ratio per row)")
+    ch.add_argument(
+        "--link",
+        default=None,
+        metavar="RATE",
+        help="run across two hosts (network namespaces, root) joined by a veth shaped to RATE: unshaped, 100mbit, "
+        "1gbit, 10gbit, ...",
+    )
+    ch.add_argument(
+        "--tls",
+        action="store_true",
+        help="tcp: also the channel with mutual TLS, in the same rounds (TLS/clear ratio per row)",
+    )
     ch.add_argument("--json", action="store_true", help="print one JSON object")
     ch.set_defaults(target="pdkv.bench.channel:run")
-    tr = bsub.add_parser("transfer", help="a request's KV, sender -> receiver, against the raw channel moving the same bytes")
+    tr = bsub.add_parser(
+        "transfer", help="a request's KV, sender -> receiver, against the raw channel moving the same bytes"
+    )
     tr.add_argument("--channel", default="tcp", help="mock, tcp, nixl or ucx")
     tr.add_argument("--modes", default="direct,staging", help="direct and/or staging, comma-separated (default both)")
-    tr.add_argument("--scenarios", type=_scenarios, default=None, help="TOKENSxREQUESTS,... (default 40x1,256x1,2048x1,256x16,2048x4)")
-    tr.add_argument("--repeats", type=int, default=3, help="repetitions of each scenario per round, 5 rounds (default 3)")
-    tr.add_argument("--link", default=None, metavar="RATE", help="run across two hosts (network namespaces, root) joined by a veth shaped to RATE: unshaped, 100mbit, 1gbit, 10gbit, ...")
-    tr.add_argument("--device", default="cpu", help="where the KV lives: cpu, emulated (device memory with no host view, on CPU) or cuda; several comma-separated are measured in one run")
-    tr.add_argument("--tls", action="store_true", help="tcp: also the transfer over the channel with mutual TLS, in the same rounds (TLS/clear ratio per row)")
+    tr.add_argument(
+        "--scenarios",
+        type=_scenarios,
+        default=None,
+        help="TOKENSxREQUESTS,... (default 40x1,256x1,2048x1,256x16,2048x4)",
+    )
+    tr.add_argument(
+        "--repeats", type=int, default=3, help="repetitions of each scenario per round, 5 rounds (default 3)"
+    )
+    tr.add_argument(
+        "--link",
+        default=None,
+        metavar="RATE",
+        help="run across two hosts (network namespaces, root) joined by a veth shaped to RATE: unshaped, 100mbit, "
+        "1gbit, 10gbit, ...",
+    )
+    tr.add_argument(
+        "--device",
+        default="cpu",
+        help="where the KV lives: cpu, emulated (device memory with no host view, on CPU) or cuda; several "
+        "comma-separated are measured in one run",
+    )
+    tr.add_argument(
+        "--tls",
+        action="store_true",
+        help="tcp: also the transfer over the channel with mutual TLS, in the same rounds (TLS/clear ratio per row)",
+    )
     tr.add_argument("--json", action="store_true", help="print one JSON object")
     tr.set_defaults(target="pdkv.bench.transfer:run")
-    cs = bsub.add_parser("checksum", help="the chunk checksum's cost against copy_ of the same bytes, on the bytes' device")
+    cs = bsub.add_parser(
+        "checksum", help="the chunk checksum's cost against copy_ of the same bytes, on the bytes' device"
+    )
     cs.add_argument("--device", default="cpu", help="cpu or cuda")
     cs.add_argument("--repeats", type=int, default=15, help="timed repeats of each row (default 15)")
     cs.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steady on a shared machine)")
@@ -119,52 +181,100 @@ def build_parser() -> argparse.ArgumentParser:
     ga.add_argument("--json", action="store_true")
     ga.set_defaults(target="pdkv.bench.gather:run")
     tt = bsub.add_parser("ttft", help="time to first token, cold and from each cache tier")
-    tt.add_argument("--parts", type=_parts, default=(1, 2, 3), help="which parts: 1 one prompt from each level, 2 trace hit rates against the optimum, 3 replay through workers (default 1,2,3)")
+    tt.add_argument(
+        "--parts",
+        type=_parts,
+        default=(1, 2, 3),
+        help="which parts: 1 one prompt from each level, 2 trace hit rates against the optimum, 3 replay through "
+        "workers (default 1,2,3)",
+    )
     tt.add_argument("--model", default="default", help="'default' or a model directory")
     tt.add_argument("--prompt-tokens", type=int, default=2048, help="part 1: prompt length")
     tt.add_argument("--repeats", type=int, default=3, help="part 1: rounds (every case once per round)")
     tt.add_argument("--trace-requests", type=int, default=0, help="parts 2-3: the trace's first N requests (0: all)")
-    tt.add_argument("--replay-conversations", type=int, default=16, help="part 3: conversations replayed through real workers (default 16)")
+    tt.add_argument(
+        "--replay-conversations",
+        type=int,
+        default=16,
+        help="part 3: conversations replayed through real workers (default 16)",
+    )
     tt.add_argument("--json", action="store_true")
     tt.set_defaults(target="pdkv.bench.ttft:run")
-    pd = bsub.add_parser("pd", help="TTFT of a long prompt, prefill and decode on two hosts (--link), against one worker doing it all")
-    pd.add_argument("--link", default=None, metavar="RATE", help="decode on a second host (network namespace, root) across a veth shaped to RATE: unshaped, 100mbit, 1gbit, 10gbit, ...")
+    pd = bsub.add_parser(
+        "pd", help="TTFT of a long prompt, prefill and decode on two hosts (--link), against one worker doing it all"
+    )
+    pd.add_argument(
+        "--link",
+        default=None,
+        metavar="RATE",
+        help="decode on a second host (network namespace, root) across a veth shaped to RATE: unshaped, 100mbit, "
+        "1gbit, 10gbit, ...",
+    )
     pd.add_argument("--model", default="default", help="model: 'default' or a path")
     pd.add_argument("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
     pd.add_argument("--repeats", type=int, default=3, help="measured requests per side, after one warm-up each")
-    pd.add_argument("--disaggregate", default="always", help="router.disaggregate modes to measure, comma-separated: always, never, auto")
-    pd.add_argument("--codec", default="none", help="the workers' transfer.codec (and the router's disaggregate_codec): none, fp8, zstd, ...")
+    pd.add_argument(
+        "--disaggregate",
+        default="always",
+        help="router.disaggregate modes to measure, comma-separated: always, never, auto",
+    )
+    pd.add_argument(
+        "--codec",
+        default="none",
+        help="the workers' transfer.codec (and the router's disaggregate_codec): none, fp8, zstd, ...",
+    )
     pd.add_argument("--json", action="store_true")
     pd.set_defaults(target="pdkv.bench.pd:run")
-    co = bsub.add_parser("codec", help="KV codecs: bytes ratio, encode/decode GB/s against memcpy, fidelity on the default model")
+    co = bsub.add_parser(
+        "codec", help="KV codecs: bytes ratio, encode/decode GB/s against memcpy, fidelity on the default model"
+    )
     co.add_argument("--model", default="default", help="default, a Hugging Face directory or a .gguf file")
     co.add_argument("--dtypes", default="float32,bfloat16", help="KV dtypes to measure (comma-separated)")
-    co.add_argument("--codecs", default="", help="codecs to measure (comma-separated; default all; none is always the reference)")
-    co.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded from each prompt's KV for the fidelity measure")
+    co.add_argument(
+        "--codecs", default="", help="codecs to measure (comma-separated; default all; none is always the reference)"
+    )
+    co.add_argument(
+        "--decode-tokens", type=int, default=32, help="tokens decoded from each prompt's KV for the fidelity measure"
+    )
     co.add_argument("--repeats", type=int, default=5, help="timed repeats of encode, decode and memcpy")
     co.add_argument("--prompts", type=int, default=0, help="use only the first N of the fixed prompts (0: all six)")
     co.add_argument("--json", action="store_true")
     co.set_defaults(target="pdkv.bench.codec:run")
-    ro = bsub.add_parser("router", help="the router's added latency and requests/s against doing its hops directly (trivial backend)")
+    ro = bsub.add_parser(
+        "router", help="the router's added latency and requests/s against doing its hops directly (trivial backend)"
+    )
     ro.add_argument("--requests", type=int, default=500, help="requests per side and measurement")
     ro.add_argument("--concurrency", type=int, default=32, help="requests in flight for the requests/s measurement")
     ro.add_argument("--json", action="store_true")
     ro.set_defaults(target="pdkv.bench.router:run")
-    kr = bsub.add_parser("kv-routing", help="KV-aware routing on the Mooncake trace through real workers, and the prefix index's lookup cost")
-    kr.add_argument("--trace", default=None, help="the Mooncake conversation trace (default: $PDKV_MOONCAKE_TRACE, else the copy shipped with pdkv)")
+    kr = bsub.add_parser(
+        "kv-routing",
+        help="KV-aware routing on the Mooncake trace through real workers, and the prefix index's lookup cost",
+    )
+    kr.add_argument(
+        "--trace",
+        default=None,
+        help="the Mooncake conversation trace (default: $PDKV_MOONCAKE_TRACE, else the copy shipped with pdkv)",
+    )
     kr.add_argument("--prefill-workers", type=int, default=2, help="prefill workers (0: the lookup cost only)")
     kr.add_argument("--conversations", type=int, default=12, help="whole conversations replayed from the trace")
-    kr.add_argument("--block-tokens", type=int, default=32, help="tokens per 512-token trace block (and the workers' chunk size)")
+    kr.add_argument(
+        "--block-tokens", type=int, default=32, help="tokens per 512-token trace block (and the workers' chunk size)"
+    )
     kr.add_argument("--max-blocks", type=int, default=40, help="prompts capped at this many trace blocks")
     kr.add_argument("--memory-mib", type=int, default=256, help="each prefill worker's memory tier")
-    kr.add_argument("--routers", type=int, default=1, help="router replicas per policy; requests alternate between them")
+    kr.add_argument(
+        "--routers", type=int, default=1, help="router replicas per policy; requests alternate between them"
+    )
     kr.add_argument("--concurrency", type=int, default=1, help="requests in flight (in trace order)")
     kr.add_argument("--model", default="default")
     kr.add_argument("--blocks", type=int, default=100_000, help="blocks in the index for the lookup cost")
     kr.add_argument("--json", action="store_true")
     kr.set_defaults(target="pdkv.bench.kv_routing:run")
     for each in bsub.choices.values():
-        each.add_argument("--plot", metavar="FILE.png", default=None, help="also draw the result into this file (needs pdkv[plot])")
+        each.add_argument(
+            "--plot", metavar="FILE.png", default=None, help="also draw the result into this file (needs pdkv[plot])"
+        )
     return parser
 
 

@@ -98,7 +98,12 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
     curve_clients: list[str] = msgspec.field(default_factory=list)  # public keys of the subscribers allowed
 
     # not vLLM's: never in its --kv-events-config (the hash form reaches vLLM as its environment switch)
-    PDKV_FIELDS: ClassVar[tuple[str, ...]] = ("use_int_block_hashes", "memory_medium", "curve_secret_key", "curve_clients")
+    PDKV_FIELDS: ClassVar[tuple[str, ...]] = (
+        "use_int_block_hashes",
+        "memory_medium",
+        "curve_secret_key",
+        "curve_clients",
+    )
 
     @property
     def publishing(self) -> bool:
@@ -112,7 +117,10 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
         try:
             return bool(int(raw))  # vLLM's own parse: any integer, nonzero is on
         except ValueError:
-            raise ConfigError(f"kv_events.use_int_block_hashes is unset and VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES={raw!r} is not an integer (1: integer hashes, 0: bytes)") from None
+            raise ConfigError(
+                f"kv_events.use_int_block_hashes is unset and VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES={raw!r} is not an "
+                "integer (1: integer hashes, 0: bytes)"
+            ) from None
 
 
 ZmqEndpoint = Annotated[str, Meta(pattern=r"^(tcp://([^\s/:\[\]]+|\[[0-9a-fA-F:.]+\]):\d{1,5}|(ipc|inproc)://\S+)$")]
@@ -240,9 +248,14 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
             if t.api_key and t.api_key_sha256:
                 raise ValueError(f"router.tenants {t.name!r}: set api_key or api_key_sha256, not both")
             if not (t.api_key or t.api_key_sha256 or self.tenant_header):
-                raise ValueError(f"router.tenants {t.name!r} has no api_key or api_key_sha256, and no tenant_header names tenants: no request could reach it")
+                raise ValueError(
+                    f"router.tenants {t.name!r} has no api_key or api_key_sha256, and no tenant_header names tenants: "
+                    "no request could reach it"
+                )
         if self.tenant_header and not (self.tenants and self.tenant_header_from):
-            raise ValueError("router.tenant_header needs router.tenants and router.tenant_header_from (the gateway's addresses)")
+            raise ValueError(
+                "router.tenant_header needs router.tenants and router.tenant_header_from (the gateway's addresses)"
+            )
         for net in self.tenant_header_from:
             try:
                 ipaddress.ip_network(net, strict=False)
@@ -262,7 +275,8 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     enabled: bool = True
     memory_bytes: Annotated[int, Meta(ge=0)] = 1 << 30  # 0: no memory level
-    # which chunks leave a full level (pdkv/tier/policy.py): lru, s3fifo, or prefix (leaves of the prompt tree first, reuse-weighted)
+    # which chunks leave a full level (pdkv/tier/policy.py): lru, s3fifo, or prefix (leaves of the prompt tree
+    # first, reuse-weighted)
     memory_policy: Literal["lru", "s3fifo", "prefix"] = "lru"
     disk_path: str = ""  # a directory of its own per worker; "": no disk level
     disk_bytes: Positive = 16 << 30
@@ -315,7 +329,9 @@ class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
     model: str = "default"
     engine: Literal["reference", "vllm"] = "reference"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    num_threads: Annotated[int, Meta(ge=0)] = 0  # torch threads of the engine; 0 = half the cores (P and D often share a machine)
+    num_threads: Annotated[int, Meta(ge=0)] = (
+        0  # torch threads of the engine; 0 = half the cores (P and D often share a machine)
+    )
     num_blocks: Positive = 1024
     block_size: Positive = 16
     kv_order: Literal["NHD", "HND"] = "NHD"
@@ -400,17 +416,30 @@ def convert_config(raw: dict[str, Any], source: str = "config") -> PdkvConfig:
         unknown = re.search(r"unknown field `(\w+)`", text)
         if unknown:
             path += "." + unknown.group(1)
-            text = f"unknown field; expected one of the documented fields of '{path.rsplit('.', 1)[0].lstrip('.') or 'the top level'}'"
+            text = (
+                "unknown field; expected one of the documented fields of "
+                f"'{path.rsplit('.', 1)[0].lstrip('.') or 'the top level'}'"
+            )
         field = path.lstrip(".") or "?"
         expected = _PATH.sub("", text).rstrip(" -")
         raise ConfigError(f"{source}: field '{field}' = {_lookup(raw, path)!r}: {expected}") from None
-    why = codec_class(config.transfer.codec).unsupported_dtype(config.dtype) if config.transfer.codec != "none" else None
+    why = (
+        codec_class(config.transfer.codec).unsupported_dtype(config.dtype) if config.transfer.codec != "none" else None
+    )
     if why and config.engine == "reference":  # vLLM's KV dtype is vLLM's: checked when the connector builds the codec
-        raise ConfigError(f"{source}: field 'transfer.codec' = {config.transfer.codec!r} does not fit dtype {config.dtype!r}: {why}")
+        raise ConfigError(
+            f"{source}: field 'transfer.codec' = {config.transfer.codec!r} does not fit dtype {config.dtype!r}: {why}"
+        )
     if config.router.tenants and not (config.router.tenant_salt_secret or config.secret):
-        raise ConfigError(f"{source}: field 'router.tenants' needs a secret to derive each tenant's cache salt from: set router.tenant_salt_secret or the top-level secret")
+        raise ConfigError(
+            f"{source}: field 'router.tenants' needs a secret to derive each tenant's cache salt from: set "
+            "router.tenant_salt_secret or the top-level secret"
+        )
     if "secret" in config.channel.options:  # one secret for both planes; ``channel_options`` hands it to the channel
-        raise ConfigError(f"{source}: field 'channel.options.secret' is not an option: set the top-level `secret`, which guards the channel too")
+        raise ConfigError(
+            f"{source}: field 'channel.options.secret' is not an option: set the top-level `secret`, which guards the "
+            "channel too"
+        )
     return config
 
 

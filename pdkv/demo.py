@@ -43,7 +43,12 @@ def run(args: argparse.Namespace) -> int:
     common = ["--port", "0", "--model", args.model, "--channel", args.channel]
     workers: list[WorkerProcess] = []
     try:
-        print(f"starting a decode worker, a prefill worker and the router (model {args.model}, channel {args.channel}) ...", file=sys.stderr, flush=True)
+        print(
+            f"starting a decode worker, a prefill worker and the router (model {args.model}, channel {args.channel}) "
+            "...",
+            file=sys.stderr,
+            flush=True,
+        )
         decode = start_worker("decode", *common)
         workers.append(decode)
         prefill = start_worker("prefill", *common)
@@ -60,7 +65,10 @@ def run(args: argparse.Namespace) -> int:
 
         local = post_json(decode.url + "/v1/chat/completions", {**base, "max_tokens": args.max_tokens})
         deadline = time.monotonic() + 10  # the transfer settles on P a moment after D answered
-        while metric(p_metrics := get_text(prefill.url + "/metrics"), "pdkv_open_transfers") and time.monotonic() < deadline:
+        while (
+            metric(p_metrics := get_text(prefill.url + "/metrics"), "pdkv_open_transfers")
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.05)
         d_metrics = get_text(decode.url + "/metrics")
         moved = metric(p_metrics, "pdkv_transfer_bytes_total")

@@ -20,11 +20,13 @@ class LayoutError(PdkvError, ValueError):
 
 
 class DeviceMemoryError(LayoutError):
-    """A buffer in device memory (CUDA, meta, emulated) was used where only host memory works; the message says what to use instead."""
+    """A buffer in device memory (CUDA, meta, emulated) was used where only host memory works; the message says what
+    to use instead."""
 
 
 class CacheRequestError(PdkvError, ValueError):
-    """A ``KVCacheEngine`` call's tokens, keys or mask break its contract (pdkv/cache_engine.py); the message says which and how."""
+    """A ``KVCacheEngine`` call's tokens, keys or mask break its contract (pdkv/cache_engine.py); the message says
+    which and how."""
 
 
 class ProtocolError(PdkvError):
@@ -44,7 +46,8 @@ class ChannelError(PdkvError):
 
 
 class PeerUnreachableError(ChannelError):
-    """A peer's data path cannot be opened from here (the address it advertises is unreachable): no transfer to it can work."""
+    """A peer's data path cannot be opened from here (the address it advertises is unreachable): no transfer to it
+    can work."""
 
 
 class ChannelNotInstalledError(ChannelError, ImportError):
@@ -60,7 +63,8 @@ class ChecksumError(TransferError):
 
 
 class CodecError(TransferError):
-    """An encoded chunk is malformed (bad header, a length that does not fit its shape) or cannot be encoded as asked."""
+    """An encoded chunk is malformed (bad header, a length that does not fit its shape) or cannot be encoded as
+    asked."""
 
 
 class TransferTimeout(TransferError, TimeoutError):

@@ -57,7 +57,9 @@ def _root(fingerprint: str, salt: str = "") -> bytes:
     if not salt:
         return xxhash.xxh3_128_digest(b"pdkv/root/" + fingerprint.encode())
     fp, sb = fingerprint.encode(), check_salt(salt).encode()
-    return xxhash.xxh3_128_digest(b"pdkv/salted-root/" + len(fp).to_bytes(4, "little") + fp + len(sb).to_bytes(4, "little") + sb)
+    return xxhash.xxh3_128_digest(
+        b"pdkv/salted-root/" + len(fp).to_bytes(4, "little") + fp + len(sb).to_bytes(4, "little") + sb
+    )
 
 
 def chunk_key(parent: bytes, fingerprint: str, tokens: Sequence[int] | np.ndarray) -> bytes:
@@ -69,7 +71,11 @@ def chunk_key(parent: bytes, fingerprint: str, tokens: Sequence[int] | np.ndarra
     h.update(parent)
     h.update(fingerprint.encode())
     h.update(len(arr).to_bytes(4, "little"))
-    h.update(arr.astype("<u4", copy=False).tobytes() if (arr >= 0).all() and (arr < 2**32).all() else arr.astype("<i8").tobytes())
+    h.update(
+        arr.astype("<u4", copy=False).tobytes()
+        if (arr >= 0).all() and (arr < 2**32).all()
+        else arr.astype("<i8").tobytes()
+    )
     return h.digest()
 
 
@@ -81,7 +87,9 @@ def chunk_spans(num_tokens: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Iterat
         yield start, min(chunk_size, num_tokens - start)
 
 
-def chunk_keys(tokens: Sequence[int] | np.ndarray, fingerprint: str, chunk_size: int = DEFAULT_CHUNK_SIZE, salt: str = "") -> list[bytes]:
+def chunk_keys(
+    tokens: Sequence[int] | np.ndarray, fingerprint: str, chunk_size: int = DEFAULT_CHUNK_SIZE, salt: str = ""
+) -> list[bytes]:
     """Keys of every chunk of ``tokens``, a partial last chunk included, chained from ``salt``'s root."""
     arr = np.asarray(tokens, dtype=np.int64)
     keys: list[bytes] = []
@@ -118,14 +126,19 @@ class PromptKeys:
             raise CacheRequestError(f"PromptKeys.num_tokens must be >= 0, got {self.num_tokens}")
         expected = -(-self.num_tokens // self.chunk_size)
         if len(self.keys) != expected:
-            raise CacheRequestError(f"{self.num_tokens} tokens in chunks of {self.chunk_size} have {expected} chunk keys, got {len(self.keys)}")
+            raise CacheRequestError(
+                f"{self.num_tokens} tokens in chunks of {self.chunk_size} have {expected} chunk keys, got "
+                f"{len(self.keys)}"
+            )
         for key in self.keys:
             if len(key) != KEY_BYTES:
                 raise CacheRequestError(f"a chunk key is {KEY_BYTES} bytes (pdkv.keys.chunk_keys), got {len(key)}")
         check_salt(self.salt)
 
     @classmethod
-    def of(cls, tokens: Sequence[int] | np.ndarray, fingerprint: str, chunk_size: int = DEFAULT_CHUNK_SIZE, salt: str = "") -> PromptKeys:
+    def of(
+        cls, tokens: Sequence[int] | np.ndarray, fingerprint: str, chunk_size: int = DEFAULT_CHUNK_SIZE, salt: str = ""
+    ) -> PromptKeys:
         """Key ``tokens`` (``chunk_keys``) under ``salt``."""
         return cls(tuple(chunk_keys(tokens, fingerprint, chunk_size, salt)), len(tokens), chunk_size, fingerprint, salt)
 
@@ -136,7 +149,8 @@ class PromptKeys:
             return self
         if not 0 <= num_tokens < self.num_tokens or num_tokens % self.chunk_size:
             raise CacheRequestError(
-                f"a prefix of keyed tokens must be a multiple of chunk_size ({self.chunk_size}) below {self.num_tokens}, or all {self.num_tokens} tokens; got {num_tokens}"
+                f"a prefix of keyed tokens must be a multiple of chunk_size ({self.chunk_size}) below "
+                f"{self.num_tokens}, or all {self.num_tokens} tokens; got {num_tokens}"
             )
         return dataclasses.replace(self, keys=self.keys[: num_tokens // self.chunk_size], num_tokens=num_tokens)
 

@@ -62,7 +62,9 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.dtype not in DTYPES:
             raise LayoutError(f"KVLayout.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.mla and self.num_kv_heads != 1:
-            raise LayoutError(f"KVLayout with mla=True has one latent head; num_kv_heads must be 1, got {self.num_kv_heads}")
+            raise LayoutError(
+                f"KVLayout with mla=True has one latent head; num_kv_heads must be 1, got {self.num_kv_heads}"
+            )
 
     # -- sizes -------------------------------------------------------------
     @property
@@ -130,7 +132,11 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         scatter convert. These may not: they change what a token's KV is.
         """
         fields = ("num_layers", "num_kv_heads", "head_dim", "dtype", "mla")
-        return [f"layout.{f} (ours {getattr(self, f)!r}, peer {getattr(other, f)!r})" for f in fields if getattr(self, f) != getattr(other, f)]
+        return [
+            f"layout.{f} (ours {getattr(self, f)!r}, peer {getattr(other, f)!r})"
+            for f in fields
+            if getattr(self, f) != getattr(other, f)
+        ]
 
     def validate_buffer(self, tensors: Sequence[torch.Tensor]) -> int:
         """Check ``tensors`` are a buffer in this layout; return its block count."""
@@ -140,13 +146,17 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         expected = self.tensor_shape(num_blocks)
         for i, t in enumerate(tensors):
             if tuple(t.shape) != expected or t.dtype != self.torch_dtype:
-                raise LayoutError(f"buffer tensor {i} is {tuple(t.shape)} {t.dtype}, layout expects {expected} {self.torch_dtype}")
+                raise LayoutError(
+                    f"buffer tensor {i} is {tuple(t.shape)} {t.dtype}, layout expects {expected} {self.torch_dtype}"
+                )
             if not t.is_contiguous():
                 raise LayoutError(f"buffer tensor {i} is not contiguous")
         return num_blocks
 
 
-def used_blocks(layout: KVLayout, num_blocks: int, block_table: BlockTable, start: int, num_tokens: int) -> torch.Tensor:
+def used_blocks(
+    layout: KVLayout, num_blocks: int, block_table: BlockTable, start: int, num_tokens: int
+) -> torch.Tensor:
     """The block table entries that tokens ``[start, start+num_tokens)`` touch, as int64, bounds checked.
 
     Shared by the torch path and pdkv.native so both refuse the same inputs
@@ -158,7 +168,9 @@ def used_blocks(layout: KVLayout, num_blocks: int, block_table: BlockTable, star
     end = start + num_tokens
     needed = layout.blocks_for(end) if end else 0
     if table.numel() < needed:
-        raise LayoutError(f"block table has {table.numel()} blocks, tokens up to {end} need {needed} (block size {layout.block_size})")
+        raise LayoutError(
+            f"block table has {table.numel()} blocks, tokens up to {end} need {needed} (block size {layout.block_size})"
+        )
     used = table[:needed]
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
         raise LayoutError(f"block id out of range [0, {num_blocks}) in block table {used.tolist()}")
@@ -166,7 +178,8 @@ def used_blocks(layout: KVLayout, num_blocks: int, block_table: BlockTable, star
 
 
 def check_chunk(layout: KVLayout, chunk: torch.Tensor, what: str, num_tokens: int | None = None) -> int:
-    """Check ``chunk`` is a canonical chunk of this layout (of ``num_tokens`` tokens if given); return its token count."""
+    """Check ``chunk`` is a canonical chunk of this layout (of ``num_tokens`` tokens if given); return its token
+    count."""
     tokens = chunk.shape[2] if chunk.dim() == 5 else -1
     shape = layout.chunk_shape(max(tokens, 0) if num_tokens is None else num_tokens)
     if tuple(chunk.shape) != shape or chunk.dtype != layout.torch_dtype:
@@ -174,7 +187,9 @@ def check_chunk(layout: KVLayout, chunk: torch.Tensor, what: str, num_tokens: in
     return shape[2]
 
 
-def _positions(layout: KVLayout, num_blocks: int, block_table: BlockTable, start: int, num_tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _positions(
+    layout: KVLayout, num_blocks: int, block_table: BlockTable, start: int, num_tokens: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(block index, in-block offset) of each token in ``[start, start+num_tokens)``, bounds checked."""
     table = used_blocks(layout, num_blocks, block_table, start, num_tokens)
     pos = torch.arange(start, start + num_tokens, dtype=torch.long)
@@ -183,7 +198,14 @@ def _positions(layout: KVLayout, num_blocks: int, block_table: BlockTable, start
     return blk, off
 
 
-def gather(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: BlockTable, start: int, num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def gather(
+    layout: KVLayout,
+    tensors: Sequence[torch.Tensor],
+    block_table: BlockTable,
+    start: int,
+    num_tokens: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Copy tokens ``[start, start+num_tokens)`` of a request out of the paged buffer into a canonical chunk."""
     num_blocks = layout.validate_buffer(tensors)
     blk, off = _positions(layout, num_blocks, block_table, start, num_tokens, tensors[0].device)
@@ -200,7 +222,9 @@ def gather(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: Block
     return out
 
 
-def scatter(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: BlockTable, start: int, chunk: torch.Tensor) -> None:
+def scatter(
+    layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: BlockTable, start: int, chunk: torch.Tensor
+) -> None:
     """Write a canonical chunk into tokens ``[start, start+T)`` of a request's blocks."""
     num_blocks = layout.validate_buffer(tensors)
     num_tokens = check_chunk(layout, chunk, "chunk")
@@ -265,7 +289,9 @@ def block_runs(ours: Sequence[int], theirs: Sequence[int] | None = None) -> list
     return runs
 
 
-def block_ranges(layout: KVLayout, block_ids: Sequence[int], num_blocks: int | None = None) -> list[tuple[int, int, int]]:
+def block_ranges(
+    layout: KVLayout, block_ids: Sequence[int], num_blocks: int | None = None
+) -> list[tuple[int, int, int]]:
     """Byte ranges ``(tensor index, offset, length)`` of whole blocks, in wire order.
 
     Used when P and D share a layout: the sender lists its own ranges and the

@@ -65,7 +65,8 @@ def _forget(ptr: int) -> None:
 
 
 def adopt_kv(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """KV buffers as the transfer path takes them: marked as emulated device memory when ``PDKV_EMULATE_DEVICE`` is set."""
+    """KV buffers as the transfer path takes them: marked as emulated device memory when ``PDKV_EMULATE_DEVICE`` is
+    set."""
     if emulation_requested():
         for t in tensors:
             if t.device.type == "cpu":
@@ -74,7 +75,8 @@ def adopt_kv(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def memory_kind(buf: Any) -> MemoryKind:
-    """``host`` (CPU tensors, arrays, bytes), ``cuda``, ``emulated`` (a CPU tensor marked as device memory) or ``other`` (meta, mps, ...)."""
+    """``host`` (CPU tensors, arrays, bytes), ``cuda``, ``emulated`` (a CPU tensor marked as device memory) or
+    ``other`` (meta, mps, ...)."""
     if not isinstance(buf, torch.Tensor):
         return "host"
     kind = buf.device.type
@@ -87,7 +89,8 @@ def memory_kind(buf: Any) -> MemoryKind:
 
 
 def in_reach(buf: Any, memory: Collection[str]) -> bool:
-    """Whether a channel that addresses ``memory`` (its ``Channel.memory``) can register ``buf`` where it is, with no copy through the host."""
+    """Whether a channel that addresses ``memory`` (its ``Channel.memory``) can register ``buf`` where it is, with
+    no copy through the host."""
     return memory_kind(buf) in memory
 
 
@@ -103,8 +106,10 @@ def byte_view(buf: Any) -> memoryview:
         if kind != "host":
             where = "emulated device memory (PDKV_EMULATE_DEVICE)" if kind == "emulated" else f"{buf.device} memory"
             raise DeviceMemoryError(
-                f"byte_view: a tensor in {where} has no host view, so a channel that moves host memory (tcp, ucx, mock) "
-                "cannot address it. Use a channel that addresses device memory (nixl, for CUDA), let KVSender/KVReceiver "
+                f"byte_view: a tensor in {where} has no host view, so a channel that moves host memory (tcp, ucx, "
+                "mock) "
+                "cannot address it. Use a channel that addresses device memory (nixl, for CUDA), let "
+                "KVSender/KVReceiver "
                 "stage it through pinned host memory (they do whenever the channel does not reach the KV's memory), "
                 "and hash it on its device with pdkv.checksum.chunk_checksum"
             )

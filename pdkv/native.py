@@ -62,12 +62,39 @@ _p = ctypes.c_void_p
 class KVGeometry(ctypes.Structure):
     """csrc/kvcopy.h's KVGeometry, field by field: where each row of head_dim elements lives, in elements."""
 
-    _fields_ = [(name, _i64) for name in ("layers", "kv", "tokens", "heads", "head_dim", "block_size", "start", "element_size", "block_stride", "kv_stride", "token_stride", "head_stride")]
+    _fields_ = [
+        (name, _i64)
+        for name in (
+            "layers",
+            "kv",
+            "tokens",
+            "heads",
+            "head_dim",
+            "block_size",
+            "start",
+            "element_size",
+            "block_stride",
+            "kv_stride",
+            "token_stride",
+            "head_stride",
+        )
+    ]
 
 
 # Argument types of each exported function: a wrong count or type is a TypeError here, never a bad call.
 _SIGNATURES: dict[str, list[type]] = {
-    "pdkv_kvcopy_cpu": [ctypes.POINTER(KVGeometry), _p, _p, _i64, _i64, _p, ctypes.c_int, _i64, ctypes.c_char_p, ctypes.c_size_t],
+    "pdkv_kvcopy_cpu": [
+        ctypes.POINTER(KVGeometry),
+        _p,
+        _p,
+        _i64,
+        _i64,
+        _p,
+        ctypes.c_int,
+        _i64,
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+    ],
     "pdkv_kvcopy_check": [ctypes.POINTER(KVGeometry), _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
     "pdkv_split_planes": [_p, _i64, _i64, _p, _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
     "pdkv_merge_planes": [_p, _i64, _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
@@ -117,8 +144,16 @@ def call(fn: Callable[..., int], *args: object) -> None:
         raise (IndexError if code == EINDEX else ValueError)(err.value.decode(errors="replace"))
 
 
-def gather(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: BlockTable, start: int, num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Native :func:`pdkv.layout.gather`: tokens ``[start, start+num_tokens)`` of the paged buffer as a canonical chunk."""
+def gather(
+    layout: KVLayout,
+    tensors: Sequence[torch.Tensor],
+    block_table: BlockTable,
+    start: int,
+    num_tokens: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Native :func:`pdkv.layout.gather`: tokens ``[start, start+num_tokens)`` of the paged buffer as a canonical
+    chunk."""
     if not _native_for(layout, tensors):
         return torch_gather(layout, tensors, block_table, start, num_tokens, out)
     num_blocks = _checked_buffer(layout, tensors)
@@ -138,7 +173,9 @@ def gather(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: Block
     return out
 
 
-def scatter(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: BlockTable, start: int, chunk: torch.Tensor) -> None:
+def scatter(
+    layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: BlockTable, start: int, chunk: torch.Tensor
+) -> None:
     """Native :func:`pdkv.layout.scatter`: write a canonical chunk into tokens ``[start, start+T)``."""
     if not _native_for(layout, tensors):
         torch_scatter(layout, tensors, block_table, start, chunk)
@@ -149,7 +186,9 @@ def scatter(layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: Bloc
     _copy(layout, tensors, table, num_blocks, start, chunk.to(tensors[0].device).contiguous(), to_chunk=False)
 
 
-def geometry(layout: KVLayout, tensors: Sequence[torch.Tensor], chunk: torch.Tensor, start: int) -> tuple[KVGeometry, list[int]]:
+def geometry(
+    layout: KVLayout, tensors: Sequence[torch.Tensor], chunk: torch.Tensor, start: int
+) -> tuple[KVGeometry, list[int]]:
     """The kernel's view of a copy: the geometry and each layer's base address (mirrors csrc/kvcopy.h)."""
     layers, kv, tokens, heads, head_dim = chunk.shape
     hnd = layout.order == "HND" and not layout.mla  # MLA has no heads axis: always token-major
@@ -158,15 +197,36 @@ def geometry(layout: KVLayout, tensors: Sequence[torch.Tensor], chunk: torch.Ten
     size = chunk.element_size()
     cross = layout.kind == "cross_layer"
     geo = KVGeometry(
-        layers=layers, kv=kv, tokens=tokens, heads=heads, head_dim=head_dim, block_size=bs, start=start, element_size=size,
-        block_stride=layers * per_layer if cross else per_layer, kv_stride=bs * heads * head_dim,
-        token_stride=head_dim if hnd else heads * head_dim, head_stride=bs * head_dim if hnd else head_dim,
-    )  # fmt: skip
-    bases = [tensors[0].data_ptr() + layer * per_layer * size for layer in range(layers)] if cross else [t.data_ptr() for t in tensors]
+        layers=layers,
+        kv=kv,
+        tokens=tokens,
+        heads=heads,
+        head_dim=head_dim,
+        block_size=bs,
+        start=start,
+        element_size=size,
+        block_stride=layers * per_layer if cross else per_layer,
+        kv_stride=bs * heads * head_dim,
+        token_stride=head_dim if hnd else heads * head_dim,
+        head_stride=bs * head_dim if hnd else head_dim,
+    )
+    bases = (
+        [tensors[0].data_ptr() + layer * per_layer * size for layer in range(layers)]
+        if cross
+        else [t.data_ptr() for t in tensors]
+    )
     return geo, bases
 
 
-def _copy(layout: KVLayout, tensors: Sequence[torch.Tensor], table: torch.Tensor, num_blocks: int, start: int, chunk: torch.Tensor, to_chunk: bool) -> None:
+def _copy(
+    layout: KVLayout,
+    tensors: Sequence[torch.Tensor],
+    table: torch.Tensor,
+    num_blocks: int,
+    start: int,
+    chunk: torch.Tensor,
+    to_chunk: bool,
+) -> None:
     """Run one kernel copy; the library's own argument checks surface as LayoutError like the torch path's."""
     geo, bases = geometry(layout, tensors, chunk, start)
     table = table.cpu().contiguous()
@@ -179,16 +239,30 @@ def _copy(layout: KVLayout, tensors: Sequence[torch.Tensor], table: torch.Tensor
         raise LayoutError(str(exc)) from exc
 
 
-def copy_cpu(geo: KVGeometry, bases: Sequence[int], table: torch.Tensor, num_blocks: int, chunk_ptr: int, to_chunk: bool) -> None:
+def copy_cpu(
+    geo: KVGeometry, bases: Sequence[int], table: torch.Tensor, num_blocks: int, chunk_ptr: int, to_chunk: bool
+) -> None:
     """The C ABI's CPU copy as it is, with no Python check in front (tests call it to reach the library's guard)."""
     lib = library()
     if lib is None:
         raise ValueError(f"pdkv native kernels unavailable: {reason()}")
     base_array = (_p * len(bases))(*bases)
-    call(lib.pdkv_kvcopy_cpu, ctypes.byref(geo), base_array, table.data_ptr(), table.numel(), num_blocks, chunk_ptr, int(to_chunk), torch.get_num_threads())
+    call(
+        lib.pdkv_kvcopy_cpu,
+        ctypes.byref(geo),
+        base_array,
+        table.data_ptr(),
+        table.numel(),
+        num_blocks,
+        chunk_ptr,
+        int(to_chunk),
+        torch.get_num_threads(),
+    )
 
 
-def _copy_cuda(geo: KVGeometry, bases: Sequence[int], table: torch.Tensor, num_blocks: int, chunk: torch.Tensor, to_chunk: bool) -> None:
+def _copy_cuda(
+    geo: KVGeometry, bases: Sequence[int], table: torch.Tensor, num_blocks: int, chunk: torch.Tensor, to_chunk: bool
+) -> None:
     """The CUDA copy on the current stream of the chunk's device (block ids checked on the host first)."""
     lib, cuda = library(), _cuda_state()[0]
     assert lib is not None and cuda is not None  # _native_for checked both
@@ -200,7 +274,15 @@ def _copy_cuda(geo: KVGeometry, bases: Sequence[int], table: torch.Tensor, num_b
     table_dev = table.to(device)
     with torch.cuda.device(device):  # the kernel launches on the current device's context
         stream = torch.cuda.current_stream(device).cuda_stream
-        code = cuda.pdkv_kvcopy_cuda(ctypes.byref(geo), bases_dev.data_ptr(), table_dev.data_ptr(), chunk.data_ptr(), int(to_chunk), _vector_bytes(geo, bases, chunk.data_ptr()), stream)
+        code = cuda.pdkv_kvcopy_cuda(
+            ctypes.byref(geo),
+            bases_dev.data_ptr(),
+            table_dev.data_ptr(),
+            chunk.data_ptr(),
+            int(to_chunk),
+            _vector_bytes(geo, bases, chunk.data_ptr()),
+            stream,
+        )
     if code != 0:
         raise ValueError(f"pdkv kvcopy: CUDA launch failed: {cuda.pdkv_cuda_error_string(code).decode()}")
 
@@ -268,9 +350,14 @@ def _cuda_state() -> tuple[ctypes.CDLL | None, str | None]:
     return _cuda_loaded
 
 
-def _load(path: Path, signatures: dict[str, list[type]], what: str, scope: str) -> tuple[ctypes.CDLL | None, str | None]:
+def _load(
+    path: Path, signatures: dict[str, list[type]], what: str, scope: str
+) -> tuple[ctypes.CDLL | None, str | None]:
     if not path.is_file():
-        why = f"{path.name} is not in {path.parent}: it is built when pdkv is installed (pip install, with a C++ compiler{', and nvcc' if 'cuda' in path.name else ''})"
+        why = (
+            f"{path.name} is not in {path.parent}: it is built when pdkv is installed (pip install, with a C++ "
+            f"compiler{', and nvcc' if 'cuda' in path.name else ''})"
+        )
     else:
         try:
             lib = ctypes.CDLL(str(path))
@@ -285,5 +372,12 @@ def _load(path: Path, signatures: dict[str, list[type]], what: str, scope: str) 
                 return lib, None
         except (OSError, AttributeError) as exc:
             why = f"{path.name} does not load: {exc}"
-    log.warning("pdkv %s unavailable, %s take the torch path (same bytes, slower): %s. Reinstall pdkv to rebuild them; set %s=0 to not use them.", what, scope, why, ENV_VAR)
+    log.warning(
+        "pdkv %s unavailable, %s take the torch path (same bytes, slower): %s. Reinstall pdkv to rebuild them; set "
+        "%s=0 to not use them.",
+        what,
+        scope,
+        why,
+        ENV_VAR,
+    )
     return None, why

@@ -60,7 +60,8 @@ class CopyStream:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def after_callers_work(self) -> None:
-        """Order our next copies after what the calling thread's stream has queued (the forward step that wrote the KV)."""
+        """Order our next copies after what the calling thread's stream has queued (the forward step that wrote
+        the KV)."""
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -99,14 +100,19 @@ class DeviceStager:
         scratch = torch.empty(layout.chunk_bytes(chunk_tokens), dtype=torch.uint8, device=self.device)
         self.scratch = emulate_device(scratch) if self.kind == "emulated" else scratch
         self._lock = threading.Lock()
-        self.chunks_out = 0  # chunks staged device -> host (sender) and host -> device (receiver): what benchmarks and tests read
+        self.chunks_out = (
+            0  # chunks staged device -> host (sender) and host -> device (receiver): what benchmarks and tests read
+        )
         self.chunks_in = 0
 
     def _chunk(self, n: int) -> torch.Tensor:
         return self.scratch[: self.layout.chunk_bytes(n)].view(self.layout.torch_dtype).view(self.layout.chunk_shape(n))
 
-    def stage_out(self, block_table: BlockTable, start: int, n: int, host_out: torch.Tensor, digest: bool = True) -> int | None:
-        """Gather tokens ``[start, start+n)`` on the KV's device into ``host_out`` (flat uint8); the chunk's checksum if ``digest``.
+    def stage_out(
+        self, block_table: BlockTable, start: int, n: int, host_out: torch.Tensor, digest: bool = True
+    ) -> int | None:
+        """Gather tokens ``[start, start+n)`` on the KV's device into ``host_out`` (flat uint8); the chunk's
+        checksum if ``digest``.
 
         The checksum is computed on the device, over the bytes gathered there
         (a codec that re-encodes the chunk on the host hashes its own frame:

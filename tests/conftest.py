@@ -51,7 +51,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     reason = _disallowed_skip(report)
     if reason is not None:
         report.outcome = "failed"
-        report.longrepr = f"skipped in CI ({reason}): with CI set, only tests that need a GPU may skip (a reason starting {' or '.join(map(repr, GPU_SKIPS))})"
+        report.longrepr = (
+            f"skipped in CI ({reason}): with CI set, only tests that need a GPU may skip (a reason "
+            f"starting {' or '.join(map(repr, GPU_SKIPS))})"
+        )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -118,8 +121,11 @@ class Pair:
 
     @property
     def same_layout_mode(self) -> str:
-        """The mode a request between identical layouts gets: direct, unless the channel cannot reach the KV (then staging)."""
-        reached = all(in_reach(t, self.p_channel.memory) for t in self.p_kv) and all(in_reach(t, self.d_channel.memory) for t in self.d_kv)
+        """The mode a request between identical layouts gets: direct, unless the channel cannot reach the KV
+        (then staging)."""
+        reached = all(in_reach(t, self.p_channel.memory) for t in self.p_kv) and all(
+            in_reach(t, self.d_channel.memory) for t in self.d_kv
+        )
         return "direct" if reached else "staging"
 
 
@@ -167,7 +173,9 @@ def make_pair(kv_memory: str) -> Iterator[MakePair]:
     yield make
     for pair in made:
         pair.sender.close()
-        wait_until(lambda p=pair: p.receiver.stats()["reservations"] == 0, 10, "the receiver to release every reservation")
+        wait_until(
+            lambda p=pair: p.receiver.stats()["reservations"] == 0, 10, "the receiver to release every reservation"
+        )
         free = pair.allocator.num_free
         slots = pair.receiver.stats()["free_staging_slots"]
         pair.receiver.close()
@@ -179,7 +187,8 @@ def make_pair(kv_memory: str) -> Iterator[MakePair]:
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny random model (pdkv.testing.model, seed 0) every test of real workers loads; written once, never modified."""
+    """The tiny random model (pdkv.testing.model, seed 0) every test of real workers loads; written once, never
+    modified."""
     return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 

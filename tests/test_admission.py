@@ -13,11 +13,28 @@ from pdkv.transfer.protocol import Refused, Reserve
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
 OTHER = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=32, dtype="float32", order="HND")
-CFG = TransferConfig(chunk_size=32, staging_slots=4, slots_per_request=2, max_reservations=8, max_reservations_per_peer=3, max_peer_blocks_share=0.5)
+CFG = TransferConfig(
+    chunk_size=32,
+    staging_slots=4,
+    slots_per_request=2,
+    max_reservations=8,
+    max_reservations_per_peer=3,
+    max_peer_blocks_share=0.5,
+)
 
 
 def view(**changes: object) -> ReceiverView:
-    base = ReceiverView(CFG, LAYOUT, 100, ("none", "zstd"), free_slots=4, reservations=0, id_used=False, peer_layout=LAYOUT, peer_blocks=())
+    base = ReceiverView(
+        CFG,
+        LAYOUT,
+        100,
+        ("none", "zstd"),
+        free_slots=4,
+        reservations=0,
+        id_used=False,
+        peer_layout=LAYOUT,
+        peer_blocks=(),
+    )
     return dataclasses.replace(base, **changes)
 
 
@@ -51,7 +68,9 @@ def test_staging_when_blocks_cannot_be_written_in_place(why: str, reserve: Reser
         (Reserve("t", 100), {"peer_layout": OTHER, "free_slots": 1}, "no staging slots free (1 of 4)", True),
     ],
 )
-def test_each_rule_refuses_with_its_reason(reserve: Reserve, changes: dict[str, object], reason: str, retryable: bool) -> None:
+def test_each_rule_refuses_with_its_reason(
+    reserve: Reserve, changes: dict[str, object], reason: str, retryable: bool
+) -> None:
     got = admit(reserve, view(**changes))
     assert isinstance(got, Refused) and got.transfer_id == "t"
     assert reason in got.reason and got.retryable is retryable

@@ -25,23 +25,64 @@ TINY_MODEL = "{model_dir}"  # replaced by a random tiny model's directory
 BENCHES: dict[str, list[str]] = {
     "channel": ["--channel", "tcp", "--sizes", "4K,64K", "--repeats", "2", "--tls"],
     "gather": ["--tokens", "16", "--repeats", "2"],
-    "ttft": ["--model", TINY_MODEL, "--prompt-tokens", "300", "--repeats", "1", "--trace-requests", "300", "--replay-conversations", "1"],
+    "ttft": [
+        "--model",
+        TINY_MODEL,
+        "--prompt-tokens",
+        "300",
+        "--repeats",
+        "1",
+        "--trace-requests",
+        "300",
+        "--replay-conversations",
+        "1",
+    ],
     "router": ["--requests", "20", "--concurrency", "4"],
     "transfer": ["--channel", "tcp", "--scenarios", "40x2", "--repeats", "1", "--device", "cpu,emulated", "--tls"],
     "checksum": ["--repeats", "2"],
     "pd": ["--model", TINY_MODEL, "--tokens", "64", "--repeats", "1", "--disaggregate", "always,never,auto"],
-    "codec": ["--model", TINY_MODEL, "--dtypes", "float32", "--codecs", "fp8,zstd", "--decode-tokens", "4", "--repeats", "1", "--prompts", "1"],
-    "kv-routing": ["--model", TINY_MODEL, "--blocks", "2000", "--prefill-workers", "2", "--conversations", "1", "--max-blocks", "4", "--block-tokens", "8"],
+    "codec": [
+        "--model",
+        TINY_MODEL,
+        "--dtypes",
+        "float32",
+        "--codecs",
+        "fp8,zstd",
+        "--decode-tokens",
+        "4",
+        "--repeats",
+        "1",
+        "--prompts",
+        "1",
+    ],
+    "kv-routing": [
+        "--model",
+        TINY_MODEL,
+        "--blocks",
+        "2000",
+        "--prefill-workers",
+        "2",
+        "--conversations",
+        "1",
+        "--max-blocks",
+        "4",
+        "--block-tokens",
+        "8",
+    ],
 }
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices  # argparse lists them nowhere public
+    return next(
+        a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
+    ).choices  # argparse lists them nowhere public
 
 
 def test_every_bench_subcommand_is_smoke_tested() -> None:
-    assert set(_subcommands(_subcommands(build_parser())["bench"])) == set(BENCHES), "add the new `pdkv bench` subcommand to BENCHES"
+    assert set(_subcommands(_subcommands(build_parser())["bench"])) == set(BENCHES), (
+        "add the new `pdkv bench` subcommand to BENCHES"
+    )
 
 
 def _finite(x: object) -> bool:
@@ -50,10 +91,17 @@ def _finite(x: object) -> bool:
 
 @pytest.mark.timeout(900)  # a bench runs for minutes on a busy 2-core machine
 @pytest.mark.parametrize("name", sorted(BENCHES))
-def test_bench_prints_its_ratio_against_a_same_run_baseline_and_draws_it(name: str, model_dir: Path, tmp_path: Path) -> None:
+def test_bench_prints_its_ratio_against_a_same_run_baseline_and_draws_it(
+    name: str, model_dir: Path, tmp_path: Path
+) -> None:
     picture = tmp_path / f"{name}.png"
     args = [a.replace(TINY_MODEL, str(model_dir)) for a in BENCHES[name]]
-    out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", name, *args, "--json", "--plot", str(picture)], capture_output=True, text=True, timeout=840)
+    out = subprocess.run(
+        [sys.executable, "-m", "pdkv.cli", "bench", name, *args, "--json", "--plot", str(picture)],
+        capture_output=True,
+        text=True,
+        timeout=840,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert isinstance(report.get("baseline"), str) and report["baseline"], report
@@ -61,8 +109,12 @@ def test_bench_prints_its_ratio_against_a_same_run_baseline_and_draws_it(name: s
     assert rows and all(isinstance(r, dict) for r in rows), report
     for row in rows:
         assert _finite(row.get("ratio")) and row["ratio"] > 0, row
-        assert any(_finite(v) and v > 0 for k, v in row.items() if k != "ratio"), f"no absolute number beside the ratio: {row}"
-        if "--tls" in args and row.get("device", "cpu") == "cpu":  # the TLS numbers beside the clear host row, same rounds
+        assert any(_finite(v) and v > 0 for k, v in row.items() if k != "ratio"), (
+            f"no absolute number beside the ratio: {row}"
+        )
+        if (
+            "--tls" in args and row.get("device", "cpu") == "cpu"
+        ):  # the TLS numbers beside the clear host row, same rounds
             assert _finite(row.get("tls_ratio")) and row["tls_ratio"] > 0 and _finite(row.get("tls_gbps")), row
     assert picture.read_bytes()[:8] == PNG
     if name == "ttft":  # tenant B's run of A's stored prompt loads nothing; A's own again loads all it can
@@ -74,7 +126,12 @@ def test_bench_prints_its_ratio_against_a_same_run_baseline_and_draws_it(name: s
 def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
     """The extra's error comes before any measuring, and says what to install."""
     code = "import sys; sys.modules['matplotlib'] = None; from pdkv.cli import main; sys.exit(main(sys.argv[1:]))"
-    out = subprocess.run([sys.executable, "-c", code, "bench", "router", "--requests", "1", "--plot", str(tmp_path / "g.png")], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code, "bench", "router", "--requests", "1", "--plot", str(tmp_path / "g.png")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1
     assert "pip install 'pdkv[plot]'" in out.stderr
     assert not (tmp_path / "g.png").exists()

@@ -31,10 +31,18 @@ CS = 16  # chunk size
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=8, dtype="float32")
 LAYOUTS = {
     "per_layer NHD bs8 f32": LAYOUT,
-    "per_layer HND bs16 f16": KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=16, dtype="float16", order="HND"),
-    "cross_layer NHD bs32 bf16": KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=32, dtype="bfloat16", kind="cross_layer"),
-    "cross_layer HND bs4 f32": KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32", kind="cross_layer", order="HND"),
-    "per_layer HKND bs16 (vLLM CPU)": KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=16, dtype="bfloat16", order="HKND"),
+    "per_layer HND bs16 f16": KVLayout(
+        num_layers=2, num_kv_heads=2, head_dim=4, block_size=16, dtype="float16", order="HND"
+    ),
+    "cross_layer NHD bs32 bf16": KVLayout(
+        num_layers=2, num_kv_heads=2, head_dim=4, block_size=32, dtype="bfloat16", kind="cross_layer"
+    ),
+    "cross_layer HND bs4 f32": KVLayout(
+        num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype="float32", kind="cross_layer", order="HND"
+    ),
+    "per_layer HKND bs16 (vLLM CPU)": KVLayout(
+        num_layers=2, num_kv_heads=2, head_dim=4, block_size=16, dtype="bfloat16", order="HKND"
+    ),
     "per_layer MLA bs8": KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_size=8, dtype="float32", mla=True),
 }
 BLOCKS = 24
@@ -52,7 +60,9 @@ def nan_buffer(layout: KVLayout) -> list[torch.Tensor]:
 
 def table(layout: KVLayout, num_tokens: int, seed: int) -> list[int]:
     """A scattered block table for ``num_tokens`` tokens (blocks out of order, as an allocator hands them out)."""
-    return torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(seed))[: layout.blocks_for(num_tokens)].tolist()
+    return torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(seed))[
+        : layout.blocks_for(num_tokens)
+    ].tolist()
 
 
 def prompt(n: int, salt: int = 0) -> list[int]:
@@ -92,8 +102,11 @@ def test_store_then_retrieve_into_a_fresh_buffer_is_bit_identical(layout: KVLayo
 
 
 def test_layouts_with_the_same_wire_fields_share_chunks_through_disk(tmp_path: Path) -> None:
-    """Stored from per-layer NHD buffers of 8-token blocks, retrieved by another engine into a cross-layer HND buffer of 32-token blocks."""
-    other = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=32, dtype="float32", kind="cross_layer", order="HND")
+    """Stored from per-layer NHD buffers of 8-token blocks, retrieved by another engine into a cross-layer HND
+    buffer of 32-token blocks."""
+    other = KVLayout(
+        num_layers=2, num_kv_heads=2, head_dim=4, block_size=32, dtype="float32", kind="cross_layer", order="HND"
+    )
     tokens = prompt(40)
     src, src_table = random_buffer(LAYOUT, 6), table(LAYOUT, 40, 7)
     with engine(memory_bytes=0, disk_path=str(tmp_path)) as writer:
@@ -123,7 +136,9 @@ def test_store_only_the_suffix_then_retrieve_it_with_a_mask(source: tuple[list[t
         assert cache.lookup(tokens) == 64
 
 
-def test_retrieve_with_a_mask_inside_a_chunk_writes_only_the_true_tokens(source: tuple[list[torch.Tensor], list[int]]) -> None:
+def test_retrieve_with_a_mask_inside_a_chunk_writes_only_the_true_tokens(
+    source: tuple[list[torch.Tensor], list[int]],
+) -> None:
     """pdkv accepts any False prefix on retrieve (LMCache wants whole chunks): the tokens the caller holds, e.g. an
     engine's shared prefix-cache blocks, are never written, even within the chunk that is read."""
     src, src_table = source
@@ -149,7 +164,9 @@ def test_retrieve_with_a_mask_inside_a_chunk_writes_only_the_true_tokens(source:
         ([True] * 64, "got list"),
     ],
 )
-def test_a_mask_that_breaks_the_contract_is_refused_before_anything_is_stored(source: tuple[list[torch.Tensor], list[int]], mask: Any, message: str) -> None:
+def test_a_mask_that_breaks_the_contract_is_refused_before_anything_is_stored(
+    source: tuple[list[torch.Tensor], list[int]], mask: Any, message: str
+) -> None:
     src, src_table = source
     with engine() as cache:
         with pytest.raises(CacheRequestError, match=message):
@@ -164,7 +181,9 @@ def test_retrieve_refuses_a_mask_true_then_false(source: tuple[list[torch.Tensor
 
 
 # -- chunks: partial, shared, missing ----------------------------------------------------------------
-def test_a_partial_last_chunk_serves_the_same_prompt_never_a_longer_one(source: tuple[list[torch.Tensor], list[int]]) -> None:
+def test_a_partial_last_chunk_serves_the_same_prompt_never_a_longer_one(
+    source: tuple[list[torch.Tensor], list[int]],
+) -> None:
     src, src_table = source
     tokens = prompt(64)
     with engine() as cache:
@@ -180,7 +199,9 @@ def test_a_partial_last_chunk_serves_the_same_prompt_never_a_longer_one(source: 
         assert cache.store(tokens, src, src_table) == 32  # the full chunks 2 and 3; 0-1 are held
 
 
-def test_a_prefix_shared_by_two_prompts_is_stored_once_and_serves_both(source: tuple[list[torch.Tensor], list[int]]) -> None:
+def test_a_prefix_shared_by_two_prompts_is_stored_once_and_serves_both(
+    source: tuple[list[torch.Tensor], list[int]],
+) -> None:
     src, src_table = source
     first = prompt(64)
     second = first[:32] + prompt(30, salt=1)  # the first two chunks are the first prompt's
@@ -211,7 +232,9 @@ def test_a_miss_in_the_middle_ends_the_run(source: tuple[list[torch.Tensor], lis
         assert torch.equal(kv(LAYOUT, dst, dst_table, 48, 64), kv(LAYOUT, src, src_table, 48, 64))
 
 
-def test_retrieve_reads_in_batches_and_stops_at_the_first_short_one(source: tuple[list[torch.Tensor], list[int]]) -> None:
+def test_retrieve_reads_in_batches_and_stops_at_the_first_short_one(
+    source: tuple[list[torch.Tensor], list[int]],
+) -> None:
     src, src_table = source
     tokens = prompt(64)
     with KVCacheEngine(LAYOUT, MemoryTier(LAYOUT, 1 << 20), CS, fingerprint=FP, load_batch_chunks=1) as cache:
@@ -219,7 +242,10 @@ def test_retrieve_reads_in_batches_and_stops_at_the_first_short_one(source: tupl
         cache.tier.remove([cache.keys(tokens).keys[2]])
         dst, dst_table = nan_buffer(LAYOUT), table(LAYOUT, 64, 15)
         assert torch.equal(cache.retrieve(tokens, dst, dst_table), ~suffix_mask(64, 32))
-        assert (cache.stats()["memory"].hits, cache.stats()["memory"].misses) == (2, 1)  # one chunk per read; none after the miss
+        assert (cache.stats()["memory"].hits, cache.stats()["memory"].misses) == (
+            2,
+            1,
+        )  # one chunk per read; none after the miss
         assert torch.equal(kv(LAYOUT, dst, dst_table, 0, 32), kv(LAYOUT, src, src_table, 0, 32))
         assert untouched(LAYOUT, dst, dst_table, 32, 64)
 
@@ -233,11 +259,21 @@ def level(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[str,
         yield "disk", {"memory_bytes": 0, "disk_path": str(tmp_path / "disk")}
     else:
         server: LocalRedis = request.getfixturevalue("redis_server")
-        yield "redis", {"memory_bytes": 0, "redis_url": server.url, "redis_namespace": f"{request.node.name}-{time.monotonic_ns()}:"}
+        yield (
+            "redis",
+            {
+                "memory_bytes": 0,
+                "redis_url": server.url,
+                "redis_namespace": f"{request.node.name}-{time.monotonic_ns()}:",
+            },
+        )
 
 
-def test_each_level_serves_what_another_engine_stored(level: tuple[str, dict[str, Any]], source: tuple[list[torch.Tensor], list[int]]) -> None:
-    """Memory serves its own engine; disk serves the next engine on the directory (a restart); Redis serves any engine."""
+def test_each_level_serves_what_another_engine_stored(
+    level: tuple[str, dict[str, Any]], source: tuple[list[torch.Tensor], list[int]]
+) -> None:
+    """Memory serves its own engine; disk serves the next engine on the directory (a restart); Redis serves any
+    engine."""
     name, tier = level
     src, src_table = source
     tokens = prompt(56)
@@ -258,7 +294,9 @@ def test_each_level_serves_what_another_engine_stored(level: tuple[str, dict[str
     assert torch.equal(kv(LAYOUT, dst, dst_table, 0, 56), kv(LAYOUT, src, src_table, 0, 56))
 
 
-def test_a_salt_partitions_every_level(level: tuple[str, dict[str, Any]], source: tuple[list[torch.Tensor], list[int]]) -> None:
+def test_a_salt_partitions_every_level(
+    level: tuple[str, dict[str, Any]], source: tuple[list[torch.Tensor], list[int]]
+) -> None:
     """Stored under one salt, a prompt is found under that salt only: not unsalted, not under another salt,
     whichever level serves it (every level addresses chunks by key alone, and the salt is in every key)."""
     name, tier = level
@@ -285,12 +323,18 @@ def test_a_salt_partitions_every_level(level: tuple[str, dict[str, Any]], source
     assert torch.equal(kv(LAYOUT, dst, dst_table, 0, 56), kv(LAYOUT, src, src_table, 0, 56))
 
 
-def test_store_does_not_wait_for_a_hung_redis(redis_server: LocalRedis, source: tuple[list[torch.Tensor], list[int]]) -> None:
+def test_store_does_not_wait_for_a_hung_redis(
+    redis_server: LocalRedis, source: tuple[list[torch.Tensor], list[int]]
+) -> None:
     """The redis-server is stopped (SIGSTOP) while a prompt is stored: store returns with the chunks in memory
     and queued for Redis; flush cannot finish until the server runs again, then another engine finds them there."""
     src, src_table = source
     tokens = prompt(64)
-    tier: dict[str, Any] = {"redis_url": redis_server.url, "redis_namespace": f"hung-{time.monotonic_ns()}:", "redis_timeout_s": 60}
+    tier: dict[str, Any] = {
+        "redis_url": redis_server.url,
+        "redis_namespace": f"hung-{time.monotonic_ns()}:",
+        "redis_timeout_s": 60,
+    }
     with engine(**tier) as cache:
         os.kill(redis_server.proc.pid, signal.SIGSTOP)
         try:
@@ -305,7 +349,9 @@ def test_store_does_not_wait_for_a_hung_redis(redis_server: LocalRedis, source: 
 
 
 # -- keys, errors, lifecycle ------------------------------------------------------------------------------
-def test_keyed_prompts_stand_for_their_tokens_and_must_match_the_engine(source: tuple[list[torch.Tensor], list[int]]) -> None:
+def test_keyed_prompts_stand_for_their_tokens_and_must_match_the_engine(
+    source: tuple[list[torch.Tensor], list[int]],
+) -> None:
     src, src_table = source
     tokens = prompt(40)
     keyed = PromptKeys.of(tokens, FP, CS)
@@ -327,7 +373,9 @@ def test_keyed_prompts_stand_for_their_tokens_and_must_match_the_engine(source: 
             cache.store(tokens, src, src_table, salt=b"bytes")  # type: ignore[arg-type]
 
 
-def test_bad_tokens_buffers_and_tables_are_refused_with_what_is_wrong(source: tuple[list[torch.Tensor], list[int]]) -> None:
+def test_bad_tokens_buffers_and_tables_are_refused_with_what_is_wrong(
+    source: tuple[list[torch.Tensor], list[int]],
+) -> None:
     src, src_table = source
     with engine() as cache:
         with pytest.raises(CacheRequestError, match="1-D sequence of integer token ids"):
@@ -357,13 +405,17 @@ def test_construction_errors_name_what_to_fix(tmp_path: Path) -> None:
         KVCacheEngine(LAYOUT, {}, 0, fingerprint=FP)
 
 
-def test_the_public_object_closes_its_levels_with_the_block(tmp_path: Path, source: tuple[list[torch.Tensor], list[int]]) -> None:
+def test_the_public_object_closes_its_levels_with_the_block(
+    tmp_path: Path, source: tuple[list[torch.Tensor], list[int]]
+) -> None:
     src, src_table = source
     with pdkv.KVCacheEngine(LAYOUT, {"disk_path": str(tmp_path)}, CS, fingerprint=FP) as cache:
         cache.store(prompt(32), src, src_table)
     with pytest.raises(PdkvError, match="closed"):
         cache.lookup(prompt(32))
-    with KVCacheEngine(LAYOUT, {"memory_bytes": 0, "disk_path": str(tmp_path)}, CS, fingerprint=FP) as again:  # the directory's lock was released
+    with KVCacheEngine(
+        LAYOUT, {"memory_bytes": 0, "disk_path": str(tmp_path)}, CS, fingerprint=FP
+    ) as again:  # the directory's lock was released
         assert again.lookup(prompt(32)) == 32
 
 
@@ -382,12 +434,17 @@ def test_cuda_buffers_round_trip() -> None:
 
 # -- save_unfull_chunk: LMCache's switch ----------------------------------------------------------------
 @pytest.mark.parametrize("save_unfull_chunk", [True, False])
-def test_save_unfull_chunk_decides_whether_a_partial_last_chunk_is_stored_looked_up_and_retrieved(save_unfull_chunk: bool, source: tuple[list[torch.Tensor], list[int]]) -> None:
-    """53 tokens in chunks of 16: True (pdkv's default) serves all 53; False (LMCache's default) acts as if the prompt ended at 48, in every call."""
+def test_save_unfull_chunk_decides_whether_a_partial_last_chunk_is_stored_looked_up_and_retrieved(
+    save_unfull_chunk: bool, source: tuple[list[torch.Tensor], list[int]]
+) -> None:
+    """53 tokens in chunks of 16: True (pdkv's default) serves all 53; False (LMCache's default) acts as if the
+    prompt ended at 48, in every call."""
     src, src_table = source
     tokens = prompt(53)
     covered = 53 if save_unfull_chunk else 48
-    with KVCacheEngine(LAYOUT, {"memory_bytes": 1 << 20}, CS, fingerprint=FP, save_unfull_chunk=save_unfull_chunk) as cache:
+    with KVCacheEngine(
+        LAYOUT, {"memory_bytes": 1 << 20}, CS, fingerprint=FP, save_unfull_chunk=save_unfull_chunk
+    ) as cache:
         assert cache.store(tokens, src, src_table) == covered
         assert cache.stats()["memory"].entries == (4 if save_unfull_chunk else 3)
         assert cache.lookup(tokens) == covered
@@ -396,7 +453,9 @@ def test_save_unfull_chunk_decides_whether_a_partial_last_chunk_is_stored_looked
         assert torch.equal(kv(LAYOUT, dst, dst_table, 0, covered), kv(LAYOUT, src, src_table, 0, covered))
         assert save_unfull_chunk or untouched(LAYOUT, dst, dst_table, 48, 53)
         # a retrieve whose mask starts inside the partial chunk loads it only when it is kept
-        assert int(cache.retrieve(tokens, nan_buffer(LAYOUT), dst_table, mask=suffix_mask(53, 50)).sum()) == (3 if save_unfull_chunk else 0)
+        assert int(cache.retrieve(tokens, nan_buffer(LAYOUT), dst_table, mask=suffix_mask(53, 50)).sum()) == (
+            3 if save_unfull_chunk else 0
+        )
 
 
 def test_save_unfull_chunk_defaults_to_true_and_must_be_a_bool() -> None:

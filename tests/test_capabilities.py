@@ -32,7 +32,12 @@ TIMEOUT = 10.0
 ENFORCING = [
     "mock",
     "tcp",
-    pytest.param("ucx", marks=pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="the 'ucx' extra is not installed: pip install 'pdkv[ucx]'")),
+    pytest.param(
+        "ucx",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("ucxx") is None, reason="the 'ucx' extra is not installed: pip install 'pdkv[ucx]'"
+        ),
+    ),
 ]
 _names = iter(range(10**6))
 
@@ -117,9 +122,14 @@ def test_the_decode_workers_ports_give_a_stranger_nothing() -> None:
         peer = stranger.add_peer(receiver.hello().channel_metadata)
         before = [t.clone() for t in kv]
         with pytest.raises(ChannelError):
-            stranger.wait(stranger.read(peer, [TransferOp(mine, 0, receiver.kv_regions[0], 0, 4096)], token=b"x" * 16), TIMEOUT)
+            stranger.wait(
+                stranger.read(peer, [TransferOp(mine, 0, receiver.kv_regions[0], 0, 4096)], token=b"x" * 16), TIMEOUT
+            )
         with pytest.raises(ChannelError):
-            stranger.wait(stranger.write(peer, [TransferOp(mine, 0, receiver.kv_regions[0], 64, 4096)], b"n", token=b"x" * 16), TIMEOUT)
+            stranger.wait(
+                stranger.write(peer, [TransferOp(mine, 0, receiver.kv_regions[0], 64, 4096)], b"n", token=b"x" * 16),
+                TIMEOUT,
+            )
         assert not any(buf) and all(torch.equal(a, b) for a, b in zip(before, kv, strict=True))
         assert d_channel.stats()["refused_frames"] == 2 and receiver.stats().get("stray_notices", 0) == 0
     finally:
@@ -171,7 +181,11 @@ def test_a_sender_frozen_between_its_lease_check_and_its_write_cannot_touch_the_
         sender._heartbeat = lambda *args: None  # type: ignore[method-assign] # the frozen process sends no heartbeats
         poster = threading.Thread(target=a.send_chunk, args=(1,), daemon=True)
         poster.start()
-        wait_until(lambda: receiver.stats().get("fences", 0) >= 1 and receiver.stats()["reservations"] == 0, TIMEOUT, "D to reap, fence and free A")
+        wait_until(
+            lambda: receiver.stats().get("fences", 0) >= 1 and receiver.stats()["reservations"] == 0,
+            TIMEOUT,
+            "D to reap, fence and free A",
+        )
         sender._heartbeat = beat  # type: ignore[method-assign]
         b = sender.open("B", receiver.address, 64, [8, 9, 10, 11])  # D asks for a new Hello: a new token
         b.send_all()

@@ -204,7 +204,9 @@ def test_many_descriptors_in_one_transfer(peer: Peer, make_channel: Callable[...
     assert peer.call("notifs", 1, 10.0) == [(local.agent_name, b"many")]
     landed = peer.call("bytes", 0, REGION)
     for op in scattered + adjacent:
-        assert landed[op.remote_offset : op.remote_offset + op.length] == bytes(src[op.local_offset : op.local_offset + op.length].numpy())
+        assert landed[op.remote_offset : op.remote_offset + op.length] == bytes(
+            src[op.local_offset : op.local_offset + op.length].numpy()
+        )
     assert landed[0] == 0 and landed[8192] == 0, "bytes outside the descriptors must stay untouched"
 
 
@@ -322,7 +324,9 @@ def test_options_and_buffers_are_validated(make_channel: Callable[..., Channel])
         channel.register(b"read-only bytes")
     with pytest.raises(ChannelError, match="empty"):
         channel.register(torch.zeros(0, dtype=torch.uint8))
-    assert nixl_channel.parse_options({"backends": ["UCX"], "progress_thread": False}) == nixl_channel.Options(progress_thread=False)
+    assert nixl_channel.parse_options({"backends": ["UCX"], "progress_thread": False}) == nixl_channel.Options(
+        progress_thread=False
+    )
 
 
 def test_in_process_pair_without_progress_thread_and_close(make_channel: Callable[..., Channel]) -> None:
@@ -361,7 +365,9 @@ def test_progress_thread_delay_is_kept_and_the_binding_restored(make_channel: Ca
     assert bindings.nixlAgentConfig is original, "the swapped config class must not outlive the constructor"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the VRAM path is written but was not run here")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the VRAM path is written but was not run here"
+)
 def test_vram_round_trip(make_channel: Callable[..., Channel]) -> None:
     a, b = make_channel(), make_channel()
     src = pattern(REGION, 8).cuda()

@@ -47,7 +47,9 @@ def pattern(seed: int, n: int) -> bytes:
 # -- the remote agent, in its own process -----------------------------------------------------------
 
 
-def _await_notif(channel: TcpChannel, bufs: list[bytearray], region: int, offset: int, length: int, timeout: float) -> tuple[list[Any], int]:
+def _await_notif(
+    channel: TcpChannel, bufs: list[bytearray], region: int, offset: int, length: int, timeout: float
+) -> tuple[list[Any], int]:
     """Poll for a notification and checksum the range the moment it shows up: is the data already there?"""
     deadline = time.monotonic() + timeout
     while not (notifs := channel.get_notifications()):
@@ -189,7 +191,9 @@ def test_write_of_several_ops_lands_exact_bytes_then_notifies(local: Local, peer
 
     expected = [bytearray(pattern(10, REMOTE_SIZES[0])), bytearray(pattern(11, REMOTE_SIZES[1]))]
     for op in ops:
-        expected[op.remote_region][op.remote_offset : op.remote_offset + op.length] = local.src[op.local_offset : op.local_offset + op.length]
+        expected[op.remote_region][op.remote_offset : op.remote_offset + op.length] = local.src[
+            op.local_offset : op.local_offset + op.length
+        ]
     assert peer.call("crc", r0, 0, REMOTE_SIZES[0]) == zlib.crc32(expected[0])
     assert peer.call("bytes", r1, 0, REMOTE_SIZES[1]) == expected[1]
     assert peer.call("notifs", 10.0) == [("local", b"w1")]
@@ -207,16 +211,22 @@ def test_read_of_several_ops_lands_in_local_regions_then_notifies_the_target(loc
 
     assert local.dst[0:4000] == remote[123:4123]
     assert local.dst[10000 : 10000 + 6 * MiB] == remote[2 * MiB : 8 * MiB]
-    assert local.dst[4000:10000] == bytes(6000) and local.dst[10000 + 6 * MiB :] == bytes(len(local.dst) - 10000 - 6 * MiB)
+    assert local.dst[4000:10000] == bytes(6000) and local.dst[10000 + 6 * MiB :] == bytes(
+        len(local.dst) - 10000 - 6 * MiB
+    )
     assert peer.call("notifs", 10.0) == [("local", b"r1")]
 
 
 @pytest.mark.parametrize("seed", [30, 31, 32])
-def test_large_write_is_split_across_streams_and_notified_only_after_every_share_landed(local: Local, peer: Peer, seed: int) -> None:
+def test_large_write_is_split_across_streams_and_notified_only_after_every_share_landed(
+    local: Local, peer: Peer, seed: int
+) -> None:
     r0, _, _ = peer.regions
     local.src[:] = pattern(seed, len(local.src))
     before = local.channel.stream_bytes("remote")
-    peer.send("await_notif", r0, 0, 8 * MiB, CALL_TIMEOUT)  # the peer checksums the region as soon as the notification shows
+    peer.send(
+        "await_notif", r0, 0, 8 * MiB, CALL_TIMEOUT
+    )  # the peer checksums the region as soon as the notification shows
     handle = local.channel.write("remote", [TransferOp(local.src_region, 0, r0, 0, 8 * MiB)], notif=b"big%d" % seed)
     local.channel.wait(handle, CALL_TIMEOUT)
     notifs, crc_at_notification = peer.result()
@@ -228,7 +238,9 @@ def test_large_write_is_split_across_streams_and_notified_only_after_every_share
     assert sum(1 for m in moved if m) >= 2, f"an 8 MiB write used one stream: {moved}"
 
 
-def test_write_to_a_region_the_peer_dropped_fails_with_its_reason_and_the_next_write_reconnects(local: Local, peer: Peer) -> None:
+def test_write_to_a_region_the_peer_dropped_fails_with_its_reason_and_the_next_write_reconnects(
+    local: Local, peer: Peer
+) -> None:
     r0, _, r2 = peer.regions
     peer.call("deregister", r2)  # our copy of its metadata still lists it
     handle = local.channel.write("remote", [TransferOp(local.src_region, 0, r2, 0, 4096)])
@@ -245,7 +257,10 @@ def test_pipelined_small_writes_all_land_and_complete(local: Local, peer: Peer) 
     r0, _, _ = peer.regions
     local.src[:] = pattern(40, len(local.src))
     size, count = 16 << 10, 256
-    handles = [local.channel.write("remote", [TransferOp(local.src_region, i * size, r0, i * size, size)]) for i in range(count)]
+    handles = [
+        local.channel.write("remote", [TransferOp(local.src_region, i * size, r0, i * size, size)])
+        for i in range(count)
+    ]
     for h in handles:
         local.channel.wait(h, CALL_TIMEOUT)
     assert peer.call("crc", r0, 0, count * size) == zlib.crc32(local.src[: count * size])
@@ -294,7 +309,14 @@ class FakePeer:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.sessions: set[int] = set()
         self.meta = msgspec.msgpack.encode(
-            {"name": name, "host": "127.0.0.1", "port": self.server.getsockname()[1], "instance": 77, "regions": {0: MiB}, "version": VERSION}
+            {
+                "name": name,
+                "host": "127.0.0.1",
+                "port": self.server.getsockname()[1],
+                "instance": 77,
+                "regions": {0: MiB},
+                "version": VERSION,
+            }
         )
         self.name = name
         self.conns: list[socket.socket] = []
@@ -363,10 +385,22 @@ def test_close_fails_pending_handles_and_is_idempotent() -> None:
 LYING_ANSWERS: dict[str, tuple[str, Callable[[int], bytes], str]] = {
     "ack of a transfer never posted": ("write", lambda x: wire.pack(wire.ACK, x + 1000, aux=1), "not pending"),
     "ack count that lies": ("write", lambda x: wire.pack(wire.ACK, x, 8 * 999, aux=1000), "ACK of 1000 ids"),
-    "read data longer than asked": ("read", lambda x: wire.pack(wire.READ_DATA, x, 1 << 30) + b"\xee" * 8192, "answered READ"),
-    "read data of another transfer": ("read", lambda x: wire.pack(wire.READ_DATA, x + 1, 4096) + b"\xee" * 4096, "answered READ"),
+    "read data longer than asked": (
+        "read",
+        lambda x: wire.pack(wire.READ_DATA, x, 1 << 30) + b"\xee" * 8192,
+        "answered READ",
+    ),
+    "read data of another transfer": (
+        "read",
+        lambda x: wire.pack(wire.READ_DATA, x + 1, 4096) + b"\xee" * 4096,
+        "answered READ",
+    ),
     "read data for a write": ("write", lambda x: wire.pack(wire.READ_DATA, x, 4096) + b"\xee" * 4096, "nobody asked"),
-    "data sent to the initiator": ("write", lambda x: HEADER.pack(MAGIC, VERSION, wire.DATA, LAST, 1, 0, 0, x, 0, 16) + b"\xee" * 16, "DATA frame"),
+    "data sent to the initiator": (
+        "write",
+        lambda x: HEADER.pack(MAGIC, VERSION, wire.DATA, LAST, 1, 0, 0, x, 0, 16) + b"\xee" * 16,
+        "DATA frame",
+    ),
     "garbage": ("read", lambda x: b"\xee" * 64, "bad magic"),
     "an error frame": ("write", lambda x: wire.pack(wire.ERROR, 0, 7) + b"go away", "go away"),
 }
@@ -396,7 +430,18 @@ def test_lying_answer_fails_the_transfer_and_lands_nothing(case: str) -> None:
 REGION = 64 << 10
 
 
-def _hdr(ftype: int, *, flags: int = 0, shares: int = 0, aux: int = 0, notif: int = 0, xfer: int = 0, offset: int = 0, length: int = 0, version: int = VERSION) -> bytes:
+def _hdr(
+    ftype: int,
+    *,
+    flags: int = 0,
+    shares: int = 0,
+    aux: int = 0,
+    notif: int = 0,
+    xfer: int = 0,
+    offset: int = 0,
+    length: int = 0,
+    version: int = VERSION,
+) -> bytes:
     return HEADER.pack(MAGIC, version, ftype, flags, shares, aux, notif, xfer, offset, length)
 
 
@@ -404,7 +449,9 @@ def _hello(name: bytes = b"evil") -> bytes:
     return _hdr(wire.HELLO, xfer=99, length=len(name)) + name
 
 
-def _data(region: int, offset: int, length: int, *, flags: int = LAST, shares: int = 1, notif: int = 0, xfer: int = 1) -> bytes:
+def _data(
+    region: int, offset: int, length: int, *, flags: int = LAST, shares: int = 1, notif: int = 0, xfer: int = 1
+) -> bytes:
     return _hdr(wire.DATA, flags=flags, shares=shares, aux=region, notif=notif, xfer=xfer, offset=offset, length=length)
 
 
@@ -420,12 +467,18 @@ HOSTILE: dict[str, tuple[bytes, tuple[int, int]]] = {
     "offset past end": (_hello() + _data(0, REGION - 8, 16) + b"x" * 16, (0, 0)),
     "offset overflows": (_hello() + _data(0, (1 << 64) - 8, 16) + b"x" * 16, (0, 0)),
     "huge length": (_hello() + _data(0, 0, 1 << 62), (0, 0)),
-    "huge notification": (_hello() + _data(0, 0, 16, flags=LAST | NOTIF_FOLLOWS, notif=(1 << 32) - 1) + b"x" * 16, (0, 0)),
+    "huge notification": (
+        _hello() + _data(0, 0, 16, flags=LAST | NOTIF_FOLLOWS, notif=(1 << 32) - 1) + b"x" * 16,
+        (0, 0),
+    ),
     "unknown flag": (_hello() + _data(0, 0, 16, flags=0x80) + b"x" * 16, (0, 0)),
     "notification without last": (_hello() + _data(0, 0, 16, flags=NOTIF_FOLLOWS, notif=2) + b"x" * 18, (0, 0)),
     "zero shares": (_hello() + _data(0, 0, 16, shares=0) + b"x" * 16, (0, 0)),
     "too many shares": (_hello() + _data(0, 0, 16, shares=1000) + b"x" * 16, (0, 0)),
-    "interleaved transfers": (_hello() + _data(0, 0, 16, flags=0, shares=0, xfer=1) + b"x" * 16 + _data(0, 100, 16, xfer=2) + b"y" * 16, (0, 16)),
+    "interleaved transfers": (
+        _hello() + _data(0, 0, 16, flags=0, shares=0, xfer=1) + b"x" * 16 + _data(0, 100, 16, xfer=2) + b"y" * 16,
+        (0, 16),
+    ),
     "ack from initiator": (_hello() + _hdr(wire.ACK, aux=1, xfer=1), (0, 0)),
     "truncated header": (_hello() + _data(0, 0, 16)[:20], (0, 0)),
     "truncated payload": (_hello() + _data(0, 1000, 5000) + b"z" * 100, (1000, 1100)),
@@ -476,17 +529,23 @@ def victim() -> Iterator[Victim]:
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))
-def test_hostile_frame_is_rejected_without_touching_other_memory(victim: Victim, case: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_hostile_frame_is_rejected_without_touching_other_memory(
+    victim: Victim, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
     payload, (lo, hi) = HOSTILE[case]
     pristine = [bytes(b) for b in victim.regions]
     caplog.set_level(logging.ERROR, logger="pdkv.channels.tcp")
 
     frames = _attack(victim.channel.port, payload)
 
-    assert any(r.levelno == logging.ERROR and "rejecting" in r.getMessage() for r in caplog.records), "no error was logged"
+    assert any(r.levelno == logging.ERROR and "rejecting" in r.getMessage() for r in caplog.records), (
+        "no error was logged"
+    )
     assert all(ftype in (wire.HELLO_OK, wire.ERROR) for ftype, _ in frames), frames
     attacked = victim.regions[0]
-    assert attacked[:lo] == pristine[0][:lo] and attacked[hi:] == pristine[0][hi:], "bytes landed outside the frame's range"
+    assert attacked[:lo] == pristine[0][:lo] and attacked[hi:] == pristine[0][hi:], (
+        "bytes landed outside the frame's range"
+    )
     assert victim.regions[1] == pristine[1] and victim.regions[2] == pristine[2]
     attacked[:] = pristine[0]
     assert victim.channel.get_notifications() == []
@@ -544,19 +603,25 @@ UNPROVEN: dict[str, bytes] = {
 
 
 @pytest.mark.parametrize("case", list(UNPROVEN))
-def test_frames_without_the_proof_land_nothing_and_are_disconnected(guarded: Guarded, case: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_frames_without_the_proof_land_nothing_and_are_disconnected(
+    guarded: Guarded, case: str, caplog: pytest.LogCaptureFixture
+) -> None:
     pristine = [bytes(b) for b in guarded.regions]
     before = guarded.channel.stats().get("auth_failures", 0)
     caplog.set_level(logging.ERROR, logger="pdkv.channels.tcp")
 
-    frames = _attack(guarded.channel.port, UNPROVEN[case])  # returns once the agent hung up (an ERROR may be lost to a reset)
+    frames = _attack(
+        guarded.channel.port, UNPROVEN[case]
+    )  # returns once the agent hung up (an ERROR may be lost to a reset)
 
     assert [bytes(b) for b in guarded.regions] == pristine, "an unauthenticated connection changed memory"
     assert guarded.channel.get_notifications() == []
     assert all(ftype in (wire.HELLO_OK, wire.ERROR) for ftype, _ in frames), frames
     expected = 0 if case == "a hello too short for its nonce" else 1  # malformed, not a failed proof
     assert guarded.channel.stats().get("auth_failures", 0) == before + expected
-    assert any(r.levelno == logging.ERROR and "rejecting" in r.getMessage() for r in caplog.records), "no error was logged"
+    assert any(r.levelno == logging.ERROR and "rejecting" in r.getMessage() for r in caplog.records), (
+        "no error was logged"
+    )
 
 
 def test_a_replayed_proof_is_refused(guarded: Guarded) -> None:
@@ -570,11 +635,15 @@ def test_a_replayed_proof_is_refused(guarded: Guarded) -> None:
         seen = proof(KEY.encode(), wire.INITIATOR_ROLE, first, nonce)  # what a legitimate peer sent on that connection
     before = guarded.channel.stats().get("auth_failures", 0)
 
-    frames = _attack(guarded.channel.port, _secret_hello(nonce) + _proof_frame(seen))  # nothing after it: the ERROR is not lost to a reset
+    frames = _attack(
+        guarded.channel.port, _secret_hello(nonce) + _proof_frame(seen)
+    )  # nothing after it: the ERROR is not lost to a reset
 
     assert frames[-1][0] == wire.ERROR and b"failed to prove" in frames[-1][1], frames
     assert bytes(guarded.regions[0]) == pristine and guarded.channel.get_notifications() == []
-    wait_until(lambda: guarded.channel.stats().get("auth_failures", 0) >= before + 1, CALL_TIMEOUT, "the replay to be counted")
+    wait_until(
+        lambda: guarded.channel.stats().get("auth_failures", 0) >= before + 1, CALL_TIMEOUT, "the replay to be counted"
+    )
 
 
 def test_peers_with_the_same_secret_transfer_both_ways(guarded: Guarded) -> None:
@@ -609,7 +678,9 @@ def test_peers_with_the_same_secret_transfer_both_ways(guarded: Guarded) -> None
     ],
     ids=["wrong secret", "no secret", "target without one"],
 )
-def test_a_peer_without_the_right_secret_fails_with_a_clear_error_and_lands_nothing(ours: str, theirs: str, error: str) -> None:
+def test_a_peer_without_the_right_secret_fails_with_a_clear_error_and_lands_nothing(
+    ours: str, theirs: str, error: str
+) -> None:
     target = TcpChannel("target", TcpOptions(io_timeout=5, secret=theirs))
     initiator = TcpChannel("stranger", TcpOptions(io_timeout=5, secret=ours))
     dst = bytearray(REGION)
@@ -621,7 +692,9 @@ def test_a_peer_without_the_right_secret_fails_with_a_clear_error_and_lands_noth
             initiator.write("target", [TransferOp(region, 0, 0, 0, REGION)], notif=b"no")
         assert dst == bytearray(REGION) and target.get_notifications() == []
         wait_until(lambda: target.stats().get("auth_failures", 0) == 1, CALL_TIMEOUT, "the target to count the failure")
-        assert initiator.stats().get("auth_failures", 0) == (1 if ours and theirs else 0)  # it checked the target's proof
+        assert initiator.stats().get("auth_failures", 0) == (
+            1 if ours and theirs else 0
+        )  # it checked the target's proof
     finally:
         initiator.close()
         target.close()
@@ -643,7 +716,16 @@ def test_the_top_level_secret_guards_the_channel_and_is_no_channel_option() -> N
 
 
 @pytest.mark.parametrize(
-    "raw", [{"streams": 0}, {"streams": 65}, {"io_timeout": 0}, {"port": 70000}, {"advertise_port": -1}, {"max_frame_bytes": 0}, {"no_such_option": 1}]
+    "raw",
+    [
+        {"streams": 0},
+        {"streams": 65},
+        {"io_timeout": 0},
+        {"port": 70000},
+        {"advertise_port": -1},
+        {"max_frame_bytes": 0},
+        {"no_such_option": 1},
+    ],
 )
 def test_bad_options_are_refused_with_the_field_named(raw: dict[str, Any]) -> None:
     with pytest.raises(ConfigError, match=next(iter(raw))):
@@ -663,7 +745,9 @@ def test_bad_metadata_and_unknown_peer_are_refused() -> None:
     ("lengths", "parts", "max_frame"),
     [([10], 1, 100), ([10], 4, 3), ([100, 7, 1, 50], 3, 40), ([9], 4, 100), ([1 << 20], 4, 1 << 18)],
 )
-def test_split_covers_every_byte_once_in_order_within_frame_limits(lengths: list[int], parts: int, max_frame: int) -> None:
+def test_split_covers_every_byte_once_in_order_within_frame_limits(
+    lengths: list[int], parts: int, max_frame: int
+) -> None:
     ops, at = [], 0
     for i, n in enumerate(lengths):
         ops.append(TransferOp(0, at, 1, 1000 * i + at, n))

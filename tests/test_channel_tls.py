@@ -43,13 +43,21 @@ def _channel(name: str, tls: TlsFiles | None, **options: Any) -> TcpChannel:
 @pytest.fixture(scope="module")
 def remote(pki: tuple[CertificateAuthority, CertificateAuthority]) -> Iterator[Peer]:
     """A TLS agent with a secret in its own process: bytes cross a real socket between two address spaces."""
-    options = {"streams": 4, "stream_min_bytes": 256 << 10, "io_timeout": 10, "secret": KEY, "tls": pki[0].issue("remote").options()}
+    options = {
+        "streams": 4,
+        "stream_min_bytes": 256 << 10,
+        "io_timeout": 10,
+        "secret": KEY,
+        "tls": pki[0].issue("remote").options(),
+    }
     p = Peer("remote", options, [8 * MiB, 1 * MiB])
     yield p
     p.stop()
 
 
-def test_tls_write_and_read_land_bit_exact_across_streams_with_the_secret_on_top(pki: tuple[CertificateAuthority, CertificateAuthority], remote: Peer) -> None:
+def test_tls_write_and_read_land_bit_exact_across_streams_with_the_secret_on_top(
+    pki: tuple[CertificateAuthority, CertificateAuthority], remote: Peer
+) -> None:
     local = _channel("local", pki[0].issue("local"), streams=4, stream_min_bytes=256 << 10, io_timeout=10, secret=KEY)
     try:
         src, dst = bytearray(pattern(1, 8 * MiB)), bytearray(8 * MiB + 16)
@@ -58,14 +66,22 @@ def test_tls_write_and_read_land_bit_exact_across_streams_with_the_secret_on_top
         remote.call("add_peer", local.metadata())
         r0, r1 = remote.regions
         # a large write (split over the 4 streams, frames past a TLS record) and small ones in one transfer
-        ops = [TransferOp(s, 0, r0, 0, 8 * MiB - 4096), TransferOp(s, 100, r1, 7, 3000), TransferOp(s, 5000, r1, 9000, 1)]
+        ops = [
+            TransferOp(s, 0, r0, 0, 8 * MiB - 4096),
+            TransferOp(s, 100, r1, 7, 3000),
+            TransferOp(s, 5000, r1, 9000, 1),
+        ]
         local.wait(local.write("remote", ops, notif=b"landed"), CALL_TIMEOUT)
         assert remote.call("notifs", 5.0) == [("local", b"landed")]
         for op in ops:
-            assert remote.call("bytes", op.remote_region, op.remote_offset, op.length) == bytes(src[op.local_offset : op.local_offset + op.length])
+            assert remote.call("bytes", op.remote_region, op.remote_offset, op.length) == bytes(
+                src[op.local_offset : op.local_offset + op.length]
+            )
         assert len([n for n in local.stream_bytes("remote") if n]) == 4
         remote.call("fill", r0, 7)
-        local.wait(local.read("remote", [TransferOp(d, 0, r0, 0, 8 * MiB), TransferOp(d, 8 * MiB, r1, 0, 16)]), CALL_TIMEOUT)
+        local.wait(
+            local.read("remote", [TransferOp(d, 0, r0, 0, 8 * MiB), TransferOp(d, 8 * MiB, r1, 0, 16)]), CALL_TIMEOUT
+        )
         assert bytes(dst[: 8 * MiB]) == pattern(7, 8 * MiB)
         assert bytes(dst[8 * MiB :]) == remote.call("bytes", r1, 0, 16)
         assert not local.stats().get("tls_failures") and not local.stats().get("auth_failures")
@@ -73,8 +89,11 @@ def test_tls_write_and_read_land_bit_exact_across_streams_with_the_secret_on_top
         local.close()
 
 
-def test_pipelined_small_writes_and_reads_over_tls_all_land(pki: tuple[CertificateAuthority, CertificateAuthority], remote: Peer) -> None:
-    """Many transfers in flight: ACKs are read while the same TLS connections are being written (sender threads, waiters)."""
+def test_pipelined_small_writes_and_reads_over_tls_all_land(
+    pki: tuple[CertificateAuthority, CertificateAuthority], remote: Peer
+) -> None:
+    """Many transfers in flight: ACKs are read while the same TLS connections are being written (sender threads,
+    waiters)."""
     local = _channel("piper", pki[0].issue("piper"), secret=KEY, io_timeout=10)
     try:
         src, dst = bytearray(pattern(41, 4 * MiB)), bytearray(4 * MiB)
@@ -84,7 +103,9 @@ def test_pipelined_small_writes_and_reads_over_tls_all_land(pki: tuple[Certifica
         r0, _ = remote.regions
         size, count = 16 << 10, 256
         handles = [local.write("remote", [TransferOp(s, i * size, r0, i * size, size)]) for i in range(count)]
-        handles += [local.read("remote", [TransferOp(d, i * size, r0, i * size, size)]) for i in range(count // 2)]  # behind the writes
+        handles += [
+            local.read("remote", [TransferOp(d, i * size, r0, i * size, size)]) for i in range(count // 2)
+        ]  # behind the writes
         for handle in handles:
             local.wait(handle, CALL_TIMEOUT)
         assert remote.call("bytes", r0, 0, count * size) == bytes(src[: count * size])
@@ -115,20 +136,28 @@ def _refused(initiator: TcpChannel, target: TcpChannel, error: str) -> None:
     ids=["clear initiator", "clear target", "initiator of another CA", "target of another CA"],
 )
 def test_a_peer_without_tls_or_with_another_cas_certificate_is_refused_naming_tls(
-    pki: tuple[CertificateAuthority, CertificateAuthority], initiator_ca: int | None, target_ca: int | None, error: str, target_counts: bool
+    pki: tuple[CertificateAuthority, CertificateAuthority],
+    initiator_ca: int | None,
+    target_ca: int | None,
+    error: str,
+    target_counts: bool,
 ) -> None:
     initiator = _channel("stranger", None if initiator_ca is None else pki[initiator_ca].issue("stranger"))
     target = _channel("target", None if target_ca is None else pki[target_ca].issue("target"))
     try:
         _refused(initiator, target, error)
         if target_counts:
-            wait_until(lambda: target.stats().get("auth_failures", 0) == 1, CALL_TIMEOUT, "the target to count the refusal")
+            wait_until(
+                lambda: target.stats().get("auth_failures", 0) == 1, CALL_TIMEOUT, "the target to count the refusal"
+            )
     finally:
         initiator.close()
         target.close()
 
 
-def test_under_tls_a_wrong_secret_is_still_refused_as_the_secret(pki: tuple[CertificateAuthority, CertificateAuthority]) -> None:
+def test_under_tls_a_wrong_secret_is_still_refused_as_the_secret(
+    pki: tuple[CertificateAuthority, CertificateAuthority],
+) -> None:
     initiator = _channel("stranger", pki[0].issue("stranger"), secret="another")
     target = _channel("target", pki[0].issue("target"), secret=KEY)
     try:
@@ -139,17 +168,25 @@ def test_under_tls_a_wrong_secret_is_still_refused_as_the_secret(pki: tuple[Cert
         target.close()
 
 
-def test_the_clear_target_says_the_peer_speaks_tls(pki: tuple[CertificateAuthority, CertificateAuthority], caplog: pytest.LogCaptureFixture) -> None:
+def test_the_clear_target_says_the_peer_speaks_tls(
+    pki: tuple[CertificateAuthority, CertificateAuthority], caplog: pytest.LogCaptureFixture
+) -> None:
     initiator, target = _channel("stranger", pki[0].issue("stranger")), _channel("target", None)
     try:
         _refused(initiator, target, "TLS")
-        wait_until(lambda: "the peer speaks TLS and this agent has no `tls`" in caplog.text, CALL_TIMEOUT, "the target to log why")
+        wait_until(
+            lambda: "the peer speaks TLS and this agent has no `tls`" in caplog.text,
+            CALL_TIMEOUT,
+            "the target to log why",
+        )
     finally:
         initiator.close()
         target.close()
 
 
-def test_tls_options_errors_name_the_field(pki: tuple[CertificateAuthority, CertificateAuthority], tmp_path: Path) -> None:
+def test_tls_options_errors_name_the_field(
+    pki: tuple[CertificateAuthority, CertificateAuthority], tmp_path: Path
+) -> None:
     files = pki[0].issue("conf").options()
     with pytest.raises(ConfigError, match=r"tls\.cert='/nonexistent.pem': no such file"):
         TcpChannel("x", TcpChannel.parse_options({"tls": {**files, "cert": "/nonexistent.pem"}}))

@@ -69,7 +69,9 @@ def test_many_ranges_in_one_transfer(peer: Peer, make_channel: Callable[..., Cha
     assert peer.call("notifs", 1, 10.0) == [(local.agent_name, b"many")]
     landed = peer.call("bytes", 0, REGION)
     for op in ops:
-        assert landed[op.remote_offset : op.remote_offset + op.length] == bytes(src[op.local_offset : op.local_offset + op.length].numpy())
+        assert landed[op.remote_offset : op.remote_offset + op.length] == bytes(
+            src[op.local_offset : op.local_offset + op.length].numpy()
+        )
     assert landed[8192] == 0, "bytes outside the ranges must stay untouched"
 
 

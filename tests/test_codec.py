@@ -95,7 +95,9 @@ def test_roundtrip_within_bound(name: str, dtype: str, shape: tuple[int, int, in
     elif name == "k16v8":
         key_rel = 0.0 if x.element_size() == 2 else 2.0**-8  # a 16-bit cache's keys go as they are
         bound = torch.cat([xf[:, :1].abs() * key_rel, fp8_bound[:, 1:]], dim=1)
-    else:  # int8, int8-kivi: half a step; the stored step covers the range widened by one bf16 ulp of the min, rounded up
+    # int8, int8-kivi: half a step; the stored step covers the range widened by one bf16 ulp of the min, rounded
+    # up
+    else:
         groups = [(slice(None), -1)] if name == "int8" else [(slice(0, 1), 2), (slice(1, 2), -1)]
         bound = torch.empty_like(xf)
         for part, dim_ in groups:
@@ -106,7 +108,9 @@ def test_roundtrip_within_bound(name: str, dtype: str, shape: tuple[int, int, in
     # the output dtype's own rounding of the decoded value comes on top
     out_ulp = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[x.dtype]
     slack = of.abs() * out_ulp + 1e-6
-    assert bool((err <= bound + slack).all()), f"{name} {dtype} {shape}: worst excess {float((err - bound - slack).max())}"
+    assert bool((err <= bound + slack).all()), (
+        f"{name} {dtype} {shape}: worst excess {float((err - bound - slack).max())}"
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -126,7 +130,11 @@ def test_zstd_compresses_kv_and_stores_noise_raw() -> None:
     codec = make_codec("zstd", layout)
     frame, _ = roundtrip(codec, kv_like(layout, 64))
     assert frame.numel() < 0.8 * layout.chunk_bytes(64)
-    noise = torch.randint(0, 256, (layout.chunk_bytes(64),), dtype=torch.uint8).view(torch.bfloat16).view(layout.chunk_shape(64))
+    noise = (
+        torch.randint(0, 256, (layout.chunk_bytes(64),), dtype=torch.uint8)
+        .view(torch.bfloat16)
+        .view(layout.chunk_shape(64))
+    )
     frame, _ = roundtrip(codec, noise)
     assert layout.chunk_bytes(64) < frame.numel() <= codec.max_encoded_bytes(64)
     assert frame.numel() - layout.chunk_bytes(64) < 128
@@ -209,7 +217,21 @@ def header_fields(frame: torch.Tensor) -> list[object]:
 
 
 def with_header(frame: torch.Tensor, **changes: object) -> torch.Tensor:
-    names = ["magic", "version", "codec", "dtype", "flags", "layers", "kv", "tokens", "heads", "dim", "sections", "reserved", "total"]
+    names = [
+        "magic",
+        "version",
+        "codec",
+        "dtype",
+        "flags",
+        "layers",
+        "kv",
+        "tokens",
+        "heads",
+        "dim",
+        "sections",
+        "reserved",
+        "total",
+    ]
     fields = dict(zip(names, header_fields(frame), strict=True))
     fields.update(changes)
     out = frame.clone()
@@ -275,7 +297,9 @@ def test_extended_frame_is_refused(encoded: tuple[Codec, torch.Tensor, torch.Ten
         ({"total": 1 << 40}, "header says"),
     ],
 )
-def test_header_fields_are_checked(encoded: tuple[Codec, torch.Tensor, torch.Tensor], change: dict[str, object], message: str) -> None:
+def test_header_fields_are_checked(
+    encoded: tuple[Codec, torch.Tensor, torch.Tensor], change: dict[str, object], message: str
+) -> None:
     codec, frame, _ = encoded
     if change.get("codec") == codec.codec_id:
         change = {"codec": 0}
@@ -344,7 +368,9 @@ def test_zstd_declared_size_is_checked_before_allocating() -> None:
     codec = make_codec("zstd", layout)
     frame, _ = roundtrip(codec, torch.zeros(layout.chunk_shape(64), dtype=torch.bfloat16))
     (index, offset, stored), *_ = compressed_sections(frame)
-    bomb = zstandard.ZstdCompressor().compress(bytes(1 << 20))  # a 1 MiB plane in a few dozen bytes, declared in its header
+    bomb = zstandard.ZstdCompressor().compress(
+        bytes(1 << 20)
+    )  # a 1 MiB plane in a few dozen bytes, declared in its header
     assert len(bomb) < layout.chunk_bytes(64) // 2  # a plane's length: a stored zstd section must be shorter
     forged = frame[: offset + len(bomb)].clone()
     forged[offset:] = torch.frombuffer(bytearray(bomb), dtype=torch.uint8)
@@ -373,7 +399,10 @@ def test_random_byte_flips_never_escape(name: str) -> None:
     codec = make_codec(name, layout)
     frame, _ = roundtrip(codec, kv_like(layout, 6))
     gen = torch.Generator().manual_seed(3)
-    positions = list(range(min(frame.numel(), _HEADER.size + 3 * _SECTION.size))) + torch.randint(0, frame.numel(), (40,), generator=gen).tolist()
+    positions = (
+        list(range(min(frame.numel(), _HEADER.size + 3 * _SECTION.size)))
+        + torch.randint(0, frame.numel(), (40,), generator=gen).tolist()
+    )
     for pos in positions:
         bad = frame.clone()
         bad[pos] ^= 1 << int(torch.randint(0, 8, (1,), generator=gen))
@@ -405,11 +434,15 @@ def native_built() -> None:
 
 
 @pytest.mark.parametrize(("name", "dtype", "shape"), list(combos()))
-def test_native_matches_torch(native_built: None, monkeypatch: pytest.MonkeyPatch, name: str, dtype: str, shape: tuple[int, int, int, int, bool]) -> None:
+def test_native_matches_torch(
+    native_built: None, monkeypatch: pytest.MonkeyPatch, name: str, dtype: str, shape: tuple[int, int, int, int, bool]
+) -> None:
     layers, heads, dim, tokens, mla = shape
     codec = make_codec(name, layout_for(dtype, layers, heads, dim, mla))
     x = kv_like(codec.layout, tokens, seed=5)
-    x.view(-1)[:3] = torch.tensor([1e-40, -2.0**-130, 449.0]).to(x.dtype)  # subnormals, and a value past e4m3's max before scaling
+    x.view(-1)[:3] = torch.tensor([1e-40, -(2.0**-130), 449.0]).to(
+        x.dtype
+    )  # subnormals, and a value past e4m3's max before scaling
     frame_native, out_native = roundtrip(codec, x)
     monkeypatch.setenv(native.ENV_VAR, "0")
     frame_torch, out_torch = roundtrip(codec, x)
@@ -424,7 +457,9 @@ def test_registry_ids_are_unique_and_names_listed() -> None:
     assert codec_names()[0] == "none"
     assert len({c.codec_id for c in CODECS.values()}) == len(CODECS)
     assert available_codecs(layout_for("bfloat16", 1, 1, 8)) == [n for n in codec_names() if n not in ("bf16", "fp16")]
-    assert available_codecs(layout_for("float32", 1, 1, 8, mla=True)) == [n for n in codec_names() if n not in ("k16v8", "int8-kivi")]
+    assert available_codecs(layout_for("float32", 1, 1, 8, mla=True)) == [
+        n for n in codec_names() if n not in ("k16v8", "int8-kivi")
+    ]
 
 
 def test_config_codec_default_and_valid() -> None:
@@ -482,17 +517,35 @@ def test_bench_fidelity_harness_on_a_tiny_model(tmp_path: pytest.TempPathFactory
     model = write_tiny_model(tmp_path / "tiny")  # type: ignore[operator]
     prompts = ("The quick brown fox jumps over the lazy dog, chunk by chunk.", "Paris is the capital of France. " * 6)
     with single_thread():
-        report = measure(model=str(model), dtypes=("float32",), codecs=["fp8", "zstd"], decode_tokens=4, repeats=1, prompts=prompts, chunk_size=16)
+        report = measure(
+            model=str(model),
+            dtypes=("float32",),
+            codecs=["fp8", "zstd"],
+            decode_tokens=4,
+            repeats=1,
+            prompts=prompts,
+            chunk_size=16,
+        )
     rows = {r["codec"]: r for r in report["results"]}
     assert list(rows) == ["none", "fp8", "zstd"]
-    assert rows["none"]["token_agreement"] == 1.0 and rows["none"]["mean_kl"] == 0 and rows["none"]["first_divergence"] == [None, None]
+    assert (
+        rows["none"]["token_agreement"] == 1.0
+        and rows["none"]["mean_kl"] == 0
+        and rows["none"]["first_divergence"] == [None, None]
+    )
     assert rows["zstd"]["max_abs_error"] == 0 and rows["zstd"]["mean_kl"] == 0 and rows["zstd"]["bytes_ratio"] > 1
     assert rows["fp8"]["max_abs_error"] > 0 and rows["fp8"]["mean_kl"] > 0 and rows["fp8"]["bytes_ratio"] > 3
-    assert all(r["raw_bytes"] == rows["none"]["raw_bytes"] and r["ratio"] > 0 and r["baseline_gbps"] > 0 for r in rows.values())
+    assert all(
+        r["raw_bytes"] == rows["none"]["raw_bytes"] and r["ratio"] > 0 and r["baseline_gbps"] > 0 for r in rows.values()
+    )
     links = [g for g in report["links"] if g["codec"] == "fp8"]
     assert [g["link_gbit"] for g in links] == [0.1, 1.0, 10.0]
     for g in links:  # the slowest of encode, wire (link x bytes ratio) and decode
         fp8 = rows["fp8"]
-        assert g["kv_tokens_per_s"] == pytest.approx(g["effective_gbps"] * 1e9 / (fp8["raw_bytes"] / report["prefill"]["float32"]["tokens"]), rel=1e-3, abs=1)
-        assert g["effective_gbps"] == pytest.approx(min(fp8["encode_gbps"], fp8["decode_gbps"], g["link_gbit"] / 8 * fp8["bytes_ratio"]), rel=1e-3, abs=1e-4)
+        assert g["kv_tokens_per_s"] == pytest.approx(
+            g["effective_gbps"] * 1e9 / (fp8["raw_bytes"] / report["prefill"]["float32"]["tokens"]), rel=1e-3, abs=1
+        )
+        assert g["effective_gbps"] == pytest.approx(
+            min(fp8["encode_gbps"], fp8["decode_gbps"], g["link_gbit"] / 8 * fp8["bytes_ratio"]), rel=1e-3, abs=1e-4
+        )
     assert "fp8" in format_table(report)

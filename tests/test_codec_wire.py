@@ -65,7 +65,9 @@ def test_a_lossless_codec_lands_bit_exact_in_fewer_wire_bytes(make_pair: Callabl
 
 
 @pytest.mark.parametrize("codec", ["fp8", "int8", "bf16"])
-def test_a_lossy_codec_lands_within_its_error_and_moves_far_fewer_bytes(make_pair: Callable[..., Pair], codec: str) -> None:
+def test_a_lossy_codec_lands_within_its_error_and_moves_far_fewer_bytes(
+    make_pair: Callable[..., Pair], codec: str
+) -> None:
     pair = make_pair(p_layout=LAYOUT, config=_config(codec), channel="tcp")
     blocks, _ = _push(pair, f"{codec}-1")
     sent, got = _sent(pair), _landed(pair, blocks)
@@ -85,7 +87,9 @@ def test_a_lossy_codec_lands_within_its_error_and_moves_far_fewer_bytes(make_pai
 def test_a_request_may_go_raw_when_the_sender_is_configured_with_a_codec(make_pair: Callable[..., Pair]) -> None:
     pair = make_pair(p_layout=LAYOUT, config=_config("fp8"), channel="tcp")
     blocks, mode = _push(pair, "raw-1", codec="none")
-    assert mode == pair.same_layout_mode  # same layouts and no codec: block writes, byte for byte (staged from a device tcp cannot reach)
+    assert (
+        mode == pair.same_layout_mode
+    )  # same layouts and no codec: block writes, byte for byte (staged from a device tcp cannot reach)
     assert torch.equal(_sent(pair), _landed(pair, blocks))
     pair.allocator.free(blocks)
     stats = pair.sender.stats()
@@ -94,17 +98,23 @@ def test_a_request_may_go_raw_when_the_sender_is_configured_with_a_codec(make_pa
         pair.sender.open("other", pair.receiver.address, TOKENS, TABLE, codec="zstd")
 
 
-def test_a_receiver_that_cannot_decode_the_codec_is_refused_at_the_handshake(make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_receiver_that_cannot_decode_the_codec_is_refused_at_the_handshake(
+    make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import pdkv.transfer.receiver
 
-    monkeypatch.setattr(pdkv.transfer.receiver, "available_codecs", lambda layout: ["none"])  # as if its zstd extra were missing
+    monkeypatch.setattr(
+        pdkv.transfer.receiver, "available_codecs", lambda layout: ["none"]
+    )  # as if its zstd extra were missing
     pair = make_pair(p_layout=LAYOUT, config=_config("zstd"), channel="tcp")
     with pytest.raises(HandshakeError, match="zstd"):
         pair.sender.open("h1", pair.receiver.address, TOKENS, TABLE)
     assert pair.receiver.stats()["reservations"] == 0
 
 
-def test_a_frame_that_does_not_decode_fails_the_request_and_frees_its_memory(make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_frame_that_does_not_decode_fails_the_request_and_frees_its_memory(
+    make_pair: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch
+) -> None:
     pair = make_pair(p_layout=LAYOUT, config=_config("fp8"), channel="tcp")
     codec = pair.sender.codecs["fp8"]
     encode = codec.encode
@@ -125,7 +135,9 @@ def test_a_frame_that_does_not_decode_fails_the_request_and_frees_its_memory(mak
     assert pair.allocator.num_free == pair.allocator.num_blocks
 
 
-def test_a_notice_claiming_more_bytes_than_a_slot_is_refused_before_the_slot_is_read(make_pair: Callable[..., Pair]) -> None:
+def test_a_notice_claiming_more_bytes_than_a_slot_is_refused_before_the_slot_is_read(
+    make_pair: Callable[..., Pair],
+) -> None:
     pair = make_pair(p_layout=LAYOUT, config=_config("fp8"), channel="tcp")
     r = pair.receiver
     xfer = pair.sender.open("forged", r.address, TOKENS, TABLE)
@@ -134,7 +146,9 @@ def test_a_notice_claiming_more_bytes_than_a_slot_is_refused_before_the_slot_is_
         with pytest.raises(TransferError, match="claims"):
             incoming.land(r.target, ChunkNotice("forged", 0, 0, 0, nbytes))
     with pytest.raises(CodecError):  # within bounds but not a frame: the codec's own checks
-        incoming.land(r.target, ChunkNotice("forged", 0, _zero_digest(r.target.slot_bytes // 2), 0, r.target.slot_bytes // 2))
+        incoming.land(
+            r.target, ChunkNotice("forged", 0, _zero_digest(r.target.slot_bytes // 2), 0, r.target.slot_bytes // 2)
+        )
     xfer.cancel("test over")
 
 

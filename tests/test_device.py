@@ -40,7 +40,10 @@ def _reference(data: bytes, unit: int) -> int:
     row = min(512, max(1, words_per_unit // 16))
     total = 0
     for u in range(len(data) // unit):
-        words = [int.from_bytes(data[u * unit + 8 * j : u * unit + 8 * j + 8], "little", signed=True) for j in range(words_per_unit)]
+        words = [
+            int.from_bytes(data[u * unit + 8 * j : u * unit + 8 * j + 8], "little", signed=True)
+            for j in range(words_per_unit)
+        ]
         rows = [words[r : r + row] for r in range(0, words_per_unit, row)]
         value = sum(weight(r, _ROW_SALT) * sum(ws) for r, ws in enumerate(rows))
         total += weight(u, _UNIT_SALT) * value
@@ -74,7 +77,9 @@ def test_a_chunks_blocks_hash_the_same_in_place_and_gathered_whatever_their_ids(
     ids = [7, 8, 9, 2, 30]
     by_block = chunk_checksum([t[b * unit : (b + 1) * unit] for t in kv for b in ids], unit=unit)
     assert blocks_checksum(kv, ids, unit) == by_block
-    moved = [torch.zeros(32 * unit, dtype=torch.uint8) for _ in kv]  # the same bytes landed in blocks 0-4 of another buffer
+    moved = [
+        torch.zeros(32 * unit, dtype=torch.uint8) for _ in kv
+    ]  # the same bytes landed in blocks 0-4 of another buffer
     for src, dst in zip(kv, moved, strict=True):
         for i, b in enumerate(ids):
             dst[i * unit : (i + 1) * unit] = src[b * unit : (b + 1) * unit]
@@ -125,7 +130,8 @@ def test_device_memory_has_no_host_view_and_the_error_says_what_to_use() -> None
 
 
 def test_code_that_takes_a_host_view_of_device_kv_fails_in_the_emulation() -> None:
-    """The regression the emulation exists to catch: the transfer path as it was (host views of the KV, xxh3 over them)."""
+    """The regression the emulation exists to catch: the transfer path as it was (host views of the KV, xxh3 over
+    them)."""
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
     kv = [emulate_device(t) for t in layout.allocate(4)]
     with pytest.raises(DeviceMemoryError):
@@ -156,7 +162,9 @@ def test_kv_on_the_meta_device_no_longer_fails_at_construction() -> None:
             sender.close()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: tests/gpu/check.py runs for real, not as this test")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a GPU is here: tests/gpu/check.py runs for real, not as this test"
+)
 def test_the_gpu_check_says_no_gpu_in_one_json_line_and_is_not_collected() -> None:
     """tests/gpu/check.py is a script (pytest never collects it); on CPU it answers at once, in its summary's format."""
     script = Path(__file__).parent / "gpu" / "check.py"
@@ -166,7 +174,8 @@ def test_the_gpu_check_says_no_gpu_in_one_json_line_and_is_not_collected() -> No
 
 
 def test_a_host_only_channel_stages_device_kv_through_host_slots_bit_exact(make_pair: MakePair) -> None:
-    """Emulated device KV over tcp: no KV region in either Hello, staging granted, each chunk gathered and hashed on the device."""
+    """Emulated device KV over tcp: no KV region in either Hello, staging granted, each chunk gathered and hashed on
+    the device."""
     layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
     pair = make_pair(p_layout=layout, channel="tcp", kv_memory_override="emulated")
     assert pair.sender.hello().kv_regions == [] and pair.receiver.hello().kv_regions == []

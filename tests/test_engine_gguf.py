@@ -29,7 +29,11 @@ from pdkv.testing.model import random_checkpoint, single_thread, tiny_config
 
 F32, Q8_0, Q4_1 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1
 TEXT = "Paris is the capital of France. 0123456789 tokens"
-_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 _LAYER_TO_GGUF = {
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
@@ -84,7 +88,9 @@ def write_gguf(checkpoint: Checkpoint, path: Path, qtype: gguf.GGMLQuantizationT
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list([tok.backend.id_to_token(i) for i in range(tok.vocab_size)])
-    w.add_token_types([gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL for i in range(tok.vocab_size)])
+    w.add_token_types(
+        [gguf.TokenType.CONTROL if i in specials else gguf.TokenType.NORMAL for i in range(tok.vocab_size)]
+    )
     w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]])
     w.add_bos_token_id(tok.token_id(tok.bos_token))
     w.add_eos_token_id(tok.eos_token_id)
@@ -93,7 +99,9 @@ def write_gguf(checkpoint: Checkpoint, path: Path, qtype: gguf.GGMLQuantizationT
     for name, tensor in checkpoint.tensors.items():
         array = tensor.numpy()
         if c.model_type == "llama" and (".q_proj." in name or ".k_proj." in name):
-            array = permute_like_llama_cpp(array, c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads)
+            array = permute_like_llama_cpp(
+                array, c.num_attention_heads if ".q_proj." in name else c.num_key_value_heads
+            )
         if array.ndim == 2 and qtype != F32:
             w.add_tensor(gguf_name(name), quants.quantize(array, qtype), raw_dtype=qtype)
         else:
@@ -142,7 +150,14 @@ def test_quantized_gguf_dequantizes_close(tmp_path: Path, qtype: gguf.GGMLQuanti
             rel = float((got - tensor).pow(2).mean().sqrt() / tensor.pow(2).mean().sqrt())
             assert rel < max_rel_rms, f"{name}: relative RMS error {rel:.4f}"
     engine = ReferenceEngine(loaded, max_kv_tokens=128)
-    assert len(engine.generate(engine.tokenizer.encode(TEXT), SamplingParams(max_tokens=8, ignore_eos=True)).output_token_ids) == 8
+    assert (
+        len(
+            engine.generate(
+                engine.tokenizer.encode(TEXT), SamplingParams(max_tokens=8, ignore_eos=True)
+            ).output_token_ids
+        )
+        == 8
+    )
 
 
 def test_smollm_pre_tokenizer_splits_digits(tmp_path: Path) -> None:
@@ -158,7 +173,9 @@ def test_unsupported_gguf_fails_with_reason(tmp_path: Path) -> None:
         resolve_model(tmp_path / "missing")
 
 
-def test_default_model_converts_once_into_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_default_model_converts_once_into_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     tiny = write_gguf(random_checkpoint(), tmp_path / "wheel.gguf")
     monkeypatch.setattr(default_model, "default_gguf", lambda: (tiny, "9.9"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

@@ -59,7 +59,8 @@ def trace(*paths: Sequence[int]) -> list[list[bytes]]:
 
 # -- the policy's invariants ---------------------------------------------------------------
 def test_prefix_policy_never_keeps_a_child_without_its_parent_and_respects_bytes() -> None:
-    """Random prompts sharing prefixes, random sizes and reads: the cache stays closed under parents and within its bound."""
+    """Random prompts sharing prefixes, random sizes and reads: the cache stays closed under parents and within its
+    bound."""
     rng = random.Random(5)
     p = PrefixAware(2000)
     parent_of: dict[bytes, bytes | None] = {}
@@ -75,10 +76,20 @@ def test_prefix_policy_never_keeps_a_child_without_its_parent_and_respects_bytes
         assert not orphans, f"step {step}: a child is cached without its parent"
     assert p.admit(b"x" * 16, 2001) is None and b"x" * 16 not in p
     # nothing kept for keys that left: the per-key state is exactly the cached keys'
-    assert set(p._uses) == set(p._last) == set(p._priority) == set(held) and set(p._parent) <= set(held) and set(p._children) <= set(held)
+    assert (
+        set(p._uses) == set(p._last) == set(p._priority) == set(held)
+        and set(p._parent) <= set(held)
+        and set(p._children) <= set(held)
+    )
 
 
-def _run_request(p: PrefixAware, ks: Sequence[bytes], held: dict[bytes, int], parent_of: dict[bytes, bytes | None], rng: random.Random) -> int:
+def _run_request(
+    p: PrefixAware,
+    ks: Sequence[bytes],
+    held: dict[bytes, int],
+    parent_of: dict[bytes, bytes | None],
+    rng: random.Random,
+) -> int:
     got = 0
     while got < len(ks) and ks[got] in p:
         p.touch(ks[got])
@@ -157,8 +168,16 @@ def test_prefix_policy_forced_removal_detaches_and_the_stored_again_parent_takes
     orphaned.discard(ks[1])
     orphaned.discard(ks[2])  # the detached ks[1] loses its last child: forgotten, ks[0] is a leaf again
     orphaned.touch(ks[0])
-    assert orphaned.admit(b"a" * 16, 1) == [] and orphaned.admit(b"b" * 16, 1) == [] and orphaned.admit(b"c" * 16, 1) == [ks[0]]
-    assert not orphaned._detached and set(orphaned._uses) == {b"a" * 16, b"b" * 16, b"c" * 16}  # the detached key was forgotten
+    assert (
+        orphaned.admit(b"a" * 16, 1) == []
+        and orphaned.admit(b"b" * 16, 1) == []
+        and orphaned.admit(b"c" * 16, 1) == [ks[0]]
+    )
+    assert not orphaned._detached and set(orphaned._uses) == {
+        b"a" * 16,
+        b"b" * 16,
+        b"c" * 16,
+    }  # the detached key was forgotten
 
 
 def test_prefix_policy_learns_a_stretch_that_keeps_reused_prefixes_through_a_scan() -> None:
@@ -176,7 +195,9 @@ def test_prefix_policy_learns_a_stretch_that_keeps_reused_prefixes_through_a_sca
             serve(p, chain(rng.randint(3, 8), salt=i + 1))
         kept[name] = hits
     assert isinstance(p, PrefixAware) and p.stretch > 0
-    assert kept["lru"] == 0 and kept["prefix"] >= 70, kept  # 75 reads of the shared prefix counted, each after ~126 one-off chunks
+    assert kept["lru"] == 0 and kept["prefix"] >= 70, (
+        kept
+    )  # 75 reads of the shared prefix counted, each after ~126 one-off chunks
 
 
 # -- the optimum -----------------------------------------------------------------------------
@@ -304,7 +325,16 @@ def test_tier_put_refuses_malformed_parents_and_config_takes_the_policy(tmp_path
     with pytest.raises(LayoutError, match="parents"):
         tier.put(ks, [chunk(0), chunk(1)], [None, b"short"])
     assert tier.contains(ks) == 0  # nothing stored by a refused call
-    config = convert_config({"tier": {"memory_policy": "prefix", "memory_bytes": 4 * CHUNK_BYTES, "disk_policy": "s3fifo", "disk_path": str(tmp_path)}}).tier
+    config = convert_config(
+        {
+            "tier": {
+                "memory_policy": "prefix",
+                "memory_bytes": 4 * CHUNK_BYTES,
+                "disk_policy": "s3fifo",
+                "disk_path": str(tmp_path),
+            }
+        }
+    ).tier
     built = build_tier(config, LAYOUT)
     assert built is not None and [type(level._policy).__name__ for level in built.levels] == ["PrefixAware", "S3FIFO"]  # type: ignore[attr-defined]
     built.close()
@@ -315,7 +345,8 @@ def test_tier_put_refuses_malformed_parents_and_config_takes_the_policy(tmp_path
 
 
 def test_bench_part2_reports_every_policy_against_the_optimum() -> None:
-    """`pdkv bench ttft --parts 2` on a small synthetic conversation trace: every row's ratio is to the optimum at its size."""
+    """`pdkv bench ttft --parts 2` on a small synthetic conversation trace: every row's ratio is to the optimum at
+    its size."""
     rng = random.Random(3)
     conversations = [[0, *range(100 * c + 1, 100 * c + 1 + rng.randint(1, 6))] for c in range(60)]
     requests = []
@@ -326,12 +357,18 @@ def test_bench_part2_reports_every_policy_against_the_optimum() -> None:
     report = trace_hit_rates(requests, "synthetic")
     assert [o["l1_blocks"] for o in report["optimum"]] == [4096, 16384, 65536, report["unique_blocks"]]
     assert all(o["hit_rate"] == o["relaxed_min_hit_rate"] >= o["min_parents_first_hit_rate"] for o in report["optimum"])
-    assert {(r["policy"], r["l1_blocks"]) for r in report["rows"]} == {(p, o["l1_blocks"]) for p in POLICIES for o in report["optimum"]}
+    assert {(r["policy"], r["l1_blocks"]) for r in report["rows"]} == {
+        (p, o["l1_blocks"]) for p in POLICIES for o in report["optimum"]
+    }
     assert all(0 < r["ratio"] <= 1 and r["optimum_hit_rate"] >= r["hit_rate"] for r in report["rows"])
     assert [c["policy"] for c in report["policy_cost"]] == list(POLICIES) and report["policy_cost"][0]["ratio"] == 1.0
     assert isinstance(report["targets"]["prefix_beats_lru_and_s3fifo_at_every_size"], bool)
     redis_rows = report["redis"].get("rows", [])
-    assert "skipped" in report["redis"] or [r["policy"] for r in redis_rows] == ["redis allkeys-lru", "redis allkeys-lfu", *(f"pdkv {p}" for p in POLICIES)]
+    assert "skipped" in report["redis"] or [r["policy"] for r in redis_rows] == [
+        "redis allkeys-lru",
+        "redis allkeys-lfu",
+        *(f"pdkv {p}" for p in POLICIES),
+    ]
 
 
 def test_cache_engine_links_stored_and_batch_promoted_chunks_under_their_parents(tmp_path: Path) -> None:
@@ -350,7 +387,9 @@ def test_cache_engine_links_stored_and_batch_promoted_chunks_under_their_parents
     assert cache.store(tokens, buffer, block_table) == len(tokens) and cache.flush(10)
     ks = cache.keys(tokens).keys
     assert memory.remove(list(ks)) == 6  # memory lost them; disk has them
-    assert bool(cache.retrieve(tokens, [t.clone().zero_() for t in buffer], block_table).all())  # three batches, promoted
+    assert bool(
+        cache.retrieve(tokens, [t.clone().zero_() for t in buffer], block_table).all()
+    )  # three batches, promoted
     assert memory.contains(ks) == 6
     assert memory.get(ks[:1], [torch.empty(layout.chunk_shape(cs))]) == 1
     memory.put([b"u" * 16], [torch.zeros(layout.chunk_shape(cs))])

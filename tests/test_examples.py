@@ -17,8 +17,19 @@ def test_synthetic_transfer_between_two_processes(channel: str) -> None:
     if channel == "nixl":
         pytest.importorskip("nixl", reason="the nixl extra is not installed")
     out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "synthetic_transfer.py"), "--channel", channel, "--requests", "5", "--tokens", "300"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "examples" / "synthetic_transfer.py"),
+            "--channel",
+            channel,
+            "--requests",
+            "5",
+            "--tokens",
+            "300",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout)
@@ -28,7 +39,9 @@ def test_synthetic_transfer_between_two_processes(channel: str) -> None:
 
 
 def test_standalone_cache_stores_a_real_prompt_and_retrieves_it_bit_identical() -> None:
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "standalone_cache.py")], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "standalone_cache.py")], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     report = json.loads(out.stdout)
     n, chunk = report["prompt_tokens"], report["chunk_size"]
@@ -37,4 +50,7 @@ def test_standalone_cache_stores_a_real_prompt_and_retrieves_it_bit_identical() 
     assert report["bit_identical"] is True
     assert report["resumed_loaded_tokens"] == (n - 1) // chunk * chunk  # every chunk before the last token's
     assert report["generated_equal"] is True
-    assert report["restarted_hits_by_level"] == {"memory": 0, "disk": -(-n // chunk)}  # after the restart, all from disk
+    assert report["restarted_hits_by_level"] == {
+        "memory": 0,
+        "disk": -(-n // chunk),
+    }  # after the restart, all from disk

@@ -57,9 +57,7 @@ I64 = st.integers(min_value=-(1 << 63), max_value=(1 << 63) - 1)
 HOSTILE_INT = st.one_of(
     I64,
     U64,
-    st.sampled_from(
-        [0, -1, 1, 1 << 31, 1 << 32, 1 << 62, (1 << 63) - 1, (1 << 64) - 1]
-    ),
+    st.sampled_from([0, -1, 1, 1 << 31, 1 << 32, 1 << 62, (1 << 63) - 1, (1 << 64) - 1]),
 )
 # ids: empty, control characters, just past MAX_ID_LEN, well past it
 HOSTILE_STR = st.one_of(
@@ -69,12 +67,8 @@ HOSTILE_STR = st.one_of(
         lambda n: "r" * n
     ),  # built lazily: short reprs
 )
-HOSTILE_BYTES = st.one_of(
-    st.binary(max_size=80), st.sampled_from([0, 65, 100_000]).map(lambda n: b"m" * n)
-)
-LEAF = st.one_of(
-    st.none(), st.booleans(), HOSTILE_INT, st.floats(), HOSTILE_STR, HOSTILE_BYTES
-)
+HOSTILE_BYTES = st.one_of(st.binary(max_size=80), st.sampled_from([0, 65, 100_000]).map(lambda n: b"m" * n))
+LEAF = st.one_of(st.none(), st.booleans(), HOSTILE_INT, st.floats(), HOSTILE_STR, HOSTILE_BYTES)
 ANY_VALUE = st.recursive(
     LEAF,
     lambda inner: st.one_of(
@@ -93,9 +87,7 @@ def _layout() -> st.SearchStrategy[dict[str, Any]]:
             "num_kv_heads": HOSTILE_INT,
             "head_dim": HOSTILE_INT,
             "block_size": HOSTILE_INT,
-            "dtype": st.sampled_from(
-                ["float32", "bfloat16", "float16", "int8", "nope", ""]
-            ),
+            "dtype": st.sampled_from(["float32", "bfloat16", "float16", "int8", "nope", ""]),
         },
         optional={
             "order": st.sampled_from(["NHD", "HND", "??"]),
@@ -250,12 +242,8 @@ def _push(pair: Pair, request_id: str, num_tokens: int, table: list[int]) -> Non
     pair.allocator.free(got.blocks)
 
 
-@pytest.mark.parametrize(
-    "admitted", [False, True], ids=["stranger", "after-valid-hello"]
-)
-def test_hostile_control_messages_never_break_a_live_receiver(
-    make_pair: MakePair, admitted: bool
-) -> None:
+@pytest.mark.parametrize("admitted", [False, True], ids=["stranger", "after-valid-hello"])
+def test_hostile_control_messages_never_break_a_live_receiver(make_pair: MakePair, admitted: bool) -> None:
     """A hostile DEALER (admitted with a valid Hello, or not) cannot crash, overallocate or leak the receiver."""
     pair = make_pair()
     receiver, allocator = pair.receiver, pair.allocator
@@ -290,7 +278,8 @@ def test_hostile_control_messages_never_break_a_live_receiver(
                     st.builds(
                         protocol.Reserve,
                         transfer_id=st.text(min_size=1, max_size=8),
-                        # hostile sizes, and sizes that fit: a fuzzer whose Reserves never reach the allocator tests nothing
+                        # hostile sizes, and sizes that fit: a fuzzer whose Reserves never
+                        # reach the allocator tests nothing
                         num_tokens=st.one_of(HOSTILE_INT, st.integers(1, 64)),
                     ).map(protocol.encode),
                 ),
@@ -305,9 +294,9 @@ def test_hostile_control_messages_never_break_a_live_receiver(
             assert receiver.loop.thread.is_alive(), "the receiver loop died"
             stats = receiver.stats()
             assert 0 <= stats["free_blocks"] <= allocator.num_blocks
-            assert (
-                stats["reserved_blocks"] + stats["free_blocks"] <= allocator.num_blocks
-            ), "blocks allocated past the allocator's size"
+            assert stats["reserved_blocks"] + stats["free_blocks"] <= allocator.num_blocks, (
+                "blocks allocated past the allocator's size"
+            )
             for r in dealer.reserved:
                 assert len(set(r.block_ids)) == len(r.block_ids) and all(
                     b < allocator.num_blocks for b in r.block_ids
@@ -325,9 +314,7 @@ def test_hostile_control_messages_never_break_a_live_receiver(
         )
         assert allocator.num_free == start_free
         if admitted:
-            assert dealer.reserved, (
-                "no hostile Reserve ever reached the allocator: the fuzzer is too weak"
-            )
+            assert dealer.reserved, "no hostile Reserve ever reached the allocator: the fuzzer is too weak"
         # and the pair still completes a normal transfer
         _push(pair, "after-fuzz", 100, list(range(40, 47)))
         assert allocator.num_free == start_free
@@ -353,9 +340,7 @@ def _hdr(
     offset: int = 0,
     length: int = 0,
 ) -> bytes:
-    return HEADER.pack(
-        MAGIC, version, ftype, flags, shares, aux, notif, xfer, offset, length
-    )
+    return HEADER.pack(MAGIC, version, ftype, flags, shares, aux, notif, xfer, offset, length)
 
 
 def _hello(name: bytes = b"fuzzer", sid: int = 7) -> bytes:
@@ -366,9 +351,7 @@ def _pattern(i: int) -> bytes:
     return bytes((i * 37 + j * 11 + 5) & 0xFF for j in range(REGION))
 
 
-def writable_ranges(
-    stream: bytes, nregions: int = NREGIONS
-) -> list[tuple[int, int, int]]:
+def writable_ranges(stream: bytes, nregions: int = NREGIONS) -> list[tuple[int, int, int]]:
     """(region, start, end) of every DATA frame in ``stream`` that names a range inside a region.
 
     Follows the framing from the module docstring, as the target does, and
@@ -378,9 +361,7 @@ def writable_ranges(
     """
     out, pos = [], 0
     while pos + HEADER.size <= len(stream):
-        magic, version, ftype, flags, _shares, aux, notif, _xfer, offset, length = (
-            HEADER.unpack_from(stream, pos)
-        )
+        magic, version, ftype, flags, _shares, aux, notif, _xfer, offset, length = HEADER.unpack_from(stream, pos)
         pos += HEADER.size
         if magic != MAGIC or version != VERSION:
             break
@@ -416,9 +397,7 @@ def _make_target(secret: str = "") -> Iterator[Target]:
     regions = [bytearray(_pattern(i)) for i in range(NREGIONS)]
     for buf in regions:
         channel.register(buf)
-    good = TcpChannel(
-        "good", TcpOptions(io_timeout=3, connect_timeout=3, secret=secret)
-    )
+    good = TcpChannel("good", TcpOptions(io_timeout=3, connect_timeout=3, secret=secret))
     src = good.register(bytearray(b"\xab" * REGION))
     good.add_peer(channel.metadata())
     yield Target(channel, regions, good, src)
@@ -446,9 +425,7 @@ def _send_raw(port: int, stream: bytes) -> None:
             while sock.recv(1 << 16):
                 pass
         except TimeoutError:
-            raise AssertionError(
-                "the target neither answered nor hung up within the timeout"
-            ) from None
+            raise AssertionError("the target neither answered nor hung up within the timeout") from None
         except OSError:
             pass
 
@@ -473,11 +450,7 @@ def _check_and_restore(t: Target, stream: bytes) -> None:
         if buf == pristine:
             continue
         changed = [j for j in range(REGION) if buf[j] != pristine[j]]
-        stray = [
-            j
-            for j in changed
-            if not any(r == i and lo <= j < hi for r, lo, hi in allowed)
-        ]
+        stray = [j for j in changed if not any(r == i and lo <= j < hi for r, lo, hi in allowed)]
         assert not stray, (
             f"region {i}: {len(stray)} bytes written outside every range a DATA frame named (first at {stray[0]})"
         )
@@ -487,9 +460,7 @@ def _check_and_restore(t: Target, stream: bytes) -> None:
 
 def _assert_still_serves(t: Target, tag: bytes) -> None:
     t.channel.get_notifications()
-    handle = t.good.write(
-        "target", [TransferOp(t.good_src, 0, 2, 0, REGION)], notif=tag
-    )
+    handle = t.good.write("target", [TransferOp(t.good_src, 0, 2, 0, REGION)], notif=tag)
     t.good.wait(handle, TIMEOUT)
     assert t.regions[2] == b"\xab" * REGION
     wait_until(
@@ -502,43 +473,26 @@ def _assert_still_serves(t: Target, tag: bytes) -> None:
 
 
 @st.composite
-def data_frames(
-    draw: st.DrawFn, opening: st.SearchStrategy[bytes] | None = None
-) -> bytes:
-    """A HELLO (or ``opening``) then DATA/READ_REQ/NOTIF frames whose every field is drawn from near-valid and hostile values."""
+def data_frames(draw: st.DrawFn, opening: st.SearchStrategy[bytes] | None = None) -> bytes:
+    """A HELLO (or ``opening``) then DATA/READ_REQ/NOTIF frames whose every field is drawn from near-valid and
+    hostile values."""
     out = draw(opening) if opening is not None else _hello(sid=draw(U64))
     for _ in range(draw(st.integers(1, 3))):
-        ftype = draw(
-            st.sampled_from(
-                [wire.DATA, wire.DATA, wire.DATA, wire.READ_REQ, wire.NOTIF, wire.ACK, 0, 200]
-            )
-        )
+        ftype = draw(st.sampled_from([wire.DATA, wire.DATA, wire.DATA, wire.READ_REQ, wire.NOTIF, wire.ACK, 0, 200]))
         length = draw(
             st.one_of(
                 st.integers(0, REGION + 8),
                 st.sampled_from([1 << 20, (1 << 20) + 1, 1 << 62, (1 << 64) - 1]),
             )
         )
-        offset = draw(
-            st.one_of(
-                st.integers(0, REGION + 8), st.sampled_from([(1 << 64) - 8, 1 << 63])
-            )
-        )
-        flags = draw(
-            st.sampled_from(
-                [LAST, LAST, 0, LAST | NOTIF_FOLLOWS, NOTIF_FOLLOWS, 0x80, 0xFF]
-            )
-        )
+        offset = draw(st.one_of(st.integers(0, REGION + 8), st.sampled_from([(1 << 64) - 8, 1 << 63])))
+        flags = draw(st.sampled_from([LAST, LAST, 0, LAST | NOTIF_FOLLOWS, NOTIF_FOLLOWS, 0x80, 0xFF]))
         notif = draw(st.sampled_from([0, 0, 4, 256, 257, (1 << 32) - 1]))
         hdr = _hdr(
             ftype,
             version=draw(st.sampled_from([VERSION, VERSION, VERSION, 0, 2])),
             flags=flags,
-            shares=draw(
-                st.sampled_from(
-                    [1, 1, 0, 2, wire.MAX_STREAMS, wire.MAX_STREAMS + 1, 0xFFFF]
-                )
-            ),
+            shares=draw(st.sampled_from([1, 1, 0, 2, wire.MAX_STREAMS, wire.MAX_STREAMS + 1, 0xFFFF])),
             aux=draw(st.sampled_from([0, 1, 2, 3, 99, (1 << 32) - 1])),
             notif=notif,
             xfer=draw(U64),
@@ -546,9 +500,7 @@ def data_frames(
             length=length,
         )
         # a payload that matches the declared length when it is small, or is cut short
-        payload_len = (
-            min(length, REGION + 8) if draw(st.booleans()) else draw(st.integers(0, 64))
-        )
+        payload_len = min(length, REGION + 8) if draw(st.booleans()) else draw(st.integers(0, 64))
         out += hdr + b"\x5a" * payload_len + b"n" * min(notif, 300)
     return out
 
@@ -595,9 +547,7 @@ def mutated_frames(draw: st.DrawFn) -> bytes:
     ],
     ids=["garbage", "hello-then-garbage", "hostile-fields", "mutated-valid"],
 )
-def test_tcp_frames_never_write_outside_named_ranges(
-    target: Target, strategy: st.SearchStrategy[bytes]
-) -> None:
+def test_tcp_frames_never_write_outside_named_ranges(target: Target, strategy: st.SearchStrategy[bytes]) -> None:
     _assert_still_serves(target, b"before")
 
     @FUZZ
@@ -648,15 +598,11 @@ def test_random_garbage_changes_nothing(target: Target) -> None:
     """Random bytes without a valid header name no range: not one byte may change."""
 
     @FUZZ
-    @given(
-        st.binary(min_size=1, max_size=512).filter(lambda b: not b.startswith(MAGIC))
-    )
+    @given(st.binary(min_size=1, max_size=512).filter(lambda b: not b.startswith(MAGIC)))
     def attack(stream: bytes) -> None:
         _send_raw(target.channel.port, stream)
         _wait_served(target)
-        assert [bytes(b) for b in target.regions] == [
-            _pattern(i) for i in range(NREGIONS)
-        ]
+        assert [bytes(b) for b in target.regions] == [_pattern(i) for i in range(NREGIONS)]
         assert target.channel.get_notifications() == []
 
     attack()

@@ -22,7 +22,9 @@ def test_keys_identical_across_processes_with_different_hash_seeds() -> None:
     outs = []
     for seed in ("0", "1", "12345", "random"):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        outs.append(subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=True).stdout)
+        outs.append(
+            subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, check=True).stdout
+        )
     assert len(set(outs)) == 1
     fp, *keys = outs[0].split()
     assert fp == model_fingerprint("llama", {"hidden": 64}, "bfloat16")

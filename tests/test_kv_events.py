@@ -27,7 +27,17 @@ from pdkv.keys import chunk_keys
 from pdkv.kv_events.index import PrefixIndex, chain_hashes
 from pdkv.kv_events.publisher import KVEventPublisher
 from pdkv.kv_events.subscriber import EventStream, cancel
-from pdkv.kv_events.wire import END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, decode_batch, encode_batch, encode_seq, external_hash
+from pdkv.kv_events.wire import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+    encode_seq,
+    external_hash,
+)
 from pdkv.testing.redis import LocalRedis
 from pdkv.worker.server import Worker
 
@@ -37,9 +47,13 @@ BS = 4
 TOKENS = list(range(100, 124))  # 6 blocks of 4
 
 
-def stored(hashes: list[bytes], parent: bytes | None, tokens: list[int], medium: str = "GPU", **extra: Any) -> BlockStored:
+def stored(
+    hashes: list[bytes], parent: bytes | None, tokens: list[int], medium: str = "GPU", **extra: Any
+) -> BlockStored:
     fields: dict[str, Any] = {"lora_id": None, "lora_name": None, **extra}
-    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS, medium=medium, **fields)
+    return BlockStored(
+        block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS, medium=medium, **fields
+    )
 
 
 def h(name: str, i: int) -> bytes:
@@ -56,30 +70,56 @@ def test_index_matches_the_longest_cached_prefix_and_keeps_only_what_a_prompt_ca
         index.track(w)
     # p1 announces 4 blocks in two events (the second chained to the first by its parent), p2 the same
     # tokens under hashes of its own (another process seed): both match the same prompt
-    index.apply("p1", batch(stored([h("a", 0), h("a", 1)], None, TOKENS[:8]), stored([h("a", 2), h("a", 3)], h("a", 1), TOKENS[8:16])))
+    index.apply(
+        "p1",
+        batch(
+            stored([h("a", 0), h("a", 1)], None, TOKENS[:8]), stored([h("a", 2), h("a", 3)], h("a", 1), TOKENS[8:16])
+        ),
+    )
     index.apply("p2", batch(stored([h("b", 0), h("b", 1)], None, TOKENS[:8])))
     assert index.match(TOKENS, ["p1", "p2", "p3", "unknown"]) == {"p1": 16, "p2": 8, "p3": 0}
     assert index.match(TOKENS[:6] + [0] * 18, ["p1"]) == {"p1": 4}  # a prompt that differs in block 1
     # removal by medium: a block held on GPU and CPU stays until both let it go; the walk stops at a hole
-    index.apply("p1", batch(stored([h("a", 1)], h("a", 0), TOKENS[4:8], medium="CPU"), BlockRemoved(block_hashes=[h("a", 1)], medium="GPU")))
+    index.apply(
+        "p1",
+        batch(
+            stored([h("a", 1)], h("a", 0), TOKENS[4:8], medium="CPU"),
+            BlockRemoved(block_hashes=[h("a", 1)], medium="GPU"),
+        ),
+    )
     assert index.match(TOKENS, ["p1"]) == {"p1": 16}
     index.apply("p1", batch(BlockRemoved(block_hashes=[h("a", 1)], medium="CPU")))
     assert index.match(TOKENS, ["p1"]) == {"p1": 4}
     # what a plain prompt can never match is not indexed: a LoRA's blocks, blocks with extra keys (and those
     # after them), other KV cache groups, a block whose parent is unknown, an event whose sizes do not add up
-    index.apply("p3", batch(
-        stored([h("c", 0)], None, TOKENS[:4], lora_id=7),
-        stored([h("c", 1), h("c", 2)], None, TOKENS[:8], extra_keys=[("mm-hash", 0), None]),
-        stored([h("c", 3)], None, TOKENS[:4], group_idx=1),
-        stored([h("c", 4)], h("nope", 0), TOKENS[4:8]),
-        stored([h("c", 5), h("c", 6)], None, TOKENS[:7]),
-    ))
+    index.apply(
+        "p3",
+        batch(
+            stored([h("c", 0)], None, TOKENS[:4], lora_id=7),
+            stored([h("c", 1), h("c", 2)], None, TOKENS[:8], extra_keys=[("mm-hash", 0), None]),
+            stored([h("c", 3)], None, TOKENS[:4], group_idx=1),
+            stored([h("c", 4)], h("nope", 0), TOKENS[4:8]),
+            stored([h("c", 5), h("c", 6)], None, TOKENS[:7]),
+        ),
+    )
     assert index.match(TOKENS, ["p3"]) == {"p3": 0}
     assert (index.stats.skipped, index.stats.orphans, index.stats.malformed) == (4, 1, 1)
     # a shared tier (REMOTE) counts for the workers that announced a block on it, and is bounded
-    index.apply("p2", batch(stored([h("s", 0), h("s", 1)], None, TOKENS[:8], medium="STORAGE", locality="REMOTE"), stored([h("s", 2)], h("s", 1), TOKENS[8:12], medium="STORAGE", locality="REMOTE")))
+    index.apply(
+        "p2",
+        batch(
+            stored([h("s", 0), h("s", 1)], None, TOKENS[:8], medium="STORAGE", locality="REMOTE"),
+            stored([h("s", 2)], h("s", 1), TOKENS[8:12], medium="STORAGE", locality="REMOTE"),
+        ),
+    )
     assert index.match(TOKENS, ["p2", "p3"]) == {"p2": 8, "p3": 0}  # the LRU of 2 dropped the first block
-    index.apply("p2", batch(BlockRemoved(block_hashes=[h("s", 2)], medium="STORAGE", locality="REMOTE"), stored([h("s", 0)], None, TOKENS[:4], medium="STORAGE", locality="REMOTE")))
+    index.apply(
+        "p2",
+        batch(
+            BlockRemoved(block_hashes=[h("s", 2)], medium="STORAGE", locality="REMOTE"),
+            stored([h("s", 0)], None, TOKENS[:4], medium="STORAGE", locality="REMOTE"),
+        ),
+    )
     assert index.summary()["shared_tier_blocks"] == 2
     # AllBlocksCleared: the worker's own blocks go, the shared tier's stay
     index.apply("p1", batch(AllBlocksCleared()))
@@ -92,10 +132,13 @@ def test_index_matches_salted_blocks_only_under_their_salt() -> None:
     cache salt) chains from that salt: a prompt with the same tokens matches it only under the same salt."""
     index = PrefixIndex()
     index.track("p1")
-    index.apply("p1", batch(
-        stored([h("a", 0), h("a", 1)], None, TOKENS[:8], extra_keys=[("tenant-a",), None]),
-        stored([h("a", 2)], h("a", 1), TOKENS[8:12]),  # a later event chains on under the salt
-    ))
+    index.apply(
+        "p1",
+        batch(
+            stored([h("a", 0), h("a", 1)], None, TOKENS[:8], extra_keys=[("tenant-a",), None]),
+            stored([h("a", 2)], h("a", 1), TOKENS[8:12]),  # a later event chains on under the salt
+        ),
+    )
     assert index.match(TOKENS, ["p1"], salt="tenant-a") == {"p1": 12}
     assert index.match(TOKENS, ["p1"]) == {"p1": 0}
     assert index.match(TOKENS, ["p1"], salt="tenant-b") == {"p1": 0}
@@ -106,7 +149,11 @@ def test_index_matches_salted_blocks_only_under_their_salt() -> None:
 
 
 def test_batches_round_trip_and_garbage_is_refused() -> None:
-    b = batch(stored([h("a", 0)], None, TOKENS[:4], medium="CPU", locality="LOCAL"), BlockRemoved(block_hashes=[7], medium="GPU"), AllBlocksCleared())
+    b = batch(
+        stored([h("a", 0)], None, TOKENS[:4], medium="CPU", locality="LOCAL"),
+        BlockRemoved(block_hashes=[7], medium="GPU"),
+        AllBlocksCleared(),
+    )
     assert decode_batch(encode_batch(b)) == b
     with pytest.raises(Exception, match="not a vLLM KVEventBatch"):
         decode_batch(b"\x93\x01\x02")
@@ -173,12 +220,16 @@ def test_a_stream_heals_gaps_from_the_replay_and_rebuilds_when_batches_are_gone_
         endpoint, replay = pub.endpoints
         b = [stored([h("a", i)], h("a", i - 1) if i else None, TOKENS[i * BS : (i + 1) * BS]) for i in range(6)]
         pub.keep(0, batch(b[0]))  # published before the router subscribed: the start-up replay brings it
-        stream = EventStream("w", endpoint, replay, "kv", index.apply, index.clear, resync=resync, check_s=0.3, timeout_s=2)
+        stream = EventStream(
+            "w", endpoint, replay, "kv", index.apply, index.clear, resync=resync, check_s=0.3, timeout_s=2
+        )
         task = asyncio.get_running_loop().create_task(stream.run())
         try:
             await until(lambda: index.match(TOKENS, ["w"])["w"] == 4, "the start-up replay")
             assert pub.replays == [0] and len(resyncs) == 1
-            await until(lambda: stream.stats["replay_failures"] == 0 and pub.replays == [0, 1], "the quiet-stream check")  # nothing new: no change
+            await until(
+                lambda: stream.stats["replay_failures"] == 0 and pub.replays == [0, 1], "the quiet-stream check"
+            )  # nothing new: no change
             # seq 1 never reaches the live stream, seq 2 does: the gap is filled from the replay, nothing lost
             pub.keep(1, batch(b[1]))
             await asyncio.sleep(0.05)
@@ -189,7 +240,9 @@ def test_a_stream_heals_gaps_from_the_replay_and_rebuilds_when_batches_are_gone_
             # then rebuilt from seq 5 on and by a resync (in pdkv: AllBlocksCleared and every block again)
             await pub.send(5, batch(b[3], b[4]), replayable=True)
             await until(lambda: stream.stats["lost"] == 1, "the loss to be noticed")
-            assert index.match(TOKENS, ["w"])["w"] == 0 and len(resyncs) == 2  # orphans: their parents went with the clear
+            assert (
+                index.match(TOKENS, ["w"])["w"] == 0 and len(resyncs) == 2
+            )  # orphans: their parents went with the clear
             await pub.send(6, batch(AllBlocksCleared(), b[0], b[1]))
             await until(lambda: index.match(TOKENS, ["w"])["w"] == 8, "the resync's blocks")
             # a trailing batch lost on a quiet stream is found by the periodic replay check
@@ -198,7 +251,10 @@ def test_a_stream_heals_gaps_from_the_replay_and_rebuilds_when_batches_are_gone_
             # the publisher restarts: its sequence starts again at 0 and its batches are newer
             pub.replayable.clear()
             await pub.send(0, batch(AllBlocksCleared(), b[0]))
-            await until(lambda: stream.stats["restarts"] == 1 and index.match(TOKENS, ["w"])["w"] == 4, "the restart to be rebuilt")
+            await until(
+                lambda: stream.stats["restarts"] == 1 and index.match(TOKENS, ["w"])["w"] == 4,
+                "the restart to be rebuilt",
+            )
             assert stream.next_seq == 1
             # a malformed message is a lost batch, never a crash
             await pub.pub.send_multipart((b"kv", encode_seq(1), b"garbage"))
@@ -212,16 +268,25 @@ def test_a_stream_heals_gaps_from_the_replay_and_rebuilds_when_batches_are_gone_
 
 
 def test_publisher_endpoints_follow_vllms_rules_and_bad_ones_fail_at_start() -> None:
-    pub = KVEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"), bind_host="127.0.0.1")
+    pub = KVEventPublisher(
+        KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"),
+        bind_host="127.0.0.1",
+    )
     try:
-        assert pub.endpoint.startswith("tcp://127.0.0.1:") and pub.replay_endpoint and pub.replay_endpoint.startswith("tcp://127.0.0.1:")
+        assert (
+            pub.endpoint.startswith("tcp://127.0.0.1:")
+            and pub.replay_endpoint
+            and pub.replay_endpoint.startswith("tcp://127.0.0.1:")
+        )
         port = pub.endpoint.rsplit(":", 1)[1]
         with pytest.raises(ConfigError, match="cannot bind"):
             KVEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}"))
     finally:
         pub.close()
     with pytest.raises(ConfigError, match="replay socket is bound"):
-        KVEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://10.0.0.1:5558"))
+        KVEventPublisher(
+            KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://10.0.0.1:5558")
+        )
     with pytest.raises(ConfigError, match="enable_kv_cache_events"):
         KVEventPublisher(KVEventsConfig(enable_kv_cache_events=False))
     with pytest.raises(ConfigError, match="kv_events.publisher"):
@@ -235,10 +300,21 @@ OTHER = [(i * 11) % 290 + 5 for i in range(70)]  # 2 full chunks
 
 
 def events_worker(model_dir: Path, kv_events: dict[str, Any] | None = None, **tier: Any) -> Worker:
-    config = convert_config({
-        "role": "prefill", "num_blocks": 128, "transfer": {"chunk_size": CHUNK}, "tier": tier,
-        "kv_events": {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0", "topic": "pdkv", **(kv_events or {})},
-    })
+    config = convert_config(
+        {
+            "role": "prefill",
+            "num_blocks": 128,
+            "transfer": {"chunk_size": CHUNK},
+            "tier": tier,
+            "kv_events": {
+                "enable_kv_cache_events": True,
+                "endpoint": "tcp://*:0",
+                "replay_endpoint": "tcp://*:0",
+                "topic": "pdkv",
+                **(kv_events or {}),
+            },
+        }
+    )
     return Worker(config, ReferenceEngine.load(str(model_dir), progress=False))
 
 
@@ -257,7 +333,16 @@ def follow() -> Callable[..., Any]:
 
             index = PrefixIndex()
             index.track("w")
-            stream = EventStream("w", info["endpoint"], info["replay_endpoint"], info["topic"], index.apply, index.clear, resync=resync, check_s=0.5)
+            stream = EventStream(
+                "w",
+                info["endpoint"],
+                info["replay_endpoint"],
+                info["topic"],
+                index.apply,
+                index.clear,
+                resync=resync,
+                check_s=0.5,
+            )
             task = asyncio.get_running_loop().create_task(stream.run())
             try:
                 yield index, stream, info
@@ -272,8 +357,11 @@ def completion(prompt: list[int]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("use_int", [None, False], ids=["int hashes (default)", "bytes hashes"])
-def test_a_worker_announces_its_tier_chunks_as_blocks_and_their_eviction(model_dir: Path, follow: Callable[..., Any], tmp_path: Path, use_int: bool | None) -> None:
-    """Either hash form (vLLM's default integers, or the keys' bytes) indexes the same: pdkv's index keys blocks by their tokens."""
+def test_a_worker_announces_its_tier_chunks_as_blocks_and_their_eviction(
+    model_dir: Path, follow: Callable[..., Any], tmp_path: Path, use_int: bool | None
+) -> None:
+    """Either hash form (vLLM's default integers, or the keys' bytes) indexes the same: pdkv's index keys blocks by
+    their tokens."""
     engine_fp = ReferenceEngine.load(str(model_dir), progress=False).fingerprint
     chunk_bytes = 2 * 2 * CHUNK * 2 * 16 * 4  # layers, k/v, tokens, kv heads, head dim, float32
 
@@ -281,7 +369,9 @@ def test_a_worker_announces_its_tier_chunks_as_blocks_and_their_eviction(model_d
         return {external_hash(k, use_int is not False) for k in keys}
 
     async def scenario() -> None:
-        w = events_worker(model_dir, {"use_int_block_hashes": use_int}, memory_bytes=4 * chunk_bytes, disk_path=str(tmp_path / "disk"))
+        w = events_worker(
+            model_dir, {"use_int_block_hashes": use_int}, memory_bytes=4 * chunk_bytes, disk_path=str(tmp_path / "disk")
+        )
         runner, url = await serve(w)
         try:
             async with follow(url) as (index, stream, info), aiohttp.ClientSession() as s:
@@ -291,7 +381,11 @@ def test_a_worker_announces_its_tier_chunks_as_blocks_and_their_eviction(model_d
                 await until(lambda: index.match(PROMPT, ["w"])["w"] == 96, "PROMPT's 3 full chunks")
                 held = index.workers["w"].ext
                 assert set(held) == wire(chunk_keys(PROMPT, engine_fp, CHUNK)[:3])
-                assert all(isinstance(e, int) and 0 <= e < 2**64 for e in held) if use_int is None else all(isinstance(e, bytes) and len(e) == 16 for e in held)
+                assert (
+                    all(isinstance(e, int) and 0 <= e < 2**64 for e in held)
+                    if use_int is None
+                    else all(isinstance(e, bytes) and len(e) == 16 for e in held)
+                )
                 await until(lambda: all(e.media == 3 for e in held.values()), "both levels to hold them")
                 # OTHER's 2 chunks push 1 of PROMPT's out of the 4-chunk memory level: still on disk
                 assert (await s.post(url + "/v1/completions", json=completion(OTHER))).status == 200
@@ -312,7 +406,9 @@ def test_a_worker_announces_its_tier_chunks_as_blocks_and_their_eviction(model_d
     asyncio.run(scenario())
 
 
-def test_the_shared_redis_level_is_announced_as_remote_storage(model_dir: Path, follow: Callable[..., Any], redis_server: LocalRedis, tmp_path: Path) -> None:
+def test_the_shared_redis_level_is_announced_as_remote_storage(
+    model_dir: Path, follow: Callable[..., Any], redis_server: LocalRedis, tmp_path: Path
+) -> None:
     namespace = f"events-{tmp_path.name}:"
 
     async def scenario() -> None:
@@ -340,16 +436,39 @@ def test_the_vllm_launcher_passes_kv_events_as_vllms_flag_and_names_the_stream()
 
     from pdkv.launch.vllm import vllm_command
 
-    cfg = convert_config({"role": "prefill", "engine": "vllm", "kv_events": {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0", "topic": "t"}})
+    cfg = convert_config(
+        {
+            "role": "prefill",
+            "engine": "vllm",
+            "kv_events": {
+                "enable_kv_cache_events": True,
+                "endpoint": "tcp://*:0",
+                "replay_endpoint": "tcp://*:0",
+                "topic": "t",
+            },
+        }
+    )
     cmd, info = vllm_command(cfg, "/models/m", [], python="py")
     events = json.loads(cmd[cmd.index("--kv-events-config") + 1])
     port = int(events["endpoint"].rsplit(":", 1)[1])
-    assert port > 0 and events["endpoint"] == f"tcp://*:{port}"  # vLLM binds a wildcard endpoint; port 0 would be its node IP
-    assert events["replay_endpoint"].startswith("tcp://127.0.0.1:") and events["publisher"] == "zmq" and events["enable_kv_cache_events"] is True
-    assert info["kv_events"] == {"endpoint": f"tcp://127.0.0.1:{port}", "replay_endpoint": events["replay_endpoint"], "topic": "t"}
+    assert (
+        port > 0 and events["endpoint"] == f"tcp://*:{port}"
+    )  # vLLM binds a wildcard endpoint; port 0 would be its node IP
+    assert (
+        events["replay_endpoint"].startswith("tcp://127.0.0.1:")
+        and events["publisher"] == "zmq"
+        and events["enable_kv_cache_events"] is True
+    )
+    assert info["kv_events"] == {
+        "endpoint": f"tcp://127.0.0.1:{port}",
+        "replay_endpoint": events["replay_endpoint"],
+        "topic": "t",
+    }
     with pytest.raises(ConfigError, match="--kv-events-config"):
         vllm_command(cfg, "/models/m", ["--kv-events-config", "{}"], python="py")
-    plain, plain_info = vllm_command(convert_config({"role": "prefill", "engine": "vllm"}), "/models/m", [], python="py")
+    plain, plain_info = vllm_command(
+        convert_config({"role": "prefill", "engine": "vllm"}), "/models/m", [], python="py"
+    )
     assert "--kv-events-config" not in plain and "kv_events" not in plain_info
 
 
@@ -359,7 +478,15 @@ def test_external_hash_is_vllms_low_64_bits_and_survives_msgpack_as_uint64() -> 
     low = external_hash(key, True)
     assert low == int.from_bytes(key, "big") & (2**64 - 1) == int.from_bytes(key[8:], "big") and low >= 2**63
     assert external_hash(key, False) == key
-    event = BlockStored(block_hashes=[low], parent_block_hash=external_hash(b"\x00" * 16, True), token_ids=[1] * BS, block_size=BS, lora_id=None, medium="CPU", lora_name=None)
+    event = BlockStored(
+        block_hashes=[low],
+        parent_block_hash=external_hash(b"\x00" * 16, True),
+        token_ids=[1] * BS,
+        block_size=BS,
+        lora_id=None,
+        medium="CPU",
+        lora_name=None,
+    )
     payload = encode_batch(batch(event))
     assert b"\xcf" + low.to_bytes(8, "big") in payload  # msgpack uint64, as Dynamo's u64 decoder wants
     assert decode_batch(payload).events[0].block_hashes == [low]

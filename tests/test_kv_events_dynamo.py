@@ -1,4 +1,5 @@
-"""NVIDIA Dynamo's standalone KV indexer (``python -m dynamo.indexer``, ai-dynamo-runtime, in the ``dev`` extra) reads a pdkv worker's KV events.
+"""NVIDIA Dynamo's standalone KV indexer (``python -m dynamo.indexer``, ai-dynamo-runtime, in the ``dev`` extra) reads a
+pdkv worker's KV events.
 
 A real pdkv prefill worker process with ``kv_events`` on and a small memory
 level is registered with a real indexer process over its HTTP API
@@ -37,14 +38,18 @@ import pytest
 from pdkv.netaddr import free_port
 from pdkv.testing.procs import WorkerProcess, start_configured
 
-pytest.importorskip("dynamo.indexer", reason="Dynamo's indexer comes with the dev extra: pip install -e '.[dev]' (ai-dynamo-runtime)")
+pytest.importorskip(
+    "dynamo.indexer", reason="Dynamo's indexer comes with the dev extra: pip install -e '.[dev]' (ai-dynamo-runtime)"
+)
 
 CHUNK = 32
 CHUNK_BYTES = 2 * 2 * CHUNK * 2 * 16 * 4  # the tiny model: layers, k/v, tokens, kv heads, head dim, float32
 A = [(i * 37) % 300 + 3 for i in range(100)]  # 3 full chunks (+4 tokens)
 B = A[:64] + [(i * 13) % 280 + 7 for i in range(40)]  # A's first 2 chunks, then 1 of its own (+8)
 C = [(i * 11) % 290 + 5 for i in range(70)]  # 2 chunks, nothing shared
-MARKERS = [[(i * 17 + 101 * m) % 310 + 2 for i in range(CHUNK)] for m in range(4)]  # 1 chunk each, nothing shared (the vocabulary is 320)
+MARKERS = [
+    [(i * 17 + 101 * m) % 310 + 2 for i in range(CHUNK)] for m in range(4)
+]  # 1 chunk each, nothing shared (the vocabulary is 320)
 TIMEOUT_S = 20.0
 
 
@@ -59,7 +64,9 @@ def http(method: str, url: str, body: dict[str, Any] | None = None) -> tuple[int
         return exc.code, exc.read().decode(errors="replace")
 
 
-def wait_for(pred: Callable[[], bool], what: str, timeout: float = TIMEOUT_S, nudge: Callable[[], object] | None = None) -> None:
+def wait_for(
+    pred: Callable[[], bool], what: str, timeout: float = TIMEOUT_S, nudge: Callable[[], object] | None = None
+) -> None:
     """Poll ``pred``; ``nudge`` (if any) runs about once a second while it is false."""
     deadline = time.monotonic() + timeout
     next_nudge = time.monotonic() + 1.0
@@ -79,7 +86,11 @@ class Indexer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         with log.open("w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"], stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dynamo.indexer", "--port", str(self.port), "--threads", "1"],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         wait_for(self._up, "dynamo.indexer to listen")
 
     def _up(self) -> bool:
@@ -91,7 +102,13 @@ class Indexer:
 
     def register(self, instance_id: int, worker: WorkerProcess, model: str) -> None:
         events = http("GET", worker.url + "/pdkv/info")[1]["kv_events"]
-        body = {"instance_id": instance_id, "endpoint": events["endpoint"], "replay_endpoint": events["replay_endpoint"], "block_size": events["block_size"], "model_name": model}
+        body = {
+            "instance_id": instance_id,
+            "endpoint": events["endpoint"],
+            "replay_endpoint": events["replay_endpoint"],
+            "block_size": events["block_size"],
+            "model_name": model,
+        }
         status, answer = http("POST", self.url + "/register", body)
         assert status == 201, answer
 
@@ -123,11 +140,20 @@ def indexer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Indexer]:
 
 
 def start_events_worker(model_dir: Path, path: Path, **kv_events: Any) -> WorkerProcess:
-    """A prefill worker whose memory level holds 4 chunks (no disk: an eviction is a BlockRemoved), publishing its KV events."""
+    """A prefill worker whose memory level holds 4 chunks (no disk: an eviction is a BlockRemoved), publishing its
+    KV events."""
     config = {
-        "model": str(model_dir), "num_blocks": 128, "transfer": {"chunk_size": CHUNK}, "tier": {"enabled": True, "memory_bytes": 4 * CHUNK_BYTES},
-        "kv_events": {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0", **kv_events},
-    }  # fmt: skip
+        "model": str(model_dir),
+        "num_blocks": 128,
+        "transfer": {"chunk_size": CHUNK},
+        "tier": {"enabled": True, "memory_bytes": 4 * CHUNK_BYTES},
+        "kv_events": {
+            "enable_kv_cache_events": True,
+            "endpoint": "tcp://*:0",
+            "replay_endpoint": "tcp://*:0",
+            **kv_events,
+        },
+    }
     return start_configured("prefill", config, path, timeout=120)
 
 
@@ -136,11 +162,17 @@ def resync(worker: WorkerProcess) -> None:
     assert http("POST", worker.url + "/pdkv/kv-events/resync")[0] == 200
 
 
-def first_seen(indexer: Indexer, worker: WorkerProcess, tokens: list[int], expected: int, model: str, instance_id: int) -> None:
+def first_seen(
+    indexer: Indexer, worker: WorkerProcess, tokens: list[int], expected: int, model: str, instance_id: int
+) -> None:
     """Wait for Dynamo to index ``tokens``, just after registering: a PUB socket drops what it sends before the
     subscription reaches it, and Dynamo notices a loss only at the next batch (then replays it), so a quiet
     stream is nudged with resyncs, as a pdkv router's stream would be by its replay probe."""
-    wait_for(lambda: indexer.overlap(tokens, model, instance_id) == expected, f"{expected} tokens indexed by Dynamo", nudge=lambda: resync(worker))
+    wait_for(
+        lambda: indexer.overlap(tokens, model, instance_id) == expected,
+        f"{expected} tokens indexed by Dynamo",
+        nudge=lambda: resync(worker),
+    )
 
 
 def tier_tokens(worker: WorkerProcess) -> int:
@@ -167,7 +199,8 @@ def test_dynamos_indexer_predicts_what_a_pdkv_worker_loads(model_dir: Path, inde
         markers = iter(MARKERS)
 
         def settle() -> None:
-            """Wait until Dynamo applied everything the worker published so far (a new marker's block shows up after it)."""
+            """Wait until Dynamo applied everything the worker published so far (a new marker's block shows
+            up after it)."""
             marker = next(markers)
             assert send(worker, marker) == 0
             wait_for(lambda: indexer.overlap(marker, model, wid) == CHUNK, "the marker's block in Dynamo")
@@ -195,13 +228,19 @@ def test_dynamos_indexer_predicts_what_a_pdkv_worker_loads(model_dir: Path, inde
         assert check(A) == 96
         # pdkv announces its memory level as CPU: Dynamo credits it in its tiers, not in the flat (GPU) scores
         answer = indexer.query(A, model)
-        assert answer["instances"][str(wid)]["cpu"] == 96 and answer["instances"][str(wid)]["gpu"] == 0 and not answer["scores"]
+        assert (
+            answer["instances"][str(wid)]["cpu"] == 96
+            and answer["instances"][str(wid)]["gpu"] == 0
+            and not answer["scores"]
+        )
         assert "Failed to decode" not in indexer.log.read_text()
     finally:
         worker.stop()
 
 
-def test_memory_medium_gpu_makes_dynamos_scores_count_pdkvs_tier(model_dir: Path, indexer: Indexer, tmp_path: Path) -> None:
+def test_memory_medium_gpu_makes_dynamos_scores_count_pdkvs_tier(
+    model_dir: Path, indexer: Indexer, tmp_path: Path
+) -> None:
     model, wid = "pdkv-gpu", 2
     worker = start_events_worker(model_dir, tmp_path / "worker.yaml", memory_medium="GPU")
     try:
@@ -215,14 +254,19 @@ def test_memory_medium_gpu_makes_dynamos_scores_count_pdkvs_tier(model_dir: Path
 
 
 def test_with_bytes_hashes_dynamo_drops_every_batch(model_dir: Path, tmp_path: Path) -> None:
-    """vLLM's opt-out (whole hashes as bytes): Dynamo decodes none of it, so it predicts nothing while the worker loads."""
+    """vLLM's opt-out (whole hashes as bytes): Dynamo decodes none of it, so it predicts nothing while the worker
+    loads."""
     model, wid = "pdkv-bytes", 3
     indexer = Indexer(tmp_path / "indexer.log")  # its own: the decode errors it logs are this worker's
     worker = start_events_worker(model_dir, tmp_path / "worker.yaml", use_int_block_hashes=False)
     try:
         indexer.register(wid, worker, model)
         assert send(worker, A) == 0
-        wait_for(lambda: "data did not match any variant of untagged enum BlockHashValue" in indexer.log.read_text(), "Dynamo's decode error", nudge=lambda: resync(worker))
+        wait_for(
+            lambda: "data did not match any variant of untagged enum BlockHashValue" in indexer.log.read_text(),
+            "Dynamo's decode error",
+            nudge=lambda: resync(worker),
+        )
         assert indexer.overlap(A, model, wid) == 0
         assert send(worker, A) == 96  # the worker has it all the same
     finally:

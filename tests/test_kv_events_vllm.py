@@ -42,12 +42,19 @@ def line(proc: subprocess.Popen[str]) -> dict[str, Any]:
 
 def vllm_stored(i: int, medium: str = "GPU") -> dict[str, Any]:
     return {
-        "type": "BlockStored", "block_hashes": [f"{i:064x}"], "parent": f"{i - 1:064x}" if i else None,
-        "token_ids": TOKENS[i * BS : (i + 1) * BS], "block_size": BS, "lora_id": None, "medium": medium,
+        "type": "BlockStored",
+        "block_hashes": [f"{i:064x}"],
+        "parent": f"{i - 1:064x}" if i else None,
+        "token_ids": TOKENS[i * BS : (i + 1) * BS],
+        "block_size": BS,
+        "lora_id": None,
+        "medium": medium,
     }
 
 
-def test_vllm_decodes_what_a_pdkv_worker_publishes_and_pdkv_follows_vllms_publisher(vllm_env_python: str, model_dir: Path, tmp_path: Path) -> None:
+def test_vllm_decodes_what_a_pdkv_worker_publishes_and_pdkv_follows_vllms_publisher(
+    vllm_env_python: str, model_dir: Path, tmp_path: Path
+) -> None:
     fingerprint = ReferenceEngine.load(str(model_dir), progress=False).fingerprint
 
     async def scenario() -> None:
@@ -60,12 +67,27 @@ def test_vllm_decodes_what_a_pdkv_worker_publishes_and_pdkv_follows_vllms_publis
                 assert (await s.post(url + "/v1/completions", json=completion(PROMPT))).status == 200
             await asyncio.to_thread(worker.tiering.tier.flush)
             ipc = f"ipc://{tmp_path}/vllm"
-            proc = subprocess.Popen([vllm_env_python, str(PEER), info["endpoint"], info["replay_endpoint"], info["topic"], ipc + "-pub", ipc + "-replay"],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            proc = subprocess.Popen(
+                [
+                    vllm_env_python,
+                    str(PEER),
+                    info["endpoint"],
+                    info["replay_endpoint"],
+                    info["topic"],
+                    ipc + "-pub",
+                    ipc + "-replay",
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             first = await asyncio.to_thread(line, proc)
             seen = first["pdkv"]
             # pdkv's kv_events: is vLLM's --kv-events-config, plus pdkv's own fields (hash form, medium, CURVE)
-            assert first["config_fields"] == [f for f in KVEventsConfig.__struct_fields__ if f not in KVEventsConfig.PDKV_FIELDS]
+            assert first["config_fields"] == [
+                f for f in KVEventsConfig.__struct_fields__ if f not in KVEventsConfig.PDKV_FIELDS
+            ]
             # what vLLM's classes read: the start-up AllBlocksCleared, then each full chunk in memory (CPU, LOCAL)
             # with pdkv's chunk key as its hash (vLLM's default integer form: the low 64 bits), chained to its parent,
             # its 32 token ids, block_size 32
@@ -74,8 +96,16 @@ def test_vllm_decodes_what_a_pdkv_worker_publishes_and_pdkv_follows_vllms_publis
             assert events[0] == {"type": "AllBlocksCleared"}
             keys = [external_hash(k, use_int=True) for k in chunk_keys(PROMPT, fingerprint, CHUNK)[:3]]
             assert [e for e in events[1:] if e["type"] == "BlockStored"] == [
-                {"type": "BlockStored", "block_hashes": [keys[i]], "parent": keys[i - 1] if i else None, "token_ids": PROMPT[i * CHUNK : (i + 1) * CHUNK],
-                 "block_size": CHUNK, "medium": "CPU", "locality": "LOCAL", "lora_id": None}
+                {
+                    "type": "BlockStored",
+                    "block_hashes": [keys[i]],
+                    "parent": keys[i - 1] if i else None,
+                    "token_ids": PROMPT[i * CHUNK : (i + 1) * CHUNK],
+                    "block_size": CHUNK,
+                    "medium": "CPU",
+                    "locality": "LOCAL",
+                    "lora_id": None,
+                }
                 for i in range(3)
             ]
             assert (await asyncio.to_thread(line, proc)) == {"vllm": "ready"}
@@ -91,7 +121,9 @@ def test_vllm_decodes_what_a_pdkv_worker_publishes_and_pdkv_follows_vllms_publis
             await publish(vllm_stored(2))
             index = PrefixIndex()
             index.track("vllm")
-            stream = EventStream("vllm", ipc + "-pub", ipc + "-replay", info["topic"], index.apply, index.clear, check_s=0.5)
+            stream = EventStream(
+                "vllm", ipc + "-pub", ipc + "-replay", info["topic"], index.apply, index.clear, check_s=0.5
+            )
             task = asyncio.get_running_loop().create_task(stream.run())
             try:
                 await until(lambda: index.match(TOKENS, ["vllm"])["vllm"] == 48, "vLLM's replayed batches", timeout=30)

@@ -1,4 +1,5 @@
-"""The floor plan in pyproject.toml names every top-level module: a new one gets a floor, or lint-imports cannot see it."""
+"""The floor plan in pyproject.toml names every top-level module: a new one gets a floor, or lint-imports cannot see
+it."""
 
 from __future__ import annotations
 
@@ -19,4 +20,6 @@ def test_every_top_level_module_has_a_floor() -> None:
     tree = {f"pdkv.{p.stem}" for p in (ROOT / "pdkv").glob("*.py") if p.stem != "__init__"}
     tree |= {f"pdkv.{p.parent.name}" for p in (ROOT / "pdkv").glob("*/__init__.py")}
     tree |= {"pdkv.channels", "pdkv.launch"}  # installed into pdkv from the top of the repository
-    assert tree - placed == set(), f"modules without a floor in pyproject.toml's layers contract: {sorted(tree - placed)}"
+    assert tree - placed == set(), (
+        f"modules without a floor in pyproject.toml's layers contract: {sorted(tree - placed)}"
+    )

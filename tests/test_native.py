@@ -50,7 +50,16 @@ def ext() -> ctypes.CDLL:
 
 def make_layout(kind: str, order: str, mla: bool, dtype: str = "bfloat16", block_size: int = 4) -> KVLayout:
     # Odd head count and head_dim: the copy must not assume aligned or power-of-two rows.
-    return KVLayout(num_layers=3, num_kv_heads=1 if mla else 3, head_dim=5, block_size=block_size, dtype=dtype, kind=kind, order=order, mla=mla)  # type: ignore[arg-type]
+    return KVLayout(
+        num_layers=3,
+        num_kv_heads=1 if mla else 3,
+        head_dim=5,
+        block_size=block_size,
+        dtype=dtype,
+        kind=kind,
+        order=order,
+        mla=mla,
+    )  # type: ignore[arg-type]
 
 
 def random_bytes(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator, device: str) -> torch.Tensor:
@@ -59,8 +68,13 @@ def random_bytes(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator,
     return raw.view(dtype).view(*shape).to(device)
 
 
-def random_buffer(layout: KVLayout, gen: torch.Generator, device: str = "cpu", num_blocks: int = NUM_BLOCKS) -> list[torch.Tensor]:
-    return [random_bytes(layout.tensor_shape(num_blocks), layout.torch_dtype, gen, device) for _ in range(layout.num_tensors)]
+def random_buffer(
+    layout: KVLayout, gen: torch.Generator, device: str = "cpu", num_blocks: int = NUM_BLOCKS
+) -> list[torch.Tensor]:
+    return [
+        random_bytes(layout.tensor_shape(num_blocks), layout.torch_dtype, gen, device)
+        for _ in range(layout.num_tensors)
+    ]
 
 
 def random_table(layout: KVLayout, start: int, num_tokens: int, gen: torch.Generator) -> list[int]:
@@ -72,7 +86,10 @@ def random_table(layout: KVLayout, start: int, num_tokens: int, gen: torch.Gener
 def same_bytes(a: torch.Tensor | Sequence[torch.Tensor], b: torch.Tensor | Sequence[torch.Tensor]) -> bool:
     xs = [a] if isinstance(a, torch.Tensor) else list(a)
     ys = [b] if isinstance(b, torch.Tensor) else list(b)
-    return len(xs) == len(ys) and all(x.shape == y.shape and torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)) for x, y in zip(xs, ys, strict=True))
+    return len(xs) == len(ys) and all(
+        x.shape == y.shape and torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+        for x, y in zip(xs, ys, strict=True)
+    )
 
 
 def clone(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -82,7 +99,9 @@ def clone(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("kind", "order", "mla"), LAYOUT_PARAMS)
-def test_gather_and_scatter_match_torch(ext: ctypes.CDLL, kind: str, order: str, mla: bool, dtype: str, device: str) -> None:
+def test_gather_and_scatter_match_torch(
+    ext: ctypes.CDLL, kind: str, order: str, mla: bool, dtype: str, device: str
+) -> None:
     if device == "cuda" and native.cuda_reason() is not None:
         pytest.skip("no CUDA kernel in the extension (built where nvcc or the CUDA toolkit was missing)")
     layout = make_layout(kind, order, mla, dtype)
@@ -142,7 +161,9 @@ def test_non_contiguous_out_and_chunk(ext: ctypes.CDLL) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_hnd_fixed_row_sizes(ext: ctypes.CDLL, kind: str, head_dim: int, dtype: str) -> None:
     """HND rows of 256 and 512 bytes take the kernel's compile-time row-size paths."""
-    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=head_dim, block_size=4, dtype=dtype, kind=kind, order="HND")  # type: ignore[arg-type]
+    layout = KVLayout(
+        num_layers=2, num_kv_heads=2, head_dim=head_dim, block_size=4, dtype=dtype, kind=kind, order="HND"
+    )  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(9)
     buffer = random_buffer(layout, gen)
     table = random_table(layout, 5, 11, gen)
@@ -197,7 +218,13 @@ def test_cpp_refuses_bad_block_ids_itself(ext: ctypes.CDLL, bad: int) -> None:
     assert same_bytes(buffer, before)
 
 
-BAD_GEOMETRY = [("heads", 0, "empty layers"), ("kv", 3, "kv must be 1"), ("block_size", 0, "block_size must be positive"), ("start", -1, "start must be non-negative"), ("token_stride", 0, "strides")]
+BAD_GEOMETRY = [
+    ("heads", 0, "empty layers"),
+    ("kv", 3, "kv must be 1"),
+    ("block_size", 0, "block_size must be positive"),
+    ("start", -1, "start must be non-negative"),
+    ("token_stride", 0, "strides"),
+]
 
 
 @pytest.mark.parametrize(("field", "value", "message"), BAD_GEOMETRY)
@@ -235,7 +262,9 @@ def test_disabled_by_env_uses_the_torch_path(monkeypatch: pytest.MonkeyPatch) ->
     assert same_bytes(ours, theirs)
 
 
-def test_a_missing_library_warns_once_and_falls_back(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+def test_a_missing_library_warns_once_and_falls_back(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
     monkeypatch.delenv(native.ENV_VAR, raising=False)
     monkeypatch.setattr(native, "_loaded", None)
     monkeypatch.setattr(native, "LIBRARY", tmp_path / "libpdkv_kernels.so")
@@ -267,12 +296,23 @@ def test_the_installed_library_loads_without_a_compiler(tmp_path: Path) -> None:
         "import json, sys\n"
         "from pdkv import native\n"
         "from pdkv.codec import kernels\n"
-        "print(json.dumps({'available': native.available(), 'reason': native.reason(), 'library': str(native.LIBRARY),\n"
-        "                  'builders': sorted(m for m in sys.modules if m.startswith(('torch.utils.cpp_extension', 'setuptools', 'distutils')))}))\n"
+        "print(json.dumps({'available': native.available(), 'reason': native.reason(), "
+        "'library': str(native.LIBRARY),\n"
+        "                  'builders': sorted(m for m in sys.modules if m.startswith(('torch.utils.cpp_extension', "
+        "'setuptools', 'distutils')))}))\n"
     )
-    env = {**os.environ, "PATH": str(tmp_path / "empty-path"), "HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(tmp_path / "cache"), "CC": "false", "CXX": "false"}
+    env = {
+        **os.environ,
+        "PATH": str(tmp_path / "empty-path"),
+        "HOME": str(tmp_path / "home"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "CC": "false",
+        "CXX": "false",
+    }
     env.pop(native.ENV_VAR, None)
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["available"], report["reason"]
     assert Path(report["library"]).parent == Path(native.__file__).parent

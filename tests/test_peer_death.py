@@ -62,8 +62,15 @@ TABLE = list(range(3, 11))  # the prefill side's blocks of the request: 8 blocks
 OLD_TABLE = list(range(12, 20))  # another request's, with other bytes
 SEED = 1234
 CFG = TransferConfig(
-    chunk_size=32, handshake_timeout_s=1.0, reserve_timeout_s=1.0, chunk_timeout_s=1.0, transfer_timeout_s=2.0,
-    lease_s=0.6, heartbeat_s=0.1, claim_timeout_s=10.0, drain_timeout_s=0.5,
+    chunk_size=32,
+    handshake_timeout_s=1.0,
+    reserve_timeout_s=1.0,
+    chunk_timeout_s=1.0,
+    transfer_timeout_s=2.0,
+    lease_s=0.6,
+    heartbeat_s=0.1,
+    claim_timeout_s=10.0,
+    drain_timeout_s=0.5,
 )
 TCP = TcpOptions(streams=1, connect_timeout=1.0, io_timeout=1.0)
 SLACK_S = 3.0  # generous: a bound on "ended within its timeout", not a performance assertion
@@ -105,7 +112,9 @@ def _receiver_child(conn: multiprocessing.connection.Connection, step: str) -> N
     mid_chunk (chunk 0 landed, chunk 1's notice read), done (Done read); any other step runs on, idle."""
     _child_setup()
     channel = TcpChannel("decode", TCP)
-    receiver = KVReceiver(channel, P_LAYOUT, P_LAYOUT.allocate(NUM_BLOCKS), BlockAllocator(NUM_BLOCKS), FINGERPRINT, CFG)
+    receiver = KVReceiver(
+        channel, P_LAYOUT, P_LAYOUT.allocate(NUM_BLOCKS), BlockAllocator(NUM_BLOCKS), FINGERPRINT, CFG
+    )
     if step == "hello":
         receiver.handshake.on_hello = lambda identity, hello: _stop_here(conn, step)  # type: ignore[method-assign]
     elif step == "reserve":
@@ -199,7 +208,8 @@ class Child:
 
 @pytest.fixture
 def emulation(kv_memory: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    """``kv_memory`` emulated: PDKV_EMULATE_DEVICE=1 here and in every child, so each sender and receiver treats its KV as device memory."""
+    """``kv_memory`` emulated: PDKV_EMULATE_DEVICE=1 here and in every child, so each sender and receiver treats its
+    KV as device memory."""
     if kv_memory == "emulated":
         monkeypatch.setenv(EMULATE_ENV, "1")
     return kv_memory
@@ -238,7 +248,11 @@ class Decode:
     layout: KVLayout
 
     def assert_holds_nothing(self) -> None:
-        wait_until(lambda: self.receiver.stats()["reservations"] == 0, CFG.drain_timeout_s + SLACK_S, "the receiver to drop the dead sender's reservation")
+        wait_until(
+            lambda: self.receiver.stats()["reservations"] == 0,
+            CFG.drain_timeout_s + SLACK_S,
+            "the receiver to drop the dead sender's reservation",
+        )
         stats = self.receiver.stats()
         assert stats["reserved_blocks"] == 0
         assert stats["free_blocks"] == NUM_BLOCKS, f"{NUM_BLOCKS - stats['free_blocks']} blocks leaked"
@@ -282,10 +296,18 @@ def port_of(address: str) -> int:
 
 
 def assert_sender_holds_nothing(sender: KVSender) -> None:
-    wait_until(lambda: sender.stats()["open_transfers"] == 0, CFG.transfer_timeout_s + SLACK_S, "the sender to settle the dead receiver's transfer")
+    wait_until(
+        lambda: sender.stats()["open_transfers"] == 0,
+        CFG.transfer_timeout_s + SLACK_S,
+        "the sender to settle the dead receiver's transfer",
+    )
     assert sender.stats()["inflight_bytes"] == 0
     # private state, read on purpose: a dropped receiver's control socket must be closed, never reopened
-    wait_until(lambda: sender._dealers.count() == len(sender.handshake.peers), SLACK_S, "no control socket to outlive its receiver")
+    wait_until(
+        lambda: sender._dealers.count() == len(sender.handshake.peers),
+        SLACK_S,
+        "no control socket to outlive its receiver",
+    )
 
 
 def push_fresh(sender: KVSender, decode: Decode, request_id: str) -> None:
@@ -302,8 +324,12 @@ def push_fresh(sender: KVSender, decode: Decode, request_id: str) -> None:
 LOST = "lost the control connection to receiver "
 
 
-@pytest.mark.parametrize(("step", "timeout_s"), [("hello", CFG.handshake_timeout_s), ("reserve", CFG.reserve_timeout_s)])
-def test_receiver_dies_before_answering(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode], step: str, timeout_s: float) -> None:
+@pytest.mark.parametrize(
+    ("step", "timeout_s"), [("hello", CFG.handshake_timeout_s), ("reserve", CFG.reserve_timeout_s)]
+)
+def test_receiver_dies_before_answering(
+    spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode], step: str, timeout_s: float
+) -> None:
     child = spawn(_receiver_child, step)
     with ThreadPoolExecutor(1) as pool:
         opening = pool.submit(prefill.open, "r", child.address, TOKENS, TABLE)
@@ -317,11 +343,15 @@ def test_receiver_dies_before_answering(spawn: Callable[..., Child], prefill: KV
     push_fresh(prefill, start_decode(port_of(child.address)), "after-" + step)
 
 
-def test_receiver_dies_holding_the_reservation(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]) -> None:
+def test_receiver_dies_holding_the_reservation(
+    spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]
+) -> None:
     child = spawn(_receiver_child, "reserved")
     xfer = prefill.open("r", child.address, TOKENS, TABLE)
     died = child.kill()
-    wait_until(lambda: xfer.error is not None, CFG.transfer_timeout_s + SLACK_S, "the sender to notice the receiver died")
+    wait_until(
+        lambda: xfer.error is not None, CFG.transfer_timeout_s + SLACK_S, "the sender to notice the receiver died"
+    )
     assert time.monotonic() - died < CFG.transfer_timeout_s + SLACK_S
     with pytest.raises(TransferError, match=LOST + child.address):
         xfer.send_all()  # the prefill side keeps computing and pushing: each push fails at once
@@ -331,7 +361,9 @@ def test_receiver_dies_holding_the_reservation(spawn: Callable[..., Child], pref
     push_fresh(prefill, start_decode(port_of(child.address)), "after-reserved")
 
 
-def test_receiver_dies_mid_chunk(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]) -> None:
+def test_receiver_dies_mid_chunk(
+    spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]
+) -> None:
     child = spawn(_receiver_child, "mid_chunk")
     xfer = prefill.open("r", child.address, TOKENS, TABLE)
     xfer.send_chunk(0)
@@ -347,7 +379,9 @@ def test_receiver_dies_mid_chunk(spawn: Callable[..., Child], prefill: KVSender,
     push_fresh(prefill, start_decode(port_of(child.address)), "after-mid-chunk")
 
 
-def test_receiver_dies_before_done(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]) -> None:
+def test_receiver_dies_before_done(
+    spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]
+) -> None:
     child = spawn(_receiver_child, "done")
     xfer = prefill.open("r", child.address, TOKENS, TABLE)
     xfer.send_all()
@@ -359,7 +393,9 @@ def test_receiver_dies_before_done(spawn: Callable[..., Child], prefill: KVSende
     push_fresh(prefill, start_decode(port_of(child.address)), "after-done")
 
 
-def test_receiver_that_hangs_mid_chunk_times_out(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]) -> None:
+def test_receiver_that_hangs_mid_chunk_times_out(
+    spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]
+) -> None:
     """A frozen receiver (SIGSTOP) keeps its connections open, so no death is seen: the timeouts end it."""
     child = spawn(_receiver_child, "mid_chunk")
     xfer = prefill.open("r", child.address, TOKENS, TABLE)
@@ -376,7 +412,9 @@ def test_receiver_that_hangs_mid_chunk_times_out(spawn: Callable[..., Child], pr
     push_fresh(prefill, start_decode(port_of(child.address)), "after-hang")
 
 
-def test_receiver_back_under_its_old_name_never_gets_a_write_meant_for_its_previous_run(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]) -> None:
+def test_receiver_back_under_its_old_name_never_gets_a_write_meant_for_its_previous_run(
+    spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]
+) -> None:
     """A receiver restarted with its agent name (as examples/ name theirs: "decode-0") is a new channel peer under
     the old name. A write for a reservation of the dead run, being posted while the sender handshakes with the
     new run, must never land there: the old run's block ids belong to the new run's requests."""
@@ -412,7 +450,9 @@ def test_receiver_back_under_its_old_name_never_gets_a_write_meant_for_its_previ
 
 
 # -- the sender dies ------------------------------------------------------------------------------------------------
-def test_sender_dies_during_hello(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]) -> None:
+def test_sender_dies_during_hello(
+    spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]
+) -> None:
     decode = start_decode()
     child = spawn(_sender_child, "hello", decode.receiver.address)
     child.expect("at", "hello")
@@ -427,7 +467,9 @@ def test_sender_dies_during_hello(spawn: Callable[..., Child], prefill: KVSender
 @pytest.mark.parametrize("kv_memory", KV_MEMORIES)
 @pytest.mark.parametrize("step", ["reserved", "mid_chunk"])
 @pytest.mark.parametrize("layout", [P_LAYOUT, STAGED], ids=["direct", "staging"])
-def test_sender_dies_with_a_reservation_open(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode], step: str, layout: KVLayout) -> None:
+def test_sender_dies_with_a_reservation_open(
+    spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode], step: str, layout: KVLayout
+) -> None:
     decode = start_decode(layout=layout)
     child = spawn(_sender_child, step, decode.receiver.address)
     child.expect("at", step)
@@ -442,7 +484,9 @@ def test_sender_dies_with_a_reservation_open(spawn: Callable[..., Child], prefil
     push_fresh(prefill, decode, "after-" + step)
 
 
-def test_sender_dies_before_done(spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]) -> None:
+def test_sender_dies_before_done(
+    spawn: Callable[..., Child], prefill: KVSender, start_decode: Callable[..., Decode]
+) -> None:
     decode = start_decode()
     child = spawn(_sender_child, "done", decode.receiver.address)
     child.expect("at", "done")
@@ -453,9 +497,19 @@ def test_sender_dies_before_done(spawn: Callable[..., Child], prefill: KVSender,
 
 
 # -- an HTTP client hangs up mid-stream -----------------------------------------------------------------------------
-STREAM = {"prompt": "The quick brown fox jumps over the lazy dog. " * 3, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+STREAM = {
+    "prompt": "The quick brown fox jumps over the lazy dog. " * 3,
+    "max_tokens": 400,
+    "temperature": 0,
+    "ignore_eos": True,
+    "stream": True,
+}
 IDLE = {  # what every worker must be back to once the request is over: nothing running, held or in flight
-    "pdkv_running_requests": 0, "pdkv_reservations": 0, "pdkv_reserved_blocks": 0, "pdkv_inflight_bytes": 0, "pdkv_open_transfers": 0,
+    "pdkv_running_requests": 0,
+    "pdkv_reservations": 0,
+    "pdkv_reserved_blocks": 0,
+    "pdkv_inflight_bytes": 0,
+    "pdkv_open_transfers": 0,
 }
 
 
@@ -499,7 +553,9 @@ async def _assert_idle(session: aiohttp.ClientSession, url: str, free_blocks: fl
         held = {name: metric(text, name) for name in IDLE if metric(text, name) != IDLE[name]}
         if not held and metric(text, "pdkv_free_blocks") == free_blocks:
             return text
-        assert time.monotonic() < deadline, f"{url} still holds {held}, free blocks {metric(text, 'pdkv_free_blocks')} of {free_blocks}"
+        assert time.monotonic() < deadline, (
+            f"{url} still holds {held}, free blocks {metric(text, 'pdkv_free_blocks')} of {free_blocks}"
+        )
         await asyncio.sleep(0.02)
 
 
@@ -509,7 +565,9 @@ def _assert_no_traceback(caplog: pytest.LogCaptureFixture) -> None:
 
 
 @pytest.mark.parametrize("handler_cancellation", [True, False], ids=["handler-cancellation", "no-handler-cancellation"])
-def test_client_hangs_up_mid_stream_through_the_router(model_dir: Path, caplog: pytest.LogCaptureFixture, handler_cancellation: bool) -> None:
+def test_client_hangs_up_mid_stream_through_the_router(
+    model_dir: Path, caplog: pytest.LogCaptureFixture, handler_cancellation: bool
+) -> None:
     """The router stops relaying, which closes the decode stream and stops the decode worker's generation."""
 
     async def scenario() -> None:
@@ -522,8 +580,12 @@ def test_client_hangs_up_mid_stream_through_the_router(model_dir: Path, caplog: 
                 await _hang_up_after_one_event(s, r_url + "/v1/completions", STREAM)
                 await _assert_idle(s, p_url, free[p_url])
                 decode = await _assert_idle(s, d_url, free[d_url])
-                assert metric(decode, "pdkv_requests_total", outcome="ok") == 0, "the decode worker generated for nobody"
-                assert metric(decode, "pdkv_prompt_tokens_total", source="transferred") > 0  # it did decode from moved KV
+                assert metric(decode, "pdkv_requests_total", outcome="ok") == 0, (
+                    "the decode worker generated for nobody"
+                )
+                assert (
+                    metric(decode, "pdkv_prompt_tokens_total", source="transferred") > 0
+                )  # it did decode from moved KV
                 assert metric(router.metrics.render().decode(), "pdkv_requests_total", outcome="cancelled") == 1
         finally:
             await r_runner.cleanup()
@@ -535,11 +597,15 @@ def test_client_hangs_up_mid_stream_through_the_router(model_dir: Path, caplog: 
         asyncio.run(scenario())
     _assert_no_traceback(caplog)
     if not handler_cancellation:  # the router learnt it from a failed write: one line, with the request id
-        gone = [r for r in caplog.records if r.name == "pdkv.router.proxy" and "disconnected mid-stream" in r.getMessage()]
+        gone = [
+            r for r in caplog.records if r.name == "pdkv.router.proxy" and "disconnected mid-stream" in r.getMessage()
+        ]
         assert len(gone) == 1 and gone[0].levelno == logging.INFO and gone[0].getMessage().startswith("request ")
 
 
-def test_client_hangs_up_mid_stream_on_a_worker_without_handler_cancellation(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_client_hangs_up_mid_stream_on_a_worker_without_handler_cancellation(
+    model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Served the aiohttp default way, a worker learns of the hang-up from a failed write: it must stop the
     request, free what it holds and log one line, not a traceback."""
 
@@ -550,11 +616,22 @@ def test_client_hangs_up_mid_stream_on_a_worker_without_handler_cancellation(mod
                 free = {url: metric(await _metrics(s, url), "pdkv_free_blocks") for url in (p_url, d_url)}
                 async with s.get(d_url + "/pdkv/info") as resp:
                     info = await resp.json()
-                prefill = {**STREAM, "stream": False, "max_tokens": 1, "kv_transfer_params": {
-                    "do_remote_decode": True, "remote_host": info["remote_host"], "remote_port": info["remote_port"], "transfer_id": "t"}}
+                prefill = {
+                    **STREAM,
+                    "stream": False,
+                    "max_tokens": 1,
+                    "kv_transfer_params": {
+                        "do_remote_decode": True,
+                        "remote_host": info["remote_host"],
+                        "remote_port": info["remote_port"],
+                        "transfer_id": "t",
+                    },
+                }
                 async with s.post(p_url + "/v1/completions", json=prefill) as resp:
                     kv_params = (await resp.json())["kv_transfer_params"]
-                await _hang_up_after_one_event(s, d_url + "/v1/completions", {**STREAM, "kv_transfer_params": kv_params})
+                await _hang_up_after_one_event(
+                    s, d_url + "/v1/completions", {**STREAM, "kv_transfer_params": kv_params}
+                )
                 await _assert_idle(s, p_url, free[p_url])
                 decode = await _assert_idle(s, d_url, free[d_url])
                 assert metric(decode, "pdkv_requests_total", outcome="ok") == 0, "the worker generated for nobody"

@@ -18,13 +18,28 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8)
 
 
 def hello(**kw: Any) -> Hello:
-    base = dict(protocol_version=1, agent="a", model_fingerprint="fp", layout=LAYOUT, chunk_size=256, channel="tcp", channel_metadata=b"m", kv_regions=[0, 1])
+    base = dict(
+        protocol_version=1,
+        agent="a",
+        model_fingerprint="fp",
+        layout=LAYOUT,
+        chunk_size=256,
+        channel="tcp",
+        channel_metadata=b"m",
+        kv_regions=[0, 1],
+    )
     base.update(kw)
     return Hello(**base)
 
 
 def test_messages_round_trip() -> None:
-    for msg in [hello(), Reserve("r", 10), Reserved("r", "staging", [1, 2], [0, 4096], 15.0), protocol.Cancel("r", "why"), protocol.Done("r", True)]:
+    for msg in [
+        hello(),
+        Reserve("r", 10),
+        Reserved("r", "staging", [1, 2], [0, 4096], 15.0),
+        protocol.Cancel("r", "why"),
+        protocol.Done("r", True),
+    ]:
         assert protocol.decode(protocol.encode(msg)) == msg
     notice = ChunkNotice("r", 3, 2**63, -1)
     assert protocol.decode_notice(protocol.encode(notice)) == notice
@@ -38,7 +53,16 @@ def test_messages_round_trip() -> None:
         msgspec.msgpack.encode({"type": "reserve", "transfer_id": "r", "num_tokens": -5}),
         msgspec.msgpack.encode({"type": "reserve", "transfer_id": "", "num_tokens": 5}),
         msgspec.msgpack.encode({"type": "reserve", "transfer_id": "x" * 1000, "num_tokens": 5}),
-        msgspec.msgpack.encode({"type": "reserved", "transfer_id": "r", "mode": "direct", "block_ids": [-1], "staging_slots": [], "lease_s": 1.0}),
+        msgspec.msgpack.encode(
+            {
+                "type": "reserved",
+                "transfer_id": "r",
+                "mode": "direct",
+                "block_ids": [-1],
+                "staging_slots": [],
+                "lease_s": 1.0,
+            }
+        ),
         msgspec.msgpack.encode({"type": "nope"}),
         b"\x00" * (protocol.MAX_MESSAGE_BYTES + 1),
     ],
@@ -56,7 +80,9 @@ def test_malformed_notice() -> None:
 def test_hello_compatibility_names_every_differing_field() -> None:
     protocol.check_compatible(hello(), hello(layout=KVLayout(2, 2, 8, block_size=32, order="HND")))  # convertible
     with pytest.raises(HandshakeError) as err:
-        protocol.check_compatible(hello(), hello(chunk_size=128, layout=KVLayout(2, 2, 8, dtype="float16"), protocol_version=2))
+        protocol.check_compatible(
+            hello(), hello(chunk_size=128, layout=KVLayout(2, 2, 8, dtype="float16"), protocol_version=2)
+        )
     text = str(err.value)
     assert "chunk_size (ours 256, peer 128)" in text
     assert "layout.dtype (ours 'bfloat16', peer 'float16')" in text
@@ -105,10 +131,14 @@ def test_allocator_all_or_nothing_and_exactly_once() -> None:
 
 
 def test_cli_help_lists_subcommands() -> None:
-    out = subprocess.run([sys.executable, "-m", "pdkv.cli", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "pdkv.cli", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for cmd in ("demo", "launch", "bench"):
         assert cmd in out
-    out = subprocess.run([sys.executable, "-m", "pdkv.cli", "bench", "--help"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "pdkv.cli", "bench", "--help"], capture_output=True, text=True, check=True
+    ).stdout
     for cmd in ("channel", "gather", "ttft"):
         assert cmd in out
 
@@ -130,7 +160,9 @@ EXPOSURE = [
 
 
 @pytest.mark.parametrize(("role", "host", "settings", "refused"), EXPOSURE)
-def test_serving_beyond_loopback_unguarded_is_refused_unless_insecure(role: str, host: str, settings: dict[str, object], refused: bool, caplog: pytest.LogCaptureFixture) -> None:
+def test_serving_beyond_loopback_unguarded_is_refused_unless_insecure(
+    role: str, host: str, settings: dict[str, object], refused: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     from pdkv.launch.main import check_exposure
 
     config = convert_config({"role": role, "host": host, **settings})
@@ -146,13 +178,19 @@ def test_serving_beyond_loopback_unguarded_is_refused_unless_insecure(role: str,
 
 
 def test_launch_refuses_an_unguarded_worker_beyond_loopback_before_loading_anything() -> None:
-    """The real command line: no secret on 0.0.0.0 fails at once with the field and both ways out; --insecure reaches the config."""
+    """The real command line: no secret on 0.0.0.0 fails at once with the field and both ways out; --insecure
+    reaches the config."""
     from pdkv.cli import build_parser
     from pdkv.launch.main import check_exposure, config_from_args
 
     cmd = ["launch", "--role", "decode", "--host", "0.0.0.0", "--port", "0", "--model", "/nonexistent/model"]
     refused = subprocess.run([sys.executable, "-m", "pdkv.cli", *cmd], capture_output=True, text=True, timeout=60)
-    assert refused.returncode == 1 and "field 'host' = '0.0.0.0'" in refused.stderr and "--insecure" in refused.stderr and "secret" in refused.stderr
+    assert (
+        refused.returncode == 1
+        and "field 'host' = '0.0.0.0'" in refused.stderr
+        and "--insecure" in refused.stderr
+        and "secret" in refused.stderr
+    )
     config = config_from_args(build_parser().parse_args([*cmd, "--insecure"]))
     assert config.insecure is True
     check_exposure(config)  # accepted: the flag is the explicit way out

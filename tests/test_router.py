@@ -78,20 +78,62 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("router")
     model = write_tiny_model(tmp / "tiny")
     worker_cfg = tmp / "worker.yaml"
-    worker_cfg.write_text(yaml.safe_dump({
-        "model": str(model), "channel": {"name": "tcp"}, "num_blocks": 512,
-        # short lease and drain: a killed prefill worker's reservations go in seconds
-        "transfer": {"chunk_size": 32, "transfer_timeout_s": 30, "lease_s": 2, "heartbeat_s": 0.5, "drain_timeout_s": 2},
-    }))
+    worker_cfg.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(model),
+                "channel": {"name": "tcp"},
+                "num_blocks": 512,
+                # short lease and drain: a killed prefill worker's reservations go in seconds
+                "transfer": {
+                    "chunk_size": 32,
+                    "transfer_timeout_s": 30,
+                    "lease_s": 2,
+                    "heartbeat_s": 0.5,
+                    "drain_timeout_s": 2,
+                },
+            }
+        )
+    )
     with ThreadPoolExecutor(6) as pool:
         roles = ("prefill", "prefill", "prefill", "prefill", "decode", "decode")
-        futures = [pool.submit(start_worker, role, "--config", str(worker_cfg), "--port", "0", timeout=180, env=ONE_THREAD) for role in roles]
+        futures = [
+            pool.submit(start_worker, role, "--config", str(worker_cfg), "--port", "0", timeout=180, env=ONE_THREAD)
+            for role in roles
+        ]
         procs = [f.result() for f in futures]
     p1, p2, spare, frozen, d1, d2 = procs
     router_cfg = tmp / "router.yaml"
     # No background health checks during the module: a dead worker must be found by the requests themselves.
-    router_cfg.write_text(yaml.safe_dump({"router": {"policy": "round-robin", "health_interval_s": 600, "max_retries": 2, "prefill_timeout_s": 60, "decode_timeout_s": 120}}))
-    router = start_worker("router", "--config", str(router_cfg), "--port", "0", "--prefill", p1.url, "--prefill", p2.url, "--decode", d1.url, "--decode", d2.url, timeout=60)
+    router_cfg.write_text(
+        yaml.safe_dump(
+            {
+                "router": {
+                    "policy": "round-robin",
+                    "health_interval_s": 600,
+                    "max_retries": 2,
+                    "prefill_timeout_s": 60,
+                    "decode_timeout_s": 120,
+                }
+            }
+        )
+    )
+    router = start_worker(
+        "router",
+        "--config",
+        str(router_cfg),
+        "--port",
+        "0",
+        "--prefill",
+        p1.url,
+        "--prefill",
+        p2.url,
+        "--decode",
+        d1.url,
+        "--decode",
+        d2.url,
+        timeout=60,
+    )
     try:
         yield Cluster(router, [p1, p2], [d1, d2], spare, frozen, model)
     finally:
@@ -127,7 +169,8 @@ class KVSources:
     def read(self) -> dict[str, float]:
         return {
             "transferred": total(self.decode, "pdkv_prompt_tokens_total", source="transferred"),
-            "recomputed": total(self.decode, "pdkv_prompt_tokens_total", source="computed") + total(self.decode, "pdkv_prompt_tokens_total", source="tier"),
+            "recomputed": total(self.decode, "pdkv_prompt_tokens_total", source="computed")
+            + total(self.decode, "pdkv_prompt_tokens_total", source="tier"),
             "fallbacks": total(self.decode, "pdkv_fallbacks_total"),
         }
 
@@ -148,10 +191,15 @@ def stream_tokens(chunks: Any) -> tuple[list[int], str]:
     return ids, "".join(text)
 
 
-def test_streamed_and_whole_answers_through_the_router_match_decode_alone(cluster: Cluster, expected: dict[str, list[int]], prompt_tokens: dict[str, int]) -> None:
+def test_streamed_and_whole_answers_through_the_router_match_decode_alone(
+    cluster: Cluster, expected: dict[str, list[int]], prompt_tokens: dict[str, int]
+) -> None:
     router, direct = cluster.client(), cluster.client(cluster.decode[0].url)
     texts = {p: direct.completions.create(model="tiny", prompt=p, **GREEDY).choices[0].text for p in PROMPTS[:2]}
-    streamed_texts = {p: stream_tokens(direct.completions.create(model="tiny", prompt=p, stream=True, **GREEDY))[1] for p in PROMPTS[:2]}
+    streamed_texts = {
+        p: stream_tokens(direct.completions.create(model="tiny", prompt=p, stream=True, **GREEDY))[1]
+        for p in PROMPTS[:2]
+    }
     sources = KVSources(cluster)
     for prompt in PROMPTS[:2]:
         whole = router.completions.create(model="tiny", prompt=prompt, **GREEDY)
@@ -162,19 +210,37 @@ def test_streamed_and_whole_answers_through_the_router_match_decode_alone(cluste
         assert text == streamed_texts[prompt]
     sources.assert_all_transferred(2 * sum(prompt_tokens[p] for p in PROMPTS[:2]))  # the KV really moved, every time
     text = get(cluster.router.url + "/metrics")
-    assert metric(text, "pdkv_ttft_seconds_count", role="router") >= 2 and metric(text, "pdkv_router_picks_total", role="prefill") >= 4
+    assert (
+        metric(text, "pdkv_ttft_seconds_count", role="router") >= 2
+        and metric(text, "pdkv_router_picks_total", role="prefill") >= 4
+    )
 
 
 def test_chat_stays_chat_through_the_router(cluster: Cluster) -> None:
     router, direct = cluster.client(), cluster.client(cluster.decode[1].url)
-    messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Which city is the capital of France?"}]
-    tools = [{"type": "function", "function": {"name": "lookup", "description": "look a city up", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+    messages = [
+        {"role": "system", "content": "You answer briefly."},
+        {"role": "user", "content": "Which city is the capital of France?"},
+    ]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "description": "look a city up",
+                "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+            },
+        }
+    ]
     args = {"model": "tiny", "messages": messages, "tools": tools, **GREEDY}
     alone = direct.chat.completions.create(**args)
     sources = KVSources(cluster)
     via = router.chat.completions.create(**args)
     assert via.object == "chat.completion" and via.choices[0].message.role == "assistant"
-    assert via.choices[0].token_ids == alone.choices[0].token_ids and via.choices[0].message.content == alone.choices[0].message.content
+    assert (
+        via.choices[0].token_ids == alone.choices[0].token_ids
+        and via.choices[0].message.content == alone.choices[0].message.content
+    )
     chunks = list(router.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args))
     assert {c.object for c in chunks} == {"chat.completion.chunk"}
     assert [t for c in chunks for ch in c.choices for t in ch.token_ids] == alone.choices[0].token_ids
@@ -184,7 +250,9 @@ def test_chat_stays_chat_through_the_router(cluster: Cluster) -> None:
     assert [m.id for m in router.models.list().data] == ["tiny"]
 
 
-def test_32_concurrent_requests_succeed_and_leave_no_reservation(cluster: Cluster, expected: dict[str, list[int]], prompt_tokens: dict[str, int]) -> None:
+def test_32_concurrent_requests_succeed_and_leave_no_reservation(
+    cluster: Cluster, expected: dict[str, list[int]], prompt_tokens: dict[str, int]
+) -> None:
     async def one(client: openai.AsyncOpenAI, i: int) -> list[int]:
         prompt = PROMPTS[i % len(PROMPTS)]
         if i % 2:
@@ -203,7 +271,9 @@ def test_32_concurrent_requests_succeed_and_leave_no_reservation(cluster: Cluste
     assert results == [expected[PROMPTS[i % len(PROMPTS)]] for i in range(32)]
     sources.assert_all_transferred(sum(prompt_tokens[PROMPTS[i % len(PROMPTS)]] for i in range(32)))
     for d in cluster.decode:
-        wait_until(lambda d=d: metric(get(d.url + "/metrics"), "pdkv_reservations") == 0, 30, f"{d.url} to hold no reservation")
+        wait_until(
+            lambda d=d: metric(get(d.url + "/metrics"), "pdkv_reservations") == 0, 30, f"{d.url} to hold no reservation"
+        )
         assert metric(get(d.url + "/metrics"), "pdkv_reserved_blocks") == 0
     listing = json.loads(get(cluster.router.url + "/pdkv/workers"))
     assert all(w["inflight_requests"] == 0 and w["healthy"] for role in ("prefill", "decode") for w in listing[role])
@@ -217,24 +287,53 @@ def test_a_client_that_hangs_up_cancels_both_sides(cluster: Cluster, stream: boo
 
     async def hang_up() -> None:
         async with aiohttp.ClientSession() as s:
-            body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": stream}
+            body = {
+                "model": "tiny",
+                "prompt": PROMPTS[0],
+                "max_tokens": 400,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": stream,
+            }
             request = asyncio.ensure_future(s.post(cluster.router.url + "/v1/completions", json=body))
             if stream:
-                assert (await (await request).content.readline()).startswith(b"data: ")  # the decode worker is generating
+                assert (await (await request).content.readline()).startswith(
+                    b"data: "
+                )  # the decode worker is generating
             else:  # nothing comes back before the end: watch the decode workers start instead
-                await asyncio.to_thread(wait_until, lambda: total(cluster.decode, "pdkv_running_requests") > 0, 60, "the decode worker to start")
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: total(cluster.decode, "pdkv_running_requests") > 0,
+                    60,
+                    "the decode worker to start",
+                )
             request.cancel()
             if stream:
                 (await request).close()
 
     asyncio.run(hang_up())
     wait_until(lambda: total(everyone, "pdkv_running_requests") == 0, 30, "every worker to stop the request")
-    wait_until(lambda: total(cluster.decode, "pdkv_reservations") == 0 and total(cluster.prefill, "pdkv_open_transfers") == 0, 30, "transfers to settle")
-    assert total(cluster.decode, "pdkv_requests_total", outcome="ok") == ok_before  # cancelled, not generated to the end
-    wait_until(lambda: metric(get(cluster.router.url + "/metrics"), "pdkv_requests_total", outcome="cancelled") == cancelled_before + 1, 10, "the router to count it cancelled")
+    wait_until(
+        lambda: total(cluster.decode, "pdkv_reservations") == 0 and total(cluster.prefill, "pdkv_open_transfers") == 0,
+        30,
+        "transfers to settle",
+    )
+    assert (
+        total(cluster.decode, "pdkv_requests_total", outcome="ok") == ok_before
+    )  # cancelled, not generated to the end
+    wait_until(
+        lambda: (
+            metric(get(cluster.router.url + "/metrics"), "pdkv_requests_total", outcome="cancelled")
+            == cancelled_before + 1
+        ),
+        10,
+        "the router to count it cancelled",
+    )
 
 
-def test_a_prefill_worker_killed_mid_run_costs_no_request(cluster: Cluster, expected: dict[str, list[int]], prompt_tokens: dict[str, int]) -> None:
+def test_a_prefill_worker_killed_mid_run_costs_no_request(
+    cluster: Cluster, expected: dict[str, list[int]], prompt_tokens: dict[str, int]
+) -> None:
     spare = cluster.spare
     status, added = admin("POST", cluster.router.url + "/pdkv/workers", {"role": "prefill", "url": spare.url})
     assert status == 201 and added["worker"]["healthy"] is True
@@ -263,27 +362,39 @@ def test_a_prefill_worker_killed_mid_run_costs_no_request(cluster: Cluster, expe
     assert moved["fallbacks"] * min(lengths) <= moved["recomputed"] <= moved["fallbacks"] * max(lengths)
     sources = KVSources(cluster)
     assert asyncio.run(afterwards()) == [expected[PROMPTS[i % len(PROMPTS)]] for i in range(6)]
-    sources.assert_all_transferred(sum(prompt_tokens[PROMPTS[i % len(PROMPTS)]] for i in range(6)))  # the router no longer picks the dead one
+    sources.assert_all_transferred(
+        sum(prompt_tokens[PROMPTS[i % len(PROMPTS)]] for i in range(6))
+    )  # the router no longer picks the dead one
     text = get(cluster.router.url + "/metrics")
     assert metric(text, "pdkv_router_retries_total", hop="prefill") >= 1
     listing = json.loads(get(cluster.router.url + "/pdkv/workers"))
     assert {w["url"]: w["healthy"] for w in listing["prefill"]}[spare.url] is False
     for d in cluster.decode:
-        wait_until(lambda d=d: metric(get(d.url + "/metrics"), "pdkv_reserved_blocks") == 0, 30, f"{d.url} to free the dead worker's reservations")
+        wait_until(
+            lambda d=d: metric(get(d.url + "/metrics"), "pdkv_reserved_blocks") == 0,
+            30,
+            f"{d.url} to free the dead worker's reservations",
+        )
     status, _ = admin("DELETE", cluster.router.url + "/pdkv/workers", {"role": "prefill", "url": spare.url})
     assert status == 200
     assert spare.url not in [w["url"] for w in json.loads(get(cluster.router.url + "/pdkv/workers"))["prefill"]]
 
 
-def test_a_frozen_prefill_worker_is_routed_around_within_seconds(cluster: Cluster, expected: dict[str, list[int]]) -> None:
+def test_a_frozen_prefill_worker_is_routed_around_within_seconds(
+    cluster: Cluster, expected: dict[str, list[int]]
+) -> None:
     """A prefill worker SIGSTOPped with requests on it: they are retried elsewhere within seconds, not after
     prefill_timeout_s (60 s here), new requests skip it, and the KV of every answer still moved."""
     frozen = cluster.frozen
     status, added = admin("POST", cluster.router.url + "/pdkv/workers", {"role": "prefill", "url": frozen.url})
     assert status == 201 and added["worker"]["healthy"] is True
-    transferred, fallbacks = total(cluster.decode, "pdkv_prompt_tokens_total", source="transferred"), total(cluster.decode, "pdkv_fallbacks_total")
+    transferred, fallbacks = (
+        total(cluster.decode, "pdkv_prompt_tokens_total", source="transferred"),
+        total(cluster.decode, "pdkv_fallbacks_total"),
+    )
     os.kill(frozen.proc.pid, signal.SIGSTOP)
     try:
+
         async def timed(client: openai.AsyncOpenAI, i: int) -> tuple[list[int], int, float]:
             started = time.monotonic()
             answer = await client.completions.create(model="tiny", prompt=PROMPTS[i % len(PROMPTS)], **GREEDY)
@@ -300,16 +411,33 @@ def test_a_frozen_prefill_worker_is_routed_around_within_seconds(cluster: Cluste
         listing = json.loads(get(cluster.router.url + "/pdkv/workers"))
         assert {w["url"]: w["healthy"] for w in listing["prefill"]}[frozen.url] is False
         later = asyncio.run(run(3))
-        assert metric(get(cluster.router.url + "/metrics"), "pdkv_router_picks_total", role="prefill", worker=frozen.url) == picks  # skipped
+        assert (
+            metric(get(cluster.router.url + "/metrics"), "pdkv_router_picks_total", role="prefill", worker=frozen.url)
+            == picks
+        )  # skipped
     finally:
         os.kill(frozen.proc.pid, signal.SIGCONT)
     assert [ids for ids, _, _ in first + later] == [expected[PROMPTS[i % len(PROMPTS)]] for i in [*range(6), *range(3)]]
-    assert max(seconds for _, _, seconds in first + later) < 30  # a request that waited for the frozen worker's hop timeout took 60 s
-    assert total(cluster.decode, "pdkv_prompt_tokens_total", source="transferred") == transferred + sum(n for _, n, _ in first + later)
+    assert (
+        max(seconds for _, _, seconds in first + later) < 30
+    )  # a request that waited for the frozen worker's hop timeout took 60 s
+    assert total(cluster.decode, "pdkv_prompt_tokens_total", source="transferred") == transferred + sum(
+        n for _, n, _ in first + later
+    )
     assert total(cluster.decode, "pdkv_fallbacks_total") == fallbacks
-    for d in cluster.decode:  # the transfers the frozen worker had opened were cancelled, and it woke up to find them gone
-        wait_until(lambda d=d: metric(get(d.url + "/metrics"), "pdkv_reserved_blocks") == 0, 30, f"{d.url} to hold no reservation")
-    wait_until(lambda: metric(get(frozen.url + "/metrics"), "pdkv_running_requests") == 0, 30, "the thawed worker to drop the abandoned requests")
+    for (
+        d
+    ) in cluster.decode:  # the transfers the frozen worker had opened were cancelled, and it woke up to find them gone
+        wait_until(
+            lambda d=d: metric(get(d.url + "/metrics"), "pdkv_reserved_blocks") == 0,
+            30,
+            f"{d.url} to hold no reservation",
+        )
+    wait_until(
+        lambda: metric(get(frozen.url + "/metrics"), "pdkv_running_requests") == 0,
+        30,
+        "the thawed worker to drop the abandoned requests",
+    )
     assert admin("DELETE", cluster.router.url + "/pdkv/workers", {"role": "prefill", "url": frozen.url})[0] == 200
 
 
@@ -345,15 +473,30 @@ def test_a_prefill_cancelled_while_opening_its_transfer_frees_both_sides(cluster
             async with aiohttp.ClientSession() as s:
                 info = await (await s.get(d_url + "/pdkv/info")).json()
                 kv = {"do_remote_decode": True, "remote_host": info["remote_host"], "remote_port": info["remote_port"]}
-                hop = asyncio.ensure_future(s.post(p_url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1, "kv_transfer_params": {**kv, "transfer_id": "t1"}}))
+                hop = asyncio.ensure_future(
+                    s.post(
+                        p_url + "/v1/completions",
+                        json={"prompt": PROMPTS[0], "max_tokens": 1, "kv_transfer_params": {**kv, "transfer_id": "t1"}},
+                    )
+                )
                 await opening.wait()
                 hop.cancel()  # the router gave up on this hop (client gone, hop timeout)
-                await asyncio.to_thread(wait_until, lambda: p.engine.allocator.num_free == free_p and d.engine.allocator.num_free == free_d, 30, "both sides to free the request")
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: p.engine.allocator.num_free == free_p and d.engine.allocator.num_free == free_d,
+                    30,
+                    "both sides to free the request",
+                )
                 assert d.receiver.stats()["reservations"] == 0 and p.sender.stats()["open_transfers"] == 0
                 # DELETE /pdkv/transfers/ID, the router's cancel: a late prefill can no longer reserve that transfer.
                 assert (await s.delete(d_url + "/pdkv/transfers/t2")).status == 200
                 p.sender.open = real_open  # type: ignore[method-assign]
-                late = await (await s.post(p_url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 1, "kv_transfer_params": {**kv, "transfer_id": "t2"}})).json()
+                late = await (
+                    await s.post(
+                        p_url + "/v1/completions",
+                        json={"prompt": PROMPTS[0], "max_tokens": 1, "kv_transfer_params": {**kv, "transfer_id": "t2"}},
+                    )
+                ).json()
                 assert late["kv_transfer_params"]["transfer_started"] is False
         finally:
             await p_runner.cleanup()

@@ -32,18 +32,44 @@ from pdkv.testing.http import metric
 
 Behavior = Callable[["FakeWorker", web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
 
-VLLM_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None, "remote_host": None, "remote_port": None}
-VLLM_ANSWER_PARAMS = {
-    "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3, 9, 4], "remote_engine_id": "engine-p0",
-    "remote_host": "10.0.0.7", "remote_port": 5600, "tp_size": 1,
+VLLM_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
 }
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+VLLM_ANSWER_PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [3, 9, 4],
+    "remote_engine_id": "engine-p0",
+    "remote_host": "10.0.0.7",
+    "remote_port": 5600,
+    "tp_size": 1,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 class FakeWorker:
     """A stand-in prefill or decode worker: records requests, answers as its ``behavior`` says."""
 
-    def __init__(self, role: str, behavior: Behavior | None = None, kv_params: dict[str, Any] | None = None, serves_info: bool = True) -> None:
+    def __init__(
+        self,
+        role: str,
+        behavior: Behavior | None = None,
+        kv_params: dict[str, Any] | None = None,
+        serves_info: bool = True,
+    ) -> None:
         self.role = role
         self.serves_info = serves_info  # False: a stock vLLM decode (no pdkv connector), which has no /pdkv/info
         self.behavior = behavior
@@ -104,17 +130,40 @@ class FakeWorker:
 
 
 async def prefill_answer(worker: FakeWorker, _http: web.Request, body: dict[str, Any]) -> web.Response:
-    kv = worker.kv_params if worker.kv_params is not None else {"do_remote_prefill": True, "transfer_id": body["kv_transfer_params"].get("transfer_id"), "first_token_id": 7, "transfer_started": True}
-    return web.json_response({"object": "text_completion", "choices": [{"index": 0, "text": "a"}], "kv_transfer_params": kv})
+    kv = (
+        worker.kv_params
+        if worker.kv_params is not None
+        else {
+            "do_remote_prefill": True,
+            "transfer_id": body["kv_transfer_params"].get("transfer_id"),
+            "first_token_id": 7,
+            "transfer_started": True,
+        }
+    )
+    return web.json_response(
+        {"object": "text_completion", "choices": [{"index": 0, "text": "a"}], "kv_transfer_params": kv}
+    )
 
 
-async def decode_answer(worker: FakeWorker, http: web.Request, body: dict[str, Any], events: int = 3, delay: float = 0.0) -> web.StreamResponse:
+async def decode_answer(
+    worker: FakeWorker, http: web.Request, body: dict[str, Any], events: int = 3, delay: float = 0.0
+) -> web.StreamResponse:
     if not body.get("stream"):
-        return web.json_response({"object": "text_completion", "choices": [{"index": 0, "text": "abc", "finish_reason": "length"}], "served_by": worker.url})
+        return web.json_response(
+            {
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": "abc", "finish_reason": "length"}],
+                "served_by": worker.url,
+            }
+        )
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(http)
     for i in range(events):
-        await resp.write(b"data: " + json.dumps({"choices": [{"index": 0, "text": str(i)}], "served_by": worker.url}).encode() + b"\n\n")
+        await resp.write(
+            b"data: "
+            + json.dumps({"choices": [{"index": 0, "text": str(i)}], "served_by": worker.url}).encode()
+            + b"\n\n"
+        )
         await asyncio.sleep(delay)
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
@@ -129,12 +178,17 @@ def answering(status: int, message: str = "nope") -> Behavior:
 
 
 @contextlib.asynccontextmanager
-async def cluster(prefill: list[FakeWorker | str], decode: list[FakeWorker | str], **settings: Any) -> AsyncIterator[tuple[str, Router]]:
+async def cluster(
+    prefill: list[FakeWorker | str], decode: list[FakeWorker | str], **settings: Any
+) -> AsyncIterator[tuple[str, Router]]:
     """A router in this process over the given stand-ins (or plain URLs), served on a real socket."""
     fakes = [w for w in (*prefill, *decode) if isinstance(w, FakeWorker)]
     for w in fakes:
         await w.start()
-    urls = {role: [w.url if isinstance(w, FakeWorker) else w for w in ws] for role, ws in (("prefill", prefill), ("decode", decode))}
+    urls = {
+        role: [w.url if isinstance(w, FakeWorker) else w for w in ws]
+        for role, ws in (("prefill", prefill), ("decode", decode))
+    }
     config = RouterConfig(**{"health_interval_s": 60.0, **urls, **settings})
     router = await Router.start(config)
     runner = web.AppRunner(router.app(), handler_cancellation=True)
@@ -196,8 +250,23 @@ def test_shipped_router_configs_are_valid() -> None:
 
 def test_router_flags_replace_the_config_lists(tmp_path: Any) -> None:
     path = tmp_path / "router.yaml"
-    path.write_text("router:\n  policy: prefix\n  prefill: [http://127.0.0.1:1]\n  decode: [http://127.0.0.1:2]\n  short_prompt_tokens: 32\n")
-    args = build_parser().parse_args(["launch", "--role", "router", "--config", str(path), "--prefill", "http://127.0.0.1:3", "--prefill", "http://127.0.0.1:4"])
+    path.write_text(
+        "router:\n  policy: prefix\n  prefill: [http://127.0.0.1:1]\n  decode: [http://127.0.0.1:2]\n  "
+        "short_prompt_tokens: 32\n"
+    )
+    args = build_parser().parse_args(
+        [
+            "launch",
+            "--role",
+            "router",
+            "--config",
+            str(path),
+            "--prefill",
+            "http://127.0.0.1:3",
+            "--prefill",
+            "http://127.0.0.1:4",
+        ]
+    )
     cfg = config_from_args(args).router
     assert cfg.prefill == ["http://127.0.0.1:3", "http://127.0.0.1:4"]
     assert cfg.decode == ["http://127.0.0.1:2"] and cfg.policy == "prefix" and cfg.short_prompt_tokens == 32
@@ -213,16 +282,36 @@ def test_prompt_description_without_a_tokenizer() -> None:
     ids = describe_prompt({"prompt": list(range(10))}, chat=False, config=cfg)
     assert ids.est_tokens == 10 and len(ids.keys) == 3  # 4-token chunks
     assert describe_prompt({"prompt": [list(range(10))]}, chat=False, config=cfg).keys == ids.keys  # a batch of one
-    assert not set(ids.keys) & set(describe_prompt({"prompt": "".join(map(chr, range(10)))}, chat=False, config=cfg).keys)
-    convo = [{"role": "system", "content": "You are terse. " * 4}, {"role": "user", "content": "Hello there, how are you?"}]
+    assert not set(ids.keys) & set(
+        describe_prompt({"prompt": "".join(map(chr, range(10)))}, chat=False, config=cfg).keys
+    )
+    convo = [
+        {"role": "system", "content": "You are terse. " * 4},
+        {"role": "user", "content": "Hello there, how are you?"},
+    ]
     short = describe_prompt({"messages": convo}, chat=True, config=cfg)
-    longer = describe_prompt({"messages": [*convo, {"role": "assistant", "content": "fine"}, {"role": "user", "content": "and then?"}]}, chat=True, config=cfg)
+    longer = describe_prompt(
+        {"messages": [*convo, {"role": "assistant", "content": "fine"}, {"role": "user", "content": "and then?"}]},
+        chat=True,
+        config=cfg,
+    )
     full = len(short.keys) - 1  # every full chunk of the shorter conversation is a prefix of the longer one's
     assert full >= 3 and longer.keys[:full] == short.keys[:full]
-    other = describe_prompt({"messages": [{"role": "user", "content": "Something else entirely, at length."}]}, chat=True, config=cfg)
+    other = describe_prompt(
+        {"messages": [{"role": "user", "content": "Something else entirely, at length."}]}, chat=True, config=cfg
+    )
     assert other.keys[0] != short.keys[0]
-    parts = describe_prompt({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hello there, how are you?"}]}]}, chat=True, config=cfg)
-    assert parts.keys == describe_prompt({"messages": [{"role": "user", "content": "Hello there, how are you?"}]}, chat=True, config=cfg).keys
+    parts = describe_prompt(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hello there, how are you?"}]}]},
+        chat=True,
+        config=cfg,
+    )
+    assert (
+        parts.keys
+        == describe_prompt(
+            {"messages": [{"role": "user", "content": "Hello there, how are you?"}]}, chat=True, config=cfg
+        ).keys
+    )
     with_tools = describe_prompt({"messages": convo, "tools": TOOLS}, chat=True, config=cfg)
     assert with_tools.keys[0] != short.keys[0] and with_tools.est_tokens > short.est_tokens
     assert describe_prompt({"prompt": None}, chat=False, config=cfg).keys == []
@@ -274,25 +363,48 @@ def test_prefix_aware_follows_the_longest_known_prefix() -> None:
     assert policy.choose("prefill", others, deeper)[1] == "prefix_miss"
     small = PrefixAware(max_entries=2, max_imbalance=2)
     small.served(ps[0], describe_prompt({"prompt": "C" * 16}, chat=False, config=cfg))
-    assert small.choose("prefill", ps, describe_prompt({"prompt": "C" * 4}, chat=False, config=cfg))[1] == "prefix_miss"  # evicted
+    assert (
+        small.choose("prefill", ps, describe_prompt({"prompt": "C" * 4}, chat=False, config=cfg))[1] == "prefix_miss"
+    )  # evicted
     assert policy.choose("decode", workers("decode", 2), again)[1] == "least_loaded"
 
 
 # -- request shaping --------------------------------------------------------------------------------
 def test_hop_bodies_keep_every_field_but_the_ones_a_hop_must_change() -> None:
-    client = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "auto", "max_completion_tokens": 50,
-              "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 5, "temperature": 0.3, "x_custom": [1, {"a": None}],
-              "kv_transfer_params": {"transfer_id": "someone-elses"}}
+    client = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "max_completion_tokens": 50,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "min_tokens": 5,
+        "temperature": 0.3,
+        "x_custom": [1, {"a": None}],
+        "kv_transfer_params": {"transfer_id": "someone-elses"},
+    }
     params = {"do_remote_decode": True, "transfer_id": "t1"}
     p = prefill_body(client, params)
-    assert p["max_tokens"] == 1 and p["max_completion_tokens"] == 1 and p["stream"] is False and p["kv_transfer_params"] == params
+    assert (
+        p["max_tokens"] == 1
+        and p["max_completion_tokens"] == 1
+        and p["stream"] is False
+        and p["kv_transfer_params"] == params
+    )
     assert "stream_options" not in p and "min_tokens" not in p
-    assert {k: p[k] for k in ("messages", "tools", "tool_choice", "temperature", "x_custom")} == {k: client[k] for k in ("messages", "tools", "tool_choice", "temperature", "x_custom")}
+    assert {k: p[k] for k in ("messages", "tools", "tool_choice", "temperature", "x_custom")} == {
+        k: client[k] for k in ("messages", "tools", "tool_choice", "temperature", "x_custom")
+    }
     d = decode_body(client, {"do_remote_prefill": True})
     assert d == {**client, "kv_transfer_params": {"do_remote_prefill": True}}
     alone = decode_body(client, None)
-    assert "kv_transfer_params" not in alone and alone["tools"] == TOOLS  # a client never smuggles its own params through
-    assert client["kv_transfer_params"] == {"transfer_id": "someone-elses"} and client["stream"] is True  # the client's body is untouched
+    assert (
+        "kv_transfer_params" not in alone and alone["tools"] == TOOLS
+    )  # a client never smuggles its own params through
+    assert (
+        client["kv_transfer_params"] == {"transfer_id": "someone-elses"} and client["stream"] is True
+    )  # the client's body is untouched
 
 
 def test_vllm_pair_mode_speaks_vllms_kv_transfer_params() -> None:
@@ -301,16 +413,29 @@ def test_vllm_pair_mode_speaks_vllms_kv_transfer_params() -> None:
         p, d = FakeWorker("prefill", kv_params=VLLM_ANSWER_PARAMS), FakeWorker("decode", serves_info=False)
         async with cluster([p], [d], mode="vllm") as (url, router):
             body = {
-                "model": "m", "messages": [{"role": "user", "content": "weather in Paris?"}], "tools": TOOLS,
-                "max_tokens": 20, "min_tokens": 2, "stream": True, "stream_options": {"include_usage": True},
+                "model": "m",
+                "messages": [{"role": "user", "content": "weather in Paris?"}],
+                "tools": TOOLS,
+                "max_tokens": 20,
+                "min_tokens": 2,
+                "stream": True,
+                "stream_options": {"include_usage": True},
             }
             status, text = await post(url + "/v1/chat/completions", body)
             assert status == 200 and sse_data(text)[-1] == "[DONE]"
             [pb], [db] = p.requests, d.requests
             assert pb["kv_transfer_params"] == VLLM_PREFILL_PARAMS
-            assert pb["max_tokens"] == 1 and pb["stream"] is False and "stream_options" not in pb and "min_tokens" not in pb
+            assert (
+                pb["max_tokens"] == 1
+                and pb["stream"] is False
+                and "stream_options" not in pb
+                and "min_tokens" not in pb
+            )
             assert pb["tools"] == TOOLS and pb["messages"] == body["messages"]
-            assert db == {**body, "kv_transfer_params": VLLM_ANSWER_PARAMS}  # exactly what P answered, nothing else changed
+            assert db == {
+                **body,
+                "kv_transfer_params": VLLM_ANSWER_PARAMS,
+            }  # exactly what P answered, nothing else changed
             assert p.headers[0]["X-Request-Id"] == d.headers[0]["X-Request-Id"]
             assert router_metric(router, "pdkv_router_fallbacks_total") == 0
             # A vLLM prefill that answers without kv_transfer_params (a prompt under one block): D computes alone.
@@ -326,7 +451,11 @@ def test_vllm_pair_mode_speaks_vllms_kv_transfer_params() -> None:
                 status, _ = await post(url + "/v1/completions", {"prompt": "tell me", "max_tokens": 3})
                 assert status == 200
             first, second = (r["kv_transfer_params"] for r in p.requests)
-            assert {k: v for k, v in first.items() if k != "transfer_id"} == {**VLLM_PREFILL_PARAMS, "remote_host": "127.0.0.1", "remote_port": 5555}
+            assert {k: v for k, v in first.items() if k != "transfer_id"} == {
+                **VLLM_PREFILL_PARAMS,
+                "remote_host": "127.0.0.1",
+                "remote_port": 5555,
+            }
             assert first["transfer_id"] and second["transfer_id"] and first["transfer_id"] != second["transfer_id"]
             assert [r["kv_transfer_params"] for r in d.requests] == [VLLM_ANSWER_PARAMS] * 2
             assert router_metric(router, "pdkv_router_fallbacks_total") == 0
@@ -338,15 +467,28 @@ def test_pdkv_pair_mode_names_the_decode_receiver_and_passes_the_answer_on() -> 
     async def scenario() -> None:
         p, d = FakeWorker("prefill"), FakeWorker("decode")
         async with cluster([p], [d]) as (url, _router):
-            body = {"model": "m", "prompt": "tell me", "max_tokens": 9, "logit_bias": {"5": 1}, "kv_transfer_params": {"transfer_id": "injected"}}
+            body = {
+                "model": "m",
+                "prompt": "tell me",
+                "max_tokens": 9,
+                "logit_bias": {"5": 1},
+                "kv_transfer_params": {"transfer_id": "injected"},
+            }
             status, answer = await post(url + "/v1/completions", body, headers={"Authorization": "Bearer k"})
             assert status == 200 and answer["choices"][0]["text"] == "abc"
             [pb], [db] = p.requests, d.requests
             kv = pb["kv_transfer_params"]
             assert kv["do_remote_decode"] is True and (kv["remote_host"], kv["remote_port"]) == ("127.0.0.1", 5555)
             assert kv["transfer_id"] != "injected" and pb["logit_bias"] == {"5": 1}
-            assert db["kv_transfer_params"] == {"do_remote_prefill": True, "transfer_id": kv["transfer_id"], "first_token_id": 7, "transfer_started": True}
-            assert {k: v for k, v in db.items() if k != "kv_transfer_params"} == {k: v for k, v in body.items() if k != "kv_transfer_params"}
+            assert db["kv_transfer_params"] == {
+                "do_remote_prefill": True,
+                "transfer_id": kv["transfer_id"],
+                "first_token_id": 7,
+                "transfer_started": True,
+            }
+            assert {k: v for k, v in db.items() if k != "kv_transfer_params"} == {
+                k: v for k, v in body.items() if k != "kv_transfer_params"
+            }
             assert p.headers[0]["Authorization"] == d.headers[0]["Authorization"] == "Bearer k"
             assert d.cancelled_transfers == []  # a completed pair leaves its transfer to the decode worker
 
@@ -356,7 +498,11 @@ def test_pdkv_pair_mode_names_the_decode_receiver_and_passes_the_answer_on() -> 
 # -- failure handling ---------------------------------------------------------------------------
 def test_failed_prefills_are_retried_then_the_decode_worker_computes_alone() -> None:
     async def scenario() -> None:
-        broken, dead, d = FakeWorker("prefill", answering(500, "engine on fire")), FakeWorker("prefill"), FakeWorker("decode")
+        broken, dead, d = (
+            FakeWorker("prefill", answering(500, "engine on fire")),
+            FakeWorker("prefill"),
+            FakeWorker("decode"),
+        )
         async with cluster([broken, dead], [d], max_retries=3) as (url, router):
             await dead.stop()  # gone since its last health check: found out by the request itself
             status, answer = await post(url + "/v1/completions", {"prompt": "x" * 50, "max_tokens": 4})
@@ -364,7 +510,9 @@ def test_failed_prefills_are_retried_then_the_decode_worker_computes_alone() -> 
             assert len(broken.requests) == 1 and "kv_transfer_params" not in d.requests[0]
             assert router_metric(router, "pdkv_router_retries_total", hop="prefill") == 1
             assert router_metric(router, "pdkv_router_fallbacks_total", reason="prefill_failed") == 1
-            await wait_for(lambda: len(d.cancelled_transfers) == 2, "both abandoned transfers to be cancelled on the decode worker")
+            await wait_for(
+                lambda: len(d.cancelled_transfers) == 2, "both abandoned transfers to be cancelled on the decode worker"
+            )
             assert [w.healthy for w in router.pool.workers("prefill")] == [True, False]  # refused: marked down
             status, _ = await post(url + "/v1/completions", {"prompt": "y" * 50, "max_tokens": 4})
             assert status == 200 and len(broken.requests) == 2  # the dead one is skipped now, no retry needed
@@ -379,8 +527,14 @@ def test_decode_failing_before_the_first_byte_moves_the_request_to_another_pair(
         async with cluster([p], [busy, d2]) as (url, router):
             status, text = await post(url + "/v1/completions", {"prompt": "x" * 50, "max_tokens": 4, "stream": True})
             events = sse_data(text)
-            assert status == 200 and events[-1] == "[DONE]" and [json.loads(e)["served_by"] for e in events[:-1]] == [d2.url] * 3
-            assert len(busy.requests) == 1 and len(p.requests) == 2  # the new pair prefilled again, for the new decode worker
+            assert (
+                status == 200
+                and events[-1] == "[DONE]"
+                and [json.loads(e)["served_by"] for e in events[:-1]] == [d2.url] * 3
+            )
+            assert (
+                len(busy.requests) == 1 and len(p.requests) == 2
+            )  # the new pair prefilled again, for the new decode worker
             first_tid = busy.requests[0]["kv_transfer_params"]["transfer_id"]
             assert d2.requests[0]["kv_transfer_params"]["transfer_id"] != first_tid
             await wait_for(lambda: busy.cancelled_transfers == [first_tid], "the first pair's transfer to be cancelled")
@@ -419,14 +573,22 @@ def test_every_hop_has_a_timeout_and_a_timed_out_hop_is_cancelled_upstream() -> 
 
     async def scenario() -> None:
         slow_p, slow_d, d = FakeWorker("prefill", stall), FakeWorker("decode", stall), FakeWorker("decode")
-        async with cluster([slow_p], [slow_d, d], prefill_timeout_s=0.3, decode_timeout_s=0.3, max_retries=1) as (url, router):
+        async with cluster([slow_p], [slow_d, d], prefill_timeout_s=0.3, decode_timeout_s=0.3, max_retries=1) as (
+            url,
+            router,
+        ):
             status, answer = await post(url + "/v1/completions", {"prompt": "x" * 50})
             assert status == 200 and answer["served_by"] == d.url
             # slow_d stalled (decode retried on d); on each pair slow_p stalled (decode alone)
             assert router_metric(router, "pdkv_router_fallbacks_total", reason="prefill_failed") == 2
             assert router_metric(router, "pdkv_router_retries_total", hop="decode", reason="timeout") == 1
-            await wait_for(lambda: slow_p.handlers_cancelled == 2 and slow_d.handlers_cancelled == 1, "the timed-out hops' handlers to be cancelled")
-            assert all(w.healthy for w in router.pool.workers("prefill")) and all(w.healthy for w in router.pool.workers("decode"))  # slow, not dead
+            await wait_for(
+                lambda: slow_p.handlers_cancelled == 2 and slow_d.handlers_cancelled == 1,
+                "the timed-out hops' handlers to be cancelled",
+            )
+            assert all(w.healthy for w in router.pool.workers("prefill")) and all(
+                w.healthy for w in router.pool.workers("decode")
+            )  # slow, not dead
 
     asyncio.run(scenario())
 
@@ -446,7 +608,12 @@ def test_a_worker_that_stops_answering_health_probes_loses_its_waiting_hops_and_
 
     async def scenario() -> None:
         hung, good, d = FakeWorker("prefill", hang), FakeWorker("prefill"), FakeWorker("decode")
-        settings = {"busy_health_interval_s": 0.1, "health_timeout_s": 0.5, "health_failures": 2, "prefill_timeout_s": 30}
+        settings = {
+            "busy_health_interval_s": 0.1,
+            "health_timeout_s": 0.5,
+            "health_failures": 2,
+            "prefill_timeout_s": 30,
+        }
         async with cluster([hung, good], [d], **settings) as (url, router):
             status, answer = await post(url + "/v1/completions", {"prompt": "x" * 50})
             assert status == 200 and len(hung.requests) == 1 and len(good.requests) == 1  # retried on the good one
@@ -455,18 +622,25 @@ def test_a_worker_that_stops_answering_health_probes_loses_its_waiting_hops_and_
             hung_state = router.pool.workers("prefill")[0]
             assert not hung_state.healthy and "2 failed probe(s) in a row" in hung_state.error
             await wait_for(lambda: hung.handlers_cancelled == 1, "the abandoned hop's handler to be cancelled")
-            await wait_for(lambda: d.cancelled_transfers == [hung.requests[0]["kv_transfer_params"]["transfer_id"]], "its transfer to be cancelled")
+            await wait_for(
+                lambda: d.cancelled_transfers == [hung.requests[0]["kv_transfer_params"]["transfer_id"]],
+                "its transfer to be cancelled",
+            )
         lagging, d = FakeWorker("prefill", slow), FakeWorker("decode")
         async with cluster([lagging], [d], **settings) as (url, router):
             assert (await post(url + "/v1/completions", {"prompt": "x" * 50}))[0] == 200
             assert len(lagging.requests) == 1 and router_metric(router, "pdkv_router_retries_total") == 0
-            assert router_metric(router, "pdkv_router_fallbacks_total") == 0 and router.pool.workers("prefill")[0].healthy
+            assert (
+                router_metric(router, "pdkv_router_fallbacks_total") == 0 and router.pool.workers("prefill")[0].healthy
+            )
         # the only decode worker stops answering its probes, then answers: with nowhere better to go, its hop waits
         routers: list[Router] = []
 
         async def thawing(w: FakeWorker, http: web.Request, body: dict[str, Any]) -> web.StreamResponse:
             w.healthy = False
-            await wait_for(lambda: not routers[0].pool.workers("decode")[0].healthy, "the router to mark the decode worker down")
+            await wait_for(
+                lambda: not routers[0].pool.workers("decode")[0].healthy, "the router to mark the decode worker down"
+            )
             w.healthy = True
             return await decode_answer(w, http, body)
 
@@ -492,7 +666,10 @@ def test_a_client_that_goes_away_cancels_the_upstream_hop() -> None:
                 assert (await resp.content.readline()).startswith(b"data: ")
                 resp.close()  # the client hangs up after the first event
             await wait_for(lambda: d.handlers_cancelled == 1, "the decode worker's handler to be cancelled")
-            await wait_for(lambda: router_metric(router, "pdkv_requests_total", outcome="cancelled") == 1, "the request to count as cancelled")
+            await wait_for(
+                lambda: router_metric(router, "pdkv_requests_total", outcome="cancelled") == 1,
+                "the request to count as cancelled",
+            )
             assert router.pool.workers("decode")[0].inflight_requests == 0
 
     asyncio.run(scenario())
@@ -534,25 +711,48 @@ def test_admin_endpoints_register_and_deregister_workers_at_run_time() -> None:
                 auth = {"Authorization": "Bearer s3cret"}
                 assert (await s.get(url + "/health")).status == 503
                 assert (await post(url + "/v1/completions", {"prompt": "hi"}))[0] == 503
-                assert (await s.post(url + "/pdkv/workers", json={"role": "decode", "url": "http://127.0.0.1:1"})).status == 401
+                assert (
+                    await s.post(url + "/pdkv/workers", json={"role": "decode", "url": "http://127.0.0.1:1"})
+                ).status == 401
                 assert (await s.get(url + "/pdkv/workers", headers={"Authorization": "Bearer wrong"})).status == 401
                 await d.start()
                 resp = await s.post(url + "/pdkv/workers", json={"role": "decode", "url": d.url + "/"}, headers=auth)
                 assert resp.status == 201 and (await resp.json())["worker"]["healthy"] is True
-                assert (await s.post(url + "/pdkv/workers", json={"role": "decode", "url": d.url}, headers=auth)).status == 200
-                assert (await s.post(url + "/pdkv/workers", json={"role": "prefill", "url": p.url}, headers=auth)).status == 201
-                for bad in ({"role": "cache", "url": d.url}, {"role": "decode", "url": "127.0.0.1:80"}, {"role": "decode"}):
+                assert (
+                    await s.post(url + "/pdkv/workers", json={"role": "decode", "url": d.url}, headers=auth)
+                ).status == 200
+                assert (
+                    await s.post(url + "/pdkv/workers", json={"role": "prefill", "url": p.url}, headers=auth)
+                ).status == 201
+                for bad in (
+                    {"role": "cache", "url": d.url},
+                    {"role": "decode", "url": "127.0.0.1:80"},
+                    {"role": "decode"},
+                ):
                     assert (await s.post(url + "/pdkv/workers", json=bad, headers=auth)).status == 400
                 assert (await s.get(url + "/health")).status == 200
                 assert (await post(url + "/v1/completions", {"prompt": "x" * 50}))[0] == 200 and len(p.requests) == 1
                 assert (await (await s.get(url + "/v1/models")).json())["data"][0]["id"] == "fake-decode"
                 listing = await (await s.get(url + "/pdkv/workers", headers=auth)).json()
-                assert [w["url"] for w in listing["decode"]] == [d.url] and listing["policy"] == "round-robin" and listing["mode"] == "pdkv"
-                assert (await s.delete(url + "/pdkv/workers", json={"role": "prefill", "url": p.url}, headers=auth)).status == 200
-                assert (await s.delete(url + "/pdkv/workers", json={"role": "prefill", "url": p.url}, headers=auth)).status == 404
-                assert (await post(url + "/v1/completions", {"prompt": "x" * 50}))[0] == 200 and len(p.requests) == 1  # deregistered: unused
+                assert (
+                    [w["url"] for w in listing["decode"]] == [d.url]
+                    and listing["policy"] == "round-robin"
+                    and listing["mode"] == "pdkv"
+                )
+                assert (
+                    await s.delete(url + "/pdkv/workers", json={"role": "prefill", "url": p.url}, headers=auth)
+                ).status == 200
+                assert (
+                    await s.delete(url + "/pdkv/workers", json={"role": "prefill", "url": p.url}, headers=auth)
+                ).status == 404
+                assert (await post(url + "/v1/completions", {"prompt": "x" * 50}))[0] == 200 and len(
+                    p.requests
+                ) == 1  # deregistered: unused
                 text = router.metrics.render().decode()
-                assert metric(text, "pdkv_router_worker_up", role="decode") == 1 and metric(text, "pdkv_router_worker_up", role="prefill") == 0
+                assert (
+                    metric(text, "pdkv_router_worker_up", role="decode") == 1
+                    and metric(text, "pdkv_router_worker_up", role="prefill") == 0
+                )
         finally:
             await p.stop()
 
@@ -567,7 +767,9 @@ def test_health_loop_marks_workers_down_and_up() -> None:
             assert worker.healthy
             d.healthy = False
             await wait_for(lambda: not worker.healthy, "the health loop to see the worker fail")
-            assert (await post(url + "/v1/completions", {"prompt": "hi"}))[0] == 200  # down in our view, tried as a last resort
+            assert (await post(url + "/v1/completions", {"prompt": "hi"}))[
+                0
+            ] == 200  # down in our view, tried as a last resort
             d.healthy = True
             await wait_for(lambda: worker.healthy, "the health loop to see the worker back")
 

@@ -38,12 +38,8 @@ def test_short_soak_nothing_hangs_nothing_leaks(tmp_path: Path) -> None:
     assert counts.hung == 0, report
     assert counts.leaked == 0, report
     assert counts.mismatched == 0, report
-    assert not [e for e in counts.errors if e.startswith("fault")], (
-        report
-    )  # every fault was really injected
-    assert (
-        counts.recovered + counts.failed_cleanly + counts.dropped == counts.requests
-    ), report
+    assert not [e for e in counts.errors if e.startswith("fault")], report  # every fault was really injected
+    assert counts.recovered + counts.failed_cleanly + counts.dropped == counts.requests, report
     assert counts.injected.keys() >= {
         "corrupt_chunk",
         "decode_sigkill",

@@ -57,29 +57,58 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, redis_server: LocalRedis) -> Iterator[Deployment]:
+def deployment(
+    tmp_path_factory: pytest.TempPathFactory, model_dir: Path, redis_server: LocalRedis
+) -> Iterator[Deployment]:
     tmp = tmp_path_factory.mktemp("tenants")
     namespace = f"tenants-{tmp.name}:"
     common = {"model": str(model_dir), "num_blocks": 256, "transfer": {"chunk_size": CHUNK}}
     prefill_cfg = {
-        **common, "tier": {"redis_url": redis_server.url, "redis_namespace": namespace},
+        **common,
+        "tier": {"redis_url": redis_server.url, "redis_namespace": namespace},
         "kv_events": {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"},
     }
     with ThreadPoolExecutor(2) as pool:
-        p_future = pool.submit(start_configured, "prefill", prefill_cfg, tmp / "prefill.yaml", timeout=180, env=ONE_THREAD)
-        d_future = pool.submit(start_configured, "decode", {**common, "tier": {"enabled": False}}, tmp / "decode.yaml", timeout=180, env=ONE_THREAD)
+        p_future = pool.submit(
+            start_configured, "prefill", prefill_cfg, tmp / "prefill.yaml", timeout=180, env=ONE_THREAD
+        )
+        d_future = pool.submit(
+            start_configured,
+            "decode",
+            {**common, "tier": {"enabled": False}},
+            tmp / "decode.yaml",
+            timeout=180,
+            env=ONE_THREAD,
+        )
         p, d = p_future.result(), d_future.result()
-    router_cfg = {"router": {
-        "policy": "prefix", "tokenizer": str(model_dir), "prefix_chunk_tokens": CHUNK, "kv_events_check_s": 0.5,
-        "tenant_salt_secret": SALT_SECRET,
-        "tenants": [
-            {"name": "a", "api_key": KEY_A},
-            {"name": "b", "api_key_sha256": hashlib.sha256(KEY_B.encode()).hexdigest(), "max_tokens": 8},
-        ],
-        "tenant_header": "X-Tenant", "tenant_header_from": ["10.255.255.0/24"],  # the gateway is elsewhere: this host is not it
-    }}
+    router_cfg = {
+        "router": {
+            "policy": "prefix",
+            "tokenizer": str(model_dir),
+            "prefix_chunk_tokens": CHUNK,
+            "kv_events_check_s": 0.5,
+            "tenant_salt_secret": SALT_SECRET,
+            "tenants": [
+                {"name": "a", "api_key": KEY_A},
+                {"name": "b", "api_key_sha256": hashlib.sha256(KEY_B.encode()).hexdigest(), "max_tokens": 8},
+            ],
+            "tenant_header": "X-Tenant",
+            "tenant_header_from": ["10.255.255.0/24"],  # the gateway is elsewhere: this host is not it
+        }
+    }
     (tmp / "router.yaml").write_text(yaml.safe_dump(router_cfg))
-    router = start_worker("router", "--config", str(tmp / "router.yaml"), "--port", "0", "--prefill", p.url, "--decode", d.url, timeout=120)
+    router = start_worker(
+        "router",
+        "--config",
+        str(tmp / "router.yaml"),
+        "--port",
+        "0",
+        "--prefill",
+        p.url,
+        "--decode",
+        d.url,
+        timeout=120,
+    )
     try:
         yield Deployment(router, p, d, redis.Redis.from_url(redis_server.url), namespace)
     finally:
@@ -93,7 +122,8 @@ def complete(dep: Deployment, key: str, prompt: list[int], **extra: Any) -> dict
 
 
 def counts(dep: Deployment) -> dict[str, float]:
-    """What the workers counted so far: prefill tier hits (every level) and prompt tokens by source, decode's transferred."""
+    """What the workers counted so far: prefill tier hits (every level) and prompt tokens by source, decode's
+    transferred."""
     p, d = get_text(dep.prefill.url + "/metrics"), get_text(dep.decode.url + "/metrics")
     return {
         "hits": metric(p, "pdkv_tier_hits_total"),
@@ -118,7 +148,9 @@ def in_redis(dep: Deployment) -> int:
     return len(dep.redis.keys(dep.namespace + "*"))
 
 
-def status_of(url: str, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+def status_of(
+    url: str, body: dict[str, Any] | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any]]:
     data = json.dumps(body or {"prompt": PROMPT, "max_tokens": 2}).encode()
     req = urllib.request.Request(url, data, {"Content-Type": "application/json", **(headers or {})})
     try:
@@ -155,7 +187,11 @@ def test_kv_index_answers_each_tenant_for_its_own_prompts(deployment: Deployment
     index = dep.router.url + "/pdkv/kv-index"
 
     def cached(key: str, prompt: list[int], **extra: Any) -> int:
-        return int(post_json(index, {"prompt": prompt, **extra}, headers={"Authorization": f"Bearer {key}"})["cached_tokens"][dep.prefill.url])
+        return int(
+            post_json(index, {"prompt": prompt, **extra}, headers={"Authorization": f"Bearer {key}"})["cached_tokens"][
+                dep.prefill.url
+            ]
+        )
 
     wait_until(lambda: cached(KEY_A, only_a) == 96, 30, "A's prompt in the router's index, for A")
     assert cached(KEY_B, only_a) == 0
@@ -195,10 +231,18 @@ def test_decode_adopts_pushed_kv_only_under_the_salt_it_was_computed_for(deploym
     info = json.loads(get_text(dep.decode.url + "/pdkv/info"))
     d_before = get_text(dep.decode.url + "/metrics")
     for tid, d_salt in (("t-other", "salt-b"), ("t-same", "salt-a")):
-        push = {"do_remote_decode": True, "remote_host": info["remote_host"], "remote_port": info["remote_port"], "transfer_id": tid}
+        push = {
+            "do_remote_decode": True,
+            "remote_host": info["remote_host"],
+            "remote_port": info["remote_port"],
+            "transfer_id": tid,
+        }
         body = {"prompt": ONLY_A, "max_tokens": 1, "temperature": 0, "cache_salt": "salt-a", "kv_transfer_params": push}
         answer = post_json(dep.prefill.url + "/v1/completions", body)
-        post_json(dep.decode.url + "/v1/completions", {**body, "max_tokens": 2, "cache_salt": d_salt, "kv_transfer_params": answer["kv_transfer_params"]})
+        post_json(
+            dep.decode.url + "/v1/completions",
+            {**body, "max_tokens": 2, "cache_salt": d_salt, "kv_transfer_params": answer["kv_transfer_params"]},
+        )
     d_after = get_text(dep.decode.url + "/metrics")
 
     def grew(name: str, **labels: str) -> float:
@@ -211,7 +255,18 @@ def test_decode_adopts_pushed_kv_only_under_the_salt_it_was_computed_for(deploym
 
 # -- the admission rules, unit by unit ------------------------------------------------------------------
 def tenants(**router: Any) -> Tenants:
-    config = convert_config({"secret": "s3cret", "router": {"tenants": [{"name": "a", "api_key": KEY_A}, {"name": "b", "api_key": KEY_B, "max_concurrent_requests": 1}], **router}})
+    config = convert_config(
+        {
+            "secret": "s3cret",
+            "router": {
+                "tenants": [
+                    {"name": "a", "api_key": KEY_A},
+                    {"name": "b", "api_key": KEY_B, "max_concurrent_requests": 1},
+                ],
+                **router,
+            },
+        }
+    )
     found = Tenants.of(config.router, config.secret)
     assert found is not None
     return found
@@ -227,7 +282,9 @@ def test_keys_and_the_gateway_decide_the_tenant() -> None:
     t = tenants(tenant_header="X-Tenant", tenant_header_from=["10.0.0.0/8", "fd00::/8"])
     assert t.authenticate(request("127.0.0.1", Authorization=f"Bearer {KEY_B}")).name == "b"
     assert t.authenticate(request("10.1.2.3", **{"X-Tenant": "a"})).name == "a"
-    assert t.authenticate(request("::ffff:10.1.2.3", **{"X-Tenant": "b"})).name == "b"  # a dual-stack socket's IPv4 peer
+    assert (
+        t.authenticate(request("::ffff:10.1.2.3", **{"X-Tenant": "b"})).name == "b"
+    )  # a dual-stack socket's IPv4 peer
     assert t.authenticate(request("fd00::1", **{"X-Tenant": "a"})).name == "a"
     for req, status in (
         (request("127.0.0.1", **{"X-Tenant": "a"}), 403),
@@ -274,10 +331,25 @@ def test_the_salt_is_the_routers_and_the_bounds_hold() -> None:
 def test_tenant_configs_that_cannot_work_are_refused() -> None:
     for router, message in (
         ({"tenants": [{"name": "a", "api_key": KEY_A}]}, "needs a secret"),
-        ({"tenants": [{"name": "a", "api_key": KEY_A}, {"name": "b", "api_key_sha256": hashlib.sha256(KEY_A.encode()).hexdigest()}]}, "same API key"),
+        (
+            {
+                "tenants": [
+                    {"name": "a", "api_key": KEY_A},
+                    {"name": "b", "api_key_sha256": hashlib.sha256(KEY_A.encode()).hexdigest()},
+                ]
+            },
+            "same API key",
+        ),
         ({"tenants": [{"name": "a"}]}, "no api_key"),
         ({"tenants": [{"name": "a", "api_key": KEY_A}], "tenant_header": "X-Tenant"}, "tenant_header_from"),
-        ({"tenants": [{"name": "a", "api_key": KEY_A}], "tenant_header": "X-Tenant", "tenant_header_from": ["not-a-net"]}, "not an IP address"),
+        (
+            {
+                "tenants": [{"name": "a", "api_key": KEY_A}],
+                "tenant_header": "X-Tenant",
+                "tenant_header_from": ["not-a-net"],
+            },
+            "not an IP address",
+        ),
     ):
         raw: dict[str, Any] = {"router": router} if message == "needs a secret" else {"secret": "s", "router": router}
         with pytest.raises(ConfigError, match=message) as err:

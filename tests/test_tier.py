@@ -188,7 +188,9 @@ def test_disk_survives_a_restart_with_order_and_bound(tmp_path: Path) -> None:
     assert again.get(ks[:1], outs) == 1 and torch.equal(outs[0], chunk(0))  # the read makes 0 the most recent
     again.close()
 
-    smaller = DiskTier(LAYOUT, tmp_path, capacity_bytes=2 * entry + 1)  # restarted with a lower bound: trims oldest first
+    smaller = DiskTier(
+        LAYOUT, tmp_path, capacity_bytes=2 * entry + 1
+    )  # restarted with a lower bound: trims oldest first
     assert held(smaller, ks) == [0, 3]
     outs = bufs(4)
     assert smaller.get([ks[3], ks[0]], outs[:2]) == 2 and torch.equal(outs[0], chunk(3))  # 0 stays the most recent

@@ -1,4 +1,5 @@
-"""The shared tier on a real local Redis Cluster: three primaries, a replica each, formed by redis-cli, and a primary killed mid-run.
+"""The shared tier on a real local Redis Cluster: three primaries, a replica each, formed by redis-cli, and a primary
+killed mid-run.
 
 The cluster is started by ``pdkv.testing.redis_cluster`` (real redis-server
 processes with ``--cluster-enabled yes``); skipped, saying why, where no
@@ -33,7 +34,10 @@ TOKENS = 32
 def have_server() -> None:
     pytest.importorskip("redis", reason="the remote tier needs redis-py: pip install 'pdkv[redis]'")
     if server_binary() is None:
-        pytest.skip("redis-server is not installed (apt-get install -y redis-server); the cluster tier is tested against a real one")
+        pytest.skip(
+            "redis-server is not installed (apt-get install -y redis-server); the cluster tier is tested against a "
+            "real one"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +52,24 @@ def chunk(i: int) -> torch.Tensor:
 
 
 def tier(url: str, **kw: Any) -> RedisTier:
-    return RedisTier(LAYOUT, url, namespace=kw.pop("namespace", "cl:"), timeout_s=1, connect_timeout_s=0.5, retry_s=kw.pop("retry_s", 5), **kw)
+    return RedisTier(
+        LAYOUT,
+        url,
+        namespace=kw.pop("namespace", "cl:"),
+        timeout_s=1,
+        connect_timeout_s=0.5,
+        retry_s=kw.pop("retry_s", 5),
+        **kw,
+    )
 
 
 def test_cluster_urls_name_seed_nodes_and_bad_ones_fail_at_start() -> None:
-    assert parse_cluster_url("redis+cluster://a:1,b:2") == {"seeds": [("a", 1), ("b", 2)], "username": None, "password": None, "ssl": False}
+    assert parse_cluster_url("redis+cluster://a:1,b:2") == {
+        "seeds": [("a", 1), ("b", 2)],
+        "username": None,
+        "password": None,
+        "ssl": False,
+    }
     assert parse_cluster_url("rediss+cluster://u:p%40ss@[::1]:7000/0")["seeds"] == [("::1", 7000)]
     assert parse_cluster_url("rediss+cluster://u:p%40ss@h:7000/")["password"] == "p@ss"
     for bad in ("redis+cluster://a", "redis+cluster://a:1/3", "redis+cluster://a:99999", "redis+cluster://a:1?x=1"):
@@ -60,14 +77,20 @@ def test_cluster_urls_name_seed_nodes_and_bad_ones_fail_at_start() -> None:
             tier(bad)
 
 
-def test_on_the_cluster_a_planted_or_swapped_value_is_a_counted_miss_on_whichever_primary_holds_it(cluster: LocalCluster) -> None:
+def test_on_the_cluster_a_planted_or_swapped_value_is_a_counted_miss_on_whichever_primary_holds_it(
+    cluster: LocalCluster,
+) -> None:
     ours, theirs = tier(cluster.url, namespace="seal:", secret="s3"), tier(cluster.url, namespace="seal:")
     keys = [bytes([0x40 + i]) * 16 for i in range(6)]
     ours.put(keys[:3], [chunk(i) for i in range(3)])
-    theirs.put(keys[3:], [chunk(66) for _ in range(3)])  # well-formed values by a writer without the secret, on every primary
+    theirs.put(
+        keys[3:], [chunk(66) for _ in range(3)]
+    )  # well-formed values by a writer without the secret, on every primary
     client = cluster.client(cluster.primary_of(ours._name(keys[2])).port)
     swapped = client.get(ours._name(keys[2]))
-    cluster.client(cluster.primary_of(ours._name(keys[0])).port).set(ours._name(keys[0]), swapped)  # another key's sealed value
+    cluster.client(cluster.primary_of(ours._name(keys[0])).port).set(
+        ours._name(keys[0]), swapped
+    )  # another key's sealed value
     outs = [torch.full(LAYOUT.chunk_shape(TOKENS), float("nan")) for _ in keys]
     assert ours.get(keys[:1], outs[:1]) == 0 and torch.isnan(outs[0]).all()
     assert ours.get(keys[1:3], outs[1:3]) == 2 and torch.equal(outs[2], chunk(2))
@@ -78,11 +101,20 @@ def test_on_the_cluster_a_planted_or_swapped_value_is_a_counted_miss_on_whicheve
     theirs.close()
 
 
-def test_a_worker_on_the_cluster_tier_never_fails_a_request_while_a_primary_dies(cluster: LocalCluster, model_dir: Path, tmp_path: Path) -> None:
+def test_a_worker_on_the_cluster_tier_never_fails_a_request_while_a_primary_dies(
+    cluster: LocalCluster, model_dir: Path, tmp_path: Path
+) -> None:
     """Prefill workers with only the cluster level (memory off): a prompt computed by one is loaded by the next; a
     primary killed between requests costs some of those loads (recomputed), never a request or its tokens."""
     namespace = f"w-{tmp_path.name}:"
-    tier_cfg = {"memory_bytes": 0, "redis_url": cluster.url, "redis_namespace": namespace, "redis_retry_s": 1, "redis_timeout_s": 1, "redis_connect_timeout_s": 0.5}
+    tier_cfg = {
+        "memory_bytes": 0,
+        "redis_url": cluster.url,
+        "redis_namespace": namespace,
+        "redis_retry_s": 1,
+        "redis_timeout_s": 1,
+        "redis_connect_timeout_s": 0.5,
+    }
 
     async def one(prompt: list[int]) -> tuple[list[int], float]:
         w = worker(model_dir, "prefill", **tier_cfg)
@@ -115,7 +147,9 @@ def test_a_worker_on_the_cluster_tier_never_fails_a_request_while_a_primary_dies
     assert after == first and loaded == 96
 
 
-def test_keys_spread_over_every_primary_and_a_killed_one_costs_only_its_keys_until_its_replica_takes_over(cluster: LocalCluster) -> None:
+def test_keys_spread_over_every_primary_and_a_killed_one_costs_only_its_keys_until_its_replica_takes_over(
+    cluster: LocalCluster,
+) -> None:
     t = tier(cluster.url, namespace="spread:")
     keys = [bytes([i]) * 16 for i in range(24)]
     t.put(keys, [chunk(i) for i in range(24)])

@@ -1,4 +1,5 @@
-"""Values read from a shared Redis are checked before they become KV: planted, swapped, truncated and old values are misses.
+"""Values read from a shared Redis are checked before they become KV: planted, swapped, truncated and old values are
+misses.
 
 Everything runs against a real redis-server (``pdkv.testing.redis``). The
 "attacker" is whoever else can write to that server: a raw redis-py client,
@@ -51,7 +52,12 @@ def _read(tier: RedisTier, ks: list[bytes]) -> tuple[int, list[torch.Tensor]]:
 
 @pytest.mark.parametrize("writer_secret", ["", "another-secret"], ids=["no secret", "another secret"])
 def test_a_value_written_under_a_valid_chunk_key_without_the_secret_is_never_loaded(
-    sealed: RedisTier, redis_server: LocalRedis, namespace: str, client: redis.Redis, writer_secret: str, caplog: pytest.LogCaptureFixture
+    sealed: RedisTier,
+    redis_server: LocalRedis,
+    namespace: str,
+    client: redis.Redis,
+    writer_secret: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     ks = keys(3, salt=1)
     sealed.put(ks[:1], [chunk(0)])
@@ -76,7 +82,9 @@ def test_a_value_written_under_a_valid_chunk_key_without_the_secret_is_never_loa
     assert got == 2 and torch.equal(outs[1], chunk(1))
 
 
-def test_a_valid_value_copied_under_another_key_is_never_loaded(sealed: RedisTier, client: redis.Redis, namespace: str, redis_server: LocalRedis) -> None:
+def test_a_valid_value_copied_under_another_key_is_never_loaded(
+    sealed: RedisTier, client: redis.Redis, namespace: str, redis_server: LocalRedis
+) -> None:
     ks = keys(2, salt=2)
     sealed.put(ks[:1], [chunk(10)])
     client.set(sealed._name(ks[1]), client.get(sealed._name(ks[0])))  # byte for byte the other key's good value
@@ -117,11 +125,15 @@ def test_truncated_altered_and_old_format_values_are_misses_not_errors(sealed: R
     assert sealed.stats()["redis"].rejected == {"size": 1, "format": 2, "mac": 1}
 
 
-def test_without_a_secret_the_checksum_still_guards_and_sealed_values_read(redis_server: LocalRedis, namespace: str, client: redis.Redis) -> None:
+def test_without_a_secret_the_checksum_still_guards_and_sealed_values_read(
+    redis_server: LocalRedis, namespace: str, client: redis.Redis
+) -> None:
     plain = RedisTier(LAYOUT, redis_server.url, namespace=namespace)
     try:
         ks = keys(2, salt=4)
-        client.set(plain._name(ks[0]), encode_value(LAYOUT, ks[0], chunk(30), SECRET.encode()))  # a sealing worker's value
+        client.set(
+            plain._name(ks[0]), encode_value(LAYOUT, ks[0], chunk(30), SECRET.encode())
+        )  # a sealing worker's value
         value = bytearray(encode_value(LAYOUT, ks[1], chunk(31)))
         struct.pack_into("<Q", value, 8 + 16 + 4 + 2 + 1 + 2 + 2 + 1, 12345)  # a wrong checksum in the header
         client.set(plain._name(ks[1]), bytes(value))
@@ -132,7 +144,9 @@ def test_without_a_secret_the_checksum_still_guards_and_sealed_values_read(redis
         plain.close()
 
 
-def test_rejections_are_a_metric_by_reason_and_logged_once_per_key(sealed: RedisTier, client: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+def test_rejections_are_a_metric_by_reason_and_logged_once_per_key(
+    sealed: RedisTier, client: redis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
     ks = keys(1, salt=5)
     with caplog.at_level(logging.WARNING, logger="pdkv.tier.remote"):
         for _ in range(3):  # planted again after each deletion
@@ -141,15 +155,28 @@ def test_rejections_are_a_metric_by_reason_and_logged_once_per_key(sealed: Redis
     assert caplog.text.count(sealed._name(ks[0]).decode()) == 1
     registry = CollectorRegistry()
     registry.register(TierCollector(sealed, "prefill"))
-    assert 'pdkv_tier_rejected_total{reason="mac",role="prefill",tier="redis"} 3.0' in generate_latest(registry).decode()
+    assert (
+        'pdkv_tier_rejected_total{reason="mac",role="prefill",tier="redis"} 3.0' in generate_latest(registry).decode()
+    )
 
 
-def test_the_config_secret_reaches_the_redis_level_and_seals_what_it_writes(redis_server: LocalRedis, namespace: str, client: redis.Redis) -> None:
+def test_the_config_secret_reaches_the_redis_level_and_seals_what_it_writes(
+    redis_server: LocalRedis, namespace: str, client: redis.Redis
+) -> None:
     from pdkv.config import convert_config
     from pdkv.tier import build_tier
     from pdkv.tier.base import TAG_BYTES
 
-    config = convert_config({"tier": {"memory_bytes": 0, "redis_url": redis_server.url, "redis_namespace": namespace, "redis_secret": SECRET}}).tier
+    config = convert_config(
+        {
+            "tier": {
+                "memory_bytes": 0,
+                "redis_url": redis_server.url,
+                "redis_namespace": namespace,
+                "redis_secret": SECRET,
+            }
+        }
+    ).tier
     cache = build_tier(config, LAYOUT)
     assert cache is not None
     try:

@@ -36,11 +36,22 @@ MAX_TOKENS = 8
 def expected(model_dir: Path) -> dict[str, list[int]]:
     engine = ReferenceEngine.load(str(model_dir), progress=False)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-    return {name: engine.generate(p, params, chunk_size=CHUNK).output_token_ids for name, p in (("base", BASE), ("shared", SHARED))}
+    return {
+        name: engine.generate(p, params, chunk_size=CHUNK).output_token_ids
+        for name, p in (("base", BASE), ("shared", SHARED))
+    }
 
 
 def worker(model_dir: Path, role: str, **tier: Any) -> Worker:
-    config = convert_config({"role": role, "channel": {"name": "tcp"}, "num_blocks": 128, "transfer": {"chunk_size": CHUNK, "transfer_timeout_s": 30}, "tier": tier})
+    config = convert_config(
+        {
+            "role": role,
+            "channel": {"name": "tcp"},
+            "num_blocks": 128,
+            "transfer": {"chunk_size": CHUNK, "transfer_timeout_s": 30},
+            "tier": tier,
+        }
+    )
     return Worker(config, ReferenceEngine.load(str(model_dir), progress=False))
 
 
@@ -52,15 +63,27 @@ async def serve(w: Worker) -> tuple[web.AppRunner, str]:
 
 
 def body(prompt: list[int], max_tokens: int = MAX_TOKENS, **kv: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"prompt": prompt, "temperature": 0, "ignore_eos": True, "return_token_ids": True, "max_tokens": max_tokens}
+    out: dict[str, Any] = {
+        "prompt": prompt,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "max_tokens": max_tokens,
+    }
     if kv:
         out["kv_transfer_params"] = kv
     return out
 
 
-def test_prefill_from_the_tier_is_token_and_kv_identical_and_pushes_the_whole_prompt(model_dir: Path, expected: dict[str, list[int]]) -> None:
+def test_prefill_from_the_tier_is_token_and_kv_identical_and_pushes_the_whole_prompt(
+    model_dir: Path, expected: dict[str, list[int]]
+) -> None:
     async def scenario() -> None:
-        p_on, p_off, d = worker(model_dir, "prefill"), worker(model_dir, "prefill", enabled=False), worker(model_dir, "decode", enabled=False)
+        p_on, p_off, d = (
+            worker(model_dir, "prefill"),
+            worker(model_dir, "prefill", enabled=False),
+            worker(model_dir, "decode", enabled=False),
+        )
         runners = [await serve(w) for w in (p_on, p_off, d)]
         (_, on_url), (_, off_url), (_, d_url) = runners
         try:
@@ -68,10 +91,23 @@ def test_prefill_from_the_tier_is_token_and_kv_identical_and_pushes_the_whole_pr
                 info = await (await s.get(d_url + "/pdkv/info")).json()
 
                 async def pair(p_url: str, prompt: list[int], tid: str) -> tuple[list[str], list[int]]:
-                    kv = {"do_remote_decode": True, "remote_host": info["remote_host"], "remote_port": info["remote_port"], "transfer_id": tid, "return_kv_digest": True}
+                    kv = {
+                        "do_remote_decode": True,
+                        "remote_host": info["remote_host"],
+                        "remote_port": info["remote_port"],
+                        "transfer_id": tid,
+                        "return_kv_digest": True,
+                    }
                     p = await (await s.post(p_url + "/v1/completions", json=body(prompt, 1, **kv))).json()
-                    out = await (await s.post(d_url + "/v1/completions", json=body(prompt, **p["kv_transfer_params"], return_kv_digest=True))).json()
-                    assert (out["kv_transfer_params"] or {}).get("kv_digest") == p["kv_transfer_params"]["kv_digest"]  # D got every chunk, loaded ones too
+                    out = await (
+                        await s.post(
+                            d_url + "/v1/completions",
+                            json=body(prompt, **p["kv_transfer_params"], return_kv_digest=True),
+                        )
+                    ).json()
+                    assert (out["kv_transfer_params"] or {}).get("kv_digest") == p["kv_transfer_params"][
+                        "kv_digest"
+                    ]  # D got every chunk, loaded ones too
                     return p["kv_transfer_params"]["kv_digest"], out["choices"][0]["token_ids"]
 
                 runs = {
@@ -88,13 +124,21 @@ def test_prefill_from_the_tier_is_token_and_kv_identical_and_pushes_the_whole_pr
                 assert tokens == expected[kind], name
                 assert digest == runs[f"{kind} off"][0], name
             assert metric(on_metrics, "pdkv_prompt_tokens_total", source="tier") == 96 + 64
-            assert metric(on_metrics, "pdkv_prompt_tokens_total", source="computed") == len(BASE) + (len(BASE) - 96) + (len(SHARED) - 64)
+            assert metric(on_metrics, "pdkv_prompt_tokens_total", source="computed") == len(BASE) + (len(BASE) - 96) + (
+                len(SHARED) - 64
+            )
             assert metric(on_metrics, "pdkv_tier_hits_total", tier="memory") == 3 + 2
             assert metric(on_metrics, "pdkv_tier_hit_tokens_total", tier="memory") == 96 + 64
-            assert metric(on_metrics, "pdkv_tier_misses_total", tier="memory") == 2  # the cold run's first chunk, SHARED's third
-            assert metric(on_metrics, "pdkv_tier_entries", tier="memory") == 3 + 1  # BASE's 3 full chunks, SHARED's third
+            assert (
+                metric(on_metrics, "pdkv_tier_misses_total", tier="memory") == 2
+            )  # the cold run's first chunk, SHARED's third
+            assert (
+                metric(on_metrics, "pdkv_tier_entries", tier="memory") == 3 + 1
+            )  # BASE's 3 full chunks, SHARED's third
             assert metric(d_metrics, "pdkv_fallbacks_total") == 0
-            assert metric(d_metrics, "pdkv_prompt_tokens_total", source="transferred") == 3 * len(BASE) + 2 * len(SHARED)
+            assert metric(d_metrics, "pdkv_prompt_tokens_total", source="transferred") == 3 * len(BASE) + 2 * len(
+                SHARED
+            )
         finally:
             for runner, _ in runners:
                 await runner.cleanup()
@@ -102,10 +146,18 @@ def test_prefill_from_the_tier_is_token_and_kv_identical_and_pushes_the_whole_pr
     asyncio.run(scenario())
 
 
-def test_disk_tier_serves_after_a_worker_restart_and_a_dead_redis_only_costs_misses(model_dir: Path, tmp_path: Path, expected: dict[str, list[int]]) -> None:
+def test_disk_tier_serves_after_a_worker_restart_and_a_dead_redis_only_costs_misses(
+    model_dir: Path, tmp_path: Path, expected: dict[str, list[int]]
+) -> None:
     """Memory off, a disk directory, and a Redis URL nobody answers: requests still succeed, token-identical."""
     dead = f"redis://127.0.0.1:{free_port()}/0"  # nobody listens on it
-    tier = {"memory_bytes": 0, "disk_path": str(tmp_path / "l2"), "redis_url": dead, "redis_timeout_s": 0.5, "redis_connect_timeout_s": 0.5}
+    tier = {
+        "memory_bytes": 0,
+        "disk_path": str(tmp_path / "l2"),
+        "redis_url": dead,
+        "redis_timeout_s": 0.5,
+        "redis_connect_timeout_s": 0.5,
+    }
 
     async def one_life() -> tuple[list[int], str]:
         w = worker(model_dir, "prefill", **tier)
@@ -127,21 +179,35 @@ def test_disk_tier_serves_after_a_worker_restart_and_a_dead_redis_only_costs_mis
     assert metric(second, "pdkv_prompt_tokens_total", source="tier") == 96
 
 
-def test_redis_shared_by_two_prefill_processes(model_dir: Path, tmp_path: Path, redis_server: LocalRedis, expected: dict[str, list[int]]) -> None:
+def test_redis_shared_by_two_prefill_processes(
+    model_dir: Path, tmp_path: Path, redis_server: LocalRedis, expected: dict[str, list[int]]
+) -> None:
     """A prefix computed by one `pdkv launch` prefill worker is a Redis hit on another."""
     namespace = f"shared-{tmp_path.name}:"
     workers = []
     try:
         for i, extra in enumerate([{}, {"disk_path": str(tmp_path / "p2-disk")}]):
-            cfg = {"model": str(model_dir), "num_blocks": 128, "transfer": {"chunk_size": CHUNK}, "tier": {"redis_url": redis_server.url, "redis_namespace": namespace, **extra}}
+            cfg = {
+                "model": str(model_dir),
+                "num_blocks": 128,
+                "transfer": {"chunk_size": CHUNK},
+                "tier": {"redis_url": redis_server.url, "redis_namespace": namespace, **extra},
+            }
             workers.append(start_configured("prefill", cfg, tmp_path / f"p{i}.yaml", timeout=120))
         p1, p2 = workers
-        no_decode = {"do_remote_decode": True, "return_kv_digest": True}  # no decode worker named: KV is computed, not sent
+        no_decode = {
+            "do_remote_decode": True,
+            "return_kv_digest": True,
+        }  # no decode worker named: KV is computed, not sent
         first = post_json(p1.url + "/v1/completions", body(BASE, 1, **no_decode))
         import redis
 
         client = redis.Redis.from_url(redis_server.url)
-        wait_until(lambda: len(client.keys(namespace + "*")) == 3, timeout=30, what="P1's three full chunks to be written behind to Redis")
+        wait_until(
+            lambda: len(client.keys(namespace + "*")) == 3,
+            timeout=30,
+            what="P1's three full chunks to be written behind to Redis",
+        )
         second = post_json(p2.url + "/v1/completions", body(BASE, 1, **no_decode))
         assert second["kv_transfer_params"]["kv_digest"] == first["kv_transfer_params"]["kv_digest"]
         assert second["choices"][0]["token_ids"] == first["choices"][0]["token_ids"] == expected["base"][:1]
@@ -152,7 +218,11 @@ def test_redis_shared_by_two_prefill_processes(model_dir: Path, tmp_path: Path, 
         assert full["choices"][0]["token_ids"] == expected["base"]
         m2 = get_text(p2.url + "/metrics")
         assert metric(m2, "pdkv_tier_hits_total", tier="memory") == 3
-        wait_until(lambda: metric(get_text(p2.url + "/metrics"), "pdkv_tier_entries", tier="disk") == 3, timeout=30, what="P2 to promote the chunks into its disk level")
+        wait_until(
+            lambda: metric(get_text(p2.url + "/metrics"), "pdkv_tier_entries", tier="disk") == 3,
+            timeout=30,
+            what="P2 to promote the chunks into its disk level",
+        )
     finally:
         for w in workers:
             assert w.stop() == 0

@@ -17,7 +17,16 @@ from pdkv.auth import bound_proof, new_nonce, proof, verify
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.mock import MockChannel
 from pdkv.config import TransferConfig
-from pdkv.errors import ChecksumError, HandshakeError, NotAnnouncedError, PromptMismatchError, ReservationError, TransferCancelled, TransferError, TransferTimeout
+from pdkv.errors import (
+    ChecksumError,
+    HandshakeError,
+    NotAnnouncedError,
+    PromptMismatchError,
+    ReservationError,
+    TransferCancelled,
+    TransferError,
+    TransferTimeout,
+)
 from pdkv.layout import KVLayout, gather
 from pdkv.transfer import protocol
 from pdkv.transfer.receiver import KVReceiver
@@ -215,8 +224,11 @@ def test_sender_stalled_past_its_lease_writes_nothing_into_the_reaped_reservatio
         assert pair.receiver.stats()["reserved_blocks"] == 4  # quarantined, not back in the allocator
         with pytest.raises(TransferTimeout, match="not writing into a reservation that may be gone"):
             xfer.send_chunk(1)
-    # Resumed: the sender reads the receiver's Cancel, settles and says so; the blocks come back long before drain_timeout_s.
-    wait_until(lambda: pair.receiver.stats()["reservations"] == 0, 5, "the receiver to free the blocks once the sender settled")
+    # Resumed: the sender reads the receiver's Cancel, settles and says so; the blocks come back long before
+    # drain_timeout_s.
+    wait_until(
+        lambda: pair.receiver.stats()["reservations"] == 0, 5, "the receiver to free the blocks once the sender settled"
+    )
     assert pair.receiver.stats()["chunks_landed"] == 1 and pair.allocator.num_free == pair.allocator.num_blocks
     assert isinstance(xfer.error, TransferTimeout)
 
@@ -249,7 +261,8 @@ def test_refused_connection_fails_at_once_not_at_the_handshake_timeout(make_pair
 
 
 def test_kv_is_handed_over_only_for_the_prompt_it_was_computed_from(make_pair: MakePair) -> None:
-    """The prompt key travels in the Reserve: a decode side asking with another prompt's key gets no KV, and nothing leaks."""
+    """The prompt key travels in the Reserve: a decode side asking with another prompt's key gets no KV, and nothing
+    leaks."""
     pair = make_pair()
     xfer = pair.sender.open("bound", pair.receiver.address, 40, list(range(3)), prompt_key=b"K" * 16)
     xfer.send_all()
@@ -278,14 +291,21 @@ def test_unannounced_transfer_fails_fast(make_pair: MakePair) -> None:
 
 
 def test_one_peer_cannot_take_every_block_or_reservation(make_pair: MakePair) -> None:
-    pair = make_pair(d_blocks=16, config=TransferConfig(chunk_size=32, max_peer_blocks_share=0.5, max_reservations_per_peer=3, reserve_timeout_s=0.3))
+    pair = make_pair(
+        d_blocks=16,
+        config=TransferConfig(
+            chunk_size=32, max_peer_blocks_share=0.5, max_reservations_per_peer=3, reserve_timeout_s=0.3
+        ),
+    )
     held = [pair.sender.open("a", pair.receiver.address, 64, list(range(4)))]  # 4 of its 8 blocks
     with pytest.raises(ReservationError, match="max_peer_blocks_share"):
         pair.sender.open("too-much", pair.receiver.address, 80, list(range(5)))  # 4 + 5 > 8
     held += [pair.sender.open(f"small-{i}", pair.receiver.address, 16, [i]) for i in range(2)]
     with pytest.raises(ReservationError, match="max_reservations_per_peer"):
         pair.sender.open("one-more", pair.receiver.address, 16, [0])
-    other = KVSender(MockChannel(pair.p_channel.agent_name + "-other"), pair.p_layout, pair.p_kv, "model-a", pair.receiver.config)
+    other = KVSender(
+        MockChannel(pair.p_channel.agent_name + "-other"), pair.p_layout, pair.p_kv, "model-a", pair.receiver.config
+    )
     try:  # another peer still gets room: the caps are per peer
         xfer = other.open("other", pair.receiver.address, 80, list(range(5)))
         xfer.send_all()
@@ -324,7 +344,8 @@ def test_sender_without_the_secret_cannot_reserve(make_pair: MakePair) -> None:
 
 @contextlib.contextmanager
 def raw_peer(pair: Pair) -> Iterator[tuple[zmq.Socket, protocol.Hello, protocol.Hello]]:
-    """A raw DEALER that has said Hello to the pair's receiver, as a hostile peer would: (socket, its Hello, the reply)."""
+    """A raw DEALER that has said Hello to the pair's receiver, as a hostile peer would: (socket, its Hello, the
+    reply)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(pair.receiver.address)
@@ -368,7 +389,9 @@ def test_reserve_proof_binds_the_prompt_key_to_the_authenticated_peer(make_pair:
         sock.send(protocol.encode(protocol.Auth(proof(b"s3cret", "sender", reply.nonce, hello.nonce))))
         honest = protocol.Reserve("honest", 16, b"A" * 16)
         honest.proof = bound_proof(b"s3cret", "reserve", reply.nonce + hello.nonce, *protocol.reserve_fields(honest))
-        forged = msgspec.structs.replace(honest, transfer_id="forged", prompt_key=b"B" * 16)  # the proof of another Reserve
+        forged = msgspec.structs.replace(
+            honest, transfer_id="forged", prompt_key=b"B" * 16
+        )  # the proof of another Reserve
         sock.send(protocol.encode(forged))
         sock.send(protocol.encode(honest))
         answers = answers_to(sock, 2)
@@ -395,7 +418,9 @@ def test_receiver_restart_on_the_same_address_is_rehandshaked(make_pair: MakePai
         xfer.send_all()
         xfer.wait(10)
         got = receiver.wait("after", 10)
-        assert torch.equal(gather(pair.p_layout, pair.p_kv, list(range(3)), 0, 40), gather(pair.d_layout, d_kv, got.blocks, 0, 40))
+        assert torch.equal(
+            gather(pair.p_layout, pair.p_kv, list(range(3)), 0, 40), gather(pair.d_layout, d_kv, got.blocks, 0, 40)
+        )
         allocator.free(got.blocks)
         assert pair.sender.stats().get("reservations_refused", 0) == 0
     finally:
@@ -406,7 +431,8 @@ def test_receiver_restart_on_the_same_address_is_rehandshaked(make_pair: MakePai
 
 
 def test_a_peer_of_the_previous_protocol_is_refused_by_name(make_pair: MakePair) -> None:
-    """Protocol 3 called the transfer ``request_id``: its Hello is refused naming both versions, its Reserve is malformed."""
+    """Protocol 3 called the transfer ``request_id``: its Hello is refused naming both versions, its Reserve is
+    malformed."""
     pair = make_pair()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -414,7 +440,9 @@ def test_a_peer_of_the_previous_protocol_is_refused_by_name(make_pair: MakePair)
     try:
         old = msgspec.structs.replace(pair.sender.hello(), protocol_version=3, nonce=new_nonce(), data_token=b"T" * 16)
         sock.send(protocol.encode(old))
-        sock.send(msgspec.msgpack.encode({"type": "reserve", "request_id": "r", "num_tokens": 16}))  # protocol 3's Reserve
+        sock.send(
+            msgspec.msgpack.encode({"type": "reserve", "request_id": "r", "num_tokens": 16})
+        )  # protocol 3's Reserve
         answers = answers_to(sock, 1)
     finally:
         sock.close(0)

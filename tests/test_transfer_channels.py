@@ -27,12 +27,26 @@ SENDER = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtyp
 STAGING = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_size=32, dtype="bfloat16", order="HND")
 # a single token, a partial chunk, exactly a chunk, a chunk and one, and longer prompts; 64-token chunks
 TOKENS = [1, 40, 64, 65, 200, 333, 500, 17, 129, 256]
-CONFIG = TransferConfig(chunk_size=64, staging_slots=6, slots_per_request=2, max_inflight_bytes=64 << 10, lease_s=10, drain_timeout_s=2, max_peer_blocks_share=1.0)
+CONFIG = TransferConfig(
+    chunk_size=64,
+    staging_slots=6,
+    slots_per_request=2,
+    max_inflight_bytes=64 << 10,
+    lease_s=10,
+    drain_timeout_s=2,
+    max_peer_blocks_share=1.0,
+)
 SENDER_BLOCKS = 256
 
 CHANNELS = [
     "tcp",
-    pytest.param("nixl", marks=pytest.mark.skipif(importlib.util.find_spec("nixl") is None, reason="the 'nixl' extra is not installed: pip install 'pdkv[nixl]'")),
+    pytest.param(
+        "nixl",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("nixl") is None,
+            reason="the 'nixl' extra is not installed: pip install 'pdkv[nixl]'",
+        ),
+    ),
 ]
 
 
@@ -40,7 +54,8 @@ CHANNELS = [
 @pytest.mark.parametrize("mode", ["direct", "staging"])
 @pytest.mark.parametrize("channel", CHANNELS)
 def test_concurrent_requests_land_bit_exact_and_nothing_is_held(channel: str, mode: str, device: str) -> None:
-    """``device`` emulated: both sides' KV is device memory; tcp stages it through host slots, nixl writes it in place."""
+    """``device`` emulated: both sides' KV is device memory; tcp stages it through host slots, nixl writes it in
+    place."""
     receiver_layout = SENDER if mode == "direct" else STAGING
     receiver_blocks = sum(receiver_layout.blocks_for(t) for t in TOKENS) + 4
     order = list(range(SENDER_BLOCKS))
@@ -50,7 +65,9 @@ def test_concurrent_requests_land_bit_exact_and_nothing_is_held(channel: str, mo
         n = SENDER.blocks_for(tokens)
         tables.append(order[at : at + n])
         at += n
-    with TransferRig(channel, receiver_layout, SENDER_BLOCKS, receiver_blocks, CONFIG, sender_layout=SENDER, device=device) as rig:
+    with TransferRig(
+        channel, receiver_layout, SENDER_BLOCKS, receiver_blocks, CONFIG, sender_layout=SENDER, device=device
+    ) as rig:
         for round_ in range(2):  # the second round reuses what the first freed, on the links the first opened
             requests = [(f"r{round_}-{i}", tokens) for i, tokens in enumerate(TOKENS)]
             rig.push(requests, tables)  # raises unless every request's KV landed bit for bit
@@ -72,4 +89,6 @@ def test_concurrent_requests_land_bit_exact_and_nothing_is_held(channel: str, mo
     assert got["reservations"] == 0 and got["free_blocks"] == receiver_blocks
     assert got["free_staging_slots"] == CONFIG.staging_slots
     if mode == "staging":
-        assert got.get("refused", 0) > 0 and sent["reservations_retried"] > 0, "the test meant to run out of staging slots"
+        assert got.get("refused", 0) > 0 and sent["reservations_retried"] > 0, (
+            "the test meant to run out of staging slots"
+        )

@@ -53,11 +53,23 @@ LONG = [(13 * i + 5) % VOCAB for i in range(2100)]
 SLOW_RATE = "5mbit"  # a long prompt's KV (about 1 MB) takes about two seconds here: a fault can land mid-transfer
 # Short timeouts, so the faults end in seconds; every one is still a timeout the worker obeys.
 TRANSFER = {
-    "transfer_timeout_s": 6, "chunk_timeout_s": 6, "lease_s": 3, "heartbeat_s": 0.5, "drain_timeout_s": 2,
-    "handshake_timeout_s": 5, "reserve_timeout_s": 5,
+    "transfer_timeout_s": 6,
+    "chunk_timeout_s": 6,
+    "lease_s": 3,
+    "heartbeat_s": 0.5,
+    "drain_timeout_s": 2,
+    "handshake_timeout_s": 5,
+    "reserve_timeout_s": 5,
 }
 TCP_OPTIONS = {"io_timeout": 2.0, "connect_timeout": 2.0}
-ROUTER = {"connect_timeout_s": 3, "prefill_timeout_s": 20, "decode_timeout_s": 15, "read_timeout_s": 15, "max_retries": 1, "health_interval_s": 600}
+ROUTER = {
+    "connect_timeout_s": 3,
+    "prefill_timeout_s": 20,
+    "decode_timeout_s": 15,
+    "read_timeout_s": 15,
+    "max_retries": 1,
+    "health_interval_s": 600,
+}
 
 
 def post(url: str, body: dict[str, Any], timeout: float = 60.0) -> tuple[int, dict[str, Any]]:
@@ -75,7 +87,14 @@ def metrics(worker: WorkerProcess) -> str:
 
 
 def greedy(prompt: list[int], **extra: Any) -> dict[str, Any]:
-    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True, **extra}
+    return {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
 
 
 @dataclass
@@ -92,24 +111,68 @@ class Deployment:
         return post(self.router.url + "/v1/completions", greedy(prompt), timeout)
 
 
-def write_config(path: Path, model: Path, channel: str = "tcp", options: dict[str, Any] | None = None, **extra: Any) -> Path:
+def write_config(
+    path: Path, model: Path, channel: str = "tcp", options: dict[str, Any] | None = None, **extra: Any
+) -> Path:
     options = {**(TCP_OPTIONS if channel == "tcp" else {}), **(options or {})}
     cfg = {
-        "model": str(model), "secret": SECRET, "num_blocks": NUM_BLOCKS, "tier": {"enabled": False},
-        "transfer": TRANSFER, "channel": {"name": channel, "options": options}, "router": ROUTER, **extra,
+        "model": str(model),
+        "secret": SECRET,
+        "num_blocks": NUM_BLOCKS,
+        "tier": {"enabled": False},
+        "transfer": TRANSFER,
+        "channel": {"name": channel, "options": options},
+        "router": ROUTER,
+        **extra,
     }
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
 def deploy(hub: Host, link: Link, config: Path, env: dict[str, str] | None = None) -> Deployment:
-    """P on the hub and D on ``link``'s host, each given only its own address as ``--host``; then the router on the hub."""
+    """P on the hub and D on ``link``'s host, each given only its own address as ``--host``; then the router on the
+    hub."""
     env = {**ENV, **(env or {})}
     with ThreadPoolExecutor(2) as pool:
-        d = pool.submit(link.host.start_worker, "decode", "--config", str(config), "--host", link.addr, "--port", "0", timeout=240, env=env)
-        p = pool.submit(hub.start_worker, "prefill", "--config", str(config), "--host", link.hub_addr, "--port", "0", timeout=240, env=env)
+        d = pool.submit(
+            link.host.start_worker,
+            "decode",
+            "--config",
+            str(config),
+            "--host",
+            link.addr,
+            "--port",
+            "0",
+            timeout=240,
+            env=env,
+        )
+        p = pool.submit(
+            hub.start_worker,
+            "prefill",
+            "--config",
+            str(config),
+            "--host",
+            link.hub_addr,
+            "--port",
+            "0",
+            timeout=240,
+            env=env,
+        )
         decode, prefill = d.result(), p.result()
-    router = hub.start_worker("router", "--config", str(config), "--host", link.hub_addr, "--port", "0", "--prefill", prefill.url, "--decode", decode.url, timeout=60)
+    router = hub.start_worker(
+        "router",
+        "--config",
+        str(config),
+        "--host",
+        link.hub_addr,
+        "--port",
+        "0",
+        "--prefill",
+        prefill.url,
+        "--decode",
+        decode.url,
+        timeout=60,
+    )
     return Deployment(prefill, decode, router, link)
 
 
@@ -123,7 +186,12 @@ def expected(model: Path) -> dict[int, list[int]]:
     """Greedy tokens of each prompt generated whole in this process: what every deployment must answer."""
     engine = ReferenceEngine.load(str(model), progress=False, max_kv_tokens=4096)
     with single_thread():
-        return {len(p): engine.generate(p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)).output_token_ids for p in (SHORT, LONG)}
+        return {
+            len(p): engine.generate(
+                p, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+            ).output_token_ids
+            for p in (SHORT, LONG)
+        }
 
 
 @pytest.fixture(scope="module")
@@ -146,18 +214,24 @@ def tcp_pd(hub: Host, link_b: Link, model: Path, tmp_path_factory: pytest.TempPa
 @pytest.fixture(scope="module")
 def nixl_pd(hub: Host, link_b: Link, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Deployment:
     """nixl over UCX's tcp transport; UCX_NET_DEVICES is left to follow each worker's --host."""
-    return deploy(hub, link_b, write_config(tmp_path_factory.mktemp("nixl") / "worker.yaml", model, channel="nixl"), env=UCX_ENV)
+    return deploy(
+        hub, link_b, write_config(tmp_path_factory.mktemp("nixl") / "worker.yaml", model, channel="nixl"), env=UCX_ENV
+    )
 
 
 @pytest.fixture(scope="module")
 def ucx_pd(hub: Host, link_b: Link, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Deployment:
-    return deploy(hub, link_b, write_config(tmp_path_factory.mktemp("ucx") / "worker.yaml", model, channel="ucx"), env=UCX_ENV)
+    return deploy(
+        hub, link_b, write_config(tmp_path_factory.mktemp("ucx") / "worker.yaml", model, channel="ucx"), env=UCX_ENV
+    )
 
 
 @pytest.fixture(scope="module")
 def emulated_pd(hub: Host, link_b: Link, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Deployment:
     """tcp with both workers' KV in emulated device memory (PDKV_EMULATE_DEVICE): every chunk through pinned staging."""
-    deployment = deploy(hub, link_b, write_config(tmp_path_factory.mktemp("emulated") / "worker.yaml", model), env={EMULATE_ENV: "1"})
+    deployment = deploy(
+        hub, link_b, write_config(tmp_path_factory.mktemp("emulated") / "worker.yaml", model), env={EMULATE_ENV: "1"}
+    )
     return dataclasses.replace(deployment, kv_memory="emulated")
 
 
@@ -170,21 +244,29 @@ def pd(request: pytest.FixtureRequest) -> Deployment:
 def assert_transferred(d: Deployment, before_d: str, prompt_tokens: int) -> None:
     """The decode worker got the whole prompt's KV over the link: no fallback, every prompt token transferred."""
     after = metrics(d.decode)
-    assert metric(after, "pdkv_fallbacks_total") == metric(before_d, "pdkv_fallbacks_total"), "the decode worker recomputed"
-    moved = metric(after, "pdkv_prompt_tokens_total", source="transferred") - metric(before_d, "pdkv_prompt_tokens_total", source="transferred")
+    assert metric(after, "pdkv_fallbacks_total") == metric(before_d, "pdkv_fallbacks_total"), (
+        "the decode worker recomputed"
+    )
+    moved = metric(after, "pdkv_prompt_tokens_total", source="transferred") - metric(
+        before_d, "pdkv_prompt_tokens_total", source="transferred"
+    )
     assert moved == prompt_tokens
 
 
 def assert_nothing_held(*workers: WorkerProcess, timeout: float = 20.0) -> None:
-    """Every worker's gauges back to idle: no reservation, no reserved or lost block, nothing in flight, nothing running."""
+    """Every worker's gauges back to idle: no reservation, no reserved or lost block, nothing in flight, nothing
+    running."""
 
     def idle(worker: WorkerProcess) -> bool:
         text = metrics(worker)
         return (
-            metric(text, "pdkv_reservations") == 0 and metric(text, "pdkv_reserved_blocks") == 0
-            and metric(text, "pdkv_open_transfers") == 0 and metric(text, "pdkv_inflight_bytes") == 0
-            and metric(text, "pdkv_running_requests") == 0 and metric(text, "pdkv_free_blocks") == NUM_BLOCKS
-        )  # fmt: skip
+            metric(text, "pdkv_reservations") == 0
+            and metric(text, "pdkv_reserved_blocks") == 0
+            and metric(text, "pdkv_open_transfers") == 0
+            and metric(text, "pdkv_inflight_bytes") == 0
+            and metric(text, "pdkv_running_requests") == 0
+            and metric(text, "pdkv_free_blocks") == NUM_BLOCKS
+        )
 
     for worker in workers:
         wait_until(lambda w=worker: idle(w), timeout, f"{worker.role} worker at {worker.url} to hold nothing")
@@ -200,7 +282,9 @@ def test_host_alone_puts_every_plane_on_the_link(tcp_pd: Deployment) -> None:
 
 
 @pytest.mark.parametrize("prompt", [SHORT, LONG], ids=["150-tokens", "2100-tokens"])
-def test_router_across_the_link_is_token_identical_and_moves_all_kv(pd: Deployment, expected: dict[int, list[int]], prompt: list[int]) -> None:
+def test_router_across_the_link_is_token_identical_and_moves_all_kv(
+    pd: Deployment, expected: dict[int, list[int]], prompt: list[int]
+) -> None:
     before_d, before_p = metrics(pd.decode), metrics(pd.prefill)
     status, body = pd.complete(prompt)
     assert status == 200, body
@@ -208,19 +292,36 @@ def test_router_across_the_link_is_token_identical_and_moves_all_kv(pd: Deployme
     assert_transferred(pd, before_d, len(prompt))
     if pd.kv_memory == "emulated":  # the KV went through host slots on both sides, as tcp with KV in VRAM does
         for worker, event in ((pd.decode, "chunks_staged_to_device"), (pd.prefill, "chunks_staged_to_host")):
-            moved = metric(metrics(worker), "pdkv_transfer_events_total", event=event) - metric(before_d if worker is pd.decode else before_p, "pdkv_transfer_events_total", event=event)
+            moved = metric(metrics(worker), "pdkv_transfer_events_total", event=event) - metric(
+                before_d if worker is pd.decode else before_p, "pdkv_transfer_events_total", event=event
+            )
             assert moved == -(-len(prompt) // TransferConfig(**TRANSFER).chunk_size), (worker.role, event, moved)
-    ok = metric(before_p, "pdkv_transfers_total", outcome="ok") + 1  # P records it once its writes settle: maybe after D answered
-    wait_until(lambda: metric(metrics(pd.prefill), "pdkv_transfers_total", outcome="ok") == ok, 10, "the prefill side to record the transfer")
+    ok = (
+        metric(before_p, "pdkv_transfers_total", outcome="ok") + 1
+    )  # P records it once its writes settle: maybe after D answered
+    wait_until(
+        lambda: metric(metrics(pd.prefill), "pdkv_transfers_total", outcome="ok") == ok,
+        10,
+        "the prefill side to record the transfer",
+    )
 
 
 def test_kv_digests_equal_across_the_link(pd: Deployment) -> None:
     """The router's two hops by hand, asking both sides for per-layer digests of the prompt's KV."""
     info = json.loads(get_text(pd.decode.url + "/pdkv/info"))
-    kv = {"do_remote_decode": True, "remote_host": info["remote_host"], "remote_port": info["remote_port"], "transfer_id": "digest-1", "return_kv_digest": True}
+    kv = {
+        "do_remote_decode": True,
+        "remote_host": info["remote_host"],
+        "remote_port": info["remote_port"],
+        "transfer_id": "digest-1",
+        "return_kv_digest": True,
+    }
     status, p = post(pd.prefill.url + "/v1/completions", greedy(LONG, max_tokens=1, kv_transfer_params=kv))
     assert status == 200 and p["kv_transfer_params"]["transfer_started"], p
-    status, d = post(pd.decode.url + "/v1/completions", greedy(LONG, kv_transfer_params={**p["kv_transfer_params"], "return_kv_digest": True}))
+    status, d = post(
+        pd.decode.url + "/v1/completions",
+        greedy(LONG, kv_transfer_params={**p["kv_transfer_params"], "return_kv_digest": True}),
+    )
     assert status == 200, d
     assert d["kv_transfer_params"]["kv_digest"] == p["kv_transfer_params"]["kv_digest"]
     assert len(p["kv_transfer_params"]["kv_digest"]) == 2  # one per layer, bit-identical
@@ -230,10 +331,19 @@ def test_kv_digests_equal_across_the_link(pd: Deployment) -> None:
 def test_the_default_model_across_the_link(hub: Host, link_b: Link, tmp_path: Path) -> None:
     """SmolLM2-135M, P on host a and D on host b: a chat answer through the router equals P's own, all KV moved."""
     cfg = tmp_path / "default.yaml"
-    cfg.write_text(yaml.safe_dump({"model": "default", "secret": SECRET, "num_blocks": 256, "tier": {"enabled": False}, "router": ROUTER}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {"model": "default", "secret": SECRET, "num_blocks": 256, "tier": {"enabled": False}, "router": ROUTER}
+        )
+    )
     d = deploy(hub, link_b, cfg)
     try:
-        chat = {"messages": [{"role": "user", "content": "Name three colours of the rainbow."}], "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+        chat = {
+            "messages": [{"role": "user", "content": "Name three colours of the rainbow."}],
+            "max_tokens": 12,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
         status, alone = post(d.prefill.url + "/v1/chat/completions", chat, timeout=120)
         assert status == 200, alone
         before_d = metrics(d.decode)
@@ -283,7 +393,9 @@ def wait_mid_transfer(prefill: WorkerProcess, landed_before: float) -> None:
 
 def assert_still_open(prefill: WorkerProcess) -> None:
     """The fault hit while the transfer was open (else this test proves nothing)."""
-    assert metric(metrics(prefill), "pdkv_open_transfers") == 1, "the transfer finished before the fault: nothing was tested"
+    assert metric(metrics(prefill), "pdkv_open_transfers") == 1, (
+        "the transfer finished before the fault: nothing was tested"
+    )
 
 
 def assert_answered_or_failed_clearly(status: int, body: dict[str, Any], want: list[int]) -> None:
@@ -294,7 +406,9 @@ def assert_answered_or_failed_clearly(status: int, body: dict[str, Any], want: l
         assert status >= 500 and body["error"]["message"], body
 
 
-def test_rate_dropping_to_1mbit_mid_transfer_ends_within_the_timeouts(tcp_pd: Deployment, expected: dict[int, list[int]]) -> None:
+def test_rate_dropping_to_1mbit_mid_transfer_ends_within_the_timeouts(
+    tcp_pd: Deployment, expected: dict[int, list[int]]
+) -> None:
     """At 1 Mbit the rest of the KV needs longer than transfer_timeout_s: D gives up and recomputes, right."""
     link = tcp_pd.link
     link.shape(SLOW_RATE)
@@ -310,12 +424,16 @@ def test_rate_dropping_to_1mbit_mid_transfer_ends_within_the_timeouts(tcp_pd: De
         link.shape("unshaped")
     after_d = metrics(tcp_pd.decode)
     fell_back = metric(after_d, "pdkv_fallbacks_total") - metric(before_d, "pdkv_fallbacks_total")
-    moved = metric(after_d, "pdkv_prompt_tokens_total", source="transferred") - metric(before_d, "pdkv_prompt_tokens_total", source="transferred")
+    moved = metric(after_d, "pdkv_prompt_tokens_total", source="transferred") - metric(
+        before_d, "pdkv_prompt_tokens_total", source="transferred"
+    )
     assert (fell_back, moved) == (1, 0)  # timed out, recomputed: never half of each
     assert_nothing_held(tcp_pd.prefill, tcp_pd.decode)
 
 
-def test_link_down_mid_transfer_ends_every_request_and_leaks_nothing(tcp_pd: Deployment, expected: dict[int, list[int]]) -> None:
+def test_link_down_mid_transfer_ends_every_request_and_leaks_nothing(
+    tcp_pd: Deployment, expected: dict[int, list[int]]
+) -> None:
     """A pulled cable for longer than io_timeout and lease_s: both sides give the transfer up on their own timeouts."""
     link = tcp_pd.link
     before_p = metrics(tcp_pd.prefill)
@@ -334,7 +452,11 @@ def test_link_down_mid_transfer_ends_every_request_and_leaks_nothing(tcp_pd: Dep
         link.shape("unshaped")
     failed_before = metric(before_p, "pdkv_transfers_total", outcome="failed")
     # the router may answer (routing around the dead worker) before P's link times out: wait for P to settle it
-    wait_until(lambda: metric(metrics(tcp_pd.prefill), "pdkv_transfers_total", outcome="failed") == failed_before + 1, 30, "P to count the transfer failed")
+    wait_until(
+        lambda: metric(metrics(tcp_pd.prefill), "pdkv_transfers_total", outcome="failed") == failed_before + 1,
+        30,
+        "P to count the transfer failed",
+    )
     assert_nothing_held(tcp_pd.prefill, tcp_pd.decode)
     status, body = tcp_pd.complete(SHORT)  # and the pair works again
     assert status == 200 and body["choices"][0]["token_ids"] == expected[len(SHORT)]
@@ -345,10 +467,29 @@ def test_decode_host_disappearing_mid_transfer_ends_the_request_and_frees_the_pr
 ) -> None:
     """Host c loses power mid-transfer (cable first, then its processes, then its namespace): P frees everything."""
     link = netrig.add_host("c", SLOW_RATE)
-    cfg = write_config(tmp_path / "c.yaml", model, router={**ROUTER, "decode_timeout_s": 4, "read_timeout_s": 4, "connect_timeout_s": 2})
-    decode = link.host.start_worker("decode", "--config", str(cfg), "--host", link.addr, "--port", "0", timeout=240, env=ENV)
+    cfg = write_config(
+        tmp_path / "c.yaml",
+        model,
+        router={**ROUTER, "decode_timeout_s": 4, "read_timeout_s": 4, "connect_timeout_s": 2},
+    )
+    decode = link.host.start_worker(
+        "decode", "--config", str(cfg), "--host", link.addr, "--port", "0", timeout=240, env=ENV
+    )
     # on the hub's address towards b, where P is too: the hub's end towards c goes with c
-    router = hub.start_worker("router", "--config", str(cfg), "--host", tcp_pd.link.hub_addr, "--port", "0", "--prefill", tcp_pd.prefill.url, "--decode", decode.url, timeout=60)
+    router = hub.start_worker(
+        "router",
+        "--config",
+        str(cfg),
+        "--host",
+        tcp_pd.link.hub_addr,
+        "--port",
+        "0",
+        "--prefill",
+        tcp_pd.prefill.url,
+        "--decode",
+        decode.url,
+        timeout=60,
+    )
     before_p = metrics(tcp_pd.prefill)
     request = Background(router.url, LONG)
     wait_mid_transfer(tcp_pd.prefill, landed(tcp_pd.prefill))
@@ -358,14 +499,20 @@ def test_decode_host_disappearing_mid_transfer_ends_the_request_and_frees_the_pr
     assert_answered_or_failed_clearly(status, body, expected[len(LONG)])
     failed_before = metric(before_p, "pdkv_transfers_total", outcome="failed")
     # the router may answer (routing around the dead worker) before P's link times out: wait for P to settle it
-    wait_until(lambda: metric(metrics(tcp_pd.prefill), "pdkv_transfers_total", outcome="failed") == failed_before + 1, 30, "P to count the transfer failed")
+    wait_until(
+        lambda: metric(metrics(tcp_pd.prefill), "pdkv_transfers_total", outcome="failed") == failed_before + 1,
+        30,
+        "P to count the transfer failed",
+    )
     assert_nothing_held(tcp_pd.prefill)
 
 
 # -- a data plane that cannot work is reported at the handshake ----------------------------------------
 
 
-def test_an_unreachable_data_plane_is_reported_at_handshake_not_hidden(tcp_pd: Deployment, model: Path, expected: dict[int, list[int]], tmp_path: Path) -> None:
+def test_an_unreachable_data_plane_is_reported_at_handshake_not_hidden(
+    tcp_pd: Deployment, model: Path, expected: dict[int, list[int]], tmp_path: Path
+) -> None:
     """The failure of the issue: D's channel explicitly left on 127.0.0.1 while it serves host b.
 
     P's handshake opens the data path, finds it unreachable, warns and counts
@@ -375,21 +522,37 @@ def test_an_unreachable_data_plane_is_reported_at_handshake_not_hidden(tcp_pd: D
     """
     cfg = write_config(tmp_path / "d.yaml", model, options={"host": "127.0.0.1"})
     link = tcp_pd.link
-    decode = link.host.start_worker("decode", "--config", str(cfg), "--host", link.addr, "--port", "0", timeout=240, env=ENV)
+    decode = link.host.start_worker(
+        "decode", "--config", str(cfg), "--host", link.addr, "--port", "0", timeout=240, env=ENV
+    )
     try:
         info = json.loads(get_text(decode.url + "/pdkv/info"))
         kv = {"do_remote_decode": True, "remote_host": info["remote_host"], "remote_port": info["remote_port"]}
         before = metrics(tcp_pd.prefill)
         for i in range(2):
-            status, p = post(tcp_pd.prefill.url + "/v1/completions", greedy(SHORT, max_tokens=1, kv_transfer_params={**kv, "transfer_id": f"unreachable-{i}"}))
+            status, p = post(
+                tcp_pd.prefill.url + "/v1/completions",
+                greedy(SHORT, max_tokens=1, kv_transfer_params={**kv, "transfer_id": f"unreachable-{i}"}),
+            )
             assert status == 200 and p["kv_transfer_params"]["transfer_started"] is False, p
-            assert "unreachable" in p["kv_transfer_params"]["transfer_error"] and "127.0.0.1" in p["kv_transfer_params"]["transfer_error"]
+            assert (
+                "unreachable" in p["kv_transfer_params"]["transfer_error"]
+                and "127.0.0.1" in p["kv_transfer_params"]["transfer_error"]
+            )
             status, d = post(decode.url + "/v1/completions", greedy(SHORT, kv_transfer_params=p["kv_transfer_params"]))
             assert status == 200 and d["choices"][0]["token_ids"] == expected[len(SHORT)]
         after = metrics(tcp_pd.prefill)
         # one probe found it, the second request failed on that verdict without waiting on a connect again
-        assert metric(after, "pdkv_transfer_events_total", event="peer_unreachable") - metric(before, "pdkv_transfer_events_total", event="peer_unreachable") == 1
-        assert metric(after, "pdkv_transfers_total", outcome="unreachable") - metric(before, "pdkv_transfers_total", outcome="unreachable") == 2
+        assert (
+            metric(after, "pdkv_transfer_events_total", event="peer_unreachable")
+            - metric(before, "pdkv_transfer_events_total", event="peer_unreachable")
+            == 1
+        )
+        assert (
+            metric(after, "pdkv_transfers_total", outcome="unreachable")
+            - metric(before, "pdkv_transfers_total", outcome="unreachable")
+            == 2
+        )
         assert metric(metrics(decode), "pdkv_fallbacks_total", reason="not_started") == 2
     finally:
         decode.stop()
@@ -407,7 +570,9 @@ def test_a_worker_whose_channel_stays_on_loopback_says_so_at_start(caplog: pytes
 def test_host_is_where_the_channel_listens_unless_the_channel_says_otherwise() -> None:
     config = convert_config({"role": "decode", "host": "10.1.2.3"})
     assert config.channel_options()["host"] == "10.1.2.3" and config.advertised_host() == "10.1.2.3"
-    config = convert_config({"role": "decode", "host": "10.1.2.3", "channel": {"name": "tcp", "options": {"host": "10.9.9.9"}}})
+    config = convert_config(
+        {"role": "decode", "host": "10.1.2.3", "channel": {"name": "tcp", "options": {"host": "10.9.9.9"}}}
+    )
     assert config.channel_options()["host"] == "10.9.9.9"
     config = convert_config({"role": "decode", "host": "0.0.0.0", "advertise_host": "192.0.2.7"})
     assert config.channel_options()["advertise_host"] == "192.0.2.7" and config.advertised_host() == "192.0.2.7"
@@ -415,8 +580,13 @@ def test_host_is_where_the_channel_listens_unless_the_channel_says_otherwise() -
         convert_config({"role": "decode", "host": "0.0.0.0"}).advertised_host()
     with pytest.raises(ConfigError, match="advertise_host"):
         TcpChannel("wild", TcpChannel.parse_options({"host": "0.0.0.0"}))
-    with TcpChannel("t", TcpChannel.parse_options({})) as channel, pytest.raises(ChannelError, match="no address to dial"):
-        channel.add_peer(msgspec.msgpack.encode({**msgspec.msgpack.decode(channel.metadata()), "name": "p", "host": "0.0.0.0"}))
+    with (
+        TcpChannel("t", TcpChannel.parse_options({})) as channel,
+        pytest.raises(ChannelError, match="no address to dial"),
+    ):
+        channel.add_peer(
+            msgspec.msgpack.encode({**msgspec.msgpack.decode(channel.metadata()), "name": "p", "host": "0.0.0.0"})
+        )
 
 
 def test_connect_fails_loudly_then_fast_and_tries_a_new_address_at_once(caplog: pytest.LogCaptureFixture) -> None:

@@ -40,13 +40,22 @@ def vllm_cpu_cache(num_blocks: int, seed: int | None = None) -> dict[str, torch.
     """Per-layer tensors shaped like vLLM's CPU backend: [blocks, kv_heads, block_size, 2 * head_dim]."""
     gen = torch.Generator().manual_seed(seed or 0)
     make = (lambda s: torch.randn(s, generator=gen)) if seed is not None else torch.zeros
-    return {f"model.layers.{i}.self_attn.attn": make((num_blocks, HEADS, BS, 2 * HEAD_DIM)).to(torch.bfloat16) for i in range(LAYERS)}
+    return {
+        f"model.layers.{i}.self_attn.attn": make((num_blocks, HEADS, BS, 2 * HEAD_DIM)).to(torch.bfloat16)
+        for i in range(LAYERS)
+    }
 
 
 def test_hknd_layout_reads_k_and_v_where_vllm_cpu_attention_does() -> None:
     caches = vllm_cpu_cache(4, seed=1)
     layout, views = cpu_cache_layout(caches, BS)
-    assert (layout.order, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) == ("HKND", LAYERS, HEADS, HEAD_DIM, "bfloat16")
+    assert (layout.order, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) == (
+        "HKND",
+        LAYERS,
+        HEADS,
+        HEAD_DIM,
+        "bfloat16",
+    )
     chunk = gather(layout, views, [2, 0], 0, 40)  # token 35 = block 0 offset 3
     for layer, t in enumerate(caches.values()):
         as_vllm = t.view(4, HEADS, 2 * BS, HEAD_DIM)  # vLLM's own reinterpretation, then .chunk(2, dim=2)
@@ -59,7 +68,11 @@ def test_hknd_layout_reads_k_and_v_where_vllm_cpu_attention_does() -> None:
 
 @pytest.mark.parametrize(
     ("shape", "message"),
-    [((2, 4, BS, HEADS, HEAD_DIM), "pdkv maps only"), ((4, HEADS, 16, 2 * HEAD_DIM), "block_size=32"), ((4, HEADS, BS, 2 * HEAD_DIM + 1), "pdkv maps only")],
+    [
+        ((2, 4, BS, HEADS, HEAD_DIM), "pdkv maps only"),
+        ((4, HEADS, 16, 2 * HEAD_DIM), "block_size=32"),
+        ((4, HEADS, BS, 2 * HEAD_DIM + 1), "pdkv maps only"),
+    ],
 )
 def test_unmapped_vllm_layouts_are_refused_by_name(shape: tuple[int, ...], message: str) -> None:
     with pytest.raises(LayoutError, match=message):
@@ -84,9 +97,22 @@ def test_copy_blocks_moves_exactly_the_named_blocks() -> None:
 
 # -- params -------------------------------------------------------------------------------
 def test_push_target_parses_what_the_router_sends() -> None:
-    t = push_target({"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_host": "127.0.0.1", "remote_port": 5555, "transfer_id": "x"}, "r")
+    t = push_target(
+        {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_host": "127.0.0.1",
+            "remote_port": 5555,
+            "transfer_id": "x",
+        },
+        "r",
+    )
     assert t is not None and t.address == "tcp://127.0.0.1:5555"
-    assert push_target({"do_remote_decode": True, "remote_host": "::1", "remote_port": 1, "transfer_id": "x"}, "r").address == "tcp://[::1]:1"  # type: ignore[union-attr]
+    assert (
+        push_target({"do_remote_decode": True, "remote_host": "::1", "remote_port": 1, "transfer_id": "x"}, "r").address
+        == "tcp://[::1]:1"
+    )  # type: ignore[union-attr]
 
 
 def test_vllm_nixl_style_and_absent_params_mean_no_push() -> None:
@@ -117,15 +143,23 @@ def test_malformed_pushed_params_are_ignored() -> None:
 
 # -- scheduler side ----------------------------------------------------------------------------
 def request(req_id: str, prompt: list[int], params: dict | None, computed: int = 0) -> SimpleNamespace:
-    return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt, kv_transfer_params=params, num_computed_tokens=computed)
+    return SimpleNamespace(
+        request_id=req_id, prompt_token_ids=prompt, kv_transfer_params=params, num_computed_tokens=computed
+    )
 
 
-def sched_output(new: list[tuple[str, list[int], int]] = (), cached: list[tuple[str, list[int] | None, int]] = (), scheduled: dict[str, int] | None = None) -> SimpleNamespace:
+def sched_output(
+    new: list[tuple[str, list[int], int]] = (),
+    cached: list[tuple[str, list[int] | None, int]] = (),
+    scheduled: dict[str, int] | None = None,
+) -> SimpleNamespace:
     return SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(b,), num_computed_tokens=c) for r, b, c in new],
         scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[r for r, _, _ in cached], new_block_ids=[None if b is None else (b,) for _, b, _ in cached],
-            num_computed_tokens=[c for _, _, c in cached], resumed_req_ids=set(),
+            req_ids=[r for r, _, _ in cached],
+            new_block_ids=[None if b is None else (b,) for _, b, _ in cached],
+            num_computed_tokens=[c for _, _, c in cached],
+            resumed_req_ids=set(),
         ),
         num_scheduled_tokens=scheduled or {},
     )
@@ -140,7 +174,9 @@ def test_prefill_side_tracks_chunked_prefill_and_holds_blocks_until_sent() -> No
     req = request("r1", prompt, TARGET)
     s.after_alloc(req, [7, 8], 0)
     step1 = s.build(sched_output(new=[("r1", [7, 8], 0)], scheduled={"r1": 64}))
-    assert [(x.transfer_id, x.address, x.num_tokens, x.block_ids, x.ready_tokens) for x in step1.sends] == [("t-1", "tcp://127.0.0.1:5555", 100, [7, 8], 64)]
+    assert [(x.transfer_id, x.address, x.num_tokens, x.block_ids, x.ready_tokens) for x in step1.sends] == [
+        ("t-1", "tcp://127.0.0.1:5555", 100, [7, 8], 64)
+    ]
     step2 = s.build(sched_output(cached=[("r1", [9, 10], 64)], scheduled={"r1": 36}))
     assert step2.sends[0].block_ids == [7, 8, 9, 10] and step2.sends[0].ready_tokens == 100
     req.num_computed_tokens = 100
@@ -172,7 +208,12 @@ def test_prefill_aborted_mid_prompt_holds_blocks_but_tells_d_nothing() -> None:
 
 def pushed_params(prompt: list[int], n: int | None = None, chunk: int = 64) -> dict:
     n = len(prompt) if n is None else n
-    return {"do_remote_prefill": True, "transfer_id": "t-9", "num_tokens": n, "prompt_key": prompt_key(prompt[:n], FP, chunk)}
+    return {
+        "do_remote_prefill": True,
+        "transfer_id": "t-9",
+        "num_tokens": n,
+        "prompt_key": prompt_key(prompt[:n], FP, chunk),
+    }
 
 
 def test_decode_side_loads_past_the_local_prefix_once() -> None:
@@ -182,7 +223,9 @@ def test_decode_side_loads_past_the_local_prefix_once() -> None:
     assert s.num_new_matched_tokens(req, 32) == (68, True)
     s.after_alloc(req, [4, 5, 6, 7], 68)
     step = s.build(sched_output())
-    assert [(x.req_id, x.transfer_id, x.num_tokens, x.skip_tokens, x.block_ids) for x in step.loads] == [("d1", "t-9", 100, 32, [4, 5, 6, 7])]
+    assert [(x.req_id, x.transfer_id, x.num_tokens, x.skip_tokens, x.block_ids) for x in step.loads] == [
+        ("d1", "t-9", 100, 32, [4, 5, 6, 7])
+    ]
     # vLLM asks again after a failed load (recompute): never a second load
     assert s.num_new_matched_tokens(req, 0) == (0, False)
     assert s.build(sched_output()).loads == []
@@ -232,8 +275,21 @@ def test_decode_side_fully_cached_locally_discards_the_pushed_copy() -> None:
 
 
 # -- worker side over the real tcp channel -------------------------------------------------------
-def worker_pair(transfer: dict | None = None) -> tuple[WorkerSide, WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    cfg = convert_config({"num_blocks": 16, "transfer": {"chunk_size": 64, "transfer_timeout_s": 3, "reserve_timeout_s": 2, "handshake_timeout_s": 2, **(transfer or {})}})
+def worker_pair(
+    transfer: dict | None = None,
+) -> tuple[WorkerSide, WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    cfg = convert_config(
+        {
+            "num_blocks": 16,
+            "transfer": {
+                "chunk_size": 64,
+                "transfer_timeout_s": 3,
+                "reserve_timeout_s": 2,
+                "handshake_timeout_s": 2,
+                **(transfer or {}),
+            },
+        }
+    )
     p_cache, d_cache = vllm_cpu_cache(12, seed=3), vllm_cpu_cache(10)
     p = WorkerSide(cfg, FP, is_producer=True, is_consumer=False, agent_name="p-test")
     d = WorkerSide(cfg, FP, is_producer=False, is_consumer=True, agent_name="d-test")
@@ -266,7 +322,9 @@ def test_prefill_pushes_from_vllm_blocks_and_decode_loads_them_into_its_own() ->
         # 150 tokens over P blocks [9, 2, 5, 11, 0]; pushed in two steps as chunked prefill computes them
         p.push(StepMetadata(sends=[SendSpec("r1", "t-1", address, 150, [9, 2, 5, 11, 0], 64)]))
         p.push(StepMetadata(sends=[SendSpec("r1", "t-1", address, 150, [9, 2, 5, 11, 0], 150)]))
-        sending, _, _ = collect(p, {"r1"})  # vLLM says the request finished; its blocks are released once the writes settle
+        sending, _, _ = collect(
+            p, {"r1"}
+        )  # vLLM says the request finished; its blocks are released once the writes settle
         assert sending == {"r1"}
         # D: vLLM allocated blocks [3, 7, 1, 8, 6]; block 0 of the prompt is in its local prefix cache (skip 32 tokens)
         before = {name: t[3].clone() for name, t in d_cache.items()}
@@ -286,7 +344,8 @@ def test_prefill_pushes_from_vllm_blocks_and_decode_loads_them_into_its_own() ->
 
 
 def test_decode_loads_pushed_kv_only_for_the_prompt_p_computed_it_from() -> None:
-    """P's Reserve carries its prompt's key; D's load names its own: another prompt's KV is never written into vLLM's blocks."""
+    """P's Reserve carries its prompt's key; D's load names its own: another prompt's KV is never written into
+    vLLM's blocks."""
     from pdkv.integration.vllm.metadata import LoadSpec, SendSpec
 
     p, d, _, d_cache = worker_pair()
@@ -313,7 +372,10 @@ def _affinity(tid: int, default: set[int]) -> set[int]:
         return default
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin a thread to one")
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two CPUs to pin a thread to one",
+)
 def test_connector_threads_run_off_the_core_vllm_pins_its_worker_to() -> None:
     """vLLM's CPU worker pins its main thread to one core before it registers the cache, and threads inherit it:
     inside vLLM on two cores the receiver then answered handshakes 5-10 s late and transfers timed out."""
@@ -326,7 +388,10 @@ def test_connector_threads_run_off_the_core_vllm_pins_its_worker_to() -> None:
     cfg = convert_config({"num_blocks": 16, "transfer": {"chunk_size": 64, "transfer_timeout_s": 3}})
     p = WorkerSide(cfg, FP, is_producer=True, is_consumer=False, agent_name="p-test")
     d = WorkerSide(cfg, FP, is_producer=False, is_consumer=True, agent_name="d-test")
-    p_cache, d_cache = vllm_cpu_cache(12, seed=3), vllm_cpu_cache(10)  # vLLM's (its OpenMP threads are its own business)
+    p_cache, d_cache = (
+        vllm_cpu_cache(12, seed=3),
+        vllm_cpu_cache(10),
+    )  # vLLM's (its OpenMP threads are its own business)
 
     def as_vllm_worker() -> None:  # everything vLLM's worker thread would call on us: register, push, load
         os.sched_setaffinity(0, core)
@@ -343,12 +408,18 @@ def test_connector_threads_run_off_the_core_vllm_pins_its_worker_to() -> None:
     worker.start()
     worker.join(60)
     try:
-        assert made["sending"] == {"r1"} and made["recving"] == {"r1"} and made["own"] == core  # vLLM's thread keeps its pinning
+        assert (
+            made["sending"] == {"r1"} and made["recving"] == {"r1"} and made["own"] == core
+        )  # vLLM's thread keeps its pinning
         # Every thread of this process, native ones (zmq I/O, channel sockets) included, may run on any CPU.
-        others = [int(tid) for tid in os.listdir("/proc/self/task") if int(tid) != worker.native_id]  # it may linger a moment after join
+        others = [
+            int(tid) for tid in os.listdir("/proc/self/task") if int(tid) != worker.native_id
+        ]  # it may linger a moment after join
         pinned = {str(tid): mask for tid in others if (mask := _affinity(tid, every)) != every}
         names = {str(t.native_id): t.name for t in threading.enumerate()}
-        assert pinned == {}, {tid: names.get(tid, Path(f"/proc/self/task/{tid}/comm").read_text().strip()) for tid in pinned}
+        assert pinned == {}, {
+            tid: names.get(tid, Path(f"/proc/self/task/{tid}/comm").read_text().strip()) for tid in pinned
+        }
         assert d.counters["load_ok"] == 1
     finally:
         p.close()
@@ -390,7 +461,13 @@ def test_a_dead_decode_receiver_costs_the_push_not_the_blocks() -> None:
 # -- the shared cache tier (a real redis-server) ---------------------------------------------------
 def test_scheduler_loads_the_tiers_leading_chunks_and_saves_only_what_it_computes() -> None:
     held: set[bytes] = set()
-    s = SchedulerSide(FP, 64, is_producer=False, is_consumer=False, tier_lookup=lambda pk: leading([k in held for k in pk.keys]) * pk.chunk_size)
+    s = SchedulerSide(
+        FP,
+        64,
+        is_producer=False,
+        is_consumer=False,
+        tier_lookup=lambda pk: leading([k in held for k in pk.keys]) * pk.chunk_size,
+    )
     prompt = list(range(300))  # 4 full chunks of 64, and a partial one that is never cached
     req = request("t1", prompt, None)
     full = list(s._full_chunk_keys(req).keys)
@@ -411,7 +488,10 @@ def test_scheduler_loads_the_tiers_leading_chunks_and_saves_only_what_it_compute
     fresh_keys = list(s._full_chunk_keys(fresh).keys)
     first = s.build(sched_output(new=[("t2", [9, 10], 0)], scheduled={"t2": 64})).saves
     second = s.build(sched_output(cached=[("t2", [11], 64)], scheduled={"t2": 66})).saves
-    assert [(x.first_chunk, x.keys, x.block_ids) for x in first + second] == [(0, fresh_keys[:1], [9, 10]), (1, fresh_keys[:2], [9, 10, 11])]
+    assert [(x.first_chunk, x.keys, x.block_ids) for x in first + second] == [
+        (0, fresh_keys[:1], [9, 10]),
+        (1, fresh_keys[:2], [9, 10, 11]),
+    ]
 
 
 def test_a_prefix_saved_by_one_instance_is_loaded_by_another(redis_server) -> None:  # noqa: ANN001 - fixture
@@ -419,7 +499,12 @@ def test_a_prefix_saved_by_one_instance_is_loaded_by_another(redis_server) -> No
     from pdkv.integration.vllm.metadata import LoadSpec, SaveSpec
 
     namespace = f"vllm-test-{time.monotonic_ns()}:"
-    cfg = convert_config({"transfer": {"chunk_size": 64}, "tier": {"memory_bytes": 0, "redis_url": redis_server.url, "redis_namespace": namespace}})
+    cfg = convert_config(
+        {
+            "transfer": {"chunk_size": 64},
+            "tier": {"memory_bytes": 0, "redis_url": redis_server.url, "redis_namespace": namespace},
+        }
+    )
     cache = lambda layout: KVCacheEngine(layout, cfg.tier, 64, fingerprint=FP)  # noqa: E731 - what PdkvConnector builds
     a_cache, b_cache = vllm_cpu_cache(8, seed=5), vllm_cpu_cache(8)
     a = WorkerSide(cfg, FP, is_producer=False, is_consumer=False, agent_name="a", cache=cache)
@@ -432,18 +517,32 @@ def test_a_prefix_saved_by_one_instance_is_loaded_by_another(redis_server) -> No
         a.save(StepMetadata(saves=[SaveSpec("r", 2, keys, [6, 1, 4, 0, 7, 2])]))  # the next step: chunk 2 only
         assert a.cache is not None and a.cache.flush(10)
         assert a.cache.stats()["redis"].written_bytes == 3 * (HEADER_BYTES + a.layout.chunk_bytes(64))  # type: ignore[union-attr]
-        assert b.cache is not None and b.cache.lookup(PromptKeys(tuple(keys), 192, 64, FP)) == 192  # B sees what A wrote
+        assert (
+            b.cache is not None and b.cache.lookup(PromptKeys(tuple(keys), 192, 64, FP)) == 192
+        )  # B sees what A wrote
         before = {n: t[5].clone() for n, t in b_cache.items()}
-        b.start_loads(StepMetadata(loads=[LoadSpec("r", "", 192, 32, [5, 3, 2, 1, 0, 4], keys)]))  # B's prefix cache holds tokens < 32
+        b.start_loads(
+            StepMetadata(loads=[LoadSpec("r", "", 192, 32, [5, 3, 2, 1, 0, 4], keys)])
+        )  # B's prefix cache holds tokens < 32
         _, recving, failed = collect(b, set())
         assert recving == {"r"} and failed == set()
         a_layout, a_views = cpu_cache_layout(a_cache, BS)
         b_layout, b_views = cpu_cache_layout(b_cache, BS)
         want = gather(a_layout, a_views, [6, 1, 4, 0, 7, 2], 32, 160)
         assert torch.equal(gather(b_layout, b_views, [5, 3, 2, 1, 0, 4], 32, 160), want)
-        assert all(torch.equal(t[5][:, :, :32], before[n][:, :, :32]) for n, t in b_cache.items())  # block 5, tokens < 32: untouched
+        assert all(
+            torch.equal(t[5][:, :, :32], before[n][:, :, :32]) for n, t in b_cache.items()
+        )  # block 5, tokens < 32: untouched
         # a chunk gone from the tier (evicted since the lookup): the load fails and vLLM recomputes
-        b.start_loads(StepMetadata(loads=[LoadSpec("r2", "", 256, 0, [0, 1, 2, 3, 4, 5, 6, 7], chunk_keys(list(range(192)) + [9] * 64, FP, 64))]))
+        b.start_loads(
+            StepMetadata(
+                loads=[
+                    LoadSpec(
+                        "r2", "", 256, 0, [0, 1, 2, 3, 4, 5, 6, 7], chunk_keys(list(range(192)) + [9] * 64, FP, 64)
+                    )
+                ]
+            )
+        )
         _, recving, failed = collect(b, set())
         assert failed == {"r2"} and b.counters["tier_load_failed"] == 1
     finally:
@@ -455,11 +554,17 @@ def test_a_prefix_saved_by_one_instance_is_loaded_by_another(redis_server) -> No
 def test_launcher_hands_the_connector_its_whole_config_but_never_the_secret_on_argv() -> None:
     from pdkv.launch.vllm import CONNECTOR_FIELDS, vllm_command
 
-    cfg = convert_config({
-        "role": "decode", "secret": "s3cret-value", "num_blocks": 96, "control_port": 7123,
-        "tier": {"redis_url": "redis://127.0.0.1:6399/0", "redis_namespace": "team-a:"},
-        "transfer": {"transfer_timeout_s": 8}, "channel": {"name": "tcp", "options": {"streams": 2}},
-    })
+    cfg = convert_config(
+        {
+            "role": "decode",
+            "secret": "s3cret-value",
+            "num_blocks": 96,
+            "control_port": 7123,
+            "tier": {"redis_url": "redis://127.0.0.1:6399/0", "redis_namespace": "team-a:"},
+            "transfer": {"transfer_timeout_s": 8},
+            "channel": {"name": "tcp", "options": {"streams": 2}},
+        }
+    )
     cmd, info = vllm_command(cfg, "/models/m", ["--enforce-eager"], python="py")
     assert not any("s3cret-value" in arg for arg in cmd)  # argv is world-readable through ps
     ktc = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])

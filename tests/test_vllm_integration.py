@@ -54,8 +54,14 @@ pytestmark = pytest.mark.timeout(1800)
 ENGINE_ARGS = ["--", "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "8"]
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 TESTS = Path(__file__).resolve().parent
-PROBED = ["--worker-extension-cls", "vllm_kvprobe.KVProbe"]  # with PROBE_ENV: the KV probe, on the monolithic vLLM and on D
-PROBE_ENV = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+PROBED = [
+    "--worker-extension-cls",
+    "vllm_kvprobe.KVProbe",
+]  # with PROBE_ENV: the KV probe, on the monolithic vLLM and on D
+PROBE_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",
+    "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
+}
 
 
 def bind(role: str) -> dict[str, str]:
@@ -66,14 +72,23 @@ def bind(role: str) -> dict[str, str]:
     if len(cores) < 2:
         return ENV
     return {**ENV, "VLLM_CPU_OMP_THREADS_BIND": str(cores[0] if role == "prefill" else cores[1])}
+
+
 D_TRANSFER_TIMEOUT_S = 8.0
-LONG = " ".join(f"Item {i} of the inventory is a box of {i * 7 % 13} red apples." for i in range(30))  # ~480 tokens: several blocks and chunks
-SHARED = " ".join(f"Rule {i}: a ship of class {i % 5} must carry {i * 3 % 11} lifeboats." for i in range(40))  # ~600 tokens: 2 full 256-token chunks
+LONG = " ".join(
+    f"Item {i} of the inventory is a box of {i * 7 % 13} red apples." for i in range(30)
+)  # ~480 tokens: several blocks and chunks
+SHARED = " ".join(
+    f"Rule {i}: a ship of class {i % 5} must carry {i * 3 % 11} lifeboats." for i in range(40)
+)  # ~600 tokens: 2 full 256-token chunks
 # Greedy paths with no near-tie in 16 tokens on the monolithic vLLM here (smallest top-2 margins 1.9, 1.3, 0.63,
 # 0.63), chosen from 55 candidates; "Name three colours of the rainbow." was the chat prompt before: an exact tie at
 # its 6th token, " and" vs " sight" both at -1.0953, which P/D resolved the other way.
 PROMPTS = ["1, 2, 3, 4, 5, 6,", LONG + " Item 30 of the inventory is a box of"]
-CHATS = [[{"role": "user", "content": "What is the capital of Germany?"}], [{"role": "user", "content": "Name the days of the week."}]]
+CHATS = [
+    [{"role": "user", "content": "What is the capital of Germany?"}],
+    [{"role": "user", "content": "Name the days of the week."}],
+]
 NEAR_TIE = 0.5
 """Top-2 logprob gap under which a greedy step is decided by arithmetic, not by the model. Measured here with
 55 prompts (4-487 tokens, completions and chat), 32 tokens each, through P/D and the monolithic vLLM: the KV
@@ -107,8 +122,26 @@ def _healthy(url: str) -> bool:
 def _start_mono(python: str, model: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     """Plain vLLM, no connector: what P/D must reproduce."""
     port = free_port("127.0.0.1")
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1", "--port", str(port), *ENGINE_ARGS[1:], *PROBED]
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, **bind("mono"), **PROBE_ENV}, start_new_session=True)
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *ENGINE_ARGS[1:],
+        *PROBED,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log.open("wb"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **bind("mono"), **PROBE_ENV},
+        start_new_session=True,
+    )
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -123,10 +156,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, vllm_env_python: str) -> I
         redis_url = stack.enter_context(local_redis()).url
         namespace = f"vllm-{uuid.uuid4().hex}:"
         tier = f"tier:\n  redis_url: {redis_url}\n  redis_namespace: '{namespace}'\n"
-        secret = f"secret: {uuid.uuid4().hex}\n"  # P and D authenticate each other, as a deployment beyond loopback must
-        kv_events = f"kv_events: {{enable_kv_cache_events: true, endpoint: 'ipc://{tmp}/p-events', replay_endpoint: 'ipc://{tmp}/p-replay'}}\n"
+        secret = (
+            f"secret: {uuid.uuid4().hex}\n"  # P and D authenticate each other, as a deployment beyond loopback must
+        )
+        kv_events = (
+            f"kv_events: {{enable_kv_cache_events: true, endpoint: 'ipc://{tmp}/p-events', replay_endpoint: "
+            f"'ipc://{tmp}/p-replay'}}\n"
+        )
         (tmp / "prefill.yaml").write_text(secret + tier + kv_events)
-        (tmp / "decode.yaml").write_text(f"{secret}transfer:\n  transfer_timeout_s: {D_TRANSFER_TIMEOUT_S}\n  claim_timeout_s: 30\nnum_blocks: 64\n{tier}")
+        (tmp / "decode.yaml").write_text(
+            f"{secret}transfer:\n  transfer_timeout_s: {D_TRANSFER_TIMEOUT_S}\n  claim_timeout_s: 30\nnum_blocks: "
+            f"64\n{tier}"
+        )
         yield from _cluster(python, model, tmp, redis_url, namespace)
 
 
@@ -136,18 +177,54 @@ def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str)
     try:
         with ThreadPoolExecutor(2) as pool:
             vllm = ("--engine", "vllm", "--model", model, "--port", "0")
-            d_future = pool.submit(start_worker, "decode", *vllm, "--config", str(tmp / "decode.yaml"), *ENGINE_ARGS, *PROBED, timeout=900, env={**bind("decode"), **PROBE_ENV}, python=python)
-            p_future = pool.submit(start_worker, "prefill", *vllm, "--config", str(tmp / "prefill.yaml"), *ENGINE_ARGS, timeout=900, env=bind("prefill"), python=python)
-        # Both have finished starting (the pool waited): keep whichever came up, so one that failed never leaves the other running.
+            d_future = pool.submit(
+                start_worker,
+                "decode",
+                *vllm,
+                "--config",
+                str(tmp / "decode.yaml"),
+                *ENGINE_ARGS,
+                *PROBED,
+                timeout=900,
+                env={**bind("decode"), **PROBE_ENV},
+                python=python,
+            )
+            p_future = pool.submit(
+                start_worker,
+                "prefill",
+                *vllm,
+                "--config",
+                str(tmp / "prefill.yaml"),
+                *ENGINE_ARGS,
+                timeout=900,
+                env=bind("prefill"),
+                python=python,
+            )
+        # Both have finished starting (the pool waited): keep whichever came up, so one that failed never
+        # leaves the other running.
         started += [f.result() for f in (d_future, p_future) if f.exception() is None]
         decode, prefill = d_future.result(), p_future.result()
         # KV-aware: the router follows P's KV events (named in P's /pdkv/info) with the model's tokenizer
         (tmp / "router.yaml").write_text(f"router: {{policy: prefix, tokenizer: '{model}', kv_events_check_s: 1}}\n")
-        router = start_worker("router", "--mode", "vllm", "--config", str(tmp / "router.yaml"), "--port", "0", "--prefill", prefill.url, "--decode", decode.url)
+        router = start_worker(
+            "router",
+            "--mode",
+            "vllm",
+            "--config",
+            str(tmp / "router.yaml"),
+            "--port",
+            "0",
+            "--prefill",
+            prefill.url,
+            "--decode",
+            decode.url,
+        )
         started.append(router)
         deadline = time.monotonic() + 900
         while not _healthy(mono_url):
-            assert mono.poll() is None and time.monotonic() < deadline, f"monolithic vLLM did not start: {(tmp / 'mono.log').read_text()[-2000:]}"
+            assert mono.poll() is None and time.monotonic() < deadline, (
+                f"monolithic vLLM did not start: {(tmp / 'mono.log').read_text()[-2000:]}"
+            )
             time.sleep(0.5)
         for url in (mono_url, decode.url):
             post_json(url + "/collective_rpc", {"method": "pdkv_probe_start"})
@@ -161,7 +238,11 @@ def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str)
 
 
 def complete(url: str, model: str, prompt: str, timeout: float = 300.0, **extra: object) -> dict:
-    return post_json(url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, **extra}, timeout)
+    return post_json(
+        url + "/v1/completions",
+        {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, **extra},
+        timeout,
+    )
 
 
 @dataclass
@@ -182,17 +263,34 @@ def _token_id(token: str) -> int:
 
 
 def ask(url: str, model: str, prompt: str | list[dict[str, str]], max_tokens: int = 16) -> Answer:
-    """A greedy completion (chat when ``prompt`` is messages) with its prompt's token ids and each step's top logprobs."""
-    body: dict = {"model": model, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    """A greedy completion (chat when ``prompt`` is messages) with its prompt's token ids and each step's top
+    logprobs."""
+    body: dict = {
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
     if isinstance(prompt, str):
         choice = post_json(url + "/v1/completions", {**body, "prompt": prompt, "logprobs": 5})
         lp = choice["choices"][0]["logprobs"]
-        steps = [Step(_token_id(t), {_token_id(k): v for k, v in top.items()}) for t, top in zip(lp["tokens"], lp["top_logprobs"], strict=True)]
+        steps = [
+            Step(_token_id(t), {_token_id(k): v for k, v in top.items()})
+            for t, top in zip(lp["tokens"], lp["top_logprobs"], strict=True)
+        ]
     else:
-        choice = post_json(url + "/v1/chat/completions", {**body, "messages": prompt, "logprobs": True, "top_logprobs": 5})
+        choice = post_json(
+            url + "/v1/chat/completions", {**body, "messages": prompt, "logprobs": True, "top_logprobs": 5}
+        )
         content = choice["choices"][0]["logprobs"]["content"]
-        steps = [Step(_token_id(e["token"]), {_token_id(t["token"]): t["logprob"] for t in e["top_logprobs"]}) for e in content]
-    prompt_ids = choice.get("prompt_token_ids") or choice["choices"][0]["prompt_token_ids"]  # chat: top level; completions: per choice
+        steps = [
+            Step(_token_id(e["token"]), {_token_id(t["token"]): t["logprob"] for t in e["top_logprobs"]})
+            for e in content
+        ]
+    prompt_ids = (
+        choice.get("prompt_token_ids") or choice["choices"][0]["prompt_token_ids"]
+    )  # chat: top level; completions: per choice
     return Answer(prompt_ids, steps, choice["choices"][0]["finish_reason"] == "stop")
 
 
@@ -203,25 +301,35 @@ def assert_same_greedy_path(want: Answer, got: Answer, eos_id: int, what: str) -
         g = got.steps[i].token if i < len(got.steps) else eos_id if got.eos else None
         if w == g:
             continue
-        assert w is not None and g is not None, f"{what}: one answer stopped at max_tokens after {i} tokens, the other did not"
+        assert w is not None and g is not None, (
+            f"{what}: one answer stopped at max_tokens after {i} tokens, the other did not"
+        )
         for side, mine, other in (("monolithic", want, g), ("P/D", got, w)):
             if i < len(mine.steps):  # a side that stopped on EOS has no logprobs for that step
                 top = mine.steps[i].top
                 gap = top[mine.steps[i].token] - top.get(other, float("-inf"))
-                assert gap < NEAR_TIE, f"{what}: token {i}: {side} chose {mine.steps[i].token} over {other} by {gap:.4f} in logprob, not a near-tie (< {NEAR_TIE}); top: {top}"
+                assert gap < NEAR_TIE, (
+                    f"{what}: token {i}: {side} chose {mine.steps[i].token} over {other} by {gap:.4f} in logprob, not "
+                    f"a near-tie (< {NEAR_TIE}); top: {top}"
+                )
         return
 
 
 def kv_digests(url: str, prompt_ids: list[int]) -> list[str]:
     """Per-position digests of the KV the instance at ``url`` held for this prompt (see tests/vllm_kvprobe.py)."""
-    got = post_json(url + "/collective_rpc", {"method": "pdkv_probe_take", "args": [json.dumps(prompt_ids)]})["results"][0]
+    got = post_json(url + "/collective_rpc", {"method": "pdkv_probe_take", "args": [json.dumps(prompt_ids)]})[
+        "results"
+    ][0]
     assert got is not None, f"{url} recorded no KV for this prompt"
     return got
 
 
 def assert_same_kv(got: list[str], want: list[str], what: str) -> None:
     differ = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
-    assert not differ, f"{what}: the KV of {len(differ)} of {len(want)} prompt positions differs from monolithic vLLM's (first: {differ[:8]})"
+    assert not differ, (
+        f"{what}: the KV of {len(differ)} of {len(want)} prompt positions differs from monolithic vLLM's (first: "
+        f"{differ[:8]})"
+    )
 
 
 def eos_token_id(model: str) -> int:
@@ -262,9 +370,17 @@ def test_decode_recomputes_when_the_pushed_kv_never_arrives(cluster: Cluster) ->
     prompt = "A short story about a lighthouse keeper who"
     want = complete(c.mono_url, c.model, prompt)["choices"][0]["text"]
     info = json.loads(get_text(c.decode.url + "/pdkv/info"))
-    target = {"do_remote_decode": True, "remote_host": info["remote_host"], "remote_port": info["remote_port"], "transfer_id": f"real-{uuid.uuid4().hex}"}
+    target = {
+        "do_remote_decode": True,
+        "remote_host": info["remote_host"],
+        "remote_port": info["remote_port"],
+        "transfer_id": f"real-{uuid.uuid4().hex}",
+    }
     params = complete(c.prefill.url, c.model, prompt, max_tokens=1, kv_transfer_params=target)["kv_transfer_params"]
-    ghost = {**params, "transfer_id": f"ghost-{uuid.uuid4().hex}"}  # valid prompt key, but nothing will ever be pushed under this id
+    ghost = {
+        **params,
+        "transfer_id": f"ghost-{uuid.uuid4().hex}",
+    }  # valid prompt key, but nothing will ever be pushed under this id
     before = sources(c)
     t0 = time.monotonic()
     got = complete(c.decode.url, c.model, prompt, kv_transfer_params=ghost)
@@ -273,7 +389,9 @@ def test_decode_recomputes_when_the_pushed_kv_never_arrives(cluster: Cluster) ->
     assert elapsed < D_TRANSFER_TIMEOUT_S + 30, f"decode took {elapsed:.1f}s for a transfer that never came"
     after = sources(c)
     assert after["external_kv_transfer"] == before["external_kv_transfer"]  # nothing was loaded...
-    assert after["local_compute"] - before["local_compute"] >= got["usage"]["prompt_tokens"] - 1  # ...the prompt was recomputed
+    assert (
+        after["local_compute"] - before["local_compute"] >= got["usage"]["prompt_tokens"] - 1
+    )  # ...the prompt was recomputed
 
 
 def test_a_prefix_computed_on_one_vllm_is_loaded_from_redis_by_another(cluster: Cluster) -> None:
@@ -299,7 +417,9 @@ def test_a_prefix_computed_on_one_vllm_is_loaded_from_redis_by_another(cluster: 
     assert loaded == 512  # two full 256-token chunks from the tier; the partial last chunk is computed
     assert sources(c)["local_compute"] - before["local_compute"] == len(got.prompt_ids) - 512
     assert_same_kv(kv_digests(c.decode.url, got.prompt_ids)[:512], want_kv[:512], "SHARED from Redis")
-    assert_same_greedy_path(want, got, eos_token_id(c.model), "SHARED")  # D computed the rest over the loaded 512: other kernels
+    assert_same_greedy_path(
+        want, got, eos_token_id(c.model), "SHARED"
+    )  # D computed the rest over the loaded 512: other kernels
 
 
 def _cached(router_url: str, prompt: str) -> dict[str, int]:
@@ -320,13 +440,22 @@ def test_the_router_follows_a_real_vllms_kv_events(cluster: Cluster) -> None:
     assert info["kv_events"]["endpoint"].startswith("ipc://")
     n = complete(c.router.url, c.model, LONG)["usage"]["prompt_tokens"]
     deadline = time.monotonic() + 60
-    while not (sizes := _block_sizes(c.router.url, c.prefill.url)) or _cached(c.router.url, LONG)[c.prefill.url] < (n // sizes[0]) * sizes[0]:
-        assert time.monotonic() < deadline, f"the router's index of P: {get_text(c.router.url + '/pdkv/kv-index')}"  # vLLM caches whole blocks
+    while (
+        not (sizes := _block_sizes(c.router.url, c.prefill.url))
+        or _cached(c.router.url, LONG)[c.prefill.url] < (n // sizes[0]) * sizes[0]
+    ):
+        assert time.monotonic() < deadline, (
+            f"the router's index of P: {get_text(c.router.url + '/pdkv/kv-index')}"
+        )  # vLLM caches whole blocks
         time.sleep(0.5)
     assert sizes[0] * 2 <= n  # several blocks: the match is not trivially the first one
     assert _cached(c.router.url, "Something else entirely")[c.prefill.url] == 0
     p_view = json.loads(get_text(c.router.url + "/pdkv/kv-index"))["workers"][c.prefill.url]
-    assert len(p_view["block_sizes"]) == 1 and p_view["stream"].get("lost", 0) == 0 and p_view["stream"].get("malformed", 0) == 0
+    assert (
+        len(p_view["block_sizes"]) == 1
+        and p_view["stream"].get("lost", 0) == 0
+        and p_view["stream"].get("malformed", 0) == 0
+    )
 
 
 def test_a_killed_prefill_does_not_hang_the_decode(cluster: Cluster) -> None:
@@ -340,5 +469,7 @@ def test_a_killed_prefill_does_not_hang_the_decode(cluster: Cluster) -> None:
     assert time.monotonic() - t0 < 60
     assert metric(get_text(c.router.url + "/metrics"), "pdkv_router_fallbacks_total", reason="prefill_failed") >= 1
     assert _healthy(c.decode.url)
-    again = ask(c.decode.url, c.model, PROMPTS[0])  # D keeps serving (its prefix cache may hold this prompt: near-ties may go either way)
+    again = ask(
+        c.decode.url, c.model, PROMPTS[0]
+    )  # D keeps serving (its prefix cache may hold this prompt: near-ties may go either way)
     assert_same_greedy_path(ask(c.mono_url, c.model, PROMPTS[0]), again, eos_token_id(c.model), "D after P died")

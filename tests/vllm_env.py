@@ -46,7 +46,9 @@ def _run(cmd: list[str], deadline: float, what: str) -> None:
 
 def _imports(python: str) -> str | None:
     """None if ``python`` imports vLLM and pdkv's connector, else what failed."""
-    probe = subprocess.run([python, "-c", "import vllm, pdkv.integration.vllm.connector"], capture_output=True, text=True, timeout=300)
+    probe = subprocess.run(
+        [python, "-c", "import vllm, pdkv.integration.vllm.connector"], capture_output=True, text=True, timeout=300
+    )
     return None if probe.returncode == 0 else (probe.stderr.strip().splitlines() or ["?"])[-1]
 
 
@@ -67,15 +69,27 @@ def vllm_python() -> str:
         deadline = time.monotonic() + budget
         marker = env_dir / ".pdkv-complete"
         if not marker.exists():
-            print(f"\n[pdkv] building a vLLM environment in {env_dir} (once; budget {budget:.0f}s)", file=sys.stderr, flush=True)
+            print(
+                f"\n[pdkv] building a vLLM environment in {env_dir} (once; budget {budget:.0f}s)",
+                file=sys.stderr,
+                flush=True,
+            )
             venv.EnvBuilder(clear=True, with_pip=True).create(env_dir)
             pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
             _run([*pip, TORCH_REQUIREMENT], deadline, f"pip install {TORCH_REQUIREMENT}")
             _run([*pip, VLLM_REQUIREMENT], deadline, f"pip install {VLLM_REQUIREMENT}")
-            _run([python, "-m", "pip", "uninstall", "-y", "-q", *BREAKS_BESIDE_CPU_TORCH], deadline, "removing torchvision/torchaudio/torchcodec")
+            _run(
+                [python, "-m", "pip", "uninstall", "-y", "-q", *BREAKS_BESIDE_CPU_TORCH],
+                deadline,
+                "removing torchvision/torchaudio/torchcodec",
+            )
             marker.write_text(VLLM_REQUIREMENT)
         # Every run: this checkout, editable (the connector module vLLM loads is the code under test).
-        _run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-e", f"{REPO}[redis]"], deadline, "pip install -e '.[redis]' into the vLLM environment")
+        _run(
+            [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-e", f"{REPO}[redis]"],
+            deadline,
+            "pip install -e '.[redis]' into the vLLM environment",
+        )
     problem = _imports(python)
     if problem:
         raise Unavailable(f"the vLLM environment in {env_dir} cannot import vLLM and pdkv's connector: {problem}")

@@ -34,11 +34,22 @@ def wire(h: object) -> object:
 def describe(event: object) -> dict[str, object]:
     if isinstance(event, BlockStored):
         return {
-            "type": "BlockStored", "block_hashes": [wire(h) for h in event.block_hashes], "parent": None if event.parent_block_hash is None else wire(event.parent_block_hash),
-            "token_ids": event.token_ids, "block_size": event.block_size, "medium": event.medium, "locality": event.locality, "lora_id": event.lora_id,
+            "type": "BlockStored",
+            "block_hashes": [wire(h) for h in event.block_hashes],
+            "parent": None if event.parent_block_hash is None else wire(event.parent_block_hash),
+            "token_ids": event.token_ids,
+            "block_size": event.block_size,
+            "medium": event.medium,
+            "locality": event.locality,
+            "lora_id": event.lora_id,
         }
     if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": [wire(h) for h in event.block_hashes], "medium": event.medium, "locality": event.locality}
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": [wire(h) for h in event.block_hashes],
+            "medium": event.medium,
+            "locality": event.locality,
+        }
     assert isinstance(event, AllBlocksCleared), type(event)
     return {"type": "AllBlocksCleared"}
 
@@ -57,7 +68,14 @@ def read_pdkv(endpoint: str, replay_endpoint: str, topic: str) -> list[dict[str,
             break
         assert got_topic == topic.encode(), got_topic
         batch = decoder.decode(payload)
-        batches.append({"seq": int.from_bytes(seq, "big"), "ts": batch.ts, "dp_rank": batch.data_parallel_rank, "events": [describe(e) for e in batch.events]})
+        batches.append(
+            {
+                "seq": int.from_bytes(seq, "big"),
+                "ts": batch.ts,
+                "dp_rank": batch.data_parallel_rank,
+                "events": [describe(e) for e in batch.events],
+            }
+        )
     replay.close(linger=0)
     return batches
 
@@ -66,7 +84,12 @@ def make_event(spec: dict[str, object]) -> object:
     kind = spec.pop("type")
     if kind == "BlockStored":
         parent = spec.pop("parent")
-        return BlockStored(block_hashes=[bytes.fromhex(h) for h in spec.pop("block_hashes")], parent_block_hash=bytes.fromhex(parent) if parent else None, lora_name=None, **spec)
+        return BlockStored(
+            block_hashes=[bytes.fromhex(h) for h in spec.pop("block_hashes")],
+            parent_block_hash=bytes.fromhex(parent) if parent else None,
+            lora_name=None,
+            **spec,
+        )
     if kind == "BlockRemoved":
         return BlockRemoved(block_hashes=[bytes.fromhex(h) for h in spec.pop("block_hashes")], **spec)
     return AllBlocksCleared()
@@ -76,8 +99,12 @@ def main() -> None:
     endpoint, replay_endpoint, topic, vllm_endpoint, vllm_replay = sys.argv[1:6]
     fields = [f.name for f in dataclasses.fields(KVEventsConfig)]
     print(json.dumps({"pdkv": read_pdkv(endpoint, replay_endpoint, topic), "config_fields": fields}), flush=True)
-    config = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=vllm_endpoint, replay_endpoint=vllm_replay, topic=topic)
-    publisher = ZmqEventPublisher(data_parallel_rank=0, endpoint=config.endpoint, replay_endpoint=config.replay_endpoint, topic=config.topic)
+    config = KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=vllm_endpoint, replay_endpoint=vllm_replay, topic=topic
+    )
+    publisher = ZmqEventPublisher(
+        data_parallel_rank=0, endpoint=config.endpoint, replay_endpoint=config.replay_endpoint, topic=config.topic
+    )
     print(json.dumps({"vllm": "ready"}), flush=True)
     seq = 0
     for line in sys.stdin:

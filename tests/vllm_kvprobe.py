@@ -1,4 +1,5 @@
-"""A vLLM worker extension for the integration tests: the KV a vLLM instance holds for each prompt, position by position.
+"""A vLLM worker extension for the integration tests: the KV a vLLM instance holds for each prompt, position by
+position.
 
 vLLM mixes this class into its worker (``--worker-extension-cls
 vllm_kvprobe.KVProbe``, with this directory on ``PYTHONPATH``) and its
@@ -66,10 +67,22 @@ def _slot_elements(runner: Any) -> torch.Tensor:
     _, heads, block_size, two_d = runner.kv_caches[0].shape
     block = torch.zeros(1, heads, 2 * block_size, two_d // 2, dtype=runner.kv_caches[0].dtype)
     k_cache, v_cache = block.chunk(2, dim=2)  # how vLLM's CPU backend splits a block
-    marks = torch.arange(1, block_size + 1, dtype=torch.float32).view(-1, 1, 1).expand(block_size, heads, two_d // 2).to(block.dtype)
-    ops.cpu_attn_reshape_and_cache(marks.contiguous(), (-marks).contiguous(), k_cache, v_cache, torch.arange(block_size), layer.isa)
+    marks = (
+        torch.arange(1, block_size + 1, dtype=torch.float32)
+        .view(-1, 1, 1)
+        .expand(block_size, heads, two_d // 2)
+        .to(block.dtype)
+    )
+    ops.cpu_attn_reshape_and_cache(
+        marks.contiguous(), (-marks).contiguous(), k_cache, v_cache, torch.arange(block_size), layer.isa
+    )
     flat = block.flatten().float()
-    slots = torch.stack([torch.cat([(flat == t).nonzero().flatten(), (flat == -t).nonzero().flatten()]) for t in range(1, block_size + 1)])
+    slots = torch.stack(
+        [
+            torch.cat([(flat == t).nonzero().flatten(), (flat == -t).nonzero().flatten()])
+            for t in range(1, block_size + 1)
+        ]
+    )
     assert slots.shape == (block_size, heads * two_d), f"could not map the {layer.isa!r} kernel's block layout"
     return slots
 
@@ -85,13 +98,17 @@ def _record(runner: Any, scheduler_output: Any) -> None:
             continue
         n = len(state.prompt_token_ids)
         if computed < n <= computed + scheduled.get(req_id, 0):  # this step completed the prompt
-            runner._pdkv_probe[prompt_id(state.prompt_token_ids)] = _digests(runner.kv_caches, runner._pdkv_slots, list(state.block_ids[0]), n)
+            runner._pdkv_probe[prompt_id(state.prompt_token_ids)] = _digests(
+                runner.kv_caches, runner._pdkv_slots, list(state.block_ids[0]), n
+            )
 
 
 def _digests(kv_caches: list[torch.Tensor], slots: torch.Tensor, block_ids: list[int], n: int) -> list[str]:
     block_size = slots.shape[0]
     pos = torch.arange(n)
     blocks = torch.tensor(block_ids, dtype=torch.long)[pos // block_size]
-    rows = torch.stack([layer.view(layer.shape[0], -1)[blocks[:, None], slots[pos % block_size]] for layer in kv_caches], dim=1)
+    rows = torch.stack(
+        [layer.view(layer.shape[0], -1)[blocks[:, None], slots[pos % block_size]] for layer in kv_caches], dim=1
+    )
     raw = rows.contiguous().view(torch.uint8).reshape(n, -1).numpy()
     return [xxhash.xxh3_64_hexdigest(raw[i].tobytes()) for i in range(n)]

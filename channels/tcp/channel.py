@@ -88,22 +88,31 @@ class TcpChannel(Channel):
             self.initiator.link(peer, token)
         except ChannelError as exc:
             raise ChannelError(
-                f"{exc}. The peer advertises {self.initiator.address_of(peer)}: on another host it must advertise an address this host can reach "
+                f"{exc}. The peer advertises {self.initiator.address_of(peer)}: on another host it must advertise an "
+                "address this host can reach "
                 "(its host / --host, or advertise_host and advertise_port behind a NAT or proxy)"
             ) from None
 
     # -- transfers ---------------------------------------------------------------
-    def _post(self, kind: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes) -> TransferHandle:
+    def _post(
+        self, kind: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes
+    ) -> TransferHandle:
         if self.closed:
             raise ChannelError("tcp channel is closed")
         total = self.regions.check_ops(peer, ops)
         if notif is not None and len(notif) > self.agent.opts.max_notif_bytes:
-            raise ChannelError(f"tcp: notification of {len(notif)} bytes exceeds max_notif_bytes={self.agent.opts.max_notif_bytes}")
+            raise ChannelError(
+                f"tcp: notification of {len(notif)} bytes exceeds max_notif_bytes={self.agent.opts.max_notif_bytes}"
+            )
         return self.initiator.post(kind, peer, ops, total, notif, token)
 
     def poll(self, handle: TransferHandle) -> XferState:
         """The handle's state, after landing whatever answers are already there (never blocks)."""
-        if isinstance(handle, TcpHandle) and handle.state is XferState.PENDING and handle.link.rx_lock.acquire(blocking=False):
+        if (
+            isinstance(handle, TcpHandle)
+            and handle.state is XferState.PENDING
+            and handle.link.rx_lock.acquire(blocking=False)
+        ):
             try:
                 while handle.link.progress(0):
                     pass
@@ -132,7 +141,8 @@ class TcpChannel(Channel):
             self.counters[event] += 1
 
     def fence(self, peer: str, token: bytes) -> None:
-        """Hang up every session that presented ``token`` and wait for their readers: nothing queued behind them lands."""
+        """Hang up every session that presented ``token`` and wait for their readers: nothing queued behind them
+        lands."""
         self.target.fence(peer, token)
 
     # -- shutdown ------------------------------------------------------------------

@@ -37,8 +37,11 @@ from pdkv.errors import ChannelError, ProtocolError, TransferTimeout
 _DRAIN_BYTES = 1 << 20  # a refused frame's payload is read away in pieces this big
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 SHUTDOWN_JOIN_S = 2.0  # how long closing waits for each of the channel's threads
-_TLS_JOIN_BYTES = 64 << 10  # with TLS, buffers up to this size are joined into one write (one record instead of several)
-# A kernel timeout (SO_RCVTIMEO/SO_SNDTIMEO) with nothing moved: BlockingIOError in clear, SSLWant*Error through OpenSSL.
+_TLS_JOIN_BYTES = (
+    64 << 10
+)  # with TLS, buffers up to this size are joined into one write (one record instead of several)
+# A kernel timeout (SO_RCVTIMEO/SO_SNDTIMEO) with nothing moved: BlockingIOError in clear, SSLWant*Error through
+# OpenSSL.
 _WOULD_BLOCK = (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
@@ -77,7 +80,9 @@ def idle_deadline(timeout: float, what: str) -> Callable[[], None]:
 
     def check() -> None:
         if time.monotonic() > end:
-            raise TransferTimeout(f"tcp: no {what} within {timeout:.3g}s (raise connect_timeout if the network is slow)")
+            raise TransferTimeout(
+                f"tcp: no {what} within {timeout:.3g}s (raise connect_timeout if the network is slow)"
+            )
 
     return check
 
@@ -104,13 +109,17 @@ class Conn:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.tick))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(opts.io_timeout))
 
-    def start_tls(self, context: ssl.SSLContext, server_side: bool, server_hostname: str | None, timeout: float) -> None:
+    def start_tls(
+        self, context: ssl.SSLContext, server_side: bool, server_hostname: str | None, timeout: float
+    ) -> None:
         """Wrap the connection in TLS and complete the handshake within ``timeout`` (an ``ssl.SSLError`` if it fails).
 
         The socket keeps its file descriptor (pollers registered on it stay
         valid) and its kernel timeouts, which the handshake loop ticks through.
         """
-        self.sock = context.wrap_socket(self.sock, server_side=server_side, server_hostname=server_hostname, do_handshake_on_connect=False)
+        self.sock = context.wrap_socket(
+            self.sock, server_side=server_side, server_hostname=server_hostname, do_handshake_on_connect=False
+        )
         self.tls = True  # from here on every byte goes through OpenSSL, even an ERROR after a failed handshake
         self._recv_flags = 0
         deadline = idle_deadline(timeout, f"TLS handshake on {self.label}")
@@ -149,7 +158,8 @@ class Conn:
                 idle += 1
                 if idle >= self.max_idle_ticks:
                     raise TransferTimeout(
-                        f"tcp {self.label}: peer sent {got} of {n} bytes of a frame, then nothing for {self.io_timeout:.3g}s"
+                        f"tcp {self.label}: peer sent {got} of {n} bytes of a frame, then nothing for "
+                        f"{self.io_timeout:.3g}s"
                     ) from None
                 continue
             if r == 0:
@@ -223,9 +233,10 @@ class Conn:
         except _WOULD_BLOCK:
             raise TransferTimeout(f"tcp {self.label}: peer accepted no data for {self.io_timeout:.3g}s") from None
 
-    def send_frame(self, ftype: int, xfer: int = 0, payload: bytes = b"", aux: int = 0, flags: int = 0, shares: int = 0) -> None:
+    def send_frame(
+        self, ftype: int, xfer: int = 0, payload: bytes = b"", aux: int = 0, flags: int = 0, shares: int = 0
+    ) -> None:
         """Send one control frame (handshake, NACK, ERROR) between other threads' batches."""
         hdr = pack(ftype, xfer, len(payload), aux, flags, shares)
         with self.send_lock:
             self.send([hdr, payload] if payload else [hdr])
-

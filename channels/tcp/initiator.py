@@ -120,10 +120,20 @@ class Initiator:
                     self._links[key] = link
             if not current:
                 link.fail("the channel closed or the peer was re-added while connecting")
-                raise ChannelError(f"tcp: peer {peer!r} was removed or re-added, or the channel closed, while connecting")
+                raise ChannelError(
+                    f"tcp: peer {peer!r} was removed or re-added, or the channel closed, while connecting"
+                )
             return link
 
-    def post(self, kind: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], total: int, notif: bytes | None, token: bytes) -> TcpHandle:
+    def post(
+        self,
+        kind: Literal["write", "read"],
+        peer: str,
+        ops: Sequence[TransferOp],
+        total: int,
+        notif: bytes | None,
+        token: bytes,
+    ) -> TcpHandle:
         """Post checked ``ops`` (``total`` bytes) over the link presenting ``token``: split, batched, sent or queued."""
         link = self.link(peer, token)
         nstreams = len(link.streams)
@@ -135,11 +145,20 @@ class Initiator:
         xfer = next(self._xfer_ids)
         home = self._home_stream()
         if kind == "write":
-            batches = [((home + i) % nstreams, self._write_batch(xfer, share, len(shares), notif if i == 0 else None)) for i, share in enumerate(shares)]
+            batches = [
+                ((home + i) % nstreams, self._write_batch(xfer, share, len(shares), notif if i == 0 else None))
+                for i, share in enumerate(shares)
+            ]
         else:
             batches = [((home + i) % nstreams, self._read_batch(xfer, share)) for i, share in enumerate(shares)]
         handle = TcpHandle(peer, kind, total, link)
-        link.post(handle, xfer, batches, notif if kind == "read" else None, kind == "read" or total <= self.agent.opts.inline_max_bytes)
+        link.post(
+            handle,
+            xfer,
+            batches,
+            notif if kind == "read" else None,
+            kind == "read" or total <= self.agent.opts.inline_max_bytes,
+        )
         return handle
 
     def _home_stream(self) -> int:
@@ -164,9 +183,13 @@ class Initiator:
             if i < last:
                 flags = shares = nlen = 0
             else:
-                flags, shares, nlen = (LAST, nshares, 0) if notif is None else (LAST | NOTIF_FOLLOWS, nshares, len(notif))
+                flags, shares, nlen = (
+                    (LAST, nshares, 0) if notif is None else (LAST | NOTIF_FOLLOWS, nshares, len(notif))
+                )
             at = i * HDR_SIZE
-            HEADER.pack_into(hdrs, at, MAGIC, VERSION, DATA, flags, shares, op.remote_region, nlen, xfer, op.remote_offset, op.length)
+            HEADER.pack_into(
+                hdrs, at, MAGIC, VERSION, DATA, flags, shares, op.remote_region, nlen, xfer, op.remote_offset, op.length
+            )
             bufs.append(hdrs[at : at + HDR_SIZE])
             bufs.append(self._regions[op.local_region][op.local_offset : op.local_offset + op.length])
             nbytes += op.length
@@ -179,7 +202,20 @@ class Initiator:
         hdrs = bytearray(HDR_SIZE * len(share))
         expect = []
         for i, op in enumerate(share):
-            HEADER.pack_into(hdrs, i * HDR_SIZE, MAGIC, VERSION, READ_REQ, 0, 0, op.remote_region, 0, xfer, op.remote_offset, op.length)
+            HEADER.pack_into(
+                hdrs,
+                i * HDR_SIZE,
+                MAGIC,
+                VERSION,
+                READ_REQ,
+                0,
+                0,
+                op.remote_region,
+                0,
+                xfer,
+                op.remote_offset,
+                op.length,
+            )
             expect.append((xfer, self._regions[op.local_region][op.local_offset : op.local_offset + op.length]))
         return Batch([hdrs], 0, expect)
 

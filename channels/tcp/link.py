@@ -147,7 +147,10 @@ class Link:
             self._watch_poller.register(st.conn.sock, select.POLLIN)
         self._stopped = threading.Event()
         name = f"tcp-{initiator.agent.name}->{peer}"
-        self.senders = [threading.Thread(target=self._send_loop, args=(st,), name=f"{name}-tx{i}", daemon=True) for i, st in enumerate(self.streams)]
+        self.senders = [
+            threading.Thread(target=self._send_loop, args=(st,), name=f"{name}-tx{i}", daemon=True)
+            for i, st in enumerate(self.streams)
+        ]
         self.threads = [*self.senders, threading.Thread(target=self._watch, name=f"{name}-watch", daemon=True)]
         for t in self.threads:
             t.start()
@@ -175,7 +178,9 @@ class Link:
             secret = self.initiator.agent.secret
             nonce = new_nonce() if secret else b""
             hello = nonce + self.token + self.initiator.agent.name.encode()
-            conn.send_frame(HELLO, self.session, hello, aux=index, flags=SECRET if secret else 0, shares=len(self.token))
+            conn.send_frame(
+                HELLO, self.session, hello, aux=index, flags=SECRET if secret else 0, shares=len(self.token)
+            )
             ftype, flags, shares, _, nlen, instance, _, length = conn.recv_header(
                 idle_deadline(opts.connect_timeout, f"handshake answer from {self.where}")
             )
@@ -191,14 +196,18 @@ class Link:
                 theirs, given = payload[:NONCE_BYTES], payload[NONCE_BYTES:challenge]
                 if not challenge or not verify(secret, TARGET_ROLE, nonce, theirs, given):
                     self.initiator.agent.count("auth_failures")
-                    raise ChannelError(f"tcp: {self.where} did not prove the shared secret (it has another `secret`, or none); nothing is sent to it")
+                    raise ChannelError(
+                        f"tcp: {self.where} did not prove the shared secret (it has another `secret`, or none); "
+                        "nothing is sent to it"
+                    )
                 conn.send_frame(AUTH, payload=proof(secret, INITIATOR_ROLE, theirs, nonce))
             elif challenge:
                 raise ProtocolError(f"tcp: {self.where} proved a shared secret nobody asked for (this agent has none)")
             name = payload[challenge:].decode(errors="replace")
             if name != self.peer or instance != meta.instance:
                 raise ChannelError(
-                    f"tcp: {self.where} is now agent {name!r} (instance {instance:x}), not the one its metadata describes "
+                    f"tcp: {self.where} is now agent {name!r} (instance {instance:x}), not the one its metadata "
+                    "describes "
                     f"(instance {meta.instance:x}); the peer restarted: call add_peer with its current metadata"
                 )
             return conn
@@ -213,10 +222,14 @@ class Link:
             sock.close()
             if isinstance(exc, ChannelError):
                 raise
-            raise ChannelError(f"tcp: cannot connect to {self.where}: {exc} (is it running? did it restart on a new port?)") from None
+            raise ChannelError(
+                f"tcp: cannot connect to {self.where}: {exc} (is it running? did it restart on a new port?)"
+            ) from None
 
     # -- posting ---------------------------------------------------------------
-    def post(self, handle: TransferHandle, xfer: int, batches: list[tuple[int, Batch]], notif: bytes | None, inline: bool) -> None:
+    def post(
+        self, handle: TransferHandle, xfer: int, batches: list[tuple[int, Batch]], notif: bytes | None, inline: bool
+    ) -> None:
         """Register the transfer (reading answers while at ``max_inflight``), send it, then drain ready answers.
 
         Draining on the posting thread keeps pipelined small writes from
@@ -395,7 +408,10 @@ class Link:
         if not self.initiator.agent.tls:
             return self._poller.poll(timeout_ms)
         held = {st.conn.sock.fileno() for st in self.streams if st.conn.pending()}
-        return [*((fd, select.POLLIN) for fd in held), *(r for r in self._poller.poll(0 if held else timeout_ms) if r[0] not in held)]
+        return [
+            *((fd, select.POLLIN) for fd in held),
+            *(r for r in self._poller.poll(0 if held else timeout_ms) if r[0] not in held),
+        ]
 
     def _read_frame(self, st: Stream) -> None:
         conn = st.conn
@@ -404,7 +420,11 @@ class Link:
         if ftype == ACK:
             if not 1 <= aux <= MAX_ACK_BATCH or length != 8 * (aux - 1):
                 raise ProtocolError(f"tcp: {self.where} sent an ACK of {aux} ids in {length} bytes")
-            xfers = (xfer,) if aux == 1 else (xfer, *struct.unpack(f"<{aux - 1}Q", conn.recv_payload(length, length, "ACK ids")))
+            xfers = (
+                (xfer,)
+                if aux == 1
+                else (xfer, *struct.unpack(f"<{aux - 1}Q", conn.recv_payload(length, length, "ACK ids")))
+            )
             if not self.finish(xfers):
                 raise ProtocolError(f"tcp: {self.where} acknowledged a transfer that is not pending")
         elif ftype == READ_DATA:
@@ -413,7 +433,8 @@ class Link:
             want_xfer, view = st.expect.popleft()
             if xfer != want_xfer or length != view.nbytes:
                 raise ProtocolError(
-                    f"tcp: {self.where} answered READ of transfer {want_xfer} ({view.nbytes} bytes) with transfer {xfer} ({length} bytes)"
+                    f"tcp: {self.where} answered READ of transfer {want_xfer} ({view.nbytes} bytes) with transfer "
+                    f"{xfer} ({length} bytes)"
                 )
             conn.recv_exact(view)
             self.landed(st, xfer, length)
@@ -429,7 +450,8 @@ class Link:
             raise ProtocolError(f"tcp: unexpected {FRAME_NAMES.get(ftype, ftype)} frame from {self.where}")
 
     def _watch(self) -> None:
-        """Read answers nobody waits for as they arrive, fail a link whose peer went silent, release the sockets at the end.
+        """Read answers nobody waits for as they arrive, fail a link whose peer went silent, release the sockets
+        at the end.
 
         It sleeps in ``poll`` on the streams, so an ACK completes its handle (and
         fires its done callbacks) the moment it arrives. While a waiter reads the
@@ -439,7 +461,8 @@ class Link:
             latest = max(self.last_post, *(st.conn.last_progress for st in self.streams))
             if self.pending and time.monotonic() - latest > self.opts.io_timeout:
                 self.fail(
-                    f"{len(self.pending)} transfers pending and no byte moved either way for {self.opts.io_timeout:.3g}s "
+                    f"{len(self.pending)} transfers pending and no byte moved either way for "
+                    f"{self.opts.io_timeout:.3g}s "
                     "(peer hung or unreachable?)"
                 )
                 break
@@ -473,4 +496,3 @@ class Link:
 
     def bytes_per_stream(self) -> list[int]:
         return [st.sent_bytes for st in self.streams]
-

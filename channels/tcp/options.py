@@ -21,7 +21,9 @@ class TcpOptions(ChannelOptions):
 
     # host (ChannelOptions): where to listen; the worker's host unless set here
     port: int = 0  # 0: an ephemeral port, published through metadata()
-    advertise_host: str | None = None  # host peers dial: needed when ``host`` is a wildcard like 0.0.0.0, or behind a NAT
+    advertise_host: str | None = (
+        None  # host peers dial: needed when ``host`` is a wildcard like 0.0.0.0, or behind a NAT
+    )
     advertise_port: int = 0  # port peers dial, when a port forward, NAT or proxy sits in front of ``port``; 0: ``port``
     streams: int = 4  # connections per peer
     stream_min_bytes: int = 4 << 20  # a transfer is split only into shares at least this big
@@ -44,7 +46,11 @@ class TcpOptions(ChannelOptions):
         checks: list[tuple[str, bool, str]] = [
             ("port", 0 <= self.port <= 65535, "0..65535"),
             ("advertise_port", 0 <= self.advertise_port <= 65535, "0..65535 (0: the listening port)"),
-            ("advertise_host", not is_wildcard(self.advertise_host or self.host), f"an address peers can dial when host is {self.host!r}, which listens everywhere"),
+            (
+                "advertise_host",
+                not is_wildcard(self.advertise_host or self.host),
+                f"an address peers can dial when host is {self.host!r}, which listens everywhere",
+            ),
             ("streams", 1 <= self.streams <= MAX_STREAMS, f"1..{MAX_STREAMS}"),
             ("stream_min_bytes", self.stream_min_bytes >= 1, ">= 1"),
             ("inline_max_bytes", self.inline_max_bytes >= 0, ">= 0"),

@@ -86,13 +86,18 @@ class Session:
         self.ending: dict[int, Ending] = {}
         self.lock = threading.Lock()
 
-    def end(self, conn: Conn, xfer: int, shares: int, notif: bytes | None, refused: str, max_inflight: int) -> tuple[bool, bytes | None, str]:
-        """Record that one share of a multi-stream transfer ended; returns (all ended, its notification, why refused)."""
+    def end(
+        self, conn: Conn, xfer: int, shares: int, notif: bytes | None, refused: str, max_inflight: int
+    ) -> tuple[bool, bytes | None, str]:
+        """Record that one share of a multi-stream transfer ended; returns (all ended, its notification, why
+        refused)."""
         with self.lock:
             st = self.ending.get(xfer)
             if st is None:
                 if len(self.ending) >= max_inflight:
-                    raise ProtocolError(f"tcp {conn.label}: more than max_inflight={max_inflight} transfers partly arrived")
+                    raise ProtocolError(
+                        f"tcp {conn.label}: more than max_inflight={max_inflight} transfers partly arrived"
+                    )
                 st = self.ending[xfer] = Ending(shares)
             if st.shares != shares or id(conn) in st.conns:
                 raise ProtocolError(f"tcp {conn.label}: inconsistent shares for transfer {xfer}")
@@ -115,7 +120,9 @@ class Target:
     guarded regions admit, its ``inbox`` where notifications go.
     """
 
-    def __init__(self, agent: Agent, regions: RegionTable[memoryview], grants: Grants, inbox: NotificationInbox) -> None:
+    def __init__(
+        self, agent: Agent, regions: RegionTable[memoryview], grants: Grants, inbox: NotificationInbox
+    ) -> None:
         self.agent = agent
         self._regions = regions
         self._grants = grants
@@ -126,7 +133,9 @@ class Target:
         self.closed = False
         opts = agent.opts
         try:
-            family, stype, proto, _, addr = socket.getaddrinfo(opts.host, opts.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            family, stype, proto, _, addr = socket.getaddrinfo(
+                opts.host, opts.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
             self._listener = socket.socket(family, stype, proto)
         except OSError as exc:
             raise ConfigError(f"tcp channel cannot listen on {opts.host}:{opts.port}: {exc}") from None
@@ -157,7 +166,12 @@ class Target:
                 full = self.closed or len(self._accepted) >= self.agent.opts.max_connections
             if full:
                 if not self.closed:
-                    log.warning("tcp %s: refusing %s: max_connections=%d reached", self.agent.name, label, self.agent.opts.max_connections)
+                    log.warning(
+                        "tcp %s: refusing %s: max_connections=%d reached",
+                        self.agent.name,
+                        label,
+                        self.agent.opts.max_connections,
+                    )
                 sock.close()
                 continue
             try:
@@ -189,7 +203,12 @@ class Target:
             if not self.closed and not isinstance(exc, PeerClosed):
                 log.warning("tcp %s: connection %s failed: %s", self.agent.name, conn.label, exc)
             elif session is not None and session.ending:
-                log.warning("tcp %s: %s closed with %d transfers partly arrived", self.agent.name, conn.label, len(session.ending))
+                log.warning(
+                    "tcp %s: %s closed with %d transfers partly arrived",
+                    self.agent.name,
+                    conn.label,
+                    len(session.ending),
+                )
             self._hang_up(conn, session, None)
         finally:
             with self._lock:
@@ -213,11 +232,16 @@ class Target:
             except BlockingIOError:
                 deadline()
         if first == MAGIC:
-            raise AuthError(f"tcp {conn.label}: this agent requires TLS (`tls` channel options) and the peer connected without it")
+            raise AuthError(
+                f"tcp {conn.label}: this agent requires TLS (`tls` channel options) and the peer connected without it"
+            )
         try:
             conn.start_tls(self.agent.tls.server, True, None, timeout)
         except ssl.SSLError as exc:
-            raise AuthError(f"tcp {conn.label}: TLS handshake failed: {exc.reason or exc} (the peer needs a certificate signed by this agent's `tls.ca`)") from None
+            raise AuthError(
+                f"tcp {conn.label}: TLS handshake failed: {exc.reason or exc} (the peer needs a certificate signed by "
+                "this agent's `tls.ca`)"
+            ) from None
 
     def _handshake(self, conn: Conn) -> Session:
         """HELLO, HELLO_OK and, with a secret, the peer's proof; only then does the connection join its session.
@@ -228,7 +252,9 @@ class Target:
         deadline = idle_deadline(self.agent.opts.connect_timeout, f"handshake on {conn.label}")
         ftype, flags, shares, _, nlen, sid, _, length = conn.recv_header(deadline)
         if ftype != HELLO:
-            raise ProtocolError(f"tcp {conn.label}: expected HELLO first, got frame type {FRAME_NAMES.get(ftype, ftype)}")
+            raise ProtocolError(
+                f"tcp {conn.label}: expected HELLO first, got frame type {FRAME_NAMES.get(ftype, ftype)}"
+            )
         token_len = shares  # HELLO's one use of the field
         if token_len > MAX_TOKEN_BYTES:
             raise ProtocolError(f"tcp {conn.label}: HELLO with a {token_len} byte token (at most {MAX_TOKEN_BYTES})")
@@ -236,14 +262,27 @@ class Target:
         nonce_len = NONCE_BYTES if flags & SECRET else 0
         payload = conn.recv_payload(length, nonce_len + token_len + MAX_NAME_BYTES, "HELLO")
         if len(payload) < nonce_len + token_len:
-            raise ProtocolError(f"tcp {conn.label}: HELLO of {len(payload)} bytes cannot hold its {nonce_len} byte nonce and {token_len} byte token")
-        theirs, token, name = payload[:nonce_len], payload[nonce_len : nonce_len + token_len], payload[nonce_len + token_len :]
+            raise ProtocolError(
+                f"tcp {conn.label}: HELLO of {len(payload)} bytes cannot hold its {nonce_len} byte nonce and "
+                f"{token_len} byte token"
+            )
+        theirs, token, name = (
+            payload[:nonce_len],
+            payload[nonce_len : nonce_len + token_len],
+            payload[nonce_len + token_len :],
+        )
         peer = name.decode(errors="replace")
         conn.label += f" ({peer!r})"
         if self.agent.secret and not nonce_len:
-            raise AuthError(f"tcp {conn.label}: this agent requires the shared secret and the peer has none (set the same `secret` on both sides)")
+            raise AuthError(
+                f"tcp {conn.label}: this agent requires the shared secret and the peer has none (set the same `secret` "
+                "on both sides)"
+            )
         if nonce_len and not self.agent.secret:
-            raise AuthError(f"tcp {conn.label}: the peer holds a shared secret and this agent none (set the same `secret` on both sides)")
+            raise AuthError(
+                f"tcp {conn.label}: the peer holds a shared secret and this agent none (set the same `secret` on both "
+                "sides)"
+            )
         if self.agent.secret:
             self._check_proof(conn, theirs, deadline)
         else:
@@ -260,18 +299,31 @@ class Target:
     def _check_proof(self, conn: Conn, theirs: bytes, deadline: Callable[[], None]) -> None:
         """Prove the secret over both nonces, then read the peer's proof: the one frame read before it checks out."""
         ours = new_nonce()
-        conn.send_frame(HELLO_OK, self.agent.instance, ours + proof(self.agent.secret, TARGET_ROLE, theirs, ours) + self.agent.name.encode(), flags=SECRET)
+        conn.send_frame(
+            HELLO_OK,
+            self.agent.instance,
+            ours + proof(self.agent.secret, TARGET_ROLE, theirs, ours) + self.agent.name.encode(),
+            flags=SECRET,
+        )
         try:
             ftype, flags, shares, _, nlen, _, _, length = conn.recv_header(deadline)
-        except (*IO_ERRORS, ProtocolError) as exc:  # leaving is what a peer with another secret does: it refuses our proof
+        except (
+            *IO_ERRORS,
+            ProtocolError,
+        ) as exc:  # leaving is what a peer with another secret does: it refuses our proof
             if self.closed:
                 raise  # we hung up, at close: no failure of the peer's
             raise AuthError(f"tcp {conn.label}: no proof of the shared secret from the peer ({exc})") from None
         if ftype != AUTH or length != PROOF_BYTES:
-            raise AuthError(f"tcp {conn.label}: {FRAME_NAMES.get(ftype, ftype)} frame of {length} bytes where the proof of the shared secret was due")
+            raise AuthError(
+                f"tcp {conn.label}: {FRAME_NAMES.get(ftype, ftype)} frame of {length} bytes where the proof of the "
+                "shared secret was due"
+            )
         no_extras(conn.label, ftype, flags, shares, nlen)
         if not verify(self.agent.secret, INITIATOR_ROLE, ours, theirs, conn.recv_payload(length, PROOF_BYTES, "proof")):
-            raise AuthError(f"tcp {conn.label}: the peer failed to prove the shared secret (set the same `secret` on both sides)")
+            raise AuthError(
+                f"tcp {conn.label}: the peer failed to prove the shared secret (set the same `secret` on both sides)"
+            )
 
     def _region_slice(self, conn: Conn, region: int, offset: int, length: int) -> memoryview:
         """The view a DATA/READ_REQ frame names, or ProtocolError: nothing outside a region, ever."""
@@ -304,10 +356,16 @@ class Target:
             if ftype == DATA:
                 if xfer != cur_xfer:
                     if cur_xfer != -1:
-                        raise ProtocolError(f"tcp {conn.label}: DATA of transfer {xfer} inside the share of transfer {cur_xfer}")
+                        raise ProtocolError(
+                            f"tcp {conn.label}: DATA of transfer {xfer} inside the share of transfer {cur_xfer}"
+                        )
                     cur_xfer = xfer
                 # everything checked before a byte lands: flags, the share count, the notification size
-                bad = flags & ~(LAST | NOTIF_FOLLOWS) or nlen > opts.max_notif_bytes or (nlen and not flags & NOTIF_FOLLOWS)
+                bad = (
+                    flags & ~(LAST | NOTIF_FOLLOWS)
+                    or nlen > opts.max_notif_bytes
+                    or (nlen and not flags & NOTIF_FOLLOWS)
+                )
                 if bad or (not 1 <= shares <= MAX_STREAMS if flags & LAST else flags or shares):
                     raise ProtocolError(
                         f"tcp {conn.label}: DATA with flags={flags} shares={shares} notif={nlen} "
@@ -318,10 +376,16 @@ class Target:
                     self._send_acks(conn, acks)
                 refused = self._land(conn, session, view, region, offset, length) or refused
                 if flags & LAST:
-                    notif = conn.recv_payload(nlen, opts.max_notif_bytes, "notification") if flags & NOTIF_FOLLOWS else None
+                    notif = (
+                        conn.recv_payload(nlen, opts.max_notif_bytes, "notification") if flags & NOTIF_FOLLOWS else None
+                    )
                     cur_xfer = -1
                     # a one-stream transfer has fully landed now: no shared state to consult
-                    done, notif, why = (True, notif, refused) if shares == 1 else session.end(conn, xfer, shares, notif, refused, opts.max_inflight)
+                    done, notif, why = (
+                        (True, notif, refused)
+                        if shares == 1
+                        else session.end(conn, xfer, shares, notif, refused, opts.max_inflight)
+                    )
                     refused = ""
                     if done and why:
                         self._send_acks(conn, acks)
@@ -332,7 +396,9 @@ class Target:
                         acks.append(xfer)
                 continue
             if cur_xfer != -1:
-                raise ProtocolError(f"tcp {conn.label}: {FRAME_NAMES.get(ftype, ftype)} frame inside the share of transfer {cur_xfer}")
+                raise ProtocolError(
+                    f"tcp {conn.label}: {FRAME_NAMES.get(ftype, ftype)} frame inside the share of transfer {cur_xfer}"
+                )
             no_extras(conn.label, ftype, flags, shares, nlen)
             if acks:
                 self._send_acks(conn, acks)
@@ -355,7 +421,8 @@ class Target:
                 raise ProtocolError(f"tcp {conn.label}: unexpected frame type {FRAME_NAMES.get(ftype, ftype)}")
 
     def _land(self, conn: Conn, session: Session, view: memoryview, region: int, offset: int, length: int) -> str:
-        """Receive one DATA payload into ``view`` if the session's grants allow it, else read it away; why refused, or ""."""
+        """Receive one DATA payload into ``view`` if the session's grants allow it, else read it away; why
+        refused, or ""."""
         try:
             ticket = self._grants.begin(session.token, "write", region, offset, length)
         except ChannelError as exc:
@@ -402,14 +469,17 @@ class Target:
             shutdown(c.sock)
 
     def fence(self, peer: str, token: bytes) -> None:
-        """Hang up every session that presented ``token`` and wait for their readers: nothing queued behind them lands."""
+        """Hang up every session that presented ``token`` and wait for their readers: nothing queued behind them
+        lands."""
         with self._lock:
             sessions = [sess for sess in self._sessions.values() if sess.token == token]
             threads = [self._accepted[c] for sess in sessions for c in sess.conns if c in self._accepted]
         for sess in sessions:
             conns = list(sess.conns)
             if conns:
-                self._hang_up(conns[0], sess, f"fenced by {self.agent.name!r}: it went silent mid-transfer; handshake again")
+                self._hang_up(
+                    conns[0], sess, f"fenced by {self.agent.name!r}: it went silent mid-transfer; handshake again"
+                )
         deadline = time.monotonic() + self.agent.opts.io_timeout
         for t in threads:
             if t is not threading.current_thread():

@@ -30,7 +30,8 @@ from pdkv.errors import ConfigError
 
 
 class TlsOptions(msgspec.Struct, forbid_unknown_fields=True):
-    """``channel.options.tls``: this agent's certificate and key, and the CA its peers' certificates are checked against (PEM files)."""
+    """``channel.options.tls``: this agent's certificate and key, and the CA its peers' certificates are checked
+    against (PEM files)."""
 
     cert: str
     key: str
@@ -47,7 +48,8 @@ class TlsContexts:
 
 
 def tls_contexts(opts: TlsOptions) -> TlsContexts:
-    """Both contexts, mutual and TLS 1.3 only (both ends are pdkv); a missing or bad file is a ``ConfigError`` naming its option."""
+    """Both contexts, mutual and TLS 1.3 only (both ends are pdkv); a missing or bad file is a ``ConfigError``
+    naming its option."""
     for name in ("cert", "key", "ca"):
         path = getattr(opts, name)
         if not Path(path).is_file():
@@ -64,11 +66,14 @@ def tls_contexts(opts: TlsOptions) -> TlsContexts:
         try:
             ctx.load_verify_locations(cafile=opts.ca)
         except ssl.SSLError as exc:
-            raise ConfigError(f"tcp channel option tls.ca={opts.ca!r}: not a PEM CA certificate ({exc.reason or exc})") from None
+            raise ConfigError(
+                f"tcp channel option tls.ca={opts.ca!r}: not a PEM CA certificate ({exc.reason or exc})"
+            ) from None
         try:
             ctx.load_cert_chain(opts.cert, opts.key)
         except ssl.SSLError as exc:
             raise ConfigError(
-                f"tcp channel options tls.cert={opts.cert!r} / tls.key={opts.key!r}: not a PEM certificate and its private key ({exc.reason or exc})"
+                f"tcp channel options tls.cert={opts.cert!r} / tls.key={opts.key!r}: not a PEM certificate and its "
+                f"private key ({exc.reason or exc})"
             ) from None
     return TlsContexts(server, client)

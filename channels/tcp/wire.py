@@ -23,9 +23,17 @@ HDR_SIZE = HEADER.size
 
 HELLO, HELLO_OK, DATA, ACK, READ_REQ, READ_DATA, NOTIF, ERROR, AUTH, NACK = range(1, 11)
 FRAME_NAMES = {
-    HELLO: "HELLO", HELLO_OK: "HELLO_OK", DATA: "DATA", ACK: "ACK",
-    READ_REQ: "READ_REQ", READ_DATA: "READ_DATA", NOTIF: "NOTIF", ERROR: "ERROR", AUTH: "AUTH", NACK: "NACK",
-}  # fmt: skip
+    HELLO: "HELLO",
+    HELLO_OK: "HELLO_OK",
+    DATA: "DATA",
+    ACK: "ACK",
+    READ_REQ: "READ_REQ",
+    READ_DATA: "READ_DATA",
+    NOTIF: "NOTIF",
+    ERROR: "ERROR",
+    AUTH: "AUTH",
+    NACK: "NACK",
+}
 LAST, NOTIF_FOLLOWS = 1, 2  # DATA flags
 SECRET = 1  # HELLO/HELLO_OK flag: the sender holds a shared secret, and nonce (and proof) lead the payload
 # proof roles: a target's proof is never an initiator's, and neither is ever a control-plane one
@@ -50,7 +58,10 @@ def unpack_header(buf: bytearray, label: str) -> Header:
     magic, version, ftype, flags, shares, aux, notif, xfer, offset, length = HEADER.unpack_from(buf)
     if magic != MAGIC:
         if bytes(magic) == TLS_RECORD_START:
-            raise ProtocolError(f"tcp {label}: the peer speaks TLS and this agent has no `tls` channel options; give both sides the same CA")
+            raise ProtocolError(
+                f"tcp {label}: the peer speaks TLS and this agent has no `tls` channel options; give both sides the "
+                "same CA"
+            )
         raise ProtocolError(f"tcp {label}: bad magic {bytes(magic)!r}; the peer does not speak pdkv tcp")
     if version != VERSION:
         raise ProtocolError(f"tcp {label}: protocol version {version}, this agent speaks {VERSION}; upgrade both")
@@ -79,9 +90,15 @@ def decode_meta(metadata: bytes) -> Meta:
     try:
         meta = msgspec.msgpack.decode(metadata, type=Meta)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ChannelError(f"tcp: malformed peer metadata ({exc}); pass the bytes of the peer's metadata() unchanged") from None
+        raise ChannelError(
+            f"tcp: malformed peer metadata ({exc}); pass the bytes of the peer's metadata() unchanged"
+        ) from None
     if meta.version != VERSION:
-        raise ChannelError(f"tcp: peer {meta.name!r} speaks protocol {meta.version}, this agent {VERSION}; upgrade both")
+        raise ChannelError(
+            f"tcp: peer {meta.name!r} speaks protocol {meta.version}, this agent {VERSION}; upgrade both"
+        )
     if is_wildcard(meta.host):
-        raise ChannelError(f"tcp: peer {meta.name!r} advertises {meta.host!r}, which is no address to dial; it must set advertise_host")
+        raise ChannelError(
+            f"tcp: peer {meta.name!r} advertises {meta.host!r}, which is no address to dial; it must set advertise_host"
+        )
     return meta

@@ -89,7 +89,9 @@ TIMEOUT_S = 60.0
 LINK_ROUNDS = 3
 LINK_ROUND_S = 1.5
 IPERF3_S = 2.0
-_POLL_S = 0.005  # the receiver checks notifications this often: coarse, so it does not compete with the transfer for CPU
+_POLL_S = (
+    0.005  # the receiver checks notifications this often: coarse, so it does not compete with the transfer for CPU
+)
 
 
 def repeats_for(size: int, requested: int, rate_bps: float | None = None) -> int:
@@ -127,7 +129,9 @@ def _recv(conn: Connection, what: str) -> Any:
 
 
 @contextmanager
-def _peer(target: Callable[..., None], args: tuple[Any, ...], in_process: bool, netns: str | None = None) -> Iterator[Connection]:
+def _peer(
+    target: Callable[..., None], args: tuple[Any, ...], in_process: bool, netns: str | None = None
+) -> Iterator[Connection]:
     """Run ``target(conn, *args)`` in a spawned process (or a thread), yield our end of its pipe, always reap it.
 
     The process runs on the rig host whose namespace is ``netns`` (None: this one).
@@ -138,7 +142,9 @@ def _peer(target: Callable[..., None], args: tuple[Any, ...], in_process: bool, 
     if in_process:
         runner = threading.Thread(target=target, args=(theirs, *args), name="bench-receiver", daemon=True)
     else:
-        runner = ctx.Process(target=run_in_netns, args=(netns, target, theirs, *args), name="bench-receiver", daemon=True)
+        runner = ctx.Process(
+            target=run_in_netns, args=(netns, target, theirs, *args), name="bench-receiver", daemon=True
+        )
     runner.start()
     try:
         yield ours
@@ -239,7 +245,10 @@ class _ChannelSender:
         for _ in range(1 + repeats):
             self.conn.send(("round", 1))
             t0 = time.perf_counter()
-            handles = [self.channel.write(self.peer, [op], notif=b"last" if i == count - 1 else None) for i, op in enumerate(ops)]
+            handles = [
+                self.channel.write(self.peer, [op], notif=b"last" if i == count - 1 else None)
+                for i, op in enumerate(ops)
+            ]
             for handle in handles:
                 self.channel.wait(handle, TIMEOUT_S)
                 self.channel.release(handle)
@@ -279,9 +288,13 @@ class _Crew:
     """
 
     def __init__(self, streams: int) -> None:
-        self._inboxes: list[queue.SimpleQueue[Callable[[], Any] | None]] = [queue.SimpleQueue() for _ in range(streams - 1)]
+        self._inboxes: list[queue.SimpleQueue[Callable[[], Any] | None]] = [
+            queue.SimpleQueue() for _ in range(streams - 1)
+        ]
         self._done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._loop, args=(box,), name="raw-stream", daemon=True) for box in self._inboxes]
+        self._threads = [
+            threading.Thread(target=self._loop, args=(box,), name="raw-stream", daemon=True) for box in self._inboxes
+        ]
         for t in self._threads:
             t.start()
 
@@ -305,7 +318,9 @@ class _Crew:
             try:
                 outcome = self._done.get(timeout=TIMEOUT_S)
             except queue.Empty:
-                raise TransferTimeout(f"raw socket baseline: a stream did not finish its share within {TIMEOUT_S:.0f}s") from None
+                raise TransferTimeout(
+                    f"raw socket baseline: a stream did not finish its share within {TIMEOUT_S:.0f}s"
+                ) from None
             if outcome is not None:
                 errors.append(outcome)
         if errors:
@@ -319,7 +334,8 @@ class _Crew:
 
 
 def _raw_socket_receiver(conn: Connection, host: str, port: int, nbytes: int, streams: int) -> None:
-    """Raw receiver: ``streams`` connections, each ``recv_into`` its share of a preallocated buffer, one byte back per round."""
+    """Raw receiver: ``streams`` connections, each ``recv_into`` its share of a preallocated buffer, one byte back
+    per round."""
     socks: list[socket.socket] = []
     crew = _Crew(streams)
     try:
@@ -337,12 +353,20 @@ def _raw_socket_receiver(conn: Connection, host: str, port: int, nbytes: int, st
                 return  # the sender is done
             size, per_ack, acks, used = _ROUND.unpack(head)
             if size * per_ack > nbytes or not 1 <= used <= streams:
-                raise ChannelError(f"raw socket baseline: {per_ack} x {size} bytes over {used} streams do not fit {nbytes} bytes, {streams} streams")
+                raise ChannelError(
+                    f"raw socket baseline: {per_ack} x {size} bytes over {used} streams do not fit {nbytes} bytes, "
+                    f"{streams} streams"
+                )
             shares = _shares(size, used)
             for _ in range(acks):
                 for j in range(per_ack):
                     base = j * size
-                    crew.run([partial(_recv_exact, socks[i], buf[base + off : base + off + n]) for i, (off, n) in enumerate(shares)])
+                    crew.run(
+                        [
+                            partial(_recv_exact, socks[i], buf[base + off : base + off + n])
+                            for i, (off, n) in enumerate(shares)
+                        ]
+                    )
                 socks[0].sendall(b"\x01")
     except Exception as exc:  # noqa: BLE001 - reported to the sender, which raises it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -361,7 +385,9 @@ def _accept_streams(server: socket.socket, streams: int, conn: Connection) -> li
                 sock, _ = server.accept()
             except TimeoutError:
                 _recv(conn, "connecting")  # raises the receiver's error if it sent one
-                raise TransferTimeout(f"raw socket baseline: receiver did not connect within {TIMEOUT_S:.0f}s") from None
+                raise TransferTimeout(
+                    f"raw socket baseline: receiver did not connect within {TIMEOUT_S:.0f}s"
+                ) from None
             sock.settimeout(TIMEOUT_S)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             index = bytearray(1)
@@ -379,7 +405,8 @@ def _accept_streams(server: socket.socket, streams: int, conn: Connection) -> li
 
 
 class RawSockets:
-    """Raw sockets, as many streams as the tcp channel uses per size: sendall a share per stream, recv_into a preallocated buffer, 1-byte ack; two processes.
+    """Raw sockets, as many streams as the tcp channel uses per size: sendall a share per stream, recv_into a
+    preallocated buffer, 1-byte ack; two processes.
 
     One receiver process and ``TcpOptions().streams`` connections for the
     whole run. Each message is cut into one share per stream used, sent in
@@ -396,7 +423,9 @@ class RawSockets:
             server = self._stack.enter_context(socket.create_server((placement.sender_addr, 0), backlog=self.streams))
             server.settimeout(TIMEOUT_S)
             args = (placement.sender_addr, server.getsockname()[1], nbytes, self.streams)
-            conn = self._stack.enter_context(_peer(_raw_socket_receiver, args, in_process=False, netns=placement.receiver_netns))
+            conn = self._stack.enter_context(
+                _peer(_raw_socket_receiver, args, in_process=False, netns=placement.receiver_netns)
+            )
             self.socks = _accept_streams(server, self.streams, conn)
             for sock in self.socks:
                 self._stack.callback(sock.close)
@@ -416,7 +445,12 @@ class RawSockets:
             t0 = time.perf_counter()
             for j in range(per_ack):
                 base = j * size
-                self.crew.run([partial(self.socks[i].sendall, self.src[base + off : base + off + n]) for i, (off, n) in enumerate(shares)])
+                self.crew.run(
+                    [
+                        partial(self.socks[i].sendall, self.src[base + off : base + off + n])
+                        for i, (off, n) in enumerate(shares)
+                    ]
+                )
             if self.socks[0].recv_into(ack) != 1:
                 raise ChannelError("raw socket baseline: the receiver hung up")
             times.append(time.perf_counter() - t0)
@@ -482,28 +516,43 @@ def _alternate(*sides: Callable[[], float], rounds: int = ROUNDS) -> list[float]
 
 
 def channel_options(name: str, host: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The bench's options for a channel on ``host``: its defaults, listening (UCX: on the interface) there, plus ``extra``."""
+    """The bench's options for a channel on ``host``: its defaults, listening (UCX: on the interface) there, plus
+    ``extra``."""
     return {} if name in IN_PROCESS else {"host": host, **(extra or {})}
 
 
 def tls_options(stack: ExitStack, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``--tls``: the sender's and the receiver's extra tcp options, certificates of a CA made for this run (removed with ``stack``)."""
+    """``--tls``: the sender's and the receiver's extra tcp options, certificates of a CA made for this run (removed
+    with ``stack``)."""
     if name != "tcp":
         raise ConfigError(f"bench --tls: only the tcp channel has TLS, not {name!r}")
-    ca = CertificateAuthority(Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pdkv-bench-tls-"))), "bench-ca")
+    ca = CertificateAuthority(
+        Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pdkv-bench-tls-"))), "bench-ca"
+    )
     return {"tls": ca.issue("sender").options()}, {"tls": ca.issue("receiver").options()}
 
 
-def _open_sender(stack: ExitStack, name: str, nbytes: int, placement: Placement, extra: tuple[dict[str, Any], dict[str, Any]] = ({}, {})) -> _ChannelSender:
-    """A receiver process (or thread) and the sender here, both closed with ``stack``; ``extra``: (sender's, receiver's) options."""
+def _open_sender(
+    stack: ExitStack,
+    name: str,
+    nbytes: int,
+    placement: Placement,
+    extra: tuple[dict[str, Any], dict[str, Any]] = ({}, {}),
+) -> _ChannelSender:
+    """A receiver process (or thread) and the sender here, both closed with ``stack``; ``extra``: (sender's,
+    receiver's) options."""
     receiver = (name, nbytes, channel_options(name, placement.receiver_addr, extra[1]))
-    conn = stack.enter_context(_peer(_channel_receiver, receiver, in_process=name in IN_PROCESS, netns=placement.receiver_netns))
+    conn = stack.enter_context(
+        _peer(_channel_receiver, receiver, in_process=name in IN_PROCESS, netns=placement.receiver_netns)
+    )
     sender = _ChannelSender(name, conn, nbytes, channel_options(name, placement.sender_addr, extra[0]))
     stack.callback(sender.close)
     return sender
 
 
-def measure(name: str, sizes: list[int], repeats: int, placement: Placement = LOOPBACK, tls: bool = False) -> dict[str, Any]:
+def measure(
+    name: str, sizes: list[int], repeats: int, placement: Placement = LOOPBACK, tls: bool = False
+) -> dict[str, Any]:
     """The result object of ``pdkv bench channel --json``."""
     if name not in BASELINES:
         raise ConfigError(f"bench channel: no baseline for channel {name!r}; expected one of {sorted(BASELINES)}")
@@ -512,7 +561,9 @@ def measure(name: str, sizes: list[int], repeats: int, placement: Placement = LO
     baseline_class = _load(BASELINES[name])
     rate = placement.rate_bps
     rounds = ROUNDS if placement.link is None else LINK_ROUNDS
-    small_count = SMALL_COUNT if rate is None else max(64, min(SMALL_COUNT, int(rate / 8 * LINK_ROUND_S / 4 / SMALL_SIZE)))
+    small_count = (
+        SMALL_COUNT if rate is None else max(64, min(SMALL_COUNT, int(rate / 8 * LINK_ROUND_S / 4 / SMALL_SIZE)))
+    )
     nbytes = max([*sizes, small_count * SMALL_SIZE])
     iperf3_streams = TcpOptions().streams_for(max(sizes))
     iperf3_runs = []
@@ -520,7 +571,9 @@ def measure(name: str, sizes: list[int], repeats: int, placement: Placement = LO
         iperf3_runs.append(first)
     results = []
     with ExitStack() as stack:
-        tls_extra = tls_options(stack, name) if tls else None  # first: a channel without TLS fails before any process starts
+        tls_extra = (
+            tls_options(stack, name) if tls else None
+        )  # first: a channel without TLS fails before any process starts
         sender = _open_sender(stack, name, nbytes, placement)
         tls_sender = _open_sender(stack, name, nbytes, placement, tls_extra) if tls_extra is not None else None
         baseline = stack.enter_context(baseline_class(nbytes, placement))
@@ -540,12 +593,19 @@ def measure(name: str, sizes: list[int], repeats: int, placement: Placement = LO
         if not hasattr(baseline, "transfers_per_s"):
             small_base, (small_rate, *tls_rate) = None, _alternate(*many, rounds=rounds)
         else:
-            small_base, small_rate, *tls_rate = _alternate(partial(baseline.transfers_per_s, small_count, SMALL_SIZE, SMALL_REPEATS), *many, rounds=rounds)
+            small_base, small_rate, *tls_rate = _alternate(
+                partial(baseline.transfers_per_s, small_count, SMALL_SIZE, SMALL_REPEATS), *many, rounds=rounds
+            )
     if iperf3_runs and (last := iperf3_gbps(placement.link, iperf3_streams, IPERF3_S)) is not None:  # type: ignore[arg-type]
         iperf3_runs.append(last)
     iperf3 = None
     if iperf3_runs:
-        iperf3 = {"gbps": statistics.median(iperf3_runs), "runs_gbps": iperf3_runs, "streams": iperf3_streams, "seconds": IPERF3_S}
+        iperf3 = {
+            "gbps": statistics.median(iperf3_runs),
+            "runs_gbps": iperf3_runs,
+            "streams": iperf3_streams,
+            "seconds": IPERF3_S,
+        }
         for row in results:
             row["iperf3_ratio"] = row["gbps"] / iperf3["gbps"]
     small = {
@@ -558,8 +618,13 @@ def measure(name: str, sizes: list[int], repeats: int, placement: Placement = LO
     if tls_rate:
         small.update(tls_transfers_per_s=tls_rate[0], tls_ratio=tls_rate[0] / small_rate)
     return {
-        "channel": name, "baseline": _describe(baseline_class, BASELINES[name]), "link": placement.label, "iperf3": iperf3,
-        "results": results, "small_transfers": small, "tls": tls,
+        "channel": name,
+        "baseline": _describe(baseline_class, BASELINES[name]),
+        "link": placement.label,
+        "iperf3": iperf3,
+        "results": results,
+        "small_transfers": small,
+        "tls": tls,
     }
 
 
@@ -576,13 +641,24 @@ def _table(out: dict[str, Any]) -> str:
     if iperf3 is not None:
         lines.append(f"iperf3 -P {iperf3['streams']} over the same link: {iperf3['gbps']:.3f} GB/s")
     tls = out["tls"]
-    lines.append(f"{'size':>10}  {'GB/s':>8}  {'baseline':>8}  {'ratio':>6}" + ("  vs iperf3" if iperf3 else "") + (f"  {'TLS GB/s':>8}  TLS/clear" if tls else ""))
+    lines.append(
+        f"{'size':>10}  {'GB/s':>8}  {'baseline':>8}  {'ratio':>6}"
+        + ("  vs iperf3" if iperf3 else "")
+        + (f"  {'TLS GB/s':>8}  TLS/clear" if tls else "")
+    )
     for row in out["results"]:
         tail = f"  {row['iperf3_ratio']:9.2f}" if iperf3 else ""
         tail += f"  {row['tls_gbps']:8.3f}  {row['tls_ratio']:9.2f}" if tls else ""
-        lines.append(f"{_human(row['size_bytes']):>10}  {row['gbps']:8.3f}  {row['baseline_gbps']:8.3f}  {row['ratio']:6.2f}{tail}")
+        lines.append(
+            f"{_human(row['size_bytes']):>10}  {row['gbps']:8.3f}  {row['baseline_gbps']:8.3f}  "
+            f"{row['ratio']:6.2f}{tail}"
+        )
     s = out["small_transfers"]
-    base = "no baseline" if s["baseline_transfers_per_s"] is None else f"baseline {s['baseline_transfers_per_s']:,.0f}/s, ratio {s['ratio']:.2f}"
+    base = (
+        "no baseline"
+        if s["baseline_transfers_per_s"] is None
+        else f"baseline {s['baseline_transfers_per_s']:,.0f}/s, ratio {s['ratio']:.2f}"
+    )
     if tls:
         base += f"; TLS {s['tls_transfers_per_s']:,.0f}/s, TLS/clear {s['tls_ratio']:.2f}"
     lines.append(f"small transfers: {s['count']} x {_human(s['size_bytes'])}: {s['transfers_per_s']:,.0f}/s ({base})")
@@ -592,10 +668,16 @@ def _table(out: dict[str, Any]) -> str:
 def draw(out: dict[str, Any], path: str) -> None:
     """``--plot``: GB/s against size, the channel and its same-run baseline."""
     sizes = [r["size_bytes"] for r in out["results"]]
-    plot.lines(path, f"pdkv bench channel --channel {out['channel']}", "transfer size (bytes)", "GB/s", {
-        out["channel"]: (sizes, [r["gbps"] for r in out["results"]]),
-        "baseline: " + out["baseline"][:60]: (sizes, [r["baseline_gbps"] for r in out["results"]]),
-    })
+    plot.lines(
+        path,
+        f"pdkv bench channel --channel {out['channel']}",
+        "transfer size (bytes)",
+        "GB/s",
+        {
+            out["channel"]: (sizes, [r["gbps"] for r in out["results"]]),
+            "baseline: " + out["baseline"][:60]: (sizes, [r["baseline_gbps"] for r in out["results"]]),
+        },
+    )
 
 
 def run(args: argparse.Namespace) -> int:

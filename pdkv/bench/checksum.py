@@ -52,7 +52,9 @@ def _time_once(fn: Callable[[], object], device: torch.device, into: list[float]
     into.append(time.perf_counter() - start)
 
 
-def measure(device: str = "cpu", sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS, threads: int = 1) -> dict[str, Any]:
+def measure(
+    device: str = "cpu", sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS, threads: int = 1
+) -> dict[str, Any]:
     """The result object of ``pdkv bench checksum --json``."""
     torch.set_num_threads(threads)
     dev = torch.device(device)
@@ -83,10 +85,16 @@ def measure(device: str = "cpu", sizes: tuple[int, ...] = SIZES, repeats: int = 
                 _time_once(fn, dev, ours)
                 _time_once(lambda src=src, dst=dst: dst.copy_(src), dev, copies)
             t, c = statistics.median(ours), statistics.median(copies)
-            rows.append({
-                "hash": name, "bytes": n, "gbps": float(f"{n / t / 1e9:.4g}"), "copy_gbps": float(f"{n / c / 1e9:.4g}"),
-                "ratio": float(f"{c / t:.4g}"), "cost": float(f"{t / c:.4g}"),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "hash": name,
+                    "bytes": n,
+                    "gbps": float(f"{n / t / 1e9:.4g}"),
+                    "copy_gbps": float(f"{n / c / 1e9:.4g}"),
+                    "ratio": float(f"{c / t:.4g}"),
+                    "cost": float(f"{t / c:.4g}"),
+                }
+            )
     return {
         "bench": "checksum",
         "device": str(dev),
@@ -111,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"{r['hash']:<24} {r['bytes'] / 2**20:6.1f} {r['gbps']:8.2f} {r['copy_gbps']:10.2f} {r['cost']:6.3f}")
     if getattr(args, "plot", None):
         rows = out["results"]
-        plot.bars(args.plot, f"pdkv bench checksum on {out['device']}", "GB/s", [f"{r['hash']}\n{r['bytes'] / 2**20:.0f} MiB" for r in rows],
-                  {"checksum": [r["gbps"] for r in rows], "baseline: copy_": [r["copy_gbps"] for r in rows]})
+        plot.bars(
+            args.plot,
+            f"pdkv bench checksum on {out['device']}",
+            "GB/s",
+            [f"{r['hash']}\n{r['bytes'] / 2**20:.0f} MiB" for r in rows],
+            {"checksum": [r["gbps"] for r in rows], "baseline: copy_": [r["copy_gbps"] for r in rows]},
+        )
     return 0

@@ -71,28 +71,43 @@ REPEATS = 5
 # Fixed prompts (chat-formatted for the instruct model): prose, code, a list,
 # arithmetic, a story and one long passage that spans three wire chunks.
 PROMPTS: tuple[str, ...] = (
-    "Explain, step by step, why a key-value cache makes autoregressive decoding in a transformer faster, and what it costs in memory.",
-    "What does this function do, and what is its time complexity?\n\n```python\ndef merge(a, b):\n    out, i, j = [], 0, 0\n"
-    "    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i]); i += 1\n        else:\n"
+    "Explain, step by step, why a key-value cache makes autoregressive decoding in a transformer faster, and what it "
+    "costs in memory.",
+    "What does this function do, and what is its time complexity?\n\n```python\ndef merge(a, b):\n    out, i, j = [], "
+    "0, 0\n"
+    "    while i < len(a) and j < len(b):\n        if a[i] <= b[j]:\n            out.append(a[i]); i += 1\n        "
+    "else:\n"
     "            out.append(b[j]); j += 1\n    out.extend(a[i:]); out.extend(b[j:])\n    return out\n```",
-    "Here are some capitals: France - Paris, Germany - Berlin, Italy - Rome, Spain - Madrid, Portugal - Lisbon, Austria - Vienna, "
-    "Poland - Warsaw, Greece - Athens, Sweden - Stockholm, Norway - Oslo. List five more European countries with their capitals, in the same format.",
-    "A train leaves at 9:40 and travels 210 km at an average of 84 km/h. It then waits 25 minutes and travels another 96 km at 64 km/h. "
+    "Here are some capitals: France - Paris, Germany - Berlin, Italy - Rome, Spain - Madrid, Portugal - Lisbon, "
+    "Austria - Vienna, "
+    "Poland - Warsaw, Greece - Athens, Sweden - Stockholm, Norway - Oslo. List five more European countries with their "
+    "capitals, in the same format.",
+    "A train leaves at 9:40 and travels 210 km at an average of 84 km/h. It then waits 25 minutes and travels another "
+    "96 km at 64 km/h. "
     "At what time does it arrive? Show your working.",
-    "Continue this story for one paragraph: The lighthouse keeper had not seen a ship in eleven days when the radio, silent since the storm, "
+    "Continue this story for one paragraph: The lighthouse keeper had not seen a ship in eleven days when the radio, "
+    "silent since the storm, "
     "crackled and a voice asked for the one name she had hoped never to hear again.",
     "Summarize the following notes in three bullet points.\n\n"
     + " ".join(
         (
-            "Serving a language model has two phases with opposite needs. Prefill reads the whole prompt at once and is limited by arithmetic: "
-            "thousands of tokens go through every layer in one batch. Decode produces one token per step for each sequence and is limited by memory "
-            "bandwidth: every step reads the weights and the whole key-value cache of each sequence to compute a single new token. "
-            "Run on the same machine, the two interfere: a long prefill stalls the decode steps of every other request, which users see as "
+            "Serving a language model has two phases with opposite needs. Prefill reads the whole prompt at once and "
+            "is limited by arithmetic: "
+            "thousands of tokens go through every layer in one batch. Decode produces one token per step for each "
+            "sequence and is limited by memory "
+            "bandwidth: every step reads the weights and the whole key-value cache of each sequence to compute a "
+            "single new token. "
+            "Run on the same machine, the two interfere: a long prefill stalls the decode steps of every other "
+            "request, which users see as "
             "stutter in the stream, and decode batches keep prefill from using the arithmetic units fully. "
-            "Disaggregated serving runs them on different workers. A prefill worker computes the prompt's key-value cache, sends it over the "
-            "network to a decode worker, and the decode worker continues the generation as if it had computed the prompt itself. "
-            "The cost is the transfer: for a small model the cache of a long prompt is tens of megabytes, for a large one hundreds, and it has "
-            "to arrive before the first decode step can run. With a fast interconnect this takes milliseconds. Over an ordinary data center "
+            "Disaggregated serving runs them on different workers. A prefill worker computes the prompt's key-value "
+            "cache, sends it over the "
+            "network to a decode worker, and the decode worker continues the generation as if it had computed the "
+            "prompt itself. "
+            "The cost is the transfer: for a small model the cache of a long prompt is tens of megabytes, for a large "
+            "one hundreds, and it has "
+            "to arrive before the first decode step can run. With a fast interconnect this takes milliseconds. Over an "
+            "ordinary data center "
             "network of ten or one gigabit per second it can take longer than computing the prompt again. "
         )
         for _ in range(3)
@@ -114,7 +129,14 @@ class Prompt:
 def run(args: argparse.Namespace) -> int:
     plot.check(args.plot)
     prompts = PROMPTS[: args.prompts] if args.prompts > 0 else PROMPTS
-    report = measure(model=args.model, dtypes=_split(args.dtypes), codecs=_split(args.codecs) or None, decode_tokens=args.decode_tokens, repeats=args.repeats, prompts=prompts)
+    report = measure(
+        model=args.model,
+        dtypes=_split(args.dtypes),
+        codecs=_split(args.codecs) or None,
+        decode_tokens=args.decode_tokens,
+        repeats=args.repeats,
+        prompts=prompts,
+    )
     if args.plot:
         draw(report, args.plot)
     print(json.dumps(report) if args.json else format_table(report))
@@ -156,8 +178,13 @@ def measure(
         "bench": "codec",
         "baseline": "memcpy",
         "config": {
-            "model": model, "dtypes": list(dtypes), "prompts": len(prompts), "decode_tokens": decode_tokens, "chunk_size": chunk_size,
-            "repeats": repeats, "timing": "CPU time of one thread (torch threads = 1) for the codecs, memcpy and prefill",
+            "model": model,
+            "dtypes": list(dtypes),
+            "prompts": len(prompts),
+            "decode_tokens": decode_tokens,
+            "chunk_size": chunk_size,
+            "repeats": repeats,
+            "timing": "CPU time of one thread (torch threads = 1) for the codecs, memcpy and prefill",
             "load_avg": [round(x, 2) for x in os.getloadavg()],
         },
         "prefill": prefill,
@@ -167,7 +194,8 @@ def measure(
 
 
 def _prefill(engine: EngineAdapter, prompts: Sequence[str], chunk_size: int) -> tuple[list[Prompt], dict[str, float]]:
-    """Each prompt prefilled chunk by chunk (timed on one core: the recompute rate), its first token and its canonical chunks."""
+    """Each prompt prefilled chunk by chunk (timed on one core: the recompute rate), its first token and its
+    canonical chunks."""
     batch, tokens, seconds = [], 0, 0.0
     with single_thread():
         for text in prompts:
@@ -189,13 +217,18 @@ def _prefill_one(engine: EngineAdapter, text: str, chunk_size: int) -> Prompt:
         p.seconds = time.thread_time() - start
         assert logits is not None
         p.first_token = int(torch.argmax(logits))
-        p.chunks = [(s, gather(engine.layout, engine.kv_buffer, req.block_table, s, n)) for s, n in chunk_spans(len(p.ids), chunk_size)]
+        p.chunks = [
+            (s, gather(engine.layout, engine.kv_buffer, req.block_table, s, n))
+            for s, n in chunk_spans(len(p.ids), chunk_size)
+        ]
     finally:
         engine.free(req)
     return p
 
 
-def _measure_dtype(engine: EngineAdapter, batch: list[Prompt], names: list[str], decode_tokens: int, repeats: int) -> list[dict[str, Any]]:
+def _measure_dtype(
+    engine: EngineAdapter, batch: list[Prompt], names: list[str], decode_tokens: int, repeats: int
+) -> list[dict[str, Any]]:
     layout = engine.layout
     chunks = [c for p in batch for _, c in p.chunks]
     raw_bytes = sum(c.nbytes for c in chunks)
@@ -221,12 +254,19 @@ def _measure_dtype(engine: EngineAdapter, batch: list[Prompt], names: list[str],
             for c, f in zip(chunks, frames, strict=True):
                 codec.encode(c, f)
 
-        def decode_all(codec: Codec = codec, frames: list[torch.Tensor] = frames, sizes: list[int] = sizes, decoded: list[torch.Tensor] = decoded) -> None:
+        def decode_all(
+            codec: Codec = codec,
+            frames: list[torch.Tensor] = frames,
+            sizes: list[int] = sizes,
+            decoded: list[torch.Tensor] = decoded,
+        ) -> None:
             for f, n, d in zip(frames, sizes, decoded, strict=True):
                 codec.decode(f[:n], d)
 
         with single_thread():
-            enc, dec, base = (raw_bytes / t / 1e9 for t in _cpu_times([encode_all, decode_all, memcpy], scratch, repeats))
+            enc, dec, base = (
+                raw_bytes / t / 1e9 for t in _cpu_times([encode_all, decode_all, memcpy], scratch, repeats)
+            )
         it = iter(decoded)
         altered = [[(s, next(it)) for s, _ in p.chunks] for p in batch]
         forced = reference[0] if reference else None
@@ -237,13 +277,24 @@ def _measure_dtype(engine: EngineAdapter, batch: list[Prompt], names: list[str],
         err = _kv_error(chunks, decoded)
         if codec.lossless and (err["max_abs_error"] != 0 or fidelity["mean_kl"] != 0):
             raise AssertionError(f"lossless codec {name} changed the KV or the output: {err} {fidelity}")
-        rows.append({
-            "dtype": layout.dtype, "codec": name, "lossless": codec.lossless,
-            "raw_bytes": raw_bytes, "encoded_bytes": sum(sizes), "bytes_ratio": round(raw_bytes / sum(sizes), 4),
-            "encode_gbps": round(enc, 3), "decode_gbps": round(dec, 3), "baseline_gbps": round(base, 3),
-            "encode_ratio": round(enc / base, 4), "decode_ratio": round(dec / base, 4), "ratio": round(min(enc, dec) / base, 4),
-            **fidelity, **err,
-        })  # fmt: skip
+        rows.append(
+            {
+                "dtype": layout.dtype,
+                "codec": name,
+                "lossless": codec.lossless,
+                "raw_bytes": raw_bytes,
+                "encoded_bytes": sum(sizes),
+                "bytes_ratio": round(raw_bytes / sum(sizes), 4),
+                "encode_gbps": round(enc, 3),
+                "decode_gbps": round(dec, 3),
+                "baseline_gbps": round(base, 3),
+                "encode_ratio": round(enc / base, 4),
+                "decode_ratio": round(dec / base, 4),
+                "ratio": round(min(enc, dec) / base, 4),
+                **fidelity,
+                **err,
+            }
+        )
     return rows
 
 
@@ -261,8 +312,15 @@ def _cpu_times(fns: list[Callable[[], object]], scratch: torch.Tensor, repeats: 
     return [max(statistics.median(t), 1e-9) for t in times]
 
 
-def _decode_from(engine: EngineAdapter, batch: list[Prompt], kv: list[list[tuple[int, torch.Tensor]]], steps: int, forced: list[list[int]] | None) -> tuple[list[list[int]], torch.Tensor]:
-    """Decode ``steps`` tokens for every prompt from the given prompt KV, batched; (greedy tokens, log-probs [steps, prompts, vocab]).
+def _decode_from(
+    engine: EngineAdapter,
+    batch: list[Prompt],
+    kv: list[list[tuple[int, torch.Tensor]]],
+    steps: int,
+    forced: list[list[int]] | None,
+) -> tuple[list[list[int]], torch.Tensor]:
+    """Decode ``steps`` tokens for every prompt from the given prompt KV, batched; (greedy tokens, log-probs [steps,
+    prompts, vocab]).
 
     As on a decode worker: the KV lands in fresh blocks, the prompt counts as
     computed, the prefill side's first token is appended. With ``forced``
@@ -319,8 +377,14 @@ def _kv_error(chunks: list[torch.Tensor], decoded: list[torch.Tensor]) -> dict[s
     return {"max_abs_error": float(f"{worst:.3g}"), "rel_rms_error": float(f"{(err_sq / ref_sq) ** 0.5:.3g}")}
 
 
-def link_guide(rows: list[dict[str, Any]], prefill: dict[str, dict[str, float]], links_gbit: Sequence[float] = LINKS_GBIT, tokens: int = GUIDE_TOKENS) -> list[dict[str, Any]]:
-    """Per dtype and link: each codec's effective rate of raw KV and the time to move a ``tokens``-token prompt, vs recomputing it."""
+def link_guide(
+    rows: list[dict[str, Any]],
+    prefill: dict[str, dict[str, float]],
+    links_gbit: Sequence[float] = LINKS_GBIT,
+    tokens: int = GUIDE_TOKENS,
+) -> list[dict[str, Any]]:
+    """Per dtype and link: each codec's effective rate of raw KV and the time to move a ``tokens``-token prompt, vs
+    recomputing it."""
     out = []
     for row in rows:
         token_bytes = row["raw_bytes"] / prefill[row["dtype"]]["tokens"]
@@ -328,25 +392,36 @@ def link_guide(rows: list[dict[str, Any]], prefill: dict[str, dict[str, float]],
         for link in links_gbit:
             wire = link / 8 * row["bytes_ratio"]
             rate = min(row["encode_gbps"], row["decode_gbps"], wire)
-            out.append({
-                "dtype": row["dtype"], "link_gbit": link, "codec": row["codec"], "lossless": row["lossless"],
-                "effective_gbps": round(rate, 4), "limited_by": "link" if rate == wire else "codec",
-                # the prompt tokens' worth of KV delivered per second: transfer beats a recompute slower than this
-                "kv_tokens_per_s": round(rate * 1e9 / token_bytes),
-                "transfer_s": round(tokens * token_bytes / rate / 1e9, 4), "recompute_s": round(recompute_s, 3), "tokens": tokens,
-            })  # fmt: skip
+            out.append(
+                {
+                    "dtype": row["dtype"],
+                    "link_gbit": link,
+                    "codec": row["codec"],
+                    "lossless": row["lossless"],
+                    "effective_gbps": round(rate, 4),
+                    "limited_by": "link" if rate == wire else "codec",
+                    # the prompt tokens' worth of KV delivered per second: transfer beats a recompute slower than this
+                    "kv_tokens_per_s": round(rate * 1e9 / token_bytes),
+                    "transfer_s": round(tokens * token_bytes / rate / 1e9, 4),
+                    "recompute_s": round(recompute_s, 3),
+                    "tokens": tokens,
+                }
+            )
     return out
 
 
 def format_table(report: Report) -> str:
     cfg = report["config"]
     lines = [
-        f"KV codecs on {cfg['model']} ({cfg['prompts']} prompts, {cfg['decode_tokens']} decode steps), one core (CPU time), load {cfg['load_avg']}",
-        f"{'dtype':<9} {'codec':<10} {'bytes x':>7} {'enc GB/s':>8} {'dec GB/s':>8} {'memcpy':>7} {'agree':>6} {'diverged':>8} {'mean KL':>9} {'max KL':>9}",
+        f"KV codecs on {cfg['model']} ({cfg['prompts']} prompts, {cfg['decode_tokens']} decode steps), one core (CPU "
+        f"time), load {cfg['load_avg']}",
+        f"{'dtype':<9} {'codec':<10} {'bytes x':>7} {'enc GB/s':>8} {'dec GB/s':>8} {'memcpy':>7} {'agree':>6} "
+        f"{'diverged':>8} {'mean KL':>9} {'max KL':>9}",
     ]
     for r in report["results"]:
         lines.append(
-            f"{r['dtype']:<9} {r['codec']:<10} {r['bytes_ratio']:>7.3f} {r['encode_gbps']:>8.2f} {r['decode_gbps']:>8.2f} {r['baseline_gbps']:>7.2f} "
+            f"{r['dtype']:<9} {r['codec']:<10} {r['bytes_ratio']:>7.3f} {r['encode_gbps']:>8.2f} "
+            f"{r['decode_gbps']:>8.2f} {r['baseline_gbps']:>7.2f} "
             f"{r['token_agreement']:>6.3f} {r['prompts_diverged']:>8} {r['mean_kl']:>9.3g} {r['max_kl']:>9.3g}"
         )
     for dtype, rate in report["prefill"].items():
@@ -359,7 +434,9 @@ def format_table(report: Report) -> str:
         guide.setdefault(key, []).append(f"{g['codec']} {g['transfer_s']:.3g}")
         recompute[key] = g["recompute_s"]
     for (dtype, link), cells in guide.items():
-        lines.append(f"  {dtype:<9} {link:>5g} Gbit: " + ", ".join(cells) + f" | recompute {recompute[(dtype, link)]:.3g}")
+        lines.append(
+            f"  {dtype:<9} {link:>5g} Gbit: " + ", ".join(cells) + f" | recompute {recompute[(dtype, link)]:.3g}"
+        )
     return "\n".join(lines)
 
 

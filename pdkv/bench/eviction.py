@@ -76,7 +76,9 @@ class Optimum:
     min_parents_first: float  # MIN with ties parents-first, credited the trace's way
 
 
-def _min(requests: Requests, nexts: Sequence[Sequence[int]], capacity: int, children_first: bool) -> tuple[int, int, int]:
+def _min(
+    requests: Requests, nexts: Sequence[Sequence[int]], capacity: int, children_first: bool
+) -> tuple[int, int, int]:
     """Belady's MIN with optional admission over unit chunks: (leading-run hits, per-chunk hits, chunks)."""
     cache: dict[bytes, tuple[int, int]] = {}
     heap: list[tuple[int, int, bytes]] = []  # max-heap through negation: latest next use, then the tie-break, first
@@ -114,7 +116,10 @@ def optimum(requests: Requests, capacity_blocks: int, nexts: Sequence[Sequence[i
     nexts = next_uses(requests) if nexts is None else nexts
     run_hits, block_hits, total = _min(requests, nexts, capacity_blocks, children_first=True)
     if run_hits != block_hits:  # the proof in the module docstring says this cannot happen on chained keys
-        raise PdkvError(f"MIN with ties children-first credited {run_hits} leading-run hits but {block_hits} chunk hits: are the keys prefix-chained?")
+        raise PdkvError(
+            f"MIN with ties children-first credited {run_hits} leading-run hits but {block_hits} chunk hits: are the "
+            "keys prefix-chained?"
+        )
     parents_first, _, _ = _min(requests, nexts, capacity_blocks, children_first=False)
     return Optimum(capacity_blocks, run_hits / total, block_hits / total, parents_first / total)
 
@@ -151,11 +156,14 @@ class Replay:
     policy: str
     capacity_blocks: int
     hit_rate: float
-    unreachable_share: float  # mean share of cached chunks a lookup cannot reach (an earlier chunk of their prompt is not cached)
+    unreachable_share: (
+        float  # mean share of cached chunks a lookup cannot reach (an earlier chunk of their prompt is not cached)
+    )
 
 
 def policy_replay(requests: Requests, capacity_blocks: int, policy: str, samples: int = 24) -> Replay:
-    """Serve ``requests`` through the ``policy`` as ``MemoryTier`` does (look up, touch the leading run, admit the rest with parents).
+    """Serve ``requests`` through the ``policy`` as ``MemoryTier`` does (look up, touch the leading run, admit the
+    rest with parents).
 
     ``samples`` times along the way, count the cached chunks whose parent
     chain is broken (unreachable by any lookup): the bytes a policy that
@@ -222,7 +230,9 @@ def _unreachable(resident: set[bytes], parent: dict[bytes, bytes | None]) -> int
     return sum(not walk(k) for k in resident)
 
 
-def policy_costs(requests: Requests, policies: Sequence[str], capacity_blocks: int = 100_000, repeats: int = 3) -> list[dict[str, float | str]]:
+def policy_costs(
+    requests: Requests, policies: Sequence[str], capacity_blocks: int = 100_000, repeats: int = 3
+) -> list[dict[str, float | str]]:
     """Microseconds each policy spends per request and per chunk (lookup run, touches, admissions, evictions), best of
     ``repeats`` replays taken in turns, with the ratio to the first policy's (the baseline) from the same run."""
     chunks = sum(map(len, requests))
@@ -236,6 +246,12 @@ def policy_costs(requests: Requests, policies: Sequence[str], capacity_blocks: i
             best[policy] = min(best[policy], time.perf_counter() - start)
     base = best[policies[0]]
     return [
-        {"policy": policy, "capacity_blocks": capacity_blocks, "us_per_request": round(s / len(requests) * 1e6, 2), "us_per_chunk": round(s / chunks * 1e6, 3), "ratio": round(s / base, 3)}
+        {
+            "policy": policy,
+            "capacity_blocks": capacity_blocks,
+            "us_per_request": round(s / len(requests) * 1e6, 2),
+            "us_per_chunk": round(s / chunks * 1e6, 3),
+            "ratio": round(s / base, 3),
+        }
         for policy, s in best.items()
     ]

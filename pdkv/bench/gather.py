@@ -42,7 +42,11 @@ from pdkv.layout import KVLayout
 LLAMA3_8B = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
 TOKENS = 256
 NUM_BLOCKS = 4096
-LAYOUTS = tuple(msgspec.structs.replace(LLAMA3_8B, kind=kind, order=order) for kind in ("per_layer", "cross_layer") for order in ("NHD", "HND"))
+LAYOUTS = tuple(
+    msgspec.structs.replace(LLAMA3_8B, kind=kind, order=order)
+    for kind in ("per_layer", "cross_layer")
+    for order in ("NHD", "HND")
+)
 REPEATS = {"native": 15, "torch": 5}  # the torch path is ~10x slower; fewer repeats keep the run short
 FLUSH_BYTES = 128 << 20  # 4x the 32 MiB L3 of the machine this was tuned on
 PIECE_BYTES = 256 << 10
@@ -66,7 +70,9 @@ class Memcpy:
 
     def split(self) -> None:
         share = -(-self.nbytes // self.threads)
-        parts = [self.pool.submit(self._pieces, lo, min(lo + share, self.nbytes)) for lo in range(0, self.nbytes, share)]
+        parts = [
+            self.pool.submit(self._pieces, lo, min(lo + share, self.nbytes)) for lo in range(0, self.nbytes, share)
+        ]
         for part in parts:
             part.result()
 
@@ -79,7 +85,9 @@ class Memcpy:
 def run(args: argparse.Namespace) -> int:
     tokens, repeats = getattr(args, "tokens", TOKENS), getattr(args, "repeats", 0)
     if tokens < 1 or repeats < 0:
-        raise ConfigError(f"bench gather: --tokens {tokens} must be >= 1 and --repeats {repeats} >= 0 (0: 15 native, 5 torch)")
+        raise ConfigError(
+            f"bench gather: --tokens {tokens} must be >= 1 and --repeats {repeats} >= 0 (0: 15 native, 5 torch)"
+        )
     plot.check(getattr(args, "plot", None))
     report = measure(tokens, repeats)
     print(json.dumps(report) if args.json else format_table(report))
@@ -104,7 +112,9 @@ def _measure(threads: int, baseline: Memcpy, tokens: int, repeats: int) -> Repor
     impls["torch"] = (torch_path.gather, torch_path.scatter)
     rows: list[dict[str, object]] = []
     for layout in LAYOUTS:
-        tensors = [torch.empty(layout.tensor_shape(NUM_BLOCKS), dtype=layout.torch_dtype) for _ in range(layout.num_tensors)]
+        tensors = [
+            torch.empty(layout.tensor_shape(NUM_BLOCKS), dtype=layout.torch_dtype) for _ in range(layout.num_tensors)
+        ]
         table = torch.randperm(NUM_BLOCKS, generator=rng)[: layout.blocks_for(tokens)]
         for t in tensors:
             t[table] = torch.randn(t[table].shape, generator=rng).to(layout.torch_dtype)
@@ -118,21 +128,35 @@ def _measure(threads: int, baseline: Memcpy, tokens: int, repeats: int) -> Repor
             }
             for op, fn in ops.items():
                 gbps, base_gbps = _compare(fn, baseline, scratch, repeats or REPEATS[impl], nbytes)
-                rows.append({"op": op, "impl": impl, "layout": f"{layout.kind} {layout.order}", "bytes": nbytes,  # 4 significant digits: a slow row is not 0
-                             "gbps": float(f"{gbps:.4g}"), "baseline_gbps": float(f"{base_gbps:.4g}"), "ratio": float(f"{gbps / base_gbps:.4g}")})
+                rows.append(
+                    {
+                        "op": op,
+                        "impl": impl,
+                        "layout": f"{layout.kind} {layout.order}",
+                        "bytes": nbytes,  # 4 significant digits: a slow row is not 0
+                        "gbps": float(f"{gbps:.4g}"),
+                        "baseline_gbps": float(f"{base_gbps:.4g}"),
+                        "ratio": float(f"{gbps / base_gbps:.4g}"),
+                    }
+                )
     return {
         "bench": "gather",
         "baseline": "memcpy",
         "config": {
             **{f: getattr(LLAMA3_8B, f) for f in ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")},
-            "tokens": tokens, "num_blocks": NUM_BLOCKS, "threads": threads, "cache": "cold (scratch written before each timed repeat)",
+            "tokens": tokens,
+            "num_blocks": NUM_BLOCKS,
+            "threads": threads,
+            "cache": "cold (scratch written before each timed repeat)",
         },
         "native": {"available": "native" in impls, "reason": native.reason()},
         "results": rows,
     }
 
 
-def _compare(fn: Callable[[], object], baseline: Memcpy, scratch: torch.Tensor, repeats: int, nbytes: int) -> tuple[float, float]:
+def _compare(
+    fn: Callable[[], object], baseline: Memcpy, scratch: torch.Tensor, repeats: int, nbytes: int
+) -> tuple[float, float]:
     """(op GB/s, best memcpy GB/s): medians over ``repeats`` interleaved cold-cache repeats."""
     fn()  # warm-up: first touch of the output, lazy init
     times: dict[str, list[float]] = {"op": [], "whole": [], "split": []}
@@ -150,17 +174,27 @@ def _compare(fn: Callable[[], object], baseline: Memcpy, scratch: torch.Tensor, 
 def draw(report: Report, path: str) -> None:
     """``--plot``: GB/s of each (op, impl, layout) beside memcpy of the same bytes in the same run."""
     rows = report["results"]
-    plot.bars(path, f"pdkv bench gather: {report['config']['tokens']}-token Llama-3-8B chunk, cold cache, {report['config']['threads']} threads", "GB/s",
-              [f"{r['op']} {r['impl']}\n{r['layout']}" for r in rows],
-              {"gather/scatter": [r["gbps"] for r in rows], "baseline: memcpy": [r["baseline_gbps"] for r in rows]})
+    plot.bars(
+        path,
+        f"pdkv bench gather: {report['config']['tokens']}-token Llama-3-8B chunk, cold cache, "
+        f"{report['config']['threads']} threads",
+        "GB/s",
+        [f"{r['op']} {r['impl']}\n{r['layout']}" for r in rows],
+        {"gather/scatter": [r["gbps"] for r in rows], "baseline: memcpy": [r["baseline_gbps"] for r in rows]},
+    )
 
 
 def format_table(report: Report) -> str:
-    lines = [f"paged gather/scatter vs memcpy, {report['config']['tokens']}-token Llama-3-8B chunk, cold cache, {report['config']['threads']} threads"]
+    lines = [
+        f"paged gather/scatter vs memcpy, {report['config']['tokens']}-token Llama-3-8B chunk, cold cache, "
+        f"{report['config']['threads']} threads"
+    ]
     if not report["native"]["available"]:
         lines.append(f"native: unavailable ({report['native']['reason']})")
     lines.append(f"{'op':<8} {'impl':<7} {'layout':<16} {'MiB':>6} {'GB/s':>7} {'memcpy GB/s':>12} {'ratio':>6}")
     for row in report["results"]:
-        lines.append(f"{row['op']:<8} {row['impl']:<7} {row['layout']:<16} {row['bytes'] / 2**20:>6.1f} "
-                     f"{row['gbps']:>7.2f} {row['baseline_gbps']:>12.2f} {row['ratio']:>6.2f}")
+        lines.append(
+            f"{row['op']:<8} {row['impl']:<7} {row['layout']:<16} {row['bytes'] / 2**20:>6.1f} "
+            f"{row['gbps']:>7.2f} {row['baseline_gbps']:>12.2f} {row['ratio']:>6.2f}"
+        )
     return "\n".join(lines)

@@ -71,7 +71,10 @@ VOCAB = 49152
 
 def run(args: argparse.Namespace) -> int:
     plot.check(getattr(args, "plot", None))
-    report: Report = {"bench": "kv-routing", "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": os.getloadavg()}}
+    report: Report = {
+        "bench": "kv-routing",
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_before": os.getloadavg()},
+    }
     report.update(lookup_cost(args.blocks, tokenizer=args.model))
     trace = Path(args.trace) if args.trace else trace_path()
     if trace is None or not trace.is_file():
@@ -86,29 +89,54 @@ def run(args: argparse.Namespace) -> int:
 
 
 def draw(report: Report, path: str) -> None:
-    """``--plot``: per policy, the trace's chunk hit rate and TTFT against round-robin's; without the trace, the lookup."""
+    """``--plot``: per policy, the trace's chunk hit rate and TTFT against round-robin's; without the trace, the
+    lookup."""
     tr = report.get("trace", {})
     if tr.get("results"):
         rows = tr["results"]
-        plot.bars(path, f"pdkv bench kv-routing: {tr['requests']} trace requests, {tr['prefill_workers']} prefill workers", "share / ratio",
-                  [r["policy"] for r in rows], {"chunk hit rate": [r["chunk_hit_rate"] for r in rows], "mean TTFT / round-robin": [r["ratio"] for r in rows]},
-                  note=f"bound (one infinite cache): hit rate {tr['infinite_cache_chunk_hit_rate']}")
+        plot.bars(
+            path,
+            f"pdkv bench kv-routing: {tr['requests']} trace requests, {tr['prefill_workers']} prefill workers",
+            "share / ratio",
+            [r["policy"] for r in rows],
+            {
+                "chunk hit rate": [r["chunk_hit_rate"] for r in rows],
+                "mean TTFT / round-robin": [r["ratio"] for r in rows],
+            },
+            note=f"bound (one infinite cache): hit rate {tr['infinite_cache_chunk_hit_rate']}",
+        )
         return
     rows = report["results"]
-    plot.bars(path, "pdkv bench kv-routing: prefix index lookup", "CPU us per lookup", [f"block {r['block_size']}" for r in rows],
-              {"lookup": [r["lookup_cpu_us"] for r in rows], report["baseline"]: [r["baseline_hash_cpu_us"] for r in rows]})
+    plot.bars(
+        path,
+        "pdkv bench kv-routing: prefix index lookup",
+        "CPU us per lookup",
+        [f"block {r['block_size']}" for r in rows],
+        {"lookup": [r["lookup_cpu_us"] for r in rows], report["baseline"]: [r["baseline_hash_cpu_us"] for r in rows]},
+    )
 
 
 # -- 1. lookup cost --------------------------------------------------------------------------------
 def _chain_event(tokens: np.ndarray, block_size: int, salt: int) -> BlockStored:
     n = len(tokens) // block_size
     return BlockStored(
-        block_hashes=[salt * 1_000_000 + i for i in range(n)], parent_block_hash=None, token_ids=tokens[: n * block_size].tolist(),
-        block_size=block_size, lora_id=None, medium="GPU", lora_name=None,
+        block_hashes=[salt * 1_000_000 + i for i in range(n)],
+        parent_block_hash=None,
+        token_ids=tokens[: n * block_size].tolist(),
+        block_size=block_size,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
     )
 
 
-def lookup_cost(total_blocks: int = 100_000, workers: int = 4, prompt_tokens: int = 8192, lookups: int = 200, tokenizer: str = "default") -> Report:
+def lookup_cost(
+    total_blocks: int = 100_000,
+    workers: int = 4,
+    prompt_tokens: int = 8192,
+    lookups: int = 200,
+    tokenizer: str = "default",
+) -> Report:
     rng = np.random.default_rng(0)
     rows = []
     for block_size in (16, 256):
@@ -126,16 +154,34 @@ def lookup_cost(total_blocks: int = 100_000, workers: int = 4, prompt_tokens: in
             base = chains[int(rng.integers(len(chains)))]
             keep = int(rng.integers(0, prompt_tokens))
             prompts.append(np.concatenate([base[:keep], rng.integers(100, VOCAB, prompt_tokens - keep)]))
-        lookup_wall, lookup_cpu = _timed(lambda prompts=prompts, index=index, names=names: [index.match(p, names) for p in prompts], lookups)
-        hash_wall, hash_cpu = _timed(lambda prompts=prompts: [xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(p, dtype="<i8")).cast("B")) for p in prompts], lookups)
-        rows.append({
-            "block_size": block_size, "indexed_blocks": held, "workers": workers, "prompt_tokens": prompt_tokens,
-            "lookup_cpu_us": lookup_cpu, "lookup_wall_us": lookup_wall, "baseline_hash_cpu_us": hash_cpu, "ratio": round(lookup_cpu / hash_cpu, 2),
-        })
+        lookup_wall, lookup_cpu = _timed(
+            lambda prompts=prompts, index=index, names=names: [index.match(p, names) for p in prompts], lookups
+        )
+        hash_wall, hash_cpu = _timed(
+            lambda prompts=prompts: [
+                xxhash.xxh3_64_intdigest(memoryview(np.ascontiguousarray(p, dtype="<i8")).cast("B")) for p in prompts
+            ],
+            lookups,
+        )
+        rows.append(
+            {
+                "block_size": block_size,
+                "indexed_blocks": held,
+                "workers": workers,
+                "prompt_tokens": prompt_tokens,
+                "lookup_cpu_us": lookup_cpu,
+                "lookup_wall_us": lookup_wall,
+                "baseline_hash_cpu_us": hash_cpu,
+                "ratio": round(lookup_cpu / hash_cpu, 2),
+            }
+        )
     tok_wall, tok_cpu = _tokenize_cost(prompt_tokens, tokenizer)
     return {
-        "baseline": "one xxh3 pass over the prompt's token bytes (CPU time; wall time is shown too, it includes waiting for a core)",
-        "results": rows, "tokenize_text_cpu_us": tok_cpu, "tokenize_text_wall_us": tok_wall,
+        "baseline": "one xxh3 pass over the prompt's token bytes (CPU time; wall time is shown too, it includes "
+        "waiting for a core)",
+        "results": rows,
+        "tokenize_text_cpu_us": tok_cpu,
+        "tokenize_text_wall_us": tok_wall,
     }
 
 
@@ -183,7 +229,12 @@ def _stream_ttft(url: str, prompt: list[int], timeout: float = 600) -> float:
     conn = http.client.HTTPConnection(parts.netloc, timeout=timeout)
     try:
         start = time.perf_counter()
-        conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "stream": True}),
+            {"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         if resp.status != 200:
             raise PdkvError(f"{url} answered {resp.status}: {resp.read()[:300]!r}")
@@ -204,14 +255,21 @@ def _totals(workers: Sequence[WorkerProcess]) -> dict[str, Any]:
         out["requests"].append(metric(text, "pdkv_requests_total", outcome="ok"))
         out["tier_tokens"] += metric(text, "pdkv_prompt_tokens_total", source="tier")
         out["tier_chunks"] += sum(metric(text, "pdkv_tier_hits_total", tier=t) for t in ("memory", "disk", "redis"))
-        out["prompt_tokens"] += metric(text, "pdkv_prompt_tokens_total", source="computed") + metric(text, "pdkv_prompt_tokens_total", source="tier")
+        out["prompt_tokens"] += metric(text, "pdkv_prompt_tokens_total", source="computed") + metric(
+            text, "pdkv_prompt_tokens_total", source="tier"
+        )
     return out
 
 
 def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report:
-    sample = [TraceRequest(r.timestamp_ms, r.hash_ids[: args.max_blocks], r.output_length) for r in replay_sample(requests, args.conversations)]
+    sample = [
+        TraceRequest(r.timestamp_ms, r.hash_ids[: args.max_blocks], r.output_length)
+        for r in replay_sample(requests, args.conversations)
+    ]
     block = args.block_tokens
-    vocab = load_checkpoint(args.model, progress=False).config.vocab_size  # the trace's token ids must fit the model's vocabulary
+    vocab = load_checkpoint(
+        args.model, progress=False
+    ).config.vocab_size  # the trace's token ids must fit the model's vocabulary
     workers: list[WorkerProcess] = []
     routers: dict[str, list[WorkerProcess]] = {}
     runs: dict[str, list[Report]] = {name: [] for name in POLICIES}
@@ -219,21 +277,45 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
         try:
             # generous transfer timeouts: on a loaded shared machine a timed-out transfer is a recompute that
             # would be charged to whichever policy happened to run then
-            base = {"model": args.model, "num_threads": 1, "num_blocks": 512, "transfer": {"chunk_size": block, "transfer_timeout_s": 900, "chunk_timeout_s": 600, "lease_s": 120}}
+            base = {
+                "model": args.model,
+                "num_threads": 1,
+                "num_blocks": 512,
+                "transfer": {"chunk_size": block, "transfer_timeout_s": 900, "chunk_timeout_s": 600, "lease_s": 120},
+            }
             decode_cfg = Path(tmp) / "decode.yaml"
             decode_cfg.write_text(yaml.safe_dump({**base, "tier": {"enabled": False}}))
             prefill_cfg = Path(tmp) / "prefill.yaml"
-            prefill_cfg.write_text(yaml.safe_dump({**base, "tier": {"memory_bytes": args.memory_mib << 20},
-                                                   "kv_events": {"enable_kv_cache_events": True, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}}))
+            prefill_cfg.write_text(
+                yaml.safe_dump(
+                    {
+                        **base,
+                        "tier": {"memory_bytes": args.memory_mib << 20},
+                        "kv_events": {
+                            "enable_kv_cache_events": True,
+                            "endpoint": "tcp://*:0",
+                            "replay_endpoint": "tcp://*:0",
+                        },
+                    }
+                )
+            )
             decode = start_worker("decode", "--config", str(decode_cfg), "--port", "0", timeout=900)
             workers.append(decode)
-            prefills = [start_worker("prefill", "--config", str(prefill_cfg), "--port", "0", timeout=900) for _ in range(args.prefill_workers)]
+            prefills = [
+                start_worker("prefill", "--config", str(prefill_cfg), "--port", "0", timeout=900)
+                for _ in range(args.prefill_workers)
+            ]
             workers += prefills
             for name, settings in POLICIES.items():
                 cfg = Path(tmp) / f"router-{len(routers)}.yaml"
                 cfg.write_text(yaml.safe_dump({"router": {**settings, "prefix_chunk_tokens": block}}))
                 flags = [a for p in prefills for a in ("--prefill", p.url)]
-                routers[name] = [start_worker("router", "--config", str(cfg), "--port", "0", *flags, "--decode", decode.url, timeout=300) for _ in range(args.routers)]
+                routers[name] = [
+                    start_worker(
+                        "router", "--config", str(cfg), "--port", "0", *flags, "--decode", decode.url, timeout=300
+                    )
+                    for _ in range(args.routers)
+                ]
             time.sleep(3)  # the KV-aware router subscribes to every stream (it checks each second)
             order = list(POLICIES)
             salt = 1
@@ -243,21 +325,38 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
                     prompts = _prompts(sample, block, salt, vocab)
                     salt += 1
                     before = _totals(prefills)
-                    with ThreadPoolExecutor(args.concurrency) as pool:  # in trace order, at most --concurrency in flight
-                        ttfts = list(pool.map(lambda ip, name=name: _stream_ttft(routers[name][ip[0] % args.routers].url, ip[1]), enumerate(prompts)))
+                    with ThreadPoolExecutor(
+                        args.concurrency
+                    ) as pool:  # in trace order, at most --concurrency in flight
+                        ttfts = list(
+                            pool.map(
+                                lambda ip, name=name: _stream_ttft(routers[name][ip[0] % args.routers].url, ip[1]),
+                                enumerate(prompts),
+                            )
+                        )
                     after = _totals(prefills)
                     full_chunks = sum(len(p) // block for p in prompts)
-                    runs[name].append({
-                        "pass": pass_no, "mean_ttft_s": statistics.mean(ttfts), "p50_ttft_s": statistics.median(ttfts),
-                        "chunk_hit_rate": (after["tier_chunks"] - before["tier_chunks"]) / full_chunks,
-                        "token_hit_rate": (after["tier_tokens"] - before["tier_tokens"]) / (after["prompt_tokens"] - before["prompt_tokens"]),
-                        "requests_per_prefill_worker": [a - b for a, b in zip(after["requests"], before["requests"], strict=True)],
-                    })
+                    runs[name].append(
+                        {
+                            "pass": pass_no,
+                            "mean_ttft_s": statistics.mean(ttfts),
+                            "p50_ttft_s": statistics.median(ttfts),
+                            "chunk_hit_rate": (after["tier_chunks"] - before["tier_chunks"]) / full_chunks,
+                            "token_hit_rate": (after["tier_tokens"] - before["tier_tokens"])
+                            / (after["prompt_tokens"] - before["prompt_tokens"]),
+                            "requests_per_prefill_worker": [
+                                a - b for a, b in zip(after["requests"], before["requests"], strict=True)
+                            ],
+                        }
+                    )
             d_metrics = get_text(decode.url + "/metrics")
             kv_metrics = [get_text(r.url + "/metrics") for r in routers["prefix (KV events)"]]
             kv_lost = sum(metric(m, "pdkv_router_kv_stream_events_total", event="lost") for m in kv_metrics)
             reasons = ("kv_hit", "kv_miss", "kv_load_balanced", "prefix_hit", "prefix_miss")
-            kv_decisions = {why: sum(metric(m, "pdkv_router_decisions_total", role="prefill", reason=why) for m in kv_metrics) for why in reasons}
+            kv_decisions = {
+                why: sum(metric(m, "pdkv_router_decisions_total", role="prefill", reason=why) for m in kv_metrics)
+                for why in reasons
+            }
         finally:
             for proc in [*(r for replicas in routers.values() for r in replicas), *workers]:
                 proc.stop()
@@ -265,17 +364,28 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
     results = []
     for name, rs in runs.items():
         mean_ttft = statistics.mean(r["mean_ttft_s"] for r in rs)
-        results.append({
-            "policy": name, "chunk_hit_rate": round(statistics.mean(r["chunk_hit_rate"] for r in rs), 4),
-            "token_hit_rate": round(statistics.mean(r["token_hit_rate"] for r in rs), 4),
-            "mean_ttft_s": round(mean_ttft, 4), "ratio": round(mean_ttft / baseline, 4),
-            "passes": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rs],
-            "requests_per_prefill_worker": [sum(col) for col in zip(*(r["requests_per_prefill_worker"] for r in rs), strict=True)],
-        })
+        results.append(
+            {
+                "policy": name,
+                "chunk_hit_rate": round(statistics.mean(r["chunk_hit_rate"] for r in rs), 4),
+                "token_hit_rate": round(statistics.mean(r["token_hit_rate"] for r in rs), 4),
+                "mean_ttft_s": round(mean_ttft, 4),
+                "ratio": round(mean_ttft / baseline, 4),
+                "passes": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rs],
+                "requests_per_prefill_worker": [
+                    sum(col) for col in zip(*(r["requests_per_prefill_worker"] for r in rs), strict=True)
+                ],
+            }
+        )
     return {
-        "requests": len(sample), "conversations": args.conversations, "prefill_workers": args.prefill_workers, "memory_mib_per_worker": args.memory_mib,
-        "routers_per_policy": args.routers, "concurrency": args.concurrency,
-        "scale": f"each 512-token trace block -> {block} tokens (one tier chunk), prompts capped at {args.max_blocks} blocks, plus one salt token",
+        "requests": len(sample),
+        "conversations": args.conversations,
+        "prefill_workers": args.prefill_workers,
+        "memory_mib_per_worker": args.memory_mib,
+        "routers_per_policy": args.routers,
+        "concurrency": args.concurrency,
+        "scale": f"each 512-token trace block -> {block} tokens (one tier chunk), prompts capped at {args.max_blocks} "
+        "blocks, plus one salt token",
         "prompt_tokens_per_pass": sum(len(p) for p in _prompts(sample, block, 0, vocab)),
         "infinite_cache_chunk_hit_rate": round(_bound(sample), 4),
         "decode_fallbacks": metric(d_metrics, "pdkv_fallbacks_total"),
@@ -288,17 +398,28 @@ def replay(requests: Sequence[TraceRequest], args: argparse.Namespace) -> Report
 
 def format_report(report: Report) -> str:
     lk = report
-    lines = [f"Prefix index lookup, baseline {lk['baseline']}; encoding the prompt as text: {lk['tokenize_text_cpu_us']} us CPU:"]
+    lines = [
+        f"Prefix index lookup, baseline {lk['baseline']}; encoding the prompt as text: {lk['tokenize_text_cpu_us']} us "
+        "CPU:"
+    ]
     lines += [
         f"  block {r['block_size']:>4}: {r['indexed_blocks']} blocks, {r['prompt_tokens']}-token prompt: "
-        f"{r['lookup_cpu_us']} us CPU ({r['lookup_wall_us']} wall), hash {r['baseline_hash_cpu_us']} us, ratio {r['ratio']}"
+        f"{r['lookup_cpu_us']} us CPU ({r['lookup_wall_us']} wall), hash {r['baseline_hash_cpu_us']} us, ratio "
+        f"{r['ratio']}"
         for r in lk["results"]
     ]
     tr = report.get("trace", {})
     if "skipped" in tr:
         lines.append(f"trace: skipped: {tr['skipped']}")
     elif tr:
-        lines.append(f"Mooncake trace: {tr['requests']} requests, {tr['prefill_workers']} prefill workers, bound {tr['infinite_cache_chunk_hit_rate']}")
-        lines += [f"  {r['policy']:<24} hit {r['chunk_hit_rate']:.3f}  mean TTFT {r['mean_ttft_s']:.3f}s  ratio {r['ratio']:.3f}" for r in tr["results"]]
+        lines.append(
+            f"Mooncake trace: {tr['requests']} requests, {tr['prefill_workers']} prefill workers, bound "
+            f"{tr['infinite_cache_chunk_hit_rate']}"
+        )
+        lines += [
+            f"  {r['policy']:<24} hit {r['chunk_hit_rate']:.3f}  mean TTFT {r['mean_ttft_s']:.3f}s  ratio "
+            f"{r['ratio']:.3f}"
+            for r in tr["results"]
+        ]
     lines.append(f"load {report['machine']['load_before']} -> {report['machine']['load_after']}")
     return "\n".join(lines)

@@ -75,7 +75,9 @@ def parse_rate(rate: str) -> float | None:
         return None
     match = re.fullmatch(r"(\d+(?:\.\d+)?)(k|m|g)bit", rate.strip().lower())
     if match is None:
-        raise ConfigError(f"link rate {rate!r}: expected 'unshaped' or a number with kbit, mbit or gbit (e.g. 100mbit, 1gbit)")
+        raise ConfigError(
+            f"link rate {rate!r}: expected 'unshaped' or a number with kbit, mbit or gbit (e.g. 100mbit, 1gbit)"
+        )
     value = float(match.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)]
     if value <= 0:
         raise ConfigError(f"link rate {rate!r} must be positive")
@@ -242,7 +244,21 @@ class Link:
                 host.run("tc", "qdisc", "del", "dev", dev, "root", check=False)
             else:
                 burst = max(int(bits / 8 * 0.004), 16 * 1514)
-                host.run("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{int(bits)}bit", "burst", str(burst), "latency", "50ms")
+                host.run(
+                    "tc",
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    f"{int(bits)}bit",
+                    "burst",
+                    str(burst),
+                    "latency",
+                    "50ms",
+                )
         self.rate = rate
 
     def down(self) -> None:
@@ -298,9 +314,27 @@ class NetRig:
         if index > 254:
             raise ConfigError("a rig has at most 254 hosts besides the hub")
         host = self._new_host(name)
-        link = Link(self.hub, host, f"to-{name}", "to-hub", f"{self.subnet_base}.{index}.1", f"{self.subnet_base}.{index}.2")
+        link = Link(
+            self.hub, host, f"to-{name}", "to-hub", f"{self.subnet_base}.{index}.1", f"{self.subnet_base}.{index}.2"
+        )
         # both ends are born inside their namespaces: no name ever exists in the caller's namespace
-        _run(["ip", "link", "add", link.hub_dev, "netns", self.hub.netns, "type", "veth", "peer", "name", link.dev, "netns", host.netns])
+        _run(
+            [
+                "ip",
+                "link",
+                "add",
+                link.hub_dev,
+                "netns",
+                self.hub.netns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                link.dev,
+                "netns",
+                host.netns,
+            ]
+        )
         for end, dev, addr in ((self.hub, link.hub_dev, link.hub_addr), (host, link.dev, link.addr)):
             end.run("ip", "addr", "add", f"{addr}/24", "dev", dev)
             end.run("ip", "link", "set", "dev", dev, "up")
@@ -310,7 +344,8 @@ class NetRig:
         return link
 
     def remove_host(self, name: str) -> None:
-        """The host disappears, as a machine losing power: its cable first (no goodbye packets), then its processes and namespace."""
+        """The host disappears, as a machine losing power: its cable first (no goodbye packets), then its
+        processes and namespace."""
         host = self.hosts.pop(name)
         link = self.links.pop(name, None)
         if link is not None:
@@ -372,7 +407,8 @@ LOOPBACK = Placement()
 
 
 def run_in_netns(netns: str | None, target: Any, *args: Any) -> None:
-    """Move onto the host of ``netns`` (None: stay), then run ``target(*args)``: the entry point of a process spawned onto a host."""
+    """Move onto the host of ``netns`` (None: stay), then run ``target(*args)``: the entry point of a process
+    spawned onto a host."""
     if netns is not None:
         _move_process(netns)
     target(*args)
@@ -460,7 +496,8 @@ def _terminate_cleanly() -> Iterator[None]:
 
 
 def iperf3_gbps(link: Link, streams: int = 1, seconds: float = 2.0, port: int = 5201) -> float | None:
-    """iperf3's throughput from the hub to the host over ``link`` in GB/s (1e9 bytes/s), or None if iperf3 is not installed.
+    """iperf3's throughput from the hub to the host over ``link`` in GB/s (1e9 bytes/s), or None if iperf3 is not
+    installed.
 
     What network engineers measure a link with: the tcp channel's target is
     0.9x of it. The server runs on the host for one test (``-1``); the
@@ -468,12 +505,26 @@ def iperf3_gbps(link: Link, streams: int = 1, seconds: float = 2.0, port: int = 
     """
     if shutil.which("iperf3") is None:
         return None
-    server = link.host.popen("iperf3", "-s", "-1", "-B", link.addr, "-p", str(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = link.host.popen(
+        "iperf3", "-s", "-1", "-B", link.addr, "-p", str(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + _CMD_TIMEOUT_S
         while True:
-            done = link.hub.run("iperf3", "-c", link.addr, "-p", str(port), "-P", str(streams), "-t", f"{seconds:g}", "-J",
-                                check=False, timeout=seconds + _CMD_TIMEOUT_S)
+            done = link.hub.run(
+                "iperf3",
+                "-c",
+                link.addr,
+                "-p",
+                str(port),
+                "-P",
+                str(streams),
+                "-t",
+                f"{seconds:g}",
+                "-J",
+                check=False,
+                timeout=seconds + _CMD_TIMEOUT_S,
+            )
             try:
                 report = json.loads(done.stdout)
             except ValueError:

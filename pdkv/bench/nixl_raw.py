@@ -171,7 +171,8 @@ class RawNixl:
         return size / statistics.median(times[WARMUP:]) / 1e9
 
     def transfers_per_s(self, count: int, size: int, repeats: int) -> float:
-        """``count`` prepped WRITEs of ``size`` bytes posted back to back, the last notifying; the median over ``repeats`` rounds.
+        """``count`` prepped WRITEs of ``size`` bytes posted back to back, the last notifying; the median over
+        ``repeats`` rounds.
 
         What the bench's small-transfers case asks of a channel.
         """

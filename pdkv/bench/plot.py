@@ -42,7 +42,14 @@ def check(path: str | None) -> None:
         raise ConfigError(f"--plot {path}: the directory {target.resolve().parent} does not exist")
 
 
-def lines(path: str, title: str, xlabel: str, ylabel: str, series: Mapping[str, tuple[Sequence[float], Sequence[float]]], note: str = "") -> None:
+def lines(
+    path: str,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    note: str = "",
+) -> None:
     """One line per series (label -> (xs, ys)) against a size in bytes: x is logarithmic, ticks read "4 KiB"."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -55,7 +62,9 @@ def lines(path: str, title: str, xlabel: str, ylabel: str, series: Mapping[str, 
     _finish(plt, fig, ax, path, title, xlabel, ylabel, note)
 
 
-def bars(path: str, title: str, ylabel: str, categories: Sequence[str], series: Mapping[str, Sequence[float]], note: str = "") -> None:
+def bars(
+    path: str, title: str, ylabel: str, categories: Sequence[str], series: Mapping[str, Sequence[float]], note: str = ""
+) -> None:
     """Grouped bars: one group per category, one bar per series (label -> one value per category)."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(min(14.0, max(6.0, 0.45 * len(categories) * max(1, len(series)) + 2)), 4.6))
@@ -63,7 +72,9 @@ def bars(path: str, title: str, ylabel: str, categories: Sequence[str], series: 
     for i, (label, values) in enumerate(series.items()):
         xs = [c + (i - (len(series) - 1) / 2) * width for c in range(len(categories))]
         ax.bar(xs, values, width, label=label)
-    ax.set_xticks(range(len(categories)), categories, rotation=20 if max(map(len, categories), default=0) > 10 else 0, ha="right")
+    ax.set_xticks(
+        range(len(categories)), categories, rotation=20 if max(map(len, categories), default=0) > 10 else 0, ha="right"
+    )
     _finish(plt, fig, ax, path, title, "", ylabel, note)
 
 

@@ -51,7 +51,12 @@ def _backend_app() -> web.Application:
         choice = {"index": 0, "text": "x" if kv.get("do_remote_decode") else "hello world", "finish_reason": "length"}
         answer: dict[str, Any] = {"object": "text_completion", "choices": [choice]}
         if kv.get("do_remote_decode"):
-            answer["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": kv.get("transfer_id"), "first_token_id": 1, "transfer_started": True}
+            answer["kv_transfer_params"] = {
+                "do_remote_prefill": True,
+                "transfer_id": kv.get("transfer_id"),
+                "first_token_id": 1,
+                "transfer_started": True,
+            }
         return web.json_response(answer)
 
     async def ok(_: web.Request) -> web.Response:
@@ -116,7 +121,19 @@ async def _measure(router: str, backend: str, requests: int, concurrency: int) -
             await post(router, body)
 
         async def by_hand() -> None:
-            prefill = await post(backend, {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True, "remote_host": "127.0.0.1", "remote_port": 1, "transfer_id": "t"}})
+            prefill = await post(
+                backend,
+                {
+                    **body,
+                    "max_tokens": 1,
+                    "kv_transfer_params": {
+                        "do_remote_decode": True,
+                        "remote_host": "127.0.0.1",
+                        "remote_port": 1,
+                        "transfer_id": "t",
+                    },
+                },
+            )
             await post(backend, {**body, "kv_transfer_params": prefill["kv_transfer_params"]})
 
         async def decode_only() -> None:
@@ -137,16 +154,40 @@ async def _measure(router: str, backend: str, requests: int, concurrency: int) -
     results = []
     for q in (50, 99):
         r, b = _pct(lat["router"], q), _pct(lat["baseline"], q)
-        results.append({"metric": f"p{q}_ms", "router": r, "baseline": b, "added_ms": r - b, "ratio": r / b, "decode_only": _pct(lat["decode_only"], q)})
+        results.append(
+            {
+                "metric": f"p{q}_ms",
+                "router": r,
+                "baseline": b,
+                "added_ms": r - b,
+                "ratio": r / b,
+                "decode_only": _pct(lat["decode_only"], q),
+            }
+        )
     rps, base_rps = statistics.median(rates["router"]), statistics.median(rates["baseline"])
-    results.append({"metric": "requests_per_s", "router": rps, "baseline": base_rps, "ratio": rps / base_rps, "concurrency": concurrency})
+    results.append(
+        {
+            "metric": "requests_per_s",
+            "router": rps,
+            "baseline": base_rps,
+            "ratio": rps / base_rps,
+            "concurrency": concurrency,
+        }
+    )
     return {"bench": "router", "baseline": BASELINE, "requests": per_round * ROUNDS, "results": results}
 
 
 def _table(out: dict[str, Any]) -> str:
-    lines = [f"router vs {out['baseline']} ({out['requests']} requests per side)", f"{'metric':>16}  {'router':>9}  {'baseline':>9}  {'ratio':>6}"]
+    lines = [
+        f"router vs {out['baseline']} ({out['requests']} requests per side)",
+        f"{'metric':>16}  {'router':>9}  {'baseline':>9}  {'ratio':>6}",
+    ]
     for row in out["results"]:
-        extra = f"  (+{row['added_ms']:.2f} ms; decode alone {row['decode_only']:.2f} ms)" if "added_ms" in row else f"  ({row['concurrency']} in flight)"
+        extra = (
+            f"  (+{row['added_ms']:.2f} ms; decode alone {row['decode_only']:.2f} ms)"
+            if "added_ms" in row
+            else f"  ({row['concurrency']} in flight)"
+        )
         lines.append(f"{row['metric']:>16}  {row['router']:9.2f}  {row['baseline']:9.2f}  {row['ratio']:6.2f}{extra}")
     return "\n".join(lines)
 
@@ -155,9 +196,19 @@ def draw(out: dict[str, Any], path: str) -> None:
     """``--plot``: latency percentiles of the router, its baseline and a decode call alone; requests/s in the note."""
     rows = [r for r in out["results"] if "decode_only" in r]
     rate = next(r for r in out["results"] if r["metric"] == "requests_per_s")
-    plot.bars(path, f"pdkv bench router ({out['requests']} requests per side)", "latency (ms)", [r["metric"] for r in rows],
-              {"router": [r["router"] for r in rows], "baseline: both hops by the client": [r["baseline"] for r in rows], "one decode call alone": [r["decode_only"] for r in rows]},
-              note=f"requests/s at {rate['concurrency']} in flight: router {rate['router']:.0f}, baseline {rate['baseline']:.0f} (ratio {rate['ratio']:.2f})")
+    plot.bars(
+        path,
+        f"pdkv bench router ({out['requests']} requests per side)",
+        "latency (ms)",
+        [r["metric"] for r in rows],
+        {
+            "router": [r["router"] for r in rows],
+            "baseline: both hops by the client": [r["baseline"] for r in rows],
+            "one decode call alone": [r["decode_only"] for r in rows],
+        },
+        note=f"requests/s at {rate['concurrency']} in flight: router {rate['router']:.0f}, baseline "
+        f"{rate['baseline']:.0f} (ratio {rate['ratio']:.2f})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -118,18 +118,36 @@ def _digest(layout: KVLayout, kv: list[torch.Tensor], blocks: list[int], tokens:
 
 
 def _receiver_side(
-    conn: Connection, channel_name: str, layout: KVLayout, num_blocks: int, config: TransferConfig, host: str, device: str, extra: dict[str, Any]
+    conn: Connection,
+    channel_name: str,
+    layout: KVLayout,
+    num_blocks: int,
+    config: TransferConfig,
+    host: str,
+    device: str,
+    extra: dict[str, Any],
 ) -> None:
-    """The decode side on ``host``: a KVReceiver that claims each announced request, digests its KV and frees its blocks."""
+    """The decode side on ``host``: a KVReceiver that claims each announced request, digests its KV and frees its
+    blocks."""
     from pdkv.transfer.receiver import KVReceiver
 
     torch.set_num_threads(ONE_THREAD)
     try:
-        channel = create_channel(channel_name, f"bench-decode-{uuid.uuid4().hex[:6]}", channel_options(channel_name, host, extra))
+        channel = create_channel(
+            channel_name, f"bench-decode-{uuid.uuid4().hex[:6]}", channel_options(channel_name, host, extra)
+        )
         kv = place_kv(layout.allocate(num_blocks), device)
         allocator = BlockAllocator(num_blocks)
         # it waits for requests it was told of before the sender opens them (handshake included): no announce window
-        receiver = KVReceiver(channel, layout, kv, allocator, FINGERPRINT, msgspec.structs.replace(config, announce_timeout_s=TIMEOUT_S), host=host)
+        receiver = KVReceiver(
+            channel,
+            layout,
+            kv,
+            allocator,
+            FINGERPRINT,
+            msgspec.structs.replace(config, announce_timeout_s=TIMEOUT_S),
+            host=host,
+        )
     except Exception as exc:  # noqa: BLE001 - reported to the sender, which raises it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
@@ -185,9 +203,15 @@ class TransferRig:
         self._peer = _peer(_receiver_side, args, in_process=channel in IN_PROCESS, netns=placement.receiver_netns)
         self.conn = self._peer.__enter__()
         try:
-            self.channel = create_channel(channel, f"bench-prefill-{uuid.uuid4().hex[:6]}", channel_options(channel, placement.sender_addr, extra[0]))
+            self.channel = create_channel(
+                channel,
+                f"bench-prefill-{uuid.uuid4().hex[:6]}",
+                channel_options(channel, placement.sender_addr, extra[0]),
+            )
             gen = torch.Generator().manual_seed(0)
-            self.kv = place_kv([torch.randn(t.shape, generator=gen).to(t.dtype) for t in sender_layout.allocate(sender_blocks)], device)
+            self.kv = place_kv(
+                [torch.randn(t.shape, generator=gen).to(t.dtype) for t in sender_layout.allocate(sender_blocks)], device
+            )
             self.allocator = BlockAllocator(sender_blocks)
             self.sender = KVSender(self.channel, sender_layout, self.kv, FINGERPRINT, config)
             _, self.address = _recv(self.conn, "the receiver's address")
@@ -202,7 +226,11 @@ class TransferRig:
         Raises ``TransferError`` if the decode side ends up with KV other than what was sent.
         """
         own = tables is None
-        tables = [self.allocator.allocate(self.layout.blocks_for(tokens)) for _, tokens in requests] if tables is None else tables
+        tables = (
+            [self.allocator.allocate(self.layout.blocks_for(tokens)) for _, tokens in requests]
+            if tables is None
+            else tables
+        )
         self.conn.send(("expect", requests))
         ends = [0.0] * len(requests)
         errors: list[BaseException] = []
@@ -231,13 +259,18 @@ class TransferRig:
             raise errors[0]
         self.conn.send(("check",))
         _, digests = _recv(self.conn, "the receiver's digests")
-        want = [_digest(self.layout, self.kv, table, tokens) for table, (_, tokens) in zip(tables, requests, strict=True)]
+        want = [
+            _digest(self.layout, self.kv, table, tokens) for table, (_, tokens) in zip(tables, requests, strict=True)
+        ]
         if own:
             for table in tables:
                 self.allocator.free(table)
         bad = [rid for (rid, _), a, b in zip(requests, digests, want, strict=True) if a != b]
         if bad:
-            raise TransferError(f"the decode side holds different KV than was sent for {len(bad)} of {len(requests)} requests: {bad[:5]}")
+            raise TransferError(
+                f"the decode side holds different KV than was sent for {len(bad)} of {len(requests)} requests: "
+                f"{bad[:5]}"
+            )
         return max(ends) - t0, [e - t0 for e in ends]
 
     def receiver_stats(self) -> dict[str, int]:
@@ -247,9 +280,14 @@ class TransferRig:
 
     @property
     def path(self) -> str:
-        """The way the bytes went: host direct or staging, pinned staging (device KV through host slots), or direct device."""
+        """The way the bytes went: host direct or staging, pinned staging (device KV through host slots), or
+        direct device."""
         memory = self.sender.kv_memory
-        names = {"direct": "host direct", "staging": "host staging"} if memory == "host" else {"direct": f"direct device ({memory})", "staging": "pinned staging"}
+        names = (
+            {"direct": "host direct", "staging": "host staging"}
+            if memory == "host"
+            else {"direct": f"direct device ({memory})", "staging": "pinned staging"}
+        )
         return " or ".join(names[m] for m in sorted(self.modes))
 
     def close(self) -> None:
@@ -272,10 +310,17 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _measure_mode(
-    channel: str, mode: str, scenarios: list[Scenario], repeats: int, baseline_class: Callable[..., Any], placement: Placement, devices: tuple[str, ...],
+    channel: str,
+    mode: str,
+    scenarios: list[Scenario],
+    repeats: int,
+    baseline_class: Callable[..., Any],
+    placement: Placement,
+    devices: tuple[str, ...],
     tls: bool = False,
 ) -> list[dict[str, Any]]:
-    """Every scenario of one mode, one receiver process per device (and one over TLS), the baseline and each rig's rounds alternating.
+    """Every scenario of one mode, one receiver process per device (and one over TLS), the baseline and each rig's
+    rounds alternating.
 
     Alternating the devices within each round (rather than one device's scenarios after the other's) puts
     them under the same load on a shared machine, so ``vs_host`` compares like with like.
@@ -289,10 +334,14 @@ def _measure_mode(
     with contextlib.ExitStack() as stack:
         # name -> (where the KV lives, extra channel options); made in reverse and warmed at once: each receiver
         # waits for its next command only so long (TIMEOUT_S), so the first rig measured is the last one made
-        specs = {device: (device, ({}, {})) for device in devices} | ({"tls": ("cpu", tls_options(stack, channel))} if tls else {})
+        specs = {device: (device, ({}, {})) for device in devices} | (
+            {"tls": ("cpu", tls_options(stack, channel))} if tls else {}
+        )
         rigs: dict[str, TransferRig] = {}
         for name, (device, extra) in reversed(specs.items()):
-            rigs[name] = stack.enter_context(TransferRig(channel, layout, ours, theirs, config, placement=placement, device=device, extra=extra))
+            rigs[name] = stack.enter_context(
+                TransferRig(channel, layout, ours, theirs, config, placement=placement, device=device, extra=extra)
+            )
             rigs[name].push([("warmup", scenarios[0].tokens)])  # handshake, first connections: not timed
         rigs = {name: rigs[name] for name in specs}
         baseline = stack.enter_context(baseline_class(max(s.nbytes for s in scenarios), placement))
@@ -313,21 +362,39 @@ def _measure_mode(
                 rig = rigs[device]
                 gbps = sc.nbytes / statistics.median(times[device]) / 1e9
                 row = {
-                    "device": device, "kv_memory": rig.sender.kv_memory, "granted_mode": "/".join(sorted(rig.modes)), "path": rig.path,
-                    "mode": mode, "tokens": sc.tokens, "requests": sc.requests, "size_bytes": sc.nbytes,
-                    "gbps": gbps, "baseline_gbps": base_gbps, "ratio": gbps / base_gbps,
-                    "p50_ms": 1e3 * _percentile(latencies[device], 0.5), "p99_ms": 1e3 * _percentile(latencies[device], 0.99),
+                    "device": device,
+                    "kv_memory": rig.sender.kv_memory,
+                    "granted_mode": "/".join(sorted(rig.modes)),
+                    "path": rig.path,
+                    "mode": mode,
+                    "tokens": sc.tokens,
+                    "requests": sc.requests,
+                    "size_bytes": sc.nbytes,
+                    "gbps": gbps,
+                    "baseline_gbps": base_gbps,
+                    "ratio": gbps / base_gbps,
+                    "p50_ms": 1e3 * _percentile(latencies[device], 0.5),
+                    "p99_ms": 1e3 * _percentile(latencies[device], 0.99),
                     "baseline_ms": 1e3 * sc.nbytes / base_gbps / 1e9,
-                }  # fmt: skip
+                }
                 if tls and device == "cpu":
                     tls_gbps = sc.nbytes / statistics.median(times["tls"]) / 1e9
-                    row.update(tls_gbps=tls_gbps, tls_ratio=tls_gbps / gbps, tls_p50_ms=1e3 * _percentile(latencies["tls"], 0.5))
+                    row.update(
+                        tls_gbps=tls_gbps,
+                        tls_ratio=tls_gbps / gbps,
+                        tls_p50_ms=1e3 * _percentile(latencies["tls"], 0.5),
+                    )
                 rows.append(row)
     return rows
 
 
 def measure(
-    channel: str, modes: list[str], scenarios: list[tuple[int, int]], repeats: int, placement: Placement = LOOPBACK, devices: tuple[str, ...] = ("cpu",),
+    channel: str,
+    modes: list[str],
+    scenarios: list[tuple[int, int]],
+    repeats: int,
+    placement: Placement = LOOPBACK,
+    devices: tuple[str, ...] = ("cpu",),
     tls: bool = False,
 ) -> dict[str, Any]:
     """The result object of ``pdkv bench transfer --json``."""
@@ -345,11 +412,18 @@ def measure(
         if device == "cuda" and not torch.cuda.is_available():
             raise ConfigError("bench transfer --device cuda: torch sees no CUDA device here")
     if tls and (channel != "tcp" or "cpu" not in devices):
-        raise ConfigError(f"bench transfer --tls: only the tcp channel has TLS, beside a --device cpu row (got {channel!r}, {', '.join(devices)})")
+        raise ConfigError(
+            f"bench transfer --tls: only the tcp channel has TLS, beside a --device cpu row (got {channel!r}, "
+            f"{', '.join(devices)})"
+        )
     baseline = _load(BASELINES[channel])
     rows = []
     for mode in modes:
-        rows.extend(_measure_mode(channel, mode, [Scenario(mode, t, r) for t, r in scenarios], repeats, baseline, placement, devices, tls))
+        rows.extend(
+            _measure_mode(
+                channel, mode, [Scenario(mode, t, r) for t, r in scenarios], repeats, baseline, placement, devices, tls
+            )
+        )
     host = {(r["mode"], r["tokens"], r["requests"]): r["gbps"] for r in rows if r["device"] == "cpu"}
     for r in rows:
         same = host.get((r["mode"], r["tokens"], r["requests"]))
@@ -359,7 +433,10 @@ def measure(
         "channel": channel,
         "link": placement.label,
         "baseline": _describe(baseline, BASELINES[channel]) + ", moving the same bytes in one transfer",
-        "layout": {"sender": msgspec.to_builtins(SENDER_LAYOUT), "staging_receiver": msgspec.to_builtins(STAGING_LAYOUT)},
+        "layout": {
+            "sender": msgspec.to_builtins(SENDER_LAYOUT),
+            "staging_receiver": msgspec.to_builtins(STAGING_LAYOUT),
+        },
         "tls": tls,
         "results": rows,
     }
@@ -368,13 +445,15 @@ def measure(
 def _table(out: dict[str, Any]) -> str:
     lines = [
         f"channel {out['channel']} over {out['link']}: request-level transfer vs {out['baseline']}",
-        f"{'device':>8} {'mode':>8} {'path':>22} {'tokens':>6} {'reqs':>4} {'MB':>8} {'GB/s':>7} {'base':>7} {'ratio':>6} {'vs host':>7} {'p50 ms':>8} {'p99 ms':>8} {'base ms':>8}"
+        f"{'device':>8} {'mode':>8} {'path':>22} {'tokens':>6} {'reqs':>4} {'MB':>8} {'GB/s':>7} {'base':>7} "
+        f"{'ratio':>6} {'vs host':>7} {'p50 ms':>8} {'p99 ms':>8} {'base ms':>8}"
         + (f" {'TLS GB/s':>8} {'TLS p50':>8} TLS/clear" if out["tls"] else ""),
     ]
     for r in out["results"]:
         vs_host = f"{r['vs_host']:7.2f}" if "vs_host" in r else f"{'':>7}"
         lines.append(
-            f"{r['device']:>8} {r['mode']:>8} {r['path'][:22]:>22} {r['tokens']:>6} {r['requests']:>4} {r['size_bytes'] / 1e6:8.1f} {r['gbps']:7.3f} {r['baseline_gbps']:7.3f} "
+            f"{r['device']:>8} {r['mode']:>8} {r['path'][:22]:>22} {r['tokens']:>6} {r['requests']:>4} "
+            f"{r['size_bytes'] / 1e6:8.1f} {r['gbps']:7.3f} {r['baseline_gbps']:7.3f} "
             f"{r['ratio']:6.2f} {vs_host} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['baseline_ms']:8.2f}"
             + (f" {r['tls_gbps']:8.3f} {r['tls_p50_ms']:8.2f} {r['tls_ratio']:9.2f}" if "tls_gbps" in r else "")
         )
@@ -385,12 +464,21 @@ def draw(out: dict[str, Any], path: str) -> None:
     """``--plot``: GB/s against a scenario's bytes, per mode, beside the raw channel moving the same bytes."""
     series: dict[str, tuple[list[float], list[float]]] = {}
     for r in sorted(out["results"], key=lambda r: r["size_bytes"]):
-        for label, key in ((f"pdkv {r['device']} {r['mode']}", "gbps"), (f"baseline ({r['device']} {r['mode']} sizes)", "baseline_gbps")):
+        for label, key in (
+            (f"pdkv {r['device']} {r['mode']}", "gbps"),
+            (f"baseline ({r['device']} {r['mode']} sizes)", "baseline_gbps"),
+        ):
             xs, ys = series.setdefault(label, ([], []))
             xs.append(r["size_bytes"])
             ys.append(r[key])
-    plot.lines(path, f"pdkv bench transfer --channel {out['channel']}", "bytes per scenario (all its requests)", "GB/s", series,
-               note="baseline: " + out["baseline"][:150])
+    plot.lines(
+        path,
+        f"pdkv bench transfer --channel {out['channel']}",
+        "bytes per scenario (all its requests)",
+        "GB/s",
+        series,
+        note="baseline: " + out["baseline"][:150],
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -400,7 +488,17 @@ def run(args: argparse.Namespace) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     devices = tuple(d.strip() for d in args.device.split(",") if d.strip())
     with bench_link(args.link) as placement:
-        out = call_on(placement.sender_netns, measure, args.channel, modes, args.scenarios or SCENARIOS, args.repeats, placement, devices, args.tls)
+        out = call_on(
+            placement.sender_netns,
+            measure,
+            args.channel,
+            modes,
+            args.scenarios or SCENARIOS,
+            args.repeats,
+            placement,
+            devices,
+            args.tls,
+        )
     print(json.dumps(out) if args.json else _table(out))
     if getattr(args, "plot", None):
         draw(out, args.plot)

@@ -101,17 +101,24 @@ TRACE_ENV = "PDKV_MOONCAKE_TRACE"
 TRACE_FILE = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace.jsonl.xz"
 TRACE_BLOCK_TOKENS = 512
 TRACE_BOUND = 0.366  # the issue's figure; the run recomputes it from the file
-SIM_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32")  # 8 bytes/token: the hit rate needs keys, not KV
+SIM_LAYOUT = KVLayout(
+    num_layers=1, num_kv_heads=1, head_dim=1, dtype="float32"
+)  # 8 bytes/token: the hit rate needs keys, not KV
 SIM_SIZES = (4096, 16384, 65536)  # L1 capacity in 512-token blocks: 2%, 9% and 36% of the trace's distinct blocks
 TARGET_OPTIMUM_RATIO = 0.9  # the prefix policy's hit rate over the optimum's at 9% (issue 22)
 COST_BLOCKS = 100_000  # capacity at which each policy's per-request cost is timed
-REDIS_POLICIES = ("allkeys-lru", "allkeys-lfu")  # the server's own eviction, replayed on the first REDIS_REQUESTS requests
+REDIS_POLICIES = (
+    "allkeys-lru",
+    "allkeys-lfu",
+)  # the server's own eviction, replayed on the first REDIS_REQUESTS requests
 REDIS_REQUESTS = 4000
 REDIS_VALUE_TOKENS = 64  # 512 bytes of SIM_LAYOUT KV (+ 64 of header) per value
 REDIS_SLACK = 128 << 10  # maxmemory above the values' own memory: the clients' query and reply buffers
 
 REPLAY_CONVERSATIONS = 16  # whole conversations (same first two blocks) with at least two requests
-REPLAY_CACHE_SHARE = 0.09  # the bounded memory levels hold this share of the sample's distinct chunks (the issue's 9% point)
+REPLAY_CACHE_SHARE = (
+    0.09  # the bounded memory levels hold this share of the sample's distinct chunks (the issue's 9% point)
+)
 REPLAY_BLOCK_TOKENS = 8
 REPLAY_MAX_BLOCKS = 48
 REPLAY_CHUNK = 32
@@ -121,14 +128,20 @@ PARTS = (1, 2, 3)
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes = {"--prompt-tokens": args.prompt_tokens, "--repeats": args.repeats, "--replay-conversations": args.replay_conversations}
+    sizes = {
+        "--prompt-tokens": args.prompt_tokens,
+        "--repeats": args.repeats,
+        "--replay-conversations": args.replay_conversations,
+    }
     for flag, value in sizes.items():
         if value < 1:
             raise ConfigError(f"bench ttft {flag} {value}: expected >= 1")
     if args.trace_requests < 0:
         raise ConfigError(f"bench ttft --trace-requests {args.trace_requests}: expected >= 0 (0: the whole trace)")
     plot.check(args.plot)
-    report = measure(args.parts, args.model, args.prompt_tokens, args.repeats, args.trace_requests, args.replay_conversations)
+    report = measure(
+        args.parts, args.model, args.prompt_tokens, args.repeats, args.trace_requests, args.replay_conversations
+    )
     print(json.dumps(report) if args.json else format_report(report))
     if args.plot:
         draw(report, args.plot)
@@ -148,12 +161,21 @@ def measure(
     engine = ReferenceEngine.load(model, progress=False) if {1, 3} & set(parts) else None
     report: Report = {
         "bench": "ttft",
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(), "loadavg": os.getloadavg()},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "loadavg": os.getloadavg(),
+        },
         **(prompt_ttft(engine, model, prompt_tokens, repeats) if engine is not None and 1 in parts else {}),
     }
     skipped = f"the Mooncake trace was not found (looked at ${TRACE_ENV} and {TRACE_FILE})"
     vocab = engine.vocab_size if engine is not None else 0
-    parts_to_run = ((2, "trace", lambda r: trace_hit_rates(r, str(trace))), (3, "replay", lambda r: replay(r, replay_conversations, model, vocab)))
+    parts_to_run = (
+        (2, "trace", lambda r: trace_hit_rates(r, str(trace))),
+        (3, "replay", lambda r: replay(r, replay_conversations, model, vocab)),
+    )
     for part, key, measure_part in parts_to_run:
         if part not in parts:
             report[key] = {"skipped": "not asked for (--parts)"}
@@ -187,7 +209,12 @@ def _ttft(engine: ReferenceEngine, tiering: Tiering, prompt: list[int], salt: st
         assert logits is not None
         token = engine.sample(request, logits)
         seconds = time.perf_counter() - start
-        return Sample(seconds, cached.tokens, token, layer_digests(engine.layout, engine.kv_buffer, request.block_table, len(prompt)))
+        return Sample(
+            seconds,
+            cached.tokens,
+            token,
+            layer_digests(engine.layout, engine.kv_buffer, request.block_table, len(prompt)),
+        )
     finally:
         engine.free(request)
 
@@ -224,7 +251,9 @@ CASES = {
 TENANT_SALTS = {name: tenant_salt("bench-secret", name) for name in ("a", "b")}
 
 
-def prompt_ttft(engine: ReferenceEngine, model: str, prompt_tokens: int = PROMPT_TOKENS, repeats: int = REPEATS) -> Report:
+def prompt_ttft(
+    engine: ReferenceEngine, model: str, prompt_tokens: int = PROMPT_TOKENS, repeats: int = REPEATS
+) -> Report:
     """Part 1. ``repeats`` rounds; each round runs every case once, in ``CASES`` order, against a tier of its own
     (fresh memory, disk directory and Redis namespace), so a burst of load on a shared machine hits every case
     alike and every median is over the same count."""
@@ -236,16 +265,23 @@ def prompt_ttft(engine: ReferenceEngine, model: str, prompt_tokens: int = PROMPT
         redis_url = stack.enter_context(local_redis()).url if server_binary() else None
 
         def levels(disk_dir: Path, namespace: str | None) -> list[CacheTier]:
-            out: list[CacheTier] = [MemoryTier(engine.layout, memory_bytes), DiskTier(engine.layout, disk_dir, 4 * memory_bytes)]
+            out: list[CacheTier] = [
+                MemoryTier(engine.layout, memory_bytes),
+                DiskTier(engine.layout, disk_dir, 4 * memory_bytes),
+            ]
             if namespace is not None and redis_url is not None:
                 out.append(RedisTier(engine.layout, redis_url, namespace=namespace))
             return out
 
         for r in range(repeats):
             disk_dir, namespace = Path(tmp) / f"disk-{r}", f"bench:ttft:{os.getpid()}:{r}:"
-            samples["cold, tier off"].append(_ttft(engine, Tiering(None, engine, CHUNK, WorkerMetrics("prefill")), prompt))
+            samples["cold, tier off"].append(
+                _ttft(engine, Tiering(None, engine, CHUNK, WorkerMetrics("prefill")), prompt)
+            )
             with _stack(engine, levels(disk_dir, namespace)) as (tiering, cache):
-                samples["cold"].append(_ttft(engine, tiering, prompt))  # computes every chunk, stores each as a worker does
+                samples["cold"].append(
+                    _ttft(engine, tiering, prompt)
+                )  # computes every chunk, stores each as a worker does
                 if not cache.flush(120):
                     raise PdkvError("the cold run's chunks were not written to disk and redis within 120s")
                 samples["memory"].append(_ttft(engine, tiering, prompt))
@@ -253,9 +289,15 @@ def prompt_ttft(engine: ReferenceEngine, model: str, prompt_tokens: int = PROMPT
             with _stack(engine, levels(disk_dir, None)) as (tiering, _):
                 samples["disk"].append(_ttft(engine, tiering, prompt))
             if redis_url is not None:
-                with tempfile.TemporaryDirectory(dir=tmp) as fresh, _stack(engine, levels(Path(fresh), namespace)) as (tiering, _):
+                with (
+                    tempfile.TemporaryDirectory(dir=tmp) as fresh,
+                    _stack(engine, levels(Path(fresh), namespace)) as (tiering, _),
+                ):
                     samples["redis"].append(_ttft(engine, tiering, prompt))
-            with tempfile.TemporaryDirectory(dir=tmp) as fresh, _stack(engine, levels(Path(fresh), namespace + "tenants:")) as (tiering, cache):
+            with (
+                tempfile.TemporaryDirectory(dir=tmp) as fresh,
+                _stack(engine, levels(Path(fresh), namespace + "tenants:")) as (tiering, cache),
+            ):
                 _ttft(engine, tiering, prompt, TENANT_SALTS["a"])  # tenant A's first sight: the "cold" case, salted
                 if not cache.flush(120):
                     raise PdkvError("tenant A's chunks were not written to disk and redis within 120s")
@@ -270,16 +312,18 @@ def prompt_ttft(engine: ReferenceEngine, model: str, prompt_tokens: int = PROMPT
         if not got:
             continue
         seconds = statistics.median(s.seconds for s in got)
-        rows.append({
-            "case": case,
-            "what": what,
-            "ttft_s": round(seconds, 4),
-            "samples_s": [round(s.seconds, 4) for s in got],
-            "loaded_tokens": got[0].loaded_tokens,
-            "computed_tokens": prompt_tokens - got[0].loaded_tokens,
-            "identical": all(s.first_token == off[0].first_token and s.digests == off[0].digests for s in got),
-            "ratio": round(seconds / base, 4),
-        })
+        rows.append(
+            {
+                "case": case,
+                "what": what,
+                "ttft_s": round(seconds, 4),
+                "samples_s": [round(s.seconds, 4) for s in got],
+                "loaded_tokens": got[0].loaded_tokens,
+                "computed_tokens": prompt_tokens - got[0].loaded_tokens,
+                "identical": all(s.first_token == off[0].first_token and s.digests == off[0].digests for s in got),
+                "ratio": round(seconds / base, 4),
+            }
+        )
     cached = [r["ratio"] for r in rows if r["loaded_tokens"] and r["case"] != "same tenant"]
     by_case = {r["case"]: r for r in rows}
     report: Report = {
@@ -288,7 +332,8 @@ def prompt_ttft(engine: ReferenceEngine, model: str, prompt_tokens: int = PROMPT
         "chunk_tokens": CHUNK,
         "chunk_bytes": engine.layout.chunk_bytes(CHUNK),
         "repeats": repeats,
-        "baseline": "cold, tier off: the plain prefill, no tier; every case's median over the same repeats, the cases interleaved round by round",
+        "baseline": "cold, tier off: the plain prefill, no tier; every case's median over the same repeats, the cases "
+        "interleaved round by round",
         "cold_ttft_s": round(base, 4),
         "results": rows,
         "target": {"cached_ratio_max": TARGET_RATIO, "met": bool(cached) and max(cached) <= TARGET_RATIO},
@@ -309,9 +354,15 @@ def draw(report: Report, path: str) -> None:
         raise ConfigError("bench ttft --plot draws part 1: run it with --parts including 1")
     rows = report["results"]
     base = next(r["ttft_s"] for r in rows if r["case"] == "cold, tier off")
-    plot.bars(path, f"pdkv bench ttft: {report['prompt_tokens']}-token prompt, {report['model']}", "time to first token (s)",
-              [r["case"] for r in rows], {"this case (median)": [r["ttft_s"] for r in rows], "baseline: cold, tier off": [base] * len(rows)},
-              note=f"median of {report['repeats']} interleaved repeats; ratios: " + ", ".join(f"{r['case']} {r['ratio']:.3f}" for r in rows))
+    plot.bars(
+        path,
+        f"pdkv bench ttft: {report['prompt_tokens']}-token prompt, {report['model']}",
+        "time to first token (s)",
+        [r["case"] for r in rows],
+        {"this case (median)": [r["ttft_s"] for r in rows], "baseline: cold, tier off": [base] * len(rows)},
+        note=f"median of {report['repeats']} interleaved repeats; ratios: "
+        + ", ".join(f"{r['case']} {r['ratio']:.3f}" for r in rows),
+    )
 
 
 # -- 2. the Mooncake trace through a memory level ------------------------------------------
@@ -332,7 +383,7 @@ def trace_path() -> Path | None:
 
 def load_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
     out: list[TraceRequest] = []
-    with (lzma.open(path, "rt") if path.suffix == ".xz" else open(path)) as f:
+    with lzma.open(path, "rt") if path.suffix == ".xz" else open(path) as f:
         for line in f:
             if limit is not None and len(out) >= limit:
                 break
@@ -346,7 +397,9 @@ def block_tokens(hash_id: int, tokens: int = TRACE_BLOCK_TOKENS, vocab: int = 49
     return np.random.default_rng(hash_id).integers(100, vocab, tokens)
 
 
-def trace_keys(requests: Sequence[TraceRequest], fingerprint: str, block: int = TRACE_BLOCK_TOKENS) -> list[list[bytes]]:
+def trace_keys(
+    requests: Sequence[TraceRequest], fingerprint: str, block: int = TRACE_BLOCK_TOKENS
+) -> list[list[bytes]]:
     """The chunk keys a worker would compute for each request's prompt (its blocks' tokens, chunks of one block).
 
     Each block's key is computed once, from its parent's: the same keys as
@@ -369,7 +422,8 @@ def trace_keys(requests: Sequence[TraceRequest], fingerprint: str, block: int = 
 
 
 def simulated_hit_rate(keys: Sequence[Sequence[bytes]], capacity_blocks: int, policy: str) -> float:
-    """Replay the requests through a ``MemoryTier``: each looks up its prefix, then stores what it computed (with parents, as a worker does)."""
+    """Replay the requests through a ``MemoryTier``: each looks up its prefix, then stores what it computed (with
+    parents, as a worker does)."""
     tier = MemoryTier(SIM_LAYOUT, capacity_blocks * SIM_LAYOUT.chunk_bytes(TRACE_BLOCK_TOKENS), policy)
     value = torch.zeros(SIM_LAYOUT.chunk_shape(TRACE_BLOCK_TOKENS))  # shared: the tier never writes to what it keeps
     outs = [torch.empty_like(value) for _ in range(max(map(len, keys)))]
@@ -389,7 +443,8 @@ def _ratio(rate: float, best: float) -> float:
 
 def redis_hit_rates(keys: Sequence[Sequence[bytes]]) -> Report:
     """The first ``REDIS_REQUESTS`` requests through a ``RedisTier`` on a real redis-server bounded to about 9% of their
-    distinct blocks, under each of the server's own policies, beside pdkv's policies and the optimum on the same requests.
+    distinct blocks, under each of the server's own policies, beside pdkv's policies and the optimum on the same
+    requests.
 
     Redis evicts by its ``maxmemory-policy``; nothing of the tree reaches it.
     ``maxmemory`` is the server's memory with that many values stored (then
@@ -429,18 +484,33 @@ def redis_hit_rates(keys: Sequence[Sequence[bytes]]) -> Report:
                     total += len(ks)
                 if tier.stats()["redis"].errors:
                     raise PdkvError(f"redis-server answered errors during the {policy} replay")
-                rows.append({"policy": f"redis {policy}", "values_held_at_end": int(client.dbsize()), "hit_rate": round(hits / total, 4), "ratio": _ratio(hits / total, best)})
+                rows.append(
+                    {
+                        "policy": f"redis {policy}",
+                        "values_held_at_end": int(client.dbsize()),
+                        "hit_rate": round(hits / total, 4),
+                        "ratio": _ratio(hits / total, best),
+                    }
+                )
                 tier.close()
         finally:
             client.close()
     for policy in POLICIES:
         rate = simulated_hit_rate(keys, blocks, policy)
-        rows.append({"policy": f"pdkv {policy}", "values_held_at_end": blocks, "hit_rate": round(rate, 4), "ratio": _ratio(rate, best)})
+        rows.append(
+            {
+                "policy": f"pdkv {policy}",
+                "values_held_at_end": blocks,
+                "hit_rate": round(rate, 4),
+                "ratio": _ratio(rate, best),
+            }
+        )
     return {"requests": len(keys), "capacity_blocks": blocks, "optimum_hit_rate": round(best, 4), "rows": rows}
 
 
 def trace_hit_rates(requests: Sequence[TraceRequest], path: str) -> Report:
-    """Part 2: each policy's block hit rate at each size, as a ratio to the offline optimum at that size (``pdkv.bench.eviction``)."""
+    """Part 2: each policy's block hit rate at each size, as a ratio to the offline optimum at that size
+    (``pdkv.bench.eviction``)."""
     keys = trace_keys(requests, "mooncake-trace")
     bound = infinite_hit_rate(keys)
     unique = len({k for ks in keys for k in ks})
@@ -449,29 +519,36 @@ def trace_hit_rates(requests: Sequence[TraceRequest], path: str) -> Report:
     rates: dict[tuple[str, int], float] = {}
     for blocks in (*SIM_SIZES, unique):
         best = optimum(keys, blocks, nexts)
-        optima.append({
-            "l1_blocks": blocks,
-            "l1_share_of_unique_blocks": round(blocks / unique, 4),
-            "hit_rate": round(best.hit_rate, 4),
-            "relaxed_min_hit_rate": round(best.relaxed_hit_rate, 4),
-            "min_parents_first_hit_rate": round(best.min_parents_first, 4),
-            "lru_with_reuse_oracle_hit_rate": round(reuse_oracle_lru(keys, blocks, nexts), 4),
-        })
+        optima.append(
+            {
+                "l1_blocks": blocks,
+                "l1_share_of_unique_blocks": round(blocks / unique, 4),
+                "hit_rate": round(best.hit_rate, 4),
+                "relaxed_min_hit_rate": round(best.relaxed_hit_rate, 4),
+                "min_parents_first_hit_rate": round(best.min_parents_first, 4),
+                "lru_with_reuse_oracle_hit_rate": round(reuse_oracle_lru(keys, blocks, nexts), 4),
+            }
+        )
         for policy in POLICIES:
             rate = rates[policy, blocks] = simulated_hit_rate(keys, blocks, policy)
             check = policy_replay(keys, blocks, policy)
             if abs(check.hit_rate - rate) > 1e-12:
-                raise PdkvError(f"{policy} at {blocks} blocks: the policy-only replay ({check.hit_rate}) disagrees with the MemoryTier replay ({rate})")
-            rows.append({
-                "policy": policy,
-                "l1_blocks": blocks,
-                "l1_share_of_unique_blocks": round(blocks / unique, 4),
-                "hit_rate": round(rate, 4),
-                "optimum_hit_rate": round(best.hit_rate, 4),
-                "ratio": _ratio(rate, best.hit_rate),
-                "ratio_to_infinite": _ratio(rate, bound),
-                "unreachable_share": round(check.unreachable_share, 4),
-            })
+                raise PdkvError(
+                    f"{policy} at {blocks} blocks: the policy-only replay ({check.hit_rate}) disagrees with the "
+                    f"MemoryTier replay ({rate})"
+                )
+            rows.append(
+                {
+                    "policy": policy,
+                    "l1_blocks": blocks,
+                    "l1_share_of_unique_blocks": round(blocks / unique, 4),
+                    "hit_rate": round(rate, 4),
+                    "optimum_hit_rate": round(best.hit_rate, 4),
+                    "ratio": _ratio(rate, best.hit_rate),
+                    "ratio_to_infinite": _ratio(rate, bound),
+                    "unreachable_share": round(check.unreachable_share, 4),
+                }
+            )
     new_ratio = next(r["ratio"] for r in rows if r["policy"] == "prefix" and r["l1_blocks"] == SIM_SIZES[1])
     return {
         "file": path,
@@ -480,8 +557,10 @@ def trace_hit_rates(requests: Sequence[TraceRequest], path: str) -> Report:
         "unique_blocks": unique,
         "infinite_cache_hit_rate": round(bound, 4),
         "expected_bound": TRACE_BOUND,
-        "credit": "a request is credited the leading run of its blocks the cache holds (a lookup stops at the first miss), then stores the rest",
-        "baseline": "the offline optimum at the same size: Belady's MIN with ties broken children-first, exact for this credit (pdkv/bench/eviction.py); ratio = hit_rate / it",
+        "credit": "a request is credited the leading run of its blocks the cache holds (a lookup stops at the first "
+        "miss), then stores the rest",
+        "baseline": "the offline optimum at the same size: Belady's MIN with ties broken children-first, exact for "
+        "this credit (pdkv/bench/eviction.py); ratio = hit_rate / it",
         "optimum": optima,
         "rows": rows,
         "policy_cost": policy_costs(keys, POLICIES, COST_BLOCKS),  # ratio: to LRU's cost in the same run
@@ -490,14 +569,17 @@ def trace_hit_rates(requests: Sequence[TraceRequest], path: str) -> Report:
             "prefix_ratio_at_9pct_min": TARGET_OPTIMUM_RATIO,
             "prefix_ratio_at_9pct": new_ratio,
             "prefix_ratio_met": new_ratio >= TARGET_OPTIMUM_RATIO,
-            "prefix_beats_lru_and_s3fifo_at_every_size": all(rates["prefix", b] > max(rates["lru", b], rates["s3fifo", b]) for b in SIM_SIZES),
+            "prefix_beats_lru_and_s3fifo_at_every_size": all(
+                rates["prefix", b] > max(rates["lru", b], rates["s3fifo", b]) for b in SIM_SIZES
+            ),
         },
     }
 
 
 # -- 3. scaled-down replay through real workers ----------------------------------------------
 def replay_sample(requests: Sequence[TraceRequest], conversations: int = REPLAY_CONVERSATIONS) -> list[TraceRequest]:
-    """Every request of the first ``conversations`` conversations (same first two blocks) that have two or more, in trace order."""
+    """Every request of the first ``conversations`` conversations (same first two blocks) that have two or more, in
+    trace order."""
     groups: dict[tuple[int, ...], list[int]] = collections.defaultdict(list)
     for i, r in enumerate(requests):
         groups[tuple(r.hash_ids[:2])].append(i)
@@ -533,9 +615,13 @@ def _launch(role: str, tmp: Path, name: str, model: str, **settings: Any) -> Wor
     return start_configured(role, cfg, tmp / f"{name}.yaml", timeout=600)
 
 
-def replay_hit_share(prompts: Sequence[Sequence[int]], capacity_chunks: int, policy: str, chunk: int = REPLAY_CHUNK) -> float:
-    """The share of prompt tokens a prefill worker's memory level of ``capacity_chunks`` chunks would load, replaying ``prompts``
-    as ``pdkv.worker.tiering`` does (full chunks before the last token's are loadable; the full chunks computed are stored)."""
+def replay_hit_share(
+    prompts: Sequence[Sequence[int]], capacity_chunks: int, policy: str, chunk: int = REPLAY_CHUNK
+) -> float:
+    """The share of prompt tokens a prefill worker's memory level of ``capacity_chunks`` chunks would load,
+    replaying ``prompts``
+    as ``pdkv.worker.tiering`` does (full chunks before the last token's are loadable; the full chunks computed are
+    stored)."""
     tier = MemoryTier(SIM_LAYOUT, capacity_chunks * SIM_LAYOUT.chunk_bytes(chunk), policy)
     value = torch.zeros(SIM_LAYOUT.chunk_shape(chunk))
     loaded = total = 0
@@ -550,10 +636,19 @@ def replay_hit_share(prompts: Sequence[Sequence[int]], capacity_chunks: int, pol
     return loaded / total
 
 
-def replay(requests: Sequence[TraceRequest], conversations: int = REPLAY_CONVERSATIONS, model: str = "default", vocab: int = 49152) -> Report:
+def replay(
+    requests: Sequence[TraceRequest],
+    conversations: int = REPLAY_CONVERSATIONS,
+    model: str = "default",
+    vocab: int = 49152,
+) -> Report:
     """Part 3: the sample through real prefill workers, tier off and bounded under each eviction policy."""
-    sample = [dataclasses.replace(r, hash_ids=r.hash_ids[:REPLAY_MAX_BLOCKS]) for r in replay_sample(requests, conversations)]
-    prompts = [np.concatenate([block_tokens(h, REPLAY_BLOCK_TOKENS, vocab) for h in r.hash_ids]).tolist() for r in sample]
+    sample = [
+        dataclasses.replace(r, hash_ids=r.hash_ids[:REPLAY_MAX_BLOCKS]) for r in replay_sample(requests, conversations)
+    ]
+    prompts = [
+        np.concatenate([block_tokens(h, REPLAY_BLOCK_TOKENS, vocab) for h in r.hash_ids]).tolist() for r in sample
+    ]
     distinct = len({k for prompt in prompts for k in chunk_keys(prompt, "replay", REPLAY_CHUNK)})
     capacity = max(1, round(REPLAY_CACHE_SHARE * distinct))
     workers: list[WorkerProcess] = []
@@ -570,47 +665,78 @@ def replay(requests: Sequence[TraceRequest], conversations: int = REPLAY_CONVERS
                 "off": {"enabled": False},
                 **{policy: {"memory_bytes": capacity * chunk_bytes, "memory_policy": policy} for policy in POLICIES},
             }
-            prefill = {mode: _launch("prefill", Path(tmp), f"p-{mode}", model, num_threads=2, tier=tiers[mode]) for mode in modes}
+            prefill = {
+                mode: _launch("prefill", Path(tmp), f"p-{mode}", model, num_threads=2, tier=tiers[mode])
+                for mode in modes
+            }
             workers.extend(prefill.values())
             for i, prompt in enumerate(prompts):
                 first: dict[str, int] = {}
-                for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:  # every worker in turn, first in turn: drifts hit all alike
+                for mode in (
+                    modes[i % len(modes) :] + modes[: i % len(modes)]
+                ):  # every worker in turn, first in turn: drifts hit all alike
                     p = prefill[mode]
                     base = {"prompt": prompt, "temperature": 0, "ignore_eos": True}
-                    kv = {"do_remote_decode": True, "remote_host": d_info["remote_host"], "remote_port": d_info["remote_port"], "transfer_id": f"r{i}-{mode}"}
-                    p_seconds, answer = _post(p.url + "/v1/completions", {**base, "max_tokens": 1, "return_token_ids": True, "kv_transfer_params": kv})
+                    kv = {
+                        "do_remote_decode": True,
+                        "remote_host": d_info["remote_host"],
+                        "remote_port": d_info["remote_port"],
+                        "transfer_id": f"r{i}-{mode}",
+                    }
+                    p_seconds, answer = _post(
+                        p.url + "/v1/completions",
+                        {**base, "max_tokens": 1, "return_token_ids": True, "kv_transfer_params": kv},
+                    )
                     assert answer is not None
                     first[mode] = answer["choices"][0]["token_ids"][0]
-                    d_seconds, _ = _post(decode.url + "/v1/completions", {**base, "max_tokens": 2, "stream": True, "kv_transfer_params": answer["kv_transfer_params"]})
+                    d_seconds, _ = _post(
+                        decode.url + "/v1/completions",
+                        {**base, "max_tokens": 2, "stream": True, "kv_transfer_params": answer["kv_transfer_params"]},
+                    )
                     ttft[mode].append(p_seconds + d_seconds)
                 mismatches += any(token != first["off"] for token in first.values())
-            loaded = {mode: metric(_get(prefill[mode].url + "/metrics"), "pdkv_prompt_tokens_total", source="tier") for mode in POLICIES}
+            loaded = {
+                mode: metric(_get(prefill[mode].url + "/metrics"), "pdkv_prompt_tokens_total", source="tier")
+                for mode in POLICIES
+            }
             d_metrics = _get(decode.url + "/metrics")
         finally:
             for w in workers:
                 w.stop()
     total_tokens = sum(map(len, prompts))
     mean_off = statistics.mean(ttft["off"])
-    rows: list[Report] = [{"case": "tier off", "mean_ttft_s": round(mean_off, 4), "median_ttft_s": round(statistics.median(ttft["off"]), 4), "ratio": 1.0}]
+    rows: list[Report] = [
+        {
+            "case": "tier off",
+            "mean_ttft_s": round(mean_off, 4),
+            "median_ttft_s": round(statistics.median(ttft["off"]), 4),
+            "ratio": 1.0,
+        }
+    ]
     for mode in POLICIES:
         mean = statistics.mean(ttft[mode])
-        rows.append({
-            "case": f"tier on, {capacity} chunks, {mode}",
-            "mean_ttft_s": round(mean, 4),
-            "median_ttft_s": round(statistics.median(ttft[mode]), 4),
-            "ratio": round(mean / mean_off, 4),
-            "tier_hit_token_share": round(loaded[mode] / total_tokens, 4),
-            "simulated_hit_token_share": round(replay_hit_share(prompts, capacity, mode), 4),
-        })
+        rows.append(
+            {
+                "case": f"tier on, {capacity} chunks, {mode}",
+                "mean_ttft_s": round(mean, 4),
+                "median_ttft_s": round(statistics.median(ttft[mode]), 4),
+                "ratio": round(mean / mean_off, 4),
+                "tier_hit_token_share": round(loaded[mode] / total_tokens, 4),
+                "simulated_hit_token_share": round(replay_hit_share(prompts, capacity, mode), 4),
+            }
+        )
     return {
         "requests": len(prompts),
         "conversations": conversations,
-        "scale": f"each 512-token trace block -> {REPLAY_BLOCK_TOKENS} tokens, prompts capped at {REPLAY_MAX_BLOCKS} blocks; chunk {REPLAY_CHUNK} tokens",
+        "scale": f"each 512-token trace block -> {REPLAY_BLOCK_TOKENS} tokens, prompts capped at {REPLAY_MAX_BLOCKS} "
+        f"blocks; chunk {REPLAY_CHUNK} tokens",
         "prompt_tokens": total_tokens,
         "distinct_chunks": distinct,
         "bounded_memory_chunks": capacity,
         "bounded_memory_share": REPLAY_CACHE_SHARE,
-        "sample_infinite_cache_hit_rate": round(infinite_hit_rate(trace_keys(sample, "replay", REPLAY_BLOCK_TOKENS)), 4),
+        "sample_infinite_cache_hit_rate": round(
+            infinite_hit_rate(trace_keys(sample, "replay", REPLAY_BLOCK_TOKENS)), 4
+        ),
         "unbounded_hit_token_share": round(replay_hit_share(prompts, distinct, "lru"), 4),
         "decode_fallbacks": metric(d_metrics, "pdkv_fallbacks_total"),
         "first_token_mismatches": mismatches,
@@ -632,24 +758,48 @@ def _get(url: str) -> str:
 def format_report(report: Report) -> str:
     lines = []
     if "results" in report:
-        lines.append(f"TTFT of a {report['prompt_tokens']}-token prompt on {report['model']} (baseline, cold with the tier off: {report['cold_ttft_s']:.2f}s)")
-        lines += [f"  {r['case']:<16} {r['ttft_s']:8.3f}s  ratio {r['ratio']:.3f}  loaded {r['loaded_tokens']:>5}  identical {r['identical']}" for r in report["results"]]
+        lines.append(
+            f"TTFT of a {report['prompt_tokens']}-token prompt on {report['model']} (baseline, cold with the tier off: "
+            f"{report['cold_ttft_s']:.2f}s)"
+        )
+        lines += [
+            f"  {r['case']:<16} {r['ttft_s']:8.3f}s  ratio {r['ratio']:.3f}  loaded {r['loaded_tokens']:>5}  identical "
+            f"{r['identical']}"
+            for r in report["results"]
+        ]
         t = report["tenants"]
-        lines.append(f"  tenants: other tenant / cold {t['other_tenant_over_cold']:.3f} (loaded {t['other_tenant_loaded_tokens']}), same tenant / memory {t['same_tenant_over_memory']:.3f}")
+        lines.append(
+            f"  tenants: other tenant / cold {t['other_tenant_over_cold']:.3f} (loaded "
+            f"{t['other_tenant_loaded_tokens']}), same tenant / memory {t['same_tenant_over_memory']:.3f}"
+        )
     trace = report["trace"]
     if "skipped" in trace:
         lines.append(f"trace: skipped: {trace['skipped']}")
     else:
-        lines.append(f"Mooncake trace: {trace['requests']} requests, infinite-cache block hit rate {trace['infinite_cache_hit_rate']}; ratio = hit rate / offline optimum")
+        lines.append(
+            f"Mooncake trace: {trace['requests']} requests, infinite-cache block hit rate "
+            f"{trace['infinite_cache_hit_rate']}; ratio = hit rate / offline optimum"
+        )
         lines += [
-            f"  {r['policy']:<7} L1 {r['l1_blocks']:>7} blocks  hit rate {r['hit_rate']:.4f}  optimum {r['optimum_hit_rate']:.4f}  ratio {r['ratio']:.3f}  unreachable {r['unreachable_share']:.4f}"
+            f"  {r['policy']:<7} L1 {r['l1_blocks']:>7} blocks  hit rate {r['hit_rate']:.4f}  optimum "
+            f"{r['optimum_hit_rate']:.4f}  ratio {r['ratio']:.3f}  unreachable {r['unreachable_share']:.4f}"
             for r in trace["rows"]
         ]
-        lines += [f"  {c['policy']:<7} {c['us_per_request']:8.1f} us/request at {c['capacity_blocks']} blocks  ratio to lru {c['ratio']:.2f}" for c in trace["policy_cost"]]
+        lines += [
+            f"  {c['policy']:<7} {c['us_per_request']:8.1f} us/request at {c['capacity_blocks']} blocks  ratio to lru "
+            f"{c['ratio']:.2f}"
+            for c in trace["policy_cost"]
+        ]
     rep = report["replay"]
     if "skipped" in rep:
         lines.append(f"replay: skipped: {rep['skipped']}")
     else:
-        lines.append(f"replay: {rep['requests']} requests through real workers ({rep['distinct_chunks']} distinct chunks)")
-        lines += [f"  {r['case']:<32} mean TTFT {r['mean_ttft_s']:.3f}s  ratio {r['ratio']:.3f}  tier hit share {r.get('tier_hit_token_share', 0.0):.3f}" for r in rep["results"]]
+        lines.append(
+            f"replay: {rep['requests']} requests through real workers ({rep['distinct_chunks']} distinct chunks)"
+        )
+        lines += [
+            f"  {r['case']:<32} mean TTFT {r['mean_ttft_s']:.3f}s  ratio {r['ratio']:.3f}  tier hit share "
+            f"{r.get('tier_hit_token_share', 0.0):.3f}"
+            for r in rep["results"]
+        ]
     return "\n".join(lines)

@@ -89,7 +89,9 @@ class RawUcx:
             if not self.conn.poll(STARTUP_TIMEOUT_S):
                 raise TransferTimeout(f"raw ucx receiver did not start within {STARTUP_TIMEOUT_S:.0f}s")
             self._context, self.worker = _worker(placement.sender_addr)
-            self.ep = self.worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(self.conn.recv()), True)
+            self.ep = self.worker.create_endpoint_from_worker_address(
+                ucx_api.UCXAddress.create_from_buffer(self.conn.recv()), True
+            )
             self.conn.send(self.worker.address.tobytes())
             self.src = np.frombuffer(bytearray(b"\x01") * nbytes, dtype=np.uint8)
         except BaseException:

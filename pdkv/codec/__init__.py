@@ -112,7 +112,9 @@ def _codecs() -> dict[str, type[Codec]]:
             for name, (module, cls_name) in _WHERE.items():
                 cls = getattr(importlib.import_module(module), cls_name)
                 if cls.name != name:
-                    raise ConfigError(f"codec table names {module}.{cls_name} {name!r} but the class calls itself {cls.name!r}")
+                    raise ConfigError(
+                        f"codec table names {module}.{cls_name} {name!r} but the class calls itself {cls.name!r}"
+                    )
                 register_id(cls.codec_id, name)
                 _loaded[name] = cls
         return _loaded
@@ -140,7 +142,9 @@ def codec_class(name: str) -> type[Codec]:
     cls = _codecs()[name]
     if cls.requires and importlib.util.find_spec(cls.requires[0]) is None:
         module, extra = cls.requires
-        raise ConfigError(f"transfer.codec {name!r} needs {module}, which is not installed: pip install 'pdkv[{extra}]'")
+        raise ConfigError(
+            f"transfer.codec {name!r} needs {module}, which is not installed: pip install 'pdkv[{extra}]'"
+        )
     return cls
 
 
@@ -150,7 +154,8 @@ def make_codec(name: str, layout: KVLayout) -> Codec:
 
 
 def slot_bytes(layout: KVLayout, chunk_size: int, codecs: list[Codec]) -> int:
-    """A staging slot's size: a raw chunk, or the largest frame any of ``codecs`` may write for one (a multiple of 16)."""
+    """A staging slot's size: a raw chunk, or the largest frame any of ``codecs`` may write for one (a multiple of
+    16)."""
     from pdkv.codec.base import align
 
     return align(max([layout.chunk_bytes(chunk_size), *(c.max_encoded_bytes(chunk_size) for c in codecs)]))
@@ -160,9 +165,20 @@ def available_codecs(layout: KVLayout) -> list[str]:
     """Codecs this process can run for ``layout`` (installed, and made for its dtype): what Hello would offer."""
     out = []
     for name, cls in _codecs().items():
-        if cls.unsupported(layout) is None and (cls.requires is None or importlib.util.find_spec(cls.requires[0]) is not None):
+        if cls.unsupported(layout) is None and (
+            cls.requires is None or importlib.util.find_spec(cls.requires[0]) is not None
+        ):
             out.append(name)
     return out
 
 
-__all__ = ["CODECS", "CODEC_NAME_PATTERN", "Codec", "available_codecs", "codec_class", "codec_names", "make_codec", "slot_bytes"]
+__all__ = [
+    "CODECS",
+    "CODEC_NAME_PATTERN",
+    "Codec",
+    "available_codecs",
+    "codec_class",
+    "codec_names",
+    "make_codec",
+    "slot_bytes",
+]

@@ -105,14 +105,20 @@ class Codec(abc.ABC):
     def unsupported_dtype(cls, dtype: str) -> str | None:
         """Why this codec cannot encode a ``dtype`` KV cache, or None when it can."""
         if cls.source_dtypes is not None and dtype not in cls.source_dtypes:
-            return f"transfer.codec {cls.name!r} encodes a {' or '.join(cls.source_dtypes)} KV cache; this one is {dtype}. Pick another codec (see pdkv.codec.codec_names())"
+            return (
+                f"transfer.codec {cls.name!r} encodes a {' or '.join(cls.source_dtypes)} KV cache; this one is "
+                f"{dtype}. Pick another codec (see pdkv.codec.codec_names())"
+            )
         return None
 
     @classmethod
     def unsupported(cls, layout: KVLayout) -> str | None:
         """Why this codec cannot encode ``layout``'s chunks, or None when it can."""
         if cls.split_kv and layout.mla:
-            return f"transfer.codec {cls.name!r} treats keys and values apart; an MLA cache has one latent tensor. Pick another codec (see pdkv.codec.codec_names())"
+            return (
+                f"transfer.codec {cls.name!r} treats keys and values apart; an MLA cache has one latent tensor. "
+                "Pick another codec (see pdkv.codec.codec_names())"
+            )
         return cls.unsupported_dtype(layout.dtype)
 
     # -- sizes -------------------------------------------------------------------
@@ -134,7 +140,9 @@ class Codec(abc.ABC):
         buf = _as_bytes(out, writable=True)
         bound = self.max_encoded_bytes(tokens)
         if buf.numel() < bound:
-            raise CodecError(f"output buffer of {buf.numel()} bytes is smaller than max_encoded_bytes({tokens}) = {bound}")
+            raise CodecError(
+                f"output buffer of {buf.numel()} bytes is smaller than max_encoded_bytes({tokens}) = {bound}"
+            )
         if buf.data_ptr() % ALIGN:  # typed section views need aligned storage: encode beside, then copy
             frame = torch.empty(bound, dtype=torch.uint8)
             n = self.encode(chunk, frame)
@@ -186,21 +194,32 @@ class Codec(abc.ABC):
         size = buf.numel()
         if size < _HEADER.size:
             raise CodecError(f"encoded chunk of {size} bytes is shorter than the {_HEADER.size}-byte header")
-        magic, version, codec_id, dtype_code, _flags, *dims, count, _reserved, total = _HEADER.unpack(_raw(buf[: _HEADER.size]))
+        magic, version, codec_id, dtype_code, _flags, *dims, count, _reserved, total = _HEADER.unpack(
+            _raw(buf[: _HEADER.size])
+        )
         if magic != MAGIC:
             raise CodecError(f"encoded chunk does not start with {MAGIC!r} (got {magic!r}): not a pdkv codec frame")
         if version != FORMAT_VERSION:
-            raise CodecError(f"encoded chunk has frame format version {version}, this build reads version {FORMAT_VERSION}")
+            raise CodecError(
+                f"encoded chunk has frame format version {version}, this build reads version {FORMAT_VERSION}"
+            )
         if codec_id != self.codec_id:
-            raise CodecError(f"encoded chunk was written by codec id {codec_id} ({_codec_name(codec_id)}), expected {self.codec_id} ({self.name})")
+            raise CodecError(
+                f"encoded chunk was written by codec id {codec_id} ({_codec_name(codec_id)}), expected {self.codec_id} "
+                f"({self.name})"
+            )
         if dtype_code != self._dtype_code:
-            raise CodecError(f"encoded chunk has dtype code {dtype_code}, the layout's {self.layout.dtype} is {self._dtype_code}")
+            raise CodecError(
+                f"encoded chunk has dtype code {dtype_code}, the layout's {self.layout.dtype} is {self._dtype_code}"
+            )
         expected_dims = self.layout.chunk_shape(tokens)
         if tuple(dims) != expected_dims:
             raise CodecError(f"encoded chunk is shaped {tuple(dims)}, expected {expected_dims}")
         specs = self._sections(tokens)
         if count != len(specs):
-            raise CodecError(f"encoded chunk has {count} sections, codec {self.name} writes {len(specs)} for this shape")
+            raise CodecError(
+                f"encoded chunk has {count} sections, codec {self.name} writes {len(specs)} for this shape"
+            )
         if total != size:
             raise CodecError(f"encoded chunk is {size} bytes but its header says {total}")
         offset = align(_HEADER.size + count * _SECTION.size)
@@ -218,9 +237,15 @@ class Codec(abc.ABC):
             else:
                 undo = self._decompressor(method) if spec.compressible else None
                 if undo is None:
-                    raise CodecError(f"{where} uses method {METHOD_NAMES.get(method, method)!r}, which codec {self.name} never writes there")
+                    raise CodecError(
+                        f"{where} uses method {METHOD_NAMES.get(method, method)!r}, which codec {self.name} never "
+                        "writes there"
+                    )
                 if not 0 < stored < spec.nbytes:
-                    raise CodecError(f"{where} stores {stored} compressed bytes; that must be between 1 and {spec.nbytes - 1} (else it is stored raw)")
+                    raise CodecError(
+                        f"{where} stores {stored} compressed bytes; that must be between 1 and {spec.nbytes - 1} (else "
+                        "it is stored raw)"
+                    )
             end = offset + stored
             if end > size:
                 raise CodecError(f"{where} runs to byte {end}, past the end of the {size}-byte chunk")
@@ -276,7 +301,9 @@ class _Writer:
         """The next section, stored as ``data`` (shorter than the raw section, or the codec must use ``raw``)."""
         spec = self.next_spec()
         if not spec.compressible or not 0 < len(data) < spec.nbytes:
-            raise CodecError(f"section {len(self.entries)} cannot be stored compressed ({len(data)} bytes for {spec.nbytes} raw)")
+            raise CodecError(
+                f"section {len(self.entries)} cannot be stored compressed ({len(data)} bytes for {spec.nbytes} raw)"
+            )
         self._add(method, len(data)).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
 
     def finish(self, codec_id: int, dtype_code: int, shape: torch.Size) -> int:
@@ -301,7 +328,10 @@ def _as_bytes(data: Any, writable: bool) -> torch.Tensor:
     """A flat uint8 CPU tensor over ``data``'s memory (no copy), or a copy of read-only bytes for decoding."""
     if isinstance(data, torch.Tensor):
         if data.device.type != "cpu" or data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
-            raise CodecError(f"codec buffers are flat contiguous CPU uint8 tensors; got {tuple(data.shape)} {data.dtype} on {data.device}")
+            raise CodecError(
+                f"codec buffers are flat contiguous CPU uint8 tensors; got {tuple(data.shape)} {data.dtype} on "
+                f"{data.device}"
+            )
         return data
     mv = memoryview(data)
     if mv.readonly:

@@ -1,4 +1,5 @@
-"""The codecs' inner loops: native (csrc/kvcodec.cpp, in pdkv.native's library) when it is loaded, else vectorized torch.
+"""The codecs' inner loops: native (csrc/kvcodec.cpp, in pdkv.native's library) when it is loaded, else vectorized
+torch.
 
 Both paths give identical results: the same float operations in the same
 order (the native build turns off fused multiply-add), the same
@@ -54,7 +55,10 @@ def _flat(t: torch.Tensor, what: str, dtype: torch.dtype) -> int:
 def _rows(t: torch.Tensor, what: str) -> Rows:
     """``t`` as Rows, after checking the kernels can read it that way."""
     if t.dim() != 3 or t.stride(2) != 1 or (t.size(1) > 1 and t.stride(1) != t.size(2)) or t.stride(0) < 0:
-        raise CodecError(f"{what} must be a 3-d tensor contiguous in its last two dimensions, got shape {tuple(t.shape)} strides {t.stride()}")
+        raise CodecError(
+            f"{what} must be a 3-d tensor contiguous in its last two dimensions, got shape {tuple(t.shape)} strides "
+            f"{t.stride()}"
+        )
     return Rows(t.size(0), t.size(1), t.size(2), 0 if t.size(0) <= 1 else t.stride(0))
 
 
@@ -69,7 +73,13 @@ def _params(lo: torch.Tensor, hi: torch.Tensor, rows: Rows, what: str) -> tuple[
     """(pb, pc) of parameters [a, 1 or b, 1 or c] (contiguous float32) over values ``rows``."""
     _flat(lo, what, torch.float32)
     _flat(hi, what, torch.float32)
-    if lo.shape != hi.shape or lo.dim() != 3 or lo.size(0) != rows.a or lo.size(1) not in (1, rows.b) or lo.size(2) not in (1, rows.c):
+    if (
+        lo.shape != hi.shape
+        or lo.dim() != 3
+        or lo.size(0) != rows.a
+        or lo.size(1) not in (1, rows.b)
+        or lo.size(2) not in (1, rows.c)
+    ):
         raise CodecError(f"{what} {tuple(lo.shape)} do not broadcast over [{rows.a}, {rows.b}, {rows.c}]")
     return lo.size(1), lo.size(2)
 
@@ -110,10 +120,22 @@ def split_planes(src: torch.Tensor, width: int, planes: list[int], dsts: list[to
     if lib is not None:
         n = src.numel() // width
         if src.numel() % width or any(d.numel() != n for d in dsts) or len(planes) != len(dsts):
-            raise CodecError(f"split_planes: {src.numel()} bytes in {width}-byte elements into {[d.numel() for d in dsts]}-byte planes {planes}")
+            raise CodecError(
+                f"split_planes: {src.numel()} bytes in {width}-byte elements into {[d.numel() for d in dsts]}-byte "
+                f"planes {planes}"
+            )
         ptrs = [_flat(d, "split_planes destination", torch.uint8) for d in dsts]
         chosen = (ctypes.c_int64 * len(planes))(*planes)
-        native.call(lib.pdkv_split_planes, _flat(src, "split_planes source", torch.uint8), n, width, chosen, (ctypes.c_void_p * len(ptrs))(*ptrs), len(planes), torch.get_num_threads())
+        native.call(
+            lib.pdkv_split_planes,
+            _flat(src, "split_planes source", torch.uint8),
+            n,
+            width,
+            chosen,
+            (ctypes.c_void_p * len(ptrs))(*ptrs),
+            len(planes),
+            torch.get_num_threads(),
+        )
         return
     grid = src.view(-1, width)
     for p, d in zip(planes, dsts, strict=True):
@@ -126,9 +148,18 @@ def merge_planes(srcs: list[torch.Tensor], dst: torch.Tensor) -> None:
     if lib is not None:
         n = dst.numel() // max(len(srcs), 1)
         if not srcs or dst.numel() % len(srcs) or any(s.numel() != n for s in srcs):
-            raise CodecError(f"merge_planes: {len(srcs)} planes of {[s.numel() for s in srcs]} bytes into {dst.numel()} bytes")
+            raise CodecError(
+                f"merge_planes: {len(srcs)} planes of {[s.numel() for s in srcs]} bytes into {dst.numel()} bytes"
+            )
         ptrs = [_flat(s, "merge_planes source", torch.uint8) for s in srcs]
-        native.call(lib.pdkv_merge_planes, (ctypes.c_void_p * len(ptrs))(*ptrs), len(ptrs), _flat(dst, "merge_planes destination", torch.uint8), n, torch.get_num_threads())
+        native.call(
+            lib.pdkv_merge_planes,
+            (ctypes.c_void_p * len(ptrs))(*ptrs),
+            len(ptrs),
+            _flat(dst, "merge_planes destination", torch.uint8),
+            n,
+            torch.get_num_threads(),
+        )
         return
     grid = dst.view(-1, len(srcs))
     for k, s in enumerate(srcs):
@@ -139,13 +170,23 @@ def merge_planes(srcs: list[torch.Tensor], dst: torch.Tensor) -> None:
 
 
 def fp8_encode(x: torch.Tensor, codes: torch.Tensor, exps: torch.Tensor) -> None:
-    """Per row ``x[i, j, :]``: exponent e with max|row| / 2**e in (224, 448] into ``exps`` [a, b] (int8), e4m3 codes of row / 2**e."""
+    """Per row ``x[i, j, :]``: exponent e with max|row| / 2**e in (224, 448] into ``exps`` [a, b] (int8), e4m3 codes
+    of row / 2**e."""
     lib = _native(x, codes, exps)
     if lib is not None:
         dtype, rows = _values(x, "fp8_encode input")
         code_rows = _rows(_of(codes, torch.uint8, "fp8_encode codes"), "fp8_encode codes")
         _exponents(exps, rows, "fp8_encode")
-        native.call(lib.pdkv_fp8_encode, dtype, x.data_ptr(), ctypes.byref(rows), codes.data_ptr(), ctypes.byref(code_rows), exps.data_ptr(), torch.get_num_threads())
+        native.call(
+            lib.pdkv_fp8_encode,
+            dtype,
+            x.data_ptr(),
+            ctypes.byref(rows),
+            codes.data_ptr(),
+            ctypes.byref(code_rows),
+            exps.data_ptr(),
+            torch.get_num_threads(),
+        )
         return
     amax = x.abs().amax(-1).float()
     mantissa, exponent = torch.frexp(amax)
@@ -166,7 +207,17 @@ def fp8_decode(codes: torch.Tensor, exps: torch.Tensor, out: torch.Tensor) -> No
         dtype, rows = _values(out, "fp8_decode output")
         code_rows = _rows(_of(codes, torch.uint8, "fp8_decode codes"), "fp8_decode codes")
         _exponents(exps, rows, "fp8_decode")
-        native.call(lib.pdkv_fp8_decode, codes.data_ptr(), ctypes.byref(code_rows), exps.data_ptr(), _E4M3.data_ptr(), dtype, out.data_ptr(), ctypes.byref(rows), torch.get_num_threads())
+        native.call(
+            lib.pdkv_fp8_decode,
+            codes.data_ptr(),
+            ctypes.byref(code_rows),
+            exps.data_ptr(),
+            _E4M3.data_ptr(),
+            dtype,
+            out.data_ptr(),
+            ctypes.byref(rows),
+            torch.get_num_threads(),
+        )
         return
     out.copy_(codes.view(FP8).float().mul_(_pow2(exps).unsqueeze(-1)))
 
@@ -194,7 +245,17 @@ def u8_params(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         lo_f, hi_f = torch.empty(shape), torch.empty(shape)
         dtype, rows = _values(x, "group_minmax input")
         pb, pc = _params(lo_f, hi_f, rows, "group_minmax outputs")
-        native.call(lib.pdkv_group_minmax, dtype, x.data_ptr(), ctypes.byref(rows), lo_f.data_ptr(), hi_f.data_ptr(), pb, pc, torch.get_num_threads())
+        native.call(
+            lib.pdkv_group_minmax,
+            dtype,
+            x.data_ptr(),
+            ctypes.byref(rows),
+            lo_f.data_ptr(),
+            hi_f.data_ptr(),
+            pb,
+            pc,
+            torch.get_num_threads(),
+        )
     else:
         xf = x.float()
         lo_f, hi_f = xf.amin(dim, keepdim=True), xf.amax(dim, keepdim=True)
@@ -204,16 +265,31 @@ def u8_params(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def u8_quantize(x: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, codes: torch.Tensor) -> None:
-    """``codes = clamp(round((x - lo) / step), 0, 255)`` with ``lo``/``step`` bfloat16 broadcast over ``x`` [a, b, c]."""
+    """``codes = clamp(round((x - lo) / step), 0, 255)`` with ``lo``/``step`` bfloat16 broadcast over ``x`` [a, b,
+    c]."""
     lo_f = lo.float().contiguous()
     step_f = step.float()
-    inv = torch.where(step_f > 0, step_f.reciprocal(), torch.zeros_like(step_f)).contiguous()  # a constant group: every code 0
+    inv = torch.where(
+        step_f > 0, step_f.reciprocal(), torch.zeros_like(step_f)
+    ).contiguous()  # a constant group: every code 0
     lib = _native(x, codes)
     if lib is not None:
         dtype, rows = _values(x, "u8_quantize input")
         code_rows = _rows(_of(codes, torch.uint8, "u8_quantize codes"), "u8_quantize codes")
         pb, pc = _params(lo_f, inv, rows, "u8_quantize parameters")
-        native.call(lib.pdkv_u8_quantize, dtype, x.data_ptr(), ctypes.byref(rows), lo_f.data_ptr(), inv.data_ptr(), pb, pc, codes.data_ptr(), ctypes.byref(code_rows), torch.get_num_threads())
+        native.call(
+            lib.pdkv_u8_quantize,
+            dtype,
+            x.data_ptr(),
+            ctypes.byref(rows),
+            lo_f.data_ptr(),
+            inv.data_ptr(),
+            pb,
+            pc,
+            codes.data_ptr(),
+            ctypes.byref(code_rows),
+            torch.get_num_threads(),
+        )
         return
     codes.copy_((x.float() - lo_f).mul_(inv).round_().clamp_(0, U8_LEVELS))
 
@@ -227,6 +303,18 @@ def u8_dequantize(codes: torch.Tensor, lo: torch.Tensor, step: torch.Tensor, out
         dtype, rows = _values(out, "u8_dequantize output")
         code_rows = _rows(_of(codes, torch.uint8, "u8_dequantize codes"), "u8_dequantize codes")
         pb, pc = _params(lo_f, step_f, rows, "u8_dequantize parameters")
-        native.call(lib.pdkv_u8_dequantize, codes.data_ptr(), ctypes.byref(code_rows), lo_f.data_ptr(), step_f.data_ptr(), pb, pc, dtype, out.data_ptr(), ctypes.byref(rows), torch.get_num_threads())
+        native.call(
+            lib.pdkv_u8_dequantize,
+            codes.data_ptr(),
+            ctypes.byref(code_rows),
+            lo_f.data_ptr(),
+            step_f.data_ptr(),
+            pb,
+            pc,
+            dtype,
+            out.data_ptr(),
+            ctypes.byref(rows),
+            torch.get_num_threads(),
+        )
         return
     out.copy_(codes.float().mul_(step_f).add_(lo_f))

@@ -67,7 +67,13 @@ class ZstdCodec(Codec):
 
         self._zstd = zstandard
         self._params = zstandard.ZstdCompressionParameters(
-            strategy=zstandard.STRATEGY_FAST, window_log=17, hash_log=8, chain_log=8, search_log=1, min_match=7, target_length=0,
+            strategy=zstandard.STRATEGY_FAST,
+            window_log=17,
+            hash_log=8,
+            chain_log=8,
+            search_log=1,
+            min_match=7,
+            target_length=0,
         )
 
     def _sections(self, num_tokens: int) -> list[SectionSpec]:

@@ -38,7 +38,8 @@ FP16_MAX = 65504.0
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    """A chunk ``[L, 2, T, H, D]`` as ``[1, rows, D]``, or its keys/values ``[L, T, H, D]`` as ``[L, T*H, D]``: one row per head."""
+    """A chunk ``[L, 2, T, H, D]`` as ``[1, rows, D]``, or its keys/values ``[L, T, H, D]`` as ``[L, T*H, D]``: one
+    row per head."""
     return t.reshape(1, -1, t.shape[-1]) if t.dim() == 5 else t.view(t.shape[0], -1, t.shape[-1])
 
 
@@ -166,7 +167,11 @@ class Int8KiviCodec(Codec):
     def _sections(self, num_tokens: int) -> list[SectionSpec]:
         layers, _, tokens, heads, dim = self.layout.chunk_shape(num_tokens)
         numel = layers * 2 * tokens * heads * dim
-        return [SectionSpec(numel), SectionSpec(2 * layers * heads * dim * 2), SectionSpec(2 * layers * tokens * heads * 2)]
+        return [
+            SectionSpec(numel),
+            SectionSpec(2 * layers * heads * dim * 2),
+            SectionSpec(2 * layers * tokens * heads * 2),
+        ]
 
     @staticmethod
     def _views(chunk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,5 +198,8 @@ class Int8KiviCodec(Codec):
         keys, values = self._views(out)
         codes_k, codes_v = self._views(sections[0].view(out.shape))
         kshape, vshape = self._param_shapes(out)
-        for x, codes, params in ((keys, codes_k, sections[1].view(torch.bfloat16).view(kshape)), (values, codes_v, sections[2].view(torch.bfloat16).view(vshape))):
+        for x, codes, params in (
+            (keys, codes_k, sections[1].view(torch.bfloat16).view(kshape)),
+            (values, codes_v, sections[2].view(torch.bfloat16).view(vshape)),
+        ):
             u8_dequantize(codes, params[0], params[1], x)

@@ -88,12 +88,22 @@ class EngineAdapter(abc.ABC):
     """
 
     def __init__(
-        self, *, layout: KVLayout, kv_buffer: list[torch.Tensor], tokenizer: Tokenizer, fingerprint: str, model_name: str, max_model_len: int, eos_token_ids: Sequence[int], vocab_size: int
+        self,
+        *,
+        layout: KVLayout,
+        kv_buffer: list[torch.Tensor],
+        tokenizer: Tokenizer,
+        fingerprint: str,
+        model_name: str,
+        max_model_len: int,
+        eos_token_ids: Sequence[int],
+        vocab_size: int,
     ) -> None:
         self.layout = layout
         """How the KV buffer sits in memory; sent in Hello, used by gather/scatter."""
         self.kv_buffer = kv_buffer
-        """The paged KV tensors (``layout.allocate``): what the channels register and the transfer layer reads/writes."""
+        """The paged KV tensors (``layout.allocate``): what the channels register and the transfer layer
+        reads/writes."""
         self.allocator = BlockAllocator(layout.validate_buffer(kv_buffer))
         """Blocks of ``kv_buffer``; requests take theirs all at once in ``new_request``."""
         self.tokenizer = tokenizer
@@ -106,7 +116,11 @@ class EngineAdapter(abc.ABC):
 
     # -- requests --------------------------------------------------------------
     def new_request(
-        self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None = None, request_id: str | None = None, cache_salt: str = ""
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str = "",
     ) -> Request:
         """Validate a prompt and reserve blocks for its whole life (prompt + max_tokens).
 
@@ -121,7 +135,12 @@ class EngineAdapter(abc.ABC):
         return Request(request_id or f"req-{next(_ids)}", prompt, params, blocks, seed, cache_salt=cache_salt)
 
     def adopt_request(
-        self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None, blocks: Sequence[int], request_id: str | None = None, cache_salt: str = ""
+        self,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None,
+        blocks: Sequence[int],
+        request_id: str | None = None,
+        cache_salt: str = "",
     ) -> Request:
         """A request whose first blocks are ``blocks`` (already allocated here, e.g. by a transfer's receiver).
 
@@ -132,10 +151,14 @@ class EngineAdapter(abc.ABC):
         """
         prompt, params, total = self._validate(prompt_token_ids, sampling_params)
         if len(blocks) < self.layout.blocks_for(len(prompt)):
-            raise EngineError(f"{len(blocks)} blocks cannot hold a {len(prompt)}-token prompt (block size {self.layout.block_size})")
+            raise EngineError(
+                f"{len(blocks)} blocks cannot hold a {len(prompt)}-token prompt (block size {self.layout.block_size})"
+            )
         extra = self.allocator.allocate(max(0, self.layout.blocks_for(total - 1) - len(blocks)))
         seed = params.seed if params.seed is not None else sampling.new_seed()
-        return Request(request_id or f"req-{next(_ids)}", prompt, params, [*blocks, *extra], seed, cache_salt=cache_salt)
+        return Request(
+            request_id or f"req-{next(_ids)}", prompt, params, [*blocks, *extra], seed, cache_salt=cache_salt
+        )
 
     def free(self, request: Request) -> None:
         """Give the request's blocks back. Exactly once: a second free raises instead of corrupting the free list."""
@@ -154,7 +177,10 @@ class EngineAdapter(abc.ABC):
         """
         self._check_live(request)
         if not request.num_computed <= num_tokens <= request.num_prompt_tokens:
-            raise EngineError(f"request {request.request_id}: can mark tokens [0, n) computed only for {request.num_computed} <= n <= {request.num_prompt_tokens} (prompt length), got n={num_tokens}")
+            raise EngineError(
+                f"request {request.request_id}: can mark tokens [0, n) computed only for {request.num_computed} <= n "
+                f"<= {request.num_prompt_tokens} (prompt length), got n={num_tokens}"
+            )
         request.num_computed = num_tokens
 
     # -- compute steps -----------------------------------------------------------
@@ -170,7 +196,9 @@ class EngineAdapter(abc.ABC):
         self._check_live(request)
         if start != request.num_computed or not start < end <= request.num_prompt_tokens:
             raise EngineError(
-                f"request {request.request_id}: prefill range [{start}, {end}) must start at num_computed={request.num_computed} and end within the prompt (1..{request.num_prompt_tokens} tokens)"
+                f"request {request.request_id}: prefill range [{start}, {end}) must start at "
+                f"num_computed={request.num_computed} and end within the prompt (1..{request.num_prompt_tokens} "
+                "tokens)"
             )
         logits = self._prefill(request, start, end)
         request.num_computed = end
@@ -188,7 +216,8 @@ class EngineAdapter(abc.ABC):
             self._check_live(r)
             if r.finished or not r.prefilled or r.num_computed != r.num_tokens - 1:
                 raise EngineError(
-                    f"request {r.request_id} is not ready to decode: finished={r.finished}, {r.num_computed} of {r.num_tokens} tokens have KV (need all but the last, the prompt included)"
+                    f"request {r.request_id} is not ready to decode: finished={r.finished}, {r.num_computed} of "
+                    f"{r.num_tokens} tokens have KV (need all but the last, the prompt included)"
                 )
         logits = self._decode(requests)
         for r in requests:
@@ -205,7 +234,9 @@ class EngineAdapter(abc.ABC):
         if request.finished:
             raise EngineError(f"request {request.request_id} already finished ({request.finish_reason})")
         if request.output_token_ids and request.num_computed != request.num_tokens:
-            raise EngineError(f"request {request.request_id} already has a pending token; run decode_step before appending another")
+            raise EngineError(
+                f"request {request.request_id} already has a pending token; run decode_step before appending another"
+            )
         self._check_token_ids([token_id])
         request.output_token_ids.append(int(token_id))
         stops = set(request.sampling.stop_token_ids) | (set() if request.sampling.ignore_eos else self.eos_token_ids)
@@ -214,8 +245,11 @@ class EngineAdapter(abc.ABC):
         elif len(request.output_token_ids) >= request.sampling.max_tokens:
             request.finish_reason = "length"
 
-    def generate(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None = None, chunk_size: int = 256) -> Request:
-        """Whole generation in this process, built only on the steps above: the reference a disaggregated run must equal.
+    def generate(
+        self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None = None, chunk_size: int = 256
+    ) -> Request:
+        """Whole generation in this process, built only on the steps above: the reference a disaggregated run
+        must equal.
 
         Returns the finished (and already freed) request.
         """
@@ -235,13 +269,16 @@ class EngineAdapter(abc.ABC):
     # -- for subclasses ----------------------------------------------------------
     @abc.abstractmethod
     def _prefill(self, request: Request, start: int, end: int) -> torch.Tensor:
-        """Compute prompt tokens ``[start, end)`` into the blocks; float32 logits ``[1, vocab]`` of token ``end - 1``."""
+        """Compute prompt tokens ``[start, end)`` into the blocks; float32 logits ``[1, vocab]`` of token ``end
+        - 1``."""
 
     @abc.abstractmethod
     def _decode(self, requests: Sequence[Request]) -> torch.Tensor:
         """Feed each request's token at position ``num_computed``; float32 logits ``[len(requests), vocab]``."""
 
-    def _validate(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None) -> tuple[list[int], SamplingParams, int]:
+    def _validate(
+        self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams | None
+    ) -> tuple[list[int], SamplingParams, int]:
         """(prompt, params, prompt + max_tokens) of a request that fits this engine, or InvalidRequestError."""
         params = sampling_params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
@@ -250,7 +287,10 @@ class EngineAdapter(abc.ABC):
         self._check_token_ids(prompt)
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
-            raise InvalidRequestError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds this engine's context of {self.max_model_len} tokens")
+            raise InvalidRequestError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds this engine's "
+                f"context of {self.max_model_len} tokens"
+            )
         return prompt, params, total
 
     def _check_live(self, request: Request) -> None:

@@ -51,17 +51,34 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelLoadError(f"model_type {self.model_type!r} is not supported by the reference engine; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            raise ModelLoadError(
+                f"model_type {self.model_type!r} is not supported by the reference engine; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ModelLoadError(f"config {name} must be a positive integer, got {getattr(self, name)!r}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ModelLoadError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
+            raise ModelLoadError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads}) for grouped-query attention"
+            )
         if self.head_dim % 2:
             raise ModelLoadError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         rope_type = self.rope_type
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ModelLoadError(f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+            raise ModelLoadError(
+                f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
         if rope_type != "default" and "factor" not in (self.rope_scaling or {}):
             raise ModelLoadError(f"rope scaling {rope_type!r} needs a 'factor', got {dict(self.rope_scaling or {})}")
 
@@ -75,11 +92,20 @@ class ModelConfig:
         """Parse a transformers ``config.json`` dict (v4 ``rope_theta``/``rope_scaling`` or v5 ``rope_parameters``)."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelLoadError(f"config.json model_type {model_type!r} is not supported by the reference engine; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise ModelLoadError(
+                f"config.json model_type {model_type!r} is not supported by the reference engine; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
         if hf.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"config.json hidden_act {hf['hidden_act']!r} is not supported; the reference engine implements SwiGLU (silu)")
+            raise ModelLoadError(
+                f"config.json hidden_act {hf['hidden_act']!r} is not supported; the reference engine implements SwiGLU "
+                "(silu)"
+            )
         if hf.get("use_sliding_window"):
-            raise ModelLoadError("config.json use_sliding_window=true is not supported; the reference engine attends over the full context")
+            raise ModelLoadError(
+                "config.json use_sliding_window=true is not supported; the reference engine attends over the full "
+                "context"
+            )
         try:
             heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])

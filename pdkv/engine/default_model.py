@@ -34,16 +34,23 @@ def ensure_default_model(progress: bool = True) -> Path:
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ModelLoadError(f"cannot create the model cache {cache}: {exc}; set XDG_CACHE_HOME to a writable folder") from exc
+        raise ModelLoadError(
+            f"cannot create the model cache {cache}: {exc}; set XDG_CACHE_HOME to a writable folder"
+        ) from exc
     with exclusive(cache / f".{target.name}.lock"):
         if target.is_dir():  # another process converted it while we waited
             return target
         if progress:
-            print(f"pdkv: first use of the default model: converting {gguf_path.name} into {target} (once)", file=sys.stderr)
+            print(
+                f"pdkv: first use of the default model: converting {gguf_path.name} into {target} (once)",
+                file=sys.stderr,
+            )
         tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=cache))
         try:
             save_hf_dir(load_gguf(gguf_path, name=DEFAULT_MODEL_NAME, progress=progress), tmp)
-            (tmp / "pdkv_source.json").write_text(json.dumps({"gguf": str(gguf_path), "wheel": f"{DEFAULT_MODEL_WHEEL}=={version}"}))
+            (tmp / "pdkv_source.json").write_text(
+                json.dumps({"gguf": str(gguf_path), "wheel": f"{DEFAULT_MODEL_WHEEL}=={version}"})
+            )
             os.replace(tmp, target)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

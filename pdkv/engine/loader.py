@@ -20,7 +20,10 @@ def resolve_model(model: str | os.PathLike[str] = "default", progress: bool = Tr
     path = Path(model).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
-    raise ModelLoadError(f"--model {str(model)!r} is not 'default', a Hugging Face model directory (config.json + *.safetensors + tokenizer.json) or a .gguf file")
+    raise ModelLoadError(
+        f"--model {str(model)!r} is not 'default', a Hugging Face model directory (config.json + *.safetensors + "
+        "tokenizer.json) or a .gguf file"
+    )
 
 
 def load_checkpoint(model: str | os.PathLike[str] = "default", progress: bool = True) -> Checkpoint:

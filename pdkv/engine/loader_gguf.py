@@ -25,7 +25,11 @@ from pdkv.engine.config import ModelConfig
 from pdkv.errors import ModelLoadError
 from pdkv.modelfiles.gguf_tokenizer import open_gguf, tokenizer_from_gguf
 
-_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -47,13 +51,18 @@ def load_gguf(path: Path, name: str | None = None, progress: bool = True) -> Che
     tensor_names = {t.name for t in reader.tensors}
     config = config_from_gguf(meta, tensor_names, path)
     tensors: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"dequantizing {path.name}", unit="tensor", file=sys.stderr, disable=not progress):
+    for t in tqdm(
+        reader.tensors, desc=f"dequantizing {path.name}", unit="tensor", file=sys.stderr, disable=not progress
+    ):
         hf_name = _hf_name(t.name, path)
         try:
             # a copy: F32 tensors come back as read-only views of the memory-mapped file
             array = np.array(quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         except NotImplementedError as exc:
-            raise ModelLoadError(f"{path}: tensor {t.name} is {t.tensor_type.name}, which the installed gguf package cannot dequantize; upgrade it (pip install -U gguf)") from exc
+            raise ModelLoadError(
+                f"{path}: tensor {t.name} is {t.tensor_type.name}, which the installed gguf package cannot dequantize; "
+                "upgrade it (pip install -U gguf)"
+            ) from exc
         if config.model_type == "llama" and t.name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = config.num_attention_heads if ".attn_q." in t.name else config.num_key_value_heads
             array = unpermute_rope_rows(array, heads)
@@ -71,10 +80,13 @@ def config_from_gguf(meta: Mapping[str, Any], tensor_names: set[str], path: Path
     """A ModelConfig from ``{arch}.*`` metadata; which tensors exist tells ties and biases."""
     arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen2"):
-        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported by the reference engine; supported: llama, qwen2")
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {arch!r} is not supported by the reference engine; supported: llama, qwen2"
+        )
     if "rope_freqs.weight" in tensor_names:
         raise ModelLoadError(
-            f"{path} bakes Llama 3 rope frequency factors into a tensor (rope_freqs.weight), which the reference engine does not read; load the Hugging Face directory of the model instead"
+            f"{path} bakes Llama 3 rope frequency factors into a tensor (rope_freqs.weight), which the reference "
+            "engine does not read; load the Hugging Face directory of the model instead"
         )
 
     def get(key: str, default: Any = None) -> Any:
@@ -86,9 +98,14 @@ def config_from_gguf(meta: Mapping[str, Any], tensor_names: set[str], path: Path
     hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
     head_dim = int(get("attention.key_length", hidden // heads))
     if int(get("rope.dimension_count", head_dim)) != head_dim:
-        raise ModelLoadError(f"{path}: partial rotary embeddings (rope.dimension_count {get('rope.dimension_count')} != head_dim {head_dim}) are not supported")
+        raise ModelLoadError(
+            f"{path}: partial rotary embeddings (rope.dimension_count {get('rope.dimension_count')} != head_dim "
+            f"{head_dim}) are not supported"
+        )
     scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
-    rope_scaling = None if scaling_type == "none" else {"rope_type": scaling_type, "factor": _f32(get("rope.scaling.factor"))}
+    rope_scaling = (
+        None if scaling_type == "none" else {"rope_type": scaling_type, "factor": _f32(get("rope.scaling.factor"))}
+    )
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         model_type=arch,
@@ -113,7 +130,8 @@ def config_from_gguf(meta: Mapping[str, Any], tensor_names: set[str], path: Path
 
 
 def _f32(value: Any) -> float:
-    """GGUF stores floats as float32: recover the short decimal the model was configured with (1e-05, not 9.99999974e-06)."""
+    """GGUF stores floats as float32: recover the short decimal the model was configured with (1e-05, not
+    9.99999974e-06)."""
     return float(str(np.float32(value)))
 
 

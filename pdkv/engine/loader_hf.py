@@ -34,7 +34,12 @@ def load_hf_dir(path: Path, name: str | None = None) -> Checkpoint:
         extra = generation["eos_token_id"]
         ids = tuple(dict.fromkeys(config.eos_token_ids + tuple(extra if isinstance(extra, list) else [extra])))
         config = dataclasses.replace(config, eos_token_ids=ids)
-    return Checkpoint(name=name or path.resolve().name, config=config, tensors=_read_safetensors(path), tokenizer=Tokenizer.from_hf_dir(path))
+    return Checkpoint(
+        name=name or path.resolve().name,
+        config=config,
+        tensors=_read_safetensors(path),
+        tokenizer=Tokenizer.from_hf_dir(path),
+    )
 
 
 def save_hf_dir(checkpoint: Checkpoint, path: Path) -> None:
@@ -49,7 +54,11 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     index = read_json(path / f"{WEIGHTS_FILE}.index.json")
     files = sorted({path / f for f in index.get("weight_map", {}).values()}) or sorted(path.glob("*.safetensors"))
     if not files:
-        hint = " (found PyTorch .bin weights: re-save them with save_pretrained(..., safe_serialization=True))" if any(path.glob("*.bin")) else ""
+        hint = (
+            " (found PyTorch .bin weights: re-save them with save_pretrained(..., safe_serialization=True))"
+            if any(path.glob("*.bin"))
+            else ""
+        )
         raise ModelLoadError(f"{path} has no .safetensors weights{hint}")
     tensors: dict[str, torch.Tensor] = {}
     for file in files:

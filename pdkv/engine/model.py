@@ -44,7 +44,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name this config needs, with its shape (Hugging Face naming)."""
     c = config
     q_out, kv_out = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+        "model.norm.weight": (c.hidden_size,),
+    }
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
     for i in range(c.num_hidden_layers):
@@ -73,22 +76,37 @@ def check_tensors(config: ModelConfig, tensors: Mapping[str, torch.Tensor], sour
     missing = sorted(set(shapes) - set(tensors))
     tied_extra = {"lm_head.weight"} if config.tie_word_embeddings else set()
     unexpected = sorted(n for n in set(tensors) - set(shapes) - tied_extra if not n.endswith(_IGNORED_SUFFIXES))
-    wrong = [f"{n} is {tuple(tensors[n].shape)}, expected {shapes[n]}" for n in sorted(set(shapes) & set(tensors)) if tuple(tensors[n].shape) != shapes[n]]
+    wrong = [
+        f"{n} is {tuple(tensors[n].shape)}, expected {shapes[n]}"
+        for n in sorted(set(shapes) & set(tensors))
+        if tuple(tensors[n].shape) != shapes[n]
+    ]
     problems = []
     if missing:
         problems.append(f"missing {len(missing)} tensors (e.g. {', '.join(missing[:4])})")
     if unexpected:
-        problems.append(f"{len(unexpected)} tensors this {config.model_type} config does not use (e.g. {', '.join(unexpected[:4])})")
+        problems.append(
+            f"{len(unexpected)} tensors this {config.model_type} config does not use (e.g. {', '.join(unexpected[:4])})"
+        )
     if wrong:
         problems.append("; ".join(wrong[:4]))
     if problems:
-        raise ModelLoadError(f"{source} does not match its config: " + "; ".join(problems) + ". Is config.json from the same model?")
+        raise ModelLoadError(
+            f"{source} does not match its config: " + "; ".join(problems) + ". Is config.json from the same model?"
+        )
 
 
 class DecoderModel:
     """Weights in the compute dtype plus the forward pass over a paged KV buffer."""
 
-    def __init__(self, config: ModelConfig, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device, source: str = "checkpoint") -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        tensors: Mapping[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        source: str = "checkpoint",
+    ) -> None:
         check_tensors(config, tensors, source)
         self.config = config
         self.dtype = dtype
@@ -134,7 +152,8 @@ class DecoderModel:
         return weight * h.to(x.dtype)
 
     def forward(self, batch: Batch, kv: PagedKV) -> torch.Tensor:
-        """Run ``batch``, writing its K/V into ``kv``; float32 logits ``[segments, vocab]`` of each segment's last token."""
+        """Run ``batch``, writing its K/V into ``kv``; float32 logits ``[segments, vocab]`` of each segment's
+        last token."""
         c = self.config
         n_q, n_kv, dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         cos, sin = rope.cos_sin(self.inv_freq, batch.positions, self.dtype)
@@ -149,7 +168,13 @@ class DecoderModel:
             attn = torch.empty_like(q)
             for seg in batch.segments:
                 keys, values = kv.read(index, seg.block_ids, seg.context)
-                out = F.scaled_dot_product_attention(q[seg.rows].transpose(0, 1)[None], keys[None], values[None], attn_mask=seg.mask, enable_gqa=n_q != n_kv)
+                out = F.scaled_dot_product_attention(
+                    q[seg.rows].transpose(0, 1)[None],
+                    keys[None],
+                    values[None],
+                    attn_mask=seg.mask,
+                    enable_gqa=n_q != n_kv,
+                )
                 attn[seg.rows] = out[0].transpose(0, 1)
             h = h + F.linear(attn.view(rows, n_q * dim), layer.o, layer.o_bias)
             x = self._rms_norm(h, layer.post_norm)

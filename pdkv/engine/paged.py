@@ -88,7 +88,9 @@ class Batch:
         return torch.tensor([s.rows.stop - 1 for s in self.segments], dtype=torch.long)
 
     @classmethod
-    def build(cls, block_size: int, items: Sequence[tuple[Sequence[int], int, Sequence[int]]], device: torch.device) -> Batch:
+    def build(
+        cls, block_size: int, items: Sequence[tuple[Sequence[int], int, Sequence[int]]], device: torch.device
+    ) -> Batch:
         """From ``(block_table, start, new token ids)`` per request."""
         ids: list[int] = []
         positions: list[torch.Tensor] = []

@@ -59,8 +59,18 @@ class ReferenceEngine(EngineAdapter):
             torch.set_num_threads(num_threads)
         config = checkpoint.config
         self.device = torch.device(device)
-        self.model = DecoderModel(config, checkpoint.tensors, getattr(torch, dtype), self.device, source=checkpoint.name)
-        layout = KVLayout(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, block_size=block_size, dtype=dtype, kind=kind, order=order)
+        self.model = DecoderModel(
+            config, checkpoint.tensors, getattr(torch, dtype), self.device, source=checkpoint.name
+        )
+        layout = KVLayout(
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            block_size=block_size,
+            dtype=dtype,
+            kind=kind,
+            order=order,
+        )
         kv_buffer = layout.allocate(layout.blocks_for(max_kv_tokens), device=self.device)
         self.kv = PagedKV(layout, kv_buffer)
         tokenizer = checkpoint.tokenizer
@@ -80,7 +90,9 @@ class ReferenceEngine(EngineAdapter):
         )
 
     @classmethod
-    def load(cls, model: str | os.PathLike[str] = "default", *, progress: bool = True, **options: object) -> ReferenceEngine:
+    def load(
+        cls, model: str | os.PathLike[str] = "default", *, progress: bool = True, **options: object
+    ) -> ReferenceEngine:
         """Load ``model`` ('default', a Hugging Face directory or a .gguf file) into a new engine.
 
         ``options`` are the constructor's keyword arguments (dtype, block_size, ...).

@@ -37,9 +37,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens")
+            raise InvalidRequestError(
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", param="max_tokens"
+            )
         if not (isinstance(self.temperature, (int, float)) and 0 <= self.temperature < math.inf):
-            raise InvalidRequestError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}", param="temperature")
+            raise InvalidRequestError(
+                f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}", param="temperature"
+            )
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if self.seed is not None and not (_is_int(self.seed) and -(1 << 63) <= self.seed < 1 << 63):
@@ -74,7 +78,14 @@ def token_logprobs(logits: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     """``token``'s log-probability under ``logits`` ``[vocab]`` and the ``top`` best tokens'."""
     logprobs = torch.log_softmax(logits.detach().float().cpu(), dim=-1)
     best = torch.topk(logprobs, top) if top else None
-    pairs = () if best is None else tuple((int(i), max(float(v), MIN_LOGPROB)) for v, i in zip(best.values.tolist(), best.indices.tolist(), strict=True))
+    pairs = (
+        ()
+        if best is None
+        else tuple(
+            (int(i), max(float(v), MIN_LOGPROB))
+            for v, i in zip(best.values.tolist(), best.indices.tolist(), strict=True)
+        )
+    )
     return TokenLogprobs(max(float(logprobs[token]), MIN_LOGPROB), pairs)
 
 

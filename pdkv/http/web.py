@@ -78,13 +78,23 @@ def _depth_exceeds(value: Any, limit: int) -> bool:
 async def read_json(http: web.Request, limits: HttpConfig) -> Any:
     """The request's JSON body, read within ``limits`` (size, time); ``RequestError`` says what is wrong."""
     if http.content_length is not None and http.content_length > limits.max_body_bytes:
-        raise RequestError(f"the request body is {http.content_length} bytes; this server takes at most {limits.max_body_bytes} (http.max_body_bytes)", 413)
+        raise RequestError(
+            f"the request body is {http.content_length} bytes; this server takes at most {limits.max_body_bytes} "
+            "(http.max_body_bytes)",
+            413,
+        )
     try:
         raw = await asyncio.wait_for(http.read(), limits.body_timeout_s)
     except asyncio.TimeoutError:
-        raise RequestError(f"the request body did not arrive within {limits.body_timeout_s:g}s (http.body_timeout_s)", 408) from None
+        raise RequestError(
+            f"the request body did not arrive within {limits.body_timeout_s:g}s (http.body_timeout_s)", 408
+        ) from None
     except web.HTTPRequestEntityTooLarge:  # a chunked body that grew past client_max_size
-        raise RequestError(f"the request body is larger than {limits.max_body_bytes} bytes, the most this server takes (http.max_body_bytes)", 413) from None
+        raise RequestError(
+            f"the request body is larger than {limits.max_body_bytes} bytes, the most this server takes "
+            "(http.max_body_bytes)",
+            413,
+        ) from None
     return decode_json(raw)
 
 
@@ -107,18 +117,26 @@ def error_middleware() -> Callable[[web.Request, Handler], Awaitable[web.StreamR
             return web.Response(status=400)
         except Exception:
             log.exception("%s %s failed", http.method, http.path)
-            return error_response(500, f"internal error serving {http.method} {http.path}; the server's log has the details")
+            return error_response(
+                500, f"internal error serving {http.method} {http.path}; the server's log has the details"
+            )
 
     return middleware
 
 
-def bearer_middleware(token: str, guarded: Callable[[web.Request], bool], hint: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def bearer_middleware(
+    token: str, guarded: Callable[[web.Request], bool], hint: str
+) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
     """Requests for which ``guarded`` holds want ``Authorization: Bearer <token>`` (no check when token is empty)."""
     expected = f"Bearer {token}".encode()
 
     @web.middleware
     async def middleware(http: web.Request, handler: Handler) -> web.StreamResponse:
-        if token and guarded(http) and not hmac.compare_digest(http.headers.get("Authorization", "").encode(), expected):
+        if (
+            token
+            and guarded(http)
+            and not hmac.compare_digest(http.headers.get("Authorization", "").encode(), expected)
+        ):
             return error_response(401, f"{http.method} {http.path} wants 'Authorization: Bearer <{hint}>'")
         return await handler(http)
 
@@ -127,7 +145,9 @@ def bearer_middleware(token: str, guarded: Callable[[web.Request], bool], hint: 
 
 def application(limits: HttpConfig, middlewares: list[Any] | None = None) -> web.Application:
     """An aiohttp application with the shared limits and error handling (outermost) in place."""
-    return web.Application(client_max_size=limits.max_body_bytes, middlewares=[error_middleware(), *(middlewares or [])])
+    return web.Application(
+        client_max_size=limits.max_body_bytes, middlewares=[error_middleware(), *(middlewares or [])]
+    )
 
 
 def runner(app: web.Application, limits: HttpConfig) -> web.AppRunner:
@@ -140,4 +160,10 @@ def runner(app: web.Application, limits: HttpConfig) -> web.AppRunner:
     (aiohttp's own default is an hour); lingering_time what an early answer waits for the rest of
     its body (aiohttp's: 10 s, which a client that trickles bytes holds open ten times over).
     """
-    return web.AppRunner(app, handle_signals=False, handler_cancellation=True, keepalive_timeout=limits.idle_timeout_s, lingering_time=limits.linger_s)
+    return web.AppRunner(
+        app,
+        handle_signals=False,
+        handler_cancellation=True,
+        keepalive_timeout=limits.idle_timeout_s,
+        lingering_time=limits.linger_s,
+    )

@@ -41,7 +41,8 @@ ZAP_DOMAIN = "pdkv-kv-events"
 
 
 def load_key(value: str, field: str, secret: bool) -> bytes:
-    """A CURVE key (Z85 bytes) from its text or a certificate file; ``secret`` picks the secret key of a file holding both."""
+    """A CURVE key (Z85 bytes) from its text or a certificate file; ``secret`` picks the secret key of a file
+    holding both."""
     which = "secret" if secret else "public"
     if len(value) == Z85_KEY_CHARS and not os.path.exists(value):
         try:
@@ -54,10 +55,16 @@ def load_key(value: str, field: str, secret: bool) -> bytes:
     try:
         public, secret_key = zmq.auth.load_certificate(value)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"field '{field}' = {value!r}: neither a 40-character Z85 {which} key nor a readable ZeroMQ certificate file ({exc})") from None
+        raise ConfigError(
+            f"field '{field}' = {value!r}: neither a 40-character Z85 {which} key nor a readable ZeroMQ certificate "
+            f"file ({exc})"
+        ) from None
     key = secret_key if secret else public
     if key is None or len(key) != Z85_KEY_CHARS:
-        raise ConfigError(f"field '{field}' = {value!r}: the certificate file holds no {which} key (zmq.auth.create_certificates writes it to NAME.key_secret)")
+        raise ConfigError(
+            f"field '{field}' = {value!r}: the certificate file holds no {which} key (zmq.auth.create_certificates "
+            "writes it to NAME.key_secret)"
+        )
     return key
 
 
@@ -74,7 +81,8 @@ class CurveServer:
         secret = load_key(secret_key, f"{prefix}.curve_secret_key", secret=True)
         if not clients:
             raise ConfigError(
-                f"field '{prefix}.curve_clients' is empty: with curve_secret_key set, list the public key of every subscriber "
+                f"field '{prefix}.curve_clients' is empty: with curve_secret_key set, list the public key of every "
+                "subscriber "
                 "(each router's kv_events_curve_secret_key's public half) allowed to read the stream"
             )
         allowed = frozenset(load_key(c, f"{prefix}.curve_clients[{i}]", secret=False) for i, c in enumerate(clients))

@@ -62,7 +62,8 @@ MAX_BLOCK_SIZE = 1 << 16  # tokens per block; a larger one in an event is malfor
 
 
 def root_hash(block_size: int, salt: str = "") -> int:
-    """The parent of a prompt's first block, per block size and cache salt: blocks of different sizes or salts never collide."""
+    """The parent of a prompt's first block, per block size and cache salt: blocks of different sizes or salts never
+    collide."""
     root = b"pdkv-router-index/" + str(block_size).encode()
     return xxhash.xxh3_64_intdigest(root + b"/salt/" + salt.encode("utf-8", "surrogatepass") if salt else root)
 
@@ -76,8 +77,11 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(tokens, dtype="<i8")).cast("B")
 
 
-def chain_hashes(tokens: Sequence[int] | np.ndarray, block_size: int, parent: int | None = None, limit: int | None = None) -> list[int]:
-    """Index hashes of the full blocks of ``tokens`` (at most ``limit``), the first one's parent ``parent`` (default: the root)."""
+def chain_hashes(
+    tokens: Sequence[int] | np.ndarray, block_size: int, parent: int | None = None, limit: int | None = None
+) -> list[int]:
+    """Index hashes of the full blocks of ``tokens`` (at most ``limit``), the first one's parent ``parent``
+    (default: the root)."""
     data = _token_bytes(tokens)
     step = block_size * 8
     count = len(data) // step if limit is None else min(limit, len(data) // step)
@@ -169,7 +173,11 @@ class PrefixIndex:
         if ev.group_idx not in (None, 0) or ev.lora_id is not None or ev.lora_name is not None:
             self.stats.skipped += n
             return
-        if not 0 < size <= MAX_BLOCK_SIZE or len(ev.token_ids) != n * size or (ev.extra_keys is not None and len(ev.extra_keys) != n):
+        if (
+            not 0 < size <= MAX_BLOCK_SIZE
+            or len(ev.token_ids) != n * size
+            or (ev.extra_keys is not None and len(ev.extra_keys) != n)
+        ):
             self.stats.malformed += 1
             return
         shared = ev.locality == REMOTE
@@ -305,7 +313,10 @@ class PrefixIndex:
 
     def summary(self) -> dict[str, object]:
         return {
-            "workers": {url: {"blocks": len(w), "block_sizes": sorted(w.block_sizes), "reads_shared_tier": w.reads_shared} for url, w in self.workers.items()},
+            "workers": {
+                url: {"blocks": len(w), "block_sizes": sorted(w.block_sizes), "reads_shared_tier": w.reads_shared}
+                for url, w in self.workers.items()
+            },
             "shared_tier_blocks": len(self._shared),
             **dataclasses.asdict(self.stats),
         }

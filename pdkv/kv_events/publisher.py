@@ -1,4 +1,5 @@
-"""Publish KV event batches the way vLLM's ``ZmqEventPublisher`` does: PUB with a topic, sequence numbers, a replay socket.
+"""Publish KV event batches the way vLLM's ``ZmqEventPublisher`` does: PUB with a topic, sequence numbers, a replay
+socket.
 
 Each batch goes out as ``(topic, seq, payload)`` on a PUB socket; the last
 ``buffer_steps`` batches are kept so that a subscriber that saw a gap in
@@ -66,15 +67,21 @@ class KVEventPublisher:
     def __init__(self, config: KVEventsConfig, bind_host: str = "127.0.0.1", data_parallel_rank: int = 0) -> None:
         if not config.publishing:
             raise ConfigError(
-                f"kv_events: publisher {config.publisher!r} with enable_kv_cache_events {config.enable_kv_cache_events}: "
+                f"kv_events: publisher {config.publisher!r} with enable_kv_cache_events "
+                f"{config.enable_kv_cache_events}: "
                 "nothing to publish; set enable_kv_cache_events: true and publisher: zmq"
             )
         self.config = config
         self.topic = config.topic.encode()
         self.data_parallel_rank = data_parallel_rank
-        self.curve = CurveServer.load(config.curve_secret_key, config.curve_clients) if config.curve_secret_key else None
+        self.curve = (
+            CurveServer.load(config.curve_secret_key, config.curve_clients) if config.curve_secret_key else None
+        )
         if config.curve_clients and self.curve is None:
-            raise ConfigError("field 'kv_events.curve_clients' is set without 'kv_events.curve_secret_key': set the publisher's key pair too")
+            raise ConfigError(
+                "field 'kv_events.curve_clients' is set without 'kv_events.curve_secret_key': set the publisher's key "
+                "pair too"
+            )
         # CURVE: a context of our own, so its ZAP handler (one per context) answers for our sockets alone
         self._own_ctx = self.curve is not None
         self._ctx = zmq.Context() if self._own_ctx else zmq.Context.instance()
@@ -88,7 +95,10 @@ class KVEventPublisher:
             self.endpoint = self._open(self._pub, config.endpoint, bind_host)
             if config.replay_endpoint:
                 if not is_bind_endpoint(config.replay_endpoint):
-                    raise ConfigError(f"kv_events.replay_endpoint {config.replay_endpoint!r}: the replay socket is bound, give tcp://*:PORT (or ipc://...)")
+                    raise ConfigError(
+                        f"kv_events.replay_endpoint {config.replay_endpoint!r}: the replay socket is bound, give "
+                        "tcp://*:PORT (or ipc://...)"
+                    )
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 if self.curve is not None:
                     self.curve.apply(self._replay)
@@ -136,7 +146,11 @@ class KVEventPublisher:
                 self._queue.put_nowait(_Numbered(seq, batch))
             except queue.Full:
                 self.stats["dropped_batches"] += 1
-                log.warning("kv events: %d batches queued, batch %d dropped; subscribers will see the gap and rebuild", self.config.max_queue_size, seq)
+                log.warning(
+                    "kv events: %d batches queued, batch %d dropped; subscribers will see the gap and rebuild",
+                    self.config.max_queue_size,
+                    seq,
+                )
 
     def close(self, timeout: float = 1.0) -> None:
         """Send what is queued (up to ``timeout``), then close both sockets."""

@@ -95,7 +95,13 @@ class EventStream:
         self._restart = asyncio.Event()
 
     def describe(self) -> dict[str, object]:
-        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint, "curve": self.curve is not None, "next_seq": self.next_seq, **self.stats}
+        return {
+            "endpoint": self.endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "curve": self.curve is not None,
+            "next_seq": self.next_seq,
+            **self.stats,
+        }
 
     def restarted(self) -> None:
         """The worker may have restarted (seen down and up again, a new agent id): rebuild its view."""

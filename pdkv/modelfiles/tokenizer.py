@@ -35,7 +35,14 @@ Message = Mapping[str, Any]
 class Tokenizer:
     """A model's tokenizer, special tokens and chat template."""
 
-    def __init__(self, backend: tokenizers.Tokenizer, *, chat_template: str | None = None, bos_token: str | None = None, eos_token: str | None = None) -> None:
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+    ) -> None:
         self.backend = backend
         self.chat_template = chat_template
         self.bos_token = bos_token
@@ -48,7 +55,10 @@ class Tokenizer:
         """Read ``tokenizer.json`` and the chat template/special tokens of ``tokenizer_config.json``."""
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
-            raise ModelLoadError(f"{path} has no tokenizer.json; the reference engine needs a fast (tokenizers) tokenizer next to the weights")
+            raise ModelLoadError(
+                f"{path} has no tokenizer.json; the reference engine needs a fast (tokenizers) tokenizer next to the "
+                "weights"
+            )
         try:
             backend = tokenizers.Tokenizer.from_file(str(tok_file))
         except Exception as exc:  # tokenizers raises plain Exception subclasses for bad files
@@ -56,12 +66,22 @@ class Tokenizer:
         cfg = read_json(path / "tokenizer_config.json")
         template_file = path / "chat_template.jinja"
         template = template_file.read_text() if template_file.is_file() else _pick_template(cfg.get("chat_template"))
-        return cls(backend, chat_template=template, bos_token=_token_text(cfg.get("bos_token")), eos_token=_token_text(cfg.get("eos_token")))
+        return cls(
+            backend,
+            chat_template=template,
+            bos_token=_token_text(cfg.get("bos_token")),
+            eos_token=_token_text(cfg.get("eos_token")),
+        )
 
     def save(self, path: Path) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` (readable by transformers too)."""
         self.backend.save(str(path / "tokenizer.json"))
-        cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token, "eos_token": self.eos_token, "chat_template": self.chat_template}
+        cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "chat_template": self.chat_template,
+        }
         (path / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
 
     # -- ids ---------------------------------------------------------------
@@ -112,18 +132,33 @@ class Tokenizer:
         return tokenizers.decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
 
     # -- chat --------------------------------------------------------------
-    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True, tools: Sequence[Message] | None = None) -> str:
-        """The prompt text for ``messages`` (and ``tools``, for templates that render them) under the model's chat template."""
+    def render_chat(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, tools: Sequence[Message] | None = None
+    ) -> str:
+        """The prompt text for ``messages`` (and ``tools``, for templates that render them) under the model's
+        chat template."""
         if self._template is None:
             raise InvalidRequestError("this model has no chat template; send a plain prompt to /v1/completions instead")
         try:
             return self._template.render(
-                messages=list(messages), tools=tools, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "", eos_token=self.eos_token or ""
+                messages=list(messages),
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
             )
-        except (jinja2.TemplateError, TypeError, ValueError, LookupError, AttributeError) as exc:  # the messages' data, as the template reads it
+        except (
+            jinja2.TemplateError,
+            TypeError,
+            ValueError,
+            LookupError,
+            AttributeError,
+        ) as exc:  # the messages' data, as the template reads it
             raise InvalidRequestError(f"chat template rejected the messages: {exc}", param="messages") from exc
 
-    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True, tools: Sequence[Message] | None = None) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True, tools: Sequence[Message] | None = None
+    ) -> list[int]:
         """Token ids of a chat; special tokens come from the template itself, never added twice."""
         return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
@@ -134,7 +169,9 @@ def _raise(message: str) -> None:
 
 def _compile(source: str) -> jinja2.Template:
     """Compile like transformers does: sandboxed, trim/lstrip blocks, its helper globals."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -55,21 +55,29 @@ log = logging.getLogger(__name__)
 class Router:
     """The router's state and aiohttp application; build it with ``await Router.start(config)``."""
 
-    def __init__(self, config: RouterConfig, session: aiohttp.ClientSession, http: HttpConfig | None = None, secret: str = "") -> None:
+    def __init__(
+        self, config: RouterConfig, session: aiohttp.ClientSession, http: HttpConfig | None = None, secret: str = ""
+    ) -> None:
         self.config = config
         self.http = http or HttpConfig()
         self.session = session
         self.pool = WorkerPool(session, config)
         token = control_token(secret) if secret else ""
         worker_auth = {"Authorization": f"Bearer {token}"} if token else {}  # what the workers' /pdkv/ endpoints want
-        self.kv = KVAwareness(config, self.pool, worker_auth) if config.policy == "prefix" and (config.kv_events or config.kv_events_discover) else None
+        self.kv = (
+            KVAwareness(config, self.pool, worker_auth)
+            if config.policy == "prefix" and (config.kv_events or config.kv_events_discover)
+            else None
+        )
         self.tokenizer: Tokenizer | None = None
         self.policy = make_policy(config, self.kv)
         self.mode = make_mode(config.mode)
         self.metrics = RouterMetrics(self.pool)
         self.admin_token = config.admin_token or token
         self.tenants = Tenants.of(config, secret)
-        self.proxy = Proxy(config, self.http, self.pool, self.policy, self.mode, self.metrics, self._spawn, worker_auth, self.tenants)
+        self.proxy = Proxy(
+            config, self.http, self.pool, self.policy, self.mode, self.metrics, self._spawn, worker_auth, self.tenants
+        )
         self._tasks: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -84,7 +92,8 @@ class Router:
         # client-side cap would queue requests where no timeout or metric sees them.
         if config.kv_events and not config.tokenizer:
             raise ConfigError(
-                "router.kv_events names event streams but router.tokenizer is not set: the KV-aware prefix policy matches token ids; "
+                "router.kv_events names event streams but router.tokenizer is not set: the KV-aware prefix policy "
+                "matches token ids; "
                 "set it to 'default' or the model's Hugging Face directory"
             )
         tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer)
@@ -97,7 +106,12 @@ class Router:
         for role in ROLES:
             for worker in router.pool.workers(role):
                 if not worker.healthy:
-                    log.warning("%s worker %s is not answering yet (%s); the health loop will retry it", role, worker.url, worker.error)
+                    log.warning(
+                        "%s worker %s is not answering yet (%s); the health loop will retry it",
+                        role,
+                        worker.url,
+                        worker.error,
+                    )
         if not config.decode:
             log.warning("no decode worker configured: requests get 503 until one is registered with POST /pdkv/workers")
         router._spawn(router.pool.health_loop())
@@ -124,9 +138,15 @@ class Router:
         tenants = self.tenants
 
         def tenant_path(http: web.Request) -> bool:  # a tenant's own: generation, models, its KV-index matches
-            return tenants is not None and (http.path.startswith("/v1/") or (http.method == "POST" and http.path == "/pdkv/kv-index"))
+            return tenants is not None and (
+                http.path.startswith("/v1/") or (http.method == "POST" and http.path == "/pdkv/kv-index")
+            )
 
-        middlewares = [bearer_middleware(self.admin_token, lambda http: http.path.startswith("/pdkv/") and not tenant_path(http), hint)]
+        middlewares = [
+            bearer_middleware(
+                self.admin_token, lambda http: http.path.startswith("/pdkv/") and not tenant_path(http), hint
+            )
+        ]
         if tenants is not None:
             middlewares.append(tenants.middleware(tenant_path))
         app = application(self.http, middlewares)
@@ -145,9 +165,15 @@ class Router:
         return await self.proxy.models()
 
     async def health(self, _: web.Request) -> web.Response:
-        counts = {role: {"healthy": len(self.pool.candidates(role)), "registered": len(self.pool.workers(role))} for role in ROLES}
+        counts = {
+            role: {"healthy": len(self.pool.candidates(role)), "registered": len(self.pool.workers(role))}
+            for role in ROLES
+        }
         ok = counts["decode"]["healthy"] > 0
-        return web.json_response({"status": "ok" if ok else "no healthy decode worker", "role": "router", **counts}, status=200 if ok else 503)
+        return web.json_response(
+            {"status": "ok" if ok else "no healthy decode worker", "role": "router", **counts},
+            status=200 if ok else 503,
+        )
 
     def render_metrics(self) -> bytes:
         return self.metrics.render()
@@ -169,16 +195,30 @@ class Router:
         kv = self._kv()
         body = await read_json(http, self.http)
         if not isinstance(body, dict) or not ("prompt" in body or "messages" in body):
-            raise RequestError(f'expected a JSON body with a "prompt" (text or token ids) or "messages", got {body!r:.200}')
+            raise RequestError(
+                f'expected a JSON body with a "prompt" (text or token ids) or "messages", got {body!r:.200}'
+            )
         salt = request_salt(self.tenants, http, body)
         prompt = await asyncio.to_thread(describe_prompt, body, "messages" in body, self.config, self.tokenizer, salt)
         if prompt.kind != "ids":
-            raise RequestError("the prompt is text and router.tokenizer is not set: send token ids, or configure the tokenizer", param="prompt")
-        return web.json_response({"prompt_tokens": prompt.est_tokens, "cached_tokens": kv.cached_tokens(prompt.units, self.pool.workers("prefill"), prompt.salt)})
+            raise RequestError(
+                "the prompt is text and router.tokenizer is not set: send token ids, or configure the tokenizer",
+                param="prompt",
+            )
+        return web.json_response(
+            {
+                "prompt_tokens": prompt.est_tokens,
+                "cached_tokens": kv.cached_tokens(prompt.units, self.pool.workers("prefill"), prompt.salt),
+            }
+        )
 
     def _kv(self) -> KVAwareness:
         if self.kv is None:
-            raise RequestError("no KV event index: the router keeps one with policy 'prefix' (and router.kv_events or kv_events_discover)", status=404)
+            raise RequestError(
+                "no KV event index: the router keeps one with policy 'prefix' (and router.kv_events or "
+                "kv_events_discover)",
+                status=404,
+            )
         return self.kv
 
     async def _add_worker(self, http: web.Request) -> web.Response:
@@ -201,5 +241,7 @@ async def _worker_ref(http: web.Request, limits: HttpConfig) -> tuple[Role, str]
     role = body.get("role") if isinstance(body, dict) else None
     url = body.get("url") if isinstance(body, dict) else None
     if role not in ROLES or not isinstance(url, str) or not re.fullmatch(WORKER_URL_PATTERN, url):
-        raise RequestError(f'expected a JSON body {{"role": "prefill"|"decode", "url": "http://HOST:PORT"}}, got {body!r:.200}')
+        raise RequestError(
+            f'expected a JSON body {{"role": "prefill"|"decode", "url": "http://HOST:PORT"}}, got {body!r:.200}'
+        )
     return role, url

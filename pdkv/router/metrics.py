@@ -26,9 +26,19 @@ class _PoolCollector(Collector):
         self.pool = pool
 
     def collect(self) -> Iterator[Metric]:
-        requests = GaugeMetricFamily("pdkv_router_inflight_requests", "Requests the router has in flight on each worker", labels=["role", "worker"])
-        tokens = GaugeMetricFamily("pdkv_router_inflight_tokens", "Estimated prompt tokens the router has in flight on each prefill worker", labels=["role", "worker"])
-        up = GaugeMetricFamily("pdkv_router_worker_up", "1 if the worker passed its last health check or hop", labels=["role", "worker"])
+        requests = GaugeMetricFamily(
+            "pdkv_router_inflight_requests",
+            "Requests the router has in flight on each worker",
+            labels=["role", "worker"],
+        )
+        tokens = GaugeMetricFamily(
+            "pdkv_router_inflight_tokens",
+            "Estimated prompt tokens the router has in flight on each prefill worker",
+            labels=["role", "worker"],
+        )
+        up = GaugeMetricFamily(
+            "pdkv_router_worker_up", "1 if the worker passed its last health check or hop", labels=["role", "worker"]
+        )
         for role in ROLES:
             for w in self.pool.workers(role):
                 requests.add_metric([role, w.url], w.inflight_requests)
@@ -41,16 +51,57 @@ class RouterMetrics:
     def __init__(self, pool: WorkerPool) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("pdkv_requests", "Generation requests by outcome", ["role", "outcome"], registry=r)
-        self.ttft = Histogram("pdkv_ttft_seconds", "Time from request arrival to the first token (streamed requests)", ["role"], buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pdkv_e2e_seconds", "Time from request arrival to the end of the answer", ["role"], buckets=LATENCY_BUCKETS, registry=r)
-        self.hop = Histogram("pdkv_router_hop_seconds", "Time of one successful hop to a worker", ["hop"], buckets=LATENCY_BUCKETS, registry=r)
-        self.retries = Counter("pdkv_router_retries", "Hops tried again on another worker, by the failure that caused it", ["hop", "reason"], registry=r)
-        self.fallbacks = Counter("pdkv_router_fallbacks", "Requests whose decode worker computes the prompt itself, by why", ["reason"], registry=r)
-        self.disaggregation = Counter(
-            "pdkv_router_disaggregation", "How each prompt was served (router.disaggregate): transfer, transfer_codec or local, and why", ["way", "reason"], registry=r
+        self.ttft = Histogram(
+            "pdkv_ttft_seconds",
+            "Time from request arrival to the first token (streamed requests)",
+            ["role"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
-        self.decisions = Counter("pdkv_router_decisions", "Worker choices by policy, role and reason", ["policy", "role", "reason"], registry=r)
-        self.cancels = Counter("pdkv_router_transfer_cancels", "Abandoned transfers the router cancelled on a decode worker, by outcome (ok, refused, unanswered)", ["outcome"], registry=r)
+        self.e2e = Histogram(
+            "pdkv_e2e_seconds",
+            "Time from request arrival to the end of the answer",
+            ["role"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.hop = Histogram(
+            "pdkv_router_hop_seconds",
+            "Time of one successful hop to a worker",
+            ["hop"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdkv_router_retries",
+            "Hops tried again on another worker, by the failure that caused it",
+            ["hop", "reason"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "pdkv_router_fallbacks",
+            "Requests whose decode worker computes the prompt itself, by why",
+            ["reason"],
+            registry=r,
+        )
+        self.disaggregation = Counter(
+            "pdkv_router_disaggregation",
+            "How each prompt was served (router.disaggregate): transfer, transfer_codec or local, and why",
+            ["way", "reason"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "pdkv_router_decisions",
+            "Worker choices by policy, role and reason",
+            ["policy", "role", "reason"],
+            registry=r,
+        )
+        self.cancels = Counter(
+            "pdkv_router_transfer_cancels",
+            "Abandoned transfers the router cancelled on a decode worker, by outcome (ok, refused, unanswered)",
+            ["outcome"],
+            registry=r,
+        )
         self.picks = Counter("pdkv_router_picks", "Hops sent to each worker", ["role", "worker"], registry=r)
         r.register(_PoolCollector(pool))
 

@@ -120,7 +120,12 @@ class VllmMode(PairMode):
             if exc.worker_down:
                 raise
             return params  # no /pdkv/info: a vLLM whose connector pulls
-        return {**params, "remote_host": info["remote_host"], "remote_port": info["remote_port"], "transfer_id": transfer_id}
+        return {
+            **params,
+            "remote_host": info["remote_host"],
+            "remote_port": info["remote_port"],
+            "transfer_id": transfer_id,
+        }
 
 
 def make_mode(name: str) -> PairMode:

@@ -55,7 +55,9 @@ class Prompt:
         return chunk_keys(self.units, f"pdkv-router/{self.kind}", self.chunk, self.salt) if len(self.units) else []
 
 
-def describe_prompt(body: dict[str, Any], chat: bool, config: RouterConfig, tokenizer: Tokenizer | None = None, salt: str = "") -> Prompt:
+def describe_prompt(
+    body: dict[str, Any], chat: bool, config: RouterConfig, tokenizer: Tokenizer | None = None, salt: str = ""
+) -> Prompt:
     """A request body's prompt under cache salt ``salt`` as a policy sees it; a body with no usable prompt gives
     an empty one (the worker, not the router, tells the client what is wrong with it)."""
     ids = None if chat else _token_ids(body.get("prompt"))
@@ -73,7 +75,11 @@ def describe_prompt(body: dict[str, Any], chat: bool, config: RouterConfig, toke
 def _token_ids(prompt: Any) -> list[int] | None:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
         prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 63 for t in prompt):
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 63 for t in prompt)
+    ):
         return prompt
     return None  # not token ids the router can key (the worker says what is wrong with them)
 
@@ -190,7 +196,9 @@ class PrefixAware(LeastLoaded):
 
     name = "prefix"
 
-    def __init__(self, max_entries: int, max_imbalance: int, kv: KVAwareness | None = None, load_weight: float = 1.0) -> None:
+    def __init__(
+        self, max_entries: int, max_imbalance: int, kv: KVAwareness | None = None, load_weight: float = 1.0
+    ) -> None:
         super().__init__()
         self.max_entries = max_entries
         self.max_imbalance = max_imbalance
@@ -216,7 +224,9 @@ class PrefixAware(LeastLoaded):
                 return owner, "prefix_hit"
         return least, "prefix_miss"
 
-    def _cheapest(self, candidates: Sequence[WorkerState], prompt: Prompt, cached: dict[str, int]) -> tuple[WorkerState, str]:
+    def _cheapest(
+        self, candidates: Sequence[WorkerState], prompt: Prompt, cached: dict[str, int]
+    ) -> tuple[WorkerState, str]:
         """The candidate (in round-robin order, so ties rotate) with the least prefill work: see the class docstring."""
         guessed = self._guess(prompt)
         tokens = {w.url: min(prompt.est_tokens, cached.get(w.url, guessed.get(w.url, 0))) for w in candidates}

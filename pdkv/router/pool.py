@@ -177,7 +177,11 @@ class WorkerPool:
                 await asyncio.sleep(tick)
                 now = time.monotonic()
                 for worker in [w for role in ROLES for w in self.workers(role)]:
-                    interval = self.config.busy_health_interval_s if worker.inflight_requests else self.config.health_interval_s
+                    interval = (
+                        self.config.busy_health_interval_s
+                        if worker.inflight_requests
+                        else self.config.health_interval_s
+                    )
                     if not worker.probing and now - worker.probed_at >= interval:
                         task = asyncio.get_running_loop().create_task(self._watch(worker))
                         probes.add(task)
@@ -196,9 +200,19 @@ class WorkerPool:
                     info = await resp.json() if resp.status == 200 else None
             except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
                 self.mark_down(worker, f"/pdkv/info failed: {describe(exc)}")
-                raise UpstreamError(f"decode worker {worker.url}: /pdkv/info failed: {describe(exc)}", "info", worker_down=True) from exc
-            if not isinstance(info, dict) or not info.get("remote_host") or not isinstance(info.get("remote_port"), int):
-                raise UpstreamError(f"decode worker {worker.url}: /pdkv/info names no KV receiver (is it a pdkv decode worker? for vLLM workers use router.mode: vllm)", "info")
+                raise UpstreamError(
+                    f"decode worker {worker.url}: /pdkv/info failed: {describe(exc)}", "info", worker_down=True
+                ) from exc
+            if (
+                not isinstance(info, dict)
+                or not info.get("remote_host")
+                or not isinstance(info.get("remote_port"), int)
+            ):
+                raise UpstreamError(
+                    f"decode worker {worker.url}: /pdkv/info names no KV receiver (is it a pdkv decode worker? for "
+                    "vLLM workers use router.mode: vllm)",
+                    "info",
+                )
             worker.info = info
         return worker.info
 

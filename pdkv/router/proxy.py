@@ -88,8 +88,16 @@ class Proxy:
     """The request flow; see the module docstring for what happens when a hop fails."""
 
     def __init__(
-        self, config: RouterConfig, http: HttpConfig, pool: WorkerPool, policy: Policy, mode: PairMode, metrics: RouterMetrics,
-        spawn: Callable[[Coroutine[Any, Any, None]], None], control_headers: dict[str, str], tenants: Tenants | None = None,
+        self,
+        config: RouterConfig,
+        http: HttpConfig,
+        pool: WorkerPool,
+        policy: Policy,
+        mode: PairMode,
+        metrics: RouterMetrics,
+        spawn: Callable[[Coroutine[Any, Any, None]], None],
+        control_headers: dict[str, str],
+        tenants: Tenants | None = None,
     ) -> None:
         self.config = config
         self.http = http
@@ -111,8 +119,12 @@ class Proxy:
             return error_response(400, "the request body must be a JSON object")
         headers = {"X-Request-Id": uuid.uuid4().hex}
         salt = request_salt(self.tenants, http, body)  # with tenants, the body's cache_salt is the router's now
-        if self.tenants is None and "Authorization" in http.headers:  # workers started with an API key (vLLM's --api-key)
-            headers["Authorization"] = http.headers["Authorization"]  # want the client's; a tenant's key never goes to a worker
+        if (
+            self.tenants is None and "Authorization" in http.headers
+        ):  # workers started with an API key (vLLM's --api-key)
+            headers["Authorization"] = http.headers[
+                "Authorization"
+            ]  # want the client's; a tenant's key never goes to a worker
         if self.tokenizer is None:
             prompt = describe_prompt(body, chat, self.config, salt=salt)
         else:  # a long prompt takes milliseconds to encode: off the event loop
@@ -130,7 +142,9 @@ class Proxy:
         errors = []
         for worker in [*self.pool.candidates("decode"), *self.pool.candidates("prefill")]:
             try:
-                resp = await self._guard(worker, "models", self.pool.session.get(worker.url + "/v1/models", timeout=timeout))
+                resp = await self._guard(
+                    worker, "models", self.pool.session.get(worker.url + "/v1/models", timeout=timeout)
+                )
                 async with resp:
                     data = await self._guard(worker, "models", resp.read())
             except UpstreamError as exc:
@@ -139,7 +153,9 @@ class Proxy:
             if resp.status == 200:
                 return web.Response(body=data, content_type="application/json")
             errors.append(f"{worker.url} answered {resp.status}")
-        return error_response(503, f"no worker answered /v1/models ({'; '.join(errors) or 'no healthy worker registered'})")
+        return error_response(
+            503, f"no worker answered /v1/models ({'; '.join(errors) or 'no healthy worker registered'})"
+        )
 
     # -- the flow -------------------------------------------------------------------
     async def _serve(self, call: _Call) -> web.StreamResponse:
@@ -161,7 +177,11 @@ class Proxy:
             return web.Response(status=exc.status, body=exc.body, content_type=exc.content_type or "application/json")
         if not tried:
             call.outcome = "unavailable"
-            return error_response(503, f"no decode worker is registered or healthy ({len(self.pool.workers('decode'))} registered); register one with POST /pdkv/workers")
+            return error_response(
+                503,
+                f"no decode worker is registered or healthy ({len(self.pool.workers('decode'))} registered); register "
+                "one with POST /pdkv/workers",
+            )
         call.outcome = "failed"
         return error_response(502, f"every decode attempt failed: {'; '.join(failures)}")
 
@@ -174,7 +194,14 @@ class Proxy:
         try:
             cfg = self.config
             costs = self._costs.setdefault(decode.url, DecodeCosts())
-            decision = decide(cfg.disaggregate, call.prompt.est_tokens, cfg.short_prompt_tokens, costs, bool(cfg.disaggregate_codec), cfg.disaggregate_explore_every)
+            decision = decide(
+                cfg.disaggregate,
+                call.prompt.est_tokens,
+                cfg.short_prompt_tokens,
+                costs,
+                bool(cfg.disaggregate_codec),
+                cfg.disaggregate_explore_every,
+            )
             costs.decided += 1
             self.metrics.disaggregation.labels(decision.way, decision.reason).inc()
             if decision.reason == "short_prompt":
@@ -192,7 +219,9 @@ class Proxy:
             if transfer_id is not None and not done:
                 self._abandon(decode, transfer_id)
 
-    async def _prefill(self, call: _Call, decode: WorkerState, failures: list[str], codec: str | None = None) -> tuple[dict[str, Any] | None, str | None]:
+    async def _prefill(
+        self, call: _Call, decode: WorkerState, failures: list[str], codec: str | None = None
+    ) -> tuple[dict[str, Any] | None, str | None]:
         """The decode hop's ``kv_transfer_params`` and transfer id; (None, None): decode alone."""
         tried: list[WorkerState] = []
         last: UpstreamError | None = None
@@ -201,7 +230,9 @@ class Proxy:
             if prefill is None:
                 break
             transfer_id = f"{call.request_id}-{next(self._transfer_ids)}"
-            params = await self.mode.prefill_params(self.pool, decode, transfer_id)  # an UpstreamError here is the decode worker's
+            params = await self.mode.prefill_params(
+                self.pool, decode, transfer_id
+            )  # an UpstreamError here is the decode worker's
             if codec:
                 params["codec"] = codec  # P encodes this request's chunks with it (its transfer.codec)
             done = False
@@ -238,13 +269,17 @@ class Proxy:
         try:
             answer = json.loads(data)
         except ValueError:
-            raise UpstreamError(f"prefill worker {prefill.url} answered with invalid JSON: {data[:200]!r}", "bad_answer") from None
+            raise UpstreamError(
+                f"prefill worker {prefill.url} answered with invalid JSON: {data[:200]!r}", "bad_answer"
+            ) from None
         self.metrics.hop.labels("prefill").observe(time.monotonic() - started)
         return answer
 
     async def _decode(self, call: _Call, decode: WorkerState, params: dict[str, Any] | None) -> web.StreamResponse:
         sock_read = self.config.read_timeout_s if call.stream else None  # a whole answer comes at once: total bounds it
-        timeout = aiohttp.ClientTimeout(total=self.config.decode_timeout_s, sock_connect=self.config.connect_timeout_s, sock_read=sock_read)
+        timeout = aiohttp.ClientTimeout(
+            total=self.config.decode_timeout_s, sock_connect=self.config.connect_timeout_s, sock_read=sock_read
+        )
         started = time.monotonic()
         async with self._post(decode, "decode", call, decode_body(call.body, params), timeout) as resp:
             if resp.status == 200 and call.stream:
@@ -269,7 +304,9 @@ class Proxy:
         async with contextlib.aclosing(_sse_events(resp.content)) as events:
             first = await self._next_event(decode, events, abandon=True)
             if first is None:
-                raise UpstreamError(f"decode worker {decode.url} ended its stream before the first event", "empty_stream")
+                raise UpstreamError(
+                    f"decode worker {decode.url} ended its stream before the first event", "empty_stream"
+                )
             out = sse_response()
             try:
                 await out.prepare(call.http)
@@ -291,7 +328,11 @@ class Proxy:
                 await out.write_eof()
             except ConnectionResetError:
                 call.outcome = "cancelled"
-                log.info("request %s: the client disconnected mid-stream; closing the stream from decode worker %s", call.request_id, decode.url)
+                log.info(
+                    "request %s: the client disconnected mid-stream; closing the stream from decode worker %s",
+                    call.request_id,
+                    decode.url,
+                )
         return out
 
     async def _next_event(self, decode: WorkerState, events: AsyncIterator[bytes], abandon: bool) -> bytes | None:
@@ -317,7 +358,9 @@ class Proxy:
         self.metrics.decisions.labels(self.policy.name, role, reason).inc()
         return worker
 
-    def _next_try(self, role: Role, prompt: Prompt, tried: list[WorkerState], last: UpstreamError | None) -> WorkerState | None:
+    def _next_try(
+        self, role: Role, prompt: Prompt, tried: list[WorkerState], last: UpstreamError | None
+    ) -> WorkerState | None:
         """The next worker of ``role`` to try for a hop (None: none is left), added to ``tried``; a retry is
         counted under the failure (``last``) that caused it."""
         worker = self._pick(role, prompt, tried)
@@ -335,10 +378,16 @@ class Proxy:
             self.pool.mark_down(worker, str(exc))
 
     @contextlib.asynccontextmanager
-    async def _post(self, worker: WorkerState, hop: str, call: _Call, body: dict[str, Any], timeout: aiohttp.ClientTimeout) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def _post(
+        self, worker: WorkerState, hop: str, call: _Call, body: dict[str, Any], timeout: aiohttp.ClientTimeout
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
         """POST one hop; the response is released (its connection closed if unread) on exit."""
         self.metrics.picks.labels(hop, worker.url).inc()
-        resp = await self._guard(worker, hop, self.pool.session.post(worker.url + call.path, json=body, headers=call.headers, timeout=timeout))
+        resp = await self._guard(
+            worker,
+            hop,
+            self.pool.session.post(worker.url + call.path, json=body, headers=call.headers, timeout=timeout),
+        )
         async with resp:
             yield resp
 
@@ -383,7 +432,11 @@ class Proxy:
             uncancel = getattr(task, "uncancel", None)
             if not state["fired"] or (uncancel is not None and uncancel() > 0):
                 raise
-            raise UpstreamError(f"{hop} worker {worker.url} was marked down while this hop waited on it: {down.result()}", "unhealthy", worker_down=True) from None
+            raise UpstreamError(
+                f"{hop} worker {worker.url} was marked down while this hop waited on it: {down.result()}",
+                "unhealthy",
+                worker_down=True,
+            ) from None
         finally:
             state["waiting"] = False
             down.remove_done_callback(abort)
@@ -415,9 +468,13 @@ async def _result(worker: WorkerState, hop: str, step: Awaitable[T]) -> T:
     except TimeoutError as exc:
         raise UpstreamError(f"{hop} worker {worker.url} timed out ({describe(exc)})", "timeout") from exc
     except aiohttp.ClientConnectorError as exc:
-        raise UpstreamError(f"{hop} worker {worker.url} is unreachable: {describe(exc)}", "connect", worker_down=True) from exc
+        raise UpstreamError(
+            f"{hop} worker {worker.url} is unreachable: {describe(exc)}", "connect", worker_down=True
+        ) from exc
     except aiohttp.ClientError as exc:
-        raise UpstreamError(f"{hop} worker {worker.url} dropped the connection: {describe(exc)}", "disconnected", worker_down=True) from exc
+        raise UpstreamError(
+            f"{hop} worker {worker.url} dropped the connection: {describe(exc)}", "disconnected", worker_down=True
+        ) from exc
 
 
 def _check_status(worker: WorkerState, hop: str, resp: aiohttp.ClientResponse, data: bytes) -> None:
@@ -446,4 +503,3 @@ async def _sse_events(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
             buf = buf[end + 2 :]
     if buf:
         yield buf
-

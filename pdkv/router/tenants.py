@@ -72,24 +72,31 @@ def tenant_salt(secret: str, name: str) -> str:
 
 def client_salt(tenant: str, given: str) -> str:
     """A client's ``cache_salt`` folded into its tenant's salt: a partition inside the tenant's, none outside."""
-    return hmac.new(tenant.encode(), b"pdkv/client-salt/" + given.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()
+    return hmac.new(
+        tenant.encode(), b"pdkv/client-salt/" + given.encode("utf-8", "surrogatepass"), hashlib.sha256
+    ).hexdigest()
 
 
 class Tenants:
-    """The configured tenants, their keys and salts, and the middleware that admits requests; see the module docstring."""
+    """The configured tenants, their keys and salts, and the middleware that admits requests; see the module
+    docstring."""
 
     def __init__(self, config: RouterConfig, secret: str) -> None:
         salt_secret = config.tenant_salt_secret or secret
         self.tenants = {
-            t.name: Tenant(t.name, tenant_salt(salt_secret, t.name), t.max_concurrent_requests, t.max_tokens) for t in config.tenants
+            t.name: Tenant(t.name, tenant_salt(salt_secret, t.name), t.max_concurrent_requests, t.max_tokens)
+            for t in config.tenants
         }
-        self._digests = [(t.key_digest(), self.tenants[t.name]) for t in config.tenants if t.api_key or t.api_key_sha256]
+        self._digests = [
+            (t.key_digest(), self.tenants[t.name]) for t in config.tenants if t.api_key or t.api_key_sha256
+        ]
         self.header = config.tenant_header
         self._gateways = [ipaddress.ip_network(net, strict=False) for net in config.tenant_header_from]
 
     @classmethod
     def of(cls, config: RouterConfig, secret: str) -> Tenants | None:
-        """The router's tenants, or None when ``router.tenants`` is empty (no authentication, salts as clients send them)."""
+        """The router's tenants, or None when ``router.tenants`` is empty (no authentication, salts as clients
+        send them)."""
         return cls(config, secret) if config.tenants else None
 
     def authenticate(self, http: web.Request) -> Tenant:
@@ -97,10 +104,18 @@ class Tenants:
         if self.header and self.header in http.headers:
             peer = _peer(http)
             if peer is None or not any(peer in net for net in self._gateways):
-                raise RequestError(f"the {self.header} header is taken only from the trusted gateway (router.tenant_header_from), not from {peer}", 403)
+                raise RequestError(
+                    f"the {self.header} header is taken only from the trusted gateway (router.tenant_header_from), not "
+                    f"from {peer}",
+                    403,
+                )
             tenant = self.tenants.get(http.headers[self.header])
             if tenant is None:
-                raise RequestError(f"the gateway named a tenant the router does not know ({self.header}: {http.headers[self.header]!r:.80})", 401)
+                raise RequestError(
+                    f"the gateway named a tenant the router does not know ({self.header}: "
+                    f"{http.headers[self.header]!r:.80})",
+                    401,
+                )
             return tenant
         scheme, _, key = http.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
@@ -114,7 +129,9 @@ class Tenants:
             raise RequestError("the API key is not valid for this router", 401)
         return found
 
-    def middleware(self, guarded: Callable[[web.Request], bool]) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    def middleware(
+        self, guarded: Callable[[web.Request], bool]
+    ) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
         """Admit the requests ``guarded`` holds for (their tenant in ``http[TENANT_KEY]``), within their tenant's
         concurrency bound; answer the rest's failures before their body is read."""
 
@@ -130,7 +147,11 @@ class Tenants:
                     resp.headers["WWW-Authenticate"] = 'Bearer realm="pdkv"'
                 return resp
             if tenant.max_concurrent_requests and tenant.inflight >= tenant.max_concurrent_requests:
-                return error_response(429, f"tenant {tenant.name!r} has {tenant.inflight} requests in flight, its bound (router.tenants max_concurrent_requests)")
+                return error_response(
+                    429,
+                    f"tenant {tenant.name!r} has {tenant.inflight} requests in flight, its bound (router.tenants "
+                    "max_concurrent_requests)",
+                )
             http[TENANT_KEY] = tenant
             tenant.inflight += 1
             try:
@@ -146,13 +167,21 @@ class Tenants:
         tenant: Tenant = http[TENANT_KEY]
         given = body.get("cache_salt")
         if given is not None and not (isinstance(given, str) and 0 < len(given) <= MAX_SALT_CHARS):
-            raise RequestError(f"'cache_salt' must be a non-empty string of at most {MAX_SALT_CHARS} characters if provided, got {given!r:.80}", param="cache_salt")
+            raise RequestError(
+                f"'cache_salt' must be a non-empty string of at most {MAX_SALT_CHARS} characters if provided, got "
+                f"{given!r:.80}",
+                param="cache_salt",
+            )
         salt = body["cache_salt"] = client_salt(tenant.salt, given) if given else tenant.salt
         if tenant.max_tokens:
             asked = [body[f] for f in _MAX_TOKEN_FIELDS if body.get(f) is not None]
             for value in asked:
                 if not isinstance(value, int) or isinstance(value, bool) or value > tenant.max_tokens:
-                    raise RequestError(f"tenant {tenant.name!r} may generate at most {tenant.max_tokens} tokens per request, got {value!r:.40}", param="max_tokens")
+                    raise RequestError(
+                        f"tenant {tenant.name!r} may generate at most {tenant.max_tokens} tokens per request, got "
+                        f"{value!r:.40}",
+                        param="max_tokens",
+                    )
             if not asked:
                 body["max_tokens"] = tenant.max_tokens
         return salt

@@ -18,15 +18,21 @@ from typing import Any
 from pdkv.errors import PdkvError
 
 
-def post_json(url: str, body: dict[str, Any], timeout: float = 300.0, headers: dict[str, str] | None = None) -> dict[str, Any]:
+def post_json(
+    url: str, body: dict[str, Any], timeout: float = 300.0, headers: dict[str, str] | None = None
+) -> dict[str, Any]:
     """POST a JSON body (with ``headers`` besides its content type), return the JSON answer; an HTTP error status
     raises ``urllib.error.HTTPError``."""
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
-def request(method: str, url: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 60.0) -> tuple[int, bytes]:
+def request(
+    method: str, url: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 60.0
+) -> tuple[int, bytes]:
     """One HTTP call that returns the status and body of any answer, an error status included.
 
     ``body``: bytes go out exactly as given (malformed input is a test's point),
@@ -37,7 +43,12 @@ def request(method: str, url: str, body: Any = None, headers: dict[str, str] | N
     data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
     conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=timeout)
     try:
-        conn.request(method, parts.path + (f"?{parts.query}" if parts.query else ""), data, {"Content-Type": "application/json", **(headers or {})})
+        conn.request(
+            method,
+            parts.path + (f"?{parts.query}" if parts.query else ""),
+            data,
+            {"Content-Type": "application/json", **(headers or {})},
+        )
         resp = conn.getresponse()
         return resp.status, resp.read()
     finally:
@@ -51,8 +62,11 @@ def get_text(url: str, timeout: float = 30.0) -> str:
 
 
 def stream_events(url: str, body: dict[str, Any], timeout: float = 300.0) -> Iterator[dict[str, Any]]:
-    """POST ``body`` with ``stream`` on and yield each server-sent event's JSON; an in-band error raises ``PdkvError``."""
-    req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"})
+    """POST ``body`` with ``stream`` on and yield each server-sent event's JSON; an in-band error raises
+    ``PdkvError``."""
+    req = urllib.request.Request(
+        url, json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         for raw in resp:
             line = raw.decode().strip()

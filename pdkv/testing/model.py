@@ -30,12 +30,14 @@ from pdkv.modelfiles.tokenizer import Tokenizer
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' "
+    "}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 _CORPUS = (
     "The quick brown fox jumps over the lazy dog. Prefill computes the prompt; decode generates one token at a time. "
-    "Paris is the capital of France, Berlin of Germany and Rome of Italy. 0123456789 numbers, tokens, blocks and layers. "
+    "Paris is the capital of France, Berlin of Germany and Rome of Italy. 0123456789 numbers, tokens, blocks and "
+    "layers. "
     "A key-value cache moves from the prefill worker to the decode worker, chunk by chunk, over a channel."
 )
 
@@ -67,7 +69,12 @@ def tiny_tokenizer(vocab_size: int = 320) -> Tokenizer:
     backend = tokenizers.Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     backend.train_from_iterator([_CORPUS], trainer=trainer)
     return Tokenizer(backend, chat_template=CHATML_TEMPLATE, bos_token=SPECIAL_TOKENS[1], eos_token=SPECIAL_TOKENS[2])
 
@@ -80,7 +87,12 @@ def random_checkpoint(config: ModelConfig | None = None, seed: int = 0, init_std
     for name, shape in expected_shapes(config).items():
         noise = torch.randn(shape, generator=gen) * init_std
         tensors[name] = noise + 1.0 if name.endswith("norm.weight") else noise
-    return Checkpoint(name=f"tiny-{config.model_type}-{seed}", config=config, tensors=tensors, tokenizer=tiny_tokenizer(config.vocab_size))
+    return Checkpoint(
+        name=f"tiny-{config.model_type}-{seed}",
+        config=config,
+        tensors=tensors,
+        tokenizer=tiny_tokenizer(config.vocab_size),
+    )
 
 
 def write_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **overrides: Any) -> Path:

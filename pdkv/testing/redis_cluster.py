@@ -110,9 +110,29 @@ def _start_node(binary: str, workdir: Path, node_timeout_ms: int, timeout: float
         home = workdir / str(port)
         home.mkdir()
         args = [
-            binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(home),
-            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(node_timeout_ms),
-            "--cluster-require-full-coverage", "no", "--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru",
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(home),
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+            "--cluster-node-timeout",
+            str(node_timeout_ms),
+            "--cluster-require-full-coverage",
+            "no",
+            "--maxmemory",
+            "256mb",
+            "--maxmemory-policy",
+            "allkeys-lru",
         ]
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
@@ -121,21 +141,31 @@ def _start_node(binary: str, workdir: Path, node_timeout_ms: int, timeout: float
         if proc.poll() is None and answers(port):
             return LocalRedis(proc, port)
         LocalRedis(proc, port).stop()
-    raise PdkvError(f"{binary} --cluster-enabled yes did not start on a free loopback port within {timeout:.0f}s (3 attempts)")
+    raise PdkvError(
+        f"{binary} --cluster-enabled yes did not start on a free loopback port within {timeout:.0f}s (3 attempts)"
+    )
 
 
 def _create_with_cli(cli: str, cluster: LocalCluster, timeout: float) -> None:
     hosts = [f"127.0.0.1:{n.port}" for n in cluster.nodes]
-    out = subprocess.run([cli, "--cluster", "create", *hosts, "--cluster-replicas", str(cluster.replicas), "--cluster-yes"], capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [cli, "--cluster", "create", *hosts, "--cluster-replicas", str(cluster.replicas), "--cluster-yes"],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if out.returncode != 0:
         raise PdkvError(f"{cli} --cluster create failed (exit {out.returncode}): {(out.stdout + out.stderr)[-1000:]}")
 
 
 def _create_with_commands(cluster: LocalCluster, primaries: int) -> None:
-    """What ``redis-cli --cluster create`` does: slots split evenly over the primaries, everyone met, replicas attached."""
+    """What ``redis-cli --cluster create`` does: slots split evenly over the primaries, everyone met, replicas
+    attached."""
     heads, tails = cluster.nodes[:primaries], cluster.nodes[primaries:]
     for i, node in enumerate(heads):
-        cluster.client(node.port).execute_command("CLUSTER", "ADDSLOTS", *range(i * SLOTS // primaries, (i + 1) * SLOTS // primaries))
+        cluster.client(node.port).execute_command(
+            "CLUSTER", "ADDSLOTS", *range(i * SLOTS // primaries, (i + 1) * SLOTS // primaries)
+        )
     first = cluster.client(heads[0].port)
     for node in cluster.nodes[1:]:
         first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
@@ -154,8 +184,11 @@ def _create_with_commands(cluster: LocalCluster, primaries: int) -> None:
 
 
 @contextlib.contextmanager
-def local_redis_cluster(primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000, timeout: float = 30.0, use_cli: bool = True) -> Iterator[LocalCluster]:
-    """``primaries`` primaries with ``replicas`` replicas each, formed and ``cluster_state:ok``, for the ``with`` block."""
+def local_redis_cluster(
+    primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 1000, timeout: float = 30.0, use_cli: bool = True
+) -> Iterator[LocalCluster]:
+    """``primaries`` primaries with ``replicas`` replicas each, formed and ``cluster_state:ok``, for the ``with``
+    block."""
     binary = server_binary()
     if binary is None:
         raise ConfigError(f"no redis-server or valkey-server on PATH; install one: {INSTALL_HINT}")

@@ -1,4 +1,5 @@
-"""Throwaway certificate authorities and agent certificates for TLS tests and benchmarks (``cryptography``, in the ``dev`` extra).
+"""Throwaway certificate authorities and agent certificates for TLS tests and benchmarks (``cryptography``, in the
+``dev`` extra).
 
 A test needs a CA per deployment (so that one deployment's certificates are
 refused by another's) and a certificate per agent signed by it, made at run
@@ -42,7 +43,9 @@ def _name(common: str) -> Any:
 
 
 def _write_key(key: Any, path: Path) -> None:
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     path.chmod(0o600)
 
 
@@ -58,14 +61,18 @@ class CertificateAuthority:
         self._key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         self._cert = (
-            x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name)).public_key(self._key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            x509.CertificateBuilder()
+            .subject_name(_name(name))
+            .issuer_name(_name(name))
+            .public_key(self._key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
             .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False, False), critical=True)
             .add_extension(x509.SubjectKeyIdentifier.from_public_key(self._key.public_key()), critical=False)
             .sign(self._key, hashes.SHA256())
-        )  # fmt: skip
+        )
         self.ca = directory / f"{name}.pem"
         self.ca.write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
 
@@ -74,15 +81,31 @@ class CertificateAuthority:
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         cert = (
-            x509.CertificateBuilder().subject_name(_name(agent)).issuer_name(self._cert.subject).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            x509.CertificateBuilder()
+            .subject_name(_name(agent))
+            .issuer_name(self._cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
             .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .add_extension(
+                x509.SubjectAlternativeName(
+                    [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                ),
+                critical=False,
+            )
+            .add_extension(
+                x509.ExtendedKeyUsage(
+                    [x509.oid.ExtendedKeyUsageOID.SERVER_AUTH, x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]
+                ),
+                critical=False,
+            )
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()), critical=False)
             .sign(self._key, hashes.SHA256())
-        )  # fmt: skip
-        files = TlsFiles(self.directory / f"{self.name}-{agent}.pem", self.directory / f"{self.name}-{agent}.key", self.ca)
+        )
+        files = TlsFiles(
+            self.directory / f"{self.name}-{agent}.pem", self.directory / f"{self.name}-{agent}.key", self.ca
+        )
         files.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         _write_key(key, files.key)
         return files

@@ -74,13 +74,29 @@ class ChunkHeader:
     def of(cls, layout: KVLayout, key: bytes, chunk: torch.Tensor, sealed: bool = False) -> ChunkHeader:
         """The header of ``chunk`` (a canonical chunk of ``layout``) stored under ``key``."""
         return cls(
-            key, chunk.shape[2], layout.num_layers, layout.kv_factor, layout.num_kv_heads, layout.head_dim, _DTYPE_CODES[layout.dtype],
-            checksum([byte_view(chunk)]), sealed,
-        )  # fmt: skip
+            key,
+            chunk.shape[2],
+            layout.num_layers,
+            layout.kv_factor,
+            layout.num_kv_heads,
+            layout.head_dim,
+            _DTYPE_CODES[layout.dtype],
+            checksum([byte_view(chunk)]),
+            sealed,
+        )
 
     def encode(self) -> bytes:
         return _HEADER.pack(
-            MAGIC, self.key, self.num_tokens, self.num_layers, self.kv_factor, self.num_kv_heads, self.head_dim, self.dtype_code, self.checksum, self.sealed
+            MAGIC,
+            self.key,
+            self.num_tokens,
+            self.num_layers,
+            self.kv_factor,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype_code,
+            self.checksum,
+            self.sealed,
         )
 
     @classmethod
@@ -95,11 +111,20 @@ class ChunkHeader:
         """Why this value cannot be served for ``key`` as ``num_tokens`` tokens of ``layout``; None when it can."""
         if self.key != key:
             return f"stored under another key ({self.key.hex()})"
-        expected = (num_tokens, layout.num_layers, layout.kv_factor, layout.num_kv_heads, layout.head_dim, _DTYPE_CODES[layout.dtype])
+        expected = (
+            num_tokens,
+            layout.num_layers,
+            layout.kv_factor,
+            layout.num_kv_heads,
+            layout.head_dim,
+            _DTYPE_CODES[layout.dtype],
+        )
         found = (self.num_tokens, self.num_layers, self.kv_factor, self.num_kv_heads, self.head_dim, self.dtype_code)
         if found != expected:
             names = ("tokens", "layers", "kv", "kv_heads", "head_dim", "dtype code")
-            return "shape differs: " + ", ".join(f"{n} {f} (expected {e})" for n, f, e in zip(names, found, expected, strict=True) if f != e)
+            return "shape differs: " + ", ".join(
+                f"{n} {f} (expected {e})" for n, f, e in zip(names, found, expected, strict=True) if f != e
+            )
         return None
 
 
@@ -123,13 +148,18 @@ class Rejection(NamedTuple):
     detail: str
 
 
-def read_value(layout: KVLayout, key: bytes, value: bytes | memoryview, out: torch.Tensor, secret: bytes = b"") -> Rejection | None:
-    """Copy a stored value into ``out`` after checking it (header, size, with ``secret`` its seal, checksum); why it was refused, or None."""
+def read_value(
+    layout: KVLayout, key: bytes, value: bytes | memoryview, out: torch.Tensor, secret: bytes = b""
+) -> Rejection | None:
+    """Copy a stored value into ``out`` after checking it (header, size, with ``secret`` its seal, checksum); why it
+    was refused, or None."""
     header = ChunkHeader.decode(value)
     if header is None:
         start = bytes(memoryview(value)[:8])
         if start.startswith(_MAGIC_FAMILY):
-            return Rejection("format", f"value format {start.decode(errors='replace')}, this pdkv reads {MAGIC.decode()}")
+            return Rejection(
+                "format", f"value format {start.decode(errors='replace')}, this pdkv reads {MAGIC.decode()}"
+            )
         return Rejection("format", "not a pdkv chunk (bad or missing header)")
     reason = header.mismatch(layout, key, out.shape[2])
     if reason is not None:
@@ -138,11 +168,17 @@ def read_value(layout: KVLayout, key: bytes, value: bytes | memoryview, out: tor
     dest = byte_view(out)
     end = HEADER_BYTES + len(dest)
     if len(view) != end + (TAG_BYTES if header.sealed else 0):
-        return Rejection("size", f"{len(view)} bytes, expected {end + (TAG_BYTES if header.sealed else 0)} (header, payload{', tag' if header.sealed else ''})")
+        return Rejection(
+            "size",
+            f"{len(view)} bytes, expected {end + (TAG_BYTES if header.sealed else 0)} (header, "
+            f"payload{', tag' if header.sealed else ''})",
+        )
     if secret and not header.sealed:
         return Rejection("mac", "not sealed: written without the tier secret")
     if secret and not hmac.compare_digest(_tag(secret, view[:end]), view[end:]):
-        return Rejection("mac", "the seal does not check out: written by someone without the tier secret, or under another key")
+        return Rejection(
+            "mac", "the seal does not check out: written by someone without the tier secret, or under another key"
+        )
     payload = view[HEADER_BYTES:end]
     if checksum([payload]) != header.checksum:
         return Rejection("checksum", "checksum mismatch")
@@ -203,7 +239,8 @@ class CacheTier(abc.ABC):
 
     @abc.abstractmethod
     def get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], parent: bytes | None = None) -> int:
-        """Fill ``outs[i]`` (canonical chunks, shaped for the tokens expected) for the longest leading run of keys; return its length.
+        """Fill ``outs[i]`` (canonical chunks, shaped for the tokens expected) for the longest leading run of
+        keys; return its length.
 
         ``keys`` are consecutive chunks of one prompt; ``parent``, when given,
         is the key of the chunk before ``keys[0]`` (a caller reading a prompt
@@ -270,7 +307,10 @@ class LeafTier(CacheTier):
         got = self._get(keys, outs)
         served = outs[:got]
         self._count(
-            hits=got, misses=int(got < len(keys)), hit_tokens=sum(o.shape[2] for o in served), read_bytes=sum(o.numel() * o.element_size() for o in served)
+            hits=got,
+            misses=int(got < len(keys)),
+            hit_tokens=sum(o.shape[2] for o in served),
+            read_bytes=sum(o.numel() * o.element_size() for o in served),
         )
         return got
 
@@ -278,8 +318,15 @@ class LeafTier(CacheTier):
         self._check(keys, chunks, "chunk to store")
         if parents is None:
             parents = [None] * len(keys)
-        elif isinstance(parents, bytes | str) or len(parents) != len(keys) or any(p is not None and (not isinstance(p, bytes) or len(p) != KEY_BYTES) for p in parents):
-            raise LayoutError(f"{self.name} tier: parents must be one {KEY_BYTES}-byte key (or None) per key stored; got {len(parents)} for {len(keys)} keys")
+        elif (
+            isinstance(parents, bytes | str)
+            or len(parents) != len(keys)
+            or any(p is not None and (not isinstance(p, bytes) or len(p) != KEY_BYTES) for p in parents)
+        ):
+            raise LayoutError(
+                f"{self.name} tier: parents must be one {KEY_BYTES}-byte key (or None) per key stored; got "
+                f"{len(parents)} for {len(keys)} keys"
+            )
         if keys:
             self._put(keys, chunks, parents)
 
@@ -295,7 +342,8 @@ class LeafTier(CacheTier):
 
     @abc.abstractmethod
     def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Sequence[bytes | None]) -> None:
-        """``put`` after validation (``parents`` has one entry per key); counts ``written_bytes`` and ``evictions`` itself."""
+        """``put`` after validation (``parents`` has one entry per key); counts ``written_bytes`` and
+        ``evictions`` itself."""
 
     def _resident(self) -> tuple[int | None, int | None]:
         """(entries, bytes) held now; None where unknown."""
@@ -315,7 +363,9 @@ class LeafTier(CacheTier):
             raise LayoutError(f"{self.name} tier: {len(keys)} keys but {len(tensors)} chunks; pass one chunk per key")
         for key in keys:
             if len(key) != KEY_BYTES:
-                raise LayoutError(f"{self.name} tier: a chunk key is {KEY_BYTES} bytes (pdkv.keys.chunk_keys), got {len(key)}")
+                raise LayoutError(
+                    f"{self.name} tier: a chunk key is {KEY_BYTES} bytes (pdkv.keys.chunk_keys), got {len(key)}"
+                )
         for t in tensors:
             check_chunk(self.layout, t, f"{self.name} tier {what}")
             if not t.is_contiguous() or t.device.type != "cpu":

@@ -46,20 +46,33 @@ _TMP = ".tmp-"
 
 
 class DiskTier(LeafTier):
-    def __init__(self, layout: KVLayout, path: str | os.PathLike[str], capacity_bytes: int, policy: str = "lru", name: str = "disk") -> None:
+    def __init__(
+        self,
+        layout: KVLayout,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        policy: str = "lru",
+        name: str = "disk",
+    ) -> None:
         super().__init__(layout, name, capacity_bytes)
-        self._policy: EvictionPolicy = make_policy(policy, capacity_bytes)  # first: a bad name fails before the directory is locked
+        self._policy: EvictionPolicy = make_policy(
+            policy, capacity_bytes
+        )  # first: a bad name fails before the directory is locked
         self.root = Path(path)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self._lock_file = open(self.root / ".lock", "a+")  # noqa: SIM115 - held open until close()
         except OSError as exc:
-            raise ConfigError(f"tier.disk_path {str(path)!r} cannot be used: {exc.strerror}; give a writable directory") from None
+            raise ConfigError(
+                f"tier.disk_path {str(path)!r} cannot be used: {exc.strerror}; give a writable directory"
+            ) from None
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             self._lock_file.close()
-            raise ConfigError(f"tier.disk_path {str(path)!r} is in use by another pdkv process; give each worker its own directory") from None
+            raise ConfigError(
+                f"tier.disk_path {str(path)!r} is in use by another pdkv process; give each worker its own directory"
+            ) from None
         self._lock = threading.Lock()
         self._scan()
 
@@ -128,7 +141,11 @@ class DiskTier(LeafTier):
         try:
             with open(self._path(key), "rb") as f:
                 header = ChunkHeader.decode(f.read(HEADER_BYTES))
-                reason = "not a pdkv chunk (bad or missing header)" if header is None else header.mismatch(self.layout, key, out.shape[2])
+                reason = (
+                    "not a pdkv chunk (bad or missing header)"
+                    if header is None
+                    else header.mismatch(self.layout, key, out.shape[2])
+                )
                 if reason is None:
                     assert header is not None
                     got = f.readinto(dest)
@@ -143,7 +160,9 @@ class DiskTier(LeafTier):
         except OSError as exc:
             reason = f"read failed: {exc}"
         if reason is not None:
-            log.warning("disk tier %s: chunk %s is unusable (%s); deleted, it will be recomputed", self.root, key.hex(), reason)
+            log.warning(
+                "disk tier %s: chunk %s is unusable (%s); deleted, it will be recomputed", self.root, key.hex(), reason
+            )
             self._count(errors=1)
             with self._lock:
                 self._drop(key)

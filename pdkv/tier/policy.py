@@ -53,7 +53,8 @@ class EvictionPolicy(abc.ABC):
     def __len__(self) -> int: ...
 
     def admit(self, key: bytes, nbytes: int, parent: bytes | None = None) -> list[bytes] | None:
-        """Add ``key`` (not present) whose prompt's previous chunk is ``parent``; return the keys evicted to make room, or None (nothing changed) when it can never fit."""
+        """Add ``key`` (not present) whose prompt's previous chunk is ``parent``; return the keys evicted to
+        make room, or None (nothing changed) when it can never fit."""
         if nbytes > self.capacity:
             return None
         victims = []
@@ -229,7 +230,9 @@ class PrefixAware(EvictionPolicy):
         super().__init__(capacity_bytes)
         self._size: dict[bytes, int] = {}  # the cached keys
         self._parent: dict[bytes, bytes] = {}  # cached or detached key -> the key it is linked under
-        self._children: dict[bytes, int] = {}  # cached or detached key -> how many keys are linked under it (absent: none)
+        self._children: dict[
+            bytes, int
+        ] = {}  # cached or detached key -> how many keys are linked under it (absent: none)
         self._uses: dict[bytes, int] = {}  # cached or detached key -> stores and reads
         self._last: dict[bytes, int] = {}  # cached or detached key -> clock of its last store or read
         self._priority: dict[bytes, float] = {}  # cached key -> its rank: the lowest leaf goes first
@@ -300,7 +303,9 @@ class PrefixAware(EvictionPolicy):
     def _rank(self, key: bytes) -> None:
         """Set ``key``'s priority; a leaf enters the heap with it (its older entries go stale)."""
         uses = self._uses[key]
-        priority = self._priority[key] = self._last[key] + self.stretch * (self._LOG2[uses] if uses < 64 else math.log2(uses))
+        priority = self._priority[key] = self._last[key] + self.stretch * (
+            self._LOG2[uses] if uses < 64 else math.log2(uses)
+        )
         if key not in self._children:
             heapq.heappush(self._leaves, (priority, key))
             if len(self._leaves) > 2 * len(self._size) + 64:  # drop stale entries; amortized O(1)

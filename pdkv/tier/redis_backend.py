@@ -36,7 +36,10 @@ log = logging.getLogger(__name__)
 
 FAILED: Any = object()  # a key's result when its server could not be asked
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
-URL_FORMS = "redis://HOST:PORT/DB, rediss://..., unix:///PATH, or redis+cluster://HOST:PORT[,HOST:PORT...] (rediss+cluster:// for TLS)"
+URL_FORMS = (
+    "redis://HOST:PORT/DB, rediss://..., unix:///PATH, or redis+cluster://HOST:PORT[,HOST:PORT...] "
+    "(rediss+cluster:// for TLS)"
+)
 _REFRESH_S = 1.0
 
 Build = Callable[[Any, int], None]  # adds the command for key i to a pipeline
@@ -78,7 +81,14 @@ class _Backoff:
             first = target not in self._until
             self._until[target] = time.monotonic() + self.retry_s
         if first:
-            log.warning("redis tier %s: %s on %s failed (%s); serving misses and skipping it for %.0fs", self.url, what, target, exc, self.retry_s)
+            log.warning(
+                "redis tier %s: %s on %s failed (%s); serving misses and skipping it for %.0fs",
+                self.url,
+                what,
+                target,
+                exc,
+                self.retry_s,
+            )
 
 
 class Single:
@@ -125,9 +135,16 @@ def parse_cluster_url(url: str) -> dict[str, Any]:
             raise ConfigError(f"tier.redis_url {url!r}: {item!r} is not HOST:PORT; expected {URL_FORMS}")
         seeds.append((host, int(port)))
     if parts.path not in ("", "/", "/0") or parts.query:
-        raise ConfigError(f"tier.redis_url {url!r}: a cluster has only database 0 and takes no options; expected {URL_FORMS}")
+        raise ConfigError(
+            f"tier.redis_url {url!r}: a cluster has only database 0 and takes no options; expected {URL_FORMS}"
+        )
     user, _, password = auth.partition(":")
-    return {"seeds": seeds, "username": unquote(user) or None, "password": unquote(password) or None, "ssl": parts.scheme == "rediss+cluster"}
+    return {
+        "seeds": seeds,
+        "username": unquote(user) or None,
+        "password": unquote(password) or None,
+        "ssl": parts.scheme == "rediss+cluster",
+    }
 
 
 class Cluster:
@@ -152,8 +169,12 @@ class Cluster:
 
                 o = self._options
                 self._client = RedisCluster(
-                    startup_nodes=[ClusterNode(h, p) for h, p in o["seeds"]], username=o["username"], password=o["password"], ssl=o["ssl"],
-                    socket_timeout=self._timeouts[0], socket_connect_timeout=self._timeouts[1],
+                    startup_nodes=[ClusterNode(h, p) for h, p in o["seeds"]],
+                    username=o["username"],
+                    password=o["password"],
+                    ssl=o["ssl"],
+                    socket_timeout=self._timeouts[0],
+                    socket_connect_timeout=self._timeouts[1],
                     require_full_coverage=False,  # a primary down takes its own slots away, not the cluster's
                     retry=Retry(NoBackoff(), 0),  # a node that fails is skipped for retry_s: no retries here
                 )

@@ -111,7 +111,12 @@ class RedisTier(LeafTier):
             self._logged[key] = None
             if len(self._logged) > _LOGGED_KEYS:
                 self._logged.popitem(last=False)
-            log.warning("redis tier: chunk %s refused (%s: %s); deleted, it will be recomputed", self._name(key).decode(), reason, detail)
+            log.warning(
+                "redis tier: chunk %s refused (%s: %s); deleted, it will be recomputed",
+                self._name(key).decode(),
+                reason,
+                detail,
+            )
         self.remove([key])
 
     def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Sequence[bytes | None]) -> None:
@@ -119,8 +124,12 @@ class RedisTier(LeafTier):
         names = self._names(keys)
         values = [encode_value(self.layout, key, chunk, self._secret) for key, chunk in zip(keys, chunks, strict=True)]
         done = self._batch("set", names, lambda pipe, i: pipe.set(names[i], values[i], nx=True, px=self._ttl_ms))
-        self._count(written_bytes=sum(len(v) for v, stored in zip(values, done, strict=True) if stored and stored is not FAILED))
-        self._changed(stored=[k for k, stored in zip(keys, done, strict=True) if stored is not FAILED])  # stored now, or already there (NX)
+        self._count(
+            written_bytes=sum(len(v) for v, stored in zip(values, done, strict=True) if stored and stored is not FAILED)
+        )
+        self._changed(
+            stored=[k for k, stored in zip(keys, done, strict=True) if stored is not FAILED]
+        )  # stored now, or already there (NX)
 
     def remove(self, keys: Sequence[bytes]) -> int:
         names = self._names(keys)

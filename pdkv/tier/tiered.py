@@ -40,7 +40,9 @@ class _Write:
 class TieredCache(CacheTier):
     """``levels`` fastest first; a leading ``MemoryTier`` is written synchronously, the rest behind."""
 
-    def __init__(self, levels: Sequence[CacheTier], write_behind_bytes: int = 256 << 20, flush_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, levels: Sequence[CacheTier], write_behind_bytes: int = 256 << 20, flush_timeout_s: float = 10.0
+    ) -> None:
         if not levels:
             raise ConfigError("a tiered cache needs at least one level (memory, disk or redis)")
         self.levels = list(levels)
@@ -93,7 +95,9 @@ class TieredCache(CacheTier):
         below = self.levels
         parents = [None] * len(keys) if parents is None else parents
         if self._sync is not None:
-            fresh = [i for i, held in enumerate(self._sync.has(keys)) if not held]  # held ones were written behind before
+            fresh = [
+                i for i, held in enumerate(self._sync.has(keys)) if not held
+            ]  # held ones were written behind before
             keys, chunks, parents = [keys[i] for i in fresh], [chunks[i] for i in fresh], [parents[i] for i in fresh]
             self._sync.put(keys, chunks, parents)
             below = self.levels[1:]
@@ -110,14 +114,22 @@ class TieredCache(CacheTier):
         return merged
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write reached its levels; False if ``timeout`` (default ``flush_timeout_s``) ran out first."""
+        """Wait until every queued write reached its levels; False if ``timeout`` (default ``flush_timeout_s``)
+        ran out first."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._busy, self.flush_timeout_s if timeout is None else timeout)
+            return self._cond.wait_for(
+                lambda: not self._queue and not self._busy, self.flush_timeout_s if timeout is None else timeout
+            )
 
     def close(self) -> None:
-        """Finish queued writes (up to ``flush_timeout_s``; the rest are dropped), stop the writer, close every level."""
+        """Finish queued writes (up to ``flush_timeout_s``; the rest are dropped), stop the writer, close every
+        level."""
         if not self.flush():
-            log.warning("tier: %d bytes of queued writes not written within %.0fs; dropped", self.pending_bytes, self.flush_timeout_s)
+            log.warning(
+                "tier: %d bytes of queued writes not written within %.0fs; dropped",
+                self.pending_bytes,
+                self.flush_timeout_s,
+            )
         with self._cond:
             self._closing = True
             self._queue.clear()
@@ -134,7 +146,9 @@ class TieredCache(CacheTier):
             held = [a or b for a, b in zip(held, level.has(keys), strict=True)]
         return held
 
-    def _promote(self, served_by: int, keys: Sequence[bytes], pos: int, outs: Sequence[torch.Tensor], parent: bytes | None) -> None:
+    def _promote(
+        self, served_by: int, keys: Sequence[bytes], pos: int, outs: Sequence[torch.Tensor], parent: bytes | None
+    ) -> None:
         """Copy the chunks a lower level served for ``keys[pos:]`` into the levels above it (the caller keeps ``outs``),
         each under the key before it (``parent`` before ``keys[0]``)."""
         if served_by == 0:
@@ -148,7 +162,9 @@ class TieredCache(CacheTier):
             above = above[1:]
         self._enqueue(above, served, copies, parents)
 
-    def _enqueue(self, levels: list[CacheTier], keys: list[bytes], chunks: list[torch.Tensor], parents: list[bytes | None]) -> None:
+    def _enqueue(
+        self, levels: list[CacheTier], keys: list[bytes], chunks: list[torch.Tensor], parents: list[bytes | None]
+    ) -> None:
         if not levels or not keys:
             return
         nbytes = sum(c.numel() * c.element_size() for c in chunks)

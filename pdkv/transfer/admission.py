@@ -55,7 +55,12 @@ def admit(req: Reserve, view: ReceiverView) -> Grant | Refused:
     if view.reservations >= cfg.max_reservations:
         return Refused(tid, f"receiver holds its maximum of {cfg.max_reservations} reservations", retryable=True)
     if len(view.peer_blocks) >= cfg.max_reservations_per_peer:
-        return Refused(tid, f"you hold this receiver's per-peer maximum of {cfg.max_reservations_per_peer} reservations (max_reservations_per_peer)", retryable=True)
+        return Refused(
+            tid,
+            f"you hold this receiver's per-peer maximum of {cfg.max_reservations_per_peer} reservations "
+            "(max_reservations_per_peer)",
+            retryable=True,
+        )
     blocks = view.layout.blocks_for(req.num_tokens)
     peer_cap = int(cfg.max_peer_blocks_share * view.num_blocks)
     if cfg.max_peer_blocks_share < 1 and blocks + sum(view.peer_blocks) > peer_cap:
@@ -66,7 +71,12 @@ def admit(req: Reserve, view: ReceiverView) -> Grant | Refused:
             retryable=blocks <= peer_cap,
         )
     chunks = -(-req.num_tokens // cfg.chunk_size)
-    direct = view.kv_in_reach and view.peer_layout == view.layout and cfg.chunk_size % view.layout.block_size == 0 and req.codec == "none"
+    direct = (
+        view.kv_in_reach
+        and view.peer_layout == view.layout
+        and cfg.chunk_size % view.layout.block_size == 0
+        and req.codec == "none"
+    )
     slots = 0 if direct else min(cfg.slots_per_request, chunks)
     if slots > view.free_slots:
         return Refused(tid, f"no staging slots free ({view.free_slots} of {cfg.staging_slots})", retryable=True)

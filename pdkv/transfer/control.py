@@ -83,7 +83,9 @@ class ControlLoop:
         next_tick = time.monotonic() + self.tick_s
         while not self._stop.is_set():
             try:
-                timeout_ms = max(0, math.ceil((next_tick - time.monotonic()) * 1000))  # round() spun on 0 ms polls for the last half millisecond
+                timeout_ms = max(
+                    0, math.ceil((next_tick - time.monotonic()) * 1000)
+                )  # round() spun on 0 ms polls for the last half millisecond
                 for target, _ in self._poller.poll(timeout_ms):
                     handler = self._handlers.get(target)
                     if handler is not None:
@@ -122,7 +124,14 @@ def _decode(data: bytes, source: str, counters: Any) -> protocol.Message | Proto
 class RouterSocket:
     """The receiver's bound ROUTER: messages in with the sender's identity, replies out by identity."""
 
-    def __init__(self, loop: ControlLoop, host: str, port: int, on_message: Callable[[bytes, protocol.Message], None], counters: Any) -> None:
+    def __init__(
+        self,
+        loop: ControlLoop,
+        host: str,
+        port: int,
+        on_message: Callable[[bytes, protocol.Message], None],
+        counters: Any,
+    ) -> None:
         self._loop = loop
         self._on_message = on_message
         self._counters = counters
@@ -180,7 +189,8 @@ class RouterSocket:
 
 
 class DealerSockets:
-    """The sender's DEALERs, one per receiver, keyed by an object of the owner's (its peer record, hashable by identity).
+    """The sender's DEALERs, one per receiver, keyed by an object of the owner's (its peer record, hashable by
+    identity).
 
     Sockets are made, used and closed on the loop thread only; ``send`` and
     ``close_peer`` hand themselves over. ``on_lost(key, why)`` runs when a
@@ -271,8 +281,13 @@ class DealerSockets:
             if event == zmq.EVENT_CONNECTED:
                 self._connected.add(key)
             elif event == zmq.EVENT_DISCONNECTED:
-                why = f"lost the control connection to receiver {address} (it died or restarted, or the network dropped)"
+                why = (
+                    f"lost the control connection to receiver {address} (it died or restarted, or the network dropped)"
+                )
             elif event == zmq.EVENT_CONNECT_RETRIED and key not in self._connected:
-                why = f"cannot connect to receiver {address}: connection refused (is it running, and is this its address and control port?)"
+                why = (
+                    f"cannot connect to receiver {address}: connection refused (is it running, and is this its "
+                    "address and control port?)"
+                )
         if why:
             self._on_lost(key, why)

@@ -92,7 +92,13 @@ class SenderHandshake:
         close_peer: Callable[[ReceiverPeer], None],
     ) -> None:
         self.channel, self.config, self.secret, self.cond, self.counters = channel, config, secret, cond, counters
-        self._hello, self._send, self._transfers, self._on_drop, self._close_peer = hello, send, transfers, on_drop, close_peer
+        self._hello, self._send, self._transfers, self._on_drop, self._close_peer = (
+            hello,
+            send,
+            transfers,
+            on_drop,
+            close_peer,
+        )
         self.peers: dict[str, ReceiverPeer] = {}
 
     def connect(self, address: str) -> ReceiverPeer:
@@ -118,7 +124,9 @@ class SenderHandshake:
                 if not peer.agent:
                     self._retire_previous_run(peer, hello)
                     peer.agent = self.channel.add_peer(hello.channel_metadata)
-        self.channel.connect(peer.agent, timeout, peer.token)  # the data path too: an unreachable one fails here, loudly
+        self.channel.connect(
+            peer.agent, timeout, peer.token
+        )  # the data path too: an unreachable one fails here, loudly
         return peer
 
     def _retire_previous_run(self, peer: ReceiverPeer, hello: Hello) -> None:
@@ -129,17 +137,28 @@ class SenderHandshake:
         transfers fail first, and a write of theirs being posted right now (to the old run) is waited for.
         """
         stale = [
-            x for x in self._transfers()
-            if x.peer is not peer and x.peer.hello is not None and x.peer.hello.agent == hello.agent
+            x
+            for x in self._transfers()
+            if x.peer is not peer
+            and x.peer.hello is not None
+            and x.peer.hello.agent == hello.agent
             and x.peer.hello.channel_metadata != hello.channel_metadata
-        ]  # fmt: skip
+        ]
         for xfer in stale:
-            xfer.fail(TransferError(f"receiver {hello.agent!r} at {xfer.peer.address} restarted: transfer {xfer.transfer_id!r} was reserved on its previous run"))
+            xfer.fail(
+                TransferError(
+                    f"receiver {hello.agent!r} at {xfer.peer.address} restarted: transfer {xfer.transfer_id!r} was "
+                    "reserved on its previous run"
+                )
+            )
         deadline = time.monotonic() + self.config.handshake_timeout_s
         while any(x.posting for x in stale):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TransferTimeout(f"a write to the previous run of receiver {hello.agent!r} was still being posted after handshake_timeout_s={self.config.handshake_timeout_s:.3g}s")
+                raise TransferTimeout(
+                    f"a write to the previous run of receiver {hello.agent!r} was still being posted after "
+                    f"handshake_timeout_s={self.config.handshake_timeout_s:.3g}s"
+                )
             self.cond.wait(remaining)
 
     def drop(self, peer: ReceiverPeer, reason: str) -> None:
@@ -169,12 +188,15 @@ class SenderHandshake:
             protocol.check_compatible(self._hello(), msg)
             if self.config.codec not in msg.codecs:
                 raise HandshakeError(
-                    f"receiver {peer.address} cannot decode transfer.codec {self.config.codec!r}: it offers {', '.join(msg.codecs) or 'none'} "
+                    f"receiver {peer.address} cannot decode transfer.codec {self.config.codec!r}: it offers "
+                    f"{', '.join(msg.codecs) or 'none'} "
                     "(install the codec's extra there, or set the same transfer.codec on both sides)"
                 )
             if self.secret and not verify(self.secret, "receiver", peer.nonce, msg.nonce, msg.auth):
                 self.counters["auth_failures"] += 1
-                raise HandshakeError(f"receiver {peer.address} did not prove the shared secret (missing or different `secret`)")
+                raise HandshakeError(
+                    f"receiver {peer.address} did not prove the shared secret (missing or different `secret`)"
+                )
         except HandshakeError as exc:
             self.counters["handshake_failures"] += 1
             answer(peer.hello_future, exc)
@@ -227,7 +249,10 @@ class ReceiverHandshake:
         if len(self.unproven) >= self.config.max_reservations:
             self.unproven.pop(next(iter(self.unproven)))
         self.unproven[identity] = (hello, nonce)
-        self._reply(identity, msgspec.structs.replace(ours, nonce=nonce, auth=proof(self.secret, "receiver", hello.nonce, nonce)))
+        self._reply(
+            identity,
+            msgspec.structs.replace(ours, nonce=nonce, auth=proof(self.secret, "receiver", hello.nonce, nonce)),
+        )
 
     def on_auth(self, identity: bytes, msg: Auth) -> None:
         pending = self.unproven.pop(identity, None)
@@ -247,7 +272,10 @@ class ReceiverHandshake:
         """Make a compatible (and, with a secret, authenticated) peer reachable over the channel."""
         try:
             if len(hello.data_token) < MIN_TOKEN_BYTES:
-                raise HandshakeError(f"peer {hello.agent!r} sent no data_token of at least {MIN_TOKEN_BYTES} bytes: it cannot be granted any blocks (an older pdkv?)")
+                raise HandshakeError(
+                    f"peer {hello.agent!r} sent no data_token of at least {MIN_TOKEN_BYTES} bytes: it cannot be "
+                    "granted any blocks (an older pdkv?)"
+                )
             agent = self.channel.add_peer(hello.channel_metadata)
         except PdkvError as exc:
             self.counters["handshake_failures"] += 1
@@ -255,5 +283,7 @@ class ReceiverHandshake:
             self._reply(identity, protocol.Error(str(exc)))
             return False
         with self.lock:
-            self.peers[identity] = SenderPeer(agent, hello.layout, hello.data_token, session, kv_reached=bool(hello.kv_regions))
+            self.peers[identity] = SenderPeer(
+                agent, hello.layout, hello.data_token, session, kv_reached=bool(hello.kv_regions)
+            )
         return True

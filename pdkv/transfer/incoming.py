@@ -67,7 +67,11 @@ class ReceiveTarget:
         if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
             raise TransferError(f"block ids {blocks} outside the buffer's {self.num_blocks} blocks")
         size = self.layout.block_bytes
-        return [(self.kv_regions[t], a * size, k * size) for t in range(self.layout.num_tensors) for a, _, k in block_runs(blocks)]
+        return [
+            (self.kv_regions[t], a * size, k * size)
+            for t in range(self.layout.num_tensors)
+            for a, _, k in block_runs(blocks)
+        ]
 
     def slot_ranges(self, slots: list[int]) -> list[Range]:
         return [(self.staging_region, s * self.slot_bytes, self.slot_bytes) for s in slots]
@@ -108,23 +112,40 @@ class IncomingTransfer:
         nbytes = target.layout.chunk_bytes(n)
         if self.mode == "direct":
             bs = target.layout.block_size
-            got = blocks_checksum(target.kv_bytes, self.blocks[start // bs : -(-(start + n) // bs)], target.layout.block_bytes)
+            got = blocks_checksum(
+                target.kv_bytes, self.blocks[start // bs : -(-(start + n) // bs)], target.layout.block_bytes
+            )
         else:
             if not 0 <= notice.slot < len(self.slots):
                 raise TransferError(f"chunk {idx} names staging slot {notice.slot}, request has {len(self.slots)}")
             codec = target.codecs[self.codec]
             wire = notice.nbytes
-            if not (wire == nbytes if codec.passthrough else 0 < wire <= target.slot_bytes):  # checked before the slot is read
-                raise TransferError(f"chunk {idx} claims {wire} bytes in its slot ({self.codec!r} chunk of {n} tokens, slots of {target.slot_bytes})")
+            if not (
+                wire == nbytes if codec.passthrough else 0 < wire <= target.slot_bytes
+            ):  # checked before the slot is read
+                raise TransferError(
+                    f"chunk {idx} claims {wire} bytes in its slot ({self.codec!r} chunk of {n} tokens, slots of "
+                    f"{target.slot_bytes})"
+                )
             base = self.slots[notice.slot] * target.slot_bytes
             got = chunk_checksum([target.staging[base : base + wire]])
         if got != notice.checksum:
-            raise ChecksumError(f"chunk {idx} of transfer {self.transfer_id!r} failed its checksum (sent {notice.checksum:#x}, landed {got:#x})")
+            raise ChecksumError(
+                f"chunk {idx} of transfer {self.transfer_id!r} failed its checksum (sent {notice.checksum:#x}, landed "
+                f"{got:#x})"
+            )
         if self.mode == "staging":
             if codec.passthrough:
-                chunk = target.staging[base : base + nbytes].view(target.layout.torch_dtype).view(target.layout.chunk_shape(n))
+                chunk = (
+                    target.staging[base : base + nbytes]
+                    .view(target.layout.torch_dtype)
+                    .view(target.layout.chunk_shape(n))
+                )
             else:  # a frame that does not decode to exactly this chunk raises CodecError (a TransferError)
-                chunk = codec.decode(target.staging[base : base + wire], codec.scratch("raw", target.layout.chunk_shape(n), target.layout.torch_dtype))
+                chunk = codec.decode(
+                    target.staging[base : base + wire],
+                    codec.scratch("raw", target.layout.chunk_shape(n), target.layout.torch_dtype),
+                )
             if target.stager is not None:  # to the KV's device on pdkv's stream; back once the chunk is there
                 target.stager.stage_in(self.blocks, start, chunk)
             else:

@@ -18,7 +18,14 @@ from pdkv.channels.base import Channel
 from pdkv.channels.grants import Range
 from pdkv.channels.handle import Notification
 from pdkv.config import TransferConfig
-from pdkv.errors import ChecksumError, PromptMismatchError, ProtocolError, TransferCancelled, TransferError, TransferTimeout
+from pdkv.errors import (
+    ChecksumError,
+    PromptMismatchError,
+    ProtocolError,
+    TransferCancelled,
+    TransferError,
+    TransferTimeout,
+)
 from pdkv.transfer import protocol
 from pdkv.transfer.control import ControlLoop
 from pdkv.transfer.handshake import SenderPeer
@@ -43,14 +50,22 @@ class IncomingBook:
         peers: dict[bytes, SenderPeer],
         reply: Callable[[bytes, protocol.Message], None],
     ) -> None:
-        self.channel, self.target, self.allocator, self.config, self.counters, self.loop = channel, target, allocator, config, counters, loop
+        self.channel, self.target, self.allocator, self.config, self.counters, self.loop = (
+            channel,
+            target,
+            allocator,
+            config,
+            counters,
+            loop,
+        )
         self.lock, self.peers, self.reply = lock, peers, reply
         self.res: dict[str, IncomingTransfer] = {}
         self.gone: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.free_slots = list(range(config.staging_slots))
 
     def claim(self, r: IncomingTransfer, prompt_key: bytes | None) -> ReceivedKV:
-        """Hand a ready reservation's blocks to the caller (caller holds the lock); KV of another prompt is freed instead."""
+        """Hand a ready reservation's blocks to the caller (caller holds the lock); KV of another prompt is
+        freed instead."""
         del self.res[r.transfer_id]
         self.revoke(r)  # from now on its blocks are the caller's: the sender may not touch them
         if prompt_key is not None and r.prompt_key != prompt_key:
@@ -135,7 +150,9 @@ class IncomingBook:
             self.counters["bytes_landed"] += nbytes
             if r.all_landed:
                 r.state, r.ready_at = State.READY, time.monotonic()
-                if r.slots and self.channel.revoke(r.token, "write", self.target.slot_ranges(r.slots), 0):  # nothing left to land
+                if r.slots and self.channel.revoke(
+                    r.token, "write", self.target.slot_ranges(r.slots), 0
+                ):  # nothing left to land
                     self.free_slots.extend(r.slots)
                     r.slots = []
                 self.counters["transfers_ready"] += 1
@@ -156,14 +173,19 @@ class IncomingBook:
         return self.target.slot_ranges(r.slots) if r.mode == "staging" else self.target.block_ranges(r.blocks)
 
     def revoke(self, r: IncomingTransfer) -> None:
-        """Take back what ``r`` granted, once (caller holds the lock); a frame still landing there is waited out, or its peer fenced."""
+        """Take back what ``r`` granted, once (caller holds the lock); a frame still landing there is waited
+        out, or its peer fenced."""
         if r.revoked:
             return
         r.revoked = True
         ranges = self.granted(r)
         if ranges and not self.channel.revoke(r.token, "write", ranges, self.config.drain_timeout_s):
             self.counters["fences"] += 1
-            log.error("transfer %s: a write was still landing in its memory after drain_timeout_s; cutting its sender's data connections", r.transfer_id)
+            log.error(
+                "transfer %s: a write was still landing in its memory after drain_timeout_s; cutting its sender's data "
+                "connections",
+                r.transfer_id,
+            )
             self.fence(r.identity)
 
     def free(self, r: IncomingTransfer) -> None:
@@ -187,7 +209,11 @@ class IncomingBook:
         self.channel.fence(peer.agent, peer.token)
         for other in self.res.values():
             if other.identity == identity and other.state is State.RECEIVING:
-                self.fail(other, TransferError("the sender was cut off the data plane after it went silent"), notify_sender=True)
+                self.fail(
+                    other,
+                    TransferError("the sender was cut off the data plane after it went silent"),
+                    notify_sender=True,
+                )
 
     def remember_gone(self, transfer_id: str, why: str) -> None:
         self.gone[transfer_id] = why
@@ -205,10 +231,21 @@ class IncomingBook:
                     # Not presumed dead: a stalled sender may still have writes queued. Its blocks stay quarantined
                     # until it answers the Cancel or drain_timeout_s passes (and the sender itself stops writing once
                     # it sees its heartbeats lapsed), so no late write lands in blocks handed to another request.
-                    self.fail(r, TransferTimeout(f"lease expired: no word from the sender for {cfg.lease_s:.3g}s (the prefill side died, hung or lost its connection)"), notify_sender=True)
+                    self.fail(
+                        r,
+                        TransferTimeout(
+                            f"lease expired: no word from the sender for {cfg.lease_s:.3g}s (the prefill side died, "
+                            "hung or lost its connection)"
+                        ),
+                        notify_sender=True,
+                    )
                 elif r.state is State.RECEIVING and now > r.created + cfg.transfer_timeout_s:
                     self.counters["timeouts"] += 1
-                    self.fail(r, TransferTimeout(f"not complete after transfer_timeout_s={cfg.transfer_timeout_s:.3g}s"), notify_sender=True)
+                    self.fail(
+                        r,
+                        TransferTimeout(f"not complete after transfer_timeout_s={cfg.transfer_timeout_s:.3g}s"),
+                        notify_sender=True,
+                    )
                 if r.state is State.FAILED and (r.sender_done or now > r.free_deadline):
                     if not r.sender_done:  # it never said it stopped writing: it may be frozen with writes queued
                         self.counters["fences"] += 1

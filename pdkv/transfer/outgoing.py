@@ -105,7 +105,16 @@ class OutgoingTransfer:
     ``on_settled`` callbacks run.
     """
 
-    def __init__(self, ctx: SendContext, peer: ReceiverPeer, transfer_id: str, num_tokens: int, block_table: Sequence[int], reserved: Reserved, codec: Codec) -> None:
+    def __init__(
+        self,
+        ctx: SendContext,
+        peer: ReceiverPeer,
+        transfer_id: str,
+        num_tokens: int,
+        block_table: Sequence[int],
+        reserved: Reserved,
+        codec: Codec,
+    ) -> None:
         self.ctx = ctx
         self.codec = codec  # how staged chunks go on the wire (``none``: as they are)
         self.cond = ctx.cond
@@ -149,7 +158,9 @@ class OutgoingTransfer:
     def send_chunk(self, index: int, timeout: float | None = None) -> None:
         """Post chunk ``index`` (its KV must already be in our blocks); waits only for credit."""
         if not 0 <= index < self.num_chunks:
-            raise TransferError(f"chunk {index} out of range: transfer {self.transfer_id!r} has {self.num_chunks} chunks")
+            raise TransferError(
+                f"chunk {index} out of range: transfer {self.transfer_id!r} has {self.num_chunks} chunks"
+            )
         ctx = self.ctx
         timeout = ctx.config.chunk_timeout_s if timeout is None else timeout
         start, n = self.spans[index]
@@ -162,7 +173,11 @@ class OutgoingTransfer:
             notice = protocol.encode(ChunkNotice(self.transfer_id, index, digest, remote_slot, wire if staging else 0))
             handle = ctx.channel.write(self.peer.agent, ops, notice, token=self.peer.token)
         except Exception as exc:
-            err = exc if isinstance(exc, TransferError) else TransferError(f"posting chunk {index} of {self.transfer_id!r} failed: {exc}")
+            err = (
+                exc
+                if isinstance(exc, TransferError)
+                else TransferError(f"posting chunk {index} of {self.transfer_id!r} failed: {exc}")
+            )
             with self.cond:
                 self.posting -= 1
                 ctx.credit.give(nbytes, local_slot)
@@ -190,7 +205,12 @@ class OutgoingTransfer:
             while self.error is None and not self.complete:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    self.fail(TransferTimeout(f"transfer {self.transfer_id!r}: receiver did not confirm all {self.num_chunks} chunks within {timeout:.3g}s"))
+                    self.fail(
+                        TransferTimeout(
+                            f"transfer {self.transfer_id!r}: receiver did not confirm all {self.num_chunks} chunks "
+                            f"within {timeout:.3g}s"
+                        )
+                    )
                     break
                 self.cond.wait(remaining)
             if self.error is not None:
@@ -229,16 +249,23 @@ class OutgoingTransfer:
                 if self.error is None and time.monotonic() - self.renewed > self.lease_margin:
                     # We were stalled (SIGSTOP, a long GC, a frozen VM) past the point where the receiver may have
                     # reaped the reservation and handed its blocks to another request: writing now could land in them.
-                    self.fail(TransferTimeout(
-                        f"transfer {self.transfer_id!r}: no heartbeat reached receiver {self.peer.address} for "
-                        f"{time.monotonic() - self.renewed:.3g}s (its lease is {self.lease_s:.3g}s); not writing into a reservation that may be gone"))
+                    self.fail(
+                        TransferTimeout(
+                            f"transfer {self.transfer_id!r}: no heartbeat reached receiver {self.peer.address} for "
+                            f"{time.monotonic() - self.renewed:.3g}s (its lease is {self.lease_s:.3g}s); not writing "
+                            "into a reservation that may be gone"
+                        )
+                    )
                 if self.error is not None:
                     raise self.error
                 if credit.available(nbytes, staging) and (not staging or self.free_remote_slots):
                     break
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    err = TransferTimeout(f"chunk {index} of {self.transfer_id!r}: no send credit within chunk_timeout_s={timeout:.3g}s (receiver slow or gone)")
+                    err = TransferTimeout(
+                        f"chunk {index} of {self.transfer_id!r}: no send credit within chunk_timeout_s={timeout:.3g}s "
+                        "(receiver slow or gone)"
+                    )
                     self.fail(err)
                     raise err
                 self.cond.wait(remaining)
@@ -253,25 +280,33 @@ class OutgoingTransfer:
         return local_slot, remote_slot
 
     def _direct_ops(self, start: int, n: int) -> tuple[list[TransferOp], int]:
-        """One op per buffer tensor per run of blocks adjacent on both sides; the checksum over the same bytes in wire order."""
+        """One op per buffer tensor per run of blocks adjacent on both sides; the checksum over the same bytes
+        in wire order."""
         src = self.ctx.source
         layout = src.layout
         bs, size = layout.block_size, layout.block_bytes
         first, last = start // bs, -(-(start + n) // bs)
         ours = self.block_table[first:last]
         if min(ours) < 0 or max(ours) >= src.num_blocks:
-            raise TransferError(f"transfer {self.transfer_id!r}: block table {ours} outside our {src.num_blocks} blocks")
+            raise TransferError(
+                f"transfer {self.transfer_id!r}: block table {ours} outside our {src.num_blocks} blocks"
+            )
         runs = block_runs(ours, self.remote_blocks[first:last])
         assert self.peer.hello is not None
         remote_regions = self.peer.hello.kv_regions
-        ops = [TransferOp(src.kv_regions[t], a * size, remote_regions[t], b * size, k * size) for t in range(layout.num_tensors) for a, b, k in runs]
+        ops = [
+            TransferOp(src.kv_regions[t], a * size, remote_regions[t], b * size, k * size)
+            for t in range(layout.num_tensors)
+            for a, b, k in runs
+        ]
         # On a GPU this runs on the caller's stream and reading its value waits for that stream: the write is
         # posted only after the forward step that wrote these blocks has finished (that stream, not the device).
         digest = blocks_checksum(src.kv_bytes, ours, size)
         return ops, digest
 
     def _staged_ops(self, local_slot: int, remote_slot: int, start: int, n: int) -> tuple[list[TransferOp], int]:
-        """Gather the chunk into our slot (through the codec, when one encodes it); the checksum covers the wire bytes."""
+        """Gather the chunk into our slot (through the codec, when one encodes it); the checksum covers the wire
+        bytes."""
         src = self.ctx.source
         layout = src.layout
         base = local_slot * src.slot_bytes
@@ -293,7 +328,9 @@ class OutgoingTransfer:
         if digest is None:
             digest = chunk_checksum([src.staging[base : base + nbytes]])
         assert self.peer.hello is not None
-        op = TransferOp(src.staging_region, base, self.peer.hello.staging_region, self.remote_slots[remote_slot], nbytes)
+        op = TransferOp(
+            src.staging_region, base, self.peer.hello.staging_region, self.remote_slots[remote_slot], nbytes
+        )
         return [op], digest
 
     # -- what the channel and the receiver report (I/O thread) ----------------
@@ -331,9 +368,13 @@ class OutgoingTransfer:
         our writes completed, neither Landed nor Cancel ever comes, so bound it here or it stays open forever."""
         with self.cond:
             if self.error is None and not self.complete and now > self.opened + self.ctx.config.transfer_timeout_s:
-                self.fail(TransferTimeout(
-                    f"transfer {self.transfer_id!r}: receiver {self.peer.address} did not confirm all {self.num_chunks} chunks "
-                    f"within transfer_timeout_s={self.ctx.config.transfer_timeout_s:.3g}s"))
+                self.fail(
+                    TransferTimeout(
+                        f"transfer {self.transfer_id!r}: receiver {self.peer.address} did not confirm all "
+                        f"{self.num_chunks} chunks "
+                        f"within transfer_timeout_s={self.ctx.config.transfer_timeout_s:.3g}s"
+                    )
+                )
         self._settle_if_over()
 
     def fail(self, err: TransferError) -> None:
@@ -346,7 +387,8 @@ class OutgoingTransfer:
         self.cond.notify_all()
 
     def _settle_if_over(self) -> None:
-        """Once failed or complete with no write of ours in flight: tell the receiver, run the callbacks (I/O thread)."""
+        """Once failed or complete with no write of ours in flight: tell the receiver, run the callbacks (I/O
+        thread)."""
         with self.cond:
             over = self.error is not None or self.complete
             if not over or self.writes or self.posting or self.settled:

@@ -43,7 +43,11 @@ class PushTo(msgspec.Struct):
     @property
     def address(self) -> str | None:
         """The receiver's control address, or None when the params name no receiver."""
-        return None if self.remote_host is None or self.remote_port is None else zmq_address(self.remote_host, self.remote_port)
+        return (
+            None
+            if self.remote_host is None or self.remote_port is None
+            else zmq_address(self.remote_host, self.remote_port)
+        )
 
 
 class FirstTokenLogprobs(msgspec.Struct, forbid_unknown_fields=True):
@@ -101,7 +105,9 @@ def _lenient(params: Any, kind: type[S], flag: str, request_id: str) -> S | None
     try:
         return parse(params, kind)
     except InvalidRequestError as exc:
-        log.warning("request %s: ignoring malformed kv_transfer_params (%s); serving it without a KV transfer", request_id, exc)
+        log.warning(
+            "request %s: ignoring malformed kv_transfer_params (%s); serving it without a KV transfer", request_id, exc
+        )
         return None
 
 
@@ -114,7 +120,10 @@ def push_target(params: Any, request_id: str) -> PushTo | None:
         return None
     target = _lenient(params, PushTo, "do_remote_decode", request_id)
     if target is not None and (target.transfer_id is None or target.address is None):
-        log.warning("request %s: kv_transfer_params name no transfer_id or receiver; serving it without a KV transfer", request_id)
+        log.warning(
+            "request %s: kv_transfer_params name no transfer_id or receiver; serving it without a KV transfer",
+            request_id,
+        )
         return None
     return target
 

@@ -183,7 +183,14 @@ def decode_notice(data: bytes) -> ChunkNotice:
 
 
 def make_hello(
-    agent: str, channel: str, channel_metadata: bytes, fingerprint: str, layout: KVLayout, chunk_size: int, kv_regions: list[int], staging_region: int,
+    agent: str,
+    channel: str,
+    channel_metadata: bytes,
+    fingerprint: str,
+    layout: KVLayout,
+    chunk_size: int,
+    kv_regions: list[int],
+    staging_region: int,
     codecs: tuple[str, ...] | list[str] = ("none",),
 ) -> Hello:
     """Our side's Hello: identical construction for sender and receiver (nonce and proof are added per peer)."""
@@ -205,7 +212,10 @@ def check_compatible(ours: Hello, theirs: Hello) -> None:
     """Raise ``HandshakeError`` naming every field that makes the peers incompatible."""
     diffs = []
     if ours.protocol_version != theirs.protocol_version:
-        diffs.append(f"protocol_version (ours {ours.protocol_version}, peer {theirs.protocol_version}: run one pdkv release on prefill and decode)")
+        diffs.append(
+            f"protocol_version (ours {ours.protocol_version}, peer {theirs.protocol_version}: run one pdkv release on "
+            "prefill and decode)"
+        )
     for field in ("model_fingerprint", "chunk_size", "channel"):
         a, b = getattr(ours, field), getattr(theirs, field)
         if a != b:
@@ -215,4 +225,13 @@ def check_compatible(ours: Hello, theirs: Hello) -> None:
         raise HandshakeError(f"peer {theirs.agent!r} is incompatible: " + "; ".join(diffs) + " differ")
 
 
-__all__ = ["HELLO_REQUIRED", "PROTOCOL_VERSION", "ChunkNotice", "Message", "check_compatible", "decode", "decode_notice", "encode"]
+__all__ = [
+    "HELLO_REQUIRED",
+    "PROTOCOL_VERSION",
+    "ChunkNotice",
+    "Message",
+    "check_compatible",
+    "decode",
+    "decode_notice",
+    "encode",
+]

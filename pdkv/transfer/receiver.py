@@ -34,7 +34,18 @@ from pdkv.transfer.control import ControlLoop, RouterSocket
 from pdkv.transfer.handshake import ReceiverHandshake
 from pdkv.transfer.incoming import IncomingTransfer, ReceivedKV, ReceiveTarget, State
 from pdkv.transfer.lifecycle import IncomingBook
-from pdkv.transfer.protocol import HELLO_REQUIRED, Auth, Cancel, Done, Heartbeat, Hello, Refused, Reserve, Reserved, reserve_fields
+from pdkv.transfer.protocol import (
+    HELLO_REQUIRED,
+    Auth,
+    Cancel,
+    Done,
+    Heartbeat,
+    Hello,
+    Refused,
+    Reserve,
+    Reserved,
+    reserve_fields,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +79,9 @@ class KVReceiver:
         self.config = config or TransferConfig()
         self.secret = secret.encode() if isinstance(secret, str) else secret
         codecs = {name: make_codec(name, layout) for name in available_codecs(layout)}
-        slot_bytes = codec_slot_bytes(layout, self.config.chunk_size, list(codecs.values()))  # any offered codec's frame fits
+        slot_bytes = codec_slot_bytes(
+            layout, self.config.chunk_size, list(codecs.values())
+        )  # any offered codec's frame fits
         staging = pinned_empty(self.config.staging_slots * slot_bytes)
         reached = all(in_reach(t, channel.memory) for t in kv)
         self.kv_regions = [channel.register(t) for t in kv] if reached else []
@@ -78,18 +91,40 @@ class KVReceiver:
         if not channel.enforces_grants:
             log.warning(
                 "%s channel: one-sided writes never pass through this receiver, so it cannot check them against "
-                "its reservations; with peers you do not trust, use the tcp channel or a shared secret", channel.name
+                "its reservations; with peers you do not trust, use the tcp channel or a shared secret",
+                channel.name,
             )
         self.target = ReceiveTarget(
-            layout, kv, [flat_bytes(t) for t in kv], num_blocks, staging, slot_bytes, self.config.chunk_size, self.kv_regions, self.staging_region, codecs,
+            layout,
+            kv,
+            [flat_bytes(t) for t in kv],
+            num_blocks,
+            staging,
+            slot_bytes,
+            self.config.chunk_size,
+            self.kv_regions,
+            self.staging_region,
+            codecs,
             DeviceStager(layout, kv, self.config.chunk_size) if kv and memory_kind(kv[0]) != "host" else None,
         )
         native.available()  # load the kernel library now, not inside the first transfer
         self.counters: collections.Counter[str] = collections.Counter()
         lock = threading.Condition()
         self.loop = ControlLoop("pdkv-receiver", min(_REAP_TICK_S, self.config.lease_s / 4), lambda: self.book.reap())
-        self.handshake = ReceiverHandshake(channel, self.config, self.secret, lock, self.counters, self.hello, self._reply)
-        self.book = IncomingBook(channel, self.target, allocator, self.config, self.counters, self.loop, lock, self.handshake.peers, self._reply)
+        self.handshake = ReceiverHandshake(
+            channel, self.config, self.secret, lock, self.counters, self.hello, self._reply
+        )
+        self.book = IncomingBook(
+            channel,
+            self.target,
+            allocator,
+            self.config,
+            self.counters,
+            self.loop,
+            lock,
+            self.handshake.peers,
+            self._reply,
+        )
         self._router = RouterSocket(self.loop, host, port, self._on_message, self.counters)
         self.address = self._router.address
         if advertise_host:  # what senders dial: not a wildcard bind address
@@ -99,7 +134,14 @@ class KVReceiver:
 
     def hello(self) -> Hello:
         return protocol.make_hello(
-            self.channel.agent_name, self.channel.name, self.channel.metadata(), self.fingerprint, self.layout, self.config.chunk_size, self.kv_regions, self.staging_region,
+            self.channel.agent_name,
+            self.channel.name,
+            self.channel.metadata(),
+            self.fingerprint,
+            self.layout,
+            self.config.chunk_size,
+            self.kv_regions,
+            self.staging_region,
             list(self.target.codecs),
         )
 
@@ -132,7 +174,10 @@ class KVReceiver:
                 now = time.monotonic()
                 if r is None and now >= unannounced:
                     self.counters["unannounced"] += 1
-                    why = f"no sender announced transfer {transfer_id!r} within announce_timeout_s={self.config.announce_timeout_s:.3g}s"
+                    why = (
+                        f"no sender announced transfer {transfer_id!r} within "
+                        f"announce_timeout_s={self.config.announce_timeout_s:.3g}s"
+                    )
                     error = NotAnnouncedError
                     break
                 if now >= deadline:
@@ -193,19 +238,32 @@ class KVReceiver:
         peer = self.handshake.peers.get(identity)
         if peer is None and identity in self.handshake.unproven:
             self.counters["auth_failures"] += 1
-            return Refused(req.transfer_id, "not authenticated: this receiver requires the shared secret (set the same `secret` on both sides)")
+            return Refused(
+                req.transfer_id,
+                "not authenticated: this receiver requires the shared secret (set the same `secret` on both sides)",
+            )
         if peer is None:
             return Refused(req.transfer_id, f"{HELLO_REQUIRED}: this receiver has no Hello from you (did it restart?)")
         if self.secret and not verify_bound(self.secret, "reserve", peer.session, req.proof, *reserve_fields(req)):
             self.counters["auth_failures"] += 1
-            return Refused(req.transfer_id, "the Reserve's proof does not check out: it was not made by the peer that proved the shared secret")
+            return Refused(
+                req.transfer_id,
+                "the Reserve's proof does not check out: it was not made by the peer that proved the shared secret",
+            )
         book, cfg = self.book, self.config
         with book.lock:
             view = ReceiverView(
-                cfg, self.layout, self.target.num_blocks, self.target.codecs, len(book.free_slots), len(book.res),
-                req.transfer_id in book.res or req.transfer_id in book.gone, peer.layout,
-                tuple(len(r.blocks) for r in book.res.values() if r.identity == identity), peer.kv_reached and bool(self.kv_regions),
-            )  # fmt: skip
+                cfg,
+                self.layout,
+                self.target.num_blocks,
+                self.target.codecs,
+                len(book.free_slots),
+                len(book.res),
+                req.transfer_id in book.res or req.transfer_id in book.gone,
+                peer.layout,
+                tuple(len(r.blocks) for r in book.res.values() if r.identity == identity),
+                peer.kv_reached and bool(self.kv_regions),
+            )
             grant = admit(req, view)
             if isinstance(grant, Refused):
                 self.counters["refused"] += 1
@@ -214,13 +272,28 @@ class KVReceiver:
                 blocks = self.allocator.allocate(grant.blocks)
             except OutOfBlocksError as exc:
                 self.counters["refused"] += 1
-                return Refused(req.transfer_id, f"cannot hold {req.num_tokens} tokens: {exc}", retryable=grant.blocks <= self.target.num_blocks)
+                return Refused(
+                    req.transfer_id,
+                    f"cannot hold {req.num_tokens} tokens: {exc}",
+                    retryable=grant.blocks <= self.target.num_blocks,
+                )
             slots = [book.free_slots.pop() for _ in range(grant.slots)]
             now = time.monotonic()
             r = book.res[req.transfer_id] = IncomingTransfer(
-                req.transfer_id, identity, peer.agent, req.num_tokens, blocks, slots,
-                grant.mode, grant.chunks, now, now + cfg.lease_s, peer.token, req.prompt_key, req.codec,
-            )  # fmt: skip
+                req.transfer_id,
+                identity,
+                peer.agent,
+                req.num_tokens,
+                blocks,
+                slots,
+                grant.mode,
+                grant.chunks,
+                now,
+                now + cfg.lease_s,
+                peer.token,
+                req.prompt_key,
+                req.codec,
+            )
             self.channel.grant(peer.token, "write", book.granted(r))
             self.counters["reserved"] += 1
             book.lock.notify_all()

@@ -35,10 +35,26 @@ class Reservations:
         counters: collections.Counter[str],
         send: Callable[[ReceiverPeer, protocol.Message], None],
     ) -> None:
-        self.handshake, self.block_size, self.config, self.secret, self.cond, self.counters, self._send = handshake, block_size, config, secret, cond, counters, send
+        self.handshake, self.block_size, self.config, self.secret, self.cond, self.counters, self._send = (
+            handshake,
+            block_size,
+            config,
+            secret,
+            cond,
+            counters,
+            send,
+        )
         self.pending: dict[str, tuple[ReceiverPeer, Future[protocol.Message]]] = {}
 
-    def reserve(self, address: str, transfer_id: str, num_tokens: int, prompt_key: bytes, codec: str, is_open: Callable[[str], bool]) -> tuple[ReceiverPeer, Reserved]:
+    def reserve(
+        self,
+        address: str,
+        transfer_id: str,
+        num_tokens: int,
+        prompt_key: bytes,
+        codec: str,
+        is_open: Callable[[str], bool],
+    ) -> tuple[ReceiverPeer, Reserved]:
         """Room for the whole transfer at ``address``, retried within reserve_timeout_s while it may still fit."""
         deadline = time.monotonic() + self.config.reserve_timeout_s
         rehandshaked = False
@@ -50,7 +66,9 @@ class Reservations:
             except TransferError as exc:
                 if rehandshaked or not peer.dropped or isinstance(exc, TransferTimeout):
                     raise
-                rehandshaked = True  # its connection dropped while we asked: a restart looks like this, so ask its new run
+                rehandshaked = (
+                    True  # its connection dropped while we asked: a restart looks like this, so ask its new run
+                )
                 continue
             if isinstance(reply, Reserved):
                 self._check(reply, num_tokens, codec)
@@ -58,7 +76,9 @@ class Reservations:
             reason = reply.reason if isinstance(reply, Refused) else getattr(reply, "message", repr(reply))
             if not rehandshaked and reason.startswith(HELLO_REQUIRED):
                 rehandshaked = True
-                self.handshake.drop(peer, f"receiver {address} restarted: it no longer knows the transfers reserved on its previous run")
+                self.handshake.drop(
+                    peer, f"receiver {address} restarted: it no longer knows the transfers reserved on its previous run"
+                )
                 continue  # handshake with the new run
             if isinstance(reply, Refused) and reply.retryable and time.monotonic() + backoff < deadline:
                 self.counters["reservations_retried"] += 1
@@ -81,7 +101,15 @@ class Reservations:
         """The Reserves ``peer`` has not answered (caller holds the lock)."""
         return [fut for owner, fut in self.pending.values() if owner is peer]
 
-    def _ask(self, peer: ReceiverPeer, transfer_id: str, num_tokens: int, prompt_key: bytes, codec: str, is_open: Callable[[str], bool]) -> protocol.Message:
+    def _ask(
+        self,
+        peer: ReceiverPeer,
+        transfer_id: str,
+        num_tokens: int,
+        prompt_key: bytes,
+        codec: str,
+        is_open: Callable[[str], bool],
+    ) -> protocol.Message:
         fut: Future[protocol.Message] = Future()
         with self.cond:
             if transfer_id in self.pending or is_open(transfer_id):
@@ -97,8 +125,13 @@ class Reservations:
         try:
             return fut.result(timeout)
         except FutureTimeout:
-            self._send(peer, Cancel(transfer_id, "reservation timed out at the sender"))  # queued before the drop closes the socket
-            reason = f"receiver {peer.address} did not answer Reserve for {transfer_id!r} within reserve_timeout_s={timeout:.3g}s"
+            self._send(
+                peer, Cancel(transfer_id, "reservation timed out at the sender")
+            )  # queued before the drop closes the socket
+            reason = (
+                f"receiver {peer.address} did not answer Reserve for {transfer_id!r} within "
+                f"reserve_timeout_s={timeout:.3g}s"
+            )
             self.handshake.drop(peer, reason)
             raise TransferTimeout(reason) from None
         finally:
@@ -108,7 +141,9 @@ class Reservations:
     def _check(self, reply: Reserved, num_tokens: int, codec: str) -> None:
         """A grant from the wire is checked before any write is built from it."""
         if codec != "none" and reply.mode != "staging":
-            raise ReservationError(f"receiver granted {reply.mode} mode for a transfer encoded with {codec!r}: codecs need staging")
+            raise ReservationError(
+                f"receiver granted {reply.mode} mode for a transfer encoded with {codec!r}: codecs need staging"
+            )
         blocks_needed = -(-num_tokens // self.block_size)
         if reply.mode == "direct" and len(reply.block_ids) < blocks_needed:
             raise ReservationError(f"receiver granted {len(reply.block_ids)} blocks for {num_tokens} tokens")

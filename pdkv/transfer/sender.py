@@ -57,28 +57,52 @@ class KVSender:
         num_blocks = layout.validate_buffer(kv)
         native.available()  # load the kernel library now, not inside the first transfer
         # ``none`` and the configured codec: a transfer uses one of the two (``open(codec=...)``)
-        self.codecs: dict[str, Codec] = {name: make_codec(name, layout) for name in dict.fromkeys(("none", self.config.codec))}
+        self.codecs: dict[str, Codec] = {
+            name: make_codec(name, layout) for name in dict.fromkeys(("none", self.config.codec))
+        }
         slot_bytes = codec_slot_bytes(layout, self.config.chunk_size, list(self.codecs.values()))
         n_slots = max(1, self.config.max_inflight_bytes // slot_bytes)
         staging = pinned_empty(n_slots * slot_bytes)
         reached = all(in_reach(t, channel.memory) for t in kv)
         self.source = SendSource(
-            layout, kv, [flat_bytes(t) for t in kv], [channel.register(t) for t in kv] if reached else [], num_blocks, staging, channel.register(staging), slot_bytes,
+            layout,
+            kv,
+            [flat_bytes(t) for t in kv],
+            [channel.register(t) for t in kv] if reached else [],
+            num_blocks,
+            staging,
+            channel.register(staging),
+            slot_bytes,
             DeviceStager(layout, kv, self.config.chunk_size) if kv and memory_kind(kv[0]) != "host" else None,
         )
         self.kv_memory = memory_kind(kv[0]) if kv else "host"  # where the KV lives, for benchmarks and logs
         self.credit = SendCredit(self.config.max_inflight_bytes, n_slots)
         self.counters: collections.Counter[str] = collections.Counter()
-        self.cond = threading.Condition()  # guards the sender's state and every transfer's: one lock, no ordering to get wrong
+        self.cond = (
+            threading.Condition()
+        )  # guards the sender's state and every transfer's: one lock, no ordering to get wrong
         self._transfers: dict[str, OutgoingTransfer] = {}
         self._last_beat = time.monotonic()
         self.loop = ControlLoop("pdkv-sender", min(self.config.heartbeat_s, 0.25), self._tick)
         self._dealers = DealerSockets(self.loop, self._on_message, self._on_lost, self.counters)
         self.handshake = SenderHandshake(
-            channel, self.config, self.secret, self.cond, self.counters, self.hello, self._send, lambda: list(self._transfers.values()), self._on_drop, self._dealers.close_peer
+            channel,
+            self.config,
+            self.secret,
+            self.cond,
+            self.counters,
+            self.hello,
+            self._send,
+            lambda: list(self._transfers.values()),
+            self._on_drop,
+            self._dealers.close_peer,
         )
-        self.reservations = Reservations(self.handshake, layout.block_size, self.config, self.secret, self.cond, self.counters, self._send)
-        self._ctx = SendContext(channel, self.config, self.source, self.credit, self.cond, self.counters, self.loop, self._settled)
+        self.reservations = Reservations(
+            self.handshake, layout.block_size, self.config, self.secret, self.cond, self.counters, self._send
+        )
+        self._ctx = SendContext(
+            channel, self.config, self.source, self.credit, self.cond, self.counters, self.loop, self._settled
+        )
         self.loop.start()
 
     @property
@@ -88,12 +112,25 @@ class KVSender:
     def hello(self) -> Hello:
         src = self.source
         return protocol.make_hello(
-            self.channel.agent_name, self.channel.name, self.channel.metadata(), self.fingerprint, src.layout, self.config.chunk_size, src.kv_regions, src.staging_region,
+            self.channel.agent_name,
+            self.channel.name,
+            self.channel.metadata(),
+            self.fingerprint,
+            src.layout,
+            self.config.chunk_size,
+            src.kv_regions,
+            src.staging_region,
             list(self.codecs),
         )
 
     def open(
-        self, transfer_id: str, address: str, num_tokens: int, block_table: Sequence[int], prompt_key: bytes = b"", codec: str | None = None
+        self,
+        transfer_id: str,
+        address: str,
+        num_tokens: int,
+        block_table: Sequence[int],
+        prompt_key: bytes = b"",
+        codec: str | None = None,
     ) -> OutgoingTransfer:
         """Handshake (once per receiver) and reserve room for the whole transfer there.
 
@@ -104,12 +141,20 @@ class KVSender:
         """
         codec = self.config.codec if codec is None else codec
         if codec not in self.codecs:
-            raise ReservationError(f"transfer {transfer_id!r}: codec {codec!r} is not this sender's; it runs {' or '.join(self.codecs)} (transfer.codec)")
+            raise ReservationError(
+                f"transfer {transfer_id!r}: codec {codec!r} is not this sender's; it runs {' or '.join(self.codecs)} "
+                "(transfer.codec)"
+            )
         if num_tokens <= 0:
             raise ReservationError(f"transfer {transfer_id!r}: nothing to transfer (num_tokens={num_tokens})")
         if len(block_table) < self.layout.blocks_for(num_tokens):
-            raise ReservationError(f"transfer {transfer_id!r}: block table has {len(block_table)} blocks, {num_tokens} tokens need {self.layout.blocks_for(num_tokens)}")
-        peer, reply = self.reservations.reserve(address, transfer_id, num_tokens, prompt_key, codec, self._transfers.__contains__)
+            raise ReservationError(
+                f"transfer {transfer_id!r}: block table has {len(block_table)} blocks, {num_tokens} tokens need "
+                f"{self.layout.blocks_for(num_tokens)}"
+            )
+        peer, reply = self.reservations.reserve(
+            address, transfer_id, num_tokens, prompt_key, codec, self._transfers.__contains__
+        )
         xfer = OutgoingTransfer(self._ctx, peer, transfer_id, num_tokens, block_table, reply, self.codecs[codec])
         with self.cond:
             self._transfers[transfer_id] = xfer
@@ -138,7 +183,9 @@ class KVSender:
 
     def _settled(self, xfer: OutgoingTransfer) -> None:
         """A transfer settled (I/O thread): tell its receiver and forget it."""
-        msg: protocol.Message = Done(xfer.transfer_id, True) if xfer.error is None else Cancel(xfer.transfer_id, str(xfer.error))
+        msg: protocol.Message = (
+            Done(xfer.transfer_id, True) if xfer.error is None else Cancel(xfer.transfer_id, str(xfer.error))
+        )
         self._send(xfer.peer, msg)
         with self.cond:
             if self._transfers.get(xfer.transfer_id) is xfer:
@@ -147,7 +194,8 @@ class KVSender:
             self.cond.notify_all()
 
     def _on_drop(self, peer: ReceiverPeer, err: TransferError) -> list[Future[Any]]:
-        """A receiver is forgotten (caller holds the lock): its transfers fail; its unanswered Reserves are returned to fail."""
+        """A receiver is forgotten (caller holds the lock): its transfers fail; its unanswered Reserves are
+        returned to fail."""
         for xfer in self._transfers.values():
             if xfer.peer is peer:
                 xfer.fail(err)
@@ -160,7 +208,8 @@ class KVSender:
     def _on_lost(self, peer: ReceiverPeer, why: str) -> None:
         """A receiver's control connection dropped or never came up: nothing open with it can finish, so fail it now.
 
-        ZeroMQ would reconnect on its own; we drop the peer instead so that a receiver that comes back is met with a fresh Hello.
+        ZeroMQ would reconnect on its own; we drop the peer instead so that a receiver that comes back is met
+        with a fresh Hello.
         """
         if not peer.dropped:
             self.counters["peers_lost"] += 1
@@ -196,7 +245,8 @@ class KVSender:
             self._heartbeat(transfers, now)
 
     def _heartbeat(self, transfers: list[OutgoingTransfer], now: float) -> None:
-        """Renew each live peer's leases over its own socket (by peer, not address: after a restart the address has a new one)."""
+        """Renew each live peer's leases over its own socket (by peer, not address: after a restart the address
+        has a new one)."""
         by_peer: dict[bytes, tuple[ReceiverPeer, list[str]]] = {}
         with self.cond:
             for xfer in transfers:

@@ -23,7 +23,14 @@ from pdkv.checksum import layer_digests
 from pdkv.config import PdkvConfig
 from pdkv.engine.base import EngineAdapter, Request
 from pdkv.engine.sampling import MIN_LOGPROB, TokenLogprobs
-from pdkv.errors import InvalidRequestError, NotAnnouncedError, PdkvError, PromptMismatchError, TransferError, TransferTimeout
+from pdkv.errors import (
+    InvalidRequestError,
+    NotAnnouncedError,
+    PdkvError,
+    PromptMismatchError,
+    TransferError,
+    TransferTimeout,
+)
 from pdkv.transfer.incoming import ReceivedKV
 from pdkv.transfer.params import DecodeHop, FirstTokenLogprobs, parse
 from pdkv.transfer.receiver import KVReceiver
@@ -40,11 +47,27 @@ class DecodeRole(WorkerRole):
 
     name = "decode"
 
-    def __init__(self, config: PdkvConfig, engine: EngineAdapter, channel: Channel, tiering: Tiering, metrics: WorkerMetrics, advertise_host: str) -> None:
+    def __init__(
+        self,
+        config: PdkvConfig,
+        engine: EngineAdapter,
+        channel: Channel,
+        tiering: Tiering,
+        metrics: WorkerMetrics,
+        advertise_host: str,
+    ) -> None:
         super().__init__(config, engine, channel, tiering, metrics)
         self.receiver: KVReceiver = KVReceiver(
-            channel, engine.layout, engine.kv_buffer, engine.allocator, engine.fingerprint, config.transfer,
-            host=config.host, port=config.control_port, secret=config.secret, advertise_host=advertise_host,
+            channel,
+            engine.layout,
+            engine.kv_buffer,
+            engine.allocator,
+            engine.fingerprint,
+            config.transfer,
+            host=config.host,
+            port=config.control_port,
+            secret=config.secret,
+            advertise_host=advertise_host,
         )
 
     def wants_transfer(self, kv: dict[str, Any]) -> bool:
@@ -64,7 +87,10 @@ class DecodeRole(WorkerRole):
         hop = parse(req.kv_transfer_params, DecodeHop)
         first = hop.first_token_id
         if first is not None and first >= self.engine.vocab_size:
-            raise InvalidRequestError(f"kv_transfer_params.first_token_id must be a token id in [0, {self.engine.vocab_size}), got {first!r}", param="kv_transfer_params")
+            raise InvalidRequestError(
+                f"kv_transfer_params.first_token_id must be a token id in [0, {self.engine.vocab_size}), got {first!r}",
+                param="kv_transfer_params",
+            )
         first_logprobs = self._first_logprobs(hop.first_token_logprobs, req.logprobs)
         transfer_id = hop.transfer_id
         reason = None
@@ -80,10 +106,16 @@ class DecodeRole(WorkerRole):
                 reason = None if request is not None else "adopt_failed"
         kv_params = None
         if request is not None and hop.return_kv_digest:
-            kv_params = {"kv_digest": layer_digests(self.engine.layout, self.engine.kv_buffer, request.block_table, request.num_computed)}
+            kv_params = {
+                "kv_digest": layer_digests(
+                    self.engine.layout, self.engine.kv_buffer, request.block_table, request.num_computed
+                )
+            }
         on_chunk = None
         if request is None:
-            log.warning("request %s, transfer %s: computing the prompt locally (%s)", req.request_id, transfer_id, reason)
+            log.warning(
+                "request %s, transfer %s: computing the prompt locally (%s)", req.request_id, transfer_id, reason
+            )
             self.metrics.fallbacks.labels(self.name, reason or "unknown").inc()
             request, cached = await self.new_request(req, req.sampling)
             on_chunk = self.tiering.offer(cached, None)
@@ -94,13 +126,19 @@ class DecodeRole(WorkerRole):
         return Plan(request, first_token=first, first_logprobs=first_logprobs, on_chunk=on_chunk, kv_params=kv_params)
 
     def _first_logprobs(self, given: FirstTokenLogprobs | None, wanted: int | None) -> TokenLogprobs | None:
-        """P's log-probabilities of the first token (``kv_transfer_params.first_token_logprobs``), checked against our vocabulary."""
+        """P's log-probabilities of the first token (``kv_transfer_params.first_token_logprobs``), checked
+        against our vocabulary."""
         if wanted is None or given is None:
             return None
         vocab = self.engine.vocab_size
-        if len(given.top) > MAX_LOGPROBS or not all(t < vocab and v >= MIN_LOGPROB for t, v in given.top) or given.logprob < MIN_LOGPROB:
+        if (
+            len(given.top) > MAX_LOGPROBS
+            or not all(t < vocab and v >= MIN_LOGPROB for t, v in given.top)
+            or given.logprob < MIN_LOGPROB
+        ):
             raise InvalidRequestError(
-                f"kv_transfer_params.first_token_logprobs must hold at most {MAX_LOGPROBS} [token id < {vocab}, logprob >= {MIN_LOGPROB}] pairs, got {given!r}",
+                f"kv_transfer_params.first_token_logprobs must hold at most {MAX_LOGPROBS} [token id < {vocab}, "
+                f"logprob >= {MIN_LOGPROB}] pairs, got {given!r}",
                 param="kv_transfer_params",
             )
         return TokenLogprobs(given.logprob, tuple(given.top[:wanted]))
@@ -145,7 +183,9 @@ class DecodeRole(WorkerRole):
             self.engine.allocator.free(got.blocks)
             return None
         try:
-            request = self.engine.adopt_request(req.prompt_token_ids, req.sampling, got.blocks, req.request_id, req.cache_salt)
+            request = self.engine.adopt_request(
+                req.prompt_token_ids, req.sampling, got.blocks, req.request_id, req.cache_salt
+            )
         except PdkvError:
             self.engine.allocator.free(got.blocks)
             raise

@@ -68,7 +68,16 @@ import numpy as np
 
 from pdkv.config import KVEventsConfig
 from pdkv.kv_events.publisher import KVEventPublisher
-from pdkv.kv_events.wire import LOCAL, MEDIUM_STORAGE, REMOTE, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, external_hash
+from pdkv.kv_events.wire import (
+    LOCAL,
+    MEDIUM_STORAGE,
+    REMOTE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    external_hash,
+)
 from pdkv.tier import LeafTier, MemoryTier, RedisTier, TieredCache
 
 log = logging.getLogger(__name__)
@@ -99,7 +108,14 @@ class _Block:
 class TierEvents:
     """Listens to every level of a worker's tier and publishes what they hold; see the module docstring."""
 
-    def __init__(self, publisher: KVEventPublisher, tier: TieredCache | None, chunk_size: int, use_int_hashes: bool = True, memory_medium: str = "CPU") -> None:
+    def __init__(
+        self,
+        publisher: KVEventPublisher,
+        tier: TieredCache | None,
+        chunk_size: int,
+        use_int_hashes: bool = True,
+        memory_medium: str = "CPU",
+    ) -> None:
         self.publisher = publisher
         self.chunk_size = chunk_size
         self.use_int_hashes = use_int_hashes
@@ -119,21 +135,32 @@ class TierEvents:
         """The worker's publisher when ``config`` enables one, else None."""
         if not config.publishing:
             return None
-        use_int = config.int_block_hashes()  # a bad VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES fails the start, not the first event
+        use_int = (
+            config.int_block_hashes()
+        )  # a bad VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES fails the start, not the first event
         if tier is None:
-            log.warning("kv_events: enabled, but the cache tier is off (tier.enabled: false): there are no blocks to announce")
+            log.warning(
+                "kv_events: enabled, but the cache tier is off (tier.enabled: false): there are no blocks to announce"
+            )
         publisher = KVEventPublisher(config, bind_host=host)
-        exposed = any(e.startswith("tcp://") and not e.startswith(("tcp://127.", "tcp://[::1]", "tcp://localhost")) for e in (publisher.endpoint, publisher.replay_endpoint or ""))
+        exposed = any(
+            e.startswith("tcp://") and not e.startswith(("tcp://127.", "tcp://[::1]", "tcp://localhost"))
+            for e in (publisher.endpoint, publisher.replay_endpoint or "")
+        )
         if exposed and publisher.curve is None:
             log.warning(
-                "kv_events: publishing on %s (replay %s) with no authentication (vLLM's protocol has none), and the events carry prompt token ids: "
-                "keep it on a private network, or set kv_events.curve_secret_key and curve_clients (pdkv's subscribers only)",
-                publisher.endpoint, publisher.replay_endpoint,
+                "kv_events: publishing on %s (replay %s) with no authentication (vLLM's protocol has none), and the "
+                "events carry prompt token ids: "
+                "keep it on a private network, or set kv_events.curve_secret_key and curve_clients (pdkv's subscribers "
+                "only)",
+                publisher.endpoint,
+                publisher.replay_endpoint,
             )
         return cls(publisher, tier, chunk_size, use_int, config.memory_medium)
 
     def note(self, keys: Sequence[bytes], tokens: Sequence[int], salt: str = "") -> None:
-        """A prompt's chunk keys, token ids and cache salt, before its chunks are loaded or stored: what a store event needs."""
+        """A prompt's chunk keys, token ids and cache salt, before its chunks are loaded or stored: what a store
+        event needs."""
         cs = self.chunk_size
         full = min(len(keys), len(tokens) // cs)
         if not full:
@@ -159,7 +186,9 @@ class TierEvents:
                 if local:
                     for key in removed:
                         self._release(key, level.name)
-                events.append(BlockRemoved(block_hashes=[self._wire(k) for k in removed], medium=medium, locality=locality))
+                events.append(
+                    BlockRemoved(block_hashes=[self._wire(k) for k in removed], medium=medium, locality=locality)
+                )
             for key in stored:
                 block = self._held.get(key) or self._spare.get(key)
                 if block is None:
@@ -194,8 +223,14 @@ class TierEvents:
 
     def _stored(self, keys: list[bytes], block: _Block, medium: str, locality: str) -> BlockStored:
         return BlockStored(
-            block_hashes=[self._wire(k) for k in keys], parent_block_hash=None if block.parent is None else self._wire(block.parent),
-            token_ids=block.tokens.tolist(), block_size=self.chunk_size, lora_id=None, medium=medium, lora_name=None, locality=locality,
+            block_hashes=[self._wire(k) for k in keys],
+            parent_block_hash=None if block.parent is None else self._wire(block.parent),
+            token_ids=block.tokens.tolist(),
+            block_size=self.chunk_size,
+            lora_id=None,
+            medium=medium,
+            lora_name=None,
+            locality=locality,
             extra_keys=[(block.salt,)] if block.salt else None,
         )
 

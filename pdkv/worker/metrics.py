@@ -24,13 +24,34 @@ class WorkerMetrics:
         r = self.registry
         self.role = role
         self.requests = Counter("pdkv_requests", "Generation requests by outcome", ["role", "outcome"], registry=r)
-        self.ttft = Histogram("pdkv_ttft_seconds", "Time from request arrival to the first token", ["role"], buckets=LATENCY_BUCKETS, registry=r)
-        self.transfer_seconds = Histogram("pdkv_transfer_seconds", "KV transfer time per request", ["role"], buckets=LATENCY_BUCKETS, registry=r)
-        self.transfer_gbps = Histogram("pdkv_transfer_gbps", "KV transfer throughput per request (GB/s)", ["role"], buckets=GBPS_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "pdkv_ttft_seconds",
+            "Time from request arrival to the first token",
+            ["role"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.transfer_seconds = Histogram(
+            "pdkv_transfer_seconds", "KV transfer time per request", ["role"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.transfer_gbps = Histogram(
+            "pdkv_transfer_gbps",
+            "KV transfer throughput per request (GB/s)",
+            ["role"],
+            buckets=GBPS_BUCKETS,
+            registry=r,
+        )
         self.transfer_bytes = Counter("pdkv_transfer_bytes", "KV bytes moved", ["role"], registry=r)
         self.transfers = Counter("pdkv_transfers", "KV transfers by outcome", ["role", "outcome"], registry=r)
-        self.fallbacks = Counter("pdkv_fallbacks", "Requests whose KV was recomputed locally instead of transferred", ["role", "reason"], registry=r)
-        self.prompt_tokens = Counter("pdkv_prompt_tokens", "Prompt tokens by where their KV came from", ["role", "source"], registry=r)
+        self.fallbacks = Counter(
+            "pdkv_fallbacks",
+            "Requests whose KV was recomputed locally instead of transferred",
+            ["role", "reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pdkv_prompt_tokens", "Prompt tokens by where their KV came from", ["role", "source"], registry=r
+        )
         self.generated_tokens = Counter("pdkv_generated_tokens", "Generated tokens", ["role"], registry=r)
 
     def gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
@@ -51,7 +72,11 @@ class _EventCollector:
         self.role, self.stats, self.gauges = role, stats, gauges
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily("pdkv_transfer_events", "Sender/receiver events: chunks, refusals, checksum and auth failures, expired leases, ...", labels=["role", "event"])
+        family = CounterMetricFamily(
+            "pdkv_transfer_events",
+            "Sender/receiver events: chunks, refusals, checksum and auth failures, expired leases, ...",
+            labels=["role", "event"],
+        )
         for event, value in sorted(self.stats().items()):
             if event not in self.gauges:
                 family.add_metric([self.role, event], value)

@@ -122,7 +122,11 @@ def parse_request(body: Any, engine: EngineAdapter, chat: bool, served: Collecti
     if model is not None and not isinstance(model, str):
         raise _bad(f"'model' must be a string, got {model!r}", "model")
     if model and model not in served:
-        raise InvalidRequestError(f"The model `{model}` does not exist. Valid aliases: {', '.join(sorted(served))}.", status=404, param="model")
+        raise InvalidRequestError(
+            f"The model `{model}` does not exist. Valid aliases: {', '.join(sorted(served))}.",
+            status=404,
+            param="model",
+        )
     if _integer(body, "n", 1, 1 << 31, 1) != 1:
         raise _bad("only n=1 is supported", "n")
     if body.get("stop") not in (None, [], ""):
@@ -162,7 +166,11 @@ def parse_request(body: Any, engine: EngineAdapter, chat: bool, served: Collecti
     )
     salt = body.get("cache_salt")
     if salt is not None and not (isinstance(salt, str) and 0 < len(salt) <= MAX_SALT_CHARS):  # vLLM refuses "" too
-        raise _bad(f"'cache_salt' must be a non-empty string of at most {MAX_SALT_CHARS} characters if provided, got {salt!r:.80}", "cache_salt")
+        raise _bad(
+            f"'cache_salt' must be a non-empty string of at most {MAX_SALT_CHARS} characters if provided, got "
+            f"{salt!r:.80}",
+            "cache_salt",
+        )
     rid = body.get("request_id") if isinstance(body.get("request_id"), str) else None
     return GenerationRequest(
         request_id=rid or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
@@ -207,7 +215,9 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
         elif isinstance(content, list):
             text = "\n".join(_text_part(part, f"messages[{i}].content[{j}]") for j, part in enumerate(content))
         else:
-            raise _bad(f"messages[{i}].content must be a string or a list of content parts, got {content!r}", "messages")
+            raise _bad(
+                f"messages[{i}].content must be a string or a list of content parts, got {content!r}", "messages"
+            )
         out.append({**message, "content": text})
     return out
 
@@ -215,7 +225,9 @@ def _messages(messages: Any) -> list[dict[str, Any]]:
 def _text_part(part: Any, where: str) -> str:
     if not isinstance(part, dict) or part.get("type") != "text":
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        raise _bad(f"{where}: content parts of type {kind!r} are not supported; this model takes text parts only", "messages")
+        raise _bad(
+            f"{where}: content parts of type {kind!r} are not supported; this model takes text parts only", "messages"
+        )
     if not isinstance(part.get("text"), str):
         raise _bad(f"{where}.text must be a string, got {part.get('text')!r}", "messages")
     return str(part["text"])
@@ -226,11 +238,18 @@ def _encode(engine: EngineAdapter, text: str, param: str, add_special_tokens: bo
     try:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError as exc:
-        raise _bad(f"'{param}' is not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X}) at character {exc.start}", param) from None
+        raise _bad(
+            f"'{param}' is not valid Unicode: a lone surrogate (U+{ord(text[exc.start]):04X}) at character {exc.start}",
+            param,
+        ) from None
     # Checked before tokenizing: a 10 MB prompt would take seconds of CPU to be refused afterwards.
     if size > engine.max_model_len * engine.tokenizer.max_token_bytes:
         at_least = -(-size // engine.tokenizer.max_token_bytes)
-        raise _bad(f"'{param}' is {size} bytes, at least {at_least} tokens: more than this model's context of {engine.max_model_len} tokens", param)
+        raise _bad(
+            f"'{param}' is {size} bytes, at least {at_least} tokens: more than this model's context of "
+            f"{engine.max_model_len} tokens",
+            param,
+        )
     return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
@@ -241,7 +260,10 @@ def _prompt_ids(prompt: Any, engine: EngineAdapter) -> list[int]:
         return _encode(engine, prompt, "prompt", add_special_tokens=True)
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return list(prompt)  # the engine checks each id against its vocabulary
-    raise _bad("'prompt' must be a non-empty string or a list of token ids (batches of several prompts are not supported)", "prompt")
+    raise _bad(
+        "'prompt' must be a non-empty string or a list of token ids (batches of several prompts are not supported)",
+        "prompt",
+    )
 
 
 class Detokenizer:
@@ -291,13 +313,27 @@ class LogprobsFormat:
             out["text_offset"].append(self._offset)
             self._offset += len(text)
             out["token_logprobs"].append(None if lp is None else lp.logprob)
-            out["top_logprobs"].append(None if lp is None else {self._text(t): v for t, v in ((token, lp.logprob), *lp.top)})
+            out["top_logprobs"].append(
+                None if lp is None else {self._text(t): v for t, v in ((token, lp.logprob), *lp.top)}
+            )
         return out
 
     def _chat_entry(self, token: int, lp: TokenLogprobs | None) -> dict[str, Any]:
         text = self._text(token)
-        top = [] if lp is None else [{"token": (s := self._text(t)), "logprob": v, "bytes": list(s.encode("utf-8", "replace"))} for t, v in lp.top]
-        return {"token": text, "logprob": MIN_LOGPROB if lp is None else lp.logprob, "bytes": list(text.encode("utf-8", "replace")), "top_logprobs": top}
+        top = (
+            []
+            if lp is None
+            else [
+                {"token": (s := self._text(t)), "logprob": v, "bytes": list(s.encode("utf-8", "replace"))}
+                for t, v in lp.top
+            ]
+        )
+        return {
+            "token": text,
+            "logprob": MIN_LOGPROB if lp is None else lp.logprob,
+            "bytes": list(text.encode("utf-8", "replace")),
+            "top_logprobs": top,
+        }
 
 
 def usage(req: GenerationRequest, completion_tokens: int) -> dict[str, int]:
@@ -306,7 +342,12 @@ def usage(req: GenerationRequest, completion_tokens: int) -> dict[str, int]:
 
 
 def full_response(
-    req: GenerationRequest, text: str, token_ids: Sequence[int], finish: str | None, kv_params: dict[str, Any] | None, logprobs: dict[str, Any] | None = None
+    req: GenerationRequest,
+    text: str,
+    token_ids: Sequence[int],
+    finish: str | None,
+    kv_params: dict[str, Any] | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The non-streaming body, in OpenAI's shape (plus vLLM's ``kv_transfer_params``)."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
@@ -328,11 +369,18 @@ def full_response(
     }
 
 
-def stream_event(req: GenerationRequest, delta: str, token_id: int | None, finish: str | None, first: bool, logprobs: dict[str, Any] | None = None) -> bytes:
+def stream_event(
+    req: GenerationRequest,
+    delta: str,
+    token_id: int | None,
+    finish: str | None,
+    first: bool,
+    logprobs: dict[str, Any] | None = None,
+) -> bytes:
     """One SSE ``data:`` line of a streaming response."""
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
     if req.chat:
-        choice["delta"] = ({"role": "assistant", "content": delta} if first else {"content": delta})
+        choice["delta"] = {"role": "assistant", "content": delta} if first else {"content": delta}
     else:
         choice["text"] = delta
     if req.return_token_ids and token_id is not None:
@@ -348,11 +396,13 @@ def stream_event(req: GenerationRequest, delta: str, token_id: int | None, finis
 
 
 def usage_event(req: GenerationRequest, completion_tokens: int) -> bytes:
-    return sse({
-        "id": req.request_id,
-        "object": "chat.completion.chunk" if req.chat else "text_completion",
-        "created": req.created,
-        "model": req.model,
-        "choices": [],
-        "usage": usage(req, completion_tokens),
-    })
+    return sse(
+        {
+            "id": req.request_id,
+            "object": "chat.completion.chunk" if req.chat else "text_completion",
+            "created": req.created,
+            "model": req.model,
+            "choices": [],
+            "usage": usage(req, completion_tokens),
+        }
+    )

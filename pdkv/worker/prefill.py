@@ -45,10 +45,20 @@ class PrefillRole(WorkerRole):
 
     name = "prefill"
 
-    def __init__(self, config: PdkvConfig, engine: EngineAdapter, channel: Channel, tiering: Tiering, metrics: WorkerMetrics, agent: str) -> None:
+    def __init__(
+        self,
+        config: PdkvConfig,
+        engine: EngineAdapter,
+        channel: Channel,
+        tiering: Tiering,
+        metrics: WorkerMetrics,
+        agent: str,
+    ) -> None:
         super().__init__(config, engine, channel, tiering, metrics)
         self.agent = agent  # the remote_engine_id a decode worker is told
-        self.sender: KVSender = KVSender(channel, engine.layout, engine.kv_buffer, engine.fingerprint, config.transfer, secret=config.secret)
+        self.sender: KVSender = KVSender(
+            channel, engine.layout, engine.kv_buffer, engine.fingerprint, config.transfer, secret=config.secret
+        )
         self.pusher: ChunkPusher = ChunkPusher()
 
     def wants_transfer(self, kv: dict[str, Any]) -> bool:
@@ -73,7 +83,9 @@ class PrefillRole(WorkerRole):
             error = error or "kv_transfer_params has no remote_host/remote_port of the decode worker's receiver"
         else:
             key = self.prompt_key(request.prompt_token_ids, request.cache_salt)
-            opening = asyncio.ensure_future(asyncio.to_thread(self.sender.open, transfer_id, address, n, request.block_table, key, target.codec))
+            opening = asyncio.ensure_future(
+                asyncio.to_thread(self.sender.open, transfer_id, address, n, request.block_table, key, target.codec)
+            )
             try:
                 xfer = await asyncio.shield(opening)
             except PeerUnreachableError as exc:  # the channel warned and counted it at the handshake
@@ -99,7 +111,13 @@ class PrefillRole(WorkerRole):
         digest = self._digest_hook(target.return_kv_digest, params)
         first_token = functools.partial(_tell_first_token, params)
         if xfer is None:
-            return Plan(request, decode=False, on_chunk=self.tiering.offer(cached, digest), kv_params=params, on_first_token=first_token)
+            return Plan(
+                request,
+                decode=False,
+                on_chunk=self.tiering.offer(cached, digest),
+                kv_params=params,
+                on_first_token=first_token,
+            )
         pusher, cs = self.pusher, self.chunk_size
         queued = [0]
 
@@ -117,7 +135,14 @@ class PrefillRole(WorkerRole):
 
         if cached.tokens:  # the chunks loaded from the tier go to the decode worker too
             on_chunk(request, 0, cached.tokens)
-        return Plan(request, decode=False, on_chunk=self.tiering.offer(cached, on_chunk), release=release, kv_params=params, on_first_token=first_token)
+        return Plan(
+            request,
+            decode=False,
+            on_chunk=self.tiering.offer(cached, on_chunk),
+            release=release,
+            kv_params=params,
+            on_first_token=first_token,
+        )
 
     def _abandon_open(self, opening: asyncio.Future[OutgoingTransfer], request: Request) -> None:
         """A prefill request cancelled while its transfer was opening: cancel the transfer, free the blocks.

@@ -53,7 +53,9 @@ class WorkerRole(abc.ABC):
     pusher: ChunkPusher | None = None
     receiver: KVReceiver | None = None
 
-    def __init__(self, config: PdkvConfig, engine: EngineAdapter, channel: Channel, tiering: Tiering, metrics: WorkerMetrics) -> None:
+    def __init__(
+        self, config: PdkvConfig, engine: EngineAdapter, channel: Channel, tiering: Tiering, metrics: WorkerMetrics
+    ) -> None:
         self.config = config
         self.engine = engine
         self.channel = channel
@@ -62,7 +64,8 @@ class WorkerRole(abc.ABC):
         self.chunk_size = config.transfer.chunk_size
 
     async def plan(self, req: GenerationRequest) -> Plan:
-        """What the engine runs for ``req``: this role's transfer when the request asks for it, else a local generation."""
+        """What the engine runs for ``req``: this role's transfer when the request asks for it, else a local
+        generation."""
         if self.wants_transfer(req.kv_transfer_params):
             return await self.plan_transfer(req)
         request, cached = await self.new_request(req, req.sampling)

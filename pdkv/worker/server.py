@@ -100,12 +100,20 @@ class Worker:
         m = self.metrics
         m.gauge("pdkv_running_requests", "Requests on the engine", lambda: self.loop.num_running)
         m.gauge("pdkv_free_blocks", "Free KV blocks", lambda: engine.allocator.num_free)
-        m.gauge("pdkv_reserved_blocks", "KV blocks held by transfer reservations", lambda: self._stat("reserved_blocks"))
+        m.gauge(
+            "pdkv_reserved_blocks", "KV blocks held by transfer reservations", lambda: self._stat("reserved_blocks")
+        )
         m.gauge("pdkv_reservations", "Open transfer reservations", lambda: self._stat("reservations"))
-        m.gauge("pdkv_inflight_bytes", "Bytes posted to the channel and not yet landed", lambda: self._stat("inflight_bytes"))
+        m.gauge(
+            "pdkv_inflight_bytes",
+            "Bytes posted to the channel and not yet landed",
+            lambda: self._stat("inflight_bytes"),
+        )
         m.gauge("pdkv_open_transfers", "Outgoing transfers not yet settled", lambda: self._stat("open_transfers"))
         # the channel counts its own events (auth_failures of data connections) under the same names: exported summed
-        gauges = frozenset({"free_blocks", "free_staging_slots", "reservations", "reserved_blocks", "inflight_bytes", "open_transfers"})
+        gauges = frozenset(
+            {"free_blocks", "free_staging_slots", "reservations", "reserved_blocks", "inflight_bytes", "open_transfers"}
+        )
         m.events(lambda: collections.Counter(self.kv_role.stats()) + collections.Counter(self.channel.stats()), gauges)
 
     def _stat(self, name: str) -> float:
@@ -140,12 +148,20 @@ class Worker:
         return app
 
     async def models(self, _: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.engine.model_name, "object": "model", "created": 0, "owned_by": "pdkv"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": self.engine.model_name, "object": "model", "created": 0, "owned_by": "pdkv"}],
+            }
+        )
 
     async def health(self, _: web.Request) -> web.Response:
         stalled = self.loop.stalled_for()
         if stalled > self.config.stall_timeout_s:
-            message = f"engine stalled: {self.loop.num_running} requests and no step finished for {stalled:.0f}s (stall_timeout_s {self.config.stall_timeout_s:g})"
+            message = (
+                f"engine stalled: {self.loop.num_running} requests and no step finished for {stalled:.0f}s "
+                f"(stall_timeout_s {self.config.stall_timeout_s:g})"
+            )
             return web.json_response({"status": message, "role": self.role}, status=503)
         return web.json_response({"status": "ok", "role": self.role})
 
@@ -166,15 +182,21 @@ class Worker:
         if self.kv_events is not None:
             pub = self.kv_events.publisher
             info["kv_events"] = {
-                "endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint, "topic": pub.config.topic, "block_size": self.chunk_size,
-                "resync": "/pdkv/kv-events/resync", "curve": pub.curve is not None,  # whether a subscriber needs CURVE keys (pdkv.kv_events.curve)
-            }  # fmt: skip
+                "endpoint": pub.endpoint,
+                "replay_endpoint": pub.replay_endpoint,
+                "topic": pub.config.topic,
+                "block_size": self.chunk_size,
+                "resync": "/pdkv/kv-events/resync",
+                "curve": pub.curve is not None,  # whether a subscriber needs CURVE keys (pdkv.kv_events.curve)
+            }
         return web.json_response(info)
 
     async def _resync_kv_events(self, _: web.Request) -> web.Response:
         """A subscriber lost track of this worker's blocks: publish them all again (pdkv.worker.kv_events)."""
         if self.kv_events is None:
-            raise RequestError("this worker publishes no KV events (kv_events.enable_kv_cache_events is false)", status=404)
+            raise RequestError(
+                "this worker publishes no KV events (kv_events.enable_kv_cache_events is false)", status=404
+            )
         blocks = await asyncio.to_thread(self.kv_events.resync)
         return web.json_response({"blocks": blocks})
 
@@ -191,7 +213,9 @@ class Worker:
         loop = asyncio.get_running_loop()
         try:
             body = await read_json(http, self.config.http)
-            req = await loop.run_in_executor(self._parser, api.parse_request, body, self.engine, chat, self.served_models)
+            req = await loop.run_in_executor(
+                self._parser, api.parse_request, body, self.engine, chat, self.served_models
+            )
             plan = await self.kv_role.plan(req)
         except RequestError:  # answered by the error middleware
             self.metrics.requests.labels(self.role, "invalid").inc()
@@ -228,7 +252,9 @@ class Worker:
     def _logprobs_format(self, req: api.GenerationRequest) -> api.LogprobsFormat | None:
         return None if req.logprobs is None else api.LogprobsFormat(self.engine.tokenizer, req.chat)
 
-    async def _collect(self, req: api.GenerationRequest, plan: Plan, events: AsyncIterator[Event], arrived: float) -> web.Response:
+    async def _collect(
+        self, req: api.GenerationRequest, plan: Plan, events: AsyncIterator[Event], arrived: float
+    ) -> web.Response:
         tokens: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
         finish = None
@@ -241,9 +267,15 @@ class Worker:
         self._done(len(tokens))
         text = self.engine.tokenizer.decode(tokens)
         fmt = self._logprobs_format(req)
-        return web.json_response(api.full_response(req, text, tokens, finish, plan.kv_params, None if fmt is None else fmt.block(tokens, logprobs)))
+        return web.json_response(
+            api.full_response(
+                req, text, tokens, finish, plan.kv_params, None if fmt is None else fmt.block(tokens, logprobs)
+            )
+        )
 
-    async def _stream(self, http: web.Request, req: api.GenerationRequest, plan: Plan, events: AsyncIterator[Event], arrived: float) -> web.StreamResponse:
+    async def _stream(
+        self, http: web.Request, req: api.GenerationRequest, plan: Plan, events: AsyncIterator[Event], arrived: float
+    ) -> web.StreamResponse:
         """Stream the answer as server-sent events.
 
         A client that hangs up surfaces as ``ConnectionResetError`` from a write whenever the write comes
@@ -263,13 +295,24 @@ class Worker:
                         self._first_token(plan, token, lp, arrived)
                     count += 1
                     block = None if fmt is None else fmt.block([token], [lp])
-                    await resp.write(api.stream_event(req, detok.push(token, final=finish is not None), token, finish, first=count == 1, logprobs=block))
+                    await resp.write(
+                        api.stream_event(
+                            req,
+                            detok.push(token, final=finish is not None),
+                            token,
+                            finish,
+                            first=count == 1,
+                            logprobs=block,
+                        )
+                    )
             except PdkvError as exc:  # headers are gone: report in-band, as OpenAI does
                 self.metrics.requests.labels(self.role, "error").inc()
                 await end_with_error(resp, str(exc), 500)
                 return resp
             if plan.kv_params is not None:
-                await resp.write(sse({"id": req.request_id, "object": "kv_transfer_params", "kv_transfer_params": plan.kv_params}))
+                await resp.write(
+                    sse({"id": req.request_id, "object": "kv_transfer_params", "kv_transfer_params": plan.kv_params})
+                )
             if req.include_usage:
                 await resp.write(api.usage_event(req, count))
             await resp.write(SSE_DONE)
@@ -304,12 +347,14 @@ class Worker:
 
 
 def warn_if_data_plane_local(host: str, channel_host: str) -> None:
-    """A worker serving another host whose channel stays on loopback cannot move KV to or from any other host: say so at start."""
+    """A worker serving another host whose channel stays on loopback cannot move KV to or from any other host: say
+    so at start."""
     if is_loopback(channel_host) and not is_loopback(host):
         log.warning(
             "channel.options.host is %s while the worker serves %s: peers on other hosts cannot reach this worker's "
             "data plane, and every transfer with them will fail (drop channel.options.host to follow --host)",
-            channel_host, host,
+            channel_host,
+            host,
         )
 
 
@@ -322,4 +367,3 @@ async def _events(out: asyncio.Queue[Event | BaseException]) -> AsyncIterator[Ev
             raise item if isinstance(item, PdkvError) else PdkvError(f"generation failed: {item}")
         finished = item[1] is not None
         yield item
-

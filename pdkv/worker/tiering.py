@@ -42,7 +42,8 @@ ChunkHook = Callable[[Request, int, int], None]
 
 @dataclasses.dataclass
 class CachedPrefix:
-    """What ``load`` found for one request: the prompt keyed (None with the tier off) and how many tokens came from the tier."""
+    """What ``load`` found for one request: the prompt keyed (None with the tier off) and how many tokens came from
+    the tier."""
 
     keys: PromptKeys | None
     tokens: int = 0
@@ -51,13 +52,27 @@ class CachedPrefix:
 class Tiering:
     """The tier as one worker uses it, through a ``KVCacheEngine``; with the tier disabled every call is a no-op."""
 
-    def __init__(self, tier: CacheTier | None, engine: EngineAdapter, chunk_size: int, metrics: WorkerMetrics, load_batch_chunks: int = 4) -> None:
+    def __init__(
+        self,
+        tier: CacheTier | None,
+        engine: EngineAdapter,
+        chunk_size: int,
+        metrics: WorkerMetrics,
+        load_batch_chunks: int = 4,
+    ) -> None:
         self.engine = engine
         self.chunk_size = chunk_size
         self.metrics = metrics
-        self.cache = None if tier is None else KVCacheEngine(engine.layout, tier, chunk_size, fingerprint=engine.fingerprint, load_batch_chunks=load_batch_chunks)
+        self.cache = (
+            None
+            if tier is None
+            else KVCacheEngine(
+                engine.layout, tier, chunk_size, fingerprint=engine.fingerprint, load_batch_chunks=load_batch_chunks
+            )
+        )
         self.tier = None if self.cache is None else self.cache.tier
-        # Told each prompt's chunk keys, token ids and cache salt before its chunks are loaded or stored (pdkv.worker.kv_events).
+        # Told each prompt's chunk keys, token ids and cache salt before its chunks are loaded or stored
+        # (pdkv.worker.kv_events).
         self.on_prompt: Callable[[Sequence[bytes], Sequence[int], str], None] | None = None
         if self.tier is not None:
             metrics.registry.register(TierCollector(self.tier, metrics.role))
@@ -90,11 +105,15 @@ class Tiering:
         if self.on_prompt is not None:
             self.on_prompt(keys.keys, request.prompt_token_ids, request.cache_salt)
         prefix = CachedPrefix(keys)
-        loadable = keys.prefix((request.num_prompt_tokens - 1) // self.chunk_size * self.chunk_size)  # full chunks before the last token's
+        loadable = keys.prefix(
+            (request.num_prompt_tokens - 1) // self.chunk_size * self.chunk_size
+        )  # full chunks before the last token's
         try:
             loaded = int(self.cache.retrieve(loadable, self.engine.kv_buffer, request.block_table).sum())
         except Exception:  # nothing is marked computed yet: the engine overwrites whatever was scattered
-            log.exception("request %s: loading from the cache tier failed; computing the whole prompt", request.request_id)
+            log.exception(
+                "request %s: loading from the cache tier failed; computing the whole prompt", request.request_id
+            )
             return prefix
         prefix.tokens = loaded
         if loaded:
@@ -103,7 +122,8 @@ class Tiering:
         return prefix
 
     def offer(self, prefix: CachedPrefix, then: ChunkHook | None) -> ChunkHook | None:
-        """An engine ``on_chunk`` hook: run ``then`` (pushes to the decode worker come first), then store the full chunks computed."""
+        """An engine ``on_chunk`` hook: run ``then`` (pushes to the decode worker come first), then store the
+        full chunks computed."""
         cache, keys = self.cache, prefix.keys
         if cache is None or keys is None:
             return then
@@ -138,7 +158,11 @@ class TierCollector(Collector):
         ("read_bytes", "pdkv_tier_read_bytes", "KV bytes served by this cache level"),
         ("written_bytes", "pdkv_tier_written_bytes", "KV bytes stored in this cache level"),
         ("evictions", "pdkv_tier_evictions", "Chunks this cache level evicted to stay in its bound"),
-        ("errors", "pdkv_tier_errors", "Corrupt or mismatched chunks dropped, and failed reads/writes (served as misses)"),
+        (
+            "errors",
+            "pdkv_tier_errors",
+            "Corrupt or mismatched chunks dropped, and failed reads/writes (served as misses)",
+        ),
     )
     GAUGES = (
         ("bytes", "pdkv_tier_bytes", "KV bytes this cache level holds"),
@@ -164,7 +188,9 @@ class TierCollector(Collector):
                     gauge.add_metric([self.role, level], getattr(s, attr))
             yield gauge
         rejected = CounterMetricFamily(
-            "pdkv_tier_rejected", "Values read from this cache level and refused (served as misses), by reason: format, key, shape, size, mac, checksum",
+            "pdkv_tier_rejected",
+            "Values read from this cache level and refused (served as misses), by reason: format, key, shape, size, "
+            "mac, checksum",
             labels=["role", "tier", "reason"],
         )
         for level, s in stats.items():
@@ -172,9 +198,15 @@ class TierCollector(Collector):
                 rejected.add_metric([self.role, level, reason], count)
         yield rejected
         if isinstance(self.tier, TieredCache):
-            pending = GaugeMetricFamily("pdkv_tier_write_behind_bytes", "Bytes queued for the lower cache levels", labels=["role"])
+            pending = GaugeMetricFamily(
+                "pdkv_tier_write_behind_bytes", "Bytes queued for the lower cache levels", labels=["role"]
+            )
             pending.add_metric([self.role], self.tier.pending_bytes)
-            dropped = CounterMetricFamily("pdkv_tier_write_behind_dropped", "Chunks not written to the lower cache levels because the queue was full", labels=["role"])
+            dropped = CounterMetricFamily(
+                "pdkv_tier_write_behind_dropped",
+                "Chunks not written to the lower cache levels because the queue was full",
+                labels=["role"],
+            )
             dropped.add_metric([self.role], self.tier.dropped_chunks)
             yield pending
             yield dropped

@@ -55,10 +55,19 @@ def gather_scatter() -> dict[str, Any]:
     from pdkv import native
     from pdkv.bench.gather import LAYOUTS, NUM_BLOCKS, TOKENS
 
-    out: dict[str, Any] = {"native": native.available(), "reason": native.reason(), "cuda_kernel": native.cuda_reason() is None, "cuda_reason": native.cuda_reason(), "rows": []}
+    out: dict[str, Any] = {
+        "native": native.available(),
+        "reason": native.reason(),
+        "cuda_kernel": native.cuda_reason() is None,
+        "cuda_reason": native.cuda_reason(),
+        "rows": [],
+    }
     gen = torch.Generator(device="cuda").manual_seed(0)
     for layout in LAYOUTS:
-        tensors = [torch.empty(layout.tensor_shape(NUM_BLOCKS), dtype=layout.torch_dtype, device="cuda") for _ in range(layout.num_tensors)]
+        tensors = [
+            torch.empty(layout.tensor_shape(NUM_BLOCKS), dtype=layout.torch_dtype, device="cuda")
+            for _ in range(layout.num_tensors)
+        ]
         table = torch.randperm(NUM_BLOCKS, device="cuda", generator=gen)[: layout.blocks_for(TOKENS)].cpu()
         for t in tensors:
             t.normal_(generator=gen)
@@ -69,17 +78,35 @@ def gather_scatter() -> dict[str, Any]:
         native.scatter(layout, other, table, 0, want)
         back = torch_path.gather(layout, other, table, 0, TOKENS)
         out_buf = torch.empty_like(want)
-        src, dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda"), torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        src, dst = (
+            torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+            torch.empty(nbytes, dtype=torch.uint8, device="cuda"),
+        )
         copy = _timed_gbps(lambda src=src, dst=dst: dst.copy_(src), nbytes)
         row = {
-            "layout": f"{layout.kind} {layout.order}", "bytes": nbytes,
+            "layout": f"{layout.kind} {layout.order}",
+            "bytes": nbytes,
             "gather_bit_exact": bool(torch.equal(got.view(torch.uint8), want.view(torch.uint8))),
             "scatter_bit_exact": bool(torch.equal(back.view(torch.uint8), want.view(torch.uint8))),
-            "gather_gbps": _timed_gbps(lambda layout=layout, tensors=tensors, table=table, o=out_buf: native.gather(layout, tensors, table, 0, TOKENS, o), nbytes),
-            "scatter_gbps": _timed_gbps(lambda layout=layout, other=other, table=table, w=want: native.scatter(layout, other, table, 0, w), nbytes),
-            "torch_gather_gbps": _timed_gbps(lambda layout=layout, tensors=tensors, table=table, o=out_buf: torch_path.gather(layout, tensors, table, 0, TOKENS, o), nbytes, 5),
+            "gather_gbps": _timed_gbps(
+                lambda layout=layout, tensors=tensors, table=table, o=out_buf: native.gather(
+                    layout, tensors, table, 0, TOKENS, o
+                ),
+                nbytes,
+            ),
+            "scatter_gbps": _timed_gbps(
+                lambda layout=layout, other=other, table=table, w=want: native.scatter(layout, other, table, 0, w),
+                nbytes,
+            ),
+            "torch_gather_gbps": _timed_gbps(
+                lambda layout=layout, tensors=tensors, table=table, o=out_buf: torch_path.gather(
+                    layout, tensors, table, 0, TOKENS, o
+                ),
+                nbytes,
+                5,
+            ),
             "device_copy_gbps": copy,
-        }  # fmt: skip
+        }
         row["gather_vs_copy"] = row["gather_gbps"] / copy
         row["scatter_vs_copy"] = row["scatter_gbps"] / copy
         out["rows"].append(row)
@@ -143,9 +170,12 @@ def main() -> int:
         return 2
     started = time.monotonic()
     summary: dict[str, Any] = {
-        "torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
-        "python": sys.version.split()[0], "parts": {},
-    }  # fmt: skip
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0),
+        "python": sys.version.split()[0],
+        "parts": {},
+    }
     for name in args.parts.split(","):
         if time.monotonic() - started > DEADLINE_S:
             summary["parts"][name] = {"skipped": f"not started: past the {DEADLINE_S}s budget"}
@@ -157,7 +187,11 @@ def main() -> int:
             result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc(limit=8)}
         result["seconds"] = round(time.monotonic() - t0, 1)
         summary["parts"][name] = result
-        print(f"[gpu check] {name}: {result['seconds']}s{' ERROR ' + result['error'] if 'error' in result else ''}", file=sys.stderr, flush=True)
+        print(
+            f"[gpu check] {name}: {result['seconds']}s{' ERROR ' + result['error'] if 'error' in result else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
     summary["seconds"] = round(time.monotonic() - started, 1)
     text = json.dumps(summary)
     print(text)

@@ -21,18 +21,34 @@ WORKER_CONFIG: dict[str, Any] = {
     "num_blocks": 256,
     "dtype": "float32",
     # short leases and timeouts: a dead peer is noticed within seconds, so the soak is short and nothing waits long
-    "transfer": {"chunk_size": 32, "lease_s": 1, "heartbeat_s": 0.25, "transfer_timeout_s": 5, "handshake_timeout_s": 3,
-                 "reserve_timeout_s": 3, "chunk_timeout_s": 5, "claim_timeout_s": 10, "drain_timeout_s": 2},
-}  # fmt: skip
+    "transfer": {
+        "chunk_size": 32,
+        "lease_s": 1,
+        "heartbeat_s": 0.25,
+        "transfer_timeout_s": 5,
+        "handshake_timeout_s": 3,
+        "reserve_timeout_s": 3,
+        "chunk_timeout_s": 5,
+        "claim_timeout_s": 10,
+        "drain_timeout_s": 2,
+    },
+}
 
 SETTLE_S = WORKER_CONFIG["transfer"]["transfer_timeout_s"] + WORKER_CONFIG["transfer"]["lease_s"] + 1.0
 """How long a fault's effects may outlast it: a transfer it stalled times out, or its lease expires, by then."""
 
 ROUTER_CONFIG: dict[str, Any] = {
     "secret": WORKER_CONFIG["secret"],  # the router cancels transfers on the decode workers: their control token
-    "router": {"connect_timeout_s": 2, "prefill_timeout_s": 15, "decode_timeout_s": 30, "read_timeout_s": 15,
-               "health_timeout_s": 2, "health_interval_s": 1, "max_retries": 2},
-}  # fmt: skip
+    "router": {
+        "connect_timeout_s": 2,
+        "prefill_timeout_s": 15,
+        "decode_timeout_s": 30,
+        "read_timeout_s": 15,
+        "health_timeout_s": 2,
+        "health_interval_s": 1,
+        "max_retries": 2,
+    },
+}
 
 # The router's admin endpoints, with the secret and no admin_token, want the secret's control token.
 ADMIN = {"Authorization": f"Bearer {control_token(WORKER_CONFIG['secret'])}"}
@@ -66,8 +82,7 @@ class Cluster:
     def start(self) -> None:
         with ThreadPoolExecutor(3) as pool:  # start-up is mostly imports: overlap them
             futs = [
-                pool.submit(self.start_worker, r, i)
-                for r, i in (("prefill", 0), ("decode", 0), ("decode", PROXIED))
+                pool.submit(self.start_worker, r, i) for r, i in (("prefill", 0), ("decode", 0), ("decode", PROXIED))
             ]
             self.prefill, *self.decode = [f.result() for f in futs]
         args = ["--prefill", self.prefill.url] + [a for d in self.decode for a in ("--decode", d.url)]
@@ -75,11 +90,7 @@ class Cluster:
 
     def live_workers(self) -> list[WorkerProcess]:
         with self.lock:
-            return [
-                w
-                for w in [self.prefill, *self.decode]
-                if w is not None and w.proc.poll() is None
-            ]
+            return [w for w in [self.prefill, *self.decode] if w is not None and w.proc.poll() is None]
 
     def stop(self) -> None:
         for w in [self.router, *self.decode, self.prefill, *self.dead]:

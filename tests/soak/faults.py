@@ -18,6 +18,7 @@ def kill_and_restart_decode(cluster: Cluster, counts: Counts, monitor: KVMonitor
     with counts.fault_window("decode_sigkill"):
         _kill_and_restart_decode(cluster, counts, monitor, cycle)
 
+
 def _kill_and_restart_decode(cluster: Cluster, counts: Counts, monitor: KVMonitor, cycle: int) -> None:
     assert cluster.router is not None
     index = cycle % len(cluster.decode)
@@ -44,13 +45,12 @@ def _kill_and_restart_decode(cluster: Cluster, counts: Counts, monitor: KVMonito
         headers=ADMIN,
     )
     if status not in (200, 201):
-        raise RuntimeError(
-            f"registering the restarted decode worker failed: HTTP {status}: {raw[:300]!r}"
-        )
+        raise RuntimeError(f"registering the restarted decode worker failed: HTTP {status}: {raw[:300]!r}")
     with cluster.lock:
         cluster.decode[index] = fresh
         cluster.dead.append(victim)
     counts.faults.append(f"restarted decode as {fresh.url} and registered it")
+
 
 def stall_prefill(cluster: Cluster, counts: Counts, seconds: float = 2.0) -> None:
     """A slow peer: the prefill worker freezes (SIGSTOP) mid-traffic, then resumes."""
@@ -64,13 +64,13 @@ def stall_prefill(cluster: Cluster, counts: Counts, seconds: float = 2.0) -> Non
     counts.injected["prefill_stall"] += 1
     counts.faults.append(f"SIGSTOP prefill for {seconds}s")
 
+
 def _events(worker: WorkerProcess) -> tuple[float, float]:
     """A decode worker's (checksum failures, fallbacks) so far, from its /metrics."""
     _, raw = request("GET", worker.url + "/metrics", timeout=5)
     text = raw.decode()
-    return metric(
-        text, "pdkv_transfer_events_total", event="checksum_failures"
-    ), metric(text, "pdkv_fallbacks_total")
+    return metric(text, "pdkv_transfer_events_total", event="checksum_failures"), metric(text, "pdkv_fallbacks_total")
+
 
 def corrupt_chunk(cluster: Cluster, counts: Counts, wait_s: float = 30.0) -> None:
     """Flip one byte of the next chunk on its way to the proxied decode worker; it must notice and recompute.
@@ -82,6 +82,7 @@ def corrupt_chunk(cluster: Cluster, counts: Counts, wait_s: float = 30.0) -> Non
     """
     with counts.fault_window("corrupt_chunk"):
         _corrupt_chunk(cluster, counts, wait_s)
+
 
 def _corrupt_chunk(cluster: Cluster, counts: Counts, wait_s: float) -> None:
     with cluster.lock:

@@ -20,6 +20,7 @@ LEAK_GAUGES = (
     "pdkv_open_transfers",
 )
 
+
 def _fallbacks_by_reason(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -28,6 +29,7 @@ def _fallbacks_by_reason(text: str) -> dict[str, float]:
             reason = series.split('reason="', 1)[1].split('"', 1)[0]
             out[reason] = out.get(reason, 0.0) + float(value)
     return out
+
 
 class KVMonitor:
     """Samples every decode worker's prompt-KV counters while the soak runs, so that a fallback is seen with the
@@ -52,7 +54,9 @@ class KVMonitor:
         except OSError:
             return None  # dead, or being replaced: what it did since its last sample is lost with it
         text = raw.decode()
-        computed = metric(text, "pdkv_prompt_tokens_total", source="computed") + metric(text, "pdkv_prompt_tokens_total", source="tier")
+        computed = metric(text, "pdkv_prompt_tokens_total", source="computed") + metric(
+            text, "pdkv_prompt_tokens_total", source="tier"
+        )
         return metric(text, "pdkv_prompt_tokens_total", source="transferred"), computed, _fallbacks_by_reason(text)
 
     def baseline(self) -> None:
@@ -76,7 +80,11 @@ class KVMonitor:
             for reason, value in now[2].items():
                 n = int(value - fallbacks.get(reason, 0.0))
                 if n:
-                    kind = self.counts.fallbacks_after_fault if self.counts.during_fault(prev_t, t) else self.counts.fallbacks_without_fault
+                    kind = (
+                        self.counts.fallbacks_after_fault
+                        if self.counts.during_fault(prev_t, t)
+                        else self.counts.fallbacks_without_fault
+                    )
                     kind[reason] += n
 
     def _run(self) -> None:
@@ -97,6 +105,7 @@ class KVMonitor:
         for w in self.cluster.live_workers():
             if w.role == "decode":
                 self.sample(w)
+
 
 def read_leaks(cluster: Cluster, wait_s: float) -> dict[str, float]:
     """Non-zero leak gauges per live worker, polled until all are zero or ``wait_s`` passed (things settle)."""

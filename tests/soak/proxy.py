@@ -20,6 +20,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
         buf += data
     return bytes(buf)
 
+
 class CorruptingProxy:
     """A TCP forwarder in front of a tcp channel listener that flips a byte of a chunk when armed.
 
@@ -64,9 +65,7 @@ class CorruptingProxy:
                 client, _ = self.server.accept()
             except OSError:
                 return  # closed
-            threading.Thread(
-                target=self._serve, args=(client,), name="soak-proxy-conn", daemon=True
-            ).start()
+            threading.Thread(target=self._serve, args=(client,), name="soak-proxy-conn", daemon=True).start()
 
     def _serve(self, client: socket.socket) -> None:
         try:
@@ -77,9 +76,7 @@ class CorruptingProxy:
         upstream.settimeout(None)
         with self.cond:
             self.conns.update((client, upstream))
-        back = threading.Thread(
-            target=self._pipe_back, args=(upstream, client), daemon=True
-        )
+        back = threading.Thread(target=self._pipe_back, args=(upstream, client), daemon=True)
         back.start()
         try:
             self._forward_frames(client, upstream)
@@ -121,17 +118,13 @@ class CorruptingProxy:
             if ftype == DATA and flags & NOTIF_FOLLOWS:
                 self._copy(src, dst, notif, -1)
 
-    def _copy(
-        self, src: socket.socket, dst: socket.socket, n: int, flip_at: int
-    ) -> None:
+    def _copy(self, src: socket.socket, dst: socket.socket, n: int, flip_at: int) -> None:
         """Forward ``n`` bytes, inverting the one at ``flip_at`` (-1: none) on the way."""
         pos = 0
         while pos < n:
             data = src.recv(min(n - pos, 1 << 20))
             if not data:
-                raise ConnectionError(
-                    f"closed inside a frame, {pos} of {n} bytes forwarded"
-                )
+                raise ConnectionError(f"closed inside a frame, {pos} of {n} bytes forwarded")
             if pos <= flip_at < pos + len(data):
                 flipped = bytearray(data)
                 flipped[flip_at - pos] ^= 0xFF

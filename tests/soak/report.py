@@ -37,7 +37,9 @@ class Counts:
     fallbacks_after_fault: collections.Counter[str] = field(default_factory=collections.Counter)  # by reason
     fallbacks_without_fault: collections.Counter[str] = field(default_factory=collections.Counter)  # must stay empty
     failed_without_fault: int = 0  # requests that failed cleanly while no fault was in effect: must be 0
-    windows: list[list[Any]] = field(default_factory=list)  # [fault kind, start, end] in monotonic s; end inf while in effect
+    windows: list[list[Any]] = field(
+        default_factory=list
+    )  # [fault kind, start, end] in monotonic s; end inf while in effect
 
     @property
     def failed_cleanly_bound(self) -> int:
@@ -58,19 +60,28 @@ class Counts:
         finally:
             window[2] = time.monotonic()
 
+
 def problems(counts: Counts) -> list[str]:
     """What makes a soak fail; empty when it passed."""
-    out = [f"{what}: {n}" for what, n in (("hung", counts.hung), ("leaked", counts.leaked), ("mismatched", counts.mismatched)) if n]
+    out = [
+        f"{what}: {n}"
+        for what, n in (("hung", counts.hung), ("leaked", counts.leaked), ("mismatched", counts.mismatched))
+        if n
+    ]
     out += [e for e in counts.errors if e.startswith("fault")]
     if counts.fallbacks_without_fault:
         out.append(f"prompts recomputed while no fault was in effect: {dict(counts.fallbacks_without_fault)}")
     if counts.failed_without_fault:
         out.append(f"requests failed while no fault was in effect: {counts.failed_without_fault}")
     if counts.failed_cleanly > counts.failed_cleanly_bound:
-        out.append(f"failed cleanly: {counts.failed_cleanly}, more than the {counts.failed_cleanly_bound} in flight at the faults that can fail one")
+        out.append(
+            f"failed cleanly: {counts.failed_cleanly}, more than the {counts.failed_cleanly_bound} in flight at the "
+            "faults that can fail one"
+        )
     if not counts.transferred_tokens:
         out.append("no prompt's KV was transferred")
     return out
+
 
 def summary(counts: Counts) -> dict[str, Any]:
     faults = sorted(set(counts.faults), key=counts.faults.index)
@@ -98,10 +109,7 @@ def summary(counts: Counts) -> dict[str, Any]:
         "hung": counts.hung,
         "leaked": counts.leaked,
         "seconds": counts.seconds,
-        "faults": [
-            f"{f} x{counts.faults.count(f)}" if counts.faults.count(f) > 1 else f
-            for f in faults
-        ],
+        "faults": [f"{f} x{counts.faults.count(f)}" if counts.faults.count(f) > 1 else f for f in faults],
         "leaks": counts.leaks,
         "errors": counts.errors,
         "problems": problems(counts),

@@ -73,9 +73,7 @@ def soak(
                 ):
                     name = fault.func.__name__
                     if not wait_done(at):
-                        counts.errors.append(
-                            f"fault {name} never triggered: traffic stalled before request {at}"
-                        )
+                        counts.errors.append(f"fault {name} never triggered: traffic stalled before request {at}")
                         return
                     try:
                         fault()
@@ -91,14 +89,10 @@ def soak(
             for k, b in enumerate(starts):
                 gate = b + block // 2
                 if gate <= i < gate + block // 2 and not restarted[k].wait(timeout * 4):
-                    counts.errors.append(
-                        f"fault kill_and_restart_decode did not finish before request {i}"
-                    )
+                    counts.errors.append(f"fault kill_and_restart_decode did not finish before request {i}")
             start = time.monotonic()
             try:
-                outcome, detail = one_request(
-                    router_url, ps[i % len(ps)], expected[i % len(ps)], drop, timeout
-                )
+                outcome, detail = one_request(router_url, ps[i % len(ps)], expected[i % len(ps)], drop, timeout)
                 return outcome, detail, start, time.monotonic()
             finally:
                 with done_lock:

@@ -15,12 +15,12 @@ from soak.cluster import Cluster
 
 MAX_TOKENS = 8
 
+
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     """Distinct prompts of 40..120 tokens (several 32-token chunks each), ids inside the tiny vocabulary."""
     rng = random.Random(seed)
-    return [
-        [rng.randrange(3, 300) for _ in range(rng.randrange(40, 121))] for _ in range(n)
-    ]
+    return [[rng.randrange(3, 300) for _ in range(rng.randrange(40, 121))] for _ in range(n)]
+
 
 def body(prompt: list[int], stream: bool = False) -> dict[str, Any]:
     return {
@@ -32,23 +32,19 @@ def body(prompt: list[int], stream: bool = False) -> dict[str, Any]:
         "stream": stream,
     }
 
+
 def fault_free(cluster: Cluster, ps: list[list[int]]) -> list[list[int]]:
     """Each prompt's answer from a decode worker alone, before any fault: the reference."""
     out = []
     for p in ps:
-        status, raw = request(
-            "POST", cluster.decode[0].url + "/v1/completions", body(p), timeout=60
-        )
+        status, raw = request("POST", cluster.decode[0].url + "/v1/completions", body(p), timeout=60)
         if status != 200:
-            raise RuntimeError(
-                f"fault-free generation failed: HTTP {status}: {raw[:300]!r}"
-            )
+            raise RuntimeError(f"fault-free generation failed: HTTP {status}: {raw[:300]!r}")
         out.append(json.loads(raw)["choices"][0]["token_ids"])
     return out
 
-def one_request(
-    router: str, prompt: list[int], expected: list[int], drop: bool, timeout: float
-) -> tuple[str, str]:
+
+def one_request(router: str, prompt: list[int], expected: list[int], drop: bool, timeout: float) -> tuple[str, str]:
     """Send one request through the router; returns (outcome, detail).
 
     ``drop``: stream it and hang up after the first event, as a client that

@@ -71,9 +71,15 @@ class PdkvConnectorMetadata(StepMetadata, KVConnectorMetadata):
 def vllm_fingerprint(vllm_config: VllmConfig) -> str:
     """Same model, same config, same KV dtype => same fingerprint, on P and D alike (paths excluded)."""
     mc = vllm_config.model_config
-    hf = {k: v for k, v in mc.hf_config.to_dict().items() if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype")}
+    hf = {
+        k: v
+        for k, v in mc.hf_config.to_dict().items()
+        if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
+    }
     name = os.path.basename(str(mc.model).rstrip("/"))
-    return model_fingerprint(name, json.loads(json.dumps(hf, default=str)), f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}")
+    return model_fingerprint(
+        name, json.loads(json.dumps(hf, default=str)), f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}"
+    )
 
 
 def vllm_layout(vllm_config: VllmConfig) -> KVLayout:
@@ -81,8 +87,13 @@ def vllm_layout(vllm_config: VllmConfig) -> KVLayout:
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     dtype = next((name for name, t in DTYPES.items() if t == mc.dtype), "bfloat16")
     return KVLayout(
-        num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc), head_dim=mc.get_head_size(),
-        block_size=vllm_config.cache_config.block_size, dtype=dtype, kind="per_layer", order="HKND",
+        num_layers=mc.get_num_layers(pc),
+        num_kv_heads=mc.get_num_kv_heads(pc),
+        head_dim=mc.get_head_size(),
+        block_size=vllm_config.cache_config.block_size,
+        dtype=dtype,
+        kind="per_layer",
+        order="HKND",
     )
 
 
@@ -91,17 +102,22 @@ class PdkvConnector(KVConnectorBase_V1):
 
     _cache_hit_source = CacheHitSource.P2P  # vllm:prompt_tokens_cached_by_source{source="p2p"}
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {})
         if SECRET_ENV in os.environ and not extra.get("secret"):
-            extra["secret"] = os.environ[SECRET_ENV]  # how pdkv launch hands it over: never on a command line `ps` shows
+            extra["secret"] = os.environ[
+                SECRET_ENV
+            ]  # how pdkv launch hands it over: never on a command line `ps` shows
         self.config = convert_config(extra, "kv_transfer_config.kv_connector_extra_config")
         pc = vllm_config.parallel_config
         if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
             raise ConfigError(
-                f"PdkvConnector runs with tensor/pipeline parallel size 1 only (got tp={pc.tensor_parallel_size}, pp={pc.pipeline_parallel_size}): "
+                f"PdkvConnector runs with tensor/pipeline parallel size 1 only (got tp={pc.tensor_parallel_size}, "
+                f"pp={pc.pipeline_parallel_size}): "
                 "one receiver per rank is not implemented"
             )
         self.block_size = vllm_config.cache_config.block_size
@@ -113,16 +129,31 @@ class PdkvConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._cache = self._shared_cache(vllm_layout(vllm_config))
             lookup = self._cache.lookup if self._cache is not None else None
-            self.scheduler = SchedulerSide(self.fingerprint, self.config.transfer.chunk_size, producer, consumer, lookup)
+            self.scheduler = SchedulerSide(
+                self.fingerprint, self.config.transfer.chunk_size, producer, consumer, lookup
+            )
         else:
-            self.worker = WorkerSide(self.config, self.fingerprint, producer, consumer, agent_name("producer" if producer else "consumer"), self._shared_cache)
+            self.worker = WorkerSide(
+                self.config,
+                self.fingerprint,
+                producer,
+                consumer,
+                agent_name("producer" if producer else "consumer"),
+                self._shared_cache,
+            )
 
     def _shared_cache(self, layout: KVLayout) -> KVCacheEngine | None:
-        """The config's Redis level alone, or None: memory and disk levels are per process, and vLLM's scheduler and workers are separate processes."""
+        """The config's Redis level alone, or None: memory and disk levels are per process, and vLLM's scheduler
+        and workers are separate processes."""
         t = self.config.tier
         if not (t.enabled and t.redis_url):
             return None
-        return KVCacheEngine(layout, msgspec.structs.replace(t, memory_bytes=0, disk_path=""), self.config.transfer.chunk_size, fingerprint=self.fingerprint)
+        return KVCacheEngine(
+            layout,
+            msgspec.structs.replace(t, memory_bytes=0, disk_path=""),
+            self.config.transfer.chunk_size,
+            fingerprint=self.fingerprint,
+        )
 
     # -- scheduler side --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -157,8 +188,11 @@ class PdkvConnector(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads complete between steps (the request waits in WAITING_FOR_REMOTE_KVS): nothing to wait for here."""
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        """The wire unit is a chunk of all layers, so pushing starts in ``wait_for_save``, once the step's layers are all written."""
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        """The wire unit is a chunk of all layers, so pushing starts in ``wait_for_save``, once the step's
+        layers are all written."""
 
     def wait_for_save(self) -> None:
         assert self.worker is not None

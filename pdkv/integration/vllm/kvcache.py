@@ -41,16 +41,26 @@ def cpu_cache_layout(kv_caches: Mapping[str, torch.Tensor], block_size: int) -> 
             f"[blocks, kv_heads, block_size={block_size}, 2*head_dim] (see pdkv/integration/vllm/kvcache.py)"
         )
     if first.dtype not in _DTYPE_NAMES:
-        raise LayoutError(f"vLLM KV cache dtype {first.dtype} is not one pdkv moves ({sorted(DTYPES)}); fp8 KV caches are not mapped")
+        raise LayoutError(
+            f"vLLM KV cache dtype {first.dtype} is not one pdkv moves ({sorted(DTYPES)}); fp8 KV caches are not mapped"
+        )
     num_blocks, heads, _, two_d = first.shape
     layout = KVLayout(
-        num_layers=len(tensors), num_kv_heads=heads, head_dim=two_d // 2, block_size=block_size,
-        dtype=_DTYPE_NAMES[first.dtype], kind="per_layer", order="HKND",
+        num_layers=len(tensors),
+        num_kv_heads=heads,
+        head_dim=two_d // 2,
+        block_size=block_size,
+        dtype=_DTYPE_NAMES[first.dtype],
+        kind="per_layer",
+        order="HKND",
     )
     views = []
     for name, t in kv_caches.items():
         if t.shape != first.shape or t.dtype != first.dtype or not t.is_contiguous():
-            raise LayoutError(f"vLLM KV cache tensor {name!r} is {tuple(t.shape)} {t.dtype} (contiguous={t.is_contiguous()}); expected every layer like the first, {tuple(first.shape)} {first.dtype}")
+            raise LayoutError(
+                f"vLLM KV cache tensor {name!r} is {tuple(t.shape)} {t.dtype} (contiguous={t.is_contiguous()}); "
+                f"expected every layer like the first, {tuple(first.shape)} {first.dtype}"
+            )
         views.append(t.view(layout.tensor_shape(num_blocks)))
     return layout, views
 

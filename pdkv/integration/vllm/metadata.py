@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class SendSpec:
-    """Prefill: push ``num_tokens`` prompt tokens of ``req_id`` from ``block_ids``; ``ready_tokens`` are computed after this step."""
+    """Prefill: push ``num_tokens`` prompt tokens of ``req_id`` from ``block_ids``; ``ready_tokens`` are computed
+    after this step."""
 
     req_id: str
     transfer_id: str

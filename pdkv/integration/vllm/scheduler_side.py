@@ -60,9 +60,17 @@ class _Match:
 
 
 class SchedulerSide:
-    """See the module docstring. ``fingerprint``/``chunk_size`` must match the other instances' (all derive them from the model)."""
+    """See the module docstring. ``fingerprint``/``chunk_size`` must match the other instances' (all derive them
+    from the model)."""
 
-    def __init__(self, fingerprint: str, chunk_size: int, is_producer: bool, is_consumer: bool, tier_lookup: TierLookup | None = None) -> None:
+    def __init__(
+        self,
+        fingerprint: str,
+        chunk_size: int,
+        is_producer: bool,
+        is_consumer: bool,
+        tier_lookup: TierLookup | None = None,
+    ) -> None:
         self.fingerprint = fingerprint
         self.chunk_size = chunk_size
         self.is_producer = is_producer
@@ -100,13 +108,19 @@ class SchedulerSide:
         if info is None:
             return None
         prompt = list(request.prompt_token_ids or [])
-        own = prompt_key(prompt[: info.num_tokens], self.fingerprint, self.chunk_size, cache_salt(request)) if info.num_tokens <= len(prompt) else ""
+        own = (
+            prompt_key(prompt[: info.num_tokens], self.fingerprint, self.chunk_size, cache_salt(request))
+            if info.num_tokens <= len(prompt)
+            else ""
+        )
         if own != info.prompt_key:  # early out; the binding that counts is P's Reserve, checked when the KV is claimed
             self.rejected_prompts += 1
             self._discards.append(info.transfer_id)
             log.warning(
-                "request %s: its prompt is not the one prefilled for transfer %s (tokenizer, chat template or model differ between P and D?); recomputing it",
-                request.request_id, info.transfer_id,
+                "request %s: its prompt is not the one prefilled for transfer %s (tokenizer, chat template or model "
+                "differ between P and D?); recomputing it",
+                request.request_id,
+                info.transfer_id,
             )
             return None
         return _Match(info.num_tokens, transfer_id=info.transfer_id, prompt_key=bytes.fromhex(own))
@@ -127,12 +141,16 @@ class SchedulerSide:
         (the tier lookup, the saves and the push's ``prompt_key`` all read them)."""
         keys = self._keys.get(request.request_id)
         if keys is None:
-            keys = self._keys[request.request_id] = PromptKeys.of(list(request.prompt_token_ids or []), self.fingerprint, self.chunk_size, cache_salt(request))
+            keys = self._keys[request.request_id] = PromptKeys.of(
+                list(request.prompt_token_ids or []), self.fingerprint, self.chunk_size, cache_salt(request)
+            )
         return keys
 
     def _full_chunk_keys(self, request: Any) -> PromptKeys:
         """The prompt's full chunks (a partial last chunk is never cached: its key would not be reused)."""
-        return self._prompt_keys(request).prefix(len(request.prompt_token_ids or []) // self.chunk_size * self.chunk_size)
+        return self._prompt_keys(request).prefix(
+            len(request.prompt_token_ids or []) // self.chunk_size * self.chunk_size
+        )
 
     def after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -143,13 +161,25 @@ class SchedulerSide:
             return
         self._attempted.add(req_id)
         if num_external_tokens > 0:
-            self._loads.append(LoadSpec(req_id, match.transfer_id, match.tokens, match.local_tokens, list(block_ids), match.tier_keys, match.prompt_key))
+            self._loads.append(
+                LoadSpec(
+                    req_id,
+                    match.transfer_id,
+                    match.tokens,
+                    match.local_tokens,
+                    list(block_ids),
+                    match.tier_keys,
+                    match.prompt_key,
+                )
+            )
         elif match.transfer_id:  # the local prefix cache covered it: the pushed copy is not needed
             self._discards.append(match.transfer_id)
 
     # -- pushes and saves ------------------------------------------------------------------
     def _track(self, request: Any) -> None:
-        target = push_target(getattr(request, "kv_transfer_params", None), request.request_id) if self.is_producer else None
+        target = (
+            push_target(getattr(request, "kv_transfer_params", None), request.request_id) if self.is_producer else None
+        )
         save_keys = list(self._full_chunk_keys(request).keys) if self.tier_lookup is not None else []
         if target is not None or save_keys:
             key = self._prompt_keys(request).keys[-1] if target is not None else b""  # prompt_key(prompt)
@@ -171,7 +201,9 @@ class SchedulerSide:
                 continue
             added = cached.new_block_ids[i]
             if added is not None:
-                track.block_ids = list(added[0]) if req_id in cached.resumed_req_ids else track.block_ids + list(added[0])
+                track.block_ids = (
+                    list(added[0]) if req_id in cached.resumed_req_ids else track.block_ids + list(added[0])
+                )
             self._emit(meta, req_id, track, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         return meta
 
@@ -179,10 +211,23 @@ class SchedulerSide:
         ready = min(computed, track.num_tokens)
         if track.target is not None:
             track.emitted = True
-            meta.sends.append(SendSpec(req_id, track.target.transfer_id, track.target.address, track.num_tokens, list(track.block_ids), ready, track.key))
+            meta.sends.append(
+                SendSpec(
+                    req_id,
+                    track.target.transfer_id,
+                    track.target.address,
+                    track.num_tokens,
+                    list(track.block_ids),
+                    ready,
+                    track.key,
+                )
+            )
         match = self._matches.get(req_id)
         loaded = match.tokens if match is not None and req_id in self._attempted else 0
-        first, end = max(-(-loaded // self.chunk_size), track.saved), min(ready // self.chunk_size, len(track.save_keys))
+        first, end = (
+            max(-(-loaded // self.chunk_size), track.saved),
+            min(ready // self.chunk_size, len(track.save_keys)),
+        )
         if first < end:  # computed here, not loaded, not offered before: offer them
             meta.saves.append(SaveSpec(req_id, first, track.save_keys[:end], list(track.block_ids)))
             track.saved = end
@@ -199,4 +244,8 @@ class SchedulerSide:
         if request.num_computed_tokens < track.num_tokens:  # aborted mid-prefill: the worker cancels the push
             return True, None
         out = Pushed(track.target.transfer_id, track.num_tokens, track.key.hex())
-        return True, {**{f: getattr(out, f) for f in out.__struct_fields__}, "remote_host": track.target.remote_host, "remote_port": track.target.remote_port}
+        return True, {
+            **{f: getattr(out, f) for f in out.__struct_fields__},
+            "remote_host": track.target.remote_host,
+            "remote_port": track.target.remote_port,
+        }

@@ -86,7 +86,15 @@ class _Push:
 class WorkerSide:
     """See the module docstring. ``register`` must run before anything else (vLLM calls it at start)."""
 
-    def __init__(self, config: PdkvConfig, fingerprint: str, is_producer: bool, is_consumer: bool, agent_name: str, cache: Callable[[KVLayout], KVCacheEngine | None] | None = None) -> None:
+    def __init__(
+        self,
+        config: PdkvConfig,
+        fingerprint: str,
+        is_producer: bool,
+        is_consumer: bool,
+        agent_name: str,
+        cache: Callable[[KVLayout], KVCacheEngine | None] | None = None,
+    ) -> None:
         self.config = config
         self.fingerprint = fingerprint
         self.is_producer = is_producer
@@ -122,7 +130,9 @@ class WorkerSide:
             return
         channel = create_channel(self.config.channel.name, self.agent_name, self.config.channel_options())
         if self.is_producer:
-            self.sender = KVSender(channel, layout, vllm_kv, self.fingerprint, self.config.transfer, secret=self.config.secret)
+            self.sender = KVSender(
+                channel, layout, vllm_kv, self.fingerprint, self.config.transfer, secret=self.config.secret
+            )
             self._push_thread = threading.Thread(target=self._push_loop, name="pdkv-vllm-push", daemon=True)
             self._push_thread.start()
         if self.is_consumer:
@@ -130,10 +140,23 @@ class WorkerSide:
             device = vllm_kv[0].device if vllm_kv and in_reach(vllm_kv[0], channel.memory) else torch.device("cpu")
             self._landing = layout.allocate(self.config.num_blocks, device=device)
             self.receiver = KVReceiver(
-                channel, layout, self._landing, BlockAllocator(self.config.num_blocks), self.fingerprint, self.config.transfer,
-                host=self.config.host, port=self.config.control_port, secret=self.config.secret, advertise_host=self.config.advertise_host,
+                channel,
+                layout,
+                self._landing,
+                BlockAllocator(self.config.num_blocks),
+                self.fingerprint,
+                self.config.transfer,
+                host=self.config.host,
+                port=self.config.control_port,
+                secret=self.config.secret,
+                advertise_host=self.config.advertise_host,
             )
-            log.info("pdkv receiver for vLLM listening on %s (%d landing blocks of %d tokens)", self.receiver.address, self.config.num_blocks, layout.block_size)
+            log.info(
+                "pdkv receiver for vLLM listening on %s (%d landing blocks of %d tokens)",
+                self.receiver.address,
+                self.config.num_blocks,
+                layout.block_size,
+            )
 
     # -- prefill: push ----------------------------------------------------------------------
     def push(self, meta: StepMetadata) -> None:
@@ -179,7 +202,9 @@ class WorkerSide:
             if len(spec.block_ids) < self.layout.blocks_for(spec.num_tokens):
                 return  # chunked prefill: the rest of the prompt's blocks come with a later step
             try:
-                p.transfer = self.sender.open(spec.transfer_id, spec.address, spec.num_tokens, spec.block_ids, spec.prompt_key)
+                p.transfer = self.sender.open(
+                    spec.transfer_id, spec.address, spec.num_tokens, spec.block_ids, spec.prompt_key
+                )
             except PdkvError as exc:
                 self._give_up(p, str(exc))
                 return
@@ -198,7 +223,9 @@ class WorkerSide:
             t.cancel("the request ended before its prompt was computed")
 
     def _give_up(self, p: _Push, why: str) -> None:
-        log.warning("request %s: not pushing its KV to %s: %s (D recomputes the prompt)", p.spec.req_id, p.spec.address, why)
+        log.warning(
+            "request %s: not pushing its KV to %s: %s (D recomputes the prompt)", p.spec.req_id, p.spec.address, why
+        )
         with self._lock:
             p.failed = why
             if p.transfer is None:
@@ -220,7 +247,9 @@ class WorkerSide:
         for spec in meta.saves:
             keys = PromptKeys(tuple(spec.keys), len(spec.keys) * size, size, self.fingerprint)
             try:
-                self.cache.store(keys, self._vllm_kv, spec.block_ids, suffix_mask(keys.num_tokens, spec.first_chunk * size))
+                self.cache.store(
+                    keys, self._vllm_kv, spec.block_ids, suffix_mask(keys.num_tokens, spec.first_chunk * size)
+                )
             except Exception as exc:  # noqa: BLE001 - a tier that fails costs a future miss, never the step
                 log.warning("request %s: chunks not offered to the cache tier: %s", spec.req_id, exc)
 
@@ -230,9 +259,16 @@ class WorkerSide:
             raise TransferError("this instance has no cache tier (tier.redis_url is not set)")
         keys = PromptKeys(tuple(spec.tier_keys), spec.num_tokens, self.config.transfer.chunk_size, self.fingerprint)
         # vLLM's own prefix-cache blocks (tokens < skip_tokens) are shared with other requests: never written
-        loaded = int(self.cache.retrieve(keys, self._vllm_kv, spec.block_ids, suffix_mask(spec.num_tokens, spec.skip_tokens)).sum())
+        loaded = int(
+            self.cache.retrieve(
+                keys, self._vllm_kv, spec.block_ids, suffix_mask(spec.num_tokens, spec.skip_tokens)
+            ).sum()
+        )
         if loaded < spec.num_tokens - spec.skip_tokens:
-            raise TransferError(f"the cache tier served {loaded} of the {spec.num_tokens - spec.skip_tokens} tokens planned (evicted since the lookup?)")
+            raise TransferError(
+                f"the cache tier served {loaded} of the {spec.num_tokens - spec.skip_tokens} tokens planned (evicted "
+                "since the lookup?)"
+            )
 
     def _landed_in_vllm(self) -> None:
         """On GPU, the copies into vLLM's blocks are queued on a stream: done before the load is reported."""
@@ -246,7 +282,9 @@ class WorkerSide:
             for transfer_id in meta.discards:
                 self.receiver.cancel(transfer_id, "the decode request does not need it")
         if meta.loads and self._loader is None:
-            self._loader = ThreadPoolExecutor(max_workers=16, thread_name_prefix="pdkv-vllm-load", initializer=unpin_current_thread)
+            self._loader = ThreadPoolExecutor(
+                max_workers=16, thread_name_prefix="pdkv-vllm-load", initializer=unpin_current_thread
+            )
         for spec in meta.loads:
             self._loader.submit(self._load, spec)  # type: ignore[union-attr]
 
@@ -259,7 +297,12 @@ class WorkerSide:
                 self._load_pushed(spec)
             ok = True
         except PdkvError as exc:
-            log.warning("request %s: KV of %s not loaded: %s; vLLM recomputes the prompt", spec.req_id, "the cache tier" if spec.tier_keys else f"transfer {spec.transfer_id}", exc)
+            log.warning(
+                "request %s: KV of %s not loaded: %s; vLLM recomputes the prompt",
+                spec.req_id,
+                "the cache tier" if spec.tier_keys else f"transfer {spec.transfer_id}",
+                exc,
+            )
         except Exception:  # the request must still be reported, or vLLM waits for it forever
             log.exception("request %s: loading its KV failed unexpectedly; vLLM recomputes the prompt", spec.req_id)
         with self._lock:
@@ -273,8 +316,13 @@ class WorkerSide:
         try:
             n = self.layout.blocks_for(spec.num_tokens)
             if got.num_tokens != spec.num_tokens or len(got.blocks) < n or len(spec.block_ids) < n:
-                raise TransferError(f"transfer {spec.transfer_id!r} carries {got.num_tokens} tokens in {len(got.blocks)} blocks; the request needs {spec.num_tokens} in {n}")
-            first = spec.skip_tokens // self.layout.block_size  # blocks vLLM's own prefix cache holds: shared, never written
+                raise TransferError(
+                    f"transfer {spec.transfer_id!r} carries {got.num_tokens} tokens in {len(got.blocks)} blocks; the "
+                    f"request needs {spec.num_tokens} in {n}"
+                )
+            first = (
+                spec.skip_tokens // self.layout.block_size
+            )  # blocks vLLM's own prefix cache holds: shared, never written
             copy_blocks(self._landing, self._vllm_kv, got.blocks[first:n], spec.block_ids[first:n])
             self._landed_in_vllm()
         finally:
