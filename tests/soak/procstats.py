@@ -1,0 +1,78 @@
+"""What each long-lived process holds, read from ``/proc``: open file descriptors, threads, resident memory.
+
+The gauges on /metrics count what pdkv tracks (reservations, transfers);
+``/proc`` counts what the kernel sees, so a socket, file or thread pdkv lost
+track of shows here too. A baseline is taken after the warm-up (every lazily
+made pool and connection exists by then); after the run each process must be
+back to it: no more fds or threads of any kind (polled, bounded: connections
+the faults broke take a moment to close), and RSS within ``RSS_GROWTH`` of it.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+RSS_GROWTH = 0.10  # end RSS may exceed the post-warm-up RSS by this fraction
+SETTLE_S = 40.0  # how long the counts may take to come back: past aiohttp's 15 s keep-alive and TCP's retransmits
+
+
+@dataclass(frozen=True)
+class ProcStats:
+    fds: collections.Counter[str]  # by kind: "socket", "pipe", "anon_inode:[eventfd]", or the file's path
+    threads: collections.Counter[str]  # by name (/proc/PID/task/TID/comm)
+    rss_kib: int
+
+
+def _fd_kind(link: str) -> str:
+    return link.split(":", 1)[0] if link.startswith(("socket:", "pipe:")) else link
+
+
+def read(pid: int) -> ProcStats | None:
+    """``pid``'s counts now, or None once it is gone."""
+    try:
+        fds: collections.Counter[str] = collections.Counter()
+        for entry in os.scandir(f"/proc/{pid}/fd"):
+            try:
+                fds[_fd_kind(os.readlink(entry.path))] += 1
+            except FileNotFoundError:
+                continue  # closed while we looked
+        threads: collections.Counter[str] = collections.Counter()
+        for task in os.scandir(f"/proc/{pid}/task"):
+            try:
+                threads[Path(task.path, "comm").read_text().strip()] += 1
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # exited while we looked
+        text = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    status = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return ProcStats(fds, threads, int(status["VmRSS"].split()[0]))
+
+
+def baseline(processes: dict[str, int]) -> dict[str, ProcStats]:
+    return {name: s for name, pid in processes.items() if (s := read(pid)) is not None}
+
+
+def leaks(processes: dict[str, int], start: dict[str, ProcStats], wait_s: float) -> tuple[dict[str, float], dict[str, float]]:
+    """(fds and threads above their baseline, by process and kind; RSS growth in % by process), polled until nothing
+    is above it or ``wait_s`` passed. A process that died is a leak of its own (it should live for the whole run)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        out: dict[str, float] = {}
+        growth: dict[str, float] = {}
+        for name, before in start.items():
+            now = read(processes[name])
+            if now is None:
+                out[f"{name} exited"] = 1.0
+                continue
+            for what, was, is_ in (("fd", before.fds, now.fds), ("thread", before.threads, now.threads)):
+                for kind, n in (is_ - was).items():
+                    out[f"{name} {what} {kind}"] = float(n)
+            growth[name] = round(100.0 * (now.rss_kib - before.rss_kib) / before.rss_kib, 1)
+        if not out or time.monotonic() > deadline:
+            return out, growth
+        time.sleep(0.5)
