@@ -22,22 +22,53 @@ SETTLE_S = 40.0  # how long the counts may take to come back: past aiohttp's 15 
 
 @dataclass(frozen=True)
 class ProcStats:
-    fds: collections.Counter[str]  # by kind: "socket", "pipe", "anon_inode:[eventfd]", or the file's path
+    fds: collections.Counter[str]  # by kind: a TCP socket by what it connects, "pipe", "anon_inode:[eventfd]", a path
     threads: collections.Counter[str]  # by name (/proc/PID/task/TID/comm)
     rss_kib: int
 
 
-def _fd_kind(link: str) -> str:
-    return link.split(":", 1)[0] if link.startswith(("socket:", "pipe:")) else link
+TCP_STATES = {"01": "ESTABLISHED", "02": "SYN_SENT", "03": "SYN_RECV", "04": "FIN_WAIT1", "05": "FIN_WAIT2", "06": "TIME_WAIT",
+              "07": "CLOSE", "08": "CLOSE_WAIT", "09": "LAST_ACK", "0A": "LISTEN", "0B": "CLOSING"}  # fmt: skip
+
+
+def _addr(hex_addr: str) -> tuple[str, int]:
+    ip, port = hex_addr.split(":")
+    return ".".join(str(b) for b in reversed(bytes.fromhex(ip))), int(port, 16)
+
+
+def _tcp_sockets(pid: int) -> dict[str, str]:
+    """The process's TCP sockets (its network namespace's table) by inode: what each connects, the ephemeral side's
+    port left out so that a connection replaced by a new one to the same place counts as the same kind."""
+    rows = []
+    for line in Path(f"/proc/{pid}/net/tcp").read_text().splitlines()[1:]:
+        cols = line.split()
+        rows.append((cols[9], _addr(cols[1]), _addr(cols[2]), TCP_STATES.get(cols[3], cols[3])))
+    listening = {local[1] for _, local, _, state in rows if state == "LISTEN"}
+    out = {}
+    for inode, (lip, lport), (rip, rport), state in rows:
+        if state == "LISTEN":
+            out[inode] = f"tcp listening on {lip}:{lport}"
+        elif lport in listening:
+            out[inode] = f"tcp {state} into :{lport} from {rip}"
+        else:
+            out[inode] = f"tcp {state} to {rip}:{rport}"
+    return out
+
+
+def _fd_kind(link: str, tcp: dict[str, str]) -> str:
+    if link.startswith("socket:["):
+        return tcp.get(link[8:-1], "socket (not tcp)")
+    return link.split(":", 1)[0] if link.startswith("pipe:") else link
 
 
 def read(pid: int) -> ProcStats | None:
     """``pid``'s counts now, or None once it is gone."""
     try:
+        tcp = _tcp_sockets(pid)
         fds: collections.Counter[str] = collections.Counter()
         for entry in os.scandir(f"/proc/{pid}/fd"):
             try:
-                fds[_fd_kind(os.readlink(entry.path))] += 1
+                fds[_fd_kind(os.readlink(entry.path), tcp)] += 1
             except FileNotFoundError:
                 continue  # closed while we looked
         threads: collections.Counter[str] = collections.Counter()

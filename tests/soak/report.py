@@ -64,8 +64,13 @@ class Counts:
         return self.concurrency * (self.injected["decode_sigkill"] + self.injected["decode_restart"] + self.injected["prefill_stall"] + per_client)
 
     def during_fault(self, start: float, end: float) -> bool:
-        """Whether [start, end] overlaps a fault's window, stretched by ``SETTLE_S``."""
-        return any(start <= w_end + SETTLE_S and end >= w_start for _, w_start, w_end in self.windows)
+        """Whether [start, end] overlaps a fault's window, stretched by ``SETTLE_S``, and a cut-off's by its own
+        length again: TCP's retransmissions back off exponentially while a link is dead, so the first one after
+        it is back may come up to about as long as the outage lasted."""
+        return any(
+            start <= w_end + SETTLE_S + (w_end - w_start if kind in CUT_OFF else 0.0) and end >= w_start
+            for kind, w_start, w_end in self.windows
+        )
 
     @contextlib.contextmanager
     def fault_window(self, kind: str) -> Iterator[None]:
