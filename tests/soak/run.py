@@ -223,8 +223,15 @@ def _soak(
         threading.Thread(target=measure, name="soak-proc-baseline", daemon=True).start()
     else:
         measured.set()
-    with ThreadPoolExecutor(concurrency) as pool:
+    pool = ThreadPoolExecutor(concurrency)
+    try:
         results = list(pool.map(task, range(n)))
+    except BaseException:  # Ctrl-C or SIGTERM: run no more requests, release the waiting ones, let the caller clean up
+        pool.shutdown(wait=False, cancel_futures=True)
+        for event in (*gated, *finished, measured):
+            event.set()
+        raise
+    pool.shutdown()
     for t in injectors:
         t.join(gate_s)
     counts.seconds = round(time.monotonic() - counts.t0, 1)
