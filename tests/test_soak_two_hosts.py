@@ -4,7 +4,7 @@ The scenario is ``tests/soak/`` with ``hosts=2`` (``soak.hosts``,
 ``soak.linkfaults``); the long version is ``python benchmarks/soak.py --hosts 2
 --requests 10000``. Router and prefill worker on one host, two decode workers
 on the other, a shared Redis tier on the hub, the tcp channel. Two rounds of
-100 requests; in each the veth is taken down (1 s, then 8 s), the link's rate
+100 requests; in each the veth is taken down (10 s, then 3 s), the link's rate
 is cut from 10 Gbit to 10 Mbit in place, the routes between the hosts are
 removed, and the prefill worker is stalled; in the first a decode worker is
 SIGKILLed and restarted on the same address; every 8th client hangs up

@@ -162,13 +162,15 @@ def restart_decode(cluster: TwoHostCluster, counts: Counts, monitor: KVMonitor, 
 
 
 def durations(kind: str, k: int) -> float:
-    """The ``k``-th fault of ``kind``'s length in seconds: veth downs cycle through 1..10 s, the others 1..4 s.
+    """The ``k``-th fault of ``kind``'s length in seconds: veth downs cycle through 10, 3, 6, 9, 2, 5, 8, 1, 4, 7 s,
+    the others through 4, 3, 2, 1 s.
 
     Deterministic (a run can be repeated) and spread, so short outages (under
     the router's probe timeout) and long ones (past the transfer timeouts)
-    both happen, whatever the run's length.
+    both happen, whatever the run's length. The first round has the longest
+    of each: it is the warm-up of ``soak.procstats``, and thread pools grow
+    to what the worst outage needs in it, not later.
     """
     if kind == "veth_down":
-        return float(1 + (7 * k) % 10)
-    return float(1 + (k + len(kind)) % 4)
-
+        return float(10 - (7 * k) % 10)
+    return float(4 - k % 4)

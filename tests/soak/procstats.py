@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 RSS_GROWTH = 0.10  # end RSS may exceed the post-warm-up RSS by this fraction
-SETTLE_S = 40.0  # how long the counts may take to come back: past aiohttp's 15 s keep-alive and TCP's retransmits
+SETTLE_S = 90.0  # how long the counts may take to come back: past a worker's 75 s idle_timeout_s for a connection
 
 
 @dataclass(frozen=True)

@@ -104,16 +104,22 @@ def soak(
             tmp.cleanup()
 
 
-def _warm_up(router_url: str, ps: list[list[int]], concurrency: int, timeout: float) -> None:
-    """Each prompt twice through the router, ``concurrency`` at a time as the soak sends them, before anything is
-    measured: connection pools and thread pools have grown to what that load needs by then."""
+WARM_UP_CONCURRENCY = 16
+"""Warm-up requests at once: more than any thread pool a worker grows on demand holds (asyncio's default executor,
+where a decode worker waits for a prompt's KV: min(32, cpus + 4) threads), so those pools are full before /proc is
+read."""
+
+
+def _warm_up(router_url: str, ps: list[list[int]], timeout: float) -> None:
+    """Each prompt twice through the router, ``WARM_UP_CONCURRENCY`` at a time, before anything is measured:
+    connection pools and thread pools have grown to what the load needs by then."""
 
     def one(p: list[int]) -> None:
         status, raw = request("POST", router_url + "/v1/completions", body(p), timeout=timeout)
         if status != 200:
             raise RuntimeError(f"warm-up request failed: HTTP {status}: {raw[:300]!r}")
 
-    with ThreadPoolExecutor(concurrency) as pool:
+    with ThreadPoolExecutor(WARM_UP_CONCURRENCY) as pool:
         list(pool.map(one, ps + ps))
 
 
@@ -125,7 +131,7 @@ def _soak(
     router_url = cluster.router.url
     ps = prompts(min(n, 16))
     expected = fault_free(cluster, ps)
-    _warm_up(router_url, ps, concurrency, timeout)
+    _warm_up(router_url, ps, timeout)
     processes = cluster.processes()
     start_stats = procstats.baseline(processes)  # replaced after the first block if there is a second
     monitor = KVMonitor(cluster, counts)
