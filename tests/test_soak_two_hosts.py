@@ -3,15 +3,15 @@
 The scenario is ``tests/soak/`` with ``hosts=2`` (``soak.hosts``,
 ``soak.linkfaults``); the long version is ``python benchmarks/soak.py --hosts 2
 --requests 10000``. Router and prefill worker on one host, two decode workers
-on the other, a shared Redis tier on the hub, the tcp channel. Two rounds of
-100 requests; in each the veth is taken down (10 s, then 3 s), the link's rate
+on the other, a shared Redis tier on the hub, the tcp channel. Three rounds of
+100 requests; in each the veth is taken down (10 s, 3 s, 6 s), the link's rate
 is cut from 10 Gbit to 10 Mbit in place, the routes between the hosts are
 removed, and the prefill worker is stalled; in the first a decode worker is
 SIGKILLed and restarted on the same address; every 8th client hangs up
 mid-stream. Every request must match the fault-free output or fail with an
 error while a fault is in effect; the router must mark the decode workers up
 again by itself after every fault; nothing may be recomputed without a fault;
-no gauge, fd or thread may stay above its count after the first round, RSS
+no gauge, fd or thread may stay above its count after the second round, RSS
 within 10% of it; and the rig's namespaces are gone afterwards. Outcomes,
 not timings, are asserted.
 """
@@ -37,17 +37,17 @@ def test_two_host_soak_with_link_faults_nothing_hangs_nothing_leaks(tmp_path: Pa
     why = unavailable()
     if why is not None:
         pytest.skip(f"two-host soak: {why}")
-    counts = soak(200, concurrency=4, timeout=60.0, drop_every=8, workdir=tmp_path, hosts=2, block=100, restart_every=2)
+    counts = soak(300, concurrency=4, timeout=60.0, drop_every=8, workdir=tmp_path, hosts=2, block=100, restart_every=3)
     report = summary(counts)
     assert not report["problems"], (report["problems"], report["errors"])
     assert counts.hung == 0 and counts.mismatched == 0 and counts.leaked == 0, report
     assert counts.recovered + counts.failed_cleanly + counts.dropped == counts.requests, report
     # every kind injected (a fault that could not be injected is an error, so problems would not be empty)
-    assert all(counts.injected[kind] == 2 for kind in LINK_KINDS), report
-    assert counts.injected["decode_restart"] == 1 and counts.injected["prefill_stall"] == 2, report
+    assert all(counts.injected[kind] == 3 for kind in LINK_KINDS), report
+    assert counts.injected["decode_restart"] == 1 and counts.injected["prefill_stall"] == 3, report
     assert counts.injected["client_drop"] > 0, report
     # the router took every worker back by itself after every fault, and noticed the killed one
-    assert all(counts.router_marks[kind]["faults"] == 2 for kind in LINK_KINDS), report
+    assert all(counts.router_marks[kind]["faults"] == 3 for kind in LINK_KINDS), report
     assert counts.router_marks["decode_restart"] == {**counts.router_marks["decode_restart"], "faults": 1, "marked_down": 1}, report
     # the KV crossed the link, and was recomputed only around faults
     assert counts.transferred_tokens > 0 and not counts.fallbacks_without_fault, report
