@@ -6,6 +6,7 @@ import functools
 import tempfile
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -263,7 +264,8 @@ def _soak(
             counts.errors.append(f"{outcome}: {detail}")
     counts.leaks = read_leaks(cluster, wait_s=15)
     counts.leaked = int(sum(counts.leaks.values()))
-    counts.proc_leaks, counts.rss_growth_pct = procstats.leaks(processes, start_stats, wait_s=procstats.SETTLE_S)
+    http_ports = {urllib.parse.urlsplit(w.url).port or 80 for w in [cluster.router, cluster.prefill, *cluster.decode, *cluster.dead] if w is not None}
+    counts.proc_leaks, counts.rss_growth_pct, counts.http_pool = procstats.leaks(processes, start_stats, procstats.SETTLE_S, http_ports)
     counts.leaked += int(sum(counts.proc_leaks.values()))
     monitor.stop()
     if watch is not None:
