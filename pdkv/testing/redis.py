@@ -83,12 +83,14 @@ def answers(port: int, host: str = "127.0.0.1") -> bool:
 
 
 @contextlib.contextmanager
-def local_redis(timeout: float = 10.0, maxmemory: str = "1gb", host: str = "127.0.0.1") -> Iterator[LocalRedis]:
+def local_redis(timeout: float = 10.0, maxmemory: str = "1gb", host: str = "127.0.0.1", tcp_keepalive_s: int = 300) -> Iterator[LocalRedis]:
     """A running server on a free port for the ``with`` block; raises ``ConfigError`` when none is installed.
 
     ``maxmemory`` with ``allkeys-lru``: what a deployment should configure too.
     ``host``: the address it listens on (another host of pdkv.bench.netrig
     reaches it on that host's address; the calling thread must be on it).
+    ``tcp_keepalive_s``: how soon the server probes, and drops, a client
+    connection whose peer vanished without a FIN (Redis's default is 300 s).
     """
     binary = server_binary()
     if binary is None:
@@ -97,7 +99,7 @@ def local_redis(timeout: float = 10.0, maxmemory: str = "1gb", host: str = "127.
         server = None
         for _attempt in range(3):  # another process may take the port between probe and bind
             port = free_port(host)
-            args = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no", "--dir", workdir, "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
+            args = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no", "--dir", workdir, "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru", "--tcp-keepalive", str(tcp_keepalive_s)]
             proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             deadline = time.monotonic() + timeout
             while proc.poll() is None and time.monotonic() < deadline and not answers(port, host):

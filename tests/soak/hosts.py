@@ -99,7 +99,9 @@ class TwoHostCluster:
     def start(self) -> None:
         # the thread that starts redis is on the hub, so it binds the hub's end of the link
         with self.rig.hub.entered():
-            self.redis = self._stack.enter_context(local_redis(host=self.link.hub_addr))
+            # a client whose link died mid-command reconnects, and its old connection's FIN may never arrive:
+            # the server drops it after a few keep-alive probes, not Redis's default 300 s (the /proc check waits 90 s)
+            self.redis = self._stack.enter_context(local_redis(host=self.link.hub_addr, tcp_keepalive_s=5))
         with ThreadPoolExecutor(3) as pool:  # start-up is mostly imports: overlap them
             futs = [pool.submit(self.start_worker, r, i) for r, i in (("prefill", 0), ("decode", 0), ("decode", 1))]
             self.prefill, *self.decode = [f.result() for f in futs]

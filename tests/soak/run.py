@@ -201,7 +201,10 @@ def _soak(
         nonlocal start_stats
         try:
             if finished[warm - 1].wait(gate_s) and wait_done(warm * block):
+                _warm_up(router_url, ps, timeout)  # every link a fault broke is open again, as at the end
                 start_stats = procstats.baseline(processes)
+        except RuntimeError as exc:
+            counts.errors.append(f"fault: the /proc baseline could not be taken: {exc}")
         finally:
             measured.set()
 
@@ -264,6 +267,9 @@ def _soak(
             counts.errors.append(f"{outcome}: {detail}")
     counts.leaks = read_leaks(cluster, wait_s=15)
     counts.leaked = int(sum(counts.leaks.values()))
+    # The same traffic as before the baseline: links and connections opened on demand (a channel link a fault
+    # broke is made again by the next transfer over it) are open at both reads, so only what should be gone counts.
+    _warm_up(router_url, ps, timeout)
     http_ports = {urllib.parse.urlsplit(w.url).port or 80 for w in [cluster.router, cluster.prefill, *cluster.decode, *cluster.dead] if w is not None}
     counts.proc_leaks, counts.rss_growth_pct, counts.http_pool = procstats.leaks(processes, start_stats, procstats.SETTLE_S, http_ports)
     counts.leaked += int(sum(counts.proc_leaks.values()))
