@@ -99,7 +99,8 @@ def local_redis(timeout: float = 10.0, maxmemory: str = "1gb", host: str = "127.
         server = None
         for _attempt in range(3):  # another process may take the port between probe and bind
             port = free_port(host)
-            args = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no", "--dir", workdir, "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru", "--tcp-keepalive", str(tcp_keepalive_s)]
+            args = [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no", "--dir", workdir, "--maxmemory", maxmemory, "--maxmemory-policy", "allkeys-lru"]
+            args += ["--tcp-keepalive", str(tcp_keepalive_s)]
             proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             deadline = time.monotonic() + timeout
             while proc.poll() is None and time.monotonic() < deadline and not answers(port, host):
