@@ -4,8 +4,9 @@ The gauges on /metrics count what pdkv tracks (reservations, transfers);
 ``/proc`` counts what the kernel sees, so a socket, file or thread pdkv lost
 track of shows here too. A baseline is taken after the warm-up (every lazily
 made pool and connection exists by then); after the run each process must be
-back to it: no more fds or threads in all (polled, bounded: connections the
-faults broke take a moment to close), and RSS within ``RSS_GROWTH`` of it.
+back to it: no more fds in all, no more threads than an on-demand pool may
+keep (``POOL_THREADS``; polled, bounded: connections the faults broke take a
+moment to close), and RSS within ``RSS_GROWTH`` of it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 RSS_GROWTH = 0.10  # end RSS may exceed the post-warm-up RSS by this fraction
+POOL_THREADS = min(32, (os.cpu_count() or 1) + 4)
+"""Threads a worker may start on demand and keep: asyncio's default executor (``asyncio.to_thread``, where a decode
+worker waits for a prompt's KV) grows up to this many threads when waits overlap, as they do when a link is dead,
+and never shrinks. Growth beyond it is a leak; up to it, it is reported (``threads_grown``)."""
+
 SETTLE_S = 90.0  # how long the counts may take to come back: past a worker's 75 s idle_timeout_s for a connection
 
 
@@ -97,9 +103,9 @@ def _pooled(kind: str, http_ports: set[int]) -> bool:
 def leaks(
     processes: dict[str, int], start: dict[str, ProcStats], wait_s: float, http_ports: set[int]
 ) -> tuple[dict[str, float], dict[str, float], dict[str, str]]:
-    """(fds and threads above their baseline, by process; RSS growth in % by process; the router's HTTP keep-alive
-    connections to the workers before -> after, by process), polled until nothing is above the baseline or
-    ``wait_s`` passed. A process that died is a leak of its own (it should live for the whole run).
+    """(fds above their baseline, and threads more than ``POOL_THREADS`` above it, by process; RSS growth in % by
+    process; the router's HTTP keep-alive connections to the workers and grown thread counts, before -> after),
+    polled until nothing is above the baseline or ``wait_s`` passed. A process that died is a leak of its own (it should live for the whole run).
 
     The keep-alive connections between the router and the workers (``http_ports``: theirs) are counted apart:
     the router probes each worker every second through its pool, which hands out the connection idle longest
@@ -121,11 +127,16 @@ def leaks(
             is_pool = sum(n for kind, n in now.fds.items() if _pooled(kind, http_ports))
             if was_pool or is_pool:
                 pooled[name] = f"{was_pool} -> {is_pool}"
-            for what, was, is_, excluded in (("fds", before.fds, now.fds, (was_pool, is_pool)), ("threads", before.threads, now.threads, (0, 0))):
+            if now.threads.total() > before.threads.total():
+                pooled[f"{name} threads"] = f"{before.threads.total()} -> {now.threads.total()}"
+            for what, was, is_, excluded, allowed in (
+                ("fds", before.fds, now.fds, (was_pool, is_pool), 0),
+                ("threads", before.threads, now.threads, (0, 0), POOL_THREADS),
+            ):
                 # the totals decide: a restarted peer's connections come back to a new port (another kind), and
                 # replacing the old ones is no leak; the kinds that grew say where to look when the total did
                 was_n, is_n = was.total() - excluded[0], is_.total() - excluded[1]
-                if is_n > was_n:
+                if is_n > was_n + allowed:
                     grew = ", ".join(f"{kind} +{n}" for kind, n in (is_ - was).items() if not _pooled(kind, http_ports))
                     out[f"{name} {what} {was_n} -> {is_n} ({grew})"] = float(is_n - was_n)
             growth[name] = round(100.0 * (now.rss_kib - before.rss_kib) / before.rss_kib, 1)

@@ -51,7 +51,7 @@ class Counts:
     longest_wait_s: float = 0.0  # the longest any request took, answered or not
     proc_leaks: dict[str, float] = field(default_factory=dict)  # fds/threads above their post-warm-up count, from /proc
     rss_growth_pct: dict[str, float] = field(default_factory=dict)  # end RSS vs post-warm-up, per long-lived process
-    http_pool: dict[str, str] = field(default_factory=dict)  # router <-> worker keep-alive connections, before -> after
+    http_pool: dict[str, str] = field(default_factory=dict)  # router <-> worker keep-alive connections, grown threads
     timeline: list[tuple[float, float, str]] = field(default_factory=list)  # (start, end, outcome) per request, from t0
     t0: float = 0.0  # monotonic time the traffic started: the timeline's and the windows' origin in the plot
 
@@ -138,7 +138,7 @@ def summary(counts: Counts) -> dict[str, Any]:
         "leaks": counts.leaks,
         "proc_leaks": counts.proc_leaks,
         "rss_growth_pct": counts.rss_growth_pct,
-        "router_keepalive_connections": counts.http_pool,
+        "pools_grown": counts.http_pool,  # router <-> worker keep-alive connections; threads within POOL_THREADS
         "errors": counts.errors,
         "problems": problems(counts),
     }
