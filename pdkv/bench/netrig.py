@@ -234,8 +234,7 @@ class Link:
     def shape(self, rate: str) -> None:
         """Limit each direction to ``rate`` (``100mbit``, ``1gbit``, ...; ``unshaped`` removes the limit).
 
-        A token bucket per end: burst 4 ms of the rate (at least 16 full
-        frames, so TSO-sized packets pass), a queue of 50 ms beyond it. Can
+        A token bucket per end (``_tbf``), replaced if there was one. Can
         be called while traffic flows: the rate changes under it.
         """
         bits = parse_rate(rate)
@@ -243,23 +242,41 @@ class Link:
             if bits is None:
                 host.run("tc", "qdisc", "del", "dev", dev, "root", check=False)
             else:
-                burst = max(int(bits / 8 * 0.004), 16 * 1514)
-                host.run(
-                    "tc",
-                    "qdisc",
-                    "replace",
-                    "dev",
-                    dev,
-                    "root",
-                    "tbf",
-                    "rate",
-                    f"{int(bits)}bit",
-                    "burst",
-                    str(burst),
-                    "latency",
-                    "50ms",
-                )
+                host.run("tc", "qdisc", "replace", "dev", dev, "root", *_tbf(bits))
         self.rate = rate
+
+    def change_rate(self, rate: str) -> None:
+        """Change a shaped link's rate in place (``tc qdisc change``), as a switch port renegotiating its speed.
+
+        Unlike ``shape`` the token bucket stays: packets queued in it are
+        kept and drain at the new rate, so a transfer in flight slows down
+        (or speeds up) under it. The link must be shaped already.
+        """
+        bits = parse_rate(rate)
+        if bits is None or parse_rate(self.rate) is None:
+            raise ConfigError(
+                f"change_rate({rate!r}) on a link at {self.rate!r}: both rates must be shaped (use shape)"
+            )
+        for host, dev in ((self.hub, self.hub_dev), (self.host, self.dev)):
+            host.run("tc", "qdisc", "change", "dev", dev, "root", *_tbf(bits))
+        self.rate = rate
+
+    def unroute(self) -> None:
+        """Remove the routes between the hub and the host (both ends): each other's address becomes unreachable.
+
+        The link stays up, as a routing change upstream would leave it:
+        packets to the other end fail at once with "network unreachable",
+        and a connection already open just stops hearing from its peer.
+        """
+        for end, dev, addr in ((self.hub, self.hub_dev, self.hub_addr), (self.host, self.dev, self.addr)):
+            end.run("ip", "route", "del", _subnet(addr), "dev", dev)
+
+    def reroute(self) -> None:
+        """Put back the routes ``unroute`` removed (the kernel's own connected routes, as the address made them)."""
+        for end, dev, addr in ((self.hub, self.hub_dev, self.hub_addr), (self.host, self.dev, self.addr)):
+            end.run(
+                "ip", "route", "replace", _subnet(addr), "dev", dev, "proto", "kernel", "scope", "link", "src", addr
+            )
 
     def down(self) -> None:
         """Take the link down, as a pulled cable: the host's end goes down, the hub's loses its carrier."""
@@ -268,6 +285,18 @@ class Link:
     def up(self) -> None:
         """Bring the link back up; addresses and the hub's routes come back with it."""
         self.host.run("ip", "link", "set", "dev", self.dev, "up")
+
+
+def _tbf(bits: float) -> list[str]:
+    """A token bucket at ``bits`` per second: burst 4 ms of the rate (at least 16 full frames, so TSO-sized packets
+    pass), a queue of 50 ms beyond it."""
+    burst = max(int(bits / 8 * 0.004), 16 * 1514)
+    return ["tbf", "rate", f"{int(bits)}bit", "burst", str(burst), "latency", "50ms"]
+
+
+def _subnet(addr: str) -> str:
+    """The /24 an end's address is in (each link has its own, see ``NetRig.add_host``)."""
+    return addr.rsplit(".", 1)[0] + ".0/24"
 
 
 class NetRig:
@@ -467,7 +496,7 @@ def bench_link(rate: str | None) -> Iterator[Placement]:
         yield LOOPBACK
         return
     parse_rate(rate)  # a bad rate fails before anything is made
-    with _terminate_cleanly(), NetRig() as rig:
+    with terminate_cleanly(), NetRig() as rig:
         link = rig.add_host("b", rate)
         added = {k: v for k, v in UCX_ENV.items() if k not in os.environ}
         os.environ.update(added)
@@ -479,7 +508,7 @@ def bench_link(rate: str | None) -> Iterator[Placement]:
 
 
 @contextmanager
-def _terminate_cleanly() -> Iterator[None]:
+def terminate_cleanly() -> Iterator[None]:
     """SIGTERM unwinds like Ctrl-C while a benchmark's rig lives, so the rig is taken down, not left behind."""
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -40,10 +40,11 @@ INSTALL_HINT = (
 class LocalRedis:
     proc: subprocess.Popen[bytes]
     port: int
+    host: str = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc.poll() is None:
@@ -74,11 +75,11 @@ def _packaged_server() -> str | None:
     return None
 
 
-def answers(port: int) -> bool:
-    """True once a server on loopback ``port`` answers PING: the readiness check of a server this module or the
-    cluster started."""
+def answers(port: int, host: str = "127.0.0.1") -> bool:
+    """True once a server on ``host:port`` answers PING: the readiness check of a server this module or the cluster
+    started."""
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+        with socket.create_connection((host, port), timeout=0.5) as s:
             s.sendall(b"PING\r\n")
             return s.recv(16).startswith(b"+PONG")
     except OSError:
@@ -86,10 +87,16 @@ def answers(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def local_redis(timeout: float = 10.0, maxmemory: str = "1gb") -> Iterator[LocalRedis]:
+def local_redis(
+    timeout: float = 10.0, maxmemory: str = "1gb", host: str = "127.0.0.1", tcp_keepalive_s: int = 300
+) -> Iterator[LocalRedis]:
     """A running server on a free port for the ``with`` block; raises ``ConfigError`` when none is installed.
 
     ``maxmemory`` with ``allkeys-lru``: what a deployment should configure too.
+    ``host``: the address it listens on (another host of pdkv.bench.netrig
+    reaches it on that host's address; the calling thread must be on it).
+    ``tcp_keepalive_s``: how soon the server probes, and drops, a client
+    connection whose peer vanished without a FIN (Redis's default is 300 s).
     """
     binary = server_binary()
     if binary is None:
@@ -97,13 +104,13 @@ def local_redis(timeout: float = 10.0, maxmemory: str = "1gb") -> Iterator[Local
     with tempfile.TemporaryDirectory(prefix="pdkv-redis-") as workdir:
         server = None
         for _attempt in range(3):  # another process may take the port between probe and bind
-            port = free_port()
+            port = free_port(host)
             args = [
                 binary,
                 "--port",
                 str(port),
                 "--bind",
-                "127.0.0.1",
+                host,
                 "--save",
                 "",
                 "--appendonly",
@@ -115,16 +122,17 @@ def local_redis(timeout: float = 10.0, maxmemory: str = "1gb") -> Iterator[Local
                 "--maxmemory-policy",
                 "allkeys-lru",
             ]
+            args += ["--tcp-keepalive", str(tcp_keepalive_s)]
             proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             deadline = time.monotonic() + timeout
-            while proc.poll() is None and time.monotonic() < deadline and not answers(port):
+            while proc.poll() is None and time.monotonic() < deadline and not answers(port, host):
                 time.sleep(0.05)
-            if proc.poll() is None and answers(port):
-                server = LocalRedis(proc, port)
+            if proc.poll() is None and answers(port, host):
+                server = LocalRedis(proc, port, host)
                 break
-            LocalRedis(proc, port).stop()
+            LocalRedis(proc, port, host).stop()
         if server is None:
-            raise PdkvError(f"{binary} did not start on a free loopback port within {timeout:.0f}s (3 attempts)")
+            raise PdkvError(f"{binary} did not start on a free port of {host} within {timeout:.0f}s (3 attempts)")
         try:
             yield server
         finally:

@@ -44,10 +44,27 @@ stall (the requests in flight then).
 
 Exits non-zero when anything hung, leaked or mismatched.
 
+Two hosts (``hosts=2``, ``--hosts 2``): the router and the prefill worker on
+one network namespace, two decode workers on another, joined by a veth
+shaped to 10 Gbit, a shared Redis tier on the hub (``hosts``); tcp or nixl.
+Faults come in two lanes that overlap: the link's (``linkfaults``: the veth
+down for 1-10 s, its rate cut to 10 Mbit in place, the routes between the
+hosts removed) and the processes' (decode worker 1 SIGKILLed and restarted
+on the same address, which the router must notice by itself; the prefill
+worker stalled). After each fault the router must have every decode worker
+up again within ``linkfaults.UP_WAIT_S``, and the report says how often it
+marked one down. Requests back off ``report.RETRY_S`` after a failure, as a
+client would, and may fail only while a fault is in effect. On both
+scenarios ``procstats`` reads every long-lived process's fds, threads and
+RSS from ``/proc`` after the first block of requests (the warm-up) and after
+the run: no more fds or threads, RSS within 10%. ``plot`` draws the run over
+time with the faults marked (``--plot``).
+
 The scenario is in these modules: ``cluster`` (the processes and their
 configs), ``proxy`` (the corrupting proxy), ``traffic`` (prompts and one
 request's outcome), ``faults`` (what is injected), ``monitor`` (where the KV
 came from, what leaked), ``report`` (the counts and what fails a run) and
-``run`` (all of it together). ``tests/test_soak.py`` runs a short soak and
+``run`` (all of it together); for two hosts also ``hosts``, ``linkfaults``,
+and for both ``procstats`` and ``plot``. ``tests/test_soak.py`` runs a short soak and
 ``benchmarks/soak.py`` is the command for a long one.
 """

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,21 @@ class Cluster:
             self.prefill, *self.decode = [f.result() for f in futs]
         args = ["--prefill", self.prefill.url] + [a for d in self.decode for a in ("--decode", d.url)]
         self.router = start_configured("router", ROUTER_CONFIG, self.workdir / "router.yaml", *args, timeout=120)
+
+    @contextlib.contextmanager
+    def entered(self) -> Iterator[None]:
+        """Where the soak's threads talk from: here, this machine's own network (see ``TwoHostCluster.entered``)."""
+        yield
+
+    def processes(self) -> dict[str, int]:
+        """The processes that live for the whole soak (the decode workers are killed in turn) by name: pids for
+        /proc."""
+        with self.lock:
+            return {
+                name: w.proc.pid
+                for name, w in (("router", self.router), ("prefill", self.prefill))
+                if w is not None and w.proc.poll() is None
+            }
 
     def live_workers(self) -> list[WorkerProcess]:
         with self.lock:
