@@ -297,13 +297,16 @@ def _soak(
     # The same traffic as before the baseline: links and connections opened on demand (a channel link a fault
     # broke is made again by the next transfer over it) are open at both reads, so only what should be gone counts.
     _warm_up(router_url, ps, timeout)
-    http_ports = {
+    pool_ports = {
         urllib.parse.urlsplit(w.url).port or 80
         for w in [cluster.router, cluster.prefill, *cluster.decode, *cluster.dead]
         if w is not None
     }
+    redis = getattr(cluster, "redis", None)
+    if redis is not None:  # the workers' Redis pools, as the server sees them (procstats.leaks says why)
+        pool_ports.add(redis.port)
     counts.proc_leaks, counts.rss_growth_pct, counts.http_pool = procstats.leaks(
-        processes, start_stats, procstats.SETTLE_S, http_ports
+        processes, start_stats, procstats.SETTLE_S, pool_ports
     )
     counts.leaked += int(sum(counts.proc_leaks.values()))
     monitor.stop()
