@@ -58,12 +58,10 @@ class NixlOptions(ChannelOptions):
     progress_thread: bool = True  # NIXL's progress thread, event-driven (see module docstring)
     progress_delay_us: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 1000  # its longest sleep between wake-ups
     spin_s: Annotated[float, msgspec.Meta(ge=0)] = 0.005  # wait() busy-polls this long before backing off
-    max_poll_interval_s: Annotated[float, msgspec.Meta(gt=0)] = (
-        0.001  # longest pause between polls in wait() and the watcher
-    )
-    watch_min_s: Annotated[float, msgspec.Meta(gt=0)] = (
-        0.00005  # the watcher's pause right after activity (see the module docstring)
-    )
+    # longest pause between polls in wait() and the watcher
+    max_poll_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.001
+    # the watcher's pause right after activity (see the module docstring)
+    watch_min_s: Annotated[float, msgspec.Meta(gt=0)] = 0.00005
     prep_cache_size: Annotated[int, msgspec.Meta(ge=1)] = 4096  # prepared descriptor lists kept per side
     num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # UCX backend worker threads (0: NIXL's default)
 

@@ -62,9 +62,8 @@ class UcxOptions(ChannelOptions):
     max_header_bytes: Annotated[int, msgspec.Meta(ge=1024, le=16 << 20)] = (
         1 << 16
     )  # bounds ranges per transfer; same on both sides
-    service_interval_s: Annotated[float, msgspec.Meta(gt=0, le=0.1)] = (
-        0.0001  # service thread's sleep while transfers are pending
-    )
+    # service thread's sleep while transfers are pending
+    service_interval_s: Annotated[float, msgspec.Meta(gt=0, le=0.1)] = 0.0001
     idle_interval_s: Annotated[float, msgspec.Meta(gt=0, le=1.0)] = 0.002  # its longest sleep when none are
     error_handling: bool = True  # UCX peer-failure handling: a dead peer fails its transfers instead of hanging
 

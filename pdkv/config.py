@@ -329,9 +329,8 @@ class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
     model: str = "default"
     engine: Literal["reference", "vllm"] = "reference"
     dtype: Literal["float32", "bfloat16"] = "float32"
-    num_threads: Annotated[int, Meta(ge=0)] = (
-        0  # torch threads of the engine; 0 = half the cores (P and D often share a machine)
-    )
+    # torch threads of the engine; 0 = half the cores (P and D often share a machine)
+    num_threads: Annotated[int, Meta(ge=0)] = 0
     num_blocks: Positive = 1024
     block_size: Positive = 16
     kv_order: Literal["NHD", "HND"] = "NHD"

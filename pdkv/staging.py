@@ -100,9 +100,8 @@ class DeviceStager:
         scratch = torch.empty(layout.chunk_bytes(chunk_tokens), dtype=torch.uint8, device=self.device)
         self.scratch = emulate_device(scratch) if self.kind == "emulated" else scratch
         self._lock = threading.Lock()
-        self.chunks_out = (
-            0  # chunks staged device -> host (sender) and host -> device (receiver): what benchmarks and tests read
-        )
+        # chunks staged device -> host (sender) and host -> device (receiver): what benchmarks and tests read
+        self.chunks_out = 0
         self.chunks_in = 0
 
     def _chunk(self, n: int) -> torch.Tensor:

@@ -59,9 +59,8 @@ def test_greedy_matches_transformers(tmp_path: Path, case: str) -> None:
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     hf.eval()
-    hf.generation_config.eos_token_id = (
-        None  # generate exactly NEW_TOKENS, like ignore_eos (min_new_tokens would mask EOS instead)
-    )
+    # generate exactly NEW_TOKENS, like ignore_eos (min_new_tokens would mask EOS instead)
+    hf.generation_config.eos_token_id = None
     ids = torch.tensor([prompt])
     with torch.no_grad():
         theirs = hf.generate(

@@ -21,9 +21,8 @@ class TcpOptions(ChannelOptions):
 
     # host (ChannelOptions): where to listen; the worker's host unless set here
     port: int = 0  # 0: an ephemeral port, published through metadata()
-    advertise_host: str | None = (
-        None  # host peers dial: needed when ``host`` is a wildcard like 0.0.0.0, or behind a NAT
-    )
+    # host peers dial: needed when ``host`` is a wildcard like 0.0.0.0, or behind a NAT
+    advertise_host: str | None = None
     advertise_port: int = 0  # port peers dial, when a port forward, NAT or proxy sits in front of ``port``; 0: ``port``
     streams: int = 4  # connections per peer
     stream_min_bytes: int = 4 << 20  # a transfer is split only into shares at least this big

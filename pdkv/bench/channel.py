@@ -89,9 +89,8 @@ TIMEOUT_S = 60.0
 LINK_ROUNDS = 3
 LINK_ROUND_S = 1.5
 IPERF3_S = 2.0
-_POLL_S = (
-    0.005  # the receiver checks notifications this often: coarse, so it does not compete with the transfer for CPU
-)
+# the receiver checks notifications this often: coarse, so it does not compete with the transfer for CPU
+_POLL_S = 0.005
 
 
 def repeats_for(size: int, requested: int, rate_bps: float | None = None) -> int:

@@ -116,9 +116,8 @@ REDIS_VALUE_TOKENS = 64  # 512 bytes of SIM_LAYOUT KV (+ 64 of header) per value
 REDIS_SLACK = 128 << 10  # maxmemory above the values' own memory: the clients' query and reply buffers
 
 REPLAY_CONVERSATIONS = 16  # whole conversations (same first two blocks) with at least two requests
-REPLAY_CACHE_SHARE = (
-    0.09  # the bounded memory levels hold this share of the sample's distinct chunks (the 9% point)
-)
+# the bounded memory levels hold this share of the sample's distinct chunks (the 9% point)
+REPLAY_CACHE_SHARE = 0.09
 REPLAY_BLOCK_TOKENS = 8
 REPLAY_MAX_BLOCKS = 48
 REPLAY_CHUNK = 32

@@ -66,9 +66,8 @@ class Reservations:
             except TransferError as exc:
                 if rehandshaked or not peer.dropped or isinstance(exc, TransferTimeout):
                     raise
-                rehandshaked = (
-                    True  # its connection dropped while we asked: a restart looks like this, so ask its new run
-                )
+                # its connection dropped while we asked: a restart looks like this, so ask its new run
+                rehandshaked = True
                 continue
             if isinstance(reply, Reserved):
                 self._check(reply, num_tokens, codec)
