@@ -12,7 +12,9 @@ thread), so the ratio measures only what the channel adds.
 Buffers are bytearrays, as on the bench's channel side, because allocation
 matters here: numpy arrays (and torch tensors with THP_MEM_ALLOC_ENABLE=1)
 get transparent huge pages through madvise and moved about 2x faster over
-cma on this machine than bytearrays or default torch tensors.
+cma on this machine than bytearrays or default torch tensors. With
+``memory="VRAM"`` both buffers are CUDA tensors on device 0 instead: the bar
+for a request's KV moved VRAM to VRAM (tests/gpu/check.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import multiprocessing as mp
 import statistics
 import time
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -42,20 +44,29 @@ def auto_repeats(size: int) -> int:
     return max(5, min(200, (256 << 20) // size))
 
 
-def _address(buf: bytearray) -> int:
-    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+MemType = Literal["DRAM", "VRAM"]
 
 
-def _target(conn: Connection, nbytes: int, host: str) -> None:
+def _buffer(nbytes: int, memory: MemType, fill: int) -> tuple[Any, int]:
+    """A buffer of ``nbytes`` in ``memory`` filled with ``fill``, and its address."""
+    if memory == "VRAM":
+        import torch  # only the VRAM baseline needs it, and a GPU
+
+        tensor = torch.full((nbytes,), fill, dtype=torch.uint8, device="cuda:0")
+        return tensor, tensor.data_ptr()
+    buf = bytearray([fill]) * nbytes
+    return buf, int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+def _target(conn: Connection, nbytes: int, host: str, memory: MemType) -> None:
     """The receiving side: register a buffer, publish metadata, drain notifications until it has them all.
 
     It drains them the way the bench's channel receiver does (every
     ``POLL_S`` when none came), so both sides of the ratio do the same job.
     """
     agent = create_nixl_agent(TARGET_NAME, NixlOptions(host=host))
-    buf = bytearray(nbytes)  # the peer writes here until the end of this function
-    addr = _address(buf)
-    reg = agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
+    buf, addr = _buffer(nbytes, memory, 0)  # the peer writes here until the end of this function
+    reg = agent.register_memory([(addr, nbytes, 0, "")], memory)
     conn.send((agent.get_agent_metadata(), addr))
     notified, expected, deadline = 0, None, float("inf")
     while expected is None or (notified < expected and time.monotonic() < deadline):
@@ -76,10 +87,11 @@ class _RawPair:
     received exactly that many, so a baseline that lost one cannot pass.
     """
 
-    def __init__(self, nbytes: int, placement: Placement) -> None:
+    def __init__(self, nbytes: int, placement: Placement, memory: MemType = "DRAM") -> None:
         ctx = mp.get_context("spawn")
         self.conn, there = ctx.Pipe()
-        args = (placement.receiver_netns, _target, there, nbytes, placement.receiver_addr)
+        self.memory = memory
+        args = (placement.receiver_netns, _target, there, nbytes, placement.receiver_addr, memory)
         self.proc = ctx.Process(target=run_in_netns, args=args, name="raw-nixl-target", daemon=True)
         self.proc.start()
         self.notified = 0
@@ -88,9 +100,8 @@ class _RawPair:
                 raise TransferTimeout(f"raw nixl target did not start within {STARTUP_TIMEOUT_S:.0f}s")
             agent_md, self.remote_addr = self.conn.recv()
             self.agent = create_nixl_agent(INITIATOR_NAME, NixlOptions(host=placement.sender_addr))
-            self.buf = bytearray(b"\x01") * nbytes
-            self.addr = _address(self.buf)
-            self.reg = self.agent.register_memory([(self.addr, nbytes, 0, "")], "DRAM")
+            self.buf, self.addr = _buffer(nbytes, memory, 1)
+            self.reg = self.agent.register_memory([(self.addr, nbytes, 0, "")], memory)
             self.peer = self.agent.add_remote_agent(agent_md)
         except BaseException:
             self._reap()
@@ -119,8 +130,8 @@ class _RawPair:
 
     def lists(self, ranges: list[tuple[int, int]]) -> tuple[Any, Any]:
         """Prepared local and remote descriptor lists of (offset, length) ranges, same offsets both sides."""
-        local = self.agent.prep_xfer_dlist("", [(self.addr + o, n, 0) for o, n in ranges], "DRAM")
-        remote = self.agent.prep_xfer_dlist(self.peer, [(self.remote_addr + o, n, 0) for o, n in ranges], "DRAM")
+        local = self.agent.prep_xfer_dlist("", [(self.addr + o, n, 0) for o, n in ranges], self.memory)
+        remote = self.agent.prep_xfer_dlist(self.peer, [(self.remote_addr + o, n, 0) for o, n in ranges], self.memory)
         return local, remote
 
     def post(self, local: Any, remote: Any, index: int, notif: bytes) -> Any:
@@ -149,8 +160,8 @@ class RawNixl:
     manager); on leaving, the target must have received every notification.
     """
 
-    def __init__(self, nbytes: int, placement: Placement = LOOPBACK) -> None:
-        self.pair = _RawPair(nbytes, placement)
+    def __init__(self, nbytes: int, placement: Placement = LOOPBACK, memory: MemType = "DRAM") -> None:
+        self.pair = _RawPair(nbytes, placement, memory)
 
     def __enter__(self) -> RawNixl:
         return self

@@ -14,7 +14,11 @@ Prints one JSON object (and writes it to ``--out`` when given) with:
 * ``transfer_tcp``: the same over tcp, whose KV goes through pinned staging,
   against plain sockets moving the same bytes;
 * ``cache_engine``: ``KVCacheEngine`` store from and retrieve into CUDA KV
-  buffers, bit-exact.
+  buffers, bit-exact;
+* ``nixl_vram_raw``: the raw NIXL agent moving VRAM to VRAM between two
+  processes on this GPU, the same sizes as ``transfer_nixl``'s rows (whose
+  own baseline moves host memory), with pdkv's UCX settings and with UCX_TLS
+  pinned to CUDA IPC, each with the protocols UCX chose (``UCX_PROTO_INFO``).
 
 Each part runs on its own: one that fails reports its error and the others
 still run. The whole takes a few minutes (budget: under 8). Not a test_*.py
@@ -26,7 +30,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -151,12 +158,50 @@ def cache_engine() -> dict[str, Any]:
     return {"stored_tokens": stored, "retrieved_tokens": n, "bit_exact": bool(equal)}
 
 
+_RAW_VRAM = """
+import json
+from pdkv.bench.nixl_raw import RawNixl
+out = {}
+for size in (11796480, 94371840):  # bench transfer's 256- and 2048-token requests
+    for memory in ("VRAM", "DRAM"):
+        with RawNixl(size, memory=memory) as raw:
+            out[f"{memory} {size}"] = raw.gbps(size, 10)
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def nixl_vram_raw() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    pinned = "cuda_ipc,cuda_copy,tcp"
+    for label, env in (("pdkv defaults", {}), (f"UCX_TLS={pinned}", {"UCX_TLS": pinned})):
+        proc = subprocess.run(
+            [sys.executable, "-c", _RAW_VRAM],
+            env={**os.environ, **env, "UCX_PROTO_INFO": "y"},
+            capture_output=True,
+            text=True,
+            timeout=150,
+        )
+        text = proc.stdout + proc.stderr
+        result = next((json.loads(line[7:]) for line in text.splitlines() if line.startswith("RESULT ")), None)
+        # UCX_PROTO_INFO's tables: which memory each operation moves and over which transport, de-duplicated.
+        protocols = dict.fromkeys(
+            line.split("]", 2)[-1].strip()
+            for line in text.splitlines()
+            if re.search(r"memory|zero-copy|copy-in|rndv|cuda_ipc|cuda_copy|get_|put_", line)
+        )
+        out[label] = {"rc": proc.returncode, "gbps": result, "ucx_protocols": list(protocols)[:80]}
+        if proc.returncode or result is None:
+            out[label]["tail"] = text[-2000:]
+    return out
+
+
 PARTS: dict[str, Callable[[], dict[str, Any]]] = {
     "gather_scatter": gather_scatter,
     "checksum": checksum,
     "cache_engine": cache_engine,
     "transfer_tcp": lambda: _transfer("tcp"),
     "transfer_nixl": lambda: _transfer("nixl"),
+    "nixl_vram_raw": nixl_vram_raw,
 }
 
 
