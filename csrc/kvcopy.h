@@ -48,12 +48,14 @@ PDKV_API int pdkv_kvcopy_cpu(const pdkv::KVGeometry* g, char* const* layer_bases
                              int64_t num_blocks, char* chunk, int to_chunk, int64_t threads, char* err, size_t err_len);
 
 // CUDA: launch the same copy on `stream` (a cudaStream_t). layer_bases and
-// block_table are device arrays (the block ids already checked by
-// pdkv_kvcopy_check on the host); vec_bytes (16, 8, 4, 2 or 1) is the widest
-// load/store every row start is aligned to. Returns the cudaError_t of the
-// launch; the copy itself is asynchronous on the stream.
-PDKV_API int pdkv_kvcopy_cuda(const pdkv::KVGeometry* g, const int64_t* layer_bases, const int64_t* block_table, char* chunk, int to_chunk,
-                              int vec_bytes, void* stream);
+// block_table are host arrays (table_len ids, already checked by
+// pdkv_kvcopy_check); the kernel gets the chunk's slice of them in its
+// parameters, or in stream-ordered device memory when they do not fit.
+// vec_bytes (16, 8, 4, 2 or 1) is the widest load/store every row start is
+// aligned to. Returns the cudaError_t of the launch; the copy itself is
+// asynchronous on the stream.
+PDKV_API int pdkv_kvcopy_cuda(const pdkv::KVGeometry* g, const int64_t* layer_bases, const int64_t* block_table,
+                              int64_t table_len, char* chunk, int to_chunk, int vec_bytes, void* stream);
 PDKV_API const char* pdkv_cuda_error_string(int code);
 PDKV_API int pdkv_cuda_device_count();  // or -(the cudaError_t) when the runtime cannot start here
 

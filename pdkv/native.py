@@ -105,7 +105,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "pdkv_u8_dequantize": [_p, _p, _p, _p, _i64, _i64, ctypes.c_int, _p, _p, _i64, ctypes.c_char_p, ctypes.c_size_t],
 }
 _CUDA_SIGNATURES: dict[str, list[type]] = {
-    "pdkv_kvcopy_cuda": [ctypes.POINTER(KVGeometry), _p, _p, _p, ctypes.c_int, ctypes.c_int, _p],
+    "pdkv_kvcopy_cuda": [ctypes.POINTER(KVGeometry), _p, _p, ctypes.c_int64, _p, ctypes.c_int, ctypes.c_int, _p],
     "pdkv_cuda_error_string": [ctypes.c_int],
     "pdkv_cuda_device_count": [],
 }
@@ -268,16 +268,14 @@ def _copy_cuda(
     assert lib is not None and cuda is not None  # _native_for checked both
     call(lib.pdkv_kvcopy_check, ctypes.byref(geo), table.data_ptr(), table.numel(), num_blocks)
     device = chunk.device
-    # Both uploads and the launch are ordered on the current stream, so the
-    # temporaries may go back to the caching allocator on return.
-    bases_dev = torch.tensor(list(bases), dtype=torch.long).to(device)
-    table_dev = table.to(device)
+    base_array = (ctypes.c_int64 * len(bases))(*bases)  # host arrays: the kernel takes them in its parameters
     with torch.cuda.device(device):  # the kernel launches on the current device's context
         stream = torch.cuda.current_stream(device).cuda_stream
         code = cuda.pdkv_kvcopy_cuda(
             ctypes.byref(geo),
-            bases_dev.data_ptr(),
-            table_dev.data_ptr(),
+            ctypes.addressof(base_array),
+            table.data_ptr(),
+            table.numel(),
             chunk.data_ptr(),
             int(to_chunk),
             _vector_bytes(geo, bases, chunk.data_ptr()),

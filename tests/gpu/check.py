@@ -113,11 +113,46 @@ def gather_scatter() -> dict[str, Any]:
                 5,
             ),
             "device_copy_gbps": copy,
+            # One block's tokens: what a call costs on the host around the kernel (ctypes, checks, launch).
+            "one_block_call_us": 1e6
+            * layout.chunk_bytes(layout.block_size)
+            / 1e9
+            / _timed_gbps(
+                lambda layout=layout, tensors=tensors, table=table: native.gather(
+                    layout, tensors, table, 0, layout.block_size
+                ),
+                layout.chunk_bytes(layout.block_size),
+            ),
         }
+        # A chunk that starts mid-request and mid-block: the kernel takes its slice of the block table.
+        start, tokens = layout.block_size + 3, TOKENS - 2 * layout.block_size - 5
+        mid = native.gather(layout, tensors, table, start, tokens)
+        row["offset_bit_exact"] = bool(torch.equal(mid, torch_path.gather(layout, tensors, table, start, tokens)))
         row["gather_vs_copy"] = row["gather_gbps"] / copy
         row["scatter_vs_copy"] = row["scatter_gbps"] / copy
         out["rows"].append(row)
+    out["device_tables_bit_exact"] = _device_tables_case(gen)
     return out
+
+
+def _device_tables_case(gen: torch.Generator) -> bool:
+    """More blocks and layers than the kernel's parameters hold (its stream-ordered device-memory path), both ways."""
+    from pdkv import layout as torch_path
+    from pdkv import native
+    from pdkv.layout import KVLayout
+
+    layout = KVLayout(num_layers=160, num_kv_heads=2, head_dim=64, block_size=1, dtype="float16")
+    tokens, blocks = 700, 1024
+    tensors = layout.allocate(blocks, device="cuda")
+    for t in tensors:
+        t.normal_(generator=gen)
+    table = torch.randperm(blocks, device="cuda", generator=gen)[:tokens].cpu()
+    want = torch_path.gather(layout, tensors, table, 5, tokens - 5)
+    other = [torch.zeros_like(t) for t in tensors]
+    native.scatter(layout, other, table, 5, want)
+    return bool(torch.equal(native.gather(layout, tensors, table, 5, tokens - 5), want)) and bool(
+        torch.equal(torch_path.gather(layout, other, table, 5, tokens - 5), want)
+    )
 
 
 def checksum() -> dict[str, Any]:
