@@ -140,6 +140,7 @@ class PdkvConnector(KVConnectorBase_V1):
                 consumer,
                 agent_name("producer" if producer else "consumer"),
                 self._shared_cache,
+                prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
             )
 
     def _shared_cache(self, layout: KVLayout) -> KVCacheEngine | None:
