@@ -118,7 +118,7 @@ class WorkerSide:
         self._vllm_kv: list[torch.Tensor] = []
         self.prefix_caching = prefix_caching
         self.landing: LandingPath | None = None  # where pushed KV lands on this consumer, once registered
-        self._landing: list[torch.Tensor] = []  # the landing buffer: allocated for the ``landing`` path only
+        self.landing_buffer: list[torch.Tensor] = []  # the landing buffer: allocated for the ``landing`` path only
         self._blocks: VllmBlocks | None = None  # the receiver's allocator on the other paths
         self._copies: CopyStream | None = None
         self._make_event = make_event
@@ -165,9 +165,9 @@ class WorkerSide:
         if self.landing == "landing":
             # The landing buffer is what the channel writes into: on vLLM's device where the channel reaches it.
             device = vllm_kv[0].device if in_reach(vllm_kv[0], channel.memory) else torch.device("cpu")
-            self._landing = layout.allocate(self.config.num_blocks, device=device)
+            self.landing_buffer = layout.allocate(self.config.num_blocks, device=device)
             self._copies = CopyStream(vllm_kv[0].device)
-            kv, allocator = self._landing, BlockAllocator(self.config.num_blocks)
+            kv, allocator = self.landing_buffer, BlockAllocator(self.config.num_blocks)
             where = (
                 f"in {self.config.num_blocks} landing blocks in {device} memory, copied into vLLM's (its prefix "
                 "caching is on: a request's leading blocks may be shared, never written)"
@@ -394,7 +394,7 @@ class WorkerSide:
                     f"request needs {spec.num_tokens} in {n}"
                 )
             with self._copies.active():  # pdkv's own stream; its event says when vLLM may read the blocks
-                copy_blocks(self._landing, self._vllm_kv, got.blocks[first:n], spec.block_ids[first:n])
+                copy_blocks(self.landing_buffer, self._vllm_kv, got.blocks[first:n], spec.block_ids[first:n])
                 copied = self._copies.record()
             copied.synchronize()
         finally:
