@@ -31,9 +31,8 @@ from pdkv.keys import PromptKeys, chunk_keys
 from pdkv.layout import gather
 from pdkv.memory import emulate_device
 from pdkv.tier.base import HEADER_BYTES, leading
-from pdkv.transfer.params import Pushed, cache_salt, prompt_key, push_target, pushed
-
 from pdkv.transfer.outgoing import OutgoingTransfer
+from pdkv.transfer.params import Pushed, cache_salt, prompt_key, push_target, pushed
 
 from conftest import KV_MEMORIES, wait_until
 
