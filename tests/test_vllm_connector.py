@@ -509,6 +509,28 @@ def test_decode_lands_pushed_kv_straight_in_vllm_blocks(memory: str) -> None:
         d.close()
 
 
+def test_a_push_waiting_for_ds_scheduler_holds_up_no_other_request() -> None:
+    p, d, _, _ = worker_pair(prefix_caching=False)
+    try:
+        assert d.receiver is not None
+        address = d.receiver.address
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", address, 64, [1, 2], 64)]))  # D has not scheduled r1
+        wait_until(lambda: d.receiver.stats().get("refused", 0) >= 1, 5, "r1's Reserve refused for now")
+        p.push(StepMetadata(sends=[SendSpec("r2", "t-2", address, 64, [3, 4], 64)]))
+        d.start_loads(StepMetadata(loads=[LoadSpec("r2", "t-2", 64, 0, [5, 6])]))
+        assert collect(d, set())[1] == {"r2"}  # while r1's Reserve is still being retried
+        assert d.receiver.stats()["reserved"] == 1
+        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 64, 0, [7, 8])]))
+        _, recving, failed = collect(d, set())
+        assert recving == {"r1"} and failed == set() and d.counters["load_ok"] == 2
+        released = collect(p, {"r1", "r2"})[0]
+        released |= collect(p, set())[0] if released != {"r1", "r2"} else set()  # the two may settle apart
+        assert released == {"r1", "r2"} and p.counters["push_ok"] == 2
+    finally:
+        p.close()
+        d.close()
+
+
 def test_in_place_load_of_another_prompts_kv_fails_only_after_its_blocks_are_released() -> None:
     p, d, _, _ = worker_pair(prefix_caching=False)
     try:

@@ -82,6 +82,7 @@ class _Push:
     transfer: OutgoingTransfer | None = None
     ready_event: StepEvent | None = None  # marked at the end of the latest step that computed its tokens
     failed: str = ""
+    opening: bool = False  # its transfer is being opened (handshake, Reserve) on an opener thread
     finished: bool = False  # vLLM finished the request: no more compute will come
     settled: bool = False  # no write of ours reads its blocks any more
     sent: set[int] = field(default_factory=set)
@@ -127,6 +128,7 @@ class WorkerSide:
         self._pushes: dict[str, _Push] = {}
         self._push_queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._push_thread: threading.Thread | None = None
+        self._opener: ThreadPoolExecutor | None = None
         self._loader: ThreadPoolExecutor | None = None
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
@@ -152,6 +154,9 @@ class WorkerSide:
         if self.is_producer:
             self.sender = KVSender(
                 channel, layout, vllm_kv, self.fingerprint, self.config.transfer, secret=self.config.secret
+            )
+            self._opener = ThreadPoolExecutor(
+                max_workers=8, thread_name_prefix="pdkv-vllm-open", initializer=unpin_current_thread
             )
             self._push_thread = threading.Thread(target=self._push_loop, name="pdkv-vllm-push", daemon=True)
             self._push_thread.start()
@@ -235,14 +240,10 @@ class WorkerSide:
                 return
             if len(spec.block_ids) < self.layout.blocks_for(spec.num_tokens):
                 return  # chunked prefill: the rest of the prompt's blocks come with a later step
-            try:
-                p.transfer = self.sender.open(
-                    spec.transfer_id, spec.address, spec.num_tokens, spec.block_ids, spec.prompt_key
-                )
-            except PdkvError as exc:
-                self._give_up(p, str(exc))
-                return
-            p.transfer.on_settled(lambda _t, p=p: self._settled(p))
+            if not p.opening:
+                p.opening = True
+                self._opener.submit(self._open, p)  # type: ignore[union-attr]
+            return  # its chunks go once it is open: ``_open`` queues the request again
         t = p.transfer
         try:
             for i, (start, length) in enumerate(t.spans):
@@ -255,6 +256,27 @@ class WorkerSide:
             return
         if p.finished and len(p.sent) < t.num_chunks:
             t.cancel("the request ended before its prompt was computed")
+
+    def _open(self, p: _Push) -> None:
+        """Handshake and Reserve on an opener thread: a receiver that lands in vLLM's own blocks grants a transfer
+        only once D's scheduler allocated them, and other requests' chunks must not wait behind that."""
+        assert self.sender is not None
+        spec = p.spec
+        try:
+            transfer = self.sender.open(
+                spec.transfer_id, spec.address, spec.num_tokens, spec.block_ids, spec.prompt_key
+            )
+        except PdkvError as exc:
+            self._give_up(p, str(exc))
+            return
+        except Exception:  # as in the push loop: the request's blocks must still be released
+            log.exception("request %s: opening its transfer failed unexpectedly", spec.req_id)
+            self._give_up(p, "internal error (see the log)")
+            return
+        with self._lock:
+            p.transfer = transfer
+        transfer.on_settled(lambda _t, p=p: self._settled(p))
+        self._push_queue.put(spec.req_id)
 
     def _give_up(self, p: _Push, why: str) -> None:
         log.warning(
@@ -423,6 +445,8 @@ class WorkerSide:
         if self._push_thread is not None:
             self._push_queue.put(None)
             self._push_thread.join(timeout=5)
+        if self._opener is not None:
+            self._opener.shutdown(wait=False, cancel_futures=True)
         if self.cache is not None:
             self.cache.close()  # queued writes get tier.flush_timeout_s, then are dropped
         if self._loader is not None:
