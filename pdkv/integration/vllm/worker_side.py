@@ -235,15 +235,16 @@ class WorkerSide:
         if p.ready_event is not None:
             p.ready_event.synchronize()
         if p.transfer is None:
+            if p.opening:
+                return  # ``_open`` queues the request again once its transfer is open
             if p.finished and spec.ready_tokens < spec.num_tokens:
                 self._give_up(p, "the request ended before its prompt was computed")
                 return
             if len(spec.block_ids) < self.layout.blocks_for(spec.num_tokens):
                 return  # chunked prefill: the rest of the prompt's blocks come with a later step
-            if not p.opening:
-                p.opening = True
-                self._opener.submit(self._open, p)  # type: ignore[union-attr]
-            return  # its chunks go once it is open: ``_open`` queues the request again
+            p.opening = True
+            self._opener.submit(self._open, p)  # type: ignore[union-attr]
+            return
         t = p.transfer
         try:
             for i, (start, length) in enumerate(t.spans):
