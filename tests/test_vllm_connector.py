@@ -475,14 +475,17 @@ def test_vllm_blocks_grant_a_transfer_its_requests_blocks_only_once_expected() -
 
 
 @pytest.mark.parametrize("memory", KV_MEMORIES)
-def test_decode_lands_pushed_kv_straight_in_vllm_blocks(memory: str) -> None:
+def test_decode_lands_pushed_kv_straight_in_vllm_blocks(memory: str, caplog: pytest.LogCaptureFixture) -> None:
     """Prefix caching off: D's receiver is built over vLLM's own tensors and grants the transfer the request's
     blocks; host memory: the tcp channel writes into them (direct); emulated device memory: through pinned slots,
     scattered into them (staged). No landing buffer, no copy."""
+    caplog.set_level(logging.INFO, logger="pdkv.integration.vllm.worker_side")
     p, d, p_cache, d_cache = worker_pair(prefix_caching=False, memory=memory)
     try:
         assert d.receiver is not None
-        assert d.landing == ("direct" if memory == "host" else "staged") and d.landing_buffer == []
+        path = "direct" if memory == "host" else "staged"
+        assert d.landing == path and d.landing_buffer == []
+        assert f"pushed KV lands straight in vLLM's blocks ({path}: the tcp channel" in caplog.text
         storages = {t.untyped_storage().data_ptr() for t in d_cache.values()}
         assert {t.untyped_storage().data_ptr() for t in d.receiver.target.kv} == storages  # vLLM's own memory
         before = {name: t.clone() for name, t in d_cache.items()}
