@@ -377,7 +377,7 @@ def test_router_pd_output_equals_monolithic_and_the_prefix_came_over_the_connect
     assert metric(get_text(c.router.url + "/metrics"), "pdkv_router_fallbacks_total") == router_fallbacks
     loaded = {k: v - loaded_before["counters"].get(k, 0) for k, v in connector(c.decode.url)["counters"].items()}
     assert loaded.get("load_ok") == len(PROMPTS) + len(CHATS) and loaded.get("load_failed", 0) == 0
-    assert loaded["pushed_tokens_loaded"] == prompt_tokens - len(PROMPTS) - len(CHATS)  # the last: recomputed
+    assert loaded["pushed_tokens_loaded"] == prompt_tokens  # P pushes every prompt token, the last one included
 
 
 def test_decode_recomputes_when_the_pushed_kv_never_arrives(cluster: Cluster) -> None:
