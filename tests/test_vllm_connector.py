@@ -534,6 +534,24 @@ def test_a_push_waiting_for_ds_scheduler_holds_up_no_other_request() -> None:
         d.close()
 
 
+def test_a_request_aborted_while_its_transfer_opens_is_cancelled_once_open_and_released_after() -> None:
+    p, d, _, _ = worker_pair(prefix_caching=False)
+    try:
+        assert d.receiver is not None
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, [9, 2, 5, 11, 0], 64)]))
+        wait_until(lambda: d.receiver.stats().get("refused", 0) >= 1, 5, "r1's Reserve refused for now")
+        assert p.results({"r1"}) == (set(), set(), set())  # vLLM aborted it: its blocks stay held while it opens
+        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 0, [3, 7, 1, 8, 6])]))
+        _, recving, failed = collect(d, set())
+        assert recving == failed == {"r1"}  # P cancelled once open: 2 of its 3 chunks were never computed
+        assert collect(p, set())[0] == {"r1"}  # released once the cancelled transfer settled
+        assert p.counters["push_failed"] == 1 and p.counters["push_ok"] == 0
+        assert d._blocks is not None and d._blocks.num_used == 0
+    finally:
+        p.close()
+        d.close()
+
+
 def test_in_place_load_of_another_prompts_kv_fails_only_after_its_blocks_are_released() -> None:
     p, d, _, _ = worker_pair(prefix_caching=False)
     try:
