@@ -46,6 +46,11 @@ class BlockAllocator:
             self._used.update(taken)
         return taken
 
+    def allocate_for(self, transfer_id: str, n: int) -> list[int]:
+        """The blocks a receiver grants ``transfer_id``: any ``n`` free ones here; an allocator that knows which
+        blocks each transfer must land in (the vLLM connector's, over vLLM's own cache) overrides it."""
+        return self.allocate(n)
+
     def free(self, blocks: Iterable[int]) -> None:
         """Return blocks; raises ``LayoutError`` (freeing none) on a double free or unknown id."""
         blocks = list(blocks)

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,17 +20,21 @@ import pytest
 import torch
 
 from pdkv.config import convert_config
-from pdkv.errors import ConfigError, LayoutError
+from pdkv.errors import ConfigError, LayoutError, OutOfBlocksError
 from pdkv.integration.vllm.kvcache import copy_blocks, cpu_cache_layout
-from pdkv.integration.vllm.metadata import StepMetadata
+from pdkv.integration.vllm.landing import VllmBlocks, landing_path
+from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
+from pdkv.integration.vllm.ordering import StepEvent
 from pdkv.integration.vllm.scheduler_side import SchedulerSide
 from pdkv.integration.vllm.worker_side import WorkerSide
 from pdkv.keys import PromptKeys, chunk_keys
 from pdkv.layout import gather
+from pdkv.memory import emulate_device
 from pdkv.tier.base import HEADER_BYTES, leading
+from pdkv.transfer.outgoing import OutgoingTransfer
 from pdkv.transfer.params import Pushed, cache_salt, prompt_key, push_target, pushed
 
-from conftest import wait_until
+from conftest import KV_MEMORIES, wait_until
 
 FP = "fp-test"
 BS = 32  # vLLM CPU block sizes are multiples of 32
@@ -277,7 +282,12 @@ def test_decode_side_fully_cached_locally_discards_the_pushed_copy() -> None:
 # -- worker side over the real tcp channel -------------------------------------------------------
 def worker_pair(
     transfer: dict | None = None,
+    prefix_caching: bool = True,
+    memory: str = "host",
+    p_events: Callable[[], StepEvent] | None = None,
+    d_events: Callable[[], StepEvent] | None = None,
 ) -> tuple[WorkerSide, WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """P and D over tcp; D's vLLM has ``prefix_caching`` on or off; both caches in ``memory`` (``KV_MEMORIES``)."""
     cfg = convert_config(
         {
             "num_blocks": 16,
@@ -291,8 +301,19 @@ def worker_pair(
         }
     )
     p_cache, d_cache = vllm_cpu_cache(12, seed=3), vllm_cpu_cache(10)
-    p = WorkerSide(cfg, FP, is_producer=True, is_consumer=False, agent_name="p-test")
-    d = WorkerSide(cfg, FP, is_producer=False, is_consumer=True, agent_name="d-test")
+    if memory == "emulated":  # device memory the tcp channel cannot read through a host view, as a GPU's
+        for t in (*p_cache.values(), *d_cache.values()):
+            emulate_device(t)
+    p = WorkerSide(cfg, FP, is_producer=True, is_consumer=False, agent_name="p-test", make_event=p_events)
+    d = WorkerSide(
+        cfg,
+        FP,
+        is_producer=False,
+        is_consumer=True,
+        agent_name="d-test",
+        prefix_caching=prefix_caching,
+        make_event=d_events,
+    )
     p.register(*cpu_cache_layout(p_cache, BS))
     d.register(*cpu_cache_layout(d_cache, BS))
     return p, d, p_cache, d_cache
@@ -313,8 +334,6 @@ def collect(side: WorkerSide, finished: set[str], timeout: float = 10.0) -> tupl
 
 
 def test_prefill_pushes_from_vllm_blocks_and_decode_loads_them_into_its_own() -> None:
-    from pdkv.integration.vllm.metadata import LoadSpec, SendSpec
-
     p, d, p_cache, d_cache = worker_pair()
     try:
         assert d.receiver is not None
@@ -346,8 +365,6 @@ def test_prefill_pushes_from_vllm_blocks_and_decode_loads_them_into_its_own() ->
 def test_decode_loads_pushed_kv_only_for_the_prompt_p_computed_it_from() -> None:
     """P's Reserve carries its prompt's key; D's load names its own: another prompt's KV is never written into
     vLLM's blocks."""
-    from pdkv.integration.vllm.metadata import LoadSpec, SendSpec
-
     p, d, _, d_cache = worker_pair()
     try:
         assert d.receiver is not None
@@ -379,8 +396,6 @@ def _affinity(tid: int, default: set[int]) -> set[int]:
 def test_connector_threads_run_off_the_core_vllm_pins_its_worker_to() -> None:
     """vLLM's CPU worker pins its main thread to one core before it registers the cache, and threads inherit it:
     inside vLLM on two cores the receiver then answered handshakes 5-10 s late and transfers timed out."""
-    from pdkv.integration.vllm.metadata import LoadSpec, SendSpec
-
     every = os.sched_getaffinity(0)
     core = {min(every)}
     made: dict[str, object] = {}
@@ -426,9 +441,215 @@ def test_connector_threads_run_off_the_core_vllm_pins_its_worker_to() -> None:
         d.close()
 
 
-def test_a_transfer_that_never_comes_fails_the_load_within_its_timeout() -> None:
-    from pdkv.integration.vllm.metadata import LoadSpec
+# -- D lands in vLLM's own blocks ---------------------------------------------------------------
+def test_landing_path_rule() -> None:
+    host, emulated = torch.zeros(4), emulate_device(torch.zeros(4))
+    assert landing_path(host, ("host",), prefix_caching=False) == "direct"  # tcp, ucx, mock and a CPU cache
+    assert landing_path(emulated, ("host", "cuda"), prefix_caching=False) == "staged"  # emulated: never reachable
+    assert landing_path(emulated, ("host", "emulated"), prefix_caching=False) == "direct"
+    assert landing_path(emulated, ("host",), prefix_caching=False) == "staged"  # tcp and a GPU cache
+    for kv in (host, emulated):  # vLLM's cached blocks are shared: a whole-prompt write would clobber them
+        assert landing_path(kv, ("host", "cuda"), prefix_caching=True) == "landing"
 
+
+def test_vllm_blocks_grant_a_transfer_its_requests_blocks_only_once_expected() -> None:
+    blocks = VllmBlocks(10)
+    with pytest.raises(OutOfBlocksError, match="has not allocated"):  # retryable: P asks again
+        blocks.allocate_for("t-1", 2)
+    blocks.expect("t-1", [7, 3, 5])
+    with pytest.raises(OutOfBlocksError, match="needs 4 blocks"):
+        blocks.allocate_for("t-1", 4)
+    assert blocks.allocate_for("t-1", 2) == [7, 3] and blocks.num_free == 8
+    blocks.expect("t-2", [3, 4])
+    with pytest.raises(OutOfBlocksError, match="1 of them held by another transfer"):
+        blocks.allocate_for("t-2", 2)
+    assert not blocks.withdraw("t-1", 0.01)  # granted and not freed: a late write may still land
+    threading.Timer(0.05, blocks.free, ([7, 3],)).start()
+    assert blocks.withdraw("t-1", 5.0) and blocks.num_free == 10
+    with pytest.raises(LayoutError, match="double free"):
+        blocks.free([7, 3])
+    with pytest.raises(LayoutError, match="distinct"):
+        blocks.expect("t-3", [1, 1])
+    with pytest.raises(LayoutError, match="in \\[0, 10\\)"):
+        blocks.expect("t-3", [10])
+
+
+@pytest.mark.parametrize("memory", KV_MEMORIES)
+def test_decode_lands_pushed_kv_straight_in_vllm_blocks(memory: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Prefix caching off: D's receiver is built over vLLM's own tensors and grants the transfer the request's
+    blocks; host memory: the tcp channel writes into them (direct); emulated device memory: through pinned slots,
+    scattered into them (staged). No landing buffer, no copy."""
+    caplog.set_level(logging.INFO, logger="pdkv.integration.vllm.worker_side")
+    p, d, p_cache, d_cache = worker_pair(prefix_caching=False, memory=memory)
+    try:
+        assert d.receiver is not None
+        path = "direct" if memory == "host" else "staged"
+        assert d.landing == path and d.landing_buffer == []
+        assert f"pushed KV lands straight in vLLM's blocks ({path}: the tcp channel" in caplog.text
+        storages = {t.untyped_storage().data_ptr() for t in d_cache.values()}
+        assert {t.untyped_storage().data_ptr() for t in d.receiver.target.kv} == storages  # vLLM's own memory
+        before = {name: t.clone() for name, t in d_cache.items()}
+        # P pushes before D's scheduler saw the request: its Reserve is refused (retryable) until D's is allocated
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, [9, 2, 5, 11, 0], 150)]))
+        wait_until(lambda: d.receiver.stats().get("refused", 0) >= 1, 5, "P's Reserve before D has vLLM blocks")
+        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 0, [3, 7, 1, 8, 6])]))
+        _, recving, failed = collect(d, set())
+        assert recving == {"r1"} and failed == set()
+        assert collect(p, {"r1"})[0] == {"r1"}
+        p_layout, p_views = cpu_cache_layout(p_cache, BS)
+        d_layout, d_views = cpu_cache_layout(d_cache, BS)
+        sent = gather(p_layout, p_views, [9, 2, 5, 11, 0], 0, 150)  # staging moves tokens, direct whole blocks
+        assert torch.equal(gather(d_layout, d_views, [3, 7, 1, 8, 6], 0, 150), sent)
+        untouched = [b for b in range(10) if b not in (3, 7, 1, 8, 6)]
+        assert all(torch.equal(d_cache[name][untouched], before[name][untouched]) for name in d_cache)
+        stats = d.receiver.stats()
+        assert stats["claimed"] == 1 and stats["reservations"] == 0 and stats["free_blocks"] == 10
+        assert stats.get("chunks_staged_to_device", 0) == (0 if memory == "host" else 3)  # 150 tokens: 3 chunks
+        assert d.counters["load_ok"] == 1 and d.counters["load_failed"] == 0
+        assert d.counters["pushed_tokens_loaded"] == 150 and p.counters["push_ok"] == 1
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_push_waiting_for_ds_scheduler_holds_up_no_other_request() -> None:
+    p, d, _, _ = worker_pair(prefix_caching=False)
+    try:
+        assert d.receiver is not None
+        address = d.receiver.address
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", address, 64, [1, 2], 64)]))  # D has not scheduled r1
+        wait_until(lambda: d.receiver.stats().get("refused", 0) >= 1, 5, "r1's Reserve refused for now")
+        p.push(StepMetadata(sends=[SendSpec("r2", "t-2", address, 64, [3, 4], 64)]))
+        d.start_loads(StepMetadata(loads=[LoadSpec("r2", "t-2", 64, 0, [5, 6])]))
+        assert collect(d, set())[1] == {"r2"}  # while r1's Reserve is still being retried
+        assert d.receiver.stats()["reserved"] == 1
+        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 64, 0, [7, 8])]))
+        _, recving, failed = collect(d, set())
+        assert recving == {"r1"} and failed == set() and d.counters["load_ok"] == 2
+        released = collect(p, {"r1", "r2"})[0]
+        released |= collect(p, set())[0] if released != {"r1", "r2"} else set()  # the two may settle apart
+        assert released == {"r1", "r2"} and p.counters["push_ok"] == 2
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_request_aborted_while_its_transfer_opens_is_cancelled_once_open_and_released_after() -> None:
+    p, d, _, _ = worker_pair(prefix_caching=False)
+    try:
+        assert d.receiver is not None
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, [9, 2, 5, 11, 0], 64)]))
+        wait_until(lambda: d.receiver.stats().get("refused", 0) >= 1, 5, "r1's Reserve refused for now")
+        assert p.results({"r1"}) == (set(), set(), set())  # vLLM aborted it: its blocks stay held while it opens
+        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 0, [3, 7, 1, 8, 6])]))
+        _, recving, failed = collect(d, set())
+        assert recving == failed == {"r1"}  # P cancelled once open: 2 of its 3 chunks were never computed
+        assert collect(p, set())[0] == {"r1"}  # released once the cancelled transfer settled
+        assert p.counters["push_failed"] == 1 and p.counters["push_ok"] == 0
+        assert d._blocks is not None and d._blocks.num_used == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_in_place_load_of_another_prompts_kv_fails_only_after_its_blocks_are_released() -> None:
+    p, d, _, _ = worker_pair(prefix_caching=False)
+    try:
+        assert d.receiver is not None and d._blocks is not None
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 64, [1, 2], 64, b"A" * 16)]))
+        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 64, 0, [3, 4], prompt_key=b"B" * 16)]))
+        _, recving, failed = collect(d, set())
+        assert recving == failed == {"r1"}  # vLLM recomputes into blocks pdkv no longer holds
+        assert d._blocks.num_used == 0 and d.receiver.stats()["prompt_mismatches"] == 1
+        assert d.counters["load_failed"] == 1 and d.counters["pushed_tokens_loaded"] == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_in_place_load_never_writes_blocks_of_vllms_prefix_cache() -> None:
+    """Prefix caching is on whenever D has a local hit, so the rule lands those in a buffer; were one to reach an
+    in-place receiver anyway, its shared blocks are not written: the transfer is cancelled and vLLM recomputes."""
+    p, d, _, d_cache = worker_pair(prefix_caching=False)
+    try:
+        assert d.receiver is not None
+        before = {name: t.clone() for name, t in d_cache.items()}
+        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 32, [3, 7, 1, 8, 6])]))
+        _, recving, failed = collect(d, set())
+        assert recving == failed == {"r1"}
+        assert all(torch.equal(d_cache[name], before[name]) for name in d_cache)
+    finally:
+        p.close()
+        d.close()
+
+
+class _Gate:
+    """A step's event that the test completes: until then ``synchronize`` blocks (its kernels are still running)."""
+
+    def __init__(self, name: str, log: list[tuple[str, str]]) -> None:
+        self.name, self.log, self.done = name, log, threading.Event()
+
+    def record(self) -> None:
+        self.log.append(("record", self.name))
+
+    def synchronize(self) -> None:
+        self.log.append(("wait", self.name))
+        assert self.done.wait(10), f"event {self.name} never completed"
+
+
+def test_p_posts_a_chunk_only_after_the_step_that_computed_it_ran_and_d_writes_only_after_vllm_allocated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU these are CUDA events marked on vLLM's stream; here fakes that block until the test completes them."""
+    log: list[tuple[str, str]] = []
+    made: dict[str, _Gate] = {}
+
+    def maker(side: str) -> Callable[[], StepEvent]:
+        def make() -> StepEvent:  # p1, p2, ...: the events P's steps mark; d1, ...: D's
+            name = f"{side}{sum(k.startswith(side) for k in made) + 1}"
+            made[name] = _Gate(name, log)
+            return made[name]
+
+        return make
+
+    real_send = OutgoingTransfer.send_chunk
+
+    def send_chunk(self: OutgoingTransfer, index: int) -> None:
+        log.append(("post", str(index)))
+        real_send(self, index)
+
+    monkeypatch.setattr(OutgoingTransfer, "send_chunk", send_chunk)
+    p, d, p_cache, d_cache = worker_pair(prefix_caching=False, p_events=maker("p"), d_events=maker("d"))
+    try:
+        assert d.receiver is not None
+        blocks = [9, 2, 5, 11, 0]
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, blocks, 64)]))  # step 1: chunk 0
+        wait_until(lambda: ("wait", "p1") in log, 5, "the push thread waiting for step 1's event")
+        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 0, [3, 7, 1, 8, 6])]))
+        wait_until(lambda: ("wait", "d1") in log, 5, "the loader waiting for the event of the step that allocated")
+        assert not any(kind == "post" for kind, _ in log) and d.receiver.stats().get("reserved", 0) == 0
+        made["d1"].done.set()  # D may now be written: P's Reserve is granted vLLM's blocks once P opens
+        made["p1"].done.set()  # step 1 ran: chunk 0 may go
+        wait_until(lambda: ("post", "0") in log, 5, "chunk 0 posted")
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, blocks, 150)]))  # step 2
+        wait_until(lambda: ("wait", "p2") in log, 5, "the push thread waiting for step 2's event")
+        assert ("post", "1") not in log
+        made["p2"].done.set()
+        assert collect(d, set())[1] == {"r1"} and collect(p, {"r1"})[0] == {"r1"}
+        posts = [i for i, entry in enumerate(log) if entry[0] == "post"]
+        assert [log[i][1] for i in posts] == ["0", "1", "2"]
+        assert log.index(("wait", "p1")) < posts[0] and log.index(("wait", "p2")) < posts[1]
+        assert log.index(("record", "p2")) > posts[0]  # chunks 1-2 were not computed when chunk 0 went
+        for name in p_cache:  # direct: whole blocks
+            assert torch.equal(d_cache[name][[3, 7, 1, 8, 6]], p_cache[name][blocks])
+    finally:
+        for gate in made.values():
+            gate.done.set()
+        p.close()
+        d.close()
+
+
+def test_a_transfer_that_never_comes_fails_the_load_within_its_timeout() -> None:
     p, d, _, _ = worker_pair({"transfer_timeout_s": 1.0})
     try:
         t0 = time.monotonic()
@@ -443,8 +664,6 @@ def test_a_transfer_that_never_comes_fails_the_load_within_its_timeout() -> None
 
 
 def test_a_dead_decode_receiver_costs_the_push_not_the_blocks() -> None:
-    from pdkv.integration.vllm.metadata import SendSpec
-
     p, d, _, _ = worker_pair({"reserve_timeout_s": 0.5, "handshake_timeout_s": 0.5})
     try:
         assert d.receiver is not None

@@ -75,6 +75,10 @@ def bind(role: str) -> dict[str, str]:
 
 
 D_TRANSFER_TIMEOUT_S = 8.0
+D_ARGS = ["--no-enable-prefix-caching"]
+"""D without vLLM's prefix cache: the connector then lands pushed KV straight in vLLM's own blocks (its ``direct``
+path, pdkv/integration/vllm/landing.py); with it, in a landing buffer copied into them (tests/test_vllm_connector.py
+runs both)."""
 LONG = " ".join(
     f"Item {i} of the inventory is a box of {i * 7 % 13} red apples." for i in range(30)
 )  # ~480 tokens: several blocks and chunks
@@ -184,6 +188,7 @@ def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str)
                 "--config",
                 str(tmp / "decode.yaml"),
                 *ENGINE_ARGS,
+                *D_ARGS,
                 *PROBED,
                 timeout=900,
                 env={**bind("decode"), **PROBE_ENV},
@@ -341,10 +346,18 @@ def sources(c: Cluster) -> dict[str, float]:
     return {s: metric(text, SOURCE, source=s) for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
 
 
+def connector(url: str) -> dict:
+    """The decode worker's connector state (tests/vllm_kvprobe.py, ``pdkv_connector``)."""
+    return post_json(url + "/collective_rpc", {"method": "pdkv_connector"})["results"][0]
+
+
 def test_router_pd_output_equals_monolithic_and_the_prefix_came_over_the_connector(cluster: Cluster) -> None:
     c = cluster
     eos = eos_token_id(c.model)
     before = sources(c)
+    loaded_before = connector(c.decode.url)
+    # D_ARGS: no prefix cache on D, a host cache, tcp: the receiver writes straight into vLLM's blocks
+    assert loaded_before["landing"] == "direct" and loaded_before["landing_buffer_blocks"] == 0
     router_fallbacks = metric(get_text(c.router.url + "/metrics"), "pdkv_router_fallbacks_total")
     prompt_tokens = 0
     for prompt in [*PROMPTS, *CHATS]:
@@ -362,6 +375,9 @@ def test_router_pd_output_equals_monolithic_and_the_prefix_came_over_the_connect
     assert after["external_kv_transfer"] - before["external_kv_transfer"] == prompt_tokens
     assert after["local_compute"] - before["local_compute"] == 0
     assert metric(get_text(c.router.url + "/metrics"), "pdkv_router_fallbacks_total") == router_fallbacks
+    loaded = {k: v - loaded_before["counters"].get(k, 0) for k, v in connector(c.decode.url)["counters"].items()}
+    assert loaded.get("load_ok") == len(PROMPTS) + len(CHATS) and loaded.get("load_failed", 0) == 0
+    assert loaded["pushed_tokens_loaded"] == prompt_tokens  # P pushes every prompt token, the last one included
 
 
 def test_decode_recomputes_when_the_pushed_kv_never_arrives(cluster: Cluster) -> None:

@@ -58,6 +58,19 @@ class KVProbe:
         """Per-position digests recorded for the prompt with these token ids (a JSON list), or None."""
         return self.model_runner._pdkv_probe.pop(prompt_id(json.loads(tokens_json)), None)  # type: ignore[attr-defined]
 
+    def pdkv_connector(self) -> dict[str, Any]:
+        """Where this worker's pdkv connector lands pushed KV, and its counters (loads, tokens loaded)."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        if not has_kv_transfer_group():
+            return {}
+        worker = get_kv_transfer_group().worker
+        return {
+            "landing": worker.landing,
+            "landing_buffer_blocks": len(worker.landing_buffer[0]) if worker.landing_buffer else 0,
+            "counters": dict(worker.counters),
+        }
+
 
 def _slot_elements(runner: Any) -> torch.Tensor:
     """``[block_size, 2 * heads * head_dim]``: which elements of a block (flattened) hold each slot's K, then V."""

@@ -269,7 +269,7 @@ class KVReceiver:
                 self.counters["refused"] += 1
                 return grant
             try:
-                blocks = self.allocator.allocate(grant.blocks)
+                blocks = self.allocator.allocate_for(req.transfer_id, grant.blocks)
             except OutOfBlocksError as exc:
                 self.counters["refused"] += 1
                 return Refused(

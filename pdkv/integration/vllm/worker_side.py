@@ -10,15 +10,20 @@ the forward pass on the network:
   straight from them (pdkv ``KVSender`` over vLLM's own tensors). The
   request's blocks stay vLLM's until the writes have settled: only then is
   the request reported in ``finished_sending`` and its blocks freed.
-* D: pushed chunks land in a landing buffer of vLLM's layout (pdkv
-  ``KVReceiver``; P pushes before D's scheduler has even seen the request,
-  so there are no vLLM blocks to land in yet). When the scheduler has
-  allocated the request's blocks, a loader thread waits for the transfer
-  (bounded by ``transfer_timeout_s``), copies whole blocks into vLLM's cache,
-  frees the landing blocks and reports the request in ``finished_recving``;
-  a transfer that failed, timed out or never came is reported in
-  ``failed_recving`` too, so vLLM recomputes the prompt (its ``recompute``
-  load-failure policy), never decodes from blocks that were not filled.
+* D: pushed chunks land where ``landing.landing_path`` says (logged at
+  start, kept on ``landing``): straight in the request's own vLLM blocks
+  (``direct``; ``staged`` through pinned host slots when the channel cannot
+  address vLLM's memory), the receiver being built over vLLM's tensors and
+  granting a transfer the blocks D's scheduler allocated to its request; or,
+  with vLLM's prefix caching on, in a landing buffer of vLLM's layout whose
+  blocks past D's own prefix hit are copied into vLLM's. When the scheduler
+  has allocated the request's blocks, a loader thread waits for the transfer
+  (bounded by ``transfer_timeout_s``) and reports the request in
+  ``finished_recving`` once its bytes are in vLLM's blocks; a transfer that
+  failed, timed out or never came is reported in ``failed_recving`` too, so
+  vLLM recomputes the prompt (its ``recompute`` load-failure policy), never
+  decodes from blocks that were not filled, and only once no write of P's
+  can still land in them.
 * Any role, with a shared tier (``tier.redis_url``), through a
   ``pdkv.KVCacheEngine`` over Redis: full prompt chunks computed here are
   stored during the step (gathered out of vLLM's blocks, which may be freed
@@ -27,14 +32,13 @@ the forward pass on the network:
   for); a load the scheduler planned from the tier retrieves those chunks
   into the tokens past vLLM's own prefix cache.
 
-GPU (not run here: no GPU): the push thread waits on a CUDA event recorded
-at the end of the step before posting. D's landing buffer is on vLLM's device
-when the channel reaches device memory (nixl: P writes VRAM to VRAM, the
-loader copies device to device), in host memory otherwise (tcp, ucx: chunks
-land in host memory and the loader copies host to device); either way the
-loader's copies are on the current stream and synchronized before reporting.
-Not done yet: landing straight in vLLM's own blocks (the receiver allocates
-its landing blocks before D's scheduler has allocated vLLM's).
+Ordering on a GPU (``ordering.DeviceOrder``; not run here: no GPU): the
+push thread waits for an event marked on vLLM's stream at the end of the step
+before posting that step's chunks; a loader waits for an event marked when
+vLLM handed it the blocks before anything may write them, and a landing-buffer
+copy runs on pdkv's own stream and is waited for (its event) before the
+request is reported. No device-wide synchronize. On CPU the same calls run
+with events that are done at once.
 """
 
 from __future__ import annotations
@@ -53,14 +57,18 @@ import torch
 from pdkv.blocks import BlockAllocator
 from pdkv.cache_engine import KVCacheEngine, suffix_mask
 from pdkv.channels import create_channel
+from pdkv.channels.base import Channel
 from pdkv.config import PdkvConfig
 from pdkv.errors import PdkvError, TransferError
 from pdkv.integration.vllm.affinity import unpin_current_thread, unpinned
 from pdkv.integration.vllm.kvcache import copy_blocks
+from pdkv.integration.vllm.landing import LandingPath, VllmBlocks, landing_path
 from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
+from pdkv.integration.vllm.ordering import DeviceOrder, StepEvent
 from pdkv.keys import PromptKeys
 from pdkv.layout import KVLayout
-from pdkv.memory import in_reach
+from pdkv.memory import adopt_kv, in_reach
+from pdkv.staging import CopyStream
 from pdkv.transfer.outgoing import OutgoingTransfer
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
@@ -72,8 +80,9 @@ log = logging.getLogger(__name__)
 class _Push:
     spec: SendSpec
     transfer: OutgoingTransfer | None = None
-    ready_event: object | None = None  # torch.cuda.Event of the latest step, on GPU
+    ready_event: StepEvent | None = None  # marked at the end of the latest step that computed its tokens
     failed: str = ""
+    opening: bool = False  # its transfer is being opened (handshake, Reserve) on an opener thread
     finished: bool = False  # vLLM finished the request: no more compute will come
     settled: bool = False  # no write of ours reads its blocks any more
     sent: set[int] = field(default_factory=set)
@@ -94,7 +103,11 @@ class WorkerSide:
         is_consumer: bool,
         agent_name: str,
         cache: Callable[[KVLayout], KVCacheEngine | None] | None = None,
+        prefix_caching: bool = True,
+        make_event: Callable[[], StepEvent] | None = None,
     ) -> None:
+        """``prefix_caching``: vLLM's on this instance (it decides where pushed KV lands, ``landing_path``);
+        ``make_event``: the events ``DeviceOrder`` marks (tests pass fakes; default: CUDA events on a GPU)."""
         self.config = config
         self.fingerprint = fingerprint
         self.is_producer = is_producer
@@ -104,11 +117,18 @@ class WorkerSide:
         self.receiver: KVReceiver | None = None
         self.layout: KVLayout | None = None
         self._vllm_kv: list[torch.Tensor] = []
-        self._landing: list[torch.Tensor] = []
+        self.prefix_caching = prefix_caching
+        self.landing: LandingPath | None = None  # where pushed KV lands on this consumer, once registered
+        self.landing_buffer: list[torch.Tensor] = []  # the landing buffer: allocated for the ``landing`` path only
+        self._blocks: VllmBlocks | None = None  # the receiver's allocator on the other paths
+        self._copies: CopyStream | None = None
+        self._make_event = make_event
+        self._order: DeviceOrder | None = None
         self._lock = threading.Lock()
         self._pushes: dict[str, _Push] = {}
         self._push_queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._push_thread: threading.Thread | None = None
+        self._opener: ThreadPoolExecutor | None = None
         self._loader: ThreadPoolExecutor | None = None
         self._recv_done: set[str] = set()
         self._recv_failed: set[str] = set()
@@ -123,7 +143,9 @@ class WorkerSide:
             self._start(layout, vllm_kv)
 
     def _start(self, layout: KVLayout, vllm_kv: list[torch.Tensor]) -> None:
+        vllm_kv = adopt_kv(vllm_kv)  # emulated device memory under PDKV_EMULATE_DEVICE, before any path is chosen
         self.layout, self._vllm_kv = layout, vllm_kv
+        self._order = DeviceOrder(vllm_kv[0].device, self._make_event)
         if self._make_cache is not None:
             self.cache = self._make_cache(layout)
         if not (self.is_producer or self.is_consumer):
@@ -133,40 +155,57 @@ class WorkerSide:
             self.sender = KVSender(
                 channel, layout, vllm_kv, self.fingerprint, self.config.transfer, secret=self.config.secret
             )
+            self._opener = ThreadPoolExecutor(
+                max_workers=8, thread_name_prefix="pdkv-vllm-open", initializer=unpin_current_thread
+            )
             self._push_thread = threading.Thread(target=self._push_loop, name="pdkv-vllm-push", daemon=True)
             self._push_thread.start()
         if self.is_consumer:
+            self._start_receiver(channel, layout, vllm_kv)
+
+    def _start_receiver(self, channel: Channel, layout: KVLayout, vllm_kv: list[torch.Tensor]) -> None:
+        """The receiver over vLLM's own tensors, or over a landing buffer: ``landing_path`` decides."""
+        self.landing = landing_path(vllm_kv[0], channel.memory, self.prefix_caching)
+        allocator: BlockAllocator
+        if self.landing == "landing":
             # The landing buffer is what the channel writes into: on vLLM's device where the channel reaches it.
-            device = vllm_kv[0].device if vllm_kv and in_reach(vllm_kv[0], channel.memory) else torch.device("cpu")
-            self._landing = layout.allocate(self.config.num_blocks, device=device)
-            self.receiver = KVReceiver(
-                channel,
-                layout,
-                self._landing,
-                BlockAllocator(self.config.num_blocks),
-                self.fingerprint,
-                self.config.transfer,
-                host=self.config.host,
-                port=self.config.control_port,
-                secret=self.config.secret,
-                advertise_host=self.config.advertise_host,
+            device = vllm_kv[0].device if in_reach(vllm_kv[0], channel.memory) else torch.device("cpu")
+            self.landing_buffer = layout.allocate(self.config.num_blocks, device=device)
+            self._copies = CopyStream(vllm_kv[0].device)
+            kv, allocator = self.landing_buffer, BlockAllocator(self.config.num_blocks)
+            where = (
+                f"in {self.config.num_blocks} landing blocks in {device} memory, copied into vLLM's (its prefix "
+                "caching is on: a request's leading blocks may be shared, never written)"
             )
-            log.info(
-                "pdkv receiver for vLLM listening on %s (%d landing blocks of %d tokens)",
-                self.receiver.address,
-                self.config.num_blocks,
-                layout.block_size,
+        else:
+            self._blocks = VllmBlocks(layout.validate_buffer(vllm_kv))
+            kv, allocator = vllm_kv, self._blocks
+            where = (
+                f"straight in vLLM's blocks ({self.landing}: the {channel.name} channel "
+                f"{'writes' if self.landing == 'direct' else 'cannot address'} vLLM's {vllm_kv[0].device} cache"
+                f"{'' if self.landing == 'direct' else ', so chunks go through pinned host staging'})"
             )
+        self.receiver = KVReceiver(
+            channel,
+            layout,
+            kv,
+            allocator,
+            self.fingerprint,
+            self.config.transfer,
+            host=self.config.host,
+            port=self.config.control_port,
+            secret=self.config.secret,
+            advertise_host=self.config.advertise_host,
+        )
+        log.info("pdkv receiver for vLLM listening on %s: pushed KV lands %s", self.receiver.address, where)
 
     # -- prefill: push ----------------------------------------------------------------------
     def push(self, meta: StepMetadata) -> None:
         """After a forward step: queue this step's newly computed chunks for pushing (never blocks)."""
         if not meta.sends:
             return
-        event = None
-        if self._vllm_kv and self._vllm_kv[0].is_cuda:
-            event = torch.cuda.Event()
-            event.record()
+        assert self._order is not None
+        event = self._order.mark()  # this step's kernels, all layers queued: its chunks go once they ran
         with self._lock:
             for spec in meta.sends:
                 p = self._pushes.get(spec.req_id)
@@ -194,21 +233,18 @@ class WorkerSide:
         if p.failed or p.settled:
             return
         if p.ready_event is not None:
-            p.ready_event.synchronize()  # type: ignore[attr-defined]
+            p.ready_event.synchronize()
         if p.transfer is None:
+            if p.opening:
+                return  # ``_open`` queues the request again once its transfer is open
             if p.finished and spec.ready_tokens < spec.num_tokens:
                 self._give_up(p, "the request ended before its prompt was computed")
                 return
             if len(spec.block_ids) < self.layout.blocks_for(spec.num_tokens):
                 return  # chunked prefill: the rest of the prompt's blocks come with a later step
-            try:
-                p.transfer = self.sender.open(
-                    spec.transfer_id, spec.address, spec.num_tokens, spec.block_ids, spec.prompt_key
-                )
-            except PdkvError as exc:
-                self._give_up(p, str(exc))
-                return
-            p.transfer.on_settled(lambda _t, p=p: self._settled(p))
+            p.opening = True
+            self._opener.submit(self._open, p)  # type: ignore[union-attr]
+            return
         t = p.transfer
         try:
             for i, (start, length) in enumerate(t.spans):
@@ -221,6 +257,27 @@ class WorkerSide:
             return
         if p.finished and len(p.sent) < t.num_chunks:
             t.cancel("the request ended before its prompt was computed")
+
+    def _open(self, p: _Push) -> None:
+        """Handshake and Reserve on an opener thread: a receiver that lands in vLLM's own blocks grants a transfer
+        only once D's scheduler allocated them, and other requests' chunks must not wait behind that."""
+        assert self.sender is not None
+        spec = p.spec
+        try:
+            transfer = self.sender.open(
+                spec.transfer_id, spec.address, spec.num_tokens, spec.block_ids, spec.prompt_key
+            )
+        except PdkvError as exc:
+            self._give_up(p, str(exc))
+            return
+        except Exception:  # as in the push loop: the request's blocks must still be released
+            log.exception("request %s: opening its transfer failed unexpectedly", spec.req_id)
+            self._give_up(p, "internal error (see the log)")
+            return
+        with self._lock:
+            p.transfer = transfer
+        transfer.on_settled(lambda _t, p=p: self._settled(p))
+        self._push_queue.put(spec.req_id)
 
     def _give_up(self, p: _Push, why: str) -> None:
         log.warning(
@@ -270,11 +327,6 @@ class WorkerSide:
                 "since the lookup?)"
             )
 
-    def _landed_in_vllm(self) -> None:
-        """On GPU, the copies into vLLM's blocks are queued on a stream: done before the load is reported."""
-        if self._vllm_kv[0].is_cuda:
-            torch.cuda.current_stream(self._vllm_kv[0].device).synchronize()
-
     # -- decode: land and load --------------------------------------------------------------
     def start_loads(self, meta: StepMetadata) -> None:
         """Hand this step's loads to the loader threads; free landed transfers nobody needs."""
@@ -285,16 +337,19 @@ class WorkerSide:
             self._loader = ThreadPoolExecutor(
                 max_workers=16, thread_name_prefix="pdkv-vllm-load", initializer=unpin_current_thread
             )
-        for spec in meta.loads:
-            self._loader.submit(self._load, spec)  # type: ignore[union-attr]
+        if meta.loads:
+            assert self._order is not None
+            ready = self._order.mark()  # vLLM's work queued so far, on the blocks it just allocated included
+            for spec in meta.loads:
+                self._loader.submit(self._load, spec, ready)  # type: ignore[union-attr]
 
-    def _load(self, spec: LoadSpec) -> None:
+    def _load(self, spec: LoadSpec, ready: StepEvent) -> None:
         ok = False
         try:
             if spec.tier_keys:
                 self._load_from_tier(spec)
             else:
-                self._load_pushed(spec)
+                self._load_pushed(spec, ready)
             ok = True
         except PdkvError as exc:
             log.warning(
@@ -309,22 +364,62 @@ class WorkerSide:
             (self._recv_done if ok else self._recv_failed).add(spec.req_id)
             self.counters[("tier_" if spec.tier_keys else "") + ("load_ok" if ok else "load_failed")] += 1
 
-    def _load_pushed(self, spec: LoadSpec) -> None:
+    def _load_pushed(self, spec: LoadSpec, ready: StepEvent) -> None:
         if self.receiver is None or self.layout is None:
             raise TransferError("this instance has no KV receiver (kv_role is not a consumer)")
+        n = self.layout.blocks_for(spec.num_tokens)
+        first = spec.skip_tokens // self.layout.block_size  # blocks vLLM's own prefix cache holds: shared
+        why = ""
+        if len(spec.block_ids) < n:
+            why = f"vLLM allocated {len(spec.block_ids)} blocks to a request of {spec.num_tokens} tokens ({n} blocks)"
+        elif first and self._blocks is not None:
+            why = f"{first} of its blocks are in vLLM's prefix cache, shared: a push in place would write them"
+        if why:
+            self.receiver.cancel(spec.transfer_id, why)
+            raise TransferError(f"transfer {spec.transfer_id!r} not loaded: {why}")
+        ready.synchronize()  # vLLM's queued work on these blocks (their previous owner's) ran: they may be written
+        if self._blocks is not None:
+            self._receive_in_place(spec, n, self._blocks)
+        else:
+            self._receive_and_copy(spec, n, first)
+        self.counters["pushed_tokens_loaded"] += spec.num_tokens - first * self.layout.block_size
+
+    def _receive_in_place(self, spec: LoadSpec, n: int, blocks: VllmBlocks) -> None:
+        """Let P's Reserve be granted the request's own blocks, and wait for its chunks to land in them."""
+        assert self.receiver is not None
+        blocks.expect(spec.transfer_id, spec.block_ids[:n])
+        try:
+            got = self.receiver.wait(spec.transfer_id, self.config.transfer.transfer_timeout_s, spec.prompt_key)
+        except PdkvError:
+            # vLLM recomputes into these blocks once told: not before a late write of P's can no longer land
+            release_s = 2 * self.config.transfer.drain_timeout_s + 1.0
+            if not blocks.withdraw(spec.transfer_id, release_s):
+                log.error(
+                    "transfer %s: its vLLM blocks were not released within %.3gs of its failure",
+                    spec.transfer_id,
+                    release_s,
+                )
+            raise
+        blocks.free(got.blocks)  # handed over, bytes visible (the channel's completion or the scatter's event)
+        if got.num_tokens != spec.num_tokens:
+            raise TransferError(
+                f"transfer {spec.transfer_id!r} carries {got.num_tokens} tokens; the request needs {spec.num_tokens}"
+            )
+
+    def _receive_and_copy(self, spec: LoadSpec, n: int, first: int) -> None:
+        """Wait for the transfer in the landing buffer, copy its blocks past ``first`` into the request's."""
+        assert self.receiver is not None and self._copies is not None
         got = self.receiver.wait(spec.transfer_id, self.config.transfer.transfer_timeout_s, spec.prompt_key)
         try:
-            n = self.layout.blocks_for(spec.num_tokens)
-            if got.num_tokens != spec.num_tokens or len(got.blocks) < n or len(spec.block_ids) < n:
+            if got.num_tokens != spec.num_tokens or len(got.blocks) < n:
                 raise TransferError(
                     f"transfer {spec.transfer_id!r} carries {got.num_tokens} tokens in {len(got.blocks)} blocks; the "
                     f"request needs {spec.num_tokens} in {n}"
                 )
-            first = (
-                spec.skip_tokens // self.layout.block_size
-            )  # blocks vLLM's own prefix cache holds: shared, never written
-            copy_blocks(self._landing, self._vllm_kv, got.blocks[first:n], spec.block_ids[first:n])
-            self._landed_in_vllm()
+            with self._copies.active():  # pdkv's own stream; its event says when vLLM may read the blocks
+                copy_blocks(self.landing_buffer, self._vllm_kv, got.blocks[first:n], spec.block_ids[first:n])
+                copied = self._copies.record()
+            copied.synchronize()
         finally:
             self.receiver.allocator.free(got.blocks)
 
@@ -351,6 +446,8 @@ class WorkerSide:
         if self._push_thread is not None:
             self._push_queue.put(None)
             self._push_thread.join(timeout=5)
+        if self._opener is not None:
+            self._opener.shutdown(wait=False, cancel_futures=True)
         if self.cache is not None:
             self.cache.close()  # queued writes get tier.flush_timeout_s, then are dropped
         if self._loader is not None:

@@ -1,0 +1,148 @@
+"""Where a pushed prompt's KV lands on D: vLLM's own blocks, or a landing buffer copied into them.
+
+``landing_path`` is the rule (one function, logged at start and kept on
+``WorkerSide.landing``). When pdkv may write a request's vLLM blocks, the
+receiver is built over vLLM's own KV tensors (registered with the channel
+once) and ``VllmBlocks`` is its allocator: a transfer is granted exactly the
+blocks D's scheduler allocated to its request, so the channel writes straight
+into them and nothing is copied afterwards.
+
+P pushes before D's scheduler has seen the request (the router asks D only
+once P answered), so at P's first Reserve there may be no vLLM blocks for it
+yet: the receiver refuses it as *retryable* (``OutOfBlocksError``) and P asks
+again until the loader, handed the request's blocks, ``expect``s the
+transfer, within P's ``reserve_timeout_s``. The cost against the landing
+buffer: P's chunks go once D has scheduled the request, not while P computes
+them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Collection, Iterable
+from typing import Literal
+
+import torch
+
+from pdkv.blocks import BlockAllocator
+from pdkv.errors import LayoutError, OutOfBlocksError
+from pdkv.memory import in_reach
+
+LandingPath = Literal["direct", "staged", "landing"]
+
+
+def landing_path(kv: torch.Tensor, channel_memory: Collection[str], prefix_caching: bool) -> LandingPath:
+    """Where D's receiver lands pushed KV, given vLLM's cache (one of its tensors) and the channel.
+
+    * ``landing``: vLLM's prefix caching is on. A request's leading blocks may
+      then be cached blocks other requests share, which a write of the whole
+      prompt would overwrite while they read them (vLLM's NixlConnector pulls
+      only the blocks past the local hit; pdkv's push writes every chunk), so
+      the KV lands in a landing buffer of pdkv's and only the blocks past the
+      hit are copied into vLLM's, on pdkv's own stream.
+    * ``direct``: the channel addresses the memory vLLM's cache is in (any
+      channel and a host cache; nixl and a CUDA cache): the receiver is built
+      over vLLM's tensors and the channel writes into the request's blocks.
+    * ``staged``: it does not (tcp or ucx and a CUDA cache, or emulated device
+      memory): the receiver is still over vLLM's tensors, but chunks land in
+      its pinned host staging slots and are scattered into the request's
+      blocks on the cache's device, on pdkv's own stream (``pdkv.staging``).
+
+    Layouts pdkv cannot describe never get here: ``kvcache.cpu_cache_layout``
+    refuses them by name at start.
+    """
+    if prefix_caching:
+        return "landing"
+    return "direct" if in_reach(kv, channel_memory) else "staged"
+
+
+class VllmBlocks(BlockAllocator):
+    """The receiver's allocator over vLLM's own cache: a transfer gets the blocks vLLM allocated to its request.
+
+    vLLM owns every block; pdkv holds a request's blocks from the grant
+    until the receiver frees them (handed over, or failed and fenced), and
+    ``withdraw`` waits for that before a failure is reported, so vLLM never
+    recomputes into blocks a late write of P's may still land in.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise LayoutError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._cond = threading.Condition()
+        self._expected: dict[str, list[int]] = {}  # transfer id -> the vLLM blocks its request was allocated
+        self._granted: dict[str, list[int]] = {}  # transfer id -> blocks the receiver granted (writable by P)
+        self._owner: dict[int, str] = {}  # granted block -> its transfer
+
+    @property
+    def num_free(self) -> int:
+        """Blocks of vLLM's cache not held for a transfer (vLLM's own use is vLLM's business)."""
+        with self._cond:
+            return self.num_blocks - len(self._owner)
+
+    @property
+    def num_used(self) -> int:
+        with self._cond:
+            return len(self._owner)
+
+    def expect(self, transfer_id: str, block_ids: list[int]) -> None:
+        """Let ``transfer_id`` be granted ``block_ids`` (vLLM's blocks for its request, in prompt order)."""
+        bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
+        if bad or len(set(block_ids)) != len(block_ids):
+            raise LayoutError(
+                f"vLLM blocks {block_ids} for transfer {transfer_id!r}: ids must be distinct and in [0, "
+                f"{self.num_blocks})"
+            )
+        with self._cond:
+            self._expected[transfer_id] = list(block_ids)
+
+    def allocate(self, n: int) -> list[int]:
+        raise OutOfBlocksError("vLLM's blocks are granted per transfer, to the request vLLM allocated them to")
+
+    def allocate_for(self, transfer_id: str, n: int) -> list[int]:
+        """The first ``n`` blocks of the request, once the loader expects them; until then a retryable refusal."""
+        with self._cond:
+            blocks = self._expected.get(transfer_id)
+            if blocks is None:
+                raise OutOfBlocksError(
+                    f"D's scheduler has not allocated vLLM blocks for transfer {transfer_id!r} yet (P asks again)"
+                )
+            if len(blocks) < n or any(b in self._owner for b in blocks[:n]):
+                raise OutOfBlocksError(
+                    f"transfer {transfer_id!r} needs {n} blocks; vLLM allocated {len(blocks)} to its request, "
+                    f"{sum(b in self._owner for b in blocks[:n])} of them held by another transfer"
+                )
+            del self._expected[transfer_id]
+            taken = self._granted[transfer_id] = blocks[:n]
+            self._owner.update(dict.fromkeys(taken, transfer_id))
+        return list(taken)
+
+    def free(self, blocks: Iterable[int]) -> None:
+        """The receiver is done with these blocks (handed over or failed and fenced): they are vLLM's alone again."""
+        blocks = list(blocks)
+        if not blocks:
+            return
+        with self._cond:
+            owner = self._owner.get(blocks[0])
+            if owner is None or self._granted.get(owner) != blocks:
+                raise LayoutError(f"free of vLLM blocks not granted as one transfer (double free?): {blocks}")
+            del self._granted[owner]
+            for b in blocks:
+                del self._owner[b]
+            self._cond.notify_all()
+
+    def withdraw(self, transfer_id: str, timeout: float) -> bool:
+        """Grant ``transfer_id`` nothing more; wait (``timeout`` s) until blocks granted to it were freed.
+
+        False if they were not within ``timeout``: a late write may still land in them.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._expected.pop(transfer_id, None)
+            while transfer_id in self._granted:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
