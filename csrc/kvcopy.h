@@ -47,6 +47,21 @@ struct KVGeometry {
 PDKV_API int pdkv_kvcopy_cpu(const pdkv::KVGeometry* g, char* const* layer_bases, const int64_t* block_table, int64_t table_len,
                              int64_t num_blocks, char* chunk, int to_chunk, int64_t threads, char* err, size_t err_len);
 
+// The same copy, also hashing the chunk (one unit: the staged frame's
+// checksum, pdkv/checksum.py) in the same pass; *sum gets the checksum's
+// accumulator (before the length is mixed in).
+PDKV_API int pdkv_kvcopy_sum_cpu(const pdkv::KVGeometry* g, char* const* layer_bases, const int64_t* block_table, int64_t table_len,
+                                 int64_t num_blocks, char* chunk, int to_chunk, int64_t threads, uint64_t* sum, char* err, size_t err_len);
+
+// The checksum's accumulator (kvsum.cpp) of n pieces (addresses, lengths in
+// bytes, each whole units of `unit` bytes) hashed as one stream whose unit 0
+// has unit index first_unit; and of the blocks ids[] (each checked against
+// [0, num_blocks)) of every tensor base in turn, units of block_bytes.
+PDKV_API int pdkv_checksum_cpu(const int64_t* ptrs, const int64_t* lens, int64_t n, int64_t unit, uint64_t first_unit, int64_t threads,
+                               uint64_t* out, char* err, size_t err_len);
+PDKV_API int pdkv_checksum_blocks_cpu(const int64_t* bases, int64_t n_bases, const int64_t* ids, int64_t n_ids, int64_t num_blocks,
+                                      int64_t block_bytes, int64_t threads, uint64_t* out, char* err, size_t err_len);
+
 // CUDA: launch the same copy on `stream` (a cudaStream_t). layer_bases and
 // block_table are device arrays (the block ids already checked by
 // pdkv_kvcopy_check on the host); vec_bytes (16, 8, 4, 2 or 1) is the widest

@@ -27,11 +27,19 @@ within one row do (two words of one 4 KiB row swapped, +d in one word and -d in
 another); between rows two changes cancel only by a 2**-64-sized coincidence
 of the data, not of the error's shape.
 
-Cost: one read of the bytes (a row-sum reduction) plus work on 1/512 of them,
-and a few torch ops per piece: many small pieces (a fragmented block table
-times per-layer tensors) are first copied together, and ``blocks_checksum``
-gathers a direct-mode chunk's blocks with one op per tensor. ``pdkv bench
-checksum`` measures it against ``copy_`` of the same bytes.
+Two implementations give the same bits. On CPU the native kernel
+(csrc/kvsum.cpp, through ``pdkv.native``) reads every byte once with the
+weights computed per row on the fly, hashes pieces and a direct-mode chunk's
+blocks where they are, on torch's thread count; and the staging gather and
+scatter hash the chunk in the pass that copies it (``native.gather_summed``,
+``native.scatter_summed``, finished by ``frame_checksum``), where the
+checksum costs next to nothing. Elsewhere (CUDA, or no native library: the
+fallback) torch ops: one read of the bytes (a row-sum reduction) plus work on
+1/512 of them, and a few ops per piece: many small pieces (a fragmented block
+table times per-layer tensors) are first copied together, and
+``blocks_checksum`` gathers a direct-mode chunk's blocks with one op per
+tensor. ``pdkv bench checksum`` measures both against ``copy_`` of the same
+bytes.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import xxhash
 
+from pdkv import native
 from pdkv.errors import LayoutError
 from pdkv.layout import KVLayout, gather
 
@@ -185,6 +194,36 @@ def chunk_checksum(pieces: Iterable[torch.Tensor], unit: int | None = None) -> i
             total += n
     if not todo:
         return _mix64(_GOLDEN)
+    acc = _native_acc(todo, unit)
+    return _finish(_torch_acc(todo, unit, total) if acc is None else acc, total)
+
+
+def frame_checksum(frame: torch.Tensor, acc: int | None = None) -> int:
+    """``chunk_checksum([frame])`` (one unit: a staged frame), from ``acc`` where a copy kernel already computed
+    its accumulator in the pass that moved ``frame`` (``native.gather_summed``/``scatter_summed``), else hashed
+    here."""
+    if acc is None or not frame.numel():
+        return chunk_checksum([frame])
+    return _finish(acc, frame.numel())
+
+
+def _finish(acc: int, total: int) -> int:
+    """The value from the accumulator: the byte count mixed in."""
+    return _mix64((acc & _MASK) ^ _mix64(total))
+
+
+def _native_acc(todo: list[torch.Tensor], unit: int | None) -> int | None:
+    """The accumulator from the native kernel where it runs (CPU, library loaded, pieces without strides), else
+    None (the torch path)."""
+    if todo[0].device.type != "cpu" or not native.available() or any(p.stride(0) != 1 for p in todo):
+        return None
+    if unit is None:  # each piece its own unit: unit index = piece index
+        return sum(native.checksum_pieces([p.data_ptr()], [p.numel()], p.numel(), i) for i, p in enumerate(todo))
+    return native.checksum_pieces([p.data_ptr() for p in todo], [p.numel() for p in todo], unit)
+
+
+def _torch_acc(todo: list[torch.Tensor], unit: int | None, total: int) -> int:
+    """The accumulator with torch ops on the pieces' device (CUDA, and the fallback on CPU)."""
     device = todo[0].device
     if unit is None:  # each piece its own unit, of its own rows: weighted piece by piece
         acc = torch.zeros((), dtype=torch.int64, device=device)
@@ -199,7 +238,7 @@ def chunk_checksum(pieces: Iterable[torch.Tensor], unit: int | None = None) -> i
         parts = [_row_sums(piece, unit) for piece in todo]
         sums = torch.cat(parts) if len(parts) > 1 else parts[0]
         acc = (sums * _weights.get(device, _rows_per_unit(unit), sums.numel())).sum()
-    return _mix64((int(acc.item()) & _MASK) ^ _mix64(total))
+    return int(acc.item())
 
 
 def blocks_checksum(kv_bytes: Sequence[torch.Tensor], blocks: Sequence[int], block_bytes: int) -> int:
@@ -208,11 +247,24 @@ def blocks_checksum(kv_bytes: Sequence[torch.Tensor], blocks: Sequence[int], blo
     Equal to hashing the runs of adjacent blocks each side writes or lands
     (the stream is the same); computed with one op per tensor, not one per
     run: blocks that are not one run are first gathered (``index_select``)
-    into this thread's scratch buffer.
+    into this thread's scratch buffer. On CPU the native kernel reads the
+    blocks in place instead (ids checked against every tensor's length).
     """
     ids = list(blocks)
     if not ids or not kv_bytes:
         return chunk_checksum([], unit=block_bytes)
+    if (
+        block_bytes > 0
+        and kv_bytes[0].device.type == "cpu"
+        and native.available()
+        and all(b.device.type == "cpu" and b.dtype == torch.uint8 and b.dim() == 1 and b.is_contiguous() for b in kv_bytes)
+    ):
+        num_blocks = min(b.numel() for b in kv_bytes) // block_bytes
+        try:
+            acc = native.checksum_blocks([b.data_ptr() for b in kv_bytes], ids, num_blocks, block_bytes)
+        except IndexError as exc:
+            raise LayoutError(f"blocks_checksum: {exc}") from exc
+        return _finish(acc, len(kv_bytes) * len(ids) * block_bytes)
     first, n = ids[0], len(ids)
     if ids == list(range(first, first + n)):
         return chunk_checksum([b[first * block_bytes : (first + n) * block_bytes] for b in kv_bytes], unit=block_bytes)

@@ -1,5 +1,11 @@
 """Native paged gather/scatter (csrc/kvcopy.cpp), falling back to the torch path.
 
+With ``checksum=True`` they also return the chunk checksum's accumulator of
+the chunk they wrote or read, computed in the same pass (csrc/kvsum.h);
+``checksum_pieces`` and ``checksum_blocks`` compute it over bytes where they
+are. ``pdkv.checksum`` owns the checksum's value and its torch fallback; this
+module only makes the calls.
+
 The same library carries the KV codec kernels (csrc/kvcodec.cpp), which
 pdkv.codec.kernels calls through ``library()`` with the same fallback rule.
 
@@ -95,6 +101,32 @@ _SIGNATURES: dict[str, list[type]] = {
         ctypes.c_char_p,
         ctypes.c_size_t,
     ],
+    "pdkv_kvcopy_sum_cpu": [
+        ctypes.POINTER(KVGeometry),
+        _p,
+        _p,
+        _i64,
+        _i64,
+        _p,
+        ctypes.c_int,
+        _i64,
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+    ],
+    "pdkv_checksum_cpu": [_p, _p, _i64, _i64, ctypes.c_uint64, _i64, ctypes.POINTER(ctypes.c_uint64), ctypes.c_char_p, ctypes.c_size_t],
+    "pdkv_checksum_blocks_cpu": [
+        _p,
+        _i64,
+        _p,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+    ],
     "pdkv_kvcopy_check": [ctypes.POINTER(KVGeometry), _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
     "pdkv_split_planes": [_p, _i64, _i64, _p, _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
     "pdkv_merge_planes": [_p, _i64, _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
@@ -154,8 +186,26 @@ def gather(
 ) -> torch.Tensor:
     """Native :func:`pdkv.layout.gather`: tokens ``[start, start+num_tokens)`` of the paged buffer as a canonical
     chunk."""
+    return gather_summed(layout, tensors, block_table, start, num_tokens, out)[0]
+
+
+def gather_summed(
+    layout: KVLayout,
+    tensors: Sequence[torch.Tensor],
+    block_table: BlockTable,
+    start: int,
+    num_tokens: int,
+    out: torch.Tensor | None = None,
+    checksum: bool = False,
+) -> tuple[torch.Tensor, int | None]:
+    """``gather``, and with ``checksum`` the chunk's checksum accumulator from the same pass (CPU kernel only).
+
+    The accumulator is None where the kernel did not hash (the torch path, a
+    CUDA tensor, an ``out`` it could not write directly): the caller hashes
+    the chunk itself then.
+    """
     if not _native_for(layout, tensors):
-        return torch_gather(layout, tensors, block_table, start, num_tokens, out)
+        return torch_gather(layout, tensors, block_table, start, num_tokens, out), None
     num_blocks = _checked_buffer(layout, tensors)
     table = used_blocks(layout, num_blocks, block_table, start, num_tokens)
     device = tensors[0].device
@@ -167,23 +217,39 @@ def gather(
     # `out` (a strided view, another device) is filled through one copy.
     direct = out.is_contiguous() and out.device == device
     dst = out if direct else torch.empty(out.shape, dtype=out.dtype, device=device)
-    _copy(layout, tensors, table, num_blocks, start, dst, to_chunk=True)
+    acc = _copy(layout, tensors, table, num_blocks, start, dst, to_chunk=True, checksum=checksum and direct)
     if not direct:
         out.copy_(dst)
-    return out
+    return out, acc
 
 
 def scatter(
     layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: BlockTable, start: int, chunk: torch.Tensor
 ) -> None:
     """Native :func:`pdkv.layout.scatter`: write a canonical chunk into tokens ``[start, start+T)``."""
+    scatter_summed(layout, tensors, block_table, start, chunk)
+
+
+def scatter_summed(
+    layout: KVLayout,
+    tensors: Sequence[torch.Tensor],
+    block_table: BlockTable,
+    start: int,
+    chunk: torch.Tensor,
+    checksum: bool = False,
+) -> int | None:
+    """``scatter``, and with ``checksum`` the chunk's checksum accumulator from the same pass (or None, as in
+    ``gather_summed``)."""
     if not _native_for(layout, tensors):
         torch_scatter(layout, tensors, block_table, start, chunk)
-        return
+        return None
     num_blocks = _checked_buffer(layout, tensors)
     num_tokens = check_chunk(layout, chunk, "chunk")
     table = used_blocks(layout, num_blocks, block_table, start, num_tokens)
-    _copy(layout, tensors, table, num_blocks, start, chunk.to(tensors[0].device).contiguous(), to_chunk=False)
+    src = chunk.to(tensors[0].device).contiguous()
+    # hashed in the pass only when the kernel reads the caller's own bytes (not a copy made here)
+    same = src.data_ptr() == chunk.data_ptr() and src.device == chunk.device
+    return _copy(layout, tensors, table, num_blocks, start, src, to_chunk=False, checksum=checksum and same)
 
 
 def geometry(
@@ -226,38 +292,84 @@ def _copy(
     start: int,
     chunk: torch.Tensor,
     to_chunk: bool,
-) -> None:
-    """Run one kernel copy; the library's own argument checks surface as LayoutError like the torch path's."""
+    checksum: bool = False,
+) -> int | None:
+    """Run one kernel copy (and its checksum accumulator on CPU when asked); the library's own argument checks
+    surface as LayoutError like the torch path's."""
     geo, bases = geometry(layout, tensors, chunk, start)
     table = table.cpu().contiguous()
     try:
         if chunk.device.type == "cuda":
             _copy_cuda(geo, bases, table, num_blocks, chunk, to_chunk)
-        else:
-            copy_cpu(geo, bases, table, num_blocks, chunk.data_ptr(), to_chunk)
+            return None
+        return copy_cpu(geo, bases, table, num_blocks, chunk.data_ptr(), to_chunk, checksum)
     except (IndexError, ValueError) as exc:
         raise LayoutError(str(exc)) from exc
 
 
 def copy_cpu(
-    geo: KVGeometry, bases: Sequence[int], table: torch.Tensor, num_blocks: int, chunk_ptr: int, to_chunk: bool
-) -> None:
-    """The C ABI's CPU copy as it is, with no Python check in front (tests call it to reach the library's guard)."""
+    geo: KVGeometry,
+    bases: Sequence[int],
+    table: torch.Tensor,
+    num_blocks: int,
+    chunk_ptr: int,
+    to_chunk: bool,
+    checksum: bool = False,
+) -> int | None:
+    """The C ABI's CPU copy as it is, with no Python check in front (tests call it to reach the library's guard);
+    with ``checksum``, returns the chunk's checksum accumulator from the same pass."""
+    lib = _lib()
+    base_array = (_p * len(bases))(*bases)
+    args = (ctypes.byref(geo), base_array, table.data_ptr(), table.numel(), num_blocks, chunk_ptr, int(to_chunk))
+    if not checksum:
+        call(lib.pdkv_kvcopy_cpu, *args, torch.get_num_threads())
+        return None
+    acc = ctypes.c_uint64(0)
+    call(lib.pdkv_kvcopy_sum_cpu, *args, torch.get_num_threads(), ctypes.byref(acc))
+    return acc.value
+
+
+def checksum_pieces(ptrs: Sequence[int], lens: Sequence[int], unit: int, first_unit: int = 0) -> int:
+    """The checksum accumulator of host bytes at ``ptrs`` (``lens`` bytes each, whole units of ``unit``) hashed
+    as one stream whose first unit has index ``first_unit``; on up to ``torch.get_num_threads()`` threads."""
+    lib, acc = _lib(), ctypes.c_uint64(0)
+    n = len(ptrs)
+    call(
+        lib.pdkv_checksum_cpu,
+        (_i64 * n)(*ptrs),
+        (_i64 * n)(*lens),
+        n,
+        unit,
+        first_unit,
+        torch.get_num_threads(),
+        ctypes.byref(acc),
+    )
+    return acc.value
+
+
+def checksum_blocks(bases: Sequence[int], ids: Sequence[int], num_blocks: int, block_bytes: int) -> int:
+    """The checksum accumulator of blocks ``ids`` (each checked against ``[0, num_blocks)``: IndexError) of every
+    host buffer at ``bases`` in turn, read where they are; units of ``block_bytes``."""
+    lib, acc = _lib(), ctypes.c_uint64(0)
+    call(
+        lib.pdkv_checksum_blocks_cpu,
+        (_i64 * len(bases))(*bases),
+        len(bases),
+        (_i64 * len(ids))(*ids),
+        len(ids),
+        num_blocks,
+        block_bytes,
+        torch.get_num_threads(),
+        ctypes.byref(acc),
+    )
+    return acc.value
+
+
+def _lib() -> ctypes.CDLL:
     lib = library()
     if lib is None:
         raise ValueError(f"pdkv native kernels unavailable: {reason()}")
-    base_array = (_p * len(bases))(*bases)
-    call(
-        lib.pdkv_kvcopy_cpu,
-        ctypes.byref(geo),
-        base_array,
-        table.data_ptr(),
-        table.numel(),
-        num_blocks,
-        chunk_ptr,
-        int(to_chunk),
-        torch.get_num_threads(),
-    )
+    return lib
 
 
 def _copy_cuda(
