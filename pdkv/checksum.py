@@ -257,7 +257,9 @@ def blocks_checksum(kv_bytes: Sequence[torch.Tensor], blocks: Sequence[int], blo
         block_bytes > 0
         and kv_bytes[0].device.type == "cpu"
         and native.available()
-        and all(b.device.type == "cpu" and b.dtype == torch.uint8 and b.dim() == 1 and b.is_contiguous() for b in kv_bytes)
+        and all(
+            b.device.type == "cpu" and b.dtype == torch.uint8 and b.dim() == 1 and b.is_contiguous() for b in kv_bytes
+        )
     ):
         num_blocks = min(b.numel() for b in kv_bytes) // block_bytes
         try:

@@ -114,7 +114,17 @@ _SIGNATURES: dict[str, list[type]] = {
         ctypes.c_char_p,
         ctypes.c_size_t,
     ],
-    "pdkv_checksum_cpu": [_p, _p, _i64, _i64, ctypes.c_uint64, _i64, ctypes.POINTER(ctypes.c_uint64), ctypes.c_char_p, ctypes.c_size_t],
+    "pdkv_checksum_cpu": [
+        _p,
+        _p,
+        _i64,
+        _i64,
+        ctypes.c_uint64,
+        _i64,
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+    ],
     "pdkv_checksum_blocks_cpu": [
         _p,
         _i64,
