@@ -69,6 +69,17 @@ PDKV_API int pdkv_checksum_blocks_cpu(const int64_t* bases, int64_t n_bases, con
 // launch; the copy itself is asynchronous on the stream.
 PDKV_API int pdkv_kvcopy_cuda(const pdkv::KVGeometry* g, const int64_t* layer_bases, const int64_t* block_table, char* chunk, int to_chunk,
                               int vec_bytes, void* stream);
+// The same copy, also adding the chunk's checksum accumulator (one unit) into
+// *sum, a device uint64 the caller zeroed; -1 (launching nothing) where the
+// chunk's words are not 8 bytes or a vector of vec_bytes could straddle two
+// of its rows: the caller hashes after the copy then.
+PDKV_API int pdkv_kvcopy_sum_cuda(const pdkv::KVGeometry* g, const int64_t* layer_bases, const int64_t* block_table, char* chunk,
+                                  int to_chunk, int vec_bytes, void* stream, uint64_t* sum);
+// The checksum accumulator of n_units units of `unit` bytes at the device
+// addresses unit_ptrs[] (a device array; each aligned to the unit's word
+// size), unit index first_unit + j, added into *sum on `stream`.
+PDKV_API int pdkv_checksum_cuda(const int64_t* unit_ptrs, int64_t n_units, int64_t unit, uint64_t first_unit, uint64_t* sum,
+                                void* stream);
 PDKV_API const char* pdkv_cuda_error_string(int code);
 PDKV_API int pdkv_cuda_device_count();  // or -(the cudaError_t) when the runtime cannot start here
 

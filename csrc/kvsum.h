@@ -21,6 +21,13 @@
 
 #include "workshare.h"
 
+// The weights and the cut are shared with the CUDA kernels (kvcopy_cuda.cu): host and device functions there.
+#ifdef __CUDACC__
+#define PDKV_HD __host__ __device__
+#else
+#define PDKV_HD
+#endif
+
 namespace pdkv {
 
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ull;
@@ -30,16 +37,17 @@ constexpr int64_t kRowWords = 512;
 
 // How a unit is cut (checksum.py's _cut).
 struct Cut {
-  explicit Cut(int64_t unit_) : unit(unit_) {
+  PDKV_HD explicit Cut(int64_t unit_) : unit(unit_) {
     word = unit % 8 == 0 ? 8 : unit % 4 == 0 ? 4 : unit % 2 == 0 ? 2 : 1;
     words = unit / word;
     const int64_t r = words / 16;
     row = r < 1 ? 1 : (r > kRowWords ? kRowWords : r);
   }
+  PDKV_HD int64_t rows() const { return (words + row - 1) / row; }  // a unit's, its last one shorter when they do not divide
   int64_t unit, word, words, row;
 };
 
-inline uint64_t row_weight(uint64_t j, uint64_t r) { return ((j * kGolden + kUnitSalt) | 1) * ((r * kGolden + kRowSalt) | 1); }
+PDKV_HD inline uint64_t row_weight(uint64_t j, uint64_t r) { return ((j * kGolden + kUnitSalt) | 1) * ((r * kGolden + kRowSalt) | 1); }
 
 // A word's value as the torch path sums it: int64 of the signed int64/32/16 word, or of the unsigned byte.
 template <typename T>
@@ -70,7 +78,7 @@ inline uint64_t sum_words(const char* src, char* dst, int64_t n) {
 template <typename T, bool Copy>
 uint64_t hash_range_t(const Cut& c, uint64_t first_unit, int64_t off, const char* src, char* dst, int64_t len) {
   constexpr int64_t W = static_cast<int64_t>(sizeof(T));
-  const int64_t rows = (c.words + c.row - 1) / c.row;  // a unit's rows, its last one shorter when they do not divide
+  const int64_t rows = c.rows();
   const int64_t word = off % c.unit / W;
   uint64_t j = first_unit + static_cast<uint64_t>(off / c.unit);
   int64_t r = word / c.row;

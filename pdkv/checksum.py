@@ -123,6 +123,9 @@ def _joined(pieces: list[torch.Tensor], total: int) -> torch.Tensor:
     return torch.cat(pieces, out=_scratch_bytes(pieces[0].device, total))
 
 
+# The CUDA kernel takes one address a unit (8 bytes) and a warp a row: for smaller units torch ops do better.
+_CUDA_MIN_UNIT = 512
+
 # Pieces smaller than this on average (a fragmented block table times per-layer tensors) are hashed as one copy:
 # three torch ops per piece (~10 us) cost more than copying 256 KiB.
 _CONCAT_BELOW = 256 << 10
@@ -198,13 +201,13 @@ def chunk_checksum(pieces: Iterable[torch.Tensor], unit: int | None = None) -> i
     return _finish(_torch_acc(todo, unit, total) if acc is None else acc, total)
 
 
-def frame_checksum(frame: torch.Tensor, acc: int | None = None) -> int:
+def frame_checksum(frame: torch.Tensor, acc: native.Accumulator = None) -> int:
     """``chunk_checksum([frame])`` (one unit: a staged frame), from ``acc`` where a copy kernel already computed
-    its accumulator in the pass that moved ``frame`` (``native.gather_summed``/``scatter_summed``), else hashed
-    here."""
+    its accumulator in the pass that moved ``frame`` (``native.gather_summed``/``scatter_summed``; a CUDA one is
+    read here, which waits for that copy), else hashed here."""
     if acc is None or not frame.numel():
         return chunk_checksum([frame])
-    return _finish(acc, frame.numel())
+    return _finish(int(acc.item()) if isinstance(acc, torch.Tensor) else acc, frame.numel())
 
 
 def _finish(acc: int, total: int) -> int:
@@ -213,13 +216,28 @@ def _finish(acc: int, total: int) -> int:
 
 
 def _native_acc(todo: list[torch.Tensor], unit: int | None) -> int | None:
-    """The accumulator from the native kernel where it runs (CPU, library loaded, pieces without strides), else
-    None (the torch path)."""
-    if todo[0].device.type != "cpu" or not native.available() or any(p.stride(0) != 1 for p in todo):
+    """The accumulator from the native kernels where they run (library loaded, pieces without strides; on CUDA
+    pieces aligned to their words and units of at least a row), else None (the torch path)."""
+    device = todo[0].device
+    if any(p.stride(0) != 1 for p in todo):
         return None
-    if unit is None:  # each piece its own unit: unit index = piece index
-        return sum(native.checksum_pieces([p.data_ptr()], [p.numel()], p.numel(), i) for i, p in enumerate(todo))
-    return native.checksum_pieces([p.data_ptr() for p in todo], [p.numel() for p in todo], unit)
+    if device.type == "cpu" and native.available():
+        if unit is None:  # each piece its own unit: unit index = piece index
+            return sum(native.checksum_pieces([p.data_ptr()], [p.numel()], p.numel(), i) for i, p in enumerate(todo))
+        return native.checksum_pieces([p.data_ptr() for p in todo], [p.numel() for p in todo], unit)
+    if device.type != "cuda" or not native.cuda_checksum_available():
+        return None
+    units = [(p.numel() if unit is None else unit) for p in todo]
+    if any(u < _CUDA_MIN_UNIT or p.data_ptr() % _cut(u)[0] for p, u in zip(todo, units, strict=True)):
+        return None
+    acc = torch.zeros((), dtype=torch.int64, device=device)
+    if unit is None:  # one launch a piece, all adding into one scalar: one sync to read it
+        for i, p in enumerate(todo):
+            native.checksum_cuda(torch.tensor([p.data_ptr()], dtype=torch.int64).to(device), p.numel(), i, acc)
+    else:
+        ptrs = [torch.arange(p.data_ptr(), p.data_ptr() + p.numel(), unit, dtype=torch.int64) for p in todo]
+        native.checksum_cuda(torch.cat(ptrs).to(device), unit, 0, acc)
+    return int(acc.item())
 
 
 def _torch_acc(todo: list[torch.Tensor], unit: int | None, total: int) -> int:
@@ -267,6 +285,15 @@ def blocks_checksum(kv_bytes: Sequence[torch.Tensor], blocks: Sequence[int], blo
         except IndexError as exc:
             raise LayoutError(f"blocks_checksum: {exc}") from exc
         return _finish(acc, len(kv_bytes) * len(ids) * block_bytes)
+    if _cuda_blocks(kv_bytes, block_bytes):
+        num_blocks = min(b.numel() for b in kv_bytes) // block_bytes
+        if min(ids) < 0 or max(ids) >= num_blocks:
+            raise LayoutError(f"blocks_checksum: block ids {ids} are not all in [0, {num_blocks})")
+        bases = torch.tensor([b.data_ptr() for b in kv_bytes], dtype=torch.int64)
+        ptrs = (bases[:, None] + torch.tensor(ids, dtype=torch.int64)[None, :] * block_bytes).reshape(-1)
+        acc = torch.zeros((), dtype=torch.int64, device=kv_bytes[0].device)
+        native.checksum_cuda(ptrs.to(acc.device), block_bytes, 0, acc)
+        return _finish(int(acc.item()), len(kv_bytes) * len(ids) * block_bytes)
     first, n = ids[0], len(ids)
     if ids == list(range(first, first + n)):
         return chunk_checksum([b[first * block_bytes : (first + n) * block_bytes] for b in kv_bytes], unit=block_bytes)
@@ -276,6 +303,25 @@ def blocks_checksum(kv_bytes: Sequence[torch.Tensor], blocks: Sequence[int], blo
     for t, b in enumerate(kv_bytes):
         torch.index_select(b.view(-1, block_bytes), 0, index, out=out[t])
     return chunk_checksum([out.view(-1)], unit=block_bytes)
+
+
+def _cuda_blocks(kv_bytes: Sequence[torch.Tensor], block_bytes: int) -> bool:
+    """Whether the CUDA kernel hashes these blocks in place: flat uint8 tensors on one CUDA device, aligned to the
+    block's words, blocks of at least a row."""
+    device = kv_bytes[0].device
+    return (
+        device.type == "cuda"
+        and block_bytes >= _CUDA_MIN_UNIT
+        and native.cuda_checksum_available()
+        and all(
+            b.device == device
+            and b.dtype == torch.uint8
+            and b.dim() == 1
+            and b.is_contiguous()
+            and b.data_ptr() % _cut(block_bytes)[0] == 0
+            for b in kv_bytes
+        )
+    )
 
 
 def checksum(views: Iterable[memoryview]) -> int:

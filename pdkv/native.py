@@ -148,9 +148,14 @@ _SIGNATURES: dict[str, list[type]] = {
 }
 _CUDA_SIGNATURES: dict[str, list[type]] = {
     "pdkv_kvcopy_cuda": [ctypes.POINTER(KVGeometry), _p, _p, _p, ctypes.c_int, ctypes.c_int, _p],
+    "pdkv_kvcopy_sum_cuda": [ctypes.POINTER(KVGeometry), _p, _p, _p, ctypes.c_int, ctypes.c_int, _p, _p],
+    "pdkv_checksum_cuda": [_p, _i64, _i64, ctypes.c_uint64, _p, _p],
     "pdkv_cuda_error_string": [ctypes.c_int],
     "pdkv_cuda_device_count": [],
 }
+
+Accumulator = int | torch.Tensor | None
+"""A copy's checksum accumulator: an int (CPU), a device int64 scalar (CUDA, filled on the stream), None: not hashed."""
 
 _lock = threading.Lock()
 # (library, reason it is None) once a load was attempted in this process; the same for the CUDA library.
@@ -207,12 +212,14 @@ def gather_summed(
     num_tokens: int,
     out: torch.Tensor | None = None,
     checksum: bool = False,
-) -> tuple[torch.Tensor, int | None]:
-    """``gather``, and with ``checksum`` the chunk's checksum accumulator from the same pass (CPU kernel only).
+) -> tuple[torch.Tensor, Accumulator]:
+    """``gather``, and with ``checksum`` the chunk's checksum accumulator from the same pass.
 
-    The accumulator is None where the kernel did not hash (the torch path, a
-    CUDA tensor, an ``out`` it could not write directly): the caller hashes
-    the chunk itself then.
+    The accumulator is an int (CPU), a device scalar the kernel adds into on
+    the current stream (CUDA: reading it waits for the copy), or None where
+    the kernel did not hash (the torch path, an ``out`` it could not write
+    directly, a CUDA chunk whose words it cannot sum in its vectors): the
+    caller hashes the chunk itself then.
     """
     if not _native_for(layout, tensors):
         return torch_gather(layout, tensors, block_table, start, num_tokens, out), None
@@ -247,7 +254,7 @@ def scatter_summed(
     start: int,
     chunk: torch.Tensor,
     checksum: bool = False,
-) -> int | None:
+) -> Accumulator:
     """``scatter``, and with ``checksum`` the chunk's checksum accumulator from the same pass (or None, as in
     ``gather_summed``)."""
     if not _native_for(layout, tensors):
@@ -303,15 +310,14 @@ def _copy(
     chunk: torch.Tensor,
     to_chunk: bool,
     checksum: bool = False,
-) -> int | None:
-    """Run one kernel copy (and its checksum accumulator on CPU when asked); the library's own argument checks
-    surface as LayoutError like the torch path's."""
+) -> Accumulator:
+    """Run one kernel copy (and its checksum accumulator when asked); the library's own argument checks surface as
+    LayoutError like the torch path's."""
     geo, bases = geometry(layout, tensors, chunk, start)
     table = table.cpu().contiguous()
     try:
         if chunk.device.type == "cuda":
-            _copy_cuda(geo, bases, table, num_blocks, chunk, to_chunk)
-            return None
+            return _copy_cuda(geo, bases, table, num_blocks, chunk, to_chunk, checksum)
         return copy_cpu(geo, bases, table, num_blocks, chunk.data_ptr(), to_chunk, checksum)
     except (IndexError, ValueError) as exc:
         raise LayoutError(str(exc)) from exc
@@ -383,9 +389,16 @@ def _lib() -> ctypes.CDLL:
 
 
 def _copy_cuda(
-    geo: KVGeometry, bases: Sequence[int], table: torch.Tensor, num_blocks: int, chunk: torch.Tensor, to_chunk: bool
-) -> None:
-    """The CUDA copy on the current stream of the chunk's device (block ids checked on the host first)."""
+    geo: KVGeometry,
+    bases: Sequence[int],
+    table: torch.Tensor,
+    num_blocks: int,
+    chunk: torch.Tensor,
+    to_chunk: bool,
+    checksum: bool = False,
+) -> torch.Tensor | None:
+    """The CUDA copy on the current stream of the chunk's device (block ids checked on the host first); with
+    ``checksum``, the device scalar it adds the chunk's checksum accumulator into, or None where it cannot."""
     lib, cuda = library(), _cuda_state()[0]
     assert lib is not None and cuda is not None  # _native_for checked both
     call(lib.pdkv_kvcopy_check, ctypes.byref(geo), table.data_ptr(), table.numel(), num_blocks)
@@ -394,19 +407,45 @@ def _copy_cuda(
     # temporaries may go back to the caching allocator on return.
     bases_dev = torch.tensor(list(bases), dtype=torch.long).to(device)
     table_dev = table.to(device)
+    args = (
+        ctypes.byref(geo),
+        bases_dev.data_ptr(),
+        table_dev.data_ptr(),
+        chunk.data_ptr(),
+        int(to_chunk),
+        _vector_bytes(geo, bases, chunk.data_ptr()),
+    )
+    acc = torch.zeros((), dtype=torch.int64, device=device) if checksum else None
     with torch.cuda.device(device):  # the kernel launches on the current device's context
         stream = torch.cuda.current_stream(device).cuda_stream
-        code = cuda.pdkv_kvcopy_cuda(
-            ctypes.byref(geo),
-            bases_dev.data_ptr(),
-            table_dev.data_ptr(),
-            chunk.data_ptr(),
-            int(to_chunk),
-            _vector_bytes(geo, bases, chunk.data_ptr()),
-            stream,
-        )
+        code = -1 if acc is None else cuda.pdkv_kvcopy_sum_cuda(*args, stream, acc.data_ptr())
+        if code == -1:  # not asked, or the chunk's words do not fit its vectors: the plain copy
+            acc = None
+            code = cuda.pdkv_kvcopy_cuda(*args, stream)
     if code != 0:
         raise ValueError(f"pdkv kvcopy: CUDA launch failed: {cuda.pdkv_cuda_error_string(code).decode()}")
+    return acc
+
+
+def cuda_checksum_available() -> bool:
+    """Whether CUDA tensors are hashed by the CUDA checksum kernel (else torch ops)."""
+    return available() and _cuda_state()[0] is not None
+
+
+def checksum_cuda(unit_ptrs: torch.Tensor, unit: int, first_unit: int, acc: torch.Tensor) -> None:
+    """Add the checksum accumulator of the units of ``unit`` bytes at the device addresses ``unit_ptrs`` (int64, on
+    the units' device; each aligned to the unit's word size), unit index ``first_unit`` + position, into ``acc`` (a
+    zeroed int64 scalar there) on the current stream."""
+    cuda = _cuda_state()[0]
+    if cuda is None:
+        raise ValueError(f"pdkv native CUDA kernels unavailable: {cuda_reason()}")
+    with torch.cuda.device(acc.device):
+        stream = torch.cuda.current_stream(acc.device).cuda_stream
+        code = cuda.pdkv_checksum_cuda(
+            unit_ptrs.data_ptr(), unit_ptrs.numel(), unit, first_unit, acc.data_ptr(), stream
+        )
+    if code != 0:
+        raise ValueError(f"pdkv checksum: CUDA launch failed: {cuda.pdkv_cuda_error_string(code).decode()}")
 
 
 def _vector_bytes(geo: KVGeometry, bases: Sequence[int], chunk_ptr: int) -> int:

@@ -8,9 +8,9 @@ is checksum time over copy time, ``ratio`` its inverse (the issue's bar:
 <= 0.10 on CPU, <= 0.05 on a GPU). Rows: the bytes hashed as one staged frame
 and as the KV blocks of a direct-mode chunk (``unit`` = one block), in one
 piece and in one piece per block (a fragmented block table: no two blocks
-adjacent), each by the path a call takes (``native``: the CPU kernel, or
-``torch``: the torch ops, CUDA's path and the CPU fallback; on CPU both, the
-torch rows being what the transfer path ran before the kernel), plus on CPU
+adjacent), each by the path a call takes (``native``: the CPU or CUDA kernel, or
+``torch``: the torch ops, the fallback; both where the kernel is there, the
+torch rows being what the transfer path ran before the kernels), plus on CPU
 the xxh3-64 of host bytes used before that, for scale. Then the checksum
 folded into the staging copies: ``gather + checksum`` / ``scatter +
 checksum`` (a Llama-3-8B chunk of the same bytes, a fragmented block table)
@@ -146,7 +146,7 @@ def _staging_rows(dev: torch.device, size: int, repeats: int) -> list[dict[str, 
     table = random.Random(0).sample(range(2 * blocks), blocks)  # fragmented: P's free list after a while
     chunk = torch.empty(layout.chunk_shape(tokens), dtype=layout.torch_dtype, device=dev)
     frame = flat_bytes(chunk)
-    native.gather(layout, kv, table, 0, tokens, out=chunk)
+    one_pass = native.gather_summed(layout, kv, table, 0, tokens, chunk, True)[1] is not None  # else copy, then hash
     src, dst = frame.clone(), torch.empty_like(frame)
     times = _alternate(
         {
@@ -175,7 +175,7 @@ def _staging_rows(dev: torch.device, size: int, repeats: int) -> list[dict[str, 
             fused,
             times["copy"],
             dev.type == "cpu",
-            path="native, one pass" if dev.type == "cpu" and native.available() else "copy, then checksum",
+            path="native, one pass" if one_pass else "copy, then checksum",
             without_gbps=float(f"{frame.numel() / plain[0] / 1e9:.4g}"),
             ratio=float(f"{plain[0] / fused[0]:.4g}"),
             cost=float(f"{extra[0] / times['copy'][0]:.4g}"),
@@ -197,7 +197,8 @@ def measure(
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"bench checksum --device {device!r}: expected cpu or cuda")
     on_cpu = dev.type == "cpu"
-    paths = ["native", "torch"] if on_cpu and native.available() else ["torch"]
+    kernel = native.available() if on_cpu else native.cuda_checksum_available()
+    paths = ["native", "torch"] if kernel else ["torch"]
     unit = LLAMA3_8B.block_bytes
     rows = []
     for size in sizes:
