@@ -54,7 +54,7 @@ __device__ inline uint64_t vec_words_sum(const Vec& v) {
 template <typename Vec>
 __global__ void kvcopy_kernel(KVGeometry g, const int64_t* __restrict__ layer_bases,
                               const int64_t* __restrict__ block_table, char* __restrict__ chunk, bool to_chunk,
-                              unsigned long long* sum, int64_t row_bytes) {
+                              unsigned long long* sum, int64_t row_bytes, int row_shift) {
   const int64_t row = blockIdx.x;  // == (layer * kv + k) * tokens + t, the chunk's row index
   const int64_t t = row % g.tokens;
   const int64_t lk = row / g.tokens;
@@ -81,7 +81,11 @@ __global__ void kvcopy_kernel(KVGeometry g, const int64_t* __restrict__ layer_ba
     } else {
       *b = x;
     }
-    if (sum != nullptr) part += row_weight(0, static_cast<uint64_t>((reinterpret_cast<char*>(c) - chunk) / row_bytes)) * vec_words_sum(x);
+    if (sum != nullptr) {
+      const int64_t at = reinterpret_cast<char*>(c) - chunk;
+      const int64_t r = row_shift >= 0 ? at >> row_shift : at / row_bytes;  // 4 KiB rows: a shift, not a division
+      part += row_weight(0, static_cast<uint64_t>(r)) * vec_words_sum(x);
+    }
   }
   if (sum != nullptr) add_warp_part(part, sum);
 }
@@ -111,12 +115,16 @@ __global__ void checksum_kernel(const int64_t* __restrict__ unit_ptrs, int64_t n
 template <typename Vec>
 cudaError_t launch(const KVGeometry& g, const int64_t* layer_bases, const int64_t* block_table, char* chunk,
                    bool to_chunk, cudaStream_t stream, unsigned long long* sum, int64_t row_bytes) {
+  int row_shift = -1;  // log2(row_bytes) when it is a power of two
+  for (int b = 0; b < 62 && row_shift < 0; ++b) {
+    if (row_bytes == (int64_t{1} << b)) row_shift = b;
+  }
   const int64_t rows = g.layers * g.kv * g.tokens;
   const int64_t vecs = g.heads * g.head_dim * g.element_size / static_cast<int64_t>(sizeof(Vec));
   // Round up to whole warps, cap at kMaxThreads; threads stride over longer rows.
   const int threads = static_cast<int>(vecs >= kMaxThreads ? kMaxThreads : ((vecs + 31) / 32) * 32);
   kvcopy_kernel<Vec><<<static_cast<unsigned int>(rows), threads, 0, stream>>>(g, layer_bases, block_table, chunk,
-                                                                              to_chunk, sum, row_bytes);
+                                                                              to_chunk, sum, row_bytes, row_shift);
   return cudaGetLastError();
 }
 
