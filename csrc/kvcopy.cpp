@@ -9,6 +9,12 @@
 // size from the dtype), so every dtype gives bit-identical results to the
 // torch oracle.
 //
+// With a checksum (pdkv_kvcopy_sum_cpu) the copy also hashes the chunk it
+// writes or reads (the staged frame's checksum, kvsum.h) in the same pass:
+// each contiguous run is summed row by row as it is moved (a 4 KiB row is
+// loaded once and stays in L1 for its copy), so the checksum costs close to
+// nothing on top of the copy instead of a second read of the chunk.
+//
 // Safety: pdkv/native.py validates tensors with layout.py's checks and
 // derives the geometry from them before calling in; everything here that
 // decides an address is checked again (sizes positive, the geometry's kind,
@@ -26,6 +32,7 @@
 #include <vector>
 
 #include "kvcopy.h"
+#include "kvsum.h"
 #include "workshare.h"
 
 namespace pdkv {
@@ -109,10 +116,18 @@ inline void move_bytes(bool to_chunk, char* buf, char* chk, size_t n) {
 // One copy on the CPU: one task per (layer, kv, run). In NHD (and MLA) a run
 // is one contiguous range on both sides; in HND each (token, head) row of
 // head_dim elements is. Threads share the tasks in batches of ~kGrainBytes
-// (workshare.h).
+// (workshare.h). With `hash`, each task also returns the checksum
+// accumulator's part from the chunk bytes it moved (the whole chunk is one
+// unit); its runs start at multiples of token_bytes, which the caller checks
+// are whole words.
 struct Job {
-  Job(Plan plan_, std::vector<Run> runs_, char* chunk_, bool to_chunk_)
-      : plan(std::move(plan_)), runs(std::move(runs_)), chunk(chunk_), to_chunk(to_chunk_) {
+  Job(Plan plan_, std::vector<Run> runs_, char* chunk_, bool to_chunk_, bool hash_)
+      : plan(std::move(plan_)),
+        runs(std::move(runs_)),
+        chunk(chunk_),
+        to_chunk(to_chunk_),
+        hash(hash_),
+        cut(plan.g.layers * plan.g.kv * plan.g.tokens * plan.g.heads * plan.g.head_dim * plan.g.element_size) {
     const KVGeometry& g = plan.g;
     num_runs = static_cast<int64_t>(runs.size());
     tasks = g.layers * g.kv * num_runs;
@@ -122,7 +137,7 @@ struct Job {
     batch = std::max<int64_t>(1, kGrainBytes / std::max<int64_t>(1, token_bytes * g.block_size));
   }
 
-  void copy_task(int64_t i) const {
+  uint64_t copy_task(int64_t i) const {
     const KVGeometry& g = plan.g;
     const int64_t E = g.element_size;
     const Run& run = runs[i % num_runs];
@@ -131,18 +146,24 @@ struct Job {
     const int64_t k = lk % g.kv;
     char* buf = plan.layer_bases[l] + (run.block * g.block_stride + k * g.kv_stride + run.off * g.token_stride) * E;
     char* chk = chunk + (lk * g.tokens + run.t0) * token_bytes;
+    const int64_t len = run.n * token_bytes;
     if (runs_contiguous) {
-      move_bytes(to_chunk, buf, chk, static_cast<size_t>(run.n * token_bytes));
-      return;
+      if (hash) return hash_range<true>(cut, 0, chk - chunk, to_chunk ? buf : chk, to_chunk ? chk : buf, len);
+      move_bytes(to_chunk, buf, chk, static_cast<size_t>(len));
+      return 0;
     }
     switch (row_bytes) {  // head_dim 128 in 16-bit and 32-bit dtypes
       case 256:
-        return copy_rows<256>(buf, chk, run.n);
+        copy_rows<256>(buf, chk, run.n);
+        break;
       case 512:
-        return copy_rows<512>(buf, chk, run.n);
+        copy_rows<512>(buf, chk, run.n);
+        break;
       default:
-        return copy_rows<0>(buf, chk, run.n);
+        copy_rows<0>(buf, chk, run.n);
     }
+    // HND: the run's chunk bytes are one range, just written or read row by row: hashed while still in cache.
+    return hash ? hash_range<false>(cut, 0, chk - chunk, chk, nullptr, len) : 0;
   }
 
   // HND: one row of head_dim elements per (token, head). A compile-time row
@@ -164,15 +185,42 @@ struct Job {
   const std::vector<Run> runs;
   char* const chunk;
   const bool to_chunk;
+  const bool hash;
+  const Cut cut;
   int64_t num_runs, tasks, row_bytes, token_bytes, batch;
   bool runs_contiguous;
 };
 
-void copy_cpu(Plan plan, std::vector<Run> runs, char* chunk, bool to_chunk, int64_t threads) {
-  auto job = std::make_shared<const Job>(std::move(plan), std::move(runs), chunk, to_chunk);
-  share_work(job->tasks, job->batch, threads, [job](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) job->copy_task(i);
+// The copy; with `sum`, the chunk's checksum accumulator into *sum as well (in the same pass where every run
+// starts on a whole word, else in a second one over the chunk).
+void copy_cpu(Plan plan, std::vector<Run> runs, char* chunk, bool to_chunk, int64_t threads, uint64_t* sum) {
+  const int64_t token_bytes = plan.g.heads * plan.g.head_dim * plan.g.element_size;
+  const bool fused = sum != nullptr && token_bytes % Cut(plan.g.layers * plan.g.kv * plan.g.tokens * token_bytes).word == 0;
+  auto job = std::make_shared<const Job>(std::move(plan), std::move(runs), chunk, to_chunk, fused);
+  auto acc = std::make_shared<std::atomic<uint64_t>>(0);
+  share_work(job->tasks, job->batch, threads, [job, acc](int64_t begin, int64_t end) {
+    uint64_t part = 0;
+    for (int64_t i = begin; i < end; ++i) part += job->copy_task(i);
+    acc->fetch_add(part, std::memory_order_relaxed);
   });
+  if (sum == nullptr) return;
+  *sum = fused ? acc->load() : hash_segments(job->cut, 0, {Segment{chunk, 0, job->cut.unit}}, threads);
+}
+
+int kvcopy(const KVGeometry* g, char* const* layer_bases, const int64_t* block_table, int64_t table_len, int64_t num_blocks, char* chunk,
+           int to_chunk, int64_t threads, uint64_t* sum, char* err, size_t err_len) {
+  try {
+    if (sum != nullptr) *sum = 0;
+    std::vector<Run> runs = make_runs(*g, block_table, table_len, num_blocks);
+    if (runs.empty()) return PDKV_OK;
+    Plan plan{*g, std::vector<char*>(layer_bases, layer_bases + g->layers)};
+    copy_cpu(std::move(plan), std::move(runs), chunk, to_chunk != 0, threads, sum);
+    return PDKV_OK;
+  } catch (const ArgError& e) {
+    return report(e, err, err_len);
+  } catch (const std::exception& e) {  // std::bad_alloc: nothing may unwind through the C ABI
+    return report(ArgError(PDKV_EVALUE, e.what()), err, err_len);
+  }
 }
 
 }  // namespace
@@ -192,15 +240,10 @@ PDKV_API int pdkv_kvcopy_check(const pdkv::KVGeometry* g, const int64_t* block_t
 
 PDKV_API int pdkv_kvcopy_cpu(const pdkv::KVGeometry* g, char* const* layer_bases, const int64_t* block_table, int64_t table_len,
                              int64_t num_blocks, char* chunk, int to_chunk, int64_t threads, char* err, size_t err_len) {
-  try {
-    std::vector<pdkv::Run> runs = pdkv::make_runs(*g, block_table, table_len, num_blocks);
-    if (runs.empty()) return PDKV_OK;
-    pdkv::Plan plan{*g, std::vector<char*>(layer_bases, layer_bases + g->layers)};
-    pdkv::copy_cpu(std::move(plan), std::move(runs), chunk, to_chunk != 0, threads);
-    return PDKV_OK;
-  } catch (const pdkv::ArgError& e) {
-    return pdkv::report(e, err, err_len);
-  } catch (const std::exception& e) {  // std::bad_alloc: nothing may unwind through the C ABI
-    return pdkv::report(pdkv::ArgError(PDKV_EVALUE, e.what()), err, err_len);
-  }
+  return pdkv::kvcopy(g, layer_bases, block_table, table_len, num_blocks, chunk, to_chunk, threads, nullptr, err, err_len);
+}
+
+PDKV_API int pdkv_kvcopy_sum_cpu(const pdkv::KVGeometry* g, char* const* layer_bases, const int64_t* block_table, int64_t table_len,
+                                 int64_t num_blocks, char* chunk, int to_chunk, int64_t threads, uint64_t* sum, char* err, size_t err_len) {
+  return pdkv::kvcopy(g, layer_bases, block_table, table_len, num_blocks, chunk, to_chunk, threads, sum, err, err_len);
 }

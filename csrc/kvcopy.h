@@ -47,6 +47,21 @@ struct KVGeometry {
 PDKV_API int pdkv_kvcopy_cpu(const pdkv::KVGeometry* g, char* const* layer_bases, const int64_t* block_table, int64_t table_len,
                              int64_t num_blocks, char* chunk, int to_chunk, int64_t threads, char* err, size_t err_len);
 
+// The same copy, also hashing the chunk (one unit: the staged frame's
+// checksum, pdkv/checksum.py) in the same pass; *sum gets the checksum's
+// accumulator (before the length is mixed in).
+PDKV_API int pdkv_kvcopy_sum_cpu(const pdkv::KVGeometry* g, char* const* layer_bases, const int64_t* block_table, int64_t table_len,
+                                 int64_t num_blocks, char* chunk, int to_chunk, int64_t threads, uint64_t* sum, char* err, size_t err_len);
+
+// The checksum's accumulator (kvsum.cpp) of n pieces (addresses, lengths in
+// bytes, each whole units of `unit` bytes) hashed as one stream whose unit 0
+// has unit index first_unit; and of the blocks ids[] (each checked against
+// [0, num_blocks)) of every tensor base in turn, units of block_bytes.
+PDKV_API int pdkv_checksum_cpu(const int64_t* ptrs, const int64_t* lens, int64_t n, int64_t unit, uint64_t first_unit, int64_t threads,
+                               uint64_t* out, char* err, size_t err_len);
+PDKV_API int pdkv_checksum_blocks_cpu(const int64_t* bases, int64_t n_bases, const int64_t* ids, int64_t n_ids, int64_t num_blocks,
+                                      int64_t block_bytes, int64_t threads, uint64_t* out, char* err, size_t err_len);
+
 // CUDA: launch the same copy on `stream` (a cudaStream_t). layer_bases and
 // block_table are host arrays (table_len ids, already checked by
 // pdkv_kvcopy_check); the kernel gets the chunk's slice of them in its
@@ -56,6 +71,18 @@ PDKV_API int pdkv_kvcopy_cpu(const pdkv::KVGeometry* g, char* const* layer_bases
 // asynchronous on the stream.
 PDKV_API int pdkv_kvcopy_cuda(const pdkv::KVGeometry* g, const int64_t* layer_bases, const int64_t* block_table,
                               int64_t table_len, char* chunk, int to_chunk, int vec_bytes, void* stream);
+// The same copy, also adding the chunk's checksum accumulator (one unit) into
+// *sum, a device uint64 the caller zeroed; -1 (launching nothing) where the
+// chunk's words are not 8 bytes or a vector of vec_bytes could straddle two
+// of its rows: the caller hashes after the copy then.
+PDKV_API int pdkv_kvcopy_sum_cuda(const pdkv::KVGeometry* g, const int64_t* layer_bases, const int64_t* block_table,
+                                  int64_t table_len, char* chunk, int to_chunk, int vec_bytes, void* stream,
+                                  uint64_t* sum);
+// The checksum accumulator of n_units units of `unit` bytes at the device
+// addresses unit_ptrs[] (a device array; each aligned to the unit's word
+// size), unit index first_unit + j, added into *sum on `stream`.
+PDKV_API int pdkv_checksum_cuda(const int64_t* unit_ptrs, int64_t n_units, int64_t unit, uint64_t first_unit, uint64_t* sum,
+                                void* stream);
 PDKV_API const char* pdkv_cuda_error_string(int code);
 PDKV_API int pdkv_cuda_device_count();  // or -(the cudaError_t) when the runtime cannot start here
 

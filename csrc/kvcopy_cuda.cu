@@ -19,12 +19,22 @@
 // kInlineTable blocks of up to kInlineLayers layers; otherwise they are copied
 // to stream-ordered device memory first. Block ids were bounds checked on the
 // host (pdkv_kvcopy_check) before launch.
+//
+// The chunk checksum (pdkv/checksum.py defines it, kvsum.h has its
+// arithmetic, shared with the CPU kernels): pdkv_checksum_cuda hashes units
+// given by their device addresses, one warp per 4 KiB row, weights computed
+// on the fly; pdkv_kvcopy_sum_cuda is the gather/scatter above that also sums
+// the chunk's words it moves, weighted by their row, in the same pass. Both
+// add their part into one device uint64 (atomicAdd wraps mod 2**64 like the
+// definition; one atomic per thread block or per warp), which Python reads once.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 
 #include "kvcopy.h"
+#include "kvsum.h"
 
 namespace pdkv {
 namespace {
@@ -61,8 +71,33 @@ struct Args {
   int32_t head_vecs;  // vectors in one head's head_dim elements
   char* chunk;
   bool to_chunk;
+  unsigned long long* sum;  // not null: also add the chunk's checksum accumulator here (one unit, 8-byte words)
+  int64_t sum_row_bytes;    // the checksum's row, in bytes (a multiple of the vector: none straddles two rows)
+  int32_t sum_row_shift;    // log2 of sum_row_bytes where it is a power of two (4 KiB rows: any chunk >= 64 KiB), else -1
   Tables tables;
 };
+
+template <typename Vec>
+__device__ inline uint64_t vec_words_sum(const Vec& v) {
+  const uint64_t* w = reinterpret_cast<const uint64_t*>(&v);
+  uint64_t s = 0;
+#pragma unroll
+  for (int i = 0; i < static_cast<int>(sizeof(Vec) / 8); ++i) s += w[i];
+  return s;
+}
+
+// A block's checksum parts into *sum: warps by shuffle, then one atomicAdd for the block (called by every thread).
+__device__ inline void add_block_part(uint64_t part, unsigned long long* sum) {
+  __shared__ uint64_t warp_parts[kThreads / 32];
+  for (int o = 16; o > 0; o >>= 1) part += __shfl_down_sync(0xffffffffu, part, o);
+  if ((threadIdx.x & 31) == 0) warp_parts[threadIdx.x / 32] = part;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint64_t total = 0;
+    for (int w = 0; w < kThreads / 32; ++w) total += warp_parts[w];
+    if (total) atomicAdd(sum, static_cast<unsigned long long>(total));
+  }
+}
 
 template <typename Vec, typename Tables>
 __global__ void __launch_bounds__(kThreads) kvcopy_kernel(const __grid_constant__ Args<Tables> a) {
@@ -84,6 +119,8 @@ __global__ void __launch_bounds__(kThreads) kvcopy_kernel(const __grid_constant_
   Vec* chunk = reinterpret_cast<Vec*>(a.chunk) + row0 * a.row_vecs;  // the chunk side is contiguous
   const uint32_t total = static_cast<uint32_t>(rows_here) * static_cast<uint32_t>(a.row_vecs);
   const int64_t head_bytes = g.head_stride * g.element_size;
+  const uint64_t chunk_off = static_cast<uint64_t>(row0) * a.row_vecs * sizeof(Vec);  // this block's first byte
+  uint64_t part = 0;
   for (uint32_t first = threadIdx.x; first < total; first += kThreads * kVecsPerThread) {
     Vec v[kVecsPerThread];
     Vec* dst[kVecsPerThread];
@@ -102,9 +139,40 @@ __global__ void __launch_bounds__(kThreads) kvcopy_kernel(const __grid_constant_
     }
 #pragma unroll
     for (int u = 0; u < kVecsPerThread; ++u) {
-      if (first + u * kThreads < total) *dst[u] = v[u];
+      const uint32_t e = first + u * kThreads;
+      if (e < total) {
+        *dst[u] = v[u];
+        if (a.sum != nullptr) {
+          const uint64_t byte = chunk_off + static_cast<uint64_t>(e) * sizeof(Vec);
+          const uint64_t row = a.sum_row_shift >= 0 ? byte >> a.sum_row_shift : byte / a.sum_row_bytes;
+          part += row_weight(0, row) * vec_words_sum(v[u]);
+        }
+      }
     }
   }
+  if (a.sum != nullptr) add_block_part(part, a.sum);  // uniform over the block: every thread calls it
+}
+
+// One warp per row of the units at unit_ptrs[j] (row k of the stream: unit k / rows, row k % rows).
+template <typename T>
+__global__ void checksum_kernel(const int64_t* __restrict__ unit_ptrs, int64_t n_units, Cut c, uint64_t first_unit,
+                                unsigned long long* sum) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  const int64_t rows = c.rows();
+  uint64_t part = 0;
+  for (int64_t k = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; k < n_units * rows; k += warps) {
+    const int64_t j = k / rows;
+    const int64_t r = k % rows;
+    const T* words = reinterpret_cast<const T*>(unit_ptrs[j]) + r * c.row;
+    const int64_t n = (r + 1) * c.row < c.words ? c.row : c.words - r * c.row;
+    uint64_t s = 0;
+#pragma unroll 4
+    for (int64_t i = lane; i < n; i += 32) s += static_cast<uint64_t>(static_cast<int64_t>(words[i]));
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(0xffffffffu, s, o);
+    if (lane == 0) part += row_weight(first_unit + static_cast<uint64_t>(j), static_cast<uint64_t>(r)) * s;
+  }
+  if (lane == 0 && part) atomicAdd(sum, static_cast<unsigned long long>(part));
 }
 
 template <typename Vec, typename Tables>
@@ -137,11 +205,19 @@ cudaError_t dispatch(Args<Tables>& a, int vec_bytes, cudaStream_t stream) {
 }  // namespace
 }  // namespace pdkv
 
-PDKV_API int pdkv_kvcopy_cuda(const pdkv::KVGeometry* g_ptr, const int64_t* layer_bases, const int64_t* block_table,
-                              int64_t table_len, char* chunk, int to_chunk_int, int vec_bytes, void* stream_ptr) {
-  using namespace pdkv;
-  const KVGeometry& g = *g_ptr;
-  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+namespace pdkv {
+namespace {
+
+// The gather/scatter's launch from host arrays (see the top of this file), with or without the fused checksum.
+int32_t log2_or_minus1(int64_t n) {
+  if (n <= 0 || (n & (n - 1))) return -1;
+  int32_t shift = 0;
+  while ((int64_t{1} << shift) < n) ++shift;
+  return shift;
+}
+
+int kvcopy(const KVGeometry& g, const int64_t* layer_bases, const int64_t* block_table, int64_t table_len, char* chunk,
+           bool to_chunk, int vec_bytes, cudaStream_t stream, unsigned long long* sum, int64_t sum_row_bytes) {
   const int64_t rows = g.layers * g.kv * g.tokens;
   if (rows == 0) return cudaSuccess;
   const int64_t first = g.start / g.block_size;
@@ -158,7 +234,10 @@ PDKV_API int pdkv_kvcopy_cuda(const pdkv::KVGeometry* g_ptr, const int64_t* laye
     a.table_first = first;
     a.rows = rows;
     a.chunk = chunk;
-    a.to_chunk = to_chunk_int != 0;
+    a.to_chunk = to_chunk;
+    a.sum = sum;
+    a.sum_row_bytes = sum_row_bytes;
+    a.sum_row_shift = log2_or_minus1(sum_row_bytes);
     for (int64_t l = 0; l < g.layers; ++l) a.tables.bases[l] = layer_bases[l];
     for (int64_t i = 0; i < used; ++i) a.tables.table[i] = static_cast<int32_t>(block_table[first + i]);
     return dispatch(a, vec_bytes, stream);
@@ -169,7 +248,10 @@ PDKV_API int pdkv_kvcopy_cuda(const pdkv::KVGeometry* g_ptr, const int64_t* laye
   a.table_first = first;
   a.rows = rows;
   a.chunk = chunk;
-  a.to_chunk = to_chunk_int != 0;
+  a.to_chunk = to_chunk;
+  a.sum = sum;
+  a.sum_row_bytes = sum_row_bytes;
+  a.sum_row_shift = log2_or_minus1(sum_row_bytes);
   int64_t* dev = nullptr;
   const size_t bytes = static_cast<size_t>(g.layers + used) * sizeof(int64_t);
   cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&dev), bytes, stream);
@@ -186,6 +268,59 @@ PDKV_API int pdkv_kvcopy_cuda(const pdkv::KVGeometry* g_ptr, const int64_t* laye
   }
   const cudaError_t freed = cudaFreeAsync(dev, stream);
   return err != cudaSuccess ? err : freed;
+}
+
+template <typename T>
+cudaError_t launch_checksum(const int64_t* unit_ptrs, int64_t n_units, const Cut& c, uint64_t first_unit,
+                            unsigned long long* sum, cudaStream_t stream) {
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  const int64_t warps = n_units * c.rows();
+  constexpr int kWarps = kThreads / 32;
+  const int64_t blocks = std::min<int64_t>((warps + kWarps - 1) / kWarps, static_cast<int64_t>(sms) * 16);
+  checksum_kernel<T><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(unit_ptrs, n_units, c, first_unit, sum);
+  return cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace pdkv
+
+PDKV_API int pdkv_kvcopy_cuda(const pdkv::KVGeometry* g_ptr, const int64_t* layer_bases, const int64_t* block_table,
+                              int64_t table_len, char* chunk, int to_chunk_int, int vec_bytes, void* stream_ptr) {
+  return pdkv::kvcopy(*g_ptr, layer_bases, block_table, table_len, chunk, to_chunk_int != 0, vec_bytes,
+                      static_cast<cudaStream_t>(stream_ptr), nullptr, 0);
+}
+
+PDKV_API int pdkv_kvcopy_sum_cuda(const pdkv::KVGeometry* g_ptr, const int64_t* layer_bases, const int64_t* block_table,
+                                  int64_t table_len, char* chunk, int to_chunk_int, int vec_bytes, void* stream_ptr,
+                                  uint64_t* sum) {
+  using namespace pdkv;
+  const KVGeometry& g = *g_ptr;
+  const Cut c(g.layers * g.kv * g.tokens * g.heads * g.head_dim * g.element_size);
+  if ((vec_bytes != 8 && vec_bytes != 16) || c.word != 8 || (c.row * 8) % vec_bytes) return -1;  // not fusable here
+  return kvcopy(g, layer_bases, block_table, table_len, chunk, to_chunk_int != 0, vec_bytes,
+                static_cast<cudaStream_t>(stream_ptr), reinterpret_cast<unsigned long long*>(sum), c.row * 8);
+}
+
+PDKV_API int pdkv_checksum_cuda(const int64_t* unit_ptrs, int64_t n_units, int64_t unit, uint64_t first_unit, uint64_t* sum,
+                                void* stream_ptr) {
+  using namespace pdkv;
+  if (unit <= 0 || n_units <= 0) return n_units == 0 ? cudaSuccess : cudaErrorInvalidValue;
+  const Cut c(unit);
+  auto* out = reinterpret_cast<unsigned long long*>(sum);
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  switch (c.word) {
+    case 8:
+      return launch_checksum<int64_t>(unit_ptrs, n_units, c, first_unit, out, stream);
+    case 4:
+      return launch_checksum<int32_t>(unit_ptrs, n_units, c, first_unit, out, stream);
+    case 2:
+      return launch_checksum<int16_t>(unit_ptrs, n_units, c, first_unit, out, stream);
+    default:
+      return launch_checksum<uint8_t>(unit_ptrs, n_units, c, first_unit, out, stream);
+  }
 }
 
 PDKV_API const char* pdkv_cuda_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }

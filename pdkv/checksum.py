@@ -27,11 +27,19 @@ within one row do (two words of one 4 KiB row swapped, +d in one word and -d in
 another); between rows two changes cancel only by a 2**-64-sized coincidence
 of the data, not of the error's shape.
 
-Cost: one read of the bytes (a row-sum reduction) plus work on 1/512 of them,
-and a few torch ops per piece: many small pieces (a fragmented block table
-times per-layer tensors) are first copied together, and ``blocks_checksum``
-gathers a direct-mode chunk's blocks with one op per tensor. ``pdkv bench
-checksum`` measures it against ``copy_`` of the same bytes.
+Two implementations give the same bits. On CPU the native kernel
+(csrc/kvsum.cpp, through ``pdkv.native``) reads every byte once with the
+weights computed per row on the fly, hashes pieces and a direct-mode chunk's
+blocks where they are, on torch's thread count; and the staging gather and
+scatter hash the chunk in the pass that copies it (``native.gather_summed``,
+``native.scatter_summed``, finished by ``frame_checksum``), where the
+checksum costs next to nothing. Elsewhere (CUDA, or no native library: the
+fallback) torch ops: one read of the bytes (a row-sum reduction) plus work on
+1/512 of them, and a few ops per piece: many small pieces (a fragmented block
+table times per-layer tensors) are first copied together, and
+``blocks_checksum`` gathers a direct-mode chunk's blocks with one op per
+tensor. ``pdkv bench checksum`` measures both against ``copy_`` of the same
+bytes.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from collections.abc import Iterable, Sequence
 import torch
 import xxhash
 
+from pdkv import native
 from pdkv.errors import LayoutError
 from pdkv.layout import KVLayout, gather
 
@@ -114,6 +123,9 @@ def _joined(pieces: list[torch.Tensor], total: int) -> torch.Tensor:
     return torch.cat(pieces, out=_scratch_bytes(pieces[0].device, total))
 
 
+# The CUDA kernel takes one address a unit (8 bytes) and a warp a row: for smaller units torch ops do better.
+_CUDA_MIN_UNIT = 512
+
 # Pieces smaller than this on average (a fragmented block table times per-layer tensors) are hashed as one copy:
 # three torch ops per piece (~10 us) cost more than copying 256 KiB.
 _CONCAT_BELOW = 256 << 10
@@ -185,6 +197,51 @@ def chunk_checksum(pieces: Iterable[torch.Tensor], unit: int | None = None) -> i
             total += n
     if not todo:
         return _mix64(_GOLDEN)
+    acc = _native_acc(todo, unit)
+    return _finish(_torch_acc(todo, unit, total) if acc is None else acc, total)
+
+
+def frame_checksum(frame: torch.Tensor, acc: native.Accumulator = None) -> int:
+    """``chunk_checksum([frame])`` (one unit: a staged frame), from ``acc`` where a copy kernel already computed
+    its accumulator in the pass that moved ``frame`` (``native.gather_summed``/``scatter_summed``; a CUDA one is
+    read here, which waits for that copy), else hashed here."""
+    if acc is None or not frame.numel():
+        return chunk_checksum([frame])
+    return _finish(int(acc.item()) if isinstance(acc, torch.Tensor) else acc, frame.numel())
+
+
+def _finish(acc: int, total: int) -> int:
+    """The value from the accumulator: the byte count mixed in."""
+    return _mix64((acc & _MASK) ^ _mix64(total))
+
+
+def _native_acc(todo: list[torch.Tensor], unit: int | None) -> int | None:
+    """The accumulator from the native kernels where they run (library loaded, pieces without strides; on CUDA
+    pieces aligned to their words and units of at least a row), else None (the torch path)."""
+    device = todo[0].device
+    if any(p.stride(0) != 1 for p in todo):
+        return None
+    if device.type == "cpu" and native.available():
+        if unit is None:  # each piece its own unit: unit index = piece index
+            return sum(native.checksum_pieces([p.data_ptr()], [p.numel()], p.numel(), i) for i, p in enumerate(todo))
+        return native.checksum_pieces([p.data_ptr() for p in todo], [p.numel() for p in todo], unit)
+    if device.type != "cuda" or not native.cuda_checksum_available():
+        return None
+    units = [(p.numel() if unit is None else unit) for p in todo]
+    if any(u < _CUDA_MIN_UNIT or p.data_ptr() % _cut(u)[0] for p, u in zip(todo, units, strict=True)):
+        return None
+    acc = torch.zeros((), dtype=torch.int64, device=device)
+    if unit is None:  # one launch a piece, all adding into one scalar: one sync to read it
+        for i, p in enumerate(todo):
+            native.checksum_cuda(torch.tensor([p.data_ptr()], dtype=torch.int64).to(device), p.numel(), i, acc)
+    else:
+        ptrs = [torch.arange(p.data_ptr(), p.data_ptr() + p.numel(), unit, dtype=torch.int64) for p in todo]
+        native.checksum_cuda(torch.cat(ptrs).to(device), unit, 0, acc)
+    return int(acc.item())
+
+
+def _torch_acc(todo: list[torch.Tensor], unit: int | None, total: int) -> int:
+    """The accumulator with torch ops on the pieces' device (CUDA, and the fallback on CPU)."""
     device = todo[0].device
     if unit is None:  # each piece its own unit, of its own rows: weighted piece by piece
         acc = torch.zeros((), dtype=torch.int64, device=device)
@@ -199,7 +256,7 @@ def chunk_checksum(pieces: Iterable[torch.Tensor], unit: int | None = None) -> i
         parts = [_row_sums(piece, unit) for piece in todo]
         sums = torch.cat(parts) if len(parts) > 1 else parts[0]
         acc = (sums * _weights.get(device, _rows_per_unit(unit), sums.numel())).sum()
-    return _mix64((int(acc.item()) & _MASK) ^ _mix64(total))
+    return int(acc.item())
 
 
 def blocks_checksum(kv_bytes: Sequence[torch.Tensor], blocks: Sequence[int], block_bytes: int) -> int:
@@ -208,11 +265,35 @@ def blocks_checksum(kv_bytes: Sequence[torch.Tensor], blocks: Sequence[int], blo
     Equal to hashing the runs of adjacent blocks each side writes or lands
     (the stream is the same); computed with one op per tensor, not one per
     run: blocks that are not one run are first gathered (``index_select``)
-    into this thread's scratch buffer.
+    into this thread's scratch buffer. On CPU the native kernel reads the
+    blocks in place instead (ids checked against every tensor's length).
     """
     ids = list(blocks)
     if not ids or not kv_bytes:
         return chunk_checksum([], unit=block_bytes)
+    if (
+        block_bytes > 0
+        and kv_bytes[0].device.type == "cpu"
+        and native.available()
+        and all(
+            b.device.type == "cpu" and b.dtype == torch.uint8 and b.dim() == 1 and b.is_contiguous() for b in kv_bytes
+        )
+    ):
+        num_blocks = min(b.numel() for b in kv_bytes) // block_bytes
+        try:
+            acc = native.checksum_blocks([b.data_ptr() for b in kv_bytes], ids, num_blocks, block_bytes)
+        except IndexError as exc:
+            raise LayoutError(f"blocks_checksum: {exc}") from exc
+        return _finish(acc, len(kv_bytes) * len(ids) * block_bytes)
+    if _cuda_blocks(kv_bytes, block_bytes):
+        num_blocks = min(b.numel() for b in kv_bytes) // block_bytes
+        if min(ids) < 0 or max(ids) >= num_blocks:
+            raise LayoutError(f"blocks_checksum: block ids {ids} are not all in [0, {num_blocks})")
+        bases = torch.tensor([b.data_ptr() for b in kv_bytes], dtype=torch.int64)
+        ptrs = (bases[:, None] + torch.tensor(ids, dtype=torch.int64)[None, :] * block_bytes).reshape(-1)
+        acc = torch.zeros((), dtype=torch.int64, device=kv_bytes[0].device)
+        native.checksum_cuda(ptrs.to(acc.device), block_bytes, 0, acc)
+        return _finish(int(acc.item()), len(kv_bytes) * len(ids) * block_bytes)
     first, n = ids[0], len(ids)
     if ids == list(range(first, first + n)):
         return chunk_checksum([b[first * block_bytes : (first + n) * block_bytes] for b in kv_bytes], unit=block_bytes)
@@ -222,6 +303,25 @@ def blocks_checksum(kv_bytes: Sequence[torch.Tensor], blocks: Sequence[int], blo
     for t, b in enumerate(kv_bytes):
         torch.index_select(b.view(-1, block_bytes), 0, index, out=out[t])
     return chunk_checksum([out.view(-1)], unit=block_bytes)
+
+
+def _cuda_blocks(kv_bytes: Sequence[torch.Tensor], block_bytes: int) -> bool:
+    """Whether the CUDA kernel hashes these blocks in place: flat uint8 tensors on one CUDA device, aligned to the
+    block's words, blocks of at least a row."""
+    device = kv_bytes[0].device
+    return (
+        device.type == "cuda"
+        and block_bytes >= _CUDA_MIN_UNIT
+        and native.cuda_checksum_available()
+        and all(
+            b.device == device
+            and b.dtype == torch.uint8
+            and b.dim() == 1
+            and b.is_contiguous()
+            and b.data_ptr() % _cut(block_bytes)[0] == 0
+            for b in kv_bytes
+        )
+    )
 
 
 def checksum(views: Iterable[memoryview]) -> int:

@@ -1,5 +1,11 @@
 """Native paged gather/scatter (csrc/kvcopy.cpp), falling back to the torch path.
 
+With ``checksum=True`` they also return the chunk checksum's accumulator of
+the chunk they wrote or read, computed in the same pass (csrc/kvsum.h);
+``checksum_pieces`` and ``checksum_blocks`` compute it over bytes where they
+are. ``pdkv.checksum`` owns the checksum's value and its torch fallback; this
+module only makes the calls.
+
 The same library carries the KV codec kernels (csrc/kvcodec.cpp), which
 pdkv.codec.kernels calls through ``library()`` with the same fallback rule.
 
@@ -95,6 +101,42 @@ _SIGNATURES: dict[str, list[type]] = {
         ctypes.c_char_p,
         ctypes.c_size_t,
     ],
+    "pdkv_kvcopy_sum_cpu": [
+        ctypes.POINTER(KVGeometry),
+        _p,
+        _p,
+        _i64,
+        _i64,
+        _p,
+        ctypes.c_int,
+        _i64,
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+    ],
+    "pdkv_checksum_cpu": [
+        _p,
+        _p,
+        _i64,
+        _i64,
+        ctypes.c_uint64,
+        _i64,
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+    ],
+    "pdkv_checksum_blocks_cpu": [
+        _p,
+        _i64,
+        _p,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+    ],
     "pdkv_kvcopy_check": [ctypes.POINTER(KVGeometry), _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
     "pdkv_split_planes": [_p, _i64, _i64, _p, _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
     "pdkv_merge_planes": [_p, _i64, _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
@@ -105,10 +147,15 @@ _SIGNATURES: dict[str, list[type]] = {
     "pdkv_u8_dequantize": [_p, _p, _p, _p, _i64, _i64, ctypes.c_int, _p, _p, _i64, ctypes.c_char_p, ctypes.c_size_t],
 }
 _CUDA_SIGNATURES: dict[str, list[type]] = {
-    "pdkv_kvcopy_cuda": [ctypes.POINTER(KVGeometry), _p, _p, ctypes.c_int64, _p, ctypes.c_int, ctypes.c_int, _p],
+    "pdkv_kvcopy_cuda": [ctypes.POINTER(KVGeometry), _p, _p, _i64, _p, ctypes.c_int, ctypes.c_int, _p],
+    "pdkv_kvcopy_sum_cuda": [ctypes.POINTER(KVGeometry), _p, _p, _i64, _p, ctypes.c_int, ctypes.c_int, _p, _p],
+    "pdkv_checksum_cuda": [_p, _i64, _i64, ctypes.c_uint64, _p, _p],
     "pdkv_cuda_error_string": [ctypes.c_int],
     "pdkv_cuda_device_count": [],
 }
+
+Accumulator = int | torch.Tensor | None
+"""A copy's checksum accumulator: an int (CPU), a device int64 scalar (CUDA, filled on the stream), None: not hashed."""
 
 _lock = threading.Lock()
 # (library, reason it is None) once a load was attempted in this process; the same for the CUDA library.
@@ -154,8 +201,28 @@ def gather(
 ) -> torch.Tensor:
     """Native :func:`pdkv.layout.gather`: tokens ``[start, start+num_tokens)`` of the paged buffer as a canonical
     chunk."""
+    return gather_summed(layout, tensors, block_table, start, num_tokens, out)[0]
+
+
+def gather_summed(
+    layout: KVLayout,
+    tensors: Sequence[torch.Tensor],
+    block_table: BlockTable,
+    start: int,
+    num_tokens: int,
+    out: torch.Tensor | None = None,
+    checksum: bool = False,
+) -> tuple[torch.Tensor, Accumulator]:
+    """``gather``, and with ``checksum`` the chunk's checksum accumulator from the same pass.
+
+    The accumulator is an int (CPU), a device scalar the kernel adds into on
+    the current stream (CUDA: reading it waits for the copy), or None where
+    the kernel did not hash (the torch path, an ``out`` it could not write
+    directly, a CUDA chunk whose words it cannot sum in its vectors): the
+    caller hashes the chunk itself then.
+    """
     if not _native_for(layout, tensors):
-        return torch_gather(layout, tensors, block_table, start, num_tokens, out)
+        return torch_gather(layout, tensors, block_table, start, num_tokens, out), None
     num_blocks = _checked_buffer(layout, tensors)
     table = used_blocks(layout, num_blocks, block_table, start, num_tokens)
     device = tensors[0].device
@@ -167,23 +234,39 @@ def gather(
     # `out` (a strided view, another device) is filled through one copy.
     direct = out.is_contiguous() and out.device == device
     dst = out if direct else torch.empty(out.shape, dtype=out.dtype, device=device)
-    _copy(layout, tensors, table, num_blocks, start, dst, to_chunk=True)
+    acc = _copy(layout, tensors, table, num_blocks, start, dst, to_chunk=True, checksum=checksum and direct)
     if not direct:
         out.copy_(dst)
-    return out
+    return out, acc
 
 
 def scatter(
     layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: BlockTable, start: int, chunk: torch.Tensor
 ) -> None:
     """Native :func:`pdkv.layout.scatter`: write a canonical chunk into tokens ``[start, start+T)``."""
+    scatter_summed(layout, tensors, block_table, start, chunk)
+
+
+def scatter_summed(
+    layout: KVLayout,
+    tensors: Sequence[torch.Tensor],
+    block_table: BlockTable,
+    start: int,
+    chunk: torch.Tensor,
+    checksum: bool = False,
+) -> Accumulator:
+    """``scatter``, and with ``checksum`` the chunk's checksum accumulator from the same pass (or None, as in
+    ``gather_summed``)."""
     if not _native_for(layout, tensors):
         torch_scatter(layout, tensors, block_table, start, chunk)
-        return
+        return None
     num_blocks = _checked_buffer(layout, tensors)
     num_tokens = check_chunk(layout, chunk, "chunk")
     table = used_blocks(layout, num_blocks, block_table, start, num_tokens)
-    _copy(layout, tensors, table, num_blocks, start, chunk.to(tensors[0].device).contiguous(), to_chunk=False)
+    src = chunk.to(tensors[0].device).contiguous()
+    # hashed in the pass only when the kernel reads the caller's own bytes (not a copy made here)
+    same = src.data_ptr() == chunk.data_ptr() and src.device == chunk.device
+    return _copy(layout, tensors, table, num_blocks, start, src, to_chunk=False, checksum=checksum and same)
 
 
 def geometry(
@@ -226,63 +309,141 @@ def _copy(
     start: int,
     chunk: torch.Tensor,
     to_chunk: bool,
-) -> None:
-    """Run one kernel copy; the library's own argument checks surface as LayoutError like the torch path's."""
+    checksum: bool = False,
+) -> Accumulator:
+    """Run one kernel copy (and its checksum accumulator when asked); the library's own argument checks surface as
+    LayoutError like the torch path's."""
     geo, bases = geometry(layout, tensors, chunk, start)
     table = table.cpu().contiguous()
     try:
         if chunk.device.type == "cuda":
-            _copy_cuda(geo, bases, table, num_blocks, chunk, to_chunk)
-        else:
-            copy_cpu(geo, bases, table, num_blocks, chunk.data_ptr(), to_chunk)
+            return _copy_cuda(geo, bases, table, num_blocks, chunk, to_chunk, checksum)
+        return copy_cpu(geo, bases, table, num_blocks, chunk.data_ptr(), to_chunk, checksum)
     except (IndexError, ValueError) as exc:
         raise LayoutError(str(exc)) from exc
 
 
 def copy_cpu(
-    geo: KVGeometry, bases: Sequence[int], table: torch.Tensor, num_blocks: int, chunk_ptr: int, to_chunk: bool
-) -> None:
-    """The C ABI's CPU copy as it is, with no Python check in front (tests call it to reach the library's guard)."""
+    geo: KVGeometry,
+    bases: Sequence[int],
+    table: torch.Tensor,
+    num_blocks: int,
+    chunk_ptr: int,
+    to_chunk: bool,
+    checksum: bool = False,
+) -> int | None:
+    """The C ABI's CPU copy as it is, with no Python check in front (tests call it to reach the library's guard);
+    with ``checksum``, returns the chunk's checksum accumulator from the same pass."""
+    lib = _lib()
+    base_array = (_p * len(bases))(*bases)
+    args = (ctypes.byref(geo), base_array, table.data_ptr(), table.numel(), num_blocks, chunk_ptr, int(to_chunk))
+    if not checksum:
+        call(lib.pdkv_kvcopy_cpu, *args, torch.get_num_threads())
+        return None
+    acc = ctypes.c_uint64(0)
+    call(lib.pdkv_kvcopy_sum_cpu, *args, torch.get_num_threads(), ctypes.byref(acc))
+    return acc.value
+
+
+def checksum_pieces(ptrs: Sequence[int], lens: Sequence[int], unit: int, first_unit: int = 0) -> int:
+    """The checksum accumulator of host bytes at ``ptrs`` (``lens`` bytes each, whole units of ``unit``) hashed
+    as one stream whose first unit has index ``first_unit``; on up to ``torch.get_num_threads()`` threads."""
+    lib, acc = _lib(), ctypes.c_uint64(0)
+    n = len(ptrs)
+    call(
+        lib.pdkv_checksum_cpu,
+        (_i64 * n)(*ptrs),
+        (_i64 * n)(*lens),
+        n,
+        unit,
+        first_unit,
+        torch.get_num_threads(),
+        ctypes.byref(acc),
+    )
+    return acc.value
+
+
+def checksum_blocks(bases: Sequence[int], ids: Sequence[int], num_blocks: int, block_bytes: int) -> int:
+    """The checksum accumulator of blocks ``ids`` (each checked against ``[0, num_blocks)``: IndexError) of every
+    host buffer at ``bases`` in turn, read where they are; units of ``block_bytes``."""
+    lib, acc = _lib(), ctypes.c_uint64(0)
+    call(
+        lib.pdkv_checksum_blocks_cpu,
+        (_i64 * len(bases))(*bases),
+        len(bases),
+        (_i64 * len(ids))(*ids),
+        len(ids),
+        num_blocks,
+        block_bytes,
+        torch.get_num_threads(),
+        ctypes.byref(acc),
+    )
+    return acc.value
+
+
+def _lib() -> ctypes.CDLL:
     lib = library()
     if lib is None:
         raise ValueError(f"pdkv native kernels unavailable: {reason()}")
-    base_array = (_p * len(bases))(*bases)
-    call(
-        lib.pdkv_kvcopy_cpu,
-        ctypes.byref(geo),
-        base_array,
-        table.data_ptr(),
-        table.numel(),
-        num_blocks,
-        chunk_ptr,
-        int(to_chunk),
-        torch.get_num_threads(),
-    )
+    return lib
 
 
 def _copy_cuda(
-    geo: KVGeometry, bases: Sequence[int], table: torch.Tensor, num_blocks: int, chunk: torch.Tensor, to_chunk: bool
-) -> None:
-    """The CUDA copy on the current stream of the chunk's device (block ids checked on the host first)."""
+    geo: KVGeometry,
+    bases: Sequence[int],
+    table: torch.Tensor,
+    num_blocks: int,
+    chunk: torch.Tensor,
+    to_chunk: bool,
+    checksum: bool = False,
+) -> torch.Tensor | None:
+    """The CUDA copy on the current stream of the chunk's device (block ids checked on the host first); with
+    ``checksum``, the device scalar it adds the chunk's checksum accumulator into, or None where it cannot."""
     lib, cuda = library(), _cuda_state()[0]
     assert lib is not None and cuda is not None  # _native_for checked both
     call(lib.pdkv_kvcopy_check, ctypes.byref(geo), table.data_ptr(), table.numel(), num_blocks)
     device = chunk.device
     base_array = (ctypes.c_int64 * len(bases))(*bases)  # host arrays: the kernel takes them in its parameters
+    args = (
+        ctypes.byref(geo),
+        ctypes.addressof(base_array),
+        table.data_ptr(),
+        table.numel(),
+        chunk.data_ptr(),
+        int(to_chunk),
+        _vector_bytes(geo, bases, chunk.data_ptr()),
+    )
+    acc = torch.zeros((), dtype=torch.int64, device=device) if checksum else None
     with torch.cuda.device(device):  # the kernel launches on the current device's context
         stream = torch.cuda.current_stream(device).cuda_stream
-        code = cuda.pdkv_kvcopy_cuda(
-            ctypes.byref(geo),
-            ctypes.addressof(base_array),
-            table.data_ptr(),
-            table.numel(),
-            chunk.data_ptr(),
-            int(to_chunk),
-            _vector_bytes(geo, bases, chunk.data_ptr()),
-            stream,
-        )
+        code = -1 if acc is None else cuda.pdkv_kvcopy_sum_cuda(*args, stream, acc.data_ptr())
+        if code == -1:  # not asked, or the chunk's words do not fit its vectors: the plain copy
+            acc = None
+            code = cuda.pdkv_kvcopy_cuda(*args, stream)
     if code != 0:
         raise ValueError(f"pdkv kvcopy: CUDA launch failed: {cuda.pdkv_cuda_error_string(code).decode()}")
+    return acc
+
+
+def cuda_checksum_available() -> bool:
+    """Whether CUDA tensors are hashed by the CUDA checksum kernel (else torch ops)."""
+    return available() and _cuda_state()[0] is not None
+
+
+def checksum_cuda(unit_ptrs: torch.Tensor, unit: int, first_unit: int, acc: torch.Tensor) -> None:
+    """Add the checksum accumulator of the units of ``unit`` bytes at the device addresses ``unit_ptrs`` (int64, on
+    the units' device; each aligned to the unit's word size), unit index ``first_unit`` + position, into ``acc`` (a
+    zeroed int64 scalar there) on the current stream."""
+    cuda = _cuda_state()[0]
+    if cuda is None:
+        raise ValueError(f"pdkv native CUDA kernels unavailable: {cuda_reason()}")
+    with torch.cuda.device(acc.device):
+        stream = torch.cuda.current_stream(acc.device).cuda_stream
+        code = cuda.pdkv_checksum_cuda(
+            unit_ptrs.data_ptr(), unit_ptrs.numel(), unit, first_unit, acc.data_ptr(), stream
+        )
+    if code != 0:
+        raise ValueError(f"pdkv checksum: CUDA launch failed: {cuda.pdkv_cuda_error_string(code).decode()}")
 
 
 def _vector_bytes(geo: KVGeometry, bases: Sequence[int], chunk_ptr: int) -> int:

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from pdkv import native
-from pdkv.checksum import chunk_checksum, flat_bytes
+from pdkv.checksum import flat_bytes, frame_checksum
 from pdkv.layout import BlockTable, KVLayout, check_chunk
 from pdkv.memory import emulate_device, memory_kind
 
@@ -113,19 +113,20 @@ class DeviceStager:
         """Gather tokens ``[start, start+n)`` on the KV's device into ``host_out`` (flat uint8); the chunk's
         checksum if ``digest``.
 
-        The checksum is computed on the device, over the bytes gathered there
-        (a codec that re-encodes the chunk on the host hashes its own frame:
-        ``digest=False``); returns only once the copy into ``host_out`` is done
-        (its event).
+        The checksum is computed on the device, over the bytes gathered there,
+        by the gather itself where its kernel can (CPU: in the same pass), else
+        right after it (a codec that re-encodes the chunk on the host hashes its
+        own frame: ``digest=False``); returns only once the copy into
+        ``host_out`` is done (its event).
         """
         with self._lock:
             self.stream.after_callers_work()
             with self.stream.active():
-                chunk = native.gather(self.layout, self.kv, block_table, start, n, out=self._chunk(n))
+                chunk, acc = native.gather_summed(self.layout, self.kv, block_table, start, n, self._chunk(n), digest)
                 dev_bytes = flat_bytes(chunk)
                 host_out.copy_(dev_bytes, non_blocking=True)
                 event = self.stream.record()
-                value = chunk_checksum([dev_bytes]) if digest else None
+                value = frame_checksum(dev_bytes, acc) if digest else None
             event.synchronize()
             self.chunks_out += 1
         return value

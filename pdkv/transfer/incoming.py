@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import torch
 
 from pdkv.channels.grants import Range
-from pdkv.checksum import blocks_checksum, chunk_checksum
+from pdkv.checksum import blocks_checksum, chunk_checksum, frame_checksum
 from pdkv.codec import Codec
 from pdkv.errors import ChecksumError, TransferError
 from pdkv.layout import KVLayout, block_runs
-from pdkv.native import scatter
+from pdkv.native import scatter, scatter_summed
 from pdkv.staging import DeviceStager
 from pdkv.transfer.protocol import ChunkNotice
 
@@ -110,6 +110,7 @@ class IncomingTransfer:
         cs = target.chunk_size
         start, n = idx * cs, min(cs, self.num_tokens - idx * cs)
         nbytes = target.layout.chunk_bytes(n)
+        scattered = False  # landed in the blocks by the pass that hashed it
         if self.mode == "direct":
             bs = target.layout.block_size
             got = blocks_checksum(
@@ -128,13 +129,21 @@ class IncomingTransfer:
                     f"{target.slot_bytes})"
                 )
             base = self.slots[notice.slot] * target.slot_bytes
-            got = chunk_checksum([target.staging[base : base + wire]])
+            frame = target.staging[base : base + wire]
+            scattered = codec.passthrough and target.stager is None
+            if scattered:
+                # landed in the blocks and hashed in one pass over the slot: a chunk that fails lands too, in blocks
+                # of this request only, which the failed transfer never hands to the engine
+                chunk = frame.view(target.layout.torch_dtype).view(target.layout.chunk_shape(n))
+                got = frame_checksum(frame, scatter_summed(target.layout, target.kv, self.blocks, start, chunk, True))
+            else:
+                got = chunk_checksum([frame])
         if got != notice.checksum:
             raise ChecksumError(
                 f"chunk {idx} of transfer {self.transfer_id!r} failed its checksum (sent {notice.checksum:#x}, landed "
                 f"{got:#x})"
             )
-        if self.mode == "staging":
+        if self.mode == "staging" and not scattered:
             if codec.passthrough:
                 chunk = (
                     target.staging[base : base + nbytes]

@@ -17,13 +17,13 @@ import torch
 
 from pdkv.channels.base import Channel
 from pdkv.channels.handle import TransferHandle, TransferOp, XferState
-from pdkv.checksum import blocks_checksum, chunk_checksum, flat_bytes
+from pdkv.checksum import blocks_checksum, chunk_checksum, flat_bytes, frame_checksum
 from pdkv.codec import Codec
 from pdkv.config import TransferConfig
 from pdkv.errors import TransferCancelled, TransferError, TransferTimeout
 from pdkv.keys import chunk_spans
 from pdkv.layout import KVLayout, block_runs
-from pdkv.native import gather
+from pdkv.native import gather, gather_summed
 from pdkv.staging import DeviceStager
 from pdkv.transfer import protocol
 from pdkv.transfer.control import ControlLoop
@@ -316,8 +316,9 @@ class OutgoingTransfer:
             if src.stager is not None:  # device KV: gathered and hashed on its device, copied into the pinned slot
                 digest = src.stager.stage_out(self.block_table, start, n, src.staging[base : base + nbytes])
             else:
-                out = src.staging[base : base + nbytes].view(layout.torch_dtype).view(layout.chunk_shape(n))
-                gather(layout, src.kv, self.block_table, start, n, out=out)
+                frame = src.staging[base : base + nbytes]
+                out = frame.view(layout.torch_dtype).view(layout.chunk_shape(n))
+                digest = frame_checksum(frame, gather_summed(layout, src.kv, self.block_table, start, n, out, True)[1])
         else:
             raw = self.codec.scratch("raw", layout.chunk_shape(n), layout.torch_dtype)
             if src.stager is not None:

@@ -5,9 +5,13 @@ Prints one JSON object (and writes it to ``--out`` when given) with:
 * ``gather_scatter``: the CUDA gather/scatter kernels (csrc/kvcopy_cuda.cu) on
   a Llama-3-8B shaped 256-token chunk in every layout, bit-exact against the
   torch path, GB/s against a device-to-device ``copy_`` of the same bytes;
-* ``checksum``: ``chunk_checksum`` on the GPU against ``copy_`` of the same
-  bytes (``pdkv bench checksum --device cuda``), and the same value on CPU and
-  CUDA for the same bytes (frames and blocks, aligned and odd lengths);
+* ``checksum``: the chunk checksum on the GPU, the CUDA kernel
+  (csrc/kvcopy_cuda.cu) and the torch ops, against ``copy_`` of the same bytes
+  and with the gather/scatter that hash the chunk in their copy pass (``pdkv
+  bench checksum --device cuda``), and the same value on CPU and CUDA, by
+  either path, for the same bytes (frames, blocks of a fragmented block table
+  hashed in place, aligned and odd lengths, a chunk hashed by the fused gather
+  and scatter): ``cpu_equals_cuda``;
 * ``transfer_nixl``: a request's KV between two processes on the same GPU over
   nixl, VRAM to VRAM (``pdkv bench transfer --channel nixl --device cuda``),
   against the raw NIXL agent moving the same bytes;
@@ -156,16 +160,64 @@ def _device_tables_case(gen: torch.Generator) -> bool:
 
 
 def checksum() -> dict[str, Any]:
+    import os
+    import random
+
+    from pdkv import native
     from pdkv.bench.checksum import measure
-    from pdkv.checksum import chunk_checksum
+    from pdkv.bench.gather import LLAMA3_8B
+    from pdkv.checksum import blocks_checksum, chunk_checksum, flat_bytes, frame_checksum
+
+    def torch_path(fn: Callable[[], int]) -> int:
+        os.environ[native.ENV_VAR] = "0"
+        try:
+            return fn()
+        finally:
+            del os.environ[native.ENV_VAR]
 
     same = []
-    for n, unit in ((1 << 20, 32768), (3 * 32768, 32768), (777, None), (8216 * 5, 8216), (4 << 20, None)):
+    for n, unit in ((1 << 20, 32768), (3 * 32768, 32768), (777, None), (8216 * 5, 8216), (4 << 20, None), (6000, 1000)):
         host = torch.randint(0, 256, (n,), dtype=torch.uint8)
         dev = host.cuda()
         a, b = chunk_checksum([host], unit=unit), chunk_checksum([dev], unit=unit)
-        same.append({"bytes": n, "unit": unit, "cpu": f"{a:016x}", "cuda": f"{b:016x}", "equal": a == b})
-    return {"cpu_equals_cuda": all(s["equal"] for s in same), "values": same, "bench": measure("cuda")}
+        c = torch_path(lambda dev=dev, unit=unit: chunk_checksum([dev], unit=unit))
+        same.append(
+            {
+                "bytes": n,
+                "unit": unit,
+                "cpu": f"{a:016x}",
+                "cuda": f"{b:016x}",
+                "cuda_torch": f"{c:016x}",
+                "equal": a == b == c,
+            }
+        )
+    # direct mode: a fragmented block table hashed in place, per tensor
+    kv = [torch.randint(0, 256, (64 * 32768,), dtype=torch.uint8) for _ in range(4)]
+    ids = random.Random(0).sample(range(64), 16)
+    a = blocks_checksum(kv, ids, 32768)
+    b = blocks_checksum([t.cuda() for t in kv], ids, 32768)
+    same.append({"blocks": ids, "cpu": f"{a:016x}", "cuda": f"{b:016x}", "equal": a == b})
+    # staging: the gather and scatter that hash the chunk they move, on the GPU, against the CPU's value
+    layout, tokens = LLAMA3_8B, 64
+    kv_dev = layout.allocate(16, device="cuda")
+    for t in kv_dev:
+        t.view(torch.int16).random_()
+    table = random.Random(1).sample(range(16), tokens // layout.block_size)
+    chunk = torch.empty(layout.chunk_shape(tokens), dtype=layout.torch_dtype, device="cuda")
+    acc = native.gather_summed(layout, kv_dev, table, 0, tokens, chunk, True)[1]
+    fused = {"one_pass_on_cuda": acc is not None, "gather": f"{frame_checksum(flat_bytes(chunk), acc):016x}"}
+    fused["scatter"] = (
+        f"{frame_checksum(flat_bytes(chunk), native.scatter_summed(layout, kv_dev, table, 0, chunk, True)):016x}"
+    )
+    fused["cpu"] = f"{chunk_checksum([flat_bytes(chunk.cpu())]):016x}"
+    fused["equal"] = fused["gather"] == fused["scatter"] == fused["cpu"]
+    same.append(fused)
+    return {
+        "cpu_equals_cuda": all(s["equal"] for s in same),
+        "native_cuda": native.cuda_checksum_available(),
+        "values": same,
+        "bench": measure("cuda"),
+    }
 
 
 def _transfer(channel: str) -> dict[str, Any]:
