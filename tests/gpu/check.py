@@ -39,6 +39,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -261,8 +262,9 @@ def nixl_vram_raw() -> dict[str, Any]:
     out: dict[str, Any] = {}
     pinned = "cuda_ipc,cuda_copy,tcp"
     for label, env in (("pdkv defaults", {}), (f"UCX_TLS={pinned}", {"UCX_TLS": pinned})):
-        proc = subprocess.run(
+        proc = subprocess.run(  # from another directory: the checkout's own pdkv/ must not shadow the installed one
             [sys.executable, "-c", _RAW_VRAM],
+            cwd=tempfile.gettempdir(),
             env={**os.environ, **env, "UCX_PROTO_INFO": "y"},
             capture_output=True,
             text=True,
