@@ -235,8 +235,13 @@ def _native_acc(todo: list[torch.Tensor], unit: int | None) -> int | None:
         for i, p in enumerate(todo):
             native.checksum_cuda(torch.tensor([p.data_ptr()], dtype=torch.int64).to(device), p.numel(), i, acc)
     else:
-        ptrs = [torch.arange(p.data_ptr(), p.data_ptr() + p.numel(), unit, dtype=torch.int64) for p in todo]
-        native.checksum_cuda(torch.cat(ptrs).to(device), unit, 0, acc)
+        # Every unit's address, with a fixed number of ops however many pieces (a fragmented block table gives
+        # one piece per block): each piece's start, repeated once per unit in it, plus the unit's offset in it.
+        starts = torch.tensor([p.data_ptr() for p in todo], dtype=torch.int64)
+        counts = torch.tensor([p.numel() // unit for p in todo], dtype=torch.int64)
+        firsts = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        ptrs = torch.repeat_interleave(starts, counts) + (torch.arange(int(counts.sum())) - firsts) * unit
+        native.checksum_cuda(ptrs.to(device), unit, 0, acc)
     return int(acc.item())
 
 
