@@ -27,14 +27,15 @@ within one row do (two words of one 4 KiB row swapped, +d in one word and -d in
 another); between rows two changes cancel only by a 2**-64-sized coincidence
 of the data, not of the error's shape.
 
-Two implementations give the same bits. On CPU the native kernel
-(csrc/kvsum.cpp, through ``pdkv.native``) reads every byte once with the
-weights computed per row on the fly, hashes pieces and a direct-mode chunk's
-blocks where they are, on torch's thread count; and the staging gather and
-scatter hash the chunk in the pass that copies it (``native.gather_summed``,
-``native.scatter_summed``, finished by ``frame_checksum``), where the
-checksum costs next to nothing. Elsewhere (CUDA, or no native library: the
-fallback) torch ops: one read of the bytes (a row-sum reduction) plus work on
+Two implementations give the same bits. The native kernels (through
+``pdkv.native``: csrc/kvsum.cpp on CPU, on torch's thread count;
+csrc/kvcopy_cuda.cu on CUDA) read every byte once with the weights computed
+per row on the fly and hash pieces and a direct-mode chunk's blocks where
+they are; and the staging gather and scatter hash the chunk in the pass that
+copies it (``native.gather_summed``, ``native.scatter_summed``, finished by
+``frame_checksum``), where the checksum costs next to nothing. Where they do
+not run (no native library, small or misaligned units on CUDA) torch ops
+give the value: one read of the bytes (a row-sum reduction) plus work on
 1/512 of them, and a few ops per piece: many small pieces (a fragmented block
 table times per-layer tensors) are first copied together, and
 ``blocks_checksum`` gathers a direct-mode chunk's blocks with one op per
@@ -270,35 +271,15 @@ def blocks_checksum(kv_bytes: Sequence[torch.Tensor], blocks: Sequence[int], blo
     Equal to hashing the runs of adjacent blocks each side writes or lands
     (the stream is the same); computed with one op per tensor, not one per
     run: blocks that are not one run are first gathered (``index_select``)
-    into this thread's scratch buffer. On CPU the native kernel reads the
-    blocks in place instead (ids checked against every tensor's length).
+    into this thread's scratch buffer. The native kernels read the blocks in
+    place instead (ids checked against every tensor's length).
     """
     ids = list(blocks)
     if not ids or not kv_bytes:
         return chunk_checksum([], unit=block_bytes)
-    if (
-        block_bytes > 0
-        and kv_bytes[0].device.type == "cpu"
-        and native.available()
-        and all(
-            b.device.type == "cpu" and b.dtype == torch.uint8 and b.dim() == 1 and b.is_contiguous() for b in kv_bytes
-        )
-    ):
-        num_blocks = min(b.numel() for b in kv_bytes) // block_bytes
-        try:
-            acc = native.checksum_blocks([b.data_ptr() for b in kv_bytes], ids, num_blocks, block_bytes)
-        except IndexError as exc:
-            raise LayoutError(f"blocks_checksum: {exc}") from exc
+    acc = _native_blocks_acc(kv_bytes, ids, block_bytes)
+    if acc is not None:
         return _finish(acc, len(kv_bytes) * len(ids) * block_bytes)
-    if _cuda_blocks(kv_bytes, block_bytes):
-        num_blocks = min(b.numel() for b in kv_bytes) // block_bytes
-        if min(ids) < 0 or max(ids) >= num_blocks:
-            raise LayoutError(f"blocks_checksum: block ids {ids} are not all in [0, {num_blocks})")
-        bases = torch.tensor([b.data_ptr() for b in kv_bytes], dtype=torch.int64)
-        ptrs = (bases[:, None] + torch.tensor(ids, dtype=torch.int64)[None, :] * block_bytes).reshape(-1)
-        acc = torch.zeros((), dtype=torch.int64, device=kv_bytes[0].device)
-        native.checksum_cuda(ptrs.to(acc.device), block_bytes, 0, acc)
-        return _finish(int(acc.item()), len(kv_bytes) * len(ids) * block_bytes)
     first, n = ids[0], len(ids)
     if ids == list(range(first, first + n)):
         return chunk_checksum([b[first * block_bytes : (first + n) * block_bytes] for b in kv_bytes], unit=block_bytes)
@@ -310,23 +291,37 @@ def blocks_checksum(kv_bytes: Sequence[torch.Tensor], blocks: Sequence[int], blo
     return chunk_checksum([out.view(-1)], unit=block_bytes)
 
 
-def _cuda_blocks(kv_bytes: Sequence[torch.Tensor], block_bytes: int) -> bool:
-    """Whether the CUDA kernel hashes these blocks in place: flat uint8 tensors on one CUDA device, aligned to the
-    block's words, blocks of at least a row."""
+def _native_blocks_acc(kv_bytes: Sequence[torch.Tensor], ids: list[int], block_bytes: int) -> int | None:
+    """The accumulator of blocks ``ids`` of every tensor, read in place by the native kernels where they run (flat
+    uint8 tensors on one device; on CUDA aligned to the block's words, blocks of at least a row), else None."""
     device = kv_bytes[0].device
-    return (
+    if block_bytes <= 0 or not all(
+        b.device == device and b.dtype == torch.uint8 and b.dim() == 1 and b.is_contiguous() for b in kv_bytes
+    ):
+        return None
+    if device.type == "cpu":
+        if not native.available():
+            return None
+    elif not (
         device.type == "cuda"
         and block_bytes >= _CUDA_MIN_UNIT
         and native.cuda_checksum_available()
-        and all(
-            b.device == device
-            and b.dtype == torch.uint8
-            and b.dim() == 1
-            and b.is_contiguous()
-            and b.data_ptr() % _cut(block_bytes)[0] == 0
-            for b in kv_bytes
-        )
-    )
+        and all(b.data_ptr() % _cut(block_bytes)[0] == 0 for b in kv_bytes)
+    ):
+        return None
+    num_blocks = min(b.numel() for b in kv_bytes) // block_bytes
+    bases = [b.data_ptr() for b in kv_bytes]
+    if device.type == "cpu":
+        try:
+            return native.checksum_blocks(bases, ids, num_blocks, block_bytes)
+        except IndexError as exc:
+            raise LayoutError(f"blocks_checksum: {exc}") from exc
+    if min(ids) < 0 or max(ids) >= num_blocks:
+        raise LayoutError(f"blocks_checksum: block ids {ids} are not all in [0, {num_blocks})")
+    ptrs = torch.tensor(bases, dtype=torch.int64)[:, None] + torch.tensor(ids, dtype=torch.int64)[None, :] * block_bytes
+    acc = torch.zeros((), dtype=torch.int64, device=device)
+    native.checksum_cuda(ptrs.reshape(-1).to(device), block_bytes, 0, acc)
+    return int(acc.item())
 
 
 def checksum(views: Iterable[memoryview]) -> int:

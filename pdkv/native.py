@@ -217,9 +217,10 @@ def gather_summed(
 
     The accumulator is an int (CPU), a device scalar the kernel adds into on
     the current stream (CUDA: reading it waits for the copy), or None where
-    the kernel did not hash (the torch path, an ``out`` it could not write
-    directly, a CUDA chunk whose words it cannot sum in its vectors): the
-    caller hashes the chunk itself then.
+    the kernel did not hash (the torch path, a CUDA chunk whose words it
+    cannot sum in its vectors): the caller hashes the chunk itself then. The
+    value is that of the chunk's bytes in canonical order, whatever ``out``'s
+    strides.
     """
     if not _native_for(layout, tensors):
         return torch_gather(layout, tensors, block_table, start, num_tokens, out), None
@@ -234,7 +235,7 @@ def gather_summed(
     # `out` (a strided view, another device) is filled through one copy.
     direct = out.is_contiguous() and out.device == device
     dst = out if direct else torch.empty(out.shape, dtype=out.dtype, device=device)
-    acc = _copy(layout, tensors, table, num_blocks, start, dst, to_chunk=True, checksum=checksum and direct)
+    acc = _copy(layout, tensors, table, num_blocks, start, dst, to_chunk=True, checksum=checksum)
     if not direct:
         out.copy_(dst)
     return out, acc
@@ -263,10 +264,8 @@ def scatter_summed(
     num_blocks = _checked_buffer(layout, tensors)
     num_tokens = check_chunk(layout, chunk, "chunk")
     table = used_blocks(layout, num_blocks, block_table, start, num_tokens)
-    src = chunk.to(tensors[0].device).contiguous()
-    # hashed in the pass only when the kernel reads the caller's own bytes (not a copy made here)
-    same = src.data_ptr() == chunk.data_ptr() and src.device == chunk.device
-    return _copy(layout, tensors, table, num_blocks, start, src, to_chunk=False, checksum=checksum and same)
+    src = chunk.to(tensors[0].device).contiguous()  # the chunk's bytes in canonical order, hashed as it lands
+    return _copy(layout, tensors, table, num_blocks, start, src, to_chunk=False, checksum=checksum)
 
 
 def geometry(

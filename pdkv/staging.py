@@ -131,13 +131,21 @@ class DeviceStager:
             self.chunks_out += 1
         return value
 
-    def stage_in(self, block_table: BlockTable, start: int, chunk: torch.Tensor) -> None:
-        """Copy a canonical host chunk to the KV's device and scatter it into the blocks; returns once it is there."""
+    def stage_in(self, block_table: BlockTable, start: int, chunk: torch.Tensor, digest: bool = False) -> int | None:
+        """Copy a canonical host chunk to the KV's device and scatter it into the blocks; returns once it is there,
+        with the chunk's checksum if ``digest``.
+
+        The checksum is the receiver's verify, computed on the device over the
+        bytes that landed there, by the scatter itself where its kernel can (in
+        the same pass), else right after it.
+        """
         with self._lock:
             with self.stream.active():
                 dev = self._chunk(check_chunk(self.layout, chunk, "staged chunk"))
                 dev.copy_(chunk, non_blocking=True)
-                native.scatter(self.layout, self.kv, block_table, start, dev)
+                acc = native.scatter_summed(self.layout, self.kv, block_table, start, dev, digest)
                 event = self.stream.record()
+                value = frame_checksum(flat_bytes(dev), acc) if digest else None
             event.synchronize()
             self.chunks_in += 1
+        return value

@@ -122,9 +122,16 @@ def test_gather_and_scatter_hash_the_chunk_they_move(
     assert all(torch.equal(a, b) for a, b in zip(landed, reference, strict=True))
 
 
-def test_a_gather_into_a_strided_output_is_hashed_by_the_caller() -> None:
-    """The kernel hashes only a chunk it writes in place; a strided ``out`` is filled through a copy."""
+def test_a_gather_into_a_strided_output_hashes_the_chunk_in_canonical_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A strided ``out`` is filled through a contiguous chunk: that one is hashed, the same bytes in order."""
     layout = LAYOUTS[0]
     kv = layout.allocate(8)
+    for t in kv:
+        t.normal_(generator=torch.Generator().manual_seed(3))
     out = torch.empty((*layout.chunk_shape(8)[:-1], 64), dtype=layout.torch_dtype)[..., :32]
-    assert native.gather_summed(layout, kv, [1, 2], 0, 8, out, checksum=True)[1] is None
+    acc = native.gather_summed(layout, kv, [1, 2], 0, 8, out, checksum=True)[1]
+    frame = flat_bytes(out.contiguous())
+    with monkeypatch.context() as m:
+        m.setenv(native.ENV_VAR, "0")
+        expected = chunk_checksum([frame])
+    assert acc is not None and frame_checksum(frame, acc) == expected

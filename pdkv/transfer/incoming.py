@@ -130,12 +130,17 @@ class IncomingTransfer:
                 )
             base = self.slots[notice.slot] * target.slot_bytes
             frame = target.staging[base : base + wire]
-            scattered = codec.passthrough and target.stager is None
+            scattered = codec.passthrough
             if scattered:
-                # landed in the blocks and hashed in one pass over the slot: a chunk that fails lands too, in blocks
-                # of this request only, which the failed transfer never hands to the engine
+                # landed in the blocks and hashed in the pass that does it (on the KV's device): a chunk that fails
+                # lands too, in blocks of this request only, which the failed transfer never hands to the engine
                 chunk = frame.view(target.layout.torch_dtype).view(target.layout.chunk_shape(n))
-                got = frame_checksum(frame, scatter_summed(target.layout, target.kv, self.blocks, start, chunk, True))
+                if target.stager is not None:
+                    got = target.stager.stage_in(self.blocks, start, chunk, digest=True)
+                else:
+                    got = frame_checksum(
+                        frame, scatter_summed(target.layout, target.kv, self.blocks, start, chunk, True)
+                    )
             else:
                 got = chunk_checksum([frame])
         if got != notice.checksum:
@@ -143,18 +148,12 @@ class IncomingTransfer:
                 f"chunk {idx} of transfer {self.transfer_id!r} failed its checksum (sent {notice.checksum:#x}, landed "
                 f"{got:#x})"
             )
-        if self.mode == "staging" and not scattered:
-            if codec.passthrough:
-                chunk = (
-                    target.staging[base : base + nbytes]
-                    .view(target.layout.torch_dtype)
-                    .view(target.layout.chunk_shape(n))
-                )
-            else:  # a frame that does not decode to exactly this chunk raises CodecError (a TransferError)
-                chunk = codec.decode(
-                    target.staging[base : base + wire],
-                    codec.scratch("raw", target.layout.chunk_shape(n), target.layout.torch_dtype),
-                )
+        if self.mode == "staging" and not scattered:  # an encoded frame, verified as sent: decoded, then landed
+            # a frame that does not decode to exactly this chunk raises CodecError (a TransferError)
+            chunk = codec.decode(
+                target.staging[base : base + wire],
+                codec.scratch("raw", target.layout.chunk_shape(n), target.layout.torch_dtype),
+            )
             if target.stager is not None:  # to the KV's device on pdkv's stream; back once the chunk is there
                 target.stager.stage_in(self.blocks, start, chunk)
             else:
