@@ -25,6 +25,17 @@ def _parts(text: str) -> tuple[int, ...]:
     return parts
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    """Parse ``1,2,4`` (``--streams``, ``--tokens``) into positive counts, in the order given."""
+    try:
+        counts = tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers") from None
+    if not counts or min(counts) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers")
+    return counts
+
+
 def _sizes(text: str) -> list[int]:
     """Parse ``4K,256K,4M,32M`` into bytes."""
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -130,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--tls",
         action="store_true",
         help="tcp: also the channel with mutual TLS, in the same rounds (TLS/clear ratio per row)",
+    )
+    ch.add_argument(
+        "--streams",
+        type=_counts,
+        default=(),
+        help="tcp: also the channel with every transfer split over exactly N streams, per N given (e.g. 1,2,4), "
+        "in the same rounds",
     )
     ch.add_argument("--json", action="store_true", help="print one JSON object")
     ch.set_defaults(target="pdkv.bench.channel:run")

@@ -18,6 +18,7 @@ cma on this machine than bytearrays or default torch tensors.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import statistics
 import time
 from multiprocessing.connection import Connection
@@ -151,6 +152,8 @@ class RawNixl:
 
     def __init__(self, nbytes: int, placement: Placement = LOOPBACK) -> None:
         self.pair = _RawPair(nbytes, placement)
+        self.pids = {"sender": os.getpid(), "receiver": self.pair.proc.pid}
+        self.bytes_moved = 0  # by ``gbps``, warm-ups too: what a ``CpuMeter`` charges the processes' CPU to
 
     def __enter__(self) -> RawNixl:
         return self
@@ -162,7 +165,9 @@ class RawNixl:
         """GB/s of one ``size``-byte WRITE, the median of ``repeats`` transfers (0: chosen per size)."""
         local, remote = self.pair.lists([(0, size)])
         times = []
-        for i in range(WARMUP + (repeats or auto_repeats(size))):
+        count = WARMUP + (repeats or auto_repeats(size))
+        self.bytes_moved += count * size
+        for i in range(count):
             start = time.perf_counter()
             self.pair.finish(self.pair.post(local, remote, 0, b"%d" % i))
             times.append(time.perf_counter() - start)
