@@ -229,8 +229,19 @@ def build_parser() -> argparse.ArgumentParser:
         "1gbit, 10gbit, ...",
     )
     pd.add_argument("--model", default="default", help="model: 'default' or a path")
-    pd.add_argument("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
-    pd.add_argument("--repeats", type=int, default=3, help="measured requests per side, after one warm-up each")
+    pd.add_argument(
+        "--tokens",
+        type=_counts,
+        default=(2048,),
+        help="prompt tokens (default 2048); several (e.g. 16,64,256): the PD overhead per prompt length, with where "
+        "the time goes",
+    )
+    pd.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="measured requests per side, after warm-up (default 3; 30 with several --tokens)",
+    )
     pd.add_argument(
         "--disaggregate",
         default="always",

@@ -150,3 +150,33 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert "pip install 'pdkv[plot]'" in out.stderr
     assert not (tmp_path / "g.png").exists()
+
+
+@pytest.mark.timeout(300)
+def test_bench_pd_with_short_prompts_breaks_the_overhead_down_and_moves_every_prompts_kv(model_dir: Path) -> None:
+    """Several ``--tokens``: a row per prompt length whose parts add up to the P/D TTFT, every request's KV moved."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pdkv.cli", "bench", "pd", "--model", str(model_dir), "--tokens", "16,64"]
+        + ["--repeats", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout)["results"]
+    assert [r["tokens"] for r in rows] == [16, 64]
+    for row in rows:
+        assert row["fallbacks"] == 0 and row["requests"] == 2
+        assert row["transferred_tokens"] == 2 * row["tokens"]
+        parts = row["breakdown_ms"]
+        assert set(parts) == {
+            "prefill_ms",
+            "router_to_prefill_ms",
+            "transfer_wait_ms",
+            "decode_first_step_ms",
+            "router_rest_ms",
+            "client_ms",
+        }
+        assert parts["prefill_ms"] > 0 and parts["transfer_wait_ms"] >= 0, parts
+        assert sum(parts.values()) == pytest.approx(row["pd_mean_ms"]), row
+        assert _finite(row["overhead_ms"]["median"]) and _finite(row["overhead_ms"]["p99"]), row
