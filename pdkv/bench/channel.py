@@ -67,6 +67,7 @@ from pdkv.bench.cpu import SIDES, CpuMeter, charge, ratios
 from pdkv.bench.netrig import LOOPBACK, Placement, bench_link, call_on, iperf3_gbps, run_in_netns
 from pdkv.channels import TransferOp, create_channel
 from pdkv.channels.tcp import TcpOptions
+from pdkv.channels.tcp.wire import MAX_STREAMS
 from pdkv.errors import ChannelError, ConfigError, TransferTimeout
 from pdkv.testing.tls import CertificateAuthority
 
@@ -630,8 +631,8 @@ def measure(
     """
     if streams and name != "tcp":
         raise ConfigError(f"bench channel --streams: only the tcp channel has streams, not {name!r}")
-    if not all(1 <= n <= TcpOptions().streams for n in streams):
-        raise ConfigError(f"bench channel --streams {streams}: each must be 1..{TcpOptions().streams}")
+    if not all(1 <= n <= MAX_STREAMS for n in streams):
+        raise ConfigError(f"bench channel --streams {streams}: each must be 1..{MAX_STREAMS}")
     if name not in BASELINES:
         raise ConfigError(f"bench channel: no baseline for channel {name!r}; expected one of {sorted(BASELINES)}")
     if name in IN_PROCESS and placement.link is not None:
