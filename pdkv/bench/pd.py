@@ -332,7 +332,8 @@ def _overhead_row(
         )
     single = [1e3 * s for s, _ in pairs]
     pd = [1e3 * p for _, p in pairs]
-    extra = [p - s for s, p in pairs]
+    extra = [b - a for a, b in zip(single, pd, strict=True)]
+    means = _means_ms(before, after)
     return {
         "tokens": tokens,
         "requests": len(pairs),
@@ -342,8 +343,11 @@ def _overhead_row(
         "overhead_ms": {"median": statistics.median(extra), "p99": _p99(extra)},
         "pd_p99_ms": _p99(pd),
         "baseline_p99_ms": _p99(single),
-        "breakdown_ms": _breakdown(_means_ms(before, after), statistics.fmean(pd)),
+        "breakdown_ms": _breakdown(means, statistics.fmean(pd)),
         "pd_mean_ms": statistics.fmean(pd),
+        # the one worker's own time to first token beside P's (``prefill``): a slower P is no PD overhead
+        "baseline_worker_ttft_ms": means["single_ttft"],
+        "baseline_mean_ms": statistics.fmean(single),
         "transferred_tokens": transferred,
         "fallbacks": fallbacks,
     }
