@@ -17,9 +17,17 @@ WRITE with a notification that the receiver waits for), so nixl and ucx run
 unchanged. Channels listed in ``IN_PROCESS`` cannot span processes (mock):
 their receiver runs on a thread.
 
-The tcp channel's baseline is plain sockets with as many streams as the
-channel uses for each size (``TcpOptions.streams_for``): one thread per
-stream ``sendall``s its share, and the receiver's threads ``recv_into`` theirs.
+The tcp channel's baseline is plain sockets, measured for each size with one
+stream and with as many as the channel uses (``TcpOptions.streams_for``):
+one thread per stream ``sendall``s its share, and the receiver's threads
+``recv_into(..., MSG_WAITALL)`` theirs, as the channel's own receive path
+does. ``ratio`` is against the faster (``baseline_used``).
+
+Each row has the CPU seconds per GB each side's process spent
+(``cpu_s_per_gb``, ``baseline_cpu_s_per_gb``, ``cpu_ratio``; see
+``pdkv.bench.cpu``): the number a shared machine does not blur. ``--streams
+1,2,4`` (tcp) adds a channel per count whose every transfer is split over
+exactly that many streams, in the same rounds (each row's ``streams``).
 
 The many-small-transfers case posts ``SMALL_COUNT`` writes of ``SMALL_SIZE``
 bytes without waiting in between, then waits for all, and reports transfers/s

@@ -21,7 +21,18 @@ channel: plain sockets for tcp, the raw NIXL agent for nixl, raw ucxx for ucx,
 memcpy for mock), one transfer per repetition of all the requests' bytes: no
 reservation, no checksum, no descriptors per block. That is the best a plain
 program does with those bytes, so ``ratio`` is what the whole pdkv pipeline
-costs; a ratio near 1 means the pipeline is not what limits a transfer.
+costs; a ratio near 1 means the pipeline is not what limits a transfer. For
+tcp the baseline moves each scenario's bytes over one stream and over as many
+as the channel would split them into; the row's ratio is against the faster
+(``baseline_used``, every variant in ``baselines``).
+
+Wall time on a shared machine swings; CPU time does not. Each row also has
+``cpu_s_per_gb``: the CPU seconds each side's process (``sender``: this one,
+``receiver``: the ``KVReceiver``'s) spent per GB moved, read from the
+processes' CPU clocks (``pdkv.bench.cpu``) from just before the receiver
+hears of a repetition's requests until each side's work for them is done,
+the bit-for-bit check left out; ``baseline_cpu_s_per_gb`` is the same for the
+raw program's two processes, and ``cpu_ratio`` ours over theirs, per side.
 
 Every repetition's KV is checked bit for bit on the decode side (a digest of
 each request's canonical KV compared with the sender's), outside the timed part.
