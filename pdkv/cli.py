@@ -25,6 +25,17 @@ def _parts(text: str) -> tuple[int, ...]:
     return parts
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    """Parse ``1,2,4`` (``--streams``, ``--tokens``) into positive counts, in the order given."""
+    try:
+        counts = tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers") from None
+    if not counts or min(counts) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers")
+    return counts
+
+
 def _sizes(text: str) -> list[int]:
     """Parse ``4K,256K,4M,32M`` into bytes."""
     units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -131,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="tcp: also the channel with mutual TLS, in the same rounds (TLS/clear ratio per row)",
     )
+    ch.add_argument(
+        "--streams",
+        type=_counts,
+        default=(),
+        help="tcp: also the channel with every transfer split over exactly N streams, per N given (e.g. 1,2,4), "
+        "in the same rounds",
+    )
     ch.add_argument("--json", action="store_true", help="print one JSON object")
     ch.set_defaults(target="pdkv.bench.channel:run")
     tr = bsub.add_parser(
@@ -211,8 +229,19 @@ def build_parser() -> argparse.ArgumentParser:
         "1gbit, 10gbit, ...",
     )
     pd.add_argument("--model", default="default", help="model: 'default' or a path")
-    pd.add_argument("--tokens", type=int, default=2048, help="prompt tokens (default 2048)")
-    pd.add_argument("--repeats", type=int, default=3, help="measured requests per side, after one warm-up each")
+    pd.add_argument(
+        "--tokens",
+        type=_counts,
+        default=(2048,),
+        help="prompt tokens (default 2048); several (e.g. 16,64,256): the PD overhead per prompt length, with where "
+        "the time goes",
+    )
+    pd.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="measured requests per side, after warm-up (default 3; 30 with several --tokens)",
+    )
     pd.add_argument(
         "--disaggregate",
         default="always",

@@ -23,7 +23,7 @@ from pdkv.cli import build_parser
 
 TINY_MODEL = "{model_dir}"  # replaced by a random tiny model's directory
 BENCHES: dict[str, list[str]] = {
-    "channel": ["--channel", "tcp", "--sizes", "4K,64K", "--repeats", "2", "--tls"],
+    "channel": ["--channel", "tcp", "--sizes", "4K,64K", "--repeats", "2", "--tls", "--streams", "1,2"],
     "gather": ["--tokens", "16", "--repeats", "2"],
     "ttft": [
         "--model",
@@ -116,11 +116,26 @@ def test_bench_prints_its_ratio_against_a_same_run_baseline_and_draws_it(
             "--tls" in args and row.get("device", "cpu") == "cpu"
         ):  # the TLS numbers beside the clear host row, same rounds
             assert _finite(row.get("tls_ratio")) and row["tls_ratio"] > 0 and _finite(row.get("tls_gbps")), row
+    if name in ("channel", "transfer"):
+        for row in rows:
+            _assert_cpu_beside_the_fastest_baseline(row)
+        if "--streams" in args:
+            assert all(set(r["streams"]) == {"1", "2"} and _finite(r["streams"]["2"]["gbps"]) for r in rows), rows
     assert picture.read_bytes()[:8] == PNG
     if name == "ttft":  # tenant B's run of A's stored prompt loads nothing; A's own again loads all it can
         by_case = {r["case"]: r for r in rows}
         assert by_case["other tenant"]["loaded_tokens"] == 0 == report["tenants"]["other_tenant_loaded_tokens"]
         assert by_case["same tenant"]["loaded_tokens"] == by_case["memory"]["loaded_tokens"] > 0
+
+
+def _assert_cpu_beside_the_fastest_baseline(row: dict[str, object]) -> None:
+    """Both sides' CPU per GB, ours and the baseline's; the ratio is against the faster baseline variant."""
+    for key in ("cpu_s_per_gb", "baseline_cpu_s_per_gb"):
+        cpu = row[key]
+        assert isinstance(cpu, dict) and all(_finite(cpu[s]) and cpu[s] > 0 for s in ("sender", "receiver")), row
+    variants = row["baselines"]
+    assert isinstance(variants, dict) and row["baseline_used"] in variants, row
+    assert row["baseline_gbps"] == max(v["gbps"] for v in variants.values()), row
 
 
 def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
@@ -135,3 +150,33 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
     assert out.returncode == 1
     assert "pip install 'pdkv[plot]'" in out.stderr
     assert not (tmp_path / "g.png").exists()
+
+
+@pytest.mark.timeout(300)
+def test_bench_pd_with_short_prompts_breaks_the_overhead_down_and_moves_every_prompts_kv(model_dir: Path) -> None:
+    """Several ``--tokens``: a row per prompt length whose parts add up to the P/D TTFT, every request's KV moved."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pdkv.cli", "bench", "pd", "--model", str(model_dir), "--tokens", "16,64"]
+        + ["--repeats", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(out.stdout)["results"]
+    assert [r["tokens"] for r in rows] == [16, 64]
+    for row in rows:
+        assert row["fallbacks"] == 0 and row["requests"] == 2
+        assert row["transferred_tokens"] == 2 * row["tokens"]
+        parts = row["breakdown_ms"]
+        assert set(parts) == {
+            "prefill_ms",
+            "router_to_prefill_ms",
+            "transfer_wait_ms",
+            "decode_first_step_ms",
+            "router_rest_ms",
+            "client_ms",
+        }
+        assert parts["prefill_ms"] > 0 and parts["transfer_wait_ms"] >= 0, parts
+        assert sum(parts.values()) == pytest.approx(row["pd_mean_ms"]), row
+        assert _finite(row["overhead_ms"]["median"]) and _finite(row["overhead_ms"]["p99"]), row

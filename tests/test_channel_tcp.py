@@ -29,6 +29,7 @@ import pytest
 from pdkv.auth import NONCE_BYTES, proof
 from pdkv.channels import TransferOp, XferState, create_channel
 from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
+from pdkv.channels.tcp import options as tcp_options
 from pdkv.channels.tcp.initiator import _split
 from pdkv.channels.tcp.wire import HEADER, LAST, MAGIC, NOTIF_FOLLOWS, SECRET, VERSION
 from pdkv.config import convert_config
@@ -713,6 +714,18 @@ def test_the_top_level_secret_guards_the_channel_and_is_no_channel_option() -> N
 
 
 # -- configuration, metadata, splitting ----------------------------------------------------------------
+
+
+def test_default_streams_are_four_but_never_more_than_the_cores_this_process_may_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A share per core at most (RESULTS, issue 28); a ``streams`` the user sets is kept as set."""
+    assert tcp_options.usable_cores() == len(os.sched_getaffinity(0))
+    for cores, want in ((1, 1), (2, 2), (3, 3), (16, 4)):
+        monkeypatch.setattr(tcp_options, "usable_cores", lambda cores=cores: cores)
+        assert TcpOptions().streams == want
+        assert TcpOptions(streams=4).streams == 4
+        assert TcpChannel.parse_options({}).streams == want
 
 
 @pytest.mark.parametrize(

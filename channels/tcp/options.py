@@ -6,14 +6,40 @@ live apart from ``TcpChannel`` so that none of those imports the channel.
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import msgspec
 
 from pdkv.channels.base import ChannelOptions
 from pdkv.channels.tcp.tls import TlsContexts, TlsOptions
 from pdkv.channels.tcp.wire import MAX_STREAMS
 from pdkv.errors import ConfigError
 from pdkv.netaddr import is_wildcard
+
+
+@functools.cache
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask, which taskset and container cpusets narrow), once."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity call on this platform (macOS)
+        return max(1, os.cpu_count() or 1)
+
+
+def default_streams() -> int:
+    """Connections per peer when ``streams`` is not set: 4, but no more than this process has cores.
+
+    A share of a split transfer keeps a core busy copying (its sender's
+    ``sendmsg``; on one host its receiver's copy out of the kernel too), so
+    shares beyond the cores only add threads taking turns: on the 2-core VM
+    four shares cost the sender up to 1.5x the CPU per GB of one or two and
+    moved no byte faster (benchmarks/RESULTS.md, "What a byte and a request
+    cost (issue 28)"). Set ``streams`` to split wider anyway.
+    """
+    return min(4, usable_cores())
 
 
 class TcpOptions(ChannelOptions):
@@ -24,7 +50,7 @@ class TcpOptions(ChannelOptions):
     # host peers dial: needed when ``host`` is a wildcard like 0.0.0.0, or behind a NAT
     advertise_host: str | None = None
     advertise_port: int = 0  # port peers dial, when a port forward, NAT or proxy sits in front of ``port``; 0: ``port``
-    streams: int = 4  # connections per peer
+    streams: int = msgspec.field(default_factory=default_streams)  # connections per peer: 4, at most one a core
     stream_min_bytes: int = 4 << 20  # a transfer is split only into shares at least this big
     inline_max_bytes: int = 1 << 20  # writes up to this size go out on the caller's thread when possible
     sndbuf: int = 0  # SO_SNDBUF in bytes; 0 leaves the kernel's autotuning

@@ -17,9 +17,17 @@ WRITE with a notification that the receiver waits for), so nixl and ucx run
 unchanged. Channels listed in ``IN_PROCESS`` cannot span processes (mock):
 their receiver runs on a thread.
 
-The tcp channel's baseline is plain sockets with as many streams as the
-channel uses for each size (``TcpOptions.streams_for``): one thread per
-stream ``sendall``s its share, and the receiver's threads ``recv_into`` theirs.
+The tcp channel's baseline is plain sockets, measured for each size with one
+stream and with as many as the channel uses (``TcpOptions.streams_for``):
+one thread per stream ``sendall``s its share, and the receiver's threads
+``recv_into(..., MSG_WAITALL)`` theirs, as the channel's own receive path
+does. ``ratio`` is against the faster (``baseline_used``).
+
+Each row has the CPU seconds per GB each side's process spent
+(``cpu_s_per_gb``, ``baseline_cpu_s_per_gb``, ``cpu_ratio``; see
+``pdkv.bench.cpu``): the number a shared machine does not blur. ``--streams
+1,2,4`` (tcp) adds a channel per count whose every transfer is split over
+exactly that many streams, in the same rounds (each row's ``streams``).
 
 The many-small-transfers case posts ``SMALL_COUNT`` writes of ``SMALL_SIZE``
 bytes without waiting in between, then waits for all, and reports transfers/s
@@ -60,12 +68,14 @@ from contextlib import ExitStack, contextmanager
 from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdkv.bench import plot
+from pdkv.bench.cpu import SIDES, CpuMeter, charge, ratios
 from pdkv.bench.netrig import LOOPBACK, Placement, bench_link, call_on, iperf3_gbps, run_in_netns
 from pdkv.channels import TransferOp, create_channel
 from pdkv.channels.tcp import TcpOptions
+from pdkv.channels.tcp.wire import MAX_STREAMS
 from pdkv.errors import ChannelError, ConfigError, TransferTimeout
 from pdkv.testing.tls import CertificateAuthority
 
@@ -127,10 +137,17 @@ def _recv(conn: Connection, what: str) -> Any:
     return msg
 
 
+class Peer(NamedTuple):
+    """Our end of the pipe to a bench peer, and its process id (None: a thread of this process)."""
+
+    conn: Connection
+    pid: int | None
+
+
 @contextmanager
 def _peer(
     target: Callable[..., None], args: tuple[Any, ...], in_process: bool, netns: str | None = None
-) -> Iterator[Connection]:
+) -> Iterator[Peer]:
     """Run ``target(conn, *args)`` in a spawned process (or a thread), yield our end of its pipe, always reap it.
 
     The process runs on the rig host whose namespace is ``netns`` (None: this one).
@@ -146,7 +163,7 @@ def _peer(
         )
     runner.start()
     try:
-        yield ours
+        yield Peer(ours, None if isinstance(runner, threading.Thread) else runner.pid)
     finally:
         try:
             ours.send(("close",))
@@ -204,17 +221,23 @@ def _await_notifications(channel: Any, expected: int, got: int) -> str | None:
 
 
 class _ChannelSender:
-    """Sender role, in this process, against a receiver in another."""
+    """Sender role, in this process, against a receiver in another.
 
-    def __init__(self, name: str, conn: Connection, nbytes: int, options: dict[str, Any]) -> None:
-        self.conn = conn
+    ``pids`` and ``bytes_moved`` (every transfer, warm-ups too) let a ``CpuMeter`` charge each side's CPU to
+    the bytes, as for the raw baselines.
+    """
+
+    def __init__(self, name: str, peer: Peer, nbytes: int, options: dict[str, Any]) -> None:
+        self.conn = peer.conn
+        self.pids = {"sender": os.getpid(), "receiver": peer.pid}
+        self.bytes_moved = 0
         self.channel = create_channel(name, "bench-sender", options)
         try:
             self.src = bytearray(os.urandom(nbytes))
             self.region = self.channel.register(self.src)
-            meta, self.remote_region = _recv(conn, "receiver metadata")
+            meta, self.remote_region = _recv(self.conn, "receiver metadata")
             self.peer = self.channel.add_peer(meta)
-            conn.send(self.channel.metadata())
+            self.conn.send(self.channel.metadata())
         except BaseException:
             self.channel.close()
             raise
@@ -235,6 +258,7 @@ class _ChannelSender:
             self.channel.wait(handle, TIMEOUT_S)
             times.append(time.perf_counter() - t0)
             self.channel.release(handle)
+        self.bytes_moved += (WARMUP + repeats) * size
         self._verify(size)
         return size / statistics.median(times[WARMUP:]) / 1e9
 
@@ -265,9 +289,11 @@ _ROUND = struct.Struct("<QQQQ")  # message size, messages per ack, acks, streams
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``: ``MSG_WAITALL``, as the tcp channel receives, so one call usually does it all
+    (the kernel returns early only on a signal or a closed peer)."""
     got = 0
     while got < len(view):
-        r = sock.recv_into(view[got:])
+        r = sock.recv_into(view[got:], len(view) - got, socket.MSG_WAITALL)
         if not r:
             raise ChannelError("raw socket baseline: the sender closed the connection mid-message")
         got += r
@@ -333,8 +359,8 @@ class _Crew:
 
 
 def _raw_socket_receiver(conn: Connection, host: str, port: int, nbytes: int, streams: int) -> None:
-    """Raw receiver: ``streams`` connections, each ``recv_into`` its share of a preallocated buffer, one byte back
-    per round."""
+    """Raw receiver: ``streams`` connections, each ``recv_into(..., MSG_WAITALL)`` its share of a preallocated
+    buffer, one byte back per round."""
     socks: list[socket.socket] = []
     crew = _Crew(streams)
     try:
@@ -404,28 +430,35 @@ def _accept_streams(server: socket.socket, streams: int, conn: Connection) -> li
 
 
 class RawSockets:
-    """Raw sockets, as many streams as the tcp channel uses per size: sendall a share per stream, recv_into a
-    preallocated buffer, 1-byte ack; two processes.
+    """Raw sockets, 1 stream and the tcp channel's count: sendall a share each, recv_into MSG_WAITALL, 1-byte ack.
+
+    Two processes: sendall a share per stream, recv_into(..., MSG_WAITALL)
+    a preallocated buffer, one byte back.
 
     One receiver process and ``TcpOptions().streams`` connections for the
     whole run. Each message is cut into one share per stream used, sent in
     parallel (a thread per stream), then one byte comes back once every
-    share landed.
+    share landed. ``variants`` says which stream counts a size is measured
+    with: one stream, and the channel's (``TcpOptions.streams_for``) where
+    that is more; a bench compares the channel with the faster of the two,
+    so splitting a size the channel should not split shows as a loss.
     """
 
     def __init__(self, nbytes: int, placement: Placement = LOOPBACK) -> None:
         self.streams = TcpOptions().streams
         self.rate_bps = placement.rate_bps
+        self.bytes_moved = 0
         self.src = memoryview(bytearray(os.urandom(nbytes)))
         self._stack = ExitStack()
         try:
             server = self._stack.enter_context(socket.create_server((placement.sender_addr, 0), backlog=self.streams))
             server.settimeout(TIMEOUT_S)
             args = (placement.sender_addr, server.getsockname()[1], nbytes, self.streams)
-            conn = self._stack.enter_context(
+            peer = self._stack.enter_context(
                 _peer(_raw_socket_receiver, args, in_process=False, netns=placement.receiver_netns)
             )
-            self.socks = _accept_streams(server, self.streams, conn)
+            self.pids = {"sender": os.getpid(), "receiver": peer.pid}
+            self.socks = _accept_streams(server, self.streams, peer.conn)
             for sock in self.socks:
                 self._stack.callback(sock.close)
             self.crew = _Crew(self.streams)
@@ -453,10 +486,20 @@ class RawSockets:
             if self.socks[0].recv_into(ack) != 1:
                 raise ChannelError("raw socket baseline: the receiver hung up")
             times.append(time.perf_counter() - t0)
+        self.bytes_moved += acks * per_ack * size
         return times[WARMUP:]
 
-    def gbps(self, size: int, repeats: int) -> float:
-        times = self._round(size, 1, WARMUP + repeats_for(size, repeats, self.rate_bps), TcpOptions().streams_for(size))
+    def variants(self, size: int) -> dict[str, dict[str, int]]:
+        """``gbps`` keyword arguments per variant measured for ``size``: one stream, and the channel's count."""
+        counts = sorted({1, TcpOptions().streams_for(size)})
+        return {f"{n} stream{'s' if n > 1 else ''}": {"streams": n} for n in counts}
+
+    def gbps(self, size: int, repeats: int, streams: int | None = None) -> float:
+        """GB/s of a ``size``-byte message over ``streams`` (default: as many as the channel uses for it)."""
+        used = TcpOptions().streams_for(size) if streams is None else streams
+        if not 1 <= used <= self.streams:
+            raise ConfigError(f"raw socket baseline: {used} streams asked, 1..{self.streams} open")
+        times = self._round(size, 1, WARMUP + repeats_for(size, repeats, self.rate_bps), used)
         return size / statistics.median(times) / 1e9
 
     def transfers_per_s(self, count: int, size: int, repeats: int) -> float:
@@ -486,10 +529,13 @@ class Memcpy:
     """memcpy between two buffers of one process (what the mock channel does)."""
 
     def __init__(self, nbytes: int, placement: Placement = LOOPBACK) -> None:
-        pass
+        self.pids: dict[str, int | None] = {"sender": os.getpid(), "receiver": None}
+        self.bytes_moved = 0
 
     def gbps(self, size: int, repeats: int) -> float:
-        return size / statistics.median(_memcpy_times(1, size, repeats_for(size, repeats))) / 1e9
+        count = repeats_for(size, repeats)
+        self.bytes_moved += (WARMUP + count) * size
+        return size / statistics.median(_memcpy_times(1, size, count)) / 1e9
 
     def transfers_per_s(self, count: int, size: int, repeats: int) -> float:
         """memcpy of ``count`` slices of ``size`` bytes."""
@@ -541,18 +587,60 @@ def _open_sender(
     """A receiver process (or thread) and the sender here, both closed with ``stack``; ``extra``: (sender's,
     receiver's) options."""
     receiver = (name, nbytes, channel_options(name, placement.receiver_addr, extra[1]))
-    conn = stack.enter_context(
+    peer = stack.enter_context(
         _peer(_channel_receiver, receiver, in_process=name in IN_PROCESS, netns=placement.receiver_netns)
     )
-    sender = _ChannelSender(name, conn, nbytes, channel_options(name, placement.sender_addr, extra[0]))
+    sender = _ChannelSender(name, peer, nbytes, channel_options(name, placement.sender_addr, extra[0]))
     stack.callback(sender.close)
     return sender
 
 
+def baseline_variants(baseline: Any, size: int) -> dict[str, dict[str, int]]:
+    """``gbps`` keyword arguments per way the baseline moves ``size`` bytes (``RawSockets``: stream counts)."""
+    return baseline.variants(size) if hasattr(baseline, "variants") else {"raw": {}}
+
+
+def warm_up(baseline: Any, size: int) -> None:
+    """One untimed transfer per variant: a fresh receiver's first message pays one-off costs (threads starting,
+    first touches of its buffer: 1.5 s/GB of receiver CPU at 256 KiB measured that way) that are no transfer's."""
+    for kw in baseline_variants(baseline, size).values():
+        baseline.gbps(size, 1, **kw)
+
+
+def baseline_fields(measured: dict[str, tuple[float, dict[str, float | None]]]) -> dict[str, Any]:
+    """A row's baseline: the fastest variant's GB/s and CPU per GB and which it was (``baseline_used``), beside
+    every variant's (``baselines``)."""
+    used = max(measured, key=lambda label: measured[label][0])
+    return {
+        "baseline_gbps": measured[used][0],
+        "baseline_used": used,
+        "baseline_cpu_s_per_gb": measured[used][1],
+        "baselines": {label: {"gbps": g, "cpu_s_per_gb": cpu} for label, (g, cpu) in measured.items()},
+    }
+
+
+def stream_options(streams: int) -> dict[str, int]:
+    """tcp options that split every transfer over exactly ``streams`` connections (``--streams``)."""
+    return {"streams": streams, "stream_min_bytes": 1}
+
+
 def measure(
-    name: str, sizes: list[int], repeats: int, placement: Placement = LOOPBACK, tls: bool = False
+    name: str,
+    sizes: list[int],
+    repeats: int,
+    placement: Placement = LOOPBACK,
+    tls: bool = False,
+    streams: tuple[int, ...] = (),
 ) -> dict[str, Any]:
-    """The result object of ``pdkv bench channel --json``."""
+    """The result object of ``pdkv bench channel --json``.
+
+    ``streams`` (tcp): one more channel per count, every transfer split over exactly that many streams, in the
+    same rounds (each row's ``streams``: GB/s, CPU per GB and ratio per count).
+    """
+    if streams and name != "tcp":
+        raise ConfigError(f"bench channel --streams: only the tcp channel has streams, not {name!r}")
+    if not all(1 <= n <= MAX_STREAMS for n in streams):
+        raise ConfigError(f"bench channel --streams {streams}: each must be 1..{MAX_STREAMS}")
     if name not in BASELINES:
         raise ConfigError(f"bench channel: no baseline for channel {name!r}; expected one of {sorted(BASELINES)}")
     if name in IN_PROCESS and placement.link is not None:
@@ -575,16 +663,54 @@ def measure(
         )  # first: a channel without TLS fails before any process starts
         sender = _open_sender(stack, name, nbytes, placement)
         tls_sender = _open_sender(stack, name, nbytes, placement, tls_extra) if tls_extra is not None else None
+        split = {
+            n: _open_sender(stack, name, nbytes, placement, (stream_options(n), stream_options(n))) for n in streams
+        }
         baseline = stack.enter_context(baseline_class(nbytes, placement))
+        warm_up(baseline, sizes[0])
+        for side in (sender, tls_sender, *split.values()):
+            if side is not None:
+                side.gbps(sizes[0], 1)
         for size in sizes:
             reps = repeats_for(size, repeats, rate)
-            sides = [partial(baseline.gbps, size, reps), partial(sender.gbps, size, reps)]
+            variants = baseline_variants(baseline, size)
+            sides: dict[str, tuple[Any, Callable[[], float]]] = {
+                label: (baseline, partial(baseline.gbps, size, reps, **kw)) for label, kw in variants.items()
+            }
+            sides["channel"] = (sender, partial(sender.gbps, size, reps))
             if tls_sender is not None:
-                sides.append(partial(tls_sender.gbps, size, reps))
-            base, gbps, *tls_gbps = _alternate(*sides, rounds=rounds)
-            row = {"size_bytes": size, "gbps": gbps, "baseline_gbps": base, "ratio": gbps / base}
-            if tls_gbps:
-                row.update(tls_gbps=tls_gbps[0], tls_ratio=tls_gbps[0] / gbps)
+                sides["tls"] = (tls_sender, partial(tls_sender.gbps, size, reps))
+            for n, side in split.items():
+                sides[f"streams {n}"] = (side, partial(side.gbps, size, reps))
+            meters = {key: CpuMeter(side.pids) for key, (side, _) in sides.items()}
+            got = dict(
+                zip(
+                    sides,
+                    _alternate(
+                        *(partial(charge, meters[key], side, call) for key, (side, call) in sides.items()),
+                        rounds=rounds,
+                    ),
+                    strict=True,
+                )
+            )
+            cpu = {key: meter.per_gb() for key, meter in meters.items()}
+            row = {"size_bytes": size, "gbps": got["channel"], "cpu_s_per_gb": cpu["channel"]}
+            row.update(baseline_fields({label: (got[label], cpu[label]) for label in variants}))
+            row.update(
+                ratio=row["gbps"] / row["baseline_gbps"],
+                cpu_ratio=ratios(cpu["channel"], row["baseline_cpu_s_per_gb"]),
+            )
+            if tls_sender is not None:
+                row.update(tls_gbps=got["tls"], tls_ratio=got["tls"] / row["gbps"], tls_cpu_s_per_gb=cpu["tls"])
+            if split:
+                row["streams"] = {
+                    str(n): {
+                        "gbps": got[f"streams {n}"],
+                        "ratio": got[f"streams {n}"] / row["baseline_gbps"],
+                        "cpu_s_per_gb": cpu[f"streams {n}"],
+                    }
+                    for n in split
+                }
             results.append(row)
         many = [partial(sender.transfers_per_s, small_count, SMALL_SIZE, SMALL_REPEATS)]
         if tls_sender is not None:
@@ -624,6 +750,8 @@ def measure(
         "results": results,
         "small_transfers": small,
         "tls": tls,
+        "cpu": "CPU seconds per GB moved, per side: the process's user+sys time (all threads) over the timed "
+        "calls, warm-ups included, divided by the bytes they moved",
     }
 
 
@@ -634,23 +762,35 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
+def cpu_pair(cpu: dict[str, float | None]) -> str:
+    """``sender/receiver`` CPU seconds per GB for a table cell; ``-`` for a side not measured."""
+    return "/".join("-" if (v := cpu.get(side)) is None else f"{v:.2f}" for side in SIDES)
+
+
 def _table(out: dict[str, Any]) -> str:
+    """The human table: per size, GB/s and CPU s/GB (sender/receiver) beside the baseline's faster variant."""
     iperf3 = out["iperf3"]
     lines = [f"channel {out['channel']} over {out['link']} vs {out['baseline']}"]
     if iperf3 is not None:
         lines.append(f"iperf3 -P {iperf3['streams']} over the same link: {iperf3['gbps']:.3f} GB/s")
     tls = out["tls"]
+    split = list(out["results"][0].get("streams", {})) if out["results"] else []
     lines.append(
-        f"{'size':>10}  {'GB/s':>8}  {'baseline':>8}  {'ratio':>6}"
+        f"{'size':>10}  {'GB/s':>8}  {'baseline':>8}  {'via':>9}  {'ratio':>6}  {'CPU s/GB':>11}  {'base CPU':>11}"
         + ("  vs iperf3" if iperf3 else "")
         + (f"  {'TLS GB/s':>8}  TLS/clear" if tls else "")
+        + "".join(f"  {f'{n} str GB/s':>11}  {'CPU s/GB':>11}" for n in split)
     )
     for row in out["results"]:
         tail = f"  {row['iperf3_ratio']:9.2f}" if iperf3 else ""
         tail += f"  {row['tls_gbps']:8.3f}  {row['tls_ratio']:9.2f}" if tls else ""
+        tail += "".join(
+            f"  {v['gbps']:11.3f}  {cpu_pair(v['cpu_s_per_gb']):>11}" for v in row.get("streams", {}).values()
+        )
         lines.append(
             f"{_human(row['size_bytes']):>10}  {row['gbps']:8.3f}  {row['baseline_gbps']:8.3f}  "
-            f"{row['ratio']:6.2f}{tail}"
+            f"{row['baseline_used'][:9]:>9}  {row['ratio']:6.2f}  {cpu_pair(row['cpu_s_per_gb']):>11}  "
+            f"{cpu_pair(row['baseline_cpu_s_per_gb']):>11}{tail}"
         )
     s = out["small_transfers"]
     base = (
@@ -684,7 +824,16 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"bench channel --repeats {args.repeats}: expected >= 0 (0: chosen per size)")
     plot.check(getattr(args, "plot", None))
     with bench_link(args.link) as placement:
-        out = call_on(placement.sender_netns, measure, args.channel, args.sizes, args.repeats, placement, args.tls)
+        out = call_on(
+            placement.sender_netns,
+            measure,
+            args.channel,
+            args.sizes,
+            args.repeats,
+            placement,
+            args.tls,
+            tuple(args.streams),
+        )
     print(json.dumps(out) if args.json else _table(out))
     if getattr(args, "plot", None):
         draw(out, args.plot)

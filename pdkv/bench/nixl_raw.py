@@ -20,6 +20,7 @@ for a request's KV moved VRAM to VRAM (tests/gpu/check.py).
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import statistics
 import time
 from multiprocessing.connection import Connection
@@ -162,6 +163,8 @@ class RawNixl:
 
     def __init__(self, nbytes: int, placement: Placement = LOOPBACK, memory: MemType = "DRAM") -> None:
         self.pair = _RawPair(nbytes, placement, memory)
+        self.pids = {"sender": os.getpid(), "receiver": self.pair.proc.pid}
+        self.bytes_moved = 0  # by ``gbps``, warm-ups too: what a ``CpuMeter`` charges the processes' CPU to
 
     def __enter__(self) -> RawNixl:
         return self
@@ -173,7 +176,9 @@ class RawNixl:
         """GB/s of one ``size``-byte WRITE, the median of ``repeats`` transfers (0: chosen per size)."""
         local, remote = self.pair.lists([(0, size)])
         times = []
-        for i in range(WARMUP + (repeats or auto_repeats(size))):
+        count = WARMUP + (repeats or auto_repeats(size))
+        self.bytes_moved += count * size
+        for i in range(count):
             start = time.perf_counter()
             self.pair.finish(self.pair.post(local, remote, 0, b"%d" % i))
             times.append(time.perf_counter() - start)

@@ -18,6 +18,23 @@ decode worker's ``pdkv_fallbacks_total`` and transferred prompt tokens are
 checked, and a run where one fell back reports it (``fallbacks``) instead of
 passing it off as a transfer TTFT. The tier is off on every worker (no
 prompt is served from a cache). Every wait has a timeout (``TIMEOUT_S``).
+
+Several ``--tokens`` (``16,64,256``): the PD overhead a user sees on short
+prompts, where the compute is small and what disaggregation adds (the
+router's hops, the Reserve, the transfer's tail, D adopting the KV) is not
+hidden. Per prompt length, ``SHORT_WARMUP`` requests each way, then
+``--repeats`` (default ``SHORT_REPEATS``) pairs, one worker then P/D, back to
+back; the overhead is each pair's difference, its median and p99. Where the
+time goes comes from the processes' own histograms, as means over the
+measured requests (deltas of their sums and counts): P's time to its first
+token (``prefill``), the router's prefill hop beyond it (``router_to_prefill``),
+D's wait for the KV (``pdkv_transfer_wait_seconds``: ``transfer_wait``), D's
+time to its first token beyond that wait (``decode_first_step``: adopting the
+KV and the first step), the router's own part of its time to first token
+(``router_rest``: the decode hop's HTTP and relaying) and the client's HTTP to
+the router (``client``); they add up to the P/D TTFT's mean. Every P/D
+request must have moved its KV (no fallback, transferred tokens equal to
+prompt tokens), or the bench fails.
 """
 
 from __future__ import annotations
@@ -47,6 +64,17 @@ TIMEOUT_S = 600.0  # one request, prefill included: minutes for a long prompt on
 START_TIMEOUT_S = 600.0
 SECRET = "pdkv-bench-pd"
 MAX_TOKENS = 4
+SHORT_WARMUP = 3
+SHORT_REPEATS = 30
+# breakdown part -> (worker, histogram, labels): its mean over the measured requests comes from that worker's /metrics
+HISTOGRAMS: dict[str, tuple[str, str, dict[str, str]]] = {
+    "prefill": ("prefill", "pdkv_ttft_seconds", {"role": "prefill"}),
+    "router_prefill_hop": ("router", "pdkv_router_hop_seconds", {"hop": "prefill"}),
+    "transfer_wait": ("decode", "pdkv_transfer_wait_seconds", {"role": "decode"}),
+    "decode_ttft": ("decode", "pdkv_ttft_seconds", {"role": "decode"}),
+    "router_ttft": ("router", "pdkv_ttft_seconds", {"role": "router"}),
+    "single_ttft": ("single", "pdkv_ttft_seconds", {"role": "decode"}),
+}
 
 
 def _config(model: str, tokens: int, path: Path, codec: str = "none") -> Path:
@@ -230,7 +258,125 @@ def measure(
     }
 
 
+def _scrape(workers: dict[str, WorkerProcess]) -> dict[str, str]:
+    return {name: get_text(w.url + "/metrics") for name, w in workers.items()}
+
+
+def _means_ms(before: dict[str, str], after: dict[str, str]) -> dict[str, float]:
+    """Each ``HISTOGRAMS`` entry's mean in ms over the observations between two scrapes."""
+    out = {}
+    for part, (worker, name, labels) in HISTOGRAMS.items():
+        total = metric(after[worker], f"{name}_sum", **labels) - metric(before[worker], f"{name}_sum", **labels)
+        count = metric(after[worker], f"{name}_count", **labels) - metric(before[worker], f"{name}_count", **labels)
+        if count <= 0:
+            raise PdkvError(f"bench pd: {worker} observed no {name}{labels} while measuring")
+        out[part] = 1e3 * total / count
+    return out
+
+
+def _breakdown(means: dict[str, float], pd_mean_ms: float) -> dict[str, float]:
+    """Where a P/D request's mean TTFT goes, in parts that add up to it (see the module docstring)."""
+    return {
+        "prefill_ms": means["prefill"],
+        "router_to_prefill_ms": means["router_prefill_hop"] - means["prefill"],
+        "transfer_wait_ms": means["transfer_wait"],
+        "decode_first_step_ms": means["decode_ttft"] - means["transfer_wait"],
+        "router_rest_ms": means["router_ttft"] - means["router_prefill_hop"] - means["decode_ttft"],
+        "client_ms": pd_mean_ms - means["router_ttft"],
+    }
+
+
+def measure_overhead(model: str, token_counts: list[int], repeats: int, placement: Placement) -> dict[str, Any]:
+    """The result object of ``pdkv bench pd --tokens A,B,... --json``: the PD overhead per prompt length."""
+    rows = []
+    with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pdkv-bench-pd-")))
+        routers, prefill, decode, single = stack.enter_context(
+            _roles(placement, _config(model, max(token_counts), tmp / "worker.yaml"), ["always"])
+        )
+        if placement.link is not None:
+            stack.enter_context(placement.link.hub.entered())
+        router = routers["always"]
+        workers = {"router": router, "prefill": prefill, "decode": decode, "single": single}
+        for tokens in token_counts:
+            prompt = [100 + (31 * i + 7) % 200 for i in range(tokens)]
+            for _ in range(SHORT_WARMUP):
+                ttft(single.url, prompt)
+                ttft(router.url, prompt)
+            before = _scrape(workers)
+            pairs = [(ttft(single.url, prompt), ttft(router.url, prompt)) for _ in range(repeats)]
+            after = _scrape(workers)
+            rows.append(_overhead_row(tokens, pairs, before, after))
+    return {
+        "bench": "pd",
+        "model": model,
+        "link": placement.label,
+        "baseline": "one worker doing it all: the same prompt streamed straight to it, alternating with P/D",
+        "results": rows,
+        "load": os.getloadavg(),
+    }
+
+
+def _overhead_row(
+    tokens: int, pairs: list[tuple[float, float]], before: dict[str, str], after: dict[str, str]
+) -> dict[str, Any]:
+    """One prompt length's row; raises if a P/D request did not move its KV."""
+    transferred = metric(after["decode"], "pdkv_prompt_tokens_total", source="transferred") - metric(
+        before["decode"], "pdkv_prompt_tokens_total", source="transferred"
+    )
+    fallbacks = metric(after["decode"], "pdkv_fallbacks_total") - metric(before["decode"], "pdkv_fallbacks_total")
+    if fallbacks or transferred != tokens * len(pairs):
+        raise PdkvError(
+            f"bench pd: {len(pairs)} P/D requests of {tokens} tokens moved {transferred:.0f} prompt tokens' KV "
+            f"with {fallbacks:.0f} fallbacks (expected {tokens * len(pairs)} and none)"
+        )
+    single = [1e3 * s for s, _ in pairs]
+    pd = [1e3 * p for _, p in pairs]
+    extra = [b - a for a, b in zip(single, pd, strict=True)]
+    means = _means_ms(before, after)
+    return {
+        "tokens": tokens,
+        "requests": len(pairs),
+        "pd_ttft_ms": statistics.median(pd),
+        "baseline_ttft_ms": statistics.median(single),
+        "ratio": statistics.median(pd) / statistics.median(single),
+        "overhead_ms": {"median": statistics.median(extra), "p99": _p99(extra)},
+        "pd_p99_ms": _p99(pd),
+        "baseline_p99_ms": _p99(single),
+        "breakdown_ms": _breakdown(means, statistics.fmean(pd)),
+        "pd_mean_ms": statistics.fmean(pd),
+        # the one worker's own time to first token beside P's (``prefill``): a slower P is no PD overhead
+        "baseline_worker_ttft_ms": means["single_ttft"],
+        "baseline_mean_ms": statistics.fmean(single),
+        "transferred_tokens": transferred,
+        "fallbacks": fallbacks,
+    }
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+
+
+def _overhead_table(out: dict[str, Any]) -> str:
+    parts = list(out["results"][0]["breakdown_ms"])
+    lines = [
+        f"PD overhead on short prompts ({out['model']}, {out['link']}): TTFT through router -> P -> D vs one worker",
+        f"{'tokens':>6} {'reqs':>4} {'P/D ms':>7} {'one ms':>7} {'over p50':>8} {'over p99':>8}   mean P/D TTFT = "
+        + " + ".join(p.removesuffix("_ms") for p in parts),
+    ]
+    for r in out["results"]:
+        lines.append(
+            f"{r['tokens']:>6} {r['requests']:>4} {r['pd_ttft_ms']:7.2f} {r['baseline_ttft_ms']:7.2f} "
+            f"{r['overhead_ms']['median']:8.2f} {r['overhead_ms']['p99']:8.2f}   {r['pd_mean_ms']:.2f} = "
+            + " + ".join(f"{r['breakdown_ms'][p]:.2f}" for p in parts)
+        )
+    return "\n".join(lines)
+
+
 def _table(out: dict[str, Any]) -> str:
+    if "tokens" not in out:
+        return _overhead_table(out)
     row = out["results"][0]
     lines = [
         f"TTFT of a {out['tokens']}-token prompt ({out['model']}), P/D across {out['link']} vs one worker",
@@ -243,8 +389,21 @@ def _table(out: dict[str, Any]) -> str:
 
 
 def draw(out: dict[str, Any], path: str) -> None:
-    """``--plot``: median TTFT through P/D beside one worker doing it all, per link measured."""
+    """``--plot``: median TTFT through P/D beside one worker doing it all, per link measured (per prompt length
+    with several ``--tokens``)."""
     rows = out["results"]
+    if "tokens" not in out:
+        plot.bars(
+            path,
+            f"pdkv bench pd: short prompts, P/D on {out['link']} vs one worker",
+            "time to first token (ms)",
+            [f"{r['tokens']} tokens" for r in rows],
+            {
+                "P/D through the router": [r["pd_ttft_ms"] for r in rows],
+                "baseline: one worker": [r["baseline_ttft_ms"] for r in rows],
+            },
+        )
+        return
     if "disaggregate" in rows[0]:
         plot.bars(
             path,
@@ -270,14 +429,21 @@ def draw(out: dict[str, Any], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.tokens < 1 or args.repeats < 1:
-        raise PdkvError(f"bench pd: --tokens {args.tokens} and --repeats {args.repeats} must be positive")
+    tokens = list(args.tokens)
+    repeats = args.repeats if args.repeats is not None else (3 if len(tokens) == 1 else SHORT_REPEATS)
+    if repeats < 1:
+        raise PdkvError(f"bench pd: --repeats {repeats} must be positive")
     bad = set(args.disaggregate.split(",")) - {"always", "never", "auto"}
     if bad:
         raise PdkvError(f"bench pd: --disaggregate {args.disaggregate!r}: {sorted(bad)} not among always, never, auto")
+    if len(tokens) > 1 and (args.disaggregate != "always" or args.codec != "none"):
+        raise PdkvError("bench pd: several --tokens measure the PD overhead with --disaggregate always, no --codec")
     plot.check(getattr(args, "plot", None))
     with bench_link(args.link) as placement:
-        out = measure(args.model, args.tokens, args.repeats, placement, args.disaggregate.split(","), args.codec)
+        if len(tokens) > 1:
+            out = measure_overhead(args.model, tokens, repeats, placement)
+        else:
+            out = measure(args.model, tokens[0], repeats, placement, args.disaggregate.split(","), args.codec)
     print(json.dumps(out) if args.json or args.disaggregate != "always" else _table(out))
     if getattr(args, "plot", None):
         draw(out, args.plot)

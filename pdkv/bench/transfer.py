@@ -21,7 +21,18 @@ channel: plain sockets for tcp, the raw NIXL agent for nixl, raw ucxx for ucx,
 memcpy for mock), one transfer per repetition of all the requests' bytes: no
 reservation, no checksum, no descriptors per block. That is the best a plain
 program does with those bytes, so ``ratio`` is what the whole pdkv pipeline
-costs; a ratio near 1 means the pipeline is not what limits a transfer.
+costs; a ratio near 1 means the pipeline is not what limits a transfer. For
+tcp the baseline moves each scenario's bytes over one stream and over as many
+as the channel would split them into; the row's ratio is against the faster
+(``baseline_used``, every variant in ``baselines``).
+
+Wall time on a shared machine swings; CPU time does not. Each row also has
+``cpu_s_per_gb``: the CPU seconds each side's process (``sender``: this one,
+``receiver``: the ``KVReceiver``'s) spent per GB moved, read from the
+processes' CPU clocks (``pdkv.bench.cpu``) from just before the receiver
+hears of a repetition's requests until each side's work for them is done,
+the bit-for-bit check left out; ``baseline_cpu_s_per_gb`` is the same for the
+raw program's two processes, and ``cpu_ratio`` ours over theirs, per side.
 
 Every repetition's KV is checked bit for bit on the decode side (a digest of
 each request's canonical KV compared with the sender's), outside the timed part.
@@ -55,12 +66,14 @@ import contextlib
 import itertools
 import json
 import math
+import os
 import statistics
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -68,7 +81,21 @@ import msgspec
 import torch
 
 from pdkv.bench import plot
-from pdkv.bench.channel import BASELINES, IN_PROCESS, _describe, _load, _peer, _recv, channel_options, tls_options
+from pdkv.bench.channel import (
+    BASELINES,
+    IN_PROCESS,
+    _describe,
+    _load,
+    _peer,
+    _recv,
+    baseline_fields,
+    baseline_variants,
+    channel_options,
+    cpu_pair,
+    tls_options,
+    warm_up,
+)
+from pdkv.bench.cpu import CpuMeter, charge, ratios
 from pdkv.bench.netrig import LOOPBACK, Placement, bench_link, call_on
 from pdkv.blocks import BlockAllocator
 from pdkv.channels import create_channel
@@ -162,7 +189,8 @@ def _receiver_side(
             # transfer's last acknowledgement (a 256-token request measured 3-4 ms slower that way)
             if _recv(conn, "the go-ahead to check")[0] == "close":  # the sender failed: nothing to check
                 break
-            conn.send(("digests", [_digest(layout, kv, blocks, tokens) for blocks, tokens in claimed]))
+            spent = time.process_time()  # the end of this process's CPU window: all the transfer's work is done
+            conn.send(("digests", [_digest(layout, kv, blocks, tokens) for blocks, tokens in claimed], spent))
             for blocks, _ in claimed:
                 allocator.free(blocks)
     except Exception as exc:  # noqa: BLE001 - reported to the sender, which raises it
@@ -201,7 +229,9 @@ class TransferRig:
         self.modes: set[str] = set()  # the modes the receiver granted the requests pushed so far
         args = (channel, receiver_layout, receiver_blocks, config, placement.receiver_addr, device, extra[1])
         self._peer = _peer(_receiver_side, args, in_process=channel in IN_PROCESS, netns=placement.receiver_netns)
-        self.conn = self._peer.__enter__()
+        peer = self._peer.__enter__()
+        self.conn = peer.conn
+        self.pids = {"sender": os.getpid(), "receiver": peer.pid}  # for a ``CpuMeter`` of this rig's pushes
         try:
             self.channel = create_channel(
                 channel,
@@ -219,10 +249,14 @@ class TransferRig:
             self._peer.__exit__(None, None, None)
             raise
 
-    def push(self, requests: list[tuple[str, int]], tables: list[list[int]] | None = None) -> tuple[float, list[float]]:
+    def push(
+        self, requests: list[tuple[str, int]], tables: list[list[int]] | None = None, meter: CpuMeter | None = None
+    ) -> tuple[float, list[float]]:
         """Move every (request id, tokens) at once, one thread each; (seconds for all, seconds per request).
 
         ``tables``: the sender's block table per request (default: fresh blocks from its allocator).
+        ``meter`` (made with ``pids``): charged with each side's CPU from just before the receiver hears of the
+        requests to the moment each side's work for them is done, the bit-for-bit check left out.
         Raises ``TransferError`` if the decode side ends up with KV other than what was sent.
         """
         own = tables is None
@@ -231,6 +265,7 @@ class TransferRig:
             if tables is None
             else tables
         )
+        start = meter.read() if meter is not None else {}
         self.conn.send(("expect", requests))
         ends = [0.0] * len(requests)
         errors: list[BaseException] = []
@@ -255,10 +290,14 @@ class TransferRig:
                 t.start()
             for t in threads:
                 t.join(TIMEOUT_S)
+        sender_spent = time.process_time()
         if errors:
             raise errors[0]
         self.conn.send(("check",))
-        _, digests = _recv(self.conn, "the receiver's digests")
+        _, digests, receiver_spent = _recv(self.conn, "the receiver's digests")
+        if meter is not None:
+            nbytes = sum(self.layout.chunk_bytes(tokens) for _, tokens in requests)
+            meter.add(start, {"sender": sender_spent, "receiver": receiver_spent}, nbytes)
         want = [
             _digest(self.layout, self.kv, table, tokens) for table, (_, tokens) in zip(tables, requests, strict=True)
         ]
@@ -345,22 +384,34 @@ def _measure_mode(
             rigs[name].push([("warmup", scenarios[0].tokens)])  # handshake, first connections: not timed
         rigs = {name: rigs[name] for name in specs}
         baseline = stack.enter_context(baseline_class(max(s.nbytes for s in scenarios), placement))
+        warm_up(baseline, scenarios[0].nbytes)
         for sc in scenarios:
             times: dict[str, list[float]] = {name: [] for name in rigs}
             latencies: dict[str, list[float]] = {name: [] for name in rigs}
-            base: list[float] = []
+            meters = {name: CpuMeter(rig.pids) for name, rig in rigs.items()}
+            variants = baseline_variants(baseline, sc.nbytes)
+            base: dict[str, list[float]] = {label: [] for label in variants}
+            base_meters = {label: CpuMeter(baseline.pids) for label in variants}
             for _ in range(ROUNDS):
-                base.append(baseline.gbps(sc.nbytes, repeats))
+                for label, kw in variants.items():
+                    call = partial(baseline.gbps, sc.nbytes, repeats, **kw)
+                    base[label].append(charge(base_meters[label], baseline, call))
                 for device, rig in rigs.items():
                     for _ in range(repeats):
                         rep = next(reps)
-                        total, each = rig.push([(f"rep{rep}-{i}", sc.tokens) for i in range(sc.requests)])
+                        total, each = rig.push(
+                            [(f"rep{rep}-{i}", sc.tokens) for i in range(sc.requests)], meter=meters[device]
+                        )
                         times[device].append(total)
                         latencies[device].extend(each)
-            base_gbps = statistics.median(base)
+            fields = baseline_fields(
+                {label: (statistics.median(base[label]), base_meters[label].per_gb()) for label in variants}
+            )
+            base_gbps = fields["baseline_gbps"]
             for device in devices:
                 rig = rigs[device]
                 gbps = sc.nbytes / statistics.median(times[device]) / 1e9
+                cpu = meters[device].per_gb()
                 row = {
                     "device": device,
                     "kv_memory": rig.sender.kv_memory,
@@ -376,6 +427,9 @@ def _measure_mode(
                     "p50_ms": 1e3 * _percentile(latencies[device], 0.5),
                     "p99_ms": 1e3 * _percentile(latencies[device], 0.99),
                     "baseline_ms": 1e3 * sc.nbytes / base_gbps / 1e9,
+                    "cpu_s_per_gb": cpu,
+                    **fields,
+                    "cpu_ratio": ratios(cpu, fields["baseline_cpu_s_per_gb"]),
                 }
                 if tls and device == "cpu":
                     tls_gbps = sc.nbytes / statistics.median(times["tls"]) / 1e9
@@ -383,6 +437,7 @@ def _measure_mode(
                         tls_gbps=tls_gbps,
                         tls_ratio=tls_gbps / gbps,
                         tls_p50_ms=1e3 * _percentile(latencies["tls"], 0.5),
+                        tls_cpu_s_per_gb=meters["tls"].per_gb(),
                     )
                 rows.append(row)
     return rows
@@ -433,6 +488,9 @@ def measure(
         "channel": channel,
         "link": placement.label,
         "baseline": _describe(baseline, BASELINES[channel]) + ", moving the same bytes in one transfer",
+        "cpu": "CPU seconds per GB moved, per side: the process's user+sys time (all threads) from just before "
+        "the receiver hears of a repetition's requests until each side's work for them is done (baseline: over "
+        "its timed calls, warm-ups included), divided by the bytes moved",
         "layout": {
             "sender": msgspec.to_builtins(SENDER_LAYOUT),
             "staging_receiver": msgspec.to_builtins(STAGING_LAYOUT),
@@ -446,15 +504,16 @@ def _table(out: dict[str, Any]) -> str:
     lines = [
         f"channel {out['channel']} over {out['link']}: request-level transfer vs {out['baseline']}",
         f"{'device':>8} {'mode':>8} {'path':>22} {'tokens':>6} {'reqs':>4} {'MB':>8} {'GB/s':>7} {'base':>7} "
-        f"{'ratio':>6} {'vs host':>7} {'p50 ms':>8} {'p99 ms':>8} {'base ms':>8}"
-        + (f" {'TLS GB/s':>8} {'TLS p50':>8} TLS/clear" if out["tls"] else ""),
+        f"{'via':>9} {'ratio':>6} {'vs host':>7} {'p50 ms':>8} {'p99 ms':>8} {'base ms':>8} {'CPU s/GB':>11} "
+        f"{'base CPU':>11}" + (f" {'TLS GB/s':>8} {'TLS p50':>8} TLS/clear" if out["tls"] else ""),
     ]
     for r in out["results"]:
         vs_host = f"{r['vs_host']:7.2f}" if "vs_host" in r else f"{'':>7}"
         lines.append(
             f"{r['device']:>8} {r['mode']:>8} {r['path'][:22]:>22} {r['tokens']:>6} {r['requests']:>4} "
             f"{r['size_bytes'] / 1e6:8.1f} {r['gbps']:7.3f} {r['baseline_gbps']:7.3f} "
-            f"{r['ratio']:6.2f} {vs_host} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} {r['baseline_ms']:8.2f}"
+            f"{r['baseline_used'][:9]:>9} {r['ratio']:6.2f} {vs_host} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} "
+            f"{r['baseline_ms']:8.2f} {cpu_pair(r['cpu_s_per_gb']):>11} {cpu_pair(r['baseline_cpu_s_per_gb']):>11}"
             + (f" {r['tls_gbps']:8.3f} {r['tls_p50_ms']:8.2f} {r['tls_ratio']:9.2f}" if "tls_gbps" in r else "")
         )
     return "\n".join(lines)

@@ -14,6 +14,7 @@ channel side (see pdkv/bench/nixl_raw.py on why allocation matters).
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import statistics
 import time
 from multiprocessing.connection import Connection
@@ -85,6 +86,8 @@ class RawUcx:
         args = (placement.receiver_netns, _receiver, there, nbytes, placement.receiver_addr)
         self.proc = ctx.Process(target=run_in_netns, args=args, name="raw-ucx-receiver", daemon=True)
         self.proc.start()
+        self.pids = {"sender": os.getpid(), "receiver": self.proc.pid}
+        self.bytes_moved = 0  # by ``gbps``, warm-ups too: what a ``CpuMeter`` charges the processes' CPU to
         try:
             if not self.conn.poll(STARTUP_TIMEOUT_S):
                 raise TransferTimeout(f"raw ucx receiver did not start within {STARTUP_TIMEOUT_S:.0f}s")
@@ -118,6 +121,7 @@ class RawUcx:
     def gbps(self, size: int, repeats: int) -> float:
         """GB/s of one ``size``-byte transfer, the median of ``repeats`` (0: chosen per size)."""
         count = WARMUP + (repeats or auto_repeats(size))
+        self.bytes_moved += count * size
         self.conn.send(("round", size, count))
         ack = np.zeros(8, dtype=np.uint8)
         times = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -100,7 +101,9 @@ class DecodeRole(WorkerRole):
         elif not hop.transfer_started:
             reason = "not_started"
         else:
+            waited = time.monotonic()
             got, reason = await self._claim(transfer_id, self.prompt_key(req.prompt_token_ids, req.cache_salt))
+            self.metrics.transfer_wait.labels(self.name).observe(time.monotonic() - waited)
             if got is not None:
                 request = self._adopt(req, got)
                 reason = None if request is not None else "adopt_failed"

@@ -34,6 +34,13 @@ class WorkerMetrics:
         self.transfer_seconds = Histogram(
             "pdkv_transfer_seconds", "KV transfer time per request", ["role"], buckets=LATENCY_BUCKETS, registry=r
         )
+        self.transfer_wait = Histogram(
+            "pdkv_transfer_wait_seconds",
+            "Time a decode request waited for its transferred KV to land (after P's answer: the transfer's tail)",
+            ["role"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.transfer_gbps = Histogram(
             "pdkv_transfer_gbps",
             "KV transfer throughput per request (GB/s)",
