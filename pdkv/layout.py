@@ -40,9 +40,14 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     head's K rows then its V rows), so one block of one layer is one
     contiguous range. ``cross_layer`` keeps a single tensor
     ``[blocks, layers, kv, ...]`` so one block of all layers is one range:
-    fewest descriptors per transfer. ``mla`` drops the kv and heads axes:
-    ``[blocks, block_size, latent_dim]`` (per layer) with ``head_dim`` the
-    latent size.
+    fewest descriptors per transfer. ``split_kv`` keeps two tensors per
+    layer, its K plane then its V plane (tensor ``2 * l + kv``), each
+    ``[blocks, block_size, heads, head_dim]`` (NHD) or
+    ``[blocks, heads, block_size, head_dim]`` (HND): vLLM's FlashAttention
+    cache, ``[2, blocks, ...]`` per layer, registered as its two planes as
+    NixlConnector does ("split K and V"); a block of one layer is two ranges.
+    ``mla`` drops the kv and heads axes: ``[blocks, block_size, latent_dim]``
+    (per layer) with ``head_dim`` the latent size.
     """
 
     num_layers: int
@@ -50,7 +55,7 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     head_dim: int
     block_size: int = 16
     dtype: str = "bfloat16"
-    kind: Literal["per_layer", "cross_layer"] = "per_layer"
+    kind: Literal["per_layer", "cross_layer", "split_kv"] = "per_layer"
     order: Literal["NHD", "HND", "HKND"] = "NHD"
     mla: bool = False
 
@@ -64,6 +69,11 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.mla and self.num_kv_heads != 1:
             raise LayoutError(
                 f"KVLayout with mla=True has one latent head; num_kv_heads must be 1, got {self.num_kv_heads}"
+            )
+        if self.kind == "split_kv" and (self.mla or self.order == "HKND"):
+            raise LayoutError(
+                "KVLayout kind 'split_kv' keeps K and V in separate tensors: it has no MLA latent form and no HKND "
+                f"order (K and V interleaved per head), got mla={self.mla} order={self.order!r}"
             )
 
     # -- sizes -------------------------------------------------------------
@@ -92,16 +102,24 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def num_tensors(self) -> int:
-        return self.num_layers if self.kind == "per_layer" else 1
+        return {"per_layer": self.num_layers, "cross_layer": 1, "split_kv": 2 * self.num_layers}[self.kind]
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block in one of the buffer's tensors."""
-        per_layer = self.block_size * self.kv_factor * self.num_kv_heads * self.head_dim * self.element_size
-        return per_layer if self.kind == "per_layer" else per_layer * self.num_layers
+        plane = self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+        return {
+            "per_layer": plane * self.kv_factor,
+            "cross_layer": plane * self.kv_factor * self.num_layers,
+            "split_kv": plane,
+        }[self.kind]
 
     def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
         inner: tuple[int, ...]
+        if self.kind == "split_kv":
+            token_major = self.order == "NHD"
+            inner = (self.block_size, self.num_kv_heads) if token_major else (self.num_kv_heads, self.block_size)
+            return (num_blocks, *inner, self.head_dim)
         if self.mla:
             inner = (self.block_size, self.head_dim)
         elif self.order == "NHD":
@@ -217,6 +235,9 @@ def gather(
     if layout.kind == "per_layer":
         for layer, t in enumerate(tensors):
             out[layer].copy_(_read(layout, t, blk, off).permute(1, 0, 2, 3))
+    elif layout.kind == "split_kv":  # tensor 2*l + kv is chunk[l, kv]: [T, heads, dim] as read
+        for i, t in enumerate(tensors):
+            out[i // 2, i % 2].copy_(_read(layout, t, blk, off))
     else:
         out.copy_(_read(layout, tensors[0], blk, off).permute(1, 2, 0, 3, 4))
     return out
@@ -232,6 +253,9 @@ def scatter(
     if layout.kind == "per_layer":
         for layer, t in enumerate(tensors):
             _write(layout, t, blk, off, chunk[layer].permute(1, 0, 2, 3))
+    elif layout.kind == "split_kv":
+        for i, t in enumerate(tensors):
+            _write(layout, t, blk, off, chunk[i // 2, i % 2])
     else:
         _write(layout, tensors[0], blk, off, chunk.permute(2, 0, 1, 3, 4))
 
@@ -240,13 +264,16 @@ def _index(layout: KVLayout, blk: torch.Tensor, off: torch.Tensor) -> tuple[obje
     """Advanced index selecting (block, offset) per token.
 
     The index arrays are placed so the token axis comes first in the result:
-    ``[T, kv, heads, dim]`` per layer or ``[T, layers, kv, heads, dim]``.
+    ``[T, kv, heads, dim]`` per layer, ``[T, layers, kv, heads, dim]`` cross
+    layer, ``[T, heads, dim]`` per K or V plane (split_kv).
     """
     s = slice(None)
-    lead = (blk,) if layout.kind == "per_layer" else (blk, s)
+    lead = (blk, s) if layout.kind == "cross_layer" else (blk,)
     if layout.mla:
         return (*lead, off)
-    return (*lead, s, off) if layout.order == "NHD" else (*lead, s, s, off)
+    if layout.kind != "split_kv":
+        lead = (*lead, s)  # the kv axis (HKND: the heads axis, its kv axis follows)
+    return (*lead, off) if layout.order == "NHD" else (*lead, s, off)
 
 
 def _read(layout: KVLayout, t: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:

@@ -189,8 +189,15 @@ def scatter(
 def geometry(
     layout: KVLayout, tensors: Sequence[torch.Tensor], chunk: torch.Tensor, start: int
 ) -> tuple[KVGeometry, list[int]]:
-    """The kernel's view of a copy: the geometry and each layer's base address (mirrors csrc/kvcopy.h)."""
+    """The kernel's view of a copy: the geometry and each layer's base address (mirrors csrc/kvcopy.h).
+
+    A split_kv buffer (one tensor per K or V plane) is ``2 * layers`` layers
+    of kv = 1: the kernel's row order (layer', 0, token) is then the canonical
+    chunk's (layer, kv, token), so the same kernels copy it.
+    """
     layers, kv, tokens, heads, head_dim = chunk.shape
+    if layout.kind == "split_kv":
+        layers, kv = layers * kv, 1
     hnd = layout.order == "HND" and not layout.mla  # MLA has no heads axis: always token-major
     bs = layout.block_size
     per_layer = kv * bs * heads * head_dim  # elements of one block of one layer
