@@ -37,8 +37,12 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``[blocks, kv, heads, block_size, head_dim]`` (HND) or
     ``[blocks, heads, kv, block_size, head_dim]`` (HKND: vLLM's CPU attention
     backend, whose ``[blocks, heads, block_size, 2 * head_dim]`` cache keeps a
-    head's K rows then its V rows), so one block of one layer is one
-    contiguous range. ``cross_layer`` keeps a single tensor
+    head's K rows then its V rows), ``[blocks, block_size, heads, kv,
+    head_dim]`` (NHKD) or ``[blocks, heads, block_size, kv, head_dim]``
+    (HNKD): vLLM's GPU backends (FlashAttention, FlashInfer, Triton), whose
+    ``[blocks, heads, block_size, 2 * head_dim]`` rows hold a token's K then
+    its V, stored token-major (vLLM's default ``LBNHC``) or head-major
+    (``LBHNC``). One block of one layer is one contiguous range. ``cross_layer`` keeps a single tensor
     ``[blocks, layers, kv, ...]`` so one block of all layers is one range:
     fewest descriptors per transfer. ``split_kv`` keeps two tensors per
     layer, its K plane then its V plane (tensor ``2 * l + kv``), each
@@ -56,7 +60,7 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: int = 16
     dtype: str = "bfloat16"
     kind: Literal["per_layer", "cross_layer", "split_kv"] = "per_layer"
-    order: Literal["NHD", "HND", "HKND"] = "NHD"
+    order: Literal["NHD", "HND", "HKND", "NHKD", "HNKD"] = "NHD"
     mla: bool = False
 
     def __post_init__(self) -> None:
@@ -70,10 +74,10 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise LayoutError(
                 f"KVLayout with mla=True has one latent head; num_kv_heads must be 1, got {self.num_kv_heads}"
             )
-        if self.kind == "split_kv" and (self.mla or self.order == "HKND"):
+        if self.kind == "split_kv" and (self.mla or self.order not in ("NHD", "HND")):
             raise LayoutError(
-                "KVLayout kind 'split_kv' keeps K and V in separate tensors: it has no MLA latent form and no HKND "
-                f"order (K and V interleaved per head), got mla={self.mla} order={self.order!r}"
+                "KVLayout kind 'split_kv' keeps K and V in separate tensors: it has no MLA latent form and only the "
+                f"NHD and HND orders (the others interleave K and V), got mla={self.mla} order={self.order!r}"
             )
 
     # -- sizes -------------------------------------------------------------
@@ -126,6 +130,10 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             inner = (2, self.block_size, self.num_kv_heads, self.head_dim)
         elif self.order == "HKND":
             inner = (self.num_kv_heads, 2, self.block_size, self.head_dim)
+        elif self.order == "NHKD":
+            inner = (self.block_size, self.num_kv_heads, 2, self.head_dim)
+        elif self.order == "HNKD":
+            inner = (self.num_kv_heads, self.block_size, 2, self.head_dim)
         else:
             inner = (2, self.num_kv_heads, self.block_size, self.head_dim)
         if self.kind == "cross_layer":
@@ -271,16 +279,21 @@ def _index(layout: KVLayout, blk: torch.Tensor, off: torch.Tensor) -> tuple[obje
     lead = (blk, s) if layout.kind == "cross_layer" else (blk,)
     if layout.mla:
         return (*lead, off)
-    if layout.kind != "split_kv":
-        lead = (*lead, s)  # the kv axis (HKND: the heads axis, its kv axis follows)
-    return (*lead, off) if layout.order == "NHD" else (*lead, s, off)
+    # axes of a block before its token axis: kv and/or heads
+    before = {"NHD": 1, "HND": 2, "HKND": 2, "NHKD": 0, "HNKD": 1}[layout.order]
+    if layout.kind == "split_kv":
+        before -= 1  # no kv axis
+    return (*lead, *(s,) * before, off)
+
+
+_KV_AFTER_HEADS = ("HKND", "NHKD", "HNKD")  # orders whose kv axis follows the heads axis
 
 
 def _read(layout: KVLayout, t: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
     x = t[_index(layout, blk, off)]
     if layout.mla:  # [T, (L,) D] -> [T, (L,) 1, 1, D]
         x = x.unsqueeze(-2).unsqueeze(-3)
-    elif layout.order == "HKND":  # [T, (L,) heads, kv, D] -> [T, (L,) kv, heads, D]
+    elif layout.order in _KV_AFTER_HEADS:  # [T, (L,) heads, kv, D] -> [T, (L,) kv, heads, D]
         x = x.transpose(-3, -2)
     return x
 
@@ -288,7 +301,7 @@ def _read(layout: KVLayout, t: torch.Tensor, blk: torch.Tensor, off: torch.Tenso
 def _write(layout: KVLayout, t: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, value: torch.Tensor) -> None:
     if layout.mla:
         value = value.squeeze(-2).squeeze(-2)
-    elif layout.order == "HKND":
+    elif layout.order in _KV_AFTER_HEADS:
         value = value.transpose(-3, -2)
     t[_index(layout, blk, off)] = value
 

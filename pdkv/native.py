@@ -198,9 +198,15 @@ def geometry(
     layers, kv, tokens, heads, head_dim = chunk.shape
     if layout.kind == "split_kv":
         layers, kv = layers * kv, 1
-    hnd = layout.order == "HND" and not layout.mla  # MLA has no heads axis: always token-major
     bs = layout.block_size
     per_layer = kv * bs * heads * head_dim  # elements of one block of one layer
+    # (kv, token, head) strides inside a block; MLA has no heads axis: always token-major
+    kv_stride, token_stride, head_stride = {
+        "NHD": (bs * heads * head_dim, heads * head_dim, head_dim),
+        "HND": (bs * heads * head_dim, head_dim, bs * head_dim),
+        "NHKD": (head_dim, heads * kv * head_dim, kv * head_dim),
+        "HNKD": (head_dim, kv * head_dim, bs * kv * head_dim),
+    }["NHD" if layout.mla else layout.order]
     size = chunk.element_size()
     cross = layout.kind == "cross_layer"
     geo = KVGeometry(
@@ -213,9 +219,9 @@ def geometry(
         start=start,
         element_size=size,
         block_stride=layers * per_layer if cross else per_layer,
-        kv_stride=bs * heads * head_dim,
-        token_stride=head_dim if hnd else heads * head_dim,
-        head_stride=bs * head_dim if hnd else head_dim,
+        kv_stride=kv_stride,
+        token_stride=token_stride,
+        head_stride=head_stride,
     )
     bases = (
         [tensors[0].data_ptr() + layer * per_layer * size for layer in range(layers)]

@@ -8,7 +8,7 @@ from pdkv.errors import LayoutError
 from pdkv.layout import KVLayout, block_ranges, block_runs, gather, scatter
 
 KINDS = ["per_layer", "cross_layer", "split_kv"]
-ORDERS = ["NHD", "HND", "HKND"]
+ORDERS = ["NHD", "HND", "HKND", "NHKD", "HNKD"]
 
 
 def layouts(mla: bool = False, dtype: str = "float32") -> list[KVLayout]:
@@ -16,7 +16,7 @@ def layouts(mla: bool = False, dtype: str = "float32") -> list[KVLayout]:
     return [
         KVLayout(num_layers=3, num_kv_heads=heads, head_dim=8, block_size=bs, dtype=dtype, kind=k, order=o, mla=mla)
         for k, o, bs in itertools.product(KINDS, ORDERS, (16, 32))
-        if k != "split_kv" or (o != "HKND" and not mla)  # K and V planes: no MLA, no interleaved HKND
+        if k != "split_kv" or (o in ("NHD", "HND") and not mla)  # K and V planes: no MLA, no interleaved K/V
     ]
 
 
