@@ -21,7 +21,7 @@ import torch
 
 from pdkv.config import convert_config
 from pdkv.errors import ConfigError, LayoutError, OutOfBlocksError
-from pdkv.integration.vllm.kvcache import copy_blocks, cpu_cache_layout
+from pdkv.integration.vllm.kvcache import CPU_BACKEND, copy_blocks, vllm_cache_layout
 from pdkv.integration.vllm.landing import VllmBlocks, landing_path
 from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
 from pdkv.integration.vllm.ordering import StepEvent
@@ -53,7 +53,7 @@ def vllm_cpu_cache(num_blocks: int, seed: int | None = None) -> dict[str, torch.
 
 def test_hknd_layout_reads_k_and_v_where_vllm_cpu_attention_does() -> None:
     caches = vllm_cpu_cache(4, seed=1)
-    layout, views = cpu_cache_layout(caches, BS)
+    layout, views = vllm_cache_layout(caches, BS, CPU_BACKEND)
     assert (layout.order, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) == (
         "HKND",
         LAYERS,
@@ -81,14 +81,14 @@ def test_hknd_layout_reads_k_and_v_where_vllm_cpu_attention_does() -> None:
 )
 def test_unmapped_vllm_layouts_are_refused_by_name(shape: tuple[int, ...], message: str) -> None:
     with pytest.raises(LayoutError, match=message):
-        cpu_cache_layout({"layer0": torch.zeros(shape, dtype=torch.bfloat16)}, BS)
+        vllm_cache_layout({"layer0": torch.zeros(shape, dtype=torch.bfloat16)}, BS, CPU_BACKEND)
 
 
 def test_layers_must_agree() -> None:
     caches = vllm_cpu_cache(4)
     caches["model.layers.9.self_attn.attn"] = torch.zeros((5, HEADS, BS, 2 * HEAD_DIM), dtype=torch.bfloat16)
     with pytest.raises(LayoutError, match="layers.9"):
-        cpu_cache_layout(caches, BS)
+        vllm_cache_layout(caches, BS, CPU_BACKEND)
 
 
 def test_copy_blocks_moves_exactly_the_named_blocks() -> None:
@@ -314,8 +314,8 @@ def worker_pair(
         prefix_caching=prefix_caching,
         make_event=d_events,
     )
-    p.register(*cpu_cache_layout(p_cache, BS))
-    d.register(*cpu_cache_layout(d_cache, BS))
+    p.register(*vllm_cache_layout(p_cache, BS, CPU_BACKEND))
+    d.register(*vllm_cache_layout(d_cache, BS, CPU_BACKEND))
     return p, d, p_cache, d_cache
 
 
@@ -410,8 +410,8 @@ def test_connector_threads_run_off_the_core_vllm_pins_its_worker_to() -> None:
 
     def as_vllm_worker() -> None:  # everything vLLM's worker thread would call on us: register, push, load
         os.sched_setaffinity(0, core)
-        p.register(*cpu_cache_layout(p_cache, BS))
-        d.register(*cpu_cache_layout(d_cache, BS))
+        p.register(*vllm_cache_layout(p_cache, BS, CPU_BACKEND))
+        d.register(*vllm_cache_layout(d_cache, BS, CPU_BACKEND))
         assert d.receiver is not None
         p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, [9, 2, 5, 11, 0], 150)]))
         made["sending"] = collect(p, {"r1"})[0]
@@ -496,8 +496,8 @@ def test_decode_lands_pushed_kv_straight_in_vllm_blocks(memory: str, caplog: pyt
         _, recving, failed = collect(d, set())
         assert recving == {"r1"} and failed == set()
         assert collect(p, {"r1"})[0] == {"r1"}
-        p_layout, p_views = cpu_cache_layout(p_cache, BS)
-        d_layout, d_views = cpu_cache_layout(d_cache, BS)
+        p_layout, p_views = vllm_cache_layout(p_cache, BS, CPU_BACKEND)
+        d_layout, d_views = vllm_cache_layout(d_cache, BS, CPU_BACKEND)
         sent = gather(p_layout, p_views, [9, 2, 5, 11, 0], 0, 150)  # staging moves tokens, direct whole blocks
         assert torch.equal(gather(d_layout, d_views, [3, 7, 1, 8, 6], 0, 150), sent)
         untouched = [b for b in range(10) if b not in (3, 7, 1, 8, 6)]
@@ -728,8 +728,8 @@ def test_a_prefix_saved_by_one_instance_is_loaded_by_another(redis_server) -> No
     a_cache, b_cache = vllm_cpu_cache(8, seed=5), vllm_cpu_cache(8)
     a = WorkerSide(cfg, FP, is_producer=False, is_consumer=False, agent_name="a", cache=cache)
     b = WorkerSide(cfg, FP, is_producer=False, is_consumer=False, agent_name="b", cache=cache)
-    a.register(*cpu_cache_layout(a_cache, BS))
-    b.register(*cpu_cache_layout(b_cache, BS))
+    a.register(*vllm_cache_layout(a_cache, BS, CPU_BACKEND))
+    b.register(*vllm_cache_layout(b_cache, BS, CPU_BACKEND))
     try:
         keys = chunk_keys(list(range(192)), FP, 64)  # 3 chunks of 64 tokens over A's blocks [6, 1, 4, 0, 7, 2]
         a.save(StepMetadata(saves=[SaveSpec("r", 0, keys[:2], [6, 1, 4, 0])]))
@@ -745,8 +745,8 @@ def test_a_prefix_saved_by_one_instance_is_loaded_by_another(redis_server) -> No
         )  # B's prefix cache holds tokens < 32
         _, recving, failed = collect(b, set())
         assert recving == {"r"} and failed == set()
-        a_layout, a_views = cpu_cache_layout(a_cache, BS)
-        b_layout, b_views = cpu_cache_layout(b_cache, BS)
+        a_layout, a_views = vllm_cache_layout(a_cache, BS, CPU_BACKEND)
+        b_layout, b_views = vllm_cache_layout(b_cache, BS, CPU_BACKEND)
         want = gather(a_layout, a_views, [6, 1, 4, 0, 7, 2], 32, 160)
         assert torch.equal(gather(b_layout, b_views, [5, 3, 2, 1, 0, 4], 32, 160), want)
         assert all(

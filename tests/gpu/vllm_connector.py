@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from pdkv.config import convert_config
-from pdkv.integration.vllm.kvcache import cpu_cache_layout
+from pdkv.integration.vllm.kvcache import CPU_BACKEND, vllm_cache_layout
 from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
 from pdkv.integration.vllm.worker_side import WorkerSide
 from pdkv.layout import gather
@@ -73,8 +73,8 @@ def case(channel: str, prefix_caching: bool) -> dict[str, Any]:
         prefix_caching=prefix_caching,
     )
     try:
-        p.register(*cpu_cache_layout(p_cache, BS))
-        d.register(*cpu_cache_layout(d_cache, BS))
+        p.register(*vllm_cache_layout(p_cache, BS, CPU_BACKEND))
+        d.register(*vllm_cache_layout(d_cache, BS, CPU_BACKEND))
         assert d.receiver is not None
         t0 = time.perf_counter()
         for ready in (128, TOKENS):  # two steps of chunked prefill; each marks a CUDA event on the current stream
@@ -83,8 +83,8 @@ def case(channel: str, prefix_caching: bool) -> dict[str, Any]:
         _, recving, failed = _collect(d, set())
         seconds = time.perf_counter() - t0
         sending = _collect(p, {"r1"})[0]
-        p_layout, p_views = cpu_cache_layout(p_cache, BS)
-        d_layout, d_views = cpu_cache_layout(d_cache, BS)
+        p_layout, p_views = vllm_cache_layout(p_cache, BS, CPU_BACKEND)
+        d_layout, d_views = vllm_cache_layout(d_cache, BS, CPU_BACKEND)
         exact = torch.equal(
             gather(p_layout, p_views, P_BLOCKS, 0, TOKENS), gather(d_layout, d_views, D_BLOCKS, 0, TOKENS)
         )
