@@ -56,9 +56,10 @@ def vllm_cache_layout(
     """The layout of vLLM's cache under attention ``backend`` and its tensors as pdkv buffer views, layer order
     kept."""
     if backend != CPU_BACKEND and backend not in ROW_SPLIT_BACKENDS:
+        mapped = sorted({CPU_BACKEND, *ROW_SPLIT_BACKENDS})
         raise LayoutError(
-            f"vLLM attention backend {backend!r}: pdkv maps the KV cache of {sorted({CPU_BACKEND, *ROW_SPLIT_BACKENDS})}"
-            " only (see pdkv/integration/vllm/kvcache.py); choose one with --attention-backend"
+            f"vLLM attention backend {backend!r}: pdkv maps the KV cache of {mapped} only "
+            "(see pdkv/integration/vllm/kvcache.py); choose one with --attention-backend"
         )
     if not kv_caches:
         raise LayoutError("vLLM registered no KV cache tensors (is this an attention-free model?)")
