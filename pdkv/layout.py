@@ -42,16 +42,17 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     (HNKD): vLLM's GPU backends (FlashAttention, FlashInfer, Triton), whose
     ``[blocks, heads, block_size, 2 * head_dim]`` rows hold a token's K then
     its V, stored token-major (vLLM's default ``LBNHC``) or head-major
-    (``LBHNC``). One block of one layer is one contiguous range. ``cross_layer`` keeps a single tensor
-    ``[blocks, layers, kv, ...]`` so one block of all layers is one range:
-    fewest descriptors per transfer. ``split_kv`` keeps two tensors per
-    layer, its K plane then its V plane (tensor ``2 * l + kv``), each
-    ``[blocks, block_size, heads, head_dim]`` (NHD) or
-    ``[blocks, heads, block_size, head_dim]`` (HND): vLLM's FlashAttention
-    cache, ``[2, blocks, ...]`` per layer, registered as its two planes as
-    NixlConnector does ("split K and V"); a block of one layer is two ranges.
-    ``mla`` drops the kv and heads axes: ``[blocks, block_size, latent_dim]``
-    (per layer) with ``head_dim`` the latent size.
+    (``LBHNC``). One block of one layer is one contiguous range.
+    ``cross_layer`` keeps a single tensor ``[blocks, layers, kv, ...]`` so one
+    block of all layers is one range: fewest descriptors per transfer.
+    ``split_kv`` keeps two tensors per layer, its K plane then its V plane
+    (tensor ``2 * l + kv``), each ``[blocks, block_size, heads, head_dim]``
+    (NHD) or ``[blocks, heads, block_size, head_dim]`` (HND), for engines that
+    keep K and V apart (vLLM before 0.32: FlashAttention's ``[2, blocks,
+    ...]`` per layer, registered as its two planes, "split K and V" in
+    NixlConnector); a block of one layer is two ranges. ``mla`` drops the kv
+    and heads axes: ``[blocks, block_size, latent_dim]`` (per layer) with
+    ``head_dim`` the latent size.
     """
 
     num_layers: int
