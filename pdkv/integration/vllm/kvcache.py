@@ -28,7 +28,9 @@ shape alone does not say where K and V are: the backend does.
   tests/gpu/vllm_connector.py, not inside a GPU vLLM.
 
 Not mapped: fp8/nvfp4 KV caches (pdkv moves float32/16 and bfloat16), MLA
-backends, hybrid models with more than one backend. vLLM releases before the
+backends, hybrid models with more than one backend, caches split into kernel
+blocks smaller than vLLM's block (their ``block_size`` axis is not
+``--block-size``: refused by the shape check). vLLM releases before the
 unified layout gave FlashAttention ``[2, blocks, block_size, kv_heads,
 head_dim]`` per layer; pdkv's ``split_kv`` kind describes such K and V
 planes, but this connector speaks only vLLM 0.32's connector API.
