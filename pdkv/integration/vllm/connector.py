@@ -188,7 +188,17 @@ class PdkvConnector(KVConnectorBase_V1):
     # -- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
-        layout, views = vllm_cache_layout(kv_caches, self.block_size, attention_backend(self._vllm_config))
+        backend = attention_backend(self._vllm_config)
+        layout, views = vllm_cache_layout(kv_caches, self.block_size, backend)
+        log.info(
+            "vLLM KV cache (%s, %s, %s): pdkv %s %s, %d layers",
+            backend,
+            views[0].device,
+            views[0].dtype,
+            layout.kind,
+            layout.order,
+            layout.num_layers,
+        )
         self.worker.register(layout, views)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
