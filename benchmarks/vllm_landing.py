@@ -27,7 +27,7 @@ import time
 import torch
 
 from pdkv.config import convert_config
-from pdkv.integration.vllm.kvcache import cpu_cache_layout
+from pdkv.integration.vllm.kvcache import CPU_BACKEND, vllm_cache_layout
 from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
 from pdkv.integration.vllm.worker_side import WorkerSide
 from pdkv.transfer.incoming import State
@@ -53,8 +53,8 @@ def _pair(num_blocks: int, prefix_caching: bool) -> tuple[WorkerSide, WorkerSide
     d = WorkerSide(
         cfg, "fp-bench", is_producer=False, is_consumer=True, agent_name="d-bench", prefix_caching=prefix_caching
     )
-    p.register(*cpu_cache_layout(_cache(num_blocks, True), BS))
-    d.register(*cpu_cache_layout(_cache(num_blocks, False), BS))
+    p.register(*vllm_cache_layout(_cache(num_blocks, True), BS, CPU_BACKEND))
+    d.register(*vllm_cache_layout(_cache(num_blocks, False), BS, CPU_BACKEND))
     return p, d
 
 

@@ -37,12 +37,22 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``[blocks, kv, heads, block_size, head_dim]`` (HND) or
     ``[blocks, heads, kv, block_size, head_dim]`` (HKND: vLLM's CPU attention
     backend, whose ``[blocks, heads, block_size, 2 * head_dim]`` cache keeps a
-    head's K rows then its V rows), so one block of one layer is one
-    contiguous range. ``cross_layer`` keeps a single tensor
-    ``[blocks, layers, kv, ...]`` so one block of all layers is one range:
-    fewest descriptors per transfer. ``mla`` drops the kv and heads axes:
-    ``[blocks, block_size, latent_dim]`` (per layer) with ``head_dim`` the
-    latent size.
+    head's K rows then its V rows), ``[blocks, block_size, heads, kv,
+    head_dim]`` (NHKD) or ``[blocks, heads, block_size, kv, head_dim]``
+    (HNKD): vLLM's GPU backends (FlashAttention, FlashInfer, Triton), whose
+    ``[blocks, heads, block_size, 2 * head_dim]`` rows hold a token's K then
+    its V, stored token-major (vLLM's default ``LBNHC``) or head-major
+    (``LBHNC``). One block of one layer is one contiguous range.
+    ``cross_layer`` keeps a single tensor ``[blocks, layers, kv, ...]`` so one
+    block of all layers is one range: fewest descriptors per transfer.
+    ``split_kv`` keeps two tensors per layer, its K plane then its V plane
+    (tensor ``2 * l + kv``), each ``[blocks, block_size, heads, head_dim]``
+    (NHD) or ``[blocks, heads, block_size, head_dim]`` (HND), for engines that
+    keep K and V apart (vLLM before 0.32: FlashAttention's ``[2, blocks,
+    ...]`` per layer, registered as its two planes, "split K and V" in
+    NixlConnector); a block of one layer is two ranges. ``mla`` drops the kv
+    and heads axes: ``[blocks, block_size, latent_dim]`` (per layer) with
+    ``head_dim`` the latent size.
     """
 
     num_layers: int
@@ -50,8 +60,8 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     head_dim: int
     block_size: int = 16
     dtype: str = "bfloat16"
-    kind: Literal["per_layer", "cross_layer"] = "per_layer"
-    order: Literal["NHD", "HND", "HKND"] = "NHD"
+    kind: Literal["per_layer", "cross_layer", "split_kv"] = "per_layer"
+    order: Literal["NHD", "HND", "HKND", "NHKD", "HNKD"] = "NHD"
     mla: bool = False
 
     def __post_init__(self) -> None:
@@ -64,6 +74,11 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.mla and self.num_kv_heads != 1:
             raise LayoutError(
                 f"KVLayout with mla=True has one latent head; num_kv_heads must be 1, got {self.num_kv_heads}"
+            )
+        if self.kind == "split_kv" and (self.mla or self.order not in ("NHD", "HND")):
+            raise LayoutError(
+                "KVLayout kind 'split_kv' keeps K and V in separate tensors: it has no MLA latent form and only the "
+                f"NHD and HND orders (the others interleave K and V), got mla={self.mla} order={self.order!r}"
             )
 
     # -- sizes -------------------------------------------------------------
@@ -92,22 +107,34 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def num_tensors(self) -> int:
-        return self.num_layers if self.kind == "per_layer" else 1
+        return {"per_layer": self.num_layers, "cross_layer": 1, "split_kv": 2 * self.num_layers}[self.kind]
 
     @property
     def block_bytes(self) -> int:
         """Bytes of one block in one of the buffer's tensors."""
-        per_layer = self.block_size * self.kv_factor * self.num_kv_heads * self.head_dim * self.element_size
-        return per_layer if self.kind == "per_layer" else per_layer * self.num_layers
+        plane = self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+        return {
+            "per_layer": plane * self.kv_factor,
+            "cross_layer": plane * self.kv_factor * self.num_layers,
+            "split_kv": plane,
+        }[self.kind]
 
     def tensor_shape(self, num_blocks: int) -> tuple[int, ...]:
         inner: tuple[int, ...]
+        if self.kind == "split_kv":
+            token_major = self.order == "NHD"
+            inner = (self.block_size, self.num_kv_heads) if token_major else (self.num_kv_heads, self.block_size)
+            return (num_blocks, *inner, self.head_dim)
         if self.mla:
             inner = (self.block_size, self.head_dim)
         elif self.order == "NHD":
             inner = (2, self.block_size, self.num_kv_heads, self.head_dim)
         elif self.order == "HKND":
             inner = (self.num_kv_heads, 2, self.block_size, self.head_dim)
+        elif self.order == "NHKD":
+            inner = (self.block_size, self.num_kv_heads, 2, self.head_dim)
+        elif self.order == "HNKD":
+            inner = (self.num_kv_heads, self.block_size, 2, self.head_dim)
         else:
             inner = (2, self.num_kv_heads, self.block_size, self.head_dim)
         if self.kind == "cross_layer":
@@ -217,6 +244,9 @@ def gather(
     if layout.kind == "per_layer":
         for layer, t in enumerate(tensors):
             out[layer].copy_(_read(layout, t, blk, off).permute(1, 0, 2, 3))
+    elif layout.kind == "split_kv":  # tensor 2*l + kv is chunk[l, kv]: [T, heads, dim] as read
+        for i, t in enumerate(tensors):
+            out[i // 2, i % 2].copy_(_read(layout, t, blk, off))
     else:
         out.copy_(_read(layout, tensors[0], blk, off).permute(1, 2, 0, 3, 4))
     return out
@@ -232,6 +262,9 @@ def scatter(
     if layout.kind == "per_layer":
         for layer, t in enumerate(tensors):
             _write(layout, t, blk, off, chunk[layer].permute(1, 0, 2, 3))
+    elif layout.kind == "split_kv":
+        for i, t in enumerate(tensors):
+            _write(layout, t, blk, off, chunk[i // 2, i % 2])
     else:
         _write(layout, tensors[0], blk, off, chunk.permute(2, 0, 1, 3, 4))
 
@@ -240,20 +273,28 @@ def _index(layout: KVLayout, blk: torch.Tensor, off: torch.Tensor) -> tuple[obje
     """Advanced index selecting (block, offset) per token.
 
     The index arrays are placed so the token axis comes first in the result:
-    ``[T, kv, heads, dim]`` per layer or ``[T, layers, kv, heads, dim]``.
+    ``[T, kv, heads, dim]`` per layer, ``[T, layers, kv, heads, dim]`` cross
+    layer, ``[T, heads, dim]`` per K or V plane (split_kv).
     """
     s = slice(None)
-    lead = (blk,) if layout.kind == "per_layer" else (blk, s)
+    lead = (blk, s) if layout.kind == "cross_layer" else (blk,)
     if layout.mla:
         return (*lead, off)
-    return (*lead, s, off) if layout.order == "NHD" else (*lead, s, s, off)
+    # axes of a block before its token axis: kv and/or heads
+    before = {"NHD": 1, "HND": 2, "HKND": 2, "NHKD": 0, "HNKD": 1}[layout.order]
+    if layout.kind == "split_kv":
+        before -= 1  # no kv axis
+    return (*lead, *(s,) * before, off)
+
+
+_KV_AFTER_HEADS = ("HKND", "NHKD", "HNKD")  # orders whose kv axis follows the heads axis
 
 
 def _read(layout: KVLayout, t: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
     x = t[_index(layout, blk, off)]
     if layout.mla:  # [T, (L,) D] -> [T, (L,) 1, 1, D]
         x = x.unsqueeze(-2).unsqueeze(-3)
-    elif layout.order == "HKND":  # [T, (L,) heads, kv, D] -> [T, (L,) kv, heads, D]
+    elif layout.order in _KV_AFTER_HEADS:  # [T, (L,) heads, kv, D] -> [T, (L,) kv, heads, D]
         x = x.transpose(-3, -2)
     return x
 
@@ -261,7 +302,7 @@ def _read(layout: KVLayout, t: torch.Tensor, blk: torch.Tensor, off: torch.Tenso
 def _write(layout: KVLayout, t: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, value: torch.Tensor) -> None:
     if layout.mla:
         value = value.squeeze(-2).squeeze(-2)
-    elif layout.order == "HKND":
+    elif layout.order in _KV_AFTER_HEADS:
         value = value.transpose(-3, -2)
     t[_index(layout, blk, off)] = value
 

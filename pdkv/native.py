@@ -271,11 +271,24 @@ def scatter_summed(
 def geometry(
     layout: KVLayout, tensors: Sequence[torch.Tensor], chunk: torch.Tensor, start: int
 ) -> tuple[KVGeometry, list[int]]:
-    """The kernel's view of a copy: the geometry and each layer's base address (mirrors csrc/kvcopy.h)."""
+    """The kernel's view of a copy: the geometry and each layer's base address (mirrors csrc/kvcopy.h).
+
+    A split_kv buffer (one tensor per K or V plane) is ``2 * layers`` layers
+    of kv = 1: the kernel's row order (layer', 0, token) is then the canonical
+    chunk's (layer, kv, token), so the same kernels copy it.
+    """
     layers, kv, tokens, heads, head_dim = chunk.shape
-    hnd = layout.order == "HND" and not layout.mla  # MLA has no heads axis: always token-major
+    if layout.kind == "split_kv":
+        layers, kv = layers * kv, 1
     bs = layout.block_size
     per_layer = kv * bs * heads * head_dim  # elements of one block of one layer
+    # (kv, token, head) strides inside a block; MLA has no heads axis: always token-major
+    kv_stride, token_stride, head_stride = {
+        "NHD": (bs * heads * head_dim, heads * head_dim, head_dim),
+        "HND": (bs * heads * head_dim, head_dim, bs * head_dim),
+        "NHKD": (head_dim, heads * kv * head_dim, kv * head_dim),
+        "HNKD": (head_dim, kv * head_dim, bs * kv * head_dim),
+    }["NHD" if layout.mla else layout.order]
     size = chunk.element_size()
     cross = layout.kind == "cross_layer"
     geo = KVGeometry(
@@ -288,9 +301,9 @@ def geometry(
         start=start,
         element_size=size,
         block_stride=layers * per_layer if cross else per_layer,
-        kv_stride=bs * heads * head_dim,
-        token_stride=head_dim if hnd else heads * head_dim,
-        head_stride=bs * head_dim if hnd else head_dim,
+        kv_stride=kv_stride,
+        token_stride=token_stride,
+        head_stride=head_stride,
     )
     bases = (
         [tensors[0].data_ptr() + layer * per_layer * size for layer in range(layers)]

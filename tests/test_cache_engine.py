@@ -43,6 +43,12 @@ LAYOUTS = {
     "per_layer HKND bs16 (vLLM CPU)": KVLayout(
         num_layers=2, num_kv_heads=2, head_dim=4, block_size=16, dtype="bfloat16", order="HKND"
     ),
+    "per_layer NHKD bs16 (vLLM GPU)": KVLayout(
+        num_layers=2, num_kv_heads=2, head_dim=4, block_size=16, dtype="bfloat16", order="NHKD"
+    ),
+    "split_kv HND bs8 f16 (K/V planes)": KVLayout(
+        num_layers=2, num_kv_heads=2, head_dim=4, block_size=8, dtype="float16", kind="split_kv", order="HND"
+    ),
     "per_layer MLA bs8": KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_size=8, dtype="float32", mla=True),
 }
 BLOCKS = 24

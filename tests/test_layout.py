@@ -1,13 +1,14 @@
 import itertools
 
+import msgspec
 import pytest
 import torch
 
 from pdkv.errors import LayoutError
 from pdkv.layout import KVLayout, block_ranges, block_runs, gather, scatter
 
-KINDS = ["per_layer", "cross_layer"]
-ORDERS = ["NHD", "HND", "HKND"]
+KINDS = ["per_layer", "cross_layer", "split_kv"]
+ORDERS = ["NHD", "HND", "HKND", "NHKD", "HNKD"]
 
 
 def layouts(mla: bool = False, dtype: str = "float32") -> list[KVLayout]:
@@ -15,6 +16,7 @@ def layouts(mla: bool = False, dtype: str = "float32") -> list[KVLayout]:
     return [
         KVLayout(num_layers=3, num_kv_heads=heads, head_dim=8, block_size=bs, dtype=dtype, kind=k, order=o, mla=mla)
         for k, o, bs in itertools.product(KINDS, ORDERS, (16, 32))
+        if k != "split_kv" or (o in ("NHD", "HND") and not mla)  # K and V planes: no MLA, no interleaved K/V
     ]
 
 
@@ -104,3 +106,33 @@ def test_block_runs_pair_blocks_adjacent_on_both_sides_and_keep_wire_order() -> 
     assert flat(joined) == flat(singles)
     with pytest.raises(LayoutError, match="different lengths"):
         block_runs([1, 2], [1])
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_split_kv_planes_hold_what_the_per_layer_tensor_holds(order: str) -> None:
+    """A split_kv buffer is the K and V planes of a per-layer one (vLLM's FlashAttention cache against
+    FlashInfer's): tensor 2*l + kv is ``per_layer[l][:, kv]``, token for token, and both gather the same chunk."""
+    whole = KVLayout(3, 2, 8, block_size=4, dtype="bfloat16", order=order)
+    split = msgspec.structs.replace(whole, kind="split_kv")
+    assert split.num_tensors == 6 and split.block_bytes * 2 == whole.block_bytes
+    assert split.tensor_shape(5) == ((5, 4, 2, 8) if order == "NHD" else (5, 2, 4, 8))
+    assert not split.wire_mismatches(whole)
+    whole_kv = filled(whole, 10, 5)
+    planes = [t[:, kv].contiguous() for t in whole_kv for kv in range(2)]
+    table = [7, 2, 9, 0]
+    chunk = gather(split, planes, table, 3, 12)
+    assert torch.equal(chunk.view(torch.int16), gather(whole, whole_kv, table, 3, 12).view(torch.int16))
+    # the naive reference: token p sits in block table[p // 4] at offset p % 4 of plane 2*l + kv
+    for p, (layer, kv, head) in itertools.product(range(3, 15), itertools.product(range(3), range(2), range(2))):
+        plane = planes[2 * layer + kv][table[p // 4]]
+        row = plane[p % 4, head] if order == "NHD" else plane[head, p % 4]
+        assert torch.equal(chunk[layer, kv, p - 3, head], row)
+    back = split.allocate(10)
+    scatter(split, back, table, 3, chunk)
+    assert torch.equal(gather(split, back, table, 3, 12).view(torch.int16), chunk.view(torch.int16))
+    untouched = [b for b in range(10) if b not in table]
+    assert all(not t[untouched].any() for t in back)
+    with pytest.raises(LayoutError, match="split_kv"):
+        KVLayout(2, 2, 8, kind="split_kv", order="HKND")
+    with pytest.raises(LayoutError, match="split_kv"):
+        KVLayout(2, 1, 8, kind="split_kv", mla=True)

@@ -72,6 +72,36 @@ def test_single_request_lands_bit_exact(make_pair: MakePair, d_layout: KVLayout)
     pair.allocator.free(blocks)
 
 
+@pytest.mark.parametrize(
+    ("p_layout", "d_layout", "mode"),
+    [
+        (KVLayout(**F32, kind="split_kv"), KVLayout(**F32, kind="split_kv"), "direct"),  # K and V planes
+        (KVLayout(**F32, kind="split_kv", order="HND"), KVLayout(**F32), "staging"),
+        (KVLayout(**F32), KVLayout(**F32, kind="split_kv", block_size=32), "staging"),
+        (KVLayout(**F32, order="NHKD"), KVLayout(**F32, order="NHKD"), "direct"),  # vLLM GPU, LBNHC
+        (KVLayout(**F32, order="NHKD"), KVLayout(**F32, order="HKND", block_size=32), "staging"),  # GPU P, CPU D
+        (KVLayout(**F32, order="HNKD"), KVLayout(**F32, order="NHKD"), "staging"),
+    ],
+    ids=["planes-direct", "planes-to-per-layer", "per-layer-to-planes", "nhkd-direct", "nhkd-to-hknd", "hnkd-to-nhkd"],
+)
+def test_vllm_gpu_layouts_move_bit_exact(
+    make_pair: MakePair, p_layout: KVLayout, d_layout: KVLayout, mode: str
+) -> None:
+    """The layouts of vLLM's GPU caches (and K/V planes) against each other and against the CPU backend's: the
+    same layout writes whole blocks per tensor, different ones convert through staging (and device memory the
+    channel cannot reach goes through staging whatever the layouts)."""
+    pair = make_pair(p_layout=p_layout, d_layout=d_layout)
+    table = [40, 41, 42, 5, 6, 7, 44]  # 100 tokens, 7 blocks of 16: runs of adjacent blocks and single ones
+    xfer = pair.sender.open("r1", pair.receiver.address, 100, table)
+    assert xfer.mode == (mode if pair.kv_memory == "host" else "staging")  # the mock channel reads host memory only
+    xfer.send_all()
+    xfer.wait(10)
+    blocks = pair.receiver.wait("r1", 10).blocks
+    assert_same_kv(pair, table, blocks, 100)
+    assert pair.receiver.stats()["chunks_landed"] == 4  # every token came over the channel: 32+32+32+4
+    pair.allocator.free(blocks)
+
+
 def test_many_concurrent_requests(make_pair: MakePair) -> None:
     pair = make_pair(
         d_layout=KVLayout(**F32, block_size=8, order="HND"),

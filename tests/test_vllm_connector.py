@@ -21,14 +21,14 @@ import torch
 
 from pdkv.config import convert_config
 from pdkv.errors import ConfigError, LayoutError, OutOfBlocksError
-from pdkv.integration.vllm.kvcache import copy_blocks, cpu_cache_layout
+from pdkv.integration.vllm.kvcache import CPU_BACKEND, copy_blocks, vllm_cache_layout
 from pdkv.integration.vllm.landing import VllmBlocks, landing_path
 from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
 from pdkv.integration.vllm.ordering import StepEvent
 from pdkv.integration.vllm.scheduler_side import SchedulerSide
 from pdkv.integration.vllm.worker_side import WorkerSide
 from pdkv.keys import PromptKeys, chunk_keys
-from pdkv.layout import gather
+from pdkv.layout import KVLayout, gather
 from pdkv.memory import emulate_device
 from pdkv.tier.base import HEADER_BYTES, leading
 from pdkv.transfer.outgoing import OutgoingTransfer
@@ -51,9 +51,102 @@ def vllm_cpu_cache(num_blocks: int, seed: int | None = None) -> dict[str, torch.
     }
 
 
+def vllm_gpu_cache(num_blocks: int, kv_cache_layout: str, seed: int | None = None) -> dict[str, torch.Tensor]:
+    """Per-layer views as vLLM 0.32's GPU workers register them: logical [blocks, kv_heads, block_size,
+    2 * head_dim] over one allocation in the physical order ``VLLM_KV_CACHE_LAYOUT`` names (L layers, B blocks,
+    H heads, N block offsets, C a row's K then V)."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    make = (lambda s: torch.randn(s, generator=gen)) if seed is not None else torch.zeros
+    physical = {
+        "LBNHC": ((LAYERS, num_blocks, BS, HEADS, 2 * HEAD_DIM), lambda raw, i: raw[i].transpose(1, 2)),
+        "LBHNC": ((LAYERS, num_blocks, HEADS, BS, 2 * HEAD_DIM), lambda raw, i: raw[i]),
+        "BLNHC": ((num_blocks, LAYERS, BS, HEADS, 2 * HEAD_DIM), lambda raw, i: raw[:, i].transpose(1, 2)),
+    }
+    shape, layer_view = physical[kv_cache_layout]
+    raw = make(shape).to(torch.bfloat16)
+    return {f"model.layers.{i}.self_attn.attn": layer_view(raw, i) for i in range(LAYERS)}
+
+
+# what a cache spec names: an attention backend and, on a GPU, VLLM_KV_CACHE_LAYOUT
+CACHES = ("CPU_ATTN", "FLASH_ATTN/LBNHC", "FLASHINFER/LBHNC", "TRITON_ATTN/LBNHC")
+
+
+def vllm_cache(spec: str, num_blocks: int, seed: int | None = None) -> dict[str, torch.Tensor]:
+    backend, _, kv_cache_layout = spec.partition("/")
+    return (
+        vllm_cpu_cache(num_blocks, seed)
+        if backend == CPU_BACKEND
+        else vllm_gpu_cache(num_blocks, kv_cache_layout, seed)
+    )
+
+
+def mapped(spec: str, cache: dict[str, torch.Tensor]) -> tuple[KVLayout, list[torch.Tensor]]:
+    return vllm_cache_layout(cache, BS, spec.partition("/")[0])
+
+
+def keys_and_values(spec: str, cache: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's K and V as ``[blocks, block_size, heads, head_dim]``, read the way the backend's own forward
+    reads its cache (not through pdkv)."""
+    out = []
+    for t in cache.values():
+        if spec == CPU_BACKEND:  # cpu_attn: view(blocks, heads, 2 * block_size, head_dim), K rows then V rows
+            k, v = t.view(t.shape[0], HEADS, 2 * BS, HEAD_DIM).split(BS, dim=2)
+            out.append((k.transpose(1, 2), v.transpose(1, 2)))
+        else:  # flash_attn / flashinfer / triton_attn: kv_cache.transpose(1, 2).split(head_size, dim=-1)
+            k, v = t.transpose(1, 2).split(HEAD_DIM, dim=-1)
+            out.append((k, v))
+    return out
+
+
+def tokens_of(spec: str, cache: dict[str, torch.Tensor], table: list[int], num_tokens: int) -> torch.Tensor:
+    """``[layers, kv, tokens, heads, head_dim]`` of a request's first tokens, read as the backend reads them."""
+    pos = torch.arange(num_tokens)
+    blocks, offsets = torch.tensor(table)[pos // BS], pos % BS
+    return torch.stack([torch.stack([k[blocks, offsets], v[blocks, offsets]]) for k, v in keys_and_values(spec, cache)])
+
+
+@pytest.mark.parametrize("spec", CACHES)
+def test_each_backend_layout_reads_k_and_v_where_its_attention_does(spec: str) -> None:
+    cache = vllm_cache(spec, 6, seed=1)
+    layout, views = mapped(spec, cache)
+    order = {"CPU_ATTN": "HKND", "LBNHC": "NHKD", "LBHNC": "HNKD"}[spec.split("/")[-1]]
+    assert (layout.kind, layout.order, layout.num_layers, layout.num_kv_heads, layout.head_dim) == (
+        "per_layer",
+        order,
+        LAYERS,
+        HEADS,
+        HEAD_DIM,
+    )
+    assert {v.untyped_storage().data_ptr() for v in views} == {t.untyped_storage().data_ptr() for t in cache.values()}
+    table = [4, 0, 5]
+    chunk = gather(layout, views, table, 0, 80)
+    assert torch.equal(chunk.view(torch.int16), tokens_of(spec, cache, table, 80).view(torch.int16))
+
+
+@pytest.mark.parametrize(
+    ("cache", "backend", "message"),
+    [
+        (lambda: vllm_gpu_cache(4, "BLNHC"), "FLASH_ATTN", "VLLM_KV_CACHE_LAYOUT=LBNHC"),  # block-outermost
+        (lambda: vllm_gpu_cache(4, "LBNHC"), "CPU_ATTN", "not contiguous in the HKND order"),
+        (lambda: vllm_cpu_cache(4), "FLEX_ATTENTION", "attention backend 'FLEX_ATTENTION'"),
+        (
+            lambda: {**vllm_gpu_cache(4, "LBNHC"), "x": vllm_gpu_cache(4, "LBHNC")["model.layers.0.self_attn.attn"]},
+            "FLASHINFER",
+            "expected every layer like the first",
+        ),
+    ],
+    ids=["block-outermost", "gpu-strides-as-cpu", "unmapped-backend", "layers-disagree"],
+)
+def test_unmapped_gpu_caches_are_refused_by_name(
+    cache: Callable[[], dict[str, torch.Tensor]], backend: str, message: str
+) -> None:
+    with pytest.raises(LayoutError, match=message):
+        vllm_cache_layout(cache(), BS, backend)
+
+
 def test_hknd_layout_reads_k_and_v_where_vllm_cpu_attention_does() -> None:
     caches = vllm_cpu_cache(4, seed=1)
-    layout, views = cpu_cache_layout(caches, BS)
+    layout, views = vllm_cache_layout(caches, BS, CPU_BACKEND)
     assert (layout.order, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype) == (
         "HKND",
         LAYERS,
@@ -81,14 +174,14 @@ def test_hknd_layout_reads_k_and_v_where_vllm_cpu_attention_does() -> None:
 )
 def test_unmapped_vllm_layouts_are_refused_by_name(shape: tuple[int, ...], message: str) -> None:
     with pytest.raises(LayoutError, match=message):
-        cpu_cache_layout({"layer0": torch.zeros(shape, dtype=torch.bfloat16)}, BS)
+        vllm_cache_layout({"layer0": torch.zeros(shape, dtype=torch.bfloat16)}, BS, CPU_BACKEND)
 
 
 def test_layers_must_agree() -> None:
     caches = vllm_cpu_cache(4)
     caches["model.layers.9.self_attn.attn"] = torch.zeros((5, HEADS, BS, 2 * HEAD_DIM), dtype=torch.bfloat16)
     with pytest.raises(LayoutError, match="layers.9"):
-        cpu_cache_layout(caches, BS)
+        vllm_cache_layout(caches, BS, CPU_BACKEND)
 
 
 def test_copy_blocks_moves_exactly_the_named_blocks() -> None:
@@ -286,8 +379,10 @@ def worker_pair(
     memory: str = "host",
     p_events: Callable[[], StepEvent] | None = None,
     d_events: Callable[[], StepEvent] | None = None,
+    caches: tuple[str, str] = (CPU_BACKEND, CPU_BACKEND),
 ) -> tuple[WorkerSide, WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """P and D over tcp; D's vLLM has ``prefix_caching`` on or off; both caches in ``memory`` (``KV_MEMORIES``)."""
+    """P and D over tcp; D's vLLM has ``prefix_caching`` on or off; both caches in ``memory`` (``KV_MEMORIES``),
+    shaped as the ``caches`` specs (``CACHES``) say."""
     cfg = convert_config(
         {
             "num_blocks": 16,
@@ -300,7 +395,7 @@ def worker_pair(
             },
         }
     )
-    p_cache, d_cache = vllm_cpu_cache(12, seed=3), vllm_cpu_cache(10)
+    p_cache, d_cache = vllm_cache(caches[0], 12, seed=3), vllm_cache(caches[1], 10)
     if memory == "emulated":  # device memory the tcp channel cannot read through a host view, as a GPU's
         for t in (*p_cache.values(), *d_cache.values()):
             emulate_device(t)
@@ -314,8 +409,8 @@ def worker_pair(
         prefix_caching=prefix_caching,
         make_event=d_events,
     )
-    p.register(*cpu_cache_layout(p_cache, BS))
-    d.register(*cpu_cache_layout(d_cache, BS))
+    p.register(*mapped(caches[0], p_cache))
+    d.register(*mapped(caches[1], d_cache))
     return p, d, p_cache, d_cache
 
 
@@ -333,8 +428,9 @@ def collect(side: WorkerSide, finished: set[str], timeout: float = 10.0) -> tupl
     return out
 
 
-def test_prefill_pushes_from_vllm_blocks_and_decode_loads_them_into_its_own() -> None:
-    p, d, p_cache, d_cache = worker_pair()
+@pytest.mark.parametrize("spec", CACHES)
+def test_prefill_pushes_from_vllm_blocks_and_decode_loads_them_into_its_own(spec: str) -> None:
+    p, d, p_cache, d_cache = worker_pair(caches=(spec, spec))
     try:
         assert d.receiver is not None
         address = d.receiver.address
@@ -410,8 +506,8 @@ def test_connector_threads_run_off_the_core_vllm_pins_its_worker_to() -> None:
 
     def as_vllm_worker() -> None:  # everything vLLM's worker thread would call on us: register, push, load
         os.sched_setaffinity(0, core)
-        p.register(*cpu_cache_layout(p_cache, BS))
-        d.register(*cpu_cache_layout(d_cache, BS))
+        p.register(*vllm_cache_layout(p_cache, BS, CPU_BACKEND))
+        d.register(*vllm_cache_layout(d_cache, BS, CPU_BACKEND))
         assert d.receiver is not None
         p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, [9, 2, 5, 11, 0], 150)]))
         made["sending"] = collect(p, {"r1"})[0]
@@ -474,13 +570,26 @@ def test_vllm_blocks_grant_a_transfer_its_requests_blocks_only_once_expected() -
         blocks.expect("t-3", [10])
 
 
+@pytest.mark.parametrize(
+    "caches",
+    [
+        (CPU_BACKEND, CPU_BACKEND),
+        ("FLASH_ATTN/LBNHC", "FLASH_ATTN/LBNHC"),  # vLLM's default GPU backend and layout on both sides
+        ("FLASH_ATTN/LBNHC", CPU_BACKEND),  # a GPU P, a vllm-cpu D: converted through staging
+        ("FLASHINFER/LBHNC", "TRITON_ATTN/LBNHC"),
+    ],
+    ids=["cpu-cpu", "fa-fa", "fa-cpu", "flashinfer-hnd-triton"],
+)
 @pytest.mark.parametrize("memory", KV_MEMORIES)
-def test_decode_lands_pushed_kv_straight_in_vllm_blocks(memory: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_decode_lands_pushed_kv_straight_in_vllm_blocks(
+    memory: str, caches: tuple[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
     """Prefix caching off: D's receiver is built over vLLM's own tensors and grants the transfer the request's
     blocks; host memory: the tcp channel writes into them (direct); emulated device memory: through pinned slots,
-    scattered into them (staged). No landing buffer, no copy."""
+    scattered into them (staged). No landing buffer, no copy. Each K and V lands where D's attention backend reads
+    it, whichever backend P's came from."""
     caplog.set_level(logging.INFO, logger="pdkv.integration.vllm.worker_side")
-    p, d, p_cache, d_cache = worker_pair(prefix_caching=False, memory=memory)
+    p, d, p_cache, d_cache = worker_pair(prefix_caching=False, memory=memory, caches=caches)
     try:
         assert d.receiver is not None
         path = "direct" if memory == "host" else "staged"
@@ -496,10 +605,8 @@ def test_decode_lands_pushed_kv_straight_in_vllm_blocks(memory: str, caplog: pyt
         _, recving, failed = collect(d, set())
         assert recving == {"r1"} and failed == set()
         assert collect(p, {"r1"})[0] == {"r1"}
-        p_layout, p_views = cpu_cache_layout(p_cache, BS)
-        d_layout, d_views = cpu_cache_layout(d_cache, BS)
-        sent = gather(p_layout, p_views, [9, 2, 5, 11, 0], 0, 150)  # staging moves tokens, direct whole blocks
-        assert torch.equal(gather(d_layout, d_views, [3, 7, 1, 8, 6], 0, 150), sent)
+        sent = tokens_of(caches[0], p_cache, [9, 2, 5, 11, 0], 150)  # staging moves tokens, direct whole blocks
+        assert torch.equal(tokens_of(caches[1], d_cache, [3, 7, 1, 8, 6], 150), sent)
         untouched = [b for b in range(10) if b not in (3, 7, 1, 8, 6)]
         assert all(torch.equal(d_cache[name][untouched], before[name][untouched]) for name in d_cache)
         stats = d.receiver.stats()
@@ -728,8 +835,8 @@ def test_a_prefix_saved_by_one_instance_is_loaded_by_another(redis_server) -> No
     a_cache, b_cache = vllm_cpu_cache(8, seed=5), vllm_cpu_cache(8)
     a = WorkerSide(cfg, FP, is_producer=False, is_consumer=False, agent_name="a", cache=cache)
     b = WorkerSide(cfg, FP, is_producer=False, is_consumer=False, agent_name="b", cache=cache)
-    a.register(*cpu_cache_layout(a_cache, BS))
-    b.register(*cpu_cache_layout(b_cache, BS))
+    a.register(*vllm_cache_layout(a_cache, BS, CPU_BACKEND))
+    b.register(*vllm_cache_layout(b_cache, BS, CPU_BACKEND))
     try:
         keys = chunk_keys(list(range(192)), FP, 64)  # 3 chunks of 64 tokens over A's blocks [6, 1, 4, 0, 7, 2]
         a.save(StepMetadata(saves=[SaveSpec("r", 0, keys[:2], [6, 1, 4, 0])]))
@@ -745,8 +852,8 @@ def test_a_prefix_saved_by_one_instance_is_loaded_by_another(redis_server) -> No
         )  # B's prefix cache holds tokens < 32
         _, recving, failed = collect(b, set())
         assert recving == {"r"} and failed == set()
-        a_layout, a_views = cpu_cache_layout(a_cache, BS)
-        b_layout, b_views = cpu_cache_layout(b_cache, BS)
+        a_layout, a_views = vllm_cache_layout(a_cache, BS, CPU_BACKEND)
+        b_layout, b_views = vllm_cache_layout(b_cache, BS, CPU_BACKEND)
         want = gather(a_layout, a_views, [6, 1, 4, 0, 7, 2], 32, 160)
         assert torch.equal(gather(b_layout, b_views, [5, 3, 2, 1, 0, 4], 32, 160), want)
         assert all(

@@ -44,8 +44,12 @@ TOKENS = 256
 NUM_BLOCKS = 4096
 LAYOUTS = tuple(
     msgspec.structs.replace(LLAMA3_8B, kind=kind, order=order)
-    for kind in ("per_layer", "cross_layer")
-    for order in ("NHD", "HND")
+    for kind, order in (
+        *(("per_layer", o) for o in ("NHD", "HND")),
+        *(("cross_layer", o) for o in ("NHD", "HND")),
+        ("per_layer", "NHKD"),  # vLLM 0.32's GPU cache in its default LBNHC layout
+        ("split_kv", "NHD"),  # K and V planes
+    )
 )
 REPEATS = {"native": 15, "torch": 5}  # the torch path is ~10x slower; fewer repeats keep the run short
 FLUSH_BYTES = 128 << 20  # 4x the 32 MiB L3 of the machine this was tuned on

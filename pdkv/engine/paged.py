@@ -25,6 +25,10 @@ class PagedKV:
     def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor]) -> None:
         if layout.mla:
             raise EngineError("the reference engine stores separate K and V; an MLA layout does not fit it")
+        if layout.kind == "split_kv" or layout.order not in ("NHD", "HND"):
+            raise EngineError(
+                f"the reference engine keeps per-layer or cross-layer NHD/HND buffers, not {layout.kind} {layout.order}"
+            )
         self.layout = layout
         self.tensors = list(tensors)
         self.num_blocks = layout.validate_buffer(self.tensors)

@@ -13,10 +13,15 @@ process, P's cache random, D's zeros, a 300-token prompt pushed in two steps
 * ``direct``: prefix caching off, nixl: written VRAM to VRAM into vLLM's own
   blocks (run only where nixl imports).
 
-Each case says whether the bytes D holds equal P's (``bit_exact``), which
-path D took, and the counters that show no fallback. Not vLLM itself: the
-tensors are shaped like vLLM's CPU backend (the only layout mapped), placed on
-CUDA. Usage: ``python tests/gpu/vllm_connector.py [--out FILE]`` (needs what
+Each case runs with the caches of an attention backend and, for the GPU
+backends, a ``VLLM_KV_CACHE_LAYOUT`` (``caches``: P's and D's): vLLM 0.32's
+FlashAttention in its default ``LBNHC`` (per-layer views permuted over one
+allocation, as vLLM's GPU worker registers them), FlashInfer in ``LBHNC``
+into FlashAttention (a layout conversion: staged through the CUDA
+gather/scatter kernels), and the CPU backend's layout placed on CUDA. Each
+says whether the K and V D holds, read the way D's backend reads them, equal
+P's (``bit_exact``), which path D took, and the counters that show no
+fallback. Not vLLM itself. Usage: ``python tests/gpu/vllm_connector.py [--out FILE]`` (needs what
 tests/gpu/README.md says check.py needs).
 """
 
@@ -32,10 +37,9 @@ from typing import Any
 import torch
 
 from pdkv.config import convert_config
-from pdkv.integration.vllm.kvcache import cpu_cache_layout
+from pdkv.integration.vllm.kvcache import CPU_BACKEND, vllm_cache_layout
 from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
 from pdkv.integration.vllm.worker_side import WorkerSide
-from pdkv.layout import gather
 
 BS, LAYERS, HEADS, HEAD_DIM = 16, 4, 8, 128
 TOKENS = 300
@@ -43,10 +47,29 @@ P_BLOCKS = [17, 2, 9, 30, 5, 11, 0, 22, 14, 3, 8, 25, 1, 19, 6, 27, 12, 4, 29]  
 D_BLOCKS = [31, 7, 13, 2, 20, 16, 9, 1, 24, 11, 5, 28, 18, 0, 26, 3, 15, 22, 10]
 
 
-def _cache(num_blocks: int, random: bool) -> dict[str, torch.Tensor]:
-    shape = (num_blocks, HEADS, BS, 2 * HEAD_DIM)  # vLLM's CPU backend layout, on the GPU
+def _cache(spec: str, num_blocks: int, random: bool) -> dict[str, torch.Tensor]:
+    """Per-layer logical [blocks, heads, block_size, 2 * head_dim] views over one CUDA allocation, in the physical
+    order ``spec`` names (``BACKEND/VLLM_KV_CACHE_LAYOUT``; the CPU backend's is contiguous)."""
     make = torch.randn if random else torch.zeros
-    return {f"layers.{i}.attn": make(shape, device="cuda").to(torch.bfloat16) for i in range(LAYERS)}
+    if spec.endswith("/LBNHC"):  # layers, blocks, block offsets, heads, a row's K then V
+        raw = make((LAYERS, num_blocks, BS, HEADS, 2 * HEAD_DIM), device="cuda").to(torch.bfloat16)
+        return {f"layers.{i}.attn": raw[i].transpose(1, 2) for i in range(LAYERS)}
+    raw = make((LAYERS, num_blocks, HEADS, BS, 2 * HEAD_DIM), device="cuda").to(torch.bfloat16)  # LBHNC, CPU_ATTN
+    return {f"layers.{i}.attn": raw[i] for i in range(LAYERS)}
+
+
+def _tokens(spec: str, cache: dict[str, torch.Tensor], table: list[int]) -> torch.Tensor:
+    """[layers, kv, tokens, heads, head_dim] of the request, read the way the backend's forward reads its cache."""
+    pos = torch.arange(TOKENS, device="cuda")
+    blocks, offsets = torch.tensor(table, device="cuda")[pos // BS], pos % BS
+    out = []
+    for t in cache.values():
+        if spec == CPU_BACKEND:  # K rows then V rows of each block and head
+            k, v = (x.transpose(1, 2) for x in t.view(t.shape[0], HEADS, 2 * BS, HEAD_DIM).split(BS, dim=2))
+        else:  # kv_cache.transpose(1, 2).split(head_size, dim=-1)
+            k, v = t.transpose(1, 2).split(HEAD_DIM, dim=-1)
+        out.append(torch.stack([k[blocks, offsets], v[blocks, offsets]]))
+    return torch.stack(out)
 
 
 def _collect(side: WorkerSide, finished: set[str], timeout: float = 30.0) -> tuple[set[str], set[str], set[str]]:
@@ -60,9 +83,9 @@ def _collect(side: WorkerSide, finished: set[str], timeout: float = 30.0) -> tup
     return set(), set(), set()
 
 
-def case(channel: str, prefix_caching: bool) -> dict[str, Any]:
+def case(channel: str, prefix_caching: bool, caches: tuple[str, str]) -> dict[str, Any]:
     cfg = convert_config({"num_blocks": 32, "channel": {"name": channel}, "transfer": {"chunk_size": 128}})
-    p_cache, d_cache = _cache(32, True), _cache(32, False)
+    p_cache, d_cache = _cache(caches[0], 32, True), _cache(caches[1], 32, False)
     p = WorkerSide(cfg, "fp-gpu", is_producer=True, is_consumer=False, agent_name=f"p-{channel}-{prefix_caching}")
     d = WorkerSide(
         cfg,
@@ -73,8 +96,8 @@ def case(channel: str, prefix_caching: bool) -> dict[str, Any]:
         prefix_caching=prefix_caching,
     )
     try:
-        p.register(*cpu_cache_layout(p_cache, BS))
-        d.register(*cpu_cache_layout(d_cache, BS))
+        p.register(*vllm_cache_layout(p_cache, BS, caches[0].partition("/")[0]))
+        d.register(*vllm_cache_layout(d_cache, BS, caches[1].partition("/")[0]))
         assert d.receiver is not None
         t0 = time.perf_counter()
         for ready in (128, TOKENS):  # two steps of chunked prefill; each marks a CUDA event on the current stream
@@ -83,13 +106,11 @@ def case(channel: str, prefix_caching: bool) -> dict[str, Any]:
         _, recving, failed = _collect(d, set())
         seconds = time.perf_counter() - t0
         sending = _collect(p, {"r1"})[0]
-        p_layout, p_views = cpu_cache_layout(p_cache, BS)
-        d_layout, d_views = cpu_cache_layout(d_cache, BS)
-        exact = torch.equal(
-            gather(p_layout, p_views, P_BLOCKS, 0, TOKENS), gather(d_layout, d_views, D_BLOCKS, 0, TOKENS)
-        )
+        exact = torch.equal(_tokens(caches[0], p_cache, P_BLOCKS), _tokens(caches[1], d_cache, D_BLOCKS))
         assert p._order is not None
         return {
+            "caches": list(caches),
+            "layouts": [side.layout.order if side.layout else None for side in (p, d)],
             "channel": channel,
             "prefix_caching": prefix_caching,
             "landing": d.landing,
@@ -109,7 +130,15 @@ def case(channel: str, prefix_caching: bool) -> dict[str, Any]:
         d.close()
 
 
-CASES = {"landing_tcp": ("tcp", True), "staged_tcp": ("tcp", False), "direct_nixl": ("nixl", False)}
+FA, FI = "FLASH_ATTN/LBNHC", "FLASHINFER/LBHNC"  # vLLM 0.32's default GPU backend and layout; FlashInfer head-major
+CASES = {
+    "landing_tcp": ("tcp", True, (FA, FA)),
+    "staged_tcp": ("tcp", False, (FA, FA)),
+    "direct_nixl": ("nixl", False, (FA, FA)),
+    "staged_tcp_flashinfer_to_fa": ("tcp", False, (FI, FA)),  # converted on the GPU by the gather/scatter kernels
+    "direct_nixl_flashinfer_to_fa": ("nixl", False, (FI, FA)),  # layouts differ: nixl staging, VRAM slots
+    "staged_tcp_cpu_layout": ("tcp", False, (CPU_BACKEND, CPU_BACKEND)),
+}
 
 
 def main() -> int:

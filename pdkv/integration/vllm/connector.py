@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -42,9 +43,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdkv.cache_engine import KVCacheEngine
 from pdkv.config import convert_config
-from pdkv.errors import ConfigError
+from pdkv.errors import ConfigError, LayoutError
 from pdkv.integration.vllm.info import SECRET_ENV
-from pdkv.integration.vllm.kvcache import cpu_cache_layout
+from pdkv.integration.vllm.kvcache import vllm_cache_layout
 from pdkv.integration.vllm.metadata import StepMetadata
 from pdkv.integration.vllm.scheduler_side import SchedulerSide
 from pdkv.integration.vllm.worker_side import WorkerSide, agent_name
@@ -84,7 +85,8 @@ def vllm_fingerprint(vllm_config: VllmConfig) -> str:
 
 
 def vllm_layout(vllm_config: VllmConfig) -> KVLayout:
-    """The layout ``cpu_cache_layout`` will find, from the config alone (the scheduler never sees the tensors)."""
+    """The wire fields of the layout ``vllm_cache_layout`` will find, from the config alone (the scheduler never
+    sees the tensors, and only looks chunk keys up: the order, the attention backend's, is not needed there)."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     dtype = next((name for name, t in DTYPES.items() if t == mc.dtype), "bfloat16")
     return KVLayout(
@@ -96,6 +98,14 @@ def vllm_layout(vllm_config: VllmConfig) -> KVLayout:
         kind="per_layer",
         order="HKND",
     )
+
+
+def attention_backend(vllm_config: VllmConfig) -> str:
+    """The name of the one attention backend of this worker's layers: it decides where K and V sit in a cache row."""
+    names = sorted({backend.get_name() for backend in get_current_attn_backends(vllm_config)})
+    if len(names) != 1:
+        raise LayoutError(f"PdkvConnector needs one attention backend for every layer, vLLM uses {names}")
+    return names[0]
 
 
 class PdkvConnector(KVConnectorBase_V1):
@@ -178,7 +188,17 @@ class PdkvConnector(KVConnectorBase_V1):
     # -- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
-        layout, views = cpu_cache_layout(kv_caches, self.block_size)
+        backend = attention_backend(self._vllm_config)
+        layout, views = vllm_cache_layout(kv_caches, self.block_size, backend)
+        log.info(
+            "vLLM KV cache (%s, %s, %s): pdkv %s %s, %d layers",
+            backend,
+            views[0].device,
+            views[0].dtype,
+            layout.kind,
+            layout.order,
+            layout.num_layers,
+        )
         self.worker.register(layout, views)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

@@ -49,7 +49,7 @@ def landing_path(kv: torch.Tensor, channel_memory: Collection[str], prefix_cachi
       its pinned host staging slots and are scattered into the request's
       blocks on the cache's device, on pdkv's own stream (``pdkv.staging``).
 
-    Layouts pdkv cannot describe never get here: ``kvcache.cpu_cache_layout``
+    Layouts pdkv cannot describe never get here: ``kvcache.vllm_cache_layout``
     refuses them by name at start.
     """
     if prefix_caching:
