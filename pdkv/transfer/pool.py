@@ -130,6 +130,7 @@ class Pools:
         over = [p for p in self.lapsed if now > p.free_deadline]
         self.lapsed = [p for p in self.lapsed if now <= p.free_deadline]
         for pool in over:
+            self.counters["fences"] += 1
             self._fence(pool.identity)
             self.allocator.free(pool.blocks)
 
