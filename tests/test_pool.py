@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -94,6 +95,23 @@ def test_a_refused_pooled_request_lands_nothing_and_its_bytes_are_discarded(make
     assert pair.allocator.num_free == pair.allocator.num_blocks - 2
     with pytest.raises(TransferError):
         pair.receiver.wait("warm", 1)  # the claimed transfer stays over: the refused one did not reopen it
+
+
+def test_a_claim_of_a_pool_that_is_not_the_senders_is_refused(make_pair: MakePair) -> None:
+    """A notice naming a pool generation the receiver did not grant this sender (stale, or guessed) reserves
+    nothing, and no pool changes hands."""
+    pair = make_pair(config=POOLED)
+    peer = warm(pair)
+    pool = peer.pool
+    assert pool is not None
+    peer.pool = msgspec.structs.replace(pool, generation=pool.generation + 100)
+    xfer = pair.sender.open("stale", pair.receiver.address, 16, [30])
+    xfer.send_all()
+    with pytest.raises(ReservationError, match="names no pool of yours"):
+        xfer.wait(10)
+    d = pair.receiver.stats()
+    assert d["pooled_refused"] == 1 and d["reservations"] == 0 and d["pooled_blocks"] == 2
+    assert pair.receiver.book.pools.by_peer[next(iter(pair.receiver.book.pools.by_peer))].generation == pool.generation
 
 
 def _pool_writable(channel: Channel, peer: ReceiverPeer, region: int, block_bytes: int, block: int) -> bool:

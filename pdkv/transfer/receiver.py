@@ -34,6 +34,7 @@ from pdkv.transfer.control import ControlLoop, RouterSocket
 from pdkv.transfer.handshake import ReceiverHandshake, SenderPeer
 from pdkv.transfer.incoming import IncomingTransfer, ReceivedKV, ReceiveTarget, State
 from pdkv.transfer.lifecycle import IncomingBook
+from pdkv.transfer.pool import PeerPool
 from pdkv.transfer.protocol import (
     HELLO_REQUIRED,
     Auth,
@@ -282,14 +283,18 @@ class KVReceiver:
         assert notice.reserve is not None
         req, book = notice.reserve, self.book
         pool = book.pools.owner(notice.pool)
-        identity = pool.identity if pool is not None else None
-        peer = self._reserving_peer(identity, req) if identity is not None else None
-        refusal: Refused | None = peer if isinstance(peer, Refused) else None
-        if pool is None or peer is None or isinstance(peer, Refused) or peer.agent != agent:
-            refusal = refusal or Refused(req.transfer_id, f"pooled request names no pool of yours ({notice.pool})")
-            grant: Grant | Refused = refusal
+        sender = self.handshake.peers.get(pool.identity) if pool is not None else None
+        grant: Grant | Refused
+        peer: SenderPeer | Refused | None = None
+        if pool is None or sender is None or sender.agent != agent:  # not this sender's pool: leave it alone
+            pool, grant = None, Refused(req.transfer_id, f"pooled request names no pool of yours ({notice.pool})")
         else:
-            grant = admit_pooled(req, self._view(pool.identity, peer, req.transfer_id), len(pool.blocks))
+            peer = self._reserving_peer(pool.identity, req)  # with a secret: the Reserve's proof
+            grant = (
+                peer
+                if isinstance(peer, Refused)
+                else admit_pooled(req, self._view(pool.identity, peer, req.transfer_id), len(pool.blocks))
+            )
         self.counters["pooled_requests"] += 1
         if isinstance(grant, Refused):
             self.counters["pooled_refused"] += 1
@@ -297,19 +302,28 @@ class KVReceiver:
                 min(req.num_tokens, self.config.chunk_size)
             )
             log.warning("transfer %s: %s", req.transfer_id, grant.reason)
-            owner = identity or next((i for i, p in self.handshake.peers.items() if p.agent == agent), None)
+            owner = (
+                pool.identity
+                if pool is not None
+                else next((i for i, p in self.handshake.peers.items() if p.agent == agent), None)
+            )
             if owner is not None:
                 self._reply(owner, grant)
             if pool is not None:  # the same blocks again, under a new generation
-                _, rest = book.pools.take(pool, 0)
-                self.loop.call_soon(lambda: self._offer_pool(pool.identity, pool.token, rest))
+                self._refill(pool, 0)
             return False
         assert pool is not None and isinstance(peer, SenderPeer)
-        blocks, rest = book.pools.take(pool, grant.blocks)
+        blocks = self._refill(pool, grant.blocks)
         self._open(pool.identity, peer, req, grant, blocks, [])
-        # after this pass's Landed went out: the request's round trip does not wait for the next pool
-        self.loop.call_soon(lambda: self._offer_pool(pool.identity, pool.token, rest))
         return True
+
+    def _refill(self, pool: PeerPool, n: int) -> list[int]:
+        """Take the pool's first ``n`` blocks for a request; its sender's next pool (the rest, topped up) is
+        granted once this pass's ``Landed`` went out: the request's round trip does not wait for it."""
+        blocks, rest = self.book.pools.take(pool, n)
+        identity, token = pool.identity, pool.token
+        self.loop.call_soon(lambda: self._offer_pool(identity, token, rest))
+        return blocks
 
     def _reserving_peer(self, identity: bytes, req: Reserve) -> SenderPeer | Refused:
         """The peer a Reserve comes from, authenticated (its proof checked with a secret), or why not."""

@@ -165,13 +165,12 @@ class Reservations:
         the usual way."""
         if codec != "none" or num_tokens > self.config.chunk_size:
             return None
+        peer = self.handshake.connect(address)  # cheap once connected; the data path proven before any write
         with self.cond:
-            peer = self.handshake.peers.get(address)
-            pool = peer.pool if peer is not None and peer.agent and not peer.dropped else None
+            pool = peer.pool if not peer.dropped else None
             needed = -(-num_tokens // self.block_size)
             if (
-                peer is None
-                or pool is None
+                pool is None
                 or len(pool.block_ids) < needed
                 or time.monotonic() - peer.pool_renewed > lease_margin(pool.lease_s, self.config.heartbeat_s)
                 or transfer_id in self.pending
