@@ -97,6 +97,23 @@ def test_a_refused_pooled_request_lands_nothing_and_its_bytes_are_discarded(make
         pair.receiver.wait("warm", 1)  # the claimed transfer stays over: the refused one did not reopen it
 
 
+def test_with_a_secret_the_pooled_reserve_carries_its_proof(make_pair: MakePair) -> None:
+    """The Reserve on a pooled chunk's notice is checked as one on the control plane: proven by the peer that
+    proved the secret at Hello, else refused and its bytes discarded."""
+    pair = make_pair(config=POOLED, secrets=("s3cret", "s3cret"))
+    warm(pair)
+    pair.allocator.free(push(pair, "proven", 20, [8, 9]))
+    assert pair.sender.stats()["reserved_from_pool"] == 1 and pair.receiver.stats().get("auth_failures", 0) == 0
+    pair.sender.reservations.secret = b"not-the-secret"  # its next proof is made with another secret
+    pooled_peer(pair, after=0)
+    xfer = pair.sender.open("forged", pair.receiver.address, 16, [30])
+    xfer.send_all()
+    with pytest.raises(ReservationError, match="proof does not check out"):
+        xfer.wait(10)
+    d = pair.receiver.stats()
+    assert d["auth_failures"] == 1 and d["pooled_refused"] == 1 and d["reservations"] == 0
+
+
 def test_a_claim_of_a_pool_that_is_not_the_senders_is_refused(make_pair: MakePair) -> None:
     """A notice naming a pool generation the receiver did not grant this sender (stale, or guessed) reserves
     nothing, and no pool changes hands."""
