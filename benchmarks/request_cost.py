@@ -38,12 +38,13 @@ def cpu_ns(pid: int) -> int:
     return total
 
 
-def one_request(rig: TransferRig, rid: str, tokens: int, table: list[int], peer: int) -> tuple[float, int, int]:
-    """Move one request as ``TransferRig.push`` does; (seconds, sender CPU ns, receiver CPU ns) of the transfer
-    alone, then check its KV bit for bit outside the measured part."""
+def one_request(rig: TransferRig, rid: str, tokens: int, table: list[int], peer: int) -> tuple[float, int, int, float]:
+    """Move one request as ``TransferRig.push`` does; (seconds, sender CPU ns, receiver CPU ns, seconds in
+    ``open``) of the transfer alone, then check its KV bit for bit outside the measured part."""
     rig.conn.send(("expect", [(rid, tokens)]))
     c0, p0, t0 = cpu_ns(os.getpid()), cpu_ns(peer), time.perf_counter()
     xfer = rig.sender.open(rid, rig.address, tokens, table)
+    opened = time.perf_counter()
     xfer.send_all()
     xfer.wait(60)
     t1, c1, p1 = time.perf_counter(), cpu_ns(os.getpid()), cpu_ns(peer)
@@ -51,7 +52,7 @@ def one_request(rig: TransferRig, rid: str, tokens: int, table: list[int], peer:
     _, digests = _recv(rig.conn, "the receiver's digests")
     if digests != [_digest(rig.layout, rig.kv, table, tokens)]:
         raise SystemExit(f"{rid}: the decode side holds other KV than was sent")
-    return t1 - t0, c1 - c0, p1 - p0
+    return t1 - t0, c1 - c0, p1 - p0, opened - t0
 
 
 def main() -> None:
@@ -95,6 +96,7 @@ def main() -> None:
                 out[str(tokens)] = {
                     "p50_ms": 1e3 * statistics.median(times),
                     "p90_ms": 1e3 * times[int(0.9 * (len(times) - 1))],
+                    "open_ms": 1e3 * statistics.median(r[3] for r in runs),  # the Reserve's round trip, or none
                     "sender_cpu_ms": statistics.median(r[1] for r in runs) / 1e6,
                     "receiver_cpu_ms": statistics.median(r[2] for r in runs) / 1e6,
                     "raw_ms": 1e3 * statistics.median(r[0] for r in raw_runs),

@@ -93,7 +93,9 @@ class Pools:
             self.discard(identity, token, keep)
             return None
         self.channel.grant(token, "write", self.target.block_ranges(fresh))
-        pool = PeerPool(next(self._generations), identity, token, keep + fresh, time.monotonic() + self.config.lease_s)
+        # in order: a request takes the first blocks, and adjacent ones are one descriptor (and frame) per tensor
+        blocks = sorted(keep + fresh)
+        pool = PeerPool(next(self._generations), identity, token, blocks, time.monotonic() + self.config.lease_s)
         self.by_peer[identity] = pool
         self.counters["pools_granted"] += 1
         return Pool(pool.generation, pool.blocks, self.config.lease_s)
