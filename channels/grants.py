@@ -13,13 +13,14 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
 
 from pdkv.errors import ChannelError
 
 Access = Literal["write", "read"]
 Range = tuple[int, int, int]  # (region, offset, length)
+Exposure = Literal["open", "granted", "closed"]
 
 
 class Grants:
@@ -56,6 +57,16 @@ class Grants:
     def unguard(self, region: int) -> None:
         with self._cond:
             self._guarded.discard(region)
+
+    def exposure(self, regions: Iterable[int], access: Access = "write") -> Exposure:
+        """Whether a peer may touch ``regions`` now: ``open`` (one is not guarded: any peer, any time),
+        ``granted`` (a grant in one is held), or ``closed``: nothing can arrive until a grant is made."""
+        with self._cond:
+            if any(region not in self._guarded for region in regions):
+                return "open"
+            if any(spans for (_, a, _), spans in self._ranges.items() if a == access):
+                return "granted"
+            return "closed"
 
     def grant(self, token: bytes, access: Access, ranges: Sequence[Range]) -> None:
         with self._cond:

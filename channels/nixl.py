@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 
 from pdkv.channels.base import Channel, ChannelOptions
+from pdkv.channels.grants import Access, Range
 from pdkv.channels.handle import Notification, TransferHandle, TransferOp, XferState, merge_ops
 from pdkv.channels.ucx_env import UCX_ENV_DEFAULTS, OpenChannels, apply_env_defaults, ucx_follow_host
 from pdkv.errors import ChannelError
@@ -58,10 +59,13 @@ class NixlOptions(ChannelOptions):
     progress_thread: bool = True  # NIXL's progress thread, event-driven (see module docstring)
     progress_delay_us: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 1000  # its longest sleep between wake-ups
     spin_s: Annotated[float, msgspec.Meta(ge=0)] = 0.005  # wait() busy-polls this long before backing off
-    # longest pause between polls in wait() and the watcher
+    # longest pause between polls in wait(), and the watcher's while a region is open to every peer
     max_poll_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.001
-    # the watcher's pause right after activity (see the module docstring)
+    # the watcher's pause right after activity (channels/README.md, "nixl")
     watch_min_s: Annotated[float, msgspec.Meta(gt=0)] = 0.00005
+    # the watcher's longest pause while a peer holds a write grant here (a reservation or a pool open: its
+    # notification may come any moment); with no grant and every region guarded it sleeps until an event
+    granted_poll_s: Annotated[float, msgspec.Meta(gt=0)] = 0.0002
     prep_cache_size: Annotated[int, msgspec.Meta(ge=1)] = 4096  # prepared descriptor lists kept per side
     num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # UCX backend worker threads (0: NIXL's default)
 
@@ -203,7 +207,9 @@ class NixlChannel(Channel):
         self._local_lists = _PrepCache(opts.prep_cache_size)
         self._remote_lists = _PrepCache(opts.prep_cache_size)
         self._closed = False
-        self._activity = threading.Event()  # set by a post: the watcher polls at its fastest again
+        # set by a post, a grant, a registration or close: the watcher polls at its fastest again
+        self._activity = threading.Event()
+        self.watch_polls = 0  # the watcher's passes: none while nothing can arrive
         self._watcher = threading.Thread(target=self._watch, name=f"nixl-{agent_name}-watch", daemon=True)
         self._watcher.start()
         _OPEN.add(self)
@@ -221,7 +227,14 @@ class NixlChannel(Channel):
                 raise ChannelError(
                     f"nixl: registering {meta.size} bytes of {meta.mem} failed: {describe_nixl_error(exc)}"
                 ) from exc
-            return self.regions.add(_Region(meta, reg, buf), meta.size)
+            region = self.regions.add(_Region(meta, reg, buf), meta.size)
+        self._activity.set()  # open to every peer until guarded: the watcher looks for notifications
+        return region
+
+    def grant(self, token: bytes, access: Access, ranges: Sequence[Range]) -> None:
+        """A peer may write here from now on: its notification is what the watcher waits for."""
+        super().grant(token, access, ranges)
+        self._activity.set()
 
     @staticmethod
     def _describe_buffer(buf: Any) -> _RegionMeta:
@@ -498,12 +511,14 @@ class NixlChannel(Channel):
         return count
 
     def _watch(self) -> None:
-        """Find finished transfers and new notifications for those who sleep until they happen (module docstring)."""
+        """Find finished transfers and new notifications for those who sleep until they happen (channels/README.md,
+        "nixl"): fast after an event, backing off while something may still come, asleep when nothing can."""
         opts: NixlOptions = self.options  # type: ignore[assignment]
-        pause = opts.watch_min_s
+        pause: float | None = opts.watch_min_s
         while not self._closed:
             self._activity.wait(pause)
             self._activity.clear()
+            self.watch_polls += 1
             try:
                 with self._lock:
                     pending = [h for h in self._inflight.values()]
@@ -514,7 +529,22 @@ class NixlChannel(Channel):
                 moved = 0
             with self._lock:
                 busy = bool(self._inflight)
-            pause = opts.watch_min_s if moved or busy else min(2 * pause, opts.max_poll_interval_s)
+            pause = self._next_pause(pause, bool(moved) or busy)
+
+    def _next_pause(self, pause: float | None, active: bool) -> float | None:
+        """The watcher's next pause: ``watch_min_s`` while things move, doubling up to ``granted_poll_s`` while a
+        peer holds a grant here or ``max_poll_interval_s`` while a region is open to every peer; None (sleep
+        until a post, grant, registration or close) when no notification can arrive."""
+        opts: NixlOptions = self.options  # type: ignore[assignment]
+        if active:
+            return opts.watch_min_s
+        with self._lock:
+            regions = [region for region, _ in self.regions.items()]
+        exposure = self.grants.exposure(regions)
+        if exposure == "closed":
+            return None
+        cap = opts.granted_poll_s if exposure == "granted" else opts.max_poll_interval_s
+        return min(2 * (pause or opts.watch_min_s), cap)
 
     # -- shutdown ------------------------------------------------------------
     def _check_open(self) -> None:

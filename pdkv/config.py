@@ -40,6 +40,10 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True):
     # hold at once, so no one peer (a runaway prefill, or anyone who reaches an unauthenticated port) can take all.
     max_reservations_per_peer: Positive = 512
     max_peer_blocks_share: Annotated[float, Meta(gt=0, le=1)] = 0.75
+    # Tokens of the receiver's blocks granted ahead to each sender (pdkv/transfer/README.md, "Pools"): a request
+    # of one chunk that fits is written at once, its Reserve riding on the chunk's notice, instead of waiting a
+    # round trip for room. 0 (the default): off; the receiver then holds no memory for a sender between requests.
+    pool_tokens: Annotated[int, Meta(ge=0)] = 0
     handshake_timeout_s: Seconds = 10.0
     reserve_timeout_s: Seconds = 10.0
     chunk_timeout_s: Seconds = 30.0

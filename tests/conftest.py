@@ -174,7 +174,9 @@ def make_pair(kv_memory: str) -> Iterator[MakePair]:
     for pair in made:
         pair.sender.close()
         wait_until(
-            lambda p=pair: p.receiver.stats()["reservations"] == 0, 10, "the receiver to release every reservation"
+            lambda p=pair: p.receiver.stats()["reservations"] == 0 and p.receiver.stats()["pooled_blocks"] == 0,
+            10,
+            "the receiver to release every reservation and pool",
         )
         free = pair.allocator.num_free
         slots = pair.receiver.stats()["free_staging_slots"]

@@ -8,7 +8,7 @@ import pytest
 
 from pdkv.config import TransferConfig
 from pdkv.layout import KVLayout
-from pdkv.transfer.admission import Grant, ReceiverView, admit
+from pdkv.transfer.admission import Grant, ReceiverView, admit, admit_pooled, writes_in_place
 from pdkv.transfer.protocol import Refused, Reserve
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
@@ -74,3 +74,28 @@ def test_each_rule_refuses_with_its_reason(
     got = admit(reserve, view(**changes))
     assert isinstance(got, Refused) and got.transfer_id == "t"
     assert reason in got.reason and got.retryable is retryable
+
+
+def test_a_pooled_request_of_one_chunk_in_place_is_granted_the_pools_blocks() -> None:
+    assert admit_pooled(Reserve("t", 30), view(), pool_blocks=2) == Grant("direct", blocks=2, slots=0, chunks=1)
+    assert writes_in_place(view()) and not writes_in_place(view(peer_layout=OTHER))
+
+
+@pytest.mark.parametrize(
+    ("reserve", "changes", "pool_blocks", "reason"),
+    [
+        (Reserve("t", 16), {"id_used": True}, 2, "pooled request refused: transfer id 't' was already used"),
+        (Reserve("t", 16), {"peer_blocks": (1, 1, 1)}, 2, "per-peer maximum of 3"),
+        (Reserve("t", 40), {}, 4, "2 chunks"),  # more than one chunk: its other notices would carry no Reserve
+        (Reserve("t", 32), {}, 1, "at most 1 blocks"),  # more than the pool
+        (Reserve("t", 16), {"peer_layout": OTHER}, 2, "staging"),  # not in place: the pool is blocks, not slots
+        (Reserve("t", 16, codec="zstd"), {}, 2, "staging"),
+    ],
+)
+def test_each_pool_rule_refuses_and_none_is_retryable(
+    reserve: Reserve, changes: dict[str, object], pool_blocks: int, reason: str
+) -> None:
+    """A pooled Reserve came with its bytes: refused, they are discarded and the sender's transfer fails, so a
+    refusal that says 'retry' would mislead."""
+    got = admit_pooled(reserve, view(**changes), pool_blocks)
+    assert isinstance(got, Refused) and reason in got.reason and not got.retryable

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import multiprocessing as mp
 import os
+import select
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -350,6 +351,32 @@ def test_in_process_pair_without_progress_thread_and_close(make_channel: Callabl
     with pytest.raises(ChannelError, match="closed"):
         a.write(name, [TransferOp(ra, 0, rb, 0, 1)])
     assert b.get_notifications() == []
+
+
+def test_watcher_sleeps_until_a_grant_and_then_delivers_the_notification(
+    make_channel: Callable[..., Channel],
+) -> None:
+    """A receiver whose regions are all guarded and granted to nobody can get no write: its watcher sleeps on an
+    event, with no timer. A grant wakes it, and the write's notification reaches the inbox's fd by itself."""
+    from pdkv.channels.nixl import NixlChannel
+
+    a, b = make_channel(), make_channel()
+    assert isinstance(b, NixlChannel)
+    src, dst = pattern(REGION, 3), torch.zeros(REGION, dtype=torch.uint8)
+    ra, rb = a.register(src), b.register(dst)
+    b.guard(rb)
+    name = a.add_peer(b.metadata())
+    time.sleep(0.05)  # the watcher's last passes from the registration, before the guard
+    asleep = b.watch_polls
+    time.sleep(0.2)  # a timer of 1 ms would have polled ~200 times here
+    assert b.watch_polls == asleep
+    b.grant(b"T" * 16, "write", [(rb, 0, REGION)])
+    handle = a.write(name, [TransferOp(ra, 0, rb, 0, REGION)], notif=b"granted", token=b"T" * 16)
+    a.wait(handle, 10.0)
+    readable, _, _ = select.select([b.notification_fd()], [], [], 10.0)
+    assert readable, "the watcher did not deliver the notification"
+    assert [n.payload for n in b.inbox.drain()] == [b"granted"] and torch.equal(src, dst)
+    assert b.watch_polls > asleep
 
 
 def test_progress_thread_delay_is_kept_and_the_binding_restored(make_channel: Callable[..., Channel]) -> None:

@@ -461,14 +461,14 @@ def test_receiver_restart_on_the_same_address_is_rehandshaked(make_pair: MakePai
 
 
 def test_a_peer_of_the_previous_protocol_is_refused_by_name(make_pair: MakePair) -> None:
-    """Protocol 3 called the transfer ``request_id``: its Hello is refused naming both versions, its Reserve is
-    malformed."""
+    """A peer of protocol 4 (no pools) is refused at its Hello naming both versions; protocol 3's Reserve (it
+    called the transfer ``request_id``) is malformed."""
     pair = make_pair()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(pair.receiver.address)
     try:
-        old = msgspec.structs.replace(pair.sender.hello(), protocol_version=3, nonce=new_nonce(), data_token=b"T" * 16)
+        old = msgspec.structs.replace(pair.sender.hello(), protocol_version=4, nonce=new_nonce(), data_token=b"T" * 16)
         sock.send(protocol.encode(old))
         sock.send(
             msgspec.msgpack.encode({"type": "reserve", "request_id": "r", "num_tokens": 16})
@@ -477,7 +477,7 @@ def test_a_peer_of_the_previous_protocol_is_refused_by_name(make_pair: MakePair)
     finally:
         sock.close(0)
     assert isinstance(answers[0], protocol.Error)
-    assert f"protocol_version (ours {protocol.PROTOCOL_VERSION}, peer 3" in answers[0].message
+    assert f"protocol_version (ours {protocol.PROTOCOL_VERSION}, peer 4" in answers[0].message
     # the old Reserve: dropped and counted, nothing reserved (it is read after the Hello was answered: wait for it)
     wait_until(lambda: pair.receiver.stats().get("malformed_messages") == 1, 5, "the old Reserve to be dropped")
     assert pair.allocator.num_free == pair.allocator.num_blocks

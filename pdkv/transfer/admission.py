@@ -71,13 +71,29 @@ def admit(req: Reserve, view: ReceiverView) -> Grant | Refused:
             retryable=blocks <= peer_cap,
         )
     chunks = -(-req.num_tokens // cfg.chunk_size)
-    direct = (
-        view.kv_in_reach
-        and view.peer_layout == view.layout
-        and cfg.chunk_size % view.layout.block_size == 0
-        and req.codec == "none"
-    )
+    direct = writes_in_place(view) and req.codec == "none"
     slots = 0 if direct else min(cfg.slots_per_request, chunks)
     if slots > view.free_slots:
         return Refused(tid, f"no staging slots free ({view.free_slots} of {cfg.staging_slots})", retryable=True)
     return Grant("direct" if direct else "staging", blocks, slots, chunks)
+
+
+def writes_in_place(view: ReceiverView) -> bool:
+    """Whether this peer's chunks can land straight in our blocks (direct mode): what a pool needs too."""
+    return view.kv_in_reach and view.peer_layout == view.layout and view.config.chunk_size % view.layout.block_size == 0
+
+
+def admit_pooled(req: Reserve, view: ReceiverView, pool_blocks: int) -> Grant | Refused:
+    """A Reserve that came with its chunk, written into the sender's pool of ``pool_blocks`` blocks: the rules
+    of ``admit``, and it must be one chunk written in place that fits the pool (refused, its bytes are
+    discarded; nothing retries it, so none of these refusals is retryable)."""
+    grant = admit(req, view)
+    if isinstance(grant, Refused):
+        return Refused(req.transfer_id, f"pooled request refused: {grant.reason}")
+    if grant.mode != "direct" or grant.chunks != 1 or grant.blocks > pool_blocks:
+        return Refused(
+            req.transfer_id,
+            f"pooled request of {req.num_tokens} tokens ({grant.mode}, {grant.chunks} chunks, {grant.blocks} blocks) "
+            f"does not fit a pool: one chunk written in place into at most {pool_blocks} blocks",
+        )
+    return grant

@@ -69,6 +69,14 @@ class ControlLoop:
         self._calls.put(fn)
         self._waker.wake()
 
+    def call_now_or_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` at once when called on the loop thread with nothing queued before it (a message the loop
+        itself sends: no wake-up, no hand-off); else as ``call_soon``, behind what is queued."""
+        if threading.current_thread() is self._thread and self._calls.empty():
+            fn()
+        else:
+            self.call_soon(fn)
+
     def stop(self, timeout: float = 5.0) -> None:
         """Run what is queued, then end the thread; idempotent."""
         if self._stop.is_set():
@@ -216,7 +224,8 @@ class DealerSockets:
         self._closed: weakref.WeakSet[Any] = weakref.WeakSet()  # keys closed for good: a late send must not reopen them
 
     def send(self, key: Any, address: str, identity: bytes, msg: protocol.Message) -> None:
-        self._loop.call_soon(lambda: self._send(key, address, identity, msg))
+        """Send from any thread, in order: the loop's own messages (Done, Cancel, Heartbeat) go out at once."""
+        self._loop.call_now_or_soon(lambda: self._send(key, address, identity, msg))
 
     def close_peer(self, key: Any) -> None:
         """Close ``key``'s socket for good (after what was already queued for it goes out)."""

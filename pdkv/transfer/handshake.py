@@ -51,6 +51,8 @@ class ReceiverPeer:
     nonce: bytes = field(default_factory=new_nonce)
     token: bytes = field(default_factory=lambda: os.urandom(16))  # our data connections' capability at this receiver
     hello_future: Future[Hello] = field(default_factory=Future)
+    pool: protocol.Pool | None = None  # blocks it granted us ahead, unused yet (README.md here, "Pools")
+    pool_renewed: float = 0.0  # when a heartbeat last renewed the pool's lease (or it arrived)
 
 
 @dataclass
@@ -225,9 +227,12 @@ class ReceiverHandshake:
         counters: collections.Counter[str],
         hello: Callable[[], Hello],
         reply: Callable[[bytes, protocol.Message], None],
+        on_admitted: Callable[[bytes, bytes], None],
     ) -> None:
+        """``on_admitted(identity, token)``: a peer was admitted (after its Hello was answered: the receiver
+        offers it a pool)."""
         self.channel, self.config, self.secret, self.lock, self.counters = channel, config, secret, lock, counters
-        self._hello, self._reply = hello, reply
+        self._hello, self._reply, self._on_admitted = hello, reply, on_admitted
         self.peers: dict[bytes, SenderPeer] = {}
         self.unproven: dict[bytes, tuple[Hello, bytes]] = {}  # identity -> (its Hello, our nonce)
 
@@ -243,6 +248,7 @@ class ReceiverHandshake:
         if not self.secret:
             if self._admit(identity, hello, b""):
                 self._reply(identity, ours)
+                self._on_admitted(identity, hello.data_token)
             return
         # with a secret: prove ours now, admit the peer once it proves its own (Auth)
         nonce = new_nonce()
@@ -266,7 +272,8 @@ class ReceiverHandshake:
             self.unproven[identity] = pending  # its Reserves are refused as unauthenticated
             self._reply(identity, protocol.Error("authentication failed: the shared secret does not match"))
             return
-        self._admit(identity, hello, nonce + hello.nonce)
+        if self._admit(identity, hello, nonce + hello.nonce):
+            self._on_admitted(identity, hello.data_token)
 
     def _admit(self, identity: bytes, hello: Hello, session: bytes) -> bool:
         """Make a compatible (and, with a secret, authenticated) peer reachable over the channel."""

@@ -30,7 +30,8 @@ from pdkv.transfer import protocol
 from pdkv.transfer.control import ControlLoop
 from pdkv.transfer.handshake import SenderPeer
 from pdkv.transfer.incoming import IncomingTransfer, ReceivedKV, ReceiveTarget, State
-from pdkv.transfer.protocol import Cancel, Done, Landed
+from pdkv.transfer.pool import Pools
+from pdkv.transfer.protocol import Cancel, ChunkNotice, Done, Landed
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,10 @@ class IncomingBook:
         lock: threading.Condition,
         peers: dict[bytes, SenderPeer],
         reply: Callable[[bytes, protocol.Message], None],
+        open_pooled: Callable[[str, ChunkNotice], bool],
     ) -> None:
+        """``open_pooled(agent, notice)``: admit the Reserve a chunk written into a pool came with (the
+        receiver's rules); False if refused (its bytes are then discarded)."""
         self.channel, self.target, self.allocator, self.config, self.counters, self.loop = (
             channel,
             target,
@@ -58,7 +62,8 @@ class IncomingBook:
             counters,
             loop,
         )
-        self.lock, self.peers, self.reply = lock, peers, reply
+        self.lock, self.peers, self.reply, self.open_pooled = lock, peers, reply, open_pooled
+        self.pools = Pools(channel, target, allocator, config, counters, self.fence)
         self.res: dict[str, IncomingTransfer] = {}
         self.gone: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.free_slots = list(range(config.staging_slots))
@@ -98,6 +103,7 @@ class IncomingBook:
     def renew(self, identity: bytes, transfer_ids: list[str]) -> None:
         deadline = time.monotonic() + self.config.lease_s
         with self.lock:
+            self.pools.renew(identity, deadline)
             for rid in transfer_ids:
                 r = self.res.get(rid)
                 if r is not None and r.identity == identity:
@@ -133,6 +139,8 @@ class IncomingBook:
             log.warning("dropping notification from %r: %s", notif.peer, exc)
             return None, -1
         with self.lock:
+            if notice.reserve is not None and not self.open_pooled(notif.peer, notice):
+                return None, -1  # refused: the bytes it wrote into the pool are discarded, the pool offered again
             r = self.res.get(notice.transfer_id)
             if r is None or r.peer_agent != notif.peer or r.state is not State.RECEIVING:
                 self.counters["stray_notices"] += 1
@@ -207,6 +215,7 @@ class IncomingBook:
         if peer is None:
             return
         self.channel.fence(peer.agent, peer.token)
+        self.pools.give_back(identity)
         for other in self.res.values():
             if other.identity == identity and other.state is State.RECEIVING:
                 self.fail(
@@ -225,6 +234,7 @@ class IncomingBook:
         now = time.monotonic()
         cfg = self.config
         with self.lock:
+            self.pools.reap(now)
             for r in list(self.res.values()):
                 if r.state is State.RECEIVING and now > r.lease_deadline:
                     self.counters["leases_expired"] += 1

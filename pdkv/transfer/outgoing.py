@@ -20,7 +20,7 @@ from pdkv.channels.handle import TransferHandle, TransferOp, XferState
 from pdkv.checksum import blocks_checksum, chunk_checksum, flat_bytes, frame_checksum
 from pdkv.codec import Codec
 from pdkv.config import TransferConfig
-from pdkv.errors import TransferCancelled, TransferError, TransferTimeout
+from pdkv.errors import ReservationError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.keys import chunk_spans
 from pdkv.layout import KVLayout, block_runs
 from pdkv.native import gather, gather_summed
@@ -29,6 +29,7 @@ from pdkv.transfer import protocol
 from pdkv.transfer.control import ControlLoop
 from pdkv.transfer.handshake import ReceiverPeer
 from pdkv.transfer.protocol import ChunkNotice, Landed, Reserved
+from pdkv.transfer.reservation import PoolClaim, lease_margin
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +115,12 @@ class OutgoingTransfer:
         block_table: Sequence[int],
         reserved: Reserved,
         codec: Codec,
+        claim: PoolClaim | None = None,
     ) -> None:
+        """``claim``: the transfer was written into the receiver's pool, not reserved: its one chunk's notice
+        carries the Reserve (README.md here, "Pools")."""
         self.ctx = ctx
+        self.claim = claim
         self.codec = codec  # how staged chunks go on the wire (``none``: as they are)
         self.cond = ctx.cond
         self.peer = peer
@@ -138,11 +143,12 @@ class OutgoingTransfer:
         self.wire_bytes = 0  # what the channel carried: less than bytes_sent with a compressing codec
         self.started = 0.0  # first chunk posted: transfer time excludes the wait for compute before it
         self.opened = time.monotonic()  # reservation granted: transfer_timeout_s counts from here, as on the receiver
-        self.renewed = self.opened  # last heartbeat posted for it: the receiver's lease runs from about here
-        # Past this long without a heartbeat the receiver may have reaped the reservation (two beats of slack
-        # for a renewal that was queued but not yet on the wire); its lease_s, not ours, is what counts.
+        # last heartbeat posted for it: the receiver's lease runs from about here (a pool's, from its last one)
+        self.renewed = claim.renewed if claim is not None else self.opened
+        # Past this long without a heartbeat the receiver may have reaped the reservation; its lease_s, not ours,
+        # is what counts.
         self.lease_s = reserved.lease_s
-        self.lease_margin = max(self.lease_s - 2 * ctx.config.heartbeat_s, self.lease_s / 2)
+        self.lease_margin = lease_margin(self.lease_s, ctx.config.heartbeat_s)
         self.finished_at = 0.0
         self._on_settled: list[Callable[[OutgoingTransfer], None]] = []
 
@@ -170,8 +176,11 @@ class OutgoingTransfer:
         try:
             ops, digest = self._staged_ops(local_slot, remote_slot, start, n) if staging else self._direct_ops(start, n)
             wire = sum(op.length for op in ops)
-            notice = protocol.encode(ChunkNotice(self.transfer_id, index, digest, remote_slot, wire if staging else 0))
-            handle = ctx.channel.write(self.peer.agent, ops, notice, token=self.peer.token)
+            notice = ChunkNotice(self.transfer_id, index, digest, remote_slot, wire if staging else 0)
+            if self.claim is not None:  # one chunk: the receiver admits the transfer as this notice arrives
+                notice.reserve, notice.pool = self.claim.reserve, self.claim.generation
+            notice_bytes = protocol.encode(notice)
+            handle = ctx.channel.write(self.peer.agent, ops, notice_bytes, token=self.peer.token)
         except Exception as exc:
             err = (
                 exc
@@ -224,6 +233,11 @@ class OutgoingTransfer:
     def cancel_by_receiver(self, reason: str) -> None:
         with self.cond:
             self.fail(TransferCancelled(f"receiver cancelled: {reason}"))
+
+    def refused(self, reason: str) -> None:
+        """The receiver refused the Reserve this transfer's chunk carried (a pooled transfer): it failed."""
+        with self.cond:
+            self.fail(ReservationError(f"receiver {self.peer.address} refused transfer {self.transfer_id!r}: {reason}"))
 
     def on_settled(self, fn: Callable[[OutgoingTransfer], None]) -> None:
         """Call ``fn(self)`` once no write of ours can touch the source blocks any more.

@@ -1,8 +1,9 @@
 """Control-plane messages: msgspec tagged structs, msgpack over pyzmq ROUTER/DEALER, every one in this file.
 
-Sender -> receiver: Hello, Auth, Reserve, Heartbeat, Cancel, Done. Receiver -> sender: Hello, Reserved, Refused,
-Landed, Cancel, Error. Chunk payloads never travel here: they go over the channel, each followed by a
-``ChunkNotice``. A change of any message is a ``PROTOCOL_VERSION`` bump (README.md here, "Names").
+Sender -> receiver: Hello, Auth, Reserve, Heartbeat, Cancel, Done, ReturnPool. Receiver -> sender: Hello, Reserved,
+Refused, Landed, Pool, Cancel, Error. Chunk payloads never travel here: they go over the channel, each followed by a
+``ChunkNotice`` (which carries the Reserve of a request written into the sender's pool, see ``Pool``). A change
+of any message is a ``PROTOCOL_VERSION`` bump (README.md here, "Names").
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from pdkv.layout import KVLayout
 
 # 4: the id of a transfer is ``transfer_id`` on the wire (it was ``request_id``, the HTTP request's name), and a
 # chunk's checksum is ``pdkv.checksum.chunk_checksum`` (computed on the device holding the bytes; was xxh3-64).
-PROTOCOL_VERSION = 4
+# 5: pre-granted pools (``Pool``, ``ReturnPool``, a ``ChunkNotice`` carrying its request's ``Reserve``).
+PROTOCOL_VERSION = 5
 
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_ID_LEN = 256
@@ -117,8 +119,27 @@ class Landed(msgspec.Struct, tag="landed", forbid_unknown_fields=True):
     chunk_indices: Annotated[list[NonNegInt], Meta(min_length=1, max_length=MAX_CHUNKS)]
 
 
+class Pool(msgspec.Struct, tag="pool", forbid_unknown_fields=True):
+    """Blocks granted ahead to one sender (``transfer.pool_tokens``): a one-chunk request may be written into
+    them before it is reserved, its Reserve travelling in the chunk's notice (README.md here, "Pools").
+
+    ``generation`` names this grant: a claim of an older one is refused. The sender holds it on the lease
+    its heartbeats renew, and uses it for one request; the receiver grants the next one after that.
+    """
+
+    generation: Annotated[int, Meta(ge=1)]
+    block_ids: Annotated[list[NonNegInt], Meta(min_length=1, max_length=MAX_CHUNKS)]
+    lease_s: Annotated[float, Meta(gt=0, le=86400)]
+
+
+class ReturnPool(msgspec.Struct, tag="return_pool", forbid_unknown_fields=True):
+    """Sender: it will not write into this pool (it closes): the receiver takes its blocks back now."""
+
+    generation: Annotated[int, Meta(ge=1)]
+
+
 class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):
-    """Renews the leases of the sender's open reservations."""
+    """Renews the leases of the sender's open reservations, and of its pool at this receiver."""
 
     transfer_ids: list[TransferId]
 
@@ -143,7 +164,7 @@ class Error(msgspec.Struct, tag="error", forbid_unknown_fields=True):
     message: str
 
 
-Message = Hello | Auth | Reserve | Reserved | Refused | Landed | Heartbeat | Cancel | Done | Error
+Message = Hello | Auth | Reserve | Reserved | Refused | Landed | Pool | ReturnPool | Heartbeat | Cancel | Done | Error
 
 
 class ChunkNotice(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -154,6 +175,11 @@ class ChunkNotice(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     checksum: NonNegInt
     slot: int  # staging slot index, or -1 for a direct write
     nbytes: NonNegInt = 0  # bytes written into the slot (an encoded chunk's frame); 0 for a direct write
+    # A request written into the sender's pool: its Reserve, and the generation of the pool it took its blocks
+    # from. The receiver admits it (``admission.admit_pooled``) before the chunk counts; refused, the bytes
+    # are discarded.
+    reserve: Reserve | None = None
+    pool: NonNegInt = 0
 
 
 _encoder = msgspec.msgpack.Encoder()

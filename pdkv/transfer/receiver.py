@@ -29,21 +29,24 @@ from pdkv.memory import adopt_kv, in_reach, memory_kind
 from pdkv.netaddr import zmq_address
 from pdkv.staging import DeviceStager, pinned_empty
 from pdkv.transfer import protocol
-from pdkv.transfer.admission import ReceiverView, admit
+from pdkv.transfer.admission import Grant, ReceiverView, admit, admit_pooled, writes_in_place
 from pdkv.transfer.control import ControlLoop, RouterSocket
-from pdkv.transfer.handshake import ReceiverHandshake
+from pdkv.transfer.handshake import ReceiverHandshake, SenderPeer
 from pdkv.transfer.incoming import IncomingTransfer, ReceivedKV, ReceiveTarget, State
 from pdkv.transfer.lifecycle import IncomingBook
+from pdkv.transfer.pool import PeerPool
 from pdkv.transfer.protocol import (
     HELLO_REQUIRED,
     Auth,
     Cancel,
+    ChunkNotice,
     Done,
     Heartbeat,
     Hello,
     Refused,
     Reserve,
     Reserved,
+    ReturnPool,
     reserve_fields,
 )
 
@@ -112,7 +115,14 @@ class KVReceiver:
         lock = threading.Condition()
         self.loop = ControlLoop("pdkv-receiver", min(_REAP_TICK_S, self.config.lease_s / 4), lambda: self.book.reap())
         self.handshake = ReceiverHandshake(
-            channel, self.config, self.secret, lock, self.counters, self.hello, self._reply
+            channel,
+            self.config,
+            self.secret,
+            lock,
+            self.counters,
+            self.hello,
+            self._reply,
+            lambda identity, token: self._offer_pool(identity, token, []),
         )
         self.book = IncomingBook(
             channel,
@@ -124,6 +134,7 @@ class KVReceiver:
             lock,
             self.handshake.peers,
             self._reply,
+            self._open_pooled,
         )
         self._router = RouterSocket(self.loop, host, port, self._on_message, self.counters)
         self.address = self._router.address
@@ -198,6 +209,7 @@ class KVReceiver:
             out["free_staging_slots"] = len(self.book.free_slots)
             out["reservations"] = len(self.book.res)
             out["reserved_blocks"] = sum(len(r.blocks) for r in self.book.res.values())
+            out["pooled_blocks"] = self.book.pools.blocks_held
         if self.target.stager is not None:  # device KV: staged chunks copied to the device and scattered there
             out["chunks_staged_to_device"] = self.target.stager.chunks_in
         return out
@@ -211,6 +223,7 @@ class KVReceiver:
             for r in list(self.book.res.values()):
                 self.book.free(r)
             self.book.res.clear()
+            self.book.pools.close()
             self.book.lock.notify_all()
         self._router.close()
 
@@ -230,11 +243,90 @@ class KVReceiver:
             self.book.renew(identity, msg.transfer_ids)
         elif isinstance(msg, (Cancel, Done)):
             self.book.sender_finished(identity, msg)
+        elif isinstance(msg, ReturnPool):
+            with self.book.lock:
+                self.book.pools.give_back(identity, msg.generation)
         else:
             self._reply(identity, protocol.Error(f"unexpected {type(msg).__name__} at the receiver"))
 
     def _on_reserve(self, identity: bytes, req: Reserve) -> protocol.Message:
         """Authenticated peers only; then the admission rules (``admission.admit``), then the blocks."""
+        peer = self._reserving_peer(identity, req)
+        if isinstance(peer, Refused):
+            return peer
+        book = self.book
+        with book.lock:
+            grant = admit(req, self._view(identity, peer, req.transfer_id))
+            if isinstance(grant, Refused):
+                self.counters["refused"] += 1
+                return grant
+            try:
+                blocks = self.allocator.allocate_for(req.transfer_id, grant.blocks)
+            except OutOfBlocksError as exc:
+                self.counters["refused"] += 1
+                return Refused(
+                    req.transfer_id,
+                    f"cannot hold {req.num_tokens} tokens: {exc}",
+                    retryable=grant.blocks <= self.target.num_blocks,
+                )
+            slots = [book.free_slots.pop() for _ in range(grant.slots)]
+            r = self._open(identity, peer, req, grant, blocks, slots)
+            self.channel.grant(peer.token, "write", book.granted(r))
+        return Reserved(
+            req.transfer_id, grant.mode, blocks, [s * self.target.slot_bytes for s in slots], self.config.lease_s
+        )
+
+    def _open_pooled(self, agent: str, notice: ChunkNotice) -> bool:
+        """A chunk written into a sender's pool, with its Reserve (I/O thread, holding the lock): the rules of
+        a Reserve (``admission.admit_pooled``), then the pool's blocks become the reservation's. Refused, its
+        bytes are discarded (counted) and the sender's pool is offered again."""
+        assert notice.reserve is not None
+        req, book = notice.reserve, self.book
+        pool = book.pools.owner(notice.pool)
+        sender = self.handshake.peers.get(pool.identity) if pool is not None else None
+        grant: Grant | Refused
+        peer: SenderPeer | Refused | None = None
+        if pool is None or sender is None or sender.agent != agent:  # not this sender's pool: leave it alone
+            pool, grant = None, Refused(req.transfer_id, f"pooled request names no pool of yours ({notice.pool})")
+        else:
+            peer = self._reserving_peer(pool.identity, req)  # with a secret: the Reserve's proof
+            grant = (
+                peer
+                if isinstance(peer, Refused)
+                else admit_pooled(req, self._view(pool.identity, peer, req.transfer_id), len(pool.blocks))
+            )
+        self.counters["pooled_requests"] += 1
+        if isinstance(grant, Refused):
+            self.counters["pooled_refused"] += 1
+            self.counters["pooled_bytes_discarded"] += self.layout.chunk_bytes(
+                min(req.num_tokens, self.config.chunk_size)
+            )
+            log.warning("transfer %s: %s", req.transfer_id, grant.reason)
+            owner = (
+                pool.identity
+                if pool is not None
+                else next((i for i, p in self.handshake.peers.items() if p.agent == agent), None)
+            )
+            if owner is not None:
+                self._reply(owner, grant)
+            if pool is not None:  # the same blocks again, under a new generation
+                self._refill(pool, 0)
+            return False
+        assert pool is not None and isinstance(peer, SenderPeer)
+        blocks = self._refill(pool, grant.blocks)
+        self._open(pool.identity, peer, req, grant, blocks, [])
+        return True
+
+    def _refill(self, pool: PeerPool, n: int) -> list[int]:
+        """Take the pool's first ``n`` blocks for a request; its sender's next pool (the rest, topped up) is
+        granted once this pass's ``Landed`` went out: the request's round trip does not wait for it."""
+        blocks, rest = self.book.pools.take(pool, n)
+        identity, token = pool.identity, pool.token
+        self.loop.call_soon(lambda: self._offer_pool(identity, token, rest))
+        return blocks
+
+    def _reserving_peer(self, identity: bytes, req: Reserve) -> SenderPeer | Refused:
+        """The peer a Reserve comes from, authenticated (its proof checked with a secret), or why not."""
         peer = self.handshake.peers.get(identity)
         if peer is None and identity in self.handshake.unproven:
             self.counters["auth_failures"] += 1
@@ -250,51 +342,58 @@ class KVReceiver:
                 req.transfer_id,
                 "the Reserve's proof does not check out: it was not made by the peer that proved the shared secret",
             )
-        book, cfg = self.book, self.config
+        return peer
+
+    def _view(self, identity: bytes, peer: SenderPeer, transfer_id: str) -> ReceiverView:
+        """What admission reads (caller holds the lock)."""
+        book = self.book
+        return ReceiverView(
+            self.config,
+            self.layout,
+            self.target.num_blocks,
+            self.target.codecs,
+            len(book.free_slots),
+            len(book.res),
+            transfer_id in book.res or transfer_id in book.gone,
+            peer.layout,
+            tuple(len(r.blocks) for r in book.res.values() if r.identity == identity),
+            peer.kv_reached and bool(self.kv_regions),
+        )
+
+    def _open(
+        self, identity: bytes, peer: SenderPeer, req: Reserve, grant: Grant, blocks: list[int], slots: list[int]
+    ) -> IncomingTransfer:
+        """Book an admitted reservation (caller holds the lock)."""
+        now = time.monotonic()
+        r = self.book.res[req.transfer_id] = IncomingTransfer(
+            req.transfer_id,
+            identity,
+            peer.agent,
+            req.num_tokens,
+            blocks,
+            slots,
+            grant.mode,
+            grant.chunks,
+            now,
+            now + self.config.lease_s,
+            peer.token,
+            req.prompt_key,
+            req.codec,
+        )
+        self.counters["reserved"] += 1
+        self.book.lock.notify_all()
+        return r
+
+    # -- pools (README.md here, "Pools") ------------------------------------------
+    def _offer_pool(self, identity: bytes, token: bytes, keep: list[int]) -> None:
+        """Grant ``identity`` a pool, if pools are on and its chunks can land in place (I/O thread). ``keep``:
+        blocks of its previous pool, still granted to ``token``."""
+        book = self.book
         with book.lock:
-            view = ReceiverView(
-                cfg,
-                self.layout,
-                self.target.num_blocks,
-                self.target.codecs,
-                len(book.free_slots),
-                len(book.res),
-                req.transfer_id in book.res or req.transfer_id in book.gone,
-                peer.layout,
-                tuple(len(r.blocks) for r in book.res.values() if r.identity == identity),
-                peer.kv_reached and bool(self.kv_regions),
-            )
-            grant = admit(req, view)
-            if isinstance(grant, Refused):
-                self.counters["refused"] += 1
-                return grant
-            try:
-                blocks = self.allocator.allocate_for(req.transfer_id, grant.blocks)
-            except OutOfBlocksError as exc:
-                self.counters["refused"] += 1
-                return Refused(
-                    req.transfer_id,
-                    f"cannot hold {req.num_tokens} tokens: {exc}",
-                    retryable=grant.blocks <= self.target.num_blocks,
-                )
-            slots = [book.free_slots.pop() for _ in range(grant.slots)]
-            now = time.monotonic()
-            r = book.res[req.transfer_id] = IncomingTransfer(
-                req.transfer_id,
-                identity,
-                peer.agent,
-                req.num_tokens,
-                blocks,
-                slots,
-                grant.mode,
-                grant.chunks,
-                now,
-                now + cfg.lease_s,
-                peer.token,
-                req.prompt_key,
-                req.codec,
-            )
-            self.channel.grant(peer.token, "write", book.granted(r))
-            self.counters["reserved"] += 1
-            book.lock.notify_all()
-        return Reserved(req.transfer_id, grant.mode, blocks, [s * self.target.slot_bytes for s in slots], cfg.lease_s)
+            peer = self.handshake.peers.get(identity)
+            if peer is None or peer.token != token or not writes_in_place(self._view(identity, peer, "")):
+                book.pools.discard(identity, token, keep)  # cut off (or fenced) since: nothing to offer
+                return
+            msg = book.pools.offer(identity, token, keep)
+        if msg is not None:
+            self._reply(identity, msg)

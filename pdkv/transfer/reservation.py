@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 
 from pdkv.auth import bound_proof
 from pdkv.config import TransferConfig
@@ -20,6 +21,22 @@ from pdkv.errors import ReservationError, TransferError, TransferTimeout
 from pdkv.transfer import protocol
 from pdkv.transfer.handshake import ReceiverPeer, SenderHandshake, answer
 from pdkv.transfer.protocol import HELLO_REQUIRED, Cancel, Refused, Reserve, Reserved, reserve_fields
+
+
+def lease_margin(lease_s: float, heartbeat_s: float) -> float:
+    """How long after its last heartbeat a lease is still surely ours: less two beats of slack for a renewal
+    that was queued but not yet on the wire."""
+    return max(lease_s - 2 * heartbeat_s, lease_s / 2)
+
+
+@dataclass(frozen=True)
+class PoolClaim:
+    """A transfer written into the receiver's pool instead of reserved first: the Reserve its chunk's notice
+    carries, the pool's generation, and when a heartbeat last renewed the pool (its lease counts from there)."""
+
+    reserve: Reserve
+    generation: int
+    renewed: float
 
 
 class Reservations:
@@ -116,10 +133,7 @@ class Reservations:
             if peer.dropped:  # lost since the handshake: its socket is closed, a Reserve would go nowhere
                 raise TransferError(peer.dropped)
             self.pending[transfer_id] = (peer, fut)
-        msg = Reserve(transfer_id, num_tokens, prompt_key, codec=codec)
-        if self.secret and peer.hello is not None:
-            msg.proof = bound_proof(self.secret, "reserve", peer.hello.nonce + peer.nonce, *reserve_fields(msg))
-        self._send(peer, msg)
+        self._send(peer, self._reserve(peer, transfer_id, num_tokens, prompt_key, codec))
         timeout = self.config.reserve_timeout_s
         try:
             return fut.result(timeout)
@@ -136,6 +150,45 @@ class Reservations:
         finally:
             with self.cond:
                 self.pending.pop(transfer_id, None)
+
+    def from_pool(
+        self,
+        address: str,
+        transfer_id: str,
+        num_tokens: int,
+        prompt_key: bytes,
+        codec: str,
+        is_open: Callable[[str], bool],
+    ) -> tuple[ReceiverPeer, Reserved, PoolClaim] | None:
+        """Take the pool the receiver at ``address`` granted us, when this transfer fits it: one chunk, no
+        codec, its lease surely still ours. (peer, the grant the pool stands for, the claim), or None: reserve
+        the usual way."""
+        if codec != "none" or num_tokens > self.config.chunk_size:
+            return None
+        peer = self.handshake.connect(address)  # cheap once connected; the data path proven before any write
+        with self.cond:
+            pool = peer.pool if not peer.dropped else None
+            needed = -(-num_tokens // self.block_size)
+            if (
+                pool is None
+                or len(pool.block_ids) < needed
+                or time.monotonic() - peer.pool_renewed > lease_margin(pool.lease_s, self.config.heartbeat_s)
+                or transfer_id in self.pending
+                or is_open(transfer_id)
+            ):
+                return None
+            peer.pool = None  # one request per pool: the receiver grants the next once it took this one
+            renewed = peer.pool_renewed
+        self.counters["reserved_from_pool"] += 1
+        grant = Reserved(transfer_id, "direct", pool.block_ids[:needed], [], pool.lease_s)
+        claim = PoolClaim(self._reserve(peer, transfer_id, num_tokens, prompt_key, codec), pool.generation, renewed)
+        return peer, grant, claim
+
+    def _reserve(self, peer: ReceiverPeer, transfer_id: str, num_tokens: int, prompt_key: bytes, codec: str) -> Reserve:
+        msg = Reserve(transfer_id, num_tokens, prompt_key, codec=codec)
+        if self.secret and peer.hello is not None:
+            msg.proof = bound_proof(self.secret, "reserve", peer.hello.nonce + peer.nonce, *reserve_fields(msg))
+        return msg
 
     def _check(self, reply: Reserved, num_tokens: int, codec: str) -> None:
         """A grant from the wire is checked before any write is built from it."""

@@ -31,8 +31,8 @@ from pdkv.transfer import protocol
 from pdkv.transfer.control import ControlLoop, DealerSockets
 from pdkv.transfer.handshake import ReceiverPeer, SenderHandshake
 from pdkv.transfer.outgoing import OutgoingTransfer, SendContext, SendCredit, SendSource
-from pdkv.transfer.protocol import Cancel, Done, Heartbeat, Hello, Landed, Refused, Reserved
-from pdkv.transfer.reservation import Reservations
+from pdkv.transfer.protocol import Cancel, Done, Heartbeat, Hello, Landed, Pool, Refused, Reserved, ReturnPool
+from pdkv.transfer.reservation import Reservations, lease_margin
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +152,17 @@ class KVSender:
                 f"transfer {transfer_id!r}: block table has {len(block_table)} blocks, {num_tokens} tokens need "
                 f"{self.layout.blocks_for(num_tokens)}"
             )
-        peer, reply = self.reservations.reserve(
+        pooled = self.reservations.from_pool(
             address, transfer_id, num_tokens, prompt_key, codec, self._transfers.__contains__
         )
-        xfer = OutgoingTransfer(self._ctx, peer, transfer_id, num_tokens, block_table, reply, self.codecs[codec])
+        if pooled is not None:  # no round trip: the Reserve rides on the chunk's notice
+            peer, reply, claim = pooled
+        else:
+            peer, reply = self.reservations.reserve(
+                address, transfer_id, num_tokens, prompt_key, codec, self._transfers.__contains__
+            )
+            claim = None
+        xfer = OutgoingTransfer(self._ctx, peer, transfer_id, num_tokens, block_table, reply, self.codecs[codec], claim)
         with self.cond:
             self._transfers[transfer_id] = xfer
         return xfer
@@ -178,6 +185,11 @@ class KVSender:
             deadline = time.monotonic() + self.config.drain_timeout_s
             while self._transfers and time.monotonic() < deadline:  # settling tells each receiver
                 self.cond.wait(deadline - time.monotonic())
+            pools = [(peer, peer.pool) for peer in self.handshake.peers.values() if peer.pool is not None]
+            for peer, _ in pools:
+                peer.pool = None
+        for peer, pool in pools:  # we write into none of them any more: the receivers take their blocks back now
+            self._send(peer, ReturnPool(pool.generation))
         self.loop.stop()
         self._dealers.close_all()
 
@@ -221,8 +233,17 @@ class KVSender:
             self.handshake.on_hello(peer, msg)
         elif isinstance(msg, protocol.Error):
             self.handshake.on_error(peer, msg)
+        elif isinstance(msg, Pool):
+            with self.cond:
+                if not peer.dropped:
+                    peer.pool, peer.pool_renewed = msg, time.monotonic()
         elif isinstance(msg, (Reserved, Refused)):
-            self.reservations.on_reply(peer, msg)
+            with self.cond:
+                xfer = self._transfers.get(msg.transfer_id)
+            if isinstance(msg, Refused) and xfer is not None and xfer.peer is peer and xfer.claim is not None:
+                xfer.refused(msg.reason)  # the Reserve its chunk carried
+            else:
+                self.reservations.on_reply(peer, msg)
         elif isinstance(msg, (Landed, Cancel)):
             with self.cond:
                 xfer = self._transfers.get(msg.transfer_id)
@@ -253,5 +274,13 @@ class KVSender:
                 if not xfer.peer.dropped and not xfer.settled:
                     by_peer.setdefault(xfer.peer.identity, (xfer.peer, []))[1].append(xfer.transfer_id)
                     xfer.renewed = now
+            for peer in self.handshake.peers.values():  # a pool is held on the same lease
+                if peer.pool is None:
+                    continue
+                if now - peer.pool_renewed > lease_margin(peer.pool.lease_s, self.config.heartbeat_s):
+                    peer.pool = None  # we were stalled: the receiver may have taken it back; never write into it
+                    continue
+                by_peer.setdefault(peer.identity, (peer, []))
+                peer.pool_renewed = now
         for peer, ids in by_peer.values():
             self._send(peer, Heartbeat(ids))

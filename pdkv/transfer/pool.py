@@ -1,0 +1,154 @@
+"""Blocks granted ahead to each sender, on the decode side: offer, take for one request, take back.
+
+A pool (``transfer.pool_tokens``) lets a one-chunk request skip the Reserve round trip: the sender writes
+the chunk into blocks already granted to its capability token and sends its Reserve in the chunk's notice;
+the receiver admits it then (README.md here, "Pools"). The rules that hold for reservations hold here:
+
+- every frame is still checked against a grant: the pool's blocks are granted to the sender's token, and a
+  request's frames land only in them;
+- a pool's blocks belong to one reservation or to the pool, never both, and go back to the allocator once;
+- its lease is the sender's heartbeat, like a reservation's; a pool whose lease lapsed is taken back and its
+  blocks wait ``drain_timeout_s`` (the late-write fence) before the sender is fenced and they are freed.
+
+Everything here runs under the receiver's lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdkv.blocks import BlockAllocator
+from pdkv.channels.base import Channel
+from pdkv.config import TransferConfig
+from pdkv.errors import OutOfBlocksError
+from pdkv.transfer.incoming import ReceiveTarget
+from pdkv.transfer.protocol import Pool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerPool:
+    """One sender's pool: blocks granted to its token, held on a lease its heartbeats renew."""
+
+    generation: int
+    identity: bytes
+    token: bytes
+    blocks: list[int]
+    lease_deadline: float
+    free_deadline: float = 0.0  # set once taken back without word from the sender: late writes are waited out
+
+
+class Pools:
+    """Every sender's pool, and the pools taken back that still wait out late writes."""
+
+    def __init__(
+        self,
+        channel: Channel,
+        target: ReceiveTarget,
+        allocator: BlockAllocator,
+        config: TransferConfig,
+        counters: collections.Counter[str],
+        fence: Callable[[bytes], None],
+    ) -> None:
+        """``fence(identity)``: cut a sender off the data plane (``IncomingBook.fence``), before its pool's
+        blocks are freed when a write of it may still land there."""
+        self.channel, self.target, self.allocator, self.config, self.counters, self._fence = (
+            channel,
+            target,
+            allocator,
+            config,
+            counters,
+            fence,
+        )
+        # One chunk's blocks at most: a pooled request is one chunk, so its notice is the only one it sends.
+        self.size = target.layout.blocks_for(min(config.pool_tokens, config.chunk_size)) if config.pool_tokens else 0
+        self.by_peer: dict[bytes, PeerPool] = {}
+        self.lapsed: list[PeerPool] = []
+        self._generations = itertools.count(1)
+
+    @property
+    def blocks_held(self) -> int:
+        return sum(len(p.blocks) for p in (*self.by_peer.values(), *self.lapsed))
+
+    def owner(self, generation: int) -> PeerPool | None:
+        return next((p for p in self.by_peer.values() if p.generation == generation), None)
+
+    def offer(self, identity: bytes, token: bytes, keep: list[int]) -> Pool | None:
+        """A new pool for ``identity`` (``keep``: blocks of its previous one it still holds, granted), or None
+        when the allocator has no room for it (then ``keep`` goes back too)."""
+        self.give_back(identity)
+        if not self.size:
+            self.discard(identity, token, keep)
+            return None
+        try:
+            fresh = self.allocator.allocate(self.size - len(keep)) if self.size > len(keep) else []
+        except OutOfBlocksError:
+            self.counters["pools_unavailable"] += 1
+            self.discard(identity, token, keep)
+            return None
+        self.channel.grant(token, "write", self.target.block_ranges(fresh))
+        # in order: a request takes the first blocks, and adjacent ones are one descriptor (and frame) per tensor
+        blocks = sorted(keep + fresh)
+        pool = PeerPool(next(self._generations), identity, token, blocks, time.monotonic() + self.config.lease_s)
+        self.by_peer[identity] = pool
+        self.counters["pools_granted"] += 1
+        return Pool(pool.generation, pool.blocks, self.config.lease_s)
+
+    def take(self, pool: PeerPool, n: int) -> tuple[list[int], list[int]]:
+        """Hand the first ``n`` blocks to a request; (its blocks, the rest, still granted to the same token)."""
+        del self.by_peer[pool.identity]
+        return pool.blocks[:n], pool.blocks[n:]
+
+    def renew(self, identity: bytes, deadline: float) -> None:
+        pool = self.by_peer.get(identity)
+        if pool is not None:
+            pool.lease_deadline = deadline
+
+    def give_back(self, identity: bytes, generation: int = 0) -> None:
+        """The sender returned its pool (or was cut off): take the grant back, free the blocks (``generation``:
+        only that pool's)."""
+        pool = self.by_peer.get(identity)
+        if pool is None or (generation and pool.generation != generation):
+            return
+        del self.by_peer[identity]
+        self.discard(identity, pool.token, pool.blocks)
+
+    def reap(self, now: float) -> None:
+        """Take back pools whose lease lapsed; free those that waited out late writes, fencing their senders
+        first (they never said they stopped writing)."""
+        for pool in [p for p in self.by_peer.values() if now > p.lease_deadline]:
+            del self.by_peer[pool.identity]
+            self.channel.revoke(pool.token, "write", self.target.block_ranges(pool.blocks), 0)
+            pool.free_deadline = now + self.config.drain_timeout_s
+            self.lapsed.append(pool)
+            self.counters["pools_lapsed"] += 1
+            log.warning("a sender's pool lease lapsed (no heartbeat for %.3gs): taking it back", self.config.lease_s)
+        over = [p for p in self.lapsed if now > p.free_deadline]
+        self.lapsed = [p for p in self.lapsed if now <= p.free_deadline]
+        for pool in over:
+            self.counters["fences"] += 1
+            self._fence(pool.identity)
+            self.allocator.free(pool.blocks)
+
+    def close(self) -> None:
+        for identity in list(self.by_peer):
+            self.give_back(identity)
+        for pool in self.lapsed:
+            self.allocator.free(pool.blocks)
+        self.lapsed = []
+
+    def discard(self, identity: bytes, token: bytes, blocks: list[int]) -> None:
+        """Blocks of a pool no one holds any more: revoke, then free; a frame still landing after
+        ``drain_timeout_s`` gets its sender fenced first."""
+        if blocks and not self.channel.revoke(
+            token, "write", self.target.block_ranges(blocks), self.config.drain_timeout_s
+        ):
+            self.counters["fences"] += 1
+            self._fence(identity)
+        self.allocator.free(blocks)

@@ -1,0 +1,224 @@
+"""Pre-granted pools (``transfer.pool_tokens``): a one-chunk request written before it is reserved, its Reserve on
+the chunk's notice, and the guarantees that still hold: admission, grants on every frame, exactly-once free,
+the late-write fence."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import msgspec
+import pytest
+import torch
+
+from pdkv.bench.transfer import TransferRig
+from pdkv.channels.base import Channel
+from pdkv.config import TransferConfig
+from pdkv.errors import ChannelError, ReservationError, TransferError
+from pdkv.layout import KVLayout
+from pdkv.transfer import protocol
+from pdkv.transfer.handshake import ReceiverPeer
+
+from tests.conftest import MakePair, Pair, wait_until
+from tests.test_transfer import assert_same_kv, push
+
+POOLED = TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2, pool_tokens=32)  # 2 blocks of 16 tokens
+
+
+def pooled_peer(pair: Pair, after: int = 0) -> ReceiverPeer:
+    """The sender's record of the pair's receiver once it holds a pool newer than generation ``after``."""
+
+    def ready() -> bool:
+        peer = pair.sender.handshake.peers.get(pair.receiver.address)
+        return peer is not None and peer.pool is not None and peer.pool.generation > after
+
+    wait_until(ready, 5, "the receiver to grant the sender a pool")
+    return pair.sender.handshake.peers[pair.receiver.address]
+
+
+def warm(pair: Pair) -> ReceiverPeer:
+    """Handshake with one ordinary request; the pool is granted right after the Hello."""
+    pair.allocator.free(push(pair, "warm", 64, [0, 1, 2, 3]))  # two chunks: always reserved the usual way
+    wait_until(lambda: pair.sender.stats()["open_transfers"] == 0, 5, "the sender to settle 'warm'")
+    return pooled_peer(pair)
+
+
+def test_a_one_chunk_request_is_written_into_the_pool_without_a_reserve(make_pair: MakePair) -> None:
+    pair = make_pair(config=POOLED)
+    peer = warm(pair)
+    pool = peer.pool
+    assert pool is not None and len(pool.block_ids) == 2
+    assert pair.receiver.stats()["pooled_blocks"] == 2
+    reserved = pair.receiver.stats()["reserved"]
+    table = [10, 11]
+    xfer = pair.sender.open("pooled", pair.receiver.address, 30, table, prompt_key=b"K" * 16)
+    assert xfer.mode == "direct" and xfer.remote_blocks == pool.block_ids  # the pool's blocks, no round trip
+    assert peer.pool is None  # one request per pool
+    xfer.send_all()
+    xfer.wait(10)
+    got = pair.receiver.wait("pooled", 10, prompt_key=b"K" * 16)
+    assert got.blocks == pool.block_ids and got.num_tokens == 30
+    assert_same_kv(pair, table, got.blocks, 30)
+    assert pair.sender.stats()["reserved_from_pool"] == 1
+    d = pair.receiver.stats()
+    assert d["pooled_requests"] == 1 and d["reserved"] == reserved + 1 and d["bytes_landed"] > 0
+    assert d.get("pooled_refused", 0) == 0
+    nxt = pooled_peer(pair, after=pool.generation).pool  # the next pool, granted after the request took this one
+    assert nxt is not None and not set(nxt.block_ids) & set(got.blocks)  # granted while the request held its own
+    pair.allocator.free(got.blocks)
+    # more than one chunk, or more tokens than the pool holds: reserved the usual way
+    pair.allocator.free(push(pair, "two-chunks", 48, [20, 21, 22]))
+    assert pair.sender.stats()["reserved_from_pool"] == 1
+
+
+def test_a_refused_pooled_request_lands_nothing_and_its_bytes_are_discarded(make_pair: MakePair) -> None:
+    """A pooled Reserve the rules refuse (here: a transfer id used before) opens no reservation: its bytes,
+    written into the pool, count for nothing, no other block is touched, and the pool is granted again."""
+    pair = make_pair(config=POOLED)
+    peer = warm(pair)
+    pool = peer.pool
+    assert pool is not None
+    outside = [i for i in range(pair.allocator.num_blocks) if i not in pool.block_ids]
+    before = [t.clone() for t in pair.d_kv]
+    landed = pair.receiver.stats()["chunks_landed"]
+    xfer = pair.sender.open("warm", pair.receiver.address, 16, [30])  # "warm" was used on this receiver
+    xfer.send_all()
+    with pytest.raises(ReservationError, match="already used"):
+        xfer.wait(10)
+    d = pair.receiver.stats()
+    assert d["pooled_refused"] == 1 and d["pooled_bytes_discarded"] == pair.d_layout.chunk_bytes(16)
+    assert d["chunks_landed"] == landed and d["reservations"] == 0
+    for a, b in zip(pair.d_kv, before, strict=True):
+        assert torch.equal(a[outside], b[outside])  # nothing landed outside the blocks granted to the pool
+    again = pooled_peer(pair, after=pool.generation).pool
+    assert again is not None and again.block_ids == pool.block_ids  # the same blocks, a new generation
+    assert pair.allocator.num_free == pair.allocator.num_blocks - 2
+    with pytest.raises(TransferError):
+        pair.receiver.wait("warm", 1)  # the claimed transfer stays over: the refused one did not reopen it
+
+
+def test_with_a_secret_the_pooled_reserve_carries_its_proof(make_pair: MakePair) -> None:
+    """The Reserve on a pooled chunk's notice is checked as one on the control plane: proven by the peer that
+    proved the secret at Hello, else refused and its bytes discarded."""
+    pair = make_pair(config=POOLED, secrets=("s3cret", "s3cret"))
+    warm(pair)
+    pair.allocator.free(push(pair, "proven", 20, [8, 9]))
+    assert pair.sender.stats()["reserved_from_pool"] == 1 and pair.receiver.stats().get("auth_failures", 0) == 0
+    pair.sender.reservations.secret = b"not-the-secret"  # its next proof is made with another secret
+    pooled_peer(pair, after=0)
+    xfer = pair.sender.open("forged", pair.receiver.address, 16, [30])
+    xfer.send_all()
+    with pytest.raises(ReservationError, match="proof does not check out"):
+        xfer.wait(10)
+    d = pair.receiver.stats()
+    assert d["auth_failures"] == 1 and d["pooled_refused"] == 1 and d["reservations"] == 0
+
+
+def test_a_claim_of_a_pool_that_is_not_the_senders_is_refused(make_pair: MakePair) -> None:
+    """A notice naming a pool generation the receiver did not grant this sender (stale, or guessed) reserves
+    nothing, and no pool changes hands."""
+    pair = make_pair(config=POOLED)
+    peer = warm(pair)
+    pool = peer.pool
+    assert pool is not None
+    peer.pool = msgspec.structs.replace(pool, generation=pool.generation + 100)
+    xfer = pair.sender.open("stale", pair.receiver.address, 16, [30])
+    xfer.send_all()
+    with pytest.raises(ReservationError, match="names no pool of yours"):
+        xfer.wait(10)
+    d = pair.receiver.stats()
+    assert d["pooled_refused"] == 1 and d["reservations"] == 0 and d["pooled_blocks"] == 2
+    assert pair.receiver.book.pools.by_peer[next(iter(pair.receiver.book.pools.by_peer))].generation == pool.generation
+
+
+def _pool_writable(channel: Channel, peer: ReceiverPeer, region: int, block_bytes: int, block: int) -> bool:
+    try:
+        ticket = channel.grants.begin(peer.token, "write", region, block * block_bytes, block_bytes)
+    except ChannelError:
+        return False
+    channel.grants.end(ticket)
+    return True
+
+
+def test_a_dead_senders_pool_is_taken_back_fenced_and_freed(make_pair: MakePair) -> None:
+    cfg = TransferConfig(chunk_size=32, lease_s=0.4, heartbeat_s=0.1, drain_timeout_s=0.2, pool_tokens=32)
+    pair = make_pair(config=cfg)
+    peer = warm(pair)
+    assert peer.pool is not None
+    block, region, size = peer.pool.block_ids[0], pair.receiver.kv_regions[0], pair.d_layout.block_bytes
+    assert _pool_writable(pair.d_channel, peer, region, size, block)
+    pair.sender.loop.stop()  # the sender's process "dies": no heartbeat renews the pool
+    wait_until(lambda: pair.receiver.stats().get("pools_lapsed") == 1, 5, "the pool's lease to lapse")
+    assert not _pool_writable(pair.d_channel, peer, region, size, block)  # its grant is gone at once
+    wait_until(lambda: pair.receiver.stats()["pooled_blocks"] == 0, 5, "the pool to wait out late writes and be freed")
+    assert pair.allocator.num_free == pair.allocator.num_blocks
+    assert pair.receiver.stats()["fences"] >= 1  # it never said it stopped writing: cut off before the free
+
+
+def test_a_stalled_sender_drops_its_lapsed_pool_and_handshakes_again(make_pair: MakePair) -> None:
+    """A sender frozen past its pool's lease never writes into it after it resumes (the receiver took it back
+    and fenced the sender): it forgets the pool, reserves the usual way and handshakes again."""
+    cfg = TransferConfig(chunk_size=32, lease_s=0.4, heartbeat_s=0.1, drain_timeout_s=0.2, pool_tokens=32)
+    pair = make_pair(config=cfg)
+    warm(pair)
+    with pair.sender.cond:  # frozen: its I/O loop blocks at this lock, no heartbeat leaves it
+        wait_until(lambda: pair.receiver.stats()["pooled_blocks"] == 0, 5, "the receiver to take the pool back")
+        time.sleep(cfg.heartbeat_s)
+    blocks = push(pair, "after-stall", 16, [40])
+    assert pair.sender.stats().get("reserved_from_pool", 0) == 0
+    assert_same_kv(pair, [40], blocks, 16)
+    pair.allocator.free(blocks)
+    assert pair.receiver.stats()["fences"] >= 1
+
+
+def test_a_closing_sender_returns_its_pool_at_once(make_pair: MakePair) -> None:
+    pair = make_pair(config=TransferConfig(chunk_size=32, lease_s=60, pool_tokens=32))
+    warm(pair)
+    assert pair.receiver.stats()["pooled_blocks"] == 2
+    pair.sender.close()
+    wait_until(lambda: pair.receiver.stats()["pooled_blocks"] == 0, 5, "the returned pool to be freed")
+    assert pair.allocator.num_free == pair.allocator.num_blocks
+    assert pair.receiver.stats().get("fences", 0) == 0  # returned, not lapsed: nothing to fence
+
+
+def test_pool_and_notice_messages_round_trip() -> None:
+    reserve = protocol.Reserve("t", 16, b"k")
+    notice = protocol.ChunkNotice("t", 0, 7, -1, 0, reserve, 3)
+    assert protocol.decode_notice(protocol.encode(notice)) == notice
+    plain = protocol.decode_notice(protocol.encode(protocol.ChunkNotice("t", 0, 7, -1)))
+    assert plain.reserve is None and plain.pool == 0
+    for msg in (protocol.Pool(1, [4, 5], 15.0), protocol.ReturnPool(1)):
+        assert protocol.decode(protocol.encode(msg)) == msg
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode(protocol.encode(protocol.Pool(1, [], 15.0)))  # a pool of no blocks is malformed
+
+
+@pytest.mark.parametrize(
+    "channel",
+    [
+        "tcp",
+        pytest.param(
+            "nixl",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("nixl") is None, reason="the 'nixl' extra is not installed"
+            ),
+        ),
+    ],
+)
+def test_pooled_requests_over_real_channels_land_bit_exact(channel: str) -> None:
+    """Receiver in another process, real sockets or NIXL agents: one-chunk requests go through the pool, each
+    bit for bit (``TransferRig.push`` checks), and the receiver holds only the pool afterwards."""
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype="bfloat16")
+    cfg = TransferConfig(chunk_size=64, lease_s=10, drain_timeout_s=2, max_peer_blocks_share=1.0, pool_tokens=64)
+    with TransferRig(channel, layout, 64, 32, cfg, sender_layout=layout) as rig:
+        rig.push([("first", 100)])  # handshake: the pool comes after the Hello
+        for i in range(4):
+            wait_until(
+                lambda: any(p.pool is not None for p in rig.sender.handshake.peers.values()), 5, "a pool at the sender"
+            )
+            rig.push([(f"pooled-{i}", 40 + i)])
+        sent = rig.sender.stats()
+        wait_until(lambda: rig.receiver_stats()["reservations"] == 0, 10, "the receiver to free every reservation")
+        got = rig.receiver_stats()
+    assert sent["reserved_from_pool"] == got["pooled_requests"] == 4 and got.get("pooled_refused", 0) == 0
+    assert got["claimed"] == 5 and got["free_blocks"] + got["pooled_blocks"] == 32 and got["pooled_blocks"] == 4
