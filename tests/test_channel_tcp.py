@@ -452,7 +452,16 @@ def _hello(name: bytes = b"evil") -> bytes:
 def _data(
     region: int, offset: int, length: int, *, flags: int = LAST, shares: int = 1, notif: int = 0, xfer: int = 1
 ) -> bytes:
-    return _hdr(wire.DATA, flags=flags, shares=shares, aux=region, notif=notif, xfer=xfer, offset=offset, length=length)
+    """A DATA frame's header and its table of one run."""
+    return bytes(wire.data_frame(xfer, [(region, offset, length)], length, flags, shares, notif))
+
+
+def _runs(runs: list[tuple[int, int, int]], length: int | None = None, nruns: int | None = None) -> bytes:
+    """A LAST DATA frame's header and run table that may lie: ``length`` and ``nruns`` override the true ones."""
+    frame = wire.data_frame(1, runs, sum(n for _, _, n in runs) if length is None else length, LAST, 1)
+    if nruns is not None:
+        frame[: HEADER.size] = _hdr(wire.DATA, flags=LAST, shares=1, aux=nruns, xfer=1, length=length or 0)
+    return bytes(frame)
 
 
 # name -> (bytes the attacker sends, range of region 0 its valid prefix may legitimately write)
@@ -482,6 +491,22 @@ HOSTILE: dict[str, tuple[bytes, tuple[int, int]]] = {
     "ack from initiator": (_hello() + _hdr(wire.ACK, aux=1, xfer=1), (0, 0)),
     "truncated header": (_hello() + _data(0, 0, 16)[:20], (0, 0)),
     "truncated payload": (_hello() + _data(0, 1000, 5000) + b"z" * 100, (1000, 1100)),
+    # a DATA frame's runs are all checked before any of them lands: one bad run, and nothing of the frame lands
+    "no runs": (_hello() + _runs([], 16) + b"x" * 16, (0, 0)),
+    "more runs than allowed": (
+        _hello() + _runs([(0, 16 * i, 16) for i in range(wire.MAX_RUNS + 1)]) + b"x" * 16 * (wire.MAX_RUNS + 1),
+        (0, 0),
+    ),
+    "a run count that lies": (_hello() + _runs([(0, 0, 16)], 16, nruns=wire.MAX_RUNS) + b"x" * 16, (0, 0)),
+    "a zero-length run": (_hello() + _runs([(0, 0, 16), (0, 100, 0)]) + b"x" * 16, (0, 0)),
+    "overlapping runs": (_hello() + _runs([(0, 0, 16), (0, 200, 16), (0, 8, 16)]) + b"x" * 48, (0, 0)),
+    "a run past the region": (_hello() + _runs([(0, 0, 16), (0, REGION - 8, 16)]) + b"x" * 32, (0, 0)),
+    "a run in an unknown region": (_hello() + _runs([(0, 0, 16), (7, 0, 16)]) + b"x" * 32, (0, 0)),
+    "runs that miss the length": (_hello() + _runs([(0, 0, 16), (0, 100, 16)], 48) + b"x" * 48, (0, 0)),
+    "the offset field set": (_hello() + _hdr(wire.DATA, flags=LAST, shares=1, aux=1, offset=1, length=16), (0, 0)),
+    "truncated run table": (_hello() + _runs([(0, 0, 16), (0, 100, 16)])[: HEADER.size + 30], (0, 0)),
+    # bytes of a cut-off frame may land only inside its runs, and it never counts: no notification, no ACK
+    "truncated body": (_hello() + _runs([(0, 0, 16), (0, 100, 5000)]) + b"z" * 100, (0, 5100)),
 }
 
 

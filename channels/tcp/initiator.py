@@ -20,7 +20,18 @@ from pdkv.channels.handle import TransferHandle, TransferOp, merge_ops
 from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp.link import Batch, Link
 from pdkv.channels.tcp.options import Agent
-from pdkv.channels.tcp.wire import DATA, HDR_SIZE, HEADER, LAST, MAGIC, NOTIF_FOLLOWS, READ_REQ, VERSION, Meta
+from pdkv.channels.tcp.wire import (
+    HDR_SIZE,
+    HEADER,
+    LAST,
+    MAGIC,
+    MAX_RUNS,
+    NOTIF_FOLLOWS,
+    READ_REQ,
+    VERSION,
+    Meta,
+    data_frame,
+)
 from pdkv.errors import ChannelError
 
 
@@ -174,25 +185,35 @@ class Initiator:
         return home
 
     def _write_batch(self, xfer: int, share: list[TransferOp], nshares: int, notif: bytes | None) -> Batch:
-        """DATA frames of one share, the last flagged LAST (and NOTIF); headers in one buffer, payloads as views."""
-        hdrs = memoryview(bytearray(HDR_SIZE * len(share)))
+        """The share as vectored DATA frames (usually one): a header and run table, then the runs' bytes as views.
+
+        A frame holds at most ``MAX_RUNS`` runs and ``max_frame_bytes``; the
+        last is flagged LAST (and NOTIF, with the notification after it).
+        """
+        max_frame = self.agent.opts.max_frame_bytes
+        regions = self._regions
+        frames: list[tuple[list[tuple[int, int, int]], list[memoryview], int]] = []
+        runs: list[tuple[int, int, int]] = []
+        views: list[memoryview] = []
+        size = nbytes = 0
+        for op in share:  # _split cut every op to at most max_frame bytes
+            if runs and (len(runs) == MAX_RUNS or size + op.length > max_frame):
+                frames.append((runs, views, size))
+                runs, views, size = [], [], 0
+            runs.append((op.remote_region, op.remote_offset, op.length))
+            views.append(regions[op.local_region][op.local_offset : op.local_offset + op.length])
+            size += op.length
+        frames.append((runs, views, size))
         bufs: list[Any] = []
-        nbytes = 0
-        last = len(share) - 1
-        for i, op in enumerate(share):
+        last = len(frames) - 1
+        for i, (runs, views, size) in enumerate(frames):
             if i < last:
-                flags = shares = nlen = 0
+                bufs.append(data_frame(xfer, runs, size))
             else:
-                flags, shares, nlen = (
-                    (LAST, nshares, 0) if notif is None else (LAST | NOTIF_FOLLOWS, nshares, len(notif))
-                )
-            at = i * HDR_SIZE
-            HEADER.pack_into(
-                hdrs, at, MAGIC, VERSION, DATA, flags, shares, op.remote_region, nlen, xfer, op.remote_offset, op.length
-            )
-            bufs.append(hdrs[at : at + HDR_SIZE])
-            bufs.append(self._regions[op.local_region][op.local_offset : op.local_offset + op.length])
-            nbytes += op.length
+                flags = LAST if notif is None else LAST | NOTIF_FOLLOWS
+                bufs.append(data_frame(xfer, runs, size, flags, nshares, len(notif) if notif else 0))
+            bufs += views
+            nbytes += size
         if notif:
             bufs.append(notif)
         return Batch(bufs, nbytes)
