@@ -217,6 +217,29 @@ def test_read_of_several_ops_lands_in_local_regions_then_notifies_the_target(loc
     assert peer.call("notifs", 10.0) == [("local", b"r1")]
 
 
+def test_a_write_of_more_runs_than_a_frame_holds_goes_as_several_frames_and_lands_exactly(
+    local: Local, peer: Peer
+) -> None:
+    r0, _, _ = peer.regions
+    peer.call("fill", r0, 12)
+    s, n = local.src_region, wire.MAX_RUNS + 100
+    ops = [TransferOp(s, 32 * i, r0, 48 * i + 5, 16) for i in range(n)]  # gaps on both sides: nothing merges
+    frames = [
+        HEADER.unpack_from(buf)
+        for buf in local.channel.initiator._write_batch(1, ops, 1, b"n").bufs
+        if isinstance(buf, bytearray)
+    ]
+    assert [(f[2], f[5], f[3] & LAST) for f in frames] == [(wire.DATA, wire.MAX_RUNS, 0), (wire.DATA, 100, LAST)]
+
+    local.channel.wait(local.channel.write("remote", ops, notif=b"runs"), CALL_TIMEOUT)
+
+    expected = bytearray(pattern(12, REMOTE_SIZES[0]))
+    for op in ops:
+        expected[op.remote_offset : op.remote_offset + 16] = local.src[op.local_offset : op.local_offset + 16]
+    assert peer.call("crc", r0, 0, REMOTE_SIZES[0]) == zlib.crc32(expected)
+    assert peer.call("notifs", 10.0) == [("local", b"runs")]
+
+
 @pytest.mark.parametrize("seed", [30, 31, 32])
 def test_large_write_is_split_across_streams_and_notified_only_after_every_share_landed(
     local: Local, peer: Peer, seed: int
@@ -298,6 +321,18 @@ def test_peer_killed_mid_transfer_fails_the_handle_and_its_restart_is_reachable(
         assert restarted.call("notifs", 10.0) == [("killer", b"again")]
     finally:
         restarted.stop()
+        channel.close()
+
+
+def test_metadata_of_the_previous_wire_version_is_refused() -> None:
+    channel = TcpChannel("current")
+    try:
+        old = msgspec.msgpack.encode(
+            {"name": "old", "host": "127.0.0.1", "port": 1, "instance": 1, "regions": {}, "version": VERSION - 1}
+        )
+        with pytest.raises(ChannelError, match=f"speaks protocol {VERSION - 1}, this agent {VERSION}; upgrade both"):
+            channel.add_peer(old)
+    finally:
         channel.close()
 
 
@@ -468,6 +503,11 @@ def _runs(runs: list[tuple[int, int, int]], length: int | None = None, nruns: in
 HOSTILE: dict[str, tuple[bytes, tuple[int, int]]] = {
     "garbage": (b"GET / HTTP/1.1\r\nHost: pdkv\r\n\r\n" + b"\xff" * 64, (0, 0)),
     "bad version": (_hdr(wire.HELLO, version=99, length=4) + b"evil", (0, 0)),
+    # the previous version's DATA frame named one range in its header: this one must not read it as a run table
+    "previous version": (
+        _hello() + _hdr(wire.DATA, version=VERSION - 1, flags=LAST, shares=1, xfer=1, length=16) + b"x" * 16,
+        (0, 0),
+    ),
     "data before hello": (_data(0, 0, 16) + b"x" * 16, (0, 0)),
     "huge name": (_hdr(wire.HELLO, xfer=1, length=1 << 40), (0, 0)),
     "second hello": (_hello() + _hello(), (0, 0)),

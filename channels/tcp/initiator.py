@@ -149,10 +149,12 @@ class Initiator:
         link = self.link(peer, token)
         nstreams = len(link.streams)
         parts = min(nstreams, self.agent.opts.streams_for(total))
-        if parts == 1 and len(ops) == 1 and total <= self.agent.opts.max_frame_bytes:
-            shares = [list(ops)]  # the common small case: nothing to merge or cut
+        max_frame = self.agent.opts.max_frame_bytes
+        runs = merge_ops(ops)
+        if parts == 1 and all(op.length <= max_frame for op in runs):
+            shares = [runs]  # one share whose runs need no cutting: no op rebuilt
         else:
-            shares = _split(merge_ops(ops), parts, self.agent.opts.max_frame_bytes)
+            shares = _split(runs, parts, max_frame)
         xfer = next(self._xfer_ids)
         home = self._home_stream()
         if kind == "write":
@@ -163,13 +165,9 @@ class Initiator:
         else:
             batches = [((home + i) % nstreams, self._read_batch(xfer, share)) for i, share in enumerate(shares)]
         handle = TcpHandle(peer, kind, total, link)
-        link.post(
-            handle,
-            xfer,
-            batches,
-            notif if kind == "read" else None,
-            kind == "read" or total <= self.agent.opts.inline_max_bytes,
-        )
+        # the first share goes out on this thread when small enough (a READ's are requests, no payload)
+        inline = batches[0][1].nbytes <= self.agent.opts.inline_max_bytes
+        link.post(handle, xfer, batches, notif if kind == "read" else None, inline)
         return handle
 
     def _home_stream(self) -> int:

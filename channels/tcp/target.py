@@ -16,6 +16,7 @@ nothing and fails only its transfer, with NACK.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import ssl
@@ -441,15 +442,13 @@ class Target:
         table = conn.recv_payload(nruns * RUN.size, MAX_RUNS * RUN.size, "DATA run table")
         runs = list(RUN.iter_unpack(table))
         views = [self._region_slice(conn, region, off, n) for region, off, n in runs]
-        if sum(n for _, _, n in runs) != length:
-            raise ProtocolError(f"tcp {conn.label}: DATA runs add up to {sum(v.nbytes for v in views)}, not {length}")
-        if nruns > 1:
-            ordered = sorted(runs)
-            for (r0, o0, n0), (r1, o1, _) in zip(ordered, ordered[1:]):
-                if r0 == r1 and o1 < o0 + n0:
-                    raise ProtocolError(
-                        f"tcp {conn.label}: DATA runs overlap in region {r0} ([{o0}, {o0 + n0}) and one at {o1})"
-                    )
+        total = sum(n for _, _, n in runs)
+        if total != length:
+            raise ProtocolError(f"tcp {conn.label}: DATA runs add up to {total} bytes, the frame says {length}")
+        ordered = sorted(runs)
+        for (r0, o0, n0), (r1, o1, _) in itertools.pairwise(ordered):
+            if r0 == r1 and o1 < o0 + n0:
+                raise ProtocolError(f"tcp {conn.label}: DATA runs overlap in region {r0}: [{o0}, {o0 + n0}) and {o1}")
         return runs, views
 
     def _land(

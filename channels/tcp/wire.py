@@ -58,7 +58,7 @@ def pack(ftype: int, xfer: int = 0, length: int = 0, aux: int = 0, flags: int = 
 def data_frame(
     xfer: int, runs: list[tuple[int, int, int]], nbytes: int, flags: int = 0, shares: int = 0, notif: int = 0
 ) -> bytearray:
-    """A DATA frame's header and run table, in one buffer: its payload (``nbytes``, the runs' bytes in order) follows."""
+    """A DATA frame's header and run table in one buffer; its payload (``nbytes``, the runs' bytes in order) follows."""
     out = bytearray(HDR_SIZE + RUN.size * len(runs))
     HEADER.pack_into(out, 0, MAGIC, VERSION, DATA, flags, shares, len(runs), notif, xfer, 0, nbytes)
     at = HDR_SIZE
