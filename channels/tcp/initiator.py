@@ -45,6 +45,12 @@ def _split(ops: Sequence[TransferOp], parts: int, max_frame: int) -> list[list[T
     out: list[list[TransferOp]] = [[] for _ in range(parts)]
     s, room = 0, share
     for op in ops:
+        if op.length <= room and op.length <= max_frame:  # the common case: the op whole, not rebuilt
+            out[s].append(op)
+            room -= op.length
+            if room == 0 and s < parts - 1:
+                s, room = s + 1, share
+            continue
         lo, ro, left = op.local_offset, op.remote_offset, op.length
         while left:
             n = min(left, room, max_frame)
@@ -189,18 +195,18 @@ class Initiator:
         last is flagged LAST (and NOTIF, with the notification after it).
         """
         max_frame = self.agent.opts.max_frame_bytes
-        regions = self._regions
+        regions = dict(self._regions.items())  # a plain dict: one lookup per run, not a method call
         frames: list[tuple[list[tuple[int, int, int]], list[memoryview], int]] = []
         runs: list[tuple[int, int, int]] = []
         views: list[memoryview] = []
         size = nbytes = 0
-        for op in share:  # _split cut every op to at most max_frame bytes
-            if runs and (len(runs) == MAX_RUNS or size + op.length > max_frame):
+        for local, at, remote, offset, length in share:  # _split cut every op to at most max_frame bytes
+            if runs and (len(runs) == MAX_RUNS or size + length > max_frame):
                 frames.append((runs, views, size))
                 runs, views, size = [], [], 0
-            runs.append((op.remote_region, op.remote_offset, op.length))
-            views.append(regions[op.local_region][op.local_offset : op.local_offset + op.length])
-            size += op.length
+            runs.append((remote, offset, length))
+            views.append(regions[local][at : at + length])
+            size += length
         frames.append((runs, views, size))
         bufs: list[Any] = []
         last = len(frames) - 1

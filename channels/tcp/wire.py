@@ -8,6 +8,7 @@ before that length is bounded.
 
 from __future__ import annotations
 
+import itertools
 import struct
 
 import msgspec
@@ -59,12 +60,9 @@ def data_frame(
     xfer: int, runs: list[tuple[int, int, int]], nbytes: int, flags: int = 0, shares: int = 0, notif: int = 0
 ) -> bytearray:
     """A DATA frame's header and run table in one buffer; its payload (``nbytes``, the runs' bytes in order) follows."""
-    out = bytearray(HDR_SIZE + RUN.size * len(runs))
+    out = bytearray(HDR_SIZE)
     HEADER.pack_into(out, 0, MAGIC, VERSION, DATA, flags, shares, len(runs), notif, xfer, 0, nbytes)
-    at = HDR_SIZE
-    for run in runs:
-        RUN.pack_into(out, at, *run)
-        at += RUN.size
+    out += b"".join(itertools.starmap(RUN.pack, runs))
     return out
 
 
