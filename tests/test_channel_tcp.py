@@ -826,3 +826,29 @@ def test_split_covers_every_byte_once_in_order_within_frame_limits(
     assert flat == [(op.local_offset + k, op.remote_offset + k) for op in ops for k in range(op.length)]
     sizes = [sum(p.length for p in share) for share in shares]
     assert max(sizes) - min(sizes) <= max(sizes) // 2 + 1
+
+
+def test_a_share_over_max_frame_bytes_goes_as_frames_within_it_each_run_whole() -> None:
+    channel = TcpChannel("frames", TcpOptions(max_frame_bytes=10_000))
+    try:
+        region = channel.register(bytearray(pattern(3, 1 << 16)))
+        ops = [TransferOp(region, 5000 * i, 1, 8000 * i, 4096) for i in range(7)]
+        bufs = channel.initiator._write_batch(9, ops, 1, b"note").bufs
+
+        frames, at = [], 0
+        while at < len(bufs) - 1:  # each frame: its header and run table, then one view per run; the note last
+            ftype, flags, _, nruns, nlen, xfer, offset, length = wire.unpack_header(bufs[at], "test")
+            runs = list(wire.RUN.iter_unpack(bufs[at][HEADER.size :]))
+            views = bufs[at + 1 : at + 1 + nruns]
+            assert (ftype, xfer, offset, len(runs)) == (wire.DATA, 9, 0, nruns)
+            assert length == sum(n for *_, n in runs) == sum(v.nbytes for v in views) <= 10_000
+            frames.append((flags, nlen, runs, b"".join(views)))
+            at += 1 + nruns
+        assert bufs[-1] == b"note"
+        assert [(f[0], f[1]) for f in frames] == [(0, 0), (0, 0), (0, 0), (LAST | NOTIF_FOLLOWS, 4)]
+        assert [r for f in frames for r in f[2]] == [(1, op.remote_offset, op.length) for op in ops]
+        assert b"".join(f[3] for f in frames) == b"".join(
+            pattern(3, 1 << 16)[op.local_offset : op.local_offset + op.length] for op in ops
+        )
+    finally:
+        channel.close()
