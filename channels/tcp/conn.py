@@ -5,7 +5,8 @@ receive is one syscall, yet no wait is unbounded: ``io_timeout`` without
 progress inside a frame fails the connection, while an idle socket between
 frames is normal and only ticks ``on_idle``. The sender hands header and
 payload views to one ``sendmsg`` (no join, no copy); the receiver
-``recv_into``s a payload straight into the memory it names.
+``recv_into``s a payload straight into the memory it names, or
+``recvmsg_into``s a frame of many runs into all of their views at once.
 
 With TLS (``start_tls``, the channel's ``tls`` option) the same calls go
 through OpenSSL, which takes neither ``MSG_WAITALL`` nor ``sendmsg``: a
