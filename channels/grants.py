@@ -47,7 +47,7 @@ class Grants:
         self._ranges: dict[
             tuple[bytes, str, int], list[tuple[int, int]]
         ] = {}  # (token, access, region) -> sorted [start, end)
-        self._landing: dict[int, tuple[bytes, int, int, int]] = {}  # ticket -> (token, region, start, end)
+        self._landing: dict[int, tuple[bytes, Sequence[Range]]] = {}  # ticket -> (token, the ranges it lands in)
         self._tickets = itertools.count()
 
     def guard(self, region: int) -> None:
@@ -84,8 +84,9 @@ class Grants:
                 if held is not None:
                     self._ranges[(token, access, region)] = _subtract(held, offset, offset + length)
             while any(
-                t == token and r == region and lo < offset + length and offset < hi
-                for t, r, lo, hi in self._landing.values()
+                t == token and r == region and lo < offset + length and offset < lo + n
+                for t, landing in self._landing.values()
+                for r, lo, n in landing
                 for region, offset, length in spans
             ):
                 remaining = deadline - time.monotonic()
@@ -97,16 +98,23 @@ class Grants:
     def begin(self, token: bytes, access: Access, region: int, offset: int, length: int) -> int | None:
         """Admit one frame: a ticket while it lands (end it with ``end``), None for an open region; ChannelError
         if refused."""
+        return self.begin_many(token, access, ((region, offset, length),))
+
+    def begin_many(self, token: bytes, access: Access, ranges: Sequence[Range]) -> int | None:
+        """Admit a frame of several runs, all or nothing: a ticket while they land, None if every region is open;
+        ChannelError naming the first run refused, and then none of them is admitted."""
         with self._cond:
-            if region not in self._guarded:
+            guarded = [rng for rng in ranges if rng[0] in self._guarded]
+            if not guarded:
                 return None
-            if not _covers(self._ranges.get((token, access, region), []), offset, offset + length):
-                raise ChannelError(
-                    f"no {access} grant for region {region} bytes [{offset}, {offset + length}): not reserved for this "
-                    "peer"
-                )
+            for region, offset, length in guarded:
+                if not _covers(self._ranges.get((token, access, region), []), offset, offset + length):
+                    raise ChannelError(
+                        f"no {access} grant for region {region} bytes [{offset}, {offset + length}): not reserved for "
+                        "this peer"
+                    )
             ticket = next(self._tickets)
-            self._landing[ticket] = (token, region, offset, offset + length)
+            self._landing[ticket] = (token, guarded)
             return ticket
 
     def end(self, ticket: int | None) -> None:

@@ -91,6 +91,22 @@ def test_a_peer_writes_only_what_it_was_granted_and_a_refusal_costs_only_that_tr
     assert target.get_notifications() and all(n.payload == b"n" for n in target.get_notifications() or [])
 
 
+def test_a_write_with_one_run_outside_its_grant_lands_none_of_its_runs(agents) -> None:  # noqa: ANN001
+    """All or nothing: a write's ops travel together (over tcp, in one DATA frame), and one run the grant does not
+    cover refuses them all before a byte of any lands."""
+    initiator, target, src, dst, local, guarded = agents
+    peer = target.agent_name
+    target.grant(b"A" * 16, "write", [(guarded, 0, 8192)])
+    granted = [TransferOp(local, 0, guarded, 0, 1024), TransferOp(local, 4096, guarded, 2048, 1024)]
+    before = bytes(dst)
+    outside = TransferOp(local, 1024, guarded, 8192, 64)
+    with pytest.raises(ChannelError, match="not reserved for this peer|refused"):
+        initiator.wait(initiator.write(peer, [*granted, outside], b"n", token=b"A" * 16), TIMEOUT)
+    assert bytes(dst) == before, "a write refused for one run landed its other runs"
+    initiator.wait(initiator.write(peer, granted, b"n", token=b"A" * 16), TIMEOUT)  # the same runs alone land
+    assert dst[:1024] == src[:1024] and dst[2048:3072] == src[4096:5120]
+
+
 def test_a_peer_reads_only_what_it_was_offered(agents) -> None:  # noqa: ANN001
     initiator, target, src, dst, local, guarded = agents
     peer = target.agent_name

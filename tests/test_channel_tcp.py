@@ -218,6 +218,29 @@ def test_read_of_several_ops_lands_in_local_regions_then_notifies_the_target(loc
     assert peer.call("notifs", 10.0) == [("local", b"r1")]
 
 
+def test_a_write_of_more_runs_than_a_frame_holds_goes_as_several_frames_and_lands_exactly(
+    local: Local, peer: Peer
+) -> None:
+    r0, _, _ = peer.regions
+    peer.call("fill", r0, 12)
+    s, n = local.src_region, wire.MAX_RUNS + 100
+    ops = [TransferOp(s, 32 * i, r0, 48 * i + 5, 16) for i in range(n)]  # gaps on both sides: nothing merges
+    frames = [
+        HEADER.unpack_from(buf)
+        for buf in local.channel.initiator._write_batch(1, ops, 1, b"n").bufs
+        if isinstance(buf, bytearray)
+    ]
+    assert [(f[2], f[5], f[3] & LAST) for f in frames] == [(wire.DATA, wire.MAX_RUNS, 0), (wire.DATA, 100, LAST)]
+
+    local.channel.wait(local.channel.write("remote", ops, notif=b"runs"), CALL_TIMEOUT)
+
+    expected = bytearray(pattern(12, REMOTE_SIZES[0]))
+    for op in ops:
+        expected[op.remote_offset : op.remote_offset + 16] = local.src[op.local_offset : op.local_offset + 16]
+    assert peer.call("crc", r0, 0, REMOTE_SIZES[0]) == zlib.crc32(expected)
+    assert peer.call("notifs", 10.0) == [("local", b"runs")]
+
+
 @pytest.mark.parametrize("seed", [30, 31, 32])
 def test_large_write_is_split_across_streams_and_notified_only_after_every_share_landed(
     local: Local, peer: Peer, seed: int
@@ -299,6 +322,18 @@ def test_peer_killed_mid_transfer_fails_the_handle_and_its_restart_is_reachable(
         assert restarted.call("notifs", 10.0) == [("killer", b"again")]
     finally:
         restarted.stop()
+        channel.close()
+
+
+def test_metadata_of_the_previous_wire_version_is_refused() -> None:
+    channel = TcpChannel("current")
+    try:
+        old = msgspec.msgpack.encode(
+            {"name": "old", "host": "127.0.0.1", "port": 1, "instance": 1, "regions": {}, "version": VERSION - 1}
+        )
+        with pytest.raises(ChannelError, match=f"speaks protocol {VERSION - 1}, this agent {VERSION}; upgrade both"):
+            channel.add_peer(old)
+    finally:
         channel.close()
 
 
@@ -453,13 +488,27 @@ def _hello(name: bytes = b"evil") -> bytes:
 def _data(
     region: int, offset: int, length: int, *, flags: int = LAST, shares: int = 1, notif: int = 0, xfer: int = 1
 ) -> bytes:
-    return _hdr(wire.DATA, flags=flags, shares=shares, aux=region, notif=notif, xfer=xfer, offset=offset, length=length)
+    """A DATA frame's header and its table of one run."""
+    return bytes(wire.data_frame(xfer, [(region, offset, length)], length, flags, shares, notif))
+
+
+def _runs(runs: list[tuple[int, int, int]], length: int | None = None, nruns: int | None = None) -> bytes:
+    """A LAST DATA frame's header and run table that may lie: ``length`` and ``nruns`` override the true ones."""
+    frame = wire.data_frame(1, runs, sum(n for _, _, n in runs) if length is None else length, LAST, 1)
+    if nruns is not None:
+        frame[: HEADER.size] = _hdr(wire.DATA, flags=LAST, shares=1, aux=nruns, xfer=1, length=length or 0)
+    return bytes(frame)
 
 
 # name -> (bytes the attacker sends, range of region 0 its valid prefix may legitimately write)
 HOSTILE: dict[str, tuple[bytes, tuple[int, int]]] = {
     "garbage": (b"GET / HTTP/1.1\r\nHost: pdkv\r\n\r\n" + b"\xff" * 64, (0, 0)),
     "bad version": (_hdr(wire.HELLO, version=99, length=4) + b"evil", (0, 0)),
+    # the previous version's DATA frame named one range in its header: this one must not read it as a run table
+    "previous version": (
+        _hello() + _hdr(wire.DATA, version=VERSION - 1, flags=LAST, shares=1, xfer=1, length=16) + b"x" * 16,
+        (0, 0),
+    ),
     "data before hello": (_data(0, 0, 16) + b"x" * 16, (0, 0)),
     "huge name": (_hdr(wire.HELLO, xfer=1, length=1 << 40), (0, 0)),
     "second hello": (_hello() + _hello(), (0, 0)),
@@ -483,6 +532,22 @@ HOSTILE: dict[str, tuple[bytes, tuple[int, int]]] = {
     "ack from initiator": (_hello() + _hdr(wire.ACK, aux=1, xfer=1), (0, 0)),
     "truncated header": (_hello() + _data(0, 0, 16)[:20], (0, 0)),
     "truncated payload": (_hello() + _data(0, 1000, 5000) + b"z" * 100, (1000, 1100)),
+    # a DATA frame's runs are all checked before any of them lands: one bad run, and nothing of the frame lands
+    "no runs": (_hello() + _runs([], 16) + b"x" * 16, (0, 0)),
+    "more runs than allowed": (
+        _hello() + _runs([(0, 16 * i, 16) for i in range(wire.MAX_RUNS + 1)]) + b"x" * 16 * (wire.MAX_RUNS + 1),
+        (0, 0),
+    ),
+    "a run count that lies": (_hello() + _runs([(0, 0, 16)], 16, nruns=wire.MAX_RUNS) + b"x" * 16, (0, 0)),
+    "a zero-length run": (_hello() + _runs([(0, 0, 16), (0, 100, 0)]) + b"x" * 16, (0, 0)),
+    "overlapping runs": (_hello() + _runs([(0, 0, 16), (0, 200, 16), (0, 8, 16)]) + b"x" * 48, (0, 0)),
+    "a run past the region": (_hello() + _runs([(0, 0, 16), (0, REGION - 8, 16)]) + b"x" * 32, (0, 0)),
+    "a run in an unknown region": (_hello() + _runs([(0, 0, 16), (7, 0, 16)]) + b"x" * 32, (0, 0)),
+    "runs that miss the length": (_hello() + _runs([(0, 0, 16), (0, 100, 16)], 48) + b"x" * 48, (0, 0)),
+    "the offset field set": (_hello() + _hdr(wire.DATA, flags=LAST, shares=1, aux=1, offset=1, length=16), (0, 0)),
+    "truncated run table": (_hello() + _runs([(0, 0, 16), (0, 100, 16)])[: HEADER.size + 30], (0, 0)),
+    # bytes of a cut-off frame may land only inside its runs, and it never counts: no notification, no ACK
+    "truncated body": (_hello() + _runs([(0, 0, 16), (0, 100, 5000)]) + b"z" * 100, (0, 5100)),
 }
 
 
@@ -774,3 +839,29 @@ def test_split_covers_every_byte_once_in_order_within_frame_limits(
     assert flat == [(op.local_offset + k, op.remote_offset + k) for op in ops for k in range(op.length)]
     sizes = [sum(p.length for p in share) for share in shares]
     assert max(sizes) - min(sizes) <= max(sizes) // 2 + 1
+
+
+def test_a_share_over_max_frame_bytes_goes_as_frames_within_it_each_run_whole() -> None:
+    channel = TcpChannel("frames", TcpOptions(max_frame_bytes=10_000))
+    try:
+        region = channel.register(bytearray(pattern(3, 1 << 16)))
+        ops = [TransferOp(region, 5000 * i, 1, 8000 * i, 4096) for i in range(7)]
+        bufs = channel.initiator._write_batch(9, ops, 1, b"note").bufs
+
+        frames, at = [], 0
+        while at < len(bufs) - 1:  # each frame: its header and run table, then one view per run; the note last
+            ftype, flags, _, nruns, nlen, xfer, offset, length = wire.unpack_header(bufs[at], "test")
+            runs = list(wire.RUN.iter_unpack(bufs[at][HEADER.size :]))
+            views = bufs[at + 1 : at + 1 + nruns]
+            assert (ftype, xfer, offset, len(runs)) == (wire.DATA, 9, 0, nruns)
+            assert length == sum(n for *_, n in runs) == sum(v.nbytes for v in views) <= 10_000
+            frames.append((flags, nlen, runs, b"".join(views)))
+            at += 1 + nruns
+        assert bufs[-1] == b"note"
+        assert [(f[0], f[1]) for f in frames] == [(0, 0), (0, 0), (0, 0), (LAST | NOTIF_FOLLOWS, 4)]
+        assert [r for f in frames for r in f[2]] == [(1, op.remote_offset, op.length) for op in ops]
+        assert b"".join(f[3] for f in frames) == b"".join(
+            pattern(3, 1 << 16)[op.local_offset : op.local_offset + op.length] for op in ops
+        )
+    finally:
+        channel.close()

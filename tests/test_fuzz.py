@@ -365,10 +365,12 @@ def writable_ranges(stream: bytes, nregions: int = NREGIONS) -> list[tuple[int, 
         pos += HEADER.size
         if magic != MAGIC or version != VERSION:
             break
-        if ftype == wire.DATA:
-            if aux < nregions and 0 < length and offset + length <= REGION:
-                out.append((aux, offset, offset + length))
-            pos += length + (notif if flags & NOTIF_FOLLOWS and flags & LAST else 0)
+        if ftype == wire.DATA:  # aux runs of (region, offset, length), then their bytes
+            table = stream[pos : pos + aux * wire.RUN.size]
+            for region, start, n in wire.RUN.iter_unpack(table[: len(table) - len(table) % wire.RUN.size]):
+                if region < nregions and 0 < n and start + n <= REGION:
+                    out.append((region, start, start + n))
+            pos += len(table) + length + (notif if flags & NOTIF_FOLLOWS and flags & LAST else 0)
         elif ftype in (wire.HELLO, wire.NOTIF):
             pos += length
         elif ftype != wire.READ_REQ:
@@ -486,19 +488,30 @@ def data_frames(draw: st.DrawFn, opening: st.SearchStrategy[bytes] | None = None
             )
         )
         offset = draw(st.one_of(st.integers(0, REGION + 8), st.sampled_from([(1 << 64) - 8, 1 << 63])))
+        if ftype == wire.DATA and draw(st.booleans()):
+            offset = 0  # a DATA frame's offset field must be 0: its runs name where it lands
         flags = draw(st.sampled_from([LAST, LAST, 0, LAST | NOTIF_FOLLOWS, NOTIF_FOLLOWS, 0x80, 0xFF]))
         notif = draw(st.sampled_from([0, 0, 4, 256, 257, (1 << 32) - 1]))
+        aux = draw(st.sampled_from([0, 1, 2, 3, 99, (1 << 32) - 1]))
+        runs: list[tuple[int, int, int]] = []
+        if ftype == wire.DATA:  # a run table of near-valid and hostile runs, its count told true or not
+            runs = draw(
+                st.lists(st.tuples(st.integers(0, 4), st.integers(0, REGION + 8), st.integers(0, 300)), max_size=4)
+            )
+            if draw(st.booleans()):
+                aux = len(runs)
         hdr = _hdr(
             ftype,
             version=draw(st.sampled_from([VERSION, VERSION, VERSION, 0, 2])),
             flags=flags,
             shares=draw(st.sampled_from([1, 1, 0, 2, wire.MAX_STREAMS, wire.MAX_STREAMS + 1, 0xFFFF])),
-            aux=draw(st.sampled_from([0, 1, 2, 3, 99, (1 << 32) - 1])),
+            aux=aux,
             notif=notif,
             xfer=draw(U64),
             offset=offset,
             length=length,
         )
+        hdr += b"".join(wire.RUN.pack(*run) for run in runs)
         # a payload that matches the declared length when it is small, or is cut short
         payload_len = min(length, REGION + 8) if draw(st.booleans()) else draw(st.integers(0, 64))
         out += hdr + b"\x5a" * payload_len + b"n" * min(notif, 300)
@@ -510,16 +523,7 @@ def mutated_frames(draw: st.DrawFn) -> bytes:
     """A valid stream (HELLO + DATA with notification) with a few bytes flipped, cut or inserted."""
     valid = bytearray(
         _hello()
-        + _hdr(
-            wire.DATA,
-            flags=LAST | NOTIF_FOLLOWS,
-            shares=1,
-            aux=1,
-            notif=3,
-            xfer=5,
-            offset=100,
-            length=64,
-        )
+        + wire.data_frame(5, [(1, 100, 40), (1, 300, 24)], 64, LAST | NOTIF_FOLLOWS, 1, 3)
         + b"\x5a" * 64
         + b"abc"
     )

@@ -5,7 +5,8 @@ receive is one syscall, yet no wait is unbounded: ``io_timeout`` without
 progress inside a frame fails the connection, while an idle socket between
 frames is normal and only ticks ``on_idle``. The sender hands header and
 payload views to one ``sendmsg`` (no join, no copy); the receiver
-``recv_into``s a payload straight into the memory it names.
+``recv_into``s a payload straight into the memory it names, or
+``recvmsg_into``s a frame of many runs into all of their views at once.
 
 With TLS (``start_tls``, the channel's ``tls`` option) the same calls go
 through OpenSSL, which takes neither ``MSG_WAITALL`` nor ``sendmsg``: a
@@ -155,12 +156,7 @@ class Conn:
                     if on_idle is not None:
                         on_idle()
                     continue
-                idle += 1
-                if idle >= self.max_idle_ticks:
-                    raise TransferTimeout(
-                        f"tcp {self.label}: peer sent {got} of {n} bytes of a frame, then nothing for "
-                        f"{self.io_timeout:.3g}s"
-                    ) from None
+                idle = self._stalled(idle, got, n)
                 continue
             if r == 0:
                 if boundary and got == 0:
@@ -169,6 +165,50 @@ class Conn:
             got += r
             idle = 0
         self.last_progress = time.monotonic()
+
+    def recv_views(self, views: list[memoryview], nbytes: int) -> None:
+        """Fill every view in order (``nbytes`` in all) inside a frame: one ``recvmsg_into`` for up to IOV_MAX of them.
+
+        A DATA frame's runs land with as few system calls as the kernel allows
+        (``MSG_WAITALL``: usually one per IOV_MAX runs), not one per run.
+        ``views`` is consumed. Through TLS, which has no ``recvmsg_into``,
+        each view is filled in turn.
+        """
+        if self.tls:
+            for view in views:
+                self.recv_exact(view)
+            return
+        i, n, got, idle = 0, len(views), 0, 0
+        while i < n:
+            try:
+                r = self.sock.recvmsg_into(views[i : i + _IOV_MAX], 0, self._recv_flags)[0]
+            except _WOULD_BLOCK:
+                idle = self._stalled(idle, got, nbytes)
+                continue
+            if r == 0:
+                raise ProtocolError(
+                    f"tcp {self.label}: truncated frame, connection closed after {got} of {nbytes} payload bytes"
+                )
+            got += r
+            idle = 0
+            while r:
+                size = views[i].nbytes
+                if r >= size:
+                    r -= size
+                    i += 1
+                else:
+                    views[i] = views[i][r:]
+                    r = 0
+        self.last_progress = time.monotonic()
+
+    def _stalled(self, idle: int, got: int, n: int) -> int:
+        """One more tick without a byte inside a frame: the new count, or TransferTimeout once ``io_timeout`` passed."""
+        idle += 1
+        if idle >= self.max_idle_ticks:
+            raise TransferTimeout(
+                f"tcp {self.label}: peer sent {got} of {n} bytes of a frame, then nothing for {self.io_timeout:.3g}s"
+            ) from None
+        return idle
 
     def recv_header(self, on_idle: Callable[[], None] | None = None) -> Header:
         """Next header as (type, flags, shares, aux, notif, xfer, offset, length); magic and version checked."""

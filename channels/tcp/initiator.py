@@ -20,7 +20,18 @@ from pdkv.channels.handle import TransferHandle, TransferOp, merge_ops
 from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp.link import Batch, Link
 from pdkv.channels.tcp.options import Agent
-from pdkv.channels.tcp.wire import DATA, HDR_SIZE, HEADER, LAST, MAGIC, NOTIF_FOLLOWS, READ_REQ, VERSION, Meta
+from pdkv.channels.tcp.wire import (
+    HDR_SIZE,
+    HEADER,
+    LAST,
+    MAGIC,
+    MAX_RUNS,
+    NOTIF_FOLLOWS,
+    READ_REQ,
+    VERSION,
+    Meta,
+    data_frame,
+)
 from pdkv.errors import ChannelError
 
 
@@ -34,6 +45,12 @@ def _split(ops: Sequence[TransferOp], parts: int, max_frame: int) -> list[list[T
     out: list[list[TransferOp]] = [[] for _ in range(parts)]
     s, room = 0, share
     for op in ops:
+        if op.length <= room and op.length <= max_frame:  # the common case: the op whole, not rebuilt
+            out[s].append(op)
+            room -= op.length
+            if room == 0 and s < parts - 1:
+                s, room = s + 1, share
+            continue
         lo, ro, left = op.local_offset, op.remote_offset, op.length
         while left:
             n = min(left, room, max_frame)
@@ -138,10 +155,12 @@ class Initiator:
         link = self.link(peer, token)
         nstreams = len(link.streams)
         parts = min(nstreams, self.agent.opts.streams_for(total))
-        if parts == 1 and len(ops) == 1 and total <= self.agent.opts.max_frame_bytes:
-            shares = [list(ops)]  # the common small case: nothing to merge or cut
+        max_frame = self.agent.opts.max_frame_bytes
+        runs = merge_ops(ops)
+        if parts == 1 and all(op.length <= max_frame for op in runs):
+            shares = [runs]  # one share whose runs need no cutting: no op rebuilt
         else:
-            shares = _split(merge_ops(ops), parts, self.agent.opts.max_frame_bytes)
+            shares = _split(runs, parts, max_frame)
         xfer = next(self._xfer_ids)
         home = self._home_stream()
         if kind == "write":
@@ -152,13 +171,9 @@ class Initiator:
         else:
             batches = [((home + i) % nstreams, self._read_batch(xfer, share)) for i, share in enumerate(shares)]
         handle = TcpHandle(peer, kind, total, link)
-        link.post(
-            handle,
-            xfer,
-            batches,
-            notif if kind == "read" else None,
-            kind == "read" or total <= self.agent.opts.inline_max_bytes,
-        )
+        # the first share goes out on this thread when small enough (a READ's are requests, no payload)
+        inline = batches[0][1].nbytes <= self.agent.opts.inline_max_bytes
+        link.post(handle, xfer, batches, notif if kind == "read" else None, inline)
         return handle
 
     def _home_stream(self) -> int:
@@ -174,25 +189,35 @@ class Initiator:
         return home
 
     def _write_batch(self, xfer: int, share: list[TransferOp], nshares: int, notif: bytes | None) -> Batch:
-        """DATA frames of one share, the last flagged LAST (and NOTIF); headers in one buffer, payloads as views."""
-        hdrs = memoryview(bytearray(HDR_SIZE * len(share)))
+        """The share as vectored DATA frames (usually one): a header and run table, then the runs' bytes as views.
+
+        A frame holds at most ``MAX_RUNS`` runs and ``max_frame_bytes``; the
+        last is flagged LAST (and NOTIF, with the notification after it).
+        """
+        max_frame = self.agent.opts.max_frame_bytes
+        regions = dict(self._regions.items())  # a plain dict: one lookup per run, not a method call
+        frames: list[tuple[list[tuple[int, int, int]], list[memoryview], int]] = []
+        runs: list[tuple[int, int, int]] = []
+        views: list[memoryview] = []
+        size = nbytes = 0
+        for local, at, remote, offset, length in share:  # _split cut every op to at most max_frame bytes
+            if runs and (len(runs) == MAX_RUNS or size + length > max_frame):
+                frames.append((runs, views, size))
+                runs, views, size = [], [], 0
+            runs.append((remote, offset, length))
+            views.append(regions[local][at : at + length])
+            size += length
+        frames.append((runs, views, size))
         bufs: list[Any] = []
-        nbytes = 0
-        last = len(share) - 1
-        for i, op in enumerate(share):
+        last = len(frames) - 1
+        for i, (runs, views, size) in enumerate(frames):
             if i < last:
-                flags = shares = nlen = 0
+                bufs.append(data_frame(xfer, runs, size))
             else:
-                flags, shares, nlen = (
-                    (LAST, nshares, 0) if notif is None else (LAST | NOTIF_FOLLOWS, nshares, len(notif))
-                )
-            at = i * HDR_SIZE
-            HEADER.pack_into(
-                hdrs, at, MAGIC, VERSION, DATA, flags, shares, op.remote_region, nlen, xfer, op.remote_offset, op.length
-            )
-            bufs.append(hdrs[at : at + HDR_SIZE])
-            bufs.append(self._regions[op.local_region][op.local_offset : op.local_offset + op.length])
-            nbytes += op.length
+                flags = LAST if notif is None else LAST | NOTIF_FOLLOWS
+                bufs.append(data_frame(xfer, runs, size, flags, nshares, len(notif) if notif else 0))
+            bufs += views
+            nbytes += size
         if notif:
             bufs.append(notif)
         return Batch(bufs, nbytes)

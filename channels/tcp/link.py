@@ -1,8 +1,11 @@
 """One link of the initiator side: its streams to one peer, their sender threads and its watcher, its pending transfers.
 
-Threads, per link: one sender per stream for large batches (small ones go
-out on the caller's thread when its stream is free: a thread hand-off costs
-more than sending 256 KiB on loopback), and a watcher. Answers are read by
+Threads, per link: one sender per stream, and a watcher. A transfer's first
+share goes out on the caller's thread when its stream is free and it is at
+most ``inline_max_bytes`` (a thread hand-off costs more than sending 256 KiB
+on loopback, and on a busy machine the woken sender often waits for a core);
+its other shares go to their streams' senders first, so they move side by
+side. Answers are read by
 the thread that waits for them (``wait``: reading on the waiting thread
 saves waking it from another, one context switch per transfer), by ``poll``
 and by the posting thread when they are already there, and otherwise by the
@@ -264,19 +267,21 @@ class Link:
                 self.rx_lock.release()
 
     def _send(self, batches: list[tuple[int, Batch]], inline: bool) -> None:
-        """Each batch on its stream: on this thread if allowed and the stream is free, else by its sender."""
-        for index, batch in batches:
-            st = self.streams[index]
-            if inline and st.conn.send_lock.acquire(blocking=False):
-                try:
-                    st.send(batch)
-                except IO_ERRORS as exc:
-                    self.fail(f"sending failed: {exc}")
-                    return
-                finally:
-                    st.conn.send_lock.release()
-            else:
-                st.queue.put(batch)
+        """The first batch on this thread if allowed and its stream is free, the others (and it, if not) by their
+        streams' senders, handed over first so that the shares go out side by side."""
+        index, batch = batches[0]
+        st = self.streams[index]
+        for later, later_batch in batches[1:]:
+            self.streams[later].queue.put(later_batch)
+        if inline and st.conn.send_lock.acquire(blocking=False):
+            try:
+                st.send(batch)
+            except IO_ERRORS as exc:
+                self.fail(f"sending failed: {exc}")
+            finally:
+                st.conn.send_lock.release()
+        else:
+            st.queue.put(batch)
 
     def _send_loop(self, st: Stream) -> None:
         while (batch := st.queue.get()) is not None:

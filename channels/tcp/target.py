@@ -16,6 +16,7 @@ nothing and fails only its transfer, with NACK.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 import ssl
@@ -44,6 +45,7 @@ from pdkv.channels.tcp.wire import (
     MAX_ACK_BATCH,
     MAX_ERROR_BYTES,
     MAX_NAME_BYTES,
+    MAX_RUNS,
     MAX_STREAMS,
     MAX_TOKEN_BYTES,
     NACK,
@@ -51,6 +53,7 @@ from pdkv.channels.tcp.wire import (
     NOTIF_FOLLOWS,
     READ_DATA,
     READ_REQ,
+    RUN,
     SECRET,
     TARGET_ROLE,
     no_extras,
@@ -352,15 +355,16 @@ class Target:
         while True:
             if acks and (len(acks) >= MAX_ACK_BATCH or not conn.readable()):
                 self._send_acks(conn, acks)
-            ftype, flags, shares, region, nlen, xfer, offset, length = conn.recv_header()
+            ftype, flags, shares, aux, nlen, xfer, offset, length = conn.recv_header()
             if ftype == DATA:
+                nruns = aux
                 if xfer != cur_xfer:
                     if cur_xfer != -1:
                         raise ProtocolError(
                             f"tcp {conn.label}: DATA of transfer {xfer} inside the share of transfer {cur_xfer}"
                         )
                     cur_xfer = xfer
-                # everything checked before a byte lands: flags, the share count, the notification size
+                # everything checked before a byte lands: flags, the share count, the notification size, every run
                 bad = (
                     flags & ~(LAST | NOTIF_FOLLOWS)
                     or nlen > opts.max_notif_bytes
@@ -371,10 +375,10 @@ class Target:
                         f"tcp {conn.label}: DATA with flags={flags} shares={shares} notif={nlen} "
                         f"(max {MAX_STREAMS} shares, max_notif_bytes={opts.max_notif_bytes})"
                     )
-                view = self._region_slice(conn, region, offset, length)
+                runs, views = self._runs(conn, nruns, offset, length)
                 if acks and length >= _ACK_FLUSH_BYTES:
                     self._send_acks(conn, acks)
-                refused = self._land(conn, session, view, region, offset, length) or refused
+                refused = self._land(conn, session, runs, views, length) or refused
                 if flags & LAST:
                     notif = (
                         conn.recv_payload(nlen, opts.max_notif_bytes, "notification") if flags & NOTIF_FOLLOWS else None
@@ -403,9 +407,9 @@ class Target:
             if acks:
                 self._send_acks(conn, acks)
             if ftype == READ_REQ:
-                view = self._region_slice(conn, region, offset, length)
+                view = self._region_slice(conn, aux, offset, length)
                 try:
-                    ticket = self._grants.begin(session.token, "read", region, offset, length)
+                    ticket = self._grants.begin(session.token, "read", aux, offset, length)
                 except ChannelError as exc:
                     self.agent.count("refused_frames")
                     self._nack(conn, xfer, str(exc))
@@ -420,18 +424,47 @@ class Target:
             else:
                 raise ProtocolError(f"tcp {conn.label}: unexpected frame type {FRAME_NAMES.get(ftype, ftype)}")
 
-    def _land(self, conn: Conn, session: Session, view: memoryview, region: int, offset: int, length: int) -> str:
-        """Receive one DATA payload into ``view`` if the session's grants allow it, else read it away; why
+    def _runs(
+        self, conn: Conn, nruns: int, offset: int, length: int
+    ) -> tuple[list[tuple[int, int, int]], list[memoryview]]:
+        """A DATA frame's run table, read and checked, and the views its runs name; ProtocolError if any run is bad.
+
+        Every run must lie inside a registered region and not be empty, no two may
+        overlap, and together they must be the frame's ``length``, which is at
+        most ``max_frame_bytes``: all checked before a byte of the payload lands.
+        """
+        max_frame = self.agent.opts.max_frame_bytes
+        if not 1 <= nruns <= MAX_RUNS or offset or not 0 < length <= max_frame:
+            raise ProtocolError(
+                f"tcp {conn.label}: DATA frame of {nruns} runs, offset field {offset}, {length} bytes (1..{MAX_RUNS} "
+                f"runs, offset 0, max_frame_bytes={max_frame})"
+            )
+        table = conn.recv_payload(nruns * RUN.size, MAX_RUNS * RUN.size, "DATA run table")
+        runs = list(RUN.iter_unpack(table))
+        views = [self._region_slice(conn, region, off, n) for region, off, n in runs]
+        total = sum(n for _, _, n in runs)
+        if total != length:
+            raise ProtocolError(f"tcp {conn.label}: DATA runs add up to {total} bytes, the frame says {length}")
+        ordered = sorted(runs)
+        for (r0, o0, n0), (r1, o1, _) in itertools.pairwise(ordered):
+            if r0 == r1 and o1 < o0 + n0:
+                raise ProtocolError(f"tcp {conn.label}: DATA runs overlap in region {r0}: [{o0}, {o0 + n0}) and {o1}")
+        return runs, views
+
+    def _land(
+        self, conn: Conn, session: Session, runs: list[tuple[int, int, int]], views: list[memoryview], length: int
+    ) -> str:
+        """Receive a DATA payload into ``views`` if the session's grants allow every run, else read it away; why
         refused, or ""."""
         try:
-            ticket = self._grants.begin(session.token, "write", region, offset, length)
+            ticket = self._grants.begin_many(session.token, "write", runs)
         except ChannelError as exc:
             self.agent.count("refused_frames")
             log.warning("tcp %s: refusing a write from %r: %s", self.agent.name, session.peer, exc)
             conn.drain(length)
             return str(exc)
         try:
-            conn.recv_exact(view)
+            conn.recv_views(views, length)
         finally:
             self._grants.end(ticket)
         return ""

@@ -8,6 +8,7 @@ before that length is bounded.
 
 from __future__ import annotations
 
+import itertools
 import struct
 
 import msgspec
@@ -17,9 +18,10 @@ from pdkv.netaddr import is_wildcard
 
 MAGIC = b"PK"
 TLS_RECORD_START = b"\x16\x03"  # how a TLS connection starts (a handshake record): told apart from a HELLO
-VERSION = 2
+VERSION = 3  # 3: a DATA frame carries a table of runs (one frame per share), not one range
 HEADER = struct.Struct("<2sBBBxHIIQQQ")
 HDR_SIZE = HEADER.size
+RUN = struct.Struct("<IQQ")  # one entry of a DATA frame's run table: region, offset, length
 
 HELLO, HELLO_OK, DATA, ACK, READ_REQ, READ_DATA, NOTIF, ERROR, AUTH, NACK = range(1, 11)
 FRAME_NAMES = {
@@ -44,6 +46,7 @@ MAX_TOKEN_BYTES = 64
 MAX_ERROR_BYTES = 1024
 MAX_STREAMS = 64
 MAX_ACK_BATCH = 256  # ids per ACK frame; a full batch is sent even if more frames wait
+MAX_RUNS = 4096  # runs per DATA frame (a table of 80 KiB at most); a share with more goes out as several frames
 
 Header = tuple[int, int, int, int, int, int, int, int]  # (type, flags, shares, aux, notif, xfer, offset, length)
 
@@ -51,6 +54,16 @@ Header = tuple[int, int, int, int, int, int, int, int]  # (type, flags, shares, 
 def pack(ftype: int, xfer: int = 0, length: int = 0, aux: int = 0, flags: int = 0, shares: int = 0) -> bytes:
     """A header for the frame types that use only these fields."""
     return HEADER.pack(MAGIC, VERSION, ftype, flags, shares, aux, 0, xfer, 0, length)
+
+
+def data_frame(
+    xfer: int, runs: list[tuple[int, int, int]], nbytes: int, flags: int = 0, shares: int = 0, notif: int = 0
+) -> bytearray:
+    """A DATA frame's header and run table in one buffer; its payload (``nbytes``, the runs' bytes in order) follows."""
+    out = bytearray(HDR_SIZE)
+    HEADER.pack_into(out, 0, MAGIC, VERSION, DATA, flags, shares, len(runs), notif, xfer, 0, nbytes)
+    out += b"".join(itertools.starmap(RUN.pack, runs))
+    return out
 
 
 def unpack_header(buf: bytearray, label: str) -> Header:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from pdkv.channels.tcp.wire import DATA, HDR_SIZE, HEADER, NOTIF_FOLLOWS, READ_REQ
+from pdkv.channels.tcp.wire import DATA, HDR_SIZE, HEADER, NOTIF_FOLLOWS, READ_REQ, RUN
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -109,8 +109,10 @@ class CorruptingProxy:
 
     def _forward_frames(self, src: socket.socket, dst: socket.socket) -> None:
         while (hdr := _recv_exact(src, HDR_SIZE)) is not None:
-            _, _, ftype, flags, _, _, notif, _, _, length = HEADER.unpack(hdr)
+            _, _, ftype, flags, _, aux, notif, _, _, length = HEADER.unpack(hdr)
             dst.sendall(hdr)
+            if ftype == DATA:  # its run table, then the runs' bytes
+                self._copy(src, dst, aux * RUN.size, -1)
             # a READ_REQ's length is what it asks for, not what follows it
             payload = 0 if ftype == READ_REQ else length
             flip_at = payload // 2 if ftype == DATA and self._take() else -1
