@@ -216,6 +216,22 @@ int32_t log2_or_minus1(int64_t n) {
   return shift;
 }
 
+// Everything of a launch's arguments but its tables (the caller fills those in).
+template <typename Tables>
+Args<Tables> make_args(const KVGeometry& g, int64_t first, int64_t rows, char* chunk, bool to_chunk,
+                       unsigned long long* sum, int64_t sum_row_bytes) {
+  Args<Tables> a{};
+  a.g = g;
+  a.table_first = first;
+  a.rows = rows;
+  a.chunk = chunk;
+  a.to_chunk = to_chunk;
+  a.sum = sum;
+  a.sum_row_bytes = sum_row_bytes;
+  a.sum_row_shift = log2_or_minus1(sum_row_bytes);
+  return a;
+}
+
 int kvcopy(const KVGeometry& g, const int64_t* layer_bases, const int64_t* block_table, int64_t table_len, char* chunk,
            bool to_chunk, int vec_bytes, cudaStream_t stream, unsigned long long* sum, int64_t sum_row_bytes) {
   const int64_t rows = g.layers * g.kv * g.tokens;
@@ -229,29 +245,13 @@ int kvcopy(const KVGeometry& g, const int64_t* layer_bases, const int64_t* block
   bool inline_fits = g.layers <= kInlineLayers && used <= kInlineTable;
   for (int64_t i = 0; inline_fits && i < used; ++i) inline_fits = block_table[first + i] <= INT32_MAX;
   if (inline_fits) {
-    Args<InlineTables> a{};
-    a.g = g;
-    a.table_first = first;
-    a.rows = rows;
-    a.chunk = chunk;
-    a.to_chunk = to_chunk;
-    a.sum = sum;
-    a.sum_row_bytes = sum_row_bytes;
-    a.sum_row_shift = log2_or_minus1(sum_row_bytes);
+    auto a = make_args<InlineTables>(g, first, rows, chunk, to_chunk, sum, sum_row_bytes);
     for (int64_t l = 0; l < g.layers; ++l) a.tables.bases[l] = layer_bases[l];
     for (int64_t i = 0; i < used; ++i) a.tables.table[i] = static_cast<int32_t>(block_table[first + i]);
     return dispatch(a, vec_bytes, stream);
   }
   // Too many layers or blocks for the parameter space: stream-ordered device copies of both, freed in order.
-  Args<DeviceTables> a{};
-  a.g = g;
-  a.table_first = first;
-  a.rows = rows;
-  a.chunk = chunk;
-  a.to_chunk = to_chunk;
-  a.sum = sum;
-  a.sum_row_bytes = sum_row_bytes;
-  a.sum_row_shift = log2_or_minus1(sum_row_bytes);
+  auto a = make_args<DeviceTables>(g, first, rows, chunk, to_chunk, sum, sum_row_bytes);
   int64_t* dev = nullptr;
   const size_t bytes = static_cast<size_t>(g.layers + used) * sizeof(int64_t);
   cudaError_t err = cudaMallocAsync(reinterpret_cast<void**>(&dev), bytes, stream);
