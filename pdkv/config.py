@@ -55,9 +55,19 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True):
     heartbeat_s: Seconds = 1.0
     claim_timeout_s: Seconds = 60.0
     drain_timeout_s: Seconds = 10.0
+    # On a channel that cannot cut a sender's one-sided writes off (nixl: RDMA, cma, UCX's own connections), a failed
+    # reservation's blocks go to another request only once its sender said it writes no more (Done/Cancel, sent after
+    # every write of its finished), or after this long: a write posted before a link outage may land when the link
+    # comes back, long after drain_timeout_s (pdkv/transfer/README.md, "The late-write fence").
+    unfenced_quarantine_s: Seconds = 300.0
     # How staged chunks are encoded on the wire (pdkv/codec): none, zstd (exact) or a lossy one. A request with a
     # codec always goes in staging mode (direct block writes stay raw); the receiver must offer it at Hello.
     codec: Annotated[str, Meta(pattern=CODEC_NAME_PATTERN)] = "none"
+
+    def late_write_hold(self, fences_writes: bool) -> float:
+        """How long memory a sender may still write into waits, without its word, before it is reused: what
+        drain_timeout_s bounds where the channel can cut the sender off, unfenced_quarantine_s where it cannot."""
+        return self.drain_timeout_s if fences_writes else max(self.drain_timeout_s, self.unfenced_quarantine_s)
 
     def __post_init__(self) -> None:
         if self.codec != "none":  # none needs nothing loaded (a router reads this section too, and never loads codecs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import socket
 import threading
 import time
@@ -261,6 +262,43 @@ def test_sender_stalled_past_its_lease_writes_nothing_into_the_reaped_reservatio
     )
     assert pair.receiver.stats()["chunks_landed"] == 1 and pair.allocator.num_free == pair.allocator.num_blocks
     assert isinstance(xfer.error, TransferTimeout)
+
+
+@pytest.mark.parametrize(
+    "channel",
+    [
+        "tcp",
+        pytest.param(
+            "nixl",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("nixl") is None, reason="the 'nixl' extra is not installed: pdkv[nixl]"
+            ),
+        ),
+    ],
+)
+def test_a_silent_senders_blocks_wait_for_its_word_where_its_writes_cannot_be_cut_off(
+    make_pair: MakePair, channel: str
+) -> None:
+    """tcp can cut a silent sender off (its connections closed: nothing it queued lands), so its failed reservation's
+    blocks are reused after drain_timeout_s. nixl cannot (a one-sided write posted before a link outage lands when the
+    link comes back): the blocks wait for the sender's Cancel, sent once every write of its finished."""
+    cfg = TransferConfig(chunk_size=32, lease_s=0.4, heartbeat_s=0.1, drain_timeout_s=0.3, unfenced_quarantine_s=60)
+    pair = make_pair(config=cfg, channel=channel)
+    xfer = pair.sender.open("silent", pair.receiver.address, 64, list(range(4)))
+    xfer.send_chunk(0)
+    wait_until(lambda: pair.receiver.stats().get("chunks_landed") == 1, 10, "chunk 0 to land")
+    with pair.sender.cond:  # the sender goes silent: no heartbeat, no Cancel leaves it
+        with pytest.raises(TransferError, match="lease expired"):
+            pair.receiver.wait("silent", 5)
+        time.sleep(cfg.drain_timeout_s + 5 * cfg.heartbeat_s)  # well past drain_timeout_s
+        held = pair.receiver.stats()["reserved_blocks"]
+        fenced = pair.receiver.stats().get("fences", 0)
+    if channel == "tcp":
+        assert held == 0 and fenced == 1  # cut off and freed without its word
+    else:
+        assert held == 4 and fenced == 0  # quarantined: drain_timeout_s alone proves nothing here
+        wait_until(lambda: pair.receiver.stats()["reservations"] == 0, 10, "the sender's Cancel to free the blocks")
+    assert pair.allocator.num_free == pair.allocator.num_blocks
 
 
 def test_hello_mismatch_names_the_field(make_pair: MakePair) -> None:

@@ -170,7 +170,8 @@ class IncomingBook:
     def fail(self, r: IncomingTransfer, exc: TransferError, notify_sender: bool) -> None:
         """Mark failed (caller holds the lock); memory is freed once the sender can no longer write into it."""
         r.state, r.error = State.FAILED, str(exc)
-        r.free_deadline = time.monotonic() + self.config.drain_timeout_s
+        # Where fencing cannot stop the sender's writes, only its own word (or a long quarantine) frees the memory.
+        r.free_deadline = time.monotonic() + self.config.late_write_hold(self.channel.enforces_grants)
         self.counters["transfers_failed"] += 1
         log.warning("transfer %s: %s", r.transfer_id, exc)
         if notify_sender:

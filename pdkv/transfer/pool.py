@@ -125,7 +125,7 @@ class Pools:
         for pool in [p for p in self.by_peer.values() if now > p.lease_deadline]:
             del self.by_peer[pool.identity]
             self.channel.revoke(pool.token, "write", self.target.block_ranges(pool.blocks), 0)
-            pool.free_deadline = now + self.config.drain_timeout_s
+            pool.free_deadline = now + self.config.late_write_hold(self.channel.enforces_grants)
             self.lapsed.append(pool)
             self.counters["pools_lapsed"] += 1
             log.warning("a sender's pool lease lapsed (no heartbeat for %.3gs): taking it back", self.config.lease_s)
