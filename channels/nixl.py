@@ -64,6 +64,9 @@ class NixlOptions(ChannelOptions):
     watch_min_s: Annotated[float, msgspec.Meta(gt=0)] = 0.00005
     prep_cache_size: Annotated[int, msgspec.Meta(ge=1)] = 4096  # prepared descriptor lists kept per side
     num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # UCX backend worker threads (0: NIXL's default)
+    # forgotten peers whose NIXL agent stays loaded for their next add_peer (see _load_agent); past this many the
+    # one forgotten longest ago is unloaded (a peer that died for good: a decode worker restarted under a new name)
+    parked_peers: Annotated[int, msgspec.Meta(ge=0)] = 16
 
 
 class _RegionMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -203,6 +206,7 @@ class NixlChannel(Channel):
         # transfer failed to (their endpoints may be dead: loaded afresh on the next add_peer)
         self._loaded: dict[str, bytes] = {}
         self._broken: set[str] = set()
+        self._parked: OrderedDict[str, None] = OrderedDict()  # loaded but forgotten, the longest ago first
         self._inflight: dict[int, NixlTransferHandle] = {}
         self._local_lists = _PrepCache(opts.prep_cache_size)
         self._remote_lists = _PrepCache(opts.prep_cache_size)
@@ -328,6 +332,7 @@ class NixlChannel(Channel):
         TCP connections open on both sides, so unloading and reloading a live peer after each fence or lost
         control connection leaked a socket on each side per round of link faults (issue 31).
         """
+        self._parked.pop(meta.name, None)
         if self._loaded.get(meta.name) == meta.agent and meta.name not in self._broken:
             return
         if meta.name in self._loaded:  # the peer restarted (new metadata under its name), or its endpoints failed
@@ -352,6 +357,7 @@ class NixlChannel(Channel):
         """Drop the peer's NIXL agent and endpoints. Holds the lock."""
         self._loaded.pop(peer, None)
         self._broken.discard(peer)
+        self._parked.pop(peer, None)
         try:
             self._agent.remove_remote_agent(peer)
         except NIXL_ERRORS as exc:
@@ -383,7 +389,8 @@ class NixlChannel(Channel):
     def _forget_peer(self, peer: str, reason: str = "peer removed", unload: bool = False) -> None:
         """Fail the peer's pending transfers, release its prepared lists and regions: nothing reaches it until
         ``add_peer`` again. Its NIXL agent goes too with ``unload`` or when a transfer to it failed; otherwise
-        it stays loaded for that ``add_peer`` (``_load_agent`` says why). Holds the lock."""
+        it stays loaded for that ``add_peer`` (``_load_agent`` says why), one of at most ``parked_peers``.
+        Holds the lock."""
         for handle in [h for h in self._inflight.values() if h.peer == peer]:
             handle.fail(reason)
             self._release_xfer(handle)
@@ -392,6 +399,12 @@ class NixlChannel(Channel):
         self.regions.remove_peer(peer)
         if unload or peer in self._broken:
             self._unload(peer)
+        elif peer in self._loaded:
+            self._parked[peer] = None
+            self._parked.move_to_end(peer)
+            opts: NixlOptions = self.options  # type: ignore[assignment]
+            while len(self._parked) > opts.parked_peers:
+                self._unload(next(iter(self._parked)))
 
     def _fail(self, handle: NixlTransferHandle, why: str) -> None:
         """A transfer NIXL failed: the peer's endpoints may be dead, so its agent is loaded afresh next time."""

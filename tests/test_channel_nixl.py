@@ -391,6 +391,18 @@ def test_a_peer_forgotten_and_added_again_reuses_its_connections(make_channel: C
     assert held[1:] == held[:1] * 3, f"TCP sockets after each round: {held}"
 
 
+def test_forgotten_peers_past_parked_peers_are_unloaded(make_channel: Callable[..., Channel]) -> None:
+    """A peer that never comes back (a decode worker restarted under a new name) does not stay loaded forever."""
+    local = make_channel(parked_peers=1)
+    peers = [make_channel() for _ in range(3)]
+    names = [local.add_peer(p.metadata()) for p in peers]
+    for name in names:
+        local.remove_peer(name)
+    assert sorted(local._loaded) == [names[-1]]  # the last one forgotten is kept for its add_peer
+    assert local.add_peer(peers[0].metadata()) == names[0]  # loaded again
+    assert sorted(local._loaded) == sorted([names[0], names[-1]])
+
+
 def test_progress_thread_delay_is_kept_and_the_binding_restored(make_channel: Callable[..., Channel]) -> None:
     import nixl._bindings as bindings
 
