@@ -68,6 +68,9 @@ class NixlOptions(ChannelOptions):
     granted_poll_s: Annotated[float, msgspec.Meta(gt=0)] = 0.0002
     prep_cache_size: Annotated[int, msgspec.Meta(ge=1)] = 4096  # prepared descriptor lists kept per side
     num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0  # UCX backend worker threads (0: NIXL's default)
+    # forgotten peers whose NIXL agent stays loaded for their next add_peer (see _load_agent); past this many the
+    # one forgotten longest ago is unloaded (a peer that died for good: a decode worker restarted under a new name)
+    parked_peers: Annotated[int, msgspec.Meta(ge=0)] = 16
 
 
 class _RegionMeta(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -203,6 +206,11 @@ class NixlChannel(Channel):
                 f"nixl: backends {missing} are not available; this NIXL build has {self._agent.get_plugin_list()}"
             )
         self._peers: dict[str, dict[int, _RegionMeta]] = {}
+        # NIXL agents loaded, by name: their metadata blob, kept past remove_peer (see _load_agent); and those a
+        # transfer failed to (their endpoints may be dead: loaded afresh on the next add_peer)
+        self._loaded: dict[str, bytes] = {}
+        self._broken: set[str] = set()
+        self._parked: OrderedDict[str, None] = OrderedDict()  # loaded but forgotten, the longest ago first
         self._inflight: dict[int, NixlTransferHandle] = {}
         self._local_lists = _PrepCache(opts.prep_cache_size)
         self._remote_lists = _PrepCache(opts.prep_cache_size)
@@ -300,7 +308,7 @@ class NixlChannel(Channel):
                 try:
                     self._prepared(meta.name, region.mem, ((region.addr, region.size, region.dev),))
                 except NIXL_ERRORS as exc:
-                    self._forget_peer(meta.name)
+                    self._forget_peer(meta.name, unload=True)
                     raise ChannelError(
                         f"nixl: peer {meta.name!r} region of {region.size} bytes at {region.addr:#x} does not match "
                         "its "
@@ -330,18 +338,20 @@ class NixlChannel(Channel):
         return meta
 
     def _load_agent(self, meta: _NixlMeta) -> None:
-        """Stage 1: load the peer's agent metadata; a restarted peer of the same name replaces the old one."""
+        """Stage 1: load the peer's agent metadata; a restarted peer of the same name replaces the old one.
+
+        An agent still loaded from the same metadata is kept, endpoints and all, unless a transfer to it
+        failed: NIXL's ``remove_remote_agent`` closes its UCX endpoints without waiting, and UCX keeps their
+        TCP connections open on both sides, so unloading and reloading a live peer after each fence or lost
+        control connection leaked a socket on each side per round of link faults (issue 31).
+        """
+        self._parked.pop(meta.name, None)
+        if self._loaded.get(meta.name) == meta.agent and meta.name not in self._broken:
+            return
+        if meta.name in self._loaded:  # the peer restarted (new metadata under its name), or its endpoints failed
+            self._unload(meta.name)
         try:
             loaded = self._agent.add_remote_agent(meta.agent)
-        except nixl_bindings.nixlNotAllowedError:
-            # NIXL refuses a different agent under a known name: the peer restarted.
-            self._forget_peer(meta.name, "the peer restarted (new metadata under the same name)")
-            try:
-                loaded = self._agent.add_remote_agent(meta.agent)
-            except NIXL_ERRORS as exc:
-                raise ChannelError(
-                    f"nixl: loading metadata of restarted peer {meta.name!r} failed: {describe_nixl_error(exc)}"
-                ) from exc
         except NIXL_ERRORS as exc:
             raise self.reachability.record(
                 meta.name,
@@ -354,11 +364,22 @@ class NixlChannel(Channel):
         if name != meta.name:
             self._agent.remove_remote_agent(name)
             raise ChannelError(f"nixl: peer metadata names {meta.name!r} but its NIXL agent is {name!r}")
+        self._loaded[name] = meta.agent
+
+    def _unload(self, peer: str) -> None:
+        """Drop the peer's NIXL agent and endpoints. Holds the lock."""
+        self._loaded.pop(peer, None)
+        self._broken.discard(peer)
+        self._parked.pop(peer, None)
+        try:
+            self._agent.remove_remote_agent(peer)
+        except NIXL_ERRORS as exc:
+            log.debug("nixl: removing peer %r: %s", peer, describe_nixl_error(exc))
 
     def fence(self, peer: str, token: bytes) -> None:
         """NIXL writes are one-sided: the target cannot stop a peer holding its registration keys. The sender's
-        own lease check (it stops writing once its heartbeats may have lapsed) is the defence here; forget its
-        metadata so a restarted peer starts clean."""
+        own lease check (it stops writing once its heartbeats may have lapsed) is the defence here; forget the
+        peer (``remove_peer``) so that it must hand over its metadata again."""
         log.warning("nixl: cannot fence peer %r: its one-sided writes never pass through this agent", peer)
         self.remove_peer(peer)
 
@@ -378,18 +399,30 @@ class NixlChannel(Channel):
             except NIXL_ERRORS as exc:
                 raise ChannelError(f"nixl: cannot connect to peer {peer!r}: {describe_nixl_error(exc)}") from exc
 
-    def _forget_peer(self, peer: str, reason: str = "peer removed") -> None:
-        """Fail the peer's pending transfers, release its prepared lists, drop its NIXL metadata. Holds the lock."""
+    def _forget_peer(self, peer: str, reason: str = "peer removed", unload: bool = False) -> None:
+        """Fail the peer's pending transfers, release its prepared lists and regions: nothing reaches it until
+        ``add_peer`` again. Its NIXL agent goes too with ``unload`` or when a transfer to it failed; otherwise
+        it stays loaded for that ``add_peer`` (``_load_agent`` says why), one of at most ``parked_peers``.
+        Holds the lock."""
         for handle in [h for h in self._inflight.values() if h.peer == peer]:
             handle.fail(reason)
             self._release_xfer(handle)
         self._remote_lists.drop(peer)
         self._peers.pop(peer, None)
         self.regions.remove_peer(peer)
-        try:
-            self._agent.remove_remote_agent(peer)
-        except NIXL_ERRORS as exc:
-            log.debug("nixl: removing peer %r: %s", peer, describe_nixl_error(exc))
+        if unload or peer in self._broken:
+            self._unload(peer)
+        elif peer in self._loaded:
+            self._parked[peer] = None
+            self._parked.move_to_end(peer)
+            opts: NixlOptions = self.options  # type: ignore[assignment]
+            while len(self._parked) > opts.parked_peers:
+                self._unload(next(iter(self._parked)))
+
+    def _fail(self, handle: NixlTransferHandle, why: str) -> None:
+        """A transfer NIXL failed: the peer's endpoints may be dead, so its agent is loaded afresh next time."""
+        handle.fail(why)
+        self._broken.add(handle.peer)
 
     # -- transfers ---------------------------------------------------------
     def _post(
@@ -415,7 +448,7 @@ class NixlChannel(Channel):
                 state = self._agent.transfer(handle.xfer)
             except NIXL_ERRORS as exc:
                 # Failures of a valid request (the peer gone) surface on the handle, like ERR later would.
-                handle.fail(describe_nixl_error(exc))
+                self._fail(handle, describe_nixl_error(exc))
                 self._release_xfer(handle)
                 return handle
             self._inflight[handle.id] = handle
@@ -445,7 +478,7 @@ class NixlChannel(Channel):
         if state == "DONE":
             handle.complete()
         elif state == "ERR":
-            handle.fail("NIXL reported ERR (the peer went away, or a region was deregistered mid-transfer)")
+            self._fail(handle, "NIXL reported ERR (the peer went away, or a region was deregistered mid-transfer)")
         else:
             return
         self._release_xfer(handle)
@@ -471,7 +504,7 @@ class NixlChannel(Channel):
                 try:
                     state = self._agent.check_xfer_state(handle.xfer)
                 except NIXL_ERRORS as exc:
-                    handle.fail(describe_nixl_error(exc))
+                    self._fail(handle, describe_nixl_error(exc))
                     self._release_xfer(handle)
                 else:
                     self._settle(handle, state)
@@ -560,8 +593,8 @@ class NixlChannel(Channel):
                 handle.fail("nixl channel closed")
                 self._release_xfer(handle)
             self._local_lists.drop()
-            for peer in list(self._peers):
-                self._forget_peer(peer, "nixl channel closed")
+            for peer in list(self._loaded):
+                self._forget_peer(peer, "nixl channel closed", unload=True)
             for _, entry in self.regions.items():
                 self._deregister(entry)
             self.regions.clear()

@@ -16,6 +16,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -377,6 +378,56 @@ def test_watcher_sleeps_until_a_grant_and_then_delivers_the_notification(
     assert readable, "the watcher did not deliver the notification"
     assert [n.payload for n in b.inbox.drain()] == [b"granted"] and torch.equal(src, dst)
     assert b.watch_polls > asleep
+
+
+def _tcp_sockets() -> int:
+    """How many TCP sockets this process holds open (its fds found in the kernel's tcp and tcp6 tables)."""
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]:
+            inodes.add(line.split()[9])
+    held = 0
+    for entry in os.scandir("/proc/self/fd"):
+        try:
+            link = os.readlink(entry.path)
+        except FileNotFoundError:
+            continue
+        held += link.startswith("socket:[") and link[8:-1] in inodes
+    return held
+
+
+def test_a_peer_forgotten_and_added_again_reuses_its_connections(make_channel: Callable[..., Channel]) -> None:
+    """The receiver fences the sender after a lease ran out, the sender drops the receiver after it lost the
+    control connection, then both hand their metadata over again: the soak's link faults (issue 31). Unloading
+    the NIXL agent each time left UCX's TCP connections open on both sides, one more per round."""
+    sender, receiver = make_channel(), make_channel()
+    src, dst = pattern(REGION, 8), torch.zeros(REGION, dtype=torch.uint8)
+    rs, rr = sender.register(src), receiver.register(dst)
+    held = []
+    for round_ in range(4):
+        name = sender.add_peer(receiver.metadata())
+        back = receiver.add_peer(sender.metadata())
+        handle = sender.write(name, [TransferOp(rs, round_, rr, round_, 4096)], notif=b"round")
+        sender.wait(handle, 10.0)
+        assert handle.state is XferState.DONE and torch.equal(dst[round_ : round_ + 4096], src[round_ : round_ + 4096])
+        held.append(_tcp_sockets())
+        receiver.fence(back, b"")
+        sender.remove_peer(name)
+        with pytest.raises(ChannelError, match="unknown peer"):  # forgotten until it hands its metadata over again
+            sender.write(name, [TransferOp(rs, 0, rr, 0, 1)])
+    assert held[1:] == held[:1] * 3, f"TCP sockets after each round: {held}"
+
+
+def test_forgotten_peers_past_parked_peers_are_unloaded(make_channel: Callable[..., Channel]) -> None:
+    """A peer that never comes back (a decode worker restarted under a new name) does not stay loaded forever."""
+    local = make_channel(parked_peers=1)
+    peers = [make_channel() for _ in range(3)]
+    names = [local.add_peer(p.metadata()) for p in peers]
+    for name in names:
+        local.remove_peer(name)
+    assert sorted(local._loaded) == [names[-1]]  # the last one forgotten is kept for its add_peer
+    assert local.add_peer(peers[0].metadata()) == names[0]  # loaded again
+    assert sorted(local._loaded) == sorted([names[0], names[-1]])
 
 
 def test_progress_thread_delay_is_kept_and_the_binding_restored(make_channel: Callable[..., Channel]) -> None:

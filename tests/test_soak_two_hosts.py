@@ -12,9 +12,8 @@ mid-stream. Every request must match the fault-free output or fail with an
 error while a fault is in effect; the router must mark the decode workers up
 again by itself after every fault; nothing may be recomputed without a fault;
 no gauge, fd or thread may stay above its count after the second round, RSS
-within 10% of it (the one known exception, fds of TCP sockets whose connection
-is gone, is reported: ``soak.procstats.DEAD_SOCKET``); and the rig's namespaces
-are gone afterwards. Outcomes,
+within 10% of it (an fd of a TCP socket whose connection is gone counts too:
+``soak.procstats.DEAD_SOCKET``); and the rig's namespaces are gone afterwards. Outcomes,
 not timings, are asserted.
 """
 

@@ -6,9 +6,11 @@ The remote level runs against a real redis-server started on a free port
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -288,6 +290,51 @@ def test_redis_down_is_a_miss_with_a_warning(caplog: pytest.LogCaptureFixture) -
     assert tier.stats()["redis"].errors == 1  # after the first failure the server is skipped, not retried per call
     with pytest.raises(ConfigError, match="not a Redis URL"):
         RedisTier(LAYOUT, "http://localhost:6379")
+
+
+def _sockets_to(port: int) -> collections.Counter[str]:
+    """This process's TCP sockets to ``port`` by state (from its fds and the kernel's table)."""
+    mine = set()
+    for entry in os.scandir("/proc/self/fd"):
+        try:
+            link = os.readlink(entry.path)
+        except FileNotFoundError:
+            continue
+        if link.startswith("socket:["):
+            mine.add(link[8:-1])
+    states: collections.Counter[str] = collections.Counter()
+    for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
+        cols = line.split()
+        if cols[9] in mine and int(cols[2].split(":")[1], 16) == port:
+            states[{"01": "ESTABLISHED", "08": "CLOSE_WAIT"}.get(cols[3], cols[3])] += 1
+    return states
+
+
+def test_redis_idle_connections_the_server_dropped_are_closed(redis_tier: RedisTier, redis_server: LocalRedis) -> None:
+    """redis-py's pool hands out the connection released last: after a burst the rest sit idle, and one the
+    server drops under it (here CLIENT KILL; in the two-host soak its keep-alive behind a dead link, issue 31)
+    kept its fd for good, even with no call through the tier. The tier's sweep closes them."""
+    import redis
+
+    pool = redis_tier._backend.client.connection_pool
+    burst = [pool.get_connection() for _ in range(3)]  # three threads at once
+    for connection in burst:
+        pool.release(connection)
+    assert _sockets_to(redis_server.port) == {"ESTABLISHED": 3}
+    with redis.Redis.from_url(redis_server.url) as admin:
+        assert admin.client_kill_filter(_type="normal", skipme=True) == 3
+    deadline = time.monotonic() + 10.0
+    while _sockets_to(redis_server.port) != {"CLOSE_WAIT": 3} and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _sockets_to(redis_server.port) == {"CLOSE_WAIT": 3}
+    deadline = time.monotonic() + 10.0  # the sweep runs every SWEEP_S, unasked
+    while _sockets_to(redis_server.port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _sockets_to(redis_server.port)
+    ks = keys(1)
+    redis_tier.put(ks, [chunk(0)])
+    assert redis_tier.has(ks) == [True]  # and the pool connects again on demand
+    assert _sockets_to(redis_server.port) == {"ESTABLISHED": 1}
 
 
 # -- composition --------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from pdkv.errors import ConfigError
+from pdkv.tier.redis_pool import Sweeper
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ class Single:
             raise ConfigError(f"tier.redis_url {url!r} is not a Redis URL ({exc}); expected {URL_FORMS}") from None
         self._errors = (redis.RedisError, OSError)
         self._backoff = _Backoff(url, retry_s)
+        self._sweeper = Sweeper(url, lambda: (self.client.connection_pool,))
 
     def batch(self, what: str, names: Sequence[bytes], build: Build) -> tuple[list[Any], bool]:
         """Each key's result (or ``FAILED``) and whether anything failed."""
@@ -119,6 +121,7 @@ class Single:
         return result[0] is not FAILED
 
     def close(self) -> None:
+        self._sweeper.close()
         self.client.close()
 
 
@@ -158,6 +161,7 @@ class Cluster:
         self._client: Any = None
         self._lock = threading.Lock()
         self._refreshed = 0.0
+        self._sweeper = Sweeper(url, self._pools)
 
     def _connect(self) -> Any:
         """The cluster client, made (the slot map read from a seed) on first use."""
@@ -232,7 +236,16 @@ class Cluster:
             return False
         return True
 
+    def _pools(self) -> list[Any]:
+        """The connection pool of each node the client knows (none before its first use)."""
+        with self._lock:
+            client = self._client
+        if client is None:
+            return []
+        return [n.redis_connection.connection_pool for n in client.get_nodes() if n.redis_connection is not None]
+
     def close(self) -> None:
+        self._sweeper.close()
         with self._lock:
             if self._client is not None:
                 self._client.close()

@@ -24,9 +24,10 @@ worker waits for a prompt's KV) grows up to this many threads when waits overlap
 and never shrinks. Growth beyond it is a leak; up to it, it is reported (``threads_grown``)."""
 
 DEAD_SOCKET = "socket (in no table)"
-"""An fd of a TCP socket whose connection the kernel already took out of its tables (reset or closed under the
-process): the process never closed it. Known: a decode worker keeps about one per few rounds of link faults
-(issue 31, not yet found whose). Reported beside the pools, not counted, until it is found; any other fd is."""
+"""The kind of an fd of a TCP socket whose connection the kernel already took out of its tables (reset or closed
+under the process), which the process never closed. Counted like any other fd; named apart so that a leak report
+says what it is. Issue 31 found decode workers keeping one per few rounds of link faults: redis-py's pooled
+connections reset under the pool (``pdkv.tier.redis_pool``)."""
 
 SETTLE_S = 90.0  # how long the counts may take to come back: past a worker's 75 s idle_timeout_s for a connection
 
@@ -168,10 +169,6 @@ def leaks(
             is_pool = sum(n for kind, n in now.fds.items() if _pooled(kind, http_ports))
             if was_pool or is_pool:
                 pooled[name] = f"{was_pool} -> {is_pool}"
-            if now.fds[DEAD_SOCKET] > before.fds[DEAD_SOCKET]:
-                pooled[f"{name} dead sockets"] = f"{before.fds[DEAD_SOCKET]} -> {now.fds[DEAD_SOCKET]}"
-            was_pool += before.fds[DEAD_SOCKET]
-            is_pool += now.fds[DEAD_SOCKET]
             if now.threads.total() > before.threads.total():
                 pooled[f"{name} threads"] = f"{before.threads.total()} -> {now.threads.total()}"
             for what, was, is_, excluded, allowed in (
@@ -182,11 +179,7 @@ def leaks(
                 # replacing the old ones is no leak; the kinds that grew say where to look when the total did
                 was_n, is_n = was.total() - excluded[0], is_.total() - excluded[1]
                 if is_n > was_n + allowed:
-                    grew = ", ".join(
-                        f"{kind} +{n}"
-                        for kind, n in (is_ - was).items()
-                        if not _pooled(kind, http_ports) and kind != DEAD_SOCKET
-                    )
+                    grew = ", ".join(f"{kind} +{n}" for kind, n in (is_ - was).items() if not _pooled(kind, http_ports))
                     out[f"{name} {what} {was_n} -> {is_n} ({grew})"] = float(is_n - was_n)
             growth[name] = round(100.0 * (now.rss_kib - before.rss_kib) / before.rss_kib, 1)
         if not out or time.monotonic() > deadline:

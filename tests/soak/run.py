@@ -290,8 +290,8 @@ def _soak(
         if outcome == "dropped":
             counts.injected["client_drop"] += 1
             counts.faults.append("client dropped its connection mid-stream")
-        elif detail and len(counts.errors) < 20:
-            counts.errors.append(f"{outcome}: {detail}")
+        elif detail and (len(counts.errors) < 20 or outcome == "mismatched"):  # a wrong answer is always kept
+            counts.errors.append(f"{outcome}: {detail} (at {start - counts.t0:.1f} s)")
     counts.leaks = read_leaks(cluster, wait_s=15)
     counts.leaked = int(sum(counts.leaks.values()))
     # The same traffic as before the baseline: links and connections opened on demand (a channel link a fault
