@@ -75,6 +75,9 @@ class TransferHandle:
         self.state = XferState.PENDING
         self.error: str | None = None
         self.posted_at = time.monotonic()
+        # Given up on while the channel could not tell whether its bytes will still land (nixl: a peer forgotten
+        # with the request in flight, whose bytes may sit in a socket until a link comes back).
+        self.may_still_land = False
         self._event = threading.Event()
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[TransferHandle], None]] = []
@@ -102,6 +105,11 @@ class TransferHandle:
     def fail(self, error: str) -> bool:
         """Mark failed with a message a user can act on; first outcome wins."""
         return self._finish(XferState.ERROR, error)
+
+    def abandon(self, error: str) -> bool:
+        """Fail a write whose bytes may still land in the peer's memory later (see ``may_still_land``)."""
+        self.may_still_land = True
+        return self.fail(error)
 
     def _finish(self, state: XferState, error: str | None) -> bool:
         with self._lock:

@@ -405,7 +405,7 @@ class NixlChannel(Channel):
         it stays loaded for that ``add_peer`` (``_load_agent`` says why), one of at most ``parked_peers``.
         Holds the lock."""
         for handle in [h for h in self._inflight.values() if h.peer == peer]:
-            handle.fail(reason)
+            handle.abandon(reason)  # a one-sided write cannot be called back: it may land when the link returns
             self._release_xfer(handle)
         self._remote_lists.drop(peer)
         self._peers.pop(peer, None)

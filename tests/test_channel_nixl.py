@@ -456,3 +456,29 @@ def test_vram_round_trip(make_channel: Callable[..., Channel]) -> None:
     a.wait(handle, 10.0)
     torch.cuda.synchronize()
     assert torch.equal(src.cpu(), dst.cpu())
+
+
+def test_a_write_in_flight_when_its_peer_is_forgotten_is_marked_as_possibly_still_landing(
+    make_channel: Callable[..., Channel],
+) -> None:
+    """A one-sided write cannot be called back: failed because its peer was forgotten while in flight, its handle
+    says its bytes may still land, and the transfer layer tells the receiver so (``Cancel.writes_may_land``).
+
+    The write in flight is the channel's own record of one (a write between two agents on this host completes
+    inside its post, too fast to catch in flight); what is checked is what forgetting its peer does to it."""
+    from pdkv.channels.nixl import NixlChannel, NixlTransferHandle
+
+    a, b = make_channel(), make_channel()
+    assert isinstance(a, NixlChannel)
+    name = a.add_peer(b.metadata())
+    in_flight = NixlTransferHandle(name, "write", 4096, 1)
+    with a._lock:
+        a._inflight[in_flight.id] = in_flight
+    a.remove_peer(name)
+    assert in_flight.state is XferState.ERROR and in_flight.may_still_land
+    src = pattern(REGION, 5)
+    ra, rb = a.register(src), b.register(torch.zeros(REGION, dtype=torch.uint8))
+    name = a.add_peer(b.metadata())
+    done = a.write(name, [TransferOp(ra, 0, rb, 0, REGION)])
+    a.wait(done, 10.0)
+    assert done.state is XferState.DONE and not done.may_still_land  # a finished write is not in doubt

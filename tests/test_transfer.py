@@ -301,6 +301,28 @@ def test_a_silent_senders_blocks_wait_for_its_word_where_its_writes_cannot_be_cu
     assert pair.allocator.num_free == pair.allocator.num_blocks
 
 
+@pytest.mark.parametrize("may_land", [False, True])
+def test_a_cancel_saying_writes_may_still_land_keeps_the_blocks_quarantined(
+    make_pair: MakePair, may_land: bool
+) -> None:
+    """A sender that gave up on a write its channel could not call back says so in its Cancel: the receiver then
+    holds the reservation's blocks for its whole late-write quarantine instead of freeing them on the Cancel."""
+    cfg = TransferConfig(chunk_size=32, drain_timeout_s=2, unfenced_quarantine_s=2)
+    pair = make_pair(config=cfg)
+    xfer = pair.sender.open("gave-up", pair.receiver.address, 64, list(range(4)))
+    xfer.send_chunk(0)
+    wait_until(lambda: pair.receiver.stats().get("chunks_landed") == 1, 10, "chunk 0 to land")
+    with xfer.cond:
+        xfer.writes_may_land = may_land  # as the channel reports a write it abandoned in flight
+    xfer.cancel("test")
+    wait_until(lambda: pair.receiver.stats().get("transfers_failed") == 1, 10, "the receiver to take the Cancel")
+    time.sleep(0.1)  # a few reaper passes: a Cancel that vouches for every write frees the blocks at once
+    held = pair.receiver.stats()["reserved_blocks"]
+    assert held == (4 if may_land else 0)
+    wait_until(lambda: pair.receiver.stats()["reservations"] == 0, 10, "the quarantine to end")
+    assert pair.receiver.stats().get("fences", 0) == int(may_land)  # no word to trust: the sender is fenced first
+
+
 def test_hello_mismatch_names_the_field(make_pair: MakePair) -> None:
     pair = make_pair(fingerprints=("llama-8b", "qwen-7b"))
     with pytest.raises(HandshakeError, match="model_fingerprint \\(ours 'qwen-7b', peer 'llama-8b'\\)"):

@@ -114,7 +114,8 @@ class IncomingBook:
             r = self.res.get(msg.transfer_id)
             if r is None or r.identity != identity:
                 return
-            r.sender_done = True
+            # Its word frees the memory early, unless it gave up on a write that may still land.
+            r.sender_done = not (isinstance(msg, Cancel) and msg.writes_may_land)
             if r.state is State.RECEIVING and (isinstance(msg, Cancel) or not msg.ok):
                 reason = msg.reason if isinstance(msg, Cancel) else "sender reported failure"
                 self.fail(r, TransferCancelled(f"sender cancelled: {reason}"), notify_sender=False)

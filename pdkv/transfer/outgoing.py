@@ -139,6 +139,7 @@ class OutgoingTransfer:
         self.posting = 0  # chunks between taking credit and their write being tracked
         self.error: TransferError | None = None
         self.settled = False  # Done or Cancel sent: no more writes from us
+        self.writes_may_land = False  # a write was given up on that may still land: the Cancel says so
         self.bytes_sent = 0
         self.wire_bytes = 0  # what the channel carried: less than bytes_sent with a compressing codec
         self.started = 0.0  # first chunk posted: transfer time excludes the wait for compute before it
@@ -356,6 +357,7 @@ class OutgoingTransfer:
             self.writes -= 1
             ctx.credit.give(nbytes, local_slot)
             if handle.state is XferState.ERROR:
+                self.writes_may_land |= handle.may_still_land
                 self.fail(TransferError(f"channel write failed: {handle.error}"))
             else:
                 ctx.counters["chunks_sent"] += 1

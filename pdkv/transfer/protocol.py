@@ -145,10 +145,13 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):
 
 
 class Cancel(msgspec.Struct, tag="cancel", forbid_unknown_fields=True):
-    """Either side abandons a request. From the sender it also means: no more writes."""
+    """Either side abandons a request. From the sender it also means: no more writes, unless ``writes_may_land``:
+    it gave up on a write its channel could not call back (the receiver then holds the memory its full
+    late-write quarantine)."""
 
     transfer_id: TransferId
     reason: str
+    writes_may_land: bool = False
 
 
 class Done(msgspec.Struct, tag="done", forbid_unknown_fields=True):

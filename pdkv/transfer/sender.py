@@ -196,7 +196,9 @@ class KVSender:
     def _settled(self, xfer: OutgoingTransfer) -> None:
         """A transfer settled (I/O thread): tell its receiver and forget it."""
         msg: protocol.Message = (
-            Done(xfer.transfer_id, True) if xfer.error is None else Cancel(xfer.transfer_id, str(xfer.error))
+            Done(xfer.transfer_id, True)
+            if xfer.error is None
+            else Cancel(xfer.transfer_id, str(xfer.error), writes_may_land=xfer.writes_may_land)
         )
         self._send(xfer.peer, msg)
         with self.cond:
