@@ -33,8 +33,13 @@ WORKER_CONFIG: dict[str, Any] = {
         "chunk_timeout_s": 5,
         "claim_timeout_s": 10,
         "drain_timeout_s": 2,
+        # nixl cannot cut a sender off: a failed reservation whose sender never said it stopped writing waits this
+        # long (a write posted before an outage of up to 10 s may land when TCP retransmits after it).
+        "unfenced_quarantine_s": 30,
     },
 }
+LEAK_WAIT_S = WORKER_CONFIG["transfer"]["unfenced_quarantine_s"] + 10.0
+"""How long the leak gauges may take to reach zero after the traffic: a quarantine begun by the last fault ends."""
 
 SETTLE_S = WORKER_CONFIG["transfer"]["transfer_timeout_s"] + WORKER_CONFIG["transfer"]["lease_s"] + 1.0
 """How long a fault's effects may outlast it: a transfer it stalled times out, or its lease expires, by then."""

@@ -16,7 +16,7 @@ from pdkv.testing.http import request
 from pdkv.testing.model import write_tiny_model
 
 from soak import linkfaults, procstats
-from soak.cluster import Cluster
+from soak.cluster import LEAK_WAIT_S, Cluster
 from soak.faults import corrupt_chunk, kill_and_restart_decode, stall_prefill
 from soak.hosts import START_TIMEOUT_S, TwoHostCluster
 from soak.monitor import KVMonitor, read_leaks
@@ -292,7 +292,7 @@ def _soak(
             counts.faults.append("client dropped its connection mid-stream")
         elif detail and (len(counts.errors) < 20 or outcome == "mismatched"):  # a wrong answer is always kept
             counts.errors.append(f"{outcome}: {detail} (at {start - counts.t0:.1f} s)")
-    counts.leaks = read_leaks(cluster, wait_s=15)
+    counts.leaks = read_leaks(cluster, wait_s=LEAK_WAIT_S)
     counts.leaked = int(sum(counts.leaks.values()))
     # The same traffic as before the baseline: links and connections opened on demand (a channel link a fault
     # broke is made again by the next transfer over it) are open at both reads, so only what should be gone counts.
