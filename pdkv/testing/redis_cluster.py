@@ -107,8 +107,8 @@ class LocalCluster:
 def _start_node(binary: str, workdir: Path, node_timeout_ms: int, timeout: float) -> LocalRedis:
     for _attempt in range(3):  # another process may take the port between probe and bind
         port = free_port()
-        home = workdir / str(port)
-        home.mkdir()
+        # Its own directory even when a port comes back on a retry (a bind lost to another process frees it).
+        home = Path(tempfile.mkdtemp(prefix=f"{port}-", dir=workdir))
         args = [
             binary,
             "--port",
