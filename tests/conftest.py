@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import time
@@ -88,6 +89,18 @@ def wait_until(pred: Callable[[], bool], timeout: float = 5.0, what: str = "cond
 
 
 KV_MEMORIES = ("host", "emulated")
+
+TCP_AND_NIXL = [
+    "tcp",
+    pytest.param(
+        "nixl",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("nixl") is None,
+            reason="the 'nixl' extra is not installed: pip install 'pdkv[nixl]'",
+        ),
+    ),
+]
+"""The real channels a transfer test runs over: tcp (the receiver checks every write) and nixl (it cannot)."""
 """Where a ``make_pair`` KV lives in a test marked ``device_emulation``: host memory, and emulated device memory
 (``pdkv.memory.emulate_device``: no host view, so a host-only channel must stage it, as with KV in VRAM)."""
 

@@ -4,7 +4,6 @@ the late-write fence."""
 
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import msgspec
@@ -19,7 +18,7 @@ from pdkv.layout import KVLayout
 from pdkv.transfer import protocol
 from pdkv.transfer.handshake import ReceiverPeer
 
-from tests.conftest import MakePair, Pair, wait_until
+from tests.conftest import TCP_AND_NIXL, MakePair, Pair, wait_until
 from tests.test_transfer import assert_same_kv, push
 
 POOLED = TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2, pool_tokens=32)  # 2 blocks of 16 tokens
@@ -193,18 +192,7 @@ def test_pool_and_notice_messages_round_trip() -> None:
         protocol.decode(protocol.encode(protocol.Pool(1, [], 15.0)))  # a pool of no blocks is malformed
 
 
-@pytest.mark.parametrize(
-    "channel",
-    [
-        "tcp",
-        pytest.param(
-            "nixl",
-            marks=pytest.mark.skipif(
-                importlib.util.find_spec("nixl") is None, reason="the 'nixl' extra is not installed"
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("channel", TCP_AND_NIXL)
 def test_pooled_requests_over_real_channels_land_bit_exact(channel: str) -> None:
     """Receiver in another process, real sockets or NIXL agents: one-chunk requests go through the pool, each
     bit for bit (``TransferRig.push`` checks), and the receiver holds only the pool afterwards."""

@@ -12,7 +12,6 @@ hold a block, a slot, a byte of credit or a reservation.
 
 from __future__ import annotations
 
-import importlib.util
 import random
 
 import pytest
@@ -21,7 +20,7 @@ from pdkv.bench.transfer import TransferRig
 from pdkv.config import TransferConfig
 from pdkv.layout import KVLayout
 
-from tests.conftest import wait_until
+from tests.conftest import TCP_AND_NIXL, wait_until
 
 SENDER = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype="bfloat16")
 STAGING = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_size=32, dtype="bfloat16", order="HND")
@@ -38,21 +37,10 @@ CONFIG = TransferConfig(
 )
 SENDER_BLOCKS = 256
 
-CHANNELS = [
-    "tcp",
-    pytest.param(
-        "nixl",
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("nixl") is None,
-            reason="the 'nixl' extra is not installed: pip install 'pdkv[nixl]'",
-        ),
-    ),
-]
-
 
 @pytest.mark.parametrize("device", ["cpu", "emulated"])
 @pytest.mark.parametrize("mode", ["direct", "staging"])
-@pytest.mark.parametrize("channel", CHANNELS)
+@pytest.mark.parametrize("channel", TCP_AND_NIXL)
 def test_concurrent_requests_land_bit_exact_and_nothing_is_held(channel: str, mode: str, device: str) -> None:
     """``device`` emulated: both sides' KV is device memory; tcp stages it through host slots, nixl writes it in
     place."""
