@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pdkv.auth import NONCE_BYTES, PROOF_BYTES, new_nonce, proof, verify
 from pdkv.channels.grants import Grants
 from pdkv.channels.inbox import NotificationInbox
+from pdkv.channels.landing import LandingSums
 from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp.conn import IO_ERRORS, Conn, PeerClosed, idle_deadline, set_buffers, shutdown
 from pdkv.channels.tcp.options import Agent
@@ -64,6 +65,9 @@ from pdkv.errors import AuthError, ChannelError, ConfigError, ProtocolError
 log = logging.getLogger(__name__)
 
 _ACK_FLUSH_BYTES = 64 << 10  # send pending ACKs before landing a payload this big, not after
+# A DATA payload lands in pieces this big, each hashed right after it arrived (channels/landing.py): small enough
+# to still be in cache, big enough that the extra system calls cost little.
+_HASH_PIECE_BYTES = 256 << 10
 
 
 class Ending:
@@ -124,10 +128,18 @@ class Target:
     """
 
     def __init__(
-        self, agent: Agent, regions: RegionTable[memoryview], grants: Grants, inbox: NotificationInbox
+        self,
+        agent: Agent,
+        regions: RegionTable[memoryview],
+        grants: Grants,
+        inbox: NotificationInbox,
+        landing: LandingSums | None,
     ) -> None:
+        """``landing``: where DATA is received natively and hashed as it lands (clear connections), or None where
+        the native kernels are not loaded (every payload then lands through Python, unhashed)."""
         self.agent = agent
         self._regions = regions
+        self._landing = landing
         self._grants = grants
         self._inbox = inbox
         self._sessions: dict[int, Session] = {}
@@ -375,10 +387,10 @@ class Target:
                         f"tcp {conn.label}: DATA with flags={flags} shares={shares} notif={nlen} "
                         f"(max {MAX_STREAMS} shares, max_notif_bytes={opts.max_notif_bytes})"
                     )
-                runs, views = self._runs(conn, nruns, offset, length)
+                table, runs, views = self._runs(conn, nruns, offset, length)
                 if acks and length >= _ACK_FLUSH_BYTES:
                     self._send_acks(conn, acks)
-                refused = self._land(conn, session, runs, views, length) or refused
+                refused = self._land(conn, session, table, runs, views, length) or refused
                 if flags & LAST:
                     notif = (
                         conn.recv_payload(nlen, opts.max_notif_bytes, "notification") if flags & NOTIF_FOLLOWS else None
@@ -426,8 +438,9 @@ class Target:
 
     def _runs(
         self, conn: Conn, nruns: int, offset: int, length: int
-    ) -> tuple[list[tuple[int, int, int]], list[memoryview]]:
-        """A DATA frame's run table, read and checked, and the views its runs name; ProtocolError if any run is bad.
+    ) -> tuple[bytes, list[tuple[int, int, int]], list[memoryview]]:
+        """A DATA frame's run table (as sent, and read), checked, and the views its runs name; ProtocolError if any
+        run is bad.
 
         Every run must lie inside a registered region and not be empty, no two may
         overlap, and together they must be the frame's ``length``, which is at
@@ -449,13 +462,24 @@ class Target:
         for (r0, o0, n0), (r1, o1, _) in itertools.pairwise(ordered):
             if r0 == r1 and o1 < o0 + n0:
                 raise ProtocolError(f"tcp {conn.label}: DATA runs overlap in region {r0}: [{o0}, {o0 + n0}) and {o1}")
-        return runs, views
+        return table, runs, views
 
     def _land(
-        self, conn: Conn, session: Session, runs: list[tuple[int, int, int]], views: list[memoryview], length: int
+        self,
+        conn: Conn,
+        session: Session,
+        table: bytes,
+        runs: list[tuple[int, int, int]],
+        views: list[memoryview],
+        length: int,
     ) -> str:
         """Receive a DATA payload into ``views`` if the session's grants allow every run, else read it away; why
-        refused, or ""."""
+        refused, or "".
+
+        On a clear connection the native receive fills the views (which keep
+        their memory alive meanwhile) and hashes what lands while the ticket
+        is held, so a revoke waits for the hashing too.
+        """
         try:
             ticket = self._grants.begin_many(session.token, "write", runs)
         except ChannelError as exc:
@@ -464,7 +488,10 @@ class Target:
             conn.drain(length)
             return str(exc)
         try:
-            conn.recv_views(views, length)
+            if self._landing is not None and not conn.tls:
+                conn.recv_runs(table, len(runs), self._landing.snapshot, length, _HASH_PIECE_BYTES)
+            else:
+                conn.recv_views(views, length)
         finally:
             self._grants.end(ticket)
         return ""
