@@ -32,6 +32,7 @@ from pdkv.channels.grants import Range
 from pdkv.checksum import finish
 from pdkv.errors import ChannelError
 
+_ENTRY_BYTES = 3 * 8  # a unit's landing table entry: partial, signature, bytes landed (int64 each)
 _DESC = 5  # a region's descriptor words (csrc/kvland.cpp): base, size, unit (0: not hashed), table, units
 
 
@@ -99,7 +100,9 @@ class LandingSums:
                 entry = self._tables.get(region)
                 if entry is not None and length > 0:
                     unit, table = entry
-                    table[offset // unit : -(-(offset + length) // unit)] = 0
+                    first, end = max(0, offset // unit), min(table.shape[0], -(-(offset + length) // unit))
+                    if first < end:  # memset: a torch op a range costs more than the rest of a grant
+                        ctypes.memset(table.data_ptr() + first * _ENTRY_BYTES, 0, (end - first) * _ENTRY_BYTES)
 
     def checksum(self, regions: Sequence[int], ids: Sequence[int], unit: int) -> tuple[int, int]:
         """``blocks_checksum`` of blocks ``ids`` of every region in turn, from what was hashed as it landed; returns
