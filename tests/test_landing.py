@@ -7,6 +7,7 @@ Real sockets between two channels of this process; every wait is bounded.
 from __future__ import annotations
 
 import random
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -15,9 +16,11 @@ import torch
 
 from pdkv import native
 from pdkv.channels import TransferOp
-from pdkv.channels.tcp import TcpChannel, TcpOptions
+from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
 from pdkv.checksum import blocks_checksum
 from pdkv.errors import ChannelError
+
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels are not built")
 
@@ -171,3 +174,22 @@ def test_random_block_tables_match() -> None:
             pair.write(list(enumerate(ids)))
             assert pair.hot(ids) == pair.cold(ids)
         assert pair.reread() == 0
+
+
+def test_receive_cut_halfway_is_read_back(pair: Pair) -> None:
+    pair.grant([3])
+    pair.write([(0, 3)])  # block 3 landed whole and hashed...
+    name = b"cut"
+    hello = wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.HELLO, 0, len(TOKEN), 0, 0, 77, 0, len(TOKEN) + len(name))
+    size = 6 << 10  # the fixture's max_frame_bytes
+    frame = bytes(wire.data_frame(1, [(pair.dst_regions[0], 3 * BLOCK, size)], size, wire.LAST, 1))
+    with socket.create_connection(("127.0.0.1", pair.d.port), timeout=10) as sock:
+        # ...then a frame under the same token rewrites part of it, and the connection drops halfway through
+        sock.sendall(hello + TOKEN + name + frame + b"\x55" * (size // 2))
+        sock.shutdown(socket.SHUT_WR)
+        while sock.recv(1 << 16):  # until the channel hangs up on the truncated frame
+            pass
+    wait_until(lambda: bytes(pair.dst[0][3 * BLOCK : 3 * BLOCK + 8].numpy()) == b"\x55" * 8, 10)
+    value = pair.hot([3])
+    assert pair.reread() == 1  # the hash of the first landing no longer stands for block 3 of tensor 0
+    assert value == pair.cold([3])
