@@ -38,11 +38,12 @@ _DESC = 5  # a region's descriptor words (csrc/kvland.cpp): base, size, unit (0:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """The region descriptors as one receive uses them; holds every table it points to, so none is freed under a
-    receive still running after a region changed."""
+    """The region descriptors as one frame is checked and received with; holds every table and region it points to,
+    so none is freed under a receive still running after a region was deregistered."""
 
     desc: torch.Tensor  # [regions, 5] int64
     tables: tuple[torch.Tensor, ...]
+    views: tuple[memoryview, ...]  # the regions' memory, kept alive as long as a receive may write there
 
     @property
     def address(self) -> int:
@@ -64,17 +65,20 @@ class LandingSums:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._regions: dict[int, tuple[int, int]] = {}  # region -> (address, size)
+        self._views: dict[int, memoryview] = {}
         self._tables: dict[int, tuple[int, torch.Tensor]] = {}  # region -> (unit, [units, 3] int64)
-        self.snapshot = Snapshot(torch.zeros((0, _DESC), dtype=torch.int64), ())
+        self.snapshot = Snapshot(torch.zeros((0, _DESC), dtype=torch.int64), (), ())
 
     def add_region(self, region: int, view: memoryview) -> None:
         with self._lock:
             self._regions[region] = (address_of(view), view.nbytes)
+            self._views[region] = view
             self._publish()
 
     def remove_region(self, region: int) -> None:
         with self._lock:
             self._regions.pop(region, None)
+            self._views.pop(region, None)
             self._tables.pop(region, None)
             self._publish()
 
@@ -141,4 +145,4 @@ class LandingSums:
             )
             if table is not None:
                 tables.append(table)
-        self.snapshot = Snapshot(desc, tuple(tables))
+        self.snapshot = Snapshot(desc, tuple(tables), tuple(self._views.values()))

@@ -109,6 +109,33 @@ struct Segment {
 }  // namespace
 
 // See kvcopy.h.
+PDKV_API int pdkv_check_runs(const char* runs, int64_t nruns, const int64_t* desc, int64_t n_desc, int64_t length) {
+  struct Run {
+    uint64_t region, off, len;
+  };
+  std::vector<Run> all(static_cast<size_t>(nruns < 0 ? 0 : nruns));
+  uint64_t total = 0;
+  for (int64_t k = 0; k < nruns; ++k) {
+    uint32_t r;
+    uint64_t off, len;
+    std::memcpy(&r, runs + k * kRunBytes, 4);
+    std::memcpy(&off, runs + k * kRunBytes + 4, 8);
+    std::memcpy(&len, runs + k * kRunBytes + 12, 8);
+    if (static_cast<int64_t>(r) >= n_desc) return 1;  // not registered
+    const uint64_t size = static_cast<uint64_t>(desc[static_cast<int64_t>(r) * kDesc + 1]);
+    if (len == 0 || off > size || len > size - off) return 1;  // empty, or not inside the region
+    total += len;  // each at most a region's size: no overflow for any nruns the wire allows
+    all[static_cast<size_t>(k)] = Run{r, off, len};
+  }
+  if (total != static_cast<uint64_t>(length)) return 1;
+  std::sort(all.begin(), all.end(), [](const Run& a, const Run& b) { return a.region != b.region ? a.region < b.region : a.off < b.off; });
+  for (size_t k = 1; k < all.size(); ++k) {
+    if (all[k].region == all[k - 1].region && all[k].off < all[k - 1].off + all[k - 1].len) return 1;  // overlap
+  }
+  return 0;
+}
+
+// See kvcopy.h.
 PDKV_API int pdkv_recv_runs(int fd, const char* runs, int64_t nruns, const int64_t* desc, int64_t n_desc, int64_t piece,
                             int64_t max_idle, int64_t* got, int* os_error) {
   *got = 0;

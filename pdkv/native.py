@@ -137,6 +137,7 @@ _SIGNATURES: dict[str, list[type]] = {
         ctypes.c_char_p,
         ctypes.c_size_t,
     ],
+    "pdkv_check_runs": [ctypes.c_char_p, _i64, _p, _i64, _i64],
     "pdkv_recv_runs": [
         ctypes.c_int,
         ctypes.c_char_p,
@@ -419,6 +420,12 @@ def checksum_blocks(bases: Sequence[int], ids: Sequence[int], num_blocks: int, b
 
 LAND_EOF, LAND_STALLED, LAND_EOS = 10, 11, 12
 """pdkv_recv_runs' outcomes other than OK (kvcopy.h): the peer closed, no byte for max_idle ticks, the socket failed."""
+
+
+def check_runs(runs: bytes, nruns: int, desc: int, n_desc: int, length: int) -> bool:
+    """Whether a DATA frame's run table (``nruns`` entries) names only non-empty runs inside the regions that
+    ``n_desc`` descriptors at ``desc`` describe (channels/landing.py), none overlapping, adding up to ``length``."""
+    return _lib().pdkv_check_runs(runs, nruns, desc, n_desc, length) == OK
 
 
 def recv_runs(

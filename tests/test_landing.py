@@ -16,6 +16,7 @@ import torch
 
 from pdkv import native
 from pdkv.channels import TransferOp
+from pdkv.channels.landing import LandingSums
 from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
 from pdkv.checksum import blocks_checksum
 from pdkv.errors import ChannelError
@@ -193,3 +194,26 @@ def test_receive_cut_halfway_is_read_back(pair: Pair) -> None:
     value = pair.hot([3])
     assert pair.reread() == 1  # the hash of the first landing no longer stands for block 3 of tensor 0
     assert value == pair.cold([3])
+
+
+@pytest.mark.parametrize(
+    ("runs", "length", "ok"),
+    [
+        ([(0, 0, 16), (1, 8, 8), (0, 16, 16)], 40, True),
+        ([(0, 0, 16), (0, 8, 16)], 32, False),  # overlap
+        ([(0, 16, 16), (0, 0, 17)], 33, False),  # overlap, out of order
+        ([(0, 0, 0), (0, 8, 8)], 8, False),  # an empty run
+        ([(1, BLOCK - 8, 16)], 16, False),  # past the region's end
+        ([(0, (1 << 64) - 8, 16)], 16, False),  # offset + length wraps
+        ([(2, 0, 8)], 8, False),  # a region id past every registered one
+        ([(0, 0, 16)], 24, False),  # adds up to less than the frame says
+    ],
+)
+def test_native_run_check(runs: list[tuple[int, int, int]], length: int, ok: bool) -> None:
+    sums = LandingSums()
+    regions = [bytearray(BLOCK), bytearray(BLOCK)]
+    for i, buf in enumerate(regions):
+        sums.add_region(i, memoryview(buf))
+    snap = sums.snapshot
+    table = b"".join(wire.RUN.pack(*run) for run in runs)
+    assert native.check_runs(table, len(runs), snap.address, snap.count, length) is ok

@@ -25,10 +25,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from pdkv import native
 from pdkv.auth import NONCE_BYTES, PROOF_BYTES, new_nonce, proof, verify
 from pdkv.channels.grants import Grants
 from pdkv.channels.inbox import NotificationInbox
-from pdkv.channels.landing import LandingSums
+from pdkv.channels.landing import LandingSums, Snapshot
 from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp.conn import IO_ERRORS, Conn, PeerClosed, idle_deadline, set_buffers, shutdown
 from pdkv.channels.tcp.options import Agent
@@ -387,10 +388,10 @@ class Target:
                         f"tcp {conn.label}: DATA with flags={flags} shares={shares} notif={nlen} "
                         f"(max {MAX_STREAMS} shares, max_notif_bytes={opts.max_notif_bytes})"
                     )
-                table, runs, views = self._runs(conn, nruns, offset, length)
+                table, runs, dest = self._runs(conn, nruns, offset, length)
                 if acks and length >= _ACK_FLUSH_BYTES:
                     self._send_acks(conn, acks)
-                refused = self._land(conn, session, table, runs, views, length) or refused
+                refused = self._land(conn, session, table, runs, dest, length) or refused
                 if flags & LAST:
                     notif = (
                         conn.recv_payload(nlen, opts.max_notif_bytes, "notification") if flags & NOTIF_FOLLOWS else None
@@ -438,13 +439,16 @@ class Target:
 
     def _runs(
         self, conn: Conn, nruns: int, offset: int, length: int
-    ) -> tuple[bytes, list[tuple[int, int, int]], list[memoryview]]:
-        """A DATA frame's run table (as sent, and read), checked, and the views its runs name; ProtocolError if any
-        run is bad.
+    ) -> tuple[bytes, list[tuple[int, int, int]], Snapshot | list[memoryview]]:
+        """A DATA frame's run table (as sent, and read), checked, and where it lands; ProtocolError if any run is bad.
 
         Every run must lie inside a registered region and not be empty, no two may
         overlap, and together they must be the frame's ``length``, which is at
         most ``max_frame_bytes``: all checked before a byte of the payload lands.
+        On a clear connection the native check does it in one call, and the
+        frame lands natively under the region snapshot it was checked against;
+        else (or if that check fails: these checks then name the bad run) the
+        runs' views are built and checked here, and the frame lands through them.
         """
         max_frame = self.agent.opts.max_frame_bytes
         if not 1 <= nruns <= MAX_RUNS or offset or not 0 < length <= max_frame:
@@ -454,6 +458,10 @@ class Target:
             )
         table = conn.recv_payload(nruns * RUN.size, MAX_RUNS * RUN.size, "DATA run table")
         runs = list(RUN.iter_unpack(table))
+        if self._landing is not None and not conn.tls:
+            snap = self._landing.snapshot
+            if native.check_runs(table, nruns, snap.address, snap.count, length):
+                return table, runs, snap
         views = [self._region_slice(conn, region, off, n) for region, off, n in runs]
         total = sum(n for _, _, n in runs)
         if total != length:
@@ -470,15 +478,16 @@ class Target:
         session: Session,
         table: bytes,
         runs: list[tuple[int, int, int]],
-        views: list[memoryview],
+        dest: Snapshot | list[memoryview],
         length: int,
     ) -> str:
-        """Receive a DATA payload into ``views`` if the session's grants allow every run, else read it away; why
+        """Receive a DATA payload into its runs if the session's grants allow every run, else read it away; why
         refused, or "".
 
-        On a clear connection the native receive fills the views (which keep
-        their memory alive meanwhile) and hashes what lands while the ticket
-        is held, so a revoke waits for the hashing too.
+        ``dest`` is where ``_runs`` says it lands: natively under a region
+        snapshot (which keeps the regions alive meanwhile), each hashed piece
+        while the ticket is held, so a revoke waits for the hashing too; or
+        through the runs' views.
         """
         try:
             ticket = self._grants.begin_many(session.token, "write", runs)
@@ -488,10 +497,10 @@ class Target:
             conn.drain(length)
             return str(exc)
         try:
-            if self._landing is not None and not conn.tls:
-                conn.recv_runs(table, len(runs), self._landing.snapshot, length, _HASH_PIECE_BYTES)
+            if isinstance(dest, Snapshot):
+                conn.recv_runs(table, len(runs), dest, length, _HASH_PIECE_BYTES)
             else:
-                conn.recv_views(views, length)
+                conn.recv_views(dest, length)
         finally:
             self._grants.end(ticket)
         return ""
