@@ -79,11 +79,8 @@ class ReceiveTarget:
         if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
             raise TransferError(f"block ids {blocks} outside the buffer's {self.num_blocks} blocks")
         size = self.layout.block_bytes
-        return [
-            (self.kv_regions[t], a * size, k * size)
-            for t in range(self.layout.num_tensors)
-            for a, _, k in block_runs(blocks)
-        ]
+        runs = [(a * size, k * size) for a, _, k in block_runs(blocks)]  # once, not once per tensor
+        return [(self.kv_regions[t], offset, n) for t in range(self.layout.num_tensors) for offset, n in runs]
 
     def slot_ranges(self, slots: list[int]) -> list[Range]:
         return [(self.staging_region, s * self.slot_bytes, self.slot_bytes) for s in slots]
