@@ -7,10 +7,12 @@ verification with the weight of the block's position in the chunk. The
 receiving thread does that (csrc/kvland.cpp: ``pdkv_recv_runs``) for the
 regions ``enable``d here, into one landing table per region (three words a
 unit: partial sum, tiling signature, bytes landed). ``checksum`` then gives
-``blocks_checksum``'s value from the tables, reading from memory only the
-blocks that did not land exactly once in hashed pieces (a partly landed block,
-one landed twice, a receive that failed halfway, TLS, which lands through
-Python): the same value as the read pass, so the guarantee is the read pass's.
+``blocks_checksum``'s value: of a block that landed exactly once in hashed
+pieces, from the bytes as they landed (nothing else writes there, below); of
+any other (partly landed, landed twice, a receive that failed halfway, pieces
+not whole words, TLS, which lands through Python), read from memory as before.
+The descriptors of every registered region (``snapshot``) also let the target
+check a frame's run table in one native call (``pdkv_check_runs``).
 
 A table entry is valid only while the bytes in memory are the ones hashed:
 only granted frames write into a guarded region, so ``reset`` clears the
