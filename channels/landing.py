@@ -84,6 +84,14 @@ class LandingSums:
             self._tables.pop(region, None)
             self._publish()
 
+    def clear(self) -> None:
+        """Forget every region (at close): their memory is no longer held here."""
+        with self._lock:
+            self._regions.clear()
+            self._views.clear()
+            self._tables.clear()
+            self._publish()
+
     def enable(self, region: int, unit: int) -> None:
         """Hash what lands in ``region`` from now on, in units of ``unit`` bytes (a KV block)."""
         with self._lock:

@@ -190,5 +190,7 @@ class TcpChannel(Channel):
             if t is not me and t.ident is not None:
                 t.join(max(0.0, deadline - time.monotonic()))
         self.regions.clear()
+        if self.landing is not None:
+            self.landing.clear()
         self.regions.clear_peers()
         super().close()
