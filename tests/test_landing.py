@@ -20,8 +20,9 @@ from pdkv.channels.landing import LandingSums
 from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
 from pdkv.checksum import blocks_checksum
 from pdkv.errors import ChannelError
+from pdkv.layout import gather
 
-from tests.conftest import wait_until
+from tests.conftest import MakePair, wait_until
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels are not built")
 
@@ -217,3 +218,22 @@ def test_native_run_check(runs: list[tuple[int, int, int]], length: int, ok: boo
     snap = sums.snapshot
     table = b"".join(wire.RUN.pack(*run) for run in runs)
     assert native.check_runs(table, len(runs), snap.address, snap.count, length) is ok
+
+
+def test_receiver_verifies_direct_chunks_from_the_landing_sums(make_pair: MakePair) -> None:
+    pair = make_pair(channel="tcp")
+    assert pair.receiver.target.landed_checksum is not None  # the receiver took the channel's capability
+    held = pair.allocator.allocate(12)
+    pair.allocator.free(held[::2])  # D's free list now hands out blocks that are not adjacent
+    table = [9, 3, 4, 20, 21, 40, 1]  # 100 tokens in 7 blocks of 16 on P, not adjacent either
+    xfer = pair.sender.open("r1", pair.receiver.address, 100, table)
+    xfer.send_all()
+    xfer.wait(10)
+    blocks = pair.receiver.wait("r1", 10).blocks
+    assert torch.equal(
+        gather(pair.p_layout, pair.p_kv, table, 0, 100), gather(pair.d_layout, pair.d_kv, blocks, 0, 100)
+    )
+    stats = pair.receiver.stats()
+    assert stats["chunks_landed"] == 4 and stats.get("checksum_failures", 0) == 0  # over the tcp channel, verified
+    assert pair.d_channel.stats().get("landed_blocks_reread", 0) == 0  # from the landing sums, nothing read back
+    pair.allocator.free(blocks + held[1::2])
