@@ -56,7 +56,7 @@ class Snapshot:
         return self.desc.shape[0]
 
 
-def address_of(view: memoryview) -> int:
+def _address_of(view: memoryview) -> int:
     """The host address of a writable byte view (0 when empty)."""
     return ctypes.addressof(ctypes.c_char.from_buffer(view)) if view.nbytes else 0
 
@@ -73,7 +73,7 @@ class LandingSums:
 
     def add_region(self, region: int, view: memoryview) -> None:
         with self._lock:
-            self._regions[region] = (address_of(view), view.nbytes)
+            self._regions[region] = (_address_of(view), view.nbytes)
             self._views[region] = view
             self._publish()
 
@@ -102,10 +102,6 @@ class LandingSums:
             size = self._regions[region][1]
             self._tables[region] = (unit, torch.zeros((-(-size // unit), 3), dtype=torch.int64))
             self._publish()
-
-    def enabled(self, region: int, unit: int) -> bool:
-        entry = self._tables.get(region)
-        return entry is not None and entry[0] == unit
 
     def reset(self, ranges: Sequence[Range]) -> None:
         """Forget what landed in ``ranges`` (every unit they touch): they are being granted to a new owner."""
