@@ -129,7 +129,7 @@ setup(
     ext_modules=[
         Extension(
             "pdkv.libpdkv_kernels",
-            sources=[str(CSRC / "kvcopy.cpp"), str(CSRC / "kvsum.cpp"), str(CSRC / "kvcodec.cpp")],
+            sources=[str(CSRC / name) for name in ("kvcopy.cpp", "kvsum.cpp", "kvcodec.cpp", "kvland.cpp")],
             depends=HEADERS,
             language="c++",
             extra_compile_args=CXXFLAGS,

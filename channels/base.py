@@ -144,6 +144,21 @@ class Channel(ABC):
         """Take a grant back and fence it: False if a frame of that peer was still landing there after ``timeout`` s."""
         return self.grants.revoke(token, access, ranges, timeout)
 
+    def hash_landing(self, region: int, unit: int) -> bool:
+        """Hash what lands in guarded ``region`` as it lands, in units of ``unit`` bytes (a KV block); True if this
+        channel does, and then ``landed_checksum`` answers for it without reading the bytes again.
+
+        Only a channel that receives the bytes itself can (tcp, on clear
+        connections); where the peer writes them one-sided (nixl, ucx) the
+        receiver reads them back to verify them.
+        """
+        return False
+
+    def landed_checksum(self, regions: Sequence[int], ids: Sequence[int], unit: int) -> int:
+        """``blocks_checksum`` of blocks ``ids`` of every region in turn (each ``hash_landing``ed in units of
+        ``unit``), from what was hashed as it landed: the value of the bytes as they sit in memory."""
+        raise ChannelError(f"{self.name} channel does not hash what lands; verify by reading the bytes")
+
     def fence(self, peer: str, token: bytes) -> None:  # noqa: B027 - channels with connections override it
         """Make sure nothing ``peer`` (presenting ``token``) sent so far can still land here, then return.
 

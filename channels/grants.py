@@ -54,6 +54,10 @@ class Grants:
         with self._cond:
             self._guarded.add(region)
 
+    def guarded(self, region: int) -> bool:
+        with self._cond:
+            return region in self._guarded
+
     def unguard(self, region: int) -> None:
         with self._cond:
             self._guarded.discard(region)

@@ -62,6 +62,33 @@ PDKV_API int pdkv_checksum_cpu(const int64_t* ptrs, const int64_t* lens, int64_t
 PDKV_API int pdkv_checksum_blocks_cpu(const int64_t* bases, int64_t n_bases, const int64_t* ids, int64_t n_ids, int64_t num_blocks,
                                       int64_t block_bytes, int64_t threads, uint64_t* out, char* err, size_t err_len);
 
+// Landing while hashing (kvland.cpp has the why and the landing table's words).
+// desc[r * 5 ..] describes region r: base address, size (0: not registered),
+// unit bytes (0: not hashed), landing table address, units.
+//
+// pdkv_check_runs: whether a DATA frame's run table (the wire's, `nruns`
+// entries) holds only runs inside regions of desc, none empty, no two
+// overlapping, adding up to `length`: 0 if so, else 1 (the caller then finds
+// the run to name).
+PDKV_API int pdkv_check_runs(const char* runs, int64_t nruns, const int64_t* desc, int64_t n_desc, int64_t length);
+// pdkv_recv_runs receives that frame's payload from the blocking socket fd
+// into its runs (checked by pdkv_check_runs against the same desc), the bytes
+// of hashed regions in pieces of at most `piece` bytes, and hashes each piece
+// into its region's landing table right after it arrived. A receive timeout
+// (SO_RCVTIMEO) with no byte is one idle tick; max_idle in a row give up.
+// *got is the payload bytes received. Returns PDKV_OK, or one of:
+#define PDKV_LAND_EOF 10      // the peer closed the connection
+#define PDKV_LAND_STALLED 11  // max_idle ticks without a byte
+#define PDKV_LAND_EOS 12      // the socket failed: *os_error is its errno
+#define PDKV_LAND_EARG 13     // a bad argument (a bug of the caller)
+PDKV_API int pdkv_recv_runs(int fd, const char* runs, int64_t nruns, const int64_t* desc, int64_t n_desc, int64_t piece,
+                            int64_t max_idle, int64_t* got, int* os_error);
+// The checksum accumulator of blocks ids[] (each checked against [0, num_blocks)) of every region in turn (bases[t],
+// its landing table tables[t]; units of block_bytes), as pdkv_checksum_blocks_cpu gives it: from each block's landing
+// entry where it landed exactly once in hashed pieces, else read from memory (*reread counts those blocks).
+PDKV_API int pdkv_landed_blocks(const int64_t* bases, const int64_t* tables, int64_t n_bases, const int64_t* ids, int64_t n_ids,
+                                int64_t num_blocks, int64_t block_bytes, uint64_t* out, int64_t* reread, char* err, size_t err_len);
+
 // CUDA: launch the same copy on `stream` (a cudaStream_t). layer_bases and
 // block_table are host arrays (table_len ids, already checked by
 // pdkv_kvcopy_check); the kernel gets the chunk's slice of them in its

@@ -200,7 +200,7 @@ def chunk_checksum(pieces: Iterable[torch.Tensor], unit: int | None = None) -> i
     if not todo:
         return _mix64(_GOLDEN)
     acc = _native_acc(todo, unit)
-    return _finish(_torch_acc(todo, unit, total) if acc is None else acc, total)
+    return finish(_torch_acc(todo, unit, total) if acc is None else acc, total)
 
 
 def frame_checksum(frame: torch.Tensor, acc: native.Accumulator = None) -> int:
@@ -209,11 +209,12 @@ def frame_checksum(frame: torch.Tensor, acc: native.Accumulator = None) -> int:
     read here, which waits for that copy), else hashed here."""
     if acc is None or not frame.numel():
         return chunk_checksum([frame])
-    return _finish(int(acc.item()) if isinstance(acc, torch.Tensor) else acc, frame.numel())
+    return finish(int(acc.item()) if isinstance(acc, torch.Tensor) else acc, frame.numel())
 
 
-def _finish(acc: int, total: int) -> int:
-    """The value from the accumulator: the byte count mixed in."""
+def finish(acc: int, total: int) -> int:
+    """The value from the accumulator of ``total`` bytes: the byte count mixed in (public for accumulators summed
+    elsewhere: a channel that hashed them as they landed, channels/landing.py)."""
     return _mix64((acc & _MASK) ^ _mix64(total))
 
 
@@ -280,7 +281,7 @@ def blocks_checksum(kv_bytes: Sequence[torch.Tensor], blocks: Sequence[int], blo
         return chunk_checksum([], unit=block_bytes)
     acc = _native_blocks_acc(kv_bytes, ids, block_bytes)
     if acc is not None:
-        return _finish(acc, len(kv_bytes) * len(ids) * block_bytes)
+        return finish(acc, len(kv_bytes) * len(ids) * block_bytes)
     first, n = ids[0], len(ids)
     if ids == list(range(first, first + n)):
         return chunk_checksum([b[first * block_bytes : (first + n) * block_bytes] for b in kv_bytes], unit=block_bytes)

@@ -137,6 +137,31 @@ _SIGNATURES: dict[str, list[type]] = {
         ctypes.c_char_p,
         ctypes.c_size_t,
     ],
+    "pdkv_check_runs": [ctypes.c_char_p, _i64, _p, _i64, _i64],
+    "pdkv_recv_runs": [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        _i64,
+        _p,
+        _i64,
+        _i64,
+        _i64,
+        ctypes.POINTER(_i64),
+        ctypes.POINTER(ctypes.c_int),
+    ],
+    "pdkv_landed_blocks": [
+        _p,
+        _p,
+        _i64,
+        _p,
+        _i64,
+        _i64,
+        _i64,
+        ctypes.POINTER(ctypes.c_uint64),
+        ctypes.POINTER(_i64),
+        ctypes.c_char_p,
+        ctypes.c_size_t,
+    ],
     "pdkv_kvcopy_check": [ctypes.POINTER(KVGeometry), _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
     "pdkv_split_planes": [_p, _i64, _i64, _p, _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
     "pdkv_merge_planes": [_p, _i64, _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
@@ -391,6 +416,54 @@ def checksum_blocks(bases: Sequence[int], ids: Sequence[int], num_blocks: int, b
         ctypes.byref(acc),
     )
     return acc.value
+
+
+LAND_EOF, LAND_STALLED, LAND_EOS = 10, 11, 12
+"""pdkv_recv_runs' outcomes other than OK (kvcopy.h): the peer closed, no byte for max_idle ticks, the socket failed."""
+
+
+def check_runs(runs: bytes, nruns: int, desc: int, n_desc: int, length: int) -> bool:
+    """Whether a DATA frame's run table (``nruns`` entries) names only non-empty runs inside the regions that
+    ``n_desc`` descriptors at ``desc`` describe (channels/landing.py), none overlapping, adding up to ``length``."""
+    return _lib().pdkv_check_runs(runs, nruns, desc, n_desc, length) == OK
+
+
+def recv_runs(
+    fd: int, runs: bytes, nruns: int, desc: int, n_desc: int, piece: int, max_idle: int
+) -> tuple[int, int, int]:
+    """Receive a DATA frame's payload from socket ``fd`` into its checked ``runs`` (the wire's run table), hashing
+    it into the regions' landing tables piece by piece (``desc``: the address of ``n_desc`` region descriptors,
+    channels/landing.py); returns (outcome, payload bytes received, errno). The GIL is released for the call."""
+    got, os_error = _i64(0), ctypes.c_int(0)
+    code = _lib().pdkv_recv_runs(
+        fd, runs, nruns, desc, n_desc, piece, max_idle, ctypes.byref(got), ctypes.byref(os_error)
+    )
+    if code not in (OK, LAND_EOF, LAND_STALLED, LAND_EOS):
+        raise ValueError(f"pdkv landing: bad arguments to pdkv_recv_runs (code {code})")
+    return code, got.value, os_error.value
+
+
+def landed_blocks(
+    bases: Sequence[int], tables: Sequence[int], ids: Sequence[int], num_blocks: int, block_bytes: int
+) -> tuple[int, int]:
+    """The checksum accumulator of blocks ``ids`` (IndexError outside ``[0, num_blocks)``) of every region at
+    ``bases`` in turn, from their landing ``tables`` where a block landed whole in hashed pieces, else read where it
+    is; returns (accumulator, blocks read)."""
+    lib, acc, reread = _lib(), ctypes.c_uint64(0), _i64(0)
+    n = len(bases)
+    call(
+        lib.pdkv_landed_blocks,
+        (_i64 * n)(*bases),
+        (_i64 * n)(*tables),
+        n,
+        (_i64 * len(ids))(*ids),
+        len(ids),
+        num_blocks,
+        block_bytes,
+        ctypes.byref(acc),
+        ctypes.byref(reread),
+    )
+    return acc.value, reread.value
 
 
 def _lib() -> ctypes.CDLL:

@@ -17,8 +17,11 @@ from typing import Any, ClassVar, Literal
 
 import msgspec
 
+from pdkv import native
 from pdkv.channels.base import Channel, ChannelOptions
+from pdkv.channels.grants import Access, Range
 from pdkv.channels.handle import TransferHandle, TransferOp, XferState
+from pdkv.channels.landing import LandingSums
 from pdkv.channels.tcp.conn import SHUTDOWN_JOIN_S
 from pdkv.channels.tcp.initiator import Initiator, TcpHandle
 from pdkv.channels.tcp.options import Agent, TcpOptions
@@ -48,7 +51,9 @@ class TcpChannel(Channel):
         tls = tls_contexts(opts.tls) if opts.tls is not None else None
         self.agent = Agent(agent_name, opts, opts.secret.encode(), secrets.randbits(63), self.count, tls)
         self.initiator = Initiator(self.agent, self.regions)
-        self.target = Target(self.agent, self.regions, self.grants, self.inbox)
+        # DATA lands through the native receive, hashed as it lands, where the kernels load (csrc/kvland.cpp)
+        self.landing = LandingSums() if native.available() else None
+        self.target = Target(self.agent, self.regions, self.grants, self.inbox, self.landing)
         self.port: int = self.target.port
 
     # -- memory ----------------------------------------------------------------
@@ -56,10 +61,37 @@ class TcpChannel(Channel):
         view = byte_view(buf)
         if view.readonly:
             raise ChannelError("tcp: cannot register read-only memory; transfers land bytes in registered regions")
-        return self.regions.add(view, view.nbytes)
+        region = self.regions.add(view, view.nbytes)
+        if self.landing is not None:
+            self.landing.add_region(region, view)
+        return region
 
     def deregister(self, region: int) -> None:
         self.regions.remove(region)
+        if self.landing is not None:
+            self.landing.remove_region(region)
+
+    def grant(self, token: bytes, access: Access, ranges: Sequence[Range]) -> None:
+        if self.landing is not None and access == "write":
+            self.landing.reset(ranges)  # a new owner: nothing landed under an earlier grant counts
+        super().grant(token, access, ranges)
+
+    def hash_landing(self, region: int, unit: int) -> bool:
+        """Yes on clear connections with the native kernels loaded, for a guarded region (only granted frames
+        write there, and each grant resets what was hashed); through TLS frames land in Python, unhashed."""
+        if self.landing is None or self.agent.tls is not None or not self.grants.guarded(region):
+            return False
+        self.landing.enable(region, unit)
+        return True
+
+    def landed_checksum(self, regions: Sequence[int], ids: Sequence[int], unit: int) -> int:
+        if self.landing is None:
+            return super().landed_checksum(regions, ids, unit)
+        value, reread = self.landing.checksum(regions, ids, unit)
+        if reread:  # blocks that did not land exactly once in hashed pieces: read from memory
+            with self._lock:
+                self.counters["landed_blocks_reread"] += reread
+        return value
 
     def metadata(self) -> bytes:
         host = self.agent.opts.advertise_host or self.agent.opts.host
@@ -158,5 +190,7 @@ class TcpChannel(Channel):
             if t is not me and t.ident is not None:
                 t.join(max(0.0, deadline - time.monotonic()))
         self.regions.clear()
+        if self.landing is not None:
+            self.landing.clear()
         self.regions.clear_peers()
         super().close()

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pdkv import native
+from pdkv.channels.landing import Snapshot
 from pdkv.channels.tcp.options import TcpOptions
 from pdkv.channels.tcp.wire import HDR_SIZE, Header, pack, unpack_header
 from pdkv.errors import ChannelError, ProtocolError, TransferTimeout
@@ -186,9 +188,7 @@ class Conn:
                 idle = self._stalled(idle, got, nbytes)
                 continue
             if r == 0:
-                raise ProtocolError(
-                    f"tcp {self.label}: truncated frame, connection closed after {got} of {nbytes} payload bytes"
-                )
+                raise self._truncated(got, nbytes)
             got += r
             idle = 0
             while r:
@@ -200,6 +200,26 @@ class Conn:
                     views[i] = views[i][r:]
                     r = 0
         self.last_progress = time.monotonic()
+
+    def recv_runs(self, runs: bytes, nruns: int, landing: Snapshot, nbytes: int, piece: int) -> None:
+        """``recv_views`` for a clear connection, in native code: a DATA frame's checked ``runs`` (the wire's run
+        table) filled in pieces of at most ``piece`` bytes, each hashed into its region's landing table while it is
+        in cache (channels/landing.py); the same timeouts and errors as ``recv_views``."""
+        code, got, os_error = native.recv_runs(
+            self.sock.fileno(), runs, nruns, landing.address, landing.count, piece, self.max_idle_ticks
+        )
+        if code == native.LAND_EOF:
+            raise self._truncated(got, nbytes)
+        if code == native.LAND_STALLED:
+            self._stalled(self.max_idle_ticks, got, nbytes)
+        if code == native.LAND_EOS:
+            raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
+        self.last_progress = time.monotonic()
+
+    def _truncated(self, got: int, nbytes: int) -> ProtocolError:
+        return ProtocolError(
+            f"tcp {self.label}: truncated frame, connection closed after {got} of {nbytes} payload bytes"
+        )
 
     def _stalled(self, idle: int, got: int, n: int) -> int:
         """One more tick without a byte inside a frame: the new count, or TransferTimeout once ``io_timeout`` passed."""

@@ -25,9 +25,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from pdkv import native
 from pdkv.auth import NONCE_BYTES, PROOF_BYTES, new_nonce, proof, verify
 from pdkv.channels.grants import Grants
 from pdkv.channels.inbox import NotificationInbox
+from pdkv.channels.landing import LandingSums, Snapshot
 from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp.conn import IO_ERRORS, Conn, PeerClosed, idle_deadline, set_buffers, shutdown
 from pdkv.channels.tcp.options import Agent
@@ -64,6 +66,9 @@ from pdkv.errors import AuthError, ChannelError, ConfigError, ProtocolError
 log = logging.getLogger(__name__)
 
 _ACK_FLUSH_BYTES = 64 << 10  # send pending ACKs before landing a payload this big, not after
+# A DATA payload lands in pieces this big, each hashed right after it arrived (channels/landing.py): small enough
+# to still be in cache, big enough that the extra system calls cost little.
+_HASH_PIECE_BYTES = 256 << 10
 
 
 class Ending:
@@ -124,10 +129,18 @@ class Target:
     """
 
     def __init__(
-        self, agent: Agent, regions: RegionTable[memoryview], grants: Grants, inbox: NotificationInbox
+        self,
+        agent: Agent,
+        regions: RegionTable[memoryview],
+        grants: Grants,
+        inbox: NotificationInbox,
+        landing: LandingSums | None,
     ) -> None:
+        """``landing``: where DATA is received natively and hashed as it lands (clear connections), or None where
+        the native kernels are not loaded (every payload then lands through Python, unhashed)."""
         self.agent = agent
         self._regions = regions
+        self._landing = landing
         self._grants = grants
         self._inbox = inbox
         self._sessions: dict[int, Session] = {}
@@ -375,10 +388,10 @@ class Target:
                         f"tcp {conn.label}: DATA with flags={flags} shares={shares} notif={nlen} "
                         f"(max {MAX_STREAMS} shares, max_notif_bytes={opts.max_notif_bytes})"
                     )
-                runs, views = self._runs(conn, nruns, offset, length)
+                table, runs, dest = self._runs(conn, nruns, offset, length)
                 if acks and length >= _ACK_FLUSH_BYTES:
                     self._send_acks(conn, acks)
-                refused = self._land(conn, session, runs, views, length) or refused
+                refused = self._land(conn, session, table, runs, dest, length) or refused
                 if flags & LAST:
                     notif = (
                         conn.recv_payload(nlen, opts.max_notif_bytes, "notification") if flags & NOTIF_FOLLOWS else None
@@ -426,12 +439,16 @@ class Target:
 
     def _runs(
         self, conn: Conn, nruns: int, offset: int, length: int
-    ) -> tuple[list[tuple[int, int, int]], list[memoryview]]:
-        """A DATA frame's run table, read and checked, and the views its runs name; ProtocolError if any run is bad.
+    ) -> tuple[bytes, list[tuple[int, int, int]], Snapshot | list[memoryview]]:
+        """A DATA frame's run table (as sent, and read), checked, and where it lands; ProtocolError if any run is bad.
 
         Every run must lie inside a registered region and not be empty, no two may
         overlap, and together they must be the frame's ``length``, which is at
         most ``max_frame_bytes``: all checked before a byte of the payload lands.
+        On a clear connection the native check does it in one call, and the
+        frame lands natively under the region snapshot it was checked against;
+        else (or if that check fails: these checks then name the bad run) the
+        runs' views are built and checked here, and the frame lands through them.
         """
         max_frame = self.agent.opts.max_frame_bytes
         if not 1 <= nruns <= MAX_RUNS or offset or not 0 < length <= max_frame:
@@ -441,6 +458,10 @@ class Target:
             )
         table = conn.recv_payload(nruns * RUN.size, MAX_RUNS * RUN.size, "DATA run table")
         runs = list(RUN.iter_unpack(table))
+        if self._landing is not None and not conn.tls:
+            snap = self._landing.snapshot
+            if native.check_runs(table, nruns, snap.address, snap.count, length):
+                return table, runs, snap
         views = [self._region_slice(conn, region, off, n) for region, off, n in runs]
         total = sum(n for _, _, n in runs)
         if total != length:
@@ -449,13 +470,25 @@ class Target:
         for (r0, o0, n0), (r1, o1, _) in itertools.pairwise(ordered):
             if r0 == r1 and o1 < o0 + n0:
                 raise ProtocolError(f"tcp {conn.label}: DATA runs overlap in region {r0}: [{o0}, {o0 + n0}) and {o1}")
-        return runs, views
+        return table, runs, views
 
     def _land(
-        self, conn: Conn, session: Session, runs: list[tuple[int, int, int]], views: list[memoryview], length: int
+        self,
+        conn: Conn,
+        session: Session,
+        table: bytes,
+        runs: list[tuple[int, int, int]],
+        dest: Snapshot | list[memoryview],
+        length: int,
     ) -> str:
-        """Receive a DATA payload into ``views`` if the session's grants allow every run, else read it away; why
-        refused, or ""."""
+        """Receive a DATA payload into its runs if the session's grants allow every run, else read it away; why
+        refused, or "".
+
+        ``dest`` is where ``_runs`` says it lands: natively under a region
+        snapshot (which keeps the regions alive meanwhile), each hashed piece
+        while the ticket is held, so a revoke waits for the hashing too; or
+        through the runs' views.
+        """
         try:
             ticket = self._grants.begin_many(session.token, "write", runs)
         except ChannelError as exc:
@@ -464,7 +497,10 @@ class Target:
             conn.drain(length)
             return str(exc)
         try:
-            conn.recv_views(views, length)
+            if isinstance(dest, Snapshot):
+                conn.recv_runs(table, len(runs), dest, length, _HASH_PIECE_BYTES)
+            else:
+                conn.recv_views(dest, length)
         finally:
             self._grants.end(ticket)
         return ""

@@ -7,10 +7,13 @@ is scattered into the blocks (through its codec) only then.
 from __future__ import annotations
 
 import enum
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from pdkv.channels.base import Channel
 from pdkv.channels.grants import Range
 from pdkv.checksum import blocks_checksum, chunk_checksum, frame_checksum
 from pdkv.codec import Codec
@@ -61,20 +64,34 @@ class ReceiveTarget:
     staging_region: int
     codecs: dict[str, Codec]  # what this side decodes (offered in its Hello)
     stager: DeviceStager | None
+    # The channel's checksum of blocks (of every KV tensor) from what it hashed as they landed
+    # (``Channel.landed_checksum``), or None: a direct chunk is verified by reading its blocks.
+    landed_checksum: Callable[[list[int]], int] | None = None
+
+    def blocks_checksum(self, blocks: list[int]) -> int:
+        """The checksum of ``blocks`` of every KV tensor as they sit in memory: a direct chunk's landed value."""
+        if self.landed_checksum is not None:
+            return self.landed_checksum(blocks)
+        return blocks_checksum(self.kv_bytes, blocks, self.layout.block_bytes)
 
     def block_ranges(self, blocks: list[int]) -> list[Range]:
         """Byte ranges of ``blocks`` in every buffer tensor, in wire order, adjacent blocks as one range."""
         if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
             raise TransferError(f"block ids {blocks} outside the buffer's {self.num_blocks} blocks")
         size = self.layout.block_bytes
-        return [
-            (self.kv_regions[t], a * size, k * size)
-            for t in range(self.layout.num_tensors)
-            for a, _, k in block_runs(blocks)
-        ]
+        runs = [(a * size, k * size) for a, _, k in block_runs(blocks)]  # once, not once per tensor
+        return [(self.kv_regions[t], offset, n) for t in range(self.layout.num_tensors) for offset, n in runs]
 
     def slot_ranges(self, slots: list[int]) -> list[Range]:
         return [(self.staging_region, s * self.slot_bytes, self.slot_bytes) for s in slots]
+
+
+def landed_checksum(channel: Channel, kv_regions: list[int], block_bytes: int) -> Callable[[list[int]], int] | None:
+    """``ReceiveTarget.landed_checksum``: the channel's, where it hashes every KV region as it lands
+    (``Channel.hash_landing``), else None."""
+    if not kv_regions or not all(channel.hash_landing(region, block_bytes) for region in kv_regions):
+        return None
+    return functools.partial(channel.landed_checksum, list(kv_regions), unit=block_bytes)
 
 
 @dataclass
@@ -113,9 +130,7 @@ class IncomingTransfer:
         scattered = False  # landed in the blocks by the pass that hashed it
         if self.mode == "direct":
             bs = target.layout.block_size
-            got = blocks_checksum(
-                target.kv_bytes, self.blocks[start // bs : -(-(start + n) // bs)], target.layout.block_bytes
-            )
+            got = target.blocks_checksum(self.blocks[start // bs : -(-(start + n) // bs)])
         else:
             if not 0 <= notice.slot < len(self.slots):
                 raise TransferError(f"chunk {idx} names staging slot {notice.slot}, request has {len(self.slots)}")

@@ -32,7 +32,7 @@ from pdkv.transfer import protocol
 from pdkv.transfer.admission import Grant, ReceiverView, admit, admit_pooled, writes_in_place
 from pdkv.transfer.control import ControlLoop, RouterSocket
 from pdkv.transfer.handshake import ReceiverHandshake, SenderPeer
-from pdkv.transfer.incoming import IncomingTransfer, ReceivedKV, ReceiveTarget, State
+from pdkv.transfer.incoming import IncomingTransfer, ReceivedKV, ReceiveTarget, State, landed_checksum
 from pdkv.transfer.lifecycle import IncomingBook
 from pdkv.transfer.pool import PeerPool
 from pdkv.transfer.protocol import (
@@ -109,6 +109,7 @@ class KVReceiver:
             self.staging_region,
             codecs,
             DeviceStager(layout, kv, self.config.chunk_size) if kv and memory_kind(kv[0]) != "host" else None,
+            landed_checksum(channel, self.kv_regions, layout.block_bytes),
         )
         native.available()  # load the kernel library now, not inside the first transfer
         self.counters: collections.Counter[str] = collections.Counter()

@@ -1,0 +1,154 @@
+"""Hashing landed bytes while they are in cache: a channel that receives them itself (tcp) lets verification skip
+the read pass over a direct-mode chunk.
+
+The chunk checksum is linear (pdkv/checksum.py): a block's part of it can be
+computed piece by piece, as each piece of it lands, and combined at
+verification with the weight of the block's position in the chunk. The
+receiving thread does that (csrc/kvland.cpp: ``pdkv_recv_runs``) for the
+regions ``enable``d here, into one landing table per region (three words a
+unit: partial sum, tiling signature, bytes landed). ``checksum`` then gives
+``blocks_checksum``'s value: of a block that landed exactly once in hashed
+pieces, from the bytes as they landed (nothing else writes there, below); of
+any other (partly landed, landed twice, a receive that failed halfway, pieces
+not whole words, TLS, which lands through Python), read from memory as before.
+The descriptors of every registered region (``snapshot``) also let the target
+check a frame's run table in one native call (``pdkv_check_runs``).
+
+A table entry is valid only while the bytes in memory are the ones hashed:
+only granted frames write into a guarded region, so ``reset`` clears the
+entries of every range when it is granted (a new owner: a fresh reservation
+or pool), and nothing landed under an earlier grant is counted.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdkv import native
+from pdkv.channels.grants import Range
+from pdkv.checksum import finish
+from pdkv.errors import ChannelError
+
+_ENTRY_BYTES = 3 * 8  # a unit's landing table entry: partial, signature, bytes landed (int64 each)
+_DESC = 5  # a region's descriptor words (csrc/kvland.cpp): base, size, unit (0: not hashed), table, units
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The region descriptors as one frame is checked and received with; holds every table and region it points to,
+    so none is freed under a receive still running after a region was deregistered."""
+
+    desc: torch.Tensor  # [regions, 5] int64
+    tables: tuple[torch.Tensor, ...]
+    views: tuple[memoryview, ...]  # the regions' memory, kept alive as long as a receive may write there
+
+    @property
+    def address(self) -> int:
+        return self.desc.data_ptr()
+
+    @property
+    def count(self) -> int:
+        return self.desc.shape[0]
+
+
+def _address_of(view: memoryview) -> int:
+    """The host address of a writable byte view (0 when empty)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if view.nbytes else 0
+
+
+class LandingSums:
+    """Per region: where it is, and (once ``enable``d) its landing table; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._regions: dict[int, tuple[int, int]] = {}  # region -> (address, size)
+        self._views: dict[int, memoryview] = {}
+        self._tables: dict[int, tuple[int, torch.Tensor]] = {}  # region -> (unit, [units, 3] int64)
+        self.snapshot = Snapshot(torch.zeros((0, _DESC), dtype=torch.int64), (), ())
+
+    def add_region(self, region: int, view: memoryview) -> None:
+        with self._lock:
+            self._regions[region] = (_address_of(view), view.nbytes)
+            self._views[region] = view
+            self._publish()
+
+    def remove_region(self, region: int) -> None:
+        with self._lock:
+            self._regions.pop(region, None)
+            self._views.pop(region, None)
+            self._tables.pop(region, None)
+            self._publish()
+
+    def clear(self) -> None:
+        """Forget every region (at close): their memory is no longer held here."""
+        with self._lock:
+            self._regions.clear()
+            self._views.clear()
+            self._tables.clear()
+            self._publish()
+
+    def enable(self, region: int, unit: int) -> None:
+        """Hash what lands in ``region`` from now on, in units of ``unit`` bytes (a KV block)."""
+        with self._lock:
+            if region not in self._regions:
+                raise ChannelError(f"landing sums: region {region} is not registered")
+            if unit <= 0:
+                raise ChannelError(f"landing sums: a unit of {unit} bytes")
+            size = self._regions[region][1]
+            self._tables[region] = (unit, torch.zeros((-(-size // unit), 3), dtype=torch.int64))
+            self._publish()
+
+    def reset(self, ranges: Sequence[Range]) -> None:
+        """Forget what landed in ``ranges`` (every unit they touch): they are being granted to a new owner."""
+        with self._lock:
+            for region, offset, length in ranges:
+                entry = self._tables.get(region)
+                if entry is not None and length > 0:
+                    unit, table = entry
+                    first, end = max(0, offset // unit), min(table.shape[0], -(-(offset + length) // unit))
+                    if first < end:  # memset: a torch op a range costs more than the rest of a grant
+                        ctypes.memset(table.data_ptr() + first * _ENTRY_BYTES, 0, (end - first) * _ENTRY_BYTES)
+
+    def checksum(self, regions: Sequence[int], ids: Sequence[int], unit: int) -> tuple[int, int]:
+        """``blocks_checksum`` of blocks ``ids`` of every region in turn, from what was hashed as it landed; returns
+        (the checksum, blocks read from memory). ChannelError if a region is not hashed in units of ``unit``."""
+        with self._lock:
+            try:
+                entries = [(self._regions[r], self._tables[r]) for r in regions]
+            except KeyError as exc:
+                raise ChannelError(f"landing sums: region {exc.args[0]} is not hashed as it lands") from None
+        if any(u != unit for _, (u, _) in entries):
+            raise ChannelError(f"landing sums: regions {list(regions)} are not all hashed in units of {unit} bytes")
+        num_blocks = min(size for (_, size), _ in entries) // unit
+        try:
+            acc, reread = native.landed_blocks(
+                [addr for (addr, _), _ in entries], [t.data_ptr() for _, (_, t) in entries], ids, num_blocks, unit
+            )
+        except IndexError as exc:
+            raise ChannelError(f"landing sums: {exc}") from None
+        return finish(acc, len(entries) * len(ids) * unit), reread
+
+    def _publish(self) -> None:
+        """A new snapshot for the receives that start from now on (caller holds the lock)."""
+        n = max(self._regions, default=-1) + 1
+        desc = torch.zeros((n, _DESC), dtype=torch.int64)
+        tables = []
+        for region, (addr, size) in self._regions.items():
+            unit, table = self._tables.get(region, (0, None))
+            desc[region] = torch.tensor(
+                [
+                    addr,
+                    size,
+                    unit,
+                    table.data_ptr() if table is not None else 0,
+                    table.shape[0] if table is not None else 0,
+                ]
+            )
+            if table is not None:
+                tables.append(table)
+        self.snapshot = Snapshot(desc, tuple(tables), tuple(self._views.values()))
