@@ -92,7 +92,8 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        # the dtype's own size: no tensor made per call (the receiver's bookkeeping asks per block, per request)
+        return self.torch_dtype.itemsize
 
     @property
     def token_bytes(self) -> int:
