@@ -180,3 +180,6 @@ def test_bench_pd_with_short_prompts_breaks_the_overhead_down_and_moves_every_pr
         assert parts["prefill_ms"] > 0 and parts["transfer_wait_ms"] >= 0, parts
         assert sum(parts.values()) == pytest.approx(row["pd_mean_ms"]), row
         assert _finite(row["overhead_ms"]["median"]) and _finite(row["overhead_ms"]["p99"]), row
+        cpu = row["cpu_ms_per_request"]  # every process of both paths did work for each request
+        assert all(cpu[name] > 0 for name in ("router", "prefill", "decode", "single")), cpu
+        assert cpu["pd_total"] == pytest.approx(cpu["router"] + cpu["prefill"] + cpu["decode"]), cpu

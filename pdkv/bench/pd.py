@@ -24,7 +24,10 @@ prompts, where the compute is small and what disaggregation adds (the
 router's hops, the Reserve, the transfer's tail, D adopting the KV) is not
 hidden. Per prompt length, ``SHORT_WARMUP`` requests each way, then
 ``--repeats`` (default ``SHORT_REPEATS``) pairs, one worker then P/D, back to
-back; the overhead is each pair's difference, its median and p99. Where the
+back; the overhead is each pair's difference, its median and p99, and each
+process's CPU ms per request (``cpu_ms_per_request``: router, prefill, decode,
+their sum and what it adds to the one worker's; the number a loaded machine
+blurs least). Where the
 time goes comes from the processes' own histograms, as means over the
 measured requests (deltas of their sums and counts): P's time to its first
 token (``prefill``), the router's prefill hop beyond it (``router_to_prefill``),
@@ -54,6 +57,7 @@ from typing import Any
 import yaml
 
 from pdkv.bench import plot
+from pdkv.bench.cpu import process_cpu_s
 from pdkv.bench.netrig import Host, Placement, bench_link
 from pdkv.config import PdkvConfig
 from pdkv.errors import PdkvError
@@ -262,6 +266,18 @@ def _scrape(workers: dict[str, WorkerProcess]) -> dict[str, str]:
     return {name: get_text(w.url + "/metrics") for name, w in workers.items()}
 
 
+def _cpu_s(workers: dict[str, WorkerProcess]) -> dict[str, float]:
+    """Each process's CPU seconds so far (all its threads): what a request costs, whatever the machine's load."""
+    return {name: process_cpu_s(w.proc.pid) for name, w in workers.items()}
+
+
+def _cpu_row(per_request: dict[str, float]) -> dict[str, float]:
+    """CPU ms per request of each process, the P/D path's three together, and what they spend beyond the one
+    worker's."""
+    pd = sum(per_request[name] for name in ("router", "prefill", "decode"))
+    return {**per_request, "pd_total": pd, "pd_extra": pd - per_request["single"]}
+
+
 def _means_ms(before: dict[str, str], after: dict[str, str]) -> dict[str, float]:
     """Each ``HISTOGRAMS`` entry's mean in ms over the observations between two scrapes."""
     out = {}
@@ -304,9 +320,11 @@ def measure_overhead(model: str, token_counts: list[int], repeats: int, placemen
                 ttft(single.url, prompt)
                 ttft(router.url, prompt)
             before = _scrape(workers)
+            cpu_before = _cpu_s(workers)  # after the scrape: rendering /metrics is no request's CPU
             pairs = [(ttft(single.url, prompt), ttft(router.url, prompt)) for _ in range(repeats)]
+            cpu = {name: 1e3 * (t - cpu_before[name]) / repeats for name, t in _cpu_s(workers).items()}
             after = _scrape(workers)
-            rows.append(_overhead_row(tokens, pairs, before, after))
+            rows.append({**_overhead_row(tokens, pairs, before, after), "cpu_ms_per_request": _cpu_row(cpu)})
     return {
         "bench": "pd",
         "model": model,

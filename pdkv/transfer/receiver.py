@@ -176,13 +176,10 @@ class KVReceiver:
         book = self.book
         with book.lock:
             while True:
+                got = self._claim_settled(transfer_id, prompt_key)
+                if got is not None:
+                    return got
                 r = book.res.get(transfer_id)
-                if r is not None and r.state is State.READY:
-                    return book.claim(r, prompt_key)
-                if r is not None and r.state is State.FAILED:
-                    raise TransferError(f"KV transfer {transfer_id!r} failed: {r.error}")
-                if r is None and transfer_id in book.gone:
-                    raise TransferError(f"KV transfer {transfer_id!r} is over: {book.gone[transfer_id]}")
                 now = time.monotonic()
                 if r is None and now >= unannounced:
                     self.counters["unannounced"] += 1
@@ -197,6 +194,32 @@ class KVReceiver:
                 book.lock.wait(min(deadline, unannounced if r is None else deadline) - now)
         self.cancel(transfer_id, f"decode side stopped waiting: {why}")
         raise error(why)
+
+    def try_claim(self, transfer_id: str, prompt_key: bytes | None = None) -> ReceivedKV | None:
+        """``wait`` without the wait: the KV if it has landed and verified, None if not yet (or if the book is
+        busy this instant); raises as ``wait`` does for a failed or finished transfer.
+
+        Never blocks, so the decode worker's event loop can claim KV that is already there without the hop
+        to a waiting thread and back; None sends it to ``wait`` on a thread.
+        """
+        if not self.book.lock.acquire(blocking=False):
+            return None
+        try:
+            return self._claim_settled(transfer_id, prompt_key)
+        finally:
+            self.book.lock.release()
+
+    def _claim_settled(self, transfer_id: str, prompt_key: bytes | None) -> ReceivedKV | None:
+        """The KV of a landed transfer, claimed; None while it is still coming (the caller holds the book's lock)."""
+        book = self.book
+        r = book.res.get(transfer_id)
+        if r is not None and r.state is State.READY:
+            return book.claim(r, prompt_key)
+        if r is not None and r.state is State.FAILED:
+            raise TransferError(f"KV transfer {transfer_id!r} failed: {r.error}")
+        if r is None and transfer_id in book.gone:
+            raise TransferError(f"KV transfer {transfer_id!r} is over: {book.gone[transfer_id]}")
+        return None
 
     def cancel(self, transfer_id: str, reason: str) -> None:
         """Abandon a transfer from the decode side (client gone, timeout); frees what it holds."""

@@ -147,7 +147,26 @@ class DecodeRole(WorkerRole):
         return TokenLogprobs(given.logprob, tuple(given.top[:wanted]))
 
     async def _claim(self, transfer_id: str, prompt_key: bytes) -> tuple[ReceivedKV | None, str | None]:
-        """Wait for the landed KV of this prompt off the event loop; a cancelled wait leaks no blocks."""
+        """The landed KV of this prompt, or why it will not come (a fallback reason).
+
+        KV that landed before the decode request came (the usual case on one host: the router's hops back
+        from P and on to D outlast the transfer's tail) is claimed here on the event loop, without a hop to
+        a thread and back; only KV still on its way is waited for, on a thread.
+        """
+        try:
+            got = self.receiver.try_claim(transfer_id, prompt_key) or await self._wait(transfer_id, prompt_key)
+        except PromptMismatchError:
+            return None, "prompt_mismatch"
+        except NotAnnouncedError:
+            return None, "not_announced"
+        except TransferTimeout:
+            return None, "timeout"
+        except TransferError:
+            return None, "transfer_failed"
+        return got, None
+
+    async def _wait(self, transfer_id: str, prompt_key: bytes) -> ReceivedKV:
+        """Wait for the KV off the event loop; a cancelled wait leaks no blocks."""
         receiver, allocator = self.receiver, self.engine.allocator
         lock = threading.Lock()
         state: dict[str, Any] = {"abandoned": False, "got": None}
@@ -162,15 +181,7 @@ class DecodeRole(WorkerRole):
             return got
 
         try:
-            got = await asyncio.to_thread(wait)
-        except PromptMismatchError:
-            return None, "prompt_mismatch"
-        except NotAnnouncedError:
-            return None, "not_announced"
-        except TransferTimeout:
-            return None, "timeout"
-        except TransferError:
-            return None, "transfer_failed"
+            return await asyncio.to_thread(wait)
         except asyncio.CancelledError:
             receiver.cancel(transfer_id, "the decode request was cancelled")
             with lock:
@@ -178,7 +189,6 @@ class DecodeRole(WorkerRole):
                 if state["got"] is not None:
                     allocator.free(state["got"].blocks)
             raise
-        return got, None
 
     def _adopt(self, req: GenerationRequest, got: ReceivedKV) -> Request | None:
         """Turn landed blocks into an engine request whose prompt KV is present."""

@@ -18,7 +18,7 @@ router sets it (``pdkv.router.tenants``); a client reaching a worker
 directly can name any salt, which is why workers' ports are the router's
 alone (README, Security).
 
-Parsing tokenizes, so a worker runs it off its event loop.
+Parsing tokenizes, so a worker runs a long request's off its event loop.
 """
 
 from __future__ import annotations
