@@ -271,6 +271,7 @@ class KVSender:
         """Renew each live peer's leases over its own socket (by peer, not address: after a restart the address
         has a new one)."""
         by_peer: dict[bytes, tuple[ReceiverPeer, list[str]]] = {}
+        stale: list[tuple[ReceiverPeer, Pool]] = []
         with self.cond:
             for xfer in transfers:
                 if not xfer.peer.dropped and not xfer.settled:
@@ -280,9 +281,12 @@ class KVSender:
                 if peer.pool is None:
                     continue
                 if now - peer.pool_renewed > lease_margin(peer.pool.lease_s, self.config.heartbeat_s):
-                    peer.pool = None  # we were stalled: the receiver may have taken it back; never write into it
+                    stale.append((peer, peer.pool))  # we were stalled: the receiver may have taken it back
+                    peer.pool = None  # never write into it
                     continue
                 by_peer.setdefault(peer.identity, (peer, []))
                 peer.pool_renewed = now
         for peer, ids in by_peer.values():
             self._send(peer, Heartbeat(ids))
+        for peer, pool in stale:  # and say so: its blocks need not wait out the late-write quarantine
+            self._send(peer, ReturnPool(pool.generation))
