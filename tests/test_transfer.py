@@ -371,8 +371,11 @@ def test_unannounced_transfer_fails_fast(make_pair: MakePair) -> None:
     with pytest.raises(NotAnnouncedError, match="announce_timeout_s"):
         pair.receiver.wait("never-reserved", 60)
     assert time.monotonic() - started < 5
-    with pytest.raises(ReservationError, match="already used"):  # a Reserve arriving after that is refused
-        pair.sender.open("never-reserved", pair.receiver.address, 16, [0])
+    # a Reserve arriving after that is refused: at open, or (written into a pool) when its chunk's notice lands
+    with pytest.raises(ReservationError, match="already used"):
+        xfer = pair.sender.open("never-reserved", pair.receiver.address, 16, [0])
+        xfer.send_all()
+        xfer.wait(5)
 
 
 def test_one_peer_cannot_take_every_block_or_reservation(make_pair: MakePair) -> None:
@@ -520,14 +523,14 @@ def test_receiver_restart_on_the_same_address_is_rehandshaked(make_pair: MakePai
 
 
 def test_a_peer_of_the_previous_protocol_is_refused_by_name(make_pair: MakePair) -> None:
-    """A peer of protocol 4 (no pools) is refused at its Hello naming both versions; protocol 3's Reserve (it
-    called the transfer ``request_id``) is malformed."""
+    """A peer of protocol 5 (no pool in a Landed) is refused at its Hello naming both versions; protocol 3's
+    Reserve (it called the transfer ``request_id``) is malformed."""
     pair = make_pair()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(pair.receiver.address)
     try:
-        old = msgspec.structs.replace(pair.sender.hello(), protocol_version=4, nonce=new_nonce(), data_token=b"T" * 16)
+        old = msgspec.structs.replace(pair.sender.hello(), protocol_version=5, nonce=new_nonce(), data_token=b"T" * 16)
         sock.send(protocol.encode(old))
         sock.send(
             msgspec.msgpack.encode({"type": "reserve", "request_id": "r", "num_tokens": 16})
@@ -536,7 +539,7 @@ def test_a_peer_of_the_previous_protocol_is_refused_by_name(make_pair: MakePair)
     finally:
         sock.close(0)
     assert isinstance(answers[0], protocol.Error)
-    assert f"protocol_version (ours {protocol.PROTOCOL_VERSION}, peer 4" in answers[0].message
+    assert f"protocol_version (ours {protocol.PROTOCOL_VERSION}, peer 5" in answers[0].message
     # the old Reserve: dropped and counted, nothing reserved (it is read after the Hello was answered: wait for it)
     wait_until(lambda: pair.receiver.stats().get("malformed_messages") == 1, 5, "the old Reserve to be dropped")
     assert pair.held_blocks() == 0

@@ -236,9 +236,7 @@ class KVSender:
         elif isinstance(msg, protocol.Error):
             self.handshake.on_error(peer, msg)
         elif isinstance(msg, Pool):
-            with self.cond:
-                if not peer.dropped:
-                    peer.pool, peer.pool_renewed = msg, time.monotonic()
+            self._take_pool(peer, msg)
         elif isinstance(msg, (Reserved, Refused)):
             with self.cond:
                 xfer = self._transfers.get(msg.transfer_id)
@@ -247,6 +245,8 @@ class KVSender:
             else:
                 self.reservations.on_reply(peer, msg)
         elif isinstance(msg, (Landed, Cancel)):
+            if isinstance(msg, Landed) and msg.pool is not None:  # the next pool: held before the caller hears
+                self._take_pool(peer, msg.pool)  # its request is done (and even if nobody waits for it any more)
             with self.cond:
                 xfer = self._transfers.get(msg.transfer_id)
             if xfer is None or xfer.peer is not peer:
@@ -255,6 +255,11 @@ class KVSender:
                 xfer.on_landed(msg)
             else:
                 xfer.cancel_by_receiver(msg.reason)
+
+    def _take_pool(self, peer: ReceiverPeer, pool: Pool) -> None:
+        with self.cond:
+            if not peer.dropped:
+                peer.pool, peer.pool_renewed = pool, time.monotonic()
 
     def _tick(self) -> None:
         """Heartbeats every heartbeat_s, and transfers nobody waits for bounded by transfer_timeout_s."""
