@@ -92,7 +92,7 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize  # no tensor made: block and chunk sizes are read on every request
 
     @property
     def token_bytes(self) -> int:
