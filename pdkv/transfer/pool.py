@@ -120,10 +120,11 @@ class Pools:
         """The sender returned its pool (or was cut off): take the grant back, free the blocks (``generation``:
         only that pool's). A pool taken back after its lease lapsed is freed at once on its sender's word (it
         writes into it no more), as a quarantined reservation is on its Cancel."""
-        lapsed = next((p for p in self.lapsed if p.identity == identity and p.generation == generation), None)
-        if generation and lapsed is not None:
-            self.lapsed.remove(lapsed)
-            self.allocator.free(lapsed.blocks)  # its grant was revoked when it lapsed
+        lapsed = [p for p in self.lapsed if generation and p.identity == identity and p.generation == generation]
+        for pool in lapsed:  # (one at most: generations are unique)
+            self.lapsed.remove(pool)
+            self.allocator.free(pool.blocks)  # its grant was revoked when it lapsed
+        if lapsed:
             return
         pool = self.by_peer.get(identity)
         if pool is None or (generation and pool.generation != generation):
