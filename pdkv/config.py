@@ -42,8 +42,12 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_peer_blocks_share: Annotated[float, Meta(gt=0, le=1)] = 0.75
     # Tokens of the receiver's blocks granted ahead to each sender (pdkv/transfer/README.md, "Pools"): a request
     # of one chunk that fits is written at once, its Reserve riding on the chunk's notice, instead of waiting a
-    # round trip for room. 0 (the default): off; the receiver then holds no memory for a sender between requests.
-    pool_tokens: Annotated[int, Meta(ge=0)] = 0
+    # round trip for room. At most one chunk (the default: one chunk); 0: off, the receiver then holds no memory
+    # for a sender between requests.
+    pool_tokens: Annotated[int, Meta(ge=0)] = DEFAULT_CHUNK_SIZE
+    # The share of the receiver's blocks all pools together may hold: a pool is at most this share, and a sender
+    # that would take pools past it gets none (it reserves), so pools never starve Reserves of room.
+    pool_blocks_share: Annotated[float, Meta(ge=0, le=0.5)] = 0.25
     handshake_timeout_s: Seconds = 10.0
     reserve_timeout_s: Seconds = 10.0
     chunk_timeout_s: Seconds = 30.0

@@ -12,11 +12,13 @@ import torch
 
 from pdkv.bench.transfer import TransferRig
 from pdkv.channels.base import Channel
+from pdkv.channels.mock import MockChannel
 from pdkv.config import TransferConfig
 from pdkv.errors import ChannelError, ReservationError, TransferError
 from pdkv.layout import KVLayout
 from pdkv.transfer import protocol
 from pdkv.transfer.handshake import ReceiverPeer
+from pdkv.transfer.sender import KVSender
 
 from tests.conftest import TCP_AND_NIXL, MakePair, Pair, wait_until
 from tests.test_transfer import assert_same_kv, push
@@ -55,6 +57,8 @@ def test_a_one_chunk_request_is_written_into_the_pool_without_a_reserve(make_pai
     assert peer.pool is None  # one request per pool
     xfer.send_all()
     xfer.wait(10)
+    nxt = peer.pool  # the next pool came in the request's Landed: held before wait() returned
+    assert nxt is not None and nxt.generation > pool.generation
     got = pair.receiver.wait("pooled", 10, prompt_key=b"K" * 16)
     assert got.blocks == pool.block_ids and got.num_tokens == 30
     assert_same_kv(pair, table, got.blocks, 30)
@@ -62,8 +66,7 @@ def test_a_one_chunk_request_is_written_into_the_pool_without_a_reserve(make_pai
     d = pair.receiver.stats()
     assert d["pooled_requests"] == 1 and d["reserved"] == reserved + 1 and d["bytes_landed"] > 0
     assert d.get("pooled_refused", 0) == 0
-    nxt = pooled_peer(pair, after=pool.generation).pool  # the next pool, granted after the request took this one
-    assert nxt is not None and not set(nxt.block_ids) & set(got.blocks)  # granted while the request held its own
+    assert not set(nxt.block_ids) & set(got.blocks)  # granted while the request held its own
     pair.allocator.free(got.blocks)
     # more than one chunk, or more tokens than the pool holds: reserved the usual way
     pair.allocator.free(push(pair, "two-chunks", 48, [20, 21, 22]))
@@ -168,6 +171,58 @@ def test_a_stalled_sender_drops_its_lapsed_pool_and_handshakes_again(make_pair: 
     assert_same_kv(pair, [40], blocks, 16)
     pair.allocator.free(blocks)
     assert pair.receiver.stats()["fences"] >= 1
+
+
+def test_a_resumed_senders_word_frees_its_lapsed_pool_before_the_late_write_hold(make_pair: MakePair) -> None:
+    """A pool whose lease lapsed waits out late writes (drain_timeout_s; on nixl unfenced_quarantine_s, 300 s)
+    unless its sender says it writes into it no more: a sender that resumes from a stall drops the pool and
+    returns it, and the receiver frees it then, fencing no one (as a quarantined reservation on its Cancel)."""
+    cfg = TransferConfig(chunk_size=32, lease_s=0.4, heartbeat_s=0.1, drain_timeout_s=30, pool_tokens=32)
+    pair = make_pair(config=cfg)
+    warm(pair)
+    with pair.sender.cond:  # frozen: no heartbeat renews the pool
+        wait_until(lambda: pair.receiver.stats().get("pools_lapsed") == 1, 5, "the pool's lease to lapse")
+    assert pair.receiver.stats()["pooled_blocks"] == 2  # taken back, its blocks held for the late-write hold
+    wait_until(lambda: pair.receiver.stats()["pooled_blocks"] == 0, 5, "the resumed sender to return the pool")
+    assert pair.held_blocks() == 0 and pair.receiver.stats().get("fences", 0) == 0
+
+
+def test_pools_are_one_chunk_within_their_share_of_the_receivers_blocks(make_pair: MakePair) -> None:
+    """By default a pool is one chunk, and all pools together hold at most pool_blocks_share (a quarter) of the
+    receiver's blocks: a sender past that share reserves, and a receiver whose share cannot hold one pool grants
+    none, so Reserves keep their room."""
+    assert TransferConfig().pool_tokens == TransferConfig().chunk_size
+    cfg = TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2)  # pools of 2 blocks, a share of 8 // 4
+    pair = make_pair(d_blocks=8, config=cfg)
+    warm(pair)
+    assert pair.receiver.stats()["pooled_blocks"] == 2
+    second = KVSender(MockChannel(pair.p_channel.agent_name + "-2"), pair.p_layout, pair.p_kv, "model-a", cfg)
+    try:  # a second sender, past the share: no pool, it reserves
+        xfer = second.open("second", pair.receiver.address, 16, [0])
+        xfer.send_all()
+        xfer.wait(10)
+        pair.allocator.free(pair.receiver.wait("second", 10).blocks)
+        assert second.stats().get("reserved_from_pool", 0) == 0
+    finally:
+        second.close()
+        second.channel.close()
+    assert pair.receiver.stats()["pools_unavailable"] == 1 and pair.receiver.stats()["pooled_blocks"] == 2
+    small = make_pair(d_blocks=4, config=cfg)  # a share of 1 block: no pool of 2
+    small.allocator.free(push(small, "fits", 48, [0, 1, 2]))  # three of its four blocks: all a peer may hold
+    assert small.receiver.stats()["pooled_blocks"] == 0
+
+
+def test_the_leak_check_counts_pooled_blocks_as_the_pools_and_still_catches_a_leak(make_pair: MakePair) -> None:
+    pair = make_pair(config=POOLED)
+    peer = warm(pair)
+    assert peer.pool is not None and pair.allocator.num_free == pair.allocator.num_blocks - 2
+    assert pair.held_blocks() == 0  # two blocks out of the allocator, both the pool's
+    leak = pair.allocator.allocate(1)  # a block no reservation or pool holds
+    assert pair.held_blocks() == 1
+    pair.allocator.free(leak)
+    pair.allocator.free(peer.pool.block_ids[:1])  # a pool's block freed behind its back: counted twice
+    assert pair.held_blocks() == -1
+    assert pair.allocator.allocate(1) == peer.pool.block_ids[:1]  # the pool's again, for the teardown's free
 
 
 def test_a_closing_sender_returns_its_pool_at_once(make_pair: MakePair) -> None:

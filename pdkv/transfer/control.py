@@ -44,6 +44,7 @@ class ControlLoop:
         self._handlers: dict[Any, Callable[[], None]] = {}
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._waker = Waker()
+        self._waker_fd = self._waker.fileno()
         self._poller.register(self._waker, zmq.POLLIN)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -94,11 +95,14 @@ class ControlLoop:
                 timeout_ms = max(
                     0, math.ceil((next_tick - time.monotonic()) * 1000)
                 )  # round() spun on 0 ms polls for the last half millisecond
+                woken = False
                 for target, _ in self._poller.poll(timeout_ms):
                     handler = self._handlers.get(target)
                     if handler is not None:
                         handler()
-                self._waker.clear()  # before running the calls: one queued after this wakes the next poll
+                    woken = woken or target == self._waker_fd  # zmq's poll names an fd-backed object by its fd
+                if woken:  # before running the calls: one queued after this wakes the next poll
+                    self._waker.clear()
                 self._run_calls()
                 if time.monotonic() >= next_tick:
                     next_tick = time.monotonic() + self.tick_s

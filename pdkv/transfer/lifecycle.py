@@ -31,7 +31,7 @@ from pdkv.transfer.control import ControlLoop
 from pdkv.transfer.handshake import SenderPeer
 from pdkv.transfer.incoming import IncomingTransfer, ReceivedKV, ReceiveTarget, State
 from pdkv.transfer.pool import Pools
-from pdkv.transfer.protocol import Cancel, ChunkNotice, Done, Landed
+from pdkv.transfer.protocol import Cancel, ChunkNotice, Done, Landed, Pool
 
 log = logging.getLogger(__name__)
 
@@ -121,15 +121,16 @@ class IncomingBook:
                 self.fail(r, TransferCancelled(f"sender cancelled: {reason}"), notify_sender=False)
             self.lock.notify_all()
 
-    def on_notifications(self) -> None:
-        """Verify every chunk whose notification arrived; acknowledge each transfer's chunks with one Landed."""
+    def on_notifications(self, next_pool: Callable[[bytes], Pool | None]) -> None:
+        """Verify every chunk whose notification arrived; acknowledge each transfer's chunks with one Landed,
+        carrying ``next_pool(identity)``: the sender's next pool, if a request of its took its last one."""
         landed: dict[str, tuple[bytes, list[int]]] = {}
         for notif in self.channel.get_notifications():
             r, index = self.land(notif)
             if r is not None:
                 landed.setdefault(r.transfer_id, (r.identity, []))[1].append(index)
         for rid, (identity, indices) in landed.items():
-            self.reply(identity, Landed(rid, indices))
+            self.reply(identity, Landed(rid, indices, next_pool(identity)))
 
     def land(self, notif: Notification) -> tuple[IncomingTransfer | None, int]:
         """Land one chunk; the reservation and chunk index to acknowledge, or (None, -1)."""

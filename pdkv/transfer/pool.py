@@ -66,8 +66,12 @@ class Pools:
             counters,
             fence,
         )
-        # One chunk's blocks at most: a pooled request is one chunk, so its notice is the only one it sends.
-        self.size = target.layout.blocks_for(min(config.pool_tokens, config.chunk_size)) if config.pool_tokens else 0
+        # One chunk's blocks at most: a pooled request is one chunk, so its notice is the only one it sends; and
+        # all pools together within pool_blocks_share of the blocks, so a small receiver keeps room for Reserves.
+        # A receiver whose share cannot hold one pool grants none: its blocks are for Reserves.
+        self.budget = int(config.pool_blocks_share * target.num_blocks)
+        size = target.layout.blocks_for(min(config.pool_tokens, config.chunk_size)) if config.pool_tokens else 0
+        self.size = size if size <= self.budget else 0
         self.by_peer: dict[bytes, PeerPool] = {}
         self.lapsed: list[PeerPool] = []
         self._generations = itertools.count(1)
@@ -87,6 +91,8 @@ class Pools:
             self.discard(identity, token, keep)
             return None
         try:
+            if self.blocks_held + self.size > self.budget:  # the others' pools (and lapsed ones) hold the share
+                raise OutOfBlocksError(f"pools hold {self.blocks_held} of their {self.budget} blocks")
             fresh = self.allocator.allocate(self.size - len(keep)) if self.size > len(keep) else []
         except OutOfBlocksError:
             self.counters["pools_unavailable"] += 1
@@ -112,7 +118,14 @@ class Pools:
 
     def give_back(self, identity: bytes, generation: int = 0) -> None:
         """The sender returned its pool (or was cut off): take the grant back, free the blocks (``generation``:
-        only that pool's)."""
+        only that pool's). A pool taken back after its lease lapsed is freed at once on its sender's word (it
+        writes into it no more), as a quarantined reservation is on its Cancel."""
+        lapsed = [p for p in self.lapsed if generation and p.identity == identity and p.generation == generation]
+        for pool in lapsed:  # (one at most: generations are unique)
+            self.lapsed.remove(pool)
+            self.allocator.free(pool.blocks)  # its grant was revoked when it lapsed
+        if lapsed:
+            return
         pool = self.by_peer.get(identity)
         if pool is None or (generation and pool.generation != generation):
             return

@@ -19,7 +19,8 @@ from pdkv.layout import KVLayout
 # 4: the id of a transfer is ``transfer_id`` on the wire (it was ``request_id``, the HTTP request's name), and a
 # chunk's checksum is ``pdkv.checksum.chunk_checksum`` (computed on the device holding the bytes; was xxh3-64).
 # 5: pre-granted pools (``Pool``, ``ReturnPool``, a ``ChunkNotice`` carrying its request's ``Reserve``).
-PROTOCOL_VERSION = 5
+# 6: the ``Landed`` of a pooled request carries the sender's next ``Pool``.
+PROTOCOL_VERSION = 6
 
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_ID_LEN = 256
@@ -113,10 +114,14 @@ class Landed(msgspec.Struct, tag="landed", forbid_unknown_fields=True):
 
     The receiver acknowledges every chunk it verified in one pass at once, so
     a request whose chunks land together costs one message, not one per chunk.
+    ``pool``: the sender's next pool, when this completes a request written into
+    its last one: no message of its own, and the sender holds it before its caller
+    hears the request is done, so a next request at once finds it.
     """
 
     transfer_id: TransferId
     chunk_indices: Annotated[list[NonNegInt], Meta(min_length=1, max_length=MAX_CHUNKS)]
+    pool: Pool | None = None
 
 
 class Pool(msgspec.Struct, tag="pool", forbid_unknown_fields=True):

@@ -123,7 +123,7 @@ class KVReceiver:
             self.counters,
             self.hello,
             self._reply,
-            lambda identity, token: self._offer_pool(identity, token, []),
+            lambda identity, token: self._send_pool(identity, token, []),
         )
         self.book = IncomingBook(
             channel,
@@ -141,7 +141,9 @@ class KVReceiver:
         self.address = self._router.address
         if advertise_host:  # what senders dial: not a wildcard bind address
             self.address = zmq_address(advertise_host, self.address.rsplit(":", 1)[1])
-        self.loop.watch(channel.notification_fd(), lambda: self.book.on_notifications())
+        # pooled requests taken this pass: identity -> (token, the rest of its pool), to grant the next pool
+        self._refills: dict[bytes, tuple[bytes, list[int]]] = {}
+        self.loop.watch(channel.notification_fd(), self._on_notifications)
         self.loop.start()
 
     def hello(self) -> Hello:
@@ -343,11 +345,23 @@ class KVReceiver:
 
     def _refill(self, pool: PeerPool, n: int) -> list[int]:
         """Take the pool's first ``n`` blocks for a request; its sender's next pool (the rest, topped up) is
-        granted once this pass's ``Landed`` went out: the request's round trip does not wait for it."""
+        granted in the request's ``Landed`` (``_on_notifications``), or on its own if no Landed goes out."""
         blocks, rest = self.book.pools.take(pool, n)
-        identity, token = pool.identity, pool.token
-        self.loop.call_soon(lambda: self._offer_pool(identity, token, rest))
+        self._refills[pool.identity] = (pool.token, rest)  # one per sender: it held one pool, now taken
         return blocks
+
+    def _on_notifications(self) -> None:
+        """Land what arrived (I/O thread); then grant the pools of pooled requests that sent no Landed (refused,
+        or failed their checksum) in a message of their own."""
+        self.book.on_notifications(self._next_pool)
+        while self._refills:
+            identity, (token, rest) = self._refills.popitem()
+            self._send_pool(identity, token, rest)
+
+    def _next_pool(self, identity: bytes) -> protocol.Pool | None:
+        """The next pool of ``identity``, for the Landed of the request that took its last one (I/O thread)."""
+        refill = self._refills.pop(identity, None)
+        return None if refill is None else self._offer_pool(identity, *refill)
 
     def _reserving_peer(self, identity: bytes, req: Reserve) -> SenderPeer | Refused:
         """The peer a Reserve comes from, authenticated (its proof checked with a secret), or why not."""
@@ -409,15 +423,19 @@ class KVReceiver:
         return r
 
     # -- pools (README.md here, "Pools") ------------------------------------------
-    def _offer_pool(self, identity: bytes, token: bytes, keep: list[int]) -> None:
-        """Grant ``identity`` a pool, if pools are on and its chunks can land in place (I/O thread). ``keep``:
-        blocks of its previous pool, still granted to ``token``."""
+    def _offer_pool(self, identity: bytes, token: bytes, keep: list[int]) -> protocol.Pool | None:
+        """Grant ``identity`` a pool, if pools are on and its chunks can land in place (I/O thread): the
+        message that tells it, or None. ``keep``: blocks of its previous pool, still granted to ``token``."""
         book = self.book
         with book.lock:
             peer = self.handshake.peers.get(identity)
             if peer is None or peer.token != token or not writes_in_place(self._view(identity, peer, "")):
                 book.pools.discard(identity, token, keep)  # cut off (or fenced) since: nothing to offer
-                return
-            msg = book.pools.offer(identity, token, keep)
+                return None
+            return book.pools.offer(identity, token, keep)
+
+    def _send_pool(self, identity: bytes, token: bytes, keep: list[int]) -> None:
+        """``_offer_pool``, told in a ``Pool`` message of its own (after a Hello, or with no Landed to carry it)."""
+        msg = self._offer_pool(identity, token, keep)
         if msg is not None:
             self._reply(identity, msg)

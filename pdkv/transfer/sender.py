@@ -236,9 +236,7 @@ class KVSender:
         elif isinstance(msg, protocol.Error):
             self.handshake.on_error(peer, msg)
         elif isinstance(msg, Pool):
-            with self.cond:
-                if not peer.dropped:
-                    peer.pool, peer.pool_renewed = msg, time.monotonic()
+            self._take_pool(peer, msg)
         elif isinstance(msg, (Reserved, Refused)):
             with self.cond:
                 xfer = self._transfers.get(msg.transfer_id)
@@ -247,6 +245,8 @@ class KVSender:
             else:
                 self.reservations.on_reply(peer, msg)
         elif isinstance(msg, (Landed, Cancel)):
+            if isinstance(msg, Landed) and msg.pool is not None:  # the next pool: held before the caller hears
+                self._take_pool(peer, msg.pool)  # its request is done (and even if nobody waits for it any more)
             with self.cond:
                 xfer = self._transfers.get(msg.transfer_id)
             if xfer is None or xfer.peer is not peer:
@@ -255,6 +255,11 @@ class KVSender:
                 xfer.on_landed(msg)
             else:
                 xfer.cancel_by_receiver(msg.reason)
+
+    def _take_pool(self, peer: ReceiverPeer, pool: Pool) -> None:
+        with self.cond:
+            if not peer.dropped:
+                peer.pool, peer.pool_renewed = pool, time.monotonic()
 
     def _tick(self) -> None:
         """Heartbeats every heartbeat_s, and transfers nobody waits for bounded by transfer_timeout_s."""
@@ -271,6 +276,7 @@ class KVSender:
         """Renew each live peer's leases over its own socket (by peer, not address: after a restart the address
         has a new one)."""
         by_peer: dict[bytes, tuple[ReceiverPeer, list[str]]] = {}
+        stale: list[tuple[ReceiverPeer, Pool]] = []
         with self.cond:
             for xfer in transfers:
                 if not xfer.peer.dropped and not xfer.settled:
@@ -280,9 +286,12 @@ class KVSender:
                 if peer.pool is None:
                     continue
                 if now - peer.pool_renewed > lease_margin(peer.pool.lease_s, self.config.heartbeat_s):
-                    peer.pool = None  # we were stalled: the receiver may have taken it back; never write into it
+                    stale.append((peer, peer.pool))  # we were stalled: the receiver may have taken it back
+                    peer.pool = None  # never write into it
                     continue
                 by_peer.setdefault(peer.identity, (peer, []))
                 peer.pool_renewed = now
         for peer, ids in by_peer.values():
             self._send(peer, Heartbeat(ids))
+        for peer, pool in stale:  # and say so: its blocks need not wait out the late-write quarantine
+            self._send(peer, ReturnPool(pool.generation))

@@ -107,6 +107,11 @@ class Worker:
         m.gauge(
             "pdkv_reserved_blocks", "KV blocks held by transfer reservations", lambda: self._stat("reserved_blocks")
         )
+        m.gauge(
+            "pdkv_pooled_blocks",
+            "KV blocks granted ahead to senders (pools: held between requests, not leaked)",
+            lambda: self._stat("pooled_blocks"),
+        )
         m.gauge("pdkv_reservations", "Open transfer reservations", lambda: self._stat("reservations"))
         m.gauge(
             "pdkv_inflight_bytes",
@@ -116,7 +121,15 @@ class Worker:
         m.gauge("pdkv_open_transfers", "Outgoing transfers not yet settled", lambda: self._stat("open_transfers"))
         # the channel counts its own events (auth_failures of data connections) under the same names: exported summed
         gauges = frozenset(
-            {"free_blocks", "free_staging_slots", "reservations", "reserved_blocks", "inflight_bytes", "open_transfers"}
+            {
+                "free_blocks",
+                "free_staging_slots",
+                "reservations",
+                "reserved_blocks",
+                "pooled_blocks",
+                "inflight_bytes",
+                "open_transfers",
+            }
         )
         m.events(lambda: collections.Counter(self.kv_role.stats()) + collections.Counter(self.channel.stats()), gauges)
 
