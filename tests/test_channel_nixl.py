@@ -380,6 +380,34 @@ def test_watcher_sleeps_until_a_grant_and_then_delivers_the_notification(
     assert b.watch_polls > asleep
 
 
+def test_an_idle_grant_is_watched_at_the_slow_pace_and_a_write_still_lands(
+    make_channel: Callable[..., Channel],
+) -> None:
+    """A grant nothing used for ``granted_idle_s`` (a pool a sender holds between requests) is watched every
+    ``max_poll_interval_s``, not every ``granted_poll_s``: an idle receiver does not spin. A write into it is still
+    delivered."""
+    from pdkv.channels.nixl import NixlChannel
+
+    a = make_channel()
+    b = make_channel(granted_idle_s=0.05, granted_poll_s=0.0002, max_poll_interval_s=0.02)
+    assert isinstance(b, NixlChannel)
+    src, dst = pattern(REGION, 4), torch.zeros(REGION, dtype=torch.uint8)
+    ra, rb = a.register(src), b.register(dst)
+    b.guard(rb)
+    name = a.add_peer(b.metadata())
+    b.grant(b"P" * 16, "write", [(rb, 0, REGION)])
+    time.sleep(0.2)  # past granted_idle_s: the pace has backed off to max_poll_interval_s
+    idle = b.watch_polls
+    time.sleep(0.5)
+    # at most one pass per 20 ms (25 here); 0.2 ms polls would have made ~2,500
+    assert b.watch_polls - idle <= 30
+    handle = a.write(name, [TransferOp(ra, 0, rb, 0, REGION)], notif=b"pooled", token=b"P" * 16)
+    a.wait(handle, 10.0)
+    readable, _, _ = select.select([b.notification_fd()], [], [], 10.0)
+    assert readable, "the watcher did not deliver the notification"
+    assert [n.payload for n in b.inbox.drain()] == [b"pooled"] and torch.equal(src, dst)
+
+
 def _tcp_sockets() -> int:
     """How many TCP sockets this process holds open (its fds found in the kernel's tcp and tcp6 tables)."""
     inodes = set()
