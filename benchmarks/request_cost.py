@@ -7,7 +7,7 @@ Prints one JSON line: per request size, the median and p90 of ``open`` + ``send_
 ``pdkv bench transfer`` times per request), the median CPU time each side's process spent on one request (all
 its threads, /proc schedstat: steadier than wall time on a loaded machine), and the raw channel's time and
 CPU for the same bytes. ``--pool-tokens 0``
-reserves every request first; on a pdkv without pools (a checkout from before them) the option is ignored, so
+reserves every request first (default: the config's, one chunk); on a pdkv without pools the option is ignored, so
 the same script measures before and after: run them alternately (benchmarks/RESULTS.md, issue 28).
 """
 
@@ -49,7 +49,7 @@ def one_request(rig: TransferRig, rid: str, tokens: int, table: list[int], peer:
     xfer.wait(60)
     t1, c1, p1 = time.perf_counter(), cpu_ns(os.getpid()), cpu_ns(peer)
     rig.conn.send(("check",))
-    digests = _recv(rig.conn, "the receiver's digests")[1]  # ("digests", digests[, receiver CPU]): old trees too
+    digests = _recv(rig.conn, "the receiver's digests")[1]
     if digests != [_digest(rig.layout, rig.kv, table, tokens)]:
         raise SystemExit(f"{rid}: the decode side holds other KV than was sent")
     return t1 - t0, c1 - c0, p1 - p0, opened - t0
@@ -58,15 +58,16 @@ def one_request(rig: TransferRig, rid: str, tokens: int, table: list[int], peer:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--channel", default="tcp")
-    parser.add_argument("--pool-tokens", type=int, default=0)
+    parser.add_argument("--pool-tokens", type=int, default=None, help="default: the config's (one chunk)")
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--tokens", default="40,256")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pools = "pool_tokens" in TransferConfig.__struct_fields__
-    config = TransferConfig(**({"pool_tokens": args.pool_tokens} if pools else {}))
+    config = TransferConfig(**({"pool_tokens": args.pool_tokens} if pools and args.pool_tokens is not None else {}))
+    pool_tokens = getattr(config, "pool_tokens", 0)
     sizes = [int(t) for t in args.tokens.split(",")]
-    out: dict[str, object] = {"channel": args.channel, "pool_tokens": args.pool_tokens if pools else None}
+    out: dict[str, object] = {"channel": args.channel, "pool_tokens": pool_tokens if pools else None}
     biggest = max(SENDER_LAYOUT.chunk_bytes(t) for t in sizes)
     with TransferRig(args.channel, SENDER_LAYOUT, 64, 256, config) as rig:
         receiver = [p.pid for p in multiprocessing.active_children()]
@@ -78,7 +79,7 @@ def main() -> None:
                 table = rig.allocator.allocate(SENDER_LAYOUT.blocks_for(tokens))
                 runs = []
                 for i in range(args.repeats):
-                    if pools and args.pool_tokens:  # the next pool is granted right after the previous request
+                    if pool_tokens:  # the next pool is granted right after the previous request
                         deadline = time.monotonic() + 0.05
                         while time.monotonic() < deadline and not any(
                             p.pool is not None for p in rig.sender.handshake.peers.values()
