@@ -82,9 +82,14 @@ HISTOGRAMS: dict[str, tuple[str, str, dict[str, str]]] = {
 
 
 def _config(model: str, tokens: int, path: Path, codec: str = "none") -> Path:
-    """Room for one request (one sender may hold only ``max_peer_blocks_share`` of a receiver's blocks), tier off."""
+    """Room for one request (one sender may hold only ``max_peer_blocks_share`` of a receiver's blocks) and for
+    the sender's pool (all pools together hold at most ``pool_blocks_share``: a decode worker of a real deployment
+    has thousands of blocks and grants one), tier off."""
     defaults = PdkvConfig()
-    blocks = math.ceil(-(-(tokens + 64) // defaults.block_size) / defaults.transfer.max_peer_blocks_share) + 8
+    t = defaults.transfer
+    request = math.ceil(-(-(tokens + 64) // defaults.block_size) / t.max_peer_blocks_share)
+    pool = math.ceil(-(-t.pool_tokens // defaults.block_size) / t.pool_blocks_share) if t.pool_blocks_share else 0
+    blocks = max(request, pool) + 8
     path.write_text(
         yaml.safe_dump(
             {
