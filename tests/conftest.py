@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -23,6 +24,11 @@ from pdkv.testing.model import write_tiny_model
 from pdkv.testing.redis import INSTALL_HINT, LocalRedis, local_redis, server_binary
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from pdkv.worker.server import Worker
 
 _names = itertools.count()
 
@@ -252,3 +258,14 @@ def netrig() -> Iterator[NetRig]:
         pytest.skip(f"two-host tests: {why}")
     with NetRig() as rig:
         yield rig
+
+
+async def serve_worker(worker: Worker) -> tuple[web.AppRunner, str]:
+    """``worker``'s app served on a free port of 127.0.0.1 in this event loop: (its runner, its base URL)."""
+    from aiohttp import web
+
+    runner = web.AppRunner(worker.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"

@@ -16,7 +16,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from pdkv.config import convert_config
 from pdkv.engine.reference import ReferenceEngine
@@ -27,7 +26,7 @@ from pdkv.testing.http import metric
 from pdkv.worker import server
 from pdkv.worker.server import INLINE_PARSE_BYTES, Worker
 
-from tests.conftest import MakePair, wait_until
+from tests.conftest import MakePair, serve_worker, wait_until
 
 PROMPT = [(i * 37) % 300 + 3 for i in range(100)]  # 3 chunks of 32 and a partial one
 SETTINGS = {"channel": {"name": "tcp"}, "num_blocks": 256, "transfer": {"chunk_size": 32}}
@@ -89,14 +88,6 @@ def test_try_claim_hands_over_landed_kv_and_never_blocks(make_pair: MakePair) ->
     assert pair.held_blocks() == 0  # every block free, or in the sender's pool
 
 
-async def _serve(worker: Worker) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(worker.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-
 def _expected(model_dir: Path, max_tokens: int) -> list[int]:
     engine = ReferenceEngine.load(str(model_dir), progress=False)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -121,8 +112,8 @@ def test_decode_claims_kv_that_already_landed_on_its_event_loop(model_dir: Path)
             raise AssertionError("the decode worker waited on a thread for KV that had landed")
 
         d_worker.receiver.wait = no_wait  # type: ignore[method-assign]
-        p_runner, p_url = await _serve(p_worker)
-        d_runner, d_url = await _serve(d_worker)
+        p_runner, p_url = await serve_worker(p_worker)
+        d_runner, d_url = await serve_worker(d_worker)
         try:
             async with aiohttp.ClientSession() as s:
                 info = await (await s.get(d_url + "/pdkv/info")).json()
@@ -167,7 +158,7 @@ def test_a_short_body_is_parsed_on_the_event_loop_and_a_long_one_on_a_parser_thr
         worker = Worker(
             convert_config({**SETTINGS, "role": "decode"}), ReferenceEngine.load(str(model_dir), progress=False)
         )
-        runner, url = await _serve(worker)
+        runner, url = await serve_worker(worker)
         body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
         try:
             async with aiohttp.ClientSession() as s:

@@ -16,7 +16,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from pdkv.config import convert_config
 from pdkv.engine.reference import ReferenceEngine
@@ -27,7 +26,7 @@ from pdkv.testing.http import post_json as post
 from pdkv.testing.procs import WorkerProcess, start_configured
 from pdkv.worker.server import Worker
 
-from tests.conftest import wait_until
+from tests.conftest import serve_worker, wait_until
 
 CHUNK = 32
 PROMPTS = [
@@ -163,14 +162,6 @@ def test_openai_surface_on_a_worker(model_dir: Path, tmp_path: Path, expected: d
         assert decode.stop() == 0
 
 
-async def _serve(worker: Worker) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(worker.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-
 def test_transfer_killed_halfway_falls_back_to_the_same_tokens(model_dir: Path, expected: dict[int, list[int]]) -> None:
     """P's transfer path dies after two of four chunks, silently: D's lease expires and D recomputes."""
 
@@ -199,8 +190,8 @@ def test_transfer_killed_halfway_falls_back_to_the_same_tokens(model_dir: Path, 
                 p_worker.sender.loop.stop()
 
         p_worker.pusher.push = dying_push  # type: ignore[method-assign]
-        p_runner, p_url = await _serve(p_worker)
-        d_runner, d_url = await _serve(d_worker)
+        p_runner, p_url = await serve_worker(p_worker)
+        d_runner, d_url = await serve_worker(d_worker)
         try:
             async with aiohttp.ClientSession() as s:
                 info = await (await s.get(d_url + "/pdkv/info")).json()
@@ -259,7 +250,7 @@ def test_health_reports_an_engine_that_stopped_making_progress(model_dir: Path) 
             return real_prefill(*args)
 
         w.engine.prefill = hung_prefill  # type: ignore[method-assign]
-        runner, url = await _serve(w)
+        runner, url = await serve_worker(w)
         try:
             async with aiohttp.ClientSession() as s:
                 await asyncio.sleep(0.5)
@@ -294,8 +285,8 @@ def test_decode_never_adopts_kv_computed_for_another_prompt(model_dir: Path, exp
             convert_config({**settings, "role": "decode"}), ReferenceEngine.load(str(model_dir), progress=False)
         )
         start_free = d_worker.engine.allocator.num_free
-        p_runner, p_url = await _serve(p_worker)
-        d_runner, d_url = await _serve(d_worker)
+        p_runner, p_url = await serve_worker(p_worker)
+        d_runner, d_url = await serve_worker(d_worker)
         other = [(t * 7 + 3) % 290 + 5 for t in PROMPTS[0]]  # prompt B: as long as A, other tokens
         try:
             async with aiohttp.ClientSession() as s:
