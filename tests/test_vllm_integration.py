@@ -159,7 +159,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, vllm_env_python: str) -> I
     with contextlib.ExitStack() as stack:
         redis_url = stack.enter_context(local_redis()).url
         namespace = f"vllm-{uuid.uuid4().hex}:"
-        tier = f"tier:\n  redis_url: {redis_url}\n  redis_namespace: '{namespace}'\n"
+        # redis_timeout_s: three vLLM CPU engines on CI's two cores once stalled D's read of a 12 MB chunk past
+        # the default 2 s (the tier then serves misses and D computes); these tests ask where the KV came from,
+        # not how fast the tier answers
+        tier = f"tier:\n  redis_url: {redis_url}\n  redis_namespace: '{namespace}'\n  redis_timeout_s: 10\n"
         secret = (
             f"secret: {uuid.uuid4().hex}\n"  # P and D authenticate each other, as a deployment beyond loopback must
         )
