@@ -20,6 +20,7 @@ import torch
 
 from pdkv.errors import ConfigError
 from pdkv.layout import KVLayout
+from pdkv.testing import redis_cluster
 from pdkv.testing.redis import server_binary
 from pdkv.testing.redis_cluster import LocalCluster, local_redis_cluster
 from pdkv.tier import RedisTier
@@ -206,3 +207,19 @@ def _tier_tokens(metrics: str) -> float:
     from pdkv.testing.http import metric
 
     return metric(metrics, "pdkv_prompt_tokens_total", source="tier")
+
+
+def test_a_cluster_node_never_gets_a_port_whose_bus_port_is_out_of_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node listens on its port + 10000 too and exits at once past 65535; the kernel's picks reach 60999. A pick
+    above 55535 is skipped (it failed a CI run: three such picks in a row), and so is one whose bus port is taken."""
+    import socket
+
+    from pdkv.netaddr import free_port
+
+    good = free_port() - redis_cluster.BUS_OFFSET  # its bus port was free a moment ago (picks are 32768-60999)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        busy_bus = taken.getsockname()[1] - redis_cluster.BUS_OFFSET
+        picks = iter([60001, redis_cluster.MAX_NODE_PORT + 1, busy_bus, good])
+        monkeypatch.setattr(redis_cluster, "free_port", lambda: next(picks))
+        assert redis_cluster.node_port() == good

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -104,9 +105,33 @@ class LocalCluster:
             return False
 
 
+# A cluster node also listens on its port + 10000 (the cluster bus) and exits at once when that is past 65535.
+BUS_OFFSET = 10000
+MAX_NODE_PORT = 65535 - BUS_OFFSET
+
+
+def node_port() -> int:
+    """A loopback port free right now whose cluster-bus port is free too and in range.
+
+    The kernel's pick comes from the ephemeral range (32768-60999 by default), and about a fifth of it lies above
+    ``MAX_NODE_PORT``: a node given one of those exits at start ("Redis port number too high").
+    """
+    for _ in range(200):
+        port = free_port()
+        if port > MAX_NODE_PORT:
+            continue
+        try:
+            with socket.socket() as bus:
+                bus.bind(("127.0.0.1", port + BUS_OFFSET))
+        except OSError:
+            continue
+        return port
+    raise PdkvError(f"no loopback port <= {MAX_NODE_PORT} with its cluster-bus port (+{BUS_OFFSET}) free")
+
+
 def _start_node(binary: str, workdir: Path, node_timeout_ms: int, timeout: float) -> LocalRedis:
     for _attempt in range(3):  # another process may take the port between probe and bind
-        port = free_port()
+        port = node_port()
         # Its own directory even when a port comes back on a retry (a bind lost to another process frees it).
         home = Path(tempfile.mkdtemp(prefix=f"{port}-", dir=workdir))
         args = [
