@@ -8,7 +8,8 @@ Prints one JSON line: per request size, the median and p90 of ``open`` + ``send_
 its threads, /proc schedstat: steadier than wall time on a loaded machine), and the raw channel's time and
 CPU for the same bytes. ``--pool-tokens 0``
 reserves every request first (default: the config's, one chunk); on a pdkv without pools the option is ignored, so
-the same script measures before and after: run them alternately (benchmarks/RESULTS.md, issue 28).
+the same script measures before and after: run them alternately
+(benchmarks/history/2026-11-26-cost-of-a-byte-and-a-request-issue-28.md).
 """
 
 from __future__ import annotations

@@ -125,9 +125,9 @@ def freeze_startup_heap() -> None:
     Start-up leaves hundreds of thousands of long-lived objects (the model, torch, tokenizers, aiohttp)
     that a request never frees. Left in generation 2, each full collection walks them all: 100-140 ms
     of a worker's event loop and engine thread (20 ms of the router's), landing on whichever request
-    is in flight (1-2 per process in the first 40 requests after start-up; benchmarks/RESULTS.md, "The
-    PD overhead on short prompts"). Frozen, a full collection walks only what requests allocated since:
-    0.1-0.2 ms.
+    is in flight (1-2 per process in the first 40 requests after start-up;
+    benchmarks/history/2026-11-26-cost-of-a-byte-and-a-request-issue-28.md, "The PD overhead on short prompts").
+    Frozen, a full collection walks only what requests allocated since: 0.1-0.2 ms.
     The garbage of start-up is collected first, so none of it is frozen for the process's life.
     """
     gc.collect()

@@ -472,7 +472,7 @@ def test_progress_thread_delay_is_kept_and_the_binding_restored(make_channel: Ca
 
 
 @pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no CUDA device: the VRAM path is written but was not run here"
+    not torch.cuda.is_available(), reason="no CUDA device: tests/gpu/check.py runs the VRAM path on a GPU"
 )
 def test_vram_round_trip(make_channel: Callable[..., Channel]) -> None:
     a, b = make_channel(), make_channel()

@@ -784,7 +784,7 @@ def test_the_top_level_secret_guards_the_channel_and_is_no_channel_option() -> N
 def test_default_streams_are_four_but_never_more_than_the_cores_this_process_may_use(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A share per core at most (RESULTS, issue 28); a ``streams`` the user sets is kept as set."""
+    """A share per core at most (benchmarks/history/, issue 28); a ``streams`` the user sets is kept as set."""
     assert tcp_options.usable_cores() == len(os.sched_getaffinity(0))
     for cores, want in ((1, 1), (2, 2), (3, 3), (16, 4)):
         monkeypatch.setattr(tcp_options, "usable_cores", lambda cores=cores: cores)

@@ -3,8 +3,8 @@
 
 The protocol lives in those two and the modules under them; this class
 checks what callers pass, keeps the registered memory and the peers'
-metadata, and opens and closes both sides. See the package docstring for the
-protocol and its guarantees.
+metadata, and opens and closes both sides. The protocol and its guarantees:
+channels/README.md, "tcp" (the frames: "Wire format" there, and wire.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pdkv.memory import byte_view
 
 
 class TcpChannel(Channel):
-    """The tcp channel; see the package docstring for the protocol and its guarantees."""
+    """The tcp channel; the protocol and its guarantees: channels/README.md, "tcp"."""
 
     name: ClassVar[str] = "tcp"
     Options = TcpOptions

@@ -36,8 +36,8 @@ def default_streams() -> int:
     ``sendmsg``; on one host its receiver's copy out of the kernel too), so
     shares beyond the cores only add threads taking turns: on the 2-core VM
     four shares cost the sender up to 1.5x the CPU per GB of one or two and
-    moved no byte faster (benchmarks/RESULTS.md, "What a byte and a request
-    cost (issue 28)"). Set ``streams`` to split wider anyway.
+    moved no byte faster (benchmarks/history/2026-11-26-cost-of-a-byte-and-a-request-issue-28.md,
+    "What a byte and a request cost (issue 28)"). Set ``streams`` to split wider anyway.
     """
     return min(4, usable_cores())
 

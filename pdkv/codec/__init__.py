@@ -16,7 +16,7 @@ layout)`` builds it for a KV layout or says why it cannot.
 | ``int8-kivi`` | no | ~3.9 / ~1.9 | uint8, keys per channel, values per token and head |
 
 Measured ratios, speeds and fidelity on the default model: ``pdkv bench
-codec`` and benchmarks/RESULTS.md.
+codec`` and benchmarks/history/2026-11-23-kv-codecs.md.
 
 How the transfer path uses a codec (pdkv/transfer/: outgoing.py, incoming.py, protocol.py),
 as built; where it differs from the plan it was written from, the difference

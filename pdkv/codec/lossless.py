@@ -6,7 +6,7 @@ few octaves), while the mantissa bytes are close to uniformly random. Stored
 interleaved, a compressor sees noise; split into planes (the "shuffle" filter
 of Blosc/HDF5) the exponent plane compresses about 2.6x and the rest do not
 compress at all. On SmolLM2-135M's KV that is 1.19x for float32 and 1.45x for
-bfloat16 (benchmarks/RESULTS.md).
+bfloat16 (benchmarks/history/2026-11-23-kv-codecs.md).
 
 So each plane is probed (a 64 KiB sample) and only a plane that compresses is
 compressed; the others are split straight into the frame. zstd runs with the

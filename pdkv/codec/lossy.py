@@ -18,8 +18,8 @@
   a step. ``int8-kivi``: the same for values, but keys grouped per channel
   across the chunk's tokens (KIVI): a few key channels carry outliers of one
   sign along every token, which a per-token group has to span and a
-  per-channel group isolates. benchmarks/RESULTS.md has which wins on the
-  default model and by how much.
+  per-channel group isolates. benchmarks/history/2026-11-23-kv-codecs.md has which wins
+  on the default model and by how much.
 
 The group parameters are stored rounded outwards (min toward -inf, step
 toward +inf) in bfloat16, so the stored grid always covers the group and the

@@ -11,9 +11,10 @@ the same bytes) with an optional TTL; bounding memory is the server's job
 evictions (``INFO stats``). The prompt tree that ``tier.memory_policy:
 prefix`` keeps cannot reach it: ``SET`` has no parent, and the server's
 policies sample a few keys on a one-second clock (on the Mooncake trace
-``allkeys-lru`` still beat ``allkeys-lfu``: benchmarks/RESULTS.md,
-"Eviction on the Mooncake trace"). A memory or disk level with the prefix
-policy in front is where eviction knows prefixes.
+``allkeys-lru`` still beat ``allkeys-lfu``:
+benchmarks/history/2026-11-23-eviction-mooncake-trace.md, "Eviction on the
+Mooncake trace"). A memory or disk level with the prefix policy in front is
+where eviction knows prefixes.
 
 Every value read is checked before it becomes KV (``pdkv.tier.base.read_value``):
 its header (key, layout, size), its xxh3 checksum and, with ``secret``

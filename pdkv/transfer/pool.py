@@ -7,8 +7,10 @@ the receiver admits it then (README.md here, "Pools"). The rules that hold for r
 - every frame is still checked against a grant: the pool's blocks are granted to the sender's token, and a
   request's frames land only in them;
 - a pool's blocks belong to one reservation or to the pool, never both, and go back to the allocator once;
-- its lease is the sender's heartbeat, like a reservation's; a pool whose lease lapsed is taken back and its
-  blocks wait ``drain_timeout_s`` (the late-write fence) before the sender is fenced and they are freed.
+- its lease is the sender's heartbeat, like a reservation's; a pool whose lease lapsed is taken back (its grant
+  revoked) and its blocks wait ``TransferConfig.late_write_hold`` (the late-write fence: ``drain_timeout_s`` where
+  the channel enforces grants, the longer of that and ``unfenced_quarantine_s`` where it cannot, as on nixl) before
+  the sender is fenced and they are freed, or less, if the sender returns the pool first: its word frees it.
 
 Everything here runs under the receiver's lock.
 """

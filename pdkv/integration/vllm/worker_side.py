@@ -32,7 +32,7 @@ the forward pass on the network:
   for); a load the scheduler planned from the tier retrieves those chunks
   into the tokens past vLLM's own prefix cache.
 
-Ordering on a GPU (``ordering.DeviceOrder``; not run here: no GPU): the
+Ordering on a GPU (``ordering.DeviceOrder``; run on an H200 by tests/gpu/vllm_connector.py, not inside vLLM): the
 push thread waits for an event marked on vLLM's stream at the end of the step
 before posting that step's chunks; a loader waits for an event marked when
 vLLM handed it the blocks before anything may write them, and a landing-buffer
