@@ -184,7 +184,7 @@ def create_nixl_agent(name: str, options: NixlOptions) -> nixl_agent:
 
 
 class NixlChannel(Channel):
-    """Transfers through a NIXL agent; see the module docstring for the design."""
+    """Transfers through a NIXL agent; the design: channels/README.md, "nixl"."""
 
     name: ClassVar[str] = "nixl"
     Options = NixlOptions

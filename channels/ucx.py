@@ -143,7 +143,7 @@ class _Incoming(msgspec.Struct):
 
 
 class UcxChannel(Channel):
-    """Tag-message transfers through a ucxx worker; see the module docstring for the protocol."""
+    """Tag-message transfers through a ucxx worker; the protocol: channels/README.md, "ucx"."""
 
     name: ClassVar[str] = "ucx"
     Options = UcxOptions

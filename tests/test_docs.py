@@ -4,8 +4,11 @@ code."""
 from __future__ import annotations
 
 import ast
+import json
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,3 +56,177 @@ def test_the_readme_map_links_the_folder_readmes() -> None:
     for folder in ("pdkv/transfer/README.md", "channels/README.md"):
         assert f"({folder})" in readme, f"README.md's map does not link {folder}"
         assert (ROOT / folder).is_file()
+
+
+# What ran on a GPU: benchmarks/gpu/ holds each lent machine's JSON (tests/gpu/check.py, tests/gpu/vllm_connector.py).
+# Each part below passed in a run when its JSON says so; the docs may not say it never ran once one did.
+GPU_RUNS = ROOT / "benchmarks/gpu"
+PartCheck = Callable[[dict[str, Any]], bool]
+CHECK_PY_PARTS: dict[str, PartCheck] = {  # tests/gpu/check.py: its "parts", each by what proves it right
+    "gather_scatter": lambda p: bool(p.get("cuda_kernel") and p.get("rows"))
+    and all(r["gather_bit_exact"] and r["scatter_bit_exact"] for r in p["rows"]),
+    "checksum": lambda p: p.get("cpu_equals_cuda") is True,
+    "cache_engine": lambda p: p.get("bit_exact") is True,
+    "transfer_tcp": lambda p: any(r["kv_memory"] == "cuda" for r in p.get("results", [])),  # through pinned staging
+    "transfer_nixl": lambda p: any(r["path"] == "direct device (cuda)" for r in p.get("results", [])),  # VRAM to VRAM
+    "nixl_vram_raw": lambda p: all(v["rc"] == 0 and v["gbps"] for v in p.values() if isinstance(v, dict)),
+}
+# A claim that a part never ran names it in its sentence, by these words, first match wins; a claim naming none is
+# about the whole GPU path. vLLM itself has no part: the lent image has no vLLM, so no JSON can show it ran.
+CLAIM_NAMES_PART: tuple[tuple[str | None, re.Pattern[str]], ...] = tuple(
+    (part, re.compile(words, re.I))
+    for part, words in (
+        (None, r"GPU vLLM|vLLM itself|inside vLLM"),
+        ("vllm_connector", r"vllm_connector|connector|DeviceOrder|CUDA events"),
+        ("transfer_nixl", r"VRAM|nixl"),
+        ("cache_engine", r"KVCacheEngine|cache_engine|CUDA buffers"),
+        ("gather_scatter", r"gather|scatter|kvcopy_cuda"),
+        ("checksum", r"checksum"),
+        ("transfer_tcp", r"pinned staging|DeviceStager|staging"),
+    )
+)
+NEVER_RAN = re.compile(r"\b(?:not|never)\s+(?:yet\s+)?(?:been\s+)?(?:run|ran|tested)\b|\buntested\b", re.I)
+ON_A_GPU = re.compile(
+    r"\bon an? (?:GPU|H[12]00)\b|\bno GPU\b|\bVRAM\b|\bCUDA (?:buffers|paths?|tensors|written)\b",
+    re.I,
+)
+HISTORY = ROOT / "benchmarks/history"  # moved verbatim: what was true then, not checked against today
+
+
+def passed_parts(run: dict[str, Any]) -> set[str]:
+    """The parts one JSON of benchmarks/gpu/ shows passing."""
+    if "cases" in run:  # tests/gpu/vllm_connector.py: every case loaded, bit-exact, ordered by real CUDA events
+        cases = run["cases"].values()
+        ok = bool(cases) and all(c["loaded"] and c["bit_exact"] and c["event_type"] == "_CudaEvent" for c in cases)
+        return {"vllm_connector"} if ok else set()
+    return {
+        name
+        for name, check in CHECK_PY_PARTS.items()
+        if name in run["parts"] and not {"error", "skipped"} & run["parts"][name].keys() and check(run["parts"][name])
+    }
+
+
+def gpu_runs() -> dict[str, set[str]]:
+    return {path.name: passed_parts(json.loads(path.read_text())) for path in sorted(GPU_RUNS.glob("*.json"))}
+
+
+def doc_files() -> list[Path]:
+    """The READMEs and the code's docstrings and comments: every .md and .py of the tree but the history."""
+    skip = {".git", "build", "build-inplace", "__pycache__", ".venv", "node_modules"}
+    return sorted(
+        path
+        for suffix in ("*.md", "*.py")
+        for path in ROOT.rglob(suffix)
+        if not skip & set(path.relative_to(ROOT).parts)
+        and not path.is_relative_to(HISTORY)
+        and not any(part.endswith(".egg-info") for part in path.parts)
+        and path != Path(__file__).resolve()
+    )
+
+
+def sentences(text: str) -> list[str]:
+    """Paragraphs, table cells and sentences, each on one line."""
+    out: list[str] = []
+    for paragraph in re.split(r"\n\s*\n", text):
+        flat = " ".join(paragraph.split())
+        out += [s for s in re.split(r"(?<=[.!?])\s+|\s\|\s", flat) if s]
+    return out
+
+
+def never_ran_claims(text: str, ran: set[str]) -> list[str]:
+    """Each sentence of ``text`` saying a part never ran on a GPU while a run in ``ran`` shows it did."""
+    wrong = []
+    for sentence in sentences(text):
+        if not (NEVER_RAN.search(sentence) and ON_A_GPU.search(sentence)):
+            continue
+        part = next((part for part, words in CLAIM_NAMES_PART if words.search(sentence)), "the GPU path")
+        if (part == "the GPU path" and ran) or part in ran:
+            wrong.append(f"{sentence!r} (about {part})")
+    return wrong
+
+
+def test_the_gpu_runs_show_what_passed() -> None:
+    runs = gpu_runs()
+    assert runs, "benchmarks/gpu/ holds no run"
+    assert set(CHECK_PY_PARTS) | {"vllm_connector"} == set().union(*runs.values()), runs
+
+
+def test_no_doc_says_a_part_never_ran_on_a_gpu_that_did() -> None:
+    ran = set().union(*gpu_runs().values())
+    wrong = [f"{path.relative_to(ROOT)}: {c}" for path in doc_files() for c in never_ran_claims(path.read_text(), ran)]
+    assert not wrong, "benchmarks/gpu/ holds a passing run of what these say never ran on a GPU:\n" + "\n".join(wrong)
+
+
+def test_the_never_ran_check_catches_such_claims() -> None:
+    ran = {"transfer_nixl", "cache_engine", "vllm_connector"}
+    assert never_ran_claims("CUDA tensors register as VRAM; that path is written but has not been run.", ran)
+    assert never_ran_claims("CUDA buffers (written, NOT run: no GPU here): gathers run on the device.", ran)
+    assert never_ran_claims("Ordering on a GPU (``ordering.DeviceOrder``; not run here: no GPU): the push", ran)
+    assert never_ran_claims("By its author; not yet run on a GPU.", ran)  # names no part: the whole path
+    assert not never_ran_claims("On a GPU vLLM (not run): layouts.", ran)  # vLLM itself: nothing shows it ran
+    assert not never_ran_claims("CUDA buffers (written, NOT run: no GPU here): gathers.", {"transfer_nixl"})
+    assert not never_ran_claims("Where they do not run (no native library, small units on CUDA) torch ops", ran)
+
+
+def test_results_lists_every_gpu_run_with_the_parts_it_passed() -> None:
+    """RESULTS's "On a GPU" table: a row per run, naming its JSON files, "passed" as they say."""
+    results = (ROOT / "benchmarks/RESULTS.md").read_text()
+    assert "\n## On a GPU\n" in results, "benchmarks/RESULTS.md has no section \"On a GPU\""
+    table = results.split("\n## On a GPU\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ") for line in table.splitlines() if re.match(r"\| \d", line)]
+    runs, listed = gpu_runs(), set()
+    for row in rows:
+        files, claimed = re.findall(r"`([\w.-]+\.json)`", row[-1]), set(re.findall(r"`(\w+)`", row[2]))
+        assert files, f"a row of RESULTS's GPU table names no JSON: {row}"
+        assert claimed == set().union(*(runs[f] for f in files)), f"run {row[0]}: RESULTS says {claimed}"
+        listed.update(files)
+    assert listed == set(runs), f"benchmarks/gpu/ files missing from RESULTS's GPU table: {set(runs) - listed}"
+
+
+# Pointers into other text: `FILE.md, "Heading"` (a heading, or a **bold** or *italic* label, containing the quoted
+# words), and "see the module/package docstring for the X" (that docstring exists and speaks of X).
+POINTER = re.compile(r"(?P<path>[\w./-]+\.md)\)?(?: here)?,?\s+(?:section\s+)?\"(?P<text>[^\"]{2,120})\"")
+DOCSTRING_POINTER = re.compile(r"see the (?P<which>module|package) docstring(?: for the (?P<what>\w+))?", re.I)
+
+
+def labels(markdown: str) -> list[str]:
+    """What a quoted pointer into ``markdown`` may name: its headings and emphasized labels, on one line each."""
+    found = re.findall(r"^#+\s+(.*)$", markdown, re.M)
+    found += [bold or italic for bold, italic in re.findall(r"\*\*(.+?)\*\*|(?<!\*)\*([^*\s][^*]*?)\*", markdown)]
+    return [" ".join(label.split()) for label in found]
+
+
+def broken_pointers(path: Path, text: str) -> list[str]:
+    broken = []
+    flat = " ".join(text.split())
+    for m in POINTER.finditer(flat):
+        target = next((p for p in (path.parent / m["path"], ROOT / m["path"]) if p.is_file()), None)
+        if target is None:
+            broken.append(f"{m['path']} does not exist")
+        elif not any(m["text"].lower() in label.lower() for label in labels(target.read_text())):
+            broken.append(f"{m['path']} has no heading or label {m['text']!r}")
+    for m in DOCSTRING_POINTER.finditer(flat):
+        source = path.parent / "__init__.py" if m["which"].lower() == "package" else path
+        docstring = ast.get_docstring(ast.parse(source.read_text())) if source.is_file() else None
+        if not docstring:
+            broken.append(f"{source.name} has no docstring ({m[0]!r})")
+        elif m["what"] and m["what"].lower() not in docstring.lower():
+            broken.append(f"{source.name}'s docstring does not speak of {m['what']!r} ({m[0]!r})")
+    return broken
+
+
+def test_every_pointer_into_other_text_finds_it() -> None:
+    wrong = [f"{path.relative_to(ROOT)}: {b}" for path in doc_files() for b in broken_pointers(path, path.read_text())]
+    assert not wrong, "pointers to text that is not there:\n" + "\n".join(wrong)
+
+
+def test_the_pointer_check_catches_what_is_not_there(tmp_path: Path) -> None:
+    (tmp_path / "README.md").write_text("# Doc\n\n## Wire format\n\n- **The late-write fence.** Held.\n")
+    (tmp_path / "__init__.py").write_text('"""The package: its frames are in README.md."""\n')
+    here = tmp_path / "channel.py"
+    assert broken_pointers(here, 'See README.md, "The fixed cost of one request".')  # no such heading
+    assert broken_pointers(here, 'See NOPE.md, "Wire format".')  # no such file
+    assert broken_pointers(here, "See the package docstring for the protocol and its guarantees.")  # not there
+    assert broken_pointers(here, "See the module docstring.")  # channel.py does not exist, so has none
+    assert not broken_pointers(here, 'The frames: README.md, "Wire format"; see the package docstring for the frames')
+    assert not broken_pointers(here, 'The hold: README.md here, "The late-write fence".')  # a bold label counts

@@ -57,7 +57,7 @@ class LocalRedis:
 
 
 def server_binary() -> str | None:
-    """Path of a redis-server or valkey-server to start (see the module docstring for the order), or None."""
+    """Path of a redis-server or valkey-server to start (the first of those the module docstring lists), or None."""
     named = os.environ.get(SERVER_ENV)
     if named:
         return named
