@@ -63,8 +63,10 @@ def test_the_readme_map_links_the_folder_readmes() -> None:
 GPU_RUNS = ROOT / "benchmarks/gpu"
 PartCheck = Callable[[dict[str, Any]], bool]
 CHECK_PY_PARTS: dict[str, PartCheck] = {  # tests/gpu/check.py: its "parts", each by what proves it right
-    "gather_scatter": lambda p: bool(p.get("cuda_kernel") and p.get("rows"))
-    and all(r["gather_bit_exact"] and r["scatter_bit_exact"] for r in p["rows"]),
+    "gather_scatter": lambda p: (
+        bool(p.get("cuda_kernel") and p.get("rows"))
+        and all(r["gather_bit_exact"] and r["scatter_bit_exact"] for r in p["rows"])
+    ),
     "checksum": lambda p: p.get("cpu_equals_cuda") is True,
     "cache_engine": lambda p: p.get("bit_exact") is True,
     "transfer_tcp": lambda p: any(r["kv_memory"] == "cuda" for r in p.get("results", [])),  # through pinned staging
@@ -112,14 +114,16 @@ def gpu_runs() -> dict[str, set[str]]:
 
 def doc_files() -> list[Path]:
     """The READMEs and the code's docstrings and comments: every .md and .py of the tree but the history."""
-    skip = {".git", "build", "build-inplace", "__pycache__", ".venv", "node_modules"}
+
+    def ours(part: str) -> bool:  # not a build's, an environment's or a hidden folder's copy
+        return not (part.startswith(".") or part.endswith(".egg-info") or part in {"build", "build-inplace", "venv"})
+
     return sorted(
         path
         for suffix in ("*.md", "*.py")
         for path in ROOT.rglob(suffix)
-        if not skip & set(path.relative_to(ROOT).parts)
+        if all(ours(part) for part in path.relative_to(ROOT).parts[:-1])
         and not path.is_relative_to(HISTORY)
-        and not any(part.endswith(".egg-info") for part in path.parts)
         and path != Path(__file__).resolve()
     )
 
@@ -171,7 +175,7 @@ def test_the_never_ran_check_catches_such_claims() -> None:
 def test_results_lists_every_gpu_run_with_the_parts_it_passed() -> None:
     """RESULTS's "On a GPU" table: a row per run, naming its JSON files, "passed" as they say."""
     results = (ROOT / "benchmarks/RESULTS.md").read_text()
-    assert "\n## On a GPU\n" in results, "benchmarks/RESULTS.md has no section \"On a GPU\""
+    assert "\n## On a GPU\n" in results, 'benchmarks/RESULTS.md has no section "On a GPU"'
     table = results.split("\n## On a GPU\n", 1)[1].split("\n## ", 1)[0]
     rows = [line.split(" | ") for line in table.splitlines() if re.match(r"\| \d", line)]
     runs, listed = gpu_runs(), set()
