@@ -37,6 +37,28 @@ def error_response(status: int, message: str, param: str | None = None) -> web.R
     return web.json_response(error_body(message, status, param), status=status)
 
 
+def header_bytes(value: str) -> bytes:
+    """A request header's value as the bytes the client sent.
+
+    aiohttp decodes header bytes as UTF-8 with ``surrogateescape``, so a value that was not UTF-8 holds lone
+    surrogates, which a plain ``.encode()`` refuses with ``UnicodeEncodeError``: a 500 for the client's mistake.
+    """
+    return value.encode("utf-8", "surrogateescape")
+
+
+def forwardable_header(http: web.Request, name: str) -> str | None:
+    """A header to send on to a worker as the client sent it, or None when absent; ``RequestError`` (400) when it
+    is not UTF-8 (an HTTP client encodes the header it sends as UTF-8 and could not send this one)."""
+    value = http.headers.get(name)
+    if value is None:
+        return None
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise RequestError(f"the {name} header is not valid UTF-8: {header_bytes(value)[:80]!r}", param=name) from None
+    return value
+
+
 def _no_constant(name: str) -> Any:
     raise RequestError(f"the request body is not valid JSON: {name} is not a JSON number")
 
@@ -135,7 +157,7 @@ def bearer_middleware(
         if (
             token
             and guarded(http)
-            and not hmac.compare_digest(http.headers.get("Authorization", "").encode(), expected)
+            and not hmac.compare_digest(header_bytes(http.headers.get("Authorization", "")), expected)
         ):
             return error_response(401, f"{http.method} {http.path} wants 'Authorization: Bearer <{hint}>'")
         return await handler(http)
