@@ -16,6 +16,7 @@ import json
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
@@ -172,6 +173,49 @@ def application(limits: HttpConfig, middlewares: list[Any] | None = None) -> web
     )
 
 
+class _OpenAIErrorProtocol(web.RequestHandler):
+    """aiohttp's connection handler, with its own error answers in OpenAI's error shape.
+
+    A request aiohttp cannot parse (a Content-Length that is not a number, a control byte in a header, a
+    malformed chunked body's framing) is answered by the connection handler, before any middleware runs: as
+    plain text, which an OpenAI client cannot read. Same status, same logging, vLLM's body.
+    """
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs it; raises when an answer has already begun
+        if status >= 500 or not message:  # never a traceback (aiohttp's debug mode puts one in the message)
+            message = f"{HTTPStatus(status).phrase}: the server could not handle this request"
+        resp = error_response(status, message)
+        resp.force_close()
+        return resp
+
+
+class _OpenAIErrorServer(web.Server):
+    """An aiohttp server whose connections answer their own errors in OpenAI's shape (``_OpenAIErrorProtocol``)."""
+
+    def __call__(self) -> web.RequestHandler:
+        handler = super().__call__()
+        handler.__class__ = _OpenAIErrorProtocol  # the same object layout, one method replaced
+        return handler
+
+
+class _Runner(web.AppRunner):
+    """``web.AppRunner`` whose server answers malformed requests in OpenAI's error shape too."""
+
+    async def setup(self) -> None:
+        await super().setup()
+        assert self.server is not None
+        self.server.__class__ = _OpenAIErrorServer  # aiohttp builds its Server itself; no argument picks the class
+
+
 def runner(app: web.Application, limits: HttpConfig) -> web.AppRunner:
     """How every role serves: handler cancellation on, idle connections closed after ``idle_timeout_s``.
 
@@ -182,7 +226,7 @@ def runner(app: web.Application, limits: HttpConfig) -> web.AppRunner:
     (aiohttp's own default is an hour); lingering_time what an early answer waits for the rest of
     its body (aiohttp's: 10 s, which a client that trickles bytes holds open ten times over).
     """
-    return web.AppRunner(
+    return _Runner(
         app,
         handle_signals=False,
         handler_cancellation=True,
