@@ -5,7 +5,10 @@ a body too large is a 413 before it is read, a body that trickles in is a
 408, JSON that is not JSON (``NaN``, nesting deeper than ``MAX_JSON_DEPTH``,
 bytes that are not UTF-8) is a 400, and whatever else goes wrong inside a
 handler is logged with its traceback and answered as a 500 that carries no
-traceback. Every answer is vLLM's error shape (``pdkv.http.openai_wire``).
+traceback. A request aiohttp itself cannot parse (a malformed header, a
+``Content-Length`` that is not a number) is a 400 from the connection
+handler, before any middleware. Every answer is vLLM's error shape
+(``pdkv.http.openai_wire``).
 """
 
 from __future__ import annotations
