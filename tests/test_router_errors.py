@@ -85,6 +85,39 @@ def test_the_openai_client_retries_a_503_after_the_routers_retry_after() -> None
         assert then - before >= int(after)  # the client waited what the router said (its own backoff is < 1 s)
 
 
+def test_a_worker_back_within_retry_after_serves_the_openai_clients_retry() -> None:
+    """The decode worker starts right after the router's first 503: by the Retry-After the router gave, its health
+    loop has seen it up, and the client's retry is served."""
+    seen: list[tuple[int, bool]] = []  # per attempt: the answer's status, whether the worker was up at arrival
+
+    async def scenario() -> None:
+        url_d = refused_url()
+        back = FakeWorker("decode")
+        health = {"health_interval_s": 3.0, "busy_health_interval_s": 0.5, "health_timeout_s": 0.5}
+        async with cluster([], [url_d], **health, retry_after_max_s=5) as (url, router):
+            serve_request = router.proxy.generate
+
+            async def recorded(http: web.Request, path: str, chat: bool) -> web.StreamResponse:
+                was_up = router.pool.workers("decode")[0].healthy
+                resp = await serve_request(http, path, chat)
+                seen.append((resp.status, was_up))
+                if resp.status == 503:
+                    await back.start(int(url_d.rsplit(":", 1)[1]))  # the worker is back, the router not told
+                return resp
+
+            router.proxy.generate = recorded  # type: ignore[method-assign]
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=2)
+            try:
+                answer = await client.completions.create(model="m", prompt="x" * 50, max_tokens=4)
+            finally:
+                await client.close()
+                await back.stop()
+            assert answer.choices[0].text == "abc" and len(back.requests) == 1
+
+    asyncio.run(scenario())
+    assert seen == [(503, False), (200, True)]
+
+
 def test_retry_after_is_when_the_health_loop_may_next_find_a_decode_worker_up() -> None:
     async def scenario() -> None:
         config = RouterConfig(health_interval_s=10.0, busy_health_interval_s=1.0, health_timeout_s=2.0)

@@ -104,9 +104,9 @@ class RouterMetrics:
         )
         self.errors = Counter(
             "pdkv_router_errors",
-            "Generation requests the router failed, by the status it answered (or ended a stream with, in-band) and "
-            "the cause: no_worker, deadline, or the last failed hop's reason (connect, timeout, http_503, bad_answer, "
-            "truncated, ...)",
+            "Requests the router failed (generation, /v1/models), by the status it answered (or ended a stream with, "
+            "in-band) and the cause: no_worker, deadline, or the last failed hop's reason (connect, timeout, "
+            "http_503, bad_answer, truncated, ...)",
             ["status", "cause"],
             registry=r,
         )

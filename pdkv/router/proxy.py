@@ -160,8 +160,8 @@ class Proxy:
             if resp.status == 200:
                 return web.Response(body=data, content_type="application/json")
             errors.append(f"{worker.url} answered {resp.status}")
-        return error_response(
-            503, f"no worker answered /v1/models ({'; '.join(errors) or 'no healthy worker registered'})"
+        return self._error(
+            503, "no_worker", f"no worker answered /v1/models ({'; '.join(errors) or 'no healthy worker registered'})"
         )
 
     # -- the flow -------------------------------------------------------------------
