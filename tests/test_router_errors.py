@@ -254,8 +254,8 @@ def test_the_clients_deadline_bounds_every_hop_and_is_answered_504() -> None:
 class HeaderTarget:
     """A router with tenants (keys and a gateway header), served as ``pdkv launch`` serves it, over stand-ins."""
 
-    def __init__(self, loop: Loop, url: str, router: Router) -> None:
-        self.loop, self.port, self.router = loop, int(url.rsplit(":", 1)[1]), router
+    def __init__(self, url: str) -> None:
+        self.port = int(url.rsplit(":", 1)[1])
 
     def send(self, raw: bytes) -> tuple[int, dict[str, str], bytes]:
         """One raw request over a socket; (status, headers, body) of the answer, read until the router closes."""
@@ -295,7 +295,7 @@ def header_target() -> Iterator[HeaderTarget]:
     router = loop.run(Router.start(config.router, convert_config({"http": http}).http))
     app_runner, url = loop.run(serve(router.app(), http))
     try:
-        yield HeaderTarget(loop, url, router)
+        yield HeaderTarget(url)
     finally:
         loop.run(app_runner.cleanup())
         loop.run(router.close())
