@@ -223,6 +223,11 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     health_interval_s: Seconds = 5.0
     busy_health_interval_s: Seconds = 1.0
     health_failures: Annotated[int, Meta(ge=1, le=100)] = 2
+    # A 503 (no decode attempt could serve the request) carries Retry-After: the seconds until the router's health
+    # loop may next find a decode worker up (pdkv/router/failures.py), never fewer than retry_after_min_s nor more
+    # than retry_after_max_s (the OpenAI client does not retry past 120 s).
+    retry_after_min_s: Annotated[int, Meta(ge=0, le=3600)] = 1
+    retry_after_max_s: Annotated[int, Meta(ge=1, le=3600)] = 30
     prefix_chunk_tokens: Positive = 256
     prefix_cache_entries: Positive = 65536
     # prefix policy: the prefix's owner is skipped when it runs this many more requests than the least loaded.
@@ -256,6 +261,11 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     tenant_header_from: list[str] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.retry_after_min_s > self.retry_after_max_s:
+            raise ValueError(
+                f"router.retry_after_min_s ({self.retry_after_min_s}) must not exceed router.retry_after_max_s "
+                f"({self.retry_after_max_s})"
+            )
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names):
             raise ValueError(f"router.tenants names must be unique, got {names}")

@@ -136,3 +136,7 @@ class UpstreamRejected(RouterError):
         self.status = status
         self.body = body
         self.content_type = content_type
+
+
+class DeadlinePassed(RouterError):
+    """The client's own deadline (``X-Request-Timeout``) passed before the router could answer: a 504, not retried."""

@@ -82,7 +82,7 @@ class FakeWorker:
         self.url = ""
         self._runner: web.AppRunner | None = None
 
-    async def start(self) -> FakeWorker:
+    async def start(self, port: int = 0) -> FakeWorker:
         app = web.Application()
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
@@ -93,7 +93,7 @@ class FakeWorker:
         app.router.add_delete("/pdkv/transfers/{tid}", self._cancel)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", port)
         await site.start()
         self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
         return self

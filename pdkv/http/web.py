@@ -5,7 +5,10 @@ a body too large is a 413 before it is read, a body that trickles in is a
 408, JSON that is not JSON (``NaN``, nesting deeper than ``MAX_JSON_DEPTH``,
 bytes that are not UTF-8) is a 400, and whatever else goes wrong inside a
 handler is logged with its traceback and answered as a 500 that carries no
-traceback. Every answer is vLLM's error shape (``pdkv.http.openai_wire``).
+traceback. A request aiohttp itself cannot parse (a malformed header, a
+``Content-Length`` that is not a number) is a 400 from the connection
+handler, before any middleware. Every answer is vLLM's error shape
+(``pdkv.http.openai_wire``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import json
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
 from aiohttp import web
@@ -35,6 +39,28 @@ MAX_JSON_DEPTH = 100
 
 def error_response(status: int, message: str, param: str | None = None) -> web.Response:
     return web.json_response(error_body(message, status, param), status=status)
+
+
+def header_bytes(value: str) -> bytes:
+    """A request header's value as the bytes the client sent.
+
+    aiohttp decodes header bytes as UTF-8 with ``surrogateescape``, so a value that was not UTF-8 holds lone
+    surrogates, which a plain ``.encode()`` refuses with ``UnicodeEncodeError``: a 500 for the client's mistake.
+    """
+    return value.encode("utf-8", "surrogateescape")
+
+
+def forwardable_header(http: web.Request, name: str) -> str | None:
+    """A header to send on to a worker as the client sent it, or None when absent; ``RequestError`` (400) when it
+    is not UTF-8 (an HTTP client encodes the header it sends as UTF-8 and could not send this one)."""
+    value = http.headers.get(name)
+    if value is None:
+        return None
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise RequestError(f"the {name} header is not valid UTF-8: {header_bytes(value)[:80]!r}", param=name) from None
+    return value
 
 
 def _no_constant(name: str) -> Any:
@@ -135,7 +161,7 @@ def bearer_middleware(
         if (
             token
             and guarded(http)
-            and not hmac.compare_digest(http.headers.get("Authorization", "").encode(), expected)
+            and not hmac.compare_digest(header_bytes(http.headers.get("Authorization", "")), expected)
         ):
             return error_response(401, f"{http.method} {http.path} wants 'Authorization: Bearer <{hint}>'")
         return await handler(http)
@@ -150,6 +176,49 @@ def application(limits: HttpConfig, middlewares: list[Any] | None = None) -> web
     )
 
 
+class _OpenAIErrorProtocol(web.RequestHandler):
+    """aiohttp's connection handler, with its own error answers in OpenAI's error shape.
+
+    A request aiohttp cannot parse (a Content-Length that is not a number, a control byte in a header, a
+    malformed chunked body's framing) is answered by the connection handler, before any middleware runs: as
+    plain text, which an OpenAI client cannot read. Same status, same logging, vLLM's body.
+    """
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs it; raises when an answer has already begun
+        if status >= 500 or not message:  # never a traceback (aiohttp's debug mode puts one in the message)
+            message = f"{HTTPStatus(status).phrase}: the server could not handle this request"
+        resp = error_response(status, message)
+        resp.force_close()
+        return resp
+
+
+class _OpenAIErrorServer(web.Server):
+    """An aiohttp server whose connections answer their own errors in OpenAI's shape (``_OpenAIErrorProtocol``)."""
+
+    def __call__(self) -> web.RequestHandler:
+        handler = super().__call__()
+        handler.__class__ = _OpenAIErrorProtocol  # the same object layout, one method replaced
+        return handler
+
+
+class _Runner(web.AppRunner):
+    """``web.AppRunner`` whose server answers malformed requests in OpenAI's error shape too."""
+
+    async def setup(self) -> None:
+        await super().setup()
+        assert self.server is not None
+        self.server.__class__ = _OpenAIErrorServer  # aiohttp builds its Server itself; no argument picks the class
+
+
 def runner(app: web.Application, limits: HttpConfig) -> web.AppRunner:
     """How every role serves: handler cancellation on, idle connections closed after ``idle_timeout_s``.
 
@@ -160,7 +229,7 @@ def runner(app: web.Application, limits: HttpConfig) -> web.AppRunner:
     (aiohttp's own default is an hour); lingering_time what an early answer waits for the rest of
     its body (aiohttp's: 10 s, which a client that trickles bytes holds open ten times over).
     """
-    return web.AppRunner(
+    return _Runner(
         app,
         handle_signals=False,
         handler_cancellation=True,

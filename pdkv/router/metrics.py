@@ -102,6 +102,14 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
+        self.errors = Counter(
+            "pdkv_router_errors",
+            "Requests the router failed (generation, /v1/models), by the status it answered (or ended a stream with, "
+            "in-band) and the cause: no_worker, deadline, or the last failed hop's reason (connect, timeout, "
+            "http_503, bad_answer, truncated, ...)",
+            ["status", "cause"],
+            registry=r,
+        )
         self.picks = Counter("pdkv_router_picks", "Hops sent to each worker", ["role", "worker"], registry=r)
         r.register(_PoolCollector(pool))
 

@@ -13,6 +13,9 @@ Failure handling, hop by hop (every hop has its own timeout, see
   with another decode worker, up to ``max_retries`` more.
 * decode fails after the client got bytes: the stream ends with an in-band
   error event and ``[DONE]``, as the workers themselves do.
+* every decode attempt failed: 503 with ``Retry-After``, or 502 when every
+  answer was broken (``pdkv.router.failures``); 504 once the client's own
+  deadline (``X-Request-Timeout``) passed, which also bounds every hop.
 * a worker's 4xx is the client's fault: passed back unchanged, no retry.
 * the client goes away: the handler is cancelled, which closes the open
   upstream connection, which cancels the worker's job (the workers run with
@@ -47,10 +50,12 @@ import aiohttp
 from aiohttp import web
 
 from pdkv.config import HttpConfig, RouterConfig
-from pdkv.errors import UpstreamError, UpstreamRejected
+from pdkv.errors import DeadlinePassed, UpstreamError, UpstreamRejected
 from pdkv.http.openai_routes import end_with_error, sse_response
-from pdkv.http.web import error_response, read_json
+from pdkv.http.openai_wire import SSE_DONE
+from pdkv.http.web import error_response, forwardable_header, read_json
 from pdkv.router.disaggregation import DecodeCosts, WayCost, decide
+from pdkv.router.failures import failed_status, hop_timeout, request_deadline, retry_after, time_left
 from pdkv.router.metrics import ROLE, RouterMetrics
 from pdkv.router.modes import PairMode, decode_body, prefill_body
 from pdkv.router.policy import Policy, Prompt, describe_prompt
@@ -80,6 +85,7 @@ class _Call:
     request_id: str
     arrived: float
     headers: dict[str, str]
+    deadline: float | None = None  # monotonic; the client's X-Request-Timeout after arrival
     outcome: str = "cancelled"  # what pdkv_requests_total counts; stays so if the client goes away
     way_cost: WayCost | None = None  # the way it was served, to learn from its first token (router.disaggregate)
 
@@ -114,22 +120,23 @@ class Proxy:
 
     async def generate(self, http: web.Request, path: str, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic()
+        deadline = request_deadline(http, arrived)
         body = await read_json(http, self.http)
         if not isinstance(body, dict):
             return error_response(400, "the request body must be a JSON object")
         headers = {"X-Request-Id": uuid.uuid4().hex}
         salt = request_salt(self.tenants, http, body)  # with tenants, the body's cache_salt is the router's now
-        if (
-            self.tenants is None and "Authorization" in http.headers
-        ):  # workers started with an API key (vLLM's --api-key)
-            headers["Authorization"] = http.headers[
-                "Authorization"
-            ]  # want the client's; a tenant's key never goes to a worker
+        # workers started with an API key (vLLM's --api-key) want the client's; a tenant's key never goes to a worker
+        authorization = forwardable_header(http, "Authorization") if self.tenants is None else None
+        if authorization is not None:
+            headers["Authorization"] = authorization
         if self.tokenizer is None:
             prompt = describe_prompt(body, chat, self.config, salt=salt)
         else:  # a long prompt takes milliseconds to encode: off the event loop
             prompt = await asyncio.to_thread(describe_prompt, body, chat, self.config, self.tokenizer, salt)
-        call = _Call(http, path, body, prompt, body.get("stream") is True, headers["X-Request-Id"], arrived, headers)
+        call = _Call(
+            http, path, body, prompt, body.get("stream") is True, headers["X-Request-Id"], arrived, headers, deadline
+        )
         try:
             return await self._serve(call)
         finally:
@@ -153,13 +160,14 @@ class Proxy:
             if resp.status == 200:
                 return web.Response(body=data, content_type="application/json")
             errors.append(f"{worker.url} answered {resp.status}")
-        return error_response(
-            503, f"no worker answered /v1/models ({'; '.join(errors) or 'no healthy worker registered'})"
+        return self._error(
+            503, "no_worker", f"no worker answered /v1/models ({'; '.join(errors) or 'no healthy worker registered'})"
         )
 
     # -- the flow -------------------------------------------------------------------
     async def _serve(self, call: _Call) -> web.StreamResponse:
-        failures: list[str] = []
+        failures: list[str] = []  # every hop's, prefill included, for the message
+        reasons: list[str] = []  # the decode attempts', for the status
         tried: list[WorkerState] = []
         last: UpstreamError | None = None
         try:
@@ -171,19 +179,33 @@ class Proxy:
                     return await self._pair(call, decode, failures)
                 except UpstreamError as exc:
                     self._failed(call, decode, exc, failures)
+                    reasons.append(exc.reason)
                     last = exc
+                    time_left(call.deadline)  # a hop cut short by the deadline: no retry, a 504
         except UpstreamRejected as exc:
             call.outcome = "rejected"
             return web.Response(status=exc.status, body=exc.body, content_type=exc.content_type or "application/json")
-        if not tried:
+        except DeadlinePassed as exc:
+            call.outcome = "deadline"
+            return self._error(504, "deadline", f"{exc}; {'; '.join(failures) or 'no hop had failed'}")
+        if last is None:
             call.outcome = "unavailable"
-            return error_response(
+            return self._error(
                 503,
+                "no_worker",
                 f"no decode worker is registered or healthy ({len(self.pool.workers('decode'))} registered); register "
                 "one with POST /pdkv/workers",
             )
         call.outcome = "failed"
-        return error_response(502, f"every decode attempt failed: {'; '.join(failures)}")
+        return self._error(failed_status(reasons), last.reason, f"every decode attempt failed: {'; '.join(failures)}")
+
+    def _error(self, status: int, cause: str, message: str) -> web.Response:
+        """An error answer in OpenAI's shape, counted by status and cause; a 503 says when to come back."""
+        self.metrics.errors.labels(str(status), cause).inc()
+        resp = error_response(status, message)
+        if status == 503:
+            resp.headers["Retry-After"] = str(retry_after(self.pool, "decode", self.config))
+        return resp
 
     async def _pair(self, call: _Call, decode: WorkerState, failures: list[str]) -> web.StreamResponse:
         """One attempt on one decode worker: prefill (unless the prompt is short), then decode."""
@@ -255,7 +277,9 @@ class Proxy:
         return None, None
 
     async def _prefill_hop(self, call: _Call, prefill: WorkerState, params: dict[str, Any]) -> Any:
-        timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout_s, sock_connect=self.config.connect_timeout_s)
+        timeout = aiohttp.ClientTimeout(
+            total=hop_timeout(call.deadline, self.config.prefill_timeout_s), sock_connect=self.config.connect_timeout_s
+        )
         started = time.monotonic()
         prefill.inflight_requests += 1
         prefill.inflight_tokens += call.prompt.est_tokens
@@ -266,27 +290,27 @@ class Proxy:
         finally:
             prefill.inflight_requests -= 1
             prefill.inflight_tokens -= call.prompt.est_tokens
-        try:
-            answer = json.loads(data)
-        except ValueError:
-            raise UpstreamError(
-                f"prefill worker {prefill.url} answered with invalid JSON: {data[:200]!r}", "bad_answer"
-            ) from None
+        answer = _parse_json(prefill, "prefill", data)
         self.metrics.hop.labels("prefill").observe(time.monotonic() - started)
         return answer
 
     async def _decode(self, call: _Call, decode: WorkerState, params: dict[str, Any] | None) -> web.StreamResponse:
         sock_read = self.config.read_timeout_s if call.stream else None  # a whole answer comes at once: total bounds it
         timeout = aiohttp.ClientTimeout(
-            total=self.config.decode_timeout_s, sock_connect=self.config.connect_timeout_s, sock_read=sock_read
+            total=hop_timeout(call.deadline, self.config.decode_timeout_s),
+            sock_connect=self.config.connect_timeout_s,
+            sock_read=sock_read,
         )
         started = time.monotonic()
         async with self._post(decode, "decode", call, decode_body(call.body, params), timeout) as resp:
             if resp.status == 200 and call.stream:
+                _check_content_type(decode, resp, "text/event-stream")
                 response: web.StreamResponse = await self._relay(call, decode, resp)
             else:
                 data = await self._guard(decode, "decode", resp.read())
                 _check_status(decode, "decode", resp, data)
+                _check_content_type(decode, resp, "application/json")
+                _parse_json(decode, "decode", data)  # relayed as bytes, but never a broken answer as a 200
                 call.outcome = "ok"
                 response = web.Response(body=data, content_type="application/json")
         self.metrics.hop.labels("decode").observe(time.monotonic() - started)
@@ -318,13 +342,16 @@ class Proxy:
                 try:
                     # the client has bytes: a worker marked down mid-answer is waited for (a frozen one
                     # may thaw) until read_timeout_s; a retry could only end the answer with an error
+                    last = first
                     while (event := await self._next_event(decode, events, abandon=False)) is not None:
                         await out.write(event)
+                        last = event
+                    if last != SSE_DONE:
+                        raise UpstreamError(f"decode worker {decode.url} ended its stream without [DONE]", "truncated")
                     call.outcome = "ok"
                 except UpstreamError as exc:  # the client has bytes already: say it in-band, as the workers do
                     self._failed(call, decode, exc, [])
-                    call.outcome = "broken"
-                    await end_with_error(out, f"the decode worker failed mid-answer: {exc}", 502)
+                    await self._end_in_band(call, out, exc)
                 await out.write_eof()
             except ConnectionResetError:
                 call.outcome = "cancelled"
@@ -335,11 +362,28 @@ class Proxy:
                 )
         return out
 
-    async def _next_event(self, decode: WorkerState, events: AsyncIterator[bytes], abandon: bool) -> bytes | None:
+    async def _end_in_band(self, call: _Call, out: web.StreamResponse, exc: UpstreamError) -> None:
+        """End a stream the client has bytes of with an error event: 504 once its deadline passed, else 502."""
         try:
-            return await self._guard(decode, "decode", anext(events), abandon)
+            time_left(call.deadline)
+        except DeadlinePassed as passed:
+            call.outcome = "deadline"
+            self.metrics.errors.labels("504", "deadline").inc()
+            await end_with_error(out, f"{passed} (mid-answer: {exc})", 504)
+            return
+        call.outcome = "broken"
+        self.metrics.errors.labels("502", exc.reason).inc()
+        await end_with_error(out, f"the decode worker failed mid-answer: {exc}", 502)
+
+    async def _next_event(self, decode: WorkerState, events: AsyncIterator[bytes], abandon: bool) -> bytes | None:
+        """The next whole event of the stream (None at its end); one cut short is a ``truncated`` failure."""
+        try:
+            event = await self._guard(decode, "decode", anext(events), abandon)
         except StopAsyncIteration:
             return None
+        if not event.endswith(b"\n\n"):
+            raise UpstreamError(f"decode worker {decode.url} cut its stream mid-event: {event[:200]!r}", "truncated")
+        return event
 
     # -- helpers --------------------------------------------------------------------
     def _pick(self, role: Role, prompt: Prompt, exclude: list[WorkerState]) -> WorkerState | None:
@@ -471,6 +515,10 @@ async def _result(worker: WorkerState, hop: str, step: Awaitable[T]) -> T:
         raise UpstreamError(
             f"{hop} worker {worker.url} is unreachable: {describe(exc)}", "connect", worker_down=True
         ) from exc
+    except aiohttp.ClientPayloadError as exc:  # the answer began and was cut short: a broken answer, not a missing one
+        raise UpstreamError(
+            f"{hop} worker {worker.url} cut its answer short: {describe(exc)}", "truncated", worker_down=True
+        ) from exc
     except aiohttp.ClientError as exc:
         raise UpstreamError(
             f"{hop} worker {worker.url} dropped the connection: {describe(exc)}", "disconnected", worker_down=True
@@ -483,6 +531,25 @@ def _check_status(worker: WorkerState, hop: str, resp: aiohttp.ClientResponse, d
     if 400 <= resp.status < 500 and resp.status not in _RETRYABLE_4XX:
         raise UpstreamRejected(resp.status, data, resp.content_type)
     raise UpstreamError(f"{hop} worker {worker.url} answered {resp.status}: {_message(data)}", f"http_{resp.status}")
+
+
+def _check_content_type(worker: WorkerState, resp: aiohttp.ClientResponse, expected: str) -> None:
+    """A 200 whose Content-Type is not what the request asked for (a stream, or JSON) is a broken answer."""
+    if resp.content_type != expected:
+        raise UpstreamError(
+            f"decode worker {worker.url} answered 200 with Content-Type {resp.content_type!r}, not {expected!r}",
+            "bad_content_type",
+        )
+
+
+def _parse_json(worker: WorkerState, hop: str, data: bytes) -> Any:
+    """A hop's JSON answer; one that is not JSON is a broken answer (``bad_answer``)."""
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise UpstreamError(
+            f"{hop} worker {worker.url} answered with invalid JSON: {data[:200]!r}", "bad_answer"
+        ) from None
 
 
 def _message(data: bytes) -> str:

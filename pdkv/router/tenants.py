@@ -43,7 +43,7 @@ from aiohttp import web
 
 from pdkv.config import RouterConfig
 from pdkv.errors import RequestError
-from pdkv.http.web import Handler, error_response
+from pdkv.http.web import Handler, error_response, header_bytes
 from pdkv.keys import MAX_SALT_CHARS
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class Tenants:
         scheme, _, key = http.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
             raise RequestError("this router serves its tenants only: send 'Authorization: Bearer <your API key>'", 401)
-        digest = hashlib.sha256(key.strip().encode()).digest()
+        digest = hashlib.sha256(header_bytes(key.strip())).digest()  # bytes that are not UTF-8 match no key: a 401
         found = None
         for known, tenant in self._digests:  # every one compared, in constant time: no timing says how close a key came
             if hmac.compare_digest(digest, known):
