@@ -36,6 +36,7 @@ from pdkv.transfer.stall import RATE_WINDOW, StallBound
 from pdkv.worker.metrics import WorkerMetrics
 
 from tests.conftest import MakePair, wait_until
+from tests.test_pool import warm
 
 SLACK_S = 2.0  # a bound on "failed within its stall bound", not a performance assertion
 STALLED = "neither completed nor failed within"
@@ -103,6 +104,25 @@ def test_a_stalled_write_is_failed_within_its_bound_and_its_blocks_quarantined(m
     wait_until(lambda: pair.receiver.stats()["reservations"] == 0, 10, "the quarantine to end")
     assert pair.receiver.stats()["fences"] == 1  # no word to trust: the sender is cut off before the blocks go back
     assert pair.held_blocks() == 0
+
+
+def test_a_stalled_write_into_a_pool_keeps_the_pools_blocks_from_reuse(make_pair: MakePair) -> None:
+    """A one-chunk request written into the sender's pool: the receiver has not heard of it (the notice carries
+    its Reserve), so the Cancel saying the write may still land takes the pool back with its blocks held."""
+    cfg = TransferConfig(chunk_size=32, stall_timeout_s=0.3, drain_timeout_s=1.0, pool_tokens=32, heartbeat_s=0.1)
+    pair = make_pair(config=cfg)
+    warm(pair)
+    pair.p_channel.faults.stall = True  # type: ignore[attr-defined]
+    xfer = pair.sender.open("pooled", pair.receiver.address, 30, [10, 11])
+    assert xfer.claim is not None  # written into the pool, no Reserve
+    xfer.send_all()
+    with pytest.raises(TransferTimeout, match=STALLED):
+        xfer.wait(0.3 + SLACK_S)
+    wait_until(lambda: pair.receiver.stats().get("pools_lapsed") == 1, 5, "the receiver to take the pool back")
+    time.sleep(cfg.drain_timeout_s / 2)
+    assert pair.receiver.stats()["pooled_blocks"] == 2, "a pool a write may still land in was reused"
+    wait_until(lambda: pair.receiver.stats()["pooled_blocks"] == 0, 10, "the hold to end")
+    assert pair.receiver.stats()["fences"] == 1 and pair.held_blocks() == 0
 
 
 def test_writes_that_complete_are_never_counted_as_stalled(make_pair: MakePair) -> None:
