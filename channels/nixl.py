@@ -284,6 +284,18 @@ class NixlChannel(Channel):
             self._local_lists.drop()
             self._deregister(entry)
 
+    def registered_with_nixl(self, buf: Any) -> bool:
+        """NIXL's own word, not pdkv's table: whether ``buf``'s bytes are registered with this agent (NIXL prepares a
+        descriptor list over them). A leak check reads it: a released region must be gone from NIXL too."""
+        meta = self._describe_buffer(buf)
+        with self._lock:
+            self._check_open()
+            try:
+                self._agent.prep_xfer_dlist("", [(meta.addr, meta.size, meta.dev)], meta.mem).release()
+            except NIXL_ERRORS:
+                return False
+        return True
+
     def _deregister(self, entry: _Region) -> None:
         try:
             self._agent.deregister_memory(entry.reg)

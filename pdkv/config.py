@@ -64,6 +64,13 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True):
     # every write of its finished), or after this long: a write posted before a link outage may land when the link
     # comes back, long after drain_timeout_s (pdkv/transfer/README.md, "The late-write fence").
     unfenced_quarantine_s: Seconds = 300.0
+    # A posted write that neither completed nor failed within its stall bound is given up on: failed, and its blocks
+    # quarantined at the receiver as a write that may still land (pdkv/transfer/stall.py). Unset (None): the bound is
+    # stall_multiple times what the bytes in flight at its post need at the slowest rate the sender's writes were
+    # seen to move, and at least stall_floor_s; a number here is the bound itself, for every write.
+    stall_timeout_s: Seconds | None = None
+    stall_floor_s: Seconds = 10.0
+    stall_multiple: Annotated[float, Meta(ge=1)] = 8.0
     # How staged chunks are encoded on the wire (pdkv/codec): none, zstd (exact) or a lossy one. A request with a
     # codec always goes in staging mode (direct block writes stay raw); the receiver must offer it at Hello.
     codec: Annotated[str, Meta(pattern=CODEC_NAME_PATTERN)] = "none"

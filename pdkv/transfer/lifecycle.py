@@ -112,6 +112,12 @@ class IncomingBook:
     def sender_finished(self, identity: bytes, msg: Cancel | Done) -> None:
         with self.lock:
             r = self.res.get(msg.transfer_id)
+            if r is None and isinstance(msg, Cancel) and msg.writes_may_land and msg.transfer_id not in self.gone:
+                # A request we never heard of was written into the sender's pool (its notice never came), and the
+                # sender gave up on that write: it may still land there, so the pool's blocks wait out the hold.
+                self.pools.lapse(
+                    identity, time.monotonic(), f"a write of transfer {msg.transfer_id!r} into it may still land"
+                )
             if r is None or r.identity != identity:
                 return
             # Its word frees the memory early, unless it gave up on a write that may still land.

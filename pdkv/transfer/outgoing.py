@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ from pdkv.transfer.control import ControlLoop
 from pdkv.transfer.handshake import ReceiverPeer
 from pdkv.transfer.protocol import ChunkNotice, Landed, Reserved
 from pdkv.transfer.reservation import PoolClaim, lease_margin
+from pdkv.transfer.stall import StallBound
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,19 @@ class SendContext:
     counters: collections.Counter[str]
     loop: ControlLoop
     settled: Callable[[OutgoingTransfer], None]
+    stall: StallBound = field(init=False)  # when a posted write counts as stalled (stall.py), from the config
+
+    def __post_init__(self) -> None:
+        self.stall = StallBound(self.config)
+
+
+@dataclass
+class PostedWrite:
+    """A write of ours the channel has not finished: what it needs and by when it must finish (``stall.py``)."""
+
+    nbytes: int
+    need: int  # bytes in flight when it was posted, itself included: what has to move before it is done
+    limit: float  # seconds it may stay pending
 
 
 class OutgoingTransfer:
@@ -136,6 +150,7 @@ class OutgoingTransfer:
         self.sent: set[int] = set()
         self.landed: set[int] = set()
         self.writes = 0  # posted writes whose handles have not finished
+        self.posted: dict[TransferHandle, PostedWrite] = {}  # those writes, watched for stalls by check_timeout
         self.posting = 0  # chunks between taking credit and their write being tracked
         self.error: TransferError | None = None
         self.settled = False  # Done or Cancel sent: no more writes from us
@@ -200,7 +215,9 @@ class OutgoingTransfer:
             self.wire_bytes += wire
             ctx.counters["bytes_raw"] += nbytes
             ctx.counters["bytes_wire"] += wire
-        handle.add_done_callback(lambda h: ctx.loop.call_soon(lambda: self._written(h, nbytes, local_slot)))
+            need = ctx.credit.inflight
+            self.posted[handle] = PostedWrite(nbytes, need, ctx.stall.limit(need))
+        handle.add_done_callback(lambda h: self._finished(h, local_slot))
 
     def send_all(self) -> None:
         for i in range(self.num_chunks):
@@ -350,12 +367,21 @@ class OutgoingTransfer:
         return [op], digest
 
     # -- what the channel and the receiver report (I/O thread) ----------------
-    def _written(self, handle: TransferHandle, nbytes: int, local_slot: int) -> None:
+    def _finished(self, handle: TransferHandle, local_slot: int) -> None:
+        """The handle's done callback (the channel's thread): note when, and hand the rest to the I/O thread."""
+        at = time.monotonic()
+        self.ctx.loop.call_soon(lambda: self._written(handle, local_slot, at))
+
+    def _written(self, handle: TransferHandle, local_slot: int, at: float) -> None:
         ctx = self.ctx
         ctx.channel.release(handle)
         with self.cond:
+            write = self.posted.pop(handle)
+            nbytes = write.nbytes
             self.writes -= 1
             ctx.credit.give(nbytes, local_slot)
+            if handle.state is XferState.DONE:
+                ctx.stall.observe(write.need, at - handle.posted_at)
             if handle.state is XferState.ERROR:
                 self.writes_may_land |= handle.may_still_land
                 self.fail(TransferError(f"channel write failed: {handle.error}"))
@@ -382,7 +408,9 @@ class OutgoingTransfer:
 
     def check_timeout(self, now: float) -> None:
         """Nobody may be waiting on this transfer (the worker never calls wait): if its receiver died after
-        our writes completed, neither Landed nor Cancel ever comes, so bound it here or it stays open forever."""
+        our writes completed, neither Landed nor Cancel ever comes, so bound it here or it stays open forever.
+        A write of ours that neither completed nor failed within its stall bound is given up on here too."""
+        self._abandon_stalled(now)
         with self.cond:
             if self.error is None and not self.complete and now > self.opened + self.ctx.config.transfer_timeout_s:
                 self.fail(
@@ -393,6 +421,28 @@ class OutgoingTransfer:
                     )
                 )
         self._settle_if_over()
+
+    def _abandon_stalled(self, now: float) -> None:
+        """Fail the transfer for each write past its stall bound and abandon the write (stall.py): its handle fails
+        as one whose bytes may still land, so the Cancel says so and the receiver quarantines its blocks as it does
+        a late write; settling no longer waits for it, and its credit comes back."""
+        with self.cond:
+            overdue = [(h, w) for h, w in self.posted.items() if now > h.posted_at + w.limit]
+        for handle, write in overdue:
+            # One last look: a write that finished just now is not a stall (nixl learns of completions by polling).
+            if self.ctx.channel.poll(handle) is not XferState.PENDING:
+                continue
+            err = TransferTimeout(
+                f"transfer {self.transfer_id!r}: a {self.ctx.channel.name} write of {write.nbytes} bytes to "
+                f"{handle.peer!r} neither completed nor failed within {write.limit:.3g}s "
+                f"({self.ctx.stall.describe()}); given up on, its blocks at the receiver held as a write that may "
+                "still land"
+            )
+            with self.cond:
+                self.fail(err)
+            if handle.abandon(str(err)):
+                with self.cond:
+                    self.ctx.counters["stalled_writes"] += 1
 
     def fail(self, err: TransferError) -> None:
         """First failure wins (caller holds the condition); the I/O thread tells the receiver once writes settle."""

@@ -134,16 +134,23 @@ class Pools:
         del self.by_peer[identity]
         self.discard(identity, pool.token, pool.blocks)
 
+    def lapse(self, identity: bytes, now: float, why: str) -> None:
+        """Take ``identity``'s pool back now, its blocks held for the late-write hold (a write into it may still
+        land), after which ``reap`` fences its sender and frees them; its word (``give_back``) frees them early."""
+        pool = self.by_peer.pop(identity, None)
+        if pool is None:
+            return
+        self.channel.revoke(pool.token, "write", self.target.block_ranges(pool.blocks), 0)
+        pool.free_deadline = now + self.config.late_write_hold(self.channel.enforces_grants)
+        self.lapsed.append(pool)
+        self.counters["pools_lapsed"] += 1
+        log.warning("taking a sender's pool back, its blocks held against late writes: %s", why)
+
     def reap(self, now: float) -> None:
         """Take back pools whose lease lapsed; free those that waited out late writes, fencing their senders
         first (they never said they stopped writing)."""
         for pool in [p for p in self.by_peer.values() if now > p.lease_deadline]:
-            del self.by_peer[pool.identity]
-            self.channel.revoke(pool.token, "write", self.target.block_ranges(pool.blocks), 0)
-            pool.free_deadline = now + self.config.late_write_hold(self.channel.enforces_grants)
-            self.lapsed.append(pool)
-            self.counters["pools_lapsed"] += 1
-            log.warning("a sender's pool lease lapsed (no heartbeat for %.3gs): taking it back", self.config.lease_s)
+            self.lapse(pool.identity, now, f"its lease lapsed (no heartbeat for {self.config.lease_s:.3g}s)")
         over = [p for p in self.lapsed if now > p.free_deadline]
         self.lapsed = [p for p in self.lapsed if now <= p.free_deadline]
         for pool in over:

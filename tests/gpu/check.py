@@ -22,7 +22,13 @@ Prints one JSON object (and writes it to ``--out`` when given) with:
 * ``nixl_vram_raw``: the raw NIXL agent moving VRAM to VRAM between two
   processes on this GPU, the same sizes as ``transfer_nixl``'s rows (whose
   own baseline moves host memory), with pdkv's UCX settings and with UCX_TLS
-  pinned to CUDA IPC, each with the protocols UCX chose (``UCX_PROTO_INFO``).
+  pinned to CUDA IPC, each with the protocols UCX chose (``UCX_PROTO_INFO``);
+* ``faults``: faults injected with the KV in VRAM on both sides, over nixl
+  (``pdkv.testing.faults``, the same code tests/test_gpu_faults.py runs in CI
+  with emulated device memory): D killed mid-transfer, D restarted on the same
+  address, memory P released refused; each must end in a clean failure or a
+  recompute, no wrong byte, no leaked registration (pdkv's regions and NIXL's
+  own word): ``ok``, and each fault's fields say which held.
 
 Each part runs on its own: one that fails reports its error and the others
 still run. The whole takes a few minutes (budget: under 8). Not a test_*.py
@@ -284,6 +290,15 @@ def nixl_vram_raw() -> dict[str, Any]:
     return out
 
 
+def faults() -> dict[str, Any]:
+    from pdkv.testing.faults import run_faults
+
+    out = run_faults("cuda")
+    if not out["ok"]:  # counted as a failed part: the exit status says a fault did not end cleanly
+        out.setdefault("error", "a fault did not end in a clean failure or recompute (see its fields)")
+    return out
+
+
 PARTS: dict[str, Callable[[], dict[str, Any]]] = {
     "gather_scatter": gather_scatter,
     "checksum": checksum,
@@ -291,6 +306,7 @@ PARTS: dict[str, Callable[[], dict[str, Any]]] = {
     "transfer_tcp": lambda: _transfer("tcp"),
     "transfer_nixl": lambda: _transfer("nixl"),
     "nixl_vram_raw": nixl_vram_raw,
+    "faults": faults,
 }
 
 
