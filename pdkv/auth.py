@@ -60,3 +60,22 @@ def bound_proof(secret: bytes, role: str, session: bytes, *fields: bytes) -> byt
 
 def verify_bound(secret: bytes, role: str, session: bytes, given: bytes, *fields: bytes) -> bool:
     return hmac.compare_digest(bound_proof(secret, role, session, *fields), given)
+
+
+def session_key(secret: bytes, session: bytes) -> bytes:
+    """The key that tags one control-plane session's messages (``session``: both handshake nonces).
+
+    Derived per session, so a tag made in one session (or for the other direction, see ``message_tag``)
+    never checks out in another, and the secret itself never keys a per-message MAC.
+    """
+    return bound_proof(secret, "control-session", session)
+
+
+def message_tag(key: bytes, direction: str, data: bytes) -> bytes:
+    """HMAC-SHA256 of one control message's bytes under its session key; ``direction`` (``sender`` or
+    ``receiver``: who sent it) keeps a message from being reflected back to its author."""
+    return hmac.new(key, b"pdkv/" + direction.encode() + b"/" + data, hashlib.sha256).digest()
+
+
+def verify_tag(key: bytes, direction: str, data: bytes, given: bytes) -> bool:
+    return hmac.compare_digest(message_tag(key, direction, data), given)

@@ -25,6 +25,8 @@ from pdkv.testing.redis import INSTALL_HINT, LocalRedis, local_redis, server_bin
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
 
+import leakcheck
+
 if TYPE_CHECKING:
     from aiohttp import web
 
@@ -71,6 +73,11 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Generator[None, N
     reason = _disallowed_skip(outcome.get_result())
     if reason is not None:
         _ci_skips.append(f"{collector.nodeid}: {reason}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every test closes what it opened (tests/leakcheck.py)."""
+    leakcheck.register(config)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -99,7 +99,8 @@ def _layout() -> st.SearchStrategy[dict[str, Any]]:
 # Well-typed structs with hostile contents: msgspec constructors do not validate, the decoder must.
 STRUCTS = st.one_of(
     st.builds(protocol.Reserve, transfer_id=HOSTILE_STR, num_tokens=HOSTILE_INT),
-    st.builds(protocol.Heartbeat, transfer_ids=st.lists(HOSTILE_STR, max_size=50)),
+    st.builds(protocol.Heartbeat, transfer_ids=st.lists(HOSTILE_STR, max_size=50), seq=HOSTILE_INT),
+    st.builds(protocol.BeatAck, seq=HOSTILE_INT),
     st.builds(protocol.Cancel, transfer_id=HOSTILE_STR, reason=HOSTILE_STR),
     st.builds(protocol.Done, transfer_id=HOSTILE_STR, ok=st.booleans()),
     st.builds(protocol.Auth, proof=HOSTILE_BYTES),

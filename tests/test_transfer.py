@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 
-from pdkv.auth import bound_proof, new_nonce, proof, verify
+from pdkv.auth import bound_proof, message_tag, new_nonce, proof, session_key, verify
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.mock import MockChannel
 from pdkv.config import TransferConfig
@@ -454,7 +454,7 @@ def answers_to(sock: zmq.Socket, n: int) -> list[protocol.Message]:
     raw peer never writes into it: it lapses, or goes with the receiver)."""
     answers: list[protocol.Message] = []
     while len(answers) < n and sock.poll(5000):
-        msg = protocol.decode(sock.recv())
+        msg = protocol.decode(sock.recv_multipart()[0])  # a session's messages come with their tag frame
         if not isinstance(msg, protocol.Pool):
             answers.append(msg)
     return answers
@@ -475,19 +475,26 @@ def test_peer_with_a_forged_proof_is_refused(make_pair: MakePair) -> None:
 
 
 def test_reserve_proof_binds_the_prompt_key_to_the_authenticated_peer(make_pair: MakePair) -> None:
-    """With a secret, a Reserve's prompt key is covered by a proof bound to the handshake: altered, it is refused."""
+    """With a secret, a Reserve's prompt key is covered by a proof bound to the handshake: altered, it is refused
+    (even tagged with the session's key: the proof, not the tag, binds the prompt key)."""
     pair = make_pair(secrets=("s3cret", "s3cret"))
     with raw_peer(pair) as (sock, hello, reply):
         sock.send(protocol.encode(protocol.Auth(proof(b"s3cret", "sender", reply.nonce, hello.nonce))))
+        key = session_key(b"s3cret", reply.nonce + hello.nonce)
+
+        def send(msg: protocol.Message) -> None:
+            data = protocol.encode(msg)
+            sock.send_multipart([data, message_tag(key, "sender", data)])
+
         honest = protocol.Reserve("honest", 16, b"A" * 16)
         honest.proof = bound_proof(b"s3cret", "reserve", reply.nonce + hello.nonce, *protocol.reserve_fields(honest))
         forged = msgspec.structs.replace(
             honest, transfer_id="forged", prompt_key=b"B" * 16
         )  # the proof of another Reserve
-        sock.send(protocol.encode(forged))
-        sock.send(protocol.encode(honest))
+        send(forged)
+        send(honest)
         answers = answers_to(sock, 2)
-        sock.send(protocol.encode(protocol.Cancel("honest", "test over")))
+        send(protocol.Cancel("honest", "test over"))
     assert isinstance(answers[0], protocol.Refused) and "proof" in answers[0].reason
     assert isinstance(answers[1], protocol.Reserved) and answers[1].transfer_id == "honest"
     assert pair.receiver.stats()["auth_failures"] == 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import sys
 import threading
 import time
 import urllib.error
@@ -505,6 +506,58 @@ def test_decode_host_disappearing_mid_transfer_ends_the_request_and_frees_the_pr
         "P to count the transfer failed",
     )
     assert_nothing_held(tcp_pd.prefill)
+
+
+def metrics_on(host: Host, worker: WorkerProcess) -> str:
+    """A worker's metrics scraped from its own host: the test's host ``a`` cannot reach it across a cut link."""
+    script = (
+        "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=5).read().decode())"
+    )
+    return host.run(sys.executable, "-c", script, worker.url + "/metrics").stdout
+
+
+@pytest.mark.parametrize("cut", ["decode-to-prefill", "prefill-to-decode"])
+def test_a_one_way_partition_is_seen_on_both_sides_within_the_lease(
+    tcp_pd: Deployment, expected: dict[int, list[int]], cut: str
+) -> None:
+    """Issue 38: one direction of the link cut, the other open. P holds a pool at D (pools are on by default), so
+    it heartbeats D; D's answers (or P's beats) are lost. P gives D up within lease_s of the cut (it renews only on
+    D's answers), D takes the pool back within lease_s too, and the pair works again once the link is whole."""
+    status, body = tcp_pd.complete(SHORT)  # handshaken, a pool held
+    assert status == 200 and body["choices"][0]["token_ids"] == expected[len(SHORT)]
+    link, lease = tcp_pd.link, TRANSFER["lease_s"]
+    d_host = link.host
+    wait_until(lambda: metric(metrics_on(d_host, tcp_pd.decode), "pdkv_pooled_blocks") > 0, 10, "D to grant a pool")
+    deaf_before = metric(metrics(tcp_pd.prefill), "pdkv_transfer_events_total", event="peers_deaf")
+    lapsed_before = metric(metrics_on(d_host, tcp_pd.decode), "pdkv_transfer_events_total", event="pools_lapsed")
+    end = d_host if cut == "decode-to-prefill" else link.hub
+    link.unroute(end)
+    cut_at = time.monotonic()
+    try:
+        wait_until(
+            lambda: metric(metrics(tcp_pd.prefill), "pdkv_transfer_events_total", event="peers_deaf") > deaf_before,
+            lease + 10,
+            "P to give D up",
+        )
+        p_saw = time.monotonic() - cut_at
+        wait_until(
+            lambda: metric(metrics_on(d_host, tcp_pd.decode), "pdkv_pooled_blocks") == 0,
+            lease + 10,
+            "D to take P's pool back",
+        )
+        d_saw = time.monotonic() - cut_at
+    finally:
+        link.reroute(end)
+    # within the lease, give or take a heartbeat and a scrape (a metrics poll is a process started on the host)
+    assert p_saw <= lease + 1.0, f"P saw the partition after {p_saw:.2f}s (lease_s={lease})"
+    assert d_saw <= lease + 1.5, f"D saw the partition after {d_saw:.2f}s (lease_s={lease})"
+    text = metrics_on(d_host, tcp_pd.decode)
+    assert metric(text, "pdkv_transfer_events_total", event="pools_lapsed") == lapsed_before + 1
+    before_d = metrics(tcp_pd.decode)
+    status, body = tcp_pd.complete(SHORT)  # P handshakes again: the pair works, the KV over the link
+    assert status == 200 and body["choices"][0]["token_ids"] == expected[len(SHORT)], body
+    assert_transferred(tcp_pd, before_d, len(SHORT))
+    assert_nothing_held(tcp_pd.prefill, tcp_pd.decode)
 
 
 # -- a data plane that cannot work is reported at the handshake ----------------------------------------

@@ -261,22 +261,35 @@ class Link:
             host.run("tc", "qdisc", "change", "dev", dev, "root", *_tbf(bits))
         self.rate = rate
 
-    def unroute(self) -> None:
-        """Remove the routes between the hub and the host (both ends): each other's address becomes unreachable.
+    def unroute(self, end: Host | None = None) -> None:
+        """Remove the routes between the hub and the host (both ends, or only ``end``'s towards the other).
 
         The link stays up, as a routing change upstream would leave it:
         packets to the other end fail at once with "network unreachable",
         and a connection already open just stops hearing from its peer.
+        With ``end`` it is a one-way partition: nothing ``end`` sends crosses (TCP's acknowledgements neither),
+        what the other end sends still arrives. (Routes, not a ``tc`` drop filter: kernels without tc's action
+        modules have no such filter.)
         """
-        for end, dev, addr in ((self.hub, self.hub_dev, self.hub_addr), (self.host, self.dev, self.addr)):
-            end.run("ip", "route", "del", _subnet(addr), "dev", dev)
+        for host, dev, addr in self._ends(end):
+            host.run("ip", "route", "del", _subnet(addr), "dev", dev)
 
-    def reroute(self) -> None:
+    def reroute(self, end: Host | None = None) -> None:
         """Put back the routes ``unroute`` removed (the kernel's own connected routes, as the address made them)."""
-        for end, dev, addr in ((self.hub, self.hub_dev, self.hub_addr), (self.host, self.dev, self.addr)):
-            end.run(
+        for host, dev, addr in self._ends(end):
+            host.run(
                 "ip", "route", "replace", _subnet(addr), "dev", dev, "proto", "kernel", "scope", "link", "src", addr
             )
+
+    def _ends(self, end: Host | None) -> list[tuple[Host, str, str]]:
+        """(host, its device, its address) of both ends, or of ``end`` alone (which must be one of them)."""
+        ends = [(self.hub, self.hub_dev, self.hub_addr), (self.host, self.dev, self.addr)]
+        if end is None:
+            return ends
+        chosen = [e for e in ends if e[0] is end]
+        if not chosen:
+            raise RigError(f"host {end.name!r} is not an end of the link {self.hub_dev} <-> {self.dev}")
+        return chosen
 
     def down(self) -> None:
         """Take the link down, as a pulled cable: the host's end goes down, the hub's loses its carrier."""

@@ -3,6 +3,14 @@
 ``ControlLoop`` sleeps in ``poll`` until a message, a channel notification, a handed-over call or its tick;
 ``RouterSocket`` is the receiver's bound ROUTER, ``DealerSockets`` the sender's DEALER per receiver, each with a
 socket monitor so a peer that dies is noticed when its connection drops. Malformed input is counted and dropped.
+
+Sessions. A ROUTER knows a peer only by its routing id, which any connection may claim. So the receiver's ROUTER
+never hands a routing id over to a new connection (a second connection claiming one in use is refused by ZeroMQ),
+senders pick routing ids nobody can guess, and with a shared secret every message after the handshake travels as
+``[message, tag]``: an HMAC of its bytes under the key of the session the handshake proved
+(``pdkv.auth.session_key``). A message that needs a session and lacks a valid tag is counted
+(``unauthenticated_messages``) and dropped before anyone reads it; only what ``protocol.needs_session`` exempts travels
+untagged. Without a secret there are no keys, and the routing ids alone keep peers apart.
 """
 
 from __future__ import annotations
@@ -15,11 +23,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from pdkv.auth import message_tag, verify_tag
 from pdkv.errors import ProtocolError
 from pdkv.transfer import protocol
 from pdkv.wakeup import Waker
@@ -133,6 +142,43 @@ def _decode(data: bytes, source: str, counters: Any) -> protocol.Message | Proto
         return exc
 
 
+class SessionKeys(Protocol):
+    """Where the receiver's ROUTER finds the key of the session a routing id belongs to."""
+
+    def session_key(self, identity: bytes) -> bytes:
+        """The key of ``identity``'s proven session; ``b""`` with no secret, or before it proved the secret."""
+        ...
+
+
+class SessionPeer(Protocol):
+    """A receiver as the sender's DEALERs know it: the key of its proven session (``b""``: none yet)."""
+
+    session_key: bytes
+
+
+def _frames(key: bytes, direction: str, msg: protocol.Message) -> list[bytes]:
+    """A message on the wire: tagged under ``key`` unless there is no session or the message needs none."""
+    data = protocol.encode(msg)
+    if not key or not protocol.needs_session(msg):
+        return [data]
+    return [data, message_tag(key, direction, data)]
+
+
+def _authentic(key: bytes, direction: str, frames: list[bytes], msg: protocol.Message, counters: Any) -> bool:
+    """Whether a message may be read: within a session, only with a valid tag (one that needs no session: also
+    without).
+
+    With no key (no secret, or a peer we hold no session with: it still handshakes, or we restarted) a tag
+    cannot be checked and is ignored: what such a peer sends is checked by the handshake's own rules.
+    """
+    if not key or (len(frames) == 1 and not protocol.needs_session(msg)):
+        return True
+    if len(frames) == 2 and verify_tag(key, direction, frames[0], frames[1]):
+        return True
+    counters["unauthenticated_messages"] += 1
+    return False
+
+
 class RouterSocket:
     """The receiver's bound ROUTER: messages in with the sender's identity, replies out by identity."""
 
@@ -143,13 +189,15 @@ class RouterSocket:
         port: int,
         on_message: Callable[[bytes, protocol.Message], None],
         counters: Any,
+        keys: SessionKeys,
     ) -> None:
         self._loop = loop
         self._on_message = on_message
         self._counters = counters
+        self._keys = keys
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # No ROUTER_HANDOVER: a connection that claims a routing id in use is refused, never given its pipe.
         self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         if port:
             self._bind(f"tcp://{host}:{port}")
@@ -175,7 +223,9 @@ class RouterSocket:
     def send(self, identity: bytes, msg: protocol.Message) -> None:
         """Send on the loop thread (call through ``ControlLoop.call_soon`` from any other)."""
         try:
-            self._sock.send_multipart([identity, protocol.encode(msg)], zmq.NOBLOCK)
+            self._sock.send_multipart(
+                [identity, *_frames(self._keys.session_key(identity), "receiver", msg)], zmq.NOBLOCK
+            )
         except zmq.ZMQError as exc:
             log.warning("could not send %s to %r: %s", type(msg).__name__, identity, exc)
 
@@ -189,20 +239,23 @@ class RouterSocket:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 2:
+            if len(frames) not in (2, 3):
                 self._counters["malformed_messages"] += 1
                 continue
-            identity, data = frames
-            msg = _decode(data, repr(identity), self._counters)
+            identity, *body = frames
+            msg = _decode(body[0], repr(identity), self._counters)
             if isinstance(msg, ProtocolError):
                 self.send(identity, protocol.Error(str(msg)))  # the sender learns what it got wrong
+                continue
+            if not _authentic(self._keys.session_key(identity), "sender", body, msg, self._counters):
+                log.warning("dropping %s from %r: no valid session tag", type(msg).__name__, identity)
                 continue
             self._on_message(identity, msg)
 
 
 class DealerSockets:
-    """The sender's DEALERs, one per receiver, keyed by an object of the owner's (its peer record, hashable by
-    identity).
+    """The sender's DEALERs, one per receiver, keyed by the owner's record of that receiver (a ``SessionPeer``,
+    hashable by identity).
 
     Sockets are made, used and closed on the loop thread only; ``send`` and
     ``close_peer`` hand themselves over. ``on_lost(key, why)`` runs when a
@@ -227,7 +280,7 @@ class DealerSockets:
         self._connected: weakref.WeakSet[Any] = weakref.WeakSet()  # keys whose connection came up at least once
         self._closed: weakref.WeakSet[Any] = weakref.WeakSet()  # keys closed for good: a late send must not reopen them
 
-    def send(self, key: Any, address: str, identity: bytes, msg: protocol.Message) -> None:
+    def send(self, key: SessionPeer, address: str, identity: bytes, msg: protocol.Message) -> None:
         """Send from any thread, in order: the loop's own messages (Done, Cancel, Heartbeat) go out at once."""
         self._loop.call_now_or_soon(lambda: self._send(key, address, identity, msg))
 
@@ -243,7 +296,7 @@ class DealerSockets:
         for key in list(self._socks):
             self._close(key)
 
-    def _send(self, key: Any, address: str, identity: bytes, msg: protocol.Message) -> None:
+    def _send(self, key: SessionPeer, address: str, identity: bytes, msg: protocol.Message) -> None:
         if key in self._closed:
             return  # forgotten: a socket opened for it now would never be closed
         pair = self._socks.get(key)
@@ -258,7 +311,7 @@ class DealerSockets:
             self._loop.watch(sock, lambda: self._drain(key, sock, address))
             self._loop.watch(monitor, lambda: self._on_monitor(key, monitor, address))
         try:
-            pair[0].send(protocol.encode(msg), zmq.NOBLOCK)
+            pair[0].send_multipart(_frames(key.session_key, "sender", msg), zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.warning("could not send %s to %s: %s", type(msg).__name__, address, exc)
 
@@ -274,15 +327,22 @@ class DealerSockets:
         monitor.close(0)
         sock.close(_CLOSE_LINGER_MS)
 
-    def _drain(self, key: Any, sock: zmq.Socket, address: str) -> None:
+    def _drain(self, key: SessionPeer, sock: zmq.Socket, address: str) -> None:
         for _ in range(_DRAIN_BATCH):
             try:
-                data = sock.recv(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            msg = _decode(data, address, self._counters)
-            if not isinstance(msg, ProtocolError):
-                self._on_message(key, msg)
+            if len(frames) > 2:
+                self._counters["malformed_messages"] += 1
+                continue
+            msg = _decode(frames[0], address, self._counters)
+            if isinstance(msg, ProtocolError):
+                continue
+            if not _authentic(key.session_key, "receiver", frames, msg, self._counters):
+                log.warning("dropping %s from receiver %s: no valid session tag", type(msg).__name__, address)
+                continue
+            self._on_message(key, msg)
 
     def _on_monitor(self, key: Any, monitor: zmq.Socket, address: str) -> None:
         why = ""

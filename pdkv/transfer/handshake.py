@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from pdkv.auth import new_nonce, proof, verify
+from pdkv.auth import new_nonce, proof, session_key, verify
 from pdkv.channels.base import Channel
 from pdkv.config import TransferConfig
 from pdkv.errors import HandshakeError, PdkvError, TransferError, TransferTimeout
 from pdkv.layout import KVLayout
 from pdkv.transfer import protocol
+from pdkv.transfer.heartbeat import Beats
 from pdkv.transfer.protocol import Auth, Hello
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MIN_TOKEN_BYTES = 16  # a sender's data_token: unguessable
+_ROUTING_ID_HEX = 16  # random hex digits in a sender's routing id: a ROUTER knows a peer by it, so nobody may guess it
 
 
 @dataclass(eq=False)  # hashable by identity: it keys its DEALER socket
@@ -53,6 +55,8 @@ class ReceiverPeer:
     hello_future: Future[Hello] = field(default_factory=Future)
     pool: protocol.Pool | None = None  # blocks it granted us ahead, unused yet (README.md here, "Pools")
     pool_renewed: float = 0.0  # when a heartbeat last renewed the pool's lease (or it arrived)
+    session_key: bytes = b""  # with a secret, once its Hello proved it: what our messages to it are tagged with
+    beats: Beats = field(default_factory=Beats)  # heartbeats it has not answered yet
 
 
 @dataclass
@@ -63,6 +67,7 @@ class SenderPeer:
     layout: KVLayout
     token: bytes  # its data connections' capability: its reservations are granted to it
     session: bytes = b""  # both handshake nonces (with a secret): what its Reserves' proofs are bound to
+    session_key: bytes = b""  # with a secret: what its control messages are tagged with (``control``, "Sessions")
     kv_reached: bool = True  # its channel registered its KV (an empty kv_regions in its Hello: not, so staging only)
 
 
@@ -77,8 +82,6 @@ def answer(fut: Future[Any], outcome: Any) -> None:
 
 class SenderHandshake:
     """The receivers one sender talks to: handshake on first use, forget on loss."""
-
-    _ids = itertools.count()
 
     def __init__(
         self,
@@ -108,7 +111,8 @@ class SenderHandshake:
         with self.cond:
             peer = self.peers.get(address)
             if peer is None:
-                ident = f"{self.channel.agent_name}/{next(self._ids)}".encode()
+                # the agent name for the receiver's logs, then what nobody can guess (``control``, "Sessions")
+                ident = f"{self.channel.agent_name}/{secrets.token_hex(_ROUTING_ID_HEX // 2)}".encode()
                 peer = self.peers[address] = ReceiverPeer(address, ident)
                 self._send(peer, msgspec.structs.replace(self._hello(), nonce=peer.nonce, data_token=peer.token))
         timeout = self.config.handshake_timeout_s
@@ -204,6 +208,7 @@ class SenderHandshake:
             answer(peer.hello_future, exc)
             return
         if self.secret:  # queued before anyone can queue a Reserve: the receiver sees it first
+            peer.session_key = session_key(self.secret, msg.nonce + peer.nonce)
             self._send(peer, Auth(proof(self.secret, "sender", msg.nonce, peer.nonce)))
         peer.hello = msg
         answer(peer.hello_future, msg)
@@ -235,6 +240,11 @@ class ReceiverHandshake:
         self._hello, self._reply, self._on_admitted = hello, reply, on_admitted
         self.peers: dict[bytes, SenderPeer] = {}
         self.unproven: dict[bytes, tuple[Hello, bytes]] = {}  # identity -> (its Hello, our nonce)
+
+    def session_key(self, identity: bytes) -> bytes:
+        """``control.SessionKeys``: the key of an admitted peer's session (I/O thread)."""
+        peer = self.peers.get(identity)
+        return b"" if peer is None else peer.session_key
 
     def on_hello(self, identity: bytes, hello: Hello) -> None:
         ours = self._hello()
@@ -291,6 +301,11 @@ class ReceiverHandshake:
             return False
         with self.lock:
             self.peers[identity] = SenderPeer(
-                agent, hello.layout, hello.data_token, session, kv_reached=bool(hello.kv_regions)
+                agent,
+                hello.layout,
+                hello.data_token,
+                session,
+                session_key(self.secret, session) if session else b"",
+                kv_reached=bool(hello.kv_regions),
             )
         return True

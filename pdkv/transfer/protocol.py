@@ -1,9 +1,12 @@
 """Control-plane messages: msgspec tagged structs, msgpack over pyzmq ROUTER/DEALER, every one in this file.
 
 Sender -> receiver: Hello, Auth, Reserve, Heartbeat, Cancel, Done, ReturnPool. Receiver -> sender: Hello, Reserved,
-Refused, Landed, Pool, Cancel, Error. Chunk payloads never travel here: they go over the channel, each followed by a
-``ChunkNotice`` (which carries the Reserve of a request written into the sender's pool, see ``Pool``). A change
+Refused, Landed, Pool, BeatAck, Cancel, Error. Chunk payloads never travel here: they go over the channel, each followed
+by a ``ChunkNotice`` (which carries the Reserve of a request written into the sender's pool, see ``Pool``). A change
 of any message is a ``PROTOCOL_VERSION`` bump (README.md here, "Names").
+
+With a shared secret, every message after the handshake travels with a tag frame that binds it to the session
+(``pdkv.transfer.control``, "Sessions"): only what ``needs_session`` exempts is taken without one.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from pdkv.layout import KVLayout
 # chunk's checksum is ``pdkv.checksum.chunk_checksum`` (computed on the device holding the bytes; was xxh3-64).
 # 5: pre-granted pools (``Pool``, ``ReturnPool``, a ``ChunkNotice`` carrying its request's ``Reserve``).
 # 6: the ``Landed`` of a pooled request carries the sender's next ``Pool``.
-PROTOCOL_VERSION = 6
+# 7: with a secret every message after the handshake carries a session tag frame; heartbeats are numbered and
+# acknowledged (``BeatAck``): the sender counts a lease renewed when the receiver says it was.
+PROTOCOL_VERSION = 7
 
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_ID_LEN = 256
@@ -144,9 +149,18 @@ class ReturnPool(msgspec.Struct, tag="return_pool", forbid_unknown_fields=True):
 
 
 class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):
-    """Renews the leases of the sender's open reservations, and of its pool at this receiver."""
+    """Renews the leases of the sender's open reservations, and of its pool at this receiver; answered by a
+    ``BeatAck`` of the same ``seq``. The sender counts the leases renewed only once that answer arrives: a
+    beat that went out is not one that arrived (a one-way partition loses the answers, not the beats)."""
 
     transfer_ids: list[TransferId]
+    seq: Annotated[int, Meta(ge=1)]
+
+
+class BeatAck(msgspec.Struct, tag="beat_ack", forbid_unknown_fields=True):
+    """Receiver: the heartbeat ``seq`` arrived and renewed what it named."""
+
+    seq: Annotated[int, Meta(ge=1)]
 
 
 class Cancel(msgspec.Struct, tag="cancel", forbid_unknown_fields=True):
@@ -172,7 +186,34 @@ class Error(msgspec.Struct, tag="error", forbid_unknown_fields=True):
     message: str
 
 
-Message = Hello | Auth | Reserve | Reserved | Refused | Landed | Pool | ReturnPool | Heartbeat | Cancel | Done | Error
+Message = (
+    Hello
+    | Auth
+    | Reserve
+    | Reserved
+    | Refused
+    | Landed
+    | Pool
+    | ReturnPool
+    | Heartbeat
+    | BeatAck
+    | Cancel
+    | Done
+    | Error
+)
+
+
+def needs_session(msg: Message) -> bool:
+    """Whether ``msg`` is taken only with a valid session tag once there is a session (with a secret).
+
+    The handshake's own messages are not: they are sent before the keys exist and carry their own proofs. Nor is
+    a ``Refused`` that says ``HELLO_REQUIRED`` (a receiver that restarted holds no key to tag it with): all it can
+    do is start a new handshake, which proves the secret again. An ``Error`` carries no authority either: it ends
+    a handshake still waiting, and is only logged after one.
+    """
+    if isinstance(msg, (Hello, Auth, Error)):
+        return False
+    return not (isinstance(msg, Refused) and msg.reason.startswith(HELLO_REQUIRED))
 
 
 class ChunkNotice(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
@@ -268,4 +309,5 @@ __all__ = [
     "decode",
     "decode_notice",
     "encode",
+    "needs_session",
 ]

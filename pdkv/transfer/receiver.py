@@ -38,6 +38,7 @@ from pdkv.transfer.pool import PeerPool
 from pdkv.transfer.protocol import (
     HELLO_REQUIRED,
     Auth,
+    BeatAck,
     Cancel,
     ChunkNotice,
     Done,
@@ -137,7 +138,7 @@ class KVReceiver:
             self._reply,
             self._open_pooled,
         )
-        self._router = RouterSocket(self.loop, host, port, self._on_message, self.counters)
+        self._router = RouterSocket(self.loop, host, port, self._on_message, self.counters, self.handshake)
         self.address = self._router.address
         if advertise_host:  # what senders dial: not a wildcard bind address
             self.address = zmq_address(advertise_host, self.address.rsplit(":", 1)[1])
@@ -266,7 +267,9 @@ class KVReceiver:
         elif isinstance(msg, Reserve):
             self._reply(identity, self._on_reserve(identity, msg))
         elif isinstance(msg, Heartbeat):
-            self.book.renew(identity, msg.transfer_ids)
+            if identity in self.handshake.peers:  # answered: the sender renews on our word, not on its own
+                self.book.renew(identity, msg.transfer_ids)
+                self._reply(identity, BeatAck(msg.seq))
         elif isinstance(msg, (Cancel, Done)):
             self.book.sender_finished(identity, msg)
         elif isinstance(msg, ReturnPool):

@@ -30,8 +30,9 @@ from pdkv.staging import DeviceStager, pinned_empty
 from pdkv.transfer import protocol
 from pdkv.transfer.control import ControlLoop, DealerSockets
 from pdkv.transfer.handshake import ReceiverPeer, SenderHandshake
+from pdkv.transfer.heartbeat import new_beat
 from pdkv.transfer.outgoing import OutgoingTransfer, SendContext, SendCredit, SendSource
-from pdkv.transfer.protocol import Cancel, Done, Heartbeat, Hello, Landed, Pool, Refused, Reserved, ReturnPool
+from pdkv.transfer.protocol import BeatAck, Cancel, Done, Hello, Landed, Pool, Refused, Reserved, ReturnPool
 from pdkv.transfer.reservation import Reservations, lease_margin
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,8 @@ class KVSender:
             self.handshake.on_error(peer, msg)
         elif isinstance(msg, Pool):
             self._take_pool(peer, msg)
+        elif isinstance(msg, BeatAck):
+            self._renewed(peer, msg)
         elif isinstance(msg, (Reserved, Refused)):
             with self.cond:
                 xfer = self._transfers.get(msg.transfer_id)
@@ -262,26 +265,29 @@ class KVSender:
                 peer.pool, peer.pool_renewed = pool, time.monotonic()
 
     def _tick(self) -> None:
-        """Heartbeats every heartbeat_s, and transfers nobody waits for bounded by transfer_timeout_s."""
+        """Heartbeats every heartbeat_s, transfers nobody waits for bounded by transfer_timeout_s, and receivers
+        that stopped answering heartbeats given up."""
         now = time.monotonic()
         with self.cond:
             transfers = list(self._transfers.values())
         for xfer in transfers:
             xfer.check_timeout(now)
+        self._give_up_deaf(now)
         if now - self._last_beat >= self.config.heartbeat_s:
             self._last_beat = now
             self._heartbeat(transfers, now)
 
     def _heartbeat(self, transfers: list[OutgoingTransfer], now: float) -> None:
-        """Renew each live peer's leases over its own socket (by peer, not address: after a restart the address
-        has a new one)."""
+        """Send each live peer a heartbeat naming what it renews, over its own socket (by peer, not address: after
+        a restart the address has a new one). Nothing counts as renewed until the beat is answered
+        (``_renewed``)."""
         by_peer: dict[bytes, tuple[ReceiverPeer, list[str]]] = {}
         stale: list[tuple[ReceiverPeer, Pool]] = []
+        beats = []
         with self.cond:
             for xfer in transfers:
                 if not xfer.peer.dropped and not xfer.settled:
                     by_peer.setdefault(xfer.peer.identity, (xfer.peer, []))[1].append(xfer.transfer_id)
-                    xfer.renewed = now
             for peer in self.handshake.peers.values():  # a pool is held on the same lease
                 if peer.pool is None:
                     continue
@@ -290,8 +296,54 @@ class KVSender:
                     peer.pool = None  # never write into it
                     continue
                 by_peer.setdefault(peer.identity, (peer, []))
-                peer.pool_renewed = now
-        for peer, ids in by_peer.values():
-            self._send(peer, Heartbeat(ids))
+            for peer, ids in by_peer.values():
+                beats.append((peer, new_beat(peer.beats, now, ids, peer.pool.generation if peer.pool else 0)))
+        for peer, beat in beats:
+            self._send(peer, beat)
         for peer, pool in stale:  # and say so: its blocks need not wait out the late-write quarantine
             self._send(peer, ReturnPool(pool.generation))
+
+    def _renewed(self, peer: ReceiverPeer, ack: BeatAck) -> None:
+        """The receiver answered a heartbeat: what it named is renewed from when it was sent (I/O thread)."""
+        with self.cond:
+            beat = peer.beats.answered(ack)
+            if beat is None:
+                return
+            for transfer_id in beat.transfer_ids:
+                xfer = self._transfers.get(transfer_id)
+                if xfer is not None and xfer.peer is peer:
+                    xfer.renewed = max(xfer.renewed, beat.sent)
+            if peer.pool is not None and peer.pool.generation == beat.pool:
+                peer.pool_renewed = max(peer.pool_renewed, beat.sent)
+
+    def _give_up_deaf(self, now: float) -> None:
+        """Give up receivers that left a heartbeat unanswered past the lease's margin (I/O thread).
+
+        Its answers do not reach us (a one-way partition, or it is stalled): whatever we hold there may lapse
+        without our hearing, so our transfers to it fail and our pool there is dropped. It is told over the
+        way that may still work, before its socket closes: a Cancel per transfer (our writes may still land, so
+        it quarantines what it cannot fence) and the pool back, so it sees the partition when we do.
+        """
+        margin = lease_margin(self.config.lease_s, self.config.heartbeat_s)
+        with self.cond:
+            deaf = [
+                (
+                    peer,
+                    waited,
+                    [x.transfer_id for x in self._transfers.values() if x.peer is peer and not x.settled],
+                    peer.pool,
+                )
+                for peer in self.handshake.peers.values()
+                if (waited := peer.beats.overdue(now, margin))
+            ]
+        for peer, waited, transfer_ids, pool in deaf:
+            why = (
+                f"receiver {peer.address} answered no heartbeat for {waited:.3g}s (lease_s={self.config.lease_s:.3g}s):"
+                " its messages do not reach us (a one-way partition?) or it is stalled"
+            )
+            self.counters["peers_deaf"] += 1
+            for transfer_id in transfer_ids:
+                self._send(peer, Cancel(transfer_id, why, writes_may_land=True))
+            if pool is not None:
+                self._send(peer, ReturnPool(pool.generation))
+            self._on_lost(peer, why)
