@@ -95,6 +95,19 @@ class Counts:
             window[2] = time.monotonic()
 
 
+CLEAN_FAILURES = ("HTTP 503", "error event")
+"""How a request may fail while a fault is in effect: the router found no worker that could serve it (503 with
+Retry-After), or the answer had begun and ends with an error event (``one_request`` names each so)."""
+
+
+def failures_by_status(counts: Counts) -> dict[str, int]:
+    """Failed requests by HTTP status (``"503"``), or ``"error event"`` for a stream that ended with one."""
+    out: collections.Counter[str] = collections.Counter()
+    for what, n in counts.failures.items():
+        out[what.removeprefix("HTTP ")] += n
+    return dict(out.most_common())
+
+
 def problems(counts: Counts) -> list[str]:
     """What makes a soak fail; empty when it passed."""
     out = [
@@ -115,9 +128,10 @@ def problems(counts: Counts) -> list[str]:
     if not counts.transferred_tokens:
         out.append("no prompt's KV was transferred")
     out += [
-        f"{n} requests failed with {what}: an internal error where the client should be told to retry (503)"
+        f"{n} requests failed with {what}: a client can act only on a 503 (retry after Retry-After) or, once tokens "
+        "were sent, an error event"
         for what, n in counts.failures.items()
-        if what.startswith("HTTP 500")
+        if what not in CLEAN_FAILURES
     ]
     if counts.proc_leaks:
         out.append(f"left behind (/proc): {counts.proc_leaks}")
@@ -150,7 +164,7 @@ def summary(counts: Counts) -> dict[str, Any]:
             "fallbacks_after_fault": dict(sorted(counts.fallbacks_after_fault.items())),
             "fallbacks_without_fault": dict(sorted(counts.fallbacks_without_fault.items())),
         },
-        "failures_by_kind": dict(counts.failures.most_common()),
+        "failures_by_status": failures_by_status(counts),
         "longest_wait_s": counts.longest_wait_s,
         "longest_decode_restart_s": counts.restart_s,
         "router_marks": {kind: dict(marks) for kind, marks in sorted(counts.router_marks.items())},
