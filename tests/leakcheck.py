@@ -1,15 +1,18 @@
-"""Every test closes what it opened: a test that leaves a thread or a file descriptor behind fails.
+"""Every test closes what it opened: a test file that leaves a thread or a file descriptor behind fails.
 
 The suite runs in one process for 10 minutes; what one test leaves running (a channel's I/O threads, a socket,
 a pipe) is still there for every test after it, and a worker that reconnects to many peers would leak the same
-way. So after each test's teardown this plugin compares the process's threads and fds with what it had before
-the test's setup. What a wider-scoped fixture (module, session) opens belongs to that fixture while it lives and
-must be gone once it is finalized: it counts against the test in whose teardown that happened.
+way. So once a test module is over (its last test torn down, its module-scoped fixtures finalized) this plugin
+compares the process's threads and fds with what it had before the module's first test, and fails that last
+teardown if anything is left, naming the test after which each leftover was first seen. Checked per module,
+not per test, because a module-scoped fixture's objects may open connections lazily during any of its tests
+(a channel's link to its peer) and close them only when the fixture is finalized. What a session-scoped
+fixture opened belongs to it while it lives.
 
 A thread may need a moment to end after the close that stopped it, and what only unreachable objects still
 hold goes with the next garbage collection: leftovers are collected, then waited for up to ``SETTLE_S``, before
-they count. ``PDKV_LEAKCHECK=report:PATH`` writes what each test left to PATH instead of
-failing it (to survey a tree); ``PDKV_LEAKCHECK=off`` turns the check off.
+they count. ``PDKV_LEAKCHECK=report:PATH`` appends what each module left to PATH instead of failing (to survey a
+tree); ``PDKV_LEAKCHECK=off`` turns the check off.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 import pytest
 import zmq
 
-SETTLE_S = 3.0
+SETTLE_S = 5.0
 # Threads that live as long as the process by design, started on first use by libraries, not by a test.
 PROCESS_THREADS = (
     "pdkv-redis-sweep",  # pdkv.tier.redis_pool: one per process, sweeps every pool
@@ -52,62 +55,73 @@ def _snapshot() -> set[Resource]:
 class LeakCheck:
     def __init__(self, mode: str) -> None:
         self.report_path = mode.removeprefix("report:") if mode.startswith("report:") else ""
-        self.owned: dict[Any, set[Resource]] = {}  # live wider-scoped fixture -> what its setup opened
-        self.released: set[Resource] = set()  # what fixtures finalized during the current test owned
-        self.before: set[Resource] = set()
+        self.session_owned: dict[Any, set[Resource]] = {}  # live session/package fixture -> what its setup opened
+        self.module_start: set[Resource] | None = None
+        self.first_seen: dict[Resource, str] = {}  # a resource new in this module -> the test after which it was
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Any:
-        if fixturedef.scope == "function":
+        if fixturedef.scope not in ("session", "package"):
             return (yield)
         before = _snapshot()
         try:
             return (yield)
         finally:
-            self.owned[fixturedef] = self.owned.get(fixturedef, set()) | (_snapshot() - before)
+            self.session_owned[fixturedef] = self.session_owned.get(fixturedef, set()) | (_snapshot() - before)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_post_finalizer(self, fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest) -> Any:
         try:
             return (yield)
         finally:
-            self.released |= self.owned.pop(fixturedef, set())
+            self.session_owned.pop(fixturedef, None)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
-        self.before = _snapshot()
-        self.released = set()
+        if self.module_start is None:  # the module's first test: before its module fixtures are set up
+            self.module_start = _snapshot()
+            self.first_seen = {}
         return (yield)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
         result = yield
+        for res in self._left():
+            self.first_seen.setdefault(res, item.nodeid)
+        if nextitem is None or nextitem.path != item.path:  # the module is over, its fixtures finalized
+            self._end_of_module(item)
+        return result
+
+    def _left(self) -> set[Resource]:
+        assert self.module_start is not None
+        owned = set().union(*self.session_owned.values()) if self.session_owned else set()
+        return _snapshot() - self.module_start - owned
+
+    def _end_of_module(self, item: pytest.Item) -> None:
         left = self._left()
-        if left:  # what only garbage still holds (a closed channel in a reference cycle) is not a leak
+        if left:
             gc.collect()
             left = self._left()
         deadline = time.monotonic() + SETTLE_S
         while left and time.monotonic() < deadline:
             time.sleep(0.05)
             left = self._left()
-        if left:
-            self._found(item, left)
-        return result
-
-    def _left(self) -> set[Resource]:
-        now = _snapshot()
-        live = set().union(*self.owned.values()) if self.owned else set()
-        return (now - self.before - live) | (now & self.released)
-
-    def _found(self, item: pytest.Item, left: set[Resource]) -> None:
-        lines = sorted(f"{kind} {what}" for kind, what in left)
+        self.module_start = None
+        if not left:
+            return
+        by_test: dict[str, list[str]] = {}
+        for res in sorted(left):
+            by_test.setdefault(self.first_seen.get(res, item.nodeid), []).append(" ".join(res))
         if self.report_path:
             with open(self.report_path, "a") as out:
-                out.write(f"{item.nodeid}\t{len(lines)}\t{' | '.join(lines)}\n")
+                for nodeid, what in by_test.items():
+                    out.write(f"{nodeid}\t{len(what)}\t{' | '.join(what)}\n")
             return
+        lines = [f"{nodeid}: {', '.join(what)}" for nodeid, what in by_test.items()]
         pytest.fail(
-            f"{item.nodeid} left {len(lines)} thread(s)/fd(s) behind after its teardown (close every channel, "
-            "sender, receiver and worker a test opens; tests/leakcheck.py):\n  " + "\n  ".join(lines),
+            f"{item.path.name} left {len(left)} thread(s)/fd(s) behind once its tests and fixtures were done (close "
+            "every channel, sender, receiver and worker a test opens; tests/leakcheck.py), first seen after:\n  "
+            + "\n  ".join(lines),
             pytrace=False,
         )
 

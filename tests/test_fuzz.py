@@ -290,6 +290,8 @@ def test_hostile_control_messages_never_break_a_live_receiver(make_pair: MakePai
         def attack(messages: list[bytes]) -> None:
             for data in messages:
                 dealer.send(data)
+            # and one Reserve that fits, whatever was drawn: the hostile ones above must not be all that is tested
+            dealer.send(protocol.encode(protocol.Reserve(f"fits-{uuid.uuid4().hex[:8]}", 1 + 7 * len(messages))))
             dealer.sync()
             assert receiver.loop.thread.is_alive(), "the receiver loop died"
             stats = receiver.stats()
