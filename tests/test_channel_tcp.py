@@ -9,6 +9,7 @@ instead of hanging it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
@@ -356,7 +357,8 @@ class FakePeer:
         )
         self.name = name
         self.conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
 
     def _accept(self) -> None:
         while True:
@@ -365,7 +367,8 @@ class FakePeer:
             except OSError:
                 return
             self.conns.append(sock)
-            threading.Thread(target=self._swallow, args=(sock,), daemon=True).start()
+            self.threads.append(threading.Thread(target=self._swallow, args=(sock,), daemon=True))
+            self.threads[-1].start()
 
     def _swallow(self, sock: socket.socket) -> None:
         try:
@@ -382,9 +385,16 @@ class FakePeer:
             pass
 
     def close(self) -> None:
+        """Stop accepting and hang up, then wait for every thread (a close alone wakes no blocked accept)."""
+        with contextlib.suppress(OSError):
+            self.server.shutdown(socket.SHUT_RDWR)
         self.server.close()
         for s in self.conns:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
             s.close()
+        for t in self.threads:
+            t.join(5)
 
 
 def test_hung_peer_fails_the_handle_after_io_timeout_and_the_next_write_reconnects() -> None:
