@@ -268,6 +268,11 @@ class CacheTier(abc.ABC):
     def stats(self) -> dict[str, TierStats]:
         """A snapshot of each level's counters, by level name."""
 
+    def ping(self) -> bool:
+        """Whether the level's store answers now; called once at start, where a failure is logged (and served as
+        misses), never raised. A local level always answers."""
+        return True
+
     def close(self) -> None:  # noqa: B027 - optional: a tier that holds nothing has nothing to release
         """Release files, connections and threads."""
 
