@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve beyond loopback with no secret (workers) or admin token (router): a trusted network only",
     )
     launch.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the validated config and the cache tier levels it builds (secrets redacted) as JSON, and exit",
+    )
+    launch.add_argument(
         "--ready-timeout",
         type=float,
         default=600.0,

@@ -320,6 +320,23 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     # against the class's own `Options` at start (pdkv/tier/README.md, "Your own backend").
     levels: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
+    def describe_levels(self) -> list[dict[str, Any]]:
+        """The levels ``pdkv.tier.build_tier`` builds from this section, in read order, secrets redacted: what
+        ``pdkv launch --print-config`` and a worker's ``/pdkv/info`` show."""
+        if not self.enabled:
+            return []
+        built_in = [
+            ("memory", "pdkv.tier.memory:MemoryTier", self.memory_bytes, ("memory_bytes", "memory_policy")),
+            ("disk", "pdkv.tier.disk:DiskTier", self.disk_path, ("disk_path", "disk_bytes", "disk_policy")),
+            ("redis", "pdkv.tier.remote:RedisTier", self.redis_url, ("redis_namespace", "redis_ttl_s", "redis_secret")),
+        ]
+        levels = [
+            {"name": name, "backend": backend, "options": {f: shown(f, getattr(self, f)) for f in fields}}
+            for name, backend, on, fields in built_in
+            if on
+        ]
+        return levels + [spec.describe() for spec in self.level_specs()]
+
     def level_specs(self) -> list[LevelSpec]:
         """Each entry of ``levels`` resolved: its class found and its options checked (``ConfigError`` naming the
         field otherwise)."""
@@ -456,11 +473,12 @@ _PATH = re.compile(r"at `\$((?:\.\w+|\[\d+\])*)`")
 _SECRET_FIELDS = frozenset({"secret", "api_key", "admin_token", "tenant_salt_secret"})
 
 
-def _redacted(node: Any) -> Any:
+def redacted(node: Any) -> Any:
+    """A raw config mapping with every secret's value replaced: what error messages and ``--print-config`` show."""
     if isinstance(node, dict):
-        return {k: "<redacted>" if k in _SECRET_FIELDS else _redacted(v) for k, v in node.items()}
+        return {k: "<redacted>" if k in _SECRET_FIELDS else shown(k, redacted(v)) for k, v in node.items()}
     if isinstance(node, list):
-        return [_redacted(v) for v in node]
+        return [redacted(v) for v in node]
     return node
 
 
@@ -475,7 +493,7 @@ def _lookup(raw: Any, path: str) -> Any:
             node = node[key]
         except (KeyError, IndexError, TypeError):
             return "<missing>"
-    return _redacted(node)
+    return redacted(node)
 
 
 def convert_config(raw: dict[str, Any], source: str = "config") -> PdkvConfig:

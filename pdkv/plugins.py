@@ -24,12 +24,12 @@ import msgspec
 from pdkv.errors import ConfigError
 
 _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
-_HIDDEN = ("secret", "password", "token")  # an option whose name holds one of these is never echoed
+_HIDDEN = frozenset({"secret", "password", "token", "key"})  # an option with one of these words is never echoed
 
 
 def shown(name: str, value: Any) -> Any:
     """``value`` as an error message or ``--print-config`` may repeat it: redacted when ``name`` looks secret."""
-    return "<redacted>" if value and any(word in name.lower() for word in _HIDDEN) else value
+    return "<redacted>" if value and _HIDDEN & set(name.lower().split("_")) else value
 
 
 def load_class(spec: str, group: str, builtins: dict[str, str], field: str) -> type:

@@ -89,7 +89,8 @@ class LocalS3:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = 3.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` (weed's graceful shutdown can take 10 s; its data is throwaway)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
