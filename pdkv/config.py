@@ -527,7 +527,8 @@ def convert_config(raw: dict[str, Any], source: str = "config") -> PdkvConfig:
             "router.tenant_salt_secret or the top-level secret"
         )
     try:
-        config.tier.level_specs()  # each level's backend found and its options checked, naming the field otherwise
+        if config.role != "router":  # a router builds no tier, and must not import a backend (torch) to read this
+            config.tier.level_specs()  # each level's backend found and its options checked, naming the field
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     if "secret" in config.channel.options:  # one secret for both planes; ``channel_options`` hands it to the channel
