@@ -49,9 +49,7 @@ def s3() -> Iterator[LocalS3]:
 
 
 def options(server: LocalS3, bucket: str = BUCKET, **extra: Any) -> S3Options:
-    raw = server.options(bucket, **extra)
-    del raw["backend"]
-    return S3Options(**raw)
+    return S3Options(**server.level_options(bucket, **extra))
 
 
 def test_s3_keeps_the_contract(s3: LocalS3) -> None:

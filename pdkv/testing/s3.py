@@ -59,8 +59,11 @@ class LocalS3:
 
     def options(self, bucket: str, **extra: Any) -> dict[str, Any]:
         """A ``tier.levels`` entry for this server's ``bucket`` (``backend: s3``), ``extra`` options on top."""
+        return {"backend": "s3", **self.level_options(bucket, **extra)}
+
+    def level_options(self, bucket: str, **extra: Any) -> dict[str, Any]:
+        """The S3 level's options for this server's ``bucket`` (``pdkv.tier.s3.S3Options(**...)``)."""
         return {
-            "backend": "s3",
             "bucket": bucket,
             "endpoint_url": self.endpoint_url,
             "access_key_id": ACCESS_KEY,
