@@ -102,6 +102,7 @@ PROMPT_TOKENS = 2048
 CHUNK = 256
 REPEATS = 3
 TARGET_RATIO = 0.2
+S3_TARGET_RATIO = 0.25  # an object store's hit: issue 40's bound, looser than the in-memory servers'
 
 TRACE_ENV = "PDKV_MOONCAKE_TRACE"
 TRACE_FILE = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace.jsonl.xz"
@@ -341,7 +342,7 @@ def prompt_ttft(
                 "ratio": round(seconds / base, 4),
             }
         )
-    cached = [r["ratio"] for r in rows if r["loaded_tokens"] and r["case"] != "same tenant"]
+    cached = [r["ratio"] for r in rows if r["loaded_tokens"] and r["case"] not in ("same tenant", "s3")]
     by_case = {r["case"]: r for r in rows}
     report: Report = {
         "model": f"{engine.model_name} (--model {model}), {engine.layout.dtype}",
@@ -354,6 +355,10 @@ def prompt_ttft(
         "cold_ttft_s": round(base, 4),
         "results": rows,
         "target": {"cached_ratio_max": TARGET_RATIO, "met": bool(cached) and max(cached) <= TARGET_RATIO},
+        "s3_target": {
+            "ratio_max": S3_TARGET_RATIO,
+            "met": "s3" in by_case and by_case["s3"]["loaded_tokens"] > 0 and by_case["s3"]["ratio"] <= S3_TARGET_RATIO,
+        },
         "tenants": {
             "other_tenant_over_cold": round(by_case["other tenant"]["ttft_s"] / by_case["cold"]["ttft_s"], 4),
             "same_tenant_over_memory": round(by_case["same tenant"]["ttft_s"] / by_case["memory"]["ttft_s"], 4),

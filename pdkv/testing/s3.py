@@ -83,7 +83,7 @@ class LocalS3:
             region_name="us-east-1",
             aws_access_key_id=ACCESS_KEY,
             aws_secret_access_key=SECRET_KEY,
-            config=Config(connect_timeout=1, read_timeout=10, retries={"max_attempts": 1}),
+            config=Config(connect_timeout=1, read_timeout=10, retries={"total_max_attempts": 1, "mode": "standard"}),
         )
 
     def kill(self) -> None:

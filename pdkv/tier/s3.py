@@ -102,7 +102,7 @@ class S3Tier(SharedStoreTier):
             config=Config(
                 connect_timeout=options.connect_timeout_s,
                 read_timeout=options.timeout_s,
-                retries={"max_attempts": 1, "mode": "standard"},  # a failure is skipped for retry_s, not retried
+                retries={"total_max_attempts": 1, "mode": "standard"},  # no retry: a failure is skipped for retry_s
                 max_pool_connections=options.max_concurrency,
             ),
         )
