@@ -1,7 +1,7 @@
-"""The shared prefix-keyed KV cache: memory (L1), local disk (L2), Redis/Valkey (remote).
+"""The shared prefix-keyed KV cache: memory (L1), local disk (L2), Redis/Valkey and S3 (remote), and any other.
 
-``CacheTier`` (``base``) is the one interface; ``MemoryTier``, ``DiskTier``
-and ``RedisTier`` are the levels; ``TieredCache`` composes them (reads go
+``CacheTier`` (``base``) is the one interface; ``MemoryTier``, ``DiskTier``,
+``RedisTier`` and ``S3Tier`` (``s3``, named in ``tier.levels``) are the levels; ``TieredCache`` composes them (reads go
 down and promote up, writes go behind). ``build_tier`` makes what a
 ``TierConfig`` asks for, ``open_level`` one ``tier.levels`` entry (any class that
 keeps the contract of README.md, "Your own backend").
