@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ class LocalS3:
     port: int
     data_dir: Path
     host: str = "127.0.0.1"
+    ports: list[int] = field(default_factory=list)  # every port it listens on
 
     @property
     def endpoint_url(self) -> str:
@@ -93,13 +94,17 @@ class LocalS3:
             self.proc.wait(10)
 
     def stop(self, timeout: float = 3.0) -> None:
-        """SIGTERM, then SIGKILL after ``timeout`` (weed's graceful shutdown can take 10 s; its data is throwaway)."""
+        """SIGTERM, then SIGKILL after ``timeout`` (weed's graceful shutdown can take 10 s; its data is throwaway);
+        then remove the unix sockets weed made in /tmp (always there, whatever $TMPDIR says)."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
+        for port in self.ports:
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
 
 
 def _ready(server: LocalS3, deadline: float) -> bool:
@@ -146,15 +151,11 @@ def local_s3(timeout: float = 60.0, host: str = "127.0.0.1") -> Iterator[LocalS3
             ports = {flag: free_port(host) for flag in _PORT_FLAGS}
             args = [binary, "server", f"-ip={host}", f"-ip.bind={host}", f"-dir={data}", "-filer", "-s3"]
             args += [f"-{flag}={port}" for flag, port in ports.items()]
-            args += [
-                "-s3.port.iceberg=0",
-                "-s3.port.lance=0",
-                f"-s3.config={identities}",
-                f"-s3.localSocket={data}/s3.sock",
-            ]
+            args += ["-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={identities}"]
             with open(data / "weed.log", "ab") as log:
-                proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=data)
-            candidate = LocalS3(proc, ports["s3.port"], data, host)
+                env = {**os.environ, "TMPDIR": str(data)}  # its logs go there too
+                proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=data, env=env)
+            candidate = LocalS3(proc, ports["s3.port"], data, host, list(ports.values()))
             if _ready(candidate, time.monotonic() + timeout):
                 server = candidate
                 break
