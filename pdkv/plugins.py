@@ -27,9 +27,15 @@ _SPEC = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 _HIDDEN = frozenset({"secret", "password", "token", "key"})  # an option with one of these words is never echoed
 
 
+_URL_PASSWORD = re.compile(r"(://[^/@:\s]*:)[^/@\s]+@")  # the password of a URL's user part
+
+
 def shown(name: str, value: Any) -> Any:
-    """``value`` as an error message or ``--print-config`` may repeat it: redacted when ``name`` looks secret."""
-    return "<redacted>" if value and _HIDDEN & set(name.lower().split("_")) else value
+    """``value`` as an error message or ``--print-config`` may repeat it: redacted when ``name`` looks secret, and a
+    URL's password (``redis://user:PASSWORD@host``) always."""
+    if value and _HIDDEN & set(name.lower().split("_")):
+        return "<redacted>"
+    return _URL_PASSWORD.sub(r"\1<redacted>@", value) if isinstance(value, str) else value
 
 
 def load_class(spec: str, group: str, builtins: dict[str, str], field: str) -> type:

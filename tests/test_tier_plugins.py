@@ -141,7 +141,13 @@ def test_an_entry_point_names_it_too_and_print_config_shows_the_levels(plugin_di
     config = tmp_path / "p.yaml"
     config.write_text(
         yaml.safe_dump(
-            {"tier": {"disk_path": str(tmp_path / "d"), "levels": [level("dirstore", tmp_path / "s", secret="s3cr3t")]}}
+            {
+                "tier": {
+                    "disk_path": str(tmp_path / "d"),
+                    "redis_url": "redis://pdkv:hunter2@127.0.0.1:1/0",
+                    "levels": [level("dirstore", tmp_path / "s", secret="s3cr3t")],
+                }
+            }
         )
     )
     out = subprocess.run(
@@ -156,10 +162,12 @@ def test_an_entry_point_names_it_too_and_print_config_shows_the_levels(plugin_di
     assert [(lv["name"], lv["backend"]) for lv in printed["tier_levels"]] == [
         ("memory", "pdkv.tier.memory:MemoryTier"),
         ("disk", "pdkv.tier.disk:DiskTier"),
+        ("redis", "pdkv.tier.remote:RedisTier"),
         ("dirstore", "my_kv_store:DirStore"),
     ]
-    assert printed["tier_levels"][2]["options"] == {"path": str(tmp_path / "s"), "secret": "<redacted>"}
-    assert "s3cr3t" not in out
+    assert printed["tier_levels"][3]["options"] == {"path": str(tmp_path / "s"), "secret": "<redacted>"}
+    assert printed["config"]["tier"]["redis_url"] == "redis://pdkv:<redacted>@127.0.0.1:1/0"
+    assert "s3cr3t" not in out and "hunter2" not in out
 
 
 def test_a_prefill_worker_is_served_by_it_through_the_config_alone(
