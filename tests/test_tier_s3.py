@@ -67,13 +67,13 @@ def test_s3_keeps_the_contract(s3: LocalS3) -> None:
         assert tier.ping()  # creates the bucket on first use
         return tier
 
-    dead = LocalS3(s3.proc, free_port(), s3.data_dir)  # nobody listens on its port
+    dead = f"http://127.0.0.1:{free_port()}"  # nobody listens on it
     harness = Harness(
         open=open_tier,
         raw=Raw(
             read=read, write=lambda key, value: client.put_object(Bucket=BUCKET, Key=prefix + key.hex(), Body=value)
         ),
-        dead=lambda layout: S3Tier(layout, options(dead, timeout_s=0.5, connect_timeout_s=0.5)),
+        dead=lambda layout: S3Tier(layout, options(s3, endpoint_url=dead, timeout_s=0.5, connect_timeout_s=0.5)),
         shared=True,
         seals=True,
     )
