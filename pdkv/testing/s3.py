@@ -93,7 +93,7 @@ class LocalS3:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
 
-    def stop(self, timeout: float = 3.0) -> None:
+    def stop(self, timeout: float = 1.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout`` (weed's graceful shutdown can take 10 s; its data is throwaway);
         then remove the unix sockets weed made in /tmp (always there, whatever $TMPDIR says)."""
         if self.proc.poll() is None:
