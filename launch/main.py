@@ -17,9 +17,10 @@ import os
 import signal
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
-from pdkv.config import PdkvConfig, load_config
+from pdkv.config import PdkvConfig, load_config, redacted
 from pdkv.errors import ConfigError
 from pdkv.http.web import runner
 
@@ -161,8 +162,16 @@ async def serve_app(app: web.Application, config: PdkvConfig, info: dict[str, An
     await app_runner.cleanup()
 
 
+def printed_config(config: PdkvConfig) -> dict[str, Any]:
+    """``--print-config``: the config as validated, secrets redacted, and the tier levels a worker builds from it."""
+    return {"config": redacted(msgspec.to_builtins(config)), "tier_levels": config.tier.describe_levels()}
+
+
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
+    if args.print_config:
+        print(json.dumps(printed_config(config), indent=2))
+        return 0
     check_exposure(config)
     if config.engine == "vllm" and config.role != "router":
         from pdkv.launch.vllm import run_vllm

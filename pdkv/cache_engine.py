@@ -84,7 +84,7 @@ class KVCacheEngine:
             if built is None:
                 raise ConfigError(
                     "KVCacheEngine tier_config enables no cache level: set enabled: true and memory_bytes > 0, a "
-                    "disk_path or a redis_url"
+                    "disk_path, a redis_url or levels"
                 )
             levels = built
         self.tier: TieredCache = (

@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve beyond loopback with no secret (workers) or admin token (router): a trusted network only",
     )
     launch.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the validated config and the cache tier levels it builds (secrets redacted) as JSON, and exit",
+    )
+    launch.add_argument(
         "--ready-timeout",
         type=float,
         default=600.0,
@@ -218,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tt.add_argument("--json", action="store_true")
     tt.set_defaults(target="pdkv.bench.ttft:run")
+    ti = bsub.add_parser("tier", help="GB/s of each cache level's batched put and get, against memcpy")
+    ti.add_argument("--levels", default="memory,disk,redis,s3", help="which levels (default memory,disk,redis,s3)")
+    ti.add_argument("--chunks", type=int, default=16, help="chunks of 256 tokens of the default model (11.8 MB each)")
+    ti.add_argument("--repeats", type=int, default=3, help="rounds, each level fresh (default 3)")
+    ti.add_argument("--json", action="store_true")
+    ti.set_defaults(target="pdkv.bench.tier:run")
     pd = bsub.add_parser(
         "pd", help="TTFT of a long prompt, prefill and decode on two hosts (--link), against one worker doing it all"
     )

@@ -7,6 +7,7 @@ so a bad config fails at start instead of deep inside a transfer.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import ipaddress
 import os
@@ -23,6 +24,7 @@ from pdkv.codec import CODEC_NAME_PATTERN, codec_class
 from pdkv.errors import ConfigError
 from pdkv.keys import DEFAULT_CHUNK_SIZE
 from pdkv.netaddr import is_wildcard
+from pdkv.plugins import class_path, convert_options, load_class, shown
 
 Positive = Annotated[int, Meta(ge=1)]
 Seconds = Annotated[float, Meta(gt=0)]
@@ -330,6 +332,77 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     write_behind_bytes: Positive = 256 << 20  # queued for the lower levels; beyond it writes are dropped
     flush_timeout_s: Seconds = 10.0  # at shutdown, how long queued writes may take
     load_batch_chunks: Positive = 4  # chunks read per batch when loading a prefix (staging memory)
+    # More levels, read after memory, disk and redis, in this order: each {backend: NAME, name: LABEL, ...options},
+    # NAME being "module:Class", a `pdkv.tier_backends` entry point or a built-in ("s3"); the options are checked
+    # against the class's own `Options` at start (pdkv/tier/README.md, "Your own backend").
+    levels: list[dict[str, Any]] = msgspec.field(default_factory=list)
+
+    def describe_levels(self) -> list[dict[str, Any]]:
+        """The levels ``pdkv.tier.build_tier`` builds from this section, in read order, secrets redacted: what
+        ``pdkv launch --print-config`` and a worker's ``/pdkv/info`` show."""
+        if not self.enabled:
+            return []
+        built_in = [
+            ("memory", "pdkv.tier.memory:MemoryTier", self.memory_bytes, ("memory_bytes", "memory_policy")),
+            ("disk", "pdkv.tier.disk:DiskTier", self.disk_path, ("disk_path", "disk_bytes", "disk_policy")),
+            ("redis", "pdkv.tier.remote:RedisTier", self.redis_url, ("redis_namespace", "redis_ttl_s", "redis_secret")),
+        ]
+        levels = [
+            {"name": name, "backend": backend, "options": {f: shown(f, getattr(self, f)) for f in fields}}
+            for name, backend, on, fields in built_in
+            if on
+        ]
+        return levels + [spec.describe() for spec in self.level_specs()]
+
+    def level_specs(self) -> list[LevelSpec]:
+        """Each entry of ``levels`` resolved: its class found and its options checked (``ConfigError`` naming the
+        field otherwise)."""
+        specs = []
+        taken = {"memory", "disk", "redis"}
+        for i, entry in enumerate(self.levels):
+            field = f"tier.levels[{i}]"
+            raw = dict(entry)
+            backend, name = raw.pop("backend", None), raw.pop("name", None)
+            if not isinstance(backend, str) or not backend:
+                raise ConfigError(
+                    f"field '{field}.backend' = {backend!r}: expected 'module:Class', an installed "
+                    f"{TIER_BACKENDS_GROUP} entry point or one of {sorted(BUILTIN_TIER_BACKENDS)}"
+                )
+            cls = load_class(backend, TIER_BACKENDS_GROUP, BUILTIN_TIER_BACKENDS, f"{field}.backend")
+            options = convert_options(cls, raw, field)
+            name = name if name is not None else getattr(cls, "default_name", cls.__name__.lower())
+            if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name) or name in taken:
+                raise ConfigError(
+                    f"field '{field}.name' = {name!r}: expected a label of letters, digits, '_', '.', '-' that no "
+                    f"other level has (taken: {sorted(taken)})"
+                )
+            taken.add(name)
+            specs.append(LevelSpec(name, backend, cls, options, field))
+        return specs
+
+
+TIER_BACKENDS_GROUP = "pdkv.tier_backends"
+BUILTIN_TIER_BACKENDS = {"s3": "pdkv.tier.s3:S3Tier"}  # shipped with pdkv; found without an entry point
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelSpec:
+    """One ``tier.levels`` entry, resolved: what ``pdkv.tier.build_tier`` opens as ``cls(layout, options, name)``."""
+
+    name: str
+    backend: str  # as the config gave it
+    cls: type
+    options: Any  # an instance of cls.Options
+    field: str  # tier.levels[i]
+
+    def describe(self) -> dict[str, Any]:
+        """What ``pdkv launch --print-config`` and ``/pdkv/info`` show of it (secrets redacted)."""
+        options = msgspec.to_builtins(self.options)
+        return {
+            "name": self.name,
+            "backend": class_path(self.cls),
+            "options": {k: shown(k, v) for k, v in options.items()},
+        }
 
 
 class HttpConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -417,11 +490,12 @@ _PATH = re.compile(r"at `\$((?:\.\w+|\[\d+\])*)`")
 _SECRET_FIELDS = frozenset({"secret", "api_key", "admin_token", "tenant_salt_secret"})
 
 
-def _redacted(node: Any) -> Any:
+def redacted(node: Any) -> Any:
+    """A raw config mapping with every secret's value replaced: what error messages and ``--print-config`` show."""
     if isinstance(node, dict):
-        return {k: "<redacted>" if k in _SECRET_FIELDS else _redacted(v) for k, v in node.items()}
+        return {k: "<redacted>" if k in _SECRET_FIELDS else shown(k, redacted(v)) for k, v in node.items()}
     if isinstance(node, list):
-        return [_redacted(v) for v in node]
+        return [redacted(v) for v in node]
     return node
 
 
@@ -436,7 +510,7 @@ def _lookup(raw: Any, path: str) -> Any:
             node = node[key]
         except (KeyError, IndexError, TypeError):
             return "<missing>"
-    return _redacted(node)
+    return redacted(node)
 
 
 def convert_config(raw: dict[str, Any], source: str = "config") -> PdkvConfig:
@@ -469,6 +543,11 @@ def convert_config(raw: dict[str, Any], source: str = "config") -> PdkvConfig:
             f"{source}: field 'router.tenants' needs a secret to derive each tenant's cache salt from: set "
             "router.tenant_salt_secret or the top-level secret"
         )
+    try:
+        if config.role != "router":  # a router builds no tier, and must not import a backend (torch) to read this
+            config.tier.level_specs()  # each level's backend found and its options checked, naming the field
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     if "secret" in config.channel.options:  # one secret for both planes; ``channel_options`` hands it to the channel
         raise ConfigError(
             f"{source}: field 'channel.options.secret' is not an option: set the top-level `secret`, which guards the "

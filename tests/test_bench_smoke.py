@@ -38,6 +38,7 @@ BENCHES: dict[str, list[str]] = {
         "1",
     ],
     "router": ["--requests", "20", "--concurrency", "4"],
+    "tier": ["--chunks", "2", "--repeats", "1"],
     "transfer": ["--channel", "tcp", "--scenarios", "40x2", "--repeats", "1", "--device", "cpu,emulated", "--tls"],
     "checksum": ["--repeats", "2"],
     "pd": ["--model", TINY_MODEL, "--tokens", "64", "--repeats", "1", "--disaggregate", "always,never,auto"],
@@ -126,6 +127,9 @@ def test_bench_prints_its_ratio_against_a_same_run_baseline_and_draws_it(
         by_case = {r["case"]: r for r in rows}
         assert by_case["other tenant"]["loaded_tokens"] == 0 == report["tenants"]["other_tenant_loaded_tokens"]
         assert by_case["same tenant"]["loaded_tokens"] == by_case["memory"]["loaded_tokens"] > 0
+        assert by_case["s3"]["loaded_tokens"] == by_case["redis"]["loaded_tokens"] == by_case["memory"]["loaded_tokens"]
+    if name == "tier":
+        assert [r["level"] for r in rows] == ["memory", "disk", "redis", "s3"]
 
 
 def _assert_cpu_beside_the_fastest_baseline(row: dict[str, object]) -> None:

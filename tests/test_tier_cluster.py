@@ -20,9 +20,11 @@ import torch
 
 from pdkv.errors import ConfigError
 from pdkv.layout import KVLayout
+from pdkv.netaddr import free_port
 from pdkv.testing import redis_cluster
 from pdkv.testing.redis import server_binary
 from pdkv.testing.redis_cluster import LocalCluster, local_redis_cluster
+from pdkv.testing.tier_conformance import RULES, Harness, Raw, run_conformance
 from pdkv.tier import RedisTier
 from pdkv.tier.redis_backend import parse_cluster_url
 
@@ -76,6 +78,34 @@ def test_cluster_urls_name_seed_nodes_and_bad_ones_fail_at_start() -> None:
     for bad in ("redis+cluster://a", "redis+cluster://a:1/3", "redis+cluster://a:99999", "redis+cluster://a:1?x=1"):
         with pytest.raises(ConfigError, match="redis\\+cluster://HOST:PORT"):
             tier(bad)
+
+
+def test_the_cluster_level_keeps_the_contract(cluster: LocalCluster) -> None:
+    """The conformance kit (pdkv.testing.tier_conformance) on the cluster, before any primary is killed: values are
+    damaged and planted on whichever primary owns their slot; the dead store is a cluster nobody runs."""
+    namespace = "conformance:"
+
+    def node(key: bytes) -> Any:
+        name = namespace + key.hex()
+        return cluster.client(cluster.primary_of(name).port), name
+
+    def read(key: bytes) -> bytes | None:
+        client, name = node(key)
+        return client.get(name)
+
+    def write(key: bytes, value: bytes) -> None:
+        client, name = node(key)
+        client.set(name, value)
+
+    dead = f"redis+cluster://127.0.0.1:{free_port()}"
+    harness = Harness(
+        open=lambda layout, secret: RedisTier(layout, cluster.url, namespace=namespace, secret=secret),
+        raw=Raw(read=read, write=write),
+        dead=lambda layout: RedisTier(layout, dead, timeout_s=0.5, connect_timeout_s=0.5),
+        shared=True,
+        seals=True,
+    )
+    assert {rule for rule, result in run_conformance(harness).items() if result == "passed"} == set(RULES)
 
 
 def test_on_the_cluster_a_planted_or_swapped_value_is_a_counted_miss_on_whichever_primary_holds_it(

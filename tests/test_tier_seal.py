@@ -69,7 +69,7 @@ def test_a_value_written_under_a_valid_chunk_key_without_the_secret_is_never_loa
     finally:
         attacker.close()
     assert client.exists(sealed._name(ks[1]))
-    with caplog.at_level(logging.WARNING, logger="pdkv.tier.remote"):
+    with caplog.at_level(logging.WARNING, logger="pdkv.tier.store"):
         got, outs = _read(sealed, ks)
     assert got == 1 and torch.equal(outs[0], chunk(0))
     assert torch.isnan(outs[1]).all()  # never KV: not one byte of the planted value reached the buffer
@@ -148,7 +148,7 @@ def test_rejections_are_a_metric_by_reason_and_logged_once_per_key(
     sealed: RedisTier, client: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     ks = keys(1, salt=5)
-    with caplog.at_level(logging.WARNING, logger="pdkv.tier.remote"):
+    with caplog.at_level(logging.WARNING, logger="pdkv.tier.store"):
         for _ in range(3):  # planted again after each deletion
             client.set(sealed._name(ks[0]), encode_value(LAYOUT, ks[0], chunk(40)))
             assert _read(sealed, ks)[0] == 0

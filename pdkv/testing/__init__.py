@@ -2,7 +2,8 @@
 
 Nothing on the serving path imports this package: it starts workers as
 processes (``procs``), talks HTTP to them (``http``), writes tiny random
-models (``model``) and starts private Redis servers and clusters (``redis``,
-``redis_cluster``). Each module imports only what it needs, so the HTTP
-helpers load without torch.
+models (``model``), starts private Redis servers and clusters (``redis``,
+``redis_cluster``) and S3 servers (``s3``), and checks a cache level against
+the backend contract (``tier_conformance``, for anyone writing one). Each
+module imports only what it needs, so the HTTP helpers load without torch.
 """

@@ -268,6 +268,11 @@ class CacheTier(abc.ABC):
     def stats(self) -> dict[str, TierStats]:
         """A snapshot of each level's counters, by level name."""
 
+    def ping(self) -> bool:
+        """Whether the level's store answers now; called once at start, where a failure is logged (and served as
+        misses), never raised. A local level always answers."""
+        return True
+
     def close(self) -> None:  # noqa: B027 - optional: a tier that holds nothing has nothing to release
         """Release files, connections and threads."""
 
@@ -301,7 +306,7 @@ class LeafTier(CacheTier):
                 log.exception("%s tier: a listener failed", self.name)
 
     def get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], parent: bytes | None = None) -> int:
-        self._check(keys, outs, "get buffer")
+        self.check(keys, outs, "get buffer")
         if not keys:
             return 0
         got = self._get(keys, outs)
@@ -315,7 +320,7 @@ class LeafTier(CacheTier):
         return got
 
     def put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Parents = None) -> None:
-        self._check(keys, chunks, "chunk to store")
+        self.check(keys, chunks, "chunk to store")
         if parents is None:
             parents = [None] * len(keys)
         elif (
@@ -358,7 +363,8 @@ class LeafTier(CacheTier):
             for name, delta in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + delta)
 
-    def _check(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor], what: str) -> None:
+    def check(self, keys: Sequence[bytes], tensors: Sequence[torch.Tensor], what: str) -> None:
+        """Raise ``LayoutError`` unless there is one contiguous CPU chunk of this layout per 16-byte key."""
         if len(keys) != len(tensors):
             raise LayoutError(f"{self.name} tier: {len(keys)} keys but {len(tensors)} chunks; pass one chunk per key")
         for key in keys:

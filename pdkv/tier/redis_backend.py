@@ -31,6 +31,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from pdkv.errors import ConfigError
+from pdkv.tier.backoff import Backoff
 from pdkv.tier.redis_pool import Sweeper
 
 log = logging.getLogger(__name__)
@@ -54,44 +55,6 @@ def _redis() -> Any:
     return redis
 
 
-class _Backoff:
-    """When each target (the server, or a cluster node) may be asked again; logs a failure once per window."""
-
-    def __init__(self, url: str, retry_s: float) -> None:
-        self.url = url
-        self.retry_s = retry_s
-        self._until: dict[str, float] = {}
-        self._lock = threading.Lock()
-
-    def down(self, target: str) -> bool:
-        with self._lock:
-            until = self._until.get(target)
-            if until is None:
-                return False
-            if time.monotonic() < until:
-                return True
-            del self._until[target]
-            return False
-
-    def any_down(self) -> bool:
-        with self._lock:
-            return bool(self._until)
-
-    def failed(self, target: str, what: str, exc: BaseException) -> None:
-        with self._lock:
-            first = target not in self._until
-            self._until[target] = time.monotonic() + self.retry_s
-        if first:
-            log.warning(
-                "redis tier %s: %s on %s failed (%s); serving misses and skipping it for %.0fs",
-                self.url,
-                what,
-                target,
-                exc,
-                self.retry_s,
-            )
-
-
 class Single:
     def __init__(self, url: str, timeout_s: float, connect_timeout_s: float, retry_s: float) -> None:
         redis = _redis()
@@ -100,7 +63,7 @@ class Single:
         except ValueError as exc:
             raise ConfigError(f"tier.redis_url {url!r} is not a Redis URL ({exc}); expected {URL_FORMS}") from None
         self._errors = (redis.RedisError, OSError)
-        self._backoff = _Backoff(url, retry_s)
+        self._backoff = Backoff(f"redis tier {url}", retry_s)
         self._sweeper = Sweeper(url, lambda: (self.client.connection_pool,))
 
     def batch(self, what: str, names: Sequence[bytes], build: Build) -> tuple[list[Any], bool]:
@@ -157,7 +120,7 @@ class Cluster:
         self._timeouts = (timeout_s, connect_timeout_s)
         # RedisClusterException (no seed reachable, no slot map) is not a RedisError
         self._errors = (self._redis.RedisError, self._redis.exceptions.RedisClusterException, OSError)
-        self._backoff = _Backoff(url, retry_s)
+        self._backoff = Backoff(f"redis tier {url}", retry_s)
         self._client: Any = None
         self._lock = threading.Lock()
         self._refreshed = 0.0

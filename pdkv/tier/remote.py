@@ -36,25 +36,17 @@ served as usual, and a replica that takes over serves its keys again.
 
 from __future__ import annotations
 
-import collections
-import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from pdkv.layout import KVLayout
-from pdkv.tier.base import LeafTier, encode_value, read_value
 from pdkv.tier.redis_backend import FAILED, Build, connect
-
-log = logging.getLogger(__name__)
-
-_LOGGED_KEYS = 4096  # rejected keys remembered so each is logged once (a poisoned key read again and again logs once)
+from pdkv.tier.store import SharedStoreTier
 
 
-class RedisTier(LeafTier):
-    remote = True
-
+class RedisTier(SharedStoreTier):
     def __init__(
         self,
         layout: KVLayout,
@@ -69,13 +61,11 @@ class RedisTier(LeafTier):
         name: str = "redis",
     ) -> None:
         """``secret``: seal every value written and take only values sealed with it (see the module docstring)."""
-        super().__init__(layout, name)
+        super().__init__(layout, name, secret)
         self._backend = connect(url, timeout_s, connect_timeout_s, retry_s)
         self.url = url
         self._namespace = namespace.encode()
         self._ttl_ms = int(ttl_s * 1000) or None
-        self._secret = secret.encode()
-        self._logged: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
     def ping(self) -> bool:
         """Whether the server (a cluster: its slot map) answers now; a failure is logged and starts the retry window."""
@@ -98,32 +88,14 @@ class RedisTier(LeafTier):
             if value is None:
                 self._changed(removed=(key,))  # not on the server (evicted, expired, never stored): say so
                 return i
-            rejection = read_value(self.layout, key, value, out, self._secret)
-            if rejection is not None:
-                self._rejected(key, rejection.reason, rejection.detail)
+            if not self.accept(key, value, out):
                 return i
         return len(keys)
-
-    def _rejected(self, key: bytes, reason: str, detail: str) -> None:
-        """A value that failed its checks: a miss, counted by reason, logged once per key, deleted."""
-        self._count(errors=1)
-        self._reject(reason)
-        if key not in self._logged:
-            self._logged[key] = None
-            if len(self._logged) > _LOGGED_KEYS:
-                self._logged.popitem(last=False)
-            log.warning(
-                "redis tier: chunk %s refused (%s: %s); deleted, it will be recomputed",
-                self._name(key).decode(),
-                reason,
-                detail,
-            )
-        self.remove([key])
 
     def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Sequence[bytes | None]) -> None:
         """``parents`` are not used: the server evicts by its own ``maxmemory-policy`` (see the module docstring)."""
         names = self._names(keys)
-        values = [encode_value(self.layout, key, chunk, self._secret) for key, chunk in zip(keys, chunks, strict=True)]
+        values = self.encode(keys, chunks)
         done = self._batch("set", names, lambda pipe, i: pipe.set(names[i], values[i], nx=True, px=self._ttl_ms))
         self._count(
             written_bytes=sum(len(v) for v, stored in zip(values, done, strict=True) if stored and stored is not FAILED)
@@ -139,6 +111,9 @@ class RedisTier(LeafTier):
 
     def close(self) -> None:
         self._backend.close()
+
+    def where(self, key: bytes) -> str:
+        return self._name(key).decode()
 
     def _name(self, key: bytes) -> bytes:
         return self._namespace + key.hex().encode()

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from pdkv.errors import ConfigError
-from pdkv.tier.base import CacheTier, Parents, TierStats, leading
+from pdkv.tier.base import CacheTier, LeafTier, Parents, TierStats, leading
 from pdkv.tier.memory import MemoryTier
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ class TieredCache(CacheTier):
             raise ConfigError("a tiered cache needs at least one level (memory, disk or redis)")
         self.levels = list(levels)
         self._sync = self.levels[0] if isinstance(self.levels[0], MemoryTier) else None
+        # checks every call's arguments up front, so a malformed write fails its caller, not the writer thread
+        self._checker = next((level for level in self.levels if isinstance(level, LeafTier)), None)
         self.write_behind_bytes = write_behind_bytes
         self.flush_timeout_s = flush_timeout_s
         self.pending_bytes = 0
@@ -75,6 +77,8 @@ class TieredCache(CacheTier):
         return held
 
     def get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], parent: bytes | None = None) -> int:
+        if self._checker is not None:
+            self._checker.check(keys, outs, "get buffer")
         pos, skip = 0, -1  # ``skip`` already missed at ``pos``: its miss is counted, do not ask it again
         while pos < len(keys):
             for index, level in enumerate(self.levels):
@@ -92,6 +96,8 @@ class TieredCache(CacheTier):
         return pos
 
     def put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Parents = None) -> None:
+        if self._checker is not None:
+            self._checker.check(keys, chunks, "chunk to store")
         below = self.levels
         parents = [None] * len(keys) if parents is None else parents
         if self._sync is not None:

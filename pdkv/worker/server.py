@@ -194,6 +194,7 @@ class Worker:
             "channel": self.channel.name,
             "chunk_size": self.chunk_size,
             "layout": msgspec.to_builtins(self.engine.layout),
+            "tier": self.config.tier.describe_levels() if self.tiering.tier is not None else [],  # levels built
         }
         info.update(self.kv_role.info())
         if self.kv_events is not None:
