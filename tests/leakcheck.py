@@ -9,6 +9,11 @@ not per test, because a module-scoped fixture's objects may open connections laz
 (a channel's link to its peer) and close them only when the fixture is finalized. What a session-scoped
 fixture opened belongs to it while it lives.
 
+One exception, for file descriptors only: UCX (under the nixl and ucx channels) gives some of a closed worker's
+resources back asynchronously, and after a refused or broken endpoint sometimes not at all while the process
+lives (seen: 0 to 20 fds in a module, varying run to run, none in a loop of 10 channels that open, write and close).
+In a module that opened a UCX-based channel, leftover fds are a warning; leftover threads still fail it.
+
 A thread may need a moment to end after the close that stopped it, and what only unreachable objects still
 hold goes with the next garbage collection: leftovers are collected, then waited for up to ``SETTLE_S``, before
 they count. ``PDKV_LEAKCHECK=report:PATH`` appends what each module left to PATH instead of failing (to survey a
@@ -19,19 +24,23 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import threading
 import time
+import warnings
 from collections.abc import Generator
 from typing import Any
 
 import pytest
 import zmq
+import zmq.asyncio
 
 SETTLE_S = 5.0
 # Threads that live as long as the process by design, started on first use by libraries, not by a test.
 PROCESS_THREADS = (
     "pdkv-redis-sweep",  # pdkv.tier.redis_pool: one per process, sweeps every pool
     "asyncio_",  # an event loop's default executor: pytest's loops own theirs
+    "tqdm_monitor",  # tqdm's one monitor thread, started with the first progress bar
 )
 
 Resource = tuple[str, str]  # ("thread", "name#ident") or ("fd", "N -> target")
@@ -57,6 +66,7 @@ class LeakCheck:
         self.report_path = mode.removeprefix("report:") if mode.startswith("report:") else ""
         self.session_owned: dict[Any, set[Resource]] = {}  # live session/package fixture -> what its setup opened
         self.module_start: set[Resource] | None = None
+        self.ucx_start = 0
         self.first_seen: dict[Resource, str] = {}  # a resource new in this module -> the test after which it was
 
     @pytest.hookimpl(wrapper=True)
@@ -77,14 +87,12 @@ class LeakCheck:
             self.session_owned.pop(fixturedef, None)
 
     @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, Any]:
+        """Around a test's whole protocol: after it, pytest has dropped the test's fixture values too."""
         if self.module_start is None:  # the module's first test: before its module fixtures are set up
             self.module_start = _snapshot()
             self.first_seen = {}
-        return (yield)
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+            self.ucx_start = _ucx_channels_opened()
         result = yield
         for res in self._left():
             self.first_seen.setdefault(res, item.nodeid)
@@ -107,6 +115,14 @@ class LeakCheck:
             time.sleep(0.05)
             left = self._left()
         self.module_start = None
+        if _ucx_channels_opened() > self.ucx_start and not any(kind == "thread" for kind, _ in left):
+            if left:
+                warnings.warn(
+                    f"{item.path.name} ran UCX-based channels and left {len(left)} fd(s) behind "
+                    f"(UCX frees some asynchronously, see tests/leakcheck.py): {sorted(what for _, what in left)}",
+                    stacklevel=1,
+                )
+            return
         if not left:
             return
         by_test: dict[str, list[str]] = {}
@@ -118,12 +134,19 @@ class LeakCheck:
                     out.write(f"{nodeid}\t{len(what)}\t{' | '.join(what)}\n")
             return
         lines = [f"{nodeid}: {', '.join(what)}" for nodeid, what in by_test.items()]
-        pytest.fail(
+        message = (
             f"{item.path.name} left {len(left)} thread(s)/fd(s) behind once its tests and fixtures were done (close "
             "every channel, sender, receiver and worker a test opens; tests/leakcheck.py), first seen after:\n  "
-            + "\n  ".join(lines),
-            pytrace=False,
+            + "\n  ".join(lines)
         )
+        # The test's own reports are out by now: this one is an error of its teardown, counted as a failure.
+        report = pytest.TestReport(item.nodeid, item.location, {}, "failed", message, "teardown")
+        item.ihook.pytest_runtest_logreport(report=report)
+
+
+def _ucx_channels_opened() -> int:
+    """Channels the UCX-based libraries opened so far (0 for one never imported)."""
+    return sum(m._OPEN.opened for name in ("pdkv.channels.nixl", "pdkv.channels.ucx") if (m := sys.modules.get(name)))
 
 
 def register(config: pytest.Config) -> None:
@@ -132,4 +155,5 @@ def register(config: pytest.Config) -> None:
     if mode != "off" and os.path.isdir("/proc/self/fd"):
         # Process-wide singletons, made on first use and kept by design: made now, they are in every baseline.
         zmq.Context.instance().socket(zmq.PAIR).close()  # its I/O thread's epoll and eventfds, made with a socket
+        zmq.asyncio.Context.instance().socket(zmq.PAIR).close()  # the KV-event subscriber's (its own singleton)
         config.pluginmanager.register(LeakCheck(mode), "pdkv-leakcheck")

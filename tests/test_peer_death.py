@@ -236,6 +236,8 @@ def spawn(emulation: str) -> Iterator[Callable[..., Child]]:
             child.proc.kill()
         child.proc.join(5)
         child.conn.close()
+        if not child.proc.is_alive():
+            child.proc.close()  # its sentinel fd
 
 
 @dataclass

@@ -219,6 +219,9 @@ def decode(channel_name: str) -> Iterator[Decode]:
         d.signal(signal.SIGCONT)
         d.call("exit")
     d.proc.join(10)
+    d.conn.close()
+    if not d.proc.is_alive():
+        d.proc.close()  # its sentinel fd
 
 
 @pytest.mark.parametrize("channel_name", UCX_BASED)

@@ -493,6 +493,8 @@ def call_on(netns: str | None, fn: Callable[..., Any], *args: Any, timeout: floa
             proc.kill()
             proc.join(10)
         ours.close()
+        if not proc.is_alive():
+            proc.close()  # its sentinel fd: a caller may run many
     if status != "ok":
         raise RigError(f"on {netns}: {value}")
     return value

@@ -152,13 +152,18 @@ class DecodeProcess:
         return int(self.address.rsplit(":", 1)[1])
 
     def kill(self) -> None:
+        """SIGKILL it (if still running) and release our ends; idempotent."""
+        if self.conn.closed:
+            return
         if self.proc.is_alive():
             os.kill(self.proc.pid, signal.SIGKILL)  # type: ignore[arg-type]
         self.proc.join(10)
         self.conn.close()
+        if not self.proc.is_alive():
+            self.proc.close()  # its sentinel fd
 
     def exit(self) -> None:
-        if self.proc.is_alive():
+        if not self.conn.closed and self.proc.is_alive():
             self.call("exit")
         self.kill()
 

@@ -43,6 +43,7 @@ class WorkerProcess:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.kill()
+        self._close_pipe()
         return self.proc.returncode
 
     def kill(self) -> None:
@@ -52,6 +53,12 @@ class WorkerProcess:
         except ProcessLookupError:
             pass
         self.proc.wait(10)
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        """Our end of its stdout: a caller that starts and stops many workers must not keep one fd for each."""
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 def start_worker(

@@ -38,7 +38,7 @@ _PORT_FLAGS = tuple(f"{part}.port{grpc}" for part in ("master", "volume", "filer
 
 
 def server_binary() -> str | None:
-    """Path of a ``weed`` to start (see the module docstring for the order), or None."""
+    """Path of a ``weed`` to start (the module docstring says which is first), or None."""
     named = os.environ.get(SERVER_ENV)
     if named:
         return named

@@ -40,7 +40,8 @@ class CorruptingProxy:
         self.armed = 0  # flips still to make
         self.flipped = 0  # flips made
         self.conns: set[socket.socket] = set()
-        threading.Thread(target=self._accept, name="soak-proxy", daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, name="soak-proxy", daemon=True)
+        self._acceptor.start()
 
     def arm(self) -> int:
         """Flip a byte of the next DATA payload; returns the flip count to wait for (``wait_flipped``)."""
@@ -139,7 +140,12 @@ class CorruptingProxy:
             pos += len(data)
 
     def close(self) -> None:
+        try:  # a close alone wakes no blocked accept
+            self.server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.server.close()
+        self._acceptor.join(10)
         with self.cond:
             conns = list(self.conns)
         for sock in conns:
