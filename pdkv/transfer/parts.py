@@ -1,10 +1,12 @@
-"""What each side's rooms share, and the named hooks by which one room calls back into another.
+"""What each side's rooms share, and the named hooks by which a room calls back into the object that owns it.
 
 ``KVSender`` makes one ``SenderParts`` and hands it to every room of the prefill side (the handshake, the Reserves,
 the pools, the heartbeats, each transfer); ``KVReceiver`` makes one ``ReceiverParts`` for the decode side's. Where a
-room must call back into another it goes through one of the small protocols here, each saying who implements it, so
-a reader who meets ``parts.outbox.send(...)`` finds the binding by the protocol's name, not in a constructor's
-argument list. This module sits below every room: none of them imports another to be wired.
+room must call back into another it goes through a small protocol that says who implements it: the ones every room
+uses are here (``Greeting``, ``SenderOutbox``, ``ReceiverOutbox``, ``OpenTransfer``), the others sit beside the one
+room that calls them (``outgoing.SettleListener``, ``handshake.Admitted``, ``pool.Bookings``). So a reader who meets
+``parts.outbox.send(...)`` finds the binding by the protocol's name, not in a constructor's argument list. This
+module sits below every room: none of them imports another to be wired.
 """
 
 from __future__ import annotations
