@@ -1,4 +1,5 @@
-"""D's admission rules as the pure function they are: a Reserve and what the receiver holds -> a grant or a refusal."""
+"""D's admission rules as the pure function they are: a Reserve and what the receiver holds -> an admission or a
+refusal."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 
 from pdkv.config import TransferConfig
 from pdkv.layout import KVLayout
-from pdkv.transfer.admission import Grant, ReceiverView, admit, admit_pooled, writes_in_place
+from pdkv.transfer.admission import Admission, ReceiverView, admit, admit_pooled, writes_in_place
 from pdkv.transfer.protocol import Refused, Reserve
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
@@ -25,10 +26,10 @@ CFG = TransferConfig(
 
 def view(**changes: object) -> ReceiverView:
     base = ReceiverView(
-        CFG,
-        LAYOUT,
-        100,
-        ("none", "zstd"),
+        config=CFG,
+        layout=LAYOUT,
+        num_blocks=100,
+        codecs=("none", "zstd"),
         free_slots=4,
         reservations=0,
         id_used=False,
@@ -38,8 +39,8 @@ def view(**changes: object) -> ReceiverView:
     return dataclasses.replace(base, **changes)
 
 
-def test_same_layout_is_granted_direct_with_every_block_and_no_slot() -> None:
-    assert admit(Reserve("t", 100), view()) == Grant("direct", blocks=7, slots=0, chunks=4)
+def test_same_layout_is_admitted_direct_with_every_block_and_no_slot() -> None:
+    assert admit(Reserve("t", 100), view()) == Admission(mode="direct", blocks=7, slots=0, chunks=4)
 
 
 @pytest.mark.parametrize(
@@ -51,9 +52,9 @@ def test_same_layout_is_granted_direct_with_every_block_and_no_slot() -> None:
     ],
 )
 def test_staging_when_blocks_cannot_be_written_in_place(why: str, reserve: Reserve, changes: dict[str, object]) -> None:
-    grant = admit(reserve, view(**changes))
-    assert isinstance(grant, Grant) and grant.mode == "staging", why
-    assert grant.slots == CFG.slots_per_request and grant.blocks == 7
+    admitted = admit(reserve, view(**changes))
+    assert isinstance(admitted, Admission) and admitted.mode == "staging", why
+    assert admitted.slots == CFG.slots_per_request and admitted.blocks == 7
 
 
 @pytest.mark.parametrize(
@@ -76,8 +77,10 @@ def test_each_rule_refuses_with_its_reason(
     assert reason in got.reason and got.retryable is retryable
 
 
-def test_a_pooled_request_of_one_chunk_in_place_is_granted_the_pools_blocks() -> None:
-    assert admit_pooled(Reserve("t", 30), view(), pool_blocks=2) == Grant("direct", blocks=2, slots=0, chunks=1)
+def test_a_pooled_request_of_one_chunk_in_place_is_admitted_into_the_pools_blocks() -> None:
+    assert admit_pooled(Reserve("t", 30), view(), pool_blocks=2) == Admission(
+        mode="direct", blocks=2, slots=0, chunks=1
+    )
     assert writes_in_place(view()) and not writes_in_place(view(peer_layout=OTHER))
 
 

@@ -137,13 +137,14 @@ def test_the_decode_workers_ports_give_a_stranger_nothing() -> None:
         mine = stranger.register(buf)
         peer = stranger.add_peer(receiver.hello().channel_metadata)
         before = [t.clone() for t in kv]
+        theirs = receiver.memory.kv_regions[0]
+        with pytest.raises(ChannelError):
+            stranger.wait(stranger.read(peer, [TransferOp(mine, 0, theirs, 0, 4096)], token=b"x" * 16), TIMEOUT)
         with pytest.raises(ChannelError):
             stranger.wait(
-                stranger.read(peer, [TransferOp(mine, 0, receiver.kv_regions[0], 0, 4096)], token=b"x" * 16), TIMEOUT
-            )
-        with pytest.raises(ChannelError):
-            stranger.wait(
-                stranger.write(peer, [TransferOp(mine, 0, receiver.kv_regions[0], 64, 4096)], b"n", token=b"x" * 16),
+                stranger.write(
+                    peer, [TransferOp(mine, 0, receiver.memory.kv_regions[0], 64, 4096)], b"n", token=b"x" * 16
+                ),
                 TIMEOUT,
             )
         assert not any(buf) and all(torch.equal(a, b) for a, b in zip(before, kv, strict=True))
@@ -193,8 +194,8 @@ def test_a_sender_frozen_between_its_lease_check_and_its_write_cannot_touch_the_
         a.send_chunk(0)
         wait_until(lambda: receiver.stats().get("chunks_landed") == 1, TIMEOUT, "A's chunk 0 to land")
         late["armed"] = True
-        beat = sender._heartbeat
-        sender._heartbeat = lambda *args: None  # type: ignore[method-assign] # the frozen process sends no heartbeats
+        beat = sender.heartbeats.beat
+        sender.heartbeats.beat = lambda *args: None  # type: ignore[method-assign] # the frozen process sends no heartbeats
         poster = threading.Thread(target=a.send_chunk, args=(1,), daemon=True)
         poster.start()
         wait_until(
@@ -202,7 +203,7 @@ def test_a_sender_frozen_between_its_lease_check_and_its_write_cannot_touch_the_
             TIMEOUT,
             "D to reap, fence and free A",
         )
-        sender._heartbeat = beat  # type: ignore[method-assign]
+        sender.heartbeats.beat = beat  # type: ignore[method-assign]
         b = sender.open("B", receiver.address, 64, [8, 9, 10, 11])  # D asks for a new Hello: a new token
         b.send_all()
         b.wait(TIMEOUT)

@@ -142,12 +142,12 @@ def test_a_notice_claiming_more_bytes_than_a_slot_is_refused_before_the_slot_is_
     r = pair.receiver
     xfer = pair.sender.open("forged", r.address, TOKENS, TABLE)
     incoming = r.book.res["forged"]  # the reservation the forged notices name
-    for nbytes in (0, r.target.slot_bytes + 1, 1 << 40):
+    for nbytes in (0, r.memory.slot_bytes + 1, 1 << 40):
         with pytest.raises(TransferError, match="claims"):
-            incoming.land(r.target, ChunkNotice("forged", 0, 0, 0, nbytes))
+            incoming.land(r.memory, ChunkNotice("forged", 0, 0, 0, nbytes))
     with pytest.raises(CodecError):  # within bounds but not a frame: the codec's own checks
         incoming.land(
-            r.target, ChunkNotice("forged", 0, _zero_digest(r.target.slot_bytes // 2), 0, r.target.slot_bytes // 2)
+            r.memory, ChunkNotice("forged", 0, _zero_digest(r.memory.slot_bytes // 2), 0, r.memory.slot_bytes // 2)
         )
     xfer.cancel("test over")
 

@@ -20,9 +20,8 @@ from pdkv.config import TransferConfig
 from pdkv.errors import TransferError
 from pdkv.layout import gather
 from pdkv.transfer import protocol
-from pdkv.transfer.handshake import ReceiverPeer
-from pdkv.transfer.heartbeat import Beats, new_beat
 from pdkv.transfer.incoming import State
+from pdkv.transfer.peers import Beats, ReceiverPeer, new_beat
 
 from tests.conftest import MakePair, Pair, wait_until
 

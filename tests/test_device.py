@@ -180,7 +180,7 @@ def test_a_host_only_channel_stages_device_kv_through_host_slots_bit_exact(make_
     pair = make_pair(p_layout=layout, channel="tcp", kv_memory_override="emulated")
     assert pair.sender.hello().kv_regions == [] and pair.receiver.hello().kv_regions == []
     stager = pair.sender.source.stager
-    assert stager is not None and pair.receiver.target.stager is not None
+    assert stager is not None and pair.receiver.memory.stager is not None
     table = [9, 3, 4, 20, 21]
     xfer = pair.sender.open("emulated-1", pair.receiver.address, 70, table)
     xfer.send_all()
@@ -188,5 +188,5 @@ def test_a_host_only_channel_stages_device_kv_through_host_slots_bit_exact(make_
     blocks = pair.receiver.wait("emulated-1", 10).blocks
     assert xfer.mode == "staging"
     assert torch.equal(gather(layout, pair.p_kv, table, 0, 70), gather(layout, pair.d_kv, blocks, 0, 70))
-    assert stager.chunks_out == xfer.num_chunks and pair.receiver.target.stager.chunks_in == xfer.num_chunks
+    assert stager.chunks_out == xfer.num_chunks and pair.receiver.memory.stager.chunks_in == xfer.num_chunks
     pair.allocator.free(blocks)

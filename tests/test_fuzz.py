@@ -255,14 +255,14 @@ def test_hostile_control_messages_never_break_a_live_receiver(make_pair: MakePai
                 protocol.encode(
                     msgspec.structs.replace(
                         protocol.make_hello(
-                            pair.p_channel.agent_name,
-                            pair.p_channel.name,
-                            pair.p_channel.metadata(),
-                            "model-a",
-                            pair.p_layout,
-                            receiver.config.chunk_size,
-                            [],
-                            -1,
+                            agent=pair.p_channel.agent_name,
+                            channel=pair.p_channel.name,
+                            channel_metadata=pair.p_channel.metadata(),
+                            fingerprint="model-a",
+                            layout=pair.p_layout,
+                            chunk_size=receiver.config.chunk_size,
+                            kv_regions=[],
+                            staging_region=-1,
                         ),
                         data_token=b"T" * 16,
                     )

@@ -222,7 +222,7 @@ def test_native_run_check(runs: list[tuple[int, int, int]], length: int, ok: boo
 
 def test_receiver_verifies_direct_chunks_from_the_landing_sums(make_pair: MakePair) -> None:
     pair = make_pair(channel="tcp")
-    assert pair.receiver.target.landed_checksum is not None  # the receiver took the channel's capability
+    assert pair.receiver.memory.landed_checksum is not None  # the receiver took the channel's capability
     held = pair.allocator.allocate(12)
     pair.allocator.free(held[::2])  # D's free list now hands out blocks that are not adjacent
     table = [9, 3, 4, 20, 21, 40, 1]  # 100 tokens in 7 blocks of 16 on P, not adjacent either

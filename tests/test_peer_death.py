@@ -154,8 +154,10 @@ def _sender_child(conn: multiprocessing.connection.Connection, step: str, addres
             sender.open("r", address, TOKENS, TABLE)
             return
         if step == "done":
-            send = sender._send
-            sender._send = lambda peer, msg: _stop_here(conn, step) if isinstance(msg, Done) else send(peer, msg)  # type: ignore[method-assign]
+            send = sender._dealers.send
+            sender._dealers.send = lambda peer, msg: (
+                _stop_here(conn, step) if isinstance(msg, Done) else send(peer, msg)
+            )  # type: ignore[method-assign]
         xfer = sender.open("r", address, TOKENS, TABLE)
         if step == "reserved":
             _stop_here(conn, step)

@@ -17,7 +17,7 @@ from pdkv.config import TransferConfig
 from pdkv.errors import ChannelError, ReservationError, TransferError
 from pdkv.layout import KVLayout
 from pdkv.transfer import protocol
-from pdkv.transfer.handshake import ReceiverPeer
+from pdkv.transfer.peers import ReceiverPeer
 from pdkv.transfer.sender import KVSender
 
 from tests.conftest import TCP_AND_NIXL, MakePair, Pair, wait_until
@@ -106,7 +106,7 @@ def test_with_a_secret_the_pooled_reserve_carries_its_proof(make_pair: MakePair)
     warm(pair)
     pair.allocator.free(push(pair, "proven", 20, [8, 9]))
     assert pair.sender.stats()["reserved_from_pool"] == 1 and pair.receiver.stats().get("auth_failures", 0) == 0
-    pair.sender.reservations.secret = b"not-the-secret"  # its next proof is made with another secret
+    pair.sender.parts.secret = b"not-the-secret"  # its next proof is made with another secret
     pooled_peer(pair, after=0)
     xfer = pair.sender.open("forged", pair.receiver.address, 16, [30])
     xfer.send_all()
@@ -147,7 +147,7 @@ def test_a_dead_senders_pool_is_taken_back_fenced_and_freed(make_pair: MakePair)
     pair = make_pair(config=cfg)
     peer = warm(pair)
     assert peer.pool is not None
-    block, region, size = peer.pool.block_ids[0], pair.receiver.kv_regions[0], pair.d_layout.block_bytes
+    block, region, size = peer.pool.block_ids[0], pair.receiver.memory.kv_regions[0], pair.d_layout.block_bytes
     assert _pool_writable(pair.d_channel, peer, region, size, block)
     pair.sender.loop.stop()  # the sender's process "dies": no heartbeat renews the pool
     wait_until(lambda: pair.receiver.stats().get("pools_lapsed") == 1, 5, "the pool's lease to lapse")

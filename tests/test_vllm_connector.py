@@ -596,7 +596,7 @@ def test_decode_lands_pushed_kv_straight_in_vllm_blocks(
         assert d.landing == path and d.landing_buffer == []
         assert f"pushed KV lands straight in vLLM's blocks ({path}: the tcp channel" in caplog.text
         storages = {t.untyped_storage().data_ptr() for t in d_cache.values()}
-        assert {t.untyped_storage().data_ptr() for t in d.receiver.target.kv} == storages  # vLLM's own memory
+        assert {t.untyped_storage().data_ptr() for t in d.receiver.memory.kv} == storages  # vLLM's own memory
         before = {name: t.clone() for name, t in d_cache.items()}
         # P pushes before D's scheduler saw the request: its Reserve is refused (retryable) until D's is allocated
         p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, [9, 2, 5, 11, 0], 150)]))

@@ -16,7 +16,7 @@ from pdkv.layout import KVLayout
 from pdkv.transfer.protocol import Refused, Reserve
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReceiverView:
     """What admission reads of the receiver, taken under its lock."""
 
@@ -34,9 +34,10 @@ class ReceiverView:
     kv_in_reach: bool = True
 
 
-@dataclass(frozen=True)
-class Grant:
-    """What to allocate for an admitted transfer."""
+@dataclass(frozen=True, kw_only=True)
+class Admission:
+    """What to allocate for an admitted transfer (the channel's grant of its memory to the sender follows the
+    allocation: ``Channel.grant``)."""
 
     mode: Literal["direct", "staging"]
     blocks: int
@@ -44,8 +45,8 @@ class Grant:
     chunks: int
 
 
-def admit(req: Reserve, view: ReceiverView) -> Grant | Refused:
-    """A grant, or the refusal that says why (``retryable`` when room may free up as other transfers finish)."""
+def admit(req: Reserve, view: ReceiverView) -> Admission | Refused:
+    """An admission, or the refusal that says why (``retryable`` when room may free up as other transfers finish)."""
     cfg = view.config
     tid = req.transfer_id
     if req.codec not in view.codecs:
@@ -75,7 +76,7 @@ def admit(req: Reserve, view: ReceiverView) -> Grant | Refused:
     slots = 0 if direct else min(cfg.slots_per_request, chunks)
     if slots > view.free_slots:
         return Refused(tid, f"no staging slots free ({view.free_slots} of {cfg.staging_slots})", retryable=True)
-    return Grant("direct" if direct else "staging", blocks, slots, chunks)
+    return Admission(mode="direct" if direct else "staging", blocks=blocks, slots=slots, chunks=chunks)
 
 
 def writes_in_place(view: ReceiverView) -> bool:
@@ -83,17 +84,17 @@ def writes_in_place(view: ReceiverView) -> bool:
     return view.kv_in_reach and view.peer_layout == view.layout and view.config.chunk_size % view.layout.block_size == 0
 
 
-def admit_pooled(req: Reserve, view: ReceiverView, pool_blocks: int) -> Grant | Refused:
+def admit_pooled(req: Reserve, view: ReceiverView, pool_blocks: int) -> Admission | Refused:
     """A Reserve that came with its chunk, written into the sender's pool of ``pool_blocks`` blocks: the rules
     of ``admit``, and it must be one chunk written in place that fits the pool (refused, its bytes are
     discarded; nothing retries it, so none of these refusals is retryable)."""
-    grant = admit(req, view)
-    if isinstance(grant, Refused):
-        return Refused(req.transfer_id, f"pooled request refused: {grant.reason}")
-    if grant.mode != "direct" or grant.chunks != 1 or grant.blocks > pool_blocks:
+    admitted = admit(req, view)
+    if isinstance(admitted, Refused):
+        return Refused(req.transfer_id, f"pooled request refused: {admitted.reason}")
+    if admitted.mode != "direct" or admitted.chunks != 1 or admitted.blocks > pool_blocks:
         return Refused(
             req.transfer_id,
-            f"pooled request of {req.num_tokens} tokens ({grant.mode}, {grant.chunks} chunks, {grant.blocks} blocks) "
-            f"does not fit a pool: one chunk written in place into at most {pool_blocks} blocks",
+            f"pooled request of {req.num_tokens} tokens ({admitted.mode}, {admitted.chunks} chunks, {admitted.blocks} "
+            f"blocks) does not fit a pool: one chunk written in place into at most {pool_blocks} blocks",
         )
-    return grant
+    return admitted

@@ -65,14 +65,14 @@ class ControlLoop:
     def thread(self) -> threading.Thread:
         return self._thread
 
-    def watch(self, target: zmq.Socket | int, on_ready: Callable[[], None]) -> None:
-        """Call ``on_ready()`` on the loop whenever ``target`` (a socket or an fd) is readable. Loop thread only."""
-        self._handlers[target] = on_ready
-        self._poller.register(target, zmq.POLLIN)
+    def watch(self, source: zmq.Socket | int, on_ready: Callable[[], None]) -> None:
+        """Call ``on_ready()`` on the loop whenever ``source`` (a socket or an fd) is readable. Loop thread only."""
+        self._handlers[source] = on_ready
+        self._poller.register(source, zmq.POLLIN)
 
-    def unwatch(self, target: zmq.Socket | int) -> None:
-        if self._handlers.pop(target, None) is not None:
-            self._poller.unregister(target)
+    def unwatch(self, source: zmq.Socket | int) -> None:
+        if self._handlers.pop(source, None) is not None:
+            self._poller.unregister(source)
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` on the loop thread, in order with other calls, and wake the loop for it (any thread)."""
@@ -105,11 +105,11 @@ class ControlLoop:
                     0, math.ceil((next_tick - time.monotonic()) * 1000)
                 )  # round() spun on 0 ms polls for the last half millisecond
                 woken = False
-                for target, _ in self._poller.poll(timeout_ms):
-                    handler = self._handlers.get(target)
+                for source, _ in self._poller.poll(timeout_ms):
+                    handler = self._handlers.get(source)
                     if handler is not None:
                         handler()
-                    woken = woken or target == self._waker_fd  # zmq's poll names an fd-backed object by its fd
+                    woken = woken or source == self._waker_fd  # zmq's poll names an fd-backed object by its fd
                 if woken:  # before running the calls: one queued after this wakes the next poll
                     self._waker.clear()
                 self._run_calls()
@@ -151,8 +151,11 @@ class SessionKeys(Protocol):
 
 
 class SessionPeer(Protocol):
-    """A receiver as the sender's DEALERs know it: the key of its proven session (``b""``: none yet)."""
+    """A receiver as the sender's DEALERs know it (``peers.ReceiverPeer``): where it listens, the routing id we
+    dial it with, and the key of its proven session (``b""``: none yet)."""
 
+    address: str
+    identity: bytes
     session_key: bytes
 
 
@@ -280,9 +283,9 @@ class DealerSockets:
         self._connected: weakref.WeakSet[Any] = weakref.WeakSet()  # keys whose connection came up at least once
         self._closed: weakref.WeakSet[Any] = weakref.WeakSet()  # keys closed for good: a late send must not reopen them
 
-    def send(self, key: SessionPeer, address: str, identity: bytes, msg: protocol.Message) -> None:
+    def send(self, key: SessionPeer, msg: protocol.Message) -> None:
         """Send from any thread, in order: the loop's own messages (Done, Cancel, Heartbeat) go out at once."""
-        self._loop.call_now_or_soon(lambda: self._send(key, address, identity, msg))
+        self._loop.call_now_or_soon(lambda: self._send(key, msg))
 
     def close_peer(self, key: Any) -> None:
         """Close ``key``'s socket for good (after what was already queued for it goes out)."""
@@ -296,14 +299,15 @@ class DealerSockets:
         for key in list(self._socks):
             self._close(key)
 
-    def _send(self, key: SessionPeer, address: str, identity: bytes, msg: protocol.Message) -> None:
+    def _send(self, key: SessionPeer, msg: protocol.Message) -> None:
+        address = key.address
         if key in self._closed:
             return  # forgotten: a socket opened for it now would never be closed
         pair = self._socks.get(key)
         if pair is None:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.ROUTING_ID, identity)
+            sock.setsockopt(zmq.ROUTING_ID, key.identity)
             sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED)
             sock.connect(address)

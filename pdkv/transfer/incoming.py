@@ -30,7 +30,7 @@ class State(enum.Enum):
     FAILED = "failed"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ReceivedKV:
     """A request's landed KV: ``blocks`` now belong to the caller, who frees them.
 
@@ -43,8 +43,8 @@ class ReceivedKV:
     prompt_key: bytes = b""
 
 
-@dataclass
-class ReceiveTarget:
+@dataclass(kw_only=True)
+class ReceiveMemory:
     """Our side's memory as every transfer lands in it, and its regions in the channel.
 
     ``kv_regions`` is empty when the channel cannot reach the KV's memory:
@@ -87,14 +87,14 @@ class ReceiveTarget:
 
 
 def landed_checksum(channel: Channel, kv_regions: list[int], block_bytes: int) -> Callable[[list[int]], int] | None:
-    """``ReceiveTarget.landed_checksum``: the channel's, where it hashes every KV region as it lands
+    """``ReceiveMemory.landed_checksum``: the channel's, where it hashes every KV region as it lands
     (``Channel.hash_landing``), else None."""
     if not kv_regions or not all(channel.hash_landing(region, block_bytes) for region in kv_regions):
         return None
     return functools.partial(channel.landed_checksum, list(kv_regions), unit=block_bytes)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class IncomingTransfer:
     """One reservation: the memory it holds and how far its chunks got. Changed under the receiver's lock."""
 
@@ -119,42 +119,42 @@ class IncomingTransfer:
     free_deadline: float = 0.0
     ready_at: float = 0.0
 
-    def land(self, target: ReceiveTarget, notice: ChunkNotice) -> int:
+    def land(self, memory: ReceiveMemory, notice: ChunkNotice) -> int:
         """Verify one chunk that arrived (and scatter it, when staged); returns its bytes. Raises ``TransferError``."""
         idx = notice.chunk_index
         if idx >= self.num_chunks or idx in self.landed:
             raise TransferError(f"chunk {idx} is out of range or duplicated (request has {self.num_chunks} chunks)")
-        cs = target.chunk_size
+        cs = memory.chunk_size
         start, n = idx * cs, min(cs, self.num_tokens - idx * cs)
-        nbytes = target.layout.chunk_bytes(n)
+        nbytes = memory.layout.chunk_bytes(n)
         scattered = False  # landed in the blocks by the pass that hashed it
         if self.mode == "direct":
-            bs = target.layout.block_size
-            got = target.blocks_checksum(self.blocks[start // bs : -(-(start + n) // bs)])
+            bs = memory.layout.block_size
+            got = memory.blocks_checksum(self.blocks[start // bs : -(-(start + n) // bs)])
         else:
             if not 0 <= notice.slot < len(self.slots):
                 raise TransferError(f"chunk {idx} names staging slot {notice.slot}, request has {len(self.slots)}")
-            codec = target.codecs[self.codec]
+            codec = memory.codecs[self.codec]
             wire = notice.nbytes
             if not (
-                wire == nbytes if codec.passthrough else 0 < wire <= target.slot_bytes
+                wire == nbytes if codec.passthrough else 0 < wire <= memory.slot_bytes
             ):  # checked before the slot is read
                 raise TransferError(
                     f"chunk {idx} claims {wire} bytes in its slot ({self.codec!r} chunk of {n} tokens, slots of "
-                    f"{target.slot_bytes})"
+                    f"{memory.slot_bytes})"
                 )
-            base = self.slots[notice.slot] * target.slot_bytes
-            frame = target.staging[base : base + wire]
+            base = self.slots[notice.slot] * memory.slot_bytes
+            frame = memory.staging[base : base + wire]
             scattered = codec.passthrough
             if scattered:
                 # landed in the blocks and hashed in the pass that does it (on the KV's device): a chunk that fails
                 # lands too, in blocks of this request only, which the failed transfer never hands to the engine
-                chunk = frame.view(target.layout.torch_dtype).view(target.layout.chunk_shape(n))
-                if target.stager is not None:
-                    got = target.stager.stage_in(self.blocks, start, chunk, digest=True)
+                chunk = frame.view(memory.layout.torch_dtype).view(memory.layout.chunk_shape(n))
+                if memory.stager is not None:
+                    got = memory.stager.stage_in(self.blocks, start, chunk, digest=True)
                 else:
                     got = frame_checksum(
-                        frame, scatter_summed(target.layout, target.kv, self.blocks, start, chunk, True)
+                        frame, scatter_summed(memory.layout, memory.kv, self.blocks, start, chunk, checksum=True)
                     )
             else:
                 got = chunk_checksum([frame])
@@ -166,13 +166,13 @@ class IncomingTransfer:
         if self.mode == "staging" and not scattered:  # an encoded frame, verified as sent: decoded, then landed
             # a frame that does not decode to exactly this chunk raises CodecError (a TransferError)
             chunk = codec.decode(
-                target.staging[base : base + wire],
-                codec.scratch("raw", target.layout.chunk_shape(n), target.layout.torch_dtype),
+                memory.staging[base : base + wire],
+                codec.scratch("raw", memory.layout.chunk_shape(n), memory.layout.torch_dtype),
             )
-            if target.stager is not None:  # to the KV's device on pdkv's stream; back once the chunk is there
-                target.stager.stage_in(self.blocks, start, chunk)
+            if memory.stager is not None:  # to the KV's device on pdkv's stream; back once the chunk is there
+                memory.stager.stage_in(self.blocks, start, chunk)
             else:
-                scatter(target.layout, target.kv, self.blocks, start, chunk)
+                scatter(memory.layout, memory.kv, self.blocks, start, chunk)
         self.landed.add(idx)
         return nbytes
 

@@ -1,17 +1,18 @@
 """One request's push on the prefill side: its reservation, chunks, in-flight writes and settling.
 
-``OutgoingTransfer`` is handed a ``SendContext`` (what every transfer of one sender shares) instead of the
-sender itself, so the state machine can be read and tested on its own. See README.md, "sent".
+``OutgoingTransfer`` is handed a ``SendContext`` (what every transfer of one sender shares: the sender's parts, its
+memory and credit) instead of the sender itself, so the state machine can be read and tested on its own; it tells
+the sender it settled through a named hook (``SettleListener``). See README.md, "sent".
 """
 
 from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -19,17 +20,17 @@ from pdkv.channels.base import Channel
 from pdkv.channels.handle import TransferHandle, TransferOp, XferState
 from pdkv.checksum import blocks_checksum, chunk_checksum, flat_bytes, frame_checksum
 from pdkv.codec import Codec
-from pdkv.config import TransferConfig
 from pdkv.errors import ReservationError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.keys import chunk_spans
 from pdkv.layout import KVLayout, block_runs
+from pdkv.memory import in_reach, memory_kind
 from pdkv.native import gather, gather_summed
-from pdkv.staging import DeviceStager
+from pdkv.staging import DeviceStager, pinned_empty
 from pdkv.transfer import protocol
-from pdkv.transfer.control import ControlLoop
-from pdkv.transfer.handshake import ReceiverPeer
+from pdkv.transfer.parts import SenderParts
+from pdkv.transfer.peers import ReceiverPeer, lease_margin
+from pdkv.transfer.pool import PoolClaim
 from pdkv.transfer.protocol import ChunkNotice, Landed, Reserved
-from pdkv.transfer.reservation import PoolClaim, lease_margin
 from pdkv.transfer.stall import StallBound
 
 log = logging.getLogger(__name__)
@@ -61,13 +62,13 @@ class SendCredit:
             self.free_slots.append(slot)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SendSource:
     """Our side's memory as every transfer reads it: the KV buffer and the staging area, registered.
 
     ``kv_regions`` is empty when the channel cannot reach the KV's memory (a
-    tcp channel and KV in VRAM): our Hello then says so and receivers grant us
-    staging mode only. ``stager`` (KV in device memory) gathers each staged
+    tcp channel and KV in VRAM): our Hello then says so and receivers admit us
+    in staging mode only. ``stager`` (KV in device memory) gathers each staged
     chunk on the KV's device and copies it into its pinned slot on pdkv's
     stream.
     """
@@ -82,26 +83,49 @@ class SendSource:
     slot_bytes: int
     stager: DeviceStager | None
 
+    @classmethod
+    def register(
+        cls, channel: Channel, layout: KVLayout, kv: list[torch.Tensor], *, chunk_size: int, slot_bytes: int, slots: int
+    ) -> SendSource:
+        """Our KV (registered where the channel reaches its memory) and a pinned staging area of ``slots`` slots."""
+        num_blocks = layout.validate_buffer(kv)
+        staging = pinned_empty(slots * slot_bytes)
+        reached = all(in_reach(t, channel.memory) for t in kv)
+        return cls(
+            layout=layout,
+            kv=kv,
+            kv_bytes=[flat_bytes(t) for t in kv],
+            kv_regions=[channel.register(t) for t in kv] if reached else [],
+            num_blocks=num_blocks,
+            staging=staging,
+            staging_region=channel.register(staging),
+            slot_bytes=slot_bytes,
+            stager=DeviceStager(layout, kv, chunk_size) if kv and memory_kind(kv[0]) != "host" else None,
+        )
 
-@dataclass
+
+class SettleListener(Protocol):
+    """Told once a transfer settled (I/O thread): ``KVSender.transfer_settled`` tells its receiver and forgets it."""
+
+    def transfer_settled(self, xfer: OutgoingTransfer) -> None: ...
+
+
+@dataclass(kw_only=True)
 class SendContext:
-    """What every transfer of one sender shares; ``settled`` tells the sender a transfer is over (I/O thread)."""
+    """What every transfer of one sender shares: the sender's parts (lock, counters, channel, I/O thread), our
+    memory, the send credit, and who hears that a transfer settled."""
 
-    channel: Channel
-    config: TransferConfig
+    parts: SenderParts
     source: SendSource
     credit: SendCredit
-    cond: threading.Condition  # one lock for the sender and all its transfers: no ordering to get wrong
-    counters: collections.Counter[str]
-    loop: ControlLoop
-    settled: Callable[[OutgoingTransfer], None]
+    listener: SettleListener
     stall: StallBound = field(init=False)  # when a posted write counts as stalled (stall.py), from the config
 
     def __post_init__(self) -> None:
-        self.stall = StallBound(self.config)
+        self.stall = StallBound(self.parts.config)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PostedWrite:
     """A write of ours the channel has not finished: what it needs and by when it must finish (``stall.py``)."""
 
@@ -123,6 +147,7 @@ class OutgoingTransfer:
     def __init__(
         self,
         ctx: SendContext,
+        *,
         peer: ReceiverPeer,
         transfer_id: str,
         num_tokens: int,
@@ -136,7 +161,7 @@ class OutgoingTransfer:
         self.ctx = ctx
         self.claim = claim
         self.codec = codec  # how staged chunks go on the wire (``none``: as they are)
-        self.cond = ctx.cond
+        self.cond = ctx.parts.cond
         self.peer = peer
         self.transfer_id = transfer_id
         self.num_tokens = num_tokens
@@ -144,7 +169,7 @@ class OutgoingTransfer:
         self.mode = reserved.mode
         self.remote_blocks = reserved.block_ids
         self.remote_slots = reserved.staging_slots
-        self.spans = list(chunk_spans(num_tokens, ctx.config.chunk_size))
+        self.spans = list(chunk_spans(num_tokens, ctx.parts.config.chunk_size))
         self.free_remote_slots = collections.deque(range(len(reserved.staging_slots)))
         self.slot_of_chunk: dict[int, int] = {}
         self.sent: set[int] = set()
@@ -164,7 +189,7 @@ class OutgoingTransfer:
         # Past this long without a heartbeat the receiver may have reaped the reservation; its lease_s, not ours,
         # is what counts.
         self.lease_s = reserved.lease_s
-        self.lease_margin = lease_margin(self.lease_s, ctx.config.heartbeat_s)
+        self.lease_margin = lease_margin(self.lease_s, ctx.parts.config.heartbeat_s)
         self.finished_at = 0.0
         self._on_settled: list[Callable[[OutgoingTransfer], None]] = []
 
@@ -184,7 +209,7 @@ class OutgoingTransfer:
                 f"chunk {index} out of range: transfer {self.transfer_id!r} has {self.num_chunks} chunks"
             )
         ctx = self.ctx
-        timeout = ctx.config.chunk_timeout_s if timeout is None else timeout
+        timeout = ctx.parts.config.chunk_timeout_s if timeout is None else timeout
         start, n = self.spans[index]
         nbytes = ctx.source.layout.chunk_bytes(n)
         staging = self.mode == "staging"
@@ -196,7 +221,7 @@ class OutgoingTransfer:
             if self.claim is not None:  # one chunk: the receiver admits the transfer as this notice arrives
                 notice.reserve, notice.pool = self.claim.reserve, self.claim.generation
             notice_bytes = protocol.encode(notice)
-            handle = ctx.channel.write(self.peer.agent, ops, notice_bytes, token=self.peer.token)
+            handle = ctx.parts.channel.write(self.peer.agent, ops, notice_bytes, token=self.peer.token)
         except Exception as exc:
             err = (
                 exc
@@ -213,10 +238,10 @@ class OutgoingTransfer:
             self.writes += 1
             self.bytes_sent += nbytes
             self.wire_bytes += wire
-            ctx.counters["bytes_raw"] += nbytes
-            ctx.counters["bytes_wire"] += wire
+            ctx.parts.counters["bytes_raw"] += nbytes
+            ctx.parts.counters["bytes_wire"] += wire
             need = ctx.credit.inflight
-            self.posted[handle] = PostedWrite(nbytes, need, ctx.stall.limit(need))
+            self.posted[handle] = PostedWrite(nbytes=nbytes, need=need, limit=ctx.stall.limit(need))
         handle.add_done_callback(lambda h: self._finished(h, local_slot))
 
     def send_all(self) -> None:
@@ -226,7 +251,7 @@ class OutgoingTransfer:
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the receiver verified every chunk, or raise why it did not."""
-        timeout = self.ctx.config.transfer_timeout_s if timeout is None else timeout
+        timeout = self.ctx.parts.config.transfer_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         with self.cond:
             while self.error is None and not self.complete:
@@ -350,7 +375,9 @@ class OutgoingTransfer:
             else:
                 frame = src.staging[base : base + nbytes]
                 out = frame.view(layout.torch_dtype).view(layout.chunk_shape(n))
-                digest = frame_checksum(frame, gather_summed(layout, src.kv, self.block_table, start, n, out, True)[1])
+                digest = frame_checksum(
+                    frame, gather_summed(layout, src.kv, self.block_table, start, n, out=out, checksum=True)[1]
+                )
         else:
             raw = self.codec.scratch("raw", layout.chunk_shape(n), layout.torch_dtype)
             if src.stager is not None:
@@ -370,11 +397,11 @@ class OutgoingTransfer:
     def _finished(self, handle: TransferHandle, local_slot: int) -> None:
         """The handle's done callback (the channel's thread): note when, and hand the rest to the I/O thread."""
         at = time.monotonic()
-        self.ctx.loop.call_soon(lambda: self._written(handle, local_slot, at))
+        self.ctx.parts.loop.call_soon(lambda: self._written(handle, local_slot, at))
 
     def _written(self, handle: TransferHandle, local_slot: int, at: float) -> None:
         ctx = self.ctx
-        ctx.channel.release(handle)
+        ctx.parts.channel.release(handle)
         with self.cond:
             write = self.posted.pop(handle)
             nbytes = write.nbytes
@@ -386,8 +413,8 @@ class OutgoingTransfer:
                 self.writes_may_land |= handle.may_still_land
                 self.fail(TransferError(f"channel write failed: {handle.error}"))
             else:
-                ctx.counters["chunks_sent"] += 1
-                ctx.counters["bytes_sent"] += nbytes
+                ctx.parts.counters["chunks_sent"] += 1
+                ctx.parts.counters["bytes_sent"] += nbytes
             self.cond.notify_all()
         self._settle_if_over()
 
@@ -397,7 +424,7 @@ class OutgoingTransfer:
                 if index not in self.sent or index in self.landed:
                     continue  # a stray or repeated acknowledgement: nothing of ours to free twice
                 self.landed.add(index)
-                self.ctx.counters["chunks_landed"] += 1
+                self.ctx.parts.counters["chunks_landed"] += 1
                 slot = self.slot_of_chunk.pop(index, None)
                 if slot is not None:
                     self.free_remote_slots.append(slot)
@@ -412,12 +439,16 @@ class OutgoingTransfer:
         A write of ours that neither completed nor failed within its stall bound is given up on here too."""
         self._abandon_stalled(now)
         with self.cond:
-            if self.error is None and not self.complete and now > self.opened + self.ctx.config.transfer_timeout_s:
+            if (
+                self.error is None
+                and not self.complete
+                and now > self.opened + self.ctx.parts.config.transfer_timeout_s
+            ):
                 self.fail(
                     TransferTimeout(
                         f"transfer {self.transfer_id!r}: receiver {self.peer.address} did not confirm all "
                         f"{self.num_chunks} chunks "
-                        f"within transfer_timeout_s={self.ctx.config.transfer_timeout_s:.3g}s"
+                        f"within transfer_timeout_s={self.ctx.parts.config.transfer_timeout_s:.3g}s"
                     )
                 )
         self._settle_if_over()
@@ -430,10 +461,10 @@ class OutgoingTransfer:
             overdue = [(h, w) for h, w in self.posted.items() if now > h.posted_at + w.limit]
         for handle, write in overdue:
             # One last look: a write that finished just now is not a stall (nixl learns of completions by polling).
-            if self.ctx.channel.poll(handle) is not XferState.PENDING:
+            if self.ctx.parts.channel.poll(handle) is not XferState.PENDING:
                 continue
             err = TransferTimeout(
-                f"transfer {self.transfer_id!r}: a {self.ctx.channel.name} write of {write.nbytes} bytes to "
+                f"transfer {self.transfer_id!r}: a {self.ctx.parts.channel.name} write of {write.nbytes} bytes to "
                 f"{handle.peer!r} neither completed nor failed within {write.limit:.3g}s "
                 f"({self.ctx.stall.describe()}); given up on, its blocks at the receiver held as a write that may "
                 "still land"
@@ -442,15 +473,15 @@ class OutgoingTransfer:
                 self.fail(err)
             if handle.abandon(str(err)):
                 with self.cond:
-                    self.ctx.counters["stalled_writes"] += 1
+                    self.ctx.parts.counters["stalled_writes"] += 1
 
     def fail(self, err: TransferError) -> None:
         """First failure wins (caller holds the condition); the I/O thread tells the receiver once writes settle."""
         if self.error is None and not self.complete:
             self.error = err
-            self.ctx.counters["transfers_failed"] += 1
+            self.ctx.parts.counters["transfers_failed"] += 1
             log.warning("transfer %s: %s", self.transfer_id, err)
-            self.ctx.loop.call_soon(self._settle_if_over)
+            self.ctx.parts.loop.call_soon(self._settle_if_over)
         self.cond.notify_all()
 
     def _settle_if_over(self) -> None:
@@ -462,7 +493,7 @@ class OutgoingTransfer:
                 return
             self.settled = True
             callbacks, self._on_settled = self._on_settled, []
-        self.ctx.settled(self)
+        self.ctx.listener.transfer_settled(self)
         for fn in callbacks:
             try:
                 fn(self)

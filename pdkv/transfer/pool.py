@@ -1,42 +1,133 @@
-"""Blocks granted ahead to each sender, on the decode side: offer, take for one request, take back.
+"""Pools, both halves: blocks a receiver grants each sender ahead, so a one-chunk request skips the Reserve's round
+trip (``transfer.pool_tokens``; README.md here, "Pools").
 
-A pool (``transfer.pool_tokens``) lets a one-chunk request skip the Reserve round trip: the sender writes
-the chunk into blocks already granted to its capability token and sends its Reserve in the chunk's notice;
-the receiver admits it then (README.md here, "Pools"). The rules that hold for reservations hold here:
+A *pool* is one thing on both sides: one chunk's worth of a receiver's blocks at most, granted ahead to one sender's
+capability token, held on that sender's lease and used by one request. The receiver offers it (after a Hello, or in
+the ``Landed`` of the request that used the last one: ``ReceiverPools``); the sender holds it, claims it for a
+request that fits and writes that request's chunk into it at once, its Reserve riding on the chunk's notice
+(``SenderPools``); the receiver admits that Reserve as the notice arrives, hands the pool's blocks to the request and
+offers the next pool, or refuses it and offers the same blocks again. The rules that hold for reservations hold here:
 
 - every frame is still checked against a grant: the pool's blocks are granted to the sender's token, and a
   request's frames land only in them;
 - a pool's blocks belong to one reservation or to the pool, never both, and go back to the allocator once;
-- its lease is the sender's heartbeat, like a reservation's; a pool whose lease lapsed is taken back (its grant
-  revoked) and its blocks wait ``TransferConfig.late_write_hold`` (the late-write fence: ``drain_timeout_s`` where
-  the channel enforces grants, the longer of that and ``unfenced_quarantine_s`` where it cannot, as on nixl) before
-  the sender is fenced and they are freed, or less, if the sender returns the pool first: its word frees it.
+- its lease is the sender's heartbeat, like a reservation's: the sender stops writing into a pool it could not renew
+  within the lease's margin and returns it; the receiver takes back a pool whose lease lapsed (its grant revoked) and
+  keeps its blocks ``TransferConfig.late_write_hold`` (the late-write fence: ``drain_timeout_s`` where the channel
+  enforces grants, the longer of that and ``unfenced_quarantine_s`` where it cannot, as on nixl) before the sender is
+  fenced and they are freed, or less, if the sender returns the pool first: its word frees it.
 
-Everything here runs under the receiver's lock.
+Each side's half runs under that side's one lock.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from pdkv.blocks import BlockAllocator
-from pdkv.channels.base import Channel
-from pdkv.config import TransferConfig
 from pdkv.errors import OutOfBlocksError
-from pdkv.transfer.incoming import ReceiveTarget
-from pdkv.transfer.protocol import Pool
+from pdkv.transfer.admission import Admission, ReceiverView, admit_pooled, writes_in_place
+from pdkv.transfer.handshake import SenderHandshake, reserving_peer, signed_reserve
+from pdkv.transfer.incoming import IncomingTransfer
+from pdkv.transfer.parts import ReceiverParts, SenderParts
+from pdkv.transfer.peers import ReceiverPeer, SenderPeer, SentBeat, lease_margin
+from pdkv.transfer.protocol import ChunkNotice, Pool, Refused, Reserve, Reserved, ReturnPool
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
+# -- the sender's half: hold, claim, renew, return --------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class PoolClaim:
+    """A transfer written into the receiver's pool instead of reserved first: the Reserve its chunk's notice
+    carries, the pool's generation, and when an answered heartbeat last renewed the pool (its lease counts from
+    there)."""
+
+    reserve: Reserve
+    generation: int
+    renewed: float
+
+
+class SenderPools:
+    """The pool each receiver granted this sender (kept on its ``ReceiverPeer``), under the sender's lock."""
+
+    def __init__(self, parts: SenderParts, handshake: SenderHandshake, block_size: int) -> None:
+        self.parts, self.handshake, self.block_size = parts, handshake, block_size
+
+    def hold(self, peer: ReceiverPeer, pool: Pool) -> None:
+        """A pool the receiver granted us (a ``Pool`` message, or the one a ``Landed`` carries; I/O thread)."""
+        with self.parts.cond:
+            if not peer.dropped:
+                peer.pool, peer.pool_renewed = pool, time.monotonic()
+
+    def claim(
+        self, address: str, *, transfer_id: str, num_tokens: int, prompt_key: bytes, codec: str
+    ) -> tuple[ReceiverPeer, Reserved, PoolClaim] | None:
+        """Claim the pool the receiver at ``address`` granted us, when this transfer fits it: one chunk, no codec,
+        its lease surely still ours. (peer, the reservation the pool stands for, the claim), or None: reserve the
+        usual way (reserves.py)."""
+        parts = self.parts
+        if codec != "none" or num_tokens > parts.config.chunk_size:
+            return None
+        peer = self.handshake.connect(address)  # cheap once connected; the data path proven before any write
+        with parts.cond:
+            pool = peer.pool if not peer.dropped else None
+            needed = -(-num_tokens // self.block_size)
+            if (
+                pool is None
+                or len(pool.block_ids) < needed
+                or time.monotonic() - peer.pool_renewed > lease_margin(pool.lease_s, parts.config.heartbeat_s)
+                or transfer_id in parts.asking
+                or transfer_id in parts.transfers
+            ):
+                return None
+            peer.pool = None  # one request per pool: the receiver grants the next once it took this one
+            renewed = peer.pool_renewed
+        parts.counters["reserved_from_pool"] += 1
+        reserved = Reserved(transfer_id, "direct", pool.block_ids[:needed], [], pool.lease_s)
+        reserve = signed_reserve(
+            peer, parts.secret, transfer_id=transfer_id, num_tokens=num_tokens, prompt_key=prompt_key, codec=codec
+        )
+        return peer, reserved, PoolClaim(reserve=reserve, generation=pool.generation, renewed=renewed)
+
+    def lapse_stale(self, now: float) -> list[tuple[ReceiverPeer, Pool]]:
+        """Drop every pool not renewed within its lease's margin (caller holds the lock): we were stalled, and the
+        receiver may have taken it back, so we never write into it. The caller returns them (``give_back``)."""
+        stale = []
+        for peer in self.parts.peers.values():
+            if peer.pool is not None and now - peer.pool_renewed > lease_margin(
+                peer.pool.lease_s, self.parts.config.heartbeat_s
+            ):
+                stale.append((peer, peer.pool))
+                peer.pool = None
+        return stale
+
+    def renewed(self, peer: ReceiverPeer, beat: SentBeat) -> None:
+        """An answered heartbeat renews the pool it named, from when it was sent (caller holds the lock)."""
+        if peer.pool is not None and peer.pool.generation == beat.pool:
+            peer.pool_renewed = max(peer.pool_renewed, beat.sent)
+
+    def give_back(self, peer: ReceiverPeer, pool: Pool) -> None:
+        """Tell the receiver we write into ``pool`` no more: its blocks need not wait out the late-write hold."""
+        self.parts.outbox.send(peer, ReturnPool(pool.generation))
+
+    def close(self) -> None:
+        """Return every pool we hold (the sender is closing)."""
+        with self.parts.cond:
+            held = [(peer, peer.pool) for peer in self.parts.peers.values() if peer.pool is not None]
+            for peer, _ in held:
+                peer.pool = None
+        for peer, pool in held:
+            self.give_back(peer, pool)
+
+
+# -- the receiver's half: offer, admit, take, refill, return, take back ----------------------------------------------
+@dataclass(kw_only=True)
 class PeerPool:
-    """One sender's pool: blocks granted to its token, held on a lease its heartbeats renew."""
+    """One sender's pool on the receiver: blocks granted to its token, held on a lease its heartbeats renew."""
 
     generation: int
     identity: bytes
@@ -46,73 +137,155 @@ class PeerPool:
     free_deadline: float = 0.0  # set once taken back without word from the sender: late writes are waited out
 
 
-class Pools:
-    """Every sender's pool, and the pools taken back that still wait out late writes."""
+class Bookings(Protocol):
+    """What the receiver's pools ask of its reservations (``book.IncomingBook``), under its lock."""
 
-    def __init__(
+    def view(self, identity: bytes, peer: SenderPeer, transfer_id: str) -> ReceiverView: ...
+
+    def open(
         self,
-        channel: Channel,
-        target: ReceiveTarget,
-        allocator: BlockAllocator,
-        config: TransferConfig,
-        counters: collections.Counter[str],
-        fence: Callable[[bytes], None],
-    ) -> None:
-        """``fence(identity)``: cut a sender off the data plane (``IncomingBook.fence``), before its pool's
-        blocks are freed when a write of it may still land there."""
-        self.channel, self.target, self.allocator, self.config, self.counters, self._fence = (
-            channel,
-            target,
-            allocator,
-            config,
-            counters,
-            fence,
-        )
+        *,
+        identity: bytes,
+        peer: SenderPeer,
+        req: Reserve,
+        admission: Admission,
+        blocks: list[int],
+        slots: list[int],
+    ) -> IncomingTransfer: ...
+
+    def fence(self, identity: bytes) -> None: ...
+
+
+class ReceiverPools:
+    """Every sender's pool on the receiver, and the pools taken back that still wait out late writes."""
+
+    def __init__(self, parts: ReceiverParts, book: Bookings) -> None:
+        self.parts, self.book = parts, book
+        config, memory = parts.config, parts.memory
         # One chunk's blocks at most: a pooled request is one chunk, so its notice is the only one it sends; and
         # all pools together within pool_blocks_share of the blocks, so a small receiver keeps room for Reserves.
         # A receiver whose share cannot hold one pool grants none: its blocks are for Reserves.
-        self.budget = int(config.pool_blocks_share * target.num_blocks)
-        size = target.layout.blocks_for(min(config.pool_tokens, config.chunk_size)) if config.pool_tokens else 0
+        self.budget = int(config.pool_blocks_share * memory.num_blocks)
+        size = memory.layout.blocks_for(min(config.pool_tokens, config.chunk_size)) if config.pool_tokens else 0
         self.size = size if size <= self.budget else 0
         self.by_peer: dict[bytes, PeerPool] = {}
         self.lapsed: list[PeerPool] = []
         self._generations = itertools.count(1)
+        # pooled requests taken this pass: identity -> (token, the rest of its pool), to offer the next pool
+        self._refills: dict[bytes, tuple[bytes, list[int]]] = {}
 
     @property
     def blocks_held(self) -> int:
         return sum(len(p.blocks) for p in (*self.by_peer.values(), *self.lapsed))
 
-    def owner(self, generation: int) -> PeerPool | None:
-        return next((p for p in self.by_peer.values() if p.generation == generation), None)
+    # -- offering -------------------------------------------------------------------------------------------------
+    def admitted(self, identity: bytes, token: bytes) -> None:
+        """``handshake.Admitted``: a sender just admitted is offered its first pool, in a ``Pool`` message."""
+        self._send_offer(identity, token, [])
 
-    def offer(self, identity: bytes, token: bytes, keep: list[int]) -> Pool | None:
-        """A new pool for ``identity`` (``keep``: blocks of its previous one it still holds, granted), or None
-        when the allocator has no room for it (then ``keep`` goes back too)."""
-        self.give_back(identity)
-        if not self.size:
-            self.discard(identity, token, keep)
-            return None
-        try:
-            if self.blocks_held + self.size > self.budget:  # the others' pools (and lapsed ones) hold the share
-                raise OutOfBlocksError(f"pools hold {self.blocks_held} of their {self.budget} blocks")
-            fresh = self.allocator.allocate(self.size - len(keep)) if self.size > len(keep) else []
-        except OutOfBlocksError:
-            self.counters["pools_unavailable"] += 1
-            self.discard(identity, token, keep)
-            return None
-        self.channel.grant(token, "write", self.target.block_ranges(fresh))
-        # in order: a request takes the first blocks, and adjacent ones are one descriptor (and frame) per tensor
-        blocks = sorted(keep + fresh)
-        pool = PeerPool(next(self._generations), identity, token, blocks, time.monotonic() + self.config.lease_s)
-        self.by_peer[identity] = pool
-        self.counters["pools_granted"] += 1
-        return Pool(pool.generation, pool.blocks, self.config.lease_s)
+    def next_pool(self, identity: bytes) -> Pool | None:
+        """The next pool of ``identity``, for the Landed of the request that took its last one (I/O thread)."""
+        refill = self._refills.pop(identity, None)
+        return None if refill is None else self._offer(identity, *refill)
 
-    def take(self, pool: PeerPool, n: int) -> tuple[list[int], list[int]]:
-        """Hand the first ``n`` blocks to a request; (its blocks, the rest, still granted to the same token)."""
+    def send_refills(self) -> None:
+        """Offer the pools of pooled requests that sent no Landed (refused, or failed their checksum) in a message
+        of their own (I/O thread, after a pass of landing)."""
+        while self._refills:
+            identity, (token, rest) = self._refills.popitem()
+            self._send_offer(identity, token, rest)
+
+    def _send_offer(self, identity: bytes, token: bytes, keep: list[int]) -> None:
+        """``_offer``, told in a ``Pool`` message of its own (after a Hello, or with no Landed to carry it)."""
+        msg = self._offer(identity, token, keep)
+        if msg is not None:
+            self.parts.outbox.reply(identity, msg)
+
+    def _offer(self, identity: bytes, token: bytes, keep: list[int]) -> Pool | None:
+        """Grant ``identity`` a pool, if pools are on and its chunks can land in place (I/O thread): the message
+        that tells it, or None. ``keep``: blocks of its previous pool, still granted to ``token``; they go back
+        too when no pool is offered."""
+        parts = self.parts
+        with parts.lock:
+            peer = parts.peers.get(identity)
+            if peer is None or peer.token != token or not writes_in_place(self.book.view(identity, peer, "")):
+                self.discard(identity, token, keep)  # cut off (or fenced) since: nothing to offer
+                return None
+            self.give_back(identity)
+            if not self.size:
+                self.discard(identity, token, keep)
+                return None
+            try:
+                if self.blocks_held + self.size > self.budget:  # the others' pools (and lapsed ones) hold the share
+                    raise OutOfBlocksError(f"pools hold {self.blocks_held} of their {self.budget} blocks")
+                fresh = parts.allocator.allocate(self.size - len(keep)) if self.size > len(keep) else []
+            except OutOfBlocksError:
+                parts.counters["pools_unavailable"] += 1
+                self.discard(identity, token, keep)
+                return None
+            parts.channel.grant(token, "write", parts.memory.block_ranges(fresh))
+            # in order: a request takes the first blocks, and adjacent ones are one descriptor (and frame) per tensor
+            pool = PeerPool(
+                generation=next(self._generations),
+                identity=identity,
+                token=token,
+                blocks=sorted(keep + fresh),
+                lease_deadline=time.monotonic() + parts.config.lease_s,
+            )
+            self.by_peer[identity] = pool
+            parts.counters["pools_granted"] += 1
+            return Pool(pool.generation, pool.blocks, parts.config.lease_s)
+
+    # -- a request written into a pool ----------------------------------------------------------------------------
+    def open_pooled(self, agent: str, notice: ChunkNotice) -> bool:
+        """A chunk written into a sender's pool, with its Reserve (I/O thread, holding the lock): the rules of a
+        Reserve (``admission.admit_pooled``), then the pool's blocks become the reservation's. Refused, its bytes
+        are discarded (counted), the sender hears why and its pool is offered again."""
+        assert notice.reserve is not None
+        parts, req = self.parts, notice.reserve
+        pool = next((p for p in self.by_peer.values() if p.generation == notice.pool), None)
+        sender = parts.peers.get(pool.identity) if pool is not None else None
+        admitted: Admission | Refused
+        peer: SenderPeer | Refused | None = None
+        if pool is None or sender is None or sender.agent != agent:  # not this sender's pool: leave it alone
+            pool, admitted = None, Refused(req.transfer_id, f"pooled request names no pool of yours ({notice.pool})")
+        else:
+            peer = reserving_peer(parts, pool.identity, req)  # with a secret: the Reserve's proof
+            admitted = (
+                peer
+                if isinstance(peer, Refused)
+                else admit_pooled(req, self.book.view(pool.identity, peer, req.transfer_id), len(pool.blocks))
+            )
+        parts.counters["pooled_requests"] += 1
+        if isinstance(admitted, Refused):
+            parts.counters["pooled_refused"] += 1
+            parts.counters["pooled_bytes_discarded"] += parts.memory.layout.chunk_bytes(
+                min(req.num_tokens, parts.config.chunk_size)
+            )
+            log.warning("transfer %s: %s", req.transfer_id, admitted.reason)
+            owner = (
+                pool.identity
+                if pool is not None
+                else next((i for i, p in parts.peers.items() if p.agent == agent), None)
+            )
+            if owner is not None:
+                parts.outbox.reply(owner, admitted)
+            if pool is not None:  # the same blocks again, under a new generation
+                self._take(pool, 0)
+            return False
+        assert pool is not None and isinstance(peer, SenderPeer)
+        blocks = self._take(pool, admitted.blocks)
+        self.book.open(identity=pool.identity, peer=peer, req=req, admission=admitted, blocks=blocks, slots=[])
+        return True
+
+    def _take(self, pool: PeerPool, n: int) -> list[int]:
+        """Hand the pool's first ``n`` blocks to a request; its sender's next pool (the rest, topped up) is offered
+        in the request's ``Landed`` (``next_pool``), or on its own if no Landed goes out (``send_refills``)."""
         del self.by_peer[pool.identity]
-        return pool.blocks[:n], pool.blocks[n:]
+        self._refills[pool.identity] = (pool.token, pool.blocks[n:])  # one per sender: it held one pool, now taken
+        return pool.blocks[:n]
 
+    # -- lease, return, take back ---------------------------------------------------------------------------------
     def renew(self, identity: bytes, deadline: float) -> None:
         pool = self.by_peer.get(identity)
         if pool is not None:
@@ -125,7 +298,7 @@ class Pools:
         lapsed = [p for p in self.lapsed if generation and p.identity == identity and p.generation == generation]
         for pool in lapsed:  # (one at most: generations are unique)
             self.lapsed.remove(pool)
-            self.allocator.free(pool.blocks)  # its grant was revoked when it lapsed
+            self.parts.allocator.free(pool.blocks)  # its grant was revoked when it lapsed
         if lapsed:
             return
         pool = self.by_peer.get(identity)
@@ -137,40 +310,42 @@ class Pools:
     def lapse(self, identity: bytes, now: float, why: str) -> None:
         """Take ``identity``'s pool back now, its blocks held for the late-write hold (a write into it may still
         land), after which ``reap`` fences its sender and frees them; its word (``give_back``) frees them early."""
+        parts = self.parts
         pool = self.by_peer.pop(identity, None)
         if pool is None:
             return
-        self.channel.revoke(pool.token, "write", self.target.block_ranges(pool.blocks), 0)
-        pool.free_deadline = now + self.config.late_write_hold(self.channel.enforces_grants)
+        parts.channel.revoke(pool.token, "write", parts.memory.block_ranges(pool.blocks), 0)
+        pool.free_deadline = now + parts.config.late_write_hold(parts.channel.enforces_grants)
         self.lapsed.append(pool)
-        self.counters["pools_lapsed"] += 1
+        parts.counters["pools_lapsed"] += 1
         log.warning("taking a sender's pool back, its blocks held against late writes: %s", why)
 
     def reap(self, now: float) -> None:
         """Take back pools whose lease lapsed; free those that waited out late writes, fencing their senders
         first (they never said they stopped writing)."""
         for pool in [p for p in self.by_peer.values() if now > p.lease_deadline]:
-            self.lapse(pool.identity, now, f"its lease lapsed (no heartbeat for {self.config.lease_s:.3g}s)")
+            self.lapse(pool.identity, now, f"its lease lapsed (no heartbeat for {self.parts.config.lease_s:.3g}s)")
         over = [p for p in self.lapsed if now > p.free_deadline]
         self.lapsed = [p for p in self.lapsed if now <= p.free_deadline]
         for pool in over:
-            self.counters["fences"] += 1
-            self._fence(pool.identity)
-            self.allocator.free(pool.blocks)
+            self.parts.counters["fences"] += 1
+            self.book.fence(pool.identity)
+            self.parts.allocator.free(pool.blocks)
 
     def close(self) -> None:
         for identity in list(self.by_peer):
             self.give_back(identity)
         for pool in self.lapsed:
-            self.allocator.free(pool.blocks)
+            self.parts.allocator.free(pool.blocks)
         self.lapsed = []
 
     def discard(self, identity: bytes, token: bytes, blocks: list[int]) -> None:
         """Blocks of a pool no one holds any more: revoke, then free; a frame still landing after
         ``drain_timeout_s`` gets its sender fenced first."""
-        if blocks and not self.channel.revoke(
-            token, "write", self.target.block_ranges(blocks), self.config.drain_timeout_s
+        parts = self.parts
+        if blocks and not parts.channel.revoke(
+            token, "write", parts.memory.block_ranges(blocks), parts.config.drain_timeout_s
         ):
-            self.counters["fences"] += 1
-            self._fence(identity)
-        self.allocator.free(blocks)
+            parts.counters["fences"] += 1
+            self.book.fence(identity)
+        parts.allocator.free(blocks)

@@ -258,6 +258,7 @@ def decode_notice(data: bytes) -> ChunkNotice:
 
 
 def make_hello(
+    *,
     agent: str,
     channel: str,
     channel_metadata: bytes,

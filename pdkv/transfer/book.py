@@ -1,4 +1,5 @@
-"""A decode worker's reservations through their life: land, renew, fail, revoke, free, fence, reap.
+"""``IncomingBook``: a decode worker's reservations through their life: book, land, renew, fail, revoke, free,
+fence, reap.
 
 The rules (README.md, "freed" and the late-write rule): blocks and slots are freed exactly once; a failed
 reservation's memory waits until its sender said it writes no more (Done/Cancel) or drain_timeout_s passed;
@@ -9,15 +10,10 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
-from collections.abc import Callable
 
-from pdkv.blocks import BlockAllocator
-from pdkv.channels.base import Channel
 from pdkv.channels.grants import Range
 from pdkv.channels.handle import Notification
-from pdkv.config import TransferConfig
 from pdkv.errors import (
     ChecksumError,
     PromptMismatchError,
@@ -27,46 +23,80 @@ from pdkv.errors import (
     TransferTimeout,
 )
 from pdkv.transfer import protocol
-from pdkv.transfer.control import ControlLoop
-from pdkv.transfer.handshake import SenderPeer
-from pdkv.transfer.incoming import IncomingTransfer, ReceivedKV, ReceiveTarget, State
-from pdkv.transfer.pool import Pools
-from pdkv.transfer.protocol import Cancel, ChunkNotice, Done, Landed, Pool
+from pdkv.transfer.admission import Admission, ReceiverView
+from pdkv.transfer.incoming import IncomingTransfer, ReceivedKV, State
+from pdkv.transfer.parts import ReceiverParts
+from pdkv.transfer.peers import SenderPeer
+from pdkv.transfer.pool import ReceiverPools
+from pdkv.transfer.protocol import Cancel, Done, Landed, Reserve
 
 log = logging.getLogger(__name__)
 
 
 class IncomingBook:
-    """Every reservation a receiver holds, and the transfer ids it already used; all under one lock."""
+    """Every reservation a receiver holds, its senders' pools, and the transfer ids it already used; all under one
+    lock (``parts.lock``)."""
 
-    def __init__(
-        self,
-        channel: Channel,
-        target: ReceiveTarget,
-        allocator: BlockAllocator,
-        config: TransferConfig,
-        counters: collections.Counter[str],
-        loop: ControlLoop,
-        lock: threading.Condition,
-        peers: dict[bytes, SenderPeer],
-        reply: Callable[[bytes, protocol.Message], None],
-        open_pooled: Callable[[str, ChunkNotice], bool],
-    ) -> None:
-        """``open_pooled(agent, notice)``: admit the Reserve a chunk written into a pool came with (the
-        receiver's rules); False if refused (its bytes are then discarded)."""
-        self.channel, self.target, self.allocator, self.config, self.counters, self.loop = (
-            channel,
-            target,
-            allocator,
-            config,
-            counters,
-            loop,
+    def __init__(self, parts: ReceiverParts) -> None:
+        self.parts = parts
+        self.channel, self.memory, self.config, self.counters, self.lock = (
+            parts.channel,
+            parts.memory,
+            parts.config,
+            parts.counters,
+            parts.lock,
         )
-        self.lock, self.peers, self.reply, self.open_pooled = lock, peers, reply, open_pooled
-        self.pools = Pools(channel, target, allocator, config, counters, self.fence)
+        self.pools = ReceiverPools(parts, self)
         self.res: dict[str, IncomingTransfer] = {}
         self.gone: collections.OrderedDict[str, str] = collections.OrderedDict()
-        self.free_slots = list(range(config.staging_slots))
+        self.free_slots = list(range(parts.config.staging_slots))
+
+    def view(self, identity: bytes, peer: SenderPeer, transfer_id: str) -> ReceiverView:
+        """What admission reads (caller holds the lock)."""
+        memory = self.memory
+        return ReceiverView(
+            config=self.config,
+            layout=memory.layout,
+            num_blocks=memory.num_blocks,
+            codecs=memory.codecs,
+            free_slots=len(self.free_slots),
+            reservations=len(self.res),
+            id_used=transfer_id in self.res or transfer_id in self.gone,
+            peer_layout=peer.layout,
+            peer_blocks=tuple(len(r.blocks) for r in self.res.values() if r.identity == identity),
+            kv_in_reach=peer.kv_reached and bool(memory.kv_regions),
+        )
+
+    def open(
+        self,
+        *,
+        identity: bytes,
+        peer: SenderPeer,
+        req: Reserve,
+        admission: Admission,
+        blocks: list[int],
+        slots: list[int],
+    ) -> IncomingTransfer:
+        """Book an admitted reservation (caller holds the lock)."""
+        now = time.monotonic()
+        r = self.res[req.transfer_id] = IncomingTransfer(
+            transfer_id=req.transfer_id,
+            identity=identity,
+            peer_agent=peer.agent,
+            num_tokens=req.num_tokens,
+            blocks=blocks,
+            slots=slots,
+            mode=admission.mode,
+            num_chunks=admission.chunks,
+            created=now,
+            lease_deadline=now + self.config.lease_s,
+            token=peer.token,
+            prompt_key=req.prompt_key,
+            codec=req.codec,
+        )
+        self.counters["reserved"] += 1
+        self.lock.notify_all()
+        return r
 
     def claim(self, r: IncomingTransfer, prompt_key: bytes | None) -> ReceivedKV:
         """Hand a ready reservation's blocks to the caller (caller holds the lock); KV of another prompt is
@@ -83,7 +113,7 @@ class IncomingBook:
             )
         self.remember_gone(r.transfer_id, "claimed")
         self.counters["claimed"] += 1
-        return ReceivedKV(r.transfer_id, r.blocks, r.num_tokens, r.prompt_key)
+        return ReceivedKV(transfer_id=r.transfer_id, blocks=r.blocks, num_tokens=r.num_tokens, prompt_key=r.prompt_key)
 
     def cancel(self, transfer_id: str, reason: str) -> None:
         """Abandon a transfer from the decode side (client gone, timeout); frees what it holds."""
@@ -127,16 +157,18 @@ class IncomingBook:
                 self.fail(r, TransferCancelled(f"sender cancelled: {reason}"), notify_sender=False)
             self.lock.notify_all()
 
-    def on_notifications(self, next_pool: Callable[[bytes], Pool | None]) -> None:
-        """Verify every chunk whose notification arrived; acknowledge each transfer's chunks with one Landed,
-        carrying ``next_pool(identity)``: the sender's next pool, if a request of its took its last one."""
+    def on_notifications(self) -> None:
+        """Verify every chunk whose notification arrived (I/O thread); acknowledge each transfer's chunks with one
+        Landed, carrying the sender's next pool if a request of its took its last one; then offer the pools of
+        pooled requests that sent no Landed on their own (``ReceiverPools.send_refills``)."""
         landed: dict[str, tuple[bytes, list[int]]] = {}
         for notif in self.channel.get_notifications():
             r, index = self.land(notif)
             if r is not None:
                 landed.setdefault(r.transfer_id, (r.identity, []))[1].append(index)
         for rid, (identity, indices) in landed.items():
-            self.reply(identity, Landed(rid, indices, next_pool(identity)))
+            self.parts.outbox.reply(identity, Landed(rid, indices, self.pools.next_pool(identity)))
+        self.pools.send_refills()
 
     def land(self, notif: Notification) -> tuple[IncomingTransfer | None, int]:
         """Land one chunk; the reservation and chunk index to acknowledge, or (None, -1)."""
@@ -147,14 +179,14 @@ class IncomingBook:
             log.warning("dropping notification from %r: %s", notif.peer, exc)
             return None, -1
         with self.lock:
-            if notice.reserve is not None and not self.open_pooled(notif.peer, notice):
+            if notice.reserve is not None and not self.pools.open_pooled(notif.peer, notice):
                 return None, -1  # refused: the bytes it wrote into the pool are discarded, the pool offered again
             r = self.res.get(notice.transfer_id)
             if r is None or r.peer_agent != notif.peer or r.state is not State.RECEIVING:
                 self.counters["stray_notices"] += 1
                 return None, -1
             try:
-                nbytes = r.land(self.target, notice)
+                nbytes = r.land(self.memory, notice)
             except TransferError as exc:
                 if isinstance(exc, ChecksumError):
                     self.counters["checksum_failures"] += 1
@@ -167,7 +199,7 @@ class IncomingBook:
             if r.all_landed:
                 r.state, r.ready_at = State.READY, time.monotonic()
                 if r.slots and self.channel.revoke(
-                    r.token, "write", self.target.slot_ranges(r.slots), 0
+                    r.token, "write", self.memory.slot_ranges(r.slots), 0
                 ):  # nothing left to land
                     self.free_slots.extend(r.slots)
                     r.slots = []
@@ -184,10 +216,13 @@ class IncomingBook:
         log.warning("transfer %s: %s", r.transfer_id, exc)
         if notify_sender:
             identity, msg = r.identity, Cancel(r.transfer_id, str(exc))
-            self.loop.call_soon(lambda: self.reply(identity, msg))  # _fail also runs on API threads (cancel)
+            self.parts.loop.call_soon(
+                lambda: self.parts.outbox.reply(identity, msg)
+            )  # _fail also runs on API threads (cancel)
 
     def granted(self, r: IncomingTransfer) -> list[Range]:
-        return self.target.slot_ranges(r.slots) if r.mode == "staging" else self.target.block_ranges(r.blocks)
+        """The ranges the channel granted ``r``'s sender for it: its slots (staging) or its blocks (direct)."""
+        return self.memory.slot_ranges(r.slots) if r.mode == "staging" else self.memory.block_ranges(r.blocks)
 
     def revoke(self, r: IncomingTransfer) -> None:
         """Take back what ``r`` granted, once (caller holds the lock); a frame still landing there is waited
@@ -208,7 +243,7 @@ class IncomingBook:
     def free(self, r: IncomingTransfer) -> None:
         """Give ``r``'s blocks and slots back, exactly once (caller holds the lock)."""
         self.revoke(r)
-        self.allocator.free(r.blocks)
+        self.parts.allocator.free(r.blocks)
         self.free_slots.extend(r.slots)
         r.blocks, r.slots = [], []
 
@@ -220,7 +255,7 @@ class IncomingBook:
         reservations fail (their data path is gone), and it must send Hello
         again: its next Reserve is refused with ``hello-required``.
         """
-        peer = self.peers.pop(identity, None)
+        peer = self.parts.peers.pop(identity, None)
         if peer is None:
             return
         self.channel.fence(peer.agent, peer.token)
