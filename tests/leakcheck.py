@@ -46,12 +46,27 @@ PROCESS_THREADS = (
 Resource = tuple[str, str]  # ("thread", "name#ident") or ("fd", "N -> target")
 
 
+def _process_fds() -> set[int]:
+    """Our ends of multiprocessing's helper processes (its forkserver, its resource tracker): one each per process,
+    started on first use and kept until exit by design. Their fds are private attributes, read only here."""
+    from multiprocessing import forkserver, resource_tracker
+
+    fds = (
+        getattr(forkserver._forkserver, "_forkserver_alive_fd", None),
+        getattr(resource_tracker._resource_tracker, "_fd", None),
+    )
+    return {fd for fd in fds if fd is not None}
+
+
 def _snapshot() -> set[Resource]:
     out: set[Resource] = set()
+    kept = _process_fds()
     for t in threading.enumerate():
         if t.ident is not None and not t.name.startswith(PROCESS_THREADS):
             out.add(("thread", f"{t.name}#{t.ident}"))
     for fd in os.listdir("/proc/self/fd"):
+        if int(fd) in kept:
+            continue
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:

@@ -40,15 +40,17 @@ class TcpChannel(Channel):
     authenticates_data: ClassVar[bool] = True
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
-        super().__init__(agent_name, options)
-        opts = self.options
+        # Everything that can refuse the options first: the base opens the notification pipe, which a refused
+        # channel would leak.
+        opts = options if options is not None else self.Options()
         if not isinstance(opts, TcpOptions):
             raise ConfigError(f"tcp channel needs TcpOptions, got {type(opts).__name__}")
         if len(agent_name.encode()) > MAX_NAME_BYTES:
             raise ConfigError(f"tcp channel agent name {agent_name!r}: expected at most {MAX_NAME_BYTES} UTF-8 bytes")
+        tls = tls_contexts(opts.tls) if opts.tls is not None else None
+        super().__init__(agent_name, opts)
         self._lock = threading.Lock()
         self.closed = False
-        tls = tls_contexts(opts.tls) if opts.tls is not None else None
         self.agent = Agent(agent_name, opts, opts.secret.encode(), secrets.randbits(63), self.count, tls)
         self.initiator = Initiator(self.agent, self.regions)
         # DATA lands through the native receive, hashed as it lands, where the kernels load (csrc/kvland.cpp)

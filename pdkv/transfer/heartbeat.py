@@ -29,11 +29,17 @@ class Heartbeats:
 
     def __init__(self, parts: SenderParts, handshake: SenderHandshake, pools: SenderPools) -> None:
         self.parts, self.handshake, self.pools = parts, handshake, pools
-        self._last_beat = time.monotonic()
+        self._last_beat = self._last_tick = time.monotonic()
 
     def tick(self, now: float) -> None:
-        """Each tick of the sender's loop: give up receivers that stopped answering, and beat every heartbeat_s."""
-        self.give_up_deaf(now)
+        """Each tick of the sender's loop: give up receivers that stopped answering, and beat every heartbeat_s.
+
+        Not on the first tick after we ourselves were stalled (a long GC, SIGSTOP, a starved core): the answers
+        that came meanwhile wait unread in the sockets, and the loop reads them before its next tick."""
+        stalled = now - self._last_tick > 2 * self.parts.config.heartbeat_s
+        self._last_tick = now
+        if not stalled:
+            self.give_up_deaf(now)
         if now - self._last_beat >= self.parts.config.heartbeat_s:
             self._last_beat = now
             self.beat(now)

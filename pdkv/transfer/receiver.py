@@ -99,6 +99,7 @@ class KVReceiver:
         )
         native.available()  # load the kernel library now, not inside the first transfer
         self.counters: collections.Counter[str] = collections.Counter()
+        self._closed = False
         self.loop = ControlLoop("pdkv-receiver", min(_REAP_TICK_S, config.lease_s / 4), lambda: self.book.reap())
         self.parts = ReceiverParts(
             channel=channel,
@@ -222,9 +223,11 @@ class KVReceiver:
         return out
 
     def close(self) -> None:
-        """Stop the loop and free every reservation still held."""
-        if not self.loop.thread.is_alive():
+        """Stop the loop, free every reservation still held and close the socket; once (a loop that already
+        stopped leaves the rest to do all the same)."""
+        if self._closed:
             return
+        self._closed = True
         self.loop.stop()
         with self.book.lock:
             for r in list(self.book.res.values()):

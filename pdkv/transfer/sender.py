@@ -66,6 +66,7 @@ class KVSender:
         self.credit = SendCredit(config.max_inflight_bytes, n_slots)
         self.counters: collections.Counter[str] = collections.Counter()
         self._transfers: dict[str, OutgoingTransfer] = {}
+        self._closed = False
         self.loop = ControlLoop("pdkv-sender", min(config.heartbeat_s, 0.25), self._tick)
         self._dealers = DealerSockets(self.loop, self._on_message, self._on_lost, self.counters)
         self.parts = SenderParts(
@@ -167,15 +168,18 @@ class KVSender:
         return out
 
     def close(self) -> None:
-        if not self.loop.thread.is_alive():
+        """Fail what is open, give pools back, stop the loop, close every socket (once; sockets even if it died)."""
+        if self._closed:
             return
-        with self.cond:
-            for xfer in list(self._transfers.values()):
-                xfer.fail(TransferCancelled("sender closing"))
-            deadline = time.monotonic() + self.config.drain_timeout_s
-            while self._transfers and time.monotonic() < deadline:  # settling tells each receiver
-                self.cond.wait(deadline - time.monotonic())
-        self.pools.close()  # we write into none of them any more: the receivers take their blocks back now
+        self._closed = True
+        if self.loop.thread.is_alive():
+            with self.cond:
+                for xfer in list(self._transfers.values()):
+                    xfer.fail(TransferCancelled("sender closing"))
+                deadline = time.monotonic() + self.config.drain_timeout_s
+                while self._transfers and time.monotonic() < deadline:  # settling tells each receiver
+                    self.cond.wait(deadline - time.monotonic())
+            self.pools.close()  # we write into none of them any more: the receivers take their blocks back now
         self.loop.stop()
         self._dealers.close_all()
 

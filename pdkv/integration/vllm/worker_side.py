@@ -114,6 +114,7 @@ class WorkerSide:
         self.is_consumer = is_consumer
         self.agent_name = agent_name
         self.sender: KVSender | None = None
+        self.channel: Channel | None = None  # the sender's and/or receiver's: closed after them
         self.receiver: KVReceiver | None = None
         self.layout: KVLayout | None = None
         self._vllm_kv: list[torch.Tensor] = []
@@ -150,7 +151,9 @@ class WorkerSide:
             self.cache = self._make_cache(layout)
         if not (self.is_producer or self.is_consumer):
             return
-        channel = create_channel(self.config.channel.name, self.agent_name, self.config.channel_options())
+        channel = self.channel = create_channel(
+            self.config.channel.name, self.agent_name, self.config.channel_options()
+        )
         if self.is_producer:
             self.sender = KVSender(
                 channel, layout, vllm_kv, self.fingerprint, self.config.transfer, secret=self.config.secret
@@ -455,6 +458,8 @@ class WorkerSide:
         for side in (self.sender, self.receiver):
             if side is not None:
                 side.close()
+        if self.channel is not None:  # its threads and sockets: a worker that restarts its connector leaks none
+            self.channel.close()
 
 
 def agent_name(role: str) -> str:
