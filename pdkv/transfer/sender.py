@@ -55,8 +55,8 @@ class KVSender:
         self.config = config = config or TransferConfig()
         kv = adopt_kv(list(kv_tensors))
         native.available()  # load the kernel library now, not inside the first transfer
-        # ``none`` and the configured codec: a transfer uses one of the two (``open(codec=...)``)
-        self.codecs: dict[str, Codec] = {n: make_codec(n, layout) for n in dict.fromkeys(("none", config.codec))}
+        codecs = dict.fromkeys(("none", config.codec))  # a transfer uses one of the two (``open(codec=...)``)
+        self.codecs: dict[str, Codec] = {n: make_codec(n, layout) for n in codecs}
         slot_bytes = codec_slot_bytes(layout, config.chunk_size, list(self.codecs.values()))
         n_slots = max(1, config.max_inflight_bytes // slot_bytes)
         self.source = SendSource.register(
@@ -160,9 +160,7 @@ class KVSender:
 
     def stats(self) -> dict[str, int]:
         with self.cond:
-            out = dict(self.counters)
-            out["inflight_bytes"] = self.credit.inflight
-            out["open_transfers"] = len(self._transfers)
+            out = dict(self.counters, inflight_bytes=self.credit.inflight, open_transfers=len(self._transfers))
         if self.source.stager is not None:  # device KV: chunks gathered on the device and copied into host slots
             out["chunks_staged_to_host"] = self.source.stager.chunks_out
         return out
