@@ -33,10 +33,10 @@ from urllib.parse import unquote, urlsplit
 from pdkv.errors import ConfigError
 from pdkv.tier.backoff import Backoff
 from pdkv.tier.redis_pool import Sweeper
+from pdkv.tier.store import FAILED
 
 log = logging.getLogger(__name__)
 
-FAILED: Any = object()  # a key's result when its server could not be asked
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 URL_FORMS = (
     "redis://HOST:PORT/DB, rediss://..., unix:///PATH, or redis+cluster://HOST:PORT[,HOST:PORT...] "

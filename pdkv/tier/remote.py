@@ -81,16 +81,7 @@ class RedisTier(SharedStoreTier):
 
     def _get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
         names = self._names(keys)
-        values = self._batch("get", names, lambda pipe, i: pipe.get(names[i]))
-        for i, (key, out, value) in enumerate(zip(keys, outs, values, strict=True)):
-            if value is FAILED:
-                return i
-            if value is None:
-                self._changed(removed=(key,))  # not on the server (evicted, expired, never stored): say so
-                return i
-            if not self.accept(key, value, out):
-                return i
-        return len(keys)
+        return self.accept_run(keys, outs, self._batch("get", names, lambda pipe, i: pipe.get(names[i])))
 
     def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Sequence[bytes | None]) -> None:
         """``parents`` are not used: the server evicts by its own ``maxmemory-policy`` (see the module docstring)."""

@@ -45,10 +45,9 @@ from msgspec import Meta
 from pdkv.errors import ConfigError
 from pdkv.layout import KVLayout
 from pdkv.tier.backoff import Backoff
-from pdkv.tier.store import SharedStoreTier
+from pdkv.tier.store import FAILED, SharedStoreTier
 
 MIN_PART_BYTES = 5 << 20  # S3's smallest part but the last
-FAILED: Any = object()  # an object's result when the store could not be asked
 _MISSING_CODES = ("404", "NoSuchKey", "NotFound")
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects takes
 
@@ -137,16 +136,7 @@ class S3Tier(SharedStoreTier):
         return [r is not FAILED and r is not None for r in found]
 
     def _get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
-        values = self._map("get", keys, self._read)
-        for i, (key, out, value) in enumerate(zip(keys, outs, values, strict=True)):
-            if value is FAILED:
-                return i
-            if value is None:
-                self._changed(removed=(key,))  # not in the bucket (expired, deleted, never stored): say so
-                return i
-            if not self.accept(key, value, out):
-                return i
-        return len(keys)
+        return self.accept_run(keys, outs, self._map("get", keys, self._read))
 
     def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Sequence[bytes | None]) -> None:
         """``parents`` are not used: an object store does not evict (see the module docstring)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ from pdkv.tier.base import LeafTier, encode_value, read_value
 
 log = logging.getLogger(__name__)
 
+FAILED: Any = object()  # a key's result when its server could not be asked (a value None: not there)
 _LOGGED_KEYS = 4096  # rejected keys remembered so each is logged once (a poisoned key read again and again logs once)
 
 
@@ -62,6 +64,19 @@ class SharedStoreTier(LeafTier):
             )
         self.remove([key])
         return False
+
+    def accept_run(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor], values: Sequence[Any]) -> int:
+        """How many leading values were read and accepted into ``outs``: the run ends at the first that could not
+        be asked (``FAILED``), is not there (None: the index hears it is gone), or fails its checks."""
+        for i, (key, out, value) in enumerate(zip(keys, outs, values, strict=True)):
+            if value is FAILED:
+                return i
+            if value is None:
+                self._changed(removed=(key,))  # not on the server (evicted, expired, deleted, never stored)
+                return i
+            if not self.accept(key, value, out):
+                return i
+        return len(keys)
 
     def where(self, key: bytes) -> str:
         """How the log names ``key``'s value on the server (its key or object name)."""
