@@ -24,7 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -32,7 +32,7 @@ import msgspec
 from pdkv.config import PdkvConfig
 from pdkv.errors import ConfigError, PdkvError
 from pdkv.integration.vllm.info import INFO_ENV, SECRET_ENV
-from pdkv.netaddr import free_port
+from pdkv.netaddr import HeldPort
 
 CONNECTOR_MODULE = "pdkv.integration.vllm.connector"
 INFO_MIDDLEWARE = "pdkv.integration.vllm.info.pdkv_info"
@@ -50,9 +50,26 @@ CONNECTOR_FIELDS = (
 
 
 def vllm_command(
-    config: PdkvConfig, model: str, engine_args: Sequence[str], python: str = sys.executable
+    config: PdkvConfig,
+    model: str,
+    engine_args: Sequence[str],
+    python: str = sys.executable,
+    held: list[HeldPort] | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
-    """The vLLM server command line for this role, and the ``/pdkv/info`` it serves."""
+    """The vLLM server command line for this role, and the ``/pdkv/info`` it serves.
+
+    A port left to pick (``--port 0``, no ``control_port``, a ``tcp://*:0`` event endpoint) is a ``HeldPort``
+    appended to ``held``, for the caller to release once vLLM serves; without ``held`` it is released at once.
+    """
+
+    def pick() -> int:
+        hold = HeldPort(host)
+        if held is None:
+            hold.release()
+        else:
+            held.append(hold)
+        return hold.port
+
     if config.role not in KV_ROLES:
         raise ConfigError(f"engine vllm runs the prefill and decode roles, not {config.role!r}")
     for flag in ("--kv-transfer-config", "--port", "--host"):
@@ -61,11 +78,11 @@ def vllm_command(
                 f"pass {flag} to pdkv launch (--config/--host/--port), not after --: the launcher sets it for vLLM"
             )
     host = config.host
-    port = config.port or free_port(host)
+    port = config.port or pick()
     extra: dict[str, Any] = {f: getattr(config, f) for f in CONNECTOR_FIELDS}
     info: dict[str, Any] = {"engine": "vllm", "role": config.role, "url": f"http://{config.advertised_host()}:{port}"}
     if config.role == "decode":
-        extra["control_port"] = config.control_port or free_port(host)
+        extra["control_port"] = config.control_port or pick()
         info.update(remote_host=config.advertised_host(), remote_port=extra["control_port"])
     ktc = {
         "kv_connector": "PdkvConnector",
@@ -96,12 +113,12 @@ def vllm_command(
                 "pass --kv-events-config as kv_events in pdkv's config, not after --: the launcher sets it for vLLM "
                 "and names it in /pdkv/info"
             )
-        events, info["kv_events"] = vllm_kv_events(config)
+        events, info["kv_events"] = vllm_kv_events(config, pick)
         cmd += ["--kv-events-config", json.dumps(events)]
     return cmd, info
 
 
-def vllm_kv_events(config: PdkvConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+def vllm_kv_events(config: PdkvConfig, pick: Callable[[], int]) -> tuple[dict[str, Any], dict[str, Any]]:
     """vLLM's ``--kv-events-config`` for ``config.kv_events``, and what ``/pdkv/info`` tells the router.
 
     vLLM binds ``tcp://*:PORT`` on every interface and connects to any
@@ -120,7 +137,7 @@ def vllm_kv_events(config: PdkvConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     def resolve(endpoint: str, bind_all: bool) -> tuple[str, str]:
         if not endpoint.startswith("tcp://*:"):
             return endpoint, endpoint
-        port = int(endpoint.rsplit(":", 1)[1]) or free_port(config.host)
+        port = int(endpoint.rsplit(":", 1)[1]) or pick()
         return (f"tcp://*:{port}" if bind_all else f"tcp://{config.host}:{port}"), f"tcp://{config.host}:{port}"
 
     endpoint, advertised = resolve(ev.endpoint, bind_all=True)
@@ -152,7 +169,18 @@ def run_vllm(config: PdkvConfig, engine_args: Sequence[str], ready_timeout_s: fl
         from pdkv.engine.default_model import ensure_default_model
 
         model = str(ensure_default_model())
-    cmd, info = vllm_command(config, model, engine_args)
+    held: list[HeldPort] = []
+    try:
+        cmd, info = vllm_command(config, model, engine_args, held=held)
+        return _serve(cmd, info, config, ready_timeout_s, held)
+    finally:
+        for hold in held:
+            hold.release()
+
+
+def _serve(
+    cmd: list[str], info: dict[str, Any], config: PdkvConfig, ready_timeout_s: float, held: list[HeldPort]
+) -> int:
     # vLLM logs to stdout; our stdout carries only the ready line, which scripts read and then stop reading.
     env = {**os.environ, INFO_ENV: json.dumps(info)}
     if config.kv_events.use_int_block_hashes is not None:  # vLLM reads the hash form from its environment only
@@ -171,5 +199,7 @@ def run_vllm(config: PdkvConfig, engine_args: Sequence[str], ready_timeout_s: fl
             proc.wait(10)
             raise PdkvError(f"vLLM did not answer {info['url']}/health within {ready_timeout_s:.0f}s")
         time.sleep(0.5)
+    for hold in held:  # vLLM has bound every one of them by now
+        hold.release()
     print(json.dumps({"event": "ready", **info}), flush=True)
     return proc.wait()

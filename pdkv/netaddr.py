@@ -62,6 +62,42 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+class HeldPort:
+    """A free port kept bound, so that no other process gets it, until the process it was given to has bound it.
+
+    ``free_port`` forgets its port at once: until the child it is passed to
+    binds it, another process's ``bind(host, 0)`` may be handed the same one.
+    vLLM binds its HTTP socket with ``SO_REUSEADDR`` long before it listens
+    (its engine starts in between); a second server given the same port binds
+    it too, listens first, and vLLM's listen then fails without a word: vLLM
+    lives on, unreachable, and its ``/health`` is answered by the other server
+    (seen in CI: a vLLM never healthy in 15 minutes). A held port is bound here
+    with ``SO_REUSEADDR`` and never listened on: the kernel gives it to no
+    ``bind(0)`` and no outgoing connection, while a child that binds it with
+    ``SO_REUSEADDR`` (vLLM's HTTP socket, every ZeroMQ listener) still can.
+    Release it once the child serves.
+    """
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._sock.bind((host, 0))
+        except OSError:
+            self._sock.close()
+            raise
+        self.port = int(self._sock.getsockname()[1])
+
+    def release(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> HeldPort:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 def zmq_address(host: str, port: int | str) -> str:
     """A ZeroMQ tcp endpoint; an IPv6 literal goes in brackets (``tcp://[::1]:5555``), as ZeroMQ wants it."""
     return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"

@@ -3,11 +3,12 @@
 The suite runs in one process for 10 minutes; what one test leaves running (a channel's I/O threads, a socket,
 a pipe) is still there for every test after it, and a worker that reconnects to many peers would leak the same
 way. So once a test module is over (its last test torn down, its module-scoped fixtures finalized) this plugin
-compares the process's threads and fds with what it had before the module's first test, and fails that last
-teardown if anything is left, naming the test after which each leftover was first seen. Checked per module,
-not per test, because a module-scoped fixture's objects may open connections lazily during any of its tests
-(a channel's link to its peer) and close them only when the fixture is finalized. What a session-scoped
-fixture opened belongs to it while it lives.
+compares the process's threads and fds (and the test thread's network namespace: a test that enters a rig's
+host and stays there moves every later test's sockets onto it) with what it had before the module's first test,
+and fails that last teardown if anything is left, naming the test after which each leftover was first seen.
+Checked per module, not per test, because a module-scoped fixture's objects may open connections lazily during
+any of its tests (a channel's link to its peer) and close them only when the fixture is finalized. What a
+session-scoped fixture opened belongs to it while it lives.
 
 One exception, for file descriptors only: UCX (under the nixl and ucx channels) gives some of a closed worker's
 resources back asynchronously, and after a refused or broken endpoint sometimes not at all while the process
@@ -43,7 +44,7 @@ PROCESS_THREADS = (
     "tqdm_monitor",  # tqdm's one monitor thread, started with the first progress bar
 )
 
-Resource = tuple[str, str]  # ("thread", "name#ident") or ("fd", "N -> target")
+Resource = tuple[str, str]  # ("thread", "name#ident"), ("fd", "N -> target") or ("netns", "net:[inode]")
 
 
 def _process_fds() -> set[int]:
@@ -59,7 +60,9 @@ def _process_fds() -> set[int]:
 
 
 def _snapshot() -> set[Resource]:
-    out: set[Resource] = set()
+    # The network namespace the test thread is in: a test that enters a rig's host (pdkv.bench.netrig) and never
+    # comes back leaves every later test's sockets on that host, where 127.0.0.1 is another machine's loopback.
+    out: set[Resource] = {("netns", os.readlink("/proc/thread-self/ns/net"))}
     kept = _process_fds()
     for t in threading.enumerate():
         if t.ident is not None and not t.name.startswith(PROCESS_THREADS):

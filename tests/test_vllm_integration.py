@@ -44,7 +44,7 @@ from pathlib import Path
 
 import pytest
 
-from pdkv.netaddr import free_port
+from pdkv.netaddr import HeldPort
 from pdkv.testing.http import get_text, metric, post_json
 from pdkv.testing.procs import WorkerProcess, start_worker
 from pdkv.testing.redis import local_redis
@@ -123,9 +123,8 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _start_mono(python: str, model: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def _start_mono(python: str, model: str, log: Path, port: int) -> subprocess.Popen[bytes]:
     """Plain vLLM, no connector: what P/D must reproduce."""
-    port = free_port("127.0.0.1")
     cmd = [
         python,
         "-m",
@@ -139,14 +138,14 @@ def _start_mono(python: str, model: str, log: Path) -> tuple[subprocess.Popen[by
         *ENGINE_ARGS[1:],
         *PROBED,
     ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=log.open("wb"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **bind("mono"), **PROBE_ENV},
-        start_new_session=True,
-    )
-    return proc, f"http://127.0.0.1:{port}"
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **bind("mono"), **PROBE_ENV},
+            start_new_session=True,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +178,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, vllm_env_python: str) -> I
 
 
 def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str) -> Iterator[Cluster]:
-    mono, mono_url = _start_mono(python, model, tmp / "mono.log")
+    # Held until it serves: P and D start meanwhile and pick ports of their own (pdkv.netaddr.HeldPort)
+    mono_port = HeldPort("127.0.0.1")
+    mono, mono_url = _start_mono(python, model, tmp / "mono.log", mono_port.port), f"http://127.0.0.1:{mono_port.port}"
     started: list[WorkerProcess] = []
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -234,10 +235,12 @@ def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str)
                 f"monolithic vLLM did not start: {(tmp / 'mono.log').read_text()[-2000:]}"
             )
             time.sleep(0.5)
+        mono_port.release()
         for url in (mono_url, decode.url):
             post_json(url + "/collective_rpc", {"method": "pdkv_probe_start"})
         yield Cluster(model, mono_url, prefill, decode, router, redis_url, namespace)
     finally:
+        mono_port.release()
         for w in reversed(started):
             w.stop(timeout=30)
         if mono.poll() is None:
