@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -80,7 +81,12 @@ def vllm_command(
     host = config.host
     port = config.port or pick()
     extra: dict[str, Any] = {f: getattr(config, f) for f in CONNECTOR_FIELDS}
-    info: dict[str, Any] = {"engine": "vllm", "role": config.role, "url": f"http://{config.advertised_host()}:{port}"}
+    info: dict[str, Any] = {
+        "engine": "vllm",
+        "role": config.role,
+        "url": f"http://{config.advertised_host()}:{port}",
+        "instance": secrets.token_hex(8),  # tells this vLLM from another server answering on its port
+    }
     if config.role == "decode":
         extra["control_port"] = config.control_port or pick()
         info.update(remote_host=config.advertised_host(), remote_port=extra["control_port"])
@@ -149,12 +155,40 @@ def vllm_kv_events(config: PdkvConfig, pick: Callable[[], int]) -> tuple[dict[st
     return events, {"endpoint": advertised, "replay_endpoint": replay_advertised, "topic": ev.topic}
 
 
-def _healthy(url: str) -> bool:
+def _get(url: str) -> tuple[int, bytes] | None:
+    """The status and body of a GET, None when nothing answered in time."""
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-            return resp.status == 200
-    except (OSError, urllib.error.URLError):
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, b""
+    except OSError:  # refused, reset, timed out: nobody answered (yet)
+        return None
+
+
+def _serving(info: dict[str, Any]) -> bool:
+    """True once our vLLM answers on its port; a PdkvError if another server does.
+
+    vLLM binds its port long before it listens, and a listen that fails (another server listening there first)
+    leaves it running without a word: its port then answers for someone else. Our vLLM's ``/pdkv/info`` carries
+    this launch's ``instance``; any other answer there is not ours, and waiting would not make it so.
+    """
+    health = _get(info["url"] + "/health")
+    if health is None or health[0] != 200:
         return False
+    answer = _get(info["url"] + "/pdkv/info")
+    if answer is None:
+        return False
+    try:
+        theirs = json.loads(answer[1]) if answer[0] == 200 else f"HTTP {answer[0]}"
+    except ValueError:
+        theirs = answer[1][:200]
+    if theirs == info:
+        return True
+    raise PdkvError(
+        f"another server answers on {info['url']} (its /pdkv/info: {theirs!r}), so vLLM could not listen there: "
+        "pass a free --port, or none (0) to let pdkv pick one"
+    )
 
 
 def run_vllm(config: PdkvConfig, engine_args: Sequence[str], ready_timeout_s: float) -> int:
@@ -178,6 +212,15 @@ def run_vllm(config: PdkvConfig, engine_args: Sequence[str], ready_timeout_s: fl
             hold.release()
 
 
+def _serving_or_stop(proc: subprocess.Popen[bytes], info: dict[str, Any]) -> bool:
+    try:
+        return _serving(info)
+    except PdkvError:
+        proc.kill()
+        proc.wait(10)
+        raise
+
+
 def _serve(
     cmd: list[str], info: dict[str, Any], config: PdkvConfig, ready_timeout_s: float, held: list[HeldPort]
 ) -> int:
@@ -191,7 +234,7 @@ def _serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, _f: proc.send_signal(s))
     deadline = time.monotonic() + ready_timeout_s
-    while not _healthy(info["url"]):
+    while not _serving_or_stop(proc, info):
         if proc.poll() is not None:
             raise PdkvError(f"vLLM exited with code {proc.returncode} before it was ready (its log is above)")
         if time.monotonic() > deadline:

@@ -12,7 +12,6 @@ import socket
 import pytest
 import zmq
 
-from pdkv.config import convert_config
 from pdkv.netaddr import HeldPort
 
 
@@ -64,21 +63,3 @@ def test_the_child_binds_and_serves_on_its_held_port() -> None:
             router.close(0)
             dealer.close(0)
             ctx.term()
-
-
-def test_the_vllm_launcher_holds_every_port_it_picks_until_vllm_serves() -> None:
-    from pdkv.launch.vllm import vllm_command
-
-    cfg = convert_config({"role": "decode", "kv_events": {"enable_kv_cache_events": True, "endpoint": "tcp://*:0"}})
-    held: list[HeldPort] = []
-    try:
-        cmd, info = vllm_command(cfg, "/models/m", [], python="py", held=held)
-        events = info["kv_events"]["endpoint"]
-        picked = [int(cmd[cmd.index("--port") + 1]), info["remote_port"], int(events.rsplit(":", 1)[1])]
-        assert sorted(h.port for h in held) == sorted(picked) and len(set(picked)) == 3
-        for port in picked:
-            with socket.socket() as plain, pytest.raises(OSError):
-                plain.bind(("127.0.0.1", port))
-    finally:
-        for h in held:
-            h.release()
