@@ -21,7 +21,13 @@ import torch
 
 from pdkv.config import convert_config
 from pdkv.errors import ConfigError, LayoutError, OutOfBlocksError
-from pdkv.integration.vllm.kvcache import CPU_BACKEND, MLA_BACKENDS, copy_blocks, vllm_cache_layout
+from pdkv.integration.vllm.kvcache import (
+    CPU_BACKEND,
+    MLA_BACKENDS,
+    check_platform_fp8,
+    copy_blocks,
+    vllm_cache_layout,
+)
 from pdkv.integration.vllm.landing import VllmBlocks, landing_path
 from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
 from pdkv.integration.vllm.ordering import StepEvent
@@ -191,6 +197,13 @@ def test_unmapped_kv_dtypes_and_mla_caches_are_refused_by_name(
 ) -> None:
     with pytest.raises(LayoutError, match=message):
         vllm_cache_layout(cache(), BS, backend, cache_dtype)
+
+
+def test_an_e4m3_cache_is_refused_where_the_platforms_fp8_is_another_type() -> None:
+    check_platform_fp8("fp8", torch.float8_e4m3fn)  # CUDA
+    check_platform_fp8("fp8_e5m2", torch.float8_e4m3fnuz)  # e5m2 names its own type
+    with pytest.raises(LayoutError, match="fp8_e4m3 is torch.float8_e4m3fnuz on this platform.*fp8_e5m2 or auto"):
+        check_platform_fp8("fp8_e4m3", torch.float8_e4m3fnuz)  # ROCm MI300
 
 
 def test_hknd_layout_reads_k_and_v_where_vllm_cpu_attention_does() -> None:

@@ -39,13 +39,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdkv.cache_engine import KVCacheEngine
 from pdkv.config import convert_config
 from pdkv.errors import ConfigError, LayoutError
 from pdkv.integration.vllm.info import SECRET_ENV
-from pdkv.integration.vllm.kvcache import kv_dtype, vllm_cache_layout
+from pdkv.integration.vllm.kvcache import check_platform_fp8, kv_dtype, vllm_cache_layout
 from pdkv.integration.vllm.metadata import StepMetadata
 from pdkv.integration.vllm.scheduler_side import SchedulerSide
 from pdkv.integration.vllm.worker_side import WorkerSide, agent_name
@@ -188,9 +189,9 @@ class PdkvConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
         backend = attention_backend(self._vllm_config)
-        layout, views = vllm_cache_layout(
-            kv_caches, self.block_size, backend, self._vllm_config.cache_config.cache_dtype
-        )
+        cache_dtype = self._vllm_config.cache_config.cache_dtype
+        check_platform_fp8(cache_dtype, current_platform.fp8_dtype())
+        layout, views = vllm_cache_layout(kv_caches, self.block_size, backend, cache_dtype)
         log.info(
             "vLLM KV cache (%s, %s, %s): pdkv %s %s, %d layers",
             backend,

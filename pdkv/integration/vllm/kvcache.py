@@ -49,8 +49,8 @@ shape alone does not say where K and V are: the backend does.
 
 Not mapped, refused by name: other ``--kv-cache-dtype`` values (nvfp4,
 int8/int4/fp8 per token head, ``fp8_ds_mla``, turboquant: packed formats
-with inline scales), ``fp8`` on ROCm platforms whose fp8 is
-``float8_e4m3fnuz`` (its bytes would be named ``float8_e4m3fn``), sparse and
+with inline scales), ``fp8``/``fp8_e4m3`` on ROCm platforms whose fp8 is
+``float8_e4m3fnuz`` (``check_platform_fp8``), sparse and
 other MLA backends (``*_MLA_SPARSE``, AITER, AMX), hybrid models with more
 than one backend, caches split into kernel blocks smaller than vLLM's block
 (their ``block_size`` axis is not ``--block-size``: refused by the shape
@@ -94,6 +94,16 @@ def kv_dtype(cache_dtype: str, float_dtype: torch.dtype) -> str:
             f"{mapped} (see pdkv/integration/vllm/kvcache.py)"
         )
     return name
+
+
+def check_platform_fp8(cache_dtype: str, platform_fp8: torch.dtype) -> None:
+    """Refuse an e4m3 cache on a platform whose fp8 is not ``float8_e4m3fn`` (ROCm MI300's ``float8_e4m3fnuz``,
+    vLLM's ``current_platform.fp8_dtype()``): its bytes would be named, and read by a CUDA peer, as another type."""
+    if FP8_CACHE_DTYPES.get(cache_dtype) == "float8_e4m3fn" and platform_fp8 != torch.float8_e4m3fn:
+        raise LayoutError(
+            f"vLLM --kv-cache-dtype {cache_dtype} is {platform_fp8} on this platform; pdkv maps float8_e4m3fn and "
+            "float8_e5m2 caches only: use --kv-cache-dtype fp8_e5m2 or auto"
+        )
 
 
 def vllm_cache_layout(
