@@ -72,8 +72,10 @@ class PdkvConnectorMetadata(StepMetadata, KVConnectorMetadata):
 
 
 def vllm_fingerprint(vllm_config: VllmConfig) -> str:
-    """Same model, same config, same model dtype => same fingerprint, on P and D alike (paths excluded). The KV
-    cache dtype is the layout's (``vllm_layout``): the handshake compares it and names ``--kv-cache-dtype``."""
+    """Same model, same config, same KV dtype => same fingerprint, on P and D alike (paths excluded).
+
+    The KV dtype keeps an fp8 instance's chunks in a shared tier apart from a bf16 one's. P and D that differ in
+    it are refused at the Hello with ``--kv-cache-dtype`` named (the layout's dtype), besides the fingerprint."""
     mc = vllm_config.model_config
     hf = {
         k: v
@@ -81,7 +83,9 @@ def vllm_fingerprint(vllm_config: VllmConfig) -> str:
         if k not in ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
     }
     name = os.path.basename(str(mc.model).rstrip("/"))
-    return model_fingerprint(name, json.loads(json.dumps(hf, default=str)), str(mc.dtype))
+    return model_fingerprint(
+        name, json.loads(json.dumps(hf, default=str)), f"{mc.dtype}/{vllm_config.cache_config.cache_dtype}"
+    )
 
 
 def vllm_layout(vllm_config: VllmConfig) -> KVLayout:
