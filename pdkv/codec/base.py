@@ -108,8 +108,8 @@ class Codec(abc.ABC):
         """Why this codec cannot encode a ``dtype`` KV cache, or None when it can."""
         if dtype in FP8_DTYPES and not cls.bytes_only:
             return (
-                f"transfer.codec {cls.name!r} does arithmetic on KV values; this cache is {dtype} (vLLM "
-                "--kv-cache-dtype fp8), whose bytes pdkv moves as they are: set transfer.codec to 'none' or 'zstd'"
+                f"transfer.codec {cls.name!r} does arithmetic on KV values; this cache is {dtype}, an fp8 cache "
+                "whose bytes pdkv moves as they are: set transfer.codec to 'none' or 'zstd'"
             )
         if cls.source_dtypes is not None and dtype not in cls.source_dtypes:
             return (
