@@ -24,7 +24,19 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    # fp8 caches are held as bytes, as vLLM holds them (torch.uint8 under --kv-cache-dtype fp8): pdkv only moves
+    # and checksums them, unconverted, and torch's CPU kernels lack float8 index_copy_. The name says what the
+    # bytes are, so P and D agree on it at the handshake.
+    "float8_e4m3fn": torch.uint8,
+    "float8_e5m2": torch.uint8,
 }
+"""A KV dtype's name -> the torch dtype its buffers and chunks are stored as."""
+
+FP8_DTYPES = frozenset({"float8_e4m3fn", "float8_e5m2"})
+"""KV dtypes stored as raw bytes: codecs that do arithmetic on the values refuse them."""
+
+DTYPE_CODES: dict[str, int] = {"float32": 1, "float16": 2, "bfloat16": 3, "float8_e4m3fn": 4, "float8_e5m2": 5}
+"""A KV dtype's code in stored and encoded chunk headers (codec frames, tier values): fixed by those formats."""
 
 BlockTable = Sequence[int] | torch.Tensor
 
@@ -152,18 +164,33 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return -(-num_tokens // self.block_size)
 
     # -- compatibility -----------------------------------------------------
-    def wire_mismatches(self, other: KVLayout) -> list[str]:
-        """Fields that make the two layouts' canonical chunks differ.
+    def wire_mismatches(self, other: KVLayout, us: str = "ours", them: str = "peer") -> list[str]:
+        """What makes the two layouts' canonical chunks differ, ``us`` and ``them`` naming the two sides.
 
         Block size, order and kind may differ between P and D: gather and
         scatter convert. These may not: they change what a token's KV is.
+        The KV dtype and MLA are never converted (an fp8 cache would have to
+        be dequantized with scales pdkv does not hold): they are named with
+        the setting that makes both sides agree.
         """
-        fields = ("num_layers", "num_kv_heads", "head_dim", "dtype", "mla")
-        return [
-            f"layout.{f} (ours {getattr(self, f)!r}, peer {getattr(other, f)!r})"
+        fields = ("num_layers", "num_kv_heads", "head_dim")
+        out = [
+            f"layout.{f} ({us} {getattr(self, f)!r}, {them} {getattr(other, f)!r})"
             for f in fields
             if getattr(self, f) != getattr(other, f)
         ]
+        if self.dtype != other.dtype:
+            out.append(
+                f"{them}'s KV cache is {other.dtype}, {us}'s is {self.dtype}: start both with the same KV cache "
+                "dtype (vLLM: the same --kv-cache-dtype; pdkv workers: the same dtype)"
+            )
+        if self.mla != other.mla:
+            form = {True: "MLA (one latent per layer)", False: "K and V per layer"}
+            out.append(
+                f"{them}'s KV cache is {form[other.mla]}, {us}'s is {form[self.mla]}: serve the same model with the "
+                "same attention backend kind (MLA or not) on both"
+            )
+        return out
 
     def validate_buffer(self, tensors: Sequence[torch.Tensor]) -> int:
         """Check ``tensors`` are a buffer in this layout; return its block count."""

@@ -91,10 +91,15 @@ LAYOUTS = [
     # 6-byte tokens: runs do not start on whole words of the chunk, so the kernel hashes after copying
     KVLayout(num_layers=2, num_kv_heads=1, head_dim=3, block_size=4, dtype="float16"),
     KVLayout(num_layers=2, num_kv_heads=1, head_dim=3, block_size=4, dtype="float16", order="HND"),
+    # fp8 bytes: 3-byte rows, and a latent as an fp8 MLA cache keeps it
+    KVLayout(num_layers=2, num_kv_heads=3, head_dim=1, block_size=4, dtype="float8_e4m3fn", order="NHKD"),
+    KVLayout(num_layers=2, num_kv_heads=1, head_dim=36, block_size=16, dtype="float8_e5m2", mla=True),
 ]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: f"{lay.kind}-{lay.order}-{lay.head_dim}-{lay.mla}")
+@pytest.mark.parametrize(
+    "layout", LAYOUTS, ids=lambda lay: f"{lay.kind}-{lay.order}-{lay.head_dim}-{lay.mla}-{lay.dtype}"
+)
 @pytest.mark.parametrize(("start", "tokens"), [(0, 40), (5, 27)])
 def test_gather_and_scatter_hash_the_chunk_they_move(
     monkeypatch: pytest.MonkeyPatch, layout: KVLayout, start: int, tokens: int
@@ -102,7 +107,12 @@ def test_gather_and_scatter_hash_the_chunk_they_move(
     num_blocks = 24
     kv = layout.allocate(num_blocks)
     for t in kv:
-        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())))
+        gen = torch.Generator().manual_seed(t.numel())
+        t.copy_(
+            torch.randn(t.shape, generator=gen)
+            if t.is_floating_point()
+            else torch.randint(0, 256, t.shape, generator=gen)
+        )
     table = random.Random(tokens).sample(range(num_blocks), -(-(start + tokens) // layout.block_size))
     chunk = torch.empty(layout.chunk_shape(tokens), dtype=layout.torch_dtype)
     _, acc = native.gather_summed(layout, kv, table, start, tokens, chunk, checksum=True)

@@ -24,9 +24,9 @@ from pdkv.codec import CODECS, available_codecs, codec_names, make_codec
 from pdkv.codec.base import _HEADER, _SECTION, ALIGN, Codec, align
 from pdkv.config import TransferConfig, load_config
 from pdkv.errors import CodecError, ConfigError
-from pdkv.layout import KVLayout
+from pdkv.layout import FP8_DTYPES, KVLayout
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 # (layers, kv heads, head_dim, tokens, mla): odd sizes, one token, a partial chunk, a full one, MLA's single latent
 SHAPES = ((2, 3, 5, 7, False), (1, 1, 8, 1, False), (3, 2, 16, 33, False), (2, 1, 12, 5, True))
 LOSSY = [n for n, c in CODECS.items() if not c.lossless]
@@ -44,6 +44,8 @@ def kv_like(layout: KVLayout, tokens: int, seed: int = 0) -> torch.Tensor:
     x = torch.randn(shape, generator=gen) * scale + torch.randn((1, 1, 1, shape[3], shape[4]), generator=gen)
     x[0, 0, 0, 0] = 0.0
     x[-1, -1, -1, -1] = 3.25
+    if layout.dtype in FP8_DTYPES:  # the bytes vLLM's fp8 cache would hold for these values
+        return x.to(getattr(torch, layout.dtype)).view(layout.torch_dtype)
     return x.to(layout.torch_dtype)
 
 
@@ -460,6 +462,19 @@ def test_registry_ids_are_unique_and_names_listed() -> None:
     assert available_codecs(layout_for("float32", 1, 1, 8, mla=True)) == [
         n for n in codec_names() if n not in ("k16v8", "int8-kivi")
     ]
+
+
+@pytest.mark.parametrize("dtype", sorted(FP8_DTYPES))
+def test_an_fp8_cache_goes_only_through_codecs_that_move_bytes(dtype: str) -> None:
+    """fp8 values need scales pdkv does not hold: a codec that computes on them refuses, naming the setting."""
+    layout = layout_for(dtype, 2, 2, 8)
+    byte_codecs = [n for n, c in CODECS.items() if c.bytes_only]
+    assert "none" in byte_codecs and not set(byte_codecs) & set(LOSSY)
+    assert available_codecs(layout) == [n for n in available_codecs(layout_for("float32", 2, 2, 8)) if n in byte_codecs]
+    for name in CODECS:
+        if name not in byte_codecs:
+            with pytest.raises(ConfigError, match=f"this cache is {dtype}.*set transfer.codec to 'none' or 'zstd'"):
+                make_codec(name, layout)
 
 
 def test_config_codec_default_and_valid() -> None:

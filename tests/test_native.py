@@ -31,7 +31,7 @@ from pdkv.layout import KVLayout
 
 KINDS = ("per_layer", "cross_layer", "split_kv")
 ORDERS = ("NHD", "HND", "NHKD", "HNKD")
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16", "float8_e4m3fn")  # fp8: 1-byte elements, odd rows of 5 bytes
 NUM_BLOCKS = 12
 # (start, num_tokens) with block size 4: whole block, one token, a range that
 # straddles a boundary, partial first and last blocks, empty, many blocks.

@@ -78,14 +78,15 @@ def test_malformed_notice() -> None:
 
 
 def test_hello_compatibility_names_every_differing_field() -> None:
-    protocol.check_compatible(hello(), hello(layout=KVLayout(2, 2, 8, block_size=32, order="HND")))  # convertible
+    convertible = KVLayout(2, 2, 8, block_size=32, order="HND")
+    protocol.check_compatible(hello(), hello(layout=convertible), "decode")
     with pytest.raises(HandshakeError) as err:
         protocol.check_compatible(
-            hello(), hello(chunk_size=128, layout=KVLayout(2, 2, 8, dtype="float16"), protocol_version=2)
+            hello(), hello(chunk_size=128, layout=KVLayout(2, 2, 8, dtype="float16"), protocol_version=2), "decode"
         )
     text = str(err.value)
     assert "chunk_size (ours 256, peer 128)" in text
-    assert "layout.dtype (ours 'bfloat16', peer 'float16')" in text
+    assert "prefill's KV cache is float16, this decode's is bfloat16: start both with the same KV cache dtype" in text
     assert "protocol_version" in text
     assert "model_fingerprint" not in text
 

@@ -327,6 +327,34 @@ def test_hello_mismatch_names_the_field(make_pair: MakePair) -> None:
         pair2.sender.open("y", pair2.receiver.address, 16, [0])
 
 
+@pytest.mark.parametrize(
+    ("p_layout", "d_layout", "message"),
+    [
+        (
+            KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="float8_e4m3fn"),
+            KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, dtype="bfloat16"),
+            "prefill's KV cache is float8_e4m3fn, this decode's is bfloat16: start both with the same KV cache dtype",
+        ),
+        (
+            KVLayout(num_layers=3, num_kv_heads=1, head_dim=8, dtype="bfloat16", mla=True),
+            KVLayout(num_layers=3, num_kv_heads=1, head_dim=8, dtype="bfloat16"),
+            "prefill's KV cache is MLA (one latent per layer), this decode's is K and V per layer",
+        ),
+    ],
+    ids=["fp8-bf16", "mla-kv"],
+)
+def test_hello_refuses_another_kv_dtype_or_form_never_converts_it(
+    make_pair: MakePair, p_layout: KVLayout, d_layout: KVLayout, message: str
+) -> None:
+    """Same shape otherwise: only the dtype (or MLA) differs, and the receiver refuses the sender's Hello, so
+    admission never reaches the staging path that would convert between layouts."""
+    pair = make_pair(p_layout=p_layout, d_layout=d_layout)
+    with pytest.raises(HandshakeError) as err:
+        pair.sender.open("x", pair.receiver.address, 16, [0])
+    assert message in str(err.value) and "layout." not in str(err.value)  # nothing else differs
+    assert pair.receiver.stats()["handshake_failures"] == 1 and pair.receiver.stats().get("reservations", 0) == 0
+
+
 def test_silent_receiver_times_out(make_pair: MakePair) -> None:
     """Something listens at the address but never answers Hello: the handshake timeout, configurable, bounds it."""
     pair = make_pair(config=TransferConfig(chunk_size=32, handshake_timeout_s=0.3))

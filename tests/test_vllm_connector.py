@@ -21,7 +21,13 @@ import torch
 
 from pdkv.config import convert_config
 from pdkv.errors import ConfigError, LayoutError, OutOfBlocksError
-from pdkv.integration.vllm.kvcache import CPU_BACKEND, copy_blocks, vllm_cache_layout
+from pdkv.integration.vllm.kvcache import (
+    CPU_BACKEND,
+    MLA_BACKENDS,
+    check_platform_fp8,
+    copy_blocks,
+    vllm_cache_layout,
+)
 from pdkv.integration.vllm.landing import VllmBlocks, landing_path
 from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
 from pdkv.integration.vllm.ordering import StepEvent
@@ -41,47 +47,70 @@ BS = 32  # vLLM CPU block sizes are multiples of 32
 LAYERS, HEADS, HEAD_DIM = 3, 2, 8
 
 
-def vllm_cpu_cache(num_blocks: int, seed: int | None = None) -> dict[str, torch.Tensor]:
-    """Per-layer tensors shaped like vLLM's CPU backend: [blocks, kv_heads, block_size, 2 * head_dim]."""
+def filled(shape: tuple[int, ...], seed: int | None, cache_dtype: str) -> torch.Tensor:
+    """A vLLM cache allocation: random KV (zeros if ``seed`` is None) as ``--kv-cache-dtype cache_dtype`` holds it,
+    bf16 or fp8 bytes (vLLM's torch.uint8)."""
     gen = torch.Generator().manual_seed(seed or 0)
-    make = (lambda s: torch.randn(s, generator=gen)) if seed is not None else torch.zeros
+    values = torch.randn(shape, generator=gen) if seed is not None else torch.zeros(shape)
+    fp8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+    return values.to(fp8[cache_dtype]).view(torch.uint8) if cache_dtype in fp8 else values.to(torch.bfloat16)
+
+
+def vllm_cpu_cache(num_blocks: int, seed: int | None = None, cache_dtype: str = "auto") -> dict[str, torch.Tensor]:
+    """Per-layer tensors shaped like vLLM's CPU backend: [blocks, kv_heads, block_size, 2 * head_dim]."""
     return {
-        f"model.layers.{i}.self_attn.attn": make((num_blocks, HEADS, BS, 2 * HEAD_DIM)).to(torch.bfloat16)
+        f"model.layers.{i}.self_attn.attn": filled(
+            (num_blocks, HEADS, BS, 2 * HEAD_DIM), seed and seed + i, cache_dtype
+        )
         for i in range(LAYERS)
     }
 
 
-def vllm_gpu_cache(num_blocks: int, kv_cache_layout: str, seed: int | None = None) -> dict[str, torch.Tensor]:
+def vllm_gpu_cache(
+    num_blocks: int, kv_cache_layout: str, seed: int | None = None, cache_dtype: str = "auto"
+) -> dict[str, torch.Tensor]:
     """Per-layer views as vLLM 0.32's GPU workers register them: logical [blocks, kv_heads, block_size,
     2 * head_dim] over one allocation in the physical order ``VLLM_KV_CACHE_LAYOUT`` names (L layers, B blocks,
     H heads, N block offsets, C a row's K then V)."""
-    gen = torch.Generator().manual_seed(seed or 0)
-    make = (lambda s: torch.randn(s, generator=gen)) if seed is not None else torch.zeros
     physical = {
         "LBNHC": ((LAYERS, num_blocks, BS, HEADS, 2 * HEAD_DIM), lambda raw, i: raw[i].transpose(1, 2)),
         "LBHNC": ((LAYERS, num_blocks, HEADS, BS, 2 * HEAD_DIM), lambda raw, i: raw[i]),
         "BLNHC": ((num_blocks, LAYERS, BS, HEADS, 2 * HEAD_DIM), lambda raw, i: raw[:, i].transpose(1, 2)),
     }
     shape, layer_view = physical[kv_cache_layout]
-    raw = make(shape).to(torch.bfloat16)
+    raw = filled(shape, seed, cache_dtype)
     return {f"model.layers.{i}.self_attn.attn": layer_view(raw, i) for i in range(LAYERS)}
 
 
-# what a cache spec names: an attention backend and, on a GPU, VLLM_KV_CACHE_LAYOUT
+LATENT = 20  # kv_lora_rank + qk_rope_head_dim (DeepSeek: 512 + 64)
+
+
+def vllm_mla_cache(num_blocks: int, seed: int | None = None, cache_dtype: str = "auto") -> dict[str, torch.Tensor]:
+    """Per-layer views as vLLM 0.32's MLA backends register them: [blocks, 1, block_size, latent] (one head slot,
+    no K/V split: ``MLAAttentionSpec.head_size_v == 0``) over one layer-compact allocation."""
+    raw = filled((LAYERS, num_blocks, 1, BS, LATENT), seed, cache_dtype)
+    return {f"model.layers.{i}.self_attn.attn": raw[i] for i in range(LAYERS)}
+
+
+# what a cache spec names: an attention backend, on a GPU VLLM_KV_CACHE_LAYOUT, and after ":" --kv-cache-dtype
 CACHES = ("CPU_ATTN", "FLASH_ATTN/LBNHC", "FLASHINFER/LBHNC", "TRITON_ATTN/LBNHC")
+FP8_CACHES = ("CPU_ATTN:fp8", "FLASH_ATTN/LBNHC:fp8_e5m2", "TRITON_ATTN/LBHNC:fp8_e4m3")
+MLA_CACHES = ("TRITON_MLA", "CPU_MLA:fp8")
 
 
 def vllm_cache(spec: str, num_blocks: int, seed: int | None = None) -> dict[str, torch.Tensor]:
+    spec, _, cache_dtype = spec.partition(":")
     backend, _, kv_cache_layout = spec.partition("/")
-    return (
-        vllm_cpu_cache(num_blocks, seed)
-        if backend == CPU_BACKEND
-        else vllm_gpu_cache(num_blocks, kv_cache_layout, seed)
-    )
+    if backend in MLA_BACKENDS:
+        return vllm_mla_cache(num_blocks, seed, cache_dtype or "auto")
+    if backend == CPU_BACKEND:
+        return vllm_cpu_cache(num_blocks, seed, cache_dtype or "auto")
+    return vllm_gpu_cache(num_blocks, kv_cache_layout, seed, cache_dtype or "auto")
 
 
 def mapped(spec: str, cache: dict[str, torch.Tensor]) -> tuple[KVLayout, list[torch.Tensor]]:
-    return vllm_cache_layout(cache, BS, spec.partition("/")[0])
+    spec, _, cache_dtype = spec.partition(":")
+    return vllm_cache_layout(cache, BS, spec.partition("/")[0], cache_dtype or "auto")
 
 
 def keys_and_values(spec: str, cache: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -89,7 +118,7 @@ def keys_and_values(spec: str, cache: dict[str, torch.Tensor]) -> list[tuple[tor
     reads its cache (not through pdkv)."""
     out = []
     for t in cache.values():
-        if spec == CPU_BACKEND:  # cpu_attn: view(blocks, heads, 2 * block_size, head_dim), K rows then V rows
+        if spec.startswith(CPU_BACKEND):  # cpu_attn: view(blocks, heads, 2 * block_size, head_dim), K then V rows
             k, v = t.view(t.shape[0], HEADS, 2 * BS, HEAD_DIM).split(BS, dim=2)
             out.append((k.transpose(1, 2), v.transpose(1, 2)))
         else:  # flash_attn / flashinfer / triton_attn: kv_cache.transpose(1, 2).split(head_size, dim=-1)
@@ -102,25 +131,32 @@ def tokens_of(spec: str, cache: dict[str, torch.Tensor], table: list[int], num_t
     """``[layers, kv, tokens, heads, head_dim]`` of a request's first tokens, read as the backend reads them."""
     pos = torch.arange(num_tokens)
     blocks, offsets = torch.tensor(table)[pos // BS], pos % BS
+    if spec.split(":")[0] in MLA_BACKENDS:  # bind_kv_cache: kv_cache.squeeze(1), [blocks, block_size, latent]
+        return torch.stack([t.squeeze(1)[blocks, offsets][None, :, None] for t in cache.values()])
     return torch.stack([torch.stack([k[blocks, offsets], v[blocks, offsets]]) for k, v in keys_and_values(spec, cache)])
 
 
-@pytest.mark.parametrize("spec", CACHES)
+@pytest.mark.parametrize("spec", CACHES + FP8_CACHES + MLA_CACHES)
 def test_each_backend_layout_reads_k_and_v_where_its_attention_does(spec: str) -> None:
     cache = vllm_cache(spec, 6, seed=1)
     layout, views = mapped(spec, cache)
-    order = {"CPU_ATTN": "HKND", "LBNHC": "NHKD", "LBHNC": "HNKD"}[spec.split("/")[-1]]
-    assert (layout.kind, layout.order, layout.num_layers, layout.num_kv_heads, layout.head_dim) == (
+    backend_layout, _, cache_dtype = spec.partition(":")
+    mla = backend_layout in MLA_BACKENDS
+    order = "NHD" if mla else {"CPU_ATTN": "HKND", "LBNHC": "NHKD", "LBHNC": "HNKD"}[backend_layout.split("/")[-1]]
+    dtype = {"": "bfloat16", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+    assert (layout.kind, layout.order, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.mla) == (
         "per_layer",
         order,
         LAYERS,
-        HEADS,
-        HEAD_DIM,
+        1 if mla else HEADS,
+        LATENT if mla else HEAD_DIM,
+        mla,
     )
+    assert layout.dtype == dtype[cache_dtype]
     assert {v.untyped_storage().data_ptr() for v in views} == {t.untyped_storage().data_ptr() for t in cache.values()}
     table = [4, 0, 5]
     chunk = gather(layout, views, table, 0, 80)
-    assert torch.equal(chunk.view(torch.int16), tokens_of(spec, cache, table, 80).view(torch.int16))
+    assert torch.equal(chunk.view(torch.uint8), tokens_of(spec, cache, table, 80).contiguous().view(torch.uint8))
 
 
 @pytest.mark.parametrize(
@@ -142,6 +178,32 @@ def test_unmapped_gpu_caches_are_refused_by_name(
 ) -> None:
     with pytest.raises(LayoutError, match=message):
         vllm_cache_layout(cache(), BS, backend)
+
+
+@pytest.mark.parametrize(
+    ("cache", "backend", "cache_dtype", "message"),
+    [
+        (lambda: vllm_cpu_cache(4), CPU_BACKEND, "fp8", "--kv-cache-dtype fp8\\) is torch.bfloat16, not bytes"),
+        (lambda: vllm_cpu_cache(4, cache_dtype="fp8"), CPU_BACKEND, "nvfp4", "--kv-cache-dtype nvfp4 .* not a KV"),
+        (lambda: vllm_cpu_cache(4, cache_dtype="fp8"), CPU_BACKEND, "auto", "--kv-cache-dtype auto \\(torch.uint8"),
+        (lambda: vllm_cpu_cache(4), "TRITON_MLA", "auto", "pdkv maps only vLLM's \\[blocks, 1, block_size, latent\\]"),
+        (lambda: vllm_mla_cache(4), "FLASHMLA_SPARSE", "auto", "attention backend 'FLASHMLA_SPARSE'"),
+        (lambda: vllm_mla_cache(4, cache_dtype="fp8"), "FLASHMLA", "fp8_ds_mla", "--kv-cache-dtype fp8_ds_mla"),
+    ],
+    ids=["fp8-not-bytes", "nvfp4", "bytes-as-auto", "mla-with-heads", "sparse-mla", "fp8-ds-mla"],
+)
+def test_unmapped_kv_dtypes_and_mla_caches_are_refused_by_name(
+    cache: Callable[[], dict[str, torch.Tensor]], backend: str, cache_dtype: str, message: str
+) -> None:
+    with pytest.raises(LayoutError, match=message):
+        vllm_cache_layout(cache(), BS, backend, cache_dtype)
+
+
+def test_an_e4m3_cache_is_refused_where_the_platforms_fp8_is_another_type() -> None:
+    check_platform_fp8("fp8", torch.float8_e4m3fn)  # CUDA
+    check_platform_fp8("fp8_e5m2", torch.float8_e4m3fnuz)  # e5m2 names its own type
+    with pytest.raises(LayoutError, match="fp8_e4m3 is torch.float8_e4m3fnuz on this platform.*fp8_e5m2 or auto"):
+        check_platform_fp8("fp8_e4m3", torch.float8_e4m3fnuz)  # ROCm MI300
 
 
 def test_hknd_layout_reads_k_and_v_where_vllm_cpu_attention_does() -> None:
@@ -428,7 +490,7 @@ def collect(side: WorkerSide, finished: set[str], timeout: float = 10.0) -> tupl
     return out
 
 
-@pytest.mark.parametrize("spec", CACHES)
+@pytest.mark.parametrize("spec", CACHES + FP8_CACHES + MLA_CACHES)
 def test_prefill_pushes_from_vllm_blocks_and_decode_loads_them_into_its_own(spec: str) -> None:
     p, d, p_cache, d_cache = worker_pair(caches=(spec, spec))
     try:
@@ -453,6 +515,45 @@ def test_prefill_pushes_from_vllm_blocks_and_decode_loads_them_into_its_own(spec
                 assert torch.equal(dst[d_block], src[p_block]), (name, p_block, d_block)
         assert held_blocks(d.receiver.stats(), 16) == 0 and d.receiver.stats()["reservations"] == 0
         assert p.counters["push_ok"] == 1 and d.counters["load_ok"] == 1
+        assert d.counters["pushed_tokens_loaded"] == 150 - 32  # came over the channel, past D's own prefix
+        assert d.receiver.stats()["bytes_landed"] == p.sender.stats()["bytes_raw"] > 0
+    finally:
+        p.close()
+        d.close()
+
+
+SAME_DTYPE = "start both with the same KV cache dtype (vLLM: the same --kv-cache-dtype"
+
+
+@pytest.mark.parametrize(
+    ("caches", "message"),
+    [
+        (
+            ("CPU_ATTN:fp8", CPU_BACKEND),
+            "prefill's KV cache is float8_e4m3fn, this decode's is bfloat16: " + SAME_DTYPE,
+        ),
+        (("TRITON_ATTN/LBNHC:fp8_e5m2", "FLASH_ATTN/LBNHC:fp8"), "is float8_e5m2, this decode's is float8_e4m3fn"),
+        (("TRITON_MLA", CPU_BACKEND), "prefill's KV cache is MLA (one latent per layer), this decode's is K and V"),
+    ],
+    ids=["fp8-to-bf16", "e5m2-to-e4m3", "mla-to-kv"],
+)
+def test_decode_refuses_kv_of_another_dtype_or_form_at_the_handshake(
+    caches: tuple[str, str], message: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """P and D started with different --kv-cache-dtype (or MLA and not): the Hello is refused with the setting to
+    change; no byte lands, nothing is converted, and D recomputes."""
+    p, d, _, d_cache = worker_pair(caches=caches)
+    try:
+        assert d.receiver is not None
+        before = {name: t.clone() for name, t in d_cache.items()}
+        with caplog.at_level(logging.WARNING):
+            p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 64, [1, 2], 64)]))
+            sending, _, _ = collect(p, {"r1"})
+            assert sending == {"r1"}
+            wait_until(lambda: p.counters["push_failed"] == 1, 5, "the push to fail")
+        assert any(message in r.getMessage() and r.name.endswith("worker_side") for r in caplog.records)
+        assert d.receiver.stats()["handshake_failures"] == 1 and d.receiver.stats().get("bytes_landed", 0) == 0
+        assert all(torch.equal(t, before[name]) for name, t in d_cache.items())
     finally:
         p.close()
         d.close()
@@ -577,8 +678,10 @@ def test_vllm_blocks_grant_a_transfer_its_requests_blocks_only_once_expected() -
         ("FLASH_ATTN/LBNHC", "FLASH_ATTN/LBNHC"),  # vLLM's default GPU backend and layout on both sides
         ("FLASH_ATTN/LBNHC", CPU_BACKEND),  # a GPU P, a vllm-cpu D: converted through staging
         ("FLASHINFER/LBHNC", "TRITON_ATTN/LBNHC"),
+        ("FLASH_ATTN/LBNHC:fp8", "CPU_ATTN:fp8_e4m3"),  # fp8 bytes, unconverted, between two orders
+        ("TRITON_MLA:fp8_e5m2", "CPU_MLA:fp8_e5m2"),  # DeepSeek's latent, in fp8
     ],
-    ids=["cpu-cpu", "fa-fa", "fa-cpu", "flashinfer-hnd-triton"],
+    ids=["cpu-cpu", "fa-fa", "fa-cpu", "flashinfer-hnd-triton", "fa-cpu-fp8", "mla-fp8"],
 )
 @pytest.mark.parametrize("memory", KV_MEMORIES)
 def test_decode_lands_pushed_kv_straight_in_vllm_blocks(

@@ -38,15 +38,14 @@ from typing import Any, ClassVar
 import torch
 
 from pdkv.errors import CodecError, ConfigError
-from pdkv.layout import KVLayout, check_chunk
+from pdkv.layout import DTYPE_CODES, FP8_DTYPES, KVLayout, check_chunk
 
 MAGIC = b"PKVC"
 FORMAT_VERSION = 1
 ALIGN = 16
 """Every section, and ``max_encoded_bytes``, is a multiple of this: slots packed back to back stay aligned."""
 
-# Wire codes, fixed by the format (never derived from a dict's order).
-DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+# Wire codes, fixed by the format (never derived from a dict's order); the dtype's are pdkv.layout.DTYPE_CODES.
 METHOD_RAW = 0
 METHOD_ZSTD = 1
 METHOD_NAMES = {METHOD_RAW: "raw", METHOD_ZSTD: "zstd"}
@@ -92,18 +91,26 @@ class Codec(abc.ABC):
     """KV dtypes the codec accepts; None: every dtype a KVLayout allows."""
     split_kv: ClassVar[bool] = False
     """Treats keys and values differently, so it needs both (not MLA's single latent)."""
+    bytes_only: ClassVar[bool] = False
+    """Moves or compresses the chunk's bytes without reading them as numbers (``none``, ``zstd``): the only kind
+    that takes an fp8 cache, whose values need scales pdkv does not hold."""
 
     def __init__(self, layout: KVLayout) -> None:
         why = self.unsupported(layout)
         if why:
             raise ConfigError(why)
         self.layout = layout
-        self._dtype_code = DTYPE_CODES[layout.torch_dtype]
+        self._dtype_code = DTYPE_CODES[layout.dtype]
         self._local = threading.local()
 
     @classmethod
     def unsupported_dtype(cls, dtype: str) -> str | None:
         """Why this codec cannot encode a ``dtype`` KV cache, or None when it can."""
+        if dtype in FP8_DTYPES and not cls.bytes_only:
+            return (
+                f"transfer.codec {cls.name!r} does arithmetic on KV values; this cache is {dtype}, an fp8 cache "
+                "whose bytes pdkv moves as they are: set transfer.codec to 'none' or 'zstd'"
+            )
         if cls.source_dtypes is not None and dtype not in cls.source_dtypes:
             return (
                 f"transfer.codec {cls.name!r} encodes a {' or '.join(cls.source_dtypes)} KV cache; this one is "

@@ -40,6 +40,7 @@ class NoneCodec(Codec):
     codec_id = 0
     lossless = True
     passthrough = True
+    bytes_only = True
     summary = "raw bytes (default)"
 
     def _sections(self, num_tokens: int) -> list[SectionSpec]:
@@ -58,6 +59,7 @@ class ZstdCodec(Codec):
     name = "zstd"
     codec_id = 1
     lossless = True
+    bytes_only = True
     summary = "byte planes + zstd, exact (extra: pdkv[zstd])"
     requires = ("zstandard", "zstd")
 

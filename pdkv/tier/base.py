@@ -38,14 +38,13 @@ import torch
 from pdkv.checksum import checksum
 from pdkv.errors import LayoutError
 from pdkv.keys import KEY_BYTES
-from pdkv.layout import KVLayout, check_chunk
+from pdkv.layout import DTYPE_CODES, KVLayout, check_chunk
 from pdkv.memory import byte_view
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"PDKVKV02"  # the format's version: 02 added the sealed byte
 _MAGIC_FAMILY = MAGIC[:6]
-_DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
 # magic, key, tokens, layers, kv factor, kv heads, head_dim, dtype code, payload xxh3-64, sealed; padded to
 # 64 bytes so a payload that follows the header in one buffer stays 64-byte aligned.
 _HEADER = struct.Struct("<8s16sIHBHHBQB19x")
@@ -80,7 +79,7 @@ class ChunkHeader:
             layout.kv_factor,
             layout.num_kv_heads,
             layout.head_dim,
-            _DTYPE_CODES[layout.dtype],
+            DTYPE_CODES[layout.dtype],
             checksum([byte_view(chunk)]),
             sealed,
         )
@@ -117,7 +116,7 @@ class ChunkHeader:
             layout.kv_factor,
             layout.num_kv_heads,
             layout.head_dim,
-            _DTYPE_CODES[layout.dtype],
+            DTYPE_CODES[layout.dtype],
         )
         found = (self.num_tokens, self.num_layers, self.kv_factor, self.num_kv_heads, self.head_dim, self.dtype_code)
         if found != expected:

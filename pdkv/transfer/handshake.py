@@ -161,7 +161,7 @@ class SenderHandshake:
         """The receiver's Hello (I/O thread): check it, prove our secret, let ``connect`` go on."""
         parts = self.parts
         try:
-            protocol.check_compatible(parts.greeting.hello(), msg)
+            protocol.check_compatible(parts.greeting.hello(), msg, "prefill")
             if parts.config.codec not in msg.codecs:
                 raise HandshakeError(
                     f"receiver {peer.address} cannot decode transfer.codec {parts.config.codec!r}: it offers "
@@ -235,7 +235,7 @@ class ReceiverHandshake:
         parts = self.parts
         ours = parts.greeting.hello()
         try:
-            protocol.check_compatible(ours, hello)
+            protocol.check_compatible(ours, hello, "decode")
         except HandshakeError as exc:
             parts.counters["handshake_failures"] += 1
             log.warning("refusing peer %r: %s", hello.agent, exc)

@@ -284,8 +284,11 @@ def make_hello(
     )
 
 
-def check_compatible(ours: Hello, theirs: Hello) -> None:
-    """Raise ``HandshakeError`` naming every field that makes the peers incompatible."""
+def check_compatible(ours: Hello, theirs: Hello, role: Literal["prefill", "decode"]) -> None:
+    """Raise ``HandshakeError`` naming every field that makes the peers incompatible; ``role`` is our side's, so
+    a KV dtype or MLA mismatch says which side runs what ("prefill's KV cache is float8_e4m3fn, this decode's
+    is bfloat16")."""
+    peer_role = "decode" if role == "prefill" else "prefill"
     diffs = []
     if ours.protocol_version != theirs.protocol_version:
         diffs.append(
@@ -296,9 +299,9 @@ def check_compatible(ours: Hello, theirs: Hello) -> None:
         a, b = getattr(ours, field), getattr(theirs, field)
         if a != b:
             diffs.append(f"{field} (ours {a!r}, peer {b!r})")
-    diffs.extend(ours.layout.wire_mismatches(theirs.layout))
+    diffs.extend(ours.layout.wire_mismatches(theirs.layout, us=f"this {role}", them=peer_role))
     if diffs:
-        raise HandshakeError(f"peer {theirs.agent!r} is incompatible: " + "; ".join(diffs) + " differ")
+        raise HandshakeError(f"peer {theirs.agent!r} is incompatible: " + "; ".join(diffs))
 
 
 __all__ = [

@@ -39,18 +39,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdkv.cache_engine import KVCacheEngine
 from pdkv.config import convert_config
 from pdkv.errors import ConfigError, LayoutError
 from pdkv.integration.vllm.info import SECRET_ENV
-from pdkv.integration.vllm.kvcache import vllm_cache_layout
+from pdkv.integration.vllm.kvcache import check_platform_fp8, kv_dtype, vllm_cache_layout
 from pdkv.integration.vllm.metadata import StepMetadata
 from pdkv.integration.vllm.scheduler_side import SchedulerSide
 from pdkv.integration.vllm.worker_side import WorkerSide, agent_name
 from pdkv.keys import model_fingerprint
-from pdkv.layout import DTYPES, KVLayout
+from pdkv.layout import KVLayout
 
 if TYPE_CHECKING:
     import torch
@@ -71,7 +72,10 @@ class PdkvConnectorMetadata(StepMetadata, KVConnectorMetadata):
 
 
 def vllm_fingerprint(vllm_config: VllmConfig) -> str:
-    """Same model, same config, same KV dtype => same fingerprint, on P and D alike (paths excluded)."""
+    """Same model, same config, same KV dtype => same fingerprint, on P and D alike (paths excluded).
+
+    The KV dtype keeps an fp8 instance's chunks in a shared tier apart from a bf16 one's. P and D that differ in
+    it are refused at the Hello with ``--kv-cache-dtype`` named (the layout's dtype), besides the fingerprint."""
     mc = vllm_config.model_config
     hf = {
         k: v
@@ -87,16 +91,16 @@ def vllm_fingerprint(vllm_config: VllmConfig) -> str:
 def vllm_layout(vllm_config: VllmConfig) -> KVLayout:
     """The wire fields of the layout ``vllm_cache_layout`` will find, from the config alone (the scheduler never
     sees the tensors, and only looks chunk keys up: the order, the attention backend's, is not needed there)."""
-    mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    dtype = next((name for name, t in DTYPES.items() if t == mc.dtype), "bfloat16")
+    mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     return KVLayout(
         num_layers=mc.get_num_layers(pc),
-        num_kv_heads=mc.get_num_kv_heads(pc),
-        head_dim=mc.get_head_size(),
-        block_size=vllm_config.cache_config.block_size,
-        dtype=dtype,
+        num_kv_heads=mc.get_num_kv_heads(pc),  # 1 under MLA
+        head_dim=mc.get_head_size(),  # MLA: kv_lora_rank + qk_rope_head_dim
+        block_size=cc.block_size,
+        dtype=kv_dtype(cc.cache_dtype, mc.dtype),
         kind="per_layer",
-        order="HKND",
+        order="NHD" if mc.use_mla else "HKND",
+        mla=mc.use_mla,
     )
 
 
@@ -189,7 +193,9 @@ class PdkvConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
         backend = attention_backend(self._vllm_config)
-        layout, views = vllm_cache_layout(kv_caches, self.block_size, backend)
+        cache_dtype = self._vllm_config.cache_config.cache_dtype
+        check_platform_fp8(cache_dtype, current_platform.fp8_dtype())
+        layout, views = vllm_cache_layout(kv_caches, self.block_size, backend, cache_dtype)
         log.info(
             "vLLM KV cache (%s, %s, %s): pdkv %s %s, %d layers",
             backend,
