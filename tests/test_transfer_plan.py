@@ -10,6 +10,7 @@ from pdkv.channels.handle import TransferOp
 from pdkv.errors import TransferError
 from pdkv.keys import chunk_spans
 from pdkv.layout import block_runs
+from pdkv.transfer import plan as plan_module
 from pdkv.transfer.plan import TransferPlan
 
 NUM_BLOCKS = 64
@@ -42,10 +43,22 @@ def transfers(draw: st.DrawFn) -> tuple[int, int, int, list[int], list[int]]:
     return tokens, chunk_size, block_size, _table(draw, blocks), _table(draw, blocks)
 
 
+@pytest.mark.parametrize("numpy_from", [0, plan_module.NUMPY_FROM_BLOCKS], ids=["numpy", "python"])
 @settings(max_examples=300, deadline=None)
-@given(transfers())
-def test_the_plan_gives_each_chunk_what_block_runs_gives_it(case: tuple[int, int, int, list[int], list[int]]) -> None:
+@given(case=transfers())
+def test_the_plan_gives_each_chunk_what_block_runs_gives_it(
+    numpy_from: int, case: tuple[int, int, int, list[int], list[int]]
+) -> None:
+    """Either way of finding the runs (numpy for long tables, a Python pass for short ones)."""
     tokens, chunk_size, block_size, ours, theirs = case
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(plan_module, "NUMPY_FROM_BLOCKS", numpy_from)
+        _check_against_block_runs(tokens, chunk_size, block_size, ours, theirs)
+
+
+def _check_against_block_runs(
+    tokens: int, chunk_size: int, block_size: int, ours: list[int], theirs: list[int]
+) -> None:
     plan = TransferPlan.build(
         "t", num_tokens=tokens, chunk_size=chunk_size, block_size=block_size, ours=ours, num_blocks=NUM_BLOCKS
     ).with_peer(theirs)
