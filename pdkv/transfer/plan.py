@@ -1,9 +1,11 @@
 """A transfer's chunks worked out once, when its blocks on both sides are known: ``TransferPlan``.
 
 Every chunk of a request touches the same blocks whenever it is sent or lands, so neither side needs to
-derive them again per chunk: P's ``OutgoingTransfer`` builds its plan when the reservation answers (its blocks
-and D's), and each ``send_chunk`` takes its chunk's slice (our blocks for the checksum, the direct ops); D's
-``IncomingTransfer`` builds one at admission (its blocks only) and each landing takes its chunk's blocks.
+derive them again per chunk. P's ``KVSender.open`` builds its plan (and checks its block table) before it
+reserves, ``OutgoingTransfer`` pairs it with D's blocks when the reservation answers (``with_peer``) and works out
+every chunk's direct ops, and each ``send_chunk`` takes its chunk's (our blocks for the checksum, the ops); D's
+``IncomingBook.open`` builds one at admission (its blocks only) and each landing takes its chunk's tokens and
+blocks.
 The runs are the same as ``pdkv.layout.block_runs``'s on each chunk's blocks (a test compares them on random
 tables), found in one pass over the whole table (with numpy where the table is long enough to pay for it): a run
 breaks wherever our id or theirs does not step by one.
