@@ -120,6 +120,9 @@ def test_bench_prints_its_ratio_against_a_same_run_baseline_and_draws_it(
     if name in ("channel", "transfer"):
         for row in rows:
             _assert_cpu_beside_the_fastest_baseline(row)
+        if name == "transfer":  # the host time per chunk and per request, both sides (pdkv.transfer.hosttime)
+            for row in rows:
+                _assert_host_times(row)
         if "--streams" in args:
             assert all(set(r["streams"]) == {"1", "2"} and _finite(r["streams"]["2"]["gbps"]) for r in rows), rows
     assert picture.read_bytes()[:8] == PNG
@@ -130,6 +133,17 @@ def test_bench_prints_its_ratio_against_a_same_run_baseline_and_draws_it(
         assert by_case["s3"]["loaded_tokens"] == by_case["redis"]["loaded_tokens"] == by_case["memory"]["loaded_tokens"]
     if name == "tier":
         assert [r["level"] for r in rows] == ["memory", "disk", "redis", "s3"]
+
+
+def _assert_host_times(row: dict[str, object]) -> None:
+    """Each side recorded a span for every chunk and request it handled, and the CPU per chunk beside them."""
+    for kind in ("chunk", "request"):
+        host = row[f"host_us_per_{kind}"]
+        assert isinstance(host, dict), row
+        for side in ("prefill", "decode"):
+            assert host[side]["n"] > 0 and _finite(host[side]["p50"]) and host[side]["mean"] > 0, (kind, side, row)
+    cpu = row["cpu_us_per_chunk"]
+    assert isinstance(cpu, dict) and all(_finite(cpu[s]) and cpu[s] > 0 for s in ("sender", "receiver")), row
 
 
 def _assert_cpu_beside_the_fastest_baseline(row: dict[str, object]) -> None:

@@ -34,6 +34,15 @@ hears of a repetition's requests until each side's work for them is done,
 the bit-for-bit check left out; ``baseline_cpu_s_per_gb`` is the same for the
 raw program's two processes, and ``cpu_ratio`` ours over theirs, per side.
 
+Where the CPU goes, per chunk and per request (issue 37, item 6, after NIXL's ``agent_xfer_post_time``):
+``host_us_per_chunk`` and ``host_us_per_request`` (each ``p50``, ``mean`` and ``n`` in microseconds, for
+``prefill`` and ``decode``) are the wall-time spans each side records (``pdkv.transfer.hosttime``). On P a
+chunk is ``send_chunk``'s posting, its credit wait left out, and a request's fixed cost is ``open`` (with its
+Reserve's round trip when it found no pool) plus its last ``Landed`` to settled; on D a chunk is its share of the
+I/O thread's pass from waking on the notification to the ``Landed`` sent (the data thread's landing and hashing
+not included: that is in the CPU), and a request is its admission (``Reserve`` answered, or a pooled chunk's
+Reserve). ``cpu_us_per_chunk`` is the CPU clock behind ``cpu_s_per_gb``, per side, over the row's chunks.
+
 Every repetition's KV is checked bit for bit on the decode side (a digest of
 each request's canonical KV compared with the sender's), outside the timed part.
 ``TransferRig`` is that harness; the tests use it too, to prove the data path
@@ -95,7 +104,7 @@ from pdkv.bench.channel import (
     tls_options,
     warm_up,
 )
-from pdkv.bench.cpu import CpuMeter, charge, ratios
+from pdkv.bench.cpu import SIDES, CpuMeter, charge, ratios
 from pdkv.bench.netrig import LOOPBACK, Placement, bench_link, call_on
 from pdkv.blocks import BlockAllocator
 from pdkv.channels import create_channel
@@ -104,6 +113,8 @@ from pdkv.config import TransferConfig
 from pdkv.errors import ConfigError, TransferError
 from pdkv.layout import KVLayout, gather
 from pdkv.memory import emulate_device
+from pdkv.transfer.hosttime import KINDS as HOST_KINDS
+from pdkv.transfer.hosttime import summary
 
 SENDER_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 STAGING_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=32, dtype="float32", order="HND")
@@ -117,6 +128,7 @@ SCENARIOS: list[tuple[int, int]] = [(40, 1), (256, 1), (2048, 1), (256, 16), (20
 ROUNDS = 5
 TIMEOUT_S = 60.0
 DEVICES = ("cpu", "emulated", "cuda")
+HOST_SIDES = ("prefill", "decode")  # the sides of host_us_per_chunk and host_us_per_request
 
 
 def place_kv(kv: list[torch.Tensor], device: str) -> list[torch.Tensor]:
@@ -183,6 +195,9 @@ def _receiver_side(
         while (msg := _recv(conn, "a command"))[0] != "close":
             if msg[0] == "stats":
                 conn.send(("stats", receiver.stats()))
+                continue
+            if msg[0] == "host":  # the host time spans recorded since the last ask (pdkv/transfer/hosttime.py)
+                conn.send(("host", receiver.parts.host.take()))
                 continue
             claimed = [(receiver.wait(rid, TIMEOUT_S).blocks, tokens) for rid, tokens in msg[1]]
             # the check waits until the sender's clock stopped: run at once, it took a core from the
@@ -312,6 +327,13 @@ class TransferRig:
             )
         return max(ends) - t0, [e - t0 for e in ends]
 
+    def host_times(self) -> dict[str, dict[str, list[int]]]:
+        """Each side's host time spans in ns (``prefill``: our sender, ``decode``: the receiver), per kind
+        (``pdkv.transfer.hosttime.KINDS``), recorded since the last call."""
+        self.conn.send(("host",))
+        _, decode = _recv(self.conn, "the receiver's host times")
+        return {"prefill": self.sender.parts.host.take(), "decode": decode}
+
     def receiver_stats(self) -> dict[str, int]:
         self.conn.send(("stats",))
         _, stats = _recv(self.conn, "the receiver's stats")
@@ -389,6 +411,8 @@ def _measure_mode(
             times: dict[str, list[float]] = {name: [] for name in rigs}
             latencies: dict[str, list[float]] = {name: [] for name in rigs}
             meters = {name: CpuMeter(rig.pids) for name, rig in rigs.items()}
+            for rig in rigs.values():
+                rig.host_times()  # the spans of earlier scenarios and warm-ups: not this row's
             variants = baseline_variants(baseline, sc.nbytes)
             base: dict[str, list[float]] = {label: [] for label in variants}
             base_meters = {label: CpuMeter(baseline.pids) for label in variants}
@@ -408,10 +432,12 @@ def _measure_mode(
                 {label: (statistics.median(base[label]), base_meters[label].per_gb()) for label in variants}
             )
             base_gbps = fields["baseline_gbps"]
+            chunks = ROUNDS * repeats * sc.requests * -(-sc.tokens // config.chunk_size)  # each rig's, this row
             for device in devices:
                 rig = rigs[device]
                 gbps = sc.nbytes / statistics.median(times[device]) / 1e9
                 cpu = meters[device].per_gb()
+                spans = rig.host_times()
                 row = {
                     "device": device,
                     "kv_memory": rig.sender.kv_memory,
@@ -430,6 +456,11 @@ def _measure_mode(
                     "cpu_s_per_gb": cpu,
                     **fields,
                     "cpu_ratio": ratios(cpu, fields["baseline_cpu_s_per_gb"]),
+                    **{
+                        f"host_us_per_{kind}": {side: summary(spans[side][kind]) for side in HOST_SIDES}
+                        for kind in HOST_KINDS
+                    },
+                    "cpu_us_per_chunk": {side: 1e6 * t / chunks for side, t in meters[device].spent.items()},
                 }
                 if tls and device == "cpu":
                     tls_gbps = sc.nbytes / statistics.median(times["tls"]) / 1e9
@@ -500,12 +531,23 @@ def measure(
     }
 
 
+def _host_pair(host: dict[str, dict[str, float | None]]) -> str:
+    """``prefill/decode`` p50 host microseconds for a table cell; ``-`` for a side that recorded none."""
+    return "/".join("-" if (v := host.get(side, {}).get("p50")) is None else f"{v:.0f}" for side in HOST_SIDES)
+
+
+def _us_pair(cpu: dict[str, float]) -> str:
+    """``sender/receiver`` CPU microseconds for a table cell; ``-`` for a side not measured."""
+    return "/".join("-" if (v := cpu.get(side)) is None else f"{v:.0f}" for side in SIDES)
+
+
 def _table(out: dict[str, Any]) -> str:
     lines = [
         f"channel {out['channel']} over {out['link']}: request-level transfer vs {out['baseline']}",
         f"{'device':>8} {'mode':>8} {'path':>22} {'tokens':>6} {'reqs':>4} {'MB':>8} {'GB/s':>7} {'base':>7} "
         f"{'via':>9} {'ratio':>6} {'vs host':>7} {'p50 ms':>8} {'p99 ms':>8} {'base ms':>8} {'CPU s/GB':>11} "
-        f"{'base CPU':>11}" + (f" {'TLS GB/s':>8} {'TLS p50':>8} TLS/clear" if out["tls"] else ""),
+        f"{'base CPU':>11} {'host us/chunk':>13} {'host us/req':>13} {'CPU us/chunk':>13}"
+        + (f" {'TLS GB/s':>8} {'TLS p50':>8} TLS/clear" if out["tls"] else ""),
     ]
     for r in out["results"]:
         vs_host = f"{r['vs_host']:7.2f}" if "vs_host" in r else f"{'':>7}"
@@ -513,7 +555,9 @@ def _table(out: dict[str, Any]) -> str:
             f"{r['device']:>8} {r['mode']:>8} {r['path'][:22]:>22} {r['tokens']:>6} {r['requests']:>4} "
             f"{r['size_bytes'] / 1e6:8.1f} {r['gbps']:7.3f} {r['baseline_gbps']:7.3f} "
             f"{r['baseline_used'][:9]:>9} {r['ratio']:6.2f} {vs_host} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} "
-            f"{r['baseline_ms']:8.2f} {cpu_pair(r['cpu_s_per_gb']):>11} {cpu_pair(r['baseline_cpu_s_per_gb']):>11}"
+            f"{r['baseline_ms']:8.2f} {cpu_pair(r['cpu_s_per_gb']):>11} {cpu_pair(r['baseline_cpu_s_per_gb']):>11} "
+            f"{_host_pair(r['host_us_per_chunk']):>13} {_host_pair(r['host_us_per_request']):>13} "
+            f"{_us_pair(r['cpu_us_per_chunk']):>13}"
             + (f" {r['tls_gbps']:8.3f} {r['tls_p50_ms']:8.2f} {r['tls_ratio']:9.2f}" if "tls_gbps" in r else "")
         )
     return "\n".join(lines)

@@ -27,6 +27,7 @@ from pdkv.transfer.admission import Admission, ReceiverView
 from pdkv.transfer.incoming import IncomingTransfer, ReceivedKV, State
 from pdkv.transfer.parts import ReceiverParts
 from pdkv.transfer.peers import SenderPeer
+from pdkv.transfer.plan import TransferPlan
 from pdkv.transfer.pool import ReceiverPools
 from pdkv.transfer.protocol import Cancel, Done, Landed, Reserve
 
@@ -50,6 +51,7 @@ class IncomingBook:
         self.res: dict[str, IncomingTransfer] = {}
         self.gone: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.free_slots = list(range(parts.config.staging_slots))
+        self.admitting_ns = 0  # this pass of on_notifications' time admitting pooled requests (hosttime.py)
 
     def view(self, identity: bytes, peer: SenderPeer, transfer_id: str) -> ReceiverView:
         """What admission reads (caller holds the lock)."""
@@ -91,6 +93,14 @@ class IncomingBook:
             created=now,
             lease_deadline=now + self.config.lease_s,
             token=peer.token,
+            plan=TransferPlan.build(
+                req.transfer_id,
+                num_tokens=req.num_tokens,
+                chunk_size=self.memory.chunk_size,
+                block_size=self.memory.layout.block_size,
+                ours=blocks,
+                num_blocks=self.memory.num_blocks,
+            ),
             prompt_key=req.prompt_key,
             codec=req.codec,
         )
@@ -161,6 +171,7 @@ class IncomingBook:
         """Verify every chunk whose notification arrived (I/O thread); acknowledge each transfer's chunks with one
         Landed, carrying the sender's next pool if a request of its took its last one; then offer the pools of
         pooled requests that sent no Landed on their own (``ReceiverPools.send_refills``)."""
+        began, self.admitting_ns = time.perf_counter_ns(), 0  # host time per chunk (hosttime.py): to Landed sent
         landed: dict[str, tuple[bytes, list[int]]] = {}
         for notif in self.channel.get_notifications():
             r, index = self.land(notif)
@@ -168,6 +179,11 @@ class IncomingBook:
                 landed.setdefault(r.transfer_id, (r.identity, []))[1].append(index)
         for rid, (identity, indices) in landed.items():
             self.parts.outbox.reply(identity, Landed(rid, indices, self.pools.next_pool(identity)))
+        if chunks := sum(len(indices) for _, indices in landed.values()):
+            # a pass's time shared by its chunks, less the pooled requests' admission (counted per request)
+            spent = time.perf_counter_ns() - began - self.admitting_ns
+            for _ in range(chunks):
+                self.parts.host.add("chunk", spent // chunks)
         self.pools.send_refills()
 
     def land(self, notif: Notification) -> tuple[IncomingTransfer | None, int]:
@@ -179,8 +195,13 @@ class IncomingBook:
             log.warning("dropping notification from %r: %s", notif.peer, exc)
             return None, -1
         with self.lock:
-            if notice.reserve is not None and not self.pools.open_pooled(notif.peer, notice):
-                return None, -1  # refused: the bytes it wrote into the pool are discarded, the pool offered again
+            if notice.reserve is not None:
+                admitting = time.perf_counter_ns()
+                if not self.pools.open_pooled(notif.peer, notice):
+                    return None, -1  # refused: the bytes it wrote into the pool are discarded, the pool offered again
+                spent = time.perf_counter_ns() - admitting
+                self.admitting_ns += spent
+                self.parts.host.add("request", spent)
             r = self.res.get(notice.transfer_id)
             if r is None or r.peer_agent != notif.peer or r.state is not State.RECEIVING:
                 self.counters["stray_notices"] += 1

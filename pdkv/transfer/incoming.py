@@ -21,6 +21,7 @@ from pdkv.errors import ChecksumError, TransferError
 from pdkv.layout import KVLayout, block_runs
 from pdkv.native import scatter, scatter_summed
 from pdkv.staging import DeviceStager
+from pdkv.transfer.plan import TransferPlan
 from pdkv.transfer.protocol import ChunkNotice
 
 
@@ -109,6 +110,7 @@ class IncomingTransfer:
     created: float
     lease_deadline: float
     token: bytes  # the sender's capability: what its blocks and slots are granted to
+    plan: TransferPlan  # each chunk's tokens and blocks, worked out at admission
     prompt_key: bytes = b""
     codec: str = "none"  # how its staged chunks arrive
     revoked: bool = False  # its grants were taken back: the sender can no longer write into it
@@ -124,13 +126,11 @@ class IncomingTransfer:
         idx = notice.chunk_index
         if idx >= self.num_chunks or idx in self.landed:
             raise TransferError(f"chunk {idx} is out of range or duplicated (request has {self.num_chunks} chunks)")
-        cs = memory.chunk_size
-        start, n = idx * cs, min(cs, self.num_tokens - idx * cs)
+        start, n = self.plan.spans[idx]
         nbytes = memory.layout.chunk_bytes(n)
         scattered = False  # landed in the blocks by the pass that hashed it
         if self.mode == "direct":
-            bs = memory.layout.block_size
-            got = memory.blocks_checksum(self.blocks[start // bs : -(-(start + n) // bs)])
+            got = memory.blocks_checksum(self.plan.blocks[idx])
         else:
             if not 0 <= notice.slot < len(self.slots):
                 raise TransferError(f"chunk {idx} names staging slot {notice.slot}, request has {len(self.slots)}")

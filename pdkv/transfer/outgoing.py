@@ -21,14 +21,14 @@ from pdkv.channels.handle import TransferHandle, TransferOp, XferState
 from pdkv.checksum import blocks_checksum, chunk_checksum, flat_bytes, frame_checksum
 from pdkv.codec import Codec
 from pdkv.errors import ReservationError, TransferCancelled, TransferError, TransferTimeout
-from pdkv.keys import chunk_spans
-from pdkv.layout import KVLayout, block_runs
+from pdkv.layout import KVLayout
 from pdkv.memory import in_reach, memory_kind
 from pdkv.native import gather, gather_summed
 from pdkv.staging import DeviceStager, pinned_empty
 from pdkv.transfer import protocol
 from pdkv.transfer.parts import SenderParts
 from pdkv.transfer.peers import ReceiverPeer, lease_margin
+from pdkv.transfer.plan import TransferPlan
 from pdkv.transfer.pool import PoolClaim
 from pdkv.transfer.protocol import ChunkNotice, Landed, Reserved
 from pdkv.transfer.stall import StallBound
@@ -152,12 +152,16 @@ class OutgoingTransfer:
         transfer_id: str,
         num_tokens: int,
         block_table: Sequence[int],
+        plan: TransferPlan,
+        opened_ns: int,
         reserved: Reserved,
         codec: Codec,
         claim: PoolClaim | None = None,
     ) -> None:
-        """``claim``: the transfer was written into the receiver's pool, not reserved: its one chunk's notice
-        carries the Reserve (README.md here, "Pools")."""
+        """``plan``: its chunks over ``block_table`` (``TransferPlan.build``), paired here with the receiver's
+        blocks in direct mode. ``opened_ns``: when ``open`` began (``time.perf_counter_ns``), the start of our fixed
+        host cost (``hosttime.py``). ``claim``: the transfer was written into the receiver's pool, not reserved: its one
+        chunk's notice carries the Reserve (README.md here, "Pools")."""
         self.ctx = ctx
         self.claim = claim
         self.codec = codec  # how staged chunks go on the wire (``none``: as they are)
@@ -169,7 +173,12 @@ class OutgoingTransfer:
         self.mode = reserved.mode
         self.remote_blocks = reserved.block_ids
         self.remote_slots = reserved.staging_slots
-        self.spans = list(chunk_spans(num_tokens, ctx.parts.config.chunk_size))
+        self.plan = plan.with_peer(reserved.block_ids) if self.mode == "direct" else plan
+        self.spans = plan.spans
+        # every chunk's direct ops, worked out once: send_chunk takes its chunk's (empty in staging mode)
+        assert peer.hello is not None
+        src = ctx.source
+        self.direct_ops = self.plan.ops(src.kv_regions, peer.hello.kv_regions, src.layout.block_bytes)
         self.free_remote_slots = collections.deque(range(len(reserved.staging_slots)))
         self.slot_of_chunk: dict[int, int] = {}
         self.sent: set[int] = set()
@@ -192,6 +201,9 @@ class OutgoingTransfer:
         self.lease_margin = lease_margin(self.lease_s, ctx.parts.config.heartbeat_s)
         self.finished_at = 0.0
         self._on_settled: list[Callable[[OutgoingTransfer], None]] = []
+        # the request's fixed host time (hosttime.py): open to here, then its last Landed to settled
+        self.landed_ns = 0
+        self.fixed_ns = time.perf_counter_ns() - opened_ns
 
     @property
     def num_chunks(self) -> int:
@@ -214,8 +226,9 @@ class OutgoingTransfer:
         nbytes = ctx.source.layout.chunk_bytes(n)
         staging = self.mode == "staging"
         local_slot, remote_slot = self._take_credit(index, nbytes, staging, timeout)
+        posting = time.perf_counter_ns()  # this chunk's host time (hosttime.py): credit waits left out
         try:
-            ops, digest = self._staged_ops(local_slot, remote_slot, start, n) if staging else self._direct_ops(start, n)
+            ops, digest = self._staged_ops(local_slot, remote_slot, start, n) if staging else self._direct_ops(index)
             wire = sum(op.length for op in ops)
             notice = ChunkNotice(self.transfer_id, index, digest, remote_slot, wire if staging else 0)
             if self.claim is not None:  # one chunk: the receiver admits the transfer as this notice arrives
@@ -243,6 +256,7 @@ class OutgoingTransfer:
             need = ctx.credit.inflight
             self.posted[handle] = PostedWrite(nbytes=nbytes, need=need, limit=ctx.stall.limit(need))
         handle.add_done_callback(lambda h: self._finished(h, local_slot))
+        ctx.parts.host.since("chunk", posting)
 
     def send_all(self) -> None:
         for i in range(self.num_chunks):
@@ -336,30 +350,14 @@ class OutgoingTransfer:
                 self.slot_of_chunk[index] = remote_slot
         return local_slot, remote_slot
 
-    def _direct_ops(self, start: int, n: int) -> tuple[list[TransferOp], int]:
-        """One op per buffer tensor per run of blocks adjacent on both sides; the checksum over the same bytes
-        in wire order."""
+    def _direct_ops(self, index: int) -> tuple[list[TransferOp], int]:
+        """Chunk ``index``'s ops from the plan (one per buffer tensor per run of blocks adjacent on both sides); the
+        checksum over the same bytes in wire order."""
         src = self.ctx.source
-        layout = src.layout
-        bs, size = layout.block_size, layout.block_bytes
-        first, last = start // bs, -(-(start + n) // bs)
-        ours = self.block_table[first:last]
-        if min(ours) < 0 or max(ours) >= src.num_blocks:
-            raise TransferError(
-                f"transfer {self.transfer_id!r}: block table {ours} outside our {src.num_blocks} blocks"
-            )
-        runs = block_runs(ours, self.remote_blocks[first:last])
-        assert self.peer.hello is not None
-        remote_regions = self.peer.hello.kv_regions
-        ops = [
-            TransferOp(src.kv_regions[t], a * size, remote_regions[t], b * size, k * size)
-            for t in range(layout.num_tensors)
-            for a, b, k in runs
-        ]
         # On a GPU this runs on the caller's stream and reading its value waits for that stream: the write is
         # posted only after the forward step that wrote these blocks has finished (that stream, not the device).
-        digest = blocks_checksum(src.kv_bytes, ours, size)
-        return ops, digest
+        digest = blocks_checksum(src.kv_bytes, self.plan.blocks[index], src.layout.block_bytes)
+        return self.direct_ops[index], digest
 
     def _staged_ops(self, local_slot: int, remote_slot: int, start: int, n: int) -> tuple[list[TransferOp], int]:
         """Gather the chunk into our slot (through the codec, when one encodes it); the checksum covers the wire
@@ -429,7 +427,7 @@ class OutgoingTransfer:
                 if slot is not None:
                     self.free_remote_slots.append(slot)
             if self.complete and not self.finished_at:
-                self.finished_at = time.monotonic()
+                self.finished_at, self.landed_ns = time.monotonic(), time.perf_counter_ns()
             self.cond.notify_all()
         self._settle_if_over()
 
@@ -499,3 +497,5 @@ class OutgoingTransfer:
                 fn(self)
             except Exception:
                 log.exception("on_settled callback for %s failed", self.transfer_id)
+        if self.landed_ns and self.error is None:
+            self.ctx.parts.host.add("request", self.fixed_ns + time.perf_counter_ns() - self.landed_ns)

@@ -15,7 +15,7 @@ import collections
 import threading
 from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdkv.blocks import BlockAllocator
@@ -23,6 +23,7 @@ from pdkv.channels.base import Channel
 from pdkv.config import TransferConfig
 from pdkv.errors import TransferError
 from pdkv.transfer.control import ControlLoop
+from pdkv.transfer.hosttime import HostTimes
 from pdkv.transfer.incoming import ReceiveMemory
 from pdkv.transfer.peers import ReceiverPeer, SenderPeer
 from pdkv.transfer.protocol import Hello, Message
@@ -69,6 +70,7 @@ class SenderParts:
     peers: dict[str, ReceiverPeer]  # by address: handshaken, or on their way (``handshake.SenderHandshake``)
     transfers: Mapping[str, OpenTransfer]  # open by transfer id; only ``KVSender`` adds and removes them
     asking: dict[str, tuple[ReceiverPeer, Future[Message]]]  # Reserves sent and not answered yet, by transfer id
+    host: HostTimes = field(default_factory=HostTimes)  # host time per chunk and per request (hosttime.py)
 
 
 class ReceiverOutbox(Protocol):
@@ -93,3 +95,4 @@ class ReceiverParts:
     allocator: BlockAllocator  # shared with the decode engine
     peers: dict[bytes, SenderPeer]  # admitted senders by routing identity (``handshake.ReceiverHandshake``)
     unproven: dict[bytes, tuple[Hello, bytes]]  # with a secret: identity -> (its Hello, our nonce) until it proves it
+    host: HostTimes = field(default_factory=HostTimes)  # host time per chunk and per request (hosttime.py)

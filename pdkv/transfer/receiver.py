@@ -263,7 +263,7 @@ class KVReceiver:
 
     def _on_reserve(self, identity: bytes, req: Reserve) -> protocol.Message:
         """Authenticated peers only; then the admission rules (``admission.admit``), then the blocks."""
-        book = self.book
+        book, began = self.book, time.perf_counter_ns()  # D's fixed host time per request (hosttime.py)
         with book.lock:
             peer = reserving_peer(self.parts, identity, req)
             if isinstance(peer, Refused):
@@ -285,4 +285,5 @@ class KVReceiver:
             r = book.open(identity=identity, peer=peer, req=req, admission=admitted, blocks=blocks, slots=slots)
             self.channel.grant(peer.token, "write", book.granted(r))
         slot_offsets = [s * self.memory.slot_bytes for s in slots]
+        self.parts.host.since("request", began)
         return Reserved(req.transfer_id, admitted.mode, blocks, slot_offsets, self.config.lease_s)

@@ -31,6 +31,7 @@ from pdkv.transfer.heartbeat import Heartbeats
 from pdkv.transfer.outgoing import OutgoingTransfer, SendContext, SendCredit, SendSource
 from pdkv.transfer.parts import SenderParts
 from pdkv.transfer.peers import ReceiverPeer
+from pdkv.transfer.plan import TransferPlan
 from pdkv.transfer.pool import SenderPools
 from pdkv.transfer.protocol import BeatAck, Cancel, Done, Hello, Landed, Pool, Refused, Reserved
 from pdkv.transfer.reserves import Reserves
@@ -138,6 +139,16 @@ class KVSender:
                 f"transfer {transfer_id!r}: block table has {len(block_table)} blocks, {num_tokens} tokens need "
                 f"{self.layout.blocks_for(num_tokens)}"
             )
+        began = time.perf_counter_ns()  # the request's fixed host cost (hosttime.py) runs from here
+        # every chunk's blocks, checked against ours once and before anything is reserved
+        plan = TransferPlan.build(
+            transfer_id,
+            num_tokens=num_tokens,
+            chunk_size=self.config.chunk_size,
+            block_size=self.layout.block_size,
+            ours=block_table,
+            num_blocks=self.source.num_blocks,
+        )
         request = {"transfer_id": transfer_id, "num_tokens": num_tokens, "prompt_key": prompt_key, "codec": codec}
         pooled = self.pools.claim(address, **request)
         if pooled is not None:  # no round trip: the Reserve rides on the chunk's notice
@@ -150,6 +161,8 @@ class KVSender:
             transfer_id=transfer_id,
             num_tokens=num_tokens,
             block_table=block_table,
+            plan=plan,
+            opened_ns=began,
             reserved=reserved,
             codec=self.codecs[codec],
             claim=claim,
