@@ -354,6 +354,70 @@ def test_in_process_pair_without_progress_thread_and_close(make_channel: Callabl
     assert b.get_notifications() == []
 
 
+BLOCK = 4096
+
+
+def _count_preps(channel: Channel, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts (by descriptor count) every list ``channel`` prepares from now on."""
+    made: list[int] = []
+    agent = channel._agent  # type: ignore[attr-defined]  # noqa: SLF001 - the NIXL calls are what is counted
+    prep = agent.prep_xfer_dlist
+
+    def counted(name: str, descs: Any, *args: Any, **kwargs: Any) -> Any:
+        made.append(len(descs))
+        return prep(name, descs, *args, **kwargs)
+
+    monkeypatch.setattr(agent, "prep_xfer_dlist", counted)
+    return made
+
+
+def test_whole_blocks_index_the_lists_prepared_once_and_odd_ranges_still_move(
+    make_channel: Callable[..., Channel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regions registered with a block size: scattered whole blocks of two regions land bit-exact, one list per
+    side prepared at registration and add_peer and none per write (as vLLM's NixlConnector); a write of partial
+    blocks takes per-write lists and lands too; ranges outside the peer's regions are refused before posting."""
+    a, b = make_channel(), make_channel()
+    blocks = REGION // BLOCK
+    srcs, dsts = [pattern(REGION, 10 + i) for i in range(2)], [torch.zeros(REGION, dtype=torch.uint8) for _ in range(2)]
+    ras = [a.register(t, BLOCK) for t in srcs]
+    rbs = [b.register(t, BLOCK) for t in dsts]
+    made = _count_preps(a, monkeypatch)
+    name = a.add_peer(b.metadata())
+    assert made == [2 * blocks], "add_peer prepares one list over every block of the peer's gridded regions"
+    ours, theirs = [3, 4, 5, 17, 200, 9], [60, 61, 62, 2, 255, 100]  # runs of three, then scattered single blocks
+    for n, notif in enumerate((b"first", b"second")):
+        ops = [
+            TransferOp(ras[t], i * BLOCK, rbs[t], j * BLOCK, BLOCK)
+            for t in range(2)
+            for i, j in zip(ours[3 * n :], theirs[3 * n :], strict=False)
+        ]
+        handle = a.write(name, ops, notif=notif)
+        a.wait(handle, 10.0)
+        if n == 0:
+            assert made == [2 * blocks, 2 * blocks], "the local list over both regions' blocks, on first use"
+        for op in ops:
+            got = dsts[rbs.index(op.remote_region)][op.remote_offset : op.remote_offset + op.length]
+            assert torch.equal(got, srcs[ras.index(op.local_region)][op.local_offset : op.local_offset + op.length])
+    assert len(made) == 2, "writes of whole blocks prepare no list of their own"
+    assert int(dsts[0][: 2 * BLOCK].count_nonzero()) == 0, "blocks not written stay untouched"
+    odd = [TransferOp(ras[0], 100, rbs[1], 7 * BLOCK + 5, 3000), TransferOp(ras[1], 0, rbs[0], 8 * BLOCK, BLOCK)]
+    a.wait(a.write(name, odd, notif=b"odd"), 10.0)
+    assert made[2:] == [2, 2], "a write that is not all whole blocks prepares lists of its ranges"
+    for op in odd:
+        got = dsts[rbs.index(op.remote_region)][op.remote_offset : op.remote_offset + op.length]
+        assert torch.equal(got, srcs[ras.index(op.local_region)][op.local_offset : op.local_offset + op.length])
+    deadline, got_notifs = time.monotonic() + 10.0, []
+    while len(got_notifs) < 3 and time.monotonic() < deadline:
+        got_notifs += [n.payload for n in b.get_notifications()]
+    assert sorted(got_notifs) == [b"first", b"odd", b"second"]
+    for op in (TransferOp(ras[0], 0, rbs[0], REGION, BLOCK), TransferOp(ras[0], REGION - BLOCK, rbs[0], 0, 2 * BLOCK)):
+        with pytest.raises(ChannelError, match="fit region"):
+            a.write(name, [op])
+    with pytest.raises(ChannelError, match="whole number"):
+        a.register(torch.zeros(BLOCK + 1, dtype=torch.uint8), BLOCK)
+
+
 def test_watcher_sleeps_until_a_grant_and_then_delivers_the_notification(
     make_channel: Callable[..., Channel],
 ) -> None:
