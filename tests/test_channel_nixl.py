@@ -360,7 +360,7 @@ BLOCK = 4096
 def _count_preps(channel: Channel, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts (by descriptor count) every list ``channel`` prepares from now on."""
     made: list[int] = []
-    agent = channel._agent  # type: ignore[attr-defined]  # noqa: SLF001 - the NIXL calls are what is counted
+    agent = channel._agent  # type: ignore[attr-defined]  # the NIXL calls are what is counted
     prep = agent.prep_xfer_dlist
 
     def counted(name: str, descs: Any, *args: Any, **kwargs: Any) -> Any:
