@@ -7,8 +7,10 @@ the ``Channel`` interface, the UCX environment it sets and why its progress thre
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -180,6 +182,25 @@ class _PrepCache:
 
 
 _AGENT_CONFIG_LOCK = threading.Lock()
+PR_SET_TIMERSLACK = 29  # prctl(2)
+WATCH_TIMER_SLACK_NS = 1000
+
+
+def tighten_timer_slack(ns: int) -> bool:
+    """Let the calling thread's timed waits end within ``ns`` of their timeout; False where that cannot be set.
+
+    Linux lets a thread's sleep run up to its timer slack (50 us by default) past
+    the timeout, so the watcher's 50 us pause while a transfer is in flight
+    measured ~130 us (p50) here, ~80 us with 1 us of slack: NIXL sends the
+    target's notification only when this side's ``check_xfer_state`` sees the
+    transfer done, so each pause is latency every chunk pays.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return bool(ctypes.CDLL(None, use_errno=True).prctl(PR_SET_TIMERSLACK, ctypes.c_ulong(ns), 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
 
 
 def keep_delay_config(delay_us: int) -> type:
@@ -694,6 +715,7 @@ class NixlChannel(Channel):
         """Find finished transfers and new notifications for those who sleep until they happen (channels/README.md,
         "nixl"): fast after an event, backing off while something may still come, asleep when nothing can."""
         opts: NixlOptions = self.options  # type: ignore[assignment]
+        tighten_timer_slack(WATCH_TIMER_SLACK_NS)
         pause: float | None = opts.watch_min_s
         while not self._closed:
             self._activity.wait(pause)

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import select
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -442,6 +443,22 @@ def test_watcher_sleeps_until_a_grant_and_then_delivers_the_notification(
     assert readable, "the watcher did not deliver the notification"
     assert [n.payload for n in b.inbox.drain()] == [b"granted"] and torch.equal(src, dst)
     assert b.watch_polls > asleep
+
+
+@pytest.mark.skipif(not Path("/proc/self/timerslack_ns").exists(), reason="Linux >= 4.6 shows a thread's timer slack")
+def test_the_watcher_sleeps_with_tight_timer_slack(make_channel: Callable[..., Channel]) -> None:
+    """The watcher's 50 us pauses while a transfer is in flight would run ~130 us at Linux's default 50 us of timer
+    slack; its own thread's slack is set to WATCH_TIMER_SLACK_NS, and no other thread's changes."""
+    from pdkv.channels.nixl import WATCH_TIMER_SLACK_NS
+
+    channel = make_channel()
+    tid = channel._watcher.native_id  # type: ignore[attr-defined]
+    path = Path(f"/proc/{tid}/timerslack_ns")  # /proc/TID is every thread's own, though not listed
+    wait_for = time.monotonic() + 10.0
+    while int(path.read_text()) != WATCH_TIMER_SLACK_NS and time.monotonic() < wait_for:
+        time.sleep(0.01)
+    assert int(path.read_text()) == WATCH_TIMER_SLACK_NS
+    assert int(Path(f"/proc/{threading.get_native_id()}/timerslack_ns").read_text()) != WATCH_TIMER_SLACK_NS
 
 
 def test_an_idle_grant_is_watched_at_the_slow_pace_and_a_write_still_lands(
