@@ -362,7 +362,12 @@ class NixlChannel(Channel):
     def _local_block_lists(self) -> _BlockLists:
         """The local block lists, made now if a gridded region came or went since. Holds the lock."""
         if self._local_blocks is None:
-            self._local_blocks = _BlockLists(self._agent, "", {r: e.meta for r, e in self.regions.items()})
+            try:
+                self._local_blocks = _BlockLists(self._agent, "", {r: e.meta for r, e in self.regions.items()})
+            except NIXL_ERRORS as exc:
+                raise ChannelError(
+                    f"nixl: preparing the block lists of this agent's regions failed: {describe_nixl_error(exc)}"
+                ) from exc
         return self._local_blocks
 
     def _supported_mems(self) -> set[str]:
