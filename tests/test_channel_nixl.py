@@ -309,6 +309,16 @@ def test_metadata_is_checked(make_channel: Callable[..., Channel]) -> None:
     forged = {**meta, "regions": {0: [region[0] + 4096, region[1], region[2], region[3]]}}
     with pytest.raises(ChannelError, match="does not match its registrations"):
         a.add_peer(msgspec.msgpack.encode(forged))
+    for block, what in [(1000, "whole number"), (-4, "malformed")]:  # a block grid it cannot have
+        uneven = {**meta, "regions": {0: [*region[:4], block]}}
+        with pytest.raises(ChannelError, match=what):
+            a.add_peer(msgspec.msgpack.encode(uneven))
+    a_small = make_channel(max_region_blocks=16)
+    with pytest.raises(ChannelError, match="at most 16 blocks"):
+        a_small.add_peer(msgspec.msgpack.encode({**meta, "regions": {0: [*region[:4], 128]}}))
+    gridded = {**meta, "regions": {0: [region[0] + 4096, region[1], region[2], region[3], 1024]}}
+    with pytest.raises(ChannelError, match="block-gridded region does not match its registrations"):
+        a.add_peer(msgspec.msgpack.encode(gridded))
     with pytest.raises(ChannelError, match="unknown peer"):  # a refused peer leaves nothing behind
         a.write(b.agent_name, [TransferOp(0, 0, 0, 0, 1)])
     assert a.add_peer(b.metadata()) == b.agent_name
