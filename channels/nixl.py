@@ -141,9 +141,10 @@ class _BlockLists:
             self.release()
             raise
 
-    def indices(self, regions: Sequence[int], offsets: np.ndarray, blocks: np.ndarray, block: int) -> np.ndarray:
+    def indices(self, regions: np.ndarray, offsets: np.ndarray, blocks: np.ndarray, block: int) -> np.ndarray:
         """The list indices of ``blocks[i]`` blocks from byte ``offsets[i]`` of ``regions[i]``, op after op."""
-        starts = np.array([self.first[r] for r in regions], dtype=np.int64) + offsets // block
+        ids, where = np.unique(regions, return_inverse=True)
+        starts = np.array([self.first[int(r)] for r in ids], dtype=np.int64)[where] + offsets // block
         within = np.arange(int(blocks.sum()), dtype=np.int64) - np.repeat(np.cumsum(blocks) - blocks, blocks)
         return np.repeat(starts, blocks) + within
 
@@ -565,11 +566,12 @@ class NixlChannel(Channel):
             total = self.regions.check_ops(peer, ops)
             merged = merge_ops(ops)
             remote = self._peers[peer]
-            local = [self.regions[o.local_region].meta for o in merged]
-            theirs = [remote[o.remote_region] for o in merged]
+            # each region looked up once: a chunk is an op per tensor and run of blocks, hundreds of them
+            local = {r: self.regions[r].meta for r in {o.local_region for o in merged}}
+            theirs = {r: remote[r] for r in {o.remote_region for o in merged}}
             mems = (
-                self._one_mem({m.mem for m in local}, "local"),
-                self._one_mem({m.mem for m in theirs}, f"peer {peer!r}"),
+                self._one_mem({m.mem for m in local.values()}, "local"),
+                self._one_mem({m.mem for m in theirs.values()}, f"peer {peer!r}"),
             )
             handle = NixlTransferHandle(peer, op, total, len(merged))
             try:
@@ -605,39 +607,40 @@ class NixlChannel(Channel):
         self,
         peer: str,
         ops: Sequence[TransferOp],
-        local: Sequence[_RegionMeta],
-        theirs: Sequence[_RegionMeta],
+        local: Mapping[int, _RegionMeta],
+        theirs: Mapping[int, _RegionMeta],
         mems: tuple[str, str],
     ) -> _Prepped | None:
         """Both sides' block lists and the indices of ``ops``' blocks in them; None unless every op moves whole
         blocks between regions gridded in one block size on both sides. Holds the lock."""
-        block = local[0].block
-        if not block or any(m.block != block for m in (*local, *theirs)):
+        sizes = {m.block for m in local.values()} | {m.block for m in theirs.values()}
+        if len(sizes) != 1 or 0 in sizes:
             return None
-        spans = np.array([(o.local_offset, o.remote_offset, o.length) for o in ops], dtype=np.int64)
-        if (spans % block).any():
+        block = sizes.pop()
+        spans = np.array(ops, dtype=np.int64)  # TransferOp's fields as columns; check_ops bounded every one
+        if (spans[:, [1, 3, 4]] % block).any():
             return None
         mine, peers = self._local_block_lists(), self._remote_blocks[peer]
-        blocks = spans[:, 2] // block
+        blocks = spans[:, 4] // block
         return (
             mine.lists[mems[0]],
-            mine.indices([o.local_region for o in ops], spans[:, 0], blocks, block),
+            mine.indices(spans[:, 0], spans[:, 1], blocks, block),
             peers.lists[mems[1]],
-            peers.indices([o.remote_region for o in ops], spans[:, 1], blocks, block),
+            peers.indices(spans[:, 2], spans[:, 3], blocks, block),
         )
 
     def _range_lists(
         self,
         peer: str,
         ops: Sequence[TransferOp],
-        local: Sequence[_RegionMeta],
-        theirs: Sequence[_RegionMeta],
+        local: Mapping[int, _RegionMeta],
+        theirs: Mapping[int, _RegionMeta],
         mems: tuple[str, str],
     ) -> _Prepped:
         """Lists of exactly ``ops``' ranges (a staging slot, a partial block), from the caches or made now, and
         every index of each. Holds the lock."""
-        local_descs = tuple(self._desc(m, o.local_offset, o.length) for m, o in zip(local, ops, strict=True))
-        remote_descs = tuple(self._desc(m, o.remote_offset, o.length) for m, o in zip(theirs, ops, strict=True))
+        local_descs = tuple(self._desc(local[o.local_region], o.local_offset, o.length) for o in ops)
+        remote_descs = tuple(self._desc(theirs[o.remote_region], o.remote_offset, o.length) for o in ops)
         indices = np.arange(len(ops), dtype=np.int32)
         return self._prepared("", mems[0], local_descs), indices, self._prepared(peer, mems[1], remote_descs), indices
 
