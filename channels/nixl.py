@@ -286,7 +286,7 @@ class NixlChannel(Channel):
         self._local_lists = _PrepCache(opts.prep_cache_size)
         self._remote_lists = _PrepCache(opts.prep_cache_size)
         self._local_blocks: _BlockLists | None = None  # made on first use after a gridded region came or went
-        self._remote_blocks: dict[str, _BlockLists] = {}  # per peer, made by add_peer
+        self._remote_blocks: dict[str, _BlockLists] = {}  # per peer written to, made by connect or the first write
         self._closed = False
         # set by a post, a grant, a registration or close: the watcher polls at its fastest again
         self._activity = threading.Event()
@@ -360,6 +360,19 @@ class NixlChannel(Channel):
             self._local_blocks.release()
             self._local_blocks = None
 
+    def _peer_block_lists(self, peer: str) -> _BlockLists:
+        """``peer``'s block lists, made on the first need (``connect`` or a write): only a side that writes to a
+        peer pays for one descriptor per block of its KV (a receiver adds every sender as a peer). Holds the lock."""
+        lists = self._remote_blocks.get(peer)
+        if lists is None:
+            try:
+                lists = self._remote_blocks[peer] = _BlockLists(self._agent, peer, self._peers[peer])
+            except NIXL_ERRORS as exc:
+                raise ChannelError(
+                    f"nixl: preparing the block lists of peer {peer!r}'s regions failed: {describe_nixl_error(exc)}"
+                ) from exc
+        return lists
+
     def _local_block_lists(self) -> _BlockLists:
         """The local block lists, made now if a gridded region came or went since. Holds the lock."""
         if self._local_blocks is None:
@@ -405,7 +418,6 @@ class NixlChannel(Channel):
     def metadata(self) -> bytes:
         with self._lock:
             self._check_open()
-            self._local_block_lists()  # made before the first write needs them: peers ask for metadata first
             meta = _NixlMeta(
                 METADATA_VERSION,
                 self.agent_name,
@@ -424,21 +436,15 @@ class NixlChannel(Channel):
             self._forget_lists(meta.name)
             self._peers[meta.name] = dict(meta.regions)
             self.regions.add_peer(meta.name, {r: m.size for r, m in meta.regions.items()})
-            # stage 2: NIXL checks each region against stage 1 as it prepares lists over it
-            region = None
-            try:
-                self._remote_blocks[meta.name] = _BlockLists(self._agent, meta.name, meta.regions)
-                for region in (r for r in meta.regions.values() if not r.block):
+            for region in meta.regions.values():  # stage 2: NIXL checks each region against stage 1
+                try:
                     self._prepared(meta.name, region.mem, ((region.addr, region.size, region.dev),))
-            except NIXL_ERRORS as exc:
-                self._forget_peer(meta.name, unload=True)
-                which = (
-                    "a block-gridded region" if region is None else f"region of {region.size} bytes at {region.addr:#x}"
-                )
-                raise ChannelError(
-                    f"nixl: peer {meta.name!r} {which} does not match its registrations ({describe_nixl_error(exc)}); "
-                    "its metadata is stale or malformed"
-                ) from exc
+                except NIXL_ERRORS as exc:
+                    self._forget_peer(meta.name, unload=True)
+                    raise ChannelError(
+                        f"nixl: peer {meta.name!r} region of {region.size} bytes at {region.addr:#x} does not match "
+                        f"its registrations ({describe_nixl_error(exc)}); its metadata is stale or malformed"
+                    ) from exc
         return meta.name
 
     def _decode_metadata(self, metadata: bytes) -> _NixlMeta:
@@ -524,6 +530,9 @@ class NixlChannel(Channel):
                 self._agent.make_connection(peer)
             except NIXL_ERRORS as exc:
                 raise ChannelError(f"nixl: cannot connect to peer {peer!r}: {describe_nixl_error(exc)}") from exc
+            # the side that writes connects (a sender, at its handshake): its first write finds the lists made
+            self._local_block_lists()
+            self._peer_block_lists(peer)
 
     def _forget_peer(self, peer: str, reason: str = "peer removed", unload: bool = False) -> None:
         """Fail the peer's pending transfers, release its prepared lists and regions: nothing reaches it until
@@ -620,7 +629,7 @@ class NixlChannel(Channel):
         spans = np.array(ops, dtype=np.int64)  # TransferOp's fields as columns; check_ops bounded every one
         if (spans[:, [1, 3, 4]] % block).any():
             return None
-        mine, peers = self._local_block_lists(), self._remote_blocks[peer]
+        mine, peers = self._local_block_lists(), self._peer_block_lists(peer)
         blocks = spans[:, 4] // block
         return (
             mine.lists[mems[0]],

@@ -317,7 +317,7 @@ def test_metadata_is_checked(make_channel: Callable[..., Channel]) -> None:
     with pytest.raises(ChannelError, match="at most 16 blocks"):
         a_small.add_peer(msgspec.msgpack.encode({**meta, "regions": {0: [*region[:4], 128]}}))
     gridded = {**meta, "regions": {0: [region[0] + 4096, region[1], region[2], region[3], 1024]}}
-    with pytest.raises(ChannelError, match="block-gridded region does not match its registrations"):
+    with pytest.raises(ChannelError, match="does not match its registrations"):
         a.add_peer(msgspec.msgpack.encode(gridded))
     with pytest.raises(ChannelError, match="unknown peer"):  # a refused peer leaves nothing behind
         a.write(b.agent_name, [TransferOp(0, 0, 0, 0, 1)])
@@ -386,8 +386,8 @@ def test_whole_blocks_index_the_lists_prepared_once_and_odd_ranges_still_move(
     make_channel: Callable[..., Channel], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Regions registered with a block size: scattered whole blocks of two regions land bit-exact, one list per
-    side prepared at registration and add_peer and none per write (as vLLM's NixlConnector); a write of partial
-    blocks takes per-write lists and lands too; ranges outside the peer's regions are refused before posting."""
+    side prepared when connecting and none per write (as vLLM's NixlConnector); a write of partial blocks takes
+    per-write lists and lands too; ranges outside the peer's regions are refused before posting."""
     a, b = make_channel(), make_channel()
     blocks = REGION // BLOCK
     srcs, dsts = [pattern(REGION, 10 + i) for i in range(2)], [torch.zeros(REGION, dtype=torch.uint8) for _ in range(2)]
@@ -395,7 +395,11 @@ def test_whole_blocks_index_the_lists_prepared_once_and_odd_ranges_still_move(
     rbs = [b.register(t, BLOCK) for t in dsts]
     made = _count_preps(a, monkeypatch)
     name = a.add_peer(b.metadata())
-    assert made == [2 * blocks], "add_peer prepares one list over every block of the peer's gridded regions"
+    assert made == [1, 1], "add_peer checks each of the peer's regions whole"
+    a.connect(name, 10.0)
+    assert made[2:] == [2 * blocks, 2 * blocks], "connect prepares one list over every block of each side's regions"
+    a.connect(name, 10.0)
+    assert len(made) == 4, "and only once"
     ours, theirs = [3, 4, 5, 17, 200, 9], [60, 61, 62, 2, 255, 100]  # runs of three, then scattered single blocks
     for n, notif in enumerate((b"first", b"second")):
         ops = [
@@ -405,16 +409,14 @@ def test_whole_blocks_index_the_lists_prepared_once_and_odd_ranges_still_move(
         ]
         handle = a.write(name, ops, notif=notif)
         a.wait(handle, 10.0)
-        if n == 0:
-            assert made == [2 * blocks, 2 * blocks], "the local list over both regions' blocks, on first use"
         for op in ops:
             got = dsts[rbs.index(op.remote_region)][op.remote_offset : op.remote_offset + op.length]
             assert torch.equal(got, srcs[ras.index(op.local_region)][op.local_offset : op.local_offset + op.length])
-    assert len(made) == 2, "writes of whole blocks prepare no list of their own"
+    assert len(made) == 4, "writes of whole blocks prepare no list of their own"
     assert int(dsts[0][: 2 * BLOCK].count_nonzero()) == 0, "blocks not written stay untouched"
     odd = [TransferOp(ras[0], 100, rbs[1], 7 * BLOCK + 5, 3000), TransferOp(ras[1], 0, rbs[0], 8 * BLOCK, BLOCK)]
     a.wait(a.write(name, odd, notif=b"odd"), 10.0)
-    assert made[2:] == [2, 2], "a write that is not all whole blocks prepares lists of its ranges"
+    assert made[4:] == [2, 2], "a write that is not all whole blocks prepares lists of its ranges"
     for op in odd:
         got = dsts[rbs.index(op.remote_region)][op.remote_offset : op.remote_offset + op.length]
         assert torch.equal(got, srcs[ras.index(op.local_region)][op.local_offset : op.local_offset + op.length])
