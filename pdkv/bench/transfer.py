@@ -511,7 +511,13 @@ def measure(
     return {
         "channel": channel,
         "link": placement.label,
-        "baseline": _describe(baseline, BASELINES[channel]) + ", moving the same bytes in one transfer",
+        "baseline": _describe(baseline, BASELINES[channel])
+        + ", moving the same bytes in one transfer"
+        + (
+            " (blocks: each request's whole blocks, one transfer each)"
+            if getattr(baseline, "moves_blocks", False)
+            else ""
+        ),
         "cpu": "CPU seconds per GB moved, per side: the process's user+sys time (all threads) from just before "
         "the receiver hears of a repetition's requests until each side's work for them is done (baseline: over "
         "its timed calls, warm-ups included), divided by the bytes moved",
