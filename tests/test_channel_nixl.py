@@ -603,3 +603,21 @@ def test_a_write_in_flight_when_its_peer_is_forgotten_is_marked_as_possibly_stil
     done = a.write(name, [TransferOp(ra, 0, rb, 0, REGION)])
     a.wait(done, 10.0)
     assert done.state is XferState.DONE and not done.may_still_land  # a finished write is not in doubt
+
+
+def test_the_raw_blocks_baseline_moves_each_requests_blocks_with_its_notification() -> None:
+    """``pdkv bench transfer``'s second nixl baseline: a direct scenario's requests moved as whole blocks, one
+    transfer and notification per request; leaving the baseline raises unless the target got every one."""
+    from pdkv.bench.nixl_raw import WARMUP, RawNixl
+    from pdkv.bench.transfer import Scenario, variants_for
+
+    sc = Scenario("direct", 40, 2)
+    assert "blocks" not in variants_for(RawNixl, Scenario("staging", 40, 2))
+    with RawNixl(sc.block_bytes) as raw:
+        variants = variants_for(raw, sc)
+        assert set(variants) == {"raw", "blocks"}
+        for kw in variants.values():
+            assert raw.gbps(sc.nbytes, 2, **kw) > 0
+        assert raw.pair.notified == (WARMUP + 2) * (1 + sc.requests)  # one per transfer, one per request
+        with pytest.raises(ChannelError, match="do not fit"):
+            raw.gbps(2 * sc.block_bytes, 1, **variants["blocks"])
