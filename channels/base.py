@@ -120,8 +120,13 @@ class Channel(ABC):
 
     # -- memory ------------------------------------------------------------
     @abstractmethod
-    def register(self, buf: Any) -> int:
-        """Register a buffer (tensor, array, bytearray) for transfers; returns its region id."""
+    def register(self, buf: Any, block_bytes: int = 0) -> int:
+        """Register a buffer (tensor, array, bytearray) for transfers; returns its region id.
+
+        ``block_bytes``: the buffer is a grid of blocks this size (a KV buffer's ``layout.block_bytes``), so
+        transfers will mostly move whole blocks of it. A channel that prepares descriptors (nixl) prepares
+        them once per block for such a region, as vLLM's NixlConnector does; the others ignore it.
+        """
 
     @abstractmethod
     def deregister(self, region: int) -> None:

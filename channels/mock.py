@@ -61,7 +61,7 @@ class MockChannel(Channel):
         self._worker = threading.Thread(target=self._run, name=f"mock-{agent_name}", daemon=True)
         self._worker.start()
 
-    def register(self, buf: Any) -> int:
+    def register(self, buf: Any, block_bytes: int = 0) -> int:
         view = byte_view(buf)
         return self.regions.add(view, view.nbytes)
 

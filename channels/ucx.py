@@ -184,7 +184,7 @@ class UcxChannel(Channel):
         _OPEN.add(self)
 
     # -- memory ------------------------------------------------------------
-    def register(self, buf: Any) -> int:
+    def register(self, buf: Any, block_bytes: int = 0) -> int:
         if isinstance(buf, torch.Tensor) and buf.device.type != "cpu":
             raise ChannelError(
                 f"ucx: the ucx channel moves host memory; a tensor on {buf.device} needs the nixl channel"

@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import select
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
@@ -308,6 +309,16 @@ def test_metadata_is_checked(make_channel: Callable[..., Channel]) -> None:
     forged = {**meta, "regions": {0: [region[0] + 4096, region[1], region[2], region[3]]}}
     with pytest.raises(ChannelError, match="does not match its registrations"):
         a.add_peer(msgspec.msgpack.encode(forged))
+    for block, what in [(1000, "whole number"), (-4, "malformed")]:  # a block grid it cannot have
+        uneven = {**meta, "regions": {0: [*region[:4], block]}}
+        with pytest.raises(ChannelError, match=what):
+            a.add_peer(msgspec.msgpack.encode(uneven))
+    a_small = make_channel(max_region_blocks=16)
+    with pytest.raises(ChannelError, match="at most 16 blocks"):
+        a_small.add_peer(msgspec.msgpack.encode({**meta, "regions": {0: [*region[:4], 128]}}))
+    gridded = {**meta, "regions": {0: [region[0] + 4096, region[1], region[2], region[3], 1024]}}
+    with pytest.raises(ChannelError, match="does not match its registrations"):
+        a.add_peer(msgspec.msgpack.encode(gridded))
     with pytest.raises(ChannelError, match="unknown peer"):  # a refused peer leaves nothing behind
         a.write(b.agent_name, [TransferOp(0, 0, 0, 0, 1)])
     assert a.add_peer(b.metadata()) == b.agent_name
@@ -354,6 +365,72 @@ def test_in_process_pair_without_progress_thread_and_close(make_channel: Callabl
     assert b.get_notifications() == []
 
 
+BLOCK = 4096
+
+
+def _count_preps(channel: Channel, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts (by descriptor count) every list ``channel`` prepares from now on."""
+    made: list[int] = []
+    agent = channel._agent  # type: ignore[attr-defined]  # the NIXL calls are what is counted
+    prep = agent.prep_xfer_dlist
+
+    def counted(name: str, descs: Any, *args: Any, **kwargs: Any) -> Any:
+        made.append(len(descs))
+        return prep(name, descs, *args, **kwargs)
+
+    monkeypatch.setattr(agent, "prep_xfer_dlist", counted)
+    return made
+
+
+def test_whole_blocks_index_the_lists_prepared_once_and_odd_ranges_still_move(
+    make_channel: Callable[..., Channel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regions registered with a block size: scattered whole blocks of two regions land bit-exact, one list per
+    side prepared when connecting and none per write (as vLLM's NixlConnector); a write of partial blocks takes
+    per-write lists and lands too; ranges outside the peer's regions are refused before posting."""
+    a, b = make_channel(), make_channel()
+    blocks = REGION // BLOCK
+    srcs, dsts = [pattern(REGION, 10 + i) for i in range(2)], [torch.zeros(REGION, dtype=torch.uint8) for _ in range(2)]
+    ras = [a.register(t, BLOCK) for t in srcs]
+    rbs = [b.register(t, BLOCK) for t in dsts]
+    made = _count_preps(a, monkeypatch)
+    name = a.add_peer(b.metadata())
+    assert made == [1, 1], "add_peer checks each of the peer's regions whole"
+    a.connect(name, 10.0)
+    assert made[2:] == [2 * blocks, 2 * blocks], "connect prepares one list over every block of each side's regions"
+    a.connect(name, 10.0)
+    assert len(made) == 4, "and only once"
+    ours, theirs = [3, 4, 5, 17, 200, 9], [60, 61, 62, 2, 255, 100]  # runs of three, then scattered single blocks
+    for n, notif in enumerate((b"first", b"second")):
+        ops = [
+            TransferOp(ras[t], i * BLOCK, rbs[t], j * BLOCK, BLOCK)
+            for t in range(2)
+            for i, j in zip(ours[3 * n :], theirs[3 * n :], strict=False)
+        ]
+        handle = a.write(name, ops, notif=notif)
+        a.wait(handle, 10.0)
+        for op in ops:
+            got = dsts[rbs.index(op.remote_region)][op.remote_offset : op.remote_offset + op.length]
+            assert torch.equal(got, srcs[ras.index(op.local_region)][op.local_offset : op.local_offset + op.length])
+    assert len(made) == 4, "writes of whole blocks prepare no list of their own"
+    assert int(dsts[0][: 2 * BLOCK].count_nonzero()) == 0, "blocks not written stay untouched"
+    odd = [TransferOp(ras[0], 100, rbs[1], 7 * BLOCK + 5, 3000), TransferOp(ras[1], 0, rbs[0], 8 * BLOCK, BLOCK)]
+    a.wait(a.write(name, odd, notif=b"odd"), 10.0)
+    assert made[4:] == [2, 2], "a write that is not all whole blocks prepares lists of its ranges"
+    for op in odd:
+        got = dsts[rbs.index(op.remote_region)][op.remote_offset : op.remote_offset + op.length]
+        assert torch.equal(got, srcs[ras.index(op.local_region)][op.local_offset : op.local_offset + op.length])
+    deadline, got_notifs = time.monotonic() + 10.0, []
+    while len(got_notifs) < 3 and time.monotonic() < deadline:
+        got_notifs += [n.payload for n in b.get_notifications()]
+    assert sorted(got_notifs) == [b"first", b"odd", b"second"]
+    for op in (TransferOp(ras[0], 0, rbs[0], REGION, BLOCK), TransferOp(ras[0], REGION - BLOCK, rbs[0], 0, 2 * BLOCK)):
+        with pytest.raises(ChannelError, match="fit region"):
+            a.write(name, [op])
+    with pytest.raises(ChannelError, match="whole number"):
+        a.register(torch.zeros(BLOCK + 1, dtype=torch.uint8), BLOCK)
+
+
 def test_watcher_sleeps_until_a_grant_and_then_delivers_the_notification(
     make_channel: Callable[..., Channel],
 ) -> None:
@@ -378,6 +455,22 @@ def test_watcher_sleeps_until_a_grant_and_then_delivers_the_notification(
     assert readable, "the watcher did not deliver the notification"
     assert [n.payload for n in b.inbox.drain()] == [b"granted"] and torch.equal(src, dst)
     assert b.watch_polls > asleep
+
+
+@pytest.mark.skipif(not Path("/proc/self/timerslack_ns").exists(), reason="Linux >= 4.6 shows a thread's timer slack")
+def test_the_watcher_sleeps_with_tight_timer_slack(make_channel: Callable[..., Channel]) -> None:
+    """The watcher's 50 us pauses while a transfer is in flight would run ~130 us at Linux's default 50 us of timer
+    slack; its own thread's slack is set to WATCH_TIMER_SLACK_NS, and no other thread's changes."""
+    from pdkv.channels.nixl import WATCH_TIMER_SLACK_NS
+
+    channel = make_channel()
+    tid = channel._watcher.native_id  # type: ignore[attr-defined]
+    path = Path(f"/proc/{tid}/timerslack_ns")  # /proc/TID is every thread's own, though not listed
+    wait_for = time.monotonic() + 10.0
+    while int(path.read_text()) != WATCH_TIMER_SLACK_NS and time.monotonic() < wait_for:
+        time.sleep(0.01)
+    assert int(path.read_text()) == WATCH_TIMER_SLACK_NS
+    assert int(Path(f"/proc/{threading.get_native_id()}/timerslack_ns").read_text()) != WATCH_TIMER_SLACK_NS
 
 
 def test_an_idle_grant_is_watched_at_the_slow_pace_and_a_write_still_lands(
@@ -510,3 +603,21 @@ def test_a_write_in_flight_when_its_peer_is_forgotten_is_marked_as_possibly_stil
     done = a.write(name, [TransferOp(ra, 0, rb, 0, REGION)])
     a.wait(done, 10.0)
     assert done.state is XferState.DONE and not done.may_still_land  # a finished write is not in doubt
+
+
+def test_the_raw_blocks_baseline_moves_each_requests_blocks_with_its_notification() -> None:
+    """``pdkv bench transfer``'s second nixl baseline: a direct scenario's requests moved as whole blocks, one
+    transfer and notification per request; leaving the baseline raises unless the target got every one."""
+    from pdkv.bench.nixl_raw import WARMUP, RawNixl
+    from pdkv.bench.transfer import Scenario, variants_for
+
+    sc = Scenario("direct", 40, 2)
+    assert "blocks" not in variants_for(RawNixl, Scenario("staging", 40, 2))
+    with RawNixl(sc.block_bytes) as raw:
+        variants = variants_for(raw, sc)
+        assert set(variants) == {"raw", "blocks"}
+        for kw in variants.values():
+            assert raw.gbps(sc.nbytes, 2, **kw) > 0
+        assert raw.pair.notified == (WARMUP + 2) * (1 + sc.requests)  # one per transfer, one per request
+        with pytest.raises(ChannelError, match="do not fit"):
+            raw.gbps(2 * sc.block_bytes, 1, **variants["blocks"])

@@ -59,7 +59,7 @@ class TcpChannel(Channel):
         self.port: int = self.target.port
 
     # -- memory ----------------------------------------------------------------
-    def register(self, buf: Any) -> int:
+    def register(self, buf: Any, block_bytes: int = 0) -> int:
         view = byte_view(buf)
         if view.readonly:
             raise ChannelError("tcp: cannot register read-only memory; transfers land bytes in registered regions")

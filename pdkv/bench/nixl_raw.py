@@ -9,6 +9,15 @@ nixl channel builds its own (``create_nixl_agent`` with default
 ``NixlOptions``: the same UCX environment, the same event-driven progress
 thread), so the ratio measures only what the channel adds.
 
+``gbps`` has two ways (``variants``): ``contiguous``, the bytes as one
+transfer; and, given a KV layout's grid (``block_bytes``, ``tensors``,
+``requests``), ``blocks``, the way vLLM's NixlConnector moves a request's KV:
+each side's buffer prepared once as one descriptor per tensor x block, then
+per request one ``make_prepped_xfer`` of numpy index arrays naming its blocks
+(NIXL merges runs of adjacent ones) with the notification on it, the target
+counting the notifications. Request ``r`` owns blocks ``r*n .. r*n+n-1`` of
+every tensor on both sides, where fresh block allocators put them.
+
 Buffers are bytearrays, as on the bench's channel side, because allocation
 matters here: numpy arrays (and torch tensors with THP_MEM_ALLOC_ENABLE=1)
 get transparent huge pages through madvise and moved about 2x faster over
@@ -89,6 +98,7 @@ class _RawPair:
     """
 
     def __init__(self, nbytes: int, placement: Placement, memory: MemType = "DRAM") -> None:
+        self.nbytes = nbytes
         ctx = mp.get_context("spawn")
         self.conn, there = ctx.Pipe()
         self.memory = memory
@@ -135,9 +145,11 @@ class _RawPair:
         remote = self.agent.prep_xfer_dlist(self.peer, [(self.remote_addr + o, n, 0) for o, n in ranges], self.memory)
         return local, remote
 
-    def post(self, local: Any, remote: Any, index: int, notif: bytes) -> Any:
-        """Post one WRITE of descriptor ``index``; returns its handle."""
-        xfer = self.agent.make_prepped_xfer("WRITE", local, [index], remote, [index], notif)
+    def post(self, local: Any, remote: Any, index: int | np.ndarray, notif: bytes) -> Any:
+        """Post one WRITE of descriptor ``index`` (or of every descriptor an index array names); returns its
+        handle."""
+        indices = index if isinstance(index, np.ndarray) else [index]
+        xfer = self.agent.make_prepped_xfer("WRITE", local, indices, remote, indices, notif)
         if self.agent.transfer(xfer) == "ERR":
             raise ChannelError("raw nixl WRITE failed when posted")
         self.notified += bool(notif)
@@ -161,6 +173,8 @@ class RawNixl:
     manager); on leaving, the target must have received every notification.
     """
 
+    moves_blocks = True  # ``gbps`` also moves a KV layout's whole blocks (``pdkv bench transfer``'s ``blocks``)
+
     def __init__(self, nbytes: int, placement: Placement = LOOPBACK, memory: MemType = "DRAM") -> None:
         self.pair = _RawPair(nbytes, placement, memory)
         self.pids = {"sender": os.getpid(), "receiver": self.pair.proc.pid}
@@ -172,8 +186,11 @@ class RawNixl:
     def __exit__(self, *exc: object) -> None:
         self.pair.__exit__(*exc)
 
-    def gbps(self, size: int, repeats: int) -> float:
-        """GB/s of one ``size``-byte WRITE, the median of ``repeats`` transfers (0: chosen per size)."""
+    def gbps(self, size: int, repeats: int, block_bytes: int = 0, tensors: int = 1, requests: int = 1) -> float:
+        """GB/s of ``size`` bytes, the median of ``repeats`` transfers (0: chosen per size): one WRITE; or, with
+        ``block_bytes``, ``requests`` WRITEs of whole blocks of ``tensors`` tensors (module docstring)."""
+        if block_bytes:
+            return self._blocks_gbps(size, repeats, block_bytes, tensors, requests)
         local, remote = self.pair.lists([(0, size)])
         times = []
         count = WARMUP + (repeats or auto_repeats(size))
@@ -181,6 +198,35 @@ class RawNixl:
         for i in range(count):
             start = time.perf_counter()
             self.pair.finish(self.pair.post(local, remote, 0, b"%d" % i))
+            times.append(time.perf_counter() - start)
+        local.release()
+        remote.release()
+        return size / statistics.median(times[WARMUP:]) / 1e9
+
+    def _blocks_gbps(self, size: int, repeats: int, block_bytes: int, tensors: int, requests: int) -> float:
+        """``size`` bytes as ``requests`` requests' whole blocks, each block a descriptor of lists prepared once."""
+        per_tensor = self.pair.nbytes // (tensors * block_bytes)
+        blocks = -(-size // (requests * tensors * block_bytes))  # per request and tensor: its tokens, rounded up
+        if requests * blocks > per_tensor:
+            raise ChannelError(
+                f"raw nixl: {requests} requests of {blocks} blocks of {block_bytes} bytes in {tensors} tensors do not "
+                f"fit its {self.pair.nbytes}-byte buffer"
+            )
+        local, remote = self.pair.lists([(i * block_bytes, block_bytes) for i in range(tensors * per_tensor)])
+        tensor_starts = per_tensor * np.arange(tensors, dtype=np.int64)[:, None]
+        times = []
+        count = WARMUP + (repeats or auto_repeats(size))
+        self.bytes_moved += count * size
+        for i in range(count):
+            start = time.perf_counter()
+            xfers = [
+                self.pair.post(
+                    local, remote, (tensor_starts + r * blocks + np.arange(blocks)).ravel(), b"%d-%d" % (i, r)
+                )
+                for r in range(requests)
+            ]
+            for xfer in xfers:
+                self.pair.finish(xfer)
             times.append(time.perf_counter() - start)
         local.release()
         remote.release()

@@ -24,7 +24,11 @@ program does with those bytes, so ``ratio`` is what the whole pdkv pipeline
 costs; a ratio near 1 means the pipeline is not what limits a transfer. For
 tcp the baseline moves each scenario's bytes over one stream and over as many
 as the channel would split them into; the row's ratio is against the faster
-(``baseline_used``, every variant in ``baselines``).
+(``baseline_used``, every variant in ``baselines``). For nixl in direct
+mode a second baseline, ``blocks``, moves each request's whole blocks the
+way vLLM's NixlConnector does (``pdkv.bench.nixl_raw``): lists prepared once
+per block, one transfer per request. ``ratios`` holds the row's ratio
+against every variant.
 
 Wall time on a shared machine swings; CPU time does not. Each row also has
 ``cpu_s_per_gb``: the CPU seconds each side's process (``sender``: this one,
@@ -149,6 +153,25 @@ class Scenario:
     @property
     def nbytes(self) -> int:
         return self.requests * SENDER_LAYOUT.chunk_bytes(self.tokens)
+
+    @property
+    def block_bytes(self) -> int:
+        """The bytes of the sender's whole blocks that hold the requests' tokens (direct mode moves these)."""
+        layout = SENDER_LAYOUT
+        return self.requests * layout.blocks_for(self.tokens) * layout.num_tensors * layout.block_bytes
+
+
+def variants_for(baseline: Any, sc: Scenario) -> dict[str, dict[str, int]]:
+    """The baseline's ways of moving a scenario's bytes; in direct mode, also as the requests' whole blocks of the
+    sender's layout, one transfer per request, where the baseline can (``RawNixl``: as vLLM's NixlConnector)."""
+    variants = baseline_variants(baseline, sc.nbytes)
+    if sc.mode == "direct" and getattr(baseline, "moves_blocks", False):
+        variants["blocks"] = {
+            "block_bytes": SENDER_LAYOUT.block_bytes,
+            "tensors": SENDER_LAYOUT.num_tensors,
+            "requests": sc.requests,
+        }
+    return variants
 
 
 def _digest(layout: KVLayout, kv: list[torch.Tensor], blocks: list[int], tokens: int) -> int:
@@ -405,7 +428,7 @@ def _measure_mode(
             )
             rigs[name].push([("warmup", scenarios[0].tokens)])  # handshake, first connections: not timed
         rigs = {name: rigs[name] for name in specs}
-        baseline = stack.enter_context(baseline_class(max(s.nbytes for s in scenarios), placement))
+        baseline = stack.enter_context(baseline_class(max(max(s.nbytes, s.block_bytes) for s in scenarios), placement))
         warm_up(baseline, scenarios[0].nbytes)
         for sc in scenarios:
             times: dict[str, list[float]] = {name: [] for name in rigs}
@@ -413,7 +436,7 @@ def _measure_mode(
             meters = {name: CpuMeter(rig.pids) for name, rig in rigs.items()}
             for rig in rigs.values():
                 rig.host_times()  # the spans of earlier scenarios and warm-ups: not this row's
-            variants = baseline_variants(baseline, sc.nbytes)
+            variants = variants_for(baseline, sc)
             base: dict[str, list[float]] = {label: [] for label in variants}
             base_meters = {label: CpuMeter(baseline.pids) for label in variants}
             for _ in range(ROUNDS):
@@ -450,6 +473,7 @@ def _measure_mode(
                     "gbps": gbps,
                     "baseline_gbps": base_gbps,
                     "ratio": gbps / base_gbps,
+                    "ratios": {label: gbps / b["gbps"] for label, b in fields["baselines"].items()},
                     "p50_ms": 1e3 * _percentile(latencies[device], 0.5),
                     "p99_ms": 1e3 * _percentile(latencies[device], 0.99),
                     "baseline_ms": 1e3 * sc.nbytes / base_gbps / 1e9,
@@ -518,7 +542,13 @@ def measure(
     return {
         "channel": channel,
         "link": placement.label,
-        "baseline": _describe(baseline, BASELINES[channel]) + ", moving the same bytes in one transfer",
+        "baseline": _describe(baseline, BASELINES[channel])
+        + ", moving the same bytes in one transfer"
+        + (
+            " (blocks: each request's whole blocks, one transfer each)"
+            if getattr(baseline, "moves_blocks", False)
+            else ""
+        ),
         "cpu": "CPU seconds per GB moved, per side: the process's user+sys time (all threads) from just before "
         "the receiver hears of a repetition's requests until each side's work for them is done (baseline: over "
         "its timed calls, warm-ups included), divided by the bytes moved",

@@ -95,7 +95,7 @@ class SendSource:
             layout=layout,
             kv=kv,
             kv_bytes=[flat_bytes(t) for t in kv],
-            kv_regions=[channel.register(t) for t in kv] if reached else [],
+            kv_regions=[channel.register(t, layout.block_bytes) for t in kv] if reached else [],
             num_blocks=num_blocks,
             staging=staging,
             staging_region=channel.register(staging),

@@ -73,7 +73,7 @@ class KVReceiver:
         )  # any offered codec's frame fits
         staging = pinned_empty(config.staging_slots * slot_bytes)
         reached = all(in_reach(t, channel.memory) for t in kv)
-        kv_regions = [channel.register(t) for t in kv] if reached else []
+        kv_regions = [channel.register(t, layout.block_bytes) for t in kv] if reached else []
         staging_region = channel.register(staging)
         for region in (*kv_regions, staging_region):
             channel.guard(region)  # peers write only into what a reservation of theirs granted them
