@@ -71,7 +71,8 @@ class VllmBlocks(BlockAllocator):
             raise LayoutError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self._cond = threading.Condition()
-        self._expected: dict[str, list[int]] = {}  # transfer id -> the vLLM blocks its request was allocated
+        # transfer id -> the vLLM blocks its request was allocated past D's local prefix hit, and that hit in tokens
+        self._expected: dict[str, tuple[list[int], int]] = {}
         self._granted: dict[str, list[int]] = {}  # transfer id -> blocks the receiver granted (writable by P)
         self._owner: dict[int, str] = {}  # granted block -> its transfer
 
@@ -86,27 +87,37 @@ class VllmBlocks(BlockAllocator):
         with self._cond:
             return len(self._owner)
 
-    def expect(self, transfer_id: str, block_ids: list[int]) -> None:
-        """Let ``transfer_id`` be granted ``block_ids`` (vLLM's blocks for its request, in prompt order)."""
+    def expect(self, transfer_id: str, block_ids: list[int], held_tokens: int = 0) -> None:
+        """Let ``transfer_id`` be granted ``block_ids``: vLLM's blocks for its request past its ``held_tokens`` (D's
+        local prefix hit, which P then does not push), in prompt order. Blocks of the hit are never granted: they
+        may be cached blocks other requests read."""
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
-        if bad or len(set(block_ids)) != len(block_ids):
+        if bad or len(set(block_ids)) != len(block_ids) or held_tokens < 0:
             raise LayoutError(
-                f"vLLM blocks {block_ids} for transfer {transfer_id!r}: ids must be distinct and in [0, "
-                f"{self.num_blocks})"
+                f"vLLM blocks {block_ids} past {held_tokens} tokens for transfer {transfer_id!r}: ids must be distinct "
+                f"and in [0, {self.num_blocks}), the tokens held not negative"
             )
         with self._cond:
-            self._expected[transfer_id] = list(block_ids)
+            self._expected[transfer_id] = (list(block_ids), held_tokens)
 
     def allocate(self, n: int) -> list[int]:
         raise OutOfBlocksError("vLLM's blocks are granted per transfer, to the request vLLM allocated them to")
 
-    def allocate_for(self, transfer_id: str, n: int) -> list[int]:
-        """The first ``n`` blocks of the request, once the loader expects them; until then a retryable refusal."""
+    def held_for(self, transfer_id: str) -> int:
+        """D's local prefix hit for the transfer's request, once the loader expects it (0 until then)."""
         with self._cond:
-            blocks = self._expected.get(transfer_id)
-            if blocks is None:
+            return self._expected.get(transfer_id, ([], 0))[1]
+
+    def allocate_for(self, transfer_id: str, n: int, held: int = 0) -> list[int]:
+        """The first ``n`` blocks past the request's local hit, once the loader expects them, for a transfer admitted
+        past ``held`` tokens; until then (or if the loader's word came between ``held_for`` and here) a retryable
+        refusal."""
+        with self._cond:
+            blocks, expected_held = self._expected.get(transfer_id, (None, 0))
+            if blocks is None or expected_held != held:
                 raise OutOfBlocksError(
-                    f"D's scheduler has not allocated vLLM blocks for transfer {transfer_id!r} yet (P asks again)"
+                    f"D's scheduler has not allocated vLLM blocks for transfer {transfer_id!r} past {held} tokens yet "
+                    "(P asks again)"
                 )
             if len(blocks) < n or any(b in self._owner for b in blocks[:n]):
                 raise OutOfBlocksError(
