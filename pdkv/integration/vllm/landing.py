@@ -1,19 +1,23 @@
-"""Where a pushed prompt's KV lands on D: vLLM's own blocks, or a landing buffer copied into them.
+"""Where a pushed prompt's KV lands on D: vLLM's own blocks, the ones vLLM allocated past D's local prefix hit.
 
 ``landing_path`` is the rule (one function, logged at start and kept on
-``WorkerSide.landing``). When pdkv may write a request's vLLM blocks, the
-receiver is built over vLLM's own KV tensors (registered with the channel
-once) and ``VllmBlocks`` is its allocator: a transfer is granted exactly the
-blocks D's scheduler allocated to its request, so the channel writes straight
-into them and nothing is copied afterwards.
+``WorkerSide.landing``). The receiver is built over vLLM's own KV tensors
+(registered with the channel once) and ``VllmBlocks`` is its allocator: a
+transfer is granted exactly the blocks D's scheduler allocated to its request
+past D's local prefix hit, and its ``Reserved`` says how many tokens that hit
+holds (``protocol.Reserved.held_tokens``), so P pushes only the tokens past it,
+the channel writes straight into those blocks and nothing is copied afterwards.
+The hit's blocks may be cached blocks other requests read: they are never
+granted, so never written, with vLLM's prefix caching on (its default) or off.
+A full local hit reserves nothing and moves nothing (the scheduler discards the
+pushed transfer).
 
 P pushes before D's scheduler has seen the request (the router asks D only
 once P answered), so at P's first Reserve there may be no vLLM blocks for it
 yet: the receiver refuses it as *retryable* (``OutOfBlocksError``) and P asks
 again until the loader, handed the request's blocks, ``expect``s the
-transfer, within P's ``reserve_timeout_s``. The cost against the landing
-buffer: P's chunks go once D has scheduled the request, not while P computes
-them.
+transfer, within P's ``reserve_timeout_s``. The cost: P's chunks go once D has
+scheduled the request, not while P computes them.
 """
 
 from __future__ import annotations
@@ -29,31 +33,26 @@ from pdkv.blocks import BlockAllocator
 from pdkv.errors import LayoutError, OutOfBlocksError
 from pdkv.memory import in_reach
 
-LandingPath = Literal["direct", "staged", "landing"]
+LandingPath = Literal["direct", "staged"]
 
 
-def landing_path(kv: torch.Tensor, channel_memory: Collection[str], prefix_caching: bool) -> LandingPath:
+def landing_path(kv: torch.Tensor, channel_memory: Collection[str]) -> LandingPath:
     """Where D's receiver lands pushed KV, given vLLM's cache (one of its tensors) and the channel.
 
-    * ``landing``: vLLM's prefix caching is on. A request's leading blocks may
-      then be cached blocks other requests share, which a write of the whole
-      prompt would overwrite while they read them (vLLM's NixlConnector pulls
-      only the blocks past the local hit; pdkv's push writes every chunk), so
-      the KV lands in a landing buffer of pdkv's and only the blocks past the
-      hit are copied into vLLM's, on pdkv's own stream.
     * ``direct``: the channel addresses the memory vLLM's cache is in (any
-      channel and a host cache; nixl and a CUDA cache): the receiver is built
-      over vLLM's tensors and the channel writes into the request's blocks.
+      channel and a host cache; nixl and a CUDA cache): the channel writes
+      into the request's blocks.
     * ``staged``: it does not (tcp or ucx and a CUDA cache, or emulated device
-      memory): the receiver is still over vLLM's tensors, but chunks land in
-      its pinned host staging slots and are scattered into the request's
-      blocks on the cache's device, on pdkv's own stream (``pdkv.staging``).
+      memory): chunks land in the receiver's pinned host staging slots and are
+      scattered into the request's blocks on the cache's device, on pdkv's own
+      stream (``pdkv.staging``). Layouts that differ between P and D (block
+      size, head order, a codec) are staged whatever the memory: the receiver
+      admits them in staging mode (``admission.admit``).
 
-    Layouts pdkv cannot describe never get here: ``kvcache.vllm_cache_layout``
-    refuses them by name at start.
+    vLLM's prefix caching does not decide: the blocks of D's own hit are never
+    granted (module docstring). Layouts pdkv cannot describe never get here:
+    ``kvcache.vllm_cache_layout`` refuses them by name at start.
     """
-    if prefix_caching:
-        return "landing"
     return "direct" if in_reach(kv, channel_memory) else "staged"
 
 
