@@ -28,10 +28,9 @@ from pdkv.transfer import protocol
 from pdkv.transfer.control import ControlLoop, DealerSockets
 from pdkv.transfer.handshake import SenderHandshake
 from pdkv.transfer.heartbeat import Heartbeats
-from pdkv.transfer.outgoing import OutgoingTransfer, SendContext, SendCredit, SendSource
+from pdkv.transfer.outgoing import OutgoingTransfer, SendContext, SendCredit, SendSource, sender_plan
 from pdkv.transfer.parts import SenderParts
 from pdkv.transfer.peers import ReceiverPeer
-from pdkv.transfer.plan import TransferPlan
 from pdkv.transfer.pool import SenderPools
 from pdkv.transfer.protocol import BeatAck, Cancel, Done, Hello, Landed, Pool, Refused, Reserved
 from pdkv.transfer.reserves import Reserves
@@ -141,15 +140,13 @@ class KVSender:
             )
         began = time.perf_counter_ns()  # the request's fixed host cost (hosttime.py) runs from here
         # every chunk's blocks, checked against ours once and before anything is reserved
-        plan = self._plan(transfer_id, num_tokens, block_table, 0)
+        plan = sender_plan(self.source, self.config.chunk_size, transfer_id, num_tokens, block_table)
         request = {"transfer_id": transfer_id, "num_tokens": num_tokens, "prompt_key": prompt_key, "codec": codec}
         pooled = self.pools.claim(address, **request)
         if pooled is not None:  # no round trip: the Reserve rides on the chunk's notice
             peer, reserved, claim = pooled
         else:
             (peer, reserved), claim = self.reserves.reserve(address, **request), None
-        if reserved.held_tokens:  # D holds the prompt's first tokens already: our chunks start past them
-            plan = self._plan(transfer_id, num_tokens, block_table, reserved.held_tokens)
         xfer = OutgoingTransfer(
             self._ctx,
             peer=peer,
@@ -165,18 +162,6 @@ class KVSender:
         with self.cond:
             self._transfers[transfer_id] = xfer
         return xfer
-
-    def _plan(self, transfer_id: str, num_tokens: int, block_table: Sequence[int], held: int) -> TransferPlan:
-        """The transfer's chunks past the ``held`` tokens over our blocks from the one holding token ``held``."""
-        return TransferPlan.build(
-            transfer_id,
-            num_tokens=num_tokens,
-            chunk_size=self.config.chunk_size,
-            block_size=self.layout.block_size,
-            ours=block_table[held // self.layout.block_size :],
-            num_blocks=self.source.num_blocks,
-            held=held,
-        )
 
     def stats(self) -> dict[str, int]:
         with self.cond:
