@@ -43,7 +43,6 @@ CONNECTOR_FIELDS = (
     "host",
     "advertise_host",
     "control_port",
-    "num_blocks",
     "channel",
     "transfer",
     "tier",

@@ -46,9 +46,15 @@ class BlockAllocator:
             self._used.update(taken)
         return taken
 
-    def allocate_for(self, transfer_id: str, n: int) -> list[int]:
-        """The blocks a receiver grants ``transfer_id``: any ``n`` free ones here; an allocator that knows which
-        blocks each transfer must land in (the vLLM connector's, over vLLM's own cache) overrides it."""
+    def held_for(self, transfer_id: str) -> int:
+        """The leading tokens of ``transfer_id``'s prompt this side already holds (none here): the sender pushes only
+        the rest. An allocator over a prefix cache (the vLLM connector's) says its local hit."""
+        return 0
+
+    def allocate_for(self, transfer_id: str, n: int, held: int = 0) -> list[int]:
+        """The blocks a receiver grants ``transfer_id`` past the ``held`` tokens (``held_for``'s answer, asked
+        first): any ``n`` free ones here; an allocator that knows which blocks each transfer must land in (the vLLM
+        connector's, over vLLM's own cache) overrides it."""
         return self.allocate(n)
 
     def free(self, blocks: Iterable[int]) -> None:

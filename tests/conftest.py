@@ -186,6 +186,7 @@ def make_pair(kv_memory: str) -> Iterator[MakePair]:
         secrets: tuple[str, str] = ("", ""),
         channel: str = "mock",
         kv_memory_override: str | None = None,
+        allocator: BlockAllocator | None = None,
     ) -> Pair:
         p_layout = p_layout or KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
         d_layout = d_layout or p_layout
@@ -200,7 +201,7 @@ def make_pair(kv_memory: str) -> Iterator[MakePair]:
         if memory == "emulated":
             for t in (*p_kv, *d_kv):
                 emulate_device(t)
-        allocator = BlockAllocator(d_blocks)
+        allocator = allocator or BlockAllocator(d_blocks)
         receiver = KVReceiver(d_channel, d_layout, d_kv, allocator, fingerprints[1], config, secret=secrets[1])
         sender = KVSender(p_channel, p_layout, p_kv, fingerprints[0], config, secret=secrets[0])
         pair = Pair(sender, receiver, p_layout, d_layout, p_kv, d_kv, p_channel, d_channel, allocator, memory)

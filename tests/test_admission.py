@@ -43,6 +43,22 @@ def test_same_layout_is_admitted_direct_with_every_block_and_no_slot() -> None:
     assert admit(Reserve("t", 100), view()) == Admission(mode="direct", blocks=7, slots=0, chunks=4)
 
 
+@pytest.mark.parametrize("mode", ["direct", "staging"])
+def test_a_transfer_past_our_prefix_hit_takes_the_blocks_and_chunks_past_it_only(mode: str) -> None:
+    """100 tokens, 48 held (three 16-token blocks): 52 move, in two 32-token chunks, into four blocks."""
+    changes: dict[str, object] = {"held_tokens": 48} | ({"peer_layout": OTHER} if mode == "staging" else {})
+    admitted = admit(Reserve("t", 100), view(**changes))
+    assert isinstance(admitted, Admission) and admitted.mode == mode
+    assert (admitted.blocks, admitted.chunks, admitted.held) == (4, 2, 48)
+
+
+@pytest.mark.parametrize(("held", "num_tokens"), [(8, 100), (96, 96), (112, 100)], ids=["mid-block", "all", "past"])
+def test_a_hit_inside_a_block_or_of_the_whole_prompt_is_no_transfer_to_admit(held: int, num_tokens: int) -> None:
+    refused = admit(Reserve("t", num_tokens), view(held_tokens=held))
+    assert isinstance(refused, Refused) and not refused.retryable
+    assert f"holds {held} of the transfer's {num_tokens} tokens" in refused.reason
+
+
 @pytest.mark.parametrize(
     ("why", "reserve", "changes"),
     [

@@ -27,6 +27,7 @@ from pdkv.errors import (
     TransferError,
     TransferTimeout,
 )
+from pdkv.integration.vllm.landing import VllmBlocks
 from pdkv.layout import KVLayout, gather
 from pdkv.transfer import protocol
 from pdkv.transfer.receiver import KVReceiver
@@ -100,6 +101,57 @@ def test_vllm_gpu_layouts_move_bit_exact(
     assert_same_kv(pair, table, blocks, 100)
     assert pair.receiver.stats()["chunks_landed"] == 4  # every token came over the channel: 32+32+32+4
     pair.allocator.free(blocks)
+
+
+@pytest.mark.parametrize("held", [0, 16, 48, 96], ids=["none", "one-block", "chunk-and-a-half", "all-but-last-block"])
+@pytest.mark.parametrize(
+    ("d_layout", "channel", "mode"),
+    [
+        (KVLayout(**F32, block_size=16), "mock", "direct"),
+        (KVLayout(**F32, block_size=16), "tcp", "direct"),  # verified from what the channel hashed as it landed
+        (KVLayout(**F32, block_size=16, order="HND"), "mock", "staging"),
+    ],
+    ids=["direct-mock", "direct-tcp", "staging-hnd"],
+)
+def test_a_transfer_past_what_d_holds_moves_only_the_rest(
+    make_pair: MakePair, held: int, d_layout: KVLayout, channel: str, mode: str
+) -> None:
+    """D's Reserved says it holds the prompt's first ``held`` tokens (its prefix cache hit): P pushes only the tokens
+    past them, into the blocks past them, and D counts the transfer complete once those landed and verified; D's
+    blocks of the hit (and every other block) keep what they held."""
+    pair = make_pair(d_layout=d_layout, channel=channel, allocator=VllmBlocks(64))
+    for i, t in enumerate(pair.d_kv):
+        t.fill_(100.0 + i)  # what D held before: nothing below ``held`` (nor anywhere else) may change
+    before = [t.clone() for t in pair.d_kv]
+    p_table, d_table = [40, 41, 42, 5, 6, 7, 44], [50, 3, 4, 5, 20, 21, 9]  # 100 tokens, 7 blocks of 16
+    assert isinstance(pair.allocator, VllmBlocks)
+    pair.allocator.expect("r1", d_table[held // 16 :], held_tokens=held)
+    xfer = pair.sender.open("r1", pair.receiver.address, 100, p_table)
+    assert xfer.mode == (mode if pair.kv_memory == "host" else "staging")
+    assert xfer.spans[0][0] == held and sum(n for _, n in xfer.spans) == 100 - held
+    xfer.send_all()
+    xfer.wait(10)
+    got = pair.receiver.wait("r1", 10)
+    assert got.blocks == d_table[held // 16 :] and got.held_tokens == held and got.num_tokens == 100
+    stats = pair.receiver.stats()
+    assert stats["tokens_landed"] == 100 - held and stats["chunks_landed"] == -(-(100 - held) // 32)
+    sent = gather(pair.p_layout, pair.p_kv, p_table, held, 100 - held)
+    assert torch.equal(gather(pair.d_layout, pair.d_kv, d_table, held, 100 - held), sent)
+    untouched = [b for b in range(64) if b not in d_table[held // 16 :]]
+    assert all(torch.equal(t[untouched], b[untouched]) for t, b in zip(pair.d_kv, before, strict=True))
+    pair.allocator.free(got.blocks)
+
+
+def test_a_reserved_that_says_d_holds_all_or_part_of_a_block_is_refused_by_p(make_pair: MakePair) -> None:
+    """``held_tokens`` comes from the wire: P builds no write from one past the prompt or inside a block."""
+    pair = make_pair()
+    check = pair.sender.reserves._check
+    for held, why in ((100, "holds 100 of 100"), (8, "whole number of our 16-token blocks")):
+        with pytest.raises(ReservationError, match=why):
+            check(protocol.Reserved("r1", "direct", list(range(7)), [], 5.0, held), 100, "none")
+    with pytest.raises(ReservationError, match="reserved 4 blocks for tokens 32 to 100 \\(5\\)"):
+        check(protocol.Reserved("r1", "direct", list(range(4)), [], 5.0, 32), 100, "none")
+    check(protocol.Reserved("r1", "staging", [], [0], 5.0, 8), 100, "none")  # staged: P gathers from any token
 
 
 def test_many_concurrent_requests(make_pair: MakePair) -> None:

@@ -33,37 +33,46 @@ def _table(draw: st.DrawFn, n: int) -> list[int]:
 
 
 @st.composite
-def transfers(draw: st.DrawFn) -> tuple[int, int, int, list[int], list[int]]:
-    """(tokens, chunk size, block size, our table, their table): chunk sizes that are not a multiple of the block
-    size too (chunks then share a block), and a last chunk that may be partial."""
+def transfers(draw: st.DrawFn) -> tuple[int, int, int, int, list[int], list[int]]:
+    """(tokens, tokens D holds already, chunk size, block size, our table, their table): chunk sizes that are not a
+    multiple of the block size too (chunks then share a block), a last chunk that may be partial, and a transfer that
+    starts past D's prefix hit (a whole number of blocks, or any token: P gathers a staged chunk from any)."""
     block_size = draw(st.sampled_from([1, 4, 16]))
     chunk_size = draw(st.sampled_from([block_size, 2 * block_size, 3 * block_size, block_size + 3]))
     blocks = draw(st.integers(1, 40))
     tokens = draw(st.integers((blocks - 1) * block_size + 1, blocks * block_size))
-    return tokens, chunk_size, block_size, _table(draw, blocks), _table(draw, blocks)
+    held = draw(st.sampled_from([0, draw(st.integers(0, blocks - 1)) * block_size, draw(st.integers(0, tokens - 1))]))
+    return tokens, held, chunk_size, block_size, _table(draw, blocks), _table(draw, blocks)
 
 
 @pytest.mark.parametrize("numpy_from", [0, plan_module.NUMPY_FROM_BLOCKS], ids=["numpy", "python"])
 @settings(max_examples=300, deadline=None)
 @given(case=transfers())
 def test_the_plan_gives_each_chunk_what_block_runs_gives_it(
-    numpy_from: int, case: tuple[int, int, int, list[int], list[int]]
+    numpy_from: int, case: tuple[int, int, int, int, list[int], list[int]]
 ) -> None:
     """Either way of finding the runs (numpy for long tables, a Python pass for short ones)."""
-    tokens, chunk_size, block_size, ours, theirs = case
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(plan_module, "NUMPY_FROM_BLOCKS", numpy_from)
-        _check_against_block_runs(tokens, chunk_size, block_size, ours, theirs)
+        _check_against_block_runs(*case)
 
 
 def _check_against_block_runs(
-    tokens: int, chunk_size: int, block_size: int, ours: list[int], theirs: list[int]
+    tokens: int, held: int, chunk_size: int, block_size: int, ours: list[int], theirs: list[int]
 ) -> None:
+    """Both sides' tables are given whole; the plan gets each from the block holding token ``held``."""
+    skip = held // block_size
     plan = TransferPlan.build(
-        "t", num_tokens=tokens, chunk_size=chunk_size, block_size=block_size, ours=ours, num_blocks=NUM_BLOCKS
-    ).with_peer(theirs)
-    spans = list(chunk_spans(tokens, chunk_size))
-    assert plan.spans == spans and plan.num_chunks == len(spans)
+        "t",
+        num_tokens=tokens,
+        chunk_size=chunk_size,
+        block_size=block_size,
+        ours=ours[skip:],
+        num_blocks=NUM_BLOCKS,
+        held=held,
+    ).with_peer(theirs[skip:])
+    spans = [(held + start, n) for start, n in chunk_spans(tokens - held, chunk_size)]
+    assert plan.spans == spans and plan.num_chunks == len(spans) and plan.table_start == skip * block_size
     for i, (start, n) in enumerate(spans):
         first, last = start // block_size, -(-(start + n) // block_size)
         assert plan.blocks[i] == ours[first:last]
@@ -95,6 +104,11 @@ def test_a_partial_last_chunk_of_a_reversed_table_gets_its_one_block() -> None:
 def test_a_block_table_outside_our_blocks_is_refused_before_any_chunk(ours: list[int], why: str) -> None:
     with pytest.raises(TransferError, match="inside our 10 blocks"):
         TransferPlan.build("t", num_tokens=40, chunk_size=16, block_size=16, ours=ours, num_blocks=10)
+
+
+def test_a_plan_that_would_move_nothing_is_refused() -> None:
+    with pytest.raises(TransferError, match="40 tokens held of 40: nothing left to move"):
+        TransferPlan.build("t", num_tokens=40, chunk_size=16, block_size=16, ours=[], num_blocks=10, held=40)
 
 
 def test_a_peer_with_fewer_blocks_than_the_transfer_needs_is_refused() -> None:

@@ -25,7 +25,6 @@ from pdkv.integration.vllm.kvcache import (
     CPU_BACKEND,
     MLA_BACKENDS,
     check_platform_fp8,
-    copy_blocks,
     vllm_cache_layout,
 )
 from pdkv.integration.vllm.landing import VllmBlocks, landing_path
@@ -246,15 +245,6 @@ def test_layers_must_agree() -> None:
         vllm_cache_layout(caches, BS, CPU_BACKEND)
 
 
-def test_copy_blocks_moves_exactly_the_named_blocks() -> None:
-    src = list(vllm_cpu_cache(6, seed=2).values())
-    dst = list(vllm_cpu_cache(6).values())
-    copy_blocks(src, dst, [5, 1], [0, 3])
-    for a, b in zip(src, dst, strict=True):
-        assert torch.equal(b[0], a[5]) and torch.equal(b[3], a[1])
-        assert not b[[1, 2, 4, 5]].any()
-
-
 # -- params -------------------------------------------------------------------------------
 def test_push_target_parses_what_the_router_sends() -> None:
     t = push_target(
@@ -437,14 +427,13 @@ def test_decode_side_fully_cached_locally_discards_the_pushed_copy() -> None:
 # -- worker side over the real tcp channel -------------------------------------------------------
 def worker_pair(
     transfer: dict | None = None,
-    prefix_caching: bool = True,
     memory: str = "host",
     p_events: Callable[[], StepEvent] | None = None,
     d_events: Callable[[], StepEvent] | None = None,
     caches: tuple[str, str] = (CPU_BACKEND, CPU_BACKEND),
 ) -> tuple[WorkerSide, WorkerSide, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """P and D over tcp; D's vLLM has ``prefix_caching`` on or off; both caches in ``memory`` (``KV_MEMORIES``),
-    shaped as the ``caches`` specs (``CACHES``) say."""
+    """P and D over tcp (D lands in vLLM's own blocks, its prefix caching on or off); both caches in ``memory``
+    (``KV_MEMORIES``), shaped as the ``caches`` specs (``CACHES``) say."""
     cfg = convert_config(
         {
             "num_blocks": 16,
@@ -468,7 +457,6 @@ def worker_pair(
         is_producer=False,
         is_consumer=True,
         agent_name="d-test",
-        prefix_caching=prefix_caching,
         make_event=d_events,
     )
     p.register(*mapped(caches[0], p_cache))
@@ -499,24 +487,25 @@ def test_prefill_pushes_from_vllm_blocks_and_decode_loads_them_into_its_own(spec
         # 150 tokens over P blocks [9, 2, 5, 11, 0]; pushed in two steps as chunked prefill computes them
         p.push(StepMetadata(sends=[SendSpec("r1", "t-1", address, 150, [9, 2, 5, 11, 0], 64)]))
         p.push(StepMetadata(sends=[SendSpec("r1", "t-1", address, 150, [9, 2, 5, 11, 0], 150)]))
-        sending, _, _ = collect(
-            p, {"r1"}
-        )  # vLLM says the request finished; its blocks are released once the writes settle
-        assert sending == {"r1"}
         # D: vLLM allocated blocks [3, 7, 1, 8, 6]; block 0 of the prompt is in its local prefix cache (skip 32 tokens)
-        before = {name: t[3].clone() for name, t in d_cache.items()}
+        before = {name: t.clone() for name, t in d_cache.items()}
         d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 32, [3, 7, 1, 8, 6])]))
         _, recving, failed = collect(d, set())
         assert recving == {"r1"} and failed == set()
+        # vLLM says the request finished; its blocks are released once the writes settle
+        assert collect(p, {"r1"})[0] == {"r1"}
         for name in p_cache:
             src, dst = p_cache[name], d_cache[name]
-            assert torch.equal(dst[3], before[name])  # the locally cached block is vLLM's, shared: never written
             for p_block, d_block in zip([2, 5, 11, 0], [7, 1, 8, 6], strict=True):
                 assert torch.equal(dst[d_block], src[p_block]), (name, p_block, d_block)
-        assert held_blocks(d.receiver.stats(), 16) == 0 and d.receiver.stats()["reservations"] == 0
+            # the locally cached block (vLLM's, shared) and every block not the request's: never written
+            assert torch.equal(dst[[0, 2, 3, 4, 5, 9]], before[name][[0, 2, 3, 4, 5, 9]])
+        assert d.landing == "direct"  # in vLLM's own blocks with its prefix caching on: no buffer, no copy
+        assert held_blocks(d.receiver.stats(), 10) == 0 and d.receiver.stats()["reservations"] == 0
         assert p.counters["push_ok"] == 1 and d.counters["load_ok"] == 1
-        assert d.counters["pushed_tokens_loaded"] == 150 - 32  # came over the channel, past D's own prefix
-        assert d.receiver.stats()["bytes_landed"] == p.sender.stats()["bytes_raw"] > 0
+        assert d.counters["pushed_tokens_loaded"] == d.receiver.stats()["tokens_landed"] == 150 - 32
+        # only the blocks past D's own prefix came over the channel: 118 tokens in two chunks (64 + 54)
+        assert d.receiver.stats()["bytes_landed"] == p.sender.stats()["bytes_raw"] == d.layout.chunk_bytes(118)
     finally:
         p.close()
         d.close()
@@ -560,20 +549,18 @@ def test_decode_refuses_kv_of_another_dtype_or_form_at_the_handshake(
 
 
 def test_decode_loads_pushed_kv_only_for_the_prompt_p_computed_it_from() -> None:
-    """P's Reserve carries its prompt's key; D's load names its own: another prompt's KV is never written into
-    vLLM's blocks."""
-    p, d, _, d_cache = worker_pair()
+    """P's Reserve carries its prompt's key; D's load names its own: another prompt's KV is never decoded from (the
+    load fails, vLLM recomputes)."""
+    p, d, _, _ = worker_pair()
     try:
         assert d.receiver is not None
-        before = {name: t.clone() for name, t in d_cache.items()}
         p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 64, [1, 2], 64, b"A" * 16)]))
-        assert collect(p, {"r1"})[0] == {"r1"}
         d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 64, 0, [3, 4], prompt_key=b"B" * 16)]))
         _, recving, failed = collect(d, set())
         assert recving == failed == {"r1"}  # vLLM recomputes the prompt
-        assert all(torch.equal(d_cache[name], before[name]) for name in d_cache)
+        assert collect(p, {"r1"})[0] == {"r1"}
         assert d.receiver.stats()["prompt_mismatches"] == 1
-        assert held_blocks(d.receiver.stats(), 16) == 0 and d.receiver.stats()["reservations"] == 0
+        assert held_blocks(d.receiver.stats(), 10) == 0 and d.receiver.stats()["reservations"] == 0
     finally:
         p.close()
         d.close()
@@ -611,9 +598,9 @@ def test_connector_threads_run_off_the_core_vllm_pins_its_worker_to() -> None:
         d.register(*vllm_cache_layout(d_cache, BS, CPU_BACKEND))
         assert d.receiver is not None
         p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, [9, 2, 5, 11, 0], 150)]))
-        made["sending"] = collect(p, {"r1"})[0]
         d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 0, [3, 7, 1, 8, 6])]))
         made["recving"] = collect(d, set())[1]
+        made["sending"] = collect(p, {"r1"})[0]
         made["own"] = os.sched_getaffinity(0)
 
     worker = threading.Thread(target=as_vllm_worker)
@@ -641,12 +628,10 @@ def test_connector_threads_run_off_the_core_vllm_pins_its_worker_to() -> None:
 # -- D lands in vLLM's own blocks ---------------------------------------------------------------
 def test_landing_path_rule() -> None:
     host, emulated = torch.zeros(4), emulate_device(torch.zeros(4))
-    assert landing_path(host, ("host",), prefix_caching=False) == "direct"  # tcp, ucx, mock and a CPU cache
-    assert landing_path(emulated, ("host", "cuda"), prefix_caching=False) == "staged"  # emulated: never reachable
-    assert landing_path(emulated, ("host", "emulated"), prefix_caching=False) == "direct"
-    assert landing_path(emulated, ("host",), prefix_caching=False) == "staged"  # tcp and a GPU cache
-    for kv in (host, emulated):  # vLLM's cached blocks are shared: a whole-prompt write would clobber them
-        assert landing_path(kv, ("host", "cuda"), prefix_caching=True) == "landing"
+    assert landing_path(host, ("host",)) == "direct"  # tcp, ucx, mock and a CPU cache
+    assert landing_path(emulated, ("host", "cuda")) == "staged"  # emulated: never reachable
+    assert landing_path(emulated, ("host", "emulated")) == "direct"
+    assert landing_path(emulated, ("host",)) == "staged"  # tcp and a GPU cache
 
 
 def test_vllm_blocks_grant_a_transfer_its_requests_blocks_only_once_expected() -> None:
@@ -656,7 +641,7 @@ def test_vllm_blocks_grant_a_transfer_its_requests_blocks_only_once_expected() -
     blocks.expect("t-1", [7, 3, 5])
     with pytest.raises(OutOfBlocksError, match="needs 4 blocks"):
         blocks.allocate_for("t-1", 4)
-    assert blocks.allocate_for("t-1", 2) == [7, 3] and blocks.num_free == 8
+    assert blocks.held_for("t-1") == 0 and blocks.allocate_for("t-1", 2) == [7, 3] and blocks.num_free == 8
     blocks.expect("t-2", [3, 4])
     with pytest.raises(OutOfBlocksError, match="1 of them held by another transfer"):
         blocks.allocate_for("t-2", 2)
@@ -669,6 +654,11 @@ def test_vllm_blocks_grant_a_transfer_its_requests_blocks_only_once_expected() -
         blocks.expect("t-3", [1, 1])
     with pytest.raises(LayoutError, match="in \\[0, 10\\)"):
         blocks.expect("t-3", [10])
+    blocks.expect("t-4", [2, 6], held_tokens=32)  # past a local hit of 32 tokens: its blocks are not the transfer's
+    assert blocks.held_for("t-4") == 32
+    with pytest.raises(OutOfBlocksError, match="past 0 tokens"):  # admitted before the loader's word: asked again
+        blocks.allocate_for("t-4", 2)
+    assert blocks.allocate_for("t-4", 2, held=32) == [2, 6]
 
 
 @pytest.mark.parametrize(
@@ -687,43 +677,47 @@ def test_vllm_blocks_grant_a_transfer_its_requests_blocks_only_once_expected() -
 def test_decode_lands_pushed_kv_straight_in_vllm_blocks(
     memory: str, caches: tuple[str, str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Prefix caching off: D's receiver is built over vLLM's own tensors and grants the transfer the request's
-    blocks; host memory: the tcp channel writes into them (direct); emulated device memory: through pinned slots,
-    scattered into them (staged). No landing buffer, no copy. Each K and V lands where D's attention backend reads
-    it, whichever backend P's came from."""
+    """D's receiver is built over vLLM's own tensors (its prefix caching on or off) and grants the transfer the
+    request's blocks past D's local prefix hit (here its first block); host memory: the tcp channel writes into them
+    (direct); emulated device memory or layouts that differ: through pinned slots, scattered into them (staged). No
+    landing buffer, no copy, the hit's block never written. Each K and V lands where D's attention backend reads it,
+    whichever backend P's came from."""
     caplog.set_level(logging.INFO, logger="pdkv.integration.vllm.worker_side")
-    p, d, p_cache, d_cache = worker_pair(prefix_caching=False, memory=memory, caches=caches)
+    p, d, p_cache, d_cache = worker_pair(memory=memory, caches=caches)
     try:
         assert d.receiver is not None
         path = "direct" if memory == "host" else "staged"
-        assert d.landing == path and d.landing_buffer == []
-        assert f"pushed KV lands straight in vLLM's blocks ({path}: the tcp channel" in caplog.text
+        assert d.landing == path
+        assert f"pushed KV lands straight in vLLM's blocks past its own prefix hit ({path}: the tcp channel" in (
+            caplog.text
+        )
         storages = {t.untyped_storage().data_ptr() for t in d_cache.values()}
         assert {t.untyped_storage().data_ptr() for t in d.receiver.memory.kv} == storages  # vLLM's own memory
         before = {name: t.clone() for name, t in d_cache.items()}
         # P pushes before D's scheduler saw the request: its Reserve is refused (retryable) until D's is allocated
         p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, [9, 2, 5, 11, 0], 150)]))
         wait_until(lambda: d.receiver.stats().get("refused", 0) >= 1, 5, "P's Reserve before D has vLLM blocks")
-        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 0, [3, 7, 1, 8, 6])]))
+        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, BS, [3, 7, 1, 8, 6])]))
         _, recving, failed = collect(d, set())
         assert recving == {"r1"} and failed == set()
         assert collect(p, {"r1"})[0] == {"r1"}
         sent = tokens_of(caches[0], p_cache, [9, 2, 5, 11, 0], 150)  # staging moves tokens, direct whole blocks
-        assert torch.equal(tokens_of(caches[1], d_cache, [3, 7, 1, 8, 6], 150), sent)
-        untouched = [b for b in range(10) if b not in (3, 7, 1, 8, 6)]
+        assert torch.equal(tokens_of(caches[1], d_cache, [3, 7, 1, 8, 6], 150)[:, :, BS:], sent[:, :, BS:])
+        untouched = [b for b in range(10) if b not in (7, 1, 8, 6)]  # block 3 holds D's own prefix: shared
         assert all(torch.equal(d_cache[name][untouched], before[name][untouched]) for name in d_cache)
         stats = d.receiver.stats()
         assert stats["claimed"] == 1 and stats["reservations"] == 0 and stats["free_blocks"] == 10
-        assert stats.get("chunks_staged_to_device", 0) == (0 if memory == "host" else 3)  # 150 tokens: 3 chunks
+        assert stats.get("chunks_staged_to_device", 0) == (0 if memory == "host" else 2)  # 118 tokens: 64 + 54
+        assert stats["tokens_landed"] == 150 - BS
         assert d.counters["load_ok"] == 1 and d.counters["load_failed"] == 0
-        assert d.counters["pushed_tokens_loaded"] == 150 and p.counters["push_ok"] == 1
+        assert d.counters["pushed_tokens_loaded"] == 150 - BS and p.counters["push_ok"] == 1
     finally:
         p.close()
         d.close()
 
 
 def test_a_push_waiting_for_ds_scheduler_holds_up_no_other_request() -> None:
-    p, d, _, _ = worker_pair(prefix_caching=False)
+    p, d, _, _ = worker_pair()
     try:
         assert d.receiver is not None
         address = d.receiver.address
@@ -745,7 +739,7 @@ def test_a_push_waiting_for_ds_scheduler_holds_up_no_other_request() -> None:
 
 
 def test_a_request_aborted_while_its_transfer_opens_is_cancelled_once_open_and_released_after() -> None:
-    p, d, _, _ = worker_pair(prefix_caching=False)
+    p, d, _, _ = worker_pair()
     try:
         assert d.receiver is not None
         p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, [9, 2, 5, 11, 0], 64)]))
@@ -763,7 +757,7 @@ def test_a_request_aborted_while_its_transfer_opens_is_cancelled_once_open_and_r
 
 
 def test_in_place_load_of_another_prompts_kv_fails_only_after_its_blocks_are_released() -> None:
-    p, d, _, _ = worker_pair(prefix_caching=False)
+    p, d, _, _ = worker_pair()
     try:
         assert d.receiver is not None and d._blocks is not None
         p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 64, [1, 2], 64, b"A" * 16)]))
@@ -777,16 +771,39 @@ def test_in_place_load_of_another_prompts_kv_fails_only_after_its_blocks_are_rel
         d.close()
 
 
-def test_in_place_load_never_writes_blocks_of_vllms_prefix_cache() -> None:
-    """Prefix caching is on whenever D has a local hit, so the rule lands those in a buffer; were one to reach an
-    in-place receiver anyway, its shared blocks are not written: the transfer is cancelled and vLLM recomputes."""
-    p, d, _, d_cache = worker_pair(prefix_caching=False)
+def test_a_local_hit_inside_a_block_is_no_load_and_writes_nothing() -> None:
+    """vLLM's prefix cache holds whole blocks; a hit that is not (a scheduler bug) would have P write into a block
+    other requests may read: the transfer is cancelled before any grant and vLLM recomputes."""
+    p, d, _, d_cache = worker_pair()
     try:
         assert d.receiver is not None
         before = {name: t.clone() for name, t in d_cache.items()}
-        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 32, [3, 7, 1, 8, 6])]))
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, [9, 2, 5, 11, 0], 150)]))
+        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 40, [3, 7, 1, 8, 6])]))
         _, recving, failed = collect(d, set())
         assert recving == failed == {"r1"}
+        assert collect(p, {"r1"})[0] == {"r1"} and p.counters["push_failed"] == 1
+        assert all(torch.equal(d_cache[name], before[name]) for name in d_cache)
+        assert d.receiver.stats().get("bytes_landed", 0) == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_full_local_hit_moves_nothing() -> None:
+    """D's prefix cache holds all the pushed tokens: the scheduler plans no load and discards the transfer, P's
+    Reserve is refused for good, and not a byte moves."""
+    p, d, _, d_cache = worker_pair()
+    try:
+        assert d.receiver is not None
+        before = {name: t.clone() for name, t in d_cache.items()}
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 128, [9, 2, 5, 11], 128)]))
+        wait_until(lambda: d.receiver.stats().get("refused", 0) >= 1, 5, "P's Reserve before D's scheduler saw it")
+        d.start_loads(StepMetadata(discards=["t-1"]))  # what SchedulerSide.after_alloc emits for a full local hit
+        assert collect(p, {"r1"})[0] == {"r1"}
+        wait_until(lambda: p.counters["push_failed"] == 1, 5, "the push to be refused")
+        assert d.receiver.stats().get("bytes_landed", 0) == 0 and p.sender is not None
+        assert p.sender.stats().get("bytes_raw", 0) == 0
         assert all(torch.equal(d_cache[name], before[name]) for name in d_cache)
     finally:
         p.close()
@@ -829,7 +846,7 @@ def test_p_posts_a_chunk_only_after_the_step_that_computed_it_ran_and_d_writes_o
         real_send(self, index)
 
     monkeypatch.setattr(OutgoingTransfer, "send_chunk", send_chunk)
-    p, d, p_cache, d_cache = worker_pair(prefix_caching=False, p_events=maker("p"), d_events=maker("d"))
+    p, d, p_cache, d_cache = worker_pair(p_events=maker("p"), d_events=maker("d"))
     try:
         assert d.receiver is not None
         blocks = [9, 2, 5, 11, 0]
@@ -867,7 +884,7 @@ def test_a_transfer_that_never_comes_fails_the_load_within_its_timeout() -> None
         _, recving, failed = collect(d, set(), timeout=10)
         assert recving == {"r2"} and failed == {"r2"}  # reported finished AND failed: vLLM recomputes
         assert time.monotonic() - t0 < 5
-        assert d.receiver is not None and d.receiver.stats()["free_blocks"] == 16
+        assert d.receiver is not None and d.receiver.stats()["free_blocks"] == 10
     finally:
         p.close()
         d.close()

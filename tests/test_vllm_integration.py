@@ -75,10 +75,6 @@ def bind(role: str) -> dict[str, str]:
 
 
 D_TRANSFER_TIMEOUT_S = 8.0
-D_ARGS = ["--no-enable-prefix-caching"]
-"""D without vLLM's prefix cache: the connector then lands pushed KV straight in vLLM's own blocks (its ``direct``
-path, pdkv/integration/vllm/landing.py); with it, in a landing buffer copied into them (tests/test_vllm_connector.py
-runs both)."""
 LONG = " ".join(
     f"Item {i} of the inventory is a box of {i * 7 % 13} red apples." for i in range(30)
 )  # ~480 tokens: several blocks and chunks
@@ -171,8 +167,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, vllm_env_python: str) -> I
         )
         (tmp / "prefill.yaml").write_text(secret + tier + kv_events)
         (tmp / "decode.yaml").write_text(
-            f"{secret}transfer:\n  transfer_timeout_s: {D_TRANSFER_TIMEOUT_S}\n  claim_timeout_s: 30\nnum_blocks: "
-            f"64\n{tier}"
+            f"{secret}transfer:\n  transfer_timeout_s: {D_TRANSFER_TIMEOUT_S}\n  claim_timeout_s: 30\n{tier}"
         )
         yield from _cluster(python, model, tmp, redis_url, namespace)
 
@@ -191,8 +186,7 @@ def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str)
                 *vllm,
                 "--config",
                 str(tmp / "decode.yaml"),
-                *ENGINE_ARGS,
-                *D_ARGS,
+                *ENGINE_ARGS,  # D with vLLM's default prefix caching: pushed KV lands past its hit, in vLLM's blocks
                 *PROBED,
                 timeout=900,
                 env={**bind("decode"), **PROBE_ENV},
@@ -362,8 +356,8 @@ def test_router_pd_output_equals_monolithic_and_the_prefix_came_over_the_connect
     eos = eos_token_id(c.model)
     before = sources(c)
     loaded_before = connector(c.decode.url)
-    # D_ARGS: no prefix cache on D, a host cache, tcp: the receiver writes straight into vLLM's blocks
-    assert loaded_before["landing"] == "direct" and loaded_before["landing_buffer_blocks"] == 0
+    # a host cache and tcp: the receiver writes straight into vLLM's blocks
+    assert loaded_before["landing"] == "direct"
     router_fallbacks = metric(get_text(c.router.url + "/metrics"), "pdkv_router_fallbacks_total")
     prompt_tokens = 0
     for prompt in [*PROMPTS, *CHATS]:
@@ -384,6 +378,33 @@ def test_router_pd_output_equals_monolithic_and_the_prefix_came_over_the_connect
     loaded = {k: v - loaded_before["counters"].get(k, 0) for k, v in connector(c.decode.url)["counters"].items()}
     assert loaded.get("load_ok") == len(PROMPTS) + len(CHATS) and loaded.get("load_failed", 0) == 0
     assert loaded["pushed_tokens_loaded"] == prompt_tokens  # P pushes every prompt token, the last one included
+
+
+def test_a_prompt_whose_prefix_d_cached_loads_only_the_tokens_past_it(cluster: Cluster) -> None:
+    """D runs with vLLM's prefix caching on (its default). A prompt that shares its leading blocks with one D served
+    before: D's Reserved tells P its local hit, P pushes only the tokens past it, and they land in the blocks vLLM
+    allocated past the hit; vLLM's own counters on D tell the hit from what was loaded."""
+    c = cluster
+    eos = eos_token_id(c.model)
+    ask(c.router.url, c.model, LONG + " The inventory ends with a box of")  # D now caches LONG's whole blocks
+    prompt = LONG + " Count the boxes of red apples:"
+    want = ask(c.mono_url, c.model, prompt)
+    want_kv = kv_digests(c.mono_url, want.prompt_ids)
+    before, loaded_before = sources(c), connector(c.decode.url)["counters"]
+    got = ask(c.router.url, c.model, prompt)
+    after = sources(c)
+    hit = after["local_cache_hit"] - before["local_cache_hit"]
+    loaded = after["external_kv_transfer"] - before["external_kv_transfer"]
+    n = len(got.prompt_ids)
+    assert 0 < hit < n and loaded == n - hit, (hit, loaded, n)  # only the tokens past D's hit came from P
+    assert after["local_compute"] - before["local_compute"] == 0
+    counters = connector(c.decode.url)["counters"]
+    assert counters["pushed_tokens_loaded"] - loaded_before.get("pushed_tokens_loaded", 0) == n - hit
+    assert counters["load_ok"] - loaded_before.get("load_ok", 0) == 1 and counters.get("load_failed", 0) == (
+        loaded_before.get("load_failed", 0)
+    )
+    assert_same_kv(kv_digests(c.decode.url, got.prompt_ids)[:-1], want_kv[:-1], "past D's prefix hit")
+    assert_same_greedy_path(want, got, eos, "past D's prefix hit")
 
 
 def test_decode_recomputes_when_the_pushed_kv_never_arrives(cluster: Cluster) -> None:

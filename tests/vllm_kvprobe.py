@@ -67,7 +67,6 @@ class KVProbe:
         worker = get_kv_transfer_group().worker
         return {
             "landing": worker.landing,
-            "landing_buffer_blocks": len(worker.landing_buffer[0]) if worker.landing_buffer else 0,
             "counters": dict(worker.counters),
         }
 

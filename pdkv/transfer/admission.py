@@ -32,6 +32,9 @@ class ReceiverView:
     # Both sides' channels registered their KV (an empty kv_regions in a Hello: the KV is in memory that side's
     # channel cannot reach, e.g. VRAM and tcp): only then can a block be written in place.
     kv_in_reach: bool = True
+    # The prompt's leading tokens we already hold for this transfer (the allocator's ``held_for``: a prefix cache hit):
+    # only the tokens past them are reserved and moved.
+    held_tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +46,7 @@ class Admission:
     blocks: int
     slots: int
     chunks: int
+    held: int = 0  # leading tokens we hold already: the transfer's chunks start there (``Reserved.held_tokens``)
 
 
 def admit(req: Reserve, view: ReceiverView) -> Admission | Refused:
@@ -62,7 +66,15 @@ def admit(req: Reserve, view: ReceiverView) -> Admission | Refused:
             "(max_reservations_per_peer)",
             retryable=True,
         )
-    blocks = view.layout.blocks_for(req.num_tokens)
+    held, block_size = view.held_tokens, view.layout.block_size
+    if held % block_size or held >= req.num_tokens:
+        return Refused(
+            tid,
+            f"this receiver holds {held} of the transfer's {req.num_tokens} tokens: a transfer starts past a whole "
+            f"number of its {block_size}-token blocks and moves at least one token (a full local hit moves nothing "
+            "and reserves nothing)",
+        )
+    blocks = view.layout.blocks_for(req.num_tokens) - held // block_size
     peer_cap = int(cfg.max_peer_blocks_share * view.num_blocks)
     if cfg.max_peer_blocks_share < 1 and blocks + sum(view.peer_blocks) > peer_cap:
         return Refused(
@@ -71,12 +83,12 @@ def admit(req: Reserve, view: ReceiverView) -> Admission | Refused:
             f"({peer_cap} of {view.num_blocks}: max_peer_blocks_share={cfg.max_peer_blocks_share:g})",
             retryable=blocks <= peer_cap,
         )
-    chunks = -(-req.num_tokens // cfg.chunk_size)
+    chunks = -(-(req.num_tokens - held) // cfg.chunk_size)
     direct = writes_in_place(view) and req.codec == "none"
     slots = 0 if direct else min(cfg.slots_per_request, chunks)
     if slots > view.free_slots:
         return Refused(tid, f"no staging slots free ({view.free_slots} of {cfg.staging_slots})", retryable=True)
-    return Admission(mode="direct" if direct else "staging", blocks=blocks, slots=slots, chunks=chunks)
+    return Admission(mode="direct" if direct else "staging", blocks=blocks, slots=slots, chunks=chunks, held=held)
 
 
 def writes_in_place(view: ReceiverView) -> bool:

@@ -53,8 +53,8 @@ class IncomingBook:
         self.free_slots = list(range(parts.config.staging_slots))
         self.admitting_ns = 0  # this pass of on_notifications' time admitting pooled requests (hosttime.py)
 
-    def view(self, identity: bytes, peer: SenderPeer, transfer_id: str) -> ReceiverView:
-        """What admission reads (caller holds the lock)."""
+    def view(self, identity: bytes, peer: SenderPeer, transfer_id: str, held_tokens: int = 0) -> ReceiverView:
+        """What admission reads (caller holds the lock); ``held_tokens``: what we hold of the transfer already."""
         memory = self.memory
         return ReceiverView(
             config=self.config,
@@ -67,6 +67,7 @@ class IncomingBook:
             peer_layout=peer.layout,
             peer_blocks=tuple(len(r.blocks) for r in self.res.values() if r.identity == identity),
             kv_in_reach=peer.kv_reached and bool(memory.kv_regions),
+            held_tokens=held_tokens,
         )
 
     def open(
@@ -100,6 +101,7 @@ class IncomingBook:
                 block_size=self.memory.layout.block_size,
                 ours=blocks,
                 num_blocks=self.memory.num_blocks,
+                held=admission.held,
             ),
             prompt_key=req.prompt_key,
             codec=req.codec,
@@ -123,7 +125,13 @@ class IncomingBook:
             )
         self.remember_gone(r.transfer_id, "claimed")
         self.counters["claimed"] += 1
-        return ReceivedKV(transfer_id=r.transfer_id, blocks=r.blocks, num_tokens=r.num_tokens, prompt_key=r.prompt_key)
+        return ReceivedKV(
+            transfer_id=r.transfer_id,
+            blocks=r.blocks,
+            num_tokens=r.num_tokens,
+            prompt_key=r.prompt_key,
+            held_tokens=r.plan.table_start,
+        )
 
     def cancel(self, transfer_id: str, reason: str) -> None:
         """Abandon a transfer from the decode side (client gone, timeout); frees what it holds."""
@@ -217,6 +225,7 @@ class IncomingBook:
             r.lease_deadline = time.monotonic() + self.config.lease_s
             self.counters["chunks_landed"] += 1
             self.counters["bytes_landed"] += nbytes
+            self.counters["tokens_landed"] += r.plan.spans[notice.chunk_index][1]
             if r.all_landed:
                 r.state, r.ready_at = State.READY, time.monotonic()
                 if r.slots and self.channel.revoke(

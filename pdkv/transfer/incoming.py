@@ -35,13 +35,15 @@ class State(enum.Enum):
 class ReceivedKV:
     """A request's landed KV: ``blocks`` now belong to the caller, who frees them.
 
-    ``prompt_key`` is the key of the prompt the sender computed this KV from (its Reserve).
+    ``prompt_key`` is the key of the prompt the sender computed this KV from (its Reserve). ``held_tokens``: the
+    leading tokens we held already (``Reserved.held_tokens``): ``blocks`` hold tokens ``[held_tokens, num_tokens)``.
     """
 
     transfer_id: str
     blocks: list[int]
     num_tokens: int
     prompt_key: bytes = b""
+    held_tokens: int = 0
 
 
 @dataclass(kw_only=True)
@@ -127,6 +129,7 @@ class IncomingTransfer:
         if idx >= self.num_chunks or idx in self.landed:
             raise TransferError(f"chunk {idx} is out of range or duplicated (request has {self.num_chunks} chunks)")
         start, n = self.plan.spans[idx]
+        start -= self.plan.table_start  # our blocks start at the first token we did not hold
         nbytes = memory.layout.chunk_bytes(n)
         scattered = False  # landed in the blocks by the pass that hashed it
         if self.mode == "direct":

@@ -104,6 +104,24 @@ class SendSource:
         )
 
 
+def sender_plan(
+    source: SendSource, chunk_size: int, transfer_id: str, num_tokens: int, block_table: Sequence[int], held: int = 0
+) -> TransferPlan:
+    """Our plan of a transfer over its request's whole ``block_table``: its chunks past the ``held`` tokens the
+    receiver holds already (``Reserved.held_tokens``; 0 until it answered), over our blocks from the one holding
+    token ``held``. Raises ``TransferError`` unless those blocks are ours."""
+    block_size = source.layout.block_size
+    return TransferPlan.build(
+        transfer_id,
+        num_tokens=num_tokens,
+        chunk_size=chunk_size,
+        block_size=block_size,
+        ours=block_table[held // block_size :],
+        num_blocks=source.num_blocks,
+        held=held,
+    )
+
+
 class SettleListener(Protocol):
     """Told once a transfer settled (I/O thread): ``KVSender.transfer_settled`` tells its receiver and forgets it."""
 
@@ -158,10 +176,11 @@ class OutgoingTransfer:
         codec: Codec,
         claim: PoolClaim | None = None,
     ) -> None:
-        """``plan``: its chunks over ``block_table`` (``TransferPlan.build``), paired here with the receiver's
-        blocks in direct mode. ``opened_ns``: when ``open`` began (``time.perf_counter_ns``), the start of our fixed
-        host cost (``hosttime.py``). ``claim``: the transfer was written into the receiver's pool, not reserved: its one
-        chunk's notice carries the Reserve (README.md here, "Pools")."""
+        """``plan``: its chunks over ``block_table`` (``sender_plan``), made again past what the receiver holds
+        already when it says so, and paired here with the receiver's blocks in direct mode. ``opened_ns``: when
+        ``open`` began (``time.perf_counter_ns``), the start of our fixed host cost (``hosttime.py``). ``claim``: the
+        transfer was written into the receiver's pool, not reserved: its one chunk's notice carries the Reserve
+        (README.md here, "Pools")."""
         self.ctx = ctx
         self.claim = claim
         self.codec = codec  # how staged chunks go on the wire (``none``: as they are)
@@ -173,6 +192,10 @@ class OutgoingTransfer:
         self.mode = reserved.mode
         self.remote_blocks = reserved.block_ids
         self.remote_slots = reserved.staging_slots
+        if reserved.held_tokens:  # the receiver holds the prompt's first tokens already: our chunks start past them
+            plan = sender_plan(
+                ctx.source, ctx.parts.config.chunk_size, transfer_id, num_tokens, block_table, reserved.held_tokens
+            )
         self.plan = plan.with_peer(reserved.block_ids) if self.mode == "direct" else plan
         self.spans = plan.spans
         # every chunk's direct ops, worked out once: send_chunk takes its chunk's (empty in staging mode)

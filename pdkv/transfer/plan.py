@@ -6,6 +6,8 @@ reserves, ``OutgoingTransfer`` pairs it with D's blocks when the reservation ans
 every chunk's direct ops, and each ``send_chunk`` takes its chunk's (our blocks for the checksum, the ops); D's
 ``IncomingBook.open`` builds one at admission (its blocks only) and each landing takes its chunk's tokens and
 blocks.
+A transfer that starts past what D already holds (``held``, ``protocol.Reserved.held_tokens``) has chunks that
+start at ``held`` (the first one there, each ``chunk_size`` on) over the blocks from the one holding token ``held``.
 The runs are the same as ``pdkv.layout.block_runs``'s on each chunk's blocks (a test compares them on random
 tables), found in one pass over the whole table (with numpy where the table is long enough to pay for it): a run
 breaks wherever our id or theirs does not step by one.
@@ -14,6 +16,7 @@ breaks wherever our id or theirs does not step by one.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,11 +45,12 @@ class TransferPlan:
     """Per chunk: its ``(first token, tokens)``, our block ids, and (given the peer's blocks) the runs
     ``(our first block, their first block, count)`` adjacent on both sides."""
 
-    spans: list[tuple[int, int]]
+    spans: list[tuple[int, int]]  # (first token in the prompt, tokens)
     bounds: list[tuple[int, int]]  # each chunk's blocks as a slice of the table: [first, last)
-    table: list[int]  # our block ids the transfer uses
+    table: list[int]  # our block ids the transfer uses, the first one holding token ``table_start``
     blocks: list[list[int]]
     runs: list[list[tuple[int, int, int]]]  # empty until ``with_peer``
+    table_start: int = 0  # the prompt's token at the start of the table's first block
 
     @property
     def num_chunks(self) -> int:
@@ -62,22 +66,34 @@ class TransferPlan:
         block_size: int,
         ours: Sequence[int],
         num_blocks: int,
+        held: int = 0,
     ) -> TransferPlan:
-        """The chunks of ``num_tokens`` in chunks of ``chunk_size`` over our blocks (``ours``, of ``block_size``).
+        """The tokens ``[held, num_tokens)`` in chunks of ``chunk_size`` from ``held`` over our blocks (``ours``, of
+        ``block_size``, the first one holding token ``held``: the request's whole table when ``held`` is 0).
 
-        Raises ``TransferError`` unless every block the transfer uses is one of our ``num_blocks``: checked here
-        once for every chunk.
+        Raises ``TransferError`` unless ``held`` is below ``num_tokens`` and every block the transfer uses is one of
+        our ``num_blocks``: checked here once for every chunk.
         """
-        spans = list(chunk_spans(num_tokens, chunk_size))
-        need = -(-num_tokens // block_size)
+        if not 0 <= held < num_tokens:
+            raise TransferError(f"transfer {transfer_id!r}: {held} tokens held of {num_tokens}: nothing left to move")
+        first_block = held // block_size
+        spans = [(held + start, n) for start, n in chunk_spans(num_tokens - held, chunk_size)]
+        need = -(-num_tokens // block_size) - first_block
         table = list(ours[:need])
         if len(table) < need or (need and (min(table) < 0 or max(table) >= num_blocks)):
             raise TransferError(
-                f"transfer {transfer_id!r}: block table {table} does not give {num_tokens} tokens' {need} blocks "
-                f"inside our {num_blocks} blocks"
+                f"transfer {transfer_id!r}: block table {table} does not give tokens {held} to {num_tokens} their "
+                f"{need} blocks inside our {num_blocks} blocks"
             )
-        bounds = [(start // block_size, -(-(start + n) // block_size)) for start, n in spans]
-        return cls(spans=spans, bounds=bounds, table=table, blocks=[table[a:b] for a, b in bounds], runs=[])
+        bounds = [(s // block_size - first_block, -(-(s + n) // block_size) - first_block) for s, n in spans]
+        return cls(
+            spans=spans,
+            bounds=bounds,
+            table=table,
+            blocks=[table[a:b] for a, b in bounds],
+            runs=[],
+            table_start=first_block * block_size,
+        )
 
     def with_peer(self, theirs: Sequence[int]) -> TransferPlan:
         """This plan with each chunk's runs against the peer's blocks ``theirs`` (its first block ids in the order
@@ -91,7 +107,7 @@ class TransferPlan:
             starts = [first, *cuts[bisect.bisect_right(cuts, first) : bisect.bisect_left(cuts, last)]]
             ends = [*starts[1:], last]
             runs.append([(ours[s], theirs[s], e - s) for s, e in zip(starts, ends, strict=True)])
-        return TransferPlan(spans=self.spans, bounds=self.bounds, table=ours, blocks=self.blocks, runs=runs)
+        return dataclasses.replace(self, runs=runs)
 
     def ops(self, local: Sequence[int], remote: Sequence[int], block_bytes: int) -> list[list[TransferOp]]:
         """Each chunk's direct ops: one per buffer tensor (``local[t]`` to ``remote[t]``, regions) per run, in

@@ -25,7 +25,9 @@ from pdkv.layout import KVLayout
 # 6: the ``Landed`` of a pooled request carries the sender's next ``Pool``.
 # 7: with a secret every message after the handshake carries a session tag frame; heartbeats are numbered and
 # acknowledged (``BeatAck``): the sender counts a lease renewed when the receiver says it was.
-PROTOCOL_VERSION = 7
+# 8: a ``Reserved`` says how many leading tokens the receiver already holds (``held_tokens``, its prefix cache's
+# hit): the sender pushes only the rest. A peer of 7 would push every chunk into the blocks granted past the hit.
+PROTOCOL_VERSION = 8
 
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_ID_LEN = 256
@@ -97,6 +99,10 @@ class Reserved(msgspec.Struct, tag="reserved", forbid_unknown_fields=True):
     ``block_ids`` (same layout on both sides). ``staging``: each chunk is
     written in canonical form into one of ``staging_slots`` (byte offsets in
     the receiver's staging region) and scattered in by the receiver.
+
+    ``held_tokens``: the prompt's leading tokens the receiver already holds (its own prefix cache hit, a whole
+    number of its blocks, fewer than the prompt): the sender pushes only tokens ``[held_tokens, num_tokens)``, in
+    chunks that start there, and ``block_ids`` are the blocks past them.
     """
 
     transfer_id: TransferId
@@ -104,6 +110,7 @@ class Reserved(msgspec.Struct, tag="reserved", forbid_unknown_fields=True):
     block_ids: list[NonNegInt]
     staging_slots: list[NonNegInt]
     lease_s: Annotated[float, Meta(gt=0, le=86400)]  # the sender stops writing once it may have lapsed
+    held_tokens: NonNegInt = 0
 
 
 class Refused(msgspec.Struct, tag="refused", forbid_unknown_fields=True):

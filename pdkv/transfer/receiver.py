@@ -268,12 +268,13 @@ class KVReceiver:
             peer = reserving_peer(self.parts, identity, req)
             if isinstance(peer, Refused):
                 return peer
-            admitted = admit(req, book.view(identity, peer, req.transfer_id))
+            held = self.allocator.held_for(req.transfer_id)  # our prefix hit: P pushes only the tokens past it
+            admitted = admit(req, book.view(identity, peer, req.transfer_id, held))
             if isinstance(admitted, Refused):
                 self.counters["refused"] += 1
                 return admitted
             try:
-                blocks = self.allocator.allocate_for(req.transfer_id, admitted.blocks)
+                blocks = self.allocator.allocate_for(req.transfer_id, admitted.blocks, held)
             except OutOfBlocksError as exc:
                 self.counters["refused"] += 1
                 return Refused(
@@ -286,4 +287,4 @@ class KVReceiver:
             self.channel.grant(peer.token, "write", book.granted(r))
         slot_offsets = [s * self.memory.slot_bytes for s in slots]
         self.parts.host.since("request", began)
-        return Reserved(req.transfer_id, admitted.mode, blocks, slot_offsets, self.config.lease_s)
+        return Reserved(req.transfer_id, admitted.mode, blocks, slot_offsets, self.config.lease_s, held)

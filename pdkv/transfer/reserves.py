@@ -107,8 +107,16 @@ class Reserves:
             raise ReservationError(
                 f"receiver reserved {reply.mode} mode for a transfer encoded with {codec!r}: codecs need staging"
             )
-        blocks_needed = -(-num_tokens // self.block_size)
+        held = reply.held_tokens
+        if held >= num_tokens or (reply.mode == "direct" and held % self.block_size):
+            raise ReservationError(
+                f"receiver says it holds {held} of {num_tokens} tokens: a transfer starts before the prompt's end, "
+                f"and in direct mode at a whole number of our {self.block_size}-token blocks"
+            )
+        blocks_needed = -(-num_tokens // self.block_size) - held // self.block_size
         if reply.mode == "direct" and len(reply.block_ids) < blocks_needed:
-            raise ReservationError(f"receiver reserved {len(reply.block_ids)} blocks for {num_tokens} tokens")
+            raise ReservationError(
+                f"receiver reserved {len(reply.block_ids)} blocks for tokens {held} to {num_tokens} ({blocks_needed})"
+            )
         if reply.mode == "staging" and not reply.staging_slots:
             raise ReservationError("receiver reserved staging mode without staging slots")

@@ -28,10 +28,9 @@ from pdkv.transfer import protocol
 from pdkv.transfer.control import ControlLoop, DealerSockets
 from pdkv.transfer.handshake import SenderHandshake
 from pdkv.transfer.heartbeat import Heartbeats
-from pdkv.transfer.outgoing import OutgoingTransfer, SendContext, SendCredit, SendSource
+from pdkv.transfer.outgoing import OutgoingTransfer, SendContext, SendCredit, SendSource, sender_plan
 from pdkv.transfer.parts import SenderParts
 from pdkv.transfer.peers import ReceiverPeer
-from pdkv.transfer.plan import TransferPlan
 from pdkv.transfer.pool import SenderPools
 from pdkv.transfer.protocol import BeatAck, Cancel, Done, Hello, Landed, Pool, Refused, Reserved
 from pdkv.transfer.reserves import Reserves
@@ -141,14 +140,7 @@ class KVSender:
             )
         began = time.perf_counter_ns()  # the request's fixed host cost (hosttime.py) runs from here
         # every chunk's blocks, checked against ours once and before anything is reserved
-        plan = TransferPlan.build(
-            transfer_id,
-            num_tokens=num_tokens,
-            chunk_size=self.config.chunk_size,
-            block_size=self.layout.block_size,
-            ours=block_table,
-            num_blocks=self.source.num_blocks,
-        )
+        plan = sender_plan(self.source, self.config.chunk_size, transfer_id, num_tokens, block_table)
         request = {"transfer_id": transfer_id, "num_tokens": num_tokens, "prompt_key": prompt_key, "codec": codec}
         pooled = self.pools.claim(address, **request)
         if pooled is not None:  # no round trip: the Reserve rides on the chunk's notice

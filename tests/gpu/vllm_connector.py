@@ -6,12 +6,13 @@ device memory), here with the caches on the GPU and real CUDA events
 process, P's cache random, D's zeros, a 300-token prompt pushed in two steps
 (chunked prefill) and loaded into D's blocks, for each of D's paths:
 
-* ``landing``: prefix caching on, tcp: a host landing buffer, copied into
-  vLLM's blocks on pdkv's stream;
-* ``staged``: prefix caching off, tcp: pinned slots scattered into vLLM's
-  own blocks on the device;
-* ``direct``: prefix caching off, nixl: written VRAM to VRAM into vLLM's own
-  blocks (run only where nixl imports).
+* ``staged``: tcp: pinned slots scattered into vLLM's own blocks on the
+  device;
+* ``direct``: nixl: written VRAM to VRAM into vLLM's own blocks (run only
+  where nixl imports);
+* ``*_prefix_hit``: either, with D's prefix cache holding the prompt's first
+  128 tokens: only the blocks past them move, and the hit's blocks stay as
+  they were (zeros).
 
 Each case runs with the caches of an attention backend and, for the GPU
 backends, a ``VLLM_KV_CACHE_LAYOUT`` (``caches``: P's and D's): vLLM 0.32's
@@ -83,18 +84,12 @@ def _collect(side: WorkerSide, finished: set[str], timeout: float = 30.0) -> tup
     return set(), set(), set()
 
 
-def case(channel: str, prefix_caching: bool, caches: tuple[str, str]) -> dict[str, Any]:
+def case(channel: str, skip: int, caches: tuple[str, str]) -> dict[str, Any]:
+    """``skip``: tokens D's own prefix cache holds (whole blocks): P pushes only the rest."""
     cfg = convert_config({"num_blocks": 32, "channel": {"name": channel}, "transfer": {"chunk_size": 128}})
     p_cache, d_cache = _cache(caches[0], 32, True), _cache(caches[1], 32, False)
-    p = WorkerSide(cfg, "fp-gpu", is_producer=True, is_consumer=False, agent_name=f"p-{channel}-{prefix_caching}")
-    d = WorkerSide(
-        cfg,
-        "fp-gpu",
-        is_producer=False,
-        is_consumer=True,
-        agent_name=f"d-{channel}-{prefix_caching}",
-        prefix_caching=prefix_caching,
-    )
+    p = WorkerSide(cfg, "fp-gpu", is_producer=True, is_consumer=False, agent_name=f"p-{channel}-{skip}")
+    d = WorkerSide(cfg, "fp-gpu", is_producer=False, is_consumer=True, agent_name=f"d-{channel}-{skip}")
     try:
         p.register(*vllm_cache_layout(p_cache, BS, caches[0].partition("/")[0]))
         d.register(*vllm_cache_layout(d_cache, BS, caches[1].partition("/")[0]))
@@ -102,20 +97,24 @@ def case(channel: str, prefix_caching: bool, caches: tuple[str, str]) -> dict[st
         t0 = time.perf_counter()
         for ready in (128, TOKENS):  # two steps of chunked prefill; each marks a CUDA event on the current stream
             p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, TOKENS, P_BLOCKS, ready)]))
-        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", TOKENS, 0, D_BLOCKS)]))
+        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", TOKENS, skip, D_BLOCKS)]))
         _, recving, failed = _collect(d, set())
         seconds = time.perf_counter() - t0
         sending = _collect(p, {"r1"})[0]
-        exact = torch.equal(_tokens(caches[0], p_cache, P_BLOCKS), _tokens(caches[1], d_cache, D_BLOCKS))
+        exact = torch.equal(
+            _tokens(caches[0], p_cache, P_BLOCKS)[:, :, skip:], _tokens(caches[1], d_cache, D_BLOCKS)[:, :, skip:]
+        )
+        hit = D_BLOCKS[: skip // BS]
+        hit_untouched = all(not t[hit].any() for t in d_cache.values())
         assert p._order is not None
         return {
             "caches": list(caches),
             "layouts": [side.layout.order if side.layout else None for side in (p, d)],
             "channel": channel,
-            "prefix_caching": prefix_caching,
+            "skip_tokens": skip,
             "landing": d.landing,
-            "landing_buffer_blocks": int(d.landing_buffer[0].shape[0]) if d.landing_buffer else 0,
             "loaded": recving == {"r1"} and not failed,
+            "hit_untouched": hit_untouched,
             "released_on_p": sending == {"r1"},
             "bit_exact": bool(exact),
             "event_type": type(p._order.mark()).__name__,
@@ -132,12 +131,13 @@ def case(channel: str, prefix_caching: bool, caches: tuple[str, str]) -> dict[st
 
 FA, FI = "FLASH_ATTN/LBNHC", "FLASHINFER/LBHNC"  # vLLM 0.32's default GPU backend and layout; FlashInfer head-major
 CASES = {
-    "landing_tcp": ("tcp", True, (FA, FA)),
-    "staged_tcp": ("tcp", False, (FA, FA)),
-    "direct_nixl": ("nixl", False, (FA, FA)),
-    "staged_tcp_flashinfer_to_fa": ("tcp", False, (FI, FA)),  # converted on the GPU by the gather/scatter kernels
-    "direct_nixl_flashinfer_to_fa": ("nixl", False, (FI, FA)),  # layouts differ: nixl staging, VRAM slots
-    "staged_tcp_cpu_layout": ("tcp", False, (CPU_BACKEND, CPU_BACKEND)),
+    "staged_tcp": ("tcp", 0, (FA, FA)),
+    "direct_nixl": ("nixl", 0, (FA, FA)),
+    "staged_tcp_prefix_hit": ("tcp", 128, (FA, FA)),
+    "direct_nixl_prefix_hit": ("nixl", 128, (FA, FA)),
+    "staged_tcp_flashinfer_to_fa": ("tcp", 0, (FI, FA)),  # converted on the GPU by the gather/scatter kernels
+    "direct_nixl_flashinfer_to_fa": ("nixl", 0, (FI, FA)),  # layouts differ: nixl staging, VRAM slots
+    "staged_tcp_cpu_layout": ("tcp", 0, (CPU_BACKEND, CPU_BACKEND)),
 }
 
 
@@ -160,7 +160,9 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    return 0 if all("error" not in c and c["bit_exact"] and c["loaded"] for c in summary["cases"].values()) else 1
+    cases = summary["cases"].values()
+    ok = all("error" not in c and c["bit_exact"] and c["loaded"] and c["hit_untouched"] for c in cases)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -10,12 +10,11 @@ per worker (role WORKER); this class only routes vLLM's calls to
      "kv_role": "kv_producer" | "kv_consumer" | "kv_both",
      "kv_load_failure_policy": "recompute",
      "kv_connector_extra_config": {<a pdkv config: host, control_port, secret,
-                                   num_blocks, channel, transfer>}}
+                                   channel, transfer>}}
 
 On a consumer, ``host``/``control_port`` are where its KV receiver listens
-(the router learns them from the server's ``/pdkv/info``) and ``num_blocks``
-sizes its landing buffer in vLLM blocks (used only with vLLM's prefix caching
-on: without it, pushed KV lands in vLLM's own blocks, README.md here). With ``tier.redis_url`` set, every
+(the router learns them from the server's ``/pdkv/info``); pushed KV lands in
+vLLM's own blocks past D's prefix hit (README.md here). With ``tier.redis_url`` set, every
 instance (any ``kv_role``) offers the full prompt chunks it computes to that
 shared Redis tier and loads a prefix found there instead of computing it;
 the tier's memory and disk levels are per process, so vLLM, whose scheduler
@@ -155,7 +154,6 @@ class PdkvConnector(KVConnectorBase_V1):
                 consumer,
                 agent_name("producer" if producer else "consumer"),
                 self._shared_cache,
-                prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
             )
 
     def _shared_cache(self, layout: KVLayout) -> KVCacheEngine | None:

@@ -168,16 +168,3 @@ def _row_split_order(name: str, t: torch.Tensor) -> str:
         f"vLLM KV cache tensor {name!r} {tuple(t.shape)} has strides {t.stride()}: neither LBNHC nor LBHNC. pdkv maps "
         "the layer-compact layouts only; set VLLM_KV_CACHE_LAYOUT=LBNHC (vLLM's default) or LBHNC"
     )
-
-
-def copy_blocks(src: list[torch.Tensor], dst: list[torch.Tensor], src_ids: list[int], dst_ids: list[int]) -> None:
-    """Copy whole blocks ``src_ids`` of one buffer into blocks ``dst_ids`` of another of the same layout."""
-    if len(src_ids) != len(dst_ids):
-        raise LayoutError(f"copy of {len(src_ids)} blocks into {len(dst_ids)}")
-    if not src_ids:
-        return
-    device = dst[0].device
-    s = torch.tensor(src_ids, dtype=torch.long, device=src[0].device)
-    d = torch.tensor(dst_ids, dtype=torch.long, device=device)
-    for a, b in zip(src, dst, strict=True):
-        b.index_copy_(0, d, a.index_select(0, s).to(device, non_blocking=True))

@@ -1,19 +1,23 @@
-"""Where a pushed prompt's KV lands on D: vLLM's own blocks, or a landing buffer copied into them.
+"""Where a pushed prompt's KV lands on D: vLLM's own blocks, the ones vLLM allocated past D's local prefix hit.
 
 ``landing_path`` is the rule (one function, logged at start and kept on
-``WorkerSide.landing``). When pdkv may write a request's vLLM blocks, the
-receiver is built over vLLM's own KV tensors (registered with the channel
-once) and ``VllmBlocks`` is its allocator: a transfer is granted exactly the
-blocks D's scheduler allocated to its request, so the channel writes straight
-into them and nothing is copied afterwards.
+``WorkerSide.landing``). The receiver is built over vLLM's own KV tensors
+(registered with the channel once) and ``VllmBlocks`` is its allocator: a
+transfer is granted exactly the blocks D's scheduler allocated to its request
+past D's local prefix hit, and its ``Reserved`` says how many tokens that hit
+holds (``protocol.Reserved.held_tokens``), so P pushes only the tokens past it,
+the channel writes straight into those blocks and nothing is copied afterwards.
+The hit's blocks may be cached blocks other requests read: they are never
+granted, so never written, with vLLM's prefix caching on (its default) or off.
+A full local hit reserves nothing and moves nothing (the scheduler discards the
+pushed transfer).
 
 P pushes before D's scheduler has seen the request (the router asks D only
 once P answered), so at P's first Reserve there may be no vLLM blocks for it
 yet: the receiver refuses it as *retryable* (``OutOfBlocksError``) and P asks
 again until the loader, handed the request's blocks, ``expect``s the
-transfer, within P's ``reserve_timeout_s``. The cost against the landing
-buffer: P's chunks go once D has scheduled the request, not while P computes
-them.
+transfer, within P's ``reserve_timeout_s``. The cost: P's chunks go once D has
+scheduled the request, not while P computes them.
 """
 
 from __future__ import annotations
@@ -29,31 +33,26 @@ from pdkv.blocks import BlockAllocator
 from pdkv.errors import LayoutError, OutOfBlocksError
 from pdkv.memory import in_reach
 
-LandingPath = Literal["direct", "staged", "landing"]
+LandingPath = Literal["direct", "staged"]
 
 
-def landing_path(kv: torch.Tensor, channel_memory: Collection[str], prefix_caching: bool) -> LandingPath:
+def landing_path(kv: torch.Tensor, channel_memory: Collection[str]) -> LandingPath:
     """Where D's receiver lands pushed KV, given vLLM's cache (one of its tensors) and the channel.
 
-    * ``landing``: vLLM's prefix caching is on. A request's leading blocks may
-      then be cached blocks other requests share, which a write of the whole
-      prompt would overwrite while they read them (vLLM's NixlConnector pulls
-      only the blocks past the local hit; pdkv's push writes every chunk), so
-      the KV lands in a landing buffer of pdkv's and only the blocks past the
-      hit are copied into vLLM's, on pdkv's own stream.
     * ``direct``: the channel addresses the memory vLLM's cache is in (any
-      channel and a host cache; nixl and a CUDA cache): the receiver is built
-      over vLLM's tensors and the channel writes into the request's blocks.
+      channel and a host cache; nixl and a CUDA cache): the channel writes
+      into the request's blocks.
     * ``staged``: it does not (tcp or ucx and a CUDA cache, or emulated device
-      memory): the receiver is still over vLLM's tensors, but chunks land in
-      its pinned host staging slots and are scattered into the request's
-      blocks on the cache's device, on pdkv's own stream (``pdkv.staging``).
+      memory): chunks land in the receiver's pinned host staging slots and are
+      scattered into the request's blocks on the cache's device, on pdkv's own
+      stream (``pdkv.staging``). Layouts that differ between P and D (block
+      size, head order, a codec) are staged whatever the memory: the receiver
+      admits them in staging mode (``admission.admit``).
 
-    Layouts pdkv cannot describe never get here: ``kvcache.vllm_cache_layout``
-    refuses them by name at start.
+    vLLM's prefix caching does not decide: the blocks of D's own hit are never
+    granted (module docstring). Layouts pdkv cannot describe never get here:
+    ``kvcache.vllm_cache_layout`` refuses them by name at start.
     """
-    if prefix_caching:
-        return "landing"
     return "direct" if in_reach(kv, channel_memory) else "staged"
 
 
@@ -71,7 +70,8 @@ class VllmBlocks(BlockAllocator):
             raise LayoutError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self._cond = threading.Condition()
-        self._expected: dict[str, list[int]] = {}  # transfer id -> the vLLM blocks its request was allocated
+        # transfer id -> the vLLM blocks its request was allocated past D's local prefix hit, and that hit in tokens
+        self._expected: dict[str, tuple[list[int], int]] = {}
         self._granted: dict[str, list[int]] = {}  # transfer id -> blocks the receiver granted (writable by P)
         self._owner: dict[int, str] = {}  # granted block -> its transfer
 
@@ -86,27 +86,37 @@ class VllmBlocks(BlockAllocator):
         with self._cond:
             return len(self._owner)
 
-    def expect(self, transfer_id: str, block_ids: list[int]) -> None:
-        """Let ``transfer_id`` be granted ``block_ids`` (vLLM's blocks for its request, in prompt order)."""
+    def expect(self, transfer_id: str, block_ids: list[int], held_tokens: int = 0) -> None:
+        """Let ``transfer_id`` be granted ``block_ids``: vLLM's blocks for its request past its ``held_tokens`` (D's
+        local prefix hit, which P then does not push), in prompt order. Blocks of the hit are never granted: they
+        may be cached blocks other requests read."""
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
-        if bad or len(set(block_ids)) != len(block_ids):
+        if bad or len(set(block_ids)) != len(block_ids) or held_tokens < 0:
             raise LayoutError(
-                f"vLLM blocks {block_ids} for transfer {transfer_id!r}: ids must be distinct and in [0, "
-                f"{self.num_blocks})"
+                f"vLLM blocks {block_ids} past {held_tokens} tokens for transfer {transfer_id!r}: ids must be distinct "
+                f"and in [0, {self.num_blocks}), the tokens held not negative"
             )
         with self._cond:
-            self._expected[transfer_id] = list(block_ids)
+            self._expected[transfer_id] = (list(block_ids), held_tokens)
 
     def allocate(self, n: int) -> list[int]:
         raise OutOfBlocksError("vLLM's blocks are granted per transfer, to the request vLLM allocated them to")
 
-    def allocate_for(self, transfer_id: str, n: int) -> list[int]:
-        """The first ``n`` blocks of the request, once the loader expects them; until then a retryable refusal."""
+    def held_for(self, transfer_id: str) -> int:
+        """D's local prefix hit for the transfer's request, once the loader expects it (0 until then)."""
         with self._cond:
-            blocks = self._expected.get(transfer_id)
-            if blocks is None:
+            return self._expected.get(transfer_id, ([], 0))[1]
+
+    def allocate_for(self, transfer_id: str, n: int, held: int = 0) -> list[int]:
+        """The first ``n`` blocks past the request's local hit, once the loader expects them, for a transfer admitted
+        past ``held`` tokens; until then (or if the loader's word came between ``held_for`` and here) a retryable
+        refusal."""
+        with self._cond:
+            blocks, expected_held = self._expected.get(transfer_id, (None, 0))
+            if blocks is None or expected_held != held:
                 raise OutOfBlocksError(
-                    f"D's scheduler has not allocated vLLM blocks for transfer {transfer_id!r} yet (P asks again)"
+                    f"D's scheduler has not allocated vLLM blocks for transfer {transfer_id!r} past {held} tokens yet "
+                    "(P asks again)"
                 )
             if len(blocks) < n or any(b in self._owner for b in blocks[:n]):
                 raise OutOfBlocksError(

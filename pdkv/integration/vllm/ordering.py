@@ -11,9 +11,9 @@ stall vLLM's thread or the whole device to find out:
   leaves before the step that wrote it finished on the device.
 * D: ``start_load_kv`` marks an event before the loader lets pdkv write
   into a request's newly allocated blocks (their previous owner's kernels
-  may still be queued); a loader that copies from the landing buffer does it
-  on pdkv's own stream and waits for that copy's event before vLLM is told
-  the blocks are loaded (``get_finished``).
+  may still be queued); the receiver hands the blocks over (and vLLM is
+  told they are loaded, ``get_finished``) only after the bytes are there:
+  the channel's completion, or a staged chunk's scatter event.
 
 No ``torch.cuda.synchronize()``: each wait is one event, on a pdkv thread.
 On CPU the work ran synchronously, so the events are done at once, and the

@@ -10,14 +10,14 @@ the forward pass on the network:
   straight from them (pdkv ``KVSender`` over vLLM's own tensors). The
   request's blocks stay vLLM's until the writes have settled: only then is
   the request reported in ``finished_sending`` and its blocks freed.
-* D: pushed chunks land where ``landing.landing_path`` says (logged at
-  start, kept on ``landing``): straight in the request's own vLLM blocks
-  (``direct``; ``staged`` through pinned host slots when the channel cannot
+* D: pushed chunks land in the request's own vLLM blocks, as
+  ``landing.landing_path`` says (logged at start, kept on ``landing``:
+  ``direct``, or ``staged`` through pinned host slots when the channel cannot
   address vLLM's memory), the receiver being built over vLLM's tensors and
-  granting a transfer the blocks D's scheduler allocated to its request; or,
-  with vLLM's prefix caching on, in a landing buffer of vLLM's layout whose
-  blocks past D's own prefix hit are copied into vLLM's. When the scheduler
-  has allocated the request's blocks, a loader thread waits for the transfer
+  granting a transfer the blocks D's scheduler allocated to its request past
+  D's own prefix hit: its Reserved tells P how many tokens that hit holds, and
+  P pushes only the rest (the hit's blocks may be shared: never written). When
+  the scheduler has allocated the request's blocks, a loader thread waits for the transfer
   (bounded by ``transfer_timeout_s``) and reports the request in
   ``finished_recving`` once its bytes are in vLLM's blocks; a transfer that
   failed, timed out or never came is reported in ``failed_recving`` too, so
@@ -35,9 +35,7 @@ the forward pass on the network:
 Ordering on a GPU (``ordering.DeviceOrder``; run on an H200 by tests/gpu/vllm_connector.py, not inside vLLM): the
 push thread waits for an event marked on vLLM's stream at the end of the step
 before posting that step's chunks; a loader waits for an event marked when
-vLLM handed it the blocks before anything may write them, and a landing-buffer
-copy runs on pdkv's own stream and is waited for (its event) before the
-request is reported. No device-wide synchronize. On CPU the same calls run
+vLLM handed it the blocks before anything may write them. No device-wide synchronize. On CPU the same calls run
 with events that are done at once.
 """
 
@@ -54,21 +52,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdkv.blocks import BlockAllocator
 from pdkv.cache_engine import KVCacheEngine, suffix_mask
 from pdkv.channels import create_channel
 from pdkv.channels.base import Channel
 from pdkv.config import PdkvConfig
 from pdkv.errors import PdkvError, TransferError
 from pdkv.integration.vllm.affinity import unpin_current_thread, unpinned
-from pdkv.integration.vllm.kvcache import copy_blocks
 from pdkv.integration.vllm.landing import LandingPath, VllmBlocks, landing_path
 from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
 from pdkv.integration.vllm.ordering import DeviceOrder, StepEvent
 from pdkv.keys import PromptKeys
 from pdkv.layout import KVLayout
-from pdkv.memory import adopt_kv, in_reach
-from pdkv.staging import CopyStream
+from pdkv.memory import adopt_kv
 from pdkv.transfer.outgoing import OutgoingTransfer
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
@@ -103,11 +98,9 @@ class WorkerSide:
         is_consumer: bool,
         agent_name: str,
         cache: Callable[[KVLayout], KVCacheEngine | None] | None = None,
-        prefix_caching: bool = True,
         make_event: Callable[[], StepEvent] | None = None,
     ) -> None:
-        """``prefix_caching``: vLLM's on this instance (it decides where pushed KV lands, ``landing_path``);
-        ``make_event``: the events ``DeviceOrder`` marks (tests pass fakes; default: CUDA events on a GPU)."""
+        """``make_event``: the events ``DeviceOrder`` marks (tests pass fakes; default: CUDA events on a GPU)."""
         self.config = config
         self.fingerprint = fingerprint
         self.is_producer = is_producer
@@ -118,11 +111,8 @@ class WorkerSide:
         self.receiver: KVReceiver | None = None
         self.layout: KVLayout | None = None
         self._vllm_kv: list[torch.Tensor] = []
-        self.prefix_caching = prefix_caching
         self.landing: LandingPath | None = None  # where pushed KV lands on this consumer, once registered
-        self.landing_buffer: list[torch.Tensor] = []  # the landing buffer: allocated for the ``landing`` path only
-        self._blocks: VllmBlocks | None = None  # the receiver's allocator on the other paths
-        self._copies: CopyStream | None = None
+        self._blocks: VllmBlocks | None = None  # the receiver's allocator: vLLM's blocks, per transfer
         self._make_event = make_event
         self._order: DeviceOrder | None = None
         self._lock = threading.Lock()
@@ -167,32 +157,19 @@ class WorkerSide:
             self._start_receiver(channel, layout, vllm_kv)
 
     def _start_receiver(self, channel: Channel, layout: KVLayout, vllm_kv: list[torch.Tensor]) -> None:
-        """The receiver over vLLM's own tensors, or over a landing buffer: ``landing_path`` decides."""
-        self.landing = landing_path(vllm_kv[0], channel.memory, self.prefix_caching)
-        allocator: BlockAllocator
-        if self.landing == "landing":
-            # The landing buffer is what the channel writes into: on vLLM's device where the channel reaches it.
-            device = vllm_kv[0].device if in_reach(vllm_kv[0], channel.memory) else torch.device("cpu")
-            self.landing_buffer = layout.allocate(self.config.num_blocks, device=device)
-            self._copies = CopyStream(vllm_kv[0].device)
-            kv, allocator = self.landing_buffer, BlockAllocator(self.config.num_blocks)
-            where = (
-                f"in {self.config.num_blocks} landing blocks in {device} memory, copied into vLLM's (its prefix "
-                "caching is on: a request's leading blocks may be shared, never written)"
-            )
-        else:
-            self._blocks = VllmBlocks(layout.validate_buffer(vllm_kv))
-            kv, allocator = vllm_kv, self._blocks
-            where = (
-                f"straight in vLLM's blocks ({self.landing}: the {channel.name} channel "
-                f"{'writes' if self.landing == 'direct' else 'cannot address'} vLLM's {vllm_kv[0].device} cache"
-                f"{'' if self.landing == 'direct' else ', so chunks go through pinned host staging'})"
-            )
+        """The receiver over vLLM's own tensors, its allocator vLLM's blocks; ``landing_path`` says direct or staged."""
+        self.landing = landing_path(vllm_kv[0], channel.memory)
+        self._blocks = VllmBlocks(layout.validate_buffer(vllm_kv))
+        where = (
+            f"straight in vLLM's blocks past its own prefix hit ({self.landing}: the {channel.name} channel "
+            f"{'writes' if self.landing == 'direct' else 'cannot address'} vLLM's {vllm_kv[0].device} cache"
+            f"{'' if self.landing == 'direct' else ', so chunks go through pinned host staging'})"
+        )
         self.receiver = KVReceiver(
             channel,
             layout,
-            kv,
-            allocator,
+            vllm_kv,
+            self._blocks,
             self.fingerprint,
             self.config.transfer,
             host=self.config.host,
@@ -368,29 +345,27 @@ class WorkerSide:
             self.counters[("tier_" if spec.tier_keys else "") + ("load_ok" if ok else "load_failed")] += 1
 
     def _load_pushed(self, spec: LoadSpec, ready: StepEvent) -> None:
-        if self.receiver is None or self.layout is None:
+        """Let P's Reserve be granted the request's own blocks past vLLM's local prefix hit (``skip_tokens``: whole
+        blocks, which may be shared with other requests, so never granted), and wait for its chunks to land in
+        them; P pushes only the tokens past the hit."""
+        if self.receiver is None or self.layout is None or self._blocks is None:
             raise TransferError("this instance has no KV receiver (kv_role is not a consumer)")
         n = self.layout.blocks_for(spec.num_tokens)
-        first = spec.skip_tokens // self.layout.block_size  # blocks vLLM's own prefix cache holds: shared
+        first = spec.skip_tokens // self.layout.block_size
         why = ""
         if len(spec.block_ids) < n:
             why = f"vLLM allocated {len(spec.block_ids)} blocks to a request of {spec.num_tokens} tokens ({n} blocks)"
-        elif first and self._blocks is not None:
-            why = f"{first} of its blocks are in vLLM's prefix cache, shared: a push in place would write them"
+        elif spec.skip_tokens % self.layout.block_size or spec.skip_tokens >= spec.num_tokens:
+            why = (
+                f"its local prefix hit of {spec.skip_tokens} tokens is not whole {self.layout.block_size}-token "
+                f"blocks short of its {spec.num_tokens}"
+            )
         if why:
             self.receiver.cancel(spec.transfer_id, why)
             raise TransferError(f"transfer {spec.transfer_id!r} not loaded: {why}")
         ready.synchronize()  # vLLM's queued work on these blocks (their previous owner's) ran: they may be written
-        if self._blocks is not None:
-            self._receive_in_place(spec, n, self._blocks)
-        else:
-            self._receive_and_copy(spec, n, first)
-        self.counters["pushed_tokens_loaded"] += spec.num_tokens - first * self.layout.block_size
-
-    def _receive_in_place(self, spec: LoadSpec, n: int, blocks: VllmBlocks) -> None:
-        """Let P's Reserve be granted the request's own blocks, and wait for its chunks to land in them."""
-        assert self.receiver is not None
-        blocks.expect(spec.transfer_id, spec.block_ids[:n])
+        blocks, held = self._blocks, spec.skip_tokens
+        blocks.expect(spec.transfer_id, spec.block_ids[first:n], held_tokens=held)
         try:
             got = self.receiver.wait(spec.transfer_id, self.config.transfer.transfer_timeout_s, spec.prompt_key)
         except PdkvError:
@@ -404,27 +379,12 @@ class WorkerSide:
                 )
             raise
         blocks.free(got.blocks)  # handed over, bytes visible (the channel's completion or the scatter's event)
-        if got.num_tokens != spec.num_tokens:
+        if (got.num_tokens, got.held_tokens) != (spec.num_tokens, held):
             raise TransferError(
-                f"transfer {spec.transfer_id!r} carries {got.num_tokens} tokens; the request needs {spec.num_tokens}"
+                f"transfer {spec.transfer_id!r} carries tokens {got.held_tokens} to {got.num_tokens}; the request "
+                f"needs {held} to {spec.num_tokens}"
             )
-
-    def _receive_and_copy(self, spec: LoadSpec, n: int, first: int) -> None:
-        """Wait for the transfer in the landing buffer, copy its blocks past ``first`` into the request's."""
-        assert self.receiver is not None and self._copies is not None
-        got = self.receiver.wait(spec.transfer_id, self.config.transfer.transfer_timeout_s, spec.prompt_key)
-        try:
-            if got.num_tokens != spec.num_tokens or len(got.blocks) < n:
-                raise TransferError(
-                    f"transfer {spec.transfer_id!r} carries {got.num_tokens} tokens in {len(got.blocks)} blocks; the "
-                    f"request needs {spec.num_tokens} in {n}"
-                )
-            with self._copies.active():  # pdkv's own stream; its event says when vLLM may read the blocks
-                copy_blocks(self.landing_buffer, self._vllm_kv, got.blocks[first:n], spec.block_ids[first:n])
-                copied = self._copies.record()
-            copied.synchronize()
-        finally:
-            self.receiver.allocator.free(got.blocks)
+        self.counters["pushed_tokens_loaded"] += spec.num_tokens - held
 
     # -- completions ------------------------------------------------------------------------
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
