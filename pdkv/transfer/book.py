@@ -29,7 +29,7 @@ from pdkv.transfer.parts import ReceiverParts
 from pdkv.transfer.peers import SenderPeer
 from pdkv.transfer.plan import TransferPlan
 from pdkv.transfer.pool import ReceiverPools
-from pdkv.transfer.protocol import Cancel, Done, Landed, Reserve
+from pdkv.transfer.protocol import Cancel, Done, Landed, Reserve, Reserved
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,18 @@ class IncomingBook:
         self.counters["reserved"] += 1
         self.lock.notify_all()
         return r
+
+    def reserved(self, r: IncomingTransfer, held: int) -> Reserved:
+        """The answer to the Reserve that booked ``r`` (caller holds the lock): where its chunks land, for how long,
+        and the prompt's leading tokens we hold already (P pushes only the rest)."""
+        return Reserved(
+            transfer_id=r.transfer_id,
+            mode=r.mode,
+            block_ids=list(r.blocks),
+            staging_slots=[s * self.memory.slot_bytes for s in r.slots],
+            lease_s=self.config.lease_s,
+            held_tokens=held,
+        )
 
     def claim(self, r: IncomingTransfer, prompt_key: bytes | None) -> ReceivedKV:
         """Hand a ready reservation's blocks to the caller (caller holds the lock); KV of another prompt is

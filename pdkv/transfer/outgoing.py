@@ -109,8 +109,17 @@ def sender_plan(
 ) -> TransferPlan:
     """Our plan of a transfer over its request's whole ``block_table``: its chunks past the ``held`` tokens the
     receiver holds already (``Reserved.held_tokens``; 0 until it answered), over our blocks from the one holding
-    token ``held``. Raises ``TransferError`` unless those blocks are ours."""
-    block_size = source.layout.block_size
+    token ``held``. Raises ``ReservationError`` for a request with no tokens or too short a block table, and
+    ``TransferError`` unless those blocks are ours: checked before anything is reserved."""
+    layout = source.layout
+    if num_tokens <= 0:
+        raise ReservationError(f"transfer {transfer_id!r}: nothing to transfer (num_tokens={num_tokens})")
+    if len(block_table) < layout.blocks_for(num_tokens):
+        raise ReservationError(
+            f"transfer {transfer_id!r}: block table has {len(block_table)} blocks, {num_tokens} tokens need "
+            f"{layout.blocks_for(num_tokens)}"
+        )
+    block_size = layout.block_size
     return TransferPlan.build(
         transfer_id,
         num_tokens=num_tokens,
@@ -193,9 +202,8 @@ class OutgoingTransfer:
         self.remote_blocks = reserved.block_ids
         self.remote_slots = reserved.staging_slots
         if reserved.held_tokens:  # the receiver holds the prompt's first tokens already: our chunks start past them
-            plan = sender_plan(
-                ctx.source, ctx.parts.config.chunk_size, transfer_id, num_tokens, block_table, reserved.held_tokens
-            )
+            chunk_size = ctx.parts.config.chunk_size
+            plan = sender_plan(ctx.source, chunk_size, transfer_id, num_tokens, block_table, held=reserved.held_tokens)
         self.plan = plan.with_peer(reserved.block_ids) if self.mode == "direct" else plan
         self.spans = plan.spans
         # every chunk's direct ops, worked out once: send_chunk takes its chunk's (empty in staging mode)

@@ -35,7 +35,7 @@ from pdkv.transfer.control import ControlLoop, RouterSocket
 from pdkv.transfer.handshake import ReceiverHandshake, reserving_peer
 from pdkv.transfer.incoming import ReceivedKV, ReceiveMemory, State, landed_checksum
 from pdkv.transfer.parts import ReceiverParts
-from pdkv.transfer.protocol import Auth, BeatAck, Cancel, Done, Heartbeat, Hello, Refused, Reserve, Reserved, ReturnPool
+from pdkv.transfer.protocol import Auth, BeatAck, Cancel, Done, Heartbeat, Hello, Refused, Reserve, ReturnPool
 
 log = logging.getLogger(__name__)
 
@@ -285,6 +285,6 @@ class KVReceiver:
             slots = [book.free_slots.pop() for _ in range(admitted.slots)]
             r = book.open(identity=identity, peer=peer, req=req, admission=admitted, blocks=blocks, slots=slots)
             self.channel.grant(peer.token, "write", book.granted(r))
-        slot_offsets = [s * self.memory.slot_bytes for s in slots]
+            answer = book.reserved(r, held)
         self.parts.host.since("request", began)
-        return Reserved(req.transfer_id, admitted.mode, blocks, slot_offsets, self.config.lease_s, held)
+        return answer

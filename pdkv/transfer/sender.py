@@ -131,13 +131,6 @@ class KVSender:
                 f"transfer {transfer_id!r}: codec {codec!r} is not this sender's; it runs {' or '.join(self.codecs)} "
                 "(transfer.codec)"
             )
-        if num_tokens <= 0:
-            raise ReservationError(f"transfer {transfer_id!r}: nothing to transfer (num_tokens={num_tokens})")
-        if len(block_table) < self.layout.blocks_for(num_tokens):
-            raise ReservationError(
-                f"transfer {transfer_id!r}: block table has {len(block_table)} blocks, {num_tokens} tokens need "
-                f"{self.layout.blocks_for(num_tokens)}"
-            )
         began = time.perf_counter_ns()  # the request's fixed host cost (hosttime.py) runs from here
         # every chunk's blocks, checked against ours once and before anything is reserved
         plan = sender_plan(self.source, self.config.chunk_size, transfer_id, num_tokens, block_table)
