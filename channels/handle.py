@@ -8,7 +8,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
+
+import numpy as np
+
+from pdkv.errors import ChannelError
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +48,61 @@ def merge_ops(ops: Sequence[TransferOp]) -> list[TransferOp]:
                 continue
         merged.append(op)
     return merged
+
+
+@dataclass(frozen=True)
+class BlockWrite:
+    """Whole blocks of several regions gridded alike, as arrays: for every tensor ``t`` and every ``i``, block
+    ``local_blocks[i]`` of ``local_regions[t]`` goes to block ``remote_blocks[i]`` of ``remote_regions[t]``.
+
+    A direct-mode chunk is this: the same blocks of each of a KV buffer's ~30 tensors. Handed to a channel whole
+    (``Channel.write_blocks``), it is checked with a few array operations and posted as index arrays (nixl), where
+    the same write as ``TransferOp``s costs a Python pass per op per check; ``ops`` is that write for the channels
+    that take ops.
+    """
+
+    local_regions: tuple[int, ...]
+    remote_regions: tuple[int, ...]
+    local_blocks: np.ndarray  # int64, one id per block moved
+    remote_blocks: np.ndarray  # int64, as long as local_blocks
+    block_bytes: int
+
+    def __post_init__(self) -> None:
+        """Refuse a malformed write when it is made, so every channel may take its shape as given."""
+        arrays = (self.local_blocks, self.remote_blocks)
+        if (
+            len(self.local_regions) != len(self.remote_regions)
+            or any(a.ndim != 1 or a.dtype.kind not in "iu" for a in arrays)
+            or len(self.local_blocks) != len(self.remote_blocks)
+            or self.block_bytes <= 0
+        ):
+            raise ChannelError(
+                f"a block write needs as many remote regions as local ({len(self.remote_regions)} vs "
+                f"{len(self.local_regions)}), two 1-D integer arrays of block ids of one length (shapes "
+                f"{[a.shape for a in arrays]}, dtypes {[str(a.dtype) for a in arrays]}) and block_bytes > 0 "
+                f"(got {self.block_bytes})"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.local_regions) * len(self.local_blocks) * self.block_bytes
+
+    def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each run of blocks adjacent on both sides: (our first block, their first block, count), as arrays."""
+        ours, theirs = self.local_blocks, self.remote_blocks
+        starts = np.flatnonzero(np.r_[len(ours) > 0, (np.diff(ours) != 1) | (np.diff(theirs) != 1)])
+        return ours[starts], theirs[starts], np.diff(np.r_[starts, len(ours)])
+
+    def ops(self) -> list[TransferOp]:
+        """The same write as ops, tensor by tensor and run by run (adjacent blocks merged): the wire order."""
+        size = self.block_bytes
+        ours, theirs, counts = self.runs()
+        runs = list(zip((ours * size).tolist(), (theirs * size).tolist(), (counts * size).tolist(), strict=True))
+        return [
+            TransferOp(here, a, there, b, n)
+            for here, there in zip(self.local_regions, self.remote_regions, strict=True)
+            for a, b, n in runs
+        ]
 
 
 class Notification(NamedTuple):

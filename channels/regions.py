@@ -14,10 +14,12 @@ import itertools
 from collections.abc import ItemsView, Mapping, Sequence
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+import numpy as np
+
 from pdkv.errors import ChannelError
 
 if TYPE_CHECKING:
-    from pdkv.channels.handle import TransferOp
+    from pdkv.channels.handle import BlockWrite, TransferOp
 
 E = TypeVar("E")
 
@@ -97,6 +99,33 @@ class RegionTable(Generic[E]):
             _check_range(remote, op.remote_region, op.remote_offset, op.length, f"peer {peer!r}")
             total += op.length
         return total
+
+    def check_blocks(self, peer: str, write: BlockWrite) -> int:
+        """``check_ops`` for a write of whole blocks, on its arrays at once: a few NumPy reductions, not a Python
+        pass per op. Refuses exactly what ``check_ops(peer, write.ops())`` refuses, with its message (a refused
+        write is handed to it to name the first range refused); returns total bytes.
+
+        A block id ``b`` fits a region of ``size`` bytes exactly when ``0 <= b < size // block_bytes``: the op
+        of the run holding it then fits too, and an op fits when every block of its run does.
+        """
+        if peer not in self._peers:
+            raise ChannelError(f"{self.owner}: unknown peer {peer!r}; call add_peer with its metadata first")
+        if not len(write.local_blocks) or not write.local_regions:
+            raise ChannelError(f"{self.owner}: empty transfer to {peer!r}")
+        fits = all(
+            _blocks_fit(sizes, regions, blocks, write.block_bytes)
+            for sizes, regions, blocks in (
+                (self._sizes, write.local_regions, write.local_blocks),
+                (self._peers[peer], write.remote_regions, write.remote_blocks),
+            )
+        )
+        return write.nbytes if fits else self.check_ops(peer, write.ops())
+
+
+def _blocks_fit(sizes: Mapping[int, int], regions: Sequence[int], blocks: np.ndarray, block_bytes: int) -> bool:
+    """Whether every one of ``blocks`` is a whole block of every one of ``regions`` (all registered)."""
+    lo, hi = int(blocks.min()), int(blocks.max())
+    return lo >= 0 and all(hi < sizes.get(region, 0) // block_bytes for region in regions)
 
 
 def _check_range(sizes: Mapping[int, int], region: int, offset: int, length: int, whose: str) -> None:

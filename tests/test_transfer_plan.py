@@ -69,7 +69,9 @@ def _check_against_block_runs(
         assert plan.blocks[i] == ours[first:last]
         assert plan.runs[i] == block_runs(ours[first:last], theirs[first:last])
     size = 100
-    ops = plan.ops([7, 8], [17, 18], size)
+    writes = plan.writes([7, 8], [17, 18], size)
+    assert [w.local_blocks.tolist() for w in writes] == plan.blocks
+    ops = [w.ops() for w in writes]
     want = [
         TransferOp(local, a * size, remote, b * size, k * size)
         for i, (start, n) in enumerate(spans)

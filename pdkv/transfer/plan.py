@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdkv.channels.handle import TransferOp
+from pdkv.channels.handle import BlockWrite
 from pdkv.errors import TransferError
 from pdkv.keys import chunk_spans
 
@@ -47,6 +47,7 @@ class TransferPlan:
     table: list[int]  # our block ids the transfer uses
     blocks: list[list[int]]
     runs: list[list[tuple[int, int, int]]]  # empty until ``with_peer``
+    theirs: list[int]  # the peer's block ids in the order of ours; empty until ``with_peer``
 
     @property
     def num_chunks(self) -> int:
@@ -77,7 +78,7 @@ class TransferPlan:
                 f"inside our {num_blocks} blocks"
             )
         bounds = [(start // block_size, -(-(start + n) // block_size)) for start, n in spans]
-        return cls(spans=spans, bounds=bounds, table=table, blocks=[table[a:b] for a, b in bounds], runs=[])
+        return cls(spans=spans, bounds=bounds, table=table, blocks=[table[a:b] for a, b in bounds], runs=[], theirs=[])
 
     def with_peer(self, theirs: Sequence[int]) -> TransferPlan:
         """This plan with each chunk's runs against the peer's blocks ``theirs`` (its first block ids in the order
@@ -91,14 +92,16 @@ class TransferPlan:
             starts = [first, *cuts[bisect.bisect_right(cuts, first) : bisect.bisect_left(cuts, last)]]
             ends = [*starts[1:], last]
             runs.append([(ours[s], theirs[s], e - s) for s, e in zip(starts, ends, strict=True)])
-        return TransferPlan(spans=self.spans, bounds=self.bounds, table=ours, blocks=self.blocks, runs=runs)
+        return TransferPlan(
+            spans=self.spans, bounds=self.bounds, table=ours, blocks=self.blocks, runs=runs, theirs=theirs
+        )
 
-    def ops(self, local: Sequence[int], remote: Sequence[int], block_bytes: int) -> list[list[TransferOp]]:
-        """Each chunk's direct ops: one per buffer tensor (``local[t]`` to ``remote[t]``, regions) per run, in
-        wire order (tensor by tensor), the order both sides' checksums read the bytes in."""
-        size = block_bytes
-        chunks = [[(a * size, b * size, k * size) for a, b, k in chunk] for chunk in self.runs]  # once per run
-        return [
-            [TransferOp(here, a, there, b, n) for here, there in zip(local, remote, strict=True) for a, b, n in chunk]
-            for chunk in chunks
-        ]
+    def writes(self, local: Sequence[int], remote: Sequence[int], block_bytes: int) -> list[BlockWrite]:
+        """Each chunk's direct write (none before ``with_peer``): its blocks of every buffer tensor (``local[t]`` to
+        ``remote[t]``, regions) as arrays, for ``Channel.write_blocks``; their ops (``BlockWrite.ops``) are the
+        chunk's runs tensor by tensor, the order both sides' checksums read the bytes in."""
+        if not self.theirs:
+            return []
+        ours, theirs = np.asarray(self.table, dtype=np.int64), np.asarray(self.theirs, dtype=np.int64)
+        here, there = tuple(local), tuple(remote)
+        return [BlockWrite(here, there, ours[a:b], theirs[a:b], block_bytes) for a, b in self.bounds]
