@@ -90,8 +90,9 @@ class BlockWrite:
     def runs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Each run of blocks adjacent on both sides: (our first block, their first block, count), as arrays."""
         ours, theirs = self.local_blocks, self.remote_blocks
-        starts = np.flatnonzero(np.r_[len(ours) > 0, (np.diff(ours) != 1) | (np.diff(theirs) != 1)])
-        return ours[starts], theirs[starts], np.diff(np.r_[starts, len(ours)])
+        breaks = (np.diff(ours) != 1) | (np.diff(theirs) != 1)
+        starts = np.flatnonzero(np.concatenate(([len(ours) > 0], breaks)))
+        return ours[starts], theirs[starts], np.diff(np.append(starts, len(ours)))
 
     def ops(self) -> list[TransferOp]:
         """The same write as ops, tensor by tensor and run by run (adjacent blocks merged): the wire order."""

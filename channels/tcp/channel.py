@@ -137,9 +137,10 @@ class TcpChannel(Channel):
     def write_blocks(
         self, peer: str, blocks: BlockWrite, notif: bytes | None = None, token: bytes = b""
     ) -> TransferHandle:
-        """The blocks checked on their arrays (``check_blocks``), then sent as their runs' ops."""
+        """The blocks checked on their arrays (``check_blocks``), then sent as their runs' ops (merged already)."""
         self._check_open()
-        return self._send("write", peer, blocks.ops(), self.regions.check_blocks(peer, blocks), notif, token)
+        total = self.regions.check_blocks(peer, blocks)
+        return self._send("write", peer, blocks.ops(), total, notif, token, merged=True)
 
     def _send(
         self,
@@ -149,13 +150,15 @@ class TcpChannel(Channel):
         total: int,
         notif: bytes | None,
         token: bytes,
+        merged: bool = False,
     ) -> TransferHandle:
-        """Hand checked ``ops`` (``total`` bytes) to the initiator, once ``notif`` is known to fit."""
+        """Hand checked ``ops`` (``total`` bytes, ``merged`` or not: ``Initiator.post``) to the initiator, once
+        ``notif`` is known to fit."""
         if notif is not None and len(notif) > self.agent.opts.max_notif_bytes:
             raise ChannelError(
                 f"tcp: notification of {len(notif)} bytes exceeds max_notif_bytes={self.agent.opts.max_notif_bytes}"
             )
-        return self.initiator.post(kind, peer, ops, total, notif, token)
+        return self.initiator.post(kind, peer, ops, total, notif, token, merged)
 
     def _check_open(self) -> None:
         if self.closed:
