@@ -20,7 +20,8 @@ import time
 
 import numpy as np
 
-from pdkv.channels import Channel, TransferOp, create_channel
+from pdkv.channels import Channel, create_channel
+from pdkv.transfer.plan import TransferPlan
 
 CHUNK_BLOCKS = 16
 
@@ -34,12 +35,12 @@ def chunk(runs: int, num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
     return ours, theirs
 
 
-def ops_of(local: list[int], remote: list[int], ours: np.ndarray, theirs: np.ndarray, size: int) -> list[TransferOp]:
-    """The chunk as the sender's ops before ``write_blocks``: one per tensor per run (``TransferPlan.ops``)."""
-    starts = np.flatnonzero(np.r_[True, (np.diff(ours) != 1) | (np.diff(theirs) != 1)])
-    counts = np.diff(np.r_[starts, len(ours)])
-    runs = [(int(a) * size, int(b) * size, int(k) * size) for a, b, k in zip(ours[starts], theirs[starts], counts)]
-    return [TransferOp(here, a, there, b, n) for here, there in zip(local, remote) for a, b, n in runs]
+def plan_of(ours: np.ndarray, theirs: np.ndarray, num_blocks: int) -> TransferPlan:
+    """The chunk as the sender's plan holds it: one chunk of one token per block."""
+    n = len(ours)
+    return TransferPlan.build(
+        "wc", num_tokens=n, chunk_size=n, block_size=1, ours=ours.tolist(), num_blocks=num_blocks
+    ).with_peer(theirs.tolist())
 
 
 def timed(post: object, channel: Channel, receiver: Channel) -> float:
@@ -79,12 +80,14 @@ def main() -> None:
         rows = {}
         for runs in args.runs:
             ours, theirs = chunk(runs, args.num_blocks)
-            ops = ops_of(local, remote, ours, theirs, args.block_bytes)
+            plan = plan_of(ours, theirs, args.num_blocks)
+            if has_blocks:  # the ops the sender posted before write_blocks: the same write's
+                write = plan.writes(local, remote, args.block_bytes)[0]
+                ops = write.ops()
+            else:
+                ops = plan.ops(local, remote, args.block_bytes)[0]
             paths = {"ops": lambda ops=ops: a.write(peer, ops, b"n")}
             if has_blocks:
-                from pdkv.channels import BlockWrite
-
-                write = BlockWrite(tuple(local), tuple(remote), ours, theirs, args.block_bytes)
                 paths["blocks"] = lambda write=write: a.write_blocks(peer, write, b"n")
             times: dict[str, list[float]] = {k: [] for k in paths}
             for i in range(args.repeats + 20):

@@ -111,6 +111,22 @@ def test_an_unknown_peer_and_a_malformed_write_are_refused() -> None:
             BlockWrite(regions, (0,), ours, theirs, block)
 
 
+def test_the_check_follows_the_regions_as_they_change() -> None:
+    """What the check worked out for a set of regions is forgotten when a region or a peer changes."""
+    table: RegionTable[None] = RegionTable("test")
+    ours = (table.add(None, 8 * 64), table.add(None, 8 * 64))
+    table.add_peer("peer", {0: 8 * 64})
+    write = BlockWrite(ours, (0, 0), np.array([7]), np.array([7]), 64)
+    assert table.check_blocks("peer", write) == 2 * 64
+    table.add_peer("peer", {0: 7 * 64})
+    with pytest.raises(ChannelError, match="peer 'peer' range offset=448 length=64 does not fit region 0 of 448"):
+        table.check_blocks("peer", write)
+    table.add_peer("peer", {0: 8 * 64})
+    table.remove(ours[1])
+    with pytest.raises(ChannelError, match=f"local region {ours[1]} is not registered"):
+        table.check_blocks("peer", write)
+
+
 def _channels(name: str) -> Iterator[Callable[[], Channel]]:
     made: list[Channel] = []
 

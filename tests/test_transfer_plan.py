@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdkv.channels import handle as handle_module
 from pdkv.channels.handle import TransferOp
 from pdkv.errors import TransferError
 from pdkv.keys import chunk_spans
 from pdkv.layout import block_runs
-from pdkv.transfer import plan as plan_module
 from pdkv.transfer.plan import TransferPlan
 
 NUM_BLOCKS = 64
@@ -43,7 +43,7 @@ def transfers(draw: st.DrawFn) -> tuple[int, int, int, list[int], list[int]]:
     return tokens, chunk_size, block_size, _table(draw, blocks), _table(draw, blocks)
 
 
-@pytest.mark.parametrize("numpy_from", [0, plan_module.NUMPY_FROM_BLOCKS], ids=["numpy", "python"])
+@pytest.mark.parametrize("numpy_from", [0, handle_module.NUMPY_FROM_BLOCKS], ids=["numpy", "python"])
 @settings(max_examples=300, deadline=None)
 @given(case=transfers())
 def test_the_plan_gives_each_chunk_what_block_runs_gives_it(
@@ -52,7 +52,7 @@ def test_the_plan_gives_each_chunk_what_block_runs_gives_it(
     """Either way of finding the runs (numpy for long tables, a Python pass for short ones)."""
     tokens, chunk_size, block_size, ours, theirs = case
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan_module, "NUMPY_FROM_BLOCKS", numpy_from)
+        mp.setattr(handle_module, "NUMPY_FROM_BLOCKS", numpy_from)
         _check_against_block_runs(tokens, chunk_size, block_size, ours, theirs)
 
 
@@ -71,6 +71,7 @@ def _check_against_block_runs(
     size = 100
     writes = plan.writes([7, 8], [17, 18], size)
     assert [w.local_blocks.tolist() for w in writes] == plan.blocks
+    assert [w.runs() for w in writes] == plan.runs
     ops = [w.ops() for w in writes]
     want = [
         TransferOp(local, a * size, remote, b * size, k * size)

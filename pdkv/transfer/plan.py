@@ -19,22 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pdkv.channels.handle import BlockWrite
+from pdkv.channels.handle import BlockWrite, run_starts
 from pdkv.errors import TransferError
 from pdkv.keys import chunk_spans
-
-# Tables at least this long find their runs with numpy: below it numpy's fixed cost (about 10 us a call here) is more
-# than a Python pass (about 0.07 us a block); at 1024 blocks numpy took 62 us and Python 94.
-NUMPY_FROM_BLOCKS = 512
-
-
-def run_starts(ours: list[int], theirs: list[int]) -> list[int]:
-    """Indices (past 0) where a run starts: our id or theirs does not step by one from the previous block."""
-    if len(ours) < NUMPY_FROM_BLOCKS:
-        return [i for i in range(1, len(ours)) if ours[i] != ours[i - 1] + 1 or theirs[i] != theirs[i - 1] + 1]
-    a, b = np.asarray(ours, dtype=np.int64), np.asarray(theirs, dtype=np.int64)
-    starts: list[int] = (np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1).tolist()
-    return starts
 
 
 @dataclass(frozen=True, kw_only=True)
