@@ -7,9 +7,10 @@ tier) speaks only this interface, so mock, tcp, nixl and ucx are swappable.
 
 Life cycle: ``register`` buffers -> ``metadata()`` bytes go to the peer over
 the control plane -> the peer calls ``add_peer(metadata)`` -> ``write``/
-``read`` lists of ``TransferOp`` (or ``write_blocks`` a ``BlockWrite``) -> ``poll``/``wait`` the handle (or be told:
-``add_done_callback``) -> ``get_notifications`` on the other side, woken by
-``notification_fd`` -> ``close``.
+``read`` lists of ``TransferOp`` (or ``write_blocks`` a ``BlockWrite``) ->
+``poll``/``wait`` the handle (or be told: ``add_done_callback``) ->
+``get_notifications`` on the other side, woken by ``notification_fd`` ->
+``close``.
 
 Nothing above a channel polls on a timer: a handle calls back the moment it
 finishes and the notification fd turns readable the moment a notification is

@@ -82,7 +82,10 @@ class BlockWrite:
     block_bytes: int
 
     def __post_init__(self) -> None:
-        """Refuse a malformed write when it is made, so every channel may take its shape as given."""
+        """Refuse a malformed write when it is made, so every channel may take its shape as given; the regions as
+        tuples (a channel keys what it worked out for them by them)."""
+        object.__setattr__(self, "local_regions", tuple(self.local_regions))
+        object.__setattr__(self, "remote_regions", tuple(self.remote_regions))
         arrays = (self.local_blocks, self.remote_blocks)
         if (
             len(self.local_regions) != len(self.remote_regions)

@@ -64,14 +64,13 @@ def _check_against_block_runs(
     ).with_peer(theirs)
     spans = list(chunk_spans(tokens, chunk_size))
     assert plan.spans == spans and plan.num_chunks == len(spans)
-    for i, (start, n) in enumerate(spans):
-        first, last = start // block_size, -(-(start + n) // block_size)
-        assert plan.blocks[i] == ours[first:last]
-        assert plan.runs[i] == block_runs(ours[first:last], theirs[first:last])
     size = 100
     writes = plan.writes([7, 8], [17, 18], size)
-    assert [w.local_blocks.tolist() for w in writes] == plan.blocks
-    assert [w.runs() for w in writes] == plan.runs
+    for i, (start, n) in enumerate(spans):
+        first, last = start // block_size, -(-(start + n) // block_size)
+        assert plan.blocks[i] == writes[i].local_blocks.tolist() == ours[first:last]
+        assert writes[i].remote_blocks.tolist() == theirs[first:last]
+        assert writes[i].runs() == block_runs(ours[first:last], theirs[first:last])
     ops = [w.ops() for w in writes]
     want = [
         TransferOp(local, a * size, remote, b * size, k * size)
@@ -88,7 +87,7 @@ def test_a_partial_last_chunk_of_a_reversed_table_gets_its_one_block() -> None:
     ).with_peer([1, 2, 3])
     assert plan.spans == [(0, 32), (32, 5)]
     assert plan.blocks == [[9, 8], [7]]
-    assert plan.runs == [[(9, 1, 1), (8, 2, 1)], [(7, 3, 1)]]
+    assert [w.runs() for w in plan.writes([0], [0], 64)] == [[(9, 1, 1), (8, 2, 1)], [(7, 3, 1)]]
 
 
 @pytest.mark.parametrize(

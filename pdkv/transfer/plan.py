@@ -2,38 +2,34 @@
 
 Every chunk of a request touches the same blocks whenever it is sent or lands, so neither side needs to
 derive them again per chunk. P's ``KVSender.open`` builds its plan (and checks its block table) before it
-reserves, ``OutgoingTransfer`` pairs it with D's blocks when the reservation answers (``with_peer``) and works out
-every chunk's direct ops, and each ``send_chunk`` takes its chunk's (our blocks for the checksum, the ops); D's
-``IncomingBook.open`` builds one at admission (its blocks only) and each landing takes its chunk's tokens and
-blocks.
-The runs are the same as ``pdkv.layout.block_runs``'s on each chunk's blocks (a test compares them on random
-tables), found in one pass over the whole table (with numpy where the table is long enough to pay for it): a run
-breaks wherever our id or theirs does not step by one.
+reserves, ``OutgoingTransfer`` pairs it with D's blocks when the reservation answers (``with_peer``) and makes
+every chunk's direct write (``writes``: both sides' block ids as arrays, a ``BlockWrite``), and each ``send_chunk``
+takes its chunk's (our blocks for the checksum, the write); D's ``IncomingBook.open`` builds one at admission (its
+blocks only) and each landing takes its chunk's tokens and blocks.
+A write's runs (``BlockWrite.runs``, where a channel needs ops) are the same as ``pdkv.layout.block_runs``'s on its
+chunk's blocks (a test compares them on random tables): a run breaks wherever our id or theirs does not step by one.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from pdkv.channels.handle import BlockWrite, run_starts
+from pdkv.channels.handle import BlockWrite
 from pdkv.errors import TransferError
 from pdkv.keys import chunk_spans
 
 
 @dataclass(frozen=True, kw_only=True)
 class TransferPlan:
-    """Per chunk: its ``(first token, tokens)``, our block ids, and (given the peer's blocks) the runs
-    ``(our first block, their first block, count)`` adjacent on both sides."""
+    """Per chunk: its ``(first token, tokens)``, our block ids, and (given the peer's blocks) its direct write."""
 
     spans: list[tuple[int, int]]
     bounds: list[tuple[int, int]]  # each chunk's blocks as a slice of the table: [first, last)
     table: list[int]  # our block ids the transfer uses
     blocks: list[list[int]]
-    runs: list[list[tuple[int, int, int]]]  # empty until ``with_peer``
     theirs: list[int]  # the peer's block ids in the order of ours; empty until ``with_peer``
 
     @property
@@ -65,23 +61,15 @@ class TransferPlan:
                 f"inside our {num_blocks} blocks"
             )
         bounds = [(start // block_size, -(-(start + n) // block_size)) for start, n in spans]
-        return cls(spans=spans, bounds=bounds, table=table, blocks=[table[a:b] for a, b in bounds], runs=[], theirs=[])
+        return cls(spans=spans, bounds=bounds, table=table, blocks=[table[a:b] for a, b in bounds], theirs=[])
 
     def with_peer(self, theirs: Sequence[int]) -> TransferPlan:
-        """This plan with each chunk's runs against the peer's blocks ``theirs`` (its first block ids in the order
-        of ours). Raises ``TransferError`` if the peer holds fewer blocks than the transfer needs."""
+        """This plan paired with the peer's blocks ``theirs`` (its block ids in the order of ours). Raises
+        ``TransferError`` if the peer holds fewer blocks than the transfer needs."""
         ours, theirs = self.table, list(theirs[: len(self.table)])
         if len(theirs) < len(ours):
             raise TransferError(f"the peer holds {len(theirs)} blocks for a transfer of {len(ours)}")
-        cuts = run_starts(ours, theirs)  # one pass over the whole table, not one per chunk
-        runs = []
-        for first, last in self.bounds:
-            starts = [first, *cuts[bisect.bisect_right(cuts, first) : bisect.bisect_left(cuts, last)]]
-            ends = [*starts[1:], last]
-            runs.append([(ours[s], theirs[s], e - s) for s, e in zip(starts, ends, strict=True)])
-        return TransferPlan(
-            spans=self.spans, bounds=self.bounds, table=ours, blocks=self.blocks, runs=runs, theirs=theirs
-        )
+        return TransferPlan(spans=self.spans, bounds=self.bounds, table=ours, blocks=self.blocks, theirs=theirs)
 
     def writes(self, local: Sequence[int], remote: Sequence[int], block_bytes: int) -> list[BlockWrite]:
         """Each chunk's direct write (none before ``with_peer``): its blocks of every buffer tensor (``local[t]`` to
