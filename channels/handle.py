@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -70,16 +70,19 @@ class BlockWrite:
     ``local_blocks[i]`` of ``local_regions[t]`` goes to block ``remote_blocks[i]`` of ``remote_regions[t]``.
 
     A direct-mode chunk is this: the same blocks of each of a KV buffer's ~30 tensors. Handed to a channel whole
-    (``Channel.write_blocks``), it is checked with a few array operations and posted as index arrays (nixl), where
-    the same write as ``TransferOp``s costs a Python pass per op per check; ``ops`` is that write for the channels
-    that take ops.
+    (``Channel.write_blocks``), it is checked on its ids' bounds and posted as index arrays (nixl), where the same
+    write as ``TransferOp``s costs a Python pass per op per check; ``ops`` is that write for the channels that take
+    ops.
     """
 
     local_regions: tuple[int, ...]
     remote_regions: tuple[int, ...]
-    local_blocks: np.ndarray  # int64, one id per block moved
-    remote_blocks: np.ndarray  # int64, as long as local_blocks
+    local_blocks: np.ndarray  # integers, one id per block moved; fixed once the write is made (see bounds)
+    remote_blocks: np.ndarray  # integers, as long as local_blocks
     block_bytes: int
+    # each array's (lowest, highest) id, worked out as the write is made (a plan makes a request's at open), so that
+    # checking it as it is posted reads no array: a NumPy call on a small array costs ~5 us right after I/O
+    bounds: tuple[tuple[int, int], tuple[int, int]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         """Refuse a malformed write when it is made, so every channel may take its shape as given; the regions as
@@ -99,6 +102,12 @@ class BlockWrite:
                 f"{[a.shape for a in arrays]}, dtypes {[str(a.dtype) for a in arrays]}) and block_bytes > 0 "
                 f"(got {self.block_bytes})"
             )
+        for name, a in zip(("local_blocks", "remote_blocks"), arrays, strict=True):
+            view = a.view()  # read-only through this write; the caller must not change the ids under it either
+            view.flags.writeable = False
+            object.__setattr__(self, name, view)
+        bounds = tuple((int(a.min()), int(a.max())) if len(a) else (0, -1) for a in arrays)
+        object.__setattr__(self, "bounds", bounds)
 
     @property
     def nbytes(self) -> int:

@@ -116,7 +116,7 @@ class RegionTable(Generic[E]):
         return total
 
     def check_blocks(self, peer: str, write: BlockWrite) -> int:
-        """``check_ops`` for a write of whole blocks, on its arrays at once: a few NumPy reductions, not a Python
+        """``check_ops`` for a write of whole blocks, on its arrays' bounds (``BlockWrite.bounds``), not a Python
         pass per op. Refuses exactly what ``check_ops(peer, write.ops())`` refuses, with its message (a refused
         write is handed to it to name the first range refused); returns total bytes.
 
@@ -128,10 +128,10 @@ class RegionTable(Generic[E]):
         if not len(write.local_blocks) or not write.local_regions:
             raise ChannelError(f"{self.owner}: empty transfer to {peer!r}")
         fits = all(
-            int(blocks.min()) >= 0 and int(blocks.max()) < self._fewest_blocks(whose, regions, write.block_bytes)
-            for whose, regions, blocks in (
-                (None, write.local_regions, write.local_blocks),
-                (peer, write.remote_regions, write.remote_blocks),
+            lo >= 0 and hi < self._fewest_blocks(whose, regions, write.block_bytes)
+            for whose, regions, (lo, hi) in (
+                (None, write.local_regions, write.bounds[0]),
+                (peer, write.remote_regions, write.bounds[1]),
             )
         )
         return write.nbytes if fits else self.check_ops(peer, write.ops())
