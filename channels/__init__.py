@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 from pdkv.channels.base import Channel
-from pdkv.channels.handle import Notification, TransferHandle, TransferOp, XferState, merge_ops
+from pdkv.channels.handle import BlockWrite, Notification, TransferHandle, TransferOp, XferState, merge_ops
 from pdkv.errors import ChannelNotInstalledError, ConfigError
 
 # name -> (module, class, extra that provides its dependencies or None)
@@ -49,6 +49,7 @@ def create_channel(name: str, agent_name: str, options: dict[str, Any] | None = 
 
 __all__ = [
     "CHANNELS",
+    "BlockWrite",
     "Channel",
     "Notification",
     "TransferHandle",

@@ -7,9 +7,10 @@ tier) speaks only this interface, so mock, tcp, nixl and ucx are swappable.
 
 Life cycle: ``register`` buffers -> ``metadata()`` bytes go to the peer over
 the control plane -> the peer calls ``add_peer(metadata)`` -> ``write``/
-``read`` lists of ``TransferOp`` -> ``poll``/``wait`` the handle (or be told:
-``add_done_callback``) -> ``get_notifications`` on the other side, woken by
-``notification_fd`` -> ``close``.
+``read`` lists of ``TransferOp`` (or ``write_blocks`` a ``BlockWrite``) ->
+``poll``/``wait`` the handle (or be told: ``add_done_callback``) ->
+``get_notifications`` on the other side, woken by ``notification_fd`` ->
+``close``.
 
 Nothing above a channel polls on a timer: a handle calls back the moment it
 finishes and the notification fd turns readable the moment a notification is
@@ -31,7 +32,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 
 from pdkv.channels.grants import Access, Grants, Range
-from pdkv.channels.handle import Notification, TransferHandle, TransferOp, XferState
+from pdkv.channels.handle import BlockWrite, Notification, TransferHandle, TransferOp, XferState
 from pdkv.channels.inbox import NotificationInbox
 from pdkv.channels.reachability import Reachability
 from pdkv.channels.regions import RegionTable
@@ -224,6 +225,14 @@ class Channel(ABC):
         borrow a later one's grants.
         """
         return self._post("write", peer, ops, notif, token)
+
+    def write_blocks(
+        self, peer: str, blocks: BlockWrite, notif: bytes | None = None, token: bytes = b""
+    ) -> TransferHandle:
+        """``write`` of whole blocks given as arrays (a direct-mode chunk): checked and posted with no Python pass
+        per op where the channel can (nixl: index arrays into its block lists; tcp: the check); by default, as the
+        ops it stands for."""
+        return self.write(peer, blocks.ops(), notif, token)
 
     def read(
         self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None, token: bytes = b""

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -22,7 +22,7 @@ import numpy as np
 
 from pdkv.channels.base import Channel, ChannelOptions
 from pdkv.channels.grants import Access, Range
-from pdkv.channels.handle import Notification, TransferHandle, TransferOp, XferState, merge_ops
+from pdkv.channels.handle import BlockWrite, Notification, TransferHandle, TransferOp, XferState, merge_ops
 from pdkv.channels.ucx_env import UCX_ENV_DEFAULTS, OpenChannels, apply_env_defaults, ucx_follow_host
 from pdkv.errors import ChannelError
 from pdkv.memory import byte_view, memory_kind
@@ -106,7 +106,8 @@ class _Region(msgspec.Struct):
 
 
 class NixlTransferHandle(TransferHandle):
-    """A posted NIXL transfer: ``descriptors`` counts them after merging adjacent ranges."""
+    """A posted NIXL transfer: ``descriptors`` counts those pdkv handed NIXL: ops after merging adjacent ranges, or a
+    block write's blocks (``write_blocks``; NIXL merges adjacent ones itself)."""
 
     def __init__(self, peer: str, op: str, nbytes: int, descriptors: int) -> None:
         super().__init__(peer, op, nbytes)
@@ -147,6 +148,11 @@ class _BlockLists:
         starts = np.array([self.first[int(r)] for r in ids], dtype=np.int64)[where] + offsets // block
         within = np.arange(int(blocks.sum()), dtype=np.int64) - np.repeat(np.cumsum(blocks) - blocks, blocks)
         return np.repeat(starts, blocks) + within
+
+    def of(self, regions: Sequence[int], blocks: np.ndarray) -> np.ndarray:
+        """The list indices of ``blocks`` of each of ``regions`` in turn (all in one memory type's list)."""
+        firsts = np.fromiter((self.first[r] for r in regions), dtype=np.int64, count=len(regions))
+        return (firsts[:, None] + blocks.astype(np.int64, copy=False)[None, :]).ravel()
 
     def release(self) -> None:
         for handle in self.lists.values():
@@ -321,8 +327,7 @@ class NixlChannel(Channel):
     def grant(self, token: bytes, access: Access, ranges: Sequence[Range]) -> None:
         """A peer may write here from now on: its notification is what the watcher waits for."""
         super().grant(token, access, ranges)
-        self._moved_at = time.monotonic()
-        self._activity.set()
+        self._moved()
 
     @staticmethod
     def _describe_buffer(buf: Any) -> _RegionMeta:
@@ -578,27 +583,70 @@ class NixlChannel(Channel):
             # each region looked up once: a chunk is an op per tensor and run of blocks, hundreds of them
             local = {r: self.regions[r].meta for r in {o.local_region for o in merged}}
             theirs = {r: remote[r] for r in {o.remote_region for o in merged}}
-            mems = (
-                self._one_mem({m.mem for m in local.values()}, "local"),
-                self._one_mem({m.mem for m in theirs.values()}, f"peer {peer!r}"),
+            mems = self._mems(peer, local.values(), theirs.values())
+            handle = self._submit(
+                NixlTransferHandle(peer, op, total, len(merged)),
+                lambda: (
+                    self._block_lists(peer, merged, local, theirs, mems)
+                    or self._range_lists(peer, merged, local, theirs, mems)
+                ),
+                notif,
             )
-            handle = NixlTransferHandle(peer, op, total, len(merged))
-            try:
-                lists = self._block_lists(peer, merged, local, theirs, mems) or self._range_lists(
-                    peer, merged, local, theirs, mems
+        self._moved()
+        return handle
+
+    def write_blocks(
+        self, peer: str, blocks: BlockWrite, notif: bytes | None = None, token: bytes = b""
+    ) -> TransferHandle:
+        """The blocks checked on their arrays (``check_blocks``) and posted as index arrays into the block lists, as
+        NixlConnector posts them: no op made, none merged in Python (NIXL merges adjacent descriptors). Regions
+        not gridded in ``blocks.block_bytes`` on both sides go as ops (``Channel.write_blocks``)."""
+        with self._lock:
+            self._check_open()
+            total = self.regions.check_blocks(peer, blocks)
+            remote = self._peers[peer]
+            local = [self.regions[r].meta for r in blocks.local_regions]
+            theirs = [remote[r] for r in blocks.remote_regions]
+            gridded = all(m.block == blocks.block_bytes for m in (*local, *theirs))
+            if gridded:
+                mems = self._mems(peer, local, theirs)
+                handle = self._submit(
+                    NixlTransferHandle(peer, "write", total, len(local) * len(blocks.local_blocks)),
+                    lambda: self._indexed(peer, blocks, mems),
+                    notif,
                 )
-                handle.xfer = self._agent.make_prepped_xfer(op.upper(), *lists, notif or b"")
-                state = self._agent.transfer(handle.xfer)
-            except NIXL_ERRORS as exc:
-                # Failures of a valid request (the peer gone) surface on the handle, like ERR later would.
-                self._fail(handle, describe_nixl_error(exc))
-                self._release_xfer(handle)
-                return handle
-            self._inflight[handle.id] = handle
-            self._settle(handle, state)
+        if not gridded:
+            return super().write_blocks(peer, blocks, notif, token)
+        self._moved()
+        return handle
+
+    def _mems(self, peer: str, local: Iterable[_RegionMeta], theirs: Iterable[_RegionMeta]) -> tuple[str, str]:
+        """The one memory type of each side's regions in a transfer."""
+        return (
+            self._one_mem({m.mem for m in local}, "local"),
+            self._one_mem({m.mem for m in theirs}, f"peer {peer!r}"),
+        )
+
+    def _submit(
+        self, handle: NixlTransferHandle, lists: Callable[[], _Prepped], notif: bytes | None
+    ) -> NixlTransferHandle:
+        """Make and start the NIXL request from ``lists``, tracked until it finishes. Holds the lock."""
+        try:
+            handle.xfer = self._agent.make_prepped_xfer(handle.op.upper(), *lists(), notif or b"")
+            state = self._agent.transfer(handle.xfer)
+        except NIXL_ERRORS as exc:
+            # Failures of a valid request (the peer gone) surface on the handle, like ERR later would.
+            self._fail(handle, describe_nixl_error(exc))
+            self._release_xfer(handle)
+            return handle
+        self._inflight[handle.id] = handle
+        self._settle(handle, state)
+        return handle
+
+    def _moved(self) -> None:
+        """A transfer was posted: the watcher polls at its fastest again."""
         self._moved_at = time.monotonic()
         self._activity.set()
-        return handle
 
     @staticmethod
     def _one_mem(mems: set[str], whose: str) -> str:
@@ -636,6 +684,16 @@ class NixlChannel(Channel):
             mine.indices(spans[:, 0], spans[:, 1], blocks, block),
             peers.lists[mems[1]],
             peers.indices(spans[:, 2], spans[:, 3], blocks, block),
+        )
+
+    def _indexed(self, peer: str, blocks: BlockWrite, mems: tuple[str, str]) -> _Prepped:
+        """Both sides' block lists and the indices of ``blocks``' blocks in them, tensor by tensor. Holds the lock."""
+        mine, peers = self._local_block_lists(), self._peer_block_lists(peer)
+        return (
+            mine.lists[mems[0]],
+            mine.of(blocks.local_regions, blocks.local_blocks),
+            peers.lists[mems[1]],
+            peers.of(blocks.remote_regions, blocks.remote_blocks),
         )
 
     def _range_lists(

@@ -173,22 +173,27 @@ def test_a_sender_frozen_between_its_lease_check_and_its_write_cannot_touch_the_
     receiver = KVReceiver(d_channel, LAYOUT, d_kv, allocator, "m", cfg)
     sender = KVSender(p_channel, LAYOUT, p_kv, "m", cfg)
     frozen, late = threading.Event(), {}
-    real_write = p_channel.write
 
-    def freezing_write(peer, ops, notif=None, token=b""):  # noqa: ANN001, ANN202
-        if late.get("armed"):
-            late["armed"] = False
-            frozen.wait(TIMEOUT)  # SIGSTOP here: lease checked, bytes not yet on the wire
-            handle = real_write(peer, ops, notif, token=token)
-            try:
-                p_channel.wait(handle, TIMEOUT)
-                late["outcome"] = "landed"
-            except ChannelError as exc:
-                late["outcome"] = str(exc)
-            return handle
-        return real_write(peer, ops, notif, token=token)
+    def freezing(real_write):  # noqa: ANN001, ANN202
+        """``real_write`` (``write`` of a staged chunk or ``write_blocks`` of a direct one), frozen once when armed."""
 
-    p_channel.write = freezing_write  # type: ignore[method-assign]
+        def freezing_write(peer, what, notif=None, token=b""):  # noqa: ANN001, ANN202
+            if late.get("armed"):
+                late["armed"] = False
+                frozen.wait(TIMEOUT)  # SIGSTOP here: lease checked, bytes not yet on the wire
+                handle = real_write(peer, what, notif, token=token)
+                try:
+                    p_channel.wait(handle, TIMEOUT)
+                    late["outcome"] = "landed"
+                except ChannelError as exc:
+                    late["outcome"] = str(exc)
+                return handle
+            return real_write(peer, what, notif, token=token)
+
+        return freezing_write
+
+    p_channel.write = freezing(p_channel.write)  # type: ignore[method-assign]
+    p_channel.write_blocks = freezing(p_channel.write_blocks)  # type: ignore[method-assign]
     try:
         a = sender.open("A", receiver.address, 64, [0, 1, 2, 3])
         a.send_chunk(0)

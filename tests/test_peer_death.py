@@ -428,15 +428,15 @@ def test_receiver_back_under_its_old_name_never_gets_a_write_meant_for_its_previ
     child = spawn(_receiver_child, "reserved")
     old = prefill.open("old", child.address, TOKENS, OLD_TABLE)
     posting, release = threading.Event(), threading.Event()
-    write = prefill.channel.write
+    write = prefill.channel.write_blocks  # a direct chunk's write
 
-    def paused_write(peer: str, ops: Any, notif: bytes | None = None, token: bytes = b"") -> Any:
+    def paused_write(peer: str, blocks: Any, notif: bytes | None = None, token: bytes = b"") -> Any:
         if notif is not None and decode_notice(notif).transfer_id == "old":
             posting.set()
             release.wait(STEP_S)
-        return write(peer, ops, notif, token=token)
+        return write(peer, blocks, notif, token=token)
 
-    prefill.channel.write = paused_write  # type: ignore[method-assign]
+    prefill.channel.write_blocks = paused_write  # type: ignore[method-assign]
     with ThreadPoolExecutor(2) as pool:
         sending = pool.submit(old.send_chunk, 0)
         assert posting.wait(STEP_S)

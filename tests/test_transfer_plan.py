@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdkv.channels import handle as handle_module
 from pdkv.channels.handle import TransferOp
 from pdkv.errors import TransferError
 from pdkv.keys import chunk_spans
 from pdkv.layout import block_runs
-from pdkv.transfer import plan as plan_module
 from pdkv.transfer.plan import TransferPlan
 
 NUM_BLOCKS = 64
@@ -45,7 +45,7 @@ def transfers(draw: st.DrawFn) -> tuple[int, int, int, int, list[int], list[int]
     return tokens, held, chunk_size, block_size, _table(draw, blocks), _table(draw, blocks)
 
 
-@pytest.mark.parametrize("numpy_from", [0, plan_module.NUMPY_FROM_BLOCKS], ids=["numpy", "python"])
+@pytest.mark.parametrize("numpy_from", [0, handle_module.NUMPY_FROM_BLOCKS], ids=["numpy", "python"])
 @settings(max_examples=300, deadline=None)
 @given(case=transfers())
 def test_the_plan_gives_each_chunk_what_block_runs_gives_it(
@@ -53,7 +53,7 @@ def test_the_plan_gives_each_chunk_what_block_runs_gives_it(
 ) -> None:
     """Either way of finding the runs (numpy for long tables, a Python pass for short ones)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan_module, "NUMPY_FROM_BLOCKS", numpy_from)
+        mp.setattr(handle_module, "NUMPY_FROM_BLOCKS", numpy_from)
         _check_against_block_runs(*case)
 
 
@@ -73,12 +73,14 @@ def _check_against_block_runs(
     ).with_peer(theirs[skip:])
     spans = [(held + start, n) for start, n in chunk_spans(tokens - held, chunk_size)]
     assert plan.spans == spans and plan.num_chunks == len(spans) and plan.table_start == skip * block_size
+    size = 100
+    writes = plan.writes([7, 8], [17, 18], size)
     for i, (start, n) in enumerate(spans):
         first, last = start // block_size, -(-(start + n) // block_size)
-        assert plan.blocks[i] == ours[first:last]
-        assert plan.runs[i] == block_runs(ours[first:last], theirs[first:last])
-    size = 100
-    ops = plan.ops([7, 8], [17, 18], size)
+        assert plan.blocks[i] == writes[i].local_blocks.tolist() == ours[first:last]
+        assert writes[i].remote_blocks.tolist() == theirs[first:last]
+        assert writes[i].runs() == block_runs(ours[first:last], theirs[first:last])
+    ops = [w.ops() for w in writes]
     want = [
         TransferOp(local, a * size, remote, b * size, k * size)
         for i, (start, n) in enumerate(spans)
@@ -94,7 +96,7 @@ def test_a_partial_last_chunk_of_a_reversed_table_gets_its_one_block() -> None:
     ).with_peer([1, 2, 3])
     assert plan.spans == [(0, 32), (32, 5)]
     assert plan.blocks == [[9, 8], [7]]
-    assert plan.runs == [[(9, 1, 1), (8, 2, 1)], [(7, 3, 1)]]
+    assert [w.runs() for w in plan.writes([0], [0], 64)] == [[(9, 1, 1), (8, 2, 1)], [(7, 3, 1)]]
 
 
 @pytest.mark.parametrize(

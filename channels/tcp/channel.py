@@ -20,7 +20,7 @@ import msgspec
 from pdkv import native
 from pdkv.channels.base import Channel, ChannelOptions
 from pdkv.channels.grants import Access, Range
-from pdkv.channels.handle import TransferHandle, TransferOp, XferState
+from pdkv.channels.handle import BlockWrite, TransferHandle, TransferOp, XferState
 from pdkv.channels.landing import LandingSums
 from pdkv.channels.tcp.conn import SHUTDOWN_JOIN_S
 from pdkv.channels.tcp.initiator import Initiator, TcpHandle
@@ -131,14 +131,38 @@ class TcpChannel(Channel):
     def _post(
         self, kind: Literal["write", "read"], peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes
     ) -> TransferHandle:
-        if self.closed:
-            raise ChannelError("tcp channel is closed")
-        total = self.regions.check_ops(peer, ops)
+        self._check_open()
+        return self._send(kind, peer, ops, self.regions.check_ops(peer, ops), notif, token)
+
+    def write_blocks(
+        self, peer: str, blocks: BlockWrite, notif: bytes | None = None, token: bytes = b""
+    ) -> TransferHandle:
+        """The blocks checked on their arrays (``check_blocks``), then sent as their runs' ops (merged already)."""
+        self._check_open()
+        total = self.regions.check_blocks(peer, blocks)
+        return self._send("write", peer, blocks.ops(), total, notif, token, merged=True)
+
+    def _send(
+        self,
+        kind: Literal["write", "read"],
+        peer: str,
+        ops: Sequence[TransferOp],
+        total: int,
+        notif: bytes | None,
+        token: bytes,
+        merged: bool = False,
+    ) -> TransferHandle:
+        """Hand checked ``ops`` (``total`` bytes, ``merged`` or not: ``Initiator.post``) to the initiator, once
+        ``notif`` is known to fit."""
         if notif is not None and len(notif) > self.agent.opts.max_notif_bytes:
             raise ChannelError(
                 f"tcp: notification of {len(notif)} bytes exceeds max_notif_bytes={self.agent.opts.max_notif_bytes}"
             )
-        return self.initiator.post(kind, peer, ops, total, notif, token)
+        return self.initiator.post(kind, peer, ops, total, notif, token, merged)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ChannelError("tcp channel is closed")
 
     def poll(self, handle: TransferHandle) -> XferState:
         """The handle's state, after landing whatever answers are already there (never blocks)."""

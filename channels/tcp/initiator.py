@@ -150,13 +150,15 @@ class Initiator:
         total: int,
         notif: bytes | None,
         token: bytes,
+        merged: bool = False,
     ) -> TcpHandle:
-        """Post checked ``ops`` (``total`` bytes) over the link presenting ``token``: split, batched, sent or queued."""
+        """Post checked ``ops`` (``total`` bytes) over the link presenting ``token``: split, batched, sent or queued.
+        ``merged``: no op continues the previous one on both sides (a ``BlockWrite``'s runs), so none is merged."""
         link = self.link(peer, token)
         nstreams = len(link.streams)
         parts = min(nstreams, self.agent.opts.streams_for(total))
         max_frame = self.agent.opts.max_frame_bytes
-        runs = merge_ops(ops)
+        runs = ops if merged else merge_ops(ops)
         if parts == 1 and all(op.length <= max_frame for op in runs):
             shares = [runs]  # one share whose runs need no cutting: no op rebuilt
         else:

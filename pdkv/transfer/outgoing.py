@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from pdkv.channels.base import Channel
-from pdkv.channels.handle import TransferHandle, TransferOp, XferState
+from pdkv.channels.handle import BlockWrite, TransferHandle, TransferOp, XferState
 from pdkv.checksum import blocks_checksum, chunk_checksum, flat_bytes, frame_checksum
 from pdkv.codec import Codec
 from pdkv.errors import ReservationError, TransferCancelled, TransferError, TransferTimeout
@@ -206,10 +206,10 @@ class OutgoingTransfer:
             plan = sender_plan(ctx.source, chunk_size, transfer_id, num_tokens, block_table, held=reserved.held_tokens)
         self.plan = plan.with_peer(reserved.block_ids) if self.mode == "direct" else plan
         self.spans = plan.spans
-        # every chunk's direct ops, worked out once: send_chunk takes its chunk's (empty in staging mode)
+        # every chunk's direct write, worked out once: send_chunk takes its chunk's (none in staging mode)
         assert peer.hello is not None
         src = ctx.source
-        self.direct_ops = self.plan.ops(src.kv_regions, peer.hello.kv_regions, src.layout.block_bytes)
+        self.direct_writes = self.plan.writes(src.kv_regions, peer.hello.kv_regions, src.layout.block_bytes)
         self.free_remote_slots = collections.deque(range(len(reserved.staging_slots)))
         self.slot_of_chunk: dict[int, int] = {}
         self.sent: set[int] = set()
@@ -259,13 +259,22 @@ class OutgoingTransfer:
         local_slot, remote_slot = self._take_credit(index, nbytes, staging, timeout)
         posting = time.perf_counter_ns()  # this chunk's host time (hosttime.py): credit waits left out
         try:
-            ops, digest = self._staged_ops(local_slot, remote_slot, start, n) if staging else self._direct_ops(index)
-            wire = sum(op.length for op in ops)
+            if staging:
+                ops, digest = self._staged_ops(local_slot, remote_slot, start, n)
+                wire = sum(op.length for op in ops)
+            else:
+                blocks, digest = self._direct_write(index)
+                wire = blocks.nbytes
             notice = ChunkNotice(self.transfer_id, index, digest, remote_slot, wire if staging else 0)
             if self.claim is not None:  # one chunk: the receiver admits the transfer as this notice arrives
                 notice.reserve, notice.pool = self.claim.reserve, self.claim.generation
             notice_bytes = protocol.encode(notice)
-            handle = ctx.parts.channel.write(self.peer.agent, ops, notice_bytes, token=self.peer.token)
+            channel, to, token = ctx.parts.channel, self.peer.agent, self.peer.token
+            handle = (
+                channel.write(to, ops, notice_bytes, token=token)
+                if staging
+                else channel.write_blocks(to, blocks, notice_bytes, token=token)
+            )
         except Exception as exc:
             err = (
                 exc
@@ -381,14 +390,14 @@ class OutgoingTransfer:
                 self.slot_of_chunk[index] = remote_slot
         return local_slot, remote_slot
 
-    def _direct_ops(self, index: int) -> tuple[list[TransferOp], int]:
-        """Chunk ``index``'s ops from the plan (one per buffer tensor per run of blocks adjacent on both sides); the
-        checksum over the same bytes in wire order."""
+    def _direct_write(self, index: int) -> tuple[BlockWrite, int]:
+        """Chunk ``index``'s write from the plan (its blocks of every buffer tensor, as arrays); the checksum over
+        the same bytes in wire order."""
         src = self.ctx.source
         # On a GPU this runs on the caller's stream and reading its value waits for that stream: the write is
         # posted only after the forward step that wrote these blocks has finished (that stream, not the device).
         digest = blocks_checksum(src.kv_bytes, self.plan.blocks[index], src.layout.block_bytes)
-        return self.direct_ops[index], digest
+        return self.direct_writes[index], digest
 
     def _staged_ops(self, local_slot: int, remote_slot: int, start: int, n: int) -> tuple[list[TransferOp], int]:
         """Gather the chunk into our slot (through the codec, when one encodes it); the checksum covers the wire
