@@ -21,6 +21,7 @@ import torch
 
 from pdkv.config import convert_config
 from pdkv.errors import ConfigError, LayoutError, OutOfBlocksError
+from pdkv.integration.vllm import stats
 from pdkv.integration.vllm.kvcache import (
     CPU_BACKEND,
     MLA_BACKENDS,
@@ -766,6 +767,43 @@ def test_in_place_load_of_another_prompts_kv_fails_only_after_its_blocks_are_rel
         assert recving == failed == {"r1"}  # vLLM recomputes into blocks pdkv no longer holds
         assert d._blocks.num_used == 0 and d.receiver.stats()["prompt_mismatches"] == 1
         assert d.counters["load_failed"] == 1 and d.counters["pushed_tokens_loaded"] == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_the_worker_sides_counters_become_the_reference_workers_series_each_increment_once() -> None:
+    """What vLLM's ``/metrics`` gets (connector.py's stats path, end to end in tests/test_vllm_integration.py): each
+    step's delta of the worker side's counters, summed, as the reference workers' ``pdkv_*`` series."""
+    p, d, _, _ = worker_pair()
+    try:
+        assert d.receiver is not None and d.layout is not None and p.sender is not None
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 64, [1, 2], 64)]))
+        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 64, 0, [3, 4])]))
+        assert collect(d, set()) == (set(), {"r1"}, set())
+        assert collect(p, {"r1"})[0] == {"r1"}
+        p_step, d_step = p.stats_delta(), d.stats_delta()
+        assert p.stats_delta() == d.stats_delta() == {}  # handed over once: vLLM sums the steps' deltas
+        assert p_step == {"push_ok": 1, "push_tokens": 64, "push_bytes": p.sender.stats()["bytes_raw"]}
+        assert d_step == {"load_ok": 1, "pushed_tokens_loaded": 64, "load_bytes": p_step["push_bytes"]}
+        # a push D cannot use: D recomputes, and says so
+        p.push(StepMetadata(sends=[SendSpec("r2", "t-2", d.receiver.address, 64, [5, 6], 64, b"A" * 16)]))
+        d.start_loads(StepMetadata(loads=[LoadSpec("r2", "t-2", 64, 0, [7, 8], prompt_key=b"B" * 16)]))
+        assert collect(d, set()) == (set(), {"r2"}, {"r2"})
+        both = stats.merged(stats.merged(p_step, d_step), d.stats_delta())
+        got = {(name, tuple(sorted(labels.items()))): value for name, labels, value in stats.series(both)}
+        assert got == {
+            ("pdkv_transfers", (("outcome", "ok"), ("role", "prefill"))): 1,
+            ("pdkv_transfer_bytes", (("role", "prefill"),)): p_step["push_bytes"],
+            ("pdkv_transfer_tokens", (("role", "prefill"),)): 64,
+            ("pdkv_transfers", (("outcome", "ok"), ("role", "decode"))): 1,
+            ("pdkv_transfers", (("outcome", "failed"), ("role", "decode"))): 1,
+            ("pdkv_fallbacks", (("reason", "transfer_failed"), ("role", "decode"))): 1,
+            ("pdkv_transfer_bytes", (("role", "decode"),)): p_step["push_bytes"],
+            ("pdkv_transfer_tokens", (("role", "decode"),)): 64,
+            ("pdkv_prompt_tokens", (("role", "decode"), ("source", "transferred"))): 64,
+        }
+        assert all(labels.keys() == {"role", *stats.SERIES[name][1]} for name, labels, _ in stats.series(both))
     finally:
         p.close()
         d.close()

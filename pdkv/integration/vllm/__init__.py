@@ -5,6 +5,7 @@ Load it with ``--kv-transfer-config '{"kv_connector": "PdkvConnector",
 ``pdkv launch --role prefill|decode --engine vllm`` write that for you.
 
 Only ``connector`` imports vLLM; the rest (the scheduler-side bookkeeping,
-the worker-side sender/receiver, the layout mapping, the transfer params) is
-plain pdkv, so it is tested on any machine, with or without vLLM.
+the worker-side sender/receiver, the layout mapping, the transfer params, which
+counters become which ``pdkv_*`` series) is plain pdkv, so it is tested on any
+machine, with or without vLLM.
 """

@@ -57,6 +57,7 @@ from pdkv.channels import create_channel
 from pdkv.channels.base import Channel
 from pdkv.config import PdkvConfig
 from pdkv.errors import PdkvError, TransferError
+from pdkv.integration.vllm import stats
 from pdkv.integration.vllm.affinity import unpin_current_thread, unpinned
 from pdkv.integration.vllm.landing import LandingPath, VllmBlocks, landing_path
 from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
@@ -126,6 +127,7 @@ class WorkerSide:
         self._make_cache = cache
         self.cache: KVCacheEngine | None = None
         self.counters: Counter[str] = Counter()
+        self._reported: dict[str, int] = {}  # ``counters`` as of the last ``stats_delta``
 
     # -- setup --------------------------------------------------------------------------
     def register(self, layout: KVLayout, vllm_kv: list[torch.Tensor]) -> None:
@@ -271,9 +273,15 @@ class WorkerSide:
                 p.transfer.cancel(why)
 
     def _settled(self, p: _Push) -> None:
+        t = p.transfer
         with self._lock:
             p.settled = True
-            self.counters["push_ok" if p.transfer is not None and p.transfer.complete else "push_failed"] += 1
+            if t is not None and t.complete:
+                self.counters["push_ok"] += 1
+                self.counters["push_bytes"] += t.bytes_sent
+                self.counters["push_tokens"] += sum(length for _, length in t.spans)
+            else:
+                self.counters["push_failed"] += 1
 
     # -- any role: offer computed chunks to the tier -------------------------------------------
     def save(self, meta: StepMetadata) -> None:
@@ -306,6 +314,8 @@ class WorkerSide:
                 f"the cache tier served {loaded} of the {spec.num_tokens - spec.skip_tokens} tokens planned (evicted "
                 "since the lookup?)"
             )
+        with self._lock:
+            self.counters["tier_tokens_loaded"] += loaded
 
     # -- decode: land and load --------------------------------------------------------------
     def start_loads(self, meta: StepMetadata) -> None:
@@ -384,7 +394,9 @@ class WorkerSide:
                 f"transfer {spec.transfer_id!r} carries tokens {got.held_tokens} to {got.num_tokens}; the request "
                 f"needs {held} to {spec.num_tokens}"
             )
-        self.counters["pushed_tokens_loaded"] += spec.num_tokens - held
+        with self._lock:
+            self.counters["pushed_tokens_loaded"] += spec.num_tokens - held
+            self.counters["load_bytes"] += self.layout.chunk_bytes(spec.num_tokens - held)
 
     # -- completions ------------------------------------------------------------------------
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
@@ -404,6 +416,15 @@ class WorkerSide:
         for req_id in wake:
             self._push_queue.put(req_id)
         return sending, done | failed, failed
+
+    def stats_delta(self) -> dict[str, int]:
+        """What the counters vLLM exports (``stats.COUNTER_SERIES``) gained since the last call: vLLM asks every
+        step and sums what it gets, so each increment is handed over once."""
+        with self._lock:
+            now = dict(self.counters)
+        out = stats.delta(now, self._reported)
+        self._reported = now
+        return out
 
     def close(self) -> None:
         if self._push_thread is not None:
