@@ -49,6 +49,8 @@ from pdkv.testing.http import get_text, metric, post_json
 from pdkv.testing.procs import WorkerProcess, start_worker
 from pdkv.testing.redis import local_redis
 
+from conftest import wait_until
+
 pytestmark = pytest.mark.timeout(1800)
 
 ENGINE_ARGS = ["--", "--enforce-eager", "--max-model-len", "1024", "--max-num-seqs", "8"]
@@ -351,6 +353,23 @@ def connector(url: str) -> dict:
     return post_json(url + "/collective_rpc", {"method": "pdkv_connector"})["results"][0]
 
 
+def pdkv_series(url: str, role: str) -> dict[str, float]:
+    """The reference workers' ``pdkv_*`` transfer counters on a vLLM worker's own ``/metrics`` (connector.py)."""
+    text = get_text(url + "/metrics")
+    return {
+        "ok": metric(text, "pdkv_transfers_total", role=role, outcome="ok"),
+        "failed": metric(text, "pdkv_transfers_total", role=role, outcome="failed"),
+        "bytes": metric(text, "pdkv_transfer_bytes_total", role=role),
+        "tokens": metric(text, "pdkv_transfer_tokens_total", role=role),
+        "fallbacks": metric(text, "pdkv_fallbacks_total", role=role),
+        "transferred": metric(text, "pdkv_prompt_tokens_total", role=role, source="transferred"),
+    }
+
+
+def gained(url: str, role: str, before: dict[str, float]) -> dict[str, float]:
+    return {k: v - before[k] for k, v in pdkv_series(url, role).items()}
+
+
 def test_router_pd_output_equals_monolithic_and_the_prefix_came_over_the_connector(cluster: Cluster) -> None:
     c = cluster
     eos = eos_token_id(c.model)
@@ -359,6 +378,7 @@ def test_router_pd_output_equals_monolithic_and_the_prefix_came_over_the_connect
     # a host cache and tcp: the receiver writes straight into vLLM's blocks
     assert loaded_before["landing"] == "direct"
     router_fallbacks = metric(get_text(c.router.url + "/metrics"), "pdkv_router_fallbacks_total")
+    p_before, d_before = pdkv_series(c.prefill.url, "prefill"), pdkv_series(c.decode.url, "decode")
     prompt_tokens = 0
     for prompt in [*PROMPTS, *CHATS]:
         what = str(prompt)[-60:]
@@ -378,6 +398,27 @@ def test_router_pd_output_equals_monolithic_and_the_prefix_came_over_the_connect
     loaded = {k: v - loaded_before["counters"].get(k, 0) for k, v in connector(c.decode.url)["counters"].items()}
     assert loaded.get("load_ok") == len(PROMPTS) + len(CHATS) and loaded.get("load_failed", 0) == 0
     assert loaded["pushed_tokens_loaded"] == prompt_tokens  # P pushes every prompt token, the last one included
+    # the same counters on P's and D's own /metrics, through vLLM's connector stats (they arrive with a later step)
+    n = len(PROMPTS) + len(CHATS)
+    wait_until(
+        lambda: (
+            gained(c.prefill.url, "prefill", p_before)["ok"] == n
+            and gained(c.decode.url, "decode", d_before)["transferred"] == prompt_tokens
+        ),
+        30,
+        "the pdkv counters on vLLM's /metrics",
+    )
+    p_gained, d_gained = gained(c.prefill.url, "prefill", p_before), gained(c.decode.url, "decode", d_before)
+    assert p_gained["bytes"] > 0 and p_gained["tokens"] == prompt_tokens and p_gained["failed"] == 0, p_gained
+    assert d_gained == {
+        "ok": n,
+        "failed": 0,
+        "bytes": d_gained["bytes"],
+        "tokens": prompt_tokens,
+        "fallbacks": 0,
+        "transferred": prompt_tokens,
+    }
+    assert d_gained["bytes"] > 0
 
 
 def test_a_prompt_whose_prefix_d_cached_loads_only_the_tokens_past_it(cluster: Cluster) -> None:
@@ -424,7 +465,7 @@ def test_decode_recomputes_when_the_pushed_kv_never_arrives(cluster: Cluster) ->
         **params,
         "transfer_id": f"ghost-{uuid.uuid4().hex}",
     }  # valid prompt key, but nothing will ever be pushed under this id
-    before = sources(c)
+    before, d_before = sources(c), pdkv_series(c.decode.url, "decode")
     t0 = time.monotonic()
     got = complete(c.decode.url, c.model, prompt, kv_transfer_params=ghost)
     elapsed = time.monotonic() - t0
@@ -435,6 +476,10 @@ def test_decode_recomputes_when_the_pushed_kv_never_arrives(cluster: Cluster) ->
     assert (
         after["local_compute"] - before["local_compute"] >= got["usage"]["prompt_tokens"] - 1
     )  # ...the prompt was recomputed
+    # D's own /metrics count the failed load as a fallback, as a reference decode worker's do
+    wait_until(lambda: gained(c.decode.url, "decode", d_before)["fallbacks"] == 1, 30, "D's pdkv_fallbacks")
+    d_gained = gained(c.decode.url, "decode", d_before)
+    assert d_gained["failed"] == 1 and d_gained["ok"] == d_gained["transferred"] == 0, d_gained
 
 
 def test_a_prefix_computed_on_one_vllm_is_loaded_from_redis_by_another(cluster: Cluster) -> None:

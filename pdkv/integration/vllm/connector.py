@@ -38,12 +38,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdkv.cache_engine import KVCacheEngine
 from pdkv.config import convert_config
 from pdkv.errors import ConfigError, LayoutError
+from pdkv.integration.vllm import stats
 from pdkv.integration.vllm.info import SECRET_ENV
 from pdkv.integration.vllm.kvcache import check_platform_fp8, kv_dtype, vllm_cache_layout
 from pdkv.integration.vllm.metadata import StepMetadata
@@ -109,6 +116,48 @@ def attention_backend(vllm_config: VllmConfig) -> str:
     if len(names) != 1:
         raise LayoutError(f"PdkvConnector needs one attention backend for every layer, vLLM uses {names}")
     return names[0]
+
+
+@dataclass
+class PdkvConnectorStats(KVConnectorStats):
+    """The worker side's counter increments (``stats.delta``) on their way to the scheduler, which sums them over
+    steps and workers, and on to the metrics logger (``PdkvPromMetrics``)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self.data = stats.merged(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)  # vLLM's periodic log line: the counters' increments over its interval
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class PdkvPromMetrics(KVConnectorPromMetrics):
+    """The reference workers' ``pdkv_*`` counters (``stats.SERIES``) on vLLM's ``/metrics``, with vLLM's labels
+    (model, engine) besides ours."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: self._counter_cls(name=name, documentation=doc, labelnames=[*labelnames, "role", *extra])
+            for name, (doc, extra) in stats.SERIES.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        engine = dict(zip(self._labelnames, self.per_engine_labelvalues[engine_idx], strict=True))
+        for name, labels, value in stats.series(transfer_stats_data):
+            self._counters[name].labels(**engine, **labels).inc(value)
 
 
 class PdkvConnector(KVConnectorBase_V1):
@@ -236,6 +285,25 @@ class PdkvConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This step's counter increments; the scheduler side counts nothing (None there)."""
+        data = self.worker.stats_delta() if self.worker is not None else {}
+        return PdkvConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return PdkvConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return PdkvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker is not None:
