@@ -77,7 +77,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 p.push(
                     StepMetadata(
-                        sends=[SendSpec(tid, tid, d.receiver.address, args.tokens, list(range(n)), args.tokens)]
+                        sends=[SendSpec(tid, tid, [d.receiver.address], args.tokens, list(range(n)), args.tokens)]
                     )
                 )
                 t1 = time.perf_counter()

@@ -78,6 +78,7 @@ def vllm_command(
                 f"pass {flag} to pdkv launch (--config/--host/--port), not after --: the launcher sets it for vLLM"
             )
     host = config.host
+    tp = tensor_parallel_size(engine_args)
     port = config.port or pick()
     extra: dict[str, Any] = {f: getattr(config, f) for f in CONNECTOR_FIELDS}
     info: dict[str, Any] = {
@@ -87,8 +88,9 @@ def vllm_command(
         "instance": secrets.token_hex(8),  # tells this vLLM from another server answering on its port
     }
     if config.role == "decode":
-        extra["control_port"] = config.control_port or pick()
-        info.update(remote_host=config.advertised_host(), remote_port=extra["control_port"])
+        ports = _receiver_ports(config, tp, host, held)
+        extra["control_port"] = ports[0]
+        info.update(remote_host=config.advertised_host(), remote_port=ports[0], remote_ports=ports)
     ktc = {
         "kv_connector": "PdkvConnector",
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -121,6 +123,52 @@ def vllm_command(
         events, info["kv_events"] = vllm_kv_events(config, pick)
         cmd += ["--kv-events-config", json.dumps(events)]
     return cmd, info
+
+
+def _flag_value(engine_args: Sequence[str], names: tuple[str, ...]) -> str | None:
+    """The value vLLM's argument parser would take for the flag ``names`` (the last one given wins)."""
+    value = None
+    for i, arg in enumerate(engine_args):
+        name, eq, inline = arg.partition("=")
+        if name in names:
+            value = inline if eq else (engine_args[i + 1] if i + 1 < len(engine_args) else "")
+    return value
+
+
+def tensor_parallel_size(engine_args: Sequence[str]) -> int:
+    """vLLM's tensor-parallel size in ``engine_args`` (1 when not given); pipeline parallel is refused here, as the
+    connector refuses it, before a vLLM is started for nothing."""
+    sizes = {}
+    for key, names in (("tp", ("--tensor-parallel-size", "-tp")), ("pp", ("--pipeline-parallel-size", "-pp"))):
+        raw = _flag_value(engine_args, names)
+        try:
+            sizes[key] = int(raw) if raw is not None else 1
+        except ValueError:
+            raise ConfigError(f"vLLM flag {names[0]}: {raw!r} is not an integer") from None
+        if not 1 <= sizes[key] <= 1024:
+            raise ConfigError(f"vLLM flag {names[0]}: {sizes[key]} is not a size from 1 to 1024")
+    if sizes["pp"] != 1:
+        raise ConfigError(
+            f"--pipeline-parallel-size {sizes['pp']}: pdkv's vLLM connector runs pipeline parallel size 1 only; use "
+            "--tensor-parallel-size to spread the model"
+        )
+    return sizes["tp"]
+
+
+def _receiver_ports(config: PdkvConfig, tp: int, host: str, held: list[HeldPort] | None) -> list[int]:
+    """Where each tensor-parallel rank's KV receiver listens: ``control_port + rank`` (as vLLM's own side channels
+    number theirs), a run of free ports held like every other port picked here when ``control_port`` is 0."""
+    if config.control_port:
+        if config.control_port + tp - 1 > 65535:
+            raise ConfigError(f"field 'control_port': {config.control_port} + {tp} ranks runs past port 65535")
+        return [config.control_port + rank for rank in range(tp)]
+    run = HeldPort.run(host, tp)
+    if held is None:
+        for hold in run:
+            hold.release()
+    else:
+        held.extend(run)
+    return [hold.port for hold in run]
 
 
 def vllm_kv_events(config: PdkvConfig, pick: Callable[[], int]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -14,6 +14,8 @@ import ipaddress
 import socket
 import struct
 
+from pdkv.errors import PdkvError
+
 WILDCARDS = frozenset({"0.0.0.0", "::", ""})
 _SIOCGIFADDR = 0x8915  # Linux: an interface's (primary) IPv4 address
 
@@ -78,15 +80,34 @@ class HeldPort:
     Release it once the child serves.
     """
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """Hold a port the kernel picks, or ``port`` if no socket at all is bound to it (``OSError`` if one is)."""
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         try:
+            if not port:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            # A chosen port is bound exclusively first: another launcher's hold (SO_REUSEADDR, not listening) would
+            # let a SO_REUSEADDR bind through. Then reuse is allowed, for the child's bind.
+            self._sock.bind((host, port))
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._sock.bind((host, 0))
         except OSError:
             self._sock.close()
             raise
         self.port = int(self._sock.getsockname()[1])
+
+    @classmethod
+    def run(cls, host: str, count: int, attempts: int = 50) -> list[HeldPort]:
+        """``count`` consecutive ports held: where a vLLM instance's tensor-parallel ranks listen (rank ``r`` on
+        the first plus ``r``, as vLLM's own side channels do). ``PdkvError`` when ``attempts`` picks found none."""
+        for _ in range(attempts):
+            held = [cls(host)]
+            try:
+                held += [cls(host, held[0].port + i) for i in range(1, count)]
+                return held
+            except (OSError, OverflowError):
+                for hold in held:
+                    hold.release()
+        raise PdkvError(f"found no {count} consecutive free ports on {host} in {attempts} tries")
 
     def release(self) -> None:
         self._sock.close()

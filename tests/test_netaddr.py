@@ -63,3 +63,20 @@ def test_the_child_binds_and_serves_on_its_held_port() -> None:
             router.close(0)
             dealer.close(0)
             ctx.term()
+
+
+def test_a_run_of_consecutive_ports_is_held_and_no_one_else_can_hold_them() -> None:
+    run = HeldPort.run("127.0.0.1", 4)
+    try:
+        ports = [h.port for h in run]
+        assert ports == list(range(ports[0], ports[0] + 4))
+        for port in ports:  # another launcher picking the same run: each port refused to its exclusive bind
+            with pytest.raises(OSError):
+                HeldPort("127.0.0.1", port)
+        with socket.socket() as child:  # the rank given the port binds it as ZeroMQ does (SO_REUSEADDR)
+            child.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            child.bind(("127.0.0.1", ports[2]))
+            child.listen()
+    finally:
+        for h in run:
+            h.release()

@@ -29,6 +29,7 @@ from pdkv.router.modes import decode_body, prefill_body
 from pdkv.router.policy import LeastLoaded, PrefixAware, RoundRobin, describe_prompt
 from pdkv.router.pool import WorkerState
 from pdkv.testing.http import metric
+from pdkv.transfer.params import push_target
 
 Behavior = Callable[["FakeWorker", web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
 
@@ -69,8 +70,10 @@ class FakeWorker:
         behavior: Behavior | None = None,
         kv_params: dict[str, Any] | None = None,
         serves_info: bool = True,
+        info: dict[str, Any] | None = None,
     ) -> None:
         self.role = role
+        self.info = info or {}  # more /pdkv/info fields (a vLLM decode at tensor parallel: its remote_ports)
         self.serves_info = serves_info  # False: a stock vLLM decode (no pdkv connector), which has no /pdkv/info
         self.behavior = behavior
         self.kv_params = kv_params  # a prefill worker's answer params (default: pdkv's, echoing the transfer id)
@@ -110,7 +113,7 @@ class FakeWorker:
         return web.json_response({"object": "list", "data": [{"id": f"fake-{self.role}", "object": "model"}]})
 
     async def _info(self, _: web.Request) -> web.Response:
-        return web.json_response({"role": self.role, "remote_host": "127.0.0.1", "remote_port": 5555})
+        return web.json_response({"role": self.role, "remote_host": "127.0.0.1", "remote_port": 5555, **self.info})
 
     async def _cancel(self, http: web.Request) -> web.Response:
         self.cancelled_transfers.append(http.match_info["tid"])
@@ -455,10 +458,21 @@ def test_vllm_pair_mode_speaks_vllms_kv_transfer_params() -> None:
                 **VLLM_PREFILL_PARAMS,
                 "remote_host": "127.0.0.1",
                 "remote_port": 5555,
+                "remote_ports": [5555],
             }
             assert first["transfer_id"] and second["transfer_id"] and first["transfer_id"] != second["transfer_id"]
             assert [r["kv_transfer_params"] for r in d.requests] == [VLLM_ANSWER_PARAMS] * 2
             assert router_metric(router, "pdkv_router_fallbacks_total") == 0
+
+        # A decode vLLM at tensor parallel 2: one receiver per rank, every one handed to P, in rank order.
+        p, d = FakeWorker("prefill", kv_params=VLLM_ANSWER_PARAMS), FakeWorker("decode", info={"remote_ports": [7, 9]})
+        async with cluster([p], [d], mode="vllm") as (url, router):
+            status, _ = await post(url + "/v1/completions", {"prompt": "tell me", "max_tokens": 3})
+            assert status == 200 and p.requests[0]["kv_transfer_params"]["remote_ports"] == [7, 9]
+            assert push_target(p.requests[0]["kv_transfer_params"], "r").addresses == [  # type: ignore[union-attr]
+                "tcp://127.0.0.1:7",
+                "tcp://127.0.0.1:9",
+            ]
 
     asyncio.run(scenario())
 

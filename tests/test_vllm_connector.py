@@ -325,8 +325,8 @@ def test_prefill_side_tracks_chunked_prefill_and_holds_blocks_until_sent() -> No
     req = request("r1", prompt, TARGET)
     s.after_alloc(req, [7, 8], 0)
     step1 = s.build(sched_output(new=[("r1", [7, 8], 0)], scheduled={"r1": 64}))
-    assert [(x.transfer_id, x.address, x.num_tokens, x.block_ids, x.ready_tokens) for x in step1.sends] == [
-        ("t-1", "tcp://127.0.0.1:5555", 100, [7, 8], 64)
+    assert [(x.transfer_id, x.addresses, x.num_tokens, x.block_ids, x.ready_tokens) for x in step1.sends] == [
+        ("t-1", ["tcp://127.0.0.1:5555"], 100, [7, 8], 64)
     ]
     step2 = s.build(sched_output(cached=[("r1", [9, 10], 64)], scheduled={"r1": 36}))
     assert step2.sends[0].block_ids == [7, 8, 9, 10] and step2.sends[0].ready_tokens == 100
@@ -486,8 +486,8 @@ def test_prefill_pushes_from_vllm_blocks_and_decode_loads_them_into_its_own(spec
         assert d.receiver is not None
         address = d.receiver.address
         # 150 tokens over P blocks [9, 2, 5, 11, 0]; pushed in two steps as chunked prefill computes them
-        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", address, 150, [9, 2, 5, 11, 0], 64)]))
-        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", address, 150, [9, 2, 5, 11, 0], 150)]))
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [address], 150, [9, 2, 5, 11, 0], 64)]))
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [address], 150, [9, 2, 5, 11, 0], 150)]))
         # D: vLLM allocated blocks [3, 7, 1, 8, 6]; block 0 of the prompt is in its local prefix cache (skip 32 tokens)
         before = {name: t.clone() for name, t in d_cache.items()}
         d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 32, [3, 7, 1, 8, 6])]))
@@ -537,7 +537,7 @@ def test_decode_refuses_kv_of_another_dtype_or_form_at_the_handshake(
         assert d.receiver is not None
         before = {name: t.clone() for name, t in d_cache.items()}
         with caplog.at_level(logging.WARNING):
-            p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 64, [1, 2], 64)]))
+            p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [d.receiver.address], 64, [1, 2], 64)]))
             sending, _, _ = collect(p, {"r1"})
             assert sending == {"r1"}
             wait_until(lambda: p.counters["push_failed"] == 1, 5, "the push to fail")
@@ -555,7 +555,7 @@ def test_decode_loads_pushed_kv_only_for_the_prompt_p_computed_it_from() -> None
     p, d, _, _ = worker_pair()
     try:
         assert d.receiver is not None
-        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 64, [1, 2], 64, b"A" * 16)]))
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [d.receiver.address], 64, [1, 2], 64, b"A" * 16)]))
         d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 64, 0, [3, 4], prompt_key=b"B" * 16)]))
         _, recving, failed = collect(d, set())
         assert recving == failed == {"r1"}  # vLLM recomputes the prompt
@@ -598,7 +598,7 @@ def test_connector_threads_run_off_the_core_vllm_pins_its_worker_to() -> None:
         p.register(*vllm_cache_layout(p_cache, BS, CPU_BACKEND))
         d.register(*vllm_cache_layout(d_cache, BS, CPU_BACKEND))
         assert d.receiver is not None
-        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, [9, 2, 5, 11, 0], 150)]))
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [d.receiver.address], 150, [9, 2, 5, 11, 0], 150)]))
         d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 0, [3, 7, 1, 8, 6])]))
         made["recving"] = collect(d, set())[1]
         made["sending"] = collect(p, {"r1"})[0]
@@ -696,7 +696,7 @@ def test_decode_lands_pushed_kv_straight_in_vllm_blocks(
         assert {t.untyped_storage().data_ptr() for t in d.receiver.memory.kv} == storages  # vLLM's own memory
         before = {name: t.clone() for name, t in d_cache.items()}
         # P pushes before D's scheduler saw the request: its Reserve is refused (retryable) until D's is allocated
-        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, [9, 2, 5, 11, 0], 150)]))
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [d.receiver.address], 150, [9, 2, 5, 11, 0], 150)]))
         wait_until(lambda: d.receiver.stats().get("refused", 0) >= 1, 5, "P's Reserve before D has vLLM blocks")
         d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, BS, [3, 7, 1, 8, 6])]))
         _, recving, failed = collect(d, set())
@@ -722,9 +722,9 @@ def test_a_push_waiting_for_ds_scheduler_holds_up_no_other_request() -> None:
     try:
         assert d.receiver is not None
         address = d.receiver.address
-        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", address, 64, [1, 2], 64)]))  # D has not scheduled r1
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [address], 64, [1, 2], 64)]))  # D has not scheduled r1
         wait_until(lambda: d.receiver.stats().get("refused", 0) >= 1, 5, "r1's Reserve refused for now")
-        p.push(StepMetadata(sends=[SendSpec("r2", "t-2", address, 64, [3, 4], 64)]))
+        p.push(StepMetadata(sends=[SendSpec("r2", "t-2", [address], 64, [3, 4], 64)]))
         d.start_loads(StepMetadata(loads=[LoadSpec("r2", "t-2", 64, 0, [5, 6])]))
         assert collect(d, set())[1] == {"r2"}  # while r1's Reserve is still being retried
         assert d.receiver.stats()["reserved"] == 1
@@ -743,7 +743,7 @@ def test_a_request_aborted_while_its_transfer_opens_is_cancelled_once_open_and_r
     p, d, _, _ = worker_pair()
     try:
         assert d.receiver is not None
-        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, [9, 2, 5, 11, 0], 64)]))
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [d.receiver.address], 150, [9, 2, 5, 11, 0], 64)]))
         wait_until(lambda: d.receiver.stats().get("refused", 0) >= 1, 5, "r1's Reserve refused for now")
         assert p.results({"r1"}) == (set(), set(), set())  # vLLM aborted it: its blocks stay held while it opens
         d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 0, [3, 7, 1, 8, 6])]))
@@ -761,7 +761,7 @@ def test_in_place_load_of_another_prompts_kv_fails_only_after_its_blocks_are_rel
     p, d, _, _ = worker_pair()
     try:
         assert d.receiver is not None and d._blocks is not None
-        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 64, [1, 2], 64, b"A" * 16)]))
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [d.receiver.address], 64, [1, 2], 64, b"A" * 16)]))
         d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 64, 0, [3, 4], prompt_key=b"B" * 16)]))
         _, recving, failed = collect(d, set())
         assert recving == failed == {"r1"}  # vLLM recomputes into blocks pdkv no longer holds
@@ -778,7 +778,7 @@ def test_the_worker_sides_counters_become_the_reference_workers_series_each_incr
     p, d, _, _ = worker_pair()
     try:
         assert d.receiver is not None and d.layout is not None and p.sender is not None
-        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 64, [1, 2], 64)]))
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [d.receiver.address], 64, [1, 2], 64)]))
         d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 64, 0, [3, 4])]))
         assert collect(d, set()) == (set(), {"r1"}, set())
         assert collect(p, {"r1"})[0] == {"r1"}
@@ -787,7 +787,7 @@ def test_the_worker_sides_counters_become_the_reference_workers_series_each_incr
         assert p_step == {"push_ok": 1, "push_tokens": 64, "push_bytes": p.sender.stats()["bytes_raw"]}
         assert d_step == {"load_ok": 1, "pushed_tokens_loaded": 64, "load_bytes": p_step["push_bytes"]}
         # a push D cannot use: D recomputes, and says so
-        p.push(StepMetadata(sends=[SendSpec("r2", "t-2", d.receiver.address, 64, [5, 6], 64, b"A" * 16)]))
+        p.push(StepMetadata(sends=[SendSpec("r2", "t-2", [d.receiver.address], 64, [5, 6], 64, b"A" * 16)]))
         d.start_loads(StepMetadata(loads=[LoadSpec("r2", "t-2", 64, 0, [7, 8], prompt_key=b"B" * 16)]))
         assert collect(d, set()) == (set(), {"r2"}, {"r2"})
         both = stats.merged(stats.merged(p_step, d_step), d.stats_delta())
@@ -816,7 +816,7 @@ def test_a_local_hit_inside_a_block_is_no_load_and_writes_nothing() -> None:
     try:
         assert d.receiver is not None
         before = {name: t.clone() for name, t in d_cache.items()}
-        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, [9, 2, 5, 11, 0], 150)]))
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [d.receiver.address], 150, [9, 2, 5, 11, 0], 150)]))
         d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 40, [3, 7, 1, 8, 6])]))
         _, recving, failed = collect(d, set())
         assert recving == failed == {"r1"}
@@ -835,7 +835,7 @@ def test_a_full_local_hit_moves_nothing() -> None:
     try:
         assert d.receiver is not None
         before = {name: t.clone() for name, t in d_cache.items()}
-        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 128, [9, 2, 5, 11], 128)]))
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [d.receiver.address], 128, [9, 2, 5, 11], 128)]))
         wait_until(lambda: d.receiver.stats().get("refused", 0) >= 1, 5, "P's Reserve before D's scheduler saw it")
         d.start_loads(StepMetadata(discards=["t-1"]))  # what SchedulerSide.after_alloc emits for a full local hit
         assert collect(p, {"r1"})[0] == {"r1"}
@@ -888,7 +888,7 @@ def test_p_posts_a_chunk_only_after_the_step_that_computed_it_ran_and_d_writes_o
     try:
         assert d.receiver is not None
         blocks = [9, 2, 5, 11, 0]
-        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, blocks, 64)]))  # step 1: chunk 0
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [d.receiver.address], 150, blocks, 64)]))  # step 1: chunk 0
         wait_until(lambda: ("wait", "p1") in log, 5, "the push thread waiting for step 1's event")
         d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 0, [3, 7, 1, 8, 6])]))
         wait_until(lambda: ("wait", "d1") in log, 5, "the loader waiting for the event of the step that allocated")
@@ -896,7 +896,7 @@ def test_p_posts_a_chunk_only_after_the_step_that_computed_it_ran_and_d_writes_o
         made["d1"].done.set()  # D may now be written: P's Reserve is granted vLLM's blocks once P opens
         made["p1"].done.set()  # step 1 ran: chunk 0 may go
         wait_until(lambda: ("post", "0") in log, 5, "chunk 0 posted")
-        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, 150, blocks, 150)]))  # step 2
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [d.receiver.address], 150, blocks, 150)]))  # step 2
         wait_until(lambda: ("wait", "p2") in log, 5, "the push thread waiting for step 2's event")
         assert ("post", "1") not in log
         made["p2"].done.set()
@@ -934,7 +934,7 @@ def test_a_dead_decode_receiver_costs_the_push_not_the_blocks() -> None:
         assert d.receiver is not None
         address = d.receiver.address
         d.close()  # D is gone before P pushes
-        p.push(StepMetadata(sends=[SendSpec("r3", "t-3", address, 64, [1, 2], 64)]))
+        p.push(StepMetadata(sends=[SendSpec("r3", "t-3", [address], 64, [1, 2], 64)]))
         sending, _, _ = collect(p, {"r3"}, timeout=10)
         assert sending == {"r3"}  # vLLM may free P's blocks: nothing was written from them
         wait_until(lambda: p.counters["push_failed"] == 1, 5, "push counted as failed")

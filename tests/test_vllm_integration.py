@@ -211,19 +211,7 @@ def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str)
         decode, prefill = d_future.result(), p_future.result()
         # KV-aware: the router follows P's KV events (named in P's /pdkv/info) with the model's tokenizer
         (tmp / "router.yaml").write_text(f"router: {{policy: prefix, tokenizer: '{model}', kv_events_check_s: 1}}\n")
-        router = start_worker(
-            "router",
-            "--mode",
-            "vllm",
-            "--config",
-            str(tmp / "router.yaml"),
-            "--port",
-            "0",
-            "--prefill",
-            prefill.url,
-            "--decode",
-            decode.url,
-        )
+        router = start_vllm_router(tmp / "router.yaml", prefill, decode)
         started.append(router)
         deadline = time.monotonic() + 900
         while not _healthy(mono_url):
@@ -242,6 +230,12 @@ def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str)
         if mono.poll() is None:
             os.killpg(mono.pid, 15)
             mono.wait(30)
+
+
+def start_vllm_router(config: Path, prefill: WorkerProcess, decode: WorkerProcess) -> WorkerProcess:
+    """``pdkv launch --role router --mode vllm`` in front of one vLLM pair, configured by ``config``."""
+    args = ("--mode", "vllm", "--config", str(config), "--port", "0", "--prefill", prefill.url, "--decode", decode.url)
+    return start_worker("router", *args)
 
 
 def complete(url: str, model: str, prompt: str, timeout: float = 300.0, **extra: object) -> dict:
@@ -269,10 +263,11 @@ def _token_id(token: str) -> int:
     return int(token.rsplit(":", 1)[1])  # "token_id:1234" (return_tokens_as_token_ids)
 
 
-def ask(url: str, model: str, prompt: str | list[dict[str, str]], max_tokens: int = 16) -> Answer:
+def ask(url: str, model: str, prompt: str | list[dict[str, str]], max_tokens: int = 16, **extra: object) -> Answer:
     """A greedy completion (chat when ``prompt`` is messages) with its prompt's token ids and each step's top
-    logprobs."""
+    logprobs; ``extra``: more request fields (``cache_salt``)."""
     body: dict = {
+        **extra,
         "model": model,
         "max_tokens": max_tokens,
         "temperature": 0,

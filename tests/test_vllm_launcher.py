@@ -13,9 +13,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from pdkv.config import convert_config
-from pdkv.errors import PdkvError
+from pdkv.errors import ConfigError, PdkvError
 from pdkv.launch.vllm import _serving, vllm_command
 from pdkv.netaddr import HeldPort
+
+
+def assert_held(ports: list[int]) -> None:
+    """No plain bind gets any of ``ports``: something holds each."""
+    for port in ports:
+        with socket.socket() as plain, pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port))
 
 
 def test_the_vllm_launcher_holds_every_port_it_picks_until_vllm_serves() -> None:
@@ -26,9 +33,7 @@ def test_the_vllm_launcher_holds_every_port_it_picks_until_vllm_serves() -> None
         events = info["kv_events"]["endpoint"]
         picked = [int(cmd[cmd.index("--port") + 1]), info["remote_port"], int(events.rsplit(":", 1)[1])]
         assert sorted(h.port for h in held) == sorted(picked) and len(set(picked)) == 3
-        for port in picked:
-            with socket.socket() as plain, pytest.raises(OSError):
-                plain.bind(("127.0.0.1", port))
+        assert_held(picked)
     finally:
         for h in held:
             h.release()
@@ -77,3 +82,46 @@ def test_the_launcher_calls_ready_only_the_vllm_it_started() -> None:
     with _server(mine) as url:
         mine["url"] = url
         assert _serving(mine) is True
+
+
+@pytest.mark.parametrize(
+    ("args", "tp"),
+    [
+        ([], 1),
+        (["--tensor-parallel-size", "2"], 2),
+        (["-tp", "4", "--enforce-eager"], 4),
+        (["--tensor-parallel-size=2", "--tensor-parallel-size", "3"], 3),  # argparse: the last one wins
+    ],
+)
+def test_each_decode_rank_gets_its_own_receiver_on_consecutive_held_ports(args: list[str], tp: int) -> None:
+    cfg = convert_config({"role": "decode"})
+    held: list[HeldPort] = []
+    try:
+        _, info = vllm_command(cfg, "/models/m", args, python="py", held=held)
+        ports = info["remote_ports"]
+        assert ports == list(range(info["remote_port"], info["remote_port"] + tp))
+        assert set(ports) <= {h.port for h in held}  # every rank's port held until vLLM serves
+        assert_held(ports)
+    finally:
+        for h in held:
+            h.release()
+    # a control_port of the user's: rank r on control_port + r, as vLLM numbers its connectors' side channels
+    _, info = vllm_command(convert_config({"role": "decode", "control_port": 6100}), "/m", args, python="py")
+    assert info["remote_ports"] == [6100 + r for r in range(tp)]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-pp", "2"], "pipeline parallel size 1 only"),
+        (["--tensor-parallel-size", "two"], "'two' is not an integer"),
+        (["--tensor-parallel-size=0"], "0 is not a size from 1 to 1024"),
+    ],
+)
+def test_parallel_settings_the_connector_cannot_serve_are_refused_before_vllm_starts(
+    args: list[str], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        vllm_command(convert_config({"role": "prefill"}), "/m", args, python="py")
+    with pytest.raises(ConfigError, match="runs past port 65535"):
+        vllm_command(convert_config({"role": "decode", "control_port": 65535}), "/m", ["-tp", "2"], python="py")

@@ -21,7 +21,8 @@ must not be able to point a decode worker at someone else's transfer.
   "remote_port": null}``: for vLLM's NixlConnector, where D pulls from P.
   When D serves ``/pdkv/info`` (a vLLM started by ``pdkv launch --engine
   vllm``, whose pdkv connector has P push to D), ``remote_host`` and
-  ``remote_port`` name D's receiver and a ``transfer_id`` is added. P
+  ``remote_port`` name D's receiver (``remote_ports``: one per tensor-parallel
+  rank of D, each rank of P pushing to its own) and a ``transfer_id`` is added. P
   answers with ``do_remote_prefill`` and what its connector needs (NIXL:
   ``remote_block_ids``, ``remote_engine_id``, ...; pdkv: ``transfer_id``,
   ``num_tokens``, ``prompt_key``), which D gets exactly as P sent them.
@@ -124,6 +125,7 @@ class VllmMode(PairMode):
             **params,
             "remote_host": info["remote_host"],
             "remote_port": info["remote_port"],
+            "remote_ports": info.get("remote_ports", [info["remote_port"]]),
             "transfer_id": transfer_id,
         }
 

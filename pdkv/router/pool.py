@@ -207,6 +207,7 @@ class WorkerPool:
                 not isinstance(info, dict)
                 or not info.get("remote_host")
                 or not isinstance(info.get("remote_port"), int)
+                or not _port_list(info.get("remote_ports", [info["remote_port"]]))
             ):
                 raise UpstreamError(
                     f"decode worker {worker.url}: /pdkv/info names no KV receiver (is it a pdkv decode worker? for "
@@ -215,6 +216,11 @@ class WorkerPool:
                 )
             worker.info = info
         return worker.info
+
+
+def _port_list(ports: Any) -> bool:
+    """A vLLM decode worker's receivers, one per tensor-parallel rank: a non-empty list of ports."""
+    return isinstance(ports, list) and 0 < len(ports) <= 1024 and all(type(p) is int and 0 < p < 65536 for p in ports)
 
 
 def describe(exc: BaseException) -> str:

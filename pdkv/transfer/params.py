@@ -37,6 +37,8 @@ class PushTo(msgspec.Struct):
     remote_port: Port | None = None
     transfer_id: TransferId | None = None
     do_remote_decode: bool = True
+    # vLLM decode instances: one receiver per tensor-parallel rank (rank r's is remote_ports[r]); absent: one
+    remote_ports: Annotated[list[Port], Meta(min_length=1, max_length=1024)] | None = None
     codec: Annotated[str, Meta(min_length=1, max_length=32)] | None = None
     return_kv_digest: bool = False  # tests: P returns per-layer digests of the prompt's KV
 
@@ -48,6 +50,14 @@ class PushTo(msgspec.Struct):
             if self.remote_host is None or self.remote_port is None
             else zmq_address(self.remote_host, self.remote_port)
         )
+
+    @property
+    def addresses(self) -> list[str]:
+        """Every decode rank's receiver, rank order (the one ``address`` when ``remote_ports`` is not given)."""
+        if self.remote_host is None:
+            return []
+        ports = self.remote_ports or ([self.remote_port] if self.remote_port is not None else [])
+        return [zmq_address(self.remote_host, port) for port in ports]
 
 
 class FirstTokenLogprobs(msgspec.Struct, forbid_unknown_fields=True):

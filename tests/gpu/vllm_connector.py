@@ -96,7 +96,7 @@ def case(channel: str, skip: int, caches: tuple[str, str]) -> dict[str, Any]:
         assert d.receiver is not None
         t0 = time.perf_counter()
         for ready in (128, TOKENS):  # two steps of chunked prefill; each marks a CUDA event on the current stream
-            p.push(StepMetadata(sends=[SendSpec("r1", "t-1", d.receiver.address, TOKENS, P_BLOCKS, ready)]))
+            p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [d.receiver.address], TOKENS, P_BLOCKS, ready)]))
         d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", TOKENS, skip, D_BLOCKS)]))
         _, recving, failed = _collect(d, set())
         seconds = time.perf_counter() - t0

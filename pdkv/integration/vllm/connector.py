@@ -44,16 +44,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
     PromMetricT,
 )
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.platforms import current_platform
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pdkv.cache_engine import KVCacheEngine
 from pdkv.config import convert_config
-from pdkv.errors import ConfigError, LayoutError
+from pdkv.errors import LayoutError
 from pdkv.integration.vllm import stats
 from pdkv.integration.vllm.info import SECRET_ENV
 from pdkv.integration.vllm.kvcache import check_platform_fp8, kv_dtype, vllm_cache_layout
 from pdkv.integration.vllm.metadata import StepMetadata
+from pdkv.integration.vllm.parallel import check_parallel, rank_config
 from pdkv.integration.vllm.scheduler_side import SchedulerSide
 from pdkv.integration.vllm.worker_side import WorkerSide, agent_name
 from pdkv.keys import model_fingerprint
@@ -177,15 +179,11 @@ class PdkvConnector(KVConnectorBase_V1):
             ]  # how pdkv launch hands it over: never on a command line `ps` shows
         self.config = convert_config(extra, "kv_transfer_config.kv_connector_extra_config")
         pc = vllm_config.parallel_config
-        if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
-            raise ConfigError(
-                f"PdkvConnector runs with tensor/pipeline parallel size 1 only (got tp={pc.tensor_parallel_size}, "
-                f"pp={pc.pipeline_parallel_size}): "
-                "one receiver per rank is not implemented"
-            )
+        self.tp_size = pc.tensor_parallel_size
         self.block_size = vllm_config.cache_config.block_size
         self.fingerprint = vllm_fingerprint(vllm_config)
         producer, consumer = bool(ktc.is_kv_producer), bool(ktc.is_kv_consumer)
+        check_parallel(self.tp_size, pc.pipeline_parallel_size, self.config, consumer)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self._cache: KVCacheEngine | None = None
@@ -193,16 +191,18 @@ class PdkvConnector(KVConnectorBase_V1):
             self._cache = self._shared_cache(vllm_layout(vllm_config))
             lookup = self._cache.lookup if self._cache is not None else None
             self.scheduler = SchedulerSide(
-                self.fingerprint, self.config.transfer.chunk_size, producer, consumer, lookup
+                self.fingerprint, self.config.transfer.chunk_size, producer, consumer, lookup, self.tp_size
             )
         else:
+            rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
             self.worker = WorkerSide(
-                self.config,
+                rank_config(self.config, rank),
                 self.fingerprint,
                 producer,
                 consumer,
-                agent_name("producer" if producer else "consumer"),
+                agent_name(f"{'producer' if producer else 'consumer'}-tp{rank}"),
                 self._shared_cache,
+                tp_rank=rank,
             )
 
     def _shared_cache(self, layout: KVLayout) -> KVCacheEngine | None:

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class SendSpec:
     """Prefill: push ``num_tokens`` prompt tokens of ``req_id`` from ``block_ids``; ``ready_tokens`` are computed
-    after this step."""
+    after this step. ``addresses``: D's receivers, one per tensor-parallel rank; P's rank ``r`` pushes its
+    part of the KV (its heads) to ``addresses[r]``."""
 
     req_id: str
     transfer_id: str
-    address: str
+    addresses: list[str]
     num_tokens: int
     block_ids: list[int]
     ready_tokens: int

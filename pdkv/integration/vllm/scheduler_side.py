@@ -70,8 +70,11 @@ class SchedulerSide:
         is_producer: bool,
         is_consumer: bool,
         tier_lookup: TierLookup | None = None,
+        tp_size: int = 1,
     ) -> None:
+        """``tp_size``: this instance's tensor-parallel size; a push goes only to a decode instance of the same."""
         self.fingerprint = fingerprint
+        self.tp_size = tp_size
         self.chunk_size = chunk_size
         self.is_producer = is_producer
         self.is_consumer = is_consumer
@@ -83,6 +86,7 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._discards: list[str] = []
         self.rejected_prompts = 0  # decode requests whose prompt did not hash like the prefilled one
+        self.unpaired_pushes = 0  # prefill requests not pushed: the decode instance's tensor-parallel size differs
 
     # -- loads -----------------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -180,6 +184,16 @@ class SchedulerSide:
         target = (
             push_target(getattr(request, "kv_transfer_params", None), request.request_id) if self.is_producer else None
         )
+        if target is not None and len(target.addresses) != self.tp_size:
+            log.warning(
+                "request %s: the decode instance runs %d tensor-parallel ranks (receivers), this prefill instance %d; "
+                "pdkv's vLLM connector pairs equal --tensor-parallel-size only: not pushing (D recomputes the prompt)",
+                request.request_id,
+                len(target.addresses),
+                self.tp_size,
+            )
+            self.unpaired_pushes += 1
+            target = None
         save_keys = list(self._full_chunk_keys(request).keys) if self.tier_lookup is not None else []
         if target is not None or save_keys:
             key = self._prompt_keys(request).keys[-1] if target is not None else b""  # prompt_key(prompt)
@@ -215,7 +229,7 @@ class SchedulerSide:
                 SendSpec(
                     req_id,
                     track.target.transfer_id,
-                    track.target.address,
+                    track.target.addresses,
                     track.num_tokens,
                     list(track.block_ids),
                     ready,

@@ -100,9 +100,14 @@ class WorkerSide:
         agent_name: str,
         cache: Callable[[KVLayout], KVCacheEngine | None] | None = None,
         make_event: Callable[[], StepEvent] | None = None,
+        tp_rank: int = 0,
     ) -> None:
-        """``make_event``: the events ``DeviceOrder`` marks (tests pass fakes; default: CUDA events on a GPU)."""
+        """``make_event``: the events ``DeviceOrder`` marks (tests pass fakes; default: CUDA events on a GPU).
+        ``tp_rank``: this worker's tensor-parallel rank. Its cache holds that rank's KV heads; it pushes them to,
+        or receives them on, the other instance's rank of the same number (``config.control_port`` is already
+        this rank's), and only rank 0 counts a request's tokens (every rank moves the same tokens)."""
         self.config = config
+        self.tp_rank = tp_rank
         self.fingerprint = fingerprint
         self.is_producer = is_producer
         self.is_consumer = is_consumer
@@ -214,6 +219,9 @@ class WorkerSide:
         spec = p.spec
         if p.failed or p.settled:
             return
+        if self.tp_rank >= len(spec.addresses):
+            self._give_up(p, f"the decode instance has no tensor-parallel rank {self.tp_rank} to push to")
+            return
         if p.ready_event is not None:
             p.ready_event.synchronize()
         if p.transfer is None:
@@ -234,7 +242,7 @@ class WorkerSide:
                     t.send_chunk(i)
                     p.sent.add(i)
         except PdkvError as exc:
-            log.warning("request %s: push to %s failed: %s (D recomputes the prompt)", spec.req_id, spec.address, exc)
+            log.warning("request %s: push to %s failed: %s (D recomputes the prompt)", spec.req_id, t.peer.address, exc)
             t.cancel(str(exc))
             return
         if p.finished and len(p.sent) < t.num_chunks:
@@ -247,7 +255,7 @@ class WorkerSide:
         spec = p.spec
         try:
             transfer = self.sender.open(
-                spec.transfer_id, spec.address, spec.num_tokens, spec.block_ids, spec.prompt_key
+                spec.transfer_id, spec.addresses[self.tp_rank], spec.num_tokens, spec.block_ids, spec.prompt_key
             )
         except PdkvError as exc:
             self._give_up(p, str(exc))
@@ -263,7 +271,10 @@ class WorkerSide:
 
     def _give_up(self, p: _Push, why: str) -> None:
         log.warning(
-            "request %s: not pushing its KV to %s: %s (D recomputes the prompt)", p.spec.req_id, p.spec.address, why
+            "request %s: not pushing its KV to %s: %s (D recomputes the prompt)",
+            p.spec.req_id,
+            p.spec.addresses[self.tp_rank : self.tp_rank + 1] or "(no receiver)",
+            why,
         )
         with self._lock:
             p.failed = why
@@ -279,7 +290,8 @@ class WorkerSide:
             if t is not None and t.complete:
                 self.counters["push_ok"] += 1
                 self.counters["push_bytes"] += t.bytes_sent
-                self.counters["push_tokens"] += sum(length for _, length in t.spans)
+                if self.tp_rank == 0:
+                    self.counters["push_tokens"] += sum(length for _, length in t.spans)
             else:
                 self.counters["push_failed"] += 1
 
@@ -395,7 +407,8 @@ class WorkerSide:
                 f"needs {held} to {spec.num_tokens}"
             )
         with self._lock:
-            self.counters["pushed_tokens_loaded"] += spec.num_tokens - held
+            if self.tp_rank == 0:
+                self.counters["pushed_tokens_loaded"] += spec.num_tokens - held
             self.counters["load_bytes"] += self.layout.chunk_bytes(spec.num_tokens - held)
 
     # -- completions ------------------------------------------------------------------------

@@ -1,0 +1,178 @@
+"""The vLLM connector at tensor parallel, on the CPU and without vLLM: each rank's heads go to the decode rank of
+the same number, every rank's transfer on its own receiver, and a rank whose part does not land fails the request.
+
+The worker sides move real bytes over the real tcp channel, each rank holding its slice of one model's KV heads
+in tensors shaped like vLLM's CPU cache (``[blocks, heads / tp, block_size, 2 * head_dim]``), as vLLM's workers
+hold them; tests/test_vllm_integration.py runs real vLLM servers at tensor parallel 2.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_vllm_connector import BS, FP, collect, request, sched_output
+
+from pdkv.config import PdkvConfig, convert_config
+from pdkv.errors import ConfigError
+from pdkv.integration.vllm.kvcache import CPU_BACKEND, vllm_cache_layout
+from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
+from pdkv.integration.vllm.parallel import check_parallel, rank_config
+from pdkv.integration.vllm.scheduler_side import SchedulerSide
+from pdkv.integration.vllm.worker_side import WorkerSide
+from pdkv.netaddr import HeldPort
+
+from conftest import held_blocks
+
+LAYERS, HEADS, HEAD_DIM, TP = 2, 4, 8, 2
+P_TABLE, D_TABLE = [9, 2, 5, 11, 0], [3, 7, 1, 8, 6]  # 150 tokens: five 32-token blocks
+
+
+def model_kv(num_blocks: int, seed: int | None) -> list[torch.Tensor]:
+    """One model's whole KV, every head, per layer as vLLM's CPU backend holds it at tensor parallel size 1."""
+    gen = torch.Generator().manual_seed(seed or 0)
+    shape = (num_blocks, HEADS, BS, 2 * HEAD_DIM)
+    return [
+        (torch.randn(shape, generator=gen) if seed is not None else torch.zeros(shape)).to(torch.bfloat16)
+        for _ in range(LAYERS)
+    ]
+
+
+def rank_cache(full: list[torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s cache at tensor parallel ``TP``: its contiguous slice of the KV heads, as vLLM shards them."""
+    per = HEADS // TP
+    return {
+        f"model.layers.{i}.self_attn.attn": t[:, rank * per : (rank + 1) * per].contiguous() for i, t in enumerate(full)
+    }
+
+
+def tp_config(control_port: int = 0) -> PdkvConfig:
+    return convert_config(
+        {
+            "control_port": control_port,
+            "transfer": {"chunk_size": 64, "transfer_timeout_s": 3, "reserve_timeout_s": 2, "handshake_timeout_s": 2},
+        }
+    )
+
+
+def tp_instances(
+    p_ranks: int = TP,
+) -> tuple[list[WorkerSide], list[WorkerSide], list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
+    """A prefill and a decode instance at tensor parallel ``TP``: a worker side per rank, as vLLM builds one per
+    worker, each rank given its config by ``rank_config`` (D's receivers on consecutive ports). Only the first
+    ``p_ranks`` prefill ranks are started (fewer: a prefill rank that died)."""
+    ports = HeldPort.run("127.0.0.1", TP)
+    for hold in ports:
+        hold.release()
+    cfg = tp_config(ports[0].port)
+    p_full = model_kv(12, seed=3)
+    p_caches = [rank_cache(p_full, r) for r in range(TP)]
+    d_caches = [rank_cache(model_kv(10, None), r) for r in range(TP)]
+    ps = [WorkerSide(rank_config(cfg, r), FP, True, False, agent_name=f"p-tp{r}", tp_rank=r) for r in range(p_ranks)]
+    ds = [WorkerSide(rank_config(cfg, r), FP, False, True, agent_name=f"d-tp{r}", tp_rank=r) for r in range(TP)]
+    for side, cache in [*zip(ps, p_caches, strict=False), *zip(ds, d_caches, strict=True)]:
+        side.register(*vllm_cache_layout(cache, BS, CPU_BACKEND))
+    return ps, ds, p_caches, d_caches
+
+
+def close_all(*sides: WorkerSide) -> None:
+    for side in sides:
+        side.close()
+
+
+def test_each_prefill_rank_pushes_its_heads_to_the_decode_rank_of_the_same_number() -> None:
+    ps, ds, p_caches, d_caches = tp_instances()
+    try:
+        addresses = [d.receiver.address for d in ds]  # type: ignore[union-attr]
+        assert [a.rsplit(":", 1)[1] for a in addresses] == [str(ds[0].config.control_port + r) for r in range(TP)]
+        for p in ps:  # vLLM broadcasts one step's metadata to every rank
+            p.push(StepMetadata(sends=[SendSpec("r1", "t-1", addresses, 150, P_TABLE, 150)]))
+        for d in ds:  # block 0 is D's own prefix hit: every rank skips it
+            d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 32, D_TABLE)]))
+        for d in ds:  # each rank reports the request (vLLM finishes it once every rank has)
+            assert collect(d, set())[1:] == ({"r1"}, set())
+        for p in ps:
+            assert collect(p, {"r1"})[0] == {"r1"}
+        for r in range(TP):  # rank r's heads, from prefill rank r, in decode rank r's own blocks
+            for name, src in p_caches[r].items():
+                assert torch.equal(d_caches[r][name][D_TABLE[1:]], src[P_TABLE[1:]]), (r, name)
+                assert not d_caches[r][name][D_TABLE[0]].any()  # the hit's block: never written
+        stats = [d.receiver.stats() for d in ds]  # type: ignore[union-attr]
+        # each rank moved its half of the heads of the 118 tokens past the hit, over its own receiver
+        assert [s["bytes_landed"] for s in stats] == [ds[0].layout.chunk_bytes(118)] * TP  # type: ignore[union-attr]
+        assert ds[0].layout.num_kv_heads == HEADS // TP  # type: ignore[union-attr]
+        assert [held_blocks(s, 10) for s in stats] == [0] * TP
+        # every rank's transfer counts; the request's tokens count once, on rank 0 (vLLM sums the ranks' stats)
+        assert [d.counters["load_ok"] for d in ds] == [1] * TP and [p.counters["push_ok"] for p in ps] == [1] * TP
+        assert [d.counters["pushed_tokens_loaded"] for d in ds] == [118, 0]
+        assert [p.counters["push_tokens"] for p in ps] == [118, 0]
+    finally:
+        close_all(*ps, *ds)
+
+
+def test_a_rank_whose_part_never_lands_fails_the_request_within_the_timeout() -> None:
+    ps, ds, _, d_caches = tp_instances(p_ranks=1)  # prefill rank 1 is gone: its heads never come
+    try:
+        addresses = [d.receiver.address for d in ds]  # type: ignore[union-attr]
+        ps[0].push(StepMetadata(sends=[SendSpec("r1", "t-1", addresses, 150, P_TABLE, 150)]))
+        for d in ds:
+            d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 0, D_TABLE)]))
+        assert collect(ds[0], set())[1:] == ({"r1"}, set())
+        # rank 1 reports the request finished AND failed once transfer_timeout_s (3 s) ran out: vLLM's aggregator
+        # fails the whole request and recomputes it, rank 0's landed half unused
+        assert collect(ds[1], set(), timeout=15)[1:] == ({"r1"}, {"r1"})
+        assert held_blocks(ds[1].receiver.stats(), 10) == 0  # type: ignore[union-attr]
+        assert ds[1].counters["load_failed"] == 1 and not any(t.any() for t in d_caches[1].values())
+    finally:
+        close_all(*ps, *ds)
+
+
+TARGET2 = {
+    "do_remote_decode": True,
+    "remote_host": "127.0.0.1",
+    "remote_port": 5555,
+    "remote_ports": [5555, 5556],
+    "transfer_id": "t-1",
+}
+
+
+def test_the_scheduler_hands_every_rank_its_receiver_and_pushes_only_between_equal_sizes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    s = SchedulerSide(FP, 64, is_producer=True, is_consumer=False, tp_size=2)
+    s.after_alloc(request("r1", list(range(100)), TARGET2), [7, 8], 0)
+    step = s.build(sched_output(new=[("r1", [7, 8], 0)], scheduled={"r1": 100}))
+    assert [x.addresses for x in step.sends] == [["tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"]]
+    # a decode instance of one receiver (tensor parallel 1): not pushed, said why, D recomputes
+    one = {k: v for k, v in TARGET2.items() if k != "remote_ports"}
+    with caplog.at_level(logging.WARNING):
+        s.after_alloc(request("r2", list(range(100)), one), [9, 10], 0)
+    step = s.build(sched_output(new=[("r2", [9, 10], 0)], scheduled={"r2": 100}))
+    assert step.sends == [] and s.unpaired_pushes == 1
+    assert "equal --tensor-parallel-size" in caplog.text
+    assert s.finished(SimpleNamespace(request_id="r2", num_computed_tokens=100)) == (False, None)
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "raw", "consumer", "message"),
+    [
+        (1, 2, {}, False, "pipeline parallel size 1 only"),
+        (2, 1, {"control_port": 7000, "tier": {"redis_url": "redis://x"}}, True, "unset tier.redis_url"),
+        (2, 1, {}, True, "set control_port in kv_connector_extra_config"),
+        (4, 1, {"control_port": 65533}, True, "runs past port 65535"),
+    ],
+)
+def test_parallel_settings_the_connector_cannot_serve_are_refused_by_name(
+    tp: int, pp: int, raw: dict, consumer: bool, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        check_parallel(tp, pp, convert_config(raw), consumer)
+
+
+def test_rank_configs_number_the_receivers_from_control_port() -> None:
+    cfg = tp_config(7000)
+    check_parallel(4, 1, cfg, consumer=True)
+    assert [rank_config(cfg, r).control_port for r in range(4)] == [7000, 7001, 7002, 7003]
+    assert rank_config(tp_config(0), 3).control_port == 0  # a prefill instance listens nowhere
