@@ -33,6 +33,7 @@ import msgspec
 from pdkv.config import PdkvConfig
 from pdkv.errors import ConfigError, PdkvError
 from pdkv.integration.vllm.info import INFO_ENV, SECRET_ENV
+from pdkv.integration.vllm.parallel import check_parallel
 from pdkv.netaddr import HeldPort
 
 CONNECTOR_MODULE = "pdkv.integration.vllm.connector"
@@ -78,7 +79,8 @@ def vllm_command(
                 f"pass {flag} to pdkv launch (--config/--host/--port), not after --: the launcher sets it for vLLM"
             )
     host = config.host
-    tp = tensor_parallel_size(engine_args)
+    tp, pp = parallel_sizes(engine_args)
+    check_parallel(tp, pp, config, consumer=False)  # a decode instance's receivers get their ports here
     port = config.port or pick()
     extra: dict[str, Any] = {f: getattr(config, f) for f in CONNECTOR_FIELDS}
     info: dict[str, Any] = {
@@ -135,33 +137,27 @@ def _flag_value(engine_args: Sequence[str], names: tuple[str, ...]) -> str | Non
     return value
 
 
-def tensor_parallel_size(engine_args: Sequence[str]) -> int:
-    """vLLM's tensor-parallel size in ``engine_args`` (1 when not given); pipeline parallel is refused here, as the
-    connector refuses it, before a vLLM is started for nothing."""
-    sizes = {}
-    for key, names in (("tp", ("--tensor-parallel-size", "-tp")), ("pp", ("--pipeline-parallel-size", "-pp"))):
+def parallel_sizes(engine_args: Sequence[str]) -> tuple[int, int]:
+    """vLLM's tensor- and pipeline-parallel sizes in ``engine_args`` (1 when not given): the connector's limits
+    (``check_parallel``) are applied before a vLLM is started for nothing."""
+    sizes = []
+    for names in (("--tensor-parallel-size", "-tp"), ("--pipeline-parallel-size", "-pp")):
         raw = _flag_value(engine_args, names)
         try:
-            sizes[key] = int(raw) if raw is not None else 1
+            size = int(raw) if raw is not None else 1
         except ValueError:
             raise ConfigError(f"vLLM flag {names[0]}: {raw!r} is not an integer") from None
-        if not 1 <= sizes[key] <= 1024:
-            raise ConfigError(f"vLLM flag {names[0]}: {sizes[key]} is not a size from 1 to 1024")
-    if sizes["pp"] != 1:
-        raise ConfigError(
-            f"--pipeline-parallel-size {sizes['pp']}: pdkv's vLLM connector runs pipeline parallel size 1 only; use "
-            "--tensor-parallel-size to spread the model"
-        )
-    return sizes["tp"]
+        if not 1 <= size <= 1024:
+            raise ConfigError(f"vLLM flag {names[0]}: {size} is not a size from 1 to 1024")
+        sizes.append(size)
+    return sizes[0], sizes[1]
 
 
 def _receiver_ports(config: PdkvConfig, tp: int, host: str, held: list[HeldPort] | None) -> list[int]:
     """Where each tensor-parallel rank's KV receiver listens: ``control_port + rank`` (as vLLM's own side channels
     number theirs), a run of free ports held like every other port picked here when ``control_port`` is 0."""
     if config.control_port:
-        if config.control_port + tp - 1 > 65535:
-            raise ConfigError(f"field 'control_port': {config.control_port} + {tp} ranks runs past port 65535")
-        return [config.control_port + rank for rank in range(tp)]
+        return [config.control_port + rank for rank in range(tp)]  # check_parallel: all within 65535
     run = HeldPort.run(host, tp)
     if held is None:
         for hold in run:

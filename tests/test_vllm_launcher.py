@@ -113,7 +113,7 @@ def test_each_decode_rank_gets_its_own_receiver_on_consecutive_held_ports(args: 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["-pp", "2"], "pipeline parallel size 1 only"),
+        (["-pp", "2"], "runs pipeline parallel size 1 only"),
         (["--tensor-parallel-size", "two"], "'two' is not an integer"),
         (["--tensor-parallel-size=0"], "0 is not a size from 1 to 1024"),
     ],
@@ -123,5 +123,7 @@ def test_parallel_settings_the_connector_cannot_serve_are_refused_before_vllm_st
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         vllm_command(convert_config({"role": "prefill"}), "/m", args, python="py")
+    with pytest.raises(ConfigError, match="unset tier.redis_url"):
+        vllm_command(convert_config({"role": "decode", "tier": {"redis_url": "redis://r"}}), "/m", ["-tp", "2"])
     with pytest.raises(ConfigError, match="runs past port 65535"):
         vllm_command(convert_config({"role": "decode", "control_port": 65535}), "/m", ["-tp", "2"], python="py")
