@@ -784,6 +784,11 @@ def test_the_worker_sides_counters_become_the_reference_workers_series_each_incr
         assert collect(p, {"r1"})[0] == {"r1"}
         p_step, d_step = p.stats_delta(), d.stats_delta()
         assert p.stats_delta() == d.stats_delta() == {}  # handed over once: vLLM sums the steps' deltas
+        # each transfer's time, throughput and D's wait, observed once, for the reference workers' histograms
+        seconds, gbps = p_step.pop("pdkv_transfer_seconds|prefill"), p_step.pop("pdkv_transfer_gbps|prefill")
+        [wait] = d_step.pop("pdkv_transfer_wait_seconds|decode")
+        assert len(seconds) == len(gbps) == 1 and 0 < seconds[0] < 10 and 0 < wait < 10
+        assert gbps[0] == pytest.approx(p.sender.stats()["bytes_raw"] / seconds[0] / 1e9)
         assert p_step == {"push_ok": 1, "push_tokens": 64, "push_bytes": p.sender.stats()["bytes_raw"]}
         assert d_step == {"load_ok": 1, "pushed_tokens_loaded": 64, "load_bytes": p_step["push_bytes"]}
         # a push D cannot use: D recomputes, and says so
@@ -804,6 +809,14 @@ def test_the_worker_sides_counters_become_the_reference_workers_series_each_incr
             ("pdkv_prompt_tokens", (("role", "decode"), ("source", "transferred"))): 64,
         }
         assert all(labels.keys() == {"role", *stats.SERIES[name][1]} for name, labels, _ in stats.series(both))
+        # observations join across steps and workers (vLLM's aggregate), and become one histogram series each
+        observed = stats.merged(
+            {"pdkv_transfer_seconds|prefill": seconds}, {"pdkv_transfer_seconds|prefill": [0.5], "push_ok": 2}
+        )
+        assert observed == {"pdkv_transfer_seconds|prefill": [*seconds, 0.5], "push_ok": 2}
+        assert list(stats.histogram_series({**observed, "pdkv_unknown|decode": [1.0]})) == [
+            ("pdkv_transfer_seconds", {"role": "prefill"}, [*seconds, 0.5])
+        ]
     finally:
         p.close()
         d.close()

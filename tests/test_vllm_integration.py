@@ -358,6 +358,9 @@ def pdkv_series(url: str, role: str) -> dict[str, float]:
         "tokens": metric(text, "pdkv_transfer_tokens_total", role=role),
         "fallbacks": metric(text, "pdkv_fallbacks_total", role=role),
         "transferred": metric(text, "pdkv_prompt_tokens_total", role=role, source="transferred"),
+        # the reference workers' histograms: P observes each push's time, D each load's wait
+        "timed": metric(text, "pdkv_transfer_seconds_count", role=role),
+        "waited": metric(text, "pdkv_transfer_wait_seconds_count", role=role),
     }
 
 
@@ -405,6 +408,7 @@ def test_router_pd_output_equals_monolithic_and_the_prefix_came_over_the_connect
     )
     p_gained, d_gained = gained(c.prefill.url, "prefill", p_before), gained(c.decode.url, "decode", d_before)
     assert p_gained["bytes"] > 0 and p_gained["tokens"] == prompt_tokens and p_gained["failed"] == 0, p_gained
+    assert p_gained["timed"] == n and p_gained["waited"] == 0
     assert d_gained == {
         "ok": n,
         "failed": 0,
@@ -412,6 +416,8 @@ def test_router_pd_output_equals_monolithic_and_the_prefix_came_over_the_connect
         "tokens": prompt_tokens,
         "fallbacks": 0,
         "transferred": prompt_tokens,
+        "timed": 0,
+        "waited": n,
     }
     assert d_gained["bytes"] > 0
 

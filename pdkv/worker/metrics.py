@@ -13,9 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from pdkv.http.metric_buckets import LATENCY_BUCKETS
-
-GBPS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
+from pdkv.http.metric_buckets import GBPS_BUCKETS, LATENCY_BUCKETS
 
 
 class WorkerMetrics:

@@ -133,7 +133,15 @@ class PdkvConnectorStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)  # vLLM's periodic log line: the counters' increments over its interval
+        """vLLM's periodic log line: the counters' increments over its interval, and each histogram's count and
+        mean."""
+        out: dict[str, int | float] = {}
+        for k, v in self.data.items():
+            if isinstance(v, list):
+                out[f"{k} n"], out[f"{k} mean"] = len(v), sum(v) / len(v) if v else 0.0
+            else:
+                out[k] = v
+        return out
 
     def is_empty(self) -> bool:
         return not self.data
@@ -155,11 +163,21 @@ class PdkvPromMetrics(KVConnectorPromMetrics):
             name: self._counter_cls(name=name, documentation=doc, labelnames=[*labelnames, "role", *extra])
             for name, (doc, extra) in stats.SERIES.items()
         }
+        self._histograms = {
+            name: self._histogram_cls(
+                name=name, documentation=doc, buckets=list(buckets), labelnames=[*labelnames, "role"]
+            )
+            for name, (doc, buckets) in stats.HISTOGRAMS.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         engine = dict(zip(self._labelnames, self.per_engine_labelvalues[engine_idx], strict=True))
         for name, labels, value in stats.series(transfer_stats_data):
             self._counters[name].labels(**engine, **labels).inc(value)
+        for name, labels, values in stats.histogram_series(transfer_stats_data):
+            histogram = self._histograms[name].labels(**engine, **labels)
+            for v in values:
+                histogram.observe(v)
 
 
 class PdkvConnector(KVConnectorBase_V1):

@@ -3,8 +3,9 @@
 vLLM runs the connector's worker side in its worker process and serves ``/metrics`` from its API server, so the
 counters travel the way vLLM's own connectors' stats do: each step the worker side hands over what its counters
 gained since the last step (``delta``), vLLM's scheduler sums those (``merged``), and its metrics logger turns them
-into series (``series``) on Prometheus counters of the connector's (connector.py). Plain pdkv, no vLLM: what a
-counter means is decided here, tested without vLLM.
+into series (``series``) on Prometheus counters of the connector's (connector.py). Each transfer's time, throughput
+and wait travel the same way as observations (``observations``, ``histogram_series``) for the reference workers'
+histograms. Plain pdkv, no vLLM: what a counter or an observation means is decided here, tested without vLLM.
 
 The role comes from the counter, not from the instance: a ``kv_both`` instance's pushes count as ``prefill``,
 its loads as ``decode``, as on the reference workers (pdkv/worker/metrics.py), whose names and labels these are.
@@ -12,7 +13,10 @@ its loads as ``decode``, as on the reference workers (pdkv/worker/metrics.py), w
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from pdkv.http.metric_buckets import GBPS_BUCKETS, LATENCY_BUCKETS
 
 # series name -> (documentation, its labels besides "role"); the names and meanings of pdkv/worker/metrics.py's
 SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -41,17 +45,49 @@ COUNTER_SERIES: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
 }
 
 
+# histogram series -> (documentation, buckets); the reference workers' names, meanings and buckets
+HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "pdkv_transfer_seconds": ("KV transfer time per request (per rank at tensor parallel)", LATENCY_BUCKETS),
+    "pdkv_transfer_gbps": ("KV transfer throughput per request (GB/s)", GBPS_BUCKETS),
+    "pdkv_transfer_wait_seconds": (
+        "Time a decode request waited for its transferred KV to land (from when vLLM handed it its blocks)",
+        LATENCY_BUCKETS,
+    ),
+}
+Observation = tuple[str, str, float]
+"""(histogram series, role, value): one transfer's measurement, handed over with the next step's delta."""
+
+
 def delta(now: Mapping[str, int], last: Mapping[str, int]) -> dict[str, int]:
     """What the counters that become series gained since ``last`` (a snapshot of ``now`` taken then)."""
     return {k: now[k] - last.get(k, 0) for k in COUNTER_SERIES if now.get(k, 0) > last.get(k, 0)}
 
 
-def merged(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
-    """Two deltas (of two steps, or two workers) as one."""
-    return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
+def observations(observed: Iterable[Observation]) -> dict[str, list[float]]:
+    """Observations as a delta's entries, one list per series and role (``"series|role"``)."""
+    out: dict[str, list[float]] = {}
+    for name, role, value in observed:
+        out.setdefault(f"{name}|{role}", []).append(value)
+    return out
 
 
-def series(data: Mapping[str, int]) -> Iterator[tuple[str, dict[str, str], int]]:
+def merged(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """Two deltas (of two steps, or two workers) as one: counters add up, observations are joined."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out[k] + v if k in out else v
+    return out
+
+
+def histogram_series(data: Mapping[str, Any]) -> Iterator[tuple[str, dict[str, str], list[float]]]:
+    """(series name, labels, values) for each histogram a delta observed; unknown series are skipped."""
+    for key, values in sorted(data.items()):
+        name, sep, role = key.partition("|")
+        if sep and name in HISTOGRAMS and isinstance(values, list):
+            yield name, {"role": role}, values
+
+
+def series(data: Mapping[str, Any]) -> Iterator[tuple[str, dict[str, str], int]]:
     """(series name, labels, increment) for each series a delta adds to; counters not in the table are skipped:
     a newer worker may send more than this process knows of."""
     for counter, value in sorted(data.items()):

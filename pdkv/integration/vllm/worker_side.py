@@ -45,10 +45,12 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -133,6 +135,7 @@ class WorkerSide:
         self.cache: KVCacheEngine | None = None
         self.counters: Counter[str] = Counter()
         self._reported: dict[str, int] = {}  # ``counters`` as of the last ``stats_delta``
+        self._observed: list[stats.Observation] = []  # transfers' times since the last ``stats_delta``
 
     # -- setup --------------------------------------------------------------------------
     def register(self, layout: KVLayout, vllm_kv: list[torch.Tensor]) -> None:
@@ -288,6 +291,11 @@ class WorkerSide:
         with self._lock:
             p.settled = True
             if t is not None and t.complete:
+                seconds = max(t.finished_at - t.started, 1e-9)
+                self._observed += [
+                    ("pdkv_transfer_seconds", "prefill", seconds),
+                    ("pdkv_transfer_gbps", "prefill", t.bytes_sent / seconds / 1e9),
+                ]
                 self.counters["push_ok"] += 1
                 self.counters["push_bytes"] += t.bytes_sent
                 if self.tp_rank == 0:
@@ -388,6 +396,7 @@ class WorkerSide:
         ready.synchronize()  # vLLM's queued work on these blocks (their previous owner's) ran: they may be written
         blocks, held = self._blocks, spec.skip_tokens
         blocks.expect(spec.transfer_id, spec.block_ids[first:n], held_tokens=held)
+        waited = time.monotonic()
         try:
             got = self.receiver.wait(spec.transfer_id, self.config.transfer.transfer_timeout_s, spec.prompt_key)
         except PdkvError:
@@ -401,6 +410,8 @@ class WorkerSide:
                 )
             raise
         blocks.free(got.blocks)  # handed over, bytes visible (the channel's completion or the scatter's event)
+        with self._lock:
+            self._observed.append(("pdkv_transfer_wait_seconds", "decode", time.monotonic() - waited))
         if (got.num_tokens, got.held_tokens) != (spec.num_tokens, held):
             raise TransferError(
                 f"transfer {spec.transfer_id!r} carries tokens {got.held_tokens} to {got.num_tokens}; the request "
@@ -430,12 +441,14 @@ class WorkerSide:
             self._push_queue.put(req_id)
         return sending, done | failed, failed
 
-    def stats_delta(self) -> dict[str, int]:
-        """What the counters vLLM exports (``stats.COUNTER_SERIES``) gained since the last call: vLLM asks every
-        step and sums what it gets, so each increment is handed over once."""
+    def stats_delta(self) -> dict[str, Any]:
+        """What the counters vLLM exports (``stats.COUNTER_SERIES``) gained since the last call, and the transfers'
+        times observed since (``stats.HISTOGRAMS``): vLLM asks every step and sums what it gets, so each increment
+        and each observation is handed over once."""
         with self._lock:
             now = dict(self.counters)
-        out = stats.delta(now, self._reported)
+            observed, self._observed = self._observed, []
+        out: dict[str, Any] = {**stats.delta(now, self._reported), **stats.observations(observed)}
         self._reported = now
         return out
 
