@@ -63,17 +63,22 @@ def tp_instances(
     """A prefill and a decode instance at tensor parallel ``TP``: a worker side per rank, as vLLM builds one per
     worker, each rank given its config by ``rank_config`` (D's receivers on consecutive ports). Only the first
     ``p_ranks`` prefill ranks are started (fewer: a prefill rank that died)."""
-    ports = HeldPort.run("127.0.0.1", TP)
-    for hold in ports:
-        hold.release()
+    ports = HeldPort.run("127.0.0.1", TP)  # held until D's ranks have bound them, as the launcher does
     cfg = tp_config(ports[0].port)
     p_full = model_kv(12, seed=3)
     p_caches = [rank_cache(p_full, r) for r in range(TP)]
     d_caches = [rank_cache(model_kv(10, None), r) for r in range(TP)]
     ps = [WorkerSide(rank_config(cfg, r), FP, True, False, agent_name=f"p-tp{r}", tp_rank=r) for r in range(p_ranks)]
     ds = [WorkerSide(rank_config(cfg, r), FP, False, True, agent_name=f"d-tp{r}", tp_rank=r) for r in range(TP)]
-    for side, cache in [*zip(ps, p_caches, strict=False), *zip(ds, d_caches, strict=True)]:
-        side.register(*vllm_cache_layout(cache, BS, CPU_BACKEND))
+    try:
+        for side, cache in [*zip(ps, p_caches, strict=False), *zip(ds, d_caches, strict=True)]:
+            side.register(*vllm_cache_layout(cache, BS, CPU_BACKEND))
+    except BaseException:
+        close_all(*ps, *ds)
+        raise
+    finally:
+        for hold in ports:
+            hold.release()
     return ps, ds, p_caches, d_caches
 
 

@@ -125,7 +125,7 @@ class VllmMode(PairMode):
             **params,
             "remote_host": info["remote_host"],
             "remote_port": info["remote_port"],
-            "remote_ports": info.get("remote_ports", [info["remote_port"]]),
+            "remote_ports": info["remote_ports"],
             "transfer_id": transfer_id,
         }
 

@@ -214,6 +214,7 @@ class WorkerPool:
                     "vLLM workers use router.mode: vllm)",
                     "info",
                 )
+            info.setdefault("remote_ports", [info["remote_port"]])  # one receiver: a worker not at tensor parallel
             worker.info = info
         return worker.info
 

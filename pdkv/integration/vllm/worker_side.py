@@ -222,7 +222,7 @@ class WorkerSide:
         spec = p.spec
         if p.failed or p.settled:
             return
-        if self.tp_rank >= len(spec.addresses):
+        if self._receiver(spec) is None:
             self._give_up(p, f"the decode instance has no tensor-parallel rank {self.tp_rank} to push to")
             return
         if p.ready_event is not None:
@@ -256,10 +256,10 @@ class WorkerSide:
         only once D's scheduler allocated them, and other requests' chunks must not wait behind that."""
         assert self.sender is not None
         spec = p.spec
+        address = self._receiver(spec)
+        assert address is not None  # checked by ``_advance`` before it submits us
         try:
-            transfer = self.sender.open(
-                spec.transfer_id, spec.addresses[self.tp_rank], spec.num_tokens, spec.block_ids, spec.prompt_key
-            )
+            transfer = self.sender.open(spec.transfer_id, address, spec.num_tokens, spec.block_ids, spec.prompt_key)
         except PdkvError as exc:
             self._give_up(p, str(exc))
             return
@@ -272,11 +272,15 @@ class WorkerSide:
         transfer.on_settled(lambda _t, p=p: self._settled(p))
         self._push_queue.put(spec.req_id)
 
+    def _receiver(self, spec: SendSpec) -> str | None:
+        """Where this rank pushes: the decode rank of its number's receiver, if the decode instance has one."""
+        return spec.addresses[self.tp_rank] if self.tp_rank < len(spec.addresses) else None
+
     def _give_up(self, p: _Push, why: str) -> None:
         log.warning(
             "request %s: not pushing its KV to %s: %s (D recomputes the prompt)",
             p.spec.req_id,
-            p.spec.addresses[self.tp_rank : self.tp_rank + 1] or "(no receiver)",
+            self._receiver(p.spec) or "(no receiver)",
             why,
         )
         with self._lock:
