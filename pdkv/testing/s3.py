@@ -152,6 +152,10 @@ def local_s3(timeout: float = 60.0, host: str = "127.0.0.1") -> Iterator[LocalS3
             args = [binary, "server", f"-ip={host}", f"-ip.bind={host}", f"-dir={data}", "-filer", "-s3"]
             args += [f"-{flag}={port}" for flag, port in ports.items()]
             args += ["-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={identities}"]
+            # Each bucket is a collection that takes volumes of its own on its first write; weed's default of 8
+            # volumes of 30 GB runs out at the second bucket (InternalError: "no free volumes left"). Small,
+            # sparse volumes and a high count let every test's bucket have some, whatever the disk.
+            args += ["-master.volumeSizeLimitMB=64", "-volume.max=256"]
             with open(data / "weed.log", "ab") as log:
                 env = {**os.environ, "TMPDIR": str(data)}  # its logs go there too
                 proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=data, env=env)
