@@ -13,10 +13,11 @@ When both sides have the same layout, whole blocks move as byte ranges
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 import torch
+from msgspec import Meta
 
 from pdkv.errors import LayoutError
 
@@ -164,16 +165,19 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return -(-num_tokens // self.block_size)
 
     # -- compatibility -----------------------------------------------------
-    def wire_mismatches(self, other: KVLayout, us: str = "ours", them: str = "peer") -> list[str]:
+    def wire_mismatches(self, other: KVLayout, us: str = "ours", them: str = "peer", heads: bool = True) -> list[str]:
         """What makes the two layouts' canonical chunks differ, ``us`` and ``them`` naming the two sides.
 
         Block size, order and kind may differ between P and D: gather and
         scatter convert. These may not: they change what a token's KV is.
         The KV dtype and MLA are never converted (an fp8 cache would have to
         be dequantized with scales pdkv does not hold): they are named with
-        the setting that makes both sides agree.
+        the setting that makes both sides agree. ``heads=False`` leaves the
+        head count out: peers that hold different shares of a model's heads
+        (tensor parallel of different sizes) agree per transfer on a window of
+        them (``HeadWindow``).
         """
-        fields = ("num_layers", "num_kv_heads", "head_dim")
+        fields = ("num_layers", "num_kv_heads", "head_dim") if heads else ("num_layers", "head_dim")
         out = [
             f"layout.{f} ({us} {getattr(self, f)!r}, {them} {getattr(other, f)!r})"
             for f in fields
@@ -192,8 +196,9 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         return out
 
-    def validate_buffer(self, tensors: Sequence[torch.Tensor]) -> int:
-        """Check ``tensors`` are a buffer in this layout; return its block count."""
+    def validate_buffer(self, tensors: Sequence[torch.Tensor], contiguous: bool = True) -> int:
+        """Check ``tensors`` are a buffer in this layout; return its block count. ``contiguous=False`` takes views
+        with any strides (a head window's: the torch path indexes them; nothing registers their bytes)."""
         if len(tensors) != self.num_tensors:
             raise LayoutError(f"{self.kind} layout needs {self.num_tensors} tensors, got {len(tensors)}")
         num_blocks = tensors[0].shape[0] if tensors[0].dim() else 0
@@ -203,9 +208,46 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise LayoutError(
                     f"buffer tensor {i} is {tuple(t.shape)} {t.dtype}, layout expects {expected} {self.torch_dtype}"
                 )
-            if not t.is_contiguous():
+            if contiguous and not t.is_contiguous():
                 raise LayoutError(f"buffer tensor {i} is not contiguous")
         return num_blocks
+
+    def head_axis(self) -> int:
+        """The heads axis of this layout's buffer tensors (``tensor_shape``)."""
+        if self.mla:
+            raise LayoutError("an MLA cache has one latent per layer, no heads to take a window of")
+        if self.kind == "split_kv":
+            return 2 if self.order == "NHD" else 1
+        axis = {"NHD": 3, "HND": 2, "HKND": 1, "NHKD": 2, "HNKD": 1}[self.order]
+        return axis + (self.kind == "cross_layer")
+
+
+class HeadWindow(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """Heads ``[first, first + count)`` of a buffer: the part of its KV one transfer moves.
+
+    Tensor parallel of different sizes splits a model's KV heads differently on P and D (P at TP 2 holds
+    half of them per rank, D at TP 1 all of them): a P rank's heads land in a window of a D rank's, or a D
+    rank's heads are a window of a P rank's. The wire chunk is the window's canonical chunk, ``count`` heads.
+    """
+
+    first: Annotated[int, Meta(ge=0, le=1 << 16)]
+    count: Annotated[int, Meta(ge=1, le=1 << 16)]
+
+    def check(self, layout: KVLayout, whose: str) -> None:
+        """Raise ``LayoutError`` unless this window lies inside ``layout``'s heads (``whose``: named in it)."""
+        if layout.mla or self.first < 0 or self.count < 1 or self.first + self.count > layout.num_kv_heads:
+            held = "one MLA latent (no head windows)" if layout.mla else f"{layout.num_kv_heads} KV heads"
+            raise LayoutError(f"head window [{self.first}, {self.first + self.count}) does not fit {whose}'s {held}")
+
+    def covers(self, layout: KVLayout) -> bool:
+        return self.first == 0 and self.count == layout.num_kv_heads
+
+    def view(self, layout: KVLayout, tensors: Sequence[torch.Tensor]) -> tuple[KVLayout, list[torch.Tensor]]:
+        """The window's layout (``count`` heads) and its views of ``tensors`` (strided: the torch path only)."""
+        self.check(layout, "this buffer")
+        axis = layout.head_axis()
+        sub = msgspec.structs.replace(layout, num_kv_heads=self.count)
+        return sub, [t.narrow(axis, self.first, self.count) for t in tensors]
 
 
 def used_blocks(
@@ -261,7 +303,7 @@ def gather(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Copy tokens ``[start, start+num_tokens)`` of a request out of the paged buffer into a canonical chunk."""
-    num_blocks = layout.validate_buffer(tensors)
+    num_blocks = layout.validate_buffer(tensors, contiguous=False)
     blk, off = _positions(layout, num_blocks, block_table, start, num_tokens, tensors[0].device)
     shape = layout.chunk_shape(num_tokens)
     if out is None:
@@ -283,7 +325,7 @@ def scatter(
     layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: BlockTable, start: int, chunk: torch.Tensor
 ) -> None:
     """Write a canonical chunk into tokens ``[start, start+T)`` of a request's blocks."""
-    num_blocks = layout.validate_buffer(tensors)
+    num_blocks = layout.validate_buffer(tensors, contiguous=False)
     num_tokens = check_chunk(layout, chunk, "chunk")
     blk, off = _positions(layout, num_blocks, block_table, start, num_tokens, tensors[0].device)
     if layout.kind == "per_layer":

@@ -556,9 +556,11 @@ def _native_for(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> bool:
 
     HKND (vLLM's CPU cache) has no kernel: it moves whole blocks between
     vLLM workers, so gather/scatter only run when P and D layouts differ.
+    The kernels take raw addresses of contiguous tensors; a head window's
+    views (``layout.HeadWindow``) are strided.
     """
-    if not tensors or (layout.order == "HKND" and not layout.mla):
-        return False
+    if not tensors or (layout.order == "HKND" and not layout.mla) or not all(t.is_contiguous() for t in tensors):
+        return False  # a head window's strided views: the torch path
     device = tensors[0].device
     if device.type == "cpu":
         return available()

@@ -374,9 +374,14 @@ def test_hello_mismatch_names_the_field(make_pair: MakePair) -> None:
     pair = make_pair(fingerprints=("llama-8b", "qwen-7b"))
     with pytest.raises(HandshakeError, match="model_fingerprint \\(ours 'qwen-7b', peer 'llama-8b'\\)"):
         pair.sender.open("x", pair.receiver.address, 16, [0])
-    pair2 = make_pair(d_layout=KVLayout(num_layers=3, num_kv_heads=4, head_dim=8, dtype="float32"))
-    with pytest.raises(HandshakeError, match="layout.num_kv_heads"):
+    pair2 = make_pair(d_layout=KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, dtype="float32"))
+    with pytest.raises(HandshakeError, match="layout.num_layers"):
         pair2.sender.open("y", pair2.receiver.address, 16, [0])
+    # heads may differ at the handshake (tensor parallel of different sizes), never in one transfer: refused per
+    # transfer unless it names its window (tests/test_head_windows.py)
+    pair3 = make_pair(d_layout=KVLayout(num_layers=3, num_kv_heads=4, head_dim=8, dtype="float32"))
+    with pytest.raises(ReservationError, match=r"layout.num_kv_heads \(this decode 4, prefill 2\)"):
+        pair3.sender.open("z", pair3.receiver.address, 16, [0])
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pdkv.config import TransferConfig
+from pdkv.errors import LayoutError
 from pdkv.layout import KVLayout
 from pdkv.transfer.protocol import Refused, Reserve
 
@@ -66,6 +67,9 @@ def admit(req: Reserve, view: ReceiverView) -> Admission | Refused:
             "(max_reservations_per_peer)",
             retryable=True,
         )
+    heads = _heads_refusal(req, view)
+    if heads:
+        return Refused(tid, heads)
     held, block_size = view.held_tokens, view.layout.block_size
     if held % block_size or held >= req.num_tokens:
         return Refused(
@@ -84,11 +88,33 @@ def admit(req: Reserve, view: ReceiverView) -> Admission | Refused:
             retryable=blocks <= peer_cap,
         )
     chunks = -(-(req.num_tokens - held) // cfg.chunk_size)
-    direct = writes_in_place(view) and req.codec == "none"
+    direct = writes_in_place(view) and req.codec == "none" and req.heads is None
     slots = 0 if direct else min(cfg.slots_per_request, chunks)
     if slots > view.free_slots:
         return Refused(tid, f"no staging slots free ({view.free_slots} of {cfg.staging_slots})", retryable=True)
     return Admission(mode="direct" if direct else "staging", blocks=blocks, slots=slots, chunks=chunks, held=held)
+
+
+def _heads_refusal(req: Reserve, view: ReceiverView) -> str:
+    """Why the chunks' heads cannot land here ("" when they can): all of ours from a peer holding as many, or a
+    window of ours (``Reserve.heads``) no wider than the peer's heads, raw (codecs work on whole layouts)."""
+    ours, theirs = view.layout.num_kv_heads, view.peer_layout.num_kv_heads
+    if req.heads is None:
+        if ours == theirs:
+            return ""
+        return (
+            f"layout.num_kv_heads (this decode {ours}, prefill {theirs}): peers holding different numbers of KV heads "
+            "(tensor parallel of different sizes) name the heads each transfer carries (Reserve.heads)"
+        )
+    try:
+        req.heads.check(view.layout, "this receiver")
+    except LayoutError as exc:
+        return str(exc)
+    if req.heads.count > theirs:
+        return f"head window of {req.heads.count} heads: the sender holds {theirs}"
+    if req.codec != "none":
+        return f"codec {req.codec!r} encodes whole layouts; a head window moves raw (codec 'none')"
+    return ""
 
 
 def writes_in_place(view: ReceiverView) -> bool:

@@ -105,6 +105,7 @@ class IncomingBook:
             ),
             prompt_key=req.prompt_key,
             codec=req.codec,
+            heads=req.heads,
         )
         self.counters["reserved"] += 1
         self.lock.notify_all()
@@ -227,7 +228,7 @@ class IncomingBook:
                 self.counters["stray_notices"] += 1
                 return None, -1
             try:
-                nbytes = r.land(self.memory, notice)
+                nbytes = r.land(self.memory.window(r.heads), notice)
             except TransferError as exc:
                 if isinstance(exc, ChecksumError):
                     self.counters["checksum_failures"] += 1

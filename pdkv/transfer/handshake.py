@@ -20,6 +20,7 @@ import msgspec
 
 from pdkv.auth import bound_proof, new_nonce, proof, session_key, verify, verify_bound
 from pdkv.errors import HandshakeError, PdkvError, TransferError, TransferTimeout
+from pdkv.layout import HeadWindow
 from pdkv.transfer import protocol
 from pdkv.transfer.parts import ReceiverParts, SenderParts
 from pdkv.transfer.peers import ReceiverPeer, SenderPeer
@@ -41,10 +42,17 @@ def answer(fut: Future[Any], outcome: Any) -> None:
 
 
 def signed_reserve(
-    peer: ReceiverPeer, secret: bytes, *, transfer_id: str, num_tokens: int, prompt_key: bytes, codec: str
+    peer: ReceiverPeer,
+    secret: bytes,
+    *,
+    transfer_id: str,
+    num_tokens: int,
+    prompt_key: bytes,
+    codec: str,
+    heads: HeadWindow | None = None,
 ) -> Reserve:
     """A Reserve for ``peer``; with a secret, its proof bound to the handshake's nonces (``reserving_peer``)."""
-    msg = Reserve(transfer_id, num_tokens, prompt_key, codec=codec)
+    msg = Reserve(transfer_id, num_tokens, prompt_key, codec=codec, heads=heads)
     if secret and peer.hello is not None:
         msg.proof = bound_proof(secret, "reserve", peer.hello.nonce + peer.nonce, *reserve_fields(msg))
     return msg

@@ -18,11 +18,12 @@ from pdkv.channels.grants import Range
 from pdkv.checksum import blocks_checksum, chunk_checksum, frame_checksum
 from pdkv.codec import Codec
 from pdkv.errors import ChecksumError, TransferError
-from pdkv.layout import KVLayout, block_runs
+from pdkv.layout import HeadWindow, KVLayout, block_runs
 from pdkv.native import scatter, scatter_summed
 from pdkv.staging import DeviceStager
 from pdkv.transfer.plan import TransferPlan
 from pdkv.transfer.protocol import ChunkNotice
+from pdkv.transfer.windows import Windows
 
 
 class State(enum.Enum):
@@ -70,6 +71,11 @@ class ReceiveMemory:
     # The channel's checksum of blocks (of every KV tensor) from what it hashed as they landed
     # (``Channel.landed_checksum``), or None: a direct chunk is verified by reading its blocks.
     landed_checksum: Callable[[list[int]], int] | None = None
+    windows: Windows = field(default_factory=Windows, repr=False)
+
+    def window(self, heads: HeadWindow | None) -> ReceiveMemory:
+        """This memory as a transfer landing in ``heads`` of ours sees it (``pdkv.transfer.windows``)."""
+        return self.windows.of(self, heads, self.chunk_size)
 
     def blocks_checksum(self, blocks: list[int]) -> int:
         """The checksum of ``blocks`` of every KV tensor as they sit in memory: a direct chunk's landed value."""
@@ -115,6 +121,7 @@ class IncomingTransfer:
     plan: TransferPlan  # each chunk's tokens and blocks, worked out at admission
     prompt_key: bytes = b""
     codec: str = "none"  # how its staged chunks arrive
+    heads: HeadWindow | None = None  # the heads of ours its chunks carry (None: all); staged
     revoked: bool = False  # its grants were taken back: the sender can no longer write into it
     state: State = State.RECEIVING
     landed: set[int] = field(default_factory=set)

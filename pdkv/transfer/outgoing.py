@@ -21,7 +21,7 @@ from pdkv.channels.handle import BlockWrite, TransferHandle, TransferOp, XferSta
 from pdkv.checksum import blocks_checksum, chunk_checksum, flat_bytes, frame_checksum
 from pdkv.codec import Codec
 from pdkv.errors import ReservationError, TransferCancelled, TransferError, TransferTimeout
-from pdkv.layout import KVLayout
+from pdkv.layout import HeadWindow, KVLayout
 from pdkv.memory import in_reach, memory_kind
 from pdkv.native import gather, gather_summed
 from pdkv.staging import DeviceStager, pinned_empty
@@ -32,6 +32,7 @@ from pdkv.transfer.plan import TransferPlan
 from pdkv.transfer.pool import PoolClaim
 from pdkv.transfer.protocol import ChunkNotice, Landed, Reserved
 from pdkv.transfer.stall import StallBound
+from pdkv.transfer.windows import Windows
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,11 @@ class SendSource:
     staging_region: int
     slot_bytes: int
     stager: DeviceStager | None
+    windows: Windows = field(default_factory=Windows, repr=False)
+
+    def window(self, heads: HeadWindow | None, chunk_size: int) -> SendSource:
+        """This memory as a transfer of ``heads`` of ours reads it (``pdkv.transfer.windows``)."""
+        return self.windows.of(self, heads, chunk_size)
 
     @classmethod
     def register(
@@ -184,13 +190,16 @@ class OutgoingTransfer:
         reserved: Reserved,
         codec: Codec,
         claim: PoolClaim | None = None,
+        source: SendSource | None = None,
     ) -> None:
         """``plan``: its chunks over ``block_table`` (``sender_plan``), made again past what the receiver holds
         already when it says so, and paired here with the receiver's blocks in direct mode. ``opened_ns``: when
         ``open`` began (``time.perf_counter_ns``), the start of our fixed host cost (``hosttime.py``). ``claim``: the
         transfer was written into the receiver's pool, not reserved: its one chunk's notice carries the Reserve
-        (README.md here, "Pools")."""
+        (README.md here, "Pools"). ``source``: what its chunks are read from, when not all of ``ctx.source`` (a head
+        window of it: ``SendSource.window``)."""
         self.ctx = ctx
+        self.source = ctx.source if source is None else source
         self.claim = claim
         self.codec = codec  # how staged chunks go on the wire (``none``: as they are)
         self.cond = ctx.parts.cond
@@ -203,12 +212,12 @@ class OutgoingTransfer:
         self.remote_slots = reserved.staging_slots
         if reserved.held_tokens:  # the receiver holds the prompt's first tokens already: our chunks start past them
             chunk_size = ctx.parts.config.chunk_size
-            plan = sender_plan(ctx.source, chunk_size, transfer_id, num_tokens, block_table, held=reserved.held_tokens)
+            plan = sender_plan(self.source, chunk_size, transfer_id, num_tokens, block_table, held=reserved.held_tokens)
         self.plan = plan.with_peer(reserved.block_ids) if self.mode == "direct" else plan
         self.spans = plan.spans
         # every chunk's direct write, worked out once: send_chunk takes its chunk's (none in staging mode)
         assert peer.hello is not None
-        src = ctx.source
+        src = self.source
         self.direct_writes = self.plan.writes(src.kv_regions, peer.hello.kv_regions, src.layout.block_bytes)
         self.free_remote_slots = collections.deque(range(len(reserved.staging_slots)))
         self.slot_of_chunk: dict[int, int] = {}
@@ -254,7 +263,7 @@ class OutgoingTransfer:
         ctx = self.ctx
         timeout = ctx.parts.config.chunk_timeout_s if timeout is None else timeout
         start, n = self.spans[index]
-        nbytes = ctx.source.layout.chunk_bytes(n)
+        nbytes = self.source.layout.chunk_bytes(n)
         staging = self.mode == "staging"
         local_slot, remote_slot = self._take_credit(index, nbytes, staging, timeout)
         posting = time.perf_counter_ns()  # this chunk's host time (hosttime.py): credit waits left out
@@ -393,7 +402,7 @@ class OutgoingTransfer:
     def _direct_write(self, index: int) -> tuple[BlockWrite, int]:
         """Chunk ``index``'s write from the plan (its blocks of every buffer tensor, as arrays); the checksum over
         the same bytes in wire order."""
-        src = self.ctx.source
+        src = self.source
         # On a GPU this runs on the caller's stream and reading its value waits for that stream: the write is
         # posted only after the forward step that wrote these blocks has finished (that stream, not the device).
         digest = blocks_checksum(src.kv_bytes, self.plan.blocks[index], src.layout.block_bytes)
@@ -402,7 +411,7 @@ class OutgoingTransfer:
     def _staged_ops(self, local_slot: int, remote_slot: int, start: int, n: int) -> tuple[list[TransferOp], int]:
         """Gather the chunk into our slot (through the codec, when one encodes it); the checksum covers the wire
         bytes."""
-        src = self.ctx.source
+        src = self.source
         layout = src.layout
         base = local_slot * src.slot_bytes
         digest: int | None = None

@@ -17,7 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from pdkv.errors import HandshakeError, ProtocolError
-from pdkv.layout import KVLayout
+from pdkv.layout import HeadWindow, KVLayout
 
 # 4: the id of a transfer is ``transfer_id`` on the wire (it was ``request_id``, the HTTP request's name), and a
 # chunk's checksum is ``pdkv.checksum.chunk_checksum`` (computed on the device holding the bytes; was xxh3-64).
@@ -27,7 +27,7 @@ from pdkv.layout import KVLayout
 # acknowledged (``BeatAck``): the sender counts a lease renewed when the receiver says it was.
 # 8: a ``Reserved`` says how many leading tokens the receiver already holds (``held_tokens``, its prefix cache's
 # hit): the sender pushes only the rest. A peer of 7 would push every chunk into the blocks granted past the hit.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_ID_LEN = 256
@@ -85,11 +85,15 @@ class Reserve(msgspec.Struct, tag="reserve", forbid_unknown_fields=True):
     prompt_key: Annotated[bytes, Meta(max_length=64)] = b""
     proof: Annotated[bytes, Meta(max_length=64)] = b""
     codec: Annotated[str, Meta(max_length=32)] = "none"  # how this request's chunks are encoded (staging mode only)
+    # The receiver's heads the chunks carry (tensor parallel of different sizes: pdkv.layout.HeadWindow); None:
+    # all of them, and then both sides hold the same heads. A window is always staged.
+    heads: HeadWindow | None = None
 
 
-def reserve_fields(msg: Reserve) -> tuple[bytes, bytes, bytes, bytes]:
+def reserve_fields(msg: Reserve) -> tuple[bytes, ...]:
     """What a Reserve's ``proof`` covers, in order."""
-    return msg.transfer_id.encode(), msg.num_tokens.to_bytes(8, "little"), msg.prompt_key, msg.codec.encode()
+    window = b"" if msg.heads is None else b"%d:%d" % (msg.heads.first, msg.heads.count)
+    return msg.transfer_id.encode(), msg.num_tokens.to_bytes(8, "little"), msg.prompt_key, msg.codec.encode(), window
 
 
 class Reserved(msgspec.Struct, tag="reserved", forbid_unknown_fields=True):
@@ -306,7 +310,8 @@ def check_compatible(ours: Hello, theirs: Hello, role: Literal["prefill", "decod
         a, b = getattr(ours, field), getattr(theirs, field)
         if a != b:
             diffs.append(f"{field} (ours {a!r}, peer {b!r})")
-    diffs.extend(ours.layout.wire_mismatches(theirs.layout, us=f"this {role}", them=peer_role))
+    # the head count is agreed per transfer (``Reserve.heads``): tensor-parallel ranks of different sizes differ in it
+    diffs.extend(ours.layout.wire_mismatches(theirs.layout, us=f"this {role}", them=peer_role, heads=False))
     if diffs:
         raise HandshakeError(f"peer {theirs.agent!r} is incompatible: " + "; ".join(diffs))
 

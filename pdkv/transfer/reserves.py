@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from pdkv.errors import ReservationError, TransferError, TransferTimeout
+from pdkv.layout import HeadWindow
 from pdkv.transfer import protocol
 from pdkv.transfer.handshake import SenderHandshake, answer, signed_reserve
 from pdkv.transfer.parts import SenderParts
@@ -27,9 +28,17 @@ class Reserves:
         self.parts, self.handshake, self.block_size = parts, handshake, block_size
 
     def reserve(
-        self, address: str, *, transfer_id: str, num_tokens: int, prompt_key: bytes, codec: str
+        self,
+        address: str,
+        *,
+        transfer_id: str,
+        num_tokens: int,
+        prompt_key: bytes,
+        codec: str,
+        heads: HeadWindow | None = None,
     ) -> tuple[ReceiverPeer, Reserved]:
-        """Room for the whole transfer at ``address``, retried within reserve_timeout_s while it may still fit."""
+        """Room for the whole transfer at ``address``, retried within reserve_timeout_s while it may still fit;
+        ``heads``: the receiver's heads it carries (``protocol.Reserve.heads``)."""
         parts = self.parts
         deadline = time.monotonic() + parts.config.reserve_timeout_s
         rehandshaked = False
@@ -37,7 +46,13 @@ class Reserves:
         while True:
             peer = self.handshake.connect(address)
             msg = signed_reserve(
-                peer, parts.secret, transfer_id=transfer_id, num_tokens=num_tokens, prompt_key=prompt_key, codec=codec
+                peer,
+                parts.secret,
+                transfer_id=transfer_id,
+                num_tokens=num_tokens,
+                prompt_key=prompt_key,
+                codec=codec,
+                heads=heads,
             )
             try:
                 reply = self._ask(peer, msg)
@@ -48,7 +63,7 @@ class Reserves:
                 rehandshaked = True
                 continue
             if isinstance(reply, Reserved):
-                self._check(reply, num_tokens, codec)
+                self._check(reply, num_tokens, codec, heads is not None)
                 return peer, reply
             reason = reply.reason if isinstance(reply, Refused) else getattr(reply, "message", repr(reply))
             if not rehandshaked and reason.startswith(HELLO_REQUIRED):
@@ -101,12 +116,11 @@ class Reserves:
             with parts.cond:
                 parts.asking.pop(transfer_id, None)
 
-    def _check(self, reply: Reserved, num_tokens: int, codec: str) -> None:
+    def _check(self, reply: Reserved, num_tokens: int, codec: str, window: bool = False) -> None:
         """A reservation from the wire is checked before any write is built from it."""
-        if codec != "none" and reply.mode != "staging":
-            raise ReservationError(
-                f"receiver reserved {reply.mode} mode for a transfer encoded with {codec!r}: codecs need staging"
-            )
+        if (codec != "none" or window) and reply.mode != "staging":
+            why = "a head window" if window else f"encoded with {codec!r}"
+            raise ReservationError(f"receiver reserved {reply.mode} mode for a transfer {why}: it needs staging")
         held = reply.held_tokens
         if held >= num_tokens or (reply.mode == "direct" and held % self.block_size):
             raise ReservationError(

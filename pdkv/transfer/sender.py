@@ -21,8 +21,8 @@ from pdkv.channels.base import Channel
 from pdkv.codec import Codec, make_codec
 from pdkv.codec import slot_bytes as codec_slot_bytes
 from pdkv.config import TransferConfig
-from pdkv.errors import ReservationError, TransferCancelled
-from pdkv.layout import KVLayout
+from pdkv.errors import LayoutError, ReservationError, TransferCancelled
+from pdkv.layout import HeadWindow, KVLayout
 from pdkv.memory import adopt_kv, memory_kind
 from pdkv.transfer import protocol
 from pdkv.transfer.control import ControlLoop, DealerSockets
@@ -117,6 +117,7 @@ class KVSender:
         block_table: Sequence[int],
         prompt_key: bytes = b"",
         codec: str | None = None,
+        heads: tuple[HeadWindow, HeadWindow] | None = None,
     ) -> OutgoingTransfer:
         """Handshake (once per receiver) and reserve room for the whole transfer there.
 
@@ -124,8 +125,23 @@ class KVSender:
         it travels in the Reserve, so the decode side adopts this KV only for that prompt.
         ``codec``: ``none`` or the configured ``transfer.codec`` (the default) for this transfer's chunks;
         any codec but ``none`` makes the receiver grant staging mode (direct writes stay raw).
+        ``heads``: (ours, theirs): the transfer carries our heads ``ours`` into the receiver's ``theirs``, where
+        the two sides hold different shares of the model's heads (tensor parallel of different sizes); staged and
+        raw (codec ``none``). None: all our heads into all of its, which must be as many.
         """
         codec = self.config.codec if codec is None else codec
+        source, into = self.source, None
+        if heads is not None:
+            ours, into = heads
+            if ours.count != into.count or codec != "none":
+                raise ReservationError(
+                    f"transfer {transfer_id!r}: heads {ours} into {into} with codec {codec!r}: a head window moves as "
+                    "many heads as it lands in, raw (codec 'none')"
+                )
+            try:
+                source = self.source.window(ours, self.config.chunk_size)
+            except LayoutError as exc:
+                raise ReservationError(f"transfer {transfer_id!r}: {exc}") from None
         if codec not in self.codecs:
             raise ReservationError(
                 f"transfer {transfer_id!r}: codec {codec!r} is not this sender's; it runs {' or '.join(self.codecs)} "
@@ -133,13 +149,13 @@ class KVSender:
             )
         began = time.perf_counter_ns()  # the request's fixed host cost (hosttime.py) runs from here
         # every chunk's blocks, checked against ours once and before anything is reserved
-        plan = sender_plan(self.source, self.config.chunk_size, transfer_id, num_tokens, block_table)
+        plan = sender_plan(source, self.config.chunk_size, transfer_id, num_tokens, block_table)
         request = {"transfer_id": transfer_id, "num_tokens": num_tokens, "prompt_key": prompt_key, "codec": codec}
-        pooled = self.pools.claim(address, **request)
+        pooled = self.pools.claim(address, **request) if into is None else None  # a pool is written in place
         if pooled is not None:  # no round trip: the Reserve rides on the chunk's notice
             peer, reserved, claim = pooled
         else:
-            (peer, reserved), claim = self.reserves.reserve(address, **request), None
+            (peer, reserved), claim = self.reserves.reserve(address, **request, heads=into), None
         xfer = OutgoingTransfer(
             self._ctx,
             peer=peer,
@@ -151,6 +167,7 @@ class KVSender:
             reserved=reserved,
             codec=self.codecs[codec],
             claim=claim,
+            source=source,
         )
         with self.cond:
             self._transfers[transfer_id] = xfer
