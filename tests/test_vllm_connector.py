@@ -644,7 +644,7 @@ def test_vllm_blocks_grant_a_transfer_its_requests_blocks_only_once_expected() -
         blocks.allocate_for("t-1", 4)
     assert blocks.held_for("t-1") == 0 and blocks.allocate_for("t-1", 2) == [7, 3] and blocks.num_free == 8
     blocks.expect("t-2", [3, 4])
-    with pytest.raises(OutOfBlocksError, match="1 of them held by another transfer"):
+    with pytest.raises(OutOfBlocksError, match="1 of them held by another request.s transfer"):
         blocks.allocate_for("t-2", 2)
     assert not blocks.withdraw("t-1", 0.01)  # granted and not freed: a late write may still land
     threading.Timer(0.05, blocks.free, ([7, 3],)).start()
@@ -660,6 +660,25 @@ def test_vllm_blocks_grant_a_transfer_its_requests_blocks_only_once_expected() -
     with pytest.raises(OutOfBlocksError, match="past 0 tokens"):  # admitted before the loader's word: asked again
         blocks.allocate_for("t-4", 2)
     assert blocks.allocate_for("t-4", 2, held=32) == [2, 6]
+
+
+def test_vllm_blocks_grant_one_requests_head_windows_the_same_blocks_until_each_freed_them() -> None:
+    """P at TP 2 -> D at TP 1: two transfers land their heads in one request's blocks; another request's may not."""
+    blocks = VllmBlocks(10)
+    for tid in ("r/p0d0", "r/p1d0"):
+        blocks.expect(tid, [4, 8], group="r")
+    assert blocks.allocate_for("r/p0d0", 2) == [4, 8] and blocks.allocate_for("r/p1d0", 2) == [4, 8]
+    assert blocks.num_free == 8
+    blocks.expect("other", [8, 9])
+    with pytest.raises(OutOfBlocksError, match="1 of them held by another request.s transfer"):
+        blocks.allocate_for("other", 2)
+    blocks.free([4, 8])
+    assert blocks.num_free == 8  # the other window still holds them: a late write of its sender may land
+    assert blocks.withdraw("r/p0d0", 0.01) != blocks.withdraw("r/p1d0", 0.01)  # one of the two freed its grant
+    blocks.free([4, 8])
+    assert blocks.num_free == 10 and blocks.withdraw("r/p0d0", 0.01) and blocks.withdraw("r/p1d0", 0.01)
+    with pytest.raises(LayoutError, match="double free"):
+        blocks.free([4, 8])
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,6 @@ hold them; tests/test_vllm_integration.py runs real vLLM servers at tensor paral
 
 from __future__ import annotations
 
-import logging
 from types import SimpleNamespace
 
 import pytest
@@ -19,9 +18,10 @@ from pdkv.config import PdkvConfig, convert_config
 from pdkv.errors import ConfigError
 from pdkv.integration.vllm.kvcache import CPU_BACKEND, vllm_cache_layout
 from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
-from pdkv.integration.vllm.parallel import check_parallel, rank_config
+from pdkv.integration.vllm.parallel import Piece, check_parallel, pieces, rank_config
 from pdkv.integration.vllm.scheduler_side import SchedulerSide
 from pdkv.integration.vllm.worker_side import WorkerSide
+from pdkv.layout import gather
 from pdkv.netaddr import HeldPort
 
 from conftest import held_blocks
@@ -40,12 +40,19 @@ def model_kv(num_blocks: int, seed: int | None) -> list[torch.Tensor]:
     ]
 
 
-def rank_cache(full: list[torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
-    """Rank ``rank``'s cache at tensor parallel ``TP``: its contiguous slice of the KV heads, as vLLM shards them."""
-    per = HEADS // TP
+def rank_cache(full: list[torch.Tensor], rank: int, tp: int = TP) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s cache at tensor parallel ``tp``: its contiguous slice of the KV heads, as vLLM shards them."""
+    per = HEADS // tp
     return {
         f"model.layers.{i}.self_attn.attn": t[:, rank * per : (rank + 1) * per].contiguous() for i, t in enumerate(full)
     }
+
+
+def model_tokens(caches: list[dict[str, torch.Tensor]], table: list[int]) -> torch.Tensor:
+    """Tokens 32 to 150 of the model's KV held by ``caches`` (one per rank, in rank order), every head."""
+    whole = {name: torch.cat([c[name] for c in caches], dim=1) for name in caches[0]}
+    layout, views = vllm_cache_layout(whole, BS, CPU_BACKEND)
+    return gather(layout, views, table, 32, 118)
 
 
 def tp_config(control_port: int = 0) -> PdkvConfig:
@@ -58,18 +65,24 @@ def tp_config(control_port: int = 0) -> PdkvConfig:
 
 
 def tp_instances(
-    p_ranks: int = TP,
+    p_ranks: int | None = None, p_tp: int = TP, d_tp: int = TP
 ) -> tuple[list[WorkerSide], list[WorkerSide], list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]]:
-    """A prefill and a decode instance at tensor parallel ``TP``: a worker side per rank, as vLLM builds one per
-    worker, each rank given its config by ``rank_config`` (D's receivers on consecutive ports). Only the first
-    ``p_ranks`` prefill ranks are started (fewer: a prefill rank that died)."""
-    ports = HeldPort.run("127.0.0.1", TP)  # held until D's ranks have bound them, as the launcher does
+    """A prefill instance at tensor parallel ``p_tp`` and a decode one at ``d_tp``: a worker side per rank, as vLLM
+    builds one per worker, each rank given its config by ``rank_config`` (D's receivers on consecutive ports). Only
+    the first ``p_ranks`` prefill ranks are started (fewer: a prefill rank that died)."""
+    ports = HeldPort.run("127.0.0.1", d_tp)  # held until D's ranks have bound them, as the launcher does
     cfg = tp_config(ports[0].port)
     p_full = model_kv(12, seed=3)
-    p_caches = [rank_cache(p_full, r) for r in range(TP)]
-    d_caches = [rank_cache(model_kv(10, None), r) for r in range(TP)]
-    ps = [WorkerSide(rank_config(cfg, r), FP, True, False, agent_name=f"p-tp{r}", tp_rank=r) for r in range(p_ranks)]
-    ds = [WorkerSide(rank_config(cfg, r), FP, False, True, agent_name=f"d-tp{r}", tp_rank=r) for r in range(TP)]
+    p_caches = [rank_cache(p_full, r, p_tp) for r in range(p_tp)]
+    d_caches = [rank_cache(model_kv(10, None), r, d_tp) for r in range(d_tp)]
+    ps = [
+        WorkerSide(rank_config(cfg, r), FP, True, False, f"p-tp{r}", tp_rank=r, tp_size=p_tp, total_kv_heads=HEADS)
+        for r in range(p_tp if p_ranks is None else p_ranks)
+    ]
+    ds = [
+        WorkerSide(rank_config(cfg, r), FP, False, True, f"d-tp{r}", tp_rank=r, tp_size=d_tp, total_kv_heads=HEADS)
+        for r in range(d_tp)
+    ]
     try:
         for side, cache in [*zip(ps, p_caches, strict=False), *zip(ds, d_caches, strict=True)]:
             side.register(*vllm_cache_layout(cache, BS, CPU_BACKEND))
@@ -95,7 +108,7 @@ def test_each_prefill_rank_pushes_its_heads_to_the_decode_rank_of_the_same_numbe
         for p in ps:  # vLLM broadcasts one step's metadata to every rank
             p.push(StepMetadata(sends=[SendSpec("r1", "t-1", addresses, 150, P_TABLE, 150)]))
         for d in ds:  # block 0 is D's own prefix hit: every rank skips it
-            d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 32, D_TABLE)]))
+            d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 32, D_TABLE, prefill_tp=TP)]))
         for d in ds:  # each rank reports the request (vLLM finishes it once every rank has)
             assert collect(d, set())[1:] == ({"r1"}, set())
         for p in ps:
@@ -123,7 +136,7 @@ def test_a_rank_whose_part_never_lands_fails_the_request_within_the_timeout() ->
         addresses = [d.receiver.address for d in ds]  # type: ignore[union-attr]
         ps[0].push(StepMetadata(sends=[SendSpec("r1", "t-1", addresses, 150, P_TABLE, 150)]))
         for d in ds:
-            d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 0, D_TABLE)]))
+            d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 0, D_TABLE, prefill_tp=TP)]))
         assert collect(ds[0], set())[1:] == ({"r1"}, set())
         # rank 1 reports the request finished AND failed once transfer_timeout_s (3 s) ran out: vLLM's aggregator
         # fails the whole request and recomputes it, rank 0's landed half unused
@@ -143,21 +156,78 @@ TARGET2 = {
 }
 
 
-def test_the_scheduler_hands_every_rank_its_receiver_and_pushes_only_between_equal_sizes(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_the_scheduler_hands_every_rank_the_decode_ranks_receivers_and_tells_d_its_size() -> None:
     s = SchedulerSide(FP, 64, is_producer=True, is_consumer=False, tp_size=2)
     s.after_alloc(request("r1", list(range(100)), TARGET2), [7, 8], 0)
     step = s.build(sched_output(new=[("r1", [7, 8], 0)], scheduled={"r1": 100}))
     assert [x.addresses for x in step.sends] == [["tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"]]
-    # a decode instance of one receiver (tensor parallel 1): not pushed, said why, D recomputes
+    # a decode instance of one receiver (tensor parallel 1): pushed all the same, each rank its half of the heads
     one = {k: v for k, v in TARGET2.items() if k != "remote_ports"}
-    with caplog.at_level(logging.WARNING):
-        s.after_alloc(request("r2", list(range(100)), one), [9, 10], 0)
+    s.after_alloc(request("r2", list(range(100)), one), [9, 10], 0)
     step = s.build(sched_output(new=[("r2", [9, 10], 0)], scheduled={"r2": 100}))
-    assert step.sends == [] and s.unpaired_pushes == 1
-    assert "equal --tensor-parallel-size" in caplog.text
-    assert s.finished(SimpleNamespace(request_id="r2", num_computed_tokens=100)) == (False, None)
+    assert [x.addresses for x in step.sends] == [["tcp://127.0.0.1:5555"]]
+    held, params = s.finished(SimpleNamespace(request_id="r2", num_computed_tokens=100))
+    assert held and params is not None and params["prefill_tp"] == 2
+    d = SchedulerSide(FP, 64, is_producer=False, is_consumer=True)
+    decode = request("r2", list(range(100)), params)
+    assert d.num_new_matched_tokens(decode, 0) == (100, True)
+    d.after_alloc(decode, [1, 2], 100)
+    assert [spec.prefill_tp for spec in d.build(sched_output()).loads] == [2]
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (4, 2), (2, 4)])
+def test_ranks_of_different_sizes_move_each_decode_rank_exactly_its_heads(p_tp: int, d_tp: int) -> None:
+    """P at one size, D at another: every decode rank's heads come from the prefill ranks holding them, each part
+    in its window of the rank's heads in the same blocks; the request is done once every part landed."""
+    ps, ds, p_caches, d_caches = tp_instances(p_tp=p_tp, d_tp=d_tp)
+    try:
+        addresses = [d.receiver.address for d in ds]  # type: ignore[union-attr]
+        for p in ps:
+            p.push(StepMetadata(sends=[SendSpec("r1", "t-1", addresses, 150, P_TABLE, 150)]))
+        for d in ds:  # block 0 is D's own prefix hit
+            d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 32, D_TABLE, prefill_tp=p_tp)]))
+        for d in ds:
+            assert collect(d, set())[1:] == ({"r1"}, set())
+        for p in ps:
+            assert collect(p, {"r1"})[0] == {"r1"}
+        # the model's tokens past the hit, every head in order, on D as on P (staged: tokens, not whole blocks)
+        assert torch.equal(model_tokens(d_caches, D_TABLE), model_tokens(p_caches, P_TABLE))
+        assert not any(c[name][D_TABLE[0]].any() for c in d_caches for name in c)  # the hit's block: never written
+        stats = [d.receiver.stats() for d in ds]  # type: ignore[union-attr]
+        assert [s["bytes_landed"] for s in stats] == [ds[0].layout.chunk_bytes(118)] * d_tp  # type: ignore[union-attr]
+        assert [held_blocks(s, 10) for s in stats] == [0] * d_tp
+        parts = max(p_tp, d_tp)  # transfers: one per pair of ranks sharing heads
+        assert sum(p.counters["push_ok"] for p in ps) == parts and sum(d.counters["load_ok"] for d in ds) == d_tp
+        assert [d.counters["pushed_tokens_loaded"] for d in ds] == [118] + [0] * (d_tp - 1)
+        assert [p.counters["push_tokens"] for p in ps] == [118] + [0] * (p_tp - 1)
+    finally:
+        close_all(*ps, *ds)
+
+
+def test_a_decode_rank_missing_one_prefill_ranks_heads_fails_the_request_and_frees_its_blocks() -> None:
+    """P at TP 2 -> D at TP 1, prefill rank 1 gone: the half that landed is not decoded from."""
+    ps, ds, _, _ = tp_instances(p_ranks=1, p_tp=2, d_tp=1)
+    try:
+        addresses = [ds[0].receiver.address]  # type: ignore[union-attr]
+        ps[0].push(StepMetadata(sends=[SendSpec("r1", "t-1", addresses, 150, P_TABLE, 150)]))
+        ds[0].start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 0, D_TABLE, prefill_tp=2)]))
+        assert collect(ds[0], set(), timeout=15)[1:] == ({"r1"}, {"r1"})  # finished and failed: vLLM recomputes
+        assert collect(ps[0], {"r1"})[0] == {"r1"} and ps[0].counters["push_ok"] == 1  # its own part did land
+        stats = ds[0].receiver.stats()  # type: ignore[union-attr]
+        assert held_blocks(stats, 10) == 0 and ds[0]._blocks.num_free == 10  # type: ignore[union-attr]
+        assert ds[0].counters["load_failed"] == 1 and ds[0].counters["pushed_tokens_loaded"] == 0
+    finally:
+        close_all(*ps, *ds)
+
+
+def test_sizes_the_kv_heads_do_not_divide_by_are_refused_by_name() -> None:
+    assert pieces(4, 2, 2) == [Piece(0, 0), Piece(1, 1)]
+    assert pieces(1, 1, 2, mla=True) == [Piece(0, 0), Piece(0, 1)]  # MLA: the one latent to every decode rank
+    assert pieces(1, 4, 2, mla=True) == [Piece(0, 0), Piece(1, 1)]
+    with pytest.raises(ConfigError, match="8 KV heads do not divide by both sizes"):
+        pieces(8, 2, 16)
+    with pytest.raises(ConfigError, match="6 KV heads do not divide"):
+        pieces(6, 4, 2)
 
 
 @pytest.mark.parametrize(

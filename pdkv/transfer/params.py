@@ -94,6 +94,7 @@ class Pushed(msgspec.Struct):
     transfer_id: TransferId
     num_tokens: Annotated[int, Meta(ge=1)]
     prompt_key: Annotated[str, Meta(min_length=1, max_length=128)]
+    prefill_tp: Annotated[int, Meta(ge=1, le=1024)] = 1  # P's tensor-parallel size: which ranks push which heads
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
 

@@ -221,6 +221,8 @@ class PdkvConnector(KVConnectorBase_V1):
                 agent_name(f"{'producer' if producer else 'consumer'}-tp{rank}"),
                 self._shared_cache,
                 tp_rank=rank,
+                tp_size=self.tp_size,
+                total_kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
             )
 
     def _shared_cache(self, layout: KVLayout) -> KVCacheEngine | None:

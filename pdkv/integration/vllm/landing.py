@@ -62,7 +62,11 @@ class VllmBlocks(BlockAllocator):
     vLLM owns every block; pdkv holds a request's blocks from the grant
     until the receiver frees them (handed over, or failed and fenced), and
     ``withdraw`` waits for that before a failure is reported, so vLLM never
-    recomputes into blocks a late write of P's may still land in.
+    recomputes into blocks a late write of P's may still land in. The
+    transfers of one request (``group``: the head windows several prefill
+    ranks push when P runs more tensor-parallel ranks than D) are granted the
+    same blocks, each landing its own heads; the blocks are vLLM's again once
+    every one of them freed its grant.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -70,10 +74,12 @@ class VllmBlocks(BlockAllocator):
             raise LayoutError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
         self._cond = threading.Condition()
-        # transfer id -> the vLLM blocks its request was allocated past D's local prefix hit, and that hit in tokens
-        self._expected: dict[str, tuple[list[int], int]] = {}
+        # transfer id -> the vLLM blocks its request was allocated past D's local prefix hit, that hit in tokens, and
+        # the request's group
+        self._expected: dict[str, tuple[list[int], int, str]] = {}
         self._granted: dict[str, list[int]] = {}  # transfer id -> blocks the receiver granted (writable by P)
-        self._owner: dict[int, str] = {}  # granted block -> its transfer
+        self._group_of: dict[str, str] = {}  # granted transfer id -> its group
+        self._owner: dict[int, str] = {}  # granted block -> the group of the transfers it is granted to
 
     @property
     def num_free(self) -> int:
@@ -86,10 +92,11 @@ class VllmBlocks(BlockAllocator):
         with self._cond:
             return len(self._owner)
 
-    def expect(self, transfer_id: str, block_ids: list[int], held_tokens: int = 0) -> None:
+    def expect(self, transfer_id: str, block_ids: list[int], held_tokens: int = 0, group: str = "") -> None:
         """Let ``transfer_id`` be granted ``block_ids``: vLLM's blocks for its request past its ``held_tokens`` (D's
         local prefix hit, which P then does not push), in prompt order. Blocks of the hit are never granted: they
-        may be cached blocks other requests read."""
+        may be cached blocks other requests read. ``group``: the request, when several transfers land in its
+        blocks (each its own heads); default: the transfer alone."""
         bad = [b for b in block_ids if not 0 <= b < self.num_blocks]
         if bad or len(set(block_ids)) != len(block_ids) or held_tokens < 0:
             raise LayoutError(
@@ -97,7 +104,7 @@ class VllmBlocks(BlockAllocator):
                 f"and in [0, {self.num_blocks}), the tokens held not negative"
             )
         with self._cond:
-            self._expected[transfer_id] = (list(block_ids), held_tokens)
+            self._expected[transfer_id] = (list(block_ids), held_tokens, group or transfer_id)
 
     def allocate(self, n: int) -> list[int]:
         raise OutOfBlocksError("vLLM's blocks are granted per transfer, to the request vLLM allocated them to")
@@ -105,41 +112,46 @@ class VllmBlocks(BlockAllocator):
     def held_for(self, transfer_id: str) -> int:
         """D's local prefix hit for the transfer's request, once the loader expects it (0 until then)."""
         with self._cond:
-            return self._expected.get(transfer_id, ([], 0))[1]
+            return self._expected.get(transfer_id, ([], 0, ""))[1]
 
     def allocate_for(self, transfer_id: str, n: int, held: int = 0) -> list[int]:
         """The first ``n`` blocks past the request's local hit, once the loader expects them, for a transfer admitted
         past ``held`` tokens; until then (or if the loader's word came between ``held_for`` and here) a retryable
         refusal."""
         with self._cond:
-            blocks, expected_held = self._expected.get(transfer_id, (None, 0))
+            blocks, expected_held, group = self._expected.get(transfer_id, (None, 0, ""))
             if blocks is None or expected_held != held:
                 raise OutOfBlocksError(
                     f"D's scheduler has not allocated vLLM blocks for transfer {transfer_id!r} past {held} tokens yet "
                     "(P asks again)"
                 )
-            if len(blocks) < n or any(b in self._owner for b in blocks[:n]):
+            taken_elsewhere = sum(self._owner.get(b, group) != group for b in blocks[:n])
+            if len(blocks) < n or taken_elsewhere:
                 raise OutOfBlocksError(
                     f"transfer {transfer_id!r} needs {n} blocks; vLLM allocated {len(blocks)} to its request, "
-                    f"{sum(b in self._owner for b in blocks[:n])} of them held by another transfer"
+                    f"{taken_elsewhere} of them held by another request's transfer"
                 )
             del self._expected[transfer_id]
             taken = self._granted[transfer_id] = blocks[:n]
-            self._owner.update(dict.fromkeys(taken, transfer_id))
+            self._group_of[transfer_id] = group
+            self._owner.update(dict.fromkeys(taken, group))
         return list(taken)
 
     def free(self, blocks: Iterable[int]) -> None:
-        """The receiver is done with these blocks (handed over or failed and fenced): they are vLLM's alone again."""
+        """The receiver is done with these blocks (handed over or failed and fenced) for one transfer: they are
+        vLLM's alone again once no transfer of their group holds them."""
         blocks = list(blocks)
         if not blocks:
             return
         with self._cond:
-            owner = self._owner.get(blocks[0])
-            if owner is None or self._granted.get(owner) != blocks:
+            group = self._owner.get(blocks[0])
+            holder = next((t for t, g in self._group_of.items() if g == group and self._granted[t] == blocks), None)
+            if holder is None:
                 raise LayoutError(f"free of vLLM blocks not granted as one transfer (double free?): {blocks}")
-            del self._granted[owner]
-            for b in blocks:
-                del self._owner[b]
+            del self._granted[holder], self._group_of[holder]
+            if group not in self._group_of.values():
+                for b in blocks:
+                    del self._owner[b]
             self._cond.notify_all()
 
     def withdraw(self, transfer_id: str, timeout: float) -> bool:

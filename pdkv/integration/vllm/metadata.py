@@ -39,6 +39,7 @@ class LoadSpec:
     block_ids: list[int]
     tier_keys: list[bytes] = field(default_factory=list)
     prompt_key: bytes = b""  # pushed: our own key of the prompt; the KV is loaded only if P reserved under it
+    prefill_tp: int = 1  # pushed: P's tensor-parallel size (``parallel.pieces``: which of its ranks push to which)
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,34 @@
-"""Tensor parallel on the vLLM connector: what each rank's worker side is given, and what is refused.
+"""Tensor parallel on the vLLM connector: which rank sends which heads to which, and what is refused.
 
 At ``--tensor-parallel-size n`` vLLM runs n workers, each holding its ``1/n`` of the KV heads (MLA: the same
-latent on every rank), and one scheduler. pdkv pairs rank ``r`` of a prefill instance with rank ``r`` of a decode
-instance of the same size: each decode rank runs its own KV receiver on ``control_port + r`` (numbered as vLLM
-numbers its own connectors' side channels), the router hands P every rank's receiver (``remote_ports``), and P's
-rank ``r`` pushes its heads to D's rank ``r``, every rank's transfer in parallel. vLLM itself makes a request
-done only when every rank reported it, and failed when any rank did (its ``KVOutputAggregator``): a rank whose
-part did not land fails the whole request, which vLLM recomputes, never decoding from partial KV. Different
-sizes on P and D are not paired yet: P's scheduler side sees a decode instance with another number of receivers
-and does not push (D recomputes), saying which setting differs.
+latent on every rank), and one scheduler. Each decode rank runs its own KV receiver on ``control_port + r``
+(numbered as vLLM numbers its own connectors' side channels); the router hands P every rank's receiver
+(``remote_ports``), P tells D its size (``Pushed.prefill_tp``), and ``pieces`` says, from the two sizes and the
+model's KV heads, what every pair of ranks moves:
+
+* equal sizes: P's rank ``r`` pushes all its heads to D's rank ``r``, written in place;
+* P larger (P at 4, D at 2): each decode rank gathers its heads from the ``4 / 2`` prefill ranks that hold them,
+  each landing in its window of the decode rank's heads, in the same blocks;
+* P smaller (P at 1, D at 2): each prefill rank sends each decode rank the window of its heads that rank holds;
+* MLA: every rank holds the whole latent; decode rank ``d`` receives it from prefill rank ``d mod p``.
+
+Every part moves in parallel on its own connection, each chunk verified. vLLM makes a request done only when
+every rank reported it, and failed when any rank did (its ``KVOutputAggregator``); a decode rank reports its part
+only once every transfer it expects landed, and fails it when any did not: vLLM recomputes, never decoding from
+partial KV. A window is staged (gathered and scattered through strided views of the heads), so sizes that differ
+cost a copy on each side that equal sizes do not. Refused: pipeline parallel, and sizes that differ where a
+model's KV heads do not divide by both (vLLM then replicates heads across ranks).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import msgspec
 
 from pdkv.config import PdkvConfig
 from pdkv.errors import ConfigError
+from pdkv.layout import HeadWindow
 
 
 def check_parallel(tp_size: int, pp_size: int, config: PdkvConfig, consumer: bool) -> None:
@@ -48,3 +60,51 @@ def rank_config(config: PdkvConfig, rank: int) -> PdkvConfig:
     if rank == 0 or not config.control_port:
         return config
     return msgspec.structs.replace(config, control_port=config.control_port + rank)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What prefill rank ``p`` sends decode rank ``d``: its heads ``p_heads`` into D's ``d_heads`` (None: all of
+    them on both sides, written in place)."""
+
+    p: int
+    d: int
+    p_heads: HeadWindow | None = None
+    d_heads: HeadWindow | None = None
+
+    def transfer_id(self, request_transfer: str, tp_p: int, tp_d: int) -> str:
+        """The wire's id of this part: the request's when each rank has one part, else one per pair of ranks
+        (a decode rank may receive two parts, a prefill rank send two)."""
+        return request_transfer if tp_p == tp_d else f"{request_transfer}/p{self.p}d{self.d}"
+
+    @property
+    def heads(self) -> tuple[HeadWindow, HeadWindow] | None:
+        """``KVSender.open``'s ``heads``."""
+        return None if self.p_heads is None or self.d_heads is None else (self.p_heads, self.d_heads)
+
+
+def pieces(total_kv_heads: int, tp_p: int, tp_d: int, mla: bool = False) -> list[Piece]:
+    """Every part of a request between a prefill instance at ``tp_p`` ranks and a decode one at ``tp_d``, in order
+    of decode rank. Raises ``ConfigError`` for sizes that differ where ``total_kv_heads`` does not divide by both."""
+    if tp_p < 1 or tp_d < 1:
+        raise ConfigError(f"tensor-parallel sizes must be positive (prefill {tp_p}, decode {tp_d})")
+    if tp_p == tp_d:
+        return [Piece(r, r) for r in range(tp_d)]
+    if mla:
+        return [Piece(d % tp_p, d) for d in range(tp_d)]
+    if total_kv_heads < max(tp_p, tp_d) or total_kv_heads % tp_p or total_kv_heads % tp_d:
+        raise ConfigError(
+            f"prefill at --tensor-parallel-size {tp_p} and decode at {tp_d}: the model's {total_kv_heads} KV heads do "
+            "not divide by both sizes (vLLM replicates heads across ranks then); run both with the same "
+            "--tensor-parallel-size, or sizes that divide the KV heads"
+        )
+    hp, hd = total_kv_heads // tp_p, total_kv_heads // tp_d
+    out = []
+    for d in range(tp_d):
+        for p in range(tp_p):
+            first, end = max(p * hp, d * hd), min((p + 1) * hp, (d + 1) * hd)
+            if first < end:
+                out.append(
+                    Piece(p, d, HeadWindow(first - p * hp, end - first), HeadWindow(first - d * hd, end - first))
+                )
+    return out

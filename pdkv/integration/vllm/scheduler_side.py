@@ -57,6 +57,7 @@ class _Match:
     tier_keys: list[bytes] = field(default_factory=list)  # ...these chunks from the tier
     local_tokens: int = 0
     prompt_key: bytes = b""  # pushed: our own key of the prompt, which P's Reserve must carry
+    prefill_tp: int = 1  # pushed: by this many prefill ranks
 
 
 class SchedulerSide:
@@ -72,7 +73,7 @@ class SchedulerSide:
         tier_lookup: TierLookup | None = None,
         tp_size: int = 1,
     ) -> None:
-        """``tp_size``: this instance's tensor-parallel size; a push goes only to a decode instance of the same."""
+        """``tp_size``: this instance's tensor-parallel size, told to D with a push (``Pushed.prefill_tp``)."""
         self.fingerprint = fingerprint
         self.tp_size = tp_size
         self.chunk_size = chunk_size
@@ -86,7 +87,6 @@ class SchedulerSide:
         self._loads: list[LoadSpec] = []
         self._discards: list[str] = []
         self.rejected_prompts = 0  # decode requests whose prompt did not hash like the prefilled one
-        self.unpaired_pushes = 0  # prefill requests not pushed: the decode instance's tensor-parallel size differs
 
     # -- loads -----------------------------------------------------------------------
     def num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -127,7 +127,9 @@ class SchedulerSide:
                 info.transfer_id,
             )
             return None
-        return _Match(info.num_tokens, transfer_id=info.transfer_id, prompt_key=bytes.fromhex(own))
+        return _Match(
+            info.num_tokens, transfer_id=info.transfer_id, prompt_key=bytes.fromhex(own), prefill_tp=info.prefill_tp
+        )
 
     def _tier_match(self, request: Any) -> _Match | None:
         if self.tier_lookup is None:
@@ -174,6 +176,7 @@ class SchedulerSide:
                     list(block_ids),
                     match.tier_keys,
                     match.prompt_key,
+                    match.prefill_tp,
                 )
             )
         elif match.transfer_id:  # the local prefix cache covered it: the pushed copy is not needed
@@ -184,16 +187,6 @@ class SchedulerSide:
         target = (
             push_target(getattr(request, "kv_transfer_params", None), request.request_id) if self.is_producer else None
         )
-        if target is not None and len(target.addresses) != self.tp_size:
-            log.warning(
-                "request %s: the decode instance runs %d tensor-parallel ranks (receivers), this prefill instance %d; "
-                "pdkv's vLLM connector pairs equal --tensor-parallel-size only: not pushing (D recomputes the prompt)",
-                request.request_id,
-                len(target.addresses),
-                self.tp_size,
-            )
-            self.unpaired_pushes += 1
-            target = None
         save_keys = list(self._full_chunk_keys(request).keys) if self.tier_lookup is not None else []
         if target is not None or save_keys:
             key = self._prompt_keys(request).keys[-1] if target is not None else b""  # prompt_key(prompt)
@@ -257,7 +250,7 @@ class SchedulerSide:
             return False, None  # saves are copied out during the step: nothing to hold
         if request.num_computed_tokens < track.num_tokens:  # aborted mid-prefill: the worker cancels the push
             return True, None
-        out = Pushed(track.target.transfer_id, track.num_tokens, track.key.hex())
+        out = Pushed(track.target.transfer_id, track.num_tokens, track.key.hex(), prefill_tp=self.tp_size)
         return True, {
             **{f: getattr(out, f) for f in out.__struct_fields__},
             "remote_host": track.target.remote_host,

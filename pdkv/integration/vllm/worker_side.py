@@ -64,6 +64,7 @@ from pdkv.integration.vllm.affinity import unpin_current_thread, unpinned
 from pdkv.integration.vllm.landing import LandingPath, VllmBlocks, landing_path
 from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
 from pdkv.integration.vllm.ordering import DeviceOrder, StepEvent
+from pdkv.integration.vllm.parallel import Piece, pieces
 from pdkv.keys import PromptKeys
 from pdkv.layout import KVLayout
 from pdkv.memory import adopt_kv
@@ -76,18 +77,25 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Push:
+    """One request's push from this rank: a transfer per decode rank it sends heads to (``parallel.pieces``)."""
+
     spec: SendSpec
-    transfer: OutgoingTransfer | None = None
+    transfers: list[OutgoingTransfer] | None = None  # once opened (empty: this rank sends no part)
     ready_event: StepEvent | None = None  # marked at the end of the latest step that computed its tokens
     failed: str = ""
-    opening: bool = False  # its transfer is being opened (handshake, Reserve) on an opener thread
+    opening: bool = False  # its transfers are being opened (handshake, Reserve) on an opener thread
     finished: bool = False  # vLLM finished the request: no more compute will come
-    settled: bool = False  # no write of ours reads its blocks any more
-    sent: set[int] = field(default_factory=set)
+    unsettled: int = 0  # opened transfers whose writes may still read its blocks
+    sent: set[tuple[int, int]] = field(default_factory=set)  # (transfer, chunk)
+
+    @property
+    def settled(self) -> bool:
+        """No write of ours reads its blocks any more."""
+        return self.transfers is not None and not self.unsettled
 
     @property
     def releasable(self) -> bool:
-        return self.finished and (self.settled or (self.transfer is None and bool(self.failed)))
+        return self.finished and (self.settled or (self.transfers is None and bool(self.failed)))
 
 
 class WorkerSide:
@@ -103,13 +111,16 @@ class WorkerSide:
         cache: Callable[[KVLayout], KVCacheEngine | None] | None = None,
         make_event: Callable[[], StepEvent] | None = None,
         tp_rank: int = 0,
+        tp_size: int = 1,
+        total_kv_heads: int = 0,
     ) -> None:
         """``make_event``: the events ``DeviceOrder`` marks (tests pass fakes; default: CUDA events on a GPU).
-        ``tp_rank``: this worker's tensor-parallel rank. Its cache holds that rank's KV heads; it pushes them to,
-        or receives them on, the other instance's rank of the same number (``config.control_port`` is already
-        this rank's), and only rank 0 counts a request's tokens (every rank moves the same tokens)."""
+        ``tp_rank`` of ``tp_size``: this worker's tensor-parallel rank. Its cache holds that rank's KV heads of the
+        model's ``total_kv_heads`` (0: this rank's, at size 1); it pushes them to, or receives them on, the other
+        instance's ranks as ``parallel.pieces`` pairs them (``config.control_port`` is already this rank's), and
+        only rank 0 counts a request's tokens (every rank moves the same tokens)."""
         self.config = config
-        self.tp_rank = tp_rank
+        self.tp_rank, self.tp_size, self.total_kv_heads = tp_rank, tp_size, total_kv_heads
         self.fingerprint = fingerprint
         self.is_producer = is_producer
         self.is_consumer = is_consumer
@@ -222,14 +233,11 @@ class WorkerSide:
         spec = p.spec
         if p.failed or p.settled:
             return
-        if self._receiver(spec) is None:
-            self._give_up(p, f"the decode instance has no tensor-parallel rank {self.tp_rank} to push to")
-            return
         if p.ready_event is not None:
             p.ready_event.synchronize()
-        if p.transfer is None:
+        if p.transfers is None:
             if p.opening:
-                return  # ``_open`` queues the request again once its transfer is open
+                return  # ``_open`` queues the request again once its transfers are open
             if p.finished and spec.ready_tokens < spec.num_tokens:
                 self._give_up(p, "the request ended before its prompt was computed")
                 return
@@ -238,63 +246,83 @@ class WorkerSide:
             p.opening = True
             self._opener.submit(self._open, p)  # type: ignore[union-attr]
             return
-        t = p.transfer
-        try:
-            for i, (start, length) in enumerate(t.spans):
-                if i not in p.sent and start + length <= spec.ready_tokens:
-                    t.send_chunk(i)
-                    p.sent.add(i)
-        except PdkvError as exc:
-            log.warning("request %s: push to %s failed: %s (D recomputes the prompt)", spec.req_id, t.peer.address, exc)
-            t.cancel(str(exc))
-            return
-        if p.finished and len(p.sent) < t.num_chunks:
-            t.cancel("the request ended before its prompt was computed")
+        for k, t in enumerate(p.transfers):
+            try:
+                for i, (start, length) in enumerate(t.spans):
+                    if (k, i) not in p.sent and start + length <= spec.ready_tokens:
+                        t.send_chunk(i)
+                        p.sent.add((k, i))
+            except PdkvError as exc:
+                log.warning(
+                    "request %s: push to %s failed: %s (D recomputes the prompt)", spec.req_id, t.peer.address, exc
+                )
+                self._cancel_all(p, str(exc))
+                return
+        if p.finished and len(p.sent) < sum(t.num_chunks for t in p.transfers):
+            self._cancel_all(p, "the request ended before its prompt was computed")
+
+    def _parts(self, spec: SendSpec) -> list[Piece]:
+        """What this rank sends for ``spec``: its parts of the request (``parallel.pieces``) to D's ranks, given how
+        many receivers D has. Raises ``ConfigError`` for sizes the model's heads do not divide by."""
+        assert self.layout is not None
+        total = self.total_kv_heads or self.layout.num_kv_heads * self.tp_size
+        parts = pieces(total, self.tp_size, len(spec.addresses), self.layout.mla)
+        return [piece for piece in parts if piece.p == self.tp_rank]
+
+    def _cancel_all(self, p: _Push, why: str) -> None:
+        for t in p.transfers or []:
+            t.cancel(why)
 
     def _open(self, p: _Push) -> None:
         """Handshake and Reserve on an opener thread: a receiver that lands in vLLM's own blocks grants a transfer
         only once D's scheduler allocated them, and other requests' chunks must not wait behind that."""
         assert self.sender is not None
         spec = p.spec
-        address = self._receiver(spec)
-        assert address is not None  # checked by ``_advance`` before it submits us
+        opened: list[OutgoingTransfer] = []
+        why = ""
         try:
-            transfer = self.sender.open(spec.transfer_id, address, spec.num_tokens, spec.block_ids, spec.prompt_key)
+            for piece in self._parts(spec):
+                transfer_id = piece.transfer_id(spec.transfer_id, self.tp_size, len(spec.addresses))
+                opened.append(
+                    self.sender.open(
+                        transfer_id,
+                        spec.addresses[piece.d],
+                        spec.num_tokens,
+                        spec.block_ids,
+                        spec.prompt_key,
+                        heads=piece.heads,
+                    )
+                )
         except PdkvError as exc:
-            self._give_up(p, str(exc))
-            return
+            why = str(exc)
         except Exception:  # as in the push loop: the request's blocks must still be released
-            log.exception("request %s: opening its transfer failed unexpectedly", spec.req_id)
-            self._give_up(p, "internal error (see the log)")
-            return
+            log.exception("request %s: opening its transfers failed unexpectedly", spec.req_id)
+            why = "internal error (see the log)"
         with self._lock:
-            p.transfer = transfer
-        transfer.on_settled(lambda _t, p=p: self._settled(p))
+            p.transfers, p.unsettled = opened, len(opened)
+        for t in opened:
+            t.on_settled(lambda t, p=p: self._settled(p, t))
+        if why:
+            self._give_up(p, why)  # the parts already open are cancelled: all or none
         self._push_queue.put(spec.req_id)
-
-    def _receiver(self, spec: SendSpec) -> str | None:
-        """Where this rank pushes: the decode rank of its number's receiver, if the decode instance has one."""
-        return spec.addresses[self.tp_rank] if self.tp_rank < len(spec.addresses) else None
 
     def _give_up(self, p: _Push, why: str) -> None:
         log.warning(
             "request %s: not pushing its KV to %s: %s (D recomputes the prompt)",
             p.spec.req_id,
-            self._receiver(p.spec) or "(no receiver)",
+            ", ".join(p.spec.addresses) or "(no receiver)",
             why,
         )
         with self._lock:
             p.failed = why
-            if p.transfer is None:
+            if not p.transfers:  # else counted as each settles
                 self.counters["push_failed"] += 1
-            else:  # counted when it settles
-                p.transfer.cancel(why)
+        self._cancel_all(p, why)
 
-    def _settled(self, p: _Push) -> None:
-        t = p.transfer
+    def _settled(self, p: _Push, t: OutgoingTransfer) -> None:
         with self._lock:
-            p.settled = True
-            if t is not None and t.complete:
+            p.unsettled -= 1
+            if t.complete:
                 seconds = max(t.finished_at - t.started, 1e-9)
                 self._observed += [
                     ("pdkv_transfer_seconds", "prefill", seconds),
@@ -302,10 +330,10 @@ class WorkerSide:
                 ]
                 self.counters["push_ok"] += 1
                 self.counters["push_bytes"] += t.bytes_sent
-                if self.tp_rank == 0:
-                    self.counters["push_tokens"] += sum(length for _, length in t.spans)
             else:
                 self.counters["push_failed"] += 1
+            if p.settled and self.tp_rank == 0 and p.transfers and all(x.complete for x in p.transfers):
+                self.counters["push_tokens"] += sum(length for _, length in p.transfers[0].spans)
 
     # -- any role: offer computed chunks to the tier -------------------------------------------
     def save(self, meta: StepMetadata) -> None:
@@ -397,34 +425,47 @@ class WorkerSide:
         if why:
             self.receiver.cancel(spec.transfer_id, why)
             raise TransferError(f"transfer {spec.transfer_id!r} not loaded: {why}")
+        total = self.total_kv_heads or self.layout.num_kv_heads * self.tp_size
+        parts = [
+            piece for piece in pieces(total, spec.prefill_tp, self.tp_size, self.layout.mla) if piece.d == self.tp_rank
+        ]
+        ids = [piece.transfer_id(spec.transfer_id, spec.prefill_tp, self.tp_size) for piece in parts]
         ready.synchronize()  # vLLM's queued work on these blocks (their previous owner's) ran: they may be written
         blocks, held = self._blocks, spec.skip_tokens
-        blocks.expect(spec.transfer_id, spec.block_ids[first:n], held_tokens=held)
+        for transfer_id in ids:  # every part lands its heads in the request's blocks
+            blocks.expect(transfer_id, spec.block_ids[first:n], held_tokens=held, group=spec.req_id)
         waited = time.monotonic()
+        deadline = waited + self.config.transfer.transfer_timeout_s
         try:
-            got = self.receiver.wait(spec.transfer_id, self.config.transfer.transfer_timeout_s, spec.prompt_key)
+            for transfer_id in ids:
+                got = self.receiver.wait(transfer_id, max(0.0, deadline - time.monotonic()), spec.prompt_key)
+                blocks.free(got.blocks)  # handed over, bytes visible (the channel's completion or the scatter's event)
+                if (got.num_tokens, got.held_tokens) != (spec.num_tokens, held):
+                    raise TransferError(
+                        f"transfer {transfer_id!r} carries tokens {got.held_tokens} to {got.num_tokens}; the request "
+                        f"needs {held} to {spec.num_tokens}"
+                    )
         except PdkvError:
-            # vLLM recomputes into these blocks once told: not before a late write of P's can no longer land
-            release_s = 2 * self.config.transfer.drain_timeout_s + 1.0
-            if not blocks.withdraw(spec.transfer_id, release_s):
-                log.error(
-                    "transfer %s: its vLLM blocks were not released within %.3gs of its failure",
-                    spec.transfer_id,
-                    release_s,
-                )
+            self._withdraw(ids, "a part of it failed")
             raise
-        blocks.free(got.blocks)  # handed over, bytes visible (the channel's completion or the scatter's event)
         with self._lock:
             self._observed.append(("pdkv_transfer_wait_seconds", "decode", time.monotonic() - waited))
-        if (got.num_tokens, got.held_tokens) != (spec.num_tokens, held):
-            raise TransferError(
-                f"transfer {spec.transfer_id!r} carries tokens {got.held_tokens} to {got.num_tokens}; the request "
-                f"needs {held} to {spec.num_tokens}"
-            )
-        with self._lock:
             if self.tp_rank == 0:
                 self.counters["pushed_tokens_loaded"] += spec.num_tokens - held
-            self.counters["load_bytes"] += self.layout.chunk_bytes(spec.num_tokens - held)
+            self.counters["load_bytes"] += self.layout.chunk_bytes(spec.num_tokens - held)  # all parts: our heads
+
+    def _withdraw(self, transfer_ids: list[str], why: str) -> None:
+        """Fail every part of a request that is still coming, and wait until none of them can write into its blocks:
+        vLLM recomputes into them once told, not before a late write of P's can no longer land."""
+        assert self.receiver is not None and self._blocks is not None
+        release_s = 2 * self.config.transfer.drain_timeout_s + 1.0
+        for transfer_id in transfer_ids:
+            self.receiver.cancel(transfer_id, f"the decode request gave up on it: {why}")
+        for transfer_id in transfer_ids:
+            if not self._blocks.withdraw(transfer_id, release_s):
+                log.error(
+                    "transfer %s: its vLLM blocks were not released within %.3gs of its failure", transfer_id, release_s
+                )
 
     # -- completions ------------------------------------------------------------------------
     def results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
