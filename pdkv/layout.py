@@ -212,6 +212,23 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise LayoutError(f"buffer tensor {i} is not contiguous")
         return num_blocks
 
+    @property
+    def packed(self) -> bool:
+        """Whether a block's token rows are the attention kernels' own format rather than rows pdkv can address:
+        vLLM's CPU cache (``HKND``), whose ``cpu_attn_reshape_and_cache`` writes each head's K and V of a block
+        transposed and tiled for its ISA (vec, vec16, amx). Such blocks move only whole, between identical layouts
+        (``whole_blocks``): a token range of one is not that token's KV."""
+        return self.order == "HKND" and not self.mla
+
+    def same_but_heads(self, other: KVLayout) -> bool:
+        """Whether ``other`` is this layout but for its number of KV heads (tensor parallel of another size)."""
+        return msgspec.structs.replace(other, num_kv_heads=self.num_kv_heads) == self
+
+    def whole_blocks(self, start: int, num_tokens: int) -> int:
+        """The tokens a chunk of ``num_tokens`` from ``start`` (a block's first) moves when it moves whole blocks:
+        up to the end of its last block."""
+        return -(-(start + num_tokens) // self.block_size) * self.block_size - start
+
     def head_axis(self) -> int:
         """The heads axis of this layout's buffer tensors (``tensor_shape``)."""
         if self.mla:

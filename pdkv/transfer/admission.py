@@ -13,7 +13,7 @@ from typing import Literal
 
 from pdkv.config import TransferConfig
 from pdkv.errors import LayoutError
-from pdkv.layout import KVLayout
+from pdkv.layout import HeadWindow, KVLayout
 from pdkv.transfer.protocol import Refused, Reserve
 
 
@@ -67,9 +67,9 @@ def admit(req: Reserve, view: ReceiverView) -> Admission | Refused:
             "(max_reservations_per_peer)",
             retryable=True,
         )
-    heads = _heads_refusal(req, view)
-    if heads:
-        return Refused(tid, heads)
+    shape = _shape_refusal(req, view)
+    if shape:
+        return Refused(tid, shape)
     held, block_size = view.held_tokens, view.layout.block_size
     if held % block_size or held >= req.num_tokens:
         return Refused(
@@ -95,26 +95,49 @@ def admit(req: Reserve, view: ReceiverView) -> Admission | Refused:
     return Admission(mode="direct" if direct else "staging", blocks=blocks, slots=slots, chunks=chunks, held=held)
 
 
-def _heads_refusal(req: Reserve, view: ReceiverView) -> str:
-    """Why the chunks' heads cannot land here ("" when they can): all of ours from a peer holding as many, or a
-    window of ours (``Reserve.heads``) no wider than the peer's heads, raw (codecs work on whole layouts)."""
-    ours, theirs = view.layout.num_kv_heads, view.peer_layout.num_kv_heads
+def whole_blocks(layout: KVLayout, mode: str, heads: HeadWindow | None) -> bool:
+    """Whether a transfer's staged chunks move whole blocks (``KVLayout.whole_blocks``): a head window's, and a
+    packed layout's (``KVLayout.packed``); both sides hold the same layout but for its heads (``admit``)."""
+    return heads is not None or (mode == "staging" and layout.packed)
+
+
+def _shape_refusal(req: Reserve, view: ReceiverView) -> str:
+    """Why the chunks cannot land here ("" when they can): all of our heads from a peer holding as many, or a
+    window of ours (``Reserve.heads``) no wider than the peer's heads, raw (codecs work on whole layouts), from a
+    layout the same as ours but for its heads, as a packed layout's chunks must be (``KVLayout.packed``)."""
+    ours, theirs = view.layout, view.peer_layout
+    if (ours.packed or theirs.packed or req.heads is not None) and not ours.same_but_heads(theirs):
+        return (
+            f"this decode's KV layout is {_form(ours)}, prefill's {_form(theirs)}: vLLM's CPU cache packs each "
+            "block for its kernels and a head window moves whole blocks, so both move only between the same layout "
+            "(block size, attention backend, dtype) on P and D"
+        )
+    if (ours.packed or req.heads is not None) and view.config.chunk_size % ours.block_size:
+        return (
+            f"transfer.chunk_size {view.config.chunk_size} is not a multiple of block_size {ours.block_size}: "
+            "whole blocks (a packed cache, a head window) move in chunks of whole blocks"
+        )
     if req.heads is None:
-        if ours == theirs:
+        if ours.num_kv_heads == theirs.num_kv_heads:
             return ""
         return (
-            f"layout.num_kv_heads (this decode {ours}, prefill {theirs}): peers holding different numbers of KV heads "
-            "(tensor parallel of different sizes) name the heads each transfer carries (Reserve.heads)"
+            f"layout.num_kv_heads (this decode {ours.num_kv_heads}, prefill {theirs.num_kv_heads}): peers holding "
+            "different numbers of KV heads (tensor parallel of different sizes) name the heads each transfer carries "
+            "(Reserve.heads)"
         )
     try:
         req.heads.check(view.layout, "this receiver")
     except LayoutError as exc:
         return str(exc)
-    if req.heads.count > theirs:
-        return f"head window of {req.heads.count} heads: the sender holds {theirs}"
+    if req.heads.count > theirs.num_kv_heads:
+        return f"head window of {req.heads.count} heads: the sender holds {theirs.num_kv_heads}"
     if req.codec != "none":
         return f"codec {req.codec!r} encodes whole layouts; a head window moves raw (codec 'none')"
     return ""
+
+
+def _form(layout: KVLayout) -> str:
+    return f"{layout.kind}/{layout.order} block_size {layout.block_size} {layout.dtype}"
 
 
 def writes_in_place(view: ReceiverView) -> bool:

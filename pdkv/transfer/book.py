@@ -23,7 +23,7 @@ from pdkv.errors import (
     TransferTimeout,
 )
 from pdkv.transfer import protocol
-from pdkv.transfer.admission import Admission, ReceiverView
+from pdkv.transfer.admission import Admission, ReceiverView, whole_blocks
 from pdkv.transfer.incoming import IncomingTransfer, ReceivedKV, State
 from pdkv.transfer.parts import ReceiverParts
 from pdkv.transfer.peers import SenderPeer
@@ -106,6 +106,7 @@ class IncomingBook:
             prompt_key=req.prompt_key,
             codec=req.codec,
             heads=req.heads,
+            whole_blocks=whole_blocks(self.memory.layout, admission.mode, req.heads),
         )
         self.counters["reserved"] += 1
         self.lock.notify_all()

@@ -122,6 +122,7 @@ class IncomingTransfer:
     prompt_key: bytes = b""
     codec: str = "none"  # how its staged chunks arrive
     heads: HeadWindow | None = None  # the heads of ours its chunks carry (None: all); staged
+    whole_blocks: bool = False  # each staged chunk lands up to the end of its last block (admission.whole_blocks)
     revoked: bool = False  # its grants were taken back: the sender can no longer write into it
     state: State = State.RECEIVING
     landed: set[int] = field(default_factory=set)
@@ -137,6 +138,8 @@ class IncomingTransfer:
             raise TransferError(f"chunk {idx} is out of range or duplicated (request has {self.num_chunks} chunks)")
         start, n = self.plan.spans[idx]
         start -= self.plan.table_start  # our blocks start at the first token we did not hold
+        if self.whole_blocks:
+            n = memory.layout.whole_blocks(start, n)
         nbytes = memory.layout.chunk_bytes(n)
         scattered = False  # landed in the blocks by the pass that hashed it
         if self.mode == "direct":

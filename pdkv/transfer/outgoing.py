@@ -191,13 +191,16 @@ class OutgoingTransfer:
         codec: Codec,
         claim: PoolClaim | None = None,
         source: SendSource | None = None,
+        whole_blocks: bool = False,
     ) -> None:
         """``plan``: its chunks over ``block_table`` (``sender_plan``), made again past what the receiver holds
         already when it says so, and paired here with the receiver's blocks in direct mode. ``opened_ns``: when
         ``open`` began (``time.perf_counter_ns``), the start of our fixed host cost (``hosttime.py``). ``claim``: the
         transfer was written into the receiver's pool, not reserved: its one chunk's notice carries the Reserve
         (README.md here, "Pools"). ``source``: what its chunks are read from, when not all of ``ctx.source`` (a head
-        window of it: ``SendSource.window``)."""
+        window of it: ``SendSource.window``). ``whole_blocks``: each staged chunk moves up to the end of its last
+        block (``admission.whole_blocks``)."""
+        self.whole_blocks = whole_blocks
         self.ctx = ctx
         self.source = ctx.source if source is None else source
         self.claim = claim
@@ -263,6 +266,8 @@ class OutgoingTransfer:
         ctx = self.ctx
         timeout = ctx.parts.config.chunk_timeout_s if timeout is None else timeout
         start, n = self.spans[index]
+        if self.whole_blocks:
+            n = self.source.layout.whole_blocks(start, n)
         nbytes = self.source.layout.chunk_bytes(n)
         staging = self.mode == "staging"
         local_slot, remote_slot = self._take_credit(index, nbytes, staging, timeout)

@@ -25,6 +25,7 @@ from pdkv.errors import LayoutError, ReservationError, TransferCancelled
 from pdkv.layout import HeadWindow, KVLayout
 from pdkv.memory import adopt_kv, memory_kind
 from pdkv.transfer import protocol
+from pdkv.transfer.admission import whole_blocks
 from pdkv.transfer.control import ControlLoop, DealerSockets
 from pdkv.transfer.handshake import SenderHandshake
 from pdkv.transfer.heartbeat import Heartbeats
@@ -168,6 +169,7 @@ class KVSender:
             codec=self.codecs[codec],
             claim=claim,
             source=source,
+            whole_blocks=whole_blocks(source.layout, reserved.mode, into),
         )
         with self.cond:
             self._transfers[transfer_id] = xfer
