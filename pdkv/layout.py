@@ -50,7 +50,7 @@ class KVLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``[blocks, kv, heads, block_size, head_dim]`` (HND) or
     ``[blocks, heads, kv, block_size, head_dim]`` (HKND: vLLM's CPU attention
     backend, whose ``[blocks, heads, block_size, 2 * head_dim]`` cache keeps a
-    head's K rows then its V rows), ``[blocks, block_size, heads, kv,
+    head's K then its V, packed by its kernels: ``packed``), ``[blocks, block_size, heads, kv,
     head_dim]`` (NHKD) or ``[blocks, heads, block_size, kv, head_dim]``
     (HNKD): vLLM's GPU backends (FlashAttention, FlashInfer, Triton), whose
     ``[blocks, heads, block_size, 2 * head_dim]`` rows hold a token's K then

