@@ -29,7 +29,7 @@ from pdkv.integration.vllm.kvcache import (
     vllm_cache_layout,
 )
 from pdkv.integration.vllm.landing import VllmBlocks, landing_path
-from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
+from pdkv.integration.vllm.metadata import Discard, LoadSpec, SendSpec, StepMetadata
 from pdkv.integration.vllm.ordering import StepEvent
 from pdkv.integration.vllm.scheduler_side import SchedulerSide
 from pdkv.integration.vllm.worker_side import WorkerSide
@@ -388,7 +388,7 @@ def test_decode_side_refuses_kv_of_another_prompt_and_frees_it() -> None:
     other = request("d2", [5] + prompt[1:], pushed_params(prompt))
     assert s.num_new_matched_tokens(other, 0) == (0, False)
     assert s.rejected_prompts == 1
-    assert s.build(sched_output()).discards == ["t-9"]
+    assert s.build(sched_output()).discards == [Discard("t-9")]
     longer = request("d3", prompt[:50], pushed_params(prompt))  # claims more tokens than the prompt has
     assert s.num_new_matched_tokens(longer, 0) == (0, False)
 
@@ -422,7 +422,7 @@ def test_decode_side_fully_cached_locally_discards_the_pushed_copy() -> None:
     assert s.num_new_matched_tokens(req, 64) == (0, False)
     s.after_alloc(req, [1, 2], 0)
     step = s.build(sched_output())
-    assert step.loads == [] and step.discards == ["t-9"]
+    assert step.loads == [] and step.discards == [Discard("t-9")]
 
 
 # -- worker side over the real tcp channel -------------------------------------------------------
@@ -889,7 +889,9 @@ def test_a_full_local_hit_moves_nothing() -> None:
         before = {name: t.clone() for name, t in d_cache.items()}
         p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [d.receiver.address], 128, [9, 2, 5, 11], 128)]))
         wait_until(lambda: d.receiver.stats().get("refused", 0) >= 1, 5, "P's Reserve before D's scheduler saw it")
-        d.start_loads(StepMetadata(discards=["t-1"]))  # what SchedulerSide.after_alloc emits for a full local hit
+        d.start_loads(
+            StepMetadata(discards=[Discard("t-1")])
+        )  # what SchedulerSide.after_alloc emits for a full local hit
         assert collect(p, {"r1"})[0] == {"r1"}
         wait_until(lambda: p.counters["push_failed"] == 1, 5, "the push to be refused")
         assert d.receiver.stats().get("bytes_landed", 0) == 0 and p.sender is not None

@@ -8,6 +8,7 @@ hold them; tests/test_vllm_integration.py runs real vLLM servers at tensor paral
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +18,7 @@ from test_vllm_connector import BS, FP, collect, request, sched_output
 from pdkv.config import PdkvConfig, convert_config
 from pdkv.errors import ConfigError
 from pdkv.integration.vllm.kvcache import CPU_BACKEND, vllm_cache_layout
-from pdkv.integration.vllm.metadata import LoadSpec, SendSpec, StepMetadata
+from pdkv.integration.vllm.metadata import Discard, LoadSpec, SendSpec, StepMetadata
 from pdkv.integration.vllm.parallel import Piece, check_parallel, pieces, rank_config
 from pdkv.integration.vllm.scheduler_side import SchedulerSide
 from pdkv.integration.vllm.worker_side import WorkerSide
@@ -212,6 +213,26 @@ def test_a_decode_rank_missing_one_prefill_ranks_heads_fails_the_request_and_fre
         stats = ds[0].receiver.stats()  # type: ignore[union-attr]
         assert held_blocks(stats, 10) == 0 and ds[0]._blocks.num_free == 10  # type: ignore[union-attr]
         assert ds[0].counters["load_failed"] == 1 and ds[0].counters["pushed_tokens_loaded"] == 0
+    finally:
+        close_all(*ps, *ds)
+
+
+def test_a_discarded_push_from_more_prefill_ranks_is_refused_for_every_part(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """D's prefix cache held the whole prompt: the discard reaches each of the parts P's two ranks push to D's one
+    (their own transfer ids), so each Reserve is refused at once rather than retried until reserve_timeout_s."""
+    ps, ds, _, d_caches = tp_instances(p_tp=2, d_tp=1)
+    try:
+        ds[0].start_loads(StepMetadata(discards=[Discard("t-1", prefill_tp=2)]))
+        with caplog.at_level(logging.WARNING):
+            for p in ps:
+                p.push(StepMetadata(sends=[SendSpec("r1", "t-1", [ds[0].receiver.address], 150, P_TABLE, 150)]))  # type: ignore[union-attr]
+            for p in ps:
+                assert collect(p, {"r1"})[0] == {"r1"} and p.counters["push_failed"] == 1
+        for part in ("t-1/p0d0", "t-1/p1d0"):
+            assert f"refused transfer '{part}': transfer id '{part}' was already used" in caplog.text
+        assert not any(t.any() for t in d_caches[0].values())
     finally:
         close_all(*ps, *ds)
 

@@ -56,10 +56,19 @@ class SaveSpec:
     block_ids: list[int]
 
 
+@dataclass(frozen=True)
+class Discard:
+    """A pushed transfer the decode request does not need (fully cached here, or its prompt differs): each rank
+    cancels its parts of it, which P pushed from ``prefill_tp`` ranks (``parallel.pieces``)."""
+
+    transfer_id: str
+    prefill_tp: int = 1
+
+
 @dataclass
 class StepMetadata:
     sends: list[SendSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     # Transfers that landed for requests that no longer need them (fully cached here, or gone): free them.
-    discards: list[str] = field(default_factory=list)
+    discards: list[Discard] = field(default_factory=list)

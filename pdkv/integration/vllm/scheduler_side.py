@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdkv.integration.vllm.metadata import LoadSpec, SaveSpec, SendSpec, StepMetadata
+from pdkv.integration.vllm.metadata import Discard, LoadSpec, SaveSpec, SendSpec, StepMetadata
 from pdkv.keys import PromptKeys
 from pdkv.transfer.params import Pushed, PushTo, cache_salt, prompt_key, push_target, pushed
 
@@ -85,7 +85,7 @@ class SchedulerSide:
         self._keys: dict[str, PromptKeys] = {}
         self._attempted: set[str] = set()  # requests whose load was planned: never again (a failure recomputes)
         self._loads: list[LoadSpec] = []
-        self._discards: list[str] = []
+        self._discards: list[Discard] = []
         self.rejected_prompts = 0  # decode requests whose prompt did not hash like the prefilled one
 
     # -- loads -----------------------------------------------------------------------
@@ -119,7 +119,7 @@ class SchedulerSide:
         )
         if own != info.prompt_key:  # early out; the binding that counts is P's Reserve, checked when the KV is claimed
             self.rejected_prompts += 1
-            self._discards.append(info.transfer_id)
+            self._discards.append(Discard(info.transfer_id, info.prefill_tp))
             log.warning(
                 "request %s: its prompt is not the one prefilled for transfer %s (tokenizer, chat template or model "
                 "differ between P and D?); recomputing it",
@@ -180,7 +180,7 @@ class SchedulerSide:
                 )
             )
         elif match.transfer_id:  # the local prefix cache covered it: the pushed copy is not needed
-            self._discards.append(match.transfer_id)
+            self._discards.append(Discard(match.transfer_id, match.prefill_tp))
 
     # -- pushes and saves ------------------------------------------------------------------
     def _track(self, request: Any) -> None:

@@ -373,8 +373,14 @@ class WorkerSide:
     def start_loads(self, meta: StepMetadata) -> None:
         """Hand this step's loads to the loader threads; free landed transfers nobody needs."""
         if self.receiver is not None:
-            for transfer_id in meta.discards:
-                self.receiver.cancel(transfer_id, "the decode request does not need it")
+            for discard in meta.discards:
+                try:
+                    ids = self._part_ids(discard.transfer_id, discard.prefill_tp)
+                except PdkvError as exc:  # sizes never paired: nothing of it can have come
+                    log.warning("transfer %s not discarded: %s", discard.transfer_id, exc)
+                    continue
+                for transfer_id in ids:
+                    self.receiver.cancel(transfer_id, "the decode request does not need it")
         if meta.loads and self._loader is None:
             self._loader = ThreadPoolExecutor(
                 max_workers=16, thread_name_prefix="pdkv-vllm-load", initializer=unpin_current_thread
@@ -422,14 +428,11 @@ class WorkerSide:
                 f"its local prefix hit of {spec.skip_tokens} tokens is not whole {self.layout.block_size}-token "
                 f"blocks short of its {spec.num_tokens}"
             )
+        ids = self._part_ids(spec.transfer_id, spec.prefill_tp)
         if why:
-            self.receiver.cancel(spec.transfer_id, why)
+            for transfer_id in ids:
+                self.receiver.cancel(transfer_id, why)
             raise TransferError(f"transfer {spec.transfer_id!r} not loaded: {why}")
-        total = self.total_kv_heads or self.layout.num_kv_heads * self.tp_size
-        parts = [
-            piece for piece in pieces(total, spec.prefill_tp, self.tp_size, self.layout.mla) if piece.d == self.tp_rank
-        ]
-        ids = [piece.transfer_id(spec.transfer_id, spec.prefill_tp, self.tp_size) for piece in parts]
         ready.synchronize()  # vLLM's queued work on these blocks (their previous owner's) ran: they may be written
         blocks, held = self._blocks, spec.skip_tokens
         for transfer_id in ids:  # every part lands its heads in the request's blocks
@@ -453,6 +456,14 @@ class WorkerSide:
             if self.tp_rank == 0:
                 self.counters["pushed_tokens_loaded"] += spec.num_tokens - held
             self.counters["load_bytes"] += self.layout.chunk_bytes(spec.num_tokens - held)  # all parts: our heads
+
+    def _part_ids(self, transfer_id: str, prefill_tp: int) -> list[str]:
+        """The transfers in which this decode rank receives its heads of ``transfer_id`` from ``prefill_tp`` prefill
+        ranks (``parallel.pieces``). Raises ``ConfigError`` for sizes the model's KV heads do not divide by."""
+        assert self.layout is not None
+        total = self.total_kv_heads or self.layout.num_kv_heads * self.tp_size
+        parts = pieces(total, prefill_tp, self.tp_size, self.layout.mla)
+        return [p.transfer_id(transfer_id, prefill_tp, self.tp_size) for p in parts if p.d == self.tp_rank]
 
     def _withdraw(self, transfer_ids: list[str], why: str) -> None:
         """Fail every part of a request that is still coming, and wait until none of them can write into its blocks:
