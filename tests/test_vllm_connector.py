@@ -37,6 +37,7 @@ from pdkv.keys import PromptKeys, chunk_keys
 from pdkv.layout import KVLayout, gather
 from pdkv.memory import emulate_device
 from pdkv.tier.base import HEADER_BYTES, leading
+from pdkv.transfer.gauges import GAUGES
 from pdkv.transfer.outgoing import OutgoingTransfer
 from pdkv.transfer.params import Pushed, cache_salt, prompt_key, push_target, pushed
 
@@ -823,6 +824,16 @@ def test_the_worker_sides_counters_become_the_reference_workers_series_each_incr
         assert collect(p, {"r1"})[0] == {"r1"}
         p_step, d_step = p.stats_delta(), d.stats_delta()
         assert p.stats_delta() == d.stats_delta() == {}  # handed over once: vLLM sums the steps' deltas
+        # the sender's and receiver's own counters, as the reference workers' pdkv_transfer_events_total
+        p_events = {k: p_step.pop(k) for k in list(p_step) if k.startswith("events|")}
+        d_events = {k: d_step.pop(k) for k in list(d_step) if k.startswith("events|")}
+        assert p_events["events|prefill|chunks_sent"] == p.sender.stats()["chunks_sent"] == 1
+        assert d_events["events|decode|chunks_landed"] == 1 and d_events["events|decode|claimed"] == 1
+        assert not any(k.rsplit("|", 1)[1] in GAUGES for k in (*p_events, *d_events))
+        events = {
+            (labels["role"], labels["event"]): v for name, labels, v in stats.series(d_events) if name == stats.EVENTS
+        }
+        assert events[("decode", "bytes_landed")] == d.receiver.stats()["bytes_landed"]
         # each transfer's time, throughput and D's wait, observed once, for the reference workers' histograms
         seconds, gbps = p_step.pop("pdkv_transfer_seconds|prefill"), p_step.pop("pdkv_transfer_gbps|prefill")
         [wait] = d_step.pop("pdkv_transfer_wait_seconds|decode")
@@ -835,7 +846,11 @@ def test_the_worker_sides_counters_become_the_reference_workers_series_each_incr
         d.start_loads(StepMetadata(loads=[LoadSpec("r2", "t-2", 64, 0, [7, 8], prompt_key=b"B" * 16)]))
         assert collect(d, set()) == (set(), {"r2"}, {"r2"})
         both = stats.merged(stats.merged(p_step, d_step), d.stats_delta())
-        got = {(name, tuple(sorted(labels.items()))): value for name, labels, value in stats.series(both)}
+        got = {
+            (name, tuple(sorted(labels.items()))): value
+            for name, labels, value in stats.series(both)
+            if name != stats.EVENTS
+        }
         assert got == {
             ("pdkv_transfers", (("outcome", "ok"), ("role", "prefill"))): 1,
             ("pdkv_transfer_bytes", (("role", "prefill"),)): p_step["push_bytes"],

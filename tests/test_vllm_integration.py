@@ -361,6 +361,11 @@ def pdkv_series(url: str, role: str) -> dict[str, float]:
         # the reference workers' histograms: P observes each push's time, D each load's wait
         "timed": metric(text, "pdkv_transfer_seconds_count", role=role),
         "waited": metric(text, "pdkv_transfer_wait_seconds_count", role=role),
+        # the sender's and receiver's own counters (pdkv_transfer_events_total): transfers settled ok on P,
+        # transfers claimed (handed to vLLM) on D
+        "events": metric(
+            text, "pdkv_transfer_events_total", role=role, event="transfers_ok" if role == "prefill" else "claimed"
+        ),
     }
 
 
@@ -401,7 +406,9 @@ def test_router_pd_output_equals_monolithic_and_the_prefix_came_over_the_connect
     wait_until(
         lambda: (
             gained(c.prefill.url, "prefill", p_before)["ok"] == n
+            and gained(c.prefill.url, "prefill", p_before)["events"] == n
             and gained(c.decode.url, "decode", d_before)["transferred"] == prompt_tokens
+            and gained(c.decode.url, "decode", d_before)["events"] == n
         ),
         30,
         "the pdkv counters on vLLM's /metrics",
@@ -418,6 +425,7 @@ def test_router_pd_output_equals_monolithic_and_the_prefix_came_over_the_connect
         "transferred": prompt_tokens,
         "timed": 0,
         "waited": n,
+        "events": n,
     }
     assert d_gained["bytes"] > 0
 

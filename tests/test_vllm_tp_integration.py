@@ -219,3 +219,4 @@ def test_different_sizes_move_every_head_once_from_the_ranks_holding_it(tp_clust
     assert delta["ok"] == d_ranks and delta["failed"] == 0 and delta["fallbacks"] == 0  # each rank its parts
     assert delta["tokens"] == delta["transferred"] == n
     assert delta["bytes"] == TP * n * RANK_TOKEN_BYTES  # every head of every token, once
+    assert delta["events"] == 2  # D's receivers claimed two parts: one per pair of ranks sharing heads

@@ -48,6 +48,7 @@ from pdkv.http.openai_routes import add_openai_routes, end_with_error, sse_respo
 from pdkv.http.openai_wire import SSE_DONE, sse
 from pdkv.http.web import application, bearer_middleware, error_response, read_json
 from pdkv.netaddr import is_loopback
+from pdkv.transfer.gauges import GAUGES
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
 from pdkv.worker import openai_api as api
@@ -120,18 +121,7 @@ class Worker:
         )
         m.gauge("pdkv_open_transfers", "Outgoing transfers not yet settled", lambda: self._stat("open_transfers"))
         # the channel counts its own events (auth_failures of data connections) under the same names: exported summed
-        gauges = frozenset(
-            {
-                "free_blocks",
-                "free_staging_slots",
-                "reservations",
-                "reserved_blocks",
-                "pooled_blocks",
-                "inflight_bytes",
-                "open_transfers",
-            }
-        )
-        m.events(lambda: collections.Counter(self.kv_role.stats()) + collections.Counter(self.channel.stats()), gauges)
+        m.events(lambda: collections.Counter(self.kv_role.stats()) + collections.Counter(self.channel.stats()), GAUGES)
 
     def _stat(self, name: str) -> float:
         return float(self.kv_role.stats().get(name, 0))

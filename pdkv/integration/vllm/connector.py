@@ -137,6 +137,8 @@ class PdkvConnectorStats(KVConnectorStats):
         mean."""
         out: dict[str, int | float] = {}
         for k, v in self.data.items():
+            if k.startswith("events|"):
+                continue  # the sender's and receiver's own counters: on /metrics, too many for a log line
             if isinstance(v, list):
                 out[f"{k} n"], out[f"{k} mean"] = len(v), sum(v) / len(v) if v else 0.0
             else:

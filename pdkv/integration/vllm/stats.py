@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from pdkv.http.metric_buckets import GBPS_BUCKETS, LATENCY_BUCKETS
+from pdkv.transfer.gauges import GAUGES
 
 # series name -> (documentation, its labels besides "role"); the names and meanings of pdkv/worker/metrics.py's
 SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -25,7 +26,15 @@ SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "pdkv_transfer_tokens": ("Tokens whose KV a transfer moved (pushed by P, loaded by D)", ()),
     "pdkv_fallbacks": ("Requests whose KV was recomputed locally instead of transferred", ("reason",)),
     "pdkv_prompt_tokens": ("Prompt tokens by where their KV came from", ("source",)),
+    "pdkv_transfer_events": (
+        "Sender/receiver events: chunks, refusals, checksum and auth failures, expired leases, ...",
+        ("event",),
+    ),
 }
+EVENTS = "pdkv_transfer_events"
+"""The series of the sender's and receiver's own counters (``KVSender.stats``, ``KVReceiver.stats`` and their
+channel's), one ``event`` label each, as the reference workers export them; delta keys ``"events|role|event"``."""
+
 
 # worker-side counter -> the series (name, role, extra label values) it adds to
 COUNTER_SERIES: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
@@ -63,6 +72,23 @@ def delta(now: Mapping[str, int], last: Mapping[str, int]) -> dict[str, int]:
     return {k: now[k] - last.get(k, 0) for k in COUNTER_SERIES if now.get(k, 0) > last.get(k, 0)}
 
 
+def event_counts(role: str, *stats: Mapping[str, int]) -> dict[str, int]:
+    """The counters of ``stats`` (a sender's or receiver's, its channel's) summed, as ``"events|role|event"`` keys
+    for ``delta``; gauges left out."""
+    out: dict[str, int] = {}
+    for one in stats:
+        for event, value in one.items():
+            if event not in GAUGES:
+                key = f"events|{role}|{event}"
+                out[key] = out.get(key, 0) + int(value)
+    return out
+
+
+def event_delta(now: Mapping[str, int], last: Mapping[str, int]) -> dict[str, int]:
+    """What the event counters (``event_counts``) gained since ``last``."""
+    return {k: v - last.get(k, 0) for k, v in now.items() if v > last.get(k, 0)}
+
+
 def observations(observed: Iterable[Observation]) -> dict[str, list[float]]:
     """Observations as a delta's entries, one list per series and role (``"series|role"``)."""
     out: dict[str, list[float]] = {}
@@ -91,5 +117,9 @@ def series(data: Mapping[str, Any]) -> Iterator[tuple[str, dict[str, str], int]]
     """(series name, labels, increment) for each series a delta adds to; counters not in the table are skipped:
     a newer worker may send more than this process knows of."""
     for counter, value in sorted(data.items()):
+        kind, _, rest = counter.partition("|")
+        if kind == "events" and "|" in rest and isinstance(value, int):
+            role, _, event = rest.partition("|")
+            yield EVENTS, {"role": role, "event": event}, value
         for name, role, values in COUNTER_SERIES.get(counter, ()):
             yield name, {"role": role, **dict(zip(SERIES[name][1], values, strict=True))}, value

@@ -146,6 +146,7 @@ class WorkerSide:
         self.cache: KVCacheEngine | None = None
         self.counters: Counter[str] = Counter()
         self._reported: dict[str, int] = {}  # ``counters`` as of the last ``stats_delta``
+        self._reported_events: dict[str, int] = {}  # ``stats.event_counts`` as of the last ``stats_delta``
         self._observed: list[stats.Observation] = []  # transfers' times since the last ``stats_delta``
 
     # -- setup --------------------------------------------------------------------------
@@ -504,8 +505,24 @@ class WorkerSide:
         with self._lock:
             now = dict(self.counters)
             observed, self._observed = self._observed, []
-        out: dict[str, Any] = {**stats.delta(now, self._reported), **stats.observations(observed)}
-        self._reported = now
+        events = self._events()
+        out: dict[str, Any] = {
+            **stats.delta(now, self._reported),
+            **stats.observations(observed),
+            **stats.event_delta(events, self._reported_events),
+        }
+        self._reported, self._reported_events = now, events
+        return out
+
+    def _events(self) -> dict[str, int]:
+        """The sender's and receiver's own counters (their channel's with the receiver's, or the sender's on a
+        prefill-only instance), as the reference workers export them (``stats.EVENTS``)."""
+        channel = self.channel.stats() if self.channel is not None else {}
+        out: dict[str, int] = {}
+        if self.sender is not None:
+            out |= stats.event_counts("prefill", self.sender.stats(), {} if self.receiver else channel)
+        if self.receiver is not None:
+            out |= stats.event_counts("decode", self.receiver.stats(), channel)
         return out
 
     def close(self) -> None:
