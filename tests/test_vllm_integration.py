@@ -570,3 +570,35 @@ def test_a_killed_prefill_does_not_hang_the_decode(cluster: Cluster) -> None:
         c.decode.url, c.model, PROMPTS[0]
     )  # D keeps serving (its prefix cache may hold this prompt: near-ties may go either way)
     assert_same_greedy_path(ask(c.mono_url, c.model, PROMPTS[0]), again, eos_token_id(c.model), "D after P died")
+
+
+PACKING = """
+import json, torch, vllm._custom_ops as ops
+from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+from pdkv.integration.vllm.kvcache import CPU_BACKEND, vllm_cache_layout
+from pdkv.layout import gather
+out = {}
+for dtype, bs, dim in ((torch.float32, 16, 64), (torch.float32, 128, 32), (torch.bfloat16, 128, 64)):
+    isa, heads, blocks, n = _get_attn_isa(dtype, bs, dim), 2, 4, 40
+    cache = torch.zeros(blocks, heads, bs, 2 * dim, dtype=dtype)  # vLLM 0.32's CPU_ATTN tensor of one layer
+    key_cache, value_cache = cache.view(blocks, heads, 2 * bs, dim).chunk(2, dim=2)  # as its forward splits it
+    key = (torch.arange(n * heads * dim, dtype=torch.float32).view(n, heads, dim) + 1).to(dtype)
+    ops.cpu_attn_reshape_and_cache(key, -key, key_cache, value_cache, torch.arange(n), isa)
+    layout, views = vllm_cache_layout({"l0": cache}, bs, CPU_BACKEND)
+    rows = gather(layout, views, list(range(blocks)), 0, n)[0, 0]  # [tokens, heads, dim] as if one row a token
+    out[f"{dtype}/{bs}/{dim}/{isa}"] = {"packed": layout.packed, "rows_are_tokens": torch.equal(rows, key)}
+print(json.dumps(out))
+"""
+
+
+def test_vllms_cpu_kernels_pack_each_block_so_pdkv_moves_it_only_whole(vllm_env_python: str) -> None:
+    """vLLM's CPU kernels write a block's keys transposed and tiled for their ISA, so a token range of a block is not
+    those tokens' KV: the layout is ``packed`` (whole blocks between identical layouts only; a GPU cache into it is
+    refused). Asked of vLLM's own ``cpu_attn_reshape_and_cache``: if a release stores one row per token, this fails
+    and the restriction can go."""
+    got = json.loads(
+        subprocess.run([vllm_env_python, "-c", PACKING], capture_output=True, text=True, check=True, timeout=300)
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    assert got and all(case == {"packed": True, "rows_are_tokens": False} for case in got.values()), got
