@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_vllm_connector import BS, FP, collect, request, sched_output
+from test_vllm_connector import BS, FP, collect, request, sched_output, vllm_mla_cache
 
 from pdkv.config import PdkvConfig, convert_config
 from pdkv.errors import ConfigError
@@ -198,6 +198,42 @@ def test_ranks_of_different_sizes_move_each_decode_rank_exactly_its_heads(p_tp: 
         assert [d.counters["pushed_tokens_loaded"] for d in ds] == [118] + [0] * (d_tp - 1)
         assert [p.counters["push_tokens"] for p in ps] == [118] + [0] * (p_tp - 1)
     finally:
+        close_all(*ps, *ds)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (2, 2)])
+def test_an_mla_latent_goes_to_every_decode_rank_from_one_prefill_rank(p_tp: int, d_tp: int) -> None:
+    """MLA (DeepSeek): every rank holds the whole latent, so decode rank d receives it, whole, from prefill rank
+    d mod p, written in place (no window); a prefill rank with no decode rank of its own pushes nothing."""
+    ports = HeldPort.run("127.0.0.1", d_tp)
+    cfg = tp_config(ports[0].port)
+    p_cache = vllm_mla_cache(12, seed=5)  # the same latent on every prefill rank, as vLLM holds it
+    d_caches = [vllm_mla_cache(10) for _ in range(d_tp)]
+    ps = [WorkerSide(rank_config(cfg, r), FP, True, False, f"p-mla{r}", tp_rank=r, tp_size=p_tp) for r in range(p_tp)]
+    ds = [WorkerSide(rank_config(cfg, r), FP, False, True, f"d-mla{r}", tp_rank=r, tp_size=d_tp) for r in range(d_tp)]
+    try:
+        for side in ps:
+            side.register(*vllm_cache_layout({k: t.clone() for k, t in p_cache.items()}, BS, "CPU_MLA"))
+        for side, cache in zip(ds, d_caches, strict=True):
+            side.register(*vllm_cache_layout(cache, BS, "CPU_MLA"))
+        for hold in ports:
+            hold.release()
+        addresses = [d.receiver.address for d in ds]  # type: ignore[union-attr]
+        for p in ps:
+            p.push(StepMetadata(sends=[SendSpec("r1", "t-1", addresses, 150, P_TABLE, 150)]))
+        for d in ds:
+            d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 0, D_TABLE, prefill_tp=p_tp)]))
+        for d in ds:
+            assert collect(d, set())[1:] == ({"r1"}, set())
+        for cache in d_caches:
+            for name, src in p_cache.items():
+                assert torch.equal(cache[name][D_TABLE], src[P_TABLE]), name
+        # one whole latent per decode rank, from the prefill rank of its number mod P's size
+        assert [p.counters["push_ok"] for p in ps] == [sum(d % p_tp == r for d in range(d_tp)) for r in range(p_tp)]
+        assert [d.receiver.stats()["bytes_landed"] for d in ds] == [ds[0].layout.chunk_bytes(150)] * d_tp  # type: ignore[union-attr]
+    finally:
+        for hold in ports:
+            hold.release()
         close_all(*ps, *ds)
 
 
