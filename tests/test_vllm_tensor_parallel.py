@@ -225,6 +225,8 @@ def test_an_mla_latent_goes_to_every_decode_rank_from_one_prefill_rank(p_tp: int
             d.start_loads(StepMetadata(loads=[LoadSpec("r1", "t-1", 150, 0, D_TABLE, prefill_tp=p_tp)]))
         for d in ds:
             assert collect(d, set())[1:] == ({"r1"}, set())
+        for p in ps:  # settled: every part's counters in (a rank with no decode rank of its own has none)
+            assert collect(p, {"r1"})[0] == {"r1"}
         for cache in d_caches:
             for name, src in p_cache.items():
                 assert torch.equal(cache[name][D_TABLE], src[P_TABLE]), name

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pdkv.config import TransferConfig
 from pdkv.errors import LayoutError
-from pdkv.layout import HeadWindow, KVLayout
+from pdkv.layout import KVLayout
 from pdkv.transfer.protocol import Refused, Reserve
 
 
@@ -95,10 +95,10 @@ def admit(req: Reserve, view: ReceiverView) -> Admission | Refused:
     return Admission(mode="direct" if direct else "staging", blocks=blocks, slots=slots, chunks=chunks, held=held)
 
 
-def whole_blocks(layout: KVLayout, mode: str, heads: HeadWindow | None) -> bool:
+def whole_blocks(layout: KVLayout, mode: str, window: bool) -> bool:
     """Whether a transfer's staged chunks move whole blocks (``KVLayout.whole_blocks``): a head window's, and a
     packed layout's (``KVLayout.packed``); both sides hold the same layout but for its heads (``admit``)."""
-    return heads is not None or (mode == "staging" and layout.packed)
+    return window or (mode == "staging" and layout.packed)
 
 
 def _shape_refusal(req: Reserve, view: ReceiverView) -> str:

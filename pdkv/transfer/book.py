@@ -106,7 +106,7 @@ class IncomingBook:
             prompt_key=req.prompt_key,
             codec=req.codec,
             heads=req.heads,
-            whole_blocks=whole_blocks(self.memory.layout, admission.mode, req.heads),
+            whole_blocks=whole_blocks(self.memory.layout, admission.mode, window=req.heads is not None),
         )
         self.counters["reserved"] += 1
         self.lock.notify_all()

@@ -20,12 +20,13 @@ from pdkv.channels.base import Channel
 from pdkv.channels.handle import BlockWrite, TransferHandle, TransferOp, XferState
 from pdkv.checksum import blocks_checksum, chunk_checksum, flat_bytes, frame_checksum
 from pdkv.codec import Codec
-from pdkv.errors import ReservationError, TransferCancelled, TransferError, TransferTimeout
+from pdkv.errors import LayoutError, ReservationError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.layout import HeadWindow, KVLayout
 from pdkv.memory import in_reach, memory_kind
 from pdkv.native import gather, gather_summed
 from pdkv.staging import DeviceStager, pinned_empty
 from pdkv.transfer import protocol
+from pdkv.transfer.admission import whole_blocks
 from pdkv.transfer.parts import SenderParts
 from pdkv.transfer.peers import ReceiverPeer, lease_margin
 from pdkv.transfer.plan import TransferPlan
@@ -85,9 +86,25 @@ class SendSource:
     stager: DeviceStager | None
     windows: Windows = field(default_factory=Windows, repr=False)
 
-    def window(self, heads: HeadWindow | None, chunk_size: int) -> SendSource:
-        """This memory as a transfer of ``heads`` of ours reads it (``pdkv.transfer.windows``)."""
-        return self.windows.of(self, heads, chunk_size)
+    def for_heads(
+        self, transfer_id: str, heads: tuple[HeadWindow, HeadWindow] | None, codec: str, chunk_size: int
+    ) -> tuple[SendSource, HeadWindow | None]:
+        """This memory as a transfer of our heads ``heads[0]`` into the receiver's ``heads[1]`` reads it
+        (``pdkv.transfer.windows``), and the receiver's window; (itself, None) for None. Raises ``ReservationError``
+        for windows that are not as wide as each other, do not fit our heads, or go through a codec (a window moves
+        raw)."""
+        if heads is None:
+            return self, None
+        ours, into = heads
+        if ours.count != into.count or codec != "none":
+            raise ReservationError(
+                f"transfer {transfer_id!r}: heads {ours} into {into} with codec {codec!r}: a head window moves as "
+                "many heads as it lands in, raw (codec 'none')"
+            )
+        try:
+            return self.windows.of(self, ours, chunk_size), into
+        except LayoutError as exc:
+            raise ReservationError(f"transfer {transfer_id!r}: {exc}") from None
 
     @classmethod
     def register(
@@ -191,16 +208,13 @@ class OutgoingTransfer:
         codec: Codec,
         claim: PoolClaim | None = None,
         source: SendSource | None = None,
-        whole_blocks: bool = False,
     ) -> None:
         """``plan``: its chunks over ``block_table`` (``sender_plan``), made again past what the receiver holds
         already when it says so, and paired here with the receiver's blocks in direct mode. ``opened_ns``: when
         ``open`` began (``time.perf_counter_ns``), the start of our fixed host cost (``hosttime.py``). ``claim``: the
         transfer was written into the receiver's pool, not reserved: its one chunk's notice carries the Reserve
         (README.md here, "Pools"). ``source``: what its chunks are read from, when not all of ``ctx.source`` (a head
-        window of it: ``SendSource.window``). ``whole_blocks``: each staged chunk moves up to the end of its last
-        block (``admission.whole_blocks``)."""
-        self.whole_blocks = whole_blocks
+        window of it: ``SendSource.for_heads``)."""
         self.ctx = ctx
         self.source = ctx.source if source is None else source
         self.claim = claim
@@ -213,6 +227,8 @@ class OutgoingTransfer:
         self.mode = reserved.mode
         self.remote_blocks = reserved.block_ids
         self.remote_slots = reserved.staging_slots
+        # each staged chunk moves up to the end of its last block (a head window's, a packed layout's)
+        self.whole_blocks = whole_blocks(self.source.layout, self.mode, window=self.source is not ctx.source)
         if reserved.held_tokens:  # the receiver holds the prompt's first tokens already: our chunks start past them
             chunk_size = ctx.parts.config.chunk_size
             plan = sender_plan(self.source, chunk_size, transfer_id, num_tokens, block_table, held=reserved.held_tokens)

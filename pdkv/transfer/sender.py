@@ -21,11 +21,10 @@ from pdkv.channels.base import Channel
 from pdkv.codec import Codec, make_codec
 from pdkv.codec import slot_bytes as codec_slot_bytes
 from pdkv.config import TransferConfig
-from pdkv.errors import LayoutError, ReservationError, TransferCancelled
+from pdkv.errors import ReservationError, TransferCancelled
 from pdkv.layout import HeadWindow, KVLayout
 from pdkv.memory import adopt_kv, memory_kind
 from pdkv.transfer import protocol
-from pdkv.transfer.admission import whole_blocks
 from pdkv.transfer.control import ControlLoop, DealerSockets
 from pdkv.transfer.handshake import SenderHandshake
 from pdkv.transfer.heartbeat import Heartbeats
@@ -97,16 +96,15 @@ class KVSender:
 
     def hello(self) -> Hello:
         """``parts.Greeting``: our Hello, the same construction as the receiver's."""
-        src = self.source
         return protocol.make_hello(
             agent=self.channel.agent_name,
             channel=self.channel.name,
             channel_metadata=self.channel.metadata(),
             fingerprint=self.fingerprint,
-            layout=src.layout,
+            layout=self.source.layout,
             chunk_size=self.config.chunk_size,
-            kv_regions=src.kv_regions,
-            staging_region=src.staging_region,
+            kv_regions=self.source.kv_regions,
+            staging_region=self.source.staging_region,
             codecs=list(self.codecs),
         )
 
@@ -126,23 +124,10 @@ class KVSender:
         it travels in the Reserve, so the decode side adopts this KV only for that prompt.
         ``codec``: ``none`` or the configured ``transfer.codec`` (the default) for this transfer's chunks;
         any codec but ``none`` makes the receiver grant staging mode (direct writes stay raw).
-        ``heads``: (ours, theirs): the transfer carries our heads ``ours`` into the receiver's ``theirs``, where
-        the two sides hold different shares of the model's heads (tensor parallel of different sizes); staged and
-        raw (codec ``none``). None: all our heads into all of its, which must be as many.
+        ``heads``: (ours, theirs), our window of heads into the receiver's (``SendSource.for_heads``); None: all.
         """
         codec = self.config.codec if codec is None else codec
-        source, into = self.source, None
-        if heads is not None:
-            ours, into = heads
-            if ours.count != into.count or codec != "none":
-                raise ReservationError(
-                    f"transfer {transfer_id!r}: heads {ours} into {into} with codec {codec!r}: a head window moves as "
-                    "many heads as it lands in, raw (codec 'none')"
-                )
-            try:
-                source = self.source.window(ours, self.config.chunk_size)
-            except LayoutError as exc:
-                raise ReservationError(f"transfer {transfer_id!r}: {exc}") from None
+        source, into = self.source.for_heads(transfer_id, heads, codec, self.config.chunk_size)
         if codec not in self.codecs:
             raise ReservationError(
                 f"transfer {transfer_id!r}: codec {codec!r} is not this sender's; it runs {' or '.join(self.codecs)} "
@@ -169,7 +154,6 @@ class KVSender:
             codec=self.codecs[codec],
             claim=claim,
             source=source,
-            whole_blocks=whole_blocks(source.layout, reserved.mode, into),
         )
         with self.cond:
             self._transfers[transfer_id] = xfer
