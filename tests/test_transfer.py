@@ -354,7 +354,7 @@ def test_a_cancel_saying_writes_may_still_land_keeps_the_blocks_quarantined(
 ) -> None:
     """A sender that gave up on a write its channel could not call back says so in its Cancel: the receiver then
     holds the reservation's blocks for its whole late-write quarantine instead of freeing them on the Cancel."""
-    cfg = TransferConfig(chunk_size=32, drain_timeout_s=10, unfenced_quarantine_s=10)
+    cfg = TransferConfig(chunk_size=32, drain_timeout_s=3, unfenced_quarantine_s=3)
     pair = make_pair(config=cfg)
     xfer = pair.sender.open("gave-up", pair.receiver.address, 64, list(range(4)))
     xfer.send_chunk(0)
@@ -363,7 +363,7 @@ def test_a_cancel_saying_writes_may_still_land_keeps_the_blocks_quarantined(
         xfer.writes_may_land = may_land  # as the channel reports a write it abandoned in flight
     xfer.cancel("test")
     wait_until(lambda: pair.receiver.stats().get("transfers_failed") == 1, 10, "the receiver to take the Cancel")
-    if may_land:  # held for the whole quarantine (10 s), well past the moment the Cancel arrived
+    if may_land:  # held for the whole quarantine (3 s), well past the moment the Cancel arrived
         assert pair.receiver.stats()["reserved_blocks"] == 4
     else:  # a Cancel that vouches for every write frees the blocks at the reaper's next pass
         wait_until(lambda: pair.receiver.stats()["reserved_blocks"] == 0, 5, "the Cancel to free the blocks")
