@@ -223,6 +223,9 @@ def main() -> None:
     ap.add_argument("--baseline", help="a vLLM at TP 1 that computes the prompt itself (asked with a cache_salt)")
     ap.add_argument("--warm", action="append", default=[], help="an instance to ask directly first (repeatable)")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument(
+        "--pairs", default="P at --tensor-parallel-size 2 -> D at 1", help="the sizes, as the JSON says them"
+    )
     ap.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     ap.add_argument("--tag", default=None, help="the prompts' tag (default random): the same in runs to be merged")
     ap.add_argument("--baseline-name", default="baseline", help="the baseline's name in the output")
@@ -295,7 +298,7 @@ def main() -> None:
 
     out = {
         "benchmark": "vllm_tp_nixl",
-        "pairs": "P at --tensor-parallel-size 2 -> D at 1",
+        "pairs": args.pairs,
         "rounds": args.rounds,
         "prompt_tokens": prompt_tokens,
         "ttft": "request sent (nixl: P's hop) to the first streamed token of the decode answer",
