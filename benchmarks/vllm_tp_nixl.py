@@ -65,66 +65,40 @@ the rank's GIL for seconds, and a transfer started meanwhile may time out (tests
 from __future__ import annotations
 
 import argparse
-import http.client
 import itertools
 import json
 import os
 import statistics
 import time
-import urllib.parse
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from pdkv.testing.http import get_text, metric, post_json
+from pdkv.router.modes import PULL_PREFILL_PARAMS
+from pdkv.testing.http import get_text, metric, post_json, stream_events
 
 LONG = " ".join(f"Item {i} of the inventory is a box of {i * 7 % 13} red apples." for i in range(30))
 TAIL = " Item 30 of the inventory is a box of"
 SOURCE = "vllm:prompt_tokens_by_source_total"
 SOURCES = ("external_kv_transfer", "local_compute", "local_cache_hit")
-NIXL_P_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def stream(url: str, body: dict, t0: float, headers: dict[str, str] | None = None) -> tuple[float, str, int]:
-    """POST a streamed completion; return (seconds from ``t0`` to the first token's event, the text, prompt tokens).
-
-    The standard library's client, reading the server-sent events line by line as they come."""
-    parts = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=300)
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    try:
-        conn.request("POST", parts.path, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status}: {resp.read()[:500]!r}")
-        first: float | None = None
-        text, prompt_tokens = [], 0
-        for raw in resp:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(f"{url} answered an error: {event['error']}")
-            for choice in event.get("choices") or []:
-                if choice.get("text"):
-                    if first is None:
-                        first = time.perf_counter() - t0
-                    text.append(choice["text"])
-            if event.get("usage"):
-                prompt_tokens = int(event["usage"]["prompt_tokens"])
-        if first is None:
-            raise RuntimeError(f"{url}: the stream carried no token")
-        return first, "".join(text), prompt_tokens
-    finally:
-        conn.close()
+    """POST a streamed completion; return (seconds from ``t0`` to the first token's event, the text, prompt
+    tokens)."""
+    first: float | None = None
+    text, prompt_tokens = [], 0
+    for event in stream_events(url, {**body, "stream_options": {"include_usage": True}}, 300, headers):
+        for choice in event.get("choices") or []:
+            if choice.get("text"):
+                if first is None:
+                    first = time.perf_counter() - t0
+                text.append(choice["text"])
+        if event.get("usage"):
+            prompt_tokens = int(event["usage"]["prompt_tokens"])
+    if first is None:
+        raise RuntimeError(f"{url}: the stream carried no token")
+    return first, "".join(text), prompt_tokens
 
 
 def sources(url: str) -> dict[str, float]:
@@ -171,7 +145,7 @@ def nixl_path(prefill: str, decode: str, model: str) -> Callable[[str, dict], tu
         body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, **extra}
         headers = {"X-Request-Id": str(uuid.uuid4())}
         t0 = time.perf_counter()
-        p_body = {**body, "kv_transfer_params": NIXL_P_PARAMS, "stream": False, "max_tokens": 1}
+        p_body = {**body, "kv_transfer_params": PULL_PREFILL_PARAMS, "stream": False, "max_tokens": 1}
         answer = post_json(prefill + "/v1/completions", p_body, 300, headers)
         params = answer.get("kv_transfer_params")
         d_body = {**body, "kv_transfer_params": params} if params else body

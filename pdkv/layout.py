@@ -256,9 +256,6 @@ class HeadWindow(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fi
             held = "one MLA latent (no head windows)" if layout.mla else f"{layout.num_kv_heads} KV heads"
             raise LayoutError(f"head window [{self.first}, {self.first + self.count}) does not fit {whose}'s {held}")
 
-    def covers(self, layout: KVLayout) -> bool:
-        return self.first == 0 and self.count == layout.num_kv_heads
-
     def view(self, layout: KVLayout, tensors: Sequence[torch.Tensor]) -> tuple[KVLayout, list[torch.Tensor]]:
         """The window's layout (``count`` heads) and its views of ``tensors`` (strided: the torch path only)."""
         self.check(layout, "this buffer")

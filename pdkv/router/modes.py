@@ -103,18 +103,23 @@ class PdkvMode(PairMode):
         return f"{decode.url}/pdkv/transfers/{quote(transfer_id, safe='')}"
 
 
+PULL_PREFILL_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+"""The prefill hop's ``kv_transfer_params`` of vLLM's own proxies (NixlConnector's ``toy_proxy_server.py``): P
+computes the prompt and answers what D needs to pull its blocks."""
+
+
 class VllmMode(PairMode):
     name = "vllm"
 
     async def prefill_params(self, pool: WorkerPool, decode: WorkerState, transfer_id: str) -> dict[str, Any]:
-        params: dict[str, Any] = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        }
+        params = dict(PULL_PREFILL_PARAMS)
         try:
             info = await pool.decode_info(decode)
         except UpstreamError as exc:

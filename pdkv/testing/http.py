@@ -61,11 +61,13 @@ def get_text(url: str, timeout: float = 30.0) -> str:
         return resp.read().decode()
 
 
-def stream_events(url: str, body: dict[str, Any], timeout: float = 300.0) -> Iterator[dict[str, Any]]:
-    """POST ``body`` with ``stream`` on and yield each server-sent event's JSON; an in-band error raises
-    ``PdkvError``."""
+def stream_events(
+    url: str, body: dict[str, Any], timeout: float = 300.0, headers: dict[str, str] | None = None
+) -> Iterator[dict[str, Any]]:
+    """POST ``body`` with ``stream`` on (and ``headers``) and yield each server-sent event's JSON; an in-band error
+    raises ``PdkvError``."""
     req = urllib.request.Request(
-        url, json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json"}
+        url, json.dumps({**body, "stream": True}).encode(), {"Content-Type": "application/json", **(headers or {})}
     )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         for raw in resp:

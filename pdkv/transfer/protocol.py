@@ -27,6 +27,8 @@ from pdkv.layout import HeadWindow, KVLayout
 # acknowledged (``BeatAck``): the sender counts a lease renewed when the receiver says it was.
 # 8: a ``Reserved`` says how many leading tokens the receiver already holds (``held_tokens``, its prefix cache's
 # hit): the sender pushes only the rest. A peer of 7 would push every chunk into the blocks granted past the hit.
+# 9: peers may hold different numbers of KV heads; a ``Reserve`` names the receiver's window of them (``heads``). A
+# peer of 8 would refuse the Hello of a tensor-parallel rank of another size, or write all its heads into ours.
 PROTOCOL_VERSION = 9
 
 MAX_MESSAGE_BYTES = 1 << 20

@@ -78,7 +78,7 @@ class VllmBlocks(BlockAllocator):
         # the request's group
         self._expected: dict[str, tuple[list[int], int, str]] = {}
         self._granted: dict[str, list[int]] = {}  # transfer id -> blocks the receiver granted (writable by P)
-        self._group_of: dict[str, str] = {}  # granted transfer id -> its group
+        self._members: dict[str, set[str]] = {}  # group -> its transfers holding a grant
         self._owner: dict[int, str] = {}  # granted block -> the group of the transfers it is granted to
 
     @property
@@ -133,7 +133,7 @@ class VllmBlocks(BlockAllocator):
                 )
             del self._expected[transfer_id]
             taken = self._granted[transfer_id] = blocks[:n]
-            self._group_of[transfer_id] = group
+            self._members.setdefault(group, set()).add(transfer_id)
             self._owner.update(dict.fromkeys(taken, group))
         return list(taken)
 
@@ -144,12 +144,15 @@ class VllmBlocks(BlockAllocator):
         if not blocks:
             return
         with self._cond:
-            group = self._owner.get(blocks[0])
-            holder = next((t for t, g in self._group_of.items() if g == group and self._granted[t] == blocks), None)
+            group = self._owner.get(blocks[0], "")
+            members = self._members.get(group, set())
+            holder = next((t for t in members if self._granted[t] == blocks), None)
             if holder is None:
                 raise LayoutError(f"free of vLLM blocks not granted as one transfer (double free?): {blocks}")
-            del self._granted[holder], self._group_of[holder]
-            if group not in self._group_of.values():
+            del self._granted[holder]
+            members.discard(holder)
+            if not members:  # the group's last grant: the blocks are vLLM's again
+                del self._members[group]
                 for b in blocks:
                     del self._owner[b]
             self._cond.notify_all()

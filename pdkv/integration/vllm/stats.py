@@ -68,8 +68,13 @@ Observation = tuple[str, str, float]
 
 
 def delta(now: Mapping[str, int], last: Mapping[str, int]) -> dict[str, int]:
-    """What the counters that become series gained since ``last`` (a snapshot of ``now`` taken then)."""
-    return {k: now[k] - last.get(k, 0) for k in COUNTER_SERIES if now.get(k, 0) > last.get(k, 0)}
+    """What the counters that become series (``COUNTER_SERIES``, ``event_counts``) gained since ``last`` (a
+    snapshot of ``now`` taken then)."""
+    return {
+        k: v - last.get(k, 0)
+        for k, v in now.items()
+        if (k in COUNTER_SERIES or k.startswith("events|")) and v > last.get(k, 0)
+    }
 
 
 def event_counts(role: str, *stats: Mapping[str, int]) -> dict[str, int]:
@@ -82,11 +87,6 @@ def event_counts(role: str, *stats: Mapping[str, int]) -> dict[str, int]:
                 key = f"events|{role}|{event}"
                 out[key] = out.get(key, 0) + int(value)
     return out
-
-
-def event_delta(now: Mapping[str, int], last: Mapping[str, int]) -> dict[str, int]:
-    """What the event counters (``event_counts``) gained since ``last``."""
-    return {k: v - last.get(k, 0) for k, v in now.items() if v > last.get(k, 0)}
 
 
 def observations(observed: Iterable[Observation]) -> dict[str, list[float]]:

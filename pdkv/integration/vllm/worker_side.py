@@ -145,8 +145,7 @@ class WorkerSide:
         self._make_cache = cache
         self.cache: KVCacheEngine | None = None
         self.counters: Counter[str] = Counter()
-        self._reported: dict[str, int] = {}  # ``counters`` as of the last ``stats_delta``
-        self._reported_events: dict[str, int] = {}  # ``stats.event_counts`` as of the last ``stats_delta``
+        self._reported: dict[str, int] = {}  # ``counters`` and events as of the last ``stats_delta``
         self._observed: list[stats.Observation] = []  # transfers' times since the last ``stats_delta``
 
     # -- setup --------------------------------------------------------------------------
@@ -262,13 +261,16 @@ class WorkerSide:
         if p.finished and len(p.sent) < sum(t.num_chunks for t in p.transfers):
             self._cancel_all(p, "the request ended before its prompt was computed")
 
-    def _parts(self, spec: SendSpec) -> list[Piece]:
-        """What this rank sends for ``spec``: its parts of the request (``parallel.pieces``) to D's ranks, given how
-        many receivers D has. Raises ``ConfigError`` for sizes the model's heads do not divide by."""
+    def _pieces(self, prefill_tp: int, decode_tp: int) -> list[Piece]:
+        """Every part of a request between the two sizes, one of them ours (``parallel.pieces``). Raises
+        ``ConfigError`` for sizes the model's KV heads do not divide by."""
         assert self.layout is not None
         total = self.total_kv_heads or self.layout.num_kv_heads * self.tp_size
-        parts = pieces(total, self.tp_size, len(spec.addresses), self.layout.mla)
-        return [piece for piece in parts if piece.p == self.tp_rank]
+        return pieces(total, prefill_tp, decode_tp, self.layout.mla)
+
+    def _parts(self, spec: SendSpec) -> list[Piece]:
+        """What this rank sends for ``spec``: its parts of the request to D's ranks, one receiver each."""
+        return [piece for piece in self._pieces(self.tp_size, len(spec.addresses)) if piece.p == self.tp_rank]
 
     def _cancel_all(self, p: _Push, why: str) -> None:
         for t in p.transfers or []:
@@ -461,9 +463,7 @@ class WorkerSide:
     def _part_ids(self, transfer_id: str, prefill_tp: int) -> list[str]:
         """The transfers in which this decode rank receives its heads of ``transfer_id`` from ``prefill_tp`` prefill
         ranks (``parallel.pieces``). Raises ``ConfigError`` for sizes the model's KV heads do not divide by."""
-        assert self.layout is not None
-        total = self.total_kv_heads or self.layout.num_kv_heads * self.tp_size
-        parts = pieces(total, prefill_tp, self.tp_size, self.layout.mla)
+        parts = self._pieces(prefill_tp, self.tp_size)
         return [p.transfer_id(transfer_id, prefill_tp, self.tp_size) for p in parts if p.d == self.tp_rank]
 
     def _withdraw(self, transfer_ids: list[str], why: str) -> None:
@@ -499,19 +499,15 @@ class WorkerSide:
         return sending, done | failed, failed
 
     def stats_delta(self) -> dict[str, Any]:
-        """What the counters vLLM exports (``stats.COUNTER_SERIES``) gained since the last call, and the transfers'
-        times observed since (``stats.HISTOGRAMS``): vLLM asks every step and sums what it gets, so each increment
-        and each observation is handed over once."""
+        """What the counters vLLM exports (``stats.COUNTER_SERIES``, ``stats.EVENTS``) gained since the last call,
+        and the transfers' times observed since (``stats.HISTOGRAMS``): vLLM asks every step and sums what it gets,
+        so each increment and each observation is handed over once."""
         with self._lock:
             now = dict(self.counters)
             observed, self._observed = self._observed, []
-        events = self._events()
-        out: dict[str, Any] = {
-            **stats.delta(now, self._reported),
-            **stats.observations(observed),
-            **stats.event_delta(events, self._reported_events),
-        }
-        self._reported, self._reported_events = now, events
+        now |= self._events()
+        out: dict[str, Any] = {**stats.delta(now, self._reported), **stats.observations(observed)}
+        self._reported = now
         return out
 
     def _events(self) -> dict[str, int]:
