@@ -4,6 +4,11 @@ A channel lands a peer's bytes only where that peer's token was granted them
 (``Grants``); the receiver grants a reservation's blocks to its sender's
 token and revokes them when the reservation ends, waiting out any write
 still landing there.
+
+Where the native kernels load, every write grant is mirrored natively
+(``native.GrantMirror``), so the tcp target's native frame loop checks its
+frames without the GIL; only this class writes the mirror, under its lock,
+and ``revoke`` waits out that loop's frames too.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal
 
+from pdkv import native
 from pdkv.errors import ChannelError
 
 Access = Literal["write", "read"]
@@ -49,10 +55,14 @@ class Grants:
         ] = {}  # (token, access, region) -> sorted [start, end)
         self._landing: dict[int, tuple[bytes, Sequence[Range]]] = {}  # ticket -> (token, the ranges it lands in)
         self._tickets = itertools.count()
+        # the write grants, mirrored for the native frame loop (csrc/kvframes.cpp)
+        self.mirror = native.GrantMirror() if native.available() else None
 
     def guard(self, region: int) -> None:
         with self._cond:
             self._guarded.add(region)
+            if self.mirror is not None:
+                self.mirror.guard(region, True)
 
     def guarded(self, region: int) -> bool:
         with self._cond:
@@ -61,6 +71,8 @@ class Grants:
     def unguard(self, region: int) -> None:
         with self._cond:
             self._guarded.discard(region)
+            if self.mirror is not None:
+                self.mirror.guard(region, False)
 
     def exposure(self, regions: Iterable[int], access: Access = "write") -> Exposure:
         """Whether a peer may touch ``regions`` now: ``open`` (one is not guarded: any peer, any time),
@@ -76,6 +88,7 @@ class Grants:
         with self._cond:
             for region, offset, length in _coalesce(ranges):
                 bisect.insort(self._ranges.setdefault((token, access, region), []), (offset, offset + length))
+                self._mirror(token, access, region)
 
     def revoke(self, token: bytes, access: Access, ranges: Sequence[Range], timeout: float) -> bool:
         """Remove the ranges, then wait up to ``timeout`` s for frames of ``token`` landing in them; False if
@@ -87,6 +100,7 @@ class Grants:
                 held = self._ranges.get((token, access, region))
                 if held is not None:
                     self._ranges[(token, access, region)] = _subtract(held, offset, offset + length)
+                    self._mirror(token, access, region)
             while any(
                 t == token and r == region and lo < offset + length and offset < lo + n
                 for t, landing in self._landing.values()
@@ -97,7 +111,15 @@ class Grants:
                 if remaining <= 0:
                     return False
                 self._cond.wait(remaining)
-        return True
+        if self.mirror is None or access != "write":
+            return True
+        return self.mirror.wait(token, spans, max(0.0, deadline - time.monotonic()))
+
+    def _mirror(self, token: bytes, access: Access, region: int) -> None:
+        """Copy ``token``'s write spans in ``region``, as they now are, to the native mirror (caller holds the
+        lock)."""
+        if self.mirror is not None and access == "write":
+            self.mirror.set(token, region, self._ranges.get((token, access, region), []))
 
     def begin(self, token: bytes, access: Access, region: int, offset: int, length: int) -> int | None:
         """Admit one frame: a ticket while it lands (end it with ``end``), None for an open region; ChannelError

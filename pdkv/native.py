@@ -149,6 +149,14 @@ _SIGNATURES: dict[str, list[type]] = {
         ctypes.POINTER(_i64),
         ctypes.POINTER(ctypes.c_int),
     ],
+    "pdkv_grants_new": [],
+    "pdkv_grants_free": [_p],
+    "pdkv_grants_guard": [_p, _i64, ctypes.c_int],
+    "pdkv_grants_set": [_p, ctypes.c_char_p, _i64, _i64, _p, _i64],
+    "pdkv_grants_begin": [_p, ctypes.c_char_p, _i64, ctypes.c_char_p, _i64, ctypes.POINTER(_i64)],
+    "pdkv_grants_end": [_p, _i64],
+    "pdkv_grants_wait": [_p, ctypes.c_char_p, _i64, _p, _i64, _i64],
+    "pdkv_serve_frames": [ctypes.c_int, _p, ctypes.c_char_p, _i64, _p, _i64, _p, _p, _p, _p, _p, _p],
     "pdkv_landed_blocks": [
         _p,
         _p,
@@ -171,6 +179,8 @@ _SIGNATURES: dict[str, list[type]] = {
     "pdkv_u8_quantize": [ctypes.c_int, _p, _p, _p, _p, _i64, _i64, _p, _p, _i64, ctypes.c_char_p, ctypes.c_size_t],
     "pdkv_u8_dequantize": [_p, _p, _p, _p, _i64, _i64, ctypes.c_int, _p, _p, _i64, ctypes.c_char_p, ctypes.c_size_t],
 }
+# Return types other than int: a pointer (ctypes' default int would cut it to 32 bits) or a string.
+_RESTYPES: dict[str, type] = {"pdkv_grants_new": _p, "pdkv_cuda_error_string": ctypes.c_char_p}
 _CUDA_SIGNATURES: dict[str, list[type]] = {
     "pdkv_kvcopy_cuda": [ctypes.POINTER(KVGeometry), _p, _p, _i64, _p, ctypes.c_int, ctypes.c_int, _p],
     "pdkv_kvcopy_sum_cuda": [ctypes.POINTER(KVGeometry), _p, _p, _i64, _p, ctypes.c_int, ctypes.c_int, _p, _p],
@@ -443,6 +453,90 @@ def recv_runs(
     return code, got.value, os_error.value
 
 
+FRAME_LAST, FRAME_HEADER, FRAME_TABLE, FRAME_CLOSED = 20, 21, 22, 23
+"""pdkv_serve_frames' outcomes besides LAND_EOF/LAND_STALLED/LAND_EOS (kvcopy.h): a frame with LAST landed, a frame
+handed back after its header or after its run table, the peer closed between frames."""
+_FRAME_OUTCOMES = (FRAME_LAST, FRAME_HEADER, FRAME_TABLE, FRAME_CLOSED, LAND_EOF, LAND_STALLED, LAND_EOS)
+_HEADER_BYTES, _RUN_BYTES, _MAX_RUNS = 40, 20, 4096  # channels/tcp/wire.py's HDR_SIZE, RUN.size, MAX_RUNS
+
+
+class GrantMirror:
+    """The native copy of one ``Grants`` object's write grants (csrc/kvframes.cpp), which the native frame loop
+    checks frames against: only ``Grants`` writes it, under its own lock; ``wait`` is revoke's fence for the
+    frames that loop is landing."""
+
+    def __init__(self) -> None:
+        self._lib = _lib()
+        self.handle: int = self._lib.pdkv_grants_new()
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", None):
+            self._lib.pdkv_grants_free(self.handle)
+
+    def guard(self, region: int, on: bool) -> None:
+        self._lib.pdkv_grants_guard(self.handle, region, int(on))
+
+    def set(self, token: bytes, region: int, spans: Sequence[tuple[int, int]]) -> None:
+        """``token``'s write spans in ``region`` from now on: sorted [start, end) pairs, as ``Grants`` holds them."""
+        flat = (_i64 * (2 * len(spans)))(*(v for span in spans for v in span))
+        self._lib.pdkv_grants_set(self.handle, token, len(token), region, flat, len(spans))
+
+    def begin(self, token: bytes, runs: bytes) -> int | None:
+        """Admit a run table (the wire's) for ``token``, all runs or none: a ticket (0: nothing guarded), or None."""
+        ticket = _i64(0)
+        refused = self._lib.pdkv_grants_begin(
+            self.handle, token, len(token), runs, len(runs) // _RUN_BYTES, ctypes.byref(ticket)
+        )
+        return None if refused else ticket.value
+
+    def end(self, ticket: int) -> None:
+        self._lib.pdkv_grants_end(self.handle, ticket)
+
+    def wait(self, token: bytes, ranges: Sequence[tuple[int, int, int]], timeout: float) -> bool:
+        """Wait up to ``timeout`` s until no frame of ``token`` lands in ``ranges`` here; False if one still does."""
+        flat = (_i64 * (3 * len(ranges)))(*(v for rng in ranges for v in rng))
+        return self._lib.pdkv_grants_wait(self.handle, token, len(token), flat, len(ranges), int(timeout * 1e6)) == 0
+
+
+class FrameLoop:
+    """One connection's buffers for ``pdkv_serve_frames`` (csrc/kvframes.cpp): the last header and run table read,
+    the share it is inside, and where a frame stopped."""
+
+    def __init__(self) -> None:
+        self.header = ctypes.create_string_buffer(_HEADER_BYTES)
+        self.table = ctypes.create_string_buffer(_MAX_RUNS * _RUN_BYTES)
+        self.share = (ctypes.c_uint64 * 2)()  # inside a share (0/1), its transfer id
+        self.io = (_i64 * 5)()  # frames landed, part (0 header, 1 run table, 2 payload), got, wanted, errno
+        self._limits = (_i64 * 6)()
+
+    def serve(
+        self, fd: int, mirror: GrantMirror, token: bytes, regions: tuple[int, int, int, int], limits: Sequence[int]
+    ) -> int:
+        """Serve DATA frames until one comes back to Python; the outcome (``FRAME_*`` or ``LAND_*``). ``regions``:
+        the descriptors' address and count, the address of the generation counter and the generation they are of
+        (channels/landing.py); ``limits``: piece, max_idle ticks, max_frame_bytes, max_notif_bytes, the length from
+        which a frame is handed back."""
+        desc, n_desc, generation, current = regions
+        self._limits[:] = [*limits, current]
+        code = _lib().pdkv_serve_frames(
+            fd,
+            mirror.handle,
+            token,
+            len(token),
+            desc,
+            n_desc,
+            generation,
+            self._limits,
+            self.share,
+            self.header,
+            self.table,
+            self.io,
+        )
+        if code not in _FRAME_OUTCOMES:
+            raise ValueError(f"pdkv landing: bad arguments to pdkv_serve_frames (code {code})")
+        return code
+
+
 def landed_blocks(
     bases: Sequence[int], tables: Sequence[int], ids: Sequence[int], num_blocks: int, block_bytes: int
 ) -> tuple[int, int]:
@@ -608,7 +702,7 @@ def _load(
             for name, argtypes in signatures.items():
                 fn = getattr(lib, name)
                 fn.argtypes = argtypes
-                fn.restype = ctypes.c_char_p if name == "pdkv_cuda_error_string" else ctypes.c_int
+                fn.restype = _RESTYPES.get(name, ctypes.c_int)
             count = lib.pdkv_cuda_device_count() if "pdkv_cuda_device_count" in signatures else 1
             if count < 0:
                 why = f"its CUDA runtime does not start here: {lib.pdkv_cuda_error_string(-count).decode()}"

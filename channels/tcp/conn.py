@@ -28,13 +28,13 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pdkv import native
 from pdkv.channels.landing import Snapshot
 from pdkv.channels.tcp.options import TcpOptions
-from pdkv.channels.tcp.wire import HDR_SIZE, Header, pack, unpack_header
+from pdkv.channels.tcp.wire import HDR_SIZE, RUN, Header, pack, unpack_header
 from pdkv.errors import ChannelError, ProtocolError, TransferTimeout
 
 _DRAIN_BYTES = 1 << 20  # a refused frame's payload is read away in pieces this big
@@ -163,7 +163,7 @@ class Conn:
             if r == 0:
                 if boundary and got == 0:
                     raise PeerClosed(f"tcp {self.label}: connection closed by the peer")
-                raise ProtocolError(f"tcp {self.label}: truncated frame, connection closed after {got} of {n} bytes")
+                raise self._cut(got, n)
             got += r
             idle = 0
         self.last_progress = time.monotonic()
@@ -215,6 +215,36 @@ class Conn:
         if code == native.LAND_EOS:
             raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
         self.last_progress = time.monotonic()
+
+    def serve_frames(
+        self,
+        loop: native.FrameLoop,
+        mirror: native.GrantMirror,
+        token: bytes,
+        regions: tuple[int, int, int, int],
+        limits: Sequence[int],
+    ) -> tuple[Header, bytes | None, bool]:
+        """The native frame loop on a clear connection (csrc/kvframes.cpp) until a frame comes back: (its header,
+        its run table where that was read too, whether it landed); the same timeouts and errors as ``recv_header``,
+        ``recv_payload`` and ``recv_runs`` for a frame cut short."""
+        code = loop.serve(self.sock.fileno(), mirror, token, regions, limits)
+        landed, part, got, wanted, os_error = loop.io
+        if landed:
+            self.last_progress = time.monotonic()
+        if code == native.FRAME_CLOSED:
+            raise PeerClosed(f"tcp {self.label}: connection closed by the peer")
+        if code == native.LAND_EOF:
+            raise self._truncated(got, wanted) if part == 2 else self._cut(got, wanted)
+        if code == native.LAND_STALLED:
+            self._stalled(self.max_idle_ticks, got, wanted)
+        if code == native.LAND_EOS:
+            raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
+        header = unpack_header(bytearray(loop.header.raw), self.label)
+        table = loop.table.raw[: header[3] * RUN.size] if code == native.FRAME_TABLE else None
+        return header, table, code == native.FRAME_LAST
+
+    def _cut(self, got: int, n: int) -> ProtocolError:
+        return ProtocolError(f"tcp {self.label}: truncated frame, connection closed after {got} of {n} bytes")
 
     def _truncated(self, got: int, nbytes: int) -> ProtocolError:
         return ProtocolError(

@@ -58,6 +58,7 @@ from pdkv.channels.tcp.wire import (
     RUN,
     SECRET,
     TARGET_ROLE,
+    Header,
     no_extras,
     pack,
 )
@@ -143,6 +144,9 @@ class Target:
         self._landing = landing
         self._grants = grants
         self._inbox = inbox
+        # DATA frames of clear connections are served by the native loop (csrc/kvframes.cpp) where the kernels
+        # load; False serves every frame through the Python loop, the reference it must agree with
+        self.native_frames = landing is not None and grants.mirror is not None
         self._sessions: dict[int, Session] = {}
         self._accepted: dict[Conn, threading.Thread] = {}
         self._lock = threading.Lock()
@@ -362,14 +366,21 @@ class Target:
         more than the frames that were queued behind it anyway.
         """
         opts = self.agent.opts
+        loop = native.FrameLoop() if self.native_frames and not conn.tls else None
         cur_xfer = -1  # the transfer whose share this stream is in the middle of
         refused = ""  # why a frame of that share was refused: it lands nothing, the transfer gets NACK
         acks: list[int] = []
         while True:
             if acks and (len(acks) >= MAX_ACK_BATCH or not conn.readable()):
                 self._send_acks(conn, acks)
-            ftype, flags, shares, aux, nlen, xfer, offset, length = conn.recv_header()
-            if ftype == DATA:
+            table: bytes | None = None  # a handed back frame's run table, read already
+            landed = False  # whether the native loop landed this frame (it then has LAST)
+            if loop is None:
+                header = conn.recv_header()
+            else:
+                header, table, landed, cur_xfer = self._native_frames(conn, session, loop, cur_xfer, bool(acks))
+            ftype, flags, shares, aux, nlen, xfer, offset, length = header
+            if ftype == DATA and not landed:
                 nruns = aux
                 if xfer != cur_xfer:
                     if cur_xfer != -1:
@@ -388,10 +399,11 @@ class Target:
                         f"tcp {conn.label}: DATA with flags={flags} shares={shares} notif={nlen} "
                         f"(max {MAX_STREAMS} shares, max_notif_bytes={opts.max_notif_bytes})"
                     )
-                table, runs, dest = self._runs(conn, nruns, offset, length)
+                table, runs, dest = self._runs(conn, nruns, offset, length, table)
                 if acks and length >= _ACK_FLUSH_BYTES:
                     self._send_acks(conn, acks)
                 refused = self._land(conn, session, table, runs, dest, length) or refused
+            if ftype == DATA:
                 if flags & LAST:
                     notif = (
                         conn.recv_payload(nlen, opts.max_notif_bytes, "notification") if flags & NOTIF_FOLLOWS else None
@@ -437,8 +449,33 @@ class Target:
             else:
                 raise ProtocolError(f"tcp {conn.label}: unexpected frame type {FRAME_NAMES.get(ftype, ftype)}")
 
+    def _native_frames(
+        self, conn: Conn, session: Session, loop: native.FrameLoop, cur_xfer: int, holding_acks: bool
+    ) -> tuple[Header, bytes | None, bool, int]:
+        """DATA frames served natively until one comes back: (its header, its run table if read, whether it landed,
+        the share the connection is now in: ``cur_xfer``).
+
+        A landed frame has LAST (the rest of it, from its notification on, is
+        ours); one handed back is served by the Python loop from where the
+        native one stopped. While ACKs wait, a frame of ``_ACK_FLUSH_BYTES``
+        or more is handed back before its run table, so they go out first.
+        """
+        assert self._landing is not None and self._grants.mirror is not None
+        snap = self._landing.snapshot  # held: the regions it names stay alive while frames land under it
+        loop.share[0], loop.share[1] = (0, 0) if cur_xfer == -1 else (1, cur_xfer)
+        limits = (
+            _HASH_PIECE_BYTES,
+            conn.max_idle_ticks,
+            self.agent.opts.max_frame_bytes,
+            self.agent.opts.max_notif_bytes,
+            _ACK_FLUSH_BYTES if holding_acks else 0,
+        )
+        regions = snap.regions(self._landing.generation_address)
+        header, table, landed = conn.serve_frames(loop, self._grants.mirror, session.token, regions, limits)
+        return header, table, landed, loop.share[1] if loop.share[0] else -1
+
     def _runs(
-        self, conn: Conn, nruns: int, offset: int, length: int
+        self, conn: Conn, nruns: int, offset: int, length: int, table: bytes | None = None
     ) -> tuple[bytes, list[tuple[int, int, int]], Snapshot | list[memoryview]]:
         """A DATA frame's run table (as sent, and read), checked, and where it lands; ProtocolError if any run is bad.
 
@@ -449,6 +486,7 @@ class Target:
         frame lands natively under the region snapshot it was checked against;
         else (or if that check fails: these checks then name the bad run) the
         runs' views are built and checked here, and the frame lands through them.
+        ``table``: the run table where the native loop read it already.
         """
         max_frame = self.agent.opts.max_frame_bytes
         if not 1 <= nruns <= MAX_RUNS or offset or not 0 < length <= max_frame:
@@ -456,7 +494,8 @@ class Target:
                 f"tcp {conn.label}: DATA frame of {nruns} runs, offset field {offset}, {length} bytes (1..{MAX_RUNS} "
                 f"runs, offset 0, max_frame_bytes={max_frame})"
             )
-        table = conn.recv_payload(nruns * RUN.size, MAX_RUNS * RUN.size, "DATA run table")
+        if table is None:
+            table = conn.recv_payload(nruns * RUN.size, MAX_RUNS * RUN.size, "DATA run table")
         runs = list(RUN.iter_unpack(table))
         if self._landing is not None and not conn.tls:
             snap = self._landing.snapshot
