@@ -5,10 +5,11 @@ A channel lands a peer's bytes only where that peer's token was granted them
 token and revokes them when the reservation ends, waiting out any write
 still landing there.
 
-Where the native kernels load, every write grant is mirrored natively
-(``native.GrantMirror``), so the tcp target's native frame loop checks its
-frames without the GIL; only this class writes the mirror, under its lock,
-and ``revoke`` waits out that loop's frames too.
+A channel that lands frames natively (tcp, where the kernels load) gives
+its ``Grants`` a ``Mirror`` (``native.GrantMirror``): a native copy of the
+write grants that its native frame loop checks frames against without the
+GIL. Only this class writes the mirror, under its lock, and ``revoke`` waits
+out that loop's frames too.
 """
 
 from __future__ import annotations
@@ -19,14 +20,23 @@ import itertools
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
-from pdkv import native
 from pdkv.errors import ChannelError
 
 Access = Literal["write", "read"]
 Range = tuple[int, int, int]  # (region, offset, length)
 Exposure = Literal["open", "granted", "closed"]
+
+
+class Mirror(Protocol):
+    """A native copy of the write grants (``pdkv.native.GrantMirror``; named here, so this module needs no torch)."""
+
+    def guard(self, region: int, on: bool) -> None: ...
+
+    def set(self, token: bytes, region: int, spans: Sequence[tuple[int, int]]) -> None: ...
+
+    def wait(self, token: bytes, ranges: Sequence[Range], timeout: float) -> bool: ...
 
 
 class Grants:
@@ -55,8 +65,16 @@ class Grants:
         ] = {}  # (token, access, region) -> sorted [start, end)
         self._landing: dict[int, tuple[bytes, Sequence[Range]]] = {}  # ticket -> (token, the ranges it lands in)
         self._tickets = itertools.count()
-        # the write grants, mirrored for the native frame loop (csrc/kvframes.cpp)
-        self.mirror = native.GrantMirror() if native.available() else None
+        self.mirror: Mirror | None = None  # the write grants, natively, where a channel lands frames natively
+
+    def mirror_to(self, mirror: Mirror) -> None:
+        """Keep ``mirror`` a copy of the write grants from now on, starting with those held now."""
+        with self._cond:
+            self.mirror = mirror
+            for region in self._guarded:
+                mirror.guard(region, True)
+            for token, access, region in self._ranges:
+                self._mirror(token, access, region)
 
     def guard(self, region: int) -> None:
         with self._cond:

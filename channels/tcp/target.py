@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import socket
 import ssl
 import struct
@@ -70,6 +71,9 @@ _ACK_FLUSH_BYTES = 64 << 10  # send pending ACKs before landing a payload this b
 # A DATA payload lands in pieces this big, each hashed right after it arrived (channels/landing.py): small enough
 # to still be in cache, big enough that the extra system calls cost little.
 _HASH_PIECE_BYTES = 256 << 10
+FRAMES_ENV_VAR = "PDKV_NATIVE_FRAMES"
+"""Set to 0 to serve every DATA frame through the Python loop while the kernels still land and hash them (the
+native frame loop's reference; ``PDKV_NATIVE=0`` turns off both)."""
 
 
 class Ending:
@@ -145,8 +149,12 @@ class Target:
         self._grants = grants
         self._inbox = inbox
         # DATA frames of clear connections are served by the native loop (csrc/kvframes.cpp) where the kernels
-        # load; False serves every frame through the Python loop, the reference it must agree with
-        self.native_frames = landing is not None and grants.mirror is not None
+        # load, unless FRAMES_ENV_VAR says 0: then by the Python loop, the reference it must agree with
+        self.native_frames = (
+            landing is not None
+            and grants.mirror is not None
+            and os.environ.get(FRAMES_ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+        )
         self._sessions: dict[int, Session] = {}
         self._accepted: dict[Conn, threading.Thread] = {}
         self._lock = threading.Lock()
