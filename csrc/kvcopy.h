@@ -107,22 +107,28 @@ PDKV_API int pdkv_grants_wait(void* grants, const char* token, int64_t token_len
 // channels/tcp/target.py checks it, admitted by the grant mirror, landed and
 // hashed as pdkv_recv_runs lands it, under desc while *generation (which
 // Python bumps whenever a region is registered or dropped) still equals the
-// generation desc was taken at: else the frame is handed back after its run
-// table. limits: piece, max_idle ticks, max_frame_bytes, max_notif_bytes, the
-// payload length from which a frame is handed back (0: none), desc's
-// generation. share: [0] whether the connection is inside
-// a share, [1] that share's transfer id (in and out). hdr (40 bytes) gets the
-// last header read, table (MAX_RUNS entries) its run table; io: frames
-// landed, where it stopped in the frame (0 header, 1 run table, 2 payload),
-// bytes of that part received, bytes of it wanted, errno. Returns:
-#define PDKV_FRAME_LAST 20    // a frame with LAST landed: its header is in hdr
+// generation desc was taken at (else the frame is handed back after its run
+// table). A frame with LAST that landed is queued in `ring`: ring[0] entries,
+// then 4 words each (transfer id, shares, offset of its notification in
+// `notifs`, its length or -1 for none). limits: piece, max_idle ticks,
+// max_frame_bytes, max_notif_bytes, the payload length before which owed
+// completions go out first, desc's generation, the ring's capacity in
+// entries, notifs' in bytes (>= max_notif_bytes), whether Python holds ACKs.
+// share: [0] whether the connection is inside a share, [1] that share's
+// transfer id, [2] whether hdr holds a header read and not yet served (in
+// and out). hdr (40 bytes) gets the last header read, table (MAX_RUNS
+// entries) its run table; io: frames landed, where it stopped in the frame
+// (0 header, 1 run table, 2 payload, 3 notification), bytes of that part
+// received, bytes of it wanted, errno. Returns (the ring may hold
+// completions with any of them):
+#define PDKV_FRAME_DRAIN 20   // stopped to have the ring drained (and, with share[2], ACKs sent first)
 #define PDKV_FRAME_HEADER 21  // a frame it does not take: only its header was read
 #define PDKV_FRAME_TABLE 22   // a frame it does not take: its header and run table were read
 #define PDKV_FRAME_CLOSED 23  // the peer closed the connection between frames
 // or PDKV_LAND_EOF / PDKV_LAND_STALLED / PDKV_LAND_EOS (a frame cut short).
 PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t token_len, const int64_t* desc,
                                int64_t n_desc, const int64_t* generation, const int64_t* limits, uint64_t* share,
-                               char* hdr, char* table, int64_t* io);
+                               char* hdr, char* table, int64_t* ring, char* notifs, int64_t* io);
 // The checksum accumulator of blocks ids[] (each checked against [0, num_blocks)) of every region in turn (bases[t],
 // its landing table tables[t]; units of block_bytes), as pdkv_checksum_blocks_cpu gives it: from each block's landing
 // entry where it landed exactly once in hashed pieces, else read from memory (*reread counts those blocks).

@@ -5,8 +5,11 @@
 // runs, take the grant lock, land, release) where the bytes themselves take
 // a few. Here one call serves consecutive DATA frames of one connection with
 // the GIL released (ctypes drops it) and comes back to Python only:
-//   - after a frame with LAST landed (Python delivers the notification that
-//     follows it, ends the share and ACKs: PDKV_FRAME_LAST);
+//   - to drain completions: each frame with LAST that landed is queued in a
+//     ring with its notification (read here), and Python delivers them, ends
+//     their shares and ACKs them in one pass (PDKV_FRAME_DRAIN) once no more
+//     input waits, the ring is full, or before a payload that owed ACKs must
+//     not wait behind;
 //   - for a frame it does not take (not DATA, any field the Python checks
 //     would refuse, a run table that fails the run check, a run outside the
 //     grants): it hands back what it read of it, the header
@@ -20,6 +23,7 @@
 // as Grants computed them): the loop only admits a frame against it (all
 // runs or none) and holds a ticket while the frame lands, and Grants.revoke
 // waits here for every ticket that overlaps what it removed.
+#include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -205,28 +209,40 @@ PDKV_API int pdkv_grants_wait(void* grants, const char* token, int64_t token_len
 // See kvcopy.h.
 PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t token_len, const int64_t* desc,
                                int64_t n_desc, const int64_t* generation, const int64_t* limits, uint64_t* share,
-                               char* hdr, char* table, int64_t* io) {
+                               char* hdr, char* table, int64_t* ring, char* notifs, int64_t* io) {
   auto* m = static_cast<Mirror*>(grants);
   const int64_t piece = limits[0], max_idle = limits[1], max_frame = limits[2], max_notif = limits[3];
-  const int64_t hand_over = limits[4], snapshot = limits[5];
+  const int64_t flush = limits[4], snapshot = limits[5], ring_cap = limits[6], notif_cap = limits[7];
+  const bool acks_held = limits[8];
   const std::string tok(token, static_cast<size_t>(token_len));
-  std::fill(io, io + 5, 0);  // frames landed, phase (0 header, 1 run table, 2 payload), got, wanted, errno
+  std::fill(io, io + 5, 0);  // frames landed, part (0 header, 1 run table, 2 payload, 3 notification), got, wanted, errno
+  ring[0] = 0;
+  int64_t used = 0;  // bytes of notifs holding the ring's notifications
   for (;;) {
-    int rc = recv_exact(fd, hdr, kHeaderBytes, true, max_idle, &io[2], &io[4]);
-    io[3] = kHeaderBytes;
-    if (rc != PDKV_OK) return rc;
+    int rc = PDKV_OK;
+    if (share[2]) {
+      share[2] = 0;  // the header read before the last return: serve it now
+    } else {
+      rc = recv_exact(fd, hdr, kHeaderBytes, true, max_idle, &io[2], &io[4]);
+      io[3] = kHeaderBytes;
+      if (rc != PDKV_OK) return rc;
+    }
     const uint8_t ftype = field<uint8_t>(hdr, 3), flags = field<uint8_t>(hdr, 4);
     const int64_t shares = field<uint16_t>(hdr, 6), nruns = field<uint32_t>(hdr, 8), nlen = field<uint32_t>(hdr, 12);
     const uint64_t xfer = field<uint64_t>(hdr, 16), offset = field<uint64_t>(hdr, 24), length = field<uint64_t>(hdr, 32);
     // anything the Python checks (target.py _serve_frames, _runs) could refuse is theirs to refuse
-    const bool last = flags & kLast;
+    const bool last = flags & kLast, notif = flags & kNotifFollows;
     const bool fast = hdr[0] == 'P' && hdr[1] == 'K' && field<uint8_t>(hdr, 2) == kVersion && ftype == kData &&
                       (!share[0] || xfer == share[1]) && !(flags & ~(kLast | kNotifFollows)) && nlen <= max_notif &&
-                      (!nlen || (flags & kNotifFollows)) &&
-                      (last ? 1 <= shares && shares <= kMaxStreams : !flags && !shares) && 1 <= nruns &&
-                      nruns <= kMaxRuns && !offset && 0 < length && length <= static_cast<uint64_t>(max_frame) &&
-                      !(hand_over && length >= static_cast<uint64_t>(hand_over));
+                      (!nlen || notif) && (last ? 1 <= shares && shares <= kMaxStreams : !flags && !shares) &&
+                      1 <= nruns && nruns <= kMaxRuns && !offset && 0 < length &&
+                      length <= static_cast<uint64_t>(max_frame);
     if (!fast) return PDKV_FRAME_HEADER;
+    // completions owed (in the ring, or ACKs Python holds) go out before a large payload lands, as in Python
+    if ((ring[0] || acks_held) && (length >= static_cast<uint64_t>(flush) || used + nlen > notif_cap)) {
+      share[2] = 1;
+      return PDKV_FRAME_DRAIN;
+    }
     io[1] = 1;
     io[3] = nruns * kRunBytes;
     rc = recv_exact(fd, table, nruns * kRunBytes, false, max_idle, &io[2], &io[4]);
@@ -245,9 +261,28 @@ PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t 
     io[4] = os_error;
     if (rc != PDKV_OK) return rc;
     ++io[0];
-    io[1] = 0;
     share[0] = !last;
     share[1] = xfer;
-    if (last) return PDKV_FRAME_LAST;
+    if (!last) {
+      io[1] = 0;
+      continue;
+    }
+    if (notif) {
+      io[1] = 3;
+      io[3] = nlen;
+      rc = recv_exact(fd, notifs + used, nlen, false, max_idle, &io[2], &io[4]);
+      if (rc != PDKV_OK) return rc;
+    }
+    io[1] = 0;
+    int64_t* entry = ring + 1 + 4 * ring[0]++;
+    entry[0] = static_cast<int64_t>(xfer);
+    entry[1] = shares;
+    entry[2] = used;
+    entry[3] = notif ? nlen : -1;
+    used += nlen;
+    // back to Python when nothing more waits (the ACKs go out now), the ring is full, or a share of several
+    // streams ended (Python ends it across them before anything after it lands)
+    pollfd p{fd, POLLIN, 0};
+    if (ring[0] == ring_cap || shares > 1 || poll(&p, 1, 0) <= 0) return PDKV_FRAME_DRAIN;
   }
 }

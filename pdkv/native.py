@@ -453,10 +453,11 @@ def recv_runs(
     return code, got.value, os_error.value
 
 
-FRAME_LAST, FRAME_HEADER, FRAME_TABLE, FRAME_CLOSED = 20, 21, 22, 23
-"""pdkv_serve_frames' outcomes besides LAND_EOF/LAND_STALLED/LAND_EOS (kvcopy.h): a frame with LAST landed, a frame
-handed back after its header or after its run table, the peer closed between frames."""
-_FRAME_OUTCOMES = (FRAME_LAST, FRAME_HEADER, FRAME_TABLE, FRAME_CLOSED, LAND_EOF, LAND_STALLED, LAND_EOS)
+FRAME_DRAIN, FRAME_HEADER, FRAME_TABLE, FRAME_CLOSED = 20, 21, 22, 23
+"""pdkv_serve_frames' outcomes besides LAND_EOF/LAND_STALLED/LAND_EOS (kvcopy.h): completions to drain (and maybe a
+header read to serve next), a frame handed back after its header or after its run table, the peer closed between
+frames."""
+_FRAME_OUTCOMES = (FRAME_DRAIN, FRAME_HEADER, FRAME_TABLE, FRAME_CLOSED, LAND_EOF, LAND_STALLED, LAND_EOS)
 _HEADER_BYTES, _RUN_BYTES, _MAX_RUNS = 40, 20, 4096  # channels/tcp/wire.py's HDR_SIZE, RUN.size, MAX_RUNS
 
 
@@ -500,24 +501,40 @@ class GrantMirror:
 
 class FrameLoop:
     """One connection's buffers for ``pdkv_serve_frames`` (csrc/kvframes.cpp): the last header and run table read,
-    the share it is inside, and where a frame stopped."""
+    the share it is inside, where a frame stopped, and the ring of completions (transfers whose last frame landed)
+    with their notifications."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_notif: int, ring: int) -> None:
         self.header = ctypes.create_string_buffer(_HEADER_BYTES)
         self.table = ctypes.create_string_buffer(_MAX_RUNS * _RUN_BYTES)
-        self.share = (ctypes.c_uint64 * 2)()  # inside a share (0/1), its transfer id
-        self.io = (_i64 * 5)()  # frames landed, part (0 header, 1 run table, 2 payload), got, wanted, errno
-        self._limits = (_i64 * 6)()
+        self.share = (ctypes.c_uint64 * 3)()  # inside a share (0/1), its transfer id, a header waits to be served
+        self.io = (_i64 * 5)()  # frames landed, part (0 header, 1 table, 2 payload, 3 notification), got, wanted, errno
+        self._ring = (_i64 * (1 + 4 * ring))()  # entries, then (transfer id, shares, notif offset, length or -1)
+        self._notifs = ctypes.create_string_buffer(max(1, max_notif))
+        self._limits = (_i64 * 9)()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a header was read and waits to be served by the next ``serve`` (after owed ACKs went out)."""
+        return bool(self.share[2])
 
     def serve(
-        self, fd: int, mirror: GrantMirror, token: bytes, regions: tuple[int, int, int, int], limits: Sequence[int]
+        self,
+        fd: int,
+        mirror: GrantMirror,
+        token: bytes,
+        regions: tuple[int, int, int, int],
+        limits: Sequence[int],
+        room: int,
+        acks_held: bool,
     ) -> int:
         """Serve DATA frames until one comes back to Python; the outcome (``FRAME_*`` or ``LAND_*``). ``regions``:
         the descriptors' address and count, the address of the generation counter and the generation they are of
-        (channels/landing.py); ``limits``: piece, max_idle ticks, max_frame_bytes, max_notif_bytes, the length from
-        which a frame is handed back."""
+        (channels/landing.py); ``limits``: piece, max_idle ticks, max_frame_bytes, max_notif_bytes, the payload
+        length before which owed completions go out; ``room``: completions it may queue (at most the ring's size);
+        ``acks_held``: whether the caller holds ACKs not sent yet."""
         desc, n_desc, generation, current = regions
-        self._limits[:] = [*limits, current]
+        self._limits[:] = [*limits, current, min(room, (len(self._ring) - 1) // 4), len(self._notifs), acks_held]
         code = _lib().pdkv_serve_frames(
             fd,
             mirror.handle,
@@ -530,11 +547,26 @@ class FrameLoop:
             self.share,
             self.header,
             self.table,
+            self._ring,
+            self._notifs,
             self.io,
         )
         if code not in _FRAME_OUTCOMES:
             raise ValueError(f"pdkv landing: bad arguments to pdkv_serve_frames (code {code})")
         return code
+
+    def completions(self) -> list[tuple[int, int, bytes | None]]:
+        """The transfers (shares) whose last frame the last ``serve`` landed, in order: (transfer id, shares, its
+        notification or None)."""
+        ring, base = self._ring, ctypes.addressof(self._notifs)
+        return [
+            (
+                ring[k] & ((1 << 64) - 1),
+                ring[k + 1],
+                ctypes.string_at(base + ring[k + 2], ring[k + 3]) if ring[k + 3] >= 0 else None,
+            )
+            for k in range(1, 1 + 4 * ring[0], 4)
+        ]
 
 
 def landed_blocks(

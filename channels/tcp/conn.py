@@ -28,7 +28,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from pdkv import native
@@ -216,18 +216,10 @@ class Conn:
             raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
         self.last_progress = time.monotonic()
 
-    def serve_frames(
-        self,
-        loop: native.FrameLoop,
-        mirror: native.GrantMirror,
-        token: bytes,
-        regions: tuple[int, int, int, int],
-        limits: Sequence[int],
-    ) -> tuple[Header, bytes | None, bool]:
-        """The native frame loop on a clear connection (csrc/kvframes.cpp) until a frame comes back: (its header,
-        its run table where that was read too, whether it landed); the same timeouts and errors as ``recv_header``,
-        ``recv_payload`` and ``recv_runs`` for a frame cut short."""
-        code = loop.serve(self.sock.fileno(), mirror, token, regions, limits)
+    def frames_served(self, loop: native.FrameLoop, code: int) -> tuple[Header | None, bytes | None]:
+        """What a native frame loop's ``serve`` (csrc/kvframes.cpp) on this connection came back with: the header of
+        the frame handed back (None: only completions to drain) and its run table where that was read too; a frame
+        cut short or a closed connection raises what ``recv_header``, ``recv_payload`` and ``recv_runs`` raise."""
         landed, part, got, wanted, os_error = loop.io
         if landed:
             self.last_progress = time.monotonic()
@@ -236,12 +228,13 @@ class Conn:
         if code == native.LAND_EOF:
             raise self._truncated(got, wanted) if part == 2 else self._cut(got, wanted)
         if code == native.LAND_STALLED:
-            self._stalled(self.max_idle_ticks, got, wanted)
+            raise self._stall(got, wanted)
         if code == native.LAND_EOS:
             raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
+        if code == native.FRAME_DRAIN:
+            return None, None
         header = unpack_header(bytearray(loop.header.raw), self.label)
-        table = loop.table.raw[: header[3] * RUN.size] if code == native.FRAME_TABLE else None
-        return header, table, code == native.FRAME_LAST
+        return header, loop.table.raw[: header[3] * RUN.size] if code == native.FRAME_TABLE else None
 
     def _cut(self, got: int, n: int) -> ProtocolError:
         return ProtocolError(f"tcp {self.label}: truncated frame, connection closed after {got} of {n} bytes")
@@ -255,10 +248,13 @@ class Conn:
         """One more tick without a byte inside a frame: the new count, or TransferTimeout once ``io_timeout`` passed."""
         idle += 1
         if idle >= self.max_idle_ticks:
-            raise TransferTimeout(
-                f"tcp {self.label}: peer sent {got} of {n} bytes of a frame, then nothing for {self.io_timeout:.3g}s"
-            ) from None
+            raise self._stall(got, n) from None
         return idle
+
+    def _stall(self, got: int, n: int) -> TransferTimeout:
+        return TransferTimeout(
+            f"tcp {self.label}: peer sent {got} of {n} bytes of a frame, then nothing for {self.io_timeout:.3g}s"
+        )
 
     def recv_header(self, on_idle: Callable[[], None] | None = None) -> Header:
         """Next header as (type, flags, shares, aux, notif, xfer, offset, length); magic and version checked."""

@@ -372,23 +372,30 @@ class Target:
         until a batch is full), and go out before any large payload is landed
         or anything else is sent, so holding them never delays a transfer by
         more than the frames that were queued behind it anyway.
+
+        On a clear connection with the kernels loaded, DATA frames are served
+        by the native loop (``_native_frames``) and come back here only as
+        completions to drain or as frames it hands back; every other frame,
+        and every frame with TLS or ``PDKV_NATIVE_FRAMES=0``, is served here.
         """
         opts = self.agent.opts
-        loop = native.FrameLoop() if self.native_frames and not conn.tls else None
+        loop = native.FrameLoop(opts.max_notif_bytes, MAX_ACK_BATCH) if self.native_frames and not conn.tls else None
         cur_xfer = -1  # the transfer whose share this stream is in the middle of
         refused = ""  # why a frame of that share was refused: it lands nothing, the transfer gets NACK
         acks: list[int] = []
         while True:
-            if acks and (len(acks) >= MAX_ACK_BATCH or not conn.readable()):
+            if acks and (len(acks) >= MAX_ACK_BATCH or (loop is not None and loop.pending) or not conn.readable()):
                 self._send_acks(conn, acks)
             table: bytes | None = None  # a handed back frame's run table, read already
-            landed = False  # whether the native loop landed this frame (it then has LAST)
             if loop is None:
                 header = conn.recv_header()
             else:
-                header, table, landed, cur_xfer = self._native_frames(conn, session, loop, cur_xfer, bool(acks))
+                served, table, cur_xfer, refused = self._native_frames(conn, session, loop, cur_xfer, refused, acks)
+                if served is None:
+                    continue  # only completions: drained
+                header = served
             ftype, flags, shares, aux, nlen, xfer, offset, length = header
-            if ftype == DATA and not landed:
+            if ftype == DATA:
                 nruns = aux
                 if xfer != cur_xfer:
                     if cur_xfer != -1:
@@ -411,26 +418,13 @@ class Target:
                 if acks and length >= _ACK_FLUSH_BYTES:
                     self._send_acks(conn, acks)
                 refused = self._land(conn, session, table, runs, dest, length) or refused
-            if ftype == DATA:
                 if flags & LAST:
                     notif = (
                         conn.recv_payload(nlen, opts.max_notif_bytes, "notification") if flags & NOTIF_FOLLOWS else None
                     )
                     cur_xfer = -1
-                    # a one-stream transfer has fully landed now: no shared state to consult
-                    done, notif, why = (
-                        (True, notif, refused)
-                        if shares == 1
-                        else session.end(conn, xfer, shares, notif, refused, opts.max_inflight)
-                    )
+                    self._ended(conn, session, xfer, shares, notif, refused, acks)
                     refused = ""
-                    if done and why:
-                        self._send_acks(conn, acks)
-                        self._nack(conn, xfer, why)
-                    elif done:
-                        if notif is not None:
-                            self._inbox.deliver(session.peer, notif)
-                        acks.append(xfer)
                 continue
             if cur_xfer != -1:
                 raise ProtocolError(
@@ -458,29 +452,54 @@ class Target:
                 raise ProtocolError(f"tcp {conn.label}: unexpected frame type {FRAME_NAMES.get(ftype, ftype)}")
 
     def _native_frames(
-        self, conn: Conn, session: Session, loop: native.FrameLoop, cur_xfer: int, holding_acks: bool
-    ) -> tuple[Header, bytes | None, bool, int]:
-        """DATA frames served natively until one comes back: (its header, its run table if read, whether it landed,
-        the share the connection is now in: ``cur_xfer``).
+        self, conn: Conn, session: Session, loop: native.FrameLoop, cur_xfer: int, refused: str, acks: list[int]
+    ) -> tuple[Header | None, bytes | None, int, str]:
+        """DATA frames served natively until the loop comes back: (the header of a frame it hands back, or None;
+        that frame's run table if read; the share the connection is now in, ``cur_xfer``; ``refused``, as the
+        transfers that ended leave it).
 
-        A landed frame has LAST (the rest of it, from its notification on, is
-        ours); one handed back is served by the Python loop from where the
-        native one stopped. While ACKs wait, a frame of ``_ACK_FLUSH_BYTES``
-        or more is handed back before its run table, so they go out first.
+        First the completions it queued (the shares whose last frame landed)
+        end as they end in the Python loop, in order; a frame handed back is
+        then served by the Python loop from where the native one stopped.
         """
         assert self._landing is not None and self._grants.mirror is not None
         snap = self._landing.snapshot  # held: the regions it names stay alive while frames land under it
         loop.share[0], loop.share[1] = (0, 0) if cur_xfer == -1 else (1, cur_xfer)
-        limits = (
-            _HASH_PIECE_BYTES,
-            conn.max_idle_ticks,
-            self.agent.opts.max_frame_bytes,
-            self.agent.opts.max_notif_bytes,
-            _ACK_FLUSH_BYTES if holding_acks else 0,
+        opts = self.agent.opts
+        limits = (_HASH_PIECE_BYTES, conn.max_idle_ticks, opts.max_frame_bytes, opts.max_notif_bytes, _ACK_FLUSH_BYTES)
+        code = loop.serve(
+            conn.sock.fileno(),
+            self._grants.mirror,
+            session.token,
+            snap.regions(self._landing.generation_address),
+            limits,
+            MAX_ACK_BATCH - len(acks),
+            bool(acks),
         )
-        regions = snap.regions(self._landing.generation_address)
-        header, table, landed = conn.serve_frames(loop, self._grants.mirror, session.token, regions, limits)
-        return header, table, landed, loop.share[1] if loop.share[0] else -1
+        for xfer, shares, notif in loop.completions():
+            self._ended(conn, session, xfer, shares, notif, refused, acks)
+            refused = ""
+        header, table = conn.frames_served(loop, code)
+        return header, table, loop.share[1] if loop.share[0] else -1, refused
+
+    def _ended(
+        self, conn: Conn, session: Session, xfer: int, shares: int, notif: bytes | None, refused: str, acks: list[int]
+    ) -> None:
+        """The last frame of a share of ``xfer`` landed: once every share has, notify and queue its ACK, or NACK it
+        (``refused``: why a frame of this share landed nothing)."""
+        # a one-stream transfer has fully landed now: no shared state to consult
+        done, notif, why = (
+            (True, notif, refused)
+            if shares == 1
+            else session.end(conn, xfer, shares, notif, refused, self.agent.opts.max_inflight)
+        )
+        if done and why:
+            self._send_acks(conn, acks)
+            self._nack(conn, xfer, why)
+        elif done:
+            if notif is not None:
+                self._inbox.deliver(session.peer, notif)
+            acks.append(xfer)
 
     def _runs(
         self, conn: Conn, nruns: int, offset: int, length: int, table: bytes | None = None
