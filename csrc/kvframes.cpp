@@ -214,6 +214,7 @@ PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t 
   const int64_t piece = limits[0], max_idle = limits[1], max_frame = limits[2], max_notif = limits[3];
   const int64_t flush = limits[4], snapshot = limits[5], ring_cap = limits[6], notif_cap = limits[7];
   const bool acks_held = limits[8];
+  if (ring_cap < 1 || notif_cap < max_notif || piece <= 0) return PDKV_LAND_EARG;  // room for one completion at least
   const std::string tok(token, static_cast<size_t>(token_len));
   std::fill(io, io + 5, 0);  // frames landed, part (0 header, 1 run table, 2 payload, 3 notification), got, wanted, errno
   ring[0] = 0;
@@ -283,6 +284,6 @@ PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t 
     // back to Python when nothing more waits (the ACKs go out now), the ring is full, or a share of several
     // streams ended (Python ends it across them before anything after it lands)
     pollfd p{fd, POLLIN, 0};
-    if (ring[0] == ring_cap || shares > 1 || poll(&p, 1, 0) <= 0) return PDKV_FRAME_DRAIN;
+    if (ring[0] >= ring_cap || shares > 1 || poll(&p, 1, 0) <= 0) return PDKV_FRAME_DRAIN;
   }
 }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import re
 import socket
 import threading
@@ -91,6 +92,11 @@ def _data(xfer: int, runs: list[tuple[int, int, int]], flags: int = LAST, shares
 SYNC = _hdr(wire.READ_REQ, xfer=99, aux=1, length=8)
 
 
+def _unlabelled(text: str) -> str:
+    """``text`` without the connection's label (its port differs from run to run)."""
+    return re.sub(r"t<-\S+ \('peer'\)", "", text)
+
+
 def _answers(data: bytes) -> list[tuple[str, object]]:
     """The frames the target sent: (type, what identifies it: an ACK's transfer ids one by one, an ERROR's or NACK's
     text without connection labels)."""
@@ -106,7 +112,7 @@ def _answers(data: bytes) -> list[tuple[str, object]]:
             ids = [xfer, *(int.from_bytes(payload[i : i + 8], "little") for i in range(0, length, 8))]
             out.extend((name, i) for i in ids)
         elif ftype in (wire.NACK, wire.ERROR):
-            out.append((name, (xfer, re.sub(r"t<-\S+ \('peer'\)", "", payload.decode()))))
+            out.append((name, (xfer, _unlabelled(payload.decode()))))
         else:
             out.append((name, None))
     return out
@@ -142,6 +148,11 @@ def _landed(region: int, offset: int, value: int) -> Callable[[Rig], None]:
         wait_until(lambda: rig.regions[region][offset] == value, TIMEOUT, "the frame to land")
 
     return wait
+
+
+def _hung_up(rig: Rig) -> None:
+    """Wait until the target gave the connection up (a stalled frame: io_timeout without a byte)."""
+    wait_until(lambda: not rig.channel.target._accepted, TIMEOUT, "the target to give up the stalled frame")
 
 
 def _revoke(rig: Rig) -> None:
@@ -190,6 +201,7 @@ SCENARIOS: dict[str, list[Step]] = {
     "truncated-notification": [_hello(), _data(1, [(1, 0, 16)], notif=b"note")[:-2]],
     "truncated-payload": [_hello(), _data(1, [(1, 0, 16)]), _data(2, [(1, 100, 4096)])[:-1000]],
     "truncated-run-table": [_hello(), _data(1, [(1, 0, 16)]), _data(2, [(1, 0, 8), (1, 8, 8)])[: wire.HDR_SIZE + 30]],
+    "stalled-payload": [_hello(), _data(1, [(1, 0, 16)]), _data(2, [(1, 100, 4096)])[:-1000], _hung_up],
     "truncated-header": [_hello(), _data(1, [(1, 0, 16)]), _hdr(DATA, 2)[:20]],
     "notif-inside-share": [_hello(), _data(1, [(0, 0, 16)], flags=0, shares=0), _hdr(wire.NOTIF, length=2) + b"hi"],
     "data-of-another-transfer": [_hello(), _data(1, [(0, 0, 16)], flags=0, shares=0), _data(2, [(0, 16, 16)])],
@@ -204,7 +216,7 @@ SCENARIOS: dict[str, list[Step]] = {
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, tuple[list[bytes], list[tuple[str, object]], list[bytes]]]:
+def reference() -> dict[str, tuple[object, ...]]:
     """The Python loop's outcome of each scenario, filled by its runs (which pytest orders first: ``FRAME_LOOPS``)."""
     return {}
 
@@ -215,9 +227,14 @@ def test_both_loops_land_and_answer_the_same(
     rig: Rig,
     frame_loop: str,
     scenario: str,
-    reference: dict[str, tuple[list[bytes], list[tuple[str, object]], list[bytes]]],
+    reference: dict[str, tuple[object, ...]],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    outcome = _run(rig, SCENARIOS[scenario])
+    """Bytes landed, answers, notifications, and what the target logged (why it refused or hung up)."""
+    with caplog.at_level(logging.WARNING, logger="pdkv.channels.tcp.target"):
+        outcome = (*_run(rig, SCENARIOS[scenario]), [_unlabelled(r.getMessage()) for r in caplog.records])
+    if scenario == "stalled-payload":  # no ERROR frame for a stall: the comparison rests on the log's text
+        assert any("then nothing for" in message for message in outcome[3])
     if frame_loop == "python":
         reference[scenario] = outcome
         return
