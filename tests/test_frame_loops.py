@@ -201,7 +201,13 @@ SCENARIOS: dict[str, list[Step]] = {
     "truncated-notification": [_hello(), _data(1, [(1, 0, 16)], notif=b"note")[:-2]],
     "truncated-payload": [_hello(), _data(1, [(1, 0, 16)]), _data(2, [(1, 100, 4096)])[:-1000]],
     "truncated-run-table": [_hello(), _data(1, [(1, 0, 16)]), _data(2, [(1, 0, 8), (1, 8, 8)])[: wire.HDR_SIZE + 30]],
-    "stalled-payload": [_hello(), _data(1, [(1, 0, 16)]), _data(2, [(1, 100, 4096)])[:-1000], _hung_up],
+    "stalled-payload": [
+        _hello(),
+        _data(1, [(1, 0, 16)]),
+        _data(2, [(1, 100, 4096)])[:-1000],
+        _landed(1, 100, 1),  # the connection is being served
+        _hung_up,
+    ],
     "truncated-header": [_hello(), _data(1, [(1, 0, 16)]), _hdr(DATA, 2)[:20]],
     "notif-inside-share": [_hello(), _data(1, [(0, 0, 16)], flags=0, shares=0), _hdr(wire.NOTIF, length=2) + b"hi"],
     "data-of-another-transfer": [_hello(), _data(1, [(0, 0, 16)], flags=0, shares=0), _data(2, [(0, 16, 16)])],
