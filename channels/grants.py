@@ -74,7 +74,7 @@ class Grants:
             for region in self._guarded:
                 mirror.guard(region, True)
             for token, access, region in self._ranges:
-                self._mirror(token, access, region)
+                self._mirror(token, access, {region})
 
     def guard(self, region: int) -> None:
         with self._cond:
@@ -104,9 +104,10 @@ class Grants:
 
     def grant(self, token: bytes, access: Access, ranges: Sequence[Range]) -> None:
         with self._cond:
-            for region, offset, length in _coalesce(ranges):
+            spans = _coalesce(ranges)
+            for region, offset, length in spans:
                 bisect.insort(self._ranges.setdefault((token, access, region), []), (offset, offset + length))
-                self._mirror(token, access, region)
+            self._mirror(token, access, {region for region, _, _ in spans})
 
     def revoke(self, token: bytes, access: Access, ranges: Sequence[Range], timeout: float) -> bool:
         """Remove the ranges, then wait up to ``timeout`` s for frames of ``token`` landing in them; False if
@@ -118,7 +119,7 @@ class Grants:
                 held = self._ranges.get((token, access, region))
                 if held is not None:
                     self._ranges[(token, access, region)] = _subtract(held, offset, offset + length)
-                    self._mirror(token, access, region)
+            self._mirror(token, access, {region for region, _, _ in spans})
             while any(
                 t == token and r == region and lo < offset + length and offset < lo + n
                 for t, landing in self._landing.values()
@@ -133,11 +134,12 @@ class Grants:
             return True
         return self.mirror.wait(token, spans, max(0.0, deadline - time.monotonic()))
 
-    def _mirror(self, token: bytes, access: Access, region: int) -> None:
-        """Copy ``token``'s write spans in ``region``, as they now are, to the native mirror (caller holds the
-        lock)."""
+    def _mirror(self, token: bytes, access: Access, regions: set[int]) -> None:
+        """Copy ``token``'s write spans in ``regions``, as they now are, to the native mirror (caller holds the
+        lock): once per region a call touched, not once per range (a reservation's blocks are many ranges)."""
         if self.mirror is not None and access == "write":
-            self.mirror.set(token, region, self._ranges.get((token, access, region), []))
+            for region in regions:
+                self.mirror.set(token, region, self._ranges.get((token, access, region), []))
 
     def begin(self, token: bytes, access: Access, region: int, offset: int, length: int) -> int | None:
         """Admit one frame: a ticket while it lands (end it with ``end``), None for an open region; ChannelError
