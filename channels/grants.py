@@ -34,7 +34,9 @@ class Mirror(Protocol):
 
     def guard(self, region: int, on: bool) -> None: ...
 
-    def set(self, token: bytes, region: int, spans: Sequence[tuple[int, int]]) -> None: ...
+    def add(self, token: bytes, ranges: Sequence[Range]) -> None: ...
+
+    def remove(self, token: bytes, ranges: Sequence[Range]) -> None: ...
 
     def wait(self, token: bytes, ranges: Sequence[Range], timeout: float) -> bool: ...
 
@@ -73,8 +75,9 @@ class Grants:
             self.mirror = mirror
             for region in self._guarded:
                 mirror.guard(region, True)
-            for token, access, region in self._ranges:
-                self._mirror(token, access, {region})
+            for (token, access, region), held in self._ranges.items():
+                if access == "write":
+                    mirror.add(token, [(region, lo, hi - lo) for lo, hi in held])
 
     def guard(self, region: int) -> None:
         with self._cond:
@@ -107,7 +110,8 @@ class Grants:
             spans = _coalesce(ranges)
             for region, offset, length in spans:
                 bisect.insort(self._ranges.setdefault((token, access, region), []), (offset, offset + length))
-            self._mirror(token, access, {region for region, _, _ in spans})
+            if self.mirror is not None and access == "write":
+                self.mirror.add(token, spans)
 
     def revoke(self, token: bytes, access: Access, ranges: Sequence[Range], timeout: float) -> bool:
         """Remove the ranges, then wait up to ``timeout`` s for frames of ``token`` landing in them; False if
@@ -119,7 +123,8 @@ class Grants:
                 held = self._ranges.get((token, access, region))
                 if held is not None:
                     self._ranges[(token, access, region)] = _subtract(held, offset, offset + length)
-            self._mirror(token, access, {region for region, _, _ in spans})
+            if self.mirror is not None and access == "write":
+                self.mirror.remove(token, spans)
             while any(
                 t == token and r == region and lo < offset + length and offset < lo + n
                 for t, landing in self._landing.values()
@@ -133,13 +138,6 @@ class Grants:
         if self.mirror is None or access != "write":
             return True
         return self.mirror.wait(token, spans, max(0.0, deadline - time.monotonic()))
-
-    def _mirror(self, token: bytes, access: Access, regions: set[int]) -> None:
-        """Copy ``token``'s write spans in ``regions``, as they now are, to the native mirror (caller holds the
-        lock): once per region a call touched, not once per range (a reservation's blocks are many ranges)."""
-        if self.mirror is not None and access == "write":
-            for region in regions:
-                self.mirror.set(token, region, self._ranges.get((token, access, region), []))
 
     def begin(self, token: bytes, access: Access, region: int, offset: int, length: int) -> int | None:
         """Admit one frame: a ticket while it lands (end it with ``end``), None for an open region; ChannelError

@@ -86,7 +86,9 @@ PDKV_API int pdkv_recv_runs(int fd, const char* runs, int64_t nruns, const int64
 // The tcp target's DATA frame loop and the grant mirror it checks (kvframes.cpp has the why).
 // A grant mirror (pdkv_grants_new/free) holds one Grants object's write
 // grants: guarded regions, and per (token, region) its sorted [start, end)
-// spans (`spans` holds n pairs), both written only by Python under its lock.
+// spans, both written only by Python under its lock, step for step as
+// channels/grants.py changes its own: pdkv_grants_add inserts, and
+// pdkv_grants_remove subtracts, each of n (region, offset, length) ranges.
 // pdkv_grants_begin admits a run table (the wire's, checked by
 // pdkv_check_runs) for a token, all runs or none: 0 and *ticket (0: no run in
 // a guarded region), or 1; pdkv_grants_end ends a ticket. pdkv_grants_wait
@@ -95,8 +97,8 @@ PDKV_API int pdkv_recv_runs(int fd, const char* runs, int64_t nruns, const int64
 PDKV_API void* pdkv_grants_new();
 PDKV_API void pdkv_grants_free(void* grants);
 PDKV_API void pdkv_grants_guard(void* grants, int64_t region, int on);
-PDKV_API void pdkv_grants_set(void* grants, const char* token, int64_t token_len, int64_t region, const int64_t* spans,
-                              int64_t n);
+PDKV_API void pdkv_grants_add(void* grants, const char* token, int64_t token_len, const int64_t* ranges, int64_t n);
+PDKV_API void pdkv_grants_remove(void* grants, const char* token, int64_t token_len, const int64_t* ranges, int64_t n);
 PDKV_API int pdkv_grants_begin(void* grants, const char* token, int64_t token_len, const char* runs, int64_t nruns,
                                int64_t* ticket);
 PDKV_API void pdkv_grants_end(void* grants, int64_t ticket);

@@ -163,18 +163,37 @@ PDKV_API void pdkv_grants_guard(void* grants, int64_t region, int on) {
   }
 }
 
-PDKV_API void pdkv_grants_set(void* grants, const char* token, int64_t token_len, int64_t region, const int64_t* spans,
-                              int64_t n) {
+PDKV_API void pdkv_grants_add(void* grants, const char* token, int64_t token_len, const int64_t* ranges, int64_t n) {
   auto* m = static_cast<Mirror*>(grants);
-  std::vector<Span> held;
-  for (int64_t i = 0; i < n; ++i) held.emplace_back(spans[2 * i], spans[2 * i + 1]);
-  std::sort(held.begin(), held.end());
   std::lock_guard<std::mutex> lock(m->mu);
-  const std::pair<std::string, int64_t> key{std::string(token, static_cast<size_t>(token_len)), region};
-  if (held.empty()) {
-    m->spans.erase(key);
-  } else {
-    m->spans[key] = std::move(held);
+  const std::string tok(token, static_cast<size_t>(token_len));
+  for (int64_t i = 0; i < n; ++i) {  // grants.py grant: bisect.insort of each range's span
+    const int64_t* r = ranges + 3 * i;
+    std::vector<Span>& held = m->spans[{tok, r[0]}];
+    const Span span{r[1], r[1] + r[2]};
+    held.insert(std::upper_bound(held.begin(), held.end(), span), span);
+  }
+}
+
+PDKV_API void pdkv_grants_remove(void* grants, const char* token, int64_t token_len, const int64_t* ranges, int64_t n) {
+  auto* m = static_cast<Mirror*>(grants);
+  std::lock_guard<std::mutex> lock(m->mu);
+  const std::string tok(token, static_cast<size_t>(token_len));
+  for (int64_t i = 0; i < n; ++i) {  // grants.py revoke: _subtract each range from the spans held, where any are
+    const int64_t* r = ranges + 3 * i;
+    const auto it = m->spans.find({tok, r[0]});
+    if (it == m->spans.end()) continue;
+    const int64_t start = r[1], end = r[1] + r[2];
+    std::vector<Span> out;
+    for (const Span& s : it->second) {
+      if (s.second <= start || end <= s.first) {
+        out.push_back(s);
+        continue;
+      }
+      if (s.first < start) out.emplace_back(s.first, start);
+      if (end < s.second) out.emplace_back(end, s.second);
+    }
+    it->second = std::move(out);
   }
 }
 
