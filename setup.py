@@ -129,7 +129,9 @@ setup(
     ext_modules=[
         Extension(
             "pdkv.libpdkv_kernels",
-            sources=[str(CSRC / name) for name in ("kvcopy.cpp", "kvsum.cpp", "kvcodec.cpp", "kvland.cpp")],
+            sources=[
+                str(CSRC / name) for name in ("kvcopy.cpp", "kvsum.cpp", "kvcodec.cpp", "kvland.cpp", "kvframes.cpp")
+            ],
             depends=HEADERS,
             language="c++",
             extra_compile_args=CXXFLAGS,

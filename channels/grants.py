@@ -4,6 +4,12 @@ A channel lands a peer's bytes only where that peer's token was granted them
 (``Grants``); the receiver grants a reservation's blocks to its sender's
 token and revokes them when the reservation ends, waiting out any write
 still landing there.
+
+A channel that lands frames natively (tcp, where the kernels load) gives
+its ``Grants`` a ``Mirror`` (``native.GrantMirror``): a native copy of the
+write grants that its native frame loop checks frames against without the
+GIL. Only this class writes the mirror, under its lock, and ``revoke`` waits
+out that loop's frames too.
 """
 
 from __future__ import annotations
@@ -14,13 +20,25 @@ import itertools
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Literal
+from typing import Literal, Protocol
 
 from pdkv.errors import ChannelError
 
 Access = Literal["write", "read"]
 Range = tuple[int, int, int]  # (region, offset, length)
 Exposure = Literal["open", "granted", "closed"]
+
+
+class Mirror(Protocol):
+    """A native copy of the write grants (``pdkv.native.GrantMirror``; named here, so this module needs no torch)."""
+
+    def guard(self, region: int, on: bool) -> None: ...
+
+    def add(self, token: bytes, ranges: Sequence[Range]) -> None: ...
+
+    def remove(self, token: bytes, ranges: Sequence[Range]) -> None: ...
+
+    def wait(self, token: bytes, ranges: Sequence[Range], timeout: float) -> bool: ...
 
 
 class Grants:
@@ -49,10 +67,23 @@ class Grants:
         ] = {}  # (token, access, region) -> sorted [start, end)
         self._landing: dict[int, tuple[bytes, Sequence[Range]]] = {}  # ticket -> (token, the ranges it lands in)
         self._tickets = itertools.count()
+        self.mirror: Mirror | None = None  # the write grants, natively, where a channel lands frames natively
+
+    def mirror_to(self, mirror: Mirror) -> None:
+        """Keep ``mirror`` a copy of the write grants from now on, starting with those held now."""
+        with self._cond:
+            self.mirror = mirror
+            for region in self._guarded:
+                mirror.guard(region, True)
+            for (token, access, region), held in self._ranges.items():
+                if access == "write":
+                    mirror.add(token, [(region, lo, hi - lo) for lo, hi in held])
 
     def guard(self, region: int) -> None:
         with self._cond:
             self._guarded.add(region)
+            if self.mirror is not None:
+                self.mirror.guard(region, True)
 
     def guarded(self, region: int) -> bool:
         with self._cond:
@@ -61,6 +92,8 @@ class Grants:
     def unguard(self, region: int) -> None:
         with self._cond:
             self._guarded.discard(region)
+            if self.mirror is not None:
+                self.mirror.guard(region, False)
 
     def exposure(self, regions: Iterable[int], access: Access = "write") -> Exposure:
         """Whether a peer may touch ``regions`` now: ``open`` (one is not guarded: any peer, any time),
@@ -74,8 +107,11 @@ class Grants:
 
     def grant(self, token: bytes, access: Access, ranges: Sequence[Range]) -> None:
         with self._cond:
-            for region, offset, length in _coalesce(ranges):
+            spans = _coalesce(ranges)
+            for region, offset, length in spans:
                 bisect.insort(self._ranges.setdefault((token, access, region), []), (offset, offset + length))
+            if self.mirror is not None and access == "write":
+                self.mirror.add(token, spans)
 
     def revoke(self, token: bytes, access: Access, ranges: Sequence[Range], timeout: float) -> bool:
         """Remove the ranges, then wait up to ``timeout`` s for frames of ``token`` landing in them; False if
@@ -87,6 +123,8 @@ class Grants:
                 held = self._ranges.get((token, access, region))
                 if held is not None:
                     self._ranges[(token, access, region)] = _subtract(held, offset, offset + length)
+            if self.mirror is not None and access == "write":
+                self.mirror.remove(token, spans)
             while any(
                 t == token and r == region and lo < offset + length and offset < lo + n
                 for t, landing in self._landing.values()
@@ -97,7 +135,9 @@ class Grants:
                 if remaining <= 0:
                     return False
                 self._cond.wait(remaining)
-        return True
+        if self.mirror is None or access != "write":
+            return True
+        return self.mirror.wait(token, spans, max(0.0, deadline - time.monotonic()))
 
     def begin(self, token: bytes, access: Access, region: int, offset: int, length: int) -> int | None:
         """Admit one frame: a ticket while it lands (end it with ``end``), None for an open region; ChannelError

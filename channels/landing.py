@@ -46,6 +46,7 @@ class Snapshot:
     desc: torch.Tensor  # [regions, 5] int64
     tables: tuple[torch.Tensor, ...]
     views: tuple[memoryview, ...]  # the regions' memory, kept alive as long as a receive may write there
+    generation: int = 0  # the count of snapshots published before this one
 
     @property
     def address(self) -> int:
@@ -54,6 +55,11 @@ class Snapshot:
     @property
     def count(self) -> int:
         return self.desc.shape[0]
+
+    def regions(self, generation: int) -> tuple[int, int, int, int]:
+        """What the native frame loop lands under: descriptors, their count, the address of the live generation
+        counter (``generation``: a frame is handed back once it moved on) and this snapshot's generation."""
+        return self.address, self.count, generation, self.generation
 
 
 def _address_of(view: memoryview) -> int:
@@ -70,6 +76,10 @@ class LandingSums:
         self._views: dict[int, memoryview] = {}
         self._tables: dict[int, tuple[int, torch.Tensor]] = {}  # region -> (unit, [units, 3] int64)
         self.snapshot = Snapshot(torch.zeros((0, _DESC), dtype=torch.int64), (), ())
+        # the snapshot's generation, where the native frame loop reads it (csrc/kvframes.cpp): a loop serving under
+        # an older snapshot hands its next frame back, to be checked against the regions as they now are
+        self._generation = ctypes.c_int64(0)
+        self.generation_address = ctypes.addressof(self._generation)
 
     def add_region(self, region: int, view: memoryview) -> None:
         with self._lock:
@@ -151,4 +161,6 @@ class LandingSums:
             )
             if table is not None:
                 tables.append(table)
-        self.snapshot = Snapshot(desc, tuple(tables), tuple(self._views.values()))
+        generation = self._generation.value + 1
+        self.snapshot = Snapshot(desc, tuple(tables), tuple(self._views.values()), generation)
+        self._generation.value = generation

@@ -83,6 +83,54 @@ PDKV_API int pdkv_check_runs(const char* runs, int64_t nruns, const int64_t* des
 #define PDKV_LAND_EARG 13     // a bad argument (a bug of the caller)
 PDKV_API int pdkv_recv_runs(int fd, const char* runs, int64_t nruns, const int64_t* desc, int64_t n_desc, int64_t piece,
                             int64_t max_idle, int64_t* got, int* os_error);
+// The tcp target's DATA frame loop and the grant mirror it checks (kvframes.cpp has the why).
+// A grant mirror (pdkv_grants_new/free) holds one Grants object's write
+// grants: guarded regions, and per (token, region) its sorted [start, end)
+// spans, both written only by Python under its lock, step for step as
+// channels/grants.py changes its own: pdkv_grants_add inserts, and
+// pdkv_grants_remove subtracts, each of n (region, offset, length) ranges.
+// pdkv_grants_begin admits a run table (the wire's, checked by
+// pdkv_check_runs) for a token, all runs or none: 0 and *ticket (0: no run in
+// a guarded region), or 1; pdkv_grants_end ends a ticket. pdkv_grants_wait
+// waits up to timeout_us for every ticket of `token` overlapping n ranges
+// (region, offset, length triples) to end: 0, or 1 if one still lands.
+PDKV_API void* pdkv_grants_new();
+PDKV_API void pdkv_grants_free(void* grants);
+PDKV_API void pdkv_grants_guard(void* grants, int64_t region, int on);
+PDKV_API void pdkv_grants_add(void* grants, const char* token, int64_t token_len, const int64_t* ranges, int64_t n);
+PDKV_API void pdkv_grants_remove(void* grants, const char* token, int64_t token_len, const int64_t* ranges, int64_t n);
+PDKV_API int pdkv_grants_begin(void* grants, const char* token, int64_t token_len, const char* runs, int64_t nruns,
+                               int64_t* ticket);
+PDKV_API void pdkv_grants_end(void* grants, int64_t ticket);
+PDKV_API int pdkv_grants_wait(void* grants, const char* token, int64_t token_len, const int64_t* ranges, int64_t n,
+                              int64_t timeout_us);
+// pdkv_serve_frames serves consecutive DATA frames of the blocking socket fd
+// for a connection whose session holds `token`: each checked as
+// channels/tcp/target.py checks it, admitted by the grant mirror, landed and
+// hashed as pdkv_recv_runs lands it, under desc while *generation (which
+// Python bumps whenever a region is registered or dropped) still equals the
+// generation desc was taken at (else the frame is handed back after its run
+// table). A frame with LAST that landed is queued in `ring`: ring[0] entries,
+// then 4 words each (transfer id, shares, offset of its notification in
+// `notifs`, its length or -1 for none). limits: piece, max_idle ticks,
+// max_frame_bytes, max_notif_bytes, the payload length before which owed
+// completions go out first, desc's generation, the ring's capacity in
+// entries, notifs' in bytes (>= max_notif_bytes), whether Python holds ACKs.
+// share: [0] whether the connection is inside a share, [1] that share's
+// transfer id, [2] whether hdr holds a header read and not yet served (in
+// and out). hdr (40 bytes) gets the last header read, table (MAX_RUNS
+// entries) its run table; io: frames landed, where it stopped in the frame
+// (0 header, 1 run table, 2 payload, 3 notification), bytes of that part
+// received, bytes of it wanted, errno. Returns (the ring may hold
+// completions with any of them):
+#define PDKV_FRAME_DRAIN 20   // stopped to have the ring drained (and, with share[2], ACKs sent first)
+#define PDKV_FRAME_HEADER 21  // a frame it does not take: only its header was read
+#define PDKV_FRAME_TABLE 22   // a frame it does not take: its header and run table were read
+#define PDKV_FRAME_CLOSED 23  // the peer closed the connection between frames
+// or PDKV_LAND_EOF / PDKV_LAND_STALLED / PDKV_LAND_EOS (a frame cut short).
+PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t token_len, const int64_t* desc,
+                               int64_t n_desc, const int64_t* generation, const int64_t* limits, uint64_t* share,
+                               char* hdr, char* table, int64_t* ring, char* notifs, int64_t* io);
 // The checksum accumulator of blocks ids[] (each checked against [0, num_blocks)) of every region in turn (bases[t],
 // its landing table tables[t]; units of block_bytes), as pdkv_checksum_blocks_cpu gives it: from each block's landing
 // entry where it landed exactly once in hashed pieces, else read from memory (*reread counts those blocks).

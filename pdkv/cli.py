@@ -190,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--json", action="store_true", help="print one JSON object")
     tr.set_defaults(target="pdkv.bench.transfer:run")
+    fr = bsub.add_parser("frames", help="the tcp target's CPU per DATA frame: the native loop against the Python one")
+    fr.add_argument("--sizes", type=_sizes, default=_sizes("4K,64K,256K"), help="frame sizes (a run per 4 KiB, <= 64)")
+    fr.add_argument("--frames", type=int, default=20000, help="frames per round (larger sizes: at most 256 MiB)")
+    fr.add_argument("--rounds", type=int, default=3, help="rounds, each loop once per round (default 3)")
+    fr.add_argument("--json", action="store_true")
+    fr.set_defaults(target="pdkv.bench.frames:run")
     cs = bsub.add_parser(
         "checksum", help="the chunk checksum's cost against copy_ of the same bytes, on the bytes' device"
     )

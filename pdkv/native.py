@@ -36,8 +36,10 @@ again everything that decides an address (kvcopy.h).
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
+import struct
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -149,6 +151,15 @@ _SIGNATURES: dict[str, list[type]] = {
         ctypes.POINTER(_i64),
         ctypes.POINTER(ctypes.c_int),
     ],
+    "pdkv_grants_new": [],
+    "pdkv_grants_free": [_p],
+    "pdkv_grants_guard": [_p, _i64, ctypes.c_int],
+    "pdkv_grants_add": [_p, ctypes.c_char_p, _i64, ctypes.c_char_p, _i64],
+    "pdkv_grants_remove": [_p, ctypes.c_char_p, _i64, ctypes.c_char_p, _i64],
+    "pdkv_grants_begin": [_p, ctypes.c_char_p, _i64, ctypes.c_char_p, _i64, ctypes.POINTER(_i64)],
+    "pdkv_grants_end": [_p, _i64],
+    "pdkv_grants_wait": [_p, ctypes.c_char_p, _i64, ctypes.c_char_p, _i64, _i64],
+    "pdkv_serve_frames": [ctypes.c_int, _p, ctypes.c_char_p, _i64, _p, _i64, _p, _p, _p, _p, _p, _p],
     "pdkv_landed_blocks": [
         _p,
         _p,
@@ -171,6 +182,8 @@ _SIGNATURES: dict[str, list[type]] = {
     "pdkv_u8_quantize": [ctypes.c_int, _p, _p, _p, _p, _i64, _i64, _p, _p, _i64, ctypes.c_char_p, ctypes.c_size_t],
     "pdkv_u8_dequantize": [_p, _p, _p, _p, _i64, _i64, ctypes.c_int, _p, _p, _i64, ctypes.c_char_p, ctypes.c_size_t],
 }
+# Return types other than int: a pointer (ctypes' default int would cut it to 32 bits) or a string.
+_RESTYPES: dict[str, type] = {"pdkv_grants_new": _p, "pdkv_cuda_error_string": ctypes.c_char_p}
 _CUDA_SIGNATURES: dict[str, list[type]] = {
     "pdkv_kvcopy_cuda": [ctypes.POINTER(KVGeometry), _p, _p, _i64, _p, ctypes.c_int, ctypes.c_int, _p],
     "pdkv_kvcopy_sum_cuda": [ctypes.POINTER(KVGeometry), _p, _p, _i64, _p, ctypes.c_int, ctypes.c_int, _p, _p],
@@ -443,6 +456,133 @@ def recv_runs(
     return code, got.value, os_error.value
 
 
+FRAME_DRAIN, FRAME_HEADER, FRAME_TABLE, FRAME_CLOSED = 20, 21, 22, 23
+"""pdkv_serve_frames' outcomes besides LAND_EOF/LAND_STALLED/LAND_EOS (kvcopy.h): completions to drain (and maybe a
+header read to serve next), a frame handed back after its header or after its run table, the peer closed between
+frames."""
+_FRAME_OUTCOMES = (FRAME_DRAIN, FRAME_HEADER, FRAME_TABLE, FRAME_CLOSED, LAND_EOF, LAND_STALLED, LAND_EOS)
+_HEADER_BYTES, _RUN_BYTES, _MAX_RUNS = 40, 20, 4096  # channels/tcp/wire.py's HDR_SIZE, RUN.size, MAX_RUNS
+
+
+class GrantMirror:
+    """The native copy of one ``Grants`` object's write grants (csrc/kvframes.cpp), which the native frame loop
+    checks frames against: only ``Grants`` writes it, under its own lock; ``wait`` is revoke's fence for the
+    frames that loop is landing."""
+
+    def __init__(self) -> None:
+        self._lib = _lib()
+        self.handle: int = self._lib.pdkv_grants_new()
+
+    def __del__(self) -> None:
+        if getattr(self, "handle", None):
+            self._lib.pdkv_grants_free(self.handle)
+
+    def guard(self, region: int, on: bool) -> None:
+        self._lib.pdkv_grants_guard(self.handle, region, int(on))
+
+    def add(self, token: bytes, ranges: Sequence[tuple[int, int, int]]) -> None:
+        """Grant ``token`` each (region, offset, length) range, as ``Grants.grant`` inserts it (spans not merged)."""
+        self._lib.pdkv_grants_add(self.handle, token, len(token), _ranges(ranges), len(ranges))
+
+    def remove(self, token: bytes, ranges: Sequence[tuple[int, int, int]]) -> None:
+        """Take each range from ``token``'s spans, as ``Grants.revoke`` subtracts it."""
+        self._lib.pdkv_grants_remove(self.handle, token, len(token), _ranges(ranges), len(ranges))
+
+    def begin(self, token: bytes, runs: bytes) -> int | None:
+        """Admit a run table (the wire's) for ``token``, all runs or none: a ticket (0: nothing guarded), or None."""
+        ticket = _i64(0)
+        refused = self._lib.pdkv_grants_begin(
+            self.handle, token, len(token), runs, len(runs) // _RUN_BYTES, ctypes.byref(ticket)
+        )
+        return None if refused else ticket.value
+
+    def end(self, ticket: int) -> None:
+        self._lib.pdkv_grants_end(self.handle, ticket)
+
+    def wait(self, token: bytes, ranges: Sequence[tuple[int, int, int]], timeout: float) -> bool:
+        """Wait up to ``timeout`` s until no frame of ``token`` lands in ``ranges`` here; False if one still does."""
+        return (
+            self._lib.pdkv_grants_wait(self.handle, token, len(token), _ranges(ranges), len(ranges), int(timeout * 1e6))
+            == 0
+        )
+
+
+def _ranges(ranges: Sequence[tuple[int, int, int]]) -> bytes:
+    """(region, offset, length) triples as one flat native int64 array (struct: ten times faster than a ctypes
+    array for a reservation's hundreds of ranges)."""
+    return struct.pack(f"={3 * len(ranges)}q", *itertools.chain.from_iterable(ranges))
+
+
+class FrameLoop:
+    """One connection's buffers for ``pdkv_serve_frames`` (csrc/kvframes.cpp): the last header and run table read,
+    the share it is inside, where a frame stopped, and the ring of completions (transfers whose last frame landed)
+    with their notifications."""
+
+    def __init__(self, max_notif: int, ring: int) -> None:
+        self.header = ctypes.create_string_buffer(_HEADER_BYTES)
+        self.table = ctypes.create_string_buffer(_MAX_RUNS * _RUN_BYTES)
+        self.share = (ctypes.c_uint64 * 3)()  # inside a share (0/1), its transfer id, a header waits to be served
+        self.io = (_i64 * 5)()  # frames landed, part (0 header, 1 table, 2 payload, 3 notification), got, wanted, errno
+        self._ring = (_i64 * (1 + 4 * ring))()  # entries, then (transfer id, shares, notif offset, length or -1)
+        self._notifs = ctypes.create_string_buffer(max(1, max_notif))
+        self._limits = (_i64 * 9)()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a header was read and waits to be served by the next ``serve`` (after owed ACKs went out)."""
+        return bool(self.share[2])
+
+    def serve(
+        self,
+        fd: int,
+        mirror: GrantMirror,
+        token: bytes,
+        regions: tuple[int, int, int, int],
+        limits: Sequence[int],
+        room: int,
+        acks_held: bool,
+    ) -> int:
+        """Serve DATA frames until one comes back to Python; the outcome (``FRAME_*`` or ``LAND_*``). ``regions``:
+        the descriptors' address and count, the address of the generation counter and the generation they are of
+        (channels/landing.py); ``limits``: piece, max_idle ticks, max_frame_bytes, max_notif_bytes, the payload
+        length before which owed completions go out; ``room``: completions it may queue (at most the ring's size);
+        ``acks_held``: whether the caller holds ACKs not sent yet."""
+        desc, n_desc, generation, current = regions
+        self._limits[:] = [*limits, current, min(room, (len(self._ring) - 1) // 4), len(self._notifs), acks_held]
+        code = _lib().pdkv_serve_frames(
+            fd,
+            mirror.handle,
+            token,
+            len(token),
+            desc,
+            n_desc,
+            generation,
+            self._limits,
+            self.share,
+            self.header,
+            self.table,
+            self._ring,
+            self._notifs,
+            self.io,
+        )
+        if code not in _FRAME_OUTCOMES:
+            raise ValueError(f"pdkv landing: bad arguments to pdkv_serve_frames (code {code})")
+        return code
+
+    def completions(self) -> list[tuple[int, int, bytes | None]]:
+        """The transfers (shares) whose last frame the last ``serve`` landed, in order: (transfer id, shares, its
+        notification or None)."""
+        ring, base = self._ring, ctypes.addressof(self._notifs)
+        return [
+            (
+                ring[k] & ((1 << 64) - 1),
+                ring[k + 1],
+                ctypes.string_at(base + ring[k + 2], ring[k + 3]) if ring[k + 3] >= 0 else None,
+            )
+            for k in range(1, 1 + 4 * ring[0], 4)
+        ]
+
+
 def landed_blocks(
     bases: Sequence[int], tables: Sequence[int], ids: Sequence[int], num_blocks: int, block_bytes: int
 ) -> tuple[int, int]:
@@ -610,7 +750,7 @@ def _load(
             for name, argtypes in signatures.items():
                 fn = getattr(lib, name)
                 fn.argtypes = argtypes
-                fn.restype = ctypes.c_char_p if name == "pdkv_cuda_error_string" else ctypes.c_int
+                fn.restype = _RESTYPES.get(name, ctypes.c_int)
             count = lib.pdkv_cuda_device_count() if "pdkv_cuda_device_count" in signatures else 1
             if count < 0:
                 why = f"its CUDA runtime does not start here: {lib.pdkv_cuda_error_string(-count).decode()}"

@@ -17,6 +17,7 @@ import torch
 from pdkv.bench.netrig import NetRig, unavailable
 from pdkv.blocks import BlockAllocator
 from pdkv.channels import Channel, create_channel
+from pdkv.channels.tcp.target import FRAMES_ENV_VAR
 from pdkv.config import TransferConfig
 from pdkv.layout import KVLayout
 from pdkv.memory import emulate_device, in_reach
@@ -135,6 +136,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def kv_memory() -> str:
     """Host memory, unless the test is marked ``device_emulation`` (then parametrized over ``KV_MEMORIES``)."""
     return "host"
+
+
+FRAME_LOOPS = ["native", "python"]
+"""The loops a tcp target can serve DATA frames with (channels/tcp/target.py): the native one where the kernels load,
+and the Python one, its reference; tests of what a target lands run against both."""
+
+
+@pytest.fixture(params=FRAME_LOOPS)
+def frame_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The tcp targets made while the test runs serve DATA frames with this loop."""
+    monkeypatch.setenv(FRAMES_ENV_VAR, "1" if request.param == "native" else "0")
+    return str(request.param)
 
 
 @dataclass

@@ -41,6 +41,7 @@ BENCHES: dict[str, list[str]] = {
     "tier": ["--chunks", "2", "--repeats", "1"],
     "transfer": ["--channel", "tcp", "--scenarios", "40x2", "--repeats", "1", "--device", "cpu,emulated", "--tls"],
     "checksum": ["--repeats", "2"],
+    "frames": ["--sizes", "4K,64K", "--frames", "200", "--rounds", "1"],
     "pd": ["--model", TINY_MODEL, "--tokens", "64", "--repeats", "1", "--disaggregate", "always,never,auto"],
     "codec": [
         "--model",

@@ -43,8 +43,11 @@ _names = iter(range(10**6))
 
 
 @pytest.fixture(params=ENFORCING)
-def agents(request: pytest.FixtureRequest) -> Iterator[tuple[Channel, Channel, bytearray, bytearray, int, int]]:
-    """An initiator and a target of one channel kind; the target's region 0 guarded, region 1 open."""
+def agents(
+    request: pytest.FixtureRequest, frame_loop: str
+) -> Iterator[tuple[Channel, Channel, bytearray, bytearray, int, int]]:
+    """An initiator and a target of one channel kind (a tcp one serving frames with each ``frame_loop``); the
+    target's region 0 guarded, region 1 open."""
     n = next(_names)
     src, dst = bytearray(range(256)) * 64, bytearray(16384)
     initiator = create_channel(request.param, f"cap-i{n}")

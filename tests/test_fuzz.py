@@ -24,11 +24,12 @@ from hypothesis import strategies as st
 
 from pdkv.channels import TransferOp
 from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
+from pdkv.channels.tcp.target import FRAMES_ENV_VAR
 from pdkv.channels.tcp.wire import HEADER, LAST, MAGIC, NOTIF_FOLLOWS, SECRET, VERSION
 from pdkv.errors import ProtocolError
 from pdkv.transfer import protocol
 
-from tests.conftest import MakePair, Pair, wait_until
+from tests.conftest import FRAME_LOOPS, MakePair, Pair, wait_until
 
 FUZZ = settings(
     max_examples=40,
@@ -389,7 +390,13 @@ class Target:
     baseline: int = 0  # connections the good peer keeps open
 
 
-def _make_target(secret: str = "") -> Iterator[Target]:
+def _make_target(secret: str = "", frame_loop: str = "native") -> Iterator[Target]:
+    with pytest.MonkeyPatch.context() as mp:  # the target serves DATA frames with this loop (conftest FRAME_LOOPS)
+        mp.setenv(FRAMES_ENV_VAR, "1" if frame_loop == "native" else "0")
+        yield from _make_channels(secret)
+
+
+def _make_channels(secret: str) -> Iterator[Target]:
     opts = TcpOptions(
         io_timeout=3,
         connect_timeout=3,
@@ -409,15 +416,15 @@ def _make_target(secret: str = "") -> Iterator[Target]:
     channel.close()
 
 
-@pytest.fixture(scope="module")
-def target() -> Iterator[Target]:
-    yield from _make_target()
+@pytest.fixture(scope="module", params=FRAME_LOOPS)
+def target(request: pytest.FixtureRequest) -> Iterator[Target]:
+    yield from _make_target(frame_loop=request.param)
 
 
-@pytest.fixture(scope="module")
-def guarded_target() -> Iterator[Target]:
+@pytest.fixture(scope="module", params=FRAME_LOOPS)
+def guarded_target(request: pytest.FixtureRequest) -> Iterator[Target]:
     """A target with a shared secret, which the fuzzer does not know."""
-    yield from _make_target(secret="fuzz-secret")
+    yield from _make_target(secret="fuzz-secret", frame_loop=request.param)
 
 
 def _send_raw(port: int, stream: bytes) -> None:

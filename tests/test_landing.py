@@ -83,7 +83,7 @@ def _pair(**opts: int) -> Iterator[Pair]:
 
 
 @pytest.fixture
-def pair() -> Iterator[Pair]:
+def pair(frame_loop: str) -> Iterator[Pair]:
     # frames of 6 KiB: several frames a block, a frame ending inside a block; two streams share each transfer
     yield from _pair(max_frame_bytes=6 << 10, streams=2, stream_min_bytes=40 << 10)
 

@@ -55,6 +55,8 @@ class TcpChannel(Channel):
         self.initiator = Initiator(self.agent, self.regions)
         # DATA lands through the native receive, hashed as it lands, where the kernels load (csrc/kvland.cpp)
         self.landing = LandingSums() if native.available() else None
+        if self.landing is not None:  # and frames are checked there against a native copy of the grants
+            self.grants.mirror_to(native.GrantMirror())
         self.target = Target(self.agent, self.regions, self.grants, self.inbox, self.landing)
         self.port: int = self.target.port
 

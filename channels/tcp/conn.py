@@ -34,7 +34,7 @@ from typing import Any
 from pdkv import native
 from pdkv.channels.landing import Snapshot
 from pdkv.channels.tcp.options import TcpOptions
-from pdkv.channels.tcp.wire import HDR_SIZE, Header, pack, unpack_header
+from pdkv.channels.tcp.wire import HDR_SIZE, RUN, Header, pack, unpack_header
 from pdkv.errors import ChannelError, ProtocolError, TransferTimeout
 
 _DRAIN_BYTES = 1 << 20  # a refused frame's payload is read away in pieces this big
@@ -163,7 +163,7 @@ class Conn:
             if r == 0:
                 if boundary and got == 0:
                     raise PeerClosed(f"tcp {self.label}: connection closed by the peer")
-                raise ProtocolError(f"tcp {self.label}: truncated frame, connection closed after {got} of {n} bytes")
+                raise self._cut(got, n)
             got += r
             idle = 0
         self.last_progress = time.monotonic()
@@ -216,6 +216,29 @@ class Conn:
             raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
         self.last_progress = time.monotonic()
 
+    def frames_served(self, loop: native.FrameLoop, code: int) -> tuple[Header | None, bytes | None]:
+        """What a native frame loop's ``serve`` (csrc/kvframes.cpp) on this connection came back with: the header of
+        the frame handed back (None: only completions to drain) and its run table where that was read too; a frame
+        cut short or a closed connection raises what ``recv_header``, ``recv_payload`` and ``recv_runs`` raise."""
+        landed, part, got, wanted, os_error = loop.io
+        if landed:
+            self.last_progress = time.monotonic()
+        if code == native.FRAME_CLOSED:
+            raise PeerClosed(f"tcp {self.label}: connection closed by the peer")
+        if code == native.LAND_EOF:
+            raise self._truncated(got, wanted) if part == 2 else self._cut(got, wanted)
+        if code == native.LAND_STALLED:
+            raise self._stall(got, wanted)
+        if code == native.LAND_EOS:
+            raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
+        if code == native.FRAME_DRAIN:
+            return None, None
+        header = unpack_header(bytearray(loop.header.raw), self.label)
+        return header, loop.table.raw[: header[3] * RUN.size] if code == native.FRAME_TABLE else None
+
+    def _cut(self, got: int, n: int) -> ProtocolError:
+        return ProtocolError(f"tcp {self.label}: truncated frame, connection closed after {got} of {n} bytes")
+
     def _truncated(self, got: int, nbytes: int) -> ProtocolError:
         return ProtocolError(
             f"tcp {self.label}: truncated frame, connection closed after {got} of {nbytes} payload bytes"
@@ -225,10 +248,13 @@ class Conn:
         """One more tick without a byte inside a frame: the new count, or TransferTimeout once ``io_timeout`` passed."""
         idle += 1
         if idle >= self.max_idle_ticks:
-            raise TransferTimeout(
-                f"tcp {self.label}: peer sent {got} of {n} bytes of a frame, then nothing for {self.io_timeout:.3g}s"
-            ) from None
+            raise self._stall(got, n) from None
         return idle
+
+    def _stall(self, got: int, n: int) -> TransferTimeout:
+        return TransferTimeout(
+            f"tcp {self.label}: peer sent {got} of {n} bytes of a frame, then nothing for {self.io_timeout:.3g}s"
+        )
 
     def recv_header(self, on_idle: Callable[[], None] | None = None) -> Header:
         """Next header as (type, flags, shares, aux, notif, xfer, offset, length); magic and version checked."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import socket
 import ssl
 import struct
@@ -58,6 +59,7 @@ from pdkv.channels.tcp.wire import (
     RUN,
     SECRET,
     TARGET_ROLE,
+    Header,
     no_extras,
     pack,
 )
@@ -69,6 +71,9 @@ _ACK_FLUSH_BYTES = 64 << 10  # send pending ACKs before landing a payload this b
 # A DATA payload lands in pieces this big, each hashed right after it arrived (channels/landing.py): small enough
 # to still be in cache, big enough that the extra system calls cost little.
 _HASH_PIECE_BYTES = 256 << 10
+FRAMES_ENV_VAR = "PDKV_NATIVE_FRAMES"
+"""Set to 0 to serve every DATA frame through the Python loop while the kernels still land and hash them (the
+native frame loop's reference; ``PDKV_NATIVE=0`` turns off both)."""
 
 
 class Ending:
@@ -143,6 +148,13 @@ class Target:
         self._landing = landing
         self._grants = grants
         self._inbox = inbox
+        # DATA frames of clear connections are served by the native loop (csrc/kvframes.cpp) where the kernels
+        # load, unless FRAMES_ENV_VAR says 0: then by the Python loop, the reference it must agree with
+        self.native_frames = (
+            landing is not None
+            and grants.mirror is not None
+            and os.environ.get(FRAMES_ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+        )
         self._sessions: dict[int, Session] = {}
         self._accepted: dict[Conn, threading.Thread] = {}
         self._lock = threading.Lock()
@@ -360,15 +372,29 @@ class Target:
         until a batch is full), and go out before any large payload is landed
         or anything else is sent, so holding them never delays a transfer by
         more than the frames that were queued behind it anyway.
+
+        On a clear connection with the kernels loaded, DATA frames are served
+        by the native loop (``_native_frames``) and come back here only as
+        completions to drain or as frames it hands back; every other frame,
+        and every frame with TLS or ``PDKV_NATIVE_FRAMES=0``, is served here.
         """
         opts = self.agent.opts
+        loop = native.FrameLoop(opts.max_notif_bytes, MAX_ACK_BATCH) if self.native_frames and not conn.tls else None
         cur_xfer = -1  # the transfer whose share this stream is in the middle of
         refused = ""  # why a frame of that share was refused: it lands nothing, the transfer gets NACK
         acks: list[int] = []
         while True:
-            if acks and (len(acks) >= MAX_ACK_BATCH or not conn.readable()):
+            if acks and (len(acks) >= MAX_ACK_BATCH or (loop is not None and loop.pending) or not conn.readable()):
                 self._send_acks(conn, acks)
-            ftype, flags, shares, aux, nlen, xfer, offset, length = conn.recv_header()
+            table: bytes | None = None  # a handed back frame's run table, read already
+            if loop is None:
+                header = conn.recv_header()
+            else:
+                served, table, cur_xfer, refused = self._native_frames(conn, session, loop, cur_xfer, refused, acks)
+                if served is None:
+                    continue  # only completions: drained
+                header = served
+            ftype, flags, shares, aux, nlen, xfer, offset, length = header
             if ftype == DATA:
                 nruns = aux
                 if xfer != cur_xfer:
@@ -388,7 +414,7 @@ class Target:
                         f"tcp {conn.label}: DATA with flags={flags} shares={shares} notif={nlen} "
                         f"(max {MAX_STREAMS} shares, max_notif_bytes={opts.max_notif_bytes})"
                     )
-                table, runs, dest = self._runs(conn, nruns, offset, length)
+                table, runs, dest = self._runs(conn, nruns, offset, length, table)
                 if acks and length >= _ACK_FLUSH_BYTES:
                     self._send_acks(conn, acks)
                 refused = self._land(conn, session, table, runs, dest, length) or refused
@@ -397,20 +423,8 @@ class Target:
                         conn.recv_payload(nlen, opts.max_notif_bytes, "notification") if flags & NOTIF_FOLLOWS else None
                     )
                     cur_xfer = -1
-                    # a one-stream transfer has fully landed now: no shared state to consult
-                    done, notif, why = (
-                        (True, notif, refused)
-                        if shares == 1
-                        else session.end(conn, xfer, shares, notif, refused, opts.max_inflight)
-                    )
+                    self._ended(conn, session, xfer, shares, notif, refused, acks)
                     refused = ""
-                    if done and why:
-                        self._send_acks(conn, acks)
-                        self._nack(conn, xfer, why)
-                    elif done:
-                        if notif is not None:
-                            self._inbox.deliver(session.peer, notif)
-                        acks.append(xfer)
                 continue
             if cur_xfer != -1:
                 raise ProtocolError(
@@ -437,8 +451,58 @@ class Target:
             else:
                 raise ProtocolError(f"tcp {conn.label}: unexpected frame type {FRAME_NAMES.get(ftype, ftype)}")
 
+    def _native_frames(
+        self, conn: Conn, session: Session, loop: native.FrameLoop, cur_xfer: int, refused: str, acks: list[int]
+    ) -> tuple[Header | None, bytes | None, int, str]:
+        """DATA frames served natively until the loop comes back: (the header of a frame it hands back, or None;
+        that frame's run table if read; the share the connection is now in, ``cur_xfer``; ``refused``, as the
+        transfers that ended leave it).
+
+        First the completions it queued (the shares whose last frame landed)
+        end as they end in the Python loop, in order; a frame handed back is
+        then served by the Python loop from where the native one stopped.
+        """
+        assert self._landing is not None and self._grants.mirror is not None
+        snap = self._landing.snapshot  # held: the regions it names stay alive while frames land under it
+        loop.share[0], loop.share[1] = (0, 0) if cur_xfer == -1 else (1, cur_xfer)
+        opts = self.agent.opts
+        limits = (_HASH_PIECE_BYTES, conn.max_idle_ticks, opts.max_frame_bytes, opts.max_notif_bytes, _ACK_FLUSH_BYTES)
+        code = loop.serve(
+            conn.sock.fileno(),
+            self._grants.mirror,
+            session.token,
+            snap.regions(self._landing.generation_address),
+            limits,
+            MAX_ACK_BATCH - len(acks),
+            bool(acks),
+        )
+        for xfer, shares, notif in loop.completions():
+            self._ended(conn, session, xfer, shares, notif, refused, acks)
+            refused = ""
+        header, table = conn.frames_served(loop, code)
+        return header, table, loop.share[1] if loop.share[0] else -1, refused
+
+    def _ended(
+        self, conn: Conn, session: Session, xfer: int, shares: int, notif: bytes | None, refused: str, acks: list[int]
+    ) -> None:
+        """The last frame of a share of ``xfer`` landed: once every share has, notify and queue its ACK, or NACK it
+        (``refused``: why a frame of this share landed nothing)."""
+        # a one-stream transfer has fully landed now: no shared state to consult
+        done, notif, why = (
+            (True, notif, refused)
+            if shares == 1
+            else session.end(conn, xfer, shares, notif, refused, self.agent.opts.max_inflight)
+        )
+        if done and why:
+            self._send_acks(conn, acks)
+            self._nack(conn, xfer, why)
+        elif done:
+            if notif is not None:
+                self._inbox.deliver(session.peer, notif)
+            acks.append(xfer)
+
     def _runs(
-        self, conn: Conn, nruns: int, offset: int, length: int
+        self, conn: Conn, nruns: int, offset: int, length: int, table: bytes | None = None
     ) -> tuple[bytes, list[tuple[int, int, int]], Snapshot | list[memoryview]]:
         """A DATA frame's run table (as sent, and read), checked, and where it lands; ProtocolError if any run is bad.
 
@@ -449,6 +513,7 @@ class Target:
         frame lands natively under the region snapshot it was checked against;
         else (or if that check fails: these checks then name the bad run) the
         runs' views are built and checked here, and the frame lands through them.
+        ``table``: the run table where the native loop read it already.
         """
         max_frame = self.agent.opts.max_frame_bytes
         if not 1 <= nruns <= MAX_RUNS or offset or not 0 < length <= max_frame:
@@ -456,7 +521,8 @@ class Target:
                 f"tcp {conn.label}: DATA frame of {nruns} runs, offset field {offset}, {length} bytes (1..{MAX_RUNS} "
                 f"runs, offset 0, max_frame_bytes={max_frame})"
             )
-        table = conn.recv_payload(nruns * RUN.size, MAX_RUNS * RUN.size, "DATA run table")
+        if table is None:
+            table = conn.recv_payload(nruns * RUN.size, MAX_RUNS * RUN.size, "DATA run table")
         runs = list(RUN.iter_unpack(table))
         if self._landing is not None and not conn.tls:
             snap = self._landing.snapshot

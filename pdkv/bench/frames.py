@@ -1,0 +1,190 @@
+"""`pdkv bench frames`: the tcp target's DATA frame loop alone, native (csrc/kvframes.cpp) against the Python loop.
+
+The receiving side of a tcp transfer spends, per DATA frame, the header, the
+run table, the run and grant checks and the ACK on top of the bytes' copy.
+`pdkv bench transfer` sees that only inside a whole request's cost; here a raw
+socket streams frames (each one share: LAST, a run table of ``runs`` runs into
+a guarded region granted to its token) into a tcp channel's target, and the
+row is the target's serve thread's CPU time per frame (its CPU-time clock,
+``pthread_getcpuclockid``) and the wall time until every ACK came back, for the native
+loop and for the Python loop (its reference, ``Target.native_frames`` False)
+on fresh connections, alternating round by round; medians. ``ratio``: the
+Python loop's CPU per frame over the native loop's (how much cheaper a frame
+got).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import secrets
+import socket
+import statistics
+import threading
+import time
+from typing import Any
+
+from pdkv import native
+from pdkv.bench import plot
+from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
+from pdkv.errors import ConfigError
+
+FRAMES = 20000  # frames of the smallest size; larger ones stream at most STREAM_BYTES
+STREAM_BYTES = 256 << 20
+ROUNDS = 3
+RUN_BYTES = 4096  # a run per 4 KiB of frame, at most MAX_RUNS_PER_FRAME: a direct chunk's blocks
+MAX_RUNS_PER_FRAME = 64
+TOKEN = b"bench-frames-tok"
+LOOPS = ("python", "native")
+TIMEOUT_S = 60.0  # the longest wait for the target's next answer
+
+Report = dict[str, Any]
+
+
+def run(args: argparse.Namespace) -> int:
+    frames, rounds = getattr(args, "frames", FRAMES), getattr(args, "rounds", ROUNDS)
+    sizes: list[int] = getattr(args, "sizes", None) or [4 << 10, 64 << 10, 256 << 10]
+    if frames < 1 or rounds < 1 or min(sizes) < 1:
+        raise ConfigError(f"bench frames: --frames {frames}, --rounds {rounds} and every size must be >= 1")
+    if not native.available():
+        raise ConfigError(f"bench frames: the native kernels are not loaded ({native.reason()}): nothing to compare")
+    plot.check(getattr(args, "plot", None))
+    report = measure(sizes, frames, rounds)
+    print(json.dumps(report) if args.json else format_table(report))
+    if getattr(args, "plot", None):
+        draw(report, args.plot)
+    return 0
+
+
+def measure(sizes: list[int], frames: int = FRAMES, rounds: int = ROUNDS) -> Report:
+    """One row per frame size: each loop's serve-thread CPU and wall time per frame, medians over ``rounds``."""
+    region = 4 * max(sizes)
+    channel = TcpChannel("bench-frames", TcpOptions(io_timeout=30, max_frame_bytes=max(sizes)))
+    try:
+        rid = channel.register(bytearray(region))
+        channel.guard(rid)
+        channel.grant(TOKEN, "write", [(rid, 0, region)])
+        rows = []
+        for size in sizes:
+            count = min(frames, max(100, STREAM_BYTES // size))
+            stream = _stream(rid, region, size, count)
+            samples: dict[str, list[tuple[float, float]]] = {loop: [] for loop in LOOPS}
+            for _ in range(rounds):
+                for loop in LOOPS:
+                    channel.target.native_frames = loop == "native"
+                    samples[loop].append(_serve(channel, stream, count))
+            row: dict[str, Any] = {"frame_bytes": size, "runs": _runs(size), "frames": count}
+            for loop in LOOPS:
+                row[loop] = {
+                    "cpu_us_per_frame": statistics.median(cpu for cpu, _ in samples[loop]),
+                    "wall_us_per_frame": statistics.median(wall for _, wall in samples[loop]),
+                }
+            row["ratio"] = row["python"]["cpu_us_per_frame"] / max(row["native"]["cpu_us_per_frame"], 1e-9)
+            row["wall_ratio"] = row["python"]["wall_us_per_frame"] / max(row["native"]["wall_us_per_frame"], 1e-9)
+            rows.append(row)
+    finally:
+        channel.close()
+    return {
+        "bench": "frames",
+        "baseline": "the Python frame loop (channels/tcp/target.py, PDKV_NATIVE_FRAMES=0) on the same frames, "
+        "alternating rounds",
+        "cpu": "the target's serve thread's CPU time per frame (its CPU-time clock), medians over rounds",
+        "results": rows,
+    }
+
+
+def _runs(size: int) -> int:
+    return max(1, min(MAX_RUNS_PER_FRAME, size // RUN_BYTES))
+
+
+def _stream(rid: int, region: int, size: int, frames: int) -> bytes:
+    """``frames`` DATA frames (each LAST of a one-share transfer) of ``size`` bytes in ``_runs(size)`` runs."""
+    runs, out = _runs(size), []
+    run_bytes = size // runs
+    for i in range(frames):
+        base = (i * size) % (region - size + 1)
+        table = [(rid, base + k * run_bytes, run_bytes) for k in range(runs)]
+        out.append(bytes(wire.data_frame(i, table, run_bytes * runs, wire.LAST, 1)) + bytes(run_bytes * runs))
+    return b"".join(out)
+
+
+def _serve(channel: TcpChannel, stream: bytes, frames: int) -> tuple[float, float]:
+    """Stream the frames over a fresh connection; (serve thread CPU us per frame, wall us per frame to every ACK)."""
+    before = {t.native_id for t in threading.enumerate()}
+    with socket.create_connection(("127.0.0.1", channel.port), timeout=TIMEOUT_S) as sock:
+        name = b"bench"
+        sid = secrets.randbits(63)  # a session of its own: the last round's connection hangs up only its own
+        sock.sendall(
+            wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.HELLO, 0, len(TOKEN), 0, 0, sid, 0, len(TOKEN + name))
+            + TOKEN
+            + name
+        )
+        _read_frame(sock)  # HELLO_OK: the connection is served from here on
+        serve = next(t for t in threading.enumerate() if t.native_id not in before and "serve" in t.name)
+        clock = _cpu_clock(serve)
+        cpu0, start = time.clock_gettime(clock), time.perf_counter()
+        sender = threading.Thread(target=sock.sendall, args=(stream,), daemon=True)
+        sender.start()
+        acked = 0
+        while acked < frames:
+            ftype, aux = _read_frame(sock)
+            if ftype != wire.ACK:
+                raise ConfigError(f"bench frames: the target answered frame type {ftype}, not ACK")
+            acked += aux
+        wall, cpu = time.perf_counter() - start, time.clock_gettime(clock) - cpu0
+        sender.join()
+    return cpu / frames * 1e6, wall / frames * 1e6
+
+
+def _read_frame(sock: socket.socket) -> tuple[int, int]:
+    """One frame from the target: (its type, its aux field: an ACK's count); its payload read away."""
+    _, _, ftype, _, _, aux, _, _, _, length = wire.HEADER.unpack(_recv_exact(sock, wire.HDR_SIZE))
+    _recv_exact(sock, length)
+    return ftype, aux
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes (the socket's timeout bounds each wait); ConfigError if the target hangs up first."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConfigError(f"bench frames: the target hung up after {len(buf)} of {n} bytes of an answer")
+        buf += chunk
+    return bytes(buf)
+
+
+def _cpu_clock(thread: threading.Thread) -> int:
+    """The CPU-time clock of ``thread`` (``time.clock_gettime`` reads it in ns steps; /proc's ticks are 10 ms)."""
+    clock = ctypes.c_int(0)
+    if thread.ident is None or ctypes.CDLL(None).pthread_getcpuclockid(
+        ctypes.c_ulong(thread.ident), ctypes.byref(clock)
+    ):
+        raise ConfigError(f"bench frames: no CPU clock for thread {thread.name}")
+    return clock.value
+
+
+def draw(report: Report, path: str) -> None:
+    """``--plot``: each loop's serve-thread CPU per frame, per frame size."""
+    rows = report["results"]
+    plot.bars(
+        path,
+        "pdkv bench frames: the tcp target's CPU per DATA frame",
+        "us of CPU per frame",
+        [f"{plot.size_label(r['frame_bytes'])}, {r['runs']} runs" for r in rows],
+        {f"{loop} loop": [r[loop]["cpu_us_per_frame"] for r in rows] for loop in LOOPS},
+    )
+
+
+def format_table(report: Report) -> str:
+    lines = [
+        "the tcp target's DATA frame loop, per frame: native vs the Python loop",
+        f"{'frame':>9} {'runs':>5} {'python cpu us':>14} {'native cpu us':>14} {'ratio':>6} {'wall ratio':>10}",
+    ]
+    for r in report["results"]:
+        lines.append(
+            f"{plot.size_label(r['frame_bytes']):>9} {r['runs']:>5} {r['python']['cpu_us_per_frame']:>14.1f} "
+            f"{r['native']['cpu_us_per_frame']:>14.1f} {r['ratio']:>6.2f} {r['wall_ratio']:>10.2f}"
+        )
+    return "\n".join(lines)
