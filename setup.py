@@ -130,7 +130,8 @@ setup(
         Extension(
             "pdkv.libpdkv_kernels",
             sources=[
-                str(CSRC / name) for name in ("kvcopy.cpp", "kvsum.cpp", "kvcodec.cpp", "kvland.cpp", "kvframes.cpp")
+                str(CSRC / name)
+                for name in ("kvcopy.cpp", "kvsum.cpp", "kvcodec.cpp", "kvland.cpp", "kvframes.cpp", "kvsend.cpp")
             ],
             depends=HEADERS,
             language="c++",

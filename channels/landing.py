@@ -62,7 +62,7 @@ class Snapshot:
         return self.address, self.count, generation, self.generation
 
 
-def _address_of(view: memoryview) -> int:
+def address_of(view: memoryview) -> int:
     """The host address of a writable byte view (0 when empty)."""
     return ctypes.addressof(ctypes.c_char.from_buffer(view)) if view.nbytes else 0
 
@@ -83,7 +83,7 @@ class LandingSums:
 
     def add_region(self, region: int, view: memoryview) -> None:
         with self._lock:
-            self._regions[region] = (_address_of(view), view.nbytes)
+            self._regions[region] = (address_of(view), view.nbytes)
             self._views[region] = view
             self._publish()
 

@@ -92,6 +92,11 @@ class RegionTable(Generic[E]):
         self._peers.clear()
         self._changed()
 
+    @property
+    def generation(self) -> int:
+        """Moves on with every change of the regions (ours or a peer's): what was worked out for them is stale."""
+        return self._generation
+
     def _changed(self) -> None:
         """Sizes changed (called after the change): what ``_fewest_blocks`` worked out before no longer holds. A
         check racing with the change stores its answer under the generation it began in, never read again."""

@@ -131,6 +131,21 @@ PDKV_API int pdkv_grants_wait(void* grants, const char* token, int64_t token_len
 PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t token_len, const int64_t* desc,
                                int64_t n_desc, const int64_t* generation, const int64_t* limits, uint64_t* share,
                                char* hdr, char* table, int64_t* ring, char* notifs, int64_t* io);
+// The tcp initiator's frames of a block write (kvsend.cpp has the why). pdkv_block_frames merges ids into runs
+// adjacent on both sides, cuts the bytes of every tensor's runs (tensor by tensor) into at most `parts` shares of
+// pieces no longer than max_frame, and frames each share in DATA frames of at most max_runs runs and max_frame
+// bytes, the last flagged LAST with the count of shares (and, in share 0 when notif_len >= 0, NOTIF_FOLLOWS with
+// the notification's bytes after it): headers and run tables go into `tables`, and each share's buffers in order
+// into iov as (address, length) pairs; shares[3 s ...] = (first iovec, iovecs, payload bytes). Returns the number
+// of shares, -1 if tables_cap or iov_cap is too small, -2 for a bad argument.
+PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* remote_regions, int64_t n_tensors,
+                                   const int64_t* local_ids, const int64_t* remote_ids, int64_t n_ids,
+                                   int64_t block_bytes, int64_t parts, int64_t max_frame, int64_t max_runs,
+                                   uint64_t xfer, const char* notif, int64_t notif_len, char* tables,
+                                   int64_t tables_cap, int64_t* iov, int64_t iov_cap, int64_t* shares);
+// pdkv_send_iov sends n (address, length) buffers in order on the blocking socket fd (SO_SNDTIMEO), resuming
+// partial sends: PDKV_OK, PDKV_LAND_STALLED (a send timed out with nothing sent) or PDKV_LAND_EOS (*os_error).
+PDKV_API int pdkv_send_iov(int fd, const int64_t* iov, int64_t n, int* os_error);
 // The checksum accumulator of blocks ids[] (each checked against [0, num_blocks)) of every region in turn (bases[t],
 // its landing table tables[t]; units of block_bytes), as pdkv_checksum_blocks_cpu gives it: from each block's landing
 // entry where it landed exactly once in hashed pieces, else read from memory (*reread counts those blocks).

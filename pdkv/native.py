@@ -43,7 +43,9 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from pdkv.errors import LayoutError
@@ -159,6 +161,9 @@ _SIGNATURES: dict[str, list[type]] = {
     "pdkv_grants_begin": [_p, ctypes.c_char_p, _i64, ctypes.c_char_p, _i64, ctypes.POINTER(_i64)],
     "pdkv_grants_end": [_p, _i64],
     "pdkv_grants_wait": [_p, ctypes.c_char_p, _i64, ctypes.c_char_p, _i64, _i64],
+    "pdkv_block_frames": [_p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, ctypes.c_uint64]
+    + [ctypes.c_char_p, _i64, _p, _i64, _p, _i64, _p],
+    "pdkv_send_iov": [ctypes.c_int, _p, _i64, ctypes.POINTER(ctypes.c_int)],
     "pdkv_serve_frames": [ctypes.c_int, _p, ctypes.c_char_p, _i64, _p, _i64, _p, _p, _p, _p, _p, _p],
     "pdkv_landed_blocks": [
         _p,
@@ -183,7 +188,11 @@ _SIGNATURES: dict[str, list[type]] = {
     "pdkv_u8_dequantize": [_p, _p, _p, _p, _i64, _i64, ctypes.c_int, _p, _p, _i64, ctypes.c_char_p, ctypes.c_size_t],
 }
 # Return types other than int: a pointer (ctypes' default int would cut it to 32 bits) or a string.
-_RESTYPES: dict[str, type] = {"pdkv_grants_new": _p, "pdkv_cuda_error_string": ctypes.c_char_p}
+_RESTYPES: dict[str, type] = {
+    "pdkv_grants_new": _p,
+    "pdkv_block_frames": _i64,
+    "pdkv_cuda_error_string": ctypes.c_char_p,
+}
 _CUDA_SIGNATURES: dict[str, list[type]] = {
     "pdkv_kvcopy_cuda": [ctypes.POINTER(KVGeometry), _p, _p, _i64, _p, ctypes.c_int, ctypes.c_int, _p],
     "pdkv_kvcopy_sum_cuda": [ctypes.POINTER(KVGeometry), _p, _p, _i64, _p, ctypes.c_int, ctypes.c_int, _p, _p],
@@ -511,6 +520,90 @@ def _ranges(ranges: Sequence[tuple[int, int, int]]) -> bytes:
     """(region, offset, length) triples as one flat native int64 array (struct: ten times faster than a ctypes
     array for a reservation's hundreds of ranges)."""
     return struct.pack(f"={3 * len(ranges)}q", *itertools.chain.from_iterable(ranges))
+
+
+class BlockFrames(NamedTuple):
+    """A block write's DATA frames (``block_frames``): one buffer holding its headers and run tables, then every
+    share's buffers as (address, length) rows (``iov``), and per share (first row, rows, payload bytes)."""
+
+    out: np.ndarray
+    iov: np.ndarray
+    shares: list[tuple[int, int, int]]
+
+
+class FrameRegions(NamedTuple):
+    """What ``block_frames`` reads of a write's regions, worked out once per set of them: our regions' host
+    addresses and the peer's region ids, each as an int64 array and its address."""
+
+    bases: np.ndarray
+    remote: np.ndarray
+    bases_at: int
+    remote_at: int
+
+    @classmethod
+    def of(cls, bases: Sequence[int], remote: Sequence[int]) -> FrameRegions:
+        if len(bases) != len(remote):
+            raise ValueError(f"{len(bases)} local regions but {len(remote)} remote ones")
+        b, r = np.array(bases, dtype=np.int64), np.array(remote, dtype=np.int64)
+        return cls(b, r, b.ctypes.data, r.ctypes.data)
+
+
+def block_frames(
+    regions: FrameRegions,
+    local_ids: np.ndarray,
+    remote_ids: np.ndarray,
+    block_bytes: int,
+    parts: int,
+    max_frame: int,
+    max_runs: int,
+    xfer: int,
+    notif: bytes | None,
+) -> BlockFrames:
+    """The tcp initiator's frames of a block write (csrc/kvsend.cpp): blocks ``local_ids`` of the regions at
+    ``regions.bases`` to blocks ``remote_ids`` of ``regions.remote``, cut into at most ``parts`` shares exactly as
+    ``Initiator.post`` cuts and frames the same write's ops, ``notif`` after share 0."""
+    ours = np.ascontiguousarray(local_ids, dtype=np.int64)
+    theirs = np.ascontiguousarray(remote_ids, dtype=np.int64)
+    tensors = len(regions.bases)
+    # pieces: every op (at most a tensor per block), cut at most once per share and once per max_frame bytes
+    pieces = tensors * len(ours) + parts + tensors * len(ours) * block_bytes // max_frame + 1
+    table_words = -(-pieces * (_HEADER_BYTES + _RUN_BYTES) // 8)
+    iov_rows = 2 * pieces + 1
+    out = np.empty(table_words + 2 * iov_rows + 3 * parts, dtype=np.int64)  # tables, iov, shares: one allocation
+    at = out.ctypes.data
+    n = _lib().pdkv_block_frames(
+        regions.bases_at,
+        regions.remote_at,
+        tensors,
+        ours.ctypes.data,
+        theirs.ctypes.data,
+        len(ours),
+        block_bytes,
+        parts,
+        max_frame,
+        max_runs,
+        xfer,
+        notif,
+        -1 if notif is None else len(notif),
+        at,
+        8 * table_words,
+        at + 8 * table_words,
+        iov_rows,
+        at + 8 * (table_words + 2 * iov_rows),
+    )
+    if n <= 0:
+        raise ValueError(f"pdkv_block_frames failed ({n}) for {len(ours)} blocks of {tensors} regions")
+    iov = out[table_words : table_words + 2 * iov_rows].reshape(iov_rows, 2)
+    shares = out[table_words + 2 * iov_rows :].reshape(parts, 3)[:n].tolist()
+    return BlockFrames(out, iov, [(a, b, c) for a, b, c in shares])
+
+
+def send_iov(fd: int, iov: np.ndarray) -> tuple[int, int]:
+    """Send (address, length) rows in order on the blocking socket ``fd`` (csrc/kvsend.cpp): (``OK`` or
+    ``LAND_STALLED`` or ``LAND_EOS``, errno)."""
+    os_error = ctypes.c_int(0)
+    code = _lib().pdkv_send_iov(fd, iov.ctypes.data, len(iov), ctypes.byref(os_error))
+    return code, os_error.value
 
 
 class FrameLoop:

@@ -170,8 +170,8 @@ def _sender_child(conn: multiprocessing.connection.Connection, step: str, addres
             _stop_here(conn, step)
         xfer.send_all()
 
+    conn.send(("ready", address))  # before the script runs: its first step may come at once
     threading.Thread(target=script, daemon=True).start()
-    conn.send(("ready", address))
     _until_parent_gone(conn)
 
 

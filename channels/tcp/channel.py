@@ -139,10 +139,12 @@ class TcpChannel(Channel):
     def write_blocks(
         self, peer: str, blocks: BlockWrite, notif: bytes | None = None, token: bytes = b""
     ) -> TransferHandle:
-        """The blocks checked on their arrays (``check_blocks``), then sent as their runs' ops (merged already)."""
+        """The blocks checked on their arrays (``check_blocks``), then framed and sent natively where that runs
+        (``Initiator.post_blocks``), else as their runs' ops (merged already)."""
         self._check_open()
         total = self.regions.check_blocks(peer, blocks)
-        return self._send("write", peer, blocks.ops(), total, notif, token, merged=True)
+        self._check_notif(notif)
+        return self.initiator.post_blocks(peer, blocks, total, notif, token)
 
     def _send(
         self,
@@ -156,11 +158,14 @@ class TcpChannel(Channel):
     ) -> TransferHandle:
         """Hand checked ``ops`` (``total`` bytes, ``merged`` or not: ``Initiator.post``) to the initiator, once
         ``notif`` is known to fit."""
+        self._check_notif(notif)
+        return self.initiator.post(kind, peer, ops, total, notif, token, merged)
+
+    def _check_notif(self, notif: bytes | None) -> None:
         if notif is not None and len(notif) > self.agent.opts.max_notif_bytes:
             raise ChannelError(
                 f"tcp: notification of {len(notif)} bytes exceeds max_notif_bytes={self.agent.opts.max_notif_bytes}"
             )
-        return self.initiator.post(kind, peer, ops, total, notif, token, merged)
 
     def _check_open(self) -> None:
         if self.closed:

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from pdkv import native
 from pdkv.channels.landing import Snapshot
 from pdkv.channels.tcp.options import TcpOptions
@@ -298,6 +300,16 @@ class Conn:
                         sent = 0
         except BlockingIOError:
             raise TransferTimeout(f"tcp {self.label}: peer accepted no data for {self.io_timeout:.3g}s") from None
+
+    def send_iov(self, iov: np.ndarray) -> None:
+        """Send the (address, length) rows in order natively (csrc/kvsend.cpp, the GIL released), as ``send`` sends
+        views; for a clear connection, whose caller keeps the memory alive."""
+        code, os_error = native.send_iov(self.sock.fileno(), iov)
+        self.last_progress = time.monotonic()
+        if code == native.LAND_STALLED:
+            raise TransferTimeout(f"tcp {self.label}: peer accepted no data for {self.io_timeout:.3g}s")
+        if code != native.OK:
+            raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
 
     def _send_tls(self, bufs: list[Any]) -> None:
         """Send every buffer in order through OpenSSL: small ones joined into one write, large ones as they are."""

@@ -16,7 +16,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pdkv.channels.handle import TransferHandle, TransferOp, merge_ops
+from pdkv import native
+from pdkv.channels.handle import BlockWrite, TransferHandle, TransferOp, merge_ops
+from pdkv.channels.landing import address_of
 from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp.link import Batch, Link
 from pdkv.channels.tcp.options import Agent
@@ -61,6 +63,9 @@ def _split(ops: Sequence[TransferOp], parts: int, max_frame: int) -> list[list[T
     return [p for p in out if p]
 
 
+FRAMED_KEPT = 64  # sets of regions whose addresses are kept (a sender's chunks name one set per KV buffer)
+
+
 class TcpHandle(TransferHandle):
     """A handle that knows its link, so ``wait`` can read the link's answers on the waiting thread."""
 
@@ -86,6 +91,9 @@ class Initiator:
         self._links: dict[tuple[str, bytes], Link] = {}  # (peer, token) -> its live link
         self._link_locks: dict[tuple[str, bytes], threading.Lock] = collections.defaultdict(threading.Lock)
         self._lock = threading.Lock()
+        self._framed: dict[
+            tuple[int, tuple[int, ...], tuple[int, ...]], tuple[native.FrameRegions, tuple[memoryview, ...]]
+        ] = {}
 
     # -- peers -------------------------------------------------------------------
     def add_peer(self, meta: Meta) -> bool:
@@ -164,19 +172,61 @@ class Initiator:
         else:
             shares = _split(runs, parts, max_frame)
         xfer = next(self._xfer_ids)
-        home = self._home_stream()
         if kind == "write":
-            batches = [
-                ((home + i) % nstreams, self._write_batch(xfer, share, len(shares), notif if i == 0 else None))
-                for i, share in enumerate(shares)
+            built = [
+                self._write_batch(xfer, share, len(shares), notif if i == 0 else None) for i, share in enumerate(shares)
             ]
         else:
-            batches = [((home + i) % nstreams, self._read_batch(xfer, share)) for i, share in enumerate(shares)]
-        handle = TcpHandle(peer, kind, total, link)
-        # the first share goes out on this thread when small enough (a READ's are requests, no payload)
-        inline = batches[0][1].nbytes <= self.agent.opts.inline_max_bytes
-        link.post(handle, xfer, batches, notif if kind == "read" else None, inline)
+            built = [self._read_batch(xfer, share) for share in shares]
+        return self._dispatch(link, TcpHandle(peer, kind, total, link), xfer, built, notif if kind == "read" else None)
+
+    def post_blocks(self, peer: str, blocks: BlockWrite, total: int, notif: bytes | None, token: bytes) -> TcpHandle:
+        """Post a checked block write (``total`` bytes): framed natively (``native.block_frames``: the frames
+        ``post`` would send, byte for byte) and sent from the iovecs natively, where the kernels load and the link
+        is clear; else as its runs' ops through ``post``."""
+        if self.agent.tls is not None or not native.available():
+            return self.post("write", peer, blocks.ops(), total, notif, token, merged=True)
+        link = self.link(peer, token)
+        opts = self.agent.opts
+        xfer = next(self._xfer_ids)
+        regions, views = self._frame_regions(blocks.local_regions, blocks.remote_regions)
+        frames = native.block_frames(
+            regions,
+            blocks.local_blocks,
+            blocks.remote_blocks,
+            blocks.block_bytes,
+            min(len(link.streams), opts.streams_for(total)),
+            opts.max_frame_bytes,
+            MAX_RUNS,
+            xfer,
+            notif,
+        )
+        keep = (frames.out, views, notif)  # the frames' tables, the regions' memory and the notification, until sent
+        built = [Batch([], nbytes, iov=frames.iov[first : first + n], keep=keep) for first, n, nbytes in frames.shares]
+        return self._dispatch(link, TcpHandle(peer, "write", total, link), xfer, built, None)
+
+    def _dispatch(self, link: Link, handle: TcpHandle, xfer: int, built: list[Batch], notif: bytes | None) -> TcpHandle:
+        """Hand a transfer's batches to the link, share i on the calling thread's stream + i; the first share goes
+        out on this thread when small enough (a READ's are requests, no payload)."""
+        home, nstreams = self._home_stream(), len(link.streams)
+        batches = [((home + i) % nstreams, batch) for i, batch in enumerate(built)]
+        link.post(handle, xfer, batches, notif, built[0].nbytes <= self.agent.opts.inline_max_bytes)
         return handle
+
+    def _frame_regions(
+        self, ours: tuple[int, ...], theirs: tuple[int, ...]
+    ) -> tuple[native.FrameRegions, tuple[memoryview, ...]]:
+        """What ``native.block_frames`` reads of these regions (our regions' addresses, the peer's ids) and our
+        regions' views, which keep the memory alive while a batch holds them: worked out once per set of regions
+        registered (a sender's every chunk names the same ones)."""
+        key = (self._regions.generation, ours, theirs)
+        found = self._framed.get(key)
+        if found is None:
+            if len(self._framed) >= FRAMED_KEPT:
+                self._framed.clear()
+            views = tuple(self._regions[r] for r in ours)
+            found = self._framed[key] = (native.FrameRegions.of([address_of(v) for v in views], theirs), views)
+        return found
 
     def _home_stream(self) -> int:
         """The calling thread's stream: where its unsplit transfers go and its split ones start.

@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from pdkv.auth import NONCE_BYTES, PROOF_BYTES, new_nonce, proof, verify
 from pdkv.channels.handle import TransferHandle, XferState
 from pdkv.channels.tcp.conn import IO_ERRORS, SHUTDOWN_JOIN_S, Conn, PeerClosed, idle_deadline, set_buffers, shutdown
@@ -74,6 +76,9 @@ class Batch:
     nbytes: int
     expect: list[tuple[int, memoryview]] = field(default_factory=list)
     on_sent: Callable[[], None] | None = None
+    # or the buffers as (address, length) rows, sent natively (``Initiator.post_blocks``), and what keeps them alive
+    iov: np.ndarray | None = None
+    keep: object = None
 
 
 @dataclass(slots=True)
@@ -96,7 +101,10 @@ class Stream:
         """Send ``batch``; the caller holds ``conn.send_lock`` so batches never interleave."""
         self.expect.extend(batch.expect)
         self.sent_bytes += batch.nbytes  # counted first: the ACK may overtake this thread's return from send
-        self.conn.send(batch.bufs)
+        if batch.iov is not None:
+            self.conn.send_iov(batch.iov)
+        else:
+            self.conn.send(batch.bufs)
 
 
 class Link:

@@ -1,0 +1,161 @@
+"""The tcp initiator's native sender (csrc/kvsend.cpp): a block write's frames built natively are the frames the
+Python path builds for the same write, byte for byte, share by share; the iovecs go out whole through partial sends;
+a peer that reads nothing times the send out; a tcp ``write_blocks`` goes this way."""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdkv import native
+from pdkv.channels import BlockWrite, create_channel
+from pdkv.channels.regions import RegionTable
+from pdkv.channels.tcp import initiator as initiator_module
+from pdkv.channels.tcp.initiator import Initiator, _split
+from pdkv.channels.tcp.options import Agent, TcpOptions
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels not loaded: {native.reason()}")
+
+
+Case = tuple[BlockWrite, int, int, int, bytes | None]  # a write, shares, max_frame, runs per frame, notification
+
+
+def _python_shares(
+    write: BlockWrite, regions: RegionTable[memoryview], parts: int, max_frame: int, notif: bytes | None
+) -> list[tuple[bytes, int]]:
+    """What ``Initiator.post`` sends for ``write`` as ops: each share's bytes and payload size."""
+    opts = TcpOptions(host="127.0.0.1", max_frame_bytes=max_frame)
+    init = Initiator(Agent("a", opts, b"", 1, lambda _: None), regions)
+    ops = write.ops()
+    shares = [ops] if parts == 1 and all(op.length <= max_frame for op in ops) else _split(ops, parts, max_frame)
+    batches = [init._write_batch(7, share, len(shares), notif if i == 0 else None) for i, share in enumerate(shares)]
+    return [(b"".join(bytes(buf) for buf in batch.bufs), batch.nbytes) for batch in batches]
+
+
+def _native_shares(
+    write: BlockWrite, views: list[memoryview], parts: int, max_frame: int, max_runs: int, notif: bytes | None
+) -> list[tuple[bytes, int]]:
+    regions = native.FrameRegions.of(
+        [ctypes.addressof(ctypes.c_char.from_buffer(v)) for v in views], write.remote_regions
+    )
+    frames = native.block_frames(
+        regions, write.local_blocks, write.remote_blocks, write.block_bytes, parts, max_frame, max_runs, 7, notif
+    )
+    return [
+        (b"".join(ctypes.string_at(int(a), int(n)) for a, n in frames.iov[first : first + count]), nbytes)
+        for first, count, nbytes in frames.shares
+    ]
+
+
+@st.composite
+def writes(draw: st.DrawFn) -> Case:
+    """A block write over 1-5 regions (runs, single blocks, reversed), a number of shares, a frame size (down to
+    less than a block: pieces cut inside runs), a run limit per frame (down to 1) and a notification."""
+    block = draw(st.sampled_from([8, 24, 64]))
+    tensors, n = draw(st.integers(1, 5)), draw(st.integers(1, 24))
+    ours = draw(st.lists(st.integers(0, 31), min_size=n, max_size=n))
+    if draw(st.booleans()):  # long runs, adjacent on both sides
+        start = draw(st.integers(0, 31 - n)) if n <= 31 else 0
+        ours = list(range(start, start + min(n, 32 - start)))
+    theirs = draw(st.permutations(range(32)))[: len(ours)] if draw(st.booleans()) else list(ours)
+    remote = tuple(draw(st.lists(st.integers(0, 4), min_size=tensors, max_size=tensors)))
+    write = BlockWrite(tuple(range(tensors)), remote, np.array(ours), np.array(theirs), block)
+    max_frame = draw(st.sampled_from([block // 2, block, 3 * block, 1 << 20]))
+    notif = draw(st.sampled_from([None, b"", b"notice-bytes"]))
+    return write, draw(st.integers(1, 4)), max_frame, draw(st.sampled_from([1, 2, 5, 4096])), notif
+
+
+@settings(max_examples=300, deadline=None)
+@given(writes())
+def test_native_frames_are_the_python_frames(case: Case) -> None:
+    write, parts, max_frame, max_runs, notif = case
+    rng = np.random.default_rng(len(write.local_blocks))
+    buffers = [rng.integers(0, 256, 32 * write.block_bytes, dtype=np.uint8) for _ in write.local_regions]
+    views = [memoryview(b).cast("B") for b in buffers]
+    regions: RegionTable[memoryview] = RegionTable("test")
+    for v in views:
+        regions.add(v, v.nbytes)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(initiator_module, "MAX_RUNS", max_runs)
+        expected = _python_shares(write, regions, parts, max_frame, notif)
+    assert _native_shares(write, views, parts, max_frame, max_runs, notif) == expected
+
+
+def test_iovecs_go_out_whole_through_partial_sends() -> None:
+    """4,000 buffers (more than IOV_MAX) of 1-3,000 bytes through a socket whose buffers hold far less: every
+    byte arrives, in order."""
+    rng = np.random.default_rng(1)
+    data = rng.integers(0, 256, 3_000_000, dtype=np.uint8)
+    cuts = np.sort(rng.choice(np.arange(1, len(data)), 3_999, replace=False))
+    starts = np.concatenate([[0], cuts])
+    lengths = np.diff(np.concatenate([starts, [len(data)]]))
+    iov = np.stack([data.ctypes.data + starts, lengths], axis=1).astype(np.int64)
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+    got = bytearray()
+
+    def read() -> None:
+        while len(got) < len(data) and (piece := b.recv(7_000)):
+            got.extend(piece)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        assert native.send_iov(a.fileno(), iov) == (native.OK, 0)
+        reader.join(30)
+        assert bytes(got) == data.tobytes()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_peer_that_reads_nothing_times_the_send_out() -> None:
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, 200_000))
+    data = np.zeros(32 << 20, dtype=np.uint8)
+    try:
+        code, _ = native.send_iov(a.fileno(), np.array([[data.ctypes.data, data.nbytes]], dtype=np.int64))
+        assert code == native.LAND_STALLED
+        b.close()
+        code, os_error = native.send_iov(a.fileno(), np.array([[data.ctypes.data, 1 << 20]], dtype=np.int64))
+        assert (code, os_error) in ((native.LAND_EOS, 32), (native.LAND_EOS, 104))  # EPIPE, ECONNRESET
+    finally:
+        a.close()
+
+
+def test_a_tcp_block_write_goes_out_natively(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fragmented blocks of three regions land bit-exact, sent from native iovecs (one send per share), not as
+    Python buffers."""
+    sent: list[int] = []
+    real = native.send_iov
+
+    def counting(fd: int, iov: np.ndarray) -> tuple[int, int]:
+        sent.append(len(iov))
+        return real(fd, iov)
+
+    monkeypatch.setattr(native, "send_iov", counting)
+    a = create_channel("tcp", "a", {"host": "127.0.0.1"})
+    b = create_channel("tcp", "b", {"host": "127.0.0.1"})
+    try:
+        rng = np.random.default_rng(3)
+        srcs = [rng.integers(0, 256, 64 * 128, dtype=np.uint8) for _ in range(3)]
+        dsts = [np.zeros(64 * 128, dtype=np.uint8) for _ in range(3)]
+        ras = tuple(a.register(s, 128) for s in srcs)
+        rbs = tuple(b.register(d, 128) for d in dsts)
+        ours, theirs = np.array([5, 6, 7, 20, 2]), np.array([1, 2, 3, 60, 9])
+        handle = a.write_blocks(a.add_peer(b.metadata()), BlockWrite(ras, rbs, ours, theirs, 128), b"n")
+        a.wait(handle, 10.0)
+        assert sent == [1 + 3 * 3 + 1]  # one frame: header and table, three runs of each region, the notification
+        for s, d in zip(srcs, dsts, strict=True):
+            for i, j in zip(ours, theirs, strict=True):
+                assert np.array_equal(d[j * 128 : (j + 1) * 128], s[i * 128 : (i + 1) * 128])
+    finally:
+        a.close()
+        b.close()
