@@ -75,6 +75,7 @@ class LandingSums:
         self._regions: dict[int, tuple[int, int]] = {}  # region -> (address, size)
         self._views: dict[int, memoryview] = {}
         self._tables: dict[int, tuple[int, torch.Tensor]] = {}  # region -> (unit, [units, 3] int64)
+        self._prepared: dict[tuple[tuple[int, ...], int], tuple[native.Int64s, native.Int64s, int]] = {}
         self.snapshot = Snapshot(torch.zeros((0, _DESC), dtype=torch.int64), (), ())
         # the snapshot's generation, where the native frame loop reads it (csrc/kvframes.cpp): a loop serving under
         # an older snapshot hands its next frame back, to be checked against the regions as they now are
@@ -127,24 +128,37 @@ class LandingSums:
     def checksum(self, regions: Sequence[int], ids: Sequence[int], unit: int) -> tuple[int, int]:
         """``blocks_checksum`` of blocks ``ids`` of every region in turn, from what was hashed as it landed; returns
         (the checksum, blocks read from memory). ChannelError if a region is not hashed in units of ``unit``."""
+        key = (tuple(regions), unit)
         with self._lock:
-            try:
-                entries = [(self._regions[r], self._tables[r]) for r in regions]
-            except KeyError as exc:
-                raise ChannelError(f"landing sums: region {exc.args[0]} is not hashed as it lands") from None
-        if any(u != unit for _, (u, _) in entries):
-            raise ChannelError(f"landing sums: regions {list(regions)} are not all hashed in units of {unit} bytes")
-        num_blocks = min(size for (_, size), _ in entries) // unit
+            prepared = self._prepared.get(key)
+            if prepared is None:
+                prepared = self._prepared[key] = self._prepare(regions, unit)
+        bases, tables, num_blocks = prepared
         try:
-            acc, reread = native.landed_blocks(
-                [addr for (addr, _), _ in entries], [t.data_ptr() for _, (_, t) in entries], ids, num_blocks, unit
-            )
+            acc, reread = native.landed_blocks(bases, tables, ids, num_blocks, unit)
         except IndexError as exc:
             raise ChannelError(f"landing sums: {exc}") from None
-        return finish(acc, len(entries) * len(ids) * unit), reread
+        return finish(acc, len(regions) * len(ids) * unit), reread
+
+    def _prepare(self, regions: Sequence[int], unit: int) -> tuple[native.Int64s, native.Int64s, int]:
+        """What ``checksum`` hands the kernel for these regions (their addresses, their tables' and the fewest
+        whole blocks among them), worked out once per snapshot: a receiver verifies every chunk over the same
+        ~30 regions (caller holds the lock; ``_publish`` forgets it all)."""
+        try:
+            entries = [(self._regions[r], self._tables[r]) for r in regions]
+        except KeyError as exc:
+            raise ChannelError(f"landing sums: region {exc.args[0]} is not hashed as it lands") from None
+        if any(u != unit for _, (u, _) in entries):
+            raise ChannelError(f"landing sums: regions {list(regions)} are not all hashed in units of {unit} bytes")
+        return (
+            native.int64s([addr for (addr, _), _ in entries]),
+            native.int64s([t.data_ptr() for _, (_, t) in entries]),
+            min(size for (_, size), _ in entries) // unit,
+        )
 
     def _publish(self) -> None:
         """A new snapshot for the receives that start from now on (caller holds the lock)."""
+        self._prepared.clear()
         n = max(self._regions, default=-1) + 1
         desc = torch.zeros((n, _DESC), dtype=torch.int64)
         tables = []

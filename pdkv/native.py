@@ -676,8 +676,16 @@ class FrameLoop:
         ]
 
 
+Int64s = ctypes.Array[ctypes.c_int64]
+"""A native array of int64 (``int64s``): made once where a kernel is called often with the same addresses."""
+
+
+def int64s(values: Sequence[int]) -> Int64s:
+    return (_i64 * len(values))(*values)
+
+
 def landed_blocks(
-    bases: Sequence[int], tables: Sequence[int], ids: Sequence[int], num_blocks: int, block_bytes: int
+    bases: Sequence[int] | Int64s, tables: Sequence[int] | Int64s, ids: Sequence[int], num_blocks: int, block_bytes: int
 ) -> tuple[int, int]:
     """The checksum accumulator of blocks ``ids`` (IndexError outside ``[0, num_blocks)``) of every region at
     ``bases`` in turn, from their landing ``tables`` where a block landed whole in hashed pieces, else read where it
@@ -686,8 +694,8 @@ def landed_blocks(
     n = len(bases)
     call(
         lib.pdkv_landed_blocks,
-        (_i64 * n)(*bases),
-        (_i64 * n)(*tables),
+        bases if isinstance(bases, ctypes.Array) else int64s(bases),
+        tables if isinstance(tables, ctypes.Array) else int64s(tables),
         n,
         (_i64 * len(ids))(*ids),
         len(ids),

@@ -169,7 +169,7 @@ SCENARIOS: dict[str, list[Step]] = {
     ],
     "malformed-flags": [_hello(), _data(1, [(0, 0, 16)]), _data(2, [(0, 0, 16)], flags=0x80)],
     "overlapping-runs": [_hello(), _data(1, [(0, 0, 16), (0, 8, 16)])],
-    "run-outside-region": [_hello(), _data(1, [(1, REGION - 8, 16)])],
+    "run-outside-region": [_hello(), _data(1, [(1, OPEN_REGION - 8, 16)])],
     "out-of-grant": [
         _hello(),
         _data(1, [(1, 0, 16), (0, GRANTED - 8, 16)]),  # one run past the grant: none of them lands
