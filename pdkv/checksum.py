@@ -304,6 +304,14 @@ def blocks_checksums(kv_bytes: Sequence[torch.Tensor], chunks: Sequence[Sequence
     return [next(values) if ids else empty for ids in lists]
 
 
+def read_back_shared(kv_bytes: Sequence[torch.Tensor]) -> bool:
+    """Whether hashing many chunks in one ``blocks_checksums`` call costs less than one call each: on CUDA, where a
+    chunk's cost is the wait to read its value back, which the call's chunks share; not on CPU, where it is reading
+    the bytes (the same either way), so a sender that hashes each chunk as it posts it overlaps that with the
+    previous chunk's write instead of delaying the first."""
+    return bool(kv_bytes) and kv_bytes[0].device.type == "cuda"
+
+
 def _torch_blocks_checksum(kv_bytes: Sequence[torch.Tensor], ids: list[int], block_bytes: int) -> int:
     """``blocks_checksum`` of non-empty ``ids`` with torch ops: one run sliced, else gathered into scratch."""
     first, n = ids[0], len(ids)

@@ -16,6 +16,7 @@ import zmq
 from pdkv.auth import bound_proof, message_tag, new_nonce, proof, session_key, verify
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.mock import MockChannel
+from pdkv.checksum import read_back_shared
 from pdkv.config import TransferConfig
 from pdkv.errors import (
     ChecksumError,
@@ -220,8 +221,15 @@ def test_checksum_error_type_on_direct_path(make_pair: MakePair) -> None:
     assert isinstance(ChecksumError("x"), TransferError)
 
 
-def test_send_all_hashes_every_chunk_left_in_one_call(make_pair: MakePair, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("shared", [True, False], ids=["read-back-shared", "cpu"])
+def test_send_all_hashes_the_chunks_left_in_one_call_where_that_saves_read_backs(
+    make_pair: MakePair, monkeypatch: pytest.MonkeyPatch, shared: bool
+) -> None:
+    """On a GPU (``read_back_shared``) send_all hashes every chunk left before posting the first; on CPU each as it
+    is posted, overlapping the previous write. Either way the KV lands, verified."""
     pair = make_pair()
+    assert not read_back_shared(pair.p_kv)  # CPU tensors: shared=True stands in for a GPU's
+    monkeypatch.setattr(outgoing, "read_back_shared", lambda kv_bytes: shared)
     hashed: list[list[list[int]]] = []  # P's blocks_checksums calls: each call's chunks
     real = outgoing.blocks_checksums
     monkeypatch.setattr(
@@ -231,7 +239,7 @@ def test_send_all_hashes_every_chunk_left_in_one_call(make_pair: MakePair, monke
     )
     xfer = pair.sender.open("r", pair.receiver.address, 100, list(range(7)))
     xfer.send_chunk(0)  # alone: hashed alone
-    xfer.send_all()  # the rest: hashed together, before the first is posted
+    xfer.send_all()
     xfer.wait(10)
     blocks = pair.receiver.wait("r", 10).blocks
     assert_same_kv(pair, list(range(7)), blocks, 100)
@@ -239,7 +247,8 @@ def test_send_all_hashes_every_chunk_left_in_one_call(make_pair: MakePair, monke
     stats = pair.receiver.stats()
     assert (stats["chunks_landed"], stats.get("checksum_failures", 0)) == (4, 0)
     plan = xfer.plan.blocks
-    assert hashed == ([[plan[0]], [plan[1], plan[2], plan[3]]] if xfer.mode == "direct" else [])
+    want = [[plan[0]], [plan[1], plan[2], plan[3]]] if shared else [[plan[i]] for i in range(4)]
+    assert hashed == (want if xfer.mode == "direct" else [])
 
 
 def test_one_pass_over_several_transfers_fails_only_the_one_whose_chunk_is_corrupt(

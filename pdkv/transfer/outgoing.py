@@ -18,7 +18,7 @@ import torch
 
 from pdkv.channels.base import Channel
 from pdkv.channels.handle import BlockWrite, TransferHandle, TransferOp, XferState
-from pdkv.checksum import blocks_checksums, chunk_checksum, flat_bytes, frame_checksum
+from pdkv.checksum import blocks_checksums, chunk_checksum, flat_bytes, frame_checksum, read_back_shared
 from pdkv.codec import Codec
 from pdkv.errors import LayoutError, ReservationError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.layout import HeadWindow, KVLayout
@@ -278,12 +278,13 @@ class OutgoingTransfer:
         self._post(index, timeout)
 
     def send_all(self) -> None:
-        """Post every chunk not sent yet (the whole KV is in our blocks). In direct mode their digests are computed
-        first, all in one ``blocks_checksums`` call (on a GPU one read-back, not one a chunk): the bytes they hash
-        are the ones posted, as nothing writes these blocks any more."""
+        """Post every chunk not sent yet (the whole KV is in our blocks). In direct mode with the KV on a GPU their
+        digests are computed first, all in one ``blocks_checksums`` call (one read-back, not one a chunk): the bytes
+        they hash are the ones posted, as nothing writes these blocks any more. On CPU each is hashed as it is
+        posted (``read_back_shared``)."""
         todo = [i for i in range(self.num_chunks) if i not in self.sent]
         try:
-            digests, hashed_ns = self._direct_digests(todo)
+            digests, hashed_ns = self._direct_digests(todo if read_back_shared(self.source.kv_bytes) else [])
         except Exception as exc:
             with self.cond:
                 err = self._posting_failed(exc, f"hashing chunks {todo}")
