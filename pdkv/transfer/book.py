@@ -228,8 +228,11 @@ class IncomingBook:
 
         Only chunks ``land`` would hash: of a reservation receiving now from that peer, in range, not landed yet;
         ``land`` checks them again as each lands and hashes the rest itself (staged chunks are hashed by the pass
-        that scatters them). Where the channel hashed the blocks as they landed (``landed_checksum``), there is no
-        read to share: ``land`` asks it per chunk, as before."""
+        that scatters them). Where the channel hashed the blocks as they landed (``landed_checksum``, which a head
+        window's copy of the memory keeps), there is no read to share: ``land`` asks it per chunk, as before, and
+        this pass takes no lock."""
+        if self.memory.landed_checksum is not None:
+            return {}
         groups: dict[int, tuple[ReceiveMemory, list[int], list[list[int]]]] = {}
         hashed: dict[int, int] = {}
         with self.lock:
@@ -239,10 +242,9 @@ class IncomingBook:
                 if r is None or blocks is None:
                     continue
                 memory = self.memory.window(r.heads)
-                if memory.landed_checksum is None:
-                    group = groups.setdefault(id(memory), (memory, [], []))
-                    group[1].append(i)
-                    group[2].append(blocks)
+                group = groups.setdefault(id(memory), (memory, [], []))
+                group[1].append(i)
+                group[2].append(blocks)
             for memory, positions, chunks in groups.values():
                 hashed.update(zip(positions, memory.blocks_checksums(chunks), strict=True))
         return hashed
