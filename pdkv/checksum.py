@@ -271,17 +271,49 @@ def blocks_checksum(kv_bytes: Sequence[torch.Tensor], blocks: Sequence[int], blo
     """``chunk_checksum`` of ``blocks`` of every KV tensor (flat bytes), tensor by tensor: direct mode's wire order.
 
     Equal to hashing the runs of adjacent blocks each side writes or lands
-    (the stream is the same); computed with one op per tensor, not one per
-    run: blocks that are not one run are first gathered (``index_select``)
-    into this thread's scratch buffer. The native kernels read the blocks in
-    place instead (ids checked against every tensor's length).
+    (the stream is the same). The one-chunk case of ``blocks_checksums``.
     """
-    ids = list(blocks)
-    if not ids or not kv_bytes:
-        return chunk_checksum([], unit=block_bytes)
-    acc = _native_blocks_acc(kv_bytes, ids, block_bytes)
-    if acc is not None:
-        return finish(acc, len(kv_bytes) * len(ids) * block_bytes)
+    return blocks_checksums(kv_bytes, [blocks], block_bytes)[0]
+
+
+def blocks_checksums(kv_bytes: Sequence[torch.Tensor], chunks: Sequence[Sequence[int]], block_bytes: int) -> list[int]:
+    """``blocks_checksum`` of each chunk's blocks, in order: every chunk a side has to hash at once, in one go.
+
+    Why one call: on a GPU each read-back of a value waits for the device, and
+    one per chunk was most of a chunk's fixed cost; here all chunks share one
+    address table, one copy of it and one read-back (``_CudaUnits``). On CPU
+    the native kernel hashes chunk by chunk in place, as the one-chunk call
+    does (no change in cost). Where the native kernels do not run, the torch
+    path hashes each chunk with one op per tensor, not one per run: blocks
+    that are not one run are first gathered (``index_select``) into this
+    thread's scratch buffer. Block ids are checked against every tensor's
+    length (``LayoutError``).
+    """
+    lists = [list(ids) for ids in chunks]
+    empty = chunk_checksum([], unit=block_bytes)
+    if not kv_bytes:
+        return [empty] * len(lists)
+    full = [ids for ids in lists if ids]
+    accs = _native_blocks_accs(kv_bytes, full, block_bytes) if full else []
+    if accs is None:
+        values = iter([_torch_blocks_checksum(kv_bytes, ids, block_bytes) for ids in full])
+    else:
+        values = iter(
+            [finish(acc, len(kv_bytes) * len(ids) * block_bytes) for acc, ids in zip(accs, full, strict=True)]
+        )
+    return [next(values) if ids else empty for ids in lists]
+
+
+def read_back_shared(kv_bytes: Sequence[torch.Tensor]) -> bool:
+    """Whether hashing many chunks in one ``blocks_checksums`` call costs less than one call each: on CUDA, where a
+    chunk's cost is the wait to read its value back, which the call's chunks share; not on CPU, where it is reading
+    the bytes (the same either way), so a sender that hashes each chunk as it posts it overlaps that with the
+    previous chunk's write instead of delaying the first."""
+    return bool(kv_bytes) and kv_bytes[0].device.type == "cuda"
+
+
+def _torch_blocks_checksum(kv_bytes: Sequence[torch.Tensor], ids: list[int], block_bytes: int) -> int:
+    """``blocks_checksum`` of non-empty ``ids`` with torch ops: one run sliced, else gathered into scratch."""
     first, n = ids[0], len(ids)
     if ids == list(range(first, first + n)):
         return chunk_checksum([b[first * block_bytes : (first + n) * block_bytes] for b in kv_bytes], unit=block_bytes)
@@ -293,9 +325,12 @@ def blocks_checksum(kv_bytes: Sequence[torch.Tensor], blocks: Sequence[int], blo
     return chunk_checksum([out.view(-1)], unit=block_bytes)
 
 
-def _native_blocks_acc(kv_bytes: Sequence[torch.Tensor], ids: list[int], block_bytes: int) -> int | None:
-    """The accumulator of blocks ``ids`` of every tensor, read in place by the native kernels where they run (flat
-    uint8 tensors on one device; on CUDA aligned to the block's words, blocks of at least a row), else None."""
+def _native_blocks_accs(
+    kv_bytes: Sequence[torch.Tensor], chunks: list[list[int]], block_bytes: int
+) -> list[int] | None:
+    """The accumulator of each chunk's blocks (non-empty) of every tensor, read in place by the native kernels where
+    they run (flat uint8 tensors on one device; on CUDA aligned to the block's words, blocks of at least a row),
+    else None."""
     device = kv_bytes[0].device
     if block_bytes <= 0 or not all(
         b.device == device and b.dtype == torch.uint8 and b.dim() == 1 and b.is_contiguous() for b in kv_bytes
@@ -315,56 +350,86 @@ def _native_blocks_acc(kv_bytes: Sequence[torch.Tensor], ids: list[int], block_b
     bases = [b.data_ptr() for b in kv_bytes]
     if device.type == "cpu":
         try:
-            return native.checksum_blocks(bases, ids, num_blocks, block_bytes)
+            return [native.checksum_blocks(bases, ids, num_blocks, block_bytes) for ids in chunks]
         except IndexError as exc:
             raise LayoutError(f"blocks_checksum: {exc}") from exc
-    if min(ids) < 0 or max(ids) >= num_blocks:
-        raise LayoutError(f"blocks_checksum: block ids {ids} are not all in [0, {num_blocks})")
-    return _cuda_units_acc(bases, ids, block_bytes, device)
+    for ids in chunks:
+        if min(ids) < 0 or max(ids) >= num_blocks:
+            raise LayoutError(f"blocks_checksum: block ids {ids} are not all in [0, {num_blocks})")
+    return _cuda_units_accs(bases, chunks, block_bytes, device)
 
 
 class _CudaUnits:
-    """One thread's buffers for hashing blocks on a CUDA device: the units' addresses in page-locked host memory and
-    on the device, and the accumulator.
+    """One thread's means of hashing blocks on a CUDA device: a stream of pdkv's own, the units' addresses in
+    page-locked host memory and on the device, and one accumulator a chunk (on the device and pinned on the host).
 
     A chunk's checksum runs on both sides of every direct chunk, and on a GPU its kernel takes microseconds: what
-    cost (about 0.4 ms a chunk on an H200, most of a chunk's fixed cost) was the host's part, building the address
-    table with torch ops, copying it from pageable memory (a synchronous copy) and allocating the accumulator. Here
-    the table is one numpy op into pinned memory, copied asynchronously on the current stream ahead of the kernel,
-    and the accumulator is zeroed in place. The read-back of the result (``item``) waits for the whole stream, so
-    the host buffer is free again when a call returns; a call that fails part-way waits for the stream before its
-    buffers are reused.
+    costs is the host's part and the wait to read the value. The table is one numpy op a chunk into pinned memory,
+    copied asynchronously ahead of the kernels; every chunk of a call adds into its own slot of one zeroed vector,
+    which is copied back once and read after one synchronize, so a pass's chunks share one wait. That wait is for
+    pdkv's stream, which first waits for the caller's stream (the forward step that wrote the blocks): not for
+    work the caller queues after the call (on a vLLM P, the model's next forward), as a read-back on the caller's
+    stream (``item``) would. The stream is idle again when a call returns or fails, so the buffers are free.
+
+    Not run on a GPU yet (written on a machine without one): tests/gpu/check.py's ``checksums_batched`` part checks
+    it against the per-chunk and CPU values.
     """
 
-    def __init__(self, device: torch.device, n: int) -> None:
-        self.host = torch.empty(n, dtype=torch.int64, pin_memory=True)
-        self.dev = torch.empty(n, dtype=torch.int64, device=device)
-        self.acc = torch.zeros((), dtype=torch.int64, device=device)
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device)
+        self.host = torch.empty(0, dtype=torch.int64)
+        self.dev = torch.empty(0, dtype=torch.int64, device=device)
+        self.accs = torch.empty(0, dtype=torch.int64, device=device)
+        self.sums = torch.empty(0, dtype=torch.int64)
 
-    def accumulate(self, bases: list[int], ids: list[int], block_bytes: int) -> int:
-        n = len(bases) * len(ids)
-        table = self.host.numpy()[:n].reshape(len(bases), len(ids))
-        np.add.outer(np.asarray(bases, dtype=np.int64), np.asarray(ids, dtype=np.int64) * block_bytes, out=table)
+    def _fit(self, units: int, chunks: int) -> None:
+        """Grow the buffers (doubling, never shrinking) to ``units`` addresses and ``chunks`` accumulators."""
+        device = self.dev.device
+        with torch.cuda.stream(self.stream):  # allocated for the stream that uses them
+            if self.host.numel() < units:
+                n = max(units, 1024, 2 * self.host.numel())
+                self.host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+                self.dev = torch.empty(n, dtype=torch.int64, device=device)
+            if self.sums.numel() < chunks:
+                k = max(chunks, 64, 2 * self.sums.numel())
+                self.sums = torch.empty(k, dtype=torch.int64, pin_memory=True)
+                self.accs = torch.empty(k, dtype=torch.int64, device=device)
+
+    def accumulate(self, bases: list[int], chunks: list[list[int]], block_bytes: int) -> list[int]:
+        """Each chunk's accumulator of blocks ``chunks[i]`` (checked, non-empty) of the tensors at ``bases``."""
+        counts = [len(bases) * len(ids) for ids in chunks]
+        n, k = sum(counts), len(chunks)
+        self._fit(n, k)
+        table, base_col, offset = self.host.numpy(), np.asarray(bases, dtype=np.int64), 0
+        for ids, count in zip(chunks, counts, strict=True):  # each chunk's units in wire order: tensor by tensor
+            out = table[offset : offset + count].reshape(len(bases), len(ids))
+            np.add.outer(base_col, np.asarray(ids, dtype=np.int64) * block_bytes, out=out)
+            offset += count
+        caller = torch.cuda.current_stream(self.dev.device)
         try:
-            self.dev[:n].copy_(self.host[:n], non_blocking=True)
-            self.acc.zero_()
-            native.checksum_cuda(self.dev[:n], block_bytes, 0, self.acc)
-            return int(self.acc.item())
-        except BaseException:
-            torch.cuda.current_stream(self.dev.device).synchronize()
-            raise
+            with torch.cuda.stream(self.stream):
+                self.stream.wait_stream(caller)
+                self.dev[:n].copy_(self.host[:n], non_blocking=True)
+                accs = self.accs[:k]
+                accs.zero_()
+                offset = 0
+                for i, count in enumerate(counts):
+                    native.checksum_cuda(self.dev[offset : offset + count], block_bytes, 0, accs[i])
+                    offset += count
+                self.sums[:k].copy_(accs, non_blocking=True)
+        finally:
+            self.stream.synchronize()
+        return self.sums[:k].tolist()
 
 
-def _cuda_units_acc(bases: list[int], ids: list[int], block_bytes: int, device: torch.device) -> int:
-    """The accumulator of blocks ``ids`` (checked) of the tensors at device addresses ``bases``, with this thread's
-    ``_CudaUnits`` for ``device``."""
+def _cuda_units_accs(bases: list[int], chunks: list[list[int]], block_bytes: int, device: torch.device) -> list[int]:
+    """Each chunk's accumulator of blocks ``chunks[i]`` (checked) of the tensors at device addresses ``bases``, with
+    this thread's ``_CudaUnits`` for ``device``."""
     units: dict[torch.device, _CudaUnits] = _scratch.__dict__.setdefault("cuda_units", {})
-    n = len(bases) * len(ids)
     entry = units.get(device)
-    if entry is None or entry.host.numel() < n:
-        entry = units[device] = _CudaUnits(device, max(n, 1024, 2 * entry.host.numel() if entry else 0))
-    with torch.cuda.device(device):
-        return entry.accumulate(bases, ids, block_bytes)
+    if entry is None:
+        entry = units[device] = _CudaUnits(device)
+    return entry.accumulate(bases, chunks, block_bytes)
 
 
 def checksum(views: Iterable[memoryview]) -> int:

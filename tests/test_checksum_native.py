@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pdkv import native
-from pdkv.checksum import blocks_checksum, chunk_checksum, flat_bytes, frame_checksum
+from pdkv.checksum import blocks_checksum, blocks_checksums, chunk_checksum, flat_bytes, frame_checksum
 from pdkv.errors import LayoutError
 from pdkv.layout import KVLayout
 from pdkv.layout import gather as torch_gather
@@ -31,13 +34,16 @@ def _bytes(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
-def _both(monkeypatch: pytest.MonkeyPatch, fn: Callable[[], int]) -> int:
-    """``fn()`` on the native path and on the torch path: asserts the two agree, returns the value."""
+T = TypeVar("T", int, list[int])
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, fn: Callable[[], T]) -> T:
+    """``fn()`` on the native path and on the torch path: asserts the two agree, returns the value (or values)."""
     ours = fn()
     with monkeypatch.context() as m:
         m.setenv(native.ENV_VAR, "0")
         theirs = fn()
-    assert ours == theirs, (hex(ours), hex(theirs))
+    assert ours == theirs, (ours, theirs)
     return ours
 
 
@@ -72,6 +78,30 @@ def test_native_and_torch_agree_on_fragmented_block_tables(monkeypatch: pytest.M
     for ids in ([5], list(range(10, 26)), rng.sample(range(64), 16), [3, 2, 1, 0], [9, 9, 40, 63]):
         value = _both(monkeypatch, lambda ids=ids: blocks_checksum(kv, ids, unit))
         assert value == chunk_checksum([t[b * unit : (b + 1) * unit] for t in kv for b in ids], unit=unit)
+
+
+_UNIT, _BLOCKS = 4096 + 8, 24
+_KV = [_bytes(_BLOCKS * _UNIT, seed=s) for s in range(3)]
+_RUNS = st.builds(lambda a, n: list(range(a, min(a + n, _BLOCKS))), st.integers(0, _BLOCKS - 1), st.integers(0, 9))
+_SCATTERED = st.lists(st.integers(0, _BLOCKS - 1), max_size=9)  # duplicates and the empty chunk included
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(chunks=st.lists(st.one_of(_RUNS, _SCATTERED), max_size=6))
+def test_many_chunks_hashed_in_one_call_give_each_chunks_own_value(
+    monkeypatch: pytest.MonkeyPatch, chunks: list[list[int]]
+) -> None:
+    values = _both(monkeypatch, lambda: blocks_checksums(_KV, chunks, _UNIT))
+    assert values == [blocks_checksum(_KV, ids, _UNIT) for ids in chunks]
+    # the definition: each chunk's blocks of every tensor, tensor by tensor, as one byte stream
+    assert values == [
+        chunk_checksum([t[b * _UNIT : (b + 1) * _UNIT] for t in _KV for b in ids], unit=_UNIT) for ids in chunks
+    ]
+
+
+def test_one_chunk_outside_the_buffer_refuses_the_whole_call() -> None:
+    with pytest.raises(LayoutError, match=f"block id {_BLOCKS} is out of range"):
+        blocks_checksums(_KV, [[0, 1], [2, _BLOCKS], []], _UNIT)
 
 
 def test_the_native_block_checksum_refuses_a_block_outside_the_buffer() -> None:

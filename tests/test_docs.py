@@ -68,6 +68,11 @@ CHECK_PY_PARTS: dict[str, PartCheck] = {  # tests/gpu/check.py: its "parts", eac
         and all(r["gather_bit_exact"] and r["scatter_bit_exact"] for r in p["rows"])
     ),
     "checksum": lambda p: p.get("cpu_equals_cuda") is True,
+    "checksums_batched": lambda p: (
+        p.get("native_cuda") is True
+        and p.get("waits_for_the_callers_stream") is True
+        and all(c["equal"] for c in p.get("cases", []))
+    ),
     "cache_engine": lambda p: p.get("bit_exact") is True,
     "transfer_tcp": lambda p: any(r["kv_memory"] == "cuda" for r in p.get("results", [])),  # through pinned staging
     "transfer_nixl": lambda p: any(r["path"] == "direct device (cuda)" for r in p.get("results", [])),  # VRAM to VRAM
@@ -75,7 +80,7 @@ CHECK_PY_PARTS: dict[str, PartCheck] = {  # tests/gpu/check.py: its "parts", eac
     "faults": lambda p: p.get("ok") is True,
 }
 # Parts check.py has that no lent machine has run yet: their docs may say so, until a run shows one passing.
-NOT_YET_ON_A_GPU = {"faults"}
+NOT_YET_ON_A_GPU = {"faults", "checksums_batched"}
 # A claim that a part never ran names it in its sentence, by these words, first match wins; a claim naming none is
 # about the whole GPU path. vLLM itself has no part: the lent image has no vLLM, so no JSON can show it ran.
 CLAIM_NAMES_PART: tuple[tuple[str | None, re.Pattern[str]], ...] = tuple(
@@ -87,6 +92,7 @@ CLAIM_NAMES_PART: tuple[tuple[str | None, re.Pattern[str]], ...] = tuple(
         ("transfer_nixl", r"VRAM|nixl"),
         ("cache_engine", r"KVCacheEngine|cache_engine|CUDA buffers"),
         ("gather_scatter", r"gather|scatter|kvcopy_cuda"),
+        ("checksums_batched", r"checksums_batched|blocks_checksums"),
         ("checksum", r"checksum"),
         ("transfer_tcp", r"pinned staging|DeviceStager|staging"),
     )

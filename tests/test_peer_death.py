@@ -47,7 +47,7 @@ from pdkv.layout import KVLayout, gather
 from pdkv.memory import EMULATE_ENV
 from pdkv.router.app import Router
 from pdkv.testing.http import metric
-from pdkv.transfer.protocol import Done, decode_notice
+from pdkv.transfer.protocol import ChunkNotice, Done, decode_notice
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
 from pdkv.worker.server import Worker
@@ -123,10 +123,10 @@ def _receiver_child(conn: multiprocessing.connection.Connection, step: str) -> N
     elif step == "mid_chunk":
         on_notice = receiver.book.land
 
-        def stop_at_chunk_1(notif: Any) -> Any:
-            if decode_notice(notif.payload).chunk_index == 1:
+        def stop_at_chunk_1(peer: str, notice: ChunkNotice, got: int | None = None) -> Any:
+            if notice.chunk_index == 1:
                 _stop_here(conn, step)
-            return on_notice(notif)
+            return on_notice(peer, notice, got)
 
         receiver.book.land = stop_at_chunk_1  # type: ignore[method-assign]
     elif step == "done":

@@ -16,6 +16,7 @@ import zmq
 from pdkv.auth import bound_proof, message_tag, new_nonce, proof, session_key, verify
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.mock import MockChannel
+from pdkv.checksum import read_back_shared
 from pdkv.config import TransferConfig
 from pdkv.errors import (
     ChecksumError,
@@ -29,7 +30,7 @@ from pdkv.errors import (
 )
 from pdkv.integration.vllm.landing import VllmBlocks
 from pdkv.layout import KVLayout, gather
-from pdkv.transfer import protocol
+from pdkv.transfer import incoming, outgoing, protocol
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
 
@@ -218,6 +219,88 @@ def test_checksum_error_type_on_direct_path(make_pair: MakePair) -> None:
     with pytest.raises(TransferCancelled, match="checksum"):
         xfer.wait(10)
     assert isinstance(ChecksumError("x"), TransferError)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["read-back-shared", "cpu"])
+def test_send_all_hashes_the_chunks_left_in_one_call_where_that_saves_read_backs(
+    make_pair: MakePair, monkeypatch: pytest.MonkeyPatch, shared: bool
+) -> None:
+    """On a GPU (``read_back_shared``) send_all hashes every chunk left before posting the first; on CPU each as it
+    is posted, overlapping the previous write. Either way the KV lands, verified."""
+    pair = make_pair()
+    assert not read_back_shared(pair.p_kv)  # CPU tensors: shared=True stands in for a GPU's
+    monkeypatch.setattr(outgoing, "read_back_shared", lambda kv_bytes: shared)
+    hashed: list[list[list[int]]] = []  # P's blocks_checksums calls: each call's chunks
+    real = outgoing.blocks_checksums
+    monkeypatch.setattr(
+        outgoing,
+        "blocks_checksums",
+        lambda kv, chunks, size: hashed.append([list(c) for c in chunks]) or real(kv, chunks, size),
+    )
+    xfer = pair.sender.open("r", pair.receiver.address, 100, list(range(7)))
+    xfer.send_chunk(0)  # alone: hashed alone
+    xfer.send_all()
+    xfer.wait(10)
+    blocks = pair.receiver.wait("r", 10).blocks
+    assert_same_kv(pair, list(range(7)), blocks, 100)
+    pair.allocator.free(blocks)
+    stats = pair.receiver.stats()
+    assert (stats["chunks_landed"], stats.get("checksum_failures", 0)) == (4, 0)
+    plan = xfer.plan.blocks
+    want = [[plan[0]], [plan[1], plan[2], plan[3]]] if shared else [[plan[i]] for i in range(4)]
+    assert hashed == (want if xfer.mode == "direct" else [])
+
+
+def test_one_pass_over_several_transfers_fails_only_the_one_whose_chunk_is_corrupt(
+    make_pair: MakePair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D decodes a pass's notices, hashes its direct chunks in one call, then lands them in arrival order: the
+    corrupt chunk fails its transfer only (counted, its next chunk a stray), the others land, one Landed each."""
+    pair = make_pair(config=TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2, pool_tokens=0))
+    drain, held, passes = pair.d_channel.get_notifications, [], []
+
+    def one_pass() -> list:  # every notification held back until all six arrived: D sees them in one pass
+        held.extend(drain())
+        if len(held) < 6:
+            return []
+        passes.append(len(held))
+        out = held[:]
+        held.clear()
+        return out
+
+    hashed: list[int] = []  # each blocks_checksums call's chunk count on D
+    real = incoming.blocks_checksums
+    monkeypatch.setattr(
+        incoming, "blocks_checksums", lambda kv, chunks, size: hashed.append(len(chunks)) or real(kv, chunks, size)
+    )
+    monkeypatch.setattr(pair.d_channel, "get_notifications", one_pass)
+    replies = []
+    reply = pair.receiver.reply
+    monkeypatch.setattr(pair.receiver, "reply", lambda identity, msg: (replies.append(msg), reply(identity, msg)))
+    tables = {rid: list(range(4 * k, 4 * k + 4)) for k, rid in enumerate("abc")}
+    xfers = {rid: pair.sender.open(rid, pair.receiver.address, 64, table) for rid, table in tables.items()}
+    assert all(x.num_chunks == 2 for x in xfers.values())
+    pair.p_channel.faults.corrupt_next = 1  # the first write the channel runs: b's chunk 0
+    for index in (0, 1):
+        for rid in "bac":
+            xfers[rid].send_chunk(index)
+    for rid in "ac":
+        blocks = pair.receiver.wait(rid, 10).blocks
+        assert_same_kv(pair, tables[rid], blocks, 64)
+        pair.allocator.free(blocks)
+        xfers[rid].wait(10)
+    with pytest.raises(TransferError, match="chunk 0 of transfer 'b' failed its checksum"):
+        pair.receiver.wait("b", 10)
+    with pytest.raises(TransferCancelled, match="checksum"):
+        xfers["b"].wait(10)
+    stats = pair.receiver.stats()
+    assert passes == [6]
+    assert (stats["checksum_failures"], stats["stray_notices"], stats["chunks_landed"]) == (1, 1, 4)
+    assert sorted((m.transfer_id, m.chunk_indices) for m in replies if isinstance(m, protocol.Landed)) == [
+        ("a", [0, 1]),
+        ("c", [0, 1]),
+    ]
+    assert hashed == ([6] if pair.same_layout_mode == "direct" else [])  # staged chunks: hashed by their scatter
 
 
 def test_reservation_that_does_not_fit_is_refused_and_nothing_leaks(make_pair: MakePair) -> None:

@@ -38,7 +38,7 @@ from pdkv.config import TransferConfig
 from pdkv.errors import ChannelError, PdkvError, TransferError
 from pdkv.layout import KVLayout, gather
 from pdkv.memory import emulate_device
-from pdkv.transfer.protocol import decode_notice
+from pdkv.transfer.protocol import ChunkNotice
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
 
@@ -92,10 +92,10 @@ def _decode_child(conn: multiprocessing.connection.Connection, device: str, port
     if stop_mid:
         land = receiver.book.land
 
-        def stop_at_chunk_1(notif: Any) -> Any:
-            if decode_notice(notif.payload).chunk_index == 1:
+        def stop_at_chunk_1(peer: str, notice: ChunkNotice, got: int | None = None) -> Any:
+            if notice.chunk_index == 1:
                 _stop(conn)
-            return land(notif)
+            return land(peer, notice, got)
 
         receiver.book.land = stop_at_chunk_1  # type: ignore[method-assign]
     conn.send(receiver.address)

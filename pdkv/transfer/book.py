@@ -24,12 +24,12 @@ from pdkv.errors import (
 )
 from pdkv.transfer import protocol
 from pdkv.transfer.admission import Admission, ReceiverView, whole_blocks
-from pdkv.transfer.incoming import IncomingTransfer, ReceivedKV, State
+from pdkv.transfer.incoming import IncomingTransfer, ReceivedKV, ReceiveMemory, State
 from pdkv.transfer.parts import ReceiverParts
 from pdkv.transfer.peers import SenderPeer
 from pdkv.transfer.plan import TransferPlan
 from pdkv.transfer.pool import ReceiverPools
-from pdkv.transfer.protocol import Cancel, Done, Landed, Reserve, Reserved
+from pdkv.transfer.protocol import Cancel, ChunkNotice, Done, Landed, Reserve, Reserved
 
 log = logging.getLogger(__name__)
 
@@ -192,11 +192,16 @@ class IncomingBook:
     def on_notifications(self) -> None:
         """Verify every chunk whose notification arrived (I/O thread); acknowledge each transfer's chunks with one
         Landed, carrying the sender's next pool if a request of its took its last one; then offer the pools of
-        pooled requests that sent no Landed on their own (``ReceiverPools.send_refills``)."""
+        pooled requests that sent no Landed on their own (``ReceiverPools.send_refills``).
+
+        The pass decodes every notice first and hashes its direct chunks together (``hash_direct``), then lands
+        them one by one in the order they arrived."""
         began, self.admitting_ns = time.perf_counter_ns(), 0  # host time per chunk (hosttime.py): to Landed sent
+        notices = [(n.peer, notice) for n in self.channel.get_notifications() if (notice := self.decode(n)) is not None]
+        hashed = self.hash_direct(notices)
         landed: dict[str, tuple[bytes, list[int]]] = {}
-        for notif in self.channel.get_notifications():
-            r, index = self.land(notif)
+        for i, (peer, notice) in enumerate(notices):
+            r, index = self.land(peer, notice, hashed.get(i))
             if r is not None:
                 landed.setdefault(r.transfer_id, (r.identity, []))[1].append(index)
         for rid, (identity, indices) in landed.items():
@@ -208,28 +213,65 @@ class IncomingBook:
                 self.parts.host.add("chunk", spent // chunks)
         self.pools.send_refills()
 
-    def land(self, notif: Notification) -> tuple[IncomingTransfer | None, int]:
-        """Land one chunk; the reservation and chunk index to acknowledge, or (None, -1)."""
+    def decode(self, notif: Notification) -> ChunkNotice | None:
+        """A notification's notice, or None (counted and logged) where it is malformed."""
         try:
-            notice = protocol.decode_notice(notif.payload)
+            return protocol.decode_notice(notif.payload)
         except ProtocolError as exc:
             self.counters["malformed_notices"] += 1
             log.warning("dropping notification from %r: %s", notif.peer, exc)
-            return None, -1
+            return None
+
+    def hash_direct(self, notices: list[tuple[str, ChunkNotice]]) -> dict[int, int]:
+        """The landed checksums of a pass's direct chunks, read together: one ``blocks_checksums`` call a memory (on
+        a GPU, one read-back for the pass, not one a chunk); position in ``notices`` -> value.
+
+        Only chunks ``land`` would hash: of a reservation receiving now from that peer, in range, not landed yet;
+        ``land`` checks them again as each lands and hashes the rest itself (staged chunks are hashed by the pass
+        that scatters them). Where the channel hashed the blocks as they landed (``landed_checksum``, which a head
+        window's copy of the memory keeps), there is no read to share: ``land`` asks it per chunk, as before, and
+        this pass takes no lock."""
+        if self.memory.landed_checksum is not None:
+            return {}
+        groups: dict[int, tuple[ReceiveMemory, list[int], list[list[int]]]] = {}
+        hashed: dict[int, int] = {}
+        with self.lock:
+            for i, (peer, notice) in enumerate(notices):
+                r = self.receiving(peer, notice.transfer_id) if notice.reserve is None else None
+                blocks = r.direct_blocks(notice) if r is not None else None
+                if r is None or blocks is None:
+                    continue
+                memory = self.memory.window(r.heads)
+                group = groups.setdefault(id(memory), (memory, [], []))
+                group[1].append(i)
+                group[2].append(blocks)
+            for memory, positions, chunks in groups.values():
+                hashed.update(zip(positions, memory.blocks_checksums(chunks), strict=True))
+        return hashed
+
+    def receiving(self, peer: str, transfer_id: str) -> IncomingTransfer | None:
+        """The reservation ``transfer_id`` if ``peer`` sends it and it still receives chunks (caller holds the
+        lock), else None."""
+        r = self.res.get(transfer_id)
+        return r if r is not None and r.peer_agent == peer and r.state is State.RECEIVING else None
+
+    def land(self, peer: str, notice: ChunkNotice, got: int | None = None) -> tuple[IncomingTransfer | None, int]:
+        """Land one chunk from ``peer`` (``got``: its checksum, when ``hash_direct`` read it); the reservation and
+        chunk index to acknowledge, or (None, -1)."""
         with self.lock:
             if notice.reserve is not None:
                 admitting = time.perf_counter_ns()
-                if not self.pools.open_pooled(notif.peer, notice):
+                if not self.pools.open_pooled(peer, notice):
                     return None, -1  # refused: the bytes it wrote into the pool are discarded, the pool offered again
                 spent = time.perf_counter_ns() - admitting
                 self.admitting_ns += spent
                 self.parts.host.add("request", spent)
-            r = self.res.get(notice.transfer_id)
-            if r is None or r.peer_agent != notif.peer or r.state is not State.RECEIVING:
+            r = self.receiving(peer, notice.transfer_id)
+            if r is None:
                 self.counters["stray_notices"] += 1
                 return None, -1
             try:
-                nbytes = r.land(self.memory.window(r.heads), notice)
+                nbytes = r.land(self.memory.window(r.heads), notice, got)
             except TransferError as exc:
                 if isinstance(exc, ChecksumError):
                     self.counters["checksum_failures"] += 1

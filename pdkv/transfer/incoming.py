@@ -15,7 +15,7 @@ import torch
 
 from pdkv.channels.base import Channel
 from pdkv.channels.grants import Range
-from pdkv.checksum import blocks_checksum, chunk_checksum, frame_checksum
+from pdkv.checksum import blocks_checksums, chunk_checksum, frame_checksum
 from pdkv.codec import Codec
 from pdkv.errors import ChecksumError, TransferError
 from pdkv.layout import HeadWindow, KVLayout, block_runs
@@ -77,11 +77,12 @@ class ReceiveMemory:
         """This memory as a transfer landing in ``heads`` of ours sees it (``pdkv.transfer.windows``)."""
         return self.windows.of(self, heads, self.chunk_size)
 
-    def blocks_checksum(self, blocks: list[int]) -> int:
-        """The checksum of ``blocks`` of every KV tensor as they sit in memory: a direct chunk's landed value."""
+    def blocks_checksums(self, chunks: list[list[int]]) -> list[int]:
+        """Each chunk's checksum of its ``blocks`` of every KV tensor as they sit in memory: direct chunks' landed
+        values, all read in one go (one read-back on a GPU), or the channel's from what it hashed as they landed."""
         if self.landed_checksum is not None:
-            return self.landed_checksum(blocks)
-        return blocks_checksum(self.kv_bytes, blocks, self.layout.block_bytes)
+            return [self.landed_checksum(blocks) for blocks in chunks]
+        return blocks_checksums(self.kv_bytes, chunks, self.layout.block_bytes)
 
     def block_ranges(self, blocks: list[int]) -> list[Range]:
         """Byte ranges of ``blocks`` in every buffer tensor, in wire order, adjacent blocks as one range."""
@@ -131,10 +132,23 @@ class IncomingTransfer:
     free_deadline: float = 0.0
     ready_at: float = 0.0
 
-    def land(self, memory: ReceiveMemory, notice: ChunkNotice) -> int:
-        """Verify one chunk that arrived (and scatter it, when staged); returns its bytes. Raises ``TransferError``."""
+    def direct_blocks(self, notice: ChunkNotice) -> list[int] | None:
+        """The blocks a direct chunk's notice names, to hash ahead of ``land`` with the pass's other chunks; None
+        where ``land`` refuses it before any checksum (out of range, duplicated) or the chunk is staged."""
         idx = notice.chunk_index
-        if idx >= self.num_chunks or idx in self.landed:
+        return self.plan.blocks[idx] if self.mode == "direct" and self._awaited(idx) else None
+
+    def _awaited(self, idx: int) -> bool:
+        """Whether chunk ``idx`` is one of ours that has not landed yet."""
+        return idx < self.num_chunks and idx not in self.landed
+
+    def land(self, memory: ReceiveMemory, notice: ChunkNotice, got: int | None = None) -> int:
+        """Verify one chunk that arrived (and scatter it, when staged); returns its bytes. Raises ``TransferError``.
+
+        ``got``: a direct chunk's checksum as it sits in memory, computed already (``direct_blocks``, hashed with
+        the other chunks of the notifications' pass); None: hashed here."""
+        idx = notice.chunk_index
+        if not self._awaited(idx):
             raise TransferError(f"chunk {idx} is out of range or duplicated (request has {self.num_chunks} chunks)")
         start, n = self.plan.spans[idx]
         start -= self.plan.table_start  # our blocks start at the first token we did not hold
@@ -143,7 +157,8 @@ class IncomingTransfer:
         nbytes = memory.layout.chunk_bytes(n)
         scattered = False  # landed in the blocks by the pass that hashed it
         if self.mode == "direct":
-            got = memory.blocks_checksum(self.plan.blocks[idx])
+            if got is None:
+                (got,) = memory.blocks_checksums([self.plan.blocks[idx]])
         else:
             if not 0 <= notice.slot < len(self.slots):
                 raise TransferError(f"chunk {idx} names staging slot {notice.slot}, request has {len(self.slots)}")

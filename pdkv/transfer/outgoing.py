@@ -18,7 +18,7 @@ import torch
 
 from pdkv.channels.base import Channel
 from pdkv.channels.handle import BlockWrite, TransferHandle, TransferOp, XferState
-from pdkv.checksum import blocks_checksum, chunk_checksum, flat_bytes, frame_checksum
+from pdkv.checksum import blocks_checksums, chunk_checksum, flat_bytes, frame_checksum, read_back_shared
 from pdkv.codec import Codec
 from pdkv.errors import LayoutError, ReservationError, TransferCancelled, TransferError, TransferTimeout
 from pdkv.layout import HeadWindow, KVLayout
@@ -275,6 +275,27 @@ class OutgoingTransfer:
     # -- the caller's side -----------------------------------------------------
     def send_chunk(self, index: int, timeout: float | None = None) -> None:
         """Post chunk ``index`` (its KV must already be in our blocks); waits only for credit."""
+        self._post(index, timeout)
+
+    def send_all(self) -> None:
+        """Post every chunk not sent yet (the whole KV is in our blocks). In direct mode with the KV on a GPU their
+        digests are computed first, all in one ``blocks_checksums`` call (one read-back, not one a chunk): the bytes
+        they hash are the ones posted, as nothing writes these blocks any more. On CPU each is hashed as it is
+        posted (``read_back_shared``)."""
+        todo = [i for i in range(self.num_chunks) if i not in self.sent]
+        try:
+            digests, hashed_ns = self._direct_digests(todo if read_back_shared(self.source.kv_bytes) else [])
+        except Exception as exc:
+            with self.cond:
+                err = self._posting_failed(exc, f"hashing chunks {todo}")
+            raise err from exc
+        for i in todo:
+            if i not in self.sent:
+                self._post(i, digest=digests.get(i), hashed_ns=hashed_ns)
+
+    def _post(self, index: int, timeout: float | None = None, *, digest: int | None = None, hashed_ns: int = 0) -> None:
+        """``send_chunk``; ``digest``: the chunk's direct-mode checksum when ``send_all`` computed it already, and
+        ``hashed_ns`` this chunk's share of that host time (hosttime.py counts it in the chunk's)."""
         if not 0 <= index < self.num_chunks:
             raise TransferError(
                 f"chunk {index} out of range: transfer {self.transfer_id!r} has {self.num_chunks} chunks"
@@ -293,7 +314,7 @@ class OutgoingTransfer:
                 ops, digest = self._staged_ops(local_slot, remote_slot, start, n)
                 wire = sum(op.length for op in ops)
             else:
-                blocks, digest = self._direct_write(index)
+                blocks, digest = self._direct_write(index, digest)
                 wire = blocks.nbytes
             notice = ChunkNotice(self.transfer_id, index, digest, remote_slot, wire if staging else 0)
             if self.claim is not None:  # one chunk: the receiver admits the transfer as this notice arrives
@@ -306,15 +327,10 @@ class OutgoingTransfer:
                 else channel.write_blocks(to, blocks, notice_bytes, token=token)
             )
         except Exception as exc:
-            err = (
-                exc
-                if isinstance(exc, TransferError)
-                else TransferError(f"posting chunk {index} of {self.transfer_id!r} failed: {exc}")
-            )
             with self.cond:
                 self.posting -= 1
                 ctx.credit.give(nbytes, local_slot)
-                self.fail(err)
+                err = self._posting_failed(exc, f"posting chunk {index}")
             raise err from exc
         with self.cond:
             self.posting -= 1
@@ -326,12 +342,7 @@ class OutgoingTransfer:
             need = ctx.credit.inflight
             self.posted[handle] = PostedWrite(nbytes=nbytes, need=need, limit=ctx.stall.limit(need))
         handle.add_done_callback(lambda h: self._finished(h, local_slot))
-        ctx.parts.host.since("chunk", posting)
-
-    def send_all(self) -> None:
-        for i in range(self.num_chunks):
-            if i not in self.sent:
-                self.send_chunk(i)
+        ctx.parts.host.since("chunk", posting - hashed_ns)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the receiver verified every chunk, or raise why it did not."""
@@ -420,14 +431,31 @@ class OutgoingTransfer:
                 self.slot_of_chunk[index] = remote_slot
         return local_slot, remote_slot
 
-    def _direct_write(self, index: int) -> tuple[BlockWrite, int]:
+    def _direct_write(self, index: int, digest: int | None) -> tuple[BlockWrite, int]:
         """Chunk ``index``'s write from the plan (its blocks of every buffer tensor, as arrays); the checksum over
-        the same bytes in wire order."""
-        src = self.source
-        # On a GPU this runs on the caller's stream and reading its value waits for that stream: the write is
-        # posted only after the forward step that wrote these blocks has finished (that stream, not the device).
-        digest = blocks_checksum(src.kv_bytes, self.plan.blocks[index], src.layout.block_bytes)
+        the same bytes in wire order (``digest``, when ``send_all`` computed it already)."""
+        if digest is None:
+            (digest,) = self._direct_digests([index])[0].values()
         return self.direct_writes[index], digest
+
+    def _direct_digests(self, indices: list[int]) -> tuple[dict[int, int], int]:
+        """Direct chunks ``indices``' checksums, in one ``blocks_checksums`` call, and each one's share of its host
+        time in ns; none in staging mode (a staged chunk is hashed as it is gathered)."""
+        if self.mode != "direct" or not indices:
+            return {}, 0
+        src, began = self.source, time.perf_counter_ns()
+        # On a GPU the checksums run on pdkv's stream after the caller's (the forward step that wrote these blocks)
+        # and their values are read before a write is posted: a chunk goes only once that step finished (that
+        # stream's work queued before this call, not the device's, nor work queued after it).
+        values = blocks_checksums(src.kv_bytes, [self.plan.blocks[i] for i in indices], src.layout.block_bytes)
+        return dict(zip(indices, values, strict=True)), (time.perf_counter_ns() - began) // len(indices)
+
+    def _posting_failed(self, exc: Exception, what: str) -> TransferError:
+        """Fail the transfer with ``exc``, as a ``TransferError`` saying ``what`` failed (caller holds the
+        condition); returns it, to raise."""
+        err = exc if isinstance(exc, TransferError) else TransferError(f"{what} of {self.transfer_id!r} failed: {exc}")
+        self.fail(err)
+        return err
 
     def _staged_ops(self, local_slot: int, remote_slot: int, start: int, n: int) -> tuple[list[TransferOp], int]:
         """Gather the chunk into our slot (through the codec, when one encodes it); the checksum covers the wire

@@ -12,6 +12,10 @@ Prints one JSON object (and writes it to ``--out`` when given) with:
   either path, for the same bytes (frames, blocks of a fragmented block table
   hashed in place, aligned and odd lengths, a chunk hashed by the fused gather
   and scatter): ``cpu_equals_cuda``;
+* ``checksums_batched``: ``blocks_checksums`` (many chunks, one call, one read-back on pdkv's stream) on the GPU
+  gives each chunk's own value (hashed alone) and the CPU's values of the same bytes, for random block tables, and
+  hashes the bytes that work queued before it on the caller's stream wrote (its stream waits for the caller's);
+  host time a chunk, batched and alone. ``checksums_batched("cpu")`` runs the same logic without a GPU;
 * ``transfer_nixl``: a request's KV between two processes on the same GPU over
   nixl, VRAM to VRAM (``pdkv bench transfer --channel nixl --device cuda``),
   against the raw NIXL agent moving the same bytes;
@@ -227,6 +231,60 @@ def checksum() -> dict[str, Any]:
     }
 
 
+def checksums_batched(device: str = "cuda") -> dict[str, Any]:
+    """See the module's docstring; ``device``: where the KV lives (``cpu``: this part's logic, off a GPU)."""
+    import random
+
+    from pdkv import native
+    from pdkv.checksum import blocks_checksum, blocks_checksums
+
+    rng, unit, blocks = random.Random(3), 32768, 64
+    host = [torch.randint(0, 256, (blocks * unit,), dtype=torch.uint8) for _ in range(4)]
+    kv = [t.to(device) for t in host]
+    cases = []
+    for _ in range(6):  # scattered tables of 0..12 blocks (the empty chunk too) and one run
+        chunks = [rng.sample(range(blocks), rng.randint(0, 12)) for _ in range(rng.randint(1, 9))]
+        chunks.append(list(range(rng.randint(0, 40), 50)))
+        batched = blocks_checksums(kv, chunks, unit)
+        alone = [blocks_checksum(kv, ids, unit) for ids in chunks]
+        cpu = blocks_checksums(host, chunks, unit)
+        cases.append({"chunks": len(chunks), "equal": batched == alone == cpu})
+    # The bytes rewritten on the caller's stream behind a long kernel, then hashed: the new bytes' values only if
+    # pdkv's stream waited for the caller's.
+    fresh = [torch.randint(0, 256, t.shape, dtype=torch.uint8) for t in host]
+    fresh_dev = [t.to(device) for t in fresh]
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(200_000_000)  # some 100 ms of GPU time queued ahead of the rewrite
+    for t, f in zip(kv, fresh_dev, strict=True):
+        t.copy_(f)
+    chunks = [rng.sample(range(blocks), 8) for _ in range(4)]
+    ordered = blocks_checksums(kv, chunks, unit) == blocks_checksums(fresh, chunks, unit)
+    # host time a chunk: 16 chunks of 8 blocks in one call, and one call each
+    chunks = [rng.sample(range(blocks), 8) for _ in range(16)]
+
+    def per_chunk_us(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        for _ in range(20):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return round(statistics.median(times) / len(chunks) * 1e6, 1)
+
+    out: dict[str, Any] = {
+        "device": device,
+        "native_cuda": native.cuda_checksum_available() if device == "cuda" else None,
+        "cases": cases,
+        "waits_for_the_callers_stream": ordered,
+        "us_per_chunk_batched": per_chunk_us(lambda: blocks_checksums(kv, chunks, unit)),
+        "us_per_chunk_alone": per_chunk_us(lambda: [blocks_checksum(kv, ids, unit) for ids in chunks]),
+    }
+    if not (all(c["equal"] for c in cases) and ordered):
+        out["error"] = "blocks_checksums differs from the per-chunk or CPU values, or hashed bytes not yet written"
+    return out
+
+
 def _transfer(channel: str) -> dict[str, Any]:
     from pdkv.bench.transfer import measure
 
@@ -302,6 +360,7 @@ def faults() -> dict[str, Any]:
 PARTS: dict[str, Callable[[], dict[str, Any]]] = {
     "gather_scatter": gather_scatter,
     "checksum": checksum,
+    "checksums_batched": checksums_batched,
     "cache_engine": cache_engine,
     "transfer_tcp": lambda: _transfer("tcp"),
     "transfer_nixl": lambda: _transfer("nixl"),
