@@ -257,23 +257,12 @@ def test_one_pass_over_several_transfers_fails_only_the_one_whose_chunk_is_corru
     """D decodes a pass's notices, hashes its direct chunks in one call, then lands them in arrival order: the
     corrupt chunk fails its transfer only (counted, its next chunk a stray), the others land, one Landed each."""
     pair = make_pair(config=TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2, pool_tokens=0))
-    drain, held, passes = pair.d_channel.get_notifications, [], []
-
-    def one_pass() -> list:  # every notification held back until all six arrived: D sees them in one pass
-        held.extend(drain())
-        if len(held) < 6:
-            return []
-        passes.append(len(held))
-        out = held[:]
-        held.clear()
-        return out
-
+    passes = _one_pass(monkeypatch, pair, 6)
     hashed: list[int] = []  # each blocks_checksums call's chunk count on D
     real = incoming.blocks_checksums
     monkeypatch.setattr(
         incoming, "blocks_checksums", lambda kv, chunks, size: hashed.append(len(chunks)) or real(kv, chunks, size)
     )
-    monkeypatch.setattr(pair.d_channel, "get_notifications", one_pass)
     replies = []
     reply = pair.receiver.reply
     monkeypatch.setattr(pair.receiver, "reply", lambda identity, msg: (replies.append(msg), reply(identity, msg)))
@@ -301,6 +290,53 @@ def test_one_pass_over_several_transfers_fails_only_the_one_whose_chunk_is_corru
         ("c", [0, 1]),
     ]
     assert hashed == ([6] if pair.same_layout_mode == "direct" else [])  # staged chunks: hashed by their scatter
+
+
+def _one_pass(monkeypatch: pytest.MonkeyPatch, pair: Pair, count: int) -> list[int]:
+    """Hold D's notifications back until ``count`` arrived, so that it sees them in one pass; the passes' sizes."""
+    drain, held, passes = pair.d_channel.get_notifications, [], []
+
+    def one_pass() -> list:
+        held.extend(drain())
+        if len(held) < count:
+            return []
+        passes.append(len(held))
+        out = held[:]
+        held.clear()
+        return out
+
+    monkeypatch.setattr(pair.d_channel, "get_notifications", one_pass)
+    return passes
+
+
+def test_a_pass_whose_shared_hashing_fails_verifies_each_chunk_alone(
+    make_pair: MakePair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hashing a pass's chunks together failing (a device error, say) loses no notification: each chunk is then
+    hashed and verified on its own, and both transfers land."""
+    pair = make_pair(config=TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2, pool_tokens=0))
+    passes = _one_pass(monkeypatch, pair, 4)
+    calls: list[int] = []
+    real = incoming.blocks_checksums
+
+    def failing_together(kv: list[torch.Tensor], chunks: list[list[int]], size: int) -> list[int]:
+        calls.append(len(chunks))
+        if len(chunks) > 1:
+            raise RuntimeError("device lost")
+        return real(kv, chunks, size)
+
+    monkeypatch.setattr(incoming, "blocks_checksums", failing_together)
+    tables = {rid: list(range(4 * k, 4 * k + 4)) for k, rid in enumerate("ac")}
+    xfers = {rid: pair.sender.open(rid, pair.receiver.address, 64, table) for rid, table in tables.items()}
+    for rid in "ac":
+        xfers[rid].send_all()
+    for rid in "ac":
+        blocks = pair.receiver.wait(rid, 10).blocks
+        assert_same_kv(pair, tables[rid], blocks, 64)
+        pair.allocator.free(blocks)
+        xfers[rid].wait(10)
+    assert passes == [4] and pair.receiver.stats()["chunks_landed"] == 4
+    assert calls == ([4, 1, 1, 1, 1] if pair.same_layout_mode == "direct" else [])
 
 
 def test_reservation_that_does_not_fit_is_refused_and_nothing_leaks(make_pair: MakePair) -> None:
