@@ -56,10 +56,10 @@ class Snapshot:
     def count(self) -> int:
         return self.desc.shape[0]
 
-    def regions(self, generation: int) -> tuple[int, int, int, int]:
+    def regions(self, counter: int) -> tuple[int, int, int, int]:
         """What the native frame loop lands under: descriptors, their count, the address of the live generation
-        counter (``generation``: a frame is handed back once it moved on) and this snapshot's generation."""
-        return self.address, self.count, generation, self.generation
+        counter (``counter``: a frame is handed back once it moved on) and this snapshot's generation."""
+        return self.address, self.count, counter, self.generation
 
 
 def address_of(view: memoryview) -> int:

@@ -190,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tr.add_argument("--json", action="store_true", help="print one JSON object")
     tr.set_defaults(target="pdkv.bench.transfer:run")
-    fr = bsub.add_parser("frames", help="the tcp target's CPU per DATA frame: the native loop against the Python one")
+    fr = bsub.add_parser(
+        "frames", help="the tcp target's CPU per DATA frame (native and Python loops) against a plain receiver"
+    )
     fr.add_argument("--sizes", type=_sizes, default=_sizes("4K,64K,256K"), help="frame sizes (a run per 4 KiB, <= 64)")
     fr.add_argument("--frames", type=int, default=20000, help="frames per round (larger sizes: at most 256 MiB)")
     fr.add_argument("--rounds", type=int, default=3, help="rounds, each loop once per round (default 3)")

@@ -164,7 +164,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "pdkv_block_frames": [_p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, ctypes.c_uint64]
     + [ctypes.c_char_p, _i64, _p, _i64, _p, _i64, _p],
     "pdkv_send_iov": [ctypes.c_int, _p, _i64, ctypes.POINTER(ctypes.c_int)],
-    "pdkv_serve_frames": [ctypes.c_int, _p, ctypes.c_char_p, _i64, _p, _i64, _p, _p, _p, _p, _p, _p],
+    "pdkv_serve_frames": [ctypes.c_int, _p, ctypes.c_char_p, _i64, _p, _i64, _p, _p, _p, _p, _p, _p, _p, _p],
     "pdkv_landed_blocks": [
         _p,
         _p,
@@ -411,8 +411,8 @@ def checksum_pieces(ptrs: Sequence[int], lens: Sequence[int], unit: int, first_u
     n = len(ptrs)
     call(
         lib.pdkv_checksum_cpu,
-        (_i64 * n)(*ptrs),
-        (_i64 * n)(*lens),
+        int64s(ptrs),
+        int64s(lens),
         n,
         unit,
         first_unit,
@@ -428,9 +428,9 @@ def checksum_blocks(bases: Sequence[int], ids: Sequence[int], num_blocks: int, b
     lib, acc = _lib(), ctypes.c_uint64(0)
     call(
         lib.pdkv_checksum_blocks_cpu,
-        (_i64 * len(bases))(*bases),
+        int64s(bases),
         len(bases),
-        (_i64 * len(ids))(*ids),
+        int64s(ids),
         len(ids),
         num_blocks,
         block_bytes,
@@ -685,7 +685,7 @@ def int64s(values: Sequence[int]) -> Int64s:
 
 
 def landed_blocks(
-    bases: Sequence[int] | Int64s, tables: Sequence[int] | Int64s, ids: Sequence[int], num_blocks: int, block_bytes: int
+    bases: Int64s, tables: Int64s, ids: Sequence[int], num_blocks: int, block_bytes: int
 ) -> tuple[int, int]:
     """The checksum accumulator of blocks ``ids`` (IndexError outside ``[0, num_blocks)``) of every region at
     ``bases`` in turn, from their landing ``tables`` where a block landed whole in hashed pieces, else read where it
@@ -694,10 +694,10 @@ def landed_blocks(
     n = len(bases)
     call(
         lib.pdkv_landed_blocks,
-        bases if isinstance(bases, ctypes.Array) else int64s(bases),
-        tables if isinstance(tables, ctypes.Array) else int64s(tables),
+        bases,
+        tables,
         n,
-        (_i64 * len(ids))(*ids),
+        int64s(ids),
         len(ids),
         num_blocks,
         block_bytes,
@@ -808,6 +808,11 @@ def _native_for(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> bool:
     return device.type == "cuda" and available() and _cuda_state()[0] is not None
 
 
+def switched_off(var: str) -> bool:
+    """Whether the environment turns ``var`` off (0, false, off, no): how every native path's switch reads."""
+    return os.environ.get(var, "1").strip().lower() in ("0", "false", "off", "no")
+
+
 def _state() -> tuple[ctypes.CDLL | None, str | None]:
     """(library, None) or (None, why not); loads once per process unless disabled.
 
@@ -815,9 +820,8 @@ def _state() -> tuple[ctypes.CDLL | None, str | None]:
     even after the library was loaded.
     """
     global _loaded
-    setting = os.environ.get(ENV_VAR, "1")
-    if setting.strip().lower() in ("0", "false", "off", "no"):
-        return None, f"disabled by {ENV_VAR}={setting}"
+    if switched_off(ENV_VAR):
+        return None, f"disabled by {ENV_VAR}={os.environ[ENV_VAR]}"
     if _loaded is None:
         with _lock:
             if _loaded is None:

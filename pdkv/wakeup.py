@@ -43,6 +43,12 @@ class Waker:
             except BlockingIOError:
                 pass
 
+    def __del__(self) -> None:
+        # the owner never closed it: one whose construction failed after making it (a channel that found no
+        # backend), which nobody can close; its pipe goes with it instead of staying open for the process's life
+        if getattr(self, "_closed", True) is False:
+            self.close()
+
     def close(self) -> None:
         """Idempotent: a second close must never close an fd number reused by someone else."""
         with self._lock:

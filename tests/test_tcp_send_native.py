@@ -99,18 +99,20 @@ def test_iovecs_go_out_whole_through_partial_sends() -> None:
     iov = np.stack([data.ctypes.data + starts, lengths], axis=1).astype(np.int64)
     a, b = socket.socketpair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 30, 0))  # a stuck send fails, never hangs
+    b.settimeout(30)
     got = bytearray()
 
     def read() -> None:
         while len(got) < len(data) and (piece := b.recv(7_000)):
             got.extend(piece)
 
-    reader = threading.Thread(target=read)
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
         assert native.send_iov(a.fileno(), iov) == (native.OK, 0)
         reader.join(30)
-        assert bytes(got) == data.tobytes()
+        assert not reader.is_alive() and bytes(got) == data.tobytes()
     finally:
         a.close()
         b.close()

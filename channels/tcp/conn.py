@@ -238,6 +238,9 @@ class Conn:
         header = unpack_header(bytearray(loop.header.raw), self.label)
         return header, loop.table.raw[: header[3] * RUN.size] if code == native.FRAME_TABLE else None
 
+    def _send_stall(self) -> TransferTimeout:
+        return TransferTimeout(f"tcp {self.label}: peer accepted no data for {self.io_timeout:.3g}s")
+
     def _cut(self, got: int, n: int) -> ProtocolError:
         return ProtocolError(f"tcp {self.label}: truncated frame, connection closed after {got} of {n} bytes")
 
@@ -299,7 +302,7 @@ class Conn:
                         bufs[i] = memoryview(bufs[i])[sent:]
                         sent = 0
         except BlockingIOError:
-            raise TransferTimeout(f"tcp {self.label}: peer accepted no data for {self.io_timeout:.3g}s") from None
+            raise self._send_stall() from None
 
     def send_iov(self, iov: np.ndarray) -> None:
         """Send the (address, length) rows in order natively (csrc/kvsend.cpp, the GIL released), as ``send`` sends
@@ -307,7 +310,7 @@ class Conn:
         code, os_error = native.send_iov(self.sock.fileno(), iov)
         self.last_progress = time.monotonic()
         if code == native.LAND_STALLED:
-            raise TransferTimeout(f"tcp {self.label}: peer accepted no data for {self.io_timeout:.3g}s")
+            raise self._send_stall()
         if code != native.OK:
             raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
 
@@ -329,7 +332,7 @@ class Conn:
                 self.sock.sendall(joined)
             self.last_progress = time.monotonic()
         except _WOULD_BLOCK:
-            raise TransferTimeout(f"tcp {self.label}: peer accepted no data for {self.io_timeout:.3g}s") from None
+            raise self._send_stall() from None
 
     def send_frame(
         self, ftype: int, xfer: int = 0, payload: bytes = b"", aux: int = 0, flags: int = 0, shares: int = 0

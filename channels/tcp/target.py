@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import socket
 import ssl
 import struct
@@ -151,9 +150,7 @@ class Target:
         # DATA frames of clear connections are served by the native loop (csrc/kvframes.cpp) where the kernels
         # load, unless FRAMES_ENV_VAR says 0: then by the Python loop, the reference it must agree with
         self.native_frames = (
-            landing is not None
-            and grants.mirror is not None
-            and os.environ.get(FRAMES_ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+            landing is not None and grants.mirror is not None and not native.switched_off(FRAMES_ENV_VAR)
         )
         self._sessions: dict[int, Session] = {}
         self._accepted: dict[Conn, threading.Thread] = {}

@@ -105,6 +105,7 @@ class _RawPair:
         args = (placement.receiver_netns, _target, there, nbytes, placement.receiver_addr, memory)
         self.proc = ctx.Process(target=run_in_netns, args=args, name="raw-nixl-target", daemon=True)
         self.proc.start()
+        there.close()  # the child's end: the parent holds only its own
         self.notified = 0
         try:
             if not self.conn.poll(STARTUP_TIMEOUT_S):
@@ -131,6 +132,7 @@ class _RawPair:
             self.agent.remove_remote_agent(self.peer)
             self.agent.deregister_memory(self.reg)
         finally:
+            del self.agent  # its UCX worker's pipes and sockets go with it, not at some later collection
             self._reap()
 
     def _reap(self) -> None:
@@ -138,6 +140,7 @@ class _RawPair:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(timeout=10)
+        self.conn.close()
 
     def lists(self, ranges: list[tuple[int, int]]) -> tuple[Any, Any]:
         """Prepared local and remote descriptor lists of (offset, length) ranges, same offsets both sides."""
