@@ -1,8 +1,10 @@
 """Shared-secret proofs: the one HMAC construction both planes use.
 
 The control plane (Hello/Auth in ``pdkv.transfer.protocol``) and the tcp channel's data
-connections (``pdkv.channels.tcp``) prove the same shared secret the same way,
-each side over a fresh nonce of its own and one of the peer's. Only the role
+connections (``pdkv.channels.tcp``) prove the same shared secret the same way:
+each side over the whole handshake transcript (both sides' fresh nonces and
+everything else either side said), so a proof vouches for exactly what it came
+with and is worth nothing to a relay that would change any of it. Only the role
 string differs, so a proof made for one role or plane is never accepted for
 another; it lives here, below both, so the channels need not import the
 control-plane protocol.
@@ -22,17 +24,17 @@ def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
-def proof(secret: bytes, role: str, first: bytes, second: bytes) -> bytes:
-    """HMAC-SHA256 proving knowledge of ``secret`` for this handshake's two nonces.
+def transcript(*messages: bytes) -> bytes:
+    """SHA-256 over a handshake's messages, each length-prefixed: what both sides' proofs are bound to.
 
-    The role is mixed in so a receiver's proof can never be replayed as a
-    sender's; fresh nonces from both sides make every proof single-use.
+    A proof over the nonces alone vouches for nothing else a Hello says, so a relay could pass the proof on
+    and swap the rest (where the KV goes); a proof over the transcript checks out only for the exact
+    messages both sides sent and saw.
     """
-    return hmac.new(secret, b"pdkv/" + role.encode() + b"/" + first + second, hashlib.sha256).digest()
-
-
-def verify(secret: bytes, role: str, first: bytes, second: bytes, given: bytes) -> bool:
-    return len(first) == len(second) == NONCE_BYTES and hmac.compare_digest(proof(secret, role, first, second), given)
+    h = hashlib.sha256(b"pdkv/transcript")
+    for m in messages:
+        h.update(len(m).to_bytes(8, "little") + m)
+    return h.digest()
 
 
 def control_token(secret: str) -> str:

@@ -41,6 +41,10 @@ class AuthError(HandshakeError):
     """A peer did not prove the shared secret: it has another one, none, or sent no proof where one is required."""
 
 
+class NoticeForged(ProtocolError):
+    """A chunk notification without a valid session tag, where a shared secret requires one."""
+
+
 class ChannelError(PdkvError):
     """A transfer channel failed: bad descriptor, unknown peer, dead connection."""
 

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from pdkv.auth import NONCE_BYTES, proof
+from pdkv.auth import NONCE_BYTES, PROOF_BYTES
 from pdkv.channels import TransferOp, XferState, create_channel
 from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
 from pdkv.channels.tcp import options as tcp_options
@@ -706,9 +706,19 @@ def test_a_replayed_proof_is_refused(guarded: Guarded) -> None:
     nonce = b"r" * NONCE_BYTES
     with socket.create_connection(("127.0.0.1", guarded.channel.port), timeout=CALL_TIMEOUT) as sock:
         sock.sendall(_secret_hello(nonce))
-        *_, length = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
-        first = sock.recv(length, socket.MSG_WAITALL)[:NONCE_BYTES]
-        seen = proof(KEY.encode(), wire.INITIATOR_ROLE, first, nonce)  # what a legitimate peer sent on that connection
+        *_, instance, _, length = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
+        ok = sock.recv(length, socket.MSG_WAITALL)
+        said = wire.HandshakeTranscript(
+            session=99,
+            stream=0,
+            token=b"",
+            initiator=b"evil",
+            initiator_nonce=nonce,
+            target=ok[NONCE_BYTES + PROOF_BYTES :],
+            instance=instance,
+            target_nonce=ok[:NONCE_BYTES],
+        )
+        seen = said.proof(KEY.encode(), wire.INITIATOR_ROLE)  # what a legitimate peer sent on that connection
     before = guarded.channel.stats().get("auth_failures", 0)
 
     frames = _attack(

@@ -13,7 +13,7 @@ import pytest
 import torch
 import zmq
 
-from pdkv.auth import bound_proof, message_tag, new_nonce, proof, session_key, verify
+from pdkv.auth import bound_proof, message_tag, new_nonce, session_key, verify_bound
 from pdkv.blocks import BlockAllocator
 from pdkv.channels.mock import MockChannel
 from pdkv.checksum import read_back_shared
@@ -669,7 +669,7 @@ def test_peer_with_a_forged_proof_is_refused(make_pair: MakePair) -> None:
     """A raw DEALER speaking the protocol, with a made-up proof, gets no reservation."""
     pair = make_pair(secrets=("", "s3cret"))
     with raw_peer(pair) as (sock, hello, reply):
-        assert verify(b"s3cret", "receiver", hello.nonce, reply.nonce, reply.auth)
+        assert verify_bound(b"s3cret", "receiver", protocol.hello_transcript(hello, reply), reply.auth)
         sock.send(protocol.encode(protocol.Auth(b"\0" * 32)))
         sock.send(protocol.encode(protocol.Reserve("forged", 16)))
         answers = answers_to(sock, 2)
@@ -684,15 +684,16 @@ def test_reserve_proof_binds_the_prompt_key_to_the_authenticated_peer(make_pair:
     (even tagged with the session's key: the proof, not the tag, binds the prompt key)."""
     pair = make_pair(secrets=("s3cret", "s3cret"))
     with raw_peer(pair) as (sock, hello, reply):
-        sock.send(protocol.encode(protocol.Auth(proof(b"s3cret", "sender", reply.nonce, hello.nonce))))
-        key = session_key(b"s3cret", reply.nonce + hello.nonce)
+        session = protocol.hello_transcript(hello, reply)
+        sock.send(protocol.encode(protocol.Auth(bound_proof(b"s3cret", "sender", session))))
+        key = session_key(b"s3cret", session)
 
         def send(msg: protocol.Message) -> None:
             data = protocol.encode(msg)
             sock.send_multipart([data, message_tag(key, "sender", data)])
 
         honest = protocol.Reserve("honest", 16, b"A" * 16)
-        honest.proof = bound_proof(b"s3cret", "reserve", reply.nonce + hello.nonce, *protocol.reserve_fields(honest))
+        honest.proof = bound_proof(b"s3cret", "reserve", session, *protocol.reserve_fields(honest))
         forged = msgspec.structs.replace(
             honest, transfer_id="forged", prompt_key=b"B" * 16
         )  # the proof of another Reserve

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pdkv.auth import NONCE_BYTES, PROOF_BYTES, new_nonce, proof, verify
+from pdkv.auth import NONCE_BYTES, PROOF_BYTES, new_nonce
 from pdkv.channels.handle import TransferHandle, XferState
 from pdkv.channels.tcp.conn import IO_ERRORS, SHUTDOWN_JOIN_S, Conn, PeerClosed, idle_deadline, set_buffers, shutdown
 from pdkv.channels.tcp.options import TcpOptions
@@ -53,6 +53,7 @@ from pdkv.channels.tcp.wire import (
     READ_DATA,
     SECRET,
     TARGET_ROLE,
+    HandshakeTranscript,
     Meta,
     no_extras,
     pack,
@@ -204,14 +205,24 @@ class Link:
             challenge = NONCE_BYTES + PROOF_BYTES if flags & SECRET else 0
             payload = conn.recv_payload(length, challenge + MAX_NAME_BYTES, "HELLO_OK")
             if secret:
-                theirs, given = payload[:NONCE_BYTES], payload[NONCE_BYTES:challenge]
-                if not challenge or not verify(secret, TARGET_ROLE, nonce, theirs, given):
+                said = HandshakeTranscript(
+                    session=self.session,
+                    stream=index,
+                    token=self.token,
+                    initiator=self.initiator.agent.name.encode(),
+                    initiator_nonce=nonce,
+                    target=payload[challenge:],
+                    instance=instance,
+                    target_nonce=payload[:NONCE_BYTES],
+                )
+                if not challenge or not said.verify(secret, TARGET_ROLE, payload[NONCE_BYTES:challenge]):
                     self.initiator.agent.count("auth_failures")
                     raise ChannelError(
-                        f"tcp: {self.where} did not prove the shared secret (it has another `secret`, or none); "
-                        "nothing is sent to it"
+                        f"tcp: {self.where} did not prove the shared secret over this handshake (it has another "
+                        "`secret`, or none, or something on the path changed what either side said); nothing is sent "
+                        "to it"
                     )
-                conn.send_frame(AUTH, payload=proof(secret, INITIATOR_ROLE, theirs, nonce))
+                conn.send_frame(AUTH, payload=said.proof(secret, INITIATOR_ROLE))
             elif challenge:
                 raise ProtocolError(f"tcp: {self.where} proved a shared secret nobody asked for (this agent has none)")
             name = payload[challenge:].decode(errors="replace")

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 
 from pdkv import native
-from pdkv.auth import NONCE_BYTES, PROOF_BYTES, new_nonce, proof, verify
+from pdkv.auth import NONCE_BYTES, PROOF_BYTES, new_nonce
 from pdkv.channels.grants import Grants
 from pdkv.channels.inbox import NotificationInbox
 from pdkv.channels.landing import LandingSums, Snapshot
@@ -58,6 +58,7 @@ from pdkv.channels.tcp.wire import (
     RUN,
     SECRET,
     TARGET_ROLE,
+    HandshakeTranscript,
     Header,
     no_extras,
     pack,
@@ -275,7 +276,7 @@ class Target:
         frame of it but AUTH has been read.
         """
         deadline = idle_deadline(self.agent.opts.connect_timeout, f"handshake on {conn.label}")
-        ftype, flags, shares, _, nlen, sid, _, length = conn.recv_header(deadline)
+        ftype, flags, shares, index, nlen, sid, _, length = conn.recv_header(deadline)
         if ftype != HELLO:
             raise ProtocolError(
                 f"tcp {conn.label}: expected HELLO first, got frame type {FRAME_NAMES.get(ftype, ftype)}"
@@ -309,7 +310,17 @@ class Target:
                 "sides)"
             )
         if self.agent.secret:
-            self._check_proof(conn, theirs, deadline)
+            said = HandshakeTranscript(
+                session=sid,
+                stream=index,
+                token=token,
+                initiator=name,
+                initiator_nonce=theirs,
+                target=self.agent.name.encode(),
+                instance=self.agent.instance,
+                target_nonce=new_nonce(),
+            )
+            self._check_proof(conn, said, deadline)
         else:
             conn.send_frame(HELLO_OK, self.agent.instance, self.agent.name.encode())
         with self._lock:
@@ -321,13 +332,13 @@ class Target:
             session.conns.add(conn)
         return session
 
-    def _check_proof(self, conn: Conn, theirs: bytes, deadline: Callable[[], None]) -> None:
-        """Prove the secret over both nonces, then read the peer's proof: the one frame read before it checks out."""
-        ours = new_nonce()
+    def _check_proof(self, conn: Conn, said: HandshakeTranscript, deadline: Callable[[], None]) -> None:
+        """Prove the secret over the handshake's transcript, then read the peer's proof over the same: the one frame
+        read before it checks out."""
         conn.send_frame(
             HELLO_OK,
             self.agent.instance,
-            ours + proof(self.agent.secret, TARGET_ROLE, theirs, ours) + self.agent.name.encode(),
+            said.target_nonce + said.proof(self.agent.secret, TARGET_ROLE) + self.agent.name.encode(),
             flags=SECRET,
         )
         try:
@@ -345,7 +356,7 @@ class Target:
                 "shared secret was due"
             )
         no_extras(conn.label, ftype, flags, shares, nlen)
-        if not verify(self.agent.secret, INITIATOR_ROLE, ours, theirs, conn.recv_payload(length, PROOF_BYTES, "proof")):
+        if not said.verify(self.agent.secret, INITIATOR_ROLE, conn.recv_payload(length, PROOF_BYTES, "proof")):
             raise AuthError(
                 f"tcp {conn.label}: the peer failed to prove the shared secret (set the same `secret` on both sides)"
             )

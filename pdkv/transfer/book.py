@@ -16,6 +16,7 @@ from pdkv.channels.grants import Range
 from pdkv.channels.handle import Notification
 from pdkv.errors import (
     ChecksumError,
+    NoticeForged,
     PromptMismatchError,
     ProtocolError,
     TransferCancelled,
@@ -197,7 +198,9 @@ class IncomingBook:
         The pass decodes every notice first and hashes its direct chunks together (``hash_direct``), then lands
         them one by one in the order they arrived."""
         began, self.admitting_ns = time.perf_counter_ns(), 0  # host time per chunk (hosttime.py): to Landed sent
-        notices = [(n.peer, notice) for n in self.channel.get_notifications() if (notice := self.decode(n)) is not None]
+        notifs = self.channel.get_notifications()
+        keys = self.notice_keys({n.peer for n in notifs})
+        notices = [(n.peer, notice) for n in notifs if (notice := self.decode(n, keys)) is not None]
         hashed = self.hash_direct(notices)
         landed: dict[str, tuple[bytes, list[int]]] = {}
         for i, (peer, notice) in enumerate(notices):
@@ -213,14 +216,27 @@ class IncomingBook:
                 self.parts.host.add("chunk", spent // chunks)
         self.pools.send_refills()
 
-    def decode(self, notif: Notification) -> ChunkNotice | None:
-        """A notification's notice, or None (counted and logged) where it is malformed."""
+    def notice_keys(self, agents: set[str]) -> dict[str, list[bytes]] | None:
+        """With a secret, the session keys a notice from each of ``agents`` may be tagged with (those of its admitted
+        sessions); None without one."""
+        if not self.parts.secret:
+            return None
+        with self.lock:
+            peers = list(self.parts.peers.values())
+        return {agent: [p.session_key for p in peers if p.agent == agent and p.session_key] for agent in agents}
+
+    def decode(self, notif: Notification, keys: dict[str, list[bytes]] | None) -> ChunkNotice | None:
+        """A notification's notice, or None (counted and logged) where it is malformed or, with a secret, not tagged
+        under the key of a session its sender proved (``protocol.open_notice``)."""
         try:
-            return protocol.decode_notice(notif.payload)
+            return protocol.open_notice(notif.payload, None if keys is None else keys[notif.peer])
+        except NoticeForged as exc:
+            self.counters["forged_notices"] += 1
+            log.warning("dropping notification from %r: %s", notif.peer, exc)
         except ProtocolError as exc:
             self.counters["malformed_notices"] += 1
             log.warning("dropping notification from %r: %s", notif.peer, exc)
-            return None
+        return None
 
     def hash_direct(self, notices: list[tuple[str, ChunkNotice]]) -> dict[int, int]:
         """The landed checksums of a pass's direct chunks, read together: one ``blocks_checksums`` call a memory (on

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from pdkv.auth import bound_proof, new_nonce, proof, session_key, verify, verify_bound
+from pdkv.auth import bound_proof, new_nonce, session_key, verify_bound
 from pdkv.errors import HandshakeError, PdkvError, TransferError, TransferTimeout
 from pdkv.layout import HeadWindow
 from pdkv.transfer import protocol
@@ -51,10 +51,10 @@ def signed_reserve(
     codec: str,
     heads: HeadWindow | None = None,
 ) -> Reserve:
-    """A Reserve for ``peer``; with a secret, its proof bound to the handshake's nonces (``reserving_peer``)."""
+    """A Reserve for ``peer``; with a secret, its proof bound to the handshake's transcript (``reserving_peer``)."""
     msg = Reserve(transfer_id, num_tokens, prompt_key, codec=codec, heads=heads)
-    if secret and peer.hello is not None:
-        msg.proof = bound_proof(secret, "reserve", peer.hello.nonce + peer.nonce, *reserve_fields(msg))
+    if secret and peer.session:
+        msg.proof = bound_proof(secret, "reserve", peer.session, *reserve_fields(msg))
     return msg
 
 
@@ -64,6 +64,9 @@ class SenderHandshake:
     def __init__(self, parts: SenderParts) -> None:
         self.parts = parts
         self.peers = parts.peers
+        # agent name -> the live peer whose handshake put that name's entry in the channel (under ``parts.cond``): the
+        # channel keys its peers by agent name, so the entry is that session's, and goes or is handed on with it
+        self.installed: dict[str, ReceiverPeer] = {}
 
     def connect(self, address: str) -> ReceiverPeer:
         """The receiver at ``address``, handshaken (control and data path) within handshake_timeout_s."""
@@ -74,8 +77,8 @@ class SenderHandshake:
                 # the agent name for the receiver's logs, then what nobody can guess (``control``, "Sessions")
                 ident = f"{parts.channel.agent_name}/{secrets.token_hex(_ROUTING_ID_HEX // 2)}".encode()
                 peer = self.peers[address] = ReceiverPeer(address=address, identity=ident)
-                hello = msgspec.structs.replace(parts.greeting.hello(), nonce=peer.nonce, data_token=peer.token)
-                parts.outbox.send(peer, hello)
+                peer.sent = msgspec.structs.replace(parts.greeting.hello(), nonce=peer.nonce, data_token=peer.token)
+                parts.outbox.send(peer, peer.sent)
         timeout = parts.config.handshake_timeout_s
         try:
             hello = peer.hello_future.result(timeout)
@@ -89,10 +92,35 @@ class SenderHandshake:
         if not peer.agent:
             with parts.cond:
                 if not peer.agent:
+                    try:
+                        self._claim(peer, hello)
+                    except HandshakeError as exc:
+                        self.drop(peer, str(exc))
+                        raise
                     self._retire_previous_run(peer, hello)
                     peer.agent = parts.channel.add_peer(hello.channel_metadata)
+                    self.installed[peer.agent] = peer
         parts.channel.connect(peer.agent, timeout, peer.token)  # the data path too: an unreachable one fails here
         return peer
+
+    def _claim(self, peer: ReceiverPeer, hello: Hello) -> None:
+        """Refuse a handshake that would re-point a name under a live session (caller holds the lock).
+
+        The channel reaches a receiver by its agent name, so ``add_peer`` with another address for a name that a live
+        session at another control address installed would move that session's links, and every transfer on them, to
+        wherever this Hello says. A receiver that really moved ends its old session first (its control connection
+        drops and ``lost`` forgets it); until then, a second claim of its name is a relay or a misconfiguration.
+        """
+        holder = self.installed.get(hello.agent)
+        if holder is None or holder is peer or holder.dropped or holder.hello is None:
+            return
+        if holder.hello.channel_metadata != hello.channel_metadata:
+            self.parts.counters["handshake_failures"] += 1
+            raise HandshakeError(
+                f"receiver {peer.address} names agent {hello.agent!r} with another data address, and that agent is "
+                f"reachable at {holder.address} in a live session: its links are not re-pointed (a relay between us, "
+                "or two receivers with one agent name)"
+            )
 
     def _retire_previous_run(self, peer: ReceiverPeer, hello: Hello) -> None:
         """Fail transfers reserved on an earlier run of the receiver ``hello`` comes from (caller holds the lock).
@@ -158,12 +186,29 @@ class SenderHandshake:
                 if xfer.peer is peer:
                     xfer.fail(err)
             waiting = [peer.hello_future, *(fut for owner, fut in parts.asking.values() if owner is peer)]
-            last_of_agent = peer.agent and not any(p.agent == peer.agent for p in self.peers.values())
-        if last_of_agent:
-            parts.channel.remove_peer(peer.agent)  # its link goes too: a write still in flight to it fails now
+            successor = self._hand_on(peer) if peer.agent and self.installed.get(peer.agent) is peer else None
+        if successor is not None:  # outside the lock, as a write still in flight to it fails now
+            if successor:
+                parts.channel.add_peer(successor)
+            else:
+                parts.channel.remove_peer(peer.agent)
         for fut in waiting:
             answer(fut, err)
         parts.outbox.close_peer(peer)
+
+    def _hand_on(self, peer: ReceiverPeer) -> bytes | None:
+        """``peer``'s session ends and its agent's channel entry with it (caller holds the lock): handed on to another
+        live session with that agent, else removed, so no write is ever dialled to an address whose session is gone.
+
+        Returns what the caller does to the channel: ``b""``, remove the entry; metadata, point the entry back at
+        the heir's address (``peer``'s differed); None, nothing (the heir's is the same)."""
+        heir = next((p for p in self.peers.values() if p.agent == peer.agent and p.hello is not None), None)
+        if heir is None:
+            del self.installed[peer.agent]
+            return b""
+        self.installed[peer.agent] = heir
+        assert peer.hello is not None and heir.hello is not None  # both handshaken: each has an agent
+        return heir.hello.channel_metadata if heir.hello.channel_metadata != peer.hello.channel_metadata else None
 
     def on_hello(self, peer: ReceiverPeer, msg: Hello) -> None:
         """The receiver's Hello (I/O thread): check it, prove our secret, let ``connect`` go on."""
@@ -176,18 +221,20 @@ class SenderHandshake:
                     f"{', '.join(msg.codecs) or 'none'} "
                     "(install the codec's extra there, or set the same transfer.codec on both sides)"
                 )
-            if parts.secret and not verify(parts.secret, "receiver", peer.nonce, msg.nonce, msg.auth):
+            session = protocol.hello_transcript(peer.sent, msg) if parts.secret and peer.sent is not None else b""
+            if parts.secret and not verify_bound(parts.secret, "receiver", session, msg.auth):
                 parts.counters["auth_failures"] += 1
                 raise HandshakeError(
-                    f"receiver {peer.address} did not prove the shared secret (missing or different `secret`)"
+                    f"receiver {peer.address} did not prove the shared secret over this handshake (missing or "
+                    "different `secret`, or something between us changed what either side said)"
                 )
         except HandshakeError as exc:
             parts.counters["handshake_failures"] += 1
             answer(peer.hello_future, exc)
             return
         if parts.secret:  # queued before anyone can queue a Reserve: the receiver sees it first
-            peer.session_key = session_key(parts.secret, msg.nonce + peer.nonce)
-            parts.outbox.send(peer, Auth(proof(parts.secret, "sender", msg.nonce, peer.nonce)))
+            peer.session, peer.session_key = session, session_key(parts.secret, session)
+            parts.outbox.send(peer, Auth(bound_proof(parts.secret, "sender", session)))
         peer.hello = msg
         answer(peer.hello_future, msg)
 
@@ -254,15 +301,15 @@ class ReceiverHandshake:
                 parts.outbox.reply(identity, ours)
                 self.admitted.admitted(identity, hello.data_token)
             return
-        # with a secret: prove ours now, admit the peer once it proves its own (Auth)
-        nonce = new_nonce()
+        # with a secret: prove ours now, over both Hellos whole, so the proof vouches for this exchange alone (a relay
+        # that changes either Hello gets a proof no sender accepts); admit the peer once it proves its own (Auth)
+        reply = msgspec.structs.replace(ours, nonce=new_nonce())
+        session = protocol.hello_transcript(hello, reply)
         if len(self.unproven) >= parts.config.max_reservations:
             self.unproven.pop(next(iter(self.unproven)))
-        self.unproven[identity] = (hello, nonce)
-        parts.outbox.reply(
-            identity,
-            msgspec.structs.replace(ours, nonce=nonce, auth=proof(parts.secret, "receiver", hello.nonce, nonce)),
-        )
+        self.unproven[identity] = (hello, session)
+        proven = msgspec.structs.replace(reply, auth=bound_proof(parts.secret, "receiver", session))
+        parts.outbox.reply(identity, proven)
 
     def on_auth(self, identity: bytes, msg: Auth) -> None:
         parts = self.parts
@@ -270,14 +317,14 @@ class ReceiverHandshake:
         if pending is None or not parts.secret:
             parts.outbox.reply(identity, protocol.Error("unexpected Auth: send Hello first"))
             return
-        hello, nonce = pending
-        if not verify(parts.secret, "sender", nonce, hello.nonce, msg.proof):
+        hello, session = pending
+        if not verify_bound(parts.secret, "sender", session, msg.proof):
             parts.counters["auth_failures"] += 1
             log.warning("peer %r failed authentication (wrong or missing shared secret)", hello.agent)
             self.unproven[identity] = pending  # its Reserves are refused as unauthenticated
             parts.outbox.reply(identity, protocol.Error("authentication failed: the shared secret does not match"))
             return
-        if self._admit(identity, hello, nonce + hello.nonce):
+        if self._admit(identity, hello, session):
             self.admitted.admitted(identity, hello.data_token)
 
     def _admit(self, identity: bytes, hello: Hello, session: bytes) -> bool:

@@ -319,7 +319,7 @@ class OutgoingTransfer:
             notice = ChunkNotice(self.transfer_id, index, digest, remote_slot, wire if staging else 0)
             if self.claim is not None:  # one chunk: the receiver admits the transfer as this notice arrives
                 notice.reserve, notice.pool = self.claim.reserve, self.claim.generation
-            notice_bytes = protocol.encode(notice)
+            notice_bytes = protocol.seal_notice(notice, self.peer.session_key)
             channel, to, token = ctx.parts.channel, self.peer.agent, self.peer.token
             handle = (
                 channel.write(to, ops, notice_bytes, token=token)

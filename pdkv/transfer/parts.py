@@ -94,5 +94,5 @@ class ReceiverParts:
     memory: ReceiveMemory  # where chunks land, and its regions in the channel
     allocator: BlockAllocator  # shared with the decode engine
     peers: dict[bytes, SenderPeer]  # admitted senders by routing identity (``handshake.ReceiverHandshake``)
-    unproven: dict[bytes, tuple[Hello, bytes]]  # with a secret: identity -> (its Hello, our nonce) until it proves it
+    unproven: dict[bytes, tuple[Hello, bytes]]  # with a secret: identity -> (Hello, transcript) till it proves it
     host: HostTimes = field(default_factory=HostTimes)  # host time per chunk and per request (hosttime.py)

@@ -72,6 +72,7 @@ class ReceiverPeer:
 
     address: str
     identity: bytes
+    sent: Hello | None = None  # the Hello we sent it: half of the transcript the handshake's proofs cover
     hello: Hello | None = None
     agent: str = ""
     dropped: str = ""  # why it was forgotten; once set, its socket is closed for good and messages to it discarded
@@ -80,7 +81,8 @@ class ReceiverPeer:
     hello_future: Future[Hello] = field(default_factory=Future)
     pool: Pool | None = None  # blocks it granted us ahead, unused yet (pool.py, README.md here, "Pools")
     pool_renewed: float = 0.0  # when an answered heartbeat last renewed the pool's lease (or it arrived)
-    session_key: bytes = b""  # with a secret, once its Hello proved it: what our messages to it are tagged with
+    session: bytes = b""  # with a secret, once its Hello proved it: the handshake's transcript (Reserve proofs bind it)
+    session_key: bytes = b""  # with a secret, once its Hello proved it: what our messages and notices are tagged with
     beats: Beats = field(default_factory=Beats)  # heartbeats it has not answered yet
 
 
@@ -91,6 +93,6 @@ class SenderPeer:
     agent: str
     layout: KVLayout
     token: bytes  # its data connections' capability: its reservations are granted to it
-    session: bytes = b""  # both handshake nonces (with a secret): what its Reserves' proofs are bound to
+    session: bytes = b""  # the handshake's transcript (with a secret): what its Reserves' proofs are bound to
     session_key: bytes = b""  # with a secret: what its control messages are tagged with (``control``, "Sessions")
     kv_reached: bool = True  # its channel registered its KV (an empty kv_regions in its Hello: not, so staging only)

@@ -16,7 +16,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from pdkv.errors import HandshakeError, ProtocolError
+from pdkv.auth import PROOF_BYTES, message_tag, transcript, verify_tag
+from pdkv.errors import HandshakeError, NoticeForged, ProtocolError
 from pdkv.layout import HeadWindow, KVLayout
 
 # 4: the id of a transfer is ``transfer_id`` on the wire (it was ``request_id``, the HTTP request's name), and a
@@ -29,7 +30,9 @@ from pdkv.layout import HeadWindow, KVLayout
 # hit): the sender pushes only the rest. A peer of 7 would push every chunk into the blocks granted past the hit.
 # 9: peers may hold different numbers of KV heads; a ``Reserve`` names the receiver's window of them (``heads``). A
 # peer of 8 would refuse the Hello of a tensor-parallel rank of another size, or write all its heads into ours.
-PROTOCOL_VERSION = 9
+# 10: the handshake's proofs are bound to its transcript (``hello_transcript``: both Hellos whole), and with a secret a
+# chunk notice carries a tag under the session key (``seal_notice``). A peer of 9 proves only the nonces.
+PROTOCOL_VERSION = 10
 
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_ID_LEN = 256
@@ -66,7 +69,7 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
 
 
 class Auth(msgspec.Struct, tag="auth", forbid_unknown_fields=True):
-    """The sender's proof of the shared secret, over both nonces (sent after the receiver's Hello)."""
+    """The sender's proof of the shared secret, over the handshake's transcript (sent after the receiver's Hello)."""
 
     proof: Annotated[bytes, Meta(max_length=64)]
 
@@ -270,6 +273,44 @@ def decode_notice(data: bytes) -> ChunkNotice:
         raise ProtocolError(f"malformed chunk notification: {exc}") from None
 
 
+_NOTICE = "notice"  # the tag's direction: a notice only ever goes from sender to receiver
+
+
+def seal_notice(notice: ChunkNotice, key: bytes) -> bytes:
+    """A notice's bytes, followed (with a session key) by their tag under it.
+
+    The notice vouches for the chunk (its checksum) and names where it counts (transfer id, index, the
+    pooled Reserve): on the data connection, untagged, whoever sits on the path could rewrite the KV and its
+    checksum together. Tagged, only the peer that proved the secret in this session can have written it.
+    """
+    data = _encoder.encode(notice)
+    return data + message_tag(key, _NOTICE, data) if key else data
+
+
+def open_notice(data: bytes, keys: list[bytes] | None) -> ChunkNotice:
+    """The notice in a notification; ``keys``: the session keys of the peers it may come from (None: no secret,
+    nothing to check). A notice without a tag under one of them raises ``NoticeForged``."""
+    if keys is None:
+        return decode_notice(data)
+    body, tag = data[:-PROOF_BYTES], data[-PROOF_BYTES:]
+    if len(data) <= PROOF_BYTES or not any(verify_tag(key, _NOTICE, body, tag) for key in keys):
+        raise NoticeForged(
+            "chunk notification without a valid session tag: not written by a peer that proved the shared secret in a "
+            "live session (a relay on the path, or a sender whose session ended)"
+        )
+    return decode_notice(body)
+
+
+def hello_transcript(sender: Hello, receiver: Hello) -> bytes:
+    """What both proofs of a handshake cover: the sender's Hello and the receiver's, whole but for the proofs.
+
+    Agent, channel metadata (where the KV goes), layout, data token and both nonces: a relay that changes any
+    of it leaves the two sides with different transcripts, and no proof checks out across them. Each side
+    hashes the Hellos as it sent and decoded them; msgspec encodes a struct the same way on both.
+    """
+    return transcript(*(_encoder.encode(msgspec.structs.replace(h, auth=b"")) for h in (sender, receiver)))
+
+
 def make_hello(
     *,
     agent: str,
@@ -326,6 +367,9 @@ __all__ = [
     "check_compatible",
     "decode",
     "decode_notice",
+    "hello_transcript",
+    "open_notice",
+    "seal_notice",
     "encode",
     "needs_session",
 ]

@@ -1,0 +1,153 @@
+"""A relay between a prefill and a decode worker, as an attacker on the workers' network without the secret runs one.
+
+It takes the prefill's control connection (a ROUTER where the prefill dials), passes every message on to the real
+decode worker unchanged under the prefill's own routing id, and passes the answers back, but for one change: the
+decode worker's Hello comes back with its tcp data address pointed at the relay, which forwards each data connection
+to the real one byte for byte and counts what went through. The tests hold pdkv to what this must never get: a
+handshake accepted, or one byte of anybody's KV through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+
+import msgspec
+import zmq
+
+from pdkv.channels.tcp.wire import decode_meta
+from pdkv.errors import ProtocolError
+from pdkv.transfer import protocol
+
+_POLL_MS = 50
+_PIECE = 1 << 16
+
+
+class Relay:
+    """``address``: where a sender dials to reach ``receiver`` (a decode worker's control address) through us."""
+
+    def __init__(self, receiver: str, timeout: float = 10.0) -> None:
+        self.receiver, self.timeout = receiver, timeout
+        self.ctx = zmq.Context()
+        self.front = self.ctx.socket(zmq.ROUTER)
+        self.front.setsockopt(zmq.LINGER, 0)
+        self.address = f"tcp://127.0.0.1:{self.front.bind_to_random_port('tcp://127.0.0.1')}"
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(_POLL_MS / 1000)
+        self.hellos_rewritten = 0
+        self.data_connections = 0
+        self.data_bytes = 0  # what senders wrote through us on data connections
+        self._lock = threading.Lock()
+        self._target: tuple[str, int] | None = None  # the real data address, from the receiver's Hello
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._control, name="relay-control", daemon=True),
+            threading.Thread(target=self._accept, name="relay-data", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _control(self) -> None:
+        backs: dict[bytes, zmq.Socket] = {}
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(_POLL_MS):
+                    if sock is self.front:
+                        identity, *frames = self.front.recv_multipart()
+                        back = backs.get(identity)
+                        if back is None:
+                            back = backs[identity] = self.ctx.socket(zmq.DEALER)
+                            back.setsockopt(zmq.LINGER, 0)
+                            back.setsockopt(zmq.ROUTING_ID, identity)  # the receiver sees the sender's own id
+                            back.connect(self.receiver)
+                            poller.register(back, zmq.POLLIN)
+                        back.send_multipart(frames)
+                    else:
+                        identity = next(i for i, b in backs.items() if b is sock)
+                        self.front.send_multipart([identity, *self._rewrite(sock.recv_multipart())])
+        finally:
+            for back in backs.values():
+                back.close(0)
+            self.front.close(0)
+
+    def _rewrite(self, frames: list[bytes]) -> list[bytes]:
+        """The receiver's Hello with its data address made ours; everything else as it came."""
+        try:
+            msg = protocol.decode(frames[0])
+        except ProtocolError:
+            return frames
+        if not isinstance(msg, protocol.Hello):
+            return frames
+        real = decode_meta(msg.channel_metadata)
+        with self._lock:
+            self._target = (real.host, real.port)
+        ours = msgspec.structs.replace(real, host="127.0.0.1", port=self.listener.getsockname()[1])
+        self.hellos_rewritten += 1
+        forged = msgspec.structs.replace(msg, channel_metadata=msgspec.msgpack.encode(ours))
+        return [protocol.encode(forged), *frames[1:]]
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with self._lock:
+                target = self._target
+            if target is None:
+                conn.close()
+                continue
+            self.data_connections += 1
+            threading.Thread(target=self._pipe_pair, args=(conn, target), daemon=True).start()
+
+    def _pipe_pair(self, conn: socket.socket, target: tuple[str, int]) -> None:
+        with contextlib.closing(conn), socket.create_connection(target, timeout=self.timeout) as up:
+            back = threading.Thread(target=self._pump, args=(up, conn, False), daemon=True)
+            back.start()
+            self._pump(conn, up, True)
+            back.join(self.timeout)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
+        src.settimeout(_POLL_MS / 1000)
+        while not self._stop.is_set():
+            try:
+                data = src.recv(_PIECE)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            if count:
+                with self._lock:
+                    self.data_bytes += len(data)
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        """Leave: the control connections and every data connection through us close."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(self.timeout)
+        self.listener.close()
+        self.ctx.term()
+
+
+@contextlib.contextmanager
+def relay(receiver: str) -> Iterator[Relay]:
+    r = Relay(receiver)
+    try:
+        yield r
+    finally:
+        r.close()
+
