@@ -150,4 +150,3 @@ def relay(receiver: str) -> Iterator[Relay]:
         yield r
     finally:
         r.close()
-
