@@ -35,6 +35,7 @@ from pdkv.channels.tcp.initiator import _split
 from pdkv.channels.tcp.wire import HEADER, LAST, MAGIC, NOTIF_FOLLOWS, SECRET, VERSION
 from pdkv.config import convert_config
 from pdkv.errors import ChannelError, ConfigError
+from pdkv.testing.relay import ByteRelay
 
 from tests.conftest import wait_until
 
@@ -782,6 +783,39 @@ def test_a_peer_without_the_right_secret_fails_with_a_clear_error_and_lands_noth
             1 if ours and theirs else 0
         )  # it checked the target's proof
     finally:
+        initiator.close()
+        target.close()
+
+
+# where in the first bytes of a data connection (its HELLO) a relay on the path would change what it says
+HELLO_FIELDS = {"session": 16, "stream": 8, "token": HEADER.size + NONCE_BYTES}
+
+
+@pytest.mark.parametrize("field", list(HELLO_FIELDS))
+def test_a_hello_rewritten_on_the_path_gets_no_connection(field: str) -> None:
+    """Both data-plane proofs cover the whole handshake (session, stream, token, both names, instance, nonces): a relay
+    that changes what the initiator said, and passes the rest on, gets a proof the initiator refuses, and nothing
+    lands."""
+
+    def flip(first: bytes) -> bytes:
+        at = HELLO_FIELDS[field]
+        return first[:at] + bytes([first[at] ^ 1]) + first[at + 1 :]
+
+    target = TcpChannel("target", TcpOptions(io_timeout=5, secret=KEY))
+    initiator = TcpChannel("friend", TcpOptions(io_timeout=5, secret=KEY))
+    dst = bytearray(REGION)
+    target.register(dst)
+    meta = wire.decode_meta(target.metadata())
+    relay = ByteRelay((meta.host, meta.port), rewrite=flip)
+    try:
+        region = initiator.register(bytearray(pattern(70, REGION)))
+        initiator.add_peer(msgspec.msgpack.encode(msgspec.structs.replace(meta, port=relay.port)))
+        with pytest.raises(ChannelError, match="did not prove the shared secret over this handshake"):
+            initiator.write("target", [TransferOp(region, 0, 0, 0, REGION)], notif=b"no")
+        assert relay.connections >= 1 and initiator.stats()["auth_failures"] >= 1
+        assert dst == bytearray(REGION) and target.get_notifications() == []
+    finally:
+        relay.close()
         initiator.close()
         target.close()
 

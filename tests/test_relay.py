@@ -116,7 +116,7 @@ def test_a_relay_gets_no_handshake_and_no_kv_before_or_after_it_leaves(stack: St
             sender.handshake.connect(r.address)  # what a push target naming the relay made P do
         assert r.hellos_rewritten == 1  # it did sit in the middle: D answered it, and it rewrote the answer
         assert stack.victim() == expected
-        assert r.data_bytes == 0 and r.data_connections == 0
+        assert r.data.bytes == 0 and r.data.connections == 0
     if stack.prefill.config.secret:
         assert "did not prove the shared secret over this handshake" in str(refused.value)
         assert sender.stats()["auth_failures"] == 1

@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import msgspec
 import pytest
@@ -704,6 +705,53 @@ def test_reserve_proof_binds_the_prompt_key_to_the_authenticated_peer(make_pair:
     assert isinstance(answers[0], protocol.Refused) and "proof" in answers[0].reason
     assert isinstance(answers[1], protocol.Reserved) and answers[1].transfer_id == "honest"
     assert pair.receiver.stats()["auth_failures"] == 1
+
+
+# what a relay between the two might change in either Hello: where the KV goes, whose it is, how it is laid out
+SWAPS: dict[str, dict[str, Any]] = {
+    "channel_metadata": {"channel_metadata": b"elsewhere"},
+    "agent": {"agent": "impostor"},
+    "data_token": {"data_token": b"X" * 16},
+    "nonce": {"nonce": b"N" * 16},
+    "kv_regions": {"kv_regions": [7]},
+    "codecs": {"codecs": ["none", "fp8"]},
+}
+
+
+@pytest.mark.parametrize("side", ["sender", "receiver"])
+@pytest.mark.parametrize("field", list(SWAPS))
+def test_the_receivers_proof_vouches_for_both_hellos_whole(make_pair: MakePair, side: str, field: str) -> None:
+    """D's proof holds for the exact pair of Hellos it answered: with any field of either swapped it proves nothing,
+    so a relay can neither rewrite D's data address for P nor use D as an oracle for a Hello of its own."""
+    pair = make_pair(secrets=("", "s3cret"))
+    with raw_peer(pair) as (_, hello, reply):
+        assert verify_bound(b"s3cret", "receiver", protocol.hello_transcript(hello, reply), reply.auth)
+        if side == "sender":
+            hello = msgspec.structs.replace(hello, **SWAPS[field])
+        else:
+            reply = msgspec.structs.replace(reply, **SWAPS[field])
+        assert not verify_bound(b"s3cret", "receiver", protocol.hello_transcript(hello, reply), reply.auth)
+
+
+def test_a_notice_not_tagged_under_the_session_key_lands_nothing(make_pair: MakePair) -> None:
+    """With a secret, a chunk's notice (its checksum, transfer id and index) counts only under the session's tag: one
+    written with another key, as a relay on the data path would have to, is dropped and counted, and the request
+    never completes on it."""
+    pair = make_pair(secrets=("s3cret", "s3cret"))
+    blocks = push(pair, "tagged", 40, list(range(3)))  # the session works, tags and all
+    pair.allocator.free(blocks)
+    xfer = pair.sender.open("forged", pair.receiver.address, 40, list(range(3)))
+    honest = xfer.peer.session_key
+    xfer.peer.session_key = bytes(32)  # what anyone without the secret can tag with
+    try:
+        xfer.send_all()
+        wait_until(lambda: pair.receiver.stats().get("forged_notices", 0) == 2, 10, "D to drop both notices")
+    finally:
+        xfer.peer.session_key = honest
+    xfer.cancel("test over")
+    stats = pair.receiver.stats()
+    assert stats["chunks_landed"] == 2  # the first request's, none of this one's
+    assert stats.get("transfers_ready", 0) == 1 and stats.get("malformed_notices", 0) == 0
 
 
 def test_receiver_restart_on_the_same_address_is_rehandshaked(make_pair: MakePair) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import msgspec
 import zmq
@@ -34,20 +34,11 @@ class Relay:
         self.front = self.ctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.LINGER, 0)
         self.address = f"tcp://127.0.0.1:{self.front.bind_to_random_port('tcp://127.0.0.1')}"
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.listener.settimeout(_POLL_MS / 1000)
+        self.data = ByteRelay(timeout=timeout)  # its target: the real data address, from the receiver's Hello
         self.hellos_rewritten = 0
-        self.data_connections = 0
-        self.data_bytes = 0  # what senders wrote through us on data connections
-        self._lock = threading.Lock()
-        self._target: tuple[str, int] | None = None  # the real data address, from the receiver's Hello
         self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._control, name="relay-control", daemon=True),
-            threading.Thread(target=self._accept, name="relay-data", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._thread = threading.Thread(target=self._control, name="relay-control", daemon=True)
+        self._thread.start()
 
     def _control(self) -> None:
         backs: dict[bytes, zmq.Socket] = {}
@@ -83,12 +74,40 @@ class Relay:
         if not isinstance(msg, protocol.Hello):
             return frames
         real = decode_meta(msg.channel_metadata)
-        with self._lock:
-            self._target = (real.host, real.port)
-        ours = msgspec.structs.replace(real, host="127.0.0.1", port=self.listener.getsockname()[1])
+        self.data.target = (real.host, real.port)
+        ours = msgspec.structs.replace(real, host="127.0.0.1", port=self.data.port)
         self.hellos_rewritten += 1
         forged = msgspec.structs.replace(msg, channel_metadata=msgspec.msgpack.encode(ours))
         return [protocol.encode(forged), *frames[1:]]
+
+    def close(self) -> None:
+        """Leave: the control connections and every data connection through us close."""
+        self._stop.set()
+        self._thread.join(self.timeout)
+        self.data.close()
+        self.ctx.term()
+
+
+class ByteRelay:
+    """A tcp forwarder to ``target`` (set once known): counts what the dialling side wrote, and may rewrite the first
+    piece each dialling connection sends (``rewrite``), as one on the path rewrites a handshake."""
+
+    def __init__(
+        self,
+        target: tuple[str, int] | None = None,
+        rewrite: Callable[[bytes], bytes] | None = None,
+        timeout: float = 10.0,
+    ) -> None:
+        self.target, self.rewrite, self.timeout = target, rewrite, timeout
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(_POLL_MS / 1000)
+        self.port: int = self.listener.getsockname()[1]
+        self.connections = 0
+        self.bytes = 0  # what dialling sides wrote through us
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="relay-data", daemon=True)
+        self._thread.start()
 
     def _accept(self) -> None:
         while not self._stop.is_set():
@@ -98,13 +117,11 @@ class Relay:
                 continue
             except OSError:
                 return
-            with self._lock:
-                target = self._target
-            if target is None:
+            if self.target is None:
                 conn.close()
                 continue
-            self.data_connections += 1
-            threading.Thread(target=self._pipe_pair, args=(conn, target), daemon=True).start()
+            self.connections += 1
+            threading.Thread(target=self._pipe_pair, args=(conn, self.target), daemon=True).start()
 
     def _pipe_pair(self, conn: socket.socket, target: tuple[str, int]) -> None:
         with contextlib.closing(conn), socket.create_connection(target, timeout=self.timeout) as up:
@@ -113,8 +130,11 @@ class Relay:
             self._pump(conn, up, True)
             back.join(self.timeout)
 
-    def _pump(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, forward: bool) -> None:
+        """Copy ``src`` to ``dst`` until either ends; ``forward`` (the dialling side's bytes): counted, and the first
+        piece rewritten."""
         src.settimeout(_POLL_MS / 1000)
+        first = forward and self.rewrite is not None
         while not self._stop.is_set():
             try:
                 data = src.recv(_PIECE)
@@ -124,9 +144,11 @@ class Relay:
                 break
             if not data:
                 break
-            if count:
+            if forward:
                 with self._lock:
-                    self.data_bytes += len(data)
+                    self.bytes += len(data)
+            if first and self.rewrite is not None:
+                data, first = self.rewrite(data), False
             try:
                 dst.sendall(data)
             except OSError:
@@ -135,12 +157,9 @@ class Relay:
             dst.shutdown(socket.SHUT_WR)
 
     def close(self) -> None:
-        """Leave: the control connections and every data connection through us close."""
         self._stop.set()
-        for t in self._threads:
-            t.join(self.timeout)
+        self._thread.join(self.timeout)
         self.listener.close()
-        self.ctx.term()
 
 
 @contextlib.contextmanager
