@@ -48,7 +48,7 @@ def control_token(secret: str) -> str:
 
 
 def bound_proof(secret: bytes, role: str, session: bytes, *fields: bytes) -> bytes:
-    """HMAC-SHA256 over a handshake's ``session`` (both nonces) and ``fields``, each length-prefixed.
+    """HMAC-SHA256 over a handshake's ``session`` (its transcript) and ``fields``, each length-prefixed.
 
     What a message asserts after the handshake (a Reserve's prompt key) is
     bound to the peer that proved the secret in that handshake: a proof made
@@ -65,7 +65,7 @@ def verify_bound(secret: bytes, role: str, session: bytes, given: bytes, *fields
 
 
 def session_key(secret: bytes, session: bytes) -> bytes:
-    """The key that tags one control-plane session's messages (``session``: both handshake nonces).
+    """The key that tags one session's control messages and chunk notices (``session``: the handshake's transcript).
 
     Derived per session, so a tag made in one session (or for the other direction, see ``message_tag``)
     never checks out in another, and the secret itself never keys a per-message MAC.

@@ -188,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="tcp: also the transfer over the channel with mutual TLS, in the same rounds (TLS/clear ratio per row)",
     )
+    tr.add_argument(
+        "--secret",
+        action="store_true",
+        help="also a pair sharing a secret (proven handshakes, tagged messages and notices), in the same rounds",
+    )
     tr.add_argument("--json", action="store_true", help="print one JSON object")
     tr.set_defaults(target="pdkv.bench.transfer:run")
     fr = bsub.add_parser(

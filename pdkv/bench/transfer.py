@@ -65,7 +65,9 @@ GB/s over the same scenario's with the KV in host memory.
 ``--tls`` (tcp only) runs one more sender/receiver pair (KV in host memory)
 whose channel has mutual TLS (certificates of a CA made for the run) in the
 same rounds: each ``cpu`` row adds ``tls_gbps``, ``tls_p50_ms`` and
-``tls_ratio`` (TLS / clear pdkv).
+``tls_ratio`` (TLS / clear pdkv). ``--secret`` likewise runs a pair that
+shares a secret (every handshake proven, every control message and chunk
+notice tagged): ``secret_gbps``, ``secret_p50_ms``, ``secret_ratio``.
 
 ``--link RATE`` puts the receiver on a second host of ``pdkv.bench.netrig``
 across a veth pair shaped to RATE (its control plane and channel on that
@@ -131,6 +133,7 @@ ONE_THREAD = 1
 SCENARIOS: list[tuple[int, int]] = [(40, 1), (256, 1), (2048, 1), (256, 16), (2048, 4)]
 ROUNDS = 5
 TIMEOUT_S = 60.0
+SECRET = "bench-transfer-secret"  # --secret: what both sides of that pair share
 DEVICES = ("cpu", "emulated", "cuda")
 HOST_SIDES = ("prefill", "decode")  # the sides of host_us_per_chunk and host_us_per_request
 
@@ -209,6 +212,7 @@ def _receiver_side(
             FINGERPRINT,
             msgspec.structs.replace(config, announce_timeout_s=TIMEOUT_S),
             host=host,
+            secret=extra.get("secret", ""),
         )
     except Exception as exc:  # noqa: BLE001 - reported to the sender, which raises it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -258,7 +262,8 @@ class TransferRig:
         device: str = "cpu",
         extra: tuple[dict[str, Any], dict[str, Any]] = ({}, {}),
     ) -> None:
-        """``extra``: the sender's and the receiver's channel options beyond the bench's (``--tls``)."""
+        """``extra``: the sender's and the receiver's channel options beyond the bench's (``--tls``; a ``secret`` there
+        is the sender's and receiver's too, ``--secret``)."""
         from pdkv.transfer.sender import KVSender
 
         if device not in DEVICES:
@@ -281,7 +286,9 @@ class TransferRig:
                 [torch.randn(t.shape, generator=gen).to(t.dtype) for t in sender_layout.allocate(sender_blocks)], device
             )
             self.allocator = BlockAllocator(sender_blocks)
-            self.sender = KVSender(self.channel, sender_layout, self.kv, FINGERPRINT, config)
+            self.sender = KVSender(
+                self.channel, sender_layout, self.kv, FINGERPRINT, config, secret=extra[0].get("secret", "")
+            )
             _, self.address = _recv(self.conn, "the receiver's address")
         except BaseException:
             self._peer.__exit__(None, None, None)
@@ -401,10 +408,10 @@ def _measure_mode(
     baseline_class: Callable[..., Any],
     placement: Placement,
     devices: tuple[str, ...],
-    tls: bool = False,
+    also: tuple[str, ...] = (),
 ) -> list[dict[str, Any]]:
-    """Every scenario of one mode, one receiver process per device (and one over TLS), the baseline and each rig's
-    rounds alternating.
+    """Every scenario of one mode, one receiver process per device (and one per variant: over TLS, with a secret),
+    the baseline and each rig's rounds alternating.
 
     Alternating the devices within each round (rather than one device's scenarios after the other's) puts
     them under the same load on a shared machine, so ``vs_host`` compares like with like.
@@ -418,9 +425,10 @@ def _measure_mode(
     with contextlib.ExitStack() as stack:
         # name -> (where the KV lives, extra channel options); made in reverse and warmed at once: each receiver
         # waits for its next command only so long (TIMEOUT_S), so the first rig measured is the last one made
-        specs = {device: (device, ({}, {})) for device in devices} | (
-            {"tls": ("cpu", tls_options(stack, channel))} if tls else {}
-        )
+        specs = {device: (device, ({}, {})) for device in devices} | {
+            v: ("cpu", tls_options(stack, channel) if v == "tls" else ({"secret": SECRET}, {"secret": SECRET}))
+            for v in also
+        }
         rigs: dict[str, TransferRig] = {}
         for name, (device, extra) in reversed(specs.items()):
             rigs[name] = stack.enter_context(
@@ -486,13 +494,15 @@ def _measure_mode(
                     },
                     "cpu_us_per_chunk": {side: 1e6 * t / chunks for side, t in meters[device].spent.items()},
                 }
-                if tls and device == "cpu":
-                    tls_gbps = sc.nbytes / statistics.median(times["tls"]) / 1e9
+                for v in also if device == "cpu" else ():
+                    v_gbps = sc.nbytes / statistics.median(times[v]) / 1e9
                     row.update(
-                        tls_gbps=tls_gbps,
-                        tls_ratio=tls_gbps / gbps,
-                        tls_p50_ms=1e3 * _percentile(latencies["tls"], 0.5),
-                        tls_cpu_s_per_gb=meters["tls"].per_gb(),
+                        {
+                            f"{v}_gbps": v_gbps,
+                            f"{v}_ratio": v_gbps / gbps,
+                            f"{v}_p50_ms": 1e3 * _percentile(latencies[v], 0.5),
+                            f"{v}_cpu_s_per_gb": meters[v].per_gb(),
+                        }
                     )
                 rows.append(row)
     return rows
@@ -506,6 +516,7 @@ def measure(
     placement: Placement = LOOPBACK,
     devices: tuple[str, ...] = ("cpu",),
     tls: bool = False,
+    secret: bool = False,
 ) -> dict[str, Any]:
     """The result object of ``pdkv bench transfer --json``."""
     torch.set_num_threads(ONE_THREAD)
@@ -526,12 +537,22 @@ def measure(
             f"bench transfer --tls: only the tcp channel has TLS, beside a --device cpu row (got {channel!r}, "
             f"{', '.join(devices)})"
         )
+    if secret and "cpu" not in devices:
+        raise ConfigError(f"bench transfer --secret: measured beside a --device cpu row (got {', '.join(devices)})")
+    also = (("tls",) if tls else ()) + (("secret",) if secret else ())
     baseline = _load(BASELINES[channel])
     rows = []
     for mode in modes:
         rows.extend(
             _measure_mode(
-                channel, mode, [Scenario(mode, t, r) for t, r in scenarios], repeats, baseline, placement, devices, tls
+                channel,
+                mode,
+                [Scenario(mode, t, r) for t, r in scenarios],
+                repeats,
+                baseline,
+                placement,
+                devices,
+                also,
             )
         )
     host = {(r["mode"], r["tokens"], r["requests"]): r["gbps"] for r in rows if r["device"] == "cpu"}
@@ -557,6 +578,7 @@ def measure(
             "staging_receiver": msgspec.to_builtins(STAGING_LAYOUT),
         },
         "tls": tls,
+        "secret": secret,
         "results": rows,
     }
 
@@ -577,7 +599,8 @@ def _table(out: dict[str, Any]) -> str:
         f"{'device':>8} {'mode':>8} {'path':>22} {'tokens':>6} {'reqs':>4} {'MB':>8} {'GB/s':>7} {'base':>7} "
         f"{'via':>9} {'ratio':>6} {'vs host':>7} {'p50 ms':>8} {'p99 ms':>8} {'base ms':>8} {'CPU s/GB':>11} "
         f"{'base CPU':>11} {'host us/chunk':>13} {'host us/req':>13} {'CPU us/chunk':>13}"
-        + (f" {'TLS GB/s':>8} {'TLS p50':>8} TLS/clear" if out["tls"] else ""),
+        + (f" {'TLS GB/s':>8} {'TLS p50':>8} TLS/clear" if out["tls"] else "")
+        + (f" {'sec GB/s':>8} {'sec p50':>8} secret/none" if out.get("secret") else ""),
     ]
     for r in out["results"]:
         vs_host = f"{r['vs_host']:7.2f}" if "vs_host" in r else f"{'':>7}"
@@ -589,6 +612,11 @@ def _table(out: dict[str, Any]) -> str:
             f"{_host_pair(r['host_us_per_chunk']):>13} {_host_pair(r['host_us_per_request']):>13} "
             f"{_us_pair(r['cpu_us_per_chunk']):>13}"
             + (f" {r['tls_gbps']:8.3f} {r['tls_p50_ms']:8.2f} {r['tls_ratio']:9.2f}" if "tls_gbps" in r else "")
+            + (
+                f" {r['secret_gbps']:8.3f} {r['secret_p50_ms']:8.2f} {r['secret_ratio']:11.2f}"
+                if "secret_gbps" in r
+                else ""
+            )
         )
     return "\n".join(lines)
 
@@ -631,6 +659,7 @@ def run(args: argparse.Namespace) -> int:
             placement,
             devices,
             args.tls,
+            args.secret,
         )
     print(json.dumps(out) if args.json else _table(out))
     if getattr(args, "plot", None):

@@ -82,7 +82,7 @@ class Reserve(msgspec.Struct, tag="reserve", forbid_unknown_fields=True):
     decode side adopts the KV only for a prompt with the same key, so KV is
     bound to the prompt it was computed from, not to what a client claims.
     With a shared secret, ``proof`` binds it (and the request) to the peer that
-    proved the secret at Hello (``pdkv.auth.bound_proof`` over both nonces).
+    proved the secret at Hello (``pdkv.auth.bound_proof`` over the handshake's transcript).
     """
 
     transfer_id: TransferId
