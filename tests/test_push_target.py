@@ -31,14 +31,14 @@ from pdkv.worker.server import Worker
 from tests.test_http_input import HTTP_LIMITS, PROMPT, SECRET, Loop, serve, worker
 
 HANDSHAKE_TIMEOUT_S = 2.0  # how long P waits on a silent receiver: the tests wait that out, so short
-DIAL_WAIT_S = 0.5  # how long after P answered a dial it made would still be looked for
+DIAL_WAIT_S = 0.5  # how long, once P answered, a test still looks for a dial it made (P dials before it answers)
 
 
 @dataclass
 class Stack:
     loop: Loop
     decode: Worker
-    listed: int  # the one receiver port the allowlisted prefill worker may push to
+    listed: HeldPort  # the one receiver port the allowlisted prefill worker may push to
     urls: dict[str, str]  # prefill (secret), decode, router, allowlisted (no secret, allowed_receivers)
 
 
@@ -46,7 +46,7 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     model = write_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
     transfer = {"chunk_size": 32, "transfer_timeout_s": 30, "handshake_timeout_s": HANDSHAKE_TIMEOUT_S}
-    listed = HeldPort()  # a port no test listens on unless it says so; held, so nothing else takes it meanwhile
+    listed = HeldPort()  # held (bound, not listening) so nothing else takes it; a Listener may still bind it
     workers = {
         "prefill": worker(model, "prefill", transfer=transfer),
         "decode": worker(model, "decode"),
@@ -68,10 +68,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     router = loop.run(Router.start(router_config.router, convert_config({"http": HTTP_LIMITS}).http, SECRET))
     r, urls["router"] = loop.run(serve(router.app(), HTTP_LIMITS))
     runners.append(r)
-    listed.release()
     try:
-        yield Stack(loop, workers["decode"], listed.port, urls)
+        yield Stack(loop, workers["decode"], listed, urls)
     finally:
+        listed.release()
         for r in reversed(runners):
             loop.run(r.cleanup())
         loop.run(router.close())
@@ -83,14 +83,8 @@ def receiver(stack: Stack) -> tuple[str, int]:
     return info["remote_host"], info["remote_port"]
 
 
-def target(port: int, transfer_id: str, **extra: Any) -> dict[str, Any]:
-    return {
-        "do_remote_decode": True,
-        "remote_host": "127.0.0.1",
-        "remote_port": port,
-        "transfer_id": transfer_id,
-        **extra,
-    }
+def target(port: int, transfer_id: str) -> dict[str, Any]:
+    return {"do_remote_decode": True, "remote_host": "127.0.0.1", "remote_port": port, "transfer_id": transfer_id}
 
 
 def prefill(url: str, params: dict[str, Any]) -> tuple[int, Any]:
@@ -144,7 +138,7 @@ def test_a_tampered_or_foreign_signature_is_refused_and_nothing_is_dialled(stack
     proof = signed["push_proof"]
     for params in (
         {**signed, "remote_port": listener.port},  # the router's signature, another port
-        {**signed, "remote_host": "127.0.0.1", "remote_port": listener.port, "transfer_id": "other"},
+        {**signed, "remote_port": listener.port, "transfer_id": "other"},  # and another transfer
         {**signed, "push_proof": proof[:-1] + ("0" if proof[-1] != "0" else "1")},  # one digit changed
         {**signed, "push_proof": "ä" * 64},  # not even hex
         {**signed, "codec": "zstd"},  # the signature covers the codec too
@@ -200,7 +194,7 @@ def test_the_allowlist_refuses_an_unlisted_receiver_without_a_secret(stack: Stac
         status, answer = prefill(stack.urls["allowlisted"], params)
         assert_refused(status, answer, "is not one of this prefill worker's transfer.allowed_receivers")
     assert not listener.dialled(), "P dialled a receiver its operator did not list"
-    listed = Listener(stack.listed)  # the listed one is dialled (no secret: no signature wanted)
+    listed = Listener(stack.listed.port)  # the listed one is dialled (no secret: no signature wanted)
     try:
         status, answer = prefill(stack.urls["allowlisted"], target(listed.port, "listed"))
         assert status == 200 and answer["kv_transfer_params"]["transfer_started"] is False, answer
