@@ -26,7 +26,8 @@ and D on core 1, as tests/test_vllm_tp_integration.py binds them; ``VP`` is the 
         ensure_default_model as e; print(w(__import__('pathlib').Path('/tmp/tiny-nixl'), e()))")
     ARGS="--enforce-eager --max-model-len 1024 --max-num-seqs 8 --dtype float32"
     # pdkv: a secret shared by P and D (prefill.yaml: "secret: S"; decode.yaml: the same plus
-    # "transfer: {transfer_timeout_s: 60}"); router.yaml: "router: {health_timeout_s: 15, health_failures: 3}"
+    # "transfer: {transfer_timeout_s: 60}"); router.yaml: the same secret (P pushes only where the router signs)
+    # plus "router: {health_timeout_s: 15, health_failures: 3}"
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=1 $VP -m pdkv.cli launch --role decode --engine vllm \
         --model $M --port 8200 --config decode.yaml -- $ARGS --tensor-parallel-size 1
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND="0|0" $VP -m pdkv.cli launch --role prefill --engine vllm \

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from collections.abc import Sequence
 
 NONCE_BYTES = 16
 PROOF_BYTES = hashlib.sha256().digest_size
@@ -81,3 +82,19 @@ def message_tag(key: bytes, direction: str, data: bytes) -> bytes:
 
 def verify_tag(key: bytes, direction: str, data: bytes, given: bytes) -> bool:
     return hmac.compare_digest(message_tag(key, direction, data), given)
+
+
+def push_target_proof(secret: str, transfer_id: str, host: str, ports: Sequence[int], codec: str) -> str:
+    """The router's signature (hex) over the push target it hands a prefill worker: the transfer, the receiver's
+    host, every port P may dial there and the codec.
+
+    A prefill worker pushes only to a target signed with the secret it shares with the router, so whoever else
+    reaches its HTTP port cannot make it dial an address of their choosing (a port scanner, or a relay of theirs).
+    """
+    fields = (transfer_id, host, ",".join(map(str, ports)), codec)
+    return bound_proof(secret.encode(), "push-target", b"", *(f.encode("utf-8", "surrogatepass") for f in fields)).hex()
+
+
+def verify_push_target(secret: str, given: str, transfer_id: str, host: str, ports: Sequence[int], codec: str) -> bool:
+    expected = push_target_proof(secret, transfer_id, host, ports, codec).encode()
+    return hmac.compare_digest(expected, given.encode("utf-8", "replace"))  # bytes: ``given`` may be any text

@@ -23,7 +23,7 @@ from pdkv.channels import channel_class
 from pdkv.codec import CODEC_NAME_PATTERN, codec_class
 from pdkv.errors import ConfigError
 from pdkv.keys import DEFAULT_CHUNK_SIZE
-from pdkv.netaddr import is_wildcard
+from pdkv.netaddr import is_wildcard, receiver_entry
 from pdkv.plugins import class_path, convert_options, load_class, shown
 
 Positive = Annotated[int, Meta(ge=1)]
@@ -76,6 +76,10 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True):
     # How staged chunks are encoded on the wire (pdkv/codec): none, zstd (exact) or a lossy one. A request with a
     # codec always goes in staging mode (direct block writes stay raw); the receiver must offer it at Hello.
     codec: Annotated[str, Meta(pattern=CODEC_NAME_PATTERN)] = "none"
+    # A prefill worker pushes only to these decode receivers, each "host" (any port) or "host:port" ("[v6]:port"):
+    # whatever a request names, signed by the router or not. Hosts are compared as written (an IP literal in its
+    # canonical form, a name never resolved). Empty: any receiver (with a `secret`: any the router signs).
+    allowed_receivers: Annotated[list[str], Meta(max_length=4096)] = msgspec.field(default_factory=list)
 
     def late_write_hold(self, fences_writes: bool) -> float:
         """How long memory a sender may still write into waits, without its word, before it is reused: what
@@ -83,6 +87,11 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True):
         return self.drain_timeout_s if fences_writes else max(self.drain_timeout_s, self.unfenced_quarantine_s)
 
     def __post_init__(self) -> None:
+        for entry in self.allowed_receivers:
+            try:
+                receiver_entry(entry)
+            except ValueError as exc:
+                raise ValueError(f"transfer.allowed_receivers: {exc}") from None
         if self.codec != "none":  # none needs nothing loaded (a router reads this section too, and never loads codecs)
             codec_class(self.codec)  # an optional codec whose extra is not installed fails here, naming the extra
 

@@ -122,3 +122,32 @@ class HeldPort:
 def zmq_address(host: str, port: int | str) -> str:
     """A ZeroMQ tcp endpoint; an IPv6 literal goes in brackets (``tcp://[::1]:5555``), as ZeroMQ wants it."""
     return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
+
+
+def host_key(host: str) -> str:
+    """``host`` as addresses compare: an IP address in its canonical form (``::1`` for ``0:0::1``), brackets of an
+    IPv6 literal dropped; a name lowercased (names are compared as written, never resolved)."""
+    bare = host.strip("[]")
+    try:
+        return str(ipaddress.ip_address(bare))
+    except ValueError:
+        return bare.lower()
+
+
+def receiver_entry(entry: str) -> tuple[str, int | None]:
+    """An ``allowed_receivers`` entry, ``host`` or ``host:port`` (an IPv6 literal with a port in brackets,
+    ``[::1]:5555``), as ``(host_key(host), port or None)``; ``ValueError`` saying what is wrong."""
+    host, port = entry, None
+    if entry.startswith("["):
+        close = entry.find("]")
+        host, rest = entry[: close + 1], entry[close + 1 :]
+        if close < 0 or (rest and not rest.startswith(":")):
+            raise ValueError(f"{entry!r} is not host, host:port or [IPv6]:port")
+        port = rest[1:] if rest else None
+    elif entry.count(":") == 1:  # more than one: a bare IPv6 literal, no port
+        host, port = entry.split(":")
+    if not host.strip("[]") or any(c.isspace() or c in "/@" for c in host):
+        raise ValueError(f"{entry!r} names no host")
+    if port is not None and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"{entry!r}: the port must be a number from 1 to 65535")
+    return host_key(host), None if port is None else int(port)

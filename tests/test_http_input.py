@@ -31,6 +31,7 @@ from pdkv.http.web import runner
 from pdkv.router.app import Router
 from pdkv.testing.http import metric, request
 from pdkv.testing.model import write_tiny_model
+from pdkv.transfer.params import sign_push
 from pdkv.worker.server import Worker
 
 from tests.conftest import wait_until
@@ -352,7 +353,7 @@ def test_worker_control_endpoints_want_the_secrets_token(stack: Stack) -> None:
     def prefill(tid: str) -> bool:
         status, answer = post(
             stack.urls["prefill"] + "/v1/completions",
-            {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": {**kv, "transfer_id": tid}},
+            {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": sign_push({**kv, "transfer_id": tid}, SECRET)},
         )
         assert status == 200
         stack.decode.receiver.cancel(tid, "test cleanup")  # type: ignore[union-attr]

@@ -29,7 +29,7 @@ from pdkv.router.modes import decode_body, prefill_body
 from pdkv.router.policy import LeastLoaded, PrefixAware, RoundRobin, describe_prompt
 from pdkv.router.pool import WorkerState
 from pdkv.testing.http import metric
-from pdkv.transfer.params import push_target
+from pdkv.transfer.params import PushGuard, push_target
 
 Behavior = Callable[["FakeWorker", web.Request, dict[str, Any]], Awaitable[web.StreamResponse]]
 
@@ -469,7 +469,7 @@ def test_vllm_pair_mode_speaks_vllms_kv_transfer_params() -> None:
         async with cluster([p], [d], mode="vllm") as (url, router):
             status, _ = await post(url + "/v1/completions", {"prompt": "tell me", "max_tokens": 3})
             assert status == 200 and p.requests[0]["kv_transfer_params"]["remote_ports"] == [7, 9]
-            assert push_target(p.requests[0]["kv_transfer_params"], "r").addresses == [  # type: ignore[union-attr]
+            assert push_target(p.requests[0]["kv_transfer_params"], "r", PushGuard()).addresses == [  # type: ignore[union-attr]
                 "tcp://127.0.0.1:7",
                 "tcp://127.0.0.1:9",
             ]

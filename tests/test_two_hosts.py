@@ -40,6 +40,8 @@ from pdkv.netaddr import free_port
 from pdkv.testing.http import get_text, metric
 from pdkv.testing.model import single_thread, write_tiny_model
 from pdkv.testing.procs import WorkerProcess
+from pdkv.transfer.params import sign_push
+from pdkv.worker.prefill import NOT_OPENED
 from pdkv.worker.server import warn_if_data_plane_local
 
 from tests.conftest import wait_until
@@ -310,13 +312,16 @@ def test_router_across_the_link_is_token_identical_and_moves_all_kv(
 def test_kv_digests_equal_across_the_link(pd: Deployment) -> None:
     """The router's two hops by hand, asking both sides for per-layer digests of the prompt's KV."""
     info = json.loads(get_text(pd.decode.url + "/pdkv/info"))
-    kv = {
-        "do_remote_decode": True,
-        "remote_host": info["remote_host"],
-        "remote_port": info["remote_port"],
-        "transfer_id": "digest-1",
-        "return_kv_digest": True,
-    }
+    kv = sign_push(
+        {
+            "do_remote_decode": True,
+            "remote_host": info["remote_host"],
+            "remote_port": info["remote_port"],
+            "transfer_id": "digest-1",
+            "return_kv_digest": True,
+        },
+        SECRET,
+    )
     status, p = post(pd.prefill.url + "/v1/completions", greedy(LONG, max_tokens=1, kv_transfer_params=kv))
     assert status == 200 and p["kv_transfer_params"]["transfer_started"], p
     status, d = post(
@@ -570,10 +575,10 @@ def test_an_unreachable_data_plane_is_reported_at_handshake_not_hidden(
 ) -> None:
     """The failure of the issue: D's channel explicitly left on 127.0.0.1 while it serves host b.
 
-    P's handshake opens the data path, finds it unreachable, warns and counts
-    it once, and every request fails its transfer at once (the second without
-    trying again: no second probe) with an error that names the address, and
-    is recomputed, right.
+    P's handshake opens the data path, finds it unreachable, warns (naming the
+    address in its log) and counts it once, and every request fails its
+    transfer at once (the second without trying again: no second probe), the
+    caller told only that it could not be opened, and is recomputed, right.
     """
     cfg = write_config(tmp_path / "d.yaml", model, options={"host": "127.0.0.1"})
     link = tcp_pd.link
@@ -587,13 +592,12 @@ def test_an_unreachable_data_plane_is_reported_at_handshake_not_hidden(
         for i in range(2):
             status, p = post(
                 tcp_pd.prefill.url + "/v1/completions",
-                greedy(SHORT, max_tokens=1, kv_transfer_params={**kv, "transfer_id": f"unreachable-{i}"}),
+                greedy(
+                    SHORT, max_tokens=1, kv_transfer_params=sign_push({**kv, "transfer_id": f"unreachable-{i}"}, SECRET)
+                ),
             )
             assert status == 200 and p["kv_transfer_params"]["transfer_started"] is False, p
-            assert (
-                "unreachable" in p["kv_transfer_params"]["transfer_error"]
-                and "127.0.0.1" in p["kv_transfer_params"]["transfer_error"]
-            )
+            assert p["kv_transfer_params"]["transfer_error"] == NOT_OPENED  # what listens where: only in P's log
             status, d = post(decode.url + "/v1/completions", greedy(SHORT, kv_transfer_params=p["kv_transfer_params"]))
             assert status == 200 and d["choices"][0]["token_ids"] == expected[len(SHORT)]
         after = metrics(tcp_pd.prefill)

@@ -39,7 +39,7 @@ from pdkv.memory import emulate_device
 from pdkv.tier.base import HEADER_BYTES, leading
 from pdkv.transfer.gauges import GAUGES
 from pdkv.transfer.outgoing import OutgoingTransfer
-from pdkv.transfer.params import Pushed, cache_salt, prompt_key, push_target, pushed
+from pdkv.transfer.params import Pushed, PushGuard, cache_salt, prompt_key, push_target, pushed, sign_push
 
 from conftest import KV_MEMORIES, held_blocks, wait_until
 
@@ -259,17 +259,20 @@ def test_push_target_parses_what_the_router_sends() -> None:
             "transfer_id": "x",
         },
         "r",
+        PushGuard(),
     )
     assert t is not None and t.address == "tcp://127.0.0.1:5555"
     assert (
-        push_target({"do_remote_decode": True, "remote_host": "::1", "remote_port": 1, "transfer_id": "x"}, "r").address
+        push_target(
+            {"do_remote_decode": True, "remote_host": "::1", "remote_port": 1, "transfer_id": "x"}, "r", PushGuard()
+        ).address
         == "tcp://[::1]:1"
     )  # type: ignore[union-attr]
 
 
 def test_vllm_nixl_style_and_absent_params_mean_no_push() -> None:
-    assert push_target({"do_remote_decode": True, "remote_host": None, "remote_port": None}, "r") is None
-    assert push_target(None, "r") is None
+    assert push_target({"do_remote_decode": True, "remote_host": None, "remote_port": None}, "r", PushGuard()) is None
+    assert push_target(None, "r", PushGuard()) is None
     assert pushed({"do_remote_prefill": False}, "r") is None
 
 
@@ -284,7 +287,7 @@ def test_vllm_nixl_style_and_absent_params_mean_no_push() -> None:
 )
 def test_malformed_push_params_are_ignored_with_a_warning(params: dict, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
-        assert push_target(params, "req-7") is None
+        assert push_target(params, "req-7", PushGuard()) is None
     assert "req-7" in caplog.text and "malformed" in caplog.text
 
 
@@ -347,6 +350,29 @@ def test_prefill_side_ignores_requests_without_a_target_and_never_scheduled_ones
     unscheduled = request("u", [1, 2, 3], TARGET)
     s.after_alloc(unscheduled, [2], 0)
     assert s.finished(unscheduled) == (False, None)  # the worker never saw it: nothing to wait for
+
+
+def test_prefill_side_with_a_secret_pushes_only_to_targets_the_router_signed(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's P dials what the scheduler side hands its workers: a target not signed with P's secret (posted
+    straight to P's port, or changed on the way) is served without a push, and logged; a listed-only receiver
+    (``transfer.allowed_receivers``) bounds even signed ones."""
+    tp_target = {**TARGET, "remote_ports": [5555, 5556]}  # a decode vLLM at tensor parallel 2
+
+    def sends(guard: PushGuard, params: dict) -> list[list[str]]:
+        s = SchedulerSide(FP, 64, is_producer=True, is_consumer=False, guard=guard)
+        s.after_alloc(request("r1", list(range(10)), params), [7], 0)
+        return [x.addresses for x in s.build(sched_output(new=[("r1", [7], 0)], scheduled={"r1": 10})).sends]
+
+    guard = PushGuard.of("s3cret", [])
+    with caplog.at_level(logging.WARNING):
+        assert sends(guard, tp_target) == []
+        assert "push target not signed by the router" in caplog.text and "r1" in caplog.text
+        assert sends(guard, {**sign_push(tp_target, "s3cret"), "remote_ports": [5555, 6000]}) == []
+        assert sends(guard, sign_push(tp_target, "other")) == []
+    assert sends(guard, sign_push(tp_target, "s3cret")) == [["tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"]]
+    listed = PushGuard.of("s3cret", ["127.0.0.1:5555"])
+    assert sends(listed, sign_push(tp_target, "s3cret")) == []  # rank 1's receiver is not listed
+    assert sends(PushGuard.of("", ["127.0.0.1"]), tp_target) == [["tcp://127.0.0.1:5555", "tcp://127.0.0.1:5556"]]
 
 
 def test_prefill_aborted_mid_prompt_holds_blocks_but_tells_d_nothing() -> None:

@@ -48,6 +48,7 @@ from pdkv.netaddr import HeldPort
 from pdkv.testing.http import get_text, metric, post_json
 from pdkv.testing.procs import WorkerProcess, start_worker
 from pdkv.testing.redis import local_redis
+from pdkv.transfer.params import sign_push
 
 from conftest import wait_until
 
@@ -111,6 +112,7 @@ class Cluster:
     router: WorkerProcess
     redis_url: str  # a real redis-server the fixture started (pdkv.testing.redis)
     redis_namespace: str
+    secret: str  # P's, D's and the router's: a push target straight to P must carry its signature
 
 
 def _healthy(url: str) -> bool:
@@ -160,9 +162,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, vllm_env_python: str) -> I
         # the default 2 s (the tier then serves misses and D computes); these tests ask where the KV came from,
         # not how fast the tier answers
         tier = f"tier:\n  redis_url: {redis_url}\n  redis_namespace: '{namespace}'\n  redis_timeout_s: 10\n"
-        secret = (
-            f"secret: {uuid.uuid4().hex}\n"  # P and D authenticate each other, as a deployment beyond loopback must
-        )
+        shared = uuid.uuid4().hex  # P and D authenticate each other, as a deployment beyond loopback must
+        secret = f"secret: {shared}\n"
         kv_events = (
             f"kv_events: {{enable_kv_cache_events: true, endpoint: 'ipc://{tmp}/p-events', replay_endpoint: "
             f"'ipc://{tmp}/p-replay'}}\n"
@@ -171,10 +172,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, vllm_env_python: str) -> I
         (tmp / "decode.yaml").write_text(
             f"{secret}transfer:\n  transfer_timeout_s: {D_TRANSFER_TIMEOUT_S}\n  claim_timeout_s: 30\n{tier}"
         )
-        yield from _cluster(python, model, tmp, redis_url, namespace)
+        yield from _cluster(python, model, tmp, redis_url, namespace, shared)
 
 
-def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str) -> Iterator[Cluster]:
+def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str, secret: str) -> Iterator[Cluster]:
     # Held until it serves: P and D start meanwhile and pick ports of their own (pdkv.netaddr.HeldPort)
     mono_port = HeldPort("127.0.0.1")
     mono, mono_url = _start_mono(python, model, tmp / "mono.log", mono_port.port), f"http://127.0.0.1:{mono_port.port}"
@@ -210,7 +211,9 @@ def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str)
         started += [f.result() for f in (d_future, p_future) if f.exception() is None]
         decode, prefill = d_future.result(), p_future.result()
         # KV-aware: the router follows P's KV events (named in P's /pdkv/info) with the model's tokenizer
-        (tmp / "router.yaml").write_text(f"router: {{policy: prefix, tokenizer: '{model}', kv_events_check_s: 1}}\n")
+        (tmp / "router.yaml").write_text(  # the secret: P pushes only to a target the router signed with it
+            f"secret: {secret}\nrouter: {{policy: prefix, tokenizer: '{model}', kv_events_check_s: 1}}\n"
+        )
         router = start_vllm_router(tmp / "router.yaml", prefill, decode)
         started.append(router)
         deadline = time.monotonic() + 900
@@ -222,7 +225,7 @@ def _cluster(python: str, model: str, tmp: Path, redis_url: str, namespace: str)
         mono_port.release()
         for url in (mono_url, decode.url):
             post_json(url + "/collective_rpc", {"method": "pdkv_probe_start"})
-        yield Cluster(model, mono_url, prefill, decode, router, redis_url, namespace)
+        yield Cluster(model, mono_url, prefill, decode, router, redis_url, namespace, secret)
     finally:
         mono_port.release()
         for w in reversed(started):
@@ -463,12 +466,15 @@ def test_decode_recomputes_when_the_pushed_kv_never_arrives(cluster: Cluster) ->
     prompt = "A short story about a lighthouse keeper who"
     want = complete(c.mono_url, c.model, prompt)["choices"][0]["text"]
     info = json.loads(get_text(c.decode.url + "/pdkv/info"))
-    target = {
-        "do_remote_decode": True,
-        "remote_host": info["remote_host"],
-        "remote_port": info["remote_port"],
-        "transfer_id": f"real-{uuid.uuid4().hex}",
-    }
+    target = sign_push(
+        {
+            "do_remote_decode": True,
+            "remote_host": info["remote_host"],
+            "remote_port": info["remote_port"],
+            "transfer_id": f"real-{uuid.uuid4().hex}",
+        },
+        c.secret,
+    )
     params = complete(c.prefill.url, c.model, prompt, max_tokens=1, kv_transfer_params=target)["kv_transfer_params"]
     ghost = {
         **params,

@@ -123,7 +123,8 @@ def tp_cluster(tmp_path_factory: pytest.TempPathFactory, vllm_env_python: str) -
         decode, prefill, decode1, prefill1 = (f.result() for f in futures)
         # Six ranks and four engine cores on two cores slow the API servers' answers: /health once took over the
         # router's default 2 s here and the router called D down
-        (tmp / "router.yaml").write_text("router: {health_timeout_s: 15, health_failures: 3}\n")
+        # the secret: P pushes only to a target the router signed with it
+        (tmp / "router.yaml").write_text(f"{secret}router: {{health_timeout_s: 15, health_failures: 3}}\n")
         routers = []
         for p, d in ((prefill, decode), (prefill, decode1), (prefill1, decode)):
             routers.append(start_vllm_router(tmp / "router.yaml", p, d))

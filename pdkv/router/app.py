@@ -71,7 +71,7 @@ class Router:
         )
         self.tokenizer: Tokenizer | None = None
         self.policy = make_policy(config, self.kv)
-        self.mode = make_mode(config.mode)
+        self.mode = make_mode(config.mode, secret)
         self.metrics = RouterMetrics(self.pool)
         self.admin_token = config.admin_token or token
         self.tenants = Tenants.of(config, secret)

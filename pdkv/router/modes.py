@@ -11,7 +11,9 @@ must not be able to point a decode worker at someone else's transfer.
 * ``pdkv``: P pushes to D, so P is told D's receiver (``remote_host``,
   ``remote_port`` from D's ``/pdkv/info``) and a fresh ``transfer_id``; P
   answers with the params D needs (``do_remote_prefill``, ``transfer_id``,
-  ``first_token_id``, ...), passed on as they are. A
+  ``first_token_id``, ...), passed on as they are. With a ``secret``, P's
+  params carry ``push_proof``, the router's signature of the target (transfer
+  id, receiver, codec): a P with the secret pushes nowhere else. A
   transfer whose decode hop never ran is cancelled on D
   (``DELETE /pdkv/transfers/{id}``) so its reservation is freed at once,
   not when its lease runs out.
@@ -22,7 +24,8 @@ must not be able to point a decode worker at someone else's transfer.
   When D serves ``/pdkv/info`` (a vLLM started by ``pdkv launch --engine
   vllm``, whose pdkv connector has P push to D), ``remote_host`` and
   ``remote_port`` name D's receiver (``remote_ports``: one per tensor-parallel
-  rank of D, each rank of P pushing to its own) and a ``transfer_id`` is added. P
+  rank of D, each rank of P pushing to its own) and a ``transfer_id`` is added
+  (and ``push_proof``, as in ``pdkv``). P
   answers with ``do_remote_prefill`` and what its connector needs (NIXL:
   ``remote_block_ids``, ``remote_engine_id``, ...; pdkv: ``transfer_id``,
   ``num_tokens``, ``prompt_key``), which D gets exactly as P sent them.
@@ -41,7 +44,7 @@ import msgspec
 
 from pdkv.errors import UpstreamError
 from pdkv.router.pool import WorkerPool, WorkerState
-from pdkv.transfer.params import PushTo
+from pdkv.transfer.params import PushTo, sign_push
 
 # Fields a prefill hop must not carry: streaming options, and lower bounds vLLM refuses above max_tokens=1.
 _PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens")
@@ -69,9 +72,23 @@ class PairMode(abc.ABC):
 
     name: ClassVar[str]
 
+    def __init__(self, secret: str = "") -> None:
+        self.secret = secret  # signs the push target P is handed: a P with the secret pushes only where it says
+
+    async def prefill_params(
+        self, pool: WorkerPool, decode: WorkerState, transfer_id: str, codec: str | None = None
+    ) -> dict[str, Any]:
+        """What the prefill hop carries, its push target signed (``sign_push``); ``codec``: P encodes this
+        request's chunks with it (its transfer.codec). May raise ``UpstreamError`` if the decode worker cannot be
+        reached."""
+        params = await self.target(pool, decode, transfer_id)
+        if codec:
+            params["codec"] = codec
+        return sign_push(params, self.secret)
+
     @abc.abstractmethod
-    async def prefill_params(self, pool: WorkerPool, decode: WorkerState, transfer_id: str) -> dict[str, Any]:
-        """What the prefill hop carries; may raise ``UpstreamError`` if the decode worker cannot be reached."""
+    async def target(self, pool: WorkerPool, decode: WorkerState, transfer_id: str) -> dict[str, Any]:
+        """The prefill hop's params before the codec and the signature: where P pushes, if anywhere."""
 
     def decode_params(self, prefill_answer: Any) -> tuple[dict[str, Any] | None, str | None]:
         """From the prefill hop's JSON answer: the decode hop's params and, if the KV will not
@@ -89,7 +106,7 @@ class PairMode(abc.ABC):
 class PdkvMode(PairMode):
     name = "pdkv"
 
-    async def prefill_params(self, pool: WorkerPool, decode: WorkerState, transfer_id: str) -> dict[str, Any]:
+    async def target(self, pool: WorkerPool, decode: WorkerState, transfer_id: str) -> dict[str, Any]:
         info = await pool.decode_info(decode)
         return msgspec.to_builtins(PushTo(info["remote_host"], info["remote_port"], transfer_id))
 
@@ -118,7 +135,7 @@ computes the prompt and answers what D needs to pull its blocks."""
 class VllmMode(PairMode):
     name = "vllm"
 
-    async def prefill_params(self, pool: WorkerPool, decode: WorkerState, transfer_id: str) -> dict[str, Any]:
+    async def target(self, pool: WorkerPool, decode: WorkerState, transfer_id: str) -> dict[str, Any]:
         params = dict(PULL_PREFILL_PARAMS)
         try:
             info = await pool.decode_info(decode)
@@ -135,5 +152,5 @@ class VllmMode(PairMode):
         }
 
 
-def make_mode(name: str) -> PairMode:
-    return VllmMode() if name == "vllm" else PdkvMode()
+def make_mode(name: str, secret: str = "") -> PairMode:
+    return VllmMode(secret) if name == "vllm" else PdkvMode(secret)

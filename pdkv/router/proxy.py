@@ -253,10 +253,8 @@ class Proxy:
                 break
             transfer_id = f"{call.request_id}-{next(self._transfer_ids)}"
             params = await self.mode.prefill_params(
-                self.pool, decode, transfer_id
+                self.pool, decode, transfer_id, codec
             )  # an UpstreamError here is the decode worker's
-            if codec:
-                params["codec"] = codec  # P encodes this request's chunks with it (its transfer.codec)
             done = False
             try:
                 answer = await self._prefill_hop(call, prefill, params)

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 import msgspec
 from msgspec import Meta
 
-from pdkv.errors import InvalidRequestError
+from pdkv.auth import push_target_proof, verify_push_target
+from pdkv.errors import InvalidRequestError, RequestError
 from pdkv.keys import MAX_SALT_CHARS, check_salt, chunk_keys
-from pdkv.netaddr import zmq_address
+from pdkv.netaddr import host_key, receiver_entry, zmq_address
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,7 @@ class PushTo(msgspec.Struct):
 
     ``transfer_id`` names the transfer on the wire; a pdkv worker given none uses the HTTP request's id, the
     vLLM connector needs one. ``codec``: the router's per-request choice (``router.disaggregate``).
+    ``push_proof``: the router's signature of the target (``PushGuard``), wanted by a prefill worker with a secret.
     """
 
     remote_host: Host | None = None
@@ -41,6 +45,17 @@ class PushTo(msgspec.Struct):
     remote_ports: Annotated[list[Port], Meta(min_length=1, max_length=1024)] | None = None
     codec: Annotated[str, Meta(min_length=1, max_length=32)] | None = None
     return_kv_digest: bool = False  # tests: P returns per-layer digests of the prompt's KV
+    push_proof: Annotated[str, Meta(max_length=128)] | None = None
+
+    @property
+    def ports(self) -> list[int]:
+        """Every port P may dial at ``remote_host``: ``remote_port`` (0 when absent), then ``remote_ports``."""
+        return [self.remote_port or 0, *(self.remote_ports or [])]
+
+    @property
+    def signed(self) -> tuple[str, str, list[int], str]:
+        """What the router's ``push_proof`` covers: transfer id, receiver host, ports, codec ("" when absent)."""
+        return self.transfer_id or "", self.remote_host or "", self.ports, self.codec or ""
 
     @property
     def address(self) -> str | None:
@@ -58,6 +73,56 @@ class PushTo(msgspec.Struct):
             return []
         ports = self.remote_ports or ([self.remote_port] if self.remote_port is not None else [])
         return [zmq_address(self.remote_host, port) for port in ports]
+
+
+def sign_push(params: dict[str, Any], secret: str) -> dict[str, Any]:
+    """The router's prefill hop ``params`` with their ``push_proof`` (unchanged without a secret or a receiver)."""
+    target = parse(params, PushTo)
+    if not secret or target.remote_host is None:
+        return params
+    return {**params, "push_proof": push_target_proof(secret, *target.signed)}
+
+
+@dataclass(frozen=True)
+class PushGuard:
+    """Where a prefill worker pushes KV: only to a target the router signed (with a ``secret``), and only to a
+    receiver an operator listed (``transfer.allowed_receivers``, when set).
+
+    Without them whoever reaches P's HTTP port names the address P dials: P would scan ports for them, or push
+    other users' KV to a relay of theirs. ``check`` refuses before anything is dialled.
+    """
+
+    secret: str = ""
+    allowed: frozenset[tuple[str, int | None]] = frozenset()  # (host_key, port or None: any port)
+
+    @classmethod
+    def of(cls, secret: str, allowed_receivers: Sequence[str]) -> PushGuard:
+        return cls(secret, frozenset(receiver_entry(entry) for entry in allowed_receivers))
+
+    def check(self, target: PushTo) -> None:
+        """``RequestError`` (403) naming why P must not push to ``target``; nothing when it may."""
+        if self.secret and target.push_proof is None:
+            raise _refused(
+                "push target not signed by the router: kv_transfer_params carry no push_proof, and this prefill "
+                "worker has a secret: it pushes KV only to a receiver named by a router that shares it"
+            )
+        if self.secret and not verify_push_target(self.secret, target.push_proof or "", *target.signed):
+            raise _refused(
+                "push target not signed by the router: push_proof does not match the transfer_id, remote_host, "
+                "remote_port(s) and codec (changed after signing, or signed with another secret than this worker's)"
+            )
+        if self.allowed and target.remote_host is not None:
+            host = host_key(target.remote_host)
+            for port in {p for p in target.ports if p}:
+                if (host, port) not in self.allowed and (host, None) not in self.allowed:
+                    raise _refused(
+                        f"push target {target.remote_host}:{port} is not one of this prefill worker's "
+                        "transfer.allowed_receivers"
+                    )
+
+
+def _refused(why: str) -> RequestError:
+    return RequestError(why, status=403, param="kv_transfer_params")
 
 
 class FirstTokenLogprobs(msgspec.Struct, forbid_unknown_fields=True):
@@ -122,10 +187,11 @@ def _lenient(params: Any, kind: type[S], flag: str, request_id: str) -> S | None
         return None
 
 
-def push_target(params: Any, request_id: str) -> PushTo | None:
+def push_target(params: Any, request_id: str, guard: PushGuard) -> PushTo | None:
     """The vLLM connector's prefill hop, or None when the request is not to be pushed.
 
     vLLM's own proxy sends ``remote_host: null`` (its NixlConnector pulls); that is "no push", not an error.
+    A target ``guard`` refuses is served without a push too (vLLM answers no error of a connector's), and logged.
     """
     if isinstance(params, dict) and params.get("do_remote_decode") and params.get("remote_host") is None:
         return None
@@ -136,6 +202,12 @@ def push_target(params: Any, request_id: str) -> PushTo | None:
             request_id,
         )
         return None
+    if target is not None:
+        try:
+            guard.check(target)
+        except RequestError as exc:
+            log.warning("request %s: %s; serving it without a KV transfer", request_id, exc)
+            return None
     return target
 
 

@@ -29,7 +29,7 @@ from pdkv.engine.base import EngineAdapter, Request
 from pdkv.engine.sampling import TokenLogprobs
 from pdkv.errors import InvalidRequestError, PdkvError, PeerUnreachableError
 from pdkv.transfer.outgoing import OutgoingTransfer
-from pdkv.transfer.params import PushTo, parse
+from pdkv.transfer.params import PushGuard, PushTo, parse
 from pdkv.transfer.sender import KVSender
 from pdkv.worker.metrics import WorkerMetrics
 from pdkv.worker.openai_api import GenerationRequest
@@ -38,6 +38,10 @@ from pdkv.worker.role import Plan, WorkerRole
 from pdkv.worker.tiering import Tiering
 
 log = logging.getLogger(__name__)
+
+NOT_OPENED = "the KV transfer could not be opened (the prefill worker's log says why); the decode worker computes it"
+"""What the caller is told of any failed open: the same whether the receiver's port was closed, silent or refused
+us, so that P's HTTP port tells nobody what listens where."""
 
 
 class PrefillRole(WorkerRole):
@@ -60,6 +64,7 @@ class PrefillRole(WorkerRole):
             channel, engine.layout, engine.kv_buffer, engine.fingerprint, config.transfer, secret=config.secret
         )
         self.pusher: ChunkPusher = ChunkPusher()
+        self.guard = PushGuard.of(config.secret, config.transfer.allowed_receivers)
 
     def wants_transfer(self, kv: dict[str, Any]) -> bool:
         return bool(kv.get("do_remote_decode"))
@@ -68,20 +73,22 @@ class PrefillRole(WorkerRole):
         return self.sender.stats()
 
     async def plan_transfer(self, req: GenerationRequest) -> Plan:
-        kv = req.kv_transfer_params
+        error, outcome, told = None, "not_started", None
+        try:
+            target = parse(req.kv_transfer_params, PushTo)
+        except InvalidRequestError as exc:  # served all the same, without a transfer
+            target, error = PushTo(), str(exc)
+        address = target.address
+        if address is not None:
+            self.guard.check(target)  # a 403 before anything is computed or dialled
         request, cached = await self.new_request(req, dataclasses.replace(req.sampling, max_tokens=1))
         n = request.num_prompt_tokens
         xfer: OutgoingTransfer | None = None
-        error, outcome = None, "not_started"
-        try:
-            target = parse(kv, PushTo)
-        except InvalidRequestError as exc:  # served all the same, without a transfer
-            target, error = PushTo(), str(exc)
         transfer_id = target.transfer_id or req.request_id
-        address = target.address
         if address is None:
             error = error or "kv_transfer_params has no remote_host/remote_port of the decode worker's receiver"
         else:
+            told = NOT_OPENED  # should the open fail: the caller learns nothing of the address (it is logged)
             key = self.prompt_key(request.prompt_token_ids, request.cache_salt)
             opening = asyncio.ensure_future(
                 asyncio.to_thread(self.sender.open, transfer_id, address, n, request.block_table, key, target.codec)
@@ -107,7 +114,7 @@ class PrefillRole(WorkerRole):
             "transfer_started": xfer is not None,
         }
         if error is not None:
-            params["transfer_error"] = error
+            params["transfer_error"] = told or error
         digest = self._digest_hook(target.return_kv_digest, params)
         first_token = functools.partial(_tell_first_token, params)
         if xfer is None:

@@ -60,6 +60,7 @@ from pdkv.integration.vllm.scheduler_side import SchedulerSide
 from pdkv.integration.vllm.worker_side import WorkerSide, agent_name
 from pdkv.keys import model_fingerprint
 from pdkv.layout import KVLayout
+from pdkv.transfer.params import PushGuard
 
 if TYPE_CHECKING:
     import torch
@@ -211,7 +212,13 @@ class PdkvConnector(KVConnectorBase_V1):
             self._cache = self._shared_cache(vllm_layout(vllm_config))
             lookup = self._cache.lookup if self._cache is not None else None
             self.scheduler = SchedulerSide(
-                self.fingerprint, self.config.transfer.chunk_size, producer, consumer, lookup, self.tp_size
+                self.fingerprint,
+                self.config.transfer.chunk_size,
+                producer,
+                consumer,
+                lookup,
+                self.tp_size,
+                PushGuard.of(self.config.secret, self.config.transfer.allowed_receivers),
             )
         else:
             rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0

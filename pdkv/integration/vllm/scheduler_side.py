@@ -29,7 +29,7 @@ from typing import Any
 
 from pdkv.integration.vllm.metadata import Discard, LoadSpec, SaveSpec, SendSpec, StepMetadata
 from pdkv.keys import PromptKeys
-from pdkv.transfer.params import Pushed, PushTo, cache_salt, prompt_key, push_target, pushed
+from pdkv.transfer.params import Pushed, PushGuard, PushTo, cache_salt, prompt_key, push_target, pushed
 
 log = logging.getLogger(__name__)
 
@@ -72,9 +72,12 @@ class SchedulerSide:
         is_consumer: bool,
         tier_lookup: TierLookup | None = None,
         tp_size: int = 1,
+        guard: PushGuard | None = None,
     ) -> None:
-        """``tp_size``: this instance's tensor-parallel size, told to D with a push (``Pushed.prefill_tp``)."""
+        """``tp_size``: this instance's tensor-parallel size, told to D with a push (``Pushed.prefill_tp``).
+        ``guard``: where a push may go (the config's secret and ``transfer.allowed_receivers``); None: anywhere."""
         self.fingerprint = fingerprint
+        self.guard = guard or PushGuard()
         self.tp_size = tp_size
         self.chunk_size = chunk_size
         self.is_producer = is_producer
@@ -185,7 +188,9 @@ class SchedulerSide:
     # -- pushes and saves ------------------------------------------------------------------
     def _track(self, request: Any) -> None:
         target = (
-            push_target(getattr(request, "kv_transfer_params", None), request.request_id) if self.is_producer else None
+            push_target(getattr(request, "kv_transfer_params", None), request.request_id, self.guard)
+            if self.is_producer
+            else None
         )
         save_keys = list(self._full_chunk_keys(request).keys) if self.tier_lookup is not None else []
         if target is not None or save_keys:
