@@ -144,3 +144,9 @@ class UpstreamRejected(RouterError):
 
 class DeadlinePassed(RouterError):
     """The client's own deadline (``X-Request-Timeout``) passed before the router could answer: a 504, not retried."""
+
+
+class StoreAnswerError(PdkvError):
+    """A shared tier's store answered out of bounds: a value declared larger than a chunk's can be, no whole answer
+    within the level's per-request timeout, or an answer missing a field the protocol requires. The level counts it
+    as a failure (``pdkv_tier_errors_total``), serves misses and skips the store for its ``retry_s``."""

@@ -40,6 +40,7 @@ SETTLE_S = 5.0
 # Threads that live as long as the process by design, started on first use by libraries, not by a test.
 PROCESS_THREADS = (
     "pdkv-redis-sweep",  # pdkv.tier.redis_pool: one per process, sweeps every pool
+    "pdkv-tier-deadlines",  # pdkv.tier.bounds: one per process, ends every shared level's late requests
     "asyncio_",  # an event loop's default executor: pytest's loops own theirs
     "tqdm_monitor",  # tqdm's one monitor thread, started with the first progress bar
 )

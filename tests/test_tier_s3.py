@@ -24,7 +24,7 @@ from pdkv.netaddr import free_port
 from pdkv.testing.http import get_text, metric, post_json
 from pdkv.testing.procs import start_configured
 from pdkv.testing.s3 import INSTALL_HINT, LocalS3, local_s3, server_binary
-from pdkv.testing.tier_conformance import LAYOUT, RULES, Harness, Raw, run_conformance
+from pdkv.testing.tier_conformance import HOSTILE_RULES, LAYOUT, RULES, Harness, Raw, run_conformance
 from pdkv.tier import build_tier
 from pdkv.tier.base import CacheTier
 from pdkv.tier.s3 import S3Options, S3Tier
@@ -77,8 +77,8 @@ def test_s3_keeps_the_contract(s3: LocalS3) -> None:
         shared=True,
         seals=True,
     )
-    report = run_conformance(harness)
-    assert {rule for rule, result in report.items() if result == "passed"} == set(RULES)
+    report = run_conformance(harness)  # the rules on a hostile store: tests/test_tier_hostile.py
+    assert {rule for rule, result in report.items() if result == "passed"} == set(RULES) - HOSTILE_RULES
 
 
 def test_large_chunks_go_up_in_parts_and_read_back(s3: LocalS3) -> None:

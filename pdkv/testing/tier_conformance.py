@@ -6,7 +6,11 @@ through a ``Harness`` the author fills in: how to open a handle on the store
 (``open``), and where it applies, how to reach its stored values around the
 level (``raw``: the kit damages, swaps and plants values with it), a handle
 on a store that does not answer (``dead``), whether two handles share one
-store (``shared``) and whether a secret seals values (``seals``). A rule that
+store (``shared``), whether a secret seals values (``seals``) and how to point
+the level at a store that misbehaves (``hostile``: the kit runs that store on
+127.0.0.1, ``pdkv.testing.hostile``, and holds the level to its bounds: a
+trickle is cut at its timeout, a huge declared value is not read, a
+malformed answer is a counted failure, never an exception). A rule that
 cannot apply (a memory level's values never leave the process: there is
 nothing to damage) reports why instead of passing silently::
 
@@ -30,7 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -38,11 +42,15 @@ import torch
 from pdkv.errors import LayoutError
 from pdkv.keys import chunk_keys
 from pdkv.layout import KVLayout
+from pdkv.testing.hostile import HUGE_BYTES, HostileServer
 from pdkv.tier.base import MAGIC, CacheTier
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 TOKENS = 8
 HANG_S = 60.0  # a call on a dead store that takes longer than this is a hang, whatever its timeouts
+# chunks of 24 tokens of this are 6 MiB: over S3's smallest part (5 MiB), so a backend that uploads in parts does
+LARGE = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=8, dtype="float32")
+LARGE_TOKENS = 24
 
 
 class ConformanceError(AssertionError):
@@ -58,6 +66,17 @@ class Raw:
 
 
 @dataclass
+class Hostile:
+    """How the kit points a level at a misbehaving store. ``serve(behaviour, timeout_s)`` runs one on 127.0.0.1
+    (``pdkv.testing.hostile``: ``resp_server``, ``s3_server``, or your protocol's own); ``open(layout, address)``
+    opens a handle on the store at ``address`` ("127.0.0.1:PORT") whose timeout per request is ``timeout_s``."""
+
+    serve: Callable[[str, float], AbstractContextManager[HostileServer]]
+    open: Callable[[KVLayout, str], CacheTier]
+    timeout_s: float = 0.5
+
+
+@dataclass
 class Harness:
     """How the kit reaches a backend. ``open(layout, secret)`` opens a handle on the store under test (``secret`` is
     "" unless ``seals``); the kit closes every handle it opens."""
@@ -67,6 +86,7 @@ class Harness:
     dead: Callable[[KVLayout], CacheTier] | None = None  # a handle on a store that does not answer (None: local)
     shared: bool = False  # handles open at once see one store (a server), as two workers do
     seals: bool = False  # a secret seals values (pdkv.tier.base): written without it, they are misses
+    hostile: Hostile | None = None  # None: a local level (no store on the network to misbehave)
 
 
 class _Run:
@@ -391,6 +411,83 @@ def concurrent_writers(h: Harness, run: _Run) -> str | None:
     return None
 
 
+@contextmanager
+def _hostile(h: Harness, behaviour: str, layout: KVLayout = LAYOUT) -> Iterator[tuple[CacheTier, HostileServer]]:
+    """A handle on a store that misbehaves as ``behaviour`` says, and the store."""
+    assert h.hostile is not None
+    with h.hostile.serve(behaviour, h.hostile.timeout_s) as server:
+        tier = h.hostile.open(layout, server.address)
+        try:
+            yield tier, server
+        finally:
+            tier.close()
+
+
+def _bounded_miss(h: Harness, run: _Run, behaviour: str) -> tuple[float, HostileServer]:
+    """Read one key from a store misbehaving as ``behaviour``: a counted miss, never an exception; how long the
+    read took, and the store."""
+    (key,) = run.keys(1)
+    with _hostile(h, behaviour) as (tier, server):
+        before = _totals(tier)
+        outs = buffers(1)
+        start = time.monotonic()
+        try:
+            got = tier.get([key], outs)
+        except Exception as exc:
+            raise ConformanceError(f"get raised {type(exc).__name__}: {exc}") from exc
+        took = time.monotonic() - start
+        _expect(got == 0 and bool(outs[0].isnan().all()), f"get served {got} chunks from a store that {behaviour}s")
+        _expect(_totals(tier)["errors"] > before["errors"], f"a store that {behaviour}s: the failure was not counted")
+    return took, server
+
+
+def trickle_is_cut_at_the_timeout(h: Harness, run: _Run) -> str | None:
+    """A store that trickles an answer (a byte every quarter of the timeout: no socket read ever times out) costs a
+    read at most about its timeout per request, then a counted miss."""
+    if h.hostile is None:
+        return "a local level: no store on the network"
+    took, _ = _bounded_miss(h, run, "trickle")
+    limit = 3 * h.hostile.timeout_s
+    _expect(took < limit, f"a trickled answer held get {took:.1f}s, the level's timeout is {h.hostile.timeout_s:g}s")
+    return None
+
+
+def huge_value_is_not_read(h: Harness, run: _Run) -> str | None:
+    """A store that declares a value far longer than a chunk's (a gigabyte) is refused before the value is read:
+    the read ends within about the timeout, a counted miss, and the client takes in a small part of it at most."""
+    if h.hostile is None:
+        return "a local level: no store on the network"
+    took, server = _bounded_miss(h, run, "huge")
+    _expect(
+        server.sent < HUGE_BYTES // 4,
+        f"the client read {server.sent >> 20} MiB of a value declared longer than a chunk's: it must stop at its "
+        "declared length",
+    )
+    _expect(took < 3 * h.hostile.timeout_s, f"a huge answer held get {took:.1f}s")
+    return None
+
+
+def malformed_answer_is_a_counted_failure(h: Harness, run: _Run) -> str | None:
+    """A store whose answers break the protocol (a length that is not a number, a multipart upload without its id)
+    costs counted failures, never an exception: puts (a large chunk too) are no-ops, reads misses."""
+    if h.hostile is None:
+        return "a local level: no store on the network"
+    small, large = run.keys(1), run.keys(1)
+    with _hostile(h, "malformed", LARGE) as (tier, _):
+        start = time.monotonic()
+        try:
+            tier.put(large, [torch.zeros(LARGE.chunk_shape(LARGE_TOKENS))])
+            tier.put(small, [torch.zeros(LARGE.chunk_shape(TOKENS))])
+            got = tier.get(small + large, [torch.empty(LARGE.chunk_shape(t)) for t in (TOKENS, LARGE_TOKENS)])
+        except Exception as exc:
+            raise ConformanceError(f"a malformed answer escaped as {type(exc).__name__}: {exc}") from exc
+        took = time.monotonic() - start
+        _expect(got == 0, f"get served {got} chunks from a store that answers malformed")
+        _expect(_totals(tier)["errors"] >= 1, "malformed answers: no failure counted")
+    _expect(took < HANG_S, f"calls on a store that answers malformed took {took:.0f}s")
+    return None
+
+
 RULES: dict[str, Callable[[Harness, _Run], str | None]] = {
     f.__name__: f
     for f in (
@@ -407,8 +504,17 @@ RULES: dict[str, Callable[[Harness, _Run], str | None]] = {
         shared_between_handles,
         dead_store_is_a_miss,
         concurrent_writers,
+        trickle_is_cut_at_the_timeout,
+        huge_value_is_not_read,
+        malformed_answer_is_a_counted_failure,
     )
 }
+
+
+HOSTILE_RULES = frozenset(
+    ("trickle_is_cut_at_the_timeout", "huge_value_is_not_read", "malformed_answer_is_a_counted_failure")
+)
+"""The rules that need ``Harness.hostile`` (n/a without it)."""
 
 
 def check(rule: str, harness: Harness) -> str:

@@ -19,6 +19,12 @@ not be asked; neither ever raises a server or network error.
   a second), so the moment a replica takes over, its keys go to it. The
   client itself is made on first use: a cluster that is unreachable when
   a worker starts costs misses, not the start.
+
+Every pipeline (and a cluster client's slot map read) is one request within
+``pdkv.tier.bounds``: ``timeout_s`` of wall-clock time in all, its answers
+no longer than the caller's limit (a GET: a chunk's value), read by
+``pdkv.tier.redis_bounded``'s parser. redis-py's own retries are off: a
+failure is skipped for ``retry_s`` instead.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from pdkv.errors import ConfigError
+from pdkv.errors import ConfigError, StoreAnswerError
+from pdkv.tier import bounds
 from pdkv.tier.backoff import Backoff
 from pdkv.tier.redis_pool import Sweeper
 from pdkv.tier.store import FAILED
@@ -55,26 +62,45 @@ def _redis() -> Any:
     return redis
 
 
+def _bounded_options() -> dict[str, Any]:
+    """Client options every connection of the tier gets: answers read within ``pdkv.tier.bounds`` (by a RESP2
+    parser: the tier's commands need nothing of RESP3) and no retries (a failure is skipped for ``retry_s``; a retry
+    would pay the timeout again)."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    from pdkv.tier.redis_bounded import bounded_connect
+
+    return {"redis_connect_func": bounded_connect, "protocol": 2, "retry": Retry(NoBackoff(), 0)}
+
+
 class Single:
     def __init__(self, url: str, timeout_s: float, connect_timeout_s: float, retry_s: float) -> None:
         redis = _redis()
         try:
-            self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s)
+            self.client = redis.Redis.from_url(
+                url, socket_timeout=timeout_s, socket_connect_timeout=connect_timeout_s, **_bounded_options()
+            )
         except ValueError as exc:
             raise ConfigError(f"tier.redis_url {url!r} is not a Redis URL ({exc}); expected {URL_FORMS}") from None
-        self._errors = (redis.RedisError, OSError)
+        self.url, self.timeout_s = url, timeout_s
+        self._errors = (redis.RedisError, StoreAnswerError, OSError)
         self._backoff = Backoff(f"redis tier {url}", retry_s)
         self._sweeper = Sweeper(url, lambda: (self.client.connection_pool,))
 
-    def batch(self, what: str, names: Sequence[bytes], build: Build) -> tuple[list[Any], bool]:
-        """Each key's result (or ``FAILED``) and whether anything failed."""
+    def batch(
+        self, what: str, names: Sequence[bytes], build: Build, limit: int = bounds.ANSWER_BYTES
+    ) -> tuple[list[Any], bool]:
+        """Each key's result (or ``FAILED``) and whether anything failed; ``limit``: the most bytes one answer may
+        declare (``pdkv.tier.bounds``)."""
         if self._backoff.down("server"):
             return [FAILED] * len(names), False
         try:
-            pipe = self.client.pipeline(transaction=False)
-            for i in range(len(names)):
-                build(pipe, i)
-            return list(pipe.execute()), False
+            with bounds.request(f"{what} on {self.url}", self.timeout_s, limit):
+                pipe = self.client.pipeline(transaction=False)
+                for i in range(len(names)):
+                    build(pipe, i)
+                return list(pipe.execute()), False
         except self._errors as exc:
             self._backoff.failed("server", what, exc)
             return [FAILED] * len(names), True
@@ -116,10 +142,11 @@ def parse_cluster_url(url: str) -> dict[str, Any]:
 class Cluster:
     def __init__(self, url: str, timeout_s: float, connect_timeout_s: float, retry_s: float) -> None:
         self._redis = _redis()
+        self.url = url
         self._options = parse_cluster_url(url)
         self._timeouts = (timeout_s, connect_timeout_s)
         # RedisClusterException (no seed reachable, no slot map) is not a RedisError
-        self._errors = (self._redis.RedisError, self._redis.exceptions.RedisClusterException, OSError)
+        self._errors = (self._redis.RedisError, self._redis.exceptions.RedisClusterException, StoreAnswerError, OSError)
         self._backoff = Backoff(f"redis tier {url}", retry_s)
         self._client: Any = None
         self._lock = threading.Lock()
@@ -130,24 +157,26 @@ class Cluster:
         """The cluster client, made (the slot map read from a seed) on first use."""
         with self._lock:
             if self._client is None:
-                from redis.backoff import NoBackoff
                 from redis.cluster import ClusterNode, RedisCluster
-                from redis.retry import Retry
 
                 o = self._options
-                self._client = RedisCluster(
-                    startup_nodes=[ClusterNode(h, p) for h, p in o["seeds"]],
-                    username=o["username"],
-                    password=o["password"],
-                    ssl=o["ssl"],
-                    socket_timeout=self._timeouts[0],
-                    socket_connect_timeout=self._timeouts[1],
-                    require_full_coverage=False,  # a primary down takes its own slots away, not the cluster's
-                    retry=Retry(NoBackoff(), 0),  # a node that fails is skipped for retry_s: no retries here
-                )
+                with bounds.request(f"the slot map of {self.url}", self._timeouts[0]):
+                    self._client = RedisCluster(
+                        startup_nodes=[ClusterNode(h, p) for h, p in o["seeds"]],
+                        username=o["username"],
+                        password=o["password"],
+                        ssl=o["ssl"],
+                        socket_timeout=self._timeouts[0],
+                        socket_connect_timeout=self._timeouts[1],
+                        require_full_coverage=False,  # a primary down takes its own slots away, not the cluster's
+                        **_bounded_options(),  # a node that fails is skipped for retry_s: no retries here
+                    )
             return self._client
 
-    def batch(self, what: str, names: Sequence[bytes], build: Build) -> tuple[list[Any], bool]:
+    def batch(
+        self, what: str, names: Sequence[bytes], build: Build, limit: int = bounds.ANSWER_BYTES
+    ) -> tuple[list[Any], bool]:
+        """``Single.batch``, one request (and one deadline) per primary involved."""
         results: list[Any] = [FAILED] * len(names)
         if self._backoff.down("cluster"):
             return results, False
@@ -171,10 +200,12 @@ class Cluster:
             if self._backoff.down(node):
                 continue
             try:
-                pipe = client.pipeline(transaction=False)
-                for i in indexes:
-                    build(pipe, i)
-                for i, value in zip(indexes, pipe.execute(), strict=True):
+                with bounds.request(f"{what} on {node}", self._timeouts[0], limit):
+                    pipe = client.pipeline(transaction=False)
+                    for i in indexes:
+                        build(pipe, i)
+                    answers = pipe.execute()
+                for i, value in zip(indexes, answers, strict=True):
                     results[i] = value
             except self._errors as exc:
                 self._backoff.failed(node, what, exc)
@@ -187,7 +218,8 @@ class Cluster:
             return
         self._refreshed = time.monotonic()
         try:
-            client.nodes_manager.initialize()
+            with bounds.request(f"the slot map of {self.url}", self._timeouts[0]):
+                client.nodes_manager.initialize()
         except self._errors as exc:
             log.debug("redis tier: slot map refresh failed: %s", exc)
 

@@ -27,10 +27,12 @@ there (``SET NX`` would keep a bad one forever). Workers sharing a server
 must share its secret (and a namespace), or each deletes the others' values.
 
 The cache must never fail a request: a server (or a cluster node) that is
-down, slow past the socket timeout or answering errors makes its keys
-misses (reads) or no-ops (writes) with one logged warning, and for
-``retry_s`` afterwards it is skipped instead of each call paying a connect
-timeout. On a cluster that is only the failed node's keys; the rest are
+down, slower than ``timeout_s`` for a whole pipeline (``pdkv.tier.bounds``:
+a deadline per request, not per socket read, that closes the connection),
+declaring a value longer than a chunk's, or answering errors or malformed
+replies makes its keys misses (reads) or no-ops (writes) with one logged
+warning, and for ``retry_s`` afterwards it is skipped instead of each call
+paying a connect timeout. On a cluster that is only the failed node's keys; the rest are
 served as usual, and a replica that takes over serves its keys again.
 """
 
@@ -42,6 +44,7 @@ from typing import Any
 import torch
 
 from pdkv.layout import KVLayout
+from pdkv.tier import bounds
 from pdkv.tier.redis_backend import FAILED, Build, connect
 from pdkv.tier.store import SharedStoreTier
 
@@ -81,7 +84,8 @@ class RedisTier(SharedStoreTier):
 
     def _get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
         names = self._names(keys)
-        return self.accept_run(keys, outs, self._batch("get", names, lambda pipe, i: pipe.get(names[i])))
+        got = self._batch("get", names, lambda pipe, i: pipe.get(names[i]), bounds.value_limit(outs))
+        return self.accept_run(keys, outs, got)
 
     def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Sequence[bytes | None]) -> None:
         """``parents`` are not used: the server evicts by its own ``maxmemory-policy`` (see the module docstring)."""
@@ -112,10 +116,10 @@ class RedisTier(SharedStoreTier):
     def _names(self, keys: Sequence[bytes]) -> list[bytes]:
         return [self._name(key) for key in keys]
 
-    def _batch(self, what: str, names: list[bytes], build: Build) -> list[Any]:
+    def _batch(self, what: str, names: list[bytes], build: Build, limit: int = bounds.ANSWER_BYTES) -> list[Any]:
         if not names:
             return []
-        results, failed = self._backend.batch(what, names, build)
+        results, failed = self._backend.batch(what, names, build, limit)
         if failed:
             self._count(errors=1)
         return results

@@ -24,17 +24,22 @@ bucket keeps every chunk until someone deletes it, and bounding it (a quota, a
 lifecycle rule of your own) is the operator's job. Put a memory or disk level
 in front for an eviction that knows prefixes.
 
-The cache must never fail a request: a store that is unreachable, slow past
-``timeout_s`` (connect: ``connect_timeout_s``) or answering errors makes its
-objects misses (reads) or no-ops (writes) with one logged warning, and is
-skipped for ``retry_s`` afterwards (``pdkv.tier.backoff``). Writes reach it
-only through the tier's write-behind queue, so a slow store never stalls a
-forward step; reads wait at most the timeouts.
+The cache must never fail a request: a store that is unreachable, slower
+than ``timeout_s`` for a whole request (connect: ``connect_timeout_s``),
+declaring a body longer than a chunk's value, or answering errors or
+malformed answers makes its objects misses (reads) or no-ops (writes) with
+one logged warning, and is skipped for ``retry_s`` afterwards
+(``pdkv.tier.backoff``). ``timeout_s`` is a deadline per request, not per
+socket read: each request runs within ``pdkv.tier.bounds``, and its
+connection is closed when the deadline passes (``pdkv.tier.s3_bounded``).
+Writes reach the store only through the tier's write-behind queue, so a slow
+store never stalls a forward step; reads wait at most the timeouts.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
@@ -42,8 +47,9 @@ import msgspec
 import torch
 from msgspec import Meta
 
-from pdkv.errors import ConfigError
+from pdkv.errors import ConfigError, StoreAnswerError
 from pdkv.layout import KVLayout
+from pdkv.tier import bounds
 from pdkv.tier.backoff import Backoff
 from pdkv.tier.store import FAILED, SharedStoreTier
 
@@ -62,7 +68,7 @@ class S3Options(msgspec.Struct, forbid_unknown_fields=True):
     access_key_id: str = ""  # "" (both): boto3's own chain (environment, profile, instance role)
     secret_access_key: str = ""
     secret: str = ""  # seals values as tier.redis_secret does (pdkv.tier.base)
-    timeout_s: Annotated[float, Meta(gt=0)] = 5.0  # per socket read
+    timeout_s: Annotated[float, Meta(gt=0)] = 5.0  # per request (a deadline that closes its connection)
     connect_timeout_s: Annotated[float, Meta(gt=0)] = 1.0
     retry_s: Annotated[float, Meta(gt=0)] = 10.0  # after a failure, the store is skipped (reads miss) this long
     max_concurrency: Annotated[int, Meta(ge=1, le=256)] = 16  # requests in flight per level
@@ -88,10 +94,12 @@ class S3Tier(SharedStoreTier):
         from botocore.config import Config
         from botocore.exceptions import BotoCoreError, ClientError
 
+        from pdkv.tier.s3_bounded import bound_http
+
         super().__init__(layout, name, options.secret)
         self.options = options
         self._client_error = ClientError
-        self._errors = (BotoCoreError, ClientError, OSError)
+        self._errors = (BotoCoreError, ClientError, StoreAnswerError, OSError)
         self._client = boto3.session.Session().client(
             "s3",
             endpoint_url=options.endpoint_url or None,
@@ -105,6 +113,7 @@ class S3Tier(SharedStoreTier):
                 max_pool_connections=options.max_concurrency,
             ),
         )
+        bound_http(self._client)
         self._pool = concurrent.futures.ThreadPoolExecutor(options.max_concurrency, thread_name_prefix=f"pdkv-{name}")
         self.url = f"{options.endpoint_url or 's3:/'}/{options.bucket}/{options.prefix}"
         self._backoff = Backoff(f"{name} tier {self.url}", options.retry_s)
@@ -116,11 +125,11 @@ class S3Tier(SharedStoreTier):
         o = self.options
         try:
             try:
-                self._client.head_bucket(Bucket=o.bucket)
+                self._call("head_bucket", Bucket=o.bucket)
             except self._client_error as exc:
                 if not (o.create_bucket and self._missing(exc)):
                     raise
-                self._client.create_bucket(Bucket=o.bucket)
+                self._call("create_bucket", Bucket=o.bucket)
             if o.ttl_days:
                 self._install_ttl()
         except self._errors as exc:
@@ -131,12 +140,13 @@ class S3Tier(SharedStoreTier):
 
     def has(self, keys: Sequence[bytes]) -> list[bool]:
         found = self._map(
-            "head", keys, lambda key: self._client.head_object(Bucket=self.options.bucket, Key=self._name(key))
+            "head", keys, lambda key: self._call("head_object", Bucket=self.options.bucket, Key=self._name(key))
         )
         return [r is not FAILED and r is not None for r in found]
 
     def _get(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> int:
-        return self.accept_run(keys, outs, self._map("get", keys, self._read))
+        limit = bounds.value_limit(outs)
+        return self.accept_run(keys, outs, self._map("get", keys, lambda key: self._read(key, limit)))
 
     def _put(self, keys: Sequence[bytes], chunks: Sequence[torch.Tensor], parents: Sequence[bytes | None]) -> None:
         """``parents`` are not used: an object store does not evict (see the module docstring)."""
@@ -164,15 +174,30 @@ class S3Tier(SharedStoreTier):
     def _name(self, key: bytes) -> str:
         return self.options.prefix + key.hex()
 
-    def _read(self, key: bytes) -> bytes:
-        return self._client.get_object(Bucket=self.options.bucket, Key=self._name(key))["Body"].read()
+    def _call(self, op: str, limit: int = bounds.ANSWER_BYTES, **kwargs: Any) -> Any:
+        """One request to the store, within ``timeout_s`` and ``limit`` bytes of answer (``pdkv.tier.bounds``)."""
+        with bounds.request(f"{op} on {self.url}", self.options.timeout_s, limit):
+            return getattr(self._client, op)(**kwargs)
+
+    def _read(self, key: bytes, limit: int) -> bytes:
+        """The object's bytes, when they are at most ``limit`` (a chunk's value); the body is read within the
+        request's deadline, and no further than one byte past the limit."""
+        with bounds.request(f"GetObject on {self.url}", self.options.timeout_s, limit) as request:
+            answer = self._client.get_object(Bucket=self.options.bucket, Key=self._name(key))
+            with contextlib.closing(answer["Body"]) as body:  # closes the connection unless the body was read whole
+                value = body.read(limit + 1)
+            if request.expired:  # the deadline shut the socket: what was read is a part (botocore does not check)
+                raise request.late()
+        if len(value) > limit:
+            raise StoreAnswerError(f"{self.where(key)} is longer than a chunk's value ({limit} bytes): not read")
+        return value
 
     def _write(self, key: bytes, value: bytes) -> bool:
         """Store ``value`` unless the object is there; True when written, False when it already was."""
         o, name = self.options, self._name(key)
         try:
             if len(value) <= o.multipart_bytes:
-                self._client.put_object(Bucket=o.bucket, Key=name, Body=value, IfNoneMatch="*")
+                self._call("put_object", Bucket=o.bucket, Key=name, Body=value, IfNoneMatch="*")
             else:
                 self._write_parts(name, value)
         except self._client_error as exc:
@@ -183,28 +208,36 @@ class S3Tier(SharedStoreTier):
 
     def _write_parts(self, name: str, value: bytes) -> None:
         o, view = self.options, memoryview(value)
-        upload = self._client.create_multipart_upload(Bucket=o.bucket, Key=name)["UploadId"]
+        answer = self._call("create_multipart_upload", Bucket=o.bucket, Key=name)
+        upload = bounds.answer_field(answer, "UploadId", "CreateMultipartUpload")
         try:
             parts = []
             for number, start in enumerate(range(0, len(value), o.multipart_bytes), 1):
                 body = view[start : start + o.multipart_bytes].tobytes()
-                sent = self._client.upload_part(
-                    Bucket=o.bucket, Key=name, UploadId=upload, PartNumber=number, Body=body
+                sent = self._call(
+                    "upload_part", Bucket=o.bucket, Key=name, UploadId=upload, PartNumber=number, Body=body
                 )
-                parts.append({"ETag": sent["ETag"], "PartNumber": number})
-            self._client.complete_multipart_upload(
-                Bucket=o.bucket, Key=name, UploadId=upload, MultipartUpload={"Parts": parts}, IfNoneMatch="*"
+                parts.append({"ETag": bounds.answer_field(sent, "ETag", "UploadPart"), "PartNumber": number})
+            self._call(
+                "complete_multipart_upload",
+                Bucket=o.bucket,
+                Key=name,
+                UploadId=upload,
+                MultipartUpload={"Parts": parts},
+                IfNoneMatch="*",
             )
         except BaseException:
             try:
-                self._client.abort_multipart_upload(Bucket=o.bucket, Key=name, UploadId=upload)
+                self._call("abort_multipart_upload", Bucket=o.bucket, Key=name, UploadId=upload)
             except self._errors:
                 pass  # the store is failing anyway; a lifecycle rule (or the operator) clears stale uploads
             raise
 
     def _delete(self, batch: list[bytes]) -> int:
-        answer = self._client.delete_objects(
-            Bucket=self.options.bucket, Delete={"Objects": [{"Key": self._name(k)} for k in batch], "Quiet": True}
+        answer = self._call(
+            "delete_objects",
+            Bucket=self.options.bucket,
+            Delete={"Objects": [{"Key": self._name(k)} for k in batch], "Quiet": True},
         )
         return len(batch) - len(answer.get("Errors", []))
 
@@ -244,7 +277,7 @@ class S3Tier(SharedStoreTier):
         o = self.options
         rule_id = f"pdkv-ttl:{o.prefix}"[:255]
         try:
-            rules = self._client.get_bucket_lifecycle_configuration(Bucket=o.bucket)["Rules"]
+            rules = self._call("get_bucket_lifecycle_configuration", Bucket=o.bucket).get("Rules", [])
         except self._client_error as exc:
             if "NoSuchLifecycleConfiguration" not in str(exc) and not self._missing(exc):
                 raise
@@ -253,4 +286,4 @@ class S3Tier(SharedStoreTier):
         rules.append(
             {"ID": rule_id, "Filter": {"Prefix": o.prefix}, "Status": "Enabled", "Expiration": {"Days": o.ttl_days}}
         )
-        self._client.put_bucket_lifecycle_configuration(Bucket=o.bucket, LifecycleConfiguration={"Rules": rules})
+        self._call("put_bucket_lifecycle_configuration", Bucket=o.bucket, LifecycleConfiguration={"Rules": rules})
