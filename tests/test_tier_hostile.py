@@ -8,13 +8,12 @@ UploadId escaped the level as a KeyError.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 from pdkv.layout import KVLayout
 from pdkv.testing.hostile import resp_server, s3_server
-from pdkv.testing.tier_conformance import HOSTILE_RULES, LAYOUT, Harness, Hostile, buffers, check
+from pdkv.testing.tier_conformance import HOSTILE_RULES, Harness, Hostile, check
 from pdkv.tier.base import CacheTier
 
 TIMEOUT_S = 0.5
@@ -67,17 +66,3 @@ def test_a_shared_level_is_bounded_against_a_hostile_store(rule: str, backend: s
     value is read (main: read the 128 MiB the store sent). Malformed: counted failures (main: ValueError out of
     redis-py, KeyError out of the S3 level)."""
     assert check(rule, Harness(open=_no_store, hostile=BACKENDS[backend]())) == "passed"
-
-
-def test_a_redis_connection_cut_at_its_deadline_is_never_handed_out_half_read() -> None:
-    """The trickled reply's connection is closed, not put back into the pool with the rest of a reply in it."""
-    hostile = _redis("redis")
-    with hostile.serve("trickle", TIMEOUT_S) as server:
-        tier: Any = hostile.open(LAYOUT, server.address)
-        try:
-            assert tier.get([bytes(16)], buffers(1)) == 0
-            pool = tier._backend.client.connection_pool
-            idle = list(pool._available_connections)
-            assert idle and all(c._sock is None for c in idle)
-        finally:
-            tier.close()

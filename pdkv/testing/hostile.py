@@ -162,6 +162,9 @@ def _resp(server: _Server, conn: socket.socket, reader: BinaryIO) -> None:
             conn.sendall(_cluster_slots(server))
         elif name == b"COMMAND":
             conn.sendall(_RESP_COMMANDS)
+        elif name == b"HELLO":  # as Redis 6 and later answer it (a RESP3 map in RESP3); replies stay RESP2-shaped
+            proto = args[1] if len(args) > 1 else b"2"
+            conn.sendall((b"%1\r\n" if proto == b"3" else b"*2\r\n") + b"$5\r\nproto\r\n:" + proto + b"\r\n")
         else:
             conn.sendall(_RESP_HEALTHY.get(name, b"+OK\r\n"))
 
