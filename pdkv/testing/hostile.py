@@ -5,8 +5,9 @@ Each server speaks just enough of its protocol for a level's client, answers
 everything else as an empty, healthy store would (nothing stored, every
 write taken), and misbehaves in one way, its ``behaviour``:
 
-* ``trickle``: a value's answer comes one byte every ``timeout_s / 4``, just
-  inside any per-read timeout, for up to ``TRICKLE_S`` seconds;
+* ``trickle``: the answer to a read (a value, or whether a key is stored)
+  comes one byte every ``timeout_s / 4``, just inside any per-read timeout,
+  for up to ``TRICKLE_S`` seconds;
 * ``huge``: a value's answer declares a huge length (Redis: a 1 GiB bulk
   string, S3: an 8 GiB Content-Length) and then streams zeros as fast as the
   client takes them, up to ``HUGE_BYTES``, so what a client read shows in
@@ -77,13 +78,14 @@ class _Server:
         with contextlib.suppress(OSError, ValueError), conn, conn.makefile("rb") as reader:
             self._handle(self, conn, reader)
 
-    def trickle(self, conn: socket.socket, head: bytes) -> None:
-        """Send ``head`` at once, then a byte every ``interval_s`` until ``TRICKLE_S`` passed; then close."""
+    def trickle(self, conn: socket.socket, head: bytes, filler: bytes = b"\0") -> None:
+        """Send ``head`` at once, then ``filler`` (one byte) every ``interval_s`` until ``TRICKLE_S`` passed; then
+        close."""
         conn.sendall(head)
         for _ in range(int(TRICKLE_S / self.interval_s)):
             if self._stop.wait(self.interval_s):
                 break
-            conn.sendall(b"\0")
+            conn.sendall(filler)
             self.sent += 1
         conn.shutdown(socket.SHUT_RDWR)
 
@@ -155,6 +157,9 @@ def _resp(server: _Server, conn: socket.socket, reader: BinaryIO) -> None:
         elif name == b"GET" and server.behaviour == "trickle":
             server.trickle(conn, b"$%d\r\n" % VALUE_BYTES)
             return
+        elif name == b"EXISTS" and server.behaviour == "trickle":
+            server.trickle(conn, b":", b"0")  # an integer that never ends
+            return
         elif name == b"GET" and server.behaviour == "huge":
             server.stream(conn, b"$%d\r\n" % (1 << 30))
             return
@@ -215,6 +220,9 @@ def _s3(server: _Server, conn: socket.socket, reader: BinaryIO) -> None:
             conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
         reader.read(int(headers.get("content-length", 0)))
         path, _, query = target.partition("?")
+        if method == "HEAD" and "/" in path.strip("/") and server.behaviour == "trickle":
+            server.trickle(conn, b"HTTP/1.1 200 OK\r\nX-Trickle: ", b"a")  # headers that never end
+            return
         if method == "GET" and "/" in path.strip("/") and server.behaviour != "malformed":
             head = _http_answer("200 OK", length=VALUE_BYTES if server.behaviour == "trickle" else 8 << 30)
             (server.trickle if server.behaviour == "trickle" else server.stream)(conn, head)

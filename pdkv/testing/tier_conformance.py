@@ -423,32 +423,38 @@ def _hostile(h: Harness, behaviour: str, layout: KVLayout = LAYOUT) -> Iterator[
             tier.close()
 
 
-def _bounded_miss(h: Harness, run: _Run, behaviour: str) -> tuple[float, HostileServer]:
-    """Read one key from a store misbehaving as ``behaviour``: a counted miss, never an exception; how long the
-    read took, and the store."""
+def _bounded_miss(h: Harness, run: _Run, behaviour: str, what: str = "get") -> tuple[float, HostileServer]:
+    """Ask a store misbehaving as ``behaviour`` about one key (``what``: get or has): a counted miss, never an
+    exception; how long the call took, and the store."""
     (key,) = run.keys(1)
     with _hostile(h, behaviour) as (tier, server):
         before = _totals(tier)
         outs = buffers(1)
         start = time.monotonic()
         try:
-            got = tier.get([key], outs)
+            answer = tier.get([key], outs) if what == "get" else tier.has([key])
         except Exception as exc:
-            raise ConformanceError(f"get raised {type(exc).__name__}: {exc}") from exc
+            raise ConformanceError(f"{what} raised {type(exc).__name__}: {exc}") from exc
         took = time.monotonic() - start
-        _expect(got == 0 and bool(outs[0].isnan().all()), f"get served {got} chunks from a store that {behaviour}s")
+        _expect(
+            answer in (0, [False]) and bool(outs[0].isnan().all()),
+            f"{what} answered {answer} from a store that {behaviour}s",
+        )
         _expect(_totals(tier)["errors"] > before["errors"], f"a store that {behaviour}s: the failure was not counted")
     return took, server
 
 
 def trickle_is_cut_at_the_timeout(h: Harness, run: _Run) -> str | None:
-    """A store that trickles an answer (a byte every quarter of the timeout: no socket read ever times out) costs a
-    read at most about its timeout per request, then a counted miss."""
+    """A store that trickles its answers (a byte every quarter of the timeout: no socket read ever times out) costs
+    a read (get, has) at most about its timeout per request, then a counted miss."""
     if h.hostile is None:
         return "a local level: no store on the network"
-    took, _ = _bounded_miss(h, run, "trickle")
-    limit = 3 * h.hostile.timeout_s
-    _expect(took < limit, f"a trickled answer held get {took:.1f}s, the level's timeout is {h.hostile.timeout_s:g}s")
+    for what in ("get", "has"):
+        took, _ = _bounded_miss(h, run, "trickle", what)
+        limit = 3 * h.hostile.timeout_s
+        _expect(
+            took < limit, f"a trickled answer held {what} {took:.1f}s, the level's timeout is {h.hostile.timeout_s:g}s"
+        )
     return None
 
 

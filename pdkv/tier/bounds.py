@@ -161,8 +161,10 @@ def current() -> Request | None:
 
 @contextlib.contextmanager
 def request(what: str, timeout_s: float, limit: int = ANSWER_BYTES) -> Iterator[Request]:
-    """Run one request to a store within ``timeout_s`` of wall-clock time and ``limit`` bytes of answer; an error
-    raised in the block after the deadline passed is raised as ``Request.late()``."""
+    """Run one request to a store within ``timeout_s`` of wall-clock time and ``limit`` bytes of answer. Once the
+    deadline passed, the block fails with ``Request.late()`` whatever it raised or returned: a client may take an
+    answer cut short by the shut socket for a whole one (HTTP headers ended by EOF, a body botocore does not
+    check against its length)."""
     bounds = Request(what, timeout_s, limit)
     outer = current()
     _local.request = bounds
@@ -173,6 +175,9 @@ def request(what: str, timeout_s: float, limit: int = ANSWER_BYTES) -> Iterator[
         if bounds.expired and not isinstance(exc, StoreAnswerError):
             raise bounds.late() from exc
         raise
+    else:
+        if bounds.expired:
+            raise bounds.late()
     finally:
         bounds.end()
         _local.request = outer
