@@ -332,7 +332,7 @@ class TierConfig(msgspec.Struct, forbid_unknown_fields=True):
     redis_url: str = ""
     redis_namespace: str = "pdkv:kv:"
     redis_ttl_s: Annotated[float, Meta(ge=0)] = 0.0  # 0: kept until the server evicts it (maxmemory policy)
-    redis_timeout_s: Seconds = 2.0  # per request (one pipeline): a deadline that closes its connection
+    redis_timeout_s: Seconds = 2.0  # per request: a pipeline's answers whole within it, or its connection closes
     redis_connect_timeout_s: Seconds = 1.0
     redis_retry_s: Seconds = 10.0  # after a failure, the server is skipped (reads miss) this long
     # Seals every value written to Redis with an HMAC bound to its chunk key, and takes only values sealed with it:

@@ -1,21 +1,28 @@
-"""What one request to a shared store may cost: a wall-clock deadline that closes its connection, and the most bytes
-its answer may declare.
+"""What one request to a shared store may cost: a wall-clock deadline on its answer that closes its connection, and
+the most bytes its answer may declare.
 
 A store on the network may be slow, broken or hostile. The clients' own
 timeouts bound each socket read, not a request: a store that trickles a byte
 just inside the read timeout holds a request for as long as it likes, and a
 value declared a gigabyte long is read whole before anything can look at it.
 So each request a shared level makes runs inside ``request(timeout_s,
-limit)``, and the client's connection (``pdkv.tier.redis_backend``'s parser,
-``pdkv.tier.s3``'s HTTP connection) asks ``current()`` for its bounds:
+limit)``, and the client's connection (``pdkv.tier.redis_bounded``'s parser,
+``pdkv.tier.s3_bounded``'s HTTP connection) asks ``current()`` for its
+bounds:
 
 * it refuses an answer that declares more than ``limit`` bytes (a Redis bulk
   length, an HTTP Content-Length) before reading any of it, and reads no
   more than that;
-* while it waits for the store it is ``watching``: when the deadline passes,
-  a watchdog thread shuts its socket down, which ends the read in progress at
-  once, and the connection (its socket now closed) is never handed out again
-  half-read.
+* once the request is sent, its whole answer must arrive within
+  ``timeout_s`` (``answering`` starts the clock): while the connection waits
+  for it, it is ``attach``-ed, and when the deadline passes a watchdog thread
+  shuts its socket down, which ends the read in progress at once; the
+  connection (its socket now closed) is never handed out again half-read.
+
+Sending is not on the clock: a put of a prompt's chunks may take longer than
+``timeout_s`` on a slow link, and each send is bounded by the socket timeout
+already (Python's ``sendall`` with a timeout bounds the whole call). A read
+sends a few bytes: it waits at most about ``timeout_s`` in all.
 
 Either way the request fails with ``StoreAnswerError`` (or the client's own
 error wrapping it), which the level counts as a failure and serves as misses,
@@ -65,7 +72,7 @@ class Request:
 
     def __init__(self, what: str, timeout_s: float, limit: int) -> None:
         self.what, self.timeout_s, self.limit = what, timeout_s, limit
-        self.deadline = time.monotonic() + timeout_s
+        self.deadline: float | None = None  # set by ``answering``
         self.expired = False
         self._closers: dict[int, Callable[[], None]] = {}
         self._ids = itertools.count()
@@ -85,6 +92,15 @@ class Request:
             f"no whole answer to {self.what} within {self.timeout_s:g}s (the level's timeout_s, per request): "
             "connection closed"
         )
+
+    def answering(self) -> None:
+        """The request is sent: its answer must be whole within ``timeout_s`` from now (the first call starts the
+        clock; later ones, for the rest of the answer, leave it running)."""
+        with self._lock:
+            if self.deadline is not None:
+                return
+            self.deadline = time.monotonic() + self.timeout_s
+        _watchdog.arm(self, self.deadline)
 
     def attach(self, close: Callable[[], None]) -> int:
         """Until ``detach`` or the request's end, ``close()`` is called (from the watchdog thread) if the deadline
@@ -134,9 +150,9 @@ class _Watchdog:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def arm(self, request: Request) -> None:
+    def arm(self, request: Request, deadline: float) -> None:
         with self._cond:
-            heapq.heappush(self._heap, (request.deadline, next(self._order), request))
+            heapq.heappush(self._heap, (deadline, next(self._order), request))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="pdkv-tier-deadlines", daemon=True)
                 self._thread.start()
@@ -161,14 +177,13 @@ def current() -> Request | None:
 
 @contextlib.contextmanager
 def request(what: str, timeout_s: float, limit: int = ANSWER_BYTES) -> Iterator[Request]:
-    """Run one request to a store within ``timeout_s`` of wall-clock time and ``limit`` bytes of answer. Once the
-    deadline passed, the block fails with ``Request.late()`` whatever it raised or returned: a client may take an
-    answer cut short by the shut socket for a whole one (HTTP headers ended by EOF, a body botocore does not
-    check against its length)."""
+    """Run one request to a store: its answer whole within ``timeout_s`` of being sent, and at most ``limit``
+    bytes. Once the deadline passed, the block fails with ``Request.late()`` whatever it raised or returned: a
+    client may take an answer cut short by the shut socket for a whole one (HTTP headers ended by EOF, a body
+    botocore does not check against its length)."""
     bounds = Request(what, timeout_s, limit)
     outer = current()
     _local.request = bounds
-    _watchdog.arm(bounds)
     try:
         yield bounds
     except Exception as exc:

@@ -21,9 +21,9 @@ not be asked; neither ever raises a server or network error.
   a worker starts costs misses, not the start.
 
 Every pipeline (and a cluster client's slot map read) is one request within
-``pdkv.tier.bounds``: ``timeout_s`` of wall-clock time in all, its answers
-no longer than the caller's limit (a GET: a chunk's value), read by
-``pdkv.tier.redis_bounded``'s parser. redis-py's own retries are off: a
+``pdkv.tier.bounds``: its answers whole within ``timeout_s`` of wall-clock
+time once it is sent, none longer than the caller's limit (a GET: a chunk's
+value), read by ``pdkv.tier.redis_bounded``'s parser. redis-py's own retries are off: a
 failure is skipped for ``retry_s`` instead.
 """
 

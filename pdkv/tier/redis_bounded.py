@@ -34,10 +34,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pdkv.errors import StoreAnswerError
-from pdkv.tier.bounds import current, shut
+from pdkv.tier.bounds import current, request, shut
 
 MAX_ITEMS = 1 << 16  # the most items an array reply may declare (the tier's commands answer none; CLUSTER SLOTS few)
 DIRECT_BYTES = 1 << 16  # a bulk string this long or longer is received straight into its own buffer
+HANDSHAKE_S = 2.0  # a connection's handshake timeout where it has no socket_timeout (the tier always gives one)
 
 
 class AnswerRefused(RedisConnectionError):
@@ -103,6 +104,7 @@ class BoundedParser(_RESP2Parser):
             return super().read_response(*args, **kwargs)
         sock = self._sock
         try:
+            bounds.answering()
             with bounds.watching(lambda: shut(sock)):
                 return super().read_response(*args, **kwargs)
         except StoreAnswerError as exc:
@@ -114,6 +116,9 @@ class BoundedParser(_RESP2Parser):
 
 
 def bounded_connect(connection: Any) -> None:
-    """``redis_connect_func``: read this connection's answers with ``BoundedParser``, then connect as usual."""
+    """``redis_connect_func``: read this connection's answers with ``BoundedParser``, then connect as usual; the
+    handshake (AUTH, SELECT, CLIENT SETINFO) is a request of its own, so the clock of the command that made the
+    connection starts when that command is sent."""
     connection.set_parser(BoundedParser)
-    connection.on_connect()
+    with request("a new connection's handshake", connection.socket_timeout or HANDSHAKE_S):
+        connection.on_connect()

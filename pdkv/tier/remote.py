@@ -27,8 +27,9 @@ there (``SET NX`` would keep a bad one forever). Workers sharing a server
 must share its secret (and a namespace), or each deletes the others' values.
 
 The cache must never fail a request: a server (or a cluster node) that is
-down, slower than ``timeout_s`` for a whole pipeline (``pdkv.tier.bounds``:
-a deadline per request, not per socket read, that closes the connection),
+down, slower than ``timeout_s`` to answer a whole pipeline
+(``pdkv.tier.bounds``: a deadline per request, not per socket read, that
+closes the connection),
 declaring a value longer than a chunk's, or answering errors or malformed
 replies makes its keys misses (reads) or no-ops (writes) with one logged
 warning, and for ``retry_s`` afterwards it is skipped instead of each call

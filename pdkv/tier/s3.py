@@ -29,9 +29,10 @@ than ``timeout_s`` for a whole request (connect: ``connect_timeout_s``),
 declaring a body longer than a chunk's value, or answering errors or
 malformed answers makes its objects misses (reads) or no-ops (writes) with
 one logged warning, and is skipped for ``retry_s`` afterwards
-(``pdkv.tier.backoff``). ``timeout_s`` is a deadline per request, not per
-socket read: each request runs within ``pdkv.tier.bounds``, and its
-connection is closed when the deadline passes (``pdkv.tier.s3_bounded``).
+(``pdkv.tier.backoff``). ``timeout_s`` is a deadline per request (on its
+whole answer, from when it is sent), not per socket read: each request runs
+within ``pdkv.tier.bounds``, and its connection is closed when the deadline
+passes (``pdkv.tier.s3_bounded``).
 Writes reach the store only through the tier's write-behind queue, so a slow
 store never stalls a forward step; reads wait at most the timeouts.
 """
@@ -68,7 +69,7 @@ class S3Options(msgspec.Struct, forbid_unknown_fields=True):
     access_key_id: str = ""  # "" (both): boto3's own chain (environment, profile, instance role)
     secret_access_key: str = ""
     secret: str = ""  # seals values as tier.redis_secret does (pdkv.tier.base)
-    timeout_s: Annotated[float, Meta(gt=0)] = 5.0  # per request (a deadline that closes its connection)
+    timeout_s: Annotated[float, Meta(gt=0)] = 5.0  # per request: its answer whole within it, or its connection closes
     connect_timeout_s: Annotated[float, Meta(gt=0)] = 1.0
     retry_s: Annotated[float, Meta(gt=0)] = 10.0  # after a failure, the store is skipped (reads miss) this long
     max_concurrency: Annotated[int, Meta(ge=1, le=256)] = 16  # requests in flight per level

@@ -5,10 +5,11 @@ answer's body is read whole whatever it declares. ``bound_http`` gives one
 client connections (botocore's own, plus this mixin) that, inside a
 ``bounds.request``:
 
-* from the moment a request is sent until the request ends, let the
-  deadline shut their socket (``bounds.shut``): a trickle in the headers or
-  the body ends at once, and urllib3 never hands out a shut connection
-  again (it checks a pooled connection for EOF before reusing it);
+* from the moment a request is sent until the request ends, let its
+  deadline (``timeout_s`` from when the answer is awaited) shut their
+  socket (``bounds.shut``): a trickle in the headers or the body ends at
+  once, and urllib3 never hands out a shut connection again (it checks a
+  pooled connection for EOF before reusing it);
 * refuse an answer whose Content-Length is over the request's limit as soon
   as its headers are in, before any of the body is read, and close the
   connection (a HEAD's Content-Length describes the object, not a body).
@@ -54,8 +55,10 @@ class _Bounded:
                 shut(self.sock)
 
     def getresponse(self, *args: Any, **kwargs: Any) -> Any:
-        response = super().getresponse(*args, **kwargs)  # type: ignore[misc]
         bounds = current()
+        if bounds is not None:
+            bounds.answering()  # sent: the answer's clock starts
+        response = super().getresponse(*args, **kwargs)  # type: ignore[misc]
         declared = response.headers.get("Content-Length")
         if bounds is None or declared is None or self._method == "HEAD":
             return response
