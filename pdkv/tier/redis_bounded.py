@@ -48,8 +48,8 @@ class AnswerRefused(RedisConnectionError):
 class _BoundedBuffer(SocketBuffer):
     """The parser's socket buffer, checking declared lengths against the request's limit before reading them."""
 
-    def readline(self, timeout: Any = SENTINEL) -> bytes:
-        line = super().readline(timeout)
+    def readline(self, *args: Any, **kwargs: Any) -> bytes:  # redis-py 6+ passes a timeout, 5 none
+        line = super().readline(*args, **kwargs)
         kind = line[:1]
         if kind in (b"$", b"*", b":"):
             try:
@@ -63,11 +63,11 @@ class _BoundedBuffer(SocketBuffer):
                 raise StoreAnswerError(f"the server declared an array of {size} items, more than {MAX_ITEMS}")
         return line
 
-    def read(self, length: int, timeout: Any = SENTINEL) -> bytes | bytearray:
+    def read(self, length: int, *args: Any, **kwargs: Any) -> bytes | bytearray:
         """A bulk string of ``length`` bytes (its length checked by ``readline``); a long one is received into a
         buffer of its own (the bytes already buffered, then ``recv_into`` the rest)."""
         if length < DIRECT_BYTES:
-            return super().read(length, timeout)
+            return super().read(length, *args, **kwargs)
         value = bytearray(length + 2)  # and its CRLF
         view = memoryview(value)
         got = self._buffer.readinto(view)
