@@ -13,23 +13,30 @@ another host would.
 from __future__ import annotations
 
 import contextlib
+import json
 import resource
 import select
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from pdkv.channels import TransferOp
 from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
+from pdkv.testing.http import get_text as get
+from pdkv.testing.http import metric
+from pdkv.testing.http import post_json as post
+from pdkv.testing.procs import start_configured, start_worker
 
 from tests.conftest import wait_until
 
 KEY = "flood-secret"
 MiB = 1 << 20
 CALL_TIMEOUT = 20.0
+ZMTP_FIRST_BYTE = b"\xff"  # a ZeroMQ greeting's first byte, then nothing
 HALF_HELLO = wire.pack(wire.HELLO, xfer=7, length=40, flags=wire.SECRET)[:8]  # 8 bytes of a HELLO, then nothing
 
 
@@ -41,10 +48,20 @@ def enough_fds() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def _read(sock: socket.socket) -> bool:
+    """Read away what the target sent (a greeting, an ERROR); False once it closed the connection."""
+    try:
+        return bool(sock.recv(1 << 16))
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
 class Flood:
     """``count`` connections from ``source`` to ``port``, each sending ``opening`` once up, then (with
-    ``trickle_s``) one more byte every ``trickle_s``: a thread keeps them until ``stop``; what the target closes
-    is counted (``cut``), never dialled again."""
+    ``trickle_s``) one more byte every ``trickle_s``: a thread keeps them until ``stop``, reading away what the target
+    sends; what it closes is counted (``cut``), never dialled again."""
 
     def __init__(self, port: int, source: str, count: int, opening: bytes = b"", trickle_s: float = 0.0) -> None:
         self._opening = opening
@@ -68,8 +85,10 @@ class Flood:
         while not self._stop.is_set():
             for fd, events in self._poll.poll(50):
                 sock, connected = self._socks[fd]
-                if events & (select.POLLERR | select.POLLHUP) or (connected and events & select.POLLIN):
-                    self._poll.unregister(fd)  # closed by the target (or told why first): this one is done
+                if events & (select.POLLERR | select.POLLHUP) or (
+                    connected and events & select.POLLIN and not _read(sock)
+                ):
+                    self._poll.unregister(fd)  # closed by the target: this one is done
                     self.cut += 1
                 elif not connected and events & select.POLLOUT:
                     with contextlib.suppress(OSError):
@@ -153,3 +172,45 @@ def test_a_connection_that_trickles_its_handshake_is_cut_at_the_deadline() -> No
         wait_until(lambda: decode.stats().get("handshake_timeouts", 0) == 1, 5.0, "the timeout to be counted")
     finally:
         decode.close()
+
+
+def test_a_decode_worker_under_a_control_port_flood_answers_health_and_takes_a_new_prefill(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """1,500 connections that send a greeting's first byte and wait, on the control port of a decode worker
+    started with the common soft fd limit of 1024: it still answers ``/health``, and a prefill that has never
+    handshaken it does so and moves its KV. (Idle connections that sent nothing the kernel may leave half open
+    under a burst; a byte makes each one real.)"""
+    base = {
+        "model": str(model_dir),
+        "channel": {"name": "tcp"},
+        "num_blocks": 128,
+        "transfer": {"chunk_size": 32, "transfer_timeout_s": 30, "handshake_timeout_s": 5},
+    }
+    decode = start_configured(
+        "decode",
+        {**base, "transfer": {**base["transfer"], "handshake_timeout_s": 2.0}},
+        tmp_path / "decode.yaml",
+        timeout=120,
+        wrap=("sh", "-c", 'ulimit -Sn 1024 && exec "$@"', "sh"),
+    )
+    prefill = start_configured("prefill", base, tmp_path / "prefill.yaml", timeout=120)
+    router = start_worker("router", "--port", "0", "--prefill", prefill.url, "--decode", decode.url, timeout=60)
+    try:
+        control_port = int(decode.info["receiver"].rsplit(":", 1)[1])
+        with flooded(control_port, ("127.0.0.2", 1500, ZMTP_FIRST_BYTE)):
+            assert json.loads(get(decode.url + "/health", timeout=5.0))
+            prompt = [(i * 37) % 300 + 3 for i in range(100)]
+            answer = post(
+                router.url + "/v1/completions",
+                {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+                timeout=60.0,
+            )
+            assert len(answer["choices"][0]["text"]) > 0
+            d_metrics = get(decode.url + "/metrics", timeout=5.0)
+        assert metric(d_metrics, "pdkv_prompt_tokens_total", source="transferred") == len(prompt)
+        assert metric(d_metrics, "pdkv_fallbacks_total") == 0
+    finally:
+        router.stop()
+        prefill.stop()
+        decode.stop()

@@ -13,7 +13,7 @@ every handshake is bounded by ``connect_timeout`` anyway, a real one takes a
 round trip, so the oldest is the one least likely to be a peer about to
 prove itself, and a flood from one address never pushes out another's.
 
-``Throttled`` says what keeps happening (anyone can make connections fail) at a bounded rate, with a count.
+What keeps happening (anyone can make connections fail) is said at a bounded rate (``pdkv.ratelog``), and counted.
 """
 
 from __future__ import annotations
@@ -21,48 +21,12 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 from pdkv.channels.tcp.conn import Conn, shutdown
 from pdkv.channels.tcp.options import TcpOptions
 from pdkv.errors import HandshakeError
-
-REFUSAL_LOG_S = 10.0
-"""The window in which at most ``REFUSAL_LOG_LINES`` lines of one kind of refusal are logged; the ones beyond are
-counted into the next window's first line."""
-REFUSAL_LOG_LINES = 10
-
-
-class Throttled:
-    """At most ``lines`` log lines per kind of event every ``interval_s``; the first line after a window that
-    had to keep quiet says how many went unsaid."""
-
-    def __init__(
-        self, logger: logging.Logger, interval_s: float = REFUSAL_LOG_S, lines: int = REFUSAL_LOG_LINES
-    ) -> None:
-        self._log = logger
-        self._interval_s = interval_s
-        self._lines = lines
-        self._lock = threading.Lock()
-        self._windows: dict[str, tuple[float, int]] = {}  # kind -> (when its window began, lines said in it)
-        self._unsaid: collections.Counter[str] = collections.Counter()
-
-    def log(self, level: int, kind: str, msg: str, *args: object) -> None:
-        """Log ``msg % args`` unless ``lines`` of ``kind`` went out in this window (then count it)."""
-        now = time.monotonic()
-        with self._lock:
-            began, said = self._windows.get(kind, (-self._interval_s, 0))
-            if now - began >= self._interval_s:
-                began, said = now, 0
-            if said >= self._lines:
-                self._unsaid[kind] += 1
-                return
-            self._windows[kind] = (began, said + 1)
-            unsaid = self._unsaid.pop(kind, 0)
-        if unsaid:
-            msg += f" (and {unsaid} more like it unsaid before this)"
-        self._log.log(level, msg, *args)
+from pdkv.ratelog import Throttled
 
 
 class Slots:
