@@ -26,6 +26,7 @@ import pytest
 
 from pdkv.channels import TransferOp
 from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
+from pdkv.ratelog import REFUSAL_LOG_LINES
 from pdkv.testing.http import get_text as get
 from pdkv.testing.http import metric
 from pdkv.testing.http import post_json as post
@@ -111,13 +112,13 @@ class Flood:
 
 
 @contextlib.contextmanager
-def flooded(port: int, *floods: tuple[str, int, bytes]) -> Iterator[list[Flood]]:
-    """The floods (source, count, opening) against ``port``, once every connection of them is up or 3 s passed
-    (a port that accepts no more leaves the rest dialling)."""
+def flooded(port: int, *floods: tuple[str, int, bytes], settle_s: float = 3.0) -> Iterator[list[Flood]]:
+    """The floods (source, count, opening) against ``port``, once every connection of them is up or ``settle_s``
+    passed (a port that accepts no more leaves the rest dialling)."""
     running = [Flood(port, source, count, opening) for source, count, opening in floods]
     try:
         total = sum(count for _, count, _ in floods)
-        deadline = time.monotonic() + 3.0
+        deadline = time.monotonic() + settle_s
         while sum(f.up + f.cut for f in running) < total and time.monotonic() < deadline:
             time.sleep(0.02)
         yield running
@@ -199,7 +200,10 @@ def test_a_decode_worker_under_a_control_port_flood_answers_health_and_takes_a_n
     try:
         control_port = int(decode.info["receiver"].rsplit(":", 1)[1])
         with flooded(control_port, ("127.0.0.2", 1500, ZMTP_FIRST_BYTE)):
-            assert json.loads(get(decode.url + "/health", timeout=5.0))
+            until = time.monotonic() + 3.0  # the flood takes a second or two to be accepted: answers all along
+            while time.monotonic() < until:
+                assert json.loads(get(decode.url + "/health", timeout=2.0))
+                time.sleep(0.1)
             prompt = [(i * 37) % 300 + 3 for i in range(100)]
             answer = post(
                 router.url + "/v1/completions",
@@ -214,3 +218,46 @@ def test_a_decode_worker_under_a_control_port_flood_answers_health_and_takes_a_n
         router.stop()
         prefill.stop()
         decode.stop()
+
+
+def test_a_worker_out_of_file_descriptors_counts_its_failed_accepts_and_says_them_at_a_bounded_rate(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A decode worker whose hard fd limit is 1024 (nothing to raise) runs out under 1,500 connections on its
+    control port: its failed accepts, HTTP and ZeroMQ alike, are counted and logged a bounded number of times, not a
+    traceback each; once the flood is dropped (``handshake_timeout_s``) it answers again."""
+    log_path = tmp_path / "decode.log"
+    decode = start_configured(
+        "decode",
+        {
+            "model": str(model_dir),
+            "channel": {"name": "tcp"},
+            "num_blocks": 64,
+            "transfer": {"chunk_size": 32, "handshake_timeout_s": 5.0},
+        },
+        tmp_path / "decode.yaml",
+        timeout=120,
+        wrap=("sh", "-c", f'ulimit -n 1024 && exec "$@" 2>{log_path}', "sh"),
+    )
+    try:
+        control_port = int(decode.info["receiver"].rsplit(":", 1)[1])
+        with flooded(control_port, ("127.0.0.2", 1500, ZMTP_FIRST_BYTE), settle_s=0.0):
+            # until an HTTP connection finds no descriptor to be accepted with
+            wait_until(lambda: not _answers(decode.url + "/health"), 10.0, "the worker to run out of descriptors")
+        wait_until(lambda: _answers(decode.url + "/health"), 20.0, "the worker to answer again")
+        d_metrics = get(decode.url + "/metrics", timeout=5.0)
+        assert metric(d_metrics, "pdkv_transfer_events_total", event="http_accept_failures") > 0
+        assert metric(d_metrics, "pdkv_transfer_events_total", event="control_accept_failures") > 0
+    finally:
+        decode.stop()
+    said = log_path.read_text()
+    assert "Traceback" not in said
+    assert 0 < said.count("cannot accept") <= 2 * REFUSAL_LOG_LINES  # two kinds, each bounded
+
+
+def _answers(url: str) -> bool:
+    try:
+        get(url, timeout=1.0)
+    except OSError:
+        return False
+    return True
