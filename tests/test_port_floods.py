@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import resource
 import select
 import socket
@@ -112,12 +113,12 @@ class Flood:
 
 
 @contextlib.contextmanager
-def flooded(port: int, *floods: tuple[str, int, bytes], settle_s: float = 3.0) -> Iterator[list[Flood]]:
-    """The floods (source, count, opening) against ``port``, once every connection of them is up or ``settle_s``
-    passed (a port that accepts no more leaves the rest dialling)."""
-    running = [Flood(port, source, count, opening) for source, count, opening in floods]
+def flooded(port: int, *floods: tuple[str, int, bytes, float], settle_s: float = 3.0) -> Iterator[list[Flood]]:
+    """The floods (source, count, opening, trickle_s) against ``port``, once every connection of them is up or
+    ``settle_s`` passed (a port that accepts no more leaves the rest dialling)."""
+    running = [Flood(port, *flood) for flood in floods]
     try:
-        total = sum(count for _, count, _ in floods)
+        total = sum(flood[1] for flood in floods)
         deadline = time.monotonic() + settle_s
         while sum(f.up + f.cut for f in running) < total and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -127,15 +128,24 @@ def flooded(port: int, *floods: tuple[str, int, bytes], settle_s: float = 3.0) -
             f.stop()
 
 
-def test_a_prefill_connects_and_moves_its_kv_through_a_flood_of_unauthenticated_connections() -> None:
-    """1,500 idle connections and 300 half HELLOs hold the data port; a prefill that needs a new data connection
-    (its first) still connects and its KV lands, byte for byte."""
+def test_a_prefill_connects_and_moves_its_kv_through_a_flood_of_unauthenticated_connections(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """1,500 idle connections, 300 half HELLOs and 100 HELLOs trickling a byte every 0.5 s hold the data port; a
+    prefill that needs a new data connection (its first) still connects and its KV lands, byte for byte; the
+    flood's refusals are logged a bounded number of times."""
+    caplog.set_level(logging.WARNING, logger="pdkv.channels.tcp")
     decode = TcpChannel("decode", TcpOptions(secret=KEY, connect_timeout=3.0, io_timeout=10.0))
     prefill = TcpChannel("prefill", TcpOptions(secret=KEY, connect_timeout=5.0, io_timeout=10.0, streams=2))
     try:
         src, dst = bytearray(range(256)) * (8 * MiB // 256), bytearray(8 * MiB)
         src_region, dst_region = prefill.register(src), decode.register(dst)
-        with flooded(decode.port, ("127.0.0.2", 1500, b""), ("127.0.0.3", 300, HALF_HELLO)):
+        with flooded(
+            decode.port,
+            ("127.0.0.2", 1500, b"", 0.0),
+            ("127.0.0.3", 300, HALF_HELLO, 0.0),
+            ("127.0.0.4", 100, HALF_HELLO, 0.5),
+        ):
             prefill.add_peer(decode.metadata())
             handle = prefill.write("decode", [TransferOp(src_region, 0, dst_region, 0, len(src))], notif=b"landed")
             prefill.wait(handle, CALL_TIMEOUT)
@@ -144,6 +154,7 @@ def test_a_prefill_connects_and_moves_its_kv_through_a_flood_of_unauthenticated_
         stats = decode.stats()
         assert stats["handshakes_dropped"] > 0  # the flood was there, and made room
         assert stats.get("connections_refused", 0) == 0
+        assert len(caplog.records) <= 3 * REFUSAL_LOG_LINES  # drops, timeouts, truncated HELLOs: each kind bounded
     finally:
         prefill.close()
         decode.close()
@@ -199,7 +210,7 @@ def test_a_decode_worker_under_a_control_port_flood_answers_health_and_takes_a_n
     router = start_worker("router", "--port", "0", "--prefill", prefill.url, "--decode", decode.url, timeout=60)
     try:
         control_port = int(decode.info["receiver"].rsplit(":", 1)[1])
-        with flooded(control_port, ("127.0.0.2", 1500, ZMTP_FIRST_BYTE)):
+        with flooded(control_port, ("127.0.0.2", 1500, ZMTP_FIRST_BYTE, 0.0)):
             until = time.monotonic() + 3.0  # the flood takes a second or two to be accepted: answers all along
             while time.monotonic() < until:
                 assert json.loads(get(decode.url + "/health", timeout=2.0))
@@ -241,7 +252,7 @@ def test_a_worker_out_of_file_descriptors_counts_its_failed_accepts_and_says_the
     )
     try:
         control_port = int(decode.info["receiver"].rsplit(":", 1)[1])
-        with flooded(control_port, ("127.0.0.2", 1500, ZMTP_FIRST_BYTE), settle_s=0.0):
+        with flooded(control_port, ("127.0.0.2", 1500, ZMTP_FIRST_BYTE, 0.0), settle_s=0.0):
             # until an HTTP connection finds no descriptor to be accepted with
             wait_until(lambda: not _answers(decode.url + "/health"), 10.0, "the worker to run out of descriptors")
         wait_until(lambda: _answers(decode.url + "/health"), 20.0, "the worker to answer again")
