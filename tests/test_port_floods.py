@@ -27,6 +27,7 @@ import pytest
 
 from pdkv.channels import TransferOp
 from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
+from pdkv.errors import ChannelError
 from pdkv.ratelog import REFUSAL_LOG_LINES
 from pdkv.testing.http import get_text as get
 from pdkv.testing.http import metric
@@ -272,3 +273,20 @@ def _answers(url: str) -> bool:
     except OSError:
         return False
     return True
+
+
+def test_authenticated_connections_past_max_connections_are_refused_with_the_reason() -> None:
+    """``max_connections`` counts authenticated connections alone, and a peer past it hears why."""
+    decode = TcpChannel("decode", TcpOptions(secret=KEY, max_connections=1))
+    prefill = TcpChannel("prefill", TcpOptions(secret=KEY, streams=2, stream_min_bytes=4096))
+    try:
+        src, dst = bytearray(64 << 10), bytearray(64 << 10)
+        src_region, dst_region = prefill.register(src), decode.register(dst)
+        prefill.add_peer(decode.metadata())
+        with pytest.raises(ChannelError, match="max_connections=1"):
+            handle = prefill.write("decode", [TransferOp(src_region, 0, dst_region, 0, len(src))])
+            prefill.wait(handle, CALL_TIMEOUT)
+        assert decode.stats()["connections_refused"] == 1
+    finally:
+        prefill.close()
+        decode.close()
