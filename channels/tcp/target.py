@@ -33,7 +33,7 @@ from pdkv.channels.landing import LandingSums, Snapshot
 from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp.conn import IO_ERRORS, Conn, PeerClosed, idle_deadline, set_buffers, shutdown
 from pdkv.channels.tcp.options import Agent
-from pdkv.channels.tcp.slots import Slots, Throttled
+from pdkv.channels.tcp.slots import Slots
 from pdkv.channels.tcp.wire import (
     ACK,
     AUTH,
@@ -64,6 +64,7 @@ from pdkv.channels.tcp.wire import (
     pack,
 )
 from pdkv.errors import AuthError, ChannelError, ConfigError, ProtocolError, TransferTimeout
+from pdkv.ratelog import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ class Target:
             except OSError as exc:
                 if self.closed:
                     return
-                self.agent.count("accept_failures")
+                self.agent.count("data_accept_failures")
                 self._said.log(logging.WARNING, "accept", "tcp %s: accept failed: %s", self.agent.name, exc)
                 time.sleep(0.1)  # e.g. out of file descriptors: do not spin
                 continue
@@ -235,7 +236,7 @@ class Target:
                 self._unproven(conn, exc)
             elif not self.closed and not isinstance(exc, PeerClosed):
                 log.warning("tcp %s: connection %s failed: %s", self.agent.name, conn.label, exc)
-            elif session is not None and session.ending:
+            elif session.ending:
                 log.warning(
                     "tcp %s: %s closed with %d transfers partly arrived",
                     self.agent.name,
