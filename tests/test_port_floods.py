@@ -44,11 +44,13 @@ HALF_HELLO = wire.pack(wire.HELLO, xfer=7, length=40, flags=wire.SECRET)[:8]  # 
 
 
 @pytest.fixture(autouse=True, scope="module")
-def enough_fds() -> None:
-    """This process opens thousands of sockets: its soft fd limit raised to the hard one, as the workers do."""
+def enough_fds() -> Iterator[None]:
+    """This process opens thousands of sockets: its soft fd limit raised to the hard one for the module, as the
+    workers raise theirs, and put back after."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def _read(sock: socket.socket) -> bool:
