@@ -14,6 +14,7 @@ import ipaddress
 import json
 import logging
 import os
+import resource
 import signal
 from typing import Any
 
@@ -167,12 +168,34 @@ def printed_config(config: PdkvConfig) -> dict[str, Any]:
     return {"config": redacted(msgspec.to_builtins(config)), "tier_levels": config.tier.describe_levels()}
 
 
+def raise_fd_limit() -> None:
+    """Raise this process's soft open-files limit to its hard one, once, at start (logged).
+
+    Every connection a role accepts (HTTP, the control port, the data port)
+    holds a file descriptor, and anyone who reaches a port can open them: at
+    the common soft limit of 1024, 1,500 idle connections on a decode
+    worker's control port left it unable to accept anything, ``/health``
+    included. The hard limit is the operator's bound; what lies below it is
+    only a default. Children (an engine it runs) inherit the raised limit.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard or soft == resource.RLIM_INFINITY:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (OSError, ValueError) as exc:
+        log.warning("cannot raise the open-files limit from %d to its hard limit %d: %s", soft, hard, exc)
+        return
+    log.info("raised the open-files limit from %d to its hard limit %d (every connection holds one)", soft, hard)
+
+
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if args.print_config:
         print(json.dumps(printed_config(config), indent=2))
         return 0
     check_exposure(config)
+    raise_fd_limit()
     if config.engine == "vllm" and config.role != "router":
         from pdkv.launch.vllm import run_vllm
 

@@ -21,6 +21,7 @@ polls for readable connections looks at it too. The clear path is unchanged.
 
 from __future__ import annotations
 
+import math
 import os
 import select
 import socket
@@ -103,6 +104,9 @@ class Conn:
         self.tick = min(0.5, opts.io_timeout / 4)
         self.max_idle_ticks = max(1, round(opts.io_timeout / self.tick))
         self.last_progress = time.monotonic()  # last time a send or receive call moved a byte
+        # When every receive must be done by (time.monotonic()), however the bytes trickle in (``limit``).
+        self.deadline = math.inf
+        self._limit = (0.0, "")  # its seconds and what it bounds, for the error that cuts it
         self._hdr = bytearray(HDR_SIZE)
         self._hdr_view = memoryview(self._hdr)
         self.tls = False
@@ -135,6 +139,20 @@ class Conn:
             except _WOULD_BLOCK:
                 deadline()
 
+    def limit(self, seconds: float | None, what: str = "") -> None:
+        """Fail every receive ``seconds`` from now, bytes arriving or not (None: no such bound, the default).
+
+        The target's whole handshake is bounded so: ``io_timeout`` holds per
+        byte only, and a peer sending one byte every few seconds would hold
+        its connection for ever. An authenticated peer's frames have none.
+        """
+        self.deadline = math.inf if seconds is None else time.monotonic() + seconds
+        self._limit = (seconds or 0.0, what)
+
+    def remaining(self) -> float:
+        """Seconds left before ``deadline`` (0 once past; inf with none)."""
+        return max(0.0, self.deadline - time.monotonic())
+
     def pending(self) -> bool:
         """Whether OpenSSL holds decrypted bytes ``poll`` cannot see (never, in clear)."""
         return self.tls and self.sock.pending() > 0  # type: ignore[attr-defined]
@@ -148,14 +166,19 @@ class Conn:
 
         At a frame boundary an idle socket is normal: ``on_idle`` runs every
         tick (and may raise). Inside a frame, ``io_timeout`` without a byte is
-        a dead peer, and EOF is a truncated frame.
+        a dead peer, and EOF is a truncated frame. Past ``deadline`` any wait
+        fails, bytes arriving or not.
         """
         n = view.nbytes
         got = idle = 0
         while got < n:
+            if got and time.monotonic() > self.deadline:  # a receive came back short: checked before the next
+                raise self._late()
             try:
                 r = self.sock.recv_into(view[got:] if got else view, n - got, self._recv_flags)
             except _WOULD_BLOCK:
+                if time.monotonic() > self.deadline:
+                    raise self._late() from None
                 if boundary and got == 0:
                     if on_idle is not None:
                         on_idle()
@@ -237,6 +260,12 @@ class Conn:
             return None, None
         header = unpack_header(bytearray(loop.header.raw), self.label)
         return header, loop.table.raw[: header[3] * RUN.size] if code == native.FRAME_TABLE else None
+
+    def _late(self) -> TransferTimeout:
+        seconds, what = self._limit
+        return TransferTimeout(
+            f"tcp {self.label}: {what} not complete within {seconds:.3g}s, however its bytes trickled in"
+        )
 
     def _send_stall(self) -> TransferTimeout:
         return TransferTimeout(f"tcp {self.label}: peer accepted no data for {self.io_timeout:.3g}s")

@@ -55,12 +55,18 @@ class TcpOptions(ChannelOptions):
     inline_max_bytes: int = 1 << 20  # writes up to this size go out on the caller's thread when possible
     sndbuf: int = 0  # SO_SNDBUF in bytes; 0 leaves the kernel's autotuning
     rcvbuf: int = 0  # SO_RCVBUF in bytes; 0 leaves the kernel's autotuning
-    connect_timeout: float = 5.0  # seconds for connect + handshake
+    # seconds for connect + handshake; on the target, the whole handshake (TLS, HELLO, proof) of an accepted
+    # connection, however its bytes trickle in
+    connect_timeout: float = 5.0
     io_timeout: float = 10.0  # seconds without progress before a stream (and its link) is failed
     max_frame_bytes: int = 64 << 20  # largest DATA/READ frame sent or accepted
     max_notif_bytes: int = 64 << 10  # largest notification sent or accepted
     max_inflight: int = 1024  # transfers in flight per peer (initiator waits, target refuses beyond)
-    max_connections: int = 256  # accepted connections, all peers together
+    max_connections: int = 256  # authenticated connections (handshake complete), all peers together
+    # connections still in their handshake (anyone can open one), apart from max_connections: beyond either bound
+    # the oldest handshake of the same address (or of the address holding the most) is dropped (pdkv.channels.tcp.slots)
+    max_handshakes: int = 64
+    max_handshakes_per_host: int = 16
     tls: TlsOptions | None = None  # mutual TLS on every connection (pdkv.channels.tcp.tls); None: clear, as before
 
     def streams_for(self, nbytes: int) -> int:
@@ -87,6 +93,12 @@ class TcpOptions(ChannelOptions):
             ("max_notif_bytes", 0 <= self.max_notif_bytes <= 1 << 24, "0..16 MiB"),
             ("max_inflight", self.max_inflight >= 1, ">= 1"),
             ("max_connections", self.max_connections >= 1, ">= 1"),
+            ("max_handshakes", self.max_handshakes >= 1, ">= 1"),
+            (
+                "max_handshakes_per_host",
+                1 <= self.max_handshakes_per_host <= self.max_handshakes,
+                f"1..max_handshakes ({self.max_handshakes})",
+            ),
         ]
         for name, ok, expected in checks:
             if not ok:

@@ -33,6 +33,7 @@ from pdkv.channels.landing import LandingSums, Snapshot
 from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp.conn import IO_ERRORS, Conn, PeerClosed, idle_deadline, set_buffers, shutdown
 from pdkv.channels.tcp.options import Agent
+from pdkv.channels.tcp.slots import Slots
 from pdkv.channels.tcp.wire import (
     ACK,
     AUTH,
@@ -63,7 +64,8 @@ from pdkv.channels.tcp.wire import (
     no_extras,
     pack,
 )
-from pdkv.errors import AuthError, ChannelError, ConfigError, ProtocolError
+from pdkv.errors import AuthError, ChannelError, ConfigError, ProtocolError, TransferTimeout
+from pdkv.ratelog import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +158,8 @@ class Target:
         self._sessions: dict[int, Session] = {}
         self._accepted: dict[Conn, threading.Thread] = {}
         self._lock = threading.Lock()
+        self._said = Throttled(log)
+        self._slots = Slots(agent.opts, agent.name, agent.count, self._said)
         self.closed = False
         opts = agent.opts
         try:
@@ -178,57 +182,62 @@ class Target:
         self._acceptor.start()
 
     def _accept_loop(self) -> None:
+        """Accept every connection into a handshake slot (``Slots``: older handshakes make room), each served by
+        its own reader."""
         while not self.closed:
             try:
                 sock, addr = self._listener.accept()
             except OSError as exc:
                 if self.closed:
                     return
-                log.warning("tcp %s: accept failed: %s", self.agent.name, exc)
+                self.agent.count("data_accept_failures")
+                self._said.log(logging.WARNING, "accept", "tcp %s: accept failed: %s", self.agent.name, exc)
                 time.sleep(0.1)  # e.g. out of file descriptors: do not spin
                 continue
             label = f"{self.agent.name}<-{addr[0]}:{addr[1]}"
-            with self._lock:
-                full = self.closed or len(self._accepted) >= self.agent.opts.max_connections
-            if full:
-                if not self.closed:
-                    log.warning(
-                        "tcp %s: refusing %s: max_connections=%d reached",
-                        self.agent.name,
-                        label,
-                        self.agent.opts.max_connections,
-                    )
-                sock.close()
-                continue
             try:
                 conn = Conn(sock, self.agent.opts, label)
             except OSError as exc:
-                log.warning("tcp %s: cannot set up connection %s: %s", self.agent.name, label, exc)
+                self._said.log(
+                    logging.WARNING, "setup", "tcp %s: cannot set up connection %s: %s", self.agent.name, label, exc
+                )
                 sock.close()
                 continue
             t = threading.Thread(target=self._serve, args=(conn,), name=f"tcp-{self.agent.name}-serve", daemon=True)
             with self._lock:
+                if self.closed:
+                    sock.close()
+                    return
                 self._accepted[conn] = t
+            self._slots.admit(conn, addr[0])
             t.start()
 
     def _serve(self, conn: Conn) -> None:
         """Reader of one accepted connection: handshake, then frames until EOF or a bad frame."""
         session: Session | None = None
         try:
+            conn.limit(self.agent.opts.connect_timeout, "the handshake (TLS, HELLO and proof; connect_timeout)")
             if self.agent.tls is not None:
                 self._accept_tls(conn)
             session = self._handshake(conn)
+            conn.limit(None)
             self._serve_frames(conn, session)
         except ProtocolError as exc:
             if isinstance(exc, AuthError):
                 self.agent.count("auth_failures")
-            peer = session.peer if session else "?"
-            log.error("tcp %s: rejecting connection %s (peer %r): %s", self.agent.name, conn.label, peer, exc)
-            self._hang_up(conn, session, str(exc))
+            if session is None:
+                self._unproven(conn, exc)
+            else:
+                log.error(
+                    "tcp %s: rejecting connection %s (peer %r): %s", self.agent.name, conn.label, session.peer, exc
+                )
+            self._hang_up(conn, session, None if self._slots.dropped(conn) else str(exc))
         except IO_ERRORS as exc:
-            if not self.closed and not isinstance(exc, PeerClosed):
+            if session is None:
+                self._unproven(conn, exc)
+            elif not self.closed and not isinstance(exc, PeerClosed):
                 log.warning("tcp %s: connection %s failed: %s", self.agent.name, conn.label, exc)
-            elif session is not None and session.ending:
+            elif session.ending:
                 log.warning(
                     "tcp %s: %s closed with %d transfers partly arrived",
                     self.agent.name,
@@ -237,6 +246,7 @@ class Target:
                 )
             self._hang_up(conn, session, None)
         finally:
+            self._slots.release(conn)
             with self._lock:
                 self._accepted.pop(conn, None)
                 if session is not None:
@@ -246,10 +256,27 @@ class Target:
             with conn.send_lock:  # another session member may be telling this one why it hangs up
                 conn.sock.close()
 
+    def _unproven(self, conn: Conn, exc: Exception) -> None:
+        """A connection failed before it authenticated: said at a bounded rate (anyone can make many fail), and
+        not at all when it was dropped for a newer one (``Slots`` said so) or left without a word."""
+        if isinstance(exc, TransferTimeout):
+            self.agent.count("handshake_timeouts")
+        if self.closed or isinstance(exc, PeerClosed) or self._slots.dropped(conn):
+            return
+        level = logging.ERROR if isinstance(exc, ProtocolError) else logging.WARNING
+        self._said.log(
+            level,
+            type(exc).__name__,
+            "tcp %s: rejecting connection %s before it authenticated: %s",
+            self.agent.name,
+            conn.label,
+            exc,
+        )
+
     def _accept_tls(self, conn: Conn) -> None:
         """TLS before anything else; a peer that starts in clear is told (in clear) that TLS is required."""
         assert self.agent.tls is not None
-        timeout = self.agent.opts.connect_timeout
+        timeout = conn.remaining()
         deadline = idle_deadline(timeout, f"first bytes on {conn.label}")
         while True:
             try:
@@ -262,7 +289,7 @@ class Target:
                 f"tcp {conn.label}: this agent requires TLS (`tls` channel options) and the peer connected without it"
             )
         try:
-            conn.start_tls(self.agent.tls.server, True, None, timeout)
+            conn.start_tls(self.agent.tls.server, True, None, conn.remaining())
         except ssl.SSLError as exc:
             raise AuthError(
                 f"tcp {conn.label}: TLS handshake failed: {exc.reason or exc} (the peer needs a certificate signed by "
@@ -323,6 +350,7 @@ class Target:
             self._check_proof(conn, said, deadline)
         else:
             conn.send_frame(HELLO_OK, self.agent.instance, self.agent.name.encode())
+        self._slots.authenticate(conn)
         with self._lock:
             session = self._sessions.get(sid)
             if session is None:

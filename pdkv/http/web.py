@@ -27,6 +27,7 @@ from aiohttp import web
 from pdkv.config import HttpConfig
 from pdkv.errors import RequestError
 from pdkv.http.openai_wire import error_body
+from pdkv.ratelog import Throttled
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,53 @@ class _OpenAIErrorProtocol(web.RequestHandler):
         return resp
 
 
+ACCEPT_FAILED = "socket.accept() out of system resource"  # what asyncio says of a failed accept (selector_events)
+
+
+class AcceptFailures:
+    """This process's failed HTTP accepts, counted (``count``) and said at a bounded rate.
+
+    asyncio logs each one with its traceback, up to the listener's backlog
+    every second: out of file descriptors under a flood of connections, 82,000
+    tracebacks in 25 s buried everything else in a worker's log. ``install``
+    puts this in their place on the serving loop; whatever else the loop
+    reports goes where it went before.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._said = Throttled(log)
+
+    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Once per loop (every runner's setup calls it)."""
+        previous = loop.get_exception_handler()
+        if getattr(previous, "accept_failures", None) is self:
+            return
+
+        def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+            if context.get("message") != ACCEPT_FAILED:
+                if previous is not None:
+                    previous(loop, context)
+                else:
+                    loop.default_exception_handler(context)
+                return
+            self.count += 1
+            self._said.log(
+                logging.WARNING,
+                "accept",
+                "cannot accept an HTTP connection: %s (out of file descriptors? raise the open-files limit, "
+                "`ulimit -n`)",
+                context.get("exception"),
+            )
+
+        handle.accept_failures = self  # type: ignore[attr-defined]
+        loop.set_exception_handler(handle)
+
+
+accept_failures = AcceptFailures()
+"""The process's own: file descriptors run out per process, and one event loop serves a process's HTTP."""
+
+
 class _OpenAIErrorServer(web.Server):
     """An aiohttp server whose connections answer their own errors in OpenAI's shape (``_OpenAIErrorProtocol``)."""
 
@@ -211,9 +259,11 @@ class _OpenAIErrorServer(web.Server):
 
 
 class _Runner(web.AppRunner):
-    """``web.AppRunner`` whose server answers malformed requests in OpenAI's error shape too."""
+    """``web.AppRunner`` whose server answers malformed requests in OpenAI's error shape too, on a loop that says
+    failed accepts at a bounded rate (``AcceptFailures``)."""
 
     async def setup(self) -> None:
+        accept_failures.install(asyncio.get_running_loop())
         await super().setup()
         assert self.server is not None
         self.server.__class__ = _OpenAIErrorServer  # aiohttp builds its Server itself; no argument picks the class

@@ -30,6 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pdkv.auth import message_tag, verify_tag
 from pdkv.errors import ProtocolError
+from pdkv.ratelog import Throttled
 from pdkv.transfer import protocol
 from pdkv.wakeup import Waker
 
@@ -183,7 +184,15 @@ def _authentic(key: bytes, direction: str, frames: list[bytes], msg: protocol.Me
 
 
 class RouterSocket:
-    """The receiver's bound ROUTER: messages in with the sender's identity, replies out by identity."""
+    """The receiver's bound ROUTER: messages in with the sender's identity, replies out by identity.
+
+    Anyone who reaches the port can open connections, and ZeroMQ caps
+    neither how many nor (by default) how long one may take to greet: each
+    connection is dropped unless its ZMTP greeting completes within
+    ``handshake_s`` (``ZMQ_HANDSHAKE_IVL``), and an accept that fails (out of
+    file descriptors) is counted (``control_accept_failures``) and said at a
+    bounded rate, through the socket's monitor.
+    """
 
     def __init__(
         self,
@@ -193,21 +202,26 @@ class RouterSocket:
         on_message: Callable[[bytes, protocol.Message], None],
         counters: Any,
         keys: SessionKeys,
+        handshake_s: float,
     ) -> None:
         self._loop = loop
         self._on_message = on_message
         self._counters = counters
         self._keys = keys
+        self._said = Throttled(log)
         self._sock = zmq.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # No ROUTER_HANDOVER: a connection that claims a routing id in use is refused, never given its pipe.
         self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, math.ceil(handshake_s * 1000)))
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_ACCEPT_FAILED)
         if port:
             self._bind(f"tcp://{host}:{port}")
         else:
             port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         loop.watch(self._sock, self._drain)
+        loop.watch(self._monitor, self._on_monitor)
 
     def _bind(self, address: str) -> None:
         """Bind a given port, waiting out a socket on it that is still closing (ZeroMQ closes in the background:
@@ -219,7 +233,7 @@ class RouterSocket:
                 return
             except zmq.ZMQError as exc:
                 if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
-                    self._sock.close(0)
+                    self.close()
                     raise
             time.sleep(0.02)
 
@@ -234,7 +248,26 @@ class RouterSocket:
 
     def close(self) -> None:
         """After the loop stopped."""
+        self._sock.disable_monitor()
+        self._monitor.close(0)
         self._sock.close(0)
+
+    def _on_monitor(self) -> None:
+        """Failed accepts, counted and said at a bounded rate: ZeroMQ retries them as fast as it can."""
+        for _ in range(_DRAIN_BATCH):
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._counters["control_accept_failures"] += 1
+            self._said.log(
+                logging.WARNING,
+                "accept",
+                "control port %s cannot accept a connection: %s (out of file descriptors? raise the open-files "
+                "limit, `ulimit -n`; a flood of connections is dropped within transfer.handshake_timeout_s)",
+                self.address,
+                zmq.strerror(event["value"]),
+            )
 
     def _drain(self) -> None:
         for _ in range(_DRAIN_BATCH):

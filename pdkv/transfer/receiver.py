@@ -118,7 +118,13 @@ class KVReceiver:
         self.book = IncomingBook(self.parts)
         self.handshake = ReceiverHandshake(self.parts, admitted=self.book.pools)
         self._router = RouterSocket(
-            self.loop, host=host, port=port, on_message=self._on_message, counters=self.counters, keys=self.handshake
+            self.loop,
+            host=host,
+            port=port,
+            on_message=self._on_message,
+            counters=self.counters,
+            keys=self.handshake,
+            handshake_s=config.handshake_timeout_s,
         )
         self.address = self._router.address
         if advertise_host:  # what senders dial: not a wildcard bind address

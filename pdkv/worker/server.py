@@ -46,7 +46,7 @@ from pdkv.engine.sampling import TokenLogprobs
 from pdkv.errors import OutOfBlocksError, PdkvError, RequestError
 from pdkv.http.openai_routes import add_openai_routes, end_with_error, sse_response
 from pdkv.http.openai_wire import SSE_DONE, sse
-from pdkv.http.web import application, bearer_middleware, error_response, read_json
+from pdkv.http.web import accept_failures, application, bearer_middleware, error_response, read_json
 from pdkv.netaddr import is_loopback
 from pdkv.transfer.gauges import GAUGES
 from pdkv.transfer.receiver import KVReceiver
@@ -121,7 +121,14 @@ class Worker:
         )
         m.gauge("pdkv_open_transfers", "Outgoing transfers not yet settled", lambda: self._stat("open_transfers"))
         # the channel counts its own events (auth_failures of data connections) under the same names: exported summed
-        m.events(lambda: collections.Counter(self.kv_role.stats()) + collections.Counter(self.channel.stats()), GAUGES)
+        m.events(
+            lambda: (
+                collections.Counter(self.kv_role.stats())
+                + collections.Counter(self.channel.stats())
+                + collections.Counter(http_accept_failures=accept_failures.count)
+            ),
+            GAUGES,
+        )
 
     def _stat(self, name: str) -> float:
         return float(self.kv_role.stats().get(name, 0))
