@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from pdkv.config import convert_config
-from pdkv.engine.reference import ReferenceEngine
 from pdkv.errors import HandshakeError
 from pdkv.router.app import Router
 from pdkv.testing.http import get_text, metric
@@ -27,7 +26,7 @@ from pdkv.testing.http import post_json as post
 from pdkv.testing.relay import relay
 from pdkv.worker.server import Worker
 
-from tests.test_http_input import Loop, serve
+from tests.test_http_input import Loop, serve, worker
 
 SECRET = "relay-test-secret"
 PROMPT = [(i * 37) % 300 + 3 for i in range(100)]  # 4 chunks of 32
@@ -61,28 +60,14 @@ class Stack:
         return list(answer["choices"][0]["token_ids"])
 
 
-def worker(model: Path, role: str, secret: str) -> Worker:
-    config = convert_config(
-        {
-            "role": role,
-            "model": str(model),
-            "secret": secret,
-            "channel": {"name": "tcp"},
-            "num_blocks": 128,
-            "transfer": {"chunk_size": 32, "transfer_timeout_s": 20, "handshake_timeout_s": 5},
-        }
-    )
-    engine = ReferenceEngine.load(str(model), progress=False, max_kv_tokens=config.num_blocks * config.block_size)
-    return Worker(config, engine)
-
-
 @pytest.fixture(params=["secret", "no-secret"])
 def stack(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[Stack]:
     secret = SECRET if request.param == "secret" else ""
     loop = Loop()
     runners: list[Any] = []
     urls: dict[str, str] = {}
-    workers = {role: worker(model_dir, role, secret) for role in ("prefill", "decode")}
+    transfer = {"chunk_size": 32, "transfer_timeout_s": 20, "handshake_timeout_s": 5}
+    workers = {role: worker(model_dir, role, secret=secret, transfer=transfer) for role in ("prefill", "decode")}
     router: Router | None = None
     try:
         for role, w in workers.items():
