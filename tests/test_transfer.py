@@ -754,6 +754,32 @@ def test_a_notice_not_tagged_under_the_session_key_lands_nothing(make_pair: Make
     assert stats.get("transfers_ready", 0) == 1 and stats.get("malformed_notices", 0) == 0
 
 
+def test_a_name_goes_with_the_session_that_installed_it(make_pair: MakePair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two sessions reach one receiver (two spellings of its address): the first installed its name in the channel;
+    when it ends the name stays for the second, which goes on moving KV, and when that ends too the name is removed,
+    so nothing is left pointing at an address whose session is gone."""
+    pair = make_pair()
+    handshake = pair.sender.handshake
+    removed: list[str] = []
+    remove = pair.p_channel.remove_peer
+    monkeypatch.setattr(pair.p_channel, "remove_peer", lambda agent: (removed.append(agent), remove(agent)))
+    pair.allocator.free(push(pair, "first", 40, list(range(3))))
+    first = handshake.peers[pair.receiver.address]
+    alias = pair.receiver.address.replace("127.0.0.1", "localhost")
+    second = handshake.connect(alias)
+    assert second.agent == first.agent and handshake.installed[first.agent] is first
+
+    handshake.drop(first, "test: the first session ends")
+    assert handshake.installed[first.agent] is second and removed == []
+    xfer = pair.sender.open("second", alias, 40, list(range(3)))
+    xfer.send_all()
+    xfer.wait(10)
+    pair.allocator.free(pair.receiver.wait("second", 10).blocks)
+
+    handshake.drop(second, "test: the second session ends")
+    assert first.agent not in handshake.installed and removed == [first.agent]
+
+
 def test_receiver_restart_on_the_same_address_is_rehandshaked(make_pair: MakePair) -> None:
     """A decode side that restarts (new agent, same control address) is met with a fresh Hello, not an error."""
     pair = make_pair()

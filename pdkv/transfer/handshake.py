@@ -99,7 +99,7 @@ class SenderHandshake:
                         raise
                     self._retire_previous_run(peer, hello)
                     peer.agent = parts.channel.add_peer(hello.channel_metadata)
-                    self.installed[peer.agent] = peer
+                    self.installed.setdefault(peer.agent, peer)  # a live holder (same metadata: ``_claim``) keeps it
         parts.channel.connect(peer.agent, timeout, peer.token)  # the data path too: an unreachable one fails here
         return peer
 
@@ -186,29 +186,23 @@ class SenderHandshake:
                 if xfer.peer is peer:
                     xfer.fail(err)
             waiting = [peer.hello_future, *(fut for owner, fut in parts.asking.values() if owner is peer)]
-            successor = self._hand_on(peer) if peer.agent and self.installed.get(peer.agent) is peer else None
-        if successor is not None:  # outside the lock, as a write still in flight to it fails now
-            if successor:
-                parts.channel.add_peer(successor)
-            else:
-                parts.channel.remove_peer(peer.agent)
+            remove = bool(peer.agent) and self.installed.get(peer.agent) is peer and self._hand_on(peer)
+        if remove:  # its link goes too (outside the lock): a write still in flight to it fails now
+            parts.channel.remove_peer(peer.agent)
         for fut in waiting:
             answer(fut, err)
         parts.outbox.close_peer(peer)
 
-    def _hand_on(self, peer: ReceiverPeer) -> bytes | None:
+    def _hand_on(self, peer: ReceiverPeer) -> bool:
         """``peer``'s session ends and its agent's channel entry with it (caller holds the lock): handed on to another
-        live session with that agent, else removed, so no write is ever dialled to an address whose session is gone.
-
-        Returns what the caller does to the channel: ``b""``, remove the entry; metadata, point the entry back at
-        the heir's address (``peer``'s differed); None, nothing (the heir's is the same)."""
+        live session with that agent (``_claim`` let it in only with the same metadata: the entry is right for it),
+        else to be removed (True), so no write is ever dialled to an address whose session is gone."""
         heir = next((p for p in self.peers.values() if p.agent == peer.agent and p.hello is not None), None)
         if heir is None:
             del self.installed[peer.agent]
-            return b""
+            return True
         self.installed[peer.agent] = heir
-        assert peer.hello is not None and heir.hello is not None  # both handshaken: each has an agent
-        return heir.hello.channel_metadata if heir.hello.channel_metadata != peer.hello.channel_metadata else None
+        return False
 
     def on_hello(self, peer: ReceiverPeer, msg: Hello) -> None:
         """The receiver's Hello (I/O thread): check it, prove our secret, let ``connect`` go on."""
