@@ -820,6 +820,42 @@ def test_a_hello_rewritten_on_the_path_gets_no_connection(field: str) -> None:
         target.close()
 
 
+def test_a_listener_that_trickles_its_answer_is_cut_at_the_handshake_deadline() -> None:
+    """The initiator bounds the whole handshake answer by connect_timeout, as the listener bounds its HELLO: a
+    listener that sends one byte of HELLO_OK every 0.2 s (each within io_timeout) holds the connect no longer."""
+    stop = threading.Event()
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            answer = _hdr(wire.HELLO_OK, length=4) + b"evil"
+            for byte in answer:
+                if stop.wait(0.2):
+                    return
+                conn.sendall(bytes([byte]))
+            stop.wait(10)
+
+    server = threading.Thread(target=trickle, daemon=True)
+    server.start()
+    target = TcpChannel("evil", TcpOptions(io_timeout=5))
+    meta = msgspec.structs.replace(wire.decode_meta(target.metadata()), port=listener.getsockname()[1])
+    target.close()
+    initiator = TcpChannel("friend", TcpOptions(io_timeout=5, connect_timeout=1))
+    try:
+        region = initiator.register(bytearray(REGION))
+        initiator.add_peer(msgspec.msgpack.encode(msgspec.structs.replace(meta, regions={0: REGION})))
+        began = time.monotonic()
+        with pytest.raises(ChannelError, match="handshake answer"):
+            initiator.write("evil", [TransferOp(region, 0, 0, 0, REGION)], notif=b"no")
+        assert time.monotonic() - began < 4  # its 44 bytes would trickle in for 9 s
+    finally:
+        stop.set()
+        initiator.close()
+        listener.close()
+        server.join(5)
+
+
 def test_the_top_level_secret_guards_the_channel_and_is_no_channel_option() -> None:
     config = convert_config({"secret": KEY, "channel": {"name": "tcp", "options": {"streams": 2}}})
     options = TcpChannel.parse_options(config.channel_options())

@@ -184,6 +184,8 @@ class Link:
             sock.settimeout(opts.connect_timeout)
             sock.connect(addr)
             conn = Conn(sock, opts, f"{self.initiator.agent.name}->{self.peer}#{index}")
+            # the whole answer, however a listener trickles it (as the listener bounds ours): io_timeout is per byte
+            conn.limit(opts.connect_timeout, f"the handshake answer from {self.where} (connect_timeout)")
             tls = self.initiator.agent.tls
             if tls is not None:
                 conn.start_tls(tls.client, False, meta.host, opts.connect_timeout)
@@ -232,6 +234,7 @@ class Link:
                     "describes "
                     f"(instance {meta.instance:x}); the peer restarted: call add_peer with its current metadata"
                 )
+            conn.limit(None)
             return conn
         except ssl.SSLError as exc:  # the handshake, or (TLS 1.3) the target refusing our certificate at the first read
             sock.close()
