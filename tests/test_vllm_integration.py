@@ -41,11 +41,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from pdkv.auth import control_token
 from pdkv.netaddr import HeldPort
-from pdkv.testing.http import get_text, metric, post_json
+from pdkv.testing.http import get_text, metric, post_json, request
 from pdkv.testing.procs import WorkerProcess, start_worker
 from pdkv.testing.redis import local_redis
 from pdkv.transfer.params import sign_push
@@ -525,13 +527,25 @@ def test_a_prefix_computed_on_one_vllm_is_loaded_from_redis_by_another(cluster: 
     )  # D computed the rest over the loaded 512: other kernels
 
 
-def _cached(router_url: str, prompt: str) -> dict[str, int]:
-    return post_json(router_url + "/pdkv/kv-index", {"prompt": prompt})["cached_tokens"]
+def _admin(c: Cluster) -> dict[str, str]:
+    """What the router's ``/pdkv/`` endpoints want: it holds the workers' secret (to sign push targets)."""
+    return {"Authorization": f"Bearer {control_token(c.secret)}"}
 
 
-def _block_sizes(router_url: str, worker: str) -> list[int]:
+def _cached(c: Cluster, prompt: str) -> dict[str, int]:
+    return post_json(c.router.url + "/pdkv/kv-index", {"prompt": prompt}, headers=_admin(c))["cached_tokens"]
+
+
+def _index(c: Cluster) -> dict[str, Any]:
+    """The router's KV index, as its ``GET /pdkv/kv-index`` shows it."""
+    status, body = request("GET", c.router.url + "/pdkv/kv-index", headers=_admin(c))
+    assert status == 200, body
+    return dict(json.loads(body))
+
+
+def _block_sizes(c: Cluster, worker: str) -> list[int]:
     """The block sizes of what the router indexed for ``worker`` (vLLM's CPU backend uses 128-token blocks)."""
-    return json.loads(get_text(router_url + "/pdkv/kv-index"))["workers"].get(worker, {}).get("block_sizes", [])
+    return list(_index(c)["workers"].get(worker, {}).get("block_sizes", []))
 
 
 def test_the_router_follows_a_real_vllms_kv_events(cluster: Cluster) -> None:
@@ -543,17 +557,12 @@ def test_the_router_follows_a_real_vllms_kv_events(cluster: Cluster) -> None:
     assert info["kv_events"]["endpoint"].startswith("ipc://")
     n = complete(c.router.url, c.model, LONG)["usage"]["prompt_tokens"]
     deadline = time.monotonic() + 60
-    while (
-        not (sizes := _block_sizes(c.router.url, c.prefill.url))
-        or _cached(c.router.url, LONG)[c.prefill.url] < (n // sizes[0]) * sizes[0]
-    ):
-        assert time.monotonic() < deadline, (
-            f"the router's index of P: {get_text(c.router.url + '/pdkv/kv-index')}"
-        )  # vLLM caches whole blocks
+    while not (sizes := _block_sizes(c, c.prefill.url)) or _cached(c, LONG)[c.prefill.url] < (n // sizes[0]) * sizes[0]:
+        assert time.monotonic() < deadline, f"the router's index of P: {_index(c)}"  # vLLM caches whole blocks
         time.sleep(0.5)
     assert sizes[0] * 2 <= n  # several blocks: the match is not trivially the first one
-    assert _cached(c.router.url, "Something else entirely")[c.prefill.url] == 0
-    p_view = json.loads(get_text(c.router.url + "/pdkv/kv-index"))["workers"][c.prefill.url]
+    assert _cached(c, "Something else entirely")[c.prefill.url] == 0
+    p_view = _index(c)["workers"][c.prefill.url]
     assert (
         len(p_view["block_sizes"]) == 1
         and p_view["stream"].get("lost", 0) == 0

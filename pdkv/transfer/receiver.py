@@ -58,19 +58,16 @@ class KVReceiver:
         secret: str | bytes = b"",
         advertise_host: str = "",
     ) -> None:
-        self.channel = channel
-        self.layout = layout
+        self.channel, self.layout = channel, layout
         kv = adopt_kv(list(kv_tensors))
         num_blocks = layout.validate_buffer(kv)
         if allocator.num_blocks != num_blocks:
             raise TransferError(f"allocator manages {allocator.num_blocks} blocks but the KV buffer has {num_blocks}")
-        self.allocator = allocator
-        self.fingerprint = fingerprint
+        self.allocator, self.fingerprint = allocator, fingerprint
         self.config = config = config or TransferConfig()
         codecs = {name: make_codec(name, layout) for name in available_codecs(layout)}
-        slot_bytes = codec_slot_bytes(
-            layout, config.chunk_size, list(codecs.values())
-        )  # any offered codec's frame fits
+        # any offered codec's frame fits
+        slot_bytes = codec_slot_bytes(layout, config.chunk_size, list(codecs.values()))
         staging = pinned_empty(config.staging_slots * slot_bytes)
         reached = all(in_reach(t, channel.memory) for t in kv)
         kv_regions = [channel.register(t, layout.block_bytes) for t in kv] if reached else []
