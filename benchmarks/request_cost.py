@@ -6,7 +6,9 @@ process, against the raw channel moving the same bytes in the same run.
 Prints one JSON line: per request size, the median and p90 of ``open`` + ``send_all`` + ``wait`` (what
 ``pdkv bench transfer`` times per request), the median CPU time each side's process spent on one request (all
 its threads, /proc schedstat: steadier than wall time on a loaded machine), and the raw channel's time and
-CPU for the same bytes. ``--pool-tokens 0``
+CPU for the same bytes. ``--threads`` adds, per size, where each thread of both processes spent a request
+(schedstat per thread: on a CPU, runnable but waiting for one, and how many times it was put on one), for pdkv and
+for the raw channel: whether the request waits on the socket or on the scheduler (issue 46, step 0). ``--pool-tokens 0``
 reserves every request first (default: the config's, one chunk); on a pdkv without pools the option is ignored, so
 the same script measures before and after: run them alternately
 (benchmarks/history/2026-11-26-cost-of-a-byte-and-a-request-issue-28.md).
@@ -20,6 +22,7 @@ import json
 import multiprocessing
 import os
 import statistics
+import threading
 import time
 
 import torch
@@ -31,24 +34,97 @@ from pdkv.config import TransferConfig
 
 
 def cpu_ns(pid: int) -> int:
-    """CPU time of every thread of ``pid`` so far, in ns (/proc/PID/task/*/schedstat: exact, unlike ticks)."""
-    total = 0
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/schedstat") as f:
-            total += int(f.read().split()[0])
-    return total
+    """CPU time of every thread of ``pid`` so far, in ns (/proc/PID/task/*/schedstat: exact, unlike ticks, but
+    for a thread running now only as of when it last stopped: the calling thread's comes from its own clock)."""
+    return sum(entry[1] for entry in threads(pid).values())
 
 
-def one_request(rig: TransferRig, rid: str, tokens: int, table: list[int], peer: int) -> tuple[float, int, int, float]:
+# /proc's schedstat of a thread that is running is as of when it last stopped (a tick at most): each span is read
+# after every thread slept this long, and the reading thread's time on a CPU comes from its own clock
+SETTLE_S = 0.002
+Threads = dict[int, tuple[str, int, int, int]]  # tid -> (name, ns on a CPU, ns runnable and waiting, times run)
+
+
+def threads(pid: int, ours: str = "") -> Threads:
+    """Each thread of ``pid`` so far (/proc/PID/task/TID/schedstat and comm). ``ours`` (``last`` or ``first``): the
+    calling thread's own counters are read after (before) every other's, so that reading them all is left out of
+    the calling thread's span."""
+    out: Threads = {}
+    tasks = os.listdir(f"/proc/{pid}/task")
+    own = str(threading.get_native_id()) if pid == os.getpid() else ""
+    if ours and own in tasks:
+        tasks.remove(own)
+        tasks = [*tasks, own] if ours == "last" else [own, *tasks]
+    for task in tasks:
+        with contextlib.suppress(OSError, ValueError):
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                run, wait, slices = (int(x) for x in f.read().split())
+            if task == own:  # running now, so its schedstat lags: the thread's own clock does not
+                run = time.thread_time_ns()
+            with open(f"/proc/{pid}/task/{task}/comm") as f:
+                out[int(task)] = (f.read().strip(), run, wait, slices)
+    return out
+
+
+class Spent:
+    """Each thread's schedstat counters summed over the spans ``add`` is given (one per request, or one per burst
+    of the raw channel's transfers)."""
+
+    def __init__(self) -> None:
+        self.total: dict[int, list[int]] = {}  # tid -> [ns on a CPU, ns runnable, times run]
+
+    def add(self, before: Threads, after: Threads) -> int:
+        """Add one span; returns its ns on a CPU, all threads together."""
+        spent = 0
+        for tid, (_, run, wait, slices) in after.items():
+            _, run0, wait0, slices0 = before.get(tid, ("", 0, 0, 0))
+            acc = self.total.setdefault(tid, [0, 0, 0])
+            acc[0], acc[1], acc[2] = acc[0] + run - run0, acc[1] + wait - wait0, acc[2] + slices - slices0
+            spent += run - run0
+        return spent
+
+    def rows(self, n: int, names: dict[int, str]) -> list[dict[str, object]]:
+        """Per one of ``n`` requests, busiest thread first: microseconds on a CPU, runnable but waiting for one, and
+        how many times it was run (about one wake-up each)."""
+        rows: list[dict[str, object]] = [
+            {
+                "thread": names.get(tid, str(tid)),
+                "on_cpu_us": round(run / n / 1e3, 1),
+                "runnable_us": round(wait / n / 1e3, 1),
+                "runs": round(slices / n, 2),
+            }
+            for tid, (run, wait, slices) in self.total.items()
+            if slices > 0
+        ]
+        return sorted(rows, key=lambda r: -float(r["on_cpu_us"]))  # type: ignore[arg-type]
+
+
+def one_request(
+    rig: TransferRig, rid: str, tokens: int, table: list[int], peer: int, spent: dict[str, Spent] | None = None
+) -> tuple[float, int, int, float]:
     """Move one request as ``TransferRig.push`` does; (seconds, sender CPU ns, receiver CPU ns, seconds in
-    ``open``) of the transfer alone, then check its KV bit for bit outside the measured part."""
+    ``open``) of the transfer alone, then check its KV bit for bit outside the measured part. ``spent``: each
+    side's threads' share of the measured part is added there."""
     rig.conn.send(("expect", [(rid, tokens)]))
-    c0, p0, t0 = cpu_ns(os.getpid()), cpu_ns(peer), time.perf_counter()
+    pids = {"receiver": peer, "sender": os.getpid()}
+    snap: dict[str, Threads] = {}
+    if spent is not None:  # SETTLE_S first: a running thread's schedstat is only brought up to date when it stops
+        time.sleep(SETTLE_S)
+        snap = {side: threads(pid, "last") for side, pid in pids.items()}
+        c0 = p0 = 0  # each side's CPU is then the sum of its threads' (reading it here would be in the span)
+    else:
+        c0, p0 = cpu_ns(os.getpid()), cpu_ns(peer)
+    t0 = time.perf_counter()
     xfer = rig.sender.open(rid, rig.address, tokens, table)
     opened = time.perf_counter()
     xfer.send_all()
     xfer.wait(60)
-    t1, c1, p1 = time.perf_counter(), cpu_ns(os.getpid()), cpu_ns(peer)
+    t1 = time.perf_counter()
+    if spent is not None:  # every thread done with the request and stopped, then ours first
+        time.sleep(SETTLE_S)
+        c1, p1 = (spent[side].add(snap[side], threads(pids[side], "first")) for side in ("sender", "receiver"))
+    else:
+        c1, p1 = cpu_ns(os.getpid()), cpu_ns(peer)
     rig.conn.send(("check",))
     digests = _recv(rig.conn, "the receiver's digests")[1]
     if digests != [_digest(rig.layout, rig.kv, table, tokens)]:
@@ -62,6 +138,7 @@ def main() -> None:
     parser.add_argument("--pool-tokens", type=int, default=None, help="default: the config's (one chunk)")
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--tokens", default="40,256")
+    parser.add_argument("--threads", action="store_true", help="also each thread's time per request (schedstat)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     pools = "pool_tokens" in TransferConfig.__struct_fields__
@@ -79,6 +156,7 @@ def main() -> None:
                 nbytes = SENDER_LAYOUT.chunk_bytes(tokens)
                 table = rig.allocator.allocate(SENDER_LAYOUT.blocks_for(tokens))
                 runs = []
+                spent = {"sender": Spent(), "receiver": Spent()} if args.threads else None
                 for i in range(args.repeats):
                     if pool_tokens:  # the next pool is granted right after the previous request
                         deadline = time.monotonic() + 0.05
@@ -86,12 +164,19 @@ def main() -> None:
                             p.pool is not None for p in rig.sender.handshake.peers.values()
                         ):
                             time.sleep(0.0002)
-                    runs.append(one_request(rig, f"r{tokens}-{i}", tokens, table, *receiver))
+                    runs.append(one_request(rig, f"r{tokens}-{i}", tokens, table, *receiver, spent=spent))
                 rig.allocator.free(table)
+                raw_pids = {"sender": os.getpid(), "receiver": raw_peer[0]}
+                raw_spent = {"sender": Spent(), "receiver": Spent()}
                 raw_runs = []
                 for _ in range(5):
                     c0, p0 = cpu_ns(os.getpid()), sum(cpu_ns(p) for p in raw_peer)
+                    time.sleep(SETTLE_S)
+                    before = {side: threads(raw_pids[side], "last") for side in ("receiver", "sender")}
                     gbps = raw.gbps(nbytes, 20)
+                    time.sleep(SETTLE_S)
+                    for side in ("sender", "receiver"):
+                        raw_spent[side].add(before[side], threads(raw_pids[side], "first"))
                     c1, p1 = cpu_ns(os.getpid()), sum(cpu_ns(p) for p in raw_peer)
                     raw_runs.append((nbytes / gbps / 1e9, (c1 - c0) / 20, (p1 - p0) / 20))
                 times = sorted(r[0] for r in runs)
@@ -106,6 +191,13 @@ def main() -> None:
                     "raw_receiver_cpu_ms": statistics.median(r[2] for r in raw_runs) / 1e6,
                     "bytes": nbytes,
                 }
+                if spent is not None:
+                    names = rig.thread_names()
+                    out[str(tokens)]["threads"] = {side: spent[side].rows(args.repeats, names[side]) for side in spent}
+                    out[str(tokens)]["raw_threads"] = {
+                        side: raw_spent[side].rows(5 * 20, names[side] if side == "sender" else {})
+                        for side in raw_spent
+                    }
         out["sender"] = {k: v for k, v in rig.sender.stats().items() if k in ("reserved_from_pool", "transfers_ok")}
     print(json.dumps(out))
 

@@ -226,6 +226,9 @@ def _receiver_side(
             if msg[0] == "host":  # the host time spans recorded since the last ask (pdkv/transfer/hosttime.py)
                 conn.send(("host", receiver.parts.host.take()))
                 continue
+            if msg[0] == "threads":  # the OS thread ids of its threads, by name (schedstat is per OS thread)
+                conn.send(("threads", {t.native_id: t.name for t in threading.enumerate()}))
+                continue
             claimed = [(receiver.wait(rid, TIMEOUT_S).blocks, tokens) for rid, tokens in msg[1]]
             # the check waits until the sender's clock stopped: run at once, it took a core from the
             # transfer's last acknowledgement (a 256-token request measured 3-4 ms slower that way)
@@ -363,6 +366,12 @@ class TransferRig:
         self.conn.send(("host",))
         _, decode = _recv(self.conn, "the receiver's host times")
         return {"prefill": self.sender.parts.host.take(), "decode": decode}
+
+    def thread_names(self) -> dict[str, dict[int, str]]:
+        """Each side's threads, OS thread id -> name (``sender``: this process's, ``receiver``: the peer's)."""
+        self.conn.send(("threads",))
+        _, theirs = _recv(self.conn, "the receiver's thread names")
+        return {"sender": {t.native_id: t.name for t in threading.enumerate()}, "receiver": theirs}
 
     def receiver_stats(self) -> dict[str, int]:
         self.conn.send(("stats",))
