@@ -719,6 +719,7 @@ def test_a_replayed_proof_is_refused(guarded: Guarded) -> None:
             instance=instance,
             target_nonce=ok[:NONCE_BYTES],
         )
+        assert said.verify(KEY.encode(), wire.TARGET_ROLE, ok[NONCE_BYTES : NONCE_BYTES + PROOF_BYTES])  # all of it
         seen = said.proof(KEY.encode(), wire.INITIATOR_ROLE)  # what a legitimate peer sent on that connection
     before = guarded.channel.stats().get("auth_failures", 0)
 
@@ -845,10 +846,9 @@ def test_a_listener_that_trickles_its_answer_is_cut_at_the_handshake_deadline() 
     try:
         region = initiator.register(bytearray(REGION))
         initiator.add_peer(msgspec.msgpack.encode(msgspec.structs.replace(meta, regions={0: REGION})))
-        began = time.monotonic()
-        with pytest.raises(ChannelError, match="handshake answer"):
+        # only the deadline says this (its 44 bytes would trickle in whole after 9 s, a HELLO_OK of another instance)
+        with pytest.raises(ChannelError, match="handshake answer .* not complete within 1s, however its bytes"):
             initiator.write("evil", [TransferOp(region, 0, 0, 0, REGION)], notif=b"no")
-        assert time.monotonic() - began < 4  # its 44 bytes would trickle in for 9 s
     finally:
         stop.set()
         initiator.close()

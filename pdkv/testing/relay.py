@@ -106,6 +106,7 @@ class ByteRelay:
         self.bytes = 0  # what dialling sides wrote through us
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._pipes: list[threading.Thread] = []
         self._thread = threading.Thread(target=self._accept, name="relay-data", daemon=True)
         self._thread.start()
 
@@ -121,7 +122,9 @@ class ByteRelay:
                 conn.close()
                 continue
             self.connections += 1
-            threading.Thread(target=self._pipe_pair, args=(conn, self.target), daemon=True).start()
+            pipe = threading.Thread(target=self._pipe_pair, args=(conn, self.target), name="relay-pipe", daemon=True)
+            self._pipes.append(pipe)
+            pipe.start()
 
     def _pipe_pair(self, conn: socket.socket, target: tuple[str, int]) -> None:
         with contextlib.closing(conn), socket.create_connection(target, timeout=self.timeout) as up:
@@ -157,8 +160,11 @@ class ByteRelay:
             dst.shutdown(socket.SHUT_WR)
 
     def close(self) -> None:
+        """Stop: every connection through us ends (its pumps see the stop within a poll) and is joined."""
         self._stop.set()
         self._thread.join(self.timeout)
+        for pipe in self._pipes:
+            pipe.join(self.timeout)
         self.listener.close()
 
 

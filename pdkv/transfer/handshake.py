@@ -91,20 +91,20 @@ class SenderHandshake:
             raise
         if not peer.agent:
             with parts.cond:
-                if not peer.agent:
-                    try:
-                        self._claim(peer, hello)
-                    except HandshakeError as exc:
-                        self.drop(peer, str(exc))
-                        raise
+                refused = self._claim(peer, hello) if not peer.agent else None
+                if not peer.agent and refused is None:
                     self._retire_previous_run(peer, hello)
                     peer.agent = parts.channel.add_peer(hello.channel_metadata)
                     self.installed.setdefault(peer.agent, peer)  # a live holder (same metadata: ``_claim``) keeps it
+            if refused is not None:  # dropped outside the lock, as every drop is
+                self.drop(peer, str(refused))
+                raise refused
         parts.channel.connect(peer.agent, timeout, peer.token)  # the data path too: an unreachable one fails here
         return peer
 
-    def _claim(self, peer: ReceiverPeer, hello: Hello) -> None:
-        """Refuse a handshake that would re-point a name under a live session (caller holds the lock).
+    def _claim(self, peer: ReceiverPeer, hello: Hello) -> HandshakeError | None:
+        """Why a handshake that would re-point a name under a live session is refused; None when it is not (caller
+        holds the lock).
 
         The channel reaches a receiver by its agent name, so ``add_peer`` with another address for a name that a live
         session at another control address installed would move that session's links, and every transfer on them, to
@@ -113,14 +113,15 @@ class SenderHandshake:
         """
         holder = self.installed.get(hello.agent)
         if holder is None or holder is peer or holder.dropped or holder.hello is None:
-            return
-        if holder.hello.channel_metadata != hello.channel_metadata:
-            self.parts.counters["handshake_failures"] += 1
-            raise HandshakeError(
-                f"receiver {peer.address} names agent {hello.agent!r} with another data address, and that agent is "
-                f"reachable at {holder.address} in a live session: its links are not re-pointed (a relay between us, "
-                "or two receivers with one agent name)"
-            )
+            return None
+        if holder.hello.channel_metadata == hello.channel_metadata:
+            return None
+        self.parts.counters["handshake_failures"] += 1
+        return HandshakeError(
+            f"receiver {peer.address} names agent {hello.agent!r} with another data address, and that agent is "
+            f"reachable at {holder.address} in a live session: its links are not re-pointed (a relay between us, "
+            "or two receivers with one agent name)"
+        )
 
     def _retire_previous_run(self, peer: ReceiverPeer, hello: Hello) -> None:
         """Fail transfers reserved on an earlier run of the receiver ``hello`` comes from (caller holds the lock).

@@ -94,5 +94,5 @@ class SenderPeer:
     layout: KVLayout
     token: bytes  # its data connections' capability: its reservations are granted to it
     session: bytes = b""  # the handshake's transcript (with a secret): what its Reserves' proofs are bound to
-    session_key: bytes = b""  # with a secret: what its control messages are tagged with (``control``, "Sessions")
+    session_key: bytes = b""  # with a secret: what its control messages and chunk notices are tagged with
     kv_reached: bool = True  # its channel registered its KV (an empty kv_regions in its Hello: not, so staging only)
