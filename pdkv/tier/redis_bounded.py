@@ -6,7 +6,8 @@ tier makes (one server or each cluster node) swaps its parser, as it
 connects (``redis_connect_func``: a hook redis-py's single and cluster
 clients both take), for ``BoundedParser``, which
 
-* refuses a bulk length (``$N``) over the request's limit and an array
+* refuses a bulk length (``$N``) over the request's limit (outside one,
+  ``bounds.ANSWER_BYTES``) and an array
   (``*N``) of more than ``MAX_ITEMS`` before reading them, and never
   buffers more unread bytes than the limit allows;
 * watches its socket while it waits for an answer, so the request's
@@ -34,7 +35,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pdkv.errors import StoreAnswerError
-from pdkv.tier.bounds import current, request, shut
+from pdkv.tier.bounds import ANSWER_BYTES, current, request, shut
 
 MAX_ITEMS = 1 << 16  # the most items an array reply may declare (the tier's commands answer none; CLUSTER SLOTS few)
 DIRECT_BYTES = 1 << 16  # a bulk string this long or longer is received straight into its own buffer
@@ -57,8 +58,10 @@ class _BoundedBuffer(SocketBuffer):
             except ValueError:
                 raise StoreAnswerError(f"a malformed reply {bytes(line[:40])!r}: not a number") from None
             bounds = current()
-            if bounds is not None and kind == b"$":
+            if kind == b"$" and bounds is not None:
                 bounds.check_declared(size, "the server")
+            elif kind == b"$" and size > ANSWER_BYTES:  # outside a request (a cluster client's own look-ups)
+                raise StoreAnswerError(f"the server declared a {size}-byte answer, more than {ANSWER_BYTES}")
             if kind == b"*" and size > MAX_ITEMS:
                 raise StoreAnswerError(f"the server declared an array of {size} items, more than {MAX_ITEMS}")
         return line
