@@ -139,13 +139,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--tokens", default="40,256")
     parser.add_argument("--threads", action="store_true", help="also each thread's time per request (schedstat)")
+    parser.add_argument(
+        "--data-verdicts",
+        choices=("on", "off"),
+        default=None,
+        help="chunks answered on their data connection, or by Landed (default: the config's; ignored before them)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    pools = "pool_tokens" in TransferConfig.__struct_fields__
-    config = TransferConfig(**({"pool_tokens": args.pool_tokens} if pools and args.pool_tokens is not None else {}))
+    fields = TransferConfig.__struct_fields__
+    pools = "pool_tokens" in fields
+    options: dict[str, object] = {"pool_tokens": args.pool_tokens} if pools and args.pool_tokens is not None else {}
+    if args.data_verdicts is not None and "data_verdicts" in fields:
+        options["data_verdicts"] = args.data_verdicts == "on"
+    config = TransferConfig(**options)
     pool_tokens = getattr(config, "pool_tokens", 0)
     sizes = [int(t) for t in args.tokens.split(",")]
-    out: dict[str, object] = {"channel": args.channel, "pool_tokens": pool_tokens if pools else None}
+    out: dict[str, object] = {
+        "channel": args.channel,
+        "pool_tokens": pool_tokens if pools else None,
+        "data_verdicts": getattr(config, "data_verdicts", None),
+    }
     biggest = max(SENDER_LAYOUT.chunk_bytes(t) for t in sizes)
     with TransferRig(args.channel, SENDER_LAYOUT, 64, 256, config) as rig:
         receiver = [p.pid for p in multiprocessing.active_children()]

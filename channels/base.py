@@ -33,7 +33,7 @@ import msgspec
 
 from pdkv.channels.grants import Access, Grants, Range
 from pdkv.channels.handle import BlockWrite, Notification, TransferHandle, TransferOp, XferState
-from pdkv.channels.inbox import NotificationInbox
+from pdkv.channels.inbox import Answerer, NotificationInbox
 from pdkv.channels.reachability import Reachability
 from pdkv.channels.regions import RegionTable
 from pdkv.errors import ChannelError, ConfigError, PeerUnreachableError, TransferTimeout
@@ -84,6 +84,9 @@ class Channel(ABC):
     # not reach is staged through pinned host memory by the sender and receiver (``pdkv.staging``);
     # ``pdkv.memory.in_reach`` says which (here only the names: this module stays free of torch).
     memory: ClassVar[frozenset[str]] = frozenset({"host"})
+    # Whether the target answers a notification on the connection its transfer came by, with the completion the
+    # writer gets (``answer_notifications``): tcp does.
+    carries_answers: ClassVar[bool] = False
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
         self.agent_name = agent_name
@@ -227,11 +230,12 @@ class Channel(ABC):
         return self._post("write", peer, ops, notif, token)
 
     def write_blocks(
-        self, peer: str, blocks: BlockWrite, notif: bytes | None = None, token: bytes = b""
+        self, peer: str, blocks: BlockWrite, notif: bytes | None = None, token: bytes = b"", *, inline: bool = False
     ) -> TransferHandle:
         """``write`` of whole blocks given as arrays (a direct-mode chunk): checked and posted with no Python pass
         per op where the channel can (nixl: index arrays into its block lists; tcp: the check); by default, as the
-        ops it stands for."""
+        ops it stands for. ``inline``: the caller has nothing else to do until this write is answered (a request of
+        one chunk), so a channel that sends from threads of its own may send on the caller's instead (tcp)."""
         return self.write(peer, blocks.ops(), notif, token)
 
     def read(
@@ -282,6 +286,16 @@ class Channel(ABC):
 
     def release(self, handle: TransferHandle) -> None:  # noqa: B027 - optional hook
         """Free resources a finished handle holds (NIXL handles must be released)."""
+
+    def answer_notifications(self, answerer: Answerer) -> bool:
+        """Have ``answerer(peer, notification)`` run on the thread that landed each transfer, instead of the
+        notification waiting in ``get_notifications``, and its answer go back to the writer with the completion
+        (``TransferHandle.answer``; b"": none). Set before any peer writes. False, and nothing set, where the
+        channel cannot carry answers back (``carries_answers``)."""
+        if not self.carries_answers:
+            return False
+        self.inbox.answerer = answerer
+        return True
 
     def get_notifications(self) -> list[Notification]:
         """Drain notifications whose transfers have fully landed here."""

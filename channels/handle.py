@@ -166,6 +166,9 @@ class TransferHandle:
         # Given up on while the channel could not tell whether its bytes will still land (nixl: a peer forgotten
         # with the request in flight, whose bytes may sit in a socket until a link comes back).
         self.may_still_land = False
+        # What the peer answered about the notification, with the completion, where the channel carries answers
+        # (``Channel.answer_notifications``): set before the handle completes, so its done callbacks read it.
+        self.answer = b""
         self._event = threading.Event()
         self._lock = threading.Lock()
         self._callbacks: list[Callable[[TransferHandle], None]] = []

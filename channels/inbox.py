@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from pdkv.channels.handle import Notification
 from pdkv.wakeup import Waker
+
+Answerer = Callable[[str, bytes], bytes]
+"""(peer, notification) -> the answer the writer gets with its completion (``TransferHandle.answer``)."""
 
 
 class NotificationInbox:
@@ -20,6 +24,16 @@ class NotificationInbox:
         self._items: list[Notification] = []
         self._lock = threading.Lock()
         self._waker = Waker()
+        self.answerer: Answerer | None = None
+
+    def take(self, peer: str, payload: bytes) -> bytes | None:
+        """A notification whose transfer landed, on the thread that landed it: with an answerer (a channel that
+        carries answers back on the data connection, ``Channel.answer_notifications``), the answer to send
+        back (b"": none, a plain acknowledgement); else delivered to the fd's sleeper, and None."""
+        if self.answerer is not None:
+            return self.answerer(peer, payload)
+        self.deliver(peer, payload)
+        return None
 
     def fileno(self) -> int:
         return self._waker.fileno()

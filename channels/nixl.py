@@ -596,7 +596,7 @@ class NixlChannel(Channel):
         return handle
 
     def write_blocks(
-        self, peer: str, blocks: BlockWrite, notif: bytes | None = None, token: bytes = b""
+        self, peer: str, blocks: BlockWrite, notif: bytes | None = None, token: bytes = b"", *, inline: bool = False
     ) -> TransferHandle:
         """The blocks checked on their arrays (``check_blocks``) and posted as index arrays into the block lists, as
         NixlConnector posts them: no op made, none merged in Python (NIXL merges adjacent descriptors). Regions

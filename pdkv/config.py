@@ -50,6 +50,11 @@ class TransferConfig(msgspec.Struct, forbid_unknown_fields=True):
     # The share of the receiver's blocks all pools together may hold: a pool is at most this share, and a sender
     # that would take pools past it gets none (it reserves), so pools never starve Reserves of room.
     pool_blocks_share: Annotated[float, Meta(ge=0, le=0.5)] = 0.25
+    # Where the channel carries answers on its data connections (tcp), a receiver verifies each chunk on the thread
+    # that received it and answers there (``protocol.ChunkVerdict``), so a request sends no control message on its
+    # way (pdkv/transfer/README.md, "Verdicts"); False: every chunk is acknowledged with a ``Landed`` on the control
+    # plane, verified by the receiver's I/O thread (the path before; kept to measure one against the other).
+    data_verdicts: bool = True
     handshake_timeout_s: Seconds = 10.0
     reserve_timeout_s: Seconds = 10.0
     chunk_timeout_s: Seconds = 30.0

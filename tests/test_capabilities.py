@@ -180,18 +180,18 @@ def test_a_sender_frozen_between_its_lease_check_and_its_write_cannot_touch_the_
     def freezing(real_write):  # noqa: ANN001, ANN202
         """``real_write`` (``write`` of a staged chunk or ``write_blocks`` of a direct one), frozen once when armed."""
 
-        def freezing_write(peer, what, notif=None, token=b""):  # noqa: ANN001, ANN202
+        def freezing_write(peer, what, notif=None, token=b"", **how):  # noqa: ANN001, ANN003, ANN202
             if late.get("armed"):
                 late["armed"] = False
                 frozen.wait(TIMEOUT)  # SIGSTOP here: lease checked, bytes not yet on the wire
-                handle = real_write(peer, what, notif, token=token)
+                handle = real_write(peer, what, notif, token=token, **how)
                 try:
                     p_channel.wait(handle, TIMEOUT)
                     late["outcome"] = "landed"
                 except ChannelError as exc:
                     late["outcome"] = str(exc)
                 return handle
-            return real_write(peer, what, notif, token=token)
+            return real_write(peer, what, notif, token=token, **how)
 
         return freezing_write
 

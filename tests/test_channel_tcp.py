@@ -448,6 +448,16 @@ LYING_ANSWERS: dict[str, tuple[str, Callable[[int], bytes], str]] = {
         lambda x: HEADER.pack(MAGIC, VERSION, wire.DATA, LAST, 1, 0, 0, x, 0, 16) + b"\xee" * 16,
         "DATA frame",
     ),
+    "answer of a transfer never posted": (
+        "write",
+        lambda x: wire.pack(wire.ANSWER, x + 1000, 4) + b"okay",
+        "answered a transfer that is not pending",
+    ),
+    "answer longer than a notification may be": (
+        "write",
+        lambda x: wire.pack(wire.ANSWER, x, 1 << 30) + b"\xee" * 64,
+        "answer of 1073741824 bytes exceeds",
+    ),
     "garbage": ("read", lambda x: b"\xee" * 64, "bad magic"),
     "an error frame": ("write", lambda x: wire.pack(wire.ERROR, 0, 7) + b"go away", "go away"),
 }
@@ -953,5 +963,53 @@ def test_a_share_over_max_frame_bytes_goes_as_frames_within_it_each_run_whole() 
         assert b"".join(f[3] for f in frames) == b"".join(
             pattern(3, 1 << 16)[op.local_offset : op.local_offset + op.length] for op in ops
         )
+    finally:
+        channel.close()
+
+
+def test_an_answerer_answers_each_write_on_its_data_connection(frame_loop: str) -> None:
+    """``answer_notifications``: the target's answer to a write's notification comes back with its completion
+    (``TransferHandle.answer``) and the notification never reaches the inbox; a write without one is a plain ACK;
+    an answerer that fails fails only its write (NACK), and so does an answer too big for the wire."""
+    target = TcpChannel("answering", TcpOptions(max_notif_bytes=64))
+    initiator = TcpChannel("asking", TcpOptions(streams=2))
+    landed = bytearray(MiB)
+    failures = {b"boom": RuntimeError("no room for it"), b"big": None}
+
+    def answer(peer: str, payload: bytes) -> bytes:
+        if payload == b"boom":
+            raise failures[payload]  # type: ignore[misc]
+        return b"x" * 65 if payload == b"big" else f"{peer} wrote {payload.decode()}".encode()
+
+    try:
+        assert target.answer_notifications(answer)
+        region = target.register(landed)
+        source = initiator.register(bytearray(pattern(5, MiB)))
+        initiator.add_peer(target.metadata())
+        ops = [TransferOp(source, 0, region, 0, 600 << 10), TransferOp(source, 700 << 10, region, 700 << 10, 4096)]
+        handle = initiator.write("answering", ops, b"chunk 1")
+        initiator.wait(handle, CALL_TIMEOUT)
+        assert handle.answer == b"asking wrote chunk 1"
+        assert landed[: 600 << 10] == pattern(5, MiB)[: 600 << 10]  # the bytes landed before the answer came
+        silent = initiator.write("answering", ops)
+        initiator.wait(silent, CALL_TIMEOUT)
+        assert silent.answer == b""
+        for payload, reason in ((b"boom", "could not take its notification: no room for it"), (b"big", "exceeds")):
+            failed = initiator.write("answering", ops, payload)
+            with pytest.raises(ChannelError, match=reason):
+                initiator.wait(failed, CALL_TIMEOUT)
+        again = initiator.write("answering", ops, b"chunk 2")  # the link went on
+        initiator.wait(again, CALL_TIMEOUT)
+        assert again.answer == b"asking wrote chunk 2" and target.get_notifications() == []
+    finally:
+        initiator.close()
+        target.close()
+
+
+def test_a_channel_that_cannot_carry_answers_keeps_notifications_in_its_inbox() -> None:
+    channel = create_channel("mock", "inbox-only")
+    try:
+        assert not channel.answer_notifications(lambda peer, payload: b"never")
+        assert channel.inbox.answerer is None
     finally:
         channel.close()

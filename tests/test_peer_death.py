@@ -123,10 +123,10 @@ def _receiver_child(conn: multiprocessing.connection.Connection, step: str) -> N
     elif step == "mid_chunk":
         on_notice = receiver.book.land
 
-        def stop_at_chunk_1(peer: str, notice: ChunkNotice, got: int | None = None) -> Any:
+        def stop_at_chunk_1(peer: str, notice: ChunkNotice, got: int | None = None, **how: bool) -> Any:
             if notice.chunk_index == 1:
                 _stop_here(conn, step)
-            return on_notice(peer, notice, got)
+            return on_notice(peer, notice, got, **how)
 
         receiver.book.land = stop_at_chunk_1  # type: ignore[method-assign]
     elif step == "done":
@@ -430,11 +430,11 @@ def test_receiver_back_under_its_old_name_never_gets_a_write_meant_for_its_previ
     posting, release = threading.Event(), threading.Event()
     write = prefill.channel.write_blocks  # a direct chunk's write
 
-    def paused_write(peer: str, blocks: Any, notif: bytes | None = None, token: bytes = b"") -> Any:
+    def paused_write(peer: str, blocks: Any, notif: bytes | None = None, token: bytes = b"", **how: bool) -> Any:
         if notif is not None and decode_notice(notif).transfer_id == "old":
             posting.set()
             release.wait(STEP_S)
-        return write(peer, blocks, notif, token=token)
+        return write(peer, blocks, notif, token=token, **how)
 
     prefill.channel.write_blocks = paused_write  # type: ignore[method-assign]
     with ThreadPoolExecutor(2) as pool:

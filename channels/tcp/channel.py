@@ -38,6 +38,7 @@ class TcpChannel(Channel):
     name: ClassVar[str] = "tcp"
     Options = TcpOptions
     authenticates_data: ClassVar[bool] = True
+    carries_answers: ClassVar[bool] = True  # an ANSWER frame: the ACK with the target's answer
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
         # Everything that can refuse the options first: the base opens the notification pipe, which a refused
@@ -137,14 +138,15 @@ class TcpChannel(Channel):
         return self._send(kind, peer, ops, self.regions.check_ops(peer, ops), notif, token)
 
     def write_blocks(
-        self, peer: str, blocks: BlockWrite, notif: bytes | None = None, token: bytes = b""
+        self, peer: str, blocks: BlockWrite, notif: bytes | None = None, token: bytes = b"", *, inline: bool = False
     ) -> TransferHandle:
         """The blocks checked on their arrays (``check_blocks``), then framed and sent natively where that runs
-        (``Initiator.post_blocks``), else as their runs' ops (merged already)."""
+        (``Initiator.post_blocks``), else as their runs' ops (merged already); ``inline``: the first share on this
+        thread whatever its size (``inline_max_bytes`` otherwise)."""
         self._check_open()
         total = self.regions.check_blocks(peer, blocks)
         self._check_notif(notif)
-        return self.initiator.post_blocks(peer, blocks, total, notif, token)
+        return self.initiator.post_blocks(peer, blocks, total, notif, token, inline)
 
     def _send(
         self,

@@ -159,9 +159,11 @@ class Initiator:
         notif: bytes | None,
         token: bytes,
         merged: bool = False,
+        inline: bool = False,
     ) -> TcpHandle:
         """Post checked ``ops`` (``total`` bytes) over the link presenting ``token``: split, batched, sent or queued.
-        ``merged``: no op continues the previous one on both sides (a ``BlockWrite``'s runs), so none is merged."""
+        ``merged``: no op continues the previous one on both sides (a ``BlockWrite``'s runs), so none is merged;
+        ``inline``: the first share on this thread, whatever its size."""
         link = self.link(peer, token)
         nstreams = len(link.streams)
         parts = min(nstreams, self.agent.opts.streams_for(total))
@@ -178,14 +180,18 @@ class Initiator:
             ]
         else:
             built = [self._read_batch(xfer, share) for share in shares]
-        return self._dispatch(link, TcpHandle(peer, kind, total, link), xfer, built, notif if kind == "read" else None)
+        return self._dispatch(
+            link, TcpHandle(peer, kind, total, link), xfer, built, notif if kind == "read" else None, inline
+        )
 
-    def post_blocks(self, peer: str, blocks: BlockWrite, total: int, notif: bytes | None, token: bytes) -> TcpHandle:
+    def post_blocks(
+        self, peer: str, blocks: BlockWrite, total: int, notif: bytes | None, token: bytes, inline: bool = False
+    ) -> TcpHandle:
         """Post a checked block write (``total`` bytes): framed natively (``native.block_frames``: the frames
         ``post`` would send, byte for byte) and sent from the iovecs natively, where the kernels load and the link
         is clear; else as its runs' ops through ``post``."""
         if self.agent.tls is not None or not native.available():
-            return self.post("write", peer, blocks.ops(), total, notif, token, merged=True)
+            return self.post("write", peer, blocks.ops(), total, notif, token, merged=True, inline=inline)
         link = self.link(peer, token)
         opts = self.agent.opts
         xfer = next(self._xfer_ids)
@@ -203,14 +209,16 @@ class Initiator:
         )
         keep = (frames.out, views, notif)  # the frames' tables, the regions' memory and the notification, until sent
         built = [Batch([], nbytes, iov=frames.iov[first : first + n], keep=keep) for first, n, nbytes in frames.shares]
-        return self._dispatch(link, TcpHandle(peer, "write", total, link), xfer, built, None)
+        return self._dispatch(link, TcpHandle(peer, "write", total, link), xfer, built, None, inline)
 
-    def _dispatch(self, link: Link, handle: TcpHandle, xfer: int, built: list[Batch], notif: bytes | None) -> TcpHandle:
+    def _dispatch(
+        self, link: Link, handle: TcpHandle, xfer: int, built: list[Batch], notif: bytes | None, inline: bool
+    ) -> TcpHandle:
         """Hand a transfer's batches to the link, share i on the calling thread's stream + i; the first share goes
-        out on this thread when small enough (a READ's are requests, no payload)."""
+        out on this thread when small enough (a READ's are requests, no payload) or ``inline`` says so."""
         home, nstreams = self._home_stream(), len(link.streams)
         batches = [((home + i) % nstreams, batch) for i, batch in enumerate(built)]
-        link.post(handle, xfer, batches, notif, built[0].nbytes <= self.agent.opts.inline_max_bytes)
+        link.post(handle, xfer, batches, notif, inline or built[0].nbytes <= self.agent.opts.inline_max_bytes)
         return handle
 
     def _frame_regions(

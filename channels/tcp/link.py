@@ -39,6 +39,7 @@ from pdkv.channels.tcp.conn import IO_ERRORS, SHUTDOWN_JOIN_S, Conn, PeerClosed,
 from pdkv.channels.tcp.options import TcpOptions
 from pdkv.channels.tcp.wire import (
     ACK,
+    ANSWER,
     AUTH,
     ERROR,
     FRAME_NAMES,
@@ -317,12 +318,14 @@ class Link:
                 return
 
     # -- completion ----------------------------------------------------------------
-    def finish(self, xfers: Sequence[int]) -> bool:
-        """Complete pending transfers; False if one is not pending (already failed with the link)."""
+    def finish(self, xfers: Sequence[int], answer: bytes = b"") -> bool:
+        """Complete pending transfers (``answer``: the target's answer to the one transfer's notification); False if
+        one is not pending (already failed with the link)."""
         with self.lock:
             done = [self.pending.pop(x, None) for x in xfers]
         for p in done:
             if p is not None:
+                p.handle.answer = answer
                 p.handle.complete()
         return None not in done
 
@@ -454,6 +457,10 @@ class Link:
             )
             if not self.finish(xfers):
                 raise ProtocolError(f"tcp: {self.where} acknowledged a transfer that is not pending")
+        elif ftype == ANSWER:
+            answer = conn.recv_payload(length, self.opts.max_notif_bytes, "answer")
+            if not self.finish((xfer,), answer):
+                raise ProtocolError(f"tcp: {self.where} answered a transfer that is not pending")
         elif ftype == READ_DATA:
             if not st.expect:
                 raise ProtocolError(f"tcp: {self.where} sent READ data nobody asked for")

@@ -36,6 +36,7 @@ from pdkv.channels.tcp.options import Agent
 from pdkv.channels.tcp.slots import Slots
 from pdkv.channels.tcp.wire import (
     ACK,
+    ANSWER,
     AUTH,
     DATA,
     ERROR,
@@ -533,9 +534,31 @@ class Target:
             self._send_acks(conn, acks)
             self._nack(conn, xfer, why)
         elif done:
-            if notif is not None:
-                self._inbox.deliver(session.peer, notif)
-            acks.append(xfer)
+            answer, why = self._take(session, notif) if notif is not None else (None, "")
+            if answer:
+                self._send_acks(conn, acks)
+                with conn.send_lock:
+                    conn.send([pack(ANSWER, xfer, len(answer)), answer])
+            elif why:
+                self._send_acks(conn, acks)
+                self._nack(conn, xfer, why)
+            else:
+                acks.append(xfer)
+
+    def _take(self, session: Session, notif: bytes) -> tuple[bytes | None, str]:
+        """The transfer's notification, taken on this thread (``NotificationInbox.take``): (the answer to send back,
+        b"" for a plain ACK, None where it went to the inbox; why the transfer is NACKed instead, where no answer
+        can go: the answerer failed, or answered more than ``max_notif_bytes``)."""
+        try:
+            answer = self._inbox.take(session.peer, notif)
+        except Exception as exc:
+            log.exception("tcp %s: answering a notification from %r failed", self.agent.name, session.peer)
+            return None, f"the target could not take its notification: {exc}"
+        limit = self.agent.opts.max_notif_bytes
+        if answer is not None and len(answer) > limit:
+            log.error("tcp %s: an answer of %d bytes exceeds max_notif_bytes=%d", self.agent.name, len(answer), limit)
+            return None, f"its answer exceeds max_notif_bytes={limit}"
+        return answer, ""
 
     def _runs(
         self, conn: Conn, nruns: int, offset: int, length: int, table: bytes | None = None

@@ -25,7 +25,8 @@ HEADER = struct.Struct("<2sBBBxHIIQQQ")
 HDR_SIZE = HEADER.size
 RUN = struct.Struct("<IQQ")  # one entry of a DATA frame's run table: region, offset, length
 
-HELLO, HELLO_OK, DATA, ACK, READ_REQ, READ_DATA, NOTIF, ERROR, AUTH, NACK = range(1, 11)
+# ANSWER: an ACK with the target's answer to the transfer's notification (``Channel.answer_notifications``)
+HELLO, HELLO_OK, DATA, ACK, READ_REQ, READ_DATA, NOTIF, ERROR, AUTH, NACK, ANSWER = range(1, 12)
 FRAME_NAMES = {
     HELLO: "HELLO",
     HELLO_OK: "HELLO_OK",
@@ -37,6 +38,7 @@ FRAME_NAMES = {
     ERROR: "ERROR",
     AUTH: "AUTH",
     NACK: "NACK",
+    ANSWER: "ANSWER",
 }
 LAST, NOTIF_FOLLOWS = 1, 2  # DATA flags
 SECRET = 1  # HELLO/HELLO_OK flag: the sender holds a shared secret, and nonce (and proof) lead the payload

@@ -11,6 +11,9 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from typing import NamedTuple
+
+import msgspec
 
 from pdkv.channels.grants import Range
 from pdkv.channels.handle import Notification
@@ -30,9 +33,18 @@ from pdkv.transfer.parts import ReceiverParts
 from pdkv.transfer.peers import SenderPeer
 from pdkv.transfer.plan import TransferPlan
 from pdkv.transfer.pool import ReceiverPools
-from pdkv.transfer.protocol import Cancel, ChunkNotice, Done, Landed, Reserve, Reserved
+from pdkv.transfer.protocol import Cancel, ChunkNotice, ChunkVerdict, Done, Landed, Refused, Reserve, Reserved
 
 log = logging.getLogger(__name__)
+
+
+class Landing(NamedTuple):
+    """What landing one chunk came to (``IncomingBook.land``)."""
+
+    r: IncomingTransfer | None  # the reservation it landed in, or failed
+    verdict: ChunkVerdict
+    admitting_ns: int  # a pooled request's admission (counted as the request's host time, not the chunk's)
+    refused: tuple[bytes | None, Refused] | None = None  # a pooled request refused: whom to tell, and why
 
 
 class IncomingBook:
@@ -52,7 +64,8 @@ class IncomingBook:
         self.res: dict[str, IncomingTransfer] = {}
         self.gone: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.free_slots = list(range(parts.config.staging_slots))
-        self.admitting_ns = 0  # this pass of on_notifications' time admitting pooled requests (hosttime.py)
+        # chunks answered on their data connection (``answer``) where the channel carries answers; else Landed
+        self.verdicts = parts.config.data_verdicts and parts.channel.answer_notifications(self.answer)
 
     def view(self, identity: bytes, peer: SenderPeer, transfer_id: str, held_tokens: int = 0) -> ReceiverView:
         """What admission reads (caller holds the lock); ``held_tokens``: what we hold of the transfer already."""
@@ -196,25 +209,57 @@ class IncomingBook:
         pooled requests that sent no Landed on their own (``ReceiverPools.send_refills``).
 
         The pass decodes every notice first and hashes its direct chunks together (``hash_direct``), then lands
-        them one by one in the order they arrived."""
-        began, self.admitting_ns = time.perf_counter_ns(), 0  # host time per chunk (hosttime.py): to Landed sent
+        them one by one in the order they arrived. Over a channel that carries answers (tcp) no chunk comes this
+        way: each is landed and answered on the thread that received it (``answer``)."""
+        began = time.perf_counter_ns()  # host time per chunk (hosttime.py): to Landed sent
         notifs = self.channel.get_notifications()
         keys = self.notice_keys({n.peer for n in notifs})
         notices = [(n.peer, notice) for n in notifs if (notice := self.decode(n, keys)) is not None]
         hashed = self.hash_direct(notices)
         landed: dict[str, tuple[bytes, list[int]]] = {}
+        admitting = 0
         for i, (peer, notice) in enumerate(notices):
-            r, index = self.land(peer, notice, hashed.get(i))
-            if r is not None:
-                landed.setdefault(r.transfer_id, (r.identity, []))[1].append(index)
+            got = self.land(peer, notice, hashed.get(i))
+            admitting += got.admitting_ns
+            if got.refused is not None and got.refused[0] is not None:
+                self.parts.outbox.reply(*got.refused)
+            if got.r is not None and got.verdict.outcome == "landed":
+                landed.setdefault(got.r.transfer_id, (got.r.identity, []))[1].append(notice.chunk_index)
         for rid, (identity, indices) in landed.items():
             self.parts.outbox.reply(identity, Landed(rid, indices, self.pools.next_pool(identity)))
         if chunks := sum(len(indices) for _, indices in landed.values()):
             # a pass's time shared by its chunks, less the pooled requests' admission (counted per request)
-            spent = time.perf_counter_ns() - began - self.admitting_ns
+            spent = time.perf_counter_ns() - began - admitting
             for _ in range(chunks):
                 self.parts.host.add("chunk", spent // chunks)
         self.pools.send_refills()
+
+    def answer(self, peer: str, payload: bytes) -> bytes:
+        """``Channel.answer_notifications``: land one chunk on the thread that received its bytes and answer its
+        sender on the same connection (a ``ChunkVerdict``, tagged with the session key): no hand-off to the I/O
+        thread, no ``Landed`` or ``Refused`` on the control plane. A request that took its sender's pool gets the
+        next pool in the verdict, granted before it goes, as a ``Landed`` would carry it. A notice that is
+        malformed or, with a secret, not tagged under a live session of ``peer``'s, is counted and dropped, and
+        answered with nothing (b"": a plain acknowledgement) that the sender could mistake for a verdict."""
+        began = time.perf_counter_ns()
+        keys = self.notice_keys({peer})
+        notice = self.decode(Notification(peer, payload), keys)
+        if notice is None:
+            return b""
+        with self.lock:
+            got = self.land(peer, notice, answered=True)
+            pool = self.pools.next_pool_of(peer)
+            session = self.parts.peers.get(got.r.identity) if got.r is not None else None
+            if session is not None:
+                key = session.session_key
+            else:
+                key = keys[peer][0] if keys and keys[peer] else b""
+        verdict = got.verdict if pool is None else msgspec.structs.replace(got.verdict, pool=pool)
+        data = protocol.seal_verdict(verdict, key)
+        if verdict.outcome == "landed":
+            self.counters["verdicts_sent"] += 1
+            self.parts.host.add("chunk", time.perf_counter_ns() - began - got.admitting_ns)
+        return data
 
     def notice_keys(self, agents: set[str]) -> dict[str, list[bytes]] | None:
         """With a secret, the session keys a notice from each of ``agents`` may be tagged with (those of its admitted
@@ -274,29 +319,34 @@ class IncomingBook:
         r = self.res.get(transfer_id)
         return r if r is not None and r.peer_agent == peer and r.state is State.RECEIVING else None
 
-    def land(self, peer: str, notice: ChunkNotice, got: int | None = None) -> tuple[IncomingTransfer | None, int]:
-        """Land one chunk from ``peer`` (``got``: its checksum, when ``hash_direct`` read it); the reservation and
-        chunk index to acknowledge, or (None, -1)."""
+    def land(self, peer: str, notice: ChunkNotice, got: int | None = None, *, answered: bool = False) -> Landing:
+        """Land one chunk from ``peer`` (``got``: its checksum, when ``hash_direct`` read it): the reservation it
+        landed in (None where none took it), its verdict, and a pooled request's admission, to tell and count.
+        ``answered``: the verdict goes back on the data connection, so a failure sends no ``Cancel`` ahead of it."""
+        admitting_ns = 0
+        refused: tuple[bytes | None, Refused] | None = None
         with self.lock:
             if notice.reserve is not None:
                 admitting = time.perf_counter_ns()
-                if not self.pools.open_pooled(peer, notice):
-                    return None, -1  # refused: the bytes it wrote into the pool are discarded, the pool offered again
-                spent = time.perf_counter_ns() - admitting
-                self.admitting_ns += spent
-                self.parts.host.add("request", spent)
+                refused = self.pools.open_pooled(peer, notice)
+                if refused is not None:  # the bytes it wrote into the pool are discarded, the pool offered again
+                    return Landing(None, self._verdict(notice, "refused", refused[1].reason), 0, refused)
+                admitting_ns = time.perf_counter_ns() - admitting
+                self.parts.host.add("request", admitting_ns)
             r = self.receiving(peer, notice.transfer_id)
             if r is None:
                 self.counters["stray_notices"] += 1
-                return None, -1
+                why = self.gone.get(notice.transfer_id, "no reservation of yours receives it")
+                return Landing(None, self._verdict(notice, "gone", why), admitting_ns)
             try:
                 nbytes = r.land(self.memory.window(r.heads), notice, got)
             except TransferError as exc:
-                if isinstance(exc, ChecksumError):
+                mismatch = isinstance(exc, ChecksumError)
+                if mismatch:
                     self.counters["checksum_failures"] += 1
-                self.fail(r, exc, notify_sender=True)
+                self.fail(r, exc, notify_sender=not answered)
                 self.lock.notify_all()
-                return None, -1
+                return Landing(r, self._verdict(notice, "mismatch" if mismatch else "failed", str(exc)), admitting_ns)
             r.lease_deadline = time.monotonic() + self.config.lease_s
             self.counters["chunks_landed"] += 1
             self.counters["bytes_landed"] += nbytes
@@ -310,7 +360,11 @@ class IncomingBook:
                     r.slots = []
                 self.counters["transfers_ready"] += 1
             self.lock.notify_all()
-        return r, notice.chunk_index
+        return Landing(r, self._verdict(notice, "landed"), admitting_ns)
+
+    @staticmethod
+    def _verdict(notice: ChunkNotice, outcome: protocol.Outcome, reason: str = "") -> ChunkVerdict:
+        return ChunkVerdict(notice.transfer_id, notice.chunk_index, outcome, reason[:1024])
 
     def fail(self, r: IncomingTransfer, exc: TransferError, notify_sender: bool) -> None:
         """Mark failed (caller holds the lock); memory is freed once the sender can no longer write into it."""

@@ -8,6 +8,7 @@ the sender it settled through a named hook (``SettleListener``). See README.md, 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +21,17 @@ from pdkv.channels.base import Channel
 from pdkv.channels.handle import BlockWrite, TransferHandle, TransferOp, XferState
 from pdkv.checksum import blocks_checksums, chunk_checksum, flat_bytes, frame_checksum, read_back_shared
 from pdkv.codec import Codec
-from pdkv.errors import LayoutError, ReservationError, TransferCancelled, TransferError, TransferTimeout
+from pdkv.errors import (
+    ChannelError,
+    ChecksumError,
+    LayoutError,
+    NoticeForged,
+    ProtocolError,
+    ReservationError,
+    TransferCancelled,
+    TransferError,
+    TransferTimeout,
+)
 from pdkv.layout import HeadWindow, KVLayout
 from pdkv.memory import in_reach, memory_kind
 from pdkv.native import gather, gather_summed
@@ -163,12 +174,13 @@ class SettleListener(Protocol):
 @dataclass(kw_only=True)
 class SendContext:
     """What every transfer of one sender shares: the sender's parts (lock, counters, channel, I/O thread), our
-    memory, the send credit, and who hears that a transfer settled."""
+    memory, the send credit, who hears that a transfer settled, and where a pool offered on the way is held."""
 
     parts: SenderParts
     source: SendSource
     credit: SendCredit
     listener: SettleListener
+    hold_pool: Callable[[ReceiverPeer, protocol.Pool], None]  # the next pool a chunk's verdict carried (SenderPools)
     stall: StallBound = field(init=False)  # when a posted write counts as stalled (stall.py), from the config
 
     def __post_init__(self) -> None:
@@ -324,7 +336,7 @@ class OutgoingTransfer:
             handle = (
                 channel.write(to, ops, notice_bytes, token=token)
                 if staging
-                else channel.write_blocks(to, blocks, notice_bytes, token=token)
+                else channel.write_blocks(to, blocks, notice_bytes, token=token, inline=self.claim is not None)
             )
         except Exception as exc:
             with self.cond:
@@ -345,23 +357,35 @@ class OutgoingTransfer:
         ctx.parts.host.since("chunk", posting - hashed_ns)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until the receiver verified every chunk, or raise why it did not."""
+        """Block until the receiver verified every chunk, or raise why it did not.
+
+        While one write of ours is in flight over a channel that carries answers, this thread reads it on the
+        write's connection (``Channel.wait``): its verdict wakes this thread itself, as raw's ``recv`` of an ack
+        does, not a reader thread that then wakes it."""
         timeout = self.ctx.parts.config.transfer_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        with self.cond:
-            while self.error is None and not self.complete:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self.fail(
-                        TransferTimeout(
-                            f"transfer {self.transfer_id!r}: receiver did not confirm all {self.num_chunks} chunks "
-                            f"within {timeout:.3g}s"
+        channel = self.ctx.parts.channel
+        while True:
+            with self.cond:
+                if self.error is None and not self.complete:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        self.fail(
+                            TransferTimeout(
+                                f"transfer {self.transfer_id!r}: receiver did not confirm all {self.num_chunks} chunks "
+                                f"within {timeout:.3g}s"
+                            )
                         )
-                    )
-                    break
-                self.cond.wait(remaining)
-            if self.error is not None:
-                raise self.error
+                if self.error is not None:
+                    raise self.error
+                if self.complete:
+                    return
+                alone = next(iter(self.posted)) if channel.carries_answers and len(self.posted) == 1 else None
+                if alone is None or alone.state is not XferState.PENDING:
+                    self.cond.wait(remaining)
+                    continue
+            with contextlib.suppress(TransferError, ChannelError):  # its done callback has failed us, or will
+                channel.wait(alone, remaining)
 
     def cancel(self, reason: str) -> None:
         """Stop sending; the receiver is told once our in-flight writes settle."""
@@ -491,43 +515,93 @@ class OutgoingTransfer:
 
     # -- what the channel and the receiver report (I/O thread) ----------------
     def _finished(self, handle: TransferHandle, local_slot: int) -> None:
-        """The handle's done callback (the channel's thread): note when, and hand the rest to the I/O thread."""
+        """The handle's done callback (the channel's thread): a write the receiver answered (``ChunkVerdict``) is
+        applied here, on the thread that read the answer; else note when, and hand the rest to the I/O thread,
+        where the chunk's ``Landed`` will come."""
         at = time.monotonic()
-        self.ctx.parts.loop.call_soon(lambda: self._written(handle, local_slot, at))
+        if handle.answer:
+            self._on_verdict(handle, local_slot, at)
+        else:
+            self.ctx.parts.loop.call_soon(lambda: self._written(handle, local_slot, at))
 
     def _written(self, handle: TransferHandle, local_slot: int, at: float) -> None:
-        ctx = self.ctx
-        ctx.parts.channel.release(handle)
+        self.ctx.parts.channel.release(handle)
         with self.cond:
-            write = self.posted.pop(handle)
-            nbytes = write.nbytes
-            self.writes -= 1
-            ctx.credit.give(nbytes, local_slot)
-            if handle.state is XferState.DONE:
-                ctx.stall.observe(write.need, at - handle.posted_at)
-            if handle.state is XferState.ERROR:
-                self.writes_may_land |= handle.may_still_land
-                self.fail(TransferError(f"channel write failed: {handle.error}"))
-            else:
-                ctx.parts.counters["chunks_sent"] += 1
-                ctx.parts.counters["bytes_sent"] += nbytes
-            self.cond.notify_all()
+            self._write_over(handle, local_slot, at)
         self._settle_if_over()
+
+    def _write_over(self, handle: TransferHandle, local_slot: int, at: float) -> None:
+        """A write of ours finished (caller holds the condition): its send credit back; a failed one fails us."""
+        ctx = self.ctx
+        write = self.posted.pop(handle)
+        nbytes = write.nbytes
+        self.writes -= 1
+        ctx.credit.give(nbytes, local_slot)
+        if handle.state is XferState.DONE:
+            ctx.stall.observe(write.need, at - handle.posted_at)
+        if handle.state is XferState.ERROR:
+            self.writes_may_land |= handle.may_still_land
+            self.fail(TransferError(f"channel write failed: {handle.error}"))
+        else:
+            ctx.parts.counters["chunks_sent"] += 1
+            ctx.parts.counters["bytes_sent"] += nbytes
+        self.cond.notify_all()
+
+    def _on_verdict(self, handle: TransferHandle, local_slot: int, at: float) -> None:
+        """The receiver's word on the chunk this write carried, read with its completion: the credit back, the
+        chunk counted (or the transfer failed, saying why), the next pool held, the waiter woken, all on this
+        thread; only settling (Done/Cancel on the control plane) goes to the I/O thread."""
+        ctx = self.ctx
+        try:
+            verdict = protocol.open_verdict(handle.answer, self.peer.session_key if ctx.parts.secret else None)
+            if verdict.transfer_id != self.transfer_id or verdict.chunk_index not in self.sent:
+                raise ProtocolError(
+                    f"a verdict on chunk {verdict.chunk_index} of {verdict.transfer_id!r} answered a chunk of "
+                    f"{self.transfer_id!r}"
+                )
+        except ProtocolError as exc:
+            ctx.parts.counters["forged_verdicts" if isinstance(exc, NoticeForged) else "malformed_verdicts"] += 1
+            verdict, why = None, str(exc)
+        ctx.parts.channel.release(handle)
+        if verdict is not None and verdict.pool is not None:  # held before the caller hears its request is done
+            ctx.hold_pool(self.peer, verdict.pool)
+        with self.cond:
+            self._write_over(handle, local_slot, at)
+            if verdict is None:
+                self.fail(TransferError(f"transfer {self.transfer_id!r}: the receiver's answer was refused: {why}"))
+            elif verdict.outcome == "landed":
+                self._count_landed([verdict.chunk_index])
+            elif verdict.outcome == "refused":
+                self.fail(
+                    ReservationError(
+                        f"receiver {self.peer.address} refused transfer {self.transfer_id!r}: {verdict.reason}"
+                    )
+                )
+            else:
+                error = ChecksumError if verdict.outcome == "mismatch" else TransferError
+                self.fail(error(f"receiver {self.peer.address}: {verdict.reason}"))
+            over = self.error is not None or self.complete
+        if over:
+            ctx.parts.loop.call_soon(self._settle_if_over)
 
     def on_landed(self, msg: Landed) -> None:
         with self.cond:
-            for index in msg.chunk_indices:
-                if index not in self.sent or index in self.landed:
-                    continue  # a stray or repeated acknowledgement: nothing of ours to free twice
-                self.landed.add(index)
-                self.ctx.parts.counters["chunks_landed"] += 1
-                slot = self.slot_of_chunk.pop(index, None)
-                if slot is not None:
-                    self.free_remote_slots.append(slot)
-            if self.complete and not self.finished_at:
-                self.finished_at, self.landed_ns = time.monotonic(), time.perf_counter_ns()
-            self.cond.notify_all()
+            self._count_landed(msg.chunk_indices)
         self._settle_if_over()
+
+    def _count_landed(self, indices: list[int]) -> None:
+        """Chunks the receiver verified (caller holds the condition): their staging slots free, a waiter woken."""
+        for index in indices:
+            if index not in self.sent or index in self.landed:
+                continue  # a stray or repeated acknowledgement: nothing of ours to free twice
+            self.landed.add(index)
+            self.ctx.parts.counters["chunks_landed"] += 1
+            slot = self.slot_of_chunk.pop(index, None)
+            if slot is not None:
+                self.free_remote_slots.append(slot)
+        if self.complete and not self.finished_at:
+            self.finished_at, self.landed_ns = time.monotonic(), time.perf_counter_ns()
+        self.cond.notify_all()
 
     def check_timeout(self, now: float) -> None:
         """Nobody may be waiting on this transfer (the worker never calls wait): if its receiver died after
@@ -583,6 +657,7 @@ class OutgoingTransfer:
     def _settle_if_over(self) -> None:
         """Once failed or complete with no write of ours in flight: tell the receiver, run the callbacks (I/O
         thread)."""
+        began = time.perf_counter_ns()
         with self.cond:
             over = self.error is not None or self.complete
             if not over or self.writes or self.posting or self.settled:
@@ -595,5 +670,5 @@ class OutgoingTransfer:
                 fn(self)
             except Exception:
                 log.exception("on_settled callback for %s failed", self.transfer_id)
-        if self.landed_ns and self.error is None:
-            self.ctx.parts.host.add("request", self.fixed_ns + time.perf_counter_ns() - self.landed_ns)
+        if self.landed_ns and self.error is None:  # from the last chunk counted, less a wait for this thread
+            self.ctx.parts.host.add("request", self.fixed_ns + time.perf_counter_ns() - max(self.landed_ns, began))

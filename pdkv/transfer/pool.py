@@ -58,7 +58,7 @@ class SenderPools:
         self.parts, self.handshake, self.block_size = parts, handshake, block_size
 
     def hold(self, peer: ReceiverPeer, pool: Pool) -> None:
-        """A pool the receiver granted us (a ``Pool`` message, or the one a ``Landed`` carries; I/O thread)."""
+        """A pool the receiver granted us (a ``Pool`` message, or the one a ``Landed`` or a verdict carries)."""
         with self.parts.cond:
             if not peer.dropped:
                 peer.pool, peer.pool_renewed = pool, time.monotonic()
@@ -184,15 +184,26 @@ class ReceiverPools:
         self._send_offer(identity, token, [])
 
     def next_pool(self, identity: bytes) -> Pool | None:
-        """The next pool of ``identity``, for the Landed of the request that took its last one (I/O thread)."""
-        refill = self._refills.pop(identity, None)
-        return None if refill is None else self._offer(identity, *refill)
+        """The next pool of ``identity``, for the Landed (or the verdict) of the request that took its last one."""
+        with self.parts.lock:
+            refill = self._refills.pop(identity, None)
+            return None if refill is None else self._offer(identity, *refill)
+
+    def next_pool_of(self, agent: str) -> Pool | None:
+        """``next_pool`` of the sender ``agent``, whose request took its last pool (or had it refused): for the
+        verdict that answers the request on its data connection (holding the lock)."""
+        peers = self.parts.peers
+        identity = next((i for i in self._refills if i in peers and peers[i].agent == agent), None)
+        return None if identity is None else self.next_pool(identity)
 
     def send_refills(self) -> None:
         """Offer the pools of pooled requests that sent no Landed (refused, or failed their checksum) in a message
         of their own (I/O thread, after a pass of landing)."""
-        while self._refills:
-            identity, (token, rest) = self._refills.popitem()
+        while True:
+            with self.parts.lock:  # serving threads take pools too (a verdict's)
+                if not self._refills:
+                    return
+                identity, (token, rest) = self._refills.popitem()
             self._send_offer(identity, token, rest)
 
     def _send_offer(self, identity: bytes, token: bytes, keep: list[int]) -> None:
@@ -237,10 +248,11 @@ class ReceiverPools:
             return Pool(pool.generation, pool.blocks, parts.config.lease_s)
 
     # -- a request written into a pool ----------------------------------------------------------------------------
-    def open_pooled(self, agent: str, notice: ChunkNotice) -> bool:
-        """A chunk written into a sender's pool, with its Reserve (I/O thread, holding the lock): the rules of a
-        Reserve (``admission.admit_pooled``), then the pool's blocks become the reservation's. Refused, its bytes
-        are discarded (counted), the sender hears why and its pool is offered again."""
+    def open_pooled(self, agent: str, notice: ChunkNotice) -> tuple[bytes | None, Refused] | None:
+        """A chunk written into a sender's pool, with its Reserve (holding the lock): the rules of a Reserve
+        (``admission.admit_pooled``), then the pool's blocks become the reservation's: None. Refused, its bytes
+        are discarded (counted) and its pool is offered again: (whom to tell, if anyone, and the refusal), which
+        the caller sends (a ``Refused``, or the chunk's verdict)."""
         assert notice.reserve is not None
         parts, req = self.parts, notice.reserve
         pool = next((p for p in self.by_peer.values() if p.generation == notice.pool), None)
@@ -268,15 +280,13 @@ class ReceiverPools:
                 if pool is not None
                 else next((i for i, p in parts.peers.items() if p.agent == agent), None)
             )
-            if owner is not None:
-                parts.outbox.reply(owner, admitted)
             if pool is not None:  # the same blocks again, under a new generation
                 self._take(pool, 0)
-            return False
+            return owner, admitted
         assert pool is not None and isinstance(peer, SenderPeer)
         blocks = self._take(pool, admitted.blocks)
         self.book.open(identity=pool.identity, peer=peer, req=req, admission=admitted, blocks=blocks, slots=[])
-        return True
+        return None
 
     def _take(self, pool: PeerPool, n: int) -> list[int]:
         """Hand the pool's first ``n`` blocks to a request; its sender's next pool (the rest, topped up) is offered

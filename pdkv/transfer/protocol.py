@@ -32,7 +32,7 @@ from pdkv.layout import HeadWindow, KVLayout
 # peer of 8 would refuse the Hello of a tensor-parallel rank of another size, or write all its heads into ours.
 # 10: the handshake's proofs are bound to its transcript (``hello_transcript``: both Hellos whole), and with a secret a
 # chunk notice carries a tag under the session key (``seal_notice``). A peer of 9 proves only the nonces.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11  # 11: a chunk's verdict on its data connection (``ChunkVerdict``), where the channel carries it
 
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_ID_LEN = 256
@@ -247,9 +247,31 @@ class ChunkNotice(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     pool: NonNegInt = 0
 
 
+Outcome = Literal["landed", "mismatch", "failed", "refused", "gone"]
+"""What became of a chunk at the receiver: verified and counted; its checksum did not match, or it broke another
+rule (out of range, a repeat, a bad slot): the transfer failed; its pooled Reserve was refused (nothing reserved,
+the bytes discarded); or the reservation it names no longer receives (failed, cancelled, reaped, unknown).
+``reason`` says which."""
+
+
+class ChunkVerdict(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """The receiver's word on one chunk, sent back on the data connection that carried it, by the thread that
+    landed it (a channel that carries answers: tcp's ANSWER frame). It stands for the ``Landed`` (or the
+    ``Refused``/``Cancel``) the control plane would carry, so a request costs no control message on its way:
+    the sender applies it on the thread that reads it. ``pool``: the sender's next pool when this chunk took its
+    last one (as ``Landed.pool``)."""
+
+    transfer_id: TransferId
+    chunk_index: NonNegInt
+    outcome: Outcome
+    reason: Annotated[str, Meta(max_length=1024)] = ""
+    pool: Pool | None = None
+
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 _notice_decoder = msgspec.msgpack.Decoder(ChunkNotice)
+_verdict_decoder = msgspec.msgpack.Decoder(ChunkVerdict)
 
 
 def encode(msg: Message | ChunkNotice) -> bytes:
@@ -299,6 +321,33 @@ def open_notice(data: bytes, keys: list[bytes] | None) -> ChunkNotice:
             "live session (a relay on the path, or a sender whose session ended)"
         )
     return decode_notice(body)
+
+
+_VERDICT = "verdict"  # and a verdict only ever from receiver to sender: neither can pass for the other
+
+
+def seal_verdict(verdict: ChunkVerdict, key: bytes) -> bytes:
+    """A verdict's bytes, followed (with a session key) by their tag under it: on a clear data connection whoever
+    sits on the path could otherwise tell the sender that chunks landed which never did."""
+    data = _encoder.encode(verdict)
+    return data + message_tag(key, _VERDICT, data) if key else data
+
+
+def open_verdict(data: bytes, key: bytes | None) -> ChunkVerdict:
+    """The verdict in an answer; ``key``: the session key it must be tagged under (None: no secret). Raises
+    ``NoticeForged`` for a missing or wrong tag and ``ProtocolError`` for a malformed verdict."""
+    if key is not None:
+        body, tag = data[:-PROOF_BYTES], data[-PROOF_BYTES:]
+        if len(data) <= PROOF_BYTES or not verify_tag(key, _VERDICT, body, tag):
+            raise NoticeForged(
+                "chunk verdict without a valid session tag: not written by the receiver this session proved "
+                "(a relay on the path)"
+            )
+        data = body
+    try:
+        return _verdict_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed chunk verdict: {exc}") from None
 
 
 def hello_transcript(sender: Hello, receiver: Hello) -> bytes:
@@ -363,13 +412,17 @@ __all__ = [
     "HELLO_REQUIRED",
     "PROTOCOL_VERSION",
     "ChunkNotice",
+    "ChunkVerdict",
+    "Outcome",
     "Message",
     "check_compatible",
     "decode",
     "decode_notice",
     "hello_transcript",
     "open_notice",
+    "open_verdict",
     "seal_notice",
+    "seal_verdict",
     "encode",
     "needs_session",
 ]

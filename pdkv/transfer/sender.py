@@ -51,8 +51,7 @@ class KVSender:
         secret: str | bytes = b"",
     ) -> None:
         self.channel = channel
-        self.fingerprint = fingerprint
-        self.config = config = config or TransferConfig()
+        self.fingerprint, self.config = fingerprint, (config := config or TransferConfig())
         kv = adopt_kv(list(kv_tensors))
         native.available()  # load the kernel library now, not inside the first transfer
         codecs = dict.fromkeys(("none", config.codec))  # a transfer uses one of the two (``open(codec=...)``)
@@ -63,8 +62,7 @@ class KVSender:
             channel, layout, kv, chunk_size=config.chunk_size, slot_bytes=slot_bytes, slots=n_slots
         )
         self.kv_memory = memory_kind(kv[0]) if kv else "host"  # where the KV lives, for benchmarks and logs
-        self.credit = SendCredit(config.max_inflight_bytes, n_slots)
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.credit, self.counters = SendCredit(config.max_inflight_bytes, n_slots), collections.Counter[str]()
         self._transfers: dict[str, OutgoingTransfer] = {}
         self._closed = False
         self.loop = ControlLoop("pdkv-sender", min(config.heartbeat_s, 0.25), self._tick)
@@ -87,7 +85,9 @@ class KVSender:
         self.reserves = Reserves(self.parts, self.handshake, layout.block_size)
         self.pools = SenderPools(self.parts, self.handshake, layout.block_size)
         self.heartbeats = Heartbeats(self.parts, self.handshake, self.pools)
-        self._ctx = SendContext(parts=self.parts, source=self.source, credit=self.credit, listener=self)
+        self._ctx = SendContext(
+            parts=self.parts, source=self.source, credit=self.credit, listener=self, hold_pool=self.pools.hold
+        )
         self.loop.start()
 
     @property

@@ -1,0 +1,160 @@
+"""A chunk's verdict on its data connection (issue 46, item 1): over tcp the decode side lands and verifies each chunk
+on the thread that received it and answers on the same connection (``protocol.ChunkVerdict`` in an ANSWER frame);
+the prefill side applies the answer on the thread that reads it. Real sockets on 127.0.0.1, both frame loops: every
+test checks that the KV came over the channel, and what went over the control plane instead (nothing per chunk).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from pdkv.config import TransferConfig
+from pdkv.errors import ChecksumError, TransferError
+from pdkv.transfer import outgoing, protocol
+from pdkv.transfer.receiver import KVReceiver
+
+from tests.conftest import MakePair, Pair, wait_until
+from tests.test_pool import pooled_peer, warm
+from tests.test_transfer import assert_same_kv
+
+POOLED = TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2, pool_tokens=32)
+
+
+def record_replies(receiver: KVReceiver) -> list[str]:
+    """The type of every control message ``receiver`` sends from now on (the book and the pools send through
+    ``reply``)."""
+    sent: list[str] = []
+    reply = receiver.reply
+
+    def recording(identity: bytes, msg: protocol.Message) -> None:
+        sent.append(type(msg).__name__)
+        reply(identity, msg)
+
+    receiver.reply = recording  # type: ignore[method-assign]
+    return sent
+
+
+def test_every_chunk_is_answered_on_its_data_connection_and_none_on_the_control_plane(
+    make_pair: MakePair, frame_loop: str
+) -> None:
+    pair = make_pair(config=POOLED, channel="tcp")
+    assert pair.receiver.book.verdicts
+    peer = warm(pair)
+    sent = record_replies(pair.receiver)
+    before_d, before_p = pair.receiver.stats(), pair.sender.stats()
+    pool = peer.pool
+    assert pool is not None
+    # a pooled request (one chunk, its Reserve on the notice) and a reserved one of three chunks
+    pooled = pair.sender.open("pooled", pair.receiver.address, 30, [10, 11], prompt_key=b"K" * 16)
+    pooled.send_all()
+    pooled.wait(10)
+    nxt = peer.pool  # the next pool came in the verdict: held before wait() returned, no Pool message
+    assert nxt is not None and nxt.generation > pool.generation
+    got = pair.receiver.wait("pooled", 10, prompt_key=b"K" * 16)
+    assert_same_kv(pair, [10, 11], got.blocks, 30)
+    pair.allocator.free(got.blocks)
+    table = [20, 21, 22, 23, 24, 25]
+    longer = pair.sender.open("longer", pair.receiver.address, 90, table)
+    longer.send_all()
+    longer.wait(10)
+    got = pair.receiver.wait("longer", 10)
+    assert_same_kv(pair, table, got.blocks, 90)
+    pair.allocator.free(got.blocks)
+    d, p = pair.receiver.stats(), pair.sender.stats()
+    assert d["verdicts_sent"] - before_d.get("verdicts_sent", 0) == 4  # 1 + 3 chunks, each answered over tcp
+    assert d["tokens_landed"] - before_d["tokens_landed"] == 120
+    assert p["chunks_landed"] - before_p["chunks_landed"] == 4 and p["reserved_from_pool"] == 1
+    # the Reserve of the longer request is answered on the control plane; no chunk, pool or refusal is
+    assert sent == ["Reserved"], sent
+
+
+def test_without_data_verdicts_each_transfer_is_acknowledged_by_landed(make_pair: MakePair) -> None:
+    """The path before, kept to measure against: the control plane's ``Landed`` carries the verification."""
+    config = TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2, pool_tokens=32, data_verdicts=False)
+    pair = make_pair(config=config, channel="tcp")
+    assert not pair.receiver.book.verdicts
+    warm(pair)
+    sent = record_replies(pair.receiver)
+    xfer = pair.sender.open("pooled", pair.receiver.address, 30, [10, 11])
+    xfer.send_all()
+    xfer.wait(10)
+    got = pair.receiver.wait("pooled", 10)
+    assert_same_kv(pair, [10, 11], got.blocks, 30)
+    pair.allocator.free(got.blocks)
+    assert sent == ["Landed"] and pair.receiver.stats().get("verdicts_sent", 0) == 0
+
+
+def test_a_checksum_mismatch_comes_back_as_the_chunks_verdict(
+    make_pair: MakePair, frame_loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P's checksum lies (as a corrupted chunk would): D refuses the chunk, and P's waiter hears why from the
+    verdict, not from a timeout."""
+    pair = make_pair(config=POOLED, channel="tcp")
+    warm(pair)
+    answered = pair.receiver.stats()["verdicts_sent"]
+    sums = outgoing.blocks_checksums
+    monkeypatch.setattr(outgoing, "blocks_checksums", lambda *a: [v ^ 1 for v in sums(*a)])
+    xfer = pair.sender.open("corrupt", pair.receiver.address, 30, [10, 11])
+    xfer.send_all()
+    with pytest.raises(ChecksumError, match="failed its checksum"):
+        xfer.wait(10)
+    with pytest.raises(TransferError, match="failed its checksum"):
+        pair.receiver.wait("corrupt", 10)
+    assert pair.receiver.stats()["checksum_failures"] == 1
+    assert pair.receiver.stats()["verdicts_sent"] == answered  # "landed" only once it verified
+
+
+def _tamper_tag(answer: bytes) -> bytes:
+    return answer[:-1] + bytes([answer[-1] ^ 1])
+
+
+def _garble(answer: bytes) -> bytes:
+    return b"\xc1" + answer[1:]  # 0xc1: never used in msgpack
+
+
+@pytest.mark.parametrize(
+    ("secret", "tamper", "counter"),
+    [("s3cret", _tamper_tag, "forged_verdicts"), ("", _garble, "malformed_verdicts")],
+    ids=["tag", "malformed"],
+)
+def test_an_answer_that_is_not_the_receivers_verdict_fails_the_transfer(
+    make_pair: MakePair, secret: str, tamper: Callable[[bytes], bytes], counter: str
+) -> None:
+    """Whoever sits on a clear data connection could say chunks landed that never did: a verdict not tagged under
+    the session's key (or not a verdict at all) fails the transfer instead of counting its chunk."""
+    pair: Pair = make_pair(config=POOLED, channel="tcp", secrets=(secret, secret))
+    warm(pair)
+    inbox = pair.d_channel.inbox
+    answer = inbox.answerer
+    assert answer is not None
+    inbox.answerer = lambda peer, payload: tamper(answer(peer, payload))
+    xfer = pair.sender.open("lied-about", pair.receiver.address, 30, [10, 11])
+    xfer.send_all()
+    with pytest.raises(TransferError, match="answer was refused"):
+        xfer.wait(10)
+    assert pair.sender.stats()[counter] == 1 and pair.sender.stats()["chunks_landed"] == 2  # the warm-up's two
+    wait_until(lambda: pair.sender.stats()["open_transfers"] == 0, 5, "the sender to settle")
+    pair.receiver.cancel("lied-about", "the test is over")  # it did land at D: nobody claims it
+
+
+def test_a_pooled_request_gets_its_next_pool_in_the_verdict_every_time(make_pair: MakePair) -> None:
+    """Back-to-back one-chunk requests each find the pool the previous verdict carried: none reserves, and none
+    waits for a ``Pool`` message."""
+    pair = make_pair(config=POOLED, channel="tcp")
+    peer = warm(pair)
+    sent = record_replies(pair.receiver)
+    generations = []
+    for i in range(5):
+        assert peer.pool is not None, f"request {i} found no pool"
+        generations.append(peer.pool.generation)
+        xfer = pair.sender.open(f"r{i}", pair.receiver.address, 12, [30 + i])
+        assert xfer.claim is not None
+        xfer.send_all()
+        xfer.wait(10)
+        got = pair.receiver.wait(f"r{i}", 10)
+        assert_same_kv(pair, [30 + i], got.blocks, 12)
+        pair.allocator.free(got.blocks)
+    assert generations == sorted(set(generations)) and pair.sender.stats()["reserved_from_pool"] == 5
+    assert sent == [] and pooled_peer(pair, generations[-1]).pool is not None
