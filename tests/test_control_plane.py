@@ -223,7 +223,7 @@ def test_beats_are_answered_once_in_order_and_overdue_only_past_the_margin() -> 
     """A BeatAck for a beat never sent, or answered already, renews nothing; an answer renews past the older
     beats still open (the receiver answers in order: those were lost); overdue counts from the oldest open beat."""
     beats = Beats()
-    sent = [new_beat(beats, t, [f"x{t}"], 0) for t in (10.0, 11.0, 12.0)]
+    sent = [new_beat(beats, t, [f"x{t}"], 0, []) for t in (10.0, 11.0, 12.0)]
     assert beats.answered(protocol.BeatAck(sent[-1].seq + 1000)) is None
     assert len(beats.unanswered) == 3
     assert beats.overdue(12.5, margin=3.0) == 0.0

@@ -47,7 +47,7 @@ from pdkv.layout import KVLayout, gather
 from pdkv.memory import EMULATE_ENV
 from pdkv.router.app import Router
 from pdkv.testing.http import metric
-from pdkv.transfer.protocol import ChunkNotice, Done, decode_notice
+from pdkv.transfer.protocol import ChunkNotice, Done, Heartbeat, decode_notice
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
 from pdkv.worker.server import Worker
@@ -155,8 +155,8 @@ def _sender_child(conn: multiprocessing.connection.Connection, step: str, addres
             return
         if step == "done":
             send = sender._dealers.send
-            sender._dealers.send = lambda peer, msg: (
-                _stop_here(conn, step) if isinstance(msg, Done) else send(peer, msg)
+            sender._dealers.send = lambda peer, msg: (  # a complete transfer's Done rides a heartbeat
+                _stop_here(conn, step) if isinstance(msg, Heartbeat) and msg.done else send(peer, msg)
             )  # type: ignore[method-assign]
         xfer = sender.open("r", address, TOKENS, TABLE)
         if step == "reserved":

@@ -33,7 +33,17 @@ from pdkv.transfer.parts import ReceiverParts
 from pdkv.transfer.peers import SenderPeer
 from pdkv.transfer.plan import TransferPlan
 from pdkv.transfer.pool import ReceiverPools
-from pdkv.transfer.protocol import Cancel, ChunkNotice, ChunkVerdict, Done, Landed, Refused, Reserve, Reserved
+from pdkv.transfer.protocol import (
+    Cancel,
+    ChunkNotice,
+    ChunkVerdict,
+    Done,
+    Heartbeat,
+    Landed,
+    Refused,
+    Reserve,
+    Reserved,
+)
 
 log = logging.getLogger(__name__)
 
@@ -176,14 +186,18 @@ class IncomingBook:
                 self.fail(r, TransferCancelled(f"cancelled: {reason}"), notify_sender=True)
             self.lock.notify_all()
 
-    def renew(self, identity: bytes, transfer_ids: list[str]) -> None:
+    def beat(self, identity: bytes, msg: Heartbeat) -> None:
+        """A heartbeat of an admitted sender: renew the leases it names (and its pool's), and hear the transfers it
+        says completed (their ``Done``)."""
         deadline = time.monotonic() + self.config.lease_s
         with self.lock:
             self.pools.renew(identity, deadline)
-            for rid in transfer_ids:
+            for rid in msg.transfer_ids:
                 r = self.res.get(rid)
                 if r is not None and r.identity == identity:
                     r.lease_deadline = deadline
+            for rid in msg.done:
+                self.sender_finished(identity, Done(rid, True))
 
     def sender_finished(self, identity: bytes, msg: Cancel | Done) -> None:
         with self.lock:

@@ -18,7 +18,7 @@ from pdkv.transfer.handshake import SenderHandshake
 from pdkv.transfer.parts import SenderParts
 from pdkv.transfer.peers import ReceiverPeer, lease_margin, new_beat
 from pdkv.transfer.pool import SenderPools
-from pdkv.transfer.protocol import BeatAck, Cancel, Pool
+from pdkv.transfer.protocol import MAX_DONE_PER_BEAT, BeatAck, Cancel, Pool
 
 
 class Heartbeats:
@@ -54,13 +54,13 @@ class Heartbeats:
                 if not xfer.peer.dropped and not xfer.settled:
                     by_peer.setdefault(xfer.peer.identity, (xfer.peer, []))[1].append(xfer.transfer_id)
             stale = self.pools.lapse_stale(now)  # we were stalled: the receiver may have taken them back
-            for peer in parts.peers.values():  # a pool is held on the same lease
-                if peer.pool is not None:
+            for peer in parts.peers.values():  # a pool is held on the same lease; completed transfers ride along
+                if peer.pool is not None or peer.done:
                     by_peer.setdefault(peer.identity, (peer, []))
-            beats = [
-                (peer, new_beat(peer.beats, now, ids, peer.pool.generation if peer.pool else 0))
-                for peer, ids in by_peer.values()
-            ]
+            beats = []
+            for peer, ids in by_peer.values():
+                done, peer.done = peer.done[:MAX_DONE_PER_BEAT], peer.done[MAX_DONE_PER_BEAT:]
+                beats.append((peer, new_beat(peer.beats, now, ids, peer.pool.generation if peer.pool else 0, done)))
         for peer, beat in beats:
             parts.outbox.send(peer, beat)
         for peer, pool in stale:  # and say so: its blocks need not wait out the late-write quarantine

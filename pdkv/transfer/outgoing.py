@@ -166,7 +166,8 @@ def sender_plan(
 
 
 class SettleListener(Protocol):
-    """Told once a transfer settled (I/O thread): ``KVSender.transfer_settled`` tells its receiver and forgets it."""
+    """Told once a transfer settled (on the I/O thread if it failed): ``KVSender.transfer_settled`` tells its
+    receiver and forgets it."""
 
     def transfer_settled(self, xfer: OutgoingTransfer) -> None: ...
 
@@ -406,7 +407,8 @@ class OutgoingTransfer:
 
         The prefill worker frees the request's blocks here, not earlier: a
         block freed while a write still reads from it could ship another
-        request's KV. Runs on the sender's I/O thread (or at once if settled).
+        request's KV. Runs on the sender's I/O thread, on the thread that read
+        a complete transfer's last verdict, or at once if settled.
         """
         with self.cond:
             if not self.settled:
@@ -580,8 +582,10 @@ class OutgoingTransfer:
             else:
                 error = ChecksumError if verdict.outcome == "mismatch" else TransferError
                 self.fail(error(f"receiver {self.peer.address}: {verdict.reason}"))
-            over = self.error is not None or self.complete
-        if over:
+            failed = self.error is not None
+        if not failed:  # complete, or more chunks to come: a complete transfer settles here, telling nobody now
+            self._settle_if_over()
+        else:  # its Cancel goes over the control plane, from the I/O thread
             ctx.parts.loop.call_soon(self._settle_if_over)
 
     def on_landed(self, msg: Landed) -> None:
@@ -655,8 +659,8 @@ class OutgoingTransfer:
         self.cond.notify_all()
 
     def _settle_if_over(self) -> None:
-        """Once failed or complete with no write of ours in flight: tell the receiver, run the callbacks (I/O
-        thread)."""
+        """Once failed or complete with no write of ours in flight: tell the receiver, run the callbacks (the I/O
+        thread, or for a complete transfer the thread that read its last verdict)."""
         began = time.perf_counter_ns()
         with self.cond:
             over = self.error is not None or self.complete

@@ -59,11 +59,12 @@ class Beats:
 _seqs = itertools.count(1)  # one numbering for the process: a seq never repeats across peers or restarts of a peer
 
 
-def new_beat(beats: Beats, now: float, transfer_ids: list[str], pool: int) -> Heartbeat:
-    """The next heartbeat to a receiver, remembered in ``beats`` until it is answered."""
+def new_beat(beats: Beats, now: float, transfer_ids: list[str], pool: int, done: list[str]) -> Heartbeat:
+    """The next heartbeat to a receiver, remembered in ``beats`` until it is answered; ``done``: transfers that
+    completed since the last one (their ``Done``)."""
     seq = next(_seqs)
     beats.unanswered[seq] = SentBeat(sent=now, transfer_ids=tuple(transfer_ids), pool=pool)
-    return Heartbeat(transfer_ids, seq)
+    return Heartbeat(transfer_ids, seq, done)
 
 
 @dataclass(eq=False, kw_only=True)  # hashable by identity: it keys its DEALER socket
@@ -84,6 +85,7 @@ class ReceiverPeer:
     session: bytes = b""  # with a secret, once its Hello proved it: the handshake's transcript (Reserve proofs bind it)
     session_key: bytes = b""  # with a secret, once its Hello proved it: what our messages and notices are tagged with
     beats: Beats = field(default_factory=Beats)  # heartbeats it has not answered yet
+    done: list[str] = field(default_factory=list)  # transfers to it that completed, for the next heartbeat to say
 
 
 @dataclass(kw_only=True)

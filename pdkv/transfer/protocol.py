@@ -37,6 +37,7 @@ PROTOCOL_VERSION = 11  # 11: a chunk's verdict on its data connection (``ChunkVe
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_ID_LEN = 256
 MAX_CHUNKS = 1 << 20  # chunks of one request (a request of 256-token chunks up to 268M tokens)
+MAX_DONE_PER_BEAT = 4096  # completed transfers one heartbeat reports; more wait for the next beat
 
 # The reason a receiver gives for refusing a Reserve from a peer it has no Hello from (it restarted):
 # a sender that sees it handshakes again once, instead of failing the request.
@@ -171,6 +172,9 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):
 
     transfer_ids: list[TransferId]
     seq: Annotated[int, Meta(ge=1)]
+    # transfers of this sender that completed (every chunk verified) since its last beat: their ``Done``, which
+    # costs a request no message of its own (a complete transfer's memory is the decode side's already)
+    done: Annotated[list[TransferId], Meta(max_length=MAX_DONE_PER_BEAT)] = []
 
 
 class BeatAck(msgspec.Struct, tag="beat_ack", forbid_unknown_fields=True):

@@ -254,7 +254,7 @@ class KVReceiver:
             self.reply(identity, self._on_reserve(identity, msg))
         elif isinstance(msg, Heartbeat):
             if identity in self.handshake.peers:  # answered: the sender renews on our word, not on its own
-                self.book.renew(identity, msg.transfer_ids)
+                self.book.beat(identity, msg)
                 self.reply(identity, BeatAck(msg.seq))
         elif isinstance(msg, (Cancel, Done)):
             self.book.sender_finished(identity, msg)

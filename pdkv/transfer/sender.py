@@ -32,7 +32,7 @@ from pdkv.transfer.outgoing import OutgoingTransfer, SendContext, SendCredit, Se
 from pdkv.transfer.parts import SenderParts
 from pdkv.transfer.peers import ReceiverPeer
 from pdkv.transfer.pool import SenderPools
-from pdkv.transfer.protocol import BeatAck, Cancel, Done, Hello, Landed, Pool, Refused, Reserved
+from pdkv.transfer.protocol import BeatAck, Cancel, Hello, Landed, Pool, Refused, Reserved
 from pdkv.transfer.reserves import Reserves
 
 log = logging.getLogger(__name__)
@@ -183,14 +183,14 @@ class KVSender:
         self._dealers.close_all()
 
     def transfer_settled(self, xfer: OutgoingTransfer) -> None:
-        """``outgoing.SettleListener``: a transfer settled (I/O thread): tell its receiver and forget it."""
-        msg: protocol.Message = (
-            Done(xfer.transfer_id, True)
-            if xfer.error is None
-            else Cancel(xfer.transfer_id, str(xfer.error), writes_may_land=xfer.writes_may_land)
-        )
-        self._dealers.send(xfer.peer, msg)
+        """``outgoing.SettleListener``: a transfer settled: tell its receiver and forget it. A failed one (on the
+        I/O thread) is told at once, its ``Cancel`` freeing what the receiver holds; a complete one's ``Done`` rides
+        the next heartbeat (the receiver's memory is its own already), so it may settle on any thread."""
+        if (error := xfer.error) is not None:
+            self._dealers.send(xfer.peer, Cancel(xfer.transfer_id, str(error), writes_may_land=xfer.writes_may_land))
         with self.cond:
+            if xfer.error is None and not xfer.peer.dropped:
+                xfer.peer.done.append(xfer.transfer_id)
             if self._transfers.get(xfer.transfer_id) is xfer:
                 del self._transfers[xfer.transfer_id]
             self.counters["transfers_ok" if xfer.error is None else "transfers_settled_failed"] += 1
