@@ -87,6 +87,10 @@ class Channel(ABC):
     # Whether the target answers a notification on the connection its transfer came by, with the completion the
     # writer gets (``answer_notifications``): tcp does.
     carries_answers: ClassVar[bool] = False
+    # Whether ``wait`` reads the handle's completion on the calling thread, asleep in the kernel until it comes (tcp:
+    # the link's sockets), so a waiter alone is woken by its answer directly; where ``wait`` would spin (nixl can
+    # only be polled), a waiter sleeps until the channel's own thread completes the handle.
+    wakes_waiter: ClassVar[bool] = False
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
         self.agent_name = agent_name

@@ -20,6 +20,8 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 import numpy as np
 
+from pdkv.channels import answers
+from pdkv.channels.answers import Asks
 from pdkv.channels.base import Channel, ChannelOptions
 from pdkv.channels.grants import Access, Range
 from pdkv.channels.handle import BlockWrite, Notification, TransferHandle, TransferOp, XferState, merge_ops
@@ -42,7 +44,7 @@ log = logging.getLogger(__name__)
 NIXL_ERRORS: tuple[type[Exception], ...] = tuple(
     v for k, v in vars(nixl_bindings).items() if k.startswith("nixl") and k.endswith("Error") and isinstance(v, type)
 )
-METADATA_VERSION = 2  # 2: a region's block size (block-granular descriptor lists)
+METADATA_VERSION = 3  # 2: a region's block size (block-granular descriptor lists); 3: whether the agent answers
 MemType = Literal["DRAM", "VRAM"]
 Desc = tuple[int, int, int]  # NIXL transfer descriptor: (address, length, device id)
 ListKey = tuple[str, str, tuple[Desc, ...]]  # (agent, "" for local; memory type; descriptors)
@@ -97,6 +99,7 @@ class _NixlMeta(msgspec.Struct, forbid_unknown_fields=True):
     name: Annotated[str, msgspec.Meta(min_length=1)]
     agent: bytes  # stage 1: NIXL agent metadata
     regions: dict[int, _RegionMeta]  # stage 2: what descriptor lists are prepared against
+    answers: bool = False  # it answers notifications (``Channel.answer_notifications``): they go to it framed
 
 
 class _Region(msgspec.Struct):
@@ -264,6 +267,7 @@ class NixlChannel(Channel):
     # VRAM by address; emulated device memory (PDKV_EMULATE_DEVICE) by address too, as DRAM: the direct
     # device path on CPU, with no host view taken.
     memory: ClassVar[frozenset[str]] = frozenset({"host", "cuda", "emulated"})
+    carries_answers: ClassVar[bool] = True  # as notifications of their own (channels/answers.py)
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
         super().__init__(agent_name, options)
@@ -289,6 +293,8 @@ class NixlChannel(Channel):
         self._broken: set[str] = set()
         self._parked: OrderedDict[str, None] = OrderedDict()  # loaded but forgotten, the longest ago first
         self._inflight: dict[int, NixlTransferHandle] = {}
+        self._answering: set[str] = set()  # peers that answer our notifications (their metadata says so)
+        self._asks = Asks()  # our writes waiting for their answer
         self._local_lists = _PrepCache(opts.prep_cache_size)
         self._remote_lists = _PrepCache(opts.prep_cache_size)
         self._local_blocks: _BlockLists | None = None  # made on first use after a gridded region came or went
@@ -428,6 +434,7 @@ class NixlChannel(Channel):
                 self.agent_name,
                 self._agent.get_agent_metadata(),
                 {r: e.meta for r, e in self.regions.items()},
+                self.inbox.answerer is not None,
             )
         return msgspec.msgpack.encode(meta)
 
@@ -440,6 +447,10 @@ class NixlChannel(Channel):
             self._load_agent(meta)  # stage 1
             self._forget_lists(meta.name)
             self._peers[meta.name] = dict(meta.regions)
+            if meta.answers:
+                self._answering.add(meta.name)
+            else:
+                self._answering.discard(meta.name)
             self.regions.add_peer(meta.name, {r: m.size for r, m in meta.regions.items()})
             for region in meta.regions.values():  # stage 2: NIXL checks each region against stage 1
                 try:
@@ -547,6 +558,7 @@ class NixlChannel(Channel):
         for handle in [h for h in self._inflight.values() if h.peer == peer]:
             handle.abandon(reason)  # a one-sided write cannot be called back: it may land when the link returns
             self._release_xfer(handle)
+        self._asks.fail(f"{reason} before it answered", peer)
         self._forget_lists(peer)
         self._peers.pop(peer, None)
         self.regions.remove_peer(peer)
@@ -631,6 +643,8 @@ class NixlChannel(Channel):
         self, handle: NixlTransferHandle, lists: Callable[[], _Prepped], notif: bytes | None
     ) -> NixlTransferHandle:
         """Make and start the NIXL request from ``lists``, tracked until it finishes. Holds the lock."""
+        if notif is not None and handle.peer in self._answering:  # framed: asked for an answer, or delivered
+            notif = self._asks.ask(handle, notif) if handle.op == "write" else answers.frame(notif)
         try:
             handle.xfer = self._agent.make_prepped_xfer(handle.op.upper(), *lists(), notif or b"")
             state = self._agent.transfer(handle.xfer)
@@ -717,10 +731,15 @@ class NixlChannel(Channel):
         return cache.get((agent, mem, descs), lambda: self._agent.prep_xfer_dlist(agent, list(descs), mem))
 
     def _settle(self, handle: NixlTransferHandle, state: str) -> None:
-        """Apply a NIXL state ("DONE", "PROC", "ERR") to the handle. Holds the lock."""
+        """Apply a NIXL state ("DONE", "PROC", "ERR") to the handle (a write that asked for an answer completes once
+        that came too). Holds the lock."""
         if state == "DONE":
-            handle.complete()
+            if self._asks.asked(handle):
+                self._asks.written(handle)
+            else:
+                handle.complete()
         elif state == "ERR":
+            self._asks.forget(handle)
             self._fail(handle, "NIXL reported ERR (the peer went away, or a region was deregistered mid-transfer)")
         else:
             return
@@ -741,6 +760,9 @@ class NixlChannel(Channel):
     def poll(self, handle: TransferHandle) -> XferState:
         if handle.state is not XferState.PENDING:
             return handle.state
+        if handle.id not in self._inflight and self._asks.asked(handle):  # written: its answer may be here
+            self._fetch_notifications()
+            return handle.state
         with self._lock:
             if handle.id in self._inflight:
                 assert isinstance(handle, NixlTransferHandle) and handle.xfer is not None
@@ -760,6 +782,7 @@ class NixlChannel(Channel):
 
     def release(self, handle: TransferHandle) -> None:
         """Free the NIXL request; a still-pending transfer is aborted and its handle failed."""
+        self._asks.forget(handle)
         with self._lock:
             if isinstance(handle, NixlTransferHandle) and handle.xfer is not None:
                 handle.fail("released before it completed")
@@ -780,11 +803,31 @@ class NixlChannel(Channel):
             except NIXL_ERRORS as exc:
                 raise ChannelError(f"nixl: reading notifications failed: {describe_nixl_error(exc)}") from exc
         count = 0
+        replies: list[tuple[str, bytes]] = []
+        answering = self.inbox.answerer is not None
         for peer, payloads in fresh.items():
+            name = peer.decode() if isinstance(peer, bytes) else peer
             for payload in payloads:
-                self.inbox.deliver(peer.decode() if isinstance(peer, bytes) else peer, payload)
                 count += 1
+                if self._asks.answered(name, payload):  # an answer to a write of ours
+                    continue
+                if not answering:
+                    self.inbox.deliver(name, payload)
+                elif (reply := answers.serve(self.inbox, name, payload)) is not None:
+                    replies.append((name, reply))
+        self._reply(replies)
         return count
+
+    def _reply(self, replies: list[tuple[str, bytes]]) -> None:
+        """Send the answers of a pass, each as a notification to the peer that asked."""
+        for peer, reply in replies:
+            with self._lock:
+                if self._closed:
+                    return
+                try:
+                    self._agent.send_notif(peer, reply)
+                except NIXL_ERRORS as exc:  # its write then waits out the sender's stall bound, as one to a dead peer
+                    log.warning("nixl: answering %r: %s", peer, describe_nixl_error(exc))
 
     def _watch(self) -> None:
         """Find finished transfers and new notifications for those who sleep until they happen (channels/README.md,
@@ -805,7 +848,7 @@ class NixlChannel(Channel):
                     log.warning("nixl: watcher: %s", exc)
                 moved = 0
             with self._lock:
-                busy = bool(self._inflight)
+                busy = bool(self._inflight) or bool(self._asks)
             pause = self._next_pause(pause, bool(moved) or busy)
 
     def _next_pause(self, pause: float | None, active: bool) -> float | None:
@@ -839,6 +882,7 @@ class NixlChannel(Channel):
             for handle in list(self._inflight.values()):
                 handle.fail("nixl channel closed")
                 self._release_xfer(handle)
+            self._asks.fail("nixl channel closed")
             self._local_lists.drop()
             self._drop_local_blocks()
             for peer in list(self._loaded):

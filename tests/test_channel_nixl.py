@@ -26,6 +26,8 @@ import torch
 from pdkv.channels import Channel, TransferOp, XferState, channel_class, create_channel
 from pdkv.errors import ChannelError, ConfigError, TransferTimeout
 
+from tests.conftest import wait_until
+
 # Skipped, not import-failed, without nixl: test_channel_ucx.py imports the peer harness from here.
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("nixl") is None, reason="the 'nixl' extra is not installed: pip install 'pdkv[nixl]'"
@@ -621,3 +623,56 @@ def test_the_raw_blocks_baseline_moves_each_requests_blocks_with_its_notificatio
         assert raw.pair.notified == (WARMUP + 2) * (1 + sc.requests)  # one per transfer, one per request
         with pytest.raises(ChannelError, match="do not fit"):
             raw.gbps(2 * sc.block_bytes, 1, **variants["blocks"])
+
+
+def test_an_answering_peer_answers_each_write_with_a_notification_of_its_own(
+    make_channel: Callable[..., Channel],
+) -> None:
+    """``answer_notifications`` on nixl: the target says so in its metadata, the initiator's write asks for an
+    answer in its notification, and its handle completes only with that answer (``TransferHandle.answer``); an
+    answerer that fails fails its write alone; a read's notification is delivered, not answered."""
+    a, b = make_channel(), make_channel()
+    failing = {b"boom"}
+
+    def answer(peer: str, payload: bytes) -> bytes:
+        if payload in failing:
+            raise RuntimeError("no room for it")
+        return f"{peer} wrote {payload.decode()}".encode()
+
+    assert b.answer_notifications(answer)
+    src, dst = pattern(REGION, 5), torch.zeros(REGION, dtype=torch.uint8)
+    ra, rb = a.register(src), b.register(dst)
+    name = a.add_peer(b.metadata())
+    b.add_peer(a.metadata())  # an answer is a notification of its own: the target must know the initiator's agent
+    handle = a.write(name, [TransferOp(ra, 0, rb, 0, REGION)], notif=b"chunk 1")
+    a.wait(handle, 10.0)
+    assert handle.answer == f"{a.agent_name} wrote chunk 1".encode() and torch.equal(src, dst)
+    failed = a.write(name, [TransferOp(ra, 0, rb, 0, BLOCK)], notif=b"boom")
+    with pytest.raises(ChannelError, match="could not take its notification: no room for it"):
+        a.wait(failed, 10.0)
+    read = a.read(name, [TransferOp(ra, 0, rb, 0, BLOCK)], notif=b"read it")
+    a.wait(read, 10.0)
+    deadline = time.monotonic() + 10.0
+    got: list[bytes] = []
+    while not got and time.monotonic() < deadline:
+        got += [n.payload for n in b.get_notifications()]
+    assert got == [b"read it"] and read.answer == b""
+    again = a.write(name, [TransferOp(ra, 0, rb, 0, BLOCK)], notif=b"chunk 2")  # the peer goes on
+    a.wait(again, 10.0)
+    assert again.answer.endswith(b"wrote chunk 2")
+
+
+def test_a_write_waiting_for_its_answer_fails_when_its_peer_is_forgotten(make_channel: Callable[..., Channel]) -> None:
+    a, b = make_channel(), make_channel()
+    held = threading.Event()
+    b.answer_notifications(lambda peer, payload: held.wait(10.0) and b"late")  # type: ignore[arg-type]
+    src, dst = pattern(REGION, 6), torch.zeros(REGION, dtype=torch.uint8)
+    ra, rb = a.register(src), b.register(dst)
+    name = a.add_peer(b.metadata())
+    b.add_peer(a.metadata())
+    handle = a.write(name, [TransferOp(ra, 0, rb, 0, BLOCK)], notif=b"n")
+    wait_until(lambda: torch.equal(src[:BLOCK], dst[:BLOCK]), 10, "the bytes to land")
+    a.remove_peer(name)
+    with pytest.raises(ChannelError, match="removed"):  # before it was written, or before it answered
+        a.wait(handle, 10.0)
+    held.set()

@@ -10,12 +10,13 @@ from collections.abc import Callable
 
 import pytest
 
+from pdkv.channels.tcp.target import FRAMES_ENV_VAR
 from pdkv.config import TransferConfig
 from pdkv.errors import ChecksumError, TransferError
 from pdkv.transfer import outgoing, protocol
 from pdkv.transfer.receiver import KVReceiver
 
-from tests.conftest import MakePair, Pair, wait_until
+from tests.conftest import TCP_AND_NIXL, MakePair, Pair, wait_until
 from tests.test_pool import pooled_peer, warm
 from tests.test_transfer import assert_same_kv
 
@@ -36,10 +37,18 @@ def record_replies(receiver: KVReceiver) -> list[str]:
     return sent
 
 
+@pytest.mark.parametrize(
+    ("channel", "loop"),
+    [("tcp", "native"), ("tcp", "python"), pytest.param("nixl", "", marks=TCP_AND_NIXL[1].marks)],
+    ids=["tcp-native", "tcp-python", "nixl"],
+)
 def test_every_chunk_is_answered_on_its_data_connection_and_none_on_the_control_plane(
-    make_pair: MakePair, frame_loop: str
+    make_pair: MakePair, channel: str, loop: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pair = make_pair(config=POOLED, channel="tcp")
+    """Over tcp the answer is an ANSWER frame on the chunk's connection (with either frame loop); over nixl a
+    notification of its own, picked up by the watcher that polls the transfer (channels/answers.py)."""
+    monkeypatch.setenv(FRAMES_ENV_VAR, "0" if loop == "python" else "1")
+    pair = make_pair(config=POOLED, channel=channel)
     assert pair.receiver.book.verdicts
     peer = warm(pair)
     sent = record_replies(pair.receiver)

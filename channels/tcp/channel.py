@@ -39,6 +39,7 @@ class TcpChannel(Channel):
     Options = TcpOptions
     authenticates_data: ClassVar[bool] = True
     carries_answers: ClassVar[bool] = True  # an ANSWER frame: the ACK with the target's answer
+    wakes_waiter: ClassVar[bool] = True  # ``wait`` reads the link on the waiting thread (``Link.drive``)
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
         # Everything that can refuse the options first: the base opens the notification pipe, which a refused

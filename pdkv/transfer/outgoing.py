@@ -360,9 +360,9 @@ class OutgoingTransfer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until the receiver verified every chunk, or raise why it did not.
 
-        While one write of ours is in flight over a channel that carries answers, this thread reads it on the
-        write's connection (``Channel.wait``): its verdict wakes this thread itself, as raw's ``recv`` of an ack
-        does, not a reader thread that then wakes it."""
+        While one write of ours is in flight over a channel whose ``wait`` sleeps in the kernel until it completes
+        (``Channel.wakes_waiter``: tcp), this thread reads it there: its verdict wakes this thread itself, as raw's
+        ``recv`` of an ack does, not a reader thread that then wakes it."""
         timeout = self.ctx.parts.config.transfer_timeout_s if timeout is None else timeout
         deadline = time.monotonic() + timeout
         channel = self.ctx.parts.channel
@@ -381,7 +381,7 @@ class OutgoingTransfer:
                     raise self.error
                 if self.complete:
                     return
-                alone = next(iter(self.posted)) if channel.carries_answers and len(self.posted) == 1 else None
+                alone = next(iter(self.posted)) if channel.wakes_waiter and len(self.posted) == 1 else None
                 if alone is None or alone.state is not XferState.PENDING:
                     self.cond.wait(remaining)
                     continue

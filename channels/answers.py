@@ -1,0 +1,137 @@
+"""Answers over a channel whose only way back is a notification of its own (nixl): a write that asks its target for an
+answer, the target's answer, and the write's handle completed only once both the write is done and its answer came.
+
+tcp answers on the connection the transfer came by (an ANSWER frame, channels/tcp/). NIXL has no such connection
+within reach of Python: a write is one-sided, and all that passes between the agents besides it is a notification.
+So the initiator's notification carries the handle's id, and the target's answer goes back as a notification of its
+own naming that id (``Channel.answer_notifications``). Both ends know from the target's metadata that it answers;
+only then are notifications to it framed (a kind byte first), so a target that does not answer sees them as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+from dataclasses import dataclass
+
+from pdkv.channels.handle import TransferHandle, XferState
+from pdkv.channels.inbox import NotificationInbox
+
+log = logging.getLogger(__name__)
+
+PLAIN, ASK = 0, 1  # a framed notification's kind: deliver it; answer it (an id follows the kind)
+ANSWER = b"PKA"  # leads an answer: then its kind, the id it answers and its body
+ANSWERED, REFUSED = 2, 3  # the answer; why there is none (the answerer failed): the write fails
+_ID = struct.Struct("<Q")
+_HEAD = len(ANSWER) + 1 + _ID.size
+MAX_ANSWER_BYTES = 64 << 10  # an answer longer than this is refused at the target and ignored at the initiator
+
+
+def frame(notif: bytes, ask: int = 0) -> bytes:
+    """A notification to a target that answers: ``ask`` (a handle's id), or 0: delivered as it is."""
+    return bytes([ASK]) + _ID.pack(ask) + notif if ask else bytes([PLAIN]) + notif
+
+
+def serve(inbox: NotificationInbox, peer: str, payload: bytes) -> bytes | None:
+    """A framed notification from ``peer``, at a target that answers: delivered (None), or answered (the reply to
+    send ``peer``). One that is not framed is delivered as it came, for the layer above to refuse."""
+    if payload[:1] == bytes([PLAIN]):
+        inbox.deliver(peer, payload[1:])
+        return None
+    if payload[:1] != bytes([ASK]) or len(payload) < 1 + _ID.size:
+        inbox.deliver(peer, payload)
+        return None
+    head, body = payload[1 : 1 + _ID.size], payload[1 + _ID.size :]
+    try:
+        answer = inbox.take(peer, body)
+    except Exception as exc:  # the watcher goes on; the writer hears its write failed
+        log.exception("answering a notification from %r failed", peer)
+        return ANSWER + bytes([REFUSED]) + head + f"the target could not take its notification: {exc}".encode()
+    if answer is None:
+        answer = b""  # no answerer (it went): delivered, and the write is acknowledged with nothing
+    if len(answer) > MAX_ANSWER_BYTES:
+        return ANSWER + bytes([REFUSED]) + head + f"its answer exceeds {MAX_ANSWER_BYTES} bytes".encode()
+    return ANSWER + bytes([ANSWERED]) + head + answer
+
+
+@dataclass
+class _Ask:
+    handle: TransferHandle
+    written: bool = False
+    answer: bytes | None = None
+
+
+class Asks:
+    """An initiator's writes that asked for an answer and have not completed: each completes once its write is done
+    (``written``) and its answer came (``answered``), in either order; a refusal fails it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[int, _Ask] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._open)
+
+    def ask(self, handle: TransferHandle, notif: bytes) -> bytes:
+        """The notification to post with ``handle``'s write, asking for an answer."""
+        with self._lock:
+            self._open[handle.id] = _Ask(handle)
+        return frame(notif, handle.id)
+
+    def asked(self, handle: TransferHandle) -> bool:
+        return handle.id in self._open
+
+    def written(self, handle: TransferHandle) -> None:
+        """The write is done: complete it if its answer came, else wait for that."""
+        with self._lock:
+            ask = self._open.get(handle.id)
+            if ask is None:
+                return
+            ask.written = True
+            done = ask.answer is not None
+            if done:
+                del self._open[handle.id]
+        if done:
+            assert ask.answer is not None
+            handle.answer = ask.answer
+            handle.complete()
+
+    def answered(self, peer: str, payload: bytes) -> bool:
+        """Whether ``payload`` from ``peer`` answers one of our writes to it (then applied): a refusal fails the
+        write, an answer completes it once written."""
+        if not payload.startswith(ANSWER) or len(payload) < _HEAD or len(payload) > _HEAD + MAX_ANSWER_BYTES:
+            return False
+        kind, (ident,) = payload[len(ANSWER)], _ID.unpack_from(payload, len(ANSWER) + 1)
+        body = payload[_HEAD:]
+        with self._lock:
+            ask = self._open.get(ident)
+            if ask is None or ask.handle.peer != peer or kind not in (ANSWERED, REFUSED) or ask.answer is not None:
+                return False
+            done = kind == REFUSED or ask.written
+            if done:
+                del self._open[ident]
+            else:
+                ask.answer = body
+        if kind == REFUSED:
+            ask.handle.fail(f"the peer refused transfer {ident}: {body.decode(errors='replace')}")
+        elif done:
+            ask.handle.answer = body
+            ask.handle.complete()
+        return True
+
+    def forget(self, handle: TransferHandle) -> None:
+        """The write failed or was given up on: no answer is awaited any more."""
+        with self._lock:
+            self._open.pop(handle.id, None)
+
+    def fail(self, why: str, peer: str | None = None) -> None:
+        """Fail every write (of ``peer``) still waiting for its answer: the bytes landed, what became of them is
+        not known."""
+        with self._lock:
+            gone = [a for a in self._open.values() if peer is None or a.handle.peer == peer]
+            for ask in gone:
+                del self._open[ask.handle.id]
+        for ask in gone:
+            if ask.handle.state is XferState.PENDING:
+                ask.handle.fail(why)

@@ -1,0 +1,63 @@
+"""``channels/answers.py``: a write that asks for an answer over a channel whose only way back is a notification
+(nixl), both ends of it, with every malformed or misdirected answer refused (the real agents: test_channel_nixl.py)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from pdkv.channels import answers
+from pdkv.channels.answers import Asks
+from pdkv.channels.handle import TransferHandle, XferState
+from pdkv.channels.inbox import NotificationInbox
+
+
+def reply(kind: int, ident: int, body: bytes) -> bytes:
+    return answers.ANSWER + bytes([kind]) + struct.pack("<Q", ident) + body
+
+
+@pytest.mark.parametrize("answer_first", [False, True])
+def test_a_write_completes_once_written_and_answered_in_either_order(answer_first: bool) -> None:
+    asks, handle = Asks(), TransferHandle("d", "write", 10)
+    framed = asks.ask(handle, b"notice")
+    assert framed == bytes([answers.ASK]) + struct.pack("<Q", handle.id) + b"notice" and asks
+    if answer_first:
+        assert asks.answered("d", reply(answers.ANSWERED, handle.id, b"verdict"))
+        assert handle.state is XferState.PENDING  # its bytes are not known to be done yet
+        asks.written(handle)
+    else:
+        asks.written(handle)
+        assert handle.state is XferState.PENDING  # done, but not answered
+        assert asks.answered("d", reply(answers.ANSWERED, handle.id, b"verdict"))
+    assert handle.state is XferState.DONE and handle.answer == b"verdict" and not asks
+
+
+def test_a_refusal_fails_the_write_and_a_stray_answer_is_left_alone() -> None:
+    asks, handle = Asks(), TransferHandle("d", "write", 10)
+    asks.ask(handle, b"n")
+    assert not asks.answered("other", reply(answers.ANSWERED, handle.id, b"x"))  # not the peer we asked
+    assert not asks.answered("d", reply(answers.ANSWERED, handle.id + 1, b"x"))  # not an id we asked with
+    assert not asks.answered("d", reply(9, handle.id, b"x"))  # no such kind
+    assert not asks.answered("d", answers.ANSWER + b"\x02\x01")  # shorter than its head
+    assert not asks.answered("d", reply(answers.ANSWERED, handle.id, b"x" * (answers.MAX_ANSWER_BYTES + 1)))
+    assert not asks.answered("d", b"an ordinary notification")
+    assert handle.state is XferState.PENDING
+    assert asks.answered("d", reply(answers.REFUSED, handle.id, b"no room"))
+    assert handle.state is XferState.ERROR and "no room" in (handle.error or "") and not asks
+    assert not asks.answered("d", reply(answers.ANSWERED, handle.id, b"late"))  # answered once
+
+
+def test_the_target_delivers_plain_notifications_and_answers_asked_ones() -> None:
+    inbox = NotificationInbox()
+    try:
+        assert answers.serve(inbox, "p", answers.frame(b"plain")) is None
+        assert answers.serve(inbox, "p", b"") is None  # not framed: delivered as it came, for the layer above
+        inbox.answerer = lambda peer, payload: b"seen " + payload if payload != b"boom" else 1 / 0  # type: ignore
+        got = answers.serve(inbox, "p", answers.frame(b"chunk", ask=7))
+        assert got == reply(answers.ANSWERED, 7, b"seen chunk")
+        failed = answers.serve(inbox, "p", answers.frame(b"boom", ask=8))
+        assert failed is not None and failed.startswith(reply(answers.REFUSED, 8, b"")) and b"division" in failed
+        assert [(n.peer, n.payload) for n in inbox.drain()] == [("p", b"plain"), ("p", b"")]
+    finally:
+        inbox.close()
