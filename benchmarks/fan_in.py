@@ -1,0 +1,119 @@
+"""A decode worker receiving from many prefill workers at once (issue 46's fan-in row): its thread count and a chunk's
+host time on it, with N senders pushing one short request each at the same moment, against one sender in the same run.
+
+    python benchmarks/fan_in.py --senders 16 --tokens 40 --rounds 30
+
+Prints one JSON line: per sender count (1 and N), the receiver's threads, its host microseconds per chunk
+(``host_us_per_chunk``: the landing, verification and verdict of one chunk, pdkv/transfer/hosttime.py) and the
+requests' p50 wall time; the ratio of N's to 1's. The receiver runs in another process (``TransferRig``); the extra
+senders are ``KVSender``s in this one, each with its own channel and agent name, as separate prefill workers would be.
+Every request's KV is checked bit for bit on the decode side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+import uuid
+
+import torch
+
+from pdkv.bench.channel import _recv, channel_options
+from pdkv.bench.transfer import FINGERPRINT, SENDER_LAYOUT, TransferRig, _digest
+from pdkv.channels import create_channel
+from pdkv.config import TransferConfig
+from pdkv.transfer.sender import KVSender
+
+
+def one_round(rig: TransferRig, senders: list[KVSender], tokens: int, table: list[int], tag: str) -> list[float]:
+    """Every sender pushes one request at once; each one's seconds. Raises unless the decode side holds each one's
+    KV bit for bit."""
+    rids = [f"{tag}-{i}" for i in range(len(senders))]
+    rig.conn.send(("expect", [(rid, tokens) for rid in rids]))
+    spent = [0.0] * len(senders)
+    start = threading.Barrier(len(senders))
+
+    def push(i: int) -> None:
+        start.wait()
+        t0 = time.perf_counter()
+        xfer = senders[i].open(rids[i], rig.address, tokens, table)
+        xfer.send_all()
+        xfer.wait(60)
+        spent[i] = time.perf_counter() - t0
+
+    threads = [threading.Thread(target=push, args=(i,)) for i in range(len(senders))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    rig.conn.send(("check",))
+    digests = _recv(rig.conn, "the receiver's digests")[1]
+    if digests != [_digest(rig.layout, rig.kv, table, tokens)] * len(senders):
+        raise SystemExit(f"round {tag}: the decode side holds other KV than was sent")
+    return spent
+
+
+def measure(rig: TransferRig, senders: list[KVSender], tokens: int, rounds: int) -> dict[str, float]:
+    table = list(range(SENDER_LAYOUT.blocks_for(tokens)))
+    for i in range(3):  # handshakes and first pools
+        one_round(rig, senders, tokens, table, f"warm{len(senders)}-{i}")
+        time.sleep(0.05)
+    rig.host_times()  # forget the warm-up's spans
+    walls: list[float] = []
+    for i in range(rounds):
+        time.sleep(0.01)  # the next pools granted, the previous round's work done
+        walls += one_round(rig, senders, tokens, table, f"r{len(senders)}-{i}")
+    chunk = rig.host_times()["decode"]["chunk"]
+    rig.conn.send(("threads",))
+    threads = len(_recv(rig.conn, "the receiver's threads")[1])
+    return {
+        "receiver_threads": threads,
+        "host_us_per_chunk_p50": statistics.median(chunk) / 1e3 if chunk else float("nan"),
+        "p50_ms": statistics.median(walls) * 1e3,
+        "requests": len(walls),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--senders", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--channel", default="tcp")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    config = TransferConfig()
+    blocks = SENDER_LAYOUT.blocks_for(config.pool_tokens)
+    # every sender's pool within the pools' share of the receiver's blocks, and room for the requests besides
+    receiver_blocks = int(args.senders * blocks / config.pool_blocks_share) + 2 * args.senders * blocks
+    out: dict[str, object] = {"channel": args.channel, "tokens": args.tokens, "receiver_blocks": receiver_blocks}
+    with TransferRig(args.channel, SENDER_LAYOUT, 64, receiver_blocks, config) as rig:
+        options = channel_options(args.channel, "127.0.0.1", {})
+        extra = [
+            KVSender(
+                create_channel(args.channel, f"bench-prefill-{uuid.uuid4().hex[:6]}", options),
+                SENDER_LAYOUT,
+                rig.kv,
+                FINGERPRINT,
+                config,
+            )
+            for _ in range(args.senders - 1)
+        ]
+        try:
+            one = measure(rig, [rig.sender], args.tokens, args.rounds)
+            many = measure(rig, [rig.sender, *extra], args.tokens, args.rounds)
+        finally:
+            for sender in extra:
+                sender.close()
+                sender.channel.close()
+    out["1"], out[str(args.senders)] = one, many
+    out["ratio"] = {k: many[k] / one[k] for k in ("receiver_threads", "host_us_per_chunk_p50", "p50_ms")}
+
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
