@@ -45,8 +45,9 @@ class Heartbeats:
             self.beat(now)
 
     def beat(self, now: float) -> None:
-        """Send each live peer a heartbeat naming what it renews, over its own socket (by peer, not address: after
-        a restart the address has a new one). Nothing counts as renewed until the beat is answered (``renewed``)."""
+        """Send each live peer a heartbeat naming what it renews, and the transfers to it that completed since the
+        last one (their ``Done``), over its own socket (by peer, not address: after a restart the address has a new
+        one). Nothing counts as renewed until the beat is answered (``renewed``)."""
         parts = self.parts
         by_peer: dict[bytes, tuple[ReceiverPeer, list[str]]] = {}
         with parts.cond:
