@@ -15,7 +15,7 @@ import struct
 import threading
 from dataclasses import dataclass
 
-from pdkv.channels.handle import TransferHandle, XferState
+from pdkv.channels.handle import Notification, TransferHandle, XferState
 from pdkv.channels.inbox import NotificationInbox
 
 log = logging.getLogger(__name__)
@@ -33,26 +33,35 @@ def frame(notif: bytes, ask: int = 0) -> bytes:
     return bytes([ASK]) + _ID.pack(ask) + notif if ask else bytes([PLAIN]) + notif
 
 
-def serve(inbox: NotificationInbox, peer: str, payload: bytes) -> bytes | None:
-    """A framed notification from ``peer``, at a target that answers: delivered (None), or answered (the reply to
-    send ``peer``). One that is not framed is delivered as it came, for the layer above to refuse."""
-    if payload[:1] == bytes([PLAIN]):
-        inbox.deliver(peer, payload[1:])
-        return None
-    if payload[:1] != bytes([ASK]) or len(payload) < 1 + _ID.size:
-        inbox.deliver(peer, payload)
-        return None
-    head, body = payload[1 : 1 + _ID.size], payload[1 + _ID.size :]
+def serve(inbox: NotificationInbox, arrived: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    """Framed notifications that arrived together at a target that answers, as (peer, payload): the plain ones (and
+    any not framed, for the layer above to refuse) delivered, the asked ones answered together (one ``take``, so
+    their checks share a pass): the replies to send, as (peer, reply)."""
+    asked: list[tuple[str, bytes]] = []  # (peer, the id as framed)
+    notifs: list[Notification] = []
+    for peer, payload in arrived:
+        if payload[:1] == bytes([ASK]) and len(payload) >= 1 + _ID.size:
+            asked.append((peer, payload[1 : 1 + _ID.size]))
+            notifs.append(Notification(peer, payload[1 + _ID.size :]))
+        else:
+            inbox.deliver(peer, payload[1:] if payload[:1] == bytes([PLAIN]) else payload)
+    if not notifs:
+        return []
     try:
-        answer = inbox.take(peer, body)
-    except Exception as exc:  # the watcher goes on; the writer hears its write failed
-        log.exception("answering a notification from %r failed", peer)
-        return ANSWER + bytes([REFUSED]) + head + f"the target could not take its notification: {exc}".encode()
-    if answer is None:
-        answer = b""  # no answerer (it went): delivered, and the write is acknowledged with nothing
-    if len(answer) > MAX_ANSWER_BYTES:
-        return ANSWER + bytes([REFUSED]) + head + f"its answer exceeds {MAX_ANSWER_BYTES} bytes".encode()
-    return ANSWER + bytes([ANSWERED]) + head + answer
+        taken = inbox.take(notifs)
+    except Exception as exc:  # the watcher goes on; the writers hear their writes failed
+        log.exception("answering %d notifications failed", len(notifs))
+        why = f"the target could not take its notification: {exc}".encode()
+        return [(peer, ANSWER + bytes([REFUSED]) + head + why) for peer, head in asked]
+    replies = []
+    for (peer, head), answer in zip(asked, taken or [b""] * len(asked), strict=True):
+        if len(answer) > MAX_ANSWER_BYTES:
+            replies.append(
+                (peer, ANSWER + bytes([REFUSED]) + head + f"its answer exceeds {MAX_ANSWER_BYTES} bytes".encode())
+            )
+        else:
+            replies.append((peer, ANSWER + bytes([ANSWERED]) + head + answer))
+    return replies
 
 
 @dataclass

@@ -8,8 +8,10 @@ from collections.abc import Callable
 from pdkv.channels.handle import Notification
 from pdkv.wakeup import Waker
 
-Answerer = Callable[[str, bytes], bytes]
-"""(peer, notification) -> the answer the writer gets with its completion (``TransferHandle.answer``)."""
+Answerer = Callable[[list[Notification]], list[bytes]]
+"""Notifications whose transfers landed -> the answer to each, which its writer gets with its completion
+(``TransferHandle.answer``; b"": none). Given together what arrived together (a nixl watcher's pass), so that their
+checks can share a pass (one checksum read-back on a GPU, not one each)."""
 
 
 class NotificationInbox:
@@ -26,13 +28,17 @@ class NotificationInbox:
         self._waker = Waker()
         self.answerer: Answerer | None = None
 
-    def take(self, peer: str, payload: bytes) -> bytes | None:
-        """A notification whose transfer landed, on the thread that landed it: with an answerer (a channel that
-        carries answers back on the data connection, ``Channel.answer_notifications``), the answer to send
-        back (b"": none, a plain acknowledgement); else delivered to the fd's sleeper, and None."""
+    def take(self, notifs: list[Notification]) -> list[bytes] | None:
+        """Notifications whose transfers landed, on the thread that landed them: with an answerer (a channel that
+        carries answers back to the writer, ``Channel.answer_notifications``), the answer to each (b"": none, a
+        plain acknowledgement); else delivered to the fd's sleeper, and None."""
         if self.answerer is not None:
-            return self.answerer(peer, payload)
-        self.deliver(peer, payload)
+            answers = self.answerer(notifs)
+            if len(answers) != len(notifs):
+                raise RuntimeError(f"the answerer gave {len(answers)} answers to {len(notifs)} notifications")
+            return answers
+        for n in notifs:
+            self.deliver(n.peer, n.payload)
         return None
 
     def fileno(self) -> int:

@@ -803,19 +803,18 @@ class NixlChannel(Channel):
             except NIXL_ERRORS as exc:
                 raise ChannelError(f"nixl: reading notifications failed: {describe_nixl_error(exc)}") from exc
         count = 0
-        replies: list[tuple[str, bytes]] = []
-        answering = self.inbox.answerer is not None
+        arrived: list[tuple[str, bytes]] = []  # for us to deliver or answer, in order
         for peer, payloads in fresh.items():
             name = peer.decode() if isinstance(peer, bytes) else peer
             for payload in payloads:
                 count += 1
-                if self._asks.answered(name, payload):  # an answer to a write of ours
-                    continue
-                if not answering:
-                    self.inbox.deliver(name, payload)
-                elif (reply := answers.serve(self.inbox, name, payload)) is not None:
-                    replies.append((name, reply))
-        self._reply(replies)
+                if not self._asks.answered(name, payload):  # else an answer to a write of ours, applied
+                    arrived.append((name, payload))
+        if self.inbox.answerer is None:
+            for name, payload in arrived:
+                self.inbox.deliver(name, payload)
+        else:  # the pass's notices answered together: their checks share one pass (answers.serve)
+            self._reply(answers.serve(self.inbox, arrived))
         return count
 
     def _reply(self, replies: list[tuple[str, bytes]]) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from pdkv.channels import answers
 from pdkv.channels.answers import Asks
-from pdkv.channels.handle import TransferHandle, XferState
+from pdkv.channels.handle import Notification, TransferHandle, XferState
 from pdkv.channels.inbox import NotificationInbox
 
 
@@ -48,16 +48,24 @@ def test_a_refusal_fails_the_write_and_a_stray_answer_is_left_alone() -> None:
     assert not asks.answered("d", reply(answers.ANSWERED, handle.id, b"late"))  # answered once
 
 
-def test_the_target_delivers_plain_notifications_and_answers_asked_ones() -> None:
+def test_the_target_delivers_plain_notifications_and_answers_asked_ones_together() -> None:
     inbox = NotificationInbox()
+    taken: list[list[Notification]] = []
+
+    def answer(notifs: list[Notification]) -> list[bytes]:
+        taken.append(notifs)
+        if any(n.payload == b"boom" for n in notifs):
+            raise ZeroDivisionError("division by zero")
+        return [b"seen " + n.payload for n in notifs]
+
     try:
-        assert answers.serve(inbox, "p", answers.frame(b"plain")) is None
-        assert answers.serve(inbox, "p", b"") is None  # not framed: delivered as it came, for the layer above
-        inbox.answerer = lambda peer, payload: b"seen " + payload if payload != b"boom" else 1 / 0  # type: ignore
-        got = answers.serve(inbox, "p", answers.frame(b"chunk", ask=7))
-        assert got == reply(answers.ANSWERED, 7, b"seen chunk")
-        failed = answers.serve(inbox, "p", answers.frame(b"boom", ask=8))
-        assert failed is not None and failed.startswith(reply(answers.REFUSED, 8, b"")) and b"division" in failed
+        assert answers.serve(inbox, [("p", answers.frame(b"plain")), ("p", b"")]) == []  # b"": not framed
+        inbox.answerer = answer
+        got = answers.serve(inbox, [("p", answers.frame(b"one", ask=7)), ("q", answers.frame(b"two", ask=9))])
+        assert got == [("p", reply(answers.ANSWERED, 7, b"seen one")), ("q", reply(answers.ANSWERED, 9, b"seen two"))]
+        assert [[n.payload for n in batch] for batch in taken] == [[b"one", b"two"]]  # one pass, one call
+        failed = answers.serve(inbox, [("p", answers.frame(b"boom", ask=8))])
+        assert failed[0][1].startswith(reply(answers.REFUSED, 8, b"")) and b"division" in failed[0][1]
         assert [(n.peer, n.payload) for n in inbox.drain()] == [("p", b"plain"), ("p", b"")]
     finally:
         inbox.close()

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from pdkv.channels import Channel, TransferOp, XferState, channel_class, create_channel
+from pdkv.channels.handle import Notification
 from pdkv.errors import ChannelError, ConfigError, TransferTimeout
 
 from tests.conftest import wait_until
@@ -634,10 +635,10 @@ def test_an_answering_peer_answers_each_write_with_a_notification_of_its_own(
     a, b = make_channel(), make_channel()
     failing = {b"boom"}
 
-    def answer(peer: str, payload: bytes) -> bytes:
-        if payload in failing:
+    def answer(notifs: list[Notification]) -> list[bytes]:
+        if any(n.payload in failing for n in notifs):
             raise RuntimeError("no room for it")
-        return f"{peer} wrote {payload.decode()}".encode()
+        return [f"{n.peer} wrote {n.payload.decode()}".encode() for n in notifs]
 
     assert b.answer_notifications(answer)
     src, dst = pattern(REGION, 5), torch.zeros(REGION, dtype=torch.uint8)
@@ -665,7 +666,7 @@ def test_an_answering_peer_answers_each_write_with_a_notification_of_its_own(
 def test_a_write_waiting_for_its_answer_fails_when_its_peer_is_forgotten(make_channel: Callable[..., Channel]) -> None:
     a, b = make_channel(), make_channel()
     held = threading.Event()
-    b.answer_notifications(lambda peer, payload: held.wait(10.0) and b"late")  # type: ignore[arg-type]
+    b.answer_notifications(lambda notifs: [b"late"] * len(notifs) if held.wait(10.0) else [])
     src, dst = pattern(REGION, 6), torch.zeros(REGION, dtype=torch.uint8)
     ra, rb = a.register(src), b.register(dst)
     name = a.add_peer(b.metadata())

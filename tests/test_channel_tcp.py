@@ -29,6 +29,7 @@ import pytest
 
 from pdkv.auth import NONCE_BYTES, PROOF_BYTES
 from pdkv.channels import TransferOp, XferState, create_channel
+from pdkv.channels.handle import Notification
 from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
 from pdkv.channels.tcp import options as tcp_options
 from pdkv.channels.tcp.initiator import _split
@@ -976,10 +977,11 @@ def test_an_answerer_answers_each_write_on_its_data_connection(frame_loop: str) 
     landed = bytearray(MiB)
     failures = {b"boom": RuntimeError("no room for it"), b"big": None}
 
-    def answer(peer: str, payload: bytes) -> bytes:
-        if payload == b"boom":
-            raise failures[payload]  # type: ignore[misc]
-        return b"x" * 65 if payload == b"big" else f"{peer} wrote {payload.decode()}".encode()
+    def answer(notifs: list[Notification]) -> list[bytes]:
+        (n,) = notifs  # tcp answers each transfer as it lands
+        if n.payload == b"boom":
+            raise failures[n.payload]  # type: ignore[misc]
+        return [b"x" * 65 if n.payload == b"big" else f"{n.peer} wrote {n.payload.decode()}".encode()]
 
     try:
         assert target.answer_notifications(answer)
@@ -1009,7 +1011,7 @@ def test_an_answerer_answers_each_write_on_its_data_connection(frame_loop: str) 
 def test_a_channel_that_cannot_carry_answers_keeps_notifications_in_its_inbox() -> None:
     channel = create_channel("mock", "inbox-only")
     try:
-        assert not channel.answer_notifications(lambda peer, payload: b"never")
+        assert not channel.answer_notifications(lambda notifs: [b"never"] * len(notifs))
         assert channel.inbox.answerer is None
     finally:
         channel.close()

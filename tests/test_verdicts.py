@@ -138,7 +138,7 @@ def test_an_answer_that_is_not_the_receivers_verdict_fails_the_transfer(
     inbox = pair.d_channel.inbox
     answer = inbox.answerer
     assert answer is not None
-    inbox.answerer = lambda peer, payload: tamper(answer(peer, payload))
+    inbox.answerer = lambda notifs: [tamper(a) for a in answer(notifs)]
     xfer = pair.sender.open("lied-about", pair.receiver.address, 30, [10, 11])
     xfer.send_all()
     with pytest.raises(TransferError, match="answer was refused"):

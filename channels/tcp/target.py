@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pdkv import native
 from pdkv.auth import NONCE_BYTES, PROOF_BYTES, new_nonce
 from pdkv.channels.grants import Grants
+from pdkv.channels.handle import Notification
 from pdkv.channels.inbox import NotificationInbox
 from pdkv.channels.landing import LandingSums, Snapshot
 from pdkv.channels.regions import RegionTable
@@ -550,7 +551,8 @@ class Target:
         b"" for a plain ACK, None where it went to the inbox; why the transfer is NACKed instead, where no answer
         can go: the answerer failed, or answered more than ``max_notif_bytes``)."""
         try:
-            answer = self._inbox.take(session.peer, notif)
+            taken = self._inbox.take([Notification(session.peer, notif)])
+            answer = None if taken is None else taken[0]
         except Exception as exc:
             log.exception("tcp %s: answering a notification from %r failed", self.agent.name, session.peer)
             return None, f"the target could not take its notification: {exc}"

@@ -248,32 +248,39 @@ class IncomingBook:
                 self.parts.host.add("chunk", spent // chunks)
         self.pools.send_refills()
 
-    def answer(self, peer: str, payload: bytes) -> bytes:
-        """``Channel.answer_notifications``: land one chunk on the thread that received its bytes and answer its
-        sender on the same connection (a ``ChunkVerdict``, tagged with the session key): no hand-off to the I/O
-        thread, no ``Landed`` or ``Refused`` on the control plane. A request that took its sender's pool gets the
-        next pool in the verdict, granted before it goes, as a ``Landed`` would carry it. A notice that is
-        malformed or, with a secret, not tagged under a live session of ``peer``'s, is counted and dropped, and
-        answered with nothing (b"": a plain acknowledgement) that the sender could mistake for a verdict."""
+    def answer(self, notifs: list[Notification]) -> list[bytes]:
+        """``Channel.answer_notifications``: land chunks on the thread that received them and answer each one's
+        sender the way it came (a ``ChunkVerdict``, tagged with the session key): no hand-off to the I/O thread,
+        no ``Landed`` or ``Refused`` on the control plane. Chunks that arrived together (a nixl watcher's pass) have
+        their direct checksums read together, as ``on_notifications`` does (``hash_direct``). A request that took
+        its sender's pool gets the next pool in its verdict, granted before the verdict goes, as a ``Landed`` would
+        carry it. A notice that is malformed or, with a secret, not tagged under a live session of its sender's is
+        counted and dropped, and answered with nothing (b"": a plain acknowledgement) that the sender could mistake
+        for a verdict."""
         began = time.perf_counter_ns()
-        keys = self.notice_keys({peer})
-        notice = self.decode(Notification(peer, payload), keys)
-        if notice is None:
-            return b""
+        keys = self.notice_keys({n.peer for n in notifs})
+        decoded = [self.decode(n, keys) for n in notifs]
+        notices = [(n.peer, notice) for n, notice in zip(notifs, decoded, strict=True) if notice is not None]
+        hashed = self.hash_direct(notices)
+        verdicts: dict[int, tuple[ChunkVerdict, bytes]] = {}  # position in notifs -> (verdict, the key to tag it)
+        admitting = 0
         with self.lock:
-            got = self.land(peer, notice, answered=True)
-            pool = self.pools.next_pool_of(peer)
-            session = self.parts.peers.get(got.r.identity) if got.r is not None else None
-            if session is not None:
-                key = session.session_key
-            else:
-                key = keys[peer][0] if keys and keys[peer] else b""
-        verdict = got.verdict if pool is None else msgspec.structs.replace(got.verdict, pool=pool)
-        data = protocol.seal_verdict(verdict, key)
-        if verdict.outcome == "landed":
-            self.counters["verdicts_sent"] += 1
-            self.parts.host.add("chunk", time.perf_counter_ns() - began - got.admitting_ns)
-        return data
+            for i, (peer, notice) in enumerate(notices):
+                got = self.land(peer, notice, hashed.get(i), answered=True)
+                admitting += got.admitting_ns
+                pool = self.pools.next_pool_of(peer)
+                session = self.parts.peers.get(got.r.identity) if got.r is not None else None
+                key = session.session_key if session is not None else (keys[peer][0] if keys and keys[peer] else b"")
+                verdict = got.verdict if pool is None else msgspec.structs.replace(got.verdict, pool=pool)
+                verdicts[i] = (verdict, key)
+        sealed = iter(protocol.seal_verdict(*verdicts[i]) for i in range(len(notices)))
+        answers = [b"" if notice is None else next(sealed) for notice in decoded]
+        if landed := sum(1 for verdict, _ in verdicts.values() if verdict.outcome == "landed"):
+            self.counters["verdicts_sent"] += landed
+            spent = time.perf_counter_ns() - began - admitting  # shared by its chunks, as on_notifications' pass
+            for _ in range(landed):
+                self.parts.host.add("chunk", spent // landed)
+        return answers
 
     def notice_keys(self, agents: set[str]) -> dict[str, list[bytes]] | None:
         """With a secret, the session keys a notice from each of ``agents`` may be tagged with (those of its admitted
