@@ -15,11 +15,10 @@ out that loop's frames too.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal, Protocol
 
 from pdkv.errors import ChannelError
@@ -88,12 +87,6 @@ class Grants:
     def guarded(self, region: int) -> bool:
         with self._cond:
             return region in self._guarded
-
-    def unguard(self, region: int) -> None:
-        with self._cond:
-            self._guarded.discard(region)
-            if self.mirror is not None:
-                self.mirror.guard(region, False)
 
     def exposure(self, regions: Iterable[int], access: Access = "write") -> Exposure:
         """Whether a peer may touch ``regions`` now: ``open`` (one is not guarded: any peer, any time),
@@ -167,14 +160,6 @@ class Grants:
         with self._cond:
             del self._landing[ticket]
             self._cond.notify_all()
-
-    @contextlib.contextmanager
-    def use(self, token: bytes, access: Access, region: int, offset: int, length: int) -> Iterator[None]:
-        ticket = self.begin(token, access, region, offset, length)
-        try:
-            yield
-        finally:
-            self.end(ticket)
 
 
 def _coalesce(ranges: Sequence[Range]) -> list[Range]:

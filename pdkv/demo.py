@@ -72,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.05)
         d_metrics = get_text(decode.url + "/metrics")
         moved = metric(p_metrics, "pdkv_transfer_bytes_total")
-        seconds = metric(p_metrics, "pdkv_transfer_seconds_sum")
+        # what the wire did: each chunk from its post to its verdict, and the tail the request waited for
+        chunk_s, chunks = metric(p_metrics, "pdkv_chunk_seconds_sum"), metric(p_metrics, "pdkv_chunk_seconds_count")
+        tail_s = metric(p_metrics, "pdkv_transfer_tail_seconds_sum")
         summary = {
             "model": args.model,
             "channel": args.channel,
@@ -81,8 +83,10 @@ def run(args: argparse.Namespace) -> int:
             "ttft_s": round(ttft, 4),
             "total_s": round(total, 4),
             "kv_bytes_moved": int(moved),
-            "kv_transfer_s": round(seconds, 4),
-            "kv_gbps": round(moved / seconds / 1e9, 3) if seconds else None,
+            "kv_chunks": int(chunks),
+            "kv_chunk_post_to_verdict_ms": round(chunk_s / chunks * 1e3, 3) if chunks else None,
+            "kv_exposed_tail_ms": round(tail_s * 1e3, 3),
+            "kv_gbps": round(moved / chunk_s / 1e9, 3) if chunk_s else None,
             "transferred_prompt_tokens": int(metric(d_metrics, "pdkv_prompt_tokens_total", source="transferred")),
             "fallbacks": int(metric(d_metrics, "pdkv_fallbacks_total")),
             "matches_local_generation": local["choices"][0]["token_ids"] == ids,

@@ -119,9 +119,17 @@ class HeldPort:
         self.release()
 
 
-def zmq_address(host: str, port: int | str) -> str:
-    """A ZeroMQ tcp endpoint; an IPv6 literal goes in brackets (``tcp://[::1]:5555``), as ZeroMQ wants it."""
-    return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
+def zmq_address(host: str, port: int | str | None = None) -> str:
+    """A ZeroMQ tcp endpoint; an IPv6 literal goes in brackets (``tcp://[::1]:5555``), as ZeroMQ wants it (a socket
+    bound or connected to one needs ``zmq.IPV6`` set: ``zmq_ipv6``). No ``port``: the host alone, for
+    ``bind_to_random_port``."""
+    where = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"tcp://{where}" if port is None else f"tcp://{where}:{port}"
+
+
+def zmq_ipv6(address: str) -> bool:
+    """Whether a ZeroMQ tcp endpoint names an IPv6 literal (its socket must set ``zmq.IPV6``)."""
+    return address.startswith("tcp://[")
 
 
 def host_key(host: str) -> str:

@@ -21,7 +21,7 @@ from pdkv.channels.tcp.target import FRAMES_ENV_VAR
 from pdkv.config import TransferConfig
 from pdkv.layout import KVLayout
 from pdkv.memory import emulate_device, in_reach
-from pdkv.testing.model import write_tiny_model
+from pdkv.testing.model import single_thread, write_tiny_model
 from pdkv.testing.redis import INSTALL_HINT, LocalRedis, local_redis, server_binary
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
@@ -130,6 +130,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A test marked ``device_emulation`` that makes pairs runs once per ``KV_MEMORIES``."""
     if "make_pair" in metafunc.fixturenames and metafunc.definition.get_closest_marker("device_emulation"):
         metafunc.parametrize("kv_memory", KV_MEMORIES)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for a module's tests (the engines' tests: two cores, and their timing and results stay
+    those of one thread); ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    with single_thread():
+        yield
 
 
 @pytest.fixture

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -11,19 +9,15 @@ from pdkv.engine import ReferenceEngine, SamplingParams
 from pdkv.engine.checkpoint import Checkpoint
 from pdkv.errors import EngineError, InvalidRequestError, LayoutError, OutOfBlocksError
 from pdkv.layout import gather, scatter
-from pdkv.testing.model import random_checkpoint, single_thread, tiny_config
+from pdkv.testing.model import random_checkpoint, tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 PROMPT_TEXT = (
     "The quick brown fox jumps over the lazy dog. Paris is the capital of France, and the KV cache moves "
     "chunk by chunk."
 )
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    with single_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

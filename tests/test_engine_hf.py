@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,9 @@ import pytest
 import torch
 
 from pdkv.engine import ReferenceEngine, SamplingParams
-from pdkv.testing.model import single_thread, write_tiny_model
+from pdkv.testing.model import write_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is the oracle for these tests (a dev dependency)"
@@ -37,12 +38,6 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-untied-mha": ("qwen2", {"tie_word_embeddings": False, "num_key_value_heads": 4}),
 }
 NEW_TOKENS = 24
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    with single_thread():
-        yield
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -12,7 +12,13 @@ import socket
 import pytest
 import zmq
 
+from pdkv.blocks import BlockAllocator
+from pdkv.channels import create_channel
+from pdkv.config import TransferConfig
+from pdkv.layout import KVLayout
 from pdkv.netaddr import HeldPort
+from pdkv.transfer.receiver import KVReceiver
+from pdkv.transfer.sender import KVSender
 
 
 def _reuse_socket() -> socket.socket:
@@ -80,3 +86,33 @@ def test_a_run_of_consecutive_ports_is_held_and_no_one_else_can_hold_them() -> N
     finally:
         for h in run:
             h.release()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_a_receiver_on_an_ipv6_address_is_reached_by_its_bracketed_endpoint() -> None:
+    """The control plane's endpoints go through ``zmq_address`` (brackets) with ``zmq.IPV6`` set on both sockets: a
+    receiver bound on ``::1`` says ``tcp://[::1]:PORT`` and a sender handshakes, reserves and lands a request there."""
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
+    p, d = create_channel("mock", "p-v6"), create_channel("mock", "d-v6")
+    receiver = KVReceiver(d, layout, layout.allocate(16), BlockAllocator(16), "m", TransferConfig(chunk_size=32), "::1")
+    sender = KVSender(p, layout, layout.allocate(16), "m", TransferConfig(chunk_size=32))
+    try:
+        assert receiver.address.startswith("tcp://[::1]:")
+        xfer = sender.open("over-v6", receiver.address, 20, [0, 1])
+        xfer.send_all()
+        xfer.wait(10)
+        assert receiver.wait("over-v6", 10).num_tokens == 20 and receiver.stats()["tokens_landed"] == 20
+    finally:
+        sender.close()
+        receiver.close()
+        p.close()
+        d.close()

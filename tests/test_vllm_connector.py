@@ -862,9 +862,12 @@ def test_the_worker_sides_counters_become_the_reference_workers_series_each_incr
         assert events[("decode", "bytes_landed")] == d.receiver.stats()["bytes_landed"]
         # each transfer's time, throughput and D's wait, observed once, for the reference workers' histograms
         seconds, gbps = p_step.pop("pdkv_transfer_seconds|prefill"), p_step.pop("pdkv_transfer_gbps|prefill")
+        [chunk], [tail] = p_step.pop("pdkv_chunk_seconds|prefill"), p_step.pop("pdkv_transfer_tail_seconds|prefill")
         [wait] = d_step.pop("pdkv_transfer_wait_seconds|decode")
         assert len(seconds) == len(gbps) == 1 and seconds[0] > 0 and wait > 0
-        assert gbps[0] == pytest.approx(p.sender.stats()["bytes_raw"] / seconds[0] / 1e9)
+        # one chunk: its post to its verdict is the exposed tail and all of the transfer, and its GB/s the wire's
+        assert 0 < chunk <= tail <= seconds[0]
+        assert gbps[0] == pytest.approx(p.sender.stats()["bytes_raw"] / chunk / 1e9)
         assert p_step == {"push_ok": 1, "push_tokens": 64, "push_bytes": p.sender.stats()["bytes_raw"]}
         assert d_step == {"load_ok": 1, "pushed_tokens_loaded": 64, "load_bytes": p_step["push_bytes"]}
         # a push D cannot use: D recomputes, and says so

@@ -49,6 +49,7 @@ from pdkv.errors import ConfigError, PdkvError
 from pdkv.kv_events.curve import CurveClient
 from pdkv.kv_events.index import PrefixIndex
 from pdkv.kv_events.subscriber import EventStream, cancel
+from pdkv.netaddr import zmq_address
 from pdkv.router.pool import WorkerPool, WorkerState, describe
 
 log = logging.getLogger(__name__)
@@ -86,9 +87,8 @@ def advertised(endpoint: str, worker_url: str) -> str:
         return endpoint
     host, _, port = endpoint[len("tcp://") :].rpartition(":")
     if host in _WILDCARD_HOSTS:
-        worker_host = urlsplit(worker_url).hostname or "127.0.0.1"
-        host = f"[{worker_host}]" if ":" in worker_host else worker_host
-    return f"tcp://{host}:{port}"
+        host = urlsplit(worker_url).hostname or "127.0.0.1"
+    return zmq_address(host, port)
 
 
 def curve_client(config: RouterConfig, own_server_key: str, field: str, what: str) -> CurveClient | None:

@@ -30,6 +30,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from pdkv.auth import message_tag, verify_tag
 from pdkv.errors import ProtocolError
+from pdkv.netaddr import zmq_address, zmq_ipv6
 from pdkv.ratelog import Throttled
 from pdkv.transfer import protocol
 from pdkv.wakeup import Waker
@@ -214,12 +215,13 @@ class RouterSocket:
         # No ROUTER_HANDOVER: a connection that claims a routing id in use is refused, never given its pipe.
         self._sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         self._sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, math.ceil(handshake_s * 1000)))
+        self._sock.setsockopt(zmq.IPV6, zmq_ipv6(zmq_address(host)))
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_ACCEPT_FAILED)
         if port:
-            self._bind(f"tcp://{host}:{port}")
+            self._bind(zmq_address(host, port))
         else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+            port = self._sock.bind_to_random_port(zmq_address(host))
+        self.address = zmq_address(host, port)
         loop.watch(self._sock, self._drain)
         loop.watch(self._monitor, self._on_monitor)
 
@@ -342,6 +344,7 @@ class DealerSockets:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.ROUTING_ID, key.identity)
             sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+            sock.setsockopt(zmq.IPV6, zmq_ipv6(address))
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED)
             sock.connect(address)
             pair = self._socks[key] = (sock, monitor)

@@ -272,6 +272,10 @@ class OutgoingTransfer:
         self.lease_s = reserved.lease_s
         self.lease_margin = lease_margin(self.lease_s, ctx.parts.config.heartbeat_s)
         self.finished_at = 0.0
+        # when each chunk was posted, and each verified chunk's (bytes, seconds from its post to its verdict): what
+        # the wire and the receiver's check took, apart from the prefill computing the chunks (``wire_times``)
+        self.post_times: dict[int, tuple[int, float]] = {}
+        self.chunk_times: list[tuple[int, float]] = []
         self._on_settled: list[Callable[[OutgoingTransfer], None]] = []
         # the request's fixed host time (hosttime.py): open to here, then its last Landed to settled
         self.landed_ns = 0
@@ -354,6 +358,7 @@ class OutgoingTransfer:
             ctx.parts.counters["bytes_wire"] += wire
             need = ctx.credit.inflight
             self.posted[handle] = PostedWrite(nbytes=nbytes, need=need, limit=ctx.stall.limit(need))
+            self.post_times[index] = (nbytes, handle.posted_at)
         handle.add_done_callback(lambda h: self._finished(h, local_slot))
         ctx.parts.host.since("chunk", posting - hashed_ns)
 
@@ -595,10 +600,14 @@ class OutgoingTransfer:
 
     def _count_landed(self, indices: list[int]) -> None:
         """Chunks the receiver verified (caller holds the condition): their staging slots free, a waiter woken."""
+        now = time.monotonic()
         for index in indices:
             if index not in self.sent or index in self.landed:
                 continue  # a stray or repeated acknowledgement: nothing of ours to free twice
             self.landed.add(index)
+            if index in self.post_times:
+                nbytes, posted = self.post_times[index]
+                self.chunk_times.append((nbytes, now - posted))
             self.ctx.parts.counters["chunks_landed"] += 1
             slot = self.slot_of_chunk.pop(index, None)
             if slot is not None:
@@ -606,6 +615,23 @@ class OutgoingTransfer:
         if self.complete and not self.finished_at:
             self.finished_at, self.landed_ns = time.monotonic(), time.perf_counter_ns()
         self.cond.notify_all()
+
+    def wire_times(self) -> list[tuple[str, float]]:
+        """A complete transfer's measurements, as (histogram series, value) (pdkv/worker/metrics.py): from its first
+        post to its last verdict (``pdkv_transfer_seconds``, the prefill's computing of the chunks included); the
+        exposed tail, from its last chunk's post (that KV computed) to its verdict (``pdkv_transfer_tail_seconds``);
+        and each chunk's time from post to verdict and its throughput (``pdkv_chunk_seconds``,
+        ``pdkv_transfer_gbps``): what the wire did, not what the prefill did."""
+        if not self.complete or not self.finished_at:
+            return []
+        last_post = max((posted for _, posted in self.post_times.values()), default=self.started)
+        out = [
+            ("pdkv_transfer_seconds", max(self.finished_at - self.started, 1e-9)),
+            ("pdkv_transfer_tail_seconds", max(self.finished_at - last_post, 0.0)),
+        ]
+        for nbytes, seconds in self.chunk_times:
+            out += [("pdkv_chunk_seconds", seconds), ("pdkv_transfer_gbps", nbytes / max(seconds, 1e-9) / 1e9)]
+        return out
 
     def check_timeout(self, now: float) -> None:
         """Nobody may be waiting on this transfer (the worker never calls wait): if its receiver died after

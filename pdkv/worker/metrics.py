@@ -30,7 +30,26 @@ class WorkerMetrics:
             registry=r,
         )
         self.transfer_seconds = Histogram(
-            "pdkv_transfer_seconds", "KV transfer time per request", ["role"], buckets=LATENCY_BUCKETS, registry=r
+            "pdkv_transfer_seconds",
+            "KV transfer time per request, from its first chunk posted to its last verified (the prefill's computing "
+            "of the chunks in between included)",
+            ["role"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.transfer_tail = Histogram(
+            "pdkv_transfer_tail_seconds",
+            "The transfer time a request is exposed to: from its last chunk's post (that KV computed) to its verdict",
+            ["role"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.chunk_seconds = Histogram(
+            "pdkv_chunk_seconds",
+            "A chunk's time from its post to its verdict: what the wire and the receiver's check took",
+            ["role"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.transfer_wait = Histogram(
             "pdkv_transfer_wait_seconds",
@@ -41,11 +60,18 @@ class WorkerMetrics:
         )
         self.transfer_gbps = Histogram(
             "pdkv_transfer_gbps",
-            "KV transfer throughput per request (GB/s)",
+            "KV throughput of each chunk, from its post to its verdict (GB/s)",
             ["role"],
             buckets=GBPS_BUCKETS,
             registry=r,
         )
+        # by series name: what ``OutgoingTransfer.wire_times`` measures goes to these
+        self.wire_series = {
+            "pdkv_transfer_seconds": self.transfer_seconds,
+            "pdkv_transfer_tail_seconds": self.transfer_tail,
+            "pdkv_chunk_seconds": self.chunk_seconds,
+            "pdkv_transfer_gbps": self.transfer_gbps,
+        }
         self.transfer_bytes = Counter("pdkv_transfer_bytes", "KV bytes moved", ["role"], registry=r)
         self.transfers = Counter("pdkv_transfers", "KV transfers by outcome", ["role", "outcome"], registry=r)
         self.fallbacks = Counter(

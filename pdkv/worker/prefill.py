@@ -178,11 +178,10 @@ class PrefillRole(WorkerRole):
         """Runs when no write of ours can touch the request's blocks: free them and record the transfer."""
         self.engine.free(request)
         if xfer.error is None:
-            seconds = max(xfer.finished_at - xfer.started, 1e-9)
             self.metrics.transfers.labels(self.name, "ok").inc()
             self.metrics.transfer_bytes.labels(self.name).inc(xfer.bytes_sent)
-            self.metrics.transfer_seconds.labels(self.name).observe(seconds)
-            self.metrics.transfer_gbps.labels(self.name).observe(xfer.bytes_sent / seconds / 1e9)
+            for series, value in xfer.wire_times():
+                self.metrics.wire_series[series].labels(self.name).observe(value)
         else:
             self.metrics.transfers.labels(self.name, "failed").inc()
 

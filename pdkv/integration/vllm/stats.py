@@ -56,8 +56,16 @@ COUNTER_SERIES: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
 
 # histogram series -> (documentation, buckets); the reference workers' names, meanings and buckets
 HISTOGRAMS: dict[str, tuple[str, tuple[float, ...]]] = {
-    "pdkv_transfer_seconds": ("KV transfer time per request (per rank at tensor parallel)", LATENCY_BUCKETS),
-    "pdkv_transfer_gbps": ("KV transfer throughput per request (GB/s)", GBPS_BUCKETS),
+    "pdkv_transfer_seconds": (
+        "KV transfer time per request, first chunk posted to last verified (per rank at tensor parallel)",
+        LATENCY_BUCKETS,
+    ),
+    "pdkv_transfer_tail_seconds": (
+        "The transfer time a request is exposed to: from its last chunk's post to its verdict",
+        LATENCY_BUCKETS,
+    ),
+    "pdkv_chunk_seconds": ("A chunk's time from its post to its verdict", LATENCY_BUCKETS),
+    "pdkv_transfer_gbps": ("KV throughput of each chunk, from its post to its verdict (GB/s)", GBPS_BUCKETS),
     "pdkv_transfer_wait_seconds": (
         "Time a decode request waited for its transferred KV to land (from when vLLM handed it its blocks)",
         LATENCY_BUCKETS,

@@ -326,11 +326,7 @@ class WorkerSide:
         with self._lock:
             p.unsettled -= 1
             if t.complete:
-                seconds = max(t.finished_at - t.started, 1e-9)
-                self._observed += [
-                    ("pdkv_transfer_seconds", "prefill", seconds),
-                    ("pdkv_transfer_gbps", "prefill", t.bytes_sent / seconds / 1e9),
-                ]
+                self._observed += [(series, "prefill", value) for series, value in t.wire_times()]
                 self.counters["push_ok"] += 1
                 self.counters["push_bytes"] += t.bytes_sent
             else:
