@@ -92,10 +92,10 @@ def _decode_child(conn: multiprocessing.connection.Connection, device: str, port
     if stop_mid:
         land = receiver.book.land
 
-        def stop_at_chunk_1(peer: str, notice: ChunkNotice, got: int | None = None) -> Any:
+        def stop_at_chunk_1(peer: str, notice: ChunkNotice, got: int | None = None, **how: bool) -> Any:
             if notice.chunk_index == 1:
                 _stop(conn)
-            return land(peer, notice, got)
+            return land(peer, notice, got, **how)
 
         receiver.book.land = stop_at_chunk_1  # type: ignore[method-assign]
     conn.send(receiver.address)
