@@ -246,3 +246,17 @@ def test_the_pointer_check_catches_what_is_not_there(tmp_path: Path) -> None:
     assert broken_pointers(here, "See the module docstring.")  # channel.py does not exist, so has none
     assert not broken_pointers(here, 'The frames: README.md, "Wire format"; see the package docstring for the frames')
     assert not broken_pointers(here, 'The hold: README.md here, "The late-write fence".')  # a bold label counts
+
+
+def test_the_readme_names_every_bench_the_cli_has_and_no_other() -> None:
+    """README's "Measured" names the benches as ``pdkv bench a|b|...``: exactly the CLI's, so the list cannot drift
+    from what runs."""
+    import argparse
+
+    from pdkv.cli import build_parser
+
+    listed = re.search(r"`pdkv bench ([\w|-]+)`", (ROOT / "README.md").read_text())
+    assert listed, "README.md names no `pdkv bench a|b|...` list"
+    bench = next(a.choices["bench"] for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    benches = next(a.choices for a in bench._actions if isinstance(a, argparse._SubParsersAction))
+    assert listed.group(1).split("|") == list(benches), "README.md's bench list differs from `pdkv bench --help`"
