@@ -37,7 +37,7 @@ def one_round(rig: TransferRig, senders: list[KVSender], tokens: int, table: lis
     start = threading.Barrier(len(senders))
 
     def push(i: int) -> None:
-        start.wait()
+        start.wait(60)
         t0 = time.perf_counter()
         xfer = senders[i].open(rids[i], rig.address, tokens, table)
         xfer.send_all()

@@ -84,8 +84,8 @@ class Channel(ABC):
     # not reach is staged through pinned host memory by the sender and receiver (``pdkv.staging``);
     # ``pdkv.memory.in_reach`` says which (here only the names: this module stays free of torch).
     memory: ClassVar[frozenset[str]] = frozenset({"host"})
-    # Whether the target answers a notification on the connection its transfer came by, with the completion the
-    # writer gets (``answer_notifications``): tcp does.
+    # Whether the target can answer a notification back to the writer, with the completion the writer gets
+    # (``answer_notifications``): tcp on the connection the transfer came by, nixl as a notification of its own.
     carries_answers: ClassVar[bool] = False
     # Whether ``wait`` reads the handle's completion on the calling thread, asleep in the kernel until it comes (tcp:
     # the link's sockets), so a waiter alone is woken by its answer directly; where ``wait`` would spin (nixl can
@@ -292,10 +292,11 @@ class Channel(ABC):
         """Free resources a finished handle holds (NIXL handles must be released)."""
 
     def answer_notifications(self, answerer: Answerer) -> bool:
-        """Have ``answerer(peer, notification)`` run on the thread that landed each transfer, instead of the
-        notification waiting in ``get_notifications``, and its answer go back to the writer with the completion
-        (``TransferHandle.answer``; b"": none). Set before any peer writes. False, and nothing set, where the
-        channel cannot carry answers back (``carries_answers``)."""
+        """Have ``answerer(notifications)`` run on the thread that landed their transfers (those that arrived
+        together, together), instead of the notifications waiting in ``get_notifications``, and each answer go back
+        to its writer with the completion (``TransferHandle.answer``; b"": none). Set before any peer writes (and,
+        over nixl, before ``metadata()`` goes to peers: it says the agent answers). False, and nothing set, where
+        the channel cannot carry answers back (``carries_answers``)."""
         if not self.carries_answers:
             return False
         self.inbox.answerer = answerer

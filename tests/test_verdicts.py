@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 import pytest
 
 from pdkv.channels.tcp.target import FRAMES_ENV_VAR
@@ -123,9 +124,19 @@ def _garble(answer: bytes) -> bytes:
     return b"\xc1" + answer[1:]  # 0xc1: never used in msgpack
 
 
+def _swapped(answer: bytes) -> bytes:
+    """The receiver's own verdict on chunk 0 or 1, as if it answered the write of the other (a relay swapping two
+    answers)."""
+    verdict = protocol.open_verdict(answer, None)
+    return protocol.seal_verdict(msgspec.structs.replace(verdict, chunk_index=1 - verdict.chunk_index), b"")
+
+
 @pytest.mark.parametrize(
     ("secret", "tamper", "counter"),
-    [("s3cret", _tamper_tag, "forged_verdicts"), ("", _garble, "malformed_verdicts")],
+    [
+        ("s3cret", _tamper_tag, "forged_verdicts"),
+        ("", _garble, "malformed_verdicts"),
+    ],
     ids=["tag", "malformed"],
 )
 def test_an_answer_that_is_not_the_receivers_verdict_fails_the_transfer(
@@ -146,6 +157,24 @@ def test_an_answer_that_is_not_the_receivers_verdict_fails_the_transfer(
     assert pair.sender.stats()[counter] == 1 and pair.sender.stats()["chunks_landed"] == 2  # the warm-up's two
     wait_until(lambda: pair.sender.stats()["open_transfers"] == 0, 5, "the sender to settle")
     pair.receiver.cancel("lied-about", "the test is over")  # it did land at D: nobody claims it
+
+
+def test_a_verdict_counts_only_for_the_chunk_its_write_carried(make_pair: MakePair) -> None:
+    """Two genuine verdicts swapped between the writes of chunks 0 and 1: each names a chunk of the transfer, yet
+    neither answers its own write, so the transfer fails instead of counting chunks on another write's word."""
+    pair = make_pair(config=POOLED, channel="tcp")
+    warm(pair)
+    inbox = pair.d_channel.inbox
+    answer = inbox.answerer
+    assert answer is not None
+    inbox.answerer = lambda notifs: [_swapped(a) for a in answer(notifs)]
+    xfer = pair.sender.open("swapped", pair.receiver.address, 64, [10, 11, 12, 13])
+    xfer.send_all()
+    with pytest.raises(TransferError, match="answered the write of chunk"):
+        xfer.wait(10)
+    assert pair.sender.stats()["malformed_verdicts"] >= 1 and xfer.landed == set()
+    wait_until(lambda: pair.sender.stats()["open_transfers"] == 0, 5, "the sender to settle")
+    pair.receiver.cancel("swapped", "the test is over")  # both chunks did land at D: nobody claims them
 
 
 def test_a_pooled_request_gets_its_next_pool_in_the_verdict_every_time(make_pair: MakePair) -> None:

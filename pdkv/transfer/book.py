@@ -255,14 +255,13 @@ class IncomingBook:
         their direct checksums read together, as ``on_notifications`` does (``hash_direct``). A request that took
         its sender's pool gets the next pool in its verdict, granted before the verdict goes, as a ``Landed`` would
         carry it. A notice that is malformed or, with a secret, not tagged under a live session of its sender's is
-        counted and dropped, and answered with nothing (b"": a plain acknowledgement) that the sender could mistake
-        for a verdict."""
+        counted and dropped, and answered with nothing (b"": a plain acknowledgement, no verdict to act on)."""
         began = time.perf_counter_ns()
         keys = self.notice_keys({n.peer for n in notifs})
         decoded = [self.decode(n, keys) for n in notifs]
         notices = [(n.peer, notice) for n, notice in zip(notifs, decoded, strict=True) if notice is not None]
         hashed = self.hash_direct(notices)
-        verdicts: dict[int, tuple[ChunkVerdict, bytes]] = {}  # position in notifs -> (verdict, the key to tag it)
+        verdicts: list[tuple[ChunkVerdict, bytes]] = []  # one per notice: (the verdict, the key to tag it with)
         admitting = 0
         with self.lock:
             for i, (peer, notice) in enumerate(notices):
@@ -271,12 +270,12 @@ class IncomingBook:
                 pool = self.pools.next_pool_of(peer)
                 session = self.parts.peers.get(got.r.identity) if got.r is not None else None
                 key = session.session_key if session is not None else (keys[peer][0] if keys and keys[peer] else b"")
-                verdict = got.verdict if pool is None else msgspec.structs.replace(got.verdict, pool=pool)
-                verdicts[i] = (verdict, key)
-        sealed = iter(protocol.seal_verdict(*verdicts[i]) for i in range(len(notices)))
+                verdicts.append((got.verdict if pool is None else msgspec.structs.replace(got.verdict, pool=pool), key))
+            landed = sum(1 for verdict, _ in verdicts if verdict.outcome == "landed")
+            self.counters["verdicts_sent"] += landed  # under the lock: serving threads answer side by side
+        sealed = iter([protocol.seal_verdict(*v) for v in verdicts])
         answers = [b"" if notice is None else next(sealed) for notice in decoded]
-        if landed := sum(1 for verdict, _ in verdicts.values() if verdict.outcome == "landed"):
-            self.counters["verdicts_sent"] += landed
+        if landed:
             spent = time.perf_counter_ns() - began - admitting  # shared by its chunks, as on_notifications' pass
             for _ in range(landed):
                 self.parts.host.add("chunk", spent // landed)

@@ -18,7 +18,7 @@ from pdkv.transfer.handshake import SenderHandshake
 from pdkv.transfer.parts import SenderParts
 from pdkv.transfer.peers import ReceiverPeer, lease_margin, new_beat
 from pdkv.transfer.pool import SenderPools
-from pdkv.transfer.protocol import MAX_DONE_PER_BEAT, BeatAck, Cancel, Pool
+from pdkv.transfer.protocol import BeatAck, Cancel, Pool
 
 
 class Heartbeats:
@@ -59,8 +59,8 @@ class Heartbeats:
                 if peer.pool is not None or peer.done:
                     by_peer.setdefault(peer.identity, (peer, []))
             beats = []
-            for peer, ids in by_peer.values():
-                done, peer.done = peer.done[:MAX_DONE_PER_BEAT], peer.done[MAX_DONE_PER_BEAT:]
+            for peer, ids in by_peer.values():  # its done list is bounded where it grows (KVSender.transfer_settled)
+                done, peer.done = peer.done, []
                 beats.append((peer, new_beat(peer.beats, now, ids, peer.pool.generation if peer.pool else 0, done)))
         for peer, beat in beats:
             parts.outbox.send(peer, beat)

@@ -359,7 +359,7 @@ class OutgoingTransfer:
             need = ctx.credit.inflight
             self.posted[handle] = PostedWrite(nbytes=nbytes, need=need, limit=ctx.stall.limit(need))
             self.post_times[index] = (nbytes, handle.posted_at)
-        handle.add_done_callback(lambda h: self._finished(h, local_slot))
+        handle.add_done_callback(lambda h: self._finished(h, local_slot, index))
         ctx.parts.host.since("chunk", posting - hashed_ns)
 
     def wait(self, timeout: float | None = None) -> None:
@@ -521,13 +521,13 @@ class OutgoingTransfer:
         return [op], digest
 
     # -- what the channel and the receiver report (I/O thread) ----------------
-    def _finished(self, handle: TransferHandle, local_slot: int) -> None:
+    def _finished(self, handle: TransferHandle, local_slot: int, index: int) -> None:
         """The handle's done callback (the channel's thread): a write the receiver answered (``ChunkVerdict``) is
         applied here, on the thread that read the answer; else note when, and hand the rest to the I/O thread,
-        where the chunk's ``Landed`` will come."""
+        where the chunk's ``Landed`` will come. ``index``: the chunk this write carried."""
         at = time.monotonic()
         if handle.answer:
-            self._on_verdict(handle, local_slot, at)
+            self._on_verdict(handle, local_slot, at, index)
         else:
             self.ctx.parts.loop.call_soon(lambda: self._written(handle, local_slot, at))
 
@@ -554,17 +554,18 @@ class OutgoingTransfer:
             ctx.parts.counters["bytes_sent"] += nbytes
         self.cond.notify_all()
 
-    def _on_verdict(self, handle: TransferHandle, local_slot: int, at: float) -> None:
-        """The receiver's word on the chunk this write carried, read with its completion: the credit back, the
-        chunk counted (or the transfer failed, saying why), the next pool held, the waiter woken, all on this
-        thread; only settling (Done/Cancel on the control plane) goes to the I/O thread."""
+    def _on_verdict(self, handle: TransferHandle, local_slot: int, at: float, index: int) -> None:
+        """The receiver's word on chunk ``index``, which this write carried, read with its completion: the credit
+        back, the chunk counted (or the transfer failed, saying why), the next pool held, the waiter woken, all on
+        this thread; only a failed transfer's settling (its Cancel) goes to the I/O thread. A verdict counts only for
+        the chunk its write carried: one moved to another write's answer is refused."""
         ctx = self.ctx
         try:
             verdict = protocol.open_verdict(handle.answer, self.peer.session_key if ctx.parts.secret else None)
-            if verdict.transfer_id != self.transfer_id or verdict.chunk_index not in self.sent:
+            if verdict.transfer_id != self.transfer_id or verdict.chunk_index != index:
                 raise ProtocolError(
-                    f"a verdict on chunk {verdict.chunk_index} of {verdict.transfer_id!r} answered a chunk of "
-                    f"{self.transfer_id!r}"
+                    f"a verdict on chunk {verdict.chunk_index} of {verdict.transfer_id!r} answered the write of chunk "
+                    f"{index} of {self.transfer_id!r}"
                 )
         except ProtocolError as exc:
             ctx.parts.counters["forged_verdicts" if isinstance(exc, NoticeForged) else "malformed_verdicts"] += 1
