@@ -43,6 +43,7 @@ from pdkv.config import KVEventsConfig
 from pdkv.errors import ConfigError
 from pdkv.kv_events.curve import CurveServer
 from pdkv.kv_events.wire import END_SEQ, KVEvent, KVEventBatch, encode_batch, encode_seq
+from pdkv.netaddr import zmq_address, zmq_ipv6
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +126,8 @@ class KVEventPublisher:
             return endpoint
         if endpoint.startswith("tcp://"):
             host = bind_host if bind_host not in ("", "0.0.0.0", "::") else "*"
-            endpoint = endpoint.replace("*", f"[{host}]" if ":" in host else host, 1)
-            if ":" in host:
-                sock.setsockopt(zmq.IPV6, 1)
+            endpoint = endpoint.replace("*", zmq_address(host).removeprefix("tcp://"), 1)
+            sock.setsockopt(zmq.IPV6, zmq_ipv6(endpoint))
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
