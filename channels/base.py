@@ -1,22 +1,7 @@
-"""The transfer channel interface, shaped like NIXL's agent API.
+"""The transfer channel interface, shaped like NIXL's agent API: ``Channel``, its options and errors.
 
-A channel moves bytes between registered memory regions of two agents with
-one-sided WRITE and READ, and delivers a small notification to the remote
-side only after the payload has landed. Everything above (sender, receiver,
-tier) speaks only this interface, so mock, tcp, nixl and ucx are swappable.
-
-Life cycle: ``register`` buffers -> ``metadata()`` bytes go to the peer over
-the control plane -> the peer calls ``add_peer(metadata)`` -> ``write``/
-``read`` lists of ``TransferOp`` (or ``write_blocks`` a ``BlockWrite``) ->
-``poll``/``wait`` the handle (or be told: ``add_done_callback``) ->
-``get_notifications`` on the other side, woken by ``notification_fd`` ->
-``close``.
-
-Nothing above a channel polls on a timer: a handle calls back the moment it
-finishes and the notification fd turns readable the moment a notification is
-delivered, so the sender and receiver sleep in ``poll`` until there is work.
-A channel whose library can only be polled (NIXL) polls on its own thread and
-turns what it finds into the same events.
+Each method's docstring is its contract; how the parts fit (the life cycle, answers, why nothing above a channel
+polls) is described once, in channels/README.md, "The interface".
 """
 
 from __future__ import annotations
@@ -70,7 +55,7 @@ class ChannelOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Channel(ABC):
-    """Base of every transfer channel. See the module docstring for the life cycle."""
+    """Base of every transfer channel; channels/README.md, "The interface", says how its members fit."""
 
     name: ClassVar[str]
     Options: ClassVar[type[ChannelOptions]] = ChannelOptions

@@ -4,6 +4,7 @@ code."""
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import re
 from collections.abc import Callable
@@ -260,3 +261,40 @@ def test_the_readme_names_every_bench_the_cli_has_and_no_other() -> None:
     bench = next(a.choices["bench"] for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     benches = next(a.choices for a in bench._actions if isinstance(a, argparse._SubParsersAction))
     assert listed.group(1).split("|") == list(benches), "README.md's bench list differs from `pdkv bench --help`"
+
+
+def interface_names(text: str) -> tuple[set[str], set[str]]:
+    """The bare and the dotted code names (``name``, ``name(...)``, ``Class.member``) in a README section."""
+    bare: set[str] = set()
+    dotted: set[str] = set()
+    for token in re.findall(r"`([A-Za-z_][\w.]*)(?:\([^`]*\))?`", text):
+        if not token.endswith((".py", ".md")):  # a file, not a name
+            (dotted if "." in token else bare).add(token)
+    return bare, dotted
+
+
+def test_the_channel_interface_is_described_once_and_as_base_py_has_it() -> None:
+    """channels/README.md's "The interface" is the one description of ``Channel``: it names every public member, and
+    every name it uses is a member (or a ``Class.member`` of the channel package that exists), so the two cannot
+    drift apart again (they did over ``write_blocks``)."""
+    import pdkv.channels.base as base
+
+    text = (ROOT / "channels/README.md").read_text()
+    section = text[text.index("## The interface\n") : text.index("\n## ", text.index("## The interface\n") + 1)]
+    bare, dotted = interface_names(section)
+    members = {name for name in vars(base.Channel) if not name.startswith("_")} | {"name"}
+    assert not members - bare, f"channels/README.md, The interface, does not name {sorted(members - bare)}"
+    types = {name for name in bare if name[0].isupper()}
+    assert all(hasattr(base, name) for name in types - members), f"not in channels/base.py: {sorted(types - members)}"
+    unknown = bare - members - types
+    assert not unknown, f"channels/README.md, The interface, names {sorted(unknown)}: not members of Channel"
+    for name in dotted:
+        owner, member = name.split(".", 1)
+        cls = getattr(base, owner, None)
+        has = hasattr(cls, member) or (cls is not None and f"self.{member} =" in inspect.getsource(cls))
+        assert has, f"channels/README.md names {name}: no such member"
+
+
+def test_the_interface_check_catches_a_name_that_is_not_a_member() -> None:
+    bare, dotted = interface_names("`write_blocks(..., inline=True)` then `poll`, `TransferHandle.answer`, `a.b` in `base.py`")
+    assert bare == {"write_blocks", "poll"} and dotted == {"TransferHandle.answer", "a.b"}
