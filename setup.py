@@ -32,7 +32,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 CSRC = Path("csrc")
-HEADERS = [str(CSRC / name) for name in ("kvcopy.h", "kvsum.h", "workshare.h")]
+HEADERS = [str(CSRC / name) for name in ("kvcopy.h", "kvnet.h", "kvsum.h", "tcpwire.h", "workshare.h")]
 # No fused multiply-add: the codec kernels must round exactly like their torch twins; no FP traps
 # assumed, so their selects vectorize (csrc/kvcodec.cpp). Neither changes any IEEE result.
 CXXFLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-trapping-math", "-fvisibility=hidden", "-pthread"]

@@ -6,7 +6,7 @@ token and revokes them when the reservation ends, waiting out any write
 still landing there.
 
 A channel that lands frames natively (tcp, where the kernels load) gives
-its ``Grants`` a ``Mirror`` (``native.GrantMirror``): a native copy of the
+its ``Grants`` a ``Mirror`` (``tcp/native.py``'s ``GrantMirror``): a native copy of the
 write grants that its native frame loop checks frames against without the
 GIL. Only this class writes the mirror, under its lock, and ``revoke`` waits
 out that loop's frames too.
@@ -29,7 +29,8 @@ Exposure = Literal["open", "granted", "closed"]
 
 
 class Mirror(Protocol):
-    """A native copy of the write grants (``pdkv.native.GrantMirror``; named here, so this module needs no torch)."""
+    """A native copy of the write grants (``pdkv.channels.tcp.native.GrantMirror``; named here, so this module needs no
+    torch)."""
 
     def guard(self, region: int, on: bool) -> None: ...
 

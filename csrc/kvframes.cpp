@@ -41,16 +41,12 @@
 #include <utility>
 #include <vector>
 
-#include "kvcopy.h"
+#include "kvnet.h"
+#include "tcpwire.h"
 
 namespace {
 
-constexpr int64_t kHeaderBytes = 40;  // channels/tcp/wire.py HEADER: <2sBBBxHIIQQQ
-constexpr int64_t kRunBytes = 20;     // a run table entry (wire.py RUN): u32 region, u64 offset, u64 length
-constexpr uint8_t kVersion = 3;
-constexpr uint8_t kData = 3;
-constexpr uint8_t kLast = 1, kNotifFollows = 2;
-constexpr int64_t kMaxStreams = 64, kMaxRuns = 4096;
+namespace wire = pdkv::tcpwire;
 
 using Span = std::pair<int64_t, int64_t>;  // [start, end)
 using Range = std::array<int64_t, 3>;      // region, offset, length
@@ -83,9 +79,9 @@ bool covers(const std::vector<Span>& spans, int64_t start, int64_t end) {
 Range run_at(const char* table, int64_t k) {
   uint32_t r;
   uint64_t off, len;
-  std::memcpy(&r, table + k * kRunBytes, 4);
-  std::memcpy(&off, table + k * kRunBytes + 4, 8);
-  std::memcpy(&len, table + k * kRunBytes + 12, 8);
+  std::memcpy(&r, table + k * wire::kRunBytes + wire::kRunRegion, 4);
+  std::memcpy(&off, table + k * wire::kRunBytes + wire::kRunOffset, 8);
+  std::memcpy(&len, table + k * wire::kRunBytes + wire::kRunLength, 8);
   return Range{static_cast<int64_t>(r), static_cast<int64_t>(off), static_cast<int64_t>(len)};
 }
 
@@ -148,7 +144,7 @@ T field(const char* hdr, int64_t at) {
 
 }  // namespace
 
-// See kvcopy.h.
+// See kvnet.h.
 PDKV_API void* pdkv_grants_new() { return new Mirror(); }
 
 PDKV_API void pdkv_grants_free(void* grants) { delete static_cast<Mirror*>(grants); }
@@ -225,7 +221,7 @@ PDKV_API int pdkv_grants_wait(void* grants, const char* token, int64_t token_len
   return m->landed.wait_until(lock, deadline, [&] { return !overlapping(); }) ? 0 : 1;
 }
 
-// See kvcopy.h.
+// See kvnet.h.
 PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t token_len, const int64_t* desc,
                                int64_t n_desc, const int64_t* generation, const int64_t* limits, uint64_t* share,
                                char* hdr, char* table, int64_t* ring, char* notifs, int64_t* io) {
@@ -243,19 +239,22 @@ PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t 
     if (share[2]) {
       share[2] = 0;  // the header read before the last return: serve it now
     } else {
-      rc = recv_exact(fd, hdr, kHeaderBytes, true, max_idle, &io[2], &io[4]);
-      io[3] = kHeaderBytes;
+      rc = recv_exact(fd, hdr, wire::kHeaderBytes, true, max_idle, &io[2], &io[4]);
+      io[3] = wire::kHeaderBytes;
       if (rc != PDKV_OK) return rc;
     }
-    const uint8_t ftype = field<uint8_t>(hdr, 3), flags = field<uint8_t>(hdr, 4);
-    const int64_t shares = field<uint16_t>(hdr, 6), nruns = field<uint32_t>(hdr, 8), nlen = field<uint32_t>(hdr, 12);
-    const uint64_t xfer = field<uint64_t>(hdr, 16), offset = field<uint64_t>(hdr, 24), length = field<uint64_t>(hdr, 32);
+    const uint8_t ftype = field<uint8_t>(hdr, wire::kHeaderType), flags = field<uint8_t>(hdr, wire::kHeaderFlags);
+    const int64_t shares = field<uint16_t>(hdr, wire::kHeaderShares), nruns = field<uint32_t>(hdr, wire::kHeaderAux);
+    const int64_t nlen = field<uint32_t>(hdr, wire::kHeaderNotif);
+    const uint64_t xfer = field<uint64_t>(hdr, wire::kHeaderXfer), offset = field<uint64_t>(hdr, wire::kHeaderOffset);
+    const uint64_t length = field<uint64_t>(hdr, wire::kHeaderLength);
     // anything the Python checks (target.py _serve_frames, _runs) could refuse is theirs to refuse
-    const bool last = flags & kLast, notif = flags & kNotifFollows;
-    const bool fast = hdr[0] == 'P' && hdr[1] == 'K' && field<uint8_t>(hdr, 2) == kVersion && ftype == kData &&
-                      (!share[0] || xfer == share[1]) && !(flags & ~(kLast | kNotifFollows)) && nlen <= max_notif &&
-                      (!nlen || notif) && (last ? 1 <= shares && shares <= kMaxStreams : !flags && !shares) &&
-                      1 <= nruns && nruns <= kMaxRuns && !offset && 0 < length &&
+    const bool last = flags & wire::kLast, notif = flags & wire::kNotifFollows;
+    const bool fast = std::memcmp(hdr + wire::kHeaderMagic, wire::kMagic, sizeof wire::kMagic) == 0 &&
+                      field<uint8_t>(hdr, wire::kHeaderVersion) == wire::kVersion && ftype == wire::kData &&
+                      (!share[0] || xfer == share[1]) && !(flags & ~(wire::kLast | wire::kNotifFollows)) && nlen <= max_notif &&
+                      (!nlen || notif) && (last ? 1 <= shares && shares <= wire::kMaxStreams : !flags && !shares) &&
+                      1 <= nruns && nruns <= wire::kMaxRuns && !offset && 0 < length &&
                       length <= static_cast<uint64_t>(max_frame);
     if (!fast) return PDKV_FRAME_HEADER;
     // completions owed (in the ring, or ACKs Python holds) go out before a large payload lands, as in Python
@@ -264,8 +263,8 @@ PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t 
       return PDKV_FRAME_DRAIN;
     }
     io[1] = 1;
-    io[3] = nruns * kRunBytes;
-    rc = recv_exact(fd, table, nruns * kRunBytes, false, max_idle, &io[2], &io[4]);
+    io[3] = nruns * wire::kRunBytes;
+    rc = recv_exact(fd, table, nruns * wire::kRunBytes, false, max_idle, &io[2], &io[4]);
     if (rc != PDKV_OK) return rc;
     int64_t ticket = 0;
     // regions registered or dropped since desc was taken: Python checks this frame under the new descriptors

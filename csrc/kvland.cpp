@@ -32,15 +32,16 @@
 #include <string>
 #include <vector>
 
-#include "kvcopy.h"
+#include "kvnet.h"
 #include "kvsum.h"
+#include "tcpwire.h"
 
 namespace {
 
 constexpr int64_t kPoison = int64_t{1} << 40;
 constexpr uint64_t kSigSalt = 0xD1B54A32D192ED03ull;
 constexpr int64_t kDesc = 5;  // a region's descriptor: base, size, unit (0: not hashed), table, units
-constexpr int64_t kRunBytes = 20;  // a run table entry (channels/tcp/wire.py RUN): u32 region, u64 offset, u64 length
+namespace wire = pdkv::tcpwire;
 constexpr int kMaxIov = 1024;
 
 uint64_t mix64(uint64_t x) {
@@ -108,7 +109,7 @@ struct Segment {
 
 }  // namespace
 
-// See kvcopy.h.
+// See kvnet.h.
 PDKV_API int pdkv_check_runs(const char* runs, int64_t nruns, const int64_t* desc, int64_t n_desc, int64_t length) {
   struct Run {
     uint64_t region, off, len;
@@ -118,9 +119,9 @@ PDKV_API int pdkv_check_runs(const char* runs, int64_t nruns, const int64_t* des
   for (int64_t k = 0; k < nruns; ++k) {
     uint32_t r;
     uint64_t off, len;
-    std::memcpy(&r, runs + k * kRunBytes, 4);
-    std::memcpy(&off, runs + k * kRunBytes + 4, 8);
-    std::memcpy(&len, runs + k * kRunBytes + 12, 8);
+    std::memcpy(&r, runs + k * wire::kRunBytes + wire::kRunRegion, 4);
+    std::memcpy(&off, runs + k * wire::kRunBytes + wire::kRunOffset, 8);
+    std::memcpy(&len, runs + k * wire::kRunBytes + wire::kRunLength, 8);
     if (static_cast<int64_t>(r) >= n_desc) return 1;  // not registered
     const uint64_t size = static_cast<uint64_t>(desc[static_cast<int64_t>(r) * kDesc + 1]);
     if (len == 0 || off > size || len > size - off) return 1;  // empty, or not inside the region
@@ -135,7 +136,7 @@ PDKV_API int pdkv_check_runs(const char* runs, int64_t nruns, const int64_t* des
   return 0;
 }
 
-// See kvcopy.h.
+// See kvnet.h.
 PDKV_API int pdkv_recv_runs(int fd, const char* runs, int64_t nruns, const int64_t* desc, int64_t n_desc, int64_t piece,
                             int64_t max_idle, int64_t* got, int* os_error) {
   *got = 0;
@@ -150,9 +151,9 @@ PDKV_API int pdkv_recv_runs(int fd, const char* runs, int64_t nruns, const int64
     while (k < nruns && hashed < piece && static_cast<int64_t>(segs.size()) < kMaxIov) {
       uint32_t r;
       int64_t off, len;
-      std::memcpy(&r, runs + k * kRunBytes, 4);
-      std::memcpy(&off, runs + k * kRunBytes + 4, 8);
-      std::memcpy(&len, runs + k * kRunBytes + 12, 8);
+      std::memcpy(&r, runs + k * wire::kRunBytes + wire::kRunRegion, 4);
+      std::memcpy(&off, runs + k * wire::kRunBytes + wire::kRunOffset, 8);
+      std::memcpy(&len, runs + k * wire::kRunBytes + wire::kRunLength, 8);
       if (static_cast<int64_t>(r) >= n_desc) return PDKV_LAND_EARG;  // the caller checked every run: never here
       const Region g = region_at(desc, r);
       const int64_t n = g.unit ? std::min(len - at, piece - hashed) : len - at;  // unhashed bytes: no need to cut
@@ -206,7 +207,7 @@ PDKV_API int pdkv_recv_runs(int fd, const char* runs, int64_t nruns, const int64
   return PDKV_OK;
 }
 
-// See kvcopy.h.
+// See kvnet.h.
 PDKV_API int pdkv_landed_blocks(const int64_t* bases, const int64_t* tables, int64_t n_bases, const int64_t* ids, int64_t n_ids,
                                 int64_t num_blocks, int64_t block_bytes, uint64_t* out, int64_t* reread, char* err, size_t err_len) {
   if (block_bytes <= 0 || n_bases < 0 || n_ids < 0) {

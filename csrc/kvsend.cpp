@@ -17,42 +17,39 @@
 #include <cstring>
 #include <vector>
 
-#include "kvcopy.h"
+#include "kvnet.h"
+#include "tcpwire.h"
 
 namespace {
 
-constexpr int64_t kHeaderBytes = 40;  // channels/tcp/wire.py HEADER: <2sBBBxHIIQQQ
-constexpr int64_t kRunBytes = 20;     // wire.py RUN: u32 region, u64 offset, u64 length
-constexpr uint8_t kVersion = 3, kData = 3, kLast = 1, kNotifFollows = 2;
+namespace wire = pdkv::tcpwire;
 
 struct Piece {
   int64_t share, addr, region, offset, length;
 };
 
 template <typename T>
-char* put(char* at, T v) {
+void put(char* at, T v) {
   std::memcpy(at, &v, sizeof(T));
-  return at + sizeof(T);
 }
 
 char* header(char* at, uint8_t flags, uint16_t shares, uint32_t nruns, uint32_t notif, uint64_t xfer, uint64_t nbytes) {
-  at = put<char>(at, 'P');
-  at = put<char>(at, 'K');
-  at = put<uint8_t>(at, kVersion);
-  at = put<uint8_t>(at, kData);
-  at = put<uint8_t>(at, flags);
-  at = put<uint8_t>(at, 0);
-  at = put<uint16_t>(at, shares);
-  at = put<uint32_t>(at, nruns);
-  at = put<uint32_t>(at, notif);
-  at = put<uint64_t>(at, xfer);
-  at = put<uint64_t>(at, 0);
-  return put<uint64_t>(at, nbytes);
+  std::memset(at, 0, wire::kHeaderBytes);  // the pad byte and the offset field
+  std::memcpy(at + wire::kHeaderMagic, wire::kMagic, sizeof wire::kMagic);
+  put<uint8_t>(at + wire::kHeaderVersion, wire::kVersion);
+  put<uint8_t>(at + wire::kHeaderType, wire::kData);
+  put<uint8_t>(at + wire::kHeaderFlags, flags);
+  put<uint16_t>(at + wire::kHeaderShares, shares);
+  put<uint32_t>(at + wire::kHeaderAux, nruns);
+  put<uint32_t>(at + wire::kHeaderNotif, notif);
+  put<uint64_t>(at + wire::kHeaderXfer, xfer);
+  put<uint64_t>(at + wire::kHeaderLength, nbytes);
+  return at + wire::kHeaderBytes;
 }
 
 }  // namespace
 
-// See kvcopy.h.
+// See kvnet.h.
 PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* remote_regions, int64_t n_tensors,
                                    const int64_t* local_ids, const int64_t* remote_ids, int64_t n_ids,
                                    int64_t block_bytes, int64_t parts, int64_t max_frame, int64_t max_runs,
@@ -106,15 +103,16 @@ PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* re
       }
       const bool last = end == static_cast<int64_t>(pieces.size()) || pieces[end].share != sh;
       const bool with_notif = last && sh == 0 && notif_len >= 0;
-      const int64_t need = kHeaderBytes + (end - p) * kRunBytes;
+      const int64_t need = wire::kHeaderBytes + (end - p) * wire::kRunBytes;
       if (at + need > tables + tables_cap) return -1;
       char* frame = at;
-      at = header(at, last ? (with_notif ? kLast | kNotifFollows : kLast) : 0, last ? nshares : 0, end - p,
-                  with_notif ? notif_len : 0, xfer, size);
+      const uint8_t flags = last ? (with_notif ? wire::kLast | wire::kNotifFollows : wire::kLast) : 0;
+      at = header(at, flags, last ? nshares : 0, end - p, with_notif ? notif_len : 0, xfer, size);
       for (int64_t i = p; i < end; ++i) {
-        at = put<uint32_t>(at, static_cast<uint32_t>(pieces[i].region));
-        at = put<uint64_t>(at, pieces[i].offset);
-        at = put<uint64_t>(at, pieces[i].length);
+        put<uint32_t>(at + wire::kRunRegion, static_cast<uint32_t>(pieces[i].region));
+        put<uint64_t>(at + wire::kRunOffset, pieces[i].offset);
+        put<uint64_t>(at + wire::kRunLength, pieces[i].length);
+        at += wire::kRunBytes;
       }
       if (!emit(reinterpret_cast<int64_t>(frame), need)) return -1;
       for (int64_t i = p; i < end; ++i) {
@@ -130,7 +128,7 @@ PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* re
   return nshares;
 }
 
-// See kvcopy.h.
+// See kvnet.h.
 PDKV_API int pdkv_send_iov(int fd, const int64_t* iov, int64_t n, int* os_error) {
   std::vector<iovec> vec(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) {

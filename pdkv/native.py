@@ -7,7 +7,10 @@ are. ``pdkv.checksum`` owns the checksum's value and its torch fallback; this
 module only makes the calls.
 
 The same library carries the KV codec kernels (csrc/kvcodec.cpp), which
-pdkv.codec.kernels calls through ``library()`` with the same fallback rule.
+pdkv.codec.kernels calls through ``library()`` with the same fallback rule,
+and the tcp channel's receive and send loops (csrc/kvnet.h), which
+channels/tcp/native.py declares and calls through ``binder``: one loader,
+one switch for every native path.
 
 ``gather``/``scatter`` here have exactly the signatures of
 :func:`pdkv.layout.gather` / :func:`pdkv.layout.scatter` and produce the same
@@ -36,16 +39,12 @@ again everything that decides an address (kvcopy.h).
 from __future__ import annotations
 
 import ctypes
-import itertools
 import logging
 import os
-import struct
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from pdkv.errors import LayoutError
@@ -91,7 +90,8 @@ class KVGeometry(ctypes.Structure):
     ]
 
 
-# Argument types of each exported function: a wrong count or type is a TypeError here, never a bad call.
+# Argument types of each exported function this module and pdkv.codec call (channels/tcp/native.py declares the tcp
+# channel's own): a wrong count or type is a TypeError here, never a bad call.
 _SIGNATURES: dict[str, list[type]] = {
     "pdkv_kvcopy_cpu": [
         ctypes.POINTER(KVGeometry),
@@ -141,30 +141,6 @@ _SIGNATURES: dict[str, list[type]] = {
         ctypes.c_char_p,
         ctypes.c_size_t,
     ],
-    "pdkv_check_runs": [ctypes.c_char_p, _i64, _p, _i64, _i64],
-    "pdkv_recv_runs": [
-        ctypes.c_int,
-        ctypes.c_char_p,
-        _i64,
-        _p,
-        _i64,
-        _i64,
-        _i64,
-        ctypes.POINTER(_i64),
-        ctypes.POINTER(ctypes.c_int),
-    ],
-    "pdkv_grants_new": [],
-    "pdkv_grants_free": [_p],
-    "pdkv_grants_guard": [_p, _i64, ctypes.c_int],
-    "pdkv_grants_add": [_p, ctypes.c_char_p, _i64, ctypes.c_char_p, _i64],
-    "pdkv_grants_remove": [_p, ctypes.c_char_p, _i64, ctypes.c_char_p, _i64],
-    "pdkv_grants_begin": [_p, ctypes.c_char_p, _i64, ctypes.c_char_p, _i64, ctypes.POINTER(_i64)],
-    "pdkv_grants_end": [_p, _i64],
-    "pdkv_grants_wait": [_p, ctypes.c_char_p, _i64, ctypes.c_char_p, _i64, _i64],
-    "pdkv_block_frames": [_p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, ctypes.c_uint64]
-    + [ctypes.c_char_p, _i64, _p, _i64, _p, _i64, _p],
-    "pdkv_send_iov": [ctypes.c_int, _p, _i64, ctypes.POINTER(ctypes.c_int)],
-    "pdkv_serve_frames": [ctypes.c_int, _p, ctypes.c_char_p, _i64, _p, _i64, _p, _p, _p, _p, _p, _p, _p, _p],
     "pdkv_landed_blocks": [
         _p,
         _p,
@@ -189,8 +165,6 @@ _SIGNATURES: dict[str, list[type]] = {
 }
 # Return types other than int: a pointer (ctypes' default int would cut it to 32 bits) or a string.
 _RESTYPES: dict[str, type] = {
-    "pdkv_grants_new": _p,
-    "pdkv_block_frames": _i64,
     "pdkv_cuda_error_string": ctypes.c_char_p,
 }
 _CUDA_SIGNATURES: dict[str, list[type]] = {
@@ -440,242 +414,6 @@ def checksum_blocks(bases: Sequence[int], ids: Sequence[int], num_blocks: int, b
     return acc.value
 
 
-LAND_EOF, LAND_STALLED, LAND_EOS = 10, 11, 12
-"""pdkv_recv_runs' outcomes other than OK (kvcopy.h): the peer closed, no byte for max_idle ticks, the socket failed."""
-
-
-def check_runs(runs: bytes, nruns: int, desc: int, n_desc: int, length: int) -> bool:
-    """Whether a DATA frame's run table (``nruns`` entries) names only non-empty runs inside the regions that
-    ``n_desc`` descriptors at ``desc`` describe (channels/landing.py), none overlapping, adding up to ``length``."""
-    return _lib().pdkv_check_runs(runs, nruns, desc, n_desc, length) == OK
-
-
-def recv_runs(
-    fd: int, runs: bytes, nruns: int, desc: int, n_desc: int, piece: int, max_idle: int
-) -> tuple[int, int, int]:
-    """Receive a DATA frame's payload from socket ``fd`` into its checked ``runs`` (the wire's run table), hashing
-    it into the regions' landing tables piece by piece (``desc``: the address of ``n_desc`` region descriptors,
-    channels/landing.py); returns (outcome, payload bytes received, errno). The GIL is released for the call."""
-    got, os_error = _i64(0), ctypes.c_int(0)
-    code = _lib().pdkv_recv_runs(
-        fd, runs, nruns, desc, n_desc, piece, max_idle, ctypes.byref(got), ctypes.byref(os_error)
-    )
-    if code not in (OK, LAND_EOF, LAND_STALLED, LAND_EOS):
-        raise ValueError(f"pdkv landing: bad arguments to pdkv_recv_runs (code {code})")
-    return code, got.value, os_error.value
-
-
-FRAME_DRAIN, FRAME_HEADER, FRAME_TABLE, FRAME_CLOSED = 20, 21, 22, 23
-"""pdkv_serve_frames' outcomes besides LAND_EOF/LAND_STALLED/LAND_EOS (kvcopy.h): completions to drain (and maybe a
-header read to serve next), a frame handed back after its header or after its run table, the peer closed between
-frames."""
-_FRAME_OUTCOMES = (FRAME_DRAIN, FRAME_HEADER, FRAME_TABLE, FRAME_CLOSED, LAND_EOF, LAND_STALLED, LAND_EOS)
-_HEADER_BYTES, _RUN_BYTES, _MAX_RUNS = 40, 20, 4096  # channels/tcp/wire.py's HDR_SIZE, RUN.size, MAX_RUNS
-
-
-class GrantMirror:
-    """The native copy of one ``Grants`` object's write grants (csrc/kvframes.cpp), which the native frame loop
-    checks frames against: only ``Grants`` writes it, under its own lock; ``wait`` is revoke's fence for the
-    frames that loop is landing."""
-
-    def __init__(self) -> None:
-        self._lib = _lib()
-        self.handle: int = self._lib.pdkv_grants_new()
-
-    def __del__(self) -> None:
-        if getattr(self, "handle", None):
-            self._lib.pdkv_grants_free(self.handle)
-
-    def guard(self, region: int, on: bool) -> None:
-        self._lib.pdkv_grants_guard(self.handle, region, int(on))
-
-    def add(self, token: bytes, ranges: Sequence[tuple[int, int, int]]) -> None:
-        """Grant ``token`` each (region, offset, length) range, as ``Grants.grant`` inserts it (spans not merged)."""
-        self._lib.pdkv_grants_add(self.handle, token, len(token), _ranges(ranges), len(ranges))
-
-    def remove(self, token: bytes, ranges: Sequence[tuple[int, int, int]]) -> None:
-        """Take each range from ``token``'s spans, as ``Grants.revoke`` subtracts it."""
-        self._lib.pdkv_grants_remove(self.handle, token, len(token), _ranges(ranges), len(ranges))
-
-    def begin(self, token: bytes, runs: bytes) -> int | None:
-        """Admit a run table (the wire's) for ``token``, all runs or none: a ticket (0: nothing guarded), or None."""
-        ticket = _i64(0)
-        refused = self._lib.pdkv_grants_begin(
-            self.handle, token, len(token), runs, len(runs) // _RUN_BYTES, ctypes.byref(ticket)
-        )
-        return None if refused else ticket.value
-
-    def end(self, ticket: int) -> None:
-        self._lib.pdkv_grants_end(self.handle, ticket)
-
-    def wait(self, token: bytes, ranges: Sequence[tuple[int, int, int]], timeout: float) -> bool:
-        """Wait up to ``timeout`` s until no frame of ``token`` lands in ``ranges`` here; False if one still does."""
-        return (
-            self._lib.pdkv_grants_wait(self.handle, token, len(token), _ranges(ranges), len(ranges), int(timeout * 1e6))
-            == 0
-        )
-
-
-def _ranges(ranges: Sequence[tuple[int, int, int]]) -> bytes:
-    """(region, offset, length) triples as one flat native int64 array (struct: ten times faster than a ctypes
-    array for a reservation's hundreds of ranges)."""
-    return struct.pack(f"={3 * len(ranges)}q", *itertools.chain.from_iterable(ranges))
-
-
-class BlockFrames(NamedTuple):
-    """A block write's DATA frames (``block_frames``): one buffer holding its headers and run tables, then every
-    share's buffers as (address, length) rows (``iov``), and per share (first row, rows, payload bytes)."""
-
-    out: np.ndarray
-    iov: np.ndarray
-    shares: list[tuple[int, int, int]]
-
-
-class FrameRegions(NamedTuple):
-    """What ``block_frames`` reads of a write's regions, worked out once per set of them: our regions' host
-    addresses and the peer's region ids, each as an int64 array and its address."""
-
-    bases: np.ndarray
-    remote: np.ndarray
-    bases_at: int
-    remote_at: int
-
-    @classmethod
-    def of(cls, bases: Sequence[int], remote: Sequence[int]) -> FrameRegions:
-        if len(bases) != len(remote):
-            raise ValueError(f"{len(bases)} local regions but {len(remote)} remote ones")
-        b, r = np.array(bases, dtype=np.int64), np.array(remote, dtype=np.int64)
-        return cls(b, r, b.ctypes.data, r.ctypes.data)
-
-
-def block_frames(
-    regions: FrameRegions,
-    local_ids: np.ndarray,
-    remote_ids: np.ndarray,
-    block_bytes: int,
-    parts: int,
-    max_frame: int,
-    max_runs: int,
-    xfer: int,
-    notif: bytes | None,
-) -> BlockFrames:
-    """The tcp initiator's frames of a block write (csrc/kvsend.cpp): blocks ``local_ids`` of the regions at
-    ``regions.bases`` to blocks ``remote_ids`` of ``regions.remote``, cut into at most ``parts`` shares exactly as
-    ``Initiator.post`` cuts and frames the same write's ops, ``notif`` after share 0."""
-    ours = np.ascontiguousarray(local_ids, dtype=np.int64)
-    theirs = np.ascontiguousarray(remote_ids, dtype=np.int64)
-    tensors = len(regions.bases)
-    # pieces: every op (at most a tensor per block), cut at most once per share and once per max_frame bytes
-    pieces = tensors * len(ours) + parts + tensors * len(ours) * block_bytes // max_frame + 1
-    table_words = -(-pieces * (_HEADER_BYTES + _RUN_BYTES) // 8)
-    iov_rows = 2 * pieces + 1
-    out = np.empty(table_words + 2 * iov_rows + 3 * parts, dtype=np.int64)  # tables, iov, shares: one allocation
-    at = out.ctypes.data
-    n = _lib().pdkv_block_frames(
-        regions.bases_at,
-        regions.remote_at,
-        tensors,
-        ours.ctypes.data,
-        theirs.ctypes.data,
-        len(ours),
-        block_bytes,
-        parts,
-        max_frame,
-        max_runs,
-        xfer,
-        notif,
-        -1 if notif is None else len(notif),
-        at,
-        8 * table_words,
-        at + 8 * table_words,
-        iov_rows,
-        at + 8 * (table_words + 2 * iov_rows),
-    )
-    if n <= 0:
-        raise ValueError(f"pdkv_block_frames failed ({n}) for {len(ours)} blocks of {tensors} regions")
-    iov = out[table_words : table_words + 2 * iov_rows].reshape(iov_rows, 2)
-    shares = out[table_words + 2 * iov_rows :].reshape(parts, 3)[:n].tolist()
-    return BlockFrames(out, iov, [(a, b, c) for a, b, c in shares])
-
-
-def send_iov(fd: int, iov: np.ndarray) -> tuple[int, int]:
-    """Send (address, length) rows in order on the blocking socket ``fd`` (csrc/kvsend.cpp): (``OK`` or
-    ``LAND_STALLED`` or ``LAND_EOS``, errno)."""
-    os_error = ctypes.c_int(0)
-    code = _lib().pdkv_send_iov(fd, iov.ctypes.data, len(iov), ctypes.byref(os_error))
-    return code, os_error.value
-
-
-class FrameLoop:
-    """One connection's buffers for ``pdkv_serve_frames`` (csrc/kvframes.cpp): the last header and run table read,
-    the share it is inside, where a frame stopped, and the ring of completions (transfers whose last frame landed)
-    with their notifications."""
-
-    def __init__(self, max_notif: int, ring: int) -> None:
-        self.header = ctypes.create_string_buffer(_HEADER_BYTES)
-        self.table = ctypes.create_string_buffer(_MAX_RUNS * _RUN_BYTES)
-        self.share = (ctypes.c_uint64 * 3)()  # inside a share (0/1), its transfer id, a header waits to be served
-        self.io = (_i64 * 5)()  # frames landed, part (0 header, 1 table, 2 payload, 3 notification), got, wanted, errno
-        self._ring = (_i64 * (1 + 4 * ring))()  # entries, then (transfer id, shares, notif offset, length or -1)
-        self._notifs = ctypes.create_string_buffer(max(1, max_notif))
-        self._limits = (_i64 * 9)()
-
-    @property
-    def pending(self) -> bool:
-        """Whether a header was read and waits to be served by the next ``serve`` (after owed ACKs went out)."""
-        return bool(self.share[2])
-
-    def serve(
-        self,
-        fd: int,
-        mirror: GrantMirror,
-        token: bytes,
-        regions: tuple[int, int, int, int],
-        limits: Sequence[int],
-        room: int,
-        acks_held: bool,
-    ) -> int:
-        """Serve DATA frames until one comes back to Python; the outcome (``FRAME_*`` or ``LAND_*``). ``regions``:
-        the descriptors' address and count, the address of the generation counter and the generation they are of
-        (channels/landing.py); ``limits``: piece, max_idle ticks, max_frame_bytes, max_notif_bytes, the payload
-        length before which owed completions go out; ``room``: completions it may queue (at most the ring's size);
-        ``acks_held``: whether the caller holds ACKs not sent yet."""
-        desc, n_desc, generation, current = regions
-        self._limits[:] = [*limits, current, min(room, (len(self._ring) - 1) // 4), len(self._notifs), acks_held]
-        code = _lib().pdkv_serve_frames(
-            fd,
-            mirror.handle,
-            token,
-            len(token),
-            desc,
-            n_desc,
-            generation,
-            self._limits,
-            self.share,
-            self.header,
-            self.table,
-            self._ring,
-            self._notifs,
-            self.io,
-        )
-        if code not in _FRAME_OUTCOMES:
-            raise ValueError(f"pdkv landing: bad arguments to pdkv_serve_frames (code {code})")
-        return code
-
-    def completions(self) -> list[tuple[int, int, bytes | None]]:
-        """The transfers (shares) whose last frame the last ``serve`` landed, in order: (transfer id, shares, its
-        notification or None)."""
-        ring, base = self._ring, ctypes.addressof(self._notifs)
-        return [
-            (
-                ring[k] & ((1 << 64) - 1),
-                ring[k + 1],
-                ctypes.string_at(base + ring[k + 2], ring[k + 3]) if ring[k + 3] >= 0 else None,
-            )
-            for k in range(1, 1 + 4 * ring[0], 4)
-        ]
-
-
 Int64s = ctypes.Array[ctypes.c_int64]
 """A native array of int64 (``int64s``): made once where a kernel is called often with the same addresses."""
 
@@ -712,6 +450,31 @@ def _lib() -> ctypes.CDLL:
     if lib is None:
         raise ValueError(f"pdkv native kernels unavailable: {reason()}")
     return lib
+
+
+def binder(signatures: dict[str, list[type]], restypes: dict[str, type]) -> Callable[[], ctypes.CDLL]:
+    """A getter of the kernel library with ``signatures``' argument types (``restypes``' return types, else int)
+    set on those functions: how a module that calls functions of its own in the library (channels/tcp/native.py)
+    declares them without a second loader. The getter raises ValueError where calls take the torch path."""
+    declared: ctypes.CDLL | None = None
+
+    def lib() -> ctypes.CDLL:
+        nonlocal declared
+        loaded = _lib()
+        if loaded is not declared:  # the first call, or a library loaded again (tests do)
+            _declare(loaded, signatures, restypes)
+            declared = loaded
+        return loaded
+
+    return lib
+
+
+def _declare(lib: ctypes.CDLL, signatures: dict[str, list[type]], restypes: dict[str, type]) -> None:
+    """Set each function's argument types (a wrong count or type is a TypeError, never a bad call) and return type."""
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = restypes.get(name, ctypes.c_int)
 
 
 def _copy_cuda(
@@ -852,10 +615,7 @@ def _load(
     else:
         try:
             lib = ctypes.CDLL(str(path))
-            for name, argtypes in signatures.items():
-                fn = getattr(lib, name)
-                fn.argtypes = argtypes
-                fn.restype = _RESTYPES.get(name, ctypes.c_int)
+            _declare(lib, signatures, _RESTYPES)
             count = lib.pdkv_cuda_device_count() if "pdkv_cuda_device_count" in signatures else 1
             if count < 0:
                 why = f"its CUDA runtime does not start here: {lib.pdkv_cuda_error_string(-count).decode()}"

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from pdkv import native
 from pdkv.channels.grants import Grants
 from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
+from pdkv.channels.tcp import native as tcp_native
 from pdkv.channels.tcp.target import Target
 from pdkv.channels.tcp.wire import DATA, HEADER, LAST, MAGIC, NOTIF_FOLLOWS, RUN, VERSION
 from pdkv.errors import ChannelError
@@ -297,7 +298,7 @@ def test_the_native_grant_check_is_grants_own(
 ) -> None:
     """After any grants and revokes, the native mirror admits exactly the frames ``Grants.begin_many`` admits."""
     grants = Grants()
-    mirror = native.GrantMirror()
+    mirror = tcp_native.GrantMirror()
     grants.mirror_to(mirror)
     for region in guarded:
         grants.guard(region)

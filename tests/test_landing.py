@@ -18,6 +18,7 @@ from pdkv import native
 from pdkv.channels import TransferOp
 from pdkv.channels.landing import LandingSums
 from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
+from pdkv.channels.tcp import native as tcp_native
 from pdkv.checksum import blocks_checksum
 from pdkv.errors import ChannelError
 from pdkv.layout import gather
@@ -217,7 +218,7 @@ def test_native_run_check(runs: list[tuple[int, int, int]], length: int, ok: boo
         sums.add_region(i, memoryview(buf))
     snap = sums.snapshot
     table = b"".join(wire.RUN.pack(*run) for run in runs)
-    assert native.check_runs(table, len(runs), snap.address, snap.count, length) is ok
+    assert tcp_native.check_runs(table, len(runs), snap.address, snap.count, length) is ok
 
 
 def test_receiver_verifies_direct_chunks_from_the_landing_sums(make_pair: MakePair) -> None:

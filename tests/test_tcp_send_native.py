@@ -18,6 +18,7 @@ from pdkv import native
 from pdkv.channels import BlockWrite, create_channel
 from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp import initiator as initiator_module
+from pdkv.channels.tcp import native as tcp_native
 from pdkv.channels.tcp.initiator import Initiator, _split
 from pdkv.channels.tcp.options import Agent, TcpOptions
 
@@ -42,10 +43,10 @@ def _python_shares(
 def _native_shares(
     write: BlockWrite, views: list[memoryview], parts: int, max_frame: int, max_runs: int, notif: bytes | None
 ) -> list[tuple[bytes, int]]:
-    regions = native.FrameRegions.of(
+    regions = tcp_native.FrameRegions.of(
         [ctypes.addressof(ctypes.c_char.from_buffer(v)) for v in views], write.remote_regions
     )
-    frames = native.block_frames(
+    frames = tcp_native.block_frames(
         regions, write.local_blocks, write.remote_blocks, write.block_bytes, parts, max_frame, max_runs, 7, notif
     )
     return [
@@ -110,7 +111,7 @@ def test_iovecs_go_out_whole_through_partial_sends() -> None:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        assert native.send_iov(a.fileno(), iov) == (native.OK, 0)
+        assert tcp_native.send_iov(a.fileno(), iov) == (tcp_native.OK, 0)
         reader.join(30)
         assert not reader.is_alive() and bytes(got) == data.tobytes()
     finally:
@@ -123,11 +124,11 @@ def test_a_peer_that_reads_nothing_times_the_send_out() -> None:
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, 200_000))
     data = np.zeros(32 << 20, dtype=np.uint8)
     try:
-        code, _ = native.send_iov(a.fileno(), np.array([[data.ctypes.data, data.nbytes]], dtype=np.int64))
-        assert code == native.LAND_STALLED
+        code, _ = tcp_native.send_iov(a.fileno(), np.array([[data.ctypes.data, data.nbytes]], dtype=np.int64))
+        assert code == tcp_native.LAND_STALLED
         b.close()
-        code, os_error = native.send_iov(a.fileno(), np.array([[data.ctypes.data, 1 << 20]], dtype=np.int64))
-        assert (code, os_error) in ((native.LAND_EOS, 32), (native.LAND_EOS, 104))  # EPIPE, ECONNRESET
+        code, os_error = tcp_native.send_iov(a.fileno(), np.array([[data.ctypes.data, 1 << 20]], dtype=np.int64))
+        assert (code, os_error) in ((tcp_native.LAND_EOS, 32), (tcp_native.LAND_EOS, 104))  # EPIPE, ECONNRESET
     finally:
         a.close()
 
@@ -136,13 +137,13 @@ def test_a_tcp_block_write_goes_out_natively(monkeypatch: pytest.MonkeyPatch) ->
     """Fragmented blocks of three regions land bit-exact, sent from native iovecs (one send per share), not as
     Python buffers."""
     sent: list[int] = []
-    real = native.send_iov
+    real = tcp_native.send_iov
 
     def counting(fd: int, iov: np.ndarray) -> tuple[int, int]:
         sent.append(len(iov))
         return real(fd, iov)
 
-    monkeypatch.setattr(native, "send_iov", counting)
+    monkeypatch.setattr(tcp_native, "send_iov", counting)
     a = create_channel("tcp", "a", {"host": "127.0.0.1"})
     b = create_channel("tcp", "b", {"host": "127.0.0.1"})
     try:

@@ -22,6 +22,7 @@ from pdkv.channels.base import Channel, ChannelOptions
 from pdkv.channels.grants import Access, Range
 from pdkv.channels.handle import BlockWrite, TransferHandle, TransferOp, XferState
 from pdkv.channels.landing import LandingSums
+from pdkv.channels.tcp import native as tcp_native
 from pdkv.channels.tcp.conn import SHUTDOWN_JOIN_S
 from pdkv.channels.tcp.initiator import Initiator, TcpHandle
 from pdkv.channels.tcp.options import Agent, TcpOptions
@@ -58,7 +59,7 @@ class TcpChannel(Channel):
         # DATA lands through the native receive, hashed as it lands, where the kernels load (csrc/kvland.cpp)
         self.landing = LandingSums() if native.available() else None
         if self.landing is not None:  # and frames are checked there against a native copy of the grants
-            self.grants.mirror_to(native.GrantMirror())
+            self.grants.mirror_to(tcp_native.GrantMirror())
         self.target = Target(self.agent, self.regions, self.grants, self.inbox, self.landing)
         self.port: int = self.target.port
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from pdkv import native
 from pdkv.channels.landing import Snapshot
+from pdkv.channels.tcp import native as tcp_native
 from pdkv.channels.tcp.options import TcpOptions
 from pdkv.channels.tcp.wire import HDR_SIZE, RUN, Header, pack, unpack_header
 from pdkv.errors import ChannelError, ProtocolError, TransferTimeout
@@ -230,36 +230,36 @@ class Conn:
         """``recv_views`` for a clear connection, in native code: a DATA frame's checked ``runs`` (the wire's run
         table) filled in pieces of at most ``piece`` bytes, each hashed into its region's landing table while it is
         in cache (channels/landing.py); the same timeouts and errors as ``recv_views``."""
-        code, got, os_error = native.recv_runs(
+        code, got, os_error = tcp_native.recv_runs(
             self.sock.fileno(), runs, nruns, landing.address, landing.count, piece, self.max_idle_ticks
         )
-        if code == native.LAND_EOF:
+        if code == tcp_native.LAND_EOF:
             raise self._truncated(got, nbytes)
-        if code == native.LAND_STALLED:
+        if code == tcp_native.LAND_STALLED:
             self._stalled(self.max_idle_ticks, got, nbytes)
-        if code == native.LAND_EOS:
+        if code == tcp_native.LAND_EOS:
             raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
         self.last_progress = time.monotonic()
 
-    def frames_served(self, loop: native.FrameLoop, code: int) -> tuple[Header | None, bytes | None]:
+    def frames_served(self, loop: tcp_native.FrameLoop, code: int) -> tuple[Header | None, bytes | None]:
         """What a native frame loop's ``serve`` (csrc/kvframes.cpp) on this connection came back with: the header of
         the frame handed back (None: only completions to drain) and its run table where that was read too; a frame
         cut short or a closed connection raises what ``recv_header``, ``recv_payload`` and ``recv_runs`` raise."""
         landed, part, got, wanted, os_error = loop.io
         if landed:
             self.last_progress = time.monotonic()
-        if code == native.FRAME_CLOSED:
+        if code == tcp_native.FRAME_CLOSED:
             raise PeerClosed(f"tcp {self.label}: connection closed by the peer")
-        if code == native.LAND_EOF:
+        if code == tcp_native.LAND_EOF:
             raise self._truncated(got, wanted) if part == 2 else self._cut(got, wanted)
-        if code == native.LAND_STALLED:
+        if code == tcp_native.LAND_STALLED:
             raise self._stall(got, wanted)
-        if code == native.LAND_EOS:
+        if code == tcp_native.LAND_EOS:
             raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
-        if code == native.FRAME_DRAIN:
+        if code == tcp_native.FRAME_DRAIN:
             return None, None
         header = unpack_header(bytearray(loop.header.raw), self.label)
-        return header, loop.table.raw[: header[3] * RUN.size] if code == native.FRAME_TABLE else None
+        return header, loop.table.raw[: header[3] * RUN.size] if code == tcp_native.FRAME_TABLE else None
 
     def _late(self) -> TransferTimeout:
         seconds, what = self._limit
@@ -336,11 +336,11 @@ class Conn:
     def send_iov(self, iov: np.ndarray) -> None:
         """Send the (address, length) rows in order natively (csrc/kvsend.cpp, the GIL released), as ``send`` sends
         views; for a clear connection, whose caller keeps the memory alive."""
-        code, os_error = native.send_iov(self.sock.fileno(), iov)
+        code, os_error = tcp_native.send_iov(self.sock.fileno(), iov)
         self.last_progress = time.monotonic()
-        if code == native.LAND_STALLED:
+        if code == tcp_native.LAND_STALLED:
             raise self._send_stall()
-        if code != native.OK:
+        if code != tcp_native.OK:
             raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
 
     def _send_tls(self, bufs: list[Any]) -> None:

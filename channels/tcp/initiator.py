@@ -20,6 +20,7 @@ from pdkv import native
 from pdkv.channels.handle import BlockWrite, TransferHandle, TransferOp, merge_ops
 from pdkv.channels.landing import address_of
 from pdkv.channels.regions import RegionTable
+from pdkv.channels.tcp import native as tcp_native
 from pdkv.channels.tcp.link import Batch, Link
 from pdkv.channels.tcp.options import Agent
 from pdkv.channels.tcp.wire import (
@@ -92,7 +93,7 @@ class Initiator:
         self._link_locks: dict[tuple[str, bytes], threading.Lock] = collections.defaultdict(threading.Lock)
         self._lock = threading.Lock()
         self._framed: dict[
-            tuple[int, tuple[int, ...], tuple[int, ...]], tuple[native.FrameRegions, tuple[memoryview, ...]]
+            tuple[int, tuple[int, ...], tuple[int, ...]], tuple[tcp_native.FrameRegions, tuple[memoryview, ...]]
         ] = {}
 
     # -- peers -------------------------------------------------------------------
@@ -187,7 +188,7 @@ class Initiator:
     def post_blocks(
         self, peer: str, blocks: BlockWrite, total: int, notif: bytes | None, token: bytes, inline: bool = False
     ) -> TcpHandle:
-        """Post a checked block write (``total`` bytes): framed natively (``native.block_frames``: the frames
+        """Post a checked block write (``total`` bytes): framed natively (``tcp_native.block_frames``: the frames
         ``post`` would send, byte for byte) and sent from the iovecs natively, where the kernels load and the link
         is clear; else as its runs' ops through ``post``."""
         if self.agent.tls is not None or not native.available():
@@ -196,7 +197,7 @@ class Initiator:
         opts = self.agent.opts
         xfer = next(self._xfer_ids)
         regions, views = self._frame_regions(blocks.local_regions, blocks.remote_regions)
-        frames = native.block_frames(
+        frames = tcp_native.block_frames(
             regions,
             blocks.local_blocks,
             blocks.remote_blocks,
@@ -223,8 +224,8 @@ class Initiator:
 
     def _frame_regions(
         self, ours: tuple[int, ...], theirs: tuple[int, ...]
-    ) -> tuple[native.FrameRegions, tuple[memoryview, ...]]:
-        """What ``native.block_frames`` reads of these regions (our regions' addresses, the peer's ids) and our
+    ) -> tuple[tcp_native.FrameRegions, tuple[memoryview, ...]]:
+        """What ``tcp_native.block_frames`` reads of these regions (our regions' addresses, the peer's ids) and our
         regions' views, which keep the memory alive while a batch holds them: worked out once per set of regions
         registered (a sender's every chunk names the same ones)."""
         key = (self._regions.generation, ours, theirs)
@@ -233,7 +234,7 @@ class Initiator:
             if len(self._framed) >= FRAMED_KEPT:
                 self._framed.clear()
             views = tuple(self._regions[r] for r in ours)
-            found = self._framed[key] = (native.FrameRegions.of([address_of(v) for v in views], theirs), views)
+            found = self._framed[key] = (tcp_native.FrameRegions.of([address_of(v) for v in views], theirs), views)
         return found
 
     def _home_stream(self) -> int:

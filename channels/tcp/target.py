@@ -32,6 +32,7 @@ from pdkv.channels.handle import Notification
 from pdkv.channels.inbox import NotificationInbox
 from pdkv.channels.landing import LandingSums, Snapshot
 from pdkv.channels.regions import RegionTable
+from pdkv.channels.tcp import native as tcp_native
 from pdkv.channels.tcp.conn import IO_ERRORS, Conn, PeerClosed, idle_deadline, set_buffers, shutdown
 from pdkv.channels.tcp.options import Agent
 from pdkv.channels.tcp.slots import Slots
@@ -417,7 +418,9 @@ class Target:
         and every frame with TLS or ``PDKV_NATIVE_FRAMES=0``, is served here.
         """
         opts = self.agent.opts
-        loop = native.FrameLoop(opts.max_notif_bytes, MAX_ACK_BATCH) if self.native_frames and not conn.tls else None
+        loop = (
+            tcp_native.FrameLoop(opts.max_notif_bytes, MAX_ACK_BATCH) if self.native_frames and not conn.tls else None
+        )
         cur_xfer = -1  # the transfer whose share this stream is in the middle of
         refused = ""  # why a frame of that share was refused: it lands nothing, the transfer gets NACK
         acks: list[int] = []
@@ -490,7 +493,7 @@ class Target:
                 raise ProtocolError(f"tcp {conn.label}: unexpected frame type {FRAME_NAMES.get(ftype, ftype)}")
 
     def _native_frames(
-        self, conn: Conn, session: Session, loop: native.FrameLoop, cur_xfer: int, refused: str, acks: list[int]
+        self, conn: Conn, session: Session, loop: tcp_native.FrameLoop, cur_xfer: int, refused: str, acks: list[int]
     ) -> tuple[Header | None, bytes | None, int, str]:
         """DATA frames served natively until the loop comes back: (the header of a frame it hands back, or None;
         that frame's run table if read; the share the connection is now in, ``cur_xfer``; ``refused``, as the
@@ -587,7 +590,7 @@ class Target:
         runs = list(RUN.iter_unpack(table))
         if self._landing is not None and not conn.tls:
             snap = self._landing.snapshot
-            if native.check_runs(table, nruns, snap.address, snap.count, length):
+            if tcp_native.check_runs(table, nruns, snap.address, snap.count, length):
                 return table, runs, snap
         views = [self._region_slice(conn, region, off, n) for region, off, n in runs]
         total = sum(n for _, _, n in runs)

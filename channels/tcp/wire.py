@@ -9,6 +9,7 @@ before that length is bounded.
 from __future__ import annotations
 
 import itertools
+import re
 import struct
 from dataclasses import dataclass
 
@@ -160,3 +161,59 @@ def decode_meta(metadata: bytes) -> Meta:
             f"tcp: peer {meta.name!r} advertises {meta.host!r}, which is no address to dial; it must set advertise_host"
         )
     return meta
+
+
+# -- the native loops' copy of the format (csrc/tcpwire.h), generated from the names above -----------------------------
+
+C_HEADER_PATH = "csrc/tcpwire.h"
+HEADER_FIELDS = ("magic", "version", "type", "flags", "shares", "aux", "notif", "xfer", "offset", "length")
+RUN_FIELDS = ("region", "offset", "length")
+
+
+def _offsets(layout: struct.Struct, names: tuple[str, ...]) -> list[tuple[str, int]]:
+    """Each named field of ``layout`` (pad bytes have no name) with its byte offset."""
+    order, codes = layout.format[0], re.findall(r"\d*[a-zA-Z?]", layout.format[1:])
+    offsets = [struct.calcsize(order + "".join(codes[:i])) for i, code in enumerate(codes) if code != "x"]
+    return list(zip(names, offsets, strict=True))
+
+
+def c_header() -> str:
+    """csrc/tcpwire.h: the constants of this format that the native frame loops (csrc/kvframes.cpp, kvland.cpp,
+    kvsend.cpp) read and write frames with, so the format is written here alone; tests/test_wire_header.py fails
+    when the checked-in header is not this text."""
+    magic = ", ".join(f"'{chr(b)}'" for b in MAGIC)
+
+    def fields(prefix: str, layout: struct.Struct, names: tuple[str, ...]) -> list[str]:
+        return [f"constexpr int64_t k{prefix}{name.title()} = {offset};" for name, offset in _offsets(layout, names)]
+
+    lines = [
+        f"// Generated from channels/tcp/wire.py by `python -m pdkv.channels.tcp.wire > {C_HEADER_PATH}`: do not edit.",
+        "// The tcp channel's frame format as the native loops read and write it (tests/test_wire_header.py).",
+        "#pragma once",
+        "",
+        "#include <cstdint>",
+        "",
+        "namespace pdkv::tcpwire {",
+        "",
+        f"constexpr char kMagic[{len(MAGIC)}] = {{{magic}}};",
+        f"constexpr uint8_t kVersion = {VERSION};",
+        f"constexpr uint8_t kData = {DATA};  // the frame type the native loops send and land",
+        f"constexpr uint8_t kLast = {LAST}, kNotifFollows = {NOTIF_FOLLOWS};  // DATA flags",
+        f"constexpr int64_t kMaxStreams = {MAX_STREAMS};  // a transfer's shares",
+        f"constexpr int64_t kMaxRuns = {MAX_RUNS};  // runs per DATA frame",
+        "",
+        f"// A frame header ({HEADER.format}): its size and each field's byte offset.",
+        f"constexpr int64_t kHeaderBytes = {HDR_SIZE};",
+        *fields("Header", HEADER, HEADER_FIELDS),
+        "",
+        f"// A run table entry ({RUN.format}): its size and each field's byte offset.",
+        f"constexpr int64_t kRunBytes = {RUN.size};",
+        *fields("Run", RUN, RUN_FIELDS),
+        "",
+        "}  // namespace pdkv::tcpwire",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(c_header(), end="")
