@@ -97,16 +97,17 @@ def test_one_transfer_calls_every_step_of_the_reading_path_in_order(make_pair: M
         xfer.wait(10)
         wait_until(lambda: pair.sender.stats()["open_transfers"] == 0, 5, "the sender to settle")
         got = pair.receiver.wait("traced", 10, prompt_key=key)
-        claimed = len(trace.calls)
         step = {s.name: s for s in traced}
-        # the Done rides the next heartbeat, and the reaper ticks on
+        # the Done rides P's next heartbeat after the settle (D's claim may come before or after it), and the reaper
+        # ticks on
 
         def heard() -> bool:
-            sent = trace.called_after(step["Heartbeats.beat"], claimed)
+            settled = trace.called_after(step["KVSender.transfer_settled"], -1)
+            sent = trace.called_after(step["Heartbeats.beat"], settled) if settled >= 0 else -1
             beat = trace.called_after(step["IncomingBook.beat"], sent) if sent >= 0 else -1
             return beat >= 0 and trace.called_after(step["IncomingBook.reap"], beat) >= 0
 
-        wait_until(heard, 5, "a heartbeat after the claim, its arrival and a reap after it")
+        wait_until(heard, 5, "a heartbeat after the settle, its arrival and a reap after it")
     assert_same_kv(pair, [5, 6], got.blocks, 30)
     pair.allocator.free(got.blocks)
     d = pair.receiver.stats()
