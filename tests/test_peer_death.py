@@ -121,14 +121,14 @@ def _receiver_child(conn: multiprocessing.connection.Connection, step: str) -> N
     elif step == "reserve":
         receiver._on_reserve = lambda identity, req: _stop_here(conn, step)  # type: ignore[method-assign]
     elif step == "mid_chunk":
-        on_notice = receiver.book.land
+        on_notice = receiver.arrivals.land
 
         def stop_at_chunk_1(peer: str, notice: ChunkNotice, got: int | None = None, **how: bool) -> Any:
             if notice.chunk_index == 1:
                 _stop_here(conn, step)
             return on_notice(peer, notice, got, **how)
 
-        receiver.book.land = stop_at_chunk_1  # type: ignore[method-assign]
+        receiver.arrivals.land = stop_at_chunk_1  # type: ignore[method-assign]
     elif step == "done":
         on_finished = receiver.book.sender_finished
 

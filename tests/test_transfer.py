@@ -31,7 +31,7 @@ from pdkv.errors import (
 )
 from pdkv.integration.vllm.landing import VllmBlocks
 from pdkv.layout import KVLayout, gather
-from pdkv.transfer import incoming, outgoing, protocol
+from pdkv.transfer import incoming, posting, protocol
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
 
@@ -230,11 +230,11 @@ def test_send_all_hashes_the_chunks_left_in_one_call_where_that_saves_read_backs
     is posted, overlapping the previous write. Either way the KV lands, verified."""
     pair = make_pair()
     assert not read_back_shared(pair.p_kv)  # CPU tensors: shared=True stands in for a GPU's
-    monkeypatch.setattr(outgoing, "read_back_shared", lambda kv_bytes: shared)
+    monkeypatch.setattr(posting, "read_back_shared", lambda kv_bytes: shared)
     hashed: list[list[list[int]]] = []  # P's blocks_checksums calls: each call's chunks
-    real = outgoing.blocks_checksums
+    real = posting.blocks_checksums
     monkeypatch.setattr(
-        outgoing,
+        posting,
         "blocks_checksums",
         lambda kv, chunks, size: hashed.append([list(c) for c in chunks]) or real(kv, chunks, size),
     )

@@ -14,7 +14,7 @@ import pytest
 from pdkv.channels.tcp.target import FRAMES_ENV_VAR
 from pdkv.config import TransferConfig
 from pdkv.errors import ChecksumError, TransferError
-from pdkv.transfer import outgoing, protocol
+from pdkv.transfer import posting, protocol
 from pdkv.transfer.receiver import KVReceiver
 
 from tests.conftest import TCP_AND_NIXL, MakePair, Pair, wait_until
@@ -50,7 +50,7 @@ def test_every_chunk_is_answered_on_its_data_connection_and_none_on_the_control_
     notification of its own, picked up by the watcher that polls the transfer (channels/answers.py)."""
     monkeypatch.setenv(FRAMES_ENV_VAR, "0" if loop == "python" else "1")
     pair = make_pair(config=POOLED, channel=channel)
-    assert pair.receiver.book.verdicts
+    assert pair.receiver.arrivals.verdicts
     peer = warm(pair)
     sent = record_replies(pair.receiver)
     before_d, before_p = pair.receiver.stats(), pair.sender.stats()
@@ -84,7 +84,7 @@ def test_without_data_verdicts_each_transfer_is_acknowledged_by_landed(make_pair
     """The path before, kept to measure against: the control plane's ``Landed`` carries the verification."""
     config = TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2, pool_tokens=32, data_verdicts=False)
     pair = make_pair(config=config, channel="tcp")
-    assert not pair.receiver.book.verdicts
+    assert not pair.receiver.arrivals.verdicts
     warm(pair)
     sent = record_replies(pair.receiver)
     xfer = pair.sender.open("pooled", pair.receiver.address, 30, [10, 11])
@@ -104,8 +104,8 @@ def test_a_checksum_mismatch_comes_back_as_the_chunks_verdict(
     pair = make_pair(config=POOLED, channel="tcp")
     warm(pair)
     answered = pair.receiver.stats()["verdicts_sent"]
-    sums = outgoing.blocks_checksums
-    monkeypatch.setattr(outgoing, "blocks_checksums", lambda *a: [v ^ 1 for v in sums(*a)])
+    sums = posting.blocks_checksums
+    monkeypatch.setattr(posting, "blocks_checksums", lambda *a: [v ^ 1 for v in sums(*a)])
     xfer = pair.sender.open("corrupt", pair.receiver.address, 30, [10, 11])
     xfer.send_all()
     with pytest.raises(ChecksumError, match="failed its checksum"):

@@ -18,7 +18,7 @@ layout)`` builds it for a KV layout or says why it cannot.
 Measured ratios, speeds and fidelity on the default model: ``pdkv bench
 codec`` and benchmarks/history/2026-11-23-kv-codecs.md.
 
-How the transfer path uses a codec (pdkv/transfer/: outgoing.py, incoming.py, protocol.py),
+How the transfer path uses a codec (pdkv/transfer/: posting.py, incoming.py, protocol.py),
 as built; where it differs from the plan it was written from, the difference
 is said:
 
@@ -36,7 +36,7 @@ is said:
    ``max(layout.chunk_bytes(chunk_size), codec.max_encoded_bytes(chunk_size))``
    over the codecs in play (a multiple of 16, so slots stay aligned): a frame
    can never overrun a slot whatever the data.
-4. Sender, after gather (``OutgoingTransfer._staged_ops``): for ``codec.passthrough``
+4. Sender, after gather (``ChunkPoster._staged_ops``): for ``codec.passthrough``
    nothing changes (gather straight into the slot, no frame: ``none`` keeps
    today's wire bytes). Otherwise gather into a per-thread scratch chunk
    (``codec.scratch("raw", layout.chunk_shape(n), layout.torch_dtype)``) and

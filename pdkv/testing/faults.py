@@ -90,14 +90,14 @@ def _decode_child(conn: multiprocessing.connection.Connection, device: str, port
     kv = device_kv(device)
     receiver = KVReceiver(channel, LAYOUT, kv, allocator, FINGERPRINT, CFG, port=port)
     if stop_mid:
-        land = receiver.book.land
+        land = receiver.arrivals.land
 
         def stop_at_chunk_1(peer: str, notice: ChunkNotice, got: int | None = None, **how: bool) -> Any:
             if notice.chunk_index == 1:
                 _stop(conn)
             return land(peer, notice, got, **how)
 
-        receiver.book.land = stop_at_chunk_1  # type: ignore[method-assign]
+        receiver.arrivals.land = stop_at_chunk_1  # type: ignore[method-assign]
     conn.send(receiver.address)
     while True:
         try:

@@ -95,12 +95,6 @@ def admit(req: Reserve, view: ReceiverView) -> Admission | Refused:
     return Admission(mode="direct" if direct else "staging", blocks=blocks, slots=slots, chunks=chunks, held=held)
 
 
-def whole_blocks(layout: KVLayout, mode: str, window: bool) -> bool:
-    """Whether a transfer's staged chunks move whole blocks (``KVLayout.whole_blocks``): a head window's, and a
-    packed layout's (``KVLayout.packed``); both sides hold the same layout but for its heads (``admit``)."""
-    return window or (mode == "staging" and layout.packed)
-
-
 def _shape_refusal(req: Reserve, view: ReceiverView) -> str:
     """Why the chunks cannot land here ("" when they can): all of our heads from a peer holding as many, or a
     window of ours (``Reserve.heads``) no wider than the peer's heads, raw (codecs work on whole layouts), from a

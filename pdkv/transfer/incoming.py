@@ -17,12 +17,13 @@ from pdkv.channels.base import Channel
 from pdkv.channels.grants import Range
 from pdkv.checksum import blocks_checksums, chunk_checksum, frame_checksum
 from pdkv.codec import Codec
-from pdkv.errors import ChecksumError, TransferError
+from pdkv.config import TransferConfig
+from pdkv.errors import ChecksumError, TransferError, TransferTimeout
 from pdkv.layout import HeadWindow, KVLayout, block_runs
 from pdkv.native import scatter, scatter_summed
 from pdkv.staging import DeviceStager
 from pdkv.transfer.plan import TransferPlan
-from pdkv.transfer.protocol import ChunkNotice
+from pdkv.transfer.protocol import ChunkNotice, Reserved
 from pdkv.transfer.windows import Windows
 
 
@@ -123,7 +124,7 @@ class IncomingTransfer:
     prompt_key: bytes = b""
     codec: str = "none"  # how its staged chunks arrive
     heads: HeadWindow | None = None  # the heads of ours its chunks carry (None: all); staged
-    whole_blocks: bool = False  # each staged chunk lands up to the end of its last block (admission.whole_blocks)
+    whole_blocks: bool = False  # each staged chunk lands up to the end of its last block (plan.whole_blocks)
     revoked: bool = False  # its grants were taken back: the sender can no longer write into it
     state: State = State.RECEIVING
     landed: set[int] = field(default_factory=set)
@@ -131,6 +132,41 @@ class IncomingTransfer:
     sender_done: bool = False
     free_deadline: float = 0.0
     ready_at: float = 0.0
+
+    def reserved(self, held: int, slot_bytes: int, lease_s: float) -> Reserved:
+        """The answer to the Reserve that booked it: where its chunks land (its slots, of ``slot_bytes``), for how
+        long (``lease_s``), and the prompt's leading tokens we hold already (``held``: P pushes only the rest)."""
+        return Reserved(
+            transfer_id=self.transfer_id,
+            mode=self.mode,
+            block_ids=list(self.blocks),
+            staging_slots=[s * slot_bytes for s in self.slots],
+            lease_s=lease_s,
+            held_tokens=held,
+        )
+
+    def granted(self, memory: ReceiveMemory) -> list[Range]:
+        """The ranges the channel granted its sender for it: its slots (staging) or its blocks (direct)."""
+        return memory.slot_ranges(self.slots) if self.mode == "staging" else memory.block_ranges(self.blocks)
+
+    def overdue(self, now: float, config: TransferConfig) -> tuple[str, TransferTimeout] | None:
+        """Why it fails at ``now``, still receiving: the counter that counts it and the error; None if it is not due.
+        Its lease expired, or it is not complete after ``transfer_timeout_s``."""
+        if self.state is not State.RECEIVING:
+            return None
+        if now > self.lease_deadline:
+            # Not presumed dead: a stalled sender may still have writes queued. Its blocks stay quarantined until it
+            # answers the Cancel or drain_timeout_s passes (and the sender itself stops writing once it sees its
+            # heartbeats lapsed), so no late write lands in blocks handed to another request.
+            return "leases_expired", TransferTimeout(
+                f"lease expired: no word from the sender for {config.lease_s:.3g}s (the prefill side died, hung or "
+                "lost its connection)"
+            )
+        if now > self.created + config.transfer_timeout_s:
+            return "timeouts", TransferTimeout(
+                f"not complete after transfer_timeout_s={config.transfer_timeout_s:.3g}s"
+            )
+        return None
 
     def direct_blocks(self, notice: ChunkNotice) -> list[int] | None:
         """The blocks a direct chunk's notice names, to hash ahead of ``land`` with the pass's other chunks; None

@@ -2,12 +2,14 @@
 
 Every chunk of a request touches the same blocks whenever it is sent or lands, so neither side needs to
 derive them again per chunk. P's ``KVSender.open`` builds its plan (and checks its block table) before it
-reserves, ``OutgoingTransfer`` pairs it with D's blocks when the reservation answers (``with_peer``) and makes
-every chunk's direct write (``writes``: both sides' block ids as arrays, a ``BlockWrite``), and each ``send_chunk``
-takes its chunk's (our blocks for the checksum, the write); D's ``IncomingBook.open`` builds one at admission (its
-blocks only) and each landing takes its chunk's tokens and blocks.
+reserves, ``OutgoingTransfer`` pairs it with D's blocks when the reservation answers (``with_peer``), its
+``ChunkPoster`` makes every chunk's direct write (``writes``: both sides' block ids as arrays, a ``BlockWrite``), and
+each ``post`` takes its chunk's (our blocks for the checksum, the write); D's ``IncomingBook.open`` builds one at
+admission (its blocks only) and each landing takes its chunk's tokens and blocks.
 A transfer that starts past what D already holds (``held``, ``protocol.Reserved.held_tokens``) has chunks that
 start at ``held`` (the first one there, each ``chunk_size`` on) over the blocks from the one holding token ``held``.
+A staged chunk of a head window or of a packed layout moves up to the end of its last block (``whole_blocks``): both
+sides cut their chunks by that one rule.
 A write's runs (``BlockWrite.runs``, where a channel needs ops) are the same as ``pdkv.layout.block_runs``'s on its
 chunk's blocks (a test compares them on random tables): a run breaks wherever our id or theirs does not step by one.
 """
@@ -23,6 +25,7 @@ import numpy as np
 from pdkv.channels.handle import BlockWrite
 from pdkv.errors import TransferError
 from pdkv.keys import chunk_spans
+from pdkv.layout import KVLayout
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,3 +99,9 @@ class TransferPlan:
         ours, theirs = np.asarray(self.table, dtype=np.int64), np.asarray(self.theirs, dtype=np.int64)
         here, there = tuple(local), tuple(remote)
         return [BlockWrite(here, there, ours[a:b], theirs[a:b], block_bytes) for a, b in self.bounds]
+
+
+def whole_blocks(layout: KVLayout, mode: str, window: bool) -> bool:
+    """Whether a transfer's staged chunks move whole blocks (``KVLayout.whole_blocks``): a head window's, and a
+    packed layout's (``KVLayout.packed``); both sides hold the same layout but for its heads (``admission.admit``)."""
+    return window or (mode == "staging" and layout.packed)

@@ -30,6 +30,7 @@ from pdkv.netaddr import zmq_address
 from pdkv.staging import DeviceStager, pinned_empty
 from pdkv.transfer import protocol
 from pdkv.transfer.admission import admit
+from pdkv.transfer.arrivals import ChunkArrivals
 from pdkv.transfer.book import IncomingBook
 from pdkv.transfer.control import ControlLoop, RouterSocket
 from pdkv.transfer.handshake import ReceiverHandshake, reserving_peer
@@ -113,6 +114,7 @@ class KVReceiver:
             unproven={},
         )
         self.book = IncomingBook(self.parts)
+        self.arrivals = ChunkArrivals(self.parts, self.book)
         self.handshake = ReceiverHandshake(self.parts, admitted=self.book.pools)
         self._router = RouterSocket(
             self.loop,
@@ -126,7 +128,7 @@ class KVReceiver:
         self.address = self._router.address
         if advertise_host:  # what senders dial: not a wildcard bind address
             self.address = zmq_address(advertise_host, self.address.rsplit(":", 1)[1])
-        self.loop.watch(channel.notification_fd(), self.book.on_notifications)
+        self.loop.watch(channel.notification_fd(), self.arrivals.on_notifications)
         self.loop.start()
 
     def hello(self) -> Hello:
@@ -232,12 +234,7 @@ class KVReceiver:
             return
         self._closed = True
         self.loop.stop()
-        with self.book.lock:
-            for r in list(self.book.res.values()):
-                self.book.free(r)
-            self.book.res.clear()
-            self.book.pools.close()
-            self.book.lock.notify_all()
+        self.book.close()
         self._router.close()
 
     # -- control messages (I/O thread) ------------------------------------------
@@ -287,7 +284,7 @@ class KVReceiver:
                 )
             slots = [book.free_slots.pop() for _ in range(admitted.slots)]
             r = book.open(identity=identity, peer=peer, req=req, admission=admitted, blocks=blocks, slots=slots)
-            self.channel.grant(peer.token, "write", book.granted(r))
-            answer = book.reserved(r, held)
+            self.channel.grant(peer.token, "write", r.granted(self.memory))
+            answer = r.reserved(held, self.memory.slot_bytes, self.config.lease_s)
         self.parts.host.since("request", began)
         return answer

@@ -28,10 +28,11 @@ from pdkv.transfer import protocol
 from pdkv.transfer.control import ControlLoop, DealerSockets
 from pdkv.transfer.handshake import SenderHandshake
 from pdkv.transfer.heartbeat import Heartbeats
-from pdkv.transfer.outgoing import OutgoingTransfer, SendContext, SendCredit, SendSource, sender_plan
+from pdkv.transfer.outgoing import OutgoingTransfer, SendContext
 from pdkv.transfer.parts import SenderParts
 from pdkv.transfer.peers import ReceiverPeer
 from pdkv.transfer.pool import SenderPools
+from pdkv.transfer.posting import SendCredit, SendSource, sender_plan
 from pdkv.transfer.protocol import MAX_DONE_PER_BEAT, BeatAck, Cancel, Hello, Landed, Pool, Refused, Reserved
 from pdkv.transfer.reserves import Reserves
 
@@ -225,7 +226,7 @@ class KVSender:
             if xfer is None or xfer.peer is not peer:
                 return
             if isinstance(msg, Landed):
-                xfer.on_landed(msg)
+                xfer.completion.on_landed(msg)
             else:
                 xfer.cancel_by_receiver(msg.reason)
 
@@ -235,5 +236,5 @@ class KVSender:
         with self.cond:
             transfers = list(self._transfers.values())
         for xfer in transfers:
-            xfer.check_timeout(now)
+            xfer.stalls.check_timeout(now)
         self.heartbeats.tick(now)

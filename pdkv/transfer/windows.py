@@ -1,7 +1,7 @@
 """A buffer seen through a head window: what a transfer between tensor-parallel ranks of different sizes reads
 from (P) or lands in (D).
 
-Both sides keep one memory object for every transfer (``outgoing.SendSource``, ``incoming.ReceiveMemory``);
+Both sides keep one memory object for every transfer (``posting.SendSource``, ``incoming.ReceiveMemory``);
 a transfer that names a window (``protocol.Reserve.heads``) uses a copy of it whose layout has the window's heads
 and whose tensors are strided views of the window (``layout.HeadWindow.view``). Such a transfer is always staged:
 its chunk is gathered from, or scattered into, the views (the torch path: the kernels take contiguous tensors),

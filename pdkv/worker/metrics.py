@@ -65,7 +65,7 @@ class WorkerMetrics:
             buckets=GBPS_BUCKETS,
             registry=r,
         )
-        # by series name: what ``OutgoingTransfer.wire_times`` measures goes to these
+        # by series name: what ``Completions.wire_times`` measures goes to these
         self.wire_series = {
             "pdkv_transfer_seconds": self.transfer_seconds,
             "pdkv_transfer_tail_seconds": self.transfer_tail,

@@ -180,7 +180,7 @@ class PrefillRole(WorkerRole):
         if xfer.error is None:
             self.metrics.transfers.labels(self.name, "ok").inc()
             self.metrics.transfer_bytes.labels(self.name).inc(xfer.bytes_sent)
-            for series, value in xfer.wire_times():
+            for series, value in xfer.completion.wire_times():
                 self.metrics.wire_series[series].labels(self.name).observe(value)
         else:
             self.metrics.transfers.labels(self.name, "failed").inc()

@@ -326,7 +326,7 @@ class WorkerSide:
         with self._lock:
             p.unsettled -= 1
             if t.complete:
-                self._observed += [(series, "prefill", value) for series, value in t.wire_times()]
+                self._observed += [(series, "prefill", value) for series, value in t.completion.wire_times()]
                 self.counters["push_ok"] += 1
                 self.counters["push_bytes"] += t.bytes_sent
             else:
