@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # UCX settings every UCX-based channel (nixl, ucx) applies before UCX loads,
-# unless the user already set them; see channels/nixl.py for why each matters.
+# unless the user already set them; channels/README.md, "nixl", says why each matters.
 UCX_ENV_DEFAULTS: dict[str, str] = {
     "UCX_MODULES": "^ib",  # the bundled libuct_ib_efa loads a 2nd libnl-route: SIGSEGV at exit
     "UCX_NET_DEVICES": "lo",  # loopback unless told otherwise, like every pdkv socket

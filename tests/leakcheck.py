@@ -165,7 +165,9 @@ class LeakCheck:
 
 def _ucx_channels_opened() -> int:
     """Channels the UCX-based libraries opened so far (0 for one never imported)."""
-    return sum(m._OPEN.opened for name in ("pdkv.channels.nixl", "pdkv.channels.ucx") if (m := sys.modules.get(name)))
+    return sum(
+        m.OPEN.opened for name in ("pdkv.channels.nixl.lib", "pdkv.channels.ucx.lib") if (m := sys.modules.get(name))
+    )
 
 
 def register(config: pytest.Config) -> None:

@@ -374,7 +374,7 @@ BLOCK = 4096
 def _count_preps(channel: Channel, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts (by descriptor count) every list ``channel`` prepares from now on."""
     made: list[int] = []
-    agent = channel._agent  # type: ignore[attr-defined]  # the NIXL calls are what is counted
+    agent = channel._agent.nixl  # type: ignore[attr-defined]  # the NIXL calls are what is counted
     prep = agent.prep_xfer_dlist
 
     def counted(name: str, descs: Any, *args: Any, **kwargs: Any) -> Any:
@@ -467,7 +467,7 @@ def test_the_watcher_sleeps_with_tight_timer_slack(make_channel: Callable[..., C
     from pdkv.channels.nixl import WATCH_TIMER_SLACK_NS
 
     channel = make_channel()
-    tid = channel._watcher.native_id  # type: ignore[attr-defined]
+    tid = channel._watcher.thread.native_id  # type: ignore[attr-defined]
     path = Path(f"/proc/{tid}/timerslack_ns")  # /proc/TID is every thread's own, though not listed
     wait_for = time.monotonic() + 10.0
     while int(path.read_text()) != WATCH_TIMER_SLACK_NS and time.monotonic() < wait_for:
@@ -549,9 +549,9 @@ def test_forgotten_peers_past_parked_peers_are_unloaded(make_channel: Callable[.
     names = [local.add_peer(p.metadata()) for p in peers]
     for name in names:
         local.remove_peer(name)
-    assert sorted(local._loaded) == [names[-1]]  # the last one forgotten is kept for its add_peer
+    assert sorted(local._peers.loaded) == [names[-1]]  # the last one forgotten is kept for its add_peer
     assert local.add_peer(peers[0].metadata()) == names[0]  # loaded again
-    assert sorted(local._loaded) == sorted([names[0], names[-1]])
+    assert sorted(local._peers.loaded) == sorted([names[0], names[-1]])
 
 
 def test_progress_thread_delay_is_kept_and_the_binding_restored(make_channel: Callable[..., Channel]) -> None:
@@ -596,8 +596,8 @@ def test_a_write_in_flight_when_its_peer_is_forgotten_is_marked_as_possibly_stil
     assert isinstance(a, NixlChannel)
     name = a.add_peer(b.metadata())
     in_flight = NixlTransferHandle(name, "write", 4096, 1)
-    with a._lock:
-        a._inflight[in_flight.id] = in_flight
+    with a._agent.lock:
+        a._transfers.inflight[in_flight.id] = in_flight
     a.remove_peer(name)
     assert in_flight.state is XferState.ERROR and in_flight.may_still_land
     src = pattern(REGION, 5)
