@@ -81,9 +81,7 @@ class Channel(ABC):
         self.agent_name = agent_name
         self.options = options if options is not None else self.Options()
         self.counters: collections.Counter[str] = collections.Counter()
-        self.regions: RegionTable[Any] = RegionTable(
-            self.name
-        )  # what each channel keeps per region: a view, a registration
+        self.regions: RegionTable[Any] = RegionTable(self.name)  # per region: a view, a registration
         self.inbox = NotificationInbox()
         self.grants = Grants()
         self.reachability = Reachability(self.name, agent_name, self.options.unreachable_retry_s, self.counters)
@@ -160,10 +158,9 @@ class Channel(ABC):
     def fence(self, peer: str, token: bytes) -> None:  # noqa: B027 - channels with connections override it
         """Make sure nothing ``peer`` (presenting ``token``) sent so far can still land here, then return.
 
-        Called before the memory of a sender that went silent is reused. Revoking
-        its grants already waits out frames landing now; a channel with
-        connections also cuts them, so that bytes the peer queued before (a
-        frozen process) die with them instead of arriving later.
+        Called before the memory of a sender that went silent is reused. Revoking its grants already waits out frames
+        landing now; a channel with connections also cuts them, so that bytes the peer queued before (a frozen process)
+        die with them instead of arriving later.
         """
 
     # -- peers -------------------------------------------------------------
@@ -181,16 +178,13 @@ class Channel(ABC):
 
         ``token``: the capability the transfers to it will present (``write``), so the path opened is theirs.
 
-        ``add_peer`` may only read metadata, so an address the peer advertises
-        that this host cannot reach (a ``host`` left at loopback, a NAT
-        without ``advertise_host``, a firewall, ``UCX_NET_DEVICES`` naming
-        another network) would otherwise surface as a failed chunk and a
-        silent recompute of every request. Raises ``PeerUnreachableError``
-        with what failed and what to set, after a warning and a
-        ``peer_unreachable`` count; for ``unreachable_retry_s`` afterwards the
-        same peer fails at once, so requests do not each wait out a connect
-        timeout. Cheap when the path is already up. Waits at most
-        ``timeout`` s (the tcp channel also stops at its ``connect_timeout``).
+        ``add_peer`` may only read metadata, so an address the peer advertises that this host cannot reach (a ``host``
+        left at loopback, a NAT without ``advertise_host``, a firewall, ``UCX_NET_DEVICES`` naming another network)
+        would otherwise surface as a failed chunk and a silent recompute of every request. Raises
+        ``PeerUnreachableError`` with what failed and what to set, after a warning and a ``peer_unreachable`` count; for
+        ``unreachable_retry_s`` afterwards the same peer fails at once, so requests do not each wait out a connect
+        timeout. Cheap when the path is already up. Waits at most ``timeout`` s (the tcp channel also stops at its
+        ``connect_timeout``).
         """
         self.reachability.check(peer)
         try:
@@ -267,9 +261,8 @@ class Channel(ABC):
     def poll_interval(self, waited: float) -> float:
         """Seconds ``wait`` pauses between polls once it has waited ``waited`` s; 0 spins.
 
-        Channels whose handles complete from their own I/O thread wake the
-        waiter early through the handle's event; channels whose completion is
-        only seen by polling (nixl) override this to spin first.
+        Channels whose handles complete from their own I/O thread wake the waiter early through the handle's event;
+        channels whose completion is only seen by polling (nixl) override this to spin first.
         """
         return 0.0005
 
