@@ -1,4 +1,4 @@
-// The tcp target's DATA frame loop and the grant mirror it checks (channels/tcp/target.py, channels/grants.py).
+// The tcp target's DATA frame loop and the grant mirror it checks (channels/tcp/frames.py, channels/grants.py).
 //
 // Why: the Python loop spends tens of microseconds of interpreter time per
 // frame (read the header, unpack and check it, read the run table, check the
@@ -248,7 +248,7 @@ PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t 
     const int64_t nlen = field<uint32_t>(hdr, wire::kHeaderNotif);
     const uint64_t xfer = field<uint64_t>(hdr, wire::kHeaderXfer), offset = field<uint64_t>(hdr, wire::kHeaderOffset);
     const uint64_t length = field<uint64_t>(hdr, wire::kHeaderLength);
-    // anything the Python checks (target.py _serve_frames, _runs) could refuse is theirs to refuse
+    // anything the Python checks (frames.py FrameServer.serve, lander.py Lander.runs) could refuse is theirs to refuse
     const bool last = flags & wire::kLast, notif = flags & wire::kNotifFollows;
     const bool fast = std::memcmp(hdr + wire::kHeaderMagic, wire::kMagic, sizeof wire::kMagic) == 0 &&
                       field<uint8_t>(hdr, wire::kHeaderVersion) == wire::kVersion && ftype == wire::kData &&

@@ -56,7 +56,7 @@ PDKV_API int pdkv_grants_wait(void* grants, const char* token, int64_t token_len
                               int64_t timeout_us);
 // pdkv_serve_frames serves consecutive DATA frames of the blocking socket fd
 // for a connection whose session holds `token`: each checked as
-// channels/tcp/target.py checks it, admitted by the grant mirror, landed and
+// channels/tcp/lander.py checks it, admitted by the grant mirror, landed and
 // hashed as pdkv_recv_runs lands it, under desc while *generation (which
 // Python bumps whenever a region is registered or dropped) still equals the
 // generation desc was taken at (else the frame is handed back after its run

@@ -17,7 +17,7 @@ import torch
 from pdkv.bench.netrig import NetRig, unavailable
 from pdkv.blocks import BlockAllocator
 from pdkv.channels import Channel, create_channel
-from pdkv.channels.tcp.target import FRAMES_ENV_VAR
+from pdkv.channels.tcp.frames import FRAMES_ENV_VAR
 from pdkv.config import TransferConfig
 from pdkv.layout import KVLayout
 from pdkv.memory import emulate_device, in_reach
@@ -147,7 +147,7 @@ def kv_memory() -> str:
 
 
 FRAME_LOOPS = ["native", "python"]
-"""The loops a tcp target can serve DATA frames with (channels/tcp/target.py): the native one where the kernels load,
+"""The loops a tcp target can serve DATA frames with (channels/tcp/frames.py): the native one where the kernels load,
 and the Python one, its reference; tests of what a target lands run against both."""
 
 

@@ -30,7 +30,7 @@ import pytest
 from pdkv.auth import NONCE_BYTES, PROOF_BYTES
 from pdkv.channels import TransferOp, XferState, create_channel
 from pdkv.channels.handle import Notification
-from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
+from pdkv.channels.tcp import TcpChannel, TcpOptions, handshake, wire
 from pdkv.channels.tcp import options as tcp_options
 from pdkv.channels.tcp.initiator import _split
 from pdkv.channels.tcp.wire import HEADER, LAST, MAGIC, NOTIF_FOLLOWS, SECRET, VERSION
@@ -720,7 +720,7 @@ def test_a_replayed_proof_is_refused(guarded: Guarded) -> None:
         sock.sendall(_secret_hello(nonce))
         *_, instance, _, length = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
         ok = sock.recv(length, socket.MSG_WAITALL)
-        said = wire.HandshakeTranscript(
+        said = handshake.HandshakeTranscript(
             session=99,
             stream=0,
             token=b"",
@@ -730,8 +730,9 @@ def test_a_replayed_proof_is_refused(guarded: Guarded) -> None:
             instance=instance,
             target_nonce=ok[:NONCE_BYTES],
         )
-        assert said.verify(KEY.encode(), wire.TARGET_ROLE, ok[NONCE_BYTES : NONCE_BYTES + PROOF_BYTES])  # all of it
-        seen = said.proof(KEY.encode(), wire.INITIATOR_ROLE)  # what a legitimate peer sent on that connection
+        # all of it
+        assert said.verify(KEY.encode(), handshake.TARGET_ROLE, ok[NONCE_BYTES : NONCE_BYTES + PROOF_BYTES])
+        seen = said.proof(KEY.encode(), handshake.INITIATOR_ROLE)  # what a legitimate peer sent on that connection
     before = guarded.channel.stats().get("auth_failures", 0)
 
     frames = _attack(

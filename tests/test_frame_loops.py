@@ -5,7 +5,7 @@ short) go to a target serving with each loop; the bytes that landed, what the
 target answered (HELLO_OK, ACK, NACK, ERROR: type, transfer ids, the message
 without the connection's label) and the notifications delivered must be the
 same. The native loop must also have landed the valid frames itself (no
-``Target._land`` call: the Python loop lands every frame through it), and
+``Lander.land`` call: the Python loop lands every frame through it), and
 its grant check must be ``Grants``' own, call for call.
 """
 
@@ -28,7 +28,7 @@ from pdkv import native
 from pdkv.channels.grants import Grants
 from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
 from pdkv.channels.tcp import native as tcp_native
-from pdkv.channels.tcp.target import Target
+from pdkv.channels.tcp.lander import Lander
 from pdkv.channels.tcp.wire import DATA, HEADER, LAST, MAGIC, NOTIF_FOLLOWS, RUN, VERSION
 from pdkv.errors import ChannelError
 
@@ -62,14 +62,14 @@ def rig(frame_loop: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[Rig]:
     channel.register(rig.regions[1])
     channel.guard(guarded)
     channel.grant(TOKEN, "write", [(guarded, 0, GRANTED)])
-    assert channel.target.native_frames is (frame_loop == "native")
-    land = Target._land
+    assert channel.target.frames.native is (frame_loop == "native")
+    land = Lander.land
 
-    def counted(self: Target, *args: object, **kwargs: object) -> str:
+    def counted(self: Lander, *args: object, **kwargs: object) -> str:
         rig.python_lands.append(1)
         return land(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Target, "_land", counted)
+    monkeypatch.setattr(Lander, "land", counted)
     yield rig
     channel.close()
 
@@ -238,7 +238,7 @@ def test_both_loops_land_and_answer_the_same(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Bytes landed, answers, notifications, and what the target logged (why it refused or hung up)."""
-    with caplog.at_level(logging.WARNING, logger="pdkv.channels.tcp.target"):
+    with caplog.at_level(logging.WARNING, logger="pdkv.channels.tcp"):
         outcome = (*_run(rig, SCENARIOS[scenario]), [_unlabelled(r.getMessage()) for r in caplog.records])
     if scenario == "stalled-payload":  # no ERROR frame for a stall: the comparison rests on the log's text
         assert any("then nothing for" in message for message in outcome[3])

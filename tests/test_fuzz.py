@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from pdkv.channels import TransferOp
 from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
-from pdkv.channels.tcp.target import FRAMES_ENV_VAR
+from pdkv.channels.tcp.frames import FRAMES_ENV_VAR
 from pdkv.channels.tcp.wire import HEADER, LAST, MAGIC, NOTIF_FOLLOWS, SECRET, VERSION
 from pdkv.errors import ProtocolError
 from pdkv.transfer import protocol

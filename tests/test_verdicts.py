@@ -11,7 +11,7 @@ from collections.abc import Callable
 import msgspec
 import pytest
 
-from pdkv.channels.tcp.target import FRAMES_ENV_VAR
+from pdkv.channels.tcp.frames import FRAMES_ENV_VAR
 from pdkv.config import TransferConfig
 from pdkv.errors import ChecksumError, TransferError
 from pdkv.transfer import posting, protocol

@@ -24,6 +24,7 @@ from pdkv.channels.handle import BlockWrite, TransferHandle, TransferOp, XferSta
 from pdkv.channels.landing import LandingSums
 from pdkv.channels.tcp import native as tcp_native
 from pdkv.channels.tcp.conn import SHUTDOWN_JOIN_S
+from pdkv.channels.tcp.frames import FrameServer
 from pdkv.channels.tcp.initiator import Initiator, TcpHandle
 from pdkv.channels.tcp.options import Agent, TcpOptions
 from pdkv.channels.tcp.target import Target
@@ -40,7 +41,7 @@ class TcpChannel(Channel):
     Options = TcpOptions
     authenticates_data: ClassVar[bool] = True
     carries_answers: ClassVar[bool] = True  # an ANSWER frame: the ACK with the target's answer
-    wakes_waiter: ClassVar[bool] = True  # ``wait`` reads the link on the waiting thread (``Link.drive``)
+    wakes_waiter: ClassVar[bool] = True  # ``wait`` reads the link on the waiting thread (``LinkReader.drive``)
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:
         # Everything that can refuse the options first: the base opens the notification pipe, which a refused
@@ -60,7 +61,7 @@ class TcpChannel(Channel):
         self.landing = LandingSums() if native.available() else None
         if self.landing is not None:  # and frames are checked there against a native copy of the grants
             self.grants.mirror_to(tcp_native.GrantMirror())
-        self.target = Target(self.agent, self.regions, self.grants, self.inbox, self.landing)
+        self.target = Target(self.agent, FrameServer(self.agent, self.regions, self.grants, self.inbox, self.landing))
         self.port: int = self.target.port
 
     # -- memory ----------------------------------------------------------------
@@ -177,22 +178,14 @@ class TcpChannel(Channel):
 
     def poll(self, handle: TransferHandle) -> XferState:
         """The handle's state, after landing whatever answers are already there (never blocks)."""
-        if (
-            isinstance(handle, TcpHandle)
-            and handle.state is XferState.PENDING
-            and handle.link.rx_lock.acquire(blocking=False)
-        ):
-            try:
-                while handle.link.progress(0):
-                    pass
-            finally:
-                handle.link.rx_lock.release()
+        if isinstance(handle, TcpHandle) and handle.state is XferState.PENDING:
+            handle.link.reader.drain()
         return handle.state
 
     def wait(self, handle: TransferHandle, timeout: float) -> None:
-        """Block until the handle finishes, reading its link's answers on this thread (see ``Link``)."""
+        """Block until the handle finishes, reading its link's answers on this thread (see ``LinkReader``)."""
         if isinstance(handle, TcpHandle) and handle.state is XferState.PENDING:
-            handle.link.drive(handle, time.monotonic() + timeout)
+            handle.link.reader.drive(handle, time.monotonic() + timeout)
             if handle.state is XferState.PENDING:
                 raise TransferTimeout(
                     f"tcp {handle.op} of {handle.nbytes} bytes to {handle.peer!r} still pending after {timeout:.3g}s "

@@ -21,8 +21,9 @@ from pdkv.channels.handle import BlockWrite, TransferHandle, TransferOp, merge_o
 from pdkv.channels.landing import address_of
 from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp import native as tcp_native
-from pdkv.channels.tcp.link import Batch, Link
+from pdkv.channels.tcp.link import Link
 from pdkv.channels.tcp.options import Agent
+from pdkv.channels.tcp.streams import Batch
 from pdkv.channels.tcp.wire import (
     HDR_SIZE,
     HEADER,

@@ -11,11 +11,9 @@ from __future__ import annotations
 import itertools
 import re
 import struct
-from dataclasses import dataclass
 
 import msgspec
 
-from pdkv.auth import NONCE_BYTES, bound_proof, transcript, verify_bound
 from pdkv.errors import ChannelError, ProtocolError
 from pdkv.netaddr import is_wildcard
 
@@ -43,50 +41,6 @@ FRAME_NAMES = {
 }
 LAST, NOTIF_FOLLOWS = 1, 2  # DATA flags
 SECRET = 1  # HELLO/HELLO_OK flag: the sender holds a shared secret, and nonce (and proof) lead the payload
-# proof roles: a target's proof is never an initiator's, and neither is ever a control-plane one
-TARGET_ROLE, INITIATOR_ROLE = "tcp-target", "tcp-initiator"
-
-
-@dataclass(frozen=True, kw_only=True)
-class HandshakeTranscript:
-    """Everything a data connection's HELLO and HELLO_OK say: both proofs cover all of it (``pdkv.auth``).
-
-    A proof over the nonces alone would vouch for a listener whatever name and instance came with it, and for
-    an initiator whatever session, stream and token: bound to the transcript, a proof checks out only for the
-    exact exchange both ends took part in.
-    """
-
-    session: int  # the initiator's session id (HELLO's xfer)
-    stream: int  # its stream index (HELLO's aux)
-    token: bytes
-    initiator: bytes  # its agent name
-    initiator_nonce: bytes
-    target: bytes  # the listener's agent name
-    instance: int  # the listener's instance (HELLO_OK's xfer)
-    target_nonce: bytes
-
-    def proof(self, secret: bytes, role: str) -> bytes:
-        return bound_proof(secret, role, self.digest())
-
-    def verify(self, secret: bytes, role: str, given: bytes) -> bool:
-        return len(self.initiator_nonce) == len(self.target_nonce) == NONCE_BYTES and verify_bound(
-            secret, role, self.digest(), given
-        )
-
-    def digest(self) -> bytes:
-        return transcript(
-            b"tcp-handshake",
-            self.session.to_bytes(8, "little"),
-            self.stream.to_bytes(8, "little"),
-            self.token,
-            self.initiator,
-            self.initiator_nonce,
-            self.target,
-            self.instance.to_bytes(8, "little"),
-            self.target_nonce,
-        )
-
-
 MAX_NAME_BYTES = 255
 MAX_TOKEN_BYTES = 64
 MAX_ERROR_BYTES = 1024

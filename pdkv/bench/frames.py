@@ -7,7 +7,7 @@ socket streams frames (each one share: LAST, a run table of ``runs`` runs into
 a guarded region granted to its token) into a tcp channel's target, and the
 row is the target's serve thread's CPU time per frame (its CPU-time clock,
 ``pthread_getcpuclockid``) and the wall time until every ACK came back, for the native
-loop and for the Python loop (its reference, ``Target.native_frames`` False)
+loop and for the Python loop (its reference, ``FrameServer.native`` False)
 on fresh connections, alternating round by round with the baseline; medians.
 
 The baseline is the floor of the same job: a plain thread reading the same
@@ -78,7 +78,7 @@ def measure(sizes: list[int], frames: int = FRAMES, rounds: int = ROUNDS) -> Rep
             samples: dict[str, list[tuple[float, float]]] = {name: [] for name in (*LOOPS, "plain")}
             for _ in range(rounds):
                 for loop in LOOPS:
-                    channel.target.native_frames = loop == "native"
+                    channel.target.frames.native = loop == "native"
                     samples[loop].append(_serve(channel, stream, count))
                 samples["plain"].append(_serve_plain(stream, count, region))
             row: dict[str, Any] = {"frame_bytes": size, "runs": _runs(size), "frames": count}
