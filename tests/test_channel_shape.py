@@ -13,7 +13,7 @@ LIMIT = 250  # lines of a class, its decorators left out; a class must stay unde
 # Temporary ceilings, each at the class's size when this test came (rounded up by ~10): classes still over LIMIT, to
 # be split into rooms like nixl's; until then each may shrink but not grow. A class split under LIMIT leaves this list.
 CEILINGS: dict[str, int] = {
-    "tcp/conn.py:Conn": 285,  # to be split
+    "tcp/conn.py:Conn": 285,  # one socket's state, which every method reads and start_tls replaces: no cut found yet
 }
 
 
