@@ -21,7 +21,6 @@ polls for readable connections looks at it too. The clear path is unchanged.
 
 from __future__ import annotations
 
-import math
 import os
 import select
 import socket
@@ -37,6 +36,7 @@ import numpy as np
 from pdkv.channels.landing import Snapshot
 from pdkv.channels.tcp import native as tcp_native
 from pdkv.channels.tcp.options import TcpOptions
+from pdkv.channels.tcp.patience import Patience
 from pdkv.channels.tcp.wire import HDR_SIZE, RUN, Header, pack, unpack_header
 from pdkv.errors import ChannelError, ProtocolError, TransferTimeout
 
@@ -98,15 +98,9 @@ class Conn:
 
     def __init__(self, sock: socket.socket, opts: TcpOptions, label: str) -> None:
         self.sock = sock
-        self.label = label
         self.send_lock = threading.Lock()
-        self.io_timeout = opts.io_timeout
-        self.tick = min(0.5, opts.io_timeout / 4)
-        self.max_idle_ticks = max(1, round(opts.io_timeout / self.tick))
+        self.patience = Patience(opts, label)  # its timeouts, and the errors that end its waits
         self.last_progress = time.monotonic()  # last time a send or receive call moved a byte
-        # When every receive must be done by (time.monotonic()), however the bytes trickle in (``limit``).
-        self.deadline = math.inf
-        self._limit = (0.0, "")  # its seconds and what it bounds, for the error that cuts it
         self._hdr = bytearray(HDR_SIZE)
         self._hdr_view = memoryview(self._hdr)
         self.tls = False
@@ -115,8 +109,18 @@ class Conn:
         self._poller.register(sock, select.POLLIN)
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.tick))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.patience.tick))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(opts.io_timeout))
+
+    @property
+    def label(self) -> str:
+        """What logs and errors call this connection; the peer's name joins it after the handshake. Kept by
+        ``patience``, whose errors say it too."""
+        return self.patience.label
+
+    @label.setter
+    def label(self, value: str) -> None:
+        self.patience.label = value
 
     def start_tls(
         self, context: ssl.SSLContext, server_side: bool, server_hostname: str | None, timeout: float
@@ -139,20 +143,6 @@ class Conn:
             except _WOULD_BLOCK:
                 deadline()
 
-    def limit(self, seconds: float | None, what: str = "") -> None:
-        """Fail every receive ``seconds`` from now, bytes arriving or not (None: no such bound, the default).
-
-        The target's whole handshake is bounded so: ``io_timeout`` holds per
-        byte only, and a peer sending one byte every few seconds would hold
-        its connection for ever. An authenticated peer's frames have none.
-        """
-        self.deadline = math.inf if seconds is None else time.monotonic() + seconds
-        self._limit = (seconds or 0.0, what)
-
-    def remaining(self) -> float:
-        """Seconds left before ``deadline`` (0 once past; inf with none)."""
-        return max(0.0, self.deadline - time.monotonic())
-
     def pending(self) -> bool:
         """Whether OpenSSL holds decrypted bytes ``poll`` cannot see (never, in clear)."""
         return self.tls and self.sock.pending() > 0  # type: ignore[attr-defined]
@@ -172,23 +162,23 @@ class Conn:
         n = view.nbytes
         got = idle = 0
         while got < n:
-            if got and time.monotonic() > self.deadline:  # a receive came back short: checked before the next
-                raise self._late()
+            if got and time.monotonic() > self.patience.deadline:  # a receive came back short: checked before the next
+                raise self.patience.late()
             try:
                 r = self.sock.recv_into(view[got:] if got else view, n - got, self._recv_flags)
             except _WOULD_BLOCK:
-                if time.monotonic() > self.deadline:
-                    raise self._late() from None
+                if time.monotonic() > self.patience.deadline:
+                    raise self.patience.late() from None
                 if boundary and got == 0:
                     if on_idle is not None:
                         on_idle()
                     continue
-                idle = self._stalled(idle, got, n)
+                idle = self.patience.stalled(idle, got, n)
                 continue
             if r == 0:
                 if boundary and got == 0:
                     raise PeerClosed(f"tcp {self.label}: connection closed by the peer")
-                raise self._cut(got, n)
+                raise self.patience.cut(got, n)
             got += r
             idle = 0
         self.last_progress = time.monotonic()
@@ -210,10 +200,10 @@ class Conn:
             try:
                 r = self.sock.recvmsg_into(views[i : i + _IOV_MAX], 0, self._recv_flags)[0]
             except _WOULD_BLOCK:
-                idle = self._stalled(idle, got, nbytes)
+                idle = self.patience.stalled(idle, got, nbytes)
                 continue
             if r == 0:
-                raise self._truncated(got, nbytes)
+                raise self.patience.truncated(got, nbytes)
             got += r
             idle = 0
             while r:
@@ -231,12 +221,12 @@ class Conn:
         table) filled in pieces of at most ``piece`` bytes, each hashed into its region's landing table while it is
         in cache (channels/landing.py); the same timeouts and errors as ``recv_views``."""
         code, got, os_error = tcp_native.recv_runs(
-            self.sock.fileno(), runs, nruns, landing.address, landing.count, piece, self.max_idle_ticks
+            self.sock.fileno(), runs, nruns, landing.address, landing.count, piece, self.patience.max_idle_ticks
         )
         if code == tcp_native.LAND_EOF:
-            raise self._truncated(got, nbytes)
+            raise self.patience.truncated(got, nbytes)
         if code == tcp_native.LAND_STALLED:
-            self._stalled(self.max_idle_ticks, got, nbytes)
+            self.patience.stalled(self.patience.max_idle_ticks, got, nbytes)
         if code == tcp_native.LAND_EOS:
             raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
         self.last_progress = time.monotonic()
@@ -251,44 +241,15 @@ class Conn:
         if code == tcp_native.FRAME_CLOSED:
             raise PeerClosed(f"tcp {self.label}: connection closed by the peer")
         if code == tcp_native.LAND_EOF:
-            raise self._truncated(got, wanted) if part == 2 else self._cut(got, wanted)
+            raise self.patience.truncated(got, wanted) if part == 2 else self.patience.cut(got, wanted)
         if code == tcp_native.LAND_STALLED:
-            raise self._stall(got, wanted)
+            raise self.patience.stall(got, wanted)
         if code == tcp_native.LAND_EOS:
             raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
         if code == tcp_native.FRAME_DRAIN:
             return None, None
         header = unpack_header(bytearray(loop.header.raw), self.label)
         return header, loop.table.raw[: header[3] * RUN.size] if code == tcp_native.FRAME_TABLE else None
-
-    def _late(self) -> TransferTimeout:
-        seconds, what = self._limit
-        return TransferTimeout(
-            f"tcp {self.label}: {what} not complete within {seconds:.3g}s, however its bytes trickled in"
-        )
-
-    def _send_stall(self) -> TransferTimeout:
-        return TransferTimeout(f"tcp {self.label}: peer accepted no data for {self.io_timeout:.3g}s")
-
-    def _cut(self, got: int, n: int) -> ProtocolError:
-        return ProtocolError(f"tcp {self.label}: truncated frame, connection closed after {got} of {n} bytes")
-
-    def _truncated(self, got: int, nbytes: int) -> ProtocolError:
-        return ProtocolError(
-            f"tcp {self.label}: truncated frame, connection closed after {got} of {nbytes} payload bytes"
-        )
-
-    def _stalled(self, idle: int, got: int, n: int) -> int:
-        """One more tick without a byte inside a frame: the new count, or TransferTimeout once ``io_timeout`` passed."""
-        idle += 1
-        if idle >= self.max_idle_ticks:
-            raise self._stall(got, n) from None
-        return idle
-
-    def _stall(self, got: int, n: int) -> TransferTimeout:
-        return TransferTimeout(
-            f"tcp {self.label}: peer sent {got} of {n} bytes of a frame, then nothing for {self.io_timeout:.3g}s"
-        )
 
     def recv_header(self, on_idle: Callable[[], None] | None = None) -> Header:
         """Next header as (type, flags, shares, aux, notif, xfer, offset, length); magic and version checked."""
@@ -331,7 +292,7 @@ class Conn:
                         bufs[i] = memoryview(bufs[i])[sent:]
                         sent = 0
         except BlockingIOError:
-            raise self._send_stall() from None
+            raise self.patience.send_stall() from None
 
     def send_iov(self, iov: np.ndarray) -> None:
         """Send the (address, length) rows in order natively (csrc/kvsend.cpp, the GIL released), as ``send`` sends
@@ -339,7 +300,7 @@ class Conn:
         code, os_error = tcp_native.send_iov(self.sock.fileno(), iov)
         self.last_progress = time.monotonic()
         if code == tcp_native.LAND_STALLED:
-            raise self._send_stall()
+            raise self.patience.send_stall()
         if code != tcp_native.OK:
             raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
 
@@ -361,7 +322,7 @@ class Conn:
                 self.sock.sendall(joined)
             self.last_progress = time.monotonic()
         except _WOULD_BLOCK:
-            raise self._send_stall() from None
+            raise self.patience.send_stall() from None
 
     def send_frame(
         self, ftype: int, xfer: int = 0, payload: bytes = b"", aux: int = 0, flags: int = 0, shares: int = 0

@@ -169,7 +169,8 @@ class FrameServer:
         snap = self._landing.snapshot  # held: the regions it names stay alive while frames land under it
         loop.share[0], loop.share[1] = (0, 0) if cur_xfer == -1 else (1, cur_xfer)
         opts = self.agent.opts
-        limits = (HASH_PIECE_BYTES, conn.max_idle_ticks, opts.max_frame_bytes, opts.max_notif_bytes, ACK_FLUSH_BYTES)
+        ticks = conn.patience.max_idle_ticks
+        limits = (HASH_PIECE_BYTES, ticks, opts.max_frame_bytes, opts.max_notif_bytes, ACK_FLUSH_BYTES)
         code = loop.serve(
             conn.sock.fileno(),
             self._grants.mirror,

@@ -167,13 +167,13 @@ def dial(agent: Agent, peer: str, meta: Meta, where: str, session: int, stream: 
         sock.connect(addr)
         conn = Conn(sock, opts, f"{agent.name}->{peer}#{stream}")
         # the whole answer, however a listener trickles it (as the listener bounds ours): io_timeout is per byte
-        conn.limit(opts.connect_timeout, f"the handshake answer from {where} (connect_timeout)")
+        conn.patience.limit(opts.connect_timeout, f"the handshake answer from {where} (connect_timeout)")
         if agent.tls is not None:
             conn.start_tls(agent.tls.client, False, meta.host, opts.connect_timeout)
         hello = Hello(session, stream, token, agent.name.encode(), new_nonce() if agent.secret else b"")
         hello.send(conn)
         _check_answer(conn, agent, hello, peer, meta, where)
-        conn.limit(None)
+        conn.patience.limit(None)
         return conn
     except ssl.SSLError as exc:  # the handshake, or (TLS 1.3) the target refusing our certificate at the first read
         sock.close()
@@ -261,7 +261,7 @@ def respond(conn: Conn, agent: Agent, closed: Callable[[], bool]) -> Hello:
 def _accept_tls(conn: Conn, agent: Agent) -> None:
     """TLS before anything else; a peer that starts in clear is told (in clear) that TLS is required."""
     assert agent.tls is not None
-    timeout = conn.remaining()
+    timeout = conn.patience.remaining()
     deadline = idle_deadline(timeout, f"first bytes on {conn.label}")
     while True:
         try:
@@ -274,7 +274,7 @@ def _accept_tls(conn: Conn, agent: Agent) -> None:
             f"tcp {conn.label}: this agent requires TLS (`tls` channel options) and the peer connected without it"
         )
     try:
-        conn.start_tls(agent.tls.server, True, None, conn.remaining())
+        conn.start_tls(agent.tls.server, True, None, conn.patience.remaining())
     except ssl.SSLError as exc:
         raise AuthError(
             f"tcp {conn.label}: TLS handshake failed: {exc.reason or exc} (the peer needs a certificate signed by "

@@ -107,9 +107,10 @@ class Target:
         """Reader of one accepted connection: handshake, then frames until EOF or a bad frame."""
         session: Session | None = None
         try:
-            conn.limit(self.agent.opts.connect_timeout, "the handshake (TLS, HELLO and proof; connect_timeout)")
+            bound = "the handshake (TLS, HELLO and proof; connect_timeout)"
+            conn.patience.limit(self.agent.opts.connect_timeout, bound)
             session = self._join(conn, handshake.respond(conn, self.agent, lambda: self.closed))
-            conn.limit(None)
+            conn.patience.limit(None)
             self.frames.serve(conn, session)
         except ProtocolError as exc:
             if isinstance(exc, AuthError):
