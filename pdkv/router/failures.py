@@ -11,8 +11,8 @@ A client (the OpenAI SDK, a gateway, a benchmark client) acts on the status:
   soon is unlikely to help; the upstream is broken.
 * 504: the client's own deadline (``X-Request-Timeout``) passed first.
 
-A worker's own 4xx is the client's fault and goes back unchanged (see
-``pdkv.router.proxy``).
+A worker's own 4xx is the client's fault and goes back unchanged (told apart by
+``pdkv.router.upstream.check_status``, passed back by ``pdkv.router.proxy``).
 """
 
 from __future__ import annotations
