@@ -296,5 +296,6 @@ def test_the_channel_interface_is_described_once_and_as_base_py_has_it() -> None
 
 
 def test_the_interface_check_catches_a_name_that_is_not_a_member() -> None:
-    bare, dotted = interface_names("`write_blocks(..., inline=True)` then `poll`, `TransferHandle.answer`, `a.b` in `base.py`")
+    text = "`write_blocks(..., inline=True)` then `poll`, `TransferHandle.answer`, `a.b` in `base.py`"
+    bare, dotted = interface_names(text)
     assert bare == {"write_blocks", "poll"} and dotted == {"TransferHandle.answer", "a.b"}
