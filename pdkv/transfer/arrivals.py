@@ -57,7 +57,7 @@ class ChunkArrivals:
         began = time.perf_counter_ns()  # host time per chunk (hosttime.py): to Landed sent
         notifs = self.channel.get_notifications()
         keys = self.notice_keys({n.peer for n in notifs})
-        notices = [(n.peer, notice) for n in notifs if (notice := self.decode(n, keys)) is not None]
+        notices = [(n.peer, opened[0]) for n in notifs if (opened := self.decode(n, keys)) is not None]
         hashed = self.hash_direct(notices)
         landed: dict[str, tuple[bytes, list[int]]] = {}
         admitting = 0
@@ -84,21 +84,23 @@ class ChunkArrivals:
         their direct checksums read together, as ``on_notifications`` does (``hash_direct``). A request that took
         its sender's pool gets the next pool in its verdict, granted before the verdict goes, as a ``Landed`` would
         carry it. A notice that is malformed or, with a secret, not tagged under a live session of its sender's is
-        counted and dropped, and answered with nothing (b"": a plain acknowledgement, no verdict to act on)."""
+        counted and dropped, and answered with nothing (b""): no verdict, so its writer waits for a ``Landed`` that
+        will not come either, and its transfer fails at ``transfer_timeout_s``, as it did before verdicts. Each
+        verdict is tagged under the key its notice was, so the session that wrote it can check it."""
         began = time.perf_counter_ns()
         keys = self.notice_keys({n.peer for n in notifs})
         decoded = [self.decode(n, keys) for n in notifs]
-        notices = [(n.peer, notice) for n, notice in zip(notifs, decoded, strict=True) if notice is not None]
-        hashed = self.hash_direct(notices)
+        opened = [(n.peer, *d) for n, d in zip(notifs, decoded, strict=True) if d is not None]
+        hashed = self.hash_direct([(peer, notice) for peer, notice, _ in opened])
         verdicts: list[tuple[ChunkVerdict, bytes]] = []  # one per notice: (the verdict, the key to tag it with)
         admitting = 0
         with self.lock:
-            for i, (peer, notice) in enumerate(notices):
+            for i, (peer, notice, key) in enumerate(opened):
                 got = self.land(peer, notice, hashed.get(i), answered=True)
                 admitting += got.admitting_ns
-                pool = self.book.pools.next_pool_of(peer)
-                session = self.parts.peers.get(got.r.identity) if got.r is not None else None
-                key = session.session_key if session is not None else (keys[peer][0] if keys and keys[peer] else b"")
+                # the request's own session, known from its reservation or its refusal: its next pool goes along
+                identity = got.r.identity if got.r is not None else got.refused[0] if got.refused else None
+                pool = None if identity is None else self.book.pools.next_pool(identity)
                 verdicts.append((got.verdict if pool is None else msgspec.structs.replace(got.verdict, pool=pool), key))
             landed = sum(1 for verdict, _ in verdicts if verdict.outcome == "landed")
             self.counters["verdicts_sent"] += landed  # under the lock: serving threads answer side by side
@@ -119,9 +121,10 @@ class ChunkArrivals:
             peers = list(self.parts.peers.values())
         return {agent: [p.session_key for p in peers if p.agent == agent and p.session_key] for agent in agents}
 
-    def decode(self, notif: Notification, keys: dict[str, list[bytes]] | None) -> ChunkNotice | None:
-        """A notification's notice, or None (counted and logged) where it is malformed or, with a secret, not tagged
-        under the key of a session its sender proved (``protocol.open_notice``)."""
+    def decode(self, notif: Notification, keys: dict[str, list[bytes]] | None) -> tuple[ChunkNotice, bytes] | None:
+        """A notification's notice and the session key it was tagged under, or None (counted and logged) where it is
+        malformed or, with a secret, not tagged under the key of a session its sender proved
+        (``protocol.open_notice``)."""
         try:
             return protocol.open_notice(notif.payload, None if keys is None else keys[notif.peer])
         except NoticeForged as exc:

@@ -189,13 +189,6 @@ class ReceiverPools:
             refill = self._refills.pop(identity, None)
             return None if refill is None else self._offer(identity, *refill)
 
-    def next_pool_of(self, agent: str) -> Pool | None:
-        """``next_pool`` of the sender ``agent``, whose request took its last pool (or had it refused): for the
-        verdict that answers the request on its data connection (holding the lock)."""
-        peers = self.parts.peers
-        identity = next((i for i in self._refills if i in peers and peers[i].agent == agent), None)
-        return None if identity is None else self.next_pool(identity)
-
     def send_refills(self) -> None:
         """Offer the pools of pooled requests that sent no Landed (refused, or failed their checksum) in a message
         of their own (I/O thread, after a pass of landing)."""

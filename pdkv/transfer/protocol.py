@@ -313,18 +313,21 @@ def seal_notice(notice: ChunkNotice, key: bytes) -> bytes:
     return data + message_tag(key, _NOTICE, data) if key else data
 
 
-def open_notice(data: bytes, keys: list[bytes] | None) -> ChunkNotice:
-    """The notice in a notification; ``keys``: the session keys of the peers it may come from (None: no secret,
-    nothing to check). A notice without a tag under one of them raises ``NoticeForged``."""
+def open_notice(data: bytes, keys: list[bytes] | None) -> tuple[ChunkNotice, bytes]:
+    """The notice in a notification, and the session key it was tagged under (b"" without a secret); ``keys``: the
+    session keys of the peers it may come from (None: no secret, nothing to check). The receiver answers the notice
+    under the same key: that session's sender is the one that can check the answer. A notice without a tag under one
+    of them raises ``NoticeForged``."""
     if keys is None:
-        return decode_notice(data)
+        return decode_notice(data), b""
     body, tag = data[:-PROOF_BYTES], data[-PROOF_BYTES:]
-    if len(data) <= PROOF_BYTES or not any(verify_tag(key, _NOTICE, body, tag) for key in keys):
+    key = next((k for k in keys if verify_tag(k, _NOTICE, body, tag)), None) if len(data) > PROOF_BYTES else None
+    if key is None:
         raise NoticeForged(
             "chunk notification without a valid session tag: not written by a peer that proved the shared secret in a "
             "live session (a relay on the path, or a sender whose session ended)"
         )
-    return decode_notice(body)
+    return decode_notice(body), key
 
 
 _VERDICT = "verdict"  # and a verdict only ever from receiver to sender: neither can pass for the other
