@@ -3,14 +3,19 @@ answer, the target's answer, and the write's handle completed only once both the
 
 tcp answers on the connection the transfer came by (an ANSWER frame, channels/tcp/). NIXL has no such connection
 within reach of Python: a write is one-sided, and all that passes between the agents besides it is a notification.
-So the initiator's notification carries the handle's id, and the target's answer goes back as a notification of its
-own naming that id (``Channel.answer_notifications``). Both ends know from the target's metadata that it answers;
-only then are notifications to it framed (a kind byte first), so a target that does not answer sees them as before.
+So the initiator's notification carries an ask: the handle's id and 8 random bytes drawn for this write alone, and
+the target's answer goes back as a notification of its own echoing both (``Channel.answer_notifications``). NIXL's
+notifications are not authenticated: whoever can send one under the target's name could guess an id (a counter),
+but not bytes it never saw, so a forged answer or refusal completes or fails nothing. Both ends know from the
+target's metadata that it answers; only then are notifications to it framed (a kind byte first), so a target that
+does not answer sees them as before.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import struct
 import threading
 from dataclasses import dataclass
@@ -20,17 +25,22 @@ from pdkv.channels.inbox import NotificationInbox
 
 log = logging.getLogger(__name__)
 
-PLAIN, ASK = 0, 1  # a framed notification's kind: deliver it; answer it (an id follows the kind)
-ANSWER = b"PKA"  # leads an answer: then its kind, the id it answers and its body
+PLAIN, ASK = 0, 1  # a framed notification's kind: deliver it; answer it (the ask follows the kind)
+ANSWER = b"PKA"  # leads an answer: then its kind, the ask it answers and its body
 ANSWERED, REFUSED = 2, 3  # the answer; why there is none (the answerer failed): the write fails
-_ID = struct.Struct("<Q")
-_HEAD = len(ANSWER) + 1 + _ID.size
+_ASK = struct.Struct("<Q8s")  # an ask: the handle's id, and the write's own random bytes
+_HEAD = len(ANSWER) + 1 + _ASK.size
 MAX_ANSWER_BYTES = 64 << 10  # an answer longer than this is refused at the target and ignored at the initiator
+MAX_REASON_BYTES = 1000  # a refusal's reason is cut to this
 
 
-def frame(notif: bytes, ask: int = 0) -> bytes:
-    """A notification to a target that answers: ``ask`` (a handle's id), or 0: delivered as it is."""
-    return bytes([ASK]) + _ID.pack(ask) + notif if ask else bytes([PLAIN]) + notif
+def frame(notif: bytes, ask: bytes = b"") -> bytes:
+    """A notification to a target that answers: with ``ask`` (``_ASK``-packed) to be answered, else delivered."""
+    return bytes([ASK]) + ask + notif if ask else bytes([PLAIN]) + notif
+
+
+def _refusal(head: bytes, why: str) -> bytes:
+    return ANSWER + bytes([REFUSED]) + head + why.encode()[:MAX_REASON_BYTES]
 
 
 def serve(inbox: NotificationInbox, arrived: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
@@ -40,9 +50,9 @@ def serve(inbox: NotificationInbox, arrived: list[tuple[str, bytes]]) -> list[tu
     asked: list[tuple[str, bytes]] = []  # (peer, the id as framed)
     notifs: list[Notification] = []
     for peer, payload in arrived:
-        if payload[:1] == bytes([ASK]) and len(payload) >= 1 + _ID.size:
-            asked.append((peer, payload[1 : 1 + _ID.size]))
-            notifs.append(Notification(peer, payload[1 + _ID.size :]))
+        if payload[:1] == bytes([ASK]) and len(payload) >= 1 + _ASK.size:
+            asked.append((peer, payload[1 : 1 + _ASK.size]))
+            notifs.append(Notification(peer, payload[1 + _ASK.size :]))
         else:
             inbox.deliver(peer, payload[1:] if payload[:1] == bytes([PLAIN]) else payload)
     if not notifs:
@@ -51,14 +61,11 @@ def serve(inbox: NotificationInbox, arrived: list[tuple[str, bytes]]) -> list[tu
         taken = inbox.take(notifs)
     except Exception as exc:  # the watcher goes on; the writers hear their writes failed
         log.exception("answering %d notifications failed", len(notifs))
-        why = f"the target could not take its notification: {exc}".encode()
-        return [(peer, ANSWER + bytes([REFUSED]) + head + why) for peer, head in asked]
+        return [(peer, _refusal(head, f"the target could not take its notification: {exc}")) for peer, head in asked]
     replies = []
     for (peer, head), answer in zip(asked, taken or [b""] * len(asked), strict=True):
         if len(answer) > MAX_ANSWER_BYTES:
-            replies.append(
-                (peer, ANSWER + bytes([REFUSED]) + head + f"its answer exceeds {MAX_ANSWER_BYTES} bytes".encode())
-            )
+            replies.append((peer, _refusal(head, f"its answer exceeds {MAX_ANSWER_BYTES} bytes")))
         else:
             replies.append((peer, ANSWER + bytes([ANSWERED]) + head + answer))
     return replies
@@ -67,6 +74,7 @@ def serve(inbox: NotificationInbox, arrived: list[tuple[str, bytes]]) -> list[tu
 @dataclass
 class _Ask:
     handle: TransferHandle
+    nonce: bytes  # drawn for this write: an answer must echo it
     written: bool = False
     answer: bytes | None = None
 
@@ -84,9 +92,10 @@ class Asks:
 
     def ask(self, handle: TransferHandle, notif: bytes) -> bytes:
         """The notification to post with ``handle``'s write, asking for an answer."""
+        nonce = secrets.token_bytes(8)
         with self._lock:
-            self._open[handle.id] = _Ask(handle)
-        return frame(notif, handle.id)
+            self._open[handle.id] = _Ask(handle, nonce)
+        return frame(notif, _ASK.pack(handle.id, nonce))
 
     def asked(self, handle: TransferHandle) -> bool:
         return handle.id in self._open
@@ -108,14 +117,20 @@ class Asks:
 
     def answered(self, peer: str, payload: bytes) -> bool:
         """Whether ``payload`` from ``peer`` answers one of our writes to it (then applied): a refusal fails the
-        write, an answer completes it once written."""
+        write, an answer completes it once written. One that names no write of ours, or not with its bytes, is not."""
         if not payload.startswith(ANSWER) or len(payload) < _HEAD or len(payload) > _HEAD + MAX_ANSWER_BYTES:
             return False
-        kind, (ident,) = payload[len(ANSWER)], _ID.unpack_from(payload, len(ANSWER) + 1)
+        kind, (ident, nonce) = payload[len(ANSWER)], _ASK.unpack_from(payload, len(ANSWER) + 1)
         body = payload[_HEAD:]
         with self._lock:
             ask = self._open.get(ident)
-            if ask is None or ask.handle.peer != peer or kind not in (ANSWERED, REFUSED) or ask.answer is not None:
+            if (
+                ask is None
+                or ask.handle.peer != peer
+                or not hmac.compare_digest(ask.nonce, nonce)
+                or kind not in (ANSWERED, REFUSED)
+                or ask.answer is not None
+            ):
                 return False
             done = kind == REFUSED or ask.written
             if done:

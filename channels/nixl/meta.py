@@ -14,7 +14,8 @@ import numpy as np
 from pdkv.errors import ChannelError
 from pdkv.memory import byte_view, memory_kind
 
-METADATA_VERSION = 3  # 2: a region's block size (block-granular descriptor lists); 3: whether the agent answers
+METADATA_VERSION = 4  # 2: a region's block size (block-granular descriptor lists); 3: whether the agent answers;
+# 4: an ask carries its write's own random bytes, which the answer echoes (channels/answers.py)
 MemType = Literal["DRAM", "VRAM"]
 
 

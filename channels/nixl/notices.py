@@ -38,8 +38,12 @@ class Notices:
             name = peer.decode() if isinstance(peer, bytes) else peer
             for payload in payloads:
                 count += 1
-                if not self._asks.answered(name, payload):  # else an answer to a write of ours, applied
-                    arrived.append((name, payload))
+                if self._asks.answered(name, payload):
+                    continue  # an answer to a write of ours, applied
+                if payload.startswith(answers.ANSWER):  # late (its write given up), repeated or forged: not kept,
+                    log.debug("nixl: dropping an answer from %r that no write of ours awaits", name)
+                    continue  # where nobody drains (a sender's inbox) it would pile up
+                arrived.append((name, payload))
         if self._inbox.answerer is None:
             for name, payload in arrived:
                 self._inbox.deliver(name, payload)
