@@ -454,6 +454,13 @@ LYING_ANSWERS: dict[str, tuple[str, Callable[[int], bytes], str]] = {
         lambda x: wire.pack(wire.ANSWER, x + 1000, 4) + b"okay",
         "answered a transfer that is not pending",
     ),
+    "ack of a read": ("read", lambda x: wire.pack(wire.ACK, x, aux=1), "acknowledged READ"),
+    "answer of a read": ("read", lambda x: wire.pack(wire.ANSWER, x, 4) + b"okay", "acknowledged READ"),
+    "answer of a write that asked nothing": (
+        "write",
+        lambda x: wire.pack(wire.ANSWER, x, 4) + b"okay",
+        "carried no notification to answer",
+    ),
     "answer longer than a notification may be": (
         "write",
         lambda x: wire.pack(wire.ANSWER, x, 1 << 30) + b"\xee" * 64,

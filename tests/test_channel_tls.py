@@ -7,14 +7,16 @@ deployment, another for strangers. The clear channel's own tests
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from pdkv.channels import TransferOp
-from pdkv.channels.tcp import TcpChannel
+from pdkv.channels.tcp import TcpChannel, wire
 from pdkv.errors import ChannelError, ConfigError
 from pdkv.testing.tls import CertificateAuthority, TlsFiles
 
@@ -198,3 +200,32 @@ def test_tls_options_errors_name_the_field(
         TcpChannel("x", TcpChannel.parse_options({"tls": {**files, "key": pki[0].issue("other").options()["key"]}}))
     with pytest.raises(ConfigError, match=r"tls.*ca"):
         TcpChannel.parse_options({"tls": {"cert": files["cert"], "key": files["key"]}})
+
+
+def test_a_peer_silent_in_the_tls_handshake_is_cut_at_connect_timeout_on_both_sides(
+    pki: tuple[CertificateAuthority, CertificateAuthority],
+) -> None:
+    """The TLS handshake is inside the bound of the whole handshake (connect_timeout), however the peer stalls it: a
+    TLS target drops a connection that sent two bytes of a record and then nothing, and an initiator gives up on a
+    listener that accepts and never answers its ClientHello (OpenSSL retries kernel timeouts inside the handshake,
+    so these held a serve thread, or a caller's write, for ever)."""
+    target = _channel("target", pki[0].issue("target"), connect_timeout=1)
+    silent = socket.create_server(("127.0.0.1", 0))
+    initiator = _channel("friend", pki[0].issue("friend"), connect_timeout=1)
+    meta = wire.decode_meta(target.metadata())
+    prober = socket.create_connection((meta.host, meta.port), timeout=CALL_TIMEOUT)
+    try:
+        prober.sendall(b"\x16\x03")  # a TLS record begins, and stops
+        got = b""
+        while chunk := prober.recv(4096):  # until the target hangs up (a hang here fails at CALL_TIMEOUT)
+            got += chunk
+        meta = msgspec.structs.replace(meta, port=silent.getsockname()[1])
+        region = initiator.register(bytearray(REGION))
+        initiator.add_peer(msgspec.msgpack.encode(msgspec.structs.replace(meta, regions={0: REGION})))
+        with pytest.raises(ChannelError, match="TLS handshake not complete within 1s"):
+            initiator.write("target", [TransferOp(region, 0, 0, 0, REGION)], notif=b"no")
+    finally:
+        prober.close()
+        silent.close()
+        initiator.close()
+        target.close()

@@ -80,19 +80,6 @@ def shutdown(sock: socket.socket) -> None:
         pass
 
 
-def idle_deadline(timeout: float, what: str) -> Callable[[], None]:
-    """An idle callback that raises once ``timeout`` seconds have passed."""
-    end = time.monotonic() + timeout
-
-    def check() -> None:
-        if time.monotonic() > end:
-            raise TransferTimeout(
-                f"tcp: no {what} within {timeout:.3g}s (raise connect_timeout if the network is slow)"
-            )
-
-    return check
-
-
 class Conn:
     """One TCP stream: exact receives that tolerate idle ticks, zero-copy vectored sends."""
 
@@ -125,23 +112,29 @@ class Conn:
     def start_tls(
         self, context: ssl.SSLContext, server_side: bool, server_hostname: str | None, timeout: float
     ) -> None:
-        """Wrap the connection in TLS and complete the handshake within ``timeout`` (an ``ssl.SSLError`` if it fails).
+        """Wrap the connection in TLS and complete the handshake within ``timeout``, however its bytes trickle in (a
+        ``TransferTimeout`` past it, an ``ssl.SSLError`` if it fails).
 
-        The socket keeps its file descriptor (pollers registered on it stay
-        valid) and its kernel timeouts, which the handshake loop ticks through.
+        The socket keeps its file descriptor (pollers registered on it stay valid) and its kernel timeouts. Those
+        cannot bound the handshake: on a blocking socket OpenSSL's would-block is retried inside ``do_handshake``,
+        so a peer that sends nothing would hold it for ever. A socket timeout bounds the whole call instead, and is
+        taken off again once it returns.
         """
         self.sock = context.wrap_socket(
             self.sock, server_side=server_side, server_hostname=server_hostname, do_handshake_on_connect=False
         )
         self.tls = True  # from here on every byte goes through OpenSSL, even an ERROR after a failed handshake
         self._recv_flags = 0
-        deadline = idle_deadline(timeout, f"TLS handshake on {self.label}")
-        while True:
-            try:
-                self.sock.do_handshake()
-                break
-            except _WOULD_BLOCK:
-                deadline()
+        self.sock.settimeout(max(timeout, 1e-3))
+        try:
+            self.sock.do_handshake()
+        except TimeoutError:
+            raise TransferTimeout(
+                f"tcp {self.label}: TLS handshake not complete within {timeout:.3g}s (raise connect_timeout if the "
+                "network is slow)"
+            ) from None
+        finally:
+            self.sock.settimeout(None)
 
     def pending(self) -> bool:
         """Whether OpenSSL holds decrypted bytes ``poll`` cannot see (never, in clear)."""
@@ -226,7 +219,7 @@ class Conn:
         if code == tcp_native.LAND_EOF:
             raise self.patience.truncated(got, nbytes)
         if code == tcp_native.LAND_STALLED:
-            self.patience.stalled(self.patience.max_idle_ticks, got, nbytes)
+            raise self.patience.stall(got, nbytes)
         if code == tcp_native.LAND_EOS:
             raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
         self.last_progress = time.monotonic()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdkv.auth import NONCE_BYTES, PROOF_BYTES, bound_proof, new_nonce, transcript, verify_bound
-from pdkv.channels.tcp.conn import IO_ERRORS, Conn, idle_deadline, set_buffers
+from pdkv.channels.tcp.conn import IO_ERRORS, Conn, set_buffers
 from pdkv.channels.tcp.options import Agent
 from pdkv.channels.tcp.wire import (
     AUTH,
@@ -101,9 +101,9 @@ class Hello:
         )
 
     @classmethod
-    def receive(cls, conn: Conn, deadline: Callable[[], None]) -> Hello:
+    def receive(cls, conn: Conn) -> Hello:
         """The first frame of an accepted connection, which must be a well-formed HELLO (else ProtocolError)."""
-        ftype, flags, shares, index, nlen, sid, _, length = conn.recv_header(deadline)
+        ftype, flags, shares, index, nlen, sid, _, length = conn.recv_header()
         if ftype != HELLO:
             raise ProtocolError(
                 f"tcp {conn.label}: expected HELLO first, got frame type {FRAME_NAMES.get(ftype, ftype)}"
@@ -193,10 +193,8 @@ def dial(agent: Agent, peer: str, meta: Meta, where: str, session: int, stream: 
 
 def _check_answer(conn: Conn, agent: Agent, hello: Hello, peer: str, meta: Meta, where: str) -> None:
     """Read HELLO_OK: with a secret, check the target's proof and send ours (AUTH); then its name and instance."""
-    opts, secret = agent.opts, agent.secret
-    ftype, flags, shares, _, nlen, instance, _, length = conn.recv_header(
-        idle_deadline(opts.connect_timeout, f"handshake answer from {where}")
-    )
+    secret = agent.secret
+    ftype, flags, shares, _, nlen, instance, _, length = conn.recv_header()  # within dial's bound
     no_extras(conn.label, ftype, flags, shares, nlen, SECRET if ftype == HELLO_OK else 0)
     if ftype == ERROR:
         msg = conn.recv_payload(length, MAX_ERROR_BYTES, "error message").decode(errors="replace")
@@ -234,12 +232,12 @@ def respond(conn: Conn, agent: Agent, closed: Callable[[], bool]) -> Hello:
     the connection may join its session (``closed``: whether this agent is closing, so a hang-up is its own).
 
     Until then a failure hangs up this connection alone, and no frame of it
-    but AUTH has been read.
+    but AUTH has been read. All of it, TLS included, is bounded by the connection's
+    ``patience.limit``, which the caller sets (``Target``: ``connect_timeout``).
     """
     if agent.tls is not None:
         _accept_tls(conn, agent)
-    deadline = idle_deadline(agent.opts.connect_timeout, f"handshake on {conn.label}")
-    hello = Hello.receive(conn, deadline)
+    hello = Hello.receive(conn)
     conn.label += f" ({hello.peer!r})"
     if agent.secret and not hello.nonce:
         raise AuthError(
@@ -252,7 +250,7 @@ def respond(conn: Conn, agent: Agent, closed: Callable[[], bool]) -> Hello:
             "sides)"
         )
     if agent.secret:
-        _check_proof(conn, agent, hello.transcript(agent.name.encode(), agent.instance, new_nonce()), deadline, closed)
+        _check_proof(conn, agent, hello.transcript(agent.name.encode(), agent.instance, new_nonce()), closed)
     else:
         conn.send_frame(HELLO_OK, agent.instance, agent.name.encode())
     return hello
@@ -261,14 +259,13 @@ def respond(conn: Conn, agent: Agent, closed: Callable[[], bool]) -> Hello:
 def _accept_tls(conn: Conn, agent: Agent) -> None:
     """TLS before anything else; a peer that starts in clear is told (in clear) that TLS is required."""
     assert agent.tls is not None
-    timeout = conn.patience.remaining()
-    deadline = idle_deadline(timeout, f"first bytes on {conn.label}")
     while True:
         try:
             first = conn.sock.recv(len(MAGIC), socket.MSG_PEEK | socket.MSG_WAITALL)
             break
         except BlockingIOError:
-            deadline()
+            if not conn.patience.remaining():
+                raise conn.patience.late() from None
     if first == MAGIC:
         raise AuthError(
             f"tcp {conn.label}: this agent requires TLS (`tls` channel options) and the peer connected without it"
@@ -282,9 +279,7 @@ def _accept_tls(conn: Conn, agent: Agent) -> None:
         ) from None
 
 
-def _check_proof(
-    conn: Conn, agent: Agent, said: HandshakeTranscript, deadline: Callable[[], None], closed: Callable[[], bool]
-) -> None:
+def _check_proof(conn: Conn, agent: Agent, said: HandshakeTranscript, closed: Callable[[], bool]) -> None:
     """Prove the secret over the handshake's transcript, then read the peer's proof over the same: the one frame
     read before it checks out."""
     conn.send_frame(
@@ -294,7 +289,7 @@ def _check_proof(
         flags=SECRET,
     )
     try:
-        ftype, flags, shares, _, nlen, _, _, length = conn.recv_header(deadline)
+        ftype, flags, shares, _, nlen, _, _, length = conn.recv_header()
     except (*IO_ERRORS, ProtocolError) as exc:  # leaving is what a peer with another secret does: it refuses our proof
         if closed():
             raise  # we hung up, at close: no failure of the peer's

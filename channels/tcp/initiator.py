@@ -182,9 +182,7 @@ class Initiator:
             ]
         else:
             built = [self._read_batch(xfer, share) for share in shares]
-        return self._dispatch(
-            link, TcpHandle(peer, kind, total, link), xfer, built, notif if kind == "read" else None, inline
-        )
+        return self._dispatch(link, TcpHandle(peer, kind, total, link), xfer, built, notif, inline)
 
     def post_blocks(
         self, peer: str, blocks: BlockWrite, total: int, notif: bytes | None, token: bytes, inline: bool = False
@@ -211,7 +209,7 @@ class Initiator:
         )
         keep = (frames.out, views, notif)  # the frames' tables, the regions' memory and the notification, until sent
         built = [Batch([], nbytes, iov=frames.iov[first : first + n], keep=keep) for first, n, nbytes in frames.shares]
-        return self._dispatch(link, TcpHandle(peer, "write", total, link), xfer, built, None, inline)
+        return self._dispatch(link, TcpHandle(peer, "write", total, link), xfer, built, notif, inline)
 
     def _dispatch(
         self, link: Link, handle: TcpHandle, xfer: int, built: list[Batch], notif: bytes | None, inline: bool

@@ -2,11 +2,13 @@
 
 Threads, per link: one sender per stream, and a watcher (``LinkReader.watch``).
 A transfer's first share goes out on the caller's thread when its stream is
-free and it is at most ``inline_max_bytes`` (a thread hand-off costs more than
-sending 256 KiB on loopback, and on a busy machine the woken sender often waits
-for a core); its other shares go to their streams' senders first, so they move
-side by side. Each stream is opened and proven by ``handshake.dial``; answers
-are read by the ``LinkReader``.
+free and it is at most ``inline_max_bytes``, or whatever its size when the
+caller has nothing else to do until it is answered (``write_blocks(...,
+inline=True)``: a thread hand-off costs more than sending 256 KiB on loopback,
+and on a busy machine the woken sender often waits for a core); its other
+shares go to their streams' senders first, so they move side by side. Each
+stream is opened and proven by ``handshake.dial``; answers are read by the
+``LinkReader``.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 class Pending:
     handle: TransferHandle
     remaining: int  # READ: bytes still to land
-    notif: bytes | None  # READ: sent to the target once everything landed
+    notif: bytes | None  # a READ's is sent once everything landed; a write's went with its data (and may be answered)
 
 
 class Link:
@@ -154,6 +156,18 @@ class Link:
                 p.handle.answer = answer
                 p.handle.complete()
         return None not in done
+
+    def misanswered(self, xfers: Sequence[int], answered: bool) -> str:
+        """Why the peer's ACK (or ANSWER) may not complete these pending transfers, "" if it may: a READ completes
+        when its data has landed, and only a write that carried a notification has an answer."""
+        with self.lock:
+            for x in xfers:
+                p = self.pending.get(x)
+                if p is not None and p.handle.op != "write":
+                    return f"acknowledged READ {x}, which completes when its data has landed"
+                if p is not None and answered and not p.notif:
+                    return f"answered transfer {x}, which carried no notification to answer"
+        return ""
 
     def _finish_read(self, xfer: int) -> None:
         """A READ's notification went out: complete it, and wake a waiter polling the sockets for it."""

@@ -2,7 +2,7 @@
 
 A connection's sockets block with kernel timeouts that tick (``tick``): an idle socket between frames is normal,
 ``io_timeout`` without a byte inside a frame is a dead peer (``stalled``), and a bound on a whole exchange
-(``limit``: the target's handshake) fails a receive however its bytes trickle in. ``Conn`` keeps one; the native
+(``limit``: the handshake, on either side) fails a receive however its bytes trickle in. ``Conn`` keeps one; the native
 receive loops get ``max_idle_ticks`` to count the same ticks.
 """
 
@@ -30,7 +30,7 @@ class Patience:
     def limit(self, seconds: float | None, what: str = "") -> None:
         """Fail every receive ``seconds`` from now, bytes arriving or not (None: no such bound, the default).
 
-        The target's whole handshake is bounded so: ``io_timeout`` holds per byte only, and a peer sending one byte
+        Either side's whole handshake is bounded so: ``io_timeout`` holds per byte only, and a peer sending one byte
         every few seconds would hold its connection for ever. An authenticated peer's frames have none.
         """
         self.deadline = math.inf if seconds is None else time.monotonic() + seconds

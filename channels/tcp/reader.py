@@ -163,10 +163,14 @@ class LinkReader:
                 if aux == 1
                 else (xfer, *struct.unpack(f"<{aux - 1}Q", conn.recv_payload(length, length, "ACK ids")))
             )
+            if why := link.misanswered(xfers, answered=False):
+                raise ProtocolError(f"tcp: {link.where} {why}")
             if not link.finish(xfers):
                 raise ProtocolError(f"tcp: {link.where} acknowledged a transfer that is not pending")
         elif ftype == ANSWER:
             answer = conn.recv_payload(length, link.opts.max_notif_bytes, "answer")
+            if why := link.misanswered((xfer,), answered=True):
+                raise ProtocolError(f"tcp: {link.where} {why}")
             if not link.finish((xfer,), answer):
                 raise ProtocolError(f"tcp: {link.where} answered a transfer that is not pending")
         elif ftype == READ_DATA:

@@ -33,7 +33,6 @@ class Completing(Protocol):
     cond: threading.Condition
     poster: ChunkPoster  # the receiver's staging slots, freed as their chunks land
     error: TransferError | None
-    writes: int
     posted: dict[TransferHandle, PostedWrite]
     writes_may_land: bool  # a write was given up on that may still land: the Cancel says so
     sent: set[int]
@@ -92,7 +91,6 @@ class Completions:
         xfer, parts = self.xfer, self.parts
         write = xfer.posted.pop(handle)
         nbytes = write.nbytes
-        xfer.writes -= 1
         self.credit.give(nbytes, local_slot)
         if handle.state is XferState.DONE:
             self.bound.observe(write.need, at - handle.posted_at)

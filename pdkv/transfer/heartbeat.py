@@ -59,8 +59,9 @@ class Heartbeats:
                 if peer.pool is not None or peer.done:
                     by_peer.setdefault(peer.identity, (peer, []))
             beats = []
-            for peer, ids in by_peer.values():  # its done list is bounded where it grows (KVSender.transfer_settled)
-                done, peer.done = peer.done, []
+            for peer, ids in by_peer.values():
+                done = list(peer.done)
+                peer.done.clear()
                 beats.append((peer, new_beat(peer.beats, now, ids, peer.pool.generation if peer.pool else 0, done)))
         for peer, beat in beats:
             parts.outbox.send(peer, beat)

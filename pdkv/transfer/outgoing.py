@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 
 
 class SettleListener(Protocol):
-    """Told once a transfer settled (on the I/O thread if it failed): ``KVSender.transfer_settled`` tells its
-    receiver and forgets it."""
+    """Told once a transfer settled, on the thread that settled it (the I/O thread, or the channel's thread that read
+    its last verdict): ``KVSender.transfer_settled`` tells its receiver and forgets it."""
 
     def transfer_settled(self, xfer: OutgoingTransfer) -> None: ...
 
@@ -62,8 +62,8 @@ class OutgoingTransfer:
     Its state changes under the sender's condition; the I/O thread applies
     what the channel and the receiver report (writes done, chunks landed,
     cancel) and settles it: once it failed or completed and no write of ours
-    is in flight, the receiver is told (``Done``/``Cancel``) and the
-    ``on_settled`` callbacks run.
+    is in flight, the ``on_settled`` callbacks run and the receiver is told (a
+    ``Cancel`` at once; a complete transfer's ``Done`` on the next heartbeat).
     """
 
     def __init__(
@@ -93,7 +93,6 @@ class OutgoingTransfer:
         self.cond = ctx.parts.cond
         self.peer = peer
         self.transfer_id = transfer_id
-        self.num_tokens = num_tokens
         self.mode = reserved.mode
         self.remote_blocks = reserved.block_ids
         if reserved.held_tokens:  # the receiver holds the prompt's first tokens already: our chunks start past them
@@ -103,14 +102,12 @@ class OutgoingTransfer:
         self.spans = plan.spans
         self.sent: set[int] = set()
         self.landed: set[int] = set()
-        self.writes = 0  # posted writes whose handles have not finished
-        self.posted: dict[TransferHandle, PostedWrite] = {}  # those writes, watched for stalls (``StallWatch``)
+        self.posted: dict[TransferHandle, PostedWrite] = {}  # writes not finished, watched for stalls (``StallWatch``)
         self.posting = 0  # chunks between taking credit and their write being tracked
         self.error: TransferError | None = None
-        self.settled = False  # Done or Cancel sent: no more writes from us
+        self.settled = False  # over, no write of ours in flight: no more writes from us
         self.writes_may_land = False  # a write was given up on that may still land: the Cancel says so
         self.bytes_sent = 0
-        self.wire_bytes = 0  # what the channel carried: less than bytes_sent with a compressing codec
         self.started = 0.0  # first chunk posted: transfer time excludes the wait for compute before it
         self.opened = time.monotonic()  # reservation granted: transfer_timeout_s counts from here, as on the receiver
         # last heartbeat posted for it: the receiver's lease runs from about here (a pool's, from its last one)
@@ -235,7 +232,7 @@ class OutgoingTransfer:
         began = time.perf_counter_ns()
         with self.cond:
             over = self.error is not None or self.complete
-            if not over or self.writes or self.posting or self.settled:
+            if not over or self.posted or self.posting or self.settled:
                 return
             self.settled = True
             callbacks, self._on_settled = self._on_settled, []

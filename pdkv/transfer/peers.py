@@ -7,6 +7,7 @@ them), so no room imports another to name a peer. A receiver's record also keeps
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 from concurrent.futures import Future
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 from pdkv.auth import new_nonce
 from pdkv.layout import KVLayout
-from pdkv.transfer.protocol import BeatAck, Heartbeat, Hello, Pool
+from pdkv.transfer.protocol import MAX_DONE_PER_BEAT, BeatAck, Heartbeat, Hello, Pool
 
 
 def lease_margin(lease_s: float, heartbeat_s: float) -> float:
@@ -85,7 +86,8 @@ class ReceiverPeer:
     session: bytes = b""  # with a secret, once its Hello proved it: the handshake's transcript (Reserve proofs bind it)
     session_key: bytes = b""  # with a secret, once its Hello proved it: what our messages and notices are tagged with
     beats: Beats = field(default_factory=Beats)  # heartbeats it has not answered yet
-    done: list[str] = field(default_factory=list)  # transfers to it that completed, for the next heartbeat to say
+    # transfers to it that completed, for the next heartbeat to say; bounded, the oldest dropped (MAX_DONE_PER_BEAT)
+    done: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=MAX_DONE_PER_BEAT))
 
 
 @dataclass(kw_only=True)

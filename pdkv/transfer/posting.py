@@ -167,11 +167,9 @@ class Postable(Protocol):
     lease_margin: float
     sent: set[int]
     posting: int  # chunks between taking credit and their write being tracked
-    writes: int
     posted: dict[TransferHandle, PostedWrite]
     started: float
     bytes_sent: int
-    wire_bytes: int
     post_times: dict[int, tuple[int, float]]
 
     def fail(self, err: TransferError) -> None: ...
@@ -268,9 +266,7 @@ class ChunkPoster:
             raise err from exc
         with xfer.cond:
             xfer.posting -= 1
-            xfer.writes += 1
             xfer.bytes_sent += nbytes
-            xfer.wire_bytes += wire
             parts.counters["bytes_raw"] += nbytes
             parts.counters["bytes_wire"] += wire
             need = self.credit.inflight

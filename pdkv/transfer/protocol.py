@@ -37,7 +37,9 @@ PROTOCOL_VERSION = 11  # 11: a chunk's verdict on its data connection (``ChunkVe
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_ID_LEN = 256
 MAX_CHUNKS = 1 << 20  # chunks of one request (a request of 256-token chunks up to 268M tokens)
-MAX_DONE_PER_BEAT = 4096  # completed transfers one heartbeat reports; more wait for the next beat
+# Completed transfers one heartbeat reports, as many as fit a quarter of a message at the longest ids; past it the
+# oldest go unsaid (a Done lets the receiver free at once a reservation that lapsed unclaimed; without it, the hold)
+MAX_DONE_PER_BEAT = MAX_MESSAGE_BYTES // (4 * MAX_ID_LEN)
 
 # The reason a receiver gives for refusing a Reserve from a peer it has no Hello from (it restarted):
 # a sender that sees it handshakes again once, instead of failing the request.

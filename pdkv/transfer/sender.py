@@ -33,7 +33,7 @@ from pdkv.transfer.parts import SenderParts
 from pdkv.transfer.peers import ReceiverPeer
 from pdkv.transfer.pool import SenderPools
 from pdkv.transfer.posting import SendCredit, SendSource, sender_plan
-from pdkv.transfer.protocol import MAX_DONE_PER_BEAT, BeatAck, Cancel, Hello, Landed, Pool, Refused, Reserved
+from pdkv.transfer.protocol import BeatAck, Cancel, Hello, Landed, Pool, Refused, Reserved
 from pdkv.transfer.reserves import Reserves
 
 log = logging.getLogger(__name__)
@@ -190,8 +190,8 @@ class KVSender:
         if (error := xfer.error) is not None:
             self._dealers.send(xfer.peer, Cancel(xfer.transfer_id, str(error), writes_may_land=xfer.writes_may_land))
         with self.cond:
-            if xfer.error is None and not xfer.peer.dropped:  # for the next beat; past its bound the oldest go unsaid
-                xfer.peer.done = [*xfer.peer.done[1 - MAX_DONE_PER_BEAT :], xfer.transfer_id]  # (they change nothing)
+            if xfer.error is None and not xfer.peer.dropped:  # for the next beat (bounded: the oldest go unsaid)
+                xfer.peer.done.append(xfer.transfer_id)
             if self._transfers.get(xfer.transfer_id) is xfer:
                 del self._transfers[xfer.transfer_id]
             self.counters["transfers_ok" if xfer.error is None else "transfers_settled_failed"] += 1
