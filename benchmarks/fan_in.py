@@ -5,9 +5,12 @@ host time on it, with N senders pushing one short request each at the same momen
 
 Prints one JSON line: per sender count (1 and N), the receiver's threads, its host microseconds per chunk
 (``host_us_per_chunk``: the landing, verification and verdict of one chunk, pdkv/transfer/hosttime.py) and the
-requests' p50 wall time; the ratio of N's to 1's. The receiver runs in another process (``TransferRig``); the extra
-senders are ``KVSender``s in this one, each with its own channel and agent name, as separate prefill workers would be.
-Every request's KV is checked bit for bit on the decode side.
+requests' p50 wall time; the ratio of N's to 1's, their rounds alternating. The receiver runs in another process
+(``TransferRig``); the extra senders are ``KVSender``s in this one, each with its own channel and agent name, as
+separate prefill workers would be.
+Every request's KV (each sender's from blocks of its own) is checked bit for bit on the decode side. The host time
+is wall time: with N senders in this process on few cores, D's spans also hold the time it waits for a core that the
+senders' work took, which one sender's never meets; a thread count or the CPU per chunk says what is D's own.
 """
 
 from __future__ import annotations
@@ -28,52 +31,73 @@ from pdkv.config import TransferConfig
 from pdkv.transfer.sender import KVSender
 
 
-def one_round(rig: TransferRig, senders: list[KVSender], tokens: int, table: list[int], tag: str) -> list[float]:
-    """Every sender pushes one request at once; each one's seconds. Raises unless the decode side holds each one's
-    KV bit for bit."""
+def one_round(rig: TransferRig, senders: list[KVSender], tokens: int, tag: str) -> list[float]:
+    """Every sender pushes one request at once, each from blocks of its own; each one's seconds. Raises unless every
+    push completed and the decode side holds each request's own KV bit for bit (a request landed in another's
+    blocks, or twice, fails here)."""
     rids = [f"{tag}-{i}" for i in range(len(senders))]
+    n = SENDER_LAYOUT.blocks_for(tokens)
+    tables = [list(range(i * n, (i + 1) * n)) for i in range(len(senders))]
     rig.conn.send(("expect", [(rid, tokens) for rid in rids]))
     spent = [0.0] * len(senders)
+    failed: list[BaseException] = []
     start = threading.Barrier(len(senders))
 
     def push(i: int) -> None:
-        start.wait(60)
-        t0 = time.perf_counter()
-        xfer = senders[i].open(rids[i], rig.address, tokens, table)
-        xfer.send_all()
-        xfer.wait(60)
-        spent[i] = time.perf_counter() - t0
+        try:
+            start.wait(60)
+            t0 = time.perf_counter()
+            xfer = senders[i].open(rids[i], rig.address, tokens, tables[i])
+            xfer.send_all()
+            xfer.wait(60)
+            spent[i] = time.perf_counter() - t0
+        except BaseException as exc:  # noqa: BLE001 - reported below, on the measuring thread
+            failed.append(exc)
 
     threads = [threading.Thread(target=push, args=(i,)) for i in range(len(senders))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(120)
+    if failed or any(t.is_alive() for t in threads):
+        raise SystemExit(f"round {tag}: a push failed or hung: {failed}")
     rig.conn.send(("check",))
     digests = _recv(rig.conn, "the receiver's digests")[1]
-    if digests != [_digest(rig.layout, rig.kv, table, tokens)] * len(senders):
+    if digests != [_digest(rig.layout, rig.kv, table, tokens) for table in tables]:
         raise SystemExit(f"round {tag}: the decode side holds other KV than was sent")
     return spent
 
 
-def measure(rig: TransferRig, senders: list[KVSender], tokens: int, rounds: int) -> dict[str, float]:
-    table = list(range(SENDER_LAYOUT.blocks_for(tokens)))
-    for i in range(3):  # handshakes and first pools
-        one_round(rig, senders, tokens, table, f"warm{len(senders)}-{i}")
-        time.sleep(0.05)
-    rig.host_times()  # forget the warm-up's spans
-    walls: list[float] = []
-    for i in range(rounds):
-        time.sleep(0.01)  # the next pools granted, the previous round's work done
-        walls += one_round(rig, senders, tokens, table, f"r{len(senders)}-{i}")
-    chunk = rig.host_times()["decode"]["chunk"]
+def receiver_threads(rig: TransferRig) -> int:
     rig.conn.send(("threads",))
-    threads = len(_recv(rig.conn, "the receiver's threads")[1])
+    return len(_recv(rig.conn, "the receiver's threads")[1])
+
+
+def measure(rig: TransferRig, sets: dict[str, list[KVSender]], tokens: int, rounds: int) -> dict[str, dict[str, float]]:
+    """Each set of senders warmed (the receiver's threads counted once it is), then their rounds alternating, so the
+    two counts meet the same load; per set its threads, chunk host time and requests' p50."""
+    threads = {}
+    for name, senders in sets.items():  # the smaller set first: its thread count before the others connect
+        for i in range(3):  # handshakes and first pools
+            one_round(rig, senders, tokens, f"warm{name}-{i}")
+            time.sleep(0.05)
+        threads[name] = receiver_threads(rig)
+    rig.host_times()  # forget the warm-ups' spans
+    walls: dict[str, list[float]] = {name: [] for name in sets}
+    chunks: dict[str, list[int]] = {name: [] for name in sets}
+    for i in range(rounds):
+        for name, senders in sets.items():
+            time.sleep(0.01)  # the next pools granted, the previous round's work done
+            walls[name] += one_round(rig, senders, tokens, f"r{name}-{i}")
+            chunks[name] += rig.host_times()["decode"]["chunk"]
     return {
-        "receiver_threads": threads,
-        "host_us_per_chunk_p50": statistics.median(chunk) / 1e3 if chunk else float("nan"),
-        "p50_ms": statistics.median(walls) * 1e3,
-        "requests": len(walls),
+        name: {
+            "receiver_threads": threads[name],
+            "host_us_per_chunk_p50": statistics.median(chunks[name]) / 1e3 if chunks[name] else float("nan"),
+            "p50_ms": statistics.median(walls[name]) * 1e3,
+            "requests": len(walls[name]),
+        }
+        for name in sets
     }
 
 
@@ -90,7 +114,8 @@ def main() -> None:
     # every sender's pool within the pools' share of the receiver's blocks, and room for the requests besides
     receiver_blocks = int(args.senders * blocks / config.pool_blocks_share) + 2 * args.senders * blocks
     out: dict[str, object] = {"channel": args.channel, "tokens": args.tokens, "receiver_blocks": receiver_blocks}
-    with TransferRig(args.channel, SENDER_LAYOUT, 64, receiver_blocks, config) as rig:
+    sender_blocks = max(64, args.senders * SENDER_LAYOUT.blocks_for(args.tokens))  # each sender's request its own
+    with TransferRig(args.channel, SENDER_LAYOUT, sender_blocks, receiver_blocks, config) as rig:
         options = channel_options(args.channel, "127.0.0.1", {})
         extra = [
             KVSender(
@@ -103,12 +128,12 @@ def main() -> None:
             for _ in range(args.senders - 1)
         ]
         try:
-            one = measure(rig, [rig.sender], args.tokens, args.rounds)
-            many = measure(rig, [rig.sender, *extra], args.tokens, args.rounds)
+            got = measure(rig, {"1": [rig.sender], str(args.senders): [rig.sender, *extra]}, args.tokens, args.rounds)
         finally:
             for sender in extra:
                 sender.close()
                 sender.channel.close()
+    one, many = got["1"], got[str(args.senders)]
     out["1"], out[str(args.senders)] = one, many
     out["ratio"] = {k: many[k] / one[k] for k in ("receiver_threads", "host_us_per_chunk_p50", "p50_ms")}
 

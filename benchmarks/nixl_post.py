@@ -1,5 +1,5 @@
-"""NIXL's post time against descriptor count (issue 46, step 3): what a request's descriptor count costs before a
-byte moves, and so what a cross-layer KV layout (one descriptor per block, not per layer and block) would buy.
+"""NIXL's post time against descriptor count (issue 46, step 3): what a request's descriptor count costs it, and so what
+a cross-layer KV layout (one descriptor per block, not per layer and block) would buy.
 
     python benchmarks/nixl_post.py --total-mib 2 --repeats 200
 
@@ -7,14 +7,16 @@ The raw NIXL agent (``pdkv.bench.nixl_raw.RawNixl``: two processes, agents built
 own, host memory) moves the same ``--total-mib`` bytes as 1, 30, 240 and 3,840 descriptors, each a gap apart on
 both sides so NIXL cannot merge them (a request's blocks of 30 layers x K/V are apart in vLLM's per-layer layout:
 240 = 8 blocks x 30, 3,840 = 128 blocks x 30). Prints one JSON object: per count the medians of building the
-prepped transfer (``make_prepped_xfer``), posting it (``transfer``) and from the post to DONE, in microseconds, and
-each against one descriptor's in the same run (the baseline: the same bytes as one range).
+prepped transfer (``make_prepped_xfer``), posting it (``transfer``: over cma on one host the copy happens inside it)
+and from the post to DONE, in microseconds, and each against one descriptor's (the baseline: the same bytes as one
+range), the counts taking turns within each repeat.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 
 from pdkv.bench.nixl_raw import RawNixl
@@ -29,11 +31,9 @@ def main() -> None:
     parser.add_argument("--counts", type=int, nargs="+", default=list(COUNTS))
     args = parser.parse_args()
     total = int(args.total_mib * (1 << 20))
-    total -= total % max(args.counts)  # every count cuts it into equal descriptors
-    rows = {}
+    total -= total % math.lcm(*args.counts)  # every count cuts it into equal descriptors
     with RawNixl(2 * total) as raw:
-        for count in args.counts:
-            rows[count] = raw.post_cost(count, total, args.repeats)
+        rows = raw.post_cost(args.counts, total, args.repeats)
     one = rows[min(args.counts)]
     out = {
         "bench": "nixl_post",

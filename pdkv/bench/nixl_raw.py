@@ -253,35 +253,36 @@ class RawNixl:
         remote.release()
         return statistics.median(rates[WARMUP:])
 
-    def post_cost(self, descriptors: int, total: int, repeats: int) -> dict[str, float]:
-        """What NIXL's post costs by descriptor count: ``total`` bytes as ``descriptors`` equal descriptors, each a
-        gap apart on both sides (so NIXL cannot merge them, as a request's blocks of many layers are apart), one
-        prepped WRITE with its notification. Medians, in microseconds, of ``make_prepped_xfer`` (build),
-        ``transfer`` (post: over cma on one host UCX moves the bytes inside this call) and from its return to DONE
-        (wire), over ``repeats`` (after the warm-ups)."""
-        size = total // descriptors
-        if 2 * size * descriptors > self.pair.nbytes or size == 0:
-            raise ChannelError(f"raw nixl: {descriptors} descriptors of {size} bytes, a gap apart, do not fit")
-        local, remote = self.pair.lists([(2 * i * size, size) for i in range(descriptors)])
-        every = np.arange(descriptors, dtype=np.int64)
-        build, post, wire = [], [], []
+    def post_cost(self, counts: list[int], total: int, repeats: int) -> dict[int, dict[str, float]]:
+        """What NIXL's post costs by descriptor count: ``total`` bytes as ``count`` equal descriptors, each a gap apart
+        on both sides (so NIXL cannot merge them, as a request's blocks of many layers are apart), one prepped WRITE
+        with its notification, for each of ``counts``, the counts taking turns within every repeat (so each meets the
+        same load). Medians, in microseconds, of ``make_prepped_xfer`` (build), ``transfer`` (post: over cma on one
+        host UCX moves the bytes inside this call) and from its return to DONE (wire), after the warm-ups."""
+        lists = {}
+        for count in counts:
+            size = total // count
+            if 2 * size * count > self.pair.nbytes or size == 0 or size * count != total:
+                raise ChannelError(f"raw nixl: {total} bytes as {count} descriptors a gap apart do not fit or divide")
+            lists[count] = self.pair.lists([(2 * i * size, size) for i in range(count)])
+        timed: dict[int, dict[str, list[float]]] = {c: {"build_us": [], "post_us": [], "wire_us": []} for c in counts}
         for i in range(WARMUP + repeats):
-            t0 = time.perf_counter_ns()
-            xfer = self.pair.agent.make_prepped_xfer("WRITE", local, every, remote, every, b"p%d" % i)
-            t1 = time.perf_counter_ns()
-            if self.pair.agent.transfer(xfer) == "ERR":
-                raise ChannelError("raw nixl WRITE failed when posted")
-            t2 = time.perf_counter_ns()
-            self.pair.notified += 1
-            self.pair.finish(xfer)
-            t3 = time.perf_counter_ns()
-            build.append((t1 - t0) / 1e3)
-            post.append((t2 - t1) / 1e3)
-            wire.append((t3 - t2) / 1e3)
-        self.bytes_moved += (WARMUP + repeats) * size * descriptors
-        local.release()
-        remote.release()
-        return {
-            name: statistics.median(xs[WARMUP:])
-            for name, xs in (("build_us", build), ("post_us", post), ("wire_us", wire))
-        }
+            for count, (local, remote) in lists.items():
+                every = np.arange(count, dtype=np.int64)
+                t0 = time.perf_counter_ns()
+                xfer = self.pair.agent.make_prepped_xfer("WRITE", local, every, remote, every, b"p%d-%d" % (i, count))
+                t1 = time.perf_counter_ns()
+                if self.pair.agent.transfer(xfer) == "ERR":
+                    raise ChannelError("raw nixl WRITE failed when posted")
+                t2 = time.perf_counter_ns()
+                self.pair.notified += 1
+                self.pair.finish(xfer)
+                t3 = time.perf_counter_ns()
+                if i >= WARMUP:
+                    for name, ns in (("build_us", t1 - t0), ("post_us", t2 - t1), ("wire_us", t3 - t2)):
+                        timed[count][name].append(ns / 1e3)
+        self.bytes_moved += (WARMUP + repeats) * total * len(counts)
+        for local, remote in lists.values():
+            local.release()
+            remote.release()
+        return {count: {name: statistics.median(xs) for name, xs in t.items()} for count, t in timed.items()}
