@@ -77,11 +77,10 @@ bool covers(const std::vector<Span>& spans, int64_t start, int64_t end) {
 }
 
 Range run_at(const char* table, int64_t k) {
-  uint32_t r;
-  uint64_t off, len;
-  std::memcpy(&r, table + k * wire::kRunBytes + wire::kRunRegion, 4);
-  std::memcpy(&off, table + k * wire::kRunBytes + wire::kRunOffset, 8);
-  std::memcpy(&len, table + k * wire::kRunBytes + wire::kRunLength, 8);
+  wire::RunRegionT r;
+  wire::RunOffsetT off;
+  wire::RunLengthT len;
+  wire::read_run(table, k, &r, &off, &len);
   return Range{static_cast<int64_t>(r), static_cast<int64_t>(off), static_cast<int64_t>(len)};
 }
 
@@ -243,15 +242,17 @@ PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t 
       io[3] = wire::kHeaderBytes;
       if (rc != PDKV_OK) return rc;
     }
-    const uint8_t ftype = field<uint8_t>(hdr, wire::kHeaderType), flags = field<uint8_t>(hdr, wire::kHeaderFlags);
-    const int64_t shares = field<uint16_t>(hdr, wire::kHeaderShares), nruns = field<uint32_t>(hdr, wire::kHeaderAux);
-    const int64_t nlen = field<uint32_t>(hdr, wire::kHeaderNotif);
-    const uint64_t xfer = field<uint64_t>(hdr, wire::kHeaderXfer), offset = field<uint64_t>(hdr, wire::kHeaderOffset);
-    const uint64_t length = field<uint64_t>(hdr, wire::kHeaderLength);
+    const uint8_t ftype = field<wire::HeaderTypeT>(hdr, wire::kHeaderType);
+    const uint8_t flags = field<wire::HeaderFlagsT>(hdr, wire::kHeaderFlags);
+    const int64_t shares = field<wire::HeaderSharesT>(hdr, wire::kHeaderShares), nruns = field<wire::HeaderAuxT>(hdr, wire::kHeaderAux);
+    const int64_t nlen = field<wire::HeaderNotifT>(hdr, wire::kHeaderNotif);
+    const uint64_t xfer = field<wire::HeaderXferT>(hdr, wire::kHeaderXfer);
+    const uint64_t offset = field<wire::HeaderOffsetT>(hdr, wire::kHeaderOffset);
+    const uint64_t length = field<wire::HeaderLengthT>(hdr, wire::kHeaderLength);
     // anything the Python checks (frames.py FrameServer.serve, lander.py Lander.runs) could refuse is theirs to refuse
     const bool last = flags & wire::kLast, notif = flags & wire::kNotifFollows;
     const bool fast = std::memcmp(hdr + wire::kHeaderMagic, wire::kMagic, sizeof wire::kMagic) == 0 &&
-                      field<uint8_t>(hdr, wire::kHeaderVersion) == wire::kVersion && ftype == wire::kData &&
+                      field<wire::HeaderVersionT>(hdr, wire::kHeaderVersion) == wire::kVersion && ftype == wire::kData &&
                       (!share[0] || xfer == share[1]) && !(flags & ~(wire::kLast | wire::kNotifFollows)) && nlen <= max_notif &&
                       (!nlen || notif) && (last ? 1 <= shares && shares <= wire::kMaxStreams : !flags && !shares) &&
                       1 <= nruns && nruns <= wire::kMaxRuns && !offset && 0 < length &&

@@ -117,11 +117,10 @@ PDKV_API int pdkv_check_runs(const char* runs, int64_t nruns, const int64_t* des
   std::vector<Run> all(static_cast<size_t>(nruns < 0 ? 0 : nruns));
   uint64_t total = 0;
   for (int64_t k = 0; k < nruns; ++k) {
-    uint32_t r;
-    uint64_t off, len;
-    std::memcpy(&r, runs + k * wire::kRunBytes + wire::kRunRegion, 4);
-    std::memcpy(&off, runs + k * wire::kRunBytes + wire::kRunOffset, 8);
-    std::memcpy(&len, runs + k * wire::kRunBytes + wire::kRunLength, 8);
+    wire::RunRegionT r;
+    wire::RunOffsetT off;
+    wire::RunLengthT len;
+    wire::read_run(runs, k, &r, &off, &len);
     if (static_cast<int64_t>(r) >= n_desc) return 1;  // not registered
     const uint64_t size = static_cast<uint64_t>(desc[static_cast<int64_t>(r) * kDesc + 1]);
     if (len == 0 || off > size || len > size - off) return 1;  // empty, or not inside the region
@@ -149,11 +148,11 @@ PDKV_API int pdkv_recv_runs(int fd, const char* runs, int64_t nruns, const int64
     segs.clear();
     int64_t want = 0, hashed = 0;  // bytes in this piece; of them, bytes to hash (at most `piece`)
     while (k < nruns && hashed < piece && static_cast<int64_t>(segs.size()) < kMaxIov) {
-      uint32_t r;
-      int64_t off, len;
-      std::memcpy(&r, runs + k * wire::kRunBytes + wire::kRunRegion, 4);
-      std::memcpy(&off, runs + k * wire::kRunBytes + wire::kRunOffset, 8);
-      std::memcpy(&len, runs + k * wire::kRunBytes + wire::kRunLength, 8);
+      wire::RunRegionT r;
+      wire::RunOffsetT off_field;
+      wire::RunLengthT len_field;
+      wire::read_run(runs, k, &r, &off_field, &len_field);
+      const int64_t off = static_cast<int64_t>(off_field), len = static_cast<int64_t>(len_field);
       if (static_cast<int64_t>(r) >= n_desc) return PDKV_LAND_EARG;  // the caller checked every run: never here
       const Region g = region_at(desc, r);
       const int64_t n = g.unit ? std::min(len - at, piece - hashed) : len - at;  // unhashed bytes: no need to cut

@@ -36,14 +36,14 @@ void put(char* at, T v) {
 char* header(char* at, uint8_t flags, uint16_t shares, uint32_t nruns, uint32_t notif, uint64_t xfer, uint64_t nbytes) {
   std::memset(at, 0, wire::kHeaderBytes);  // the pad byte and the offset field
   std::memcpy(at + wire::kHeaderMagic, wire::kMagic, sizeof wire::kMagic);
-  put<uint8_t>(at + wire::kHeaderVersion, wire::kVersion);
-  put<uint8_t>(at + wire::kHeaderType, wire::kData);
-  put<uint8_t>(at + wire::kHeaderFlags, flags);
-  put<uint16_t>(at + wire::kHeaderShares, shares);
-  put<uint32_t>(at + wire::kHeaderAux, nruns);
-  put<uint32_t>(at + wire::kHeaderNotif, notif);
-  put<uint64_t>(at + wire::kHeaderXfer, xfer);
-  put<uint64_t>(at + wire::kHeaderLength, nbytes);
+  put<wire::HeaderVersionT>(at + wire::kHeaderVersion, wire::kVersion);
+  put<wire::HeaderTypeT>(at + wire::kHeaderType, wire::kData);
+  put<wire::HeaderFlagsT>(at + wire::kHeaderFlags, flags);
+  put<wire::HeaderSharesT>(at + wire::kHeaderShares, shares);
+  put<wire::HeaderAuxT>(at + wire::kHeaderAux, nruns);
+  put<wire::HeaderNotifT>(at + wire::kHeaderNotif, notif);
+  put<wire::HeaderXferT>(at + wire::kHeaderXfer, xfer);
+  put<wire::HeaderLengthT>(at + wire::kHeaderLength, nbytes);
   return at + wire::kHeaderBytes;
 }
 
@@ -109,9 +109,9 @@ PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* re
       const uint8_t flags = last ? (with_notif ? wire::kLast | wire::kNotifFollows : wire::kLast) : 0;
       at = header(at, flags, last ? nshares : 0, end - p, with_notif ? notif_len : 0, xfer, size);
       for (int64_t i = p; i < end; ++i) {
-        put<uint32_t>(at + wire::kRunRegion, static_cast<uint32_t>(pieces[i].region));
-        put<uint64_t>(at + wire::kRunOffset, pieces[i].offset);
-        put<uint64_t>(at + wire::kRunLength, pieces[i].length);
+        put<wire::RunRegionT>(at + wire::kRunRegion, static_cast<wire::RunRegionT>(pieces[i].region));
+        put<wire::RunOffsetT>(at + wire::kRunOffset, pieces[i].offset);
+        put<wire::RunLengthT>(at + wire::kRunLength, pieces[i].length);
         at += wire::kRunBytes;
       }
       if (!emit(reinterpret_cast<int64_t>(frame), need)) return -1;

@@ -3,6 +3,7 @@ native loops (csrc/kvframes.cpp, kvland.cpp, kvsend.cpp) read and write frames w
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pdkv.channels.tcp.wire import C_HEADER_PATH, c_header
@@ -26,3 +27,6 @@ def test_the_native_loops_take_the_format_from_the_header() -> None:
         assert '#include "tcpwire.h"' in source, name
         for copy in ("kHeaderBytes =", "kRunBytes =", "kVersion =", "kMaxRuns =", "kMaxStreams =", "'P'"):
             assert copy not in source, f"csrc/{name} defines its own {copy!r}: take it from tcpwire.h"
+        # a field's width is the header's too: read or written as its generated type, never a spelled-out one
+        widths = re.findall(r"(?:field|put)<u?int\d+_t>\([^;]*wire::k(?:Header|Run)\w+|wire::kRun\w+, [1248]\)", source)
+        assert not widths, f"csrc/{name} spells a field's width: {widths} (use wire::<Field>T, wire::read_run)"

@@ -124,11 +124,14 @@ HEADER_FIELDS = ("magic", "version", "type", "flags", "shares", "aux", "notif", 
 RUN_FIELDS = ("region", "offset", "length")
 
 
-def _offsets(layout: struct.Struct, names: tuple[str, ...]) -> list[tuple[str, int]]:
-    """Each named field of ``layout`` (pad bytes have no name) with its byte offset."""
+_C_TYPES = {"B": "uint8_t", "H": "uint16_t", "I": "uint32_t", "Q": "uint64_t"}  # the codes a field of ours uses
+
+
+def _fields(layout: struct.Struct, names: tuple[str, ...]) -> list[tuple[str, int, str]]:
+    """Each named field of ``layout`` (pad bytes have no name) with its byte offset and struct code."""
     order, codes = layout.format[0], re.findall(r"\d*[a-zA-Z?]", layout.format[1:])
-    offsets = [struct.calcsize(order + "".join(codes[:i])) for i, code in enumerate(codes) if code != "x"]
-    return list(zip(names, offsets, strict=True))
+    found = [(struct.calcsize(order + "".join(codes[:i])), code) for i, code in enumerate(codes) if code != "x"]
+    return [(name, offset, code) for name, (offset, code) in zip(names, found, strict=True)]
 
 
 def c_header() -> str:
@@ -138,7 +141,13 @@ def c_header() -> str:
     magic = ", ".join(f"'{chr(b)}'" for b in MAGIC)
 
     def fields(prefix: str, layout: struct.Struct, names: tuple[str, ...]) -> list[str]:
-        return [f"constexpr int64_t k{prefix}{name.title()} = {offset};" for name, offset in _offsets(layout, names)]
+        """Each field's offset (``k<Prefix><Name>``) and, for a number, its C type (``<Prefix><Name>T``)."""
+        out = []
+        for name, offset, code in _fields(layout, names):
+            out.append(f"constexpr int64_t k{prefix}{name.title()} = {offset};")
+            if code in _C_TYPES:
+                out.append(f"using {prefix}{name.title()}T = {_C_TYPES[code]};")
+        return out
 
     lines = [
         f"// Generated from channels/tcp/wire.py by `python -m pdkv.channels.tcp.wire > {C_HEADER_PATH}`: do not edit.",
@@ -146,6 +155,7 @@ def c_header() -> str:
         "#pragma once",
         "",
         "#include <cstdint>",
+        "#include <cstring>",
         "",
         "namespace pdkv::tcpwire {",
         "",
@@ -156,13 +166,22 @@ def c_header() -> str:
         f"constexpr int64_t kMaxStreams = {MAX_STREAMS};  // a transfer's shares",
         f"constexpr int64_t kMaxRuns = {MAX_RUNS};  // runs per DATA frame",
         "",
-        f"// A frame header ({HEADER.format}): its size and each field's byte offset.",
+        f"// A frame header ({HEADER.format}): its size, each field's byte offset and each number's type.",
         f"constexpr int64_t kHeaderBytes = {HDR_SIZE};",
         *fields("Header", HEADER, HEADER_FIELDS),
         "",
-        f"// A run table entry ({RUN.format}): its size and each field's byte offset.",
+        f"// A run table entry ({RUN.format}): its size, each field's byte offset and type.",
         f"constexpr int64_t kRunBytes = {RUN.size};",
         *fields("Run", RUN, RUN_FIELDS),
+        "",
+        "// Run `k` of a run table, each field read at its offset and width.",
+        "inline void read_run(const char* table, int64_t k, RunRegionT* region, RunOffsetT* offset,",
+        "                     RunLengthT* length) {",
+        "  const char* at = table + k * kRunBytes;",
+        "  std::memcpy(region, at + kRunRegion, sizeof *region);",
+        "  std::memcpy(offset, at + kRunOffset, sizeof *offset);",
+        "  std::memcpy(length, at + kRunLength, sizeof *length);",
+        "}",
         "",
         "}  // namespace pdkv::tcpwire",
     ]
