@@ -8,6 +8,8 @@ back here with the transfers that ended and with any frame it leaves to the Pyth
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from pdkv import native
 from pdkv.channels.grants import Grants
 from pdkv.channels.inbox import NotificationInbox
@@ -41,6 +43,27 @@ FRAMES_ENV_VAR = "PDKV_NATIVE_FRAMES"
 native frame loop's reference; ``PDKV_NATIVE=0`` turns off both)."""
 
 
+@dataclass(eq=False)
+class Serving:
+    """One proven connection as its frame loop left it: between turns (parked, ``parking.ServePool``) it is owned by
+    no thread, and the next turn goes on from here, on whichever serve thread takes it.
+
+    ``cur_xfer``: the transfer whose share the connection is in the middle of (-1: none); ``refused``: why a frame
+    of that share was refused (it lands nothing, the transfer gets NACK); ``acks``: transfers landed and not yet
+    acknowledged (empty whenever it is parked); ``loop``: its native frame loop (None: the Python loop serves it).
+    """
+
+    conn: Conn
+    session: Session
+    loop: tcp_native.FrameLoop | None
+    cur_xfer: int = -1
+    refused: str = ""
+    acks: list[int] = field(default_factory=list)
+
+    def fileno(self) -> int:
+        return self.conn.sock.fileno()
+
+
 class FrameServer:
     """Serves the frames of the target's authenticated connections into its ``regions`` under its ``grants``,
     notifications to its ``inbox``; ``landing``: where DATA is received natively and hashed as it lands (clear
@@ -67,8 +90,17 @@ class FrameServer:
         self.replies = Replies(agent, inbox)
         self.native = landing is not None and grants.mirror is not None and not native.switched_off(FRAMES_ENV_VAR)
 
-    def serve(self, conn: Conn, session: Session) -> None:
-        """The hot loop: land DATA in place; when a transfer has fully landed, notify, then ACK.
+    def serving(self, conn: Conn, session: Session) -> Serving:
+        """A proven connection's frame loop state, before its first turn."""
+        native_loop = self.native and not conn.tls
+        opts = self.agent.opts
+        return Serving(
+            conn, session, tcp_native.FrameLoop(opts.max_notif_bytes, MAX_ACK_BATCH) if native_loop else None
+        )
+
+    def serve(self, s: Serving) -> None:
+        """One turn of the hot loop: land DATA in place; when a transfer has fully landed, notify, then ACK; return
+        once the connection is idle between frames (its ACKs sent), to be parked until more bytes come.
 
         ACKs wait in ``acks`` only while more frames are already readable (or
         until a batch is full), and go out before any large payload is landed
@@ -80,32 +112,33 @@ class FrameServer:
         completions to drain or as frames it hands back; every other frame,
         and every frame with TLS or ``PDKV_NATIVE_FRAMES=0``, is served here.
         """
+        conn, session, loop, acks = s.conn, s.session, s.loop, s.acks
         opts = self.agent.opts
         lander, replies = self.lander, self.replies
-        loop = tcp_native.FrameLoop(opts.max_notif_bytes, MAX_ACK_BATCH) if self.native and not conn.tls else None
-        cur_xfer = -1  # the transfer whose share this stream is in the middle of
-        refused = ""  # why a frame of that share was refused: it lands nothing, the transfer gets NACK
-        acks: list[int] = []
         while True:
-            if acks and (len(acks) >= MAX_ACK_BATCH or (loop is not None and loop.pending) or not conn.readable()):
+            waiting = loop is not None and loop.pending  # a header the native loop read and left to serve next
+            readable = waiting or conn.readable()
+            if acks and (len(acks) >= MAX_ACK_BATCH or waiting or not readable):
                 replies.send_acks(conn, acks)
+            if not readable:
+                return  # idle between frames: parked until more bytes come
             table: bytes | None = None  # a handed back frame's run table, read already
             if loop is None:
                 header = conn.recv_header()
             else:
-                served, table, cur_xfer, refused = self._serve_native(conn, session, loop, cur_xfer, refused, acks)
+                served, table = self._serve_native(s, loop)
                 if served is None:
                     continue  # only completions: drained
                 header = served
             ftype, flags, shares, aux, nlen, xfer, offset, length = header
             if ftype == DATA:
                 nruns = aux
-                if xfer != cur_xfer:
-                    if cur_xfer != -1:
+                if xfer != s.cur_xfer:
+                    if s.cur_xfer != -1:
                         raise ProtocolError(
-                            f"tcp {conn.label}: DATA of transfer {xfer} inside the share of transfer {cur_xfer}"
+                            f"tcp {conn.label}: DATA of transfer {xfer} inside the share of transfer {s.cur_xfer}"
                         )
-                    cur_xfer = xfer
+                    s.cur_xfer = xfer
                 # everything checked before a byte lands: flags, the share count, the notification size, every run
                 bad = (
                     flags & ~(LAST | NOTIF_FOLLOWS)
@@ -120,18 +153,18 @@ class FrameServer:
                 table, runs, dest = lander.runs(conn, nruns, offset, length, table)
                 if acks and length >= ACK_FLUSH_BYTES:
                     replies.send_acks(conn, acks)
-                refused = lander.land(conn, session, table, runs, dest, length) or refused
+                s.refused = lander.land(conn, session, table, runs, dest, length) or s.refused
                 if flags & LAST:
                     notif = (
                         conn.recv_payload(nlen, opts.max_notif_bytes, "notification") if flags & NOTIF_FOLLOWS else None
                     )
-                    cur_xfer = -1
-                    replies.ended(conn, session, xfer, shares, notif, refused, acks)
-                    refused = ""
+                    s.cur_xfer = -1
+                    replies.ended(conn, session, xfer, shares, notif, s.refused, acks)
+                    s.refused = ""
                 continue
-            if cur_xfer != -1:
+            if s.cur_xfer != -1:
                 raise ProtocolError(
-                    f"tcp {conn.label}: {FRAME_NAMES.get(ftype, ftype)} frame inside the share of transfer {cur_xfer}"
+                    f"tcp {conn.label}: {FRAME_NAMES.get(ftype, ftype)} frame inside the share of transfer {s.cur_xfer}"
                 )
             no_extras(conn.label, ftype, flags, shares, nlen)
             if acks:
@@ -154,20 +187,18 @@ class FrameServer:
             else:
                 raise ProtocolError(f"tcp {conn.label}: unexpected frame type {FRAME_NAMES.get(ftype, ftype)}")
 
-    def _serve_native(
-        self, conn: Conn, session: Session, loop: tcp_native.FrameLoop, cur_xfer: int, refused: str, acks: list[int]
-    ) -> tuple[Header | None, bytes | None, int, str]:
+    def _serve_native(self, s: Serving, loop: tcp_native.FrameLoop) -> tuple[Header | None, bytes | None]:
         """DATA frames served natively until the loop comes back: (the header of a frame it hands back, or None;
-        that frame's run table if read; the share the connection is now in, ``cur_xfer``; ``refused``, as the
-        transfers that ended leave it).
+        that frame's run table if read); ``s`` left in the share the connection is now in.
 
         First the completions it queued (the shares whose last frame landed)
         end as they end in the Python loop, in order; a frame handed back is
         then served by the Python loop from where the native one stopped.
         """
         assert self._landing is not None and self._grants.mirror is not None
+        conn, session, acks = s.conn, s.session, s.acks
         snap = self._landing.snapshot  # held: the regions it names stay alive while frames land under it
-        loop.share[0], loop.share[1] = (0, 0) if cur_xfer == -1 else (1, cur_xfer)
+        loop.share[0], loop.share[1] = (0, 0) if s.cur_xfer == -1 else (1, s.cur_xfer)
         opts = self.agent.opts
         ticks = conn.patience.max_idle_ticks
         limits = (HASH_PIECE_BYTES, ticks, opts.max_frame_bytes, opts.max_notif_bytes, ACK_FLUSH_BYTES)
@@ -181,7 +212,8 @@ class FrameServer:
             bool(acks),
         )
         for xfer, shares, notif in loop.completions():
-            self.replies.ended(conn, session, xfer, shares, notif, refused, acks)
-            refused = ""
+            self.replies.ended(conn, session, xfer, shares, notif, s.refused, acks)
+            s.refused = ""
         header, table = conn.frames_served(loop, code)
-        return header, table, loop.share[1] if loop.share[0] else -1, refused
+        s.cur_xfer = loop.share[1] if loop.share[0] else -1
+        return header, table

@@ -68,6 +68,12 @@ class TcpOptions(ChannelOptions):
     max_handshakes: int = 64
     max_handshakes_per_host: int = 16
     tls: TlsOptions | None = None  # mutual TLS on every connection (pdkv.channels.tcp.tls); None: clear, as before
+    # the target's threads that serve every proven connection (pdkv.channels.tcp.parking; at most max_connections):
+    # one a core by default; a connection idle between frames holds none
+    serve_threads: int = msgspec.field(default_factory=usable_cores)
+    # a connection that waited this long for a serve thread, every one busy inside a frame, starts one more (up to
+    # max_connections); so a peer that trickles its frames cannot hold the others back
+    serve_wait_s: float = 0.05
 
     def streams_for(self, nbytes: int) -> int:
         """How many streams a transfer of ``nbytes`` is split over: shares of at least ``stream_min_bytes``."""
@@ -94,6 +100,12 @@ class TcpOptions(ChannelOptions):
             ("max_inflight", self.max_inflight >= 1, ">= 1"),
             ("max_connections", self.max_connections >= 1, ">= 1"),
             ("max_handshakes", self.max_handshakes >= 1, ">= 1"),
+            ("serve_threads", self.serve_threads >= 1, ">= 1"),
+            (
+                "serve_wait_s",
+                0 < self.serve_wait_s <= self.io_timeout,
+                f"> 0 seconds, at most io_timeout ({self.io_timeout})",
+            ),
             (
                 "max_handshakes_per_host",
                 1 <= self.max_handshakes_per_host <= self.max_handshakes,

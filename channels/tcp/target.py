@@ -1,8 +1,13 @@
-"""The target side of the tcp channel: the listening socket, and a reader per accepted connection that answers
-its handshake (``handshake.respond``), joins it to its session and serves its frames (``FrameServer``).
+"""The target side of the tcp channel: the listening socket, a thread per accepted connection for its handshake
+(``handshake.respond``), which joins it to its session, and the serve threads that serve its frames
+(``FrameServer``) from then on.
 
-Threads: an acceptor, and one reader per accepted connection (lands DATA,
-answers READ_REQ, sends ACKs). The connections of one initiator link share a
+Threads: an acceptor; one per connection still in its handshake (at most
+``max_handshakes``); the serve pool's poller and its serve threads
+(``parking.ServePool``: ``serve_threads`` of them, more only while every one
+is held inside a frame), which land DATA, answer READ_REQ and send ACKs. A
+connection idle between frames is parked and holds no thread. The
+connections of one initiator link share a
 *session* (its random id in HELLO; ``Session``), since a transfer's shares
 span them: a transfer has landed once the LAST frame of every share has been
 read, and only then is its notification delivered and the transfer
@@ -24,8 +29,9 @@ import time
 
 from pdkv.channels.tcp import handshake
 from pdkv.channels.tcp.conn import IO_ERRORS, Conn, PeerClosed, set_buffers, shutdown
-from pdkv.channels.tcp.frames import FrameServer
+from pdkv.channels.tcp.frames import FrameServer, Serving
 from pdkv.channels.tcp.options import Agent
+from pdkv.channels.tcp.parking import ServePool
 from pdkv.channels.tcp.sessions import Session
 from pdkv.channels.tcp.slots import Slots
 from pdkv.channels.tcp.wire import ERROR, MAX_ERROR_BYTES
@@ -47,7 +53,9 @@ class Target:
         self.agent = agent
         self.frames = frames
         self._sessions: dict[int, Session] = {}
-        self._accepted: dict[Conn, threading.Thread] = {}
+        self._accepted: dict[Conn, threading.Event] = {}  # set once the connection is over and closed
+        self._greeting: set[threading.Thread] = set()  # the handshakes in progress
+        self._here = threading.local()  # the connection this thread is serving, if any (fence waits out the others)
         self._lock = threading.Lock()
         self._said = Throttled(log)
         self._slots = Slots(agent.opts, agent.name, agent.count, self._said)
@@ -69,12 +77,13 @@ class Target:
             self._listener.close()
             raise ConfigError(f"tcp channel cannot listen on {opts.host}:{opts.port}: {exc}") from None
         self.port: int = self._listener.getsockname()[1]
+        self._pool: ServePool[Serving] = ServePool(agent, self._turn)
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"tcp-{agent.name}-accept", daemon=True)
         self._acceptor.start()
 
     def _accept_loop(self) -> None:
-        """Accept every connection into a handshake slot (``Slots``: older handshakes make room), each served by
-        its own reader."""
+        """Accept every connection into a handshake slot (``Slots``: older handshakes make room), each greeted on
+        a thread of its own."""
         while not self.closed:
             try:
                 sock, addr = self._listener.accept()
@@ -94,25 +103,60 @@ class Target:
                 )
                 sock.close()
                 continue
-            t = threading.Thread(target=self._serve, args=(conn,), name=f"tcp-{self.agent.name}-serve", daemon=True)
+            t = threading.Thread(target=self._greet, args=(conn,), name=f"tcp-{self.agent.name}-greet", daemon=True)
             with self._lock:
                 if self.closed:
                     sock.close()
                     return
-                self._accepted[conn] = t
+                self._accepted[conn] = threading.Event()
+                self._greeting.add(t)
             self._slots.admit(conn, addr[0])
             t.start()
 
-    def _serve(self, conn: Conn) -> None:
-        """Reader of one accepted connection: handshake, then frames until EOF or a bad frame."""
-        session: Session | None = None
+    def _greet(self, conn: Conn) -> None:
+        """One accepted connection's handshake; then its first turn of frames on this thread (they usually follow
+        at once), and the pool's serve threads take it from there."""
         try:
             bound = "the handshake (TLS, HELLO and proof; connect_timeout)"
             conn.patience.limit(self.agent.opts.connect_timeout, bound)
-            session = self._join(conn, handshake.respond(conn, self.agent, lambda: self.closed))
+            try:
+                session = self._join(conn, handshake.respond(conn, self.agent, lambda: self.closed))
+            except BaseException as exc:  # noqa: BLE001 - every way out ends the connection, said by its kind
+                self._ended(conn, None, exc)
+                return
             conn.patience.limit(None)
-            self.frames.serve(conn, session)
-        except ProtocolError as exc:
+            serving = self.frames.serving(conn, session)
+            while self._turn(serving) and not self._pool.park(serving):
+                shutdown(conn.sock)  # the pool is closing: the next turn meets the end and finishes the connection
+        finally:
+            with self._lock:
+                self._greeting.discard(threading.current_thread())
+
+    def _turn(self, s: Serving) -> bool:
+        """Serve ``s``'s frames until it is idle between frames (True: park it) or over (False: finished here)."""
+        self._here.conn = s.conn
+        try:
+            self.frames.serve(s)
+            return True
+        except BaseException as exc:  # noqa: BLE001 - every way out ends the connection, said by its kind
+            self._ended(s.conn, s.session, exc)
+            return False
+        finally:
+            self._here.conn = None
+
+    def _ended(self, conn: Conn, session: Session | None, exc: BaseException) -> None:
+        """The connection is over (``exc`` says why): said, its session hung up as it must be, and closed."""
+        try:
+            self._say_ended(conn, session, exc)
+        finally:
+            self._finish(conn, session)
+
+    def _say_ended(self, conn: Conn, session: Session | None, exc: BaseException) -> None:
+        if not isinstance(exc, (ProtocolError, *IO_ERRORS)):  # a bug of ours: said loudly, the peer told nothing
+            log.error("tcp %s: serving %s failed", self.agent.name, conn.label, exc_info=exc)
+            self._hang_up(conn, session, None)
+            return
+        if isinstance(exc, ProtocolError):
             if isinstance(exc, AuthError):
                 self.agent.count("auth_failures")
             if session is None:
@@ -122,31 +166,36 @@ class Target:
                     "tcp %s: rejecting connection %s (peer %r): %s", self.agent.name, conn.label, session.peer, exc
                 )
             self._hang_up(conn, session, None if self._slots.dropped(conn) else str(exc))
-        except IO_ERRORS as exc:
-            if session is None:
-                self._unproven(conn, exc)
-            elif not self.closed and not isinstance(exc, PeerClosed):
-                log.warning("tcp %s: connection %s failed: %s", self.agent.name, conn.label, exc)
-            elif session.ending:
-                log.warning(
-                    "tcp %s: %s closed with %d transfers partly arrived",
-                    self.agent.name,
-                    conn.label,
-                    len(session.ending),
-                )
-            self._hang_up(conn, session, None)
-        finally:
-            self._slots.release(conn)
-            with self._lock:
-                self._accepted.pop(conn, None)
-                if session is not None:
-                    session.conns.discard(conn)
-                    if not session.conns and self._sessions.get(session.sid) is session:
-                        del self._sessions[session.sid]
-            with conn.send_lock:  # another session member may be telling this one why it hangs up
-                conn.sock.close()
+            return
+        if session is None:
+            self._unproven(conn, exc)
+        elif not self.closed and not isinstance(exc, PeerClosed):
+            log.warning("tcp %s: connection %s failed: %s", self.agent.name, conn.label, exc)
+        elif session.ending:
+            log.warning(
+                "tcp %s: %s closed with %d transfers partly arrived",
+                self.agent.name,
+                conn.label,
+                len(session.ending),
+            )
+        self._hang_up(conn, session, None)
 
-    def _unproven(self, conn: Conn, exc: Exception) -> None:
+    def _finish(self, conn: Conn, session: Session | None) -> None:
+        """Exactly once per accepted connection: its slot, its session membership and its socket given back."""
+        self._slots.release(conn)
+        self._pool.forget(conn.sock.fileno())
+        with self._lock:
+            done = self._accepted.pop(conn, None)
+            if session is not None:
+                session.conns.discard(conn)
+                if not session.conns and self._sessions.get(session.sid) is session:
+                    del self._sessions[session.sid]
+        with conn.send_lock:  # another session member may be telling this one why it hangs up
+            conn.sock.close()
+        if done is not None:
+            done.set()
+
+    def _unproven(self, conn: Conn, exc: BaseException) -> None:
         """A connection failed before it authenticated: said at a bounded rate (anyone can make many fail), and
         not at all when it was dropped for a newer one (``Slots`` said so) or left without a word."""
         if isinstance(exc, TransferTimeout):
@@ -197,30 +246,36 @@ class Target:
             shutdown(c.sock)
 
     def fence(self, peer: str, token: bytes) -> None:
-        """Hang up every session that presented ``token`` and wait for their readers: nothing queued behind them
-        lands."""
+        """Hang up every session that presented ``token`` and wait until each of its connections is over, served or
+        parked: nothing queued behind them lands."""
+        mine = getattr(self._here, "conn", None)  # called while serving one of them: that one ends after this
         with self._lock:
             sessions = [sess for sess in self._sessions.values() if sess.token == token]
-            threads = [self._accepted[c] for sess in sessions for c in sess.conns if c in self._accepted]
+            conns = [c for sess in sessions for c in sess.conns]
+            overs = [self._accepted[c] for c in conns if c in self._accepted and c is not mine]
         for sess in sessions:
-            conns = list(sess.conns)
-            if conns:
+            members = list(sess.conns)
+            if members:
                 self._hang_up(
-                    conns[0], sess, f"fenced by {self.agent.name!r}: it went silent mid-transfer; handshake again"
+                    members[0], sess, f"fenced by {self.agent.name!r}: it went silent mid-transfer; handshake again"
                 )
         deadline = time.monotonic() + self.agent.opts.io_timeout
-        for t in threads:
-            if t is not threading.current_thread():
-                t.join(max(0.0, deadline - time.monotonic()))
-        log.warning("tcp %s: fenced peer %r: cut %d data connection(s)", self.agent.name, peer, len(threads))
+        for over in overs:
+            over.wait(max(0.0, deadline - time.monotonic()))
+        log.warning("tcp %s: fenced peer %r: cut %d data connection(s)", self.agent.name, peer, len(conns))
 
     def close(self) -> list[threading.Thread]:
-        """Stop listening and hang up every accepted connection; returns the threads to join (acceptor, readers)."""
+        """Stop listening and hang up every accepted connection; returns the threads to join (acceptor, handshakes,
+        the serve pool's). The connections parked are finished here, since no thread holds them."""
         with self._lock:
             self.closed = True
-            accepted = dict(self._accepted)
+            accepted = list(self._accepted)
+            greeting = list(self._greeting)
         shutdown(self._listener)
         self._listener.close()
         for conn in accepted:
             shutdown(conn.sock)
-        return [self._acceptor, *accepted.values()]
+        threads = self._pool.close()
+        for parked in self._pool.parked():
+            self._finish(parked.conn, parked.session)
+        return [self._acceptor, *greeting, *threads]

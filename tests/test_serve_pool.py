@@ -1,0 +1,192 @@
+"""The tcp target serves every connection on a few threads (channels/tcp/parking.py): a connection idle between frames
+holds none, a peer that trickles a frame cannot hold the others back, and fence and close reach parked connections.
+
+Real sockets and real tcp channels in this process; the trickling peer is a raw socket, since a well-behaved channel
+cannot stall inside a frame. Waits are bounded, so a connection that never gets a thread fails a test instead of
+hanging it.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from pdkv.channels import TransferOp
+from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
+from pdkv.channels.tcp.wire import HEADER, LAST, MAGIC, VERSION
+from pdkv.errors import ChannelError, ConfigError
+
+from tests.conftest import wait_until
+
+REGION = 256 << 10
+WAIT_S = 10.0
+
+
+def _threads(name: str, kind: str) -> list[threading.Thread]:
+    """The live threads of ``name``'s tcp target of one kind: serve, greet (a handshake), watch."""
+    return [t for t in threading.enumerate() if t.name == f"tcp-{name}-{kind}"]
+
+
+def _peer(name: str, d: TcpChannel, streams: int) -> TcpChannel:
+    """A prefill worker's side, with one region of REGION bytes (its region 0), that knows ``d``."""
+    p = TcpChannel(name, TcpOptions(streams=streams))
+    _SOURCES[name] = bytearray(REGION)
+    p.register(_SOURCES[name])
+    p.add_peer(d.metadata())
+    return p
+
+
+_SOURCES: dict[str, bytearray] = {}
+
+
+def _write(src: TcpChannel, seed: int, offset: int, length: int) -> bytes:
+    """Write ``length`` random bytes from ``src``'s region to d's region at ``offset``, waited for; the bytes."""
+    data = random.Random(seed).randbytes(length)
+    _SOURCES[src.agent.name][:length] = data
+    src.wait(src.write("d", [TransferOp(0, 0, 0, offset, length)]), WAIT_S)
+    return data
+
+
+@pytest.fixture
+def target(frame_loop: str) -> Iterator[tuple[TcpChannel, bytearray]]:
+    """A decode worker's side: one region, two serve threads, a wait of a second before a third is added."""
+    channel = TcpChannel("d", TcpOptions(serve_threads=2, serve_wait_s=1.0))
+    buf = bytearray(REGION * 16)
+    channel.register(buf)
+    yield channel, buf
+    channel.close()
+
+
+def test_sixteen_peers_are_served_by_the_serve_threads_not_a_thread_each(target: tuple[TcpChannel, bytearray]) -> None:
+    d, buf = target
+    peers = [_peer(f"p{i}", d, 2) for i in range(16)]
+    try:
+        sent: list[bytes] = [b""] * len(peers)
+        errors: list[BaseException] = []
+
+        def push(i: int, round_: int) -> None:
+            try:
+                sent[i] = _write(peers[i], 100 * round_ + i, i * REGION, REGION)
+            except BaseException as exc:  # noqa: BLE001 - failed below, on the test's thread
+                errors.append(exc)
+
+        for round_ in range(3):
+            pushers = [threading.Thread(target=push, args=(i, round_)) for i in range(len(peers))]
+            for t in pushers:
+                t.start()
+            for t in pushers:
+                t.join(WAIT_S * 2)
+            assert not errors, errors
+            for i, data in enumerate(sent):
+                assert bytes(buf[i * REGION : (i + 1) * REGION]) == data, f"peer {i}'s bytes in round {round_}"
+        # every connection is idle now: the handshakes' threads are gone, and the serve threads are the two
+        wait_until(lambda: not _threads("d", "greet"), WAIT_S, "the handshake threads to end")
+        assert len(_threads("d", "serve")) == 2
+        assert len(_threads("d", "watch")) == 1
+        assert d.stats().get("serve_threads_added", 0) == 0
+    finally:
+        for p in peers:
+            p.close()
+
+
+def _hdr(ftype: int, *, flags: int = 0, shares: int = 0, aux: int = 0, xfer: int = 0, length: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, ftype, flags, shares, aux, 0, xfer, 0, length)
+
+
+def _raw_peer(port: int) -> socket.socket:
+    """A peer without a secret past its handshake (the target has none either): HELLO sent, HELLO_OK read."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=WAIT_S)
+    name = b"slow"
+    sock.sendall(_hdr(wire.HELLO, xfer=7, length=len(name)) + name)
+    head = b""
+    while len(head) < HEADER.size:
+        head += sock.recv(HEADER.size - len(head))
+    fields = HEADER.unpack(head)
+    assert fields[2] == wire.HELLO_OK, fields
+    body = fields[-1]
+    while body:
+        body -= len(sock.recv(body))
+    return sock
+
+
+def test_a_peer_trickling_a_frame_does_not_hold_back_another_peers_write(frame_loop: str) -> None:
+    """One serve thread, held inside a frame by a peer that sent part of it and stopped: the other peer's write
+    completes all the same, on a serve thread added for it, long before the stalled frame's io_timeout."""
+    d = TcpChannel("d", TcpOptions(serve_threads=1, serve_wait_s=0.05, io_timeout=60))
+    buf = bytearray(REGION * 2)
+    d.register(buf)
+    good = _peer("good", d, 1)
+    slow: socket.socket | None = None
+    try:
+        _write(good, 1, REGION, 4096)  # the good peer's connection exists, and is parked after this
+        slow = _raw_peer(d.port)
+        wait_until(lambda: not _threads("d", "greet"), WAIT_S, "both connections to be parked")
+        frame = wire.data_frame(1, [(0, 0, 5000)], 5000, LAST, 1)
+        slow.sendall(bytes(frame) + b"z" * 100)  # a serve thread takes it, and waits inside the frame
+        time.sleep(0.2)
+        started = time.monotonic()
+        data = _write(good, 2, REGION, 8192)
+        assert time.monotonic() - started < WAIT_S
+        assert bytes(buf[REGION : REGION + 8192]) == data
+        assert d.stats()["serve_threads_added"] >= 1
+        assert len(_threads("d", "serve")) >= 2
+    finally:
+        if slow is not None:
+            slow.close()
+        good.close()
+        d.close()
+
+
+def test_fence_cuts_a_parked_connection_and_returns_once_it_is_closed(target: tuple[TcpChannel, bytearray]) -> None:
+    d, _ = target
+    p = _peer("p", d, 1)
+    try:
+        _write(p, 3, 0, 4096)
+        wait_until(lambda: not _threads("d", "greet"), WAIT_S, "the connection to be parked")
+        session = next(iter(d.target._sessions.values()))
+        (conn,) = session.conns
+        d.fence("p", session.token)
+        assert conn.sock.fileno() == -1, "fence returned before the parked connection was closed"
+        assert not d.target._sessions
+        # the peer hears why (its link may learn it only from its next write), and then lands on a new connection
+        try:
+            _write(p, 4, 0, 4096)
+        except ChannelError as exc:
+            assert "fenced by 'd'" in str(exc)
+            _write(p, 5, 0, 4096)
+        assert len(d.target._sessions) == 1
+    finally:
+        p.close()
+
+
+def test_close_finishes_parked_connections_and_ends_every_thread(frame_loop: str) -> None:
+    d = TcpChannel("d", TcpOptions(serve_threads=2))
+    d.register(bytearray(REGION))
+    peers = [_peer(f"p{i}", d, 2) for i in range(4)]
+    try:
+        for i, p in enumerate(peers):
+            _write(p, i, 0, 4096)
+        wait_until(lambda: not _threads("d", "greet"), WAIT_S, "the connections to be parked")
+        conns = list(d.target._accepted)
+        assert len(conns) == 8
+    finally:
+        d.close()
+        for p in peers:
+            p.close()
+    assert all(c.sock.fileno() == -1 for c in conns)
+    for kind in ("serve", "watch", "greet", "accept"):
+        assert not _threads("d", kind), kind
+
+
+@pytest.mark.parametrize(
+    "raw", [{"serve_threads": 0}, {"serve_threads": -1}, {"serve_wait_s": 0}, {"serve_wait_s": 11, "io_timeout": 10}]
+)
+def test_bad_serve_options_are_refused_with_the_field_named(raw: dict[str, float]) -> None:
+    field = next(iter(raw))
+    with pytest.raises(ConfigError, match=f"tcp channel option {field}="):
+        TcpOptions(**raw)  # type: ignore[arg-type]
