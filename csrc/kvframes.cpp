@@ -134,6 +134,18 @@ int recv_exact(int fd, char* buf, int64_t n, bool boundary, int64_t max_idle, in
   return PDKV_OK;
 }
 
+// Between frames: wait until fd has bytes (or EOF, or an error: recv says which), true; or until `wake` is readable
+// first, false. No timeout: an idle connection between frames is normal, and the pool wakes its thread.
+bool wait_frame(int fd, int wake) {
+  pollfd p[2] = {{fd, POLLIN, 0}, {wake, POLLIN, 0}};
+  for (;;) {
+    const int r = poll(p, 2, -1);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 || p[0].revents) return true;
+    if (p[1].revents) return false;
+  }
+}
+
 template <typename T>
 T field(const char* hdr, int64_t at) {
   T v;
@@ -228,16 +240,20 @@ PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t 
   const int64_t piece = limits[0], max_idle = limits[1], max_frame = limits[2], max_notif = limits[3];
   const int64_t flush = limits[4], snapshot = limits[5], ring_cap = limits[6], notif_cap = limits[7];
   const bool acks_held = limits[8];
+  const int wake = static_cast<int>(limits[9]);
   if (ring_cap < 1 || notif_cap < max_notif || piece <= 0) return PDKV_LAND_EARG;  // room for one completion at least
   const std::string tok(token, static_cast<size_t>(token_len));
   std::fill(io, io + 5, 0);  // frames landed, part (0 header, 1 run table, 2 payload, 3 notification), got, wanted, errno
   ring[0] = 0;
   int64_t used = 0;  // bytes of notifs holding the ring's notifications
+  bool first = true;  // the call's first header: only it may wait on the wake fd (the rest follow without a pause)
   for (;;) {
     int rc = PDKV_OK;
     if (share[2]) {
       share[2] = 0;  // the header read before the last return: serve it now
     } else {
+      if (wake >= 0 && first && !wait_frame(fd, wake)) return PDKV_FRAME_IDLE;
+      first = false;
       rc = recv_exact(fd, hdr, wire::kHeaderBytes, true, max_idle, &io[2], &io[4]);
       io[3] = wire::kHeaderBytes;
       if (rc != PDKV_OK) return rc;

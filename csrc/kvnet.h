@@ -65,7 +65,10 @@ PDKV_API int pdkv_grants_wait(void* grants, const char* token, int64_t token_len
 // `notifs`, its length or -1 for none). limits: piece, max_idle ticks,
 // max_frame_bytes, max_notif_bytes, the payload length before which owed
 // completions go out first, desc's generation, the ring's capacity in
-// entries, notifs' in bytes (>= max_notif_bytes), whether Python holds ACKs.
+// entries, notifs' in bytes (>= max_notif_bytes), whether Python holds ACKs,
+// and a wake fd (-1: none): the call's first frame is waited for in poll on
+// both, and if the wake fd becomes readable first it returns PDKV_FRAME_IDLE
+// (the target's serve pool takes the connection back, channels/tcp/parking.py).
 // share: [0] whether the connection is inside a share, [1] that share's
 // transfer id, [2] whether hdr holds a header read and not yet served (in
 // and out). hdr (tcpwire.h's kHeaderBytes) gets the last header read, table
@@ -77,6 +80,7 @@ PDKV_API int pdkv_grants_wait(void* grants, const char* token, int64_t token_len
 #define PDKV_FRAME_HEADER 21  // a frame it does not take: only its header was read
 #define PDKV_FRAME_TABLE 22   // a frame it does not take: its header and run table were read
 #define PDKV_FRAME_CLOSED 23  // the peer closed the connection between frames
+#define PDKV_FRAME_IDLE 24    // nothing began arriving and the wake fd became readable
 // or PDKV_LAND_EOF / PDKV_LAND_STALLED / PDKV_LAND_EOS (a frame cut short).
 PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t token_len, const int64_t* desc,
                                int64_t n_desc, const int64_t* generation, const int64_t* limits, uint64_t* share,

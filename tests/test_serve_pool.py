@@ -8,6 +8,8 @@ hanging it.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import random
 import socket
 import threading
@@ -16,8 +18,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from pdkv import native
 from pdkv.channels import TransferOp
 from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
+from pdkv.channels.tcp import native as tcp_native
 from pdkv.channels.tcp.wire import HEADER, LAST, MAGIC, VERSION
 from pdkv.errors import ChannelError, ConfigError
 
@@ -92,6 +96,39 @@ def test_sixteen_peers_are_served_by_the_serve_threads_not_a_thread_each(target:
     finally:
         for p in peers:
             p.close()
+
+
+def test_a_thread_keeps_its_connection_while_there_are_no_more_connections_than_threads(
+    target: tuple[TcpChannel, bytearray], frame_loop: str
+) -> None:
+    """With no more connections than serve threads, a thread that served a connection waits for its next frame in the
+    native loop (woken by its bytes, no epoll round, as a thread per connection was); once a third connects it
+    lets go, and every idle connection is parked; once that one left, the first is kept again. The Python loop
+    (TLS, PDKV_NATIVE_FRAMES=0) cannot wait that way: its idle connections are always parked."""
+    d, buf = target
+    kept = 0 if frame_loop == "native" else 1  # what stays parked of the first peer's connection
+    pool = d.target._pool
+    first = _peer("p0", d, 1)
+    more: list[TcpChannel] = []
+    try:
+        for seed in range(3):  # the handshake's thread serves the first turn and parks it; a serve thread keeps it
+            data = _write(first, seed, 0, 4096)
+            assert bytes(buf[:4096]) == data
+        wait_until(lambda: len(pool.parked()) == kept and not pool.crowded, WAIT_S, "the connection to be kept")
+        more = [_peer(f"p{i}", d, 1) for i in (1, 2)]
+        for i, p in enumerate(more):
+            _write(p, 10 + i, REGION * (i + 1), 4096)
+        wait_until(lambda: pool.crowded and len(pool.parked()) == 3, WAIT_S, "all three connections to be parked")
+        for p in more:
+            p.close()
+        wait_until(lambda: not pool.crowded, WAIT_S, "the two connections to end")
+        data = _write(first, 20, 0, 4096)
+        assert bytes(buf[:4096]) == data
+        wait_until(lambda: len(pool.parked()) == kept, WAIT_S, "the connection to be kept again")
+    finally:
+        for p in more:
+            p.close()
+        first.close()
 
 
 def _hdr(ftype: int, *, flags: int = 0, shares: int = 0, aux: int = 0, xfer: int = 0, length: int = 0) -> bytes:
@@ -190,3 +227,37 @@ def test_bad_serve_options_are_refused_with_the_field_named(raw: dict[str, float
     field = next(iter(raw))
     with pytest.raises(ConfigError, match=f"tcp channel option {field}="):
         TcpOptions(**raw)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not native.available(), reason="the native kernels did not load")
+def test_the_native_loop_waits_between_frames_until_bytes_or_the_crowd_fd() -> None:
+    """``FrameLoop.serve`` with a wake fd: bytes first, whatever the fd says (a header waiting is read), and with
+    nothing to read it returns FRAME_IDLE as soon as the fd is readable, instead of waiting for the next frame."""
+    ours, theirs = socket.socketpair()
+    crowd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    generation = ctypes.c_int64(0)
+    loop = tcp_native.FrameLoop(1024, 4)
+    mirror = tcp_native.GrantMirror()
+
+    def serve() -> int:
+        regions = (0, 0, ctypes.addressof(generation), 0)
+        return loop.serve(
+            ours.fileno(), mirror, b"token", regions, (1 << 16, 4, 1 << 20, 1024, 1 << 16), 4, False, crowd
+        )
+
+    try:
+        done: list[int] = []
+        waiter = threading.Thread(target=lambda: done.append(serve()))
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive(), f"the loop returned {done} with nothing to read and the fd not readable"
+        os.eventfd_write(crowd, 1)
+        waiter.join(WAIT_S)
+        assert done == [tcp_native.FRAME_IDLE]
+        theirs.sendall(_hdr(wire.NOTIF, length=3) + b"abc")  # a frame the native loop hands back after its header
+        assert serve() == tcp_native.FRAME_HEADER
+        assert HEADER.unpack(loop.header.raw)[2] == wire.NOTIF
+    finally:
+        os.close(crowd)
+        ours.close()
+        theirs.close()

@@ -239,7 +239,7 @@ class Conn:
             raise self.patience.stall(got, wanted)
         if code == tcp_native.LAND_EOS:
             raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
-        if code == tcp_native.FRAME_DRAIN:
+        if code in (tcp_native.FRAME_DRAIN, tcp_native.FRAME_IDLE):
             return None, None
         header = unpack_header(bytearray(loop.header.raw), self.label)
         return header, loop.table.raw[: header[3] * RUN.size] if code == tcp_native.FRAME_TABLE else None

@@ -9,6 +9,7 @@ back here with the transfers that ended and with any frame it leaves to the Pyth
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pdkv import native
 from pdkv.channels.grants import Grants
@@ -41,6 +42,14 @@ ACK_FLUSH_BYTES = 64 << 10  # send pending ACKs before landing a payload this bi
 FRAMES_ENV_VAR = "PDKV_NATIVE_FRAMES"
 """Set to 0 to serve every DATA frame through the Python loop while the kernels still land and hash them (the
 native frame loop's reference; ``PDKV_NATIVE=0`` turns off both)."""
+
+
+class Crowd(Protocol):
+    """Whether a serve thread may keep the connection it serves (``parking.ServePool``): not while ``crowded``;
+    ``crowd_fd`` becomes readable the moment it may not, which ends the native loop's wait between frames."""
+
+    crowd_fd: int
+    crowded: bool
 
 
 @dataclass(eq=False)
@@ -98,9 +107,15 @@ class FrameServer:
             conn, session, tcp_native.FrameLoop(opts.max_notif_bytes, MAX_ACK_BATCH) if native_loop else None
         )
 
-    def serve(self, s: Serving) -> None:
+    def serve(self, s: Serving, crowd: Crowd | None) -> None:
         """One turn of the hot loop: land DATA in place; when a transfer has fully landed, notify, then ACK; return
         once the connection is idle between frames (its ACKs sent), to be parked until more bytes come.
+
+        Unless ``crowd`` lets this thread keep the connection (a serve thread
+        of a pool with no more connections than threads; None: a handshake's
+        thread, which never keeps one): then, natively served, it waits for
+        the next frame in the native loop, woken by its bytes as a thread of
+        its own would be, and returns once it is idle and the pool crowded.
 
         ACKs wait in ``acks`` only while more frames are already readable (or
         until a batch is full), and go out before any large payload is landed
@@ -117,16 +132,20 @@ class FrameServer:
         lander, replies = self.lander, self.replies
         while True:
             waiting = loop is not None and loop.pending  # a header the native loop read and left to serve next
-            readable = waiting or conn.readable()
+            keep = crowd is not None and loop is not None and not crowd.crowded  # may wait in the native loop
+            wake = crowd.crowd_fd if keep and crowd is not None else -1
+            readable = waiting or (keep and not acks) or conn.readable()  # (the native loop polls for itself)
             if acks and (len(acks) >= MAX_ACK_BATCH or waiting or not readable):
                 replies.send_acks(conn, acks)
-            if not readable:
+            if not readable and not keep:
                 return  # idle between frames: parked until more bytes come
             table: bytes | None = None  # a handed back frame's run table, read already
             if loop is None:
                 header = conn.recv_header()
             else:
-                served, table = self._serve_native(s, loop)
+                served, table, idle = self._serve_native(s, loop, wake)
+                if idle:
+                    return  # the pool needs this thread: parked
                 if served is None:
                     continue  # only completions: drained
                 header = served
@@ -187,9 +206,12 @@ class FrameServer:
             else:
                 raise ProtocolError(f"tcp {conn.label}: unexpected frame type {FRAME_NAMES.get(ftype, ftype)}")
 
-    def _serve_native(self, s: Serving, loop: tcp_native.FrameLoop) -> tuple[Header | None, bytes | None]:
+    def _serve_native(
+        self, s: Serving, loop: tcp_native.FrameLoop, wake: int
+    ) -> tuple[Header | None, bytes | None, bool]:
         """DATA frames served natively until the loop comes back: (the header of a frame it hands back, or None;
-        that frame's run table if read); ``s`` left in the share the connection is now in.
+        that frame's run table if read; whether it came back idle, ``wake`` readable before a frame began); ``s``
+        left in the share the connection is now in.
 
         First the completions it queued (the shares whose last frame landed)
         end as they end in the Python loop, in order; a frame handed back is
@@ -210,10 +232,11 @@ class FrameServer:
             limits,
             MAX_ACK_BATCH - len(acks),
             bool(acks),
+            wake,
         )
         for xfer, shares, notif in loop.completions():
             self.replies.ended(conn, session, xfer, shares, notif, s.refused, acks)
             s.refused = ""
         header, table = conn.frames_served(loop, code)
         s.cur_xfer = loop.share[1] if loop.share[0] else -1
-        return header, table
+        return header, table, code == tcp_native.FRAME_IDLE

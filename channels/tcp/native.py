@@ -80,11 +80,20 @@ def recv_runs(
     return code, got.value, os_error.value
 
 
-FRAME_DRAIN, FRAME_HEADER, FRAME_TABLE, FRAME_CLOSED = 20, 21, 22, 23
+FRAME_DRAIN, FRAME_HEADER, FRAME_TABLE, FRAME_CLOSED, FRAME_IDLE = 20, 21, 22, 23, 24
 """pdkv_serve_frames' outcomes besides LAND_EOF/LAND_STALLED/LAND_EOS (kvnet.h): completions to drain (and maybe a
 header read to serve next), a frame handed back after its header or after its run table, the peer closed between
-frames."""
-_FRAME_OUTCOMES = (FRAME_DRAIN, FRAME_HEADER, FRAME_TABLE, FRAME_CLOSED, LAND_EOF, LAND_STALLED, LAND_EOS)
+frames, the wake fd readable before a frame began."""
+_FRAME_OUTCOMES = (
+    FRAME_DRAIN,
+    FRAME_HEADER,
+    FRAME_TABLE,
+    FRAME_CLOSED,
+    FRAME_IDLE,
+    LAND_EOF,
+    LAND_STALLED,
+    LAND_EOS,
+)
 
 
 class GrantMirror:
@@ -232,7 +241,7 @@ class FrameLoop:
         self.io = (_i64 * 5)()  # frames landed, part (0 header, 1 table, 2 payload, 3 notification), got, wanted, errno
         self._ring = (_i64 * (1 + 4 * ring))()  # entries, then (transfer id, shares, notif offset, length or -1)
         self._notifs = ctypes.create_string_buffer(max(1, max_notif))
-        self._limits = (_i64 * 9)()
+        self._limits = (_i64 * 10)()
 
     @property
     def pending(self) -> bool:
@@ -248,14 +257,23 @@ class FrameLoop:
         limits: Sequence[int],
         room: int,
         acks_held: bool,
+        wake: int = -1,
     ) -> int:
         """Serve DATA frames until one comes back to Python; the outcome (``FRAME_*`` or ``LAND_*``). ``regions``:
         the descriptors' address and count, the address of the generation counter and the generation they are of
         (channels/landing.py); ``limits``: piece, max_idle ticks, max_frame_bytes, max_notif_bytes, the payload
         length before which owed completions go out; ``room``: completions it may queue (at most the ring's size);
-        ``acks_held``: whether the caller holds ACKs not sent yet."""
+        ``acks_held``: whether the caller holds ACKs not sent yet; ``wake``: an fd (-1: none) whose becoming readable
+        ends the wait for the call's first frame (``FRAME_IDLE``)."""
         desc, n_desc, generation, current = regions
-        self._limits[:] = [*limits, current, min(room, (len(self._ring) - 1) // 4), len(self._notifs), acks_held]
+        self._limits[:] = [
+            *limits,
+            current,
+            min(room, (len(self._ring) - 1) // 4),
+            len(self._notifs),
+            acks_held,
+            wake,
+        ]
         code = _lib().pdkv_serve_frames(
             fd,
             mirror.handle,

@@ -3,9 +3,16 @@
 A connection idle between frames is *parked*: armed in one epoll set (one-shot), owned by no thread. The serve
 threads that have nothing to do all wait in that set; the kernel wakes one of them when bytes (or EOF) arrive on a
 connection, and that thread serves its frames until it is idle again (``FrameServer.serve`` returns), then parks it
-again. No thread hands a connection to another on the way, as a recv on a thread per connection did not either; and
-the threads of a decode worker grow with the frames landing at once, not with the prefill workers connected to it
-(16 senders with two streams each held 32 serve threads).
+again. No thread hands a chunk to another on its way in (the thread the kernel wakes serves it), and the threads of a
+decode worker grow with the frames landing at once, not with the prefill workers connected to it (16 senders with two
+streams each held 32 serve threads).
+
+While the connections are no more than the serve threads (one prefill worker's streams, say), a thread does not
+park the connection it served: it waits for its next frame in the native loop, woken by its bytes with no epoll round
+and no Python between, as a thread of its own would be (a single request costs what it cost before the pool). The
+moment one connection more arrives the pool is *crowded*: ``crowd_fd`` becomes readable, which ends each such wait
+between frames (``FRAME_IDLE``, csrc/kvframes.cpp), and every idle connection is parked; it stops being crowded once
+connections leave.
 
 No connection waits for a serve thread for long: when every serve thread has been inside a turn for
 ``serve_wait_s`` and a parked connection has bytes waiting, a watcher takes that connection and starts one more
@@ -69,6 +76,11 @@ class ServePool(Generic[P]):
         self._registered: set[int] = set()  # fds in the epoll set, armed or not
         self._threads: list[threading.Thread] = []
         self._busy = 0  # serve threads inside a turn
+        self._members = 0  # connections handed to the pool and not over
+        # readable while the connections outnumber the serve threads (or the pool closes): a thread may keep its
+        # connection, blocked natively until bytes come (as a thread per connection did), only while it is not
+        self.crowd_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.crowded = False
         self._closing = False
         self._watcher = threading.Thread(target=self._watch, name=f"tcp-{self._name}-watch", daemon=True)
         with self._lock:
@@ -89,6 +101,10 @@ class ServePool(Generic[P]):
             else:
                 self._epoll.register(fd, _ARMED)
                 self._registered.add(fd)
+                self._members += 1
+                self._recount()
+            if self._busy == len(self._threads):
+                self._changed.notify_all()  # every thread busy and one more connection parked: the watcher looks
         return True
 
     def forget(self, fd: int) -> None:
@@ -98,10 +114,23 @@ class ServePool(Generic[P]):
             self._parked.pop(fd, None)
             if fd in self._registered and not self._closing:  # closing: the watcher closes the whole set
                 self._registered.discard(fd)
+                self._members -= 1
+                self._recount()
                 try:
                     self._epoll.unregister(fd)
                 except OSError:
                     pass
+
+    def _recount(self) -> None:
+        """Crowded or not, as the members and serve threads now stand (under the lock)."""
+        crowded = self._closing or self._members > self._core
+        if crowded == self.crowded:
+            return
+        if crowded:
+            os.eventfd_write(self.crowd_fd, 1)
+        else:
+            os.eventfd_read(self.crowd_fd)
+        self.crowded = crowded
 
     def parked(self) -> list[P]:
         """The connections parked now (the others are being served)."""
@@ -115,6 +144,7 @@ class ServePool(Generic[P]):
             if self._closing:
                 return []
             self._closing = True
+            self._recount()  # threads keeping a connection let it go
             self._changed.notify_all()
             os.write(self._wake_w, b"x")  # under the lock: the watcher closes the pipe only once it saw closing
             return [self._watcher, *self._threads]
@@ -171,7 +201,7 @@ class ServePool(Generic[P]):
         try:
             while True:
                 with self._lock:
-                    while not self._closing and self._busy < len(self._threads):
+                    while not self._closing and (self._busy < len(self._threads) or not self._parked):
                         self._changed.wait()
                     if self._closing:
                         break
@@ -208,6 +238,7 @@ class ServePool(Generic[P]):
         """Closes the epoll set and the wake pipe once no serve thread waits in it (or CLOSE_WAIT_S passed)."""
         with self._lock:
             self._closing = True
+            self._recount()
             os.write(self._wake_w, b"x")
             ended = self._changed.wait_for(lambda: not self._threads, CLOSE_WAIT_S)
             if not ended:
@@ -216,5 +247,5 @@ class ServePool(Generic[P]):
                 )
                 return
             self._epoll.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+            for fd in (self._wake_r, self._wake_w, self.crowd_fd):
+                os.close(fd)

@@ -29,7 +29,7 @@ import time
 
 from pdkv.channels.tcp import handshake
 from pdkv.channels.tcp.conn import IO_ERRORS, Conn, PeerClosed, set_buffers, shutdown
-from pdkv.channels.tcp.frames import FrameServer, Serving
+from pdkv.channels.tcp.frames import Crowd, FrameServer, Serving
 from pdkv.channels.tcp.options import Agent
 from pdkv.channels.tcp.parking import ServePool
 from pdkv.channels.tcp.sessions import Session
@@ -77,7 +77,7 @@ class Target:
             self._listener.close()
             raise ConfigError(f"tcp channel cannot listen on {opts.host}:{opts.port}: {exc}") from None
         self.port: int = self._listener.getsockname()[1]
-        self._pool: ServePool[Serving] = ServePool(agent, self._turn)
+        self._pool: ServePool[Serving] = ServePool(agent, lambda s: self._turn(s, self._pool))
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"tcp-{agent.name}-accept", daemon=True)
         self._acceptor.start()
 
@@ -126,17 +126,18 @@ class Target:
                 return
             conn.patience.limit(None)
             serving = self.frames.serving(conn, session)
-            while self._turn(serving) and not self._pool.park(serving):
+            while self._turn(serving, None) and not self._pool.park(serving):
                 shutdown(conn.sock)  # the pool is closing: the next turn meets the end and finishes the connection
         finally:
             with self._lock:
                 self._greeting.discard(threading.current_thread())
 
-    def _turn(self, s: Serving) -> bool:
-        """Serve ``s``'s frames until it is idle between frames (True: park it) or over (False: finished here)."""
+    def _turn(self, s: Serving, crowd: Crowd | None) -> bool:
+        """Serve ``s``'s frames until it is idle between frames (True: park it) or over (False: finished here);
+        ``crowd``: whether this thread may keep it while it waits for more (``FrameServer.serve``)."""
         self._here.conn = s.conn
         try:
-            self.frames.serve(s)
+            self.frames.serve(s, crowd)
             return True
         except BaseException as exc:  # noqa: BLE001 - every way out ends the connection, said by its kind
             self._ended(s.conn, s.session, exc)
