@@ -17,7 +17,7 @@ from pdkv.channels.inbox import NotificationInbox
 from pdkv.channels.landing import LandingSums
 from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp import native as tcp_native
-from pdkv.channels.tcp.conn import Conn
+from pdkv.channels.tcp.conn import Conn, shutdown
 from pdkv.channels.tcp.lander import HASH_PIECE_BYTES, Lander
 from pdkv.channels.tcp.options import Agent
 from pdkv.channels.tcp.replies import Replies
@@ -71,6 +71,9 @@ class Serving:
 
     def fileno(self) -> int:
         return self.conn.sock.fileno()
+
+    def hang_up(self) -> None:
+        shutdown(self.conn.sock)
 
 
 class FrameServer:

@@ -44,9 +44,12 @@ _ARMED = select.EPOLLIN | select.EPOLLONESHOT | select.EPOLLRDHUP
 
 
 class Parkable(Protocol):
-    """What the pool parks: anything with the socket it waits on."""
+    """What the pool parks: a connection, by the socket it waits on; ``hang_up`` wakes whoever serves it to its end
+    (a pool that is closing parks nothing more)."""
 
     def fileno(self) -> int: ...
+
+    def hang_up(self) -> None: ...
 
 
 P = TypeVar("P", bound=Parkable)
@@ -164,7 +167,7 @@ class ServePool(Generic[P]):
             while True:
                 if item is not None:
                     while self._turn(item) and not self.park(item):
-                        pass  # closing: the target hung it up, so the next turn meets its end and finishes it
+                        item.hang_up()  # closing: the next turn meets the end and finishes it
                     with self._lock:
                         self._busy -= 1
                 item = self._next(me)

@@ -127,7 +127,7 @@ class Target:
             conn.patience.limit(None)
             serving = self.frames.serving(conn, session)
             while self._turn(serving, None) and not self._pool.park(serving):
-                shutdown(conn.sock)  # the pool is closing: the next turn meets the end and finishes the connection
+                serving.hang_up()  # the pool is closing: the next turn meets the end and finishes the connection
         finally:
             with self._lock:
                 self._greeting.discard(threading.current_thread())
