@@ -246,7 +246,7 @@ PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t 
   std::fill(io, io + 5, 0);  // frames landed, part (0 header, 1 run table, 2 payload, 3 notification), got, wanted, errno
   ring[0] = 0;
   int64_t used = 0;  // bytes of notifs holding the ring's notifications
-  bool first = true;  // the call's first header: only it may wait on the wake fd (the rest follow without a pause)
+  bool first = true;  // the call's first header: only it may wait on the wake fd (the loop reads on only when bytes wait)
   for (;;) {
     int rc = PDKV_OK;
     if (share[2]) {
@@ -301,6 +301,10 @@ PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t 
     share[1] = xfer;
     if (!last) {
       io[1] = 0;
+      // the share goes on in the next frame; if none has begun, back to Python, which parks the connection (or waits
+      // for it here again, on the wake fd): a connection quiet inside a share holds no thread either
+      pollfd p{fd, POLLIN, 0};
+      if (poll(&p, 1, 0) <= 0) return PDKV_FRAME_DRAIN;
       continue;
     }
     if (notif) {

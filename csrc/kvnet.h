@@ -76,7 +76,7 @@ PDKV_API int pdkv_grants_wait(void* grants, const char* token, int64_t token_len
 // the frame (0 header, 1 run table, 2 payload, 3 notification), bytes of that
 // part received, bytes of it wanted, errno. Returns (the ring may hold
 // completions with any of them):
-#define PDKV_FRAME_DRAIN 20   // stopped to have the ring drained (and, with share[2], ACKs sent first)
+#define PDKV_FRAME_DRAIN 20   // stopped to have the ring drained (with share[2]: ACKs first), or no frame began
 #define PDKV_FRAME_HEADER 21  // a frame it does not take: only its header was read
 #define PDKV_FRAME_TABLE 22   // a frame it does not take: its header and run table were read
 #define PDKV_FRAME_CLOSED 23  // the peer closed the connection between frames

@@ -13,7 +13,6 @@ import os
 import random
 import socket
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -58,8 +57,8 @@ def _write(src: TcpChannel, seed: int, offset: int, length: int) -> bytes:
 
 @pytest.fixture
 def target(frame_loop: str) -> Iterator[tuple[TcpChannel, bytearray]]:
-    """A decode worker's side: one region, two serve threads, a wait of a second before a third is added."""
-    channel = TcpChannel("d", TcpOptions(serve_threads=2, serve_wait_s=1.0))
+    """A decode worker's side: one region, two serve threads, a wait of 5 s before a third is added."""
+    channel = TcpChannel("d", TcpOptions(serve_threads=2, serve_wait_s=5.0))
     buf = bytearray(REGION * 16)
     channel.register(buf)
     yield channel, buf
@@ -162,13 +161,12 @@ def test_a_peer_trickling_a_frame_does_not_hold_back_another_peers_write(frame_l
     try:
         _write(good, 1, REGION, 4096)  # the good peer's connection exists, and is parked after this
         slow = _raw_peer(d.port)
-        wait_until(lambda: not _threads("d", "greet"), WAIT_S, "both connections to be parked")
+        pool = d.target._pool
+        wait_until(lambda: len(pool.parked()) == 2, WAIT_S, "both connections to be parked")
         frame = wire.data_frame(1, [(0, 0, 5000)], 5000, LAST, 1)
         slow.sendall(bytes(frame) + b"z" * 100)  # a serve thread takes it, and waits inside the frame
-        time.sleep(0.2)
-        started = time.monotonic()
-        data = _write(good, 2, REGION, 8192)
-        assert time.monotonic() - started < WAIT_S
+        wait_until(lambda: len(pool.parked()) == 1, WAIT_S, "the serve thread to take the stalled frame")
+        data = _write(good, 2, REGION, 8192)  # within WAIT_S, long before the stalled frame's io_timeout
         assert bytes(buf[REGION : REGION + 8192]) == data
         assert d.stats()["serve_threads_added"] >= 1
         assert len(_threads("d", "serve")) >= 2
@@ -177,6 +175,50 @@ def test_a_peer_trickling_a_frame_does_not_hold_back_another_peers_write(frame_l
             slow.close()
         good.close()
         d.close()
+
+
+def test_a_peer_silent_inside_a_share_holds_no_thread(frame_loop: str) -> None:
+    """A peer sends a whole frame of a share (not its last) and then nothing: its connection is parked between the
+    two frames like any idle one, so the one serve thread goes on serving the other peer, and none is added."""
+    d = TcpChannel("d", TcpOptions(serve_threads=1, serve_wait_s=30, io_timeout=60))
+    buf = bytearray(REGION * 2)
+    d.register(buf)
+    good = _peer("good", d, 1)
+    slow: socket.socket | None = None
+    try:
+        _write(good, 1, REGION, 4096)
+        slow = _raw_peer(d.port)
+        wait_until(lambda: not _threads("d", "greet"), WAIT_S, "both connections to be parked")
+        slow.sendall(bytes(wire.data_frame(1, [(0, 0, 100)], 100, 0, 0)) + b"z" * 100)  # not LAST: the share goes on
+        wait_until(lambda: bytes(buf[:100]) == b"z" * 100, WAIT_S, "the first frame of the share to land")
+        for seed in (2, 3):
+            data = _write(good, seed, REGION, 8192)  # within WAIT_S, where serve_wait_s is 30
+            assert bytes(buf[REGION : REGION + 8192]) == data
+        assert d.stats().get("serve_threads_added", 0) == 0
+        wait_until(lambda: len(d.target._pool.parked()) == 2, WAIT_S, "both connections to be parked again")
+    finally:
+        if slow is not None:
+            slow.close()
+        good.close()
+        d.close()
+
+
+def test_fence_cuts_a_kept_connection_and_returns_once_it_is_closed(target: tuple[TcpChannel, bytearray]) -> None:
+    """A serve thread waiting in the native loop for its connection's next frame (no more connections than threads)
+    is woken by the fence's hang-up, and the fence returns once the connection is closed."""
+    d, _ = target
+    p = _peer("p", d, 1)
+    try:
+        for seed in range(3):
+            _write(p, seed, 0, 4096)
+        wait_until(lambda: not _threads("d", "greet"), WAIT_S, "the handshake thread to end")
+        session = next(iter(d.target._sessions.values()))
+        (conn,) = session.conns
+        d.fence("p", session.token)
+        assert conn.sock.fileno() == -1, "fence returned before the kept connection was closed"
+        assert not d.target._sessions
+    finally:
+        p.close()
 
 
 def test_fence_cuts_a_parked_connection_and_returns_once_it_is_closed(target: tuple[TcpChannel, bytearray]) -> None:

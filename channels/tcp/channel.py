@@ -203,8 +203,8 @@ class TcpChannel(Channel):
             self.counters[event] += 1
 
     def fence(self, peer: str, token: bytes) -> None:
-        """Hang up every session that presented ``token`` and wait for their readers: nothing queued behind them
-        lands."""
+        """Hang up every session that presented ``token`` and wait until each of its connections is closed: nothing
+        queued behind them lands."""
         self.target.fence(peer, token)
 
     # -- shutdown ------------------------------------------------------------------

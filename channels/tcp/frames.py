@@ -148,6 +148,8 @@ class FrameServer:
             else:
                 served, table, idle = self._serve_native(s, loop, wake)
                 if idle:
+                    if acks:
+                        replies.send_acks(conn, acks)
                     return  # the pool needs this thread: parked
                 if served is None:
                     continue  # only completions: drained

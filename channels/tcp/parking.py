@@ -135,6 +135,17 @@ class ServePool(Generic[P]):
             os.eventfd_read(self.crowd_fd)
         self.crowded = crowded
 
+    def run(self, item: P, turn: Callable[[P], bool]) -> None:
+        """Turn ``item`` until it is over or parked; one the pool will not take back (closing, or an epoll error) is
+        hung up, so that the next turn meets its end and finishes it."""
+        while turn(item):
+            try:
+                if self.park(item):
+                    return
+            except OSError:
+                log.exception("tcp %s: cannot park a connection; hanging it up", self._name)
+            item.hang_up()
+
     def parked(self) -> list[P]:
         """The connections parked now (the others are being served)."""
         with self._lock:
@@ -154,20 +165,20 @@ class ServePool(Generic[P]):
 
     # -- a serve thread ------------------------------------------------------------------
     def _spawn(self, first: P | None) -> None:
-        """One more serve thread, serving ``first`` before it waits (under the lock)."""
+        """One more serve thread, serving ``first`` before it waits (under the lock, which the thread needs before
+        it counts itself: nothing is counted for a thread that could not start)."""
         t = threading.Thread(target=self._serve, args=(first,), name=f"tcp-{self._name}-serve", daemon=True)
+        t.start()
         self._threads.append(t)
         if first is not None:
             self._busy += 1
-        t.start()
 
     def _serve(self, item: P | None) -> None:
         me = threading.current_thread()
         try:
             while True:
                 if item is not None:
-                    while self._turn(item) and not self.park(item):
-                        item.hang_up()  # closing: the next turn meets the end and finishes it
+                    self.run(item, self._turn)
                     with self._lock:
                         self._busy -= 1
                 item = self._next(me)
@@ -232,8 +243,16 @@ class ServePool(Generic[P]):
                         self._wait_s * 1e3,
                         len(self._threads) + 1,
                     )
+                    try:
+                        self._spawn(item)
+                    except RuntimeError as exc:  # no thread to be had (a pid or memory limit): it waits parked
+                        log.error("tcp %s: cannot start a serve thread: %s", self._name, exc)
+                        self._parked[item.fileno()] = item
+                        self._epoll.modify(item.fileno(), _ARMED)
+                        continue
                     self._count("serve_threads_added")
-                    self._spawn(item)
+        except Exception:
+            log.exception("tcp %s: the serve pool's watcher failed; the pool closes", self._name)
         finally:
             self._close_set()
 

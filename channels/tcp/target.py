@@ -3,10 +3,11 @@
 (``FrameServer``) from then on.
 
 Threads: an acceptor; one per connection still in its handshake (at most
-``max_handshakes``); the serve pool's poller and its serve threads
+``max_handshakes``); the serve pool's watcher and its serve threads
 (``parking.ServePool``: ``serve_threads`` of them, more only while every one
 is held inside a frame), which land DATA, answer READ_REQ and send ACKs. A
-connection idle between frames is parked and holds no thread. The
+connection idle between frames is parked and holds no thread, unless there
+are no more connections than serve threads (then a thread keeps it). The
 connections of one initiator link share a
 *session* (its random id in HELLO; ``Session``), since a transfer's shares
 span them: a transfer has landed once the LAST frame of every share has been
@@ -116,18 +117,18 @@ class Target:
     def _greet(self, conn: Conn) -> None:
         """One accepted connection's handshake; then its first turn of frames on this thread (they usually follow
         at once), and the pool's serve threads take it from there."""
+        session: Session | None = None
         try:
-            bound = "the handshake (TLS, HELLO and proof; connect_timeout)"
-            conn.patience.limit(self.agent.opts.connect_timeout, bound)
             try:
+                bound = "the handshake (TLS, HELLO and proof; connect_timeout)"
+                conn.patience.limit(self.agent.opts.connect_timeout, bound)
                 session = self._join(conn, handshake.respond(conn, self.agent, lambda: self.closed))
+                conn.patience.limit(None)
+                serving = self.frames.serving(conn, session)
             except BaseException as exc:  # noqa: BLE001 - every way out ends the connection, said by its kind
-                self._ended(conn, None, exc)
+                self._ended(conn, session, exc)
                 return
-            conn.patience.limit(None)
-            serving = self.frames.serving(conn, session)
-            while self._turn(serving, None) and not self._pool.park(serving):
-                serving.hang_up()  # the pool is closing: the next turn meets the end and finishes the connection
+            self._pool.run(serving, lambda s: self._turn(s, None))
         finally:
             with self._lock:
                 self._greeting.discard(threading.current_thread())
@@ -233,7 +234,8 @@ class Target:
 
         Each initiator stream then fails with the reason rather than with a bare
         EOF. Every ERROR goes out before the first hang-up, since each hang-up
-        makes that connection's own thread hang up the rest of the session.
+        makes the thread that serves that connection next (parked or kept, it
+        is woken) hang up the rest of the session.
         """
         with self._lock:
             conns = list(session.conns) if session is not None else [conn]
