@@ -82,6 +82,12 @@ class Target:
         self._acceptor = threading.Thread(target=self._accept_loop, name=f"tcp-{agent.name}-accept", daemon=True)
         self._acceptor.start()
 
+    @property
+    def pool(self) -> ServePool[Serving]:
+        """The serve threads and the connections parked with them (``parking.ServePool``: ``parked()``,
+        ``crowded``)."""
+        return self._pool
+
     def _accept_loop(self) -> None:
         """Accept every connection into a handshake slot (``Slots``: older handshakes make room), each greeted on
         a thread of its own."""
