@@ -5,9 +5,10 @@ host time on it, with N senders pushing one short request each at the same momen
 
 Prints one JSON line: per sender count (1 and N), the receiver's threads, its host microseconds per chunk
 (``host_us_per_chunk``: the landing, verification and verdict of one chunk, pdkv/transfer/hosttime.py) and the
-requests' p50 wall time; the ratio of N's to 1's, their rounds alternating. The receiver runs in another process
-(``TransferRig``); the extra senders are ``KVSender``s in this one, each with its own channel and agent name, as
-separate prefill workers would be.
+requests' p50 wall time; the ratio of N's to 1's, their rounds alternating. Each count has a receiver of its own,
+in a process of its own (``TransferRig``), so that the one sender's never serves the others' idle connections
+besides; the extra senders are ``KVSender``s in this one, each with its own channel and agent name, as separate
+prefill workers would be.
 Every request's KV (each sender's from blocks of its own) is checked bit for bit on the decode side. The host time
 is wall time: with N senders in this process on few cores, D's spans also hold the time it waits for a core that the
 senders' work took, which one sender's never meets; a thread count or the CPU per chunk says what is D's own.
@@ -73,20 +74,23 @@ def receiver_threads(rig: TransferRig) -> int:
     return len(_recv(rig.conn, "the receiver's threads")[1])
 
 
-def measure(rig: TransferRig, sets: dict[str, list[KVSender]], tokens: int, rounds: int) -> dict[str, dict[str, float]]:
-    """Each set of senders warmed (the receiver's threads counted once it is), then their rounds alternating, so the
-    two counts meet the same load; per set its threads, chunk host time and requests' p50."""
+def measure(
+    sets: dict[str, tuple[TransferRig, list[KVSender]]], tokens: int, rounds: int
+) -> dict[str, dict[str, float]]:
+    """Each set of senders, with its own receiver, warmed (the receiver's threads counted once it is), then their
+    rounds alternating, so the two counts meet the same load; per set its threads, chunk host time and requests'
+    p50. Two receivers, so that the one sender's never holds the others' connections: a lone sender's receiver."""
     threads = {}
-    for name, senders in sets.items():  # the smaller set first: its thread count before the others connect
+    for name, (rig, senders) in sets.items():
         for i in range(3):  # handshakes and first pools
             one_round(rig, senders, tokens, f"warm{name}-{i}")
             time.sleep(0.05)
         threads[name] = receiver_threads(rig)
-    rig.host_times()  # forget the warm-ups' spans
+        rig.host_times()  # forget the warm-ups' spans
     walls: dict[str, list[float]] = {name: [] for name in sets}
     chunks: dict[str, list[int]] = {name: [] for name in sets}
     for i in range(rounds):
-        for name, senders in sets.items():
+        for name, (rig, senders) in sets.items():
             time.sleep(0.01)  # the next pools granted, the previous round's work done
             walls[name] += one_round(rig, senders, tokens, f"r{name}-{i}")
             chunks[name] += rig.host_times()["decode"]["chunk"]
@@ -115,7 +119,10 @@ def main() -> None:
     receiver_blocks = int(args.senders * blocks / config.pool_blocks_share) + 2 * args.senders * blocks
     out: dict[str, object] = {"channel": args.channel, "tokens": args.tokens, "receiver_blocks": receiver_blocks}
     sender_blocks = max(64, args.senders * SENDER_LAYOUT.blocks_for(args.tokens))  # each sender's request its own
-    with TransferRig(args.channel, SENDER_LAYOUT, sender_blocks, receiver_blocks, config) as rig:
+    with (
+        TransferRig(args.channel, SENDER_LAYOUT, sender_blocks, receiver_blocks, config) as alone,
+        TransferRig(args.channel, SENDER_LAYOUT, sender_blocks, receiver_blocks, config) as rig,
+    ):
         options = channel_options(args.channel, "127.0.0.1", {})
         extra = [
             KVSender(
@@ -128,7 +135,8 @@ def main() -> None:
             for _ in range(args.senders - 1)
         ]
         try:
-            got = measure(rig, {"1": [rig.sender], str(args.senders): [rig.sender, *extra]}, args.tokens, args.rounds)
+            sets = {"1": (alone, [alone.sender]), str(args.senders): (rig, [rig.sender, *extra])}
+            got = measure(sets, args.tokens, args.rounds)
         finally:
             for sender in extra:
                 sender.close()

@@ -267,7 +267,8 @@ class RawNixl:
             lists[count] = self.pair.lists([(2 * i * size, size) for i in range(count)])
         timed: dict[int, dict[str, list[float]]] = {c: {"build_us": [], "post_us": [], "wire_us": []} for c in counts}
         for i in range(WARMUP + repeats):
-            for count, (local, remote) in lists.items():
+            for count in counts[i % len(counts) :] + counts[: i % len(counts)]:  # each count first in turn
+                local, remote = lists[count]
                 every = np.arange(count, dtype=np.int64)
                 t0 = time.perf_counter_ns()
                 xfer = self.pair.agent.make_prepped_xfer("WRITE", local, every, remote, every, b"p%d-%d" % (i, count))

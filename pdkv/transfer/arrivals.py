@@ -90,13 +90,15 @@ class ChunkArrivals:
         began = time.perf_counter_ns()
         keys = self.notice_keys({n.peer for n in notifs})
         decoded = [self.decode(n, keys) for n in notifs]
+        with self.lock:  # the session each key belongs to: a notice lands only in that session's reservation or pool
+            sessions = {p.session_key: identity for identity, p in self.parts.peers.items() if p.session_key}
         opened = [(n.peer, *d) for n, d in zip(notifs, decoded, strict=True) if d is not None]
         hashed = self.hash_direct([(peer, notice) for peer, notice, _ in opened])
         verdicts: list[tuple[ChunkVerdict, bytes]] = []  # one per notice: (the verdict, the key to tag it with)
         admitting = 0
         with self.lock:
             for i, (peer, notice, key) in enumerate(opened):
-                got = self.land(peer, notice, hashed.get(i), answered=True)
+                got = self.land(peer, notice, hashed.get(i), answered=True, session=sessions.get(key))
                 admitting += got.admitting_ns
                 # the request's own session, known from its reservation or its refusal: its next pool goes along
                 identity = got.r.identity if got.r is not None else got.refused[0] if got.refused else None
@@ -165,21 +167,33 @@ class ChunkArrivals:
                     log.warning("hashing %d chunks together failed (%s): each is verified alone", len(chunks), exc)
         return hashed
 
-    def land(self, peer: str, notice: ChunkNotice, got: int | None = None, *, answered: bool = False) -> Landing:
+    def land(
+        self,
+        peer: str,
+        notice: ChunkNotice,
+        got: int | None = None,
+        *,
+        answered: bool = False,
+        session: bytes | None = None,
+    ) -> Landing:
         """Land one chunk from ``peer`` (``got``: its checksum, when ``hash_direct`` read it): the reservation it
         landed in (None where none took it), its verdict, and a pooled request's admission, to tell and count.
-        ``answered``: the verdict goes back on the data connection, so a failure sends no ``Cancel`` ahead of it."""
+        ``answered``: the verdict goes back on the data connection, so a failure sends no ``Cancel`` ahead of it.
+        ``session``: the sender session whose key tagged the notice (with a secret), the only one whose reservation
+        or pool it may land in: another session of the same agent's is not its to fill."""
         admitting_ns = 0
         refused: tuple[bytes | None, Refused] | None = None
         with self.lock:
             if notice.reserve is not None:
                 admitting = time.perf_counter_ns()
-                refused = self.book.pools.open_pooled(peer, notice)
+                refused = self.book.pools.open_pooled(peer, notice, session)
                 if refused is not None:  # the bytes it wrote into the pool are discarded, the pool offered again
                     return Landing(None, self._verdict(notice, "refused", refused[1].reason), 0, refused)
                 admitting_ns = time.perf_counter_ns() - admitting
                 self.parts.host.add("request", admitting_ns)
             r = self.book.receiving(peer, notice.transfer_id)
+            if r is not None and session is not None and r.identity != session:
+                r = None  # tagged by another session of this agent: not its reservation
             if r is None:
                 self.counters["stray_notices"] += 1
                 why = self.book.gone.get(notice.transfer_id, "no reservation of yours receives it")

@@ -241,8 +241,11 @@ class ReceiverPools:
             return Pool(pool.generation, pool.blocks, parts.config.lease_s)
 
     # -- a request written into a pool ----------------------------------------------------------------------------
-    def open_pooled(self, agent: str, notice: ChunkNotice) -> tuple[bytes | None, Refused] | None:
-        """A chunk written into a sender's pool, with its Reserve (holding the lock): the rules of a Reserve
+    def open_pooled(
+        self, agent: str, notice: ChunkNotice, session: bytes | None = None
+    ) -> tuple[bytes | None, Refused] | None:
+        """A chunk written into a sender's pool, with its Reserve (holding the lock; ``session``: the sender session
+        whose key tagged the notice, whose pool it must be, where a secret tells sessions apart): the rules of a Reserve
         (``admission.admit_pooled``), then the pool's blocks become the reservation's: None. Refused, its bytes
         are discarded (counted) and its pool is offered again: (whom to tell, if anyone, and the refusal), which
         the caller sends (a ``Refused``, or the chunk's verdict)."""
@@ -252,7 +255,9 @@ class ReceiverPools:
         sender = parts.peers.get(pool.identity) if pool is not None else None
         admitted: Admission | Refused
         peer: SenderPeer | Refused | None = None
-        if pool is None or sender is None or sender.agent != agent:  # not this sender's pool: leave it alone
+        if (
+            pool is None or sender is None or sender.agent != agent or session not in (None, pool.identity)
+        ):  # not this sender's pool: leave it alone
             pool, admitted = None, Refused(req.transfer_id, f"pooled request names no pool of yours ({notice.pool})")
         else:
             peer = reserving_peer(parts, pool.identity, req)  # with a secret: the Reserve's proof

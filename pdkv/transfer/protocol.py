@@ -40,6 +40,7 @@ MAX_CHUNKS = 1 << 20  # chunks of one request (a request of 256-token chunks up 
 # Completed transfers one heartbeat reports, as many as fit a quarter of a message at the longest ids; past it the
 # oldest go unsaid (a Done lets the receiver free at once a reservation that lapsed unclaimed; without it, the hold)
 MAX_DONE_PER_BEAT = MAX_MESSAGE_BYTES // (4 * MAX_ID_LEN)
+MAX_DONE_ACCEPTED = 4096  # what a Heartbeat of protocol 11 may list: a sender from before the bound above sends more
 
 # The reason a receiver gives for refusing a Reserve from a peer it has no Hello from (it restarted):
 # a sender that sees it handshakes again once, instead of failing the request.
@@ -176,7 +177,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", forbid_unknown_fields=True):
     seq: Annotated[int, Meta(ge=1)]
     # transfers of this sender that completed (every chunk verified) since its last beat: their ``Done``, which
     # costs a request no message of its own (a complete transfer's memory is the decode side's already)
-    done: Annotated[list[TransferId], Meta(max_length=MAX_DONE_PER_BEAT)] = []
+    done: Annotated[list[TransferId], Meta(max_length=MAX_DONE_ACCEPTED)] = []
 
 
 class BeatAck(msgspec.Struct, tag="beat_ack", forbid_unknown_fields=True):
