@@ -754,6 +754,34 @@ def test_a_notice_not_tagged_under_the_session_key_lands_nothing(make_pair: Make
     assert stats.get("transfers_ready", 0) == 1 and stats.get("malformed_notices", 0) == 0
 
 
+def test_a_notice_lands_only_in_a_reservation_of_the_session_that_tagged_it(make_pair: MakePair) -> None:
+    """Two live sessions of one sender (two spellings of the receiver's address): a request reserved in one whose
+    notices carry the other's tag lands nothing. The tag vouches for its session, and a session only fills its own
+    reservations and pools; the other session's would also have its next pool granted under a key it never holds."""
+    pair = make_pair(secrets=("s3cret", "s3cret"))
+    pair.allocator.free(push(pair, "first", 40, list(range(3))))
+    handshake = pair.sender.handshake
+    first = handshake.peers[pair.receiver.address]
+    second = handshake.connect(pair.receiver.address.replace("127.0.0.1", "localhost"))
+    assert second.agent == first.agent and second.session_key != first.session_key
+    landed = pair.receiver.stats()["chunks_landed"]
+    xfer = pair.sender.open("crossed", pair.receiver.address, 40, list(range(3)))
+    assert xfer.peer is first
+    xfer.peer.session_key = second.session_key  # a live session's key, of the same agent, not this reservation's
+    try:
+        with contextlib.suppress(TransferError):
+            xfer.send_all()
+        stats = lambda: pair.receiver.stats()  # noqa: E731
+        wait_until(
+            lambda: stats().get("stray_notices", 0) + stats().get("pooled_refused", 0) >= 1, 10, "D to refuse it"
+        )
+    finally:
+        xfer.peer.session_key = first.session_key
+    xfer.cancel("test over")
+    assert pair.receiver.stats()["chunks_landed"] == landed
+    assert pair.receiver.stats().get("transfers_ready", 0) == 1
+
+
 def test_a_name_goes_with_the_session_that_installed_it(make_pair: MakePair, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two sessions reach one receiver (two spellings of its address): the first installed its name in the channel;
     when it ends the name stays for the second, which goes on moving KV, and when that ends too the name is removed,

@@ -57,12 +57,13 @@ class ChunkArrivals:
         began = time.perf_counter_ns()  # host time per chunk (hosttime.py): to Landed sent
         notifs = self.channel.get_notifications()
         keys = self.notice_keys({n.peer for n in notifs})
-        notices = [(n.peer, opened[0]) for n in notifs if (opened := self.decode(n, keys)) is not None]
-        hashed = self.hash_direct(notices)
+        opened = [(n.peer, *o) for n in notifs if (o := self.decode(n, keys)) is not None]
+        sessions = self.sessions()
+        hashed = self.hash_direct([(peer, notice) for peer, notice, _ in opened])
         landed: dict[str, tuple[bytes, list[int]]] = {}
         admitting = 0
-        for i, (peer, notice) in enumerate(notices):
-            got = self.land(peer, notice, hashed.get(i))
+        for i, (peer, notice, key) in enumerate(opened):
+            got = self.land(peer, notice, hashed.get(i), session=sessions.get(key))
             admitting += got.admitting_ns
             if got.refused is not None and got.refused[0] is not None:
                 self.parts.outbox.reply(*got.refused)
@@ -90,8 +91,7 @@ class ChunkArrivals:
         began = time.perf_counter_ns()
         keys = self.notice_keys({n.peer for n in notifs})
         decoded = [self.decode(n, keys) for n in notifs]
-        with self.lock:  # the session each key belongs to: a notice lands only in that session's reservation or pool
-            sessions = {p.session_key: identity for identity, p in self.parts.peers.items() if p.session_key}
+        sessions = self.sessions()
         opened = [(n.peer, *d) for n, d in zip(notifs, decoded, strict=True) if d is not None]
         hashed = self.hash_direct([(peer, notice) for peer, notice, _ in opened])
         verdicts: list[tuple[ChunkVerdict, bytes]] = []  # one per notice: (the verdict, the key to tag it with)
@@ -113,6 +113,12 @@ class ChunkArrivals:
             for _ in range(landed):
                 self.parts.host.add("chunk", spent // landed)
         return answers
+
+    def sessions(self) -> dict[bytes, bytes]:
+        """Each session key and its session (the sender's identity): a notice lands only in a reservation or pool of
+        the session whose key tagged it (empty without a secret: no keys, nothing to tell apart)."""
+        with self.lock:
+            return {p.session_key: identity for identity, p in self.parts.peers.items() if p.session_key}
 
     def notice_keys(self, agents: set[str]) -> dict[str, list[bytes]] | None:
         """With a secret, the session keys a notice from each of ``agents`` may be tagged with (those of its admitted
