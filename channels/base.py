@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
@@ -220,6 +220,22 @@ class Channel(ABC):
         ops it stands for. ``inline``: the caller has nothing else to do until this write is answered (a request of
         one chunk), so a channel that sends from threads of its own may send on the caller's instead (tcp)."""
         return self.write(peer, blocks.ops(), notif, token)
+
+    def write_blocks_summed(
+        self,
+        peer: str,
+        blocks: BlockWrite,
+        seal: Callable[[int], bytes],
+        token: bytes = b"",
+        *,
+        inline: bool = False,
+    ) -> TransferHandle | None:
+        """``write_blocks`` of a chunk whose notification vouches for its bytes: ``seal(checksum)`` makes it from
+        their ``blocks_checksum`` (units of ``blocks.block_bytes``, the write's order), which a channel that sends
+        the bytes itself computes as it sends them, each piece just before the kernel copies it, where the caller
+        would read them all once more before the first could leave (tcp). None where the channel does not (the
+        others, or this write): the caller hashes and calls ``write_blocks``."""
+        return None
 
     def read(
         self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None, token: bytes = b""

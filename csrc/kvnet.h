@@ -90,16 +90,27 @@ PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t 
 // pieces no longer than max_frame, and frames each share in DATA frames of at most max_runs runs and max_frame
 // bytes, the last flagged LAST with the count of shares (and, in share 0 when notif_len >= 0, NOTIF_FOLLOWS with
 // the notification's bytes after it): headers and run tables go into `tables`, and each share's buffers in order
-// into iov as (address, length) pairs; shares[3 s ...] = (first iovec, iovecs, payload bytes). Returns the number
-// of shares, -1 if tables_cap or iov_cap is too small, -2 for a bad argument.
+// into iov as (address, length) pairs; shares[3 s ...] = (first iovec, iovecs, payload bytes); offsets[k] = iovec
+// k's place in the payload stream, -1 for a header or a notification. A sealed write (sealed_tail > 0: one share, no
+// notification) holds back the last piece's last >= sealed_tail bytes (cut at a checksum word): every frame goes
+// without LAST, the tail's iovec follows the share's, and shares[3..5] = its (region, offset, length), for the
+// caller's LAST frame once its notification is sealed. Returns the number of shares, -1 if tables_cap or iov_cap
+// is too small, -2 for a bad argument, -3 for a sealed write whose pieces are not whole checksum words.
 PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* remote_regions, int64_t n_tensors,
                                    const int64_t* local_ids, const int64_t* remote_ids, int64_t n_ids,
                                    int64_t block_bytes, int64_t parts, int64_t max_frame, int64_t max_runs,
                                    uint64_t xfer, const char* notif, int64_t notif_len, char* tables,
-                                   int64_t tables_cap, int64_t* iov, int64_t iov_cap, int64_t* shares);
+                                   int64_t tables_cap, int64_t* iov, int64_t iov_cap, int64_t* shares,
+                                   int64_t* offsets, int64_t sealed_tail);
 // pdkv_send_iov sends n (address, length) buffers in order on the blocking socket fd (SO_SNDTIMEO), resuming
 // partial sends: PDKV_OK, PDKV_LAND_STALLED (a send timed out with nothing sent) or PDKV_LAND_EOS (*os_error).
 PDKV_API int pdkv_send_iov(int fd, const int64_t* iov, int64_t n, int* os_error);
+// pdkv_send_summed sends rows [0, n_send) of iov as pdkv_send_iov does, hashing the payload rows among [0, n_rows)
+// (offsets[k] >= 0: their place in the stream) into *acc, the chunk checksum's accumulator in units of `unit`: the
+// rows past n_send first (hashed, not sent), then `window` payload bytes at a time just before they are sent.
+// PDKV_LAND_EARG (nothing sent) when a payload row is not whole words of the stream.
+PDKV_API int pdkv_send_summed(int fd, const int64_t* iov, const int64_t* offsets, int64_t n_send, int64_t n_rows,
+                              int64_t unit, int64_t window, uint64_t* acc, int* os_error);
 // The checksum accumulator of blocks ids[] (each checked against [0, num_blocks)) of every region in turn (bases[t],
 // its landing table tables[t]; units of block_bytes), as pdkv_checksum_blocks_cpu gives it: from each block's landing
 // entry where it landed exactly once in hashed pieces, else read from memory (*reread counts those blocks).

@@ -10,6 +10,15 @@
 // writing headers and run tables into one buffer and every piece of a share
 // as an iovec; pdkv_send_iov then sends a share's iovecs with sendmsg, the
 // GIL released (ctypes drops it).
+//
+// A sealed write (sealed_tail > 0, one share) is sent in two calls so that P
+// hashes each piece just before the kernel copies it, not in a pass of its
+// own before the first byte leaves (issue 46, step 2): pdkv_send_summed hashes
+// and sends every frame but a short tail, which goes last in a LAST frame of
+// its own after the notification it seals (the checksum in it) is known. The
+// notice's length is in that frame's header, ahead of its payload; hence the
+// tail: the frames before it need nothing of the checksum. The receiver sees
+// DATA frames it already takes (one run more), nothing new on the wire.
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <climits>
@@ -18,6 +27,7 @@
 #include <vector>
 
 #include "kvnet.h"
+#include "kvsum.h"
 #include "tcpwire.h"
 
 namespace {
@@ -54,8 +64,11 @@ PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* re
                                    const int64_t* local_ids, const int64_t* remote_ids, int64_t n_ids,
                                    int64_t block_bytes, int64_t parts, int64_t max_frame, int64_t max_runs,
                                    uint64_t xfer, const char* notif, int64_t notif_len, char* tables,
-                                   int64_t tables_cap, int64_t* iov, int64_t iov_cap, int64_t* shares) {
+                                   int64_t tables_cap, int64_t* iov, int64_t iov_cap, int64_t* shares,
+                                   int64_t* offsets, int64_t sealed_tail) {
   if (n_tensors <= 0 || n_ids <= 0 || block_bytes <= 0 || parts <= 0 || max_frame <= 0 || max_runs <= 0) return -2;
+  const bool sealed = sealed_tail > 0;
+  if (sealed && (parts != 1 || notif_len >= 0)) return -2;
   // runs of blocks adjacent on both sides (BlockWrite.runs): our first block, theirs, count
   std::vector<int64_t> runs;
   for (int64_t i = 0; i < n_ids; ++i) {
@@ -83,25 +96,42 @@ PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* re
       }
     }
   }
+  const int64_t word = pdkv::Cut(block_bytes).word;
+  if (sealed) {
+    // the tail: the last piece's last bytes (at least sealed_tail, cut at a word), a piece of its own
+    Piece& end = pieces.back();
+    const int64_t head = end.length > sealed_tail ? (end.length - sealed_tail) / word * word : 0;
+    if (head > 0) {
+      pieces.push_back({end.share, end.addr + head, end.region, end.offset + head, end.length - head});
+      pieces[pieces.size() - 2].length = head;
+    }
+    int64_t at_byte = 0;  // the checksum hashes the payload as one stream: each piece's place in it must be a word's
+    for (const Piece& q : pieces) {
+      if (at_byte % word || q.length % word) return -3;
+      at_byte += q.length;
+    }
+  }
   const int64_t nshares = pieces.back().share + 1;
+  const int64_t framed = static_cast<int64_t>(pieces.size()) - (sealed ? 1 : 0);  // a sealed write's tail: unframed
   // Initiator._write_batch, share by share: frames of at most max_runs runs and max_frame bytes
   char* at = tables;
-  int64_t k = 0, p = 0;
-  const auto emit = [&](int64_t addr, int64_t len) {
+  int64_t k = 0, p = 0, stream = 0;
+  const auto emit = [&](int64_t addr, int64_t len, bool payload) {
     if (k >= iov_cap) return false;
-    iov[2 * k] = addr, iov[2 * k + 1] = len, ++k;
+    iov[2 * k] = addr, iov[2 * k + 1] = len, offsets[k] = payload ? stream : -1, ++k;
+    if (payload) stream += len;
     return true;
   };
   for (int64_t sh = 0; sh < nshares; ++sh) {
     shares[3 * sh] = k;
     int64_t share_bytes = 0;
-    while (p < static_cast<int64_t>(pieces.size()) && pieces[p].share == sh) {
+    while (p < framed && pieces[p].share == sh) {
       int64_t end = p, size = 0;
-      while (end < static_cast<int64_t>(pieces.size()) && pieces[end].share == sh && end - p < max_runs &&
+      while (end < framed && pieces[end].share == sh && end - p < max_runs &&
              (end == p || size + pieces[end].length <= max_frame)) {
         size += pieces[end++].length;
       }
-      const bool last = end == static_cast<int64_t>(pieces.size()) || pieces[end].share != sh;
+      const bool last = !sealed && (end == framed || pieces[end].share != sh);
       const bool with_notif = last && sh == 0 && notif_len >= 0;
       const int64_t need = wire::kHeaderBytes + (end - p) * wire::kRunBytes;
       if (at + need > tables + tables_cap) return -1;
@@ -114,27 +144,29 @@ PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* re
         put<wire::RunLengthT>(at + wire::kRunLength, pieces[i].length);
         at += wire::kRunBytes;
       }
-      if (!emit(reinterpret_cast<int64_t>(frame), need)) return -1;
+      if (!emit(reinterpret_cast<int64_t>(frame), need, false)) return -1;
       for (int64_t i = p; i < end; ++i) {
-        if (!emit(pieces[i].addr, pieces[i].length)) return -1;
+        if (!emit(pieces[i].addr, pieces[i].length, true)) return -1;
       }
-      if (with_notif && notif_len > 0 && !emit(reinterpret_cast<int64_t>(notif), notif_len)) return -1;
+      if (with_notif && notif_len > 0 && !emit(reinterpret_cast<int64_t>(notif), notif_len, false)) return -1;
       share_bytes += size;
       p = end;
     }
     shares[3 * sh + 1] = k - shares[3 * sh];
     shares[3 * sh + 2] = share_bytes;
   }
+  if (sealed) {  // the tail's row after the share's, and its run: (region, offset, length)
+    const Piece& tail = pieces.back();
+    if (!emit(tail.addr, tail.length, true)) return -1;
+    shares[3] = tail.region, shares[4] = tail.offset, shares[5] = tail.length;
+  }
   return nshares;
 }
 
-// See kvnet.h.
-PDKV_API int pdkv_send_iov(int fd, const int64_t* iov, int64_t n, int* os_error) {
-  std::vector<iovec> vec(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    vec[i].iov_base = reinterpret_cast<void*>(iov[2 * i]);
-    vec[i].iov_len = static_cast<size_t>(iov[2 * i + 1]);
-  }
+namespace {
+
+// Send every iovec in order (sendmsg, IOV_MAX at a time), resuming partial sends; vec is consumed.
+int send_vec(int fd, std::vector<iovec>& vec, int* os_error) {
   size_t i = 0;
   while (i < vec.size()) {
     msghdr msg{};
@@ -159,5 +191,57 @@ PDKV_API int pdkv_send_iov(int fd, const int64_t* iov, int64_t n, int* os_error)
     }
     while (i < vec.size() && vec[i].iov_len == 0) ++i;
   }
+  return PDKV_OK;
+}
+
+}  // namespace
+
+// See kvnet.h.
+PDKV_API int pdkv_send_iov(int fd, const int64_t* iov, int64_t n, int* os_error) {
+  std::vector<iovec> vec(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    vec[i].iov_base = reinterpret_cast<void*>(iov[2 * i]);
+    vec[i].iov_len = static_cast<size_t>(iov[2 * i + 1]);
+  }
+  return send_vec(fd, vec, os_error);
+}
+
+// See kvnet.h.
+PDKV_API int pdkv_send_summed(int fd, const int64_t* iov, const int64_t* offsets, int64_t n_send, int64_t n_rows,
+                              int64_t unit, int64_t window, uint64_t* acc, int* os_error) {
+  if (unit <= 0 || window <= 0 || n_send < 0 || n_rows < n_send) return PDKV_LAND_EARG;
+  const pdkv::Cut cut(unit);
+  for (int64_t i = 0; i < n_rows; ++i) {  // every payload row at a word of the stream: checked before a byte leaves
+    if (offsets[i] >= 0 && (offsets[i] % cut.word || iov[2 * i + 1] % cut.word)) return PDKV_LAND_EARG;
+  }
+  const int64_t step = std::max(window / cut.word, int64_t{1}) * cut.word;
+  uint64_t sum = 0;
+  for (int64_t i = n_send; i < n_rows; ++i) {  // rows hashed, not sent (the tail)
+    if (offsets[i] >= 0) sum += pdkv::hash_range<false>(cut, 0, offsets[i], reinterpret_cast<const char*>(iov[2 * i]), nullptr, iov[2 * i + 1]);
+  }
+  // window by window: hash up to `step` payload bytes (they are then in cache), send them with the headers between
+  std::vector<iovec> vec;
+  int64_t row = 0, at = 0;
+  while (row < n_send) {
+    vec.clear();
+    int64_t budget = step;
+    while (row < n_send && budget > 0 && vec.size() < IOV_MAX) {
+      char* base = reinterpret_cast<char*>(iov[2 * row]) + at;
+      int64_t take = iov[2 * row + 1] - at;
+      if (offsets[row] >= 0) {
+        take = std::min(take, budget);
+        sum += pdkv::hash_range<false>(cut, 0, offsets[row] + at, base, nullptr, take);
+        budget -= take;
+      }
+      vec.push_back(iovec{base, static_cast<size_t>(take)});
+      at += take;
+      if (at == iov[2 * row + 1]) ++row, at = 0;
+    }
+    // (not MSG_MORE: on loopback, holding a window's tail for the next made every window slower, see
+    // benchmarks/history/2026-11-29-request-round-trip-issue-46.md)
+    const int rc = send_vec(fd, vec, os_error);
+    if (rc != PDKV_OK) return rc;
+  }
+  *acc = sum;
   return PDKV_OK;
 }

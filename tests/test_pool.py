@@ -13,11 +13,14 @@ import torch
 from pdkv.bench.transfer import TransferRig
 from pdkv.channels.base import Channel
 from pdkv.channels.mock import MockChannel
+from pdkv.channels.tcp import streams
+from pdkv.channels.tcp.streams import Sealed
 from pdkv.config import TransferConfig
-from pdkv.errors import ChannelError, ReservationError, TransferError
+from pdkv.errors import ChannelError, ChecksumError, ReservationError, TransferError
 from pdkv.layout import KVLayout
 from pdkv.transfer import protocol
 from pdkv.transfer.peers import ReceiverPeer
+from pdkv.transfer.posting import ChunkPoster
 from pdkv.transfer.sender import KVSender
 
 from tests.conftest import TCP_AND_NIXL, MakePair, Pair, wait_until
@@ -71,6 +74,42 @@ def test_a_one_chunk_request_is_written_into_the_pool_without_a_reserve(make_pai
     # more than one chunk, or more tokens than the pool holds: reserved the usual way
     pair.allocator.free(push(pair, "two-chunks", 48, [20, 21, 22]))
     assert pair.sender.stats()["reserved_from_pool"] == 1
+
+
+@pytest.mark.parametrize("lies", [False, True], ids=["true", "lying"])
+def test_a_one_chunk_request_over_tcp_is_hashed_as_it_is_sent(
+    make_pair: MakePair, lies: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its write, on the caller's thread, goes sealed (issue 46, step 2): no checksum pass ahead of the send, the
+    channel hashes the bytes as it sends them and the notice carries that checksum, which D checks against what
+    landed: true, the request lands verified; made to lie, D refuses the chunk for its checksum."""
+    sealed: list[int] = []
+    passes: list[list[int]] = []
+    real_send, real_digests, real_finish = Sealed.send, ChunkPoster._direct_digests, streams.finish
+    monkeypatch.setattr(Sealed, "send", lambda self, conn: (sealed.append(self.total), real_send(self, conn))[1])
+    monkeypatch.setattr(
+        ChunkPoster, "_direct_digests", lambda self, ids: (passes.append(list(ids)), real_digests(self, ids))[1]
+    )
+    if lies:
+        monkeypatch.setattr(streams, "finish", lambda *a: real_finish(*a) ^ 1)
+    pair = make_pair(config=POOLED, channel="tcp")
+    warm(pair)
+    assert sealed == [] and any(passes)  # two chunks: each hashed ahead, on the caller's thread
+    passes.clear()
+    xfer = pair.sender.open("sealed", pair.receiver.address, 30, [10, 11], prompt_key=b"S" * 16)
+    xfer.send_all()
+    assert sealed == [pair.p_layout.chunk_bytes(32)] and not any(passes)  # both blocks of every tensor
+    if lies:
+        with pytest.raises(ChecksumError, match="failed its checksum"):
+            xfer.wait(10)
+        assert pair.receiver.stats()["checksum_failures"] == 1
+        return
+    xfer.wait(10)
+    got = pair.receiver.wait("sealed", 10, prompt_key=b"S" * 16)
+    assert_same_kv(pair, [10, 11], got.blocks, 30)
+    pair.allocator.free(got.blocks)
+    d = pair.receiver.stats()
+    assert d["pooled_requests"] == 1 and d["tokens_landed"] >= 30 and d.get("checksum_failures", 0) == 0
 
 
 def test_a_refused_pooled_request_lands_nothing_and_its_bytes_are_discarded(make_pair: MakePair) -> None:

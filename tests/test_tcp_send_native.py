@@ -1,16 +1,20 @@
 """The tcp initiator's native sender (csrc/kvsend.cpp): a block write's frames built natively are the frames the
 Python path builds for the same write, byte for byte, share by share; the iovecs go out whole through partial sends;
-a peer that reads nothing times the send out; a tcp ``write_blocks`` goes this way."""
+a peer that reads nothing times the send out; a tcp ``write_blocks`` goes this way; a sealed write
+(``write_blocks_summed``) is hashed as it is sent and its notification made after its frames went."""
 
 from __future__ import annotations
 
 import ctypes
+import select
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +25,8 @@ from pdkv.channels.tcp import initiator as initiator_module
 from pdkv.channels.tcp import native as tcp_native
 from pdkv.channels.tcp.initiator import Initiator, _split
 from pdkv.channels.tcp.options import Agent, TcpOptions
+from pdkv.checksum import blocks_checksum
+from pdkv.errors import ChannelError
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels not loaded: {native.reason()}")
 
@@ -159,6 +165,140 @@ def test_a_tcp_block_write_goes_out_natively(monkeypatch: pytest.MonkeyPatch) ->
         for s, d in zip(srcs, dsts, strict=True):
             for i, j in zip(ours, theirs, strict=True):
                 assert np.array_equal(d[j * 128 : (j + 1) * 128], s[i * 128 : (i + 1) * 128])
+    finally:
+        a.close()
+        b.close()
+
+
+# -- a sealed write: hashed as it is sent, its notification made last (issue 46, step 2) ------------------------
+
+SEALED_SHAPES = [  # our blocks, theirs, block bytes, max_frame
+    ([5, 6, 7, 20, 2], [1, 2, 3, 60, 9], 128, 1 << 20),  # runs and single blocks
+    ([3], [4], 128, 1 << 20),  # one piece shorter than the tail: all of it held back
+    (list(range(0, 40)), list(range(10, 50)), 1024, 3000),  # pieces cut inside blocks, frames of many pieces
+]
+
+
+@pytest.mark.parametrize("window", [8, 4096, 1 << 22])
+@pytest.mark.parametrize("shape", SEALED_SHAPES, ids=["fragmented", "one-piece", "cut-in-blocks"])
+def test_a_sealed_write_is_hashed_as_it_is_sent(
+    shape: tuple[list[int], list[int], int, int], window: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checksum a sealed write hands its ``seal`` is ``blocks_checksum`` of its bytes (what the pass ahead of
+    the send computed), whatever windows it was hashed in; the bytes land bit-exact, the notification made after
+    the frames went arrives with them, and the frames went through the summed send, the tail after them."""
+    ours, theirs, block, max_frame = shape
+    summed: list[int] = []
+    real = tcp_native.send_summed
+
+    def counting(fd: int, frames: tcp_native.BlockFrames, unit: int, w: int) -> tuple[int, int, int]:
+        summed.append(frames.shares[0][2])
+        return real(fd, frames, unit, w)
+
+    monkeypatch.setattr(tcp_native, "send_summed", counting)
+    a = create_channel("tcp", "a", {"host": "127.0.0.1", "max_frame_bytes": max_frame, "sum_window_bytes": window})
+    b = create_channel("tcp", "b", {"host": "127.0.0.1", "max_frame_bytes": max_frame})
+    try:
+        rng = np.random.default_rng(len(ours) + window)
+        srcs = [rng.integers(0, 256, 64 * block, dtype=np.uint8) for _ in range(3)]
+        dsts = [np.zeros(64 * block, dtype=np.uint8) for _ in range(3)]
+        ras = tuple(a.register(s, block) for s in srcs)
+        rbs = tuple(b.register(d, block) for d in dsts)
+        sealed: list[int] = []
+
+        def seal(digest: int) -> bytes:
+            sealed.append(digest)
+            return b"notice " + digest.to_bytes(8, "little")
+
+        write = BlockWrite(ras, rbs, np.array(ours), np.array(theirs), block)
+        handle = a.write_blocks_summed(a.add_peer(b.metadata()), write, seal)
+        assert handle is not None
+        a.wait(handle, 10.0)
+        expected = blocks_checksum([torch.from_numpy(s) for s in srcs], ours, block)
+        assert sealed == [expected]
+        total = 3 * len(ours) * block
+        assert len(summed) == 1 and 0 <= total - summed[0] <= 4096 + 8  # all but the tail went hashed, in frames
+        deadline = time.monotonic() + 10
+        while not (notes := b.get_notifications()) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert [n.payload for n in notes] == [seal(expected)]
+        for s, d in zip(srcs, dsts, strict=True):
+            for i, j in zip(ours, theirs, strict=True):
+                assert np.array_equal(d[j * block : (j + 1) * block], s[i * block : (i + 1) * block])
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_write_the_send_cannot_hash_is_left_to_the_caller() -> None:
+    """Pieces that are not whole checksum words (frames cut at 12 bytes of 8-byte words), or a write of several
+    shares: ``write_blocks_summed`` sends nothing and says so (None), and the caller hashes first."""
+    for opts, nbytes in (({"max_frame_bytes": 12}, 24), ({"streams": 2, "stream_min_bytes": 4096}, 1 << 16)):
+        a = create_channel("tcp", "a", {"host": "127.0.0.1", **opts})
+        b = create_channel("tcp", "b", {"host": "127.0.0.1", **opts})
+        try:
+            src, dst = np.ones(8 * nbytes, dtype=np.uint8), np.zeros(8 * nbytes, dtype=np.uint8)
+            write = BlockWrite(
+                (a.register(src, nbytes),), (b.register(dst, nbytes),), np.array([1, 2]), np.array([3, 4]), nbytes
+            )
+            assert a.write_blocks_summed(a.add_peer(b.metadata()), write, lambda d: b"n") is None
+            assert not dst.any()
+        finally:
+            a.close()
+            b.close()
+
+
+def test_a_summed_send_refuses_rows_off_the_words_and_times_out_on_a_peer_that_reads_nothing() -> None:
+    """A payload row at a place in the stream that is not a whole word is refused before a byte is sent; a peer
+    that reads nothing stalls the send (``LAND_STALLED``), never hangs it."""
+    data = np.zeros(32 << 20, dtype=np.uint8)
+    regions = tcp_native.FrameRegions.of([data.ctypes.data], [0])
+    frames = tcp_native.block_frames(regions, np.arange(4), np.arange(4), 8 << 20, 1, 1 << 30, 16, 1, None, 4096)
+    assert frames is not None and frames.tail == (0, (32 << 20) - 4096, 4096)
+    a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, 200_000))
+    try:
+        bad = frames._replace(offsets=frames.offsets.copy())
+        bad.offsets[1] += 4
+        with pytest.raises(ValueError, match="whole checksum words"):
+            tcp_native.send_summed(a.fileno(), bad, 8 << 20, 1 << 20)
+        assert select.select([b], [], [], 0.05)[0] == []  # not a byte went
+        code, _, _ = tcp_native.send_summed(a.fileno(), frames, 8 << 20, 1 << 20)
+        assert code == tcp_native.LAND_STALLED
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("seal_fails", ["too long", "raises"])
+def test_a_notification_that_cannot_be_sealed_ends_the_link_and_only_its_write(seal_fails: str) -> None:
+    """Sealed after its frames went, a notification over max_notif_bytes (or a seal that raises) cannot end the
+    share: the write fails saying why, the link ends (the target delivers nothing for it), and the next write
+    opens a new link and lands with its notification."""
+    a = create_channel("tcp", "a", {"host": "127.0.0.1", "max_notif_bytes": 64})
+    b = create_channel("tcp", "b", {"host": "127.0.0.1", "max_notif_bytes": 64})
+    try:
+        src, dst = np.arange(4 * 4096, dtype=np.int64).view(np.uint8), np.zeros(32 * 4096, dtype=np.uint8)
+        write = BlockWrite((a.register(src, 8192),), (b.register(dst, 8192),), np.array([0, 1]), np.array([2, 3]), 8192)
+        peer = a.add_peer(b.metadata())
+
+        def bad(digest: int) -> bytes:
+            if seal_fails == "raises":
+                raise RuntimeError("no key")
+            return b"x" * 65
+
+        handle = a.write_blocks_summed(peer, write, bad)
+        assert handle is not None
+        with pytest.raises(ChannelError, match="max_notif_bytes" if seal_fails == "too long" else "no key"):
+            a.wait(handle, 10.0)
+        handle = a.write_blocks_summed(peer, write, lambda digest: b"good")
+        assert handle is not None
+        a.wait(handle, 10.0)
+        deadline = time.monotonic() + 10
+        while not (notes := b.get_notifications()) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert [n.payload for n in notes] == [b"good"]
+        assert np.array_equal(dst[2 * 8192 : 4 * 8192], src[: 2 * 8192])
     finally:
         a.close()
         b.close()

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import msgspec
 import pytest
 
+from pdkv.channels.tcp import streams
 from pdkv.channels.tcp.frames import FRAMES_ENV_VAR
 from pdkv.config import TransferConfig
 from pdkv.errors import ChecksumError, TransferError
@@ -104,8 +105,9 @@ def test_a_checksum_mismatch_comes_back_as_the_chunks_verdict(
     pair = make_pair(config=POOLED, channel="tcp")
     warm(pair)
     answered = pair.receiver.stats()["verdicts_sent"]
-    sums = posting.blocks_checksums
+    sums, summed = posting.blocks_checksums, streams.finish  # hashed ahead of the send, or in it (a sealed write)
     monkeypatch.setattr(posting, "blocks_checksums", lambda *a: [v ^ 1 for v in sums(*a)])
+    monkeypatch.setattr(streams, "finish", lambda *a: summed(*a) ^ 1)
     xfer = pair.sender.open("corrupt", pair.receiver.address, 30, [10, 11])
     xfer.send_all()
     with pytest.raises(ChecksumError, match="failed its checksum"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal
 
 import msgspec
@@ -150,6 +150,21 @@ class TcpChannel(Channel):
         total = self.regions.check_blocks(peer, blocks)
         self._check_notif(notif)
         return self.initiator.post_blocks(peer, blocks, total, notif, token, inline)
+
+    def write_blocks_summed(
+        self,
+        peer: str,
+        blocks: BlockWrite,
+        seal: Callable[[int], bytes],
+        token: bytes = b"",
+        *,
+        inline: bool = False,
+    ) -> TransferHandle | None:
+        """A block write of one share hashed as its frames are sent, its notification sealed last
+        (``Initiator.post_blocks_sealed``); None where that is not done."""
+        self._check_open()
+        total = self.regions.check_blocks(peer, blocks)
+        return self.initiator.post_blocks_sealed(peer, blocks, total, seal, token, inline)
 
     def _send(
         self,

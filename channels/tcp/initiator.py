@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pdkv import native
@@ -23,7 +23,7 @@ from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp import native as tcp_native
 from pdkv.channels.tcp.link import Link
 from pdkv.channels.tcp.options import Agent
-from pdkv.channels.tcp.streams import Batch
+from pdkv.channels.tcp.streams import Batch, Sealed
 from pdkv.channels.tcp.wire import (
     HDR_SIZE,
     HEADER,
@@ -37,6 +37,13 @@ from pdkv.channels.tcp.wire import (
     data_frame,
 )
 from pdkv.errors import ChannelError
+
+SEALED_TAIL = 4096
+"""Bytes of a sealed write held back for its LAST frame, sent once the notification is sealed (at least these, up
+to a checksum word more): the receiver waits for no more than them after the frames before it."""
+SEALED_NOTIF = b"sealed as sent"
+"""What a sealed write's pending entry holds for its notification, which it carries but is made as it is sent
+(``Link.misanswered`` asks only whether one went)."""
 
 
 def _split(ops: Sequence[TransferOp], parts: int, max_frame: int) -> list[list[TransferOp]]:
@@ -210,6 +217,36 @@ class Initiator:
         keep = (frames.out, views, notif)  # the frames' tables, the regions' memory and the notification, until sent
         built = [Batch([], nbytes, iov=frames.iov[first : first + n], keep=keep) for first, n, nbytes in frames.shares]
         return self._dispatch(link, TcpHandle(peer, "write", total, link), xfer, built, notif, inline)
+
+    def post_blocks_sealed(
+        self, peer: str, blocks: BlockWrite, total: int, seal: Callable[[int], bytes], token: bytes, inline: bool
+    ) -> TcpHandle | None:
+        """Post a checked block write whose notification ``seal(checksum)`` makes from the checksum of its bytes,
+        hashed as they are sent (``Sealed``); None where that is not done (TLS, no kernels, a write cut into
+        several shares, pieces that are not whole checksum words), and the caller hashes first."""
+        opts = self.agent.opts
+        if self.agent.tls is not None or not native.available() or min(opts.streams, opts.streams_for(total)) != 1:
+            return None
+        link = self.link(peer, token)
+        xfer = next(self._xfer_ids)
+        regions, views = self._frame_regions(blocks.local_regions, blocks.remote_regions)
+        frames = tcp_native.block_frames(
+            regions,
+            blocks.local_blocks,
+            blocks.remote_blocks,
+            blocks.block_bytes,
+            1,
+            opts.max_frame_bytes,
+            MAX_RUNS,
+            xfer,
+            None,
+            SEALED_TAIL,
+        )
+        if frames is None:
+            return None
+        sealed = Sealed(frames, blocks.block_bytes, total, xfer, seal, opts.max_notif_bytes)
+        batch = Batch([], total, keep=views, sealed=sealed)
+        return self._dispatch(link, TcpHandle(peer, "write", total, link), xfer, [batch], SEALED_NOTIF, inline)
 
     def _dispatch(
         self, link: Link, handle: TcpHandle, xfer: int, built: list[Batch], notif: bytes | None, inline: bool

@@ -3,7 +3,8 @@ that ``pdkv.native`` loads.
 
 The target lands a DATA frame's payload hashed as it arrives (``recv_runs``, csrc/kvland.cpp) or serves consecutive
 frames in one call (``FrameLoop``, csrc/kvframes.cpp) against a native copy of its write grants (``GrantMirror``);
-the initiator frames a block write (``block_frames``) and sends it as iovecs (``send_iov``, csrc/kvsend.cpp). The
+the initiator frames a block write (``block_frames``) and sends it as iovecs (``send_iov``, csrc/kvsend.cpp), a
+sealed one hashing its pieces as they go (``send_summed``). The
 functions are declared here, on the library ``pdkv.native`` loads (one loader, one switch: where it does not load or
 ``PDKV_NATIVE=0``, callers check ``pdkv.native.available()`` and take the Python paths, and a call here is a
 ValueError). The frame format they read and write is wire.py's, which generates csrc/tcpwire.h for the C++.
@@ -48,15 +49,18 @@ _SIGNATURES: dict[str, list[type]] = {
     "pdkv_grants_end": [_p, _i64],
     "pdkv_grants_wait": [_p, ctypes.c_char_p, _i64, ctypes.c_char_p, _i64, _i64],
     "pdkv_block_frames": [_p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, ctypes.c_uint64]
-    + [ctypes.c_char_p, _i64, _p, _i64, _p, _i64, _p],
+    + [ctypes.c_char_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64],
     "pdkv_send_iov": [ctypes.c_int, _p, _i64, ctypes.POINTER(ctypes.c_int)],
+    "pdkv_send_summed": [ctypes.c_int, _p, _p, _i64, _i64, _i64, _i64]
+    + [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int)],
     "pdkv_serve_frames": [ctypes.c_int, _p, ctypes.c_char_p, _i64, _p, _i64, _p, _p, _p, _p, _p, _p, _p, _p],
 }
 _RESTYPES: dict[str, type] = {"pdkv_grants_new": _p, "pdkv_block_frames": _i64}
 _lib = native.binder(_SIGNATURES, _RESTYPES)
 
-LAND_EOF, LAND_STALLED, LAND_EOS = 10, 11, 12
-"""pdkv_recv_runs' outcomes other than OK (kvnet.h): the peer closed, no byte for max_idle ticks, the socket failed."""
+LAND_EOF, LAND_STALLED, LAND_EOS, LAND_EARG = 10, 11, 12, 13
+"""pdkv_recv_runs' outcomes other than OK (kvnet.h): the peer closed, no byte for max_idle ticks, the socket failed,
+a bad argument."""
 
 
 def check_runs(runs: bytes, nruns: int, desc: int, n_desc: int, length: int) -> bool:
@@ -147,11 +151,15 @@ def _ranges(ranges: Sequence[tuple[int, int, int]]) -> bytes:
 
 class BlockFrames(NamedTuple):
     """A block write's DATA frames (``block_frames``): one buffer holding its headers and run tables, then every
-    share's buffers as (address, length) rows (``iov``), and per share (first row, rows, payload bytes)."""
+    share's buffers as (address, length) rows (``iov``), each row's place in the payload stream (``offsets``, -1
+    for a header), and per share (first row, rows, payload bytes); a sealed write's ``tail``: the run (region,
+    offset, length) its last row holds, sent after the frames in a LAST frame of the caller's."""
 
     out: np.ndarray
     iov: np.ndarray
+    offsets: np.ndarray
     shares: list[tuple[int, int, int]]
+    tail: tuple[int, int, int] | None
 
 
 class FrameRegions(NamedTuple):
@@ -181,18 +189,24 @@ def block_frames(
     max_runs: int,
     xfer: int,
     notif: bytes | None,
-) -> BlockFrames:
+    sealed_tail: int = 0,
+) -> BlockFrames | None:
     """The tcp initiator's frames of a block write (csrc/kvsend.cpp): blocks ``local_ids`` of the regions at
     ``regions.bases`` to blocks ``remote_ids`` of ``regions.remote``, cut into at most ``parts`` shares exactly as
-    ``Initiator.post`` cuts and frames the same write's ops, ``notif`` after share 0."""
+    ``Initiator.post`` cuts and frames the same write's ops, ``notif`` after share 0. ``sealed_tail`` > 0: one
+    share, no ``notif``, its last >= ``sealed_tail`` bytes held back (``BlockFrames.tail``) for a LAST frame sent
+    once the notification is sealed (``send_summed``); None when its pieces are not whole checksum words."""
     ours = np.ascontiguousarray(local_ids, dtype=np.int64)
     theirs = np.ascontiguousarray(remote_ids, dtype=np.int64)
     tensors = len(regions.bases)
     # pieces: every op (at most a tensor per block), cut at most once per share and once per max_frame bytes
-    pieces = tensors * len(ours) + parts + tensors * len(ours) * block_bytes // max_frame + 1
+    # (and a sealed write's tail cut off its last piece)
+    pieces = tensors * len(ours) + parts + tensors * len(ours) * block_bytes // max_frame + 2
     table_words = -(-pieces * (HDR_SIZE + RUN.size) // 8)
     iov_rows = 2 * pieces + 1
-    out = np.empty(table_words + 2 * iov_rows + 3 * parts, dtype=np.int64)  # tables, iov, shares: one allocation
+    share_words = 3 * parts + 3  # and the tail's run
+    # tables, iov, offsets, shares: one allocation
+    out = np.empty(table_words + 3 * iov_rows + share_words, dtype=np.int64)
     at = out.ctypes.data
     n = _lib().pdkv_block_frames(
         regions.bases_at,
@@ -212,13 +226,42 @@ def block_frames(
         8 * table_words,
         at + 8 * table_words,
         iov_rows,
+        at + 8 * (table_words + 3 * iov_rows),
         at + 8 * (table_words + 2 * iov_rows),
+        sealed_tail,
     )
+    if n == -3:
+        return None
     if n <= 0:
         raise ValueError(f"pdkv_block_frames failed ({n}) for {len(ours)} blocks of {tensors} regions")
     iov = out[table_words : table_words + 2 * iov_rows].reshape(iov_rows, 2)
-    shares = out[table_words + 2 * iov_rows :].reshape(parts, 3)[:n].tolist()
-    return BlockFrames(out, iov, [(a, b, c) for a, b, c in shares])
+    offsets = out[table_words + 2 * iov_rows : table_words + 3 * iov_rows]
+    words = out[table_words + 3 * iov_rows :].tolist()
+    shares = [(words[3 * i], words[3 * i + 1], words[3 * i + 2]) for i in range(n)]
+    tail = (words[3], words[4], words[5]) if sealed_tail > 0 else None
+    return BlockFrames(out, iov, offsets, shares, tail)
+
+
+def send_summed(fd: int, frames: BlockFrames, unit: int, window: int) -> tuple[int, int, int]:
+    """Send a sealed write's frames (``block_frames`` with ``sealed_tail``) on the blocking socket ``fd``, hashing
+    every payload row, its tail's too, in ``window`` bytes just before they are sent (csrc/kvsend.cpp): (``OK`` or
+    ``LAND_STALLED`` or ``LAND_EOS``, errno, the chunk checksum's accumulator in units of ``unit``)."""
+    os_error, acc = ctypes.c_int(0), ctypes.c_uint64(0)
+    first, rows, _ = frames.shares[0]
+    code = _lib().pdkv_send_summed(
+        fd,
+        frames.iov[first:].ctypes.data,
+        frames.offsets[first:].ctypes.data,
+        rows,
+        rows + 1,
+        unit,
+        window,
+        ctypes.byref(acc),
+        ctypes.byref(os_error),
+    )
+    if code == LAND_EARG:
+        raise ValueError("pdkv_send_summed: a payload row is not whole checksum words")
+    return code, os_error.value, acc.value
 
 
 def send_iov(fd: int, iov: np.ndarray) -> tuple[int, int]:

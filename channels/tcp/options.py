@@ -53,6 +53,10 @@ class TcpOptions(ChannelOptions):
     streams: int = msgspec.field(default_factory=default_streams)  # connections per peer: 4, at most one a core
     stream_min_bytes: int = 4 << 20  # a transfer is split only into shares at least this big
     inline_max_bytes: int = 1 << 20  # writes up to this size go out on the caller's thread when possible
+    # a write hashed as it is sent (one share, direct) hashes then sends this many payload bytes at a time: in cache
+    # when the kernel copies them, the receiver landing the last window meanwhile; on loopback 32-48 KiB sends beat
+    # both 64-256 KiB ones and one big send (benchmarks/history/2026-11-29-request-round-trip-issue-46.md)
+    sum_window_bytes: int = 32 << 10
     sndbuf: int = 0  # SO_SNDBUF in bytes; 0 leaves the kernel's autotuning
     rcvbuf: int = 0  # SO_RCVBUF in bytes; 0 leaves the kernel's autotuning
     # seconds for connect + handshake; on the target, the whole handshake (TLS, HELLO, proof) of an accepted
@@ -91,6 +95,7 @@ class TcpOptions(ChannelOptions):
             ("streams", 1 <= self.streams <= MAX_STREAMS, f"1..{MAX_STREAMS}"),
             ("stream_min_bytes", self.stream_min_bytes >= 1, ">= 1"),
             ("inline_max_bytes", self.inline_max_bytes >= 0, ">= 0"),
+            ("sum_window_bytes", 8 <= self.sum_window_bytes <= 1 << 30, "8..2**30"),
             ("sndbuf", self.sndbuf >= 0, ">= 0 (0: kernel default)"),
             ("rcvbuf", self.rcvbuf >= 0, ">= 0 (0: kernel default)"),
             ("connect_timeout", self.connect_timeout > 0, "> 0 seconds"),

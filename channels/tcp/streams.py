@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import ctypes
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -10,7 +11,44 @@ from typing import Any
 
 import numpy as np
 
+from pdkv.channels.tcp import native as tcp_native
 from pdkv.channels.tcp.conn import Conn
+from pdkv.channels.tcp.wire import LAST, NOTIF_FOLLOWS, data_frame
+from pdkv.checksum import finish
+from pdkv.errors import ChannelError
+
+
+@dataclass(slots=True, frozen=True)
+class Sealed:
+    """A write whose notification vouches for its bytes' checksum, computed as they are sent
+    (``Initiator.post_blocks_sealed``): its frames, all but the held-back tail (``BlockFrames.tail``), are hashed
+    and sent first; ``seal(checksum)`` then makes the notification that the LAST frame, carrying the tail, ends the
+    share with."""
+
+    frames: tcp_native.BlockFrames
+    unit: int  # the checksum's unit: the write's block bytes
+    total: int  # payload bytes, tail included
+    xfer: int
+    seal: Callable[[int], bytes]
+    max_notif: int
+
+    def send(self, conn: Conn) -> None:
+        acc = conn.send_summed(self.frames, self.unit)
+        try:
+            notif = self.seal(finish(acc, self.total))
+        except Exception as exc:  # the share is on the wire without its end: only the link's end can follow
+            raise ChannelError(f"tcp: sealing the notification of transfer {self.xfer} failed: {exc!r}") from exc
+        if len(notif) > self.max_notif:
+            raise ChannelError(
+                f"tcp: the sealed notification of transfer {self.xfer} is {len(notif)} bytes, over max_notif_bytes="
+                f"{self.max_notif}: its bytes went without it, so the link ends"
+            )
+        assert self.frames.tail is not None
+        region, offset, length = self.frames.tail
+        first, rows, _ = self.frames.shares[0]
+        tail = (ctypes.c_char * length).from_address(int(self.frames.iov[first + rows][0]))
+        hdr = data_frame(self.xfer, [(region, offset, length)], length, LAST | NOTIF_FOLLOWS, 1, len(notif))
+        conn.send([hdr, tail, notif])
 
 
 @dataclass(slots=True)
@@ -24,6 +62,7 @@ class Batch:
     # or the buffers as (address, length) rows, sent natively (``Initiator.post_blocks``), and what keeps them alive
     iov: np.ndarray | None = None
     keep: object = None
+    sealed: Sealed | None = None  # or a sealed write, which sends itself (``iov`` unused)
 
 
 class Stream:
@@ -39,7 +78,9 @@ class Stream:
         """Send ``batch``; the caller holds ``conn.send_lock`` so batches never interleave."""
         self.expect.extend(batch.expect)
         self.sent_bytes += batch.nbytes  # counted first: the ACK may overtake this thread's return from send
-        if batch.iov is not None:
+        if batch.sealed is not None:
+            batch.sealed.send(self.conn)
+        elif batch.iov is not None:
             self.conn.send_iov(batch.iov)
         else:
             self.conn.send(batch.bufs)

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 
 from pdkv.channels.base import Channel
-from pdkv.channels.handle import BlockWrite, TransferHandle, TransferOp
+from pdkv.channels.handle import TransferHandle, TransferOp
 from pdkv.checksum import blocks_checksums, chunk_checksum, flat_bytes, frame_checksum, read_back_shared
 from pdkv.codec import Codec
 from pdkv.errors import LayoutError, ReservationError, TransferError, TransferTimeout
@@ -242,22 +242,26 @@ class ChunkPoster:
         local_slot, remote_slot = self._take_credit(index, nbytes, staging, timeout)
         posting = time.perf_counter_ns()  # this chunk's host time (hosttime.py): credit waits left out
         try:
+            channel, to, token = parts.channel, xfer.peer.agent, xfer.peer.token
+            seal = self._sealer(index, remote_slot)
             if staging:
                 ops, digest = self._staged_ops(local_slot, remote_slot, start, n)
                 wire = sum(op.length for op in ops)
+                handle = channel.write(to, ops, seal(digest, wire), token=token)
             else:
-                blocks, digest = self._direct_write(index, digest)
-                wire = blocks.nbytes
-            notice = ChunkNotice(xfer.transfer_id, index, digest, remote_slot, wire if staging else 0)
-            if xfer.claim is not None:  # one chunk: the receiver admits the transfer as this notice arrives
-                notice.reserve, notice.pool = xfer.claim.reserve, xfer.claim.generation
-            notice_bytes = protocol.seal_notice(notice, xfer.peer.session_key)
-            channel, to, token = parts.channel, xfer.peer.agent, xfer.peer.token
-            handle = (
-                channel.write(to, ops, notice_bytes, token=token)
-                if staging
-                else channel.write_blocks(to, blocks, notice_bytes, token=token, inline=xfer.claim is not None)
-            )
+                blocks = self.direct_writes[index]
+                wire, inline = blocks.nbytes, xfer.claim is not None
+                # A one-chunk request's write, sent on this thread, is hashed as the channel sends it where it can
+                # (tcp): nothing else would run beside a pass ahead of it. Any other is hashed here first, where
+                # that overlaps the streams' threads sending earlier chunks (or by post_all, on a GPU).
+                found = None
+                if digest is None and inline:
+                    found = channel.write_blocks_summed(to, blocks, seal, token, inline=True)
+                if found is None:
+                    if digest is None:
+                        (digest,) = self._direct_digests([index])[0].values()
+                    found = channel.write_blocks(to, blocks, seal(digest), token=token, inline=inline)
+                handle = found
         except Exception as exc:
             with xfer.cond:
                 xfer.posting -= 1
@@ -321,12 +325,19 @@ class ChunkPoster:
                 self.slot_of_chunk[index] = remote_slot
         return local_slot, remote_slot
 
-    def _direct_write(self, index: int, digest: int | None) -> tuple[BlockWrite, int]:
-        """Chunk ``index``'s write from the plan (its blocks of every buffer tensor, as arrays); the checksum over
-        the same bytes in wire order (``digest``, when ``post_all`` computed it already)."""
-        if digest is None:
-            (digest,) = self._direct_digests([index])[0].values()
-        return self.direct_writes[index], digest
+    def _sealer(self, index: int, remote_slot: int) -> Callable[..., bytes]:
+        """What makes chunk ``index``'s notification from its checksum (and, staged, the bytes written into the
+        slot), sealed under the session key: called here, or by the channel once it hashed the bytes it sent."""
+        xfer = self.xfer
+        transfer_id, claim, key = xfer.transfer_id, xfer.claim, xfer.peer.session_key
+
+        def seal(digest: int, wire: int = 0) -> bytes:
+            notice = ChunkNotice(transfer_id, index, digest, remote_slot, wire)
+            if claim is not None:  # one chunk: the receiver admits the transfer as this notice arrives
+                notice.reserve, notice.pool = claim.reserve, claim.generation
+            return protocol.seal_notice(notice, key)
+
+        return seal
 
     def _direct_digests(self, indices: list[int]) -> tuple[dict[int, int], int]:
         """Direct chunks ``indices``' checksums, in one ``blocks_checksums`` call, and each one's share of its host
