@@ -221,22 +221,6 @@ class Channel(ABC):
         one chunk), so a channel that sends from threads of its own may send on the caller's instead (tcp)."""
         return self.write(peer, blocks.ops(), notif, token)
 
-    def write_blocks_summed(
-        self,
-        peer: str,
-        blocks: BlockWrite,
-        seal: Callable[[int], bytes],
-        token: bytes = b"",
-        *,
-        inline: bool = False,
-    ) -> TransferHandle | None:
-        """``write_blocks`` of a chunk whose notification vouches for its bytes: ``seal(checksum)`` makes it from
-        their ``blocks_checksum`` (units of ``blocks.block_bytes``, the write's order), which a channel that sends
-        the bytes itself computes as it sends them, each piece just before the kernel copies it, where the caller
-        would read them all once more before the first could leave (tcp). None where the channel does not (the
-        others, or this write): the caller hashes and calls ``write_blocks``."""
-        return None
-
     def read(
         self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None, token: bytes = b""
     ) -> TransferHandle:
@@ -318,3 +302,19 @@ class Channel(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SummedWrites(ABC):
+    """What a channel that sends a block write's bytes itself may offer: the write of a chunk whose notification
+    vouches for the bytes' checksum, hashed as they are sent. The caller would otherwise read them all once more
+    before the first could leave; here each piece is hashed just before the kernel copies it, and the notification
+    made last (tcp: ``Initiator.post_blocks_sealed``). A channel without it (nixl, ucx, mock) is hashed first."""
+
+    @abstractmethod
+    def write_blocks_summed(
+        self, peer: str, blocks: BlockWrite, seal: Callable[[int], bytes], token: bytes = b""
+    ) -> TransferHandle | None:
+        """``write_blocks(..., inline=True)`` of ``blocks`` and the notification ``seal(checksum)`` makes from their
+        ``blocks_checksum`` (units of ``blocks.block_bytes``, in the write's order); None where this write cannot go
+        so (the caller then hashes and calls ``write_blocks``). A notification that proves too long once sealed
+        ends the link, failing every write in flight on it (``write_blocks`` refuses one before a byte leaves)."""

@@ -98,7 +98,7 @@ PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* re
   }
   const int64_t word = pdkv::Cut(block_bytes).word;
   if (sealed) {
-    // the tail: the last piece's last bytes (at least sealed_tail, cut at a word), a piece of its own
+    // the tail: the last piece's last sealed_tail bytes (cut at a word: up to a word more; all of a shorter piece)
     Piece& end = pieces.back();
     const int64_t head = end.length > sealed_tail ? (end.length - sealed_tail) / word * word : 0;
     if (head > 0) {

@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 import msgspec
 
 from pdkv import native
-from pdkv.channels.base import Channel, ChannelOptions
+from pdkv.channels.base import Channel, ChannelOptions, SummedWrites
 from pdkv.channels.grants import Access, Range
 from pdkv.channels.handle import BlockWrite, TransferHandle, TransferOp, XferState
 from pdkv.channels.landing import LandingSums
@@ -34,7 +34,7 @@ from pdkv.errors import ChannelError, ConfigError, TransferTimeout
 from pdkv.memory import byte_view
 
 
-class TcpChannel(Channel):
+class TcpChannel(Channel, SummedWrites):
     """The tcp channel; the protocol and its guarantees: channels/README.md, "tcp"."""
 
     name: ClassVar[str] = "tcp"
@@ -152,19 +152,12 @@ class TcpChannel(Channel):
         return self.initiator.post_blocks(peer, blocks, total, notif, token, inline)
 
     def write_blocks_summed(
-        self,
-        peer: str,
-        blocks: BlockWrite,
-        seal: Callable[[int], bytes],
-        token: bytes = b"",
-        *,
-        inline: bool = False,
+        self, peer: str, blocks: BlockWrite, seal: Callable[[int], bytes], token: bytes = b""
     ) -> TransferHandle | None:
-        """A block write of one share hashed as its frames are sent, its notification sealed last
-        (``Initiator.post_blocks_sealed``); None where that is not done."""
+        """``SummedWrites``: a write of one share, hashed as its frames go (``Initiator.post_blocks_sealed``)."""
         self._check_open()
         total = self.regions.check_blocks(peer, blocks)
-        return self.initiator.post_blocks_sealed(peer, blocks, total, seal, token, inline)
+        return self.initiator.post_blocks_sealed(peer, blocks, total, seal, token)
 
     def _send(
         self,

@@ -87,7 +87,6 @@ class Conn:
         self.sock = sock
         self.send_lock = threading.Lock()
         self.patience = Patience(opts, label)  # its timeouts, and the errors that end its waits
-        self.sum_window = opts.sum_window_bytes
         self.last_progress = time.monotonic()  # last time a send or receive call moved a byte
         self._hdr = bytearray(HDR_SIZE)
         self._hdr_view = memoryview(self._hdr)
@@ -291,23 +290,17 @@ class Conn:
     def send_iov(self, iov: np.ndarray) -> None:
         """Send the (address, length) rows in order natively (csrc/kvsend.cpp, the GIL released), as ``send`` sends
         views; for a clear connection, whose caller keeps the memory alive."""
-        code, os_error = tcp_native.send_iov(self.sock.fileno(), iov)
-        self.last_progress = time.monotonic()
-        if code == tcp_native.LAND_STALLED:
-            raise self.patience.send_stall()
-        if code != tcp_native.OK:
-            raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
+        self.sent_natively(*tcp_native.send_iov(self.sock.fileno(), iov))
 
-    def send_summed(self, frames: tcp_native.BlockFrames, unit: int) -> int:
-        """Send a sealed write's frames as ``send_iov`` sends rows, hashing its payload just before each window of it
-        goes (``tcp_native.send_summed``): the checksum's accumulator, in units of ``unit``."""
-        code, os_error, acc = tcp_native.send_summed(self.sock.fileno(), frames, unit, self.sum_window)
+    def sent_natively(self, code: int, os_error: int) -> None:
+        """A native send's outcome (``send_iov``, a sealed write's ``send_summed``): progress noted, or why not."""
         self.last_progress = time.monotonic()
         if code == tcp_native.LAND_STALLED:
             raise self.patience.send_stall()
+        if code == tcp_native.LAND_EARG:  # nothing was sent
+            raise ChannelError(f"tcp {self.label}: a native send's rows are not whole checksum words (a bug)")
         if code != tcp_native.OK:
             raise OSError(os_error, f"tcp {self.label}: {os.strerror(os_error)}")
-        return acc
 
     def _send_tls(self, bufs: list[Any]) -> None:
         """Send every buffer in order through OpenSSL: small ones joined into one write, large ones as they are."""

@@ -18,9 +18,8 @@ from typing import Any, Literal
 
 from pdkv import native
 from pdkv.channels.handle import BlockWrite, TransferHandle, TransferOp, merge_ops
-from pdkv.channels.landing import address_of
 from pdkv.channels.regions import RegionTable
-from pdkv.channels.tcp import native as tcp_native
+from pdkv.channels.tcp.framer import BlockFramer
 from pdkv.channels.tcp.link import Link
 from pdkv.channels.tcp.options import Agent
 from pdkv.channels.tcp.streams import Batch, Sealed
@@ -39,8 +38,9 @@ from pdkv.channels.tcp.wire import (
 from pdkv.errors import ChannelError
 
 SEALED_TAIL = 4096
-"""Bytes of a sealed write held back for its LAST frame, sent once the notification is sealed (at least these, up
-to a checksum word more): the receiver waits for no more than them after the frames before it."""
+"""Bytes of a sealed write held back for its LAST frame, sent once the notification is sealed: the last piece's
+last ``SEALED_TAIL`` (up to a checksum word more), or all of it if shorter; the receiver waits for no more than them
+after the frames before it."""
 SEALED_NOTIF = b"sealed as sent"
 """What a sealed write's pending entry holds for its notification, which it carries but is made as it is sent
 (``Link.misanswered`` asks only whether one went)."""
@@ -72,9 +72,6 @@ def _split(ops: Sequence[TransferOp], parts: int, max_frame: int) -> list[list[T
     return [p for p in out if p]
 
 
-FRAMED_KEPT = 64  # sets of regions whose addresses are kept (a sender's chunks name one set per KV buffer)
-
-
 class TcpHandle(TransferHandle):
     """A handle that knows its link, so ``wait`` can read the link's answers on the waiting thread."""
 
@@ -100,9 +97,7 @@ class Initiator:
         self._links: dict[tuple[str, bytes], Link] = {}  # (peer, token) -> its live link
         self._link_locks: dict[tuple[str, bytes], threading.Lock] = collections.defaultdict(threading.Lock)
         self._lock = threading.Lock()
-        self._framed: dict[
-            tuple[int, tuple[int, ...], tuple[int, ...]], tuple[tcp_native.FrameRegions, tuple[memoryview, ...]]
-        ] = {}
+        self._framer = BlockFramer(regions, agent.opts.max_frame_bytes)
 
     # -- peers -------------------------------------------------------------------
     def add_peer(self, meta: Meta) -> bool:
@@ -194,59 +189,39 @@ class Initiator:
     def post_blocks(
         self, peer: str, blocks: BlockWrite, total: int, notif: bytes | None, token: bytes, inline: bool = False
     ) -> TcpHandle:
-        """Post a checked block write (``total`` bytes): framed natively (``tcp_native.block_frames``: the frames
+        """Post a checked block write (``total`` bytes): framed natively (``BlockFramer``: the frames
         ``post`` would send, byte for byte) and sent from the iovecs natively, where the kernels load and the link
         is clear; else as its runs' ops through ``post``."""
         if self.agent.tls is not None or not native.available():
             return self.post("write", peer, blocks.ops(), total, notif, token, merged=True, inline=inline)
         link = self.link(peer, token)
-        opts = self.agent.opts
         xfer = next(self._xfer_ids)
-        regions, views = self._frame_regions(blocks.local_regions, blocks.remote_regions)
-        frames = tcp_native.block_frames(
-            regions,
-            blocks.local_blocks,
-            blocks.remote_blocks,
-            blocks.block_bytes,
-            min(len(link.streams), opts.streams_for(total)),
-            opts.max_frame_bytes,
-            MAX_RUNS,
-            xfer,
-            notif,
+        frames, views = self._framer.frames(
+            blocks, min(len(link.streams), self.agent.opts.streams_for(total)), xfer, notif
         )
+        assert frames is not None  # only a sealed write's can be refused
         keep = (frames.out, views, notif)  # the frames' tables, the regions' memory and the notification, until sent
         built = [Batch([], nbytes, iov=frames.iov[first : first + n], keep=keep) for first, n, nbytes in frames.shares]
         return self._dispatch(link, TcpHandle(peer, "write", total, link), xfer, built, notif, inline)
 
     def post_blocks_sealed(
-        self, peer: str, blocks: BlockWrite, total: int, seal: Callable[[int], bytes], token: bytes, inline: bool
+        self, peer: str, blocks: BlockWrite, total: int, seal: Callable[[int], bytes], token: bytes
     ) -> TcpHandle | None:
-        """Post a checked block write whose notification ``seal(checksum)`` makes from the checksum of its bytes,
-        hashed as they are sent (``Sealed``); None where that is not done (TLS, no kernels, a write cut into
-        several shares, pieces that are not whole checksum words), and the caller hashes first."""
+        """Post a checked block write on this thread (``inline``) whose notification ``seal(checksum)`` makes from
+        the checksum of its bytes, hashed as they are sent (``Sealed``); None where that is not done (TLS, no
+        kernels, a write cut into several shares, pieces that are not whole checksum words): the caller hashes
+        first."""
         opts = self.agent.opts
         if self.agent.tls is not None or not native.available() or min(opts.streams, opts.streams_for(total)) != 1:
             return None
-        link = self.link(peer, token)
         xfer = next(self._xfer_ids)
-        regions, views = self._frame_regions(blocks.local_regions, blocks.remote_regions)
-        frames = tcp_native.block_frames(
-            regions,
-            blocks.local_blocks,
-            blocks.remote_blocks,
-            blocks.block_bytes,
-            1,
-            opts.max_frame_bytes,
-            MAX_RUNS,
-            xfer,
-            None,
-            SEALED_TAIL,
-        )
+        frames, views = self._framer.frames(blocks, 1, xfer, None, SEALED_TAIL)
         if frames is None:
             return None
-        sealed = Sealed(frames, blocks.block_bytes, total, xfer, seal, opts.max_notif_bytes)
+        link = self.link(peer, token)
+        sealed = Sealed(frames, blocks.block_bytes, total, xfer, seal, opts.max_notif_bytes, opts.sum_window_bytes)
         batch = Batch([], total, keep=views, sealed=sealed)
-        return self._dispatch(link, TcpHandle(peer, "write", total, link), xfer, [batch], SEALED_NOTIF, inline)
+        return self._dispatch(link, TcpHandle(peer, "write", total, link), xfer, [batch], SEALED_NOTIF, True)
 
     def _dispatch(
         self, link: Link, handle: TcpHandle, xfer: int, built: list[Batch], notif: bytes | None, inline: bool
@@ -257,21 +232,6 @@ class Initiator:
         batches = [((home + i) % nstreams, batch) for i, batch in enumerate(built)]
         link.post(handle, xfer, batches, notif, inline or built[0].nbytes <= self.agent.opts.inline_max_bytes)
         return handle
-
-    def _frame_regions(
-        self, ours: tuple[int, ...], theirs: tuple[int, ...]
-    ) -> tuple[tcp_native.FrameRegions, tuple[memoryview, ...]]:
-        """What ``tcp_native.block_frames`` reads of these regions (our regions' addresses, the peer's ids) and our
-        regions' views, which keep the memory alive while a batch holds them: worked out once per set of regions
-        registered (a sender's every chunk names the same ones)."""
-        key = (self._regions.generation, ours, theirs)
-        found = self._framed.get(key)
-        if found is None:
-            if len(self._framed) >= FRAMED_KEPT:
-                self._framed.clear()
-            views = tuple(self._regions[r] for r in ours)
-            found = self._framed[key] = (tcp_native.FrameRegions.of([address_of(v) for v in views], theirs), views)
-        return found
 
     def _home_stream(self) -> int:
         """The calling thread's stream: where its unsplit transfers go and its split ones start.

@@ -59,8 +59,8 @@ _RESTYPES: dict[str, type] = {"pdkv_grants_new": _p, "pdkv_block_frames": _i64}
 _lib = native.binder(_SIGNATURES, _RESTYPES)
 
 LAND_EOF, LAND_STALLED, LAND_EOS, LAND_EARG = 10, 11, 12, 13
-"""pdkv_recv_runs' outcomes other than OK (kvnet.h): the peer closed, no byte for max_idle ticks, the socket failed,
-a bad argument."""
+"""The native receives' and sends' outcomes other than OK (kvnet.h): the peer closed, no byte for max_idle ticks, the
+socket failed, a bad argument."""
 
 
 def check_runs(runs: bytes, nruns: int, desc: int, n_desc: int, length: int) -> bool:
@@ -194,8 +194,9 @@ def block_frames(
     """The tcp initiator's frames of a block write (csrc/kvsend.cpp): blocks ``local_ids`` of the regions at
     ``regions.bases`` to blocks ``remote_ids`` of ``regions.remote``, cut into at most ``parts`` shares exactly as
     ``Initiator.post`` cuts and frames the same write's ops, ``notif`` after share 0. ``sealed_tail`` > 0: one
-    share, no ``notif``, its last >= ``sealed_tail`` bytes held back (``BlockFrames.tail``) for a LAST frame sent
-    once the notification is sealed (``send_summed``); None when its pieces are not whole checksum words."""
+    share, no ``notif``, its last piece's last ``sealed_tail`` bytes (up to a checksum word more, or all of a shorter
+    piece) held back (``BlockFrames.tail``) for a LAST frame sent once the notification is sealed (``send_summed``);
+    None when its pieces are not whole checksum words."""
     ours = np.ascontiguousarray(local_ids, dtype=np.int64)
     theirs = np.ascontiguousarray(remote_ids, dtype=np.int64)
     tensors = len(regions.bases)
@@ -244,8 +245,9 @@ def block_frames(
 
 def send_summed(fd: int, frames: BlockFrames, unit: int, window: int) -> tuple[int, int, int]:
     """Send a sealed write's frames (``block_frames`` with ``sealed_tail``) on the blocking socket ``fd``, hashing
-    every payload row, its tail's too, in ``window`` bytes just before they are sent (csrc/kvsend.cpp): (``OK`` or
-    ``LAND_STALLED`` or ``LAND_EOS``, errno, the chunk checksum's accumulator in units of ``unit``)."""
+    every payload row, its tail's too, in ``window`` bytes just before they are sent (csrc/kvsend.cpp): (``OK``,
+    ``LAND_STALLED``, ``LAND_EOS`` or ``LAND_EARG``: rows not whole checksum words, nothing sent; errno; the chunk
+    checksum's accumulator in units of ``unit``)."""
     os_error, acc = ctypes.c_int(0), ctypes.c_uint64(0)
     first, rows, _ = frames.shares[0]
     code = _lib().pdkv_send_summed(
@@ -259,8 +261,6 @@ def send_summed(fd: int, frames: BlockFrames, unit: int, window: int) -> tuple[i
         ctypes.byref(acc),
         ctypes.byref(os_error),
     )
-    if code == LAND_EARG:
-        raise ValueError("pdkv_send_summed: a payload row is not whole checksum words")
     return code, os_error.value, acc.value
 
 

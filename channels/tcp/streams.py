@@ -31,9 +31,11 @@ class Sealed:
     xfer: int
     seal: Callable[[int], bytes]
     max_notif: int
+    window: int  # payload bytes hashed, then sent, at a time (``sum_window_bytes``)
 
     def send(self, conn: Conn) -> None:
-        acc = conn.send_summed(self.frames, self.unit)
+        code, os_error, acc = tcp_native.send_summed(conn.sock.fileno(), self.frames, self.unit, self.window)
+        conn.sent_natively(code, os_error)
         try:
             notif = self.seal(finish(acc, self.total))
         except Exception as exc:  # the share is on the wire without its end: only the link's end can follow

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from pdkv.channels.base import Channel
+from pdkv.channels.base import Channel, SummedWrites
 from pdkv.channels.handle import TransferHandle, TransferOp
 from pdkv.checksum import blocks_checksums, chunk_checksum, flat_bytes, frame_checksum, read_back_shared
 from pdkv.codec import Codec
@@ -175,6 +175,12 @@ class Postable(Protocol):
     def fail(self, err: TransferError) -> None: ...
 
 
+class Seal(Protocol):
+    """Makes a chunk's sealed notice from its checksum and (staged) the bytes written into its slot."""
+
+    def __call__(self, digest: int, wire: int = 0) -> bytes: ...
+
+
 class ChunkPoster:
     """Posts one transfer's chunks: waits for credit, reads the chunk's bytes and their checksum, sends its notice
     with its write. Made by ``OutgoingTransfer``; ``on_done(handle, local_slot, index)`` is each write's done
@@ -255,8 +261,8 @@ class ChunkPoster:
                 # (tcp): nothing else would run beside a pass ahead of it. Any other is hashed here first, where
                 # that overlaps the streams' threads sending earlier chunks (or by post_all, on a GPU).
                 found = None
-                if digest is None and inline:
-                    found = channel.write_blocks_summed(to, blocks, seal, token, inline=True)
+                if digest is None and inline and isinstance(channel, SummedWrites):
+                    found = channel.write_blocks_summed(to, blocks, seal, token)
                 if found is None:
                     if digest is None:
                         (digest,) = self._direct_digests([index])[0].values()
@@ -325,7 +331,7 @@ class ChunkPoster:
                 self.slot_of_chunk[index] = remote_slot
         return local_slot, remote_slot
 
-    def _sealer(self, index: int, remote_slot: int) -> Callable[..., bytes]:
+    def _sealer(self, index: int, remote_slot: int) -> Seal:
         """What makes chunk ``index``'s notification from its checksum (and, staged, the bytes written into the
         slot), sealed under the session key: called here, or by the channel once it hashed the bytes it sent."""
         xfer = self.xfer
