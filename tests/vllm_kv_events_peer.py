@@ -10,7 +10,8 @@ Protocol, one JSON object per line:
        each batch with vLLM's KVEventBatch: print {"pdkv": [batches as seen by vLLM], "config_fields": [the
        fields of vLLM's KVEventsConfig]}
     2. start vLLM's publisher, print {"vllm": "ready"}, then for each line read from stdin (a JSON list of
-       events in the shape below) publish one vLLM batch, print {"published": seq}; "quit" ends.
+       events in the shape below) publish one vLLM batch, print {"published": seq} once vLLM's publisher thread
+       sent it and holds it for replay; "quit" ends.
 """
 
 from __future__ import annotations
@@ -111,6 +112,11 @@ def main() -> None:
         if line.strip() == "quit":
             break
         publisher.publish(KVEventBatch(ts=time.time(), events=[make_event(e) for e in json.loads(line)]))
+        # publish() only queues the batch for vLLM's publisher thread; "published" means sent and in its replay
+        # buffer (its queue's task is done then), or a subscriber starting next may miss it in the replay
+        deadline = time.monotonic() + 10
+        while publisher._event_queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.001)
         print(json.dumps({"published": seq}), flush=True)
         seq += 1
     publisher.shutdown()
