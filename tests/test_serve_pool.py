@@ -8,6 +8,7 @@ hanging it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import random
@@ -151,10 +152,11 @@ def _raw_peer(port: int) -> socket.socket:
     return sock
 
 
-def test_a_peer_trickling_a_frame_does_not_hold_back_another_peers_write(frame_loop: str) -> None:
-    """One serve thread, held inside a frame by a peer that sent part of it and stopped: the other peer's write
-    completes all the same, on a serve thread added for it, long before the stalled frame's io_timeout."""
-    d = TcpChannel("d", TcpOptions(serve_threads=1, serve_wait_s=0.05, io_timeout=60))
+@contextlib.contextmanager
+def _good_and_slow(serve_wait_s: float) -> Iterator[tuple[TcpChannel, bytearray, TcpChannel, socket.socket]]:
+    """A target with one serve thread, a well-behaved peer that wrote once, and a raw peer whose connection is
+    proven: both parked, for a test to make the raw one misbehave."""
+    d = TcpChannel("d", TcpOptions(serve_threads=1, serve_wait_s=serve_wait_s, io_timeout=60))
     buf = bytearray(REGION * 2)
     d.register(buf)
     good = _peer("good", d, 1)
@@ -162,8 +164,20 @@ def test_a_peer_trickling_a_frame_does_not_hold_back_another_peers_write(frame_l
     try:
         _write(good, 1, REGION, 4096)  # the good peer's connection exists, and is parked after this
         slow = _raw_peer(d.port)
+        wait_until(lambda: len(d.target.pool.parked()) == 2, WAIT_S, "both connections to be parked")
+        yield d, buf, good, slow
+    finally:
+        if slow is not None:
+            slow.close()
+        good.close()
+        d.close()
+
+
+def test_a_peer_trickling_a_frame_does_not_hold_back_another_peers_write(frame_loop: str) -> None:
+    """One serve thread, held inside a frame by a peer that sent part of it and stopped: the other peer's write
+    completes all the same, on a serve thread added for it, long before the stalled frame's io_timeout."""
+    with _good_and_slow(serve_wait_s=0.05) as (d, buf, good, slow):
         pool = d.target.pool
-        wait_until(lambda: len(pool.parked()) == 2, WAIT_S, "both connections to be parked")
         frame = wire.data_frame(1, [(0, 0, 5000)], 5000, LAST, 1)
         slow.sendall(bytes(frame) + b"z" * 100)  # a serve thread takes it, and waits inside the frame
         wait_until(lambda: len(pool.parked()) == 1, WAIT_S, "the serve thread to take the stalled frame")
@@ -171,36 +185,18 @@ def test_a_peer_trickling_a_frame_does_not_hold_back_another_peers_write(frame_l
         assert bytes(buf[REGION : REGION + 8192]) == data
         assert d.stats()["serve_threads_added"] >= 1
         assert len(_threads("d", "serve")) >= 2
-    finally:
-        if slow is not None:
-            slow.close()
-        good.close()
-        d.close()
 
 
 def test_a_peer_silent_inside_a_share_holds_no_thread(frame_loop: str) -> None:
     """A peer sends a whole frame of a share (not its last) and then nothing: its connection is parked between the
     two frames like any idle one, so the one serve thread goes on serving the other peer, and none is added."""
-    d = TcpChannel("d", TcpOptions(serve_threads=1, serve_wait_s=30, io_timeout=60))
-    buf = bytearray(REGION * 2)
-    d.register(buf)
-    good = _peer("good", d, 1)
-    slow: socket.socket | None = None
-    try:
-        _write(good, 1, REGION, 4096)
-        slow = _raw_peer(d.port)
-        wait_until(lambda: len(d.target.pool.parked()) == 2, WAIT_S, "both connections to be parked")
+    with _good_and_slow(serve_wait_s=30) as (d, buf, good, slow):
         slow.sendall(bytes(wire.data_frame(1, [(0, 0, 100)], 100, 0, 0)) + b"z" * 100)  # not LAST: the share goes on
         wait_until(lambda: bytes(buf[:100]) == b"z" * 100, WAIT_S, "the first frame of the share to land")
         for seed in (2, 3):
             data = _write(good, seed, REGION, 8192)  # within WAIT_S, where serve_wait_s is 30
             assert bytes(buf[REGION : REGION + 8192]) == data
         wait_until(lambda: len(d.target.pool.parked()) == 2, WAIT_S, "both connections to be parked again")
-    finally:
-        if slow is not None:
-            slow.close()
-        good.close()
-        d.close()
 
 
 @pytest.mark.parametrize("held", ["parked", "kept"])
