@@ -18,10 +18,11 @@ unchanged. Channels listed in ``IN_PROCESS`` cannot span processes (mock):
 their receiver runs on a thread.
 
 The tcp channel's baseline is plain sockets, measured for each size with one
-stream and with as many as the channel uses (``TcpOptions.streams_for``):
-one thread per stream ``sendall``s its share, and the receiver's threads
+stream and with as many as the channel uses (``TcpOptions.streams_for``),
+each share in one ``sendall`` and in 32 KiB ones (loopback takes those
+faster): one thread per stream sends its share, and the receiver's threads
 ``recv_into(..., MSG_WAITALL)`` theirs, as the channel's own receive path
-does. ``ratio`` is against the faster (``baseline_used``).
+does. ``ratio`` is against the fastest (``baseline_used``).
 
 Each row has the CPU seconds per GB each side's process spent
 (``cpu_s_per_gb``, ``baseline_cpu_s_per_gb``, ``cpu_ratio``; see
@@ -429,8 +430,20 @@ def _accept_streams(server: socket.socket, streams: int, conn: Connection) -> li
     return [s for s in socks if s is not None]
 
 
+RAW_SEND_PIECE = 32 << 10
+"""The piece a raw sender's other variant hands the kernel per ``sendall``: on loopback, 32-48 KiB sends move a
+request's bytes in about half the time of one send of all of them (benchmarks/send_window.py), so the best plain
+program sends that way there."""
+
+
+def _send_in_pieces(sock: socket.socket, view: memoryview, piece: int) -> None:
+    for at in range(0, len(view), piece):
+        sock.sendall(view[at : at + piece])
+
+
 class RawSockets:
-    """Raw sockets, 1 stream and the tcp channel's count: sendall a share each, recv_into MSG_WAITALL, 1-byte ack.
+    """Raw sockets, 1 stream and the tcp channel's count: sendall a share each (whole, or in ``RAW_SEND_PIECE``
+    pieces), recv_into MSG_WAITALL, 1-byte ack.
 
     Two processes: sendall a share per stream, recv_into(..., MSG_WAITALL)
     a preallocated buffer, one byte back.
@@ -438,10 +451,11 @@ class RawSockets:
     One receiver process and ``TcpOptions().streams`` connections for the
     whole run. Each message is cut into one share per stream used, sent in
     parallel (a thread per stream), then one byte comes back once every
-    share landed. ``variants`` says which stream counts a size is measured
-    with: one stream, and the channel's (``TcpOptions.streams_for``) where
-    that is more; a bench compares the channel with the faster of the two,
-    so splitting a size the channel should not split shows as a loss.
+    share landed. ``variants`` says how a size is measured: over one stream, and the
+    channel's count (``TcpOptions.streams_for``) where that is more, each
+    share sent whole and in pieces; a bench compares the channel with the
+    fastest, so splitting a size the channel should not split, or sending it
+    in a way the kernel takes slower, shows as a loss.
     """
 
     def __init__(self, nbytes: int, placement: Placement = LOOPBACK) -> None:
@@ -467,8 +481,8 @@ class RawSockets:
             self._stack.close()
             raise
 
-    def _round(self, size: int, per_ack: int, acks: int, used: int) -> list[float]:
-        """Seconds per ack, warm-up excluded."""
+    def _round(self, size: int, per_ack: int, acks: int, used: int, piece: int = 0) -> list[float]:
+        """Seconds per ack, warm-up excluded; ``piece``: each share sent in sends of that many bytes (0: one)."""
         self.socks[0].sendall(_ROUND.pack(size, per_ack, acks, used))
         shares = _shares(size, used)
         times = []
@@ -479,7 +493,7 @@ class RawSockets:
                 base = j * size
                 self.crew.run(
                     [
-                        partial(self.socks[i].sendall, self.src[base + off : base + off + n])
+                        partial(_send_in_pieces, self.socks[i], self.src[base + off : base + off + n], piece or n)
                         for i, (off, n) in enumerate(shares)
                     ]
                 )
@@ -490,16 +504,23 @@ class RawSockets:
         return times[WARMUP:]
 
     def variants(self, size: int) -> dict[str, dict[str, int]]:
-        """``gbps`` keyword arguments per variant measured for ``size``: one stream, and the channel's count."""
+        """``gbps`` keyword arguments per variant measured for ``size``: one stream, and the channel's count; each
+        share in one send, and in ``RAW_SEND_PIECE`` sends."""
         counts = sorted({1, TcpOptions().streams_for(size)})
-        return {f"{n} stream{'s' if n > 1 else ''}": {"streams": n} for n in counts}
+        out: dict[str, dict[str, int]] = {}
+        for n in counts:
+            label = f"{n} stream{'s' if n > 1 else ''}"
+            out[label] = {"streams": n}
+            out[f"{label}, {RAW_SEND_PIECE >> 10} KiB sends"] = {"streams": n, "piece": RAW_SEND_PIECE}
+        return out
 
-    def gbps(self, size: int, repeats: int, streams: int | None = None) -> float:
-        """GB/s of a ``size``-byte message over ``streams`` (default: as many as the channel uses for it)."""
+    def gbps(self, size: int, repeats: int, streams: int | None = None, piece: int = 0) -> float:
+        """GB/s of a ``size``-byte message over ``streams`` (default: as many as the channel uses for it), each
+        share sent in sends of ``piece`` bytes (0: one send)."""
         used = TcpOptions().streams_for(size) if streams is None else streams
         if not 1 <= used <= self.streams:
             raise ConfigError(f"raw socket baseline: {used} streams asked, 1..{self.streams} open")
-        times = self._round(size, 1, WARMUP + repeats_for(size, repeats, self.rate_bps), used)
+        times = self._round(size, 1, WARMUP + repeats_for(size, repeats, self.rate_bps), used, piece)
         return size / statistics.median(times) / 1e9
 
     def transfers_per_s(self, count: int, size: int, repeats: int) -> float:
