@@ -312,9 +312,10 @@ class SummedWrites(ABC):
 
     @abstractmethod
     def write_blocks_summed(
-        self, peer: str, blocks: BlockWrite, seal: Callable[[int], bytes], token: bytes = b""
+        self, peer: str, blocks: BlockWrite, seal: Callable[[int], bytes], token: bytes = b"", inline: bool = False
     ) -> TransferHandle | None:
-        """``write_blocks(..., inline=True)`` of ``blocks`` and the notification ``seal(checksum)`` makes from their
-        ``blocks_checksum`` (units of ``blocks.block_bytes``, in the write's order); None where this write cannot go
-        so (the caller then hashes and calls ``write_blocks``). A notification that proves too long once sealed
-        ends the link, failing every write in flight on it (``write_blocks`` refuses one before a byte leaves)."""
+        """``write_blocks(..., inline=inline)`` of ``blocks`` and the notification ``seal(checksum)`` makes from
+        their ``blocks_checksum`` (units of ``blocks.block_bytes``, in the write's order), called once on whichever
+        thread finishes hashing last; None where this write cannot go so (the caller then hashes and calls
+        ``write_blocks``). A notification that proves too long once sealed, or a ``seal`` that raises, ends the
+        link, failing every write in flight on it (``write_blocks`` refuses one before a byte leaves)."""

@@ -11,14 +11,16 @@
 // as an iovec; pdkv_send_iov then sends a share's iovecs with sendmsg, the
 // GIL released (ctypes drops it).
 //
-// A sealed write (sealed_tail > 0, one share) is sent in two calls so that P
+// A sealed write (sealed_tail > 0) is sent in two calls per share so that P
 // hashes each piece just before the kernel copies it, not in a pass of its
 // own before the first byte leaves (issue 46, step 2): pdkv_send_summed hashes
-// and sends every frame but a short tail, which goes last in a LAST frame of
-// its own after the notification it seals (the checksum in it) is known. The
-// notice's length is in that frame's header, ahead of its payload; hence the
-// tail: the frames before it need nothing of the checksum. The receiver sees
-// DATA frames it already takes (one run more), nothing new on the wire.
+// and sends every frame of a share but a short tail, which goes last in a
+// LAST frame of its own; the share that finishes last carries the
+// notification, sealed over the sum of every share's part of the checksum.
+// The notice's length is in that frame's header, ahead of its payload; hence
+// the tail: the frames before it need nothing of the checksum. The receiver
+// sees DATA frames it already takes (one run more a share), nothing new on the
+// wire: it takes the notification from whichever share brings it.
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <climits>
@@ -36,6 +38,7 @@ namespace wire = pdkv::tcpwire;
 
 struct Piece {
   int64_t share, addr, region, offset, length;
+  bool tail = false;  // a sealed write's: hashed with the share, sent after it by the caller
 };
 
 template <typename T>
@@ -65,10 +68,10 @@ PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* re
                                    int64_t block_bytes, int64_t parts, int64_t max_frame, int64_t max_runs,
                                    uint64_t xfer, const char* notif, int64_t notif_len, char* tables,
                                    int64_t tables_cap, int64_t* iov, int64_t iov_cap, int64_t* shares,
-                                   int64_t* offsets, int64_t sealed_tail) {
+                                   int64_t* offsets, int64_t sealed_tail, int64_t* tails) {
   if (n_tensors <= 0 || n_ids <= 0 || block_bytes <= 0 || parts <= 0 || max_frame <= 0 || max_runs <= 0) return -2;
   const bool sealed = sealed_tail > 0;
-  if (sealed && (parts != 1 || notif_len >= 0)) return -2;
+  if (sealed && notif_len >= 0) return -2;
   // runs of blocks adjacent on both sides (BlockWrite.runs): our first block, theirs, count
   std::vector<int64_t> runs;
   for (int64_t i = 0; i < n_ids; ++i) {
@@ -98,13 +101,21 @@ PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* re
   }
   const int64_t word = pdkv::Cut(block_bytes).word;
   if (sealed) {
-    // the tail: the last piece's last sealed_tail bytes (cut at a word: up to a word more; all of a shorter piece)
-    Piece& end = pieces.back();
-    const int64_t head = end.length > sealed_tail ? (end.length - sealed_tail) / word * word : 0;
-    if (head > 0) {
-      pieces.push_back({end.share, end.addr + head, end.region, end.offset + head, end.length - head});
-      pieces[pieces.size() - 2].length = head;
+    // each share's tail: its last piece's last sealed_tail bytes (cut at a word: up to a word more; all of a shorter
+    // piece)
+    std::vector<Piece> cut;
+    cut.reserve(pieces.size() + static_cast<size_t>(parts));
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const Piece& q = pieces[i];
+      if (i + 1 < pieces.size() && pieces[i + 1].share == q.share) {
+        cut.push_back(q);
+        continue;
+      }
+      const int64_t head = q.length > sealed_tail ? (q.length - sealed_tail) / word * word : 0;
+      if (head > 0) cut.push_back({q.share, q.addr, q.region, q.offset, head});
+      cut.push_back({q.share, q.addr + head, q.region, q.offset + head, q.length - head, true});
     }
+    pieces.swap(cut);
     int64_t at_byte = 0;  // the checksum hashes the payload as one stream: each piece's place in it must be a word's
     for (const Piece& q : pieces) {
       if (at_byte % word || q.length % word) return -3;
@@ -112,7 +123,7 @@ PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* re
     }
   }
   const int64_t nshares = pieces.back().share + 1;
-  const int64_t framed = static_cast<int64_t>(pieces.size()) - (sealed ? 1 : 0);  // a sealed write's tail: unframed
+  const int64_t npieces = static_cast<int64_t>(pieces.size());
   // Initiator._write_batch, share by share: frames of at most max_runs runs and max_frame bytes
   char* at = tables;
   int64_t k = 0, p = 0, stream = 0;
@@ -125,13 +136,13 @@ PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* re
   for (int64_t sh = 0; sh < nshares; ++sh) {
     shares[3 * sh] = k;
     int64_t share_bytes = 0;
-    while (p < framed && pieces[p].share == sh) {
+    const auto framed = [&](int64_t i) { return i < npieces && pieces[i].share == sh && !pieces[i].tail; };
+    while (framed(p)) {
       int64_t end = p, size = 0;
-      while (end < framed && pieces[end].share == sh && end - p < max_runs &&
-             (end == p || size + pieces[end].length <= max_frame)) {
+      while (framed(end) && end - p < max_runs && (end == p || size + pieces[end].length <= max_frame)) {
         size += pieces[end++].length;
       }
-      const bool last = !sealed && (end == framed || pieces[end].share != sh);
+      const bool last = !sealed && !framed(end);
       const bool with_notif = last && sh == 0 && notif_len >= 0;
       const int64_t need = wire::kHeaderBytes + (end - p) * wire::kRunBytes;
       if (at + need > tables + tables_cap) return -1;
@@ -153,12 +164,13 @@ PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* re
       p = end;
     }
     shares[3 * sh + 1] = k - shares[3 * sh];
+    if (sealed) {  // the tail's row after the share's (not counted in it), and its run: (region, offset, length)
+      const Piece& tail = pieces[p++];
+      if (!emit(tail.addr, tail.length, true)) return -1;
+      tails[3 * sh] = tail.region, tails[3 * sh + 1] = tail.offset, tails[3 * sh + 2] = tail.length;
+      share_bytes += tail.length;
+    }
     shares[3 * sh + 2] = share_bytes;
-  }
-  if (sealed) {  // the tail's row after the share's, and its run: (region, offset, length)
-    const Piece& tail = pieces.back();
-    if (!emit(tail.addr, tail.length, true)) return -1;
-    shares[3] = tail.region, shares[4] = tail.offset, shares[5] = tail.length;
   }
   return nshares;
 }

@@ -14,6 +14,7 @@ from pdkv.bench.transfer import TransferRig
 from pdkv.channels.base import Channel
 from pdkv.channels.mock import MockChannel
 from pdkv.channels.tcp import streams
+from pdkv.channels.tcp.conn import Conn
 from pdkv.channels.tcp.streams import Sealed
 from pdkv.config import TransferConfig
 from pdkv.errors import ChannelError, ChecksumError, ReservationError, TransferError
@@ -77,28 +78,34 @@ def test_a_one_chunk_request_is_written_into_the_pool_without_a_reserve(make_pai
 
 
 @pytest.mark.parametrize("lies", [False, True], ids=["true", "lying"])
-def test_a_one_chunk_request_over_tcp_is_hashed_as_it_is_sent(
+def test_a_request_over_tcp_is_hashed_as_it_is_sent(
     make_pair: MakePair, lies: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Its write, on the caller's thread, goes sealed (issue 46, step 2): no checksum pass ahead of the send, the
-    channel hashes the bytes as it sends them and the notice carries that checksum, which D checks against what
-    landed: true, the request lands verified; made to lie, D refuses the chunk for its checksum."""
+    """Its writes go sealed (issue 46, step 2), a pooled one-chunk request's on the caller's thread and a reserved
+    two-chunk one's on the streams: no checksum pass ahead of the send, the channel hashes the bytes as it sends
+    them and the notice carries that checksum, which D checks against what landed: true, the request lands
+    verified; made to lie, D refuses the chunk for its checksum."""
     sealed: list[int] = []
     passes: list[list[int]] = []
     real_send, real_digests, real_finish = Sealed.send, ChunkPoster._direct_digests, streams.finish
-    monkeypatch.setattr(Sealed, "send", lambda self, conn: (sealed.append(self.total), real_send(self, conn))[1])
+
+    def send(self: Sealed, conn: Conn) -> None:
+        sealed.append(self.frames.shares[self.share][2])
+        real_send(self, conn)
+
+    monkeypatch.setattr(Sealed, "send", send)
     monkeypatch.setattr(
         ChunkPoster, "_direct_digests", lambda self, ids: (passes.append(list(ids)), real_digests(self, ids))[1]
     )
-    if lies:
-        monkeypatch.setattr(streams, "finish", lambda *a: real_finish(*a) ^ 1)
     pair = make_pair(config=POOLED, channel="tcp")
     warm(pair)
-    assert sealed == [] and any(passes)  # two chunks: each hashed ahead, on the caller's thread
-    passes.clear()
+    assert sum(sealed) == pair.p_layout.chunk_bytes(64) and not any(passes)  # two chunks, each hashed as sent
+    sealed.clear()
+    if lies:
+        monkeypatch.setattr(streams, "finish", lambda *a: real_finish(*a) ^ 1)
     xfer = pair.sender.open("sealed", pair.receiver.address, 30, [10, 11], prompt_key=b"S" * 16)
     xfer.send_all()
-    assert sealed == [pair.p_layout.chunk_bytes(32)] and not any(passes)  # both blocks of every tensor
+    assert sum(sealed) == pair.p_layout.chunk_bytes(32) and not any(passes)  # both blocks of every tensor
     if lies:
         with pytest.raises(ChecksumError, match="failed its checksum"):
             xfer.wait(10)

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdkv import native
-from pdkv.channels import BlockWrite, create_channel
+from pdkv.channels import BlockWrite, Channel, TransferHandle, create_channel
 from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp import initiator as initiator_module
 from pdkv.channels.tcp import native as tcp_native
@@ -172,33 +172,58 @@ def test_a_tcp_block_write_goes_out_natively(monkeypatch: pytest.MonkeyPatch) ->
 
 # -- a sealed write: hashed as it is sent, its notification made last (issue 46, step 2) ------------------------
 
-SEALED_SHAPES = {  # our blocks, theirs, block bytes (its checksum word), max_frame, regions
-    "fragmented": ([5, 6, 7, 20, 2], [1, 2, 3, 60, 9], 128, 1 << 20, 3),
-    "tail-only": ([3], [4], 128, 1 << 20, 1),  # one piece shorter than the tail: no frame goes before the LAST one
-    "cut-in-blocks": (list(range(40)), list(range(10, 50)), 1024, 3000, 3),  # pieces cut inside blocks
-    "words-of-4": ([1, 2], [5, 6], 4100, 1 << 20, 2),  # the tail cut off a longer piece at a narrower word
-    "words-of-2": ([0, 1, 9], [3, 4, 8], 4098, 1 << 20, 1),
-    "words-of-1": ([6, 7], [0, 1], 4097, 1 << 20, 2),
+SEALED_SHAPES = {  # our blocks, theirs, block bytes (its checksum word), max_frame, regions, shares
+    "fragmented": ([5, 6, 7, 20, 2], [1, 2, 3, 60, 9], 128, 1 << 20, 3, 1),
+    "tail-only": ([3], [4], 128, 1 << 20, 1, 1),  # one piece shorter than the tail: no frame goes before the LAST one
+    "cut-in-blocks": (list(range(40)), list(range(10, 50)), 1024, 3000, 3, 1),  # pieces cut inside blocks
+    "words-of-4": ([1, 2], [5, 6], 4100, 1 << 20, 2, 1),  # the tail cut off a longer piece at a narrower word
+    "words-of-2": ([0, 1, 9], [3, 4, 8], 4098, 1 << 20, 1, 1),
+    "words-of-1": ([6, 7], [0, 1], 4097, 1 << 20, 2, 1),
+    "three-shares": (list(range(12)), list(range(20, 32)), 1024, 1 << 20, 3, 3),
+    "shares-cut-in-blocks": (list(range(40)), list(range(10, 50)), 1024, 3000, 3, 3),
+    "two-shares-of-4-byte-words": ([1, 2, 3, 4], [5, 6, 7, 8], 4100, 1 << 20, 1, 2),
+    "tail-only-shares": ([3, 9], [4, 0], 128, 1 << 20, 1, 2),  # every share shorter than its tail
 }
+
+
+def _sealed_pair(max_frame: int, shares: int, **ours: int) -> tuple[Channel, Channel]:
+    """Two tcp channels on loopback; the first splits any write into ``shares`` (one a stream)."""
+    split = {"streams": shares, "stream_min_bytes": 1}
+    a = create_channel("tcp", "a", {"host": "127.0.0.1", "max_frame_bytes": max_frame, **split, **ours})
+    b = create_channel("tcp", "b", {"host": "127.0.0.1", "max_frame_bytes": max_frame})
+    return a, b
+
+
+def _notes(channel: Channel, n: int) -> list[bytes]:
+    """The notifications ``channel`` received: the first ``n`` (within 10 s), and any more 50 ms after."""
+    deadline, got = time.monotonic() + 10, []
+    while len(got) < n and time.monotonic() < deadline:
+        got += [note.payload for note in channel.get_notifications()]
+        time.sleep(0.001)
+    time.sleep(0.05)
+    return got + [note.payload for note in channel.get_notifications()]
 
 
 @pytest.mark.parametrize("window", [8, 4096, 1 << 22])
 @pytest.mark.parametrize("shape", sorted(SEALED_SHAPES))
 def test_a_sealed_write_is_hashed_as_it_is_sent(shape: str, window: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The checksum a sealed write hands its ``seal`` is ``blocks_checksum`` of its bytes (what the pass ahead of
-    the send computed), whatever windows it was hashed in; the bytes land bit-exact, the notification made after
-    the frames went arrives with them, and the frames went through the summed send, the tail after them."""
-    ours, theirs, block, max_frame, nregions = SEALED_SHAPES[shape]
-    summed: list[int] = []
+    the send computed), whatever windows and shares it was hashed in; the bytes land bit-exact, the notification
+    made after every share's frames went arrives with them, once, and every share went through the summed send,
+    its tail after it. A write of several shares has its last share held up: the notification then rides that
+    share, not the first."""
+    ours, theirs, block, max_frame, nregions, nshares = SEALED_SHAPES[shape]
+    summed: list[tuple[int, int, int]] = []  # per share sent: (share, its payload bytes, its tail's)
     real = tcp_native.send_summed
 
-    def counting(fd: int, frames: tcp_native.BlockFrames, unit: int, w: int) -> tuple[int, int, int]:
-        summed.append(frames.shares[0][2])
-        return real(fd, frames, unit, w)
+    def counting(fd: int, frames: tcp_native.BlockFrames, share: int, unit: int, w: int) -> tuple[int, int, int]:
+        if share == len(frames.shares) - 1 > 0:
+            time.sleep(0.05)  # the others finish first
+        summed.append((share, frames.shares[share][2], frames.tails[share][2]))
+        return real(fd, frames, share, unit, w)
 
     monkeypatch.setattr(tcp_native, "send_summed", counting)
-    a = create_channel("tcp", "a", {"host": "127.0.0.1", "max_frame_bytes": max_frame, "sum_window_bytes": window})
-    b = create_channel("tcp", "b", {"host": "127.0.0.1", "max_frame_bytes": max_frame})
+    a, b = _sealed_pair(max_frame, nshares, sum_window_bytes=window)
     try:
         rng = np.random.default_rng(len(ours) + window)
         srcs = [rng.integers(0, 256, 64 * block, dtype=np.uint8) for _ in range(nregions)]
@@ -218,12 +243,11 @@ def test_a_sealed_write_is_hashed_as_it_is_sent(shape: str, window: int, monkeyp
         expected = blocks_checksum([torch.from_numpy(s) for s in srcs], ours, block)
         assert sealed == [expected]
         total = nregions * len(ours) * block
-        tail = total - summed[0]  # all but the tail went in frames, hashed; the tail is at most 4 KiB and a word
-        assert len(summed) == 1 and (summed[0] == 0 if shape == "tail-only" else 0 < tail <= 4096 + 8)
-        deadline = time.monotonic() + 10
-        while not (notes := b.get_notifications()) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert [n.payload for n in notes] == [seal(expected)]
+        assert sorted(share for share, _, _ in summed) == list(range(nshares))
+        assert sum(nbytes for _, nbytes, _ in summed) == total
+        for _, nbytes, tail in summed:  # each share's tail: at most 4 KiB and a word, all of a share shorter
+            assert tail == nbytes if shape.startswith("tail-only") else 0 < tail <= 4096 + 8 and tail < nbytes
+        assert _notes(b, 1) == [seal(expected)]
         for s, d in zip(srcs, dsts, strict=True):
             for i, j in zip(ours, theirs, strict=True):
                 assert np.array_equal(d[j * block : (j + 1) * block], s[i * block : (i + 1) * block])
@@ -232,17 +256,57 @@ def test_a_sealed_write_is_hashed_as_it_is_sent(shape: str, window: int, monkeyp
         b.close()
 
 
+def test_sealed_writes_of_several_shares_from_several_threads_each_land_with_their_own_notification() -> None:
+    """Shares of concurrent sealed writes wait for no other (the last hashed seals): threads whose writes start on
+    different streams, and so queue their shares in opposite orders, all land, each notification over its own
+    write's bytes."""
+    block, writes = 4096, 8
+    a, b = _sealed_pair(1 << 20, 2, inline_max_bytes=0)
+    try:
+        src = np.random.default_rng(3).integers(0, 256, 2 * writes * 4 * block, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        ra, rb = a.register(src, block), b.register(dst, block)
+        peer = a.add_peer(b.metadata())
+        handles: list[TransferHandle] = []
+        lock = threading.Lock()
+
+        def post(first: int) -> None:
+            for k in range(first, 2 * writes, 2):
+                ids = np.arange(4 * k, 4 * k + 4)
+                write = BlockWrite((ra,), (rb,), ids, ids, block)
+                handle = a.write_blocks_summed(peer, write, lambda d, k=k: b"%d:%d" % (k, d))
+                assert handle is not None
+                with lock:
+                    handles.append(handle)
+
+        threads = [threading.Thread(target=post, args=(first,)) for first in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        for handle in handles:
+            a.wait(handle, 10.0)
+        want = {
+            b"%d:%d" % (k, blocks_checksum([torch.from_numpy(src)], list(range(4 * k, 4 * k + 4)), block))
+            for k in range(2 * writes)
+        }
+        assert len(handles) == 2 * writes and set(_notes(b, 2 * writes)) == want
+        assert np.array_equal(dst, src)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_write_the_send_cannot_hash_is_left_to_the_caller() -> None:
-    """Pieces that are not whole checksum words (frames cut at 12 bytes of 8-byte words), or a write of several
-    shares: ``write_blocks_summed`` sends nothing and says so (None), and the caller hashes first."""
-    for opts, nbytes in (({"max_frame_bytes": 12}, 24), ({"streams": 2, "stream_min_bytes": 4096}, 1 << 16)):
+    """Pieces that are not whole checksum words (frames cut at 12 bytes of 8-byte words, or two shares split at
+    half a word): ``write_blocks_summed`` sends nothing and says so (None), and the caller hashes first."""
+    for opts, nbytes in (({"max_frame_bytes": 12}, 24), ({"streams": 2, "stream_min_bytes": 4096}, 4104)):
         a = create_channel("tcp", "a", {"host": "127.0.0.1", **opts})
         b = create_channel("tcp", "b", {"host": "127.0.0.1", **opts})
         try:
             src, dst = np.ones(8 * nbytes, dtype=np.uint8), np.zeros(8 * nbytes, dtype=np.uint8)
-            write = BlockWrite(
-                (a.register(src, nbytes),), (b.register(dst, nbytes),), np.array([1, 2]), np.array([3, 4]), nbytes
-            )
+            ids = np.array([1, 2, 3])
+            write = BlockWrite((a.register(src, nbytes),), (b.register(dst, nbytes),), ids, ids + 2, nbytes)
             assert a.write_blocks_summed(a.add_peer(b.metadata()), write, lambda d: b"n") is None
             assert not dst.any()
         finally:
@@ -256,15 +320,15 @@ def test_a_summed_send_refuses_rows_off_the_words_and_times_out_on_a_peer_that_r
     data = np.zeros(32 << 20, dtype=np.uint8)
     regions = tcp_native.FrameRegions.of([data.ctypes.data], [0])
     frames = tcp_native.block_frames(regions, np.arange(4), np.arange(4), 8 << 20, 1, 1 << 30, 16, 1, None, 4096)
-    assert frames is not None and frames.tail == (0, (32 << 20) - 4096, 4096)
+    assert frames is not None and frames.tails == [(0, (32 << 20) - 4096, 4096)]
     a, b = socket.socketpair()
     a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, 200_000))
     try:
         bad = frames._replace(offsets=frames.offsets.copy())
         bad.offsets[1] += 4
-        assert tcp_native.send_summed(a.fileno(), bad, 8 << 20, 1 << 20)[0] == tcp_native.LAND_EARG
+        assert tcp_native.send_summed(a.fileno(), bad, 0, 8 << 20, 1 << 20)[0] == tcp_native.LAND_EARG
         assert select.select([b], [], [], 0.05)[0] == []  # not a byte went
-        code, _, _ = tcp_native.send_summed(a.fileno(), frames, 8 << 20, 1 << 20)
+        code, _, _ = tcp_native.send_summed(a.fileno(), frames, 0, 8 << 20, 1 << 20)
         assert code == tcp_native.LAND_STALLED
     finally:
         a.close()

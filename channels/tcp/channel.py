@@ -152,12 +152,12 @@ class TcpChannel(Channel, SummedWrites):
         return self.initiator.post_blocks(peer, blocks, total, notif, token, inline)
 
     def write_blocks_summed(
-        self, peer: str, blocks: BlockWrite, seal: Callable[[int], bytes], token: bytes = b""
+        self, peer: str, blocks: BlockWrite, seal: Callable[[int], bytes], token: bytes = b"", inline: bool = False
     ) -> TransferHandle | None:
-        """``SummedWrites``: a write of one share, hashed as its frames go (``Initiator.post_blocks_sealed``)."""
+        """``SummedWrites``: each share hashed as its frames go (``Initiator.post_blocks_sealed``)."""
         self._check_open()
         total = self.regions.check_blocks(peer, blocks)
-        return self.initiator.post_blocks_sealed(peer, blocks, total, seal, token)
+        return self.initiator.post_blocks_sealed(peer, blocks, total, seal, token, inline)
 
     def _send(
         self,

@@ -22,7 +22,7 @@ from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp.framer import BlockFramer
 from pdkv.channels.tcp.link import Link
 from pdkv.channels.tcp.options import Agent
-from pdkv.channels.tcp.streams import Batch, Sealed
+from pdkv.channels.tcp.streams import Batch, Sealed, SealedEnd
 from pdkv.channels.tcp.wire import (
     HDR_SIZE,
     HEADER,
@@ -38,9 +38,9 @@ from pdkv.channels.tcp.wire import (
 from pdkv.errors import ChannelError
 
 SEALED_TAIL = 4096
-"""Bytes of a sealed write held back for its LAST frame, sent once the notification is sealed: the last piece's
-last ``SEALED_TAIL`` (up to a checksum word more), or all of it if shorter; the receiver waits for no more than them
-after the frames before it."""
+"""Bytes of each share of a sealed write held back for its LAST frame, sent once the share is hashed (the last to
+finish carries the notification, sealed then): the share's last piece's last ``SEALED_TAIL`` (up to a checksum word
+more), or all of it if shorter; the receiver waits for no more than them after the frames before it."""
 SEALED_NOTIF = b"sealed as sent"
 """What a sealed write's pending entry holds for its notification, which it carries but is made as it is sent
 (``Link.misanswered`` asks only whether one went)."""
@@ -205,23 +205,27 @@ class Initiator:
         return self._dispatch(link, TcpHandle(peer, "write", total, link), xfer, built, notif, inline)
 
     def post_blocks_sealed(
-        self, peer: str, blocks: BlockWrite, total: int, seal: Callable[[int], bytes], token: bytes
+        self, peer: str, blocks: BlockWrite, total: int, seal: Callable[[int], bytes], token: bytes, inline: bool
     ) -> TcpHandle | None:
-        """Post a checked block write on this thread (``inline``) whose notification ``seal(checksum)`` makes from
-        the checksum of its bytes, hashed as they are sent (``Sealed``); None where that is not done (TLS, no
-        kernels, a write cut into several shares, pieces that are not whole checksum words): the caller hashes
-        first."""
+        """Post a checked block write whose notification ``seal(checksum)`` makes from the checksum of its bytes,
+        each share hashed as it is sent (``Sealed``; ``inline`` as ``post_blocks``); None where that is not done
+        (TLS, no kernels, pieces that are not whole checksum words): the caller hashes first."""
         opts = self.agent.opts
-        if self.agent.tls is not None or not native.available() or min(opts.streams, opts.streams_for(total)) != 1:
-            return None
-        xfer = next(self._xfer_ids)
-        frames, views = self._framer.frames(blocks, 1, xfer, None, SEALED_TAIL)
-        if frames is None:
+        if self.agent.tls is not None or not native.available():
             return None
         link = self.link(peer, token)
-        sealed = Sealed(frames, blocks.block_bytes, total, xfer, seal, opts.max_notif_bytes, opts.sum_window_bytes)
-        batch = Batch([], total, keep=views, sealed=sealed)
-        return self._dispatch(link, TcpHandle(peer, "write", total, link), xfer, [batch], SEALED_NOTIF, True)
+        xfer = next(self._xfer_ids)
+        frames, views = self._framer.frames(
+            blocks, min(len(link.streams), opts.streams_for(total)), xfer, None, SEALED_TAIL
+        )
+        if frames is None:
+            return None
+        end = SealedEnd(len(frames.shares), total, xfer, seal, opts.max_notif_bytes)
+        built = [
+            Batch([], nbytes, keep=views, sealed=Sealed(frames, i, blocks.block_bytes, opts.sum_window_bytes, end))
+            for i, (_, _, nbytes) in enumerate(frames.shares)
+        ]
+        return self._dispatch(link, TcpHandle(peer, "write", total, link), xfer, built, SEALED_NOTIF, inline)
 
     def _dispatch(
         self, link: Link, handle: TcpHandle, xfer: int, built: list[Batch], notif: bytes | None, inline: bool

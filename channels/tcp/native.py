@@ -49,7 +49,7 @@ _SIGNATURES: dict[str, list[type]] = {
     "pdkv_grants_end": [_p, _i64],
     "pdkv_grants_wait": [_p, ctypes.c_char_p, _i64, ctypes.c_char_p, _i64, _i64],
     "pdkv_block_frames": [_p, _p, _i64, _p, _p, _i64, _i64, _i64, _i64, _i64, ctypes.c_uint64]
-    + [ctypes.c_char_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64],
+    + [ctypes.c_char_p, _i64, _p, _i64, _p, _i64, _p, _p, _i64, _p],
     "pdkv_send_iov": [ctypes.c_int, _p, _i64, ctypes.POINTER(ctypes.c_int)],
     "pdkv_send_summed": [ctypes.c_int, _p, _p, _i64, _i64, _i64, _i64]
     + [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_int)],
@@ -152,14 +152,14 @@ def _ranges(ranges: Sequence[tuple[int, int, int]]) -> bytes:
 class BlockFrames(NamedTuple):
     """A block write's DATA frames (``block_frames``): one buffer holding its headers and run tables, then every
     share's buffers as (address, length) rows (``iov``), each row's place in the payload stream (``offsets``, -1
-    for a header), and per share (first row, rows, payload bytes); a sealed write's ``tail``: the run (region,
-    offset, length) its last row holds, sent after the frames in a LAST frame of the caller's."""
+    for a header), and per share (first row, rows, payload bytes); a sealed write's ``tails``, per share: the run
+    (region, offset, length) of the row after the share's rows, sent after them in a LAST frame of the caller's."""
 
     out: np.ndarray
     iov: np.ndarray
     offsets: np.ndarray
     shares: list[tuple[int, int, int]]
-    tail: tuple[int, int, int] | None
+    tails: list[tuple[int, int, int]]
 
 
 class FrameRegions(NamedTuple):
@@ -193,20 +193,20 @@ def block_frames(
 ) -> BlockFrames | None:
     """The tcp initiator's frames of a block write (csrc/kvsend.cpp): blocks ``local_ids`` of the regions at
     ``regions.bases`` to blocks ``remote_ids`` of ``regions.remote``, cut into at most ``parts`` shares exactly as
-    ``Initiator.post`` cuts and frames the same write's ops, ``notif`` after share 0. ``sealed_tail`` > 0: one
-    share, no ``notif``, its last piece's last ``sealed_tail`` bytes (up to a checksum word more, or all of a shorter
-    piece) held back (``BlockFrames.tail``) for a LAST frame sent once the notification is sealed (``send_summed``);
-    None when its pieces are not whole checksum words."""
+    ``Initiator.post`` cuts and frames the same write's ops, ``notif`` after share 0. ``sealed_tail`` > 0: no
+    ``notif``, each share's last piece's last ``sealed_tail`` bytes (up to a checksum word more, or all of a shorter
+    piece) held back (``BlockFrames.tails``) for the share's LAST frame, sent once the share is hashed and sent
+    (``send_summed``); None when its pieces are not whole checksum words."""
     ours = np.ascontiguousarray(local_ids, dtype=np.int64)
     theirs = np.ascontiguousarray(remote_ids, dtype=np.int64)
     tensors = len(regions.bases)
     # pieces: every op (at most a tensor per block), cut at most once per share and once per max_frame bytes
-    # (and a sealed write's tail cut off its last piece)
-    pieces = tensors * len(ours) + parts + tensors * len(ours) * block_bytes // max_frame + 2
+    # (and a sealed write's tail cut off each share's last piece)
+    pieces = tensors * len(ours) + 2 * parts + tensors * len(ours) * block_bytes // max_frame + 2
     table_words = -(-pieces * (HDR_SIZE + RUN.size) // 8)
     iov_rows = 2 * pieces + 1
-    share_words = 3 * parts + 3  # and the tail's run
-    # tables, iov, offsets, shares: one allocation
+    share_words = 6 * parts  # each share's rows, then each share's tail run
+    # tables, iov, offsets, shares, tails: one allocation
     out = np.empty(table_words + 3 * iov_rows + share_words, dtype=np.int64)
     at = out.ctypes.data
     n = _lib().pdkv_block_frames(
@@ -230,6 +230,7 @@ def block_frames(
         at + 8 * (table_words + 3 * iov_rows),
         at + 8 * (table_words + 2 * iov_rows),
         sealed_tail,
+        at + 8 * (table_words + 3 * iov_rows + 3 * parts),
     )
     if n == -3:
         return None
@@ -239,17 +240,18 @@ def block_frames(
     offsets = out[table_words + 2 * iov_rows : table_words + 3 * iov_rows]
     words = out[table_words + 3 * iov_rows :].tolist()
     shares = [(words[3 * i], words[3 * i + 1], words[3 * i + 2]) for i in range(n)]
-    tail = (words[3], words[4], words[5]) if sealed_tail > 0 else None
-    return BlockFrames(out, iov, offsets, shares, tail)
+    at_tails = 3 * parts
+    tails = [(words[at_tails + 3 * i], words[at_tails + 3 * i + 1], words[at_tails + 3 * i + 2]) for i in range(n)]
+    return BlockFrames(out, iov, offsets, shares, tails if sealed_tail > 0 else [])
 
 
-def send_summed(fd: int, frames: BlockFrames, unit: int, window: int) -> tuple[int, int, int]:
-    """Send a sealed write's frames (``block_frames`` with ``sealed_tail``) on the blocking socket ``fd``, hashing
-    every payload row, its tail's too, in ``window`` bytes just before they are sent (csrc/kvsend.cpp): (``OK``,
-    ``LAND_STALLED``, ``LAND_EOS`` or ``LAND_EARG``: rows not whole checksum words, nothing sent; errno; the chunk
-    checksum's accumulator in units of ``unit``)."""
+def send_summed(fd: int, frames: BlockFrames, share: int, unit: int, window: int) -> tuple[int, int, int]:
+    """Send one share of a sealed write's frames (``block_frames`` with ``sealed_tail``) on the blocking socket
+    ``fd``, hashing every payload row, its tail's too, in ``window`` bytes just before they are sent
+    (csrc/kvsend.cpp): (``OK``, ``LAND_STALLED``, ``LAND_EOS`` or ``LAND_EARG``: rows not whole checksum words,
+    nothing sent; errno; the share's part of the chunk checksum's accumulator in units of ``unit``)."""
     os_error, acc = ctypes.c_int(0), ctypes.c_uint64(0)
-    first, rows, _ = frames.shares[0]
+    first, rows, _ = frames.shares[share]
     code = _lib().pdkv_send_summed(
         fd,
         frames.iov[first:].ctypes.data,

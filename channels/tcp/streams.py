@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,39 +19,59 @@ from pdkv.checksum import finish
 from pdkv.errors import ChannelError
 
 
-@dataclass(slots=True, frozen=True)
-class Sealed:
-    """A write whose notification vouches for its bytes' checksum, computed as they are sent
-    (``Initiator.post_blocks_sealed``): its frames, all but the held-back tail (``BlockFrames.tail``), are hashed
-    and sent first; ``seal(checksum)`` then makes the notification that the LAST frame, carrying the tail, ends the
-    share with."""
+class SealedEnd:
+    """Where a sealed write's shares meet: each adds its part of the checksum once its frames are hashed and sent,
+    and the last to do so has the notification sealed over their sum, so no share waits for another (two
+    transfers' shares, queued in opposite orders on two streams, would otherwise wait for each other)."""
 
-    frames: tcp_native.BlockFrames
-    unit: int  # the checksum's unit: the write's block bytes
-    total: int  # payload bytes, tail included
-    xfer: int
-    seal: Callable[[int], bytes]
-    max_notif: int
-    window: int  # payload bytes hashed, then sent, at a time (``sum_window_bytes``)
+    def __init__(self, shares: int, total: int, xfer: int, seal: Callable[[int], bytes], max_notif: int) -> None:
+        self.total, self.xfer, self._seal, self._max_notif = total, xfer, seal, max_notif
+        self._lock = threading.Lock()
+        self._left, self._acc = shares, 0
 
-    def send(self, conn: Conn) -> None:
-        code, os_error, acc = tcp_native.send_summed(conn.sock.fileno(), self.frames, self.unit, self.window)
-        conn.sent_natively(code, os_error)
+    def add(self, acc: int) -> bytes | None:
+        """Count one share's part ``acc``; the sealed notification if it was the last, else None."""
+        with self._lock:
+            self._acc += acc  # finish() takes it modulo 2**64
+            self._left -= 1
+            if self._left:
+                return None
         try:
-            notif = self.seal(finish(acc, self.total))
-        except Exception as exc:  # the share is on the wire without its end: only the link's end can follow
+            notif = self._seal(finish(self._acc, self.total))
+        except Exception as exc:  # the shares are on the wire without their end: only the link's end can follow
             raise ChannelError(f"tcp: sealing the notification of transfer {self.xfer} failed: {exc!r}") from exc
-        if len(notif) > self.max_notif:
+        if len(notif) > self._max_notif:
             raise ChannelError(
                 f"tcp: the sealed notification of transfer {self.xfer} is {len(notif)} bytes, over max_notif_bytes="
-                f"{self.max_notif}: its bytes went without it, so the link ends"
+                f"{self._max_notif}: its bytes went without it, so the link ends"
             )
-        assert self.frames.tail is not None
-        region, offset, length = self.frames.tail
-        first, rows, _ = self.frames.shares[0]
-        tail = (ctypes.c_char * length).from_address(int(self.frames.iov[first + rows][0]))
-        hdr = data_frame(self.xfer, [(region, offset, length)], length, LAST | NOTIF_FOLLOWS, 1, len(notif))
-        conn.send([hdr, tail, notif])
+        return notif
+
+
+@dataclass(slots=True, frozen=True)
+class Sealed:
+    """One share of a write whose notification vouches for its bytes' checksum, computed as they are sent
+    (``Initiator.post_blocks_sealed``): the share's frames, all but its held-back tail (``BlockFrames.tails``), are
+    hashed and sent first; its LAST frame then carries the tail, and the notification where ``end`` says this
+    share was the last hashed."""
+
+    frames: tcp_native.BlockFrames
+    share: int
+    unit: int  # the checksum's unit: the write's block bytes
+    window: int  # payload bytes hashed, then sent, at a time (``sum_window_bytes``)
+    end: SealedEnd
+
+    def send(self, conn: Conn) -> None:
+        frames, share = self.frames, self.share
+        code, os_error, acc = tcp_native.send_summed(conn.sock.fileno(), frames, share, self.unit, self.window)
+        conn.sent_natively(code, os_error)
+        notif = self.end.add(acc)
+        region, offset, length = frames.tails[share]
+        first, rows, _ = frames.shares[share]
+        tail = (ctypes.c_char * length).from_address(int(frames.iov[first + rows][0]))
+        flags, nlen = (LAST, 0) if notif is None else (LAST | NOTIF_FOLLOWS, len(notif))
+        hdr = data_frame(self.end.xfer, [(region, offset, length)], length, flags, len(frames.shares), nlen)
+        conn.send([hdr, tail] if notif is None else [hdr, tail, notif])
 
 
 @dataclass(slots=True)

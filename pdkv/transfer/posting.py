@@ -257,12 +257,12 @@ class ChunkPoster:
             else:
                 blocks = self.direct_writes[index]
                 wire, inline = blocks.nbytes, xfer.claim is not None
-                # A one-chunk request's write, sent on this thread, is hashed as the channel sends it where it can
-                # (tcp): nothing else would run beside a pass ahead of it. Any other is hashed here first, where
-                # that overlaps the streams' threads sending earlier chunks (or by post_all, on a GPU).
+                # Hashed as the channel sends it where it can (tcp): each piece just before the kernel copies it,
+                # in cache, not in a pass of its own over the whole chunk first. Otherwise hashed here first (or by
+                # post_all, on a GPU).
                 found = None
-                if digest is None and inline and isinstance(channel, SummedWrites):
-                    found = channel.write_blocks_summed(to, blocks, seal, token)
+                if digest is None and isinstance(channel, SummedWrites):
+                    found = channel.write_blocks_summed(to, blocks, seal, token, inline=inline)
                 if found is None:
                     if digest is None:
                         (digest,) = self._direct_digests([index])[0].values()
