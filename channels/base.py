@@ -312,7 +312,7 @@ class SummedWrites(ABC):
 
     @abstractmethod
     def write_blocks_summed(
-        self, peer: str, blocks: BlockWrite, seal: Callable[[int], bytes], token: bytes = b"", inline: bool = False
+        self, peer: str, blocks: BlockWrite, seal: Callable[[int], bytes], token: bytes = b"", *, inline: bool = False
     ) -> TransferHandle | None:
         """``write_blocks(..., inline=inline)`` of ``blocks`` and the notification ``seal(checksum)`` makes from
         their ``blocks_checksum`` (units of ``blocks.block_bytes``, in the write's order), called once on whichever

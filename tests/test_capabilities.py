@@ -178,7 +178,8 @@ def test_a_sender_frozen_between_its_lease_check_and_its_write_cannot_touch_the_
     frozen, late = threading.Event(), {}
 
     def freezing(real_write):  # noqa: ANN001, ANN202
-        """``real_write`` (``write`` of a staged chunk or ``write_blocks`` of a direct one), frozen once when armed."""
+        """``real_write`` (``write`` of a staged chunk, ``write_blocks_summed`` or ``write_blocks`` of a direct one),
+        frozen once when armed."""
 
         def freezing_write(peer, what, notif=None, token=b"", **how):  # noqa: ANN001, ANN003, ANN202
             if late.get("armed"):
@@ -197,6 +198,7 @@ def test_a_sender_frozen_between_its_lease_check_and_its_write_cannot_touch_the_
 
     p_channel.write = freezing(p_channel.write)  # type: ignore[method-assign]
     p_channel.write_blocks = freezing(p_channel.write_blocks)  # type: ignore[method-assign]
+    p_channel.write_blocks_summed = freezing(p_channel.write_blocks_summed)  # type: ignore[method-assign]
     try:
         a = sender.open("A", receiver.address, 64, [0, 1, 2, 3])
         a.send_chunk(0)

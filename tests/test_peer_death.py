@@ -39,6 +39,7 @@ from aiohttp import web
 
 from pdkv import native
 from pdkv.blocks import BlockAllocator
+from pdkv.channels.base import SummedWrites
 from pdkv.channels.tcp import TcpChannel, TcpOptions
 from pdkv.config import RouterConfig, TransferConfig, convert_config
 from pdkv.engine.reference import ReferenceEngine
@@ -428,15 +429,24 @@ def test_receiver_back_under_its_old_name_never_gets_a_write_meant_for_its_previ
     child = spawn(_receiver_child, "reserved")
     old = prefill.open("old", child.address, TOKENS, OLD_TABLE)
     posting, release = threading.Event(), threading.Event()
-    write = prefill.channel.write_blocks  # a direct chunk's write
+    channel = prefill.channel
 
-    def paused_write(peer: str, blocks: Any, notif: bytes | None = None, token: bytes = b"", **how: bool) -> Any:
-        if notif is not None and decode_notice(notif).transfer_id == "old":
-            posting.set()
-            release.wait(STEP_S)
-        return write(peer, blocks, notif, token=token, **how)
+    def paused(write: Callable[..., Any]) -> Callable[..., Any]:
+        """A direct chunk's write (``write_blocks``, or over tcp ``write_blocks_summed``: a ``seal`` for its notice)
+        paused while it is old's."""
 
-    prefill.channel.write_blocks = paused_write  # type: ignore[method-assign]
+        def paused_write(peer: str, blocks: Any, notif: Any = None, token: bytes = b"", **how: bool) -> Any:
+            notice = notif(0) if callable(notif) else notif
+            if notice is not None and decode_notice(notice).transfer_id == "old":
+                posting.set()
+                release.wait(STEP_S)
+            return write(peer, blocks, notif, token, **how)
+
+        return paused_write
+
+    channel.write_blocks = paused(channel.write_blocks)  # type: ignore[method-assign]
+    if isinstance(channel, SummedWrites):
+        channel.write_blocks_summed = paused(channel.write_blocks_summed)  # type: ignore[method-assign]
     with ThreadPoolExecutor(2) as pool:
         sending = pool.submit(old.send_chunk, 0)
         assert posting.wait(STEP_S)

@@ -152,7 +152,7 @@ class TcpChannel(Channel, SummedWrites):
         return self.initiator.post_blocks(peer, blocks, total, notif, token, inline)
 
     def write_blocks_summed(
-        self, peer: str, blocks: BlockWrite, seal: Callable[[int], bytes], token: bytes = b"", inline: bool = False
+        self, peer: str, blocks: BlockWrite, seal: Callable[[int], bytes], token: bytes = b"", *, inline: bool = False
     ) -> TransferHandle | None:
         """``SummedWrites``: each share hashed as its frames go (``Initiator.post_blocks_sealed``)."""
         self._check_open()
