@@ -315,7 +315,8 @@ class SummedWrites(ABC):
         self, peer: str, blocks: BlockWrite, seal: Callable[[int], bytes], token: bytes = b"", *, inline: bool = False
     ) -> TransferHandle | None:
         """``write_blocks(..., inline=inline)`` of ``blocks`` and the notification ``seal(checksum)`` makes from
-        their ``blocks_checksum`` (units of ``blocks.block_bytes``, in the write's order), called once on whichever
-        thread finishes hashing last; None where this write cannot go so (the caller then hashes and calls
-        ``write_blocks``). A notification that proves too long once sealed, or a ``seal`` that raises, ends the
-        link, failing every write in flight on it (``write_blocks`` refuses one before a byte leaves)."""
+        their ``blocks_checksum`` (units of ``blocks.block_bytes``, in the write's order), called once, by the
+        thread whose part of the hashing ends last, after its bytes went and before the notification; None where
+        this write cannot go so (the caller then hashes and calls ``write_blocks``). A notification that proves too
+        long once sealed, or a ``seal`` that raises, ends the link, failing every write in flight on it
+        (``write_blocks`` refuses one before a byte leaves)."""

@@ -92,11 +92,12 @@ PDKV_API int pdkv_serve_frames(int fd, void* grants, const char* token, int64_t 
 // the notification's bytes after it): headers and run tables go into `tables`, and each share's buffers in order
 // into iov as (address, length) pairs; shares[3 s ...] = (first iovec, iovecs, payload bytes); offsets[k] = iovec
 // k's place in the payload stream, -1 for a header or a notification. A sealed write (sealed_tail > 0, no
-// notification) holds back each share's last piece's last sealed_tail bytes (up to a checksum word more; all of a
-// shorter piece): every frame goes without LAST, each share's tail iovec follows its rows (not counted in them, its
-// bytes counted in the share's payload), and tails[3 s ...] = that tail's (region, offset, length), for the
-// caller's LAST frame of the share. Returns the number of shares, -1 if tables_cap or iov_cap is too small, -2 for
-// a bad argument, -3 for a sealed write whose pieces are not whole checksum words.
+// notification; its shares end at a checksum word of block_bytes, so they may differ from the Python path's) holds
+// back each share's last piece's last sealed_tail bytes (up to a checksum word more; all of a shorter piece): every
+// frame goes without LAST, each share's tail iovec follows its rows (not counted in them, its bytes counted in the
+// share's payload), and tails[3 s ...] = that tail's (region, offset, length), for the caller's LAST frame of the
+// share. Returns the number of shares, -1 if tables_cap or iov_cap is too small, -2 for a bad argument, -3 for a
+// sealed write whose pieces are not whole checksum words.
 PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* remote_regions, int64_t n_tensors,
                                    const int64_t* local_ids, const int64_t* remote_ids, int64_t n_ids,
                                    int64_t block_bytes, int64_t parts, int64_t max_frame, int64_t max_runs,

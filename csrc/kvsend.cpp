@@ -82,9 +82,12 @@ PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* re
       runs.insert(runs.end(), {local_ids[i], remote_ids[i], 1});
     }
   }
-  // initiator._split: near-equal shares, no piece longer than max_frame
+  // initiator._split: near-equal shares, no piece longer than max_frame; a sealed write's shares end at a checksum
+  // word (its frames need not be the Python path's), so that each share hashes whole words of the stream
   const int64_t total = n_tensors * n_ids * block_bytes;
-  const int64_t share = (total + parts - 1) / parts;
+  const int64_t word = pdkv::Cut(block_bytes).word;
+  const int64_t even = (total + parts - 1) / parts;
+  const int64_t share = sealed ? (even + word - 1) / word * word : even;
   std::vector<Piece> pieces;
   int64_t s = 0, room = share;
   for (int64_t t = 0; t < n_tensors; ++t) {
@@ -99,7 +102,6 @@ PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* re
       }
     }
   }
-  const int64_t word = pdkv::Cut(block_bytes).word;
   if (sealed) {
     // each share's tail: its last piece's last sealed_tail bytes (cut at a word: up to a word more; all of a shorter
     // piece)

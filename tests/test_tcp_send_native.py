@@ -25,7 +25,8 @@ from pdkv.channels.tcp import initiator as initiator_module
 from pdkv.channels.tcp import native as tcp_native
 from pdkv.channels.tcp.initiator import Initiator, _split
 from pdkv.channels.tcp.options import Agent, TcpOptions
-from pdkv.checksum import blocks_checksum
+from pdkv.channels.tcp.streams import SealedEnd
+from pdkv.checksum import blocks_checksum, finish
 from pdkv.errors import ChannelError
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels not loaded: {native.reason()}")
@@ -93,6 +94,49 @@ def test_native_frames_are_the_python_frames(case: Case) -> None:
         patch.setattr(initiator_module, "MAX_RUNS", max_runs)
         expected = _python_shares(write, regions, parts, max_frame, notif)
     assert _native_shares(write, views, parts, max_frame, max_runs, notif) == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(writes(), st.sampled_from([8, 16, 4096]), st.sampled_from([8, 64, 1 << 20]))
+def test_sealed_frames_carry_the_stream_in_order_and_their_parts_add_up_to_its_checksum(
+    case: Case, tail: int, window: int
+) -> None:
+    """A sealed write's shares, each's rows then its held-back tail, carry the write's byte stream in order, whole
+    words each; no tail is longer than ``tail`` and a word; and the parts of the checksum the shares' summed sends
+    give add up to ``blocks_checksum``. Only a frame size off the words refuses the write (None)."""
+    write, parts, max_frame, max_runs, _ = case
+    block = write.block_bytes
+    rng = np.random.default_rng(len(write.local_blocks) + parts)
+    buffers = [rng.integers(0, 256, 32 * block, dtype=np.uint8) for _ in write.local_regions]
+    regions = tcp_native.FrameRegions.of([b.ctypes.data for b in buffers], write.remote_regions)
+    ours, theirs = write.local_blocks, write.remote_blocks
+    frames = tcp_native.block_frames(regions, ours, theirs, block, parts, max_frame, max_runs, 7, None, tail)
+    if frames is None:
+        assert max_frame % 8
+        return
+    stream = b"".join(bytes(b[i * block : (i + 1) * block]) for b in buffers for i in ours)
+    carried, place = [], 0
+    for (first, rows, nbytes), (_, _, tail_len) in zip(frames.shares, frames.tails, strict=True):
+        payload = [k for k in range(first, first + rows + 1) if frames.offsets[k] >= 0]  # the tail's row last
+        assert payload[-1] == first + rows and 0 < tail_len <= tail + 8
+        assert sum(int(frames.iov[k][1]) for k in payload) == nbytes
+        for k in payload:
+            assert frames.offsets[k] == place and place % 8 == 0
+            carried.append(ctypes.string_at(int(frames.iov[k][0]), int(frames.iov[k][1])))
+            place += int(frames.iov[k][1])
+    assert b"".join(carried) == stream
+    a, b = socket.socketpair()
+    drained = threading.Thread(target=lambda: [None for _ in iter(lambda: b.recv(1 << 20), b"")])
+    drained.start()
+    try:
+        accs = [tcp_native.send_summed(a.fileno(), frames, i, block, window) for i in range(len(frames.shares))]
+    finally:
+        a.close()
+        drained.join(10)
+        b.close()
+    assert all(code == native.OK for code, _, _ in accs)
+    want = blocks_checksum([torch.from_numpy(b) for b in buffers], list(ours), block)
+    assert finish(sum(acc for _, _, acc in accs), len(stream)) == want
 
 
 def test_iovecs_go_out_whole_through_partial_sends() -> None:
@@ -183,6 +227,7 @@ SEALED_SHAPES = {  # our blocks, theirs, block bytes (its checksum word), max_fr
     "shares-cut-in-blocks": (list(range(40)), list(range(10, 50)), 1024, 3000, 3, 3),
     "two-shares-of-4-byte-words": ([1, 2, 3, 4], [5, 6, 7, 8], 4100, 1 << 20, 1, 2),
     "tail-only-shares": ([3, 9], [4, 0], 128, 1 << 20, 1, 2),  # every share shorter than its tail
+    "three-shares-of-a-third-not-in-words": (list(range(13)), list(range(13)), 1024, 1 << 20, 1, 3),  # cut at words
 }
 
 
@@ -214,15 +259,25 @@ def test_a_sealed_write_is_hashed_as_it_is_sent(shape: str, window: int, monkeyp
     share, not the first."""
     ours, theirs, block, max_frame, nregions, nshares = SEALED_SHAPES[shape]
     summed: list[tuple[int, int, int]] = []  # per share sent: (share, its payload bytes, its tail's)
-    real = tcp_native.send_summed
+    riders: list[int] = []  # the share that carried the notification
+    sending = threading.local()
+    real, real_add = tcp_native.send_summed, SealedEnd.add
 
     def counting(fd: int, frames: tcp_native.BlockFrames, share: int, unit: int, w: int) -> tuple[int, int, int]:
         if share == len(frames.shares) - 1 > 0:
             time.sleep(0.05)  # the others finish first
         summed.append((share, frames.shares[share][2], frames.tails[share][2]))
+        sending.share = share
         return real(fd, frames, share, unit, w)
 
+    def adding(end: SealedEnd, acc: int) -> bytes | None:
+        notif = real_add(end, acc)
+        if notif is not None:
+            riders.append(sending.share)
+        return notif
+
     monkeypatch.setattr(tcp_native, "send_summed", counting)
+    monkeypatch.setattr(SealedEnd, "add", adding)
     a, b = _sealed_pair(max_frame, nshares, sum_window_bytes=window)
     try:
         rng = np.random.default_rng(len(ours) + window)
@@ -247,7 +302,7 @@ def test_a_sealed_write_is_hashed_as_it_is_sent(shape: str, window: int, monkeyp
         assert sum(nbytes for _, nbytes, _ in summed) == total
         for _, nbytes, tail in summed:  # each share's tail: at most 4 KiB and a word, all of a share shorter
             assert tail == nbytes if shape.startswith("tail-only") else 0 < tail <= 4096 + 8 and tail < nbytes
-        assert _notes(b, 1) == [seal(expected)]
+        assert _notes(b, 1) == [seal(expected)] and riders == [nshares - 1]
         for s, d in zip(srcs, dsts, strict=True):
             for i, j in zip(ours, theirs, strict=True):
                 assert np.array_equal(d[j * block : (j + 1) * block], s[i * block : (i + 1) * block])
@@ -290,7 +345,7 @@ def test_sealed_writes_of_several_shares_from_several_threads_each_land_with_the
             b"%d:%d" % (k, blocks_checksum([torch.from_numpy(src)], list(range(4 * k, 4 * k + 4)), block))
             for k in range(2 * writes)
         }
-        assert len(handles) == 2 * writes and set(_notes(b, 2 * writes)) == want
+        assert len(handles) == 2 * writes and sorted(_notes(b, 2 * writes)) == sorted(want)
         assert np.array_equal(dst, src)
     finally:
         a.close()
@@ -298,9 +353,12 @@ def test_sealed_writes_of_several_shares_from_several_threads_each_land_with_the
 
 
 def test_a_write_the_send_cannot_hash_is_left_to_the_caller() -> None:
-    """Pieces that are not whole checksum words (frames cut at 12 bytes of 8-byte words, or two shares split at
-    half a word): ``write_blocks_summed`` sends nothing and says so (None), and the caller hashes first."""
-    for opts, nbytes in (({"max_frame_bytes": 12}, 24), ({"streams": 2, "stream_min_bytes": 4096}, 4104)):
+    """Pieces that are not whole checksum words (frames cut at 12 bytes of 8-byte words, in one share or two):
+    ``write_blocks_summed`` sends nothing and says so (None), and the caller hashes first."""
+    for opts, nbytes in (
+        ({"max_frame_bytes": 12}, 24),
+        ({"max_frame_bytes": 12, "streams": 2, "stream_min_bytes": 8}, 24),
+    ):
         a = create_channel("tcp", "a", {"host": "127.0.0.1", **opts})
         b = create_channel("tcp", "b", {"host": "127.0.0.1", **opts})
         try:
@@ -335,13 +393,14 @@ def test_a_summed_send_refuses_rows_off_the_words_and_times_out_on_a_peer_that_r
         b.close()
 
 
+@pytest.mark.parametrize("shares", [1, 2])
 @pytest.mark.parametrize("seal_fails", ["too long", "raises"])
-def test_a_notification_that_cannot_be_sealed_ends_its_link(seal_fails: str) -> None:
+def test_a_notification_that_cannot_be_sealed_ends_its_link(seal_fails: str, shares: int) -> None:
     """Sealed after its frames went, a notification over max_notif_bytes (or a seal that raises) cannot end the
-    share: the write fails saying why, its link ends (the target delivers nothing for it; any other write in
-    flight on that link fails with it), and the next write opens a new link and lands with its notification."""
-    a = create_channel("tcp", "a", {"host": "127.0.0.1", "max_notif_bytes": 64})
-    b = create_channel("tcp", "b", {"host": "127.0.0.1", "max_notif_bytes": 64})
+    write: the write fails saying why, its link ends (the target delivers nothing for it; any other write in
+    flight on that link fails with it), and the next write opens a new link and lands with its notification. In
+    two shares, the seal runs on a stream's sender thread or the caller's, whichever share is hashed last."""
+    a, b = _sealed_pair(1 << 20, shares, max_notif_bytes=64)
     try:
         src, dst = np.arange(4 * 4096, dtype=np.int64).view(np.uint8), np.zeros(32 * 4096, dtype=np.uint8)
         write = BlockWrite((a.register(src, 8192),), (b.register(dst, 8192),), np.array([0, 1]), np.array([2, 3]), 8192)

@@ -194,9 +194,9 @@ def block_frames(
     """The tcp initiator's frames of a block write (csrc/kvsend.cpp): blocks ``local_ids`` of the regions at
     ``regions.bases`` to blocks ``remote_ids`` of ``regions.remote``, cut into at most ``parts`` shares exactly as
     ``Initiator.post`` cuts and frames the same write's ops, ``notif`` after share 0. ``sealed_tail`` > 0: no
-    ``notif``, each share's last piece's last ``sealed_tail`` bytes (up to a checksum word more, or all of a shorter
-    piece) held back (``BlockFrames.tails``) for the share's LAST frame, sent once the share is hashed and sent
-    (``send_summed``); None when its pieces are not whole checksum words."""
+    ``notif``, shares that end at a checksum word, and each share's last piece's last ``sealed_tail`` bytes (up to a
+    checksum word more, or all of a shorter piece) held back (``BlockFrames.tails``) for the share's LAST frame, sent
+    once the share is hashed and sent (``send_summed``); None when its pieces are not whole checksum words."""
     ours = np.ascontiguousarray(local_ids, dtype=np.int64)
     theirs = np.ascontiguousarray(remote_ids, dtype=np.int64)
     tensors = len(regions.bases)
@@ -240,9 +240,9 @@ def block_frames(
     offsets = out[table_words + 2 * iov_rows : table_words + 3 * iov_rows]
     words = out[table_words + 3 * iov_rows :].tolist()
     shares = [(words[3 * i], words[3 * i + 1], words[3 * i + 2]) for i in range(n)]
-    at_tails = 3 * parts
-    tails = [(words[at_tails + 3 * i], words[at_tails + 3 * i + 1], words[at_tails + 3 * i + 2]) for i in range(n)]
-    return BlockFrames(out, iov, offsets, shares, tails if sealed_tail > 0 else [])
+    t = 3 * parts  # the tails' words, written only for a sealed write
+    tails = [(words[t + 3 * i], words[t + 3 * i + 1], words[t + 3 * i + 2]) for i in range(n if sealed_tail else 0)]
+    return BlockFrames(out, iov, offsets, shares, tails)
 
 
 def send_summed(fd: int, frames: BlockFrames, share: int, unit: int, window: int) -> tuple[int, int, int]:
