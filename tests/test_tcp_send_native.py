@@ -23,6 +23,7 @@ from pdkv.channels import BlockWrite, Channel, TransferHandle, create_channel
 from pdkv.channels.regions import RegionTable
 from pdkv.channels.tcp import initiator as initiator_module
 from pdkv.channels.tcp import native as tcp_native
+from pdkv.channels.tcp.frames import FRAMES_ENV_VAR
 from pdkv.channels.tcp.initiator import Initiator, _split
 from pdkv.channels.tcp.options import Agent, TcpOptions
 from pdkv.channels.tcp.streams import SealedEnd
@@ -249,14 +250,18 @@ def _notes(channel: Channel, n: int) -> list[bytes]:
     return got + [note.payload for note in channel.get_notifications()]
 
 
+@pytest.mark.parametrize("loop", ["native", "python"])
 @pytest.mark.parametrize("window", [8, 4096, 1 << 22])
 @pytest.mark.parametrize("shape", sorted(SEALED_SHAPES))
-def test_a_sealed_write_is_hashed_as_it_is_sent(shape: str, window: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sealed_write_is_hashed_as_it_is_sent(
+    shape: str, window: int, loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The checksum a sealed write hands its ``seal`` is ``blocks_checksum`` of its bytes (what the pass ahead of
     the send computed), whatever windows and shares it was hashed in; the bytes land bit-exact, the notification
     made after every share's frames went arrives with them, once, and every share went through the summed send,
     its tail after it. A write of several shares has its last share held up: the notification then rides that
-    share, not the first."""
+    share, not the first. The target serves the frames with either frame loop (``PDKV_NATIVE_FRAMES``)."""
+    monkeypatch.setenv(FRAMES_ENV_VAR, "0" if loop == "python" else "1")
     ours, theirs, block, max_frame, nregions, nshares = SEALED_SHAPES[shape]
     summed: list[tuple[int, int, int]] = []  # per share sent: (share, its payload bytes, its tail's)
     riders: list[int] = []  # the share that carried the notification
