@@ -34,7 +34,6 @@ from pdkv.channels.grants import Range
 from pdkv.checksum import finish
 from pdkv.errors import ChannelError
 
-_ENTRY_BYTES = 3 * 8  # a unit's landing table entry: partial, signature, bytes landed (int64 each)
 _DESC = 5  # a region's descriptor words (csrc/kvland.cpp): base, size, unit (0: not hashed), table, units
 
 
@@ -75,8 +74,6 @@ class LandingSums:
         self._regions: dict[int, tuple[int, int]] = {}  # region -> (address, size)
         self._views: dict[int, memoryview] = {}
         self._tables: dict[int, tuple[int, torch.Tensor]] = {}  # region -> (unit, [units, 3] int64)
-        # region -> (unit, its table's address, rows): what ``reset`` reads, with no torch call per range
-        self._resets: dict[int, tuple[int, int, int]] = {}
         self._prepared: dict[tuple[tuple[int, ...], int], tuple[native.Int64s, native.Int64s, int]] = {}
         self.snapshot = Snapshot(torch.zeros((0, _DESC), dtype=torch.int64), (), ())
         # the snapshot's generation, where the native frame loop reads it (csrc/kvframes.cpp): a loop serving under
@@ -95,7 +92,6 @@ class LandingSums:
             self._regions.pop(region, None)
             self._views.pop(region, None)
             self._tables.pop(region, None)
-            self._resets.pop(region, None)
             self._publish()
 
     def clear(self) -> None:
@@ -104,7 +100,6 @@ class LandingSums:
             self._regions.clear()
             self._views.clear()
             self._tables.clear()
-            self._resets.clear()
             self._publish()
 
     def enable(self, region: int, unit: int) -> None:
@@ -115,22 +110,14 @@ class LandingSums:
             if unit <= 0:
                 raise ChannelError(f"landing sums: a unit of {unit} bytes")
             size = self._regions[region][1]
-            table = torch.zeros((-(-size // unit), 3), dtype=torch.int64)
-            self._tables[region] = (unit, table)
-            self._resets[region] = (unit, table.data_ptr(), table.shape[0])
+            self._tables[region] = (unit, torch.zeros((-(-size // unit), 3), dtype=torch.int64))
             self._publish()
 
     def reset(self, ranges: Sequence[Range]) -> None:
         """Forget what landed in ``ranges`` (every unit they touch): they are being granted to a new owner."""
-        with self._lock:
-            resets = self._resets
-            for region, offset, length in ranges:
-                entry = resets.get(region)
-                if entry is not None and length > 0:
-                    unit, address, rows = entry
-                    first, end = max(0, offset // unit), min(rows, -(-(offset + length) // unit))
-                    if first < end:  # memset: a torch op a range costs more than the rest of a grant
-                        ctypes.memset(address + first * _ENTRY_BYTES, 0, (end - first) * _ENTRY_BYTES)
+        with self._lock:  # the snapshot's descriptor: every hashed region's table (csrc/kvland.cpp), one call
+            desc = self.snapshot.desc
+            native.landing_reset(desc.data_ptr(), desc.shape[0], ranges)
 
     def checksum(self, regions: Sequence[int], ids: Sequence[int], unit: int) -> tuple[int, int]:
         """``blocks_checksum`` of blocks ``ids`` of every region in turn, from what was hashed as it landed; returns

@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -240,4 +241,18 @@ PDKV_API int pdkv_landed_blocks(const int64_t* bases, const int64_t* tables, int
   *out = acc * inverse(pdkv::kUnitSalt | 1);
   *reread = cold;
   return PDKV_OK;
+}
+
+// See kvnet.h.
+PDKV_API void pdkv_landing_reset(const int64_t* desc, int64_t n_desc, const int64_t* ranges, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t region = ranges[3 * i], offset = ranges[3 * i + 1], length = ranges[3 * i + 2];
+    if (region < 0 || region >= n_desc || length <= 0) continue;
+    const int64_t* d = desc + region * kDesc;
+    const int64_t unit = d[2], units = d[4];
+    if (unit <= 0 || d[3] == 0) continue;  // not hashed as it lands
+    const int64_t first = std::max<int64_t>(0, offset / unit);
+    const int64_t end = std::min(units, (offset + length + unit - 1) / unit);
+    if (first < end) std::memset(reinterpret_cast<int64_t*>(d[3]) + 3 * first, 0, static_cast<size_t>(end - first) * 3 * sizeof(int64_t));
+  }
 }

@@ -113,6 +113,10 @@ PDKV_API int pdkv_send_iov(int fd, const int64_t* iov, int64_t n, int* os_error)
 // PDKV_LAND_EARG (nothing sent) when a payload row is not whole words of the stream.
 PDKV_API int pdkv_send_summed(int fd, const int64_t* iov, const int64_t* offsets, int64_t n_send, int64_t n_rows,
                               int64_t unit, int64_t window, uint64_t* acc, int* os_error);
+// pdkv_landing_reset zeroes the landing table entries of every unit that (region, offset, length) ranges[3 i ...]
+// touch, for the regions desc (n_desc rows of kvland.cpp's descriptor) hashes as they land; other ranges are skipped.
+// For a grant to a new owner: nothing landed under an earlier grant counts (channels/landing.py LandingSums.reset).
+PDKV_API void pdkv_landing_reset(const int64_t* desc, int64_t n_desc, const int64_t* ranges, int64_t n);
 // The checksum accumulator of blocks ids[] (each checked against [0, num_blocks)) of every region in turn (bases[t],
 // its landing table tables[t]; units of block_bytes), as pdkv_checksum_blocks_cpu gives it: from each block's landing
 // entry where it landed exactly once in hashed pieces, else read from memory (*reread counts those blocks).
