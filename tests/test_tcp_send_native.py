@@ -127,6 +127,8 @@ def test_sealed_frames_carry_the_stream_in_order_and_their_parts_add_up_to_its_c
             place += int(frames.iov[k][1])
     assert b"".join(carried) == stream
     a, b = socket.socketpair()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 10, 0))  # a stuck send fails, never hangs
+    b.settimeout(10)
     drained = threading.Thread(target=lambda: [None for _ in iter(lambda: b.recv(1 << 20), b"")])
     drained.start()
     try:

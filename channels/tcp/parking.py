@@ -175,6 +175,8 @@ class ServePool(Generic[P]):
 
     def _serve(self, item: P | None) -> None:
         me = threading.current_thread()
+        if item is not None:  # started by the watcher for it: counted before its frames land, so whoever sees them
+            self._count("serve_threads_added")  # landed sees the thread counted
         try:
             while True:
                 if item is not None:
@@ -250,7 +252,6 @@ class ServePool(Generic[P]):
                         self._parked[item.fileno()] = item
                         self._epoll.modify(item.fileno(), _ARMED)
                         continue
-                    self._count("serve_threads_added")
         except Exception:
             log.exception("tcp %s: the serve pool's watcher failed; the pool closes", self._name)
         finally:
