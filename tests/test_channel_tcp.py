@@ -1023,3 +1023,86 @@ def test_a_channel_that_cannot_carry_answers_keeps_notifications_in_its_inbox() 
         assert channel.inbox.answerer is None
     finally:
         channel.close()
+
+
+# -- the initiator's threads: one send pool and one link watcher for all its peers ---------------------------------
+
+
+def _initiator_threads(channel: TcpChannel) -> dict[str, int]:
+    """The live threads of ``channel``'s initiator: its send pool's (``tx``) and its link watcher (``links``)."""
+    kinds = {f"tcp-{channel.agent_name}-tx": "tx", f"tcp-{channel.agent_name}-links": "links"}
+    counts: dict[str, int] = {}
+    for t in threading.enumerate():
+        if t.name in kinds:
+            counts[kinds[t.name]] = counts.get(kinds[t.name], 0) + 1
+    return counts
+
+
+def test_an_initiators_threads_do_not_grow_with_its_peers() -> None:
+    """Writes split over two streams to one peer, then to six at once: the writer holds two sender threads and one
+    link watcher either way (a thread per stream and a watcher per link held 18 for six), every byte lands, and
+    closing the channel ends them."""
+    writer = TcpChannel("fan", TcpOptions(streams=2, stream_min_bytes=64 << 10, io_timeout=10))
+    targets = [TcpChannel(f"fan-target-{i}", TcpOptions(streams=2, io_timeout=10)) for i in range(6)]
+    try:
+        assert _initiator_threads(writer) == {}  # nothing started before the first link
+        src = bytearray(pattern(3, 2 * MiB))
+        s = writer.register(src)
+        dsts = [bytearray(2 * MiB) for _ in targets]
+        regions = [t.register(d) for t, d in zip(targets, dsts, strict=True)]
+        for t in targets:
+            writer.add_peer(t.metadata())
+        seen = []
+        for n in (1, len(targets)):
+            handles = [
+                writer.write(t.agent_name, [TransferOp(s, 0, r, 0, 2 * MiB)])
+                for t, r in zip(targets[:n], regions[:n], strict=True)
+            ]
+            for h in handles:
+                writer.wait(h, CALL_TIMEOUT)
+                assert writer.poll(h) is XferState.DONE
+            split = [writer.stream_bytes(t.agent_name) for t in targets[:n]]
+            assert all(len(b) == 2 and min(b) > 0 for b in split), split  # both streams carried a share
+            seen.append(_initiator_threads(writer))
+        assert all(d == src for d in dsts)
+        assert seen == [{"tx": 2, "links": 1}, {"tx": 2, "links": 1}]
+    finally:
+        writer.close()
+        for t in targets:
+            t.close()
+    assert _initiator_threads(writer) == {}
+
+
+def test_a_peer_that_stops_reading_does_not_hold_back_another_peers_shares() -> None:
+    """One sender thread (one stream), blocked sending 64 MiB to a frozen peer (SIGSTOP: its sockets fill up and
+    stay open): a write to another peer still goes, on a thread the watcher adds after ``send_wait_s``; the frozen
+    peer's write completes once it thaws."""
+    stuck = Peer("stuck", {"streams": 1, "io_timeout": 60}, [64 * MiB])
+    other = TcpChannel("unstuck", TcpOptions(streams=1, io_timeout=60))
+    writer = TcpChannel("writer", TcpOptions(streams=1, io_timeout=60, send_wait_s=0.05, inline_max_bytes=0))
+    try:
+        src = bytearray(pattern(5, 64 * MiB))
+        s = writer.register(src)
+        dst = bytearray(8 * MiB)
+        r = other.register(dst)
+        writer.add_peer(stuck.meta)
+        writer.add_peer(other.metadata())
+        (sr,) = stuck.regions
+        writer.wait(writer.write("stuck", [TransferOp(s, 0, sr, 0, 4096)]), CALL_TIMEOUT)  # linked and proven
+        os.kill(stuck.proc.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+        try:
+            big = writer.write("stuck", [TransferOp(s, 0, sr, 0, 64 * MiB)])  # more than its sockets hold
+            small = writer.write("unstuck", [TransferOp(s, 0, r, 0, 8 * MiB)])
+            writer.wait(small, CALL_TIMEOUT)
+            assert writer.poll(small) is XferState.DONE and dst == src[: 8 * MiB]
+            assert writer.poll(big) is XferState.PENDING
+            assert _initiator_threads(writer)["tx"] == 2
+        finally:
+            os.kill(stuck.proc.pid, signal.SIGCONT)  # type: ignore[arg-type]
+        writer.wait(big, CALL_TIMEOUT)
+        assert writer.poll(big) is XferState.DONE
+        assert stuck.call("crc", sr, 0, 64 * MiB) == zlib.crc32(src)
+    finally:
+        writer.close()
+        other.close()
+        stuck.stop()

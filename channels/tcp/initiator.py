@@ -23,6 +23,7 @@ from pdkv.channels.tcp.framer import BlockFramer
 from pdkv.channels.tcp.link import Link
 from pdkv.channels.tcp.options import Agent
 from pdkv.channels.tcp.streams import Batch, Sealed, SealedEnd
+from pdkv.channels.tcp.watching import LinkWatcher
 from pdkv.channels.tcp.wire import (
     HDR_SIZE,
     HEADER,
@@ -98,6 +99,15 @@ class Initiator:
         self._link_locks: dict[tuple[str, bytes], threading.Lock] = collections.defaultdict(threading.Lock)
         self._lock = threading.Lock()
         self._framer = BlockFramer(regions, agent.opts.max_frame_bytes)
+        self._watcher: LinkWatcher | None = None  # and its send pool: started with the first link
+
+    def watcher(self) -> LinkWatcher:
+        """The link watcher (and send pool) every link shares, started by the first link: ChannelError once closed."""
+        with self._lock:
+            if self.closed:
+                raise ChannelError("tcp: the channel is closed")
+            self._watcher = self._watcher or LinkWatcher(self.agent.name, self.agent.opts)
+            return self._watcher
 
     # -- peers -------------------------------------------------------------------
     def add_peer(self, meta: Meta) -> bool:
@@ -319,4 +329,4 @@ class Initiator:
             self._peers.clear()
         for link in links:
             link.fail("tcp channel closed")
-        return [t for link in links for t in link.threads]
+        return [] if self._watcher is None else [self._watcher.close(), *self._watcher.sends.close()]
