@@ -1,12 +1,13 @@
 """One link of the initiator side: its streams to one peer, its pending transfers.
 
-A link has no threads of its own: the initiator's send pool (``sending.SendPool``) sends the shares queued on its
-streams, and its link watcher (``watching.LinkWatcher``) reads the answers nobody waits for and closes the sockets
-of a failed link. A transfer's first share goes out on the caller's thread when its stream is free and it is at
-most ``inline_max_bytes``, or whatever its size when the caller has nothing else to do until it is answered
-(``write_blocks(..., inline=True)``: a thread hand-off costs more than sending 256 KiB on loopback, and on a busy
-machine the woken sender often waits for a core); its other shares are queued first, so they move side by side.
-Each stream is opened and proven by ``handshake.dial``; answers are read by the ``LinkReader``.
+A link has no threads of its own: the initiator's workers (``workers.LinkWorkers``) send the shares queued on its
+streams and read the answers nobody waits for, which its link watcher (``watching.LinkWatcher``) hands them, and
+the watcher closes the sockets of a failed link. A transfer's first share goes out on the caller's thread when its
+stream is free and it is at most ``inline_max_bytes``, or whatever its size when the caller has nothing else to do
+until it is answered (``write_blocks(..., inline=True)``: a thread hand-off costs more than sending 256 KiB on
+loopback, and on a busy machine the woken sender often waits for a core); its other shares are queued first, so
+they move side by side. Each stream is opened and proven by ``handshake.dial``; answers are read by the
+``LinkReader``.
 """
 
 from __future__ import annotations
@@ -64,13 +65,17 @@ class Link:
         self.last_post = time.monotonic()
         self.streams: list[Stream] = []
         self.watcher = initiator.watcher()
-        self.sends = self.watcher.sends
+        self.workers = self.watcher.workers
         try:
             for i in range(self.opts.streams):
                 conn = dial(initiator.agent, peer, meta, self.where, self.session, i, token)
                 self.streams.append(Stream(conn, self.fail))
             self.reader = LinkReader(self)
-            self.watcher.add(self)
+            try:
+                self.watcher.add(self)
+            except BaseException:
+                self.reader.close()
+                raise
         except BaseException:
             for st in self.streams:
                 st.conn.sock.close()
@@ -111,12 +116,12 @@ class Link:
             reader.drain()
 
     def _send(self, batches: list[tuple[int, Batch]], inline: bool) -> None:
-        """The first batch on this thread if allowed and its stream is free, the others (and it, if not) by the send
-        pool, handed over first so that the shares go out side by side."""
+        """The first batch on this thread if allowed and its stream is free, the others (and it, if not) by the
+        workers, handed over first so that the shares go out side by side."""
         index, batch = batches[0]
         st = self.streams[index]
         for later, later_batch in batches[1:]:
-            self.sends.put(self.streams[later], later_batch)
+            self.workers.put(self.streams[later], later_batch)
         if inline and st.conn.send_lock.acquire(blocking=False):
             try:
                 st.send(batch)
@@ -125,7 +130,7 @@ class Link:
             finally:
                 st.conn.send_lock.release()
         else:
-            self.sends.put(st, batch)
+            self.workers.put(st, batch)
 
     # -- completion ----------------------------------------------------------------
     def finish(self, xfers: Sequence[int], answer: bytes = b"") -> bool:
@@ -179,9 +184,9 @@ class Link:
         if p.notif is None:
             self.finish((xfer,))
             return
-        # sent by the send pool: the reader must never block on a send (the target may be blocked sending to us)
+        # sent by a worker: the reader must never block on a send (the target may be blocked sending to us)
         hdr = pack(NOTIF, xfer, len(p.notif))
-        self.sends.put(st, Batch([hdr, p.notif] if p.notif else [hdr], 0, on_sent=lambda: self._finish_read(xfer)))
+        self.workers.put(st, Batch([hdr, p.notif] if p.notif else [hdr], 0, on_sent=lambda: self._finish_read(xfer)))
 
     def fail(self, reason: str) -> None:
         """Fail every pending handle with ``reason`` and tear the link down; the first reason wins."""
@@ -195,7 +200,7 @@ class Link:
             self.dead = why  # last: whoever sees the link dead finds its handles already failed
         for st in self.streams:
             shutdown(st.conn.sock)  # wakes whoever polls or sends on it
-            self.sends.drop(st)
+            self.workers.drop(st)
         self.watcher.failed(self)  # which closes the sockets once nobody polls or sends on them
 
     def bytes_per_stream(self) -> list[int]:

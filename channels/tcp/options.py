@@ -79,9 +79,9 @@ class TcpOptions(ChannelOptions):
     # a connection that waited this long for a serve thread, every one busy inside a frame, starts one more (up to
     # max_connections); so a peer that trickles its frames cannot hold the others back
     serve_wait_s: float = 0.05
-    # the initiator's sender threads (pdkv.channels.tcp.sending) are ``streams`` for all its peers together; a stream
-    # whose shares waited this long, every sender busy inside a send, starts one more: so a peer that stopped
-    # reading cannot hold the other peers' shares back
+    # the initiator's worker threads (pdkv.channels.tcp.workers), which send queued shares and read answers nobody
+    # waits for, are ``streams`` for all its peers together; a stream or link that waited this long, every worker
+    # busy, starts one more: so a peer that stops reading, or trickles an answer, cannot hold the others back
     send_wait_s: float = 0.05
 
     def streams_for(self, nbytes: int) -> int:

@@ -88,14 +88,14 @@ class Batch:
 
 
 class Stream:
-    """One initiator-side connection of a link, the shares queued on it (sent by the initiator's ``SendPool``) and
+    """One initiator-side connection of a link, the shares queued on it (sent by the initiator's ``LinkWorkers``) and
     its READ answers to expect; ``fail`` fails its link."""
 
     def __init__(self, conn: Conn, fail: Callable[[str], None]) -> None:
         self.conn = conn
         self.fail = fail
-        self.queue: collections.deque[Batch] = collections.deque()  # under the send pool's lock
-        self.scheduled = False  # in the send pool's ready queue, or being sent by one of its threads
+        self.queue: collections.deque[Batch] = collections.deque()  # under the workers' lock
+        self.scheduled = False  # in the workers' ready queue, or being sent by one of them
         self.expect: collections.deque[tuple[int, memoryview]] = collections.deque()
         self.sent_bytes = 0
 
