@@ -32,6 +32,35 @@ from pdkv.config import TransferConfig
 from pdkv.transfer.sender import KVSender
 
 
+def push_at_once(pushes: list[tuple[KVSender, str, str, list[int]]], tokens: int, tag: str) -> list[float]:
+    """Each (sender, request id, receiver address, block table) pushed at the same moment, one thread each; each one's
+    seconds. Raises unless every push completed."""
+    spent = [0.0] * len(pushes)
+    failed: list[BaseException] = []
+    start = threading.Barrier(len(pushes))
+
+    def push(i: int) -> None:
+        sender, rid, address, table = pushes[i]
+        try:
+            start.wait(60)
+            t0 = time.perf_counter()
+            xfer = sender.open(rid, address, tokens, table)
+            xfer.send_all()
+            xfer.wait(60)
+            spent[i] = time.perf_counter() - t0
+        except BaseException as exc:  # noqa: BLE001 - reported below, on the measuring thread
+            failed.append(exc)
+
+    threads = [threading.Thread(target=push, args=(i,)) for i in range(len(pushes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if failed or any(t.is_alive() for t in threads):
+        raise SystemExit(f"round {tag}: a push failed or hung: {failed}")
+    return spent
+
+
 def one_round(rig: TransferRig, senders: list[KVSender], tokens: int, tag: str) -> list[float]:
     """Every sender pushes one request at once, each from blocks of its own; each one's seconds. Raises unless every
     push completed and the decode side holds each request's own KV bit for bit (a request landed in another's
@@ -40,28 +69,11 @@ def one_round(rig: TransferRig, senders: list[KVSender], tokens: int, tag: str) 
     n = SENDER_LAYOUT.blocks_for(tokens)
     tables = [list(range(i * n, (i + 1) * n)) for i in range(len(senders))]
     rig.conn.send(("expect", [(rid, tokens) for rid in rids]))
-    spent = [0.0] * len(senders)
-    failed: list[BaseException] = []
-    start = threading.Barrier(len(senders))
-
-    def push(i: int) -> None:
-        try:
-            start.wait(60)
-            t0 = time.perf_counter()
-            xfer = senders[i].open(rids[i], rig.address, tokens, tables[i])
-            xfer.send_all()
-            xfer.wait(60)
-            spent[i] = time.perf_counter() - t0
-        except BaseException as exc:  # noqa: BLE001 - reported below, on the measuring thread
-            failed.append(exc)
-
-    threads = [threading.Thread(target=push, args=(i,)) for i in range(len(senders))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if failed or any(t.is_alive() for t in threads):
-        raise SystemExit(f"round {tag}: a push failed or hung: {failed}")
+    spent = push_at_once(
+        [(sender, rid, rig.address, table) for sender, rid, table in zip(senders, rids, tables, strict=True)],
+        tokens,
+        tag,
+    )
     rig.conn.send(("check",))
     digests = _recv(rig.conn, "the receiver's digests")[1]
     if digests != [_digest(rig.layout, rig.kv, table, tokens) for table in tables]:

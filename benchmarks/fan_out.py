@@ -4,7 +4,7 @@ worker in the same run.
 
     python benchmarks/fan_out.py --receivers 8 --tokens 40 --rounds 20
 
-Prints one JSON line: per receiver count (1 and N), the prefill worker's tcp threads (its send pool, link watcher
+Prints one JSON line: per receiver count (1 and N), the prefill worker's tcp threads (its workers, link watcher
 and its own target's serve threads; a thread per stream and a watcher per link before), its host microseconds per
 request (``host_us_per_request``: open, plan and posting, pdkv/transfer/hosttime.py) and the requests' p50 wall time;
 the ratio of N's to 1's, their rounds alternating. Each decode worker is a ``TransferRig``'s receiver, in a process
@@ -22,6 +22,7 @@ import threading
 import time
 
 import torch
+from fan_in import push_at_once
 
 from pdkv.bench.channel import _recv
 from pdkv.bench.transfer import SENDER_LAYOUT, TransferRig, _digest
@@ -36,28 +37,7 @@ def one_round(sender: KVSender, rigs: list[TransferRig], kv: list[torch.Tensor],
     tables = [list(range(i * n, (i + 1) * n)) for i in range(len(rigs))]
     for i, rig in enumerate(rigs):
         rig.conn.send(("expect", [(f"{tag}-{i}", tokens)]))
-    spent = [0.0] * len(rigs)
-    failed: list[BaseException] = []
-    start = threading.Barrier(len(rigs))
-
-    def push(i: int) -> None:
-        try:
-            start.wait(60)
-            t0 = time.perf_counter()
-            xfer = sender.open(f"{tag}-{i}", rigs[i].address, tokens, tables[i])
-            xfer.send_all()
-            xfer.wait(60)
-            spent[i] = time.perf_counter() - t0
-        except BaseException as exc:  # noqa: BLE001 - reported below, on the measuring thread
-            failed.append(exc)
-
-    threads = [threading.Thread(target=push, args=(i,)) for i in range(len(rigs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if failed or any(t.is_alive() for t in threads):
-        raise SystemExit(f"round {tag}: a push failed or hung: {failed}")
+    spent = push_at_once([(sender, f"{tag}-{i}", rig.address, tables[i]) for i, rig in enumerate(rigs)], tokens, tag)
     for i, rig in enumerate(rigs):
         rig.conn.send(("check",))
         if _recv(rig.conn, "the receiver's digests")[1] != [_digest(SENDER_LAYOUT, kv, tables[i], tokens)]:
