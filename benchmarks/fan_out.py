@@ -4,12 +4,12 @@ worker in the same run.
 
     python benchmarks/fan_out.py --receivers 8 --tokens 40 --rounds 20
 
-Prints one JSON line: per receiver count (1 and N), the prefill worker's tcp threads (every thread its channel named:
-a sender a stream and a watcher a link, and its own target's serve threads), its host microseconds per request
-(``host_us_per_request``: open, plan and posting, pdkv/transfer/hosttime.py) and the requests' p50 wall time; the
-ratio of N's to 1's, their rounds alternating. Each decode worker is a ``TransferRig``'s receiver, in a process of
-its own; the one prefill worker is the first rig's ``KVSender``, which sends to all of them. Every request's KV is
-checked bit for bit on its decode side. The wall times are on this machine's cores shared by N + 1 processes.
+Prints one JSON line: per receiver count (1 and N), the prefill worker's tcp threads (its workers, link watcher
+and its own target's serve threads; a thread per stream and a watcher per link before), its host microseconds per
+request (``host_us_per_request``: open, plan and posting, pdkv/transfer/hosttime.py) and the requests' p50 wall time;
+the ratio of N's to 1's, their rounds alternating. Each decode worker is a ``TransferRig``'s receiver, in a process
+of its own; the one prefill worker is the first rig's ``KVSender``, which sends to all of them. Every request's KV
+is checked bit for bit on its decode side. The wall times are on this machine's cores shared by N + 1 processes.
 """
 
 from __future__ import annotations

@@ -32,7 +32,9 @@ from pdkv.channels import TransferOp, XferState, create_channel
 from pdkv.channels.handle import Notification
 from pdkv.channels.tcp import TcpChannel, TcpOptions, handshake, wire
 from pdkv.channels.tcp import options as tcp_options
+from pdkv.channels.tcp import workers as tcp_workers
 from pdkv.channels.tcp.initiator import _split
+from pdkv.channels.tcp.reader import FOLLOW_S, LinkReader
 from pdkv.channels.tcp.wire import HEADER, LAST, MAGIC, NOTIF_FOLLOWS, SECRET, VERSION
 from pdkv.config import convert_config
 from pdkv.errors import ChannelError, ConfigError
@@ -1023,3 +1025,204 @@ def test_a_channel_that_cannot_carry_answers_keeps_notifications_in_its_inbox() 
         assert channel.inbox.answerer is None
     finally:
         channel.close()
+
+
+# -- the initiator's threads: one send pool and one link watcher for all its peers ---------------------------------
+
+
+def _initiator_threads(channel: TcpChannel) -> dict[str, int]:
+    """The live threads of ``channel``'s initiator: its workers (``io``) and its link watcher (``links``)."""
+    kinds = {f"tcp-{channel.agent_name}-io": "io", f"tcp-{channel.agent_name}-links": "links"}
+    counts: dict[str, int] = {}
+    for t in threading.enumerate():
+        if t.name in kinds:
+            counts[kinds[t.name]] = counts.get(kinds[t.name], 0) + 1
+    return counts
+
+
+def test_an_initiators_threads_do_not_grow_with_its_peers() -> None:
+    """Writes split over two streams to one peer, then to six at once: the writer holds two workers and one link
+    watcher either way (a thread per stream and a watcher per link held 18 for six), every byte lands, and closing
+    the channel ends them. (``send_wait_s`` at ``io_timeout``: no worker is added however slow this machine is.)"""
+    writer = TcpChannel("fan", TcpOptions(streams=2, stream_min_bytes=64 << 10, io_timeout=10, send_wait_s=10))
+    targets = [TcpChannel(f"fan-target-{i}", TcpOptions(streams=2, io_timeout=10)) for i in range(6)]
+    try:
+        assert _initiator_threads(writer) == {}  # nothing started before the first link
+        src = bytearray(pattern(3, 2 * MiB))
+        s = writer.register(src)
+        dsts = [bytearray(2 * MiB) for _ in targets]
+        regions = [t.register(d) for t, d in zip(targets, dsts, strict=True)]
+        for t in targets:
+            writer.add_peer(t.metadata())
+        seen = []
+        for n in (1, len(targets)):
+            handles = [
+                writer.write(t.agent_name, [TransferOp(s, 0, r, 0, 2 * MiB)])
+                for t, r in zip(targets[:n], regions[:n], strict=True)
+            ]
+            for h in handles:
+                writer.wait(h, CALL_TIMEOUT)
+                assert writer.poll(h) is XferState.DONE
+            split = [writer.stream_bytes(t.agent_name) for t in targets[:n]]
+            assert all(len(b) == 2 and min(b) > 0 for b in split), split  # both streams carried a share
+            seen.append(_initiator_threads(writer))
+        assert all(d == src for d in dsts)
+        assert seen == [{"io": 2, "links": 1}, {"io": 2, "links": 1}]
+    finally:
+        writer.close()
+        for t in targets:
+            t.close()
+    assert _initiator_threads(writer) == {}
+
+
+def test_a_peer_that_stops_reading_does_not_hold_back_another_peers_shares(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One worker (one stream), blocked sending 64 MiB to a frozen peer (SIGSTOP: its sockets fill up and stay
+    open): a write to another peer still goes, on a worker the watcher adds after ``send_wait_s``; the frozen peer's
+    write completes once it thaws, and the added worker ends once it has had nothing to do for ``SPARE_IDLE_S``."""
+    monkeypatch.setattr(tcp_workers, "SPARE_IDLE_S", 0.5)
+    stuck = Peer("stuck", {"streams": 1, "io_timeout": 60}, [64 * MiB])
+    other = TcpChannel("unstuck", TcpOptions(streams=1, io_timeout=60))
+    writer = TcpChannel("writer", TcpOptions(streams=1, io_timeout=60, send_wait_s=0.05, inline_max_bytes=0))
+    try:
+        src = bytearray(pattern(5, 64 * MiB))
+        s = writer.register(src)
+        dst = bytearray(8 * MiB)
+        r = other.register(dst)
+        writer.add_peer(stuck.meta)
+        writer.add_peer(other.metadata())
+        (sr,) = stuck.regions
+        writer.wait(writer.write("stuck", [TransferOp(s, 0, sr, 0, 4096)]), CALL_TIMEOUT)  # linked and proven
+        os.kill(stuck.proc.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+        try:
+            big = writer.write("stuck", [TransferOp(s, 0, sr, 0, 64 * MiB)])  # more than its sockets hold
+            small = writer.write("unstuck", [TransferOp(s, 0, r, 0, 8 * MiB)])
+            writer.wait(small, CALL_TIMEOUT)
+            assert writer.poll(small) is XferState.DONE and dst == src[: 8 * MiB]
+            assert writer.poll(big) is XferState.PENDING
+            assert _initiator_threads(writer)["io"] == 2
+        finally:
+            os.kill(stuck.proc.pid, signal.SIGCONT)  # type: ignore[arg-type]
+        writer.wait(big, CALL_TIMEOUT)
+        assert writer.poll(big) is XferState.DONE
+        assert stuck.call("crc", sr, 0, 64 * MiB) == zlib.crc32(src)
+        wait_until(lambda: _initiator_threads(writer).get("io") == 1, CALL_TIMEOUT, "the added worker ended once idle")
+    finally:
+        writer.close()
+        other.close()
+        stuck.stop()
+
+
+class _StallingRelay:
+    """Forwards tcp connections to ``target`` byte for byte until ``stall`` is set; from then on an answer coming
+    back is cut after its first byte, and the rest waits until ``release`` (a peer trickling an answer)."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.stall, self.release = threading.Event(), threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.socks: list[socket.socket] = []
+        self.threads = [threading.Thread(target=self._accept, daemon=True)]
+        self.threads[0].start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(self.target)
+            self.socks += [conn, up]
+            for args in ((conn, up, False), (up, conn, True)):
+                self.threads.append(threading.Thread(target=self._pump, args=args, daemon=True))
+                self.threads[-1].start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, back: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                if back and self.stall.is_set():
+                    dst.sendall(data[:1])
+                    self.release.wait(CALL_TIMEOUT)
+                    data = data[1:]
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        self.release.set()
+        for sock in (self.listener, *self.socks):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the accept and the pumps
+        for t in self.threads:
+            t.join(CALL_TIMEOUT)
+        for sock in (self.listener, *self.socks):
+            sock.close()
+
+
+def test_a_peer_trickling_an_answer_does_not_hold_back_another_peers_answers() -> None:
+    """A peer whose ACK stops after one byte holds the worker reading it until ``io_timeout``; another peer's ACK,
+    which nobody waits for but a done callback, is read at once by another worker: the watcher reads no frame
+    itself."""
+    io_timeout = 20.0
+    writer = TcpChannel("reader-w", TcpOptions(streams=1, io_timeout=io_timeout, send_wait_s=0.05))
+    slow = TcpChannel("reader-slow", TcpOptions(streams=1, io_timeout=io_timeout))
+    fast = TcpChannel("reader-fast", TcpOptions(streams=1, io_timeout=io_timeout))
+    s = writer.register(bytearray(pattern(7, 4096)))
+    rs, rf = slow.register(bytearray(4096)), fast.register(bytearray(4096))
+    meta = wire.decode_meta(slow.metadata())
+    relay = _StallingRelay((meta.host, meta.port))
+    try:
+        writer.add_peer(msgspec.msgpack.encode(msgspec.structs.replace(meta, port=relay.port)))
+        writer.add_peer(fast.metadata())
+        for peer, region in (("reader-slow", rs), ("reader-fast", rf)):  # linked and proven
+            writer.wait(writer.write(peer, [TransferOp(s, 0, region, 0, 4096)]), CALL_TIMEOUT)
+        relay.stall.set()
+        stuck = writer.write("reader-slow", [TransferOp(s, 0, rs, 0, 4096)])  # its ACK: one byte, then nothing
+        time.sleep(0.3)  # the one worker is inside its ACK by now
+        assert stuck.state is XferState.PENDING
+        done = threading.Event()
+        quick = writer.write("reader-fast", [TransferOp(s, 0, rf, 0, 4096)])
+        quick.add_done_callback(lambda h: done.set())  # nobody waits: a worker reads its ACK
+        assert done.wait(io_timeout / 2), "the fast peer's ACK waited for the trickling one"
+        assert quick.state is XferState.DONE and stuck.state is XferState.PENDING
+        assert _initiator_threads(writer)["io"] == 2
+        relay.release.set()
+        writer.wait(stuck, CALL_TIMEOUT)
+        assert writer.poll(stuck) is XferState.DONE
+    finally:
+        relay.close()
+        writer.close()
+        slow.close()
+        fast.close()
+
+
+def test_the_watcher_waits_while_another_thread_reads_a_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ACK waiting while another thread holds the link's reader (a ``poll`` reading a big READ_DATA frame, say):
+    the watcher's worker finds it busy and the stream is armed again ``FOLLOW_S`` later, not at once (which spun a
+    core at 200,000 tries a second); once the reader lets go, the ACK is read."""
+    tries = []
+    drain = LinkReader.drain
+
+    def counting(self: LinkReader) -> bool:
+        tries.append(time.monotonic())
+        return drain(self)
+
+    monkeypatch.setattr(LinkReader, "drain", counting)
+    writer = TcpChannel("spin-w", TcpOptions(streams=1, io_timeout=10))
+    target = TcpChannel("spin-t", TcpOptions(streams=1, io_timeout=10))
+    try:
+        s, r = writer.register(bytearray(4096)), target.register(bytearray(4096))
+        writer.add_peer(target.metadata())
+        first = writer.write("spin-t", [TransferOp(s, 0, r, 0, 4096)])
+        writer.wait(first, CALL_TIMEOUT)
+        reader = first.link.reader
+        with reader.rx_lock:  # another thread reading the link
+            handle = writer.write("spin-t", [TransferOp(s, 0, r, 0, 4096)])
+            time.sleep(0.5)
+            assert handle.state is XferState.PENDING
+            held = len(tries)
+        assert 1 <= held <= 0.5 / FOLLOW_S + 20, held  # one try every FOLLOW_S at most
+        wait_until(lambda: handle.state is XferState.DONE, 2.0, "the ACK read once the reader let go")
+    finally:
+        writer.close()
+        target.close()

@@ -23,6 +23,7 @@ from pdkv.channels.tcp.framer import BlockFramer
 from pdkv.channels.tcp.link import Link
 from pdkv.channels.tcp.options import Agent
 from pdkv.channels.tcp.streams import Batch, Sealed, SealedEnd
+from pdkv.channels.tcp.watching import LinkWatcher
 from pdkv.channels.tcp.wire import (
     HDR_SIZE,
     HEADER,
@@ -98,6 +99,16 @@ class Initiator:
         self._link_locks: dict[tuple[str, bytes], threading.Lock] = collections.defaultdict(threading.Lock)
         self._lock = threading.Lock()
         self._framer = BlockFramer(regions, agent.opts.max_frame_bytes)
+        self._watcher: LinkWatcher | None = None  # and its workers: started with the first link
+
+    def watcher(self) -> LinkWatcher:
+        """The link watcher (and workers) every link shares, started by the first link: ChannelError once closed."""
+        with self._lock:
+            if self.closed:
+                raise ChannelError("tcp: the channel is closed")
+            if self._watcher is None or self._watcher.ended:
+                self._watcher = LinkWatcher(self.agent.name, self.agent.opts)
+            return self._watcher
 
     # -- peers -------------------------------------------------------------------
     def add_peer(self, meta: Meta) -> bool:
@@ -307,8 +318,7 @@ class Initiator:
 
     def stream_bytes(self, peer: str, token: bytes = b"") -> list[int]:
         """Bytes written to ``peer`` per stream of the current link (for metrics, and to see the split)."""
-        link = self._links.get((peer, token))
-        return link.bytes_per_stream() if link is not None else []
+        return link.bytes_per_stream() if (link := self._links.get((peer, token))) is not None else []
 
     def close(self) -> list[threading.Thread]:
         """Fail every link (their transfers fail) and keep none after; returns their threads, to join."""
@@ -319,4 +329,4 @@ class Initiator:
             self._peers.clear()
         for link in links:
             link.fail("tcp channel closed")
-        return [t for link in links for t in link.threads]
+        return [] if self._watcher is None else [self._watcher.close(), *self._watcher.workers.close()]

@@ -1,13 +1,12 @@
-"""One link of the initiator side: its streams to one peer and their sender threads, its pending transfers.
+"""One link of the initiator side: its streams to one peer, its pending transfers.
 
-Threads, per link: one sender per stream, and a watcher (``LinkReader.watch``).
-A transfer's first share goes out on the caller's thread when its stream is
-free and it is at most ``inline_max_bytes``, or whatever its size when the
-caller has nothing else to do until it is answered (``write_blocks(...,
-inline=True)``: a thread hand-off costs more than sending 256 KiB on loopback,
-and on a busy machine the woken sender often waits for a core); its other
-shares go to their streams' senders first, so they move side by side. Each
-stream is opened and proven by ``handshake.dial``; answers are read by the
+A link has no threads of its own: the initiator's workers (``workers.LinkWorkers``) send the shares queued on its
+streams and read the answers nobody waits for, which its link watcher (``watching.LinkWatcher``) hands them, and
+the watcher closes the sockets of a failed link. A transfer's first share goes out on the caller's thread when its
+stream is free and it is at most ``inline_max_bytes``, or whatever its size when the caller has nothing else to do
+until it is answered (``write_blocks(..., inline=True)``: a thread hand-off costs more than sending 256 KiB on
+loopback, and on a busy machine the woken sender often waits for a core); its other shares are queued first, so
+they move side by side. Each stream is opened and proven by ``handshake.dial``; answers are read by the
 ``LinkReader``.
 """
 
@@ -65,23 +64,22 @@ class Link:
         self.dead: str | None = None
         self.last_post = time.monotonic()
         self.streams: list[Stream] = []
+        self.watcher = initiator.watcher()
+        self.workers = self.watcher.workers
         try:
             for i in range(self.opts.streams):
                 conn = dial(initiator.agent, peer, meta, self.where, self.session, i, token)
-                self.streams.append(Stream(conn))
+                self.streams.append(Stream(conn, self.fail))
+            self.reader = LinkReader(self)
+            try:
+                self.watcher.add(self)
+            except BaseException:
+                self.reader.close()
+                raise
         except BaseException:
             for st in self.streams:
                 st.conn.sock.close()
             raise
-        self.reader = LinkReader(self)
-        name = f"tcp-{initiator.agent.name}->{peer}"
-        self.senders = [
-            threading.Thread(target=self._send_loop, args=(st,), name=f"{name}-tx{i}", daemon=True)
-            for i, st in enumerate(self.streams)
-        ]
-        self.threads = [*self.senders, threading.Thread(target=self.reader.watch, name=f"{name}-watch", daemon=True)]
-        for t in self.threads:
-            t.start()
 
     # -- posting ---------------------------------------------------------------
     def post(
@@ -118,12 +116,12 @@ class Link:
             reader.drain()
 
     def _send(self, batches: list[tuple[int, Batch]], inline: bool) -> None:
-        """The first batch on this thread if allowed and its stream is free, the others (and it, if not) by their
-        streams' senders, handed over first so that the shares go out side by side."""
+        """The first batch on this thread if allowed and its stream is free, the others (and it, if not) by the
+        workers, handed over first so that the shares go out side by side."""
         index, batch = batches[0]
         st = self.streams[index]
         for later, later_batch in batches[1:]:
-            self.streams[later].queue.put(later_batch)
+            self.workers.put(self.streams[later], later_batch)
         if inline and st.conn.send_lock.acquire(blocking=False):
             try:
                 st.send(batch)
@@ -132,18 +130,7 @@ class Link:
             finally:
                 st.conn.send_lock.release()
         else:
-            st.queue.put(batch)
-
-    def _send_loop(self, st: Stream) -> None:
-        while (batch := st.queue.get()) is not None:
-            try:
-                with st.conn.send_lock:
-                    st.send(batch)
-                if batch.on_sent is not None:
-                    batch.on_sent()
-            except IO_ERRORS as exc:
-                self.fail(f"sending failed: {exc}")
-                return
+            self.workers.put(st, batch)
 
     # -- completion ----------------------------------------------------------------
     def finish(self, xfers: Sequence[int], answer: bytes = b"") -> bool:
@@ -197,9 +184,9 @@ class Link:
         if p.notif is None:
             self.finish((xfer,))
             return
-        # sent by the stream's sender: the reader must never block on a send (the target may be blocked sending to us)
+        # sent by a worker: the reader must never block on a send (the target may be blocked sending to us)
         hdr = pack(NOTIF, xfer, len(p.notif))
-        st.queue.put(Batch([hdr, p.notif] if p.notif else [hdr], 0, on_sent=lambda: self._finish_read(xfer)))
+        self.workers.put(st, Batch([hdr, p.notif] if p.notif else [hdr], 0, on_sent=lambda: self._finish_read(xfer)))
 
     def fail(self, reason: str) -> None:
         """Fail every pending handle with ``reason`` and tear the link down; the first reason wins."""
@@ -213,8 +200,8 @@ class Link:
             self.dead = why  # last: whoever sees the link dead finds its handles already failed
         for st in self.streams:
             shutdown(st.conn.sock)  # wakes whoever polls or sends on it
-            st.queue.put(None)
-        self.reader.stopped.set()
+            self.workers.drop(st)
+        self.watcher.failed(self)  # which closes the sockets once nobody polls or sends on them
 
     def bytes_per_stream(self) -> list[int]:
         return [st.sent_bytes for st in self.streams]

@@ -79,6 +79,10 @@ class TcpOptions(ChannelOptions):
     # a connection that waited this long for a serve thread, every one busy inside a frame, starts one more (up to
     # max_connections); so a peer that trickles its frames cannot hold the others back
     serve_wait_s: float = 0.05
+    # the initiator's worker threads (pdkv.channels.tcp.workers), which send queued shares and read answers nobody
+    # waits for, are ``streams`` for all its peers together; a stream or link that waited this long, every worker
+    # busy, starts one more: so a peer that stops reading, or trickles an answer, cannot hold the others back
+    send_wait_s: float = 0.05
 
     def streams_for(self, nbytes: int) -> int:
         """How many streams a transfer of ``nbytes`` is split over: shares of at least ``stream_min_bytes``."""
@@ -110,6 +114,11 @@ class TcpOptions(ChannelOptions):
             (
                 "serve_wait_s",
                 0 < self.serve_wait_s <= self.io_timeout,
+                f"> 0 seconds, at most io_timeout ({self.io_timeout})",
+            ),
+            (
+                "send_wait_s",
+                0 < self.send_wait_s <= self.io_timeout,
                 f"> 0 seconds, at most io_timeout ({self.io_timeout})",
             ),
             (

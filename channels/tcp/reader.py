@@ -3,10 +3,8 @@
 That is a thread in ``drive`` (so the answer wakes the waiter itself, not a
 reader thread that then wakes it: one context switch less per transfer), a
 ``poll`` call or the posting thread (``drain``: what is already there), or
-the link's watcher (``watch``), which sleeps in ``poll`` on the streams, reads
-an answer the moment it arrives (so done callbacks fire without delay), and
-fails a link whose peer went silent: ``io_timeout`` without progress fails the
-link.
+the initiator's link watcher (``watching.LinkWatcher``), which reads an answer
+nobody waits for the moment it arrives (so done callbacks fire without delay).
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 from pdkv.channels.handle import TransferHandle, XferState
-from pdkv.channels.tcp.conn import IO_ERRORS, SHUTDOWN_JOIN_S, PeerClosed
+from pdkv.channels.tcp.conn import IO_ERRORS, PeerClosed
 from pdkv.channels.tcp.streams import Stream
 from pdkv.channels.tcp.wire import (
     ACK,
@@ -41,20 +39,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_IDLE_TICK = 0.05  # how often the watcher wakes with nothing to read (to look for a link whose peer went silent)
 FOLLOW_S = 0.002  # how often a waiter re-checks its handle while another thread reads the link
 
 
 class LinkReader:
     """Reads ``link``'s answers into its pending transfers (``Link.finish``, ``Link.landed``, ``Link.refused``); a
-    bad or lost stream fails the link. ``stopped`` is set once the link failed: the watcher then closes the
-    sockets."""
+    bad or lost stream fails the link, whose sockets the initiator's link watcher then closes."""
 
     def __init__(self, link: Link) -> None:
         self.link = link
         self.rx_lock = threading.Lock()
         self.waiters = 0  # threads in ``drive``
-        self.stopped = threading.Event()
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -64,9 +59,6 @@ class LinkReader:
             self._poller.register(st.conn.sock, select.POLLIN)
             self._by_fd[st.conn.sock.fileno()] = st
         self._poller.register(self._wake_r, select.POLLIN)
-        self._watch_poller = select.poll()  # the watcher's own: one poll object must never be polled by two threads
-        for st in link.streams:
-            self._watch_poller.register(st.conn.sock, select.POLLIN)
 
     def drain(self) -> bool:
         """Read the answers already there, unless another thread is reading (then False)."""
@@ -84,6 +76,8 @@ class LinkReader:
         link = self.link
         with link.lock:
             self.waiters += 1
+            if self.waiters == 1:
+                link.watcher.pause(link)
         try:
             while handle.state is XferState.PENDING and link.dead is None:
                 remaining = deadline - time.monotonic()
@@ -103,6 +97,8 @@ class LinkReader:
         finally:
             with link.lock:
                 self.waiters -= 1
+                if not self.waiters:
+                    link.watcher.resume(link)
 
     def wake(self) -> None:
         """Wake a waiter polling the sockets: a READ completed elsewhere."""
@@ -195,42 +191,7 @@ class LinkReader:
         else:
             raise ProtocolError(f"tcp: unexpected {FRAME_NAMES.get(ftype, ftype)} frame from {link.where}")
 
-    def watch(self) -> None:
-        """The watcher thread: read answers nobody waits for as they arrive, fail a link whose peer went silent,
-        release the sockets at the end.
-
-        It sleeps in ``poll`` on the streams, so an ACK completes its handle (and
-        fires its done callbacks) the moment it arrives. While a waiter reads the
-        link on its own thread (``drive``) the watcher leaves the reading to it.
-        """
-        link = self.link
-        while not self.stopped.is_set():
-            latest = max(link.last_post, *(st.conn.last_progress for st in link.streams))
-            if link.pending and time.monotonic() - latest > link.opts.io_timeout:
-                link.fail(
-                    f"{len(link.pending)} transfers pending and no byte moved either way for "
-                    f"{link.opts.io_timeout:.3g}s "
-                    "(peer hung or unreachable?)"
-                )
-                break
-            if self.waiters:
-                self.stopped.wait(FOLLOW_S)
-                continue
-            try:
-                ready = any(st.conn.pending() for st in link.streams) or self._watch_poller.poll(_IDLE_TICK * 1000)
-            except OSError:
-                ready = []
-            if not ready:
-                continue
-            if not self.drain():  # another thread is reading: let it, instead of spinning on what it is about to read
-                self.stopped.wait(FOLLOW_S)
-        for t in link.senders:
-            t.join(SHUTDOWN_JOIN_S)
-        # close only once nobody can be polling or sending on the sockets: a reused fd number must never be read
-        if self.rx_lock.acquire(timeout=SHUTDOWN_JOIN_S):
-            for st in link.streams:
-                with st.conn.send_lock:
-                    st.conn.sock.close()
-            self._wake_r.close()
-            self._wake_w.close()
-            self.rx_lock.release()
+    def close(self) -> None:
+        """Close the wake socket pair (the link watcher does, once the link failed and nobody reads it)."""
+        self._wake_r.close()
+        self._wake_w.close()

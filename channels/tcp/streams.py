@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,11 +88,14 @@ class Batch:
 
 
 class Stream:
-    """One initiator-side connection of a link, its sender thread and its READ answers to expect."""
+    """One initiator-side connection of a link, the shares queued on it (sent by the initiator's ``LinkWorkers``) and
+    its READ answers to expect; ``fail`` fails its link."""
 
-    def __init__(self, conn: Conn) -> None:
+    def __init__(self, conn: Conn, fail: Callable[[str], None]) -> None:
         self.conn = conn
-        self.queue: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
+        self.fail = fail
+        self.queue: collections.deque[Batch] = collections.deque()  # under the workers' lock
+        self.scheduled = False  # in the workers' ready queue, or being sent by one of them
         self.expect: collections.deque[tuple[int, memoryview]] = collections.deque()
         self.sent_bytes = 0
 

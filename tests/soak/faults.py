@@ -65,7 +65,7 @@ def stall_prefill(cluster: Cluster, counts: Counts, seconds: float = 2.0) -> Non
     counts.faults.append(f"SIGSTOP prefill for {seconds}s")
 
 
-def _events(worker: WorkerProcess) -> tuple[float, float]:
+def kv_events(worker: WorkerProcess) -> tuple[float, float]:
     """A decode worker's (checksum failures, fallbacks) so far, from its /metrics."""
     _, raw = request("GET", worker.url + "/metrics", timeout=5)
     text = raw.decode()
@@ -87,14 +87,14 @@ def corrupt_chunk(cluster: Cluster, counts: Counts, wait_s: float = 30.0) -> Non
 def _corrupt_chunk(cluster: Cluster, counts: Counts, wait_s: float) -> None:
     with cluster.lock:
         victim = cluster.decode[PROXIED]
-    checksum_failures, fallbacks = _events(victim)
+    checksum_failures, fallbacks = kv_events(victim)
     target = cluster.proxy.arm()
     if not cluster.proxy.wait_flipped(target, wait_s):
         raise RuntimeError(f"no chunk went to decode {victim.url} within {wait_s}s")
     counts.injected["corrupt_chunk"] += 1
     counts.faults.append(f"flipped a byte of a chunk on its way to decode {victim.url}")
     deadline = time.monotonic() + wait_s
-    while (now := _events(victim))[0] <= checksum_failures or now[1] <= fallbacks:
+    while (now := kv_events(victim))[0] <= checksum_failures or now[1] <= fallbacks:
         if time.monotonic() > deadline:
             break
         time.sleep(0.1)

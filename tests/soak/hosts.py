@@ -42,6 +42,10 @@ DECODE_PORTS = (8100, 8101)  # on the back host, a namespace of the rig's own: n
 START_TIMEOUT_S = 240.0  # a worker's start-up (imports, the model) on a loaded 2-core machine
 ENV = {"OMP_NUM_THREADS": "1"}  # tiny models gain nothing from threads; every process shares two cores
 TCP_OPTIONS = {"io_timeout": 2.0, "connect_timeout": 2.0}  # a dead link fails a stream in seconds, not the default 10
+CHANNEL_OPTIONS = {"unreachable_retry_s": 2.0}
+"""Every channel's: a decode worker dialled while the routes were gone is found unreachable, and tried again this long
+after, not the default 10 s, which outlasts the fault's window (``soak.cluster.SETTLE_S`` after it): its recomputes
+would count as without a fault."""
 
 
 class TwoHostCluster:
@@ -84,7 +88,8 @@ class TwoHostCluster:
     def config(self) -> Path:
         """The one YAML every role reads: channel, secret, short timeouts, the shared Redis tier."""
         assert self.redis is not None
-        channel: dict[str, Any] = {"name": self.channel, "options": TCP_OPTIONS if self.channel == "tcp" else {}}
+        options = {**CHANNEL_OPTIONS, **(TCP_OPTIONS if self.channel == "tcp" else {})}
+        channel: dict[str, Any] = {"name": self.channel, "options": options}
         cfg = {
             **WORKER_CONFIG,
             **ROUTER_CONFIG,

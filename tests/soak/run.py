@@ -17,7 +17,7 @@ from pdkv.testing.model import write_tiny_model
 
 from soak import linkfaults, procstats
 from soak.cluster import LEAK_WAIT_S, Cluster
-from soak.faults import corrupt_chunk, kill_and_restart_decode, stall_prefill
+from soak.faults import corrupt_chunk, kill_and_restart_decode, kv_events, stall_prefill
 from soak.hosts import START_TIMEOUT_S, TwoHostCluster
 from soak.monitor import KVMonitor, read_leaks
 from soak.report import RETRY_S, Counts
@@ -128,23 +128,53 @@ WARM_ROUNDS = 2
 only the first time a fault needs them (one more in a decode worker, once, in the 10,000-request run), which is no
 leak; what a fault leaks each time shows in the rounds after."""
 
+WARM_UP_S = 30.0
+"""How long the warm-up before a /proc read may take to find every channel link open again. A fault's effects can
+outlast it: a decode worker that the prefill worker dialled while the routes were gone is tried again only
+``unreachable_retry_s`` later (``soak.hosts.CHANNEL_OPTIONS``), so a read taken meanwhile misses that link and the other
+read counts it as a leak (the two-host soak failed so now and then: the prefill worker's 4 fds of one link)."""
+
+WARM_UP_RETRY_S = 1.0  # between warm-up passes that still recomputed
+
 WARM_UP_CONCURRENCY = 16
 """Warm-up requests at once: more than any thread pool a worker grows on demand holds (asyncio's default executor,
 where a decode worker waits for a prompt's KV: min(32, cpus + 4) threads), so those pools are full before /proc is
 read."""
 
 
-def _warm_up(router_url: str, ps: list[list[int]], timeout: float) -> None:
+def _warm_up(cluster: Cluster | TwoHostCluster, ps: list[list[int]], timeout: float) -> None:
     """Each prompt twice through the router, ``WARM_UP_CONCURRENCY`` at a time, before anything is measured:
-    connection pools and thread pools have grown to what the load needs by then."""
+    connection pools and thread pools have grown to what the load needs by then. Again (bounded by ``WARM_UP_S``)
+    until a pass in which no decode worker recomputed a prompt: every channel link is open then, at either read."""
+    assert cluster.router is not None
+    router_url = cluster.router.url
 
     def one(p: list[int]) -> None:
         status, raw = request("POST", router_url + "/v1/completions", body(p), timeout=timeout)
         if status != 200:
             raise RuntimeError(f"warm-up request failed: HTTP {status}: {raw[:300]!r}")
 
-    with ThreadPoolExecutor(WARM_UP_CONCURRENCY) as pool:
-        list(pool.map(one, ps + ps))
+    deadline = time.monotonic() + WARM_UP_S
+    while True:
+        before = _fallbacks(cluster)
+        with ThreadPoolExecutor(WARM_UP_CONCURRENCY) as pool:
+            list(pool.map(one, ps + ps))
+        recomputed = _fallbacks(cluster) - before
+        if not recomputed:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"warm-up: the decode workers still recomputed {recomputed:g} prompts of the last pass "
+                f"{WARM_UP_S:g}s on (a channel link that stays down after the faults ended?)"
+            )
+        time.sleep(WARM_UP_RETRY_S)
+
+
+def _fallbacks(cluster: Cluster | TwoHostCluster) -> float:
+    """The decode workers' recomputed prompts so far (``pdkv_fallbacks_total``)."""
+    with cluster.lock:
+        workers = list(cluster.decode)
+    return sum(kv_events(w)[1] for w in workers)
 
 
 def _soak(
@@ -162,7 +192,7 @@ def _soak(
     router_url = cluster.router.url
     ps = prompts(min(n, 16))
     expected = fault_free(cluster, ps)
-    _warm_up(router_url, ps, timeout)
+    _warm_up(cluster, ps, timeout)
     processes = cluster.processes()
     start_stats = procstats.baseline(processes)  # replaced after the first block if there is a second
     monitor = KVMonitor(cluster, counts)
@@ -225,7 +255,7 @@ def _soak(
         nonlocal start_stats
         try:
             if finished[warm - 1].wait(gate_s) and wait_done(warm * block):
-                _warm_up(router_url, ps, timeout)  # every link a fault broke is open again, as at the end
+                _warm_up(cluster, ps, timeout)  # every link a fault broke is open again, as at the end
                 start_stats = procstats.baseline(processes)
         except RuntimeError as exc:
             counts.errors.append(f"fault: the /proc baseline could not be taken: {exc}")
@@ -296,7 +326,7 @@ def _soak(
     counts.leaked = int(sum(counts.leaks.values()))
     # The same traffic as before the baseline: links and connections opened on demand (a channel link a fault
     # broke is made again by the next transfer over it) are open at both reads, so only what should be gone counts.
-    _warm_up(router_url, ps, timeout)
+    _warm_up(cluster, ps, timeout)
     pool_ports = {
         urllib.parse.urlsplit(w.url).port or 80
         for w in [cluster.router, cluster.prefill, *cluster.decode, *cluster.dead]
