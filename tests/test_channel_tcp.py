@@ -1112,51 +1112,24 @@ def test_a_peer_that_stops_reading_does_not_hold_back_another_peers_shares(monke
         stuck.stop()
 
 
-class _StallingRelay:
+class _StallingRelay(ByteRelay):
     """Forwards tcp connections to ``target`` byte for byte until ``stall`` is set; from then on an answer coming
     back is cut after its first byte, and the rest waits until ``release`` (a peer trickling an answer)."""
 
     def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
         self.stall, self.release = threading.Event(), threading.Event()
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.socks: list[socket.socket] = []
-        self.threads = [threading.Thread(target=self._accept, daemon=True)]
-        self.threads[0].start()
+        super().__init__(target, timeout=CALL_TIMEOUT, back=self._trickle)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            up = socket.create_connection(self.target)
-            self.socks += [conn, up]
-            for args in ((conn, up, False), (up, conn, True)):
-                self.threads.append(threading.Thread(target=self._pump, args=args, daemon=True))
-                self.threads[-1].start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, back: bool) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(1 << 16):
-                if back and self.stall.is_set():
-                    dst.sendall(data[:1])
-                    self.release.wait(CALL_TIMEOUT)
-                    data = data[1:]
-                dst.sendall(data)
-        with contextlib.suppress(OSError):
-            dst.shutdown(socket.SHUT_WR)
+    def _trickle(self, data: bytes, dst: socket.socket) -> bytes:
+        if not self.stall.is_set():
+            return data
+        dst.sendall(data[:1])
+        self.release.wait(CALL_TIMEOUT)
+        return data[1:]
 
     def close(self) -> None:
         self.release.set()
-        for sock in (self.listener, *self.socks):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the accept and the pumps
-        for t in self.threads:
-            t.join(CALL_TIMEOUT)
-        for sock in (self.listener, *self.socks):
-            sock.close()
+        super().close()
 
 
 def test_a_peer_trickling_an_answer_does_not_hold_back_another_peers_answers() -> None:

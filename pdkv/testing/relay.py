@@ -90,15 +90,18 @@ class Relay:
 
 class ByteRelay:
     """A tcp forwarder to ``target`` (set once known): counts what the dialling side wrote, and may rewrite the first
-    piece each dialling connection sends (``rewrite``), as one on the path rewrites a handshake."""
+    piece each dialling connection sends (``rewrite``), as one on the path rewrites a handshake. ``back`` sees each
+    piece coming back first: it may send some of it to the dialling side itself (the socket it is given) and returns
+    the rest to forward (a peer trickling its answers, say)."""
 
     def __init__(
         self,
         target: tuple[str, int] | None = None,
         rewrite: Callable[[bytes], bytes] | None = None,
         timeout: float = 10.0,
+        back: Callable[[bytes, socket.socket], bytes] | None = None,
     ) -> None:
-        self.target, self.rewrite, self.timeout = target, rewrite, timeout
+        self.target, self.rewrite, self.timeout, self.back = target, rewrite, timeout, back
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.listener.settimeout(_POLL_MS / 1000)
         self.port: int = self.listener.getsockname()[1]
@@ -153,6 +156,8 @@ class ByteRelay:
             if first and self.rewrite is not None:
                 data, first = self.rewrite(data), False
             try:
+                if not forward and self.back is not None:
+                    data = self.back(data, dst)
                 dst.sendall(data)
             except OSError:
                 break
