@@ -35,6 +35,7 @@ from pdkv.channels.tcp import options as tcp_options
 from pdkv.channels.tcp import workers as tcp_workers
 from pdkv.channels.tcp.initiator import _split
 from pdkv.channels.tcp.reader import FOLLOW_S, LinkReader
+from pdkv.channels.tcp.watching import LinkWatcher
 from pdkv.channels.tcp.wire import HEADER, LAST, MAGIC, NOTIF_FOLLOWS, SECRET, VERSION
 from pdkv.config import convert_config
 from pdkv.errors import ChannelError, ConfigError
@@ -1196,6 +1197,36 @@ def test_the_watcher_waits_while_another_thread_reads_a_link(monkeypatch: pytest
             held = len(tries)
         assert 1 <= held <= 0.5 / FOLLOW_S + 20, held  # one try every FOLLOW_S at most
         wait_until(lambda: handle.state is XferState.DONE, 2.0, "the ACK read once the reader let go")
+    finally:
+        writer.close()
+        target.close()
+
+
+def test_a_bug_in_a_pass_of_the_watcher_does_not_stop_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass of the link watcher that raises (a bug of ours) is logged and the watcher goes on: the ACK of a write
+    nobody waits for, which only the watcher hands to a worker, is still read and its done callback fires."""
+    tick = LinkWatcher._tick
+    raised: list[float] = []
+
+    def failing_once(self: LinkWatcher, now: float) -> None:
+        if not raised:
+            raised.append(now)
+            raise RuntimeError("a bug in the watcher's pass")
+        tick(self, now)
+
+    monkeypatch.setattr(LinkWatcher, "_tick", failing_once)
+    writer = TcpChannel("bug-w", TcpOptions(streams=1, io_timeout=10))
+    target = TcpChannel("bug-t", TcpOptions(streams=1, io_timeout=10))
+    try:
+        s, r = writer.register(bytearray(pattern(9, 4096))), target.register(bytearray(4096))
+        writer.add_peer(target.metadata())
+        writer.wait(writer.write("bug-t", [TransferOp(s, 0, r, 0, 4096)]), CALL_TIMEOUT)
+        wait_until(lambda: bool(raised), CALL_TIMEOUT, "the watcher's first pass")
+        done = threading.Event()
+        handle = writer.write("bug-t", [TransferOp(s, 0, r, 0, 4096)])
+        handle.add_done_callback(lambda h: done.set())  # nobody waits: only the watcher's worker reads its ACK
+        assert done.wait(CALL_TIMEOUT), "the watcher stopped after a failed pass"
+        assert handle.state is XferState.DONE
     finally:
         writer.close()
         target.close()

@@ -106,8 +106,7 @@ class Initiator:
         with self._lock:
             if self.closed:
                 raise ChannelError("tcp: the channel is closed")
-            if self._watcher is None or self._watcher.ended:
-                self._watcher = LinkWatcher(self.agent.name, self.agent.opts)
+            self._watcher = self._watcher or LinkWatcher(self.agent.name, self.agent.opts)
             return self._watcher
 
     # -- peers -------------------------------------------------------------------

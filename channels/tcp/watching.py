@@ -53,14 +53,14 @@ class LinkWatcher:
         self._held: dict[int, float] = {}  # streams another thread was reading: since when, to arm again
         self._next_scan = 0.0
         self._closing = False
-        self.ended = False  # the thread ended (closing, or a bug: the initiator then starts another)
+        self._ended = False  # the thread ended: closing
         self.thread = threading.Thread(target=self._run, name=f"tcp-{name}-links", daemon=True)
         self.thread.start()
 
     def add(self, link: Link) -> None:
         """Watch ``link``'s streams from now on."""
         with self._lock:
-            if self._closing or self.ended:
+            if self._closing or self._ended:
                 raise ChannelError("tcp: the channel is closed")
             for st in link.streams:
                 fd = st.conn.sock.fileno()
@@ -78,7 +78,7 @@ class LinkWatcher:
 
     def _set(self, link: Link, events: int) -> None:
         with self._lock:
-            if self.ended:
+            if self._ended:
                 return
             for st in link.streams:
                 fd = st.conn.sock.fileno()
@@ -89,7 +89,7 @@ class LinkWatcher:
     def failed(self, link: Link) -> None:
         """``link`` failed (its sockets are shut down): close them once nobody polls or sends on them."""
         with self._lock:
-            if not self.ended:
+            if not self._ended:
                 self._failed.append(link)
                 os.eventfd_write(self._wake, 1)
                 return
@@ -101,7 +101,7 @@ class LinkWatcher:
         thread, to join."""
         with self._lock:
             self._closing = True
-            if not self.ended:
+            if not self._ended:
                 os.eventfd_write(self._wake, 1)
         return self.thread
 
@@ -112,17 +112,19 @@ class LinkWatcher:
                     if self._closing and not self._failed:
                         break
                     timeout = FOLLOW_S if self._held else IDLE_TICK_S
-                for fd, _ in self._epoll.poll(timeout):
-                    if fd == self._wake:
-                        os.eventfd_read(self._wake)
-                    else:
-                        self._ready(fd)
-                self._tick(time.monotonic())
-        except Exception:
-            log.exception("tcp %s: the link watcher failed; the next link starts another", self._name)
+                try:
+                    for fd, _ in self._epoll.poll(timeout):
+                        if fd == self._wake:
+                            os.eventfd_read(self._wake)
+                        else:
+                            self._ready(fd)
+                    self._tick(time.monotonic())
+                except Exception:  # a bug of ours: every link must go on being watched, so the thread goes on
+                    log.exception("tcp %s: the link watcher's pass failed; it goes on", self._name)
+                    time.sleep(IDLE_TICK_S)
         finally:
             with self._lock:
-                self.ended = True
+                self._ended = True
                 self._epoll.close()
                 os.close(self._wake)
                 failed, self._failed = self._failed, []
@@ -144,14 +146,14 @@ class LinkWatcher:
             self._arm(fd)
             return
         with self._lock:
-            if not self.ended and fd in self._by_fd:
+            if not self._ended and fd in self._by_fd:
                 self._held[fd] = time.monotonic()
                 os.eventfd_write(self._wake, 1)  # to sleep FOLLOW_S, not IDLE_TICK_S
 
     def _arm(self, fd: int) -> None:
         with self._lock:
             link = self._by_fd.get(fd)
-            if not self.ended and link is not None and link.dead is None and not link.reader.waiters:
+            if not self._ended and link is not None and link.dead is None and not link.reader.waiters:
                 self._epoll.modify(fd, _ARMED)  # already readable: reported at the next poll
 
     def _tick(self, now: float) -> None:
@@ -191,7 +193,7 @@ class LinkWatcher:
                 fd = st.conn.sock.fileno()
                 if self._by_fd.pop(fd, None) is not None:
                     self._held.pop(fd, None)
-                    if not self.ended:
+                    if not self._ended:
                         try:
                             self._epoll.unregister(fd)
                         except OSError:
