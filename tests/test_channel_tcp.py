@@ -30,7 +30,7 @@ import pytest
 from pdkv.auth import NONCE_BYTES, PROOF_BYTES
 from pdkv.channels import TransferOp, XferState, create_channel
 from pdkv.channels.handle import Notification
-from pdkv.channels.tcp import TcpChannel, TcpOptions, handshake, wire
+from pdkv.channels.tcp import TcpChannel, TcpOptions, handshake, watching, wire
 from pdkv.channels.tcp import options as tcp_options
 from pdkv.channels.tcp import workers as tcp_workers
 from pdkv.channels.tcp.initiator import _split
@@ -1230,3 +1230,55 @@ def test_a_bug_in_a_pass_of_the_watcher_does_not_stop_it(monkeypatch: pytest.Mon
     finally:
         writer.close()
         target.close()
+
+
+class _HeldLock:
+    """A link reader's ``rx_lock`` that a stuck reader holds: says when someone waits to take it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self.waited = threading.Event()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if blocking and timeout != 0:
+            self.waited.set()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+
+def test_a_failed_link_that_a_reader_still_holds_does_not_stop_the_other_links(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing a failed link's sockets waits for its reader to let go (a reused fd number must never be read). That
+    wait runs on a worker, not on the link watcher: meanwhile the ACK of a write to another peer, which nobody waits
+    for, is still read and its done callback fires; once the reader lets go, the failed link's socket is closed."""
+    monkeypatch.setattr(watching, "SHUTDOWN_JOIN_S", 2 * CALL_TIMEOUT)  # the release waits longer than we do below
+    writer = TcpChannel("held-w", TcpOptions(streams=1, io_timeout=10))
+    stuck = TcpChannel("held-a", TcpOptions(streams=1, io_timeout=10))
+    other = TcpChannel("held-b", TcpOptions(streams=1, io_timeout=10))
+    held = _HeldLock()
+    try:
+        s = writer.register(bytearray(pattern(10, 4096)))
+        for target in (stuck, other):
+            r = target.register(bytearray(4096))
+            writer.add_peer(target.metadata())
+            writer.wait(writer.write(target.agent_name, [TransferOp(s, 0, r, 0, 4096)]), CALL_TIMEOUT)
+        link = writer.initiator.link("held-a", b"")
+        link.reader.rx_lock = held  # type: ignore[assignment]  # a reader that does not stop
+        link.fail("the test fails it")
+        assert held.waited.wait(CALL_TIMEOUT), "nobody went to close the failed link's sockets"
+        done = threading.Event()
+        handle = writer.write("held-b", [TransferOp(s, 0, 0, 0, 4096)])
+        handle.add_done_callback(lambda h: done.set())  # nobody waits: only the watcher hands its ACK to a worker
+        assert done.wait(CALL_TIMEOUT), "the link watcher waited for the failed link's reader"
+        assert handle.state is XferState.DONE
+        assert link.streams[0].conn.sock.fileno() != -1  # not closed while its reader holds it
+        held.release()
+        wait_until(lambda: link.streams[0].conn.sock.fileno() == -1, CALL_TIMEOUT, "the failed link's socket closed")
+    finally:
+        with contextlib.suppress(RuntimeError):
+            held.release()
+        writer.close()
+        stuck.close()
+        other.close()

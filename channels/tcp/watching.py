@@ -8,8 +8,9 @@ holds one worker, not the watcher and every other link. The streams of a link th
 ``resume``), so that an answer wakes the waiter alone. A stream whose link another thread was reading is armed again
 ``FOLLOW_S`` later. Every ``IDLE_TICK_S`` it fails a link whose peer went silent (``io_timeout`` without progress
 while transfers are pending), hands a TLS link whose OpenSSL holds decrypted bytes (which epoll cannot see) to a
-worker, and lets the workers grow (``LinkWorkers.grow``). It closes the sockets of the links that failed once nobody
-polls or sends on them: a reused fd number must never be read.
+worker, and lets the workers grow (``LinkWorkers.grow``). A worker closes the sockets of a link that failed once
+nobody polls or sends on them (a reused fd number must never be read), which may wait for a reader or a send to stop:
+not on the watcher, which every other link needs.
 """
 
 from __future__ import annotations
@@ -157,8 +158,9 @@ class LinkWatcher:
                 self._epoll.modify(fd, _ARMED)  # already readable: reported at the next poll
 
     def _tick(self, now: float) -> None:
-        """After every wake: arm the streams held long enough, close failed links' sockets; every IDLE_TICK_S: fail
-        silent links, hand TLS links holding decrypted bytes to a worker, let the workers grow."""
+        """After every wake: arm the streams held long enough, hand failed links to a worker to close their sockets;
+        every IDLE_TICK_S: fail silent links, hand TLS links holding decrypted bytes to a worker, let the workers
+        grow."""
         with self._lock:
             due = [fd for fd, since in self._held.items() if now - since >= FOLLOW_S]
             for fd in due:
@@ -167,8 +169,9 @@ class LinkWatcher:
             links = list(self._links) if now >= self._next_scan else []
         for fd in due:
             self._arm(fd)
-        for link in failed:
-            self._release(link)
+        for link in failed:  # on a worker: it may wait for a reader or a send to stop, and other links go on
+            if not self.workers.run(lambda link=link: self._release(link)):
+                self._release(link)  # the workers are closing (so is the channel): here, before the watcher ends
         if not links:
             return
         self._next_scan = now + IDLE_TICK_S

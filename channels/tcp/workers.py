@@ -59,12 +59,15 @@ class LinkWorkers:
                 self._ready.append((st, time.monotonic()))
                 self._work.notify()
 
-    def run(self, job: Job) -> None:
-        """Run ``job`` (a link's answers to read) on a worker; it must not raise. Dropped once closing."""
+    def run(self, job: Job) -> bool:
+        """Run ``job`` (a link's answers to read, a failed link's sockets to close) on a worker; it must not raise.
+        False once closing: it was dropped."""
         with self._lock:
-            if not self._closing:
-                self._ready.append((job, time.monotonic()))
-                self._work.notify()
+            if self._closing:
+                return False
+            self._ready.append((job, time.monotonic()))
+            self._work.notify()
+            return True
 
     def drop(self, st: Stream) -> None:
         """Forget what waits on ``st`` (its link failed, and its transfers with it)."""
@@ -91,10 +94,10 @@ class LinkWorkers:
                 log.error("tcp %s: cannot start a worker thread: %s", self._name, exc)
 
     def close(self) -> list[threading.Thread]:
-        """Stop: every thread ends once it finished what it does (the links failed first); returns them."""
+        """Stop: every thread ends once nothing is left waiting (the links failed first: their shares are dropped, and
+        the jobs run, a failed link's sockets to close among them); returns them."""
         with self._lock:
             self._closing = True
-            self._ready.clear()
             self._work.notify_all()
             return list(self._threads)
 
