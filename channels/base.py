@@ -42,7 +42,8 @@ class ChannelOptions(msgspec.Struct, forbid_unknown_fields=True):
 
     secret: str = ""
     host: str = "127.0.0.1"
-    # After a peer was found unreachable, ``connect`` fails at once for this long before trying again.
+    # After a peer was found unreachable, ``connect`` fails at once for this long before trying again; for a peer
+    # reached before (a link that was up), at most this long: from 0.5 s, doubling with each failure in a row.
     unreachable_retry_s: Annotated[float, msgspec.Meta(gt=0)] = 10.0
 
     def __repr__(self) -> str:
@@ -183,17 +184,18 @@ class Channel(ABC):
         would otherwise surface as a failed chunk and a silent recompute of every request. Raises
         ``PeerUnreachableError`` with what failed and what to set, after a warning and a ``peer_unreachable`` count; for
         ``unreachable_retry_s`` afterwards the same peer fails at once, so requests do not each wait out a connect
-        timeout. Cheap when the path is already up. Waits at most ``timeout`` s (the tcp channel also stops at its
+        timeout (a peer reached before: from 0.5 s, doubling with each failure in a row; ``reachability.py``). Cheap
+        when the path is already up. Waits at most ``timeout`` s (the tcp channel also stops at its
         ``connect_timeout``).
         """
-        self.reachability.check(peer)
+        self.reachability.check(peer, trial=True)
         try:
             self._probe(peer, timeout, token)
         except PeerUnreachableError:
             raise
         except (ChannelError, TransferTimeout) as exc:
             raise self.reachability.record(peer, str(exc)) from None
-        self.reachability.forget(peer)
+        self.reachability.reached(peer)
 
     def _probe(self, peer: str, timeout: float, token: bytes) -> None:  # noqa: B027 - optional hook
         """``connect``'s work: open and check the path to ``peer``, raising ``ChannelError``; nothing to open by

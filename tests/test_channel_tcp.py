@@ -30,6 +30,7 @@ import pytest
 from pdkv.auth import NONCE_BYTES, PROOF_BYTES
 from pdkv.channels import TransferOp, XferState, create_channel
 from pdkv.channels.handle import Notification
+from pdkv.channels.reachability import FIRST_RETRY_S
 from pdkv.channels.tcp import TcpChannel, TcpOptions, handshake, watching, wire
 from pdkv.channels.tcp import options as tcp_options
 from pdkv.channels.tcp import workers as tcp_workers
@@ -38,7 +39,7 @@ from pdkv.channels.tcp.reader import FOLLOW_S, LinkReader
 from pdkv.channels.tcp.watching import LinkWatcher
 from pdkv.channels.tcp.wire import HEADER, LAST, MAGIC, NOTIF_FOLLOWS, SECRET, VERSION
 from pdkv.config import convert_config
-from pdkv.errors import ChannelError, ConfigError
+from pdkv.errors import ChannelError, ConfigError, PeerUnreachableError
 from pdkv.testing.relay import ByteRelay
 
 from tests.conftest import wait_until
@@ -1228,6 +1229,43 @@ def test_a_bug_in_a_pass_of_the_watcher_does_not_stop_it(monkeypatch: pytest.Mon
         assert done.wait(CALL_TIMEOUT), "the watcher stopped after a failed pass"
         assert handle.state is XferState.DONE
     finally:
+        writer.close()
+        target.close()
+
+
+def test_a_peer_reached_before_and_lost_is_tried_again_soon_not_after_unreachable_retry_s() -> None:
+    """A decode worker whose route flapped (here: the relay in front of it closed, then listening again at the same
+    address): the link fails, the next connect is refused and marks it unreachable, but it was reached before, so it
+    is tried again after ``FIRST_RETRY_S`` (backing off from there), not after ``unreachable_retry_s``, during which
+    every request to it would be recomputed."""
+    writer = TcpChannel("flap-w", TcpOptions(streams=1, io_timeout=10, unreachable_retry_s=30))
+    target = TcpChannel("flap-t", TcpOptions(streams=1, io_timeout=10))
+    meta = msgspec.msgpack.decode(target.metadata())
+    front = ByteRelay((meta["host"], meta["port"]))
+    port = front.port
+
+    def refused() -> bool:
+        try:
+            writer.connect("flap-t", CALL_TIMEOUT)
+        except PeerUnreachableError:
+            return True
+        return False
+
+    try:
+        writer.register(bytearray(64))
+        target.register(bytearray(64))
+        writer.add_peer(msgspec.msgpack.encode({**meta, "port": port}))
+        writer.connect("flap-t", CALL_TIMEOUT)
+        front.close()
+        wait_until(refused, CALL_TIMEOUT, "the connect refused once the relay closed")
+        with pytest.raises(PeerUnreachableError, match="tried again in"):
+            writer.connect("flap-t", CALL_TIMEOUT)  # at once: the verdict holds
+        front = ByteRelay((meta["host"], meta["port"]), port=port)
+        # within a few seconds, not the 30 s verdict of a peer never reached
+        wait_until(lambda: not refused(), 10 * FIRST_RETRY_S, "the peer tried again")
+        assert writer.stats()["peer_unreachable"] <= 3
+    finally:
+        front.close()
         writer.close()
         target.close()
 

@@ -92,7 +92,8 @@ class ByteRelay:
     """A tcp forwarder to ``target`` (set once known): counts what the dialling side wrote, and may rewrite the first
     piece each dialling connection sends (``rewrite``), as one on the path rewrites a handshake. ``back`` sees each
     piece coming back first: it may send some of it to the dialling side itself (the socket it is given) and returns
-    the rest to forward (a peer trickling its answers, say)."""
+    the rest to forward (a peer trickling its answers, say). ``port``: where it listens (0: any free port), so that a
+    relay closed and started again is one peer that went away and came back at its address."""
 
     def __init__(
         self,
@@ -100,9 +101,10 @@ class ByteRelay:
         rewrite: Callable[[bytes], bytes] | None = None,
         timeout: float = 10.0,
         back: Callable[[bytes, socket.socket], bytes] | None = None,
+        port: int = 0,
     ) -> None:
         self.target, self.rewrite, self.timeout, self.back = target, rewrite, timeout, back
-        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener = socket.create_server(("127.0.0.1", port))
         self.listener.settimeout(_POLL_MS / 1000)
         self.port: int = self.listener.getsockname()[1]
         self.connections = 0

@@ -43,9 +43,9 @@ START_TIMEOUT_S = 240.0  # a worker's start-up (imports, the model) on a loaded 
 ENV = {"OMP_NUM_THREADS": "1"}  # tiny models gain nothing from threads; every process shares two cores
 TCP_OPTIONS = {"io_timeout": 2.0, "connect_timeout": 2.0}  # a dead link fails a stream in seconds, not the default 10
 CHANNEL_OPTIONS = {"unreachable_retry_s": 2.0}
-"""Every channel's: a decode worker dialled while the routes were gone is found unreachable, and tried again this long
-after, not the default 10 s, which outlasts the fault's window (``soak.cluster.SETTLE_S`` after it): its recomputes
-would count as without a fault."""
+"""Every channel's: a decode worker dialled while the routes were gone is found unreachable, and tried again after at
+most this long (backing off from 0.5 s while the routes stay gone), not the default 10 s, which outlasts the fault's
+window (``soak.cluster.SETTLE_S`` after it): its recomputes would count as without a fault."""
 
 
 class TwoHostCluster:
