@@ -5,7 +5,7 @@ and a silent recompute; the verdict is logged, counted (``peer_unreachable``) an
 ``unreachable_retry_s``. A peer this channel did reach before (a link that was up) is more likely back soon (a
 route that flapped, a switch that restarted), and until it is tried again every request to it is recomputed; so its
 verdict starts at ``FIRST_RETRY_S`` and doubles with each failure in a row, up to ``unreachable_retry_s``, as
-gRPC's and NCCL's reconnects back off. A lapsed verdict lets one caller try (the circuit breaker's half-open state):
+gRPC's reconnects back off. A lapsed verdict lets one caller try (the circuit breaker's half-open state):
 the others go on failing at once until it has reported, instead of each waiting out a connect of its own.
 """
 
