@@ -60,7 +60,8 @@ RANK_TOKEN_BYTES = LAYERS * 2 * (KV_HEADS // TP) * HEAD_DIM * 4  # one rank's K 
 KV_CACHE_BYTES = 128 << 20
 """Each rank's KV cache: the tiny Llama's K and V take 4 KiB a token (float32), so 32k tokens, against the 8k of
 ``--max-num-seqs`` sequences of ``--max-model-len``. ``VLLM_CPU_KVCACHE_SPACE`` counts whole GiB: six ranks asked for
-6 GiB beside their processes, and on a 24 GiB machine deep in the suite one found 0.93 GiB left and did not start."""
+6 GiB beside their processes (with two suites at once on a 24 GiB machine, one rank found 0.93 GiB left and did not
+start); at 128 MiB the module's low point of free memory is 13.3 GiB, not 8.1."""
 
 
 def engine_args(tp: int) -> list[str]:
