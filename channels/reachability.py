@@ -90,7 +90,7 @@ class Reachability:
             wait,
             why,
         )
-        return PeerUnreachableError(f"{self.channel}: peer {peer!r} is unreachable: {why}")
+        return PeerUnreachableError(f"{self.channel}: peer {peer!r} is unreachable (tried again in {wait:.1f}s): {why}")
 
     def _wait(self, peer: str) -> float:
         """How long a verdict on ``peer`` holds now (caller holds the lock): ``retry_s`` for a peer never reached,
