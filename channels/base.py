@@ -133,8 +133,7 @@ class Channel(ABC):
         self.grants.guard(region)
 
     def grant(self, token: bytes, access: Access, ranges: Sequence[Range]) -> None:
-        """Let the peer presenting ``token`` write (or read) these (region, offset, length) ranges of guarded
-        regions."""
+        """Let the peer presenting ``token`` write or read these (region, offset, length) ranges of guarded regions."""
         self.grants.grant(token, access, ranges)
 
     def revoke(self, token: bytes, access: Access, ranges: Sequence[Range], timeout: float) -> bool:
@@ -145,9 +144,8 @@ class Channel(ABC):
         """Hash what lands in guarded ``region`` as it lands, in units of ``unit`` bytes (a KV block); True if this
         channel does, and then ``landed_checksum`` answers for it without reading the bytes again.
 
-        Only a channel that receives the bytes itself can (tcp, on clear
-        connections); where the peer writes them one-sided (nixl, ucx) the
-        receiver reads them back to verify them.
+        Only a channel that receives the bytes itself can (tcp, on clear connections); where the peer writes them
+        one-sided (nixl, ucx) the receiver reads them back to verify them.
         """
         return False
 
@@ -169,24 +167,26 @@ class Channel(ABC):
     def add_peer(self, metadata: bytes) -> str:
         """Make a peer reachable from its ``metadata()``; returns the peer's agent name."""
 
-    @abstractmethod
     def remove_peer(self, peer: str) -> None:
-        """Drop a peer; its pending handles fail."""
+        """Drop a peer; its pending handles fail, its reachability verdicts go (a restarted worker has a new name)."""
+        self.reachability.forget(peer)
+        self._remove_peer(peer)
+
+    @abstractmethod
+    def _remove_peer(self, peer: str) -> None:
+        """``remove_peer``'s work in this channel."""
 
     # -- reachability --------------------------------------------------------
     def connect(self, peer: str, timeout: float, token: bytes = b"") -> None:
-        """Open the data path to ``peer`` now and prove it works, rather than at its first transfer.
+        """Open the data path to ``peer`` now and prove it works, rather than at its first transfer; ``token``: the
+        capability the transfers to it will present (``write``), so the path opened is theirs.
 
-        ``token``: the capability the transfers to it will present (``write``), so the path opened is theirs.
-
-        ``add_peer`` may only read metadata, so an address the peer advertises that this host cannot reach (a ``host``
-        left at loopback, a NAT without ``advertise_host``, a firewall, ``UCX_NET_DEVICES`` naming another network)
-        would otherwise surface as a failed chunk and a silent recompute of every request. Raises
-        ``PeerUnreachableError`` with what failed and what to set, after a warning and a ``peer_unreachable`` count; for
-        ``unreachable_retry_s`` afterwards the same peer fails at once, so requests do not each wait out a connect
-        timeout (a peer reached before: from 0.5 s, doubling with each failure in a row; ``reachability.py``). Cheap
-        when the path is already up. Waits at most ``timeout`` s (the tcp channel also stops at its
-        ``connect_timeout``).
+        ``add_peer`` may only read metadata, so an address this host cannot reach (a ``host`` left at loopback, a NAT
+        without ``advertise_host``, a firewall, ``UCX_NET_DEVICES`` naming another network) would otherwise surface as
+        a failed chunk and a silent recompute of every request. Raises ``PeerUnreachableError`` with what failed and
+        what to set, after a warning and a ``peer_unreachable`` count; then the peer fails at once for a while
+        (``reachability.py``), so requests do not each wait out a connect timeout. Cheap when the path is up. Waits
+        at most ``timeout`` s (the tcp channel also stops at its ``connect_timeout``).
         """
         self.reachability.check(peer, trial=True)
         try:

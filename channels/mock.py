@@ -79,7 +79,7 @@ class MockChannel(Channel):
         self.regions.add_peer(meta.name, meta.regions)
         return meta.name
 
-    def remove_peer(self, peer: str) -> None:
+    def _remove_peer(self, peer: str) -> None:
         self.regions.remove_peer(peer)
         for h in list(self._pending):
             if h.peer == peer:

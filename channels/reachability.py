@@ -68,7 +68,7 @@ class Reachability:
 
     def forget(self, peer: str) -> None:
         """Drop everything known of ``peer``: it has new metadata (another address), so the next connect tries it at
-        once, and a failure there is a new address's, not a reached peer's."""
+        once, and a failure there is a new address's, not a reached peer's; or it was removed."""
         with self._lock:
             self._until.pop(peer, None)
             self._failures.pop(peer, None)

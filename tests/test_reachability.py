@@ -10,6 +10,7 @@ import collections
 
 import pytest
 
+from pdkv.channels.mock import MockChannel
 from pdkv.channels.reachability import FIRST_RETRY_S, Reachability
 from pdkv.errors import PeerUnreachableError
 
@@ -94,3 +95,14 @@ def test_new_metadata_is_tried_at_once_and_counts_as_never_reached() -> None:
     r.check("d")
     r.record("d", "refused")
     assert holds_for(r, clock, "d") == RETRY_S
+
+
+def test_a_removed_peer_leaves_nothing_behind() -> None:
+    """A decode worker restarts under a new agent name: removing the old one drops what was known of it (else a
+    long-running prefill worker holds a name for every restart it saw). A failure under that name afterwards is a
+    never-reached peer's, with the full verdict."""
+    with MockChannel("p") as channel:
+        channel.reachability.reached("d-old")
+        channel.remove_peer("d-old")
+        with pytest.raises(PeerUnreachableError, match=r"tried again in 10.0s\)"):
+            raise channel.reachability.record("d-old", "refused")

@@ -126,7 +126,7 @@ class NixlChannel(Channel):
         log.warning("nixl: cannot fence peer %r: its one-sided writes never pass through this agent", peer)
         self.remove_peer(peer)
 
-    def remove_peer(self, peer: str) -> None:
+    def _remove_peer(self, peer: str) -> None:
         with self._agent.lock:
             if not self._agent.closed:
                 self._forget_peer(peer, f"peer {peer!r} removed")

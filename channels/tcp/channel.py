@@ -114,7 +114,7 @@ class TcpChannel(Channel, SummedWrites):
             self.reachability.forget(meta.name)  # new address: worth trying at once
         return meta.name
 
-    def remove_peer(self, peer: str) -> None:
+    def _remove_peer(self, peer: str) -> None:
         self.regions.remove_peer(peer)
         self.initiator.remove_peer(peer)
 

@@ -138,7 +138,7 @@ class UcxChannel(Channel):
             self.regions.add_peer(meta.name, meta.regions)
         return meta.name
 
-    def remove_peer(self, peer: str) -> None:
+    def _remove_peer(self, peer: str) -> None:
         with self._lock:
             self._forget_peer(peer, f"peer {peer!r} removed")
 
