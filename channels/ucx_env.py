@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -101,10 +100,17 @@ class OpenChannels:
     hook is registered then, after the library's own, so it runs before them
     (``atexit`` runs last-registered first) whichever of nixl and ucx a process
     loaded first.
+
+    Held strongly until closed: a channel its owner dropped without ``close``
+    still has threads running (a nixl channel's watcher holds the agent, not
+    the channel). Had it been forgotten, such a thread would still be inside
+    a library call when the interpreter finalizes; Python then ends it with
+    ``pthread_exit``, whose unwinding through the binding's C++ frames
+    aborts the process ("terminate called without an active exception").
     """
 
     def __init__(self) -> None:
-        self._open: weakref.WeakSet[Channel] = weakref.WeakSet()
+        self._open: set[Channel] = set()
         self.opened = 0  # channels of this library ever opened in this process (the test suite's leak check reads it)
         atexit.register(self.close_all)
 

@@ -13,6 +13,8 @@ import multiprocessing as mp
 import os
 import select
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -271,6 +273,40 @@ def test_child_that_leaves_its_channel_open_exits_with_code_0(make_channel: Call
         assert child.exit() == 0
     finally:
         child.kill()
+
+
+_DROPPED_CHANNEL = """
+import atexit, threading
+
+def report() -> None:
+    print("watchers at exit:", sorted(t.name for t in threading.enumerate() if t.name.endswith("-watch")), flush=True)
+
+atexit.register(report)  # registered first, so it runs last: after the channels' own exit hook
+
+import torch
+from pdkv.channels import create_channel
+
+def open_and_drop() -> None:
+    # a watcher that is nearly always inside a NIXL call, as a busy one is: the moment finalization would kill it
+    channel = create_channel("nixl", "nixl-test-dropped", {"max_poll_interval_s": 1e-6, "watch_min_s": 1e-7})
+    channel.register(torch.zeros(4096, dtype=torch.uint8))
+
+open_and_drop()
+"""
+
+
+def test_a_channel_dropped_without_close_is_still_closed_at_exit() -> None:
+    """The channel object is gone while its watcher thread still runs; the exit hook must still close it.
+
+    Before, the hook held channels weakly and never saw this one: its watcher was killed by the interpreter's
+    finalization inside a NIXL call, and the process aborted ("terminate called without an active exception")
+    whenever the watcher was in one at that moment.
+    """
+    done = subprocess.run(
+        [sys.executable, "-c", _DROPPED_CHANNEL], capture_output=True, text=True, timeout=PIPE_TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "watchers at exit: []" in done.stdout, done.stdout
 
 
 # -- one process -----------------------------------------------------------------------------------
