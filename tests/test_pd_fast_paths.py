@@ -1,7 +1,7 @@
 """The short cuts of a P/D request's path keep its behaviour (issue 28: the PD overhead on short prompts).
 
 What a short prompt no longer pays for: a full collection over start-up's objects (frozen), the hop to
-a parser thread for a short body, the hop to a waiting thread for KV that already landed. Each test
+a parser thread for a short body, the hop to a waiting thread for its KV, landed or still on its way. Each test
 shows the short cut is taken where it should be, and that what comes out is what the long way gave.
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdkv.config import convert_config
+from pdkv.config import TransferConfig, convert_config
 from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
-from pdkv.errors import PromptMismatchError, TransferError
+from pdkv.errors import NotAnnouncedError, PromptMismatchError, TransferError
 from pdkv.launch.main import freeze_startup_heap
 from pdkv.testing.http import metric
 from pdkv.worker import server
@@ -54,37 +54,45 @@ def test_freeze_startup_heap_collects_startups_garbage_and_takes_the_rest_out_of
     assert any(o is alive for o in gc.get_objects())
 
 
-def test_try_claim_hands_over_landed_kv_and_never_blocks(make_pair: MakePair) -> None:
-    pair = make_pair()
-    assert pair.receiver.try_claim("r1") is None  # not announced: nothing yet, and nothing cancelled
-    xfer = pair.sender.open("r1", pair.receiver.address, 40, list(range(3)), prompt_key=b"K" * 16)
-    xfer.send_all()
-    xfer.wait(10)
-    held, release = threading.Event(), threading.Event()
+def _no_wait(*_: Any, **__: Any) -> Any:
+    raise AssertionError("the decode side waited on a thread for its KV")
 
-    def hold_the_book() -> None:
-        with pair.receiver.book.lock:
-            held.set()
-            release.wait(10)
 
-    holder = threading.Thread(target=hold_the_book)
-    holder.start()
-    held.wait(10)
-    try:
-        assert pair.receiver.try_claim("r1", b"K" * 16) is None  # the book is busy: None at once, no wait
-    finally:
-        release.set()
-        holder.join(10)
-    got = pair.receiver.try_claim("r1", b"K" * 16)
-    assert got is not None and got.num_tokens == 40 and got.prompt_key == b"K" * 16
-    pair.allocator.free(got.blocks)
-    with pytest.raises(TransferError, match="claimed"):  # claimed once, as ``wait`` hands it over once
-        pair.receiver.try_claim("r1")
-    xfer = pair.sender.open("r2", pair.receiver.address, 40, list(range(3)), prompt_key=b"K" * 16)
-    xfer.send_all()
-    xfer.wait(10)
-    with pytest.raises(PromptMismatchError):  # another prompt's KV is freed, never handed over
-        pair.receiver.try_claim("r2", b"Q" * 16)
+def test_claim_waits_for_kv_on_the_event_loop_and_gives_up_as_wait_does(make_pair: MakePair) -> None:
+    """``claim`` takes KV that is still on its way without a thread (``wait`` made to fail), once, only for its
+    prompt; a claim that is never announced ends after ``announce_timeout_s``, and a cancelled one cancels its
+    transfer: nothing leaks either way."""
+    pair = make_pair(config=TransferConfig(announce_timeout_s=0.3))
+    pair.receiver.wait = _no_wait  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        claiming = asyncio.ensure_future(pair.receiver.claim("r1", 10, b"K" * 16))
+        await asyncio.sleep(0.05)
+        assert not claiming.done()  # not announced yet: waiting on the loop
+        xfer = pair.sender.open("r1", pair.receiver.address, 40, list(range(3)), prompt_key=b"K" * 16)
+        xfer.send_all()
+        got = await asyncio.wait_for(claiming, 10)  # woken by the book, not by the 10 s timeout
+        assert got.num_tokens == 40 and got.prompt_key == b"K" * 16
+        pair.allocator.free(got.blocks)
+        xfer.wait(10)
+        with pytest.raises(TransferError, match="claimed"):  # handed over once, as ``wait`` does
+            await pair.receiver.claim("r1", 1)
+        xfer = pair.sender.open("r2", pair.receiver.address, 40, list(range(3)), prompt_key=b"K" * 16)
+        xfer.send_all()
+        xfer.wait(10)
+        with pytest.raises(PromptMismatchError):  # another prompt's KV is freed, never handed over
+            await pair.receiver.claim("r2", 10, b"Q" * 16)
+        with pytest.raises(NotAnnouncedError):
+            await asyncio.wait_for(pair.receiver.claim("r3", 10), 5)
+        claiming = asyncio.ensure_future(pair.receiver.claim("r4", 10))
+        await asyncio.sleep(0.05)
+        claiming.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await claiming
+        assert not pair.receiver.book.lock.wakers  # every claim took its waker away
+
+    asyncio.run(scenario())
+    assert "r4" in pair.receiver.book.gone  # the cancelled claim's transfer: a sender opening it now is refused
     assert pair.held_blocks() == 0  # every block free, or in the sender's pool
 
 
@@ -94,9 +102,11 @@ def _expected(model_dir: Path, max_tokens: int) -> list[int]:
     return list(engine.generate(PROMPT, params).output_token_ids)
 
 
-def test_decode_claims_kv_that_already_landed_on_its_event_loop(model_dir: Path) -> None:
-    """The decode request comes after P's transfer settled: D adopts the transferred KV without ever calling the
-    blocking ``wait`` (made to fail here), and decodes the same tokens as one engine doing it all."""
+@pytest.mark.parametrize("decode_first", [False, True], ids=["kv-landed-first", "decode-request-first"])
+def test_decode_claims_its_kv_on_its_event_loop(model_dir: Path, decode_first: bool) -> None:
+    """D adopts the transferred KV without ever calling the blocking ``wait`` (made to fail here), whether the KV
+    landed before the decode request came or the request came first and waited for it (not even announced yet),
+    and decodes the same tokens as one engine doing it all."""
     expected = _expected(model_dir, 8)
 
     async def scenario() -> None:
@@ -108,10 +118,7 @@ def test_decode_claims_kv_that_already_landed_on_its_event_loop(model_dir: Path)
         )
         assert d_worker.receiver is not None
 
-        def no_wait(*_: Any, **__: Any) -> Any:
-            raise AssertionError("the decode worker waited on a thread for KV that had landed")
-
-        d_worker.receiver.wait = no_wait  # type: ignore[method-assign]
+        d_worker.receiver.wait = _no_wait  # type: ignore[method-assign]
         p_runner, p_url = await serve_worker(p_worker)
         d_runner, d_url = await serve_worker(d_worker)
         try:
@@ -119,18 +126,31 @@ def test_decode_claims_kv_that_already_landed_on_its_event_loop(model_dir: Path)
                 info = await (await s.get(d_url + "/pdkv/info")).json()
                 base = {"prompt": PROMPT, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
                 push = {"do_remote_decode": True, "remote_host": info["remote_host"]}
-                push.update(remote_port=info["remote_port"], transfer_id="landed")
+                push.update(remote_port=info["remote_port"], transfer_id="t")
+
+                async def decode(kv: dict[str, Any]) -> list[int]:
+                    d = await s.post(
+                        d_url + "/v1/completions", json={**base, "max_tokens": 8, "kv_transfer_params": kv}
+                    )
+                    assert d.status == 200, await d.text()
+                    return list((await d.json())["choices"][0]["token_ids"])
+
+                early = None
+                if decode_first:  # D's params as P will answer them, sent before P has even reserved the transfer
+                    kv = {"do_remote_prefill": True, "transfer_id": "t", "first_token_id": expected[0]}
+                    early = asyncio.ensure_future(decode(kv))
+                    await asyncio.sleep(0.2)
+                    assert not early.done()
                 p = await (
                     await s.post(p_url + "/v1/completions", json={**base, "max_tokens": 1, "kv_transfer_params": push})
                 ).json()
                 assert p["kv_transfer_params"]["transfer_started"] is True
-                wait_until(lambda: p_worker._stat("open_transfers") == 0, what="P's transfer to settle (KV landed)")
-                d = await s.post(
-                    d_url + "/v1/completions",
-                    json={**base, "max_tokens": 8, "kv_transfer_params": p["kv_transfer_params"]},
-                )
-                assert d.status == 200, await d.text()
-                assert (await d.json())["choices"][0]["token_ids"] == expected
+                assert p["kv_transfer_params"]["first_token_id"] == expected[0]
+                if early is not None:
+                    assert await asyncio.wait_for(early, 30) == expected
+                else:
+                    wait_until(lambda: p_worker._stat("open_transfers") == 0, what="P's transfer to settle (KV landed)")
+                    assert await decode(p["kv_transfer_params"]) == expected
                 metrics = await (await s.get(d_url + "/metrics")).text()
             assert metric(metrics, "pdkv_fallbacks_total") == 0
             assert metric(metrics, "pdkv_prompt_tokens_total", source="transferred") == len(PROMPT)

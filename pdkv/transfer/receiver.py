@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import threading
 import time
 from collections.abc import Sequence
 
@@ -23,7 +22,7 @@ from pdkv.checksum import flat_bytes
 from pdkv.codec import available_codecs, make_codec
 from pdkv.codec import slot_bytes as codec_slot_bytes
 from pdkv.config import TransferConfig
-from pdkv.errors import NotAnnouncedError, OutOfBlocksError, TransferError, TransferTimeout
+from pdkv.errors import OutOfBlocksError, TransferError
 from pdkv.layout import KVLayout
 from pdkv.memory import adopt_kv, in_reach, memory_kind
 from pdkv.netaddr import zmq_address
@@ -32,9 +31,10 @@ from pdkv.transfer import protocol
 from pdkv.transfer.admission import admit
 from pdkv.transfer.arrivals import ChunkArrivals
 from pdkv.transfer.book import IncomingBook
+from pdkv.transfer.claims import BookLock, Claims
 from pdkv.transfer.control import ControlLoop, RouterSocket
 from pdkv.transfer.handshake import ReceiverHandshake, reserving_peer
-from pdkv.transfer.incoming import ReceivedKV, ReceiveMemory, State, landed_checksum
+from pdkv.transfer.incoming import ReceivedKV, ReceiveMemory, landed_checksum
 from pdkv.transfer.parts import ReceiverParts
 from pdkv.transfer.protocol import Auth, BeatAck, Cancel, Done, Heartbeat, Hello, Refused, Reserve, ReturnPool
 
@@ -106,7 +106,7 @@ class KVReceiver:
             greeting=self,
             outbox=self,
             loop=self.loop,
-            lock=threading.Condition(),
+            lock=BookLock(),
             counters=self.counters,
             memory=self.memory,
             allocator=allocator,
@@ -114,6 +114,7 @@ class KVReceiver:
             unproven={},
         )
         self.book = IncomingBook(self.parts)
+        self.claims = Claims(self.book, self.parts.lock, config, self.counters, self.cancel)
         self.arrivals = ChunkArrivals(self.parts, self.book)
         self.handshake = ReceiverHandshake(self.parts, admitted=self.book.pools)
         self._router = RouterSocket(
@@ -158,57 +159,14 @@ class KVReceiver:
         after ``announce_timeout_s`` if no sender ever reserved it, cancelling it so nothing leaks: the caller
         falls back to computing the prefix itself.
         """
-        timeout = self.config.transfer_timeout_s if timeout is None else timeout
-        now = time.monotonic()
-        deadline, unannounced = now + timeout, now + self.config.announce_timeout_s
-        why, error = f"KV of transfer {transfer_id!r} did not arrive within {timeout:.3g}s", TransferTimeout
-        book = self.book
-        with book.lock:
-            while True:
-                got = self._claim_settled(transfer_id, prompt_key)
-                if got is not None:
-                    return got
-                r = book.res.get(transfer_id)
-                now = time.monotonic()
-                if r is None and now >= unannounced:
-                    self.counters["unannounced"] += 1
-                    why = (
-                        f"no sender announced transfer {transfer_id!r} within "
-                        f"announce_timeout_s={self.config.announce_timeout_s:.3g}s"
-                    )
-                    error = NotAnnouncedError
-                    break
-                if now >= deadline:
-                    break
-                book.lock.wait(min(deadline, unannounced if r is None else deadline) - now)
-        self.cancel(transfer_id, f"decode side stopped waiting: {why}")
-        raise error(why)
+        return self.claims.wait(transfer_id, timeout, prompt_key)
 
-    def try_claim(self, transfer_id: str, prompt_key: bytes | None = None) -> ReceivedKV | None:
-        """``wait`` without the wait: the KV if it has landed and verified, None if not yet (or if the book is
-        busy this instant); raises as ``wait`` does for a failed or finished transfer.
-
-        Never blocks, so the decode worker's event loop can claim KV that is already there without the hop
-        to a waiting thread and back; None sends it to ``wait`` on a thread.
-        """
-        if not self.book.lock.acquire(blocking=False):
-            return None
-        try:
-            return self._claim_settled(transfer_id, prompt_key)
-        finally:
-            self.book.lock.release()
-
-    def _claim_settled(self, transfer_id: str, prompt_key: bytes | None) -> ReceivedKV | None:
-        """The KV of a landed transfer, claimed; None while it is still coming (the caller holds the book's lock)."""
-        book = self.book
-        r = book.res.get(transfer_id)
-        if r is not None and r.state is State.READY:
-            return book.claim(r, prompt_key)
-        if r is not None and r.state is State.FAILED:
-            raise TransferError(f"KV transfer {transfer_id!r} failed: {r.error}")
-        if r is None and transfer_id in book.gone:
-            raise TransferError(f"KV transfer {transfer_id!r} is over: {book.gone[transfer_id]}")
-        return None
+    async def claim(
+        self, transfer_id: str, timeout: float | None = None, prompt_key: bytes | None = None
+    ) -> ReceivedKV:
+        """``wait`` on the running asyncio loop, with no thread (``claims.py``); a cancelled claim cancels the
+        transfer."""
+        return await self.claims.claim(transfer_id, timeout, prompt_key)
 
     def cancel(self, transfer_id: str, reason: str) -> None:
         """Abandon a transfer from the decode side (client gone, timeout); frees what it holds."""

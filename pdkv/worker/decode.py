@@ -12,9 +12,7 @@ transfer fault, only slower.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -149,12 +147,13 @@ class DecodeRole(WorkerRole):
     async def _claim(self, transfer_id: str, prompt_key: bytes) -> tuple[ReceivedKV | None, str | None]:
         """The landed KV of this prompt, or why it will not come (a fallback reason).
 
-        KV that landed before the decode request came (the usual case on one host: the router's hops back
-        from P and on to D outlast the transfer's tail) is claimed here on the event loop, without a hop to
-        a thread and back; only KV still on its way is waited for, on a thread.
+        Claimed on the event loop, whether it landed before the decode request came (the usual case on one host:
+        the router's hops back from P and on to D outlast the transfer's tail) or is still on its way: the
+        receiver's book wakes the loop when it changes (``pdkv.transfer.claims``), with no hop to a thread and back.
+        A cancelled claim cancels the transfer, so no blocks leak.
         """
         try:
-            got = self.receiver.try_claim(transfer_id, prompt_key) or await self._wait(transfer_id, prompt_key)
+            got = await self.receiver.claim(transfer_id, self.config.transfer.transfer_timeout_s, prompt_key)
         except PromptMismatchError:
             return None, "prompt_mismatch"
         except NotAnnouncedError:
@@ -164,31 +163,6 @@ class DecodeRole(WorkerRole):
         except TransferError:
             return None, "transfer_failed"
         return got, None
-
-    async def _wait(self, transfer_id: str, prompt_key: bytes) -> ReceivedKV:
-        """Wait for the KV off the event loop; a cancelled wait leaks no blocks."""
-        receiver, allocator = self.receiver, self.engine.allocator
-        lock = threading.Lock()
-        state: dict[str, Any] = {"abandoned": False, "got": None}
-
-        def wait() -> ReceivedKV:
-            got = receiver.wait(transfer_id, self.config.transfer.transfer_timeout_s, prompt_key)
-            with lock:
-                if state["abandoned"]:
-                    allocator.free(got.blocks)
-                else:
-                    state["got"] = got
-            return got
-
-        try:
-            return await asyncio.to_thread(wait)
-        except asyncio.CancelledError:
-            receiver.cancel(transfer_id, "the decode request was cancelled")
-            with lock:
-                state["abandoned"] = True
-                if state["got"] is not None:
-                    allocator.free(state["got"].blocks)
-            raise
 
     def _adopt(self, req: GenerationRequest, got: ReceivedKV) -> Request | None:
         """Turn landed blocks into an engine request whose prompt KV is present."""
