@@ -290,10 +290,13 @@ def netrig() -> Iterator[NetRig]:
 
 
 async def serve_worker(worker: Worker) -> tuple[web.AppRunner, str]:
-    """``worker``'s app served on a free port of 127.0.0.1 in this event loop: (its runner, its base URL)."""
+    """``worker``'s app served on a free port of 127.0.0.1 in this event loop, as ``pdkv launch`` serves it (handler
+    cancellation on: a client that hangs up stops its request): (its runner, its base URL)."""
     from aiohttp import web
 
-    runner = web.AppRunner(worker.app())
+    from pdkv.http.web import runner as serving
+
+    runner = serving(worker.app(), worker.config.http)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

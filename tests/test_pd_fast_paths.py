@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -102,19 +103,29 @@ def _expected(model_dir: Path, max_tokens: int) -> list[int]:
     return list(engine.generate(PROMPT, params).output_token_ids)
 
 
-@pytest.mark.parametrize("decode_first", [False, True], ids=["kv-landed-first", "decode-request-first"])
-def test_decode_claims_its_kv_on_its_event_loop(model_dir: Path, decode_first: bool) -> None:
+@pytest.mark.parametrize(
+    ("decode_first", "waiting"),
+    [(False, 0), (True, 0), (True, 8)],
+    ids=["kv-landed-first", "decode-request-first", "behind-8-waiting"],
+)
+def test_decode_claims_its_kv_on_its_event_loop(model_dir: Path, decode_first: bool, waiting: int) -> None:
     """D adopts the transferred KV without ever calling the blocking ``wait`` (made to fail here), whether the KV
     landed before the decode request came or the request came first and waited for it (not even announced yet),
-    and decodes the same tokens as one engine doing it all."""
+    and decodes the same tokens as one engine doing it all.
+
+    ``waiting``: that many decode requests already wait for transfers no prefill worker will announce. Each
+    used to hold a thread of the event loop's default executor (6 on two cores) until it gave up, so whatever
+    came behind them on that executor (another request's wait; here P's too, which shares this loop) waited for
+    their ``announce_timeout_s`` (30 s here)."""
     expected = _expected(model_dir, 8)
 
     async def scenario() -> None:
         p_worker = Worker(
             convert_config({**SETTINGS, "role": "prefill"}), ReferenceEngine.load(str(model_dir), progress=False)
         )
+        d_settings = {**SETTINGS, "transfer": {**SETTINGS["transfer"], "announce_timeout_s": 30}}
         d_worker = Worker(
-            convert_config({**SETTINGS, "role": "decode"}), ReferenceEngine.load(str(model_dir), progress=False)
+            convert_config({**d_settings, "role": "decode"}), ReferenceEngine.load(str(model_dir), progress=False)
         )
         assert d_worker.receiver is not None
 
@@ -135,19 +146,29 @@ def test_decode_claims_its_kv_on_its_event_loop(model_dir: Path, decode_first: b
                     assert d.status == 200, await d.text()
                     return list((await d.json())["choices"][0]["token_ids"])
 
+                stuck = [
+                    asyncio.ensure_future(decode({"do_remote_prefill": True, "transfer_id": f"never-{i}"}))
+                    for i in range(waiting)
+                ]
+                await asyncio.sleep(0.2 if waiting else 0)
                 early = None
                 if decode_first:  # D's params as P will answer them, sent before P has even reserved the transfer
                     kv = {"do_remote_prefill": True, "transfer_id": "t", "first_token_id": expected[0]}
                     early = asyncio.ensure_future(decode(kv))
                     await asyncio.sleep(0.2)
                     assert not early.done()
+                started = time.monotonic()
                 p = await (
                     await s.post(p_url + "/v1/completions", json={**base, "max_tokens": 1, "kv_transfer_params": push})
                 ).json()
                 assert p["kv_transfer_params"]["transfer_started"] is True
                 assert p["kv_transfer_params"]["first_token_id"] == expected[0]
                 if early is not None:
-                    assert await asyncio.wait_for(early, 30) == expected
+                    assert await asyncio.wait_for(early, 20) == expected
+                    assert time.monotonic() - started < 20  # not behind the 30 s of the stuck ones
+                    assert not any(task.done() for task in stuck)
+                    for task in stuck:
+                        task.cancel()
                 else:
                     wait_until(lambda: p_worker._stat("open_transfers") == 0, what="P's transfer to settle (KV landed)")
                     assert await decode(p["kv_transfer_params"]) == expected

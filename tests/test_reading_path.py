@@ -5,6 +5,7 @@ no longer exists (tests/test_docs.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import sys
 import threading
@@ -96,7 +97,7 @@ def test_one_transfer_calls_every_step_of_the_reading_path_in_order(make_pair: M
         xfer.send_chunk(0)
         xfer.wait(10)
         wait_until(lambda: pair.sender.stats()["open_transfers"] == 0, 5, "the sender to settle")
-        got = pair.receiver.wait("traced", 10, prompt_key=key)
+        got = asyncio.run(pair.receiver.claim("traced", 10, prompt_key=key))  # as the decode worker claims it
         step = {s.name: s for s in traced}
         # the Done rides P's next heartbeat after the settle (D's claim may come before or after it), and the reaper
         # ticks on
