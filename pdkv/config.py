@@ -463,6 +463,9 @@ class PdkvConfig(msgspec.Struct, forbid_unknown_fields=True):
     insecure: bool = False
     # A worker whose engine has work but finished no step for this long answers /health with 503.
     stall_timeout_s: Seconds = 60.0
+    # After a streamed request's first token, the engine thread waits up to this long for it to be sent before it
+    # steps on: its next step would hold the GIL and the cores while the event loop waits to send (0: never wait).
+    first_token_yield_s: Annotated[float, Meta(ge=0)] = 0.005
     http: HttpConfig = msgspec.field(default_factory=HttpConfig)
     channel: ChannelConfig = msgspec.field(default_factory=ChannelConfig)
     transfer: TransferConfig = msgspec.field(default_factory=TransferConfig)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import threading
 import time
 import weakref
@@ -219,3 +220,30 @@ def test_a_short_body_is_parsed_on_the_event_loop_and_a_long_one_on_a_parser_thr
     assert parsed_on[0] == threading.main_thread().name
     assert parsed_on[1].startswith("pdkv-parse")
     assert parsed_on[2] == threading.main_thread().name
+
+
+def test_a_streamed_answer_lets_the_engine_step_on_once_its_first_token_is_sent(model_dir: Path) -> None:
+    """The worker sets the job's ``first_out`` once the first event is written: with ``first_token_yield_s`` at
+    30 s, a streamed answer of 4 tokens that waited for the bound instead would take 30 s."""
+    expected = _expected(model_dir, 4)
+
+    async def scenario() -> None:
+        config = convert_config({**SETTINGS, "role": "decode", "first_token_yield_s": 30})
+        worker = Worker(config, ReferenceEngine.load(str(model_dir), progress=False))
+        runner, url = await serve_worker(worker)
+        try:
+            async with aiohttp.ClientSession() as s:
+                body = {"prompt": PROMPT, "temperature": 0, "ignore_eos": True, "max_tokens": 4, "stream": True}
+                started = time.monotonic()
+                resp = await s.post(url + "/v1/completions", json={**body, "return_token_ids": True})
+                assert resp.status == 200
+                tokens = []
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        tokens += json.loads(line[6:])["choices"][0]["token_ids"]
+                assert time.monotonic() - started < 20
+            assert tokens == expected
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())

@@ -54,15 +54,20 @@ class Job:
     logprobs: int | None = None
     first_logprobs: TokenLogprobs | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # set by whoever hands the first token to the client once it is out (a streamed answer): see ``_emit``
+    first_out: threading.Event | None = None
 
 
 class EngineLoop:
     """Runs jobs on a dedicated thread; ``submit`` from anywhere."""
 
-    def __init__(self, engine: EngineAdapter, chunk_size: int = 256, max_batch: int = 32) -> None:
+    def __init__(
+        self, engine: EngineAdapter, chunk_size: int = 256, max_batch: int = 32, first_token_yield_s: float = 0.0
+    ) -> None:
         self.engine = engine
         self.chunk_size = chunk_size
         self.max_batch = max_batch
+        self.first_token_yield_s = first_token_yield_s
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._prefilling: deque[Job] = deque()
         self._decoding: list[Job] = []
@@ -174,6 +179,11 @@ class EngineLoop:
         if job.logprobs is not None:
             logprobs = token_logprobs(logits, token, job.logprobs) if logits is not None else job.first_logprobs
         job.on_token(token, finish if finish is not None else ("length" if done else None), logprobs)
+        if job.first_out is not None and len(job.request.output_token_ids) == 1 and not done:
+            # The next step would start at once and hold the GIL between its torch ops, and the cores in their
+            # threads, while the event loop waits to send this first token (measured on two cores: a median
+            # 0.6 ms, p90 3.6 ms): the step waits until it is out, for ``first_token_yield_s`` at most.
+            job.first_out.wait(self.first_token_yield_s)
         if done:
             self._finish(job, error=None)
         elif job not in self._decoding:

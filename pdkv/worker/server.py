@@ -30,6 +30,7 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -87,7 +88,7 @@ class Worker:
         self.kv_events = TierEvents.start(config.kv_events, self.tiering.tier, self.chunk_size, config.host)
         if self.kv_events is not None:
             self.tiering.on_prompt = self.kv_events.note
-        self.loop = EngineLoop(engine, chunk_size=self.chunk_size)
+        self.loop = EngineLoop(engine, chunk_size=self.chunk_size, first_token_yield_s=config.first_token_yield_s)
         # What a request's "model" may name: the model's own name and what the config called it.
         self.served_models = frozenset({engine.model_name, config.model})
         # Parsing tokenizes (the GIL released): two threads of its own, never queued behind the
@@ -247,6 +248,7 @@ class Worker:
             release=plan.release,
             logprobs=req.logprobs,
             first_logprobs=plan.first_logprobs,
+            first_out=threading.Event() if req.stream else None,
         )
         # Submitted here, not on the first read of the events: whatever ends this handler early
         # (the client gone while headers are written, a failed write, a cancel) still reaches the
@@ -254,7 +256,7 @@ class Worker:
         self.loop.submit(job)
         try:
             if req.stream:
-                return await self._stream(http, req, plan, _events(out), arrived)
+                return await self._stream(http, req, plan, _events(out), arrived, job.first_out)
             return await self._collect(req, plan, _events(out), arrived)
         except PdkvError as exc:
             self.metrics.requests.labels(self.role, "error").inc()
@@ -300,7 +302,13 @@ class Worker:
         )
 
     async def _stream(
-        self, http: web.Request, req: api.GenerationRequest, plan: Plan, events: AsyncIterator[Event], arrived: float
+        self,
+        http: web.Request,
+        req: api.GenerationRequest,
+        plan: Plan,
+        events: AsyncIterator[Event],
+        arrived: float,
+        first_out: threading.Event | None = None,
     ) -> web.StreamResponse:
         """Stream the answer as server-sent events.
 
@@ -331,6 +339,8 @@ class Worker:
                             logprobs=block,
                         )
                     )
+                    if count == 1 and first_out is not None:
+                        first_out.set()  # the engine thread may step on (``EngineLoop._emit``)
             except PdkvError as exc:  # headers are gone: report in-band, as OpenAI does
                 self.metrics.requests.labels(self.role, "error").inc()
                 await end_with_error(resp, str(exc), 500)
