@@ -91,6 +91,33 @@ def test_claim_waits_for_kv_on_the_event_loop_and_gives_up_as_wait_does(make_pai
         claiming.cancel()
         with pytest.raises(asyncio.CancelledError):
             await claiming
+        # a thread holds the book (as one landing a chunk does): the loop goes on, the claim waits for it
+        xfer = pair.sender.open("r5", pair.receiver.address, 40, list(range(3)), prompt_key=b"K" * 16)
+        xfer.send_all()
+        xfer.wait(10)
+        held, release = threading.Event(), threading.Event()
+
+        def hold_the_book() -> None:
+            with pair.receiver.book.lock:
+                held.set()
+                release.wait(10)
+
+        holder = threading.Thread(target=hold_the_book)
+        holder.start()
+        held.wait(10)
+        try:
+            claiming = asyncio.ensure_future(pair.receiver.claim("r5", 10, b"K" * 16))
+            ticks = 0
+            for _ in range(20):  # the loop is free while the book is held
+                await asyncio.sleep(0.005)
+                ticks += 1
+            assert ticks == 20 and not claiming.done()
+        finally:
+            release.set()
+            holder.join(10)
+        got = await asyncio.wait_for(claiming, 10)
+        assert got.num_tokens == 40
+        pair.allocator.free(got.blocks)
         assert not pair.receiver.book.lock.wakers  # every claim took its waker away
 
     asyncio.run(scenario())

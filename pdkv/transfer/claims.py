@@ -23,6 +23,8 @@ from pdkv.errors import NotAnnouncedError, TransferError, TransferTimeout
 from pdkv.transfer.book import IncomingBook
 from pdkv.transfer.incoming import ReceivedKV, State
 
+BUSY_RETRY_S = 0.0005  # a claim that found the book's lock held looks again this soon (or when the book changes)
+
 
 class BookLock(threading.Condition):
     """The decode side's one lock, whose ``notify_all`` also wakes the event loops awaiting ``Claims.claim``.
@@ -33,11 +35,12 @@ class BookLock(threading.Condition):
 
     def __init__(self) -> None:
         super().__init__()
-        self.wakers: set[Callable[[], None]] = set()  # guarded by this lock
+        # added and removed by the loops without this lock (a loop never blocks on it): read as one snapshot
+        self.wakers: set[Callable[[], None]] = set()
 
     def notify_all(self) -> None:
         super().notify_all()
-        for wake in self.wakers:
+        for wake in tuple(self.wakers):  # one C-level copy: a loop adding its waker meanwhile cannot break it
             wake()
 
 
@@ -82,8 +85,10 @@ class Claims:
     async def claim(self, transfer_id: str, timeout: float | None, prompt_key: bytes | None) -> ReceivedKV:
         """``wait`` on the running event loop, with no thread: each change of the book wakes it through the loop.
 
-        The book's lock is taken on the loop: it is held only for bookkeeping, never across a transfer's bytes,
-        so the loop blocks for microseconds at most. A cancelled claim cancels the transfer, freeing its blocks."""
+        The loop never blocks on the book's lock: a thread may hold it while it lands a chunk (a staged chunk's
+        scatter takes milliseconds), and the streams of every other request on this loop would wait. A busy book
+        is looked at again ``BUSY_RETRY_S`` later, or at once if it changes. A cancelled claim cancels the
+        transfer, freeing its blocks."""
         waiting = self._start(transfer_id, timeout, prompt_key)
         loop = asyncio.get_running_loop()
         changed = asyncio.Event()
@@ -92,13 +97,16 @@ class Claims:
             with contextlib.suppress(RuntimeError):  # the loop closed under a claim it abandoned
                 loop.call_soon_threadsafe(changed.set)
 
-        with self.lock:
-            self.lock.wakers.add(wake)
+        self.lock.wakers.add(wake)
         try:
             while True:
                 changed.clear()  # before looking: a change after the look sets it again
-                with self.lock:
-                    step = self._look(waiting)
+                step: ReceivedKV | float | _GaveUp = BUSY_RETRY_S
+                if self.lock.acquire(blocking=False):
+                    try:
+                        step = self._look(waiting)
+                    finally:
+                        self.lock.release()
                 if not isinstance(step, float):
                     break
                 with contextlib.suppress(TimeoutError):
@@ -107,8 +115,7 @@ class Claims:
             self.cancel(transfer_id, "the decode request was cancelled")
             raise
         finally:
-            with self.lock:
-                self.lock.wakers.discard(wake)
+            self.lock.wakers.discard(wake)
         return self._end(waiting, step)
 
     def _start(self, transfer_id: str, timeout: float | None, prompt_key: bytes | None) -> _Waiting:
