@@ -12,6 +12,7 @@ another host would.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -28,6 +29,7 @@ import pytest
 from pdkv.channels import TransferOp
 from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
 from pdkv.errors import ChannelError
+from pdkv.http.web import accept_failures
 from pdkv.ratelog import REFUSAL_LOG_LINES
 from pdkv.testing.http import get_text as get
 from pdkv.testing.http import metric
@@ -292,3 +294,35 @@ def test_authenticated_connections_past_max_connections_are_refused_with_the_rea
     finally:
         prefill.close()
         decode.close()
+
+
+def test_accept_retries_that_fire_after_the_server_closed_log_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """After a failed accept asyncio schedules ``_start_serving`` a second later, once per accept of the burst; a
+    worker that stops within that second made each retry log a traceback (``ValueError`` on the closed socket),
+    which the test above met on a slow machine. Here the retries are scheduled as asyncio's ``_accept_connection``
+    does, and the server closed before they fire; any other error a callback raises is still logged."""
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        accept_failures.install(loop)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        sock.setblocking(False)
+        server = await loop.create_server(asyncio.Protocol, sock=sock)
+        for _ in range(3):
+            loop.call_later(0.05, loop._start_serving, asyncio.Protocol, sock, None, server, 128)  # type: ignore[attr-defined]
+        server.close()
+        await server.wait_closed()
+        assert sock.fileno() == -1
+        loop.call_later(0.05, _raise_value_error)
+        await asyncio.sleep(0.3)
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(scenario())
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "_raise_value_error" in errors[0].getMessage(), [r.getMessage() for r in errors]
+
+
+def _raise_value_error() -> None:
+    raise ValueError("a callback's own error: still logged")

@@ -226,6 +226,8 @@ class AcceptFailures:
             return
 
         def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+            if _retry_after_close(context):
+                return
             if context.get("message") != ACCEPT_FAILED:
                 if previous is not None:
                     previous(loop, context)
@@ -243,6 +245,17 @@ class AcceptFailures:
 
         handle.accept_failures = self  # type: ignore[attr-defined]
         loop.set_exception_handler(handle)
+
+
+def _retry_after_close(context: dict[str, Any]) -> bool:
+    """Whether ``context`` is an accept retry that fired after its server closed: nothing failed.
+
+    After a failed accept asyncio stops listening and schedules ``_start_serving`` a second later, once for each
+    accept of the burst that failed (up to the backlog). A worker that stops within that second closes its socket
+    first, and each retry then raises ``ValueError`` on the closed descriptor: a traceback apiece in the log of a
+    worker that only shut down.
+    """
+    return "._start_serving(" in context.get("message", "") and isinstance(context.get("exception"), ValueError)
 
 
 accept_failures = AcceptFailures()
