@@ -263,6 +263,8 @@ class Worker:
             return error_response(500, str(exc))
         finally:
             job.cancelled.set()  # a no-op once the job finished
+            if job.first_out is not None:
+                job.first_out.set()  # a handler that ended before its first write keeps the engine waiting no longer
 
     async def _parse(self, http: web.Request, body: Any, chat: bool) -> api.GenerationRequest:
         """The validated request; a long body is parsed (tokenized) on a parser thread, a short one here.
