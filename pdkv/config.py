@@ -217,13 +217,17 @@ class RouterConfig(msgspec.Struct, forbid_unknown_fields=True):
     short_prompt_tokens: Annotated[int, Meta(ge=0)] = 0
     # Whether a prompt's KV moves from a prefill worker (pdkv/router/disaggregation.py): always (P/D for every
     # prompt past short_prompt_tokens), never (the decode worker computes every prompt), or auto (per request, the
-    # way that gave the lowest seconds to the first token per prompt token on that decode worker, re-measured
+    # way that gave the lowest seconds to the answer's second event per prompt token on that decode worker, re-measured
     # every disaggregate_explore_every requests). disaggregate_codec: a codec the prefill workers run
     # (their transfer.codec) that auto may also use per request; "" for none.
     disaggregate: Literal["always", "never", "auto"] = "always"
     disaggregate_codec: Annotated[str, Meta(pattern=f"^$|{CODEC_NAME_PATTERN}")] = ""
     disaggregate_explore_every: Annotated[int, Meta(ge=0, le=1_000_000)] = 20
     disaggregate_weight: Annotated[float, Meta(gt=0, le=1)] = 0.3  # of a new sample in each way's running cost
+    # mode pdkv: a streamed request's first token goes to the client from the prefill worker the moment it has it,
+    # and the decode worker streams the rest of the same answer (the decode hop off the time to first token;
+    # pdkv/router/handoff.py). mode vllm never: vLLM's decode side sends its own first token.
+    stream_first_token: bool = True
     # The router has no tokenizer: text is counted as len(text) / chars_per_token.
     chars_per_token: Annotated[float, Meta(gt=0)] = 4.0
     # How many other workers a failed hop is tried on (per hop: prefill, and decode pairs).

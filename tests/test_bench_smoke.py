@@ -173,7 +173,8 @@ def test_plot_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_bench_pd_with_short_prompts_breaks_the_overhead_down_and_moves_every_prompts_kv(model_dir: Path) -> None:
-    """Several ``--tokens``: a row per prompt length whose parts add up to the P/D TTFT, every request's KV moved."""
+    """Several ``--tokens``: a row per prompt length whose parts add up to the P/D TTFT, every request's KV moved, the
+    second token reported beside the first."""
     out = subprocess.run(
         [sys.executable, "-m", "pdkv.cli", "bench", "pd", "--model", str(model_dir), "--tokens", "16,64"]
         + ["--repeats", "2", "--json"],
@@ -187,18 +188,17 @@ def test_bench_pd_with_short_prompts_breaks_the_overhead_down_and_moves_every_pr
     for row in rows:
         assert row["fallbacks"] == 0 and row["requests"] == 2
         assert row["transferred_tokens"] == 2 * row["tokens"]
-        parts = row["breakdown_ms"]
-        assert set(parts) == {
-            "prefill_ms",
-            "router_to_prefill_ms",
-            "transfer_wait_ms",
-            "decode_first_step_ms",
-            "router_rest_ms",
-            "client_ms",
-        }
-        assert parts["prefill_ms"] > 0 and parts["transfer_wait_ms"] >= 0, parts
+        parts = row["breakdown_ms"]  # P sent every first token (router.stream_first_token): D's parts are beside
+        assert row["first_token_handoffs"] == 2
+        assert set(parts) == {"prefill_ms", "router_to_prefill_ms", "router_rest_ms", "client_ms"}
+        assert set(row["decode_ms"]) == {"transfer_wait_ms", "decode_first_step_ms"}
+        assert parts["prefill_ms"] > 0 and row["decode_ms"]["transfer_wait_ms"] >= 0, parts
         assert sum(parts.values()) == pytest.approx(row["pd_mean_ms"]), row
         assert _finite(row["overhead_ms"]["median"]) and _finite(row["overhead_ms"]["p99"]), row
+        assert _finite(row["second_token_overhead_ms"]["median"]), row
+        assert (
+            row["pd_second_token_ms"] > row["pd_ttft_ms"] and row["baseline_second_token_ms"] > row["baseline_ttft_ms"]
+        )
         cpu = row["cpu_ms_per_request"]  # every process of both paths did work for each request
         assert all(cpu[name] > 0 for name in ("router", "prefill", "decode", "single")), cpu
         assert cpu["pd_total"] == pytest.approx(cpu["router"] + cpu["prefill"] + cpu["decode"]), cpu

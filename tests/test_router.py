@@ -36,6 +36,8 @@ from pdkv.testing.procs import WorkerProcess, start_worker
 from pdkv.worker.server import Worker
 
 from tests.conftest import wait_until
+from tests.test_router_units import FakeWorker, answering, router_metric, wait_for
+from tests.test_router_units import cluster as router_over
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 3,  # about 3 chunks of 32 tokens
@@ -243,11 +245,107 @@ def test_chat_stays_chat_through_the_router(cluster: Cluster) -> None:
     )
     chunks = list(router.chat.completions.create(stream=True, stream_options={"include_usage": True}, **args))
     assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    # one answer, though P sent its first chunk and D the rest: one id, and the role said once, first
+    assert len({c.id for c in chunks}) == 1 and len({c.created for c in chunks}) == 1
+    assert [ch.delta.role for c in chunks for ch in c.choices] == ["assistant"] + [None] * 15
     assert [t for c in chunks for ch in c.choices for t in ch.token_ids] == alone.choices[0].token_ids
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
     assert via.usage is not None and via.usage.prompt_tokens == alone.usage.prompt_tokens
     sources.assert_all_transferred(2 * via.usage.prompt_tokens)
     assert [m.id for m in router.models.list().data] == ["tiny"]
+
+
+def test_a_streamed_answer_starts_with_ps_token_and_reads_as_one_workers_answer(
+    cluster: Cluster, prompt_tokens: dict[str, int]
+) -> None:
+    """P's first event goes to the client (``router.stream_first_token``), D's carry on the same answer: tokens,
+    text, log-probabilities and their text offsets, finish reasons, usage and the id are one worker's, while the
+    decode worker still adopted the transferred KV (it did not recompute the prompt)."""
+    router, direct = cluster.client(), cluster.client(cluster.decode[0].url)
+    prompt = PROMPTS[1]
+    args = {"model": "tiny", "prompt": prompt, "stream": True, "logprobs": 2, **GREEDY}
+    args["stream_options"] = {"include_usage": True}
+    alone = list(direct.completions.create(**args))
+    handoffs = metric(get(cluster.router.url + "/metrics"), "pdkv_router_first_token_handoffs_total")
+    sources = KVSources(cluster)
+    via = list(router.completions.create(**args))
+    sources.assert_all_transferred(prompt_tokens[prompt])
+    assert metric(get(cluster.router.url + "/metrics"), "pdkv_router_first_token_handoffs_total") == handoffs + 1
+    assert len({c.id for c in via}) == 1 and len({c.created for c in via}) == 1
+
+    def answer(chunks: list[Any]) -> dict[str, Any]:
+        choices = [ch for c in chunks for ch in c.choices]
+        return {
+            "ids": [t for ch in choices for t in ch.token_ids],
+            "text": "".join(ch.text for ch in choices),
+            "finish": [ch.finish_reason for ch in choices],
+            "tokens": [t for ch in choices for t in ch.logprobs.tokens],
+            "offsets": [o for ch in choices for o in ch.logprobs.text_offset],
+            "usage": chunks[-1].usage,
+        }
+
+    got, want = answer(via), answer(alone)
+    assert got == want and want["finish"] == [None] * 15 + ["length"]
+    logprobs = [lp for c in via for ch in c.choices for lp in ch.logprobs.token_logprobs]
+    assert logprobs == pytest.approx([lp for c in alone for ch in c.choices for lp in ch.logprobs.token_logprobs])
+
+
+def test_a_one_token_streamed_answer_is_ps_token_and_ds_finish(cluster: Cluster, prompt_tokens: dict[str, int]) -> None:
+    """The answer ends at P's token: the client gets it from P, then the finish reason from D, and nothing twice."""
+    args = {"model": "tiny", "prompt": PROMPTS[3], "stream": True, "temperature": 0, "max_tokens": 1}
+    args["extra_body"] = {"return_token_ids": True}
+    alone = list(cluster.client(cluster.decode[1].url).completions.create(**args))
+    sources = KVSources(cluster)
+    via = list(cluster.client().completions.create(**args))
+    sources.assert_all_transferred(prompt_tokens[PROMPTS[3]])
+    ids = [[t for c in chunks for ch in c.choices for t in getattr(ch, "token_ids", [])] for chunks in (alone, via)]
+    texts = ["".join(ch.text for c in chunks for ch in c.choices) for chunks in (alone, via)]
+    assert ids[0] == ids[1] and len(ids[0]) == 1 and texts[0] == texts[1]
+    assert [ch.finish_reason for c in via for ch in c.choices] == [None, "length"]
+
+
+class ForwardingDecode(FakeWorker):
+    """A decode stand-in that names a real decode worker's receiver (P pushes there) and fails every decode hop;
+    the router's cancel of its transfer is passed on to that worker, so the reservation is freed as it would be."""
+
+    def __init__(self, real: WorkerProcess) -> None:
+        info = json.loads(get(real.url + "/pdkv/info"))
+        super().__init__("decode", answering(503, "no room"), info={k: info[k] for k in ("remote_host", "remote_port")})
+        self.real = real
+
+    async def _cancel(self, http: web.Request) -> web.Response:
+        async with aiohttp.ClientSession() as s:
+            await s.delete(f"{self.real.url}/pdkv/transfers/{http.match_info['tid']}")
+        return await super()._cancel(http)
+
+
+def test_a_decode_worker_failing_after_ps_token_is_replaced_and_the_answer_is_still_one_workers(
+    cluster: Cluster, expected: dict[str, list[int]]
+) -> None:
+    """The client has P's token when its decode worker fails (a 503 before its first event): the next decode
+    worker computes the prompt (the KV went to the failed one) and continues from P's token, so the answer is
+    the one a worker alone gives; the transfer nobody claims is cancelled."""
+    real = cluster.decode[0]
+    prompt = PROMPTS[2]
+
+    async def scenario() -> None:
+        failing = ForwardingDecode(real)
+        async with router_over([cluster.prefill[0].url], [failing, real.url], max_retries=2) as (url, router):
+            fallbacks = total([real], "pdkv_fallbacks_total", reason="not_started")
+            async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as client:
+                chunks = [
+                    c async for c in await client.completions.create(model="tiny", prompt=prompt, stream=True, **GREEDY)
+                ]
+            assert [t for c in chunks for ch in c.choices for t in ch.token_ids] == expected[prompt]
+            assert len({c.id for c in chunks}) == 1 and len(failing.requests) == 1
+            assert router_metric(router, "pdkv_router_first_token_handoffs_total") == 1
+            assert router_metric(router, "pdkv_router_retries_total", hop="decode", reason="http_503") == 1
+            assert total([real], "pdkv_fallbacks_total", reason="not_started") == fallbacks + 1
+            tid = failing.requests[0]["kv_transfer_params"]["transfer_id"]
+            await wait_for(lambda: failing.cancelled_transfers == [tid], "the unclaimed transfer's cancel")
+
+    asyncio.run(scenario())
+    wait_until(lambda: total([real], "pdkv_reservations") == 0, 30, "the unclaimed transfer to be freed")
 
 
 def test_32_concurrent_requests_succeed_and_leave_no_reservation(

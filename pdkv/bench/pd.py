@@ -10,10 +10,12 @@ same config on the first host, no router, no transfer). Both are measured
 alternately, ``--repeats`` times after one warm-up each, and reported as
 medians; the ratio is P/D over one worker.
 
-The P/D path's first token needs the prefill (chunk by chunk, each chunk's KV
-pushed as soon as it is computed) and the last chunks' transfer, then the
-decode worker's first step: on a slow link the transfer stops hiding behind
-the compute. Each P/D request must move every prompt token's KV: the
+The P/D path's first token needs the prefill; since the router hands a
+streamed answer's first token on from P (``router.stream_first_token``), the
+rest of D's part (the last chunks' transfer, then the decode worker's first
+step) lands on the second token, which is reported beside the first, both
+ways: on a slow link the transfer stops hiding behind the compute, and shows
+there. Each P/D request must move every prompt token's KV: the
 decode worker's ``pdkv_fallbacks_total`` and transferred prompt tokens are
 checked, and a run where one fell back reports it (``fallbacks``) instead of
 passing it off as a transfer TTFT. The tier is off on every worker (no
@@ -31,11 +33,14 @@ blurs least). Where the
 time goes comes from the processes' own histograms, as means over the
 measured requests (deltas of their sums and counts): P's time to its first
 token (``prefill``), the router's prefill hop beyond it (``router_to_prefill``),
-D's wait for the KV (``pdkv_transfer_wait_seconds``: ``transfer_wait``), D's
+the router's own part of its time to first token (``router_rest``: relaying
+P's event) and the client's HTTP to the router (``client``); they add up to
+the P/D TTFT's mean. D's part is reported beside them (``decode_ms``): its
+wait for the KV (``pdkv_transfer_wait_seconds``: ``transfer_wait``) and its
 time to its first token beyond that wait (``decode_first_step``: adopting the
-KV and the first step), the router's own part of its time to first token
-(``router_rest``: the decode hop's HTTP and relaying) and the client's HTTP to
-the router (``client``); they add up to the P/D TTFT's mean. Every P/D
+KV and the first step). Without the handoff (``first_token_handoffs`` short of
+the requests) D's parts are in the sum, and ``router_rest`` is the decode
+hop's HTTP and relaying. Every P/D
 request must have moved its KV (no fallback, transferred tokens equal to
 prompt tokens), or the bench fails.
 """
@@ -104,17 +109,21 @@ def _config(model: str, tokens: int, path: Path, codec: str = "none") -> Path:
     return path
 
 
-def ttft(url: str, prompt: list[int]) -> float:
-    """Seconds from sending a streamed completion to its first token."""
+def token_times(url: str, prompt: list[int]) -> tuple[float, float]:
+    """Seconds from sending a streamed completion to its first token and to its second.
+
+    Through the router, P sends the first token (``router.stream_first_token``) and D's part of the time (the KV's
+    tail, D's claim and first step) lands on the second: both are reported, so that what moved off the first
+    token stays in sight."""
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     start = time.perf_counter()
-    first = None
+    times = []
     for event in stream_events(url + "/v1/completions", body, TIMEOUT_S):
-        if first is None and event.get("choices"):
-            first = time.perf_counter() - start
-    if first is None:
-        raise PdkvError(f"bench pd: {url} streamed no token")
-    return first
+        if event.get("choices") and len(times) < 2:
+            times.append(time.perf_counter() - start)
+    if len(times) < 2:
+        raise PdkvError(f"bench pd: {url} streamed {len(times)} tokens of {MAX_TOKENS}")
+    return times[0], times[1]
 
 
 @contextmanager
@@ -189,17 +198,17 @@ def measure(
         )
         if placement.link is not None:
             stack.enter_context(placement.link.hub.entered())
-        ttft(single.url, prompt)  # warm-ups: first requests pay one-off costs (connections, allocations)
+        token_times(single.url, prompt)  # warm-ups: first requests pay one-off costs (connections, allocations)
         for mode, router in routers.items():
             for _ in range((3 if codec != "none" else 2) if mode == "auto" else 1):
-                ttft(router.url, prompt)
+                token_times(router.url, prompt)
         before = get_text(decode.url + "/metrics")
-        times: dict[str, list[float]] = {mode: [] for mode in routers}
-        single_times = []
+        pairs: dict[str, list[tuple[float, float]]] = {mode: [] for mode in routers}
+        single_pairs = []
         for _ in range(repeats):
-            single_times.append(ttft(single.url, prompt))
+            single_pairs.append(token_times(single.url, prompt))
             for mode, router in routers.items():
-                times[mode].append(ttft(router.url, prompt))
+                pairs[mode].append(token_times(router.url, prompt))
         after = get_text(decode.url + "/metrics")
         p_metrics = get_text(prefill.url + "/metrics")
         ways = {
@@ -214,7 +223,10 @@ def measure(
     )
     fallbacks = metric(after, "pdkv_fallbacks_total") - metric(before, "pdkv_fallbacks_total")
     moved = metric(p_metrics, "pdkv_transfer_bytes_total")
-    single_s = statistics.median(single_times)
+    times = {mode: [t for t, _ in runs] for mode, runs in pairs.items()}
+    seconds = {mode: statistics.median(t for _, t in runs) for mode, runs in pairs.items()}
+    single_times = [t for t, _ in single_pairs]
+    single_s, single_second_s = statistics.median(single_times), statistics.median(t for _, t in single_pairs)
     if modes != ["always"] or codec != "none":
         return {
             "bench": "pd",
@@ -230,6 +242,9 @@ def measure(
                     "ttft_s": statistics.median(times[mode]),
                     "baseline_ttft_s": single_s,
                     "ratio": statistics.median(times[mode]) / single_s,
+                    "second_token_s": seconds[mode],
+                    "baseline_second_token_s": single_second_s,
+                    "second_token_ratio": seconds[mode] / single_second_s,
                     "runs_s": times[mode],
                     "ways": ways[mode],
                 }
@@ -255,6 +270,9 @@ def measure(
                 "pd_ttft_s": pd_s,
                 "baseline_ttft_s": single_s,
                 "ratio": pd_s / single_s,
+                "pd_second_token_s": seconds["always"],
+                "baseline_second_token_s": single_second_s,
+                "second_token_ratio": seconds["always"] / single_second_s,
                 "pd_runs_s": pd_times,
                 "baseline_runs_s": single_times,
                 "kv_bytes_per_request": moved / (repeats + 1),
@@ -295,15 +313,22 @@ def _means_ms(before: dict[str, str], after: dict[str, str]) -> dict[str, float]
     return out
 
 
-def _breakdown(means: dict[str, float], pd_mean_ms: float) -> dict[str, float]:
-    """Where a P/D request's mean TTFT goes, in parts that add up to it (see the module docstring)."""
+def _breakdown(means: dict[str, float], pd_mean_ms: float, handed_off: bool) -> dict[str, float]:
+    """Where a P/D request's mean TTFT goes, in parts that add up to it (see the module docstring); ``handed_off``:
+    the client's first token came from P, so D's parts are not in it (``_decode_parts``)."""
+    router_rest = means["router_ttft"] - means["router_prefill_hop"]
+    parts = {"prefill_ms": means["prefill"], "router_to_prefill_ms": means["router_prefill_hop"] - means["prefill"]}
+    if not handed_off:
+        parts.update(_decode_parts(means))
+        router_rest -= means["decode_ttft"]
+    return {**parts, "router_rest_ms": router_rest, "client_ms": pd_mean_ms - means["router_ttft"]}
+
+
+def _decode_parts(means: dict[str, float]) -> dict[str, float]:
+    """D's part of a P/D request: its wait for the KV, and the rest of its time to its first token."""
     return {
-        "prefill_ms": means["prefill"],
-        "router_to_prefill_ms": means["router_prefill_hop"] - means["prefill"],
         "transfer_wait_ms": means["transfer_wait"],
         "decode_first_step_ms": means["decode_ttft"] - means["transfer_wait"],
-        "router_rest_ms": means["router_ttft"] - means["router_prefill_hop"] - means["decode_ttft"],
-        "client_ms": pd_mean_ms - means["router_ttft"],
     }
 
 
@@ -322,11 +347,11 @@ def measure_overhead(model: str, token_counts: list[int], repeats: int, placemen
         for tokens in token_counts:
             prompt = [100 + (31 * i + 7) % 200 for i in range(tokens)]
             for _ in range(SHORT_WARMUP):
-                ttft(single.url, prompt)
-                ttft(router.url, prompt)
+                token_times(single.url, prompt)
+                token_times(router.url, prompt)
             before = _scrape(workers)
             cpu_before = _cpu_s(workers)  # after the scrape: rendering /metrics is no request's CPU
-            pairs = [(ttft(single.url, prompt), ttft(router.url, prompt)) for _ in range(repeats)]
+            pairs = [(token_times(single.url, prompt), token_times(router.url, prompt)) for _ in range(repeats)]
             cpu = {name: 1e3 * (t - cpu_before[name]) / repeats for name, t in _cpu_s(workers).items()}
             after = _scrape(workers)
             rows.append({**_overhead_row(tokens, pairs, before, after), "cpu_ms_per_request": _cpu_row(cpu)})
@@ -341,7 +366,10 @@ def measure_overhead(model: str, token_counts: list[int], repeats: int, placemen
 
 
 def _overhead_row(
-    tokens: int, pairs: list[tuple[float, float]], before: dict[str, str], after: dict[str, str]
+    tokens: int,
+    pairs: list[tuple[tuple[float, float], tuple[float, float]]],
+    before: dict[str, str],
+    after: dict[str, str],
 ) -> dict[str, Any]:
     """One prompt length's row; raises if a P/D request did not move its KV."""
     transferred = metric(after["decode"], "pdkv_prompt_tokens_total", source="transferred") - metric(
@@ -353,9 +381,13 @@ def _overhead_row(
             f"bench pd: {len(pairs)} P/D requests of {tokens} tokens moved {transferred:.0f} prompt tokens' KV "
             f"with {fallbacks:.0f} fallbacks (expected {tokens * len(pairs)} and none)"
         )
-    single = [1e3 * s for s, _ in pairs]
-    pd = [1e3 * p for _, p in pairs]
+    handoffs = metric(after["router"], "pdkv_router_first_token_handoffs_total") - metric(
+        before["router"], "pdkv_router_first_token_handoffs_total"
+    )
+    single, pd = ([1e3 * run[side][0] for run in pairs] for side in (0, 1))
+    single_2nd, pd_2nd = ([1e3 * run[side][1] for run in pairs] for side in (0, 1))
     extra = [b - a for a, b in zip(single, pd, strict=True)]
+    extra_2nd = [b - a for a, b in zip(single_2nd, pd_2nd, strict=True)]
     means = _means_ms(before, after)
     return {
         "tokens": tokens,
@@ -364,9 +396,15 @@ def _overhead_row(
         "baseline_ttft_ms": statistics.median(single),
         "ratio": statistics.median(pd) / statistics.median(single),
         "overhead_ms": {"median": statistics.median(extra), "p99": _p99(extra)},
+        # P sends the first token (router.stream_first_token): what D adds lands on the second
+        "pd_second_token_ms": statistics.median(pd_2nd),
+        "baseline_second_token_ms": statistics.median(single_2nd),
+        "second_token_overhead_ms": {"median": statistics.median(extra_2nd), "p99": _p99(extra_2nd)},
+        "first_token_handoffs": handoffs,
         "pd_p99_ms": _p99(pd),
         "baseline_p99_ms": _p99(single),
-        "breakdown_ms": _breakdown(means, statistics.fmean(pd)),
+        "breakdown_ms": _breakdown(means, statistics.fmean(pd), handed_off=handoffs == len(pairs)),
+        "decode_ms": _decode_parts(means),
         "pd_mean_ms": statistics.fmean(pd),
         # the one worker's own time to first token beside P's (``prefill``): a slower P is no PD overhead
         "baseline_worker_ttft_ms": means["single_ttft"],
@@ -385,14 +423,16 @@ def _overhead_table(out: dict[str, Any]) -> str:
     parts = list(out["results"][0]["breakdown_ms"])
     lines = [
         f"PD overhead on short prompts ({out['model']}, {out['link']}): TTFT through router -> P -> D vs one worker",
-        f"{'tokens':>6} {'reqs':>4} {'P/D ms':>7} {'one ms':>7} {'over p50':>8} {'over p99':>8}   mean P/D TTFT = "
-        + " + ".join(p.removesuffix("_ms") for p in parts),
+        f"{'tokens':>6} {'reqs':>4} {'P/D ms':>7} {'one ms':>7} {'over p50':>8} {'over p99':>8} {'2nd over':>8}   "
+        "mean P/D TTFT = " + " + ".join(p.removesuffix("_ms") for p in parts) + "   (D: transfer wait, first step)",
     ]
     for r in out["results"]:
         lines.append(
             f"{r['tokens']:>6} {r['requests']:>4} {r['pd_ttft_ms']:7.2f} {r['baseline_ttft_ms']:7.2f} "
-            f"{r['overhead_ms']['median']:8.2f} {r['overhead_ms']['p99']:8.2f}   {r['pd_mean_ms']:.2f} = "
+            f"{r['overhead_ms']['median']:8.2f} {r['overhead_ms']['p99']:8.2f} "
+            f"{r['second_token_overhead_ms']['median']:8.2f}   {r['pd_mean_ms']:.2f} = "
             + " + ".join(f"{r['breakdown_ms'][p]:.2f}" for p in parts)
+            + "   ({transfer_wait_ms:.2f}, {decode_first_step_ms:.2f})".format(**r["decode_ms"])
         )
     return "\n".join(lines)
 
@@ -405,6 +445,8 @@ def _table(out: dict[str, Any]) -> str:
         f"TTFT of a {out['tokens']}-token prompt ({out['model']}), P/D across {out['link']} vs one worker",
         f"  P/D through the router: {row['pd_ttft_s']:.3f} s   one worker: {row['baseline_ttft_s']:.3f} s   ratio "
         f"{row['ratio']:.2f}",
+        f"  second token: P/D {row['pd_second_token_s']:.3f} s   one worker: {row['baseline_second_token_s']:.3f} s   "
+        f"ratio {row['second_token_ratio']:.2f}",
         f"  KV per request {row['kv_bytes_per_request'] / 1e6:.1f} MB; transferred {row['transferred_tokens']:.0f} of "
         f"{row['expected_transferred_tokens']} prompt tokens, {row['fallbacks']:.0f} fallbacks",
     ]

@@ -30,4 +30,5 @@ class Call:
     headers: dict[str, str]
     deadline: float | None = None  # monotonic; the client's X-Request-Timeout after arrival
     outcome: str = "cancelled"  # what pdkv_requests_total counts; stays so if the client goes away
-    way_cost: WayCost | None = None  # the way it was served, to learn from its first token (router.disaggregate)
+    way_cost: WayCost | None = None  # the way it was served, to learn from its second event (router.disaggregate)
+    events_sent: int = 0  # server-sent events the client got (a streamed answer)

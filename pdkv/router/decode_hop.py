@@ -45,8 +45,11 @@ class DecodeHop:
         self.failover = failover
         self.answers = answers
 
-    async def answer(self, call: Call, decode: WorkerState, params: dict[str, Any] | None) -> web.StreamResponse:
-        """The client's answer from ``decode`` (``params``: the prefill hop's ``kv_transfer_params``, None: alone)."""
+    async def answer(
+        self, call: Call, decode: WorkerState, params: dict[str, Any] | None, out: web.StreamResponse | None = None
+    ) -> web.StreamResponse:
+        """The client's answer from ``decode`` (``params``: the prefill hop's ``kv_transfer_params``, None: alone);
+        ``out``: the client's stream, begun with P's first event (``pdkv.router.handoff``)."""
         sock_read = self.config.read_timeout_s if call.stream else None  # a whole answer comes at once: total bounds it
         timeout = aiohttp.ClientTimeout(
             total=hop_timeout(call.deadline, self.config.decode_timeout_s),
@@ -57,7 +60,7 @@ class DecodeHop:
         async with self.upstream.post(decode, "decode", call, decode_body(call.body, params), timeout) as resp:
             if resp.status == 200 and call.stream:
                 check_content_type(decode, resp, "text/event-stream")
-                response: web.StreamResponse = await self._relay(call, decode, resp)
+                response: web.StreamResponse = await self._relay(call, decode, resp, out)
             else:
                 data = await self.upstream.guard(decode, "decode", resp.read())
                 check_status(decode, "decode", resp, data)
@@ -68,8 +71,11 @@ class DecodeHop:
         self.metrics.hop.labels("decode").observe(time.monotonic() - started)
         return response
 
-    async def _relay(self, call: Call, decode: WorkerState, resp: aiohttp.ClientResponse) -> web.StreamResponse:
-        """Stream the decode worker's events to the client; until the first is sent, a failure is retryable.
+    async def _relay(
+        self, call: Call, decode: WorkerState, resp: aiohttp.ClientResponse, out: web.StreamResponse | None
+    ) -> web.StreamResponse:
+        """Stream the decode worker's events to the client (on ``out`` when it has P's first event already); until
+        the decode worker's first is sent, a failure is retryable.
 
         A client that hangs up makes a write to it raise ``ConnectionResetError`` (upstream failures
         are ``UpstreamError`` by then, see ``Upstream.guard``). That is the client's choice, not a fault:
@@ -83,20 +89,17 @@ class DecodeHop:
                 raise UpstreamError(
                     f"decode worker {decode.url} ended its stream before the first event", "empty_stream"
                 )
-            out = sse_response()
             try:
-                await out.prepare(call.http)
-                await out.write(first)
-                ttft = time.monotonic() - call.arrived
-                self.metrics.ttft.labels(ROLE).observe(ttft)
-                if call.way_cost is not None:
-                    call.way_cost.observe(ttft, call.prompt.est_tokens, self.config.disaggregate_weight)
+                if out is None:
+                    out = sse_response()
+                    await out.prepare(call.http)
+                await self.send(call, out, first)
                 try:
                     # the client has bytes: a worker marked down mid-answer is waited for (a frozen one
                     # may thaw) until read_timeout_s; a retry could only end the answer with an error
                     last = first
                     while (event := await self._next_event(decode, events, abandon=False)) is not None:
-                        await out.write(event)
+                        await self.send(call, out, event)
                         last = event
                     if last != SSE_DONE:
                         raise UpstreamError(f"decode worker {decode.url} ended its stream without [DONE]", "truncated")
@@ -113,6 +116,19 @@ class DecodeHop:
                     decode.url,
                 )
         return out
+
+    async def send(self, call: Call, out: web.StreamResponse, event: bytes) -> None:
+        """One event to the client. The first is its time to first token; the second teaches ``disaggregate: auto``
+        what the way it was served cost: the first decode step's token, whichever worker sent the first (with the
+        handoff, P's token comes before the decode hop ran, and would make a slow link look free)."""
+        await out.write(event)
+        call.events_sent += 1
+        if call.events_sent == 1:
+            self.metrics.ttft.labels(ROLE).observe(time.monotonic() - call.arrived)
+        elif call.events_sent == 2 and call.way_cost is not None:
+            call.way_cost.observe(
+                time.monotonic() - call.arrived, call.prompt.est_tokens, self.config.disaggregate_weight
+            )
 
     async def _next_event(self, decode: WorkerState, events: AsyncIterator[bytes], abandon: bool) -> bytes | None:
         """The next whole event of the stream (None at its end); one cut short is a ``truncated`` failure."""

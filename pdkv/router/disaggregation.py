@@ -5,8 +5,10 @@ itself only while the prompt's KV crosses the link faster than D recomputes
 it (P's prefill overlaps the transfer, chunk by chunk). On RDMA that is
 always; on a 1 Gbit link with a small model, often not. The router cannot
 know the KV bytes per token, the link rate to each decode worker, P's and D's
-compute rates or what a codec saves, but it sees their sum on every request:
-the time to the first token of each way it served a prompt. So each decode
+compute rates or what a codec saves, but it sees their sum on every streamed
+request: the time to the answer's second event of each way it served a
+prompt (the first decode step's token: the first may be P's, sent before the
+KV moved, ``pdkv.router.handoff``, which would make a slow link look free). So each decode
 worker keeps, per way (``transfer``, ``transfer_codec`` when a codec is
 configured, ``local``), the observed seconds per prompt token (an
 exponentially weighted mean), and ``auto`` takes the way with the lowest
@@ -33,7 +35,7 @@ Way = Literal["transfer", "transfer_codec", "local"]
 
 @dataclass
 class WayCost:
-    """Observed seconds per prompt token of one way to a first token (exponentially weighted)."""
+    """Observed seconds per prompt token of one way to an answer's second event (exponentially weighted)."""
 
     per_token: float | None = None
     samples: int = 0

@@ -110,6 +110,12 @@ class RouterMetrics:
             ["status", "cause"],
             registry=r,
         )
+        self.handoffs = Counter(
+            "pdkv_router_first_token_handoffs",
+            "Streamed requests whose first token the client got from the prefill worker (router.stream_first_token), "
+            "the decode worker streaming the rest",
+            registry=r,
+        )
         self.picks = Counter("pdkv_router_picks", "Hops sent to each worker", ["role", "worker"], registry=r)
         r.register(_PoolCollector(pool))
 

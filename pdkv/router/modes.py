@@ -1,7 +1,9 @@
 """How one prefill/decode pair is told about each other: the ``kv_transfer_params`` of each hop.
 
 Both modes shape the prefill hop the way vLLM's disaggregated proxy does
-(``max_tokens`` 1, not streamed, no ``stream_options``, no ``min_tokens``)
+(``max_tokens`` 1, not streamed, no ``stream_options``, no ``min_tokens``;
+in ``pdkv`` mode a streamed request's prefill hop is streamed, its event the
+client's first, ``pdkv.router.handoff``)
 and send the decode hop the client's body unchanged but for
 ``kv_transfer_params``, so chat stays chat and ``tools`` or any field the
 router does not know reach the worker untouched. A client's own
@@ -50,10 +52,13 @@ from pdkv.transfer.params import PushTo, sign_push
 _PREFILL_DROPS = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
-def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """The client's body reshaped for a prefill hop: one token, not streamed, with ``params``."""
+def prefill_body(body: dict[str, Any], params: dict[str, Any], stream_first: bool = False) -> dict[str, Any]:
+    """The client's body reshaped for a prefill hop: one token, not streamed, with ``params``; ``stream_first``:
+    streamed, its event the client's first (``pdkv.router.handoff``)."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROPS}
-    out.update(max_tokens=1, stream=False, kv_transfer_params=params)
+    if stream_first:
+        params = {**params, "stream_first": True}
+    out.update(max_tokens=1, stream=stream_first, kv_transfer_params=params)
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
     return out
@@ -71,6 +76,7 @@ class PairMode(abc.ABC):
     """The ``kv_transfer_params`` protocol between a prefill and a decode worker."""
 
     name: ClassVar[str]
+    hands_off: ClassVar[bool] = False  # whether P can send a streamed answer's first event (router.stream_first_token)
 
     def __init__(self, secret: str = "") -> None:
         self.secret = secret  # signs the push target P is handed: a P with the secret pushes only where it says
@@ -105,6 +111,7 @@ class PairMode(abc.ABC):
 
 class PdkvMode(PairMode):
     name = "pdkv"
+    hands_off = True
 
     async def target(self, pool: WorkerPool, decode: WorkerState, transfer_id: str) -> dict[str, Any]:
         info = await pool.decode_info(decode)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -20,11 +20,20 @@ from pdkv.router.abandoning import Abandoner
 from pdkv.router.call import Call
 from pdkv.router.failover import Failover
 from pdkv.router.failures import hop_timeout
+from pdkv.router.handoff import split_prefill_stream
 from pdkv.router.metrics import RouterMetrics
 from pdkv.router.modes import PairMode, prefill_body
 from pdkv.router.policy import Policy
 from pdkv.router.pool import WorkerPool, WorkerState
 from pdkv.router.upstream import Upstream, check_status, parse_json
+
+
+class Prefilled(NamedTuple):
+    """What the prefill hop leaves the decode hop."""
+
+    params: dict[str, Any] | None  # the decode hop's kv_transfer_params; None: the decode worker computes alone
+    transfer_id: str | None
+    first_event: bytes | None  # the client's first event, from P (pdkv.router.handoff); None: D sends it
 
 
 class PrefillHop:
@@ -53,8 +62,10 @@ class PrefillHop:
 
     async def transfer_params(
         self, call: Call, decode: WorkerState, failures: list[str], codec: str | None = None
-    ) -> tuple[dict[str, Any] | None, str | None]:
-        """The decode hop's ``kv_transfer_params`` and transfer id; (None, None): decode alone."""
+    ) -> Prefilled:
+        """The decode hop's ``kv_transfer_params`` and transfer id (None, None: decode alone), and P's first event
+        when the client is to get it from P (``pdkv.router.handoff``)."""
+        stream_first = call.stream and self.mode.hands_off and self.config.stream_first_token
         tried: list[WorkerState] = []
         last: UpstreamError | None = None
         for _ in range(self.config.max_retries + 1):
@@ -67,7 +78,7 @@ class PrefillHop:
             )  # an UpstreamError here is the decode worker's
             done = False
             try:
-                answer = await self._hop(call, prefill, params)
+                answer, first_event = await self._hop(call, prefill, params, stream_first)
                 done = True
             except UpstreamError as exc:
                 self.failover.failed(call, prefill, exc, failures)
@@ -80,12 +91,15 @@ class PrefillHop:
             if why is not None:
                 self.metrics.fallbacks.labels(why).inc()
             self.policy.served(prefill, call.prompt)
-            return kv, transfer_id
+            return Prefilled(kv, transfer_id, first_event if kv is not None else None)
         self.metrics.fallbacks.labels("prefill_failed" if tried else "no_prefill").inc()
-        return None, None
+        return Prefilled(None, None, None)
 
-    async def _hop(self, call: Call, prefill: WorkerState, params: dict[str, Any]) -> Any:
-        """One prefill worker's answer to the prefill hop, parsed; its load counted on it while it computes."""
+    async def _hop(
+        self, call: Call, prefill: WorkerState, params: dict[str, Any], stream_first: bool
+    ) -> tuple[Any, bytes | None]:
+        """One prefill worker's answer to the prefill hop, parsed, and the client's first event if P streamed it;
+        its load counted on it while it computes."""
         timeout = aiohttp.ClientTimeout(
             total=hop_timeout(call.deadline, self.config.prefill_timeout_s), sock_connect=self.config.connect_timeout_s
         )
@@ -93,12 +107,16 @@ class PrefillHop:
         prefill.inflight_requests += 1
         prefill.inflight_tokens += call.prompt.est_tokens
         try:
-            async with self.upstream.post(prefill, "prefill", call, prefill_body(call.body, params), timeout) as resp:
+            body = prefill_body(call.body, params, stream_first)
+            async with self.upstream.post(prefill, "prefill", call, body, timeout) as resp:
                 data = await self.upstream.guard(prefill, "prefill", resp.read())
                 check_status(prefill, "prefill", resp, data)
         finally:
             prefill.inflight_requests -= 1
             prefill.inflight_tokens -= call.prompt.est_tokens
-        answer = parse_json(prefill, "prefill", data)
+        if stream_first and resp.content_type == "text/event-stream":
+            answer, first_event = split_prefill_stream(prefill, data)
+        else:
+            answer, first_event = parse_json(prefill, "prefill", data), None
         self.metrics.hop.labels("prefill").observe(time.monotonic() - started)
-        return answer
+        return answer, first_event

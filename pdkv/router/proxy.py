@@ -11,7 +11,10 @@ Failure handling, hop by hop (every hop has its own timeout, see
   the stream broke before its first event; for a non-streamed answer, any
   failure before the whole answer arrived): the whole pair is tried again
   with another decode worker, up to ``max_retries`` more.
-* decode fails after the client got bytes: the stream ends with an in-band
+* decode fails after the client got P's first token (``router.stream_first_token``,
+  ``pdkv.router.handoff``) and before its own first event: another decode worker
+  computes the prompt and continues from P's token, up to ``max_retries`` more.
+* decode fails after the client got bytes from it: the stream ends with an in-band
   error event and ``[DONE]``, as the workers themselves do.
 * every decode attempt failed: 503 with ``Retry-After``, or 502 when every
   answer was broken (``pdkv.router.failures``); 504 once the client's own
@@ -33,7 +36,8 @@ worker costs its requests a few seconds, not ``prefill_timeout_s``. The
 background health loop brings it back.
 
 The rooms it runs each request through: ``failover`` (which worker a hop tries next, what a failed try
-leaves), ``prefill_hop`` and ``decode_hop`` (the two hops), ``upstream`` (each step awaited on a worker,
+leaves), ``prefill_hop`` and ``decode_hop`` (the two hops), ``handoff`` (P's first token to the client at once),
+``upstream`` (each step awaited on a worker,
 and the checks of its answer), ``answers`` (the router's own error answers) and ``abandoning`` (transfers
 whose decode hop never ran).
 """
@@ -59,6 +63,7 @@ from pdkv.router.decode_hop import DecodeHop
 from pdkv.router.disaggregation import DecodeCosts, decide
 from pdkv.router.failover import Failover
 from pdkv.router.failures import failed_status, request_deadline, time_left
+from pdkv.router.handoff import Handoff
 from pdkv.router.metrics import ROLE, RouterMetrics
 from pdkv.router.modes import PairMode
 from pdkv.router.policy import Policy, describe_prompt
@@ -100,6 +105,7 @@ class Proxy:
         self.abandoner = Abandoner(config, pool, mode, metrics, spawn, control_headers)
         self.prefill = PrefillHop(config, pool, policy, mode, metrics, self.upstream, self.failover, self.abandoner)
         self.decode = DecodeHop(config, metrics, self.upstream, self.failover, self.answers)
+        self.handoff = Handoff(config, metrics, self.decode, self.failover, self.abandoner, self.answers)
 
     async def generate(self, http: web.Request, path: str, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic()
@@ -205,12 +211,16 @@ class Proxy:
             self.metrics.disaggregation.labels(decision.way, decision.reason).inc()
             if decision.reason == "short_prompt":
                 self.metrics.decisions.labels(self.policy.name, "prefill", "short_prompt").inc()
+            first_event = None
             if decision.transfer:
                 codec = cfg.disaggregate_codec if decision.way == "transfer_codec" else None
-                params, transfer_id = await self.prefill.transfer_params(call, decode, failures, codec)
+                params, transfer_id, first_event = await self.prefill.transfer_params(call, decode, failures, codec)
             if params is not None or not decision.transfer:  # a fallback to local is no sample of either way
                 call.way_cost = costs.cost(decision.way)
-            response = await self.decode.answer(call, decode, params)
+            if params is not None and first_event is not None:
+                response = await self.handoff.answer(call, decode, params, first_event, transfer_id, failures)
+            else:
+                response = await self.decode.answer(call, decode, params)
             done = True
             return response
         finally:

@@ -46,6 +46,9 @@ class PushTo(msgspec.Struct):
     codec: Annotated[str, Meta(min_length=1, max_length=32)] | None = None
     return_kv_digest: bool = False  # tests: P returns per-layer digests of the prompt's KV
     push_proof: Annotated[str, Meta(max_length=128)] | None = None
+    # a streamed request: P's answer is the client's first event, left open (the router relays it at once and the
+    # decode worker streams the rest, ``DecodeHop.first_event``); unsigned, as it moves no KV anywhere
+    stream_first: bool = False
 
     @property
     def ports(self) -> list[int]:
@@ -132,6 +135,18 @@ class FirstTokenLogprobs(msgspec.Struct, forbid_unknown_fields=True):
     top: Annotated[list[tuple[Annotated[int, Meta(ge=0)], Logprob]], Meta(max_length=64)]
 
 
+MAX_STREAM_ID = 256
+"""The longest answer id a stream is handed on under (a client's own ``request_id`` may be longer: not handed)."""
+
+
+class FirstEvent(msgspec.Struct, forbid_unknown_fields=True):
+    """The stream P began (``PushTo.stream_first``): the client has its first event, P's token, so the decode
+    worker continues it under the same id and creation time, without sending that token again."""
+
+    id: Annotated[str, Meta(min_length=1, max_length=MAX_STREAM_ID)]
+    created: Annotated[int, Meta(ge=0)]
+
+
 class DecodeHop(msgspec.Struct):
     """Decode hop between pdkv workers: the transfer to wait for, and P's first token to decode on from."""
 
@@ -146,6 +161,7 @@ class DecodeHop(msgspec.Struct):
     first_token_logprobs: FirstTokenLogprobs | None = None
     kv_digest: list[str] | None = None
     return_kv_digest: bool = False
+    first_event: FirstEvent | None = None
 
 
 class Pushed(msgspec.Struct):

@@ -1,7 +1,9 @@
 """The decode role: adopt the KV a prefill worker pushed, or compute the prompt here when it did not come.
 
 ``{"do_remote_prefill": true, "transfer_id", "first_token_id"}``: wait for
-the landed KV, adopt its blocks and decode from P's first token. The KV is
+the landed KV, adopt its blocks and decode from P's first token (with
+``first_event``, a streamed answer whose first event the client got from P:
+continue that stream, without sending P's token again). The KV is
 adopted only if P computed it for this very prompt: P's Reserve carries the
 prompt's chained key and D compares it with the key of the prompt it was
 asked to decode (nothing the client sends decides it). If the transfer
@@ -34,7 +36,7 @@ from pdkv.transfer.incoming import ReceivedKV
 from pdkv.transfer.params import DecodeHop, FirstTokenLogprobs, parse
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.worker.metrics import WorkerMetrics
-from pdkv.worker.openai_api import MAX_LOGPROBS, GenerationRequest
+from pdkv.worker.openai_api import MAX_LOGPROBS, GenerationRequest, Handoff
 from pdkv.worker.role import Plan, WorkerRole
 from pdkv.worker.tiering import Tiering
 
@@ -91,6 +93,15 @@ class DecodeRole(WorkerRole):
                 param="kv_transfer_params",
             )
         first_logprobs = self._first_logprobs(hop.first_token_logprobs, req.logprobs)
+        handoff: Handoff = ""
+        if hop.first_event is not None and req.stream:  # the client has P's token: we stream the rest of its answer
+            if first is None:
+                raise InvalidRequestError(
+                    "kv_transfer_params.first_event needs the first_token_id whose event the client got",
+                    param="kv_transfer_params",
+                )
+            handoff = "rest"
+            req.request_id, req.created = hop.first_event.id, hop.first_event.created
         transfer_id = hop.transfer_id
         reason = None
         request = None
@@ -120,11 +131,18 @@ class DecodeRole(WorkerRole):
             self.metrics.fallbacks.labels(self.name, reason or "unknown").inc()
             request, cached = await self.new_request(req, req.sampling)
             on_chunk = self.tiering.offer(cached, None)
-            if reason == "prompt_mismatch":
-                first = None  # P's first token belongs to the prompt it prefilled, not to this one
+            if reason == "prompt_mismatch" and not handoff:
+                first = None  # P's first token belongs to the prompt it prefilled (unless the client has it already)
         else:
             self.metrics.prompt_tokens.labels(self.name, "transferred").inc(len(req.prompt_token_ids))
-        return Plan(request, first_token=first, first_logprobs=first_logprobs, on_chunk=on_chunk, kv_params=kv_params)
+        return Plan(
+            request,
+            first_token=first,
+            first_logprobs=first_logprobs,
+            on_chunk=on_chunk,
+            kv_params=kv_params,
+            handoff=handoff,
+        )
 
     def _first_logprobs(self, given: FirstTokenLogprobs | None, wanted: int | None) -> TokenLogprobs | None:
         """P's log-probabilities of the first token (``kv_transfer_params.first_token_logprobs``), checked

@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pdkv.engine.base import EngineAdapter
 from pdkv.engine.sampling import MIN_LOGPROB, SamplingParams, TokenLogprobs
@@ -58,6 +58,10 @@ _UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "guided_choice": lambda v: v is None,
     "tool_choice": lambda v: v in (None, "auto", "none"),
 }
+
+
+Handoff = Literal["", "first", "rest"]
+"""A streamed answer's part when it is handed from a prefill to a decode worker (``StreamEvents``)."""
 
 
 @dataclass
@@ -277,11 +281,51 @@ class Detokenizer:
     def push(self, token_id: int, final: bool = False) -> str:
         """Text added by ``token_id``; ``final`` flushes what an unfinished character held back."""
         self._ids.append(token_id)
+        return self._advance(final)
+
+    def flush(self) -> str:
+        """What an unfinished character held back, now that no token follows."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
         text = self._tokenizer.decode(self._ids)
         if text.endswith("\ufffd") and not final:  # an incomplete UTF-8 sequence: wait for the next token
             return ""
         delta, self._text = text[len(self._text) :], text
         return delta
+
+
+class StreamEvents:
+    """The server-sent events of one streamed answer, one per generated token.
+
+    An answer handed from a prefill to a decode worker (the router's ``stream_first_token``) is one stream in two
+    parts. P (``handoff`` "first") sends the first token's event as any answer's first, but leaves the answer open:
+    no finish reason, an unfinished character held back, as if more tokens followed. D (``handoff`` "rest") renders
+    that same token the same way, so its text, log-probability offsets and token count run on from it, and sends
+    nothing for it unless it ends the answer; then only the finish reason and what P held back.
+    """
+
+    def __init__(self, req: GenerationRequest, tokenizer: Tokenizer, handoff: Handoff = "") -> None:
+        self._req = req
+        self._detok = Detokenizer(tokenizer)
+        self._fmt = None if req.logprobs is None else LogprobsFormat(tokenizer, req.chat)
+        self._handoff = handoff
+        self.count = 0  # tokens rendered, P's included on D: the answer's usage
+
+    def next(self, token: int, finish: str | None, logprobs: TokenLogprobs | None) -> bytes | None:
+        """The event of the answer's next token; None when there is nothing to send for it."""
+        self.count += 1
+        block = None if self._fmt is None else self._fmt.block([token], [logprobs])
+        if self._handoff == "first":
+            finish = None  # the decode worker ends the answer
+        elif self._handoff == "rest" and self.count == 1:
+            self._detok.push(token)  # the client has this text from P
+            if finish is None:
+                return None
+            return stream_event(self._req, self._detok.flush(), None, finish, first=False)
+        text = self._detok.push(token, final=finish is not None)
+        first = self.count == 1  # never on D's side of a handoff: P's event carried the role
+        return stream_event(self._req, text, token, finish, first=first, logprobs=block)
 
 
 class LogprobsFormat:

@@ -7,7 +7,10 @@ auto`` sends it): load the prompt's cached prefix from the cache tier
 (``pdkv.worker.tiering``), reserve room on that decode worker's receiver,
 compute the rest chunk by chunk while each chunk, loaded or computed, is
 pushed, and return the first token with the ``kv_transfer_params`` the decode
-worker needs. (vLLM's NixlConnector has D pull from P; pdkv pushes, so P is
+worker needs. With ``"stream_first": true`` on a streamed request, that answer
+is the client's first event, left open, which the router relays at once: the
+decode worker streams the rest of the same answer (``first_event`` in its
+params). (vLLM's NixlConnector has D pull from P; pdkv pushes, so P is
 told where D is: ``remote_host``/``remote_port`` are D's receiver, from D's
 /pdkv/info.) A transfer that cannot open leaves the prompt computed here and
 says why in ``transfer_error``: the decode worker then computes it itself.
@@ -29,10 +32,10 @@ from pdkv.engine.base import EngineAdapter, Request
 from pdkv.engine.sampling import TokenLogprobs
 from pdkv.errors import InvalidRequestError, PdkvError, PeerUnreachableError
 from pdkv.transfer.outgoing import OutgoingTransfer
-from pdkv.transfer.params import PushGuard, PushTo, parse
+from pdkv.transfer.params import MAX_STREAM_ID, PushGuard, PushTo, parse
 from pdkv.transfer.sender import KVSender
 from pdkv.worker.metrics import WorkerMetrics
-from pdkv.worker.openai_api import GenerationRequest
+from pdkv.worker.openai_api import GenerationRequest, Handoff
 from pdkv.worker.push import ChunkPusher
 from pdkv.worker.role import Plan, WorkerRole
 from pdkv.worker.tiering import Tiering
@@ -115,6 +118,11 @@ class PrefillRole(WorkerRole):
         }
         if error is not None:
             params["transfer_error"] = told or error
+        handoff: Handoff = ""
+        if target.stream_first and req.stream and len(req.request_id) <= MAX_STREAM_ID:
+            # our event is the client's first: D continues the same stream
+            handoff = "first"
+            params["first_event"] = {"id": req.request_id, "created": req.created}
         digest = self._digest_hook(target.return_kv_digest, params)
         first_token = functools.partial(_tell_first_token, params)
         if xfer is None:
@@ -124,6 +132,7 @@ class PrefillRole(WorkerRole):
                 on_chunk=self.tiering.offer(cached, digest),
                 kv_params=params,
                 on_first_token=first_token,
+                handoff=handoff,
             )
         pusher, cs = self.pusher, self.chunk_size
         queued = [0]
@@ -149,6 +158,7 @@ class PrefillRole(WorkerRole):
             release=release,
             kv_params=params,
             on_first_token=first_token,
+            handoff=handoff,
         )
 
     def _abandon_open(self, opening: asyncio.Future[OutgoingTransfer], request: Request) -> None:

@@ -25,7 +25,7 @@ from pdkv.keys import chunk_keys
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
 from pdkv.worker.metrics import WorkerMetrics
-from pdkv.worker.openai_api import GenerationRequest
+from pdkv.worker.openai_api import GenerationRequest, Handoff
 from pdkv.worker.push import ChunkPusher
 from pdkv.worker.tiering import CachedPrefix, Tiering
 
@@ -42,6 +42,9 @@ class Plan:
     release: Callable[[Request], None] | None = None
     kv_params: dict[str, Any] | None = None
     on_first_token: Callable[[int, TokenLogprobs | None], None] | None = None  # the engine produced the first token
+    # a streamed answer handed from P to D (``pdkv.worker.openai_api.StreamEvents``): "first" on P, whose stream is
+    # the answer's first event only, left open; "rest" on D, whose client has that event from P already
+    handoff: Handoff = ""
 
 
 class WorkerRole(abc.ABC):

@@ -322,26 +322,15 @@ class Worker:
         resp = sse_response()
         try:
             await resp.prepare(http)
-            detok = api.Detokenizer(self.engine.tokenizer)
-            fmt = self._logprobs_format(req)
-            count = 0
+            stream = api.StreamEvents(req, self.engine.tokenizer, plan.handoff)
             try:
                 async for token, finish, lp in events:
-                    if count == 0:
+                    if stream.count == 0:
                         self._first_token(plan, token, lp, arrived)
-                    count += 1
-                    block = None if fmt is None else fmt.block([token], [lp])
-                    await resp.write(
-                        api.stream_event(
-                            req,
-                            detok.push(token, final=finish is not None),
-                            token,
-                            finish,
-                            first=count == 1,
-                            logprobs=block,
-                        )
-                    )
-                    if count == 1 and first_out is not None:
+                    event = stream.next(token, finish, lp)
+                    if event is not None:
+                        await resp.write(event)
+                    if stream.count == 1 and first_out is not None:
                         first_out.set()  # the engine thread may step on (``EngineLoop._emit``)
             except PdkvError as exc:  # headers are gone: report in-band, as OpenAI does
                 self.metrics.requests.labels(self.role, "error").inc()
@@ -352,13 +341,13 @@ class Worker:
                     sse({"id": req.request_id, "object": "kv_transfer_params", "kv_transfer_params": plan.kv_params})
                 )
             if req.include_usage:
-                await resp.write(api.usage_event(req, count))
+                await resp.write(api.usage_event(req, stream.count))
             await resp.write(SSE_DONE)
             await resp.write_eof()
         except ConnectionResetError:
             log.info("request %s: the client disconnected mid-stream; stopping it", req.request_id)
             return resp
-        self._done(count)
+        self._done(stream.count)
         return resp
 
     def _first_token(self, plan: Plan, token: int, logprobs: TokenLogprobs | None, arrived: float) -> None:
