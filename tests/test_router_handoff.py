@@ -11,17 +11,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 
+from pdkv.config import convert_config
+from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
 from pdkv.errors import UpstreamError
 from pdkv.router.handoff import split_prefill_stream
 from pdkv.router.pool import WorkerState
+from pdkv.testing.http import metric
 from pdkv.worker.openai_api import GenerationRequest, Handoff, StreamEvents
+from pdkv.worker.server import Worker
 
+from tests.conftest import serve_worker
+from tests.test_pd_fast_paths import PROMPT, SETTINGS
 from tests.test_router_units import FakeWorker, answering, cluster, post, router_metric, sse_data, wait_for
 
 P_EVENT = b'data: {"id":"cmpl-p","created":7,"choices":[{"index":0,"text":"P","finish_reason":null}]}\n\n'
@@ -270,3 +278,65 @@ def test_ps_first_event_and_ds_rest_read_as_one_workers_stream(answer: list[int]
     if chat:
         roles = [c["delta"].get("role") for e in first + rest for c in e["choices"]]
         assert roles == ["assistant"] + [None] * (len(roles) - 1)
+
+
+# -- the decode worker's side of a handoff, on a real worker ----------------------------------------------------------
+@pytest.mark.parametrize("why", ["not-started", "prompt-mismatch"])
+def test_a_decode_worker_that_computes_the_prompt_still_continues_from_ps_token(model_dir: Path, why: str) -> None:
+    """The client has P's token, so a decode worker whose KV did not come (the transfer never started: the router's
+    retry after a failed decode worker; or it was computed for another prompt) still decodes on from that token, not
+    from one of its own, and does not send it again; the engine steps on at once (``first_token_yield_s`` 600 here:
+    had it waited for a first event that is never written, the client's 60 s timeout would end the test)."""
+    engine = ReferenceEngine.load(str(model_dir), progress=False)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    own_first = engine.generate(PROMPT, greedy).output_token_ids[0]
+    p_token = (own_first + 1) % engine.vocab_size  # not the token D would pick: what it decodes on from shows
+    then = engine.generate(PROMPT + [p_token], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    jobs: list[Any] = []
+
+    async def scenario() -> None:
+        settings = {**SETTINGS, "first_token_yield_s": 600}
+        p_worker = Worker(convert_config({**SETTINGS, "role": "prefill"}), engine)
+        d_worker = Worker(convert_config({**settings, "role": "decode"}), ReferenceEngine.load(str(model_dir)))
+        submit = d_worker.loop.submit
+        d_worker.loop.submit = lambda job: (jobs.append(job), submit(job))[1]  # type: ignore[method-assign]
+        p_runner, p_url = await serve_worker(p_worker)
+        d_runner, d_url = await serve_worker(d_worker)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                kv: dict[str, Any] = {"do_remote_prefill": True, "transfer_id": "t", "transfer_started": False}
+                if why == "prompt-mismatch":  # P pushed another prompt's KV under this transfer id
+                    info = await (await s.get(d_url + "/pdkv/info")).json()
+                    push = {"do_remote_decode": True, "remote_host": info["remote_host"]}
+                    push.update(remote_port=info["remote_port"], transfer_id="t")
+                    other = {"prompt": PROMPT[::-1], "max_tokens": 1, "kv_transfer_params": push}
+                    answer = await (await s.post(p_url + "/v1/completions", json=other)).json()
+                    kv = {**answer["kv_transfer_params"]}
+                kv.update(first_token_id=p_token, first_event={"id": "cmpl-from-p", "created": 5})
+                body = {"prompt": PROMPT, "max_tokens": 4, "stream": True, "return_token_ids": True, **greedy_body()}
+                body["stream_options"] = {"include_usage": True}
+                resp = await s.post(d_url + "/v1/completions", json={**body, "kv_transfer_params": kv})
+                assert resp.status == 200
+                chunks = [json.loads(line[6:]) async for line in resp.content if line.startswith(b"data: {")]
+                refused = await s.post(
+                    d_url + "/v1/completions",
+                    json={**body, "kv_transfer_params": {**kv, "first_token_id": None}},
+                )
+                assert refused.status == 400 and "first_token_id" in (await refused.json())["error"]["message"]
+                metrics = await (await s.get(d_url + "/metrics")).text()
+        finally:
+            await p_runner.cleanup()
+            await d_runner.cleanup()
+        assert jobs[0].first_token == p_token and len(jobs) == 1
+        tokens = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])]
+        assert tokens == then.output_token_ids  # on from P's token, which the client has already
+        assert {(c["id"], c["created"]) for c in chunks} == {("cmpl-from-p", 5)}
+        assert chunks[-1]["usage"]["completion_tokens"] == 4  # P's token counted: one answer
+        reason = "not_started" if why == "not-started" else "prompt_mismatch"
+        assert metric(metrics, "pdkv_fallbacks_total", reason=reason) == 1
+
+    asyncio.run(scenario())
+
+
+def greedy_body() -> dict[str, Any]:
+    return {"temperature": 0, "ignore_eos": True}
