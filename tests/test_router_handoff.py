@@ -340,3 +340,25 @@ def test_a_decode_worker_that_computes_the_prompt_still_continues_from_ps_token(
 
 def greedy_body() -> dict[str, Any]:
     return {"temperature": 0, "ignore_eos": True}
+
+
+def test_the_clients_deadline_ends_a_handed_off_stream_in_band_with_a_504() -> None:
+    """The client has P's token when its deadline passes on a stalled decode worker: no retry on the spare (the
+    deadline is spent), the stream ends with a 504 event."""
+
+    async def stall(_w: FakeWorker, _http: web.Request, _body: dict[str, Any]) -> web.Response:
+        await asyncio.sleep(30)
+        raise AssertionError("unreachable")
+
+    async def scenario() -> None:
+        p, stalled, spare = FakeWorker("prefill", HANDING), FakeWorker("decode", stall), FakeWorker("decode")
+        async with cluster([p], [stalled, spare]) as (url, router):
+            status, text = await post(url + "/v1/completions", STREAMED, headers={"X-Request-Timeout": "0.5"})
+            events = sse_data(text)
+            assert status == 200 and events[0] == P_EVENT[6:-2].decode() and events[-1] == "[DONE]"
+            assert json.loads(events[1])["error"]["code"] == 504 and len(events) == 3
+            assert len(stalled.requests) == 1 and not spare.requests
+            assert router_metric(router, "pdkv_router_errors_total", status="504", cause="deadline") == 1
+            assert router_metric(router, "pdkv_requests_total", outcome="deadline") == 1
+
+    asyncio.run(scenario())
