@@ -23,6 +23,7 @@ from pdkv.engine.reference import ReferenceEngine
 from pdkv.engine.sampling import SamplingParams
 from pdkv.errors import UpstreamError
 from pdkv.router.handoff import split_prefill_stream
+from pdkv.router.policy import describe_prompt
 from pdkv.router.pool import WorkerState
 from pdkv.testing.http import metric
 from pdkv.worker.openai_api import GenerationRequest, Handoff, StreamEvents
@@ -30,7 +31,16 @@ from pdkv.worker.server import Worker
 
 from tests.conftest import serve_worker
 from tests.test_pd_fast_paths import PROMPT, SETTINGS
-from tests.test_router_units import FakeWorker, answering, cluster, post, router_metric, sse_data, wait_for
+from tests.test_router_units import (
+    FakeWorker,
+    answering,
+    cluster,
+    decode_answer,
+    post,
+    router_metric,
+    sse_data,
+    wait_for,
+)
 
 P_EVENT = b'data: {"id":"cmpl-p","created":7,"choices":[{"index":0,"text":"P","finish_reason":null}]}\n\n'
 STREAMED = {"prompt": "x" * 50, "max_tokens": 4, "stream": True}
@@ -360,5 +370,27 @@ def test_the_clients_deadline_ends_a_handed_off_stream_in_band_with_a_504() -> N
             assert len(stalled.requests) == 1 and not spare.requests
             assert router_metric(router, "pdkv_router_errors_total", status="504", cause="deadline") == 1
             assert router_metric(router, "pdkv_requests_total", outcome="deadline") == 1
+
+    asyncio.run(scenario())
+
+
+def test_disaggregate_auto_learns_a_way_from_the_decode_workers_first_event_not_ps_token() -> None:
+    """P's token reaches the client before the decode hop runs: were the transfer way's cost taken there, a slow link
+    (here a decode worker 0.3 s from its first event) would look free. Both ways learn from the answer's second
+    event: the transfer way's cost holds D's 0.3 s."""
+
+    async def slow_decode(w: FakeWorker, http: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        await asyncio.sleep(0.3)  # the KV's tail on a slow link
+        return await decode_answer(w, http, body)
+
+    async def scenario() -> None:
+        p, d = FakeWorker("prefill", HANDING), FakeWorker("decode", slow_decode)
+        async with cluster([p], [d], disaggregate="auto") as (url, router):
+            status, text = await post(url + "/v1/completions", STREAMED)  # the first way tried: transfer
+            assert status == 200 and sse_data(text)[0] == P_EVENT[6:-2].decode()
+            transfer = router.proxy._costs[d.url].cost("transfer")
+            assert transfer.samples == 1 and transfer.per_token is not None
+            tokens = describe_prompt(STREAMED, False, router.config).est_tokens
+            assert transfer.per_token * tokens >= 0.3
 
     asyncio.run(scenario())
