@@ -1,8 +1,9 @@
 """``pdkv demo``: a prefill worker, a decode worker and the router on this machine, one prompt through them.
 
 Starts all three as real processes (``pdkv launch``), streams a chat
-completion from the router (which prefills on one worker, has the KV moved
-to the other, and streams the decode worker's answer), and checks the answer
+completion from the router (which prefills on one worker, sends that
+worker's first token, has the KV moved to the other, and streams the decode
+worker's rest of the answer), and checks the answer
 against the decode worker generating the same prompt on its own. Prints the
 answer, TTFT, the bytes the KV transfer moved and its GB/s, then stops
 everything.
