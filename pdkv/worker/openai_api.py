@@ -308,7 +308,7 @@ class StreamEvents:
     def __init__(self, req: GenerationRequest, tokenizer: Tokenizer, handoff: Handoff = "") -> None:
         self._req = req
         self._detok = Detokenizer(tokenizer)
-        self._fmt = None if req.logprobs is None else LogprobsFormat(tokenizer, req.chat)
+        self._fmt = LogprobsFormat.of(req, tokenizer)
         self._handoff = handoff
         self.count = 0  # tokens rendered, P's included on D: the answer's usage
 
@@ -343,6 +343,11 @@ class LogprobsFormat:
         self._tokenizer = tokenizer
         self._chat = chat
         self._offset = 0
+
+    @classmethod
+    def of(cls, req: GenerationRequest, tokenizer: Tokenizer) -> LogprobsFormat | None:
+        """The format of ``req``'s answer; None when it asked for no log-probabilities."""
+        return None if req.logprobs is None else cls(tokenizer, req.chat)
 
     def _text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)

@@ -279,9 +279,6 @@ class Worker:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._parser, api.parse_request, body, self.engine, chat, self.served_models)
 
-    def _logprobs_format(self, req: api.GenerationRequest) -> api.LogprobsFormat | None:
-        return None if req.logprobs is None else api.LogprobsFormat(self.engine.tokenizer, req.chat)
-
     async def _collect(
         self, req: api.GenerationRequest, plan: Plan, events: AsyncIterator[Event], arrived: float
     ) -> web.Response:
@@ -296,7 +293,7 @@ class Worker:
             logprobs.append(lp)
         self._done(len(tokens))
         text = self.engine.tokenizer.decode(tokens)
-        fmt = self._logprobs_format(req)
+        fmt = api.LogprobsFormat.of(req, self.engine.tokenizer)
         return web.json_response(
             api.full_response(
                 req, text, tokens, finish, plan.kv_params, None if fmt is None else fmt.block(tokens, logprobs)
