@@ -32,6 +32,7 @@ from pdkv.testing.procs import start_worker
 
 PROMPT = [(i * 37) % 300 + 3 for i in range(64)]
 RUNNING_TOKENS = 1500  # enough to outlast the arrivals; the worker stops under them
+START_TIMEOUT_S = 120.0  # for the running streams' first tokens
 
 
 def _stream(url: str, max_tokens: int, times: list[float], prompt: list[int]) -> None:
@@ -68,7 +69,10 @@ def one_setting(yield_s: float, streams: int, arrivals: int, every_s: float, wor
         ]
         for t in threads:
             t.start()
-        while min(len(r) for r in running) < 5:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while min(len(r) for r in running) < 5:  # every stream decoding before the arrivals begin
+            if time.monotonic() > deadline or not all(t.is_alive() for t in threads):
+                raise PdkvError(f"first_token_yield: the running streams did not start decoding (got {running!r:.200})")
             time.sleep(0.01)
         ttfts, firsts = [], []
         for i in range(arrivals):
