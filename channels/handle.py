@@ -23,6 +23,17 @@ log = logging.getLogger(__name__)
 NUMPY_FROM_BLOCKS = 512
 
 
+def _id_bounds(ids: np.ndarray) -> tuple[int, int]:
+    """The lowest and highest of ``ids`` ((0, -1) if none): a short array's in Python, which two numpy reductions of
+    about 10 us each cost on a request's path here (``NUMPY_FROM_BLOCKS``)."""
+    if not len(ids):
+        return 0, -1
+    if len(ids) < NUMPY_FROM_BLOCKS:
+        listed = ids.tolist()
+        return min(listed), max(listed)
+    return int(ids.min()), int(ids.max())
+
+
 def run_starts(ours: list[int], theirs: list[int]) -> list[int]:
     """Indices (past 0) where a run starts: our id or theirs does not step by one from the previous block."""
     if len(ours) < NUMPY_FROM_BLOCKS:
@@ -106,8 +117,7 @@ class BlockWrite:
             view = a.view()  # read-only through this write; the caller must not change the ids under it either
             view.flags.writeable = False
             object.__setattr__(self, name, view)
-        bounds = tuple((int(a.min()), int(a.max())) if len(a) else (0, -1) for a in arrays)
-        object.__setattr__(self, "bounds", bounds)
+        object.__setattr__(self, "bounds", (_id_bounds(self.local_blocks), _id_bounds(self.remote_blocks)))
 
     @property
     def nbytes(self) -> int:
@@ -177,7 +187,10 @@ class TransferHandle:
         """Call ``fn(self)`` once the handle finishes, on the thread that finishes it (now, if it has).
 
         ``fn`` must be quick and must not call back into the channel: it may
-        run on the channel's I/O thread, or under the channel's lock.
+        run on the channel's I/O thread, or under the channel's lock. A write
+        the peer answered (``answer`` set) completes holding none of the
+        channel's locks, so its callback may ``release`` the handle
+        (``pdkv.transfer.completion`` applies the verdict there).
         """
         with self._lock:
             if self.state is XferState.PENDING:

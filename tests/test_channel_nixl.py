@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -381,9 +382,10 @@ def test_options_and_buffers_are_validated(make_channel: Callable[..., Channel])
     )
 
 
-def test_in_process_pair_without_progress_thread_and_close(make_channel: Callable[..., Channel]) -> None:
-    # progress_thread=False: the caller's polls are the only progress, as documented.
-    a, b = make_channel(progress_thread=False), make_channel(progress_thread=False)
+@pytest.mark.parametrize("progress_thread", [False, True])
+def test_in_process_pair_and_close(make_channel: Callable[..., Channel], progress_thread: bool) -> None:
+    # without NIXL's progress thread (the default) the callers' polls are the only progress, as documented
+    a, b = make_channel(progress_thread=progress_thread), make_channel(progress_thread=progress_thread)
     src, dst = pattern(REGION, 7), torch.zeros(REGION, dtype=torch.uint8)
     ra, rb = a.register(src), b.register(dst)
     name = a.add_peer(b.metadata())
@@ -496,6 +498,77 @@ def test_watcher_sleeps_until_a_grant_and_then_delivers_the_notification(
     assert b.watch_polls > asleep
 
 
+class _StubNixl:
+    """The calls ``Transfers`` makes of a ``nixl_agent``, with the write's state set by the test."""
+
+    def __init__(self) -> None:
+        self.state, self.notif = "PROC", b""
+
+    def make_prepped_xfer(self, op: str, local: Any, ours: Any, remote: Any, theirs: Any, notif: bytes) -> Any:
+        self.notif = notif
+        return SimpleNamespace(release=lambda: None)
+
+    def transfer(self, xfer: Any) -> str:
+        return "PROC"
+
+    def check_xfer_state(self, xfer: Any) -> str:
+        return self.state
+
+
+def test_an_answer_seen_before_its_write_is_done_completes_it_outside_the_agents_lock() -> None:
+    """Without NIXL's progress thread, over UCX's tcp, the target's answer is often read before the write's own DONE.
+    The write then completes in the poll that sees DONE; its done callback releases it through the channel, as
+    ``Completions`` does with a verdict, which takes the agent's lock: the poll must not hold it then (it did, and a
+    two-host bench hung on it)."""
+    from pdkv.channels import answers
+    from pdkv.channels.answers import Asks
+    from pdkv.channels.nixl.transfers import NixlTransferHandle, Transfers
+
+    nixl = _StubNixl()
+    agent = SimpleNamespace(nixl=nixl, lock=threading.Lock(), closed=False)
+    peers = SimpleNamespace(answering={"d"}, broken=set())
+    transfers = Transfers(agent, peers, Asks(), SimpleNamespace(fetch=lambda: 0))  # type: ignore[arg-type]
+    handle = NixlTransferHandle("d", "write", 10, 1)
+    with agent.lock:  # as the channel submits
+        transfers.submit(handle, lambda: (None, [0], None, [0]), b"notice")
+    ask = nixl.notif[1 : 1 + 16]
+    assert transfers.asks.answered("d", answers.ANSWER + bytes([answers.ANSWERED]) + ask + b"verdict")
+    assert handle.state is XferState.PENDING  # answered, not yet written
+    released: list[bool] = []
+    handle.add_done_callback(lambda h: released.append(transfers.release(h) is None))
+    nixl.state = "DONE"
+    poller = threading.Thread(target=transfers.poll, args=(handle,), daemon=True)
+    poller.start()
+    poller.join(10.0)
+    assert not poller.is_alive(), "the poll that completed the write deadlocked on the agent's lock"
+    assert handle.state is XferState.DONE and handle.answer == b"verdict" and released == [True]
+    assert not transfers.inflight and not transfers.asks
+
+
+def test_a_read_grant_keeps_the_watcher_polling_and_the_read_lands(make_channel: Callable[..., Channel]) -> None:
+    """Without NIXL's progress thread (the default) the watcher's polls are this agent's only progress, and a peer's
+    READ of a region needs them over a transport that moves it through the target (UCX's tcp): a region granted for
+    reading alone keeps the watcher polling, as a write grant does, and the READ finishes."""
+    from pdkv.channels.nixl import NixlChannel
+
+    a, b = make_channel(), make_channel()
+    assert isinstance(b, NixlChannel)
+    src, dst = pattern(REGION, 5), torch.zeros(REGION, dtype=torch.uint8)
+    rb, ra = b.register(src), a.register(dst)
+    b.guard(rb)
+    name = a.add_peer(b.metadata())
+    time.sleep(0.05)
+    asleep = b.watch_polls
+    time.sleep(0.1)
+    assert b.watch_polls == asleep  # guarded, granted to nobody: nothing can come, no timer
+    b.grant(b"R" * 16, "read", [(rb, 0, REGION)])
+    time.sleep(0.1)
+    assert b.watch_polls - asleep >= 5, "a read grant must keep the watcher progressing the agent"
+    handle = a.read(name, [TransferOp(ra, 0, rb, 0, REGION)], token=b"R" * 16)
+    a.wait(handle, 10.0)
+    assert torch.equal(src, dst)
+
+
 @pytest.mark.skipif(not Path("/proc/self/timerslack_ns").exists(), reason="Linux >= 4.6 shows a thread's timer slack")
 def test_the_watcher_sleeps_with_tight_timer_slack(make_channel: Callable[..., Channel]) -> None:
     """The watcher's 50 us pauses while a transfer is in flight would run ~130 us at Linux's default 50 us of timer
@@ -599,7 +672,7 @@ def test_progress_thread_delay_is_kept_and_the_binding_restored(make_channel: Ca
     config = keep_delay_config(2500)()
     config.pthrDelay = 0  # what nixl_agent.__init__ assigns
     assert config.pthrDelay == 2500
-    make_channel(progress_delay_us=2500)
+    make_channel(progress_thread=True, progress_delay_us=2500)
     assert bindings.nixlAgentConfig is original, "the swapped config class must not outlive the constructor"
 
 

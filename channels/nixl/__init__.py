@@ -1,8 +1,8 @@
 """The NIXL channel: the real NIXL agent (``nixl._api.nixl_agent``), UCX backend by default.
 
 DRAM<->DRAM between processes runs without a GPU (so CI tests it); CUDA tensors register as VRAM. How it maps onto
-the ``Channel`` interface, the UCX environment it sets and why its progress thread keeps a delay: channels/README.md,
-"nixl".
+the ``Channel`` interface, the UCX environment it sets, and why NIXL's progress thread is off by default (and keeps a
+delay where it is on): channels/README.md, "nixl".
 
 Its rooms, one job each: ``lib`` the library, imported once UCX's environment is set, and its errors; ``options``;
 ``agent`` the agent created with the progress delay pdkv keeps, its lock, and the memory registered with it;

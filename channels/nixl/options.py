@@ -13,7 +13,9 @@ class NixlOptions(ChannelOptions):
     """Options of the nixl channel (``channel_options`` in config)."""
 
     backends: Annotated[list[str], msgspec.Meta(min_length=1)] = msgspec.field(default_factory=lambda: ["UCX"])
-    progress_thread: bool = True  # NIXL's progress thread, event-driven (see channels/README.md, "nixl")
+    # NIXL's progress thread, event-driven (channels/README.md, "nixl"). Off: the watcher's polls progress the agent,
+    # which they must anyway to see a transfer finish; the thread's wake-ups only competed with them for the cores
+    progress_thread: bool = False
     progress_delay_us: Annotated[int, msgspec.Meta(ge=1, le=10_000_000)] = 1000  # its longest sleep between wake-ups
     spin_s: Annotated[float, msgspec.Meta(ge=0)] = 0.005  # wait() busy-polls this long before backing off
     # longest pause between polls in wait(), and the watcher's while a region is open to every peer

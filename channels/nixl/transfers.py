@@ -54,7 +54,8 @@ class Transfers:
             self._release_xfer(handle)
             return handle
         self.inflight[handle.id] = handle
-        self._settle(handle, state)
+        if self._settle(handle, state):  # its answer cannot have come yet (asked just now): only marked written
+            self.asks.written(handle)
         return handle
 
     def poll(self, handle: TransferHandle) -> XferState:
@@ -64,6 +65,7 @@ class Transfers:
         if handle.id not in self.inflight and self.asks.asked(handle):  # written: its answer may be here
             self._notices.fetch()
             return handle.state
+        written = False
         with self._agent.lock:
             if handle.id in self.inflight:
                 assert isinstance(handle, NixlTransferHandle) and handle.xfer is not None
@@ -73,7 +75,9 @@ class Transfers:
                     self._fail(handle, describe_nixl_error(exc))
                     self._release_xfer(handle)
                 else:
-                    self._settle(handle, state)
+                    written = self._settle(handle, state)
+        if written:  # outside the lock: where its answer came first, this completes it, and its callbacks may call us
+            self.asks.written(handle)
         return handle.state
 
     def look(self) -> int:
@@ -109,20 +113,23 @@ class Transfers:
             self._release_xfer(handle)
         self.asks.fail(reason)
 
-    def _settle(self, handle: NixlTransferHandle, state: str) -> None:
-        """Apply a NIXL state ("DONE", "PROC", "ERR") to the handle (a write that asked for an answer completes once
-        that came too)."""
+    def _settle(self, handle: NixlTransferHandle, state: str) -> bool:
+        """Apply a NIXL state ("DONE", "PROC", "ERR") to the handle. True for a written write that asked for an
+        answer: the caller marks it written (``Asks.written``) once it holds no lock, since that completes it where the
+        answer came first (over UCX's tcp, without NIXL's progress thread, the answer is often seen before the write's
+        own DONE), and an answered write's done callback releases it through the channel (``Completions``)."""
+        asked = False
         if state == "DONE":
-            if self.asks.asked(handle):
-                self.asks.written(handle)
-            else:
+            asked = self.asks.asked(handle)
+            if not asked:
                 handle.complete()
         elif state == "ERR":
             self.asks.forget(handle)
             self._fail(handle, "NIXL reported ERR (the peer went away, or a region was deregistered mid-transfer)")
         else:
-            return
+            return False
         self._release_xfer(handle)
+        return asked
 
     def _fail(self, handle: NixlTransferHandle, why: str) -> None:
         """A transfer NIXL failed: the peer's endpoints may be dead, so its agent is loaded afresh next time."""

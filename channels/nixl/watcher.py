@@ -93,14 +93,18 @@ class Watcher:
         """The watcher's next pause: ``watch_min_s`` while things move, doubling up to ``granted_poll_s`` while a
         peer holds a grant here and something moved within ``granted_idle_s``, else up to ``max_poll_interval_s``
         (an idle grant, or a region open to every peer); None (sleep until a post, grant, registration or close)
-        when no notification can arrive."""
+        when no notification can arrive and no peer may read here. Its polls are what progresses the agent where
+        NIXL's progress thread is off (the default: channels/README.md, "nixl")."""
         opts = self._options
         if active:
             self._moved_at = time.monotonic()
             return opts.watch_min_s
         with self._agent.lock:
             regions = [region for region, _ in self._regions.items()]
+        # a peer's READ of a region granted for reading needs this agent's progress too (no progress thread)
         exposure = self._grants.exposure(regions)
+        if exposure == "closed":
+            exposure = self._grants.exposure(regions, "read")
         if exposure == "closed":
             return None
         recent = time.monotonic() - self._moved_at < opts.granted_idle_s
