@@ -5,14 +5,15 @@ process, against the raw channel moving the same bytes in the same run.
 
 Prints one JSON line: per request size, the median and p90 of ``open`` + ``send_all`` + ``wait`` (what
 ``pdkv bench transfer`` times per request), the median CPU time each side's process spent on one request (all
-its threads, /proc schedstat: steadier than wall time on a loaded machine), and the raw channel's time and
-CPU for the same bytes: the request's whole blocks, which direct mode moves (a 40-token request's 3 blocks of 16
-tokens, 2.21 MB where its tokens are 1.84 MB), each way the baseline has (``raw_ms_by_variant``: for nixl also
-``blocks``, one prepped WRITE of the blocks as vLLM's NixlConnector posts them), ``raw_ms`` the fastest. ``--threads`` adds, per size, where each thread of both processes spent a request
+its threads, /proc schedstat: steadier than wall time on a loaded machine), and the raw channel's time and CPU for
+the same bytes: the request's whole blocks, which direct mode moves (a 40-token request's 3 blocks of 16 tokens,
+2.21 MB where its tokens are 1.84 MB), each way the baseline has (``raw_ms_by_variant``; for nixl also ``blocks``,
+one prepped WRITE of the blocks as vLLM's NixlConnector posts them), ``raw_ms`` the fastest and ``over_raw_ms``
+the request's time past it. ``--threads`` adds, per size, where each thread of both processes spent a request
 (schedstat per thread: on a CPU, runnable but waiting for one, and how many times it was put on one), for pdkv and
-for the raw channel: whether the request waits on the socket or on the scheduler (issue 46, step 0). ``--pool-tokens 0``
-reserves every request first (default: the config's, one chunk); on a pdkv without pools the option is ignored, so
-the same script measures before and after: run them alternately
+for the raw channel: whether the request waits on the socket or on the scheduler (issue 46, step 0).
+``--pool-tokens 0`` reserves every request first (default: the config's, one chunk); on a pdkv without pools the
+option is ignored, so the same script measures before and after: run them alternately
 (benchmarks/history/2026-11-26-cost-of-a-byte-and-a-request-issue-28.md).
 """
 
