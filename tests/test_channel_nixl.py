@@ -472,23 +472,32 @@ def test_whole_blocks_index_the_lists_prepared_once_and_odd_ranges_still_move(
         a.register(torch.zeros(BLOCK + 1, dtype=torch.uint8), BLOCK)
 
 
-def test_watcher_sleeps_until_a_grant_and_then_delivers_the_notification(
-    make_channel: Callable[..., Channel],
-) -> None:
-    """A receiver whose regions are all guarded and granted to nobody can get no write: its watcher sleeps on an
-    event, with no timer. A grant wakes it, and the write's notification reaches the inbox's fd by itself."""
+def _asleep_behind_a_guard(
+    make_channel: Callable[..., Channel], a_buf: torch.Tensor, b_buf: torch.Tensor
+) -> tuple[Channel, Any, int, int, str, int]:
+    """Channels ``a`` and ``b`` with a region each, ``b``'s guarded and granted to nobody, ``a`` a peer of ``b``'s, and
+    ``b``'s watcher asleep (checked): (a, b, a's region, b's, b's name at a, b's watcher passes so far)."""
     from pdkv.channels.nixl import NixlChannel
 
     a, b = make_channel(), make_channel()
     assert isinstance(b, NixlChannel)
-    src, dst = pattern(REGION, 3), torch.zeros(REGION, dtype=torch.uint8)
-    ra, rb = a.register(src), b.register(dst)
+    ra, rb = a.register(a_buf), b.register(b_buf)
     b.guard(rb)
     name = a.add_peer(b.metadata())
     time.sleep(0.05)  # the watcher's last passes from the registration, before the guard
     asleep = b.watch_polls
     time.sleep(0.2)  # a timer of 1 ms would have polled ~200 times here
     assert b.watch_polls == asleep
+    return a, b, ra, rb, name, asleep
+
+
+def test_watcher_sleeps_until_a_grant_and_then_delivers_the_notification(
+    make_channel: Callable[..., Channel],
+) -> None:
+    """A receiver whose regions are all guarded and granted to nobody can get no write: its watcher sleeps on an
+    event, with no timer. A grant wakes it, and the write's notification reaches the inbox's fd by itself."""
+    src, dst = pattern(REGION, 3), torch.zeros(REGION, dtype=torch.uint8)
+    a, b, ra, rb, name, asleep = _asleep_behind_a_guard(make_channel, src, dst)
     b.grant(b"T" * 16, "write", [(rb, 0, REGION)])
     handle = a.write(name, [TransferOp(ra, 0, rb, 0, REGION)], notif=b"granted", token=b"T" * 16)
     a.wait(handle, 10.0)
@@ -549,18 +558,8 @@ def test_a_read_grant_keeps_the_watcher_polling_and_the_read_lands(make_channel:
     """Without NIXL's progress thread (the default) the watcher's polls are this agent's only progress, and a peer's
     READ of a region needs them over a transport that moves it through the target (UCX's tcp): a region granted for
     reading alone keeps the watcher polling, as a write grant does, and the READ finishes."""
-    from pdkv.channels.nixl import NixlChannel
-
-    a, b = make_channel(), make_channel()
-    assert isinstance(b, NixlChannel)
     src, dst = pattern(REGION, 5), torch.zeros(REGION, dtype=torch.uint8)
-    rb, ra = b.register(src), a.register(dst)
-    b.guard(rb)
-    name = a.add_peer(b.metadata())
-    time.sleep(0.05)
-    asleep = b.watch_polls
-    time.sleep(0.1)
-    assert b.watch_polls == asleep  # guarded, granted to nobody: nothing can come, no timer
+    a, b, ra, rb, name, asleep = _asleep_behind_a_guard(make_channel, dst, src)
     b.grant(b"R" * 16, "read", [(rb, 0, REGION)])
     time.sleep(0.1)
     assert b.watch_polls - asleep >= 5, "a read grant must keep the watcher progressing the agent"
