@@ -561,8 +561,8 @@ def test_a_read_grant_keeps_the_watcher_polling_and_the_read_lands(make_channel:
     src, dst = pattern(REGION, 5), torch.zeros(REGION, dtype=torch.uint8)
     a, b, ra, rb, name, asleep = _asleep_behind_a_guard(make_channel, dst, src)
     b.grant(b"R" * 16, "read", [(rb, 0, REGION)])
-    time.sleep(0.1)
-    assert b.watch_polls - asleep >= 5, "a read grant must keep the watcher progressing the agent"
+    # a sleeping watcher never passes again: the wait fails (a pace, not a timing, is what it checks)
+    wait_until(lambda: b.watch_polls - asleep >= 5, 10.0, "the watcher to poll a region granted for reading")
     handle = a.read(name, [TransferOp(ra, 0, rb, 0, REGION)], token=b"R" * 16)
     a.wait(handle, 10.0)
     assert torch.equal(src, dst)
