@@ -429,10 +429,11 @@ class HttpConfig(msgspec.Struct, forbid_unknown_fields=True):
     A body larger than ``max_body_bytes`` is answered 413 without being read; one that does not
     arrive whole within ``body_timeout_s`` of its headers is answered 408 and its connection closed;
     a connection with no complete request for ``idle_timeout_s`` (idle keep-alive, or headers that
-    never finish) is closed. Keep ``idle_timeout_s`` above the router's 15 s client keep-alive, so
-    the router never reuses a connection a worker is closing. After an answer given before the
-    body was read (408, 413, 401), what is left of the body is read and dropped for at most
-    ``linger_s`` (so the client reads the answer, not a reset), then the connection is closed.
+    never finish) is closed. Keep ``idle_timeout_s`` above the router's 4 s client keep-alive
+    (``pdkv.router.app.UPSTREAM_KEEPALIVE_S``), so the router never reuses a connection a worker is closing.
+    After an answer given before the body was read (408, 413, 401), what is left of the body is read
+    and dropped for at most ``linger_s`` (so the client reads the answer, not a reset), then the
+    connection is closed.
     """
 
     max_body_bytes: Positive = 16 << 20

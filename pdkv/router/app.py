@@ -46,6 +46,12 @@ from pdkv.router.pool import ROLES, Role, WorkerPool
 from pdkv.router.proxy import Proxy
 from pdkv.router.tenants import Tenants, request_salt
 
+# How long the router keeps an idle connection to a worker for its next request. Below the shortest keep-alive of the
+# servers it talks to: vLLM's API server (uvicorn) closes an idle connection after 5 s, and a request the router
+# sends on a connection the worker is closing fails as "server disconnected" (the worker is then marked down). A
+# full CI run hit that between two tests of tests/test_vllm_integration.py.
+UPSTREAM_KEEPALIVE_S = 4.0
+
 if TYPE_CHECKING:
     from pdkv.modelfiles.tokenizer import Tokenizer
 
@@ -97,7 +103,8 @@ class Router:
                 "set it to 'default' or the model's Hugging Face directory"
             )
         tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer)
-        router = cls(config, aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)), http, secret)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S)
+        router = cls(config, aiohttp.ClientSession(connector=connector), http, secret)
         router.tokenizer = router.proxy.tokenizer = tokenizer
         for role, urls in (("prefill", config.prefill), ("decode", config.decode)):
             for url in urls:
