@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from pdkv.bench.channel import BASELINES, _load, _recv, baseline_variants
+from pdkv.bench.channel import BASELINES, _load, _recv, baseline_variants, variant_pids
 from pdkv.bench.netrig import LOOPBACK
 from pdkv.bench.transfer import SENDER_LAYOUT, TransferRig, _digest
 from pdkv.config import TransferConfig
@@ -112,12 +112,11 @@ def moved_bytes(tokens: int) -> int:
 def raw_variants(raw: object, moved: int) -> dict[str, dict[str, int]]:
     """The raw baseline's ways of moving ``moved`` bytes (stream counts and send sizes for raw sockets), and for
     a baseline that moves blocks (``RawNixl``) the way vLLM's NixlConnector posts a request: one WRITE of its blocks,
-    each a descriptor of lists prepared once."""
-    variants = baseline_variants(raw, moved)
+    each a descriptor of lists prepared once (each way by both its programs: NIXL's progress thread on and off)."""
     if getattr(raw, "moves_blocks", False):
         layout = SENDER_LAYOUT
-        variants["blocks"] = {"block_bytes": layout.block_bytes, "tensors": layout.num_tensors, "requests": 1}
-    return variants
+        return raw.variants(moved, {"block_bytes": layout.block_bytes, "tensors": layout.num_tensors, "requests": 1})
+    return baseline_variants(raw, moved)
 
 
 def one_request(
@@ -185,7 +184,6 @@ def main() -> None:
     with TransferRig(args.channel, SENDER_LAYOUT, 64, 256, config) as rig:
         receiver = [p.pid for p in multiprocessing.active_children()]
         with _load(BASELINES[args.channel])(biggest, LOOPBACK) as raw:
-            raw_peer = [p.pid for p in multiprocessing.active_children() if p.pid not in receiver]
             rig.push([("warm", sizes[0])])
             for tokens in sizes:
                 nbytes = SENDER_LAYOUT.chunk_bytes(tokens)
@@ -201,7 +199,6 @@ def main() -> None:
                             time.sleep(0.0002)
                     runs.append(one_request(rig, f"r{tokens}-{i}", tokens, table, *receiver, spent=spent))
                 rig.allocator.free(table)
-                raw_pids = {"sender": os.getpid(), "receiver": raw_peer[0]}
                 raw_spent = {"sender": Spent(), "receiver": Spent()}
                 raw_runs = []
                 # the best plain program on this machine moving the same bytes: the raw baseline's fastest way
@@ -209,15 +206,16 @@ def main() -> None:
                 variants = raw_variants(raw, moved)
                 by_variant = {label: moved / raw.gbps(moved, 20, **kw) / 1e9 for label, kw in variants.items()}
                 best = min(by_variant, key=by_variant.__getitem__)
+                raw_pids = variant_pids(raw, variants[best])
                 for _ in range(5):
-                    c0, p0 = cpu_ns(os.getpid()), sum(cpu_ns(p) for p in raw_peer)
+                    c0, p0 = cpu_ns(os.getpid()), cpu_ns(raw_pids["receiver"])
                     time.sleep(SETTLE_S)
                     before = {side: threads(raw_pids[side], "last") for side in ("receiver", "sender")}
                     gbps = raw.gbps(moved, 20, **variants[best])
                     time.sleep(SETTLE_S)
                     for side in ("sender", "receiver"):
                         raw_spent[side].add(before[side], threads(raw_pids[side], "first"))
-                    c1, p1 = cpu_ns(os.getpid()), sum(cpu_ns(p) for p in raw_peer)
+                    c1, p1 = cpu_ns(os.getpid()), cpu_ns(raw_pids["receiver"])
                     raw_runs.append((moved / gbps / 1e9, (c1 - c0) / 20, (p1 - p0) / 20))
                 times = sorted(r[0] for r in runs)
                 raw_ms = 1e3 * statistics.median(r[0] for r in raw_runs)

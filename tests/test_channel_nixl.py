@@ -716,20 +716,26 @@ def test_a_write_in_flight_when_its_peer_is_forgotten_is_marked_as_possibly_stil
     assert done.state is XferState.DONE and not done.may_still_land  # a finished write is not in doubt
 
 
-def test_the_raw_blocks_baseline_moves_each_requests_blocks_with_its_notification() -> None:
-    """``pdkv bench transfer``'s second nixl baseline: a direct scenario's requests moved as whole blocks, one
-    transfer and notification per request; leaving the baseline raises unless the target got every one."""
+def test_the_raw_baseline_runs_each_way_by_both_programs_and_each_target_gets_every_notification() -> None:
+    """``pdkv bench transfer``'s nixl baselines: a direct scenario's requests moved as whole blocks too, one transfer
+    and notification per request; every way by the program with NIXL's progress thread and the one without, each
+    its own pair of agents and target process (its ``CpuMeter`` reads that one); leaving the baseline raises unless
+    each target got every notification its pair asked for."""
+    from pdkv.bench.channel import variant_pids
     from pdkv.bench.nixl_raw import WARMUP, RawNixl
     from pdkv.bench.transfer import Scenario, variants_for
 
     sc = Scenario("direct", 40, 2)
-    assert "blocks" not in variants_for(RawNixl, Scenario("staging", 40, 2))
     with RawNixl(sc.block_bytes) as raw:
+        assert set(variants_for(raw, Scenario("staging", 40, 2))) == {"raw", "raw, no progress thread"}
         variants = variants_for(raw, sc)
-        assert set(variants) == {"raw", "blocks"}
+        assert set(variants) == {"raw", "blocks", "raw, no progress thread", "blocks, no progress thread"}
         for kw in variants.values():
             assert raw.gbps(sc.nbytes, 2, **kw) > 0
-        assert raw.pair.notified == (WARMUP + 2) * (1 + sc.requests)  # one per transfer, one per request
+        for on, pair in raw.pairs.items():
+            assert pair.notified == (WARMUP + 2) * (1 + sc.requests)  # one per transfer, one per request
+            assert variant_pids(raw, {"progress_thread": on})["receiver"] == pair.proc.pid
+        assert raw.pairs[True].proc.pid != raw.pairs[False].proc.pid
         with pytest.raises(ChannelError, match="do not fit"):
             raw.gbps(2 * sc.block_bytes, 1, **variants["blocks"])
 

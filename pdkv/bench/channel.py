@@ -617,8 +617,15 @@ def _open_sender(
 
 
 def baseline_variants(baseline: Any, size: int) -> dict[str, dict[str, int]]:
-    """``gbps`` keyword arguments per way the baseline moves ``size`` bytes (``RawSockets``: stream counts)."""
+    """``gbps`` keyword arguments per way the baseline moves ``size`` bytes (``RawSockets``: stream counts;
+    ``RawNixl``: with NIXL's progress thread and without)."""
     return baseline.variants(size) if hasattr(baseline, "variants") else {"raw": {}}
+
+
+def variant_pids(baseline: Any, kw: dict[str, int]) -> dict[str, int | None]:
+    """The processes doing each side of one of the baseline's variants: a baseline running each of its programs in
+    processes of their own (``RawNixl``) says which (``pids_for``)."""
+    return baseline.pids_for(**kw) if hasattr(baseline, "pids_for") else baseline.pids
 
 
 def warm_up(baseline: Any, size: int) -> None:
@@ -698,12 +705,13 @@ def measure(
             sides: dict[str, tuple[Any, Callable[[], float]]] = {
                 label: (baseline, partial(baseline.gbps, size, reps, **kw)) for label, kw in variants.items()
             }
+            pids = {label: variant_pids(baseline, kw) for label, kw in variants.items()}
             sides["channel"] = (sender, partial(sender.gbps, size, reps))
             if tls_sender is not None:
                 sides["tls"] = (tls_sender, partial(tls_sender.gbps, size, reps))
             for n, side in split.items():
                 sides[f"streams {n}"] = (side, partial(side.gbps, size, reps))
-            meters = {key: CpuMeter(side.pids) for key, (side, _) in sides.items()}
+            meters = {key: CpuMeter(pids.get(key) or side.pids) for key, (side, _) in sides.items()}
             got = dict(
                 zip(
                     sides,

@@ -5,19 +5,24 @@ with nothing of pdkv in the data path: each transfer is what a careful NIXL
 user writes (descriptor lists prepared once per size, then per transfer
 ``make_prepped_xfer`` with a notification, ``transfer``, ``check_xfer_state``
 in a busy loop until DONE, ``release``). The agents are built as the nixl
-channel builds its own (``create_nixl_agent``: the same UCX environment) but
-with NIXL's progress thread on (``RAW_PROGRESS_THREAD``), as vLLM's NixlConnector runs
-its agent: the channel turns it off by default, and this program is the
-faster one where it matters most. Measured on the 2-vCPU VM (issue 46's
-history file): single writes of 256 KiB moved at 4.4-5.7 GB/s with the thread
-and 0.9-1.0 without (a write that small waits for the target's progress,
-which without the thread comes only with its polls); a request's blocks took
-0.32-0.33 ms with it at 40 tokens against 0.31 without, and 18.3-19.8 ms at
-2048 tokens against 17.0-17.5: there the baseline is up to a tenth slower
-than it could be, which the rows' ratios flatter by.
+channel builds its own (``create_nixl_agent``: the same UCX environment).
 
-``gbps`` has two ways (``variants``): ``contiguous``, the bytes as one
-transfer; and, given a KV layout's grid (``block_bytes``, ``tensors``,
+Each way is run twice, by two pairs of agents (``progress_threads``): with
+NIXL's progress thread on, as vLLM's NixlConnector runs its agent, and with
+it off, as the nixl channel runs its own by default. Neither program is the
+faster everywhere (2-vCPU VM, issue 46's history file): single writes of 256
+KiB moved at 4.4-5.7 GB/s with the thread and 0.9-1.0 without (a write that
+small waits for the target's progress, which without the thread comes only
+with its polls), while a 2048-token request's blocks took 17.0-17.5 ms without
+it against 18.3-19.8 with it. A bench row's baseline is the fastest of them
+(``baseline_used``), so no row is measured against the weaker program.
+
+The target polls for notifications only while the initiator moves bytes
+(``_RawPair.polling``) and otherwise sleeps on its pipe: a target polling
+every ``POLL_S`` for the whole run took CPU from the rigs measured in between.
+
+``gbps`` has two ways (``variants``): contiguous (labelled ``raw``), the bytes
+as one transfer; and, given a KV layout's grid (``block_bytes``, ``tensors``,
 ``requests``), ``blocks``, the way vLLM's NixlConnector moves a request's KV:
 each side's buffer prepared once as one descriptor per tensor x block, then
 per request one ``make_prepped_xfer`` of numpy index arrays naming its blocks
@@ -35,10 +40,12 @@ for a request's KV moved VRAM to VRAM (tests/gpu/check.py).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
@@ -54,7 +61,10 @@ WARMUP = 3
 STARTUP_TIMEOUT_S = 60.0  # spawning a process that imports NIXL takes seconds on a busy machine
 TRANSFER_TIMEOUT_S = 30.0
 POLL_S = 0.0002  # the bench receiver's pause between notification polls
-RAW_PROGRESS_THREAD = True  # NIXL's progress thread on, as vLLM's NixlConnector runs its agent (module docstring)
+IDLE_TIMEOUT_S = 3600.0  # a target told nothing for this long takes its initiator for dead and leaves
+PROGRESS_THREADS = (True, False)  # both programs, each a pair of agents (module docstring)
+# what a variant's label says of its program: NIXL's progress thread on (vLLM's NixlConnector), or off
+SETTING_LABELS = {True: "", False: ", no progress thread"}
 
 
 def auto_repeats(size: int) -> int:
@@ -76,23 +86,32 @@ def _buffer(nbytes: int, memory: MemType, fill: int) -> tuple[Any, int]:
     return buf, int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
-def _target(conn: Connection, nbytes: int, host: str, memory: MemType) -> None:
-    """The receiving side: register a buffer, publish metadata, drain notifications until it has them all.
+def _target(conn: Connection, nbytes: int, host: str, memory: MemType, progress_thread: bool) -> None:
+    """The receiving side: register a buffer, publish metadata, then follow the initiator's word until it says how
+    many notifications it asked for, and answer how many came.
 
-    It drains them the way the bench's channel receiver does (every
-    ``POLL_S`` when none came), so both sides of the ratio do the same job.
+    Told ``poll``, it drains notifications the way the bench's channel receiver does (every ``POLL_S`` when none
+    came), so both sides of the ratio do the same job; told ``idle``, it sleeps on its pipe; told the count, it
+    drains until it has them all or ``TRANSFER_TIMEOUT_S`` passes.
     """
-    agent = create_nixl_agent(TARGET_NAME, NixlOptions(host=host, progress_thread=RAW_PROGRESS_THREAD))
+    name = f"{TARGET_NAME}{'-thread' if progress_thread else ''}"
+    agent = create_nixl_agent(name, NixlOptions(host=host, progress_thread=progress_thread))
     buf, addr = _buffer(nbytes, memory, 0)  # the peer writes here until the end of this function
     reg = agent.register_memory([(addr, nbytes, 0, "")], memory)
     conn.send((agent.get_agent_metadata(), addr))
-    notified, expected, deadline = 0, None, float("inf")
+    notified, expected, deadline, polling = 0, None, float("inf"), False
     while expected is None or (notified < expected and time.monotonic() < deadline):
-        if expected is None and conn.poll():
-            expected, deadline = conn.recv(), time.monotonic() + TRANSFER_TIMEOUT_S  # the sender's count
+        if polling or expected is not None:
+            word = conn.recv() if conn.poll() else None
+        else:
+            word = conn.recv() if conn.poll(IDLE_TIMEOUT_S) else ("count", 0)  # its initiator is gone
+        if word is not None:
+            polling = word == "poll"
+            if isinstance(word, tuple):
+                expected, deadline = word[1], time.monotonic() + TRANSFER_TIMEOUT_S
         fresh = sum(len(v) for v in agent.get_new_notifs().values())
         notified += fresh
-        if not fresh:
+        if not fresh and (polling or expected is not None):
             time.sleep(POLL_S)
     conn.send(notified)
     agent.deregister_memory(reg)
@@ -105,12 +124,14 @@ class _RawPair:
     received exactly that many, so a baseline that lost one cannot pass.
     """
 
-    def __init__(self, nbytes: int, placement: Placement, memory: MemType = "DRAM") -> None:
+    def __init__(
+        self, nbytes: int, placement: Placement, memory: MemType = "DRAM", progress_thread: bool = True
+    ) -> None:
         self.nbytes = nbytes
         ctx = mp.get_context("spawn")
         self.conn, there = ctx.Pipe()
         self.memory = memory
-        args = (placement.receiver_netns, _target, there, nbytes, placement.receiver_addr, memory)
+        args = (placement.receiver_netns, _target, there, nbytes, placement.receiver_addr, memory, progress_thread)
         self.proc = ctx.Process(target=run_in_netns, args=args, name="raw-nixl-target", daemon=True)
         self.proc.start()
         there.close()  # the child's end: the parent holds only its own
@@ -120,7 +141,8 @@ class _RawPair:
                 raise TransferTimeout(f"raw nixl target did not start within {STARTUP_TIMEOUT_S:.0f}s")
             agent_md, self.remote_addr = self.conn.recv()
             self.agent = create_nixl_agent(
-                INITIATOR_NAME, NixlOptions(host=placement.sender_addr, progress_thread=RAW_PROGRESS_THREAD)
+                f"{INITIATOR_NAME}{'-thread' if progress_thread else ''}",
+                NixlOptions(host=placement.sender_addr, progress_thread=progress_thread),
             )
             self.buf, self.addr = _buffer(nbytes, memory, 1)
             self.reg = self.agent.register_memory([(self.addr, nbytes, 0, "")], memory)
@@ -135,7 +157,7 @@ class _RawPair:
     def __exit__(self, exc_type: object, *_: object) -> None:
         try:
             if exc_type is None:
-                self.conn.send(self.notified)
+                self.conn.send(("count", self.notified))
                 got = self.conn.recv() if self.conn.poll(2 * TRANSFER_TIMEOUT_S) else None
                 if got != self.notified:
                     raise ChannelError(f"raw nixl target received {got} notifications for {self.notified} transfers")
@@ -151,6 +173,15 @@ class _RawPair:
             self.proc.kill()
             self.proc.join(timeout=10)
         self.conn.close()
+
+    @contextlib.contextmanager
+    def polling(self) -> Iterator[None]:
+        """The target polls for notifications while this lasts (the initiator is moving bytes), and sleeps after."""
+        self.conn.send("poll")
+        try:
+            yield
+        finally:
+            self.conn.send("idle")
 
     def lists(self, ranges: list[tuple[int, int]]) -> tuple[Any, Any]:
         """Prepared local and remote descriptor lists of (offset, length) ranges, same offsets both sides."""
@@ -180,52 +211,99 @@ class _RawPair:
 
 
 class RawNixl:
-    """Raw NIXL: nixl_agent prepped WRITE with notification, check_xfer_state until DONE; two processes.
+    """Raw NIXL: nixl_agent prepped WRITE with notification, check_xfer_state until DONE; two processes per program.
 
-    One target process and one pair of agents for the whole run (a context
-    manager); on leaving, the target must have received every notification.
+    One target process and one pair of agents per progress-thread setting (``progress_threads``), for the whole run
+    (a context manager); on leaving, each target must have received every notification its pair asked for.
     """
 
-    moves_blocks = True  # ``gbps`` also moves a KV layout's whole blocks (``pdkv bench transfer``'s ``blocks``)
+    moves_blocks = True  # ``variants`` can also move a KV layout's whole blocks (``pdkv bench transfer``'s ``blocks``)
 
-    def __init__(self, nbytes: int, placement: Placement = LOOPBACK, memory: MemType = "DRAM") -> None:
-        self.pair = _RawPair(nbytes, placement, memory)
-        self.pids = {"sender": os.getpid(), "receiver": self.pair.proc.pid}
-        self.bytes_moved = 0  # by ``gbps``, warm-ups too: what a ``CpuMeter`` charges the processes' CPU to
+    def __init__(
+        self,
+        nbytes: int,
+        placement: Placement = LOOPBACK,
+        memory: MemType = "DRAM",
+        progress_threads: tuple[bool, ...] = PROGRESS_THREADS,
+    ) -> None:
+        if not progress_threads or len(set(progress_threads)) != len(progress_threads):
+            raise ChannelError(f"raw nixl: progress_threads {progress_threads} must name each setting once")
+        self.pairs: dict[bool, _RawPair] = {}
+        with contextlib.ExitStack() as stack:  # a pair that fails to start leaves those made before it
+            for on in progress_threads:
+                self.pairs[on] = stack.enter_context(_RawPair(nbytes, placement, memory, progress_thread=on))
+            self._stack = stack.pop_all()
+        self.bytes_moved = 0  # by every call, warm-ups too: what a ``CpuMeter`` charges the processes' CPU to
 
     def __enter__(self) -> RawNixl:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.pair.__exit__(*exc)
+    def __exit__(self, *exc: Any) -> None:
+        """Leave every pair, each checking that its target received every notification it asked for."""
+        self._stack.__exit__(*exc)
 
-    def gbps(self, size: int, repeats: int, block_bytes: int = 0, tensors: int = 1, requests: int = 1) -> float:
+    def variants(self, size: int, grid: dict[str, int] | None = None) -> dict[str, dict[str, int]]:
+        """``gbps`` keyword arguments per way this baseline moves ``size`` bytes, each by every program: ``raw`` (one
+        WRITE), and given a KV layout's ``grid`` (``block_bytes``, ``tensors``, ``requests``), ``blocks`` (as vLLM's
+        NixlConnector posts a request); the program without NIXL's progress thread labelled so
+        (``SETTING_LABELS``)."""
+        ways = {"raw": {}, **({"blocks": grid} if grid else {})}
+        return {
+            f"{way}{SETTING_LABELS[on]}": {**kw, "progress_thread": on} for way, kw in ways.items() for on in self.pairs
+        }
+
+    def pids_for(self, progress_thread: bool = True, **_: int) -> dict[str, int | None]:
+        """The processes doing each side of a variant (``gbps``'s keyword arguments): what its ``CpuMeter`` reads."""
+        return {"sender": os.getpid(), "receiver": self._pair(progress_thread).proc.pid}
+
+    def _pair(self, progress_thread: bool) -> _RawPair:
+        if progress_thread not in self.pairs:
+            raise ChannelError(f"raw nixl: no pair of agents with progress_thread={progress_thread} was made")
+        return self.pairs[progress_thread]
+
+    def gbps(
+        self,
+        size: int,
+        repeats: int,
+        block_bytes: int = 0,
+        tensors: int = 1,
+        requests: int = 1,
+        progress_thread: bool = True,
+    ) -> float:
         """GB/s of ``size`` bytes, the median of ``repeats`` transfers (0: chosen per size): one WRITE; or, with
-        ``block_bytes``, ``requests`` WRITEs of whole blocks of ``tensors`` tensors (module docstring)."""
-        if block_bytes:
-            return self._blocks_gbps(size, repeats, block_bytes, tensors, requests)
-        local, remote = self.pair.lists([(0, size)])
+        ``block_bytes``, ``requests`` WRITEs of whole blocks of ``tensors`` tensors (module docstring); by the pair
+        of agents whose progress thread is on or off as ``progress_thread`` says."""
+        pair = self._pair(progress_thread)
+        with pair.polling():
+            if block_bytes:
+                return self._blocks_gbps(pair, size, repeats, block_bytes, tensors, requests)
+            return self._contiguous_gbps(pair, size, repeats)
+
+    def _contiguous_gbps(self, pair: _RawPair, size: int, repeats: int) -> float:
+        local, remote = pair.lists([(0, size)])
         times = []
         count = WARMUP + (repeats or auto_repeats(size))
         self.bytes_moved += count * size
         for i in range(count):
             start = time.perf_counter()
-            self.pair.finish(self.pair.post(local, remote, 0, b"%d" % i))
+            pair.finish(pair.post(local, remote, 0, b"%d" % i))
             times.append(time.perf_counter() - start)
         local.release()
         remote.release()
         return size / statistics.median(times[WARMUP:]) / 1e9
 
-    def _blocks_gbps(self, size: int, repeats: int, block_bytes: int, tensors: int, requests: int) -> float:
+    def _blocks_gbps(
+        self, pair: _RawPair, size: int, repeats: int, block_bytes: int, tensors: int, requests: int
+    ) -> float:
         """``size`` bytes as ``requests`` requests' whole blocks, each block a descriptor of lists prepared once."""
-        per_tensor = self.pair.nbytes // (tensors * block_bytes)
+        per_tensor = pair.nbytes // (tensors * block_bytes)
         blocks = -(-size // (requests * tensors * block_bytes))  # per request and tensor: its tokens, rounded up
         if requests * blocks > per_tensor:
             raise ChannelError(
                 f"raw nixl: {requests} requests of {blocks} blocks of {block_bytes} bytes in {tensors} tensors do not "
-                f"fit its {self.pair.nbytes}-byte buffer"
+                f"fit its {pair.nbytes}-byte buffer"
             )
-        local, remote = self.pair.lists([(i * block_bytes, block_bytes) for i in range(tensors * per_tensor)])
+        local, remote = pair.lists([(i * block_bytes, block_bytes) for i in range(tensors * per_tensor)])
         tensor_starts = per_tensor * np.arange(tensors, dtype=np.int64)[:, None]
         times = []
         count = WARMUP + (repeats or auto_repeats(size))
@@ -233,13 +311,11 @@ class RawNixl:
         for i in range(count):
             start = time.perf_counter()
             xfers = [
-                self.pair.post(
-                    local, remote, (tensor_starts + r * blocks + np.arange(blocks)).ravel(), b"%d-%d" % (i, r)
-                )
+                pair.post(local, remote, (tensor_starts + r * blocks + np.arange(blocks)).ravel(), b"%d-%d" % (i, r))
                 for r in range(requests)
             ]
             for xfer in xfers:
-                self.pair.finish(xfer)
+                pair.finish(xfer)
             times.append(time.perf_counter() - start)
         local.release()
         remote.release()
@@ -247,51 +323,60 @@ class RawNixl:
 
     def transfers_per_s(self, count: int, size: int, repeats: int) -> float:
         """``count`` prepped WRITEs of ``size`` bytes posted back to back, the last notifying; the median over
-        ``repeats`` rounds.
+        ``repeats`` rounds, of the faster program (this rate is one number, not a row per variant).
 
         What the bench's small-transfers case asks of a channel.
         """
+        return max(self._transfers_per_s(pair, count, size, repeats) for pair in self.pairs.values())
+
+    def _transfers_per_s(self, pair: _RawPair, count: int, size: int, repeats: int) -> float:
         rates = []
-        local, remote = self.pair.lists([(i * size, size) for i in range(count)])
-        for _ in range(WARMUP + repeats):
-            start = time.perf_counter()
-            handles = [self.pair.post(local, remote, i, b"last" if i == count - 1 else b"") for i in range(count)]
-            for xfer in handles:
-                self.pair.finish(xfer)
-            rates.append(count / (time.perf_counter() - start))
+        local, remote = pair.lists([(i * size, size) for i in range(count)])
+        with pair.polling():
+            for _ in range(WARMUP + repeats):
+                start = time.perf_counter()
+                handles = [pair.post(local, remote, i, b"last" if i == count - 1 else b"") for i in range(count)]
+                for xfer in handles:
+                    pair.finish(xfer)
+                rates.append(count / (time.perf_counter() - start))
         local.release()
         remote.release()
         return statistics.median(rates[WARMUP:])
 
-    def post_cost(self, counts: list[int], total: int, repeats: int) -> dict[int, dict[str, float]]:
+    def post_cost(
+        self, counts: list[int], total: int, repeats: int, progress_thread: bool = True
+    ) -> dict[int, dict[str, float]]:
         """What NIXL's post costs by descriptor count: ``total`` bytes as ``count`` equal descriptors, each a gap apart
         on both sides (so NIXL cannot merge them, as a request's blocks of many layers are apart), one prepped WRITE
         with its notification, for each of ``counts``, the counts taking turns within every repeat (so each meets the
         same load). Medians, in microseconds, of ``make_prepped_xfer`` (build), ``transfer`` (post: over cma on one
-        host UCX moves the bytes inside this call) and from its return to DONE (wire), after the warm-ups."""
+        host UCX moves the bytes inside this call) and from its return to DONE (wire), after the warm-ups; by the pair
+        of agents ``progress_thread`` names."""
+        pair = self._pair(progress_thread)
         lists = {}
         for count in counts:
             size = total // count
-            if 2 * size * count > self.pair.nbytes or size == 0 or size * count != total:
+            if 2 * size * count > pair.nbytes or size == 0 or size * count != total:
                 raise ChannelError(f"raw nixl: {total} bytes as {count} descriptors a gap apart do not fit or divide")
-            lists[count] = self.pair.lists([(2 * i * size, size) for i in range(count)])
+            lists[count] = pair.lists([(2 * i * size, size) for i in range(count)])
         timed: dict[int, dict[str, list[float]]] = {c: {"build_us": [], "post_us": [], "wire_us": []} for c in counts}
-        for i in range(WARMUP + repeats):
-            for count in counts[i % len(counts) :] + counts[: i % len(counts)]:  # each count first in turn
-                local, remote = lists[count]
-                every = np.arange(count, dtype=np.int64)
-                t0 = time.perf_counter_ns()
-                xfer = self.pair.agent.make_prepped_xfer("WRITE", local, every, remote, every, b"p%d-%d" % (i, count))
-                t1 = time.perf_counter_ns()
-                if self.pair.agent.transfer(xfer) == "ERR":
-                    raise ChannelError("raw nixl WRITE failed when posted")
-                t2 = time.perf_counter_ns()
-                self.pair.notified += 1
-                self.pair.finish(xfer)
-                t3 = time.perf_counter_ns()
-                if i >= WARMUP:
-                    for name, ns in (("build_us", t1 - t0), ("post_us", t2 - t1), ("wire_us", t3 - t2)):
-                        timed[count][name].append(ns / 1e3)
+        with pair.polling():
+            for i in range(WARMUP + repeats):
+                for count in counts[i % len(counts) :] + counts[: i % len(counts)]:  # each count first in turn
+                    local, remote = lists[count]
+                    every = np.arange(count, dtype=np.int64)
+                    t0 = time.perf_counter_ns()
+                    xfer = pair.agent.make_prepped_xfer("WRITE", local, every, remote, every, b"p%d-%d" % (i, count))
+                    t1 = time.perf_counter_ns()
+                    if pair.agent.transfer(xfer) == "ERR":
+                        raise ChannelError("raw nixl WRITE failed when posted")
+                    t2 = time.perf_counter_ns()
+                    pair.notified += 1
+                    pair.finish(xfer)
+                    t3 = time.perf_counter_ns()
+                    if i >= WARMUP:
+                        for name, ns in (("build_us", t1 - t0), ("post_us", t2 - t1), ("wire_us", t3 - t2)):
+                            timed[count][name].append(ns / 1e3)
         self.bytes_moved += (WARMUP + repeats) * total * len(counts)
         for local, remote in lists.values():
             local.release()
