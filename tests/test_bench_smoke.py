@@ -196,6 +196,12 @@ def test_bench_pd_with_short_prompts_breaks_the_overhead_down_and_moves_every_pr
         assert sum(parts.values()) == pytest.approx(row["pd_mean_ms"]), row
         assert _finite(row["overhead_ms"]["median"]) and _finite(row["overhead_ms"]["p99"]), row
         assert _finite(row["second_token_overhead_ms"]["median"]), row
+        # each request's split: the path's time beyond its worker's own compute, which is inside that time
+        for split, ttft in (
+            ("pd_outside_prefill_ms", "pd_ttft_ms"),
+            ("baseline_outside_worker_ms", "baseline_ttft_ms"),
+        ):
+            assert 0 < row[split]["median"] < row[ttft] and row[split]["median"] <= row[split]["p99"], row
         assert (
             row["pd_second_token_ms"] > row["pd_ttft_ms"] and row["baseline_second_token_ms"] > row["baseline_ttft_ms"]
         )

@@ -26,8 +26,16 @@ prompts, where the compute is small and what disaggregation adds (the
 router's hops, the Reserve, the transfer's tail, D adopting the KV) is not
 hidden. Per prompt length, ``SHORT_WARMUP`` requests each way, then
 ``--repeats`` (default ``SHORT_REPEATS``) pairs, one worker then P/D, back to
-back; the overhead is each pair's difference, its median and p99, and each
-process's CPU ms per request (``cpu_ms_per_request``: router, prefill, decode,
+back; the overhead is each pair's difference, its median and p99. That
+difference carries the compute's jitter of two requests (a prefill of 170 ms
+varies by tens of ms on a busy 2-core machine), so each request's own split
+is reported too: after every pair P's and the one worker's own
+time-to-first-token histograms are read, and each path's time beyond its
+worker's own for that request (``pd_outside_prefill_ms``: the router's hops,
+the relay and the client's HTTP around P's prefill;
+``baseline_outside_worker_ms``: the client's HTTP around the one worker's)
+has its median and p99: the PD overhead's tail with the compute left out.
+Also each process's CPU ms per request (``cpu_ms_per_request``: router, prefill, decode,
 their sum and what it adds to the one worker's; the number a loaded machine
 blurs least). Where the
 time goes comes from the processes' own histograms, as means over the
@@ -84,6 +92,9 @@ HISTOGRAMS: dict[str, tuple[str, str, dict[str, str]]] = {
     "router_ttft": ("router", "pdkv_ttft_seconds", {"role": "router"}),
     "single_ttft": ("single", "pdkv_ttft_seconds", {"role": "decode"}),
 }
+
+# worker -> the role its own time to first token is labelled with: each path's compute, read per request
+OWN_TTFT = {"single": "decode", "prefill": "prefill"}
 
 
 def _config(model: str, tokens: int, path: Path, codec: str = "none") -> Path:
@@ -350,11 +361,30 @@ def measure_overhead(model: str, token_counts: list[int], repeats: int, placemen
                 token_times(single.url, prompt)
                 token_times(router.url, prompt)
             before = _scrape(workers)
-            cpu_before = _cpu_s(workers)  # after the scrape: rendering /metrics is no request's CPU
-            pairs = [(token_times(single.url, prompt), token_times(router.url, prompt)) for _ in range(repeats)]
-            cpu = {name: 1e3 * (t - cpu_before[name]) / repeats for name, t in _cpu_s(workers).items()}
+            own = {name: _own_ttft(workers[name], role) for name, role in OWN_TTFT.items()}
+            pairs, outside = [], []
+            spent = dict.fromkeys(workers, 0.0)
+            for _ in range(repeats):
+                cpu_before = _cpu_s(workers)  # each pair's alone: rendering /metrics is no request's CPU
+                times = {"single": token_times(single.url, prompt), "prefill": token_times(router.url, prompt)}
+                for name, t in _cpu_s(workers).items():
+                    spent[name] += t - cpu_before[name]
+                pairs.append((times["single"], times["prefill"]))
+                seen = {name: _own_ttft(workers[name], role) for name, role in OWN_TTFT.items()}
+                if any(seen[name][1] != own[name][1] + 1 for name in OWN_TTFT):
+                    raise PdkvError(f"bench pd: a worker's first tokens went {own} -> {seen}, not one more each")
+                # each path's time to first token beyond its worker's own, this request's (P's, for P/D)
+                outside.append({name: 1e3 * (times[name][0] - (seen[name][0] - own[name][0])) for name in OWN_TTFT})
+                own = seen
+            cpu = {name: 1e3 * t / repeats for name, t in spent.items()}
             after = _scrape(workers)
-            rows.append({**_overhead_row(tokens, pairs, before, after), "cpu_ms_per_request": _cpu_row(cpu)})
+            rows.append(
+                {
+                    **_overhead_row(tokens, pairs, before, after),
+                    **_outside_row(outside),
+                    "cpu_ms_per_request": _cpu_row(cpu),
+                }
+            )
     return {
         "bench": "pd",
         "model": model,
@@ -414,6 +444,27 @@ def _overhead_row(
     }
 
 
+def _own_ttft(worker: WorkerProcess, role: str) -> tuple[float, float]:
+    """``worker``'s own time-to-first-token histogram so far: its sum in seconds and its count. Read after each
+    request, the change is that request's."""
+    text = get_text(worker.url + "/metrics")
+    return metric(text, "pdkv_ttft_seconds_sum", role=role), metric(text, "pdkv_ttft_seconds_count", role=role)
+
+
+def _outside_row(outside: list[dict[str, float]]) -> dict[str, Any]:
+    """Per request, each path's time to first token beyond its worker's own (``OWN_TTFT``): P/D's beyond P's
+    prefill (the router's hops, the relay, the client's HTTP), the one worker's beyond its own; medians and p99s.
+
+    ``overhead_ms`` is a difference of two requests' times, each with the compute's jitter in it (tens of ms at
+    p99 on a busy 2-core machine); this is what the path adds to one request with that jitter left out, which is
+    what the PD overhead's p99 bar asks about."""
+    pd, single = ([o[name] for o in outside] for name in ("prefill", "single"))
+    return {
+        "pd_outside_prefill_ms": {"median": statistics.median(pd), "p99": _p99(pd)},
+        "baseline_outside_worker_ms": {"median": statistics.median(single), "p99": _p99(single)},
+    }
+
+
 def _p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
@@ -423,14 +474,17 @@ def _overhead_table(out: dict[str, Any]) -> str:
     parts = list(out["results"][0]["breakdown_ms"])
     lines = [
         f"PD overhead on short prompts ({out['model']}, {out['link']}): TTFT through router -> P -> D vs one worker",
-        f"{'tokens':>6} {'reqs':>4} {'P/D ms':>7} {'one ms':>7} {'over p50':>8} {'over p99':>8} {'2nd over':>8}   "
+        f"{'tokens':>6} {'reqs':>4} {'P/D ms':>7} {'one ms':>7} {'over p50':>8} {'over p99':>8} {'2nd over':>8} "
+        f"{'out p50':>7} {'out p99':>7}   "
         "mean P/D TTFT = " + " + ".join(p.removesuffix("_ms") for p in parts) + "   (D: transfer wait, first step)",
     ]
     for r in out["results"]:
         lines.append(
             f"{r['tokens']:>6} {r['requests']:>4} {r['pd_ttft_ms']:7.2f} {r['baseline_ttft_ms']:7.2f} "
             f"{r['overhead_ms']['median']:8.2f} {r['overhead_ms']['p99']:8.2f} "
-            f"{r['second_token_overhead_ms']['median']:8.2f}   {r['pd_mean_ms']:.2f} = "
+            f"{r['second_token_overhead_ms']['median']:8.2f} "
+            f"{r['pd_outside_prefill_ms']['median']:7.2f} {r['pd_outside_prefill_ms']['p99']:7.2f}   "
+            f"{r['pd_mean_ms']:.2f} = "
             + " + ".join(f"{r['breakdown_ms'][p]:.2f}" for p in parts)
             + "   ({transfer_wait_ms:.2f}, {decode_first_step_ms:.2f})".format(**r["decode_ms"])
         )
