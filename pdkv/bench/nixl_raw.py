@@ -101,10 +101,7 @@ def _target(conn: Connection, nbytes: int, host: str, memory: MemType, progress_
     conn.send((agent.get_agent_metadata(), addr))
     notified, expected, deadline, polling = 0, None, float("inf"), False
     while expected is None or (notified < expected and time.monotonic() < deadline):
-        if polling or expected is not None:
-            word = conn.recv() if conn.poll() else None
-        else:
-            word = conn.recv() if conn.poll(IDLE_TIMEOUT_S) else ("count", 0)  # its initiator is gone
+        word = _word(conn, 0.0 if polling or expected is not None else IDLE_TIMEOUT_S)
         if word is not None:
             polling = word == "poll"
             if isinstance(word, tuple):
@@ -113,8 +110,20 @@ def _target(conn: Connection, nbytes: int, host: str, memory: MemType, progress_
         notified += fresh
         if not fresh and (polling or expected is not None):
             time.sleep(POLL_S)
-    conn.send(notified)
+    with contextlib.suppress(OSError):  # an initiator gone hears nothing
+        conn.send(notified)
     agent.deregister_memory(reg)
+
+
+def _word(conn: Connection, wait: float) -> Any:
+    """The initiator's next word, waiting up to ``wait`` s: None if none came; a count of none once it is gone (its
+    end of the pipe closed, or silent for ``IDLE_TIMEOUT_S``), so the target leaves."""
+    try:
+        if conn.poll(wait):
+            return conn.recv()
+    except (EOFError, OSError):
+        return ("count", 0)
+    return ("count", 0) if wait >= IDLE_TIMEOUT_S else None
 
 
 class _RawPair:
