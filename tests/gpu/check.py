@@ -26,7 +26,8 @@ Prints one JSON object (and writes it to ``--out`` when given) with:
 * ``nixl_vram_raw``: the raw NIXL agent moving VRAM to VRAM between two
   processes on this GPU, the same sizes as ``transfer_nixl``'s rows (whose
   own baseline moves host memory), with pdkv's UCX settings and with UCX_TLS
-  pinned to CUDA IPC, each with the protocols UCX chose (``UCX_PROTO_INFO``);
+  pinned to CUDA IPC, each with the protocols UCX chose (``UCX_PROTO_INFO``),
+  by both raw programs (NIXL's progress thread on, and off: ``RawNixl``);
 * ``faults``: faults injected with the KV in VRAM on both sides, over nixl
   (``pdkv.testing.faults``, the same code tests/test_gpu_faults.py runs in CI
   with emulated device memory): D killed mid-transfer, D restarted on the same
@@ -316,8 +317,9 @@ from pdkv.bench.nixl_raw import RawNixl
 out = {}
 for size in (11796480, 94371840):  # bench transfer's 256- and 2048-token requests
     for memory in ("VRAM", "DRAM"):
-        with RawNixl(size, memory=memory) as raw:
-            out[f"{memory} {size}"] = raw.gbps(size, 10)
+        with RawNixl(size, memory=memory) as raw:  # both programs: NIXL's progress thread on and off
+            for label, kw in raw.variants(size).items():
+                out[f"{memory} {size} {label}"] = raw.gbps(size, 10, **kw)
 print("RESULT " + json.dumps(out), flush=True)
 """
 
