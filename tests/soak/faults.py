@@ -11,6 +11,7 @@ from pdkv.testing.procs import WorkerProcess
 from soak.cluster import ADMIN, PROXIED, Cluster
 from soak.monitor import KVMonitor
 from soak.report import Counts
+from soak.traffic import DropGate
 
 
 def kill_and_restart_decode(cluster: Cluster, counts: Counts, monitor: KVMonitor, cycle: int = 0) -> None:
@@ -72,15 +73,19 @@ def kv_events(worker: WorkerProcess) -> tuple[float, float]:
     return metric(text, "pdkv_transfer_events_total", event="checksum_failures"), metric(text, "pdkv_fallbacks_total")
 
 
-def corrupt_chunk(cluster: Cluster, counts: Counts, wait_s: float = 30.0) -> None:
+def corrupt_chunk(cluster: Cluster, counts: Counts, drops: DropGate, wait_s: float = 30.0) -> None:
     """Flip one byte of the next chunk on its way to the proxied decode worker; it must notice and recompute.
 
     Noticing is its checksum failure counter going up, and not noticing
     within ``wait_s`` is an error in the report; recomputing is its fallback
     counter going up (the request may also fail cleanly: its output is
-    checked like every other's).
+    checked like every other's). No client hangs up meanwhile (the lane
+    holds ``drops`` for it, ``Fault.holds_drops``), and none that did is still
+    in flight: the router would cancel that request's transfer, and a byte
+    flipped in a cancelled transfer is never checked, rightly.
     """
     with counts.fault_window("corrupt_chunk"):
+        drops.quiet(wait_s)
         _corrupt_chunk(cluster, counts, wait_s)
 
 

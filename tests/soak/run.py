@@ -21,7 +21,7 @@ from soak.faults import corrupt_chunk, kill_and_restart_decode, kv_events, stall
 from soak.hosts import START_TIMEOUT_S, TwoHostCluster
 from soak.monitor import KVMonitor, read_leaks
 from soak.report import RETRY_S, Counts
-from soak.traffic import body, fault_free, one_request, prompts
+from soak.traffic import DropGate, body, fault_free, one_request, prompts
 
 
 @dataclass(frozen=True)
@@ -37,12 +37,13 @@ class Fault:
     name: str
     gate: bool = False
     every: int = 1  # injected in every ``every``-th block only (the first included)
+    holds_drops: bool = False  # no client hangs up from the block's start until it is done (traffic.DropGate)
 
 
-def _one_host_lanes(cluster: Cluster, counts: Counts, monitor: KVMonitor) -> list[list[Fault]]:
+def _one_host_lanes(cluster: Cluster, counts: Counts, monitor: KVMonitor, drops: DropGate) -> list[list[Fault]]:
     return [
         [
-            Fault(1 / 8, lambda _k: corrupt_chunk(cluster, counts), "corrupt_chunk"),
+            Fault(1 / 8, lambda _k: corrupt_chunk(cluster, counts, drops), "corrupt_chunk", holds_drops=True),
             Fault(
                 1 / 4,
                 functools.partial(kill_and_restart_decode, cluster, counts, monitor),
@@ -197,11 +198,12 @@ def _soak(
     start_stats = procstats.baseline(processes)  # replaced after the first block if there is a second
     monitor = KVMonitor(cluster, counts)
     watch = linkfaults.RouterWatch(cluster) if isinstance(cluster, TwoHostCluster) else None
+    drops = DropGate()
     if isinstance(cluster, TwoHostCluster):
         assert watch is not None
         lanes = _two_host_lanes(cluster, counts, monitor, watch, restart_every)
     else:
-        lanes = _one_host_lanes(cluster, counts, monitor)
+        lanes = _one_host_lanes(cluster, counts, monitor, drops)
     done = 0
     done_lock = threading.Condition()
     # Triggers count finished requests, not seconds, so a slow machine sees the same interleaving. A block's
@@ -222,6 +224,8 @@ def _soak(
     def lane(faults: list[Fault]) -> None:
         try:
             for k, b in enumerate(starts):
+                if any(f.holds_drops and not k % f.every for f in faults):
+                    drops.hold()  # released once that fault is done
                 for fault in faults:
                     if k % fault.every:
                         if fault.gate:
@@ -238,11 +242,14 @@ def _soak(
                     finally:
                         if fault.gate:
                             gated[k].set()
+                        if fault.holds_drops:
+                            drops.release()
                 with lanes_lock:
                     lanes_left[k] -= 1
                     if not lanes_left[k]:
                         finished[k].set()
         finally:  # a lane that gave up releases every request still waiting on it
+            drops.release()
             for k in range(len(starts)):
                 gated[k].set()
                 finished[k].set()
@@ -264,7 +271,7 @@ def _soak(
 
     def task(i: int) -> tuple[str, str, float, float]:
         nonlocal done
-        drop = drop_every > 0 and i % drop_every == drop_every - 1
+        due = drop_every > 0 and i % drop_every == drop_every - 1
         k = min(i // block, len(starts))
         if k and not finished[k - 1].wait(gate_s):
             counts.errors.append(f"fault: the faults of block {k - 1} did not end before request {i}")
@@ -273,12 +280,14 @@ def _soak(
         if k < len(starts) and i >= starts[k] + block // 2 and not gated[k].wait(gate_s):
             counts.errors.append(f"fault: the gating fault of block {k} did not finish before request {i}")
         start = time.monotonic()
+        drop = drops.begin(due)
         try:
             outcome, detail = one_request(router_url, ps[i % len(ps)], expected[i % len(ps)], drop, timeout)
             if outcome == "failed_cleanly":
                 time.sleep(RETRY_S)  # a client backs off after an error before its next request
             return outcome, detail, start, time.monotonic()
         finally:
+            drops.end(drop)
             with done_lock:
                 done += 1
                 done_lock.notify_all()

@@ -6,6 +6,7 @@ import http.client
 import json
 import random
 import socket
+import threading
 import time
 from typing import Any
 
@@ -14,6 +15,7 @@ from pdkv.testing.http import request
 from soak.cluster import Cluster
 
 MAX_TOKENS = 8
+DROP_SETTLE_S = 1.0  # after a client hung up, until its transfer's chunks surely stopped (DropGate.quiet)
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -42,6 +44,60 @@ def fault_free(cluster: Cluster, ps: list[list[int]]) -> list[list[int]]:
             raise RuntimeError(f"fault-free generation failed: HTTP {status}: {raw[:300]!r}")
         out.append(json.loads(raw)["choices"][0]["token_ids"])
     return out
+
+
+class DropGate:
+    """The traffic's client drops, held off while a fault must see every chunk it touches checked (corrupt_chunk).
+
+    A client that hangs up after the first event (P streams it at once) has the router cancel its transfer while
+    the KV may still be on its way to D, and a chunk of a cancelled transfer is rightly never checked: a byte
+    flipped in it goes unnoticed. The lane holds drops from the start of such a fault's block until the fault is
+    done (``hold``, ``release``); a drop due meanwhile is owed, and paid by the first request after, so the soak
+    drops as many clients as it would have.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._held = False
+        self._owed = 0  # drops due and not made yet
+        self._dropping = 0  # requests in flight that hang up after their first event
+        self._last_drop = float("-inf")  # when the last of them hung up
+
+    def begin(self, due: bool) -> bool:
+        """Whether the request starting now drops (``due``: its turn came): one ``end`` must follow."""
+        with self._cond:
+            self._owed += due
+            if self._held or not self._owed:
+                return False
+            self._owed -= 1
+            self._dropping += 1
+            return True
+
+    def end(self, dropped: bool) -> None:
+        """A request ``begin`` let drop (``dropped``) is over."""
+        if dropped:
+            with self._cond:
+                self._dropping -= 1
+                self._last_drop = time.monotonic()
+                self._cond.notify_all()
+
+    def hold(self) -> None:
+        """No request starting from now drops, until ``release``."""
+        with self._cond:
+            self._held = True
+
+    def release(self) -> None:
+        with self._cond:
+            self._held = False
+
+    def quiet(self, timeout: float) -> None:
+        """Wait until no request that hangs up is in flight, and the last one hung up ``DROP_SETTLE_S`` ago (its
+        transfer's cancel reaches P and D well within it); RuntimeError if one still is after ``timeout`` s."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._dropping, timeout):
+                raise RuntimeError(f"a request that hangs up was still in flight after {timeout}s")
+            settled = self._last_drop + DROP_SETTLE_S
+        time.sleep(max(0.0, settled - time.monotonic()))
 
 
 def one_request(router: str, prompt: list[int], expected: list[int], drop: bool, timeout: float) -> tuple[str, str]:
