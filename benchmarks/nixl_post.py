@@ -9,7 +9,8 @@ both sides so NIXL cannot merge them (a request's blocks of 30 layers x K/V are 
 240 = 8 blocks x 30, 3,840 = 128 blocks x 30). Prints one JSON object: per count the medians of building the
 prepped transfer (``make_prepped_xfer``), posting it (``transfer``: over cma on one host the copy happens inside it)
 and from the post to DONE, in microseconds, and each against one descriptor's (the baseline: the same bytes as one
-range), the counts taking turns within each repeat.
+range), the counts taking turns within each repeat; by each of the baseline's two programs (``progress_thread``:
+NIXL's progress thread on, as vLLM runs its agent, and off, as the nixl channel runs its own).
 """
 
 from __future__ import annotations
@@ -32,22 +33,26 @@ def main() -> None:
     args = parser.parse_args()
     total = int(args.total_mib * (1 << 20))
     total -= total % math.lcm(*args.counts)  # every count cuts it into equal descriptors
+    out_rows = []
     with RawNixl(2 * total) as raw:
-        rows = raw.post_cost(args.counts, total, args.repeats)
-    one = rows[min(args.counts)]
+        for on in raw.pairs:  # each program: NIXL's progress thread on (as vLLM runs it) and off (as pdkv does)
+            rows = raw.post_cost(args.counts, total, args.repeats, progress_thread=on)
+            one = rows[min(args.counts)]
+            out_rows += [
+                {
+                    "progress_thread": on,
+                    "descriptors": n,
+                    **r,
+                    **{f"{k[:-3]}_vs_one": round(r[k] / one[k], 2) for k in ("build_us", "post_us", "wire_us")},
+                }
+                for n, r in rows.items()
+            ]
     out = {
         "bench": "nixl_post",
         "bytes": total,
         "repeats": args.repeats,
         "load": os.getloadavg()[0],
-        "rows": [
-            {
-                "descriptors": n,
-                **r,
-                **{f"{k[:-3]}_vs_one": round(r[k] / one[k], 2) for k in ("build_us", "post_us", "wire_us")},
-            }
-            for n, r in rows.items()
-        ],
+        "rows": out_rows,
     }
     print(json.dumps(out))
 
