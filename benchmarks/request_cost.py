@@ -113,10 +113,10 @@ def raw_variants(raw: object, moved: int) -> dict[str, dict[str, int]]:
     """The raw baseline's ways of moving ``moved`` bytes (stream counts and send sizes for raw sockets), and for
     a baseline that moves blocks (``RawNixl``) the way vLLM's NixlConnector posts a request: one WRITE of its blocks,
     each a descriptor of lists prepared once (each way by both its programs: NIXL's progress thread on and off)."""
-    if getattr(raw, "moves_blocks", False):
-        layout = SENDER_LAYOUT
-        return raw.variants(moved, {"block_bytes": layout.block_bytes, "tensors": layout.num_tensors, "requests": 1})
-    return baseline_variants(raw, moved)
+    layout = SENDER_LAYOUT
+    return baseline_variants(
+        raw, moved, {"block_bytes": layout.block_bytes, "tensors": layout.num_tensors, "requests": 1}
+    )
 
 
 def one_request(

@@ -616,10 +616,16 @@ def _open_sender(
     return sender
 
 
-def baseline_variants(baseline: Any, size: int) -> dict[str, dict[str, int]]:
+def baseline_variants(baseline: Any, size: int, grid: dict[str, int] | None = None) -> dict[str, dict[str, int]]:
     """``gbps`` keyword arguments per way the baseline moves ``size`` bytes (``RawSockets``: stream counts;
-    ``RawNixl``: with NIXL's progress thread and without)."""
-    return baseline.variants(size) if hasattr(baseline, "variants") else {"raw": {}}
+    ``RawNixl``: with NIXL's progress thread and without). ``grid``: a KV layout's (``block_bytes``, ``tensors``,
+    ``requests``), which a baseline that moves whole blocks (``RawNixl``: as vLLM's NixlConnector) also moves
+    them as."""
+    if not hasattr(baseline, "variants"):
+        return {"raw": {}}
+    return (
+        baseline.variants(size, grid) if grid and getattr(baseline, "moves_blocks", False) else baseline.variants(size)
+    )
 
 
 def variant_pids(baseline: Any, kw: dict[str, int]) -> dict[str, int | None]:

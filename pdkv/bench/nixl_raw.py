@@ -86,6 +86,11 @@ def _buffer(nbytes: int, memory: MemType, fill: int) -> tuple[Any, int]:
     return buf, int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
+def _name(agent: str, progress_thread: bool) -> str:
+    """An agent's name in the program ``progress_thread`` names (each program's pair is its own)."""
+    return f"{agent}-thread" if progress_thread else agent
+
+
 def _target(conn: Connection, nbytes: int, host: str, memory: MemType, progress_thread: bool) -> None:
     """The receiving side: register a buffer, publish metadata, then follow the initiator's word until it says how
     many notifications it asked for, and answer how many came.
@@ -94,8 +99,9 @@ def _target(conn: Connection, nbytes: int, host: str, memory: MemType, progress_
     came), so both sides of the ratio do the same job; told ``idle``, it sleeps on its pipe; told the count, it
     drains until it has them all or ``TRANSFER_TIMEOUT_S`` passes.
     """
-    name = f"{TARGET_NAME}{'-thread' if progress_thread else ''}"
-    agent = create_nixl_agent(name, NixlOptions(host=host, progress_thread=progress_thread))
+    agent = create_nixl_agent(
+        _name(TARGET_NAME, progress_thread), NixlOptions(host=host, progress_thread=progress_thread)
+    )
     buf, addr = _buffer(nbytes, memory, 0)  # the peer writes here until the end of this function
     reg = agent.register_memory([(addr, nbytes, 0, "")], memory)
     conn.send((agent.get_agent_metadata(), addr))
@@ -150,7 +156,7 @@ class _RawPair:
                 raise TransferTimeout(f"raw nixl target did not start within {STARTUP_TIMEOUT_S:.0f}s")
             agent_md, self.remote_addr = self.conn.recv()
             self.agent = create_nixl_agent(
-                f"{INITIATOR_NAME}{'-thread' if progress_thread else ''}",
+                _name(INITIATOR_NAME, progress_thread),
                 NixlOptions(host=placement.sender_addr, progress_thread=progress_thread),
             )
             self.buf, self.addr = _buffer(nbytes, memory, 1)

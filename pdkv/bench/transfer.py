@@ -178,10 +178,8 @@ class Scenario:
 def variants_for(baseline: Any, sc: Scenario) -> dict[str, dict[str, int]]:
     """The baseline's ways of moving a scenario's bytes; in direct mode, also as the requests' whole blocks of the
     sender's layout, one transfer per request, where the baseline can (``RawNixl``: as vLLM's NixlConnector)."""
-    if sc.mode == "direct" and getattr(baseline, "moves_blocks", False):
-        grid = {"block_bytes": SENDER_LAYOUT.block_bytes, "tensors": SENDER_LAYOUT.num_tensors, "requests": sc.requests}
-        return baseline.variants(sc.nbytes, grid)
-    return baseline_variants(baseline, sc.nbytes)
+    grid = {"block_bytes": SENDER_LAYOUT.block_bytes, "tensors": SENDER_LAYOUT.num_tensors, "requests": sc.requests}
+    return baseline_variants(baseline, sc.nbytes, grid if sc.mode == "direct" else None)
 
 
 def verify_pass_s(rig: TransferRig, sc: Scenario) -> float:
