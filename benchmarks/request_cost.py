@@ -12,6 +12,9 @@ one prepped WRITE of the blocks as vLLM's NixlConnector posts them), ``raw_ms`` 
 the request's time past it. ``--threads`` adds, per size, where each thread of both processes spent a request
 (schedstat per thread: on a CPU, runnable but waiting for one, and how many times it was put on one), for pdkv and
 for the raw channel: whether the request waits on the socket or on the scheduler (issue 46, step 0).
+``--claim-later`` has the receiver claim each request's KV only once the sender's wait returned, as a decode request
+does that comes after the router's hop from P, and reports that claim's median (``claim_us``): what D's worker
+waits on once its KV is there.
 ``--pool-tokens 0`` reserves every request first (default: the config's, one chunk); on a pdkv without pools the
 option is ignored, so the same script measures before and after: run them alternately
 (benchmarks/history/2026-11-26-cost-of-a-byte-and-a-request-issue-28.md).
@@ -120,12 +123,20 @@ def raw_variants(raw: object, moved: int) -> dict[str, dict[str, int]]:
 
 
 def one_request(
-    rig: TransferRig, rid: str, tokens: int, table: list[int], peer: int, spent: dict[str, Spent] | None = None
-) -> tuple[float, int, int, float]:
+    rig: TransferRig,
+    rid: str,
+    tokens: int,
+    table: list[int],
+    peer: int,
+    spent: dict[str, Spent] | None = None,
+    claim_later: bool = False,
+) -> tuple[float, int, int, float, int | None]:
     """Move one request as ``TransferRig.push`` does; (seconds, sender CPU ns, receiver CPU ns, seconds in
-    ``open``) of the transfer alone, then check its KV bit for bit outside the measured part. ``spent``: each
-    side's threads' share of the measured part is added there."""
-    rig.conn.send(("expect", [(rid, tokens)]))
+    ``open``, the receiver's claim in ns or None) of the transfer alone, then check its KV bit for bit outside the
+    measured part. ``spent``: each side's threads' share of the measured part is added there. ``claim_later``: the
+    receiver claims the KV only once the sender's wait returned (as a decode request that comes after the router's
+    hop), and times its claim."""
+    rig.conn.send(("expect", [(rid, tokens)], claim_later))
     pids = {"receiver": peer, "sender": os.getpid()}
     snap: dict[str, Threads] = {}
     if spent is not None:  # SETTLE_S first: a running thread's schedstat is only brought up to date when it stops
@@ -146,10 +157,10 @@ def one_request(
     else:
         c1, p1 = cpu_ns(os.getpid()), cpu_ns(peer)
     rig.conn.send(("check",))
-    digests = _recv(rig.conn, "the receiver's digests")[1]
+    _, digests, _, claim_ns = _recv(rig.conn, "the receiver's digests")
     if digests != [_digest(rig.layout, rig.kv, table, tokens)]:
         raise SystemExit(f"{rid}: the decode side holds other KV than was sent")
-    return t1 - t0, c1 - c0, p1 - p0, opened - t0
+    return t1 - t0, c1 - c0, p1 - p0, opened - t0, claim_ns[0] if claim_ns else None
 
 
 def main() -> None:
@@ -159,6 +170,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=100)
     parser.add_argument("--tokens", default="40,256")
     parser.add_argument("--threads", action="store_true", help="also each thread's time per request (schedstat)")
+    parser.add_argument(
+        "--claim-later",
+        action="store_true",
+        help="the receiver claims each request's KV once the sender's wait returned, and times it (claim_us)",
+    )
     parser.add_argument(
         "--data-verdicts",
         choices=("on", "off"),
@@ -197,7 +213,7 @@ def main() -> None:
                             p.pool is not None for p in rig.sender.handshake.peers.values()
                         ):
                             time.sleep(0.0002)
-                    runs.append(one_request(rig, f"r{tokens}-{i}", tokens, table, *receiver, spent=spent))
+                    runs.append(one_request(rig, f"r{tokens}-{i}", tokens, table, *receiver, spent, args.claim_later))
                 rig.allocator.free(table)
                 raw_spent = {"sender": Spent(), "receiver": Spent()}
                 raw_runs = []
@@ -224,6 +240,8 @@ def main() -> None:
                     "over_raw_ms": 1e3 * statistics.median(times) - raw_ms,  # issue 46's bar: <= 0.3
                     "p90_ms": 1e3 * times[int(0.9 * (len(times) - 1))],
                     "open_ms": 1e3 * statistics.median(r[3] for r in runs),  # the Reserve's round trip, or none
+                    # the decode side's claim of KV that landed (``--claim-later``): what its request waits on
+                    "claim_us": statistics.median(r[4] for r in runs) / 1e3 if args.claim_later else None,
                     "sender_cpu_ms": statistics.median(r[1] for r in runs) / 1e6,
                     "receiver_cpu_ms": statistics.median(r[2] for r in runs) / 1e6,
                     "raw_ms": raw_ms,

@@ -73,6 +73,7 @@ class Channel(ABC):
     # Whether the target can answer a notification back to the writer, with the completion the writer gets
     # (``answer_notifications``): tcp on the connection the transfer came by, nixl as a notification of its own.
     carries_answers: ClassVar[bool] = False
+    runs_after_answers: ClassVar[bool] = False  # and an answer pass's ``after`` once its answers went (tcp, not nixl)
     # Whether ``wait`` reads the handle's completion on the calling thread, asleep in the kernel until it comes (tcp:
     # the link's sockets), so a waiter alone is woken by its answer directly; where ``wait`` would spin (nixl can
     # only be polled), a waiter sleeps until the channel's own thread completes the handle.
@@ -271,16 +272,15 @@ class Channel(ABC):
     def release(self, handle: TransferHandle) -> None:  # noqa: B027 - optional hook
         """Free resources a finished handle holds (NIXL handles must be released)."""
 
-    def answer_notifications(self, answerer: Answerer) -> bool:
+    def answer_notifications(self, answerer: Answerer, after: Callable[[], None] | None = None) -> bool:
         """Have ``answerer(notifications)`` run on the thread that landed their transfers (those that arrived
-        together, together), instead of the notifications waiting in ``get_notifications``, and each answer go back
-        to its writer with the completion (``TransferHandle.answer``; b"": none). Set before any peer writes (and,
-        over nixl, before ``metadata()`` goes to peers: it says the agent answers). False, and nothing set, where
-        the channel cannot carry answers back (``carries_answers``)."""
-        if not self.carries_answers:
-            return False
-        self.inbox.answerer = answerer
-        return True
+        together, together), not waiting in ``get_notifications``, each answer going back to its writer with the
+        completion (``TransferHandle.answer``; b"": none), and ``after`` there once a pass's answers are on their way
+        (``runs_after_answers``; else never). Set before any peer writes (over nixl, before ``metadata()`` goes to
+        peers: it says the agent answers). False, and nothing set, where answers cannot go (``carries_answers``)."""
+        if self.carries_answers:
+            self.inbox.answerer, self.inbox.after_answers = answerer, after if self.runs_after_answers else None
+        return self.carries_answers
 
     def get_notifications(self) -> list[Notification]:
         """Drain notifications whose transfers have fully landed here."""

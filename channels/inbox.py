@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 
 from pdkv.channels.handle import Notification
 from pdkv.wakeup import Waker
+
+log = logging.getLogger(__name__)
 
 Answerer = Callable[[list[Notification]], list[bytes]]
 """Notifications whose transfers landed -> the answer to each, which its writer gets with its completion
@@ -27,6 +30,8 @@ class NotificationInbox:
         self._lock = threading.Lock()
         self._waker = Waker()
         self.answerer: Answerer | None = None
+        # work the answers' writers need not wait for, run once they went out (``Channel.answer_notifications``)
+        self.after_answers: Callable[[], None] | None = None
 
     def take(self, notifs: list[Notification]) -> list[bytes] | None:
         """Notifications whose transfers landed, on the thread that landed them: with an answerer (a channel that
@@ -40,6 +45,16 @@ class NotificationInbox:
         for n in notifs:
             self.deliver(n.peer, n.payload)
         return None
+
+    def answered(self) -> None:
+        """The answers of a ``take`` went out: run ``after_answers`` on this thread, off their writers' path (a
+        failure is logged: the answers are sent)."""
+        if self.after_answers is None:
+            return
+        try:
+            self.after_answers()
+        except Exception:
+            log.exception("the work after answering notifications failed")
 
     def fileno(self) -> int:
         return self._waker.fileno()

@@ -41,6 +41,7 @@ class TcpChannel(Channel, SummedWrites):
     Options = TcpOptions
     authenticates_data: ClassVar[bool] = True
     carries_answers: ClassVar[bool] = True  # an ANSWER frame: the ACK with the target's answer
+    runs_after_answers: ClassVar[bool] = True  # on the connection's thread, once the ANSWER is sent
     wakes_waiter: ClassVar[bool] = True  # ``wait`` reads the link on the waiting thread (``LinkReader.drive``)
 
     def __init__(self, agent_name: str, options: ChannelOptions | None = None) -> None:

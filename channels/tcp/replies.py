@@ -48,6 +48,7 @@ class Replies:
                 self.send_acks(conn, acks)
                 with conn.send_lock:
                     conn.send([pack(ANSWER, xfer, len(answer)), answer])
+                self._inbox.answered()
             elif why:
                 self.send_acks(conn, acks)
                 self.nack(conn, xfer, why)

@@ -254,13 +254,22 @@ def _receiver_side(
             if msg[0] == "threads":  # the OS thread ids of its threads, by name (schedstat is per OS thread)
                 conn.send(("threads", {t.native_id: t.name for t in threading.enumerate()}))
                 continue
-            claimed = [(receiver.wait(rid, TIMEOUT_S).blocks, tokens) for rid, tokens in msg[1]]
+            # claimed as they land, or (``expect`` with ``later``) once the sender's wait returned: a decode request
+            # that comes after the router's hop from P, its claim timed (the receiver's cost to take landed KV)
+            later = len(msg) > 2 and msg[2]
+            claimed = [] if later else [(receiver.wait(rid, TIMEOUT_S).blocks, tokens) for rid, tokens in msg[1]]
             # the check waits until the sender's clock stopped: run at once, it took a core from the
             # transfer's last acknowledgement (a 256-token request measured 3-4 ms slower that way)
             if _recv(conn, "the go-ahead to check")[0] == "close":  # the sender failed: nothing to check
                 break
+            claim_ns = []
+            for rid, tokens in msg[1] if later else []:
+                began = time.perf_counter_ns()
+                claimed.append((receiver.wait(rid, TIMEOUT_S).blocks, tokens))
+                claim_ns.append(time.perf_counter_ns() - began)
             spent = time.process_time()  # the end of this process's CPU window: all the transfer's work is done
-            conn.send(("digests", [_digest(layout, kv, blocks, tokens) for blocks, tokens in claimed], spent))
+            digests = [_digest(layout, kv, blocks, tokens) for blocks, tokens in claimed]
+            conn.send(("digests", digests, spent, claim_ns))
             for blocks, _ in claimed:
                 allocator.free(blocks)
     except Exception as exc:  # noqa: BLE001 - reported to the sender, which raises it
@@ -367,7 +376,7 @@ class TransferRig:
         if errors:
             raise errors[0]
         self.conn.send(("check",))
-        _, digests, receiver_spent = _recv(self.conn, "the receiver's digests")
+        _, digests, receiver_spent, _ = _recv(self.conn, "the receiver's digests")
         if meter is not None:
             nbytes = sum(self.layout.chunk_bytes(tokens) for _, tokens in requests)
             meter.add(start, {"sender": sender_spent, "receiver": receiver_spent}, nbytes)

@@ -44,7 +44,13 @@ class ChunkArrivals:
         self.parts, self.book, self.channel, self.memory = parts, book, parts.channel, parts.memory
         self.config, self.counters, self.lock = parts.config, parts.counters, parts.lock
         # chunks answered on their data connection (``answer``) where the channel carries answers; else Landed
-        self.verdicts = parts.config.data_verdicts and parts.channel.answer_notifications(self.answer)
+        self.verdicts = parts.config.data_verdicts and parts.channel.answer_notifications(
+            self.answer, after=self.after_answers
+        )
+        # where the channel runs the work that waits for no answer once they went out (``after_answers``), pools keep
+        # a spare: the next pool's grant leaves the verdict's path
+        book.pools.spares.on = self.verdicts and parts.channel.runs_after_answers
+        self._ready: list[IncomingTransfer] = []  # landed whole by an answer pass, to revoke after it (under the lock)
 
     def on_notifications(self) -> None:
         """Verify every chunk whose notification arrived (I/O thread); acknowledge each transfer's chunks with one
@@ -113,6 +119,20 @@ class ChunkArrivals:
             for _ in range(landed):
                 self.parts.host.add("chunk", spent // landed)
         return answers
+
+    def after_answers(self) -> None:
+        """What an answer pass leaves until its verdicts went out (``Channel.answer_notifications``' ``after``, on the
+        thread that sent them): the grants of the reservations it landed whole are taken back, so the decode request
+        that claims one later finds nothing left to revoke; then the spares of the pools it offered are granted
+        (``spares.Spares``). Neither touches a byte of the chunk or its verdict."""
+        if self._ready:
+            with self.lock:
+                ready, self._ready = self._ready, []
+                for r in ready:
+                    if self.book.res.get(r.transfer_id) is r and r.state is State.READY:
+                        self.book.revoke(r)
+                        self.counters["revoked_before_claim"] += 1
+        self.book.pools.spares.top_up()
 
     def sessions(self) -> dict[bytes, bytes]:
         """Each session key and its session (the sender's identity): a notice lands only in a reservation or pool of
@@ -225,6 +245,8 @@ class ChunkArrivals:
                     self.book.free_slots.extend(r.slots)
                     r.slots = []
                 self.counters["transfers_ready"] += 1
+                if answered and self.book.pools.spares.on:  # its grant taken back once the verdict is out
+                    self._ready.append(r)
             self.lock.notify_all()
         return Landing(r, self._verdict(notice, "landed"), admitting_ns)
 
