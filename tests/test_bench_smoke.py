@@ -226,3 +226,27 @@ def test_nixl_direct_is_held_to_the_raw_post_plus_one_verification_pass() -> Non
     got = _plus_verify(sc, {"baselines": baselines}, [0.4, 0.5, 0.6], gbps=raw_gbps / 2)
     assert got == pytest.approx({"blocks_plus_verify": 0.75, "verify_ms": 500.0})
     assert _plus_verify(sc, {"baselines": {}}, [], gbps=1.0) == {}  # no blocks baseline (tcp): nothing claimed
+
+
+def test_the_rigs_receiver_claims_later_when_told_and_times_that_claim() -> None:
+    """``expect`` with ``later`` (``benchmarks/request_cost.py --claim-later``): the receiver claims the KV only after
+    the sender's go-ahead, as a decode request that comes after the router's hop, and times that claim; without it,
+    it claims as the KV lands and times nothing. Either way the KV it holds is the KV sent."""
+    from pdkv.bench.channel import _recv
+    from pdkv.bench.transfer import TransferRig, _digest
+    from pdkv.config import TransferConfig
+    from pdkv.layout import KVLayout
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="float32")
+    with TransferRig("tcp", layout, 16, 32, TransferConfig(chunk_size=64), sender_layout=layout) as rig:
+        for later in (True, False):
+            rid, table = f"claimed-later-{later}", rig.allocator.allocate(2)
+            rig.conn.send(("expect", [(rid, 30)], later))
+            xfer = rig.sender.open(rid, rig.address, 30, table)
+            xfer.send_all()
+            xfer.wait(10)
+            rig.conn.send(("check",))
+            _, digests, _, claim_ns = _recv(rig.conn, "the receiver's digests")
+            assert digests == [_digest(layout, rig.kv, table, 30)]
+            assert (len(claim_ns) == 1 and 0 < claim_ns[0] < 10**9) if later else claim_ns == []
+            rig.allocator.free(table)
