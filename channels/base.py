@@ -73,7 +73,7 @@ class Channel(ABC):
     # Whether the target can answer a notification back to the writer, with the completion the writer gets
     # (``answer_notifications``): tcp on the connection the transfer came by, nixl as a notification of its own.
     carries_answers: ClassVar[bool] = False
-    runs_after_answers: ClassVar[bool] = False  # and an answer pass's ``after`` once its answers went (tcp, not nixl)
+    runs_after_answers: ClassVar[bool] = False  # and an answer pass's ``after`` once its answers went (tcp)
     # Whether ``wait`` reads the handle's completion on the calling thread, asleep in the kernel until it comes (tcp:
     # the link's sockets), so a waiter alone is woken by its answer directly; where ``wait`` would spin (nixl can
     # only be polled), a waiter sleeps until the channel's own thread completes the handle.

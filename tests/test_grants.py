@@ -1,7 +1,7 @@
 """The capability table (``pdkv.channels.grants.Grants``) against the plainest model of it: the set of bytes each
-token may write in each region. Grants and revokes in any order, overlapping, touching or not (a pool's blocks, its
-spare's, a reservation's taken back: pdkv/transfer/spares.py), leave it holding exactly the model's bytes and
-admitting a frame exactly when every byte of every run is in the model."""
+token may write in each region. Grants and revokes in any order, overlapping, touching or not (a pool's blocks, a
+reservation's taken back as it lands or when it is claimed), leave it holding exactly the model's bytes and admitting
+a frame exactly when every byte of every run is in the model."""
 
 from __future__ import annotations
 

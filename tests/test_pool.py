@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from pdkv.bench.transfer import TransferRig
-from pdkv.channels import create_channel
 from pdkv.channels.base import Channel
 from pdkv.channels.mock import MockChannel
 from pdkv.channels.tcp import streams
@@ -282,83 +281,27 @@ def test_a_closing_sender_returns_its_pool_at_once(make_pair: MakePair) -> None:
     assert pair.receiver.stats().get("fences", 0) == 0  # returned, not lapsed: nothing to fence
 
 
-def _spare(pair: Pair) -> list[int]:
-    """The spare of the pair's one sender's pool on the receiver: granted, not offered yet."""
-    with pair.receiver.book.lock:
-        (pool,) = pair.receiver.book.pools.by_peer.values()
-        return list(pool.spare)
-
-
-def test_over_tcp_the_next_pool_is_the_spare_granted_after_the_last_verdict(make_pair: MakePair) -> None:
-    """Over tcp the receiver grants each pool's spare (the next pool's blocks) once the verdict that offered it went
-    out, so the next verdict offers blocks granted already, with no grant on its request's path; and a reservation
-    that landed whole has its grant taken back after its verdict, before anyone claims it."""
+def test_over_tcp_a_landed_reservations_grant_is_taken_back_before_anyone_claims_it(make_pair: MakePair) -> None:
+    """Over tcp the receiver takes back the grant of a reservation that landed whole once its verdict is on the wire
+    (``ChunkArrivals.after_answers``), not when the decode request claims it: its sender can no longer write there,
+    the claim finds nothing left to revoke, and the KV it hands over is the KV sent."""
     pair = make_pair(config=POOLED, channel="tcp")
     peer = warm(pair)
-    wait_until(lambda: pair.receiver.stats()["pooled_blocks"] == 4, 5, "the pool's spare to be granted")
-    pool, spare = peer.pool, _spare(pair)
-    assert pool is not None and len(spare) == 2 and not set(spare) & set(pool.block_ids)
+    pool = peer.pool
+    assert pool is not None
     region, size = pair.receiver.memory.kv_regions[0], pair.d_layout.block_bytes
-    assert all(_pool_writable(pair.d_channel, peer, region, size, b) for b in spare)  # granted, never told
-    before = pair.receiver.stats()
-    in_place, revoked = before["pool_blocks_granted_in_place"], before.get("revoked_before_claim", 0)
+    assert all(_pool_writable(pair.d_channel, peer, region, size, b) for b in pool.block_ids)
+    revoked = pair.receiver.stats().get("revoked_before_claim", 0)
     table = [10, 11]
     xfer = pair.sender.open("pooled", pair.receiver.address, 30, table)
     xfer.send_all()
     xfer.wait(10)
-    nxt = peer.pool
-    assert nxt is not None and sorted(nxt.block_ids) == sorted(spare)  # the whole pool taken: its spare is next
-    assert pair.receiver.stats()["pool_blocks_granted_in_place"] == in_place
     wait_until(lambda: pair.receiver.stats()["revoked_before_claim"] == revoked + 1, 5, "the landed grant's revoke")
     assert not any(_pool_writable(pair.d_channel, peer, region, size, b) for b in pool.block_ids)
-    wait_until(lambda: len(_spare(pair)) == 2, 5, "the next spare to be granted")
     got = pair.receiver.wait("pooled", 10)
     assert got.blocks == pool.block_ids
     assert_same_kv(pair, table, got.blocks, 30)
     pair.allocator.free(got.blocks)
-    assert pair.held_blocks() == 0  # the pool and its spare, nothing else
-
-
-def test_a_spare_gives_way_to_another_senders_pool(make_pair: MakePair) -> None:
-    """Spares fill the pools' share only while it has room beside a pool for every admitted sender, and a sender
-    admitted later takes its pool out of the others' spares: spares never cost a sender its pool."""
-    cfg = TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2)  # pools of 2 blocks, a share of 16 // 4
-    pair = make_pair(d_blocks=16, config=cfg, channel="tcp")
-    warm(pair)
-    wait_until(lambda: pair.receiver.stats()["pooled_blocks"] == 4, 5, "the first sender's spare")
-    second = KVSender(create_channel("tcp", pair.p_channel.agent_name + "-2"), pair.p_layout, pair.p_kv, "model-a", cfg)
-    try:
-        xfer = second.open("second-warm", pair.receiver.address, 64, [0, 1, 2, 3])  # two chunks: reserved
-        xfer.send_all()
-        xfer.wait(10)
-        pair.allocator.free(pair.receiver.wait("second-warm", 10).blocks)
-        wait_until(lambda: any(p.pool is not None for p in second.handshake.peers.values()), 5, "a pool for the second")
-        assert pair.receiver.stats()["pooled_blocks"] == 4 and pair.receiver.stats().get("pools_unavailable", 0) == 0
-        with pair.receiver.book.lock:
-            assert sorted(len(p.spare) for p in pair.receiver.book.pools.by_peer.values()) == [0, 0]
-        xfer = second.open("second-pooled", pair.receiver.address, 16, [5])
-        xfer.send_all()
-        xfer.wait(10)
-        assert second.stats()["reserved_from_pool"] == 1
-        pair.allocator.free(pair.receiver.wait("second-pooled", 10).blocks)
-        assert pair.receiver.stats()["pooled_blocks"] <= pair.receiver.book.pools.budget
-    finally:
-        second.close()
-        second.channel.close()
-
-
-def test_a_reserve_takes_the_spares_back_before_it_is_refused(make_pair: MakePair) -> None:
-    """A spare is the pools' optimisation, not room a reservation loses: a Reserve that finds too few free blocks
-    takes spares back (revoked, freed) and is admitted."""
-    cfg = TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2, pool_tokens=32, max_peer_blocks_share=1.0)
-    pair = make_pair(d_blocks=16, config=cfg, channel="tcp")  # a pool of 2, its spare 2: 12 blocks free
-    warm(pair)
-    wait_until(lambda: pair.receiver.stats()["pooled_blocks"] == 4, 5, "the pool's spare to be granted")
-    table = list(range(20, 34))
-    blocks = push(pair, "all-the-rest", 14 * 16, table)  # 14 blocks: two more than are free
-    assert len(blocks) == 14 and pair.receiver.stats()["spare_blocks_taken_back"] == 2
-    assert_same_kv(pair, table, blocks, 14 * 16)
-    pair.allocator.free(blocks)
 
 
 def test_pool_and_notice_messages_round_trip() -> None:
@@ -390,8 +333,4 @@ def test_pooled_requests_over_real_channels_land_bit_exact(channel: str) -> None
         wait_until(lambda: rig.receiver_stats()["reservations"] == 0, 10, "the receiver to free every reservation")
         got = rig.receiver_stats()
     assert sent["reserved_from_pool"] == got["pooled_requests"] == 4 and got.get("pooled_refused", 0) == 0
-    # tcp keeps each pool's spare too (the next pool's blocks, granted once a verdict went): only the first pool,
-    # offered before any, was granted in place
-    pooled, in_place = (8, 4) if channel == "tcp" else (4, 4 + 4 * 3)
-    assert got["claimed"] == 5 and got["free_blocks"] + got["pooled_blocks"] == 32 and got["pooled_blocks"] == pooled
-    assert got["pool_blocks_granted_in_place"] == in_place
+    assert got["claimed"] == 5 and got["free_blocks"] + got["pooled_blocks"] == 32 and got["pooled_blocks"] == 4

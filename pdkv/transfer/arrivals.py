@@ -47,9 +47,6 @@ class ChunkArrivals:
         self.verdicts = parts.config.data_verdicts and parts.channel.answer_notifications(
             self.answer, after=self.after_answers
         )
-        # where the channel runs the work that waits for no answer once they went out (``after_answers``), pools keep
-        # a spare: the next pool's grant leaves the verdict's path
-        book.pools.spares.on = self.verdicts and parts.channel.runs_after_answers
         self._ready: list[IncomingTransfer] = []  # landed whole by an answer pass, to revoke after it (under the lock)
 
     def on_notifications(self) -> None:
@@ -122,9 +119,8 @@ class ChunkArrivals:
 
     def after_answers(self) -> None:
         """What an answer pass leaves until its verdicts went out (``Channel.answer_notifications``' ``after``, on the
-        thread that sent them): the grants of the reservations it landed whole are taken back, so the decode request
-        that claims one later finds nothing left to revoke; then the spares of the pools it offered are granted
-        (``spares.Spares``). Neither touches a byte of the chunk or its verdict."""
+        thread that sent them, where the channel runs it): the grants of the reservations it landed whole are taken
+        back, so the decode request that claims one later finds nothing left to revoke, and no sender waits for it."""
         if self._ready:
             with self.lock:
                 ready, self._ready = self._ready, []
@@ -132,7 +128,6 @@ class ChunkArrivals:
                     if self.book.res.get(r.transfer_id) is r and r.state is State.READY:
                         self.book.revoke(r)
                         self.counters["revoked_before_claim"] += 1
-        self.book.pools.spares.top_up()
 
     def sessions(self) -> dict[bytes, bytes]:
         """Each session key and its session (the sender's identity): a notice lands only in a reservation or pool of
@@ -245,7 +240,7 @@ class ChunkArrivals:
                     self.book.free_slots.extend(r.slots)
                     r.slots = []
                 self.counters["transfers_ready"] += 1
-                if answered and self.book.pools.spares.on:  # its grant taken back once the verdict is out
+                if answered and self.channel.runs_after_answers:  # its grant taken back once the verdict is out
                     self._ready.append(r)
             self.lock.notify_all()
         return Landing(r, self._verdict(notice, "landed"), admitting_ns)

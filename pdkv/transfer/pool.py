@@ -17,9 +17,7 @@ offers the next pool, or refuses it and offers the same blocks again. The rules 
   enforces grants, the longer of that and ``unfenced_quarantine_s`` where it cannot, as on nixl) before the sender is
   fenced and they are freed, or less, if the sender returns the pool first: its word frees it.
 
-Over tcp each pool keeps a *spare* on the receiver, the next pool's blocks granted ahead (``spares.py``), so the
-verdict that offers the next pool grants nothing on its request's path. Each side's half runs under that side's one
-lock.
+Each side's half runs under that side's one lock.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from pdkv.errors import OutOfBlocksError
@@ -37,7 +35,6 @@ from pdkv.transfer.incoming import IncomingTransfer
 from pdkv.transfer.parts import ReceiverParts, SenderParts
 from pdkv.transfer.peers import ReceiverPeer, SenderPeer, SentBeat, lease_margin
 from pdkv.transfer.protocol import ChunkNotice, Pool, Refused, Reserve, Reserved, ReturnPool
-from pdkv.transfer.spares import Spares
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +134,6 @@ class PeerPool:
     token: bytes
     blocks: list[int]
     lease_deadline: float
-    # granted to its token too but not offered: the first blocks of its next pool, which then needs no grant on its
-    # request's path (``spares.Spares``)
-    spare: list[int] = field(default_factory=list)
     free_deadline: float = 0.0  # set once taken back without word from the sender: late writes are waited out
 
 
@@ -177,19 +171,17 @@ class ReceiverPools:
         self.by_peer: dict[bytes, PeerPool] = {}
         self.lapsed: list[PeerPool] = []
         self._generations = itertools.count(1)
-        # pooled requests taken this pass: identity -> (token, the rest of its pool, its spare), to offer the next pool
-        self._refills: dict[bytes, tuple[bytes, list[int], list[int]]] = {}
-        self.spares = Spares(self)  # each pool's next blocks, granted before its request needs them (spares.py)
+        # pooled requests taken this pass: identity -> (token, the rest of its pool), to offer the next pool
+        self._refills: dict[bytes, tuple[bytes, list[int]]] = {}
 
     @property
     def blocks_held(self) -> int:
-        pools = (*self.by_peer.values(), *self.lapsed)
-        return self.spares.granting + sum(len(p.blocks) + len(p.spare) for p in pools)
+        return sum(len(p.blocks) for p in (*self.by_peer.values(), *self.lapsed))
 
     # -- offering -------------------------------------------------------------------------------------------------
     def admitted(self, identity: bytes, token: bytes) -> None:
         """``handshake.Admitted``: a sender just admitted is offered its first pool, in a ``Pool`` message."""
-        self._send_offer(identity, token, [], [])
+        self._send_offer(identity, token, [])
 
     def next_pool(self, identity: bytes) -> Pool | None:
         """The next pool of ``identity``, for the Landed (or the verdict) of the request that took its last one."""
@@ -204,47 +196,38 @@ class ReceiverPools:
             with self.parts.lock:  # serving threads take pools too (a verdict's)
                 if not self._refills:
                     return
-                identity, (token, rest, spare) = self._refills.popitem()
-            self._send_offer(identity, token, rest, spare)
+                identity, (token, rest) = self._refills.popitem()
+            self._send_offer(identity, token, rest)
 
-    def _send_offer(self, identity: bytes, token: bytes, keep: list[int], spare: list[int]) -> None:
+    def _send_offer(self, identity: bytes, token: bytes, keep: list[int]) -> None:
         """``_offer``, told in a ``Pool`` message of its own (after a Hello, or with no Landed to carry it)."""
-        msg = self._offer(identity, token, keep, spare)
+        msg = self._offer(identity, token, keep)
         if msg is not None:
             self.parts.outbox.reply(identity, msg)
-            self.spares.top_up()
 
-    def _offer(self, identity: bytes, token: bytes, keep: list[int], spare: list[int]) -> Pool | None:
+    def _offer(self, identity: bytes, token: bytes, keep: list[int]) -> Pool | None:
         """Grant ``identity`` a pool, if pools are on and its chunks can land in place (I/O thread): the message
         that tells it, or None. ``keep``: blocks of its previous pool, still granted to ``token``; they go back
         too when no pool is offered."""
         parts = self.parts
         with parts.lock:
             peer = parts.peers.get(identity)
-            held = keep + spare
             if peer is None or peer.token != token or not writes_in_place(self.book.view(identity, peer, "")):
-                self.discard(identity, token, held)  # cut off (or fenced) since: nothing to offer
+                self.discard(identity, token, keep)  # cut off (or fenced) since: nothing to offer
                 return None
             self.give_back(identity)
             if not self.size:
-                self.discard(identity, token, held)
+                self.discard(identity, token, keep)
                 return None
-            need = max(0, self.size - len(keep))
-            keep, spare = keep + spare[:need], spare[need:]  # its spare first: granted already
             try:
-                if self.blocks_held + self.size > self.budget and not self.spares.reclaim(self.size):
+                if self.blocks_held + self.size > self.budget:  # the others' pools (and lapsed ones) hold the share
                     raise OutOfBlocksError(f"pools hold {self.blocks_held} of their {self.budget} blocks")
                 fresh = parts.allocator.allocate(self.size - len(keep)) if self.size > len(keep) else []
             except OutOfBlocksError:
                 parts.counters["pools_unavailable"] += 1
-                self.discard(identity, token, held)
+                self.discard(identity, token, keep)
                 return None
-            if fresh:
-                parts.channel.grant(token, "write", parts.memory.block_ranges(fresh))
-                parts.counters["pool_blocks_granted_in_place"] += len(fresh)
-            if spare and self.blocks_held + self.size + len(spare) > self.budget:
-                self.discard(identity, token, spare)  # a spare only where the share has room for it
-                spare = []
+            parts.channel.grant(token, "write", parts.memory.block_ranges(fresh))
             # in order: a request takes the first blocks, and adjacent ones are one descriptor (and frame) per tensor
             pool = PeerPool(
                 generation=next(self._generations),
@@ -252,11 +235,9 @@ class ReceiverPools:
                 token=token,
                 blocks=sorted(keep + fresh),
                 lease_deadline=time.monotonic() + parts.config.lease_s,
-                spare=spare,
             )
             self.by_peer[identity] = pool
             parts.counters["pools_granted"] += 1
-            self.spares.owed(identity, len(spare))
             return Pool(pool.generation, pool.blocks, parts.config.lease_s)
 
     # -- a request written into a pool ----------------------------------------------------------------------------
@@ -309,8 +290,7 @@ class ReceiverPools:
         """Hand the pool's first ``n`` blocks to a request; its sender's next pool (the rest, topped up) is offered
         in the request's ``Landed`` (``next_pool``), or on its own if no Landed goes out (``send_refills``)."""
         del self.by_peer[pool.identity]
-        # one per sender: it held one pool, now taken
-        self._refills[pool.identity] = (pool.token, pool.blocks[n:], pool.spare)
+        self._refills[pool.identity] = (pool.token, pool.blocks[n:])  # one per sender: it held one pool, now taken
         return pool.blocks[:n]
 
     # -- lease, return, take back ---------------------------------------------------------------------------------
@@ -333,7 +313,7 @@ class ReceiverPools:
         if pool is None or (generation and pool.generation != generation):
             return
         del self.by_peer[identity]
-        self.discard(identity, pool.token, pool.blocks + pool.spare)
+        self.discard(identity, pool.token, pool.blocks)
 
     def lapse(self, identity: bytes, now: float, why: str) -> None:
         """Take ``identity``'s pool back now, its blocks held for the late-write hold (a write into it may still
@@ -342,7 +322,6 @@ class ReceiverPools:
         pool = self.by_peer.pop(identity, None)
         if pool is None:
             return
-        pool.blocks, pool.spare = pool.blocks + pool.spare, []
         parts.channel.revoke(pool.token, "write", parts.memory.block_ranges(pool.blocks), 0)
         pool.free_deadline = now + parts.config.late_write_hold(parts.channel.enforces_grants)
         self.lapsed.append(pool)

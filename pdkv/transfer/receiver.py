@@ -232,12 +232,7 @@ class KVReceiver:
                 self.counters["refused"] += 1
                 return admitted
             try:
-                try:
-                    blocks = self.allocator.allocate_for(req.transfer_id, admitted.blocks, held)
-                except OutOfBlocksError:  # the pools' spares are the first to go (spares.py)
-                    if not book.pools.spares.yield_to(admitted.blocks):
-                        raise
-                    blocks = self.allocator.allocate_for(req.transfer_id, admitted.blocks, held)
+                blocks = self.allocator.allocate_for(req.transfer_id, admitted.blocks, held)
             except OutOfBlocksError as exc:
                 self.counters["refused"] += 1
                 return Refused(
