@@ -47,7 +47,9 @@ class ChunkArrivals:
         self.verdicts = parts.config.data_verdicts and parts.channel.answer_notifications(
             self.answer, after=self.after_answers
         )
-        self._ready: list[IncomingTransfer] = []  # landed whole by an answer pass, to revoke after it (under the lock)
+        # where the channel runs ``after_answers`` (tcp): reservations an answer pass landed whole, revoked after it
+        self._revokes_after = self.verdicts and parts.channel.runs_after_answers
+        self._ready: list[IncomingTransfer] = []  # (under the lock)
 
     def on_notifications(self) -> None:
         """Verify every chunk whose notification arrived (I/O thread); acknowledge each transfer's chunks with one
@@ -240,7 +242,7 @@ class ChunkArrivals:
                     self.book.free_slots.extend(r.slots)
                     r.slots = []
                 self.counters["transfers_ready"] += 1
-                if answered and self.channel.runs_after_answers:  # its grant taken back once the verdict is out
+                if answered and self._revokes_after:  # its grant taken back once the verdict is out
                     self._ready.append(r)
             self.lock.notify_all()
         return Landing(r, self._verdict(notice, "landed"), admitting_ns)
