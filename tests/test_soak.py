@@ -18,6 +18,7 @@ are asserted.
 from __future__ import annotations
 
 import contextlib
+import threading
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from pdkv.errors import TransferError
 
 from soak.report import summary
 from soak.run import soak
+from soak.traffic import TrafficGate
 from tests.conftest import MakePair, wait_until
 
 
@@ -55,6 +57,22 @@ def test_short_soak_nothing_hangs_nothing_leaks(tmp_path: Path) -> None:
     assert sum(counts.fallbacks_after_fault.values()) >= counts.corrupt_recomputed, report
     assert counts.transferred_tokens > 0 and counts.recomputed_tokens > 0, report
     assert counts.failed_without_fault == 0 and counts.failed_cleanly <= counts.failed_cleanly_bound, report
+
+
+def test_traffic_gate_holds_the_requests_from_the_trigger_until_released() -> None:
+    """The corrupt-chunk fault's hold: the requests before its trigger run (so the trigger is reached), the ones from
+    it wait until the proxy is armed, and then run (the chunk it flips is one of theirs)."""
+    gate = TrafficGate()
+    assert gate.wait(7, 0)  # nothing held
+    gate.hold_from(5)
+    assert gate.wait(4, 0)
+    assert not gate.wait(5, 0.01) and not gate.wait(6, 0.01)
+    ran = threading.Event()
+    waiter = threading.Thread(target=lambda: gate.wait(6, 10) and ran.set())
+    waiter.start()
+    gate.release()
+    waiter.join(10)
+    assert ran.is_set()
 
 
 def test_sender_settles_a_transfer_whose_receiver_died_after_the_writes(

@@ -11,7 +11,7 @@ from pdkv.testing.procs import WorkerProcess
 from soak.cluster import ADMIN, PROXIED, Cluster
 from soak.monitor import KVMonitor
 from soak.report import Counts
-from soak.traffic import DropGate
+from soak.traffic import DropGate, TrafficGate
 
 
 def kill_and_restart_decode(cluster: Cluster, counts: Counts, monitor: KVMonitor, cycle: int = 0) -> None:
@@ -73,7 +73,9 @@ def kv_events(worker: WorkerProcess) -> tuple[float, float]:
     return metric(text, "pdkv_transfer_events_total", event="checksum_failures"), metric(text, "pdkv_fallbacks_total")
 
 
-def corrupt_chunk(cluster: Cluster, counts: Counts, drops: DropGate, wait_s: float = 30.0) -> None:
+def corrupt_chunk(
+    cluster: Cluster, counts: Counts, drops: DropGate, traffic: TrafficGate, wait_s: float = 30.0
+) -> None:
     """Flip one byte of the next chunk on its way to the proxied decode worker; it must notice and recompute.
 
     Noticing is its checksum failure counter going up, and not noticing
@@ -82,18 +84,21 @@ def corrupt_chunk(cluster: Cluster, counts: Counts, drops: DropGate, wait_s: flo
     checked like every other's). No client hangs up meanwhile (the lane
     holds ``drops`` for it, ``Fault.holds_drops``), and none that did is still
     in flight: the router would cancel that request's transfer, and a byte
-    flipped in a cancelled transfer is never checked, rightly.
+    flipped in a cancelled transfer is never checked, rightly. The block's
+    requests from the trigger on wait until the proxy is armed (``traffic``,
+    ``Fault.holds_traffic``): the chunk it flips is one of theirs.
     """
     with counts.fault_window("corrupt_chunk"):
         drops.quiet(wait_s)
-        _corrupt_chunk(cluster, counts, wait_s)
+        _corrupt_chunk(cluster, counts, traffic, wait_s)
 
 
-def _corrupt_chunk(cluster: Cluster, counts: Counts, wait_s: float) -> None:
+def _corrupt_chunk(cluster: Cluster, counts: Counts, traffic: TrafficGate, wait_s: float) -> None:
     with cluster.lock:
         victim = cluster.decode[PROXIED]
     checksum_failures, fallbacks = kv_events(victim)
     target = cluster.proxy.arm()
+    traffic.release()
     if not cluster.proxy.wait_flipped(target, wait_s):
         raise RuntimeError(f"no chunk went to decode {victim.url} within {wait_s}s")
     counts.injected["corrupt_chunk"] += 1

@@ -21,7 +21,7 @@ from soak.faults import corrupt_chunk, kill_and_restart_decode, kv_events, stall
 from soak.hosts import START_TIMEOUT_S, TwoHostCluster
 from soak.monitor import KVMonitor, read_leaks
 from soak.report import RETRY_S, Counts
-from soak.traffic import DropGate, body, fault_free, one_request, prompts
+from soak.traffic import DropGate, TrafficGate, body, fault_free, one_request, prompts
 
 
 @dataclass(frozen=True)
@@ -38,12 +38,21 @@ class Fault:
     gate: bool = False
     every: int = 1  # injected in every ``every``-th block only (the first included)
     holds_drops: bool = False  # no client hangs up from the block's start until it is done (traffic.DropGate)
+    holds_traffic: bool = False  # the block's requests from ``at`` on wait until it is armed (traffic.TrafficGate)
 
 
-def _one_host_lanes(cluster: Cluster, counts: Counts, monitor: KVMonitor, drops: DropGate) -> list[list[Fault]]:
+def _one_host_lanes(
+    cluster: Cluster, counts: Counts, monitor: KVMonitor, drops: DropGate, traffic: TrafficGate
+) -> list[list[Fault]]:
     return [
         [
-            Fault(1 / 8, lambda _k: corrupt_chunk(cluster, counts, drops), "corrupt_chunk", holds_drops=True),
+            Fault(
+                1 / 8,
+                lambda _k: corrupt_chunk(cluster, counts, drops, traffic),
+                "corrupt_chunk",
+                holds_drops=True,
+                holds_traffic=True,
+            ),
             Fault(
                 1 / 4,
                 functools.partial(kill_and_restart_decode, cluster, counts, monitor),
@@ -199,11 +208,12 @@ def _soak(
     monitor = KVMonitor(cluster, counts)
     watch = linkfaults.RouterWatch(cluster) if isinstance(cluster, TwoHostCluster) else None
     drops = DropGate()
+    traffic = TrafficGate()
     if isinstance(cluster, TwoHostCluster):
         assert watch is not None
         lanes = _two_host_lanes(cluster, counts, monitor, watch, restart_every)
     else:
-        lanes = _one_host_lanes(cluster, counts, monitor, drops)
+        lanes = _one_host_lanes(cluster, counts, monitor, drops, traffic)
     done = 0
     done_lock = threading.Condition()
     # Triggers count finished requests, not seconds, so a slow machine sees the same interleaving. A block's
@@ -221,17 +231,24 @@ def _soak(
         with done_lock:
             return done_lock.wait_for(lambda: done >= at, timeout=gate_s)
 
+    def trigger(b: int, fault: Fault) -> int:
+        """The request count at which ``fault`` is injected in the block starting at request ``b``."""
+        return b + max(1, int(block * fault.at))
+
     def lane(faults: list[Fault]) -> None:
         try:
             for k, b in enumerate(starts):
-                if any(f.holds_drops and not k % f.every for f in faults):
+                due = [f for f in faults if not k % f.every]
+                if any(f.holds_drops for f in due):
                     drops.hold()  # released once that fault is done
+                if held := [f for f in due if f.holds_traffic]:
+                    traffic.hold_from(trigger(b, held[0]))  # released once that fault is armed, or done
                 for fault in faults:
                     if k % fault.every:
                         if fault.gate:
                             gated[k].set()
                         continue
-                    at = b + max(1, int(block * fault.at))
+                    at = trigger(b, fault)
                     if not wait_done(at):
                         counts.errors.append(f"fault {fault.name} never triggered: traffic stalled before request {at}")
                         return
@@ -244,12 +261,15 @@ def _soak(
                             gated[k].set()
                         if fault.holds_drops:
                             drops.release()
+                        if fault.holds_traffic:
+                            traffic.release()
                 with lanes_lock:
                     lanes_left[k] -= 1
                     if not lanes_left[k]:
                         finished[k].set()
         finally:  # a lane that gave up releases every request still waiting on it
             drops.release()
+            traffic.release()
             for k in range(len(starts)):
                 gated[k].set()
                 finished[k].set()
@@ -279,6 +299,8 @@ def _soak(
             counts.errors.append(f"fault: the /proc baseline was not taken before request {i}")
         if k < len(starts) and i >= starts[k] + block // 2 and not gated[k].wait(gate_s):
             counts.errors.append(f"fault: the gating fault of block {k} did not finish before request {i}")
+        if not traffic.wait(i, gate_s):
+            counts.errors.append(f"fault: the fault holding request {i} was not armed in time")
         start = time.monotonic()
         drop = drops.begin(due)
         try:
@@ -313,6 +335,7 @@ def _soak(
         pool.shutdown(wait=False, cancel_futures=True)
         for event in (*gated, *finished, measured):
             event.set()
+        traffic.release()
         raise
     pool.shutdown()
     for t in injectors:

@@ -46,6 +46,36 @@ def fault_free(cluster: Cluster, ps: list[list[int]]) -> list[list[int]]:
     return out
 
 
+class TrafficGate:
+    """The block's requests from a fault's trigger on, held until the fault is armed (corrupt_chunk).
+
+    A fault that acts on traffic still to come (the proxy flips the next chunk) is injected once ``at`` of the
+    block's requests are done, and first waits for the drops to settle. Without a hold, the requests between its
+    trigger and the block's gate could all finish meanwhile, and the traffic then waited at the gate for the lane,
+    while the armed proxy waited for a chunk that no request would send (the long soak failed so, more often the
+    faster a request was). The lane holds from its block's start (``hold_from``), the fault releases once armed
+    (``release``); the requests before the trigger are never held, so the trigger is always reached.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._from: int | None = None  # the first request held, None when nothing is
+
+    def hold_from(self, index: int) -> None:
+        with self._cond:
+            self._from = index
+
+    def release(self) -> None:
+        with self._cond:
+            self._from = None
+            self._cond.notify_all()
+
+    def wait(self, index: int, timeout: float) -> bool:
+        """Whether request ``index`` may start (False: still held after ``timeout`` s)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._from is None or index < self._from, timeout)
+
+
 class DropGate:
     """The traffic's client drops, held off while a fault must see every chunk it touches checked (corrupt_chunk).
 
