@@ -35,7 +35,7 @@ import torch
 
 from pdkv.bench.channel import BASELINES, _load, _recv, baseline_variants, variant_pids
 from pdkv.bench.netrig import LOOPBACK
-from pdkv.bench.transfer import SENDER_LAYOUT, TransferRig, _digest
+from pdkv.bench.transfer import SENDER_LAYOUT, TransferRig, _digest, moved_bytes
 from pdkv.config import TransferConfig
 
 
@@ -103,13 +103,6 @@ class Spent:
             if slices > 0
         ]
         return sorted(rows, key=lambda r: -float(r["on_cpu_us"]))  # type: ignore[arg-type]
-
-
-def moved_bytes(tokens: int) -> int:
-    """The bytes a direct-mode request of ``tokens`` moves: its whole blocks of every KV tensor, which the raw
-    baseline moves too (a baseline moves the bytes pdkv moves)."""
-    layout = SENDER_LAYOUT
-    return layout.blocks_for(tokens) * layout.num_tensors * layout.block_bytes
 
 
 def raw_variants(raw: object, moved: int) -> dict[str, dict[str, int]]:
@@ -196,7 +189,7 @@ def main() -> None:
         "pool_tokens": pool_tokens if pools else None,
         "data_verdicts": getattr(config, "data_verdicts", None),
     }
-    biggest = max(moved_bytes(t) for t in sizes)
+    biggest = max(moved_bytes(SENDER_LAYOUT, t, "direct") for t in sizes)
     with TransferRig(args.channel, SENDER_LAYOUT, 64, 256, config) as rig:
         receiver = [p.pid for p in multiprocessing.active_children()]
         with _load(BASELINES[args.channel])(biggest, LOOPBACK) as raw:
@@ -218,7 +211,7 @@ def main() -> None:
                 raw_spent = {"sender": Spent(), "receiver": Spent()}
                 raw_runs = []
                 # the best plain program on this machine moving the same bytes: the raw baseline's fastest way
-                moved = moved_bytes(tokens)
+                moved = moved_bytes(SENDER_LAYOUT, tokens, "direct")  # the raw baseline moves them too
                 variants = raw_variants(raw, moved)
                 by_variant = {label: moved / raw.gbps(moved, 20, **kw) / 1e9 for label, kw in variants.items()}
                 best = min(by_variant, key=by_variant.__getitem__)

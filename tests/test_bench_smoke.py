@@ -16,6 +16,7 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -124,6 +125,7 @@ def test_bench_prints_its_ratio_against_a_same_run_baseline_and_draws_it(
         if name == "transfer":  # the host time per chunk and per request, both sides (pdkv.transfer.hosttime)
             for row in rows:
                 _assert_host_times(row)
+                _assert_moved_bytes(row)
         if "--streams" in args:
             assert all(set(r["streams"]) == {"1", "2"} and _finite(r["streams"]["2"]["gbps"]) for r in rows), rows
     assert picture.read_bytes()[:8] == PNG
@@ -145,6 +147,16 @@ def _assert_host_times(row: dict[str, object]) -> None:
             assert host[side]["n"] > 0 and _finite(host[side]["p50"]) and host[side]["mean"] > 0, (kind, side, row)
     cpu = row["cpu_us_per_chunk"]
     assert isinstance(cpu, dict) and all(_finite(cpu[s]) and cpu[s] > 0 for s in ("sender", "receiver")), row
+
+
+def _assert_moved_bytes(row: dict[str, Any]) -> None:
+    """A row's GB/s and its baseline's are of the bytes pdkv moved: a direct request's whole blocks (40 tokens end
+    mid-block: 3 blocks of 16 go), a staged request's tokens."""
+    from pdkv.bench.transfer import SENDER_LAYOUT as L
+
+    blocks = row["requests"] * L.blocks_for(row["tokens"]) * L.num_tensors * L.block_bytes
+    assert row["moved_bytes"] == (blocks if row["mode"] == "direct" else row["size_bytes"]), row
+    assert row["mode"] != "direct" or row["moved_bytes"] > row["size_bytes"], row  # 40 tokens: not a whole block
 
 
 def _assert_cpu_beside_the_fastest_baseline(row: dict[str, object]) -> None:
@@ -217,7 +229,7 @@ def test_nixl_direct_is_held_to_the_raw_post_plus_one_verification_pass() -> Non
     from pdkv.bench.transfer import Scenario, _plus_verify
 
     sc = Scenario(tokens=1, requests=1, mode="direct")
-    raw_gbps = sc.nbytes / 1e9  # the raw post moves the scenario's bytes in 1 s
+    raw_gbps = sc.moved / 1e9  # the raw post moves the scenario's bytes (its whole blocks) in 1 s
     baselines = {
         "raw": {"gbps": 4 * raw_gbps},
         "blocks": {"gbps": raw_gbps / 2},
@@ -226,6 +238,28 @@ def test_nixl_direct_is_held_to_the_raw_post_plus_one_verification_pass() -> Non
     got = _plus_verify(sc, {"baselines": baselines}, [0.4, 0.5, 0.6], gbps=raw_gbps / 2)
     assert got == pytest.approx({"blocks_plus_verify": 0.75, "verify_ms": 500.0})
     assert _plus_verify(sc, {"baselines": {}}, [], gbps=1.0) == {}  # no blocks baseline (tcp): nothing claimed
+
+
+def test_a_direct_scenarios_baseline_moves_its_whole_blocks_and_a_staged_ones_its_tokens() -> None:
+    """A baseline moves the bytes pdkv moves: direct mode sends a request's whole blocks (40 tokens: 3 blocks of 16,
+    2.21 MB where the tokens are 1.84 MB), so the raw program is asked for those; staging sends the tokens."""
+    from pdkv.bench.transfer import SENDER_LAYOUT, Scenario, variants_for
+
+    class Asked:
+        """A baseline that records the size it was asked to move."""
+
+        sizes: list[int] = []
+
+        def variants(self, size: int) -> dict[str, dict[str, int]]:
+            self.sizes.append(size)
+            return {"raw": {}}
+
+    asked = Asked()
+    variants_for(asked, Scenario("direct", 40, 2))
+    variants_for(asked, Scenario("staging", 40, 2))
+    block = SENDER_LAYOUT.num_tensors * SENDER_LAYOUT.block_bytes
+    assert asked.sizes == [2 * 3 * block, 2 * SENDER_LAYOUT.chunk_bytes(40)]
+    assert 2 * 3 * block > 2 * SENDER_LAYOUT.chunk_bytes(40)
 
 
 def test_the_rigs_receiver_claims_later_when_told_and_times_that_claim() -> None:

@@ -16,7 +16,9 @@ chunk is gathered into canonical form, written into a staging slot and
 scattered in.
 
 Baseline, measured in the same run with rounds alternating: the raw channel
-moving the same number of bytes (``pdkv bench channel``'s baseline for that
+moving the bytes pdkv moves (``moved_bytes``: in direct mode a request's whole
+blocks, so a 40-token request's 3 blocks of 16 tokens, 2.21 MB where its
+tokens are 1.84 MB; ``pdkv bench channel``'s baseline for that
 channel: plain sockets for tcp, the raw NIXL agent for nixl, raw ucxx for ucx,
 memcpy for mock), one transfer per repetition of all the requests' bytes: no
 reservation, no checksum, no descriptors per block. That is the best a plain
@@ -171,15 +173,28 @@ class Scenario:
     @property
     def block_bytes(self) -> int:
         """The bytes of the sender's whole blocks that hold the requests' tokens (direct mode moves these)."""
-        layout = SENDER_LAYOUT
-        return self.requests * layout.blocks_for(self.tokens) * layout.num_tensors * layout.block_bytes
+        return self.requests * moved_bytes(SENDER_LAYOUT, self.tokens, "direct")
+
+    @property
+    def moved(self) -> int:
+        """The bytes pdkv moves for the scenario, which its baseline moves too (``moved_bytes``); the row's GB/s are
+        of these."""
+        return self.requests * moved_bytes(SENDER_LAYOUT, self.tokens, self.mode)
+
+
+def moved_bytes(layout: KVLayout, tokens: int, mode: str) -> int:
+    """The bytes one request of ``tokens`` takes on the wire from a sender of ``layout``: in direct mode its whole
+    blocks of every KV tensor (a request ends mid-block, and the block goes whole), in staging its tokens."""
+    if mode == "direct":
+        return layout.blocks_for(tokens) * layout.num_tensors * layout.block_bytes
+    return layout.chunk_bytes(tokens)
 
 
 def variants_for(baseline: Any, sc: Scenario) -> dict[str, dict[str, int]]:
     """The baseline's ways of moving a scenario's bytes; in direct mode, also as the requests' whole blocks of the
     sender's layout, one transfer per request, where the baseline can (``RawNixl``: as vLLM's NixlConnector)."""
     grid = {"block_bytes": SENDER_LAYOUT.block_bytes, "tensors": SENDER_LAYOUT.num_tensors, "requests": sc.requests}
-    return baseline_variants(baseline, sc.nbytes, grid if sc.mode == "direct" else None)
+    return baseline_variants(baseline, sc.moved, grid if sc.mode == "direct" else None)
 
 
 def verify_pass_s(rig: TransferRig, sc: Scenario) -> float:
@@ -198,8 +213,8 @@ def _plus_verify(sc: Scenario, fields: dict[str, Any], verify: list[float], gbps
     if not verify:
         return {}
     raw_gbps = max(b["gbps"] for label, b in fields["baselines"].items() if label.startswith("blocks"))
-    raw_s, verify_s = sc.nbytes / raw_gbps / 1e9, statistics.median(verify)
-    return {"blocks_plus_verify": (raw_s + verify_s) / (sc.nbytes / gbps / 1e9), "verify_ms": 1e3 * verify_s}
+    raw_s, verify_s = sc.moved / raw_gbps / 1e9, statistics.median(verify)
+    return {"blocks_plus_verify": (raw_s + verify_s) / (sc.moved / gbps / 1e9), "verify_ms": 1e3 * verify_s}
 
 
 def _digest(layout: KVLayout, kv: list[torch.Tensor], blocks: list[int], tokens: int) -> int:
@@ -350,6 +365,7 @@ class TransferRig:
         start = meter.read() if meter is not None else {}
         self.conn.send(("expect", requests))
         ends = [0.0] * len(requests)
+        moved = [0] * len(requests)  # the bytes each request took on the wire, in the mode it was granted
         errors: list[BaseException] = []
 
         def one(i: int) -> None:
@@ -360,6 +376,7 @@ class TransferRig:
                 xfer.wait(TIMEOUT_S)
                 ends[i] = time.perf_counter()
                 self.modes.add(xfer.mode)
+                moved[i] = moved_bytes(self.layout, tokens, xfer.mode)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
                 errors.append(exc)
 
@@ -378,8 +395,7 @@ class TransferRig:
         self.conn.send(("check",))
         _, digests, receiver_spent, _ = _recv(self.conn, "the receiver's digests")
         if meter is not None:
-            nbytes = sum(self.layout.chunk_bytes(tokens) for _, tokens in requests)
-            meter.add(start, {"sender": sender_spent, "receiver": receiver_spent}, nbytes)
+            meter.add(start, {"sender": sender_spent, "receiver": receiver_spent}, sum(moved))
         want = [
             _digest(self.layout, self.kv, table, tokens) for table, (_, tokens) in zip(tables, requests, strict=True)
         ]
@@ -480,7 +496,7 @@ def _measure_mode(
             rigs[name].push([("warmup", scenarios[0].tokens)])  # handshake, first connections: not timed
         rigs = {name: rigs[name] for name in specs}
         baseline = stack.enter_context(baseline_class(max(max(s.nbytes, s.block_bytes) for s in scenarios), placement))
-        warm_up(baseline, scenarios[0].nbytes)
+        warm_up(baseline, scenarios[0].moved)
         for sc in scenarios:
             times: dict[str, list[float]] = {name: [] for name in rigs}
             latencies: dict[str, list[float]] = {name: [] for name in rigs}
@@ -493,7 +509,7 @@ def _measure_mode(
             verify: list[float] = []  # one read pass over the blocks moved: what D adds where bytes land unseen
             for _ in range(ROUNDS):
                 for label, kw in variants.items():
-                    call = partial(baseline.gbps, sc.nbytes, repeats, **kw)
+                    call = partial(baseline.gbps, sc.moved, repeats, **kw)
                     base[label].append(charge(base_meters[label], baseline, call))
                 if any(label.startswith("blocks") for label in variants):
                     verify.extend(verify_pass_s(rigs[devices[0]], sc) for _ in range(repeats))
@@ -512,7 +528,7 @@ def _measure_mode(
             chunks = ROUNDS * repeats * sc.requests * -(-sc.tokens // config.chunk_size)  # each rig's, this row
             for device in devices:
                 rig = rigs[device]
-                gbps = sc.nbytes / statistics.median(times[device]) / 1e9
+                gbps = sc.moved / statistics.median(times[device]) / 1e9
                 cpu = meters[device].per_gb()
                 spans = rig.host_times()
                 row = {
@@ -524,6 +540,7 @@ def _measure_mode(
                     "tokens": sc.tokens,
                     "requests": sc.requests,
                     "size_bytes": sc.nbytes,
+                    "moved_bytes": sc.moved,
                     "gbps": gbps,
                     "baseline_gbps": base_gbps,
                     "ratio": gbps / base_gbps,
@@ -531,7 +548,7 @@ def _measure_mode(
                     **(_plus_verify(sc, fields, verify, gbps) if device == devices[0] else {}),
                     "p50_ms": 1e3 * _percentile(latencies[device], 0.5),
                     "p99_ms": 1e3 * _percentile(latencies[device], 0.99),
-                    "baseline_ms": 1e3 * sc.nbytes / base_gbps / 1e9,
+                    "baseline_ms": 1e3 * sc.moved / base_gbps / 1e9,
                     "cpu_s_per_gb": cpu,
                     **fields,
                     "cpu_ratio": ratios(cpu, fields["baseline_cpu_s_per_gb"]),
@@ -542,7 +559,7 @@ def _measure_mode(
                     "cpu_us_per_chunk": {side: 1e6 * t / chunks for side, t in meters[device].spent.items()},
                 }
                 for v in also if device == "cpu" else ():
-                    v_gbps = sc.nbytes / statistics.median(times[v]) / 1e9
+                    v_gbps = sc.moved / statistics.median(times[v]) / 1e9
                     row.update(
                         {
                             f"{v}_gbps": v_gbps,
@@ -653,7 +670,7 @@ def _table(out: dict[str, Any]) -> str:
         vs_host = f"{r['vs_host']:7.2f}" if "vs_host" in r else f"{'':>7}"
         lines.append(
             f"{r['device']:>8} {r['mode']:>8} {r['path'][:22]:>22} {r['tokens']:>6} {r['requests']:>4} "
-            f"{r['size_bytes'] / 1e6:8.1f} {r['gbps']:7.3f} {r['baseline_gbps']:7.3f} "
+            f"{r['moved_bytes'] / 1e6:8.1f} {r['gbps']:7.3f} {r['baseline_gbps']:7.3f} "
             f"{r['baseline_used'][:9]:>9} {r['ratio']:6.2f} {vs_host} {r['p50_ms']:8.2f} {r['p99_ms']:8.2f} "
             f"{r['baseline_ms']:8.2f} {cpu_pair(r['cpu_s_per_gb']):>11} {cpu_pair(r['baseline_cpu_s_per_gb']):>11} "
             f"{_host_pair(r['host_us_per_chunk']):>13} {_host_pair(r['host_us_per_request']):>13} "
@@ -669,20 +686,20 @@ def _table(out: dict[str, Any]) -> str:
 
 
 def draw(out: dict[str, Any], path: str) -> None:
-    """``--plot``: GB/s against a scenario's bytes, per mode, beside the raw channel moving the same bytes."""
+    """``--plot``: GB/s against the bytes a scenario moves, per mode, beside the raw channel moving the same bytes."""
     series: dict[str, tuple[list[float], list[float]]] = {}
-    for r in sorted(out["results"], key=lambda r: r["size_bytes"]):
+    for r in sorted(out["results"], key=lambda r: r["moved_bytes"]):
         for label, key in (
             (f"pdkv {r['device']} {r['mode']}", "gbps"),
             (f"baseline ({r['device']} {r['mode']} sizes)", "baseline_gbps"),
         ):
             xs, ys = series.setdefault(label, ([], []))
-            xs.append(r["size_bytes"])
+            xs.append(r["moved_bytes"])
             ys.append(r[key])
     plot.lines(
         path,
         f"pdkv bench transfer --channel {out['channel']}",
-        "bytes per scenario (all its requests)",
+        "bytes moved per scenario (all its requests; whole blocks in direct mode)",
         "GB/s",
         series,
         note="baseline: " + out["baseline"][:150],
