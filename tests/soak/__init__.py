@@ -14,7 +14,9 @@ through the router from a small thread pool while a fault thread:
 * corrupts a chunk in flight: the proxy flips one byte in the payload of the
   next DATA frame to the second decode worker, which must fail the chunk's
   checksum (``checksum_failures`` on its /metrics goes up) and compute the
-  prompt itself (``pdkv_fallbacks_total`` goes up);
+  prompt itself (``pdkv_fallbacks_total`` goes up); the block's requests from
+  the fault's trigger on wait until the proxy is armed, so one of them carries
+  that frame (``traffic.TrafficGate``);
 * SIGKILLs a decode worker, restarts it and registers the new one through the
   router's admin API (``DELETE``/``POST /pdkv/workers``);
 * stalls the prefill worker (SIGSTOP, then SIGCONT a couple of seconds later);
