@@ -235,14 +235,18 @@ def _soak(
         """The request count at which ``fault`` is injected in the block starting at request ``b``."""
         return b + max(1, int(block * fault.at))
 
+    def hold(k: int, faults: list[Fault]) -> None:
+        """What block ``k``'s faults need held, held before any of its requests can start (they wait for the block
+        before to finish, or for the lanes to start): drops, and the requests from a fault's trigger on."""
+        due = [f for f in faults if not k % f.every]
+        if any(f.holds_drops for f in due):
+            drops.hold()  # released once that fault is done
+        if held := [f for f in due if f.holds_traffic]:
+            traffic.hold_from(trigger(starts[k], held[0]))  # released once that fault is armed, or done
+
     def lane(faults: list[Fault]) -> None:
         try:
             for k, b in enumerate(starts):
-                due = [f for f in faults if not k % f.every]
-                if any(f.holds_drops for f in due):
-                    drops.hold()  # released once that fault is done
-                if held := [f for f in due if f.holds_traffic]:
-                    traffic.hold_from(trigger(b, held[0]))  # released once that fault is armed, or done
                 for fault in faults:
                     if k % fault.every:
                         if fault.gate:
@@ -263,6 +267,8 @@ def _soak(
                             drops.release()
                         if fault.holds_traffic:
                             traffic.release()
+                if k + 1 < len(starts):
+                    hold(k + 1, faults)
                 with lanes_lock:
                     lanes_left[k] -= 1
                     if not lanes_left[k]:
@@ -322,6 +328,8 @@ def _soak(
         threading.Thread(target=lane, args=(faults,), name=f"soak-faults-{j}", daemon=True)
         for j, faults in enumerate(lanes)
     ]
+    for faults in lanes:
+        hold(0, faults)
     for t in injectors:
         t.start()
     if warm:
