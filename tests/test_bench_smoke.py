@@ -262,6 +262,27 @@ def test_a_direct_scenarios_baseline_moves_its_whole_blocks_and_a_staged_ones_it
     assert 2 * 3 * block > 2 * SENDER_LAYOUT.chunk_bytes(40)
 
 
+@pytest.mark.timeout(300)
+def test_request_cost_pairs_each_round_of_requests_with_a_raw_run_of_the_same_blocks() -> None:
+    """``benchmarks/request_cost.py``: its requests and the raw transfers take turns, and ``over_raw_ms`` is the
+    median of the rounds' differences; the raw program moves the request's whole blocks, as direct mode does."""
+    from pdkv.bench.transfer import SENDER_LAYOUT as L
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks/request_cost.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--channel", "tcp", "--tokens", "40", "--repeats", "3"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads(out.stdout.splitlines()[-1])["40"]
+    assert row["rounds"] == 3 and len(row["over_raw_ms_by_round"]) == 3, row
+    assert row["over_raw_ms"] == pytest.approx(sorted(row["over_raw_ms_by_round"])[1], abs=1e-3), row
+    assert row["raw_bytes"] == 3 * L.num_tensors * L.block_bytes > row["bytes"] == L.chunk_bytes(40), row
+    assert row["p50_ms"] > 0 and row["raw_ms"] > 0 and row["sender_cpu_ms"] > 0, row
+
+
 def test_the_rigs_receiver_claims_later_when_told_and_times_that_claim() -> None:
     """``expect`` with ``later`` (``benchmarks/request_cost.py --claim-later``): the receiver claims the KV only after
     the sender's go-ahead, as a decode request that comes after the router's hop, and times that claim; without it,
