@@ -59,6 +59,11 @@ I/O thread's pass from waking on the notification to the ``Landed`` sent (the da
 not included: that is in the CPU), and a request is its admission (``Reserve`` answered, or a pooled chunk's
 Reserve). ``cpu_us_per_chunk`` is the CPU clock behind ``cpu_s_per_gb``, per side, over the row's chunks.
 
+The receiver has room for a pool, as a decode worker does (``pool.pool_size`` within ``pool_blocks_share`` of
+its blocks), so a one-chunk request in direct mode is written into the pool its receiver granted ahead, as it is
+there, with no Reserve's round trip; ``pooled_share`` is the row's share of requests that were (one request per
+pool at a time: of a scenario's concurrent requests, one a repetition).
+
 Every repetition's KV is checked bit for bit on the decode side (a digest of
 each request's canonical KV compared with the sender's), outside the timed part.
 ``TransferRig`` is that harness; the tests use it too, to prove the data path
@@ -134,6 +139,7 @@ from pdkv.layout import KVLayout, gather
 from pdkv.memory import emulate_device
 from pdkv.transfer.hosttime import KINDS as HOST_KINDS
 from pdkv.transfer.hosttime import summary
+from pdkv.transfer.pool import pool_size
 
 SENDER_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
 STAGING_LAYOUT = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=32, dtype="float32", order="HND")
@@ -479,6 +485,8 @@ def _measure_mode(
     theirs, ours = (max(lay.blocks_for(s.tokens) * s.requests for s in scenarios) for lay in (layout, SENDER_LAYOUT))
     config = TransferConfig()
     theirs = math.ceil(theirs / config.max_peer_blocks_share)  # one sender may hold only that share of the receiver
+    if config.pool_blocks_share:  # and room for a pool, as a decode worker has: a one-chunk request goes pooled there
+        theirs = max(theirs, math.ceil(pool_size(layout, config) / config.pool_blocks_share))
     reps = itertools.count()
     rows = []
     with contextlib.ExitStack() as stack:
@@ -503,6 +511,7 @@ def _measure_mode(
             meters = {name: CpuMeter(rig.pids) for name, rig in rigs.items()}
             for rig in rigs.values():
                 rig.host_times()  # the spans of earlier scenarios and warm-ups: not this row's
+            pooled = {name: rig.sender.stats().get("reserved_from_pool", 0) for name, rig in rigs.items()}
             variants = variants_for(baseline, sc)
             base: dict[str, list[float]] = {label: [] for label in variants}
             base_meters = {label: CpuMeter(variant_pids(baseline, kw)) for label, kw in variants.items()}
@@ -557,6 +566,9 @@ def _measure_mode(
                         for kind in HOST_KINDS
                     },
                     "cpu_us_per_chunk": {side: 1e6 * t / chunks for side, t in meters[device].spent.items()},
+                    # the row's requests that went into a pool the receiver granted ahead (no Reserve's round trip)
+                    "pooled_share": (rig.sender.stats().get("reserved_from_pool", 0) - pooled[device])
+                    / (ROUNDS * repeats * sc.requests),
                 }
                 for v in also if device == "cpu" else ():
                     v_gbps = sc.moved / statistics.median(times[v]) / 1e9

@@ -28,7 +28,9 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdkv.config import TransferConfig
 from pdkv.errors import OutOfBlocksError
+from pdkv.layout import KVLayout
 from pdkv.transfer.admission import Admission, ReceiverView, admit_pooled, writes_in_place
 from pdkv.transfer.handshake import SenderHandshake, reserving_peer, signed_reserve
 from pdkv.transfer.incoming import IncomingTransfer
@@ -156,6 +158,12 @@ class Bookings(Protocol):
     def fence(self, identity: bytes) -> None: ...
 
 
+def pool_size(layout: KVLayout, config: TransferConfig) -> int:
+    """The blocks of one pool on a receiver of ``layout``: one chunk's (0: pools off). The receiver grants pools only
+    where ``pool_blocks_share`` of its blocks hold one."""
+    return layout.blocks_for(min(config.pool_tokens, config.chunk_size)) if config.pool_tokens else 0
+
+
 class ReceiverPools:
     """Every sender's pool on the receiver, and the pools taken back that still wait out late writes."""
 
@@ -166,7 +174,7 @@ class ReceiverPools:
         # all pools together within pool_blocks_share of the blocks, so a small receiver keeps room for Reserves.
         # A receiver whose share cannot hold one pool grants none: its blocks are for Reserves.
         self.budget = int(config.pool_blocks_share * memory.num_blocks)
-        size = memory.layout.blocks_for(min(config.pool_tokens, config.chunk_size)) if config.pool_tokens else 0
+        size = pool_size(memory.layout, config)
         self.size = size if size <= self.budget else 0
         self.by_peer: dict[bytes, PeerPool] = {}
         self.lapsed: list[PeerPool] = []
