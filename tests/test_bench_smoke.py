@@ -158,7 +158,8 @@ def _assert_moved_bytes(row: dict[str, Any]) -> None:
     assert row["moved_bytes"] == (blocks if row["mode"] == "direct" else row["size_bytes"]), row
     assert row["mode"] != "direct" or row["moved_bytes"] > row["size_bytes"], row  # 40 tokens: not a whole block
     # a one-chunk request goes into a pool where the receiver has room for one, as a decode worker has: one of the
-    # two at once a repetition in direct mode from host memory; staged chunks are not written in place
+    # two at once a repetition, in direct mode from host memory; KV on a device and staged chunks are not written
+    # in place, so those reserve
     assert 0 <= row["pooled_share"] <= 1, row
     assert (row["pooled_share"] > 0) == (row["mode"] == "direct" and row["device"] == "cpu"), row
 
@@ -252,7 +253,8 @@ def test_a_direct_scenarios_baseline_moves_its_whole_blocks_and_a_staged_ones_it
     class Asked:
         """A baseline that records the size it was asked to move."""
 
-        sizes: list[int] = []
+        def __init__(self) -> None:
+            self.sizes: list[int] = []
 
         def variants(self, size: int) -> dict[str, dict[str, int]]:
             self.sizes.append(size)
