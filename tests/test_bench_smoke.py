@@ -265,7 +265,6 @@ def test_a_direct_scenarios_baseline_moves_its_whole_blocks_and_a_staged_ones_it
     variants_for(asked, Scenario("staging", 40, 2))
     block = SENDER_LAYOUT.num_tensors * SENDER_LAYOUT.block_bytes
     assert asked.sizes == [2 * 3 * block, 2 * SENDER_LAYOUT.chunk_bytes(40)]
-    assert 2 * 3 * block > 2 * SENDER_LAYOUT.chunk_bytes(40)
 
 
 @pytest.mark.timeout(300)

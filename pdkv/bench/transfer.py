@@ -503,7 +503,8 @@ def _measure_mode(
             )
             rigs[name].push([("warmup", scenarios[0].tokens)])  # handshake, first connections: not timed
         rigs = {name: rigs[name] for name in specs}
-        baseline = stack.enter_context(baseline_class(max(max(s.nbytes, s.block_bytes) for s in scenarios), placement))
+        # sized for whole blocks: the most any scenario or variant moves
+        baseline = stack.enter_context(baseline_class(max(s.block_bytes for s in scenarios), placement))
         warm_up(baseline, scenarios[0].moved)
         for sc in scenarios:
             times: dict[str, list[float]] = {name: [] for name in rigs}
