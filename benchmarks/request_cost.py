@@ -17,6 +17,8 @@ for the raw channel: whether the request waits on the socket or on the scheduler
 ``--claim-later`` has the receiver claim each request's KV only once the sender's wait returned, as a decode request
 does that comes after the router's hop from P, and reports that claim's median (``claim_us``): what D's worker
 waits on once its KV is there.
+``--layers N`` spreads the same KV a token over N layers, a tensor each (as vLLM registers a model's): how a
+request's fixed cost grows with a deeper model (the receiver's grants, its landing tables).
 ``--pool-tokens 0`` reserves every request first (default: the config's, one chunk); on a pdkv without pools the
 option is ignored, so the same script measures before and after: run them alternately
 (benchmarks/history/2026-11-26-cost-of-a-byte-and-a-request-issue-28.md).
@@ -33,12 +35,14 @@ import statistics
 import threading
 import time
 
+import msgspec
 import torch
 
 from pdkv.bench.channel import BASELINES, _load, _recv, baseline_variants, variant_pids
 from pdkv.bench.netrig import LOOPBACK
 from pdkv.bench.transfer import SENDER_LAYOUT, TransferRig, _digest, moved_bytes
 from pdkv.config import TransferConfig
+from pdkv.layout import KVLayout
 
 ROUNDS = 10
 """Turns per size: each round runs its share of ``--repeats`` requests, then ``RAW_REPEATS`` raw transfers, so that a
@@ -113,11 +117,10 @@ class Spent:
         return sorted(rows, key=lambda r: -float(r["on_cpu_us"]))  # type: ignore[arg-type]
 
 
-def raw_variants(raw: object, moved: int) -> dict[str, dict[str, int]]:
+def raw_variants(raw: object, moved: int, layout: KVLayout) -> dict[str, dict[str, int]]:
     """The raw baseline's ways of moving ``moved`` bytes (stream counts and send sizes for raw sockets), and for
     a baseline that moves blocks (``RawNixl``) the way vLLM's NixlConnector posts a request: one WRITE of its blocks,
     each a descriptor of lists prepared once (each way by both its programs: NIXL's progress thread on and off)."""
-    layout = SENDER_LAYOUT
     return baseline_variants(
         raw, moved, {"block_bytes": layout.block_bytes, "tensors": layout.num_tensors, "requests": 1}
     )
@@ -164,11 +167,27 @@ def one_request(
     return t1 - t0, c1 - c0, p1 - p0, opened - t0, claim_ns[0] if claim_ns else None
 
 
+def deeper(layers: int) -> KVLayout:
+    """The bench's KV (``SENDER_LAYOUT``: 30 layers of 3 heads of 64) spread over ``layers`` layers of one head, the
+    same bytes a token and a block: each layer a tensor of its own, as vLLM registers them."""
+    width = SENDER_LAYOUT.num_layers * SENDER_LAYOUT.num_kv_heads * SENDER_LAYOUT.head_dim
+    if layers <= 0 or width % layers:
+        raise SystemExit(f"--layers {layers}: the KV's {width} values a token do not spread evenly over it")
+    return msgspec.structs.replace(SENDER_LAYOUT, num_layers=layers, num_kv_heads=1, head_dim=width // layers)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--channel", default="tcp")
     parser.add_argument("--pool-tokens", type=int, default=None, help="default: the config's (one chunk)")
     parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="the KV in this many layers (a tensor each), with the same bytes a token: what a request's fixed cost "
+        "does with a deeper model (default: the bench's 30)",
+    )
     parser.add_argument("--tokens", default="40,256")
     parser.add_argument("--threads", action="store_true", help="also each thread's time per request (schedstat)")
     parser.add_argument(
@@ -197,21 +216,23 @@ def main() -> None:
         "pool_tokens": pool_tokens if pools else None,
         "data_verdicts": getattr(config, "data_verdicts", None),
     }
-    biggest = max(moved_bytes(SENDER_LAYOUT, t, "direct") for t in sizes)
-    with TransferRig(args.channel, SENDER_LAYOUT, 64, 256, config) as rig:
+    layout = SENDER_LAYOUT if args.layers is None else deeper(args.layers)
+    out["layers"] = layout.num_layers
+    biggest = max(moved_bytes(layout, t, "direct") for t in sizes)
+    with TransferRig(args.channel, layout, 64, 256, config, sender_layout=layout) as rig:
         receiver = [p.pid for p in multiprocessing.active_children()]
         with _load(BASELINES[args.channel])(biggest, LOOPBACK) as raw:
             rig.push([("warm", sizes[0])])
             for tokens in sizes:
-                nbytes = SENDER_LAYOUT.chunk_bytes(tokens)
-                table = rig.allocator.allocate(SENDER_LAYOUT.blocks_for(tokens))
+                nbytes = layout.chunk_bytes(tokens)
+                table = rig.allocator.allocate(layout.blocks_for(tokens))
                 runs: list[list[tuple[float, int, int, float, int | None]]] = []  # per round
                 spent = {"sender": Spent(), "receiver": Spent()} if args.threads else None
                 raw_spent = {"sender": Spent(), "receiver": Spent()}
                 raw_runs = []  # per round: (seconds a transfer, sender CPU ns, receiver CPU ns)
                 # the best plain program on this machine moving the same bytes: the raw baseline's fastest way
-                moved = moved_bytes(SENDER_LAYOUT, tokens, "direct")  # the raw baseline moves them too
-                variants = raw_variants(raw, moved)
+                moved = moved_bytes(layout, tokens, "direct")  # the raw baseline moves them too
+                variants = raw_variants(raw, moved, layout)
                 by_variant = {label: moved / raw.gbps(moved, 20, **kw) / 1e9 for label, kw in variants.items()}
                 best = min(by_variant, key=by_variant.__getitem__)
                 raw_pids = variant_pids(raw, variants[best])

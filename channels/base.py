@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
-from pdkv.channels.grants import Access, Grants, Range
+from pdkv.channels.grants import Access, Grantable, Grants
 from pdkv.channels.handle import BlockWrite, Notification, TransferHandle, TransferOp, XferState
 from pdkv.channels.inbox import Answerer, NotificationInbox
 from pdkv.channels.reachability import Reachability
@@ -133,11 +133,11 @@ class Channel(ABC):
         """Peers may touch ``region`` only through grants from now on (see ``Grants``)."""
         self.grants.guard(region)
 
-    def grant(self, token: bytes, access: Access, ranges: Sequence[Range]) -> None:
-        """Let the peer presenting ``token`` write or read these (region, offset, length) ranges of guarded regions."""
+    def grant(self, token: bytes, access: Access, ranges: Grantable) -> None:
+        """Let the peer presenting ``token`` write or read these guarded (region, offset, length) ranges (or blocks)."""
         self.grants.grant(token, access, ranges)
 
-    def revoke(self, token: bytes, access: Access, ranges: Sequence[Range], timeout: float) -> bool:
+    def revoke(self, token: bytes, access: Access, ranges: Grantable, timeout: float) -> bool:
         """Take a grant back and fence it: False if a frame of that peer was still landing there after ``timeout`` s."""
         return self.grants.revoke(token, access, ranges, timeout)
 

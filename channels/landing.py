@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from pdkv import native
-from pdkv.channels.grants import Range
+from pdkv.channels.grants import Grantable, GridSpans
 from pdkv.checksum import finish
 from pdkv.errors import ChannelError
 
@@ -59,6 +59,15 @@ class Snapshot:
         """What the native frame loop lands under: descriptors, their count, the address of the live generation
         counter (``counter``: a frame is handed back once it moved on) and this snapshot's generation."""
         return self.address, self.count, counter, self.generation
+
+
+def pack(ranges: Grantable) -> tuple[bytes, int]:
+    """``ranges`` as the native kernels take them (``native.pack_ranges``), and how many: a grid's spans in each of its
+    regions built natively (``native.grid_ranges``), however many regions it has."""
+    if isinstance(ranges, GridSpans):
+        grid = ranges.grid
+        return native.grid_ranges(grid.packed, len(grid.regions), ranges.spans)
+    return native.pack_ranges(ranges), len(ranges)
 
 
 def address_of(view: memoryview) -> int:
@@ -113,11 +122,12 @@ class LandingSums:
             self._tables[region] = (unit, torch.zeros((-(-size // unit), 3), dtype=torch.int64))
             self._publish()
 
-    def reset(self, ranges: Sequence[Range]) -> None:
+    def reset(self, ranges: Grantable) -> None:
         """Forget what landed in ``ranges`` (every unit they touch): they are being granted to a new owner."""
+        packed = pack(ranges)
         with self._lock:  # the snapshot's descriptor: every hashed region's table (csrc/kvland.cpp), one call
             desc = self.snapshot.desc
-            native.landing_reset(desc.data_ptr(), desc.shape[0], ranges)
+            native.landing_reset(desc.data_ptr(), desc.shape[0], *packed)
 
     def checksum(self, regions: Sequence[int], ids: Sequence[int], unit: int) -> tuple[int, int]:
         """``blocks_checksum`` of blocks ``ids`` of every region in turn, from what was hashed as it landed; returns

@@ -256,3 +256,14 @@ PDKV_API void pdkv_landing_reset(const int64_t* desc, int64_t n_desc, const int6
     if (first < end) std::memset(reinterpret_cast<int64_t*>(d[3]) + 3 * first, 0, static_cast<size_t>(end - first) * 3 * sizeof(int64_t));
   }
 }
+
+// See kvnet.h.
+PDKV_API void pdkv_grid_ranges(const int64_t* regions, int64_t n_regions, const int64_t* runs, int64_t n_runs, int64_t* out) {
+  for (int64_t i = 0; i < n_regions; ++i) {
+    for (int64_t k = 0; k < n_runs; ++k, out += 3) {
+      out[0] = regions[i];
+      out[1] = runs[2 * k];
+      out[2] = runs[2 * k + 1];
+    }
+  }
+}

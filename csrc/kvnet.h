@@ -117,6 +117,12 @@ PDKV_API int pdkv_send_summed(int fd, const int64_t* iov, const int64_t* offsets
 // touch, for the regions desc (n_desc rows of kvland.cpp's descriptor) hashes as they land; other ranges are skipped.
 // For a grant to a new owner: nothing landed under an earlier grant counts (channels/landing.py LandingSums.reset).
 PDKV_API void pdkv_landing_reset(const int64_t* desc, int64_t n_desc, const int64_t* ranges, int64_t n);
+
+// pdkv_grid_ranges writes the (region, offset, length) ranges of a block grid's runs into out[3 (i n_runs + k) ...]:
+// every region of regions[0, n_regions) in turn, each run (offset, length) of runs[2 k ...] in turn (the order of
+// channels/grants.py BlockGrid.ranges), so a grant of blocks over a KV buffer's tensors costs Python one call
+// however many tensors it has. out holds 3 n_regions n_runs words.
+PDKV_API void pdkv_grid_ranges(const int64_t* regions, int64_t n_regions, const int64_t* runs, int64_t n_runs, int64_t* out);
 // The checksum accumulator of blocks ids[] (each checked against [0, num_blocks)) of every region in turn (bases[t],
 // its landing table tables[t]; units of block_bytes), as pdkv_checksum_blocks_cpu gives it: from each block's landing
 // entry where it landed exactly once in hashed pieces, else read from memory (*reread counts those blocks).

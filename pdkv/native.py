@@ -157,6 +157,7 @@ _SIGNATURES: dict[str, list[type]] = {
         ctypes.c_size_t,
     ],
     "pdkv_landing_reset": [_p, _i64, _p, _i64],
+    "pdkv_grid_ranges": [_p, _i64, _p, _i64, _p],
     "pdkv_kvcopy_check": [ctypes.POINTER(KVGeometry), _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
     "pdkv_split_planes": [_p, _i64, _i64, _p, _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
     "pdkv_merge_planes": [_p, _i64, _p, _i64, _i64, ctypes.c_char_p, ctypes.c_size_t],
@@ -454,10 +455,22 @@ def pack_ranges(ranges: Sequence[tuple[int, int, int]]) -> bytes:
     return struct.pack(f"={3 * len(ranges)}q", *itertools.chain.from_iterable(ranges))
 
 
-def landing_reset(desc: int, n_desc: int, ranges: Sequence[tuple[int, int, int]]) -> None:
-    """Zero the landing table entries of every unit ``ranges`` touch, in the regions of the descriptor at ``desc``
-    (``n_desc`` rows, csrc/kvland.cpp) that are hashed as they land: one call for a grant's ranges."""
-    _lib().pdkv_landing_reset(desc, n_desc, pack_ranges(ranges), len(ranges))
+def grid_ranges(regions: bytes, n_regions: int, spans: Sequence[tuple[int, int]]) -> tuple[bytes, int]:
+    """The (region, offset, length) ranges of ``spans`` (offset, length) in each of the ``n_regions`` regions packed
+    in ``regions``, packed as ``pack_ranges`` packs them, and their count (csrc/kvland.cpp ``pdkv_grid_ranges``): a
+    grant of blocks over every tensor of a KV buffer built in one call, however many tensors it has."""
+    n = n_regions * len(spans)
+    out = (_i64 * (3 * n))()
+    packed_spans = struct.pack(f"={2 * len(spans)}q", *itertools.chain.from_iterable(spans))
+    _lib().pdkv_grid_ranges(regions, n_regions, packed_spans, len(spans), out)
+    return bytes(out), n
+
+
+def landing_reset(desc: int, n_desc: int, packed: bytes, n: int) -> None:
+    """Zero the landing table entries of every unit the ``n`` ranges ``packed`` (``pack_ranges``, ``grid_ranges``)
+    touch, in the regions of the descriptor at ``desc`` (``n_desc`` rows, csrc/kvland.cpp) that are hashed as they
+    land: one call for a grant's ranges."""
+    _lib().pdkv_landing_reset(desc, n_desc, packed, n)
 
 
 def _lib() -> ctypes.CDLL:

@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pdkv import native
-from pdkv.channels.grants import Grants
+from pdkv.channels.grants import BlockGrid, Grants, GridSpans
 from pdkv.channels.tcp import TcpChannel, TcpOptions, wire
 from pdkv.channels.tcp import native as tcp_native
 from pdkv.channels.tcp.lander import Lander
@@ -311,6 +311,47 @@ def test_the_native_grant_check_is_grants_own(
         ticket = grants.begin_many(token, "write", frame)
         python_admits = True
         grants.end(ticket)
+    except ChannelError:
+        python_admits = False
+    native_ticket = mirror.begin(token, b"".join(RUN.pack(*run) for run in frame))
+    assert (native_ticket is not None) == python_admits
+    if native_ticket:
+        mirror.end(native_ticket)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    ops=st.lists(
+        st.tuples(st.booleans(), st.sampled_from([b"a", b"b"]), st.lists(st.integers(0, 40), min_size=1, max_size=4)),
+        max_size=8,
+    ),
+    token=st.sampled_from([b"a", b"b"]),
+    frame=RUNS,
+    guard_later=st.booleans(),
+)
+@example(ops=[(True, b"a", [0, 1]), (False, b"a", [1])], token=b"a", frame=[(2, 0, 8)], guard_later=False)
+@example(ops=[(True, b"a", [0, 1]), (False, b"a", [1])], token=b"a", frame=[(2, 8, 1)], guard_later=True)
+def test_the_native_grant_check_is_grants_own_over_a_grid(
+    ops: list[tuple[bool, bytes, list[int]]], token: bytes, frame: list[tuple[int, int, int]], guard_later: bool
+) -> None:
+    """The same over a grid of blocks (``GridSpans``, the ranges built natively), the mirror attached before the
+    grants or after them (``mirror_to`` copies the grids held)."""
+    grants, mirror = Grants(), tcp_native.GrantMirror()
+    grid = BlockGrid((0, 2), 8)
+    if not guard_later:
+        grants.mirror_to(mirror)
+    for region in (0, 1, 2):
+        grants.guard(region)
+    for give, who, blocks in ops:
+        if give:
+            grants.grant(who, "write", GridSpans(grid, grid.spans(blocks)))
+        else:
+            assert grants.revoke(who, "write", GridSpans(grid, grid.spans(blocks)), 0.0)
+    if guard_later:
+        grants.mirror_to(mirror)
+    try:
+        grants.end(grants.begin_many(token, "write", frame))
+        python_admits = True
     except ChannelError:
         python_admits = False
     native_ticket = mirror.begin(token, b"".join(RUN.pack(*run) for run in frame))

@@ -10,7 +10,7 @@ import msgspec
 
 from pdkv.channels.answers import Asks
 from pdkv.channels.base import Channel, ChannelOptions
-from pdkv.channels.grants import Access, Range
+from pdkv.channels.grants import Access, Grantable
 from pdkv.channels.handle import BlockWrite, Notification, TransferHandle, TransferOp, XferState, merge_ops
 from pdkv.channels.nixl.agent import Agent
 from pdkv.channels.nixl.lib import NIXL_ERRORS, OPEN, describe_nixl_error
@@ -69,7 +69,7 @@ class NixlChannel(Channel):
         self._watcher.wake()  # open to every peer until guarded: the watcher looks for notifications
         return region
 
-    def grant(self, token: bytes, access: Access, ranges: Sequence[Range]) -> None:
+    def grant(self, token: bytes, access: Access, ranges: Grantable) -> None:
         """A peer may write here from now on: its notification is what the watcher waits for."""
         super().grant(token, access, ranges)
         self._watcher.moved()

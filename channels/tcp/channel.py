@@ -19,7 +19,7 @@ import msgspec
 
 from pdkv import native
 from pdkv.channels.base import Channel, ChannelOptions, SummedWrites
-from pdkv.channels.grants import Access, Range
+from pdkv.channels.grants import Access, Grantable
 from pdkv.channels.handle import BlockWrite, TransferHandle, TransferOp, XferState
 from pdkv.channels.landing import LandingSums
 from pdkv.channels.tcp import native as tcp_native
@@ -80,7 +80,7 @@ class TcpChannel(Channel, SummedWrites):
         if self.landing is not None:
             self.landing.remove_region(region)
 
-    def grant(self, token: bytes, access: Access, ranges: Sequence[Range]) -> None:
+    def grant(self, token: bytes, access: Access, ranges: Grantable) -> None:
         if self.landing is not None and access == "write":
             self.landing.reset(ranges)  # a new owner: nothing landed under an earlier grant counts
         super().grant(token, access, ranges)

@@ -19,6 +19,8 @@ from typing import NamedTuple
 import numpy as np
 
 from pdkv import native
+from pdkv.channels.grants import Grantable
+from pdkv.channels.landing import pack
 from pdkv.channels.tcp.wire import HDR_SIZE, MAX_RUNS, RUN
 from pdkv.native import OK
 
@@ -114,13 +116,13 @@ class GrantMirror:
     def guard(self, region: int, on: bool) -> None:
         self._lib.pdkv_grants_guard(self.handle, region, int(on))
 
-    def add(self, token: bytes, ranges: Sequence[tuple[int, int, int]]) -> None:
+    def add(self, token: bytes, ranges: Grantable) -> None:
         """Grant ``token`` each (region, offset, length) range, as ``Grants.grant`` inserts it (spans not merged)."""
-        self._lib.pdkv_grants_add(self.handle, token, len(token), native.pack_ranges(ranges), len(ranges))
+        self._lib.pdkv_grants_add(self.handle, token, len(token), *pack(ranges))
 
-    def remove(self, token: bytes, ranges: Sequence[tuple[int, int, int]]) -> None:
+    def remove(self, token: bytes, ranges: Grantable) -> None:
         """Take each range from ``token``'s spans, as ``Grants.revoke`` subtracts it."""
-        self._lib.pdkv_grants_remove(self.handle, token, len(token), native.pack_ranges(ranges), len(ranges))
+        self._lib.pdkv_grants_remove(self.handle, token, len(token), *pack(ranges))
 
     def begin(self, token: bytes, runs: bytes) -> int | None:
         """Admit a run table (the wire's) for ``token``, all runs or none: a ticket (0: nothing guarded), or None."""
@@ -133,10 +135,9 @@ class GrantMirror:
     def end(self, ticket: int) -> None:
         self._lib.pdkv_grants_end(self.handle, ticket)
 
-    def wait(self, token: bytes, ranges: Sequence[tuple[int, int, int]], timeout: float) -> bool:
+    def wait(self, token: bytes, ranges: Grantable, timeout: float) -> bool:
         """Wait up to ``timeout`` s until no frame of ``token`` lands in ``ranges`` here; False if one still does."""
-        packed = native.pack_ranges(ranges)
-        return self._lib.pdkv_grants_wait(self.handle, token, len(token), packed, len(ranges), int(timeout * 1e6)) == 0
+        return self._lib.pdkv_grants_wait(self.handle, token, len(token), *pack(ranges), int(timeout * 1e6)) == 0
 
 
 class BlockFrames(NamedTuple):

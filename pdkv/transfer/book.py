@@ -189,8 +189,7 @@ class IncomingBook:
         if r.revoked:
             return
         r.revoked = True
-        ranges = r.granted(self.memory)
-        if ranges and not self.channel.revoke(r.token, "write", ranges, self.config.drain_timeout_s):
+        if not r.revoke_grant(self.channel, self.memory, self.config.drain_timeout_s):
             self.counters["fences"] += 1
             log.error(
                 "transfer %s: a write was still landing in its memory after drain_timeout_s; cutting its sender's data "

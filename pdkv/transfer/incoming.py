@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pdkv.channels.base import Channel
-from pdkv.channels.grants import Range
+from pdkv.channels.grants import BlockGrid, GridSpans, Range, Span
 from pdkv.checksum import blocks_checksums, chunk_checksum, frame_checksum
 from pdkv.codec import Codec
 from pdkv.config import TransferConfig
 from pdkv.errors import ChecksumError, TransferError, TransferTimeout
-from pdkv.layout import HeadWindow, KVLayout, block_runs
+from pdkv.layout import HeadWindow, KVLayout
 from pdkv.native import scatter, scatter_summed
 from pdkv.staging import DeviceStager
 from pdkv.transfer.plan import TransferPlan
@@ -85,13 +85,24 @@ class ReceiveMemory:
             return [self.landed_checksum(blocks) for blocks in chunks]
         return blocks_checksums(self.kv_bytes, chunks, self.layout.block_bytes)
 
-    def block_ranges(self, blocks: list[int]) -> list[Range]:
-        """Byte ranges of ``blocks`` in every buffer tensor, in wire order, adjacent blocks as one range."""
+    @functools.cached_property
+    def grid(self) -> BlockGrid:
+        """The KV tensors as one grid of blocks: a reservation's blocks are granted and revoked over all of them at
+        once (``GridSpans``)."""
+        return BlockGrid(tuple(self.kv_regions), self.layout.block_bytes)
+
+    def grant_blocks(self, channel: Channel, token: bytes, blocks: list[int]) -> None:
+        """Let ``token`` write ``blocks`` of every KV tensor."""
+        channel.grant(token, "write", GridSpans(self.grid, self._spans(blocks)))
+
+    def revoke_blocks(self, channel: Channel, token: bytes, blocks: list[int], timeout: float) -> bool:
+        """Take ``grant_blocks`` back, waiting up to ``timeout`` s for a frame still landing: False if one still is."""
+        return not blocks or channel.revoke(token, "write", GridSpans(self.grid, self._spans(blocks)), timeout)
+
+    def _spans(self, blocks: list[int]) -> list[Span]:
         if blocks and (min(blocks) < 0 or max(blocks) >= self.num_blocks):
             raise TransferError(f"block ids {blocks} outside the buffer's {self.num_blocks} blocks")
-        size = self.layout.block_bytes
-        runs = [(a * size, k * size) for a, _, k in block_runs(blocks)]  # once, not once per tensor
-        return [(self.kv_regions[t], offset, n) for t in range(self.layout.num_tensors) for offset, n in runs]
+        return self.grid.spans(blocks)
 
     def slot_ranges(self, slots: list[int]) -> list[Range]:
         return [(self.staging_region, s * self.slot_bytes, self.slot_bytes) for s in slots]
@@ -145,9 +156,18 @@ class IncomingTransfer:
             held_tokens=held,
         )
 
-    def granted(self, memory: ReceiveMemory) -> list[Range]:
-        """The ranges the channel granted its sender for it: its slots (staging) or its blocks (direct)."""
-        return memory.slot_ranges(self.slots) if self.mode == "staging" else memory.block_ranges(self.blocks)
+    def grant(self, channel: Channel, memory: ReceiveMemory) -> None:
+        """Let its sender write its slots (staging) or its blocks (direct)."""
+        if self.mode == "staging":
+            channel.grant(self.token, "write", memory.slot_ranges(self.slots))
+        else:
+            memory.grant_blocks(channel, self.token, self.blocks)
+
+    def revoke_grant(self, channel: Channel, memory: ReceiveMemory, timeout: float) -> bool:
+        """Take ``grant`` back, waiting up to ``timeout`` s for a frame still landing: False if one still is."""
+        if self.mode == "staging":
+            return not self.slots or channel.revoke(self.token, "write", memory.slot_ranges(self.slots), timeout)
+        return memory.revoke_blocks(channel, self.token, self.blocks, timeout)
 
     def overdue(self, now: float, config: TransferConfig) -> tuple[str, TransferTimeout] | None:
         """Why it fails at ``now``, still receiving: the counter that counts it and the error; None if it is not due.

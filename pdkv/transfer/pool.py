@@ -235,7 +235,7 @@ class ReceiverPools:
                 parts.counters["pools_unavailable"] += 1
                 self.discard(identity, token, keep)
                 return None
-            parts.channel.grant(token, "write", parts.memory.block_ranges(fresh))
+            parts.memory.grant_blocks(parts.channel, token, fresh)
             # in order: a request takes the first blocks, and adjacent ones are one descriptor (and frame) per tensor
             pool = PeerPool(
                 generation=next(self._generations),
@@ -330,7 +330,7 @@ class ReceiverPools:
         pool = self.by_peer.pop(identity, None)
         if pool is None:
             return
-        parts.channel.revoke(pool.token, "write", parts.memory.block_ranges(pool.blocks), 0)
+        parts.memory.revoke_blocks(parts.channel, pool.token, pool.blocks, 0)
         pool.free_deadline = now + parts.config.late_write_hold(parts.channel.enforces_grants)
         self.lapsed.append(pool)
         parts.counters["pools_lapsed"] += 1
@@ -359,9 +359,7 @@ class ReceiverPools:
         """Blocks of a pool no one holds any more: revoke, then free; a frame still landing after
         ``drain_timeout_s`` gets its sender fenced first."""
         parts = self.parts
-        if blocks and not parts.channel.revoke(
-            token, "write", parts.memory.block_ranges(blocks), parts.config.drain_timeout_s
-        ):
+        if not parts.memory.revoke_blocks(parts.channel, token, blocks, parts.config.drain_timeout_s):
             parts.counters["fences"] += 1
             self.book.fence(identity)
         parts.allocator.free(blocks)

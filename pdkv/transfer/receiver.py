@@ -242,7 +242,7 @@ class KVReceiver:
                 )
             slots = [book.free_slots.pop() for _ in range(admitted.slots)]
             r = book.open(identity=identity, peer=peer, req=req, admission=admitted, blocks=blocks, slots=slots)
-            self.channel.grant(peer.token, "write", r.granted(self.memory))
+            r.grant(self.channel, self.memory)
             answer = r.reserved(held, self.memory.slot_bytes, self.config.lease_s)
         self.parts.host.since("request", began)
         return answer
