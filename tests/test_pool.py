@@ -162,6 +162,30 @@ def test_with_a_secret_the_pooled_reserve_carries_its_proof(make_pair: MakePair)
     assert d["auth_failures"] == 1 and d["pooled_refused"] == 1 and d["reservations"] == 0
 
 
+def test_a_pool_a_refused_request_took_back_stays_the_pools_until_offered_again(
+    make_pair: MakePair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A refused pooled request hands its pool's blocks back to be offered again: until they are, they count as
+    pooled, not as held by nothing (a leak check racing the offer read two blocks as leaked), and a receiver closing
+    with the offer still pending frees them."""
+    pair = make_pair(config=POOLED, secrets=("s3cret", "s3cret"))
+    warm(pair)
+    pools = pair.receiver.book.pools
+    passes: list[int] = []
+    monkeypatch.setattr(pools, "send_refills", lambda: passes.append(1))  # the offer held back
+    pair.sender.parts.secret = b"not-the-secret"
+    xfer = pair.sender.open("forged", pair.receiver.address, 16, [30])
+    xfer.send_all()
+    with pytest.raises(ReservationError, match="proof does not check out"):
+        xfer.wait(10)
+    wait_until(lambda: passes, 5, "the pass that refused it to end")
+    assert pair.receiver.stats()["pooled_blocks"] == 2 and pair.held_blocks() == 0
+    assert not pools.by_peer
+    free = pair.allocator.num_free
+    pair.receiver.close()
+    assert pair.allocator.num_free == free + 2
+
+
 def test_a_claim_of_a_pool_that_is_not_the_senders_is_refused(make_pair: MakePair) -> None:
     """A notice naming a pool generation the receiver did not grant this sender (stale, or guessed) reserves
     nothing, and no pool changes hands."""

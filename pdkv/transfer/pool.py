@@ -184,7 +184,10 @@ class ReceiverPools:
 
     @property
     def blocks_held(self) -> int:
-        return sum(len(p.blocks) for p in (*self.by_peer.values(), *self.lapsed))
+        """Blocks in senders' pools: those granted, those lapsed (held against late writes), and the rest of a pool a
+        request just took (all of it, where the request was refused) until it is offered again (``_refills``)."""
+        pooled = sum(len(p.blocks) for p in (*self.by_peer.values(), *self.lapsed))
+        return pooled + sum(len(rest) for _, rest in self._refills.values())
 
     # -- offering -------------------------------------------------------------------------------------------------
     def admitted(self, identity: bytes, token: bytes) -> None:
@@ -201,11 +204,13 @@ class ReceiverPools:
         """Offer the pools of pooled requests that sent no Landed (refused, or failed their checksum) in a message
         of their own (I/O thread, after a pass of landing)."""
         while True:
-            with self.parts.lock:  # serving threads take pools too (a verdict's)
+            with self.parts.lock:  # taken and offered as one (serving threads take pools too): never out of a pool
                 if not self._refills:
                     return
                 identity, (token, rest) = self._refills.popitem()
-            self._send_offer(identity, token, rest)
+                msg = self._offer(identity, token, rest)
+            if msg is not None:
+                self.parts.outbox.reply(identity, msg)
 
     def _send_offer(self, identity: bytes, token: bytes, keep: list[int]) -> None:
         """``_offer``, told in a ``Pool`` message of its own (after a Hello, or with no Landed to carry it)."""
@@ -351,6 +356,9 @@ class ReceiverPools:
     def close(self) -> None:
         for identity in list(self.by_peer):
             self.give_back(identity)
+        while self._refills:  # taken back, not offered again yet
+            identity, (token, rest) = self._refills.popitem()
+            self.discard(identity, token, rest)
         for pool in self.lapsed:
             self.parts.allocator.free(pool.blocks)
         self.lapsed = []
