@@ -287,21 +287,72 @@ def blocks_checksums(kv_bytes: Sequence[torch.Tensor], chunks: Sequence[Sequence
     path hashes each chunk with one op per tensor, not one per run: blocks
     that are not one run are first gathered (``index_select``) into this
     thread's scratch buffer. Block ids are checked against every tensor's
-    length (``LayoutError``).
+    length (``LayoutError``). A side that hashes the same tensors every chunk
+    keeps a ``BlockSums`` of them instead.
     """
-    lists = [list(ids) for ids in chunks]
-    empty = chunk_checksum([], unit=block_bytes)
-    if not kv_bytes:
-        return [empty] * len(lists)
-    full = [ids for ids in lists if ids]
-    accs = _native_blocks_accs(kv_bytes, full, block_bytes) if full else []
-    if accs is None:
-        values = iter([_torch_blocks_checksum(kv_bytes, ids, block_bytes) for ids in full])
-    else:
-        values = iter(
-            [finish(acc, len(kv_bytes) * len(ids) * block_bytes) for acc, ids in zip(accs, full, strict=True)]
-        )
-    return [next(values) if ids else empty for ids in lists]
+    return BlockSums(kv_bytes, block_bytes)(chunks)
+
+
+class BlockSums:
+    """``blocks_checksums`` over one set of KV tensors, for a side that hashes their blocks every chunk (a sender's
+    memory, a receiver's): what the call reads of the tensors (their device, dtype and layout, their addresses and
+    how many blocks they hold) is read once here, not on every chunk. Read per call, those 30-80 tensors' attributes
+    cost a 40-token chunk's verification over nixl about as much Python as the rest of its landing."""
+
+    def __init__(self, kv_bytes: Sequence[torch.Tensor], block_bytes: int) -> None:
+        self.kv_bytes, self.block_bytes = list(kv_bytes), block_bytes
+        self._empty = chunk_checksum([], unit=block_bytes)
+        # where a native kernel may read the tensors in place (whether it is loaded is asked per call: the
+        # environment's switch, PDKV_NATIVE, holds from the call it is set): "cpu", "cuda" or "" (the torch path)
+        self._kernel = _native_kernel(self.kv_bytes, block_bytes)
+        self._bases = [b.data_ptr() for b in self.kv_bytes] if self._kernel else []
+        self._packed = native.int64s(self._bases) if self._kernel == "cpu" else None
+        self.num_blocks = min(b.numel() for b in self.kv_bytes) // block_bytes if self._kernel else 0
+
+    def __call__(self, chunks: Sequence[Sequence[int]]) -> list[int]:
+        """Each chunk's checksum of its blocks of every tensor (an empty chunk's: that of no bytes)."""
+        lists = [list(ids) for ids in chunks]
+        if not self.kv_bytes:
+            return [self._empty] * len(lists)
+        full = [ids for ids in lists if ids]
+        accs = self._native_accs(full) if full else []
+        if accs is None:
+            values = iter([_torch_blocks_checksum(self.kv_bytes, ids, self.block_bytes) for ids in full])
+        else:
+            size = len(self.kv_bytes) * self.block_bytes
+            values = iter([finish(acc, size * len(ids)) for acc, ids in zip(accs, full, strict=True)])
+        return [next(values) if ids else self._empty for ids in lists]
+
+    def _native_accs(self, chunks: list[list[int]]) -> list[int] | None:
+        """The accumulator of each chunk's blocks (non-empty) of every tensor, read in place by the native kernels
+        where they run, else None."""
+        if self._packed is not None and native.available():
+            try:
+                return [native.checksum_blocks(self._packed, ids, self.num_blocks, self.block_bytes) for ids in chunks]
+            except IndexError as exc:
+                raise LayoutError(f"blocks_checksum: {exc}") from exc
+        if self._kernel != "cuda" or not native.cuda_checksum_available():
+            return None
+        for ids in chunks:
+            if min(ids) < 0 or max(ids) >= self.num_blocks:
+                raise LayoutError(f"blocks_checksum: block ids {ids} are not all in [0, {self.num_blocks})")
+        return _cuda_units_accs(self._bases, chunks, self.block_bytes, self.kv_bytes[0].device)
+
+
+def _native_kernel(kv_bytes: list[torch.Tensor], block_bytes: int) -> str:
+    """Where a native kernel may read the blocks of ``kv_bytes`` in place: "cpu" or "cuda" for flat uint8 tensors
+    on one device (on CUDA aligned to the block's words, blocks of at least a row), else ""."""
+    if not kv_bytes or block_bytes <= 0:
+        return ""
+    device = kv_bytes[0].device
+    if not all(b.device == device and b.dtype == torch.uint8 and b.dim() == 1 and b.is_contiguous() for b in kv_bytes):
+        return ""
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda" and block_bytes >= _CUDA_MIN_UNIT:
+        word = _cut(block_bytes)[0]
+        return "cuda" if all(b.data_ptr() % word == 0 for b in kv_bytes) else ""
+    return ""
 
 
 def read_back_shared(kv_bytes: Sequence[torch.Tensor]) -> bool:
@@ -323,40 +374,6 @@ def _torch_blocks_checksum(kv_bytes: Sequence[torch.Tensor], ids: list[int], blo
     for t, b in enumerate(kv_bytes):
         torch.index_select(b.view(-1, block_bytes), 0, index, out=out[t])
     return chunk_checksum([out.view(-1)], unit=block_bytes)
-
-
-def _native_blocks_accs(
-    kv_bytes: Sequence[torch.Tensor], chunks: list[list[int]], block_bytes: int
-) -> list[int] | None:
-    """The accumulator of each chunk's blocks (non-empty) of every tensor, read in place by the native kernels where
-    they run (flat uint8 tensors on one device; on CUDA aligned to the block's words, blocks of at least a row),
-    else None."""
-    device = kv_bytes[0].device
-    if block_bytes <= 0 or not all(
-        b.device == device and b.dtype == torch.uint8 and b.dim() == 1 and b.is_contiguous() for b in kv_bytes
-    ):
-        return None
-    if device.type == "cpu":
-        if not native.available():
-            return None
-    elif not (
-        device.type == "cuda"
-        and block_bytes >= _CUDA_MIN_UNIT
-        and native.cuda_checksum_available()
-        and all(b.data_ptr() % _cut(block_bytes)[0] == 0 for b in kv_bytes)
-    ):
-        return None
-    num_blocks = min(b.numel() for b in kv_bytes) // block_bytes
-    bases = [b.data_ptr() for b in kv_bytes]
-    if device.type == "cpu":
-        try:
-            return [native.checksum_blocks(bases, ids, num_blocks, block_bytes) for ids in chunks]
-        except IndexError as exc:
-            raise LayoutError(f"blocks_checksum: {exc}") from exc
-    for ids in chunks:
-        if min(ids) < 0 or max(ids) >= num_blocks:
-            raise LayoutError(f"blocks_checksum: block ids {ids} are not all in [0, {num_blocks})")
-    return _cuda_units_accs(bases, chunks, block_bytes, device)
 
 
 class _CudaUnits:

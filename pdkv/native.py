@@ -400,13 +400,14 @@ def checksum_pieces(ptrs: Sequence[int], lens: Sequence[int], unit: int, first_u
     return acc.value
 
 
-def checksum_blocks(bases: Sequence[int], ids: Sequence[int], num_blocks: int, block_bytes: int) -> int:
+def checksum_blocks(bases: Int64s, ids: Sequence[int], num_blocks: int, block_bytes: int) -> int:
     """The checksum accumulator of blocks ``ids`` (each checked against ``[0, num_blocks)``: IndexError) of every
-    host buffer at ``bases`` in turn, read where they are; units of ``block_bytes``."""
+    host buffer at ``bases`` (``int64s``, made once for the buffers) in turn, read where they are; units of
+    ``block_bytes``."""
     lib, acc = _lib(), ctypes.c_uint64(0)
     call(
         lib.pdkv_checksum_blocks_cpu,
-        int64s(bases),
+        bases,
         len(bases),
         int64s(ids),
         len(ids),

@@ -23,11 +23,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from pdkv.channels import Channel, TransferOp, XferState, channel_class, create_channel
-from pdkv.channels.handle import Notification
+from pdkv.channels.handle import BlockWrite, Notification
 from pdkv.errors import ChannelError, ConfigError, TransferTimeout
 
 from tests.conftest import wait_until
@@ -470,6 +471,40 @@ def test_whole_blocks_index_the_lists_prepared_once_and_odd_ranges_still_move(
             a.write(name, [op])
     with pytest.raises(ChannelError, match="whole number"):
         a.register(torch.zeros(BLOCK + 1, dtype=torch.uint8), BLOCK)
+
+
+def test_a_block_writes_route_is_worked_out_again_when_a_region_comes_or_goes(
+    make_channel: Callable[..., Channel],
+) -> None:
+    """A block write's route (each region's first block in each side's block list) is kept across writes, and worked
+    out again when the lists change under it: a region before ours deregistered here, then one at the peer (its
+    metadata added again). A route kept past either would index blocks by the old lists' places: another region's
+    bytes, or none."""
+    a, b = make_channel(), make_channel()
+    blocks = REGION // BLOCK
+    srcs = [pattern(REGION, 40 + i) for i in range(2)]
+    dsts = [torch.zeros(REGION, dtype=torch.uint8) for _ in range(2)]
+    ras, rbs = [a.register(t, BLOCK) for t in srcs], [b.register(t, BLOCK) for t in dsts]
+    name = a.add_peer(b.metadata())
+    a.connect(name, 10.0)
+
+    def write_and_check(ours: list[int], theirs: list[int], local: int, remote: int) -> None:
+        write = BlockWrite(
+            (ras[local],), (rbs[remote],), np.array(ours, dtype=np.int64), np.array(theirs, dtype=np.int64), BLOCK
+        )
+        a.wait(a.write_blocks(name, write), 10.0)
+        for i, j in zip(ours, theirs, strict=True):
+            got = dsts[remote][j * BLOCK : (j + 1) * BLOCK]
+            assert torch.equal(got, srcs[local][i * BLOCK : (i + 1) * BLOCK]), f"block {i} -> {j}"
+
+    write_and_check([1, 2, blocks - 1], [5, 6, 7], local=1, remote=1)
+    write_and_check([3, 4], [8, 9], local=1, remote=1)  # the same regions again: the route kept
+    a.deregister(ras[0])  # our list is made again without it: region 1's blocks now come first
+    write_and_check([10, 11], [12, 13], local=1, remote=1)
+    b.deregister(rbs[0])  # the peer's too, once its metadata says so
+    name = a.add_peer(b.metadata())
+    write_and_check([20, 21, 22], [30, 31, 2], local=1, remote=1)
+    assert int(dsts[0].count_nonzero()) == 0, "nothing landed in the region before"
 
 
 def _asleep_behind_a_guard(

@@ -31,7 +31,7 @@ from pdkv.errors import (
 )
 from pdkv.integration.vllm.landing import VllmBlocks
 from pdkv.layout import KVLayout, gather
-from pdkv.transfer import incoming, posting, protocol
+from pdkv.transfer import posting, protocol
 from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
 
@@ -232,11 +232,9 @@ def test_send_all_hashes_the_chunks_left_in_one_call_where_that_saves_read_backs
     assert not read_back_shared(pair.p_kv)  # CPU tensors: shared=True stands in for a GPU's
     monkeypatch.setattr(posting, "read_back_shared", lambda kv_bytes: shared)
     hashed: list[list[list[int]]] = []  # P's blocks_checksums calls: each call's chunks
-    real = posting.blocks_checksums
+    real = pair.sender.source.sums
     monkeypatch.setattr(
-        posting,
-        "blocks_checksums",
-        lambda kv, chunks, size: hashed.append([list(c) for c in chunks]) or real(kv, chunks, size),
+        pair.sender.source, "sums", lambda chunks: hashed.append([list(c) for c in chunks]) or real(chunks)
     )
     xfer = pair.sender.open("r", pair.receiver.address, 100, list(range(7)))
     xfer.send_chunk(0)  # alone: hashed alone
@@ -260,10 +258,8 @@ def test_one_pass_over_several_transfers_fails_only_the_one_whose_chunk_is_corru
     pair = make_pair(config=TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2, pool_tokens=0))
     passes = _one_pass(monkeypatch, pair, 6)
     hashed: list[int] = []  # each blocks_checksums call's chunk count on D
-    real = incoming.blocks_checksums
-    monkeypatch.setattr(
-        incoming, "blocks_checksums", lambda kv, chunks, size: hashed.append(len(chunks)) or real(kv, chunks, size)
-    )
+    real = pair.receiver.memory.sums
+    monkeypatch.setattr(pair.receiver.memory, "sums", lambda chunks: hashed.append(len(chunks)) or real(chunks))
     replies = []
     reply = pair.receiver.reply
     monkeypatch.setattr(pair.receiver, "reply", lambda identity, msg: (replies.append(msg), reply(identity, msg)))
@@ -318,15 +314,15 @@ def test_a_pass_whose_shared_hashing_fails_verifies_each_chunk_alone(
     pair = make_pair(config=TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2, pool_tokens=0))
     passes = _one_pass(monkeypatch, pair, 4)
     calls: list[int] = []
-    real = incoming.blocks_checksums
+    real = pair.receiver.memory.sums
 
-    def failing_together(kv: list[torch.Tensor], chunks: list[list[int]], size: int) -> list[int]:
+    def failing_together(chunks: list[list[int]]) -> list[int]:
         calls.append(len(chunks))
         if len(chunks) > 1:
             raise RuntimeError("device lost")
-        return real(kv, chunks, size)
+        return real(chunks)
 
-    monkeypatch.setattr(incoming, "blocks_checksums", failing_together)
+    monkeypatch.setattr(pair.receiver.memory, "sums", failing_together)
     tables = {rid: list(range(4 * k, 4 * k + 4)) for k, rid in enumerate("ac")}
     xfers = {rid: pair.sender.open(rid, pair.receiver.address, 64, table) for rid, table in tables.items()}
     for rid in "ac":

@@ -15,7 +15,7 @@ from pdkv.channels.tcp import streams
 from pdkv.channels.tcp.frames import FRAMES_ENV_VAR
 from pdkv.config import TransferConfig
 from pdkv.errors import ChecksumError, TransferError
-from pdkv.transfer import posting, protocol
+from pdkv.transfer import protocol
 from pdkv.transfer.receiver import KVReceiver
 
 from tests.conftest import TCP_AND_NIXL, MakePair, Pair, wait_until
@@ -105,8 +105,8 @@ def test_a_checksum_mismatch_comes_back_as_the_chunks_verdict(
     pair = make_pair(config=POOLED, channel="tcp")
     warm(pair)
     answered = pair.receiver.stats()["verdicts_sent"]
-    sums, summed = posting.blocks_checksums, streams.finish  # hashed ahead of the send, or in it (a sealed write)
-    monkeypatch.setattr(posting, "blocks_checksums", lambda *a: [v ^ 1 for v in sums(*a)])
+    sums, summed = pair.sender.source.sums, streams.finish  # hashed ahead of the send, or in it (a sealed write)
+    monkeypatch.setattr(pair.sender.source, "sums", lambda chunks: [v ^ 1 for v in sums(chunks)])
     monkeypatch.setattr(streams, "finish", lambda *a: summed(*a) ^ 1)
     xfer = pair.sender.open("corrupt", pair.receiver.address, 30, [10, 11])
     xfer.send_all()

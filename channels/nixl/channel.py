@@ -183,18 +183,14 @@ class NixlChannel(Channel):
         with self._agent.lock:
             self._agent.check_open()
             total = self.regions.check_blocks(peer, blocks)
-            remote = self._peers.regions[peer]
-            local = [self.regions[r].meta for r in blocks.local_regions]
-            theirs = [remote[r] for r in blocks.remote_regions]
-            gridded = all(m.block == blocks.block_bytes for m in (*local, *theirs))
-            if gridded:
-                mems = mems_of(peer, local, theirs)
+            route = self._lists.route(peer, blocks)
+            if route is not None:
                 handle = self._transfers.submit(
-                    NixlTransferHandle(peer, "write", total, len(local) * len(blocks.local_blocks)),
-                    lambda: self._lists.for_blocks(peer, blocks, mems),
+                    NixlTransferHandle(peer, "write", total, len(blocks.local_regions) * len(blocks.local_blocks)),
+                    lambda: self._lists.for_blocks(peer, blocks, route),
                     notif,
                 )
-        if not gridded:
+        if route is None:
             return super().write_blocks(peer, blocks, notif, token)
         self._watcher.moved()
         return handle

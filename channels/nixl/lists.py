@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,6 +21,16 @@ Desc = tuple[int, int, int]  # NIXL transfer descriptor: (address, length, devic
 ListKey = tuple[str, str, tuple[Desc, ...]]  # (agent, "" for local; memory type; descriptors)
 # what make_prepped_xfer takes for a transfer: the local list and indices into it, the remote list and indices
 Prepped = tuple[nixl_prepped_dlist_handle, np.ndarray, nixl_prepped_dlist_handle, np.ndarray]
+ROUTES_KEPT = 64  # sets of regions whose block writes' routes are kept (a sender's chunks name one set per KV buffer)
+
+
+class BlockRoute(NamedTuple):
+    """How a write of whole blocks between one set of regions goes (``Lists.route``): each side's memory type and,
+    for each region of the write on each side, the index of its first block in that side's block list."""
+
+    mems: tuple[str, str]
+    mine: np.ndarray
+    theirs: np.ndarray
 
 
 class BlockLists:
@@ -56,10 +67,9 @@ class BlockLists:
         within = np.arange(int(blocks.sum()), dtype=np.int64) - np.repeat(np.cumsum(blocks) - blocks, blocks)
         return np.repeat(starts, blocks) + within
 
-    def of(self, regions: Sequence[int], blocks: np.ndarray) -> np.ndarray:
-        """The list indices of ``blocks`` of each of ``regions`` in turn (all in one memory type's list)."""
-        firsts = np.fromiter((self.first[r] for r in regions), dtype=np.int64, count=len(regions))
-        return (firsts[:, None] + blocks.astype(np.int64, copy=False)[None, :]).ravel()
+    def firsts(self, regions: Sequence[int]) -> np.ndarray:
+        """The list index of each of ``regions``' first block (all in one memory type's list)."""
+        return np.fromiter((self.first[r] for r in regions), dtype=np.int64, count=len(regions))
 
     def release(self) -> None:
         for handle in self.lists.values():
@@ -109,6 +119,11 @@ def mems_of(peer: str, local: Iterable[RegionMeta], theirs: Iterable[RegionMeta]
     return one_mem({m.mem for m in local}, "local"), one_mem({m.mem for m in theirs}, f"peer {peer!r}")
 
 
+def _indices(firsts: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+    """The list indices of ``blocks`` of each region in turn, whose first blocks sit at ``firsts`` in the list."""
+    return (firsts[:, None] + blocks.astype(np.int64, copy=False)[None, :]).ravel()
+
+
 def _desc(region: RegionMeta, offset: int, length: int) -> Desc:
     return (region.addr + offset, length, region.dev)
 
@@ -131,6 +146,8 @@ class Lists:
         self._peers = peers
         self._local_blocks: BlockLists | None = None  # made on first use after a gridded region came or went
         self._remote_blocks: dict[str, BlockLists] = {}  # per peer written to, made by connect or the first write
+        # kept until the block lists they index change (``drop_local_blocks``, ``forget``)
+        self._routes: dict[tuple[str, tuple[int, ...], tuple[int, ...], int], BlockRoute | None] = {}
 
     def check_peer(self, peer: str, regions: Mapping[int, RegionMeta]) -> None:
         """Stage 2 of ``add_peer``: prepare one list per region of the peer's, which makes NIXL check each against
@@ -175,14 +192,37 @@ class Lists:
             peers.indices(spans[:, 2], spans[:, 3], blocks, block),
         )
 
-    def for_blocks(self, peer: str, blocks: BlockWrite, mems: tuple[str, str]) -> Prepped:
-        """Both sides' block lists and the indices of ``blocks``' blocks in them, tensor by tensor."""
+    def route(self, peer: str, blocks: BlockWrite) -> BlockRoute | None:
+        """How ``blocks`` goes as index arrays into both sides' block lists, worked out once per set of regions (a
+        sender's every chunk names the same ones: reading 30-80 regions' descriptions each chunk cost a 40-token
+        write more than its own indices); None where a region is not gridded in ``blocks.block_bytes`` on both sides
+        (the write goes as ops). Kept until either side's block lists are made again (a gridded region here came or
+        went, or the peer's metadata was added again)."""
+        key = (peer, blocks.local_regions, blocks.remote_regions, blocks.block_bytes)
+        if key in self._routes:
+            return self._routes[key]
+        remote = self._peers[peer]
+        local = [self._local[r].meta for r in blocks.local_regions]
+        theirs = [remote[r] for r in blocks.remote_regions]
+        route = None
+        if all(m.block == blocks.block_bytes for m in (*local, *theirs)):
+            mems = mems_of(peer, local, theirs)
+            mine, peers = self.local_blocks(), self.peer_blocks(peer)
+            route = BlockRoute(mems, mine.firsts(blocks.local_regions), peers.firsts(blocks.remote_regions))
+        if len(self._routes) >= ROUTES_KEPT:
+            self._routes.clear()
+        self._routes[key] = route
+        return route
+
+    def for_blocks(self, peer: str, blocks: BlockWrite, route: BlockRoute) -> Prepped:
+        """Both sides' block lists and the indices of ``blocks``' blocks in them, tensor by tensor (``route``:
+        ``Lists.route`` of these blocks)."""
         mine, peers = self.local_blocks(), self.peer_blocks(peer)
         return (
-            mine.lists[mems[0]],
-            mine.of(blocks.local_regions, blocks.local_blocks),
-            peers.lists[mems[1]],
-            peers.of(blocks.remote_regions, blocks.remote_blocks),
+            mine.lists[route.mems[0]],
+            _indices(route.mine, blocks.local_blocks),
+            peers.lists[route.mems[1]],
+            _indices(route.theirs, blocks.remote_blocks),
         )
 
     def _range_lists(
@@ -224,6 +264,7 @@ class Lists:
 
     def drop_local_blocks(self) -> None:
         """Forget the local block lists: the regions they cover changed."""
+        self._routes.clear()
         if self._local_blocks is not None:
             self._local_blocks.release()
             self._local_blocks = None
@@ -236,6 +277,7 @@ class Lists:
     def forget(self, peer: str) -> None:
         """Release the lists prepared against ``peer``'s regions."""
         self._remote_lists.drop(peer)
+        self._routes.clear()
         blocks = self._remote_blocks.pop(peer, None)
         if blocks is not None:
             blocks.release()

@@ -15,7 +15,7 @@ import torch
 
 from pdkv.channels.base import Channel
 from pdkv.channels.grants import BlockGrid, GridSpans, Range, Span
-from pdkv.checksum import blocks_checksums, chunk_checksum, frame_checksum
+from pdkv.checksum import BlockSums, chunk_checksum, frame_checksum
 from pdkv.codec import Codec
 from pdkv.config import TransferConfig
 from pdkv.errors import ChecksumError, TransferError, TransferTimeout
@@ -83,7 +83,12 @@ class ReceiveMemory:
         values, all read in one go (one read-back on a GPU), or the channel's from what it hashed as they landed."""
         if self.landed_checksum is not None:
             return [self.landed_checksum(blocks) for blocks in chunks]
-        return blocks_checksums(self.kv_bytes, chunks, self.layout.block_bytes)
+        return self.sums(chunks)
+
+    @functools.cached_property
+    def sums(self) -> BlockSums:
+        """The KV tensors' blocks as every direct chunk's verification reads them (``blocks_checksums``)."""
+        return BlockSums(self.kv_bytes, self.layout.block_bytes)
 
     @functools.cached_property
     def grid(self) -> BlockGrid:

@@ -10,6 +10,7 @@ it reaches through ``Postable``. See README.md, "sent".
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +21,7 @@ import torch
 
 from pdkv.channels.base import Channel, SummedWrites
 from pdkv.channels.handle import TransferHandle, TransferOp
-from pdkv.checksum import blocks_checksums, chunk_checksum, flat_bytes, frame_checksum, read_back_shared
+from pdkv.checksum import BlockSums, chunk_checksum, flat_bytes, frame_checksum, read_back_shared
 from pdkv.codec import Codec
 from pdkv.errors import LayoutError, ReservationError, TransferError, TransferTimeout
 from pdkv.layout import HeadWindow, KVLayout
@@ -84,6 +85,12 @@ class SendSource:
     slot_bytes: int
     stager: DeviceStager | None
     windows: Windows = field(default_factory=Windows, repr=False)
+
+    @functools.cached_property
+    def sums(self) -> BlockSums:
+        """The KV tensors' blocks as a direct chunk's checksum reads them where the channel does not hash what it
+        sends (``blocks_checksums``)."""
+        return BlockSums(self.kv_bytes, self.layout.block_bytes)
 
     def for_heads(
         self, transfer_id: str, heads: tuple[HeadWindow, HeadWindow] | None, codec: str, chunk_size: int
@@ -355,7 +362,7 @@ class ChunkPoster:
         # On a GPU the checksums run on pdkv's stream after the caller's (the forward step that wrote these blocks)
         # and their values are read before a write is posted: a chunk goes only once that step finished (that
         # stream's work queued before this call, not the device's, nor work queued after it).
-        values = blocks_checksums(src.kv_bytes, [self.plan.blocks[i] for i in indices], src.layout.block_bytes)
+        values = src.sums([self.plan.blocks[i] for i in indices])
         return dict(zip(indices, values, strict=True)), (time.perf_counter_ns() - began) // len(indices)
 
     def _posting_failed(self, exc: Exception, what: str) -> TransferError:
