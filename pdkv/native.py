@@ -39,8 +39,10 @@ again everything that decides an address (kvcopy.h).
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import logging
+import operator
 import os
 import struct
 import threading
@@ -247,23 +249,7 @@ def gather_summed(
     value is that of the chunk's bytes in canonical order, whatever ``out``'s
     strides.
     """
-    if not _native_for(layout, tensors):
-        return torch_gather(layout, tensors, block_table, start, num_tokens, out), None
-    num_blocks = _checked_buffer(layout, tensors)
-    table = used_blocks(layout, num_blocks, block_table, start, num_tokens)
-    device = tensors[0].device
-    if out is None:
-        out = torch.empty(layout.chunk_shape(num_tokens), dtype=layout.torch_dtype, device=device)
-    else:
-        check_chunk(layout, out, "gather output", num_tokens)
-    # The kernel writes a contiguous chunk on the buffer's device; any other
-    # `out` (a strided view, another device) is filled through one copy.
-    direct = out.is_contiguous() and out.device == device
-    dst = out if direct else torch.empty(out.shape, dtype=out.dtype, device=device)
-    acc = _copy(layout, tensors, table, num_blocks, start, dst, to_chunk=True, checksum=checksum)
-    if not direct:
-        out.copy_(dst)
-    return out, acc
+    return PagedBuffer(layout, tensors).gather_summed(block_table, start, num_tokens, out, checksum)
 
 
 def scatter(
@@ -283,20 +269,119 @@ def scatter_summed(
 ) -> Accumulator:
     """``scatter``, and with ``checksum`` the chunk's checksum accumulator from the same pass (or None, as in
     ``gather_summed``)."""
-    if not _native_for(layout, tensors):
-        torch_scatter(layout, tensors, block_table, start, chunk)
-        return None
-    num_blocks = _checked_buffer(layout, tensors)
-    num_tokens = check_chunk(layout, chunk, "chunk")
-    table = used_blocks(layout, num_blocks, block_table, start, num_tokens)
-    src = chunk.to(tensors[0].device).contiguous()  # the chunk's bytes in canonical order, hashed as it lands
-    return _copy(layout, tensors, table, num_blocks, start, src, to_chunk=False, checksum=checksum)
+    return PagedBuffer(layout, tensors).scatter_summed(block_table, start, chunk, checksum)
+
+
+class PagedBuffer:
+    """``gather_summed`` and ``scatter_summed`` over one KV buffer, for whoever copies its chunks every request (a
+    sender's memory, a receiver's, a device stager). What a copy reads of the buffer (the layout's checks on every
+    tensor, one device, each layer's address) is read at its first copy and kept, not read again each chunk: per
+    chunk, 30-80 tensors' attributes cost 32-74 us of Python ahead of a ~200 us copy of 40 tokens. The tensors must
+    keep their storage while this is used, as a KV cache does; the library's switch (``PDKV_NATIVE``) is read at every
+    copy."""
+
+    def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor]) -> None:
+        self.layout, self.tensors = layout, list(tensors)
+        # the kernels take raw addresses of contiguous tensors (a head window's views are strided: the torch path);
+        # HKND (vLLM's CPU cache) has no kernel: it moves whole blocks between vLLM workers
+        self._fits = (
+            bool(self.tensors)
+            and (layout.order != "HKND" or layout.mla)
+            and all(t.is_contiguous() for t in self.tensors)
+        )
+        self._device = self.tensors[0].device if self.tensors else torch.device("cpu")
+        self._prepared: _Prepared | None = None
+
+    def gather_summed(
+        self,
+        block_table: BlockTable,
+        start: int,
+        num_tokens: int,
+        out: torch.Tensor | None = None,
+        checksum: bool = False,
+    ) -> tuple[torch.Tensor, Accumulator]:
+        """``native.gather_summed`` of this buffer."""
+        layout = self.layout
+        if not self._native():
+            return torch_gather(layout, self.tensors, block_table, start, num_tokens, out), None
+        prepared = self._prepare()
+        table = used_blocks(layout, prepared.num_blocks, block_table, start, num_tokens)
+        if out is None:
+            out = torch.empty(layout.chunk_shape(num_tokens), dtype=layout.torch_dtype, device=self._device)
+        else:
+            check_chunk(layout, out, "gather output", num_tokens)
+        # The kernel writes a contiguous chunk on the buffer's device; any other
+        # `out` (a strided view, another device) is filled through one copy.
+        direct = out.is_contiguous() and out.device == self._device
+        dst = out if direct else torch.empty(out.shape, dtype=out.dtype, device=self._device)
+        acc = _copy(layout, prepared, table, start, dst, to_chunk=True, checksum=checksum)
+        if not direct:
+            out.copy_(dst)
+        return out, acc
+
+    def scatter_summed(
+        self, block_table: BlockTable, start: int, chunk: torch.Tensor, checksum: bool = False
+    ) -> Accumulator:
+        """``native.scatter_summed`` into this buffer."""
+        layout = self.layout
+        if not self._native():
+            torch_scatter(layout, self.tensors, block_table, start, chunk)
+            return None
+        prepared = self._prepare()
+        num_tokens = check_chunk(layout, chunk, "chunk")
+        table = used_blocks(layout, prepared.num_blocks, block_table, start, num_tokens)
+        src = chunk.to(self._device).contiguous()  # the chunk's bytes in canonical order, hashed as it lands
+        return _copy(layout, prepared, table, start, src, to_chunk=False, checksum=checksum)
+
+    def _native(self) -> bool:
+        """Whether the kernels copy this buffer now (else: the torch path)."""
+        if not self._fits:
+            return False
+        if self._device.type == "cpu":
+            return available()
+        return self._device.type == "cuda" and available() and _cuda_state()[0] is not None
+
+    def _prepare(self) -> _Prepared:
+        if self._prepared is None:
+            self._prepared = _Prepared.of(self.layout, self.tensors)
+        return self._prepared
+
+
+class _Prepared:
+    """What the kernels read of a buffer for every copy: its block count (its tensors checked), each layer's address
+    as the CPU and CUDA kernels take them, and the addresses' alignment bits."""
+
+    def __init__(self, num_blocks: int, bases: list[int]) -> None:
+        self.num_blocks, self.bases = num_blocks, bases
+        self.pointers = (_p * len(bases))(*bases)
+        self.int64s = (_i64 * len(bases))(*bases)
+        self.bits = functools.reduce(operator.or_, bases, 0)
+
+    @classmethod
+    def of(cls, layout: KVLayout, tensors: Sequence[torch.Tensor]) -> _Prepared:
+        num_blocks = _checked_buffer(layout, tensors)
+        return cls(num_blocks, layer_bases(layout, tensors))
 
 
 def geometry(
     layout: KVLayout, tensors: Sequence[torch.Tensor], chunk: torch.Tensor, start: int
 ) -> tuple[KVGeometry, list[int]]:
-    """The kernel's view of a copy: the geometry and each layer's base address (mirrors csrc/kvcopy.h).
+    """The kernel's view of a copy: the geometry and each layer's base address (mirrors csrc/kvcopy.h)."""
+    return chunk_geometry(layout, chunk, start), layer_bases(layout, tensors)
+
+
+def layer_bases(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Each kernel layer's base address: a tensor's, or in a cross-layer buffer (one tensor) each layer's place in
+    its blocks."""
+    if layout.kind != "cross_layer":
+        return [t.data_ptr() for t in tensors]
+    layers, kv, _, heads, head_dim = layout.chunk_shape(0)
+    per_layer = kv * layout.block_size * heads * head_dim * layout.element_size  # bytes of a block's one layer
+    return [tensors[0].data_ptr() + layer * per_layer for layer in range(layers)]
+
+
+def chunk_geometry(layout: KVLayout, chunk: torch.Tensor, start: int) -> KVGeometry:
+    """Where each row of a copy of ``chunk`` (from token ``start``) lives, in elements.
 
     A split_kv buffer (one tensor per K or V plane) is ``2 * layers`` layers
     of kv = 1: the kernel's row order (layer', 0, token) is then the canonical
@@ -316,7 +401,7 @@ def geometry(
     }["NHD" if layout.mla else layout.order]
     size = chunk.element_size()
     cross = layout.kind == "cross_layer"
-    geo = KVGeometry(
+    return KVGeometry(
         layers=layers,
         kv=kv,
         tokens=tokens,
@@ -330,19 +415,12 @@ def geometry(
         token_stride=token_stride,
         head_stride=head_stride,
     )
-    bases = (
-        [tensors[0].data_ptr() + layer * per_layer * size for layer in range(layers)]
-        if cross
-        else [t.data_ptr() for t in tensors]
-    )
-    return geo, bases
 
 
 def _copy(
     layout: KVLayout,
-    tensors: Sequence[torch.Tensor],
+    prepared: _Prepared,
     table: torch.Tensor,
-    num_blocks: int,
     start: int,
     chunk: torch.Tensor,
     to_chunk: bool,
@@ -350,12 +428,12 @@ def _copy(
 ) -> Accumulator:
     """Run one kernel copy (and its checksum accumulator when asked); the library's own argument checks surface as
     LayoutError like the torch path's."""
-    geo, bases = geometry(layout, tensors, chunk, start)
+    geo = chunk_geometry(layout, chunk, start)
     table = table.cpu().contiguous()
     try:
         if chunk.device.type == "cuda":
-            return _copy_cuda(geo, bases, table, num_blocks, chunk, to_chunk, checksum)
-        return copy_cpu(geo, bases, table, num_blocks, chunk.data_ptr(), to_chunk, checksum)
+            return _copy_cuda(geo, prepared, table, chunk, to_chunk, checksum)
+        return _copy_cpu(geo, prepared.pointers, table, prepared.num_blocks, chunk.data_ptr(), to_chunk, checksum)
     except (IndexError, ValueError) as exc:
         raise LayoutError(str(exc)) from exc
 
@@ -371,9 +449,20 @@ def copy_cpu(
 ) -> int | None:
     """The C ABI's CPU copy as it is, with no Python check in front (tests call it to reach the library's guard);
     with ``checksum``, returns the chunk's checksum accumulator from the same pass."""
+    return _copy_cpu(geo, (_p * len(bases))(*bases), table, num_blocks, chunk_ptr, to_chunk, checksum)
+
+
+def _copy_cpu(
+    geo: KVGeometry,
+    bases: ctypes.Array[ctypes.c_void_p],
+    table: torch.Tensor,
+    num_blocks: int,
+    chunk_ptr: int,
+    to_chunk: bool,
+    checksum: bool,
+) -> int | None:
     lib = _lib()
-    base_array = (_p * len(bases))(*bases)
-    args = (ctypes.byref(geo), base_array, table.data_ptr(), table.numel(), num_blocks, chunk_ptr, int(to_chunk))
+    args = (ctypes.byref(geo), bases, table.data_ptr(), table.numel(), num_blocks, chunk_ptr, int(to_chunk))
     if not checksum:
         call(lib.pdkv_kvcopy_cpu, *args, torch.get_num_threads())
         return None
@@ -508,9 +597,8 @@ def _declare(lib: ctypes.CDLL, signatures: dict[str, list[type]], restypes: dict
 
 def _copy_cuda(
     geo: KVGeometry,
-    bases: Sequence[int],
+    prepared: _Prepared,
     table: torch.Tensor,
-    num_blocks: int,
     chunk: torch.Tensor,
     to_chunk: bool,
     checksum: bool = False,
@@ -518,18 +606,17 @@ def _copy_cuda(
     """The CUDA copy on the current stream of the chunk's device (block ids checked on the host first); with
     ``checksum``, the device scalar it adds the chunk's checksum accumulator into, or None where it cannot."""
     lib, cuda = library(), _cuda_state()[0]
-    assert lib is not None and cuda is not None  # _native_for checked both
-    call(lib.pdkv_kvcopy_check, ctypes.byref(geo), table.data_ptr(), table.numel(), num_blocks)
+    assert lib is not None and cuda is not None  # PagedBuffer._native checked both
+    call(lib.pdkv_kvcopy_check, ctypes.byref(geo), table.data_ptr(), table.numel(), prepared.num_blocks)
     device = chunk.device
-    base_array = (ctypes.c_int64 * len(bases))(*bases)  # host arrays: the kernel takes them in its parameters
     args = (
         ctypes.byref(geo),
-        ctypes.addressof(base_array),
+        ctypes.addressof(prepared.int64s),  # host arrays: the kernel takes them in its parameters
         table.data_ptr(),
         table.numel(),
         chunk.data_ptr(),
         int(to_chunk),
-        _vector_bytes(geo, bases, chunk.data_ptr()),
+        _vector_bytes(geo, prepared.bits, chunk.data_ptr()),
     )
     acc = torch.zeros((), dtype=torch.int64, device=device) if checksum else None
     with torch.cuda.device(device):  # the kernel launches on the current device's context
@@ -564,11 +651,9 @@ def checksum_cuda(unit_ptrs: torch.Tensor, unit: int, first_unit: int, acc: torc
         raise ValueError(f"pdkv checksum: CUDA launch failed: {cuda.pdkv_cuda_error_string(code).decode()}")
 
 
-def _vector_bytes(geo: KVGeometry, bases: Sequence[int], chunk_ptr: int) -> int:
-    """Widest vector (<= 16 bytes) that every row start is aligned to."""
-    bits = geo.head_dim * geo.element_size | chunk_ptr
-    for base in bases:
-        bits |= base
+def _vector_bytes(geo: KVGeometry, base_bits: int, chunk_ptr: int) -> int:
+    """Widest vector (<= 16 bytes) that every row start is aligned to (``base_bits``: the layers' addresses OR-ed)."""
+    bits = geo.head_dim * geo.element_size | chunk_ptr | base_bits
     width = 16
     while width > 1 and bits % width:
         width //= 2
@@ -582,22 +667,6 @@ def _checked_buffer(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> int:
     if len(devices) > 1:
         raise LayoutError(f"buffer tensors are on several devices: {sorted(map(str, devices))}")
     return num_blocks
-
-
-def _native_for(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether the kernels can copy this layout on this device (else: the torch path).
-
-    HKND (vLLM's CPU cache) has no kernel: it moves whole blocks between
-    vLLM workers, so gather/scatter only run when P and D layouts differ.
-    The kernels take raw addresses of contiguous tensors; a head window's
-    views (``layout.HeadWindow``) are strided.
-    """
-    if not tensors or (layout.order == "HKND" and not layout.mla) or not all(t.is_contiguous() for t in tensors):
-        return False  # a head window's strided views: the torch path
-    device = tensors[0].device
-    if device.type == "cpu":
-        return available()
-    return device.type == "cuda" and available() and _cuda_state()[0] is not None
 
 
 def switched_off(var: str) -> bool:

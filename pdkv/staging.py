@@ -94,6 +94,7 @@ class DeviceStager:
     def __init__(self, layout: KVLayout, kv: list[torch.Tensor], chunk_tokens: int) -> None:
         self.layout = layout
         self.kv = kv
+        self.paged = native.PagedBuffer(layout, kv)
         self.device = kv[0].device
         self.kind = memory_kind(kv[0])
         self.stream = CopyStream(self.device)
@@ -122,7 +123,7 @@ class DeviceStager:
         with self._lock:
             self.stream.after_callers_work()
             with self.stream.active():
-                chunk, acc = native.gather_summed(self.layout, self.kv, block_table, start, n, self._chunk(n), digest)
+                chunk, acc = self.paged.gather_summed(block_table, start, n, self._chunk(n), digest)
                 dev_bytes = flat_bytes(chunk)
                 host_out.copy_(dev_bytes, non_blocking=True)
                 event = self.stream.record()
@@ -143,7 +144,7 @@ class DeviceStager:
             with self.stream.active():
                 dev = self._chunk(check_chunk(self.layout, chunk, "staged chunk"))
                 dev.copy_(chunk, non_blocking=True)
-                acc = native.scatter_summed(self.layout, self.kv, block_table, start, dev, digest)
+                acc = self.paged.scatter_summed(block_table, start, dev, digest)
                 event = self.stream.record()
                 value = frame_checksum(flat_bytes(dev), acc) if digest else None
             event.synchronize()

@@ -26,6 +26,7 @@ import torch
 
 from pdkv import layout as torch_path
 from pdkv import native
+from pdkv.checksum import chunk_checksum, flat_bytes, frame_checksum
 from pdkv.errors import LayoutError
 from pdkv.layout import KVLayout
 
@@ -250,6 +251,42 @@ def test_buffers_on_several_devices_are_refused_before_the_kernel(ext: ctypes.CD
     buffer[1] = buffer[1].to("meta")
     with pytest.raises(LayoutError, match="several devices"):
         native.gather(layout, buffer, [0], 0, 4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("kind", "order"), [("per_layer", "NHD"), ("cross_layer", "HND"), ("split_kv", "NHD")])
+def test_a_paged_buffer_copies_every_chunk_as_torch_does_and_reads_the_switch_at_each_copy(
+    ext: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch, kind: str, order: str, device: str
+) -> None:
+    """One ``PagedBuffer`` for many chunks, as a sender's or receiver's memory keeps it: what it read of the tensors
+    at its first copy (each layer's address, a cross-layer buffer's places in its blocks) still copies every later
+    chunk bit for bit as the torch path does, hashed as it goes; and ``PDKV_NATIVE=0``, set after it was made, sends
+    its next copy down the torch path, as the module's functions do."""
+    if device == "cuda" and native.cuda_reason() is not None:
+        pytest.skip("no CUDA kernel in the extension (built where nvcc or the CUDA toolkit was missing)")
+    layout = make_layout(kind, order, False)
+    gen = torch.Generator().manual_seed(11)
+    buffer = random_buffer(layout, gen, device)
+    shadow = clone(buffer)
+    paged = native.PagedBuffer(layout, buffer)
+    for start, num_tokens in RANGES:
+        table = random_table(layout, start, num_tokens, gen)
+        out, acc = paged.gather_summed(table, start, num_tokens, checksum=True)
+        assert same_bytes(out, torch_path.gather(layout, shadow, table, start, num_tokens)), (start, num_tokens)
+        assert acc is not None
+        assert frame_checksum(flat_bytes(out), acc) == chunk_checksum([flat_bytes(out)])
+        chunk = random_bytes(layout.chunk_shape(num_tokens), layout.torch_dtype, gen, device)
+        paged.scatter_summed(table, start, chunk)
+        torch_path.scatter(layout, shadow, table, start, chunk)
+        assert same_bytes(buffer, shadow), (start, num_tokens)
+    calls: list[int] = []
+    monkeypatch.setattr(native, "torch_gather", lambda *a, **k: calls.append(1) or torch_path.gather(*a, **k))
+    monkeypatch.setenv(native.ENV_VAR, "0")
+    table = random_table(layout, 1, 6, gen)
+    out, acc = paged.gather_summed(table, 1, 6, checksum=True)
+    assert (calls, acc) == ([1], None) and same_bytes(out, torch_path.gather(layout, shadow, table, 1, 6))
+    monkeypatch.delenv(native.ENV_VAR)
+    assert paged.gather_summed(table, 1, 6, checksum=True)[1] is not None and calls == [1]
 
 
 def test_disabled_by_env_uses_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,7 +20,7 @@ from pdkv.codec import Codec
 from pdkv.config import TransferConfig
 from pdkv.errors import ChecksumError, TransferError, TransferTimeout
 from pdkv.layout import HeadWindow, KVLayout
-from pdkv.native import scatter, scatter_summed
+from pdkv.native import PagedBuffer
 from pdkv.staging import DeviceStager
 from pdkv.transfer.plan import TransferPlan
 from pdkv.transfer.protocol import ChunkNotice, Reserved
@@ -84,6 +84,11 @@ class ReceiveMemory:
         if self.landed_checksum is not None:
             return [self.landed_checksum(blocks) for blocks in chunks]
         return self.sums(chunks)
+
+    @functools.cached_property
+    def paged(self) -> PagedBuffer:
+        """The KV buffer as every staged chunk is scattered into it (``native.scatter_summed``)."""
+        return PagedBuffer(self.layout, self.kv)
 
     @functools.cached_property
     def sums(self) -> BlockSums:
@@ -242,9 +247,7 @@ class IncomingTransfer:
                 if memory.stager is not None:
                     got = memory.stager.stage_in(self.blocks, start, chunk, digest=True)
                 else:
-                    got = frame_checksum(
-                        frame, scatter_summed(memory.layout, memory.kv, self.blocks, start, chunk, checksum=True)
-                    )
+                    got = frame_checksum(frame, memory.paged.scatter_summed(self.blocks, start, chunk, checksum=True))
             else:
                 got = chunk_checksum([frame])
         if got != notice.checksum:
@@ -261,7 +264,7 @@ class IncomingTransfer:
             if memory.stager is not None:  # to the KV's device on pdkv's stream; back once the chunk is there
                 memory.stager.stage_in(self.blocks, start, chunk)
             else:
-                scatter(memory.layout, memory.kv, self.blocks, start, chunk)
+                memory.paged.scatter_summed(self.blocks, start, chunk)
         self.landed.add(idx)
         return nbytes
 

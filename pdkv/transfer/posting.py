@@ -26,7 +26,7 @@ from pdkv.codec import Codec
 from pdkv.errors import LayoutError, ReservationError, TransferError, TransferTimeout
 from pdkv.layout import HeadWindow, KVLayout
 from pdkv.memory import in_reach, memory_kind
-from pdkv.native import gather, gather_summed
+from pdkv.native import PagedBuffer
 from pdkv.staging import DeviceStager, pinned_empty
 from pdkv.transfer import protocol
 from pdkv.transfer.parts import SenderParts
@@ -85,6 +85,11 @@ class SendSource:
     slot_bytes: int
     stager: DeviceStager | None
     windows: Windows = field(default_factory=Windows, repr=False)
+
+    @functools.cached_property
+    def paged(self) -> PagedBuffer:
+        """The KV buffer as every staged chunk is gathered from it (``native.gather_summed``)."""
+        return PagedBuffer(self.layout, self.kv)
 
     @functools.cached_property
     def sums(self) -> BlockSums:
@@ -388,14 +393,14 @@ class ChunkPoster:
                 frame = src.staging[base : base + nbytes]
                 out = frame.view(layout.torch_dtype).view(layout.chunk_shape(n))
                 digest = frame_checksum(
-                    frame, gather_summed(layout, src.kv, self.block_table, start, n, out=out, checksum=True)[1]
+                    frame, src.paged.gather_summed(self.block_table, start, n, out=out, checksum=True)[1]
                 )
         else:
             raw = self.codec.scratch("raw", layout.chunk_shape(n), layout.torch_dtype)
             if src.stager is not None:
                 src.stager.stage_out(self.block_table, start, n, flat_bytes(raw), digest=False)
             else:
-                gather(layout, src.kv, self.block_table, start, n, out=raw)
+                src.paged.gather_summed(self.block_table, start, n, out=raw)
             nbytes = self.codec.encode(raw, src.staging[base : base + src.slot_bytes])
         if digest is None:
             digest = chunk_checksum([src.staging[base : base + nbytes]])
