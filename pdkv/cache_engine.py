@@ -160,7 +160,8 @@ class KVCacheEngine:
         todo = [i for i, h in zip(candidates, held, strict=True) if not h]
         if not todo:
             return 0
-        chunks = [native.gather(self.layout, kv_buffer, block_table, *spans[i]).cpu() for i in todo]
+        paged = native.PagedBuffer(self.layout, kv_buffer)  # the buffer read once for all its chunks
+        chunks = [paged.gather_summed(block_table, *spans[i])[0].cpu() for i in todo]
         self.tier.put(
             [keyed.keys[i] for i in todo], chunks, [keyed.keys[i - 1] if i else None for i in todo]
         )  # parents: for tier.memory_policy prefix
@@ -193,6 +194,7 @@ class KVCacheEngine:
             for _ in range(min(self.load_batch_chunks, len(keys)))
         ]
         end = start
+        paged = native.PagedBuffer(self.layout, kv_buffer)  # the buffer read once for all its chunks
         for batch in range(0, len(keys), self.load_batch_chunks):
             batch_spans = spans[batch : batch + self.load_batch_chunks]
             outs = [
@@ -206,9 +208,7 @@ class KVCacheEngine:
             )
             for (chunk_start, length), chunk in zip(batch_spans[:got], outs, strict=False):
                 skip = max(start - chunk_start, 0)  # tokens of the first chunk the caller already has
-                native.scatter(
-                    self.layout, kv_buffer, block_table, chunk_start + skip, chunk[:, :, skip:] if skip else chunk
-                )
+                paged.scatter_summed(block_table, chunk_start + skip, chunk[:, :, skip:] if skip else chunk)
                 end = chunk_start + length
             if got < len(batch_spans):
                 break
