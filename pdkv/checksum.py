@@ -32,7 +32,7 @@ Two implementations give the same bits. The native kernels (through
 csrc/kvcopy_cuda.cu on CUDA) read every byte once with the weights computed
 per row on the fly and hash pieces and a direct-mode chunk's blocks where
 they are; and the staging gather and scatter hash the chunk in the pass that
-copies it (``native.gather_summed``, ``native.scatter_summed``, finished by
+copies it (``native.PagedBuffer.gather_summed`` and ``scatter_summed``, finished by
 ``frame_checksum``), where the checksum costs next to nothing. Where they do
 not run (no native library, small or misaligned units on CUDA) torch ops
 give the value: one read of the bytes (a row-sum reduction) plus work on
@@ -205,8 +205,8 @@ def chunk_checksum(pieces: Iterable[torch.Tensor], unit: int | None = None) -> i
 
 def frame_checksum(frame: torch.Tensor, acc: native.Accumulator = None) -> int:
     """``chunk_checksum([frame])`` (one unit: a staged frame), from ``acc`` where a copy kernel already computed
-    its accumulator in the pass that moved ``frame`` (``native.gather_summed``/``scatter_summed``; a CUDA one is
-    read here, which waits for that copy), else hashed here."""
+    its accumulator in the pass that moved ``frame`` (``native.PagedBuffer``'s ``gather_summed``/``scatter_summed``;
+    a CUDA one is read here, which waits for that copy), else hashed here."""
     if acc is None or not frame.numel():
         return chunk_checksum([frame])
     return finish(int(acc.item()) if isinstance(acc, torch.Tensor) else acc, frame.numel())

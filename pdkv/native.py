@@ -228,57 +228,23 @@ def gather(
 ) -> torch.Tensor:
     """Native :func:`pdkv.layout.gather`: tokens ``[start, start+num_tokens)`` of the paged buffer as a canonical
     chunk."""
-    return gather_summed(layout, tensors, block_table, start, num_tokens, out)[0]
-
-
-def gather_summed(
-    layout: KVLayout,
-    tensors: Sequence[torch.Tensor],
-    block_table: BlockTable,
-    start: int,
-    num_tokens: int,
-    out: torch.Tensor | None = None,
-    checksum: bool = False,
-) -> tuple[torch.Tensor, Accumulator]:
-    """``gather``, and with ``checksum`` the chunk's checksum accumulator from the same pass.
-
-    The accumulator is an int (CPU), a device scalar the kernel adds into on
-    the current stream (CUDA: reading it waits for the copy), or None where
-    the kernel did not hash (the torch path, a CUDA chunk whose words it
-    cannot sum in its vectors): the caller hashes the chunk itself then. The
-    value is that of the chunk's bytes in canonical order, whatever ``out``'s
-    strides.
-    """
-    return PagedBuffer(layout, tensors).gather_summed(block_table, start, num_tokens, out, checksum)
+    return PagedBuffer(layout, tensors).gather_summed(block_table, start, num_tokens, out)[0]
 
 
 def scatter(
     layout: KVLayout, tensors: Sequence[torch.Tensor], block_table: BlockTable, start: int, chunk: torch.Tensor
 ) -> None:
     """Native :func:`pdkv.layout.scatter`: write a canonical chunk into tokens ``[start, start+T)``."""
-    scatter_summed(layout, tensors, block_table, start, chunk)
-
-
-def scatter_summed(
-    layout: KVLayout,
-    tensors: Sequence[torch.Tensor],
-    block_table: BlockTable,
-    start: int,
-    chunk: torch.Tensor,
-    checksum: bool = False,
-) -> Accumulator:
-    """``scatter``, and with ``checksum`` the chunk's checksum accumulator from the same pass (or None, as in
-    ``gather_summed``)."""
-    return PagedBuffer(layout, tensors).scatter_summed(block_table, start, chunk, checksum)
+    PagedBuffer(layout, tensors).scatter_summed(block_table, start, chunk)
 
 
 class PagedBuffer:
-    """``gather_summed`` and ``scatter_summed`` over one KV buffer, for whoever copies its chunks every request (a
-    sender's memory, a receiver's, a device stager). What a copy reads of the buffer (the layout's checks on every
-    tensor, one device, each layer's address) is read at its first copy and kept, not read again each chunk: per
-    chunk, 30-80 tensors' attributes cost 32-74 us of Python ahead of a ~200 us copy of 40 tokens. The tensors must
-    keep their storage while this is used, as a KV cache does; the library's switch (``PDKV_NATIVE``) is read at every
-    copy."""
+    """The kernels' gather and scatter over one KV buffer (the torch path's where they do not run), each able to
+    hash the chunk in the same pass. Kept by whoever copies its chunks every request (a sender's memory, a
+    receiver's, a device stager): what a copy reads of the buffer (the layout's checks on every tensor, one device,
+    each layer's address) is read at its first copy and kept, not read again each chunk: per chunk, 30-80 tensors'
+    attributes cost 32-74 us of Python ahead of a ~200 us copy of 40 tokens. The tensors must keep their storage
+    while this is used, as a KV cache does; the library's switch (``PDKV_NATIVE``) is read at every copy."""
 
     def __init__(self, layout: KVLayout, tensors: Sequence[torch.Tensor]) -> None:
         self.layout, self.tensors = layout, list(tensors)
@@ -300,7 +266,15 @@ class PagedBuffer:
         out: torch.Tensor | None = None,
         checksum: bool = False,
     ) -> tuple[torch.Tensor, Accumulator]:
-        """``native.gather_summed`` of this buffer."""
+        """``gather``, and with ``checksum`` the chunk's checksum accumulator from the same pass.
+
+        The accumulator is an int (CPU), a device scalar the kernel adds into on
+        the current stream (CUDA: reading it waits for the copy), or None where
+        the kernel did not hash (the torch path, a CUDA chunk whose words it
+        cannot sum in its vectors): the caller hashes the chunk itself then. The
+        value is that of the chunk's bytes in canonical order, whatever ``out``'s
+        strides.
+        """
         layout = self.layout
         if not self._native():
             return torch_gather(layout, self.tensors, block_table, start, num_tokens, out), None
@@ -322,7 +296,8 @@ class PagedBuffer:
     def scatter_summed(
         self, block_table: BlockTable, start: int, chunk: torch.Tensor, checksum: bool = False
     ) -> Accumulator:
-        """``native.scatter_summed`` into this buffer."""
+        """``scatter``, and with ``checksum`` the chunk's checksum accumulator from the same pass (or None, as in
+        ``gather_summed``)."""
         layout = self.layout
         if not self._native():
             torch_scatter(layout, self.tensors, block_table, start, chunk)

@@ -145,7 +145,7 @@ def test_gather_and_scatter_hash_the_chunk_they_move(
         )
     table = random.Random(tokens).sample(range(num_blocks), -(-(start + tokens) // layout.block_size))
     chunk = torch.empty(layout.chunk_shape(tokens), dtype=layout.torch_dtype)
-    _, acc = native.gather_summed(layout, kv, table, start, tokens, chunk, checksum=True)
+    _, acc = native.PagedBuffer(layout, kv).gather_summed(table, start, tokens, chunk, checksum=True)
     assert acc is not None  # hashed by the kernel, not after it in Python
     assert torch.equal(chunk, torch_gather(layout, kv, table, start, tokens))
     with monkeypatch.context() as m:
@@ -155,7 +155,7 @@ def test_gather_and_scatter_hash_the_chunk_they_move(
 
     landed = layout.allocate(num_blocks)
     other = random.Random(1).sample(range(num_blocks), len(table))
-    acc = native.scatter_summed(layout, landed, other, start, chunk, checksum=True)
+    acc = native.PagedBuffer(layout, landed).scatter_summed(other, start, chunk, checksum=True)
     assert acc is not None and frame_checksum(flat_bytes(chunk), acc) == expected
     reference = layout.allocate(num_blocks)
     torch_scatter(layout, reference, other, start, chunk)
@@ -169,7 +169,7 @@ def test_a_gather_into_a_strided_output_hashes_the_chunk_in_canonical_order(monk
     for t in kv:
         t.normal_(generator=torch.Generator().manual_seed(3))
     out = torch.empty((*layout.chunk_shape(8)[:-1], 64), dtype=layout.torch_dtype)[..., :32]
-    acc = native.gather_summed(layout, kv, [1, 2], 0, 8, out, checksum=True)[1]
+    acc = native.PagedBuffer(layout, kv).gather_summed([1, 2], 0, 8, out, checksum=True)[1]
     frame = flat_bytes(out.contiguous())
     with monkeypatch.context() as m:
         m.setenv(native.ENV_VAR, "0")

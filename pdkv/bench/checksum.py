@@ -146,19 +146,20 @@ def _staging_rows(dev: torch.device, size: int, repeats: int) -> list[dict[str, 
     table = random.Random(0).sample(range(2 * blocks), blocks)  # fragmented: P's free list after a while
     chunk = torch.empty(layout.chunk_shape(tokens), dtype=layout.torch_dtype, device=dev)
     frame = flat_bytes(chunk)
-    one_pass = native.gather_summed(layout, kv, table, 0, tokens, chunk, True)[1] is not None  # else copy, then hash
+    paged = native.PagedBuffer(layout, kv)  # as a sender's or receiver's memory keeps it
+    one_pass = paged.gather_summed(table, 0, tokens, chunk, True)[1] is not None  # else copy, then hash
     src, dst = frame.clone(), torch.empty_like(frame)
     times = _alternate(
         {
             "copy": (lambda: dst.copy_(src), False),
-            "gather": (lambda: native.gather(layout, kv, table, 0, tokens, out=chunk), False),
+            "gather": (lambda: paged.gather_summed(table, 0, tokens, chunk), False),
             "gather + checksum": (
-                lambda: frame_checksum(frame, native.gather_summed(layout, kv, table, 0, tokens, chunk, True)[1]),
+                lambda: frame_checksum(frame, paged.gather_summed(table, 0, tokens, chunk, True)[1]),
                 False,
             ),
-            "scatter": (lambda: native.scatter(layout, kv, table, 0, chunk), False),
+            "scatter": (lambda: paged.scatter_summed(table, 0, chunk), False),
             "scatter + checksum": (
-                lambda: frame_checksum(frame, native.scatter_summed(layout, kv, table, 0, chunk, True)),
+                lambda: frame_checksum(frame, paged.scatter_summed(table, 0, chunk, True)),
                 False,
             ),
         },

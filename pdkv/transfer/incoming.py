@@ -87,7 +87,7 @@ class ReceiveMemory:
 
     @functools.cached_property
     def paged(self) -> PagedBuffer:
-        """The KV buffer as every staged chunk is scattered into it (``native.scatter_summed``)."""
+        """The KV buffer as every staged chunk is scattered into it (``PagedBuffer.scatter_summed``)."""
         return PagedBuffer(self.layout, self.kv)
 
     @functools.cached_property

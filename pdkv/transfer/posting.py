@@ -88,7 +88,7 @@ class SendSource:
 
     @functools.cached_property
     def paged(self) -> PagedBuffer:
-        """The KV buffer as every staged chunk is gathered from it (``native.gather_summed``)."""
+        """The KV buffer as every staged chunk is gathered from it (``PagedBuffer.gather_summed``)."""
         return PagedBuffer(self.layout, self.kv)
 
     @functools.cached_property

@@ -216,11 +216,10 @@ def checksum() -> dict[str, Any]:
         t.view(torch.int16).random_()
     table = random.Random(1).sample(range(16), tokens // layout.block_size)
     chunk = torch.empty(layout.chunk_shape(tokens), dtype=layout.torch_dtype, device="cuda")
-    acc = native.gather_summed(layout, kv_dev, table, 0, tokens, chunk, True)[1]
+    paged = native.PagedBuffer(layout, kv_dev)
+    acc = paged.gather_summed(table, 0, tokens, chunk, True)[1]
     fused = {"one_pass_on_cuda": acc is not None, "gather": f"{frame_checksum(flat_bytes(chunk), acc):016x}"}
-    fused["scatter"] = (
-        f"{frame_checksum(flat_bytes(chunk), native.scatter_summed(layout, kv_dev, table, 0, chunk, True)):016x}"
-    )
+    fused["scatter"] = f"{frame_checksum(flat_bytes(chunk), paged.scatter_summed(table, 0, chunk, True)):016x}"
     fused["cpu"] = f"{chunk_checksum([flat_bytes(chunk.cpu())]):016x}"
     fused["equal"] = fused["gather"] == fused["scatter"] == fused["cpu"]
     same.append(fused)
