@@ -327,7 +327,7 @@ class _Prepared:
     as the CPU and CUDA kernels take them, and the addresses' alignment bits."""
 
     def __init__(self, num_blocks: int, bases: list[int]) -> None:
-        self.num_blocks, self.bases = num_blocks, bases
+        self.num_blocks = num_blocks
         self.pointers = (_p * len(bases))(*bases)
         self.int64s = (_i64 * len(bases))(*bases)
         self.bits = functools.reduce(operator.or_, bases, 0)

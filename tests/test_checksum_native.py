@@ -17,8 +17,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdkv import native
-from pdkv.checksum import blocks_checksum, blocks_checksums, chunk_checksum, flat_bytes, frame_checksum
+from pdkv import checksum, native
+from pdkv.checksum import (
+    BlockSums,
+    blocks_checksum,
+    blocks_checksums,
+    chunk_checksum,
+    flat_bytes,
+    frame_checksum,
+)
 from pdkv.errors import LayoutError
 from pdkv.layout import KVLayout
 from pdkv.layout import gather as torch_gather
@@ -97,6 +104,28 @@ def test_many_chunks_hashed_in_one_call_give_each_chunks_own_value(
     assert values == [
         chunk_checksum([t[b * _UNIT : (b + 1) * _UNIT] for t in _KV for b in ids], unit=_UNIT) for ids in chunks
     ]
+
+
+def test_one_block_sums_hashes_every_chunk_as_the_call_does_and_reads_the_switch_at_each_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``BlockSums`` kept for many chunks, as a sender's or receiver's memory keeps it: what it read of the tensors
+    when it was made (their addresses, their blocks) gives every later chunk the definition's value, a block outside
+    them is still refused, and ``PDKV_NATIVE=0`` set after it was made sends its next call down the torch path."""
+    sums = BlockSums(_KV, _UNIT)
+    rng = random.Random(3)
+    chunks = [rng.sample(range(_BLOCKS), rng.randrange(1, 8)) for _ in range(6)] + [[]]
+    want = [chunk_checksum([t[b * _UNIT : (b + 1) * _UNIT] for t in _KV for b in ids], unit=_UNIT) for ids in chunks]
+    assert [sums([ids])[0] for ids in chunks] == want
+    with pytest.raises(LayoutError, match=f"block id {_BLOCKS} is out of range"):
+        sums([[0, _BLOCKS]])
+    torch_path: list[int] = []
+    real = checksum._torch_blocks_checksum
+    monkeypatch.setattr(checksum, "_torch_blocks_checksum", lambda *a: torch_path.append(1) or real(*a))
+    monkeypatch.setenv(native.ENV_VAR, "0")
+    assert sums(chunks[:2]) == want[:2] and torch_path == [1, 1]
+    monkeypatch.delenv(native.ENV_VAR)
+    assert sums(chunks[:2]) == want[:2] and torch_path == [1, 1]
 
 
 def test_one_chunk_outside_the_buffer_refuses_the_whole_call() -> None:
