@@ -27,7 +27,10 @@ def test_the_gpu_checks_faults_end_cleanly_with_kv_in_emulated_device_memory() -
 
     killed = out["killed_mid_transfer"]
     assert killed["stopped_mid_transfer"], killed
-    assert killed["outcome"].startswith("TransferError: lost the control connection to receiver"), killed
+    # P hears D died from whichever comes first: its control connection dropping, or a write in flight failing (a
+    # race: under load the write's failure wins about one run in six, on the base this was written on too)
+    died = ("lost the control connection to receiver", "channel write failed: the peer disconnected")
+    assert killed["outcome"].startswith(tuple(f"TransferError: {why}" for why in died)), killed
     assert killed["seconds"] < CFG.transfer_timeout_s + SLACK_S
     assert killed["sender_holds_nothing"], killed
     regions = LAYOUT.num_tensors + 1  # the sender's KV tensors and its staging area: no region more, none less
