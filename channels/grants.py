@@ -185,7 +185,7 @@ class Grants:
         with self._cond:
             if isinstance(ranges, GridSpans):
                 removed: Grantable = ranges
-                self._adopt(ranges.grid, access)
+                _grid_access(access)  # a grid never granted holds nothing to take back: it is not adopted here
                 held = self._blocks.get((token, ranges.grid))
                 if held is not None:
                     for offset, length in ranges.spans:
@@ -237,8 +237,7 @@ class Grants:
     def _adopt(self, grid: BlockGrid, access: Access) -> None:
         """Make ``grid``'s regions written through it alone (caller holds the lock): ChannelError where one is
         another grid's, or holds write grants by range (or the grant is not a write's: a grid is written)."""
-        if access != "write":
-            raise ChannelError("a block grid is granted for writing; grant reads by range")
+        _grid_access(access)
         if grid in self._adopted:
             return
         for region in grid.regions:
@@ -295,6 +294,12 @@ class Grants:
         with self._cond:
             del self._landing[ticket]
             self._cond.notify_all()
+
+
+def _grid_access(access: Access) -> None:
+    """ChannelError unless ``access`` is a write's: a grid is granted and revoked for writing, reads by range."""
+    if access != "write":
+        raise ChannelError("a block grid is granted for writing; grant reads by range")
 
 
 def _coalesce(ranges: Sequence[Range]) -> list[Range]:

@@ -112,6 +112,12 @@ def test_a_grid_region_is_written_through_its_grid_alone() -> None:
         grants.grant(b"a", "write", GridSpans(BlockGrid((2,), GRID_BLOCK), [(0, 8)]))
     with pytest.raises(ChannelError, match="for writing"):
         grants.grant(b"a", "read", GridSpans(grid, [(0, 8)]))
+    with pytest.raises(ChannelError, match="for writing"):
+        grants.revoke(b"a", "read", GridSpans(grid, [(0, 8)]), 0.0)
+    # a grid never granted holds nothing to take back, and taking it back claims none of its regions
+    other = BlockGrid((2,), GRID_BLOCK)
+    assert grants.revoke(b"a", "write", GridSpans(other, [(0, 8)]), 0.0)
+    grants.grant(b"a", "write", [(2, 8, 8)])
     grants.grant(b"a", "read", [(0, 0, 8)])
     assert grid.ranges(grid.spans([3, 1, 2, 7])) == [(0, 8, 24), (0, 56, 8), (1, 8, 24), (1, 56, 8)]
     with pytest.raises(ChannelError, match="distinct regions"):
