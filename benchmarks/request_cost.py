@@ -219,7 +219,10 @@ def main() -> None:
     layout = SENDER_LAYOUT if args.layers is None else deeper(args.layers)
     out["layers"] = layout.num_layers
     biggest = max(moved_bytes(layout, t, "direct") for t in sizes)
-    with TransferRig(args.channel, layout, 64, 256, config, sender_layout=layout) as rig:
+    # room for the longest request: the sender's table of it, and a receiver that admits it (one peer may hold at
+    # most ``max_peer_blocks_share`` of its blocks) beside the pool it grants ahead
+    need = max(layout.blocks_for(t) for t in sizes)
+    with TransferRig(args.channel, layout, max(64, need), max(256, 4 * need), config, sender_layout=layout) as rig:
         receiver = [p.pid for p in multiprocessing.active_children()]
         with _load(BASELINES[args.channel])(biggest, LOOPBACK) as raw:
             rig.push([("warm", sizes[0])])
