@@ -309,7 +309,7 @@ class Channel(ABC):
 class SummedWrites(ABC):
     """What a channel that sends a block write's bytes itself may offer: the write of a chunk whose notification
     vouches for the bytes' checksum, hashed as they are sent. The caller would otherwise read them all once more
-    before the first could leave; here each piece is hashed just before the kernel copies it, and the notification
+    before the first could leave; here each piece is hashed right after the kernel copied it, and the notification
     made last (tcp: ``Initiator.post_blocks_sealed``). A channel without it (nixl, ucx, mock) is hashed first."""
 
     @abstractmethod

@@ -109,7 +109,7 @@ PDKV_API int64_t pdkv_block_frames(const int64_t* local_bases, const int64_t* re
 PDKV_API int pdkv_send_iov(int fd, const int64_t* iov, int64_t n, int* os_error);
 // pdkv_send_summed sends rows [0, n_send) of iov as pdkv_send_iov does, hashing the payload rows among [0, n_rows)
 // (offsets[k] >= 0: their place in the stream) into *acc, the chunk checksum's accumulator in units of `unit`: the
-// rows past n_send first (hashed, not sent), then `window` payload bytes at a time just before they are sent.
+// rows past n_send first (hashed, not sent), then `window` payload bytes at a time right after they are sent.
 // PDKV_LAND_EARG (nothing sent) when a payload row is not whole words of the stream.
 PDKV_API int pdkv_send_summed(int fd, const int64_t* iov, const int64_t* offsets, int64_t n_send, int64_t n_rows,
                               int64_t unit, int64_t window, uint64_t* acc, int* os_error);

@@ -12,9 +12,9 @@
 // GIL released (ctypes drops it).
 //
 // A sealed write (sealed_tail > 0) is sent in two calls per share so that P
-// hashes each piece just before the kernel copies it, not in a pass of its
-// own before the first byte leaves (issue 46, step 2): pdkv_send_summed hashes
-// and sends every frame of a share but a short tail, which goes last in a
+// hashes each piece right after the kernel copied it, not in a pass of its
+// own before the first byte leaves (issue 46, step 2): pdkv_send_summed sends
+// and hashes every frame of a share but a short tail, which goes last in a
 // LAST frame of its own; the share that finishes last carries the
 // notification, sealed over the sum of every share's part of the checksum.
 // The notice's length is in that frame's header, ahead of its payload; hence
@@ -233,18 +233,26 @@ PDKV_API int pdkv_send_summed(int fd, const int64_t* iov, const int64_t* offsets
   for (int64_t i = n_send; i < n_rows; ++i) {  // rows hashed, not sent (the tail)
     if (offsets[i] >= 0) sum += pdkv::hash_range<false>(cut, 0, offsets[i], reinterpret_cast<const char*>(iov[2 * i]), nullptr, iov[2 * i + 1]);
   }
-  // window by window: hash up to `step` payload bytes (they are then in cache), send them with the headers between
+  // window by window: send up to `step` payload bytes with the headers between, then hash them (the kernel's copy
+  // brought them into cache)
   std::vector<iovec> vec;
+  struct Hashed {
+    int64_t off;
+    const char* base;
+    int64_t len;
+  };
+  std::vector<Hashed> hashed;
   int64_t row = 0, at = 0;
   while (row < n_send) {
     vec.clear();
+    hashed.clear();
     int64_t budget = step;
     while (row < n_send && budget > 0 && vec.size() < IOV_MAX) {
       char* base = reinterpret_cast<char*>(iov[2 * row]) + at;
       int64_t take = iov[2 * row + 1] - at;
       if (offsets[row] >= 0) {
         take = std::min(take, budget);
-        sum += pdkv::hash_range<false>(cut, 0, offsets[row] + at, base, nullptr, take);
+        hashed.push_back({offsets[row] + at, base, take});
         budget -= take;
       }
       vec.push_back(iovec{base, static_cast<size_t>(take)});
@@ -255,6 +263,7 @@ PDKV_API int pdkv_send_summed(int fd, const int64_t* iov, const int64_t* offsets
     // benchmarks/history/2026-11-29-request-round-trip-issue-46.md)
     const int rc = send_vec(fd, vec, os_error);
     if (rc != PDKV_OK) return rc;
+    for (const Hashed& h : hashed) sum += pdkv::hash_range<false>(cut, 0, h.off, h.base, nullptr, h.len);
   }
   *acc = sum;
   return PDKV_OK;

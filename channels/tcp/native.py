@@ -238,7 +238,7 @@ def block_frames(
 
 def send_summed(fd: int, frames: BlockFrames, share: int, unit: int, window: int) -> tuple[int, int, int]:
     """Send one share of a sealed write's frames (``block_frames`` with ``sealed_tail``) on the blocking socket
-    ``fd``, hashing every payload row, its tail's too, in ``window`` bytes just before they are sent
+    ``fd``, hashing every payload row, its tail's too, in ``window`` bytes right after each is sent
     (csrc/kvsend.cpp): (``OK``, ``LAND_STALLED``, ``LAND_EOS`` or ``LAND_EARG``: rows not whole checksum words,
     nothing sent; errno; the share's part of the chunk checksum's accumulator in units of ``unit``)."""
     os_error, acc = ctypes.c_int(0), ctypes.c_uint64(0)

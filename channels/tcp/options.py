@@ -53,8 +53,8 @@ class TcpOptions(ChannelOptions):
     streams: int = msgspec.field(default_factory=default_streams)  # connections per peer: 4, at most one a core
     stream_min_bytes: int = 4 << 20  # a transfer is split only into shares at least this big
     inline_max_bytes: int = 1 << 20  # writes up to this size go out on the caller's thread when possible
-    # each share of a write hashed as it is sent (a direct block write) hashes then sends this many payload bytes at
-    # a time: in cache when the kernel copies them, the receiver landing the last window meanwhile; on loopback
+    # each share of a write hashed as it is sent (a direct block write) sends then hashes this many payload bytes at
+    # a time: still in cache from the kernel's copy, the receiver landing them meanwhile; on loopback
     # 32-48 KiB sends beat both 64-256 KiB ones and one big send, and 128 KiB or 1 MiB windows did not move 256- and
     # 2048-token requests (benchmarks/history/2026-11-29-request-round-trip-issue-46.md)
     sum_window_bytes: int = 32 << 10

@@ -270,8 +270,8 @@ class ChunkPoster:
                 blocks = self.direct_writes[index]
                 # a one-chunk request's (pooled or reserved) goes out on this thread: it has nothing else to post
                 wire, inline = blocks.nbytes, num_chunks == 1
-                # Hashed as the channel sends it where it can (tcp): each piece just before the kernel copies it,
-                # in cache, not in a pass of its own over the whole chunk first. Otherwise hashed here first (or by
+                # Hashed as the channel sends it where it can (tcp): each piece right after the kernel copied it,
+                # from cache, not in a pass of its own over the whole chunk first. Otherwise hashed here first (or by
                 # post_all, on a GPU).
                 found = None
                 if digest is None and isinstance(channel, SummedWrites):
