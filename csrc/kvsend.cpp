@@ -236,12 +236,7 @@ PDKV_API int pdkv_send_summed(int fd, const int64_t* iov, const int64_t* offsets
   // window by window: send up to `step` payload bytes with the headers between, then hash them (the kernel's copy
   // brought them into cache)
   std::vector<iovec> vec;
-  struct Hashed {
-    int64_t off;
-    const char* base;
-    int64_t len;
-  };
-  std::vector<Hashed> hashed;
+  std::vector<pdkv::Segment> hashed;  // the window's payload: hashed once sent
   int64_t row = 0, at = 0;
   while (row < n_send) {
     vec.clear();
@@ -252,7 +247,7 @@ PDKV_API int pdkv_send_summed(int fd, const int64_t* iov, const int64_t* offsets
       int64_t take = iov[2 * row + 1] - at;
       if (offsets[row] >= 0) {
         take = std::min(take, budget);
-        hashed.push_back({offsets[row] + at, base, take});
+        hashed.push_back({base, offsets[row] + at, take});
         budget -= take;
       }
       vec.push_back(iovec{base, static_cast<size_t>(take)});
@@ -263,7 +258,7 @@ PDKV_API int pdkv_send_summed(int fd, const int64_t* iov, const int64_t* offsets
     // benchmarks/history/2026-11-29-request-round-trip-issue-46.md)
     const int rc = send_vec(fd, vec, os_error);
     if (rc != PDKV_OK) return rc;
-    for (const Hashed& h : hashed) sum += pdkv::hash_range<false>(cut, 0, h.off, h.base, nullptr, h.len);
+    for (const pdkv::Segment& h : hashed) sum += pdkv::hash_range<false>(cut, 0, h.off, h.data, nullptr, h.len);
   }
   *acc = sum;
   return PDKV_OK;
