@@ -172,7 +172,7 @@ def peer() -> Iterator[Peer]:
 
 @pytest.fixture(scope="module")
 def local(peer: Peer) -> Iterator[Local]:
-    channel = TcpChannel("local", TcpOptions(streams=4, stream_min_bytes=256 << 10, io_timeout=10))
+    channel = TcpChannel("local", TcpOptions(streams=4, stream_min_bytes=256 << 10, one_host_shares=4, io_timeout=10))
     src, dst = bytearray(pattern(1, 8 * MiB)), bytearray(8 * MiB)
     loc = Local(channel, src, dst, channel.register(src), channel.register(dst))
     channel.add_peer(peer.meta)
@@ -906,11 +906,55 @@ def test_default_streams_are_four_but_never_more_than_the_cores_this_process_may
         assert TcpChannel.parse_options({}).streams == want
 
 
+def test_a_transfer_to_this_host_is_cut_into_at_most_half_the_cores_shares(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On one host a share keeps two cores busy (benchmarks/history/2026-11-29-request-round-trip-issue-46.md): a
+    loopback peer gets at most half the cores' shares, or ``one_host_shares`` where set; another host, ``streams``."""
+    for cores, want in ((1, 1), (2, 1), (3, 1), (4, 2), (16, 4)):
+        monkeypatch.setattr(tcp_options, "usable_cores", lambda cores=cores: cores)
+        for host in ("127.0.0.1", "127.3.0.9", "::1", "localhost"):
+            assert TcpOptions(streams=4).shares_to(host) == want
+        assert TcpOptions(streams=4, one_host_shares=3).shares_to("127.0.0.1") == 3
+        assert TcpOptions(streams=2, one_host_shares=3).shares_to("127.0.0.1") == 2
+        assert TcpOptions(streams=4).shares_to("10.0.0.2") == 4
+
+
+def test_to_this_host_a_large_write_goes_whole_and_the_next_one_on_the_next_stream() -> None:
+    """With one share to a peer on this host, a write past ``inline_max_bytes`` goes whole on the thread's stream
+    and moves it on, so a request's chunks spread over the streams as a split write's shares did; a small one
+    leaves it where it is (an idle stream's reader would have to be woken on both sides)."""
+    writer = TcpChannel("whole-w", TcpOptions(streams=2, one_host_shares=1, stream_min_bytes=1 << 20, io_timeout=10))
+    target = TcpChannel("whole-t", TcpOptions(io_timeout=10))
+    try:
+        src = bytearray(pattern(5, 12 * MiB))
+        dst = bytearray(12 * MiB)
+        s, d = writer.register(src), target.register(dst)
+        writer.add_peer(target.metadata())
+
+        def moved(*writes: tuple[int, int]) -> list[int]:
+            before = writer.stream_bytes("whole-t") or [0, 0]  # none before the first write opens the link
+            for offset, length in writes:
+                writer.wait(writer.write("whole-t", [TransferOp(s, offset, d, offset, length)]), CALL_TIMEOUT)
+            return [a - b for a, b in zip(writer.stream_bytes("whole-t"), before, strict=True)]
+
+        first = moved((0, 8 * MiB))
+        assert sorted(first) == [0, 8 * MiB], first  # whole, on one stream (two shares of 4 MiB before)
+        second = moved((8 * MiB, 2 * MiB))
+        assert sorted(second) == [0, 2 * MiB] and second.index(2 * MiB) != first.index(8 * MiB), (first, second)
+        small = moved((10 * MiB, 64 << 10), (11 * MiB, 64 << 10))
+        assert sorted(small) == [0, 128 << 10], small  # both on the one stream
+        assert dst[: 10 * MiB + (64 << 10)] == src[: 10 * MiB + (64 << 10)]
+        assert dst[11 * MiB : 11 * MiB + (64 << 10)] == src[11 * MiB : 11 * MiB + (64 << 10)]
+    finally:
+        writer.close()
+        target.close()
+
+
 @pytest.mark.parametrize(
     "raw",
     [
         {"streams": 0},
         {"streams": 65},
+        {"one_host_shares": -1},
         {"io_timeout": 0},
         {"port": 70000},
         {"advertise_port": -1},
@@ -1046,7 +1090,9 @@ def test_an_initiators_threads_do_not_grow_with_its_peers() -> None:
     """Writes split over two streams to one peer, then to six at once: the writer holds two workers and one link
     watcher either way (a thread per stream and a watcher per link held 18 for six), every byte lands, and closing
     the channel ends them. (``send_wait_s`` at ``io_timeout``: no worker is added however slow this machine is.)"""
-    writer = TcpChannel("fan", TcpOptions(streams=2, stream_min_bytes=64 << 10, io_timeout=10, send_wait_s=10))
+    writer = TcpChannel(
+        "fan", TcpOptions(streams=2, stream_min_bytes=64 << 10, one_host_shares=2, io_timeout=10, send_wait_s=10)
+    )
     targets = [TcpChannel(f"fan-target-{i}", TcpOptions(streams=2, io_timeout=10)) for i in range(6)]
     try:
         assert _initiator_threads(writer) == {}  # nothing started before the first link

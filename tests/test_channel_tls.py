@@ -60,7 +60,8 @@ def remote(pki: tuple[CertificateAuthority, CertificateAuthority]) -> Iterator[P
 def test_tls_write_and_read_land_bit_exact_across_streams_with_the_secret_on_top(
     pki: tuple[CertificateAuthority, CertificateAuthority], remote: Peer
 ) -> None:
-    local = _channel("local", pki[0].issue("local"), streams=4, stream_min_bytes=256 << 10, io_timeout=10, secret=KEY)
+    split = {"streams": 4, "stream_min_bytes": 256 << 10, "one_host_shares": 4}
+    local = _channel("local", pki[0].issue("local"), **split, io_timeout=10, secret=KEY)
     try:
         src, dst = bytearray(pattern(1, 8 * MiB)), bytearray(8 * MiB + 16)
         s, d = local.register(src), local.register(dst)

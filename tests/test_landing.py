@@ -86,7 +86,7 @@ def _pair(**opts: int) -> Iterator[Pair]:
 @pytest.fixture
 def pair(frame_loop: str) -> Iterator[Pair]:
     # frames of 6 KiB: several frames a block, a frame ending inside a block; two streams share each transfer
-    yield from _pair(max_frame_bytes=6 << 10, streams=2, stream_min_bytes=40 << 10)
+    yield from _pair(max_frame_bytes=6 << 10, streams=2, stream_min_bytes=40 << 10, one_host_shares=2)
 
 
 def test_hot_value_is_the_landed_bytes_checksum(pair: Pair) -> None:
@@ -170,7 +170,7 @@ def test_unguarded_region_is_not_hashed() -> None:
 
 def test_random_block_tables_match() -> None:
     rng = random.Random(3)
-    for pair in _pair(max_frame_bytes=10 << 10, streams=2, stream_min_bytes=24 << 10):
+    for pair in _pair(max_frame_bytes=10 << 10, streams=2, stream_min_bytes=24 << 10, one_host_shares=2):
         for _ in range(3):
             ids = rng.sample(range(BLOCKS), 5)
             pair.grant(ids)

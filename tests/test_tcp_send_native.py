@@ -236,7 +236,7 @@ SEALED_SHAPES = {  # our blocks, theirs, block bytes (its checksum word), max_fr
 
 def _sealed_pair(max_frame: int, shares: int, **ours: int) -> tuple[Channel, Channel]:
     """Two tcp channels on loopback; the first splits any write into ``shares`` (one a stream)."""
-    split = {"streams": shares, "stream_min_bytes": 1}
+    split = {"streams": shares, "stream_min_bytes": 1, "one_host_shares": shares}
     a = create_channel("tcp", "a", {"host": "127.0.0.1", "max_frame_bytes": max_frame, **split, **ours})
     b = create_channel("tcp", "b", {"host": "127.0.0.1", "max_frame_bytes": max_frame})
     return a, b

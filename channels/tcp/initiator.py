@@ -2,7 +2,8 @@
 transfer into the batches its streams send.
 
 A transfer is cut into shares, one per stream (``streams_for``: shares of at
-least ``stream_min_bytes``), each sent as one uninterrupted batch of DATA
+least ``stream_min_bytes``; to a peer on this host no more than
+``one_host_shares``), each sent as one uninterrupted batch of DATA
 frames ending in LAST, or of READ_REQ frames whose answers land where this
 side recorded for them (the target never picks an address). Links connect
 lazily, at the first transfer (or ``connect``) after the last one failed.
@@ -179,8 +180,7 @@ class Initiator:
         ``merged``: no op continues the previous one on both sides (a ``BlockWrite``'s runs), so none is merged;
         ``inline``: the first share on this thread, whatever its size."""
         link = self.link(peer, token)
-        nstreams = len(link.streams)
-        parts = min(nstreams, self.agent.opts.streams_for(total))
+        parts = link.shares_for(total)
         max_frame = self.agent.opts.max_frame_bytes
         runs = ops if merged else merge_ops(ops)
         if parts == 1 and all(op.length <= max_frame for op in runs):
@@ -206,9 +206,7 @@ class Initiator:
             return self.post("write", peer, blocks.ops(), total, notif, token, merged=True, inline=inline)
         link = self.link(peer, token)
         xfer = next(self._xfer_ids)
-        frames, views = self._framer.frames(
-            blocks, min(len(link.streams), self.agent.opts.streams_for(total)), xfer, notif
-        )
+        frames, views = self._framer.frames(blocks, link.shares_for(total), xfer, notif)
         assert frames is not None  # only a sealed write's can be refused
         keep = (frames.out, views, notif)  # the frames' tables, the regions' memory and the notification, until sent
         built = [Batch([], nbytes, iov=frames.iov[first : first + n], keep=keep) for first, n, nbytes in frames.shares]
@@ -225,9 +223,7 @@ class Initiator:
             return None
         link = self.link(peer, token)
         xfer = next(self._xfer_ids)
-        frames, views = self._framer.frames(
-            blocks, min(len(link.streams), opts.streams_for(total)), xfer, None, SEALED_TAIL
-        )
+        frames, views = self._framer.frames(blocks, link.shares_for(total), xfer, None, SEALED_TAIL)
         if frames is None:
             return None
         end = SealedEnd(len(frames.shares), total, xfer, seal, opts.max_notif_bytes)
@@ -241,9 +237,14 @@ class Initiator:
         self, link: Link, handle: TcpHandle, xfer: int, built: list[Batch], notif: bytes | None, inline: bool
     ) -> TcpHandle:
         """Hand a transfer's batches to the link, share i on the calling thread's stream + i; the first share goes
-        out on this thread when small enough (a READ's are requests, no payload) or ``inline`` says so."""
+        out on this thread when small enough (a READ's are requests, no payload) or ``inline`` says so. Where the
+        link cuts transfers into fewer shares than it has streams (a peer on this host), a large transfer moves the
+        thread's stream on past its shares: a request's chunks then spread over the streams as a split one's
+        shares would."""
         home, nstreams = self._home_stream(), len(link.streams)
         batches = [((home + i) % nstreams, batch) for i, batch in enumerate(built)]
+        if link.max_shares < nstreams and built[0].nbytes > self.agent.opts.inline_max_bytes:
+            self._caller.stream = home + len(built)
         link.post(handle, xfer, batches, notif, inline or built[0].nbytes <= self.agent.opts.inline_max_bytes)
         return handle
 

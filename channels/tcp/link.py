@@ -57,6 +57,7 @@ class Link:
         self.peer = peer
         self.meta = meta
         self.where = f"peer {peer!r} at {meta.host}:{meta.port}"
+        self.max_shares = self.opts.shares_to(meta.host)  # fewer than the streams to a peer on this host
         self.session = secrets.randbits(64)
         self.pending: dict[int, Pending] = {}  # its size is the in-flight count
         self.nacked: collections.deque[int] = collections.deque(maxlen=1024)  # transfers the target refused, latest
@@ -82,6 +83,11 @@ class Link:
             raise
 
     # -- posting ---------------------------------------------------------------
+    def shares_for(self, nbytes: int) -> int:
+        """How many shares a transfer of ``nbytes`` to this peer is cut into (``TcpOptions.streams_for``, at most
+        ``max_shares``)."""
+        return min(self.max_shares, self.opts.streams_for(nbytes))
+
     def post(
         self, handle: TransferHandle, xfer: int, batches: list[tuple[int, Batch]], notif: bytes | None, inline: bool
     ) -> None:

@@ -17,7 +17,7 @@ from pdkv.channels.base import ChannelOptions
 from pdkv.channels.tcp.tls import TlsContexts, TlsOptions
 from pdkv.channels.tcp.wire import MAX_STREAMS
 from pdkv.errors import ConfigError
-from pdkv.netaddr import is_wildcard
+from pdkv.netaddr import is_loopback, is_wildcard
 
 
 @functools.cache
@@ -52,6 +52,12 @@ class TcpOptions(ChannelOptions):
     advertise_port: int = 0  # port peers dial, when a port forward, NAT or proxy sits in front of ``port``; 0: ``port``
     streams: int = msgspec.field(default_factory=default_streams)  # connections per peer: 4, at most one a core
     stream_min_bytes: int = 4 << 20  # a transfer is split only into shares at least this big
+    # a transfer to a peer on this host (a loopback address) is cut into at most this many shares; 0: half this
+    # process's cores. On one host a share keeps two cores busy, the sender's copy into the kernel and the
+    # receiver's out of it, so more shares than half the cores only take turns on them: on the 2-core VM a lone
+    # 256-token chunk took 4.1-4.9 ms in two shares and 3.3-3.6 in one, and a request of many chunks moves as fast
+    # with each chunk whole on the next stream (benchmarks/history/2026-11-29-request-round-trip-issue-46.md)
+    one_host_shares: int = 0
     inline_max_bytes: int = 1 << 20  # writes up to this size go out on the caller's thread when possible
     # each share of a write hashed as it is sent (a direct block write) sends then hashes this many payload bytes at
     # a time: still in cache from the kernel's copy, the receiver landing them meanwhile; on loopback
@@ -88,6 +94,13 @@ class TcpOptions(ChannelOptions):
         """How many streams a transfer of ``nbytes`` is split over: shares of at least ``stream_min_bytes``."""
         return min(self.streams, max(1, nbytes // self.stream_min_bytes))
 
+    def shares_to(self, host: str) -> int:
+        """The most shares a transfer to a peer at ``host`` is cut into: ``streams``, or ``one_host_shares`` (half
+        the cores when 0) where ``host`` is this one."""
+        if not is_loopback(host):
+            return self.streams
+        return min(self.streams, self.one_host_shares or max(1, usable_cores() // 2))
+
     def __post_init__(self) -> None:
         checks: list[tuple[str, bool, str]] = [
             ("port", 0 <= self.port <= 65535, "0..65535"),
@@ -99,6 +112,7 @@ class TcpOptions(ChannelOptions):
             ),
             ("streams", 1 <= self.streams <= MAX_STREAMS, f"1..{MAX_STREAMS}"),
             ("stream_min_bytes", self.stream_min_bytes >= 1, ">= 1"),
+            ("one_host_shares", 0 <= self.one_host_shares <= MAX_STREAMS, f"0..{MAX_STREAMS} (0: half the cores)"),
             ("inline_max_bytes", self.inline_max_bytes >= 0, ">= 0"),
             ("sum_window_bytes", 8 <= self.sum_window_bytes <= 1 << 30, "8..2**30"),
             ("sndbuf", self.sndbuf >= 0, ">= 0 (0: kernel default)"),

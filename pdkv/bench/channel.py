@@ -655,7 +655,7 @@ def baseline_fields(measured: dict[str, tuple[float, dict[str, float | None]]]) 
 
 def stream_options(streams: int) -> dict[str, int]:
     """tcp options that split every transfer over exactly ``streams`` connections (``--streams``)."""
-    return {"streams": streams, "stream_min_bytes": 1}
+    return {"streams": streams, "stream_min_bytes": 1, "one_host_shares": streams}
 
 
 def measure(
