@@ -338,13 +338,6 @@ class _Prepared:
         return cls(num_blocks, layer_bases(layout, tensors))
 
 
-def geometry(
-    layout: KVLayout, tensors: Sequence[torch.Tensor], chunk: torch.Tensor, start: int
-) -> tuple[KVGeometry, list[int]]:
-    """The kernel's view of a copy: the geometry and each layer's base address (mirrors csrc/kvcopy.h)."""
-    return chunk_geometry(layout, chunk, start), layer_bases(layout, tensors)
-
-
 def layer_bases(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> list[int]:
     """Each kernel layer's base address: a tensor's, or in a cross-layer buffer (one tensor) each layer's place in
     its blocks."""

@@ -215,7 +215,7 @@ def test_cpp_refuses_bad_block_ids_itself(ext: ctypes.CDLL, bad: int) -> None:
     buffer = random_buffer(layout, torch.Generator().manual_seed(2))
     before = clone(buffer)
     chunk = torch.zeros(layout.chunk_shape(6), dtype=layout.torch_dtype)
-    geo, bases = native.geometry(layout, buffer, chunk, 2)
+    geo, bases = native.chunk_geometry(layout, chunk, 2), native.layer_bases(layout, buffer)
     table = torch.tensor([1, bad], dtype=torch.long)
     for to_chunk in (True, False):
         with pytest.raises(IndexError, match="out of range"):
@@ -239,7 +239,7 @@ def test_cpp_refuses_a_bad_geometry(ext: ctypes.CDLL, field: str, value: int, me
     layout = make_layout("per_layer", "NHD", False)
     buffer = random_buffer(layout, torch.Generator().manual_seed(4))
     chunk = torch.zeros(layout.chunk_shape(4), dtype=layout.torch_dtype)
-    geo, bases = native.geometry(layout, buffer, chunk, 0)
+    geo, bases = native.chunk_geometry(layout, chunk, 0), native.layer_bases(layout, buffer)
     setattr(geo, field, value)
     with pytest.raises(ValueError, match=message):
         native.copy_cpu(geo, bases, torch.tensor([0], dtype=torch.long), NUM_BLOCKS, chunk.data_ptr(), True)
