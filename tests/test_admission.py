@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pytest
 
 from pdkv.config import TransferConfig
 from pdkv.layout import KVLayout
-from pdkv.transfer.admission import Admission, ReceiverView, admit, admit_pooled, writes_in_place
+from pdkv.transfer.admission import Admission, ReceiverView, admit, admit_pooled, pool_mode, writes_in_place
 from pdkv.transfer.protocol import Refused, Reserve
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
@@ -94,10 +95,27 @@ def test_each_rule_refuses_with_its_reason(
 
 
 def test_a_pooled_request_of_one_chunk_in_place_is_admitted_into_the_pools_blocks() -> None:
-    assert admit_pooled(Reserve("t", 30), view(), pool_blocks=2) == Admission(
+    assert admit_pooled(Reserve("t", 30), view(), pool_blocks=2, mode="direct") == Admission(
         mode="direct", blocks=2, slots=0, chunks=1
     )
     assert writes_in_place(view()) and not writes_in_place(view(peer_layout=OTHER))
+
+
+def test_a_pool_holds_what_a_one_chunk_request_of_its_peer_lands_in() -> None:
+    """In place: blocks; another block size or order, or KV out of the channel's reach: blocks and a staging slot;
+    a pair no raw request of whole heads can move between (other head counts): no pool."""
+    assert pool_mode(view()) == "direct"
+    assert pool_mode(view(peer_layout=OTHER)) == "staging" and pool_mode(view(kv_in_reach=False)) == "staging"
+    assert pool_mode(view(peer_layout=msgspec.structs.replace(LAYOUT, num_kv_heads=4))) is None
+
+
+def test_a_staged_pooled_request_is_admitted_into_the_pools_blocks_and_its_slot() -> None:
+    """The pool's slot is the request's (the caller counts it free); a request that would land in place is not
+    one a staged pool holds, nor a staged one a direct pool holds."""
+    got = admit_pooled(Reserve("t", 30), view(layout=OTHER, free_slots=1), pool_blocks=1, mode="staging")
+    assert got == Admission(mode="staging", blocks=1, slots=1, chunks=1)
+    refused = admit_pooled(Reserve("t", 30), view(), pool_blocks=2, mode="staging")
+    assert isinstance(refused, Refused) and "one chunk staged" in refused.reason and not refused.retryable
 
 
 @pytest.mark.parametrize(
@@ -116,5 +134,5 @@ def test_each_pool_rule_refuses_and_none_is_retryable(
 ) -> None:
     """A pooled Reserve came with its bytes: refused, they are discarded and the sender's transfer fails, so a
     refusal that says 'retry' would mislead."""
-    got = admit_pooled(reserve, view(**changes), pool_blocks)
+    got = admit_pooled(reserve, view(**changes), pool_blocks, "direct")
     assert isinstance(got, Refused) and reason in got.reason and not got.retryable

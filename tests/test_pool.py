@@ -28,6 +28,8 @@ from tests.conftest import TCP_AND_NIXL, MakePair, Pair, wait_until
 from tests.test_transfer import assert_same_kv, push
 
 POOLED = TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2, pool_tokens=32)  # 2 blocks of 16 tokens
+# a decode worker whose blocks P cannot write in place (32 tokens, head-major): its pools are a staging slot too
+STAGED = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=32, dtype="float32", order="HND")
 
 
 def pooled_peer(pair: Pair, after: int = 0) -> ReceiverPeer:
@@ -331,25 +333,115 @@ def test_over_tcp_a_landed_reservations_grant_is_taken_back_before_anyone_claims
     pair.allocator.free(got.blocks)
 
 
+@pytest.mark.parametrize("channel", ["mock", "tcp"])
+def test_a_staged_one_chunk_request_is_written_into_its_pools_slot_without_a_reserve(
+    make_pair: MakePair, channel: str
+) -> None:
+    """Where P's chunks cannot land in place (D's blocks of another size and order), the pool is D's blocks and
+    one staging slot, and the slot is what is granted: a one-chunk request is gathered into it at once, its
+    Reserve on the notice, and D scatters it into the pool's blocks; the next pool comes with its verdict."""
+    pair = make_pair(config=POOLED, d_layout=STAGED, channel=channel)
+    peer = warm(pair)
+    pool = peer.pool
+    assert pool is not None and pool.staging_slot is not None and len(pool.block_ids) == 1  # one 32-token block
+    slots = pair.receiver.config.staging_slots
+    d = pair.receiver.stats()
+    assert d["pooled_slots"] == 1 and d["free_staging_slots"] == slots - 1 and d["pooled_blocks"] == 1
+    reserved, tokens = d["reserved"], d["tokens_landed"]
+    table = [10, 11]
+    xfer = pair.sender.open("staged", pair.receiver.address, 30, table, prompt_key=b"K" * 16)
+    assert xfer.mode == "staging" and xfer.remote_blocks == pool.block_ids  # the pool's, no round trip
+    assert peer.pool is None
+    xfer.send_all()
+    xfer.wait(10)
+    nxt = peer.pool
+    assert nxt is not None and nxt.generation > pool.generation and nxt.staging_slot is not None
+    got = pair.receiver.wait("staged", 10, prompt_key=b"K" * 16)
+    assert got.blocks == pool.block_ids and got.num_tokens == 30
+    assert_same_kv(pair, table, got.blocks, 30)
+    pair.allocator.free(got.blocks)
+    assert pair.sender.stats()["reserved_from_pool"] == 1
+    d = pair.receiver.stats()
+    assert d["pooled_requests"] == 1 and d["reserved"] == reserved + 1 and d.get("pooled_refused", 0) == 0
+    assert d["tokens_landed"] == tokens + 30  # the KV came over the channel, into the slot
+    assert d["pooled_slots"] == 1 and d["free_staging_slots"] == slots - 1  # the request's slot is free again
+
+
+def test_a_refused_staged_pooled_request_gives_its_slot_back_to_the_pool(make_pair: MakePair) -> None:
+    """Refused, a staged pooled request's bytes in the slot count for nothing, no block is touched, and the same
+    slot and blocks are granted again: the slot stays the pools', not free and not leaked."""
+    pair = make_pair(config=POOLED, d_layout=STAGED)
+    pool = warm(pair).pool
+    assert pool is not None and pool.staging_slot is not None
+    before = [t.clone() for t in pair.d_kv]
+    xfer = pair.sender.open("warm", pair.receiver.address, 16, [30])  # "warm" was used on this receiver
+    xfer.send_all()
+    with pytest.raises(ReservationError, match="already used"):
+        xfer.wait(10)
+    d = pair.receiver.stats()
+    assert d["pooled_refused"] == 1 and d["reservations"] == 0
+    for a, b in zip(pair.d_kv, before, strict=True):
+        assert torch.equal(a, b)  # a staged chunk lands in its slot: scattered only once admitted and verified
+    again = pooled_peer(pair, after=pool.generation).pool
+    assert again is not None and (again.block_ids, again.staging_slot) == (pool.block_ids, pool.staging_slot)
+    assert pair.receiver.stats()["pooled_slots"] == 1
+
+
+def test_staged_pools_hold_at_most_their_share_of_the_staging_slots(make_pair: MakePair) -> None:
+    """Each staged pool holds a slot, and all of them at most pool_blocks_share of the slots (a Reserve needs
+    one): a receiver of three slots (a share of none) grants no staged pool, and its senders reserve."""
+    cfg = TransferConfig(chunk_size=32, lease_s=5, drain_timeout_s=2, pool_tokens=32, staging_slots=3)
+    pair = make_pair(config=cfg, d_layout=STAGED)
+    pair.allocator.free(push(pair, "warm", 64, [0, 1, 2, 3]))
+    wait_until(lambda: pair.receiver.stats().get("pools_unavailable", 0) == 1, 5, "the pool's offer")
+    blocks = push(pair, "reserved", 16, [8])
+    assert pair.sender.stats().get("reserved_from_pool", 0) == 0
+    assert_same_kv(pair, [8], blocks, 16)
+    pair.allocator.free(blocks)
+    d = pair.receiver.stats()
+    assert d["pooled_slots"] == 0 and d["pooled_blocks"] == 0 and d["free_staging_slots"] == 3
+
+
+def test_a_dead_senders_staged_pool_is_taken_back_and_its_slot_freed(make_pair: MakePair) -> None:
+    """A staged pool is on its sender's lease as any pool: lapsed, its slot's grant goes at once, and after the
+    late-write hold its sender is fenced and the slot and blocks are free again."""
+    cfg = TransferConfig(chunk_size=32, lease_s=0.4, heartbeat_s=0.1, drain_timeout_s=0.2, pool_tokens=32)
+    pair = make_pair(config=cfg, d_layout=STAGED)
+    peer = warm(pair)
+    assert peer.pool is not None and peer.pool.staging_slot is not None
+    region, offset = pair.receiver.memory.staging_region, peer.pool.staging_slot
+    size = pair.receiver.memory.slot_bytes
+    assert _pool_writable(pair.d_channel, peer, region, size, offset // size)
+    pair.sender.loop.stop()
+    wait_until(lambda: pair.receiver.stats().get("pools_lapsed") == 1, 5, "the pool's lease to lapse")
+    assert not _pool_writable(pair.d_channel, peer, region, size, offset // size)
+    wait_until(lambda: pair.receiver.stats()["pooled_slots"] == 0, 5, "the pool to wait out late writes")
+    d = pair.receiver.stats()
+    assert d["free_staging_slots"] == cfg.staging_slots and d["pooled_blocks"] == 0 and d["fences"] >= 1
+
+
 def test_pool_and_notice_messages_round_trip() -> None:
     reserve = protocol.Reserve("t", 16, b"k")
     notice = protocol.ChunkNotice("t", 0, 7, -1, 0, reserve, 3)
     assert protocol.decode_notice(protocol.encode(notice)) == notice
     plain = protocol.decode_notice(protocol.encode(protocol.ChunkNotice("t", 0, 7, -1)))
     assert plain.reserve is None and plain.pool == 0
-    for msg in (protocol.Pool(1, [4, 5], 15.0), protocol.ReturnPool(1)):
+    for msg in (protocol.Pool(1, [4, 5], 15.0), protocol.Pool(2, [6], 15.0, staging_slot=4096), protocol.ReturnPool(1)):
         assert protocol.decode(protocol.encode(msg)) == msg
     with pytest.raises(protocol.ProtocolError):
         protocol.decode(protocol.encode(protocol.Pool(1, [], 15.0)))  # a pool of no blocks is malformed
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
 @pytest.mark.parametrize("channel", TCP_AND_NIXL)
-def test_pooled_requests_over_real_channels_land_bit_exact(channel: str) -> None:
-    """Receiver in another process, real sockets or NIXL agents: one-chunk requests go through the pool, each
-    bit for bit (``TransferRig.push`` checks), and the receiver holds only the pool afterwards."""
+def test_pooled_requests_over_real_channels_land_bit_exact(channel: str, staged: bool) -> None:
+    """Receiver in another process, real sockets or NIXL agents: one-chunk requests go through the pool (its
+    blocks, or staged into a receiver of another block size and order: its slot), each bit for bit
+    (``TransferRig.push`` checks), and the receiver holds only the pool afterwards."""
     layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, block_size=16, dtype="bfloat16")
+    theirs = msgspec.structs.replace(layout, block_size=32, order="HND") if staged else layout
     cfg = TransferConfig(chunk_size=64, lease_s=10, drain_timeout_s=2, max_peer_blocks_share=1.0, pool_tokens=64)
-    with TransferRig(channel, layout, 64, 32, cfg, sender_layout=layout) as rig:
+    with TransferRig(channel, theirs, 64, 32, cfg, sender_layout=layout) as rig:
         rig.push([("first", 100)])  # handshake: the pool comes after the Hello
         for i in range(4):
             wait_until(
@@ -360,4 +452,7 @@ def test_pooled_requests_over_real_channels_land_bit_exact(channel: str) -> None
         wait_until(lambda: rig.receiver_stats()["reservations"] == 0, 10, "the receiver to free every reservation")
         got = rig.receiver_stats()
     assert sent["reserved_from_pool"] == got["pooled_requests"] == 4 and got.get("pooled_refused", 0) == 0
-    assert got["claimed"] == 5 and got["free_blocks"] + got["pooled_blocks"] == 32 and got["pooled_blocks"] == 4
+    assert rig.modes == {"staging" if staged else "direct"}
+    pool = theirs.blocks_for(64)
+    assert got["claimed"] == 5 and got["free_blocks"] + got["pooled_blocks"] == 32 and got["pooled_blocks"] == pool
+    assert got["pooled_slots"] == staged and got["free_staging_slots"] == cfg.staging_slots - staged

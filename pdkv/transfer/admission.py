@@ -13,8 +13,10 @@ from typing import Literal
 
 from pdkv.config import TransferConfig
 from pdkv.errors import LayoutError
-from pdkv.layout import KVLayout
+from pdkv.layout import HeadWindow, KVLayout
 from pdkv.transfer.protocol import Refused, Reserve
+
+Mode = Literal["direct", "staging"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,7 +45,7 @@ class Admission:
     """What to allocate for an admitted transfer (the channel's grant of its memory to the sender follows the
     allocation: ``Channel.grant``)."""
 
-    mode: Literal["direct", "staging"]
+    mode: Mode
     blocks: int
     slots: int
     chunks: int
@@ -67,7 +69,7 @@ def admit(req: Reserve, view: ReceiverView) -> Admission | Refused:
             "(max_reservations_per_peer)",
             retryable=True,
         )
-    shape = _shape_refusal(req, view)
+    shape = _shape_refusal(req.heads, req.codec, view)
     if shape:
         return Refused(tid, shape)
     held, block_size = view.held_tokens, view.layout.block_size
@@ -95,23 +97,23 @@ def admit(req: Reserve, view: ReceiverView) -> Admission | Refused:
     return Admission(mode="direct" if direct else "staging", blocks=blocks, slots=slots, chunks=chunks, held=held)
 
 
-def _shape_refusal(req: Reserve, view: ReceiverView) -> str:
+def _shape_refusal(heads: HeadWindow | None, codec: str, view: ReceiverView) -> str:
     """Why the chunks cannot land here ("" when they can): all of our heads from a peer holding as many, or a
     window of ours (``Reserve.heads``) no wider than the peer's heads, raw (codecs work on whole layouts), from a
     layout the same as ours but for its heads, as a packed layout's chunks must be (``KVLayout.packed``)."""
     ours, theirs = view.layout, view.peer_layout
-    if (ours.packed or theirs.packed or req.heads is not None) and not ours.same_but_heads(theirs):
+    if (ours.packed or theirs.packed or heads is not None) and not ours.same_but_heads(theirs):
         return (
             f"this decode's KV layout is {_form(ours)}, prefill's {_form(theirs)}: vLLM's CPU cache packs each "
             "block for its kernels and a head window moves whole blocks, so both move only between the same layout "
             "(block size, attention backend, dtype) on P and D"
         )
-    if (ours.packed or req.heads is not None) and view.config.chunk_size % ours.block_size:
+    if (ours.packed or heads is not None) and view.config.chunk_size % ours.block_size:
         return (
             f"transfer.chunk_size {view.config.chunk_size} is not a multiple of block_size {ours.block_size}: "
             "whole blocks (a packed cache, a head window) move in chunks of whole blocks"
         )
-    if req.heads is None:
+    if heads is None:
         if ours.num_kv_heads == theirs.num_kv_heads:
             return ""
         return (
@@ -120,13 +122,13 @@ def _shape_refusal(req: Reserve, view: ReceiverView) -> str:
             "(Reserve.heads)"
         )
     try:
-        req.heads.check(view.layout, "this receiver")
+        heads.check(view.layout, "this receiver")
     except LayoutError as exc:
         return str(exc)
-    if req.heads.count > theirs.num_kv_heads:
-        return f"head window of {req.heads.count} heads: the sender holds {theirs.num_kv_heads}"
-    if req.codec != "none":
-        return f"codec {req.codec!r} encodes whole layouts; a head window moves raw (codec 'none')"
+    if heads.count > theirs.num_kv_heads:
+        return f"head window of {heads.count} heads: the sender holds {theirs.num_kv_heads}"
+    if codec != "none":
+        return f"codec {codec!r} encodes whole layouts; a head window moves raw (codec 'none')"
     return ""
 
 
@@ -139,17 +141,28 @@ def writes_in_place(view: ReceiverView) -> bool:
     return view.kv_in_reach and view.peer_layout == view.layout and view.config.chunk_size % view.layout.block_size == 0
 
 
-def admit_pooled(req: Reserve, view: ReceiverView, pool_blocks: int) -> Admission | Refused:
-    """A Reserve that came with its chunk, written into the sender's pool of ``pool_blocks`` blocks: the rules
-    of ``admit``, and it must be one chunk written in place that fits the pool (refused, its bytes are
-    discarded; nothing retries it, so none of these refusals is retryable)."""
+def pool_mode(view: ReceiverView) -> Mode | None:
+    """How a one-chunk raw request of this peer's lands, hence what its pool holds: blocks written in place
+    (direct), or a staging slot its chunk is written into and the blocks we scatter it into (staging: a layout of
+    another block size or order, KV its channel cannot reach); None where such a request is always refused."""
+    if writes_in_place(view):
+        return "direct"
+    return None if _shape_refusal(None, "none", view) else "staging"
+
+
+def admit_pooled(req: Reserve, view: ReceiverView, pool_blocks: int, mode: Mode) -> Admission | Refused:
+    """A Reserve that came with its chunk, written into the sender's pool of ``pool_blocks`` blocks (and, in
+    ``mode`` staging, its one staging slot, counted free in ``view``): the rules of ``admit``, and it must be one
+    chunk landing as the pool holds it, within the pool (refused, its bytes are discarded; nothing retries it, so
+    none of these refusals is retryable)."""
     admitted = admit(req, view)
     if isinstance(admitted, Refused):
         return Refused(req.transfer_id, f"pooled request refused: {admitted.reason}")
-    if admitted.mode != "direct" or admitted.chunks != 1 or admitted.blocks > pool_blocks:
+    if admitted.mode != mode or admitted.chunks != 1 or admitted.blocks > pool_blocks:
+        how = "written in place" if mode == "direct" else "staged"
         return Refused(
             req.transfer_id,
             f"pooled request of {req.num_tokens} tokens ({admitted.mode}, {admitted.chunks} chunks, {admitted.blocks} "
-            f"blocks) does not fit a pool: one chunk written in place into at most {pool_blocks} blocks",
+            f"blocks) does not fit a pool: one chunk {how} into at most {pool_blocks} blocks",
         )
     return admitted

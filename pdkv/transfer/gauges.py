@@ -14,6 +14,7 @@ GAUGES = frozenset(
         "reservations",
         "reserved_blocks",
         "pooled_blocks",
+        "pooled_slots",
         "inflight_bytes",
         "open_transfers",
     }

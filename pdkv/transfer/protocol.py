@@ -155,11 +155,16 @@ class Pool(msgspec.Struct, tag="pool", forbid_unknown_fields=True):
 
     ``generation`` names this grant: a claim of an older one is refused. The sender holds it on the lease
     its heartbeats renew, and uses it for one request; the receiver grants the next one after that.
+    ``staging_slot``: where a request's chunk is written when the receiver cannot take it in place (another block
+    size or order, KV its channel cannot reach): a staging slot (a byte offset in the receiver's staging region,
+    as ``Reserved.staging_slots``) granted to the sender, scattered into ``block_ids`` on landing; None: the
+    chunk is written into ``block_ids``, which are granted.
     """
 
     generation: Annotated[int, Meta(ge=1)]
     block_ids: Annotated[list[NonNegInt], Meta(min_length=1, max_length=MAX_CHUNKS)]
     lease_s: Annotated[float, Meta(gt=0, le=86400)]
+    staging_slot: NonNegInt | None = None
 
 
 class ReturnPool(msgspec.Struct, tag="return_pool", forbid_unknown_fields=True):

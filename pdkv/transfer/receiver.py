@@ -181,6 +181,7 @@ class KVReceiver:
             out["reservations"] = len(self.book.res)
             out["reserved_blocks"] = sum(len(r.blocks) for r in self.book.res.values())
             out["pooled_blocks"] = self.book.pools.blocks_held
+            out["pooled_slots"] = self.book.pools.slots_held
         if self.memory.stager is not None:  # device KV: staged chunks copied to the device and scattered there
             out["chunks_staged_to_device"] = self.memory.stager.chunks_in
         return out

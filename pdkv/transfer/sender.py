@@ -84,7 +84,7 @@ class KVSender:
         self.cond = self.parts.cond
         self.handshake = SenderHandshake(self.parts)
         self.reserves = Reserves(self.parts, self.handshake, layout.block_size)
-        self.pools = SenderPools(self.parts, self.handshake, layout.block_size)
+        self.pools = SenderPools(self.parts, self.handshake)
         self.heartbeats = Heartbeats(self.parts, self.handshake, self.pools)
         self._ctx = SendContext(
             parts=self.parts, source=self.source, credit=self.credit, listener=self, hold_pool=self.pools.hold

@@ -114,6 +114,11 @@ class Worker:
             "KV blocks granted ahead to senders (pools: held between requests, not leaked)",
             lambda: self._stat("pooled_blocks"),
         )
+        m.gauge(
+            "pdkv_pooled_slots",
+            "Staging slots granted ahead to senders whose chunks are staged (staged pools)",
+            lambda: self._stat("pooled_slots"),
+        )
         m.gauge("pdkv_reservations", "Open transfer reservations", lambda: self._stat("reservations"))
         m.gauge(
             "pdkv_inflight_bytes",
