@@ -53,7 +53,7 @@ from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
 from pdkv.worker.server import Worker
 
-from tests.conftest import KV_MEMORIES, held_blocks, wait_until
+from tests.conftest import KV_MEMORIES, held_blocks, held_slots, wait_until
 
 FINGERPRINT = "tiny-model"
 P_LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=16, dtype="float32")
@@ -263,7 +263,7 @@ class Decode:
         assert stats["reserved_blocks"] == 0
         leaked = held_blocks(stats, NUM_BLOCKS)
         assert leaked == 0, f"{leaked} blocks leaked ({stats['pooled_blocks']} in the surviving senders' pools)"
-        assert stats["free_staging_slots"] == CFG.staging_slots
+        assert held_slots(stats, CFG.staging_slots) == 0
 
     def claim_and_check(self, request_id: str) -> None:
         got = self.receiver.wait(request_id, CFG.transfer_timeout_s)
