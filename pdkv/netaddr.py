@@ -21,16 +21,13 @@ _SIOCGIFADDR = 0x8915  # Linux: an interface's (primary) IPv4 address
 
 
 def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and every loopback address (127.0.0.0/8, ::1, and 127.0.0.0/8 as a dual-stack
-    listener sees it: ``::ffff:127.0.0.1``)."""
+    """True for ``localhost`` and every loopback address (127.0.0.0/8, ::1)."""
     if host == "localhost":
         return True
     try:
-        addr = ipaddress.ip_address(host)
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-    mapped = addr.ipv4_mapped if isinstance(addr, ipaddress.IPv6Address) else None
-    return addr.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def is_wildcard(host: str) -> bool:

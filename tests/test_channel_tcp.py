@@ -949,51 +949,12 @@ def test_to_this_host_a_large_write_goes_whole_and_the_next_one_on_the_next_stre
         target.close()
 
 
-def _kernel_max(name: str) -> int:
-    with open(f"/proc/sys/net/core/{name}") as f:
-        return int(f.read())
-
-
-@pytest.mark.parametrize("size", [256 << 10, 0], ids=["small", "off"])
-def test_a_connection_to_this_host_has_the_one_host_buffers_on_both_ends(size: int) -> None:
-    """Between two agents on this host every data connection's send and receive buffers are
-    ``one_host_buffer_bytes`` (the kernel doubles it, within its ``wmem_max``/``rmem_max``) on the initiator's end,
-    set before it connects, and on the target's, set once it accepted: the bytes in flight stay in cache. 0 leaves
-    both to the kernel, as across a link; a peer on another host keeps ``sndbuf``/``rcvbuf`` (``buffers_to``)."""
-    assert TcpOptions(sndbuf=1 << 20).buffers_to("10.0.0.2") == (1 << 20, 0)
-    assert TcpOptions(one_host_buffer_bytes=size).buffers_to("::ffff:127.0.0.1") == ((size, size) if size else (0, 0))
-    writer = TcpChannel("buf-w", TcpOptions(streams=2, one_host_buffer_bytes=size, io_timeout=10))
-    target = TcpChannel("buf-t", TcpOptions(one_host_buffer_bytes=size, io_timeout=10))
-    try:
-        src = bytearray(pattern(4, MiB))
-        dst = bytearray(MiB)
-        s, d = writer.register(src), target.register(dst)
-        writer.add_peer(target.metadata())
-        writer.wait(writer.write("buf-t", [TransferOp(s, 0, d, 0, MiB)]), CALL_TIMEOUT)
-        assert dst == src
-        ends = [stream.conn.sock for link in writer.initiator._links.values() for stream in link.streams]
-        ends += [conn.sock for conn in target.target._accepted]
-        assert len(ends) == 4
-        asked = size or TcpOptions().one_host_buffer_bytes  # off: not the default's sizes
-        want = (2 * min(asked, _kernel_max("wmem_max")), 2 * min(asked, _kernel_max("rmem_max")))
-        for sock in ends:
-            got = (
-                sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF),
-                sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
-            )
-            assert (got == want) == bool(size), (got, want)
-    finally:
-        writer.close()
-        target.close()
-
-
 @pytest.mark.parametrize(
     "raw",
     [
         {"streams": 0},
         {"streams": 65},
         {"one_host_shares": -1},
-        {"one_host_buffer_bytes": 100},
         {"io_timeout": 0},
         {"port": 70000},
         {"advertise_port": -1},

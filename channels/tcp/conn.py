@@ -64,15 +64,12 @@ def _timeval(seconds: float) -> bytes:
     return struct.pack("ll", whole, int((seconds - whole) * 1e6))
 
 
-def set_buffers(sock: socket.socket, sizes: tuple[int, int]) -> None:
-    """Socket buffer sizes (SO_SNDBUF, SO_RCVBUF; 0 leaves one to the kernel's autotuning); set before connect/listen
-    (accepted sockets inherit them) so the window scale fits what they may grow to, or after accept to shrink them
-    (``TcpOptions.buffers_to``)."""
-    sndbuf, rcvbuf = sizes
-    if sndbuf:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-    if rcvbuf:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+def set_buffers(sock: socket.socket, opts: TcpOptions) -> None:
+    """Socket buffer sizes; set before connect/listen (accepted sockets inherit them) so the window scale fits."""
+    if opts.sndbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, opts.sndbuf)
+    if opts.rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, opts.rcvbuf)
 
 
 def shutdown(sock: socket.socket) -> None:

@@ -162,7 +162,7 @@ def dial(agent: Agent, peer: str, meta: Meta, where: str, session: int, stream: 
     except OSError as exc:
         raise ChannelError(f"tcp: cannot resolve {where}: {exc}") from None
     try:
-        set_buffers(sock, opts.buffers_to(meta.host))
+        set_buffers(sock, opts)
         sock.settimeout(opts.connect_timeout)
         sock.connect(addr)
         conn = Conn(sock, opts, f"{agent.name}->{peer}#{stream}")

@@ -66,13 +66,6 @@ class TcpOptions(ChannelOptions):
     sum_window_bytes: int = 32 << 10
     sndbuf: int = 0  # SO_SNDBUF in bytes; 0 leaves the kernel's autotuning
     rcvbuf: int = 0  # SO_RCVBUF in bytes; 0 leaves the kernel's autotuning
-    # SO_SNDBUF and SO_RCVBUF of a data connection between two agents on this host (a loopback address), on both of
-    # its ends (the kernel doubles what is asked); 0: as across a link (``sndbuf``, ``rcvbuf``). Small, a
-    # transfer's bytes in flight stay in the cores' caches: the receiver copies out what the sender just copied in,
-    # where megabytes queued in autotuned buffers go out to memory and are read back. On the 2-core VM a 2048-token
-    # request took 31.8-32.1 ms against 35.5, a 40-token one 1.57-1.70 against 2.03-2.17
-    # (benchmarks/history/2026-11-29-request-round-trip-issue-46.md, "An eighth session")
-    one_host_buffer_bytes: int = 512 << 10
     # seconds for connect + handshake; on the target, the whole handshake (TLS, HELLO, proof) of an accepted
     # connection, however its bytes trickle in
     connect_timeout: float = 5.0
@@ -108,13 +101,6 @@ class TcpOptions(ChannelOptions):
             return self.streams
         return min(self.streams, self.one_host_shares or max(1, usable_cores() // 2))
 
-    def buffers_to(self, host: str) -> tuple[int, int]:
-        """(SO_SNDBUF, SO_RCVBUF) of a data connection with a peer at ``host``: ``one_host_buffer_bytes`` where
-        ``host`` is this one, else ``sndbuf`` and ``rcvbuf`` (0: the kernel's autotuning)."""
-        if self.one_host_buffer_bytes and is_loopback(host):
-            return self.one_host_buffer_bytes, self.one_host_buffer_bytes
-        return self.sndbuf, self.rcvbuf
-
     def __post_init__(self) -> None:
         checks: list[tuple[str, bool, str]] = [
             ("port", 0 <= self.port <= 65535, "0..65535"),
@@ -131,11 +117,6 @@ class TcpOptions(ChannelOptions):
             ("sum_window_bytes", 8 <= self.sum_window_bytes <= 1 << 30, "8..2**30"),
             ("sndbuf", self.sndbuf >= 0, ">= 0 (0: kernel default)"),
             ("rcvbuf", self.rcvbuf >= 0, ">= 0 (0: kernel default)"),
-            (
-                "one_host_buffer_bytes",
-                self.one_host_buffer_bytes == 0 or 4096 <= self.one_host_buffer_bytes <= 1 << 30,
-                "0 (as across a link) or 4096..2**30",
-            ),
             ("connect_timeout", self.connect_timeout > 0, "> 0 seconds"),
             ("io_timeout", self.io_timeout > 0, "> 0 seconds"),
             ("max_frame_bytes", 1 <= self.max_frame_bytes <= 1 << 40, "1..2**40"),

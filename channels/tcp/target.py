@@ -37,7 +37,6 @@ from pdkv.channels.tcp.sessions import Session
 from pdkv.channels.tcp.slots import Slots
 from pdkv.channels.tcp.wire import ERROR, MAX_ERROR_BYTES
 from pdkv.errors import AuthError, ConfigError, ProtocolError, TransferTimeout
-from pdkv.netaddr import is_loopback
 from pdkv.ratelog import Throttled
 
 log = logging.getLogger(__name__)
@@ -72,7 +71,7 @@ class Target:
             raise ConfigError(f"tcp channel cannot listen on {opts.host}:{opts.port}: {exc}") from None
         try:
             self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            set_buffers(self._listener, (opts.sndbuf, opts.rcvbuf))
+            set_buffers(self._listener, opts)
             self._listener.bind(addr)
             self._listener.listen(min(socket.SOMAXCONN, opts.max_connections))
         except OSError as exc:
@@ -104,8 +103,6 @@ class Target:
                 continue
             label = f"{self.agent.name}<-{addr[0]}:{addr[1]}"
             try:
-                if is_loopback(addr[0]):  # a peer on this host: the listener's buffers, shrunk (one_host_buffer_bytes)
-                    set_buffers(sock, self.agent.opts.buffers_to(addr[0]))
                 conn = Conn(sock, self.agent.opts, label)
             except OSError as exc:
                 self._said.log(

@@ -76,10 +76,8 @@ from pdkv.bench.cpu import SIDES, CpuMeter, charge, ratios
 from pdkv.bench.netrig import LOOPBACK, Placement, bench_link, call_on, iperf3_gbps, run_in_netns
 from pdkv.channels import TransferOp, create_channel
 from pdkv.channels.tcp import TcpOptions
-from pdkv.channels.tcp.conn import set_buffers
 from pdkv.channels.tcp.wire import MAX_STREAMS
 from pdkv.errors import ChannelError, ConfigError, TransferTimeout
-from pdkv.netaddr import is_loopback
 from pdkv.testing.tls import CertificateAuthority
 
 # channel name -> "module:Class" of its raw baseline: ``Class(nbytes, placement)``, a context manager kept open
@@ -288,7 +286,7 @@ class _ChannelSender:
 
 # -- raw baselines -----------------------------------------------------------------------------------
 
-_ROUND = struct.Struct("<QQQQQ")  # message size, messages per ack, acks, streams, the first stream's index
+_ROUND = struct.Struct("<QQQQ")  # message size, messages per ack, acks, streams
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -361,21 +359,15 @@ class _Crew:
             t.join(TIMEOUT_S / 4)
 
 
-def _raw_socket_receiver(
-    conn: Connection, host: str, port: int, nbytes: int, streams: int, buffers: tuple[int, ...]
-) -> None:
-    """Raw receiver: ``streams`` connections per entry of ``buffers`` (their SO_SNDBUF and SO_RCVBUF; 0: the
-    kernel's autotuning), each ``recv_into(..., MSG_WAITALL)`` its share of a preallocated buffer, one byte back per
-    round on the first."""
+def _raw_socket_receiver(conn: Connection, host: str, port: int, nbytes: int, streams: int) -> None:
+    """Raw receiver: ``streams`` connections, each ``recv_into(..., MSG_WAITALL)`` its share of a preallocated
+    buffer, one byte back per round."""
     socks: list[socket.socket] = []
     crew = _Crew(streams)
     try:
-        for index in range(streams * len(buffers)):
-            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        for index in range(streams):
+            sock = socket.create_connection((host, port), timeout=TIMEOUT_S)
             socks.append(sock)
-            set_buffers(sock, (buffers[index // streams],) * 2)
-            sock.settimeout(TIMEOUT_S)
-            sock.connect((host, port))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(bytes([index]))
         buf = memoryview(bytearray(nbytes))
@@ -385,8 +377,8 @@ def _raw_socket_receiver(
                 _recv_exact(socks[0], memoryview(head))
             except ChannelError:
                 return  # the sender is done
-            size, per_ack, acks, used, first = _ROUND.unpack(head)
-            if size * per_ack > nbytes or not 1 <= used <= streams or first + used > len(socks):
+            size, per_ack, acks, used = _ROUND.unpack(head)
+            if size * per_ack > nbytes or not 1 <= used <= streams:
                 raise ChannelError(
                     f"raw socket baseline: {per_ack} x {size} bytes over {used} streams do not fit {nbytes} bytes, "
                     f"{streams} streams"
@@ -397,7 +389,7 @@ def _raw_socket_receiver(
                     base = j * size
                     crew.run(
                         [
-                            partial(_recv_exact, socks[first + i], buf[base + off : base + off + n])
+                            partial(_recv_exact, socks[i], buf[base + off : base + off + n])
                             for i, (off, n) in enumerate(shares)
                         ]
                     )
@@ -451,8 +443,7 @@ def _send_in_pieces(sock: socket.socket, view: memoryview, piece: int) -> None:
 
 class RawSockets:
     """Raw sockets, 1 stream and the tcp channel's count: sendall a share each (whole, or in ``RAW_SEND_PIECE``
-    pieces), recv_into MSG_WAITALL, 1-byte ack; on one host, also over connections whose buffers are the channel's
-    there (``TcpOptions.one_host_buffer_bytes``), since that is what the best plain program would set too.
+    pieces), recv_into MSG_WAITALL, 1-byte ack.
 
     Two processes: sendall a share per stream, recv_into(..., MSG_WAITALL)
     a preallocated buffer, one byte back.
@@ -468,40 +459,31 @@ class RawSockets:
     """
 
     def __init__(self, nbytes: int, placement: Placement = LOOPBACK) -> None:
-        opts = TcpOptions()
-        self.streams = opts.streams
-        # the connections' buffers, a set of ``streams`` each: the kernel's, and the channel's on one host
-        self.buffers: tuple[int, ...] = (0,)
-        if opts.one_host_buffer_bytes and is_loopback(placement.receiver_addr):
-            self.buffers = (0, opts.one_host_buffer_bytes)
+        self.streams = TcpOptions().streams
         self.rate_bps = placement.rate_bps
         self.bytes_moved = 0
         self.src = memoryview(bytearray(os.urandom(nbytes)))
         self._stack = ExitStack()
         try:
-            server = self._stack.enter_context(
-                socket.create_server((placement.sender_addr, 0), backlog=self.streams * len(self.buffers))
-            )
+            server = self._stack.enter_context(socket.create_server((placement.sender_addr, 0), backlog=self.streams))
             server.settimeout(TIMEOUT_S)
-            args = (placement.sender_addr, server.getsockname()[1], nbytes, self.streams, self.buffers)
+            args = (placement.sender_addr, server.getsockname()[1], nbytes, self.streams)
             peer = self._stack.enter_context(
                 _peer(_raw_socket_receiver, args, in_process=False, netns=placement.receiver_netns)
             )
             self.pids = {"sender": os.getpid(), "receiver": peer.pid}
-            self.socks = _accept_streams(server, self.streams * len(self.buffers), peer.conn)
-            for index, sock in enumerate(self.socks):
+            self.socks = _accept_streams(server, self.streams, peer.conn)
+            for sock in self.socks:
                 self._stack.callback(sock.close)
-                set_buffers(sock, (self.buffers[index // self.streams],) * 2)
             self.crew = _Crew(self.streams)
             self._stack.callback(self.crew.close)
         except BaseException:
             self._stack.close()
             raise
 
-    def _round(self, size: int, per_ack: int, acks: int, used: int, piece: int = 0, first: int = 0) -> list[float]:
-        """Seconds per ack, warm-up excluded; ``piece``: each share sent in sends of that many bytes (0: one);
-        ``first``: the index of the first connection used."""
-        self.socks[0].sendall(_ROUND.pack(size, per_ack, acks, used, first))
+    def _round(self, size: int, per_ack: int, acks: int, used: int, piece: int = 0) -> list[float]:
+        """Seconds per ack, warm-up excluded; ``piece``: each share sent in sends of that many bytes (0: one)."""
+        self.socks[0].sendall(_ROUND.pack(size, per_ack, acks, used))
         shares = _shares(size, used)
         times = []
         ack = bytearray(1)
@@ -511,9 +493,7 @@ class RawSockets:
                 base = j * size
                 self.crew.run(
                     [
-                        partial(
-                            _send_in_pieces, self.socks[first + i], self.src[base + off : base + off + n], piece or n
-                        )
+                        partial(_send_in_pieces, self.socks[i], self.src[base + off : base + off + n], piece or n)
                         for i, (off, n) in enumerate(shares)
                     ]
                 )
@@ -525,32 +505,22 @@ class RawSockets:
 
     def variants(self, size: int) -> dict[str, dict[str, int]]:
         """``gbps`` keyword arguments per variant measured for ``size``: one stream, and the channel's count; each
-        share in one send, and in ``RAW_SEND_PIECE`` sends; over each set of connections (``buffers``)."""
+        share in one send, and in ``RAW_SEND_PIECE`` sends."""
         counts = sorted({1, TcpOptions().streams_for(size)})
         out: dict[str, dict[str, int]] = {}
-        for kind, buffer in enumerate(self.buffers):
-            for n in counts:
-                label = f"{n} stream{'s' if n > 1 else ''}" + (f", {buffer >> 10} KiB buffers" if buffer else "")
-                out[label] = {"streams": n, "buffers": kind}
-                out[f"{label}, {RAW_SEND_PIECE >> 10} KiB sends"] = {
-                    "streams": n,
-                    "piece": RAW_SEND_PIECE,
-                    "buffers": kind,
-                }
+        for n in counts:
+            label = f"{n} stream{'s' if n > 1 else ''}"
+            out[label] = {"streams": n}
+            out[f"{label}, {RAW_SEND_PIECE >> 10} KiB sends"] = {"streams": n, "piece": RAW_SEND_PIECE}
         return out
 
-    def gbps(self, size: int, repeats: int, streams: int | None = None, piece: int = 0, buffers: int = 0) -> float:
+    def gbps(self, size: int, repeats: int, streams: int | None = None, piece: int = 0) -> float:
         """GB/s of a ``size``-byte message over ``streams`` (default: as many as the channel uses for it), each
-        share sent in sends of ``piece`` bytes (0: one send), over the connections of ``self.buffers[buffers]``."""
+        share sent in sends of ``piece`` bytes (0: one send)."""
         used = TcpOptions().streams_for(size) if streams is None else streams
-        if not 1 <= used <= self.streams or not 0 <= buffers < len(self.buffers):
-            raise ConfigError(
-                f"raw socket baseline: {used} streams of set {buffers} asked, 1..{self.streams} open in "
-                f"{len(self.buffers)} sets"
-            )
-        times = self._round(
-            size, 1, WARMUP + repeats_for(size, repeats, self.rate_bps), used, piece, buffers * self.streams
-        )
+        if not 1 <= used <= self.streams:
+            raise ConfigError(f"raw socket baseline: {used} streams asked, 1..{self.streams} open")
+        times = self._round(size, 1, WARMUP + repeats_for(size, repeats, self.rate_bps), used, piece)
         return size / statistics.median(times) / 1e9
 
     def transfers_per_s(self, count: int, size: int, repeats: int) -> float:
