@@ -19,6 +19,9 @@ does that comes after the router's hop from P, and reports that claim's median (
 waits on once its KV is there.
 ``--layers N`` spreads the same KV a token over N layers, a tensor each (as vLLM registers a model's): how a
 request's fixed cost grows with a deeper model (the receiver's grants, its landing tables).
+``--staged`` gives the receiver blocks of 32 tokens, head-major (the bench's staging receiver), so every request is
+staged (gathered by the sender, scattered by the receiver: a device's KV over tcp, P and D of other block sizes), and
+the raw baseline moves its tokens, as ``pdkv bench transfer``'s staging rows.
 ``--pool-tokens 0`` reserves every request first (default: the config's, one chunk); on a pdkv without pools the
 option is ignored, so the same script measures before and after: run them alternately
 (benchmarks/history/2026-11-26-cost-of-a-byte-and-a-request-issue-28.md).
@@ -189,6 +192,9 @@ def main() -> None:
         "does with a deeper model (default: the bench's 30)",
     )
     parser.add_argument("--tokens", default="40,256")
+    parser.add_argument(
+        "--staged", action="store_true", help="a receiver of 32-token head-major blocks: every request staged"
+    )
     parser.add_argument("--threads", action="store_true", help="also each thread's time per request (schedstat)")
     parser.add_argument(
         "--claim-later",
@@ -217,12 +223,14 @@ def main() -> None:
         "data_verdicts": getattr(config, "data_verdicts", None),
     }
     layout = SENDER_LAYOUT if args.layers is None else deeper(args.layers)
-    out["layers"] = layout.num_layers
-    biggest = max(moved_bytes(layout, t, "direct") for t in sizes)
+    theirs = msgspec.structs.replace(layout, block_size=32, order="HND") if args.staged else layout
+    mode = "staging" if args.staged else "direct"
+    out["layers"], out["mode"] = layout.num_layers, mode
+    biggest = max(moved_bytes(layout, t, mode) for t in sizes)
     # room for the longest request: the sender's table of it, and a receiver that admits it (one peer may hold at
     # most ``max_peer_blocks_share`` of its blocks) beside the pool it grants ahead
     need = max(layout.blocks_for(t) for t in sizes)
-    with TransferRig(args.channel, layout, max(64, need), max(256, 4 * need), config, sender_layout=layout) as rig:
+    with TransferRig(args.channel, theirs, max(64, need), max(256, 4 * need), config, sender_layout=layout) as rig:
         receiver = [p.pid for p in multiprocessing.active_children()]
         with _load(BASELINES[args.channel])(biggest, LOOPBACK) as raw:
             rig.push([("warm", sizes[0])])
@@ -234,8 +242,9 @@ def main() -> None:
                 raw_spent = {"sender": Spent(), "receiver": Spent()}
                 raw_runs = []  # per round: (seconds a transfer, sender CPU ns, receiver CPU ns)
                 # the best plain program on this machine moving the same bytes: the raw baseline's fastest way
-                moved = moved_bytes(layout, tokens, "direct")  # the raw baseline moves them too
-                variants = raw_variants(raw, moved, layout)
+                moved = moved_bytes(layout, tokens, mode)  # the raw baseline moves them too
+                # staged: its tokens in one piece, as ``pdkv bench transfer``'s staging rows (no blocks to post)
+                variants = raw_variants(raw, moved, layout) if mode == "direct" else baseline_variants(raw, moved)
                 by_variant = {label: moved / raw.gbps(moved, 20, **kw) / 1e9 for label, kw in variants.items()}
                 best = min(by_variant, key=by_variant.__getitem__)
                 raw_pids = variant_pids(raw, variants[best])
