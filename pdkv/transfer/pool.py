@@ -94,11 +94,8 @@ class SenderPools:
             peer.pool = None  # one request per pool: the receiver grants the next once it took this one
             renewed = peer.pool_renewed
         parts.counters["reserved_from_pool"] += 1
-        staged = pool.staging_slot is not None
-        slots = [pool.staging_slot] if pool.staging_slot is not None else []
-        reserved = Reserved(
-            transfer_id, "staging" if staged else "direct", pool.block_ids[:needed], slots, pool.lease_s
-        )
+        slots = [] if pool.staging_slot is None else [pool.staging_slot]
+        reserved = Reserved(transfer_id, "staging" if slots else "direct", pool.block_ids[:needed], slots, pool.lease_s)
         reserve = signed_reserve(
             peer, parts.secret, transfer_id=transfer_id, num_tokens=num_tokens, prompt_key=prompt_key, codec=codec
         )
