@@ -444,6 +444,8 @@ def test_pool_and_notice_messages_round_trip() -> None:
         assert protocol.decode(protocol.encode(msg)) == msg
     with pytest.raises(protocol.ProtocolError):
         protocol.decode(protocol.encode(protocol.Pool(1, [], 15.0)))  # a pool of no blocks is malformed
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode(protocol.encode(protocol.Pool(1, [4], 15.0, staging_slot=-1)))  # nor a slot before the region
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["in-place", "staged"])
