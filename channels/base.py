@@ -219,13 +219,6 @@ class Channel(ABC):
         reservation to, so a write left over from an earlier session can never
         borrow a later one's grants. ``inline``: as ``write_blocks``'.
         """
-        return self._write(peer, ops, notif, token, inline)
-
-    def _write(
-        self, peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes, inline: bool
-    ) -> TransferHandle:
-        """``write``'s work: posted as a read is (``_post``); a channel that sends from threads of its own may send
-        an ``inline`` write on the caller's instead (tcp)."""
         return self._post("write", peer, ops, notif, token)
 
     def write_blocks(

@@ -160,11 +160,17 @@ class TcpChannel(Channel, SummedWrites):
         total = self.regions.check_blocks(peer, blocks)
         return self.initiator.post_blocks_sealed(peer, blocks, total, seal, token, inline)
 
-    def _write(
-        self, peer: str, ops: Sequence[TransferOp], notif: bytes | None, token: bytes, inline: bool
+    def write(
+        self,
+        peer: str,
+        ops: Sequence[TransferOp],
+        notif: bytes | None = None,
+        token: bytes = b"",
+        *,
+        inline: bool = False,
     ) -> TransferHandle:
-        """``inline``: the first share on the caller's thread whatever its size (a staged request of one chunk, whose
-        caller has nothing else to post)."""
+        """``Channel.write``; ``inline``: the first share on the caller's thread whatever its size (a staged request
+        of one chunk, whose caller has nothing else to post)."""
         self._check_open()
         return self._send("write", peer, ops, self.regions.check_ops(peer, ops), notif, token, inline=inline)
 
