@@ -204,20 +204,14 @@ class Channel(ABC):
 
     # -- transfers ---------------------------------------------------------
     def write(
-        self,
-        peer: str,
-        ops: Sequence[TransferOp],
-        notif: bytes | None = None,
-        token: bytes = b"",
-        *,
-        inline: bool = False,
+        self, peer: str, ops: Sequence[TransferOp], notif: bytes | None = None, token: bytes = b""
     ) -> TransferHandle:
         """Post a one-sided WRITE of local ranges into the peer's; ``notif`` reaches the peer after the data.
 
         ``token``: the capability the peer's guarded regions check this transfer
         against (``Grants``); a sender passes the one its receiver granted its
         reservation to, so a write left over from an earlier session can never
-        borrow a later one's grants. ``inline``: as ``write_blocks``'.
+        borrow a later one's grants.
         """
         return self._post("write", peer, ops, notif, token)
 

@@ -160,20 +160,6 @@ class TcpChannel(Channel, SummedWrites):
         total = self.regions.check_blocks(peer, blocks)
         return self.initiator.post_blocks_sealed(peer, blocks, total, seal, token, inline)
 
-    def write(
-        self,
-        peer: str,
-        ops: Sequence[TransferOp],
-        notif: bytes | None = None,
-        token: bytes = b"",
-        *,
-        inline: bool = False,
-    ) -> TransferHandle:
-        """``Channel.write``; ``inline``: the first share on the caller's thread whatever its size (a staged request
-        of one chunk, whose caller has nothing else to post)."""
-        self._check_open()
-        return self._send("write", peer, ops, self.regions.check_ops(peer, ops), notif, token, inline=inline)
-
     def _send(
         self,
         kind: Literal["write", "read"],
@@ -183,12 +169,11 @@ class TcpChannel(Channel, SummedWrites):
         notif: bytes | None,
         token: bytes,
         merged: bool = False,
-        inline: bool = False,
     ) -> TransferHandle:
         """Hand checked ``ops`` (``total`` bytes, ``merged`` or not: ``Initiator.post``) to the initiator, once
         ``notif`` is known to fit."""
         self._check_notif(notif)
-        return self.initiator.post(kind, peer, ops, total, notif, token, merged, inline)
+        return self.initiator.post(kind, peer, ops, total, notif, token, merged)
 
     def _check_notif(self, notif: bytes | None) -> None:
         if notif is not None and len(notif) > self.agent.opts.max_notif_bytes:

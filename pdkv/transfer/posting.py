@@ -262,16 +262,14 @@ class ChunkPoster:
         try:
             channel, to, token = parts.channel, xfer.peer.agent, xfer.peer.token
             seal = self._sealer(index, remote_slot)
-            # a one-chunk request's write (pooled or reserved, staged or not) goes out on this thread: it has nothing
-            # else to post
-            inline = num_chunks == 1
             if staging:
                 ops, digest = self._staged_ops(local_slot, remote_slot, start, n)
                 wire = sum(op.length for op in ops)
-                handle = channel.write(to, ops, seal(digest, wire), token=token, inline=inline)
+                handle = channel.write(to, ops, seal(digest, wire), token=token)
             else:
                 blocks = self.direct_writes[index]
-                wire = blocks.nbytes
+                # a one-chunk request's (pooled or reserved) goes out on this thread: it has nothing else to post
+                wire, inline = blocks.nbytes, num_chunks == 1
                 # Hashed as the channel sends it where it can (tcp): each piece right after the kernel copied it,
                 # from cache, not in a pass of its own over the whole chunk first. Otherwise hashed here first (or by
                 # post_all, on a GPU).
