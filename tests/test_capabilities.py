@@ -158,6 +158,42 @@ def test_the_decode_workers_ports_give_a_stranger_nothing() -> None:
         d_channel.close()
 
 
+@pytest.mark.parametrize("kind", ENFORCING)
+def test_the_prefill_workers_ports_give_a_peer_nothing(kind: str) -> None:
+    """The prefill side only pushes, so its KV buffer and staging area are guarded with no grant: a peer it talks to
+    (its channel's metadata is in every Hello it sends) reads none of the KV it holds for other requests, and
+    overwrites none of the KV it would then checksum and send as its own."""
+    p_channel = create_channel(kind, f"prefill-cap-{next(_names)}")
+    kv = LAYOUT.allocate(8)
+    for t in kv:
+        t.copy_(torch.randn(t.shape))
+    sender = KVSender(p_channel, LAYOUT, kv, "m", TransferConfig(chunk_size=32))
+    peer_channel = create_channel(kind, f"peer-cap-{next(_names)}")
+    try:
+        buf = bytearray(range(256)) * 16
+        mine = peer_channel.register(buf)
+        peer = peer_channel.add_peer(p_channel.metadata())
+        p_channel.add_peer(peer_channel.metadata())  # a decode worker it sends to, say, that turned
+        before = [t.clone() for t in kv]
+        staging = bytes(sender.source.staging.numpy())
+        theirs = [*sender.source.kv_regions, sender.source.staging_region]
+        assert len(theirs) == LAYOUT.num_tensors + 1
+        for region in theirs:
+            op = TransferOp(mine, 0, region, 0, 4096)
+            for post in (peer_channel.read, peer_channel.write):
+                with pytest.raises(ChannelError, match="not reserved for this peer|refused"):
+                    peer_channel.wait(post(peer, [op], b"n", token=b"x" * 16), TIMEOUT)
+        assert buf == bytearray(range(256)) * 16, "a read of the prefill side's memory landed bytes"
+        assert all(torch.equal(a, b) for a, b in zip(before, kv, strict=True)), "a peer's write landed in P's KV"
+        assert bytes(sender.source.staging.numpy()) == staging, "a peer's write landed in P's staging area"
+        if kind == "tcp":
+            assert p_channel.stats()["refused_frames"] == 2 * len(theirs)
+    finally:
+        peer_channel.close()
+        sender.close()
+        p_channel.close()
+
+
 @pytest.mark.parametrize("kv_memory", KV_MEMORIES)
 def test_a_sender_frozen_between_its_lease_check_and_its_write_cannot_touch_the_reused_blocks(kv_memory: str) -> None:
     """The late-write fence: P passes its lease check, freezes, and D reaps the reservation, waits drain_timeout_s,

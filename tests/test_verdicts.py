@@ -6,6 +6,7 @@ test checks that the KV came over the channel, and what went over the control pl
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -198,3 +199,26 @@ def test_a_pooled_request_gets_its_next_pool_in_the_verdict_every_time(make_pair
         pair.allocator.free(got.blocks)
     assert generations == sorted(set(generations)) and pair.sender.stats()["reserved_from_pool"] == 5
     assert sent == [] and pooled_peer(pair, generations[-1]).pool is not None
+
+
+@pytest.mark.parametrize("channel", [TCP_AND_NIXL[1]])
+def test_a_prefill_workers_watcher_sleeps_between_requests(make_pair: MakePair, channel: str) -> None:
+    """Over nixl the sender's watcher polls while a write of its own is in flight or awaits its answer, and sleeps
+    once it is answered: no peer may write or read the prefill side's memory (its regions are guarded, nothing
+    granted), so nothing can arrive. Left open, it polled every ``max_poll_interval_s`` for good (~850 passes a
+    second, ~10% of a core, at rest)."""
+    pair = make_pair(config=POOLED, channel=channel)
+    warm(pair)
+    polls = pair.p_channel.watch_polls  # type: ignore[attr-defined]
+    xfer = pair.sender.open("one", pair.receiver.address, 30, [10, 11])
+    xfer.send_all()
+    xfer.wait(10)
+    assert pair.p_channel.watch_polls > polls, "the answer came without the watcher polling"  # type: ignore[attr-defined]
+    got = pair.receiver.wait("one", 10)
+    assert_same_kv(pair, [10, 11], got.blocks, 30)
+    pair.allocator.free(got.blocks)
+    wait_until(lambda: pair.sender.stats()["open_transfers"] == 0, 5, "the sender to settle 'one'")
+    time.sleep(0.05)  # a pass already under way ends
+    rest = pair.p_channel.watch_polls  # type: ignore[attr-defined]
+    time.sleep(0.3)
+    assert pair.p_channel.watch_polls - rest <= 1  # type: ignore[attr-defined]
