@@ -104,11 +104,8 @@ class Channel(ABC):
             raise ConfigError(f"channel {cls.name!r} options {shown!r}: {exc}") from None
 
     def stats(self) -> dict[str, int]:
-        """The channel's own event counters (``auth_failures``).
-
-        Named as the sender's and receiver's are, so a worker exports their
-        sum as one ``pdkv_transfer_events_total`` series per event.
-        """
+        """The channel's own event counters (``auth_failures``), named as the sender's and receiver's are, so a
+        worker exports their sum as one ``pdkv_transfer_events_total`` series per event."""
         return dict(self.counters)
 
     # -- memory ------------------------------------------------------------
@@ -129,9 +126,10 @@ class Channel(ABC):
     def metadata(self) -> bytes:
         """Opaque bytes a peer passes to ``add_peer`` to reach this agent and its regions."""
 
-    def guard(self, region: int) -> None:
-        """Peers may touch ``region`` only through grants from now on (see ``Grants``)."""
-        self.grants.guard(region)
+    def guard(self, region: int, sealed: bool = False) -> None:
+        """Peers may touch ``region`` only through grants from now on (see ``Grants``). ``sealed``: never (no grant is
+        made), and a channel whose peers reach memory by keys it hands out (nixl) leaves it out of ``metadata()``."""
+        self.grants.guard(region, sealed)
 
     def grant(self, token: bytes, access: Access, ranges: Grantable) -> None:
         """Let the peer presenting ``token`` write or read these guarded (region, offset, length) ranges (or blocks)."""

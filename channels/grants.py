@@ -121,6 +121,7 @@ class Grants:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._guarded: set[int] = set()
+        self._sealed: set[int] = set()
         self._ranges: dict[
             tuple[bytes, str, int], list[tuple[int, int]]
         ] = {}  # (token, access, region) -> sorted [start, end)
@@ -144,11 +145,19 @@ class Grants:
             for (token, grid), spans in self._blocks.items():
                 mirror.add(token, GridSpans(grid, [(lo, hi - lo) for lo, hi in spans]))
 
-    def guard(self, region: int) -> None:
+    def guard(self, region: int, sealed: bool = False) -> None:
+        """``region`` only through grants from now on; ``sealed``: through none, ever (``grant`` refuses it)."""
         with self._cond:
             self._guarded.add(region)
+            if sealed:
+                self._sealed.add(region)
             if self.mirror is not None:
                 self.mirror.guard(region, True)
+
+    def sealed(self) -> frozenset[int]:
+        """The regions no grant may ever open (``guard(..., sealed=True)``)."""
+        with self._cond:
+            return frozenset(self._sealed)
 
     def guarded(self, region: int) -> bool:
         with self._cond:
@@ -167,6 +176,11 @@ class Grants:
             return "closed"
 
     def grant(self, token: bytes, access: Access, ranges: Grantable) -> None:
+        """Raises ``ChannelError`` for a range in a sealed region: no peer may touch one, whatever it was given."""
+        regions = ranges.grid.regions if isinstance(ranges, GridSpans) else [region for region, _, _ in ranges]
+        with self._cond:
+            if shut := sorted(self._sealed.intersection(regions)):
+                raise ChannelError(f"region(s) {shut} are sealed: no peer may read or write them, so none is granted")
         if isinstance(ranges, GridSpans):
             self._grant_blocks(token, access, ranges)
             return

@@ -39,6 +39,12 @@ ENFORCING = [
         ),
     ),
 ]
+NIXL = pytest.param(
+    "nixl",
+    marks=pytest.mark.skipif(
+        importlib.util.find_spec("nixl") is None, reason="the 'nixl' extra is not installed: pip install 'pdkv[nixl]'"
+    ),
+)
 _names = iter(range(10**6))
 
 
@@ -158,7 +164,7 @@ def test_the_decode_workers_ports_give_a_stranger_nothing() -> None:
         d_channel.close()
 
 
-@pytest.mark.parametrize("kind", ENFORCING)
+@pytest.mark.parametrize("kind", [*ENFORCING, NIXL])
 def test_the_prefill_workers_ports_give_a_peer_nothing(kind: str) -> None:
     """The prefill side only pushes, so its KV buffer and staging area are guarded with no grant: a peer it talks to
     (its channel's metadata is in every Hello it sends) reads none of the KV it holds for other requests, and
@@ -181,13 +187,21 @@ def test_the_prefill_workers_ports_give_a_peer_nothing(kind: str) -> None:
         for region in theirs:
             op = TransferOp(mine, 0, region, 0, 4096)
             for post in (peer_channel.read, peer_channel.write):
-                with pytest.raises(ChannelError, match="not reserved for this peer|refused"):
+                with pytest.raises(ChannelError, match="not reserved for this peer|refused|not registered"):
                     peer_channel.wait(post(peer, [op], b"n", token=b"x" * 16), TIMEOUT)
         assert buf == bytearray(range(256)) * 16, "a read of the prefill side's memory landed bytes"
         assert all(torch.equal(a, b) for a, b in zip(before, kv, strict=True)), "a peer's write landed in P's KV"
         assert bytes(sender.source.staging.numpy()) == staging, "a peer's write landed in P's staging area"
         if kind == "tcp":
             assert p_channel.stats()["refused_frames"] == 2 * len(theirs)
+        if kind == "nixl":  # NIXL cannot refuse a one-sided op at the target: the peer got no key to P's memory
+            from pdkv.channels.nixl.lib import NIXL_ERRORS
+            from pdkv.channels.nixl.meta import decode_metadata
+
+            assert not decode_metadata(p_channel.metadata(), "x", 1 << 20).regions
+            nixl = peer_channel._agent.nixl  # type: ignore[attr-defined]
+            with pytest.raises(NIXL_ERRORS):
+                nixl.prep_xfer_dlist(peer, [(kv[0].data_ptr(), 4096, 0)], "DRAM").release()
     finally:
         peer_channel.close()
         sender.close()

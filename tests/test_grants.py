@@ -124,6 +124,29 @@ def test_a_grid_region_is_written_through_its_grid_alone() -> None:
         BlockGrid((0, 0), GRID_BLOCK)
 
 
+def test_a_sealed_region_is_granted_to_nobody_and_admits_nothing() -> None:
+    """A sealed region (a prefill worker's KV and staging area) takes no grant, by range or by grid, for writing or
+    reading, and a frame into it is refused like one into any guarded region without a grant; a guarded region
+    beside it is granted as before."""
+    grants = Grants()
+    grants.guard(0, sealed=True)
+    grants.guard(1)
+    assert grants.sealed() == {0} and grants.guarded(0)
+    for access in ("write", "read"):
+        with pytest.raises(ChannelError, match=r"\[0\] are sealed"):
+            grants.grant(b"a", access, [(1, 0, 8), (0, 0, 8)])
+    with pytest.raises(ChannelError, match="sealed"):
+        grants.grant(b"a", "write", GridSpans(BlockGrid((1, 0), GRID_BLOCK), [(0, 8)]))
+    for token, access in ((b"a", "write"), (b"a", "read"), (b"", "write")):
+        with pytest.raises(ChannelError, match="not reserved for this peer"):
+            grants.begin(token, access, 0, 0, 8)
+    assert grants.exposure([0, 1]) == "closed" and grants.exposure([0, 1], "read") == "closed"  # none was kept
+    grants.grant(b"a", "write", [(1, 0, 8)])
+    grants.end(grants.begin(b"a", "write", 1, 0, 8))
+    with pytest.raises(ChannelError, match="region 1 bytes \\[8, 16\\)"):
+        grants.begin(b"a", "write", 1, 8, 8)
+
+
 def test_a_grid_revoke_waits_out_a_frame_landing_in_any_of_its_regions() -> None:
     """A frame the Python loop admitted into one region of a grid holds the grid's revoke of those blocks (the
     fence) until it ends; a frame elsewhere does not."""

@@ -113,6 +113,32 @@ class Agent:
     def _supported_mems(self) -> set[str]:
         return {m.removesuffix("_SEG") for b in self.nixl.backends for m in self.nixl.get_backend_mem_types(b)}
 
+    def metadata(self, shown: list[RegionMeta] | None) -> bytes:
+        """NIXL's metadata of this agent for its peers: all of it (``shown`` None), or its connection info and the
+        keys to ``shown``'s memory alone, so that a peer holds none to the rest (sealed regions: NIXL has no way to
+        refuse a one-sided op at the target). NIXL's partial metadata takes one memory type: regions of two shown
+        beside a sealed one give all of it, and that is logged."""
+        if shown is None:
+            return self.nixl.get_agent_metadata()
+        mems = {m.mem for m in shown}
+        if len(mems) > 1:
+            log.warning(
+                "nixl: agent %r shows peers %s memory beside sealed regions; NIXL's partial metadata takes one "
+                "memory type, so its peers get the keys to the sealed regions' memory too",
+                self.name,
+                " and ".join(sorted(mems)),
+            )
+            return self.nixl.get_agent_metadata()
+        try:
+            descs = (
+                self.nixl.get_reg_descs([(m.addr, m.size, m.dev, "") for m in shown], shown[0].mem)
+                if shown
+                else nixl_bindings.nixlRegDList(nixl_bindings.DRAM_SEG)
+            )
+            return self.nixl.get_partial_agent_metadata(descs, True, list(self.backends))
+        except NIXL_ERRORS as exc:
+            raise ChannelError(f"nixl: this agent's partial metadata failed: {describe_nixl_error(exc)}") from exc
+
     def deregister(self, entry: Region) -> None:
         try:
             self.nixl.deregister_memory(entry.reg)

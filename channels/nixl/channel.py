@@ -93,13 +93,12 @@ class NixlChannel(Channel):
     def metadata(self) -> bytes:
         with self._agent.lock:
             self._agent.check_open()
-            meta = NixlMeta(
-                METADATA_VERSION,
-                self.agent_name,
-                self._agent.nixl.get_agent_metadata(),
-                {r: e.meta for r, e in self.regions.items()},
-                self.inbox.answerer is not None,
-            )
+            sealed = self.grants.sealed()
+            regions = self.regions.items()
+            shown = {r: e.meta for r, e in regions if r not in sealed}
+            hidden = len(shown) < len(regions)  # sealed regions: their keys stay here (``guard``)
+            agent_md = self._agent.metadata(list(shown.values()) if hidden else None)
+            meta = NixlMeta(METADATA_VERSION, self.agent_name, agent_md, shown, self.inbox.answerer is not None)
         return msgspec.msgpack.encode(meta)
 
     # -- peers -------------------------------------------------------------

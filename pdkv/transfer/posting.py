@@ -122,17 +122,18 @@ class SendSource:
         cls, channel: Channel, layout: KVLayout, kv: list[torch.Tensor], *, chunk_size: int, slot_bytes: int, slots: int
     ) -> SendSource:
         """Our KV (registered where the channel reaches its memory) and a pinned staging area of ``slots`` slots,
-        each region guarded with no grant: a prefill worker only pushes, so no peer has a reason to read or write
-        its memory. Left open (a plain registration), any peer that reached its channel could read every request's
-        KV out of it, or overwrite KV this side then checksums and sends as its own; and over nixl its watcher
-        would poll for such a peer's notifications forever (~850 passes a second at rest)."""
+        each region sealed (``Channel.guard``): a prefill worker only pushes, so no peer has a reason to read or
+        write its memory, and over nixl its peers get no key to it. Left open (a plain registration), any peer that
+        reached its channel could read every request's KV out of it, or overwrite KV this side then checksums and
+        sends as its own; and over nixl its watcher polled for such a peer's notifications forever (~850 passes a
+        second at rest)."""
         num_blocks = layout.validate_buffer(kv)
         staging = pinned_empty(slots * slot_bytes)
         reached = all(in_reach(t, channel.memory) for t in kv)
         kv_regions = [channel.register(t, layout.block_bytes) for t in kv] if reached else []
         staging_region = channel.register(staging)
         for region in (*kv_regions, staging_region):
-            channel.guard(region)
+            channel.guard(region, sealed=True)
         return cls(
             layout=layout,
             kv=kv,
