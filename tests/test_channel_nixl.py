@@ -647,6 +647,30 @@ def test_an_idle_grant_is_watched_at_the_slow_pace_and_a_write_still_lands(
     assert [n.payload for n in b.inbox.drain()] == [b"pooled"] and torch.equal(src, dst)
 
 
+def test_a_sealed_region_is_left_out_of_the_metadata_and_a_shown_one_still_takes_writes(
+    make_channel: Callable[..., Channel],
+) -> None:
+    """NIXL cannot refuse a one-sided op at the target, so a sealed region (a prefill worker's KV) is kept out of what
+    peers learn: its metadata is NIXL's partial metadata of the other regions, with which a peer writes into a granted
+    region as before and names no sealed one, and its NIXL holds no key to the sealed memory."""
+    from pdkv.channels.nixl.lib import NIXL_ERRORS
+
+    a, b = make_channel(), make_channel()
+    src, shown, sealed = pattern(REGION, 6), torch.zeros(REGION, dtype=torch.uint8), pattern(REGION, 7)
+    ra, rs, rb = a.register(src), b.register(sealed), b.register(shown)
+    b.guard(rs, sealed=True)
+    b.guard(rb)
+    name = a.add_peer(b.metadata())
+    b.grant(b"P" * 16, "write", [(rb, 0, REGION)])
+    a.wait(a.write(name, [TransferOp(ra, 0, rb, 0, REGION)], notif=b"n", token=b"P" * 16), 10.0)
+    assert torch.equal(src, shown)
+    with pytest.raises(ChannelError, match="not registered"):
+        a.wait(a.write(name, [TransferOp(ra, 0, rs, 0, REGION)], notif=b"n", token=b"P" * 16), 10.0)
+    with pytest.raises(NIXL_ERRORS):
+        a._agent.nixl.prep_xfer_dlist(name, [(sealed.data_ptr(), REGION, 0)], "DRAM").release()  # type: ignore[attr-defined]
+    assert torch.equal(sealed, pattern(REGION, 7))
+
+
 def _tcp_sockets() -> int:
     """How many TCP sockets this process holds open (its fds found in the kernel's tcp and tcp6 tables)."""
     inodes = set()

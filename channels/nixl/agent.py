@@ -80,6 +80,7 @@ class Agent:
         self.backends = options.backends
         self.lock = threading.Lock()
         self.closed = False
+        self._told_mixed = False  # ``metadata`` logged that sealed memory's keys go to peers
         try:
             self.nixl = create_nixl_agent(name, options)
         except NIXL_ERRORS as exc:
@@ -122,12 +123,14 @@ class Agent:
             return self.nixl.get_agent_metadata()
         mems = {m.mem for m in shown}
         if len(mems) > 1:
-            log.warning(
+            log.log(
+                logging.DEBUG if self._told_mixed else logging.WARNING,
                 "nixl: agent %r shows peers %s memory beside sealed regions; NIXL's partial metadata takes one "
                 "memory type, so its peers get the keys to the sealed regions' memory too",
                 self.name,
                 " and ".join(sorted(mems)),
             )
+            self._told_mixed = True  # once: a kv_both worker seals the KV it also shows as a receiver
             return self.nixl.get_agent_metadata()
         try:
             descs = (
