@@ -29,7 +29,6 @@ from pdkv.transfer.receiver import KVReceiver
 from pdkv.transfer.sender import KVSender
 
 BLOCKS = 64
-SETTLE_S = 1.0  # after setting a side up: its handshake-time activity ends before the span
 
 
 def process_cpu_ns() -> int:
@@ -44,9 +43,10 @@ def process_cpu_ns() -> int:
     return total
 
 
-def at_rest(channel: Channel, seconds: float) -> dict[str, float | None]:
-    """The process's CPU (% of a core) and the channel's watcher passes a second over ``seconds`` of rest."""
-    time.sleep(SETTLE_S)
+def at_rest(channel: Channel, seconds: float, settle: float) -> dict[str, float | None]:
+    """The process's CPU (% of a core) and the channel's watcher passes a second over ``seconds`` of rest, from
+    ``settle`` seconds after the side was set up (its start-up work done)."""
+    time.sleep(settle)
     polls0, cpu0 = getattr(channel, "watch_polls", None), process_cpu_ns()
     time.sleep(seconds)
     polls1, cpu1 = getattr(channel, "watch_polls", None), process_cpu_ns()
@@ -56,14 +56,16 @@ def at_rest(channel: Channel, seconds: float) -> dict[str, float | None]:
     }
 
 
-def side(kind: str, name: str, seconds: float, make: Callable[[Channel, list[torch.Tensor]], object] | None) -> dict:
+def side(
+    kind: str, name: str, seconds: float, settle: float, make: Callable[[Channel, list[torch.Tensor]], object] | None
+) -> dict:
     """One channel of ``kind`` at rest, with what ``make`` sets up over a KV buffer (None: nothing registered)."""
     channel = create_channel(kind, f"rest-{name}-{os.getpid()}")
     part = None
     try:
         kv = [torch.zeros(t.shape, dtype=t.dtype) for t in SENDER_LAYOUT.allocate(BLOCKS)]
         part = make(channel, kv) if make is not None else None
-        return at_rest(channel, seconds)
+        return at_rest(channel, seconds, settle)
     finally:
         if part is not None:
             part.close()  # type: ignore[attr-defined]
@@ -74,6 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--channels", default="tcp,nixl")
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--settle", type=float, default=1.0, help="seconds after a side is set up before its span")
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = TransferConfig()
@@ -84,7 +87,7 @@ def main() -> None:
     }
     out: dict[str, object] = {"seconds": args.seconds}
     for kind in args.channels.split(","):
-        rows = {label: side(kind, label, args.seconds, make) for label, make in makers.items()}
+        rows = {label: side(kind, label, args.seconds, args.settle, make) for label, make in makers.items()}
         for label in ("prefill", "decode"):
             rows[label]["over_bare_pct"] = round(rows[label]["cpu_pct"] - rows["bare"]["cpu_pct"], 2)  # type: ignore[operator]
         out[kind] = rows

@@ -287,6 +287,32 @@ def test_request_cost_pairs_each_round_of_requests_with_a_raw_run_of_the_same_bl
     assert row["p50_ms"] > 0 and row["raw_ms"] > 0 and row["sender_cpu_ms"] > 0, row
 
 
+def test_at_rest_reports_each_side_against_a_bare_channel_and_a_prefill_watcher_asleep() -> None:
+    """``benchmarks/at_rest.py``: per channel, a prefill worker's, a decode worker's and a bare channel's CPU at rest;
+    over nixl (when installed) the prefill worker's watcher makes no pass: its regions are sealed, nothing can come."""
+    import importlib.util
+
+    channels = "tcp,nixl" if importlib.util.find_spec("nixl") is not None else "tcp"
+    script = Path(__file__).resolve().parents[1] / "benchmarks/at_rest.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--channels", channels, "--seconds", "0.3", "--settle", "0.3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.splitlines()[-1])
+    for kind in channels.split(","):
+        rows = got[kind]
+        assert set(rows) == {"bare", "prefill", "decode"}, rows
+        for side in ("prefill", "decode"):
+            over = rows[side]["cpu_pct"] - rows["bare"]["cpu_pct"]
+            assert rows[side]["over_bare_pct"] == pytest.approx(over, abs=0.02), rows
+    if "nixl" in got:
+        assert got["nixl"]["prefill"]["watch_polls_per_s"] == 0, got["nixl"]
+    assert got["tcp"]["prefill"]["watch_polls_per_s"] is None  # the tcp channel has no watcher to poll
+
+
 def test_the_rigs_receiver_claims_later_when_told_and_times_that_claim() -> None:
     """``expect`` with ``later`` (``benchmarks/request_cost.py --claim-later``): the receiver claims the KV only after
     the sender's go-ahead, as a decode request that comes after the router's hop, and times that claim; without it,
