@@ -13,7 +13,10 @@ the request's time past it. The requests and the raw transfers take turns (``ROU
 median of each round's p50 less that round's raw time (``over_raw_ms_by_round``): a pair shares the machine's state.
 ``--threads`` adds, per size, where each thread of both processes spent a request
 (schedstat per thread: on a CPU, runnable but waiting for one, and how many times it was put on one), for pdkv and
-for the raw channel: whether the request waits on the socket or on the scheduler (issue 46, step 0).
+for the raw channel: whether the request waits on the socket or on the scheduler (issue 46, step 0). Each request's
+span ends ``SETTLE_S`` after it, so each pdkv thread also gets ``at_rest_us``, its CPU over a span as long right
+after with no request moving: a thread that works whether or not a request moves (a nixl watcher polling a pool it
+granted) shows there, not as the request's.
 ``--claim-later`` has the receiver claim each request's KV only once the sender's wait returned, as a decode request
 does that comes after the router's hop from P, and reports that claim's median (``claim_us``): what D's worker
 waits on once its KV is there.
@@ -104,15 +107,17 @@ class Spent:
             spent += run - run0
         return spent
 
-    def rows(self, n: int, names: dict[int, str]) -> list[dict[str, object]]:
+    def rows(self, n: int, names: dict[int, str], rest: Spent | None = None) -> list[dict[str, object]]:
         """Per one of ``n`` requests, busiest thread first: microseconds on a CPU, runnable but waiting for one, and
-        how many times it was run (about one wake-up each)."""
+        how many times it was run (about one wake-up each); with ``rest`` (the same spans' length with no request),
+        each thread's CPU there too (``at_rest_us``)."""
         rows: list[dict[str, object]] = [
             {
                 "thread": names.get(tid, str(tid)),
                 "on_cpu_us": round(run / n / 1e3, 1),
                 "runnable_us": round(wait / n / 1e3, 1),
                 "runs": round(slices / n, 2),
+                **({"at_rest_us": round(rest.total.get(tid, [0])[0] / n / 1e3, 1)} if rest is not None else {}),
             }
             for tid, (run, wait, slices) in self.total.items()
             if slices > 0
@@ -137,10 +142,12 @@ def one_request(
     peer: int,
     spent: dict[str, Spent] | None = None,
     claim_later: bool = False,
+    rest: dict[str, Spent] | None = None,
 ) -> tuple[float, int, int, float, int | None]:
     """Move one request as ``TransferRig.push`` does; (seconds, sender CPU ns, receiver CPU ns, seconds in
     ``open``, the receiver's claim in ns or None) of the transfer alone, then check its KV bit for bit outside the
-    measured part. ``spent``: each side's threads' share of the measured part is added there. ``claim_later``: the
+    measured part. ``spent``: each side's threads' share of the measured part is added there, and ``rest`` (with it)
+    each side's threads' CPU over a span as long right after, no request moving. ``claim_later``: the
     receiver claims the KV only once the sender's wait returned (as a decode request that comes after the router's
     hop), and times its claim."""
     rig.conn.send(("expect", [(rid, tokens)], claim_later))
@@ -160,7 +167,14 @@ def one_request(
     t1 = time.perf_counter()
     if spent is not None:  # every thread done with the request and stopped, then ours first
         time.sleep(SETTLE_S)
-        c1, p1 = (spent[side].add(snap[side], threads(pids[side], "first")) for side in ("sender", "receiver"))
+        ends = {side: threads(pids[side], "first") for side in ("sender", "receiver")}
+        span = time.perf_counter() - t0
+        c1, p1 = (spent[side].add(snap[side], ends[side]) for side in ("sender", "receiver"))
+        if rest is not None:  # as the request's span: the others read before our own counters, then after them
+            begins = {side: threads(pid, "last") for side, pid in pids.items()}
+            time.sleep(span)
+            for side in ("sender", "receiver"):
+                rest[side].add(begins[side], threads(pids[side], "first"))
     else:
         c1, p1 = cpu_ns(os.getpid()), cpu_ns(peer)
     rig.conn.send(("check",))
@@ -239,6 +253,7 @@ def main() -> None:
                 table = rig.allocator.allocate(layout.blocks_for(tokens))
                 runs: list[list[tuple[float, int, int, float, int | None]]] = []  # per round
                 spent = {"sender": Spent(), "receiver": Spent()} if args.threads else None
+                rest = {"sender": Spent(), "receiver": Spent()} if args.threads else None
                 raw_spent = {"sender": Spent(), "receiver": Spent()}
                 raw_runs = []  # per round: (seconds a transfer, sender CPU ns, receiver CPU ns)
                 # the best plain program on this machine moving the same bytes: the raw baseline's fastest way
@@ -259,7 +274,7 @@ def main() -> None:
                             ):
                                 time.sleep(0.0002)
                         rid = f"r{tokens}-{k}-{i}"
-                        runs[-1].append(one_request(rig, rid, tokens, table, *receiver, spent, args.claim_later))
+                        runs[-1].append(one_request(rig, rid, tokens, table, *receiver, spent, args.claim_later, rest))
                     c0, p0 = cpu_ns(os.getpid()), cpu_ns(raw_pids["receiver"])
                     time.sleep(SETTLE_S)
                     before = {side: threads(raw_pids[side], "last") for side in ("receiver", "sender")}
@@ -296,9 +311,11 @@ def main() -> None:
                     "raw_bytes": moved,
                     "rounds": rounds,
                 }
-                if spent is not None:
+                if spent is not None and rest is not None:
                     names = rig.thread_names()
-                    out[str(tokens)]["threads"] = {side: spent[side].rows(args.repeats, names[side]) for side in spent}
+                    out[str(tokens)]["threads"] = {
+                        side: spent[side].rows(args.repeats, names[side], rest[side]) for side in spent
+                    }
                     out[str(tokens)]["raw_threads"] = {
                         side: raw_spent[side].rows(rounds * RAW_REPEATS, names[side] if side == "sender" else {})
                         for side in raw_spent

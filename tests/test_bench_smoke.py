@@ -269,18 +269,23 @@ def test_a_direct_scenarios_baseline_moves_its_whole_blocks_and_a_staged_ones_it
 @pytest.mark.timeout(300)
 def test_request_cost_pairs_each_round_of_requests_with_a_raw_run_of_the_same_blocks() -> None:
     """``benchmarks/request_cost.py``: its requests and the raw transfers take turns, and ``over_raw_ms`` is the
-    median of the rounds' differences; the raw program moves the request's whole blocks, as direct mode does."""
+    median of the rounds' differences; the raw program moves the request's whole blocks, as direct mode does; with
+    ``--threads`` each thread's CPU at rest over a span as long is beside its CPU over the request's."""
     from pdkv.bench.transfer import SENDER_LAYOUT as L
 
     script = Path(__file__).resolve().parents[1] / "benchmarks/request_cost.py"
     out = subprocess.run(
-        [sys.executable, str(script), "--channel", "tcp", "--tokens", "40", "--repeats", "3"],
+        [sys.executable, str(script), "--channel", "tcp", "--tokens", "40", "--repeats", "3", "--threads"],
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     row = json.loads(out.stdout.splitlines()[-1])["40"]
+    # each thread's CPU over the request's span and over one as long at rest: D's serving threads work for the request
+    receiver = row["threads"]["receiver"]
+    assert all("at_rest_us" in r for side in row["threads"].values() for r in side), row["threads"]
+    assert sum(r["at_rest_us"] for r in receiver) < sum(r["on_cpu_us"] for r in receiver), receiver
     assert row["rounds"] == 3 and len(row["over_raw_ms_by_round"]) == 3, row
     assert row["over_raw_ms"] == pytest.approx(sorted(row["over_raw_ms_by_round"])[1], abs=1e-3), row
     assert row["raw_bytes"] == 3 * L.num_tensors * L.block_bytes > row["bytes"] == L.chunk_bytes(40), row
