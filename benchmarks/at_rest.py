@@ -4,11 +4,11 @@ registered, measured in the same run.
 
     python benchmarks/at_rest.py --channels tcp,nixl --seconds 3
 
-Prints one JSON line: per channel and side, the process's CPU as a percentage of one core over ``--seconds`` (every
-thread, /proc schedstat), and over nixl the watcher's passes a second (``watch_polls``); ``over_bare`` is the side's
-CPU less the bare channel's. A prefill worker's regions are guarded with no grant (it only pushes), so over nixl its
-watcher sleeps at rest; left open it polled every ``max_poll_interval_s`` (issue 46's history file, "A ninth
-session").
+Prints one JSON line: per channel and side, the process's CPU as a percentage of one core over ``--seconds``
+(every thread: ``pdkv.bench.cpu.process_cpu_s``), and over nixl the watcher's passes a second (``watch_polls``);
+``over_bare`` is the side's CPU less the bare channel's. A prefill worker's regions are sealed (it only pushes), so
+over nixl its watcher sleeps at rest; left open it polled every ``max_poll_interval_s`` (issue 46's history file, "A
+ninth session").
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from pdkv.bench.cpu import process_cpu_s
 from pdkv.bench.transfer import FINGERPRINT, SENDER_LAYOUT
 from pdkv.blocks import BlockAllocator
 from pdkv.channels import Channel, create_channel
@@ -31,27 +32,15 @@ from pdkv.transfer.sender import KVSender
 BLOCKS = 64
 
 
-def process_cpu_ns() -> int:
-    """CPU time of every thread of this process so far (/proc/self/task/*/schedstat)."""
-    total = 0
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except OSError:  # a thread that ended meanwhile
-            continue
-    return total
-
-
 def at_rest(channel: Channel, seconds: float, settle: float) -> dict[str, float | None]:
     """The process's CPU (% of a core) and the channel's watcher passes a second over ``seconds`` of rest, from
     ``settle`` seconds after the side was set up (its start-up work done)."""
     time.sleep(settle)
-    polls0, cpu0 = getattr(channel, "watch_polls", None), process_cpu_ns()
+    polls0, cpu0 = getattr(channel, "watch_polls", None), process_cpu_s(os.getpid())
     time.sleep(seconds)
-    polls1, cpu1 = getattr(channel, "watch_polls", None), process_cpu_ns()
+    polls1, cpu1 = getattr(channel, "watch_polls", None), process_cpu_s(os.getpid())
     return {
-        "cpu_pct": round((cpu1 - cpu0) / seconds / 1e7, 2),
+        "cpu_pct": round((cpu1 - cpu0) / seconds * 100, 2),
         "watch_polls_per_s": None if polls0 is None or polls1 is None else round((polls1 - polls0) / seconds, 1),
     }
 

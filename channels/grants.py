@@ -177,14 +177,11 @@ class Grants:
 
     def grant(self, token: bytes, access: Access, ranges: Grantable) -> None:
         """Raises ``ChannelError`` for a range in a sealed region: no peer may touch one, whatever it was given."""
-        regions = ranges.grid.regions if isinstance(ranges, GridSpans) else [region for region, _, _ in ranges]
-        with self._cond:
-            if shut := sorted(self._sealed.intersection(regions)):
-                raise ChannelError(f"region(s) {shut} are sealed: no peer may read or write them, so none is granted")
         if isinstance(ranges, GridSpans):
             self._grant_blocks(token, access, ranges)
             return
         with self._cond:
+            self._not_sealed(region for region, _, _ in ranges)
             self._not_in_grids(access, ranges)
             spans = _coalesce(ranges)
             for region, offset, length in spans:
@@ -228,12 +225,18 @@ class Grants:
         are written only this way from its first grant on."""
         grid, spans = granted
         with self._cond:
+            self._not_sealed(grid.regions)
             self._adopt(grid, access)
             held = self._blocks.setdefault((token, grid), [])
             for offset, length in spans:
                 bisect.insort(held, (offset, offset + length))
             if self.mirror is not None:
                 self.mirror.add(token, granted)
+
+    def _not_sealed(self, regions: Iterable[int]) -> None:
+        """Raise ``ChannelError`` if one of ``regions`` is sealed; the caller holds the lock."""
+        if shut := sorted(self._sealed.intersection(regions)):
+            raise ChannelError(f"region(s) {shut} are sealed: no peer may read or write them, so none is granted")
 
     def _landing_in(self, token: bytes, ranges: Grantable) -> bool:
         """Whether a frame of ``token`` that the Python loop admitted still lands in ``ranges`` (caller holds the

@@ -166,16 +166,17 @@ def test_the_decode_workers_ports_give_a_stranger_nothing() -> None:
 
 @pytest.mark.parametrize("kind", [*ENFORCING, NIXL])
 def test_the_prefill_workers_ports_give_a_peer_nothing(kind: str) -> None:
-    """The prefill side only pushes, so its KV buffer and staging area are guarded with no grant: a peer it talks to
+    """The prefill side only pushes, so its KV buffer and staging area are sealed: a peer it talks to
     (its channel's metadata is in every Hello it sends) reads none of the KV it holds for other requests, and
     overwrites none of the KV it would then checksum and send as its own."""
-    p_channel = create_channel(kind, f"prefill-cap-{next(_names)}")
     kv = LAYOUT.allocate(8)
     for t in kv:
         t.copy_(torch.randn(t.shape))
-    sender = KVSender(p_channel, LAYOUT, kv, "m", TransferConfig(chunk_size=32))
+    p_channel = create_channel(kind, f"prefill-cap-{next(_names)}")
     peer_channel = create_channel(kind, f"peer-cap-{next(_names)}")
+    sender: KVSender | None = None
     try:
+        sender = KVSender(p_channel, LAYOUT, kv, "m", TransferConfig(chunk_size=32))
         buf = bytearray(range(256)) * 16
         mine = peer_channel.register(buf)
         peer = peer_channel.add_peer(p_channel.metadata())
@@ -204,7 +205,8 @@ def test_the_prefill_workers_ports_give_a_peer_nothing(kind: str) -> None:
                 nixl.prep_xfer_dlist(peer, [(kv[0].data_ptr(), 4096, 0)], "DRAM").release()
     finally:
         peer_channel.close()
-        sender.close()
+        if sender is not None:
+            sender.close()
         p_channel.close()
 
 
